@@ -1,0 +1,190 @@
+"""ModelConfig: the hyper-parameters of a Llama-family decoder-only Transformer, and presets.
+
+Seed 000 §1.1 names the symbols used throughout lmstack:
+B batch, L layers (``n_layers``), S context length, T new tokens, V vocab (``vocab_size``),
+D model dim (``d_model``), H head dim (``head_dim``), N query heads (``n_heads``),
+K kv heads (``n_kv_heads``), G = N // K, F MLP hidden dim (``d_ff``).
+
+Seed 001 "超参数选择" discusses the usual choices (F ≈ 8/3·D for gated FFNs, D = N·H,
+D / L ≈ 128); they are conventions, not rules, so only what the maths needs is enforced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+ROPE_LAYOUTS = ("half", "interleaved")
+ATTN_BACKENDS = ("sdpa", "reference")
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+class ConfigError(ValueError):
+    """A model configuration that cannot describe a working model."""
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of the model; every field is checked in ``__post_init__``.
+
+    ``rope_layout`` says which dimensions RoPE pairs up: ``"interleaved"`` rotates (2i, 2i+1)
+    as in seed 000 §1.3 and Meta's original Llama code; ``"half"`` rotates (i, i + H/2) as
+    HF transformers does (HF checkpoints have their q/k rows permuted to match).
+    """
+
+    vocab_size: int = 32000  # V
+    d_model: int = 4096  # D
+    n_layers: int = 32  # L
+    n_heads: int = 32  # N
+    n_kv_heads: int | None = None  # K; None means K = N (MHA); 1 is MQA
+    d_ff: int = 11008  # F
+    head_dim: int | None = None  # H; None means D // N
+    max_seq_len: int = 4096  # longest S the RoPE tables cover
+    rope_theta: float = 10000.0  # Θ
+    rope_layout: str = "half"
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 has biases on q, k, v (not o)
+    sliding_window: int | None = None  # W: a query sees itself and the W - 1 keys before it
+    qk_norm: bool = False  # RMSNorm over H on q and k before RoPE (seed 001 "训练稳定性")
+    parallel_block: bool = False  # GPT-J: y = x + Attn(Norm(x)) + MLP(Norm(x))
+    attn_backend: str = "sdpa"  # "sdpa" (F.scaled_dot_product_attention) or "reference"
+    init_std: float = 0.02
+    architecture: str = "llama"  # HF family used when saving: llama | mistral | qwen2
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"{f}={v!r} must be a positive integer")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads != 0:
+                raise ConfigError(
+                    f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
+                    "choose n_heads so that d_model = n_heads * head_dim, or set head_dim explicitly"
+                )
+            self.head_dim = self.d_model // self.n_heads
+        elif isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim <= 0:
+            raise ConfigError(f"head_dim={self.head_dim!r} must be a positive integer or None")
+        if self.head_dim % 2 != 0:
+            raise ConfigError(
+                f"head_dim={self.head_dim} is odd; RoPE rotates pairs of dimensions and needs an even head dim"
+            )
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ConfigError(
+                f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; "
+                "grouped-query attention needs n_heads = G * n_kv_heads"
+            )
+        if not (self.rope_theta > 0):
+            raise ConfigError(f"rope_theta={self.rope_theta!r} must be > 0")
+        if not (self.norm_eps > 0):
+            raise ConfigError(f"norm_eps={self.norm_eps!r} must be > 0")
+        if self.rope_layout not in ROPE_LAYOUTS:
+            raise ConfigError(f"rope_layout={self.rope_layout!r}; expected one of {ROPE_LAYOUTS}")
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ConfigError(f"attn_backend={self.attn_backend!r}; expected one of {ATTN_BACKENDS}")
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"architecture={self.architecture!r}; expected one of {ARCHITECTURES}")
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window <= 0
+        ):
+            raise ConfigError(f"sliding_window={self.sliding_window!r} must be a positive integer or None")
+        if not (self.init_std > 0):
+            raise ConfigError(f"init_std={self.init_std!r} must be > 0")
+
+    # ---- derived symbols -------------------------------------------------------------------
+    @property
+    def group_size(self) -> int:
+        """G = N // K: query heads served by one kv head."""
+        return self.n_heads // self.n_kv_heads
+
+    # ---- (de)serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def save(self, path: str | os.PathLike) -> None:
+        from lmstack.utils import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Read an lmstack config JSON, or an HF ``config.json`` (detected by ``model_type``)."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
+        if "model_type" in d:
+            from lmstack.model.hf import config_from_hf
+
+            return config_from_hf(d, source=str(path))
+        try:
+            return cls.from_dict(d)
+        except (ConfigError, TypeError) as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        key = name.lower()
+        if key not in PRESETS:
+            raise ConfigError(f"unknown model preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+        return PRESETS[key].replace(**overrides)
+
+
+def _preset(name: str, **kw: Any) -> ModelConfig:
+    return ModelConfig(name=name, **kw)
+
+
+# Numbers from each model's public config.json on its HF hub page.
+PRESETS: dict[str, ModelConfig] = {
+    p.name: p
+    for p in [
+        _preset("llama2-7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                d_ff=11008, max_seq_len=4096, rope_theta=10000.0, norm_eps=1e-5,
+                bos_token_id=1, eos_token_id=2),
+        _preset("llama2-13b", vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=40,
+                d_ff=13824, max_seq_len=4096, rope_theta=10000.0, norm_eps=1e-5,
+                bos_token_id=1, eos_token_id=2),
+        _preset("llama2-70b", vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                d_ff=28672, max_seq_len=4096, rope_theta=10000.0, norm_eps=1e-5,
+                bos_token_id=1, eos_token_id=2),
+        _preset("llama3-8b", vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                d_ff=14336, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5,
+                bos_token_id=128000, eos_token_id=128001),
+        _preset("llama3-70b", vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                d_ff=28672, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5,
+                bos_token_id=128000, eos_token_id=128001),
+        # Mistral-7B-v0.1: GQA with K=8 and a 4096-token sliding window.
+        _preset("mistral-7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                d_ff=14336, max_seq_len=32768, rope_theta=10000.0, norm_eps=1e-5, sliding_window=4096,
+                architecture="mistral", bos_token_id=1, eos_token_id=2),
+        _preset("qwen2.5-0.5b", vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2,
+                d_ff=4864, max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True,
+                qkv_bias=True, architecture="qwen2", bos_token_id=151643, eos_token_id=151643),
+        _preset("smollm2-135m", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                d_ff=1536, max_seq_len=8192, rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True,
+                bos_token_id=1, eos_token_id=2),
+    ]
+}
