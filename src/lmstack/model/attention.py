@@ -1,0 +1,119 @@
+"""Causal self-attention with MHA / GQA / MQA, sliding window, QK-norm and q/k/v bias.
+
+Seed 000 §1.2 (projections, reshape to heads, GQA expansion, RoPE, scaled scores, causal mask,
+softmax, output projection), §1.3 (masked_fill with True = may attend), §1.9 (sliding window);
+seed 001 "注意力机制", "训练稳定性" (QK-norm).
+
+The KV-cache seam: ``forward`` takes an optional ``kv_cache`` object with one method,
+``update(layer_idx, k, v, positions) -> (k_all, v_all, k_positions)``: it stores this step's
+keys/values (B, K, T, H) and returns every key/value this layer may attend to, (B, K, S, H),
+with their positions (B, S) (negative = empty slot). The mask is built from positions alone,
+so contiguous, paged and packed layouts all work without the model changing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmstack.model.config import ModelConfig
+from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding
+
+
+def attention_mask(q_positions: Tensor, k_positions: Tensor, window: int | None = None) -> Tensor:
+    """Boolean mask, True where query i may attend key j (seed 000 §1.3 convention).
+
+    q_positions: (B, T) or (T,); k_positions: (B, S) or (S,). Key j is visible to query i when
+    it holds a token (pos_j >= 0), is not in the future (pos_j <= pos_i) and, with a sliding
+    window W, is one of the W most recent positions (pos_i - pos_j < W; seed 000 §1.9).
+    Returns (B, 1, T, S) — or (T, S) when both inputs are 1-D — broadcast over heads.
+    """
+    q = q_positions[..., :, None]  # (B, T, 1)
+    k = k_positions[..., None, :]  # (B, 1, S)
+    mask = (k >= 0) & (k <= q)
+    if window is not None:
+        mask &= (q - k) < window
+    return mask if mask.dim() == 2 else mask[:, None]
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """softmax(QKᵀ/√H + mask) V in fp32 with GQA expansion made explicit (seed 000 §1.2, §1.3).
+
+    q: (B, N, T, H); k, v: (B, K, S, H); mask: bool broadcastable to (B, N, T, S). -> (B, N, T, H)
+    """
+    G = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(G, dim=1)  # (B, N, S, H)
+    v = v.repeat_interleave(G, dim=1)  # (B, N, S, H)
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, N, T, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -torch.inf)
+    probs = torch.softmax(scores, dim=-1)
+    return (probs @ v.float()).to(q.dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with K ≤ N kv heads (MHA when K = N, GQA when 1 < K < N, MQA when K = 1)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0, rope: RotaryEmbedding | None = None,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim  # N, K, H
+        self.window = c.sliding_window
+        self.backend = c.attn_backend
+        kw = dict(device=device, dtype=dtype)
+        self.q_proj = Linear(c.d_model, c.n_heads * c.head_dim, bias=c.qkv_bias, **kw)  # W_Q (N·H, D)
+        self.k_proj = Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.qkv_bias, **kw)  # W_K (K·H, D)
+        self.v_proj = Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.qkv_bias, **kw)  # W_V (K·H, D)
+        self.o_proj = Linear(c.n_heads * c.head_dim, c.d_model, bias=False, **kw)  # W_O (D, N·H)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.norm_eps, **kw)
+            self.k_norm = RMSNorm(c.head_dim, c.norm_eps, **kw)
+        else:
+            self.q_norm = self.k_norm = None
+        # Shared across layers when the Transformer passes one in; not a submodule then.
+        self._rope = [rope if rope is not None else RotaryEmbedding(c.head_dim, c.max_seq_len, c.rope_theta, c.rope_layout)]
+
+    @property
+    def rope(self) -> RotaryEmbedding:
+        return self._rope[0]
+
+    def forward(self, x: Tensor, positions: Tensor, kv_cache=None, causal_fast_path: bool = False) -> Tensor:
+        """x: (B, T, D); positions: (B, T) or (T,) absolute positions of these tokens. -> (B, T, D)
+
+        ``causal_fast_path`` says positions are 0..T-1 for every row, there is no cache and no
+        window, so SDPA's built-in causal mask can be used instead of a materialised one.
+        """
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, N, T, H)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, H)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, H)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, positions), self.rope(k, positions)  # RoPE on q and k, never v
+
+        if kv_cache is not None:
+            k, v, k_positions = kv_cache.update(self.layer_idx, k, v, positions)  # (B, K, S, H), (B, S)
+            causal_fast_path = False
+        else:
+            k_positions = positions
+
+        if causal_fast_path and self.window is None:
+            mask = None
+        else:
+            mask = attention_mask(positions, k_positions, self.window)
+
+        if self.backend == "reference":
+            if mask is None:
+                mask = attention_mask(positions, k_positions)
+            out = reference_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads
+            )  # (B, N, T, H)
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, N·H)
+        return self.o_proj(out)

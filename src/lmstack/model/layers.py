@@ -1,0 +1,155 @@
+"""The building blocks of the Transformer, written on nn.Module / nn.Parameter only.
+
+Seed 000 §1.2 (the forward pass), §1.3 (RoPE tables and element-wise rotation), §1.10 (RMSNorm),
+§1.11 (SwiGLU), §1.12 (RoPE's relative-position property); seed 001 "归一化", "激活函数", "位置编码".
+Weights are stored in the (out, in) orientation that HF checkpoints use, so loading is a copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class Linear(nn.Module):
+    """y = x Wᵀ (+ b), with W of shape (out_features, in_features)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float | None = None) -> None:
+        """Truncated normal N(0, std²) cut at ±3·std; std defaults to 1/sqrt(in_features)."""
+        std = std if std is not None else 1.0 / math.sqrt(self.in_features)
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Embedding(nn.Module):
+    """Lookup W_e[tokens]: (B, S) int -> (B, S, D)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.weight[tokens]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x²) + eps) ⊙ γ, computed in fp32 and cast back (seed 000 §1.10).
+
+    The seed writes x / (RMS(x) + eps); lmstack puts eps inside the square root as Llama,
+    Mistral, Qwen2 and every HF checkpoint do, so that real weights reproduce their logits.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))  # γ
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., D) -> (..., D)
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+class SwiGLU(nn.Module):
+    """FFN(x) = W_down (Swish(x W_gate) ⊙ x W_up), Swish(g) = g·σ(g) (seed 000 §1.2, §1.11)."""
+
+    def __init__(self, d_model: int, d_ff: int, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.gate_proj = Linear(d_model, d_ff, device=device, dtype=dtype)  # W_gate (F, D)
+        self.up_proj = Linear(d_model, d_ff, device=device, dtype=dtype)  # W_up (F, D)
+        self.down_proj = Linear(d_ff, d_model, device=device, dtype=dtype)  # W_down (D, F)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, S, D) -> (B, S, D)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # hidden (B, S, F)
+
+
+def rope_frequencies(head_dim: int, theta: float) -> Tensor:
+    """θ_i = Θ^(-2i/H) for i = 0 .. H/2 - 1 (seed 000 §1.2), in float64 for exact tables."""
+    return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (H/2,)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with precomputed cos/sin tables, applied by element-wise products (seed 000 §1.3, §1.12).
+
+    ``layout="interleaved"`` rotates the pairs (2i, 2i+1):  x ⊙ cos + x̃ ⊙ sin with
+    x̃ = [-x1, x0, -x3, x2, ...] (seed 001 "位置编码").
+    ``layout="half"`` rotates the pairs (i, i + H/2) as HF transformers does:
+    x ⊙ cos + [-x_{H/2:}, x_{:H/2}] ⊙ sin.
+    Both are the same rotation R_m up to a fixed permutation of the head dimensions.
+    The tables are buffers that are not saved in checkpoints; they are rebuilt on demand,
+    so meta-device construction followed by ``to_empty`` works.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0, layout: str = "half"):
+        super().__init__()
+        if layout not in ("half", "interleaved"):
+            raise ValueError(f"rope layout={layout!r}; expected 'half' or 'interleaved'")
+        self.head_dim, self.max_seq_len, self.theta, self.layout = head_dim, max_seq_len, theta, layout
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+
+    def _tables(self, device: torch.device, n: int) -> tuple[Tensor, Tensor]:
+        if self.cos.numel() == 0 or self.cos.device != device or self.cos.shape[0] < n:
+            n = max(n, self.max_seq_len)
+            angles = torch.outer(torch.arange(n, dtype=torch.float64), rope_frequencies(self.head_dim, self.theta))
+            if self.layout == "interleaved":
+                angles = angles.repeat_interleave(2, dim=-1)  # (S, H): θ0 θ0 θ1 θ1 ...
+            else:
+                angles = torch.cat([angles, angles], dim=-1)  # (S, H): θ0 θ1 ... θ0 θ1 ...
+            self.cos = angles.cos().to(device=device, dtype=torch.float32)
+            self.sin = angles.sin().to(device=device, dtype=torch.float32)
+        return self.cos, self.sin
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x: (B, heads, S, H); positions: (B, S) or (S,) integer positions m. Returns R_m x."""
+        cos, sin = self._tables(x.device, int(positions.max()) + 1 if positions.numel() else 1)
+        cos, sin = cos[positions], sin[positions]  # (B, S, H) or (S, H)
+        if cos.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, H), broadcast over heads
+        if self.layout == "interleaved":
+            pairs = x.unflatten(-1, (-1, 2))  # (..., H/2, 2)
+            x_rot = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+        else:
+            x1, x2 = x.chunk(2, dim=-1)
+            x_rot = torch.cat([-x2, x1], dim=-1)
+        out = x.float() * cos + x_rot.float() * sin
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}, layout={self.layout!r}"

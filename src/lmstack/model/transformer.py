@@ -1,0 +1,141 @@
+"""The decoder-only Transformer: embedding, L pre-norm blocks, final norm, unembedding.
+
+Seed 000 §1.2 (the layer-by-layer forward pass), seed 001 "模型架构" (pre-norm, no biases),
+"层并行" (the GPT-J parallel block). The model knows nothing about caches, sharding or
+kernels beyond the seams it exposes: ``kv_cache`` and ``positions`` in ``forward``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmstack.model.attention import Attention
+from lmstack.model.config import ModelConfig
+from lmstack.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class Block(nn.Module):
+    """One Transformer layer.
+
+    Sequential (default):  h = x + Attn(Norm_attn(x));  y = h + FFN(Norm_ffn(h))
+    Parallel (GPT-J):      y = x + Attn(Norm(x)) + FFN(Norm(x))   — one shared norm.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, rope: RotaryEmbedding,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.parallel = config.parallel_block
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, **kw)  # γ_attn
+        self.attn = Attention(config, layer_idx, rope, **kw)
+        self.ffn_norm = None if self.parallel else RMSNorm(config.d_model, config.norm_eps, **kw)  # γ_ffn
+        self.ffn = SwiGLU(config.d_model, config.d_ff, **kw)
+
+    def forward(self, x: Tensor, positions: Tensor, kv_cache=None, causal_fast_path: bool = False) -> Tensor:
+        # x: (B, T, D) -> (B, T, D)
+        if self.parallel:
+            h = self.attn_norm(x)
+            return x + self.attn(h, positions, kv_cache, causal_fast_path) + self.ffn(h)
+        x = x + self.attn(self.attn_norm(x), positions, kv_cache, causal_fast_path)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token ids (B, S) -> logits (B, S, V).
+
+    Construct on the meta device (``with torch.device("meta"): Transformer(cfg)``) to count
+    parameters or to plan sharding without allocating; ``to_empty(device=...)`` then
+    ``init_weights()`` or a weight load makes it real.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, seed: int = 0):
+        super().__init__()
+        self.config = config
+        kw = dict(device=device, dtype=dtype)
+        self.embed = Embedding(config.vocab_size, config.d_model, **kw)  # W_e (V, D)
+        self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_layout)
+        self.blocks = nn.ModuleList(Block(config, i, self.rope, **kw) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps, **kw)  # γ_final
+        # W_u (V, D); with tied embeddings the unembedding *is* W_e.
+        self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, **kw)
+        if self.embed.weight.device.type != "meta":
+            self.init_weights(seed)
+
+    # ---- weights -------------------------------------------------------------------------
+    @property
+    def unembedding(self) -> Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Seeded initialisation, independent of the global RNG:
+
+        - embedding and every linear weight: truncated normal N(0, σ²) cut at ±3σ, σ = init_std;
+        - the two residual-branch outputs per block (W_O and W_down): σ / sqrt(2L), so the
+          variance the residual stream accumulates over 2L branches stays O(σ²) (GPT-2 scheme);
+        - biases 0; RMSNorm γ = 1.
+        """
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
+
+        def trunc(t: Tensor, s: float) -> None:
+            cpu = torch.empty(t.shape, dtype=torch.float32)
+            nn.init.trunc_normal_(cpu, mean=0.0, std=s, a=-3 * s, b=3 * s, generator=gen)
+            t.copy_(cpu)
+
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif "norm" in name:
+                nn.init.ones_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                trunc(p, residual_std)
+            else:
+                trunc(p, std)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if exclude_embedding else n
+
+    def set_attn_backend(self, backend: str) -> None:
+        """Switch every layer's attention between ``"sdpa"`` and ``"reference"``."""
+        if backend not in ("sdpa", "reference"):
+            raise ValueError(f"attn backend={backend!r}; expected 'sdpa' or 'reference'")
+        self.config.attn_backend = backend
+        for block in self.blocks:
+            block.attn.backend = backend
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, kv_cache=None,
+                last_n: int | None = None) -> Tensor:
+        """tokens: (B, S) int64; positions: (B, S) or (S,) absolute positions (default 0..S-1).
+
+        ``kv_cache``: see ``lmstack.model.attention`` — stores keys/values across calls.
+        ``last_n``: compute logits only for the last n positions (decoding needs 1).
+        Returns logits (B, S, V), or (B, last_n, V).
+        """
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must have shape (B, S), got {tuple(tokens.shape)}")
+        B, S = tokens.shape
+        if positions is None:
+            if kv_cache is not None:
+                raise ValueError("positions are required when a kv_cache is passed")
+            positions = torch.arange(S, device=tokens.device)  # (S,)
+            causal_fast_path = True
+        else:
+            causal_fast_path = False
+            if positions.shape[-1] != S:
+                raise ValueError(f"positions shape {tuple(positions.shape)} does not match tokens {(B, S)}")
+        x = self.embed(tokens)  # (B, S, D)
+        for block in self.blocks:
+            x = block(x, positions, kv_cache, causal_fast_path)
+        if last_n is not None:
+            x = x[:, -last_n:]
+        x = self.norm(x)
+        return F.linear(x, self.unembedding)  # (B, S, V)
