@@ -1,0 +1,288 @@
+"""HF-format checkpoints (``config.json`` + ``model.safetensors`` or a sharded index) in and out.
+
+Supports the Llama, Mistral and Qwen2 families. Names map both ways through one table; HF
+stores q/k rows in the "half" RoPE layout, which is lmstack's default, so weights copy as-is.
+Only safetensors are read: nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from lmstack.model.config import ConfigError, ModelConfig
+from lmstack.utils import atomic_path, atomic_write_text
+
+HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+class WeightsError(ValueError):
+    """A weights file that is missing, truncated, corrupted or does not fit the model."""
+
+
+# ---- config ---------------------------------------------------------------------------------
+def _rope_theta(d: dict[str, Any], source: str) -> float:
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type not in ("default", None):
+        raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported (only plain RoPE)")
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def _first_id(v: Any) -> int | None:
+    if isinstance(v, list):
+        return int(v[0]) if v else None
+    return None if v is None else int(v)
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Translate an HF ``config.json`` dict of a Llama / Mistral / Qwen2 model into a ModelConfig."""
+    model_type = d.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ConfigError(
+            f"{source}: unknown architecture model_type={model_type!r}; supported: {sorted(HF_MODEL_TYPES)}"
+        )
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{source}: hidden_act={act!r}; lmstack's SwiGLU needs 'silu'")
+    if d.get("mlp_bias"):
+        raise ConfigError(f"{source}: mlp_bias=True is not supported")
+    if model_type == "llama" and d.get("attention_bias"):
+        raise ConfigError(f"{source}: attention_bias=True (a bias on o_proj too) is not supported")
+    window = None
+    if model_type == "mistral":
+        window = d.get("sliding_window")
+    elif model_type == "qwen2" and d.get("use_sliding_window"):
+        raise ConfigError(f"{source}: Qwen2 use_sliding_window=True (per-layer windows) is not supported")
+    try:
+        n_heads = int(d["num_attention_heads"])
+        return ModelConfig(
+            vocab_size=int(d["vocab_size"]),
+            d_model=int(d["hidden_size"]),
+            n_layers=int(d["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+            d_ff=int(d["intermediate_size"]),
+            head_dim=d.get("head_dim"),
+            max_seq_len=int(d.get("max_position_embeddings", 4096)),
+            rope_theta=_rope_theta(d, source),
+            norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+            sliding_window=window,
+            architecture=model_type,
+            bos_token_id=_first_id(d.get("bos_token_id")),
+            eos_token_id=_first_id(d.get("eos_token_id")),
+            name=str(d.get("_name_or_path") or model_type),
+        )
+    except KeyError as e:
+        raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def config_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """The HF ``config.json`` dict for ``c`` (raises if the family cannot express it)."""
+    if c.qk_norm or c.parallel_block:
+        raise ConfigError("qk_norm / parallel_block models have no Llama/Mistral/Qwen2 HF equivalent")
+    if c.rope_layout != "half":
+        raise ConfigError("HF checkpoints use rope_layout='half'; convert the model first")
+    arch = c.architecture
+    if c.sliding_window is not None and arch != "mistral":
+        raise ConfigError(f"sliding_window={c.sliding_window} needs architecture='mistral', got {arch!r}")
+    if c.qkv_bias != (arch == "qwen2"):
+        raise ConfigError(f"qkv_bias={c.qkv_bias} does not fit architecture={arch!r} (only qwen2 has q/k/v bias)")
+    d: dict[str, Any] = {
+        "architectures": [HF_MODEL_TYPES[arch]],
+        "model_type": arch,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model,
+        "intermediate_size": c.d_ff,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "tie_word_embeddings": c.tie_embeddings,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "torch_dtype": "float32",
+    }
+    if arch == "llama":
+        d.update(attention_bias=False, mlp_bias=False)
+    elif arch == "mistral":
+        d["sliding_window"] = c.sliding_window
+    else:
+        d.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layers)
+    return d
+
+
+# ---- names ----------------------------------------------------------------------------------
+_BLOCK_NAMES = {  # lmstack name inside blocks.{i}  ->  HF name inside model.layers.{i}
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.k_proj.weight": "self_attn.k_proj.weight",
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.q_proj.bias": "self_attn.q_proj.bias",
+    "attn.k_proj.bias": "self_attn.k_proj.bias",
+    "attn.v_proj.bias": "self_attn.v_proj.bias",
+    "attn.o_proj.weight": "self_attn.o_proj.weight",
+    "ffn.gate_proj.weight": "mlp.gate_proj.weight",
+    "ffn.up_proj.weight": "mlp.up_proj.weight",
+    "ffn.down_proj.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "lm_head.weight": "lm_head.weight"}
+_HF_BLOCK_NAMES = {v: k for k, v in _BLOCK_NAMES.items()}
+_HF_TOP_NAMES = {v: k for k, v in _TOP_NAMES.items()}
+_LM_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
+_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def to_hf_name(name: str) -> str:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = _LM_BLOCK.fullmatch(name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    raise KeyError(f"lmstack parameter {name!r} has no HF name")
+
+
+def from_hf_name(name: str) -> str | None:
+    """lmstack name for an HF tensor name; None for tensors lmstack does not use (rotary caches)."""
+    if name in _HF_TOP_NAMES:
+        return _HF_TOP_NAMES[name]
+    m = _HF_BLOCK.fullmatch(name)
+    if m and m.group(2) in _HF_BLOCK_NAMES:
+        return f"blocks.{m.group(1)}.{_HF_BLOCK_NAMES[m.group(2)]}"
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    raise KeyError(name)
+
+
+# ---- loading into a model -------------------------------------------------------------------
+def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``state`` (lmstack names) into ``model``, checking names, shapes and completeness.
+
+    Works on a model built on the meta device too: parameters are replaced by the loaded tensors.
+    """
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(state))
+    unexpected = sorted(set(state) - set(params))
+    if missing:
+        raise WeightsError(f"{source}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if unexpected:
+        raise WeightsError(f"{source}: unexpected tensor(s) {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    for name, p in params.items():
+        t = state[name]
+        if tuple(t.shape) != tuple(p.shape):
+            raise WeightsError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+    meta = any(p.is_meta for p in params.values())
+    if meta:
+        model.to_empty(device="cpu")
+        params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(state[name].to(p.dtype))
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise WeightsError(f"{path}: cannot read safetensors file ({e})") from None
+
+
+def read_hf_state(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint directory, single-file or sharded, under HF names."""
+    d = Path(directory)
+    single, index = d / "model.safetensors", d / "model.safetensors.index.json"
+    if single.exists():
+        return _read_safetensors(single)
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise WeightsError(f"{index}: not a safetensors index ({e})") from None
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            state.update(_read_safetensors(d / shard))
+        absent = sorted(set(weight_map) - set(state))
+        if absent:
+            raise WeightsError(f"{index}: tensors listed but absent from shards: {absent[:5]}")
+        return state
+    if any(d.glob("*.bin")):
+        raise WeightsError(f"{d}: only pickle (.bin) weights found; lmstack loads safetensors only")
+    raise WeightsError(f"{d}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_hf(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
+            device: torch.device | str = "cpu"):
+    """Load an HF checkpoint directory into an lmstack ``Transformer``."""
+    from lmstack.model.transformer import Transformer
+
+    d = Path(directory)
+    if not (d / "config.json").exists():
+        raise WeightsError(f"{d}: no config.json (is this an HF checkpoint directory?)")
+    config = ModelConfig.load(d / "config.json")
+    hf_state = read_hf_state(d)
+    state = {}
+    for name, t in hf_state.items():
+        try:
+            lm = from_hf_name(name)
+        except KeyError:
+            raise WeightsError(f"{d}: unexpected tensor {name!r} for a {config.architecture} model") from None
+        if lm is not None:
+            state[lm] = t
+    if config.tie_embeddings:
+        state.pop("lm_head.weight", None)  # some tied checkpoints store the copy too
+    with torch.device("meta"):
+        model = Transformer(config)
+    load_state_into(model, state, str(d))
+    return model.to(device=device, dtype=dtype)
+
+
+def save_hf(model, directory: str | os.PathLike, max_shard_bytes: int | None = None) -> None:
+    """Write ``model`` as an HF checkpoint (config.json + model.safetensors, or shards + index)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    hf_config = config_to_hf(model.config)
+    state = {to_hf_name(n): p.detach().contiguous().cpu() for n, p in model.named_parameters()}
+    hf_config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    if max_shard_bytes is None or sum(t.numel() * t.element_size() for t in state.values()) <= max_shard_bytes:
+        with atomic_path(d / "model.safetensors") as tmp:
+            save_file(state, str(tmp), metadata={"format": "pt"})
+    else:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, t in state.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t
+            size += nbytes
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            with atomic_path(d / fname) as tmp:
+                save_file(shard, str(tmp), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in shard})
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        atomic_write_text(d / "model.safetensors.index.json",
+                          json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    atomic_write_text(d / "config.json", json.dumps(hf_config, indent=2) + "\n")

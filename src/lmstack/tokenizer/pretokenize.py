@@ -1,0 +1,72 @@
+"""Pre-tokenization: special-token splitting and the regex that cuts text into pre-tokens.
+
+Seed 001 "细节问答" (为什么要进行预分词): BPE never merges across pre-token boundaries, which keeps
+training cheap (counts per distinct pre-token, not per corpus position) and stops tokens like
+``dog!`` vs ``dog.`` from forming. Special tokens are cut out first, longest first, so no merge
+crosses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import regex
+
+#: GPT-2's pattern (also HF ``ByteLevel(use_regex=True)``, tiktoken ``r50k_base``).
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+#: GPT-4's pattern (tiktoken ``cl100k_base``): case-insensitive contractions, digits in groups of 1-3.
+GPT4_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+#: Llama-3's pattern (as GPT-4's, with the contractions written out per case).
+LLAMA3_PATTERN = (
+    r"""(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+#: SmolLM2 (GGUF ``tokenizer.ggml.pre = "smollm"``; HF ``Sequence[Digits(individual), ByteLevel]``):
+#: every \p{N} character is its own pre-token, then the GPT-2 pattern runs on the text between
+#: digits. Written as one regex: the digit alternative comes first, GPT-2's `` ?\p{N}+`` is gone,
+#: and the end-of-piece lookahead ``(?!\S)`` becomes ``(?![^\s\p{N}])`` because a piece between
+#: digits ends where the next digit starts.
+SMOLLM_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
+
+#: Names accepted wherever a pattern is expected, including GGUF ``tokenizer.ggml.pre`` values.
+PATTERNS = {
+    "gpt2": GPT2_PATTERN,
+    "default": GPT2_PATTERN,
+    "gpt4": GPT4_PATTERN,
+    "cl100k": GPT4_PATTERN,
+    "llama3": LLAMA3_PATTERN,
+    "llama-bpe": LLAMA3_PATTERN,
+    "smollm": SMOLLM_PATTERN,
+}
+
+
+def resolve_pattern(pattern: str | None) -> str:
+    """A pattern name from :data:`PATTERNS` or a literal regex -> the regex (``None`` -> GPT-2)."""
+    if pattern is None:
+        return GPT2_PATTERN
+    if pattern in PATTERNS:
+        return PATTERNS[pattern]
+    try:
+        regex.compile(pattern)
+    except regex.error as e:
+        raise ValueError(
+            f"pattern {pattern!r} is neither a known name ({', '.join(sorted(PATTERNS))}) "
+            f"nor a valid regex: {e}"
+        ) from None
+    return pattern
+
+
+def special_splitter(special_tokens: Iterable[str]) -> regex.Pattern | None:
+    """A regex whose ``split`` cuts text around special tokens, keeping them (longest first)."""
+    specials = sorted(set(special_tokens), key=lambda s: (-len(s), s))
+    if not specials:
+        return None
+    if any(not s for s in specials):
+        raise ValueError("special tokens must be non-empty strings, got ''")
+    return regex.compile("(" + "|".join(regex.escape(s) for s in specials) + ")")
