@@ -1,0 +1,272 @@
+"""Byte-level BPE training (seed 001 "分词器"; "细节问答": pre-tokenization, mmap/streaming, heaps and hash maps).
+
+1. Pre-token counting. Each input file is cut into chunks at special-token boundaries (so no
+   chunk splits a document, and no merge ever crosses a special token); worker processes read
+   their own byte range, split it on the special tokens, run the pre-tokenizer regex and count
+   distinct pre-tokens. Memory is bounded by the chunk size, never the file size.
+2. Merging. Each distinct pre-token is a word of byte ids with a count. Pair counts are built once;
+   each step takes the most frequent pair from a heap (ties: the lexicographically greatest pair of
+   byte strings, the GPT-2 convention), rewrites only the words that contain it (a pair -> words
+   index) and updates the affected pair counts incrementally.
+"""
+
+from __future__ import annotations
+
+import heapq
+import multiprocessing as mp
+import os
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import regex
+from tqdm import tqdm
+
+from .pretokenize import resolve_pattern, special_splitter
+
+#: Fallback cut when no special token is near a nominal chunk boundary: before a space followed by
+#: an ASCII letter, which starts a pre-token under every built-in pattern (GPT-2, GPT-4, Llama-3, SmolLM).
+_SAFE_CUT = regex.compile(rb"(?<=\S) (?=[A-Za-z])")
+_CHUNK_BYTES = 16 << 20  # at most this much text per worker task
+_SERIAL_BYTES = 2 << 20  # below this total, counting in-process beats starting workers
+
+
+def _paths(input_path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    items = [input_path] if isinstance(input_path, (str, os.PathLike)) else list(input_path)
+    paths = []
+    for p in items:
+        p = Path(p)
+        if p.is_dir():
+            raise ValueError(f"input {str(p)!r} is a directory; pass files (e.g. sorted(dir.rglob('*.txt')))")
+        if not p.is_file():
+            raise FileNotFoundError(f"training input {str(p)!r} does not exist")
+        paths.append(p)
+    if not paths:
+        raise ValueError("train_bpe needs at least one input file, got none")
+    return paths
+
+
+def find_chunk_boundaries(
+    path: str | os.PathLike, n_chunks: int, split_tokens: Sequence[bytes], window: int = 1 << 20
+) -> list[int]:
+    """Byte offsets ``[0, ..., size]`` cutting ``path`` into about ``n_chunks`` pieces.
+
+    Each inner boundary moves forward to the next occurrence of a split token (a special token) within
+    ``window`` bytes; failing that, to the next safe cut (see ``_SAFE_CUT``); failing that, it is dropped.
+    """
+    size = os.path.getsize(path)
+    n_chunks = max(1, min(n_chunks, size // 4096 or 1))
+    guesses = [size * i // n_chunks for i in range(1, n_chunks)]
+    bounds = [0]
+    finder = regex.compile(b"|".join(regex.escape(t) for t in split_tokens)) if split_tokens else None
+    with open(path, "rb") as f:
+        for g in guesses:
+            if g <= bounds[-1]:
+                continue
+            f.seek(g)
+            block = f.read(window)
+            m = finder.search(block) if finder is not None else None
+            if m is None:
+                m = _SAFE_CUT.search(block)
+            if m is None:
+                continue
+            cut = g + m.start()
+            if bounds[-1] < cut < size:
+                bounds.append(cut)
+    bounds.append(size)
+    return bounds
+
+
+def _count_text(text: str, pat: regex.Pattern, splitter: regex.Pattern | None) -> Counter:
+    counts: Counter = Counter()
+    if splitter is None:
+        counts.update(pat.findall(text))
+        return counts
+    for i, part in enumerate(splitter.split(text)):
+        if i % 2 == 0 and part:
+            counts.update(pat.findall(part))
+    return counts
+
+
+def _count_chunk(task: tuple[str, int, int, str, tuple[str, ...]]) -> Counter:
+    path, start, end, pattern, specials = task
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+    # surrogateescape: invalid UTF-8 bytes survive as-is and come back as the same bytes later.
+    text = data.decode("utf-8", errors="surrogateescape")
+    del data
+    return _count_text(text, regex.compile(pattern), special_splitter(specials))
+
+
+def count_pretokens(
+    input_path: str | os.PathLike | Sequence[str | os.PathLike],
+    special_tokens: Sequence[str] = (),
+    pattern: str | None = None,
+    num_workers: int | None = None,
+    progress: bool | None = None,
+) -> Counter:
+    """Distinct pre-token (str) -> count over all input files, counted in parallel chunks."""
+    paths = _paths(input_path)
+    pattern = resolve_pattern(pattern)
+    specials = tuple(special_tokens)
+    split_bytes = [s.encode("utf-8") for s in specials]
+    total = sum(p.stat().st_size for p in paths)
+    workers = num_workers if num_workers is not None else (os.cpu_count() or 1)
+    if workers < 1:
+        raise ValueError(f"num_workers={workers} must be >= 1")
+    if total < _SERIAL_BYTES:
+        workers = 1
+    tasks = []
+    for p in paths:
+        size = p.stat().st_size
+        n = max(workers if workers > 1 else 1, -(-size // _CHUNK_BYTES))
+        b = find_chunk_boundaries(p, n, split_bytes)
+        tasks += [(str(p), s, e, pattern, specials) for s, e in zip(b, b[1:])]
+    counts: Counter = Counter()
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="pre-tokens", disable=_disable(progress, total))
+    if workers == 1:
+        for t in tasks:
+            counts.update(_count_chunk(t))
+            bar.update(t[2] - t[1])
+    else:
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        with ctx.Pool(min(workers, len(tasks))) as pool:
+            for t, c in zip(tasks, pool.imap(_count_chunk, tasks)):
+                counts.update(c)
+                bar.update(t[2] - t[1])
+    bar.close()
+    return counts
+
+
+def _disable(progress: bool | None, total: int) -> bool | None:
+    if progress is None:
+        return None if total >= (8 << 20) else True  # auto: only on a terminal, only for large inputs
+    return not progress
+
+
+class _Desc:
+    """Heap key that orders byte-string pairs greatest first (heapq is a min-heap)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: tuple[bytes, bytes]) -> None:
+        self.key = key
+
+    def __lt__(self, other: _Desc) -> bool:
+        return self.key > other.key
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Desc) and self.key == other.key
+
+
+def merge_counts(
+    word_counts: dict[bytes, int] | Iterable[tuple[bytes, int]],
+    vocab_size: int,
+    special_tokens: Sequence[str] = (),
+    progress: bool | None = None,
+) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
+    """Learn merges from pre-token byte strings and their counts until ``vocab_size`` tokens exist.
+
+    Ids: special tokens first (0..k-1), then the 256 byte values, then merged tokens in order.
+    """
+    specials = list(dict.fromkeys(special_tokens))
+    vocab: dict[int, bytes] = {i: s.encode("utf-8") for i, s in enumerate(specials)}
+    base = len(vocab)
+    for b in range(256):
+        vocab[base + b] = bytes([b])
+    if vocab_size < len(vocab):
+        raise ValueError(
+            f"vocab_size={vocab_size} is smaller than the initial vocabulary "
+            f"({len(specials)} special tokens + 256 bytes = {len(vocab)})"
+        )
+    items = word_counts.items() if isinstance(word_counts, dict) else word_counts
+    words: list[list[int]] = []
+    freqs: list[int] = []
+    for w, n in items:
+        if len(w) >= 2 and n > 0:
+            words.append([base + b for b in w])
+            freqs.append(n)
+
+    pair_counts: dict[tuple[int, int], int] = defaultdict(int)
+    where: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for idx, w in enumerate(words):
+        f = freqs[idx]
+        for p in zip(w, w[1:]):
+            pair_counts[p] += f
+            where[p].add(idx)
+    heap = [(-c, _Desc((vocab[a], vocab[b])), a, b) for (a, b), c in pair_counts.items()]
+    heapq.heapify(heap)
+
+    merges: list[tuple[bytes, bytes]] = []
+    n_merges = vocab_size - len(vocab)
+    bar = tqdm(total=n_merges, unit="merge", desc="merges", disable=_disable(progress, n_merges << 12))
+    while len(merges) < n_merges:
+        while heap:
+            negc, _, a, b = heapq.heappop(heap)
+            if pair_counts.get((a, b), 0) == -negc > 0:
+                break
+        else:
+            break  # every word is a single token: nothing left to merge
+        new = len(vocab)
+        vocab[new] = vocab[a] + vocab[b]
+        merges.append((vocab[a], vocab[b]))
+        changed: set[tuple[int, int]] = set()
+        for idx in where.pop((a, b)):
+            w = words[idx]
+            n = len(w)
+            out: list[int] = []
+            i = 0
+            hit = False
+            while i < n:
+                if i + 1 < n and w[i] == a and w[i + 1] == b:
+                    out.append(new)
+                    i += 2
+                    hit = True
+                else:
+                    out.append(w[i])
+                    i += 1
+            if not hit:
+                continue  # stale index entry: an earlier merge already consumed this pair here
+            f = freqs[idx]
+            for p in zip(w, w[1:]):
+                pair_counts[p] -= f
+                changed.add(p)
+            for p in zip(out, out[1:]):
+                pair_counts[p] += f
+                where[p].add(idx)
+                changed.add(p)
+            words[idx] = out
+        for p in changed:
+            c = pair_counts[p]
+            if c > 0:
+                heapq.heappush(heap, (-c, _Desc((vocab[p[0]], vocab[p[1]])), p[0], p[1]))
+            else:
+                del pair_counts[p]
+                where.pop(p, None)
+        bar.update(1)
+    bar.close()
+    return vocab, merges
+
+
+def train_bpe(
+    input_path: str | os.PathLike | Sequence[str | os.PathLike],
+    vocab_size: int,
+    special_tokens: Sequence[str] = (),
+    pattern: str | None = None,
+    num_workers: int | None = None,
+    progress: bool | None = None,
+) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
+    """Train byte-level BPE on one or more files -> ``(vocab, merges)``.
+
+    ``vocab``: id -> bytes (special tokens, then the 256 bytes, then merged tokens);
+    ``merges``: the learned pairs in order. ``pattern`` is a regex or a name (``"gpt2"`` default,
+    ``"gpt4"``, ``"llama3"``, ``"smollm"``). ``progress=None`` shows bars only for large inputs on a terminal.
+    """
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size={vocab_size} must be positive")
+    counts = count_pretokens(input_path, special_tokens, pattern, num_workers, progress)
+    word_counts = Counter()
+    for piece, n in counts.items():
+        word_counts[piece.encode("utf-8", errors="surrogateescape")] += n
+    return merge_counts(word_counts, vocab_size, special_tokens, progress)
