@@ -1,0 +1,113 @@
+"""Forward/backward FLOPs and MFU (seed 000 §1.6, §1.9; seed 001 "可用资源盘点", "张量计算").
+
+A (m, k) @ (k, n) product costs 2·m·k·n FLOPs (seed 001 "张量计算"). Counting every matmul of
+the forward pass (seed 000 §1.6, prefill so T = S):
+
+  attention per layer  Q 2BSD·NH, K and V 2BSD·KH each, QKᵀ 2BNS²H, A·V 2BNS²H, O 2BS·NH·D
+                       = 8BSD² + 4BS²D for MHA with NH = D
+  FFN per layer        6BSDF  (= 16BSD² at F = 8/3·D)
+  unembedding          2BSDV
+  forward              2LBSD(12D + 2S) + 2BSDV at K = N, F = 8/3·D
+  backward             2 × forward;  one training step = 3 × forward
+
+Norms, RoPE, softmax and the residual adds are O(BSD) and not counted (as in the seed).
+The functions take T query tokens attending to S keys, so decoding (T = 1) uses them too; the
+attention matrices are counted in full (B, N, T, S), the way a dense kernel computes them. Pass
+``window`` for sliding-window attention (seed 000 §1.9): each query sees at most W keys, O(nW).
+"""
+
+from __future__ import annotations
+
+from lmstack.model.config import ModelConfig
+from lmstack.accounting.params import total_params
+
+
+def attended_keys(S: int, window: int | None) -> int:
+    """Seed 000 §1.9: with a sliding window W a query attends to min(S, W) keys, not S."""
+    return S if window is None else min(S, window)
+
+
+def attention_projection_flops(cfg: ModelConfig, B: int, T: int) -> int:
+    """Seed 000 §1.6: Q, K, V and O projections of T tokens: 2BT·D·NH + 2·2BT·D·KH + 2BT·NH·D."""
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    return 2 * B * T * D * (N * H) + 2 * 2 * B * T * D * (K * H) + 2 * B * T * (N * H) * D
+
+
+def attention_score_flops(cfg: ModelConfig, B: int, T: int, S: int, window: int | None = None) -> int:
+    """Seed 000 §1.6: QKᵀ (B,N,T,H)x(B,N,H,S) 2BNTSH plus A·V 2BNTSH = 4BNTSH (= 4BS²D at T = S)."""
+    Se = attended_keys(S, window)
+    return 4 * B * cfg.n_heads * T * Se * cfg.head_dim
+
+
+def ffn_flops(cfg: ModelConfig, B: int, T: int) -> int:
+    """Seed 000 §1.6: up, gate, down projections, 3 × 2BTDF = 6BTDF."""
+    return 6 * B * T * cfg.d_model * cfg.d_ff
+
+
+def unembedding_flops(cfg: ModelConfig, B: int, T: int) -> int:
+    """Seed 000 §1.6: (B, T, D) x (D, V) -> 2BTDV."""
+    return 2 * B * T * cfg.d_model * cfg.vocab_size
+
+
+def layer_forward_flops(cfg: ModelConfig, B: int, T: int, S: int | None = None, window: int | None = None) -> int:
+    """Seed 000 §1.6 "每层总计": attention + FFN of one layer; 2BSD(12D + 2S) at K = N, F = 8/3·D."""
+    S = T if S is None else S
+    return attention_projection_flops(cfg, B, T) + attention_score_flops(cfg, B, T, S, window) + ffn_flops(cfg, B, T)
+
+
+def forward_flops(
+    cfg: ModelConfig, B: int, S: int, T: int | None = None, window: int | None = None, logits: bool = True
+) -> int:
+    """Seed 000 §1.6: forward FLOPs = L·layer + 2BTDV; 2LBSD(12D + 2S) + 2BSDV for prefill (T = S).
+
+    ``T`` query tokens (default S: prefill) attend to ``S`` keys; T = 1 is one decoding step.
+    ``logits=False`` drops the unembedding (a prefill that only needs the last position's logits
+    would instead add ``unembedding_flops(cfg, B, 1)``).
+    """
+    T = S if T is None else T
+    total = cfg.n_layers * layer_forward_flops(cfg, B, T, S, window)
+    if logits:
+        total += unembedding_flops(cfg, B, T)
+    return total
+
+
+def seed_forward_flops(B: int, S: int, D: int, L: int, V: int) -> int:
+    """Seed 000 §1.6 verbatim (MHA, F = 8/3·D, T = S): 2LBSD(12D + 2S) + 2BSDV."""
+    return 2 * L * B * S * D * (12 * D + 2 * S) + 2 * B * S * D * V
+
+
+def backward_flops(forward: float) -> float:
+    """Seed 000 §1.6, seed 001 "张量计算": backward ≈ 2 × forward (gradients w.r.t. inputs and weights)."""
+    return 2 * forward
+
+
+def training_step_flops(cfg: ModelConfig, B: int, S: int, recompute: bool = False) -> int:
+    """Forward + backward = 3 × forward; activation checkpointing re-runs the forward once more (§1.8)."""
+    f = forward_flops(cfg, B, S)
+    return (4 if recompute else 3) * f
+
+
+def six_nd(n_params: float, n_tokens: float) -> float:
+    """The 6ND rule: training FLOPs ≈ 6 × parameters × tokens (2 forward + 4 backward per weight)."""
+    return 6 * n_params * n_tokens
+
+
+def six_nd_vs_exact(cfg: ModelConfig, B: int, S: int) -> dict[str, float]:
+    """Compare 6·P·BS with the exact 3 × forward count; the gap is the S² attention term
+    (not in 6ND) minus the embedding lookup (in P but costing no matmul)."""
+    approx = six_nd(total_params(cfg), B * S)
+    exact = 3 * forward_flops(cfg, B, S)
+    return {"six_nd": approx, "exact": exact, "ratio_exact_over_6nd": exact / approx}
+
+
+def attention_share(cfg: ModelConfig, B: int, S: int, window: int | None = None) -> float:
+    """Fraction of forward FLOPs in the S² terms (QKᵀ and A·V); it grows with S (seed 000 §1.6)."""
+    att = cfg.n_layers * attention_score_flops(cfg, B, S, S, window)
+    return att / forward_flops(cfg, B, S, window=window)
+
+
+def mfu(flops_per_step: float, step_time_s: float, peak_flops: float, n_devices: int = 1) -> float:
+    """Seed 001 "可用资源盘点" MFU: model FLOPs achieved per second / peak FLOP/s of the devices."""
+    if step_time_s <= 0:
+        raise ValueError(f"step_time_s={step_time_s} must be > 0")
+    return flops_per_step / step_time_s / (peak_flops * n_devices)

@@ -1,0 +1,142 @@
+"""Parameter counts (seed 000 §1.4; seed 001 "性能指标分析" Param formula).
+
+Seed 000 §1.4, per component of the dense decoder (symbols of §1.1):
+  embedding V·D; attention D·NH (W_Q) + 2·D·KH (W_K, W_V) + NH·D (W_O) = 2D² + 2DKH when NH = D;
+  FFN 3·D·F (gate, up, down); RMSNorm gammas 2D per layer plus the final D; unembedding V·D.
+  Total 2VD + L(4D² + 2D + 3DF) for MHA (K = N) with untied embeddings.
+This module generalises it to GQA/MQA (K < N), H ≠ D/N, tied embeddings, q/k/v biases
+(Qwen2) and QK-norm gammas (H each for q and k), so that it equals ``sum(p.numel())``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from lmstack.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters per component, summed over all L layers (seed 000 §1.4)."""
+
+    embedding: int  # V·D
+    attention: int  # L·(D·NH + 2·D·KH + NH·D [+ NH + 2KH biases])
+    ffn: int  # L·3DF
+    norms: int  # L·2D + D [+ L·2H for QK-norm]
+    unembedding: int  # V·D, or 0 when tied to the embedding
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.attention + self.ffn + self.norms + self.unembedding
+
+    @property
+    def non_embedding(self) -> int:
+        """Parameters outside the embedding and unembedding tables."""
+        return self.attention + self.ffn + self.norms
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total, "non_embedding": self.non_embedding}
+
+
+def embedding_params(cfg: ModelConfig) -> int:
+    """Seed 000 §1.4: W_e is (V, D), V·D parameters."""
+    return cfg.vocab_size * cfg.d_model
+
+
+def unembedding_params(cfg: ModelConfig) -> int:
+    """Seed 000 §1.4: W_u is (D, V), V·D parameters; none of its own when tied to W_e."""
+    return 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+
+
+def attention_params_per_layer(cfg: ModelConfig) -> int:
+    """Seed 000 §1.4: W_Q (D, NH), W_K (D, KH), W_V (D, KH), W_O (NH, D) = 2D² + 2DKH when NH = D.
+
+    Seed 001 "性能指标分析" writes the same as DNH + 2DKH + DNH. With ``qkv_bias`` the q, k, v
+    projections carry NH + 2KH biases.
+    """
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    p = D * N * H + 2 * D * K * H + N * H * D
+    if cfg.qkv_bias:
+        p += N * H + 2 * K * H
+    return p
+
+
+def ffn_params_per_layer(cfg: ModelConfig) -> int:
+    """Seed 000 §1.4: W_up (D, F), W_gate (D, F), W_down (F, D) = 3DF."""
+    return 3 * cfg.d_model * cfg.d_ff
+
+
+def norm_params_per_layer(cfg: ModelConfig) -> int:
+    """Seed 000 §1.4: two RMSNorm gammas of D per layer (pre-attention, pre-FFN), plus 2H for QK-norm."""
+    return 2 * cfg.d_model + (2 * cfg.head_dim if cfg.qk_norm else 0)
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    """Exact parameter count of the lmstack Transformer for ``cfg``, by component (seed 000 §1.4)."""
+    L = cfg.n_layers
+    return ParamCounts(
+        embedding=embedding_params(cfg),
+        attention=L * attention_params_per_layer(cfg),
+        ffn=L * ffn_params_per_layer(cfg),
+        norms=L * norm_params_per_layer(cfg) + cfg.d_model,  # + final norm D
+        unembedding=unembedding_params(cfg),
+    )
+
+
+def total_params(cfg: ModelConfig) -> int:
+    """Seed 000 §1.4 P_total, generalised; equals sum(p.numel()) of the model."""
+    return param_counts(cfg).total
+
+
+def seed_total_params(V: int, D: int, L: int, F: int) -> int:
+    """Seed 000 §1.4 verbatim: P_total = 2VD + L(4D² + 2D + 3DF) (MHA, untied, H = D/N)."""
+    return 2 * V * D + L * (4 * D * D + 2 * D + 3 * D * F)
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Seed 001 "性能指标分析": Param = 2VD + 3DFL + (DNH + 2DKH + DNH)L.
+
+    The weights a decoding step streams from HBM: embedding and LM head (V·D once when tied),
+    MLP and attention matrices; norms and biases are left out as the seed does (they are
+    0.003 % of Llama-2-13B). For Llama-2-13B this is 13,015,449,600.
+    """
+    D, F, L = cfg.d_model, cfg.d_ff, cfg.n_layers
+    N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    vocab = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * D
+    return vocab + 3 * D * F * L + (D * N * H + 2 * D * K * H + D * N * H) * L
+
+
+@dataclass(frozen=True)
+class MoEParams:
+    total: int  # every expert counted
+    active: int  # what one token uses: shared experts + top_k routed experts + the rest
+
+
+def moe_params(
+    cfg: ModelConfig,
+    n_experts: int,
+    top_k: int,
+    n_shared_experts: int = 0,
+    expert_d_ff: int | None = None,
+    moe_layers: int | None = None,
+) -> MoEParams:
+    """Total vs active parameters when each FFN becomes a mixture of experts (seed 001 "MoE").
+
+    Each MoE layer holds ``n_experts`` routed SwiGLU experts of hidden size F_e (3·D·F_e each),
+    ``n_shared_experts`` always-on experts of the same size, and a router (D, n_experts).
+    A token runs the shared experts and its ``top_k`` routed experts, so
+    active = total - (n_experts - top_k)·3·D·F_e per MoE layer.
+    """
+    if not (0 < top_k <= n_experts):
+        raise ValueError(f"top_k={top_k} must be in 1..n_experts={n_experts}")
+    D = cfg.d_model
+    Fe = expert_d_ff or cfg.d_ff
+    n_moe = cfg.n_layers if moe_layers is None else moe_layers
+    if not (0 <= n_moe <= cfg.n_layers):
+        raise ValueError(f"moe_layers={moe_layers} must be in 0..n_layers={cfg.n_layers}")
+    dense = param_counts(cfg)
+    expert = 3 * D * Fe
+    per_moe_layer = (n_experts + n_shared_experts) * expert + D * n_experts
+    total = dense.total - n_moe * ffn_params_per_layer(cfg) + n_moe * per_moe_layer
+    active = total - n_moe * (n_experts - top_k) * expert
+    return MoEParams(total=total, active=active)
