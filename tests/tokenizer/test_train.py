@@ -15,6 +15,8 @@ from lmstack.tokenizer import GPT2_PATTERN
 from lmstack.tokenizer import train as train_mod
 from lmstack.tokenizer.train import count_pretokens, find_chunk_boundaries, train_bpe
 
+from tok_helpers import stdlib_text
+
 WORDS = (
     "the of and to in is was he for it with as his on be at by had are but from or have an they which "
     "one you were her all she there would their we him been has when who will more no if out so said "
@@ -167,20 +169,6 @@ def test_matches_hf_bpe_trainer_until_first_tie(tmp_path):
     _, ours = train_bpe(path, 256 + n)
     assert ours == ref
     assert ours[:first_tie] == hf_merges[:first_tie]
-
-
-def stdlib_text(n_chars: int) -> str:
-    """Real text available on every machine: the running Python's standard-library sources."""
-    import sysconfig
-    from pathlib import Path
-
-    out, total = [], 0
-    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        out.append(f.read_text(encoding="utf-8", errors="replace") + "<|endoftext|>")
-        total += len(out[-1])
-        if total >= n_chars:
-            break
-    return "".join(out)[:n_chars]
 
 
 def test_small_corpus_trains_fast(tmp_path):

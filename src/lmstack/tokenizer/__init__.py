@@ -1,19 +1,46 @@
 """Byte-level BPE tokenizer (seed 001 "分词器", "细节问答"; seed 000 §5.3 memmap token files).
 
-Public API: :class:`Tokenizer` (encode / decode / encode_iterable), :func:`load_gguf_tokenizer`
-(also ``Tokenizer.from_gguf``), the pre-tokenizer patterns and the GPT-2 byte<->unicode mapping.
+Public API: :class:`Tokenizer` (encode / decode / encode_iterable / save / load / from_gguf),
+:func:`train_bpe`, file formats (lmstack JSON, GPT-2 vocab.json+merges.txt, HF tokenizer.json,
+GGUF in; tiktoken and HF tokenizers out), the pre-tokenizer patterns, the GPT-2 byte mapping.
 """
 
 from .byte_unicode import bytes_to_unicode, unicode_to_bytes
-from .gguf_io import load_gguf_tokenizer
+from .formats import (
+    from_hf_json,
+    load,
+    load_gpt2,
+    load_hf,
+    load_tokenizer,
+    save,
+    save_gpt2,
+    save_hf,
+    to_hf_json,
+    to_hf_tokenizer,
+    to_tiktoken,
+)
+from .gguf_io import load_gguf_tokenizer, read_gguf_metadata
 from .pretokenize import GPT2_PATTERN, GPT4_PATTERN, LLAMA3_PATTERN, PATTERNS, SMOLLM_PATTERN
 from .tokenizer import Tokenizer
-
-Tokenizer.from_gguf = staticmethod(load_gguf_tokenizer)  # type: ignore[attr-defined]
+from .train import count_pretokens, train_bpe
 
 __all__ = [
     "Tokenizer",
+    "train_bpe",
+    "count_pretokens",
+    "load_tokenizer",
     "load_gguf_tokenizer",
+    "read_gguf_metadata",
+    "save",
+    "load",
+    "save_gpt2",
+    "load_gpt2",
+    "save_hf",
+    "load_hf",
+    "to_hf_json",
+    "from_hf_json",
+    "to_hf_tokenizer",
+    "to_tiktoken",
     "bytes_to_unicode",
     "unicode_to_bytes",
     "GPT2_PATTERN",

@@ -218,6 +218,37 @@ class Tokenizer:
         if buf:
             yield from self.encode(buf)
 
+    # ------------------------------------------------------------------ files (see .formats)
+    @classmethod
+    def from_gguf(cls, path) -> Tokenizer:
+        """The tokenizer stored in a GGUF file (e.g. SmolLM2's)."""
+        from .gguf_io import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+
+    @classmethod
+    def load(cls, path) -> Tokenizer:
+        """Any supported file: lmstack JSON, HF tokenizer.json, GPT-2 directory, GGUF."""
+        from .formats import load_tokenizer
+
+        return load_tokenizer(path)
+
+    def save(self, path) -> None:
+        """lmstack's own JSON format (atomic write)."""
+        from .formats import save
+
+        save(self, path)
+
+    def to_tiktoken(self, name: str = "lmstack"):
+        from .formats import to_tiktoken
+
+        return to_tiktoken(self, name)
+
+    def to_hf_tokenizer(self):
+        from .formats import to_hf_tokenizer
+
+        return to_hf_tokenizer(self)
+
     def __len__(self) -> int:
         return len(self.vocab)
 
@@ -226,3 +257,4 @@ class Tokenizer:
             f"Tokenizer(V={self.vocab_size}, merges={len(self.merges)}, "
             f"special_tokens={len(self.special_tokens)}, pattern={self.pattern_name or self.pattern[:24] + '...'})"
         )
+
