@@ -67,3 +67,15 @@ def test_plan_cpu_quick(capsys):
 def test_plan_bad_input(argv, msg, capsys):
     assert main(["plan", *argv]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_plan_mfu_from_step_time(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["plan", "--model", "llama2-7b", "--hardware", "h100", "--batch", "1", "--seq", "2048",
+                 "--devices", "8", "--train-batch", "32", "--step-time", "4.0", "--json", str(out)]) == 0
+    tr = json.loads(out.read_text())["training_per_device"]
+    # hand: 3 × forward of 32 sequences of 2048 tokens / (4 s × 8 × 989.4e12)
+    D, F, L, V, S = 4096, 11008, 32, 32000, 2048
+    fwd = L * (8 * S * D * D + 4 * S * S * D + 6 * S * D * F) + 2 * S * D * V
+    assert tr["mfu"] == pytest.approx(3 * 32 * fwd / (4.0 * 8 * 989.4e12))
+    assert "MFU" in capsys.readouterr().out

@@ -30,6 +30,10 @@ def register(subparsers) -> None:
     p.add_argument("--seq", type=int, default=1024, help="context length S (default 1024)")
     p.add_argument("--dtype", default="bf16", help="weights/KV/activation dtype: bf16, fp16, fp32, fp8, int8")
     p.add_argument("--devices", type=int, default=8, help="M devices for the training/communication tables")
+    p.add_argument("--train-batch", type=int, default=None,
+                   help="global training batch in sequences of S tokens (default: one per device)")
+    p.add_argument("--step-time", type=float, default=None, metavar="SECONDS",
+                   help="a measured training step time: report MFU for --train-batch sequences on --devices devices")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
     p.add_argument("--plot", metavar="PNG", help="draw the roofline with this workload's points to PNG")
     p.add_argument("--quick", action="store_true", help="with --hardware cpu: a fast, rough measurement")
@@ -62,7 +66,8 @@ def run_plan(args: argparse.Namespace) -> int:
     cfg = _load_model(args.model)
     hw = measure_cpu(quick=args.quick) if args.hardware.lower() == "cpu" else get_hardware(args.hardware)
     batches = _parse_batches(args.batch)
-    plan = build_plan(cfg, hw, batches, args.seq, args.dtype, devices=args.devices)
+    plan = build_plan(cfg, hw, batches, args.seq, args.dtype, devices=args.devices,
+                      train_batch=args.train_batch, step_time_s=args.step_time)
     _print_plan(plan)
     if args.json:
         atomic_write_text(args.json, json.dumps(plan, indent=2) + "\n")
@@ -109,6 +114,7 @@ def _print_plan(plan: dict) -> None:
     for c in ("B", "num_params", "memory (bytes)", "latency (s)", "throughput (tok/s)", "compute (s)",
               "bound", "fits"):
         t.add_column(c, justify="right")
+    t.columns[-1].header = "fits (W+KV)"
     for d in plan["decode"]:
         t.add_row(str(d["B"]), f"{d['num_params']:,}", f"{d['memory_bytes']:,.0f}", f"{d['latency_s']:.4f}",
                   f"{d['throughput_tok_s']:.4f}", f"{d['compute_s']:.4f}", d["bound"], "yes" if d["fits"] else "NO")
@@ -159,6 +165,9 @@ def _print_plan(plan: dict) -> None:
         t.add_row(name, _gb(r["master_weights"]), _gb(r["low_precision_weights"]), _gb(r["optimizer"]),
                   _gb(r["gradients"]), _gb(r["activations"]), _gb(r["total"]), "yes" if r["fits"] else "NO")
     console.print(t)
+    if "mfu" in tr:
+        console.print(f"MFU (seed 001 可用资源盘点): {tr['step_flops']:.3e} FLOPs per step in {tr['step_time_s']} s on "
+                      f"{tr['M']} devices = {tr['mfu']:.1%}")
 
     c = plan["communication"]
     t = Table(title=f"Communication per training step (seed 000 §6.2, §6.4), M={c['M']}, bf16 gradients")

@@ -20,6 +20,7 @@ def build_plan(
     dtype: object = "bf16",
     devices: int = 8,
     train_batch: int | None = None,
+    step_time_s: float | None = None,
 ) -> dict:
     """Tables for B in ``batches`` at context length S on ``hw`` (weights, KV, activations in ``dtype``)."""
     if not batches or any(b < 1 for b in batches):
@@ -71,6 +72,11 @@ def build_plan(
             m = memory.training_memory_per_device(cfg, tb, S, strat, M, flash=True, checkpoint=ckpt)
             train[f"{strat}{'+ckpt' if ckpt else ''}"] = {**m.to_dict(), "fits": m.total <= hw.hbm_bytes}
     out["training_per_device"] = {"M": M, "B": tb, "S": S, "flash": True, "strategies": train}
+    if step_time_s is not None:
+        step = flops.training_step_flops(cfg, tb, S)
+        out["training_per_device"].update(
+            step_flops=step, step_time_s=step_time_s, mfu=flops.mfu(step, step_time_s, hw.flops(dt), M)
+        )
     P = pc.total
     commrows = {}
     link = "nvlink" if hw.nvlink_bandwidth else None

@@ -146,15 +146,15 @@ def plot_roofline(
     ax.loglog(x, y, color="black", lw=2, label=f"{hw.name} roofline ({dtype})")
     ax.axvline(ridge, color="gray", ls="--", lw=1)
     ax.text(ridge, peak * 0.5, f" ridge {ridge:.0f} FLOPs/B", color="gray", va="top")
-    for name, inten in points:
-        ax.plot([inten], [attainable_flops(inten, peak, bw)], "o")
-        ax.annotate(name, (inten, attainable_flops(inten, peak, bw)), textcoords="offset points", xytext=(4, -12),
-                    fontsize=8)
+    markers = "osD^v<>p*h"
+    for i, (name, inten) in enumerate(points):
+        ax.plot([inten], [attainable_flops(inten, peak, bw)], markers[i % len(markers)], ms=7, alpha=0.85,
+                label=f"{name} (I={inten:.3g})")
     ax.set_xlabel("arithmetic intensity (FLOPs / byte)")
     ax.set_ylabel("attainable FLOP/s")
     ax.set_title(title or f"roofline: {hw.name}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
