@@ -90,13 +90,19 @@ def test_exports_equal_direct_references(trained):
 
 
 # ---------------------------------------------------------------- SmolLM2's vocabulary (from the GGUF)
+@pytest.fixture(scope="module")
+def smol_refs(smol):
+    return tiktoken_direct(smol), smol.to_hf_tokenizer()
+
+
 @pytest.mark.parametrize("text", TEXTS)
-def test_smollm2_matches_tiktoken_and_hf(smol, hf_smollm, text):
+def test_smollm2_matches_tiktoken_and_hf(smol, hf_smollm, smol_refs, text):
     text = text.replace("<|endoftext|><|endoftext|>", "<|endoftext|> <|endoftext|>")
+    enc, exported = smol_refs
     ids = smol.encode(text)
     assert ids == hf_smollm.encode(text, add_special_tokens=False).ids
-    assert ids == tiktoken_direct(smol).encode(text, allowed_special="all")
-    assert ids == smol.to_hf_tokenizer().encode(text, add_special_tokens=False).ids
+    assert ids == enc.encode(text, allowed_special="all")
+    assert ids == exported.encode(text, add_special_tokens=False).ids
 
 
 # ---------------------------------------------------------------- formats

@@ -184,15 +184,21 @@ class Tokenizer:
         what remains (a later chunk may extend it, e.g. a run of spaces or newlines).
         """
         end = len(buf)
+        # 1. the longest suffix that more text could complete into a special token
         for k in range(min(self._max_special_len - 1, end), 0, -1):
             if buf[end - k :] in self._special_prefixes:
                 end -= k
                 break
-        head = buf[:end]
+        # 2. never cut inside a special token; text after the last one before the cut is one segment
         seg_start = 0
         if self._splitter is not None:
-            for m in self._splitter.finditer(head):
+            for m in self._splitter.finditer(buf):
+                if m.start() >= end:
+                    break
+                if m.end() > end:
+                    return m.start()
                 seg_start = m.end()
+        head = buf[:end]
         last = None
         for m in self._pat.finditer(head, seg_start):
             last = m
