@@ -1,0 +1,77 @@
+"""``lmstack tokenizer`` commands and the flat token file (np.memmap, seed 000 §5.3)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tok_helpers import stdlib_text
+
+from lmstack.cli import main
+from lmstack.tokenizer import Tokenizer, load_tokenizer
+from lmstack.tokenizer import dataset as dataset_mod
+from lmstack.tokenizer.dataset import encode_files, open_tokens, token_dtype
+
+
+def test_dtype_rule():
+    assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
+    with pytest.raises(ValueError, match="vocab_size=0"):
+        token_dtype(0)
+
+
+def test_encode_files_parallel_equals_encode(trained, tmp_path, monkeypatch):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(stdlib_text(120_000), encoding="utf-8")
+    b.write_text("第二个文件 second file <|endoftext|> end\n" * 500, encoding="utf-8")
+    monkeypatch.setattr(dataset_mod, "_SERIAL_BYTES", 0)
+    stats = encode_files(trained, [a, b], tmp_path / "out.bin", num_workers=2, chunk_bytes=16_384)
+    expected = trained.encode(a.read_text(encoding="utf-8")) + trained.encode(b.read_text(encoding="utf-8"))
+    tokens = np.memmap(tmp_path / "out.bin", dtype=np.uint16, mode="r")
+    assert tokens.tolist() == expected
+    assert stats.n_tokens == len(expected) and stats.dtype == "uint16"
+    assert stats.bytes_per_token == pytest.approx((a.stat().st_size + b.stat().st_size) / len(expected))
+    assert open_tokens(tmp_path / "out.bin").tolist() == expected
+    meta = json.loads((tmp_path / "out.bin.json").read_text())
+    assert meta["n_tokens"] == len(expected) and meta["vocab_size"] == trained.vocab_size
+
+
+def test_large_vocab_writes_uint32(tmp_path):
+    vocab = {i: bytes([i]) for i in range(256)}
+    tok = Tokenizer(vocab, [], special_tokens=["<|x|>"])
+    tok.vocab[70_000] = b"\x00\x00"  # an id beyond uint16
+    (tmp_path / "a.txt").write_text("hi<|x|>")
+    stats = encode_files(tok, tmp_path / "a.txt", tmp_path / "o.bin")
+    assert stats.dtype == "uint32"
+    assert open_tokens(tmp_path / "o.bin").tolist() == [104, 105, 256]
+
+
+def test_cli_train_encode_info(tmp_path, capsys):
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(stdlib_text(60_000), encoding="utf-8")
+    (corpus / "b.txt").write_text("hello world, hello tokens\n" * 300, encoding="utf-8")
+    tok_path = tmp_path / "tok.json"
+    assert main(["tokenizer", "train", str(corpus), "--glob", "*.txt", "--vocab-size", "400",
+                 "--out", str(tok_path)]) == 0
+    tok = load_tokenizer(tok_path)
+    assert tok.vocab_size == 400 and "<|endoftext|>" in tok.special_tokens
+    assert main(["tokenizer", "train", str(corpus / "b.txt"), "--vocab-size", "270", "--format", "hf",
+                 "--out", str(tmp_path / "tokenizer.json")]) == 0
+    assert load_tokenizer(tmp_path / "tokenizer.json").vocab_size == 270
+    out = tmp_path / "tokens.bin"
+    assert main(["tokenizer", "encode", str(corpus / "b.txt"), "--tokenizer", str(tok_path),
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "bytes/token" in printed and "tokens (uint16)" in printed
+    assert np.memmap(out, dtype=np.uint16, mode="r").tolist() == tok.encode((corpus / "b.txt").read_text())
+    assert main(["tokenizer", "info", str(tok_path), "--text", "hello world"]) == 0
+    assert "vocab size V  400" in capsys.readouterr().out
+    assert main(["tokenizer", "info", str(tmp_path / "missing.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_info_gguf(gguf_path, capsys):
+    assert main(["tokenizer", "info", str(gguf_path)]) == 0
+    out = capsys.readouterr().out
+    assert "49152" in out and "smollm" in out and "chat template yes" in out
