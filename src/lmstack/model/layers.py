@@ -132,14 +132,16 @@ class RotaryEmbedding(nn.Module):
                 angles = angles.repeat_interleave(2, dim=-1)  # (S, H): θ0 θ0 θ1 θ1 ...
             else:
                 angles = torch.cat([angles, angles], dim=-1)  # (S, H): θ0 θ1 ... θ0 θ1 ...
-            self.cos = angles.cos().to(device=device, dtype=torch.float32)
-            self.sin = angles.sin().to(device=device, dtype=torch.float32)
+            # float64 tables; each forward casts the rows it needs to its compute dtype
+            self.cos = angles.cos().to(device=device)
+            self.sin = angles.sin().to(device=device)
         return self.cos, self.sin
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """x: (B, heads, S, H); positions: (B, S) or (S,) integer positions m. Returns R_m x."""
         cos, sin = self._tables(x.device, int(positions.max()) + 1 if positions.numel() else 1)
-        cos, sin = cos[positions], sin[positions]  # (B, S, H) or (S, H)
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        cos, sin = cos[positions].to(compute), sin[positions].to(compute)  # (B, S, H) or (S, H)
         if cos.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, H), broadcast over heads
         if self.layout == "interleaved":
@@ -148,7 +150,7 @@ class RotaryEmbedding(nn.Module):
         else:
             x1, x2 = x.chunk(2, dim=-1)
             x_rot = torch.cat([-x2, x1], dim=-1)
-        out = x.float() * cos + x_rot.float() * sin
+        out = x.to(compute) * cos + x_rot.to(compute) * sin
         return out.to(x.dtype)
 
     def extra_repr(self) -> str:
