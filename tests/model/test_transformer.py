@@ -98,3 +98,29 @@ def test_last_n_and_bad_input():
     torch.testing.assert_close(model(tokens, last_n=1), model(tokens)[:, -1:])
     with pytest.raises(ValueError, match=r"tokens must have shape \(B, S\)"):
         model(tokens[0])
+
+
+def test_packed_documents_equal_separate_sequences():
+    """Two documents packed in one row with document_ids give each document's own logits."""
+    model = Transformer(ModelConfig(**TINY), seed=0).eval()
+    a = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(1))
+    b = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(2))
+    packed = torch.cat([a, b], 1)
+    docs = torch.tensor([[0] * 7 + [1] * 5])
+    positions = torch.cat([torch.arange(7), torch.arange(5)])[None]
+    with torch.no_grad():
+        out = model(packed, positions, document_ids=docs)
+        torch.testing.assert_close(out[:, :7], model(a), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[:, 7:], model(b), rtol=1e-5, atol=1e-5)
+
+
+def test_activation_checkpointing_gives_same_gradients():
+    tokens = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for ckpt in (False, True):
+        model = Transformer(ModelConfig(**TINY), seed=0)
+        model.activation_checkpointing = ckpt
+        model(tokens).logsumexp(-1).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g0, g1 in zip(*grads):
+        torch.testing.assert_close(g0, g1)

@@ -23,19 +23,23 @@ from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding
 
 
-def attention_mask(q_positions: Tensor, k_positions: Tensor, window: int | None = None) -> Tensor:
+def attention_mask(q_positions: Tensor, k_positions: Tensor, window: int | None = None,
+                   q_documents: Tensor | None = None, k_documents: Tensor | None = None) -> Tensor:
     """Boolean mask, True where query i may attend key j (seed 000 §1.3 convention).
 
     q_positions: (B, T) or (T,); k_positions: (B, S) or (S,). Key j is visible to query i when
     it holds a token (pos_j >= 0), is not in the future (pos_j <= pos_i) and, with a sliding
     window W, is one of the W most recent positions (pos_i - pos_j < W; seed 000 §1.9).
-    Returns (B, 1, T, S) — or (T, S) when both inputs are 1-D — broadcast over heads.
+    With document ids (packed sequences), keys of other documents are hidden too.
+    Returns (B, 1, T, S) — or (T, S) when all inputs are 1-D — broadcast over heads.
     """
     q = q_positions[..., :, None]  # (B, T, 1)
     k = k_positions[..., None, :]  # (B, 1, S)
     mask = (k >= 0) & (k <= q)
     if window is not None:
         mask &= (q - k) < window
+    if q_documents is not None:
+        mask = mask & (q_documents[..., :, None] == k_documents[..., None, :])
     return mask if mask.dim() == 2 else mask[:, None]
 
 
@@ -82,11 +86,13 @@ class Attention(nn.Module):
     def rope(self) -> RotaryEmbedding:
         return self._rope[0]
 
-    def forward(self, x: Tensor, positions: Tensor, kv_cache=None, causal_fast_path: bool = False) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, kv_cache=None, causal_fast_path: bool = False,
+                document_ids: Tensor | None = None) -> Tensor:
         """x: (B, T, D); positions: (B, T) or (T,) absolute positions of these tokens. -> (B, T, D)
 
         ``causal_fast_path`` says positions are 0..T-1 for every row, there is no cache and no
         window, so SDPA's built-in causal mask can be used instead of a materialised one.
+        ``document_ids`` (B, T): packed documents; a token attends only within its document.
         """
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, N, T, H)
@@ -101,11 +107,15 @@ class Attention(nn.Module):
             causal_fast_path = False
         else:
             k_positions = positions
+        if document_ids is not None:
+            if kv_cache is not None:
+                raise ValueError("document_ids (packed sequences) cannot be combined with a kv_cache")
+            causal_fast_path = False
 
         if causal_fast_path and self.window is None:
             mask = None
         else:
-            mask = attention_mask(positions, k_positions, self.window)
+            mask = attention_mask(positions, k_positions, self.window, document_ids, document_ids)
 
         if self.backend == "reference":
             if mask is None:

@@ -11,6 +11,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from lmstack.model.attention import Attention
@@ -35,12 +36,13 @@ class Block(nn.Module):
         self.ffn_norm = None if self.parallel else RMSNorm(config.d_model, config.norm_eps, **kw)  # γ_ffn
         self.ffn = SwiGLU(config.d_model, config.d_ff, **kw)
 
-    def forward(self, x: Tensor, positions: Tensor, kv_cache=None, causal_fast_path: bool = False) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, kv_cache=None, causal_fast_path: bool = False,
+                document_ids: Tensor | None = None) -> Tensor:
         # x: (B, T, D) -> (B, T, D)
         if self.parallel:
             h = self.attn_norm(x)
-            return x + self.attn(h, positions, kv_cache, causal_fast_path) + self.ffn(h)
-        x = x + self.attn(self.attn_norm(x), positions, kv_cache, causal_fast_path)
+            return x + self.attn(h, positions, kv_cache, causal_fast_path, document_ids) + self.ffn(h)
+        x = x + self.attn(self.attn_norm(x), positions, kv_cache, causal_fast_path, document_ids)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -63,6 +65,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.d_model, config.norm_eps, **kw)  # γ_final
         # W_u (V, D); with tied embeddings the unembedding *is* W_e.
         self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, **kw)
+        # Activation checkpointing (seed 000 §1.8): recompute each block's activations in backward.
+        self.activation_checkpointing = False
         if self.embed.weight.device.type != "meta":
             self.init_weights(seed)
 
@@ -113,11 +117,13 @@ class Transformer(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, tokens: Tensor, positions: Tensor | None = None, kv_cache=None,
-                last_n: int | None = None) -> Tensor:
+                last_n: int | None = None, document_ids: Tensor | None = None) -> Tensor:
         """tokens: (B, S) int64; positions: (B, S) or (S,) absolute positions (default 0..S-1).
 
         ``kv_cache``: see ``lmstack.model.attention`` — stores keys/values across calls.
         ``last_n``: compute logits only for the last n positions (decoding needs 1).
+        ``document_ids``: (B, S) ids of packed documents; attention never crosses documents
+        (pass positions that restart at 0 in each document for per-document RoPE).
         Returns logits (B, S, V), or (B, last_n, V).
         """
         if tokens.dim() != 2:
@@ -132,9 +138,16 @@ class Transformer(nn.Module):
             causal_fast_path = False
             if positions.shape[-1] != S:
                 raise ValueError(f"positions shape {tuple(positions.shape)} does not match tokens {(B, S)}")
+        if document_ids is not None and document_ids.shape != tokens.shape:
+            raise ValueError(f"document_ids shape {tuple(document_ids.shape)} does not match tokens {(B, S)}")
         x = self.embed(tokens)  # (B, S, D)
+        checkpoint = self.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None
         for block in self.blocks:
-            x = block(x, positions, kv_cache, causal_fast_path)
+            if checkpoint:
+                x = torch.utils.checkpoint.checkpoint(block, x, positions, None, causal_fast_path, document_ids,
+                                                      use_reentrant=False)
+            else:
+                x = block(x, positions, kv_cache, causal_fast_path, document_ids)
         if last_n is not None:
             x = x[:, -last_n:]
         x = self.norm(x)
