@@ -71,3 +71,34 @@ def _cached(tok, key, build):
 def test_decode_invalid_utf8_like_python(trained, data):
     ids = [trained.token_to_id(bytes([b])) for b in data]
     assert trained.decode(ids) == data.decode("utf-8", errors="replace")
+
+
+@SETTINGS
+@given(text=with_specials)
+def test_smollm2_agrees_with_hf_digits_bytelevel(smol, hf_smollm, text):
+    """SmolLM2's one-regex pre-tokenizer equals HF's Sequence[Digits(individual), ByteLevel] on any text
+    (bytes SmolLM2's vocab lacks are dropped by both, as HF BPE does without an unk token)."""
+    assert smol.encode(text) == hf_smollm.encode(text, add_special_tokens=False).ids
+
+
+ascii_text = st.text(st.characters(max_codepoint=127), max_size=120)
+
+
+@SETTINGS
+@given(text=ascii_text)
+def test_ascii_fast_path_equals_unicode_regex(text):
+    """The stdlib-``re`` ASCII variant of each built-in pattern cuts ASCII text exactly like ``regex``."""
+    import re
+
+    import regex
+
+    from lmstack.tokenizer.pretokenize import PATTERNS, ascii_variant
+
+    for pattern in set(PATTERNS.values()):
+        assert re.findall(ascii_variant(pattern), text) == regex.findall(pattern, text)
+
+
+def test_ascii_variant_only_for_builtin_patterns():
+    from lmstack.tokenizer.pretokenize import ascii_variant
+
+    assert ascii_variant(r"\p{L}+|\s+") is None

@@ -70,3 +70,41 @@ def special_splitter(special_tokens: Iterable[str]) -> regex.Pattern | None:
     if any(not s for s in specials):
         raise ValueError("special tokens must be non-empty strings, got ''")
     return regex.compile("(" + "|".join(regex.escape(s) for s in specials) + ")")
+
+
+#: ASCII whitespace exactly as the ``regex`` module's ``\s`` sees it (not \x1c-\x1f, unlike ``re``).
+_ASCII_SPACE = r"\t\n\x0b\x0c\r "
+
+
+def ascii_variant(pattern: str) -> str | None:
+    """The same pre-tokenizer for pure-ASCII text, written for the stdlib ``re`` module (about 2x faster).
+
+    On ASCII input ``\\p{L}`` is ``[A-Za-z]``, ``\\p{N}`` is ``[0-9]`` and ``\\s`` is the six ASCII
+    whitespace characters, so the translation is exact there. Only the built-in patterns are
+    translated (tests compare both on arbitrary ASCII); others return ``None`` (no fast path).
+    """
+    if pattern not in PATTERNS.values():
+        return None
+    out = []
+    in_class = False
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            tok = pattern[i : i + 5] if pattern.startswith(("\\p{L}", "\\p{N}"), i) else pattern[i : i + 2]
+            inner = {"\\p{L}": "A-Za-z", "\\p{N}": "0-9", "\\s": _ASCII_SPACE}.get(tok)
+            if inner is not None:
+                out.append(inner if in_class else f"[{inner}]")
+            elif tok == "\\S":
+                out.append(f"[^{_ASCII_SPACE}]")  # never used inside a class by the built-in patterns
+            else:
+                out.append(tok)
+            i += len(tok)
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+        elif c == "]" and in_class:
+            in_class = False
+        out.append(c)
+        i += 1
+    return "".join(out)

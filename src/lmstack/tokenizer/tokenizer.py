@@ -9,10 +9,13 @@ once and cached, because natural text repeats its words (seed 001 "细节问答"
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from itertools import chain
+
+import re
 
 import regex
 
-from .pretokenize import resolve_pattern, special_splitter
+from .pretokenize import ascii_variant, resolve_pattern, special_splitter
 
 
 class Tokenizer:
@@ -38,6 +41,8 @@ class Tokenizer:
         self.pattern: str = resolve_pattern(pattern)
         self.pattern_name: str | None = pattern if pattern is not None and pattern != self.pattern else None
         self._pat = regex.compile(self.pattern)
+        fast = ascii_variant(self.pattern)
+        self._pat_ascii = re.compile(fast) if fast is not None else None  # used when text.isascii()
         self.cache_size = int(cache_size)
         # Optional metadata a file format may carry (GGUF, tokenizer.json).
         self.bos_token_id: int | None = None
@@ -134,17 +139,22 @@ class Tokenizer:
         return ids
 
     def _encode_ordinary(self, text: str, out: list[int]) -> None:
+        fast = self._pat_ascii
+        pieces = (fast if fast is not None and text.isascii() else self._pat).findall(text)
         cache = self._cache
-        bpe = self._bpe
-        extend = out.extend
-        for piece in self._pat.findall(text):
-            ids = cache.get(piece)
-            if ids is None:
-                ids = bpe(piece.encode("utf-8"))
-                if len(cache) >= self.cache_size:
-                    cache.clear()  # bounded memory; the common pieces come straight back
-                cache[piece] = ids
-            extend(ids)
+        got = list(map(cache.get, pieces))  # C-level lookups; misses are None
+        if None in got:
+            for i, ids in enumerate(got):
+                if ids is None:
+                    piece = pieces[i]
+                    ids = cache.get(piece)  # an earlier miss in this text may have filled it
+                    if ids is None:
+                        ids = self._bpe(piece.encode("utf-8"))
+                        if len(cache) >= self.cache_size:
+                            cache.clear()  # bounded memory; the common pieces come straight back
+                        cache[piece] = ids
+                    got[i] = ids
+        out.extend(chain.from_iterable(got))
 
     # ------------------------------------------------------------------ public API
     def encode(self, text: str, allow_special: bool = True) -> list[int]:

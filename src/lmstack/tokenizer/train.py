@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import multiprocessing as mp
 import os
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 import regex
 from tqdm import tqdm
 
-from .pretokenize import resolve_pattern, special_splitter
+from .pretokenize import ascii_variant, resolve_pattern, special_splitter
 
 #: Fallback cut when no special token is near a nominal chunk boundary: before a space followed by
 #: an ASCII letter, which starts a pre-token under every built-in pattern (GPT-2, GPT-4, Llama-3, SmolLM).
@@ -77,14 +78,15 @@ def find_chunk_boundaries(
     return bounds
 
 
-def _count_text(text: str, pat: regex.Pattern, splitter: regex.Pattern | None) -> Counter:
+def _count_text(text: str, pattern: str, splitter: regex.Pattern | None) -> Counter:
+    pat = regex.compile(pattern)
+    fast = ascii_variant(pattern)
+    fast_pat = re.compile(fast) if fast is not None else None  # same pieces on ASCII text, ~2x faster
     counts: Counter = Counter()
-    if splitter is None:
-        counts.update(pat.findall(text))
-        return counts
-    for i, part in enumerate(splitter.split(text)):
-        if i % 2 == 0 and part:
-            counts.update(pat.findall(part))
+    parts = [text] if splitter is None else splitter.split(text)[::2]
+    for part in parts:
+        if part:
+            counts.update((fast_pat if fast_pat is not None and part.isascii() else pat).findall(part))
     return counts
 
 
@@ -96,7 +98,7 @@ def _count_chunk(task: tuple[str, int, int, str, tuple[str, ...]]) -> Counter:
     # surrogateescape: invalid UTF-8 bytes survive as-is and come back as the same bytes later.
     text = data.decode("utf-8", errors="surrogateescape")
     del data
-    return _count_text(text, regex.compile(pattern), special_splitter(specials))
+    return _count_text(text, pattern, special_splitter(specials))
 
 
 def count_pretokens(
