@@ -37,6 +37,7 @@ def test_metadata_and_special_ids(smol, gguf_path):
     assert isinstance(smol.chat_template, str) and "<|im_start|>" in smol.chat_template
 
 
+@pytest.mark.slow
 def test_metadata_matches_gguf_package(gguf_path):
     """lmstack's own metadata parser reads what the reference ``gguf`` package reads."""
     gguf = pytest.importorskip("gguf")
