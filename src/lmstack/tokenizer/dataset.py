@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from lmstack.utils import atomic_path, atomic_write_text
 
+from . import tokenizer as _tokmod
 from .tokenizer import Tokenizer
 from .train import find_chunk_boundaries
 
@@ -53,16 +54,9 @@ class EncodeStats:
         return self.n_bytes / 1e6 / max(self.seconds, 1e-9)
 
 
-_WORKER_TOKENIZER: list[Tokenizer] = []  # one entry in each worker process, set by the pool initializer
-
-
-def _init_worker(tok: Tokenizer) -> None:
-    _WORKER_TOKENIZER[:] = [tok]
-
-
 def _encode_range(task: tuple[str, int, int, str], tok: Tokenizer | None = None) -> bytes:
     path, start, end, dtype = task
-    tok = tok or _WORKER_TOKENIZER[0]
+    tok = tok or _tokmod._WORKER_TOKENIZER[0]
     with open(path, "rb") as f:
         f.seek(start)
         text = f.read(end - start).decode("utf-8", errors="replace")
@@ -106,7 +100,7 @@ def encode_files(
             pool = None
         else:
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            pool = ctx.Pool(min(workers, len(tasks)), initializer=_init_worker, initargs=(tok,))
+            pool = ctx.Pool(min(workers, len(tasks)), initializer=_tokmod._set_worker_tokenizer, initargs=(tok,))
             results = pool.imap(_encode_range, tasks)
         try:
             for t, data in zip(tasks, results):

@@ -56,8 +56,14 @@ def save(tok: Tokenizer, path: str | os.PathLike) -> None:
 def from_dict(d: dict, where: str = "tokenizer") -> Tokenizer:
     if d.get("format") != FORMAT:
         raise ValueError(f"{where}: format={d.get('format')!r}, expected {FORMAT!r}")
-    vocab = {int(i): bytes.fromhex(h) for i, h in d["vocab"].items()}
-    merges = [(bytes.fromhex(a), bytes.fromhex(b)) for a, b in d["merges"]]
+    for key in ("vocab", "merges"):
+        if key not in d:
+            raise ValueError(f"{where}: no {key!r} entry; expected a file written by lmstack.tokenizer.save")
+    try:
+        vocab = {int(i): bytes.fromhex(h) for i, h in d["vocab"].items()}
+        merges = [(bytes.fromhex(a), bytes.fromhex(b)) for a, b in d["merges"]]
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{where}: malformed vocab/merges ({e}); expected hex strings") from None
     specials = sorted(d.get("special_tokens", {}), key=lambda s: d["special_tokens"][s])
     return _set_meta(Tokenizer(vocab, merges, specials, pattern=d.get("pattern")), d)
 
@@ -173,6 +179,8 @@ def from_hf_json(text: str, where: str = "tokenizer.json") -> Tokenizer:
         raise ValueError(f"{where}: model.type={model.get('type')!r}, expected 'BPE'")
     if d.get("normalizer") is not None:
         raise ValueError(f"{where}: normalizer {d['normalizer'].get('type')!r} is not supported; expected none")
+    if not isinstance(model.get("vocab"), dict):
+        raise ValueError(f"{where}: model.vocab is missing or not a dict; expected token -> id")
     pattern = _pattern_from_hf(d.get("pre_tokenizer"), where)
     added = {t["id"]: t["content"] for t in d.get("added_tokens", [])}
     vocab = {}

@@ -173,8 +173,21 @@ class Tokenizer:
                 self._encode_ordinary(part, out)
         return out
 
-    def encode_batch(self, texts: Iterable[str], allow_special: bool = True) -> list[list[int]]:
-        return [self.encode(t, allow_special) for t in texts]
+    def encode_batch(
+        self, texts: Iterable[str], allow_special: bool = True, num_workers: int = 1
+    ) -> list[list[int]]:
+        """Encode many texts; ``num_workers > 1`` spreads them over that many processes (fork)."""
+        texts = list(texts)
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers} must be >= 1")
+        if num_workers == 1 or len(texts) < 2:
+            return [self.encode(t, allow_special) for t in texts]
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        chunksize = max(1, len(texts) // (4 * num_workers))
+        with ctx.Pool(num_workers, initializer=_set_worker_tokenizer, initargs=(self,)) as pool:
+            return pool.map(_worker_encode, [(t, allow_special) for t in texts], chunksize=chunksize)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         vocab = self.vocab
@@ -274,3 +287,17 @@ class Tokenizer:
             f"special_tokens={len(self.special_tokens)}, pattern={self.pattern_name or self.pattern[:24] + '...'})"
         )
 
+
+
+# Worker-process state for Tokenizer.encode_batch / dataset encoding: each pool worker holds the
+# tokenizer it was started with (set by the pool initializer; never touched in the parent).
+_WORKER_TOKENIZER: list[Tokenizer] = []
+
+
+def _set_worker_tokenizer(tok: Tokenizer) -> None:
+    _WORKER_TOKENIZER[:] = [tok]
+
+
+def _worker_encode(task: tuple[str, bool]) -> list[int]:
+    text, allow_special = task
+    return _WORKER_TOKENIZER[0].encode(text, allow_special)
