@@ -34,8 +34,9 @@ def load_tokenizer(model_source, tokenizer_path=None):
     raise ValueError(f"{path}: no tokenizer found; pass --tokenizer FILE.gguf")
 
 
-def stream_generate(model, tokenizer, prompt: str, max_tokens: int, out=sys.stdout, **sampling) -> dict:
-    """Generate, printing text as it is decoded; returns counts and timings."""
+def stream_generate(model, tokenizer, prompt: str, max_tokens: int, out=None, **sampling) -> dict:
+    """Generate, printing text to ``out`` (default: the current sys.stdout) as it is decoded; returns counts and timings."""
+    out = out if out is not None else sys.stdout
     from lmstack.inference import generate
 
     ids = tokenizer.encode(prompt)
