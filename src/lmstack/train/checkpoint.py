@@ -1,0 +1,242 @@
+"""Training checkpoints: model, optimizer, schedule, RNG states, step, config, tokenizer reference.
+
+Layout of one checkpoint, ``<dir>/step_00001000/``:
+
+    model.safetensors      model weights (fp32 master weights, lmstack names)
+    optimizer.safetensors  per-parameter optimizer tensors, keys ``state.<param index>.<name>``
+    rng.safetensors        torch CPU/CUDA generator states and the data sampler's generator state
+    state.json             step, tokens seen, config, schedule, optimizer hyper-parameters,
+                           python/numpy RNG states, tokenizer path, last metrics
+
+Tensors go through safetensors only (never pickle). Writing is atomic: everything is written
+into a hidden temporary directory, each file is fsync'ed, then the directory is renamed to its
+final name and ``<dir>/latest`` is rewritten atomically. A crash at any point leaves the last
+good checkpoint (and the ``latest`` pointer to it) untouched. Only the newest ``keep_last``
+checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from lmstack.utils import atomic_write_text
+
+FORMAT = "lmstack-train-checkpoint-v1"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing, incomplete or does not match the model."""
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    _fsync_path(path)
+
+
+# ---- RNG states ------------------------------------------------------------------------------
+
+def capture_rng(data_generator: torch.Generator | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, json) with every RNG state a run depends on."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    if data_generator is not None:
+        tensors["data"] = data_generator.get_state()
+    py = random.getstate()
+    np_state = np.random.get_state()
+    meta = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+    return tensors, meta
+
+
+def restore_rng(tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                data_generator: torch.Generator | None = None) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+    if data_generator is not None and "data" in tensors:
+        data_generator.set_state(tensors["data"])
+    if "python" in meta:
+        v, st, g = meta["python"]
+        random.setstate((v, tuple(st), g))
+    if "numpy" in meta:
+        name, keys, pos, has_gauss, cached = meta["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# ---- optimizer state <-> (tensors, json) ------------------------------------------------------
+
+def _split_optimizer(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"state.{idx}.{k}"] = v
+            else:
+                scalars.setdefault(str(idx), {})[k] = v
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def _join_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for key, v in tensors.items():
+        _, idx, name = key.split(".", 2)
+        state.setdefault(int(idx), {})[name] = v
+    for idx, d in meta.get("scalars", {}).items():
+        state.setdefault(int(idx), {}).update(d)
+    groups = []
+    for g in meta["param_groups"]:
+        g = dict(g)
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+        groups.append(g)
+    return {"state": state, "param_groups": groups}
+
+
+# ---- save / find / load -----------------------------------------------------------------------
+
+def step_dirs(directory: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints in ``directory`` (``step_N`` folders), oldest first."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The checkpoint ``latest`` names, or else the highest step; None when there is none."""
+    d = Path(directory)
+    pointer = d / "latest"
+    if pointer.is_file():
+        p = d / pointer.read_text().strip()
+        if (p / "state.json").is_file():
+            return p
+    dirs = step_dirs(d)
+    return dirs[-1] if dirs else None
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, state: dict[str, Any] | None = None,
+                    data_generator: torch.Generator | None = None, keep_last: int | None = None) -> Path:
+    """Write ``<directory>/step_<step>`` atomically; prune to ``keep_last``; return its path.
+
+    ``state`` is any JSON-ready dict (config, schedule, tokens seen, metrics, tokenizer path).
+    """
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / f"step_{step:08d}"
+    tmp = d / f".tmp_step_{step:08d}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    _save_tensors(dict(model.state_dict()), tmp / "model.safetensors")
+    opt_meta = None
+    if optimizer is not None:
+        opt_tensors, opt_meta = _split_optimizer(optimizer.state_dict())
+        _save_tensors(opt_tensors, tmp / "optimizer.safetensors")
+    rng_tensors, rng_meta = capture_rng(data_generator)
+    _save_tensors(rng_tensors, tmp / "rng.safetensors")
+    meta = {"format": FORMAT, "step": step, "optimizer": opt_meta, "rng": rng_meta, **(state or {})}
+    with open(tmp / "state.json", "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_path(tmp)
+    old = None
+    if final.exists():  # re-saving the same step: move the old one aside first
+        old = d / f".old_step_{step:08d}_{os.getpid()}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_path(d)
+    atomic_write_text(d / "latest", final.name + "\n")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in d.glob(".tmp_step_*"):  # leftovers of crashed saves
+        shutil.rmtree(stale, ignore_errors=True)
+    if keep_last is not None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} must be >= 1")
+        for p in step_dirs(d)[:-keep_last]:
+            shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a checkpoint into ``{"meta", "model", "optimizer", "rng"}`` (tensors on the CPU)."""
+    p = Path(path)
+    if not (p / "state.json").is_file():
+        raise CheckpointError(f"{p}: not a checkpoint (no state.json)")
+    try:
+        meta = json.loads((p / "state.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{p / 'state.json'}: corrupt ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{p}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    out: dict[str, Any] = {"meta": meta}
+    for name in ("model", "optimizer", "rng"):
+        f = p / f"{name}.safetensors"
+        if f.is_file():
+            try:
+                out[name] = load_file(str(f))
+            except Exception as e:  # safetensors raises its own error types for truncated files
+                raise CheckpointError(f"{f}: cannot read ({e})") from None
+        elif name != "optimizer":
+            raise CheckpointError(f"{p}: missing {f.name}")
+    return out
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None,
+                    data_generator: torch.Generator | None = None, restore_rng_states: bool = True) -> dict[str, Any]:
+    """Restore model (and optimizer, RNG states) from ``path``; returns the JSON state."""
+    ck = read_checkpoint(path)
+    state = ck["model"]
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    extra = sorted(set(state) - set(own))
+    if missing or extra:
+        raise CheckpointError(f"{path}: model tensors do not match: missing {missing[:5]}, unexpected {extra[:5]}")
+    for k, v in state.items():
+        if own[k].shape != v.shape:
+            raise CheckpointError(f"{path}: {k} has shape {tuple(v.shape)}, the model expects {tuple(own[k].shape)}")
+    model.load_state_dict(state)
+    meta = ck["meta"]
+    if optimizer is not None:
+        if "optimizer" not in ck or meta.get("optimizer") is None:
+            raise CheckpointError(f"{path}: no optimizer state to resume from")
+        sd = _join_optimizer(ck["optimizer"], meta["optimizer"])
+        device = next(model.parameters()).device
+        for st in sd["state"].values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    st[k] = v.to(device)
+        optimizer.load_state_dict(sd)
+    if restore_rng_states:
+        restore_rng(ck["rng"], meta.get("rng", {}), data_generator)
+    return meta

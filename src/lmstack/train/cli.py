@@ -1,0 +1,88 @@
+"""``lmstack train --config run.toml [key=value ...]``: train, evaluate, checkpoint, plot.
+
+Also runs under torchrun (``torchrun --nproc_per_node 2 -m lmstack.train --config run.toml
+parallel=ddp``): rank and world size come from the environment and only rank 0 writes files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train", help="train a model on token files (config file + key=value overrides)",
+        description="Train a Llama-family model from a TOML/JSON config (see docs/training.md). "
+                    "Overrides: lr=3e-4 max_steps=200 model.n_layers=4 ...")
+    add_arguments(p)
+    p.set_defaults(func=run_train)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML or JSON config file")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. lr=1e-3 model.d_model=128")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                   help="continue from the run's latest checkpoint (or the given checkpoint directory)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (and no MFU measurement)")
+    p.add_argument("--sample", default=None, metavar="PROMPT", help="after training, sample from the model")
+    p.add_argument("--sample-tokens", type=int, default=64)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from lmstack.train.config import TrainConfig, apply_overrides
+    from lmstack.train.trainer import Trainer
+
+    if args.config:
+        config = TrainConfig.load(args.config, args.overrides)
+    else:
+        config = TrainConfig.from_dict(apply_overrides({}, args.overrides), where="overrides")
+    trainer = Trainer(config, progress=not args.no_progress)
+    if args.resume:
+        step = trainer.resume(None if args.resume == "latest" else args.resume)
+        if trainer.is_main:
+            print(f"resumed at step {step}")
+    if trainer.is_main:
+        mc = trainer.model_config
+        print(f"model: {trainer.raw_model.num_params():,} parameters (L={mc.n_layers}, D={mc.d_model}, "
+              f"N={mc.n_heads}, K={mc.n_kv_heads}, F={mc.d_ff}, V={mc.vocab_size}); "
+              f"{trainer.tokens_per_step:,} tokens/step; {len(trainer.train_tokens):,} training tokens")
+    from lmstack.train.trainer import TrainingDiverged
+
+    try:
+        summary = trainer.fit()
+    except TrainingDiverged as e:
+        print(f"lmstack train: {e}", file=sys.stderr)
+        return 3
+    if not trainer.is_main:
+        return 0
+    baseline = trainer.unigram_baseline()
+    png = trainer.plot(baseline)
+    model_dir = trainer.export()
+    print(f"step {summary['step']}: validation loss {summary['val_loss']:.4f} (perplexity {summary['val_ppl']:.2f}); "
+          f"unigram baseline {baseline:.4f}")
+    print(f"checkpoint  {summary['checkpoint']}\nmodel       {model_dir}\nmetrics     {summary['metrics']}\n"
+          f"loss curve  {png}")
+    if args.sample is not None:
+        if not config.tokenizer:
+            print("--sample needs tokenizer= in the config", file=sys.stderr)
+            return 2
+        from lmstack.inference.cli import stream_generate
+        from lmstack.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(config.tokenizer)
+        print(args.sample, end="", flush=True)
+        stream_generate(trainer.raw_model.eval(), tok, args.sample, args.sample_tokens, temperature=0.8, top_k=50,
+                        seed=config.seed)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lmstack.train", description="lmstack training (torchrun-friendly)")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run_train(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"lmstack train: error: {e}", file=sys.stderr)
+        return 2

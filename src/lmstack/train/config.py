@@ -1,0 +1,220 @@
+"""TrainConfig: everything a training run needs, from a TOML/JSON file plus ``key=value`` overrides.
+
+A config file has flat training keys and a ``[model]`` table (ModelConfig fields, or
+``preset = "smollm2-135m"`` plus overrides)::
+
+    train_data = "data/train.bin"
+    batch_size = 16          # B, sequences per micro-batch
+    seq_len = 256            # S
+    grad_accum = 2           # micro-batches per optimizer step
+    lr = 3e-3
+    [model]
+    d_model = 256
+    n_layers = 4
+    n_heads = 4
+
+Every value is checked in ``__post_init__``; a bad one raises ``TrainConfigError`` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmstack.model.config import ConfigError, ModelConfig
+from lmstack.train.schedule import SCHEDULES
+
+OPTIMIZERS = ("adamw", "sgd")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class TrainConfigError(ValueError):
+    """A training configuration value that cannot work."""
+
+
+@dataclass
+class TrainConfig:
+    # ---- model: ModelConfig fields, or {"preset": name, ...overrides}; vocab_size defaults to the data's V
+    model: dict[str, Any] = field(default_factory=dict)
+    # ---- data (seed 000 §5.3): flat token files from `lmstack tokenizer encode`
+    train_data: str = ""
+    val_data: str | None = None  # None: hold out the last val_fraction of train_data
+    val_fraction: float = 0.05
+    tokenizer: str | None = None  # recorded in checkpoints; used by `lmstack train` to sample
+    sep_id: int | None = None  # document separator id (<|endoftext|>), needed for packing
+    packing: bool = False  # attention never crosses a separator (seed 001 packing mask)
+    # ---- batch: tokens per optimizer step = batch_size * grad_accum * seq_len
+    batch_size: int = 8  # B per micro-batch
+    seq_len: int = 256  # S
+    grad_accum: int = 1
+    # ---- optimization
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    schedule: str = "cosine"
+    warmup_steps: int = 100
+    decay_steps: int = 0  # wsd
+    max_steps: int = 1000
+    weight_decay: float = 0.1  # on matrices only; norms/biases never decay
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd
+    grad_clip: float = 1.0  # 0 disables clipping
+    z_loss: float = 0.0  # α of α·log²Z (seed 001 "训练稳定性"); 1e-4 is typical
+    qk_norm: bool | None = None  # shortcut for model.qk_norm
+    # ---- precision and memory (seed 000 §1.8, §5.1-5.4)
+    precision: str = "bf16"  # bf16/fp16: autocast with fp32 master weights; fp32: no autocast
+    activation_checkpointing: bool = False
+    device: str = "auto"
+    compile: bool = False  # torch.compile the model
+    # ---- evaluation, logging, checkpoints
+    eval_interval: int = 100
+    eval_batches: int = 20
+    log_interval: int = 10
+    out_dir: str = "runs/lmstack"
+    ckpt_interval: int = 0  # 0: only at the end
+    keep_last: int = 2
+    seed: int = 0
+    stop_after: int | None = None  # stop (and checkpoint) after this many steps without changing the schedule
+    # ---- distributed seam: a name understood by lmstack.parallel (e.g. "ddp"); None = one process
+    parallel: str | None = None
+
+    def __post_init__(self) -> None:
+        def pos_int(name: str, allow_zero: bool = False) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
+                raise TrainConfigError(f"{name}={v!r} must be an integer >= {0 if allow_zero else 1}")
+
+        def num(name: str, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or (v <= lo if lo_open else v < lo) or (hi is not None and v >= hi):
+                raise TrainConfigError(f"{name}={v!r} must be a number in {'(' if lo_open else '['}{lo}, "
+                                       f"{hi if hi is not None else 'inf'})")
+
+        for n in ("batch_size", "seq_len", "grad_accum", "max_steps", "eval_batches", "log_interval", "keep_last"):
+            pos_int(n)
+        for n in ("warmup_steps", "decay_steps", "eval_interval", "ckpt_interval", "seed"):
+            pos_int(n, allow_zero=True)
+        num("lr", 0.0, lo_open=True)
+        num("min_lr", 0.0)
+        if self.min_lr > self.lr:
+            raise TrainConfigError(f"min_lr={self.min_lr} must be <= lr={self.lr}")
+        num("weight_decay", 0.0)
+        num("beta1", 0.0, 1.0)
+        num("beta2", 0.0, 1.0)
+        num("eps", 0.0)
+        num("momentum", 0.0, 1.0)
+        num("grad_clip", 0.0)
+        num("z_loss", 0.0)
+        num("val_fraction", 0.0, 1.0)
+        if self.warmup_steps > self.max_steps:
+            raise TrainConfigError(f"warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}")
+        if self.optimizer not in OPTIMIZERS:
+            raise TrainConfigError(f"optimizer={self.optimizer!r}; expected one of {OPTIMIZERS}")
+        if self.schedule not in SCHEDULES:
+            raise TrainConfigError(f"schedule={self.schedule!r}; expected one of {SCHEDULES}")
+        if self.schedule == "wsd" and not (1 <= self.decay_steps <= self.max_steps - self.warmup_steps):
+            raise TrainConfigError(f"decay_steps={self.decay_steps} must be in [1, max_steps - warmup_steps] "
+                                   "for schedule='wsd'")
+        if self.precision not in PRECISIONS:
+            raise TrainConfigError(f"precision={self.precision!r}; expected one of {PRECISIONS}")
+        if not isinstance(self.model, dict):
+            raise TrainConfigError(f"model={self.model!r} must be a table of ModelConfig fields")
+        if self.packing and self.sep_id is None:
+            raise TrainConfigError("packing=true needs sep_id (the id of the document separator, e.g. <|endoftext|>)")
+        if self.stop_after is not None:
+            pos_int("stop_after")
+        if not self.train_data:
+            raise TrainConfigError("train_data is required: a token file from `lmstack tokenizer encode`")
+
+    # ---- model ---------------------------------------------------------------------------
+    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        """The ModelConfig this run trains; ``vocab_size`` (from the data) fills a missing V."""
+        d = dict(self.model)
+        preset = d.pop("preset", None)
+        if self.qk_norm is not None:
+            d["qk_norm"] = self.qk_norm
+        try:
+            if preset is not None:
+                cfg = ModelConfig.from_preset(preset, **d)
+            else:
+                if "vocab_size" not in d and vocab_size is not None:
+                    d["vocab_size"] = vocab_size
+                cfg = ModelConfig.from_dict(d)
+        except (ConfigError, TypeError) as e:
+            raise TrainConfigError(f"model: {e}") from None
+        if self.seq_len > cfg.max_seq_len:
+            raise TrainConfigError(f"seq_len={self.seq_len} exceeds model.max_seq_len={cfg.max_seq_len}")
+        return cfg
+
+    # ---- (de)serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "config") -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise TrainConfigError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> "TrainConfig":
+        """Read a ``.toml`` or ``.json`` file, apply ``key=value`` overrides, validate."""
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {str(p)!r} does not exist")
+        text = p.read_text(encoding="utf-8")
+        try:
+            d = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+            raise TrainConfigError(f"{p}: cannot parse ({e})") from None
+        if not isinstance(d, dict):
+            raise TrainConfigError(f"{p}: expected a table/object at the top level")
+        apply_overrides(d, overrides or [])
+        return cls.from_dict(d, where=str(p))
+
+    def save(self, path: str | os.PathLike) -> None:
+        from lmstack.utils import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def parse_value(text: str) -> Any:
+    """``3e-4`` -> float, ``true`` -> True, ``null`` -> None, ``[1,2]`` -> list, else the string."""
+    low = text.strip()
+    if low in ("true", "True"):
+        return True
+    if low in ("false", "False"):
+        return False
+    if low in ("null", "None", "none"):
+        return None
+    try:
+        return json.loads(low)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key=value`` / ``model.key=value`` strings to the raw config dict in place."""
+    for item in overrides:
+        if "=" not in item:
+            raise TrainConfigError(f"override {item!r} must look like key=value (e.g. lr=3e-4 or model.n_layers=4)")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        target = d
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise TrainConfigError(f"override {item!r}: {part!r} is not a table")
+        target[parts[-1]] = parse_value(value)
+    return d

@@ -1,0 +1,384 @@
+"""The training loop: data -> forward/loss -> backward -> clip -> AdamW step, with evaluation,
+metrics, progress, checkpoints and a divergence stop.
+
+Seed 000 §1.8 (weights, optimizer states, gradients, activations; activation checkpointing),
+§5.1/§5.4 (mixed precision: fp32 master weights, bf16 autocast for the forward/backward,
+gradients land in fp32 because the parameters are fp32), seed 001 "训练稳定性" (z-loss,
+QK-norm, weight decay), "工程细节/基准测试" (timing with a monotonic clock, synchronising CUDA),
+"模型规模定律" (tokens per step = B·grad_accum·S; the critical batch size is where more does not help).
+
+The step is factored so a distributed wrapper can plug in without touching this file:
+
+- ``parallelize(model) -> model`` runs once after the model is built (identity here; a DDP/FSDP
+  wrapper returns the wrapped model). Pass ``parallelize=`` or set ``config.parallel`` to a name
+  ``lmstack.parallel.get_parallelize(name)`` knows. ``self.raw_model`` stays the unwrapped model
+  (checkpoints, export); ``self.model`` is what the forward calls.
+- ``rank``/``world_size`` come from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); the
+  sampler is seeded per rank; only rank 0 writes files.
+- ``micro_step_context(i, n)`` wraps each micro-batch's forward+backward (DDP's ``no_sync`` for
+  all but the last); ``reduce_metric(x)`` averages a scalar over ranks (identity here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmstack.train import checkpoint as ckpt
+from lmstack.train.config import TrainConfig, TrainConfigError
+from lmstack.train.data import Batch, get_batch, open_tokens, resolve_device, sequential_batches
+from lmstack.train.losses import cross_entropy
+from lmstack.train.optim import SGD, AdamW, clip_grad_norm, global_grad_norm
+from lmstack.train.schedule import LRSchedule
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became NaN/inf; the last good state was saved first."""
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW/SGD with two groups: matrices decay, 1-D tensors (norm gains, biases) do not."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if config.optimizer == "adamw":
+        return AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
+    return SGD(groups, lr=config.lr, momentum=config.momentum)
+
+
+def build_schedule(config: TrainConfig) -> LRSchedule:
+    return LRSchedule(config.schedule, config.lr, config.min_lr, config.warmup_steps, config.max_steps,
+                      config.decay_steps)
+
+
+@functools.lru_cache(maxsize=8)
+def device_peak_flops(device_type: str, precision: str) -> float:
+    """Measured dense matmul FLOP/s of this device in the run's compute dtype (for MFU)."""
+    key = "bf16" if precision == "bf16" else ("fp16" if precision == "fp16" else "fp32")
+    if device_type == "cpu":
+        from lmstack.accounting import measure_cpu
+
+        return measure_cpu(quick=False, dtypes=(key,)).flops(key)
+    if device_type == "cuda":
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[key]
+        n = 8192
+        a, b = torch.randn(n, n, device="cuda", dtype=dt), torch.randn(n, n, device="cuda", dtype=dt)
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        torch.cuda.synchronize()
+        return 10 * 2 * n**3 / (time.perf_counter() - t0)
+    return float("nan")
+
+
+def unigram_baseline(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy (nats/token) of ``val`` under the add-one unigram distribution of ``train``:
+    the loss a model reaches by learning token frequencies and nothing else."""
+    counts = np.bincount(np.asarray(train), minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[np.asarray(val)].mean())
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, parallelize: Callable[["Trainer", torch.nn.Module], torch.nn.Module]
+                 | None = None, progress: bool = True, peak_flops: float | None = None):
+        from lmstack.model.transformer import Transformer
+
+        self.config = c = config
+        self.progress = progress
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.device = resolve_device(c.device)
+        if self.device.type == "cuda" and self.world_size > 1 and self.device.index is None:
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(c.seed)
+        self.out_dir = Path(c.out_dir)
+        self.ckpt_dir = self.out_dir / "checkpoints"
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+
+        # ---- data (seed 000 §5.3) ----
+        tokens = open_tokens(c.train_data)
+        side = Path(str(c.train_data) + ".json")
+        data_vocab = json.loads(side.read_text()).get("vocab_size") if side.is_file() else None
+        if c.val_data:
+            self.train_tokens, self.val_tokens = tokens, open_tokens(c.val_data)
+        else:
+            cut = int(len(tokens) * (1 - c.val_fraction))
+            self.train_tokens, self.val_tokens = tokens[:cut], tokens[cut:]
+        for name, arr in (("training", self.train_tokens), ("validation", self.val_tokens)):
+            if len(arr) < c.seq_len + 1:
+                raise TrainConfigError(f"the {name} split has {len(arr)} tokens, fewer than seq_len + 1 = "
+                                       f"{c.seq_len + 1} (use a larger corpus, a smaller seq_len or val_fraction)")
+
+        # ---- model ----
+        self.model_config = c.model_config(vocab_size=data_vocab)
+        if data_vocab is not None and data_vocab > self.model_config.vocab_size:
+            raise TrainConfigError(f"the data's vocab_size={data_vocab} exceeds model.vocab_size="
+                                   f"{self.model_config.vocab_size}; token ids would be out of range")
+        self.raw_model = Transformer(self.model_config, device=self.device, seed=c.seed)
+        self.raw_model.activation_checkpointing = c.activation_checkpointing
+        self.raw_model.train()
+        self._parallelize_fn = parallelize
+        self.model = self.parallelize(self.raw_model)
+        if c.compile:
+            self.model = torch.compile(self.model)
+        self.optimizer = build_optimizer(self.model, c)
+        self.schedule = build_schedule(c)
+        self.data_generator = torch.Generator().manual_seed(c.seed * 1_000_003 + self.rank)
+        self.step = 0  # optimizer steps done
+        self.tokens_seen = 0
+        self.last_eval: dict[str, float] = {}
+        self.tokens_per_step = c.batch_size * c.grad_accum * c.seq_len * self.world_size
+        from lmstack.accounting import training_step_flops
+
+        self.flops_per_step = training_step_flops(self.model_config, c.batch_size * c.grad_accum * self.world_size,
+                                                  c.seq_len, recompute=c.activation_checkpointing)
+        self._peak_flops = peak_flops
+
+    # ---- seams for distributed training ----------------------------------------------------
+    def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Wrap the model for data/tensor/... parallelism; the identity for one process."""
+        if self._parallelize_fn is not None:
+            return self._parallelize_fn(self, model)
+        if self.config.parallel:
+            try:
+                from lmstack.parallel import get_parallelize  # lazily: single-process runs never import it
+            except ImportError as e:
+                raise TrainConfigError(f"parallel={self.config.parallel!r} needs lmstack.parallel ({e})") from None
+            return get_parallelize(self.config.parallel)(self, model)
+        if self.world_size > 1:
+            raise TrainConfigError(f"WORLD_SIZE={self.world_size} but no parallel strategy is set; "
+                                   "pass parallel=ddp (or another lmstack.parallel strategy)")
+        return model
+
+    def micro_step_context(self, index: int, count: int):
+        """Context for micro-batch ``index`` of ``count`` (DDP: no_sync except the last)."""
+        return contextlib.nullcontext()
+
+    def reduce_metric(self, value: float) -> float:
+        """Average a scalar over ranks (identity for one process)."""
+        return value
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ---- one step -------------------------------------------------------------------------
+    def autocast(self):
+        """bf16/fp16 autocast (seed 000 §5.4): matmuls in low precision, weights stay fp32."""
+        if self.config.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=AUTOCAST_DTYPES[self.config.precision])
+
+    def next_batch(self) -> Batch:
+        c = self.config
+        return get_batch(self.train_tokens, c.batch_size, c.seq_len, self.device, self.data_generator,
+                         c.sep_id if c.packing else None)
+
+    def forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cross-entropy, z-loss) of one micro-batch; logits (B, S, V)."""
+        with self.autocast():
+            logits = self.model(batch.x, positions=batch.positions, document_ids=batch.document_ids)
+        return cross_entropy(logits, batch.y, z_loss=self.config.z_loss)
+
+    def optimizer_step(self) -> tuple[float, float]:
+        """Clip, set lr(step), update, zero grads; returns (grad norm before clipping, lr)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.config.grad_clip > 0:
+            norm = clip_grad_norm(params, self.config.grad_clip)
+        else:
+            norm = global_grad_norm(params)
+        norm_f = float(norm)
+        if not math.isfinite(norm_f):
+            raise TrainingDiverged(f"gradient norm is {norm_f} at step {self.step}")
+        lr = self.schedule.apply(self.optimizer, self.step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm_f, lr
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over ``grad_accum`` micro-batches (loss scaled by 1/grad_accum)."""
+        n = self.config.grad_accum
+        ce_sum = z_sum = 0.0
+        for i in range(n):
+            batch = self.next_batch()
+            with self.micro_step_context(i, n):
+                ce, z = self.forward_loss(batch)
+                loss = ce + z
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    raise TrainingDiverged(f"loss is {value} at step {self.step} (micro-batch {i})")
+                (loss / n).backward()
+            ce_sum += float(ce.detach())
+            z_sum += float(z.detach())
+        norm, lr = self.optimizer_step()
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+        return {"loss": self.reduce_metric(ce_sum / n), "z_loss": self.reduce_metric(z_sum / n),
+                "grad_norm": norm, "lr": lr}
+
+    @torch.no_grad()
+    def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
+        """Mean cross-entropy over sequential validation windows, and perplexity = exp(loss)."""
+        c = self.config
+        self.model.eval()
+        total = count = 0.0
+        try:
+            for batch in sequential_batches(self.val_tokens, c.batch_size, c.seq_len, self.device,
+                                            max_batches or c.eval_batches, c.sep_id if c.packing else None):
+                with self.autocast():
+                    logits = self.model(batch.x, positions=batch.positions, document_ids=batch.document_ids)
+                ce, _ = cross_entropy(logits, batch.y)
+                k = int((batch.y != -100).sum())
+                total += float(ce) * k
+                count += k
+        finally:
+            self.model.train()
+        loss = self.reduce_metric(total / max(count, 1))
+        self.last_eval = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700))}
+        return self.last_eval
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "model_config": self.model_config.to_dict(),
+                "schedule": self.schedule.state_dict(), "tokens_seen": self.tokens_seen,
+                "tokenizer": self.config.tokenizer, "last_eval": self.last_eval}
+
+    def save_checkpoint(self) -> Path | None:
+        if not self.is_main:
+            return None
+        return ckpt.save_checkpoint(self.ckpt_dir, self.step, self.raw_model, self.optimizer, self.state(),
+                                    self.data_generator, keep_last=self.config.keep_last)
+
+    def resume(self, path: str | os.PathLike | None = None) -> int:
+        """Restore from ``path`` (default: the run's latest checkpoint); returns the step reached."""
+        p = Path(path) if path is not None else ckpt.latest_checkpoint(self.ckpt_dir)
+        if p is None:
+            raise FileNotFoundError(f"no checkpoint to resume from in {self.ckpt_dir}")
+        meta = ckpt.load_checkpoint(p, self.raw_model, self.optimizer, self.data_generator)
+        self.step = int(meta["step"])
+        self.tokens_seen = int(meta.get("tokens_seen", 0))
+        self.last_eval = meta.get("last_eval") or {}
+        return self.step
+
+    def export(self, directory: str | os.PathLike | None = None) -> Path:
+        """The trained weights as an lmstack model directory (config.json + model.safetensors)."""
+        from lmstack.model.io import save_pretrained
+
+        d = Path(directory) if directory is not None else self.out_dir / "model"
+        save_pretrained(self.raw_model, d)
+        if self.config.tokenizer and Path(self.config.tokenizer).is_file():
+            import shutil
+
+            shutil.copyfile(self.config.tokenizer, d / "tokenizer.json")
+        return d
+
+    # ---- the loop -------------------------------------------------------------------------
+    def log(self, row: dict[str, Any]) -> None:
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def peak_flops(self) -> float:
+        if self._peak_flops is None:
+            self._peak_flops = device_peak_flops(self.device.type, self.config.precision)
+        return self._peak_flops
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def fit(self, callback: Callable[["Trainer", dict], None] | None = None) -> dict[str, Any]:
+        """Train until ``max_steps`` (or ``stop_after`` steps); returns a summary.
+
+        ``callback(trainer, metrics)`` runs after each step (tests use it to interrupt a run).
+        """
+        from tqdm import tqdm
+
+        c = self.config
+        end = c.max_steps if c.stop_after is None else min(c.max_steps, self.step + c.stop_after)
+        peak = self.peak_flops() if self.progress else None
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            c.save(self.out_dir / "config.json")
+        bar = tqdm(total=c.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (self.progress and self.is_main))
+        t_start = time.perf_counter()
+        t_last, tokens_last = t_start, self.tokens_seen
+        last: dict[str, float] = {}
+        history: list[dict] = []
+        try:
+            while self.step < end:
+                m = self.train_step()
+                last = m
+                if self.step % c.log_interval == 0 or self.step == end:
+                    self._sync()
+                    now = time.perf_counter()
+                    tps = (self.tokens_seen - tokens_last) / max(now - t_last, 1e-9)
+                    steps = (self.tokens_seen - tokens_last) / self.tokens_per_step
+                    row = {"kind": "train", "step": self.step, **m, "tokens": self.tokens_seen,
+                           "tokens_per_s": tps, "elapsed_s": now - t_start}
+                    if peak:
+                        row["mfu"] = self.flops_per_step * steps / max(now - t_last, 1e-9) / peak
+                    self.log(row)
+                    history.append(row)
+                    t_last, tokens_last = now, self.tokens_seen
+                    post = {"loss": f"{m['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
+                    if "mfu" in row:
+                        post["MFU"] = f"{row['mfu']:.1%}"
+                    if self.last_eval:
+                        post["val"] = f"{self.last_eval['val_loss']:.3f}"
+                    bar.set_postfix(post, refresh=False)
+                if c.eval_interval and self.step % c.eval_interval == 0 and self.step < end:
+                    ev = self.evaluate()
+                    self.log({"kind": "eval", "step": self.step, **ev})
+                if c.ckpt_interval and self.step % c.ckpt_interval == 0 and self.step < end:
+                    self.save_checkpoint()
+                bar.update(1)
+                if callback is not None:
+                    callback(self, m)
+        except TrainingDiverged as e:
+            bar.close()
+            path = self.save_checkpoint()
+            raise TrainingDiverged(f"{e}; stopped. The last good state (step {self.step}) is saved in {path}. "
+                                   "Try a lower lr, grad_clip, z_loss=1e-4 or qk_norm=true.") from None
+        bar.close()
+        ev = self.evaluate()
+        self.log({"kind": "eval", "step": self.step, **ev})
+        path = self.save_checkpoint()
+        summary = {"step": self.step, "tokens_seen": self.tokens_seen, "checkpoint": str(path) if path else None,
+                   "metrics": str(self.metrics_path), "seconds": time.perf_counter() - t_start, **ev,
+                   "last_train": last}
+        return summary
+
+    def plot(self, baseline: float | None = None) -> Path | None:
+        if not self.is_main:
+            return None
+        from lmstack.train.plot import plot_loss_curve
+
+        return plot_loss_curve(self.metrics_path, self.out_dir / "loss_curve.png", baseline,
+                               title=f"{self.model_config.name}: {self.raw_model.num_params():,} params, "
+                                     f"B={self.config.batch_size}x{self.config.grad_accum}, S={self.config.seq_len}")
+
+    def unigram_baseline(self) -> float:
+        return unigram_baseline(self.train_tokens, self.val_tokens, self.model_config.vocab_size)
