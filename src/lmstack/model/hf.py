@@ -191,10 +191,14 @@ def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
         t = state[name]
         if tuple(t.shape) != tuple(p.shape):
             raise WeightsError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-    meta = any(p.is_meta for p in params.values())
-    if meta:
-        model.to_empty(device="cpu")
-        params = dict(model.named_parameters())
+    if any(p.is_meta for p in params.values()):
+        # adopt the loaded tensors as the parameters: no allocation, no copy
+        model.load_state_dict({n: state[n].to(p.dtype) for n, p in params.items()}, strict=False, assign=True)
+        for module in model.modules():  # buffers are caches rebuilt on demand (RoPE tables): allocate them empty
+            for name, buf in module.named_buffers(recurse=False):
+                if buf.is_meta:
+                    setattr(module, name, torch.empty_like(buf, device="cpu"))
+        return
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(state[name].to(p.dtype))
