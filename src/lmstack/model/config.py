@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROPE_LAYOUTS = ("half", "interleaved")
-ATTN_BACKENDS = ("sdpa", "reference")
+# "auto" picks the fastest backend for the tensors' device (lmstack.kernels.backends); the flash
+# backends apply where no explicit mask is needed and fall back to sdpa otherwise (docs/kernels.md).
+ATTN_BACKENDS = ("auto", "sdpa", "reference", "flash_pytorch", "flash_triton")
+NORM_BACKENDS = ("auto", "torch", "triton")  # RMSNorm: eager fp32 formula or the fused Triton kernel
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
@@ -51,7 +54,8 @@ class ModelConfig:
     sliding_window: int | None = None  # W: a query sees itself and the W - 1 keys before it
     qk_norm: bool = False  # RMSNorm over H on q and k before RoPE (seed 001 "训练稳定性")
     parallel_block: bool = False  # GPT-J: y = x + Attn(Norm(x)) + MLP(Norm(x))
-    attn_backend: str = "sdpa"  # "sdpa" (F.scaled_dot_product_attention) or "reference"
+    attn_backend: str = "auto"  # one of ATTN_BACKENDS; "auto" is sdpa on CPU
+    norm_backend: str = "auto"  # one of NORM_BACKENDS; "auto" is triton on CUDA with Triton, else torch
     init_std: float = 0.02
     architecture: str = "llama"  # HF family used when saving: llama | mistral | qwen2
     bos_token_id: int | None = None
@@ -91,6 +95,8 @@ class ModelConfig:
             raise ConfigError(f"rope_layout={self.rope_layout!r}; expected one of {ROPE_LAYOUTS}")
         if self.attn_backend not in ATTN_BACKENDS:
             raise ConfigError(f"attn_backend={self.attn_backend!r}; expected one of {ATTN_BACKENDS}")
+        if self.norm_backend not in NORM_BACKENDS:
+            raise ConfigError(f"norm_backend={self.norm_backend!r}; expected one of {NORM_BACKENDS}")
         if self.architecture not in ARCHITECTURES:
             raise ConfigError(f"architecture={self.architecture!r}; expected one of {ARCHITECTURES}")
         if self.sliding_window is not None and (

@@ -1,0 +1,40 @@
+"""Kernels: FlashAttention-2 (tiled PyTorch and Triton), fused RMSNorm (Triton), benchmarking.
+
+Seed 000 §2.7 (FlashAttention: tiling + online softmax, exact, O(S) memory), §4.1 (HBM vs SRAM);
+seed 001 "GPU 架构", "优化技巧", "工程细节 / 基准测试", "Triton Kernel", "FlashAttention".
+
+Triton is never imported by ``import lmstack.kernels``: the Triton modules
+(``flash_triton``, ``rmsnorm_triton``) load on first use, and every feature has a CPU path.
+"""
+
+from lmstack.kernels.backends import (
+    ATTENTION_BACKENDS,
+    NORM_BACKENDS,
+    flash_attention,
+    resolve_attn_backend,
+    resolve_norm_backend,
+    rms_norm,
+    triton_usable,
+)
+from lmstack.kernels.flash_pytorch import FlashAttentionPyTorch, flash_attention_pytorch
+
+
+def flash_attention_triton(*args, **kwargs):
+    """Lazy alias of ``lmstack.kernels.flash_triton.flash_attention_triton`` (imports Triton)."""
+    from lmstack.kernels.flash_triton import flash_attention_triton as fn
+
+    return fn(*args, **kwargs)
+
+
+def rmsnorm_triton(*args, **kwargs):
+    """Lazy alias of ``lmstack.kernels.rmsnorm_triton.rmsnorm_triton`` (imports Triton)."""
+    from lmstack.kernels.rmsnorm_triton import rmsnorm_triton as fn
+
+    return fn(*args, **kwargs)
+
+
+__all__ = [
+    "ATTENTION_BACKENDS", "NORM_BACKENDS", "FlashAttentionPyTorch", "flash_attention", "flash_attention_pytorch",
+    "flash_attention_triton", "resolve_attn_backend", "resolve_norm_backend", "rms_norm", "rmsnorm_triton",
+    "triton_usable",
+]

@@ -1,0 +1,99 @@
+"""Which attention / RMSNorm implementation runs where, and one entry point for each.
+
+Seed 000 §2.7 (FlashAttention is exact, so every backend computes the same function),
+seed 001 "优化技巧" (fusion, tiling). Backends:
+
+attention  ``sdpa``           F.scaled_dot_product_attention (on CUDA its FlashAttention-2 kernel)
+           ``reference``      softmax(QKᵀ/√H + mask) V, materialising the (T, S) matrix
+           ``flash_pytorch``  lmstack.kernels.flash_pytorch (tiled PyTorch, O(S) memory)
+           ``flash_triton``   lmstack.kernels.flash_triton (Triton; CUDA or TRITON_INTERPRET=1)
+           ``auto``           the fastest available on the tensor's device (table below)
+rmsnorm    ``torch``          the eager fp32 formula in lmstack.model.layers.RMSNorm
+           ``triton``         lmstack.kernels.rmsnorm_triton (one fused kernel each way)
+           ``auto``           triton on CUDA when Triton is installed, else torch
+
+``auto`` for attention resolves to ``sdpa`` on every device: on CPU it is the fastest path
+measured here (docs/kernels.md); on CUDA SDPA dispatches to FlashAttention-2 in CUDA, which the
+Triton kernel aims to match (≥ 0.9x) but has not been measured against on this project's
+machines, so it is not promoted to the default. Change ``FASTEST_ATTENTION`` once it has.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+from torch import Tensor
+
+from lmstack.model.config import ATTN_BACKENDS as ATTENTION_BACKENDS  # noqa: E402 (one source of truth)
+from lmstack.model.config import NORM_BACKENDS  # noqa: E402
+
+# device type -> attention backend that "auto" picks (see the module docstring for why)
+FASTEST_ATTENTION = {"cpu": "sdpa", "cuda": "sdpa"}
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_installed() -> bool:
+    """True when the ``triton`` package can be imported (it is not imported here)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_usable(device: torch.device | str) -> bool:
+    """Triton kernels can run on this device: CUDA with Triton, or any device under TRITON_INTERPRET=1."""
+    device = torch.device(device)
+    if not triton_installed():
+        return False
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_attn_backend(name: str, device: torch.device | str) -> str:
+    """Map ``auto`` to a concrete backend for ``device``; check every other name."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend={name!r}; expected one of {ATTENTION_BACKENDS}")
+    if name == "auto":
+        return FASTEST_ATTENTION.get(torch.device(device).type, "sdpa")
+    return name
+
+
+def resolve_norm_backend(name: str, x: Tensor) -> str:
+    """Map ``auto`` to ``triton`` for fp32/fp16/bf16 CUDA tensors when Triton is installed, else ``torch``."""
+    if name not in NORM_BACKENDS:
+        raise ValueError(f"norm backend={name!r}; expected one of {NORM_BACKENDS}")
+    if name == "auto":
+        ok = x.device.type == "cuda" and x.dtype in _TRITON_DTYPES and triton_usable(x.device)
+        return "triton" if ok else "torch"
+    return name
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, backend: str = "flash_pytorch",
+                    scale: float | None = None, return_lse: bool = False):
+    """FlashAttention-2 through the PyTorch or the Triton implementation.
+
+    q (B, N, T, H), k/v (B, K, S, H) -> O (B, N, T, H) [, L (B, N, T)]; causal is bottom-right aligned.
+    """
+    if backend == "flash_pytorch":
+        from lmstack.kernels.flash_pytorch import flash_attention_pytorch
+
+        return flash_attention_pytorch(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    if backend == "flash_triton":
+        from lmstack.kernels.flash_triton import flash_attention_triton  # imports triton on first use
+
+        return flash_attention_triton(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    raise ValueError(f"flash backend={backend!r}; expected 'flash_pytorch' or 'flash_triton'")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> Tensor:
+    """RMSNorm (seed 000 §1.10) through the chosen backend; ``torch`` is the model's eager formula."""
+    backend = resolve_norm_backend(backend, x)
+    if backend == "triton":
+        from lmstack.kernels.rmsnorm_triton import rmsnorm_triton
+
+        return rmsnorm_triton(x, weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)

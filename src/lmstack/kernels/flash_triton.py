@@ -1,0 +1,370 @@
+"""FlashAttention-2 as Triton kernels: forward, and backward split into a dK/dV and a dQ kernel.
+
+Seed 000 §2.7 (tiling, online softmax, exactness), §4.1 (tiles live in on-chip SRAM, HBM is read
+once per tile); seed 001 "Triton Kernel" (block pointers: ``tl.make_block_ptr`` + ``advance``,
+zero padding of partial tiles via ``boundary_check``), "优化技巧" (masks instead of branches,
+fusion, recomputation, tiling), "FlashAttention" (online tiled attention).
+
+This module imports Triton at import time; ``lmstack.kernels`` only imports it on first use.
+Shapes: q (B, N, T, H), k/v (B, K, S, H), G = N // K query heads per kv head; L (B, N, T).
+Causal masking is aligned bottom-right exactly as in ``flash_pytorch`` (query i sees key j when
+j ≤ i + S - T).
+
+Grid (forward and dQ): one program per (query tile, b·n); it walks the K/V tiles of kv head
+n // G (GQA without copying K/V). Grid (dK/dV): one program per (key tile, b·kv head); it walks
+the query tiles of all G query heads that share that kv head, so dK/dV need no atomics.
+Scores are kept in log2 units (qk_scale = scale·log2 e) so that exp2 is used; L is stored in
+natural-log units so it equals ``torch.logsumexp`` of the scaled scores.
+
+``TRITON_INTERPRET=1`` runs the kernels on CPU (numpy). The interpreter mishandles bf16/fp16
+arithmetic, so there the tiles are loaded in their dtype and up-cast to fp32 before any math
+(``UPCAST``); on a GPU the dots take fp16/bf16 inputs with fp32 accumulation, fp32 inputs use
+exact ``ieee`` dots (no TF32).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+LOG2E = 1.4426950408889634  # log2(e)
+LN2 = 0.6931471805599453  # ln(2)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, Kt, V, O, L,
+    stride_qb, stride_qn, stride_qt, stride_qh,
+    stride_kb, stride_kn, stride_ks, stride_kh,
+    stride_vb, stride_vn, stride_vs, stride_vh,
+    stride_ob, stride_on, stride_ot, stride_oh,
+    stride_lb, stride_ln, stride_lt,
+    N, G, T, S, H, offset, qk_scale,
+    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_q = tl.program_id(0)  # which query tile
+    pid_bn = tl.program_id(1)  # which (batch, query head)
+    b = pid_bn // N
+    n = pid_bn % N
+    kv = n // G  # GQA: the kv head this query head reads
+    q0 = pid_q * BLOCK_Q
+
+    q_ptr = tl.make_block_ptr(Q + b * stride_qb + n * stride_qn, shape=(T, H), strides=(stride_qt, stride_qh),
+                              offsets=(q0, 0), block_shape=(BLOCK_Q, BLOCK_H), order=(1, 0))
+    # Kᵀ tile (H, Bk): the transposed view of K is just other strides, no copy
+    kt_ptr = tl.make_block_ptr(Kt + b * stride_kb + kv * stride_kn, shape=(H, S), strides=(stride_kh, stride_ks),
+                               offsets=(0, 0), block_shape=(BLOCK_H, BLOCK_K), order=(0, 1))
+    v_ptr = tl.make_block_ptr(V + b * stride_vb + kv * stride_vn, shape=(S, H), strides=(stride_vs, stride_vh),
+                              offsets=(0, 0), block_shape=(BLOCK_K, BLOCK_H), order=(1, 0))
+
+    q = tl.load(q_ptr, boundary_check=(0, 1), padding_option="zero")  # (Bq, H), stays in SRAM
+    if UPCAST:
+        q = q.to(tl.float32)
+    m = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)  # running max (log2 units)
+    l = tl.zeros((BLOCK_Q,), dtype=tl.float32)  # running sum ℓ
+    acc = tl.zeros((BLOCK_Q, BLOCK_H), dtype=tl.float32)  # unnormalised O tile
+    rows = q0 + tl.arange(0, BLOCK_Q)
+
+    # Tiles every row of this query tile fully sees need no mask; the rest (the diagonal band
+    # and a partial last tile) are masked. Causal tiles past the diagonal are never loaded.
+    if CAUSAL:
+        hi = tl.minimum(q0 + BLOCK_Q + offset, S)
+        n_full = tl.maximum(tl.minimum(q0 + offset + 1, S), 0) // BLOCK_K
+    else:
+        hi = S
+        n_full = S // BLOCK_K
+
+    for _ in range(0, n_full):
+        kt = tl.load(kt_ptr, boundary_check=(0,), padding_option="zero")  # (H, Bk)
+        v = tl.load(v_ptr, boundary_check=(1,), padding_option="zero")  # (Bk, H)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (Bq, Bk) scores, log2 units
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)  # rescale what earlier tiles accumulated
+        l = alpha * l + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+        kt_ptr = tl.advance(kt_ptr, (0, BLOCK_K))
+        v_ptr = tl.advance(v_ptr, (BLOCK_K, 0))
+
+    for k0 in range(n_full * BLOCK_K, hi, BLOCK_K):
+        kt = tl.load(kt_ptr, boundary_check=(0, 1), padding_option="zero")
+        v = tl.load(v_ptr, boundary_check=(0, 1), padding_option="zero")
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        cols = k0 + tl.arange(0, BLOCK_K)
+        visible = cols[None, :] < S
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + offset)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = alpha * l + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+        kt_ptr = tl.advance(kt_ptr, (0, BLOCK_K))
+        v_ptr = tl.advance(v_ptr, (BLOCK_K, 0))
+
+    l_safe = tl.where(l == 0.0, 1.0, l)  # rows that saw no key: O = 0, L = -inf
+    o = acc / l_safe[:, None]
+    o_ptr = tl.make_block_ptr(O + b * stride_ob + n * stride_on, shape=(T, H), strides=(stride_ot, stride_oh),
+                              offsets=(q0, 0), block_shape=(BLOCK_Q, BLOCK_H), order=(1, 0))
+    tl.store(o_ptr, o.to(O.dtype.element_ty), boundary_check=(0, 1))
+    lse = (m + tl.log2(l)) * 0.6931471805599453  # back to natural log
+    tl.store(L + b * stride_lb + n * stride_ln + rows * stride_lt, lse, mask=rows < T)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, L, Dl, DK, DV,
+    stride_qb, stride_qn, stride_qt, stride_qh,
+    stride_kb, stride_kn, stride_ks, stride_kh,
+    stride_vb, stride_vn, stride_vs, stride_vh,
+    stride_ob, stride_on, stride_ot, stride_oh,  # dO
+    stride_lb, stride_ln, stride_lt,  # L and D share one layout
+    KH, G, T, S, H, offset, qk_scale, scale,
+    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_k = tl.program_id(0)  # which key tile
+    pid_bk = tl.program_id(1)  # which (batch, kv head)
+    b = pid_bk // KH
+    kv = pid_bk % KH
+    k0 = pid_k * BLOCK_K
+    k_ptr = tl.make_block_ptr(K + b * stride_kb + kv * stride_kn, shape=(S, H), strides=(stride_ks, stride_kh),
+                              offsets=(k0, 0), block_shape=(BLOCK_K, BLOCK_H), order=(1, 0))
+    v_ptr = tl.make_block_ptr(V + b * stride_vb + kv * stride_vn, shape=(S, H), strides=(stride_vs, stride_vh),
+                              offsets=(k0, 0), block_shape=(BLOCK_K, BLOCK_H), order=(1, 0))
+    k = tl.load(k_ptr, boundary_check=(0, 1), padding_option="zero")  # (Bk, H)
+    v = tl.load(v_ptr, boundary_check=(0, 1), padding_option="zero")  # (Bk, H)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    if CAUSAL:
+        q_start = (tl.maximum(k0 - offset, 0) // BLOCK_Q) * BLOCK_Q  # earlier rows never see this tile
+    else:
+        q_start = 0
+    for g in range(0, G):  # the G query heads that share kv head `kv`
+        n = kv * G + g
+        qt_ptr = tl.make_block_ptr(Q + b * stride_qb + n * stride_qn, shape=(H, T), strides=(stride_qh, stride_qt),
+                                   offsets=(0, q_start), block_shape=(BLOCK_H, BLOCK_Q), order=(0, 1))
+        do_ptr = tl.make_block_ptr(DO + b * stride_ob + n * stride_on, shape=(T, H), strides=(stride_ot, stride_oh),
+                                   offsets=(q_start, 0), block_shape=(BLOCK_Q, BLOCK_H), order=(1, 0))
+        l_base = L + b * stride_lb + n * stride_ln
+        d_base = Dl + b * stride_lb + n * stride_ln
+        for q0 in range(q_start, T, BLOCK_Q):
+            qt = tl.load(qt_ptr, boundary_check=(0, 1), padding_option="zero")  # Qᵀ (H, Bq)
+            do = tl.load(do_ptr, boundary_check=(0, 1), padding_option="zero")  # dO (Bq, H)
+            if UPCAST:
+                qt = qt.to(tl.float32)
+                do = do.to(tl.float32)
+            rows = q0 + tl.arange(0, BLOCK_Q)
+            lse = tl.load(l_base + rows * stride_lt, mask=rows < T, other=0.0)  # (Bq,)
+            delta = tl.load(d_base + rows * stride_lt, mask=rows < T, other=0.0)  # D (Bq,)
+            st = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # Sᵀ (Bk, Bq), log2 units
+            pt = tl.exp2(st - lse[None, :] * 1.4426950408889634)  # Pᵀ recomputed
+            visible = (cols[:, None] < S) & (rows[None, :] < T)
+            if CAUSAL:
+                visible = visible & (cols[:, None] <= rows[None, :] + offset)
+            pt = tl.where(visible, pt, 0.0)
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)  # dV += Pᵀ dO
+            dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # dPᵀ = V dOᵀ (Bk, Bq)
+            dst = pt * (dpt - delta[None, :])  # dSᵀ = Pᵀ ∘ (dPᵀ − D)
+            dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)  # dK += dSᵀ Q
+            qt_ptr = tl.advance(qt_ptr, (0, BLOCK_Q))
+            do_ptr = tl.advance(do_ptr, (BLOCK_Q, 0))
+    dk = dk * scale
+    dk_ptr = tl.make_block_ptr(DK + b * stride_kb + kv * stride_kn, shape=(S, H), strides=(stride_ks, stride_kh),
+                               offsets=(k0, 0), block_shape=(BLOCK_K, BLOCK_H), order=(1, 0))
+    dv_ptr = tl.make_block_ptr(DV + b * stride_vb + kv * stride_vn, shape=(S, H), strides=(stride_vs, stride_vh),
+                               offsets=(k0, 0), block_shape=(BLOCK_K, BLOCK_H), order=(1, 0))
+    tl.store(dk_ptr, dk.to(DK.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(dv_ptr, dv.to(DV.dtype.element_ty), boundary_check=(0, 1))
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, L, Dl, DQ,
+    stride_qb, stride_qn, stride_qt, stride_qh,  # Q and dQ share one layout
+    stride_kb, stride_kn, stride_ks, stride_kh,
+    stride_vb, stride_vn, stride_vs, stride_vh,
+    stride_ob, stride_on, stride_ot, stride_oh,
+    stride_lb, stride_ln, stride_lt,
+    N, G, T, S, H, offset, qk_scale, scale,
+    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    pid_bn = tl.program_id(1)
+    b = pid_bn // N
+    n = pid_bn % N
+    kv = n // G
+    q0 = pid_q * BLOCK_Q
+    q_ptr = tl.make_block_ptr(Q + b * stride_qb + n * stride_qn, shape=(T, H), strides=(stride_qt, stride_qh),
+                              offsets=(q0, 0), block_shape=(BLOCK_Q, BLOCK_H), order=(1, 0))
+    do_ptr = tl.make_block_ptr(DO + b * stride_ob + n * stride_on, shape=(T, H), strides=(stride_ot, stride_oh),
+                               offsets=(q0, 0), block_shape=(BLOCK_Q, BLOCK_H), order=(1, 0))
+    kt_ptr = tl.make_block_ptr(K + b * stride_kb + kv * stride_kn, shape=(H, S), strides=(stride_kh, stride_ks),
+                               offsets=(0, 0), block_shape=(BLOCK_H, BLOCK_K), order=(0, 1))
+    vt_ptr = tl.make_block_ptr(V + b * stride_vb + kv * stride_vn, shape=(H, S), strides=(stride_vh, stride_vs),
+                               offsets=(0, 0), block_shape=(BLOCK_H, BLOCK_K), order=(0, 1))
+    q = tl.load(q_ptr, boundary_check=(0, 1), padding_option="zero")  # (Bq, H)
+    do = tl.load(do_ptr, boundary_check=(0, 1), padding_option="zero")  # (Bq, H)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    rows = q0 + tl.arange(0, BLOCK_Q)
+    lse = tl.load(L + b * stride_lb + n * stride_ln + rows * stride_lt, mask=rows < T, other=0.0)
+    delta = tl.load(Dl + b * stride_lb + n * stride_ln + rows * stride_lt, mask=rows < T, other=0.0)
+    dq = tl.zeros((BLOCK_Q, BLOCK_H), dtype=tl.float32)
+    if CAUSAL:
+        hi = tl.minimum(q0 + BLOCK_Q + offset, S)
+    else:
+        hi = S
+    for k0 in range(0, hi, BLOCK_K):
+        kt = tl.load(kt_ptr, boundary_check=(0, 1), padding_option="zero")  # Kᵀ (H, Bk)
+        vt = tl.load(vt_ptr, boundary_check=(0, 1), padding_option="zero")  # Vᵀ (H, Bk)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (Bq, Bk)
+        p = tl.exp2(s - lse[:, None] * 1.4426950408889634)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        visible = cols[None, :] < S
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + offset)
+        p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, vt, input_precision=PRECISION)  # dP = dO Vᵀ (Bq, Bk)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=PRECISION)  # dQ += dS K
+        kt_ptr = tl.advance(kt_ptr, (0, BLOCK_K))
+        vt_ptr = tl.advance(vt_ptr, (0, BLOCK_K))
+    dq = dq * scale
+    dq_ptr = tl.make_block_ptr(DQ + b * stride_qb + n * stride_qn, shape=(T, H), strides=(stride_qt, stride_qh),
+                               offsets=(q0, 0), block_shape=(BLOCK_Q, BLOCK_H), order=(1, 0))
+    tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), boundary_check=(0, 1))
+
+
+def _launch_params(q: Tensor, block_q: int | None, block_k: int | None) -> dict:
+    """Tile sizes and launch options. Without a GPU to tune on, these are the usual FA-2 choices:
+    Bq = 128, Bk = 64 (Bk = 32 for H > 64 to fit SRAM), 4 warps (8 for H > 64). The
+    interpreter uses 32 × 32 tiles (fewer, larger numpy steps)."""
+    H = q.shape[-1]
+    interp = _interpreting()
+    if interp:
+        bq, bk, extra = 32, 32, {}
+    else:
+        bq, bk = 128, (64 if H <= 64 else 32)
+        extra = dict(num_warps=4 if H <= 64 else 8, num_stages=3)
+    bq, bk = block_q or bq, block_k or bk
+    for name, val in (("block_q", bq), ("block_k", bk)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"{name}={val}: Triton tiles must be powers of two ≥ 16")
+    upcast = interp or False
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    return dict(BLOCK_Q=bq, BLOCK_K=bk, BLOCK_H=max(16, triton.next_power_of_2(H)),
+                UPCAST=upcast, PRECISION=precision, **extra)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"expected q (B, N, T, H) and k, v (B, K, S, H); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"n_kv_heads K={k.shape[1]} does not divide n_heads N={q.shape[1]}")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"flash_triton supports fp32/fp16/bf16 with one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (16 <= q.shape[-1] <= 256):
+        raise ValueError(f"head dim H={q.shape[-1]}; flash_triton supports 16 ≤ H ≤ 256")
+    if q.device.type == "cpu" and not _interpreting():
+        raise ValueError("flash_triton needs a CUDA device, or TRITON_INTERPRET=1 (set before triton is "
+                         "imported) to run the kernels on CPU")
+
+
+def triton_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                             block_q: int | None = None, block_k: int | None = None) -> tuple[Tensor, Tensor]:
+    """Launch the forward kernel. Returns O (B, N, T, H) in q.dtype and L (B, N, T) fp32."""
+    _check(q, k, v)
+    B, N, T, H = q.shape
+    K, S = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty(B, N, T, dtype=torch.float32, device=q.device)
+    meta = _launch_params(q, block_q, block_k)
+    grid = (triton.cdiv(T, meta["BLOCK_Q"]), B * N)
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+        N, N // K, T, S, H, S - T, scale * LOG2E, CAUSAL=causal, **meta,
+    )
+    return out, lse
+
+
+def triton_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              causal: bool, scale: float, block_q: int | None = None,
+                              block_k: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """D = rowsum(dO ∘ O), then the dK/dV kernel and the dQ kernel. Returns dQ, dK, dV."""
+    B, N, T, H = q.shape
+    K, S = k.shape[1], k.shape[2]
+    dout = dout.contiguous() if dout.stride(-1) != 1 else dout
+    delta = (dout.float() * out.float()).sum(dim=-1).contiguous()  # D (B, N, T)
+    lse = lse.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    meta = _launch_params(q, block_q, block_k)
+    common = (T, S, H, S - T, scale * LOG2E, scale)
+    _attn_bwd_dkdv_kernel[(triton.cdiv(S, meta["BLOCK_K"]), B * K)](
+        q, k, v, dout, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
+        *lse.stride(), K, N // K, *common, CAUSAL=causal, **meta,
+    )
+    if dq.stride() != q.stride():
+        raise AssertionError("dq must share q's layout")
+    _attn_bwd_dq_kernel[(triton.cdiv(T, meta["BLOCK_Q"]), B * N)](
+        q, k, v, dout, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
+        *lse.stride(), N, N // K, *common, CAUSAL=causal, **meta,
+    )
+    return dq, dk, dv
+
+
+class FlashAttentionTriton(torch.autograd.Function):
+    """FlashAttention-2 with Triton kernels; saves Q, K, V, O and L (B, N, T) only."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
+                block_q: int | None = None, block_k: int | None = None) -> tuple[Tensor, Tensor]:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        out, lse = triton_attention_forward(q, k, v, causal, scale, block_q, block_k)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.blocks = causal, scale, (block_q, block_k)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: Tensor, dlse: Tensor | None):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = triton_attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale, *ctx.blocks)
+        return dq, dk, dv, None, None, None, None
+
+
+def flash_attention_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
+                           block_q: int | None = None, block_k: int | None = None, return_lse: bool = False):
+    """FlashAttention-2 (Triton). q (B, N, T, H), k/v (B, K, S, H) -> O (B, N, T, H) [, L (B, N, T)]."""
+    out, lse = FlashAttentionTriton.apply(q, k, v, causal, scale, block_q, block_k)
+    return (out, lse) if return_lse else out
