@@ -58,6 +58,12 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) ->
     return (probs @ v.float()).to(q.dtype)
 
 
+def _resolve_backend(name: str, device: torch.device) -> str:
+    from lmstack.kernels.backends import resolve_attn_backend
+
+    return resolve_attn_backend(name, device)
+
+
 class Attention(nn.Module):
     """Multi-head attention with K ≤ N kv heads (MHA when K = N, GQA when 1 < K < N, MQA when K = 1)."""
 
@@ -117,7 +123,14 @@ class Attention(nn.Module):
         else:
             mask = attention_mask(positions, k_positions, self.window, document_ids, document_ids)
 
-        if self.backend == "reference":
+        backend = self.backend if self.backend != "auto" else _resolve_backend(self.backend, q.device)
+        if backend in ("flash_pytorch", "flash_triton") and mask is None:
+            # FlashAttention-2 (seed 000 §2.7) covers the plain causal case; anything that needs an
+            # explicit mask (KV-cache slots, sliding window, packed documents) takes sdpa below.
+            from lmstack.kernels import flash_attention
+
+            out = flash_attention(q, k, v, causal=True, backend=backend)  # (B, N, T, H)
+        elif backend == "reference":
             if mask is None:
                 mask = attention_mask(positions, k_positions)
             out = reference_attention(q, k, v, mask)

@@ -67,15 +67,20 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(self, dim: int, eps: float = 1e-5,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+                 device: torch.device | None = None, dtype: torch.dtype | None = None, backend: str = "torch"):
         super().__init__()
         self.dim, self.eps = dim, eps
+        self.backend = backend  # "torch" (this formula), "triton" (fused kernel) or "auto"; lmstack.kernels
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))  # γ
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:  # (..., D) -> (..., D)
+        if self.backend != "torch":
+            from lmstack.kernels.backends import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, self.backend)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)

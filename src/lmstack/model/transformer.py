@@ -67,6 +67,7 @@ class Transformer(nn.Module):
         self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, **kw)
         # Activation checkpointing (seed 000 §1.8): recompute each block's activations in backward.
         self.activation_checkpointing = False
+        self.set_norm_backend(config.norm_backend)
         if self.embed.weight.device.type != "meta":
             self.init_weights(seed)
 
@@ -108,12 +109,25 @@ class Transformer(nn.Module):
         return n - self.embed.weight.numel() if exclude_embedding else n
 
     def set_attn_backend(self, backend: str) -> None:
-        """Switch every layer's attention between ``"sdpa"`` and ``"reference"``."""
-        if backend not in ("sdpa", "reference"):
-            raise ValueError(f"attn backend={backend!r}; expected 'sdpa' or 'reference'")
+        """Switch every layer's attention backend (one of ``model.config.ATTN_BACKENDS``)."""
+        from lmstack.model.config import ATTN_BACKENDS
+
+        if backend not in ATTN_BACKENDS:
+            raise ValueError(f"attn backend={backend!r}; expected one of {ATTN_BACKENDS}")
         self.config.attn_backend = backend
         for block in self.blocks:
             block.attn.backend = backend
+
+    def set_norm_backend(self, backend: str) -> None:
+        """Switch every RMSNorm between ``"torch"``, ``"triton"`` and ``"auto"`` (lmstack.kernels)."""
+        from lmstack.model.config import NORM_BACKENDS
+
+        if backend not in NORM_BACKENDS:
+            raise ValueError(f"norm backend={backend!r}; expected one of {NORM_BACKENDS}")
+        self.config.norm_backend = backend
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.backend = backend
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, tokens: Tensor, positions: Tensor | None = None, kv_cache=None,
