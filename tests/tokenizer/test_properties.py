@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tok_helpers import SPECIALS
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 # Arbitrary Unicode (no surrogates, which are not encodable as UTF-8), biased toward the
 # characters that stress pre-tokenization: whitespace runs, digits, apostrophes, specials' pieces.
@@ -102,3 +102,15 @@ def test_ascii_variant_only_for_builtin_patterns():
     from lmstack.tokenizer.pretokenize import ascii_variant
 
     assert ascii_variant(r"\p{L}+|\s+") is None
+
+
+@SETTINGS
+@given(text=with_specials, cuts=st.lists(st.integers(0, 500), max_size=8))
+def test_encode_iterable_custom_pattern_that_skips_text(trained, text, cuts):
+    """A custom pattern need not cover every character (here spaces are dropped); streaming still agrees."""
+    from lmstack.tokenizer import Tokenizer
+
+    tok = _cached(trained, "words", lambda t: Tokenizer(t.vocab, t.merges, SPECIALS, pattern=r"\w+|[^\w\s]+"))
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    assert list(tok.encode_iterable(chunks, chunk_chars=1)) == tok.encode(text)

@@ -138,9 +138,12 @@ class Tokenizer:
             ids = out
         return ids
 
-    def _encode_ordinary(self, text: str, out: list[int]) -> None:
+    def _split(self, text: str) -> list[str]:
+        """Pre-tokens of text that contains no special token (ASCII fast path when possible)."""
         fast = self._pat_ascii
-        pieces = (fast if fast is not None and text.isascii() else self._pat).findall(text)
+        return (fast if fast is not None and text.isascii() else self._pat).findall(text)
+
+    def _encode_pieces(self, pieces: list[str], out: list[int]) -> None:
         cache = self._cache
         got = list(map(cache.get, pieces))  # C-level lookups; misses are None
         if None in got:
@@ -155,6 +158,9 @@ class Tokenizer:
                         cache[piece] = ids
                     got[i] = ids
         out.extend(chain.from_iterable(got))
+
+    def _encode_ordinary(self, text: str, out: list[int]) -> None:
+        self._encode_pieces(self._split(text), out)
 
     # ------------------------------------------------------------------ public API
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
@@ -200,11 +206,11 @@ class Tokenizer:
         """Ids -> text; byte sequences that are not valid UTF-8 become U+FFFD."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    def _safe_cut(self, buf: str) -> int:
-        """Length of the longest prefix of ``buf`` that encodes the same whatever text follows.
+    def _settle(self, buf: str, out: list[int]) -> str:
+        """Encode the prefix of ``buf`` whose ids cannot change whatever text follows; return the rest.
 
-        Held back: any suffix that could be the start of a special token, and the last pre-token of
-        what remains (a later chunk may extend it, e.g. a run of spaces or newlines).
+        Held back: any suffix that more text could complete into a special token, and the last
+        pre-token before it (a later chunk may extend it, e.g. a run of spaces or newlines).
         """
         end = len(buf)
         # 1. the longest suffix that more text could complete into a special token
@@ -212,22 +218,30 @@ class Tokenizer:
             if buf[end - k :] in self._special_prefixes:
                 end -= k
                 break
-        # 2. never cut inside a special token; text after the last one before the cut is one segment
+        # 2. never cut inside a special token; text after the last one before `end` is one segment
         seg_start = 0
         if self._splitter is not None:
             for m in self._splitter.finditer(buf):
                 if m.start() >= end:
                     break
-                if m.end() > end:
-                    return m.start()
+                if m.end() > end:  # a definite special straddles `end`: everything before it is settled
+                    out.extend(self.encode(buf[: m.start()]))
+                    return buf[m.start() :]
                 seg_start = m.end()
-        head = buf[:end]
-        last = None
-        for m in self._pat.finditer(head, seg_start):
+        if seg_start:
+            out.extend(self.encode(buf[:seg_start]))
+        seg = buf[seg_start:end]
+        pieces = self._split(seg)
+        if pieces and sum(map(len, pieces)) == len(seg):  # pre-tokens tile the segment (built-in patterns)
+            keep = pieces.pop()
+            self._encode_pieces(pieces, out)
+            return keep + buf[end:]
+        last = None  # a custom pattern that skips characters: find the last pre-token's start
+        for m in self._pat.finditer(seg):
             last = m
-        if last is None:
-            return end
-        return last.start()
+        cut = seg_start + (last.start() if last is not None else len(seg))
+        self._encode_ordinary(buf[seg_start:cut], out)
+        return buf[cut:]
 
     def encode_iterable(self, iterable: Iterable[str], chunk_chars: int = 1 << 16) -> Iterator[int]:
         """Yield ids for the concatenation of ``iterable`` lazily (e.g. an open text file).
@@ -240,10 +254,9 @@ class Tokenizer:
             buf += chunk
             if len(buf) < chunk_chars:
                 continue
-            cut = self._safe_cut(buf)
-            if cut > 0:
-                yield from self.encode(buf[:cut])
-                buf = buf[cut:]
+            out: list[int] = []
+            buf = self._settle(buf, out)
+            yield from out
         if buf:
             yield from self.encode(buf)
 
