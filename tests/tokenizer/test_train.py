@@ -180,3 +180,15 @@ def test_small_corpus_trains_fast(tmp_path):
     elapsed = time.perf_counter() - t0
     assert len(vocab) == 500
     assert elapsed < 1.0, f"100 KB -> 500 tokens took {elapsed:.2f}s, expected well under 1s"
+
+
+def test_chunk_boundaries_never_split_a_longer_special(tmp_path):
+    double = b"<|endoftext|><|endoftext|>"
+    data = (b"x" * 50 + double) * 400
+    path = tmp_path / "d.txt"
+    path.write_bytes(data)
+    for n in (3, 7, 13):
+        bounds = find_chunk_boundaries(path, n, [b"<|endoftext|>", double])
+        assert len(bounds) > 2
+        for b in bounds[1:-1]:
+            assert data[b:].startswith(double), b  # cut only before a whole double special

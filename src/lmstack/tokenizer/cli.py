@@ -29,21 +29,7 @@ def _default_corpus() -> list[str]:
     return [sysconfig.get_paths()["stdlib"]]
 
 
-def _concat(paths: list[Path], sep: str, dest: Path) -> Path:
-    """Several files -> one file with ``sep`` (a special token) between them, so documents never merge."""
-    with open(dest, "wb") as out:
-        for i, p in enumerate(paths):
-            if i:
-                out.write(sep.encode("utf-8"))
-            with open(p, "rb") as f:
-                while block := f.read(1 << 20):
-                    out.write(block)
-    return dest
-
-
 def cmd_train(args: argparse.Namespace) -> int:
-    import tempfile
-
     from . import formats
     from .tokenizer import Tokenizer
     from .train import train_bpe
@@ -53,12 +39,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     total = sum(p.stat().st_size for p in paths)
     print(f"training on {len(paths)} file(s), {total / 1e6:.1f} MB, V={args.vocab_size}, specials={specials}")
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        if len(paths) > 1 and specials:
-            inputs = [_concat(paths, specials[0], Path(tmp) / "corpus.txt")]
-        else:
-            inputs = paths
-        vocab, merges = train_bpe(inputs, args.vocab_size, specials, args.pattern, args.workers, progress=True)
+    # each file is its own document: pre-tokens (hence merges) never cross a file boundary
+    vocab, merges = train_bpe(paths, args.vocab_size, specials, args.pattern, args.workers, progress=True)
     tok = Tokenizer(vocab, merges, specials, pattern=args.pattern)
     out = Path(args.out)
     if args.format == "lmstack":

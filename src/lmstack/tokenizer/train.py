@@ -47,32 +47,48 @@ def _paths(input_path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[
     return paths
 
 
+def _inside_special(block: bytes, q: int, split_tokens: Sequence[bytes]) -> bool:
+    """Whether some occurrence of a special token in ``block`` covers position ``q`` strictly inside."""
+    for t in split_tokens:
+        for j in range(1, len(t)):
+            if q - j >= 0 and block.startswith(t, q - j):
+                return True
+    return False
+
+
 def find_chunk_boundaries(
     path: str | os.PathLike, n_chunks: int, split_tokens: Sequence[bytes], window: int = 1 << 20
 ) -> list[int]:
     """Byte offsets ``[0, ..., size]`` cutting ``path`` into about ``n_chunks`` pieces.
 
-    Each inner boundary moves forward to the next occurrence of a split token (a special token) within
-    ``window`` bytes; failing that, to the next safe cut (see ``_SAFE_CUT``); failing that, it is dropped.
+    Each inner boundary moves forward to the next start of a special token within ``window`` bytes,
+    or failing that to the next safe cut (see ``_SAFE_CUT``), never to a position inside an
+    occurrence of a special token (``<|endoftext|><|endoftext|>`` is not cut in the middle);
+    failing both, the boundary is dropped. Either way the text on each side of a boundary
+    pre-tokenizes exactly as it does in the whole file.
     """
     size = os.path.getsize(path)
     n_chunks = max(1, min(n_chunks, size // 4096 or 1))
     guesses = [size * i // n_chunks for i in range(1, n_chunks)]
     bounds = [0]
     finder = regex.compile(b"|".join(regex.escape(t) for t in split_tokens)) if split_tokens else None
+    back = max((len(t) for t in split_tokens), default=0)  # look this far behind a candidate
     with open(path, "rb") as f:
         for g in guesses:
             if g <= bounds[-1]:
                 continue
-            f.seek(g)
-            block = f.read(window)
-            m = finder.search(block) if finder is not None else None
-            if m is None:
-                m = _SAFE_CUT.search(block)
-            if m is None:
-                continue
-            cut = g + m.start()
-            if bounds[-1] < cut < size:
+            start = max(bounds[-1], g - back)
+            f.seek(start)
+            block = f.read(window + (g - start))
+            cut = None
+            for searcher in ([finder] if finder is not None else []) + [_SAFE_CUT]:
+                for m in searcher.finditer(block, g - start, overlapped=searcher is finder):
+                    if not _inside_special(block, m.start(), split_tokens):
+                        cut = start + m.start()
+                        break
+                if cut is not None:
+                    break
+            if cut is not None and bounds[-1] < cut < size:
                 bounds.append(cut)
     bounds.append(size)
     return bounds
