@@ -1,0 +1,392 @@
+"""ZeRO-1/2 (sharded optimizer states, then gradients) and ZeRO-3 / FSDP (sharded parameters).
+
+Seed 000 §6.4 and seed 001 "数据并行":
+
+- ZeRO-1: each of M devices keeps the optimizer states of 1/M of the parameters. After
+  backward the gradients are reduce-scattered (each rank gets the summed gradient of its shard),
+  each rank updates its shard, and the updated parameters are all-gathered. Reduce-scatter +
+  all-gather moves exactly the bytes of one all-reduce: "free memory wins".
+- ZeRO-2: as ZeRO-1, but each parameter's gradient is reduce-scattered as soon as it is ready
+  (a gradient-accumulation hook) and the full gradient is freed at once: 1/M of the gradients.
+- ZeRO-3 (FSDP): the parameters themselves are sharded per unit (one Transformer block, plus the
+  root's embedding/norm/unembedding). Just before a unit runs its parameters are all-gathered,
+  and they are freed right after; backward all-gathers them again and reduce-scatters the
+  gradients (the all-gather's dual, seed 000 §6.2). The next unit is prefetched while the
+  current one computes. Communication is 1.5× DDP (two all-gathers + one reduce-scatter).
+
+Sharding is over a flat view: a tensor of n elements is padded to M·c (c = ⌈n/M⌉) and rank r
+owns elements [r·c, (r+1)·c). When every n divides by M the per-rank bytes are exactly 1/M
+(what ``lmstack.accounting.memory.training_memory_per_device`` predicts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmstack.parallel import collectives as C
+
+
+def _pad_flat(t: Tensor, M: int) -> Tensor:
+    flat = t.reshape(-1)
+    c = math.ceil(flat.numel() / M)
+    if c * M == flat.numel():
+        return flat
+    return F.pad(flat, (0, c * M - flat.numel()))
+
+
+# ---- ZeRO-1 / ZeRO-2 ---------------------------------------------------------------------------
+
+
+class ZeroOptimizer:
+    """Wrap any optimizer class so that each rank holds the optimizer states (and, at stage 2,
+    the gradients) of only its 1/M slice of every parameter.
+
+        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, group, stage=1, lr=1e-3)
+        loss.backward(); opt.step(); opt.zero_grad()
+
+    ``param_groups`` are the inner optimizer's, so LR schedules work unchanged. The shard of a
+    parameter is a view into the parameter itself (no extra fp32 copy) whenever its size
+    divides by M; the inner optimizer updates it in place and the all-gather fills the rest.
+    """
+
+    def __init__(self, params: Iterable, optimizer_class: type, group=None, stage: int = 1, **defaults):
+        if stage not in (1, 2):
+            raise ValueError(f"stage={stage}; ZeroOptimizer implements ZeRO-1 and ZeRO-2 (ZeRO-3 is FullyShard)")
+        self.group, self.stage = group, stage
+        self.M = C.group_size(group)
+        self.rank = C._group_ranks(group)[0] if self.M > 1 else 0
+        groups = list(params)
+        if not groups:
+            raise ValueError("ZeroOptimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.params: list[nn.Parameter] = []
+        self._shard: dict[int, Tensor] = {}
+        inner_groups = []
+        for g in groups:
+            shards = []
+            for p in g["params"]:
+                if not p.requires_grad or id(p) in self._shard:
+                    continue
+                self.params.append(p)
+                shard = self._make_shard(p)
+                self._shard[id(p)] = shard
+                shards.append(shard)
+            inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": shards})
+        self.inner = optimizer_class(inner_groups, **defaults)
+        self._hooks = []
+        self.require_sync = True
+        if stage == 2:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._reduce_scatter_now) for p in self.params]
+
+    # a slice of the parameter's flat storage when possible (in-place update, no copy)
+    def _make_shard(self, p: Tensor) -> Tensor:
+        n = p.numel()
+        c = math.ceil(n / self.M)
+        if n % self.M == 0 and p.is_contiguous():
+            return p.data.view(-1)[self.rank * c:(self.rank + 1) * c]
+        return _pad_flat(p.detach(), self.M)[self.rank * c:(self.rank + 1) * c].clone()
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def _reduce_scatter_grad(self, p: Tensor) -> None:
+        shard = self._shard[id(p)]
+        g = C.reduce_scatter(_pad_flat(p.grad, self.M), self.group) / self.M  # (c,)
+        shard.grad = g if shard.grad is None else shard.grad.add_(g)
+        p.grad = None  # free the full gradient: only the 1/M shard is kept
+
+    def _reduce_scatter_now(self, p: Tensor) -> None:
+        """ZeRO-2: runs when p's gradient is accumulated during backward."""
+        if self.require_sync:
+            self._reduce_scatter_grad(p)
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        if self.stage == 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._reduce_scatter_grad(p)
+        else:
+            for p in self.params:  # accumulated under no_sync, or got no gradient
+                if p.grad is not None:
+                    self._reduce_scatter_grad(p)
+                elif self._shard[id(p)].grad is None:
+                    self._shard[id(p)].grad = torch.zeros_like(self._shard[id(p)])
+        self.inner.step()
+        for p in self.params:
+            shard = self._shard[id(p)]
+            full = C.all_gather(shard.detach(), self.group)  # (M·c,)
+            p.data.view(-1).copy_(full[:p.numel()])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+            self._shard[id(p)].grad = None
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Global L2 norm of the gradient shards (summed over ranks), clipped to ``max_norm``;
+        call after ``reduce_grads()`` or within ``step`` order: use ``step(max_norm=...)``."""
+        sq = sum(float(s.grad.float().pow(2).sum()) for s in self._shard.values() if s.grad is not None)
+        t = torch.tensor([sq], dtype=torch.float64)
+        C.all_reduce(t, self.group)
+        norm = t.sqrt()[0]
+        scale = max_norm / (float(norm) + 1e-6)
+        if scale < 1:
+            for s in self._shard.values():
+                if s.grad is not None:
+                    s.grad.mul_(scale)
+        return norm
+
+    def state_bytes(self) -> dict[str, int]:
+        """Measured bytes this rank holds: parameters, gradients (full p.grad and shard grads)
+        and optimizer states (every tensor in the inner optimizer's state, step counters aside)."""
+        params = sum(p.numel() * p.element_size() for p in self.params)
+        params += sum(s.numel() * s.element_size() for p, s in ((p, self._shard[id(p)]) for p in self.params)
+                      if s.data_ptr() < p.data_ptr() or s.data_ptr() >= p.data_ptr() + p.numel() * p.element_size())
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+        grads += sum(s.grad.numel() * s.grad.element_size() for s in self._shard.values() if s.grad is not None)
+        opt = sum(v.numel() * v.element_size() for st in self.inner.state.values() for k, v in st.items()
+                  if torch.is_tensor(v) and k != "step")
+        return {"master_weights": params, "gradients": grads, "optimizer": opt}
+
+
+# ---- ZeRO-3 / FSDP -------------------------------------------------------------------------------
+
+
+class _GatherParams(torch.autograd.Function):
+    """Forward: all-gather the unit's parameter shards into its flat buffer (cast to the compute
+    dtype). Backward: reduce-scatter the flat gradient (in fp32) onto the shard, divided by M
+    (the data-parallel average), then free the buffer again."""
+
+    @staticmethod
+    def forward(ctx, shard: Tensor, unit: "_Unit") -> Tensor:
+        ctx.unit = unit
+        return unit.materialize()
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        unit = ctx.unit
+        grad = C.reduce_scatter(g.float().reshape(-1), unit.group) / unit.M
+        unit.free()
+        return grad.to(unit.shard.dtype), None
+
+
+class _Unit:
+    """The directly owned parameters of one module (not those of its sub-units), flattened."""
+
+    def __init__(self, owner: "FullyShard", name: str, entries: list[tuple[nn.Module, str, nn.Parameter]]):
+        self.owner, self.name, self.group, self.M = owner, name, owner.group, owner.M
+        self.entries = []  # (module, attr, offset, shape)
+        offsets: dict[int, int] = {}
+        uniq = []
+        off = 0
+        for mod, attr, p in entries:
+            if id(p) not in offsets:
+                offsets[id(p)] = off
+                uniq.append(p)
+                off += p.numel()
+            self.entries.append((mod, attr, offsets[id(p)], p.shape))
+        self.numel = off
+        self.c = math.ceil(off / self.M)
+        flat = torch.cat([p.detach().reshape(-1).to(owner.master_dtype) for p in uniq])
+        flat = _pad_flat(flat, self.M)
+        r = owner.rank
+        self.shard = nn.Parameter(flat[r * self.c:(r + 1) * self.c].clone().to(owner.master_dtype))
+        for mod, attr, _ in entries:
+            del mod._parameters[attr]
+            setattr(mod, attr, None)
+        self.buffer: Tensor | None = None  # (M·c,) in the compute dtype
+        self.full: Tensor | None = None  # the autograd output viewing ``buffer``
+        self._work = None
+        self.gathered = False
+
+    def _alloc(self) -> Tensor:
+        if self.buffer is None:
+            self.buffer = torch.empty(self.M * self.c, dtype=self.owner.param_dtype, device=self.shard.device)
+        else:
+            self.buffer.untyped_storage().resize_(self.M * self.c * self.buffer.element_size())
+        return self.buffer
+
+    def prefetch(self) -> None:
+        """Start the all-gather now (async with torch's collective) so it overlaps compute."""
+        if self.gathered or self._work is not None:
+            return
+        buf = self._alloc()
+        src = self.shard.detach().to(self.owner.param_dtype)
+        if C._use_ring("auto"):
+            C.all_gather(src, self.group, out=buf.data)
+            self._work = "done"
+        else:
+            self._work = C._ag_tensor(buf.data, src, self.group, async_op=True) if self.M > 1 else "done"
+            if self.M == 1:
+                buf.data.copy_(src)
+
+    def materialize(self) -> Tensor:
+        self.prefetch()
+        if self._work not in (None, "done"):
+            self._work.wait()
+        self._work = None
+        self.gathered = True
+        self.owner._live[self.buffer.untyped_storage().data_ptr()] = self
+        # a fresh tensor object on the same storage: autograd output of this gather only
+        return torch.empty(0, dtype=self.buffer.dtype, device=self.buffer.device).set_(
+            self.buffer.untyped_storage(), 0, self.buffer.shape)
+
+    def gather(self) -> None:
+        """Pre-forward: all-gather (through the autograd function) and point the module
+        attributes at views of the full flat buffer."""
+        if self.gathered and self.full is not None:
+            return
+        full = _GatherParams.apply(self.shard, self)
+        self.full = full
+        for mod, attr, off, shape in self.entries:
+            setattr(mod, attr, full[off:off + math.prod(shape)].view(shape))
+
+    def regather(self) -> None:
+        """Backward: the views saved by autograd point at the freed buffer; refill it."""
+        if not self.gathered:
+            self.materialize()
+
+    def free(self) -> None:
+        if self.buffer is not None and self.gathered:
+            self.owner._live.pop(self.buffer.untyped_storage().data_ptr(), None)
+            self.buffer.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def drop_views(self) -> None:
+        """After the forward: free the storage; the module attributes keep their (now empty) views."""
+        self.free()
+        self.full = None
+
+
+class FullyShard(nn.Module):
+    """ZeRO-3 / FSDP over ``group``: ``units`` (default: every ``model.blocks[i]``, plus the root)
+    hold only 1/M of their parameters between uses.
+
+    ``param_dtype`` is the compute dtype of the gathered parameters (bf16 for mixed precision);
+    the shards — the parameters the optimizer sees, ``self.parameters()`` — stay in
+    ``master_dtype`` (fp32), and gradients are reduce-scattered in fp32.
+    """
+
+    def __init__(self, model: nn.Module, group=None, units: list[nn.Module] | None = None,
+                 param_dtype: torch.dtype = torch.float32, master_dtype: torch.dtype = torch.float32,
+                 prefetch: bool = True, broadcast: bool = True):
+        super().__init__()
+        self.group, self.M = group, C.group_size(group)
+        self.rank = C._group_ranks(group)[0] if self.M > 1 else 0
+        self.param_dtype, self.master_dtype = param_dtype, master_dtype
+        self.prefetch_next = prefetch
+        if broadcast and self.M > 1:
+            from lmstack.parallel.ddp import broadcast_module
+
+            broadcast_module(model, group)
+        self.module = model
+        if units is None:
+            units = list(getattr(model, "blocks", []))
+        self._live: dict[int, _Unit] = {}
+        seen: set[int] = set()
+        self.units: list[_Unit] = []
+        unit_modules = list(units)
+        for i, um in enumerate(unit_modules):
+            self.units.append(_Unit(self, f"unit{i}", self._collect(um, seen)))
+        self.root = _Unit(self, "root", self._collect(model, seen))
+        if not self.root.entries:
+            self.root = None
+        self.shards = nn.ParameterList([u.shard for u in self.units] + ([self.root.shard] if self.root else []))
+        self._order = {id(um): i for i, um in enumerate(unit_modules)}
+        for i, um in enumerate(unit_modules):
+            um.register_forward_pre_hook(self._make_pre(i))
+            um.register_forward_hook(self._make_post(i))
+
+    @staticmethod
+    def _collect(module: nn.Module, seen: set[int]) -> list[tuple[nn.Module, str, nn.Parameter]]:
+        """Parameters directly owned by ``module``'s subtree and not yet claimed by a unit; a tied
+        parameter that appears under two names is listed twice (both names get the same view)."""
+        out, mine = [], set()
+        for mod in module.modules():
+            for attr, p in list(mod._parameters.items()):
+                if p is None or (id(p) in seen and id(p) not in mine):
+                    continue
+                if not p.requires_grad:
+                    raise ValueError(f"FullyShard: frozen parameter {type(mod).__name__}.{attr} is not supported "
+                                     "(ZeRO-3 shards trainable parameters; keep frozen ones outside the units)")
+                seen.add(id(p))
+                mine.add(id(p))
+                out.append((mod, attr, p))
+        return out
+
+    def _make_pre(self, i: int):
+        def hook(mod, args):
+            u = self.units[i]
+            u.gather()
+            if self.prefetch_next and i + 1 < len(self.units):
+                self.units[i + 1].prefetch()
+        return hook
+
+    def _make_post(self, i: int):
+        def hook(mod, args, out):
+            self.units[i].drop_views()
+        return hook
+
+    # saved-tensor hooks: remember which unit a saved parameter view belongs to, regather on use
+    def _pack(self, t: Tensor):
+        try:
+            u = self._live.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            u = None
+        return (u, t) if u is not None else t
+
+    def _unpack(self, packed):
+        if isinstance(packed, tuple):
+            u, t = packed
+            u.regather()
+            if u.owner.prefetch_next and u in self.units:  # backward runs units in reverse
+                i = self.units.index(u)
+                if i > 0:
+                    self.units[i - 1].prefetch()
+            return t
+        return packed
+
+    def forward(self, *args, **kwargs):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            if self.root is not None:
+                self.root.gather()
+            try:
+                return self.module(*args, **kwargs)
+            finally:
+                if self.root is not None:
+                    self.root.drop_views()
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """All-gather every unit and return the unsharded parameters by their original names."""
+        out = {}
+        names = {}
+        for name, mod in self.module.named_modules():
+            names[id(mod)] = name
+        for u in self.units + ([self.root] if self.root else []):
+            full = C.all_gather(u.shard.detach(), self.group)[:u.numel]
+            for mod, attr, off, shape in u.entries:
+                key = f"{names[id(mod)]}.{attr}" if names[id(mod)] else attr
+                out[key] = full[off:off + math.prod(shape)].view(shape).clone()
+        return out
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        params = sum(s.numel() * s.element_size() for s in self.shards)
+        grads = sum(s.grad.numel() * s.grad.element_size() for s in self.shards if s.grad is not None)
+        opt = 0
+        if optimizer is not None:
+            opt = sum(v.numel() * v.element_size() for st in optimizer.state.values() for k, v in st.items()
+                      if torch.is_tensor(v) and k != "step")
+        return {"master_weights": params, "gradients": grads, "optimizer": opt}

@@ -1,0 +1,96 @@
+"""Shared helpers for the parallel tests: spawn gloo ranks on 127.0.0.1, a tiny model, a
+single-process reference training run to compare against."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from lmstack.model.config import ModelConfig
+from lmstack.model.transformer import Transformer
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _entry(rank: int, world: int, port: int, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; a failure in any re-raises."""
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+def tiny_config(**kw) -> ModelConfig:
+    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64,
+                attn_backend="sdpa", norm_backend="torch")
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def batches(n: int, B: int, S: int, V: int = 64, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        t = torch.randint(0, V, (B, S + 1), generator=g)
+        out.append((t[:, :-1], t[:, 1:]))
+    return out
+
+
+def ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+def make_opt(params, lr: float = 1e-2):
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+
+
+def reference(cfg: ModelConfig, data, accum: int = 1, freeze: tuple[str, ...] = (), lr: float = 1e-2):
+    """Single-process training on the whole batch: losses and final parameters (by name)."""
+    torch.manual_seed(0)
+    model = Transformer(cfg, seed=0)
+    for n, p in model.named_parameters():
+        if n in freeze:
+            p.requires_grad_(False)
+    opt = make_opt([p for p in model.parameters() if p.requires_grad], lr)
+    losses = []
+    i = 0
+    while i < len(data):
+        tot = 0.0
+        for _ in range(accum):
+            x, y = data[i]
+            loss = ce(model(x), y) / accum
+            loss.backward()
+            tot += float(loss)
+            i += 1
+        opt.step()
+        opt.zero_grad()
+        losses.append(tot)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_close_params(got: dict, want: dict, atol=2e-5, rtol=1e-4, prefix=""):
+    assert set(got) == set(want), (sorted(set(got) ^ set(want)))
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=atol, rtol=rtol, msg=lambda m: f"{prefix}{n}: {m}")
