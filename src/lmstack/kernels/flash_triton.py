@@ -265,25 +265,39 @@ def _attn_bwd_dq_kernel(
     tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), boundary_check=(0, 1))
 
 
-def _launch_params(q: Tensor, block_q: int | None, block_k: int | None) -> dict:
-    """Tile sizes and launch options. Without a GPU to tune on, these are the usual FA-2 choices:
-    Bq = 128, Bk = 64 (Bk = 32 for H > 64 to fit SRAM), 4 warps (8 for H > 64). The
-    interpreter uses 32 × 32 tiles (fewer, larger numpy steps)."""
+def _gpu_configs(pairs: list[tuple[int, int, int, int]]) -> list:
+    return [triton.Config({"BLOCK_Q": bq, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bq, bk, w, st in pairs]
+
+
+# On a GPU the tile sizes are autotuned per (T, S, H, causal) among the usual FlashAttention-2
+# choices; a config that does not fit the SM's shared memory is skipped by the autotuner.
+# (BLOCK_Q, BLOCK_K, num_warps, num_stages)
+_FWD_CONFIGS = _gpu_configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
+                             (64, 32, 4, 4)])
+_DKDV_CONFIGS = _gpu_configs([(32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 2), (16, 64, 4, 3)])
+_DQ_CONFIGS = _gpu_configs([(128, 32, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 16, 4, 3)])
+_KEY = ["T", "S", "H", "CAUSAL"]
+_attn_fwd_tuned = triton.autotune(configs=_FWD_CONFIGS, key=_KEY)(_attn_fwd_kernel)
+_attn_bwd_dkdv_tuned = triton.autotune(configs=_DKDV_CONFIGS, key=_KEY)(_attn_bwd_dkdv_kernel)
+_attn_bwd_dq_tuned = triton.autotune(configs=_DQ_CONFIGS, key=_KEY)(_attn_bwd_dq_kernel)
+
+
+def _launch(kernel, tuned, grid_of, args: tuple, q: Tensor, causal: bool, block_q: int | None,
+            block_k: int | None) -> None:
+    """Launch ``kernel`` with fixed tiles (interpreter, or tiles given by the caller) or its autotuned
+    twin (GPU). ``grid_of(BLOCK_Q, BLOCK_K)`` gives the grid."""
     H = q.shape[-1]
-    interp = _interpreting()
-    if interp:
-        bq, bk, extra = 32, 32, {}
-    else:
-        bq, bk = 128, (64 if H <= 64 else 32)
-        extra = dict(num_warps=4 if H <= 64 else 8, num_stages=3)
-    bq, bk = block_q or bq, block_k or bk
-    for name, val in (("block_q", bq), ("block_k", bk)):
-        if val < 16 or val & (val - 1):
+    fixed = dict(CAUSAL=causal, BLOCK_H=max(16, triton.next_power_of_2(H)), UPCAST=_interpreting(),
+                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    for name, val in (("block_q", block_q), ("block_k", block_k)):
+        if val is not None and (val < 16 or val & (val - 1)):
             raise ValueError(f"{name}={val}: Triton tiles must be powers of two ≥ 16")
-    upcast = interp or False
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    return dict(BLOCK_Q=bq, BLOCK_K=bk, BLOCK_H=max(16, triton.next_power_of_2(H)),
-                UPCAST=upcast, PRECISION=precision, **extra)
+    if _interpreting() or block_q or block_k:
+        # the interpreter runs one numpy step per tile: 32 × 32 tiles keep the tests quick
+        bq, bk = block_q or (32 if _interpreting() else 64), block_k or (32 if _interpreting() else 64)
+        kernel[grid_of(bq, bk)](*args, BLOCK_Q=bq, BLOCK_K=bk, **fixed)
+    else:
+        tuned[lambda meta: grid_of(meta["BLOCK_Q"], meta["BLOCK_K"])](*args, **fixed)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -309,12 +323,10 @@ def triton_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scal
     K, S = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
     lse = torch.empty(B, N, T, dtype=torch.float32, device=q.device)
-    meta = _launch_params(q, block_q, block_k)
-    grid = (triton.cdiv(T, meta["BLOCK_Q"]), B * N)
-    _attn_fwd_kernel[grid](
-        q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-        N, N // K, T, S, H, S - T, scale * LOG2E, CAUSAL=causal, **meta,
-    )
+    args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+            N, N // K, T, S, H, S - T, scale * LOG2E)
+    _launch(_attn_fwd_kernel, _attn_fwd_tuned, lambda bq, bk: (triton.cdiv(T, bq), B * N), args, q, causal,
+            block_q, block_k)
     return out, lse
 
 
@@ -328,18 +340,18 @@ def triton_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     delta = (dout.float() * out.float()).sum(dim=-1).contiguous()  # D (B, N, T)
     lse = lse.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    meta = _launch_params(q, block_q, block_k)
+    if dq.stride() != q.stride():  # the dQ kernel writes dQ with Q's strides
+        q = q.contiguous()
+        dq = torch.empty_like(q)
     common = (T, S, H, S - T, scale * LOG2E, scale)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(S, meta["BLOCK_K"]), B * K)](
-        q, k, v, dout, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-        *lse.stride(), K, N // K, *common, CAUSAL=causal, **meta,
-    )
-    if dq.stride() != q.stride():
-        raise AssertionError("dq must share q's layout")
-    _attn_bwd_dq_kernel[(triton.cdiv(T, meta["BLOCK_Q"]), B * N)](
-        q, k, v, dout, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-        *lse.stride(), N, N // K, *common, CAUSAL=causal, **meta,
-    )
+    args = (q, k, v, dout, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
+            *lse.stride(), K, N // K, *common)
+    _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, lambda bq, bk: (triton.cdiv(S, bk), B * K), args, q,
+            causal, block_q, block_k)
+    args = (q, k, v, dout, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
+            *lse.stride(), N, N // K, *common)
+    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda bq, bk: (triton.cdiv(T, bq), B * N), args, q,
+            causal, block_q, block_k)
     return dq, dk, dv
 
 
