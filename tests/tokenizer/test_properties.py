@@ -114,3 +114,23 @@ def test_encode_iterable_custom_pattern_that_skips_text(trained, text, cuts):
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     assert list(tok.encode_iterable(chunks, chunk_chars=1)) == tok.encode(text)
+
+
+mixed_text = st.text(
+    st.one_of(st.characters(max_codepoint=127), st.sampled_from(list("éß中😀\u00a0\u2028\u3000½٣")),
+              st.characters(exclude_categories=("Cs",))),
+    max_size=120,
+)
+
+
+@SETTINGS
+@given(text=mixed_text)
+def test_pretokenizer_split_equals_regex_findall(text):
+    """ASCII stretches via ``re`` and non-ASCII stretches (widened to safe cuts) via ``regex``
+    give exactly ``regex.findall`` on the whole text, for every built-in pattern."""
+    import regex
+
+    from lmstack.tokenizer.pretokenize import PATTERNS, PreTokenizer
+
+    for pattern in set(PATTERNS.values()):
+        assert PreTokenizer(pattern).split(text) == regex.findall(pattern, text)

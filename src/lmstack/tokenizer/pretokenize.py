@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import re
+
 import regex
 
 #: GPT-2's pattern (also HF ``ByteLevel(use_regex=True)``, tiktoken ``r50k_base``).
@@ -108,3 +110,64 @@ def ascii_variant(pattern: str) -> str | None:
         out.append(c)
         i += 1
     return "".join(out)
+
+
+_NON_ASCII = re.compile(r"[^\x00-\x7f]+")
+#: " <ASCII letter>" always begins a pre-token under every built-in pattern, whatever precedes it
+#: (a whitespace run before it gives up its last character), so text may be cut there.
+_SAFE_CUT = re.compile(r" (?=[A-Za-z])")
+
+
+class PreTokenizer:
+    """Splits special-token-free text into pre-tokens with ``pattern``.
+
+    For the built-in patterns, ASCII stretches go through the exact stdlib-``re`` variant
+    (:func:`ascii_variant`) and only the stretches around non-ASCII characters, widened to safe cut
+    points, go through the ``regex`` module; the pieces are identical to ``regex.findall(pattern, text)``.
+    """
+
+    def __init__(self, pattern: str | None = None) -> None:
+        self.pattern = resolve_pattern(pattern)
+        self._full = regex.compile(self.pattern)
+        fast = ascii_variant(self.pattern)
+        self._fast = re.compile(fast) if fast is not None else None
+
+    def __reduce__(self):
+        return (PreTokenizer, (self.pattern,))
+
+    def finditer(self, text: str):
+        return self._full.finditer(text)
+
+    def split(self, text: str) -> list[str]:
+        fast = self._fast
+        if fast is None:
+            return self._full.findall(text)
+        if text.isascii():
+            return fast.findall(text)
+        pieces: list[str] = []
+        pos = 0  # text[:pos] is done; pos is always 0 or a safe cut
+        n = len(text)
+        for m in _NON_ASCII.finditer(text):
+            if m.start() < pos:
+                continue
+            # widen [m.start(), m.end()) to safe cuts: the last one at or before the start ...
+            lo = m.start()
+            while lo > pos:
+                lo = text.rfind(" ", pos, lo)
+                if lo < 0:
+                    lo = pos
+                    break
+                if text[lo + 1 : lo + 2].isascii() and text[lo + 1 : lo + 2].isalpha():
+                    break
+            # ... and the first one after the end
+            cut = _SAFE_CUT.search(text, m.end())
+            hi = cut.start() if cut is not None else n
+            if lo > pos:
+                pieces += fast.findall(text, pos, lo)
+            pieces += self._full.findall(text, lo, hi)
+            pos = hi
+            if pos >= n:
+                break
+        if pos < n:
+            pieces += fast.findall(text, pos)
+        return pieces

@@ -11,11 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from itertools import chain
 
-import re
-
 import regex
 
-from .pretokenize import ascii_variant, resolve_pattern, special_splitter
+from .pretokenize import PreTokenizer, resolve_pattern, special_splitter
 
 
 class Tokenizer:
@@ -41,8 +39,7 @@ class Tokenizer:
         self.pattern: str = resolve_pattern(pattern)
         self.pattern_name: str | None = pattern if pattern is not None and pattern != self.pattern else None
         self._pat = regex.compile(self.pattern)
-        fast = ascii_variant(self.pattern)
-        self._pat_ascii = re.compile(fast) if fast is not None else None  # used when text.isascii()
+        self._pre = PreTokenizer(self.pattern)  # same pieces as self._pat, faster on ASCII stretches
         self.cache_size = int(cache_size)
         # Optional metadata a file format may carry (GGUF, tokenizer.json).
         self.bos_token_id: int | None = None
@@ -140,8 +137,7 @@ class Tokenizer:
 
     def _split(self, text: str) -> list[str]:
         """Pre-tokens of text that contains no special token (ASCII fast path when possible)."""
-        fast = self._pat_ascii
-        return (fast if fast is not None and text.isascii() else self._pat).findall(text)
+        return self._pre.split(text)
 
     def _encode_pieces(self, pieces: list[str], out: list[int]) -> None:
         cache = self._cache

@@ -15,7 +15,6 @@ from __future__ import annotations
 import heapq
 import multiprocessing as mp
 import os
-import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import regex
 from tqdm import tqdm
 
-from .pretokenize import ascii_variant, resolve_pattern, special_splitter
+from .pretokenize import PreTokenizer, resolve_pattern, special_splitter
 
 #: Fallback cut when no special token is near a nominal chunk boundary: before a space followed by
 #: an ASCII letter, which starts a pre-token under every built-in pattern (GPT-2, GPT-4, Llama-3, SmolLM).
@@ -95,14 +94,12 @@ def find_chunk_boundaries(
 
 
 def _count_text(text: str, pattern: str, splitter: regex.Pattern | None) -> Counter:
-    pat = regex.compile(pattern)
-    fast = ascii_variant(pattern)
-    fast_pat = re.compile(fast) if fast is not None else None  # same pieces on ASCII text, ~2x faster
+    pre = PreTokenizer(pattern)
     counts: Counter = Counter()
     parts = [text] if splitter is None else splitter.split(text)[::2]
     for part in parts:
         if part:
-            counts.update((fast_pat if fast_pat is not None and part.isascii() else pat).findall(part))
+            counts.update(pre.split(part))
     return counts
 
 
