@@ -1,6 +1,18 @@
-"""Inference: KV caches, sampling and generation (seed 000 §2, seed 001 "推理")."""
+"""Inference: KV caches (contiguous, paged with prefix sharing), sampling, the continuous-batching
+engine, speculative decoding and chat (seed 000 §2, seed 001 "推理").
 
+- ``generate``: batch-1 streaming with the contiguous ``KVCache`` (the fast interactive path);
+- ``LLM`` / ``LLMEngine`` / ``AsyncLLM``: iteration-level scheduling over ``PagedKVCache``;
+- ``speculative_generate``: draft-model or prompt-lookup proposals, lossless accept/reject;
+- ``SamplingParams``: temperature, top-k, top-p, min-p, repetition penalty, stops, seed, logprobs.
+"""
+
+from lmstack.inference.engine import LLM, AsyncLLM, LLMEngine, RequestOutput
 from lmstack.inference.generate import generate, sample_next
 from lmstack.inference.kv_cache import KVCache
+from lmstack.inference.paged import BlockAllocator, PagedKVCache
+from lmstack.inference.sampling import SamplingParams
+from lmstack.inference.speculative import speculative_generate, truncated_draft
 
-__all__ = ["KVCache", "generate", "sample_next"]
+__all__ = ["LLM", "AsyncLLM", "BlockAllocator", "KVCache", "LLMEngine", "PagedKVCache", "RequestOutput",
+           "SamplingParams", "generate", "sample_next", "speculative_generate", "truncated_draft"]

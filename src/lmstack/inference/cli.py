@@ -1,4 +1,8 @@
-"""``lmstack generate``: stream a continuation of a prompt from a model to the terminal."""
+"""``lmstack generate`` (stream a continuation) and ``lmstack chat`` (interactive, chat template).
+
+Seed 001 "推理流程": the prompt is prefilled once, then tokens are decoded one by one and
+printed as soon as they form complete UTF-8 text; TTFT and decode tokens/s are reported.
+"""
 
 from __future__ import annotations
 
@@ -11,66 +15,162 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate a continuation of a prompt (streams tokens)")
+def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model name (smollm2-135m), .gguf file or checkpoint dir")
-    p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--tokenizer", default=None, help="tokenizer file (default: the model's GGUF)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate a continuation of a prompt (streams tokens)")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _sampling_args(p, temperature=0.0)
     p.set_defaults(func=run_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template (Ctrl-D or /exit quits)")
+    c.add_argument("--system", default=None, help="system message (default: the template's own)")
+    _sampling_args(c, temperature=0.0)
+    c.set_defaults(func=run_chat)
 
 
 def load_tokenizer(model_source, tokenizer_path=None):
-    from lmstack.tokenizer import Tokenizer
+    """The tokenizer of a model: its GGUF, or a tokenizer file/dir (tokenizer.json, vocab+merges)."""
+    from lmstack.tokenizer import Tokenizer, load_tokenizer as load_any
 
     path = tokenizer_path or model_source
     if str(path).endswith(".gguf"):
         return Tokenizer.from_gguf(path)
-    raise ValueError(f"{path}: no tokenizer found; pass --tokenizer FILE.gguf")
+    try:
+        return load_any(path)
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"{path}: no tokenizer found ({e}); pass --tokenizer FILE") from None
 
 
-def stream_generate(model, tokenizer, prompt: str, max_tokens: int, out=None, **sampling) -> dict:
-    """Generate, printing text to ``out`` (default: the current sys.stdout) as it is decoded; returns counts and timings."""
-    out = out if out is not None else sys.stdout
+def _sampling_kwargs(args) -> dict:
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def stream_generate(model, tokenizer, prompt: str, max_tokens: int, out=sys.stdout, stop: tuple[str, ...] = (),
+                    **sampling) -> dict:
+    """Generate, printing text as it is decoded; returns counts and timings.
+
+    ``stop`` strings end generation; the text from the stop string on is not printed.
+    """
     from lmstack.inference import generate
+    from lmstack.inference.sampling import find_stop_string
 
     ids = tokenizer.encode(prompt)
-    stop = [t for t in (model.config.eos_token_id,) if t is not None]
+    stop_ids = [t for t in (model.config.eos_token_id,) if t is not None]
     new: list[int] = []
     printed = ""
     t0 = time.perf_counter()
     first = None
-    for token in generate(model, ids, max_tokens, stop_ids=stop, **sampling):
+    text = ""
+    hold = max((len(s) for s in stop), default=1) - 1  # chars kept back while a stop string may be forming
+    for token in generate(model, ids, max_tokens, stop_ids=stop_ids, **sampling):
         if first is None:
             first = time.perf_counter()
         new.append(token)
-        if token in stop:
+        if token in stop_ids:
             break
         text = tokenizer.decode(new)
-        if not text.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
-            out.write(text[len(printed):])
+        if stop and find_stop_string(text, stop) != -1:
+            break
+        if text.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
+            continue
+        ready = text[:len(text) - hold] if stop else text
+        if len(ready) > len(printed):
+            out.write(ready[len(printed):])
             out.flush()
-            printed = text
+            printed = ready
     t1 = time.perf_counter()
-    out.write(tokenizer.decode([t for t in new if t not in stop])[len(printed):] + "\n")
+    text = tokenizer.decode([t for t in new if t not in stop_ids])
+    if stop:
+        at = find_stop_string(text, stop)
+        text = text if at == -1 else text[:at]
+    out.write(text[len(printed):] + "\n")
+    out.flush()
     decode_s = t1 - first if first is not None and len(new) > 1 else float("nan")
-    return {"prompt_tokens": len(ids), "new_tokens": len(new), "ttft_s": (first or t1) - t0,
+    return {"prompt_tokens": len(ids), "new_tokens": len(new), "ttft_s": (first or t1) - t0, "text": text,
             "total_s": t1 - t0, "decode_tokens_per_s": (len(new) - 1) / decode_s if len(new) > 1 else float("nan")}
 
 
-def run_generate(args) -> int:
+def _load(args):
     from lmstack.model.io import load_model
 
     lm = load_model(args.model, dtype=DTYPES[args.dtype])
-    tok = load_tokenizer(lm.source, args.tokenizer)
-    print(args.prompt, end="", flush=True)
-    stats = stream_generate(lm.model.eval(), tok, args.prompt, args.max_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return lm.model.eval(), load_tokenizer(lm.source, args.tokenizer)
+
+
+def run_generate(args) -> int:
+    model, tok = _load(args)
+    prompt = args.prompt
+    if args.chat:
+        from lmstack.inference.chat import apply_chat_template
+
+        prompt = apply_chat_template(tok, [{"role": "user", "content": prompt}])
+    else:
+        print(prompt, end="", flush=True)
+    stats = stream_generate(model, tok, prompt, args.max_tokens, stop=tuple(args.stop), **_sampling_kwargs(args))
     print(f"[{stats['new_tokens']} tokens, TTFT {stats['ttft_s'] * 1000:.0f} ms, "
           f"{stats['decode_tokens_per_s']:.1f} tokens/s decode]", file=sys.stderr)
+    return 0
+
+
+def run_chat(args, stdin=None, out=None) -> int:
+    """Read a user line, stream the reply, repeat. The conversation is re-rendered each turn with
+    the chat template; the engine's prefix cache reuses the K/V of the turns already seen."""
+    from lmstack.inference.chat import apply_chat_template
+    from lmstack.inference.engine import LLMEngine
+    from lmstack.inference.sampling import SamplingParams
+
+    stdin = stdin or sys.stdin
+    out = out or sys.stdout
+    model, tok = _load(args)
+    engine = LLMEngine(model, tok, max_num_seqs=1, max_num_batched_tokens=2048, kv_cache_bytes=256 * 2**20)
+    kw = _sampling_kwargs(args)
+    params = SamplingParams(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"] or 1.0,
+                            min_p=kw["min_p"], repetition_penalty=kw["repetition_penalty"], seed=kw["seed"],
+                            max_tokens=args.max_tokens)
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = stdin.isatty()
+    turn = 0
+    while True:
+        if interactive:
+            out.write(">>> ")
+            out.flush()
+        line = stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = tok.encode(apply_chat_template(tok, messages))
+        rid = f"turn-{turn}"
+        turn += 1
+        engine.add_request(rid, prompt, params)
+        reply = ""
+        t0 = time.perf_counter()
+        n = 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out.write(o.new_text)
+                out.flush()
+                reply, n = o.text, len(o.token_ids)
+        out.write("\n")
+        print(f"[{n} tokens in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": reply})
     return 0

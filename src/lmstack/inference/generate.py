@@ -12,35 +12,30 @@ import torch
 from torch import Tensor
 
 from lmstack.inference.kv_cache import KVCache
+from lmstack.inference.sampling import apply_repetition_penalty, filter_logits
 
 
 def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                generator: torch.Generator | None = None) -> Tensor:
-    """logits (B, V) -> next ids (B,). temperature 0 is greedy (argmax)."""
+                generator: torch.Generator | None = None, min_p: float = 0.0) -> Tensor:
+    """logits (B, V) -> next ids (B,). temperature 0 is greedy (argmax); filters as in ``sampling``."""
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0")
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, -torch.inf)
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the tokens ranked above it already reach top_p
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
-        logits = torch.full_like(logits, -torch.inf).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    logits = filter_logits(logits, temperature, top_k, 1.0 if top_p is None else top_p, min_p)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
 @torch.inference_mode()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, stop_ids: Sequence[int] = (),
-             seed: int = 0, use_cache: bool = True) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` new token ids for one prompt, stopping after a stop id."""
+             seed: int = 0, use_cache: bool = True, min_p: float = 0.0,
+             repetition_penalty: float = 1.0) -> Iterator[int]:
+    """Yield up to ``max_new_tokens`` new token ids for one prompt, stopping after a stop id.
+
+    Batch 1 with the contiguous cache: the fast path for one interactive stream. The
+    ``LLMEngine`` serves many requests over the paged cache.
+    """
     if not prompt_ids:
         raise ValueError("prompt_ids is empty; generation needs at least one token")
     device = next(model.parameters()).device
@@ -59,7 +54,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, temperature:
             logits = model(step_ids, positions, kv_cache=cache, last_n=1)[:, -1]  # (1, V)
         else:
             logits = model(ids, last_n=1)[:, -1]
-        nxt = sample_next(logits.cpu(), temperature, top_k, top_p, gen)  # (1,)
+        if repetition_penalty != 1.0:
+            logits = apply_repetition_penalty(logits, ids[0], repetition_penalty)
+        nxt = sample_next(logits.cpu(), temperature, top_k, top_p, gen, min_p)  # (1,)
         token = int(nxt)
         yield token
         if token in stop_ids:

@@ -29,6 +29,13 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
+    def truncate(self, length: int) -> None:
+        """Forget every token at position >= ``length`` (speculative decoding rolls back rejected drafts)."""
+        if length < 0:
+            raise ValueError(f"length={length} must be >= 0")
+        self.positions[:, length:] = -1
+        self.length = min(self.length, length)
+
     def update(self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Store k, v (B, K, T, H) at ``positions`` (B, T) or (T,); return this layer's (B, K, S, H) x2 and (B, S)."""
         B, K, T, H = k.shape

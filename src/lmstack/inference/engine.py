@@ -1,0 +1,503 @@
+"""The serving engine: iteration-level scheduling over a paged KV cache.
+
+Seed 000 §2.1 (latency vs throughput), §2.2 (traditional vs continuous vs selective batching,
+token-budget batching); seed 001 "推理流程" (prefill vs decode), "性能指标分析" (TTFT, token
+latency, throughput) and "动态负载" (Orca iteration-level scheduling, vLLM PagedAttention).
+
+Every ``step()`` is one iteration:
+
+1. schedule under a token budget (``max_num_batched_tokens``): running sequences first (a
+   decode costs 1 token, an unfinished prompt continues with a chunk — chunked prefill), then
+   waiting requests are admitted while blocks and the budget allow (continuous batching: a
+   finished request's slot is refilled at the next iteration, never at the end of a batch);
+2. when a running sequence needs a block and none is free, the most recently admitted
+   running sequence is preempted by recomputation: its blocks are freed and it goes back to
+   the front of the waiting queue with prompt + generated tokens as its new prompt (prefix
+   caching usually gives the blocks back for free). The engine never crashes for lack of
+   blocks; a request that could not fit even alone is refused when it is added;
+3. run the model: decode rows (T = 1) in one batched forward, prefill chunks in forwards of
+   similar length (the model's seam pads rows; Orca's selective batching would concatenate
+   them — here the padding is bounded to 25 %);
+4. sample a token for every sequence whose prompt is complete, check the stop rules, free the
+   blocks of finished sequences.
+
+``LLM`` is the offline API (``generate(prompts, sampling_params)``); ``AsyncLLM`` is the
+streaming API a server sits on (``generate`` yields deltas, ``abort``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lmstack.inference.paged import PagedKVCache
+from lmstack.inference.sampling import SamplingParams, find_stop_string, sample_token, token_logprobs
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What a request has produced so far; ``new_*`` hold the delta since its previous output."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list, repr=False)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+class _Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float,
+                 generator: torch.Generator | None):
+        self.request_id, self.params, self.arrival = request_id, params, arrival
+        self.all_ids = list(prompt_ids)
+        self.num_prompt = len(prompt_ids)
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.status = WAITING
+        self.generator = generator
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.text = ""
+        self.sent_tokens = 0
+        self.sent_text = 0
+        self.finish_reason: str | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.token_times: list[float] = []
+        self.num_cached_tokens: int | None = None
+        self.num_preemptions = 0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.all_ids[self.num_prompt:]
+
+
+class LLMEngine:
+    """Continuous batching over a ``PagedKVCache``; see the module docstring."""
+
+    def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_bytes: int = 512 * 2**20, kv_dtype: torch.dtype | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, eos_token_id: int | None = None, seed: int = 0,
+                 watermark: float = 0.01):
+        p = next(model.parameters())
+        c = model.config
+        self.model, self.tokenizer, self.config = model, tokenizer, c
+        self.device = p.device
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens={max_num_batched_tokens} "
+                             "must be >= 1")
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len = min(c.max_seq_len, max_model_len or c.max_seq_len)
+        kv_dtype = kv_dtype or p.dtype
+        if num_blocks is None:
+            per_block = 2 * block_size * c.n_layers * c.n_kv_heads * c.head_dim * torch.empty(0, dtype=kv_dtype).element_size()
+            num_blocks = max(2, kv_cache_bytes // per_block)
+        self.cache = PagedKVCache(c, num_blocks, block_size, kv_dtype, self.device, enable_prefix_caching)
+        self.watermark_blocks = int(watermark * num_blocks)
+        if eos_token_id is None:
+            eos_token_id = c.eos_token_id if c.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_id = eos_token_id
+        self.generator = torch.Generator().manual_seed(seed)
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []
+        self.requests: dict[str, _Sequence] = {}
+        self._ids = itertools.count()
+        self.stats = {"steps": 0, "forwards": 0, "preemptions": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
+                      "computed_tokens": 0, "generated_tokens": 0}
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | Sequence[int],
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or construct the engine with one")
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty; generation needs at least one token")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room to generate "
+                             f"within max_model_len={self.max_model_len}")
+        need = min(len(ids) + params.max_tokens, self.max_model_len)
+        if need > self.cache.capacity_tokens:
+            raise ValueError(f"request {request_id!r}: prompt + max_tokens = {need} tokens cannot fit in the KV "
+                             f"pool of {self.cache.capacity_tokens} tokens even alone; lower max_tokens or give "
+                             "the engine more blocks")
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        seq = _Sequence(request_id, ids, params, time.perf_counter() if arrival_time is None else arrival_time, gen)
+        self.requests[request_id] = seq
+        self.waiting.append(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False when it is unknown or already finished."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq.status == WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == RUNNING:
+            self.running.remove(seq)
+        self.cache.free(request_id)
+        seq.status, seq.finish_reason = FINISHED, "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.stats["cached_prompt_tokens"] / max(1, self.stats["prompt_tokens"])
+
+    # ---- one iteration -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one iteration, sample; returns outputs of the requests that progressed."""
+        scheduled = self._schedule()
+        if not scheduled:
+            return []
+        self.stats["steps"] += 1
+        progressed = self._execute(scheduled)
+        outputs = [self._output(s) for s in progressed]
+        self.running = [s for s in self.running if s.status == RUNNING]
+        for s in progressed:
+            if s.status == FINISHED:
+                self.requests.pop(s.request_id, None)
+        return outputs
+
+    def _preempt(self, seq: _Sequence) -> None:
+        self.cache.free(seq.request_id)
+        seq.num_computed = 0
+        seq.status = WAITING
+        seq.num_preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(seq)
+
+    def _schedule(self) -> list[tuple[_Sequence, int]]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[_Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.all_ids) - seq.num_computed, budget)
+            while not self.cache.can_append(seq.request_id, n):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status != RUNNING:
+                break
+            self.cache.reserve(seq.request_id, n)
+            scheduled.append((seq, n))
+            budget -= n
+            i += 1
+        if preempted:
+            return scheduled
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.cache.allocate(seq.request_id, seq.all_ids)
+            n = min(len(seq.all_ids) - cached, budget)
+            if not self.cache.can_append(seq.request_id, n, reserve=self.watermark_blocks if self.running else 0):
+                self.cache.free(seq.request_id)
+                break
+            self.waiting.popleft()
+            seq.num_computed = cached
+            if seq.num_cached_tokens is None:  # first admission: prefix-cache statistics
+                seq.num_cached_tokens = cached
+                self.stats["prompt_tokens"] += seq.num_prompt
+                self.stats["cached_prompt_tokens"] += cached
+            seq.status = RUNNING
+            self.running.append(seq)
+            self.cache.reserve(seq.request_id, n)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def _groups(self, scheduled: list[tuple[_Sequence, int]]) -> list[list[tuple[_Sequence, int]]]:
+        decode = [r for r in scheduled if r[1] == 1]
+        prefill = sorted((r for r in scheduled if r[1] > 1), key=lambda r: -r[1])
+        groups = [decode] if decode else []
+        group: list[tuple[_Sequence, int]] = []
+        for r in prefill:
+            if group and (len(group) + 1) * group[0][1] > 1.25 * (sum(n for _, n in group) + r[1]):
+                groups.append(group)
+                group = []
+            group.append(r)
+        if group:
+            groups.append(group)
+        return groups
+
+    @torch.inference_mode()
+    def _execute(self, scheduled: list[tuple[_Sequence, int]]) -> list[_Sequence]:
+        progressed: list[_Sequence] = []
+        for group in self._groups(scheduled):
+            rows = [(s.request_id, s.num_computed, n) for s, n in group]
+            batch, positions = self.cache.batch(rows)
+            B, T = positions.shape
+            tokens = torch.zeros(B, T, dtype=torch.long)  # (B, T), left-padded
+            for i, (s, n) in enumerate(group):
+                tokens[i, T - n:] = torch.tensor(s.all_ids[s.num_computed:s.num_computed + n])
+            logits = self.model(tokens.to(self.device), positions, kv_cache=batch, last_n=1)[:, -1]  # (B, V)
+            self.stats["forwards"] += 1
+            ready = []
+            for i, (s, n) in enumerate(group):
+                self.cache.commit(s.request_id, s.all_ids, n)
+                s.num_computed += n
+                self.stats["computed_tokens"] += n
+                if s.num_computed == len(s.all_ids):
+                    ready.append(i)
+            if ready:
+                self._sample([group[i][0] for i in ready], logits[ready])
+                progressed.extend(group[i][0] for i in ready)
+        return progressed
+
+    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        """logits (R, V) of the R sequences that need their next token."""
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy and s.params.repetition_penalty == 1.0]
+        tokens: list[int] = [0] * len(seqs)
+        if greedy:
+            for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+                tokens[i] = t
+        logits_cpu = None
+        for i, s in enumerate(seqs):
+            if i not in greedy or s.logprobs is not None:
+                if logits_cpu is None:
+                    logits_cpu = logits.float().cpu()
+            if i not in greedy:
+                tokens[i] = sample_token(logits_cpu[i], s.params, s.generator or self.generator, s.all_ids)
+            self._append(s, tokens[i], logits_cpu[i] if s.logprobs is not None else None)
+
+    def _append(self, s: _Sequence, token: int, logits_row: torch.Tensor | None) -> None:
+        now = time.perf_counter()
+        s.all_ids.append(token)
+        self.stats["generated_tokens"] += 1
+        if s.first_token_time is None:
+            s.first_token_time = now
+        s.token_times.append(now)
+        if logits_row is not None:
+            s.logprobs.append(token_logprobs(logits_row, token, s.params.logprobs))
+        p = s.params
+        reason = None
+        is_stop_token = (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids
+        if is_stop_token:
+            reason = "stop"
+        elif len(s.all_ids) - s.num_prompt >= p.max_tokens or len(s.all_ids) >= self.max_model_len:
+            reason = "length"
+        if self.tokenizer is not None:
+            out = s.output_ids[:-1] if is_stop_token else s.output_ids
+            old_len = len(s.text)
+            s.text = self.tokenizer.decode(out)
+            if p.stop:
+                start = max(0, old_len - max(len(x) for x in p.stop))
+                at = find_stop_string(s.text, p.stop, start)
+                if at != -1:
+                    s.text = s.text[:at]
+                    reason = "stop"
+        if reason is not None:
+            s.status, s.finish_reason, s.finished_time = FINISHED, reason, now
+            self.cache.free(s.request_id)
+
+    def _output(self, s: _Sequence) -> RequestOutput:
+        finished = s.status == FINISHED
+        text = s.text
+        if not finished:
+            while text.endswith("\ufffd"):  # hold back an incomplete UTF-8 character
+                text = text[:-1]
+            if s.params.stop:  # and what could be the start of a stop string
+                text = text[:max(0, len(text) - max(len(x) for x in s.params.stop) + 1)]
+        new_ids = s.output_ids[s.sent_tokens:]
+        new_text = text[s.sent_text:] if len(text) >= s.sent_text else ""
+        s.sent_tokens += len(new_ids)
+        s.sent_text = max(s.sent_text, len(text))
+        return RequestOutput(
+            s.request_id, s.all_ids[:s.num_prompt], list(s.output_ids), text, new_ids, new_text, finished,
+            s.finish_reason, list(s.logprobs) if s.logprobs is not None else None, s.arrival, s.first_token_time,
+            s.finished_time, list(s.token_times) if finished else [], s.num_cached_tokens or 0, s.num_preemptions)
+
+
+def _as_prompt_list(prompts) -> tuple[list, bool]:
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        return [prompts], True
+    if isinstance(prompts, torch.Tensor):
+        return ([prompts.tolist()], True) if prompts.dim() == 1 else (prompts.tolist(), False)
+    return list(prompts), False
+
+
+class LLM:
+    """Offline batch inference: ``LLM("smollm2-135m").generate(prompts, SamplingParams(...))``.
+
+    ``model`` is a name (``smollm2-135m``), a .gguf file or checkpoint directory, or a
+    Transformer; engine options (block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, ...) are passed through to ``LLMEngine``.
+    """
+
+    def __init__(self, model="smollm2-135m", tokenizer=None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", **engine_kwargs):
+        if isinstance(model, (str, os.PathLike)):
+            from lmstack.inference.cli import load_tokenizer
+            from lmstack.model.io import load_model
+
+            lm = load_model(model, dtype=dtype, device=device)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(lm.source)
+            model = lm.model
+        self.engine = LLMEngine(model.eval(), tokenizer, **engine_kwargs)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        prompt_list, _ = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompt_list):
+                raise ValueError(f"{len(params)} sampling_params for {len(prompt_list)} prompts")
+        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompt_list, params)]
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests")
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """One chat turn: render the model's chat template (jinja2) and generate the reply."""
+        from lmstack.inference.chat import apply_chat_template
+
+        prompt = apply_chat_template(self.tokenizer, messages, add_generation_prompt=True)
+        return self.generate([self.tokenizer.encode(prompt)], sampling_params)[0]
+
+
+class AsyncLLM:
+    """Streaming API over one ``LLMEngine`` for an asyncio server.
+
+    ``generate`` adds a request and yields ``RequestOutput`` deltas as tokens arrive; leaving
+    the iterator early (a client disconnect) aborts the request and frees its blocks.
+    The engine steps in a worker thread; requests added or aborted meanwhile are applied
+    between steps, so the engine is never touched by two threads at once.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending: list[tuple] = []
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> asyncio.Queue:
+        params = params or SamplingParams()
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already streaming")
+        self._ensure_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        self._pending.append(("add", request_id, prompt, params))
+        self._wakeup.set()
+        return q
+
+    def abort(self, request_id: str) -> None:
+        if self._queues.pop(request_id, None) is not None:
+            self._pending.append(("abort", request_id))
+            if self._wakeup is not None:
+                self._wakeup.set()
+
+    async def generate(self, prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        request_id = request_id or f"async-{next(self.engine._ids)}"
+        q = self.add_request(request_id, prompt, params)
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for op in pending:
+            if op[0] == "add":
+                _, rid, prompt, params = op
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except ValueError as e:
+                    q = self._queues.pop(rid, None)
+                    if q is not None:
+                        q.put_nowait(e)
+            else:
+                self.engine.abort_request(op[1])
+
+    async def _run(self) -> None:
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.clear()
+                if self._pending:
+                    continue
+                await self._wakeup.wait()
+                continue
+            outputs = await asyncio.to_thread(self.engine.step)
+            for out in outputs:
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+                    if out.finished:
+                        self._queues.pop(out.request_id, None)

@@ -1,0 +1,42 @@
+"""Fixtures for the inference tests: small random lmstack models in float64 (so that no argmax
+near-tie can flip between two summation orders) and the full-recompute greedy reference."""
+
+import pytest
+import torch
+
+from lmstack.model.config import ModelConfig
+from lmstack.model.transformer import Transformer
+
+
+def make_model(vocab_size=97, n_layers=2, seed=1, init_std=0.02, dtype=torch.float64, **kw):
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=128,
+                      max_seq_len=256, init_std=init_std, **kw)
+    return Transformer(cfg, dtype=dtype, seed=seed).eval()
+
+
+@torch.no_grad()
+def full_recompute_greedy(model, prompt, n, stop_ids=()):
+    """Reference: no cache at all; the whole sequence is run again for every new token."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        t = int(model(torch.tensor([ids]))[0, -1].argmax())
+        out.append(t)
+        ids.append(t)
+        if t in stop_ids:
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    lengths = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33]  # across block boundaries of 4 and 16
+    ps = [torch.randint(0, 97, (n,), generator=g).tolist() for n in lengths]
+    shared = torch.randint(0, 97, (18,), generator=g).tolist()
+    ps += [shared + [1, 2, 3], shared + [4], shared, shared[:12] + [50, 60]]  # shared prefixes
+    return ps

@@ -1,0 +1,175 @@
+"""The continuous-batching engine over the paged cache: greedy output equals full-recompute greedy
+token for token under chunked prefill, shared prefixes and forced preemption; every block is
+free afterwards; abort frees blocks; the offline and async APIs (seed 000 §2.2, seed 001 "动态负载")."""
+
+import asyncio
+
+import pytest
+import torch
+
+from conftest import full_recompute_greedy
+from lmstack.inference import LLM, AsyncLLM, LLMEngine, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=14)
+
+
+def all_free(engine):
+    a = engine.cache.allocator
+    return all(r == 0 for r in a.ref_count) and a.num_free == a.num_blocks - 1 and not engine.cache.tables
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    return [full_recompute_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+
+
+@pytest.mark.parametrize("opts", [
+    dict(block_size=4, num_blocks=200, max_num_batched_tokens=512, max_num_seqs=64),  # everything at once
+    dict(block_size=4, num_blocks=200, max_num_batched_tokens=7, max_num_seqs=5),  # chunked prefill, few seats
+    dict(block_size=16, num_blocks=40, max_num_batched_tokens=64, max_num_seqs=8),
+    dict(block_size=4, num_blocks=200, max_num_batched_tokens=64, enable_prefix_caching=False),
+], ids=["one-batch", "chunked", "block16", "no-prefix-cache"])
+def test_batched_greedy_equals_full_recompute(model, prompts, reference, opts):
+    llm = LLM(model, **opts)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finish_reason == "length" and o.finished for o in outs)
+    assert all_free(llm.engine)
+
+
+def test_preemption_by_recompute_with_a_tiny_pool(model, prompts, reference):
+    llm = LLM(model, block_size=4, num_blocks=14, max_num_batched_tokens=32, max_num_seqs=16)  # 52 token slots
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.stats["preemptions"] > 0
+    assert [o.token_ids for o in outs] == reference
+    assert all_free(llm.engine)
+
+
+def test_prefix_cache_serves_shared_prompt_blocks(model, prompts, reference):
+    engine = LLMEngine(model, block_size=4, num_blocks=100)
+    shared = prompts[-4]  # 21 tokens: 18 shared + 3
+    engine.add_request("first", shared, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("second", prompts[-3], GREEDY)  # 18 shared + 1: four full blocks are cached
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].num_cached_tokens == 16 and outs[-1].token_ids == reference[-3]
+    assert engine.prefix_cache_hit_rate == pytest.approx(16 / (21 + 19))
+    assert all_free(engine)
+
+
+def test_abort_mid_generation_frees_blocks(model, prompts):
+    engine = LLMEngine(model, block_size=4, num_blocks=100)
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=30))
+    for _ in range(3):
+        engine.step()
+    assert engine.cache.tables  # blocks in use
+    assert engine.abort_request("r1") and "r1" not in engine.cache.tables
+    assert not engine.abort_request("r1")  # already gone
+    engine.add_request("w", prompts[5], SamplingParams(max_tokens=3))
+    assert engine.abort_request("w")  # aborted while waiting
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert all_free(engine)
+
+
+def test_stop_token_ids_eos_and_max_tokens(model, prompts, reference):
+    p, ref = prompts[8], reference[8]
+    llm = LLM(model, block_size=4, eos_token_id=ref[3])
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=14))[0]
+    assert out.token_ids == ref[:4] and out.finish_reason == "stop"
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, stop_token_ids=[ref[5]]))[0]
+    assert out.token_ids == ref[:6] and out.finish_reason == "stop"
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+    assert out.token_ids == ref[:2] and out.finish_reason == "length"
+
+
+class CharTokenizer:
+    """id i <-> the letter chr(97 + i % 26); enough to test text streaming and stop strings."""
+
+    eos_token_id = None
+
+    def encode(self, text):
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_stop_strings_and_streamed_text(model, prompts, reference):
+    tok = CharTokenizer()
+    engine = LLMEngine(model, tok, block_size=4)
+    full = tok.decode(reference[9])
+    stop = full[5:7]
+    engine.add_request("s", prompts[9], SamplingParams(temperature=0, max_tokens=14, stop=[stop]))
+    pieces, last = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            pieces.append(o.new_text)
+            last = o
+    cut = full.find(stop)
+    assert last.finish_reason == "stop" and last.text == full[:cut] and "".join(pieces) == full[:cut]
+
+
+def test_seeded_sampling_is_independent_of_the_batch(model, prompts):
+    sp = SamplingParams(temperature=0.9, top_k=20, max_tokens=10, seed=123, logprobs=2)
+    alone = LLM(model, block_size=4).generate([prompts[3]], sp)[0]
+    mixed = LLM(model, block_size=4).generate(prompts[:6], [SamplingParams(temperature=1.0, max_tokens=10)] * 3
+                                               + [sp] + [SamplingParams(max_tokens=10)] * 2)[3]
+    assert alone.token_ids == mixed.token_ids
+    assert len(alone.logprobs) == 10 and all(len(top) == 2 for _, top in alone.logprobs)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompts[3]]))[0, -1].float(), -1)[alone.token_ids[0]]
+    assert alone.logprobs[0][0] == pytest.approx(float(ref), abs=1e-5)
+
+
+def test_request_errors(model):
+    engine = LLMEngine(model, block_size=4, num_blocks=5)  # 16 token slots
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("a", [], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("a", [1, 500], GREEDY)
+    with pytest.raises(ValueError, match="cannot fit in the KV pool"):
+        engine.add_request("a", [1] * 10, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("a", [1] * 300, GREEDY)
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.add_request("a", "text", GREEDY)
+    engine.add_request("a", [1, 2], SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request("a", [1, 2], GREEDY)
+    with pytest.raises(ValueError, match="sampling_params"):
+        LLM(model).generate([[1], [2]], [GREEDY])
+
+
+def test_async_streaming_and_disconnect(model, prompts, reference):
+    engine = LLMEngine(model, block_size=4, num_blocks=100)
+    server = AsyncLLM(engine)
+
+    async def collect(i):
+        tokens, n_outputs = [], 0
+        async for out in server.generate(prompts[i], GREEDY):
+            tokens += out.new_token_ids
+            n_outputs += 1
+        return tokens, n_outputs
+
+    async def disconnect():
+        async for out in server.generate(prompts[2], SamplingParams(temperature=0, max_tokens=50)):
+            if len(out.token_ids) >= 3:
+                break  # the client goes away: the request is aborted
+
+    async def main():
+        results = await asyncio.gather(collect(0), collect(7), collect(10), disconnect())
+        for _ in range(50):
+            if not engine.has_unfinished_requests() and not server._pending:
+                break
+            await asyncio.sleep(0.01)
+        return results
+
+    results = asyncio.run(main())
+    assert [r[0] for r in results[:3]] == [reference[0], reference[7], reference[10]]
+    assert all(r[1] > 1 for r in results[:3])  # streamed in pieces, not at the end
+    assert all_free(engine)

@@ -1,0 +1,135 @@
+"""KV caches: contiguous and paged bytes vs the accounting formula; block allocator reference
+counts, prefix hashes, LRU eviction and copy-on-write (seed 000 §2.4, seed 001 "动态负载")."""
+
+import pytest
+import torch
+
+from conftest import full_recompute_greedy, make_model
+from lmstack.accounting.memory import kv_cache_bytes
+from lmstack.inference import KVCache, PagedKVCache, generate
+from lmstack.inference.paged import BlockAllocator, NoFreeBlocks, chain_hash
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bytes_equal_accounting_formula(model, dtype):
+    cfg = model.config
+    assert KVCache(cfg, 3, 40, dtype=dtype).nbytes == kv_cache_bytes(cfg, 3, 40, dtype)
+    paged = PagedKVCache(cfg, num_blocks=11, block_size=16, dtype=dtype)
+    assert paged.nbytes == kv_cache_bytes(cfg, 1, 11 * 16, dtype)  # B·S = num_blocks · block_size
+
+
+def test_contiguous_cache_greedy_equals_full_recompute(model, prompts):
+    for p in prompts[:6]:
+        assert list(generate(model, p, 12)) == full_recompute_greedy(model, p, 12)
+        assert list(generate(model, p, 5, use_cache=False)) == full_recompute_greedy(model, p, 5)
+
+
+def test_contiguous_truncate_forgets_positions(model):
+    c = KVCache(model.config, 1, 16)
+    k = torch.randn(1, model.config.n_kv_heads, 6, model.config.head_dim)
+    c.update(0, k, k, torch.arange(6))
+    c.truncate(4)
+    _, _, pos = c.update(0, k[:, :, :1], k[:, :, :1], torch.tensor([4]))
+    assert pos[0].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_allocator_refcounts_prefix_index_and_lru():
+    a = BlockAllocator(4)  # blocks 1..3 usable, 0 is the null block
+    b1, b2, b3 = a.allocate(), a.allocate(), a.allocate()
+    assert {b1, b2, b3} == {1, 2, 3} and a.num_free == 0
+    with pytest.raises(NoFreeBlocks):
+        a.allocate()
+    h1, h2 = chain_hash(None, [1, 2]), chain_hash(None, [3, 4])
+    a.register(b1, h1)
+    a.register(b2, h2)
+    a.decref(b2)  # freed but cached: evictable, not in the free list
+    a.decref(b1)
+    a.decref(b3)  # no hash: plain free
+    assert a.num_free == 3 and a.ref_count == [0, 0, 0, 0]
+    assert a.allocate() == b3  # never-cached blocks first
+    assert a.allocate() == b2  # then the least recently freed cached block is evicted
+    assert a.lookup(h2) is None and a.lookup(h1) == b1
+    a.incref(b1)  # a prefix hit revives the cached block
+    assert a.ref_count[b1] == 1 and a.num_free == 0
+    with pytest.raises(RuntimeError, match="freed more often"):
+        a.decref(b3)
+        a.decref(b3)
+
+
+def test_chain_hash_names_whole_prefix():
+    h = chain_hash(None, [1, 2])
+    assert chain_hash(h, [3, 4]) != chain_hash(chain_hash(None, [9, 9]), [3, 4])
+    assert chain_hash(h, [3, 4]) == chain_hash(chain_hash(None, [1, 2]), [3, 4])
+
+
+def _run(model, cache, rows, tokens_of):
+    batch, positions = cache.batch(rows)
+    T = positions.shape[1]
+    toks = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, (sid, start, n) in enumerate(rows):
+        toks[i, T - n:] = torch.tensor(tokens_of[sid][start:start + n])
+    with torch.no_grad():
+        logits = model(toks, positions, kv_cache=batch, last_n=1)[:, -1]
+    for sid, start, n in rows:
+        cache.commit(sid, tokens_of[sid], n)
+    return logits
+
+
+def test_paged_prefix_sharing_and_copy_on_write_match_full_recompute(model):
+    """Two sequences share a cached prefix; a fork shares a partly filled block and copies it on write."""
+    cache = PagedKVCache(model.config, num_blocks=20, block_size=4, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(0, 97, (10,), generator=g).tolist()
+    toks = {"a": a}
+    cache.allocate("a", a)
+    cache.reserve("a", 10)
+    _run(model, cache, [("a", 0, 10)], toks)
+    # b shares a's first two full blocks (8 tokens) through the prefix cache
+    toks["b"] = a[:8] + [7, 7, 7]
+    assert cache.allocate("b", toks["b"]) == 8
+    assert cache.tables["b"][:2] == cache.tables["a"][:2]
+    assert cache.allocator.ref_count[cache.tables["a"][0]] == 2
+    # fork a: the child shares the partly filled third block (tokens 8, 9)
+    cache.fork("a", "c")
+    toks["c"] = a + [11]
+    toks["a"] = a + [22]
+    shared = cache.tables["a"][2]
+    assert cache.blocks_needed("c", 1) == 1  # the copy-on-write copy
+    for sid in ("a", "c"):
+        cache.reserve(sid, 1)
+    cache.reserve("b", 3)
+    # the first writer got a private copy; the other then owns the original alone
+    assert cache.tables["a"][2] != cache.tables["c"][2] and shared in (cache.tables["a"][2], cache.tables["c"][2])
+    logits = _run(model, cache, [("a", 10, 1), ("c", 10, 1), ("b", 8, 3)], toks)
+    with torch.no_grad():
+        for i, sid in enumerate(("a", "c", "b")):
+            ref = model(torch.tensor([toks[sid]]))[0, -1]
+            assert torch.allclose(logits[i], ref, atol=1e-10), sid
+    for sid in ("a", "b", "c"):
+        cache.free(sid)
+    assert all(r == 0 for r in cache.allocator.ref_count)
+    assert cache.allocator.num_free == cache.num_blocks - 1
+
+
+def test_paged_truncate_releases_tail_blocks(model):
+    cache = PagedKVCache(model.config, num_blocks=8, block_size=4)
+    cache.allocate("s", list(range(10)))
+    cache.reserve("s", 10)
+    cache.commit("s", list(range(10)), 10)
+    cache.truncate("s", 5)
+    assert len(cache.tables["s"]) == 2 and cache.allocator.num_free == 5
+    with pytest.raises(ValueError, match="truncate"):
+        cache.truncate("s", 6)
+
+
+def test_paged_cache_errors(model):
+    cache = PagedKVCache(model.config, num_blocks=3, block_size=4)
+    cache.allocate("s", [1, 2, 3])
+    with pytest.raises(ValueError, match="already has blocks"):
+        cache.allocate("s", [1])
+    with pytest.raises(NoFreeBlocks, match="needs 3 blocks"):
+        cache.reserve("s", 9)
+    with pytest.raises(ValueError, match="reserve"):
+        cache.batch([("s", 0, 3)])
+    with pytest.raises(ValueError, match="num_blocks"):
+        PagedKVCache(model.config, num_blocks=1)

@@ -1,0 +1,122 @@
+"""Sampling filters vs hand-computed distributions and vs HF transformers' logits processors
+(seed 000 §2.6)."""
+
+import math
+
+import pytest
+import torch
+
+from lmstack.inference import sample_next
+from lmstack.inference.sampling import (
+    SamplingParams,
+    apply_repetition_penalty,
+    find_stop_string,
+    sample_token,
+    target_probs,
+    token_logprobs,
+)
+
+P = [0.5, 0.2, 0.15, 0.1, 0.05]
+LOGITS = torch.tensor([math.log(p) for p in P], dtype=torch.float64)
+
+
+def probs(**kw):
+    return target_probs(LOGITS, SamplingParams(**kw)).double()
+
+
+def close(a, b):
+    assert torch.allclose(a, torch.tensor(b, dtype=torch.float64), atol=1e-6), (a, b)
+
+
+def test_temperature_by_hand():
+    close(probs(temperature=1.0), P)
+    s = sum(p ** 0.5 for p in P)  # τ = 2: p_i^(1/2) / Σ p_j^(1/2)
+    close(probs(temperature=2.0), [p ** 0.5 / s for p in P])
+    close(probs(temperature=0.0), [1, 0, 0, 0, 0])  # greedy = one-hot argmax
+
+
+def test_top_k_by_hand():
+    close(probs(top_k=2), [5 / 7, 2 / 7, 0, 0, 0])
+    close(probs(top_k=1), [1, 0, 0, 0, 0])
+    close(probs(top_k=0), P)  # 0 = off
+    close(probs(top_k=99), P)
+
+
+def test_top_p_by_hand():
+    close(probs(top_p=0.6), [5 / 7, 2 / 7, 0, 0, 0])  # 0.5 < 0.6, 0.5 + 0.2 reaches it
+    close(probs(top_p=0.5), [1, 0, 0, 0, 0])  # the top token alone reaches 0.5
+    close(probs(top_p=0.3), [1, 0, 0, 0, 0])  # the first token is always kept
+    close(probs(top_p=0.86), [0.5 / 0.95, 0.2 / 0.95, 0.15 / 0.95, 0.1 / 0.95, 0])
+
+
+def test_min_p_by_hand():
+    close(probs(min_p=0.3), [5 / 8.5, 2 / 8.5, 1.5 / 8.5, 0, 0])  # keep p >= 0.3 * 0.5 = 0.15
+    close(probs(min_p=1.0), [1, 0, 0, 0, 0])
+
+
+def test_repetition_penalty_by_hand():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    out = apply_repetition_penalty(logits, [0, 1, 1], 2.0)  # positive / 2, negative * 2, unseen unchanged
+    assert out.tolist() == [1.0, -2.0, 0.5, 3.0]
+    assert logits.tolist() == [2.0, -1.0, 0.5, 3.0]  # input untouched
+
+
+def test_chain_matches_transformers_processors():
+    lp = pytest.importorskip("transformers.generation.logits_process")
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 300, generator=g) * 3
+    history = torch.randint(0, 300, (4, 40), generator=g)
+    for temperature, top_k, top_p, min_p, rep in [(0.7, 50, 0.9, 0.0, 1.3), (1.3, 0, 0.8, 0.05, 1.0),
+                                                   (1.0, 10, 1.0, 0.1, 0.8), (0.5, 0, 0.95, 0.0, 1.1)]:
+        procs = [lp.RepetitionPenaltyLogitsProcessor(rep)] if rep != 1.0 else []
+        procs.append(lp.TemperatureLogitsWarper(temperature))
+        if top_k:
+            procs.append(lp.TopKLogitsWarper(top_k))
+        if top_p < 1:
+            procs.append(lp.TopPLogitsWarper(top_p))
+        if min_p:
+            procs.append(lp.MinPLogitsWarper(min_p))
+        ref = logits.clone()
+        for proc in procs:
+            ref = proc(history, ref)
+        ref = ref.softmax(-1)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep)
+        for b in range(4):
+            ours = target_probs(logits[b], params, history[b].tolist())
+            assert torch.allclose(ours, ref[b], atol=1e-6)
+
+
+def test_empirical_frequencies_follow_the_filtered_distribution():
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    n = 4000
+    counts = torch.zeros(5)
+    for _ in range(n):
+        counts[sample_token(LOGITS.float(), params, gen)] += 1
+    expected = torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85
+    assert counts[3:].sum() == 0
+    assert (counts / n - expected).abs().max() < 0.03
+
+
+def test_seed_reproducible_and_sample_next_compat():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    a = sample_next(logits, 0.8, 10, 0.9, torch.Generator().manual_seed(5))
+    b = sample_next(logits, 0.8, 10, 0.9, torch.Generator().manual_seed(5))
+    assert a.tolist() == b.tolist() and a.shape == (3,)
+    assert sample_next(logits, 0.0).tolist() == logits.argmax(-1).tolist()
+
+
+def test_logprobs_and_stop_strings():
+    lp, top = token_logprobs(LOGITS, 1, 2)
+    assert lp == pytest.approx(math.log(0.2))
+    assert list(top) == [0, 1] and top[0] == pytest.approx(math.log(0.5))
+    assert find_stop_string("hello world. bye", [".", "bye"]) == 11
+    assert find_stop_string("abc", ["x"]) == -1
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
+                                dict(min_p=2), dict(repetition_penalty=0), dict(max_tokens=0), dict(stop=[""]),
+                                dict(logprobs=-1), dict(temperature=float("nan"))])
+def test_bad_params_raise_clear_errors(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        SamplingParams(**kw)
