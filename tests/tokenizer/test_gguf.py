@@ -93,3 +93,21 @@ def test_bad_files(tmp_path):
     trunc.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(8) + (5).to_bytes(8, "little") + b"\x10")
     with pytest.raises(ValueError, match="truncated"):
         load_gguf_tokenizer(trunc)
+
+
+@pytest.mark.parametrize("gen", [False, True])
+def test_chat_template_matches_transformers(smol, hf_gguf, gen):
+    messages = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 中文?"},
+    ]
+    ours = smol.apply_chat_template(messages, add_generation_prompt=gen)
+    theirs = hf_gguf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+    assert ours == theirs
+    with_system = [{"role": "system", "content": "Be brief."}] + messages
+    assert smol.apply_chat_template(with_system, add_generation_prompt=gen, tokenize=True) == hf_gguf.encode(
+        hf_gguf.apply_chat_template(with_system, tokenize=False, add_generation_prompt=gen), add_special_tokens=False
+    )
+    with pytest.raises(ValueError, match="message #0"):
+        smol.apply_chat_template([{"content": "no role"}])

@@ -1,6 +1,6 @@
 """The byte-level BPE tokenizer: encode, decode, encode_iterable (seed 001 "分词器", "细节问答").
 
-Text -> special-token split (longest first) -> pre-tokens (regex) -> UTF-8 bytes -> BPE merges
+Text -> special-token split (longest first) -> pre-tokens (regex, :class:`.pretokenize.PreTokenizer`) -> UTF-8 bytes -> BPE merges
 applied by rank (lowest first, like HF ``tokenizers``) -> ids. Decoding concatenates token bytes
 and decodes UTF-8 with invalid sequences replaced by U+FFFD. Each distinct pre-token is merged
 once and cached, because natural text repeats its words (seed 001 "细节问答": hash maps).
@@ -19,7 +19,8 @@ from .pretokenize import PreTokenizer, resolve_pattern, special_splitter
 class Tokenizer:
     """Byte-level BPE from a vocabulary and an ordered merge list.
 
-    ``vocab`` maps id -> token bytes and must contain every single byte; ``merges`` are pairs of
+    ``vocab`` maps id -> token bytes and should hold all 256 single bytes (text containing a
+    missing byte loses it, see ``missing_bytes``); ``merges`` are pairs of
     token bytes in priority order (earlier merges apply first); ``special_tokens`` are strings that
     are never split (an id is appended for each one the vocabulary lacks). ``pattern`` is a regex or
     a name from :data:`lmstack.tokenizer.pretokenize.PATTERNS` (``"gpt2"``, ``"gpt4"``,
@@ -255,6 +256,19 @@ class Tokenizer:
             yield from out
         if buf:
             yield from self.encode(buf)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = False, **extra
+    ) -> str | list[int]:
+        """Render ``messages`` with ``chat_template`` (Jinja2, as HF does); ids when ``tokenize``."""
+        from .chat import render_chat
+
+        extra.setdefault("bos_token", self.vocab[self.bos_token_id].decode("utf-8", "replace")
+                         if self.bos_token_id is not None else "")
+        extra.setdefault("eos_token", self.vocab[self.eos_token_id].decode("utf-8", "replace")
+                         if self.eos_token_id is not None else "")
+        text = render_chat(self.chat_template, messages, add_generation_prompt, **extra)
+        return self.encode(text) if tokenize else text
 
     # ------------------------------------------------------------------ files (see .formats)
     @classmethod
