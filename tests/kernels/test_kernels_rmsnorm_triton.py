@@ -4,6 +4,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 from lmstack.kernels.rmsnorm_triton import rmsnorm_triton  # noqa: E402
 

@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+from kernel_refs import reference_attention
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 from lmstack.kernels.flash_triton import flash_attention_triton  # noqa: E402
 
@@ -49,8 +51,6 @@ def test_non_contiguous_inputs(check):
     x = torch.randn(1, 21, 2, 16)
     q = x.transpose(1, 2)
     assert not q.is_contiguous()
-    from conftest import reference_attention
-
     out = flash_attention_triton(q, q, q, causal=True)
     torch.testing.assert_close(out, reference_attention(q, q, q, True)[0], atol=2e-6, rtol=1e-5)
 
