@@ -9,11 +9,14 @@ once and cached, because natural text repeats its words (seed 001 "细节问答"
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from itertools import chain
+from itertools import chain, repeat
 
 import regex
 
 from .pretokenize import PreTokenizer, resolve_pattern, special_splitter
+
+
+_NO_RANK = 1 << 62  # rank of a pair that is not a merge
 
 
 class Tokenizer:
@@ -85,6 +88,11 @@ class Tokenizer:
             key = (self._encoder[a], self._encoder[b])
             if key not in self._merge_table:
                 self._merge_table[key] = (rank, self._encoder[a + b])
+        # The same table keyed for _bpe: (chr(left id), chr(right id)) -> rank / chr(merged id).
+        self._pair_rank = {(chr(a), chr(b)): r for (a, b), (r, _) in self._merge_table.items()}
+        self._pair_merged = {(chr(a), chr(b)): chr(m) for (a, b), (_, m) in self._merge_table.items()}
+        # byte value (as a latin-1 char) -> chr(its token id); missing bytes are deleted
+        self._byte_chars = {b: (chr(i) if i >= 0 else None) for b, i in enumerate(self._byte_ids)}
         self._cache: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ sizes and lookups
@@ -108,33 +116,23 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ BPE core
     def _bpe(self, piece: bytes) -> list[int]:
-        """Merge one pre-token: repeatedly apply the lowest-ranked adjacent pair, all its occurrences."""
-        byte_ids = self._byte_ids
-        ids = [byte_ids[b] for b in piece]
-        if self.missing_bytes and -1 in ids:
-            ids = [i for i in ids if i >= 0]
-        table = self._merge_table
-        while len(ids) > 1:
-            best = None
-            for pair in zip(ids, ids[1:]):
-                m = table.get(pair)
-                if m is not None and (best is None or m[0] < best[0]):
-                    best, best_pair = m, pair
-            if best is None:
+        """Merge one pre-token: repeatedly apply the lowest-ranked adjacent pair, all its occurrences.
+
+        The pre-token is held as a str whose characters are token ids (``chr(id)``): the bytes map to
+        it with one ``translate``, pairs come from ``zip``, and merging every occurrence of
+        a pair (left to right, non-overlapping: BPE's rule) is one ``str.replace``.
+        """
+        s = piece.decode("latin-1").translate(self._byte_chars)
+        rank_get = self._pair_rank.get
+        while len(s) > 1:
+            pairs = list(zip(s, s[1:]))
+            ranks = list(map(rank_get, pairs, repeat(_NO_RANK)))
+            best = min(ranks)
+            if best == _NO_RANK:
                 break
-            a, b = best_pair
-            merged = best[1]
-            out = []
-            i, n = 0, len(ids)
-            while i < n:
-                if i + 1 < n and ids[i] == a and ids[i + 1] == b:
-                    out.append(merged)
-                    i += 2
-                else:
-                    out.append(ids[i])
-                    i += 1
-            ids = out
-        return ids
+            a, b = pairs[ranks.index(best)]
+            s = s.replace(a + b, self._pair_merged[a, b])
+        return list(map(ord, s))
 
     def _split(self, text: str) -> list[str]:
         """Pre-tokens of text that contains no special token (ASCII fast path when possible)."""
