@@ -2,10 +2,12 @@
 
 Public API: :class:`Tokenizer` (encode / decode / encode_iterable / save / load / from_gguf),
 :func:`train_bpe`, file formats (lmstack JSON, GPT-2 vocab.json+merges.txt, HF tokenizer.json,
-GGUF in; tiktoken and HF tokenizers out), the pre-tokenizer patterns, the GPT-2 byte mapping.
+GGUF in; tiktoken and HF tokenizers out), dataset encoding to flat token files for ``np.memmap``
+(:func:`encode_files`, :func:`open_tokens`), the pre-tokenizer patterns, the GPT-2 byte mapping.
 """
 
 from .byte_unicode import bytes_to_unicode, unicode_to_bytes
+from .dataset import EncodeStats, encode_files, open_tokens, token_dtype
 from .formats import (
     from_hf_json,
     load,
@@ -20,12 +22,17 @@ from .formats import (
     to_tiktoken,
 )
 from .gguf_io import load_gguf_tokenizer, read_gguf_metadata
-from .pretokenize import GPT2_PATTERN, GPT4_PATTERN, LLAMA3_PATTERN, PATTERNS, SMOLLM_PATTERN
+from .pretokenize import GPT2_PATTERN, GPT4_PATTERN, LLAMA3_PATTERN, PATTERNS, SMOLLM_PATTERN, PreTokenizer
 from .tokenizer import Tokenizer
 from .train import count_pretokens, train_bpe
 
 __all__ = [
     "Tokenizer",
+    "PreTokenizer",
+    "encode_files",
+    "open_tokens",
+    "token_dtype",
+    "EncodeStats",
     "train_bpe",
     "count_pretokens",
     "load_tokenizer",

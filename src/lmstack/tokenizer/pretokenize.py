@@ -8,9 +8,8 @@ crosses them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import re
+from collections.abc import Iterable
 
 import regex
 
