@@ -191,3 +191,14 @@ def test_chunk_boundaries_never_split_a_longer_special(tmp_path):
         assert len(bounds) > 2
         for b in bounds[1:-1]:
             assert data[b:].startswith(double), b  # cut only before a whole double special
+
+
+def test_invalid_utf8_bytes_are_trained_as_bytes(tmp_path):
+    """Bytes that are not UTF-8 survive counting (surrogateescape) and come back as the same bytes."""
+    path = tmp_path / "bin.txt"
+    path.write_bytes(b"ok \xff\xfe\xff\xfe ok \xff\xfe\xff\xfe ok " * 50)
+    counts = count_pretokens(path)
+    assert sum(counts.values()) > 0
+    vocab, merges = train_bpe(path, 270)
+    assert (b"\xff", b"\xfe") in merges
+    assert any(b"\xff\xfe" in t for t in vocab.values())
