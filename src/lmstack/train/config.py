@@ -83,6 +83,7 @@ class TrainConfig:
     keep_last: int = 2
     seed: int = 0
     stop_after: int | None = None  # stop (and checkpoint) after this many steps without changing the schedule
+    time_limit_s: float | None = None  # stop (and checkpoint) once training has run this long (wall clock)
     # ---- distributed seam: a name understood by lmstack.parallel (e.g. "ddp"); None = one process
     parallel: str | None = None
 
@@ -132,6 +133,8 @@ class TrainConfig:
             raise TrainConfigError("packing=true needs sep_id (the id of the document separator, e.g. <|endoftext|>)")
         if self.stop_after is not None:
             pos_int("stop_after")
+        if self.time_limit_s is not None:
+            num("time_limit_s", 0.0, lo_open=True)
         if not self.train_data:
             raise TrainConfigError("train_data is required: a token file from `lmstack tokenizer encode`")
 

@@ -286,10 +286,10 @@ class Trainer:
 
         d = Path(directory) if directory is not None else self.out_dir / "model"
         save_pretrained(self.raw_model, d)
-        if self.config.tokenizer and Path(self.config.tokenizer).is_file():
-            import shutil
+        if self.config.tokenizer and Path(self.config.tokenizer).exists():
+            from lmstack.tokenizer import load_tokenizer, save_hf
 
-            shutil.copyfile(self.config.tokenizer, d / "tokenizer.json")
+            save_hf(load_tokenizer(self.config.tokenizer), d / "tokenizer.json")  # HF format, beside the weights
         return d
 
     # ---- the loop -------------------------------------------------------------------------
@@ -357,6 +357,10 @@ class Trainer:
                 bar.update(1)
                 if callback is not None:
                     callback(self, m)
+                if c.time_limit_s is not None and time.perf_counter() - t_start > c.time_limit_s:
+                    if self.is_main:
+                        bar.write(f"time limit {c.time_limit_s:.0f}s reached at step {self.step}/{c.max_steps}")
+                    break
         except TrainingDiverged as e:
             bar.close()
             path = self.save_checkpoint()

@@ -1,0 +1,127 @@
+"""Training-step benchmark: lmstack's Trainer step vs HF transformers' LlamaForCausalLM, same config.
+
+Both run forward + loss + backward + AdamW step on the same (B, S) token batch, same dtype mode
+(bf16 autocast with fp32 master weights, or plain fp32), same threads, on this machine. The two
+are timed in alternation (lmstack step, HF step, ...) so a change in machine load hits both; we
+report medians after warm-up, the tokens/s ratio lmstack/HF (> 1: lmstack faster), and MFU =
+model FLOPs per step (lmstack.accounting, seed 000 §1.6: 3 x forward) / step time / the measured
+matmul peak of this machine in that dtype (measure_cpu; seed 001 "工程细节/基准测试": warm up,
+time with a monotonic clock, synchronise CUDA before reading it).
+
+  .venv/bin/python benchmarks/train_step.py                      # the demo's model, bf16 and fp32
+  .venv/bin/python benchmarks/train_step.py --d-model 512 --layers 8 --precision bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+import statistics
+import time
+import timeit
+
+import torch
+
+
+def build(args):
+    import transformers
+
+    from lmstack.model import ModelConfig
+    from lmstack.model.transformer import Transformer
+
+    cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                      n_kv_heads=args.kv_heads, d_ff=args.d_ff, max_seq_len=max(args.seq, 128),
+                      tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5)
+    ours = Transformer(cfg, seed=0)
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.d_model, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, intermediate_size=args.d_ff,
+        max_position_embeddings=max(args.seq, 128), rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    return cfg, ours, hf
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--d-ff", type=int, default=688)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--precision", choices=["bf16", "fp32", "both"], default="both")
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall: timeit.default_timer; cpu: process CPU time (robust when other jobs share the machine)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from lmstack.accounting import measure_cpu, training_step_flops
+    from lmstack.train import AdamW, cross_entropy
+
+    cfg, ours, hf = build(args)
+    B, S = args.batch, args.seq
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(0, args.vocab, (B, S + 1), generator=g)
+    x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+    opt_ours = AdamW(ours.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    flops = training_step_flops(cfg, B, S)
+    precisions = ["bf16", "fp32"] if args.precision == "both" else [args.precision]
+    hw = measure_cpu(dtypes=tuple(precisions))
+    print(f"machine: {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; measured matmul peak "
+          + ", ".join(f"{p} {hw.flops(p) / 1e9:.0f} GFLOP/s" for p in precisions))
+    print(f"model: V={cfg.vocab_size} D={cfg.d_model} L={cfg.n_layers} N={cfg.n_heads} K={cfg.n_kv_heads} "
+          f"F={cfg.d_ff}, {ours.num_params():,} params; batch B={B} S={S} ({B * S} tokens/step); "
+          f"{flops / 1e9:.1f} GFLOP/step")
+
+    for prec in precisions:
+        ac = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if prec == "bf16" else contextlib.nullcontext
+
+        def step_ours():
+            with ac():
+                logits = ours(x)
+            ce, _ = cross_entropy(logits, y)
+            ce.backward()
+            opt_ours.step()
+            opt_ours.zero_grad(set_to_none=True)
+
+        def step_hf():
+            with ac():
+                out = hf(input_ids=x, labels=None)
+            # HF's own loss on the same targets (labels already shifted): ForCausalLMLoss upcasts and uses F.cross_entropy
+            loss = hf.loss_function(out.logits, labels=None, vocab_size=args.vocab, shift_labels=y)
+            loss.backward()
+            opt_hf.step()
+            opt_hf.zero_grad(set_to_none=True)
+
+        clock = timeit.default_timer if args.clock == "wall" else time.process_time
+        times = {"lmstack": [], "hf": []}
+        for i in range(args.warmup + args.repeats):
+            for name, fn in (("lmstack", step_ours), ("hf", step_hf)):
+                t0 = clock()
+                fn()
+                dt = clock() - t0
+                if i >= args.warmup:
+                    times[name].append(dt)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        tps = {k: B * S / v for k, v in med.items()}
+        mfu = {k: flops / v / hw.flops(prec) for k, v in med.items()}
+        print(f"[{prec}{' autocast, fp32 master weights' if prec == 'bf16' else ''}] "
+              f"lmstack {med['lmstack'] * 1e3:.0f} ms/step {tps['lmstack']:,.0f} tok/s MFU {mfu['lmstack']:.1%} | "
+              f"HF {med['hf'] * 1e3:.0f} ms/step {tps['hf']:,.0f} tok/s MFU {mfu['hf']:.1%} | "
+              f"ratio lmstack/HF tokens/s = {tps['lmstack'] / tps['hf']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
