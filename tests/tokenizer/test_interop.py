@@ -107,7 +107,6 @@ def test_smollm2_matches_tiktoken_and_hf(smol, hf_smollm, smol_refs, text):
 
 # ---------------------------------------------------------------- formats
 def test_own_format_roundtrip(trained, tmp_path):
-    trained.bos_token_id = None
     path = tmp_path / "tok.json"
     trained.save(path)
     back = Tokenizer.load(path)
