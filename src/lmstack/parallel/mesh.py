@@ -35,6 +35,7 @@ class DeviceMesh:
     _groups: dict = field(default_factory=dict, repr=False)
     _coords: dict = field(default_factory=dict, repr=False)
     _members: dict = field(default_factory=dict, repr=False)
+    _all: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> "DeviceMesh":
@@ -94,6 +95,7 @@ class DeviceMesh:
             buckets: dict = {}
             for r in range(world):
                 buckets.setdefault(key(self.coords(r)), []).append(r)
+            self._all[axis] = [buckets[k] for k in sorted(buckets)]
             for k in sorted(buckets):
                 ranks = buckets[k]
                 g = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
@@ -114,6 +116,10 @@ class DeviceMesh:
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along ``axis``, in axis order."""
         return list(self._members[axis])
+
+    def all_groups(self, axis: str) -> list[list[int]]:
+        """Every group's member ranks along ``axis`` (the same list on every rank)."""
+        return [list(r) for r in self._all[axis]]
 
     def __str__(self) -> str:
         return f"DeviceMesh(pp={self.pp}, dp={self.dp}, cp={self.cp}, tp={self.tp}, ep={self.ep})"

@@ -1,0 +1,408 @@
+"""Pipeline parallelism: stages by layer ranges, micro-batches, GPipe, 1F1B and zero-bubble.
+
+Seed 000 §6.5 (naive model parallelism idles every device but one; splitting the batch into
+micro-batches lets stages work at once), seed 001 "流水线并行" (the bubble needs a large batch;
+splitting backward into the input gradient B — needed by the previous stage at once — and the
+weight gradient W — which can wait — lets W fill the bubbles: zero bubble).
+
+Stage s of p runs layers [L·s/p, L·(s+1)/p) — the first stage also the embedding, the last the
+final norm, unembedding and loss. Activations (B/m, S, D) go forward with send/recv; their
+gradients come back the same way. Schedules are lists of actions per stage:
+
+  gpipe   F0 F1 … F(m-1)  B0 … B(m-1)                 bubble (p-1)/(m+p-1), m micro-batches in flight
+  1f1b    (p-s-1) warm-up F, then F/B alternating,     same bubble, at most p-s in flight
+          then the remaining B
+  zb      1F1B order with B split into B (input grad) and W (weight grad); W runs when the stage
+          would otherwise wait (ZB-H1-like, found by list scheduling with unit costs)
+
+``simulate`` replays a schedule with unit costs (F = 1, B = 2 or B = W = 1) and returns the
+bubble fraction — exactly (p-1)/(m+p-1) for GPipe and 1F1B; ``PipelineParallel.train_step``
+measures the real one from per-action timings.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmstack.parallel import collectives as C
+
+# ---- schedules ------------------------------------------------------------------------------------
+
+
+def gpipe_schedule(p: int, m: int, s: int) -> list[tuple[str, int]]:
+    """All forwards, then all backwards (GPipe)."""
+    return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+
+
+def one_f_one_b_schedule(p: int, m: int, s: int) -> list[tuple[str, int]]:
+    """1F1B (PipeDream-flush): p-s-1 warm-up forwards, a steady F/B alternation, cool-down B."""
+    warm = min(p - s - 1, m)
+    out = [("F", i) for i in range(warm)]
+    for i in range(m - warm):
+        out += [("F", warm + i), ("B", i)]
+    out += [("B", i) for i in range(m - warm, m)]
+    return out
+
+
+def zero_bubble_schedule(p: int, m: int) -> list[list[tuple[str, int]]]:
+    """B/W split schedule for all p stages (ZB-H1-like). List scheduling with unit costs: each
+    free stage takes, in order of priority, a ready B, a ready F (at most p-s in flight, the
+    1F1B memory bound), else a pending W. Returns one action list per stage."""
+    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> finish time
+    nxt_f = [0] * p
+    in_flight = [0] * p
+    pending_w: list[list[int]] = [[] for _ in range(p)]
+    b_ready: list[list[int]] = [[] for _ in range(p)]
+    orders: list[list[tuple[str, int]]] = [[] for _ in range(p)]
+    t = 0
+    total = 3 * p * m
+    while sum(len(o) for o in orders) < total:
+        for s in range(p):
+            # B for micro-batch i needs F(s, i) and B(s+1, i) (or, on the last stage, just F)
+            cands_b = [i for i in range(m) if ("F", s, i) in done and done[("F", s, i)] <= t and ("B", s, i) not in done
+                       and (s == p - 1 or (("B", s + 1, i) in done and done[("B", s + 1, i)] <= t))]
+            if cands_b:
+                i = min(cands_b)
+                done[("B", s, i)] = t + 1
+                orders[s].append(("B", i))
+                in_flight[s] -= 1
+                pending_w[s].append(i)
+                continue
+            i = nxt_f[s]
+            if i < m and in_flight[s] < p - s and (s == 0 or (("F", s - 1, i) in done and done[("F", s - 1, i)] <= t)):
+                done[("F", s, i)] = t + 1
+                orders[s].append(("F", i))
+                nxt_f[s] += 1
+                in_flight[s] += 1
+                continue
+            if pending_w[s]:
+                i = pending_w[s].pop(0)
+                done[("W", s, i)] = t + 1
+                orders[s].append(("W", i))
+        t += 1
+        if t > 10 * total:
+            raise RuntimeError("zero-bubble list scheduling did not converge")
+    return orders
+
+
+def schedule(kind: str, p: int, m: int) -> list[list[tuple[str, int]]]:
+    """Per-stage action lists for ``kind`` in {"gpipe", "1f1b", "zb"}."""
+    if m < 1 or p < 1:
+        raise ValueError(f"pipeline needs p >= 1 stages and m >= 1 micro-batches, got p={p}, m={m}")
+    if kind == "gpipe":
+        return [gpipe_schedule(p, m, s) for s in range(p)]
+    if kind == "1f1b":
+        return [one_f_one_b_schedule(p, m, s) for s in range(p)]
+    if kind == "zb":
+        return zero_bubble_schedule(p, m)
+    raise ValueError(f"schedule={kind!r}; expected 'gpipe', '1f1b' or 'zb'")
+
+
+def simulate(orders: list[list[tuple[str, int]]], cost: dict[str, float] | None = None) -> dict[str, float]:
+    """Replay per-stage orders with unit costs (default F=1, B=2 without W, or B=W=1 with W).
+    Returns makespan, busy time per stage and the bubble fraction 1 - busy / (p · makespan)."""
+    p = len(orders)
+    split = any(k == "W" for o in orders for k, _ in o)
+    cost = cost or ({"F": 1.0, "B": 1.0, "W": 1.0} if split else {"F": 1.0, "B": 2.0})
+    finish: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * p
+    idx = [0] * p
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            while idx[s] < len(orders[s]):
+                k, i = orders[s][idx[s]]
+                deps = []
+                if k == "F" and s > 0:
+                    deps.append(("F", s - 1, i))
+                if k == "B":
+                    deps.append(("F", s, i))
+                    if s < p - 1:
+                        deps.append(("B", s + 1, i))
+                if k == "W":
+                    deps.append(("B", s, i))
+                if any(d not in finish for d in deps):
+                    break
+                start = max([clock[s]] + [finish[d] for d in deps])
+                clock[s] = finish[(k, s, i)] = start + cost[k]
+                idx[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("schedule deadlocks: an action waits for one that never runs")
+    makespan = max(clock)
+    busy = sum(cost[k] for o in orders for k, _ in o)
+    return {"makespan": makespan, "bubble": 1 - busy / (p * makespan)}
+
+
+def bubble_formula(p: int, m: int) -> float:
+    """Seed 000 §6.5 / seed 001: bubble fraction (p - 1) / (m + p - 1)."""
+    return (p - 1) / (m + p - 1)
+
+
+# ---- zero-bubble weight-gradient split --------------------------------------------------------------
+
+
+class _WeightGradStash:
+    def __init__(self):
+        self.items: dict[int, list[tuple[Tensor, Tensor, Tensor]]] = {}
+        self.current = 0
+
+    def add(self, weight: Tensor, x: Tensor, g: Tensor) -> None:
+        self.items.setdefault(self.current, []).append((weight, x, g))
+
+    def run(self, mb: int) -> None:
+        """The W pass of micro-batch ``mb``: dL/dW = gᵀ x for every stashed linear."""
+        for w, x, g in self.items.pop(mb, []):
+            dw = g.reshape(-1, g.shape[-1]).t().to(w.dtype) @ x.reshape(-1, x.shape[-1]).to(w.dtype)  # (O, I)
+            w.grad = dw if w.grad is None else w.grad.add_(dw)
+
+
+class _SplitLinearFn(torch.autograd.Function):
+    """y = x Wᵀ whose backward computes only dx = g W (the B pass) and stashes (x, g) so the
+    weight gradient gᵀ x can run later (the W pass)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, stash: _WeightGradStash):
+        ctx.save_for_backward(x, weight)
+        ctx.stash = stash
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, weight = ctx.saved_tensors
+        ctx.stash.add(weight, x.detach(), g.detach())
+        return g @ weight.to(g.dtype), None, None
+
+
+class SplitWeightGradLinear(nn.Module):
+    """Wraps a bias-free linear (``.weight`` (O, I)) for the zero-bubble B/W split."""
+
+    def __init__(self, linear: nn.Module, stash: _WeightGradStash):
+        super().__init__()
+        if getattr(linear, "bias", None) is not None:
+            raise ValueError("zero-bubble split: linears with a bias are not supported")
+        self.inner, self.stash = linear, stash
+
+    @property
+    def weight(self):
+        return self.inner.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _SplitLinearFn.apply(x, self.inner.weight, self.stash)
+
+
+# ---- stages -----------------------------------------------------------------------------------------
+
+
+def stage_layers(L: int, p: int, s: int) -> tuple[int, int]:
+    """Layers [start, end) of stage s: as even as possible, earlier stages take the remainder."""
+    base, extra = divmod(L, p)
+    start = s * base + min(s, extra)
+    return start, start + base + (1 if s < extra else 0)
+
+
+class PipelineStage(nn.Module):
+    """Stage s of a ``Transformer``: (embed) + blocks[a:b] + (norm, unembedding). The model's own
+    modules are reused; parameters of other stages are not referenced."""
+
+    def __init__(self, model: nn.Module, s: int, p: int, split_weight_grad: bool = False):
+        super().__init__()
+        L = len(model.blocks)
+        if p > L:
+            raise ValueError(f"pipeline: pp={p} stages exceed n_layers={L}")
+        a, b = stage_layers(L, p, s)
+        self.first, self.last = s == 0, s == p - 1
+        self.layer_range = (a, b)
+        self.blocks = nn.ModuleList(model.blocks[a:b])
+        self.embed = model.embed if self.first else None
+        self.norm = model.norm if self.last else None
+        self.tied = model.lm_head is None
+        self.lm_head = model.lm_head if self.last and not self.tied else None
+        if self.last and self.tied and not self.first:
+            # the last stage keeps its own copy of W_e for the unembedding; its gradient is summed
+            # with the first stage's (``PipelineParallel.sync_tied``)
+            self.unembed = nn.Parameter(model.embed.weight.detach().clone())
+        else:
+            self.unembed = None
+        self.stash = _WeightGradStash() if split_weight_grad else None
+        if split_weight_grad:
+            for blk in self.blocks:
+                for mod, names in ((blk.attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                   (blk.ffn, ("gate_proj", "up_proj", "down_proj"))):
+                    for n in names:
+                        setattr(mod, n, SplitWeightGradLinear(getattr(mod, n), self.stash))
+
+    def unembedding(self) -> Tensor:
+        if self.unembed is not None:
+            return self.unembed
+        return self.embed.weight if self.tied else self.lm_head.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        """First stage: tokens (B, S) -> ...; middle: (B, S, D) -> (B, S, D); last: -> logits (B, S, V)."""
+        if self.first:
+            x = self.embed(x)  # (B, S, D)
+        S = x.shape[1]
+        positions = torch.arange(S, device=x.device)
+        for blk in self.blocks:
+            x = blk(x, positions, None, True, None)
+        if self.last:
+            x = self.norm(x)
+            w = self.unembedding()
+            if self.stash is not None:
+                return _SplitLinearFn.apply(x, w, self.stash)
+            return F.linear(x, w)  # (B, S, V)
+        return x
+
+
+@dataclass
+class StepTimes:
+    busy: float  # seconds this stage spent computing F/B/W
+    wall: float  # seconds from the common start to the end of this stage's last action
+
+
+class PipelineParallel(nn.Module):
+    """Run one stage of a pipeline over ``group`` (the pp axis), ``micro_batches`` m per step.
+
+        pipe = PipelineParallel(model, group, micro_batches=4, schedule="1f1b")
+        loss = pipe.train_step(tokens, targets, loss_fn)   # backward done; step your optimizer
+        pipe.parameters()                                  # this stage's parameters only
+
+    ``dp_group``: gradients are averaged over it after the schedule (DP×PP).
+    """
+
+    def __init__(self, model: nn.Module, group=None, micro_batches: int = 4, schedule_kind: str = "1f1b",
+                 dp_group=None, tied_group=None):
+        super().__init__()
+        self.rank_in, self.p, self.ranks = C._group_ranks(group) if C.group_size(group) > 1 else (0, 1, [0])
+        if C.group_size(group) == 1:
+            self.ranks = [dist.get_rank()] if dist.is_initialized() else [0]
+        self.group, self.m, self.kind = group, micro_batches, schedule_kind
+        self.orders = schedule(schedule_kind, self.p, micro_batches)
+        self.stage = PipelineStage(model, self.rank_in, self.p, split_weight_grad=schedule_kind == "zb")
+        self.dp_group = dp_group
+        self.tied_group = tied_group  # {first, last} stage ranks when embeddings are tied
+        self.last_times: StepTimes | None = None
+
+    def _send(self, t: Tensor, to: int, tag: int):
+        return dist.isend(t.contiguous(), self.ranks[to], tag=tag)
+
+    def _recv(self, shape, dtype, frm: int, tag: int) -> Tensor:
+        buf = torch.empty(shape, dtype=dtype)
+        dist.recv(buf, self.ranks[frm], tag=tag)
+        return buf
+
+    def train_step(self, tokens: Tensor, targets: Tensor, loss_fn) -> float:
+        """Forward and backward of one batch (B, S) in m micro-batches; returns the mean loss
+        (broadcast from the last stage). Gradients are left in ``.grad`` (averaged over dp)."""
+        B, S = tokens.shape
+        if B % self.m:
+            raise ValueError(f"pipeline: batch B={B} is not divisible by micro_batches={self.m}")
+        st, s, p = self.stage, self.rank_in, self.p
+        xs, ys = tokens.chunk(self.m), targets.chunk(self.m)
+        D = st.blocks[0].attn_norm.weight.shape[0] if len(st.blocks) else None
+        act_shape = (B // self.m, S, D)
+        inputs, outputs, losses = {}, {}, {}
+        sends = []
+        busy = 0.0
+        if dist.is_initialized():
+            dist.barrier(group=self.group)
+        t0 = time.perf_counter()
+        for kind, i in self.orders[s]:
+            if kind == "F":
+                x = xs[i] if st.first else self._recv(act_shape, torch.float32, s - 1, 2 * i)
+                if not st.first:
+                    x.requires_grad_(True)
+                ta = time.perf_counter()
+                out = st(x)
+                if st.last:
+                    loss = loss_fn(out, ys[i]) / self.m
+                    losses[i] = float(loss.detach()) 
+                    out = loss
+                busy += time.perf_counter() - ta
+                inputs[i], outputs[i] = x, out
+                if not st.last:
+                    sends.append(self._send(out.detach(), s + 1, 2 * i))
+            elif kind == "B":
+                g = None if st.last else self._recv(outputs[i].shape, outputs[i].dtype, s + 1, 2 * i + 1)
+                ta = time.perf_counter()
+                if st.stash is not None:
+                    st.stash.current = i
+                torch.autograd.backward(outputs[i], g)
+                busy += time.perf_counter() - ta
+                if not st.first:
+                    sends.append(self._send(inputs[i].grad, s - 1, 2 * i + 1))
+                del outputs[i], inputs[i]
+            else:  # W
+                ta = time.perf_counter()
+                st.stash.run(i)
+                busy += time.perf_counter() - ta
+        for w in sends:
+            w.wait()
+        self.last_times = StepTimes(busy=busy, wall=time.perf_counter() - t0)
+        self.sync_tied()
+        if self.dp_group is not None and C.group_size(self.dp_group) > 1:
+            self._dp_average()
+        loss = torch.tensor([sum(losses.values())], dtype=torch.float64)
+        if p > 1:
+            dist.broadcast(loss, self.ranks[-1], group=self.group)
+        return float(loss)
+
+    def sync_tied(self) -> None:
+        """Tied W_e on the first and last stages: sum their gradients (one parameter in two places)."""
+        st = self.stage
+        if self.p == 1 or not st.tied or not (st.first or st.last):
+            return
+        w = st.embed.weight if st.first else st.unembed
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        C.all_reduce(w.grad, self.tied_group)
+
+    def _dp_average(self) -> None:
+        params = [q for q in self.stage.parameters() if q.requires_grad]
+        for q in params:
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+        flat = torch.cat([q.grad.reshape(-1) for q in params])
+        C.all_reduce(flat, self.dp_group)
+        flat /= C.group_size(self.dp_group)
+        off = 0
+        for q in params:
+            q.grad.copy_(flat[off:off + q.numel()].view_as(q))
+            off += q.numel()
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("PipelineParallel runs forward and backward together: call train_step(tokens, targets, loss_fn)")
+
+    def measured_bubble(self) -> float:
+        """1 - (compute time of all stages) / (p · slowest stage's wall time) for the last step."""
+        t = self.last_times
+        if t is None:
+            raise RuntimeError("no step measured yet")
+        vals = torch.tensor([t.busy, t.wall], dtype=torch.float64)
+        if self.p > 1:
+            busy = vals[:1].clone()
+            dist.all_reduce(busy, group=self.group)
+            wall = vals[1:].clone()
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=self.group)
+            return float(1 - busy[0] / (self.p * wall[0]))
+        return float(1 - vals[0] / vals[1])
+
+
+def tied_embedding_groups(mesh) -> object:
+    """Create (collectively, on every rank) the {first stage, last stage} groups of each pipeline
+    and return this rank's, or None."""
+    mine = None
+    for ranks in mesh.all_groups("pp"):
+        pair = sorted({ranks[0], ranks[-1]})
+        g = dist.new_group(pair) if len(pair) > 1 else None
+        if dist.get_rank() in pair:
+            mine = g
+    return mine
