@@ -48,7 +48,7 @@ def test_encode_iterable_equals_encode(trained, text, cuts):
 def test_agrees_with_tiktoken_and_hf(trained, text):
     tiktoken = pytest.importorskip("tiktoken")
     tokenizers = pytest.importorskip("tokenizers")
-    from test_interop import hf_direct, tiktoken_direct
+    from test_tokenizer_interop import hf_direct, tiktoken_direct
 
     ids = trained.encode(text, allow_special=False)
     assert ids == _cached(trained, "tt", tiktoken_direct).encode_ordinary(text)
