@@ -40,3 +40,13 @@ def prompts():
     shared = torch.randint(0, 97, (18,), generator=g).tolist()
     ps += [shared + [1, 2, 3], shared + [4], shared, shared[:12] + [50, 60]]  # shared prefixes
     return ps
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models are dominated by per-op overhead; one intra-op thread avoids oversubscribing a
+    shared 2-core machine. Restored after each module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -60,7 +60,7 @@ def _sampling_kwargs(args) -> dict:
                 repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
-def stream_generate(model, tokenizer, prompt: str, max_tokens: int, out=sys.stdout, stop: tuple[str, ...] = (),
+def stream_generate(model, tokenizer, prompt: str, max_tokens: int, out=None, stop: tuple[str, ...] = (),
                     **sampling) -> dict:
     """Generate, printing text as it is decoded; returns counts and timings.
 
@@ -69,6 +69,7 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int, out=sys.stdo
     from lmstack.inference import generate
     from lmstack.inference.sampling import find_stop_string
 
+    out = out or sys.stdout
     ids = tokenizer.encode(prompt)
     stop_ids = [t for t in (model.config.eos_token_id,) if t is not None]
     new: list[int] = []
@@ -127,7 +128,7 @@ def run_generate(args) -> int:
     return 0
 
 
-def run_chat(args, stdin=None, out=None) -> int:
+def run_chat(args, stdin=None, out=None, tokenizer=None) -> int:
     """Read a user line, stream the reply, repeat. The conversation is re-rendered each turn with
     the chat template; the engine's prefix cache reuses the K/V of the turns already seen."""
     from lmstack.inference.chat import apply_chat_template
@@ -137,6 +138,7 @@ def run_chat(args, stdin=None, out=None) -> int:
     stdin = stdin or sys.stdin
     out = out or sys.stdout
     model, tok = _load(args)
+    tok = tokenizer or tok
     engine = LLMEngine(model, tok, max_num_seqs=1, max_num_batched_tokens=2048, kv_cache_bytes=256 * 2**20)
     kw = _sampling_kwargs(args)
     params = SamplingParams(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"] or 1.0,

@@ -1,0 +1,95 @@
+"""Chat templates vs transformers' renderer; ``lmstack generate`` / ``lmstack chat`` on a small
+random model saved as a checkpoint with a tokenizer (the real model is in test_smollm2_inference)."""
+
+import io
+
+import pytest
+
+from lmstack.inference.chat import ChatTemplateError, apply_chat_template, render_chat_template
+
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nYou are helpful<|im_end|>\n' }}{% endif %}"
+          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA2 = ("{{ bos_token }}{% for message in messages %}"
+          "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+          "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] | trim + ' [/INST]' }}"
+          "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] | trim + ' ' + eos_token }}"
+          "{% endif %}{% endfor %}")
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}],
+]
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA2], ids=["chatml", "llama2"])
+@pytest.mark.parametrize("conv", [0, 1])
+@pytest.mark.parametrize("gen", [True, False])
+def test_render_matches_transformers(template, conv, gen):
+    ctu = pytest.importorskip("transformers.utils.chat_template_utils")
+    messages = CONVERSATIONS[conv]
+    if template is LLAMA2:
+        messages = [m for m in messages if m["role"] != "system"]
+    ref, _ = ctu.render_jinja_template([messages], chat_template=template, add_generation_prompt=gen,
+                                       bos_token="<s>", eos_token="</s>")
+    assert render_chat_template(template, messages, gen, bos_token="<s>", eos_token="</s>") == ref[0]
+
+
+def test_template_errors():
+    with pytest.raises(ChatTemplateError, match="alternate"):
+        render_chat_template(LLAMA2, [{"role": "assistant", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="role"):
+        render_chat_template(CHATML, [{"content": "x"}])
+    with pytest.raises(ChatTemplateError, match="parse"):
+        render_chat_template("{% for %}", [{"role": "user", "content": "x"}])
+
+    class NoTemplate:
+        chat_template = None
+
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        apply_chat_template(NoTemplate(), [{"role": "user", "content": "x"}])
+
+
+class Args:
+    """argparse-like namespace for run_chat."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(dict(model="m", max_tokens=5, temperature=0.0, top_k=None, top_p=None, min_p=0.0,
+                                  repetition_penalty=1.0, seed=0, dtype="fp32", tokenizer=None, system=None) | kw)
+
+
+def test_cli_generate_and_chat_on_a_saved_checkpoint(tmp_path, capsys):
+    """A random model + a trained tokenizer saved to disk, driven through the real CLI entry point."""
+    import torch
+
+    from conftest import full_recompute_greedy, make_model
+    from lmstack.cli import main
+    from lmstack.inference.cli import run_chat
+    from lmstack.model.io import save_pretrained
+    from lmstack.tokenizer import Tokenizer, save_hf, train_bpe
+
+    (tmp_path / "corpus.txt").write_text("hello world, hello chat. " * 20)
+    specials = ["<|im_start|>", "<|im_end|>"]
+    vocab, merges = train_bpe(tmp_path / "corpus.txt", vocab_size=300, special_tokens=specials, progress=False)
+    tok = Tokenizer(vocab, merges, specials)
+    model = make_model(vocab_size=300, dtype=torch.float32)
+    save_pretrained(model, tmp_path / "ckpt")
+    save_hf(tok, tmp_path / "ckpt" / "tokenizer.json")
+    assert main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "hello", "--max-tokens", "6"]) == 0
+    out = capsys.readouterr()
+    from lmstack.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tmp_path / "ckpt")
+    expected = tok.decode(full_recompute_greedy(model, tok.encode("hello"), 6))
+    assert out.out == "hello" + expected + "\n" and "tokens/s decode" in out.err
+
+    tok.chat_template = CHATML
+    stdin = io.StringIO("hi\nagain\n/exit\nnever read\n")
+    buf = io.StringIO()
+    assert run_chat(Args(model=str(tmp_path / "ckpt")), stdin=stdin, out=buf, tokenizer=tok) == 0
+    first = tok.decode(full_recompute_greedy(model, tok.encode(apply_chat_template(tok, [
+        {"role": "user", "content": "hi"}])), 5))
+    assert buf.getvalue().startswith(first + "\n")
+    assert buf.getvalue().count("\n") == 2

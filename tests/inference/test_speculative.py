@@ -1,0 +1,100 @@
+"""Speculative decoding (seed 000 §2.3): greedy output identical to the target alone, and the
+sampled distribution equal to the target's (statistical tests)."""
+
+
+import pytest
+import torch
+
+from conftest import full_recompute_greedy, make_model
+from lmstack.inference import SamplingParams, speculative_generate, truncated_draft
+from lmstack.inference.speculative import ngram_propose, rejection_sample
+
+# χ² critical values at significance 0.001 (standard tables): df -> value
+CHI2_999 = {3: 16.266, 8: 26.124}
+
+
+def chi2(counts, probs):
+    n = counts.sum()
+    return float(((counts - n * probs) ** 2 / (n * probs)).sum())
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_model(n_layers=4, seed=1)
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(target, prompts):
+    return {i: full_recompute_greedy(target, prompts[i], 20) for i in (0, 8, 11, 12)}
+
+
+@pytest.mark.parametrize("proposer,k", [("truncated", 1), ("truncated", 4), ("small-model", 3), ("ngram", 4)])
+def test_greedy_identical_to_target(target, prompts, greedy_refs, proposer, k):
+    draft = {"truncated": truncated_draft(target, 1), "small-model": make_model(n_layers=1, seed=7),
+             "ngram": None}[proposer]
+    for i, ref in greedy_refs.items():
+        out, stats = speculative_generate(target, prompts[i], 20, draft=draft, num_speculative_tokens=k)
+        assert out == ref
+        assert stats.target_forwards <= 20 and stats.tokens_per_target_forward >= 1
+        assert 0 <= stats.acceptance_rate <= 1
+
+
+def test_stop_ids_end_speculative_generation(target, prompts, greedy_refs):
+    ref = greedy_refs[8]
+    out, _ = speculative_generate(target, prompts[8], 20, draft=truncated_draft(target, 2), stop_ids=[ref[6]])
+    assert out == ref[:ref.index(ref[6]) + 1]
+
+
+def test_ngram_proposals():
+    assert ngram_propose([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # longest suffix [1,2,3] seen before
+    assert ngram_propose([5, 6, 7, 8], 2) == []
+    assert ngram_propose([4, 4, 4], 2) == [4]
+
+
+def test_rejection_sampling_outputs_p():
+    """One verification step: the first emitted token is distributed exactly as p (not q)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    n = 8000
+    counts = torch.zeros(4)
+    accepted = 0
+    for _ in range(n):
+        x = int(torch.multinomial(q[0], 1, generator=g))
+        out, acc = rejection_sample(p, q, [x], g)
+        counts[out[0]] += 1
+        accepted += acc
+    assert chi2(counts, p[0]) < CHI2_999[3]
+    alpha = float(torch.minimum(p[0], q[0]).sum())  # seed 001: α = Σ min(p, q)
+    assert abs(accepted / n - alpha) < 0.03
+
+
+def test_speculative_sampling_matches_target_joint_distribution(target):
+    """Over many seeds, the first two sampled tokens follow p(x1) p(x2 | x1) of the target alone."""
+    V = 3
+    tgt = make_model(vocab_size=V, n_layers=2, seed=11, init_std=0.5)
+    dft = make_model(vocab_size=V, n_layers=1, seed=12, init_std=0.5)
+    prompt = [1, 2, 0]
+    params = SamplingParams(temperature=1.0)
+    with torch.no_grad():
+        p1 = torch.softmax(tgt(torch.tensor([prompt]))[0, -1], -1)
+        q1 = torch.softmax(dft(torch.tensor([prompt]))[0, -1], -1)
+        joint = torch.stack([p1[a] * torch.softmax(tgt(torch.tensor([prompt + [a]]))[0, -1], -1) for a in range(V)])
+    assert float((p1 - q1).abs().sum()) / 2 > 0.1  # the draft really differs from the target
+    n = 1000
+    counts = torch.zeros(V, V, dtype=torch.float64)
+    for seed in range(n):
+        out, _ = speculative_generate(tgt, prompt, 2, params, draft=dft, num_speculative_tokens=3, seed=seed)
+        counts[out[0], out[1]] += 1
+    assert chi2(counts.flatten(), joint.flatten()) < CHI2_999[8]
+
+
+def test_errors(target):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        speculative_generate(target, [1], 3, num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="vocab_size"):
+        speculative_generate(target, [1], 3, draft=make_model(vocab_size=50))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        speculative_generate(target, [1] * 250, 10)
+    with pytest.raises(ValueError, match="n_layers"):
+        truncated_draft(target, 9)
