@@ -1,0 +1,162 @@
+"""Context parallelism: ring attention over sequence shards, causal and load-balanced.
+
+Seed 001 "序列并行和上下文并行": context parallelism goes beyond sequence parallelism and also
+splits the attention's activations (the keys/values) along the sequence; ring attention passes
+the K/V shards around a ring, like the ring all-reduce. Seed 000 §2.7 (online softmax): partial
+results over disjoint key sets merge exactly through their log-sum-exp:
+
+    lse = log(e^lse_a + e^lse_b),  O = e^(lse_a - lse) · O_a + e^(lse_b - lse) · O_b
+
+Load balance: with a causal mask the last positions attend to the most keys. The sequence is
+cut into 2·cp chunks and rank r takes chunks r and 2·cp-1-r, so every rank does the same work.
+
+``context_parallel(model, group)`` replaces each block's attention by ``RingAttention`` (reusing
+its projections, RoPE and heads); ``ContextParallel`` picks this rank's tokens and positions and
+returns its logits (B, S/cp, V). The loss over local tokens, averaged over the cp ranks (they
+hold equal token counts), is the full-sequence mean; gradients are averaged over dp×cp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lmstack.parallel import collectives as C
+
+
+def load_balanced_positions(S: int, cp: int, rank: int) -> Tensor:
+    """Positions of rank ``rank``'s tokens: chunks r and 2·cp-1-r of 2·cp equal chunks."""
+    if S % (2 * cp):
+        raise ValueError(f"context parallelism: S={S} must be divisible by 2·cp = {2 * cp}")
+    c = S // (2 * cp)
+    a, b = rank, 2 * cp - 1 - rank
+    return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])  # (S/cp,)
+
+
+class _RingShift(torch.autograd.Function):
+    """Forward: send x to the next rank of the ring, receive the previous rank's. Backward: the
+    gradient travels the other way (send to the previous, receive from the next)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return _shift(x, group, +1)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return _shift(g.contiguous(), ctx.group, -1), None
+
+
+def _shift(x: Tensor, group, direction: int) -> Tensor:
+    me, M, ranks = C._group_ranks(group)
+    out = torch.empty_like(x)
+    C._send_recv(x.contiguous(), ranks[(me + direction) % M], out, ranks[(me - direction) % M], "ring_attention")
+    return out
+
+
+def _block_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal attention of q (B, N, T, H) over one key block k, v (B, N, Tk, H) in fp32.
+    Returns O (B, N, T, H) normalised within the block and its lse (B, N, T); a query that sees no
+    key of this block gets O = 0, lse = -inf."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, N, T, Tk)
+    visible = k_pos[None, :] <= q_pos[:, None]  # (T, Tk)
+    s = s.masked_fill(~visible, -torch.inf)
+    m = s.amax(dim=-1, keepdim=True)  # (B, N, T, 1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
+    p = torch.exp(s - m)  # masked -> 0
+    l = p.sum(-1, keepdim=True)  # (B, N, T, 1)
+    o = (p @ v.float()) / l.clamp_min(1e-30)
+    lse = torch.where(l > 0, m + torch.log(l.clamp_min(1e-30)), torch.full_like(l, -torch.inf))
+    return o, lse[..., 0]
+
+
+def _merge(o: Tensor | None, lse: Tensor | None, o_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Log-sum-exp merge of two partial attention results over disjoint key sets."""
+    if o is None:
+        return o_b, lse_b
+    new = torch.logaddexp(lse, lse_b)  # (B, N, T)
+    new_safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+    wa = torch.exp(lse - new_safe)[..., None]
+    wb = torch.exp(lse_b - new_safe)[..., None]
+    return wa * o + wb * o_b, new
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, group) -> Tensor:
+    """q (B, N, T, H), k/v (B, N, T, H) (GQA already expanded) and their absolute positions (T,)
+    on each of the cp ranks -> causal attention output over the whole sequence, (B, N, T, H).
+    cp - 1 ring steps; each step merges one block's partial result by log-sum-exp."""
+    M = C.group_size(group)
+    o = lse = None
+    kv = torch.stack([k, v])  # (2, B, N, T, H): one message per step
+    kp = k_pos
+    for step in range(M):
+        o_b, lse_b = _block_attention(q, kv[0], kv[1], q_pos, kp)
+        o, lse = _merge(o, lse, o_b, lse_b)
+        if step < M - 1:
+            kv = _RingShift.apply(kv, group)
+            kp = _shift(kp, group, +1)
+    return o.to(q.dtype)
+
+
+class RingAttention(nn.Module):
+    """Drop-in for ``lmstack.model.attention.Attention`` under context parallelism: the same
+    projections, RoPE and head counts, attention computed with ``ring_attention``."""
+
+    def __init__(self, attn: nn.Module, group):
+        super().__init__()
+        if getattr(attn, "window", None) is not None:
+            raise ValueError("context parallelism: sliding-window attention is not supported")
+        self.inner, self.group = attn, group
+
+    def forward(self, x: Tensor, positions: Tensor, kv_cache=None, causal_fast_path: bool = False,
+                document_ids: Tensor | None = None) -> Tensor:
+        if kv_cache is not None or document_ids is not None:
+            raise ValueError("context parallelism: kv_cache and document_ids are not supported")
+        a = self.inner
+        B, T, _ = x.shape
+        q = a.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # (B, N, T, H)
+        k = a.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, K, T, H)
+        v = a.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, K, T, H)
+        if a.q_norm is not None:
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = a.rope(q, positions), a.rope(k, positions)
+        G = a.n_heads // a.n_kv_heads
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, N, T, H)
+        pos = positions if positions.dim() == 1 else positions[0]
+        out = ring_attention(q, k, v, pos, pos, self.group)  # (B, N, T, H)
+        return a.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
+
+
+def context_parallel(model: nn.Module, group) -> nn.Module:
+    """Replace every block's attention with ``RingAttention`` over ``group`` (in place)."""
+    for block in model.blocks:
+        if not isinstance(block.attn, RingAttention):
+            block.attn = RingAttention(block.attn, group)
+    return model
+
+
+class ContextParallel(nn.Module):
+    """tokens (B, S) (the full sequence, same on every cp rank) -> this rank's logits (B, S/cp, V)
+    at positions ``self.positions(S)``; use ``shard(targets)`` for the matching targets."""
+
+    def __init__(self, model: nn.Module, group):
+        super().__init__()
+        self.module = context_parallel(model, group)
+        self.group = group
+        self.rank = C._group_ranks(group)[0] if C.group_size(group) > 1 else 0
+        self.cp = C.group_size(group)
+
+    def positions(self, S: int) -> Tensor:
+        return load_balanced_positions(S, self.cp, self.rank)
+
+    def shard(self, t: Tensor) -> Tensor:
+        """This rank's tokens of a (B, S, ...) tensor."""
+        return t[:, self.positions(t.shape[1])]
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        pos = self.positions(tokens.shape[1])
+        return self.module(tokens[:, pos], positions=pos)
