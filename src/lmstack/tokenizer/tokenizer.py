@@ -88,9 +88,9 @@ class Tokenizer:
             key = (self._encoder[a], self._encoder[b])
             if key not in self._merge_table:
                 self._merge_table[key] = (rank, self._encoder[a + b])
-        # The same table keyed for _bpe: (chr(left id), chr(right id)) -> rank / chr(merged id).
-        self._pair_rank = {(chr(a), chr(b)): r for (a, b), (r, _) in self._merge_table.items()}
-        self._pair_merged = {(chr(a), chr(b)): chr(m) for (a, b), (_, m) in self._merge_table.items()}
+        # The same table split for _bpe: (left id, right id) -> rank, and -> merged id.
+        self._pair_rank = {pair: r for pair, (r, _) in self._merge_table.items()}
+        self._pair_merged = {pair: m for pair, (_, m) in self._merge_table.items()}
         # byte value (as a latin-1 char) -> chr(its token id); missing bytes are deleted
         self._byte_chars = {b: (chr(i) if i >= 0 else None) for b, i in enumerate(self._byte_ids)}
         self._cache: dict[str, list[int]] = {}
@@ -116,23 +116,30 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ BPE core
     def _bpe(self, piece: bytes) -> list[int]:
-        """Merge one pre-token: repeatedly apply the lowest-ranked adjacent pair, all its occurrences.
-
-        The pre-token is held as a str whose characters are token ids (``chr(id)``): the bytes map to
-        it with one ``translate``, pairs come from ``zip``, and merging every occurrence of
-        a pair (left to right, non-overlapping: BPE's rule) is one ``str.replace``.
+        """Merge one pre-token: repeatedly merge the adjacent pair of lowest merge rank (leftmost
+        first, as HF ``tokenizers`` does), keeping a list of pair ranks that is updated only next to
+        each merge, so every step is one C-level ``min`` and ``index`` plus two dict lookups.
         """
-        s = piece.decode("latin-1").translate(self._byte_chars)
+        ids = list(map(ord, piece.decode("latin-1").translate(self._byte_chars)))  # missing bytes dropped
+        if len(ids) < 2:
+            return ids
         rank_get = self._pair_rank.get
-        while len(s) > 1:
-            pairs = list(zip(s, s[1:]))
-            ranks = list(map(rank_get, pairs, repeat(_NO_RANK)))
+        ranks = list(map(rank_get, zip(ids, ids[1:]), repeat(_NO_RANK)))
+        merged = self._pair_merged
+        while ranks:
             best = min(ranks)
             if best == _NO_RANK:
                 break
-            a, b = pairs[ranks.index(best)]
-            s = s.replace(a + b, self._pair_merged[a, b])
-        return list(map(ord, s))
+            i = ranks.index(best)
+            new = merged[ids[i], ids[i + 1]]
+            ids[i] = new
+            del ids[i + 1]
+            del ranks[i]
+            if i > 0:
+                ranks[i - 1] = rank_get((ids[i - 1], new), _NO_RANK)
+            if i < len(ranks):
+                ranks[i] = rank_get((new, ids[i + 1]), _NO_RANK)
+        return ids
 
     def _split(self, text: str) -> list[str]:
         """Pre-tokens of text that contains no special token (ASCII fast path when possible)."""
