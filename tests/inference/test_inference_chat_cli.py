@@ -64,7 +64,7 @@ def test_cli_generate_and_chat_on_a_saved_checkpoint(tmp_path, capsys):
     """A random model + a trained tokenizer saved to disk, driven through the real CLI entry point."""
     import torch
 
-    from conftest import full_recompute_greedy, make_model
+    from inference_helpers import full_recompute_greedy, make_model
     from lmstack.cli import main
     from lmstack.inference.cli import run_chat
     from lmstack.model.io import save_pretrained

@@ -5,7 +5,7 @@ sampled distribution equal to the target's (statistical tests)."""
 import pytest
 import torch
 
-from conftest import full_recompute_greedy, make_model
+from inference_helpers import full_recompute_greedy, make_model
 from lmstack.inference import SamplingParams, speculative_generate, truncated_draft
 from lmstack.inference.speculative import ngram_propose, rejection_sample
 

@@ -1,0 +1,28 @@
+"""Helpers for the inference tests: small random lmstack models in float64 (so that no argmax
+near-tie can flip between two summation orders) and the full-recompute greedy reference."""
+
+import torch
+
+from lmstack.model.config import ModelConfig
+from lmstack.model.transformer import Transformer
+
+
+def make_model(vocab_size=97, n_layers=2, seed=1, init_std=0.02, dtype=torch.float64, **kw):
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=128,
+                      max_seq_len=256, init_std=init_std, **kw)
+    return Transformer(cfg, dtype=dtype, seed=seed).eval()
+
+
+@torch.no_grad()
+def full_recompute_greedy(model, prompt, n, stop_ids=()):
+    """Reference: no cache at all; the whole sequence is run again for every new token."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        t = int(model(torch.tensor([ids]))[0, -1].argmax())
+        out.append(t)
+        ids.append(t)
+        if t in stop_ids:
+            break
+    return out
+
+
