@@ -4,7 +4,7 @@ counts, prefix hashes, LRU eviction and copy-on-write (seed 000 §2.4, seed 001 
 import pytest
 import torch
 
-from inference_helpers import full_recompute_greedy, make_model
+from inference_helpers import full_recompute_greedy
 from lmstack.accounting.memory import kv_cache_bytes
 from lmstack.inference import KVCache, PagedKVCache, generate
 from lmstack.inference.paged import BlockAllocator, NoFreeBlocks, chain_hash
