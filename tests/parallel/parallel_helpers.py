@@ -62,8 +62,13 @@ def ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
+# eps well above fp32 gradient noise: Adam's first step is ≈ lr·sign(g), which would turn
+# a 1e-9 difference in a near-zero gradient into a full lr-sized difference in the parameter
+OPT_KW = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)
+
+
 def make_opt(params, lr: float = 1e-2):
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+    return torch.optim.AdamW(params, **{**OPT_KW, "lr": lr})
 
 
 def reference(cfg: ModelConfig, data, accum: int = 1, freeze: tuple[str, ...] = (), lr: float = 1e-2):

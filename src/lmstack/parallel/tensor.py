@@ -252,10 +252,11 @@ class TensorParallel(nn.Module):
         super().__init__()
         self.module = tensor_parallel(model, group, sequence_parallel)
         self.group, self.gather_output = group, gather_output
+        self.sequence_parallel = sequence_parallel
         r, self.M = _rank_size(group)
 
     def forward(self, tokens: Tensor, *args, **kwargs) -> Tensor:
-        if self.module._tp_sequence_parallel and tokens.shape[1] % self.M:
+        if self.sequence_parallel and tokens.shape[1] % self.M:
             raise ValueError(f"sequence parallelism: S={tokens.shape[1]} is not divisible by tp={self.M}")
         logits = self.module(tokens, *args, **kwargs)  # (B, S, V/tp)
         if self.gather_output:

@@ -1,0 +1,317 @@
+"""``parallelize(model, plan)``: one entry point that applies the strategies in a fixed order.
+
+Seed 001 "混合并行" (3D/4D): model parallelism (TP/SP/CP/EP) inside a node, pipeline stages
+across nodes, data parallelism replicating the unit; seed 000 §6.1 (DP scales throughput, TP/PP
+model memory, SP/CP activation memory). Order applied here:
+
+    1. tensor parallel (+ sequence parallel) over the tp axis      (replaces linears/embedding)
+    2. context parallel over the cp axis                           (replaces attention)
+    3. pipeline stages over the pp axis                            (keeps this rank's layers)
+    4. data parallel over dp (× cp): DDP, ZeRO-1/2 (optimizer) or ZeRO-3 (FullyShard)
+
+The model code is never touched; the returned ``ParallelModel`` has one training interface for
+every combination: ``loss = pm.forward_backward(tokens, targets, loss_fn)``, then
+``pm.optimizer.step()``. ``plan`` is a ``ParallelPlan``, a dict (``{"dp": 2, "tp": 2, "zero": 1}``,
+the TOML/JSON ``parallel`` table) or a string (``"dp=2,tp=2,zero=1"``, ``"ddp"``, ``"zero3"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lmstack.parallel import collectives as C
+from lmstack.parallel.mesh import DeviceMesh
+
+
+@dataclass
+class ParallelPlan:
+    dp: int | None = None  # None: the world size divided by tp·pp·cp
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0  # 0 DDP, 1/2 sharded optimizer (+grads), 3 FSDP
+    sequence_parallel: bool = False
+    ddp_mode: str = "bucketed"  # or "naive"
+    bucket_mb: float = 25.0
+    micro_batches: int = 4  # pipeline m
+    schedule: str = "1f1b"  # gpipe | 1f1b | zb
+    param_dtype: str = "fp32"  # ZeRO-3 compute dtype of gathered parameters (bf16 = mixed precision)
+    backend: str = "lmstack"  # lmstack | native (torch DDP / fully_shard / DTensor)
+
+    def __post_init__(self):
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={self.zero!r}; expected 0, 1, 2 or 3")
+        if self.backend not in ("lmstack", "native"):
+            raise ValueError(f"backend={self.backend!r}; expected 'lmstack' or 'native'")
+        if self.param_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"param_dtype={self.param_dtype!r}; expected 'fp32' or 'bf16'")
+        if self.zero == 3 and self.pp > 1:
+            raise ValueError("zero=3 with pp>1 is not supported: shard the pipeline stages with zero=1 or 2")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=True needs tp > 1 (it splits S across the tp ranks)")
+        if self.sequence_parallel and self.cp > 1:
+            raise ValueError("sequence_parallel with cp > 1 is not supported (both split S)")
+        if self.pp > 1 and self.cp > 1:
+            raise ValueError("pp > 1 with cp > 1 is not supported")
+
+    @classmethod
+    def parse(cls, spec) -> "ParallelPlan":
+        if isinstance(spec, ParallelPlan):
+            return spec
+        if spec is None:
+            return cls()
+        if isinstance(spec, str):
+            names = {"ddp": {}, "ddp_naive": {"ddp_mode": "naive"}, "zero1": {"zero": 1}, "zero2": {"zero": 2},
+                     "zero3": {"zero": 3}, "fsdp": {"zero": 3}}
+            if spec in names:
+                return cls(**names[spec])
+            d = {}
+            for part in spec.replace(" ", "").split(","):
+                if not part:
+                    continue
+                if "=" not in part:
+                    raise ValueError(f"parallel plan {spec!r}: expected name=value pairs or one of {sorted(names)}")
+                k, v = part.split("=", 1)
+                d[k] = v
+            spec = d
+        if not isinstance(spec, dict):
+            raise ValueError(f"parallel plan must be a dict, string or ParallelPlan, got {type(spec).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        out = {}
+        for k, v in spec.items():
+            if k not in known:
+                raise ValueError(f"parallel plan: unknown key {k!r}; expected one of {sorted(known)}")
+            if isinstance(v, str):
+                low = v.lower()
+                if low in ("true", "false"):
+                    v = low == "true"
+                else:
+                    try:
+                        v = int(v)
+                    except ValueError:
+                        try:
+                            v = float(v)
+                        except ValueError:
+                            pass
+            out[k] = v
+        return cls(**out)
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT): NCCL when CUDA is available, gloo otherwise. No-op if already initialised."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("torch.distributed environment not found (RANK/WORLD_SIZE): launch with "
+                           "`torchrun --nproc_per_node=N -m lmstack train ...`")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+
+
+class ParallelModel(nn.Module):
+    """The result of ``parallelize``: this rank's part of the model plus the data layout."""
+
+    def __init__(self, model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh):
+        super().__init__()
+        self.plan, self.mesh = plan, mesh
+        self.model = model  # the (possibly modified) original Transformer
+        self.tp_model = None
+        self.cp_model = None
+        self.pipeline = None
+        self.ddp = None
+        self.fsdp = None
+        self.native = None
+        self.zero_optimizer = None
+        self.dp_group = mesh.group("dp_cp") if mesh.cp > 1 else mesh.group("dp")
+        self.dp_size = mesh.dp * mesh.cp
+        self.runner: nn.Module = model
+
+    # ---- data layout ---------------------------------------------------------------------------
+    def shard_batch(self, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """The global batch (B, S) -> this rank's part: B split over dp; S over cp (done inside the
+        cp wrapper for tokens, here for targets). TP and PP ranks of one replica see the same rows."""
+        B = tokens.shape[0]
+        if B % self.mesh.dp:
+            raise ValueError(f"global batch B={B} is not divisible by dp={self.mesh.dp}")
+        r = self.mesh.rank("dp")
+        tokens, targets = tokens.chunk(self.mesh.dp)[r], targets.chunk(self.mesh.dp)[r]
+        return tokens, targets
+
+    def forward(self, tokens: Tensor, *args, **kwargs) -> Tensor:
+        if self.pipeline is not None:
+            raise RuntimeError("a pipeline-parallel model runs forward and backward together: use forward_backward")
+        return self.runner(tokens, *args, **kwargs)
+
+    def forward_backward(self, tokens: Tensor, targets: Tensor, loss_fn, no_sync: bool = False) -> float:
+        """One micro-step on this rank's shard of the global batch: forward, loss, backward.
+        Returns the loss averaged over the data-parallel (and context-parallel) ranks."""
+        x, y = self.shard_batch(tokens, targets)
+        if self.pipeline is not None:
+            loss = self.pipeline.train_step(x, y, loss_fn)
+            t = torch.tensor([loss], dtype=torch.float64)
+        else:
+            ctx = self.ddp.no_sync() if (no_sync and self.ddp is not None) else contextlib.nullcontext()
+            if no_sync and self.zero_optimizer is not None:
+                raise ValueError("no_sync with ZeRO: ZeRO-2 reduce-scatters as gradients become ready; "
+                                 "accumulate by calling backward several times before step()")
+            with ctx:
+                logits = self.runner(x)
+                if self.cp_model is not None:
+                    y = self.cp_model.shard(y)
+                loss_t = loss_fn(logits, y)
+                loss_t.backward()
+            t = loss_t.detach().double().reshape(1)
+        C.all_reduce(t, self.dp_group, impl="torch")
+        return float(t) / self.dp_size
+
+    def build_optimizer(self, optimizer_class: type, **kwargs):
+        """The optimizer over this rank's parameters; ZeRO-1/2 wrap it (states sharded over dp)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.plan.zero in (1, 2):
+            from lmstack.parallel.zero import ZeroOptimizer
+
+            self.zero_optimizer = ZeroOptimizer(params, optimizer_class, self.dp_group, self.plan.zero, **kwargs)
+            return self.zero_optimizer
+        return optimizer_class(params, **kwargs)
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Unsharded parameters under the single-process names (pipeline: this stage's only)."""
+        from lmstack.parallel.tensor import gather_tp_state_dict
+
+        if self.native is not None:
+            from lmstack.parallel.native import native_full_state_dict
+
+            return native_full_state_dict(self)
+        if self.fsdp is not None:
+            sd = self.fsdp.full_state_dict()
+            if self.tp_model is not None:  # ZeRO-3 over TP shards: undo the TP split too
+                sd = _tp_gather_named(self.model, sd, self.mesh.group("tp"))
+            return sd
+        if self.tp_model is not None:
+            return gather_tp_state_dict(self.model, self.mesh.group("tp"))
+        if self.pipeline is not None:
+            mine = {id(p) for p in self.pipeline.stage.parameters()}
+            return {_clean(n): p.detach() for n, p in self.model.named_parameters() if id(p) in mine}
+        return {_clean(n): p.detach() for n, p in self.model.named_parameters()}
+
+
+def _clean(name: str) -> str:
+    return name.replace(".inner.", ".")
+
+
+def _tp_gather_named(model: nn.Module, sd: dict[str, Tensor], group) -> dict[str, Tensor]:
+    from lmstack.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    kinds = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
+            kinds[f"{name}.weight"] = 0
+            kinds[f"{name}.bias"] = 0
+        elif isinstance(mod, RowParallelLinear):
+            kinds[f"{name}.weight"] = 1
+    out = {}
+    for k, v in sd.items():
+        if k in kinds:
+            v = C.all_gather_dim(v.contiguous(), kinds[k], group)
+        out[k.replace("_norm.norm.", "_norm.").replace("norm.norm.", "norm.")] = v
+    return out
+
+
+def parallelize(model: nn.Module, plan=None, mesh: DeviceMesh | None = None) -> ParallelModel:
+    """Apply ``plan`` to a ``lmstack.model.Transformer`` (built identically on every rank)."""
+    plan = ParallelPlan.parse(plan)
+    if mesh is None:
+        mesh = DeviceMesh.build(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep)
+    if plan.backend == "native":
+        from lmstack.parallel.native import native_parallelize
+
+        return native_parallelize(model, plan, mesh)
+    pm = ParallelModel(model, plan, mesh)
+    runner: nn.Module = model
+    # 1. tensor (+ sequence) parallel
+    if mesh.tp > 1:
+        from lmstack.parallel.tensor import TensorParallel
+
+        pm.tp_model = TensorParallel(model, mesh.group("tp"), plan.sequence_parallel, gather_output=True)
+        runner = pm.tp_model
+    # 2. context parallel
+    if mesh.cp > 1:
+        from lmstack.parallel.context import ContextParallel
+
+        if mesh.tp > 1:
+            raise ValueError("cp > 1 with tp > 1 is not supported by parallelize yet")
+        pm.cp_model = ContextParallel(model, mesh.group("cp"))
+        runner = pm.cp_model
+    # 3. pipeline
+    if mesh.pp > 1:
+        if mesh.tp > 1:
+            raise ValueError("pp > 1 with tp > 1 is not supported by parallelize yet")
+        from lmstack.parallel.pipeline import PipelineParallel, tied_embedding_groups
+
+        tied = tied_embedding_groups(mesh)
+        dp_group = mesh.group("dp") if plan.zero == 0 else None
+        pm.pipeline = PipelineParallel(model, mesh.group("pp"), plan.micro_batches, plan.schedule,
+                                       dp_group=dp_group, tied_group=tied)
+        if plan.zero in (1, 2):
+            pm.pipeline.dp_group = None  # the ZeRO optimizer reduce-scatters instead
+        runner = pm.pipeline
+        pm.pipeline.stage.train()
+    # 4. data parallel over dp (× cp)
+    if pm.dp_size > 1 or plan.zero == 3:
+        if plan.zero == 3:
+            from lmstack.parallel.zero import FullyShard
+
+            dtype = torch.bfloat16 if plan.param_dtype == "bf16" else torch.float32
+            pm.fsdp = FullyShard(runner if mesh.tp == 1 and mesh.cp == 1 else model, pm.dp_group,
+                                 param_dtype=dtype)
+            if mesh.tp == 1 and mesh.cp == 1:
+                runner = pm.fsdp
+            else:
+                # shard the inner model, keep the TP/CP wrapper outside: it calls the model module
+                inner = pm.fsdp
+                wrapper = runner
+                wrapper.module = inner
+                runner = wrapper
+        elif pm.pipeline is None and plan.zero == 0:
+            from lmstack.parallel.ddp import DataParallel
+
+            pm.ddp = DataParallel(runner, pm.dp_group, mode=plan.ddp_mode, bucket_mb=plan.bucket_mb)
+            runner = pm.ddp
+        elif plan.zero in (1, 2):
+            from lmstack.parallel.ddp import broadcast_module
+
+            broadcast_module(model, pm.dp_group)
+    pm.runner = runner
+    return pm
+
+
+def get_parallelize(spec):
+    """The trainer seam (``lmstack.train.Trainer.parallelize``): ``get_parallelize(config.parallel)``
+    returns ``fn(trainer, model) -> model`` for the plans a plain forward/backward loop can run:
+    data parallelism (``ddp``, ``ddp_naive``) and ZeRO-3 (``zero3``/``fsdp``). Plans that need
+    the trainer to shard its batch or its optimizer (tp, pp, cp, zero=1/2) raise a clear error
+    until the trainer exposes those hooks (see docs/parallel.md)."""
+    plan = ParallelPlan.parse(spec)
+    if plan.tp > 1 or plan.pp > 1 or plan.cp > 1 or plan.zero in (1, 2):
+        raise ValueError(f"parallel plan {spec!r} needs trainer hooks for the batch layout/optimizer that "
+                         "lmstack.train does not have yet; use lmstack.parallel.parallelize in your own loop, "
+                         "or parallel=ddp / zero3 with the trainer")
+
+    def apply(trainer, model: nn.Module) -> nn.Module:
+        init_distributed()
+        pm = parallelize(model, plan)
+        return pm.runner
+
+    return apply
