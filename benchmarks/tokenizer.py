@@ -73,6 +73,25 @@ def train_once(kind: str, corpus: Path, vocab_size: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Median time of each function, run round-robin (one warm-up round first) so that load from
+    other processes hits every contender alike; also ``<name>/<first name>`` medians of per-round ratios."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    first = next(iter(fns))
+    for k in fns:
+        if k != first:
+            out[f"{first}/{k}"] = statistics.median(a / b for a, b in zip(times[first], times[k]))
+    return out
+
+
 def timed(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
@@ -102,17 +121,27 @@ def bench_encode(corpus: Path, mb: float, repeats: int, workers: int) -> dict:
     ids = tok.encode(text)
     assert ids == enc.encode(text, allowed_special="all") == hf.encode(text, add_special_tokens=False).ids, "ids differ"
     res = {"MB": nbytes / 1e6, "tokens": len(ids), "bytes_per_token": nbytes / len(ids)}
-    res["lmstack_1"] = timed(lambda: tok.encode(text), repeats)  # pre-token cache warm from the warm-up
-    res["lmstack_1cold"] = timed(lambda: (tok._cache.clear(), tok.encode(text)), repeats)  # empty cache each run
-    res["tiktoken_1"] = timed(lambda: enc.encode(text, allowed_special="all"), repeats)
-    res["hf_1"] = timed(lambda: hf.encode(text, add_special_tokens=False), repeats)
+    single = interleaved({
+        "lmstack_1": lambda: tok.encode(text),  # pre-token cache warm from the warm-up
+        "tiktoken_1": lambda: enc.encode(text, allowed_special="all"),
+        "hf_1": lambda: hf.encode(text, add_special_tokens=False),
+    }, repeats)
+    cold = interleaved({
+        "lmstack_1cold": lambda: (tok._cache.clear(), tok.encode(text)),  # cache emptied before each run
+        "tiktoken_1": lambda: enc.encode(text, allowed_special="all"),
+    }, repeats)
+    par = interleaved({
+        "lmstack_par": lambda: tok.encode_batch(docs, num_workers=workers),
+        "tiktoken_par": lambda: enc.encode_batch(docs, num_threads=workers, allowed_special="all"),
+        "hf_par": lambda: hf.encode_batch(docs, add_special_tokens=False),  # rayon, all cores
+    }, repeats)
+    res.update(single)
+    res["lmstack_1cold"], res["lmstack_1cold/tiktoken_1"] = cold["lmstack_1cold"], cold["lmstack_1cold/tiktoken_1"]
+    res.update(par)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "in.txt"
         src.write_text(text, encoding="utf-8")
         res["lmstack_file"] = timed(lambda: encode_files(tok, src, Path(tmp) / "o.bin", num_workers=workers, progress=False), repeats)
-    res["lmstack_par"] = timed(lambda: tok.encode_batch(docs, num_workers=workers), repeats)
-    res["tiktoken_par"] = timed(lambda: enc.encode_batch(docs, num_threads=workers, allowed_special="all"), repeats)
-    res["hf_par"] = timed(lambda: hf.encode_batch(docs, add_special_tokens=False), repeats)  # rayon, all cores
     return res
 
 
@@ -121,7 +150,7 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=20.0, help="training corpus size (MB of stdlib sources)")
     ap.add_argument("--encode-mb", type=float, default=5.0, help="text size for the encoding benchmark")
     ap.add_argument("--vocab", type=int, default=10_000)
-    ap.add_argument("--repeats", type=int, default=3, help="timed encoding repeats after one warm-up")
+    ap.add_argument("--repeats", type=int, default=5, help="timed encoding rounds after one warm-up round")
     ap.add_argument("--train-repeats", type=int, default=1, help="training runs per trainer")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--skip-train", action="store_true")
@@ -139,7 +168,10 @@ def main() -> None:
         if not args.skip_train:
             train_corpus = corpus if args.mb >= args.encode_mb else build_corpus(Path(tmp) / "train.txt", args.mb)
             size = train_corpus.stat().st_size / 1e6
-            runs = {k: [train_once(k, train_corpus, args.vocab) for _ in range(args.train_repeats)] for k in ("lmstack", "hf")}
+            runs: dict[str, list[dict]] = {"lmstack": [], "hf": []}
+            for _ in range(args.train_repeats):  # alternate, so load from other processes hits both alike
+                for k in runs:
+                    runs[k].append(train_once(k, train_corpus, args.vocab))
             med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
             mem = {k: max(r["peak_mb"] for r in v) for k, v in runs.items()}
             print(f"\ntraining: {size:.1f} MB stdlib corpus, V={args.vocab}, GPT-2 pattern, <|endoftext|> special")
@@ -153,11 +185,12 @@ def main() -> None:
                   f"{r['bytes_per_token']:.2f} bytes/token, ids identical across all three")
             for k in ("lmstack_1", "lmstack_1cold", "tiktoken_1", "hf_1", "lmstack_par", "tiktoken_par", "hf_par", "lmstack_file"):
                 print(f"  {k:13s} {mbps(k):7.2f} MB/s")
-            print(f"  ratio lmstack/tiktoken time: 1 thread {r['lmstack_1'] / r['tiktoken_1']:.2f}x "
-                  f"(cold cache {r['lmstack_1cold'] / r['tiktoken_1']:.2f}x), "
-                  f"parallel ({args.workers}) {r['lmstack_par'] / r['tiktoken_par']:.2f}x")
-            print(f"  ratio lmstack/hf time:       1 thread {r['lmstack_1'] / r['hf_1']:.2f}x, "
-                  f"parallel {r['lmstack_par'] / r['hf_par']:.2f}x")
+            print("  ratios are medians of per-round ratios (contenders run round-robin)")
+            print(f"  ratio lmstack/tiktoken time: 1 thread {r['lmstack_1/tiktoken_1']:.2f}x "
+                  f"(cold cache {r['lmstack_1cold/tiktoken_1']:.2f}x), "
+                  f"parallel ({args.workers}) {r['lmstack_par/tiktoken_par']:.2f}x")
+            print(f"  ratio lmstack/hf time:       1 thread {r['lmstack_1/hf_1']:.2f}x, "
+                  f"parallel {r['lmstack_par/hf_par']:.2f}x")
 
 
 if __name__ == "__main__":
