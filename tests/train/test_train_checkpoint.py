@@ -102,3 +102,42 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path):
     (p / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
     with pytest.raises(CheckpointError, match="cannot read"):
         load_checkpoint(p, model)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_matches_uninterrupted(token_file, tmp_path):
+    """A real process killed with SIGKILL while training; the resumed run's losses equal a straight run's."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from lmstack.train.plot import read_metrics
+
+    cfg = tiny_config(token_file, tmp_path / "killed", max_steps=400, ckpt_interval=3, keep_last=2)
+    cfg_path = tmp_path / "run.json"
+    cfg_path.write_text(json.dumps(cfg.to_dict()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "lmstack.train", "--config", str(cfg_path), "--no-progress"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ckdir = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 120
+    try:
+        while time.time() < deadline and not (latest_checkpoint(ckdir) and latest_checkpoint(ckdir).name >= "step_00000006"):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    resumed = Trainer(cfg, progress=False)
+    start = resumed.resume()
+    assert start >= 6
+    resumed.config.stop_after = 4
+    resumed.fit()
+    got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "killed" / "metrics.jsonl") if r["kind"] == "train"}
+
+    straight = Trainer(tiny_config(token_file, tmp_path / "straight", max_steps=400), progress=False)
+    expected = [straight.train_step()["loss"] for _ in range(start + 4)]
+    assert [got[s] for s in range(start + 1, start + 5)] == expected[start:]

@@ -173,3 +173,14 @@ def test_cli_trains_and_reports(token_file, tmp_path, capsys):
     assert "resumed at step 4" in capsys.readouterr().out
     assert main(["train", "--config", str(cfg), "batch_size=-2"]) == 2
     assert "batch_size=-2" in capsys.readouterr().err
+
+
+def test_fp16_uses_a_grad_scaler_and_resumes_it(token_file, tmp_path):
+    t = Trainer(tiny_config(token_file, tmp_path, precision="fp16"), progress=False)
+    assert t.scaler is not None
+    losses = [t.train_step()["loss"] for _ in range(3)]
+    assert all(math.isfinite(v) for v in losses)
+    path = t.save_checkpoint()
+    u = Trainer(tiny_config(token_file, tmp_path / "u", precision="fp16"), progress=False)
+    u.resume(path)
+    assert u.scaler.get_scale() == t.scaler.get_scale()

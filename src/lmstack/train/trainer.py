@@ -142,6 +142,8 @@ class Trainer:
             self.model = torch.compile(self.model)
         self.optimizer = build_optimizer(self.model, c)
         self.schedule = build_schedule(c)
+        # fp16 has a narrow exponent range: scale the loss so small gradients do not underflow
+        self.scaler = torch.amp.GradScaler(self.device.type) if c.precision == "fp16" else None
         self.data_generator = torch.Generator().manual_seed(c.seed * 1_000_003 + self.rank)
         self.step = 0  # optimizer steps done
         self.tokens_seen = 0
@@ -200,17 +202,28 @@ class Trainer:
         return cross_entropy(logits, batch.y, z_loss=self.config.z_loss)
 
     def optimizer_step(self) -> tuple[float, float]:
-        """Clip, set lr(step), update, zero grads; returns (grad norm before clipping, lr)."""
+        """Clip, set lr(step), update, zero grads; returns (grad norm before clipping, lr).
+
+        fp16 (seed 000 §5.1, underflow): the loss was multiplied by the scaler's factor before
+        backward; the grads are unscaled here, and a step whose grads overflowed is skipped
+        (the scaler lowers its factor) instead of stopping the run.
+        """
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         if self.config.grad_clip > 0:
             norm = clip_grad_norm(params, self.config.grad_clip)
         else:
             norm = global_grad_norm(params)
         norm_f = float(norm)
-        if not math.isfinite(norm_f):
-            raise TrainingDiverged(f"gradient norm is {norm_f} at step {self.step}")
         lr = self.schedule.apply(self.optimizer, self.step)
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skips the update when norm_f is inf/nan
+            self.scaler.update()
+        else:
+            if not math.isfinite(norm_f):
+                raise TrainingDiverged(f"gradient norm is {norm_f} at step {self.step}")
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm_f, lr
 
@@ -227,7 +240,8 @@ class Trainer:
                 if not math.isfinite(value):
                     self.optimizer.zero_grad(set_to_none=True)
                     raise TrainingDiverged(f"loss is {value} at step {self.step} (micro-batch {i})")
-                (loss / n).backward()
+                scaled = loss / n
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             ce_sum += float(ce.detach())
             z_sum += float(z.detach())
         norm, lr = self.optimizer_step()
@@ -261,7 +275,8 @@ class Trainer:
     def state(self) -> dict[str, Any]:
         return {"config": self.config.to_dict(), "model_config": self.model_config.to_dict(),
                 "schedule": self.schedule.state_dict(), "tokens_seen": self.tokens_seen,
-                "tokenizer": self.config.tokenizer, "last_eval": self.last_eval}
+                "tokenizer": self.config.tokenizer, "last_eval": self.last_eval,
+                "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def save_checkpoint(self) -> Path | None:
         if not self.is_main:
@@ -278,6 +293,8 @@ class Trainer:
         self.step = int(meta["step"])
         self.tokens_seen = int(meta.get("tokens_seen", 0))
         self.last_eval = meta.get("last_eval") or {}
+        if self.scaler is not None and meta.get("grad_scaler"):
+            self.scaler.load_state_dict(meta["grad_scaler"])
         return self.step
 
     def export(self, directory: str | os.PathLike | None = None) -> Path:
