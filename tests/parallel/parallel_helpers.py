@@ -87,7 +87,7 @@ def reference(cfg: ModelConfig, data, accum: int = 1, freeze: tuple[str, ...] = 
             x, y = data[i]
             loss = ce(model(x), y) / accum
             loss.backward()
-            tot += float(loss)
+            tot += float(loss.detach())
             i += 1
         opt.step()
         opt.zero_grad()
