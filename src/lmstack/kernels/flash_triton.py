@@ -276,10 +276,27 @@ _FWD_CONFIGS = _gpu_configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), 
                              (64, 32, 4, 4)])
 _DKDV_CONFIGS = _gpu_configs([(32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 2), (16, 64, 4, 3)])
 _DQ_CONFIGS = _gpu_configs([(128, 32, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 16, 4, 3)])
+# fp32 tiles are twice the bytes and take ieee dots: large tiles spill registers and take minutes
+# to compile, so fp32 (and H > 64 in any dtype, for the largest tiles) gets small tiles only.
+_FP32_CONFIGS = _gpu_configs([(32, 32, 4, 2), (64, 32, 4, 2)])
 _KEY = ["T", "S", "H", "CAUSAL"]
-_attn_fwd_tuned = triton.autotune(configs=_FWD_CONFIGS, key=_KEY)(_attn_fwd_kernel)
-_attn_bwd_dkdv_tuned = triton.autotune(configs=_DKDV_CONFIGS, key=_KEY)(_attn_bwd_dkdv_kernel)
-_attn_bwd_dq_tuned = triton.autotune(configs=_DQ_CONFIGS, key=_KEY)(_attn_bwd_dq_kernel)
+
+
+def _prune(configs: list, named_args: dict, **kwargs) -> list:
+    if named_args["Q"].dtype == torch.float32:
+        return _FP32_CONFIGS
+    if named_args["H"] > 64:
+        return [c for c in configs if c.kwargs["BLOCK_Q"] * c.kwargs["BLOCK_K"] <= 128 * 64] or configs[:1]
+    return configs
+
+
+def _autotune(kernel, configs):
+    return triton.autotune(configs=configs, key=_KEY, prune_configs_by={"early_config_prune": _prune})(kernel)
+
+
+_attn_fwd_tuned = _autotune(_attn_fwd_kernel, _FWD_CONFIGS)
+_attn_bwd_dkdv_tuned = _autotune(_attn_bwd_dkdv_kernel, _DKDV_CONFIGS)
+_attn_bwd_dq_tuned = _autotune(_attn_bwd_dq_kernel, _DQ_CONFIGS)
 
 
 def _launch(kernel, tuned, grid_of, args: tuple, q: Tensor, causal: bool, block_q: int | None,

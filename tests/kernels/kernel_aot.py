@@ -1,0 +1,83 @@
+"""Compile lmstack's Triton kernels ahead of time for a GPU target, without a GPU.
+
+Run as a script in a process *without* TRITON_INTERPRET (the interpreter replaces @triton.jit
+functions). ``triton.compile`` lowers each kernel through TTIR -> TTGIR -> LLVM -> PTX -> cubin
+(Triton ships ptxas), so typing errors that the interpreter does not see, and the shared memory
+each tile configuration needs, show up on a CPU-only machine. Prints one JSON object per kernel
+configuration: {"kernel", "dtype", "H", "BLOCK_Q", "BLOCK_K", "num_warps", "num_stages", "shared"}
+or {"error": ...}.
+
+    python tests/kernels/kernel_aot.py 90 bf16 64,128
+"""
+
+import json
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import lmstack.kernels.flash_triton as ft  # noqa: E402
+import lmstack.kernels.rmsnorm_triton as rt  # noqa: E402
+
+
+def signature(fn, pointers: dict, floats=(), constexprs=()):
+    sig = {}
+    for name in fn.arg_names:
+        sig[name] = pointers.get(name) or ("constexpr" if name in constexprs else "fp32" if name in floats else "i32")
+    return sig
+
+
+def compile_kernel(fn, sig, constexprs: dict, target, num_warps: int, num_stages: int) -> int:
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+    return compiled.metadata.shared
+
+
+def main() -> None:
+    arch, dtypes, head_dims = int(sys.argv[1]), sys.argv[2].split(","), [int(h) for h in sys.argv[3].split(",")]
+    target = GPUTarget("cuda", arch, 32)
+    attn_constexprs = ("CAUSAL", "BLOCK_Q", "BLOCK_K", "BLOCK_H", "UPCAST", "PRECISION")
+    for dt in dtypes:
+        p = f"*{dt}"
+        kernels = [
+            ("fwd", ft._attn_fwd_kernel, ft._FWD_CONFIGS, dict(Q=p, Kt=p, V=p, O=p, L="*fp32"), ("qk_scale",)),
+            ("dkdv", ft._attn_bwd_dkdv_kernel, ft._DKDV_CONFIGS,
+             dict(Q=p, K=p, V=p, DO=p, L="*fp32", Dl="*fp32", DK=p, DV=p), ("qk_scale", "scale")),
+            ("dq", ft._attn_bwd_dq_kernel, ft._DQ_CONFIGS,
+             dict(Q=p, K=p, V=p, DO=p, L="*fp32", Dl="*fp32", DQ=p), ("qk_scale", "scale")),
+        ]
+        for H in head_dims:
+            for name, fn, configs, ptrs, floats in kernels:
+                sig = signature(fn, ptrs, floats, attn_constexprs)
+                for cfg in configs:
+                    row = dict(kernel=name, dtype=dt, H=H, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                    consts = dict(CAUSAL=True, BLOCK_H=H, UPCAST=False, PRECISION="ieee" if dt == "fp32" else "tf32",
+                                  **cfg.kwargs)
+                    try:
+                        row["shared"] = compile_kernel(fn, sig, consts, target, cfg.num_warps, cfg.num_stages)
+                    except Exception as e:  # report, let the caller decide
+                        row["error"] = repr(e)[:500]
+                    print(json.dumps(row), flush=True)
+        # fused RMSNorm at D = 4096 (one D tile), 1 row per program as _tiles picks on a GPU
+        tl_dtype = {"bf16": triton.language.bfloat16, "fp16": triton.language.float16, "fp32": triton.language.float32}[dt]
+        for name, fn, ptrs, consts in [
+            ("rmsnorm_fwd", rt._rmsnorm_fwd_kernel, dict(X=p, W=p, Y=p, R="*fp32"),
+             dict(ROWS=2, BLOCK_D=4096, X_DTYPE=tl_dtype)),
+            ("rmsnorm_bwd", rt._rmsnorm_bwd_kernel, dict(X=p, W=p, DY=p, R="*fp32", DX=p, DW_PARTIAL="*fp32"),
+             dict(ROWS=2, BLOCK_D=4096)),
+        ]:
+            sig = signature(fn, ptrs, ("eps",), tuple(consts))
+            row = dict(kernel=name, dtype=dt, num_warps=8, num_stages=2)
+            try:
+                row["shared"] = compile_kernel(fn, sig, consts, target, 8, 2)
+            except Exception as e:
+                row["error"] = repr(e)[:500]
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
