@@ -202,3 +202,14 @@ def test_invalid_utf8_bytes_are_trained_as_bytes(tmp_path):
     vocab, merges = train_bpe(path, 270)
     assert (b"\xff", b"\xfe") in merges
     assert any(b"\xff\xfe" in t for t in vocab.values())
+
+
+def test_custom_pattern_chunks_only_at_specials(tmp_path, monkeypatch):
+    text = make_corpus(20000, 7)
+    path = tmp_path / "c.txt"
+    path.write_text(text, encoding="utf-8")
+    assert find_chunk_boundaries(path, 4, [], safe_cuts=False) == [0, path.stat().st_size]
+    monkeypatch.setattr(train_mod, "_SERIAL_BYTES", 0)
+    monkeypatch.setattr(train_mod, "_CHUNK_BYTES", 8192)
+    custom = r"\S+\s*"  # would be cut differently before ' <letter>'
+    assert count_pretokens(path, pattern=custom, num_workers=2) == Counter(regex.findall(custom, text))

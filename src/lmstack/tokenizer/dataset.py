@@ -24,6 +24,7 @@ from lmstack.utils import atomic_path, atomic_write_text
 
 from . import tokenizer as _tokmod
 from .tokenizer import Tokenizer
+from .pretokenize import PATTERNS
 from .train import find_chunk_boundaries
 
 _CHUNK_BYTES = 4 << 20
@@ -87,7 +88,7 @@ def encode_files(
     tasks = []
     for p in paths:
         n = max(1, -(-p.stat().st_size // chunk_bytes))
-        b = find_chunk_boundaries(p, n, split)
+        b = find_chunk_boundaries(p, n, split, safe_cuts=tok.pattern in PATTERNS.values())
         tasks += [(str(p), s, e, dtype.str) for s, e in zip(b, b[1:])]
 
     t0 = time.perf_counter()

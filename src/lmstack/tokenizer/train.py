@@ -22,7 +22,7 @@ from pathlib import Path
 import regex
 from tqdm import tqdm
 
-from .pretokenize import PreTokenizer, resolve_pattern, special_splitter
+from .pretokenize import PATTERNS, PreTokenizer, resolve_pattern, special_splitter
 
 #: Fallback cut when no special token is near a nominal chunk boundary: before a space followed by
 #: an ASCII letter, which starts a pre-token under every built-in pattern (GPT-2, GPT-4, Llama-3, SmolLM).
@@ -56,7 +56,11 @@ def _inside_special(block: bytes, q: int, split_tokens: Sequence[bytes]) -> bool
 
 
 def find_chunk_boundaries(
-    path: str | os.PathLike, n_chunks: int, split_tokens: Sequence[bytes], window: int = 1 << 20
+    path: str | os.PathLike,
+    n_chunks: int,
+    split_tokens: Sequence[bytes],
+    window: int = 1 << 20,
+    safe_cuts: bool = True,
 ) -> list[int]:
     """Byte offsets ``[0, ..., size]`` cutting ``path`` into about ``n_chunks`` pieces.
 
@@ -64,7 +68,8 @@ def find_chunk_boundaries(
     or failing that to the next safe cut (see ``_SAFE_CUT``), never to a position inside an
     occurrence of a special token (``<|endoftext|><|endoftext|>`` is not cut in the middle);
     failing both, the boundary is dropped. Either way the text on each side of a boundary
-    pre-tokenizes exactly as it does in the whole file.
+    pre-tokenizes exactly as it does in the whole file. ``safe_cuts=False`` (custom patterns, for
+    which the safe-cut argument is not known to hold) cuts at special tokens only.
     """
     size = os.path.getsize(path)
     n_chunks = max(1, min(n_chunks, size // 4096 or 1))
@@ -80,7 +85,7 @@ def find_chunk_boundaries(
             f.seek(start)
             block = f.read(window + (g - start))
             cut = None
-            for searcher in ([finder] if finder is not None else []) + [_SAFE_CUT]:
+            for searcher in ([finder] if finder is not None else []) + ([_SAFE_CUT] if safe_cuts else []):
                 for m in searcher.finditer(block, g - start, overlapped=searcher is finder):
                     if not _inside_special(block, m.start(), split_tokens):
                         cut = start + m.start()
@@ -136,7 +141,7 @@ def count_pretokens(
     for p in paths:
         size = p.stat().st_size
         n = max(workers if workers > 1 else 1, -(-size // _CHUNK_BYTES))
-        b = find_chunk_boundaries(p, n, split_bytes)
+        b = find_chunk_boundaries(p, n, split_bytes, safe_cuts=pattern in PATTERNS.values())
         tasks += [(str(p), s, e, pattern, specials) for s, e in zip(b, b[1:])]
     counts: Counter = Counter()
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="pre-tokens", disable=_disable(progress, total))
