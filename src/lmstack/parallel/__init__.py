@@ -4,6 +4,12 @@ collectives  ring all-reduce = reduce-scatter + all-gather, byte counting, autog
 mesh         DeviceMesh with named axes (pp, dp, cp, tp; ep inside dp)
 ddp          naive and bucketed-overlapped data parallelism, no_sync
 zero         ZeRO-1/2 (ZeroOptimizer) and ZeRO-3 / FSDP (FullyShard)
+tensor       Megatron tensor parallelism, sequence parallelism, vocab-parallel embedding and loss
+pipeline     stages, GPipe / 1F1B / zero-bubble schedules, bubble simulation and measurement
+context      ring attention (causal, load-balanced) for context parallelism
+expert       all-to-all dispatch/combine: the expert-parallel seam for MoE layers
+plan         ParallelPlan, parallelize(model, plan), the trainer seam get_parallelize
+native       the same plans on torch DDP, FSDP2 fully_shard, DTensor, ZeroRedundancyOptimizer
 """
 
 from lmstack.parallel.collectives import (
@@ -14,6 +20,10 @@ from lmstack.parallel.collectives import (
     reduce_scatter,
     ring_all_reduce_,
 )
+from lmstack.parallel.context import ContextParallel, ring_attention
 from lmstack.parallel.ddp import DataParallel, broadcast_module
 from lmstack.parallel.mesh import DeviceMesh
+from lmstack.parallel.pipeline import PipelineParallel, bubble_formula, schedule, simulate
+from lmstack.parallel.plan import ParallelModel, ParallelPlan, get_parallelize, init_distributed, parallelize
+from lmstack.parallel.tensor import TensorParallel, vocab_parallel_cross_entropy
 from lmstack.parallel.zero import FullyShard, ZeroOptimizer

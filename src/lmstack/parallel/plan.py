@@ -299,15 +299,16 @@ def parallelize(model: nn.Module, plan=None, mesh: DeviceMesh | None = None) -> 
 
 def get_parallelize(spec):
     """The trainer seam (``lmstack.train.Trainer.parallelize``): ``get_parallelize(config.parallel)``
-    returns ``fn(trainer, model) -> model`` for the plans a plain forward/backward loop can run:
-    data parallelism (``ddp``, ``ddp_naive``) and ZeRO-3 (``zero3``/``fsdp``). Plans that need
-    the trainer to shard its batch or its optimizer (tp, pp, cp, zero=1/2) raise a clear error
-    until the trainer exposes those hooks (see docs/parallel.md)."""
+    returns ``fn(trainer, model) -> model``. The trainer runs a plain forward/backward loop on a
+    per-rank batch and checkpoints ``raw_model``, so it can take data parallelism as is
+    (``ddp``, ``ddp_naive``, ``{"dp": N}``). Plans that shard the batch across model-parallel
+    ranks, the optimizer or the parameters (tp, pp, cp, zero) raise a clear error until the
+    trainer exposes those hooks (docs/parallel.md lists them)."""
     plan = ParallelPlan.parse(spec)
-    if plan.tp > 1 or plan.pp > 1 or plan.cp > 1 or plan.zero in (1, 2):
-        raise ValueError(f"parallel plan {spec!r} needs trainer hooks for the batch layout/optimizer that "
-                         "lmstack.train does not have yet; use lmstack.parallel.parallelize in your own loop, "
-                         "or parallel=ddp / zero3 with the trainer")
+    if plan.tp > 1 or plan.pp > 1 or plan.cp > 1 or plan.zero != 0 or plan.backend != "lmstack":
+        raise ValueError(f"parallel plan {spec!r} needs trainer hooks (batch layout per model-parallel rank, "
+                         "sharded optimizer/checkpoints) that lmstack.train does not have yet; use "
+                         "lmstack.parallel.parallelize in your own loop, or parallel=ddp with the trainer")
 
     def apply(trainer, model: nn.Module) -> nn.Module:
         init_distributed()
