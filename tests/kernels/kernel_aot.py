@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import lmstack.kernels.flash_triton as ft  # noqa: E402
-import lmstack.kernels.rmsnorm_triton as rt  # noqa: E402
+import lmstack.kernels.triton_rmsnorm as rt  # noqa: E402
 
 
 def signature(fn, pointers: dict, floats=(), constexprs=()):

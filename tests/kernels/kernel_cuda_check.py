@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from kernel_refs import reference_attention  # noqa: E402
 
 from lmstack.kernels.flash_triton import flash_attention_triton  # noqa: E402
-from lmstack.kernels.rmsnorm_triton import rmsnorm_triton  # noqa: E402
+from lmstack.kernels.triton_rmsnorm import rmsnorm_triton  # noqa: E402
 
 # (B, N, K, T, S, H, causal)
 CASES = [(2, 8, 8, 256, 256, 64, True), (1, 8, 2, 333, 333, 128, True), (2, 4, 1, 100, 300, 64, True),

@@ -77,3 +77,15 @@ def test_import_does_not_load_triton():
             "print('triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_lazy_aliases_stay_callable(triton_interpreter):
+    # the package's lazy aliases must not be shadowed by their submodules once those are imported
+    import lmstack.kernels as kernels
+    import lmstack.kernels.flash_triton  # noqa: F401
+    import lmstack.kernels.triton_rmsnorm  # noqa: F401
+
+    x = torch.randn(2, 3, 16)
+    torch.testing.assert_close(kernels.rmsnorm_triton(x, torch.ones(16)), kernels.rms_norm(x, torch.ones(16), 1e-5, "torch"))
+    torch.testing.assert_close(kernels.flash_attention_triton(x[None], x[None], x[None], causal=True),
+                               kernels.flash_attention_pytorch(x[None], x[None], x[None], causal=True), atol=2e-6, rtol=1e-5)

@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
-from lmstack.kernels.rmsnorm_triton import rmsnorm_triton  # noqa: E402
+from lmstack.kernels.triton_rmsnorm import rmsnorm_triton  # noqa: E402
 
 
 def reference(x, w, eps):

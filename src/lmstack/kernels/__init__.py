@@ -4,7 +4,7 @@ Seed 000 §2.7 (FlashAttention: tiling + online softmax, exact, O(S) memory), §
 seed 001 "GPU 架构", "优化技巧", "工程细节 / 基准测试", "Triton Kernel", "FlashAttention".
 
 Triton is never imported by ``import lmstack.kernels``: the Triton modules
-(``flash_triton``, ``rmsnorm_triton``) load on first use, and every feature has a CPU path.
+(``flash_triton``, ``triton_rmsnorm``) load on first use, and every feature has a CPU path.
 """
 
 from lmstack.kernels.backends import (
@@ -27,8 +27,8 @@ def flash_attention_triton(*args, **kwargs):
 
 
 def rmsnorm_triton(*args, **kwargs):
-    """Lazy alias of ``lmstack.kernels.rmsnorm_triton.rmsnorm_triton`` (imports Triton)."""
-    from lmstack.kernels.rmsnorm_triton import rmsnorm_triton as fn
+    """Lazy alias of ``lmstack.kernels.triton_rmsnorm.rmsnorm_triton`` (imports Triton)."""
+    from lmstack.kernels.triton_rmsnorm import rmsnorm_triton as fn
 
     return fn(*args, **kwargs)
 

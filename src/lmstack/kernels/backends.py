@@ -9,7 +9,7 @@ attention  ``sdpa``           F.scaled_dot_product_attention (on CUDA its FlashA
            ``flash_triton``   lmstack.kernels.flash_triton (Triton; CUDA or TRITON_INTERPRET=1)
            ``auto``           the fastest available on the tensor's device (table below)
 rmsnorm    ``torch``          the eager fp32 formula in lmstack.model.layers.RMSNorm
-           ``triton``         lmstack.kernels.rmsnorm_triton (one fused kernel each way)
+           ``triton``         lmstack.kernels.triton_rmsnorm (one fused kernel each way)
            ``auto``           triton on CUDA when Triton is installed, else torch
 
 ``auto`` for attention resolves to ``sdpa`` on every device: on CPU it is the fastest path
@@ -91,7 +91,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> Te
     """RMSNorm (seed 000 §1.10) through the chosen backend; ``torch`` is the model's eager formula."""
     backend = resolve_norm_backend(backend, x)
     if backend == "triton":
-        from lmstack.kernels.rmsnorm_triton import rmsnorm_triton
+        from lmstack.kernels.triton_rmsnorm import rmsnorm_triton
 
         return rmsnorm_triton(x, weight, eps)
     x32 = x.float()
