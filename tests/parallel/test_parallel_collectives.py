@@ -76,6 +76,21 @@ def _collectives(rank, world):
     with pytest.raises(ValueError, match="not divisible"):
         DeviceMesh.build(tp=3)
 
+    # expert-parallel seam: all-to-all dispatch to the owning rank, combine back in token order;
+    # "expert e" multiplies by e + 1, so the result and its gradient are known in closed form
+    from lmstack.parallel.expert import combine, dispatch
+
+    E = 2 * world
+    x = torch.randn(6, 3, generator=g, requires_grad=True)
+    ids = torch.randint(0, E, (6,), generator=g)
+    recv, meta = dispatch(x, ids, E, None)
+    assert ((meta.local_expert_ids // (E // world)) == rank).all()
+    out = combine(recv * (meta.local_expert_ids + 1)[:, None].float(), meta, None)
+    torch.testing.assert_close(out, x * (ids + 1)[:, None].float())
+    w = torch.randn(6, 3, generator=g)
+    (out * w).sum().backward()
+    torch.testing.assert_close(x.grad, w * (ids + 1)[:, None].float())
+
 
 def test_collectives_ring_duals_mesh():
     spawn(_collectives, 4)
@@ -129,3 +144,14 @@ def test_plan_parsing_and_errors():
     with pytest.raises(ValueError, match="divisible by 2·cp"):
         load_balanced_positions(10, 4, 0)
     assert [stage_layers(10, 4, s) for s in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+
+
+def test_cli_bubble_and_mesh(capsys):
+    from lmstack.cli import main
+
+    assert main(["parallel", "bubble", "--pp", "4", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "formula (p-1)/(m+p-1) = 0.273" in out and "1f1b  bubble 0.273" in out
+    assert main(["parallel", "mesh", "--world", "8", "--tp", "2", "--pp", "2"]) == 0
+    assert "rank   5: pp=1 dp=0 cp=0 tp=1" in capsys.readouterr().out
+    assert main(["parallel", "mesh", "--world", "6", "--tp", "4"]) == 2

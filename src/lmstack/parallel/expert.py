@@ -75,7 +75,4 @@ def dispatch(x: Tensor, expert_ids: Tensor, n_experts: int, group=None) -> tuple
 def combine(y: Tensor, meta: DispatchMeta, group=None) -> Tensor:
     """Send expert outputs (n_recv, D) back to their tokens' ranks, restoring the token order."""
     back = _AllToAll.apply(y, meta.recv_counts, meta.send_counts, group)  # (T, D) in sorted order
-    out = torch.empty_like(back)
-    out = out.index_copy(0, meta.order, back) if not back.requires_grad else \
-        torch.zeros_like(back).index_add(0, meta.order, back)
-    return out
+    return torch.zeros_like(back).index_add(0, meta.order, back)  # out[order[j]] = back[j]
