@@ -57,13 +57,21 @@ def _worker(rank, world, port, repeats, q):
     x = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
     y = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
 
-    # 1. DDP step time
-    def step_time(make):
+    # 1. DDP step time; the strategies are interleaved within each repeat so that load from other
+    # processes on a shared machine hits them alike
+    from torch.nn.parallel import DistributedDataParallel
+
+    makers = {"step_local": lambda m: m,
+              "step_naive": lambda m: DataParallel(m, mode="naive", impl="torch"),
+              "step_bucketed": lambda m: DataParallel(m, mode="bucketed", bucket_mb=4, impl="torch"),
+              "step_torch_ddp": lambda m: DistributedDataParallel(m, bucket_cap_mb=4)}
+    runs = {}
+    for name, make in makers.items():
         model = Transformer(cfg, seed=0)
-        runner = make(model)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        times = []
-        for i in range(repeats + 2):
+        runs[name] = (make(model), torch.optim.SGD(model.parameters(), lr=1e-3))
+    times = {name: [] for name in makers}
+    for i in range(repeats + 2):
+        for name, (runner, opt) in runs.items():
             dist.barrier()
             t0 = time.perf_counter()
             _ce(runner(x), y).backward()
@@ -71,15 +79,10 @@ def _worker(rank, world, port, repeats, q):
             opt.zero_grad(set_to_none=True)
             dist.barrier()
             if i >= 2:
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    out["step_naive"] = step_time(lambda m: DataParallel(m, mode="naive", impl="torch"))
-    out["step_bucketed"] = step_time(lambda m: DataParallel(m, mode="bucketed", bucket_mb=4, impl="torch"))
-    out["step_torch_ddp"] = step_time(lambda m: DistributedDataParallel(m, bucket_cap_mb=4))
-    out["step_local"] = step_time(lambda m: m)  # no communication at all
+                times[name].append(time.perf_counter() - t0)
+    for name in makers:
+        out[name] = statistics.median(times[name])
+    del runs
 
     # 2. bytes per step (fp32 gradients), measured on the ring vs the accounting model
     small = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,

@@ -136,8 +136,9 @@ class ZeroOptimizer:
             self._shard[id(p)].grad = None
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """Global L2 norm of the gradient shards (summed over ranks), clipped to ``max_norm``;
-        call after ``reduce_grads()`` or within ``step`` order: use ``step(max_norm=...)``."""
+        """Clip by the global L2 norm of the gradient (the shards' squares summed over ranks).
+        ZeRO-2: call after backward, before ``step``; ZeRO-1 reduces the gradients inside ``step``,
+        so clip the full ``p.grad`` there (they are replicated) with the usual torch utility."""
         sq = sum(float(s.grad.float().pow(2).sum()) for s in self._shard.values() if s.grad is not None)
         t = torch.tensor([sq], dtype=torch.float64)
         C.all_reduce(t, self.group)
