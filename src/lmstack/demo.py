@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--glob", default="*.py", help="files to take from directories (default *.py)")
     p.add_argument("--corpus-mb", type=float, default=6.0, help="use at most this many MB of text (default 6)")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size V (default 4096)")
-    p.add_argument("--train-seconds", type=float, default=200.0, help="training time budget (default 200 s)")
+    p.add_argument("--train-seconds", type=float, default=240.0, help="training time budget (default 240 s)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt for SmolLM2-135M")
     p.add_argument("--sample-prompt", default="def ", help="prompt for the model trained here")
@@ -194,7 +194,7 @@ def run_demo(args) -> int:
     shutil.rmtree(out / "run", ignore_errors=True)
     config = TrainConfig(**base, max_steps=max_steps, warmup_steps=min(30, max_steps // 10),
                          eval_interval=max(max_steps // 6, 1),
-                         time_limit_s=args.train_seconds * 1.25)
+                         time_limit_s=args.train_seconds * 1.1)
     trainer = Trainer(config, peak_flops=peak)
     baseline = trainer.unigram_baseline()
     print(f"{trainer.raw_model.num_params():,} parameters; {len(trainer.train_tokens):,} training / "

@@ -34,13 +34,14 @@ def test_logsumexp_all_minus_inf_row():
     torch.testing.assert_close(logsumexp(x), torch.logsumexp(x, -1))
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("scale", [1.0, 3000.0])
-def test_cross_entropy_value_and_grad_match_torch(scale):
+def test_cross_entropy_value_and_grad_match_torch(scale, fused):
     g = torch.Generator().manual_seed(1)
     logits = (torch.randn(3, 5, 11, generator=g, dtype=torch.float64) * scale).requires_grad_()
     targets = torch.randint(0, 11, (3, 5), generator=g)
     targets[0, 0] = targets[2, 4] = -100
-    ce, z = cross_entropy(logits, targets)
+    ce, z = cross_entropy(logits, targets, fused=fused)
     assert z.item() == 0.0
     ref_logits = logits.detach().clone().requires_grad_()
     ref = F.cross_entropy(ref_logits.reshape(-1, 11), targets.reshape(-1), ignore_index=-100)
@@ -50,13 +51,14 @@ def test_cross_entropy_value_and_grad_match_torch(scale):
     torch.testing.assert_close(logits.grad, ref_logits.grad)
 
 
-def test_z_loss_value_and_grad_vs_autograd_reference():
+@pytest.mark.parametrize("fused", [True, False])
+def test_z_loss_value_and_grad_vs_autograd_reference(fused):
     g = torch.Generator().manual_seed(2)
     alpha = 1e-2
     logits = (torch.randn(4, 6, 13, generator=g, dtype=torch.float64) * 10).requires_grad_()
     targets = torch.randint(0, 13, (4, 6), generator=g)
     targets[1, 2] = -100
-    ce, z = cross_entropy(logits, targets, z_loss=alpha)
+    ce, z = cross_entropy(logits, targets, z_loss=alpha, fused=fused)
     (ce + 3 * z).backward()
     # reference: torch ops only, differentiated by autograd
     ref_logits = logits.detach().clone().requires_grad_()
@@ -72,11 +74,12 @@ def test_z_loss_value_and_grad_vs_autograd_reference():
     torch.testing.assert_close(z_loss_term(logits.detach(), alpha), alpha * (lse.detach() ** 2).mean())
 
 
-def test_cross_entropy_gradcheck():
+@pytest.mark.parametrize("fused", [True, False])
+def test_cross_entropy_gradcheck(fused):
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 7, generator=g, dtype=torch.float64, requires_grad=True)
     targets = torch.tensor([0, 3, -100, 6, 2])
-    assert torch.autograd.gradcheck(lambda x: sum(cross_entropy(x, targets, z_loss=0.1)), (logits,))
+    assert torch.autograd.gradcheck(lambda x: sum(cross_entropy(x, targets, z_loss=0.1, fused=fused)), (logits,))
 
 
 def test_cross_entropy_bf16_logits_computed_in_fp32():
@@ -92,10 +95,11 @@ def test_cross_entropy_bf16_logits_computed_in_fp32():
     assert logits.grad.dtype == torch.bfloat16
 
 
-def test_cross_entropy_extreme_logits_finite():
+@pytest.mark.parametrize("fused", [True, False])
+def test_cross_entropy_extreme_logits_finite(fused):
     logits = torch.tensor([[5000.0, -5000.0, 0.0], [-3000.0, -3000.0, -2999.0]], requires_grad=True)
     targets = torch.tensor([1, 2])
-    ce, z = cross_entropy(logits, targets, z_loss=1e-4)
+    ce, z = cross_entropy(logits, targets, z_loss=1e-4, fused=fused)
     ref = F.cross_entropy(logits.detach(), targets)
     torch.testing.assert_close(ce, ref)
     (ce + z).backward()

@@ -20,48 +20,58 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lmstack.train.ops import logsumexp
+
 IGNORE_INDEX = -100
 
 
 class _CrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, z_alpha: float, ignore_index: int):
+    def forward(ctx, logits: Tensor, targets: Tensor, z_alpha: float, ignore_index: int, fused: bool):
         # logits: (M, V) in any float dtype; targets: (M,) int64. Math in fp32 (fp64 stays fp64).
-        x = logits if logits.dtype == torch.float64 else logits.float()
-        m = x.amax(dim=-1, keepdim=True)  # (M, 1)
-        probs = torch.exp(x - m)  # (M, V), every entry <= 1
-        s = probs.sum(dim=-1, keepdim=True)  # (M, 1), >= 1
-        lse = (m + torch.log(s)).squeeze(-1)  # (M,) log Z
-        probs.div_(s)  # softmax, in place
+        compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        x = logits.to(compute)  # (M, V)
+        if fused:
+            lse = torch.logsumexp(x, dim=-1)  # (M,) log Z: torch's one-pass kernel, the same max trick
+        else:
+            lse = logsumexp(x, dim=-1)  # (M,) lmstack.train.ops: m + log Σ exp(U - m)
         valid = targets != ignore_index  # (M,)
         safe = torch.where(valid, targets, torch.zeros_like(targets))
         target_logit = x.gather(-1, safe[:, None]).squeeze(-1)  # (M,) U_r
-        n = valid.sum().clamp(min=1).to(x.dtype)
-        w = valid.to(x.dtype)
+        n = valid.sum().clamp(min=1).to(compute)
+        w = valid.to(compute)
         ce = ((lse - target_logit) * w).sum() / n
         z = (lse.square() * w).sum() / n * z_alpha
-        ctx.save_for_backward(probs, safe, w, lse, n)
-        ctx.z_alpha = z_alpha
-        ctx.logits_dtype = logits.dtype
+        # keep the logits in their own dtype (bf16: half the bytes of fp32 probabilities)
+        ctx.save_for_backward(logits, safe, w, lse, n)
+        ctx.z_alpha, ctx.fused = z_alpha, fused
         ctx.mark_non_differentiable(lse)
         return ce, z, lse
 
     @staticmethod
     def backward(ctx, g_ce: Tensor, g_z: Tensor, _g_lse: Tensor):
-        probs, safe, w, lse, n = ctx.saved_tensors
+        logits, safe, w, lse, n = ctx.saved_tensors
+        compute = lse.dtype
+        if ctx.fused:
+            probs = torch.softmax(logits, dim=-1, dtype=compute)  # (M, V), upcast inside the kernel
+        else:
+            probs = torch.exp(logits.to(compute) - lse[:, None])  # p = exp(U - log Z)
         # d(CE)/dU = p - onehot(r);  d(z)/dU = 2α log Z · p;  each row weighted by valid / n.
         row = (g_ce + g_z * 2.0 * ctx.z_alpha * lse) * w / n  # (M,)
-        grad = probs * row[:, None]  # (M, V)
+        grad = probs.mul_(row[:, None])  # (M, V), in place on the fresh probabilities
         grad.scatter_add_(-1, safe[:, None], (-(g_ce * w / n))[:, None].to(grad.dtype))
-        return grad.to(ctx.logits_dtype), None, None, None
+        return grad.to(logits.dtype), None, None, None, None
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, z_loss: float = 0.0,
-                  ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
+                  ignore_index: int = IGNORE_INDEX, fused: bool = True) -> tuple[Tensor, Tensor]:
     """Mean cross-entropy and mean z-loss over the targets that are not ``ignore_index``.
 
     logits: (B, S, V) or (M, V); targets: (B, S) or (M,). Returns ``(ce, z)``, two scalars;
     train on ``ce + z``. ``z`` is α·mean(log² Z) (0 when ``z_loss`` = α = 0).
+    ``fused=True`` takes log Z and softmax from torch's single-pass kernels (faster on large V);
+    ``fused=False`` uses lmstack's own ``ops.logsumexp`` and exp(U - log Z); both are tested
+    against ``F.cross_entropy``.
     """
     V = logits.shape[-1]
     if targets.shape != logits.shape[:-1]:
@@ -70,14 +80,12 @@ def cross_entropy(logits: Tensor, targets: Tensor, z_loss: float = 0.0,
     if z_loss < 0:
         raise ValueError(f"z_loss={z_loss} must be >= 0")
     ce, z, _ = _CrossEntropyZLoss.apply(logits.reshape(-1, V), targets.reshape(-1).long(), float(z_loss),
-                                        int(ignore_index))
+                                        int(ignore_index), bool(fused))
     return ce, z
 
 
 def z_loss_term(logits: Tensor, alpha: float) -> Tensor:
     """α · mean(log² Z) over all rows, from ``ops.logsumexp`` (differentiable by autograd)."""
-    from lmstack.train.ops import logsumexp
-
     return alpha * logsumexp(logits, dim=-1).square().mean()
 
 
