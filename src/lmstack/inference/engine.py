@@ -494,7 +494,13 @@ class AsyncLLM:
                     continue
                 await self._wakeup.wait()
                 continue
-            outputs = await asyncio.to_thread(self.engine.step)
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as e:  # a failed step fails every stream instead of leaving them hanging
+                for q in self._queues.values():
+                    q.put_nowait(e)
+                self._queues.clear()
+                raise
             for out in outputs:
                 q = self._queues.get(out.request_id)
                 if q is not None:
