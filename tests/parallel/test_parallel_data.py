@@ -61,9 +61,11 @@ def _data_parallel(rank, world, cases):
 
     def zero(stage):
         def build(model):
+            from lmstack.train.optim import AdamW  # any optimizer class: lmstack's own for ZeRO-1
+
             broadcast_module(model)
-            opt = ZeroOptimizer([p for p in model.parameters() if p.requires_grad], torch.optim.AdamW,
-                                stage=stage, **OPT_KW)
+            opt = ZeroOptimizer([p for p in model.parameters() if p.requires_grad],
+                                AdamW if stage == 1 else torch.optim.AdamW, stage=stage, **OPT_KW)
             return model, opt, opt
         return build
 
@@ -78,6 +80,10 @@ def _data_parallel(rank, world, cases):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), atol=1e-5, rtol=1e-5)
         got = runner.full_state_dict() if strategy == "zero3" else {n: p.detach() for n, p in model.named_parameters()}
         assert_close_params(got, want_params, prefix=f"{name} ")
+        if strategy == "bucketed":  # buckets went out while backward was still running
+            steps = len(data["batches"]) // accum
+            assert len(runner.buckets) > 2
+            assert runner.launched_during_backward >= steps * (len(runner.buckets) - 1)
         # every replica ends identical
         for p in (runner.parameters() if strategy != "zero3" else []):
             q = p.detach().clone()
@@ -98,7 +104,12 @@ def _data_parallel(rank, world, cases):
         opt.step()
         opt.zero_grad()
         with C.count_bytes() as c:
-            ce(runner(xs), ys).backward()
+            loss = ce(runner(xs), ys)
+            if strategy == "zero3":  # every unit's full parameters were freed right after its use
+                assert all(u.buffer.untyped_storage().nbytes() == 0 for u in runner.units + [runner.root])
+            loss.backward()
+            if strategy == "zero3":  # ... and again after the backward re-gather
+                assert all(u.buffer.untyped_storage().nbytes() == 0 for u in runner.units + [runner.root])
             acc_name = {"bucketed": "ddp", "naive": "ddp"}.get(strategy, strategy)
             if strategy in ("zero1", "zero2"):
                 measured = opt.state_bytes()  # after backward, before the step

@@ -67,6 +67,8 @@ class DataParallel(nn.Module):
             self.buckets.append(cur)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        # buckets launched from a gradient hook, i.e. while backward was still running (overlap)
+        self.launched_during_backward = 0
         self._reset_step()
 
     # ---- hooks -------------------------------------------------------------------------------
@@ -88,6 +90,7 @@ class DataParallel(nn.Module):
         self._ready[b] += 1
         if self._ready[b] == len(self.buckets[b]):
             self._launch(b)
+            self.launched_during_backward += 1
 
     def _launch(self, b: int) -> None:
         params = self.buckets[b]
