@@ -6,6 +6,8 @@
 - TP         -> DTensor ``parallelize_module``: q/k/v/gate/up ``ColwiseParallel``, o/down
                ``RowwiseParallel`` (embedding and unembedding stay replicated)
 - ZeRO-1/2   -> ``torch.distributed.optim.ZeroRedundancyOptimizer`` (states sharded)
+- PP         -> ``torch.distributed.pipelining``: lmstack's stage module in torch's ``PipelineStage``,
+               ``ScheduleGPipe`` / ``Schedule1F1B``
 
 The tests train the same plan with both backends and compare losses and parameters, so the
 hand-written strategies are checked against torch's.
@@ -28,11 +30,19 @@ def _torch_mesh(group, name: str):
 def native_parallelize(model: nn.Module, plan, mesh: DeviceMesh):
     from lmstack.parallel.plan import ParallelModel
 
-    if mesh.pp > 1 or mesh.cp > 1:
-        raise ValueError("backend='native' covers dp, zero and tp; use backend='lmstack' for pp and cp")
+    if mesh.cp > 1:
+        raise ValueError("backend='native' covers dp, zero, tp and pp; use backend='lmstack' for cp")
     pm = ParallelModel(model, plan, mesh)
     pm.native = True
     runner: nn.Module = model
+    if mesh.pp > 1:
+        if mesh.tp > 1 or plan.zero != 0:
+            raise ValueError("backend='native' pp composes only with plain dp here; use backend='lmstack'")
+        from lmstack.parallel.pipeline import tied_embedding_groups
+
+        pm.pipeline = NativePipeline(model, mesh, plan, tied_embedding_groups(mesh))
+        pm.runner = pm.pipeline
+        return pm
     if mesh.tp > 1:
         tp_mesh = _torch_mesh(mesh.group("tp"), "tp")
         cfg = model.config
@@ -110,9 +120,63 @@ def _dtensor_linear(lin: nn.Module, tp_mesh, style: str) -> None:
     distribute_module(lin, tp_mesh, partition, input_fn, output_fn)
 
 
+class NativePipeline(nn.Module):
+    """``torch.distributed.pipelining``: lmstack's stage module inside torch's ``PipelineStage``,
+    run by ``ScheduleGPipe`` / ``Schedule1F1B`` (gradients scaled by 1/m like lmstack's)."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan, tied_group):
+        super().__init__()
+        from torch.distributed.pipelining import PipelineStage as TorchStage, Schedule1F1B, ScheduleGPipe
+
+        from lmstack.parallel.pipeline import PipelineParallel, PipelineStage
+
+        kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+        if plan.schedule not in kinds:
+            raise ValueError(f"backend='native' pipeline schedule={plan.schedule!r}; expected one of {sorted(kinds)} "
+                             "(lmstack's 'zb' is single-stage-per-rank ZB-H1; torch's zero-bubble needs virtual stages)")
+        self.p, self.s = mesh.pp, mesh.rank("pp")
+        self.group, self.ranks = mesh.group("pp"), mesh.ranks("pp")
+        self.stage = PipelineStage(model, self.s, self.p)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.torch_stage = TorchStage(self.stage, self.s, self.p, device, group=self.group)
+        self.kind, self.m = kinds[plan.schedule], plan.micro_batches
+        self.dp_group = mesh.group("dp") if mesh.dp > 1 else None
+        self.tied_group = tied_group
+        self._sched = None
+        self._loss_fn = None
+        # reuse lmstack's tied-embedding and dp gradient averaging
+        self._helper = PipelineParallel.__new__(PipelineParallel)
+        nn.Module.__init__(self._helper)
+        self._helper.stage, self._helper.p, self._helper.tied_group = self.stage, self.p, tied_group
+        self._helper.dp_group = self.dp_group
+
+    def train_step(self, tokens: Tensor, targets: Tensor, loss_fn) -> float:
+        import torch.distributed as dist
+
+        if self._sched is None or self._loss_fn is not loss_fn:
+            self._sched = self.kind(self.torch_stage, self.m, loss_fn=loss_fn)
+            self._loss_fn = loss_fn
+        losses: list = []
+        if self.stage.first:
+            self._sched.step(tokens)
+        elif self.stage.last:
+            self._sched.step(target=targets, losses=losses)
+        else:
+            self._sched.step()
+        self._helper.sync_tied()
+        if self.dp_group is not None:
+            self._helper._dp_average()
+        loss = torch.tensor([float(sum(float(x) for x in losses) / self.m) if losses else 0.0], dtype=torch.float64)
+        dist.broadcast(loss, self.ranks[-1], group=self.group)
+        return float(loss)
+
+
 def native_full_state_dict(pm) -> dict[str, Tensor]:
     out = {}
+    mine = {id(p) for p in pm.pipeline.stage.parameters()} if pm.pipeline is not None else None
     for n, p in pm.model.named_parameters():
+        if mine is not None and id(p) not in mine:
+            continue
         t = p.full_tensor() if hasattr(p, "full_tensor") else p
         out[n.replace("_fsdp_wrapped_module.", "")] = t.detach().clone()
     return out
