@@ -1,5 +1,6 @@
 """2-D compositions through ``parallelize(model, plan)`` on 4 ranks (seed 001 "混合并行"):
-DP×TP (with and without SP), ZeRO-2×TP, ZeRO-3×TP, DP×PP, ZeRO-1×PP (zero-bubble), DP×CP —
+DP×TP (with and without SP), ZeRO-2×TP, ZeRO-3×TP, DP×PP, ZeRO-1×PP (zero-bubble), DP×CP,
+TP×PP (tied embeddings across stages, vocab shards gathered on the last stage), TP×CP —
 each matches single-process training on the whole batch."""
 
 import pytest
@@ -38,6 +39,8 @@ def test_two_dimensional_compositions():
         ("dp x pp", dict(dp=2, pp=2, schedule="1f1b"), dict(n_layers=4)),
         ("zero1 x pp zb", dict(dp=2, pp=2, zero=1, schedule="zb"), dict(n_layers=4, tie_embeddings=True)),
         ("dp x cp", dict(dp=2, cp=2), {}),
+        ("tp x pp", dict(tp=2, pp=2, schedule="1f1b"), dict(n_layers=4, tie_embeddings=True)),
+        ("tp x cp", dict(tp=2, cp=2), dict(qk_norm=True)),
     ]:
         cfg = tiny_config(**kw)
         data = batches(2, 8, 16)

@@ -213,8 +213,9 @@ class PipelineStage(nn.Module):
     """Stage s of a ``Transformer``: (embed) + blocks[a:b] + (norm, unembedding). The model's own
     modules are reused; parameters of other stages are not referenced."""
 
-    def __init__(self, model: nn.Module, s: int, p: int, split_weight_grad: bool = False):
+    def __init__(self, model: nn.Module, s: int, p: int, split_weight_grad: bool = False, vocab_group=None):
         super().__init__()
+        self.vocab_group = vocab_group  # tensor-parallel stages: logits are vocab shards, gather them
         L = len(model.blocks)
         if p > L:
             raise ValueError(f"pipeline: pp={p} stages exceed n_layers={L}")
@@ -257,8 +258,12 @@ class PipelineStage(nn.Module):
             x = self.norm(x)
             w = self.unembedding()
             if self.stash is not None:
-                return _SplitLinearFn.apply(x, w, self.stash)
-            return F.linear(x, w)  # (B, S, V)
+                logits = _SplitLinearFn.apply(x, w, self.stash)
+            else:
+                logits = F.linear(x, w)  # (B, S, V)  [TP: (B, S, V/tp)]
+            if self.vocab_group is not None:
+                logits = C.GatherFn.apply(logits, logits.dim() - 1, self.vocab_group)
+            return logits
         return x
 
 
@@ -279,14 +284,15 @@ class PipelineParallel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, group=None, micro_batches: int = 4, schedule_kind: str = "1f1b",
-                 dp_group=None, tied_group=None):
+                 dp_group=None, tied_group=None, vocab_group=None):
         super().__init__()
         self.rank_in, self.p, self.ranks = C._group_ranks(group) if C.group_size(group) > 1 else (0, 1, [0])
         if C.group_size(group) == 1:
             self.ranks = [dist.get_rank()] if dist.is_initialized() else [0]
         self.group, self.m, self.kind = group, micro_batches, schedule_kind
         self.orders = schedule(schedule_kind, self.p, micro_batches)
-        self.stage = PipelineStage(model, self.rank_in, self.p, split_weight_grad=schedule_kind == "zb")
+        self.stage = PipelineStage(model, self.rank_in, self.p, split_weight_grad=schedule_kind == "zb",
+                                   vocab_group=vocab_group)
         self.dp_group = dp_group
         self.tied_group = tied_group  # {first, last} stage ranks when embeddings are tied
         self.last_times: StepTimes | None = None

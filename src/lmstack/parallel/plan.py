@@ -61,6 +61,11 @@ class ParallelPlan:
             raise ValueError("sequence_parallel with cp > 1 is not supported (both split S)")
         if self.pp > 1 and self.cp > 1:
             raise ValueError("pp > 1 with cp > 1 is not supported")
+        if self.pp > 1 and self.tp > 1 and self.schedule == "zb":
+            raise ValueError("schedule='zb' with tp > 1 is not supported (the W/B split would bypass the row-parallel "
+                             "all-reduce); use 1f1b or gpipe")
+        if self.pp > 1 and self.sequence_parallel:
+            raise ValueError("pp > 1 with sequence_parallel is not supported (stages exchange full-S activations)")
 
     @classmethod
     def parse(cls, spec) -> "ParallelPlan":
@@ -200,7 +205,8 @@ class ParallelModel(nn.Module):
                 sd = _tp_gather_named(self.model, sd, self.mesh.group("tp"))
             return sd
         if self.tp_model is not None:
-            return gather_tp_state_dict(self.model, self.mesh.group("tp"))
+            only = {id(p) for p in self.pipeline.stage.parameters()} if self.pipeline is not None else None
+            return gather_tp_state_dict(self.model, self.mesh.group("tp"), only)
         if self.pipeline is not None:
             mine = {id(p) for p in self.pipeline.stage.parameters()}
             return {_clean(n): p.detach() for n, p in self.model.named_parameters() if id(p) in mine}
@@ -250,20 +256,23 @@ def parallelize(model: nn.Module, plan=None, mesh: DeviceMesh | None = None) -> 
     if mesh.cp > 1:
         from lmstack.parallel.context import ContextParallel
 
-        if mesh.tp > 1:
-            raise ValueError("cp > 1 with tp > 1 is not supported by parallelize yet")
         pm.cp_model = ContextParallel(model, mesh.group("cp"))
-        runner = pm.cp_model
+        if pm.tp_model is not None:  # TP outside (gathers V), CP inside (picks this rank's tokens)
+            pm.tp_model.module = pm.cp_model
+            runner = pm.tp_model
+        else:
+            runner = pm.cp_model
     # 3. pipeline
     if mesh.pp > 1:
-        if mesh.tp > 1:
-            raise ValueError("pp > 1 with tp > 1 is not supported by parallelize yet")
+        if plan.sequence_parallel:
+            raise ValueError("pp > 1 with sequence_parallel is not supported (stages exchange full-S activations)")
         from lmstack.parallel.pipeline import PipelineParallel, tied_embedding_groups
 
         tied = tied_embedding_groups(mesh)
         dp_group = mesh.group("dp") if plan.zero == 0 else None
         pm.pipeline = PipelineParallel(model, mesh.group("pp"), plan.micro_batches, plan.schedule,
-                                       dp_group=dp_group, tied_group=tied)
+                                       dp_group=dp_group, tied_group=tied,
+                                       vocab_group=mesh.group("tp") if mesh.tp > 1 else None)
         if plan.zero in (1, 2):
             pm.pipeline.dp_group = None  # the ZeRO optimizer reduce-scatters instead
         runner = pm.pipeline

@@ -268,11 +268,12 @@ class TensorParallel(nn.Module):
         return gather_tp_state_dict(self.module, self.group)
 
 
-def gather_tp_state_dict(model: nn.Module, group) -> dict[str, Tensor]:
+def gather_tp_state_dict(model: nn.Module, group, only: set[int] | None = None) -> dict[str, Tensor]:
+    """Unsharded parameters by single-process name (``only``: ids of the parameters to include)."""
     out = {}
     for name, mod in model.named_modules():
         for attr, p in mod._parameters.items():
-            if p is None:
+            if p is None or (only is not None and id(p) not in only):
                 continue
             key = f"{name}.{attr}" if name else attr
             if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)) and attr in ("weight", "bias"):
@@ -283,4 +284,5 @@ def gather_tp_state_dict(model: nn.Module, group) -> dict[str, Tensor]:
                 full = p.detach().clone()
             out[key] = full
     # EnterParallelRegion wraps the norm: "blocks.0.attn_norm.norm.weight" -> "blocks.0.attn_norm.weight"
-    return {k.replace("_norm.norm.", "_norm.").replace("norm.norm.", "norm."): v for k, v in out.items()}
+    return {k.replace("_norm.norm.", "_norm.").replace("norm.norm.", "norm.").replace(".inner.", "."): v
+            for k, v in out.items()}
