@@ -164,6 +164,14 @@ def _use_ring(impl: str) -> bool:
     return impl == "ring" or (impl == "auto" and _counter() is not None)
 
 
+def comm_device(group=None) -> torch.device:
+    """Where small bookkeeping tensors (losses, norms, timings) must live for ``group``'s backend:
+    the current CUDA device under NCCL, the CPU under gloo."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def group_size(group) -> int:
     return dist.get_world_size(group) if group is not None else dist.get_world_size()
 

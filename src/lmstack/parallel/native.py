@@ -166,7 +166,10 @@ class NativePipeline(nn.Module):
         self._helper.sync_tied()
         if self.dp_group is not None:
             self._helper._dp_average()
-        loss = torch.tensor([float(sum(float(x) for x in losses) / self.m) if losses else 0.0], dtype=torch.float64)
+        from lmstack.parallel.collectives import comm_device
+
+        loss = torch.tensor([float(sum(float(x) for x in losses) / self.m) if losses else 0.0], dtype=torch.float64,
+                            device=comm_device(self.group))
         dist.broadcast(loss, self.ranks[-1], group=self.group)
         return float(loss)
 

@@ -296,12 +296,13 @@ class PipelineParallel(nn.Module):
         self.dp_group = dp_group
         self.tied_group = tied_group  # {first, last} stage ranks when embeddings are tied
         self.last_times: StepTimes | None = None
+        self._device = next(self.stage.parameters()).device
 
     def _send(self, t: Tensor, to: int, tag: int):
         return dist.isend(t.contiguous(), self.ranks[to], tag=tag)
 
     def _recv(self, shape, dtype, frm: int, tag: int) -> Tensor:
-        buf = torch.empty(shape, dtype=dtype)
+        buf = torch.empty(shape, dtype=dtype, device=self._device)
         dist.recv(buf, self.ranks[frm], tag=tag)
         return buf
 
@@ -356,7 +357,7 @@ class PipelineParallel(nn.Module):
         self.sync_tied()
         if self.dp_group is not None and C.group_size(self.dp_group) > 1:
             self._dp_average()
-        loss = torch.tensor([sum(losses.values())], dtype=torch.float64)
+        loss = torch.tensor([sum(losses.values())], dtype=torch.float64, device=C.comm_device(self.group))
         if p > 1:
             dist.broadcast(loss, self.ranks[-1], group=self.group)
         return float(loss)
@@ -392,7 +393,7 @@ class PipelineParallel(nn.Module):
         t = self.last_times
         if t is None:
             raise RuntimeError("no step measured yet")
-        vals = torch.tensor([t.busy, t.wall], dtype=torch.float64)
+        vals = torch.tensor([t.busy, t.wall], dtype=torch.float64, device=C.comm_device(self.group))
         if self.p > 1:
             busy = vals[:1].clone()
             dist.all_reduce(busy, group=self.group)

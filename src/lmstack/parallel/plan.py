@@ -165,7 +165,7 @@ class ParallelModel(nn.Module):
         x, y = self.shard_batch(tokens, targets)
         if self.pipeline is not None:
             loss = self.pipeline.train_step(x, y, loss_fn)
-            t = torch.tensor([loss], dtype=torch.float64)
+            t = torch.tensor([loss], dtype=torch.float64, device=C.comm_device(self.dp_group))
         else:
             ctx = self.ddp.no_sync() if (no_sync and self.ddp is not None) else contextlib.nullcontext()
             if no_sync and self.zero_optimizer is not None:

@@ -140,7 +140,7 @@ class ZeroOptimizer:
         ZeRO-2: call after backward, before ``step``; ZeRO-1 reduces the gradients inside ``step``,
         so clip the full ``p.grad`` there (they are replicated) with the usual torch utility."""
         sq = sum(float(s.grad.float().pow(2).sum()) for s in self._shard.values() if s.grad is not None)
-        t = torch.tensor([sq], dtype=torch.float64)
+        t = torch.tensor([sq], dtype=torch.float64, device=C.comm_device(self.group))
         C.all_reduce(t, self.group)
         norm = t.sqrt()[0]
         scale = max_norm / (float(norm) + 1e-6)
