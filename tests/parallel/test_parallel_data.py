@@ -103,6 +103,8 @@ def _data_parallel(rank, world, cases):
         ce(runner(xs), ys).backward()  # step 1 creates the optimizer states
         opt.step()
         opt.zero_grad()
+        if strategy == "zero3":
+            runner.prefetched = 0
         with C.count_bytes() as c:
             loss = ce(runner(xs), ys)
             if strategy == "zero3":  # every unit's full parameters were freed right after its use
@@ -110,6 +112,7 @@ def _data_parallel(rank, world, cases):
             loss.backward()
             if strategy == "zero3":  # ... and again after the backward re-gather
                 assert all(u.buffer.untyped_storage().nbytes() == 0 for u in runner.units + [runner.root])
+                assert runner.prefetched >= 2 * (len(runner.units) - 1)  # the next block, both directions
             acc_name = {"bucketed": "ddp", "naive": "ddp"}.get(strategy, strategy)
             if strategy in ("zero1", "zero2"):
                 measured = opt.state_bytes()  # after backward, before the step

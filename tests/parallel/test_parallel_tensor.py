@@ -3,7 +3,6 @@ without sequence parallelism trains like one process; bytes per step match the a
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from parallel_helpers import assert_close_params, batches, ce, make_opt, reference, spawn, tiny_config
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from lmstack.parallel import collectives as C

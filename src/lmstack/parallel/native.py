@@ -74,8 +74,6 @@ def native_parallelize(model: nn.Module, plan, mesh: DeviceMesh):
         runner = DistributedDataParallel(model, process_group=pm.dp_group, bucket_cap_mb=plan.bucket_mb)
         pm.ddp = runner
     elif plan.zero in (1, 2):
-        from lmstack.parallel.ddp import DataParallel
-
         # gradient all-reduce by torch DDP; the optimizer states are sharded by ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
 

@@ -58,7 +58,6 @@ def zero_bubble_schedule(p: int, m: int) -> list[list[tuple[str, int]]]:
     nxt_f = [0] * p
     in_flight = [0] * p
     pending_w: list[list[int]] = [[] for _ in range(p)]
-    b_ready: list[list[int]] = [[] for _ in range(p)]
     orders: list[list[tuple[str, int]]] = [[] for _ in range(p)]
     t = 0
     total = 3 * p * m

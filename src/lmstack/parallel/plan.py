@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist

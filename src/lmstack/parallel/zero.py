@@ -220,10 +220,13 @@ class _Unit:
             self.buffer.untyped_storage().resize_(self.M * self.c * self.buffer.element_size())
         return self.buffer
 
-    def prefetch(self) -> None:
-        """Start the all-gather now (async with torch's collective) so it overlaps compute."""
+    def prefetch(self, ahead: bool = False) -> None:
+        """Start the all-gather now (async with torch's collective) so it overlaps compute;
+        ``ahead``: issued for the next unit while the current one computes."""
         if self.gathered or self._work is not None:
             return
+        if ahead:
+            self.owner.prefetched += 1
         buf = self._alloc()
         src = self.shard.detach().to(self.owner.param_dtype)
         if C._use_ring("auto"):
@@ -297,6 +300,7 @@ class FullyShard(nn.Module):
         if units is None:
             units = list(getattr(model, "blocks", []))
         self._live: dict[int, _Unit] = {}
+        self.prefetched = 0  # all-gathers started one unit ahead (forward and backward)
         seen: set[int] = set()
         self.units: list[_Unit] = []
         unit_modules = list(units)
@@ -333,7 +337,7 @@ class FullyShard(nn.Module):
             u = self.units[i]
             u.gather()
             if self.prefetch_next and i + 1 < len(self.units):
-                self.units[i + 1].prefetch()
+                self.units[i + 1].prefetch(ahead=True)
         return hook
 
     def _make_post(self, i: int):
@@ -356,7 +360,7 @@ class FullyShard(nn.Module):
             if u.owner.prefetch_next and u in self.units:  # backward runs units in reverse
                 i = self.units.index(u)
                 if i > 0:
-                    self.units[i - 1].prefetch()
+                    self.units[i - 1].prefetch(ahead=True)
             return t
         return packed
 
