@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--glob", default="*.py", help="files to take from directories (default *.py)")
     p.add_argument("--corpus-mb", type=float, default=6.0, help="use at most this many MB of text (default 6)")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size V (default 4096)")
-    p.add_argument("--train-seconds", type=float, default=240.0, help="training time budget (default 240 s)")
+    p.add_argument("--train-seconds", type=float, default=300.0, help="training time budget (default 300 s)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt for SmolLM2-135M")
     p.add_argument("--sample-prompt", default="def ", help="prompt for the model trained here")
@@ -216,7 +216,7 @@ def run_demo(args) -> int:
 
     m = trainer.raw_model.eval()
     print(args.sample_prompt, end="", flush=True)
-    stream_generate(m, tok, args.sample_prompt, 120, temperature=0.8, top_k=40, seed=0)
+    stream_generate(m, tok, args.sample_prompt, 100, temperature=0.7, top_k=40, seed=0)
 
     if not args.skip_smollm2:
         _section("7. SmolLM2-135M-Instruct (real pretrained weights, GGUF)")
@@ -242,7 +242,7 @@ def run_demo(args) -> int:
 
     _section("outputs")
     print(f"tokenizer    {tok_path}\ntoken file   {tokens_path}\ncheckpoint   {summary['checkpoint']}\n"
-          f"model        {model_dir}  (lmstack generate --model {model_dir} --tokenizer ... )\n"
+          f"model        {model_dir}  (try: lmstack generate --model {model_dir} --prompt 'def ')\n"
           f"metrics      {summary['metrics']}\nloss curve   {png}")
     print(f"demo finished in {time.perf_counter() - t_demo:.0f} s")
     return 0
