@@ -32,13 +32,14 @@ def build(args):
 
     cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads, d_ff=args.d_ff, max_seq_len=max(args.seq, 128),
-                      tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5)
+                      tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5,
+                      attn_backend="sdpa" if args.attn == "sdpa" else "reference")
     ours = Transformer(cfg, seed=0)
     hf_cfg = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.d_model, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, intermediate_size=args.d_ff,
         max_position_embeddings=max(args.seq, 128), rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=True, attn_implementation="sdpa")
+        tie_word_embeddings=True, attn_implementation=args.attn)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_cfg)
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
@@ -69,6 +70,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--precision", choices=["bf16", "fp32", "both"], default="both")
+    ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
+                    help="attention for both: sdpa = F.scaled_dot_product_attention; eager = explicit softmax(QKᵀ)V "
+                         "(lmstack attn_backend='reference', HF attn_implementation='eager')")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
@@ -99,7 +103,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, {args.clock} clock; measured matmul peak "
           + ", ".join(f"{p} {peak[p] / 1e9:.0f} GFLOP/s" for p in precisions))
     print(f"model: V={cfg.vocab_size} D={cfg.d_model} L={cfg.n_layers} N={cfg.n_heads} K={cfg.n_kv_heads} "
-          f"F={cfg.d_ff}, {ours.num_params():,} params; batch B={B} S={S} ({B * S} tokens/step); "
+          f"F={cfg.d_ff}, {ours.num_params():,} params, {args.attn} attention; batch B={B} S={S} ({B * S} tokens/step); "
           f"{flops / 1e9:.1f} GFLOP/step")
 
     for prec in precisions:

@@ -96,6 +96,14 @@ def unigram_baseline(train: np.ndarray, val: np.ndarray, vocab_size: int) -> flo
 
 
 class Trainer:
+    """One training run: ``Trainer(TrainConfig(...)).fit()``.
+
+    ``train_step()`` = ``grad_accum`` × (``next_batch`` -> ``forward_loss`` -> backward) then
+    ``optimizer_step()`` (clip, lr(t), AdamW); ``evaluate()``; ``save_checkpoint()`` / ``resume()``;
+    ``export()`` (an lmstack model directory); ``plot()`` (loss-curve PNG). Each piece is a method
+    so a subclass or a distributed wrapper can replace one without copying the loop.
+    """
+
     def __init__(self, config: TrainConfig, parallelize: Callable[["Trainer", torch.nn.Module], torch.nn.Module]
                  | None = None, progress: bool = True, peak_flops: float | None = None):
         from lmstack.model.transformer import Transformer
