@@ -199,7 +199,20 @@ def run_demo(args) -> int:
     baseline = trainer.unigram_baseline()
     print(f"{trainer.raw_model.num_params():,} parameters; {len(trainer.train_tokens):,} training / "
           f"{len(trainer.val_tokens):,} validation tokens; unigram baseline {baseline:.3f} nats/token")
-    summary = trainer.fit()
+    t_train = time.perf_counter()
+    replan_at = min(20, max_steps // 4)
+
+    def replan(tr, _metrics) -> None:
+        # The calibration steps ran before training settled (and other jobs come and go): after
+        # a few real steps, re-size the run so that it ends at the time budget. The cosine schedule
+        # is still near its top here, so moving its end is smooth.
+        if tr.step == replan_at:
+            per_step = (time.perf_counter() - t_train) / tr.step
+            new_total = max(tr.step + 10, int(args.train_seconds / per_step))
+            if abs(new_total - tr.config.max_steps) > 0.1 * tr.config.max_steps:
+                tr.set_max_steps(new_total)
+
+    summary = trainer.fit(callback=replan)
     png = trainer.plot(baseline)
     model_dir = trainer.export()
     rows = [r for r in __import__("lmstack.train.plot", fromlist=["read_metrics"]).read_metrics(trainer.metrics_path)

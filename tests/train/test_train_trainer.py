@@ -184,3 +184,20 @@ def test_fp16_uses_a_grad_scaler_and_resumes_it(token_file, tmp_path):
     u = Trainer(tiny_config(token_file, tmp_path / "u", precision="fp16"), progress=False)
     u.resume(path)
     assert u.scaler.get_scale() == t.scaler.get_scale()
+
+
+def test_set_max_steps_from_a_callback_moves_the_end_and_the_schedule(token_file, tmp_path):
+    from lmstack.train import cosine_lr
+
+    t = Trainer(tiny_config(token_file, tmp_path, max_steps=10, warmup_steps=2), progress=False)
+    lrs = {}
+
+    def cb(trainer, m):
+        lrs[trainer.step] = m["lr"]
+        if trainer.step == 2:
+            trainer.set_max_steps(5)
+
+    assert t.fit(callback=cb)["step"] == 5
+    assert lrs[4] == pytest.approx(cosine_lr(3, 1e-2, 1e-3, 2, 5))  # the update of step 4 used lr(t=3)
+    with pytest.raises(ValueError, match="max_steps=3 must be > the current step 5"):
+        t.set_max_steps(3)

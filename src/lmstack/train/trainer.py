@@ -341,13 +341,14 @@ class Trainer:
         from tqdm import tqdm
 
         c = self.config
-        end = c.max_steps if c.stop_after is None else min(c.max_steps, self.step + c.stop_after)
+        stop_at = None if c.stop_after is None else self.step + c.stop_after
+        end = c.max_steps if stop_at is None else min(c.max_steps, stop_at)
         peak = self.peak_flops() if self.progress else None
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             c.save(self.out_dir / "config.json")
-        bar = tqdm(total=c.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not (self.progress and self.is_main))
+        bar = self._bar = tqdm(total=c.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                               disable=not (self.progress and self.is_main))
         t_start = time.perf_counter()
         t_last, tokens_last = t_start, self.tokens_seen
         last: dict[str, float] = {}
@@ -382,6 +383,7 @@ class Trainer:
                 bar.update(1)
                 if callback is not None:
                     callback(self, m)
+                    end = c.max_steps if stop_at is None else min(c.max_steps, stop_at)  # set_max_steps may move it
                 if c.time_limit_s is not None and time.perf_counter() - t_start > c.time_limit_s:
                     if self.is_main:
                         bar.write(f"time limit {c.time_limit_s:.0f}s reached at step {self.step}/{c.max_steps}")
@@ -399,6 +401,20 @@ class Trainer:
                    "metrics": str(self.metrics_path), "seconds": time.perf_counter() - t_start, **ev,
                    "last_train": last}
         return summary
+
+    def set_max_steps(self, max_steps: int) -> None:
+        """Move the end of the run (and of the LR schedule) — e.g. from a callback that measured the
+        step time and wants to finish within a time budget. Steps already taken are unchanged."""
+        if max_steps <= self.step:
+            raise ValueError(f"max_steps={max_steps} must be > the current step {self.step}")
+        self.config.max_steps = max_steps
+        self.schedule.total_steps = max_steps
+        if self.schedule.warmup_steps > max_steps:
+            self.schedule.warmup_steps = max_steps
+        bar = getattr(self, "_bar", None)
+        if bar is not None:
+            bar.total = max_steps
+            bar.refresh()
 
     def plot(self, baseline: float | None = None) -> Path | None:
         if not self.is_main:
