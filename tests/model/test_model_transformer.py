@@ -124,3 +124,9 @@ def test_activation_checkpointing_gives_same_gradients():
         grads.append([p.grad.clone() for p in model.parameters()])
     for g0, g1 in zip(*grads):
         torch.testing.assert_close(g0, g1)
+
+
+def test_position_beyond_rope_tables_is_a_clear_error():
+    model = Transformer(ModelConfig(**{**TINY, "max_seq_len": 16}))
+    with pytest.raises(ValueError, match="position 16 is beyond max_seq_len=16"):
+        model(torch.zeros(1, 17, dtype=torch.long))

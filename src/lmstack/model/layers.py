@@ -117,8 +117,9 @@ class RotaryEmbedding(nn.Module):
     ``layout="half"`` rotates the pairs (i, i + H/2) as HF transformers does:
     x ⊙ cos + [-x_{H/2:}, x_{:H/2}] ⊙ sin.
     Both are the same rotation R_m up to a fixed permutation of the head dimensions.
-    The tables are buffers that are not saved in checkpoints; they are rebuilt on demand,
-    so meta-device construction followed by ``to_empty`` works.
+    The tables are built once per (device, dtype) for all ``max_seq_len`` positions and cached
+    (not saved in checkpoints), so meta-device construction works and the forward needs no
+    host synchronisation (positions are never read back to the CPU on an accelerator).
     """
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0, layout: str = "half"):
@@ -126,27 +127,31 @@ class RotaryEmbedding(nn.Module):
         if layout not in ("half", "interleaved"):
             raise ValueError(f"rope layout={layout!r}; expected 'half' or 'interleaved'")
         self.head_dim, self.max_seq_len, self.theta, self.layout = head_dim, max_seq_len, theta, layout
-        self.register_buffer("cos", torch.empty(0), persistent=False)
-        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self._cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
 
-    def _tables(self, device: torch.device, n: int) -> tuple[Tensor, Tensor]:
-        if self.cos.numel() == 0 or self.cos.device != device or self.cos.shape[0] < n:
-            n = max(n, self.max_seq_len)
-            angles = torch.outer(torch.arange(n, dtype=torch.float64), rope_frequencies(self.head_dim, self.theta))
+    def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos(mθ_i), sin(mθ_i) for m < max_seq_len, laid out for ``layout``: two (S, H) tensors."""
+        key = (torch.device(device), dtype)
+        if key not in self._cache:
+            angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64),
+                                 rope_frequencies(self.head_dim, self.theta))  # (S, H/2), exact in float64
             if self.layout == "interleaved":
                 angles = angles.repeat_interleave(2, dim=-1)  # (S, H): θ0 θ0 θ1 θ1 ...
             else:
                 angles = torch.cat([angles, angles], dim=-1)  # (S, H): θ0 θ1 ... θ0 θ1 ...
-            # float64 tables; each forward casts the rows it needs to its compute dtype
-            self.cos = angles.cos().to(device=device)
-            self.sin = angles.sin().to(device=device)
-        return self.cos, self.sin
+            self._cache[key] = (angles.cos().to(device=device, dtype=dtype),
+                                angles.sin().to(device=device, dtype=dtype))
+        return self._cache[key]
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x: (B, heads, S, H); positions: (B, S) or (S,) integer positions m. Returns R_m x."""
-        cos, sin = self._tables(x.device, int(positions.max()) + 1 if positions.numel() else 1)
+        """x: (B, heads, S, H); positions: (B, S) or (S,) integer positions m < max_seq_len. Returns R_m x."""
+        if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
+            top = int(positions.max())
+            if top >= self.max_seq_len:
+                raise ValueError(f"position {top} is beyond max_seq_len={self.max_seq_len} of the RoPE tables")
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-        cos, sin = cos[positions].to(compute), sin[positions].to(compute)  # (B, S, H) or (S, H)
+        cos, sin = self.tables(x.device, compute)
+        cos, sin = cos[positions], sin[positions]  # (B, S, H) or (S, H)
         if cos.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, H), broadcast over heads
         if self.layout == "interleaved":
