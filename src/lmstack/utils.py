@@ -24,6 +24,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp_path
         with open(tmp_path, "rb") as f:
             os.fsync(f.fileno())
+        # mkstemp makes the file 0600; give it the mode an ordinary new file would get
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_path, 0o666 & ~umask)
         os.replace(tmp_path, path)
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
