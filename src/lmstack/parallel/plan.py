@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 from dataclasses import dataclass, fields
 
@@ -181,15 +182,79 @@ class ParallelModel(nn.Module):
         C.all_reduce(t, self.dp_group, impl="torch")
         return float(t) / self.dp_size
 
-    def build_optimizer(self, optimizer_class: type, **kwargs):
-        """The optimizer over this rank's parameters; ZeRO-1/2 wrap it (states sharded over dp)."""
-        params = [p for p in self.parameters() if p.requires_grad]
+    def build_optimizer(self, optimizer_class: type, params=None, **kwargs):
+        """The optimizer over this rank's parameters; ZeRO-1/2 wrap it (states sharded over dp).
+        ``params``: this rank's parameters or param groups (e.g. weight-decay groups); default all
+        trainable ones."""
+        if params is None:
+            params = [p for p in self.parameters() if p.requires_grad]
         if self.plan.zero in (1, 2):
             from lmstack.parallel.zero import ZeroOptimizer
 
             self.zero_optimizer = ZeroOptimizer(params, optimizer_class, self.dp_group, self.plan.zero, **kwargs)
             return self.zero_optimizer
         return optimizer_class(params, **kwargs)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether a rank holds only part of the parameters or optimizer states (tp, pp, ZeRO)."""
+        return self.mesh.tp > 1 or self.mesh.pp > 1 or self.plan.zero > 0 or self.fsdp is not None
+
+    @torch.no_grad()
+    def grad_norm(self) -> Tensor:
+        """The global L2 norm of the gradient over every shard: squares of tensor-parallel shards
+        summed over tp, of ZeRO shards over dp (replicated gradients are counted once).
+        ZeRO-1/2: the gradients are reduce-scattered onto the shards first."""
+        if self.pipeline is not None or self.cp_model is not None or self.fsdp is not None or self.native is not None:
+            raise NotImplementedError("grad_norm supports DDP, ZeRO-1/2 and TP plans (not pp, cp, zero=3, native)")
+        if self.zero_optimizer is not None:
+            self.zero_optimizer.reduce_gradients()
+            items = self.zero_optimizer.shard_grads()
+        else:
+            seen, items = set(), []
+            for p in self.runner.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    items.append((p, p.grad))
+        tp_ids = _tp_sharded_ids(self.model) if self.tp_model is not None else set()
+        dev = C.comm_device(self.dp_group) if self.zero_optimizer is not None else None
+        sq_tp = sq_rep = 0.0
+        for p, g in items:
+            if g is None:
+                continue
+            v = float(g.detach().float().pow(2).sum())
+            if id(p) in tp_ids:
+                sq_tp += v
+            else:
+                sq_rep += v
+        if self.tp_model is not None:
+            t = torch.tensor([sq_tp], dtype=torch.float64, device=C.comm_device(self.mesh.group("tp")))
+            C.all_reduce(t, self.mesh.group("tp"), impl="torch")
+            sq_tp = float(t[0])
+        total = sq_tp + sq_rep
+        if self.zero_optimizer is not None:
+            t = torch.tensor([total], dtype=torch.float64, device=dev)
+            C.all_reduce(t, self.dp_group, impl="torch")
+            total = float(t[0])
+        return torch.tensor(math.sqrt(total))
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> Tensor:
+        """Scale every gradient (shard) by min(1, max_norm / (‖g‖ + eps)) with ‖g‖ = ``grad_norm()``;
+        returns ‖g‖ before clipping (left alone when it is not finite)."""
+        if not (max_norm > 0):
+            raise ValueError(f"max_norm={max_norm!r} must be > 0")
+        total = self.grad_norm()
+        if not torch.isfinite(total):
+            return total
+        coef = max_norm / (float(total) + eps)
+        if coef < 1.0:
+            items = self.zero_optimizer.shard_grads() if self.zero_optimizer is not None else \
+                [(p, p.grad) for p in {id(q): q for q in self.runner.parameters()}.values()]
+            for _, g in items:
+                if g is not None:
+                    g.mul_(coef)
+        return total
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """Unsharded parameters under the single-process names (pipeline: this stage's only)."""
@@ -211,6 +276,19 @@ class ParallelModel(nn.Module):
             mine = {id(p) for p in self.pipeline.stage.parameters()}
             return {_clean(n): p.detach() for n, p in self.model.named_parameters() if id(p) in mine}
         return {_clean(n): p.detach() for n, p in self.model.named_parameters()}
+
+
+def _tp_sharded_ids(model: nn.Module) -> set[int]:
+    """ids of the parameters split across the tp ranks (the rest are replicated)."""
+    from lmstack.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    out = set()
+    for mod in model.modules():
+        if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
+            out.update(id(p) for p in (getattr(mod, "weight", None), getattr(mod, "bias", None)) if p is not None)
+        elif isinstance(mod, RowParallelLinear):
+            out.add(id(mod.weight))
+    return out
 
 
 def _clean(name: str) -> str:
@@ -308,20 +386,26 @@ def parallelize(model: nn.Module, plan=None, mesh: DeviceMesh | None = None) -> 
 
 def get_parallelize(spec):
     """The trainer seam (``lmstack.train.Trainer.parallelize``): ``get_parallelize(config.parallel)``
-    returns ``fn(trainer, model) -> model``. The trainer runs a plain forward/backward loop on a
-    per-rank batch and checkpoints ``raw_model``, so it can take data parallelism as is
-    (``ddp``, ``ddp_naive``, ``{"dp": N}``). Plans that shard the batch across model-parallel
-    ranks, the optimizer or the parameters (tp, pp, cp, zero) raise a clear error until the
-    trainer exposes those hooks (docs/parallel.md lists them)."""
+    returns ``fn(trainer, model) -> model``. It initialises torch.distributed, applies the plan and
+    sets ``trainer.parallel_model`` to the ``ParallelModel``; the trainer then seeds its sampler by
+    the dp rank, builds its optimizer with ``pm.build_optimizer`` (ZeRO-1/2), clips with
+    ``pm.clip_grad_norm_`` and checkpoints ``pm.full_state_dict()``. Supported through the trainer:
+    DDP, ZeRO-1/2 and tensor (+ sequence) parallelism and their compositions; pp, cp, zero=3 and the
+    native backend raise (use ``parallelize`` in your own loop for those)."""
     plan = ParallelPlan.parse(spec)
-    if plan.tp > 1 or plan.pp > 1 or plan.cp > 1 or plan.zero != 0 or plan.backend != "lmstack":
-        raise ValueError(f"parallel plan {spec!r} needs trainer hooks (batch layout per model-parallel rank, "
-                         "sharded optimizer/checkpoints) that lmstack.train does not have yet; use "
-                         "lmstack.parallel.parallelize in your own loop, or parallel=ddp with the trainer")
+    unsupported = [f"{k}={getattr(plan, k)}" for k, bad in (("pp", plan.pp > 1), ("cp", plan.cp > 1),
+                                                            ("zero", plan.zero == 3),
+                                                            ("backend", plan.backend != "lmstack")) if bad]
+    if unsupported:
+        raise ValueError(f"parallel plan {spec!r}: {', '.join(unsupported)} is not wired into lmstack.train yet "
+                         "(it supports dp, zero=1/2, tp, sequence_parallel); use lmstack.parallel.parallelize "
+                         "in your own loop for pipeline, context, ZeRO-3 or native plans")
 
     def apply(trainer, model: nn.Module) -> nn.Module:
         init_distributed()
         pm = parallelize(model, plan)
+        if trainer is not None:
+            trainer.parallel_model = pm
         return pm.runner
 
     return apply

@@ -81,6 +81,7 @@ class ZeroOptimizer:
         self.inner = optimizer_class(inner_groups, **defaults)
         self._hooks = []
         self.require_sync = True
+        self._reduced = False
         if stage == 2:
             self._hooks = [p.register_post_accumulate_grad_hook(self._reduce_scatter_now) for p in self.params]
 
@@ -112,7 +113,12 @@ class ZeroOptimizer:
             self._reduce_scatter_grad(p)
 
     @torch.no_grad()
-    def step(self, closure=None) -> None:
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter the local gradients onto the shards (averaged over the group) now, so
+        the shard gradients can be inspected or clipped before ``step``; ``step`` does it itself
+        otherwise. Idempotent until the next ``step``/``zero_grad``."""
+        if self._reduced:
+            return
         if self.stage == 1:
             for p in self.params:
                 if p.grad is None:
@@ -124,6 +130,16 @@ class ZeroOptimizer:
                     self._reduce_scatter_grad(p)
                 elif self._shard[id(p)].grad is None:
                     self._shard[id(p)].grad = torch.zeros_like(self._shard[id(p)])
+        self._reduced = True
+
+    def shard_grads(self) -> list[tuple[nn.Parameter, Tensor | None]]:
+        """(parameter, its shard's gradient) for every parameter, after ``reduce_gradients``."""
+        return [(p, self._shard[id(p)].grad) for p in self.params]
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        self.reduce_gradients()
+        self._reduced = False
         self.inner.step()
         for p in self.params:
             shard = self._shard[id(p)]
@@ -131,14 +147,16 @@ class ZeroOptimizer:
             p.data.view(-1).copy_(full[:p.numel()])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._reduced = False
         for p in self.params:
             p.grad = None
             self._shard[id(p)].grad = None
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clip by the global L2 norm of the gradient (the shards' squares summed over ranks).
-        ZeRO-2: call after backward, before ``step``; ZeRO-1 reduces the gradients inside ``step``,
-        so clip the full ``p.grad`` there (they are replicated) with the usual torch utility."""
+        Call after backward, before ``step``: the gradients are reduce-scattered onto the shards
+        first (``reduce_gradients``), for ZeRO-1 and ZeRO-2 alike."""
+        self.reduce_gradients()
         sq = sum(float(s.grad.float().pow(2).sum()) for s in self._shard.values() if s.grad is not None)
         t = torch.tensor([sq], dtype=torch.float64, device=C.comm_device(self.group))
         C.all_reduce(t, self.group)

@@ -84,8 +84,9 @@ class TrainConfig:
     seed: int = 0
     stop_after: int | None = None  # stop (and checkpoint) after this many steps without changing the schedule
     time_limit_s: float | None = None  # stop (and checkpoint) once training has run this long (wall clock)
-    # ---- distributed seam: a name understood by lmstack.parallel (e.g. "ddp"); None = one process
-    parallel: str | None = None
+    # ---- distributed: a lmstack.parallel plan, as a table ({dp = 2, tp = 2, zero = 1}) or a string
+    # ("ddp", "zero1", "dp=2,tp=2,zero=1"); None = one process. Launch with torchrun (docs/parallel.md).
+    parallel: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_zero: bool = False) -> None:
@@ -135,6 +136,19 @@ class TrainConfig:
             pos_int("stop_after")
         if self.time_limit_s is not None:
             num("time_limit_s", 0.0, lo_open=True)
+        if self.parallel is not None:
+            if not isinstance(self.parallel, (str, dict)):
+                raise TrainConfigError(f"parallel={self.parallel!r} must be a table (e.g. {{dp = 2, zero = 1}}) "
+                                       "or a string (e.g. 'ddp' or 'dp=2,tp=2')")
+            try:
+                from lmstack.parallel.plan import ParallelPlan
+            except ImportError:
+                pass
+            else:
+                try:
+                    ParallelPlan.parse(self.parallel)
+                except (ValueError, TypeError) as e:
+                    raise TrainConfigError(f"parallel={self.parallel!r}: {e}") from None
         if not self.train_data:
             raise TrainConfigError("train_data is required: a token file from `lmstack tokenizer encode`")
 

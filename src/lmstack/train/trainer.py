@@ -10,13 +10,18 @@ QK-norm, weight decay), "工程细节/基准测试" (timing with a monotonic clo
 The step is factored so a distributed wrapper can plug in without touching this file:
 
 - ``parallelize(model) -> model`` runs once after the model is built (identity here; a DDP/FSDP
-  wrapper returns the wrapped model). Pass ``parallelize=`` or set ``config.parallel`` to a name
-  ``lmstack.parallel.get_parallelize(name)`` knows. ``self.raw_model`` stays the unwrapped model
-  (checkpoints, export); ``self.model`` is what the forward calls.
+  wrapper returns the wrapped model). Pass ``parallelize=`` or set ``config.parallel`` to a plan
+  ``lmstack.parallel`` knows (a table ``{dp = 2, tp = 2, zero = 1}`` or a string ``"ddp"``,
+  ``"dp=2,zero=1"``); the plan's ``ParallelModel`` is kept as ``self.parallel_model``.
+  ``self.raw_model`` stays the unwrapped model (export); ``self.model`` is what the forward calls.
 - ``rank``/``world_size`` come from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); the
-  sampler is seeded per rank; only rank 0 writes files.
-- ``micro_step_context(i, n)`` wraps each micro-batch's forward+backward (DDP's ``no_sync`` for
-  all but the last); ``reduce_metric(x)`` averages a scalar over ranks (identity here).
+  sampler is seeded by the data-parallel rank (tp ranks of one replica read the same rows); only
+  rank 0 writes files.
+- ``build_optimizer()`` keeps the weight-decay groups and goes through the plan (ZeRO-1/2 shard
+  the states); ``optimizer_step`` clips by the norm over every shard (``pm.clip_grad_norm_``);
+  ``save_checkpoint`` gathers the full parameters when they are sharded (tp, ZeRO).
+- ``micro_step_context(i, n)`` wraps each micro-batch's forward+backward (the model's ``no_sync``
+  for all but the last); ``reduce_metric(x)`` averages a scalar over ranks.
 """
 
 from __future__ import annotations
@@ -48,15 +53,25 @@ class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm became NaN/inf; the last good state was saved first."""
 
 
-def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW/SGD with two groups: matrices decay, 1-D tensors (norm gains, biases) do not."""
+def optimizer_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict[str, Any]]:
+    """Two parameter groups: matrices decay, 1-D tensors (norm gains, biases) do not."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def optimizer_class(config: TrainConfig) -> tuple[type, dict[str, Any]]:
+    """The optimizer class and its keyword arguments (lr, betas/momentum, eps)."""
     if config.optimizer == "adamw":
-        return AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
-    return SGD(groups, lr=config.lr, momentum=config.momentum)
+        return AdamW, {"lr": config.lr, "betas": (config.beta1, config.beta2), "eps": config.eps}
+    return SGD, {"lr": config.lr, "momentum": config.momentum}
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW/SGD with two groups: matrices decay, 1-D tensors (norm gains, biases) do not."""
+    cls, kw = optimizer_class(config)
+    return cls(optimizer_groups(model, config), **kw)
 
 
 def build_schedule(config: TrainConfig) -> LRSchedule:
@@ -93,6 +108,16 @@ def unigram_baseline(train: np.ndarray, val: np.ndarray, vocab_size: int) -> flo
     counts = np.bincount(np.asarray(train), minlength=vocab_size).astype(np.float64) + 1.0
     logp = np.log(counts / counts.sum())
     return float(-logp[np.asarray(val)].mean())
+
+
+class _StateDictOnly:
+    """What ``checkpoint.save_checkpoint`` needs of a model: its ``state_dict()``."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self._state = state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().contiguous() for k, v in self._state.items()}
 
 
 class Trainer:
@@ -145,21 +170,30 @@ class Trainer:
         self.raw_model.activation_checkpointing = c.activation_checkpointing
         self.raw_model.train()
         self._parallelize_fn = parallelize
+        self.parallel_model = None  # a lmstack.parallel.ParallelModel when config.parallel is set
+        self._full_state: dict[str, torch.Tensor] | None = None  # last gathered full parameters (rank 0)
         self.model = self.parallelize(self.raw_model)
+        pm = self.parallel_model
+        # data-parallel coordinates: the tp/pp/cp ranks of one replica read the same rows
+        self.dp_rank = pm.mesh.rank("dp") if pm is not None else self.rank
+        self.dp_size = pm.mesh.dp if pm is not None else self.world_size
         if c.compile:
             self.model = torch.compile(self.model)
-        self.optimizer = build_optimizer(self.model, c)
+        self.optimizer = self.build_optimizer()
         self.schedule = build_schedule(c)
         # fp16 has a narrow exponent range: scale the loss so small gradients do not underflow
         self.scaler = torch.amp.GradScaler(self.device.type) if c.precision == "fp16" else None
-        self.data_generator = torch.Generator().manual_seed(c.seed * 1_000_003 + self.rank)
+        if self.scaler is not None and pm is not None and pm.zero_optimizer is not None:
+            raise TrainConfigError(f"precision='fp16' with parallel={c.parallel!r}: the fp16 loss scaler does not "
+                                   "work with ZeRO's sharded optimizer; use precision='bf16' or 'fp32'")
+        self.data_generator = torch.Generator().manual_seed(c.seed * 1_000_003 + self.dp_rank)
         self.step = 0  # optimizer steps done
         self.tokens_seen = 0
         self.last_eval: dict[str, float] = {}
-        self.tokens_per_step = c.batch_size * c.grad_accum * c.seq_len * self.world_size
+        self.tokens_per_step = c.batch_size * c.grad_accum * c.seq_len * self.dp_size
         from lmstack.accounting import training_step_flops
 
-        self.flops_per_step = training_step_flops(self.model_config, c.batch_size * c.grad_accum * self.world_size,
+        self.flops_per_step = training_step_flops(self.model_config, c.batch_size * c.grad_accum * self.dp_size,
                                                   c.seq_len, recompute=c.activation_checkpointing)
         self._peak_flops = peak_flops
 
@@ -173,19 +207,43 @@ class Trainer:
                 from lmstack.parallel import get_parallelize  # lazily: single-process runs never import it
             except ImportError as e:
                 raise TrainConfigError(f"parallel={self.config.parallel!r} needs lmstack.parallel ({e})") from None
-            return get_parallelize(self.config.parallel)(self, model)
+            try:
+                fn = get_parallelize(self.config.parallel)
+            except ValueError as e:
+                raise TrainConfigError(str(e)) from None
+            return fn(self, model)
         if self.world_size > 1:
             raise TrainConfigError(f"WORLD_SIZE={self.world_size} but no parallel strategy is set; "
                                    "pass parallel=ddp (or another lmstack.parallel strategy)")
         return model
 
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW/SGD with weight-decay groups; under a parallel plan through
+        ``ParallelModel.build_optimizer`` (ZeRO-1/2 shard the states, keeping the groups)."""
+        cls, kw = optimizer_class(self.config)
+        groups = optimizer_groups(self.model, self.config)
+        if self.parallel_model is not None:
+            return self.parallel_model.build_optimizer(cls, groups, **kw)
+        return cls(groups, **kw)
+
     def micro_step_context(self, index: int, count: int):
-        """Context for micro-batch ``index`` of ``count`` (DDP: no_sync except the last)."""
+        """Context for micro-batch ``index`` of ``count``: the wrapped model's ``no_sync()`` (DDP)
+        for every micro-batch but the last, so gradients are communicated once per step."""
+        no_sync = getattr(self.model, "no_sync", None)
+        if callable(no_sync) and index < count - 1:
+            return no_sync()
         return contextlib.nullcontext()
 
     def reduce_metric(self, value: float) -> float:
-        """Average a scalar over ranks (identity for one process)."""
-        return value
+        """Average a scalar over all ranks (identity for one process)."""
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return value
+        dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        t = torch.tensor([value], dtype=torch.float64, device=dev)
+        dist.all_reduce(t)
+        return float(t[0]) / dist.get_world_size()
 
     @property
     def is_main(self) -> bool:
@@ -217,9 +275,12 @@ class Trainer:
         (the scaler lowers its factor) instead of stopping the run.
         """
         params = [p for p in self.model.parameters() if p.requires_grad]
+        pm = self.parallel_model
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        if self.config.grad_clip > 0:
+        if pm is not None:  # the norm over every shard (tp, ZeRO), squares summed across ranks
+            norm = pm.clip_grad_norm_(self.config.grad_clip) if self.config.grad_clip > 0 else pm.grad_norm()
+        elif self.config.grad_clip > 0:
             norm = clip_grad_norm(params, self.config.grad_clip)
         else:
             norm = global_grad_norm(params)
@@ -287,6 +348,16 @@ class Trainer:
                 "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def save_checkpoint(self) -> Path | None:
+        """Rank 0 writes. Sharded plans (tp, ZeRO): every rank joins in gathering the full
+        parameters (single-process names), rank 0 saves them without the sharded optimizer states."""
+        pm = self.parallel_model
+        if pm is not None and pm.sharded:
+            full = pm.full_state_dict()  # a collective: all ranks
+            if not self.is_main:
+                return None
+            self._full_state = full  # export() writes these, not raw_model's shards
+            return ckpt.save_checkpoint(self.ckpt_dir, self.step, _StateDictOnly(full), None, self.state(),
+                                        self.data_generator, keep_last=self.config.keep_last)
         if not self.is_main:
             return None
         return ckpt.save_checkpoint(self.ckpt_dir, self.step, self.raw_model, self.optimizer, self.state(),
@@ -310,12 +381,32 @@ class Trainer:
         from lmstack.model.io import save_pretrained
 
         d = Path(directory) if directory is not None else self.out_dir / "model"
-        save_pretrained(self.raw_model, d)
+        save_pretrained(self._unsharded_model(), d)
         if self.config.tokenizer and Path(self.config.tokenizer).exists():
             from lmstack.tokenizer import load_tokenizer, save_hf
 
             save_hf(load_tokenizer(self.config.tokenizer), d / "tokenizer.json")  # HF format, beside the weights
         return d
+
+    def _unsharded_model(self) -> torch.nn.Module:
+        """``raw_model``, or for sharded plans a single-process model holding the full parameters
+        gathered by the last ``save_checkpoint`` (every rank takes part in that gather)."""
+        pm = self.parallel_model
+        if pm is None or not pm.sharded:
+            return self.raw_model
+        if self._full_state is None:
+            raise RuntimeError("export() of a sharded run needs the full parameters: call save_checkpoint() on "
+                               "every rank first (fit() does at the end)")
+        from lmstack.model.transformer import Transformer
+
+        model = Transformer(self.model_config, device="cpu", seed=self.config.seed)
+        missing, unexpected = model.load_state_dict(self._full_state, strict=False)
+        loaded = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in self._full_state}
+        params = dict(model.named_parameters(remove_duplicate=False))
+        bad = [k for k in missing if k not in params or id(params[k]) not in loaded]
+        if unexpected or bad:
+            raise RuntimeError(f"gathered state dict does not fit the model: missing {bad}, unexpected {unexpected}")
+        return model
 
     # ---- the loop -------------------------------------------------------------------------
     def log(self, row: dict[str, Any]) -> None:

@@ -1,0 +1,136 @@
+"""The launch item end to end: ``torchrun --nproc_per_node=2 -m lmstack train --config run.toml``
+with the plan as a TOML table (``parallel = {dp = 2, zero = 1}``, ``parallel = {tp = 2}``) trains
+through the trainer and matches the single-process trainer on the same global batch.
+
+The reference is the plain single-process ``Trainer`` (no lmstack.parallel involved): for dp = 2
+its micro-batch is the two ranks' micro-batches concatenated (each rank's sampler is seeded by its
+dp rank), for tp = 2 both ranks read the same rows (dp rank 0), so the reference reads them too.
+Clipping is active (grad_clip below the norm) and weight decay is on, so the sharded gradient
+norm and the optimizer's decay groups are checked too; the final checkpoint (full parameters
+gathered from the shards, written by rank 0) must equal the reference's weights."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from parallel_helpers import free_port
+
+MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "vocab_size": 64,
+         "max_seq_len": 64, "attn_backend": "sdpa", "norm_backend": "torch", "tie_embeddings": True}
+
+
+def _toml_value(v):
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    return repr(v)
+
+
+def _write_toml(path: Path, cfg: dict) -> None:
+    lines = [f"{k} = {_toml_value(v)}" for k, v in cfg.items() if k != "model"]
+    lines.append("[model]")
+    lines += [f"{k} = {_toml_value(v)}" for k, v in cfg["model"].items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _data(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    ids = np.tile(np.arange(1, 33), 200)[:6000]
+    ids = np.where(rng.random(ids.shape) < 0.1, rng.integers(1, 64, size=ids.shape), ids).astype(np.uint16)
+    data = tmp_path / "tokens.bin"
+    ids.tofile(data)
+    (tmp_path / "tokens.bin.json").write_text(json.dumps({"n_tokens": len(ids), "dtype": "uint16",
+                                                          "vocab_size": 64}))
+    return data
+
+
+def _reference(cfg: dict, dp: int):
+    """Single-process trainer; its micro-batch = the dp ranks' micro-batches concatenated."""
+    from lmstack.train.config import TrainConfig
+    from lmstack.train.data import Batch, get_batch
+    from lmstack.train.trainer import Trainer
+
+    class Concat(Trainer):
+        def __init__(self, c):
+            super().__init__(c, progress=False)
+            self.gens = [torch.Generator().manual_seed(c.seed * 1_000_003 + r) for r in range(dp)]
+
+        def next_batch(self):
+            c = self.config
+            parts = [get_batch(self.train_tokens, c.batch_size, c.seq_len, self.device, g) for g in self.gens]
+            return Batch(torch.cat([b.x for b in parts]), torch.cat([b.y for b in parts]))
+
+    c = TrainConfig.from_dict({**cfg, "parallel": None, "out_dir": cfg["out_dir"] + "_ref"})
+    t = Concat(c)
+    t.fit()
+    rows = [json.loads(x) for x in Path(c.out_dir, "metrics.jsonl").read_text().splitlines()]
+    sd = {k: v.detach().clone() for k, v in t.raw_model.state_dict().items()}
+    return [r for r in rows if r["kind"] == "train"], sd
+
+
+def _launch(tmp_path: Path, cfg: dict) -> subprocess.CompletedProcess:
+    _write_toml(tmp_path / "run.toml", cfg)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nnodes=1", "--node_rank=0", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "lmstack", "train", "--config", str(tmp_path / "run.toml"),
+           "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan,dp,accum", [({"dp": 2, "zero": 1}, 2, 2), ({"dp": 2}, 2, 2), ({"tp": 2}, 1, 1)],
+                         ids=["dp2_zero1_accum2", "ddp2_no_sync_accum2", "tp2"])
+def test_torchrun_plan_table_matches_single_process_trainer(tmp_path, plan, dp, accum):
+    data = _data(tmp_path)
+    cfg = {"train_data": str(data), "batch_size": 2, "seq_len": 16, "grad_accum": accum, "max_steps": 4,
+           "warmup_steps": 0, "lr": 1e-2, "min_lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1, "grad_clip": 0.5,
+           "eval_interval": 0, "eval_batches": 1, "log_interval": 1, "out_dir": str(tmp_path / "run"),
+           "device": "cpu", "precision": "fp32", "parallel": plan, "model": MODEL}
+    r = _launch(tmp_path, cfg)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in rows if x["kind"] == "train"]
+    ref_rows, ref_sd = _reference(cfg, dp)
+    assert [x["step"] for x in train] == [x["step"] for x in ref_rows] == [1, 2, 3, 4]
+    losses, ref_losses = [x["loss"] for x in train], [x["loss"] for x in ref_rows]
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    np.testing.assert_allclose([x["grad_norm"] for x in train], [x["grad_norm"] for x in ref_rows], rtol=1e-4)
+    assert all(x["grad_norm"] > cfg["grad_clip"] for x in ref_rows[:2])  # clipping was active
+    assert train[0]["tokens"] == 2 * accum * 16 * dp  # tokens per step count replicas, not tp ranks
+    # the checkpoint holds the full (gathered) parameters under single-process names
+    ckpt = tmp_path / "run" / "checkpoints" / (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    sd = load_file(str(ckpt / "model.safetensors"))
+    assert set(sd) <= set(ref_sd) and set(ref_sd) - set(sd) <= {"lm_head.weight", "unembed.weight"}
+    for k, v in sd.items():
+        torch.testing.assert_close(v, ref_sd[k], rtol=0, atol=1e-4, msg=k)
+    exported = load_file(str(tmp_path / "run" / "model" / "model.safetensors"))  # rank 0's export: full weights
+    for k, v in exported.items():
+        torch.testing.assert_close(v, ref_sd[k], rtol=0, atol=1e-4, msg=k)
+    print(f"{plan}: losses {losses} vs single-process {ref_losses}")
+
+
+def test_config_parallel_accepts_a_table_or_string_and_names_bad_values(tmp_path):
+    from lmstack.train.config import TrainConfig, TrainConfigError
+
+    data = _data(tmp_path)
+    cfg = {"train_data": str(data), "parallel": {"dp": 2, "tp": 2, "zero": 1}, "model": MODEL}
+    _write_toml(tmp_path / "run.toml", cfg)
+    assert TrainConfig.load(tmp_path / "run.toml").parallel == {"dp": 2, "tp": 2, "zero": 1}
+    assert TrainConfig.load(tmp_path / "run.toml", ["parallel=dp=2,zero=2"]).parallel == "dp=2,zero=2"
+    with pytest.raises(TrainConfigError, match="unknown key 'dq'"):
+        TrainConfig(train_data=str(data), parallel={"dq": 2})
+    with pytest.raises(TrainConfigError, match="parallel=3 must be a table"):
+        TrainConfig(train_data=str(data), parallel=3)
+    with pytest.raises(TrainConfigError, match="zero=7"):
+        TrainConfig(train_data=str(data), parallel="zero=7")
