@@ -1,5 +1,6 @@
 """The launch item end to end: ``torchrun --nproc_per_node=2 -m lmstack train --config run.toml``
-with the plan as a TOML table (``parallel = {dp = 2, zero = 1}``, ``parallel = {tp = 2}``) trains
+with the plan as a TOML table (``parallel = {dp = 2, zero = 1}``, ``{dp = 2}``, ``{tp = 2}``, and
+``{dp = 2, tp = 2, zero = 1}`` on 4 ranks) trains
 through the trainer and matches the single-process trainer on the same global batch.
 
 The reference is the plain single-process ``Trainer`` (no lmstack.parallel involved): for dp = 2
@@ -78,10 +79,10 @@ def _reference(cfg: dict, dp: int):
     return [r for r in rows if r["kind"] == "train"], sd
 
 
-def _launch(tmp_path: Path, cfg: dict) -> subprocess.CompletedProcess:
+def _launch(tmp_path: Path, cfg: dict, nproc: int = 2) -> subprocess.CompletedProcess:
     _write_toml(tmp_path / "run.toml", cfg)
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nnodes=1", "--node_rank=0", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+    cmd = [str(torchrun), "--nnodes=1", "--node_rank=0", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", "lmstack", "train", "--config", str(tmp_path / "run.toml"),
            "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -89,15 +90,16 @@ def _launch(tmp_path: Path, cfg: dict) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan,dp,accum", [({"dp": 2, "zero": 1}, 2, 2), ({"dp": 2}, 2, 2), ({"tp": 2}, 1, 1)],
-                         ids=["dp2_zero1_accum2", "ddp2_no_sync_accum2", "tp2"])
-def test_torchrun_plan_table_matches_single_process_trainer(tmp_path, plan, dp, accum):
+@pytest.mark.parametrize("plan,dp,accum,nproc", [({"dp": 2, "zero": 1}, 2, 2, 2), ({"dp": 2}, 2, 2, 2),
+                                                ({"tp": 2}, 1, 1, 2), ({"dp": 2, "tp": 2, "zero": 1}, 2, 1, 4)],
+                         ids=["dp2_zero1_accum2", "ddp2_no_sync_accum2", "tp2", "dp2_tp2_zero1_4ranks"])
+def test_torchrun_plan_table_matches_single_process_trainer(tmp_path, plan, dp, accum, nproc):
     data = _data(tmp_path)
     cfg = {"train_data": str(data), "batch_size": 2, "seq_len": 16, "grad_accum": accum, "max_steps": 4,
            "warmup_steps": 0, "lr": 1e-2, "min_lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1, "grad_clip": 0.5,
            "eval_interval": 0, "eval_batches": 1, "log_interval": 1, "out_dir": str(tmp_path / "run"),
            "device": "cpu", "precision": "fp32", "parallel": plan, "model": MODEL}
-    r = _launch(tmp_path, cfg)
+    r = _launch(tmp_path, cfg, nproc)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [x for x in rows if x["kind"] == "train"]
