@@ -94,6 +94,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> Te
         from lmstack.kernels.triton_rmsnorm import rmsnorm_triton
 
         return rmsnorm_triton(x, weight, eps)
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    from lmstack.model.layers import rms_norm as rms_norm_eager
+
+    return rms_norm_eager(x, weight, eps)

@@ -59,6 +59,13 @@ class Embedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """y = x / sqrt(mean(x²) + eps) ⊙ γ over the last dim, in fp32, cast back to x's dtype (seed 000 §1.10)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x²) + eps) ⊙ γ, computed in fp32 and cast back (seed 000 §1.10).
 
@@ -78,13 +85,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # (..., D) -> (..., D)
         if self.backend != "torch":
-            from lmstack.kernels.backends import rms_norm
+            from lmstack.kernels.backends import rms_norm as rms_norm_backend
 
-            return rms_norm(x, self.weight, self.eps, self.backend)
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+            return rms_norm_backend(x, self.weight, self.eps, self.backend)
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
