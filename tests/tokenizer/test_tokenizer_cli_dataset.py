@@ -10,7 +10,7 @@ from tok_helpers import stdlib_text
 
 from lmstack.cli import main
 from lmstack.tokenizer import Tokenizer, load_tokenizer
-from lmstack.tokenizer import dataset as dataset_mod
+from lmstack.tokenizer import train as train_mod
 from lmstack.tokenizer.dataset import encode_files, open_tokens, token_dtype
 
 
@@ -24,7 +24,7 @@ def test_encode_files_parallel_equals_encode(trained, tmp_path, monkeypatch):
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text(stdlib_text(120_000), encoding="utf-8")
     b.write_text("第二个文件 second file <|endoftext|> end\n" * 500, encoding="utf-8")
-    monkeypatch.setattr(dataset_mod, "_SERIAL_BYTES", 0)
+    monkeypatch.setattr(train_mod, "_SERIAL_BYTES", 0)  # the threshold lives in plan_chunks
     stats = encode_files(trained, [a, b], tmp_path / "out.bin", num_workers=2, chunk_bytes=16_384)
     expected = trained.encode(a.read_text(encoding="utf-8")) + trained.encode(b.read_text(encoding="utf-8"))
     tokens = np.memmap(tmp_path / "out.bin", dtype=np.uint16, mode="r")

@@ -25,10 +25,9 @@ from lmstack.utils import atomic_path, atomic_write_text
 from . import tokenizer as _tokmod
 from .tokenizer import Tokenizer
 from .pretokenize import PATTERNS
-from .train import find_chunk_boundaries
+from .train import plan_chunks
 
 _CHUNK_BYTES = 4 << 20
-_SERIAL_BYTES = 2 << 20
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -79,17 +78,9 @@ def encode_files(
             raise FileNotFoundError(f"input {str(p)!r} does not exist or is not a file")
     dtype = token_dtype(tok.vocab_size)
     split = [s.encode("utf-8") for s in tok.special_tokens]
-    total = sum(p.stat().st_size for p in paths)
-    workers = num_workers if num_workers is not None else (os.cpu_count() or 1)
-    if workers < 1:
-        raise ValueError(f"num_workers={workers} must be >= 1")
-    if total < _SERIAL_BYTES:
-        workers = 1
-    tasks = []
-    for p in paths:
-        n = max(1, -(-p.stat().st_size // chunk_bytes))
-        b = find_chunk_boundaries(p, n, split, safe_cuts=tok.pattern in PATTERNS.values())
-        tasks += [(str(p), s, e, dtype.str) for s, e in zip(b, b[1:])]
+    workers, total, ranges = plan_chunks(paths, split, num_workers, chunk_bytes,
+                                         safe_cuts=tok.pattern in PATTERNS.values())
+    tasks = [(p, s, e, dtype.str) for p, s, e in ranges]
 
     t0 = time.perf_counter()
     n_tokens = 0

@@ -119,6 +119,35 @@ def _count_chunk(task: tuple[str, int, int, str, tuple[str, ...]]) -> Counter:
     return _count_text(text, pattern, special_splitter(specials))
 
 
+def plan_chunks(
+    paths: Sequence[Path],
+    split_bytes: Sequence[bytes],
+    num_workers: int | None,
+    chunk_bytes: int,
+    safe_cuts: bool,
+    min_chunks_per_worker: bool = False,
+) -> tuple[int, int, list[tuple[str, int, int]]]:
+    """Split the input files into byte ranges for worker processes (seed 001 "细节问答": bounded memory).
+
+    Returns (workers, total bytes, [(path, start, end)]). Each file is cut into pieces of at most
+    ``chunk_bytes`` (and, with ``min_chunks_per_worker``, at least one piece per worker) at
+    special-token boundaries; inputs under ``_SERIAL_BYTES`` are processed in-process (workers = 1).
+    """
+    total = sum(p.stat().st_size for p in paths)
+    workers = num_workers if num_workers is not None else (os.cpu_count() or 1)
+    if workers < 1:
+        raise ValueError(f"num_workers={workers} must be >= 1")
+    if total < _SERIAL_BYTES:
+        workers = 1
+    ranges = []
+    for p in paths:
+        n = -(-p.stat().st_size // chunk_bytes)
+        n = max(workers if min_chunks_per_worker else 1, n)
+        b = find_chunk_boundaries(p, n, split_bytes, safe_cuts=safe_cuts)
+        ranges += [(str(p), s, e) for s, e in zip(b, b[1:])]
+    return workers, total, ranges
+
+
 def count_pretokens(
     input_path: str | os.PathLike | Sequence[str | os.PathLike],
     special_tokens: Sequence[str] = (),
@@ -131,18 +160,9 @@ def count_pretokens(
     pattern = resolve_pattern(pattern)
     specials = tuple(special_tokens)
     split_bytes = [s.encode("utf-8") for s in specials]
-    total = sum(p.stat().st_size for p in paths)
-    workers = num_workers if num_workers is not None else (os.cpu_count() or 1)
-    if workers < 1:
-        raise ValueError(f"num_workers={workers} must be >= 1")
-    if total < _SERIAL_BYTES:
-        workers = 1
-    tasks = []
-    for p in paths:
-        size = p.stat().st_size
-        n = max(workers if workers > 1 else 1, -(-size // _CHUNK_BYTES))
-        b = find_chunk_boundaries(p, n, split_bytes, safe_cuts=pattern in PATTERNS.values())
-        tasks += [(str(p), s, e, pattern, specials) for s, e in zip(b, b[1:])]
+    workers, total, ranges = plan_chunks(paths, split_bytes, num_workers, _CHUNK_BYTES,
+                                         safe_cuts=pattern in PATTERNS.values(), min_chunks_per_worker=True)
+    tasks = [(p, s, e, pattern, specials) for p, s, e in ranges]
     counts: Counter = Counter()
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="pre-tokens", disable=_disable(progress, total))
     if workers == 1:
