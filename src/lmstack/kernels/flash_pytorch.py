@@ -140,28 +140,40 @@ def flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
     return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class FlashAttentionPyTorch(torch.autograd.Function):
-    """O = softmax(Q Kᵀ · scale [+ causal mask]) V without the (T, S) matrix (seed 000 §2.7).
+def make_flash_function(name: str, forward_impl, backward_impl, doc: str,
+                        default_blocks: tuple[int | None, int | None] = (None, None)) -> type:
+    """An autograd.Function around a FlashAttention-2 pair (seed 000 §2.7) shared by every implementation.
 
-    Saves only Q, K, V, O and the log-sum-exp L (B, N, T) for backward, which recomputes
-    P tile by tile (seed 001 "优化技巧 / 重计算").
+    ``forward_impl(q, k, v, causal, scale, block_q, block_k) -> (O, L)``;
+    ``backward_impl(dO, q, k, v, O, L, causal, scale, block_q, block_k) -> (dQ, dK, dV)``.
+    Only Q, K, V, O and the log-sum-exp L (B, N, T) are saved; backward recomputes P tile by tile
+    (seed 001 "优化技巧 / 重计算").
     """
 
-    @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
-                block_q: int = 64, block_k: int = 64) -> tuple[Tensor, Tensor]:
+                block_q: int | None = None, block_k: int | None = None) -> tuple[Tensor, Tensor]:
+        block_q = default_blocks[0] if block_q is None else block_q
+        block_k = default_blocks[1] if block_k is None else block_k
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        out, lse = flash_attention_forward(q, k, v, causal, scale, block_q, block_k)
+        out, lse = forward_impl(q, k, v, causal, scale, block_q, block_k)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.blocks = causal, scale, (block_q, block_k)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
-    @staticmethod
     def backward(ctx, dout: Tensor, dlse: Tensor | None):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale, *ctx.blocks)
+        dq, dk, dv = backward_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, *ctx.blocks)
         return dq, dk, dv, None, None, None, None
+
+    return type(name, (torch.autograd.Function,),
+                {"__doc__": doc, "forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+FlashAttentionPyTorch = make_flash_function(
+    "FlashAttentionPyTorch", flash_attention_forward, flash_attention_backward,
+    "O = softmax(Q Kᵀ · scale [+ causal mask]) V without the (T, S) matrix, in tiled PyTorch (seed 000 §2.7).",
+    default_blocks=(64, 64))
 
 
 def flash_attention_pytorch(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,

@@ -24,13 +24,14 @@ exact ``ieee`` dots (no TF32).
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from lmstack.kernels.flash_pytorch import make_flash_function
 
 LOG2E = 1.4426950408889634  # log2(e)
 LN2 = 0.6931471805599453  # ln(2)
@@ -372,24 +373,9 @@ def triton_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     return dq, dk, dv
 
 
-class FlashAttentionTriton(torch.autograd.Function):
-    """FlashAttention-2 with Triton kernels; saves Q, K, V, O and L (B, N, T) only."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
-                block_q: int | None = None, block_k: int | None = None) -> tuple[Tensor, Tensor]:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        out, lse = triton_attention_forward(q, k, v, causal, scale, block_q, block_k)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.blocks = causal, scale, (block_q, block_k)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout: Tensor, dlse: Tensor | None):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = triton_attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale, *ctx.blocks)
-        return dq, dk, dv, None, None, None, None
+FlashAttentionTriton = make_flash_function(
+    "FlashAttentionTriton", triton_attention_forward, triton_attention_backward,
+    "FlashAttention-2 with Triton kernels; saves Q, K, V, O and L (B, N, T) only.")
 
 
 def flash_attention_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
