@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The one prepared GPU check (issue #8), for a session whose task is lent a device machine.
+# Runs on the device's own python3 (it has CUDA torch and triton; lmstack comes from src/):
+#   - tests/kernels on CUDA (test_kernels_cuda.py: Triton FlashAttention-2 and RMSNorm compiled
+#     for the GPU vs the reference, fp32/bf16, causal, GQA, partial tiles)
+#   - benchmarks/attention.py: Triton FA-2 vs SDPA's flash backend, bf16, fwd+bwd, S = 1k..8k
+# About 3–5 minutes on an H200. Call it through the device tool's `run` with timeout_s=480:
+#   bash benchmarks/gpu_check.sh
+# Logs and JSON land in $OUT (the device tool brings them back).
+set -u
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/lmstack-gpu-check}"
+mkdir -p "$OUT"
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
+} 2>&1 | tee "$OUT/machine.txt"
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/pytest_kernels.log"
+timeout 200 python3 benchmarks/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
