@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
                     help="attention for both: sdpa = F.scaled_dot_product_attention; eager = explicit softmax(QKᵀ)V "
                          "(lmstack attn_backend='reference', HF attn_implementation='eager')")
+    ap.add_argument("--no-fused-loss", dest="fused_loss", action="store_false",
+                    help="lmstack: materialise the logits and call cross_entropy (TrainConfig fused_loss=false)")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
@@ -84,6 +86,7 @@ def main() -> None:
 
     from lmstack.accounting import measure_cpu, training_step_flops
     from lmstack.train import AdamW, cross_entropy
+    from lmstack.train.losses import linear_cross_entropy
 
     cfg, ours, hf = build(args)
     B, S = args.batch, args.seq
@@ -109,11 +112,16 @@ def main() -> None:
     for prec in precisions:
         ac = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if prec == "bf16" else contextlib.nullcontext
 
-        def step_ours():
+        def step_ours():  # what Trainer.forward_loss + train_step do
             with ac():
-                logits = ours(x)
-            ce, _ = cross_entropy(logits, y)
-            ce.backward()
+                if args.fused_loss:
+                    h = ours(x, return_hidden=True)  # (B, S, D)
+                    ce, z = linear_cross_entropy(h, ours.unembedding, y)
+                else:
+                    logits = ours(x)
+            if not args.fused_loss:
+                ce, z = cross_entropy(logits, y)
+            (ce + z).backward()
             opt_ours.step()
             opt_ours.zero_grad(set_to_none=True)
 
