@@ -113,13 +113,19 @@ def _lce_blocks(hc: Tensor, wc: Tensor, safe: Tensor, w: Tensor, n: Tensor, z_al
         if hc.dtype != acc:
             # low-precision ∂U blocks are gathered (≤ 2²⁴ elements) so ∂Wᵤ is added into the fp32
             # accumulator a few times, not once per block; in fp32 ∂Wᵤ is added per block in place
-            group = max(rows, min(M, (1 << 24) // V) // rows * rows)
+            group = max(rows, min(M, (1 << 24) // V) // rows * rows)  # a multiple of rows
             gu_buf = torch.empty(min(group, M), V, dtype=hc.dtype, device=dev)
+    # block buffers allocated once: a fresh multi-MB tensor per block costs page faults on CPU
+    rows = min(rows, M)
+    u_buf = torch.empty(rows, V, dtype=hc.dtype, device=dev)
+    x_buf = u_buf if hc.dtype == acc else torch.empty(rows, V, dtype=acc, device=dev)
     g0 = 0  # first row of the gathered ∂U group
     for s in range(0, M, rows):
         e = min(M, s + rows)
-        u = hc[s:e] @ wc.t()  # (rows, V) logits in the compute dtype, as an autocast F.linear makes them
-        x = u.to(acc) if u.dtype != acc else u  # fresh block: safe to overwrite in place
+        u = torch.mm(hc[s:e], wc.t(), out=u_buf[:e - s])  # (rows, V) logits in the compute dtype, as autocast makes them
+        x = x_buf[:e - s]
+        if x is not u:
+            x.copy_(u)  # to acc (fp32)
         r = safe[s:e, None]
         tgt[s:e] = x.gather(-1, r).squeeze(-1)  # U_r
         m = x.amax(dim=-1, keepdim=True)  # (rows, 1) max trick
@@ -192,7 +198,7 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, z_loss: flo
     Returns ``(ce, z)`` like ``cross_entropy``. Under autocast the block matmuls run in the autocast
     dtype with the logits rounded to it, exactly as an autocast ``F.linear`` would make them; the
     softmax, log Z and the losses are fp32. ``rows``: logits rows per block (default: a block of
-    about 2²¹ logits, a few MB, so it stays in cache).
+    about 2²⁰ logits, 4 MB in fp32, so it stays in cache).
     """
     D = h.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != D:
@@ -203,7 +209,7 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, z_loss: flo
     if z_loss < 0:
         raise ValueError(f"z_loss={z_loss} must be >= 0")
     if rows is None:
-        rows = max(16, (1 << 21) // weight.shape[0])
+        rows = max(16, (1 << 20) // weight.shape[0])
     elif rows <= 0:
         raise ValueError(f"rows={rows} must be a positive integer")
     compute = _autocast_dtype(h.device.type) or torch.promote_types(h.dtype, weight.dtype)
