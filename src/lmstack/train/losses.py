@@ -156,7 +156,7 @@ def _lce_blocks(hc: Tensor, wc: Tensor, safe: Tensor, w: Tensor, n: Tensor, z_al
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, z_alpha: float, ignore_index: int, rows: int,
-                compute: torch.dtype):
+                compute: torch.dtype, grad_mode: bool):
         # h: (M, D); weight: (V, D) (fp32 master under autocast); targets: (M,) int64
         acc = torch.float64 if compute == torch.float64 else torch.float32
         hc, wc = h.to(compute), weight.to(compute)
@@ -164,7 +164,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         safe = torch.where(valid, targets, torch.zeros_like(targets))
         w = valid.to(acc)
         n = valid.sum().clamp(min=1).to(acc)
-        need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # (needs_input_grad is also True under no_grad; apply() is then not recorded, so ask grad mode too)
+        need = grad_mode and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         one = torch.ones((), dtype=acc, device=h.device)
         # The gradient of CE + z (unit upstream gradients, the training loss) is made in this pass;
         # backward scales it, or recomputes the blocks if CE and z got different upstream gradients.
@@ -187,7 +188,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             _, _, grad_h, grad_w = _lce_blocks(hc, wc, safe, w, n, ctx.z_alpha, ctx.rows, g_ce.to(ctx.acc),
                                                g_z.to(ctx.acc), ctx.acc)
-        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None
+        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None, None
 
 
 def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, z_loss: float = 0.0,
@@ -213,9 +214,10 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, z_loss: flo
     elif rows <= 0:
         raise ValueError(f"rows={rows} must be a positive integer")
     compute = _autocast_dtype(h.device.type) or torch.promote_types(h.dtype, weight.dtype)
+    grad_mode = torch.is_grad_enabled()
     with torch.autocast(h.device.type, enabled=False):
         ce, z, _ = _LinearCrossEntropy.apply(h.reshape(-1, D), weight, targets.reshape(-1).long(), float(z_loss),
-                                             int(ignore_index), int(rows), compute)
+                                             int(ignore_index), int(rows), compute, grad_mode)
     return ce, z
 
 
