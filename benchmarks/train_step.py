@@ -10,12 +10,20 @@ time with a monotonic clock, synchronise CUDA before reading it).
 
   .venv/bin/python benchmarks/train_step.py                      # the demo's model, bf16 and fp32
   .venv/bin/python benchmarks/train_step.py --d-model 512 --layers 8 --precision bf16
+  .venv/bin/python benchmarks/train_step.py --compile            # + torch.compile'd lmstack and HF
+
+lmstack's step is the Trainer's: forward to the final hidden states, then the block-wise
+unembedding + cross-entropy (lmstack.train.losses.linear_cross_entropy; ``--no-fused-loss``
+materialises the logits instead), AdamW. The aim (lmstack >= 1.5x HF) is judged eager vs eager
+(TrainConfig's default, compile = false); ``--compile`` adds compiled lmstack vs eager HF and
+compiled lmstack vs compiled HF.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import platform
 import statistics
 import time
@@ -73,6 +81,10 @@ def main() -> None:
     ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
                     help="attention for both: sdpa = F.scaled_dot_product_attention; eager = explicit softmax(QKᵀ)V "
                          "(lmstack attn_backend='reference', HF attn_implementation='eager')")
+    ap.add_argument("--no-fused-loss", dest="fused_loss", action="store_false",
+                    help="lmstack: materialise the logits and call cross_entropy (TrainConfig fused_loss=false)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time torch.compile'd lmstack and HF models (compiling takes minutes on one thread)")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
@@ -84,6 +96,7 @@ def main() -> None:
 
     from lmstack.accounting import measure_cpu, training_step_flops
     from lmstack.train import AdamW, cross_entropy
+    from lmstack.train.losses import linear_cross_entropy
 
     cfg, ours, hf = build(args)
     B, S = args.batch, args.seq
@@ -106,30 +119,49 @@ def main() -> None:
           f"F={cfg.d_ff}, {ours.num_params():,} params, {args.attn} attention; batch B={B} S={S} ({B * S} tokens/step); "
           f"{flops / 1e9:.1f} GFLOP/step")
 
+    models = {"lmstack": ours, "hf": hf}
+    if args.compile:  # same parameters and optimizers, compiled graphs (what TrainConfig compile=true does)
+        models["lmstack+compile"] = torch.compile(ours)
+        models["hf+compile"] = torch.compile(hf)
+
     for prec in precisions:
         ac = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if prec == "bf16" else contextlib.nullcontext
 
-        def step_ours():
+        def step_ours(model):  # what Trainer.forward_loss + train_step do
             with ac():
-                logits = ours(x)
-            ce, _ = cross_entropy(logits, y)
-            ce.backward()
+                if args.fused_loss:
+                    h = model(x, return_hidden=True)  # (B, S, D)
+                    ce, z = linear_cross_entropy(h, ours.unembedding, y)
+                else:
+                    logits = model(x)
+            if not args.fused_loss:
+                ce, z = cross_entropy(logits, y)
+            (ce + z).backward()
             opt_ours.step()
             opt_ours.zero_grad(set_to_none=True)
 
-        def step_hf():
+        def step_hf(model):
             with ac():
-                out = hf(input_ids=x, labels=None)
+                out = model(input_ids=x, labels=None)
             # HF's own loss on the same targets (labels already shifted): ForCausalLMLoss upcasts and uses F.cross_entropy
             loss = hf.loss_function(out.logits, labels=None, vocab_size=args.vocab, shift_labels=y)
             loss.backward()
             opt_hf.step()
             opt_hf.zero_grad(set_to_none=True)
 
+        steps = {k: functools.partial(step_ours if k.startswith("lmstack") else step_hf, m) for k, m in models.items()}
+        for k in [k for k in steps if k.endswith("compile")]:
+            t0 = timeit.default_timer()
+            try:
+                steps[k]()  # compiles (forward and backward graphs) for this precision
+                print(f"  [{prec}] {k}: compiled in {timeit.default_timer() - t0:.0f} s")
+            except Exception as e:  # report, time the rest
+                print(f"  [{prec}] {k}: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+                del steps[k]
         clock = timeit.default_timer if args.clock == "wall" else time.process_time
-        times = {"lmstack": [], "hf": []}
+        times = {k: [] for k in steps}
         for i in range(args.warmup + args.repeats):
-            for name, fn in (("lmstack", step_ours), ("hf", step_hf)):
+            for name, fn in steps.items():  # interleaved: lmstack, hf, lmstack+compile, hf+compile, ...
                 t0 = clock()
                 fn()
                 dt = clock() - t0
@@ -139,10 +171,12 @@ def main() -> None:
         tps = {k: B * S / v for k, v in med.items()}
         mfu = {k: flops / v / peak[prec] for k, v in med.items()}
         print(f"[{prec}{' autocast, fp32 master weights' if prec == 'bf16' else ''}] "
-              f"lmstack {med['lmstack'] * 1e3:.0f} ms/step {tps['lmstack']:,.0f} tok/s MFU {mfu['lmstack']:.1%} | "
-              f"HF {med['hf'] * 1e3:.0f} ms/step {tps['hf']:,.0f} tok/s MFU {mfu['hf']:.1%} | "
-              f"ratio lmstack/HF tokens/s = {tps['lmstack'] / tps['hf']:.2f}x")
-
+              + " | ".join(f"{k} {med[k] * 1e3:.0f} ms/step {tps[k]:,.0f} tok/s MFU {mfu[k]:.1%}" for k in med))
+        ratios = [("eager lmstack / eager HF", "lmstack", "hf"),
+                  ("compiled lmstack / eager HF", "lmstack+compile", "hf"),
+                  ("compiled lmstack / compiled HF", "lmstack+compile", "hf+compile")]
+        print(f"[{prec}] tokens/s ratio " + ", ".join(f"{label} = {tps[a] / tps[b]:.2f}x" for label, a, b in ratios
+                                                        if a in tps and b in tps))
 
 if __name__ == "__main__":
     main()

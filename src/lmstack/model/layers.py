@@ -60,7 +60,13 @@ class Embedding(nn.Module):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """y = x / sqrt(mean(x²) + eps) ⊙ γ over the last dim, in fp32, cast back to x's dtype (seed 000 §1.10)."""
+    """y = x / sqrt(mean(x²) + eps) ⊙ γ over the last dim, in fp32, cast back to x's dtype (seed 000 §1.10).
+
+    When x and γ share a dtype (the fp32 residual stream) this is ``F.rms_norm``: the same formula,
+    whose CPU/CUDA backward is one fused kernel instead of the half-dozen ops autograd would record.
+    """
+    if x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -88,7 +94,13 @@ class RMSNorm(nn.Module):
             from lmstack.kernels.backends import rms_norm as rms_norm_backend
 
             return rms_norm_backend(x, self.weight, self.eps, self.backend)
-        return rms_norm(x, self.weight, self.eps)
+        y = rms_norm(x, self.weight, self.eps)
+        if torch.is_autocast_enabled(y.device.type):
+            # Every consumer (q/k/v, gate/up, the unembedding) is an autocast matmul that would cast
+            # y to the autocast dtype itself, once per consumer; casting here once gives the same
+            # values and one copy instead of three (attention) or two (SwiGLU).
+            y = y.to(torch.get_autocast_dtype(y.device.type))
+        return y
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
@@ -111,6 +123,41 @@ class SwiGLU(nn.Module):
 def rope_frequencies(head_dim: int, theta: float) -> Tensor:
     """θ_i = Θ^(-2i/H) for i = 0 .. H/2 - 1 (seed 000 §1.2), in float64 for exact tables."""
     return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (H/2,)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, layout: str) -> Tensor:
+    """x ⊙ cos + rot(x) ⊙ sin in cos's dtype, returned in x's dtype (seed 000 §1.3).
+
+    rot(x) = [-x_{H/2:}, x_{:H/2}] (``half``) or [-x1, x0, -x3, x2, ...] (``interleaved``); it is
+    written as two in-place multiply-adds on the halves / the even and odd lanes, so neither rot(x)
+    nor a concatenation is ever materialised.
+    """
+    xc = x.to(cos.dtype)
+    out = xc * cos
+    if layout == "interleaved":
+        x0, x1, o0, o1, s0, s1 = xc[..., 0::2], xc[..., 1::2], out[..., 0::2], out[..., 1::2], sin[..., 0::2], sin[..., 1::2]
+    else:
+        h = x.shape[-1] // 2
+        x0, x1, o0, o1, s0, s1 = xc[..., :h], xc[..., h:], out[..., :h], out[..., h:], sin[..., :h], sin[..., h:]
+    o0.addcmul_(x1, s0, value=-1.0)  # first of each pair:  x0 cos - x1 sin
+    o1.addcmul_(x0, s1)  # second of each pair: x1 cos + x0 sin
+    return out.to(x.dtype)
+
+
+class _Rotate(torch.autograd.Function):
+    """R_m x with backward R_mᵀ g = R_{-m} g: the same rotation with sin negated, since
+    rot is a quarter turn within each pair and cos/sin are equal on both lanes of a pair."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, layout: str) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.layout = layout
+        return rotate(x, cos, sin, layout)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        cos, sin = ctx.saved_tensors
+        return rotate(g, cos, -sin, ctx.layout), None, None, None
 
 
 class RotaryEmbedding(nn.Module):
@@ -158,14 +205,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos[positions], sin[positions]  # (B, S, H) or (S, H)
         if cos.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, H), broadcast over heads
-        if self.layout == "interleaved":
-            pairs = x.unflatten(-1, (-1, 2))  # (..., H/2, 2)
-            x_rot = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
-        else:
-            x1, x2 = x.chunk(2, dim=-1)
-            x_rot = torch.cat([-x2, x1], dim=-1)
-        out = x.to(compute) * cos + x_rot.to(compute) * sin
-        return out.to(x.dtype)
+        return _Rotate.apply(x, cos, sin, self.layout)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}, layout={self.layout!r}"

@@ -131,13 +131,15 @@ class Transformer(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, tokens: Tensor, positions: Tensor | None = None, kv_cache=None,
-                last_n: int | None = None, document_ids: Tensor | None = None) -> Tensor:
+                last_n: int | None = None, document_ids: Tensor | None = None, return_hidden: bool = False) -> Tensor:
         """tokens: (B, S) int64; positions: (B, S) or (S,) absolute positions (default 0..S-1).
 
         ``kv_cache``: see ``lmstack.model.attention`` — stores keys/values across calls.
         ``last_n``: compute logits only for the last n positions (decoding needs 1).
         ``document_ids``: (B, S) ids of packed documents; attention never crosses documents
         (pass positions that restart at 0 in each document for per-document RoPE).
+        ``return_hidden``: return the final-normed hidden states (B, S, D) instead of the logits,
+        for a loss that applies the unembedding itself (``lmstack.train.losses.linear_cross_entropy``).
         Returns logits (B, S, V), or (B, last_n, V).
         """
         if tokens.dim() != 2:
@@ -165,4 +167,6 @@ class Transformer(nn.Module):
         if last_n is not None:
             x = x[:, -last_n:]
         x = self.norm(x)
+        if return_hidden:
+            return x  # (B, S, D)
         return F.linear(x, self.unembedding)  # (B, S, V)

@@ -74,6 +74,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     device: str = "auto"
     compile: bool = False  # torch.compile the model
+    fused_loss: bool = True  # unembedding + cross-entropy block by block, never the (B·S, V) logits (losses.py)
     # ---- evaluation, logging, checkpoints
     eval_interval: int = 100
     eval_batches: int = 20

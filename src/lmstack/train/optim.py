@@ -49,28 +49,36 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            # parameters with the same step count t (all of them, unless some were frozen for a while)
+            # are updated together by multi-tensor (_foreach) ops: one call per formula line, not per tensor
+            by_t: dict[float, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad
-                if g.is_sparse:
+                if p.grad.is_sparse:
                     raise RuntimeError("AdamW does not support sparse gradients")
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)  # m
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)  # v
-                m, v = state["exp_avg"], state["exp_avg_sq"]
                 state["step"] += 1
-                t = state["step"].item()
+                lists = by_t.setdefault(state["step"].item(), ([], [], [], []))
+                for lst, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
+                    lst.append(t)
+            for t, (ps, gs, ms, vs) in by_t.items():
                 if wd != 0:
-                    p.mul_(1.0 - lr * wd)  # decoupled decay
-                m.mul_(beta1).add_(g, alpha=1.0 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+                    torch._foreach_mul_(ps, 1.0 - lr * wd)  # decoupled decay
+                torch._foreach_mul_(ms, beta1)
+                torch._foreach_add_(ms, gs, alpha=1.0 - beta1)  # m ← β1·m + (1-β1)·g
+                torch._foreach_mul_(vs, beta2)
+                torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)  # v ← β2·v + (1-β2)·g²
                 bias1 = 1.0 - beta1**t
                 bias2 = 1.0 - beta2**t
-                denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)  # √v̂ + ε
-                p.addcdiv_(m, denom, value=-lr / bias1)  # θ -= lr · m̂ / (√v̂ + ε)
+                denom = torch._foreach_sqrt(vs)
+                torch._foreach_div_(denom, math.sqrt(bias2))
+                torch._foreach_add_(denom, eps)  # √v̂ + ε
+                torch._foreach_addcdiv_(ps, ms, denom, value=-lr / bias1)  # θ -= lr · m̂ / (√v̂ + ε)
         return loss
 
 

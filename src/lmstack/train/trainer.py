@@ -42,7 +42,7 @@ import torch
 from lmstack.train import checkpoint as ckpt
 from lmstack.train.config import TrainConfig, TrainConfigError
 from lmstack.train.data import Batch, get_batch, open_tokens, resolve_device, sequential_batches
-from lmstack.train.losses import cross_entropy
+from lmstack.train.losses import cross_entropy, linear_cross_entropy
 from lmstack.train.optim import SGD, AdamW, clip_grad_norm, global_grad_norm
 from lmstack.train.schedule import LRSchedule
 
@@ -262,7 +262,17 @@ class Trainer:
                          c.sep_id if c.packing else None)
 
     def forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cross-entropy, z-loss) of one micro-batch; logits (B, S, V)."""
+        """(cross-entropy, z-loss) of one micro-batch; logits (B, S, V).
+
+        With ``config.fused_loss`` (single process) the model returns its final hidden states and
+        ``linear_cross_entropy`` applies the unembedding block by block: the same loss and
+        gradients without the (B·S, V) logits.
+        """
+        if self.config.fused_loss and self.parallel_model is None and self._parallelize_fn is None:
+            with self.autocast():
+                h = self.model(batch.x, positions=batch.positions, document_ids=batch.document_ids,
+                               return_hidden=True)  # (B, S, D)
+                return linear_cross_entropy(h, self.raw_model.unembedding, batch.y, z_loss=self.config.z_loss)
         with self.autocast():
             logits = self.model(batch.x, positions=batch.positions, document_ids=batch.document_ids)
         return cross_entropy(logits, batch.y, z_loss=self.config.z_loss)
