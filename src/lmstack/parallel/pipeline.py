@@ -177,7 +177,8 @@ class _SplitLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         x, weight = ctx.saved_tensors
-        ctx.stash.add(weight, x.detach(), g.detach())
+        if weight.requires_grad:  # a frozen weight gets no W pass
+            ctx.stash.add(weight, x.detach(), g.detach())
         return g @ weight.to(g.dtype), None, None
 
 
