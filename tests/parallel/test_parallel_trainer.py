@@ -105,7 +105,9 @@ PLANS = [  # (plan, dp, grad_accum, nproc, id)
     ({"dp": 2, "tp": 2, "zero": 1}, 2, 1, 4, "dp2_tp2_zero1_4ranks"),
     ({"dp": 2, "tp": 2, "zero": 3}, 2, 2, 4, "dp2_tp2_zero3_4ranks"),
     ({"dp": 2, "pp": 2}, 2, 2, 4, "dp2_pp2_4ranks"),
+    ({"tp": 2, "pp": 2}, 1, 2, 4, "tp2_pp2_4ranks"),
     ({"dp": 2, "cp": 2, "zero": 2}, 2, 1, 4, "dp2_cp2_zero2_4ranks"),
+    ({"dp": 2, "tp": 2, "pp": 2, "zero": 1}, 2, 2, 8, "dp2_tp2_pp2_zero1_8ranks"),  # 3-D
 ]
 
 

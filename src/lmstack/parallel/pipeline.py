@@ -425,7 +425,7 @@ def forward_only(stage: "PipelineStage", group, ranks: list[int], s: int, p: int
     x = tokens.to(dev) if stage.first else torch.empty(B, S, stage.d_model, device=dev)
     if not stage.first:
         dist.recv(x, ranks[s - 1], tag=_EVAL_TAG)
-    out = stage(x).float()
+    out = stage(x).float().contiguous()  # (B, S, V); the tp vocab gather returns a strided view
     if not stage.last:
         dist.send(out.contiguous(), ranks[s + 1], tag=_EVAL_TAG)
         out = torch.empty(B, S, stage.vocab_size, device=dev)
