@@ -158,8 +158,8 @@ def test_torchrun_plan_table_matches_single_process_trainer(tmp_path, plan, dp, 
     print(f"{plan}: losses {losses} vs single-process {ref_losses}")
 
 
-RESUME = [({"dp": 2, "zero": 2}, 2, "dp2_zero2"), ({"dp": 2, "zero": 3}, 2, "dp2_zero3"),
-          ({"pp": 2}, 2, "pp2"), ({"dp": 2, "zero": 3, "backend": "native"}, 2, "native_dp2_zero3")]
+RESUME = [({"dp": 2}, 1, "ddp2"), ({"dp": 2, "zero": 2}, 2, "dp2_zero2"), ({"dp": 2, "zero": 3}, 2, "dp2_zero3"),
+          ({"tp": 2}, 1, "tp2"), ({"pp": 2}, 2, "pp2"), ({"dp": 2, "zero": 3, "backend": "native"}, 2, "native_dp2_zero3")]
 
 
 @pytest.mark.slow

@@ -19,7 +19,11 @@ The step is factored so a distributed wrapper can plug in without touching this 
   rank 0 writes files.
 - ``build_optimizer()`` keeps the weight-decay groups and goes through the plan (ZeRO-1/2 shard
   the states); ``optimizer_step`` clips by the norm over every shard (``pm.clip_grad_norm_``);
-  ``save_checkpoint`` gathers the full parameters when they are sharded (tp, ZeRO).
+  ``save_checkpoint`` gathers the full parameters and writes per-rank shard files (optimizer
+  states as sharded), ``resume`` reads them back (``lmstack.parallel.checkpoint``).
+- ``next_batch`` hands the sampled batch to ``pm.local_batch`` (context parallelism: this rank's
+  targets); under pipeline parallelism ``train_step`` is ``pipeline_train_step`` (the grad_accum
+  micro-batches go through the pipeline schedule together).
 - ``micro_step_context(i, n)`` wraps each micro-batch's forward+backward (the model's ``no_sync``
   for all but the last); ``reduce_metric(x)`` averages a scalar over ranks.
 """
