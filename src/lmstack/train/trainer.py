@@ -260,13 +260,14 @@ class Trainer:
         with self.autocast():
             ce, z = self.parallel_model.pipeline_step(x, y, lambda logits, t: cross_entropy(
                 logits, t, z_loss=self.config.z_loss)).tolist()
+        ce, z = self.reduce_metric(ce), self.reduce_metric(z)  # every rank sees a non-finite loss: all stop
         if not math.isfinite(ce + z):
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainingDiverged(f"loss is {ce + z} at step {self.step}")
         norm, lr = self.optimizer_step()
         self.step += 1
         self.tokens_seen += self.tokens_per_step
-        return {"loss": self.reduce_metric(ce), "z_loss": self.reduce_metric(z), "grad_norm": norm, "lr": lr}
+        return {"loss": ce, "z_loss": z, "grad_norm": norm, "lr": lr}
 
     @property
     def is_main(self) -> bool:
