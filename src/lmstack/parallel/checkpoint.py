@@ -11,15 +11,17 @@ single-process checkpoint ``lmstack.train.checkpoint`` writes:
                                from them)
         state.json, rng.safetensors   step, config, schedule, tokens seen; rank 0's RNG states
     step_N.shards/
-        plan.json              the plan and world size the shards belong to
+        plan.json              the plan, world size and layout (mesh sizes, zero, backend) of the shards
         rank_<r>.safetensors   rank r's parameters as it holds them (``ParallelModel.local_state_dict``:
                                ZeRO-3 flat shards, tp/pp pieces, native DTensors' local pieces), its
                                optimizer states (ZeRO-1/2 shards, ZeroRedundancyOptimizer's local
                                optimizer), its torch RNG and data-sampler generator (seeded per dp rank)
         rank_<r>.json          the optimizer's hyper-parameters and scalar states, python/numpy RNG
 
-Resuming reads every rank's own file, so it needs the same plan and world size (checked against
-``plan.json``); to change the plan, start a fresh run from ``model.safetensors``.
+Resuming reads every rank's own file, so it needs the same layout — world size, mesh sizes, zero
+stage, backend (checked against ``plan.json``); settings that do not move state between ranks
+(bucket size, ddp mode, micro-batches) may change. To change the layout, start a fresh run from
+``model.safetensors``.
 
 Atomic: every rank writes its files (each through ``atomic_path``) into a hidden staging folder;
 after a barrier rank 0 renames it to ``step_N.shards`` and only then writes ``step_N`` (itself
@@ -94,9 +96,18 @@ def _write_rank(folder: Path, rank: int, pm, optimizer, data_generator) -> None:
                                            "rng": rng_meta}))
 
 
+def _layout(pm) -> dict[str, Any]:
+    """What decides how the state is split over the ranks (bucket sizes, ddp mode, micro-batches do not)."""
+    out = {a: pm.mesh.size(a) for a in ("dp", "tp", "pp", "cp")}
+    out.update(zero=pm.plan.zero, backend=pm.plan.backend, world_size=dist.get_world_size())
+    if pm.mesh.pp > 1:
+        out["schedule_zb"] = pm.plan.schedule == "zb"  # the zero-bubble split renames the linears
+    return out
+
+
 def _plan_record(pm) -> dict[str, Any]:
     return {"format": SHARD_FORMAT, "plan": asdict(pm.plan), "world_size": dist.get_world_size(),
-            "mesh": {a: pm.mesh.size(a) for a in ("dp", "tp", "pp", "cp")}}
+            "layout": _layout(pm)}
 
 
 def save_sharded(directory: str | os.PathLike, step: int, pm, optimizer, data_generator,
@@ -155,11 +166,11 @@ def load_sharded(step_dir: str | os.PathLike, pm, optimizer, data_generator) -> 
         raise CheckpointError(f"{p}: no per-rank shards ({folder.name}/plan.json) to resume a parallel run from; "
                               f"start a fresh run from {p / 'model.safetensors'} instead")
     rec = json.loads((folder / "plan.json").read_text())
-    want = _plan_record(pm)
-    if rec.get("world_size") != want["world_size"] or rec.get("plan") != want["plan"]:
-        raise CheckpointError(f"{p}: saved by world size {rec.get('world_size')} with plan {rec.get('plan')}, "
-                              f"but this run has world size {want['world_size']} and plan {want['plan']}; resume "
-                              f"with the same plan, or start a fresh run from {p / 'model.safetensors'}")
+    want = _layout(pm)
+    if rec.get("layout") != want:
+        raise CheckpointError(f"{p}: its shards were saved with the layout {rec.get('layout')} (plan "
+                              f"{rec.get('plan')}), but this run has {want}; resume with the same plan and world "
+                              f"size, or start a fresh run from {p / 'model.safetensors'}")
     rank = dist.get_rank()
     st_path, js_path = _rank_files(folder, rank)
     if not st_path.is_file() or not js_path.is_file():
