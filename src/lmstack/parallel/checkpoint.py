@@ -17,6 +17,9 @@ single-process checkpoint ``lmstack.train.checkpoint`` writes:
                                optimizer states (ZeRO-1/2 shards, ZeroRedundancyOptimizer's local
                                optimizer), its torch RNG and data-sampler generator (seeded per dp rank)
         rank_<r>.json          the optimizer's hyper-parameters and scalar states, python/numpy RNG
+    Without ZeRO the data-parallel (and context-parallel) replicas hold the same parameters and
+    optimizer states: only the dp = cp = 0 rank of each (tp, pp) position writes them, the others
+    write their RNG states and name that rank in ``state_from`` (``replica_source``).
 
 Resuming reads every rank's own file, so it needs the same layout — world size, mesh sizes, zero
 stage, backend (checked against ``plan.json``); settings that do not move state between ranks
@@ -72,12 +75,26 @@ def _rank_files(folder: Path, rank: int) -> tuple[Path, Path]:
     return folder / f"rank_{rank:05d}.safetensors", folder / f"rank_{rank:05d}.json"
 
 
+def replica_source(pm, rank: int) -> int:
+    """The rank whose parameters and optimizer states this rank's equal: without ZeRO every
+    data-parallel (and context-parallel) replica holds the same ones as its dp = cp = 0 peer,
+    so only that peer writes them; otherwise the rank itself."""
+    if pm.plan.zero != 0:
+        return rank
+    c = pm.mesh.coords(rank)
+    return pm.mesh.rank_of(pp=c["pp"], dp=0, cp=0, tp=c["tp"])
+
+
 def _write_rank(folder: Path, rank: int, pm, optimizer, data_generator) -> None:
     from lmstack.train.checkpoint import _split_optimizer, capture_rng
 
     tensors: dict[str, torch.Tensor] = {}
-    for k, v in pm.local_state_dict().items():
-        tensors[f"model/{k}"] = v
+    source = replica_source(pm, rank)
+    if source != rank:  # a replica: only its RNG states are its own
+        optimizer = None
+    else:
+        for k, v in pm.local_state_dict().items():
+            tensors[f"model/{k}"] = v
     opt_meta = None
     if optimizer is not None:
         sd = _local_optimizer(optimizer).state_dict()
@@ -92,8 +109,8 @@ def _write_rank(folder: Path, rank: int, pm, optimizer, data_generator) -> None:
     st_path, js_path = _rank_files(folder, rank)
     with atomic_path(st_path) as tmp:
         save_file(tensors, str(tmp))
-    atomic_write_text(js_path, json.dumps({"format": SHARD_FORMAT, "rank": rank, "optimizer": opt_meta,
-                                           "rng": rng_meta}))
+    atomic_write_text(js_path, json.dumps({"format": SHARD_FORMAT, "rank": rank, "state_from": source,
+                                           "optimizer": opt_meta, "rng": rng_meta}))
 
 
 def _layout(pm) -> dict[str, Any]:
@@ -175,8 +192,16 @@ def load_sharded(step_dir: str | os.PathLike, pm, optimizer, data_generator) -> 
     st_path, js_path = _rank_files(folder, rank)
     if not st_path.is_file() or not js_path.is_file():
         raise CheckpointError(f"{folder}: missing the files of rank {rank}")
-    tensors = load_file(str(st_path))
+    own = load_file(str(st_path))
     meta = json.loads(js_path.read_text())
+    tensors = own
+    source = meta.get("state_from", rank)
+    if source != rank:  # a data-parallel replica: parameters and optimizer states from its source
+        src_st, src_js = _rank_files(folder, source)
+        if not src_st.is_file() or not src_js.is_file():
+            raise CheckpointError(f"{folder}: missing the files of rank {source} (rank {rank}'s state)")
+        tensors = load_file(str(src_st))
+        meta = {**meta, "optimizer": json.loads(src_js.read_text()).get("optimizer")}
     pm.load_local_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
     if optimizer is not None:
         if meta.get("optimizer") is None:
@@ -199,6 +224,6 @@ def load_sharded(step_dir: str | os.PathLike, pm, optimizer, data_generator) -> 
         local.load_state_dict(sd)
         if hasattr(optimizer, "refresh_shards"):  # ZeRO-1/2: shards that are copies follow the params
             optimizer.refresh_shards()
-    restore_rng({k[len("rng/"):]: v for k, v in tensors.items() if k.startswith("rng/")}, meta.get("rng", {}),
+    restore_rng({k[len("rng/"):]: v for k, v in own.items() if k.startswith("rng/")}, meta.get("rng", {}),
                 data_generator)
     return json.loads((p / "state.json").read_text())
