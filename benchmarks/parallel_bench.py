@@ -5,6 +5,7 @@
 2. Bytes sent per rank per step, measured on the ring (``count_bytes``) vs
    ``lmstack.accounting.comm`` for DDP, ZeRO-1/2/3 and TP.
 3. Pipeline bubble measured from per-action timings vs (p-1)/(m+p-1) and the unit-cost simulation.
+4. ZeRO-3 step time: lmstack FullyShard vs torch FSDP2 ``fully_shard`` as the peer.
 
     python benchmarks/parallel_bench.py [--world 2] [--repeats 5]
 """
@@ -138,6 +139,34 @@ def _worker(rank, world, port, repeats, q):
             rows.append((kind, m, statistics.median(bubbles), bubble_formula(world, m),
                          simulate(schedule(kind, world, m))["bubble"]))
     out["bubble"] = rows
+
+    # 4. ZeRO-3 step time (model of 1): lmstack FullyShard (flat shards per block and parameter
+    # class, prefetch) vs torch FSDP2 fully_shard per block (peer); interleaved like 1
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    z_runs = {}
+    r1 = FullyShard(Transformer(cfg, seed=0))
+    z_runs["zero3_lmstack"] = (r1, torch.optim.SGD(r1.parameters(), lr=1e-3))
+    m2 = Transformer(cfg, seed=0)
+    dmesh = init_device_mesh("cpu", (world,))
+    for blk in m2.blocks:
+        fully_shard(blk, mesh=dmesh)
+    fully_shard(m2, mesh=dmesh)
+    z_runs["zero3_fsdp2"] = (m2, torch.optim.SGD(m2.parameters(), lr=1e-3))
+    z_times = {name: [] for name in z_runs}
+    for i in range(repeats + 2):
+        for name, (runner, opt) in z_runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            _ce(runner(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dist.barrier()
+            if i >= 2:
+                z_times[name].append(time.perf_counter() - t0)
+    for name in z_runs:
+        out[name] = statistics.median(z_times[name])
     if rank == 0:
         q.put(out)
     dist.destroy_process_group()
@@ -170,6 +199,10 @@ def main() -> None:
     print(f"\n3. pipeline bubble, p={a.world} stages: measured vs (p-1)/(m+p-1) vs unit-cost simulation")
     for kind, m, meas, formula, sim in out["bubble"]:
         print(f"   {kind:5s} m={m}  measured {meas:.3f}  formula {formula:.3f}  simulated {sim:.3f}")
+    print("\n4. ZeRO-3 step (model of 1), median seconds")
+    print(f"   lmstack FullyShard   {out['zero3_lmstack']:.4f}")
+    print(f"   torch FSDP2 (peer)   {out['zero3_fsdp2']:.4f}   lmstack/peer = "
+          f"{out['zero3_lmstack'] / out['zero3_fsdp2']:.2f}")
 
 
 _port_holder = [_port()]

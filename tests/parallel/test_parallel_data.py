@@ -143,7 +143,7 @@ def test_ddp_and_zero_match_single_process():
         ("zero1", "zero1", {}, 1, ()),
         ("zero2-accum-frozen", "zero2", dict(tie_embeddings=True), 2, ("blocks.1.ffn.up_proj.weight",)),
         ("zero3-tied", "zero3", dict(tie_embeddings=True), 1, ()),
-        ("zero3-accum", "zero3", {}, 2, ()),
+        ("zero3-accum-frozen", "zero3", {}, 2, ("blocks.0.ffn_norm.weight", "blocks.1.attn.k_proj.weight")),
     ]:
         cfg = tiny_config(**kw)
         data = {"cfg": cfg, "batches": batches(2 * accum, 4, 16)}

@@ -1,5 +1,6 @@
 """Tensor parallelism (seed 000 §6.6, seed 001 "张量并行", "序列并行"): Megatron TP with and
-without sequence parallelism trains like one process; bytes per step match the accounting."""
+without sequence parallelism trains like one process; bytes per step and per-rank bytes of
+parameters, gradients and optimizer states match the accounting."""
 
 import pytest
 import torch
@@ -47,6 +48,18 @@ def _tensor_parallel(rank, world, cases):
         if sp:  # the replicated norm weights see S/tp tokens: their gradients are all-reduced
             want += (2 * cfg.n_layers + 1) * all_reduce_bytes(cfg.d_model * 4, world)
         assert c.total == pytest.approx(want), (sp, c.total, want)
+        if not sp:  # per-rank bytes of parameters, gradients, AdamW states == the accounting's tp row
+            from lmstack.accounting.memory import training_memory_per_device
+
+            opt = make_opt(m.parameters())
+            opt.step()
+            mem = training_memory_per_device(cfg, B, S, "tp", world, mixed_precision=False)
+            measured = {"master_weights": sum(p.numel() * 4 for p in m.parameters()),
+                        "gradients": sum(p.grad.numel() * 4 for p in m.parameters()),
+                        "optimizer": sum(v.numel() * v.element_size() for st in opt.state.values()
+                                         for k, v in st.items() if k != "step")}
+            for k, v in measured.items():
+                assert v == pytest.approx(getattr(mem, k)), (k, v, getattr(mem, k))
 
     with pytest.raises(ValueError, match="n_kv_heads=1 is not divisible by tp=2"):
         TensorParallel(Transformer(tiny_config(n_kv_heads=1), seed=0), None)

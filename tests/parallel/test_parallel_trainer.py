@@ -79,47 +79,126 @@ def _reference(cfg: dict, dp: int):
     return [r for r in rows if r["kind"] == "train"], sd
 
 
-def _launch(tmp_path: Path, cfg: dict, nproc: int = 2) -> subprocess.CompletedProcess:
+def _launch(tmp_path: Path, cfg: dict, nproc: int = 2, extra: list[str] = ()) -> subprocess.CompletedProcess:
     _write_toml(tmp_path / "run.toml", cfg)
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--nnodes=1", "--node_rank=0", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", "lmstack", "train", "--config", str(tmp_path / "run.toml"),
-           "--no-progress"]
+           "--no-progress", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("plan,dp,accum,nproc", [({"dp": 2, "zero": 1}, 2, 2, 2), ({"dp": 2}, 2, 2, 2),
-                                                ({"tp": 2}, 1, 1, 2), ({"dp": 2, "tp": 2, "zero": 1}, 2, 1, 4)],
-                         ids=["dp2_zero1_accum2", "ddp2_no_sync_accum2", "tp2", "dp2_tp2_zero1_4ranks"])
-def test_torchrun_plan_table_matches_single_process_trainer(tmp_path, plan, dp, accum, nproc):
+PLANS = [  # (plan, dp, grad_accum, nproc, id)
+    ({"dp": 2, "zero": 1}, 2, 2, 2, "dp2_zero1_accum2"),
+    ({"dp": 2}, 2, 2, 2, "ddp2_no_sync_accum2"),
+    ({"tp": 2}, 1, 1, 2, "tp2"),
+    ({"dp": 2, "zero": 3}, 2, 2, 2, "dp2_zero3_accum2"),
+    ({"pp": 2, "schedule": "1f1b"}, 1, 2, 2, "pp2_1f1b_m2"),
+    ({"pp": 2, "schedule": "zb"}, 1, 4, 2, "pp2_zb_m4"),
+    ({"cp": 2}, 1, 2, 2, "cp2_accum2"),
+    ({"dp": 2, "backend": "native"}, 2, 2, 2, "native_ddp2_accum2"),
+    ({"dp": 2, "zero": 1, "backend": "native"}, 2, 1, 2, "native_dp2_zero1"),
+    ({"dp": 2, "zero": 3, "backend": "native"}, 2, 2, 2, "native_dp2_zero3_accum2"),
+    ({"tp": 2, "backend": "native"}, 1, 1, 2, "native_tp2"),
+    ({"pp": 2, "schedule": "gpipe", "backend": "native"}, 1, 2, 2, "native_pp2_gpipe_m2"),
+    ({"dp": 2, "tp": 2, "zero": 1}, 2, 1, 4, "dp2_tp2_zero1_4ranks"),
+    ({"dp": 2, "tp": 2, "zero": 3}, 2, 2, 4, "dp2_tp2_zero3_4ranks"),
+    ({"dp": 2, "pp": 2}, 2, 2, 4, "dp2_pp2_4ranks"),
+    ({"tp": 2, "pp": 2}, 1, 2, 4, "tp2_pp2_4ranks"),
+    ({"dp": 2, "cp": 2, "zero": 2}, 2, 1, 4, "dp2_cp2_zero2_4ranks"),
+    ({"dp": 2, "tp": 2, "pp": 2, "zero": 1}, 2, 2, 8, "dp2_tp2_pp2_zero1_8ranks"),  # 3-D
+]
+
+
+def _config(tmp_path: Path, plan, accum: int, **kw) -> dict:
     data = _data(tmp_path)
-    cfg = {"train_data": str(data), "batch_size": 2, "seq_len": 16, "grad_accum": accum, "max_steps": 4,
-           "warmup_steps": 0, "lr": 1e-2, "min_lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1, "grad_clip": 0.5,
-           "eval_interval": 0, "eval_batches": 1, "log_interval": 1, "out_dir": str(tmp_path / "run"),
-           "device": "cpu", "precision": "fp32", "parallel": plan, "model": MODEL}
+    return {"train_data": str(data), "batch_size": 2, "seq_len": 16, "grad_accum": accum, "max_steps": 4,
+            "warmup_steps": 0, "lr": 1e-2, "min_lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1, "grad_clip": 0.5,
+            "eval_interval": 0, "eval_batches": 1, "log_interval": 1, "out_dir": str(tmp_path / "run"),
+            "device": "cpu", "precision": "fp32", "parallel": plan, "model": MODEL, **kw}
+
+
+def _rows(run_dir: Path, kind: str = "train") -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in rows if x["kind"] == kind]
+
+
+def _checkpoint_weights(run_dir: Path) -> dict:
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan,dp,accum,nproc", [x[:4] for x in PLANS], ids=[x[4] for x in PLANS])
+def test_torchrun_plan_table_matches_single_process_trainer(tmp_path, plan, dp, accum, nproc):
+    cfg = _config(tmp_path, plan, accum)
     r = _launch(tmp_path, cfg, nproc)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    train = [x for x in rows if x["kind"] == "train"]
+    train = _rows(tmp_path / "run")
     ref_rows, ref_sd = _reference(cfg, dp)
     assert [x["step"] for x in train] == [x["step"] for x in ref_rows] == [1, 2, 3, 4]
     losses, ref_losses = [x["loss"] for x in train], [x["loss"] for x in ref_rows]
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     np.testing.assert_allclose([x["grad_norm"] for x in train], [x["grad_norm"] for x in ref_rows], rtol=1e-4)
     assert all(x["grad_norm"] > cfg["grad_clip"] for x in ref_rows[:2])  # clipping was active
-    assert train[0]["tokens"] == 2 * accum * 16 * dp  # tokens per step count replicas, not tp ranks
+    assert train[0]["tokens"] == 2 * accum * 16 * dp  # tokens per step count replicas, not tp/pp/cp ranks
+    # the final evaluation runs through the plan's forward (pp: stage by stage; cp: gathered logits)
+    ev, ref_ev = _rows(tmp_path / "run", "eval"), _rows(Path(cfg["out_dir"] + "_ref"), "eval")
+    np.testing.assert_allclose([x["val_loss"] for x in ev], [x["val_loss"] for x in ref_ev], rtol=0, atol=1e-5)
     # the checkpoint holds the full (gathered) parameters under single-process names
-    ckpt = tmp_path / "run" / "checkpoints" / (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
-    sd = load_file(str(ckpt / "model.safetensors"))
+    sd = _checkpoint_weights(tmp_path / "run")
     assert set(sd) <= set(ref_sd) and set(ref_sd) - set(sd) <= {"lm_head.weight", "unembed.weight"}
     for k, v in sd.items():
         torch.testing.assert_close(v, ref_sd[k], rtol=0, atol=1e-4, msg=k)
     exported = load_file(str(tmp_path / "run" / "model" / "model.safetensors"))  # rank 0's export: full weights
+    assert set(exported) == set(sd)
     for k, v in exported.items():
         torch.testing.assert_close(v, ref_sd[k], rtol=0, atol=1e-4, msg=k)
     print(f"{plan}: losses {losses} vs single-process {ref_losses}")
+
+
+RESUME = [({"dp": 2}, 1, "ddp2"), ({"dp": 2, "zero": 2}, 2, "dp2_zero2"), ({"dp": 2, "zero": 3}, 2, "dp2_zero3"),
+          ({"tp": 2}, 1, "tp2"), ({"pp": 2}, 2, "pp2"), ({"dp": 2, "zero": 3, "backend": "native"}, 2, "native_dp2_zero3")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan,accum", [x[:2] for x in RESUME], ids=[x[2] for x in RESUME])
+def test_torchrun_resume_from_sharded_checkpoint_continues_the_run(tmp_path, plan, accum):
+    """A run checkpoints at step 3 (per-rank shards: optimizer states as sharded) and goes on to
+    step 6; a second torchrun resumed from the step-3 checkpoint — as after a kill — must log the
+    same losses for steps 4-6 and end on the same weights."""
+    from lmstack.parallel.checkpoint import shards_dir
+
+    cfg = _config(tmp_path, plan, accum, max_steps=6, ckpt_interval=3, keep_last=5)
+    r = _launch(tmp_path, cfg, 2)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    step3 = tmp_path / "run" / "checkpoints" / "step_00000003"
+    shards = shards_dir(step3)
+    assert sorted(x.name for x in shards.iterdir()) == ["plan.json", "rank_00000.json", "rank_00000.safetensors",
+                                                        "rank_00001.json", "rank_00001.safetensors"]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".staging*"))
+    rank1 = load_file(str(shards / "rank_00001.safetensors"))
+    if plan == {"dp": 2}:  # a DDP replica writes only its RNG states; its parameters come from rank 0's file
+        assert rank1 and all(k.startswith("rng/") for k in rank1)
+    else:
+        assert any(k.startswith("optim/") for k in rank1)
+    full = _rows(tmp_path / "run")
+    cfg2 = {**cfg, "out_dir": str(tmp_path / "resumed")}
+    r = _launch(tmp_path, cfg2, 2, extra=["--resume", str(step3)])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    resumed = _rows(tmp_path / "resumed")
+    assert [x["step"] for x in resumed] == [4, 5, 6]
+    np.testing.assert_allclose([x["loss"] for x in resumed], [x["loss"] for x in full[3:]], rtol=0, atol=1e-6)
+    np.testing.assert_allclose([x["grad_norm"] for x in resumed], [x["grad_norm"] for x in full[3:]], rtol=1e-5)
+    a, b = _checkpoint_weights(tmp_path / "run"), _checkpoint_weights(tmp_path / "resumed")
+    assert set(a) == set(b)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
+    if plan.get("zero") == 2:  # another plan cannot read these shards: a clear error
+        r = _launch(tmp_path, {**cfg2, "out_dir": str(tmp_path / "other"), "parallel": {"dp": 2, "zero": 1}}, 2,
+                    extra=["--resume", str(step3)])
+        assert r.returncode != 0 and "resume with the same plan" in r.stdout + r.stderr
 
 
 def test_config_parallel_accepts_a_table_or_string_and_names_bad_values(tmp_path):

@@ -156,6 +156,19 @@ class ContextParallel(nn.Module):
         """This rank's tokens of a (B, S, ...) tensor."""
         return t[:, self.positions(t.shape[1])]
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        pos = self.positions(tokens.shape[1])
-        return self.module(tokens[:, pos], positions=pos)
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
+        """Training mode: this rank's logits (B, S/cp, V). Eval mode: the logits of every rank
+        all-gathered back into sequence order, (B, S, V), so an evaluation loop needs no change."""
+        if positions is not None or document_ids is not None:
+            raise ValueError("context parallelism: positions/document_ids (packing) are not supported; "
+                             "the cp wrapper assigns the positions of its load-balanced chunks")
+        S = tokens.shape[1]
+        pos = self.positions(S)
+        logits = self.module(tokens[:, pos], positions=pos)  # (B, S/cp, V)
+        if self.training or self.cp == 1:
+            return logits
+        every = C.all_gather_dim(logits.contiguous(), 1, self.group)  # (B, S, V) in rank order
+        order = torch.cat([load_balanced_positions(S, self.cp, r) for r in range(self.cp)]).to(logits.device)
+        out = torch.empty_like(every)
+        out[:, order] = every
+        return out

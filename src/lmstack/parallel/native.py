@@ -81,10 +81,11 @@ def native_parallelize(model: nn.Module, plan, mesh: DeviceMesh):
         pm.ddp = runner
     pm.runner = runner
     if plan.zero in (1, 2):
-        def build_optimizer(optimizer_class, **kwargs):
+        def build_optimizer(optimizer_class, params=None, **kwargs):
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            params = [p for p in model.parameters() if p.requires_grad]
+            if params is None:
+                params = [p for p in model.parameters() if p.requires_grad]
             return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=pm.dp_group,
                                            **kwargs)
         pm.build_optimizer = build_optimizer
@@ -147,6 +148,14 @@ class NativePipeline(nn.Module):
         nn.Module.__init__(self._helper)
         self._helper.stage, self._helper.p, self._helper.tied_group = self.stage, self.p, tied_group
         self._helper.dp_group = self.dp_group
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
+        """Without gradients only (evaluation): lmstack's forward-only pass over the same stages."""
+        from lmstack.parallel.pipeline import forward_only
+
+        if torch.is_grad_enabled():
+            raise RuntimeError("NativePipeline trains through train_step; forward alone only under torch.no_grad()")
+        return forward_only(self.stage, self.group, self.ranks, self.s, self.p, tokens, positions, document_ids)
 
     def train_step(self, tokens: Tensor, targets: Tensor, loss_fn) -> float:
         import torch.distributed as dist

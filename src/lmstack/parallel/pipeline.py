@@ -177,7 +177,8 @@ class _SplitLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         x, weight = ctx.saved_tensors
-        ctx.stash.add(weight, x.detach(), g.detach())
+        if weight.requires_grad:  # a frozen weight gets no W pass
+            ctx.stash.add(weight, x.detach(), g.detach())
         return g @ weight.to(g.dtype), None, None
 
 
@@ -220,6 +221,7 @@ class PipelineStage(nn.Module):
             raise ValueError(f"pipeline: pp={p} stages exceed n_layers={L}")
         a, b = stage_layers(L, p, s)
         self.first, self.last = s == 0, s == p - 1
+        self.d_model, self.vocab_size = model.config.d_model, model.config.vocab_size
         self.layer_range = (a, b)
         self.blocks = nn.ModuleList(model.blocks[a:b])
         self.embed = model.embed if self.first else None
@@ -384,8 +386,13 @@ class PipelineParallel(nn.Module):
             q.grad.copy_(flat[off:off + q.numel()].view_as(q))
             off += q.numel()
 
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("PipelineParallel runs forward and backward together: call train_step(tokens, targets, loss_fn)")
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
+        """Without gradients only (evaluation): the logits (B, S, V) on every rank of the pipeline.
+        Training runs forward and backward together: ``train_step``."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("PipelineParallel runs forward and backward together: call "
+                               "train_step(tokens, targets, loss_fn) (forward alone only under torch.no_grad())")
+        return forward_only(self.stage, self.group, self.ranks, self.rank_in, self.p, tokens, positions, document_ids)
 
     def measured_bubble(self) -> float:
         """1 - (compute time of all stages) / (p · slowest stage's wall time) for the last step."""
@@ -400,6 +407,31 @@ class PipelineParallel(nn.Module):
             dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=self.group)
             return float(1 - busy[0] / (self.p * wall[0]))
         return float(1 - vals[0] / vals[1])
+
+
+_EVAL_TAG = 1 << 20  # send/recv tag of the forward-only pass, apart from the schedules' 2i / 2i+1
+
+
+@torch.no_grad()
+def forward_only(stage: "PipelineStage", group, ranks: list[int], s: int, p: int, tokens: Tensor,
+                 positions: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
+    """Evaluation through the stages in turn (no micro-batches): stage s receives (B, S, D) from
+    s - 1, sends its output to s + 1; the last stage's logits (B, S, V) are broadcast to every
+    rank of the pipeline so each can compute the same loss."""
+    if positions is not None or document_ids is not None:
+        raise ValueError("pipeline parallelism: positions/document_ids (packing) are not supported")
+    B, S = tokens.shape
+    dev = next(stage.parameters()).device
+    x = tokens.to(dev) if stage.first else torch.empty(B, S, stage.d_model, device=dev)
+    if not stage.first:
+        dist.recv(x, ranks[s - 1], tag=_EVAL_TAG)
+    out = stage(x).float().contiguous()  # (B, S, V); the tp vocab gather returns a strided view
+    if not stage.last:
+        dist.send(out.contiguous(), ranks[s + 1], tag=_EVAL_TAG)
+        out = torch.empty(B, S, stage.vocab_size, device=dev)
+    if p > 1:
+        dist.broadcast(out, ranks[-1], group=group)
+    return out
 
 
 def tied_embedding_groups(mesh) -> object:

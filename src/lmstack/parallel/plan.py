@@ -143,6 +143,7 @@ class ParallelModel(nn.Module):
         self.dp_group = mesh.group("dp_cp") if mesh.cp > 1 else mesh.group("dp")
         self.dp_size = mesh.dp * mesh.cp
         self.runner: nn.Module = model
+        self._pipe_loss = None
 
     # ---- data layout ---------------------------------------------------------------------------
     def shard_batch(self, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
@@ -197,46 +198,127 @@ class ParallelModel(nn.Module):
 
     @property
     def sharded(self) -> bool:
-        """Whether a rank holds only part of the parameters or optimizer states (tp, pp, ZeRO)."""
-        return self.mesh.tp > 1 or self.mesh.pp > 1 or self.plan.zero > 0 or self.fsdp is not None
+        """Whether a rank's model is not the plain single-process one: it holds only part of the
+        parameters or optimizer states (tp, pp, ZeRO), or its modules were replaced (cp's ring
+        attention). The full parameters then come from ``full_state_dict()``."""
+        return (self.mesh.tp > 1 or self.mesh.pp > 1 or self.plan.zero > 0 or self.fsdp is not None
+                or self.cp_model is not None)
+
+    # ---- trainer seams: batches, pipeline steps ---------------------------------------------------
+    def local_batch(self, batch):
+        """A batch the trainer sampled for this data-parallel rank -> what this rank computes on:
+        under context parallelism the targets of this rank's sequence chunks (the inputs stay
+        whole: the cp wrapper picks its tokens). Packing (document ids) is refused under cp and pp."""
+        if (self.cp_model is not None or self.pipeline is not None) and batch.document_ids is not None:
+            axis = "cp" if self.cp_model is not None else "pp"
+            raise ValueError(f"packing (document ids) is not supported with {axis} > 1: set packing = false")
+        if self.cp_model is None:
+            return batch
+        return type(batch)(batch.x, self.cp_model.shard(batch.y), batch.positions, batch.document_ids)
+
+    def pipeline_step(self, tokens: Tensor, targets: Tensor, loss_parts) -> Tensor:
+        """pp > 1: forward and backward of ``plan.micro_batches`` micro-batches, stacked along B
+        in ``tokens``/``targets`` (this dp rank's), through the pipeline schedule.
+        ``loss_parts(logits, y) -> (ce, z)`` runs on the last stage; each micro-batch's ce + z is
+        scaled by 1/m (gradient accumulation). Returns [mean ce, mean z] over the micro-batches,
+        the same on every rank of the pipeline (broadcast from the last stage)."""
+        if self.pipeline is None:
+            raise RuntimeError("pipeline_step needs a plan with pp > 1")
+        parts: list[Tensor] = []
+        if self._pipe_loss is None:  # one function object for every step (torch's schedules cache it)
+            state = {}
+
+            def loss_fn(logits, y):
+                ce, z = state["parts_fn"](logits, y)
+                state["parts"].append(torch.stack([ce.detach().double(), z.detach().double()]))
+                return ce + z
+
+            self._pipe_loss = (loss_fn, state)
+        loss_fn, state = self._pipe_loss
+        state["parts_fn"], state["parts"] = loss_parts, parts
+        self.pipeline.train_step(tokens, targets, loss_fn)
+        group, ranks = self.mesh.group("pp"), self.mesh.ranks("pp")
+        dev = C.comm_device(group)
+        # torch's schedules may run the loss once more on their first step (shape inference): keep the last m
+        parts = [t for t in parts if t.device.type != "meta"][-self.plan.micro_batches:]
+        out = (torch.stack(parts).mean(0) if parts else torch.zeros(2, dtype=torch.float64)).to(dev)
+        dist.broadcast(out, ranks[-1], group=group)
+        return out.cpu()
+
+    # ---- gradient norm over every shard ------------------------------------------------------------
+    def _grad_items(self) -> list[tuple[Tensor | None, object, bool]]:
+        """(gradient, split, counted) for every gradient this rank holds: ``split`` is None for
+        a replicated gradient (counted once), or the axis whose ranks hold the other pieces of the
+        same tensor ("tp" for tensor-parallel shards, "dp" for native FSDP shards); ``counted`` is
+        False for a copy counted elsewhere (the last stage's tied W_e)."""
+        tp_group = "tp" if self.mesh.tp > 1 else None
+        tp_ids = _tp_sharded_ids(self.model) if self.tp_model is not None else set()
+        copy_id = id(self.pipeline.stage.unembed) if (self.pipeline is not None and
+                                                       getattr(self.pipeline.stage, "unembed", None) is not None) \
+            else None
+        items = []
+        if self.zero_optimizer is not None:
+            self.zero_optimizer.reduce_gradients()
+            for p, g in self.zero_optimizer.shard_grads():
+                items.append((g, tp_group if id(p) in tp_ids else None, id(p) != copy_id))
+        elif self.fsdp is not None:
+            for sh in self.fsdp.shards:
+                key = self.fsdp.shard_keys.get(id(sh))
+                split = isinstance(key, tuple) and key[1]
+                items.append((sh.grad, tp_group if split else None, True))
+        else:
+            seen = set()
+            for p in self.runner.parameters():
+                if not p.requires_grad or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                g, red = p.grad, (tp_group if id(p) in tp_ids else None)
+                if g is not None and hasattr(g, "to_local"):  # native DTensor: Shard placements are split
+                    from torch.distributed.tensor import Shard
+
+                    sharded = any(isinstance(pl, Shard) for pl in g.placements)
+                    red = ("tp" if self.mesh.tp > 1 else "dp") if sharded else None
+                items.append((g, red, id(p) != copy_id))
+        return items
 
     @torch.no_grad()
     def grad_norm(self) -> Tensor:
-        """The global L2 norm of the gradient over every shard: squares of tensor-parallel shards
-        summed over tp, of ZeRO shards over dp (replicated gradients are counted once).
-        ZeRO-1/2: the gradients are reduce-scattered onto the shards first."""
-        if self.pipeline is not None or self.cp_model is not None or self.fsdp is not None or self.native is not None:
-            raise NotImplementedError("grad_norm supports DDP, ZeRO-1/2 and TP plans (not pp, cp, zero=3, native)")
-        if self.zero_optimizer is not None:
-            self.zero_optimizer.reduce_gradients()
-            items = self.zero_optimizer.shard_grads()
-        else:
-            seen, items = set(), []
-            for p in self.runner.parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    items.append((p, p.grad))
-        tp_ids = _tp_sharded_ids(self.model) if self.tp_model is not None else set()
-        dev = C.comm_device(self.dp_group) if self.zero_optimizer is not None else None
-        sq_tp = sq_rep = 0.0
-        for p, g in items:
-            if g is None:
+        """The global L2 norm of the gradient over every shard. Squares are summed locally per
+        kind, then: tensor-parallel (and native DTensor) shards over their group; ZeRO-1/2/3
+        shards over dp (their gradients are reduce-scattered onto the shards first); pipeline
+        stages over pp (the tied W_e copy on the last stage counted once). Replicated gradients
+        count once."""
+        return self._norm(self._grad_items())
+
+    def _norm(self, items) -> Tensor:
+        sq: dict[object, float] = {}
+        for g, red, counted in items:
+            if g is None or not counted:
                 continue
-            v = float(g.detach().float().pow(2).sum())
-            if id(p) in tp_ids:
-                sq_tp += v
-            else:
-                sq_rep += v
-        if self.tp_model is not None:
-            t = torch.tensor([sq_tp], dtype=torch.float64, device=C.comm_device(self.mesh.group("tp")))
-            C.all_reduce(t, self.mesh.group("tp"), impl="torch")
-            sq_tp = float(t[0])
-        total = sq_tp + sq_rep
-        if self.zero_optimizer is not None:
-            t = torch.tensor([total], dtype=torch.float64, device=dev)
+            local = g.to_local() if hasattr(g, "to_local") else g
+            sq[red] = sq.get(red, 0.0) + float(local.detach().float().pow(2).sum())
+        total = sq.pop(None, 0.0)
+        # every rank joins the same collectives in the same order: one per group kind
+        for axis in self._split_axes():
+            group = self.dp_group if axis == "dp" else self.mesh.group(axis)
+            t = torch.tensor([sq.get(axis, 0.0)], dtype=torch.float64, device=C.comm_device(group))
+            C.all_reduce(t, group, impl="torch")
+            total += float(t[0])
+        if self.zero_optimizer is not None or self.fsdp is not None:  # ZeRO: shards over dp
+            t = torch.tensor([total], dtype=torch.float64, device=C.comm_device(self.dp_group))
             C.all_reduce(t, self.dp_group, impl="torch")
             total = float(t[0])
+        if self.pipeline is not None and self.mesh.pp > 1:  # stages hold disjoint parameters
+            t = torch.tensor([total], dtype=torch.float64, device=C.comm_device(self.mesh.group("pp")))
+            C.all_reduce(t, self.mesh.group("pp"), impl="torch")
+            total = float(t[0])
         return torch.tensor(math.sqrt(total))
+
+    def _split_axes(self) -> list[str]:
+        """The axes over which split gradients are summed, the same list on every rank."""
+        if self.native is not None and self.plan.zero == 3:
+            return ["dp"]
+        return ["tp"] if self.mesh.tp > 1 else []
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> Tensor:
@@ -244,20 +326,39 @@ class ParallelModel(nn.Module):
         returns ‖g‖ before clipping (left alone when it is not finite)."""
         if not (max_norm > 0):
             raise ValueError(f"max_norm={max_norm!r} must be > 0")
-        total = self.grad_norm()
+        items = self._grad_items()
+        total = self._norm(items)
         if not torch.isfinite(total):
             return total
         coef = max_norm / (float(total) + eps)
         if coef < 1.0:
-            items = self.zero_optimizer.shard_grads() if self.zero_optimizer is not None else \
-                [(p, p.grad) for p in {id(q): q for q in self.runner.parameters()}.values()]
-            for _, g in items:
+            for g, _, _ in items:
                 if g is not None:
                     g.mul_(coef)
         return total
 
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """Unsharded parameters under the single-process names (pipeline: this stage's only)."""
+    def full_state_dict(self, all_stages: bool = False) -> dict[str, Tensor]:
+        """Unsharded parameters under the single-process names. A collective over the tp/dp
+        groups that hold shards. Pipeline: this stage's only, or with ``all_stages`` every stage's
+        gathered on the first rank of the pipeline that holds global rank 0 (others get theirs)."""
+        sd = self._full_state_dict()
+        if not all_stages or self.pipeline is None or self.mesh.pp == 1:
+            return sd
+        me = dist.get_rank()
+        pp_ranks = self.mesh.ranks("pp")
+        if 0 not in pp_ranks:
+            return sd
+        got = [None] * len(pp_ranks) if me == pp_ranks[0] else None
+        dist.gather_object({k: v.detach().cpu() for k, v in sd.items()}, got, dst=pp_ranks[0],
+                           group=self.mesh.group("pp"))
+        if me != pp_ranks[0]:
+            return sd
+        out = {}
+        for part in got:
+            out.update(part)
+        return out
+
+    def _full_state_dict(self) -> dict[str, Tensor]:
         from lmstack.parallel.tensor import gather_tp_state_dict
 
         if self.native is not None:
@@ -268,7 +369,7 @@ class ParallelModel(nn.Module):
             sd = self.fsdp.full_state_dict()
             if self.tp_model is not None:  # ZeRO-3 over TP shards: undo the TP split too
                 sd = _tp_gather_named(self.model, sd, self.mesh.group("tp"))
-            return sd
+            return {_clean(k): v for k, v in sd.items()}
         if self.tp_model is not None:
             only = {id(p) for p in self.pipeline.stage.parameters()} if self.pipeline is not None else None
             return gather_tp_state_dict(self.model, self.mesh.group("tp"), only)
@@ -276,6 +377,32 @@ class ParallelModel(nn.Module):
             mine = {id(p) for p in self.pipeline.stage.parameters()}
             return {_clean(n): p.detach() for n, p in self.model.named_parameters() if id(p) in mine}
         return {_clean(n): p.detach() for n, p in self.model.named_parameters()}
+
+    # ---- this rank's state (sharded checkpoints) --------------------------------------------------
+    def local_state_dict(self) -> dict[str, Tensor]:
+        """This rank's parameters and buffers as they are sharded (names of the wrapped runner;
+        DTensors as their local pieces): what a sharded checkpoint stores per rank."""
+        out = {}
+        for k, v in self.runner.state_dict(keep_vars=False).items():
+            if hasattr(v, "to_local"):
+                v = v.to_local()
+            out[k] = v.detach()
+        return out
+
+    @torch.no_grad()
+    def load_local_state_dict(self, sd: dict[str, Tensor]) -> None:
+        """Copy ``local_state_dict()`` tensors back in place (same plan and world size)."""
+        own = self.runner.state_dict(keep_vars=True)
+        missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+        if missing or extra:
+            raise ValueError(f"rank shard does not fit this plan's model: missing {missing[:5]}, "
+                             f"unexpected {extra[:5]}")
+        for k, t in own.items():
+            dst = t.to_local() if hasattr(t, "to_local") else t
+            if tuple(dst.shape) != tuple(sd[k].shape):
+                raise ValueError(f"rank shard: {k} has shape {tuple(sd[k].shape)}, this rank holds "
+                                 f"{tuple(dst.shape)}")
+            dst.copy_(sd[k].to(dst.device, dst.dtype))
 
 
 def _tp_sharded_ids(model: nn.Module) -> set[int]:
@@ -361,8 +488,10 @@ def parallelize(model: nn.Module, plan=None, mesh: DeviceMesh | None = None) -> 
             from lmstack.parallel.zero import FullyShard
 
             dtype = torch.bfloat16 if plan.param_dtype == "bf16" else torch.float32
+            tp_ids = _tp_sharded_ids(model) if pm.tp_model is not None else set()
+            # flat shards per (matrix?, split over tp?): weight decay and the gradient norm tell them apart
             pm.fsdp = FullyShard(runner if mesh.tp == 1 and mesh.cp == 1 else model, pm.dp_group,
-                                 param_dtype=dtype)
+                                 param_dtype=dtype, segment_key=lambda p: (p.dim() >= 2, id(p) in tp_ids))
             if mesh.tp == 1 and mesh.cp == 1:
                 runner = pm.fsdp
             else:
@@ -388,22 +517,21 @@ def get_parallelize(spec):
     """The trainer seam (``lmstack.train.Trainer.parallelize``): ``get_parallelize(config.parallel)``
     returns ``fn(trainer, model) -> model``. It initialises torch.distributed, applies the plan and
     sets ``trainer.parallel_model`` to the ``ParallelModel``; the trainer then seeds its sampler by
-    the dp rank, builds its optimizer with ``pm.build_optimizer`` (ZeRO-1/2), clips with
-    ``pm.clip_grad_norm_`` and checkpoints ``pm.full_state_dict()``. Supported through the trainer:
-    DDP, ZeRO-1/2 and tensor (+ sequence) parallelism and their compositions; pp, cp, zero=3 and the
-    native backend raise (use ``parallelize`` in your own loop for those)."""
+    the dp rank, builds its optimizer with ``pm.build_optimizer`` (ZeRO-1/2), hands each sampled
+    batch to ``pm.local_batch`` (cp: this rank's targets), runs ``pm.pipeline_step`` in place of
+    its micro-batch loop when pp > 1 (the micro-batches are the ``grad_accum`` steps), clips with
+    ``pm.clip_grad_norm_`` and checkpoints through ``lmstack.parallel.checkpoint`` (per-rank shard
+    files + the gathered full weights). Every plan ``parallelize`` accepts runs through it."""
     plan = ParallelPlan.parse(spec)
-    unsupported = [f"{k}={getattr(plan, k)}" for k, bad in (("pp", plan.pp > 1), ("cp", plan.cp > 1),
-                                                            ("zero", plan.zero == 3),
-                                                            ("backend", plan.backend != "lmstack")) if bad]
-    if unsupported:
-        raise ValueError(f"parallel plan {spec!r}: {', '.join(unsupported)} is not wired into lmstack.train yet "
-                         "(it supports dp, zero=1/2, tp, sequence_parallel); use lmstack.parallel.parallelize "
-                         "in your own loop for pipeline, context, ZeRO-3 or native plans")
 
     def apply(trainer, model: nn.Module) -> nn.Module:
         init_distributed()
-        pm = parallelize(model, plan)
+        p = plan
+        if p.pp > 1 and trainer is not None:  # the pipeline's micro-batches are the accumulation steps
+            from dataclasses import replace
+
+            p = replace(p, micro_batches=trainer.config.grad_accum)
+        pm = parallelize(model, p)
         if trainer is not None:
             trainer.parallel_model = pm
         return pm.runner

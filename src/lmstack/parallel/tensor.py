@@ -38,6 +38,15 @@ def _rank_size(group) -> tuple[int, int]:
     return (C._group_ranks(group)[0] if M > 1 else 0), M
 
 
+def _keep_frozen(new: nn.Module, old: nn.Module) -> nn.Module:
+    """The shards keep their parameters' ``requires_grad`` (a frozen weight stays frozen)."""
+    for name in ("weight", "bias"):
+        a, b = getattr(new, name, None), getattr(old, name, None)
+        if a is not None and b is not None:
+            a.requires_grad_(b.requires_grad)
+    return new
+
+
 class ColumnParallelLinear(nn.Module):
     """Y[.., O_tp] = X[.., I] · W[O_tp, I]ᵀ: the output features are split (seed 000 §6.3 case 1:
     no communication). Holds rows [r·O/tp, (r+1)·O/tp) of the full (O, I) weight."""
@@ -56,7 +65,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"column-parallel: out_features={O} is not divisible by tp={M}")
         w = lin.weight.detach().chunk(M, 0)[r].clone()
         b = lin.bias.detach().chunk(M, 0)[r].clone() if getattr(lin, "bias", None) is not None else None
-        return cls(w, b)
+        return _keep_frozen(cls(w, b), lin)
 
     def forward(self, x: Tensor) -> Tensor:  # (B, S, I) -> (B, S, O/tp)
         return F.linear(x, self.weight, self.bias)
@@ -81,7 +90,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"row-parallel: in_features={I} is not divisible by tp={M}")
         w = lin.weight.detach().chunk(M, 1)[r].clone()
         b = lin.bias.detach().clone() if getattr(lin, "bias", None) is not None else None
-        return cls(w, group, sequence_parallel, b)
+        return _keep_frozen(cls(w, group, sequence_parallel, b), lin)
 
     def forward(self, x: Tensor) -> Tensor:  # (B, S, I/tp) -> (B, S, O)  [SP: (B, S/tp, O)]
         y = F.linear(x, self.weight)  # partial sum over this rank's I/tp inputs
@@ -127,7 +136,8 @@ class VocabParallelEmbedding(nn.Module):
         V = emb.weight.shape[0]
         if V % M:
             raise ValueError(f"vocab-parallel embedding: vocab_size={V} is not divisible by tp={M}")
-        return cls(emb.weight.detach().chunk(M, 0)[r].clone(), r * (V // M), group, sequence_parallel)
+        return _keep_frozen(cls(emb.weight.detach().chunk(M, 0)[r].clone(), r * (V // M), group, sequence_parallel),
+                            emb)
 
     def forward(self, tokens: Tensor) -> Tensor:  # (B, S) -> (B, S, D)  [SP: (B, S/tp, D)]
         local = tokens - self.vocab_start

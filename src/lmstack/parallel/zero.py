@@ -22,7 +22,8 @@ owns elements [r·c, (r+1)·c). When every n divides by M the per-rank bytes are
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -146,6 +147,25 @@ class ZeroOptimizer:
             full = C.all_gather(shard.detach(), self.group)  # (M·c,)
             p.data.view(-1).copy_(full[:p.numel()])
 
+    def state_dict(self) -> dict:
+        """This rank's optimizer states (of its shards) and hyper-parameters: a per-rank checkpoint."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore ``state_dict()`` of the same rank, after the parameters were restored."""
+        self.inner.load_state_dict(sd)
+        self.refresh_shards()
+
+    @torch.no_grad()
+    def refresh_shards(self) -> None:
+        """Re-read the shards that are copies (a size not divisible by M) from their parameters,
+        e.g. after the parameters were loaded from a checkpoint; views follow by themselves."""
+        for p in self.params:
+            shard = self._shard[id(p)]
+            c = shard.numel()
+            if shard.data_ptr() < p.data_ptr() or shard.data_ptr() >= p.data_ptr() + p.numel() * p.element_size():
+                shard.copy_(_pad_flat(p.detach(), self.M)[self.rank * c:(self.rank + 1) * c])
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._reduced = False
         for p in self.params:
@@ -185,80 +205,115 @@ class ZeroOptimizer:
 
 
 class _GatherParams(torch.autograd.Function):
-    """Forward: all-gather the unit's parameter shards into its flat buffer (cast to the compute
-    dtype). Backward: reduce-scatter the flat gradient (in fp32) onto the shard, divided by M
-    (the data-parallel average), then free the buffer again."""
+    """Forward: all-gather the unit's parameter shards (one per segment) into its flat buffer
+    (cast to the compute dtype). Backward: reduce-scatter each segment of the flat gradient (in
+    fp32) onto its shard, divided by M (the data-parallel average), then free the buffer again."""
 
     @staticmethod
-    def forward(ctx, shard: Tensor, unit: "_Unit") -> Tensor:
+    def forward(ctx, unit: "_Unit", *shards: Tensor) -> Tensor:
         ctx.unit = unit
         return unit.materialize()
 
     @staticmethod
     def backward(ctx, g: Tensor):
         unit = ctx.unit
-        grad = C.reduce_scatter(g.float().reshape(-1), unit.group) / unit.M
+        grads = []
+        for seg, shard in zip(unit.segments, unit.shards):
+            part = g[seg.base:seg.base + unit.M * seg.c].float()
+            grads.append((C.reduce_scatter(part, unit.group) / unit.M).to(shard.dtype).view(shard.shape))
         unit.free()
-        return grad.to(unit.shard.dtype), None
+        return (None, *grads)
+
+
+@dataclass
+class _Segment:
+    """One class of a unit's parameters (e.g. matrices, or 1-D gains/biases) laid out flat:
+    ``numel`` elements padded to M·c at offset ``base`` of the unit's buffer."""
+
+    key: object
+    numel: int
+    c: int
+    base: int
+    matrix: bool
 
 
 class _Unit:
-    """The directly owned parameters of one module (not those of its sub-units), flattened."""
+    """The directly owned parameters of one module (not those of its sub-units), flattened.
+
+    The flat buffer is split into segments by ``owner.segment_key(p)`` (default: matrix or not);
+    each segment is sharded on its own, so every shard holds one class of parameters. A shard of
+    matrices is (1, c), of vectors (c,): optimizer rules that look at ``p.dim()`` (weight decay on
+    matrices only) see the same classes as on the unsharded model."""
 
     def __init__(self, owner: "FullyShard", name: str, entries: list[tuple[nn.Module, str, nn.Parameter]]):
         self.owner, self.name, self.group, self.M = owner, name, owner.group, owner.M
-        self.entries = []  # (module, attr, offset, shape)
+        uniq: dict[int, nn.Parameter] = {}
+        for _, _, p in entries:
+            uniq.setdefault(id(p), p)
+        by_key: dict[object, list[nn.Parameter]] = {}
+        for p in uniq.values():
+            by_key.setdefault(owner.segment_key(p), []).append(p)
         offsets: dict[int, int] = {}
-        uniq = []
-        off = 0
-        for mod, attr, p in entries:
-            if id(p) not in offsets:
-                offsets[id(p)] = off
-                uniq.append(p)
-                off += p.numel()
-            self.entries.append((mod, attr, offsets[id(p)], p.shape))
-        self.numel = off
-        self.c = math.ceil(off / self.M)
-        flat = torch.cat([p.detach().reshape(-1).to(owner.master_dtype) for p in uniq])
-        flat = _pad_flat(flat, self.M)
+        self.segments: list[_Segment] = []
+        self.shards: list[nn.Parameter] = []
+        base = 0
         r = owner.rank
-        self.shard = nn.Parameter(flat[r * self.c:(r + 1) * self.c].clone().to(owner.master_dtype))
+        for key, ps in by_key.items():
+            n = sum(p.numel() for p in ps)
+            seg = _Segment(key, n, math.ceil(n / self.M), base, all(p.dim() >= 2 for p in ps))
+            off = base
+            for p in ps:
+                offsets[id(p)] = off
+                off += p.numel()
+            flat = _pad_flat(torch.cat([p.detach().reshape(-1).to(owner.master_dtype) for p in ps]), self.M)
+            shard = flat[r * seg.c:(r + 1) * seg.c].clone()
+            self.shards.append(nn.Parameter(shard.view(1, -1) if seg.matrix else shard))
+            owner.shard_keys[id(self.shards[-1])] = key
+            self.segments.append(seg)
+            base += self.M * seg.c
+        self.size = base  # buffer elements (padded segments)
+        self.numel = sum(p.numel() for p in uniq.values())
+        self.entries = [(mod, attr, offsets[id(p)], p.shape) for mod, attr, p in entries]  # (module, attr, offset, shape)
         for mod, attr, _ in entries:
             del mod._parameters[attr]
             setattr(mod, attr, None)
-        self.buffer: Tensor | None = None  # (M·c,) in the compute dtype
+        self.buffer: Tensor | None = None  # (size,) in the compute dtype
         self.full: Tensor | None = None  # the autograd output viewing ``buffer``
         self._work = None
         self.gathered = False
 
     def _alloc(self) -> Tensor:
         if self.buffer is None:
-            self.buffer = torch.empty(self.M * self.c, dtype=self.owner.param_dtype, device=self.shard.device)
+            self.buffer = torch.empty(self.size, dtype=self.owner.param_dtype, device=self.shards[0].device)
         else:
-            self.buffer.untyped_storage().resize_(self.M * self.c * self.buffer.element_size())
+            self.buffer.untyped_storage().resize_(self.size * self.buffer.element_size())
         return self.buffer
 
     def prefetch(self, ahead: bool = False) -> None:
-        """Start the all-gather now (async with torch's collective) so it overlaps compute;
+        """Start the all-gathers now (async with torch's collective) so they overlap compute;
         ``ahead``: issued for the next unit while the current one computes."""
         if self.gathered or self._work is not None:
             return
         if ahead:
             self.owner.prefetched += 1
         buf = self._alloc()
-        src = self.shard.detach().to(self.owner.param_dtype)
-        if C._use_ring("auto"):
-            C.all_gather(src, self.group, out=buf.data)
-            self._work = "done"
-        else:
-            self._work = C._ag_tensor(buf.data, src, self.group, async_op=True) if self.M > 1 else "done"
+        works = []
+        for seg, shard in zip(self.segments, self.shards):
+            src = shard.detach().reshape(-1).to(self.owner.param_dtype)
+            out = buf.data[seg.base:seg.base + self.M * seg.c]
             if self.M == 1:
-                buf.data.copy_(src)
+                out.copy_(src)
+            elif C._use_ring("auto"):
+                C.all_gather(src, self.group, out=out)
+            else:
+                works.append(C._ag_tensor(out, src, self.group, async_op=True))
+        self._work = works or "done"
 
     def materialize(self) -> Tensor:
         self.prefetch()
         if self._work not in (None, "done"):
-            self._work.wait()
+            for w in self._work:
+                w.wait()
         self._work = None
         self.gathered = True
         self.owner._live[self.buffer.untyped_storage().data_ptr()] = self
@@ -271,7 +326,7 @@ class _Unit:
         attributes at views of the full flat buffer."""
         if self.gathered and self.full is not None:
             return
-        full = _GatherParams.apply(self.shard, self)
+        full = _GatherParams.apply(self, *self.shards)
         self.full = full
         for mod, attr, off, shape in self.entries:
             setattr(mod, attr, full[off:off + math.prod(shape)].view(shape))
@@ -292,6 +347,10 @@ class _Unit:
         self.free()
         self.full = None
 
+    def full_flat(self) -> Tensor:
+        """All-gather the master shards (a collective): the unit's flat fp32 buffer (size,)."""
+        return torch.cat([C.all_gather(s.detach().reshape(-1), self.group) for s in self.shards])
+
 
 class FullyShard(nn.Module):
     """ZeRO-3 / FSDP over ``group``: ``units`` (default: every ``model.blocks[i]``, plus the root)
@@ -300,12 +359,21 @@ class FullyShard(nn.Module):
     ``param_dtype`` is the compute dtype of the gathered parameters (bf16 for mixed precision);
     the shards — the parameters the optimizer sees, ``self.parameters()`` — stay in
     ``master_dtype`` (fp32), and gradients are reduce-scattered in fp32.
+
+    ``segment_key(p)``: parameters of one unit with different keys go to different flat shards
+    (default: matrices vs vectors, so weight decay can tell them apart; the parallel plan adds
+    "split over tp or replicated" for the gradient norm). ``shard_keys[id(shard)]`` is its key.
+    Frozen parameters (``requires_grad=False``) are not sharded: they stay in their modules,
+    replicated (broadcast from rank 0 like the rest).
     """
 
     def __init__(self, model: nn.Module, group=None, units: list[nn.Module] | None = None,
                  param_dtype: torch.dtype = torch.float32, master_dtype: torch.dtype = torch.float32,
-                 prefetch: bool = True, broadcast: bool = True):
+                 prefetch: bool = True, broadcast: bool = True,
+                 segment_key: Callable[[nn.Parameter], object] | None = None):
         super().__init__()
+        self.segment_key = segment_key or (lambda p: p.dim() >= 2)
+        self.shard_keys: dict[int, object] = {}
         self.group, self.M = group, C.group_size(group)
         self.rank = C._group_ranks(group)[0] if self.M > 1 else 0
         self.param_dtype, self.master_dtype = param_dtype, master_dtype
@@ -327,7 +395,7 @@ class FullyShard(nn.Module):
         self.root = _Unit(self, "root", self._collect(model, seen))
         if not self.root.entries:
             self.root = None
-        self.shards = nn.ParameterList([u.shard for u in self.units] + ([self.root.shard] if self.root else []))
+        self.shards = nn.ParameterList([s for u in self.all_units() for s in u.shards])
         self._order = {id(um): i for i, um in enumerate(unit_modules)}
         for i, um in enumerate(unit_modules):
             um.register_forward_pre_hook(self._make_pre(i))
@@ -340,11 +408,8 @@ class FullyShard(nn.Module):
         out, mine = [], set()
         for mod in module.modules():
             for attr, p in list(mod._parameters.items()):
-                if p is None or (id(p) in seen and id(p) not in mine):
-                    continue
-                if not p.requires_grad:
-                    raise ValueError(f"FullyShard: frozen parameter {type(mod).__name__}.{attr} is not supported "
-                                     "(ZeRO-3 shards trainable parameters; keep frozen ones outside the units)")
+                if p is None or not p.requires_grad or (id(p) in seen and id(p) not in mine):
+                    continue  # frozen parameters stay where they are, replicated
                 seen.add(id(p))
                 mine.add(id(p))
                 out.append((mod, attr, p))
@@ -398,12 +463,17 @@ class FullyShard(nn.Module):
         names = {}
         for name, mod in self.module.named_modules():
             names[id(mod)] = name
-        for u in self.units + ([self.root] if self.root else []):
-            full = C.all_gather(u.shard.detach(), self.group)[:u.numel]
+        for u in self.all_units():
+            full = u.full_flat()
             for mod, attr, off, shape in u.entries:
                 key = f"{names[id(mod)]}.{attr}" if names[id(mod)] else attr
                 out[key] = full[off:off + math.prod(shape)].view(shape).clone()
+        for name, p in self.module.named_parameters():  # frozen, unsharded
+            out[name] = p.detach().clone()
         return out
+
+    def all_units(self) -> list[_Unit]:
+        return self.units + ([self.root] if self.root is not None else [])
 
     def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         params = sum(s.numel() * s.element_size() for s in self.shards)

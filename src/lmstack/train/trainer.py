@@ -19,7 +19,11 @@ The step is factored so a distributed wrapper can plug in without touching this 
   rank 0 writes files.
 - ``build_optimizer()`` keeps the weight-decay groups and goes through the plan (ZeRO-1/2 shard
   the states); ``optimizer_step`` clips by the norm over every shard (``pm.clip_grad_norm_``);
-  ``save_checkpoint`` gathers the full parameters when they are sharded (tp, ZeRO).
+  ``save_checkpoint`` gathers the full parameters and writes per-rank shard files (optimizer
+  states as sharded), ``resume`` reads them back (``lmstack.parallel.checkpoint``).
+- ``next_batch`` hands the sampled batch to ``pm.local_batch`` (context parallelism: this rank's
+  targets); under pipeline parallelism ``train_step`` is ``pipeline_train_step`` (the grad_accum
+  micro-batches go through the pipeline schedule together).
 - ``micro_step_context(i, n)`` wraps each micro-batch's forward+backward (the model's ``no_sync``
   for all but the last); ``reduce_metric(x)`` averages a scalar over ranks.
 """
@@ -183,9 +187,10 @@ class Trainer:
         self.schedule = build_schedule(c)
         # fp16 has a narrow exponent range: scale the loss so small gradients do not underflow
         self.scaler = torch.amp.GradScaler(self.device.type) if c.precision == "fp16" else None
-        if self.scaler is not None and pm is not None and pm.zero_optimizer is not None:
-            raise TrainConfigError(f"precision='fp16' with parallel={c.parallel!r}: the fp16 loss scaler does not "
-                                   "work with ZeRO's sharded optimizer; use precision='bf16' or 'fp32'")
+        if self.scaler is not None and pm is not None and (pm.sharded or pm.native is not None):
+            raise TrainConfigError(f"precision='fp16' with parallel={c.parallel!r}: the fp16 loss scaler checks "
+                                   "for overflow per rank, which sharded plans (tp, pp, ZeRO) would let diverge; "
+                                   "use precision='bf16' or 'fp32'")
         self.data_generator = torch.Generator().manual_seed(c.seed * 1_000_003 + self.dp_rank)
         self.step = 0  # optimizer steps done
         self.tokens_seen = 0
@@ -245,6 +250,25 @@ class Trainer:
         dist.all_reduce(t)
         return float(t[0]) / dist.get_world_size()
 
+    def pipeline_train_step(self) -> dict[str, float]:
+        """``train_step`` under pipeline parallelism (pp > 1): the ``grad_accum`` micro-batches go
+        through the pipeline schedule together (m = grad_accum micro-batches in flight, each loss
+        scaled by 1/m), then ``optimizer_step`` as usual."""
+        n = self.config.grad_accum
+        batches = [self.next_batch() for _ in range(n)]
+        x, y = torch.cat([b.x for b in batches]), torch.cat([b.y for b in batches])  # (n·B, S)
+        with self.autocast():
+            ce, z = self.parallel_model.pipeline_step(x, y, lambda logits, t: cross_entropy(
+                logits, t, z_loss=self.config.z_loss)).tolist()
+        ce, z = self.reduce_metric(ce), self.reduce_metric(z)  # every rank sees a non-finite loss: all stop
+        if not math.isfinite(ce + z):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingDiverged(f"loss is {ce + z} at step {self.step}")
+        norm, lr = self.optimizer_step()
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+        return {"loss": ce, "z_loss": z, "grad_norm": norm, "lr": lr}
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
@@ -258,8 +282,9 @@ class Trainer:
 
     def next_batch(self) -> Batch:
         c = self.config
-        return get_batch(self.train_tokens, c.batch_size, c.seq_len, self.device, self.data_generator,
-                         c.sep_id if c.packing else None)
+        batch = get_batch(self.train_tokens, c.batch_size, c.seq_len, self.device, self.data_generator,
+                          c.sep_id if c.packing else None)
+        return batch if self.parallel_model is None else self.parallel_model.local_batch(batch)  # cp: its targets
 
     def forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(cross-entropy, z-loss) of one micro-batch; logits (B, S, V).
@@ -308,6 +333,8 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over ``grad_accum`` micro-batches (loss scaled by 1/grad_accum)."""
+        if self.parallel_model is not None and self.parallel_model.pipeline is not None:
+            return self.pipeline_train_step()
         n = self.config.grad_accum
         ce_sum = z_sum = 0.0
         for i in range(n):
@@ -358,16 +385,20 @@ class Trainer:
                 "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def save_checkpoint(self) -> Path | None:
-        """Rank 0 writes. Sharded plans (tp, ZeRO): every rank joins in gathering the full
-        parameters (single-process names), rank 0 saves them without the sharded optimizer states."""
+        """Rank 0 writes the checkpoint. Under a parallel plan every rank joins: the full
+        parameters are gathered (single-process names) into rank 0's ``model.safetensors``, and
+        each rank writes its own shard file (its parameters and optimizer states as sharded, its
+        RNG states) into ``step_N.shards/`` (``lmstack.parallel.checkpoint``)."""
         pm = self.parallel_model
-        if pm is not None and pm.sharded:
-            full = pm.full_state_dict()  # a collective: all ranks
-            if not self.is_main:
-                return None
-            self._full_state = full  # export() writes these, not raw_model's shards
-            return ckpt.save_checkpoint(self.ckpt_dir, self.step, _StateDictOnly(full), None, self.state(),
-                                        self.data_generator, keep_last=self.config.keep_last)
+        if pm is not None:
+            from lmstack.parallel.checkpoint import save_sharded
+
+            full = pm.full_state_dict(all_stages=True)  # a collective: all ranks
+            if self.is_main and pm.sharded:
+                self._full_state = full  # export() writes these, not raw_model's shards
+            return save_sharded(self.ckpt_dir, self.step, pm, self.optimizer, self.data_generator, lambda: (
+                ckpt.save_checkpoint(self.ckpt_dir, self.step, _StateDictOnly(full), None, self.state(),
+                                     self.data_generator, keep_last=self.config.keep_last)))
         if not self.is_main:
             return None
         return ckpt.save_checkpoint(self.ckpt_dir, self.step, self.raw_model, self.optimizer, self.state(),
@@ -378,7 +409,12 @@ class Trainer:
         p = Path(path) if path is not None else ckpt.latest_checkpoint(self.ckpt_dir)
         if p is None:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.ckpt_dir}")
-        meta = ckpt.load_checkpoint(p, self.raw_model, self.optimizer, self.data_generator)
+        if self.parallel_model is not None:  # every rank reads its own shard file
+            from lmstack.parallel.checkpoint import load_sharded
+
+            meta = load_sharded(p, self.parallel_model, self.optimizer, self.data_generator)
+        else:
+            meta = ckpt.load_checkpoint(p, self.raw_model, self.optimizer, self.data_generator)
         self.step = int(meta["step"])
         self.tokens_seen = int(meta.get("tokens_seen", 0))
         self.last_eval = meta.get("last_eval") or {}
