@@ -165,4 +165,6 @@ class Transformer(nn.Module):
         if last_n is not None:
             x = x[:, -last_n:]
         x = self.norm(x)
-        return F.linear(x, self.unembedding)  # (B, S, V)
+        if self.lm_head is not None:  # a module call, so lmstack.quant can swap in a quantised unembedding
+            return self.lm_head(x)  # (B, S, V)
+        return F.linear(x, self.embed.weight)  # (B, S, V), tied
