@@ -10,10 +10,19 @@ kernels with no Python per op. Empty slots carry position −1 and the model's m
 
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 from torch import Tensor
 
 from lmstack.model.config import ModelConfig
+
+
+# Inductor options for the decode step: a C++ wrapper calls the ~200 kernels of one step instead of
+# Python, and no per-call shape asserts (shapes are static). Measured on SmolLM2-135M int4, one CPU
+# thread: 48 -> 62 tokens/s against the default Python wrapper.
+COMPILE_OPTIONS = {"cpp_wrapper": True, "size_asserts": False}
 
 
 class StaticKVCache:
@@ -66,12 +75,15 @@ class StaticDecoder:
 
     ``prefill(ids)`` runs the prompt eagerly (its length varies) and returns the last logits (V,);
     ``decode(token, position)`` runs one token through the (compiled) step and returns logits (V,).
+    Compiled, the step is traced once with fixed shapes (1, 1) and (1,) and guarded on them, so
+    positions change without recompiling; the first ``decode`` pays the compilation (tens of
+    seconds to minutes on a CPU).
     One decoder serves many prompts up to ``max_seq_len`` tokens (``reset`` between them), so the
     compilation is paid once.
     """
 
     def __init__(self, model, max_seq_len: int, compile: bool = False, dtype: torch.dtype | None = None,
-                 compile_mode: str | None = None):
+                 compile_mode: str | None = None, compile_options: dict | None = None):
         self.model = model
         p = next(model.parameters())
         self.device = p.device
@@ -79,7 +91,12 @@ class StaticDecoder:
         self.compiled = compile
         self._step = self._forward
         if compile:
-            self._step = torch.compile(self._forward, fullgraph=True, dynamic=False, mode=compile_mode)
+            # Dynamo keeps its compiled graphs (and checks their guards on every call) per code
+            # object; a copy of the code per decoder keeps each decoder's lookup to its own graph.
+            code = StaticDecoder._forward.__code__.replace(co_name=f"_forward_{id(self):x}")
+            forward = functools.partial(types.FunctionType(code, globals()), self)
+            options = dict(COMPILE_OPTIONS) | (compile_options or {})
+            self._step = torch.compile(forward, fullgraph=True, dynamic=False, mode=compile_mode, options=options)
 
     def _forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
         # tokens (1, T), positions (T,) -> logits of the last token (1, V)

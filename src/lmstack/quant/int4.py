@@ -46,7 +46,9 @@ def _has_int4_kernel() -> bool:
 class Int4Linear(nn.Module):
     """y = x Ŵᵀ (+ b) with Ŵ stored as packed 4-bit Q and per-group (scale, zero) — 0.5 byte per weight.
 
-    ``compute_dtype`` as in ``Int8Linear`` (bf16: the CPU kernel's fast path).
+    ``compute_dtype`` as in ``Int8Linear`` (bf16: the CPU kernel's fast path). Without the
+    kernel (or when O is not a multiple of 16) the codes are packed two per byte by hand and the
+    forward dequantises.
     """
 
     def __init__(self, q: Tensor, scale: Tensor, lo: Tensor, bias: Tensor | None = None,
@@ -58,7 +60,7 @@ class Int4Linear(nn.Module):
         self.compute_dtype = compute_dtype
         self.register_buffer("scale", scale.float().contiguous())  # (O, I/G)
         self.register_buffer("lo", lo.float().contiguous())  # (O, I/G)
-        self.use_kernel = _has_int4_kernel()
+        self.use_kernel = _has_int4_kernel() and O % 16 == 0  # the CPU packing needs O divisible by 16
         if self.use_kernel:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
             self.register_buffer("qweight", packed)  # (O, I/2) uint8, two 4-bit values per byte
