@@ -120,6 +120,10 @@ def test_quantize_model_without_lm_head_and_bad_method():
     assert model.lm_head is None
     with pytest.raises(ValueError, match="int3"):
         quantize_model(small_model(), "int3")
+    with pytest.raises(ValueError, match="fp8"):
+        quantize_model(small_model(), "int4", lm_head="fp8")
+    mixed = quantize_model(small_model(), "int4", lm_head="int8")
+    assert isinstance(mixed.lm_head, Int8Linear) and isinstance(mixed.blocks[0].ffn.up_proj, Int4Linear)
 
 
 def test_quantized_weight_bytes_worked_number():

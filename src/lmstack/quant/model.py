@@ -29,16 +29,19 @@ def _quantized(weight_or_linear, method: str, group_size: int, compute_dtype: to
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, method: str = "int8", lm_head: bool = True, group_size: int = 32,
+def quantize_model(model: nn.Module, method: str = "int8", lm_head: bool | str = True, group_size: int = 32,
                    compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """Replace the linears of ``model`` (a ``Transformer``) by ``Int8Linear`` / ``Int4Linear``.
 
-    ``lm_head``: also quantise the unembedding (V·D weights, a fifth of SmolLM2-135M). The
-    model is meant for inference afterwards (buffers, no trainable weights in the linears).
+    ``lm_head``: True quantises the unembedding (V·D weights, a fifth of SmolLM2-135M) with
+    ``method`` too, a method name ("int8") uses that one for it, False keeps it in floating point.
+    The model is meant for inference afterwards (buffers, no trainable weights in the linears).
     Returns the model.
     """
-    if method not in QUANT_METHODS:
-        raise ValueError(f"quantisation method={method!r}; expected one of {QUANT_METHODS}")
+    head_method = method if lm_head is True else lm_head
+    for m in (method, head_method):
+        if m is not False and m not in QUANT_METHODS:
+            raise ValueError(f"quantisation method={m!r}; expected one of {QUANT_METHODS}")
     if not hasattr(model, "blocks"):
         raise TypeError(f"expected an lmstack Transformer (with .blocks), got {type(model).__name__}")
     for block in model.blocks:
@@ -46,11 +49,11 @@ def quantize_model(model: nn.Module, method: str = "int8", lm_head: bool = True,
             for name, child in list(parent.named_children()):
                 if isinstance(child, Linear):
                     setattr(parent, name, _quantized(child, method, group_size, compute_dtype))
-    if lm_head:
+    if head_method:
         if model.lm_head is not None:
-            model.lm_head = _quantized(model.lm_head, method, group_size, compute_dtype)
+            model.lm_head = _quantized(model.lm_head, head_method, group_size, compute_dtype)
         else:  # tied: quantise a copy of W_e for the unembedding, keep W_e for the lookup
-            model.lm_head = _quantized(model.embed.weight, method, group_size, compute_dtype)
+            model.lm_head = _quantized(model.embed.weight, head_method, group_size, compute_dtype)
     model.quantization = method
     return model
 
