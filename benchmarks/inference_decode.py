@@ -55,7 +55,9 @@ def bandwidths_gbs(threads: int, mib: int = 512, repeats: int = 7) -> tuple[floa
 class LmstackEngine:
     def __init__(self, base, spec: str, max_len: int):
         fmt, _, flag = spec.partition("+")
-        self.name = f"lmstack {fmt}" + (" compiled" if flag == "compile" else "")
+        if flag not in ("", "static", "compile"):
+            raise SystemExit(f"--lmstack entry {spec!r}: expected FORMAT, FORMAT+static or FORMAT+compile")
+        self.name = f"lmstack {fmt}" + {"": "", "static": " static", "compile": " compiled"}[flag]
         self.fmt = fmt
         if fmt in ("int8", "int4"):
             self.model = quantize_model(copy.deepcopy(base), fmt)

@@ -77,6 +77,13 @@ def test_int8_linear_equals_linear_on_dequantized_weight(bias):
     torch.testing.assert_close(fast(x), ref_bf16, atol=0.05, rtol=0.02)
 
 
+def test_int8_linear_many_rows_dequantizes():
+    w = weight()
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3))  # >= DEQUANT_ROWS rows
+    m = Int8Linear(*quantize_int8(w))
+    torch.testing.assert_close(m(x), F.linear(x, dequantize_int8(*quantize_int8(w))), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
 def test_int4_linear_equals_linear_on_dequantized_weight(compute_dtype):
     w = weight()

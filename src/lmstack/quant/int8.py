@@ -39,9 +39,11 @@ class Int8Linear(nn.Module):
 
     ``compute_dtype`` is the dtype the activation is cast to for the matmul: bf16 (default) is
     what the CPU int8 kernel is fast for (an fp32 activation takes a ~10x slower path there);
-    the output is cast back to the input's dtype. Off CPU, or without the kernel, the weight is
-    dequantised and F.linear runs (same result, no speed-up).
+    the output is cast back to the input's dtype. With ``DEQUANT_ROWS`` or more rows (prefill),
+    off CPU, or without the kernel, the weight is dequantised and F.linear runs.
     """
+
+    DEQUANT_ROWS = 32  # from this many rows on, dequantise and use F.linear
 
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None,
                  compute_dtype: torch.dtype = torch.bfloat16):
@@ -74,7 +76,12 @@ class Int8Linear(nn.Module):
         return self.qweight.numel() + self.scale_c.numel() * self.scale_c.element_size()
 
     def forward(self, x: Tensor) -> Tensor:  # (..., I) -> (..., O)
-        if x.device.type == "cpu" and _has_int8_kernel():
+        rows = x.numel() // self.in_features
+        if rows >= self.DEQUANT_ROWS:
+            # Many rows (a prefill): the matmul is compute-bound and the int8 kernel is slower than a
+            # float GEMM, so dequantise once (O·I work, small next to rows·O·I) and use F.linear.
+            y = F.linear(x, self.dequantized_weight(x.dtype))
+        elif x.device.type == "cpu" and _has_int8_kernel():
             x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # (M, I)
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale_c)  # (M, O)
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
