@@ -148,6 +148,10 @@ def run_generate(args) -> int:
 
         n = len(tok.encode(prompt)) + args.max_tokens
         decoder = StaticDecoder(model, min(model.config.max_seq_len, -(-n // 256) * 256), compile=True)
+        t0 = time.perf_counter()
+        print("[compiling the decode step ...]", file=sys.stderr, flush=True)
+        decoder.warm_up()  # compile now, so that the reported decode speed is the compiled one
+        print(f"[compiled in {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
     stats = stream_generate(model, tok, prompt, args.max_tokens, stop=tuple(args.stop), decoder=decoder,
                             **_sampling_kwargs(args))
     print(f"[{stats['new_tokens']} tokens, TTFT {stats['ttft_s'] * 1000:.0f} ms, "

@@ -105,6 +105,13 @@ class StaticDecoder:
     def reset(self) -> None:
         self.cache.reset()
 
+    def warm_up(self) -> None:
+        """Run (and so compile) one decode step on an empty cache, then reset."""
+        self.reset()
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.decode(zero.view(1, 1), zero)
+        self.reset()
+
     @torch.inference_mode()
     def prefill(self, ids) -> Tensor:
         n = len(ids)
