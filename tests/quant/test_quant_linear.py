@@ -131,6 +131,8 @@ def test_quantize_model_without_lm_head_and_bad_method():
         quantize_model(small_model(), "int4", lm_head="fp8")
     mixed = quantize_model(small_model(), "int4", lm_head="int8")
     assert isinstance(mixed.lm_head, Int8Linear) and isinstance(mixed.blocks[0].ffn.up_proj, Int4Linear)
+    with pytest.raises(ValueError, match="already quantised"):
+        quantize_model(mixed, "int8")
 
 
 def test_quantized_weight_bytes_worked_number():

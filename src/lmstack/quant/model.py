@@ -44,6 +44,8 @@ def quantize_model(model: nn.Module, method: str = "int8", lm_head: bool | str =
             raise ValueError(f"quantisation method={m!r}; expected one of {QUANT_METHODS}")
     if not hasattr(model, "blocks"):
         raise TypeError(f"expected an lmstack Transformer (with .blocks), got {type(model).__name__}")
+    if getattr(model, "quantization", None):
+        raise ValueError(f"the model is already quantised ({model.quantization}); quantise a float model")
     for block in model.blocks:
         for parent in block.modules():
             for name, child in list(parent.named_children()):
