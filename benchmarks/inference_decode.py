@@ -1,17 +1,24 @@
-"""Batch-1 decode and prefill on SmolLM2-135M: lmstack vs HF transformers vs llama.cpp, and the
-memory-bandwidth roofline (seed 001 "性能指标分析": Latency = (Param + Memory_KV) / bandwidth).
+"""Batch-1 decode and prefill on SmolLM2-135M: lmstack (fp32, bf16, int8, int4; eager and with a
+compiled decode step) vs HF transformers vs llama.cpp, and the memory-bandwidth roofline of each
+weight format (seed 001 "性能指标分析": Latency = (Param + Memory_KV) / bandwidth).
 
-    python benchmarks/inference_decode.py [--dtype fp32] [--new-tokens 64] [--prompt-tokens 128] [--repeats 3]
+    python benchmarks/inference_decode.py [--threads 1] [--new-tokens 32] [--prompt-tokens 128] [--repeats 3]
+        [--lmstack fp32,bf16,int8,int4,fp32+compile,bf16+compile,int8+compile,int4+compile] [--hf fp32,bf16]
+        [--llama-threads 1,2]
 
-Prints tokens/s for each engine (medians over repeats after one warm-up), the ratios
-lmstack/peer, the measured copy bandwidth, the bytes one decode step must read, and the % of
-the roofline each engine reaches. llama.cpp (``llama-cpp-python``) runs the same GGUF file
-with 2 threads; it is skipped with a note when not installed.
+Every engine is loaded and warmed up first (a compiled decode step is compiled then), then the
+engines run interleaved, one round after another (lmstack a, lmstack b, ..., HF, llama.cpp,
+then again), and the medians over rounds are printed with the ratios against HF fp32, HF in
+the same dtype and llama.cpp. The roofline of a format is read bandwidth / bytes one decode
+step reads (its weights, except the embedding table when it is not the unembedding, plus the KV
+cache at the mean context). llama.cpp runs the Q4_1 GGUF through ``llama-cpp-python``; it is
+skipped with a note when not installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import statistics
@@ -19,140 +26,191 @@ import time
 
 import torch
 
-from lmstack.accounting.memory import kv_cache_bytes, weight_bytes
+from lmstack.accounting.memory import kv_cache_bytes
 from lmstack.inference import generate
-from lmstack.inference.kv_cache import KVCache
+from lmstack.inference.static import StaticDecoder
 from lmstack.model.io import find_named_model, load_model
+from lmstack.quant import quantize_model, quantized_weight_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 7) -> float:
-    """Copy bandwidth: bytes read + written per second by a large tensor copy."""
+def bandwidths_gbs(threads: int, mib: int = 512, repeats: int = 7) -> tuple[float, float]:
+    """(read, copy) bandwidth: a large fp32 sum (bytes read / s) and a large copy (read + written / s)."""
     torch.set_num_threads(threads)
     a = torch.ones(mib * 2**20 // 4)
     b = torch.empty_like(a)
-    times = []
+    reads, copies = [], []
     for _ in range(repeats):
         t = time.perf_counter()
+        a.sum()
+        reads.append(time.perf_counter() - t)
+        t = time.perf_counter()
         b.copy_(a)
-        times.append(time.perf_counter() - t)
-    return 2 * a.numel() * 4 / statistics.median(times) / 1e9
+        copies.append(time.perf_counter() - t)
+    n = a.numel() * 4
+    return n / statistics.median(reads) / 1e9, 2 * n / statistics.median(copies) / 1e9
 
 
-@torch.inference_mode()
-def lmstack_rates(model, prompt, n_new, repeats):
-    prefill, decode = [], []
-    for r in range(repeats + 1):
-        cache = KVCache(model.config, 1, len(prompt) + n_new, dtype=next(model.parameters()).dtype)
+class LmstackEngine:
+    def __init__(self, base, spec: str, max_len: int):
+        fmt, _, flag = spec.partition("+")
+        if flag not in ("", "static", "compile"):
+            raise SystemExit(f"--lmstack entry {spec!r}: expected FORMAT, FORMAT+static or FORMAT+compile")
+        self.name = f"lmstack {fmt}" + {"": "", "static": " static", "compile": " compiled"}[flag]
+        self.fmt = fmt
+        if fmt in ("int8", "int4"):
+            self.model = quantize_model(copy.deepcopy(base), fmt)
+        elif fmt == "bf16":
+            self.model = copy.deepcopy(base).to(torch.bfloat16)
+        else:
+            self.model = base
+        self.decoder = StaticDecoder(self.model, max_len, compile=flag == "compile") if flag else None
+        self.weight_bytes = quantized_weight_bytes(self.model)
+
+    @torch.inference_mode()
+    def run(self, prompt, n_new):
         t0 = time.perf_counter()
-        model(torch.tensor([prompt]), torch.arange(len(prompt)), kv_cache=cache, last_n=1)
+        self.model(torch.tensor([prompt]), last_n=1)
         t1 = time.perf_counter()
-        times = [time.perf_counter()]
-        for _ in generate(model, prompt, n_new):
+        times, tokens = [], []
+        for tok in generate(self.model, prompt, n_new, decoder=self.decoder):
             times.append(time.perf_counter())
-        if r:  # the first round warms up
-            prefill.append(len(prompt) / (t1 - t0))
-            decode.append((n_new - 1) / (times[-1] - times[1]))  # after the first token (= prefill)
-    return statistics.median(prefill), statistics.median(decode)
+            tokens.append(tok)
+        return len(prompt) / (t1 - t0), (n_new - 1) / (times[-1] - times[0]), tokens
 
 
-@torch.inference_mode()
-def hf_rates(path, dtype, prompt, n_new, repeats):
-    import transformers
+class HFEngine:
+    def __init__(self, path, fmt: str):
+        import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
-    ids = torch.tensor([prompt])
-    kw = dict(do_sample=False, pad_token_id=0)
-    prefill, decode = [], []
-    for r in range(repeats + 1):
+        self.name = f"HF transformers {fmt}"
+        self.fmt = fmt
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=DTYPES[fmt]).eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @torch.inference_mode()
+    def run(self, prompt, n_new):
+        ids = torch.tensor([prompt])
+        kw = dict(do_sample=False, pad_token_id=0)
         t0 = time.perf_counter()
-        hf(ids)
+        self.model(ids)
         t1 = time.perf_counter()
-        hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        self.model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
         t2 = time.perf_counter()
-        hf.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, **kw)
+        out = self.model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, **kw)
         t3 = time.perf_counter()
-        if r:
-            prefill.append(len(prompt) / (t1 - t0))
-            decode.append((n_new - 1) / ((t3 - t2) - (t2 - t1)))
-    return statistics.median(prefill), statistics.median(decode)
+        return len(prompt) / (t1 - t0), (n_new - 1) / ((t3 - t2) - (t2 - t1)), out[0, len(prompt):].tolist()
 
 
-def llama_cpp_rates(path, prompt, n_new, repeats, threads):
-    try:
+class LlamaCppEngine:
+    def __init__(self, path, threads: int):
         from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512, n_batch=512,
-                verbose=False)
-    prefill, decode = [], []
-    for r in range(repeats + 1):
-        llm.reset()
+
+        self.name = f"llama.cpp Q4_1 {threads}t"
+        self.fmt = "Q4_1"
+        self.threads = threads
+        self.llm = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512, n_batch=512,
+                         verbose=False)
+        self.weight_bytes = path.stat().st_size
+
+    def run(self, prompt, n_new):
+        threads = torch.get_num_threads()
+        self.llm.reset()
         t0 = time.perf_counter()
-        llm.eval(prompt)
+        self.llm.eval(prompt)
         t1 = time.perf_counter()
-        llm.reset()
-        times = []
-        for i, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True)):
+        self.llm.reset()
+        times, tokens = [], []
+        for tok in self.llm.generate(prompt, temp=0.0, reset=True):
             times.append(time.perf_counter())
-            if i + 1 == n_new:
+            tokens.append(tok)
+            if len(tokens) == n_new:
                 break
-        if r:
-            prefill.append(len(prompt) / (t1 - t0))
-            decode.append((n_new - 1) / (times[-1] - times[0]))
-    return statistics.median(prefill), statistics.median(decode)
+        torch.set_num_threads(threads)
+        return len(prompt) / (t1 - t0), (n_new - 1) / (times[-1] - times[0]), tokens
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lmstack", default="fp32,bf16,int8,int4,fp32+compile,bf16+compile,int8+compile,int4+compile",
+                    help="comma list of FORMAT[+static|+compile]: no suffix = the dynamic KV cache, "
+                         "+static = static cache eager, +compile = static cache + torch.compile'd decode step")
+    ap.add_argument("--hf", default="fp32,bf16", help="HF transformers dtypes (empty: skip)")
+    ap.add_argument("--llama-threads", default="1,2", help="llama.cpp thread counts (empty: skip)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
     path = find_named_model("smollm2-135m")
-    model = load_model(path, dtype=dtype).model.eval()
-    cfg = model.config
+    base = load_model(path).model.eval()
+    cfg = base.config
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(1000, 20000, (args.prompt_tokens,), generator=g).tolist()
+    max_len = -(-(args.prompt_tokens + args.new_tokens) // 64) * 64
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch threads "
           f"{args.threads}, load avg {os.getloadavg()[0]:.1f}; torch {torch.__version__}")
-    print(f"SmolLM2-135M {args.dtype}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, "
-          f"median of {args.repeats}")
+    print(f"SmolLM2-135M-Instruct, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens (greedy), "
+          f"medians of {args.repeats} interleaved rounds after a warm-up")
 
-    bw = bandwidth_gbs(args.threads)
-    torch.set_num_threads(args.threads)
+    engines = [LmstackEngine(base, s, max_len) for s in args.lmstack.split(",") if s]
+    engines += [HFEngine(path, f) for f in args.hf.split(",") if f]
+    if args.llama_threads:
+        try:
+            engines += [LlamaCppEngine(path, int(t)) for t in args.llama_threads.split(",")]
+        except ImportError:
+            print("llama.cpp: llama-cpp-python not installed; skipped")
+    for e in engines:  # warm-up (compiles the compiled decode steps)
+        torch.set_num_threads(args.threads)
+        t = time.perf_counter()
+        e.tokens = e.run(prompt, args.new_tokens)[2]
+        print(f"  warm-up {e.name}: {time.perf_counter() - t:.1f} s", flush=True)
+    results = {e.name: [] for e in engines}
+    loads = []
+    for r in range(args.repeats):
+        for e in engines:
+            torch.set_num_threads(args.threads)
+            results[e.name].append(e.run(prompt, args.new_tokens)[:2])
+        loads.append(os.getloadavg()[0])
+        print(f"  round {r + 1}: load avg {loads[-1]:.1f}", flush=True)
+
+    read_bw, copy_bw = bandwidths_gbs(args.threads)
     S = args.prompt_tokens + args.new_tokens // 2  # mean context during decode
-    step_bytes = weight_bytes(cfg, args.dtype) + \
-        kv_cache_bytes(cfg, 1, S, args.dtype)
-    roof = bw * 1e9 / step_bytes
-    rows = {}
-    rows["lmstack"] = lmstack_rates(model, prompt, args.new_tokens, args.repeats)
-    if not args.skip_hf:
-        rows["hf transformers"] = hf_rates(path, dtype, prompt, args.new_tokens, args.repeats)
-    cpp = llama_cpp_rates(path, prompt, args.new_tokens, args.repeats, args.threads)
-    print(f"\n{'engine':<18}{'prefill tok/s':>15}{'decode tok/s':>14}{'% roofline':>12}")
-    for name, (pre, dec) in rows.items():
-        print(f"{name:<18}{pre:>15.1f}{dec:>14.2f}{100 * dec / roof:>11.1f}%")
-    if cpp is not None:
-        gguf_bytes = path.stat().st_size
-        print(f"{'llama.cpp Q4_1':<18}{cpp[0]:>15.1f}{cpp[1]:>14.2f}{100 * cpp[1] * gguf_bytes / (bw * 1e9):>11.1f}%"
-              f"   (its roofline: {bw * 1e9 / gguf_bytes:.0f} tok/s reading the {gguf_bytes / 1e6:.0f} MB GGUF)")
-    else:
-        print("llama.cpp: llama-cpp-python not installed; skipped")
-    print(f"\nbandwidth (copy, {args.threads} threads): {bw:.1f} GB/s; one {args.dtype} decode step reads "
-          f"{step_bytes / 1e6:.0f} MB (weights + KV at S={S}) -> roofline {roof:.1f} tok/s")
-    lm = rows["lmstack"]
-    for name, (pre, dec) in rows.items():
-        if name != "lmstack":
-            print(f"lmstack/{name}: decode {lm[1] / dec:.2f}x, prefill {lm[0] / pre:.2f}x")
-    if cpp is not None:
-        print(f"lmstack/llama.cpp: decode {lm[1] / cpp[1]:.2f}x, prefill {lm[0] / cpp[0]:.2f}x")
+    ref_tokens = engines[0].tokens
+    med = {n: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for n, v in results.items()}
+    print(f"\n{'engine':<26}{'weights MB':>11}{'prefill tok/s':>15}{'decode tok/s':>14}{'roofline':>10}"
+          f"{'% roof':>8}  same tokens as {engines[0].name}")
+    for e in engines:
+        pre, dec = med[e.name]
+        kv = kv_cache_bytes(cfg, 1, S, "bf16" if e.fmt == "bf16" else "fp32")
+        step = e.weight_bytes + (0 if e.fmt == "Q4_1" else kv)
+        roof = read_bw * 1e9 / step
+        same = sum(a == b for a, b in zip(e.tokens, ref_tokens))
+        print(f"{e.name:<26}{step / 1e6:>11.0f}{pre:>15.1f}{dec:>14.2f}{roof:>10.1f}{100 * dec / roof:>7.0f}%"
+              f"  {same}/{len(ref_tokens)}")
+    print(f"\nbandwidth, {args.threads} thread(s): read {read_bw:.1f} GB/s (roofline uses this), copy "
+          f"{copy_bw:.1f} GB/s (read + write); KV at S={S} included for lmstack/HF; load avg per round "
+          f"{', '.join(f'{x:.1f}' for x in loads)}")
+    peers = [e for e in engines if not e.name.startswith("lmstack")]
+    for e in engines:
+        if not e.name.startswith("lmstack"):
+            continue
+        parts = []
+        for p in peers:
+            if p.name.startswith("HF") and p.fmt not in ("fp32", e.fmt):
+                continue
+            parts.append(f"/{p.name}: {med[e.name][1] / med[p.name][1]:.2f}x")
+        print(f"{e.name:<26} decode " + "  ".join(parts))
+    aim = [e for e in engines if e.name.startswith("lmstack")]
+    hf32 = med.get("HF transformers fp32")
+    if hf32:
+        best = max(aim, key=lambda e: med[e.name][1])
+        ratio = med[best.name][1] / hf32[1]
+        print(f"aim >= 3x HF transformers batch-1 decode: best {best.name} {ratio:.2f}x vs HF fp32 -> "
+              f"{'met' if ratio >= 3 else 'NOT met'}")
 
 
 if __name__ == "__main__":

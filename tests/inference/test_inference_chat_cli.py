@@ -93,3 +93,40 @@ def test_cli_generate_and_chat_on_a_saved_checkpoint(tmp_path, capsys):
         {"role": "user", "content": "hi"}])), 5))
     assert buf.getvalue().startswith(first + "\n")
     assert buf.getvalue().count("\n") == 2
+
+
+@pytest.mark.slow
+def test_cli_generate_quantized_and_llm_quant(tmp_path, capsys):
+    """``--quant int8`` / ``--dtype int4`` and ``LLM(quant=...)``: the output is the greedy output of
+    the model quantised with lmstack.quant (checked by a full recompute of that model)."""
+    import copy
+
+    import torch
+
+    from inference_helpers import full_recompute_greedy, make_model
+    from lmstack.cli import main
+    from lmstack.inference import LLM, SamplingParams
+    from lmstack.inference.cli import weight_format
+    from lmstack.model.io import save_pretrained
+    from lmstack.quant import Int8Linear, quantize_model
+    from lmstack.tokenizer import Tokenizer, save_hf, train_bpe
+
+    (tmp_path / "corpus.txt").write_text("hello world, hello chat. " * 20)
+    vocab, merges = train_bpe(tmp_path / "corpus.txt", vocab_size=300, progress=False)
+    tok = Tokenizer(vocab, merges)
+    model = make_model(vocab_size=len(vocab), dtype=torch.float32, init_std=0.2)
+    save_pretrained(model, tmp_path / "ckpt")
+    save_hf(tok, tmp_path / "ckpt" / "tokenizer.json")
+    prompt = tok.encode("hello")
+    for flags, method in ((["--quant", "int8"], "int8"), (["--dtype", "int4", "--compile"], "int4")):
+        assert main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "hello", "--max-tokens", "6",
+                     *flags]) == 0
+        expected = tok.decode(full_recompute_greedy(quantize_model(copy.deepcopy(model), method), prompt, 6))
+        assert capsys.readouterr().out == "hello" + expected + "\n"
+    llm = LLM(str(tmp_path / "ckpt"), quant="int8")
+    assert isinstance(llm.engine.model.blocks[0].attn.q_proj, Int8Linear)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert out.token_ids == full_recompute_greedy(quantize_model(copy.deepcopy(model), "int8"), prompt, 6)
+    assert weight_format("bf16", "int8") == (torch.bfloat16, "int8")
+    with pytest.raises(ValueError, match="conflicts"):
+        weight_format("int8", "int4")

@@ -24,7 +24,10 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype")
+    p.add_argument("--dtype", choices=sorted(DTYPES) + ["int8", "int4"], default="fp32",
+                   help="weight dtype; int8/int4 = fp32 model with weight-only quantised linears (lmstack.quant)")
+    p.add_argument("--quant", choices=["int8", "int4"], default=None,
+                   help="weight-only quantisation of the linears and the unembedding (same as --dtype int8/int4)")
     p.add_argument("--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)")
 
 
@@ -33,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--compile", action="store_true",
+                   help="static KV cache + torch.compile'd decode step (pays a one-off compilation)")
     _sampling_args(p, temperature=0.0)
     p.set_defaults(func=run_generate)
 
@@ -61,7 +66,7 @@ def _sampling_kwargs(args) -> dict:
 
 
 def stream_generate(model, tokenizer, prompt: str, max_tokens: int, out=None, stop: tuple[str, ...] = (),
-                    **sampling) -> dict:
+                    decoder=None, **sampling) -> dict:
     """Generate, printing text as it is decoded; returns counts and timings.
 
     ``stop`` strings end generation; the text from the stop string on is not printed.
@@ -78,7 +83,7 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int, out=None, st
     first = None
     text = ""
     hold = max((len(s) for s in stop), default=1) - 1  # chars kept back while a stop string may be forming
-    for token in generate(model, ids, max_tokens, stop_ids=stop_ids, **sampling):
+    for token in generate(model, ids, max_tokens, stop_ids=stop_ids, decoder=decoder, **sampling):
         if first is None:
             first = time.perf_counter()
         new.append(token)
@@ -106,11 +111,26 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int, out=None, st
             "total_s": t1 - t0, "decode_tokens_per_s": (len(new) - 1) / decode_s if len(new) > 1 else float("nan")}
 
 
+def weight_format(dtype: str, quant: str | None = None) -> tuple[torch.dtype, str | None]:
+    """``--dtype`` / ``--quant`` -> (floating dtype to load in, quantisation method or None)."""
+    if dtype in ("int8", "int4"):
+        if quant not in (None, dtype):
+            raise ValueError(f"--dtype {dtype} conflicts with --quant {quant}")
+        return torch.float32, dtype
+    return DTYPES[dtype], quant
+
+
 def _load(args):
     from lmstack.model.io import load_model
 
-    lm = load_model(args.model, dtype=DTYPES[args.dtype])
-    return lm.model.eval(), load_tokenizer(lm.source, args.tokenizer)
+    dtype, quant = weight_format(args.dtype, getattr(args, "quant", None))
+    lm = load_model(args.model, dtype=dtype)
+    model = lm.model.eval()
+    if quant is not None:
+        from lmstack.quant import quantize_model
+
+        quantize_model(model, quant)
+    return model, load_tokenizer(lm.source, args.tokenizer)
 
 
 def run_generate(args) -> int:
@@ -122,7 +142,18 @@ def run_generate(args) -> int:
         prompt = apply_chat_template(tok, [{"role": "user", "content": prompt}])
     else:
         print(prompt, end="", flush=True)
-    stats = stream_generate(model, tok, prompt, args.max_tokens, stop=tuple(args.stop), **_sampling_kwargs(args))
+    decoder = None
+    if args.compile:
+        from lmstack.inference.static import StaticDecoder
+
+        n = len(tok.encode(prompt)) + args.max_tokens
+        decoder = StaticDecoder(model, min(model.config.max_seq_len, -(-n // 256) * 256), compile=True)
+        t0 = time.perf_counter()
+        print("[compiling the decode step ...]", file=sys.stderr, flush=True)
+        decoder.warm_up()  # compile now, so that the reported decode speed is the compiled one
+        print(f"[compiled in {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
+    stats = stream_generate(model, tok, prompt, args.max_tokens, stop=tuple(args.stop), decoder=decoder,
+                            **_sampling_kwargs(args))
     print(f"[{stats['new_tokens']} tokens, TTFT {stats['ttft_s'] * 1000:.0f} ms, "
           f"{stats['decode_tokens_per_s']:.1f} tokens/s decode]", file=sys.stderr)
     return 0

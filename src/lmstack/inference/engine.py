@@ -360,12 +360,18 @@ class LLM:
     """Offline batch inference: ``LLM("smollm2-135m").generate(prompts, SamplingParams(...))``.
 
     ``model`` is a name (``smollm2-135m``), a .gguf file or checkpoint directory, or a
-    Transformer; engine options (block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
-    enable_prefix_caching, ...) are passed through to ``LLMEngine``.
+    Transformer; ``dtype`` a torch dtype or "fp32"/"bf16"/"int8"/"int4"; ``quant="int8"``/"int4"
+    quantises the linears' weights (``lmstack.quant``, the model is changed in place); engine
+    options (block_size, num_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
+    ...) are passed through to ``LLMEngine``.
     """
 
-    def __init__(self, model="smollm2-135m", tokenizer=None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", **engine_kwargs):
+    def __init__(self, model="smollm2-135m", tokenizer=None, dtype: torch.dtype | str = torch.float32,
+                 device: torch.device | str = "cpu", quant: str | None = None, **engine_kwargs):
+        if isinstance(dtype, str):  # "fp32", "bf16", "int8", "int4"
+            from lmstack.inference.cli import weight_format
+
+            dtype, quant = weight_format(dtype, quant)
         if isinstance(model, (str, os.PathLike)):
             from lmstack.inference.cli import load_tokenizer
             from lmstack.model.io import load_model
@@ -374,6 +380,10 @@ class LLM:
             if tokenizer is None:
                 tokenizer = load_tokenizer(lm.source)
             model = lm.model
+        if quant is not None:  # weight-only int8/int4 linears (lmstack.quant), in place
+            from lmstack.quant import quantize_model
+
+            quantize_model(model, quant)
         self.engine = LLMEngine(model.eval(), tokenizer, **engine_kwargs)
 
     @property

@@ -30,12 +30,18 @@ def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = No
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, stop_ids: Sequence[int] = (),
              seed: int = 0, use_cache: bool = True, min_p: float = 0.0,
-             repetition_penalty: float = 1.0) -> Iterator[int]:
+             repetition_penalty: float = 1.0, decoder=None) -> Iterator[int]:
     """Yield up to ``max_new_tokens`` new token ids for one prompt, stopping after a stop id.
 
-    Batch 1 with the contiguous cache: the fast path for one interactive stream. The
-    ``LLMEngine`` serves many requests over the paged cache.
+    Batch 1 with the contiguous cache: the path for one interactive stream. ``decoder``: a
+    ``StaticDecoder`` of this model (static cache, optionally a compiled decode step) to use
+    instead; it is reset first and can be reused across calls. The ``LLMEngine`` serves many
+    requests over the paged cache.
     """
+    if decoder is not None:
+        yield from _generate_static(decoder, prompt_ids, max_new_tokens, temperature, top_k, top_p, stop_ids,
+                                    seed, min_p, repetition_penalty)
+        return
     if not prompt_ids:
         raise ValueError("prompt_ids is empty; generation needs at least one token")
     device = next(model.parameters()).device
@@ -64,3 +70,28 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, temperature:
         step_ids = nxt.view(1, 1).to(device)
         ids = torch.cat([ids, step_ids], dim=1)
         positions = positions[-1:] + 1
+
+
+def _generate_static(decoder, prompt_ids, max_new_tokens, temperature, top_k, top_p, stop_ids, seed, min_p,
+                     repetition_penalty) -> Iterator[int]:
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty; generation needs at least one token")
+    total = len(prompt_ids) + max_new_tokens
+    if total > decoder.cache.max_seq_len:
+        raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the decoder's "
+                         f"max_seq_len={decoder.cache.max_seq_len}")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = list(prompt_ids)
+    decoder.reset()
+    logits = decoder.prefill(ids)[None]  # (1, V)
+    for i in range(max_new_tokens):
+        if repetition_penalty != 1.0:
+            logits = apply_repetition_penalty(logits, torch.tensor(ids, device=logits.device), repetition_penalty)
+        nxt = sample_next(logits.cpu(), temperature, top_k, top_p, gen, min_p)  # (1,)
+        token = int(nxt)
+        yield token
+        if token in stop_ids or i + 1 == max_new_tokens:
+            return
+        ids.append(token)
+        position = torch.tensor([len(ids) - 1], device=decoder.device)
+        logits = decoder.decode(nxt.view(1, 1).to(decoder.device), position)[None]

@@ -44,18 +44,19 @@ def attention_mask(q_positions: Tensor, k_positions: Tensor, window: int | None 
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """softmax(QKᵀ/√H + mask) V in fp32 with GQA expansion made explicit (seed 000 §1.2, §1.3).
+    """softmax(QKᵀ/√H + mask) V in fp32 (fp64 for fp64 inputs) with GQA expansion made explicit (seed 000 §1.2, §1.3).
 
     q: (B, N, T, H); k, v: (B, K, S, H); mask: bool broadcastable to (B, N, T, S). -> (B, N, T, H)
     """
     G = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(G, dim=1)  # (B, N, S, H)
     v = v.repeat_interleave(G, dim=1)  # (B, N, S, H)
-    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, N, T, S)
+    c = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp32 at least
+    scores = (q.to(c) @ k.to(c).transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, N, T, S)
     if mask is not None:
         scores = scores.masked_fill(~mask, -torch.inf)
     probs = torch.softmax(scores, dim=-1)
-    return (probs @ v.float()).to(q.dtype)
+    return (probs @ v.to(c)).to(q.dtype)
 
 
 def _resolve_backend(name: str, device: torch.device) -> str:
@@ -124,6 +125,10 @@ class Attention(nn.Module):
             mask = attention_mask(positions, k_positions, self.window, document_ids, document_ids)
 
         backend = self.backend if self.backend != "auto" else _resolve_backend(self.backend, q.device)
+        if backend == "sdpa" and mask is not None and q.device.type == "cpu" and torch.compiler.is_compiling():
+            # Under torch.compile on CPU the masked attention is written out (QKᵀ, mask, softmax, ·V) so
+            # inductor fuses it into one loop; SDPA's CPU kernel costs ~0.1 ms per call for one query.
+            backend = "reference"
         if backend in ("flash_pytorch", "flash_triton") and mask is None:
             # FlashAttention-2 (seed 000 §2.7) covers the plain causal case; anything that needs an
             # explicit mask (KV-cache slots, sliding window, packed documents) takes sdpa below.

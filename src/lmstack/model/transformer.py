@@ -169,4 +169,6 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if return_hidden:
             return x  # (B, S, D)
-        return F.linear(x, self.unembedding)  # (B, S, V)
+        if self.lm_head is not None:  # a module call, so lmstack.quant can swap in a quantised unembedding
+            return self.lm_head(x)  # (B, S, V)
+        return F.linear(x, self.embed.weight)  # (B, S, V), tied

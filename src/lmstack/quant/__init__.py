@@ -1,0 +1,15 @@
+"""Weight-only quantisation: int8 per-output-channel and int4 grouped linear layers (seed 001 "量化").
+
+``quantize_model(model, "int8")`` swaps every ``Linear`` of an lmstack ``Transformer`` for a
+quantised one in place; activations stay in floating point (weight-only), so the bytes a
+decode step reads shrink 4x (int8) or ~7x (int4) against fp32 weights.
+"""
+
+from lmstack.quant.int4 import Int4Linear, dequantize_int4, quantize_int4
+from lmstack.quant.int8 import Int8Linear, dequantize_int8, quantize_int8
+from lmstack.quant.model import QUANT_METHODS, quantize_model, quantized_weight_bytes
+
+__all__ = [
+    "Int4Linear", "Int8Linear", "QUANT_METHODS", "dequantize_int4", "dequantize_int8", "quantize_int4",
+    "quantize_int8", "quantize_model", "quantized_weight_bytes",
+]

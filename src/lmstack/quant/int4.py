@@ -1,0 +1,115 @@
+"""int4 weight-only quantisation, asymmetric, one (scale, minimum) per group of G inputs (seed 001 "量化").
+
+For each output row o and group j of G consecutive inputs:  s = (max − min) / 15,
+Q = round((W − min) / s) ∈ [0, 15],  Ŵ = Q · s + min,  so |W − Ŵ| ≤ s / 2.
+The CPU kernel ``_weight_int4pack_mm_for_cpu`` uses the form Ŵ = (Q − 8) · s + z with the
+zero point z = min + 8 s, and takes (scale, z) packed as (I/G, O, 2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+QMAX4 = 15
+
+
+def quantize_int4(weight: Tensor, group_size: int = 32) -> tuple[Tensor, Tensor, Tensor]:
+    """W (O, I) -> (Q (O, I) uint8 in [0, 15], scales (O, I/G) fp32, minimums (O, I/G) fp32)."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (out, in), got shape {tuple(weight.shape)}")
+    O, I = weight.shape
+    if group_size <= 0 or I % group_size:
+        raise ValueError(f"in_features={I} is not a multiple of group_size={group_size}")
+    w = weight.detach().float().view(O, I // group_size, group_size)  # (O, I/G, G)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # (O, I/G)
+    scale = (hi - lo) / QMAX4
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: Q = 0, Ŵ = min
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, QMAX4).to(torch.uint8)
+    return q.view(O, I), scale, lo
+
+
+def dequantize_int4(q: Tensor, scale: Tensor, lo: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Ŵ = Q · s + min per group, shape (O, I)."""
+    O, I = q.shape
+    G = I // scale.shape[1]
+    w = q.float().view(O, -1, G) * scale[..., None] + lo[..., None]
+    return w.view(O, I).to(dtype)
+
+
+def _has_int4_kernel() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and \
+        hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+class Int4Linear(nn.Module):
+    """y = x Ŵᵀ (+ b) with Ŵ stored as packed 4-bit Q and per-group (scale, zero) — 0.5 byte per weight.
+
+    ``compute_dtype`` as in ``Int8Linear`` (bf16: the CPU kernel's fast path). Without the
+    kernel (or when O is not a multiple of 16) the codes are packed two per byte by hand and the
+    forward dequantises.
+    """
+
+    def __init__(self, q: Tensor, scale: Tensor, lo: Tensor, bias: Tensor | None = None,
+                 compute_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        O, I = q.shape
+        self.out_features, self.in_features = O, I
+        self.group_size = I // scale.shape[1]
+        self.compute_dtype = compute_dtype
+        self.register_buffer("scale", scale.float().contiguous())  # (O, I/G)
+        self.register_buffer("lo", lo.float().contiguous())  # (O, I/G)
+        self.use_kernel = _has_int4_kernel() and O % 16 == 0  # the CPU packing needs O divisible by 16
+        if self.use_kernel:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+            self.register_buffer("qweight", packed)  # (O, I/2) uint8, two 4-bit values per byte
+            zero = lo + 8 * scale  # Ŵ = (Q − 8)·s + z
+            sz = torch.stack([scale.t(), zero.t()], dim=-1)  # (I/G, O, 2)
+            self.register_buffer("scales_and_zeros", sz.to(compute_dtype).contiguous())
+        else:
+            self.register_buffer("qweight", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous())  # (O, I/2)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, group_size: int = 32,
+                    compute_dtype: torch.dtype = torch.bfloat16) -> "Int4Linear":
+        return cls(*quantize_int4(linear.weight, group_size), getattr(linear, "bias", None), compute_dtype)
+
+    @classmethod
+    def from_weight(cls, weight: Tensor, group_size: int = 32,
+                    compute_dtype: torch.dtype = torch.bfloat16) -> "Int4Linear":
+        return cls(*quantize_int4(weight, group_size), None, compute_dtype)
+
+    def _codes(self) -> Tensor:
+        """Q (O, I) from the stored form (the kernel's packed layout is opaque: recover it by
+        multiplying the identity, which is exact for 4-bit codes)."""
+        if not self.use_kernel:
+            lo, hi = self.qweight & 0xF, self.qweight >> 4
+            return torch.stack([lo, hi], dim=-1).view(self.out_features, self.in_features)
+        eye = torch.eye(self.in_features, dtype=torch.float32)
+        ones = torch.stack([torch.ones_like(self.scale.t()), torch.full_like(self.scale.t(), 8.0)], -1)
+        codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group_size, ones)  # (I, O)
+        return torch.round(codes.t()).to(torch.uint8)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize_int4(self._codes(), self.scale, self.lo, dtype)
+
+    def kernel_bytes(self) -> int:
+        """Bytes the matmul reads: packed Q (half a byte per weight) and each group's scale and zero."""
+        sz = self.scales_and_zeros if self.use_kernel else torch.stack([self.scale, self.lo])
+        return self.qweight.numel() + sz.numel() * sz.element_size()
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., I) -> (..., O)
+        if self.use_kernel and x.device.type == "cpu":
+            x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # (M, I)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
+                                                            self.scales_and_zeros)  # (M, O)
+            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        else:
+            y = F.linear(x.to(self.compute_dtype), self.dequantized_weight(self.compute_dtype)).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+                f"bias={self.bias is not None}, compute_dtype={self.compute_dtype}")

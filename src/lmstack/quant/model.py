@@ -1,0 +1,80 @@
+"""Quantise an lmstack Transformer's linear layers in place (weight-only; seed 001 "量化").
+
+Which matrices are quantised is explicit: every ``Linear`` inside the blocks (W_Q, W_K, W_V,
+W_O, W_gate, W_up, W_down), plus the unembedding when ``lm_head=True``. The token embedding is
+a row lookup (one row of D values per token), so it stays in floating point; with tied
+embeddings a quantised *copy* of W_e becomes the unembedding and W_e itself is kept for lookup.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmstack.model.layers import Linear
+from lmstack.quant.int4 import Int4Linear
+from lmstack.quant.int8 import Int8Linear
+
+QUANT_METHODS = ("int8", "int4")
+
+
+def _quantized(weight_or_linear, method: str, group_size: int, compute_dtype: torch.dtype) -> nn.Module:
+    if method == "int8":
+        if isinstance(weight_or_linear, torch.Tensor):
+            return Int8Linear.from_weight(weight_or_linear, compute_dtype)
+        return Int8Linear.from_linear(weight_or_linear, compute_dtype)
+    if isinstance(weight_or_linear, torch.Tensor):
+        return Int4Linear.from_weight(weight_or_linear, group_size, compute_dtype)
+    return Int4Linear.from_linear(weight_or_linear, group_size, compute_dtype)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: str = "int8", lm_head: bool | str = True, group_size: int = 32,
+                   compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """Replace the linears of ``model`` (a ``Transformer``) by ``Int8Linear`` / ``Int4Linear``.
+
+    ``lm_head``: True quantises the unembedding (V·D weights, a fifth of SmolLM2-135M) with
+    ``method`` too, a method name ("int8") uses that one for it, False keeps it in floating point.
+    The model is meant for inference afterwards (buffers, no trainable weights in the linears).
+    Returns the model.
+    """
+    head_method = method if lm_head is True else lm_head
+    for m in (method, head_method):
+        if m is not False and m not in QUANT_METHODS:
+            raise ValueError(f"quantisation method={m!r}; expected one of {QUANT_METHODS}")
+    if not hasattr(model, "blocks"):
+        raise TypeError(f"expected an lmstack Transformer (with .blocks), got {type(model).__name__}")
+    if getattr(model, "quantization", None):
+        raise ValueError(f"the model is already quantised ({model.quantization}); quantise a float model")
+    for block in model.blocks:
+        for parent in block.modules():
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Linear):
+                    setattr(parent, name, _quantized(child, method, group_size, compute_dtype))
+    if head_method:
+        if model.lm_head is not None:
+            model.lm_head = _quantized(model.lm_head, head_method, group_size, compute_dtype)
+        else:  # tied: quantise a copy of W_e for the unembedding, keep W_e for the lookup
+            model.lm_head = _quantized(model.embed.weight, head_method, group_size, compute_dtype)
+    model.quantization = method
+    return model
+
+
+def quantized_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights one batch-1 decode step reads: each quantised linear's codes and the scales
+    its kernel uses, every other parameter once, and the embedding table only when it is also the
+    unembedding (a lookup reads one row of D values)."""
+    total = 0
+    seen: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, (Int8Linear, Int4Linear)):
+            total += m.kernel_bytes()
+            for p in m.parameters(recurse=False):
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+    tied = getattr(model, "lm_head", None) is None
+    for name, p in model.named_parameters():
+        if id(p) in seen or (name.startswith("embed.") and not tied):
+            continue
+        total += p.numel() * p.element_size()
+    return total

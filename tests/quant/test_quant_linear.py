@@ -1,0 +1,144 @@
+"""int8 / int4 weight-only quantisation against reference formulas written in numpy, and the
+quantised linears against F.linear on the dequantised weight."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmstack.model.config import ModelConfig
+from lmstack.model.layers import Linear
+from lmstack.model.transformer import Transformer
+from lmstack.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8,
+                           quantize_model, quantized_weight_bytes)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def weight(o=96, i=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(o, i, generator=g) * torch.rand(o, 1, generator=g)  # rows of different ranges
+    w[3] = 0.0  # an all-zero row
+    return w
+
+
+def test_int8_matches_numpy_formula_and_error_bound():
+    w = weight()
+    q, s = quantize_int8(w)
+    wn = w.numpy().astype(np.float64)
+    s_ref = np.abs(wn).max(axis=1) / 127.0
+    s_ref[s_ref == 0] = 1.0
+    q_ref = np.clip(np.round(wn / s_ref[:, None]), -127, 127)
+    np.testing.assert_allclose(s.numpy(), s_ref, rtol=1e-6)
+    assert (q.numpy().astype(np.int64) != q_ref).sum() <= 2  # fp32 vs fp64 division: a rare half-way tie
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    err = (dequantize_int8(q, s) - w).abs()
+    assert (err <= s[:, None] / 2 + 1e-6).all()  # |W − Ŵ| ≤ s/2
+    assert dequantize_int8(q, s)[3].abs().max() == 0
+
+
+def test_int4_matches_numpy_formula_and_error_bound():
+    w = weight()
+    G = 32
+    q, s, lo = quantize_int4(w, G)
+    wn = w.numpy().astype(np.float64).reshape(96, 128 // G, G)
+    lo_ref, hi_ref = wn.min(-1), wn.max(-1)
+    s_ref = (hi_ref - lo_ref) / 15.0
+    s_ref[s_ref == 0] = 1.0
+    q_ref = np.clip(np.round((wn - lo_ref[..., None]) / s_ref[..., None]), 0, 15).reshape(96, 128)
+    np.testing.assert_allclose(s.numpy(), s_ref, rtol=1e-5)
+    np.testing.assert_allclose(lo.numpy(), lo_ref, rtol=1e-6)
+    assert (q.numpy().astype(np.int64) != q_ref).sum() <= 2
+    assert q.max() <= 15
+    deq = dequantize_int4(q, s, lo)
+    bound = np.repeat(s.numpy(), G, axis=1) / 2 + 1e-6
+    assert ((deq - w).abs().numpy() <= bound).all()
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_int4(w, 48)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_equals_linear_on_dequantized_weight(bias):
+    w = weight()
+    b = torch.randn(96) if bias else None
+    x = torch.randn(2, 5, 128, generator=torch.Generator().manual_seed(1))
+    exact = Int8Linear(*quantize_int8(w), b, compute_dtype=torch.float32)
+    ref = F.linear(x, dequantize_int8(*quantize_int8(w)), b)
+    torch.testing.assert_close(exact(x), ref, atol=1e-4, rtol=1e-5)
+    fast = Int8Linear(*quantize_int8(w), b)  # bf16 activation, the CPU kernel's fast path
+    ref_bf16 = F.linear(x.bfloat16().float(), dequantize_int8(*quantize_int8(w)), b)
+    assert fast(x).dtype == torch.float32
+    torch.testing.assert_close(fast(x), ref_bf16, atol=0.05, rtol=0.02)
+
+
+def test_int8_linear_many_rows_dequantizes():
+    w = weight()
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3))  # >= DEQUANT_ROWS rows
+    m = Int8Linear(*quantize_int8(w))
+    torch.testing.assert_close(m(x), F.linear(x, dequantize_int8(*quantize_int8(w))), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_equals_linear_on_dequantized_weight(compute_dtype):
+    w = weight()
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    q, s, lo = quantize_int4(w, 32)
+    m = Int4Linear(q, s, lo, compute_dtype=compute_dtype)
+    assert torch.equal(m._codes(), q)  # the packed layout holds exactly the codes
+    ref = F.linear(x.to(compute_dtype).float(), dequantize_int4(q, s, lo))
+    tol = dict(atol=1e-4, rtol=1e-5) if compute_dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+    torch.testing.assert_close(m(x), ref, **tol)
+    torch.testing.assert_close(m.dequantized_weight(), dequantize_int4(q, s, lo))
+
+
+def small_model(tie=True):
+    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
+                      tie_embeddings=tie)
+    return Transformer(cfg, seed=3).eval()
+
+
+@pytest.mark.parametrize("method,min_cos", [("int8", 0.9999), ("int4", 0.99)])
+@pytest.mark.parametrize("tie", [True, False])
+def test_quantize_model_swaps_linears_and_keeps_logits(method, min_cos, tie):
+    model = small_model(tie)
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(tokens)
+        emb = model.embed.weight.clone()
+        quantize_model(model, method)
+        out = model(tokens)
+    cls = Int8Linear if method == "int8" else Int4Linear
+    n_linear = sum(isinstance(m, Linear) for m in model.modules())
+    assert n_linear == 0 and sum(isinstance(m, cls) for m in model.modules()) == 2 * 7 + 1
+    assert torch.equal(model.embed.weight, emb)  # the lookup table stays in floating point
+    cos = F.cosine_similarity(out.flatten(0, 1), ref.flatten(0, 1), dim=-1)
+    assert cos.min() > min_cos
+
+
+def test_quantize_model_without_lm_head_and_bad_method():
+    model = small_model()
+    quantize_model(model, "int8", lm_head=False)
+    assert model.lm_head is None
+    with pytest.raises(ValueError, match="int3"):
+        quantize_model(small_model(), "int3")
+    with pytest.raises(ValueError, match="fp8"):
+        quantize_model(small_model(), "int4", lm_head="fp8")
+    mixed = quantize_model(small_model(), "int4", lm_head="int8")
+    assert isinstance(mixed.lm_head, Int8Linear) and isinstance(mixed.blocks[0].ffn.up_proj, Int4Linear)
+    with pytest.raises(ValueError, match="already quantised"):
+        quantize_model(mixed, "int8")
+
+
+def test_quantized_weight_bytes_worked_number():
+    # D = 64, F = 128, K·H = 32, L = 2, V = 128, tied; int8 with bf16 scales (2 bytes per output row).
+    model = quantize_model(small_model(), "int8")
+    per_layer = (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 64 * 128) + 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64)
+    norms = 4 * (2 * 64 * 2 + 64)  # fp32 γ: two per layer + the final one
+    lm_head = 128 * 64 + 2 * 128
+    assert quantized_weight_bytes(model) == 2 * per_layer + norms + lm_head
