@@ -343,18 +343,23 @@ class Trainer:
                 ce, z = self.forward_loss(batch)
                 loss = ce + z
                 value = float(loss.detach())
-                if not math.isfinite(value):
+                if not math.isfinite(value) and self.world_size == 1:
                     self.optimizer.zero_grad(set_to_none=True)
                     raise TrainingDiverged(f"loss is {value} at step {self.step} (micro-batch {i})")
+                # several ranks: backward runs anyway (its collectives need every rank) and the
+                # check below sees the loss averaged over ranks, so all ranks stop together
                 scaled = loss / n
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             ce_sum += float(ce.detach())
             z_sum += float(z.detach())
+        ce_mean, z_mean = self.reduce_metric(ce_sum / n), self.reduce_metric(z_sum / n)
+        if not math.isfinite(ce_mean + z_mean):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingDiverged(f"loss is {ce_mean + z_mean} at step {self.step} (mean over ranks)")
         norm, lr = self.optimizer_step()
         self.step += 1
         self.tokens_seen += self.tokens_per_step
-        return {"loss": self.reduce_metric(ce_sum / n), "z_loss": self.reduce_metric(z_sum / n),
-                "grad_norm": norm, "lr": lr}
+        return {"loss": ce_mean, "z_loss": z_mean, "grad_norm": norm, "lr": lr}
 
     @torch.no_grad()
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
