@@ -142,3 +142,17 @@ def test_quantized_weight_bytes_worked_number():
     norms = 4 * (2 * 64 * 2 + 64)  # fp32 γ: two per layer + the final one
     lm_head = 128 * 64 + 2 * 128
     assert quantized_weight_bytes(model) == 2 * per_layer + norms + lm_head
+
+
+def test_saving_a_quantised_model_is_refused_with_a_clear_error(tmp_path):
+    """Quantised weights are buffers: a float checkpoint would silently miss them, so saving refuses."""
+    from lmstack.model.hf import save_hf
+    from lmstack.model.io import save_pretrained
+    from lmstack.quant import quantize_model
+
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=128, max_seq_len=32)
+    model = quantize_model(Transformer(cfg), "int8")
+    for save in (save_pretrained, save_hf):
+        with pytest.raises(ValueError, match="quantised linears"):
+            save(model, tmp_path / save.__name__)
+        assert not (tmp_path / save.__name__ / "model.safetensors").exists()

@@ -260,8 +260,18 @@ def load_hf(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
     return model.to(device=device, dtype=dtype)
 
 
+def check_float_weights(model) -> None:
+    """Refuse to save a model whose linears ``lmstack.quant`` replaced: their int8/int4 weights are
+    buffers, not parameters, so a float checkpoint of ``named_parameters()`` would silently lack them."""
+    quantised = [n for n, m in model.named_modules() if type(m).__module__.startswith("lmstack.quant")]
+    if quantised:
+        raise ValueError(f"model has {len(quantised)} quantised linears (e.g. {quantised[0]!r}, lmstack.quant); "
+                         "save the float model before quantize_model, and quantise again after loading")
+
+
 def save_hf(model, directory: str | os.PathLike, max_shard_bytes: int | None = None) -> None:
     """Write ``model`` as an HF checkpoint (config.json + model.safetensors, or shards + index)."""
+    check_float_weights(model)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     hf_config = config_to_hf(model.config)

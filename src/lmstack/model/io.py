@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lmstack.model.config import ModelConfig
-from lmstack.model.hf import WeightsError, _read_safetensors, load_hf, load_state_into
+from lmstack.model.hf import WeightsError, _read_safetensors, check_float_weights, load_hf, load_state_into
 from lmstack.utils import atomic_path
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,6 +82,7 @@ def save_pretrained(model, directory: str | os.PathLike) -> None:
     """lmstack checkpoint: ``config.json`` (a ModelConfig) + ``model.safetensors`` (lmstack names)."""
     from safetensors.torch import save_file
 
+    check_float_weights(model)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     state = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
