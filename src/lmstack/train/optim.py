@@ -50,8 +50,10 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             # parameters with the same step count t (all of them, unless some were frozen for a while)
-            # are updated together by multi-tensor (_foreach) ops: one call per formula line, not per tensor
-            by_t: dict[float, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]] = {}
+            # are updated together by multi-tensor (_foreach) ops: one call per formula line, not per
+            # tensor; grouped by tensor type, device and dtype too, since one _foreach call cannot mix
+            # plain tensors with DTensors (native tensor parallelism shards some parameters only)
+            by_t: dict[tuple, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -63,10 +65,10 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)  # m
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)  # v
                 state["step"] += 1
-                lists = by_t.setdefault(state["step"].item(), ([], [], [], []))
+                lists = by_t.setdefault((state["step"].item(), type(p), p.device, p.dtype), ([], [], [], []))
                 for lst, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
                     lst.append(t)
-            for t, (ps, gs, ms, vs) in by_t.items():
+            for (t, *_), (ps, gs, ms, vs) in by_t.items():
                 if wd != 0:
                     torch._foreach_mul_(ps, 1.0 - lr * wd)  # decoupled decay
                 torch._foreach_mul_(ms, beta1)
