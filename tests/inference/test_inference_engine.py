@@ -37,6 +37,36 @@ def test_batched_greedy_equals_full_recompute(model, prompts, reference, opts):
     assert all_free(llm.engine)
 
 
+@pytest.mark.parametrize("selective", [True, False], ids=["grouped-attention", "one-masked-attention"])
+def test_mixed_prefill_and_decode_in_one_forward(model, prompts, reference, selective):
+    """Every iteration is ONE forward of a flattened (1, T) row; with selective=False the model's
+    mask over all gathered keys is built from (sequence id, position) — both equal full recompute."""
+    llm = LLM(model, block_size=4, num_blocks=200, max_num_batched_tokens=9, max_num_seqs=6, selective=selective)
+    outs = llm.generate(prompts, GREEDY)
+    eng = llm.engine
+    assert eng.stats["forwards"] == eng.stats["steps"]
+    assert [o.token_ids for o in outs] == reference
+    assert all_free(eng)
+
+
+def test_packed_mask_hides_other_sequences_keys(model):
+    """The (sequence id, position) mask against an independent reference: two sequences packed in
+    one row give the same logits as each run alone without a cache."""
+    from lmstack.inference.paged import PagedKVCache
+
+    a, b = [5, 6, 7, 8, 9], [11, 12, 13]
+    for selective in (True, False):
+        cache = PagedKVCache(model.config, 20, 4, torch.float64)
+        for sid, ids in (("a", a), ("b", b)):
+            cache.allocate(sid, ids)
+            cache.reserve(sid, len(ids))
+        batch, pos, sid = cache.packed_batch([("a", 0, 5), ("b", 0, 3)], selective=selective)
+        with torch.no_grad():
+            got = model(torch.tensor([a + b]), pos, kv_cache=batch, document_ids=sid)[0]  # (8, V)
+            want = torch.cat([model(torch.tensor([a]))[0], model(torch.tensor([b]))[0]])
+        torch.testing.assert_close(got, want)
+
+
 def test_preemption_by_recompute_with_a_tiny_pool(model, prompts, reference):
     llm = LLM(model, block_size=4, num_blocks=14, max_num_batched_tokens=32, max_num_seqs=16)  # 52 token slots
     outs = llm.generate(prompts, GREEDY)

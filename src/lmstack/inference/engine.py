@@ -100,7 +100,7 @@ class LLMEngine:
                  kv_cache_bytes: int = 512 * 2**20, kv_dtype: torch.dtype | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, eos_token_id: int | None = None, seed: int = 0,
-                 watermark: float = 0.01):
+                 watermark: float = 0.01, selective: bool = True):
         p = next(model.parameters())
         c = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, c
@@ -120,6 +120,7 @@ class LLMEngine:
             eos_token_id = c.eos_token_id if c.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
         self.eos_token_id = eos_token_id
         self.generator = torch.Generator().manual_seed(seed)
+        self.selective = selective
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
         self.requests: dict[str, _Sequence] = {}
@@ -246,43 +247,36 @@ class LLMEngine:
             budget -= n
         return scheduled
 
-    def _groups(self, scheduled: list[tuple[_Sequence, int]]) -> list[list[tuple[_Sequence, int]]]:
-        decode = [r for r in scheduled if r[1] == 1]
-        prefill = sorted((r for r in scheduled if r[1] > 1), key=lambda r: -r[1])
-        groups = [decode] if decode else []
-        group: list[tuple[_Sequence, int]] = []
-        for r in prefill:
-            if group and (len(group) + 1) * group[0][1] > 1.25 * (sum(n for _, n in group) + r[1]):
-                groups.append(group)
-                group = []
-            group.append(r)
-        if group:
-            groups.append(group)
-        return groups
-
     @torch.inference_mode()
     def _execute(self, scheduled: list[tuple[_Sequence, int]]) -> list[_Sequence]:
-        progressed: list[_Sequence] = []
-        for group in self._groups(scheduled):
-            rows = [(s.request_id, s.num_computed, n) for s, n in group]
-            batch, positions = self.cache.batch(rows)
-            B, T = positions.shape
-            tokens = torch.zeros(B, T, dtype=torch.long)  # (B, T), left-padded
-            for i, (s, n) in enumerate(group):
-                tokens[i, T - n:] = torch.tensor(s.all_ids[s.num_computed:s.num_computed + n])
-            logits = self.model(tokens.to(self.device), positions, kv_cache=batch, last_n=1)[:, -1]  # (B, V)
-            self.stats["forwards"] += 1
-            ready = []
-            for i, (s, n) in enumerate(group):
-                self.cache.commit(s.request_id, s.all_ids, n)
-                s.num_computed += n
-                self.stats["computed_tokens"] += n
-                if s.num_computed == len(s.all_ids):
-                    ready.append(i)
-            if ready:
-                self._sample([group[i][0] for i in ready], logits[ready])
-                progressed.extend(group[i][0] for i in ready)
-        return progressed
+        """One model forward for the whole iteration (Orca's selective batching): decode tokens
+        first, then the prefill chunks, flattened into one (1, T) row without padding; the
+        linears run once over all T tokens, attention per sequence (``SelectivePagedBatch``)."""
+        order = sorted(scheduled, key=lambda r: r[1] > 1)  # decode rows first (stable)
+        rows = [(s.request_id, s.num_computed, n) for s, n in order]
+        batch, positions, seq_ids = self.cache.packed_batch(rows, selective=self.selective)
+        ids: list[int] = []
+        for s, n in order:
+            ids.extend(s.all_ids[s.num_computed:s.num_computed + n])
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)[None]  # (1, T)
+        model = self.model
+        hidden = model(tokens, positions, kv_cache=batch, document_ids=seq_ids, return_hidden=True)[0]  # (T, D)
+        self.stats["forwards"] += 1
+        ready, last, t = [], [], 0
+        for s, n in order:
+            t += n
+            self.cache.commit(s.request_id, s.all_ids, n)
+            s.num_computed += n
+            self.stats["computed_tokens"] += n
+            if s.num_computed == len(s.all_ids):
+                ready.append(s)
+                last.append(t - 1)
+        if not ready:
+            return []
+        h = hidden[last]  # (R, D): the last token of every sequence that needs its next token
+        logits = model.lm_head(h) if model.lm_head is not None else torch.nn.functional.linear(h, model.embed.weight)
+        self._sample(ready, logits)  # (R, V)
+        return ready
 
     def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         """logits (R, V) of the R sequences that need their next token."""
