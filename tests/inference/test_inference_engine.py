@@ -203,3 +203,37 @@ def test_async_streaming_and_disconnect(model, prompts, reference):
     assert [r[0] for r in results[:3]] == [reference[0], reference[7], reference[10]]
     assert all(r[1] > 1 for r in results[:3])  # streamed in pieces, not at the end
     assert all_free(engine)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(block_size=4, num_blocks=200, max_num_batched_tokens=64),
+    dict(block_size=4, num_blocks=200, max_num_batched_tokens=7, max_num_seqs=5),  # chunked prefill
+    dict(block_size=4, num_blocks=14, max_num_batched_tokens=32, max_num_seqs=16),  # preemption
+], ids=["batched", "chunked", "tiny-pool"])
+def test_sliding_window_frees_out_of_window_blocks(prompts, opts):
+    """Mistral-style window W = 6: blocks entirely behind the window are freed during generation,
+    and greedy output still equals full recompute of the same windowed model (no cache)."""
+    from inference_helpers import make_model
+
+    model = make_model(sliding_window=6)
+    reference = [full_recompute_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    llm = LLM(model, **opts)
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.stats["window_released_blocks"] > 0
+    assert [o.token_ids for o in outs] == reference
+    assert all_free(llm.engine)
+
+
+def test_release_outside_window_counts(model):
+    """Block i (positions 4i..4i+3) is dead once 4(i+1) <= p - W + 1 for the next position p."""
+    from lmstack.inference.paged import NULL_BLOCK, PagedKVCache
+
+    cache = PagedKVCache(model.config, 20, 4, torch.float64)
+    cache.allocate("s", list(range(1, 15)))
+    cache.reserve("s", 14)
+    cache.commit("s", list(range(1, 15)), 14)  # p = 14, W = 6: keys 9..14 visible; blocks 0, 1 (0..7) dead
+    assert cache.release_outside_window("s", 6) == 2
+    assert cache.tables["s"][:2] == [NULL_BLOCK, NULL_BLOCK] and cache.first_live_block("s") == 2
+    assert cache.allocator.num_free == 19 - 2
+    cache.free("s")
+    assert cache.allocator.num_free == 19

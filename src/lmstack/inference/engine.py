@@ -100,7 +100,8 @@ class LLMEngine:
                  kv_cache_bytes: int = 512 * 2**20, kv_dtype: torch.dtype | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, eos_token_id: int | None = None, seed: int = 0,
-                 watermark: float = 0.01, selective: bool = True):
+                 watermark: float = 0.01, selective: bool = True,
+                 free_outside_window: bool = True):
         p = next(model.parameters())
         c = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, c
@@ -121,12 +122,13 @@ class LLMEngine:
         self.eos_token_id = eos_token_id
         self.generator = torch.Generator().manual_seed(seed)
         self.selective = selective
+        self.free_outside_window = free_outside_window
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
         self.requests: dict[str, _Sequence] = {}
         self._ids = itertools.count()
         self.stats = {"steps": 0, "forwards": 0, "preemptions": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
-                      "computed_tokens": 0, "generated_tokens": 0}
+                      "computed_tokens": 0, "generated_tokens": 0, "window_released_blocks": 0}
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
@@ -266,6 +268,9 @@ class LLMEngine:
         for s, n in order:
             t += n
             self.cache.commit(s.request_id, s.all_ids, n)
+            if self.config.sliding_window is not None and self.free_outside_window:
+                self.stats["window_released_blocks"] += self.cache.release_outside_window(
+                    s.request_id, self.config.sliding_window)
             s.num_computed += n
             self.stats["computed_tokens"] += n
             if s.num_computed == len(s.all_ids):

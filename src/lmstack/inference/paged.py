@@ -224,7 +224,8 @@ class PagedKVCache:
         if child in self.tables:
             raise ValueError(f"sequence {child!r} already has blocks")
         for block in self.tables[parent]:
-            self.allocator.incref(block)
+            if block != NULL_BLOCK:
+                self.allocator.incref(block)
         self.tables[child] = list(self.tables[parent])
         self.hashes[child] = list(self.hashes[parent])
         self.num_tokens[child] = self.num_tokens[parent]
@@ -236,7 +237,8 @@ class PagedKVCache:
         if table is None:
             return
         for block in reversed(table):
-            self.allocator.decref(block)
+            if block != NULL_BLOCK:  # NULL_BLOCK: released by release_outside_window
+                self.allocator.decref(block)
         del self.num_tokens[seq_id], self.hashes[seq_id]
 
     def truncate(self, seq_id: Hashable, n_tokens: int) -> None:
@@ -245,11 +247,40 @@ class PagedKVCache:
             raise ValueError(f"cannot truncate {seq_id!r} to {n_tokens} > {self.num_tokens[seq_id]} stored tokens")
         table = self.tables[seq_id]
         keep = self.blocks_for(n_tokens)
+        if keep and table[keep - 1] == NULL_BLOCK:
+            raise ValueError(f"cannot truncate {seq_id!r} to {n_tokens} tokens: that block was released")
         for block in reversed(table[keep:]):
             self.allocator.decref(block)
         del table[keep:]
         del self.hashes[seq_id][n_tokens // self.block_size:]
         self.num_tokens[seq_id] = n_tokens
+
+    def release_outside_window(self, seq_id: Hashable, window: int) -> int:
+        """Free the blocks no future token can see under a sliding window of ``window`` positions
+        (seed 000 §1.9, Mistral-style): the next token (position p = stored tokens) sees keys
+        p-W+1 .. p, so block i is dead once (i+1)·bs <= p-W+1. Its table entry becomes
+        NULL_BLOCK (never gathered again); a cached prefix block stays evictable for later hits.
+        Returns the number of blocks released now.
+        """
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1")
+        table, bs = self.tables[seq_id], self.block_size
+        dead = max(0, (self.num_tokens[seq_id] - window + 1) // bs)
+        released = 0
+        for i in range(min(dead, len(table))):
+            if table[i] != NULL_BLOCK:
+                self.allocator.decref(table[i])
+                table[i] = NULL_BLOCK
+                released += 1
+        return released
+
+    def first_live_block(self, seq_id: Hashable) -> int:
+        """Index of the first table entry not released by ``release_outside_window``."""
+        table = self.tables[seq_id]
+        i = 0
+        while i < len(table) and table[i] == NULL_BLOCK:
+            i += 1
+        return i
 
     # ---- one forward pass ----------------------------------------------------------------
     def batch(self, rows: Sequence[tuple[Hashable, int, int]]) -> tuple["PagedBatch", Tensor]:
@@ -280,6 +311,7 @@ class PagedKVCache:
             g = (t[:, None] * bs + offsets).flatten()
             gather[i, :g.numel()] = g
             key_positions[i, :end] = torch.arange(end)
+            key_positions[i, :self.first_live_block(seq_id) * bs] = -1  # released (sliding window)
         return PagedBatch(self, slots.to(device), gather.to(device), key_positions.to(device)), positions.to(device)
 
     def packed_batch(self, rows: Sequence[tuple[Hashable, int, int]], selective: bool = True
@@ -308,9 +340,10 @@ class PagedKVCache:
             positions.append(p)
             slots.append(t[p // bs] * bs + p % bs)
             seq_ids.append(torch.full((n,), r, dtype=torch.long))
-            g = (t[:, None] * bs + offsets).flatten()  # (S_r,)
-            kp = torch.arange(g.numel())
-            kp[end:] = -1  # slots past the last token are empty
+            live = self.first_live_block(seq_id)  # blocks before it were released (sliding window)
+            g = (t[live:, None] * bs + offsets).flatten()  # (S_r,)
+            kp = torch.arange(live * bs, live * bs + g.numel())
+            kp[end - live * bs:] = -1  # slots past the last token are empty
             keys.append((g, kp))
         positions_t = torch.cat(positions)[None]  # (1, T)
         seq_t = torch.cat(seq_ids)[None]  # (1, T)
