@@ -15,11 +15,14 @@ Every ``step()`` is one iteration:
    the front of the waiting queue with prompt + generated tokens as its new prompt (prefix
    caching usually gives the blocks back for free). The engine never crashes for lack of
    blocks; a request that could not fit even alone is refused when it is added;
-3. run the model: decode rows (T = 1) in one batched forward, prefill chunks in forwards of
-   similar length (the model's seam pads rows; Orca's selective batching would concatenate
-   them — here the padding is bounded to 25 %);
+3. run the model ONCE (Orca's selective batching): the decode tokens and the prefill chunks of
+   the iteration are flattened into one (1, T) row without padding, with per-token positions
+   and sequence ids; the linears run over all T tokens, attention per sequence
+   (``SelectivePagedBatch``); only the last token of each sequence that needs its next token
+   goes through the unembedding;
 4. sample a token for every sequence whose prompt is complete, check the stop rules, free the
-   blocks of finished sequences.
+   blocks of finished sequences (and, for a sliding-window model, the blocks that fell behind
+   the window).
 
 ``LLM`` is the offline API (``generate(prompts, sampling_params)``); ``AsyncLLM`` is the
 streaming API a server sits on (``generate`` yields deltas, ``abort``).
@@ -94,7 +97,12 @@ class _Sequence:
 
 
 class LLMEngine:
-    """Continuous batching over a ``PagedKVCache``; see the module docstring."""
+    """Continuous batching over a ``PagedKVCache``; see the module docstring.
+
+    ``selective=False`` runs the same one-forward iteration with the reference attention (one
+    masked attention over every gathered key, mask from (sequence id, position)) instead of the
+    per-sequence grouping; ``free_outside_window=False`` keeps a sliding-window model's old blocks.
+    """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_bytes: int = 512 * 2**20, kv_dtype: torch.dtype | None = None,
