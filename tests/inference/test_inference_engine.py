@@ -237,3 +237,13 @@ def test_release_outside_window_counts(model):
     assert cache.allocator.num_free == 19 - 2
     cache.free("s")
     assert cache.allocator.num_free == 19
+
+
+def test_document_ids_need_a_cache_with_key_sequence_ids(model):
+    """A cache whose update() returns 3 tensors cannot mask by sequence: a clear error, not a wrong mask."""
+    from lmstack.inference.kv_cache import KVCache
+
+    cache = KVCache(model.config, 1, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="sequence ids"), torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], kv_cache=cache,
+              document_ids=torch.zeros(1, 3, dtype=torch.long))
