@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-static-lmstack", action="store_true")
     args = ap.parse_args()
@@ -107,7 +107,7 @@ def main() -> None:
     itl = [b - a for r in res for a, b in zip(r.token_times, r.token_times[1:])]
     thr = useful / wall
     print(f"continuous (lmstack): {wall:7.1f} s  {thr:7.1f} tok/s   steps {engine.stats['steps']}, "
-          f"preemptions {engine.stats['preemptions']}")
+          f"preemptions {engine.stats['preemptions']}, forwards {engine.stats['forwards']}")
     print(f"  TTFT p50 {pct(ttft, 50):.2f} s  p90 {pct(ttft, 90):.2f} s  p99 {pct(ttft, 99):.2f} s;  inter-token "
           f"p50 {pct(itl, 50) * 1000:.0f} ms  p90 {pct(itl, 90) * 1000:.0f} ms  p99 {pct(itl, 99) * 1000:.0f} ms")
     if not args.skip_static_lmstack:

@@ -37,6 +37,36 @@ def test_batched_greedy_equals_full_recompute(model, prompts, reference, opts):
     assert all_free(llm.engine)
 
 
+@pytest.mark.parametrize("selective", [True, False], ids=["grouped-attention", "one-masked-attention"])
+def test_mixed_prefill_and_decode_in_one_forward(model, prompts, reference, selective):
+    """Every iteration is ONE forward of a flattened (1, T) row; with selective=False the model's
+    mask over all gathered keys is built from (sequence id, position) — both equal full recompute."""
+    llm = LLM(model, block_size=4, num_blocks=200, max_num_batched_tokens=9, max_num_seqs=6, selective=selective)
+    outs = llm.generate(prompts, GREEDY)
+    eng = llm.engine
+    assert eng.stats["forwards"] == eng.stats["steps"]
+    assert [o.token_ids for o in outs] == reference
+    assert all_free(eng)
+
+
+def test_packed_mask_hides_other_sequences_keys(model):
+    """The (sequence id, position) mask against an independent reference: two sequences packed in
+    one row give the same logits as each run alone without a cache."""
+    from lmstack.inference.paged import PagedKVCache
+
+    a, b = [5, 6, 7, 8, 9], [11, 12, 13]
+    for selective in (True, False):
+        cache = PagedKVCache(model.config, 20, 4, torch.float64)
+        for sid, ids in (("a", a), ("b", b)):
+            cache.allocate(sid, ids)
+            cache.reserve(sid, len(ids))
+        batch, pos, sid = cache.packed_batch([("a", 0, 5), ("b", 0, 3)], selective=selective)
+        with torch.no_grad():
+            got = model(torch.tensor([a + b]), pos, kv_cache=batch, document_ids=sid)[0]  # (8, V)
+            want = torch.cat([model(torch.tensor([a]))[0], model(torch.tensor([b]))[0]])
+        torch.testing.assert_close(got, want)
+
+
 def test_preemption_by_recompute_with_a_tiny_pool(model, prompts, reference):
     llm = LLM(model, block_size=4, num_blocks=14, max_num_batched_tokens=32, max_num_seqs=16)  # 52 token slots
     outs = llm.generate(prompts, GREEDY)
@@ -173,3 +203,47 @@ def test_async_streaming_and_disconnect(model, prompts, reference):
     assert [r[0] for r in results[:3]] == [reference[0], reference[7], reference[10]]
     assert all(r[1] > 1 for r in results[:3])  # streamed in pieces, not at the end
     assert all_free(engine)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(block_size=4, num_blocks=200, max_num_batched_tokens=64),
+    dict(block_size=4, num_blocks=200, max_num_batched_tokens=7, max_num_seqs=5),  # chunked prefill
+    dict(block_size=4, num_blocks=14, max_num_batched_tokens=32, max_num_seqs=16),  # preemption
+], ids=["batched", "chunked", "tiny-pool"])
+def test_sliding_window_frees_out_of_window_blocks(prompts, opts):
+    """Mistral-style window W = 6: blocks entirely behind the window are freed during generation,
+    and greedy output still equals full recompute of the same windowed model (no cache)."""
+    from inference_helpers import make_model
+
+    model = make_model(sliding_window=6)
+    reference = [full_recompute_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    llm = LLM(model, **opts)
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.stats["window_released_blocks"] > 0
+    assert [o.token_ids for o in outs] == reference
+    assert all_free(llm.engine)
+
+
+def test_release_outside_window_counts(model):
+    """Block i (positions 4i..4i+3) is dead once 4(i+1) <= p - W + 1 for the next position p."""
+    from lmstack.inference.paged import NULL_BLOCK, PagedKVCache
+
+    cache = PagedKVCache(model.config, 20, 4, torch.float64)
+    cache.allocate("s", list(range(1, 15)))
+    cache.reserve("s", 14)
+    cache.commit("s", list(range(1, 15)), 14)  # p = 14, W = 6: keys 9..14 visible; blocks 0, 1 (0..7) dead
+    assert cache.release_outside_window("s", 6) == 2
+    assert cache.tables["s"][:2] == [NULL_BLOCK, NULL_BLOCK] and cache.first_live_block("s") == 2
+    assert cache.allocator.num_free == 19 - 2
+    cache.free("s")
+    assert cache.allocator.num_free == 19
+
+
+def test_document_ids_need_a_cache_with_key_sequence_ids(model):
+    """A cache whose update() returns 3 tensors cannot mask by sequence: a clear error, not a wrong mask."""
+    from lmstack.inference.kv_cache import KVCache
+
+    cache = KVCache(model.config, 1, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="sequence ids"), torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], kv_cache=cache,
+              document_ids=torch.zeros(1, 3, dtype=torch.long))

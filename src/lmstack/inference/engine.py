@@ -15,11 +15,14 @@ Every ``step()`` is one iteration:
    the front of the waiting queue with prompt + generated tokens as its new prompt (prefix
    caching usually gives the blocks back for free). The engine never crashes for lack of
    blocks; a request that could not fit even alone is refused when it is added;
-3. run the model: decode rows (T = 1) in one batched forward, prefill chunks in forwards of
-   similar length (the model's seam pads rows; Orca's selective batching would concatenate
-   them — here the padding is bounded to 25 %);
+3. run the model ONCE (Orca's selective batching): the decode tokens and the prefill chunks of
+   the iteration are flattened into one (1, T) row without padding, with per-token positions
+   and sequence ids; the linears run over all T tokens, attention per sequence
+   (``SelectivePagedBatch``); only the last token of each sequence that needs its next token
+   goes through the unembedding;
 4. sample a token for every sequence whose prompt is complete, check the stop rules, free the
-   blocks of finished sequences.
+   blocks of finished sequences (and, for a sliding-window model, the blocks that fell behind
+   the window).
 
 ``LLM`` is the offline API (``generate(prompts, sampling_params)``); ``AsyncLLM`` is the
 streaming API a server sits on (``generate`` yields deltas, ``abort``).
@@ -94,13 +97,19 @@ class _Sequence:
 
 
 class LLMEngine:
-    """Continuous batching over a ``PagedKVCache``; see the module docstring."""
+    """Continuous batching over a ``PagedKVCache``; see the module docstring.
+
+    ``selective=False`` runs the same one-forward iteration with the reference attention (one
+    masked attention over every gathered key, mask from (sequence id, position)) instead of the
+    per-sequence grouping; ``free_outside_window=False`` keeps a sliding-window model's old blocks.
+    """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_bytes: int = 512 * 2**20, kv_dtype: torch.dtype | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, eos_token_id: int | None = None, seed: int = 0,
-                 watermark: float = 0.01):
+                 watermark: float = 0.01, selective: bool = True,
+                 free_outside_window: bool = True):
         p = next(model.parameters())
         c = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, c
@@ -120,12 +129,14 @@ class LLMEngine:
             eos_token_id = c.eos_token_id if c.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
         self.eos_token_id = eos_token_id
         self.generator = torch.Generator().manual_seed(seed)
+        self.selective = selective
+        self.free_outside_window = free_outside_window
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
         self.requests: dict[str, _Sequence] = {}
         self._ids = itertools.count()
         self.stats = {"steps": 0, "forwards": 0, "preemptions": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
-                      "computed_tokens": 0, "generated_tokens": 0}
+                      "computed_tokens": 0, "generated_tokens": 0, "window_released_blocks": 0}
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
@@ -246,43 +257,39 @@ class LLMEngine:
             budget -= n
         return scheduled
 
-    def _groups(self, scheduled: list[tuple[_Sequence, int]]) -> list[list[tuple[_Sequence, int]]]:
-        decode = [r for r in scheduled if r[1] == 1]
-        prefill = sorted((r for r in scheduled if r[1] > 1), key=lambda r: -r[1])
-        groups = [decode] if decode else []
-        group: list[tuple[_Sequence, int]] = []
-        for r in prefill:
-            if group and (len(group) + 1) * group[0][1] > 1.25 * (sum(n for _, n in group) + r[1]):
-                groups.append(group)
-                group = []
-            group.append(r)
-        if group:
-            groups.append(group)
-        return groups
-
     @torch.inference_mode()
     def _execute(self, scheduled: list[tuple[_Sequence, int]]) -> list[_Sequence]:
-        progressed: list[_Sequence] = []
-        for group in self._groups(scheduled):
-            rows = [(s.request_id, s.num_computed, n) for s, n in group]
-            batch, positions = self.cache.batch(rows)
-            B, T = positions.shape
-            tokens = torch.zeros(B, T, dtype=torch.long)  # (B, T), left-padded
-            for i, (s, n) in enumerate(group):
-                tokens[i, T - n:] = torch.tensor(s.all_ids[s.num_computed:s.num_computed + n])
-            logits = self.model(tokens.to(self.device), positions, kv_cache=batch, last_n=1)[:, -1]  # (B, V)
-            self.stats["forwards"] += 1
-            ready = []
-            for i, (s, n) in enumerate(group):
-                self.cache.commit(s.request_id, s.all_ids, n)
-                s.num_computed += n
-                self.stats["computed_tokens"] += n
-                if s.num_computed == len(s.all_ids):
-                    ready.append(i)
-            if ready:
-                self._sample([group[i][0] for i in ready], logits[ready])
-                progressed.extend(group[i][0] for i in ready)
-        return progressed
+        """One model forward for the whole iteration (Orca's selective batching): decode tokens
+        first, then the prefill chunks, flattened into one (1, T) row without padding; the
+        linears run once over all T tokens, attention per sequence (``SelectivePagedBatch``)."""
+        order = sorted(scheduled, key=lambda r: r[1] > 1)  # decode rows first (stable)
+        rows = [(s.request_id, s.num_computed, n) for s, n in order]
+        batch, positions, seq_ids = self.cache.packed_batch(rows, selective=self.selective)
+        ids: list[int] = []
+        for s, n in order:
+            ids.extend(s.all_ids[s.num_computed:s.num_computed + n])
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)[None]  # (1, T)
+        model = self.model
+        hidden = model(tokens, positions, kv_cache=batch, document_ids=seq_ids, return_hidden=True)[0]  # (T, D)
+        self.stats["forwards"] += 1
+        ready, last, t = [], [], 0
+        for s, n in order:
+            t += n
+            self.cache.commit(s.request_id, s.all_ids, n)
+            if self.config.sliding_window is not None and self.free_outside_window:
+                self.stats["window_released_blocks"] += self.cache.release_outside_window(
+                    s.request_id, self.config.sliding_window)
+            s.num_computed += n
+            self.stats["computed_tokens"] += n
+            if s.num_computed == len(s.all_ids):
+                ready.append(s)
+                last.append(t - 1)
+        if not ready:
+            return []
+        h = hidden[last]  # (R, D): the last token of every sequence that needs its next token
+        logits = model.lm_head(h) if model.lm_head is not None else torch.nn.functional.linear(h, model.embed.weight)
+        self._sample(ready, logits)  # (R, V)
+        return ready
 
     def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         """logits (R, V) of the R sequences that need their next token."""

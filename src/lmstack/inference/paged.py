@@ -31,6 +31,7 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lmstack.model.config import ModelConfig
@@ -223,7 +224,8 @@ class PagedKVCache:
         if child in self.tables:
             raise ValueError(f"sequence {child!r} already has blocks")
         for block in self.tables[parent]:
-            self.allocator.incref(block)
+            if block != NULL_BLOCK:
+                self.allocator.incref(block)
         self.tables[child] = list(self.tables[parent])
         self.hashes[child] = list(self.hashes[parent])
         self.num_tokens[child] = self.num_tokens[parent]
@@ -235,7 +237,8 @@ class PagedKVCache:
         if table is None:
             return
         for block in reversed(table):
-            self.allocator.decref(block)
+            if block != NULL_BLOCK:  # NULL_BLOCK: released by release_outside_window
+                self.allocator.decref(block)
         del self.num_tokens[seq_id], self.hashes[seq_id]
 
     def truncate(self, seq_id: Hashable, n_tokens: int) -> None:
@@ -244,11 +247,40 @@ class PagedKVCache:
             raise ValueError(f"cannot truncate {seq_id!r} to {n_tokens} > {self.num_tokens[seq_id]} stored tokens")
         table = self.tables[seq_id]
         keep = self.blocks_for(n_tokens)
+        if keep and table[keep - 1] == NULL_BLOCK:
+            raise ValueError(f"cannot truncate {seq_id!r} to {n_tokens} tokens: that block was released")
         for block in reversed(table[keep:]):
             self.allocator.decref(block)
         del table[keep:]
         del self.hashes[seq_id][n_tokens // self.block_size:]
         self.num_tokens[seq_id] = n_tokens
+
+    def release_outside_window(self, seq_id: Hashable, window: int) -> int:
+        """Free the blocks no future token can see under a sliding window of ``window`` positions
+        (seed 000 §1.9, Mistral-style): the next token (position p = stored tokens) sees keys
+        p-W+1 .. p, so block i is dead once (i+1)·bs <= p-W+1. Its table entry becomes
+        NULL_BLOCK (never gathered again); a cached prefix block stays evictable for later hits.
+        Returns the number of blocks released now.
+        """
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1")
+        table, bs = self.tables[seq_id], self.block_size
+        dead = max(0, (self.num_tokens[seq_id] - window + 1) // bs)
+        released = 0
+        for i in range(min(dead, len(table))):
+            if table[i] != NULL_BLOCK:
+                self.allocator.decref(table[i])
+                table[i] = NULL_BLOCK
+                released += 1
+        return released
+
+    def first_live_block(self, seq_id: Hashable) -> int:
+        """Index of the first table entry not released by ``release_outside_window``."""
+        table = self.tables[seq_id]
+        i = 0
+        while i < len(table) and table[i] == NULL_BLOCK:
+            i += 1
+        return i
 
     # ---- one forward pass ----------------------------------------------------------------
     def batch(self, rows: Sequence[tuple[Hashable, int, int]]) -> tuple["PagedBatch", Tensor]:
@@ -279,7 +311,45 @@ class PagedKVCache:
             g = (t[:, None] * bs + offsets).flatten()
             gather[i, :g.numel()] = g
             key_positions[i, :end] = torch.arange(end)
+            key_positions[i, :self.first_live_block(seq_id) * bs] = -1  # released (sliding window)
         return PagedBatch(self, slots.to(device), gather.to(device), key_positions.to(device)), positions.to(device)
+
+    def packed_batch(self, rows: Sequence[tuple[Hashable, int, int]], selective: bool = True
+                     ) -> tuple["PackedPagedBatch", Tensor, Tensor]:
+        """One flattened forward for rows (seq_id, start, n): every row's tokens side by side in one
+        (1, T) row, T = Σ n, no padding (Orca's selective batching, seed 000 §2.2).
+
+        Returns the seam object, positions (1, T) and sequence ids (1, T) (the row index of each
+        token, for the model's ``document_ids``). ``selective=True`` gives a ``SelectivePagedBatch``
+        (attention grouped per sequence: consecutive single-token rows as one batched decode,
+        each longer row on its own); ``False`` the reference ``PackedPagedBatch`` (one attention
+        over all gathered keys, masked by (sequence id, position)).
+        """
+        bs, device = self.block_size, self.k.device
+        offsets = torch.arange(bs)
+        positions, slots, seq_ids = [], [], []
+        keys = []  # per row: (gather slots (S_r,), key positions (S_r,))
+        for r, (seq_id, start, n) in enumerate(rows):
+            table = self.tables[seq_id]
+            end = start + n
+            if n < 1 or self.blocks_for(end) > len(table):
+                raise ValueError(f"sequence {seq_id!r} has {len(table)} blocks, needs {self.blocks_for(end)} "
+                                 f"for tokens {start}..{end - 1}; call reserve() first")
+            t = torch.tensor(table[:self.blocks_for(end)], dtype=torch.long)
+            p = torch.arange(start, end)
+            positions.append(p)
+            slots.append(t[p // bs] * bs + p % bs)
+            seq_ids.append(torch.full((n,), r, dtype=torch.long))
+            live = self.first_live_block(seq_id)  # blocks before it were released (sliding window)
+            g = (t[live:, None] * bs + offsets).flatten()  # (S_r,)
+            kp = torch.arange(live * bs, live * bs + g.numel())
+            kp[end - live * bs:] = -1  # slots past the last token are empty
+            keys.append((g, kp))
+        positions_t = torch.cat(positions)[None]  # (1, T)
+        seq_t = torch.cat(seq_ids)[None]  # (1, T)
+        cls = SelectivePagedBatch if selective else PackedPagedBatch
+        batch = cls(self, torch.cat(slots).to(device), rows, keys, positions_t.to(device))
+        return batch, positions_t.to(device), seq_t.to(device)
 
     def gather(self, seq_id: Hashable, layer_idx: int) -> tuple[Tensor, Tensor]:
         """This sequence's stored K and V for one layer, (K, S, H) each, in position order."""
@@ -312,3 +382,93 @@ class PagedBatch:
         k_all = kc[self.gather_slots].transpose(1, 2).to(k.dtype)  # (B, S, K, H) -> (B, K, S, H)
         v_all = vc[self.gather_slots].transpose(1, 2).to(v.dtype)
         return k_all, v_all, self.key_positions
+
+
+class PackedPagedBatch:
+    """The seam for one flattened forward (1, T) over several sequences (``PagedKVCache.packed_batch``).
+
+    ``update`` scatters this step's k, v (1, K, T, H) into their slots and returns every
+    sequence's gathered keys side by side, (1, K, S, H) with S = Σ S_r, their positions and
+    their sequence ids (1, S): the model's mask lets a token see only its own sequence's
+    earlier keys. Reference path: the attention is computed over all T × S pairs.
+    """
+
+    def __init__(self, cache: PagedKVCache, slots: Tensor, rows, keys: list[tuple[Tensor, Tensor]],
+                 positions: Tensor):
+        self.cache, self.slots, self.rows, self.positions = cache, slots, rows, positions
+        self.keys = keys
+        device = cache.k.device
+        self.lengths = [n for _, _, n in rows]
+        self._flat = None  # (gather (S,), key positions (1, S), key sequence ids (1, S)), built on first use
+        # Segments for grouped attention: runs of single-token rows batched together, longer rows alone.
+        self.segments: list[tuple[int, int, Tensor, Tensor]] = []  # (t0, t1, gather (R, S), key pos (R, S))
+        t0, r = 0, 0
+        while r < len(rows):
+            r1 = r + 1
+            if self.lengths[r] == 1:
+                while r1 < len(rows) and self.lengths[r1] == 1:
+                    r1 += 1
+            S = max(keys[i][0].numel() for i in range(r, r1))
+            g = torch.zeros(r1 - r, S, dtype=torch.long)  # null block slots pad short rows
+            kp = torch.full((r1 - r, S), -1, dtype=torch.long)
+            for j, i in enumerate(range(r, r1)):
+                g[j, :keys[i][0].numel()] = keys[i][0]
+                kp[j, :keys[i][1].numel()] = keys[i][1]
+            t1 = t0 + sum(self.lengths[r:r1])
+            self.segments.append((t0, t1, g.to(device), kp.to(device)))
+            t0, r = t1, r1
+
+    def _write(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        _, K, T, H = k.shape
+        if k.shape[0] != 1 or self.slots.shape != (T,):
+            raise ValueError(f"batch was prepared for (1, {self.slots.shape[0]}) tokens, got k of shape {tuple(k.shape)}")
+        kc = self.cache.k[layer_idx].view(-1, K, H)  # (NB·bs, K, H)
+        vc = self.cache.v[layer_idx].view(-1, K, H)
+        kc.index_copy_(0, self.slots, k[0].transpose(0, 1).to(kc.dtype))
+        vc.index_copy_(0, self.slots, v[0].transpose(0, 1).to(vc.dtype))
+        return kc, vc
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor):
+        kc, vc = self._write(layer_idx, k, v)
+        if self._flat is None:
+            device = self.slots.device
+            g = torch.cat([g for g, _ in self.keys])
+            kp = torch.cat([kp for _, kp in self.keys])
+            ids = torch.cat([torch.full((g.numel(),), r, dtype=torch.long) for r, (g, _) in enumerate(self.keys)])
+            self._flat = (g.to(device), kp[None].to(device), ids[None].to(device))
+        g, kp, ids = self._flat
+        k_all = kc.index_select(0, g).transpose(0, 1)[None].to(k.dtype)  # (1, K, S, H)
+        v_all = vc.index_select(0, g).transpose(0, 1)[None].to(v.dtype)
+        return k_all, v_all, kp, ids
+
+
+class SelectivePagedBatch(PackedPagedBatch):
+    """``PackedPagedBatch`` whose attention is grouped per sequence (Orca's selective batching):
+    the linears, norms and FFN run once over all T tokens; attention runs per segment — the
+    decode tokens as one batch (R, N, 1, H) against their own gathered keys (R, K, S, H), each
+    prefill chunk (1, N, n, H) against its sequence's keys — so no query meets another
+    sequence's keys and nothing is computed for them.
+    """
+
+    def attention(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
+                  window: int | None) -> Tensor:
+        from lmstack.model.attention import attention_mask
+
+        kc, vc = self._write(layer_idx, k, v)
+        _, N, T, H = q.shape
+        K = k.shape[1]
+        outs = []
+        for t0, t1, g, kp in self.segments:
+            R, S = g.shape
+            ks = kc.index_select(0, g.flatten()).view(R, S, K, H).transpose(1, 2).to(q.dtype)  # (R, K, S, H)
+            vs = vc.index_select(0, g.flatten()).view(R, S, K, H).transpose(1, 2).to(q.dtype)
+            if R > 1:  # R decode rows, one token each
+                qs = q[0, :, t0:t1].transpose(0, 1)[:, :, None]  # (R, N, 1, H)
+                qp = positions[0, t0:t1, None]  # (R, 1)
+            else:
+                qs = q[:, :, t0:t1]  # (1, N, n, H)
+                qp = positions[:, t0:t1]  # (1, n)
+            mask = attention_mask(qp, kp, window)  # (R, 1, n, S)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=K != N)
+            outs.append(o[:, :, 0].transpose(0, 1)[None] if R > 1 else o)  # (1, N, n, H)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (1, N, T, H)

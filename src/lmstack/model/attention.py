@@ -9,6 +9,15 @@ The KV-cache seam: ``forward`` takes an optional ``kv_cache`` object with one me
 keys/values (B, K, T, H) and returns every key/value this layer may attend to, (B, K, S, H),
 with their positions (B, S) (negative = empty slot). The mask is built from positions alone,
 so contiguous, paged and packed layouts all work without the model changing.
+
+Two optional extensions of the seam serve Orca's selective batching (seed 000 §2.2: the tokens
+of several sequences flattened into one row, prefill chunks and decode tokens together):
+
+- ``update`` may return a fourth tensor, the keys' sequence ids (B, S); with ``document_ids``
+  (B, T) for the queries the mask then also hides keys of other sequences;
+- the cache may define ``attention(layer_idx, q, k, v, positions, window) -> (B, N, T, H)``;
+  it then stores k, v and computes the attention itself, grouped per sequence (the non-attention
+  ops stay batched over all T tokens), instead of one masked attention over every gathered key.
 """
 
 from __future__ import annotations
@@ -109,20 +118,28 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, positions), self.rope(k, positions)  # RoPE on q and k, never v
 
+        k_documents = document_ids
         if kv_cache is not None:
-            k, v, k_positions = kv_cache.update(self.layer_idx, k, v, positions)  # (B, K, S, H), (B, S)
+            if hasattr(kv_cache, "attention"):  # the cache groups the attention per sequence itself
+                out = kv_cache.attention(self.layer_idx, q, k, v, positions, self.window)  # (B, N, T, H)
+                return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+            k, v, k_positions, *rest = kv_cache.update(self.layer_idx, k, v, positions)  # (B, K, S, H), (B, S)
+            k_documents = rest[0] if rest else None  # (B, S) sequence ids of the keys, if the cache has them
             causal_fast_path = False
+            if document_ids is not None and k_documents is None:
+                raise ValueError("document_ids with a kv_cache need a cache whose update() also returns the "
+                                 "keys' sequence ids (a 4th tensor); this cache returns 3")
+            if document_ids is None:
+                k_documents = None
         else:
             k_positions = positions
         if document_ids is not None:
-            if kv_cache is not None:
-                raise ValueError("document_ids (packed sequences) cannot be combined with a kv_cache")
             causal_fast_path = False
 
         if causal_fast_path and self.window is None:
             mask = None
         else:
-            mask = attention_mask(positions, k_positions, self.window, document_ids, document_ids)
+            mask = attention_mask(positions, k_positions, self.window, document_ids, k_documents)
 
         backend = self.backend if self.backend != "auto" else _resolve_backend(self.backend, q.device)
         if backend == "sdpa" and mask is not None and q.device.type == "cpu" and torch.compiler.is_compiling():
