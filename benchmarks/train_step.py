@@ -41,13 +41,13 @@ def build(args):
     cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads, d_ff=args.d_ff, max_seq_len=max(args.seq, 128),
                       tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5,
-                      attn_backend="sdpa" if args.attn == "sdpa" else "reference")
+                      attn_backend={"auto": "auto", "sdpa": "sdpa", "eager": "reference"}[args.attn])
     ours = Transformer(cfg, seed=0)
     hf_cfg = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.d_model, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, intermediate_size=args.d_ff,
         max_position_embeddings=max(args.seq, 128), rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=True, attn_implementation=args.attn)
+        tie_word_embeddings=True, attn_implementation="eager" if args.attn == "eager" else "sdpa")
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_cfg)
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
@@ -78,9 +78,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--precision", choices=["bf16", "fp32", "both"], default="both")
-    ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
-                    help="attention for both: sdpa = F.scaled_dot_product_attention; eager = explicit softmax(QKᵀ)V "
-                         "(lmstack attn_backend='reference', HF attn_implementation='eager')")
+    ap.add_argument("--attn", choices=["auto", "sdpa", "eager"], default="auto",
+                    help="auto = lmstack's default attn_backend (what the Trainer runs; lmstack.kernels.backends picks "
+                         "per device/autocast/grad) vs HF sdpa; sdpa = F.scaled_dot_product_attention for both; "
+                         "eager = explicit softmax(QKᵀ)V (lmstack attn_backend='reference', HF attn_implementation='eager')")
     ap.add_argument("--no-fused-loss", dest="fused_loss", action="store_false",
                     help="lmstack: materialise the logits and call cross_entropy (TrainConfig fused_loss=false)")
     ap.add_argument("--compile", action="store_true",

@@ -7,13 +7,20 @@ attention  ``sdpa``           F.scaled_dot_product_attention (on CUDA its FlashA
            ``reference``      softmax(QKᵀ/√H + mask) V, materialising the (T, S) matrix
            ``flash_pytorch``  lmstack.kernels.flash_pytorch (tiled PyTorch, O(S) memory)
            ``flash_triton``   lmstack.kernels.flash_triton (Triton; CUDA or TRITON_INTERPRET=1)
+           ``matmul``         lmstack.kernels.matmul_attention: bf16 matmuls, fp32 scores/softmax,
+                              chunked over the batch, P recomputed in backward (CPU training)
            ``auto``           the fastest available on the tensor's device (table below)
 rmsnorm    ``torch``          the eager fp32 formula in lmstack.model.layers.RMSNorm
            ``triton``         lmstack.kernels.triton_rmsnorm (one fused kernel each way)
            ``auto``           triton on CUDA when Triton is installed, else torch
 
-``auto`` for attention resolves to ``sdpa`` on every device: on CPU it is the fastest path
-measured here (docs/kernels.md); on CUDA SDPA dispatches to FlashAttention-2 in CUDA, which the
+``auto`` for attention resolves to ``sdpa`` on every device, with one exception: on CPU, when
+autograd records (training) under bf16/fp16 autocast and nothing is being compiled, it resolves to
+``matmul`` — there SDPA's CPU flash backward costs ~6x its forward, and the matmul path's forward +
+backward measured 40 ms vs 50–65 ms per layer (B=16, N=4, K=2, T=S=256, H=64, one thread;
+docs/training.md). In fp32, for inference and under torch.compile SDPA stays faster or fuses better.
+``model/attention.py`` runs ``matmul`` only once it dispatches that name (see ``attention()`` below);
+until then an unknown name falls through to SDPA there. On CUDA SDPA dispatches to FlashAttention-2 in CUDA, which the
 Triton kernel aims to match (≥ 0.9x) but has not been measured against on this project's
 machines, so it is not promoted to the default. Change ``FASTEST_ATTENTION`` once it has.
 """
@@ -32,6 +39,9 @@ from lmstack.model.config import NORM_BACKENDS  # noqa: E402
 
 # device type -> attention backend that "auto" picks (see the module docstring for why)
 FASTEST_ATTENTION = {"cpu": "sdpa", "cuda": "sdpa"}
+# CPU training under low-precision autocast: the chunked matmul attention (module docstring)
+CPU_TRAINING_ATTENTION = "matmul"
+EXTRA_ATTENTION_BACKENDS = ("matmul",)  # reachable through "auto" and attention(); not a ModelConfig name yet
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -51,13 +61,54 @@ def triton_usable(device: torch.device | str) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def cpu_training_autocast(device: torch.device | str) -> bool:
+    """True on CPU while autograd records under bf16/fp16 autocast and nothing is being compiled."""
+    return (torch.device(device).type == "cpu" and torch.is_grad_enabled() and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") in (torch.bfloat16, torch.float16)
+            and not torch.compiler.is_compiling())
+
+
 def resolve_attn_backend(name: str, device: torch.device | str) -> str:
-    """Map ``auto`` to a concrete backend for ``device``; check every other name."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend={name!r}; expected one of {ATTENTION_BACKENDS}")
+    """Map ``auto`` to a concrete backend for ``device`` (and the autograd/autocast state); check other names."""
+    if name not in ATTENTION_BACKENDS + EXTRA_ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend={name!r}; expected one of {ATTENTION_BACKENDS + EXTRA_ATTENTION_BACKENDS}")
     if name == "auto":
+        if cpu_training_autocast(device):
+            return CPU_TRAINING_ATTENTION
         return FASTEST_ATTENTION.get(torch.device(device).type, "sdpa")
     return name
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
+              backend: str = "auto") -> Tensor:
+    """softmax(QKᵀ/√H + mask) V through one backend (seed 000 §1.2, §1.3, §2.7).
+
+    q (B, N, T, H), k/v (B, K, S, H); mask: bool, True = may attend, broadcastable to (B, 1, T, S),
+    or ``causal=True`` (bottom-right aligned) -> (B, N, T, H). The flash backends take ``causal``
+    only. This is the seam ``model/attention.py`` can call for every backend.
+    """
+    backend = resolve_attn_backend(backend, q.device)
+    if mask is not None and causal:
+        raise ValueError("give either mask or causal=True, not both")
+    if backend == "matmul":
+        from lmstack.kernels.matmul_attention import matmul_attention
+
+        return matmul_attention(q, k, v, mask=mask, causal=causal)
+    if backend in ("flash_pytorch", "flash_triton"):
+        if mask is not None:
+            raise ValueError(f"backend={backend!r} takes causal=True, not an explicit mask")
+        return flash_attention(q, k, v, causal=causal, backend=backend)
+    if backend == "reference":
+        from lmstack.model.attention import attention_mask, reference_attention
+
+        if causal:
+            T, S = q.shape[2], k.shape[2]
+            mask = attention_mask(torch.arange(S - T, S, device=q.device), torch.arange(S, device=q.device))
+        return reference_attention(q, k, v, mask)
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def resolve_norm_backend(name: str, x: Tensor) -> str:
