@@ -19,8 +19,8 @@ autograd records (training) under bf16/fp16 autocast and nothing is being compil
 ``matmul`` — there SDPA's CPU flash backward costs ~6x its forward, and the matmul path's forward +
 backward measured 40 ms vs 50–65 ms per layer (B=16, N=4, K=2, T=S=256, H=64, one thread;
 docs/training.md). In fp32, for inference and under torch.compile SDPA stays faster or fuses better.
-``model/attention.py`` runs ``matmul`` only once it dispatches that name (see ``attention()`` below);
-until then an unknown name falls through to SDPA there. On CUDA SDPA dispatches to FlashAttention-2 in CUDA, which the
+``model/attention.py`` dispatches ``matmul`` like the other names. On CUDA SDPA dispatches to
+FlashAttention-2 in CUDA, which the
 Triton kernel aims to match (≥ 0.9x) but has not been measured against on this project's
 machines, so it is not promoted to the default. Change ``FASTEST_ATTENTION`` once it has.
 """
@@ -41,7 +41,6 @@ from lmstack.model.config import NORM_BACKENDS  # noqa: E402
 FASTEST_ATTENTION = {"cpu": "sdpa", "cuda": "sdpa"}
 # CPU training under low-precision autocast: the chunked matmul attention (module docstring)
 CPU_TRAINING_ATTENTION = "matmul"
-EXTRA_ATTENTION_BACKENDS = ("matmul",)  # reachable through "auto" and attention(); not a ModelConfig name yet
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -70,8 +69,8 @@ def cpu_training_autocast(device: torch.device | str) -> bool:
 
 def resolve_attn_backend(name: str, device: torch.device | str) -> str:
     """Map ``auto`` to a concrete backend for ``device`` (and the autograd/autocast state); check other names."""
-    if name not in ATTENTION_BACKENDS + EXTRA_ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend={name!r}; expected one of {ATTENTION_BACKENDS + EXTRA_ATTENTION_BACKENDS}")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend={name!r}; expected one of {ATTENTION_BACKENDS}")
     if name == "auto":
         if cpu_training_autocast(device):
             return CPU_TRAINING_ATTENTION

@@ -152,6 +152,11 @@ class Attention(nn.Module):
             from lmstack.kernels import flash_attention
 
             out = flash_attention(q, k, v, causal=True, backend=backend)  # (B, N, T, H)
+        elif backend == "matmul":
+            # CPU training under bf16 autocast: bf16 matmuls, fp32 softmax, cheaper backward than SDPA's
+            from lmstack.kernels.matmul_attention import matmul_attention
+
+            out = matmul_attention(q, k, v, mask=mask, causal=mask is None)  # (B, N, T, H)
         elif backend == "reference":
             if mask is None:
                 mask = attention_mask(positions, k_positions)

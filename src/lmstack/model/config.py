@@ -20,7 +20,7 @@ from typing import Any
 ROPE_LAYOUTS = ("half", "interleaved")
 # "auto" picks the fastest backend for the tensors' device (lmstack.kernels.backends); the flash
 # backends apply where no explicit mask is needed and fall back to sdpa otherwise (docs/kernels.md).
-ATTN_BACKENDS = ("auto", "sdpa", "reference", "flash_pytorch", "flash_triton")
+ATTN_BACKENDS = ("auto", "sdpa", "reference", "matmul", "flash_pytorch", "flash_triton")
 NORM_BACKENDS = ("auto", "torch", "triton")  # RMSNorm: eager fp32 formula or the fused Triton kernel
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 
