@@ -37,6 +37,23 @@ def _ce(logits, y):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
+def _median_step_times(runs: dict, x, y, repeats: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds per training step of each (model, optimizer) in ``runs``; the runs are
+    interleaved within each repeat so that load from other processes hits them alike."""
+    times = {name: [] for name in runs}
+    for i in range(repeats + warmup):
+        for name, (runner, opt) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            _ce(runner(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dist.barrier()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def _worker(rank, world, port, repeats, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -70,19 +87,7 @@ def _worker(rank, world, port, repeats, q):
     for name, make in makers.items():
         model = Transformer(cfg, seed=0)
         runs[name] = (make(model), torch.optim.SGD(model.parameters(), lr=1e-3))
-    times = {name: [] for name in makers}
-    for i in range(repeats + 2):
-        for name, (runner, opt) in runs.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            _ce(runner(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            dist.barrier()
-            if i >= 2:
-                times[name].append(time.perf_counter() - t0)
-    for name in makers:
-        out[name] = statistics.median(times[name])
+    out.update(_median_step_times(runs, x, y, repeats))
     del runs
 
     # 2. bytes per step (fp32 gradients), measured on the ring vs the accounting model
@@ -154,19 +159,7 @@ def _worker(rank, world, port, repeats, q):
         fully_shard(blk, mesh=dmesh)
     fully_shard(m2, mesh=dmesh)
     z_runs["zero3_fsdp2"] = (m2, torch.optim.SGD(m2.parameters(), lr=1e-3))
-    z_times = {name: [] for name in z_runs}
-    for i in range(repeats + 2):
-        for name, (runner, opt) in z_runs.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            _ce(runner(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            dist.barrier()
-            if i >= 2:
-                z_times[name].append(time.perf_counter() - t0)
-    for name in z_runs:
-        out[name] = statistics.median(z_times[name])
+    out.update(_median_step_times(z_runs, x, y, repeats))
     if rank == 0:
         q.put(out)
     dist.destroy_process_group()
