@@ -260,10 +260,16 @@ class Trainer:
         with self.autocast():
             ce, z = self.parallel_model.pipeline_step(x, y, lambda logits, t: cross_entropy(
                 logits, t, z_loss=self.config.z_loss)).tolist()
-        ce, z = self.reduce_metric(ce), self.reduce_metric(z)  # every rank sees a non-finite loss: all stop
+        return self._finish_step(ce, z)
+
+    def _finish_step(self, ce: float, z: float) -> dict[str, float]:
+        """Average this rank's (cross-entropy, z-loss) over ranks, stop on a non-finite loss (every
+        rank sees the same mean, so all stop together), else take the optimizer step."""
+        ce, z = self.reduce_metric(ce), self.reduce_metric(z)
         if not math.isfinite(ce + z):
             self.optimizer.zero_grad(set_to_none=True)
-            raise TrainingDiverged(f"loss is {ce + z} at step {self.step}")
+            where = " (mean over ranks)" if self.world_size > 1 else ""
+            raise TrainingDiverged(f"loss is {ce + z} at step {self.step}{where}")
         norm, lr = self.optimizer_step()
         self.step += 1
         self.tokens_seen += self.tokens_per_step
@@ -352,14 +358,7 @@ class Trainer:
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             ce_sum += float(ce.detach())
             z_sum += float(z.detach())
-        ce_mean, z_mean = self.reduce_metric(ce_sum / n), self.reduce_metric(z_sum / n)
-        if not math.isfinite(ce_mean + z_mean):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise TrainingDiverged(f"loss is {ce_mean + z_mean} at step {self.step} (mean over ranks)")
-        norm, lr = self.optimizer_step()
-        self.step += 1
-        self.tokens_seen += self.tokens_per_step
-        return {"loss": ce_mean, "z_loss": z_mean, "grad_norm": norm, "lr": lr}
+        return self._finish_step(ce_sum / n, z_sum / n)
 
     @torch.no_grad()
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
