@@ -19,7 +19,7 @@ autograd records (training) under bf16/fp16 autocast and nothing is being compil
 ``matmul`` — there SDPA's CPU flash backward costs ~6x its forward, and the matmul path's forward +
 backward measured 40 ms vs 50–65 ms per layer (B=16, N=4, K=2, T=S=256, H=64, one thread;
 docs/training.md). In fp32, for inference and under torch.compile SDPA stays faster or fuses better.
-``model/attention.py`` dispatches ``matmul`` like the other names. On CUDA SDPA dispatches to
+``model/attention.py`` runs every backend through ``attention()`` below. On CUDA SDPA dispatches to
 FlashAttention-2 in CUDA, which the
 Triton kernel aims to match (≥ 0.9x) but has not been measured against on this project's
 machines, so it is not promoted to the default. Change ``FASTEST_ATTENTION`` once it has.
@@ -84,7 +84,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causa
 
     q (B, N, T, H), k/v (B, K, S, H); mask: bool, True = may attend, broadcastable to (B, 1, T, S),
     or ``causal=True`` (bottom-right aligned) -> (B, N, T, H). The flash backends take ``causal``
-    only. This is the seam ``model/attention.py`` can call for every backend.
+    only. ``model/attention.py`` calls it for every backend.
     """
     backend = resolve_attn_backend(backend, q.device)
     if mask is not None and causal:

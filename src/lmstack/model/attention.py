@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmstack.model.config import ModelConfig
@@ -118,19 +117,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, positions), self.rope(k, positions)  # RoPE on q and k, never v
 
-        k_documents = document_ids
+        k_documents = document_ids  # without a cache the keys are the queries' own tokens
         if kv_cache is not None:
             if hasattr(kv_cache, "attention"):  # the cache groups the attention per sequence itself
                 out = kv_cache.attention(self.layer_idx, q, k, v, positions, self.window)  # (B, N, T, H)
                 return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
             k, v, k_positions, *rest = kv_cache.update(self.layer_idx, k, v, positions)  # (B, K, S, H), (B, S)
-            k_documents = rest[0] if rest else None  # (B, S) sequence ids of the keys, if the cache has them
             causal_fast_path = False
-            if document_ids is not None and k_documents is None:
-                raise ValueError("document_ids with a kv_cache need a cache whose update() also returns the "
-                                 "keys' sequence ids (a 4th tensor); this cache returns 3")
-            if document_ids is None:
-                k_documents = None
+            if document_ids is not None:
+                if not rest:
+                    raise ValueError("document_ids with a kv_cache need a cache whose update() also returns the "
+                                     "keys' sequence ids (a 4th tensor); this cache returns 3")
+                k_documents = rest[0]  # (B, S) sequence ids of the keys
         else:
             k_positions = positions
         if document_ids is not None:
@@ -146,24 +144,14 @@ class Attention(nn.Module):
             # Under torch.compile on CPU the masked attention is written out (QKᵀ, mask, softmax, ·V) so
             # inductor fuses it into one loop; SDPA's CPU kernel costs ~0.1 ms per call for one query.
             backend = "reference"
-        if backend in ("flash_pytorch", "flash_triton") and mask is None:
+        if backend in ("flash_pytorch", "flash_triton") and mask is not None:
             # FlashAttention-2 (seed 000 §2.7) covers the plain causal case; anything that needs an
-            # explicit mask (KV-cache slots, sliding window, packed documents) takes sdpa below.
-            from lmstack.kernels import flash_attention
+            # explicit mask (KV-cache slots, sliding window, packed documents) takes sdpa.
+            backend = "sdpa"
+        elif backend == "reference" and mask is None:
+            mask = attention_mask(positions, k_positions)
+        from lmstack.kernels.backends import attention as attention_backend
 
-            out = flash_attention(q, k, v, causal=True, backend=backend)  # (B, N, T, H)
-        elif backend == "matmul":
-            # CPU training under bf16 autocast: bf16 matmuls, fp32 softmax, cheaper backward than SDPA's
-            from lmstack.kernels.matmul_attention import matmul_attention
-
-            out = matmul_attention(q, k, v, mask=mask, causal=mask is None)  # (B, N, T, H)
-        elif backend == "reference":
-            if mask is None:
-                mask = attention_mask(positions, k_positions)
-            out = reference_attention(q, k, v, mask)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads
-            )  # (B, N, T, H)
+        out = attention_backend(q, k, v, mask=mask, causal=mask is None, backend=backend)  # (B, N, T, H)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, N·H)
         return self.o_proj(out)
