@@ -59,13 +59,15 @@ def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torc
     """A chunk-sized buffer kept between calls (fresh ~1 MB allocations page-fault on every call here).
 
     Only ever used inside one forward or backward call and never saved, so reuse across calls and
-    layers is safe; there are a handful per (shape, dtype, device).
+    layers is safe. One flat buffer per (name, dtype, device), grown when a larger chunk asks, so
+    varying sequence lengths never pile up buffers.
     """
-    key = (name, shape, dtype, torch.device(device))
+    key = (name, dtype, torch.device(device))
+    n = math.prod(shape)
     buf = _SCRATCH.get(key)
-    if buf is None:
-        buf = _SCRATCH[key] = torch.empty(shape, dtype=dtype, device=device)
-    return buf
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH[key] = torch.empty(n, dtype=dtype, device=device)
+    return buf[:n].view(shape)
 
 
 def _probs(qg: Tensor, kt: Tensor, bias: Tensor, scale: float, s_buf: Tensor, p_buf: Tensor) -> Tensor:
