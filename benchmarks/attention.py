@@ -6,6 +6,8 @@ one GPU kernel, should run about as fast as the vendor kernel.
 On a GPU: lmstack's Triton FlashAttention-2 vs ``F.scaled_dot_product_attention`` forced onto
 its FlashAttention backend, bf16, causal, forward + backward; prints the speed ratio
 t(SDPA flash) / t(lmstack Triton) per S (the aim is ≥ 0.9) after checking that both agree.
+Both Triton backward schedules are timed (``atomic``: one pass, dQ added atomically, the
+default; ``split``: dK/dV then dQ, deterministic), and the forward alone for each kernel.
 On CPU: the PyTorch paths (materialised reference, SDPA, lmstack's tiled flash_pytorch),
 fp32, with the peak tensor bytes of each step from the allocator.
 
@@ -16,6 +18,7 @@ fp32, with the peak tensor bytes of each step from the allocator.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -62,14 +65,33 @@ def main() -> None:
     if gpu:
         err = check_agreement(1, args.heads, K, 512, args.head_dim, dtype)
         print(f"agreement check (S=512, bf16): max |Δ| over O, dQ, dK, dV = {err:.3g}")
-    rows = []
+    rows, fwd_rows = [], []
+
+    def bench(b: str, S: int, backward: bool = True, label: str | None = None) -> dict:
+        row = bench_attention(b, args.batch, args.heads, K, S, args.head_dim, dtype, device, causal=True,
+                              backward=backward, warmup=args.warmup, repeats=args.repeats)
+        row["backend"] = label or b
+        return row
+
     for S in seqs:
         for b in backends:
-            rows.append(bench_attention(b, args.batch, args.heads, K, S, args.head_dim, dtype, device, causal=True,
-                                        backward=True, warmup=args.warmup, repeats=args.repeats))
+            rows.append(bench(b, S))
+        if gpu:  # the other backward schedule, and the forward pass alone
+            os.environ["LMSTACK_FLASH_BWD"] = "split"
+            rows.append(bench("flash_triton", S, label="flash_triton_split"))
+            os.environ.pop("LMSTACK_FLASH_BWD")
+            fwd_rows += [bench(b, S, backward=False) for b in backends]
     print(f"causal attention fwd+bwd, B={args.batch} N={args.heads} K={K} H={args.head_dim} "
           f"{str(dtype)[6:]} on {device}; median / min of {args.repeats} after {args.warmup} warm-up")
     print(format_table(rows, ["backend", "S", "median_ms", "min_ms", "peak_mib"]))
+    if fwd_rows:
+        print("forward only:")
+        print(format_table(fwd_rows, ["backend", "S", "median_ms", "min_ms"]))
+        for S in seqs:
+            t = {r["backend"]: r["median_ms"] for r in rows if r["S"] == S}
+            f = {r["backend"]: r["median_ms"] for r in fwd_rows if r["S"] == S}
+            print(f"S={S}: forward {f['sdpa_flash'] / f['flash_triton']:.3f}x, fwd+bwd split schedule "
+                  f"{t['sdpa_flash'] / t['flash_triton_split']:.3f}x of sdpa_flash")
     ratios = []
     peer, ours = ("sdpa_flash", "flash_triton") if gpu else ("sdpa", "flash_pytorch")
     for S in seqs:
@@ -82,7 +104,8 @@ def main() -> None:
         print(line)
     print(f"median speed ratio {ours}/{peer} (t_{peer} / t_{ours}): {statistics.median(ratios):.3f}x")
     if args.json:
-        write_json(args.json, {"rows": rows, "ratios": dict(zip(seqs, ratios)), "machine": info})
+        write_json(args.json, {"rows": rows, "forward_rows": fwd_rows, "ratios": dict(zip(seqs, ratios)),
+                               "machine": info})
 
 
 if __name__ == "__main__":

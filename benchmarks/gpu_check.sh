@@ -3,7 +3,8 @@
 # Runs on the device's own python3 (it has CUDA torch and triton; lmstack comes from src/):
 #   - tests/kernels on CUDA (test_kernels_cuda.py: Triton FlashAttention-2 and RMSNorm compiled
 #     for the GPU vs the reference, fp32/bf16, causal, GQA, partial tiles)
-#   - benchmarks/attention.py: Triton FA-2 vs SDPA's flash backend, bf16, fwd+bwd, S = 1k..8k
+#   - benchmarks/attention.py: Triton FA-2 (both backward schedules) vs SDPA's flash backend,
+#     bf16, fwd+bwd and fwd alone, S = 1k..8k at H=64; then H=128 with GQA at S = 2k, 8k
 # About 3–5 minutes on an H200. Call it through the device tool's `run` with timeout_s=480:
 #   bash benchmarks/gpu_check.sh
 # Logs and JSON land in $OUT (the device tool brings them back).
@@ -18,3 +19,5 @@ mkdir -p "$OUT"
 } 2>&1 | tee "$OUT/machine.txt"
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/pytest_kernels.log"
 timeout 200 python3 benchmarks/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
+timeout 150 python3 benchmarks/attention.py --heads 16 --kv-heads 4 --head-dim 128 --seq 2048,8192 \
+  --json "$OUT/attention_h128_gqa.json" 2>&1 | tee "$OUT/attention_h128_gqa.log"

@@ -3,7 +3,8 @@
 Run as a script in a process *without* TRITON_INTERPRET (the interpreter replaces @triton.jit
 functions). ``triton.compile`` lowers each kernel through TTIR -> TTGIR -> LLVM -> PTX -> cubin
 (Triton ships ptxas), so typing errors that the interpreter does not see, and the shared memory
-each tile configuration needs, show up on a CPU-only machine. Prints one JSON object per kernel
+each tile configuration needs, show up on a CPU-only machine. Only the configurations the
+autotuner's pruning keeps for (dtype, H) are compiled. Prints one JSON object per kernel
 configuration: {"kernel", "dtype", "H", "BLOCK_Q", "BLOCK_K", "num_warps", "num_stages", "shared"}
 or {"error": ...}.
 
@@ -16,12 +17,16 @@ import sys
 
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import lmstack.kernels.flash_triton as ft  # noqa: E402
 import lmstack.kernels.triton_rmsnorm as rt  # noqa: E402
+
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def signature(fn, pointers: dict, floats=(), constexprs=()):
@@ -40,28 +45,39 @@ def compile_kernel(fn, sig, constexprs: dict, target, num_warps: int, num_stages
 def main() -> None:
     arch, dtypes, head_dims = int(sys.argv[1]), sys.argv[2].split(","), [int(h) for h in sys.argv[3].split(",")]
     target = GPUTarget("cuda", arch, 32)
-    attn_constexprs = ("CAUSAL", "BLOCK_Q", "BLOCK_K", "BLOCK_H", "UPCAST", "PRECISION")
+    attn_constexprs = ("CAUSAL", "BLOCK_Q", "BLOCK_K", "BLOCK_H", "UPCAST", "PRECISION", "ATOMIC_DQ")
     for dt in dtypes:
         p = f"*{dt}"
-        kernels = [
-            ("fwd", ft._attn_fwd_kernel, ft._FWD_CONFIGS, dict(Q=p, Kt=p, V=p, O=p, L="*fp32"), ("qk_scale",)),
-            ("dkdv", ft._attn_bwd_dkdv_kernel, ft._DKDV_CONFIGS,
-             dict(Q=p, K=p, V=p, DO=p, L="*fp32", Dl="*fp32", DK=p, DV=p), ("qk_scale", "scale")),
+        bwd = dict(Q=p, K=p, V=p, DO=p, L="*fp32", Dl="*fp32", DK=p, DV=p)
+        kernels = [  # (name, kernel, configs, pointer types, float scalars, extra constexprs)
+            ("fwd", ft._attn_fwd_kernel, ft._FWD_CONFIGS, dict(Q=p, Kt=p, V=p, O=p, L="*fp32"), ("qk_scale",), {}),
+            ("dkdv", ft._attn_bwd_dkdv_kernel, ft._DKDV_CONFIGS, dict(bwd, DQ=p), ("qk_scale", "scale"),
+             dict(ATOMIC_DQ=False)),
+            ("dkdv_atomic_dq", ft._attn_bwd_dkdv_kernel, ft._DKDV_CONFIGS, dict(bwd, DQ="*fp32"),
+             ("qk_scale", "scale"), dict(ATOMIC_DQ=True)),
             ("dq", ft._attn_bwd_dq_kernel, ft._DQ_CONFIGS,
-             dict(Q=p, K=p, V=p, DO=p, L="*fp32", Dl="*fp32", DQ=p), ("qk_scale", "scale")),
+             dict(Q=p, K=p, V=p, DO=p, L="*fp32", Dl="*fp32", DQ=p), ("qk_scale", "scale"), {}),
         ]
         for H in head_dims:
-            for name, fn, configs, ptrs, floats in kernels:
+            for name, fn, configs, ptrs, floats, extra in kernels:
                 sig = signature(fn, ptrs, floats, attn_constexprs)
-                for cfg in configs:
+                for cfg in ft._prune(configs, {"Q": torch.empty(0, dtype=TORCH_DTYPES[dt]), "H": H}):
                     row = dict(kernel=name, dtype=dt, H=H, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
                     consts = dict(CAUSAL=True, BLOCK_H=H, UPCAST=False, PRECISION="ieee" if dt == "fp32" else "tf32",
-                                  **cfg.kwargs)
+                                  **cfg.kwargs, **extra)
                     try:
                         row["shared"] = compile_kernel(fn, sig, consts, target, cfg.num_warps, cfg.num_stages)
                     except Exception as e:  # report, let the caller decide
                         row["error"] = repr(e)[:500]
                     print(json.dumps(row), flush=True)
+            # the backward's D = rowsum(dO ∘ O) preprocessing, at the tile the launcher uses on a GPU
+            sig = signature(ft._attn_bwd_delta_kernel, dict(O=p, DO=p, Dl="*fp32"), (), ("BLOCK_T", "BLOCK_H"))
+            row = dict(kernel="delta", dtype=dt, H=H, num_warps=4, num_stages=2)
+            try:
+                row["shared"] = compile_kernel(ft._attn_bwd_delta_kernel, sig, dict(BLOCK_T=128, BLOCK_H=H), target, 4, 2)
+            except Exception as e:
+                row["error"] = repr(e)[:500]
+            print(json.dumps(row), flush=True)
         # fused RMSNorm at D = 4096 (one D tile), 1 row per program as _tiles picks on a GPU
         tl_dtype = {"bf16": triton.language.bfloat16, "fp16": triton.language.float16, "fp32": triton.language.float32}[dt]
         for name, fn, ptrs, consts in [

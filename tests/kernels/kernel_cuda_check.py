@@ -26,7 +26,9 @@ TOLS = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (3e-2, 2e-2), torch.float16
 
 def main() -> None:
     torch.manual_seed(0)
-    for dtype, (atol, rtol) in TOLS.items():
+    for mode, dtype in [(m, d) for m in ("atomic", "split") for d in TOLS]:  # both backward schedules
+        os.environ["LMSTACK_FLASH_BWD"] = mode
+        atol, rtol = TOLS[dtype]
         for B, N, K, T, S, H, causal in CASES:
             q, k, v = (torch.randn(B, n, L, H, device="cuda").to(dtype).requires_grad_()
                        for n, L in ((N, T), (K, S), (K, S)))
@@ -42,7 +44,8 @@ def main() -> None:
                 scale = rg.abs().max().item()
                 torch.testing.assert_close(g.double(), rg, atol=atol * max(1.0, scale), rtol=rtol,
                                            msg=lambda m: f"d{name}: {m}")
-            print(f"flash_triton ok {dtype} B={B} N={N} K={K} T={T} S={S} H={H} causal={causal}", flush=True)
+            print(f"flash_triton ok {mode} {dtype} B={B} N={N} K={K} T={T} S={S} H={H} causal={causal}", flush=True)
+    os.environ.pop("LMSTACK_FLASH_BWD")
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(3, 77, 4096, device="cuda").to(dtype).requires_grad_()
         w = (1 + 0.1 * torch.randn(4096, device="cuda")).to(dtype).requires_grad_()

@@ -19,8 +19,15 @@ SHAPES = [
 ]
 
 
+@pytest.fixture(params=["atomic", "split"])
+def bwd_mode(request, monkeypatch):
+    """Both backward schedules: one pass with atomic dQ (default) and dK/dV + dQ kernels."""
+    monkeypatch.setenv("LMSTACK_FLASH_BWD", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}N{}K{}T{}S{}H{}{}q{}k{}".format(*s[:6], "c" if s[6] else "f", *s[7:]))
-def test_matches_reference_fp32(check, shape):
+def test_matches_reference_fp32(check, shape, bwd_mode):
     # ieee fp32 dots; differences are fp32 rounding only
     *dims, causal, bq, bk = shape
     check(flash_attention_triton, *dims, causal, torch.float32, atol=5e-6, rtol=1e-5, block_q=bq, block_k=bk)
@@ -32,7 +39,7 @@ def test_head_dims(check, H):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision(check, dtype):
+def test_low_precision(check, dtype, bwd_mode):
     # loaded in bf16/fp16, computed in fp32 (interpreter), rounded once on store
     tol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
     check(flash_attention_triton, 1, 4, 2, 40, 40, 32, True, dtype, atol=4 * tol, rtol=2 * tol)
@@ -63,3 +70,19 @@ def test_clear_errors():
         flash_attention_triton(q[..., :8], q[..., :8], q[..., :8])
     with pytest.raises(ValueError, match="powers of two"):
         flash_attention_triton(q, q, q, block_q=24)
+
+
+def test_backward_mode_choice(monkeypatch):
+    from lmstack.kernels.flash_triton import backward_mode
+
+    monkeypatch.delenv("LMSTACK_FLASH_BWD", raising=False)
+    assert backward_mode() == "atomic"
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert backward_mode() == "split"  # atomics add in a varying order: not deterministic
+    finally:
+        torch.use_deterministic_algorithms(was)
+    monkeypatch.setenv("LMSTACK_FLASH_BWD", "fast")
+    with pytest.raises(ValueError, match="LMSTACK_FLASH_BWD='fast'"):
+        backward_mode()
