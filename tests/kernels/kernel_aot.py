@@ -9,11 +9,16 @@ configuration: {"kernel", "dtype", "H", "BLOCK_Q", "BLOCK_K", "num_warps", "num_
 or {"error": ...}.
 
     python tests/kernels/kernel_aot.py 90 bf16 64,128
+    python tests/kernels/kernel_aot.py 90 bf16 64 --ptxas-stats     # + registers and spills per config
 """
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
 
@@ -36,10 +41,33 @@ def signature(fn, pointers: dict, floats=(), constexprs=()):
     return sig
 
 
-def compile_kernel(fn, sig, constexprs: dict, target, num_warps: int, num_stages: int) -> int:
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
-    return compiled.metadata.shared
+UNIT_STRIDES = ("stride_qh", "stride_kh", "stride_vh", "stride_oh", "stride_gh", "stride_dqh", "stride_lt")
+PTXAS_STATS = "--ptxas-stats" in sys.argv
+
+
+def compile_kernel(fn, sig, constexprs: dict, target, num_warps: int, num_stages: int) -> dict:
+    """Compile as the JIT would for contiguous tensors: a stride equal to 1 becomes a constant
+    (Triton specialises integer arguments equal to 1), pointers and other strides are known to be
+    multiples of 16. Returns {"shared": bytes} [+ "regs", "spill_bytes" from ``ptxas -v`` with
+    --ptxas-stats: registers per thread and bytes spilled to local memory]."""
+    unit = {a: 1 for a in fn.arg_names if a in UNIT_STRIDES}
+    sig = {a: ("constexpr" if a in unit else t) for a, t in sig.items()}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if sig[a].startswith("*") or (a.startswith("stride_") and a not in unit)}
+    consts = {(fn.arg_names.index(k),): v for k, v in {**constexprs, **unit}.items()}
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=target,
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    out = {"shared": compiled.metadata.shared}
+    if PTXAS_STATS:  # the register allocation the GPU would run with; needs a second ptxas pass
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "k.ptx").write_text(compiled.asm["ptx"])
+            log = subprocess.run([ptxas, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{target.arch}a",
+                                  str(Path(d, "k.ptx")), "-o", str(Path(d, "k.o"))], capture_output=True, text=True)
+        text = log.stdout + log.stderr
+        out["regs"] = int(re.search(r"Used (\d+) registers", text).group(1))
+        out["spill_bytes"] = int(re.search(r"(\d+) bytes spill stores", text).group(1))
+    return out
 
 
 def main() -> None:
@@ -66,7 +94,7 @@ def main() -> None:
                     consts = dict(CAUSAL=True, BLOCK_H=H, UPCAST=False, PRECISION="ieee" if dt == "fp32" else "tf32",
                                   **cfg.kwargs, **extra)
                     try:
-                        row["shared"] = compile_kernel(fn, sig, consts, target, cfg.num_warps, cfg.num_stages)
+                        row |= compile_kernel(fn, sig, consts, target, cfg.num_warps, cfg.num_stages)
                     except Exception as e:  # report, let the caller decide
                         row["error"] = repr(e)[:500]
                     print(json.dumps(row), flush=True)
@@ -74,7 +102,7 @@ def main() -> None:
             sig = signature(ft._attn_bwd_delta_kernel, dict(O=p, DO=p, Dl="*fp32"), (), ("BLOCK_T", "BLOCK_H"))
             row = dict(kernel="delta", dtype=dt, H=H, num_warps=4, num_stages=2)
             try:
-                row["shared"] = compile_kernel(ft._attn_bwd_delta_kernel, sig, dict(BLOCK_T=128, BLOCK_H=H), target, 4, 2)
+                row |= compile_kernel(ft._attn_bwd_delta_kernel, sig, dict(BLOCK_T=8192 // H, BLOCK_H=H), target, 4, 2)
             except Exception as e:
                 row["error"] = repr(e)[:500]
             print(json.dumps(row), flush=True)
@@ -89,7 +117,7 @@ def main() -> None:
             sig = signature(fn, ptrs, ("eps",), tuple(consts))
             row = dict(kernel=name, dtype=dt, num_warps=8, num_stages=2)
             try:
-                row["shared"] = compile_kernel(fn, sig, consts, target, 8, 2)
+                row |= compile_kernel(fn, sig, consts, target, 8, 2)
             except Exception as e:
                 row["error"] = repr(e)[:500]
             print(json.dumps(row), flush=True)

@@ -31,9 +31,9 @@ def test_kernels_compile_for_sm90():
         assert proc.returncode == 0, err[-2000:]
     rows = [json.loads(line) for out, _ in outs for line in out.splitlines() if line.startswith("{")]
     # per H: fwd, the K/V-tile kernel with split and with atomic dQ, dQ; H = 128 prunes the
-    # 128 × 128 tiles (fwd, and both K/V-tile modes); + the D preprocessing kernel per H; + RMSNorm
+    # 128 × 128 forward tile; + the D preprocessing kernel per H; + RMSNorm
     # forward and backward per process
-    assert len(rows) == (6 + 7 + 7 + 5) + (5 + 6 + 6 + 5) + 2 + 2 * 2
+    assert len(rows) == (6 + 8 + 8 + 5) + (5 + 8 + 8 + 5) + 2 + 2 * 2
     errors = [r for r in rows if "error" in r]
     assert not errors, errors
     too_big = [r for r in rows if r["shared"] > SM90_MAX_SHARED]

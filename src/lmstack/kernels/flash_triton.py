@@ -354,8 +354,8 @@ def _gpu_configs(pairs: list[tuple[int, int, int, int]]) -> list:
 # (BLOCK_Q, BLOCK_K, num_warps, num_stages)
 _FWD_CONFIGS = _gpu_configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
                              (64, 32, 4, 4)])
-_DKDV_CONFIGS = _gpu_configs([(32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 2), (16, 64, 4, 3),
-                              (64, 128, 8, 3), (128, 128, 8, 2)])
+_DKDV_CONFIGS = _gpu_configs([(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (32, 64, 8, 3), (64, 64, 8, 2), (64, 64, 8, 3),
+                              (64, 128, 8, 2), (16, 64, 4, 3)])
 _DQ_CONFIGS = _gpu_configs([(128, 32, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 16, 4, 3)])
 # fp32 tiles are twice the bytes and take ieee dots: large tiles spill registers and take minutes
 # to compile, so fp32 (and H > 64 in any dtype, for the largest tiles) gets small tiles only.
@@ -460,10 +460,10 @@ def triton_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     dout = dout.contiguous() if dout.stride(-1) != 1 else dout
     lse = lse.contiguous()
     delta = torch.empty_like(lse)  # D = rowsum(dO ∘ O) (B, N, T), fp32
-    block_t = 32 if _interpreting() else 128
+    block_h = max(16, triton.next_power_of_2(H))
+    block_t = 32 if _interpreting() else max(16, 8192 // block_h)  # two (Bt, H) fp32 tiles fit in registers
     _attn_bwd_delta_kernel[(triton.cdiv(T, block_t), B * N)](
-        out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), N, T, H,
-        BLOCK_T=block_t, BLOCK_H=max(16, triton.next_power_of_2(H)))
+        out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), N, T, H, BLOCK_T=block_t, BLOCK_H=block_h)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     # atomic: an fp32 accumulator, zeroed, cast to q.dtype at the end; split: dQ written with Q's strides
     dq_acc = torch.zeros(B, N, T, H, dtype=torch.float32, device=q.device) if atomic else dk
