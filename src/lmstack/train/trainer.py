@@ -362,16 +362,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
-        """Mean cross-entropy over sequential validation windows, and perplexity = exp(loss)."""
+        """Mean cross-entropy over sequential validation windows, and perplexity = exp(loss).
+
+        Through ``forward_loss``, so with ``fused_loss`` the (B·S, V) logits are never formed here
+        either (at V = 49 152, B·S = 4096 they would take 0.8 GB in fp32)."""
         c = self.config
         self.model.eval()
         total = count = 0.0
         try:
             for batch in sequential_batches(self.val_tokens, c.batch_size, c.seq_len, self.device,
                                             max_batches or c.eval_batches, c.sep_id if c.packing else None):
-                with self.autocast():
-                    logits = self.model(batch.x, positions=batch.positions, document_ids=batch.document_ids)
-                ce, _ = cross_entropy(logits, batch.y)
+                with torch.no_grad():
+                    ce, _ = self.forward_loss(batch)
                 k = int((batch.y != -100).sum())
                 total += float(ce) * k
                 count += k
