@@ -56,6 +56,23 @@ def main() -> None:
         same = "identical" if out == base else f"DIFFERENT (first diff at {next(i for i, (a, b) in enumerate(zip(out, base)) if a != b)})"
         print(f"{name:<28}{el:7.2f} s  {len(out) / el:6.1f} tok/s  speedup {t_base / el:.2f}x  acceptance "
               f"{100 * st.acceptance_rate:.0f}%  tokens/target step {st.tokens_per_target_forward:.2f}  output {same}")
+    # the batching engine (one sequence here): the same prompt lookup inside LLMEngine's iteration
+    from lmstack.inference import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
+    times = {}
+    for k in (0, args.k):
+        llm = LLM(model, tokenizer=tok, num_speculative_tokens=k)
+        llm.generate([prompt[:8]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+        t = time.perf_counter()
+        out = llm.generate([prompt], sp)[0].token_ids
+        times[k] = el = time.perf_counter() - t
+        st = llm.engine.stats
+        same = "identical" if [x for x in out if x not in eos] == [x for x in base if x not in eos] else "DIFFERENT"
+        name = "engine, plain" if k == 0 else f"engine, prompt lookup k={k}"
+        extra = (f"  speedup {times[0] / el:.2f}x vs engine plain  acceptance "
+                 f"{100 * st['spec_accepted'] / max(1, st['spec_proposed']):.0f}%") if k else ""
+        print(f"{name:<28}{el:7.2f} s  {len(out) / el:6.1f} tok/s  forwards {st['forwards']}{extra}  output {same}")
     print("\n" + tok.decode(base)[:300])
 
 

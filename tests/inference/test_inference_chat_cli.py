@@ -93,6 +93,10 @@ def test_cli_generate_and_chat_on_a_saved_checkpoint(tmp_path, capsys):
         {"role": "user", "content": "hi"}])), 5))
     assert buf.getvalue().startswith(first + "\n")
     assert buf.getvalue().count("\n") == 2
+    spec = io.StringIO()  # prompt-lookup speculation changes the speed, not the greedy text
+    assert run_chat(Args(model=str(tmp_path / "ckpt"), speculative_tokens=3), stdin=io.StringIO("hi\nagain\n"),
+                    out=spec, tokenizer=tok) == 0
+    assert spec.getvalue() == buf.getvalue()
 
 
 @pytest.mark.slow

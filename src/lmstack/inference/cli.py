@@ -43,6 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     c = sub.add_parser("chat", help="interactive chat with the model's chat template (Ctrl-D or /exit quits)")
     c.add_argument("--system", default=None, help="system message (default: the template's own)")
+    c.add_argument("--speculative-tokens", type=int, default=0,
+                   help="prompt-lookup speculation: up to this many draft tokens per step (0 = off)")
     _sampling_args(c, temperature=0.0)
     c.set_defaults(func=run_chat)
 
@@ -170,7 +172,8 @@ def run_chat(args, stdin=None, out=None, tokenizer=None) -> int:
     out = out or sys.stdout
     model, tok = _load(args)
     tok = tokenizer or tok
-    engine = LLMEngine(model, tok, max_num_seqs=1, max_num_batched_tokens=2048, kv_cache_bytes=256 * 2**20)
+    engine = LLMEngine(model, tok, max_num_seqs=1, max_num_batched_tokens=2048, kv_cache_bytes=256 * 2**20,
+                       num_speculative_tokens=getattr(args, "speculative_tokens", 0))
     kw = _sampling_kwargs(args)
     params = SamplingParams(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"] or 1.0,
                             min_p=kw["min_p"], repetition_penalty=kw["repetition_penalty"], seed=kw["seed"],

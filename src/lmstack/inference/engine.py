@@ -24,6 +24,15 @@ Every ``step()`` is one iteration:
    blocks of finished sequences (and, for a sliding-window model, the blocks that fell behind
    the window).
 
+Speculative decoding (``num_speculative_tokens=k``, seed 000 §2.3, seed 001 "无损提速"): a
+decoding sequence whose history repeats itself gets up to k draft tokens from prompt lookup
+(``ngram_propose``); they ride in the same single forward as a short chunk after its last token,
+the target's distributions at those k + 1 positions verify them (greedy: kept while they are
+the argmax; sampling: kept with probability p(x), else a draw from p without x — the one-hot
+case of the accept/reject rule, so the output distribution is exactly the target's), and the
+K/V of rejected drafts are dropped from the cache (``PagedKVCache.truncate``). One iteration then
+emits up to k + 1 tokens for that sequence.
+
 ``LLM`` is the offline API (``generate(prompts, sampling_params)``); ``AsyncLLM`` is the
 streaming API a server sits on (``generate`` yields deltas, ``abort``).
 """
@@ -42,6 +51,7 @@ import torch
 
 from lmstack.inference.paged import PagedKVCache
 from lmstack.inference.sampling import SamplingParams, find_stop_string, sample_token, token_logprobs
+from lmstack.inference.speculative import ngram_propose, verify_drafts
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -90,6 +100,7 @@ class _Sequence:
         self.token_times: list[float] = []
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
+        self.drafts: list[int] = []  # speculative tokens fed after the last token this iteration
 
     @property
     def output_ids(self) -> list[int]:
@@ -101,7 +112,9 @@ class LLMEngine:
 
     ``selective=False`` runs the same one-forward iteration with the reference attention (one
     masked attention over every gathered key, mask from (sequence id, position)) instead of the
-    per-sequence grouping; ``free_outside_window=False`` keeps a sliding-window model's old blocks.
+    per-sequence grouping; ``free_outside_window=False`` keeps a sliding-window model's old blocks;
+    ``num_speculative_tokens`` > 0 turns on prompt-lookup speculation (n-gram sizes ``ngram`` =
+    (largest, smallest)).
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
@@ -109,7 +122,8 @@ class LLMEngine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, eos_token_id: int | None = None, seed: int = 0,
                  watermark: float = 0.01, selective: bool = True,
-                 free_outside_window: bool = True):
+                 free_outside_window: bool = True, num_speculative_tokens: int = 0,
+                 ngram: tuple[int, int] = (3, 1)):
         p = next(model.parameters())
         c = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, c
@@ -118,6 +132,10 @@ class LLMEngine:
             raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens={max_num_batched_tokens} "
                              "must be >= 1")
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        if num_speculative_tokens < 0 or not 1 <= ngram[1] <= ngram[0]:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0 and ngram={ngram} "
+                             "(largest, smallest) with 1 <= smallest <= largest")
+        self.num_speculative_tokens, self.ngram = num_speculative_tokens, ngram
         self.max_model_len = min(c.max_seq_len, max_model_len or c.max_seq_len)
         kv_dtype = kv_dtype or p.dtype
         if num_blocks is None:
@@ -136,7 +154,8 @@ class LLMEngine:
         self.requests: dict[str, _Sequence] = {}
         self._ids = itertools.count()
         self.stats = {"steps": 0, "forwards": 0, "preemptions": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
-                      "computed_tokens": 0, "generated_tokens": 0, "window_released_blocks": 0}
+                      "computed_tokens": 0, "generated_tokens": 0, "window_released_blocks": 0,
+                      "spec_proposed": 0, "spec_accepted": 0}
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
@@ -210,6 +229,7 @@ class LLMEngine:
     def _preempt(self, seq: _Sequence) -> None:
         self.cache.free(seq.request_id)
         seq.num_computed = 0
+        seq.drafts = []
         seq.status = WAITING
         seq.num_preemptions += 1
         self.stats["preemptions"] += 1
@@ -223,7 +243,13 @@ class LLMEngine:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq.all_ids) - seq.num_computed, budget)
+            seq.drafts = self._propose(seq, budget - 1) if n == 1 else []
+            n += len(seq.drafts)
             while not self.cache.can_append(seq.request_id, n):
+                if seq.drafts:  # speculation never costs another sequence its blocks
+                    n -= len(seq.drafts)
+                    seq.drafts = []
+                    continue
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 preempted = True
@@ -257,6 +283,17 @@ class LLMEngine:
             budget -= n
         return scheduled
 
+    def _propose(self, seq: _Sequence, budget: int) -> list[int]:
+        """Prompt-lookup drafts for a decoding sequence: at most ``num_speculative_tokens``, the
+        token budget left, and what max_tokens / max_model_len still allow after the next token."""
+        if self.num_speculative_tokens == 0:
+            return []
+        k = min(self.num_speculative_tokens, budget, seq.params.max_tokens - len(seq.output_ids) - 1,
+                self.max_model_len - len(seq.all_ids) - 1)
+        if k <= 0:
+            return []
+        return ngram_propose(seq.all_ids, k, *self.ngram)
+
     @torch.inference_mode()
     def _execute(self, scheduled: list[tuple[_Sequence, int]]) -> list[_Sequence]:
         """One model forward for the whole iteration (Orca's selective batching): decode tokens
@@ -267,29 +304,64 @@ class LLMEngine:
         batch, positions, seq_ids = self.cache.packed_batch(rows, selective=self.selective)
         ids: list[int] = []
         for s, n in order:
-            ids.extend(s.all_ids[s.num_computed:s.num_computed + n])
+            ids.extend(s.all_ids[s.num_computed:s.num_computed + n - len(s.drafts)] + s.drafts)
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)[None]  # (1, T)
         model = self.model
         hidden = model(tokens, positions, kv_cache=batch, document_ids=seq_ids, return_hidden=True)[0]  # (T, D)
         self.stats["forwards"] += 1
-        ready, last, t = [], [], 0
+        ready, last, spec, t = [], [], [], 0
         for s, n in order:
             t += n
-            self.cache.commit(s.request_id, s.all_ids, n)
-            if self.config.sliding_window is not None and self.free_outside_window:
-                self.stats["window_released_blocks"] += self.cache.release_outside_window(
-                    s.request_id, self.config.sliding_window)
-            s.num_computed += n
             self.stats["computed_tokens"] += n
+            if s.drafts:  # committed after verification, when it is known how many drafts stay
+                spec.append((s, list(range(t - n, t))))
+                continue
+            self._commit(s, n)
             if s.num_computed == len(s.all_ids):
                 ready.append(s)
                 last.append(t - 1)
-        if not ready:
+        if not ready and not spec:
             return []
-        h = hidden[last]  # (R, D): the last token of every sequence that needs its next token
+        rows = last + [i for _, r in spec for i in r]
+        h = hidden[rows]  # the last token of every sequence that needs its next token, every spec position
         logits = model.lm_head(h) if model.lm_head is not None else torch.nn.functional.linear(h, model.embed.weight)
-        self._sample(ready, logits)  # (R, V)
-        return ready
+        if ready:
+            self._sample(ready, logits[:len(ready)])  # (R, V)
+        at = len(ready)
+        for s, r in spec:
+            self._verify(s, logits[at:at + len(r)])  # (k + 1, V)
+            at += len(r)
+        return ready + [s for s, _ in spec]
+
+    def _commit(self, s: _Sequence, n: int) -> None:
+        """``n`` more of the sequence's tokens have their K/V in the cache."""
+        self.cache.commit(s.request_id, s.all_ids, n)
+        if self.config.sliding_window is not None and self.free_outside_window:
+            self.stats["window_released_blocks"] += self.cache.release_outside_window(
+                s.request_id, self.config.sliding_window)
+        s.num_computed += n
+
+    def _verify(self, s: _Sequence, logits: torch.Tensor) -> None:
+        """Check the drafts fed after the sequence's last token; logits (k + 1, V) are the target's
+        at the last token and at each draft. Emits the kept drafts and one more token."""
+        drafts = s.drafts
+        s.drafts = []
+        logits_cpu = logits.float().cpu()
+        emitted = verify_drafts(logits_cpu, drafts, s.params, s.all_ids, s.generator or self.generator)
+        kept = len(emitted) - 1
+        self.stats["spec_proposed"] += len(drafts)
+        self.stats["spec_accepted"] += kept
+        # the cache holds K/V of the last token and all k drafts: keep the last token's and the kept ones'
+        self.cache.commit(s.request_id, s.all_ids + emitted[:kept], 1 + kept)
+        self.cache.truncate(s.request_id, self.cache.num_tokens[s.request_id])  # drop blocks of rejected drafts
+        if self.config.sliding_window is not None and self.free_outside_window:
+            self.stats["window_released_blocks"] += self.cache.release_outside_window(
+                s.request_id, self.config.sliding_window)
+        s.num_computed += 1 + kept
+        for i, token in enumerate(emitted):
+            self._append(s, token, logits_cpu[i] if s.logprobs is not None else None)
+            if s.status == FINISHED:
+                break
 
     def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         """logits (R, V) of the R sequences that need their next token."""

@@ -89,6 +89,42 @@ def rejection_sample(p: Tensor, q: Tensor, draft: Sequence[int], generator: torc
     return out, k
 
 
+def verify_drafts(logits: Tensor, drafts: Sequence[int], params: SamplingParams, history: Sequence[int],
+                  generator: torch.Generator | None = None) -> list[int]:
+    """Verify one-hot (prompt-lookup) drafts against the target: logits (k + 1, V) at the last
+    token and at each draft. Returns the kept drafts followed by one more token.
+
+    Greedy: a draft is kept while it is the argmax; the extra token is the argmax after them.
+    Sampling: the accept/reject rule with q one-hot on the draft d — keep d with probability
+    p(d), else draw from max(0, p − q) renormalised, i.e. p with d removed; after k kept drafts
+    a bonus token comes from the last row. The tokens have exactly the target's distribution.
+    ``history`` (the tokens before the drafts) feeds the repetition penalty.
+    """
+    if logits.shape[0] != len(drafts) + 1:
+        raise ValueError(f"need k+1={len(drafts) + 1} rows of logits for {len(drafts)} drafts, got {logits.shape[0]}")
+    emitted: list[int] = []
+    if params.greedy and params.repetition_penalty == 1.0:
+        best = logits.argmax(dim=-1).tolist()
+        for i, d in enumerate(drafts):
+            if best[i] != d:
+                break
+            emitted.append(int(d))
+        emitted.append(best[len(emitted)])  # the correction, or the bonus token after k kept
+        return emitted
+    history = list(history)
+    for i, d in enumerate(drafts):
+        probs = target_probs(logits[i], params, history + emitted)  # (V,)
+        if float(torch.rand((), generator=generator)) < float(probs[d]):
+            emitted.append(int(d))
+            continue
+        probs[d] = 0.0  # max(0, p − q) with q one-hot on d; p(d) < 1 here, so something is left
+        emitted.append(int(torch.multinomial(probs / probs.sum(), 1, generator=generator)))
+        return emitted
+    probs = target_probs(logits[len(drafts)], params, history + emitted)
+    emitted.append(int(torch.multinomial(probs, 1, generator=generator)))  # the free bonus token
+    return emitted
+
+
 @dataclass
 class SpeculativeStats:
     target_forwards: int = 0
