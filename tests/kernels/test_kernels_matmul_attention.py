@@ -138,3 +138,79 @@ def test_attention_entry_point(backend):
     for kw in ({"causal": True}, {"mask": mask}):
         o = backends.attention(q, k, v, backend=backend, **kw)
         torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+
+
+# --- the block-triangular path (row blocks multiplied only against the keys they may see) ---
+
+
+def test_row_blocks_worked_numbers():
+    # causal, T < S: block [t0, t1) needs keys [0, t1 + S - T)
+    assert ma.row_blocks(10, 13, causal=True, block=4) == [(0, 4, 7), (4, 8, 11), (8, 10, 13)]
+    # T > S: rows 0..6 see no key (e clamped to 1, merged with the next block of the same e)
+    assert ma.row_blocks(12, 5, causal=True, block=4) == [(0, 8, 1), (8, 12, 5)]
+    assert ma.row_blocks(8, 8, causal=False, block=4) == [(0, 8, 8)]  # nothing to skip
+    # default policy: one block below MIN_BLOCKED_T rows, then blocks of max(ROW_BLOCK, T / ROW_BLOCKS)
+    assert ma.row_blocks(128, 128, causal=True) == [(0, 128, 128)]
+    assert ma.row_blocks(256, 256, causal=True) == [(0, 128, 128), (128, 256, 256)]
+    assert ma.row_blocks(1024, 1024, causal=True) == [(0, 256, 256), (256, 512, 512), (512, 768, 768),
+                                                       (768, 1024, 1024)]
+    # from a mask: one past the last key any row of the block sees, over the batch, kept non-decreasing
+    mask = torch.zeros(2, 1, 8, 8, dtype=torch.bool)
+    mask[0, 0, :4, :6] = True  # rows 0..3 see up to key 5
+    mask[1, 0, 4:, :3] = True  # rows 4..7 only up to key 2 -> e stays 6, the blocks merge
+    assert ma.row_blocks(8, 8, causal=False, mask=mask, block=4) == [(0, 8, 6)]
+    pos = torch.arange(8)
+    assert ma.row_blocks(8, 8, causal=False, mask=attention_mask(pos, pos, window=3), block=4) == [(0, 4, 4), (4, 8, 8)]
+
+
+@pytest.mark.parametrize("N,K", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("T,S", [(37, 37), (29, 45)])  # lengths not a multiple of the block; T < S
+def test_fp32_blocked_causal_matches_fp64(N, K, T, S):
+    assert len(ma.row_blocks(T, S, causal=True, block=8)) > 2
+    B, H = 2, 8
+    q, k, v, d_out = make(B, N, K, T, S, H, seed=4)
+    o, grads = run(q, k, v, d_out, causal=True, block=8)
+    mask = attention_mask(torch.arange(S - T, S), torch.arange(S))  # query i sees key j iff j <= i + S - T
+    o_ref, grads_ref = reference64(q, k, v, mask, d_out)
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, grads_ref):
+        torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1 << 18, 1 << 8])
+def test_fp32_blocked_window_and_documents(chunk, monkeypatch):
+    """Row blocks from an explicit (B, 1, T, S) mask, several batch chunks."""
+    monkeypatch.setattr(ma, "CHUNK_SCORES", chunk)
+    B, N, K, T, H = 3, 4, 2, 21, 8
+    q, k, v, d_out = make(B, N, K, T, T, H, seed=5)
+    pos = torch.arange(T).expand(B, T)
+    docs = torch.tensor([[0] * 7 + [1] * 14, [0] * 21, [0] * 3 + [1] * 9 + [2] * 9])
+    mask = attention_mask(pos, pos, window=6, q_documents=docs, k_documents=docs)  # (B, 1, T, T)
+    assert len(ma.row_blocks(T, T, causal=False, mask=mask, block=5)) > 2
+    o, grads = run(q, k, v, d_out, mask=mask, block=5)
+    o_ref, grads_ref = reference64(q, k, v, mask, d_out)
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, grads_ref):
+        torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,S", [(300, 300), (260, 300)])
+def test_bf16_blocked_default_policy_vs_fp64_and_sdpa(T, S):
+    """bf16 autocast through the default row blocks (T=300: 128 + 128 + 44 rows), GQA, T == S and T < S;
+    F.scaled_dot_product_attention on the same bf16 inputs with the same bottom-right mask as the peer."""
+    assert len(ma.row_blocks(T, S, causal=True)) > 1
+    B, N, K, H = 2, 4, 2, 32
+    q, k, v, d_out = make(B, N, K, T, S, H, seed=6)
+    mask = attention_mask(torch.arange(S - T, S), torch.arange(S))
+    o_ref, grads_ref = reference64(q, k, v, mask, d_out)
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, grads = run(qb, kb, vb, d_out, causal=True)
+    assert o.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (qb, kb, vb))
+    os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+    os_.backward(d_out.to(torch.bfloat16))
+    for ours, sdpa, ref in zip((o, *grads), (os_, qs.grad, ks.grad, vs.grad), (o_ref, *grads_ref)):
+        e = rel_err(ours, ref)
+        assert e < 2e-2, e
+        assert e < 2 * rel_err(sdpa, ref) + 2e-3

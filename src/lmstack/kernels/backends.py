@@ -8,7 +8,8 @@ attention  ``sdpa``           F.scaled_dot_product_attention (on CUDA its FlashA
            ``flash_pytorch``  lmstack.kernels.flash_pytorch (tiled PyTorch, O(S) memory)
            ``flash_triton``   lmstack.kernels.flash_triton (Triton; CUDA or TRITON_INTERPRET=1)
            ``matmul``         lmstack.kernels.matmul_attention: bf16 matmuls, fp32 scores/softmax,
-                              chunked over the batch, P recomputed in backward (CPU training)
+                              block-triangular for causal masks (row blocks skip the keys they
+                              never see), P recomputed in backward (CPU training)
            ``auto``           the fastest available on the tensor's device (table below)
 rmsnorm    ``torch``          the eager fp32 formula in lmstack.model.layers.RMSNorm
            ``triton``         lmstack.kernels.triton_rmsnorm (one fused kernel each way)
@@ -39,7 +40,7 @@ from lmstack.model.config import NORM_BACKENDS  # noqa: E402
 
 # device type -> attention backend that "auto" picks (see the module docstring for why)
 FASTEST_ATTENTION = {"cpu": "sdpa", "cuda": "sdpa"}
-# CPU training under low-precision autocast: the chunked matmul attention (module docstring)
+# CPU training under low-precision autocast: the block-triangular matmul attention (module docstring)
 CPU_TRAINING_ATTENTION = "matmul"
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
