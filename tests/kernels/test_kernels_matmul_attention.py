@@ -2,7 +2,10 @@
 
 Values and gradients (q, k, v), MHA/GQA/MQA, causal (also T < S), sliding-window and packed-document
 masks, several batch chunkings, bf16 autocast (within bf16 tolerance, and no worse than
-F.scaled_dot_product_attention's bf16 error) and fp32 (1e-5); plus the backend selection.
+F.scaled_dot_product_attention's bf16 error) and fp32 (1e-5); plus the backend selection. Both
+forwards (SDPA's and the block-triangular matmul one) and the block-triangular backward: row
+blocks of lengths that are not a multiple of the block, T == S and T < S, GQA/MQA, mask-derived
+blocks, and the row-block bounds on worked numbers.
 """
 
 import math
@@ -51,7 +54,7 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("N,K", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("chunk", [1 << 18, 1 << 10])  # whole batch in one chunk / one row per chunk
-def test_fp32_causal_matches_fp64(N, K, chunk, monkeypatch):
+def test_fp32_causal_matches_fp64(N, K, chunk, monkeypatch, forward_path):
     monkeypatch.setattr(ma, "CHUNK_SCORES", chunk)
     B, T, H = 3, 16, 8
     q, k, v, d_out = make(B, N, K, T, T, H)
@@ -63,7 +66,7 @@ def test_fp32_causal_matches_fp64(N, K, chunk, monkeypatch):
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
 
 
-def test_fp32_causal_fewer_queries_than_keys():
+def test_fp32_causal_fewer_queries_than_keys(forward_path):
     """Bottom-right aligned causal mask (a suffix of queries against all keys)."""
     B, N, K, T, S, H = 2, 4, 2, 5, 12, 8
     q, k, v, d_out = make(B, N, K, T, S, H)
@@ -75,7 +78,7 @@ def test_fp32_causal_fewer_queries_than_keys():
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
 
 
-def test_fp32_window_and_documents():
+def test_fp32_window_and_documents(forward_path):
     """Per-row (B, 1, T, S) masks: a sliding window plus packed documents."""
     B, N, K, T, H = 3, 4, 2, 20, 8
     q, k, v, d_out = make(B, N, K, T, T, H, seed=1)
@@ -89,7 +92,7 @@ def test_fp32_window_and_documents():
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_autocast_within_bf16_tolerance_and_sdpa_error():
+def test_bf16_autocast_within_bf16_tolerance_and_sdpa_error(forward_path):
     B, N, K, T, H = 4, 4, 2, 64, 32
     q, k, v, d_out = make(B, N, K, T, T, H, seed=2)
     mask = torch.ones(T, T, dtype=torch.bool).tril()
@@ -163,9 +166,16 @@ def test_row_blocks_worked_numbers():
     assert ma.row_blocks(8, 8, causal=False, mask=attention_mask(pos, pos, window=3), block=4) == [(0, 4, 4), (4, 8, 8)]
 
 
+@pytest.fixture(params=[True, False], ids=["sdpa_forward", "blocked_forward"])
+def forward_path(request, monkeypatch):
+    """Both forwards: SDPA's (the default) and the block-triangular matmul forward."""
+    monkeypatch.setattr(ma, "SDPA_FORWARD", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("N,K", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("T,S", [(37, 37), (29, 45)])  # lengths not a multiple of the block; T < S
-def test_fp32_blocked_causal_matches_fp64(N, K, T, S):
+def test_fp32_blocked_causal_matches_fp64(N, K, T, S, forward_path):
     assert len(ma.row_blocks(T, S, causal=True, block=8)) > 2
     B, H = 2, 8
     q, k, v, d_out = make(B, N, K, T, S, H, seed=4)
@@ -178,7 +188,7 @@ def test_fp32_blocked_causal_matches_fp64(N, K, T, S):
 
 
 @pytest.mark.parametrize("chunk", [1 << 18, 1 << 8])
-def test_fp32_blocked_window_and_documents(chunk, monkeypatch):
+def test_fp32_blocked_window_and_documents(chunk, monkeypatch, forward_path):
     """Row blocks from an explicit (B, 1, T, S) mask, several batch chunks."""
     monkeypatch.setattr(ma, "CHUNK_SCORES", chunk)
     B, N, K, T, H = 3, 4, 2, 21, 8
@@ -195,7 +205,7 @@ def test_fp32_blocked_window_and_documents(chunk, monkeypatch):
 
 
 @pytest.mark.parametrize("T,S", [(300, 300), (260, 300)])
-def test_bf16_blocked_default_policy_vs_fp64_and_sdpa(T, S):
+def test_bf16_blocked_default_policy_vs_fp64_and_sdpa(T, S, forward_path):
     """bf16 autocast through the default row blocks (T=300: 128 + 128 + 44 rows), GQA, T == S and T < S;
     F.scaled_dot_product_attention on the same bf16 inputs with the same bottom-right mask as the peer."""
     assert len(ma.row_blocks(T, S, causal=True)) > 1
