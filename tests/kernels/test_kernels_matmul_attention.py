@@ -224,3 +224,16 @@ def test_bf16_blocked_default_policy_vs_fp64_and_sdpa(T, S, forward_path):
         e = rel_err(ours, ref)
         assert e < 2e-2, e
         assert e < 2 * rel_err(sdpa, ref) + 2e-3
+
+
+def test_rows_without_keys_give_nan_in_both_passes():
+    """T > S causal (rows 0..T-S-1 see nothing) and a mask with an empty row: NaN there (softmax over
+    an empty set), finite elsewhere — SDPA's forward (which gives 0) is not used for such inputs."""
+    q, k, v, d_out = make(1, 4, 2, 6, 4, 8, seed=7)
+    o, (dq, _, _) = run(q, k, v, d_out, causal=True)
+    assert torch.isnan(o[:, :, :2]).all() and torch.isfinite(o[:, :, 2:]).all()
+    assert torch.isnan(dq[:, :, :2]).all() and torch.isfinite(dq[:, :, 2:]).all()
+    mask = torch.ones(6, 4, dtype=torch.bool)
+    mask[3] = False
+    o = ma.matmul_attention(q, k, v, mask=mask)
+    assert torch.isnan(o[:, :, 3]).all() and torch.isfinite(o[:, :, [0, 1, 2, 4, 5]]).all()

@@ -25,8 +25,9 @@ scores upcast before the softmax). In fp32 everything is fp32.
 GQA (K kv heads, N = K·G query heads): the G query heads sharing a kv head are stacked along the
 rows, (B, K, T·G, H) with row t·G + g = query t of head g, so one matmul per kv head serves the
 whole group, a row block is a contiguous run of rows, and dK, dV come out summed over the group
-without expanding K or V. A query row that sees no key gives NaN (as softmax over an empty set);
-causal, window and document masks always let a token see itself.
+without expanding K or V. A query row that sees no key gives NaN (as softmax over an empty set;
+such inputs skip SDPA's forward, which would give 0); causal, window and document masks always
+let a token see itself.
 """
 
 from __future__ import annotations
@@ -324,7 +325,9 @@ def matmul_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
     blocks = row_blocks(T, S, causal, mask, block=block)
     scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
     sdpa = None
-    if SDPA_FORWARD:
+    # SDPA's forward gives 0 for a query row that sees no key where this module's backward gives NaN:
+    # such inputs (T > S causal, masks with empty rows) take the matmul forward, NaN in both passes
+    if SDPA_FORWARD and (T <= S if causal else mask is None or bool(mask.any(-1).all())):
         if causal and T != S:
             sdpa = (bias[:, 0] == 0, False)  # bottom-right aligned: SDPA's is_causal is top-left
         else:
