@@ -17,9 +17,11 @@ rmsnorm    ``torch``          the eager fp32 formula in lmstack.model.layers.RMS
 
 ``auto`` for attention resolves to ``sdpa`` on every device, with one exception: on CPU, when
 autograd records (training) under bf16/fp16 autocast and nothing is being compiled, it resolves to
-``matmul`` — there SDPA's CPU flash backward costs ~6x its forward, and the matmul path's forward +
-backward measured 40 ms vs 50–65 ms per layer (B=16, N=4, K=2, T=S=256, H=64, one thread;
-docs/training.md). In fp32, for inference and under torch.compile SDPA stays faster or fuses better.
+``matmul`` — there SDPA's CPU flash backward costs ~6x its forward, and the matmul path (SDPA's
+forward + its own block-triangular backward) measured 33 ms vs SDPA's 42 ms per layer (B=16, N=4,
+K=2, T=S=256, H=64, one thread; docs/training.md); at T=S=1024 SDPA is faster (293 vs 329 ms), a
+length threshold ``auto`` does not apply yet. In fp32, for inference and under torch.compile SDPA
+stays faster or fuses better.
 ``model/attention.py`` runs every backend through ``attention()`` below. On CUDA SDPA dispatches to
 FlashAttention-2 in CUDA, which the
 Triton kernel aims to match (≥ 0.9x) but has not been measured against on this project's

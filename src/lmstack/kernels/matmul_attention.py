@@ -72,15 +72,16 @@ CHUNK_SCORES = 1 << 18
 # only against keys [0, e) with e = t1 + S - T, the last key any of its rows may see; the fully
 # masked blocks right of it are never computed (the block-triangular scheme). Blocks are
 # max(ROW_BLOCK, T / ROW_BLOCKS) rows: the CPU bf16 batched matmul costs ~10 µs per matrix, so
-# many thin blocks lose more than the skipped scores save (measured in docs/training.md: at T = 256,
-# 2 blocks of 128 beat 4 of 64; at T = 1024, 4 blocks of 256 beat 8 of 128). Below MIN_BLOCKED_T
-# query rows the whole (T, S) matrix is one block.
+# many thin blocks lose more than the skipped scores save (docs/training.md: at T = 1024, 4 blocks
+# of 256 beat 8 of 128 and 16 of 64; at T = 256, 2 blocks of 128 and 4 of 64 are within a few %,
+# both ~15% faster than one block). Below MIN_BLOCKED_T query rows the whole (T, S) matrix is one
+# block.
 ROW_BLOCK = 128
 ROW_BLOCKS = 4
 MIN_BLOCKED_T = 256
 # Forward through F.scaled_dot_product_attention (its CPU flash kernel: fp32 scores and online
-# softmax, skips the masked blocks, ~2x faster than the forward here); the backward needs only q,
-# k, v, as it recomputes P.
+# softmax, skips the masked blocks; ~2x faster than the blocked forward here, docs/training.md);
+# the backward needs only q, k, v, as it recomputes P.
 SDPA_FORWARD = True
 _SCRATCH: dict[tuple, Tensor] = {}
 
@@ -222,8 +223,9 @@ class MatmulAttention(torch.autograd.Function):
             b1 = min(B, b0 + step)
             for i, (t0, t1, e) in enumerate(blocks):
                 shape = (b1 - b0, K, (t1 - t0) * G, e)
+                s_buf = _scratch("s", shape, q.dtype, q.device)
                 pc = _probs(qb[i][b0:b1], kp[i][b0:b1].transpose(-2, -1), _bias_block(bias, b0, b1, t0, t1, e),
-                            scale, _scratch("s", shape, q.dtype, q.device), _scratch("p", shape, torch.float32, q.device))
+                            scale, s_buf, _scratch("p", shape, torch.float32, q.device))
                 if v.dtype != torch.float32:
                     pc = _scratch("p_lp", shape, v.dtype, q.device).copy_(pc)
                 torch.matmul(pc, vp[i][b0:b1], out=out[b0:b1, :, t0 * G:t1 * G])  # O = P V, (b, K, r·G, H)
