@@ -2,7 +2,10 @@
 
 Values and gradients (q, k, v), MHA/GQA/MQA, causal (also T < S), sliding-window and packed-document
 masks, several batch chunkings, bf16 autocast (within bf16 tolerance, and no worse than
-F.scaled_dot_product_attention's bf16 error) and fp32 (1e-5); plus the backend selection.
+F.scaled_dot_product_attention's bf16 error) and fp32 (1e-5); plus the backend selection. Both
+forwards (SDPA's and the block-triangular matmul one) and the block-triangular backward: row
+blocks of lengths that are not a multiple of the block, T == S and T < S, GQA/MQA, mask-derived
+blocks, and the row-block bounds on worked numbers.
 """
 
 import math
@@ -51,7 +54,7 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("N,K", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("chunk", [1 << 18, 1 << 10])  # whole batch in one chunk / one row per chunk
-def test_fp32_causal_matches_fp64(N, K, chunk, monkeypatch):
+def test_fp32_causal_matches_fp64(N, K, chunk, monkeypatch, forward_path):
     monkeypatch.setattr(ma, "CHUNK_SCORES", chunk)
     B, T, H = 3, 16, 8
     q, k, v, d_out = make(B, N, K, T, T, H)
@@ -63,7 +66,7 @@ def test_fp32_causal_matches_fp64(N, K, chunk, monkeypatch):
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
 
 
-def test_fp32_causal_fewer_queries_than_keys():
+def test_fp32_causal_fewer_queries_than_keys(forward_path):
     """Bottom-right aligned causal mask (a suffix of queries against all keys)."""
     B, N, K, T, S, H = 2, 4, 2, 5, 12, 8
     q, k, v, d_out = make(B, N, K, T, S, H)
@@ -75,7 +78,7 @@ def test_fp32_causal_fewer_queries_than_keys():
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
 
 
-def test_fp32_window_and_documents():
+def test_fp32_window_and_documents(forward_path):
     """Per-row (B, 1, T, S) masks: a sliding window plus packed documents."""
     B, N, K, T, H = 3, 4, 2, 20, 8
     q, k, v, d_out = make(B, N, K, T, T, H, seed=1)
@@ -89,7 +92,7 @@ def test_fp32_window_and_documents():
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_autocast_within_bf16_tolerance_and_sdpa_error():
+def test_bf16_autocast_within_bf16_tolerance_and_sdpa_error(forward_path):
     B, N, K, T, H = 4, 4, 2, 64, 32
     q, k, v, d_out = make(B, N, K, T, T, H, seed=2)
     mask = torch.ones(T, T, dtype=torch.bool).tril()
@@ -138,3 +141,99 @@ def test_attention_entry_point(backend):
     for kw in ({"causal": True}, {"mask": mask}):
         o = backends.attention(q, k, v, backend=backend, **kw)
         torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+
+
+# --- the block-triangular path (row blocks multiplied only against the keys they may see) ---
+
+
+def test_row_blocks_worked_numbers():
+    # causal, T < S: block [t0, t1) needs keys [0, t1 + S - T)
+    assert ma.row_blocks(10, 13, causal=True, block=4) == [(0, 4, 7), (4, 8, 11), (8, 10, 13)]
+    # T > S: rows 0..6 see no key (e clamped to 1, merged with the next block of the same e)
+    assert ma.row_blocks(12, 5, causal=True, block=4) == [(0, 8, 1), (8, 12, 5)]
+    assert ma.row_blocks(8, 8, causal=False, block=4) == [(0, 8, 8)]  # nothing to skip
+    # default policy: one block below MIN_BLOCKED_T rows, then blocks of max(ROW_BLOCK, T / ROW_BLOCKS)
+    assert ma.row_blocks(128, 128, causal=True) == [(0, 128, 128)]
+    assert ma.row_blocks(256, 256, causal=True) == [(0, 128, 128), (128, 256, 256)]
+    assert ma.row_blocks(1024, 1024, causal=True) == [(0, 256, 256), (256, 512, 512), (512, 768, 768),
+                                                       (768, 1024, 1024)]
+    # from a mask: one past the last key any row of the block sees, over the batch, kept non-decreasing
+    mask = torch.zeros(2, 1, 8, 8, dtype=torch.bool)
+    mask[0, 0, :4, :6] = True  # rows 0..3 see up to key 5
+    mask[1, 0, 4:, :3] = True  # rows 4..7 only up to key 2 -> e stays 6, the blocks merge
+    assert ma.row_blocks(8, 8, causal=False, mask=mask, block=4) == [(0, 8, 6)]
+    pos = torch.arange(8)
+    assert ma.row_blocks(8, 8, causal=False, mask=attention_mask(pos, pos, window=3), block=4) == [(0, 4, 4), (4, 8, 8)]
+
+
+@pytest.fixture(params=[True, False], ids=["sdpa_forward", "blocked_forward"])
+def forward_path(request, monkeypatch):
+    """Both forwards: SDPA's (the default) and the block-triangular matmul forward."""
+    monkeypatch.setattr(ma, "SDPA_FORWARD", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("N,K", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("T,S", [(37, 37), (29, 45)])  # lengths not a multiple of the block; T < S
+def test_fp32_blocked_causal_matches_fp64(N, K, T, S, forward_path):
+    assert len(ma.row_blocks(T, S, causal=True, block=8)) > 2
+    B, H = 2, 8
+    q, k, v, d_out = make(B, N, K, T, S, H, seed=4)
+    o, grads = run(q, k, v, d_out, causal=True, block=8)
+    mask = attention_mask(torch.arange(S - T, S), torch.arange(S))  # query i sees key j iff j <= i + S - T
+    o_ref, grads_ref = reference64(q, k, v, mask, d_out)
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, grads_ref):
+        torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1 << 18, 1 << 8])
+def test_fp32_blocked_window_and_documents(chunk, monkeypatch, forward_path):
+    """Row blocks from an explicit (B, 1, T, S) mask, several batch chunks."""
+    monkeypatch.setattr(ma, "CHUNK_SCORES", chunk)
+    B, N, K, T, H = 3, 4, 2, 21, 8
+    q, k, v, d_out = make(B, N, K, T, T, H, seed=5)
+    pos = torch.arange(T).expand(B, T)
+    docs = torch.tensor([[0] * 7 + [1] * 14, [0] * 21, [0] * 3 + [1] * 9 + [2] * 9])
+    mask = attention_mask(pos, pos, window=6, q_documents=docs, k_documents=docs)  # (B, 1, T, T)
+    assert len(ma.row_blocks(T, T, causal=False, mask=mask, block=5)) > 2
+    o, grads = run(q, k, v, d_out, mask=mask, block=5)
+    o_ref, grads_ref = reference64(q, k, v, mask, d_out)
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, grads_ref):
+        torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,S", [(300, 300), (260, 300)])
+def test_bf16_blocked_default_policy_vs_fp64_and_sdpa(T, S, forward_path):
+    """bf16 autocast through the default row blocks (T=300: 128 + 128 + 44 rows), GQA, T == S and T < S;
+    F.scaled_dot_product_attention on the same bf16 inputs with the same bottom-right mask as the peer."""
+    assert len(ma.row_blocks(T, S, causal=True)) > 1
+    B, N, K, H = 2, 4, 2, 32
+    q, k, v, d_out = make(B, N, K, T, S, H, seed=6)
+    mask = attention_mask(torch.arange(S - T, S), torch.arange(S))
+    o_ref, grads_ref = reference64(q, k, v, mask, d_out)
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, grads = run(qb, kb, vb, d_out, causal=True)
+    assert o.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (qb, kb, vb))
+    os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+    os_.backward(d_out.to(torch.bfloat16))
+    for ours, sdpa, ref in zip((o, *grads), (os_, qs.grad, ks.grad, vs.grad), (o_ref, *grads_ref)):
+        e = rel_err(ours, ref)
+        assert e < 2e-2, e
+        assert e < 2 * rel_err(sdpa, ref) + 2e-3
+
+
+def test_rows_without_keys_give_nan_in_both_passes():
+    """T > S causal (rows 0..T-S-1 see nothing) and a mask with an empty row: NaN there (softmax over
+    an empty set), finite elsewhere — SDPA's forward (which gives 0) is not used for such inputs."""
+    q, k, v, d_out = make(1, 4, 2, 6, 4, 8, seed=7)
+    o, (dq, _, _) = run(q, k, v, d_out, causal=True)
+    assert torch.isnan(o[:, :, :2]).all() and torch.isfinite(o[:, :, 2:]).all()
+    assert torch.isnan(dq[:, :, :2]).all() and torch.isfinite(dq[:, :, 2:]).all()
+    mask = torch.ones(6, 4, dtype=torch.bool)
+    mask[3] = False
+    o = ma.matmul_attention(q, k, v, mask=mask)
+    assert torch.isnan(o[:, :, 3]).all() and torch.isfinite(o[:, :, [0, 1, 2, 4, 5]]).all()

@@ -8,7 +8,8 @@ attention  ``sdpa``           F.scaled_dot_product_attention (on CUDA its FlashA
            ``flash_pytorch``  lmstack.kernels.flash_pytorch (tiled PyTorch, O(S) memory)
            ``flash_triton``   lmstack.kernels.flash_triton (Triton; CUDA or TRITON_INTERPRET=1)
            ``matmul``         lmstack.kernels.matmul_attention: bf16 matmuls, fp32 scores/softmax,
-                              chunked over the batch, P recomputed in backward (CPU training)
+                              block-triangular for causal masks (row blocks skip the keys they
+                              never see), P recomputed in backward (CPU training)
            ``auto``           the fastest available on the tensor's device (table below)
 rmsnorm    ``torch``          the eager fp32 formula in lmstack.model.layers.RMSNorm
            ``triton``         lmstack.kernels.triton_rmsnorm (one fused kernel each way)
@@ -16,9 +17,11 @@ rmsnorm    ``torch``          the eager fp32 formula in lmstack.model.layers.RMS
 
 ``auto`` for attention resolves to ``sdpa`` on every device, with one exception: on CPU, when
 autograd records (training) under bf16/fp16 autocast and nothing is being compiled, it resolves to
-``matmul`` — there SDPA's CPU flash backward costs ~6x its forward, and the matmul path's forward +
-backward measured 40 ms vs 50–65 ms per layer (B=16, N=4, K=2, T=S=256, H=64, one thread;
-docs/training.md). In fp32, for inference and under torch.compile SDPA stays faster or fuses better.
+``matmul`` — there SDPA's CPU flash backward costs ~6x its forward, and the matmul path (SDPA's
+forward + its own block-triangular backward) measured 33 ms vs SDPA's 42 ms per layer (B=16, N=4,
+K=2, T=S=256, H=64, one thread; docs/training.md); at T=S=1024 SDPA is faster (293 vs 329 ms), a
+length threshold ``auto`` does not apply yet. In fp32, for inference and under torch.compile SDPA
+stays faster or fuses better.
 ``model/attention.py`` runs every backend through ``attention()`` below. On CUDA SDPA dispatches to
 FlashAttention-2 in CUDA, which the
 Triton kernel aims to match (≥ 0.9x) but has not been measured against on this project's
@@ -39,7 +42,7 @@ from lmstack.model.config import NORM_BACKENDS  # noqa: E402
 
 # device type -> attention backend that "auto" picks (see the module docstring for why)
 FASTEST_ATTENTION = {"cpu": "sdpa", "cuda": "sdpa"}
-# CPU training under low-precision autocast: the chunked matmul attention (module docstring)
+# CPU training under low-precision autocast: the block-triangular matmul attention (module docstring)
 CPU_TRAINING_ATTENTION = "matmul"
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

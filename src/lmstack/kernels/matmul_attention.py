@@ -5,19 +5,29 @@ of attention: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ⊙ (dP − rowsum(P ⊙ dP)), 
 
 Why it exists: on CPU the bf16 *backward* of ``F.scaled_dot_product_attention`` (its flash
 kernel) costs about six times its forward and ~20–25% of a small model's training step
-(docs/training.md). For the sequence lengths a CPU trains at, the (T, S) matrix fits in memory,
-so the plain formula with four batched matmuls each way runs on the AMX bf16 matmul units and the
-backward reuses the saved probabilities P instead of recomputing them tile by tile.
+(docs/training.md). For the sequence lengths a CPU trains at, a block of the (T, S) matrix fits in
+cache, so the plain formula with batched matmuls runs on the AMX bf16 matmul units.
+
+Causal (block-triangular): the queries are cut into row blocks (``row_blocks``); row block
+[t0, t1) is multiplied only against keys [0, e), e = t1 + S − T (bottom-right aligned: query i
+sees key j iff j <= i + S − T), so the fully masked blocks right of the diagonal are never
+computed, forward or backward. With an explicit mask, e is the last key any row of the block may
+see (a causal document mask skips the same blocks). Backward recomputes P block by block; dQ of a
+row block is one matmul, dK and dV add each row block's Pᵀ dO / dSᵀ Q over keys [0, e) into fp32
+sums. Every matmul operand is a contiguous tensor (per-block copies of Q and dO, prefixes of K and
+V): the CPU bf16 batched matmul copies any other layout on every call.
 
 Precision: Q Kᵀ, P V and the four backward matmuls take inputs in q's dtype (bf16 under autocast)
-and accumulate in fp32 inside the matmul; the scaled scores, the mask, the softmax, P saved for
-backward and the softmax backward are fp32 — the precision HF's eager attention uses
-(bf16 scores upcast before the softmax). In fp32 everything is fp32.
+and accumulate in fp32 inside the matmul; the scaled scores, the mask, the softmax, P recomputed
+for backward and the softmax backward are fp32 — the precision HF's eager attention uses (bf16
+scores upcast before the softmax). In fp32 everything is fp32.
 
 GQA (K kv heads, N = K·G query heads): the G query heads sharing a kv head are stacked along the
-rows, (B, K, G·T, H), so one matmul per kv head serves the whole group and dK, dV come out summed
-over the group without expanding K or V. A query row that sees no key gives NaN (as softmax over
-an empty set); causal, window and document masks always let a token see itself.
+rows, (B, K, T·G, H) with row t·G + g = query t of head g, so one matmul per kv head serves the
+whole group, a row block is a contiguous run of rows, and dK, dV come out summed over the group
+without expanding K or V. A query row that sees no key gives NaN (as softmax over an empty set;
+such inputs skip SDPA's forward, which would give 0); causal, window and document masks always
+let a token see itself.
 """
 
 from __future__ import annotations
@@ -25,18 +35,23 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 _CAUSAL_BIAS: dict[tuple[int, int, torch.device], Tensor] = {}
 
 
 def causal_bias(T: int, S: int, device: torch.device) -> Tensor:
-    """fp32 (T, S) additive mask: 0 where key j <= i + S - T (bottom-right aligned), -inf after."""
+    """fp32 (T, 1, S) additive mask: 0 where key j <= i + S - T (bottom-right aligned), -inf after.
+
+    The middle axis broadcasts over the G query heads of a kv head (rows are laid out (T, G)).
+    """
     key = (T, S, torch.device(device))
     if key not in _CAUSAL_BIAS:
         i = torch.arange(T, device=device)[:, None]
         j = torch.arange(S, device=device)[None, :]
-        _CAUSAL_BIAS[key] = torch.zeros(T, S, device=device).masked_fill_(j > i + (S - T), -math.inf)
+        bias = torch.zeros(T, S, device=device).masked_fill_(j > i + (S - T), -math.inf)
+        _CAUSAL_BIAS[key] = bias[:, None, :]
     return _CAUSAL_BIAS[key]
 
 
@@ -47,19 +62,35 @@ def mask_bias(mask: Tensor) -> Tensor:
     return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, -math.inf)
 
 
-# Rows of scores handled at once: (chunk of B)·K·G·T·S fp32 values near 1 MB, so the matmul, add,
-# softmax, conversions and softmax backward of one chunk run in the L2 cache, in scratch buffers
-# reused from chunk to chunk. Nothing of size (B, ·, T, S) is kept: the first touch of fresh
-# whole-batch P buffers (page faults) cost more here than recomputing P chunk by chunk in backward.
+# Rows of scores handled at once: (chunk of B)·K·G·(row block)·S fp32 values near 1 MB, so the
+# matmul, add, softmax, conversions and softmax backward of one block run in the L2 cache, in
+# scratch buffers reused from block to block. Nothing of size (B, ·, T, S) is kept between forward
+# and backward: the first touch of fresh whole-batch P buffers (page faults) cost more here than
+# recomputing P block by block in backward.
 CHUNK_SCORES = 1 << 18
+# Query rows per block for causal (and mask-limited) attention: row block [t0, t1) is multiplied
+# only against keys [0, e) with e = t1 + S - T, the last key any of its rows may see; the fully
+# masked blocks right of it are never computed (the block-triangular scheme). Blocks are
+# max(ROW_BLOCK, T / ROW_BLOCKS) rows: the CPU bf16 batched matmul costs ~10 µs per matrix, so
+# many thin blocks lose more than the skipped scores save (docs/training.md: at T = 1024, 4 blocks
+# of 256 beat 8 of 128 and 16 of 64; at T = 256, 2 blocks of 128 and 4 of 64 are within a few %,
+# both ~15% faster than one block). Below MIN_BLOCKED_T query rows the whole (T, S) matrix is one
+# block.
+ROW_BLOCK = 128
+ROW_BLOCKS = 4
+MIN_BLOCKED_T = 256
+# Forward through F.scaled_dot_product_attention (its CPU flash kernel: fp32 scores and online
+# softmax, skips the masked blocks; ~2x faster than the blocked forward here, docs/training.md);
+# the backward needs only q, k, v, as it recomputes P.
+SDPA_FORWARD = True
 _SCRATCH: dict[tuple, Tensor] = {}
 
 
 def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A chunk-sized buffer kept between calls (fresh ~1 MB allocations page-fault on every call here).
+    """A block-sized buffer kept between calls (fresh ~1 MB allocations page-fault on every call here).
 
     Only ever used inside one forward or backward call and never saved, so reuse across calls and
-    layers is safe. One flat buffer per (name, dtype, device), grown when a larger chunk asks, so
+    layers is safe. One flat buffer per (name, dtype, device), grown when a larger block asks, so
     varying sequence lengths never pile up buffers.
     """
     key = (name, dtype, torch.device(device))
@@ -70,87 +101,205 @@ def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torc
     return buf[:n].view(shape)
 
 
-def _probs(qg: Tensor, kt: Tensor, bias: Tensor, scale: float, s_buf: Tensor, p_buf: Tensor) -> Tensor:
-    """P = softmax(Q Kᵀ·s + bias) of one chunk, fp32, written into p_buf. qg (b, K, G·T, H), kt (b, K, H, S)."""
-    b, K, GT, S = p_buf.shape
-    T = bias.shape[-2]
-    torch.matmul(qg, kt, out=s_buf)  # scores in q's dtype (fp32 accumulation inside the matmul)
-    # fp32 scores: bias + s·scale in one pass (type promotion upcasts s), broadcast over K and G
-    torch.add(bias, s_buf.view(b, K, GT // T, T, S), alpha=scale, out=p_buf.view(b, K, GT // T, T, S))
+def row_blocks(T: int, S: int, causal: bool, mask: Tensor | None = None,
+               block: int | None = None) -> list[tuple[int, int, int]]:
+    """[(t0, t1, e)]: query rows [t0, t1) need keys [0, e) only; e never decreases from block to block.
+
+    ``block`` rows per block (default: the policy above, one block below MIN_BLOCKED_T rows).
+
+    causal: e = t1 + S - T (bottom-right aligned: query i sees key j iff j <= i + S - T); mask: e is
+    one past the last key any row of the block (in any batch row) may see, made non-decreasing by a
+    running maximum; neither: one block of all rows and keys. e >= 1, so a row that sees no key still
+    gives NaN. Consecutive blocks with the same e are merged (one matmul instead of two).
+    """
+    R = max(ROW_BLOCK, -(-T // ROW_BLOCKS)) if block is None else block
+    if (block is None and T < MIN_BLOCKED_T) or (not causal and mask is None):
+        R = max(T, 1)
+    bounds = [(t0, min(T, t0 + R)) for t0 in range(0, T, R)] if T else [(0, 0)]
+    if causal:
+        ends = [t1 + S - T for _, t1 in bounds]
+    elif mask is not None and len(bounds) > 1:
+        m = torch.broadcast_to(mask, mask.shape[:-2] + (T, S)).reshape(-1, T, S).any(0)  # (T, S)
+        last = (m * torch.arange(1, S + 1, device=m.device)).amax(-1)  # (T,) one past each row's last key
+        ends = torch.stack([last[t0:t1].amax() for t0, t1 in bounds]).tolist()
+    else:
+        ends = [S] * len(bounds)
+    blocks, e = [], 1
+    for (t0, t1), end in zip(bounds, ends):
+        e = max(e, min(S, int(end)))
+        if blocks and blocks[-1][2] == e:
+            blocks[-1] = (blocks[-1][0], t1, e)
+        else:
+            blocks.append((t0, t1, e))
+    return blocks
+
+
+def _row_blocks_of(x: Tensor, K: int, blocks: list[tuple[int, int, int]]) -> list[Tensor]:
+    """(B, N, T, H) -> one contiguous (B, K, r·G, H) tensor per row block [t0, t1): row (t - t0)·G + g is
+    query t of head g of kv head k's group. Contiguous per block because the CPU bf16 batched matmul
+    copies any operand that is not (one copy of x in all, as reshaping x to the matmul layout costs anyway)."""
+    B, N, T, H = x.shape
+    xg = x.unflatten(1, (K, N // K)).transpose(2, 3)  # (B, K, T, G, H), a view
+    return [xg[:, :, t0:t1].reshape(B, K, (t1 - t0) * (N // K), H) for t0, t1, _ in blocks]
+
+
+def _prefixes(x: Tensor, blocks: list[tuple[int, int, int]]) -> list[Tensor]:
+    """Contiguous x[:, :, :e] (B, K, e, H) for each block's key extent e (sliced operands would be copied
+    by every matmul instead)."""
+    S = x.shape[2]
+    return [x if e == S else x[:, :, :e].contiguous() for _, _, e in blocks]
+
+
+def _heads(y: Tensor, N: int, scale: float | None = None) -> Tensor:
+    """(B, K, T·G, H) -> (B, N, T, H), a transposed view of a contiguous (B, T, N, H) buffer (what the
+    model's output projection reads), optionally multiplied by ``scale`` in the same pass."""
+    B, K, TG, H = y.shape
+    G = N // K
+    T = TG // G
+    out = torch.empty(B, T, K, G, H, dtype=y.dtype, device=y.device)
+    src = y.view(B, K, T, G, H).transpose(1, 2)
+    if scale is None:
+        out.copy_(src)
+    else:
+        torch.mul(src, scale, out=out)
+    return out.view(B, T, N, H).transpose(1, 2)
+
+
+def _bias_block(bias: Tensor | None, b0: int, b1: int, t0: int, t1: int, e: int) -> Tensor | None:
+    """The bias of batch rows [b0, b1), query rows [t0, t1), keys [0, e): (r, 1, e) or (b, 1, r, 1, e)."""
+    if bias is None:
+        return None
+    if bias.dim() == 3:  # causal (T, 1, S)
+        return bias[t0:t1, :, :e]
+    bb = bias[b0:b1] if bias.shape[0] > 1 else bias  # per-row masks (B, 1, T, 1, S)
+    bb = bb[:, :, t0:t1] if bb.shape[2] > 1 else bb  # a (B, 1, 1, S) mask broadcasts over the rows
+    return bb[..., :e] if bb.shape[-1] > 1 else bb
+
+
+def _probs(qb: Tensor, kt: Tensor, bias: Tensor | None, scale: float, s_buf: Tensor, p_buf: Tensor) -> Tensor:
+    """P = softmax(Q Kᵀ·s + bias) of one block, fp32, written into p_buf. qb (b, K, r·G, H), kt (b, K, H, e)."""
+    b, K, rG, e = p_buf.shape
+    if s_buf.dtype == torch.float32:
+        s_buf = p_buf
+    torch.matmul(qb, kt, out=s_buf)  # scores in q's dtype (fp32 accumulation inside the matmul)
+    if s_buf is not p_buf:
+        p_buf.copy_(s_buf)  # fp32 scores (an add of mixed dtypes would allocate an fp32 temporary each call)
+    if bias is None:
+        p_buf.mul_(scale)
+    else:  # bias + s·scale in one pass, broadcast over K and G
+        r = bias.shape[-3]
+        p5 = p_buf.view(b, K, r, rG // r, e)
+        torch.add(bias, p5, alpha=scale, out=p5)
     return torch._softmax(p_buf, -1, False, out=p_buf)  # in place, fp32
 
 
+def _batch_step(KG: int, blocks: list[tuple[int, int, int]]) -> int:
+    """Batch rows per chunk: about CHUNK_SCORES scores in the largest row block."""
+    rmax = max(t1 - t0 for t0, t1, _ in blocks)
+    return max(1, CHUNK_SCORES // max(1, KG * rmax * blocks[-1][2]))
+
+
 class MatmulAttention(torch.autograd.Function):
-    """O = softmax(Q Kᵀ·s + bias) V with fp32 scores; backward recomputes P (fp32) chunk by chunk."""
+    """O = softmax(Q Kᵀ·s + bias) V with fp32 scores, block-triangular over query rows; backward
+    recomputes P (fp32) block by block."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
+                blocks: list[tuple[int, int, int]], sdpa: tuple[Tensor | None, bool] | None) -> Tensor:
         B, N, T, H = q.shape
-        K, S = k.shape[1], k.shape[2]
+        K = k.shape[1]
         G = N // K
-        qg = q.reshape(B, K, G * T, H)  # (B, K, G·T, H): the group's heads stacked along rows
-        k, v = k.contiguous(), v.contiguous()  # per-chunk matmuls on strided (B, S, K, H) views copy each time
-        kt = k.transpose(-2, -1)  # (B, K, H, S), a transposed operand for the matmul (no copy)
-        step = max(1, CHUNK_SCORES // (K * G * T * S))
-        shape = (min(step, B), K, G * T, S)
-        s_buf = _scratch("s", shape, q.dtype, q.device)
-        p_buf = _scratch("p", shape, torch.float32, q.device)
-        p_lp = p_buf if v.dtype == torch.float32 else _scratch("p_lp", shape, v.dtype, q.device)
-        out = torch.empty(B, K, G * T, H, dtype=v.dtype, device=q.device)
+        ctx.scale, ctx.N, ctx.blocks, ctx.sdpa = scale, N, blocks, sdpa is not None
+        if sdpa is not None:  # SDPA's fused forward; backward below recomputes P from q, k, v alone
+            ctx.save_for_backward(q, k, v, bias)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa[0], is_causal=sdpa[1], scale=scale,
+                                                  enable_gqa=G > 1)
+        k, v = k.contiguous(), v.contiguous()
+        qb = _row_blocks_of(q, K, blocks)  # per row block (B, K, r·G, H)
+        kp, vp = _prefixes(k, blocks), _prefixes(v, blocks)  # per row block (B, K, e, H)
+        step = _batch_step(K * G, blocks)
+        out = torch.empty(B, K, T * G, H, dtype=v.dtype, device=q.device)
         for b0 in range(0, B, step):
             b1 = min(B, b0 + step)
-            n = b1 - b0
-            bc = bias[b0:b1] if bias.dim() == 5 and bias.shape[0] > 1 else bias  # per-row masks: (B, 1, 1, T, S)
-            pc = _probs(qg[b0:b1], kt[b0:b1], bc, scale, s_buf[:n], p_buf[:n])
-            if p_lp is not p_buf:
-                p_lp[:n].copy_(pc)
-            torch.matmul(p_lp[:n], v[b0:b1], out=out[b0:b1])  # O = P V, (b, K, G·T, H)
-        ctx.save_for_backward(qg, k, v, bias)
-        ctx.scale, ctx.shape, ctx.step = scale, (B, N, T, H), step
-        return out.view(B, N, T, H)
+            for i, (t0, t1, e) in enumerate(blocks):
+                shape = (b1 - b0, K, (t1 - t0) * G, e)
+                s_buf = _scratch("s", shape, q.dtype, q.device)
+                pc = _probs(qb[i][b0:b1], kp[i][b0:b1].transpose(-2, -1), _bias_block(bias, b0, b1, t0, t1, e),
+                            scale, s_buf, _scratch("p", shape, torch.float32, q.device))
+                if v.dtype != torch.float32:
+                    pc = _scratch("p_lp", shape, v.dtype, q.device).copy_(pc)
+                torch.matmul(pc, vp[i][b0:b1], out=out[b0:b1, :, t0 * G:t1 * G])  # O = P V, (b, K, r·G, H)
+        ctx.save_for_backward(k, v, bias, *qb)
+        return _heads(out, N)
 
     @staticmethod
     def backward(ctx, d_out: Tensor):
-        qg, k, v, bias = ctx.saved_tensors
-        B, N, T, H = ctx.shape
-        K, S, step = k.shape[1], k.shape[2], ctx.step
-        kt = k.transpose(-2, -1)
-        d_out = d_out.to(v.dtype).reshape(B, K, (N // K) * T, H).contiguous()  # (B, K, G·T, H)
-        dq, dk, dv = torch.empty_like(qg), torch.empty_like(k), torch.empty_like(v)
-        shape = (min(step, B), K, qg.shape[2], S)
-        s_buf = _scratch("s", shape, qg.dtype, qg.device)
-        p_buf = _scratch("p", shape, torch.float32, qg.device)
-        p_lp = p_buf if v.dtype == torch.float32 else _scratch("p_lp", shape, v.dtype, qg.device)
-        dp32 = _scratch("dp32", shape, torch.float32, qg.device)
-        ds32 = _scratch("ds32", shape, torch.float32, qg.device)
+        N, blocks, scale = ctx.N, ctx.blocks, ctx.scale
+        if ctx.sdpa:
+            q, k, v, bias = ctx.saved_tensors
+            k, v = k.contiguous(), v.contiguous()
+            qb = _row_blocks_of(q, k.shape[1], blocks)
+        else:
+            k, v, bias, *qb = ctx.saved_tensors
+        B, K, S, H = k.shape
+        G = N // K
+        T = blocks[-1][1]
+        step = _batch_step(K * G, blocks)
+        f32 = torch.float32
+        dob = _row_blocks_of(d_out.to(v.dtype), K, blocks)  # per row block (B, K, r·G, H)
+        kp, vp = _prefixes(k, blocks), _prefixes(v, blocks)
+        dq = torch.empty(B, K, T * G, H, dtype=qb[0].dtype, device=k.device)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        one = len(blocks) == 1
         for b0 in range(0, B, step):
             b1 = min(B, b0 + step)
             n = b1 - b0
-            bc = bias[b0:b1] if bias.dim() == 5 and bias.shape[0] > 1 else bias
-            pc = _probs(qg[b0:b1], kt[b0:b1], bc, ctx.scale, s_buf[:n], p_buf[:n])  # the forward's P, recomputed
-            if p_lp is not p_buf:
-                p_lp[:n].copy_(pc)
-            do = d_out[b0:b1]
-            torch.matmul(p_lp[:n].transpose(-2, -1), do, out=dv[b0:b1])  # dV = Pᵀ dO, summed over the group
-            dp = torch.matmul(do, v[b0:b1].transpose(-2, -1), out=s_buf[:n])  # dP = dO Vᵀ (b, K, G·T, S)
-            if dp.dtype != torch.float32:
-                dp = dp32[:n].copy_(dp)
-            ds = torch._softmax_backward_data(dp, pc, -1, torch.float32, grad_input=ds32[:n])  # P ⊙ (dP − rowsum(P ⊙ dP))
-            if ds.dtype != qg.dtype:
-                ds = p_lp[:n].copy_(ds)  # dS in the matmul dtype (P's low-precision copy is no longer needed)
-            torch.matmul(ds, k[b0:b1], out=dq[b0:b1])  # dQ = dS K (·s below)
-            torch.matmul(ds.transpose(-2, -1), qg[b0:b1], out=dk[b0:b1])  # dK = dSᵀ Q (·s below)
-        return dq.mul_(ctx.scale).view(B, N, T, H), dk.mul_(ctx.scale), dv, None, None
+            if not one:  # several row blocks add into dK, dV: fp32 sums of their (bf16-rounded) matmul outputs
+                dk32 = _scratch("dk32", (n, K, S, H), f32, k.device)
+                dv32 = _scratch("dv32", (n, K, S, H), f32, k.device)
+            # the widest block first: it covers all keys any row sees, so it sets the sums instead of adding
+            for i in reversed(range(len(blocks))):
+                t0, t1, e = blocks[i]
+                shape = (n, K, (t1 - t0) * G, e)
+                s_buf = _scratch("s", shape, k.dtype, k.device)
+                pc = _probs(qb[i][b0:b1], kp[i][b0:b1].transpose(-2, -1), _bias_block(bias, b0, b1, t0, t1, e), scale,
+                            s_buf, _scratch("p", shape, f32, k.device))  # the forward's P, recomputed
+                p_lp = pc if v.dtype == f32 else _scratch("p_lp", shape, v.dtype, k.device).copy_(pc)
+                do = dob[i][b0:b1]
+                dp = torch.matmul(do, vp[i][b0:b1].transpose(-2, -1), out=s_buf)  # dP = dO Vᵀ (b, K, r·G, e)
+                if dp.dtype != f32:
+                    dp = _scratch("dp32", shape, f32, k.device).copy_(dp)
+                ds = torch._softmax_backward_data(dp, pc, -1, f32, grad_input=_scratch("ds32", shape, f32, k.device))
+                if ds.dtype != qb[i].dtype:  # P ⊙ (dP − rowsum(P ⊙ dP)) in the matmul dtype
+                    ds = _scratch("ds_lp", shape, qb[i].dtype, k.device).copy_(ds)
+                torch.matmul(ds, kp[i][b0:b1], out=dq[b0:b1, :, t0 * G:t1 * G])  # dQ = dS K (·s below)
+                if one:
+                    torch.matmul(p_lp.transpose(-2, -1), do, out=dv[b0:b1])  # dV = Pᵀ dO, summed over the group
+                    torch.matmul(ds.transpose(-2, -1), qb[i][b0:b1], out=dk[b0:b1])  # dK = dSᵀ Q (·s below)
+                    continue
+                part = _scratch("part", (n, K, e, H), v.dtype, k.device)
+                for acc, a, b in ((dv32, p_lp, do), (dk32, ds, qb[i][b0:b1])):
+                    torch.matmul(a.transpose(-2, -1), b, out=part)  # dV += Pᵀ dO, dK += dSᵀ Q
+                    if i == len(blocks) - 1:
+                        acc[:, :, :e].copy_(part)
+                        acc[:, :, e:].zero_()  # keys no query sees
+                    else:
+                        acc[:, :, :e].add_(part)
+            if not one:
+                dk[b0:b1].copy_(dk32.mul_(scale))
+                dv[b0:b1].copy_(dv32)
+        return _heads(dq, N, scale), (dk.mul_(scale) if one else dk), dv, None, None, None, None
 
 
 def matmul_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
-                     scale: float | None = None) -> Tensor:
+                     scale: float | None = None, block: int | None = None) -> Tensor:
     """softmax(Q Kᵀ/√H + mask) V with fp32 scores/softmax and matmuls in q's dtype.
 
     q: (B, N, T, H); k, v: (B, K, S, H) with N a multiple of K; mask: bool, True = may attend,
     broadcastable to (B, 1, T, S) (it is broadcast over heads) — or ``causal=True`` for the
     bottom-right-aligned causal mask. Under autocast the inputs are cast to the autocast dtype.
-    -> (B, N, T, H) in q's (compute) dtype.
+    ``block``: query rows per row block (default: ``row_blocks``' policy). -> (B, N, T, H) in q's
+    (compute) dtype.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D (B, heads, seq, H); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -170,11 +319,20 @@ def matmul_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
         bias = bias.reshape(bias.shape[:-2] + (1,) * (4 - bias.dim()) + bias.shape[-2:]) if bias.dim() < 4 else bias
         if bias.shape[1] != 1:
             raise ValueError(f"mask shape {tuple(mask.shape)}: expected one mask for all heads, (B, 1, T, S) or (T, S)")
-        bias = bias[:, :, None]  # (B, 1, 1, T, S): broadcast over K and G
+        bias = bias[:, :, :, None]  # (B, 1, T, 1, S): broadcast over K and G (rows are laid out (T, G))
     elif causal:
-        bias = causal_bias(T, S, q.device)
+        bias = causal_bias(T, S, q.device)  # (T, 1, S)
     else:
-        bias = torch.zeros(T, S, device=q.device)
+        bias = None
+    blocks = row_blocks(T, S, causal, mask, block=block)
     scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+    sdpa = None
+    # SDPA's forward gives 0 for a query row that sees no key where this module's backward gives NaN:
+    # such inputs (T > S causal, masks with empty rows) take the matmul forward, NaN in both passes
+    if SDPA_FORWARD and (T <= S if causal else mask is None or bool(mask.any(-1).all())):
+        if causal and T != S:
+            sdpa = (bias[:, 0] == 0, False)  # bottom-right aligned: SDPA's is_causal is top-left
+        else:
+            sdpa = (mask, causal)
     with torch.autocast(q.device.type, enabled=False):
-        return MatmulAttention.apply(q, k, v, bias, scale)
+        return MatmulAttention.apply(q, k, v, bias, scale, blocks, sdpa)
