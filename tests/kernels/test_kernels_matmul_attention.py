@@ -126,6 +126,8 @@ def test_auto_picks_matmul_only_for_cpu_training_under_low_precision_autocast():
     assert backends.resolve_attn_backend("auto", "cpu") == "sdpa"  # fp32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert backends.resolve_attn_backend("auto", "cpu") == "matmul"
+        assert backends.resolve_attn_backend("auto", "cpu", key_len=512) == "matmul"
+        assert backends.resolve_attn_backend("auto", "cpu", key_len=1024) == "sdpa"  # SDPA's backward wins there
         with torch.no_grad():  # inference keeps SDPA
             assert backends.resolve_attn_backend("auto", "cpu") == "sdpa"
     with pytest.raises(ValueError, match="attention backend='nope'"):

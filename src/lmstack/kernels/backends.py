@@ -19,9 +19,10 @@ rmsnorm    ``torch``          the eager fp32 formula in lmstack.model.layers.RMS
 autograd records (training) under bf16/fp16 autocast and nothing is being compiled, it resolves to
 ``matmul`` — there SDPA's CPU flash backward costs ~6x its forward, and the matmul path (SDPA's
 forward + its own block-triangular backward) measured 33 ms vs SDPA's 42 ms per layer (B=16, N=4,
-K=2, T=S=256, H=64, one thread; docs/training.md); at T=S=1024 SDPA is faster (293 vs 329 ms), a
-length threshold ``auto`` does not apply yet. In fp32, for inference and under torch.compile SDPA
-stays faster or fuses better.
+K=2, T=S=256, H=64, one thread; docs/training.md) and 87–103 vs 95–116 ms at T=S=512; at T=S=1024
+SDPA is faster (293 vs 329 ms), so beyond ``CPU_TRAINING_MAX_KEYS`` = 512 keys ``auto`` stays on
+SDPA (512–1024 is not measured; the cut is at the last length where ``matmul`` was faster).
+In fp32, for inference and under torch.compile SDPA stays faster or fuses better.
 ``model/attention.py`` runs every backend through ``attention()`` below. On CUDA SDPA dispatches to
 FlashAttention-2 in CUDA, which the
 Triton kernel aims to match (≥ 0.9x) but has not been measured against on this project's
@@ -44,6 +45,7 @@ from lmstack.model.config import NORM_BACKENDS  # noqa: E402
 FASTEST_ATTENTION = {"cpu": "sdpa", "cuda": "sdpa"}
 # CPU training under low-precision autocast: the block-triangular matmul attention (module docstring)
 CPU_TRAINING_ATTENTION = "matmul"
+CPU_TRAINING_MAX_KEYS = 512  # longer key sequences: SDPA's own backward is faster (module docstring)
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -70,12 +72,13 @@ def cpu_training_autocast(device: torch.device | str) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def resolve_attn_backend(name: str, device: torch.device | str) -> str:
-    """Map ``auto`` to a concrete backend for ``device`` (and the autograd/autocast state); check other names."""
+def resolve_attn_backend(name: str, device: torch.device | str, key_len: int | None = None) -> str:
+    """Map ``auto`` to a concrete backend for ``device`` (and the autograd/autocast state, and the
+    key length S when given); check other names."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend={name!r}; expected one of {ATTENTION_BACKENDS}")
     if name == "auto":
-        if cpu_training_autocast(device):
+        if cpu_training_autocast(device) and (key_len is None or key_len <= CPU_TRAINING_MAX_KEYS):
             return CPU_TRAINING_ATTENTION
         return FASTEST_ATTENTION.get(torch.device(device).type, "sdpa")
     return name
@@ -89,7 +92,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causa
     or ``causal=True`` (bottom-right aligned) -> (B, N, T, H). The flash backends take ``causal``
     only. ``model/attention.py`` calls it for every backend.
     """
-    backend = resolve_attn_backend(backend, q.device)
+    backend = resolve_attn_backend(backend, q.device, k.shape[2])
     if mask is not None and causal:
         raise ValueError("give either mask or causal=True, not both")
     if backend == "matmul":

@@ -67,10 +67,10 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) ->
     return (probs @ v.to(c)).to(q.dtype)
 
 
-def _resolve_backend(name: str, device: torch.device) -> str:
+def _resolve_backend(name: str, device: torch.device, key_len: int) -> str:
     from lmstack.kernels.backends import resolve_attn_backend
 
-    return resolve_attn_backend(name, device)
+    return resolve_attn_backend(name, device, key_len)
 
 
 class Attention(nn.Module):
@@ -139,7 +139,7 @@ class Attention(nn.Module):
         else:
             mask = attention_mask(positions, k_positions, self.window, document_ids, k_documents)
 
-        backend = self.backend if self.backend != "auto" else _resolve_backend(self.backend, q.device)
+        backend = self.backend if self.backend != "auto" else _resolve_backend(self.backend, q.device, k.shape[2])
         if backend == "sdpa" and mask is not None and q.device.type == "cpu" and torch.compiler.is_compiling():
             # Under torch.compile on CPU the masked attention is written out (QKᵀ, mask, softmax, ·V) so
             # inductor fuses it into one loop; SDPA's CPU kernel costs ~0.1 ms per call for one query.
