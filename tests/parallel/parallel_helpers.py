@@ -3,6 +3,7 @@ single-process reference training run to compare against."""
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -24,7 +25,8 @@ def free_port() -> int:
     return port
 
 
-def _entry(rank: int, world: int, port: int, fn, args):
+def _entry(rank: int, world: int, port: int, fn, payload: bytes):
+    args = torch.load(io.BytesIO(payload), weights_only=False)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -37,9 +39,25 @@ def _entry(rank: int, world: int, port: int, fn, args):
         dist.destroy_process_group()
 
 
+# Modules the fork server imports once. Each rank is forked from that server (a fresh, single-
+# threaded process that has run no torch op, so forking it is safe) instead of being a new
+# interpreter that imports torch again; torch._dynamo is here because torch.optim imports it on the
+# first optimizer. Together these cost seconds per rank, many times per test session.
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "lmstack.model.transformer", "lmstack.parallel",
+           "lmstack.train.trainer", "parallel_helpers"]
+
+
 def spawn(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; a failure in any re-raises."""
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    import multiprocessing.forkserver as forkserver
+
+    forkserver.set_forkserver_preload(PRELOAD)  # read when the server starts (the first spawn)
+    # the arguments travel as bytes: pickled as they are, every tensor would go to shared memory
+    # with a file descriptor sent to each rank, more than the fork server passes in one message
+    buf = io.BytesIO()
+    torch.save(args, buf)
+    mp.start_processes(_entry, args=(world, free_port(), fn, buf.getvalue()), nprocs=world, join=True,
+                       start_method="forkserver")
 
 
 def tiny_config(**kw) -> ModelConfig:

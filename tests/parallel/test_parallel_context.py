@@ -1,7 +1,6 @@
 """Context parallelism (seed 001 "序列并行和上下文并行"): causal, load-balanced ring attention with
 log-sum-exp merging trains like one process on the whole sequence."""
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -56,6 +55,5 @@ def test_ring_attention_matches_single_process():
     spawn(_context, 2, _cases())
 
 
-@pytest.mark.slow
 def test_ring_attention_four_ranks():
     spawn(_context, 4, _cases()[:1])

@@ -1,7 +1,6 @@
 """Pipeline parallelism (seed 000 §6.5, seed 001 "流水线并行"): GPipe, 1F1B and the zero-bubble
 B/W split train like one process, tied embeddings included; the bubble is measured."""
 
-import pytest
 import torch
 
 from parallel_helpers import assert_close_params, batches, ce, make_opt, reference, spawn, tiny_config
@@ -49,6 +48,5 @@ def test_pipeline_schedules_match_single_process():
     spawn(_pipeline, 2, _cases(("gpipe", "1f1b", "zb"), L=3, m=4))
 
 
-@pytest.mark.slow
 def test_pipeline_four_stages():
     spawn(_pipeline, 4, _cases(("1f1b", "zb"), L=4, m=4, ties=(True,)))

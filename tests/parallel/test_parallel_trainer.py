@@ -8,12 +8,21 @@ its micro-batch is the two ranks' micro-batches concatenated (each rank's sample
 dp rank), for tp = 2 both ranks read the same rows (dp rank 0), so the reference reads them too.
 Clipping is active (grad_clip below the norm) and weight decay is on, so the sharded gradient
 norm and the optimizer's decay groups are checked too; the final checkpoint (full parameters
-gathered from the shards, written by rank 0) must equal the reference's weights."""
+gathered from the shards, written by rank 0) must equal the reference's weights.
+
+Launches: torch's import makes every torchrun launch cost seconds per rank on a small machine,
+so one plan per world size (``CLI_PLANS``) runs as its own ``torchrun -m lmstack train --config``
+launch and the other plans of that world size run one after another in a single torchrun launch
+of ``parallel_train_driver.py``, which calls the same ``lmstack.cli.main(["train", ...])`` per plan
+(the resumed halves of the resume tests get a launch of their own: a fresh process, as after a
+kill). The single-process reference runs once per distinct (config, dp) and is shared by the plans
+that need it. Each plan is still its own test and a failure names it (see ``Launches.result``)."""
 
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +34,7 @@ from parallel_helpers import free_port
 
 MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "vocab_size": 64,
          "max_seq_len": 64, "attn_backend": "sdpa", "norm_backend": "torch", "tie_embeddings": True}
+DRIVER = Path(__file__).with_name("parallel_train_driver.py")
 
 
 def _toml_value(v):
@@ -56,7 +66,8 @@ def _data(tmp_path: Path) -> Path:
 
 
 def _reference(cfg: dict, dp: int):
-    """Single-process trainer; its micro-batch = the dp ranks' micro-batches concatenated."""
+    """Single-process trainer; its micro-batch = the dp ranks' micro-batches concatenated.
+    Returns its train rows, eval rows and final weights."""
     from lmstack.train.config import TrainConfig
     from lmstack.train.data import Batch, get_batch
     from lmstack.train.trainer import Trainer
@@ -71,22 +82,11 @@ def _reference(cfg: dict, dp: int):
             parts = [get_batch(self.train_tokens, c.batch_size, c.seq_len, self.device, g) for g in self.gens]
             return Batch(torch.cat([b.x for b in parts]), torch.cat([b.y for b in parts]))
 
-    c = TrainConfig.from_dict({**cfg, "parallel": None, "out_dir": cfg["out_dir"] + "_ref"})
+    c = TrainConfig.from_dict({**cfg, "parallel": None})
     t = Concat(c)
     t.fit()
-    rows = [json.loads(x) for x in Path(c.out_dir, "metrics.jsonl").read_text().splitlines()]
     sd = {k: v.detach().clone() for k, v in t.raw_model.state_dict().items()}
-    return [r for r in rows if r["kind"] == "train"], sd
-
-
-def _launch(tmp_path: Path, cfg: dict, nproc: int = 2, extra: list[str] = ()) -> subprocess.CompletedProcess:
-    _write_toml(tmp_path / "run.toml", cfg)
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nnodes=1", "--node_rank=0", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "lmstack", "train", "--config", str(tmp_path / "run.toml"),
-           "--no-progress", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return _rows(Path(c.out_dir)), _rows(Path(c.out_dir), "eval"), sd
 
 
 PLANS = [  # (plan, dp, grad_accum, nproc, id)
@@ -109,13 +109,17 @@ PLANS = [  # (plan, dp, grad_accum, nproc, id)
     ({"dp": 2, "cp": 2, "zero": 2}, 2, 1, 4, "dp2_cp2_zero2_4ranks"),
     ({"dp": 2, "tp": 2, "pp": 2, "zero": 1}, 2, 2, 8, "dp2_tp2_pp2_zero1_8ranks"),  # 3-D
 ]
+# one plan per world size runs as its own `torchrun -m lmstack train --config run.toml` launch
+CLI_PLANS = ("dp2_zero1_accum2", "dp2_tp2_zero1_4ranks", "dp2_tp2_pp2_zero1_8ranks")
+
+RESUME = [({"dp": 2}, 1, "ddp2"), ({"dp": 2, "zero": 2}, 2, "dp2_zero2"), ({"dp": 2, "zero": 3}, 2, "dp2_zero3"),
+          ({"tp": 2}, 1, "tp2"), ({"pp": 2}, 2, "pp2"), ({"dp": 2, "zero": 3, "backend": "native"}, 2, "native_dp2_zero3")]
 
 
-def _config(tmp_path: Path, plan, accum: int, **kw) -> dict:
-    data = _data(tmp_path)
+def _config(job_dir: Path, data: Path, plan, accum: int, **kw) -> dict:
     return {"train_data": str(data), "batch_size": 2, "seq_len": 16, "grad_accum": accum, "max_steps": 4,
             "warmup_steps": 0, "lr": 1e-2, "min_lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1, "grad_clip": 0.5,
-            "eval_interval": 0, "eval_batches": 1, "log_interval": 1, "out_dir": str(tmp_path / "run"),
+            "eval_interval": 0, "eval_batches": 1, "log_interval": 1, "out_dir": str(job_dir / "run"),
             "device": "cpu", "precision": "fp32", "parallel": plan, "model": MODEL, **kw}
 
 
@@ -129,14 +133,192 @@ def _checkpoint_weights(run_dir: Path) -> dict:
     return load_file(str(ckpt / "model.safetensors"))
 
 
+# ---- launches ------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    """One ``lmstack train`` run: ``launch`` names the torchrun launch it runs in (``cli_*``: its
+    own ``torchrun -m lmstack train``; ``driver_*``: shared, through parallel_train_driver.py)."""
+    name: str
+    launch: str
+    nproc: int
+    cfg: dict
+    extra: tuple = ()
+    needs: str | None = None  # a job whose output this one reads (resume from its checkpoint)
+    may_fail: bool = False  # the test checks its error; kept last in its launch
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.cfg["out_dir"]).parent
+
+    @property
+    def config_path(self) -> Path:
+        return self.dir / f"{Path(self.cfg['out_dir']).name}.toml"
+
+    @property
+    def log_dir(self) -> Path:  # the driver's per-rank logs and exit codes
+        return self.dir / f"{Path(self.cfg['out_dir']).name}_logs"
+
+    @property
+    def args(self) -> list[str]:
+        return ["--config", str(self.config_path), "--no-progress", *self.extra]
+
+
+@dataclass
+class JobResult:
+    rcs: list  # exit code per rank; None where the rank never finished the job
+    output: str  # the job's logs (or the launch's output) for failure messages
+
+    @property
+    def ok(self) -> bool:
+        return all(rc == 0 for rc in self.rcs)
+
+
+def _jobs(base: Path, data: Path) -> dict[str, Job]:
+    jobs = {}
+    for plan, dp, accum, nproc, pid in PLANS:
+        launch = f"cli_{pid}" if pid in CLI_PLANS else f"driver_{nproc}ranks"
+        jobs[pid] = Job(pid, launch, nproc, _config(base / pid, data, plan, accum))
+    later = []
+    for plan, accum, rid in RESUME:
+        name = f"resume_{rid}"
+        cfg = _config(base / name, data, plan, accum, max_steps=6, ckpt_interval=3, keep_last=5)
+        jobs[name] = Job(name, "driver_2ranks", 2, cfg)
+        resume = ("--resume", str(Path(cfg["out_dir"]) / "checkpoints" / "step_00000003"))
+        cfg2 = {**cfg, "out_dir": str(base / name / "resumed")}
+        jobs[f"{name}_resumed"] = Job(f"{name}_resumed", "driver_2ranks_resume", 2, cfg2, resume, needs=name)
+        if plan.get("zero") == 2:  # another plan cannot read these shards: a clear error
+            cfg3 = {**cfg2, "out_dir": str(base / name / "other"), "parallel": {"dp": 2, "zero": 1}}
+            later.append(Job(f"{name}_other_plan", "driver_2ranks_resume", 2, cfg3, resume, needs=name,
+                             may_fail=True))
+    jobs.update((j.name, j) for j in later)
+    return jobs
+
+
+def _tail(text: str, n: int = 3000) -> str:
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+class Launches:
+    """Runs each launch once, when a test first asks for one of its jobs, with only the jobs of
+    the selected tests (``-k`` picks one plan: its launch runs that plan alone)."""
+
+    def __init__(self, base: Path, needed: set[str] | None):
+        self.base = base
+        self.data = _data(base)
+        self.jobs = _jobs(base, self.data)
+        if needed is not None:
+            needed = {n for n in self.jobs if n in needed}
+            needed |= {self.jobs[n].needs for n in needed if self.jobs[n].needs}
+        self.needed = needed if needed else set(self.jobs)
+        self.done: dict[str, subprocess.CompletedProcess] = {}
+
+    def _run(self, launch: str) -> subprocess.CompletedProcess:
+        if launch in self.done:
+            return self.done[launch]
+        jobs = [j for j in self.jobs.values() if j.launch == launch and j.name in self.needed]
+        for j in jobs:
+            j.dir.mkdir(parents=True, exist_ok=True)
+            _write_toml(j.config_path, j.cfg)
+        if launch.startswith("cli_"):
+            (job,) = jobs
+            target, timeout = ["-m", "lmstack", "train", *job.args], 300
+        else:
+            spec = [{"name": j.name, "dir": str(j.log_dir), "args": j.args,
+                     "may_fail": j.may_fail} for j in jobs]
+            (self.base / f"{launch}.json").write_text(json.dumps(spec, indent=1))
+            target, timeout = [str(DRIVER), str(self.base / f"{launch}.json")], 120 + 60 * len(jobs)
+        torchrun = Path(sys.executable).with_name("torchrun")
+        cmd = [str(torchrun), "--nnodes=1", "--node_rank=0", f"--nproc_per_node={jobs[0].nproc}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        try:
+            r = subprocess.run(cmd, cwd=self.base, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
+            r = subprocess.CompletedProcess(cmd, f"timed out after {timeout}s", out, "")
+        self.done[launch] = r
+        return r
+
+    def result(self, name: str) -> JobResult:
+        job = self.jobs[name]
+        if job.needs:
+            self.ok(job.needs)
+        self._run(job.launch)
+        return self._read(job)
+
+    def _read(self, job: Job) -> JobResult:
+        r = self.done[job.launch]
+        launch_out = f"--- torchrun ({job.launch}) exit code {r.returncode} ---\n" + _tail(r.stdout + r.stderr)
+        if job.launch.startswith("cli_"):
+            return JobResult([r.returncode] * job.nproc, launch_out)
+        rcs, logs = [], []
+        for rank in range(job.nproc):
+            rc = job.log_dir / f"rank{rank}.rc"
+            rcs.append(int(rc.read_text()) if rc.is_file() else None)
+            log = job.log_dir / f"rank{rank}.log"
+            if log.is_file():
+                logs.append(f"--- rank {rank} log ---\n" + _tail(log.read_text()))
+        return JobResult(rcs, "\n".join(logs) + "\n" + launch_out)
+
+    def ok(self, name: str) -> Path:
+        """The job's run directory; fails naming the job (and the job that stopped its launch)."""
+        res = self.result(name)
+        if not res.ok:
+            job = self.jobs[name]
+            msg = f"job {name} (plan {job.cfg['parallel']}, launch {job.launch}) exit codes per rank {res.rcs}"
+            if all(rc is None for rc in res.rcs):
+                first = next((j.name for j in self.jobs.values() if j.launch == job.launch and j.name in self.needed
+                              and not j.may_fail and not self._read(j).ok), "?")
+                msg += (": it did not finish (killed, or the launch timed out)" if first == name else
+                        f": not run, the launch stopped at job {first} (its test shows why)")
+            pytest.fail(msg + "\n" + res.output, pytrace=False)
+        return Path(self.jobs[name].cfg["out_dir"])
+
+
+def _needed_jobs(items) -> set[str] | None:
+    """The job names the selected tests of this module use (None: unknown, run them all)."""
+    out = set()
+    for item in items:
+        if item.module.__name__ != __name__ or not hasattr(item, "callspec"):
+            continue
+        if item.originalname == "test_torchrun_plan_table_matches_single_process_trainer":
+            out.add(item.callspec.id)
+        elif item.originalname == "test_torchrun_resume_from_sharded_checkpoint_continues_the_run":
+            out |= {f"resume_{item.callspec.id}", f"resume_{item.callspec.id}_resumed",
+                    f"resume_{item.callspec.id}_other_plan"}
+    return out or None
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory, request):
+    return Launches(tmp_path_factory.mktemp("parallel_trainer"), _needed_jobs(request.session.items))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """``reference(cfg, dp)``: ``_reference`` run once per distinct (config, dp)."""
+    base, cache = tmp_path_factory.mktemp("parallel_trainer_ref"), {}
+
+    def get(cfg: dict, dp: int):
+        key = (json.dumps({**cfg, "out_dir": None, "parallel": None}, sort_keys=True), dp)
+        if key not in cache:
+            cache[key] = _reference({**cfg, "out_dir": str(base / f"ref_{len(cache)}")}, dp)
+        return cache[key]
+    return get
+
+
+# ---- tests ---------------------------------------------------------------------------------
+
 @pytest.mark.slow
 @pytest.mark.parametrize("plan,dp,accum,nproc", [x[:4] for x in PLANS], ids=[x[4] for x in PLANS])
-def test_torchrun_plan_table_matches_single_process_trainer(tmp_path, plan, dp, accum, nproc):
-    cfg = _config(tmp_path, plan, accum)
-    r = _launch(tmp_path, cfg, nproc)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    train = _rows(tmp_path / "run")
-    ref_rows, ref_sd = _reference(cfg, dp)
+def test_torchrun_plan_table_matches_single_process_trainer(launches, reference, request, plan, dp, accum, nproc):
+    name = request.node.callspec.id
+    cfg = launches.jobs[name].cfg
+    assert (cfg["parallel"], cfg["grad_accum"], launches.jobs[name].nproc) == (plan, accum, nproc)
+    run = launches.ok(name)
+    train = _rows(run)
+    ref_rows, ref_ev, ref_sd = reference(cfg, dp)
     assert [x["step"] for x in train] == [x["step"] for x in ref_rows] == [1, 2, 3, 4]
     losses, ref_losses = [x["loss"] for x in train], [x["loss"] for x in ref_rows]
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
@@ -144,61 +326,58 @@ def test_torchrun_plan_table_matches_single_process_trainer(tmp_path, plan, dp, 
     assert all(x["grad_norm"] > cfg["grad_clip"] for x in ref_rows[:2])  # clipping was active
     assert train[0]["tokens"] == 2 * accum * 16 * dp  # tokens per step count replicas, not tp/pp/cp ranks
     # the final evaluation runs through the plan's forward (pp: stage by stage; cp: gathered logits)
-    ev, ref_ev = _rows(tmp_path / "run", "eval"), _rows(Path(cfg["out_dir"] + "_ref"), "eval")
+    ev = _rows(run, "eval")
     np.testing.assert_allclose([x["val_loss"] for x in ev], [x["val_loss"] for x in ref_ev], rtol=0, atol=1e-5)
     # the checkpoint holds the full (gathered) parameters under single-process names
-    sd = _checkpoint_weights(tmp_path / "run")
+    sd = _checkpoint_weights(run)
     assert set(sd) <= set(ref_sd) and set(ref_sd) - set(sd) <= {"lm_head.weight", "unembed.weight"}
     for k, v in sd.items():
         torch.testing.assert_close(v, ref_sd[k], rtol=0, atol=1e-4, msg=k)
-    exported = load_file(str(tmp_path / "run" / "model" / "model.safetensors"))  # rank 0's export: full weights
+    exported = load_file(str(run / "model" / "model.safetensors"))  # rank 0's export: full weights
     assert set(exported) == set(sd)
     for k, v in exported.items():
         torch.testing.assert_close(v, ref_sd[k], rtol=0, atol=1e-4, msg=k)
     print(f"{plan}: losses {losses} vs single-process {ref_losses}")
 
 
-RESUME = [({"dp": 2}, 1, "ddp2"), ({"dp": 2, "zero": 2}, 2, "dp2_zero2"), ({"dp": 2, "zero": 3}, 2, "dp2_zero3"),
-          ({"tp": 2}, 1, "tp2"), ({"pp": 2}, 2, "pp2"), ({"dp": 2, "zero": 3, "backend": "native"}, 2, "native_dp2_zero3")]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("plan,accum", [x[:2] for x in RESUME], ids=[x[2] for x in RESUME])
-def test_torchrun_resume_from_sharded_checkpoint_continues_the_run(tmp_path, plan, accum):
+def test_torchrun_resume_from_sharded_checkpoint_continues_the_run(launches, request, plan, accum):
     """A run checkpoints at step 3 (per-rank shards: optimizer states as sharded) and goes on to
     step 6; a second torchrun resumed from the step-3 checkpoint — as after a kill — must log the
     same losses for steps 4-6 and end on the same weights."""
     from lmstack.parallel.checkpoint import shards_dir
 
-    cfg = _config(tmp_path, plan, accum, max_steps=6, ckpt_interval=3, keep_last=5)
-    r = _launch(tmp_path, cfg, 2)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    step3 = tmp_path / "run" / "checkpoints" / "step_00000003"
+    name = f"resume_{request.node.callspec.id}"
+    assert (launches.jobs[name].cfg["parallel"], launches.jobs[name].cfg["grad_accum"]) == (plan, accum)
+    run = launches.ok(name)
+    step3 = run / "checkpoints" / "step_00000003"
     shards = shards_dir(step3)
     assert sorted(x.name for x in shards.iterdir()) == ["plan.json", "rank_00000.json", "rank_00000.safetensors",
                                                         "rank_00001.json", "rank_00001.safetensors"]
-    assert not list((tmp_path / "run" / "checkpoints").glob(".staging*"))
+    assert not list((run / "checkpoints").glob(".staging*"))
     rank1 = load_file(str(shards / "rank_00001.safetensors"))
     if plan == {"dp": 2}:  # a DDP replica writes only its RNG states; its parameters come from rank 0's file
         assert rank1 and all(k.startswith("rng/") for k in rank1)
     else:
         assert any(k.startswith("optim/") for k in rank1)
-    full = _rows(tmp_path / "run")
-    cfg2 = {**cfg, "out_dir": str(tmp_path / "resumed")}
-    r = _launch(tmp_path, cfg2, 2, extra=["--resume", str(step3)])
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    resumed = _rows(tmp_path / "resumed")
+    full = _rows(run)
+    assert [x["step"] for x in full] == [1, 2, 3, 4, 5, 6]
+    assert launches.jobs[f"{name}_resumed"].extra == ("--resume", str(step3))
+    resumed_dir = launches.ok(f"{name}_resumed")  # a fresh torchrun launch, as after a kill
+    resumed = _rows(resumed_dir)
     assert [x["step"] for x in resumed] == [4, 5, 6]
     np.testing.assert_allclose([x["loss"] for x in resumed], [x["loss"] for x in full[3:]], rtol=0, atol=1e-6)
     np.testing.assert_allclose([x["grad_norm"] for x in resumed], [x["grad_norm"] for x in full[3:]], rtol=1e-5)
-    a, b = _checkpoint_weights(tmp_path / "run"), _checkpoint_weights(tmp_path / "resumed")
+    a, b = _checkpoint_weights(run), _checkpoint_weights(resumed_dir)
     assert set(a) == set(b)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
     if plan.get("zero") == 2:  # another plan cannot read these shards: a clear error
-        r = _launch(tmp_path, {**cfg2, "out_dir": str(tmp_path / "other"), "parallel": {"dp": 2, "zero": 1}}, 2,
-                    extra=["--resume", str(step3)])
-        assert r.returncode != 0 and "resume with the same plan" in r.stdout + r.stderr
+        other = f"{name}_other_plan"
+        assert launches.jobs[other].cfg["parallel"] == {"dp": 2, "zero": 1}
+        res = launches.result(other)
+        assert all(rc not in (0, None) for rc in res.rcs) and "resume with the same plan" in res.output, res.output
 
 
 def test_config_parallel_accepts_a_table_or_string_and_names_bad_values(tmp_path):
