@@ -92,24 +92,28 @@ def test_fp32_window_and_documents(forward_path):
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_autocast_within_bf16_tolerance_and_sdpa_error(forward_path):
-    B, N, K, T, H = 4, 4, 2, 64, 32
-    q, k, v, d_out = make(B, N, K, T, T, H, seed=2)
-    mask = torch.ones(T, T, dtype=torch.bool).tril()
+def bf16_vs_fp64_and_sdpa(B, N, K, T, S, H, seed):
+    """bf16 autocast through matmul_attention vs fp64 of the fp32 originals, and not more than twice
+    the error of F.scaled_dot_product_attention on the same bf16 inputs with the same bottom-right mask."""
+    q, k, v, d_out = make(B, N, K, T, S, H, seed=seed)
+    mask = attention_mask(torch.arange(S - T, S), torch.arange(S))
     o_ref, grads_ref = reference64(q, k, v, mask, d_out)
     qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         o, grads = run(qb, kb, vb, d_out, causal=True)
     assert o.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
-    # SDPA on the same bf16 inputs: the error lmstack's default path already accepts
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (qb, kb, vb))
-    os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+    os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
     os_.backward(d_out.to(torch.bfloat16))
     # bf16 inputs vs fp64 of the fp32 originals: both carry the inputs' own rounding (2^-9 relative)
     for ours, sdpa, ref in zip((o, *grads), (os_, qs.grad, ks.grad, vs.grad), (o_ref, *grads_ref)):
         e = rel_err(ours, ref)
         assert e < 2e-2, e
         assert e < 2 * rel_err(sdpa, ref) + 2e-3
+
+
+def test_bf16_autocast_within_bf16_tolerance_and_sdpa_error(forward_path):
+    bf16_vs_fp64_and_sdpa(4, 4, 2, 64, 64, 32, seed=2)
 
 
 def test_input_checks():
@@ -211,21 +215,7 @@ def test_bf16_blocked_default_policy_vs_fp64_and_sdpa(T, S, forward_path):
     """bf16 autocast through the default row blocks (T=300: 128 + 128 + 44 rows), GQA, T == S and T < S;
     F.scaled_dot_product_attention on the same bf16 inputs with the same bottom-right mask as the peer."""
     assert len(ma.row_blocks(T, S, causal=True)) > 1
-    B, N, K, H = 2, 4, 2, 32
-    q, k, v, d_out = make(B, N, K, T, S, H, seed=6)
-    mask = attention_mask(torch.arange(S - T, S), torch.arange(S))
-    o_ref, grads_ref = reference64(q, k, v, mask, d_out)
-    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        o, grads = run(qb, kb, vb, d_out, causal=True)
-    assert o.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
-    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (qb, kb, vb))
-    os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
-    os_.backward(d_out.to(torch.bfloat16))
-    for ours, sdpa, ref in zip((o, *grads), (os_, qs.grad, ks.grad, vs.grad), (o_ref, *grads_ref)):
-        e = rel_err(ours, ref)
-        assert e < 2e-2, e
-        assert e < 2 * rel_err(sdpa, ref) + 2e-3
+    bf16_vs_fp64_and_sdpa(2, 4, 2, T, S, 32, seed=6)
 
 
 def test_rows_without_keys_give_nan_in_both_passes():
