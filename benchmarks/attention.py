@@ -81,12 +81,15 @@ def main() -> None:
             rows.append(bench("flash_triton", S, label="flash_triton_split"))
             os.environ.pop("LMSTACK_FLASH_BWD")
             fwd_rows += [bench(b, S, backward=False) for b in backends]
+    for r in rows + fwd_rows:  # attention FLOPs: 4·B·N·T·S·H, halved by the causal mask; backward 2.5x forward
+        flops = 4 * r["B"] * r["N"] * r["S"] * r["S"] * r["H"] * (0.5 if r["causal"] else 1.0)
+        r["TFLOP/s"] = flops * (3.5 if r["pass"] == "fwd+bwd" else 1.0) / (r["median_ms"] * 1e-3) / 1e12
     print(f"causal attention fwd+bwd, B={args.batch} N={args.heads} K={K} H={args.head_dim} "
           f"{str(dtype)[6:]} on {device}; median / min of {args.repeats} after {args.warmup} warm-up")
-    print(format_table(rows, ["backend", "S", "median_ms", "min_ms", "peak_mib"]))
+    print(format_table(rows, ["backend", "S", "median_ms", "min_ms", "TFLOP/s", "peak_mib"]))
     if fwd_rows:
         print("forward only:")
-        print(format_table(fwd_rows, ["backend", "S", "median_ms", "min_ms"]))
+        print(format_table(fwd_rows, ["backend", "S", "median_ms", "min_ms", "TFLOP/s"]))
         for S in seqs:
             t = {r["backend"]: r["median_ms"] for r in rows if r["S"] == S}
             f = {r["backend"]: r["median_ms"] for r in fwd_rows if r["S"] == S}
