@@ -7,9 +7,10 @@ decode step reads shrink 4x (int8) or ~7x (int4) against fp32 weights.
 
 from lmstack.quant.int4 import Int4Linear, dequantize_int4, quantize_int4
 from lmstack.quant.int8 import Int8Linear, dequantize_int8, quantize_int8
+from lmstack.quant.linear import WeightOnlyLinear
 from lmstack.quant.model import QUANT_METHODS, quantize_model, quantized_weight_bytes
 
 __all__ = [
     "Int4Linear", "Int8Linear", "QUANT_METHODS", "dequantize_int4", "dequantize_int8", "quantize_int4",
-    "quantize_int8", "quantize_model", "quantized_weight_bytes",
+    "quantize_int8", "quantize_model", "quantized_weight_bytes", "WeightOnlyLinear",
 ]

@@ -9,8 +9,9 @@ zero point z = min + 8 s, and takes (scale, z) packed as (I/G, O, 2).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lmstack.quant.linear import WeightOnlyLinear
 
 QMAX4 = 15
 
@@ -43,7 +44,7 @@ def _has_int4_kernel() -> bool:
         hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(WeightOnlyLinear):
     """y = x Ŵᵀ (+ b) with Ŵ stored as packed 4-bit Q and per-group (scale, zero) — 0.5 byte per weight.
 
     ``compute_dtype`` as in ``Int8Linear`` (bf16: the CPU kernel's fast path). Without the
@@ -53,11 +54,9 @@ class Int4Linear(nn.Module):
 
     def __init__(self, q: Tensor, scale: Tensor, lo: Tensor, bias: Tensor | None = None,
                  compute_dtype: torch.dtype = torch.bfloat16):
-        super().__init__()
         O, I = q.shape
-        self.out_features, self.in_features = O, I
+        super().__init__(O, I, bias, compute_dtype)
         self.group_size = I // scale.shape[1]
-        self.compute_dtype = compute_dtype
         self.register_buffer("scale", scale.float().contiguous())  # (O, I/G)
         self.register_buffer("lo", lo.float().contiguous())  # (O, I/G)
         self.use_kernel = _has_int4_kernel() and O % 16 == 0  # the CPU packing needs O divisible by 16
@@ -69,7 +68,6 @@ class Int4Linear(nn.Module):
             self.register_buffer("scales_and_zeros", sz.to(compute_dtype).contiguous())
         else:
             self.register_buffer("qweight", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous())  # (O, I/2)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Module, group_size: int = 32,
@@ -100,16 +98,12 @@ class Int4Linear(nn.Module):
         sz = self.scales_and_zeros if self.use_kernel else torch.stack([self.scale, self.lo])
         return self.qweight.numel() + sz.numel() * sz.element_size()
 
-    def forward(self, x: Tensor) -> Tensor:  # (..., I) -> (..., O)
-        if self.use_kernel and x.device.type == "cpu":
-            x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # (M, I)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
-                                                            self.scales_and_zeros)  # (M, O)
-            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        else:
-            y = F.linear(x.to(self.compute_dtype), self.dequantized_weight(self.compute_dtype)).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+    def _kernel_ok(self) -> bool:
+        return self.use_kernel
+
+    def _kernel_mm(self, x2: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
+                                                          self.scales_and_zeros)  # (M, O)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"bias={self.bias is not None}, compute_dtype={self.compute_dtype}")
+        return super().extra_repr() + f", group_size={self.group_size}"

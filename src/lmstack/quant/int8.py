@@ -8,8 +8,9 @@ For W of shape (O, I):  s_o = max_i |W_oi| / 127,  Q_oi = round(W_oi / s_o) ∈ 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lmstack.quant.linear import WeightOnlyLinear
 
 QMAX8 = 127
 
@@ -34,7 +35,7 @@ def _has_int8_kernel() -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(WeightOnlyLinear):
     """y = x Ŵᵀ (+ b) with Ŵ stored as int8 Q (O, I) and fp scales s (O,).
 
     ``compute_dtype`` is the dtype the activation is cast to for the matmul: bf16 (default) is
@@ -47,16 +48,13 @@ class Int8Linear(nn.Module):
 
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None,
                  compute_dtype: torch.dtype = torch.bfloat16):
-        super().__init__()
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
             raise ValueError(f"expected int8 Q (O, I) and scales (O,), got {q.dtype} {tuple(q.shape)} "
                              f"and {tuple(scale.shape)}")
-        self.out_features, self.in_features = q.shape
-        self.compute_dtype = compute_dtype
+        super().__init__(*q.shape, bias, compute_dtype)
         self.register_buffer("qweight", q.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("scale_c", scale.to(compute_dtype).contiguous())  # s in the kernel's dtype
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> "Int8Linear":
@@ -75,20 +73,8 @@ class Int8Linear(nn.Module):
         """Bytes the matmul reads: Q (1 byte per weight) and the scales."""
         return self.qweight.numel() + self.scale_c.numel() * self.scale_c.element_size()
 
-    def forward(self, x: Tensor) -> Tensor:  # (..., I) -> (..., O)
-        rows = x.numel() // self.in_features
-        if rows >= self.DEQUANT_ROWS:
-            # Many rows (a prefill): the matmul is compute-bound and the int8 kernel is slower than a
-            # float GEMM, so dequantise once (O·I work, small next to rows·O·I) and use F.linear.
-            y = F.linear(x, self.dequantized_weight(x.dtype))
-        elif x.device.type == "cpu" and _has_int8_kernel():
-            x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # (M, I)
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale_c)  # (M, O)
-            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        else:
-            y = F.linear(x.to(self.compute_dtype), self.dequantized_weight(self.compute_dtype)).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+    def _kernel_ok(self) -> bool:
+        return _has_int8_kernel()
 
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"compute_dtype={self.compute_dtype}")
+    def _kernel_mm(self, x2: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale_c)  # (M, O)

@@ -14,6 +14,7 @@ from torch import nn
 from lmstack.model.layers import Linear
 from lmstack.quant.int4 import Int4Linear
 from lmstack.quant.int8 import Int8Linear
+from lmstack.quant.linear import WeightOnlyLinear
 
 QUANT_METHODS = ("int8", "int4")
 
@@ -67,7 +68,7 @@ def quantized_weight_bytes(model: nn.Module) -> int:
     total = 0
     seen: set[int] = set()
     for m in model.modules():
-        if isinstance(m, (Int8Linear, Int4Linear)):
+        if isinstance(m, WeightOnlyLinear):
             total += m.kernel_bytes()
             for p in m.parameters(recurse=False):
                 seen.add(id(p))
