@@ -76,6 +76,13 @@ class Transformer(nn.Module):
     def unembedding(self) -> Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
+    def unembed(self, x: Tensor) -> Tensor:
+        """Final-normed hidden states (..., D) -> logits (..., V). The untied unembedding is a module
+        call, so ``lmstack.quant`` can swap in a quantised one; tied, it is W_e itself."""
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        return F.linear(x, self.embed.weight)
+
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Seeded initialisation, independent of the global RNG:
@@ -169,6 +176,4 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if return_hidden:
             return x  # (B, S, D)
-        if self.lm_head is not None:  # a module call, so lmstack.quant can swap in a quantised unembedding
-            return self.lm_head(x)  # (B, S, V)
-        return F.linear(x, self.embed.weight)  # (B, S, V), tied
+        return self.unembed(x)  # (B, S, V)
