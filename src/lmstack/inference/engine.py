@@ -306,8 +306,7 @@ class LLMEngine:
         for s, n in order:
             ids.extend(s.all_ids[s.num_computed:s.num_computed + n - len(s.drafts)] + s.drafts)
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)[None]  # (1, T)
-        model = self.model
-        hidden = model(tokens, positions, kv_cache=batch, document_ids=seq_ids, return_hidden=True)[0]  # (T, D)
+        hidden = self.model(tokens, positions, kv_cache=batch, document_ids=seq_ids, return_hidden=True)[0]  # (T, D)
         self.stats["forwards"] += 1
         ready, last, spec, t = [], [], [], 0
         for s, n in order:
@@ -324,7 +323,7 @@ class LLMEngine:
             return []
         rows = last + [i for _, r in spec for i in r]
         h = hidden[rows]  # the last token of every sequence that needs its next token, every spec position
-        logits = model.lm_head(h) if model.lm_head is not None else torch.nn.functional.linear(h, model.embed.weight)
+        logits = self.model.unembed(h)  # (R + Σ(k + 1), V)
         if ready:
             self._sample(ready, logits[:len(ready)])  # (R, V)
         at = len(ready)
@@ -333,9 +332,13 @@ class LLMEngine:
             at += len(r)
         return ready + [s for s, _ in spec]
 
-    def _commit(self, s: _Sequence, n: int) -> None:
-        """``n`` more of the sequence's tokens have their K/V in the cache."""
-        self.cache.commit(s.request_id, s.all_ids, n)
+    def _commit(self, s: _Sequence, n: int, token_ids: list[int] | None = None) -> None:
+        """``n`` more of the sequence's tokens have their K/V in the cache. ``token_ids``: the tokens
+        up to them when these are not all in ``all_ids`` yet (kept drafts); the blocks reserved
+        past them (for rejected drafts) are then given back."""
+        self.cache.commit(s.request_id, s.all_ids if token_ids is None else token_ids, n)
+        if token_ids is not None:
+            self.cache.truncate(s.request_id, self.cache.num_tokens[s.request_id])
         if self.config.sliding_window is not None and self.free_outside_window:
             self.stats["window_released_blocks"] += self.cache.release_outside_window(
                 s.request_id, self.config.sliding_window)
@@ -352,12 +355,7 @@ class LLMEngine:
         self.stats["spec_proposed"] += len(drafts)
         self.stats["spec_accepted"] += kept
         # the cache holds K/V of the last token and all k drafts: keep the last token's and the kept ones'
-        self.cache.commit(s.request_id, s.all_ids + emitted[:kept], 1 + kept)
-        self.cache.truncate(s.request_id, self.cache.num_tokens[s.request_id])  # drop blocks of rejected drafts
-        if self.config.sliding_window is not None and self.free_outside_window:
-            self.stats["window_released_blocks"] += self.cache.release_outside_window(
-                s.request_id, self.config.sliding_window)
-        s.num_computed += 1 + kept
+        self._commit(s, 1 + kept, s.all_ids + emitted[:kept])
         for i, token in enumerate(emitted):
             self._append(s, token, logits_cpu[i] if s.logprobs is not None else None)
             if s.status == FINISHED:
