@@ -111,18 +111,13 @@ def verify_drafts(logits: Tensor, drafts: Sequence[int], params: SamplingParams,
             emitted.append(int(d))
         emitted.append(best[len(emitted)])  # the correction, or the bonus token after k kept
         return emitted
+    # the one-hot case of rejection_sample: p for every position (history grows by the drafts before
+    # it; past a rejection the rows are not read), q one-hot on each draft
     history = list(history)
-    for i, d in enumerate(drafts):
-        probs = target_probs(logits[i], params, history + emitted)  # (V,)
-        if float(torch.rand((), generator=generator)) < float(probs[d]):
-            emitted.append(int(d))
-            continue
-        probs[d] = 0.0  # max(0, p − q) with q one-hot on d; p(d) < 1 here, so something is left
-        emitted.append(int(torch.multinomial(probs / probs.sum(), 1, generator=generator)))
-        return emitted
-    probs = target_probs(logits[len(drafts)], params, history + emitted)
-    emitted.append(int(torch.multinomial(probs, 1, generator=generator)))  # the free bonus token
-    return emitted
+    p = torch.stack([target_probs(logits[i], params, history + list(drafts[:i])) for i in range(len(drafts) + 1)])
+    q = torch.zeros(len(drafts), p.shape[-1])
+    q[torch.arange(len(drafts)), torch.as_tensor(list(drafts), dtype=torch.long)] = 1.0
+    return rejection_sample(p, q, drafts, generator)[0]
 
 
 @dataclass
