@@ -38,12 +38,12 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, temperature:
     instead; it is reset first and can be reused across calls. The ``LLMEngine`` serves many
     requests over the paged cache.
     """
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty; generation needs at least one token")
     if decoder is not None:
         yield from _generate_static(decoder, prompt_ids, max_new_tokens, temperature, top_k, top_p, stop_ids,
                                     seed, min_p, repetition_penalty)
         return
-    if not prompt_ids:
-        raise ValueError("prompt_ids is empty; generation needs at least one token")
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     total = len(prompt_ids) + max_new_tokens
@@ -74,8 +74,6 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, temperature:
 
 def _generate_static(decoder, prompt_ids, max_new_tokens, temperature, top_k, top_p, stop_ids, seed, min_p,
                      repetition_penalty) -> Iterator[int]:
-    if not prompt_ids:
-        raise ValueError("prompt_ids is empty; generation needs at least one token")
     total = len(prompt_ids) + max_new_tokens
     if total > decoder.cache.max_seq_len:
         raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the decoder's "
