@@ -372,8 +372,7 @@ class Trainer:
         try:
             for batch in sequential_batches(self.val_tokens, c.batch_size, c.seq_len, self.device,
                                             max_batches or c.eval_batches, c.sep_id if c.packing else None):
-                with torch.no_grad():
-                    ce, _ = self.forward_loss(batch)
+                ce, _ = self.forward_loss(batch)  # under evaluate's no_grad
                 k = int((batch.y != -100).sum())
                 total += float(ce) * k
                 count += k
