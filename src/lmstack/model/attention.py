@@ -148,8 +148,6 @@ class Attention(nn.Module):
             # FlashAttention-2 (seed 000 §2.7) covers the plain causal case; anything that needs an
             # explicit mask (KV-cache slots, sliding window, packed documents) takes sdpa.
             backend = "sdpa"
-        elif backend == "reference" and mask is None:
-            mask = attention_mask(positions, k_positions)
         from lmstack.kernels.backends import attention as attention_backend
 
         out = attention_backend(q, k, v, mask=mask, causal=mask is None, backend=backend)  # (B, N, T, H)
