@@ -474,9 +474,10 @@ def triton_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
             q, causal, block_q, block_k, ATOMIC_DQ=atomic)
     if atomic:
         return dq_acc.to(q.dtype), dk, dv
-    if q.stride(-1) != 1 or torch.empty_like(q).stride() != q.stride():
-        q = q.contiguous()
     dq = torch.empty_like(q)
+    if dq.stride() != q.stride():  # the dQ kernel writes dQ with Q's strides
+        q = q.contiguous()
+        dq = torch.empty_like(q)
     args = (q, k, v, dout, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
             *lse.stride(), N, N // K, *common)
     _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda bq, bk: (triton.cdiv(T, bq), B * N), args, q,
