@@ -8,10 +8,10 @@ engine, speculative decoding and chat (seed 000 §2, seed 001 "推理").
 """
 
 from lmstack.inference.engine import LLM, AsyncLLM, LLMEngine, RequestOutput
-from lmstack.inference.generate import generate, sample_next
+from lmstack.inference.generate import generate
 from lmstack.inference.kv_cache import KVCache
 from lmstack.inference.paged import BlockAllocator, PagedKVCache
-from lmstack.inference.sampling import SamplingParams
+from lmstack.inference.sampling import SamplingParams, sample_next
 from lmstack.inference.speculative import speculative_generate, truncated_draft
 
 __all__ = ["LLM", "AsyncLLM", "BlockAllocator", "KVCache", "LLMEngine", "PagedKVCache", "RequestOutput",

@@ -40,20 +40,33 @@ streaming API a server sits on (``generate`` yields deltas, ``abort``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import math
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from lmstack.inference.paged import PagedKVCache
-from lmstack.inference.sampling import SamplingParams, find_stop_string, sample_token, token_logprobs
+from lmstack.inference.prompts import prompt_token_ids
+from lmstack.inference.sampling import (
+    SamplingParams,
+    as_integer,
+    as_real,
+    bad_logit_rows,
+    check_logits,
+    find_stop_string,
+    sample_token,
+    token_logprobs,
+)
 from lmstack.inference.speculative import ngram_propose, verify_drafts
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the paged cache may store
 
 
 @dataclass
@@ -67,7 +80,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
     logprobs: list[tuple[float, dict[int, float]]] | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -75,6 +88,7 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list, repr=False)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
+    error: str | None = None  # finish_reason "error": what failed (the request was aborted, the engine goes on)
 
     @property
     def ttft(self) -> float | None:
@@ -101,6 +115,7 @@ class _Sequence:
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
         self.drafts: list[int] = []  # speculative tokens fed after the last token this iteration
+        self.error: str | None = None
 
     @property
     def output_ids(self) -> list[int]:
@@ -128,19 +143,28 @@ class LLMEngine:
         c = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, c
         self.device = p.device
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens={max_num_batched_tokens} "
-                             "must be >= 1")
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_num_seqs = as_integer("max_num_seqs", max_num_seqs, 1)
+        self.max_num_batched_tokens = as_integer("max_num_batched_tokens", max_num_batched_tokens, 1)
         if num_speculative_tokens < 0 or not 1 <= ngram[1] <= ngram[0]:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0 and ngram={ngram} "
                              "(largest, smallest) with 1 <= smallest <= largest")
         self.num_speculative_tokens, self.ngram = num_speculative_tokens, ngram
-        self.max_model_len = min(c.max_seq_len, max_model_len or c.max_seq_len)
+        max_model_len = c.max_seq_len if max_model_len is None else as_integer("max_model_len", max_model_len, 2)
+        self.max_model_len = min(c.max_seq_len, max_model_len)
+        block_size = as_integer("block_size", block_size, 1)
         kv_dtype = kv_dtype or p.dtype
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype={kv_dtype!r} must be one of {', '.join(map(str, KV_DTYPES))}: K/V are "
+                             "stored as they are computed, an integer dtype would silently truncate them")
+        watermark = as_real("watermark", watermark)
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark={watermark!r} must be in [0, 1): the fraction of the blocks kept free "
+                             "when admitting a request while others run")
         if num_blocks is None:
+            kv_cache_bytes = as_integer("kv_cache_bytes", kv_cache_bytes, 1)
             per_block = 2 * block_size * c.n_layers * c.n_kv_heads * c.head_dim * torch.empty(0, dtype=kv_dtype).element_size()
             num_blocks = max(2, kv_cache_bytes // per_block)
+        num_blocks = as_integer("num_blocks", num_blocks, 2)
         self.cache = PagedKVCache(c, num_blocks, block_size, kv_dtype, self.device, enable_prefix_caching)
         self.watermark_blocks = int(watermark * num_blocks)
         if eos_token_id is None:
@@ -160,23 +184,28 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
-        params = params or SamplingParams()
+        """Check the request and queue it; a bad one raises ``ValueError`` and queues nothing."""
+        seq = self._new_sequence(request_id, prompt, params, arrival_time)
+        self._enqueue(seq)
+        return seq.request_id
+
+    def _enqueue(self, seq: _Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id {seq.request_id!r} is already in the engine")
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def _new_sequence(self, request_id: str | None, prompt, params: SamplingParams | None,
+                      arrival_time: float | None = None) -> _Sequence:
+        """Everything ``add_request`` checks, without queueing: the prompt, the parameters, the fit."""
+        params = SamplingParams() if params is None else params
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids or construct the engine with one")
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty; generation needs at least one token")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.config.vocab_size})")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: params={params!r} must be a SamplingParams")
+        ids = prompt_token_ids(prompt, self.config.vocab_size, self.tokenizer, f"request {request_id!r}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room to generate "
                              f"within max_model_len={self.max_model_len}")
@@ -186,23 +215,54 @@ class LLMEngine:
                              f"pool of {self.cache.capacity_tokens} tokens even alone; lower max_tokens or give "
                              "the engine more blocks")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = _Sequence(request_id, ids, params, time.perf_counter() if arrival_time is None else arrival_time, gen)
-        self.requests[request_id] = seq
-        self.waiting.append(seq)
-        return request_id
+        return _Sequence(request_id, ids, params, time.perf_counter() if arrival_time is None else arrival_time, gen)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False when it is unknown or already finished."""
-        seq = self.requests.pop(request_id, None)
+        seq = self.requests.get(request_id)
         if seq is None:
             return False
-        if seq.status == WAITING:
-            self.waiting.remove(seq)
-        elif seq.status == RUNNING:
-            self.running.remove(seq)
-        self.cache.free(request_id)
-        seq.status, seq.finish_reason = FINISHED, "abort"
+        self._stop(seq, "abort")
         return True
+
+    def _stop(self, seq: _Sequence, reason: str, error: BaseException | None = None) -> None:
+        """The one early exit (abort, error): out of the queues and the engine, blocks freed.
+
+        After an error, blocks only this sequence held are cleaned first when they hold NaN/inf
+        K/V: a masked-out slot still enters attention as 0 · value, and 0 · NaN is NaN, so a
+        reused dirty block would poison whichever request gets it next.
+        """
+        if seq.status == WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq.status == RUNNING and seq in self.running:
+            self.running.remove(seq)
+        if error is not None:
+            self._scrub_blocks(seq.request_id)
+        self.cache.free(seq.request_id)
+        self.requests.pop(seq.request_id, None)
+        seq.status, seq.finish_reason, seq.finished_time = FINISHED, reason, time.perf_counter()
+        seq.drafts = []
+        if error is not None:
+            seq.error = f"request {seq.request_id!r} failed: {type(error).__name__}: {error}"
+
+    def _scrub_blocks(self, seq_id: str) -> None:
+        table = self.cache.tables.get(seq_id, [])
+        alloc = self.cache.allocator
+        for block in table:
+            if block and alloc.ref_count[block] == 1 and not bool(
+                    torch.isfinite(self.cache.k[:, block]).all() and torch.isfinite(self.cache.v[:, block]).all()):
+                alloc.forget(block)  # its prefix-cache name goes too: the content is about to change
+                self.cache.k[:, block].zero_()
+                self.cache.v[:, block].zero_()
+
+    @contextlib.contextmanager
+    def _isolated(self, seq: _Sequence, failed: list[_Sequence]):
+        """Run one sequence's share of a step; an exception fails that sequence only."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 — any failure of one request must not reach the others
+            self._stop(seq, "error", e)
+            failed.append(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -218,7 +278,7 @@ class LLMEngine:
         if not scheduled:
             return []
         self.stats["steps"] += 1
-        progressed = self._execute(scheduled)
+        progressed = self._run(scheduled)
         outputs = [self._output(s) for s in progressed]
         self.running = [s for s in self.running if s.status == RUNNING]
         for s in progressed:
@@ -294,11 +354,27 @@ class LLMEngine:
             return []
         return ngram_propose(seq.all_ids, k, *self.ngram)
 
+    def _run(self, scheduled: list[tuple[_Sequence, int]]) -> list[_Sequence]:
+        """``_execute`` with failures kept to the sequence that causes them: a failure after the
+        forward is already caught per sequence; a forward that raises is retried one sequence at
+        a time (its K/V went only to slots reserved for these same tokens), so only a sequence
+        that fails alone is failed, with that error."""
+        try:
+            return self._execute(scheduled)
+        except Exception as e:  # noqa: BLE001 — reported to the request(s) concerned, the engine goes on
+            if len(scheduled) > 1:
+                return [s for item in scheduled for s in self._run([item])]
+            seq = scheduled[0][0]
+            self._stop(seq, "error", e)
+            return [seq]
+
     @torch.inference_mode()
     def _execute(self, scheduled: list[tuple[_Sequence, int]]) -> list[_Sequence]:
         """One model forward for the whole iteration (Orca's selective batching): decode tokens
         first, then the prefill chunks, flattened into one (1, T) row without padding; the
-        linears run once over all T tokens, attention per sequence (``SelectivePagedBatch``)."""
+        linears run once over all T tokens, attention per sequence (``SelectivePagedBatch``).
+        After the forward, each sequence's commit and sampling is isolated (``_isolated``):
+        returns the sequences that progressed or failed."""
         order = sorted(scheduled, key=lambda r: r[1] > 1)  # decode rows first (stable)
         rows = [(s.request_id, s.num_computed, n) for s, n in order]
         batch, positions, seq_ids = self.cache.packed_batch(rows, selective=self.selective)
@@ -308,29 +384,37 @@ class LLMEngine:
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)[None]  # (1, T)
         hidden = self.model(tokens, positions, kv_cache=batch, document_ids=seq_ids, return_hidden=True)[0]  # (T, D)
         self.stats["forwards"] += 1
-        ready, last, spec, t = [], [], [], 0
+        # the rows that need logits: the last token of every sequence whose prompt is then complete,
+        # every position of a speculating sequence (its last token and its drafts)
+        need: list[int] = []
+        first_row: dict[str, int] = {}  # request id -> its first row in ``need``
+        t = 0
         for s, n in order:
             t += n
+            first_row[s.request_id] = len(need)
+            if s.drafts:
+                need.extend(range(t - n, t))
+            elif s.num_computed + n == len(s.all_ids):
+                need.append(t - 1)
+        logits = self.model.unembed(hidden[need]) if need else None  # (R, V)
+        failed: list[_Sequence] = []
+        ready, ready_rows, spec = [], [], []
+        for s, n in order:
             self.stats["computed_tokens"] += n
+            at = first_row[s.request_id]
             if s.drafts:  # committed after verification, when it is known how many drafts stay
-                spec.append((s, list(range(t - n, t))))
+                spec.append(s)
+                with self._isolated(s, failed):
+                    self._verify(s, logits[at:at + n])  # (k + 1, V)
                 continue
-            self._commit(s, n)
-            if s.num_computed == len(s.all_ids):
+            with self._isolated(s, failed):
+                self._commit(s, n)
+            if s.status == RUNNING and s.num_computed == len(s.all_ids):
                 ready.append(s)
-                last.append(t - 1)
-        if not ready and not spec:
-            return []
-        rows = last + [i for _, r in spec for i in r]
-        h = hidden[rows]  # the last token of every sequence that needs its next token, every spec position
-        logits = self.model.unembed(h)  # (R + Σ(k + 1), V)
+                ready_rows.append(at)
         if ready:
-            self._sample(ready, logits[:len(ready)])  # (R, V)
-        at = len(ready)
-        for s, r in spec:
-            self._verify(s, logits[at:at + len(r)])  # (k + 1, V)
-            at += len(r)
-        return ready + [s for s, _ in spec]
+            self._sample(ready, logits[ready_rows], failed)  # (R, V)
+        return list(dict.fromkeys(ready + spec + failed))
 
     def _commit(self, s: _Sequence, n: int, token_ids: list[int] | None = None) -> None:
         """``n`` more of the sequence's tokens have their K/V in the cache. ``token_ids``: the tokens
@@ -349,6 +433,7 @@ class LLMEngine:
         at the last token and at each draft. Emits the kept drafts and one more token."""
         drafts = s.drafts
         s.drafts = []
+        check_logits(logits)
         logits_cpu = logits.float().cpu()
         emitted = verify_drafts(logits_cpu, drafts, s.params, s.all_ids, s.generator or self.generator)
         kept = len(emitted) - 1
@@ -361,21 +446,27 @@ class LLMEngine:
             if s.status == FINISHED:
                 break
 
-    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
-        """logits (R, V) of the R sequences that need their next token."""
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy and s.params.repetition_penalty == 1.0]
+    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor, failed: list[_Sequence]) -> None:
+        """logits (R, V) of the R sequences that need their next token. A row with NaN/+inf fails
+        its sequence only (``check_logits`` names what was found); greedy rows take one argmax."""
+        bad = bad_logit_rows(logits).tolist()
+        greedy = {i for i, s in enumerate(seqs) if s.params.greedy and s.params.repetition_penalty == 1.0
+                  and not bad[i]}
         tokens: list[int] = [0] * len(seqs)
         if greedy:
-            for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+            rows = sorted(greedy)
+            for i, t in zip(rows, logits[rows].argmax(dim=-1).tolist()):
                 tokens[i] = t
         logits_cpu = None
         for i, s in enumerate(seqs):
-            if i not in greedy or s.logprobs is not None:
-                if logits_cpu is None:
+            with self._isolated(s, failed):
+                if bad[i]:
+                    check_logits(logits[i])  # raises NonFiniteLogitsError
+                if logits_cpu is None and (i not in greedy or s.logprobs is not None):
                     logits_cpu = logits.float().cpu()
-            if i not in greedy:
-                tokens[i] = sample_token(logits_cpu[i], s.params, s.generator or self.generator, s.all_ids)
-            self._append(s, tokens[i], logits_cpu[i] if s.logprobs is not None else None)
+                if i not in greedy:
+                    tokens[i] = sample_token(logits_cpu[i], s.params, s.generator or self.generator, s.all_ids)
+                self._append(s, tokens[i], logits_cpu[i] if s.logprobs is not None else None)
 
     def _append(self, s: _Sequence, token: int, logits_row: torch.Tensor | None) -> None:
         now = time.perf_counter()
@@ -422,7 +513,18 @@ class LLMEngine:
         return RequestOutput(
             s.request_id, s.all_ids[:s.num_prompt], list(s.output_ids), text, new_ids, new_text, finished,
             s.finish_reason, list(s.logprobs) if s.logprobs is not None else None, s.arrival, s.first_token_time,
-            s.finished_time, list(s.token_times) if finished else [], s.num_cached_tokens or 0, s.num_preemptions)
+            s.finished_time, list(s.token_times) if finished else [], s.num_cached_tokens or 0, s.num_preemptions,
+            s.error)
+
+
+class GenerationError(RuntimeError):
+    """Requests that failed while running (e.g. NaN logits): each was aborted and its blocks freed,
+    the others finished. ``outputs`` holds every output of the call, failed ones with
+    ``finish_reason == "error"`` and ``error`` set."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput]):
+        super().__init__(message)
+        self.outputs = outputs
 
 
 def _as_prompt_list(prompts) -> tuple[list, bool]:
@@ -430,6 +532,8 @@ def _as_prompt_list(prompts) -> tuple[list, bool]:
         return [prompts], True
     if isinstance(prompts, torch.Tensor):
         return ([prompts.tolist()], True) if prompts.dim() == 1 else (prompts.tolist(), False)
+    if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray, dict)):
+        raise ValueError(f"prompts={prompts!r:.60} must be a prompt (a string or token ids) or a list of prompts")
     return list(prompts), False
 
 
@@ -477,22 +581,35 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompt_list):
                 raise ValueError(f"{len(params)} sampling_params for {len(prompt_list)} prompts")
-        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompt_list, params)]
+        # every prompt is checked before any is queued: one bad prompt leaves nothing behind
+        seqs = [self.engine._new_sequence(None, p, sp) for p, sp in zip(prompt_list, params)]
+        for seq in seqs:
+            self.engine._enqueue(seq)
+        ids = [seq.request_id for seq in seqs]
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="requests")
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [done[i] for i in ids]
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:  # an interrupt (or an engine bug) leaves none of this call's requests behind
+            for i in ids:
+                self.engine.abort_request(i)
+            if bar is not None:
+                bar.close()
+        outputs = [done[i] for i in ids]
+        failed = [o for o in outputs if o.error is not None]
+        if failed:
+            raise GenerationError(f"{len(failed)} of {len(outputs)} requests failed (the others finished, see "
+                                  f".outputs): " + "; ".join(o.error for o in failed[:3]), outputs)
+        return outputs
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         """One chat turn: render the model's chat template (jinja2) and generate the reply."""
@@ -565,32 +682,45 @@ class AsyncLLM:
                 _, rid, prompt, params = op
                 try:
                     self.engine.add_request(rid, prompt, params)
-                except ValueError as e:
+                except Exception as e:  # noqa: BLE001 — whatever the bad request raises goes to its caller
                     q = self._queues.pop(rid, None)
                     if q is not None:
                         q.put_nowait(e)
             else:
                 self.engine.abort_request(op[1])
 
+    def _deliver(self, out: RequestOutput) -> None:
+        q = self._queues.get(out.request_id)
+        if q is None:
+            return
+        if out.error is not None:
+            q.put_nowait(GenerationError(out.error, [out]))
+        else:
+            q.put_nowait(out)
+        if out.finished:
+            self._queues.pop(out.request_id, None)
+
+    def _fail_all(self, error: Exception) -> None:
+        """The engine loop itself failed: every waiter gets the error, every request is aborted
+        (blocks freed), and the loop goes on serving new requests."""
+        for q in self._queues.values():
+            q.put_nowait(error)
+        self._queues.clear()
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+
     async def _run(self) -> None:
         while True:
-            self._apply_pending()
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.clear()
-                if self._pending:
-                    continue
-                await self._wakeup.wait()
-                continue
             try:
+                self._apply_pending()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    if self._pending:
+                        continue
+                    await self._wakeup.wait()
+                    continue
                 outputs = await asyncio.to_thread(self.engine.step)
-            except Exception as e:  # a failed step fails every stream instead of leaving them hanging
-                for q in self._queues.values():
-                    q.put_nowait(e)
-                self._queues.clear()
-                raise
-            for out in outputs:
-                q = self._queues.get(out.request_id)
-                if q is not None:
-                    q.put_nowait(out)
-                    if out.finished:
-                        self._queues.pop(out.request_id, None)
+                for out in outputs:
+                    self._deliver(out)
+            except Exception as e:  # noqa: BLE001 — never a dead loop with callers waiting on it
+                self._fail_all(e)

@@ -4,7 +4,8 @@ The order follows the industrial samplers the seed describes (and HF / vLLM):
 
 1. repetition penalty on the raw logits (CTRL): for every token already in the prompt or
    the output, a positive logit is divided by the penalty and a negative one multiplied;
-2. temperature: logits / τ (τ = 0 means greedy: the distribution is one-hot on the argmax);
+2. temperature: logits / τ (τ = 0 means greedy: the distribution is one-hot on the argmax; so
+   does any τ < 1e-5, where the division would only overflow);
 3. top-k: keep the k largest logits;
 4. top-p (nucleus): keep the smallest set of most likely tokens whose probability reaches p
    (a token is dropped when the tokens ranked above it already sum to ≥ p, so the first
@@ -19,22 +20,53 @@ speculative decoding (seed 000 §2.3) needs p and q, not only a sample.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM): logits / τ would only overflow
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model produced NaN or +inf logits (bad weights, an overflow in the forward pass)."""
+
+
+def as_real(name: str, value) -> float:
+    """``value`` as a float, or a ValueError naming the field (bools and strings are not numbers)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def as_integer(name: str, value, minimum: int | None = None) -> int:
+    """``value`` as an int (anything with ``__index__`` but bool), or a ValueError naming the field."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        out = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be an integer, got {type(value).__name__}") from None
+    if minimum is not None and out < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    return out
+
+
 @dataclass
 class SamplingParams:
-    """How one request samples and when it stops.
+    """How one request samples and when it stops — the one validation every decode path uses
+    (``LLMEngine``, ``generate``, the static decoder, speculative decoding, the CLI flags).
 
-    temperature 0 is greedy. ``top_k`` 0 or None, ``top_p`` 1 and ``min_p`` 0 switch those
-    filters off; ``repetition_penalty`` 1 is off. ``logprobs``: None returns none; n ≥ 0
-    returns the sampled token's log-probability and the n most likely alternatives, under the
-    model's own distribution (raw logits, before penalties, temperature and filters).
-    ``seed`` makes this request's samples reproducible whatever else runs in the batch.
+    temperature 0 is greedy, and so is any temperature below ``GREEDY_BELOW`` (1e-5). ``top_k``
+    0 or None, ``top_p`` 1 (None is read as 1) and ``min_p`` 0 switch those filters off;
+    ``repetition_penalty`` 1 is off. ``logprobs``: None returns none; n ≥ 0 returns the sampled
+    token's log-probability and the n most likely alternatives, under the model's own
+    distribution (raw logits, before penalties, temperature and filters). ``seed`` makes this
+    request's samples reproducible whatever else runs in the batch.
     """
 
     temperature: float = 1.0
@@ -50,45 +82,69 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        self.temperature = as_real("temperature", self.temperature)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0):
-            raise ValueError(f"top_k={self.top_k!r} must be a non-negative integer (0 or None = off)")
+        if self.top_k is not None:
+            self.top_k = as_integer("top_k", self.top_k, 0)
+        self.top_p = 1.0 if self.top_p is None else as_real("top_p", self.top_p)
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1] (1 = off)")
+        self.min_p = as_real("min_p", self.min_p)
         if not (0 <= self.min_p <= 1):
             raise ValueError(f"min_p={self.min_p!r} must be in [0, 1] (0 = off)")
+        self.repetition_penalty = as_real("repetition_penalty", self.repetition_penalty)
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1 = off)")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be a positive integer")
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be a finite number > 0 (1 = off)")
+        self.max_tokens = as_integer("max_tokens", self.max_tokens, 1)
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r} must be non-empty strings")
-        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or self.logprobs < 0):
-            raise ValueError(f"logprobs={self.logprobs!r} must be None or an integer >= 0")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a sequence of token ids")
+        self.stop_token_ids = tuple(as_integer("stop_token_ids", t, 0) for t in self.stop_token_ids)
+        if self.seed is not None:
+            self.seed = as_integer("seed", self.seed)
+        if self.logprobs is not None:
+            self.logprobs = as_integer("logprobs", self.logprobs, 0)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
-    @property
-    def needs_history(self) -> bool:
-        return self.repetition_penalty != 1.0
+
+def check_logits(logits: Tensor) -> None:
+    """Raise ``NonFiniteLogitsError`` when a row of logits (..., V) has a NaN or +inf, or no finite
+    value at all: nothing can be sampled from it, and argmax would silently pick garbage."""
+    bad = bad_logit_rows(logits)
+    if bool(bad.any()):
+        row = logits[bad][0] if logits.dim() > 1 else logits
+        n_nan, n_inf = int(row.isnan().sum()), int((row == math.inf).sum())
+        raise NonFiniteLogitsError(
+            f"the model's logits contain {n_nan} NaN and {n_inf} +inf of {row.shape[-1]} values"
+            + ("" if n_nan or n_inf else " (every token is -inf)")
+            + ": the model produced non-finite values (bad weights or an overflow in the forward pass)")
+
+
+def bad_logit_rows(logits: Tensor) -> Tensor:
+    """logits (..., V) -> (...) bool: rows with a NaN or +inf, or with every value -inf."""
+    if bool(torch.isfinite(logits).all()):  # the usual case: one pass
+        return torch.zeros(logits.shape[:-1], dtype=torch.bool, device=logits.device)
+    return logits.isnan().any(dim=-1) | (logits == math.inf).any(dim=-1) | (logits == -math.inf).all(dim=-1)
 
 
 def apply_repetition_penalty(logits: Tensor, history: Tensor | Sequence[int], penalty: float) -> Tensor:
-    """logits (V,) or (B, V); history: token ids seen so far (prompt and output). Returns a copy."""
+    """logits (V,) or (B, V); history: token ids seen so far (prompt and output). Returns a float64
+    copy: x / penalty and x · penalty stay finite there for any penalty down to 1e-300 (an
+    overflow beyond that gives +inf, which ``filter_logits`` takes to its limit)."""
     if penalty == 1.0:
         return logits
     history = torch.as_tensor(history, dtype=torch.long, device=logits.device)
     if history.numel() == 0:
         return logits
-    out = logits.clone()
+    out = logits.double()
     seen = out[..., history]
     out[..., history] = torch.where(seen > 0, seen / penalty, seen * penalty)
     return out
@@ -98,11 +154,17 @@ def filter_logits(logits: Tensor, temperature: float = 1.0, top_k: int | None = 
                   min_p: float = 0.0) -> Tensor:
     """Temperature, top-k, top-p and min-p on logits (..., V) > 0-temperature; dropped tokens get -inf.
 
-    Returns float32 logits whose softmax is the distribution to sample from.
+    Returns float32 logits whose softmax is the distribution to sample from. Numerically safe:
+    the row maximum is subtracted before dividing by τ (in float64), so a small τ can only
+    underflow unlikely tokens to probability 0, never overflow; a row holding +inf (an
+    overflowed repetition penalty) becomes its limit, uniform over the +inf tokens.
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 here; greedy is handled by the caller")
-    logits = logits.float() / temperature
+    x = logits.double()
+    top = x == math.inf
+    x = torch.where(top.any(dim=-1, keepdim=True), torch.where(top, 0.0, -math.inf), x)
+    logits = ((x - x.amax(dim=-1, keepdim=True)) / temperature).float()  # max 0: exp never overflows
     V = logits.shape[-1]
     if top_k:
         kth = torch.topk(logits, min(top_k, V), dim=-1).values[..., -1:]  # the k-th largest logit
@@ -123,25 +185,39 @@ def target_probs(logits: Tensor, params: SamplingParams, history: Tensor | Seque
     """The distribution a request samples from: logits (..., V) -> probabilities (..., V), float32.
 
     Greedy (temperature 0) is the one-hot distribution on the argmax, so speculative decoding's
-    accept/reject rule needs no special case for it.
+    accept/reject rule needs no special case for it. Raises ``NonFiniteLogitsError`` for a row
+    of logits with NaN or +inf.
     """
+    check_logits(logits)
     if history is not None and params.repetition_penalty != 1.0:
         logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
     if params.greedy:
         probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return filter_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p).softmax(dim=-1)
+    probs = filter_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p).softmax(dim=-1)
+    if not bool(torch.isfinite(probs).all()):  # only an all -inf row after an astronomically large penalty
+        raise ValueError(f"repetition_penalty={params.repetition_penalty!r} left no token with a finite logit")
+    return probs
 
 
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None,
                  history: Tensor | Sequence[int] | None = None) -> int:
-    """logits (V,) -> one token id under ``params``."""
-    if params.repetition_penalty != 1.0 and history is not None:
-        logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
+    """logits (V,) -> one token id under ``params`` (the distribution of ``target_probs``)."""
+    probs = target_probs(logits, params, history)
     if params.greedy:
-        return int(logits.argmax())
-    probs = filter_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p).softmax(dim=-1)
+        return int(probs.argmax())
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = 1.0,
+                generator: torch.Generator | None = None, min_p: float = 0.0) -> Tensor:
+    """logits (B, V) -> next ids (B,): one draw per row, the parameters checked by ``SamplingParams``
+    (same conventions: temperature 0 greedy, top_p 1 or None off)."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    probs = target_probs(logits, params)  # (B, V)
+    if params.greedy:
+        return probs.argmax(dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
 
 
 def token_logprobs(logits: Tensor, token: int, n_top: int) -> tuple[float, dict[int, float]]:
