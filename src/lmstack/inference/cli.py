@@ -15,14 +15,33 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _checked(field: str, convert):
+    """An argparse ``type``: convert the text, then check the value with ``SamplingParams`` (the one
+    validation of every decode path), so a bad flag exits 2 with a message naming it."""
+    from lmstack.inference.sampling import SamplingParams
+
+    def parse(text: str):
+        value = convert(text)  # ValueError: argparse's own "invalid float value: 'x'"
+        try:
+            SamplingParams(**{field: (value,) if field == "stop" else value})
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    parse.__name__ = convert.__name__
+    return parse
+
+
 def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model name (smollm2-135m), .gguf file or checkpoint dir")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=_checked("max_tokens", int), default=64)
+    p.add_argument("--temperature", type=_checked("temperature", float), default=temperature,
+                   help="0 = greedy (so is anything below 1e-5)")
+    p.add_argument("--top-k", type=_checked("top_k", int), default=None, help="0 or unset = off")
+    p.add_argument("--top-p", type=_checked("top_p", float), default=1.0, help="in (0, 1]; 1 = off")
+    p.add_argument("--min-p", type=_checked("min_p", float), default=0.0, help="in [0, 1]; 0 = off")
+    p.add_argument("--repetition-penalty", type=_checked("repetition_penalty", float), default=1.0,
+                   help="> 0; 1 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES) + ["int8", "int4"], default="fp32",
                    help="weight dtype; int8/int4 = fp32 model with weight-only quantised linears (lmstack.quant)")
@@ -35,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate a continuation of a prompt (streams tokens)")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=[], type=_checked("stop", str),
+                   help="stop string (repeatable)")
     p.add_argument("--compile", action="store_true",
                    help="static KV cache + torch.compile'd decode step (pays a one-off compilation)")
     _sampling_args(p, temperature=0.0)
@@ -65,6 +85,14 @@ def load_tokenizer(model_source, tokenizer_path=None):
 def _sampling_kwargs(args) -> dict:
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def _check_tokenizer(tokenizer, model) -> None:
+    """A tokenizer with ids the model has no embedding for does not belong to it."""
+    n, V = getattr(tokenizer, "vocab_size", None), model.config.vocab_size
+    if n is not None and n > V:
+        raise ValueError(f"the tokenizer has {n} tokens but the model's vocabulary has {V}: they do not belong "
+                         "together (--tokenizer: pass the model's own)")
 
 
 def stream_generate(model, tokenizer, prompt: str, max_tokens: int, out=None, stop: tuple[str, ...] = (),
@@ -132,7 +160,9 @@ def _load(args):
         from lmstack.quant import quantize_model
 
         quantize_model(model, quant)
-    return model, load_tokenizer(lm.source, args.tokenizer)
+    tokenizer = load_tokenizer(lm.source, args.tokenizer)
+    _check_tokenizer(tokenizer, model)
+    return model, tokenizer
 
 
 def run_generate(args) -> int:
@@ -163,8 +193,11 @@ def run_generate(args) -> int:
 
 def run_chat(args, stdin=None, out=None, tokenizer=None) -> int:
     """Read a user line, stream the reply, repeat. The conversation is re-rendered each turn with
-    the chat template; the engine's prefix cache reuses the K/V of the turns already seen."""
-    from lmstack.inference.chat import apply_chat_template
+    the chat template; the engine's prefix cache reuses the K/V of the turns already seen.
+
+    A turn never ends the conversation: when the conversation outgrows the context the oldest
+    exchanges are dropped (with a note on stderr); a turn that does not fit even alone, or whose
+    reply fails, is dropped with a message and the next line is read."""
     from lmstack.inference.engine import LLMEngine
     from lmstack.inference.sampling import SamplingParams
 
@@ -174,10 +207,7 @@ def run_chat(args, stdin=None, out=None, tokenizer=None) -> int:
     tok = tokenizer or tok
     engine = LLMEngine(model, tok, max_num_seqs=1, max_num_batched_tokens=2048, kv_cache_bytes=256 * 2**20,
                        num_speculative_tokens=getattr(args, "speculative_tokens", 0))
-    kw = _sampling_kwargs(args)
-    params = SamplingParams(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"] or 1.0,
-                            min_p=kw["min_p"], repetition_penalty=kw["repetition_penalty"], seed=kw["seed"],
-                            max_tokens=args.max_tokens)
+    params = SamplingParams(max_tokens=args.max_tokens, **_sampling_kwargs(args))
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     interactive = stdin.isatty()
     turn = 0
@@ -194,19 +224,53 @@ def run_chat(args, stdin=None, out=None, tokenizer=None) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        prompt = tok.encode(apply_chat_template(tok, messages))
         rid = f"turn-{turn}"
         turn += 1
-        engine.add_request(rid, prompt, params)
-        reply = ""
+        try:
+            _add_turn(engine, tok, messages, rid, params)
+        except ValueError as e:
+            messages.pop()
+            print(f"[turn not sent: {e}]", file=sys.stderr)
+            continue
+        reply, error = "", None
         t0 = time.perf_counter()
         n = 0
         while engine.has_unfinished_requests():
             for o in engine.step():
                 out.write(o.new_text)
                 out.flush()
-                reply, n = o.text, len(o.token_ids)
+                reply, n, error = o.text, len(o.token_ids), o.error
         out.write("\n")
+        if error is not None:
+            messages.pop()
+            print(f"[reply failed, turn dropped: {error}]", file=sys.stderr)
+            continue
         print(f"[{n} tokens in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
         messages.append({"role": "assistant", "content": reply})
     return 0
+
+
+def _add_turn(engine, tok, messages: list[dict], request_id: str, params) -> None:
+    """Queue the reply to ``messages`` (the last one the new user turn). When the new turn does
+    not fit even alone, raise the engine's ``PromptTooLongError`` and keep the history; else drop
+    the oldest exchanges (after the system message) until the conversation fits."""
+    from lmstack.inference.chat import apply_chat_template
+    from lmstack.inference.engine import PromptTooLongError
+
+    def prompt(msgs):
+        return tok.encode(apply_chat_template(tok, msgs))
+
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    engine.check_request(request_id, prompt(messages[:first] + messages[-1:]), params)
+    dropped = 0
+    while True:
+        try:
+            engine.add_request(request_id, prompt(messages), params)
+            break
+        except PromptTooLongError:
+            if len(messages) - first <= 1:
+                raise
+            del messages[first:first + 2]  # the oldest user message and its reply
+            dropped += 2
+    if dropped:
+        print(f"[context full: dropped the {dropped} oldest messages]", file=sys.stderr)

@@ -66,6 +66,12 @@ from lmstack.inference.sampling import (
 from lmstack.inference.speculative import ngram_propose, verify_drafts
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+class PromptTooLongError(ValueError):
+    """A request that cannot fit: its prompt leaves no room within max_model_len, or prompt +
+    max_tokens exceed the whole KV pool."""
+
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the paged cache may store
 
 
@@ -185,7 +191,7 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
         """Check the request and queue it; a bad one raises ``ValueError`` and queues nothing."""
-        seq = self._new_sequence(request_id, prompt, params, arrival_time)
+        seq = self.check_request(request_id, prompt, params, arrival_time)
         self._enqueue(seq)
         return seq.request_id
 
@@ -195,7 +201,7 @@ class LLMEngine:
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
-    def _new_sequence(self, request_id: str | None, prompt, params: SamplingParams | None,
+    def check_request(self, request_id: str | None, prompt, params: SamplingParams | None,
                       arrival_time: float | None = None) -> _Sequence:
         """Everything ``add_request`` checks, without queueing: the prompt, the parameters, the fit."""
         params = SamplingParams() if params is None else params
@@ -207,11 +213,11 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: params={params!r} must be a SamplingParams")
         ids = prompt_token_ids(prompt, self.config.vocab_size, self.tokenizer, f"request {request_id!r}")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room to generate "
+            raise PromptTooLongError(f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room to generate "
                              f"within max_model_len={self.max_model_len}")
         need = min(len(ids) + params.max_tokens, self.max_model_len)
         if need > self.cache.capacity_tokens:
-            raise ValueError(f"request {request_id!r}: prompt + max_tokens = {need} tokens cannot fit in the KV "
+            raise PromptTooLongError(f"request {request_id!r}: prompt + max_tokens = {need} tokens cannot fit in the KV "
                              f"pool of {self.cache.capacity_tokens} tokens even alone; lower max_tokens or give "
                              "the engine more blocks")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -582,7 +588,7 @@ class LLM:
             if len(params) != len(prompt_list):
                 raise ValueError(f"{len(params)} sampling_params for {len(prompt_list)} prompts")
         # every prompt is checked before any is queued: one bad prompt leaves nothing behind
-        seqs = [self.engine._new_sequence(None, p, sp) for p, sp in zip(prompt_list, params)]
+        seqs = [self.engine.check_request(None, p, sp) for p, sp in zip(prompt_list, params)]
         for seq in seqs:
             self.engine._enqueue(seq)
         ids = [seq.request_id for seq in seqs]
