@@ -33,6 +33,13 @@ case of the accept/reject rule, so the output distribution is exactly the target
 K/V of rejected drafts are dropped from the cache (``PagedKVCache.truncate``). One iteration then
 emits up to k + 1 tokens for that sequence.
 
+A failure stays with its request (as in vLLM: the request is aborted, the engine lives on). After
+the forward, each sequence's commit, sampling, draft verification and stop rules run isolated: an
+exception there (NaN/inf logits from bad weights, a token the tokenizer cannot decode) stops that
+request through the same path as an abort (blocks freed, ``finish_reason="error"``, the message in
+``error``) and the others continue; a forward that raises is rerun one sequence at a time, so only
+the sequence that provokes it fails. Requests are checked when added (``check_request``).
+
 ``LLM`` is the offline API (``generate(prompts, sampling_params)``); ``AsyncLLM`` is the
 streaming API a server sits on (``generate`` yields deltas, ``abort``).
 """
@@ -54,6 +61,7 @@ import torch
 from lmstack.inference.paged import PagedKVCache
 from lmstack.inference.prompts import prompt_token_ids
 from lmstack.inference.sampling import (
+    NonFiniteLogitsError,
     SamplingParams,
     as_integer,
     as_real,
@@ -168,7 +176,8 @@ class LLMEngine:
                              "when admitting a request while others run")
         if num_blocks is None:
             kv_cache_bytes = as_integer("kv_cache_bytes", kv_cache_bytes, 1)
-            per_block = 2 * block_size * c.n_layers * c.n_kv_heads * c.head_dim * torch.empty(0, dtype=kv_dtype).element_size()
+            element = torch.empty(0, dtype=kv_dtype).element_size()
+            per_block = 2 * block_size * c.n_layers * c.n_kv_heads * c.head_dim * element
             num_blocks = max(2, kv_cache_bytes // per_block)
         num_blocks = as_integer("num_blocks", num_blocks, 2)
         self.cache = PagedKVCache(c, num_blocks, block_size, kv_dtype, self.device, enable_prefix_caching)
@@ -213,13 +222,13 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: params={params!r} must be a SamplingParams")
         ids = prompt_token_ids(prompt, self.config.vocab_size, self.tokenizer, f"request {request_id!r}")
         if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room to generate "
-                             f"within max_model_len={self.max_model_len}")
+            raise PromptTooLongError(f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room to "
+                                     f"generate within max_model_len={self.max_model_len}")
         need = min(len(ids) + params.max_tokens, self.max_model_len)
         if need > self.cache.capacity_tokens:
-            raise PromptTooLongError(f"request {request_id!r}: prompt + max_tokens = {need} tokens cannot fit in the KV "
-                             f"pool of {self.cache.capacity_tokens} tokens even alone; lower max_tokens or give "
-                             "the engine more blocks")
+            raise PromptTooLongError(f"request {request_id!r}: prompt + max_tokens = {need} tokens cannot fit in the "
+                                     f"KV pool of {self.cache.capacity_tokens} tokens even alone; lower max_tokens "
+                                     "or give the engine more blocks")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         return _Sequence(request_id, ids, params, time.perf_counter() if arrival_time is None else arrival_time, gen)
 
@@ -403,6 +412,10 @@ class LLMEngine:
             elif s.num_computed + n == len(s.all_ids):
                 need.append(t - 1)
         logits = self.model.unembed(hidden[need]) if need else None  # (R, V)
+        if not self.selective and len(order) > 1 and logits is not None and bool(bad_logit_rows(logits).any()):
+            # the reference attention sees every sequence's keys, masked, and 0 · NaN = NaN: one
+            # sequence's NaN K/V reach all rows, so ``_run`` reruns them one at a time (nothing committed yet)
+            raise NonFiniteLogitsError("non-finite logits in a step over several sequences")
         failed: list[_Sequence] = []
         ready, ready_rows, spec = [], [], []
         for s, n in order:
@@ -550,7 +563,9 @@ class LLM:
     Transformer; ``dtype`` a torch dtype or "fp32"/"bf16"/"int8"/"int4"; ``quant="int8"``/"int4"
     quantises the linears' weights (``lmstack.quant``, the model is changed in place); engine
     options (block_size, num_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
-    ...) are passed through to ``LLMEngine``.
+    ...) are passed through to ``LLMEngine``. ``generate`` checks every prompt before queueing
+    any (``ValueError``), and raises ``GenerationError`` (holding every output) when some requests
+    failed while running; the engine stays usable either way.
     """
 
     def __init__(self, model="smollm2-135m", tokenizer=None, dtype: torch.dtype | str = torch.float32,
