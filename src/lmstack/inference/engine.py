@@ -159,9 +159,9 @@ class LLMEngine:
         self.device = p.device
         self.max_num_seqs = as_integer("max_num_seqs", max_num_seqs, 1)
         self.max_num_batched_tokens = as_integer("max_num_batched_tokens", max_num_batched_tokens, 1)
-        if num_speculative_tokens < 0 or not 1 <= ngram[1] <= ngram[0]:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0 and ngram={ngram} "
-                             "(largest, smallest) with 1 <= smallest <= largest")
+        num_speculative_tokens = as_integer("num_speculative_tokens", num_speculative_tokens, 0)
+        if not 1 <= ngram[1] <= ngram[0]:
+            raise ValueError(f"ngram={ngram} must be (largest, smallest) n-gram sizes with 1 <= smallest <= largest")
         self.num_speculative_tokens, self.ngram = num_speculative_tokens, ngram
         max_model_len = c.max_seq_len if max_model_len is None else as_integer("max_model_len", max_model_len, 2)
         self.max_model_len = min(c.max_seq_len, max_model_len)

@@ -8,7 +8,7 @@ ids, is not empty, and every id is in the model's vocabulary [0, V). Anything el
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Set
 
 import torch
 
@@ -16,18 +16,18 @@ from lmstack.inference.sampling import as_integer
 
 
 def prompt_token_ids(prompt, vocab_size: int, tokenizer=None, name: str = "prompt") -> list[int]:
-    """``prompt`` (str, or a sequence / 1-D tensor of ints) -> a non-empty list of ids in [0, V)."""
+    """``prompt`` (str, or an iterable / 1-D tensor of ints) -> a non-empty list of ids in [0, V)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"{name}: a text prompt needs a tokenizer; pass token ids or give the engine one")
         ids = list(tokenizer.encode(prompt))
     elif isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
         ids = prompt.tolist()
-    elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
-        ids = list(prompt)
+    elif isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, bytearray, Mapping, Set)):
+        ids = list(prompt)  # a list, tuple, range, numpy array ... of ids
     else:
         raise ValueError(f"{name}: a prompt is a string or a sequence of token ids, got {type(prompt).__name__} "
-                         f"({_short(prompt)})")
+                         f"({prompt!r:.40})")
     ids = [as_integer(f"{name}: token {i}", t) for i, t in enumerate(ids)]
     if not ids:
         raise ValueError(f"{name}: the prompt is empty; generation needs at least one token")
@@ -37,7 +37,3 @@ def prompt_token_ids(prompt, vocab_size: int, tokenizer=None, name: str = "promp
                          + (" — is the tokenizer larger than the model?" if tokenizer is not None else ""))
     return ids
 
-
-def _short(x) -> str:
-    r = repr(x)
-    return r if len(r) <= 40 else r[:37] + "..."

@@ -39,7 +39,7 @@ class NonFiniteLogitsError(ValueError):
 def as_real(name: str, value) -> float:
     """``value`` as a float, or a ValueError naming the field (bools and strings are not numbers)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name}={value!r} must be a number, got {type(value).__name__}")
+        raise ValueError(f"{name}={value!r:.40} must be a number, got {type(value).__name__}")
     return float(value)
 
 
@@ -50,7 +50,7 @@ def as_integer(name: str, value, minimum: int | None = None) -> int:
             raise TypeError
         out = operator.index(value)
     except TypeError:
-        raise ValueError(f"{name}={value!r} must be an integer, got {type(value).__name__}") from None
+        raise ValueError(f"{name}={value!r:.40} must be an integer, got {type(value).__name__}") from None
     if minimum is not None and out < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
     return out
@@ -107,6 +107,8 @@ class SamplingParams:
         self.stop_token_ids = tuple(as_integer("stop_token_ids", t, 0) for t in self.stop_token_ids)
         if self.seed is not None:
             self.seed = as_integer("seed", self.seed)
+            if not -2**63 <= self.seed < 2**64:
+                raise ValueError(f"seed={self.seed} must fit in 64 bits: [-2**63, 2**64)")
         if self.logprobs is not None:
             self.logprobs = as_integer("logprobs", self.logprobs, 0)
 
