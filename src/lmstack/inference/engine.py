@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import math
 import os
 import time
 from collections import deque
@@ -79,6 +78,7 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 class PromptTooLongError(ValueError):
     """A request that cannot fit: its prompt leaves no room within max_model_len, or prompt +
     max_tokens exceed the whole KV pool."""
+
 
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the paged cache may store
 
