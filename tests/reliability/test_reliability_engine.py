@@ -266,7 +266,7 @@ def test_async_loop_failure_reaches_every_waiter_and_the_loop_goes_on(model):
 
 
 # ---- the batch-1 paths use the same checks -----------------------------------------------------
-def test_generate_and_static_decoder_check_like_the_engine(model, nan_model):
+def test_generate_static_and_speculative_check_like_the_engine(model, nan_model):
     decoder = StaticDecoder(model, 64)
     for kw, name in ((dict(temperature=-1), "temperature"), (dict(top_k=-1), "top_k"), (dict(top_p=0), "top_p"),
                      (dict(top_p=1.5), "top_p"), (dict(repetition_penalty=0), "repetition_penalty"),
@@ -282,10 +282,16 @@ def test_generate_and_static_decoder_check_like_the_engine(model, nan_model):
             list(generate(model, [1, None], N, decoder=dec))
         assert list(generate(model, GOOD[0], N, temperature=1e-300, decoder=dec)) == full_recompute_greedy(
             model, GOOD[0], N)
+    from lmstack.inference import speculative_generate
     from lmstack.inference.sampling import NonFiniteLogitsError
 
     with pytest.raises(NonFiniteLogitsError):  # greedy used to return argmax(NaN) silently
         list(generate(nan_model, [NAN_TOKEN], N))
+    for bad, what in (([1, 500], "outside the vocabulary"), ([1, None], "integer"), ([], "empty")):
+        with pytest.raises(ValueError, match=what):
+            speculative_generate(model, bad, N)
+    with pytest.raises(NonFiniteLogitsError):
+        speculative_generate(nan_model, [NAN_TOKEN], N)
 
 
 # ---- the CLI -------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from lmstack.inference.kv_cache import KVCache
+from lmstack.inference.prompts import prompt_token_ids
 from lmstack.inference.sampling import SamplingParams, target_probs
 
 
@@ -156,8 +157,7 @@ def speculative_generate(target: nn.Module, prompt_ids: Sequence[int], max_new_t
     k_max = num_speculative_tokens
     if k_max < 1:
         raise ValueError(f"num_speculative_tokens={k_max} must be >= 1")
-    if not prompt_ids:
-        raise ValueError("prompt_ids is empty; generation needs at least one token")
+    prompt_ids = prompt_token_ids(prompt_ids, target.config.vocab_size, name="prompt_ids")  # as every path
     p0 = next(target.parameters())
     device, dtype = p0.device, p0.dtype
     total = len(prompt_ids) + max_new_tokens + k_max + 1
