@@ -26,3 +26,21 @@ def full_recompute_greedy(model, prompt, n, stop_ids=()):
     return out
 
 
+
+
+@torch.no_grad()
+def full_recompute_greedy_penalized(model, prompt, n, penalty, stop_ids=()):
+    """Reference for greedy decoding under a repetition penalty (CTRL, Keskar et al. 2019), written
+    plainly: every token id seen so far (prompt and output, each once) has a positive logit
+    divided by the penalty and a negative one multiplied by it; then the argmax. No cache."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        logits = model(torch.tensor([ids]))[0, -1].tolist()
+        for t in set(ids):
+            logits[t] = logits[t] / penalty if logits[t] > 0 else logits[t] * penalty
+        t = max(range(len(logits)), key=logits.__getitem__)
+        out.append(t)
+        ids.append(t)
+        if t in stop_ids:
+            break
+    return out

@@ -5,8 +5,8 @@ sampled distribution equal to the target's (statistical tests)."""
 import pytest
 import torch
 
-from inference_helpers import full_recompute_greedy, make_model
-from lmstack.inference import SamplingParams, speculative_generate, truncated_draft
+from inference_helpers import full_recompute_greedy, full_recompute_greedy_penalized, make_model
+from lmstack.inference import SamplingParams, generate, speculative_generate, truncated_draft
 from lmstack.inference.speculative import ngram_propose, rejection_sample
 
 # χ² critical values at significance 0.001 (standard tables): df -> value
@@ -37,6 +37,30 @@ def test_greedy_identical_to_target(target, prompts, greedy_refs, proposer, k):
         assert out == ref
         assert stats.target_forwards <= 20 and stats.tokens_per_target_forward >= 1
         assert 0 <= stats.acceptance_rate <= 1
+
+
+REPETITIVE = [[3, 4, 5, 6] * 4, [7, 8] * 7 + [7], [10, 20, 30, 10, 20, 40, 10, 20]]
+
+
+@pytest.mark.parametrize("proposer,k,penalty", [
+    ("truncated", 3, 1.3), ("truncated", 1, 1.3), ("truncated", 4, 0.7), ("small-model", 2, 1.3), ("ngram", 4, 0.7),
+])  # (a penalty > 1 discourages the repeats prompt lookup proposes: it would keep no draft)
+def test_greedy_with_repetition_penalty_identical_to_target(target, prompts, proposer, k, penalty):
+    """The penalty reads the history, which grows by each draft: row j of the target's verify pass
+    must be penalised by the tokens before draft j only (not by draft j itself). Greedy output
+    equals plain greedy under the same penalty (the plainly written reference and ``generate``),
+    with drafts kept along the way; the filters (top-k, top-p, min-p) ride along."""
+    draft = {"truncated": truncated_draft(target, 2), "small-model": make_model(n_layers=1, seed=7),
+             "ngram": None}[proposer]
+    params = SamplingParams(temperature=0.0, repetition_penalty=penalty, top_k=5, top_p=0.8, min_p=0.05)
+    accepted = 0
+    for p in [prompts[8], prompts[11]] + REPETITIVE:
+        ref = full_recompute_greedy_penalized(target, p, 16, penalty)
+        assert list(generate(target, p, 16, repetition_penalty=penalty)) == ref
+        out, stats = speculative_generate(target, p, 16, params, draft=draft, num_speculative_tokens=k)
+        assert out == ref, p
+        accepted += stats.accepted
+    assert accepted > 0  # drafts were kept, so rows after a draft were checked
 
 
 def test_stop_ids_end_speculative_generation(target, prompts, greedy_refs):
