@@ -44,3 +44,15 @@ def full_recompute_greedy_penalized(model, prompt, n, penalty, stop_ids=()):
         if t in stop_ids:
             break
     return out
+
+
+def hf_render_chat(template, messages, add_generation_prompt, bos_token=None, eos_token=None):
+    """transformers' own chat rendering through its public API: a ``PreTrainedTokenizerFast``
+    (over an empty word-level vocabulary: rendering text needs no vocabulary) carrying the
+    template and the special tokens, ``apply_chat_template(..., tokenize=False)``."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                                  bos_token=bos_token, eos_token=eos_token, chat_template=template)
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
