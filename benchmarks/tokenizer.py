@@ -185,8 +185,8 @@ def main() -> None:
             mbps = lambda k: r["MB"] / r[k]  # noqa: E731
             print(f"\nencoding: {r['MB']:.1f} MB, SmolLM2 vocab (V=49152, smollm pattern), {r['tokens']} tokens, "
                   f"{r['bytes_per_token']:.2f} bytes/token, ids identical across all three")
-            for k in ("lmstack_1", "tiktoken_1", "hf_1", "lmstack_1cold", "tiktoken_1cold", "lmstack_par", "tiktoken_par",
-                      "hf_par", "lmstack_file"):
+            for k in ("lmstack_1", "tiktoken_1", "hf_1", "lmstack_1cold", "tiktoken_1cold", "lmstack_par",
+                      "tiktoken_par", "hf_par", "lmstack_file"):
                 print(f"  {k:14s} {mbps(k):7.2f} MB/s")
             print("  (tiktoken_1cold: tiktoken in the cold-cache round, the peer of lmstack_1cold)")
             print("  ratios are medians of per-round ratios (contenders run round-robin), so they need not equal the "

@@ -46,7 +46,8 @@ def test_nvtx_is_a_noop_by_default(monkeypatch):
         return a * 3
 
     assert g(2) == 6
-    assert calls == [("push", "x"), ("body",), ("pop",), ("push", "test_nvtx_is_a_noop_by_default.<locals>.g"), ("pop",)]
+    g_name = "test_nvtx_is_a_noop_by_default.<locals>.g"  # the default label: the function's qualified name
+    assert calls == [("push", "x"), ("body",), ("pop",), ("push", g_name), ("pop",)]
 
 
 def test_format_table():

@@ -42,8 +42,8 @@ def reference_train(text: str, vocab_size: int | None, specials: list[str], tie_
 
     ``vocab_size=None`` trains to exhaustion (until every pre-token is one token). ``tie_break``:
     among the pairs with the winning count, the one with the greatest ``tie_break(pair, merges so
-    far)``; default the pair of byte strings itself (the GPT-2 convention). Returns merges and, per merge, whether the winning
-    count was tied (where conventions may differ).
+    far)``; default the pair of byte strings itself (the GPT-2 convention). Returns merges and, per
+    merge, whether the winning count was tied (where conventions may differ).
     """
     parts = [text]
     for s in sorted(specials, key=len, reverse=True):
@@ -222,7 +222,7 @@ def test_custom_pattern_chunks_only_at_specials(tmp_path, monkeypatch):
 def gpt2_byte_chars() -> list[str]:
     """GPT-2's byte -> printable character table (openai/gpt-2 encoder.py ``bytes_to_unicode``):
     printable Latin-1 bytes map to themselves, the other bytes to U+0100 onwards in byte order."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     out, extra = [], 0
     for b in range(256):
         if b in keep:
