@@ -18,7 +18,7 @@ mkdir -p "$OUT"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee "$OUT/machine.txt"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels -k "not aot" 2>&1 | tee "$OUT/pytest_kernels.log"
+LMSTACK_REQUIRE_CUDA=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels -k "not aot" 2>&1 | tee "$OUT/pytest_kernels.log"
 timeout 180 python3 benchmarks/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
 timeout 60 python3 benchmarks/rmsnorm.py --json "$OUT/rmsnorm.json" 2>&1 | tee "$OUT/rmsnorm.log"
 timeout 100 python3 benchmarks/attention.py --heads 16 --kv-heads 4 --head-dim 128 --seq 2048,8192 \

@@ -13,6 +13,13 @@ the same dtype and llama.cpp. The roofline of a format is read bandwidth / bytes
 step reads (its weights, except the embedding table when it is not the unembedding, plus the KV
 cache at the mean context). llama.cpp runs the Q4_1 GGUF through ``llama-cpp-python``; it is
 skipped with a note when not installed.
+
+``--profile`` runs instead: for each ``--lmstack`` engine, after its warm-up, ``--new-tokens``
+decode steps under ``torch.profiler`` (CPU), and prints the ops with the most self CPU time and
+the profile's total per decoded token (the per-token breakdowns in docs/inference.md: int4
+matmuls, the small ops around them, Dynamo's guard check for a compiled step):
+
+    python benchmarks/inference_decode.py --threads 1 --lmstack int4,int4+compile --profile
 """
 
 from __future__ import annotations
@@ -132,6 +139,20 @@ class LlamaCppEngine:
         return len(prompt) / (t1 - t0), (n_new - 1) / (times[-1] - times[0]), tokens
 
 
+def profile_decode(engine: LmstackEngine, prompt: list[int], n_new: int, rows: int) -> None:
+    """Warm up (compile), then profile ``n_new`` decode steps; print the top ops by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.run(prompt, n_new)  # warm-up: compiles a compiled step
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        n = sum(1 for _ in generate(engine.model, prompt, n_new, decoder=engine.decoder))
+    events = prof.key_averages()
+    total_us = sum(ev.self_cpu_time_total for ev in events)
+    print(f"\n{engine.name}: {n} tokens, profiled self CPU time {total_us / 1e3 / n:.1f} ms per token "
+          f"(the prompt's prefill included once)")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -143,6 +164,9 @@ def main() -> None:
                          "+static = static cache eager, +compile = static cache + torch.compile'd decode step")
     ap.add_argument("--hf", default="fp32,bf16", help="HF transformers dtypes (empty: skip)")
     ap.add_argument("--llama-threads", default="1,2", help="llama.cpp thread counts (empty: skip)")
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler breakdown of each --lmstack engine's decode steps instead of the timing table")
+    ap.add_argument("--profile-rows", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = find_named_model("smollm2-135m")
@@ -157,6 +181,10 @@ def main() -> None:
           f"medians of {args.repeats} interleaved rounds after a warm-up")
 
     engines = [LmstackEngine(base, s, max_len) for s in args.lmstack.split(",") if s]
+    if args.profile:
+        for e in engines:
+            profile_decode(e, prompt, args.new_tokens, args.profile_rows)
+        return
     engines += [HFEngine(path, f) for f in args.hf.split(",") if f]
     if args.llama_threads:
         try:

@@ -15,6 +15,13 @@ uniform in [8, 96] (eos ignored so every system produces exactly those tokens). 
 
 Throughput counts only the tokens each request asked for. Then a shared-system-prompt workload
 reports the prefix-cache hit rate and the throughput with and without prefix caching.
+
+``--profile`` runs only the continuous-batching workload, under cProfile, and prints the
+functions with the most internal time and the ones with the most cumulative time (the engine
+profile in docs/inference.md: linears, attention over the paged cache, gathers, norms, RoPE,
+scheduling, sampling are sums of these rows):
+
+    python benchmarks/inference_serving.py --threads 1 --requests 24 --batch 16 --profile
 """
 
 from __future__ import annotations
@@ -91,6 +98,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-static-lmstack", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile the continuous-batching run only")
+    ap.add_argument("--profile-rows", type=int, default=25)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = find_named_model("smollm2-135m")
@@ -102,6 +111,18 @@ def main() -> None:
     print(f"{args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, outputs "
           f"{min(outs)}-{max(outs)} tokens ({useful} in all), batch {args.batch}\n")
 
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        wall, res, engine = prof.runcall(run_continuous, model, prompts, outs, args.batch)
+        print(f"continuous (lmstack) under cProfile: {wall:.1f} s, {engine.stats['computed_tokens']} tokens computed, "
+              f"{engine.stats['forwards']} forwards")
+        stats = pstats.Stats(prof)
+        stats.sort_stats("tottime").print_stats(args.profile_rows)
+        stats.sort_stats("cumulative").print_stats(args.profile_rows)
+        return
     wall, res, engine = run_continuous(model, prompts, outs, args.batch)
     ttft = [r.ttft for r in res]
     itl = [b - a for r in res for a, b in zip(r.token_times, r.token_times[1:])]

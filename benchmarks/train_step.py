@@ -11,6 +11,17 @@ time with a monotonic clock, synchronise CUDA before reading it).
   .venv/bin/python benchmarks/train_step.py                      # the demo's model, bf16 and fp32
   .venv/bin/python benchmarks/train_step.py --d-model 512 --layers 8 --precision bf16
   .venv/bin/python benchmarks/train_step.py --compile            # + torch.compile'd lmstack and HF
+  .venv/bin/python benchmarks/train_step.py --ab-attn sdpa        # in-process A/B of lmstack's attention
+
+HF is timed with three optimizers, each on its own copy of the same model: ``torch.optim.AdamW``
+as constructed by default (on CPU: the per-tensor for-loop), with ``foreach=True`` (multi-tensor,
+what lmstack's AdamW does) and with ``fused=True`` where this torch has it. The ratio against
+each separates what lmstack's model code and fused loss buy from what the optimizer buys.
+
+``--ab-attn BACKEND`` adds a second lmstack row, "lmstack@BACKEND": the *same* lmstack model and
+optimizer with ``set_attn_backend(BACKEND)`` for its step and the default backend back for the
+next, stepped in the same rounds as the others — an A/B of one change inside one process, which
+machine-load swings between separate runs would drown.
 
 lmstack's step is the Trainer's: forward to the final hidden states, then the block-wise
 unembedding + cross-entropy (lmstack.train.losses.linear_cross_entropy; ``--no-fused-loss``
@@ -23,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import platform
 import statistics
@@ -84,6 +96,8 @@ def main() -> None:
                          "eager = explicit softmax(QKᵀ)V (lmstack attn_backend='reference', HF attn_implementation='eager')")
     ap.add_argument("--no-fused-loss", dest="fused_loss", action="store_false",
                     help="lmstack: materialise the logits and call cross_entropy (TrainConfig fused_loss=false)")
+    ap.add_argument("--ab-attn", default=None, choices=["sdpa", "matmul", "reference", "flash_pytorch"],
+                    help="also time the same lmstack model with this attention backend, alternating every step")
     ap.add_argument("--compile", action="store_true",
                     help="also time torch.compile'd lmstack and HF models (compiling takes minutes on one thread)")
     ap.add_argument("--repeats", type=int, default=8)
@@ -105,7 +119,16 @@ def main() -> None:
     w = torch.randint(0, args.vocab, (B, S + 1), generator=g)
     x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
     opt_ours = AdamW(ours.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    hf_kw = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    hf_models = {"hf": hf, "hf+foreach": copy.deepcopy(hf)}  # same weights, an optimizer each
+    hf_opts = {"hf": torch.optim.AdamW(hf.parameters(), **hf_kw),  # torch's default: for-loop on CPU
+               "hf+foreach": torch.optim.AdamW(hf_models["hf+foreach"].parameters(), foreach=True, **hf_kw)}
+    try:
+        fused_model = copy.deepcopy(hf)
+        hf_opts["hf+fused"] = torch.optim.AdamW(fused_model.parameters(), fused=True, **hf_kw)
+        hf_models["hf+fused"] = fused_model
+    except (RuntimeError, TypeError) as e:  # fused AdamW needs a newer torch on CPU
+        print(f"torch.optim.AdamW(fused=True) is not available here ({str(e).splitlines()[0][:100]})")
     flops = training_step_flops(cfg, B, S)
     precisions = ["bf16", "fp32"] if args.precision == "both" else [args.precision]
     if args.clock == "wall":
@@ -120,15 +143,21 @@ def main() -> None:
           f"F={cfg.d_ff}, {ours.num_params():,} params, {args.attn} attention; batch B={B} S={S} ({B * S} tokens/step); "
           f"{flops / 1e9:.1f} GFLOP/step")
 
-    models = {"lmstack": ours, "hf": hf}
+    default_attn = cfg.attn_backend  # set_attn_backend rewrites the config's field
+    models = {"lmstack": ours, **hf_models}
+    if args.ab_attn:
+        models[f"lmstack@{args.ab_attn}"] = ours  # the same model and optimizer, another attention
     if args.compile:  # same parameters and optimizers, compiled graphs (what TrainConfig compile=true does)
         models["lmstack+compile"] = torch.compile(ours)
         models["hf+compile"] = torch.compile(hf)
+        hf_opts["hf+compile"] = hf_opts["hf"]
 
     for prec in precisions:
         ac = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if prec == "bf16" else contextlib.nullcontext
 
-        def step_ours(model):  # what Trainer.forward_loss + train_step do
+        def step_ours(model, backend=None):  # what Trainer.forward_loss + train_step do
+            if args.ab_attn:  # switch only for the A/B (a compiled model would recompile)
+                ours.set_attn_backend(backend or default_attn)
             with ac():
                 if args.fused_loss:
                     h = model(x, return_hidden=True)  # (B, S, D)
@@ -141,16 +170,17 @@ def main() -> None:
             opt_ours.step()
             opt_ours.zero_grad(set_to_none=True)
 
-        def step_hf(model):
+        def step_hf(model, opt):
             with ac():
                 out = model(input_ids=x, labels=None)
             # HF's own loss on the same targets (labels already shifted): ForCausalLMLoss upcasts and uses F.cross_entropy
             loss = hf.loss_function(out.logits, labels=None, vocab_size=args.vocab, shift_labels=y)
             loss.backward()
-            opt_hf.step()
-            opt_hf.zero_grad(set_to_none=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
-        steps = {k: functools.partial(step_ours if k.startswith("lmstack") else step_hf, m) for k, m in models.items()}
+        steps = {k: (functools.partial(step_ours, m, k.partition("@")[2] or None) if k.startswith("lmstack")
+                     else functools.partial(step_hf, m, hf_opts[k])) for k, m in models.items()}
         for k in [k for k in steps if k.endswith("compile")]:
             t0 = timeit.default_timer()
             try:
@@ -173,11 +203,15 @@ def main() -> None:
         mfu = {k: flops / v / peak[prec] for k, v in med.items()}
         print(f"[{prec}{' autocast, fp32 master weights' if prec == 'bf16' else ''}] "
               + " | ".join(f"{k} {med[k] * 1e3:.0f} ms/step {tps[k]:,.0f} tok/s MFU {mfu[k]:.1%}" for k in med))
-        ratios = [("eager lmstack / eager HF", "lmstack", "hf"),
+        ratios = [("eager lmstack / eager HF (default AdamW)", "lmstack", "hf"),
+                  ("eager lmstack / eager HF (AdamW foreach)", "lmstack", "hf+foreach"),
+                  ("eager lmstack / eager HF (AdamW fused)", "lmstack", "hf+fused"),
+                  (f"lmstack / lmstack@{args.ab_attn}", "lmstack", f"lmstack@{args.ab_attn}"),
                   ("compiled lmstack / eager HF", "lmstack+compile", "hf"),
                   ("compiled lmstack / compiled HF", "lmstack+compile", "hf+compile")]
         print(f"[{prec}] tokens/s ratio " + ", ".join(f"{label} = {tps[a] / tps[b]:.2f}x" for label, a, b in ratios
                                                         if a in tps and b in tps))
+
 
 if __name__ == "__main__":
     main()

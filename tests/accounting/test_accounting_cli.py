@@ -1,6 +1,5 @@
 """`lmstack plan`: tables, --json, --plot, models from files."""
 
-import importlib.util
 import json
 
 import pytest
@@ -35,7 +34,6 @@ def test_plan_plot_and_lmstack_json_model(tmp_path, capsys):
     assert "134,515,008" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lmstack.model.hf") is None, reason="lmstack.model.hf not written yet")
 def test_plan_from_hf_config_json(tmp_path, capsys):
     # Llama-2-7B's public config.json (the fields that matter).
     hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,

@@ -73,8 +73,17 @@ def test_ddp_and_zero_step_bytes():
 @given(b=st.integers(1, 64), s=st.integers(1, 8192), h=st.integers(64, 16384), tp=st.sampled_from([1, 2, 4, 8]))
 def test_tp_ratio(b, s, h, tp):
     # seed 001: (16bsh²/tp) / (4bsh) = 4h/tp, independent of b and s
-    assert tp_compute_flops(b, s, h, tp) / tp_comm_volume(b, s, h) == pytest.approx(tp_compute_comm_ratio(h, tp))
-    assert tp_compute_comm_ratio(h, tp) == 4 * h / tp
+    assert tp_compute_flops(b, s, h, tp) == pytest.approx(16 * b * s * h * h / tp)
+    assert tp_comm_volume(b, s, h) == 4 * b * s * h
+    assert tp_compute_comm_ratio(h, tp) == pytest.approx(4 * h / tp)
+
+
+def test_tp_ratio_worked_numbers():
+    # b = 1, s = 2048, h = 4096 (Llama-2-7B width), tp = 8, multiplied out by hand:
+    # 16·2048·4096²/8 = 2^4·2^11·2^24/2^3 = 2^36; 4·2048·4096 = 2^2·2^11·2^12 = 2^25; ratio 2^11 = 2048
+    assert tp_compute_flops(1, 2048, 4096, 8) == 68_719_476_736
+    assert tp_comm_volume(1, 2048, 4096) == 33_554_432
+    assert tp_compute_comm_ratio(4096, 8) == 2048
 
 
 def test_tp_layer_bytes_hand():

@@ -1,8 +1,5 @@
 """KV cache, activations, inference and training memory (seed 000 §1.5, §1.7, §1.8, §2.5, §6.4-6.6)."""
 
-import importlib
-import importlib.util
-
 import pytest
 
 from lmstack.accounting.memory import (
@@ -133,12 +130,6 @@ def test_per_device_tp_pp_hand():
         training_memory_per_device(cfg, B, S, "fsdp", M)
 
 
-_HAS_ENGINE = importlib.util.find_spec("lmstack.inference") is not None and (
-    importlib.util.find_spec("lmstack.inference.kv_cache") is not None
-)
-
-
-@pytest.mark.skipif(not _HAS_ENGINE, reason="lmstack.inference.kv_cache not written yet")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_engine_kv_allocation_equals_formula(dtype):
     # The engine's preallocated cache must hold exactly 2·B·S·K·H·L elements (seed 000 §1.7).

@@ -26,3 +26,33 @@ def full_recompute_greedy(model, prompt, n, stop_ids=()):
     return out
 
 
+
+
+@torch.no_grad()
+def full_recompute_greedy_penalized(model, prompt, n, penalty, stop_ids=()):
+    """Reference for greedy decoding under a repetition penalty (CTRL, Keskar et al. 2019), written
+    plainly: every token id seen so far (prompt and output, each once) has a positive logit
+    divided by the penalty and a negative one multiplied by it; then the argmax. No cache."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        logits = model(torch.tensor([ids]))[0, -1].tolist()
+        for t in set(ids):
+            logits[t] = logits[t] / penalty if logits[t] > 0 else logits[t] * penalty
+        t = max(range(len(logits)), key=logits.__getitem__)
+        out.append(t)
+        ids.append(t)
+        if t in stop_ids:
+            break
+    return out
+
+
+def hf_render_chat(template, messages, add_generation_prompt, bos_token=None, eos_token=None):
+    """transformers' own chat rendering through its public API: a ``PreTrainedTokenizerFast``
+    (over an empty word-level vocabulary: rendering text needs no vocabulary) carrying the
+    template and the special tokens, ``apply_chat_template(..., tokenize=False)``."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                                  bos_token=bos_token, eos_token=eos_token, chat_template=template)
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

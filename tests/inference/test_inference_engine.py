@@ -90,6 +90,22 @@ def test_prefix_cache_serves_shared_prompt_blocks(model, prompts, reference):
     assert all_free(engine)
 
 
+@pytest.mark.parametrize("first,second", [([5, 6, 7, 8], [5, 6, 7, 9]), ([1, 23, 4, 5], [12, 3, 4, 5])],
+                         ids=["last-token-of-block", "digit-collision"])
+def test_prefix_cache_never_serves_a_block_of_other_tokens(model, first, second):
+    """The second request differs from the cached first only in the last token of a full block,
+    or in tokens whose decimal digits concatenate alike: no cached token, output = recompute."""
+    engine = LLMEngine(model, block_size=4, num_blocks=100)
+    outs = []
+    for i, p in enumerate((first + [40, 41, 42], second + [40, 41, 42])):
+        engine.add_request(f"r{i}", p, GREEDY)
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert outs[-1].token_ids == full_recompute_greedy(model, p, GREEDY.max_tokens)
+    assert [o.num_cached_tokens for o in outs if o.finished] == [0, 0]
+    assert all_free(engine)
+
+
 def test_abort_mid_generation_frees_blocks(model, prompts):
     engine = LLMEngine(model, block_size=4, num_blocks=100)
     for i, p in enumerate(prompts[:4]):

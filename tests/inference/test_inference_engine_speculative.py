@@ -6,7 +6,7 @@ target's distribution (checked against the softmax it should reproduce)."""
 import pytest
 import torch
 
-from inference_helpers import full_recompute_greedy
+from inference_helpers import full_recompute_greedy, full_recompute_greedy_penalized
 from lmstack.inference import LLM, LLMEngine, SamplingParams
 from lmstack.inference.speculative import verify_drafts
 
@@ -43,6 +43,22 @@ def test_speculative_greedy_equals_full_recompute(model, spec_prompts, spec_refe
     assert st["spec_accepted"] > 0 and st["spec_proposed"] >= st["spec_accepted"]
     assert st["generated_tokens"] == sum(len(r) for r in spec_reference)
     assert all_free(llm.engine)
+
+
+@pytest.mark.parametrize("penalty", [0.7, 1.2])
+def test_speculative_greedy_with_repetition_penalty_equals_plain(model, spec_prompts, penalty):
+    """The repetition penalty reads the history, which grows by each kept draft: the engine's
+    verification must penalise row j by the tokens before draft j only. Batched greedy output with
+    speculation equals the plainly written penalised reference and the engine without speculation."""
+    params = SamplingParams(temperature=0.0, max_tokens=14, repetition_penalty=penalty, top_k=4, min_p=0.1)
+    ps = spec_prompts[-6:]
+    ref = [full_recompute_greedy_penalized(model, p, params.max_tokens, penalty) for p in ps]
+    spec = LLM(model, block_size=4, num_blocks=200, max_num_batched_tokens=64, num_speculative_tokens=4)
+    assert [o.token_ids for o in spec.generate(ps, params)] == ref
+    assert spec.engine.stats["spec_accepted"] > 0
+    plain = LLM(model, block_size=4, num_blocks=200, max_num_batched_tokens=64)
+    assert [o.token_ids for o in plain.generate(ps, params)] == ref
+    assert all_free(spec.engine)
 
 
 def test_speculation_saves_forwards_on_a_repetitive_sequence(model, spec_prompts, spec_reference):
@@ -93,6 +109,18 @@ def test_verify_drafts_keeps_the_target_distribution():
     assert verify_drafts(logits, [2, 1], SamplingParams(temperature=0.0), [], None) == [0]
     with pytest.raises(ValueError, match="k\\+1=3 rows"):
         verify_drafts(logits[:2], drafts, params, [], g)
+
+
+def test_verify_drafts_penalises_each_row_by_the_drafts_before_it():
+    """Greedy, repetition penalty 2, history [0], drafts [1, 2] (not in the history, unlike
+    prompt-lookup drafts, for which adding a draft to the history changes nothing). Worked by hand:
+    row 0, token 0 penalised: [1.5, 2, 0, 0] -> 1 = draft 1, kept; row 1, tokens 0, 1 penalised:
+    [0, 0, 1, 0.9] -> 2 = draft 2, kept; row 2, tokens 0, 1, 2 penalised: [0, 0, 0.5, 0.8] -> 3.
+    Penalising row j by draft j itself rejects draft 1 (row 0 -> [1.5, 1, 0, 0] -> 0)."""
+    logits = torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.9], [0.0, 0.0, 1.0, 0.8]])
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert verify_drafts(logits, [1, 2], params, [0], None) == [1, 2, 3]
+    assert verify_drafts(logits, [0, 2], params, [0], None) == [1]  # draft 0 is not the penalised argmax
 
 
 def test_engine_rejects_bad_speculation_options(model):

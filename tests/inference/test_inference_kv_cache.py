@@ -133,3 +133,59 @@ def test_paged_cache_errors(model):
         cache.batch([("s", 0, 3)])
     with pytest.raises(ValueError, match="num_blocks"):
         PagedKVCache(model.config, num_blocks=1)
+
+
+def _prefill(model, cache, sid, toks):
+    """Allocate ``sid`` (reusing cached prefix blocks), compute the rest; returns (cached tokens, logits)."""
+    cached = cache.allocate(sid, toks[sid])
+    cache.reserve(sid, len(toks[sid]) - cached)
+    return cached, _run(model, cache, [(sid, cached, len(toks[sid]) - cached)], toks)[0]
+
+
+def _recompute(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0, -1]
+
+
+@pytest.mark.parametrize("first,second", [
+    ([5, 6, 7, 8], [5, 6, 7, 9]),  # differ only in the last token of the full block
+    ([1, 23, 4, 5], [12, 3, 4, 5]),  # equal under a join of decimal digits without a separator
+    ([1, 2, 34, 5], [1, 23, 4, 5]),
+], ids=["last-token", "digits-1|23-vs-12|3", "digits-2|34-vs-23|4"])
+def test_prefix_cache_does_not_share_blocks_of_different_tokens(model, first, second):
+    """A block is shared only when every token of it (and of every block before it) is equal:
+    the second prompt gets no cached block and its logits equal full recompute."""
+    cache = PagedKVCache(model.config, num_blocks=12, block_size=4, dtype=torch.float64)
+    tail = [40, 41, 42]
+    toks = {"a": first + tail, "b": second + tail, "c": first + [70, 71]}
+    for sid in ("a", "b", "c"):
+        cached, logits = _prefill(model, cache, sid, toks)
+        assert cached == (4 if sid == "c" else 0), sid  # only "c" repeats a cached block ("a"'s first)
+        torch.testing.assert_close(logits, _recompute(model, toks[sid]), atol=1e-10, rtol=0, msg=sid)
+    assert chain_hash(None, first) != chain_hash(None, second)
+
+
+def test_truncate_into_a_registered_full_block_keeps_the_cached_prefix(model):
+    """Issue 14: ``a`` fills two blocks (both named in the prefix cache), is truncated to 6 tokens
+    (rejected drafts) and writes two other tokens; ``b`` then asks for ``a``'s original 8-token
+    prefix and must read the original K/V, not ``a``'s new ones (logits equal to full recompute)."""
+    cache = PagedKVCache(model.config, num_blocks=12, block_size=4, dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    orig = torch.randint(0, 97, (8,), generator=g).tolist()
+    toks = {"a": orig + [1]}
+    _prefill(model, cache, "a", toks)  # 9 tokens: blocks 0 and 1 full and named
+    cache.truncate("a", 6)
+    toks["a"] = orig[:6] + [90, 91, 92]
+    cache.reserve("a", 3)
+    logits_a = _run(model, cache, [("a", 6, 3)], toks)[0]
+    torch.testing.assert_close(logits_a, _recompute(model, toks["a"]), atol=1e-10, rtol=0)
+    toks["b"] = orig + [33, 34]
+    cached, logits_b = _prefill(model, cache, "b", toks)
+    assert cached == 8  # both original blocks still served from the cache
+    torch.testing.assert_close(logits_b, _recompute(model, toks["b"]), atol=1e-10, rtol=0)
+    # a's new second block is private; freeing everything returns every block
+    assert cache.tables["a"][1] != cache.tables["b"][1]
+    for sid in ("a", "b"):
+        cache.free(sid)
+    assert all(r == 0 for r in cache.allocator.ref_count)
+    assert cache.allocator.num_free == cache.num_blocks - 1

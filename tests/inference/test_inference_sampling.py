@@ -5,6 +5,13 @@ import math
 
 import pytest
 import torch
+from transformers import (  # public names: a refactor of transformers' modules fails here, not as a skip
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from lmstack.inference import sample_next
 from lmstack.inference.sampling import (
@@ -62,20 +69,19 @@ def test_repetition_penalty_by_hand():
 
 
 def test_chain_matches_transformers_processors():
-    lp = pytest.importorskip("transformers.generation.logits_process")
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 300, generator=g) * 3
     history = torch.randint(0, 300, (4, 40), generator=g)
     for temperature, top_k, top_p, min_p, rep in [(0.7, 50, 0.9, 0.0, 1.3), (1.3, 0, 0.8, 0.05, 1.0),
                                                    (1.0, 10, 1.0, 0.1, 0.8), (0.5, 0, 0.95, 0.0, 1.1)]:
-        procs = [lp.RepetitionPenaltyLogitsProcessor(rep)] if rep != 1.0 else []
-        procs.append(lp.TemperatureLogitsWarper(temperature))
+        procs = [RepetitionPenaltyLogitsProcessor(rep)] if rep != 1.0 else []
+        procs.append(TemperatureLogitsWarper(temperature))
         if top_k:
-            procs.append(lp.TopKLogitsWarper(top_k))
+            procs.append(TopKLogitsWarper(top_k))
         if top_p < 1:
-            procs.append(lp.TopPLogitsWarper(top_p))
+            procs.append(TopPLogitsWarper(top_p))
         if min_p:
-            procs.append(lp.MinPLogitsWarper(min_p))
+            procs.append(MinPLogitsWarper(min_p))
         ref = logits.clone()
         for proc in procs:
             ref = proc(history, ref)

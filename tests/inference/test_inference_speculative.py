@@ -5,12 +5,12 @@ sampled distribution equal to the target's (statistical tests)."""
 import pytest
 import torch
 
-from inference_helpers import full_recompute_greedy, make_model
-from lmstack.inference import SamplingParams, speculative_generate, truncated_draft
+from inference_helpers import full_recompute_greedy, full_recompute_greedy_penalized, make_model
+from lmstack.inference import SamplingParams, generate, speculative_generate, truncated_draft
 from lmstack.inference.speculative import ngram_propose, rejection_sample
 
 # χ² critical values at significance 0.001 (standard tables): df -> value
-CHI2_999 = {3: 16.266, 8: 26.124}
+CHI2_999 = {3: 16.266}
 
 
 def chi2(counts, probs):
@@ -37,6 +37,30 @@ def test_greedy_identical_to_target(target, prompts, greedy_refs, proposer, k):
         assert out == ref
         assert stats.target_forwards <= 20 and stats.tokens_per_target_forward >= 1
         assert 0 <= stats.acceptance_rate <= 1
+
+
+REPETITIVE = [[3, 4, 5, 6] * 4, [7, 8] * 7 + [7], [10, 20, 30, 10, 20, 40, 10, 20]]
+
+
+@pytest.mark.parametrize("proposer,k,penalty", [
+    ("truncated", 3, 1.3), ("truncated", 1, 1.3), ("truncated", 4, 0.7), ("small-model", 2, 1.3), ("ngram", 4, 0.7),
+])  # (a penalty > 1 discourages the repeats prompt lookup proposes: it would keep no draft)
+def test_greedy_with_repetition_penalty_identical_to_target(target, prompts, proposer, k, penalty):
+    """The penalty reads the history, which grows by each draft: row j of the target's verify pass
+    must be penalised by the tokens before draft j only (not by draft j itself). Greedy output
+    equals plain greedy under the same penalty (the plainly written reference and ``generate``),
+    with drafts kept along the way; the filters (top-k, top-p, min-p) ride along."""
+    draft = {"truncated": truncated_draft(target, 2), "small-model": make_model(n_layers=1, seed=7),
+             "ngram": None}[proposer]
+    params = SamplingParams(temperature=0.0, repetition_penalty=penalty, top_k=5, top_p=0.8, min_p=0.05)
+    accepted = 0
+    for p in [prompts[8], prompts[11]] + REPETITIVE:
+        ref = full_recompute_greedy_penalized(target, p, 16, penalty)
+        assert list(generate(target, p, 16, repetition_penalty=penalty)) == ref
+        out, stats = speculative_generate(target, p, 16, params, draft=draft, num_speculative_tokens=k)
+        assert out == ref, p
+        accepted += stats.accepted
+    assert accepted > 0  # drafts were kept, so rows after a draft were checked
 
 
 def test_stop_ids_end_speculative_generation(target, prompts, greedy_refs):
@@ -69,24 +93,61 @@ def test_rejection_sampling_outputs_p():
     assert abs(accepted / n - alpha) < 0.03
 
 
-def test_speculative_sampling_matches_target_joint_distribution(target):
-    """Over many seeds, the first two sampled tokens follow p(x1) p(x2 | x1) of the target alone."""
-    V = 3
-    tgt = make_model(vocab_size=V, n_layers=2, seed=11, init_std=0.5)
-    dft = make_model(vocab_size=V, n_layers=1, seed=12, init_std=0.5)
+def chi2_quantile_999(df: int) -> float:
+    """The 0.999 quantile of χ²(df) by the Wilson–Hilferty cube approximation (z_0.999 = 3.0902);
+    slightly above the tables for df >= 10 (df 15: 37.84 vs 37.697; df 50: 86.74 vs 86.661), i.e.
+    a significance a little under 0.001."""
+    a = 2 / (9 * df)
+    return df * (1 - a + 3.0902 * a ** 0.5) ** 3
+
+
+def test_speculative_sampling_is_lossless_end_to_end():
+    """``speculative_generate`` with a draft model samples exactly the target's distribution:
+    the first token is distributed as p(x1) and the first two as p(x1) p(x2 | x1), computed from
+    the target alone (temperature 1.5, V = 16, every p(x1) >= 0.016).
+
+    The draft is far from the target (total variation 1 - α = 0.52, α = Σ min(p, q)) but not
+    disjoint: the textbook bug — resampling from p instead of the residual max(0, p − q) at a
+    rejection — emits P_bug(x) = min(p, q)(x) + (1 − α) p(x), which equals p only when α is 0 or 1.
+
+    Power, first-token χ² test (df 15, critical value 37.70 at significance 0.001), n = 2,500
+    draws: the non-centrality is λ = n Σ (P_bug − p)² / p = 2,500 × 0.154 ≈ 385, and a χ²(15, λ)
+    variable (mean 15 + λ = 400, sd √(2(15 + 2λ)) ≈ 40) exceeds 37.70 with probability ≈ 1
+    (9 sd below the mean); the test re-derives λ from the models and also checks the power by
+    simulating 2,000 multinomial samples of size n from P_bug. The joint test (cells with an
+    expected count under 5 pooled into one) has the same n. False alarm rate: 0.002 for both.
+    """
+    V, n = 16, 2500
+    tgt = make_model(vocab_size=V, n_layers=2, seed=5, init_std=0.2)
+    dft = make_model(vocab_size=V, n_layers=1, seed=27, init_std=0.2)
     prompt = [1, 2, 0]
-    params = SamplingParams(temperature=1.0)
+    params = SamplingParams(temperature=1.5)
     with torch.no_grad():
-        p1 = torch.softmax(tgt(torch.tensor([prompt]))[0, -1], -1)
-        q1 = torch.softmax(dft(torch.tensor([prompt]))[0, -1], -1)
-        joint = torch.stack([p1[a] * torch.softmax(tgt(torch.tensor([prompt + [a]]))[0, -1], -1) for a in range(V)])
-    assert float((p1 - q1).abs().sum()) / 2 > 0.1  # the draft really differs from the target
-    n = 1000
+        p1 = torch.softmax(tgt(torch.tensor([prompt]))[0, -1] / 1.5, -1)
+        q1 = torch.softmax(dft(torch.tensor([prompt]))[0, -1] / 1.5, -1)
+        cond = torch.stack([torch.softmax(tgt(torch.tensor([prompt + [a]]))[0, -1] / 1.5, -1) for a in range(V)])
+    joint = p1[:, None] * cond  # (V, V): p(x1) p(x2 | x1)
+    alpha = float(torch.minimum(p1, q1).sum())
+    assert 0.3 < 1 - alpha < 0.8 and float(p1.min()) > 0.015
+    # power against the textbook bug, from the models' own p and q
+    p_bug = torch.minimum(p1, q1) + (1 - alpha) * p1
+    crit = 37.697  # χ²(15) at 0.999, tables
+    assert n * float(((p_bug - p1) ** 2 / p1).sum()) > 300
+    g = torch.Generator().manual_seed(0)
+    sims = torch.stack([torch.bincount(torch.multinomial(p_bug, n, replacement=True, generator=g), minlength=V)
+                        for _ in range(2000)]).double()
+    power = float((((sims - n * p1) ** 2 / (n * p1)).sum(-1) > crit).double().mean())
+    assert power > 0.99
     counts = torch.zeros(V, V, dtype=torch.float64)
     for seed in range(n):
-        out, _ = speculative_generate(tgt, prompt, 2, params, draft=dft, num_speculative_tokens=3, seed=seed)
+        out, _ = speculative_generate(tgt, prompt, 4, params, draft=dft, num_speculative_tokens=3, seed=seed)
         counts[out[0], out[1]] += 1
-    assert chi2(counts.flatten(), joint.flatten()) < CHI2_999[8]
+    assert chi2(counts.sum(1), p1.double()) < crit
+    expected = (n * joint).flatten().double()
+    big = expected >= 5
+    pooled_counts = torch.cat([counts.flatten()[big], counts.flatten()[~big].sum()[None]])
+    pooled_p = torch.cat([joint.flatten()[big], joint.flatten()[~big].sum()[None]]).double()
+    assert chi2(pooled_counts, pooled_p) < chi2_quantile_999(len(pooled_p) - 1)
 
 
 def test_errors(target):

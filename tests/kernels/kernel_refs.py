@@ -51,3 +51,51 @@ def check_against_reference(fn, B, N, K, T, S, H, causal, dtype, atol, rtol, **k
     for name, g, rg in zip("qkv", grads, ref_grads):
         assert g.dtype == dtype and g.shape == rg.shape, name
         torch.testing.assert_close(g.double(), rg, atol=atol, rtol=rtol, msg=lambda m: f"d{name}: {m}")
+
+
+def attention_error_bounds(q, k, v, do, causal, per_cast, tiny=0.0):
+    """Elementwise first-order bounds on |computed − exact| for O, dQ, dK, dV of a flash attention
+    whose inputs q, k, v, dO (B, N|K, T|S, H) are already in a low-precision dtype, which computes
+    in fp32 and rounds — each rounding off by at most ``per_cast`` relative (the unit roundoff
+    u = 2^-8 for bf16, 2^-11 for fp16 when rounding to nearest) — exactly these values:
+
+    - P to the dtype before P·V (forward) and Pᵀ·dO (dV):      |δO| ≤ r·(P|V| + |O|) (O stored too)
+    - O is stored in the dtype and read back for D = rowsum(dO ∘ O): |δD| ≤ Σ|dO|·|δO|
+    - dS = P ∘ (dP − D) to the dtype before dS·K and dSᵀ·Q:    |δdS| ≤ P·|δD| + r·|dS|
+    - dQ, dK, dV stored in the dtype: + r·|dQ|, r·|dK|, r·|dV|
+
+    A value below the dtype's normal range is off by up to ``tiny`` in absolute terms instead (its
+    subnormal spacing: 2^-24 for fp16; bf16's, 2^-133, is negligible): that adds tiny·Σ|V| to δO,
+    tiny·Σ|dO| to δdV and tiny to δdS for every rounded P or dS. Products of two dtype values are
+    exact in fp32 and its accumulation error (~2^-24 per term) is far below these; second-order
+    terms (r²) are left out. Computed in fp64 from the given inputs.
+    Returns the bounds (O, dQ, dK, dV), shaped like the tensors they bound.
+    """
+    q, k, v, do = (t.detach().double() for t in (q, k, v, do))
+    B, N, T, H = q.shape
+    K, S = k.shape[1], k.shape[2]
+    G = N // K
+    ke, ve = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, N, S, H)
+    scale = 1 / math.sqrt(H)
+    s = q @ ke.transpose(-1, -2) * scale  # (B, N, T, S)
+    if causal:
+        visible = torch.arange(S)[None, :] <= torch.arange(T)[:, None] + (S - T)
+        s = s.masked_fill(~visible.to(s.device), -math.inf)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.where(torch.isfinite(lse), torch.exp(s - lse.nan_to_num(neginf=0.0)), torch.zeros_like(s))
+    o = p @ ve
+    o_err = per_cast * (p @ ve.abs() + o.abs()) + tiny * ve.abs().sum(-2, keepdim=True)
+    ds = p * (do @ ve.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+    ds_err = p * (do.abs() * o_err).sum(-1, keepdim=True) + per_cast * ds.abs() + tiny
+
+    def per_kv_head(x):  # (B, N, S, H) -> (B, K, S, H): the G query heads of a kv head add up
+        return x.unflatten(1, (K, G)).sum(2)
+
+    dq = ds @ ke * scale
+    dq_err = ds_err @ ke.abs() * scale + per_cast * dq.abs()
+    dk = per_kv_head(ds.transpose(-1, -2) @ q * scale)
+    dk_err = per_kv_head(ds_err.transpose(-1, -2) @ q.abs() * scale) + per_cast * dk.abs()
+    dv = per_kv_head(p.transpose(-1, -2) @ do)
+    dv_err = per_kv_head(per_cast * p.transpose(-1, -2) @ do.abs() + tiny * do.abs().sum(-2, keepdim=True)) \
+        + per_cast * dv.abs()
+    return o_err, dq_err, dk_err, dv_err

@@ -22,7 +22,14 @@ def test_peak_memory_cpu():
     assert bench.peak_tensor_bytes(lambda: torch.ones(2**20 // 4) + 1) >= 2**20
 
 
-def test_nvtx_is_a_noop_by_default():
+def test_nvtx_is_a_noop_by_default(monkeypatch):
+    """Even where CUDA is present, no NVTX range is pushed unless asked for; when asked, every
+    push is popped (recorded through stand-ins for torch.cuda.nvtx, with CUDA reported present)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(("push", name)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append(("pop",)))
+
     with bench.nvtx_range("x"):
         pass
 
@@ -30,7 +37,17 @@ def test_nvtx_is_a_noop_by_default():
     def f(a):
         return a + 1
 
-    assert f(1) == 2
+    assert f(1) == 2 and calls == []
+    with bench.nvtx_range("x", enabled=True):
+        calls.append(("body",))
+
+    @bench.nvtx_annotate(enabled=True)
+    def g(a):
+        return a * 3
+
+    assert g(2) == 6
+    g_name = "test_nvtx_is_a_noop_by_default.<locals>.g"  # the default label: the function's qualified name
+    assert calls == [("push", "x"), ("body",), ("pop",), ("push", g_name), ("pop",)]
 
 
 def test_format_table():

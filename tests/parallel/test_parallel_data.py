@@ -4,6 +4,7 @@ like one process on the whole batch; bytes per step and per-rank memory match th
 import torch
 import torch.distributed as dist
 
+from lmstack.model.transformer import Transformer
 from parallel_helpers import OPT_KW, assert_close_params, batches, ce, make_opt, reference, spawn, tiny_config
 
 
@@ -150,3 +151,47 @@ def test_ddp_and_zero_match_single_process():
         wl, wp = reference(cfg, data["batches"], accum=accum, freeze=freeze)
         cases.append((name, strategy, data, accum, freeze, wl, wp))
     spawn(_data_parallel, world, cases)
+
+
+def _grad_norm_cases(rank, world, cases):
+    """On each plan: this rank's half of the batch, forward/backward, the global gradient norm
+    (``ParallelModel.grad_norm``, ``clip_grad_norm_`` and, for ZeRO-1/2, the optimizer's own
+    ``clip_grad_norm_``), then one clipped SGD step; all against single-process values."""
+    from lmstack.model.transformer import Transformer
+    from lmstack.parallel.plan import parallelize
+
+    for name, plan, cfg, (x, y), want_norm, max_norm, want_params in cases:
+        for via in ("plan", "optimizer") if plan.get("zero") in (1, 2) else ("plan",):
+            pm = parallelize(Transformer(cfg, seed=0), plan)
+            opt = pm.build_optimizer(torch.optim.SGD, lr=1.0)
+            pm.forward_backward(x, y, ce)
+            if via == "plan":
+                norm = float(pm.grad_norm())
+                assert abs(norm - want_norm) < 1e-5 * want_norm, (name, rank, norm, want_norm)
+                clipped = float(pm.clip_grad_norm_(max_norm))
+            else:
+                clipped = float(opt.clip_grad_norm_(max_norm))
+            assert abs(clipped - want_norm) < 1e-5 * want_norm, (name, via, rank, clipped, want_norm)
+            opt.step()
+            assert_close_params(pm.full_state_dict(), want_params, atol=1e-6, rtol=1e-5, prefix=f"{name} {via} ")
+
+
+def test_zero_gradient_norm_spans_data_parallel_ranks():
+    """The norm of the whole gradient, not of this rank's shard: ZeRO-1/2 reduce-scatter the
+    gradient and ZeRO-3 shards it, so each rank holds only part of it and the squares must be
+    summed over dp. Reference: one process on the whole batch, ``torch.nn.utils.clip_grad_norm_``
+    and ``torch.optim.SGD``. Clipping is active (max_norm = half the norm)."""
+    world = 2
+    cfg = tiny_config(tie_embeddings=True)
+    x, y = batches(1, 4, 16)[0]
+    model = Transformer(cfg, seed=0)
+    ce(model(x), y).backward()
+    norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    max_norm = norm / 2
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cases = [(name, plan, cfg, (x, y), norm, max_norm, want) for name, plan in
+             [("dp", dict(dp=2)), ("zero1", dict(dp=2, zero=1)), ("zero2", dict(dp=2, zero=2)),
+              ("zero3", dict(dp=2, zero=3))]]
+    spawn(_grad_norm_cases, world, cases)

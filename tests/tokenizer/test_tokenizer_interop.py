@@ -51,10 +51,20 @@ def hf_direct(tok: Tokenizer):
     return hf
 
 
-def tiktoken_direct(tok: Tokenizer):
+def tiktoken_direct(tok: Tokenizer, single_digits: bool = False):
+    r"""tiktoken built from the vocabulary with tiktoken's own GPT-2 pre-tokenizer pattern (the one
+    its r50k_base/gpt2 encodings use), not lmstack's. ``single_digits``: SmolLM2's pre-tokenizer,
+    HF's Digits(individual_digits=True) before ByteLevel — every digit alone, no space attached —
+    i.e. tiktoken's pattern with its number branch `` ?\p{N}++`` replaced by ``\p{N}``."""
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    pattern = r50k_pat_str
+    if single_digits:
+        assert r" ?\p{N}++" in pattern, pattern
+        pattern = pattern.replace(r" ?\p{N}++", r"\p{N}")
     specials = set(tok.special_tokens.values())
     ranks = {b: i for i, b in tok.vocab.items() if i not in specials}
-    return tiktoken.Encoding("t", pat_str=tok.pattern, mergeable_ranks=ranks, special_tokens=dict(tok.special_tokens))
+    return tiktoken.Encoding("t", pat_str=pattern, mergeable_ranks=ranks, special_tokens=dict(tok.special_tokens))
 
 
 # ---------------------------------------------------------------- a vocabulary lmstack trained
@@ -92,7 +102,7 @@ def test_exports_equal_direct_references(trained):
 # ---------------------------------------------------------------- SmolLM2's vocabulary (from the GGUF)
 @pytest.fixture(scope="module")
 def smol_refs(smol):
-    return tiktoken_direct(smol), smol.to_hf_tokenizer()
+    return tiktoken_direct(smol, single_digits=True), smol.to_hf_tokenizer()
 
 
 @pytest.mark.parametrize("text", TEXTS)

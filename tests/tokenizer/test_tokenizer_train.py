@@ -37,10 +37,13 @@ def make_corpus(n_words: int, seed: int, special: str | None = None) -> str:
     return "".join(out)
 
 
-def reference_train(text: str, vocab_size: int, specials: list[str]):
+def reference_train(text: str, vocab_size: int | None, specials: list[str], tie_break=None):
     """Slow and plain: split on specials (longest first), count pre-tokens, recount all pairs every step.
 
-    Returns merges and, per merge, whether the winning count was tied (where conventions may differ).
+    ``vocab_size=None`` trains to exhaustion (until every pre-token is one token). ``tie_break``:
+    among the pairs with the winning count, the one with the greatest ``tie_break(pair, merges so
+    far)``; default the pair of byte strings itself (the GPT-2 convention). Returns merges and, per
+    merge, whether the winning count was tied (where conventions may differ).
     """
     parts = [text]
     for s in sorted(specials, key=len, reverse=True):
@@ -50,9 +53,9 @@ def reference_train(text: str, vocab_size: int, specials: list[str]):
     for p in parts:
         for piece in pat.findall(p):
             words[tuple(bytes([b]) for b in piece.encode("utf-8"))] += 1
-    n_merges = vocab_size - len(specials) - 256
+    n_merges = vocab_size - len(specials) - 256 if vocab_size is not None else None
     merges, tied = [], []
-    for _ in range(n_merges):
+    while n_merges is None or len(merges) < n_merges:
         pairs = Counter()
         for w, n in words.items():
             for i in range(len(w) - 1):
@@ -60,7 +63,8 @@ def reference_train(text: str, vocab_size: int, specials: list[str]):
         if not pairs:
             break
         best_count = max(pairs.values())
-        best = max(p for p, c in pairs.items() if c == best_count)
+        tied_pairs = [p for p, c in pairs.items() if c == best_count]
+        best = max(tied_pairs) if tie_break is None else max(tied_pairs, key=lambda p: tie_break(p, merges))
         tied.append(sum(1 for c in pairs.values() if c == best_count) > 1)
         merges.append(best)
         new_words = Counter()
@@ -213,3 +217,70 @@ def test_custom_pattern_chunks_only_at_specials(tmp_path, monkeypatch):
     monkeypatch.setattr(train_mod, "_CHUNK_BYTES", 8192)
     custom = r"\S+\s*"  # would be cut differently before ' <letter>'
     assert count_pretokens(path, pattern=custom, num_workers=2) == Counter(regex.findall(custom, text))
+
+
+def gpt2_byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character table (openai/gpt-2 encoder.py ``bytes_to_unicode``):
+    printable Latin-1 bytes map to themselves, the other bytes to U+0100 onwards in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
+
+
+# Small corpora where the merges run out: count-1 pairs, ties at every count, overlapping
+# pairs ("aaaa"), words of one byte, multi-byte characters, a corpus with one word.
+EXHAUSTION_CORPORA = {
+    "zipf-300": make_corpus(300, 11),
+    "zipf-120": make_corpus(120, 12),
+    "ties": "ab ba ab ba cd dc cd dc abcd dcba x y z",
+    "overlaps": "aaaa aaa aa a aaaaa bbbb abab baba aabb",
+    "singletons": "the quick brown fox jumps over a lazy dog; pack my box with five dozen liquor jugs",
+    "unicode": "café naïve 東京 北京 東京 😀😀 ok ok. ok!",
+    "one-word": "mississippi",
+}
+
+
+@pytest.mark.parametrize("name", list(EXHAUSTION_CORPORA))
+def test_merges_to_exhaustion_match_reference_and_hf(tmp_path, name):
+    """Every merge until nothing is left, count-1 pairs and ties included: lmstack equals the slow
+    reference (ties: greatest byte pair), and HF's BpeTrainer equals the same reference with HF's
+    tie rule (ties: smallest pair of HF token ids, the 256 byte characters numbered in code point
+    order and each merge the next id), so both trainers see the same counts at every step."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = EXHAUSTION_CORPORA[name]
+    path = tmp_path / "c.txt"
+    path.write_text(text, encoding="utf-8")
+    ref, tied = reference_train(text, None, [])
+    assert len(ref) >= 5 and any(tied)
+    vocab, ours = train_bpe(path, 256 + 10 * len(ref))  # asks for more than exist: trains to exhaustion
+    assert ours == ref
+    assert len(vocab) == 256 + len(ref)
+
+    chars = gpt2_byte_chars()
+    to_str = {bytes([b]): c for b, c in enumerate(chars)}
+    byte_ids = {bytes([b]): i for i, b in enumerate(sorted(range(256), key=lambda b: chars[b]))}
+
+    def hf_tie(pair, merges):  # the greatest key among ties = the smallest (id a, id b)
+        ids = dict(byte_ids)
+        for a, b in merges:  # a merged token gets the next id the first time it appears
+            ids.setdefault(a + b, len(ids))
+        return (-ids[pair[0]], -ids[pair[1]])
+
+    ref_hf, _ = reference_train(text, None, [], tie_break=hf_tie)
+
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    hf.train([str(path)], trainers.BpeTrainer(vocab_size=256 + 10 * len(ref), show_progress=False,
+                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf_merges = json.loads(hf.to_str())["model"]["merges"]
+    hf_merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in hf_merges]
+    assert hf_merges == [("".join(to_str[bytes([c])] for c in a), "".join(to_str[bytes([c])] for c in b))
+                         for a, b in ref_hf]

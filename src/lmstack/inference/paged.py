@@ -8,10 +8,11 @@ share physical blocks:
 
 - reference counts: a block is free when no sequence refers to it;
 - prefix caching: every *full* block is named by a chained hash
-  h_i = sha256(h_{i-1} ‖ tokens of block i), so equal hashes mean equal whole prefixes and a
-  new request whose prompt starts with a cached prefix reuses those blocks without computing
-  them. Freed blocks that still hold a cached prefix are kept in an LRU list and are only
-  overwritten (evicted) when no never-used block is left;
+  h_i = sha256(h_{i-1} ‖ tokens of block i as packed int64), so equal hashes mean equal whole
+  prefixes and a new request whose prompt starts with a cached prefix reuses those blocks
+  without computing them. A named block is never written again (a sequence truncated into
+  it writes to a copy). Freed blocks that still hold a cached prefix are kept in an LRU list
+  and are only overwritten (evicted) when no never-used block is left;
 - copy-on-write: a block shared by several sequences (after ``fork``) is copied before one of
   them writes into it.
 
@@ -27,6 +28,7 @@ model's KV-cache seam, so the model computes masks and RoPE from true positions 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 
@@ -44,9 +46,14 @@ class NoFreeBlocks(RuntimeError):
 
 
 def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-    """h_i = sha256(h_{i-1} ‖ token ids of block i): names a block *and* everything before it."""
+    """h_i = sha256(h_{i-1} ‖ token ids of block i): names a block *and* everything before it.
+
+    The parent is a fixed-size digest (32 bytes; b"root" for the first block) and the ids are
+    packed as fixed-width little-endian int64, so no two different (parent, tokens) give the
+    same byte string ([1, 23] and [12, 3] do under a join of decimal digits).
+    """
     h = hashlib.sha256(parent or b"root")
-    h.update(b",".join(str(int(t)).encode() for t in tokens))
+    h.update(struct.pack(f"<{len(tokens)}q", *(int(t) for t in tokens)))
     return h.digest()
 
 
@@ -183,9 +190,15 @@ class PagedKVCache:
         """New blocks ``reserve(seq_id, n)`` would take (including a copy-on-write copy)."""
         table, stored = self.tables[seq_id], self.num_tokens[seq_id]
         need = max(0, self.blocks_for(stored + n) - len(table))
-        if n > 0 and stored % self.block_size and self.allocator.ref_count[table[stored // self.block_size]] > 1:
-            need += 1  # the partly filled block is shared: it is copied before the write
+        if n > 0 and stored % self.block_size and self._copy_before_write(table[stored // self.block_size]):
+            need += 1  # the partly filled block is shared or named: it is copied before the write
         return need
+
+    def _copy_before_write(self, block: int) -> bool:
+        """Whether a write into ``block`` must go to a copy: another sequence refers to it, or it
+        is named in the prefix-cache index (a full block that ``truncate`` made partly filled
+        again: its cached content must stay what its hash says, for requests served from it)."""
+        return self.allocator.ref_count[block] > 1 or block in self.allocator.block_hash
 
     def can_append(self, seq_id: Hashable, n: int, reserve: int = 0) -> bool:
         return self.blocks_needed(seq_id, n) + reserve <= self.allocator.num_free
@@ -199,7 +212,7 @@ class PagedKVCache:
         if n > 0 and stored % bs:
             i = stored // bs
             old = table[i]
-            if self.allocator.ref_count[old] > 1:  # copy-on-write
+            if self._copy_before_write(old):  # copy-on-write
                 new = self.allocator.allocate()
                 self.k[:, new].copy_(self.k[:, old])
                 self.v[:, new].copy_(self.v[:, old])
@@ -242,7 +255,11 @@ class PagedKVCache:
         del self.num_tokens[seq_id], self.hashes[seq_id]
 
     def truncate(self, seq_id: Hashable, n_tokens: int) -> None:
-        """Keep only the first ``n_tokens`` stored tokens (e.g. rejected speculative tokens)."""
+        """Keep only the first ``n_tokens`` stored tokens (e.g. rejected speculative tokens).
+
+        A kept block that was full and named keeps its name and content: the next write goes to
+        a copy (``reserve``), so requests served from the prefix cache still read what its hash says.
+        """
         if n_tokens > self.num_tokens[seq_id]:
             raise ValueError(f"cannot truncate {seq_id!r} to {n_tokens} > {self.num_tokens[seq_id]} stored tokens")
         table = self.tables[seq_id]
