@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sysconfig
 import time
 from pathlib import Path
+
+from lmstack.utils import check_outputs, is_json_file
 
 
 def _expand(inputs: list[str], glob: str) -> list[Path]:
@@ -29,12 +32,42 @@ def _default_corpus() -> list[str]:
     return [sysconfig.get_paths()["stdlib"]]
 
 
+def _is_token_file(path: Path) -> bool:
+    """A token file written by ``encode``: its ``<path>.json`` sidecar names the dtype."""
+    side = Path(str(path) + ".json")
+    return path.is_file() and is_json_file(side) and "dtype" in json.loads(side.read_text(encoding="utf-8"))
+
+
+def _is_merges_file(path: Path) -> bool:
+    """A GPT-2 merges.txt as ``save_gpt2`` writes it (first line ``#version: ...``)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(9) == b"#version:"
+    except OSError:
+        return False
+
+
+def _tokenizer_files(path: str) -> list[tuple[str, Path]]:
+    """The tokenizer path as an input, and for a GPT-2 directory each file in it."""
+    p = Path(path)
+    files = [f for f in p.iterdir() if f.is_file()] if p.is_dir() else []
+    return [("the --tokenizer", p)] + [("a file of the --tokenizer", f) for f in files]
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from . import formats
     from .tokenizer import Tokenizer
     from .train import train_bpe
 
     paths = _expand(args.inputs or _default_corpus(), args.glob)
+    out = Path(args.out)
+    if args.format == "gpt2":
+        outputs = [("--out's vocab.json", out / "vocab.json"), ("--out's merges.txt", out / "merges.txt")]
+        kinds = {"--out's vocab.json": ("a GPT-2 vocab.json", is_json_file),
+                 "--out's merges.txt": ("a GPT-2 merges.txt", _is_merges_file)}
+    else:
+        outputs, kinds = [("--out", out)], {"--out": ("a tokenizer JSON file", is_json_file)}
+    check_outputs(outputs, [("the input", p) for p in paths], kinds, force=args.force)
     specials = args.special_tokens
     total = sum(p.stat().st_size for p in paths)
     print(f"training on {len(paths)} file(s), {total / 1e6:.1f} MB, V={args.vocab_size}, specials={specials}")
@@ -42,7 +75,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     # each file is its own document: pre-tokens (hence merges) never cross a file boundary
     vocab, merges = train_bpe(paths, args.vocab_size, specials, args.pattern, args.workers, progress=True)
     tok = Tokenizer(vocab, merges, specials, pattern=args.pattern)
-    out = Path(args.out)
     if args.format == "lmstack":
         formats.save(tok, out)
     elif args.format == "hf":
@@ -60,8 +92,13 @@ def cmd_encode(args: argparse.Namespace) -> int:
     from .dataset import encode_files
     from .formats import load_tokenizer
 
-    tok = load_tokenizer(args.tokenizer)
     paths = _expand(args.inputs or _default_corpus(), args.glob)
+    side = str(args.out) + ".json"
+    check_outputs([("--out", args.out), ("the sidecar of --out", side)],
+                  [("the input", p) for p in paths] + _tokenizer_files(args.tokenizer),
+                  {"--out": ("a token file (one with a .json sidecar naming its dtype)", _is_token_file),
+                   "the sidecar of --out": ("a token-file sidecar (a JSON object)", is_json_file)}, force=args.force)
+    tok = load_tokenizer(args.tokenizer)
     stats = encode_files(tok, paths, args.out, num_workers=args.workers, progress=True)
     print(
         f"{stats.n_tokens} tokens ({stats.dtype}) from {stats.n_bytes / 1e6:.2f} MB in {len(paths)} file(s): "
@@ -109,12 +146,14 @@ def register(subparsers) -> None:
     t.add_argument("--format", choices=["lmstack", "hf", "gpt2"], default="lmstack",
                    help="lmstack JSON, HF tokenizer.json, or a GPT-2 directory (vocab.json + merges.txt)")
     t.add_argument("--out", required=True, help="output file (directory for --format gpt2)")
+    t.add_argument("--force", action="store_true", help="replace an existing --out that is not a tokenizer file")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("encode", help="encode files into a flat uint16/uint32 token file for np.memmap")
     e.add_argument("inputs", nargs="*", help="text files or directories (default: the stdlib sources)")
     e.add_argument("--tokenizer", required=True, help="lmstack JSON, tokenizer.json, GPT-2 directory or GGUF")
     e.add_argument("--out", required=True, help="output token file (a .json sidecar is written beside it)")
+    e.add_argument("--force", action="store_true", help="replace an existing --out that is not a token file")
     e.add_argument("--glob", default="*.py", help="files to take from directories (default *.py)")
     e.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     e.set_defaults(func=cmd_encode)
