@@ -47,12 +47,9 @@ def _section(title: str) -> None:
     print(f"\n== {title} " + "=" * max(0, 76 - len(title)), flush=True)
 
 
-def collect_corpus(inputs: list[str], glob: str, max_mb: float, dest: Path) -> tuple[int, int]:
-    """Write the corpus file (documents joined by <|endoftext|>); returns (files, bytes).
-
-    Default: the stdlib's top-level modules first, then its packages, skipping test suites,
-    sorted, until ``max_mb`` MB.
-    """
+def corpus_files(inputs: list[str], glob: str) -> list[Path]:
+    """The files given (directories expand to their files matching ``glob``); by default the
+    stdlib's top-level modules first, then its packages, skipping test suites, sorted."""
     if inputs:
         files: list[Path] = []
         for item in inputs:
@@ -70,6 +67,13 @@ def collect_corpus(inputs: list[str], glob: str, max_mb: float, dest: Path) -> t
         pkgs = sorted(f for f in root.rglob("*.py") if f.parent != root
                       and not any(part in skip for part in f.relative_to(root).parts))
         files = top + pkgs
+    return files
+
+
+def collect_corpus(inputs: list[str], glob: str, max_mb: float, dest: Path) -> tuple[int, int]:
+    """Write the corpus file (documents joined by <|endoftext|>) from ``corpus_files``, until
+    ``max_mb`` MB; returns (files, bytes)."""
+    files = corpus_files(inputs, glob)
     limit = int(max_mb * 1e6)
     n_files = n_bytes = 0
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -132,6 +136,11 @@ def run_demo(args) -> int:
 
     t_demo = time.perf_counter()
     out = Path(args.out)
+    from lmstack.utils import check_outputs
+
+    check_outputs([(f"--out's {name}", out / name) for name in ("corpus.txt", "tokenizer.json", "tokens.bin",
+                                                                 "tokens.bin.json", "run")],
+                  [("the input", f) for f in corpus_files(args.inputs, args.glob)])
     out.mkdir(parents=True, exist_ok=True)
 
     _section("1. corpus")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sysconfig
 import time
 from pathlib import Path
@@ -30,12 +29,6 @@ def _expand(inputs: list[str], glob: str) -> list[Path]:
 
 def _default_corpus() -> list[str]:
     return [sysconfig.get_paths()["stdlib"]]
-
-
-def _is_token_file(path: Path) -> bool:
-    """A token file written by ``encode``: its ``<path>.json`` sidecar names the dtype."""
-    side = Path(str(path) + ".json")
-    return path.is_file() and is_json_file(side) and "dtype" in json.loads(side.read_text(encoding="utf-8"))
 
 
 def _is_merges_file(path: Path) -> bool:
@@ -89,14 +82,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    from .dataset import encode_files
+    from .dataset import encode_files, is_token_file
     from .formats import load_tokenizer
 
     paths = _expand(args.inputs or _default_corpus(), args.glob)
     side = str(args.out) + ".json"
     check_outputs([("--out", args.out), ("the sidecar of --out", side)],
                   [("the input", p) for p in paths] + _tokenizer_files(args.tokenizer),
-                  {"--out": ("a token file (one with a .json sidecar naming its dtype)", _is_token_file),
+                  {"--out": ("a token file (one with a .json sidecar naming its dtype)", is_token_file),
                    "the sidecar of --out": ("a token-file sidecar (a JSON object)", is_json_file)}, force=args.force)
     tok = load_tokenizer(args.tokenizer)
     stats = encode_files(tok, paths, args.out, num_workers=args.workers, progress=True)

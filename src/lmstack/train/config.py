@@ -102,6 +102,20 @@ class TrainConfig:
                 raise TrainConfigError(f"{name}={v!r} must be a number in {'(' if lo_open else '['}{lo}, "
                                        f"{hi if hi is not None else 'inf'})")
 
+        for n in ("packing", "activation_checkpointing", "compile", "fused_loss"):
+            if not isinstance(getattr(self, n), bool):
+                raise TrainConfigError(f"{n}={getattr(self, n)!r} must be true or false (a boolean, not a string "
+                                       "or number)")
+        if self.qk_norm is not None and not isinstance(self.qk_norm, bool):
+            raise TrainConfigError(f"qk_norm={self.qk_norm!r} must be true, false or null")
+        for n in ("train_data", "out_dir", "device"):
+            if not isinstance(getattr(self, n), str):
+                raise TrainConfigError(f"{n}={getattr(self, n)!r} must be a string")
+        for n in ("val_data", "tokenizer"):
+            if getattr(self, n) is not None and not isinstance(getattr(self, n), str):
+                raise TrainConfigError(f"{n}={getattr(self, n)!r} must be a path (a string) or null")
+        if self.sep_id is not None:
+            pos_int("sep_id", allow_zero=True)
         for n in ("batch_size", "seq_len", "grad_accum", "max_steps", "eval_batches", "log_interval", "keep_last"):
             pos_int(n)
         for n in ("warmup_steps", "decay_steps", "eval_interval", "ckpt_interval", "seed"):
@@ -171,6 +185,13 @@ class TrainConfig:
             raise TrainConfigError(f"model: {e}") from None
         if self.seq_len > cfg.max_seq_len:
             raise TrainConfigError(f"seq_len={self.seq_len} exceeds model.max_seq_len={cfg.max_seq_len}")
+        if self.sep_id is not None and self.sep_id >= cfg.vocab_size:
+            raise TrainConfigError(f"sep_id={self.sep_id} is not a token id of the model (vocab_size="
+                                   f"{cfg.vocab_size}: ids 0..{cfg.vocab_size - 1})")
+        eos = cfg.eos_token_id
+        if isinstance(eos, int) and not isinstance(eos, bool) and not 0 <= eos < cfg.vocab_size:
+            raise TrainConfigError(f"model.eos_token_id={eos} is not a token id of the model (vocab_size="
+                                   f"{cfg.vocab_size}: ids 0..{cfg.vocab_size - 1})")
         return cfg
 
     # ---- (de)serialisation ---------------------------------------------------------------
