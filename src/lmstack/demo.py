@@ -40,6 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sample-prompt", default="def ", help="prompt for the model trained here")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--skip-smollm2", action="store_true", help="stop after sampling the trained model")
+    from lmstack.threads import add_threads_argument
+
+    add_threads_argument(p, help="CPU threads (default: time 1 thread against all the CPUs available to this "
+                                 "process, affinity and cgroup quota, and keep the faster)")
     p.set_defaults(func=run_demo)
 
 
@@ -179,11 +183,14 @@ def run_demo(args) -> int:
     probe = Trainer(TrainConfig(**base, max_steps=100, warmup_steps=10), progress=False, peak_flops=1.0)
     peak = device_peak_flops("cpu", args.precision)
     print_accounting(probe.model_config, B, S, 1, args.precision, peak)
-    # Calibrate: time steps with every thread count up to the cores we have (other jobs on a shared
-    # machine can make fewer threads faster), keep the fastest, and fit max_steps into the budget.
+    # Calibrate: time steps with 1 thread and with every CPU available to this process (other jobs on
+    # a shared machine can make fewer threads faster), keep the fastest, and fit max_steps into the
+    # budget; --threads N times only N.
+    from lmstack.threads import available_cpus
+
     probe.train_step()
     timings = {}
-    for threads in sorted({1, torch.get_num_threads()}, reverse=True):
+    for threads in [args.threads] if args.threads else sorted({1, available_cpus()}, reverse=True):
         torch.set_num_threads(threads)
         t0 = time.perf_counter()
         for _ in range(2):

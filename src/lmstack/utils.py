@@ -57,11 +57,12 @@ class OutputError(ValueError):
 
 
 def _same(a: Path, b: Path) -> bool:
-    """True when both exist and are the same file (symlinks followed, hard links: same st_dev/st_ino)."""
+    """True when ``a`` and ``b`` are the same file: same st_dev/st_ino when both exist (symlinks
+    followed, hard links), else the same resolved path (an input the command would create)."""
     try:
         return os.path.samefile(a, b)
     except OSError:
-        return False
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -89,14 +90,14 @@ def check_outputs(outputs: Labeled, inputs: Labeled, kinds: dict[str, tuple[str,
     (a ValueError: the CLI exits 2) naming both paths.
     """
     outs = [(k, Path(v)) for k, v in outputs if v is not None]
-    ins = [(k, Path(v)) for k, v in inputs if v is not None and os.path.exists(v)]
+    ins = [(k, Path(v)) for k, v in inputs if v is not None]
     for olabel, out in outs:
         for ilabel, src in ins:
             if _same(out, src):
                 how = "is" if os.path.abspath(out) == os.path.abspath(src) else "resolves to"
                 raise OutputError(f"{olabel} {str(out)!r} {how} {ilabel} {str(src)!r}; refusing to overwrite an "
                                   "input (choose another output path)")
-            if out.is_dir() and _inside(src, out):
+            if out.is_dir() and src.exists() and _inside(src, out):
                 raise OutputError(f"{ilabel} {str(src)!r} lies inside {olabel} {str(out)!r}, which this command "
                                   "writes into; move the input or choose another output")
         if kinds and olabel in kinds and out.exists() and not force:

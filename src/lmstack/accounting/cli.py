@@ -13,6 +13,7 @@ import os
 from lmstack.model.config import PRESETS, ModelConfig
 from lmstack.accounting.hardware import HARDWARE, get_hardware, measure_cpu
 from lmstack.accounting.plan import build_plan
+from lmstack.threads import add_threads_argument
 from lmstack.utils import atomic_write_text, check_outputs, is_json_file, is_png_file
 
 
@@ -38,6 +39,7 @@ def register(subparsers) -> None:
     p.add_argument("--plot", metavar="PNG", help="draw the roofline with this workload's points to PNG")
     p.add_argument("--quick", action="store_true", help="with --hardware cpu: a fast, rough measurement")
     p.add_argument("--force", action="store_true", help="replace an existing --json/--plot file of another kind")
+    add_threads_argument(p, help="CPU threads for --hardware cpu (default: the CPUs available to this process)")
     p.set_defaults(func=run_plan)
 
 

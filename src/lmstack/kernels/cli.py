@@ -31,6 +31,8 @@ def _default_device() -> str:
 
 
 def register(subparsers) -> None:
+    from lmstack.threads import add_threads_argument
+
     p = subparsers.add_parser("bench", help="benchmark attention backends or a model training step",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(title="what", metavar="WHAT")
@@ -42,6 +44,7 @@ def register(subparsers) -> None:
         q.add_argument("--repeats", type=int, default=3, help="timed calls; median and min reported (default 3)")
         q.add_argument("--json", metavar="PATH", help="also write the results as JSON")
         q.add_argument("--force", action="store_true", help="replace an existing --json file that is not JSON")
+        add_threads_argument(q)
         q.add_argument("--nvtx", action="store_true", help="emit NVTX ranges for Nsight Systems (CUDA)")
 
     m = sub.add_parser("model", help="forward / backward / optimizer-step breakdown of a model config")

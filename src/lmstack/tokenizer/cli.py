@@ -7,6 +7,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+from lmstack.threads import add_threads_argument, available_cpus
 from lmstack.utils import check_outputs, is_json_file
 
 
@@ -66,7 +67,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"training on {len(paths)} file(s), {total / 1e6:.1f} MB, V={args.vocab_size}, specials={specials}")
     t0 = time.perf_counter()
     # each file is its own document: pre-tokens (hence merges) never cross a file boundary
-    vocab, merges = train_bpe(paths, args.vocab_size, specials, args.pattern, args.workers, progress=True)
+    vocab, merges = train_bpe(paths, args.vocab_size, specials, args.pattern, args.threads or available_cpus(),
+                              progress=True)
     tok = Tokenizer(vocab, merges, specials, pattern=args.pattern)
     if args.format == "lmstack":
         formats.save(tok, out)
@@ -92,7 +94,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
                   {"--out": ("a token file (one with a .json sidecar naming its dtype)", is_token_file),
                    "the sidecar of --out": ("a token-file sidecar (a JSON object)", is_json_file)}, force=args.force)
     tok = load_tokenizer(args.tokenizer)
-    stats = encode_files(tok, paths, args.out, num_workers=args.workers, progress=True)
+    stats = encode_files(tok, paths, args.out, num_workers=args.threads or available_cpus(), progress=True)
     print(
         f"{stats.n_tokens} tokens ({stats.dtype}) from {stats.n_bytes / 1e6:.2f} MB in {len(paths)} file(s): "
         f"{stats.bytes_per_token:.3f} bytes/token, {stats.mb_per_s:.2f} MB/s -> {args.out}"
@@ -135,7 +137,8 @@ def register(subparsers) -> None:
     t.add_argument("--special-tokens", nargs="*", default=["<|endoftext|>"], help="default: <|endoftext|>")
     t.add_argument("--pattern", default="gpt2", help="gpt2 | gpt4 | llama3 | smollm | a regex")
     t.add_argument("--glob", default="*.py", help="files to take from directories (default *.py)")
-    t.add_argument("--workers", type=int, default=None, help="processes for pre-token counting")
+    add_threads_argument(t, "--workers", help="processes for pre-token counting (default: the CPUs available "
+                                              "to this process: affinity and cgroup quota)")
     t.add_argument("--format", choices=["lmstack", "hf", "gpt2"], default="lmstack",
                    help="lmstack JSON, HF tokenizer.json, or a GPT-2 directory (vocab.json + merges.txt)")
     t.add_argument("--out", required=True, help="output file (directory for --format gpt2)")
@@ -148,7 +151,8 @@ def register(subparsers) -> None:
     e.add_argument("--out", required=True, help="output token file (a .json sidecar is written beside it)")
     e.add_argument("--force", action="store_true", help="replace an existing --out that is not a token file")
     e.add_argument("--glob", default="*.py", help="files to take from directories (default *.py)")
-    e.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    add_threads_argument(e, "--workers", help="encoding processes (default: the CPUs available to this "
+                                              "process: affinity and cgroup quota)")
     e.set_defaults(func=cmd_encode)
 
     i = sub.add_parser("info", help="describe a tokenizer file and encode a sample")
