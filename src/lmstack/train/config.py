@@ -88,6 +88,7 @@ class TrainConfig:
     # ---- distributed: a lmstack.parallel plan, as a table ({dp = 2, tp = 2, zero = 1}) or a string
     # ("ddp", "zero1", "dp=2,tp=2,zero=1"); None = one process. Launch with torchrun (docs/parallel.md).
     parallel: str | dict[str, Any] | None = None
+    dist_timeout_s: float = 600.0  # a collective waiting longer than this for a stalled rank fails the run
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_zero: bool = False) -> None:
@@ -132,6 +133,7 @@ class TrainConfig:
         num("grad_clip", 0.0)
         num("z_loss", 0.0)
         num("val_fraction", 0.0, 1.0)
+        num("dist_timeout_s", 0.0, lo_open=True)
         if self.warmup_steps > self.max_steps:
             raise TrainConfigError(f"warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}")
         if self.optimizer not in OPTIMIZERS:
