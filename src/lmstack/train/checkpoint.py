@@ -149,8 +149,9 @@ def step_dirs(directory: str | os.PathLike) -> list[Path]:
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The checkpoint ``latest`` names; without a ``latest`` file the highest step; None when
-    there is none. A ``latest`` that names a missing or incomplete checkpoint raises CheckpointError."""
+    """The checkpoint ``latest`` names (or, while an interrupted re-save has it moved aside, its
+    ``.old_step_N_<pid>`` folder); without a ``latest`` file the highest step; None when there is
+    none. A ``latest`` that names a missing or incomplete checkpoint raises CheckpointError."""
     d = Path(directory)
     pointer = d / "latest"
     if pointer.is_file():
@@ -158,6 +159,10 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         p = d / name
         if not _STEP_DIR.match(name):
             raise CheckpointError(f"{pointer} holds {name!r}, not a checkpoint name like 'step_00000010'")
+        if not p.exists():  # a re-save died between moving the old one aside and renaming the new one in
+            aside = sorted(q for q in d.glob(f".old_{name}_*") if (q / "state.json").is_file())
+            if aside:
+                return aside[-1]  # recover() renames it back when the next run starts
         if not (p / "state.json").is_file():
             others = [q.name for q in step_dirs(d)]
             raise CheckpointError(f"{pointer} names {p}, which is {'incomplete' if p.exists() else 'missing'}; "

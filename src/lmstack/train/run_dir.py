@@ -23,7 +23,9 @@ RUN_DIRS = ("checkpoints", "model")
 def run_outputs(out_dir: str | os.PathLike) -> list[tuple[str, Path]]:
     """(label, path) of everything a run writes, for ``lmstack.utils.check_outputs``."""
     d = Path(out_dir)
-    return [(f"out_dir's {name}" + ("/" if name in RUN_DIRS else ""), d / name) for name in RUN_FILES]
+    files = [(f"out_dir's {name}" + ("/" if name in RUN_DIRS else ""), d / name) for name in RUN_FILES]
+    return files + [(f"out_dir's model/{name}", d / "model" / name)
+                    for name in ("config.json", "model.safetensors", "tokenizer.json")]
 
 
 def existing_run(out_dir: str | os.PathLike) -> list[str]:
