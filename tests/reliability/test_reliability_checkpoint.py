@@ -81,6 +81,8 @@ def test_kill_at_dangerous_point_then_resume_is_bit_exact(tmp_path, point, step)
     common = [f"out_dir={run}", "max_steps=8", "ckpt_interval=2", "keep_last=2"]
     _drive(point, step, config, *common)
     p = _assert_latest_loadable(run / "checkpoints")
+    for q in ckpt.step_dirs(run / "checkpoints"):  # every step folder is complete (pruned ones are renamed first)
+        read_checkpoint(q)
     # after the rename the new folder is complete but latest still names the previous one
     assert p.name == (f"step_{step - 2:08d}" if point == "after_rename" else f"step_{step:08d}")
     rc, out, err = train_cli(config, "--resume", *common)
