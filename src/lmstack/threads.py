@@ -12,7 +12,8 @@ takes the smallest of
 
 rounded down (a 1.5-CPU quota gives 1 thread), at least 1. Every command that computes has
 ``--threads N`` (``add_threads_argument``); ``lmstack`` calls ``set_threads`` once with it, so the
-default is ``available_cpus()`` everywhere. It cannot see other jobs' load on CPUs this process
+default is ``available_cpus()`` everywhere — or ``OMP_NUM_THREADS`` when that is set (torchrun sets
+it to 1 per rank when it starts several ranks on one machine). It cannot see other jobs' load on CPUs this process
 is allowed to use: on a shared machine pass a smaller ``--threads`` (``lmstack demo`` times one
 thread against all of them and keeps the faster).
 """
@@ -81,11 +82,21 @@ def available_cpus() -> int:
     return max(1, n)
 
 
+def default_threads() -> int:
+    """``OMP_NUM_THREADS`` when set (torchrun sets 1 per rank when it starts several on one machine),
+    else ``available_cpus()``."""
+    try:
+        n = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return available_cpus()
+    return n if n >= 1 else available_cpus()
+
+
 def set_threads(threads: int | None = None) -> int:
-    """Use ``threads`` torch threads (default ``available_cpus()``); returns the number set."""
+    """Use ``threads`` torch threads (default ``default_threads()``); returns the number set."""
     import torch
 
-    n = available_cpus() if threads is None else threads
+    n = default_threads() if threads is None else threads
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"--threads={threads!r} must be an integer >= 1")
     torch.set_num_threads(n)

@@ -226,12 +226,15 @@ def test_available_cpus_takes_affinity_and_quota(monkeypatch):
     assert threads.available_cpus() == 1
 
 
-def test_threads_flag(tmp_path):
+def test_threads_flag(tmp_path, monkeypatch):
     from lmstack.threads import available_cpus, set_threads
 
     old = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     try:
         assert set_threads(None) == available_cpus() == torch.get_num_threads()
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's setting for several ranks per machine wins
+        assert set_threads(None) == 1 == torch.get_num_threads()
         assert set_threads(1) == 1 == torch.get_num_threads()
     finally:
         torch.set_num_threads(old)
