@@ -117,10 +117,15 @@ def is_json_file(path: Path) -> bool:
         return False
 
 
-def is_png_file(path: Path) -> bool:
-    """A regular file starting with the PNG signature."""
+def file_starts_with(path: Path, prefix: bytes) -> bool:
+    """A readable file whose first bytes are ``prefix`` (a format's signature)."""
     try:
         with open(path, "rb") as f:
-            return f.read(8) == b"\x89PNG\r\n\x1a\n"
+            return f.read(len(prefix)) == prefix
     except OSError:
         return False
+
+
+def is_png_file(path: Path) -> bool:
+    """A file starting with the PNG signature."""
+    return file_starts_with(path, b"\x89PNG\r\n\x1a\n")

@@ -52,14 +52,24 @@ def cli(*args: str) -> tuple[int, str, str]:
     from lmstack.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    old = torch.get_num_threads()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with one_thread(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             rc = main([str(a) for a in args])
         except SystemExit as e:  # argparse errors
             rc = int(e.code or 0)
-    torch.set_num_threads(old)
     return rc, out.getvalue(), err.getvalue()
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Torch on one thread inside (as the subprocesses run: bit-equal results), restored after
+    (``lmstack`` main sets the thread count from --threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def train_cli(config: Path, *args: str) -> tuple[int, str, str]:

@@ -19,17 +19,10 @@ import torch
 
 from lmstack.train import checkpoint as ckpt
 from lmstack.train.checkpoint import latest_checkpoint, read_checkpoint
-from reliability_train_helpers import (assert_same_weights, run_config, snapshot, spawn, train_cli, weights)
+from reliability_train_helpers import (assert_same_weights, one_thread, run_config, snapshot, spawn, train_cli,
+                                       weights)
 
 DRIVER = str(Path(__file__).with_name("reliability_kill_driver.py"))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _reference(tmp: Path, config: Path, *overrides: str) -> dict[str, torch.Tensor]:
@@ -195,12 +188,13 @@ def test_rollback_then_smaller_keep_last_keeps_the_new_checkpoint(tmp_path):
     assert _assert_latest_loadable(ck).name == "step_00000008"
     assert [p.name for p in ckpt.step_dirs(ck)] == ["step_00000008"]  # keep_last=1: the abandoned step 10 went
     # independent expectation: 5 steps of the 10-step schedule, then the end moved to 8, in one process
-    t = Trainer(TrainConfig.load(config, [f"out_dir={tmp_path / 'straight'}", "max_steps=10"]), progress=False)
-    for _ in range(5):
-        t.train_step()
-    t.set_max_steps(8)
-    for _ in range(3):
-        t.train_step()
+    with one_thread():
+        t = Trainer(TrainConfig.load(config, [f"out_dir={tmp_path / 'straight'}", "max_steps=10"]), progress=False)
+        for _ in range(5):
+            t.train_step()
+        t.set_max_steps(8)
+        for _ in range(3):
+            t.train_step()
     assert_same_weights(weights(ck / "step_00000008"), {k: v.detach() for k, v in t.raw_model.state_dict().items()})
     assert [s for s, _ in _train_rows(run)] == list(range(1, 9))  # steps 6-10 of the abandoned run dropped
     rc, out, err = train_cli(config, "--resume", f"out_dir={run}", "max_steps=8")
@@ -264,7 +258,8 @@ def test_disk_full_during_a_checkpoint_is_a_clear_error_and_keeps_the_previous(t
     assert f"the previous checkpoint {run / 'checkpoints' / 'step_00000002'} is intact" in err
     ck = run / "checkpoints"
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000002"]
-    t = Trainer(TrainConfig.load(config, [f"out_dir={tmp_path / 'straight'}", "max_steps=6"]), progress=False)
-    t.train_step()
-    t.train_step()
+    with one_thread():
+        t = Trainer(TrainConfig.load(config, [f"out_dir={tmp_path / 'straight'}", "max_steps=6"]), progress=False)
+        t.train_step()
+        t.train_step()
     assert_same_weights(weights(_assert_latest_loadable(ck)), {k: v.detach() for k, v in t.raw_model.state_dict().items()})

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from lmstack.threads import add_threads_argument, available_cpus
-from lmstack.utils import check_outputs, is_json_file
+from lmstack.utils import check_outputs, file_starts_with, is_json_file
 
 
 def _expand(inputs: list[str], glob: str) -> list[Path]:
@@ -34,11 +34,7 @@ def _default_corpus() -> list[str]:
 
 def _is_merges_file(path: Path) -> bool:
     """A GPT-2 merges.txt as ``save_gpt2`` writes it (first line ``#version: ...``)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(9) == b"#version:"
-    except OSError:
-        return False
+    return file_starts_with(path, b"#version:")
 
 
 def _tokenizer_files(path: str) -> list[tuple[str, Path]]:
