@@ -41,6 +41,17 @@ def existing_run(out_dir: str | os.PathLike) -> list[str]:
     return found
 
 
+def refuse_existing_run(out_dir: str | os.PathLike, found: list[str] | None = None) -> None:
+    """A fresh run without ``--overwrite``: raise TrainConfigError when ``out_dir`` holds a run
+    (``found``: what ``existing_run`` saw, when already looked up)."""
+    from lmstack.train.config import TrainConfigError
+
+    found = existing_run(out_dir) if found is None else found
+    if found:
+        raise TrainConfigError(f"out_dir {str(out_dir)!r} already holds a run ({', '.join(found)}); pass --resume "
+                               "to continue it, --overwrite to delete it and start afresh, or choose another out_dir")
+
+
 def clear_run(out_dir: str | os.PathLike) -> list[str]:
     """``--overwrite``: delete the previous run's ``RUN_FILES`` (each renamed away first, so a crash
     leaves either the old file or none); returns the names removed."""

@@ -48,7 +48,7 @@ from lmstack.train.config import TrainConfig, TrainConfigError
 from lmstack.train.data import Batch, check_token_ids, get_batch, open_tokens, resolve_device, sequential_batches
 from lmstack.train.losses import cross_entropy, linear_cross_entropy
 from lmstack.train.optim import SGD, AdamW, clip_grad_norm, global_grad_norm
-from lmstack.train.run_dir import clear_run, existing_run, run_outputs, truncate_metrics
+from lmstack.train.run_dir import clear_run, existing_run, refuse_existing_run, run_outputs, truncate_metrics
 from lmstack.train.schedule import LRSchedule
 from lmstack.utils import check_outputs
 
@@ -583,10 +583,8 @@ class Trainer:
             return
         found = existing_run(self.out_dir)
         _barrier()
-        if found and not self.overwrite:
-            raise TrainConfigError(f"out_dir {str(self.out_dir)!r} already holds a run ({', '.join(found)}); pass "
-                                   "--resume to continue it, --overwrite to delete it and start afresh, or choose "
-                                   "another out_dir")
+        if not self.overwrite:
+            refuse_existing_run(self.out_dir, found)
         if found and self.is_main:
             clear_run(self.out_dir)
             print(f"--overwrite: removed the previous run's {', '.join(found)} from {self.out_dir}")
