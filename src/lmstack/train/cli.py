@@ -61,13 +61,12 @@ def run_train(args: argparse.Namespace) -> int:
         config = TrainConfig.load(args.config, args.overrides)
     else:
         config = TrainConfig.from_dict(apply_overrides({}, args.overrides), where="overrides")
-    if not args.resume:  # a resumed run may read its own out_dir/config.json, rewritten with the same run
-        from lmstack.train.run_dir import refuse_existing_run, run_outputs
-        from lmstack.utils import check_outputs
+    from lmstack.train.run_dir import check_run_paths, refuse_existing_run
 
-        check_outputs(run_outputs(config.out_dir), [("--config", args.config)])
-        if not args.overwrite:  # before building anything (Trainer.fit checks again)
-            refuse_existing_run(config.out_dir)
+    # a resumed run may read its own out_dir/config.json (rewritten by the same run)
+    check_run_paths(config, None if args.resume else args.config)
+    if not args.resume and not args.overwrite:  # before building anything (Trainer.fit checks again)
+        refuse_existing_run(config.out_dir)
     tok = None
     if args.sample is not None:  # fail now, not after hours of training
         if not config.tokenizer:

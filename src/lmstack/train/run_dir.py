@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from lmstack.utils import atomic_write_text
+from lmstack.utils import atomic_write_text, check_outputs
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "model", "loss_curve.png")
 RUN_DIRS = ("checkpoints", "model")
@@ -26,6 +26,13 @@ def run_outputs(out_dir: str | os.PathLike) -> list[tuple[str, Path]]:
     files = [(f"out_dir's {name}" + ("/" if name in RUN_DIRS else ""), d / name) for name in RUN_FILES]
     return files + [(f"out_dir's model/{name}", d / "model" / name)
                     for name in ("config.json", "model.safetensors", "tokenizer.json")]
+
+
+def check_run_paths(config, config_file: str | os.PathLike | None = None) -> None:
+    """No file the run writes may be (or link to) one it reads: ``train_data``, ``val_data``,
+    ``tokenizer`` and the ``--config`` file (``lmstack.utils.check_outputs``; OutputError)."""
+    check_outputs(run_outputs(config.out_dir), [("--config", config_file), ("train_data", config.train_data),
+                                                ("val_data", config.val_data), ("tokenizer", config.tokenizer)])
 
 
 def existing_run(out_dir: str | os.PathLike) -> list[str]:

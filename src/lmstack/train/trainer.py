@@ -48,9 +48,8 @@ from lmstack.train.config import TrainConfig, TrainConfigError
 from lmstack.train.data import Batch, check_token_ids, get_batch, open_tokens, resolve_device, sequential_batches
 from lmstack.train.losses import cross_entropy, linear_cross_entropy
 from lmstack.train.optim import SGD, AdamW, clip_grad_norm, global_grad_norm
-from lmstack.train.run_dir import clear_run, existing_run, refuse_existing_run, run_outputs, truncate_metrics
+from lmstack.train.run_dir import check_run_paths, clear_run, existing_run, refuse_existing_run, truncate_metrics
 from lmstack.train.schedule import LRSchedule
-from lmstack.utils import check_outputs
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -164,8 +163,7 @@ class Trainer:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.overwrite = overwrite
         self._resumed = False
-        check_outputs(run_outputs(self.out_dir), [("train_data", c.train_data), ("val_data", c.val_data),
-                                                  ("tokenizer", c.tokenizer)])
+        check_run_paths(c)
 
         # ---- data (seed 000 §5.3) ----
         tokens = open_tokens(c.train_data)
