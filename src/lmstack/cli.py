@@ -37,11 +37,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not hasattr(args, "overrides"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not hasattr(args, "func"):
         parser.print_help()
         return 0
     try:
+        if extra:  # key=value overrides argparse left after an optional-argument flag (train --resume)
+            from lmstack.train.cli import split_resume
+
+            split_resume(args, extra)
+        if hasattr(args, "threads"):  # every command that computes has --threads
+            from lmstack.threads import set_threads
+
+            set_threads(args.threads)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -40,6 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sample-prompt", default="def ", help="prompt for the model trained here")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--skip-smollm2", action="store_true", help="stop after sampling the trained model")
+    from lmstack.threads import add_threads_argument
+
+    add_threads_argument(p, help="CPU threads (default: time 1 thread against all the CPUs available to this "
+                                 "process, affinity and cgroup quota, and keep the faster)")
     p.set_defaults(func=run_demo)
 
 
@@ -47,12 +51,9 @@ def _section(title: str) -> None:
     print(f"\n== {title} " + "=" * max(0, 76 - len(title)), flush=True)
 
 
-def collect_corpus(inputs: list[str], glob: str, max_mb: float, dest: Path) -> tuple[int, int]:
-    """Write the corpus file (documents joined by <|endoftext|>); returns (files, bytes).
-
-    Default: the stdlib's top-level modules first, then its packages, skipping test suites,
-    sorted, until ``max_mb`` MB.
-    """
+def corpus_files(inputs: list[str], glob: str) -> list[Path]:
+    """The files given (directories expand to their files matching ``glob``); by default the
+    stdlib's top-level modules first, then its packages, skipping test suites, sorted."""
     if inputs:
         files: list[Path] = []
         for item in inputs:
@@ -70,6 +71,13 @@ def collect_corpus(inputs: list[str], glob: str, max_mb: float, dest: Path) -> t
         pkgs = sorted(f for f in root.rglob("*.py") if f.parent != root
                       and not any(part in skip for part in f.relative_to(root).parts))
         files = top + pkgs
+    return files
+
+
+def collect_corpus(inputs: list[str], glob: str, max_mb: float, dest: Path) -> tuple[int, int]:
+    """Write the corpus file (documents joined by <|endoftext|>) from ``corpus_files``, until
+    ``max_mb`` MB; returns (files, bytes)."""
+    files = corpus_files(inputs, glob)
     limit = int(max_mb * 1e6)
     n_files = n_bytes = 0
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -132,6 +140,11 @@ def run_demo(args) -> int:
 
     t_demo = time.perf_counter()
     out = Path(args.out)
+    from lmstack.utils import check_outputs
+
+    check_outputs([(f"--out's {name}", out / name) for name in ("corpus.txt", "tokenizer.json", "tokens.bin",
+                                                                 "tokens.bin.json", "run")],
+                  [("the input", f) for f in corpus_files(args.inputs, args.glob)])
     out.mkdir(parents=True, exist_ok=True)
 
     _section("1. corpus")
@@ -170,11 +183,14 @@ def run_demo(args) -> int:
     probe = Trainer(TrainConfig(**base, max_steps=100, warmup_steps=10), progress=False, peak_flops=1.0)
     peak = device_peak_flops("cpu", args.precision)
     print_accounting(probe.model_config, B, S, 1, args.precision, peak)
-    # Calibrate: time steps with every thread count up to the cores we have (other jobs on a shared
-    # machine can make fewer threads faster), keep the fastest, and fit max_steps into the budget.
+    # Calibrate: time steps with 1 thread and with every CPU available to this process (other jobs on
+    # a shared machine can make fewer threads faster), keep the fastest, and fit max_steps into the
+    # budget; --threads N times only N.
+    from lmstack.threads import available_cpus
+
     probe.train_step()
     timings = {}
-    for threads in sorted({1, torch.get_num_threads()}, reverse=True):
+    for threads in [args.threads] if args.threads else sorted({1, available_cpus()}, reverse=True):
         torch.set_num_threads(threads)
         t0 = time.perf_counter()
         for _ in range(2):

@@ -1,11 +1,13 @@
-"""Small shared helpers: atomic file writes (nothing lmstack writes is ever left half-written)."""
+"""Small shared helpers: atomic file writes (nothing lmstack writes is ever left half-written) and the
+one guard every writing command calls so that an output never overwrites an input."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 
@@ -46,3 +48,84 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+# ---- outputs never overwrite inputs -------------------------------------------------------------
+
+class OutputError(ValueError):
+    """An output path that would overwrite one of the command's inputs, or a file of another kind."""
+
+
+def _same(a: Path, b: Path) -> bool:
+    """True when ``a`` and ``b`` are the same file: same st_dev/st_ino when both exist (symlinks
+    followed, hard links), else the same resolved path (an input the command would create)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """True when ``path`` (resolved) lies inside the directory ``folder`` (resolved)."""
+    try:
+        path.resolve().relative_to(folder.resolve())
+    except (ValueError, OSError):
+        return False
+    return True
+
+
+Labeled = Iterable[tuple[str, "str | os.PathLike | None"]]
+
+
+def check_outputs(outputs: Labeled, inputs: Labeled, kinds: dict[str, tuple[str, Callable[[Path], bool]]] | None = None,
+                  force: bool = False) -> None:
+    """Refuse to write an output that is, or resolves to, one of the inputs; call before writing anything.
+
+    ``outputs`` and ``inputs`` are (label, path) pairs, the label saying what the path is
+    (``"--out"``, ``"the input"``, ``"train_data"``); None paths are skipped. Commands that take
+    directories pass the files they expand to (the files they will read). An output directory
+    (one the command writes into or replaces) may not contain any input. ``kinds`` maps an
+    output label to (description, predicate): an existing output the predicate does not
+    recognise as the command's own kind of file is refused unless ``force``. Raises OutputError
+    (a ValueError: the CLI exits 2) naming both paths.
+    """
+    outs = [(k, Path(v)) for k, v in outputs if v is not None]
+    ins = [(k, Path(v)) for k, v in inputs if v is not None]
+    for olabel, out in outs:
+        for ilabel, src in ins:
+            if _same(out, src):
+                how = "is" if os.path.abspath(out) == os.path.abspath(src) else "resolves to"
+                raise OutputError(f"{olabel} {str(out)!r} {how} {ilabel} {str(src)!r}; refusing to overwrite an "
+                                  "input (choose another output path)")
+            if out.is_dir() and src.exists() and _inside(src, out):
+                raise OutputError(f"{ilabel} {str(src)!r} lies inside {olabel} {str(out)!r}, which this command "
+                                  "writes into; move the input or choose another output")
+        if kinds and olabel in kinds and out.exists() and not force:
+            what, is_kind = kinds[olabel]
+            if not is_kind(out):
+                raise OutputError(f"{olabel} {str(out)!r} exists and is not {what}; refusing to replace it "
+                                  "(choose another path, or pass --force to replace it)")
+
+
+def is_json_file(path: Path) -> bool:
+    """A regular file holding a JSON object (what lmstack's own JSON outputs are)."""
+    if not path.is_file():
+        return False
+    try:
+        return isinstance(json.loads(path.read_text(encoding="utf-8")), dict)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+
+
+def file_starts_with(path: Path, prefix: bytes) -> bool:
+    """A readable file whose first bytes are ``prefix`` (a format's signature)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(prefix)) == prefix
+    except OSError:
+        return False
+
+
+def is_png_file(path: Path) -> bool:
+    """A file starting with the PNG signature."""
+    return file_starts_with(path, b"\x89PNG\r\n\x1a\n")

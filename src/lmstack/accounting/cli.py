@@ -13,7 +13,8 @@ import os
 from lmstack.model.config import PRESETS, ModelConfig
 from lmstack.accounting.hardware import HARDWARE, get_hardware, measure_cpu
 from lmstack.accounting.plan import build_plan
-from lmstack.utils import atomic_write_text
+from lmstack.threads import add_threads_argument
+from lmstack.utils import atomic_write_text, check_outputs, is_json_file, is_png_file
 
 
 def register(subparsers) -> None:
@@ -37,6 +38,8 @@ def register(subparsers) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
     p.add_argument("--plot", metavar="PNG", help="draw the roofline with this workload's points to PNG")
     p.add_argument("--quick", action="store_true", help="with --hardware cpu: a fast, rough measurement")
+    p.add_argument("--force", action="store_true", help="replace an existing --json/--plot file of another kind")
+    add_threads_argument(p, help="CPU threads for --hardware cpu (default: the CPUs available to this process)")
     p.set_defaults(func=run_plan)
 
 
@@ -63,6 +66,11 @@ def _gb(x: float) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    model_file = args.model if args.model.lower() not in PRESETS and os.path.exists(args.model) else None
+    check_outputs([("--json", args.json), ("--plot", args.plot)], [("the --model", model_file)],
+                  {"--json": ("a JSON file", is_json_file), "--plot": ("a PNG image", is_png_file)}, force=args.force)
+    if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
+        raise ValueError(f"--json and --plot are both {args.json!r}; give them different paths")
     cfg = _load_model(args.model)
     hw = measure_cpu(quick=args.quick) if args.hardware.lower() == "cpu" else get_hardware(args.hardware)
     batches = _parse_batches(args.batch)

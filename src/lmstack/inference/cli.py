@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from lmstack.threads import add_threads_argument
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -48,6 +50,7 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--quant", choices=["int8", "int4"], default=None,
                    help="weight-only quantisation of the linears and the unembedding (same as --dtype int8/int4)")
     p.add_argument("--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)")
+    add_threads_argument(p)  # lmstack's main applies it (lmstack.threads)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

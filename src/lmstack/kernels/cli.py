@@ -31,6 +31,8 @@ def _default_device() -> str:
 
 
 def register(subparsers) -> None:
+    from lmstack.threads import add_threads_argument
+
     p = subparsers.add_parser("bench", help="benchmark attention backends or a model training step",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(title="what", metavar="WHAT")
@@ -41,6 +43,8 @@ def register(subparsers) -> None:
         q.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls (default 1)")
         q.add_argument("--repeats", type=int, default=3, help="timed calls; median and min reported (default 3)")
         q.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+        q.add_argument("--force", action="store_true", help="replace an existing --json file that is not JSON")
+        add_threads_argument(q)
         q.add_argument("--nvtx", action="store_true", help="emit NVTX ranges for Nsight Systems (CUDA)")
 
     m = sub.add_parser("model", help="forward / backward / optimizer-step breakdown of a model config")
@@ -79,10 +83,18 @@ def _device_dtype(args):
     return device, dtype
 
 
+def _check_json_output(args, inputs) -> None:
+    """``--json`` must not be an input, nor replace a file that is not JSON (without --force)."""
+    from lmstack.utils import check_outputs, is_json_file
+
+    check_outputs([("--json", args.json)], inputs, {"--json": ("a JSON file", is_json_file)}, force=args.force)
+
+
 def _run_model(args) -> int:
     from lmstack.kernels.bench import bench_model, format_table, write_json
     from lmstack.model.config import ModelConfig
 
+    _check_json_output(args, [("the --config", args.config)])
     device, dtype = _device_dtype(args)
     cfg = ModelConfig.load(args.config) if args.config else ModelConfig.from_preset(args.preset)
     overrides = {}
@@ -110,6 +122,7 @@ def _run_model(args) -> int:
 def _run_attention(args) -> int:
     from lmstack.kernels.bench import bench_attention, format_table, machine_info, write_json
 
+    _check_json_output(args, [])
     device, dtype = _device_dtype(args)
     if args.backends:
         backends = [b.strip() for b in args.backends.split(",") if b.strip()]

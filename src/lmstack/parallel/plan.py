@@ -111,9 +111,15 @@ class ParallelPlan:
         return cls(**out)
 
 
-def init_distributed(backend: str | None = None) -> None:
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> None:
     """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT): NCCL when CUDA is available, gloo otherwise. No-op if already initialised."""
+    MASTER_PORT): NCCL when CUDA is available, gloo otherwise. No-op if already initialised.
+
+    ``timeout_s`` bounds every collective: a rank that waits longer for a stalled peer raises
+    (gloo) or has its communicator aborted by NCCL's watchdog, so the job ends instead of hanging
+    (docs/parallel.md, "A stalled rank"). ``lmstack train`` sets it from ``dist_timeout_s``."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
     if dist.is_initialized():
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -123,7 +129,7 @@ def init_distributed(backend: str | None = None) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class ParallelModel(nn.Module):
@@ -525,7 +531,7 @@ def get_parallelize(spec):
     plan = ParallelPlan.parse(spec)
 
     def apply(trainer, model: nn.Module) -> nn.Module:
-        init_distributed()
+        init_distributed(timeout_s=trainer.config.dist_timeout_s if trainer is not None else 600.0)
         p = plan
         if p.pp > 1 and trainer is not None:  # the pipeline's micro-batches are the accumulation steps
             from dataclasses import replace

@@ -7,6 +7,9 @@ import sysconfig
 import time
 from pathlib import Path
 
+from lmstack.threads import add_threads_argument, available_cpus
+from lmstack.utils import check_outputs, file_starts_with, is_json_file
+
 
 def _expand(inputs: list[str], glob: str) -> list[Path]:
     """Files as given; directories expand to their files matching ``glob`` (recursively, sorted)."""
@@ -29,20 +32,40 @@ def _default_corpus() -> list[str]:
     return [sysconfig.get_paths()["stdlib"]]
 
 
+def _is_merges_file(path: Path) -> bool:
+    """A GPT-2 merges.txt as ``save_gpt2`` writes it (first line ``#version: ...``)."""
+    return file_starts_with(path, b"#version:")
+
+
+def _tokenizer_files(path: str) -> list[tuple[str, Path]]:
+    """The tokenizer path as an input, and for a GPT-2 directory each file in it."""
+    p = Path(path)
+    files = [f for f in p.iterdir() if f.is_file()] if p.is_dir() else []
+    return [("the --tokenizer", p)] + [("a file of the --tokenizer", f) for f in files]
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from . import formats
     from .tokenizer import Tokenizer
     from .train import train_bpe
 
     paths = _expand(args.inputs or _default_corpus(), args.glob)
+    out = Path(args.out)
+    if args.format == "gpt2":
+        outputs = [("--out's vocab.json", out / "vocab.json"), ("--out's merges.txt", out / "merges.txt")]
+        kinds = {"--out's vocab.json": ("a GPT-2 vocab.json", is_json_file),
+                 "--out's merges.txt": ("a GPT-2 merges.txt", _is_merges_file)}
+    else:
+        outputs, kinds = [("--out", out)], {"--out": ("a tokenizer JSON file", is_json_file)}
+    check_outputs(outputs, [("the input", p) for p in paths], kinds, force=args.force)
     specials = args.special_tokens
     total = sum(p.stat().st_size for p in paths)
     print(f"training on {len(paths)} file(s), {total / 1e6:.1f} MB, V={args.vocab_size}, specials={specials}")
     t0 = time.perf_counter()
     # each file is its own document: pre-tokens (hence merges) never cross a file boundary
-    vocab, merges = train_bpe(paths, args.vocab_size, specials, args.pattern, args.workers, progress=True)
+    vocab, merges = train_bpe(paths, args.vocab_size, specials, args.pattern, args.threads or available_cpus(),
+                              progress=True)
     tok = Tokenizer(vocab, merges, specials, pattern=args.pattern)
-    out = Path(args.out)
     if args.format == "lmstack":
         formats.save(tok, out)
     elif args.format == "hf":
@@ -57,12 +80,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    from .dataset import encode_files
+    from .dataset import encode_files, is_token_file
     from .formats import load_tokenizer
 
-    tok = load_tokenizer(args.tokenizer)
     paths = _expand(args.inputs or _default_corpus(), args.glob)
-    stats = encode_files(tok, paths, args.out, num_workers=args.workers, progress=True)
+    side = str(args.out) + ".json"
+    check_outputs([("--out", args.out), ("the sidecar of --out", side)],
+                  [("the input", p) for p in paths] + _tokenizer_files(args.tokenizer),
+                  {"--out": ("a token file (one with a .json sidecar naming its dtype)", is_token_file),
+                   "the sidecar of --out": ("a token-file sidecar (a JSON object)", is_json_file)}, force=args.force)
+    tok = load_tokenizer(args.tokenizer)
+    stats = encode_files(tok, paths, args.out, num_workers=args.threads or available_cpus(), progress=True)
     print(
         f"{stats.n_tokens} tokens ({stats.dtype}) from {stats.n_bytes / 1e6:.2f} MB in {len(paths)} file(s): "
         f"{stats.bytes_per_token:.3f} bytes/token, {stats.mb_per_s:.2f} MB/s -> {args.out}"
@@ -105,18 +133,22 @@ def register(subparsers) -> None:
     t.add_argument("--special-tokens", nargs="*", default=["<|endoftext|>"], help="default: <|endoftext|>")
     t.add_argument("--pattern", default="gpt2", help="gpt2 | gpt4 | llama3 | smollm | a regex")
     t.add_argument("--glob", default="*.py", help="files to take from directories (default *.py)")
-    t.add_argument("--workers", type=int, default=None, help="processes for pre-token counting")
+    add_threads_argument(t, "--workers", help="processes for pre-token counting (default: the CPUs available "
+                                              "to this process: affinity and cgroup quota)")
     t.add_argument("--format", choices=["lmstack", "hf", "gpt2"], default="lmstack",
                    help="lmstack JSON, HF tokenizer.json, or a GPT-2 directory (vocab.json + merges.txt)")
     t.add_argument("--out", required=True, help="output file (directory for --format gpt2)")
+    t.add_argument("--force", action="store_true", help="replace an existing --out that is not a tokenizer file")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("encode", help="encode files into a flat uint16/uint32 token file for np.memmap")
     e.add_argument("inputs", nargs="*", help="text files or directories (default: the stdlib sources)")
     e.add_argument("--tokenizer", required=True, help="lmstack JSON, tokenizer.json, GPT-2 directory or GGUF")
     e.add_argument("--out", required=True, help="output token file (a .json sidecar is written beside it)")
+    e.add_argument("--force", action="store_true", help="replace an existing --out that is not a token file")
     e.add_argument("--glob", default="*.py", help="files to take from directories (default *.py)")
-    e.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    add_threads_argument(e, "--workers", help="encoding processes (default: the CPUs available to this "
+                                              "process: affinity and cgroup quota)")
     e.set_defaults(func=cmd_encode)
 
     i = sub.add_parser("info", help="describe a tokenizer file and encode a sample")

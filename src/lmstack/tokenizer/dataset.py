@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from lmstack.utils import atomic_path, atomic_write_text
+from lmstack.utils import atomic_path, atomic_write_text, is_json_file
 
 from . import tokenizer as _tokmod
 from .tokenizer import Tokenizer
@@ -109,6 +109,12 @@ def encode_files(
     meta = {**asdict(stats), "bytes_per_token": stats.bytes_per_token, "inputs": [str(p) for p in paths]}
     atomic_write_text(str(output) + ".json", json.dumps(meta, indent=1))
     return stats
+
+
+def is_token_file(path: str | os.PathLike) -> bool:
+    """A token file as ``encode_files`` writes it: its ``<path>.json`` sidecar names the dtype."""
+    side = Path(str(path) + ".json")
+    return Path(path).is_file() and is_json_file(side) and "dtype" in json.loads(side.read_text(encoding="utf-8"))
 
 
 def open_tokens(path: str | os.PathLike, dtype: str | np.dtype | None = None) -> np.memmap:

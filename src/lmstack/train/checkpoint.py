@@ -11,12 +11,22 @@ Layout of one checkpoint, ``<dir>/step_00001000/``:
 Tensors go through safetensors only (never pickle). Writing is atomic: everything is written
 into a hidden temporary directory, each file is fsync'ed, then the directory is renamed to its
 final name and ``<dir>/latest`` is rewritten atomically. A crash at any point leaves the last
-good checkpoint (and the ``latest`` pointer to it) untouched. Only the newest ``keep_last``
-checkpoints are kept.
+good checkpoint (and the ``latest`` pointer to it) untouched; ``recover`` (run when a run
+starts) puts back a checkpoint moved aside by an interrupted re-save and removes the leftovers
+(``.tmp_step_*``, ``.old_step_*``, ``.staging_*``, ``.pruned_step_*``). A failed write (disk
+full) raises ``CheckpointWriteError`` and leaves the previous checkpoint as it was.
+
+Pruning keeps ``keep_last`` checkpoints and never removes the one just written nor the one
+``latest`` names. After a rollback (a resume from an earlier checkpoint) the checkpoints past
+the resumed step belong to the abandoned continuation and go first; the others go oldest
+first. A pruned folder is renamed away before it is deleted, so a ``step_N`` folder is always
+either complete or absent. ``latest`` naming a missing checkpoint is an error, never a silent
+fall-back to another one.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -27,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lmstack.utils import atomic_write_text
@@ -39,6 +50,10 @@ class CheckpointError(ValueError):
     """A checkpoint directory that is missing, incomplete or does not match the model."""
 
 
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (disk full, I/O error); the previous checkpoint is intact."""
+
+
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -48,7 +63,11 @@ def _fsync_path(path: Path) -> None:
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    except SafetensorError as e:  # safetensors reports an OSError (ENOSPC, EIO) as its own error type
+        code = errno.ENOSPC if "No space left" in str(e) or "StorageFull" in str(e) else errno.EIO
+        raise OSError(code, f"{os.strerror(code)} ({e})", str(path)) from None
     _fsync_path(path)
 
 
@@ -130,15 +149,79 @@ def step_dirs(directory: str | os.PathLike) -> list[Path]:
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The checkpoint ``latest`` names, or else the highest step; None when there is none."""
+    """The checkpoint ``latest`` names (or, while an interrupted re-save has it moved aside, its
+    ``.old_step_N_<pid>`` folder); without a ``latest`` file the highest step; None when there is
+    none. A ``latest`` that names a missing or incomplete checkpoint raises CheckpointError."""
     d = Path(directory)
     pointer = d / "latest"
     if pointer.is_file():
-        p = d / pointer.read_text().strip()
-        if (p / "state.json").is_file():
-            return p
+        name = pointer.read_text().strip()
+        p = d / name
+        if not _STEP_DIR.match(name):
+            raise CheckpointError(f"{pointer} holds {name!r}, not a checkpoint name like 'step_00000010'")
+        if not p.exists():  # a re-save died between moving the old one aside and renaming the new one in
+            aside = sorted(q for q in d.glob(f".old_{name}_*") if (q / "state.json").is_file())
+            if aside:
+                return aside[-1]  # recover() renames it back when the next run starts
+        if not (p / "state.json").is_file():
+            others = [q.name for q in step_dirs(d)]
+            raise CheckpointError(f"{pointer} names {p}, which is {'incomplete' if p.exists() else 'missing'}; "
+                                  f"resume from one of {others or 'no other checkpoints'} with --resume PATH")
+        return p
     dirs = step_dirs(d)
     return dirs[-1] if dirs else None
+
+
+_LEFTOVER = re.compile(r"^\.(tmp|old|staging|pruned)_(step_\d+)(?:_\d+)?(\.shards)?$")
+
+
+def recover(directory: str | os.PathLike) -> list[str]:
+    """Repair what a crash mid-save can leave; run once when a run starts, before reading ``latest``.
+
+    A re-save of step N moves the old ``step_N`` aside (``.old_step_N_<pid>``) before renaming the
+    new one in: if it died between the two renames, the old one is put back. Every other leftover
+    (``.tmp_step_*``, ``.old_step_*``, ``.staging_*``, ``.pruned_step_*``) is removed. Returns
+    what was done, one line per item.
+    """
+    d = Path(directory)
+    done: list[str] = []
+    if not d.is_dir():
+        return done
+    for p in sorted(d.iterdir()):
+        m = _LEFTOVER.match(p.name)
+        if m is None:
+            continue
+        kind, name = m.group(1), m.group(2) + (m.group(3) or "")
+        if kind == "old" and not (d / name).exists():
+            os.rename(p, d / name)
+            done.append(f"restored {name} from {p.name} (a re-save was interrupted)")
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+            done.append(f"removed {p.name}")
+    if done:
+        _fsync_path(d)
+    return done
+
+
+def prune(directory: str | os.PathLike, keep_last: int, current: Path) -> list[Path]:
+    """Remove checkpoints beyond ``keep_last``, never ``current`` (just written) nor the one ``latest``
+    names. Those past ``current``'s step (an abandoned continuation after a rollback) go first,
+    then the oldest. Each is renamed away before deletion. Returns the removed paths."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} must be >= 1")
+    d = Path(directory)
+    pointer = d / "latest"
+    protected = {current.name, pointer.read_text().strip() if pointer.is_file() else current.name}
+    step = int(_STEP_DIR.match(current.name).group(1))
+    others = [p for p in step_dirs(d) if p.name not in protected]
+    # keep order: steps before ``current``, newest first; then the abandoned ones past it
+    ranked = sorted(others, key=lambda p: (int(p.name[5:]) > step, -int(p.name[5:])))
+    removed = ranked[max(keep_last - len(protected), 0):]
+    for p in removed:
+        gone = d / f".pruned_{p.name}_{os.getpid()}"
+        os.rename(p, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+    return removed
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Module,
@@ -152,6 +235,36 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
     d.mkdir(parents=True, exist_ok=True)
     final = d / f"step_{step:08d}"
     tmp = d / f".tmp_step_{step:08d}_{os.getpid()}"
+    try:
+        _write_checkpoint_files(tmp, model, optimizer, step, state, data_generator)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            prev = latest_checkpoint(d)
+        except CheckpointError:
+            prev = None
+        kept = f"the previous checkpoint {prev} is intact" if prev is not None else "no earlier checkpoint exists"
+        raise CheckpointWriteError(e.errno or errno.EIO, f"cannot write checkpoint {final} ({e.strerror or e}); "
+                                   f"{kept}. Free some space (or set out_dir elsewhere) and resume") from None
+    old = None
+    if final.exists():  # re-saving the same step: move the old one aside first (recover() puts it back)
+        old = d / f".old_step_{step:08d}_{os.getpid()}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_path(d)
+    atomic_write_text(d / "latest", final.name + "\n")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in d.glob(".tmp_step_*"):  # leftovers of crashed saves
+        shutil.rmtree(stale, ignore_errors=True)
+    if keep_last is not None:
+        prune(d, keep_last, final)
+    return final
+
+
+def _write_checkpoint_files(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
+                            state: dict[str, Any] | None, data_generator: torch.Generator | None) -> None:
+    """Every file of one checkpoint into the fresh folder ``tmp``, each fsync'ed."""
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -168,23 +281,6 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
         f.flush()
         os.fsync(f.fileno())
     _fsync_path(tmp)
-    old = None
-    if final.exists():  # re-saving the same step: move the old one aside first
-        old = d / f".old_step_{step:08d}_{os.getpid()}"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_path(d)
-    atomic_write_text(d / "latest", final.name + "\n")
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in d.glob(".tmp_step_*"):  # leftovers of crashed saves
-        shutil.rmtree(stale, ignore_errors=True)
-    if keep_last is not None:
-        if keep_last < 1:
-            raise ValueError(f"keep_last={keep_last} must be >= 1")
-        for p in step_dirs(d)[:-keep_last]:
-            shutil.rmtree(p, ignore_errors=True)
-    return final
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -88,6 +88,7 @@ class TrainConfig:
     # ---- distributed: a lmstack.parallel plan, as a table ({dp = 2, tp = 2, zero = 1}) or a string
     # ("ddp", "zero1", "dp=2,tp=2,zero=1"); None = one process. Launch with torchrun (docs/parallel.md).
     parallel: str | dict[str, Any] | None = None
+    dist_timeout_s: float = 600.0  # a collective waiting longer than this for a stalled rank fails the run
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_zero: bool = False) -> None:
@@ -102,6 +103,20 @@ class TrainConfig:
                 raise TrainConfigError(f"{name}={v!r} must be a number in {'(' if lo_open else '['}{lo}, "
                                        f"{hi if hi is not None else 'inf'})")
 
+        for n in ("packing", "activation_checkpointing", "compile", "fused_loss"):
+            if not isinstance(getattr(self, n), bool):
+                raise TrainConfigError(f"{n}={getattr(self, n)!r} must be true or false (a boolean, not a string "
+                                       "or number)")
+        if self.qk_norm is not None and not isinstance(self.qk_norm, bool):
+            raise TrainConfigError(f"qk_norm={self.qk_norm!r} must be true, false or null")
+        for n in ("train_data", "out_dir", "device"):
+            if not isinstance(getattr(self, n), str):
+                raise TrainConfigError(f"{n}={getattr(self, n)!r} must be a string")
+        for n in ("val_data", "tokenizer"):
+            if getattr(self, n) is not None and not isinstance(getattr(self, n), str):
+                raise TrainConfigError(f"{n}={getattr(self, n)!r} must be a path (a string) or null")
+        if self.sep_id is not None:
+            pos_int("sep_id", allow_zero=True)
         for n in ("batch_size", "seq_len", "grad_accum", "max_steps", "eval_batches", "log_interval", "keep_last"):
             pos_int(n)
         for n in ("warmup_steps", "decay_steps", "eval_interval", "ckpt_interval", "seed"):
@@ -118,6 +133,7 @@ class TrainConfig:
         num("grad_clip", 0.0)
         num("z_loss", 0.0)
         num("val_fraction", 0.0, 1.0)
+        num("dist_timeout_s", 0.0, lo_open=True)
         if self.warmup_steps > self.max_steps:
             raise TrainConfigError(f"warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}")
         if self.optimizer not in OPTIMIZERS:
@@ -171,6 +187,13 @@ class TrainConfig:
             raise TrainConfigError(f"model: {e}") from None
         if self.seq_len > cfg.max_seq_len:
             raise TrainConfigError(f"seq_len={self.seq_len} exceeds model.max_seq_len={cfg.max_seq_len}")
+        if self.sep_id is not None and self.sep_id >= cfg.vocab_size:
+            raise TrainConfigError(f"sep_id={self.sep_id} is not a token id of the model (vocab_size="
+                                   f"{cfg.vocab_size}: ids 0..{cfg.vocab_size - 1})")
+        eos = cfg.eos_token_id
+        if isinstance(eos, int) and not isinstance(eos, bool) and not 0 <= eos < cfg.vocab_size:
+            raise TrainConfigError(f"model.eos_token_id={eos} is not a token id of the model (vocab_size="
+                                   f"{cfg.vocab_size}: ids 0..{cfg.vocab_size - 1})")
         return cfg
 
     # ---- (de)serialisation ---------------------------------------------------------------

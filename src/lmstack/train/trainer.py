@@ -45,9 +45,10 @@ import torch
 
 from lmstack.train import checkpoint as ckpt
 from lmstack.train.config import TrainConfig, TrainConfigError
-from lmstack.train.data import Batch, get_batch, open_tokens, resolve_device, sequential_batches
+from lmstack.train.data import Batch, check_token_ids, get_batch, open_tokens, resolve_device, sequential_batches
 from lmstack.train.losses import cross_entropy, linear_cross_entropy
 from lmstack.train.optim import SGD, AdamW, clip_grad_norm, global_grad_norm
+from lmstack.train.run_dir import check_run_paths, clear_run, existing_run, refuse_existing_run, truncate_metrics
 from lmstack.train.schedule import LRSchedule
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -114,6 +115,14 @@ def unigram_baseline(train: np.ndarray, val: np.ndarray, vocab_size: int) -> flo
     return float(-logp[np.asarray(val)].mean())
 
 
+def _barrier() -> None:
+    """Wait for every rank (no-op for one process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 class _StateDictOnly:
     """What ``checkpoint.save_checkpoint`` needs of a model: its ``state_dict()``."""
 
@@ -134,7 +143,9 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, parallelize: Callable[["Trainer", torch.nn.Module], torch.nn.Module]
-                 | None = None, progress: bool = True, peak_flops: float | None = None):
+                 | None = None, progress: bool = True, peak_flops: float | None = None, overwrite: bool = False):
+        """``overwrite``: a fresh run may replace a previous run in ``out_dir`` (its files are deleted
+        when ``fit`` starts); without it a fresh run into a folder holding a run is refused."""
         from lmstack.model.transformer import Transformer
 
         self.config = c = config
@@ -150,11 +161,15 @@ class Trainer:
         self.out_dir = Path(c.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.overwrite = overwrite
+        self._resumed = False
+        check_run_paths(c)
 
         # ---- data (seed 000 §5.3) ----
         tokens = open_tokens(c.train_data)
         side = Path(str(c.train_data) + ".json")
         data_vocab = json.loads(side.read_text()).get("vocab_size") if side.is_file() else None
+        data_vocab = data_vocab if isinstance(data_vocab, int) and not isinstance(data_vocab, bool) else None
         if c.val_data:
             self.train_tokens, self.val_tokens = tokens, open_tokens(c.val_data)
         else:
@@ -167,9 +182,15 @@ class Trainer:
 
         # ---- model ----
         self.model_config = c.model_config(vocab_size=data_vocab)
-        if data_vocab is not None and data_vocab > self.model_config.vocab_size:
+        if isinstance(data_vocab, int) and data_vocab > self.model_config.vocab_size:
             raise TrainConfigError(f"the data's vocab_size={data_vocab} exceeds model.vocab_size="
                                    f"{self.model_config.vocab_size}; token ids would be out of range")
+        check_token_ids(tokens, self.model_config.vocab_size, f"train_data {c.train_data}")
+        if c.val_data:
+            check_token_ids(self.val_tokens, self.model_config.vocab_size, f"val_data {c.val_data}")
+        if self.is_main:  # before any rank reads a checkpoint (parallelize below synchronises the ranks)
+            for line in ckpt.recover(self.ckpt_dir):
+                print(f"checkpoints: {line}")
         self.raw_model = Transformer(self.model_config, device=self.device, seed=c.seed)
         self.raw_model.activation_checkpointing = c.activation_checkpointing
         self.raw_model.train()
@@ -414,6 +435,8 @@ class Trainer:
         p = Path(path) if path is not None else ckpt.latest_checkpoint(self.ckpt_dir)
         if p is None:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.ckpt_dir}")
+        if not p.is_dir():
+            raise ckpt.CheckpointError(f"{p}: no such checkpoint directory")
         if self.parallel_model is not None:  # every rank reads its own shard file
             from lmstack.parallel.checkpoint import load_sharded
 
@@ -421,6 +444,12 @@ class Trainer:
         else:
             meta = ckpt.load_checkpoint(p, self.raw_model, self.optimizer, self.data_generator)
         self.step = int(meta["step"])
+        if self.step > self.config.max_steps:
+            raise TrainConfigError(f"checkpoint {p} is at step {self.step}, past max_steps={self.config.max_steps}; "
+                                   "raise max_steps to continue it")
+        self._resumed = True
+        if self.is_main:  # the steps after this checkpoint will be trained (and logged) again
+            truncate_metrics(self.metrics_path, self.step)
         self.tokens_seen = int(meta.get("tokens_seen", 0))
         self.last_eval = meta.get("last_eval") or {}
         if self.scaler is not None and meta.get("grad_scaler"):
@@ -486,6 +515,7 @@ class Trainer:
         stop_at = None if c.stop_after is None else self.step + c.stop_after
         end = c.max_steps if stop_at is None else min(c.max_steps, stop_at)
         peak = self.peak_flops() if self.progress else None
+        self._claim_out_dir()
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             c.save(self.out_dir / "config.json")
@@ -543,6 +573,19 @@ class Trainer:
                    "metrics": str(self.metrics_path), "seconds": time.perf_counter() - t_start, **ev,
                    "last_train": last}
         return summary
+
+    def _claim_out_dir(self) -> None:
+        """A fresh run (no ``resume``, step 0) refuses an ``out_dir`` holding another run's files, or
+        deletes them with ``overwrite``; every rank looks before rank 0 writes anything."""
+        if self._resumed or self.step > 0:
+            return
+        found = existing_run(self.out_dir)
+        _barrier()
+        if not self.overwrite:
+            refuse_existing_run(self.out_dir, found)
+        if found and self.is_main:
+            clear_run(self.out_dir)
+            print(f"--overwrite: removed the previous run's {', '.join(found)} from {self.out_dir}")
 
     def set_max_steps(self, max_steps: int) -> None:
         """Move the end of the run (and of the LR schedule) — e.g. from a callback that measured the
