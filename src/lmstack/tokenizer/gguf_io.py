@@ -14,9 +14,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .byte_unicode import str_to_token
 from .pretokenize import PATTERNS
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, TokenizerFileError, printable_token
 
 # llama.cpp token types
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -174,44 +173,60 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     Sets ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` and ``chat_template`` (``None`` when
     absent). Control and user-defined tokens become special tokens.
     """
-    meta = read_gguf_metadata(path, prefix="tokenizer.")
+    try:
+        meta = read_gguf_metadata(path, prefix="tokenizer.")
+    except GGUFFormatError as e:
+        raise TokenizerFileError(str(e)) from None
 
-    def get(key: str, required: bool = True):
+    def get(key: str, required: bool = True, kind: type | None = None):
         if key not in meta and required:
-            raise ValueError(f"{path}: GGUF metadata lacks {key!r}; expected a byte-level BPE tokenizer")
-        return meta.get(key)
+            raise TokenizerFileError(f"{path}: GGUF metadata lacks {key!r}; expected a byte-level BPE tokenizer")
+        v = meta.get(key)
+        if v is not None and kind is list and not isinstance(v, list):
+            raise TokenizerFileError(f"{path}: {key} is {type(v).__name__}; expected an array")
+        if v is not None and kind is int and (isinstance(v, bool) or not isinstance(v, int)):
+            raise TokenizerFileError(f"{path}: {key}={v!r:.60}; expected an integer token id")
+        return v
 
     model = get("tokenizer.ggml.model")
     if model != "gpt2":
-        raise ValueError(f"{path}: tokenizer.ggml.model={model!r} is not supported; expected 'gpt2' (byte-level BPE)")
-    tokens = get("tokenizer.ggml.tokens")
-    merge_lines = get("tokenizer.ggml.merges")
-    types = get("tokenizer.ggml.token_type", required=False) or [TOKEN_NORMAL] * len(tokens)
+        raise TokenizerFileError(f"{path}: tokenizer.ggml.model={model!r:.60} is not supported; expected 'gpt2' "
+                                 "(byte-level BPE)")
+    tokens = get("tokenizer.ggml.tokens", kind=list)
+    merge_lines = get("tokenizer.ggml.merges", kind=list)
+    types = get("tokenizer.ggml.token_type", required=False, kind=list) or [TOKEN_NORMAL] * len(tokens)
     if len(types) != len(tokens):
-        raise ValueError(f"{path}: {len(types)} token types for {len(tokens)} tokens; expected one type per token")
+        raise TokenizerFileError(f"{path}: {len(types)} token types for {len(tokens)} tokens; expected one type per token")
 
     vocab: dict[int, bytes] = {}
     specials: list[str] = []
     for i, (tok, kind) in enumerate(zip(tokens, types)):
+        if not isinstance(tok, str):
+            raise TokenizerFileError(f"{path}: tokenizer.ggml.tokens[{i}] = {tok!r:.40}; expected a string")
         if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED):
             vocab[i] = tok.encode("utf-8")
             specials.append(tok)
         else:
-            vocab[i] = str_to_token(tok)
+            vocab[i] = printable_token(tok, path, f"tokenizer.ggml.tokens[{i}]")
     merges = []
-    for line in merge_lines:
-        left, sep, right = line.partition(" ")
+    for n, line in enumerate(merge_lines):
+        left, sep, right = line.partition(" ") if isinstance(line, str) else ("", "", "")
         if not sep:
-            raise ValueError(f"{path}: merge {line!r} is not two tokens separated by a space")
-        merges.append((str_to_token(left), str_to_token(right)))
+            raise TokenizerFileError(f"{path}: merge #{n} {line!r:.60} is not two tokens separated by a space")
+        merges.append((printable_token(left, path, f"merge #{n}"), printable_token(right, path, f"merge #{n}")))
 
     pre = get("tokenizer.ggml.pre", required=False) or "gpt2"
-    if pre not in PATTERNS:
-        raise ValueError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; expected one of {sorted(PATTERNS)}")
-
-    tok = Tokenizer(vocab, merges, special_tokens=specials, pattern=pre)
-    tok.bos_token_id = get("tokenizer.ggml.bos_token_id", required=False)
-    tok.eos_token_id = get("tokenizer.ggml.eos_token_id", required=False)
-    tok.pad_token_id = get("tokenizer.ggml.padding_token_id", required=False)
-    tok.chat_template = get("tokenizer.chat_template", required=False)
+    if not isinstance(pre, str) or pre not in PATTERNS:
+        raise TokenizerFileError(f"{path}: tokenizer.ggml.pre={pre!r:.60} is not supported; expected one of "
+                                 f"{sorted(PATTERNS)}")
+    try:
+        tok = Tokenizer(vocab, merges, special_tokens=specials, pattern=pre)
+    except ValueError as e:
+        raise TokenizerFileError(f"{path}: {e}") from None
+    tok.bos_token_id = get("tokenizer.ggml.bos_token_id", required=False, kind=int)
+    tok.eos_token_id = get("tokenizer.ggml.eos_token_id", required=False, kind=int)
+    tok.pad_token_id = get("tokenizer.ggml.padding_token_id", required=False, kind=int)
+    template = get("tokenizer.chat_template", required=False)
+    tok.chat_template = template if isinstance(template, str) else None
     return tok
+
