@@ -149,19 +149,17 @@ def _span(info, layout, source: Path) -> _TensorSpan:
                            f"multiple of the alignment {layout.alignment}")
     start = layout.data_offset + info.offset
     end = start + int(np.prod(info.dims, dtype=object)) // block * type_size
-    if start >= layout.file_size:
-        raise WeightsError(f"{source}: tensor {info.name!r} starts at byte {start}, past the end of the file at byte "
-                           f"{layout.file_size} (is its offset altered?)")
     if end > layout.file_size:
+        altered = "; or its offset is altered" if start >= layout.file_size else ""
         raise WeightsError(f"{source}: truncated at byte {layout.file_size}, expected {end} "
-                           f"(tensor {info.name!r}, {qtype.name}, dims {list(info.dims)}, from byte {start})")
+                           f"(tensor {info.name!r}, {qtype.name}, dims {list(info.dims)}, from byte {start}{altered})")
     return _TensorSpan(info.name, qtype, tuple(reversed(info.dims)), start, end)
 
 
-def _tensor_spans(layout, source: Path) -> list[_TensorSpan]:
+def _tensor_spans(layout, data: np.ndarray, source: Path) -> list[_TensorSpan]:
     """Every tensor's byte range, checked: types known, sizes = type x shape, aligned, inside the file, and
-    tiling the data section in order as GGUF writers lay it out (a gap or an overlap means a type, shape or
-    offset was altered)."""
+    tiling the data section in order with zero padding between them, as GGUF writers lay it out (a gap, an
+    overlap or non-zero padding means a type, shape or offset was altered)."""
     spans = [_span(info, layout, source) for info in layout.tensors]
     expected, previous = layout.data_offset, None
     for s in sorted(spans, key=lambda s: s.start):
@@ -170,11 +168,20 @@ def _tensor_spans(layout, source: Path) -> list[_TensorSpan]:
                 "the data section starts there"
             raise WeightsError(f"{source}: tensor {s.name!r} starts at byte {s.start}, expected {expected} ({after}; "
                                "is a tensor's type, shape or offset altered?)")
+        _check_padding(data, previous, s.start, source)
         expected, previous = -(-s.end // layout.alignment) * layout.alignment, s
-    if previous is not None and layout.file_size > expected:
-        raise WeightsError(f"{source}: {layout.file_size - previous.end} bytes follow the last tensor "
-                           f"{previous.name!r} (ends at byte {previous.end}); is a tensor's type or shape altered?")
+    if previous is not None:
+        if layout.file_size > expected:
+            raise WeightsError(f"{source}: {layout.file_size - previous.end} bytes follow the last tensor "
+                               f"{previous.name!r} (ends at byte {previous.end}); is a tensor's type or shape altered?")
+        _check_padding(data, previous, layout.file_size, source)
     return spans
+
+
+def _check_padding(data: np.ndarray, previous: _TensorSpan | None, stop: int, source: Path) -> None:
+    if previous is not None and data[previous.end : stop].any():
+        raise WeightsError(f"{source}: the padding after tensor {previous.name!r} (bytes {previous.end}..{stop}) is "
+                           "not zero; is its type or shape altered?")
 
 
 def _dequantize(data: np.ndarray, s: _TensorSpan, source: Path) -> np.ndarray:
@@ -202,11 +209,11 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
     layout = _open(path)
     meta = {k: v for k, v in layout.metadata.items() if not k.startswith("GGUF.")}
     config = config_from_gguf(meta, str(path))
-    spans = _tensor_spans(layout, path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    spans = _tensor_spans(layout, data, path)
     names = {s.name for s in spans}
     config = config.replace(tie_embeddings="output.weight" not in names, rope_layout=rope_layout,
                             qkv_bias="blk.0.attn_q.bias" in names)
-    data = np.memmap(path, dtype=np.uint8, mode="r")
     state: dict[str, torch.Tensor] = {}
     for s in spans:
         if s.name in _TOP_NAMES:

@@ -294,9 +294,10 @@ def _check_safetensors_header(path: Path) -> None:
             raise WeightsError(f"the safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise WeightsError(f"the safetensors header is {type(header).__name__}; expected an object")
-    end = max((_st_tensor_end(k, v) for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise WeightsError(f"truncated at byte {size}, expected {8 + n + end} (the tensors' data)")
+    ends = {k: _st_tensor_end(k, v) for k, v in header.items() if k != "__metadata__"}
+    last = max(ends, key=ends.get, default=None)
+    if last is not None and 8 + n + ends[last] > size:
+        raise WeightsError(f"truncated at byte {size}, expected {8 + n + ends[last]} (the data of tensor {last!r})")
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

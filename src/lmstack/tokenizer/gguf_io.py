@@ -130,6 +130,9 @@ def _parse_layout(cur: _Cursor, prefix: str, tensors: bool) -> GGUFLayout:
         raise GGUFFormatError(f"{path}: GGUF version {version} is not supported; expected 2 or 3")
     n_tensors = cur.scalar("<Q", "the tensor count")
     n_kv = cur.scalar("<Q", "the metadata count")
+    cur.need(13 * n_kv, f"{n_kv} metadata entries of 13 bytes or more")  # key length, type, a 1-byte value
+    if tensors:
+        cur.need(13 * n_kv + 32 * n_tensors, f"{n_tensors} tensor entries of 32 bytes or more")
     meta: dict = {"GGUF.version": version}
     alignment = 32
     for k in range(n_kv):
