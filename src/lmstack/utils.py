@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import tempfile
 from collections.abc import Iterator
@@ -65,8 +66,9 @@ def check_int(name: str, value: object, error: type[Exception] = ValueError, min
         minimum, f"an integer >= {minimum}")
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy integers are Integral
         raise error(f"{name}={value!r} must be {expected} (got {type(value).__name__})")
+    value = int(value)
     if minimum is not None and value < minimum:
         raise error(f"{name}={value!r} must be {expected}")
     if maximum is not None and value > maximum:
@@ -76,7 +78,7 @@ def check_int(name: str, value: object, error: type[Exception] = ValueError, min
 
 def check_float(name: str, value: object, error: type[Exception] = ValueError) -> float:
     """``value`` as a finite float: an int or float (not a bool, not a string, not NaN/inf)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise error(f"{name}={value!r} must be a number (got {type(value).__name__})")
     value = float(value)
     if value != value or value in (float("inf"), float("-inf")):
