@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from lmstack.model.config import MAX_SEQ_LEN, MAX_SIZE, ConfigError, ModelConfig
-from lmstack.model.hf import WeightsError, load_state_into
+from lmstack.model.hf import WeightsError, check_layer_count, load_state_into
 from lmstack.utils import check_float, check_int
 
 _BLOCK_NAMES = {  # GGUF name inside blk.{i}  ->  lmstack name inside blocks.{i}
@@ -195,37 +195,57 @@ def _dequantize(data: np.ndarray, s: _TensorSpan, source: Path) -> np.ndarray:
     return arr.reshape(s.shape)
 
 
+def _lmstack_name(gguf_name: str, source: Path) -> str:
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _BLOCK_NAMES:
+        if gguf_name.endswith("rope_freqs.weight"):
+            raise WeightsError(f"{source}: rope frequency scaling ({gguf_name}) is not supported")
+        raise WeightsError(f"{source}: unexpected tensor {gguf_name!r} in a llama GGUF")
+    return f"blocks.{parts[1]}.{_BLOCK_NAMES[parts[2]]}"
+
+
+@dataclass
+class GGUFHeader:
+    """A GGUF file's header, checked: metadata, the ModelConfig it describes, and each tensor's checked span
+    under its lmstack name. Everything ``load_gguf`` refuses before reading a weight is refused here."""
+
+    metadata: dict[str, Any]
+    config: ModelConfig
+    spans: dict[str, _TensorSpan]
+    data: np.ndarray  # the file, memory-mapped as bytes
+
+
+def read_gguf_header(path: str | os.PathLike, rope_layout: str = "half") -> GGUFHeader:
+    path = Path(path)
+    layout = _open(path)
+    meta = {k: v for k, v in layout.metadata.items() if not k.startswith("GGUF.")}
+    config = config_from_gguf(meta, str(path))
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    spans = {_lmstack_name(s.name, path): s for s in _tensor_spans(layout, data, path)}
+    config = config.replace(tie_embeddings="lm_head.weight" not in spans, rope_layout=rope_layout,
+                            qkv_bias="blocks.0.attn.q_proj.bias" in spans)
+    check_layer_count(config, spans, str(path))
+    return GGUFHeader(meta, config, spans, data)
+
+
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
               rope_layout: str = "half", check_finite: bool = True) -> GGUFModel:
     """Read a llama-architecture GGUF file into an lmstack ``Transformer``.
 
-    The header is checked before any tensor is read (see ``_tensor_spans``) and, unless ``check_finite``
+    The header is checked before any tensor is read (``read_gguf_header``) and, unless ``check_finite``
     is False, every weight is checked for NaN/inf; failures are ``WeightsError``/``ConfigError`` naming the
     tensor or metadata key.
     """
     from lmstack.model.transformer import Transformer
 
     path = Path(path)
-    layout = _open(path)
-    meta = {k: v for k, v in layout.metadata.items() if not k.startswith("GGUF.")}
-    config = config_from_gguf(meta, str(path))
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    spans = _tensor_spans(layout, data, path)
-    names = {s.name for s in spans}
-    config = config.replace(tie_embeddings="output.weight" not in names, rope_layout=rope_layout,
-                            qkv_bias="blk.0.attn_q.bias" in names)
+    header = read_gguf_header(path, rope_layout)
+    config = header.config
     state: dict[str, torch.Tensor] = {}
-    for s in spans:
-        if s.name in _TOP_NAMES:
-            name = _TOP_NAMES[s.name]
-        else:
-            parts = s.name.split(".", 2)
-            if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _BLOCK_NAMES:
-                if s.name.endswith("rope_freqs.weight"):
-                    raise WeightsError(f"{path}: rope frequency scaling ({s.name}) is not supported")
-                raise WeightsError(f"{path}: unexpected tensor {s.name!r} in a llama GGUF")
-            name = f"blocks.{parts[1]}.{_BLOCK_NAMES[parts[2]]}"
-        arr = _dequantize(data, s, path)
+    for name, s in header.spans.items():
+        arr = _dequantize(header.data, s, path)
         w = torch.from_numpy(arr if arr.flags.writeable and arr.flags.c_contiguous else arr.copy())
         heads = config.n_heads if ".q_proj." in name else config.n_kv_heads if ".k_proj." in name else 0
         if rope_layout == "half" and heads and w.shape[0] % (2 * heads) == 0:  # else the shape check refuses it
@@ -234,4 +254,4 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
     with torch.device("meta"):
         model = Transformer(config)
     load_state_into(model, state, str(path), check_finite=check_finite)
-    return GGUFModel(model=model.to(device=device, dtype=dtype), metadata=meta, path=path)
+    return GGUFModel(model=model.to(device=device, dtype=dtype), metadata=header.metadata, path=path)

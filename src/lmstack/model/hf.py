@@ -219,6 +219,15 @@ def check_weights_finite(state: dict[str, torch.Tensor], source: str) -> None:
                                "(pass check_finite=False to load it anyway)")
 
 
+def check_layer_count(config: ModelConfig, names, source: str) -> None:
+    """Refuse a config whose layer count disagrees with the weights before a model is built from it
+    (a corrupt count such as 16 million would otherwise take minutes to build, even on the meta device)."""
+    blocks = {int(m.group(1)) for n in names if (m := _LM_BLOCK.fullmatch(n))}
+    if blocks != set(range(config.n_layers)):
+        held = f"blocks 0..{max(blocks)}" if blocks == set(range(len(blocks))) and blocks else f"{len(blocks)} blocks"
+        raise WeightsError(f"{source}: the config says n_layers={config.n_layers}, but the weights hold {held}")
+
+
 def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
                     check_finite: bool = True) -> None:
     """Copy ``state`` (lmstack names) into ``model``, checking names, shapes, completeness and (with
@@ -365,6 +374,7 @@ def load_hf(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
             state[lm] = t
     if config.tie_embeddings:
         state.pop("lm_head.weight", None)  # some tied checkpoints store the copy too
+    check_layer_count(config, state, str(d))
     with torch.device("meta"):
         model = Transformer(config)
     load_state_into(model, state, str(d), check_finite=check_finite)

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from lmstack.model.config import ModelConfig, read_json_object
-from lmstack.model.hf import WeightsError, _read_safetensors, check_float_weights, load_hf, load_state_into
+from lmstack.model.hf import (WeightsError, _read_safetensors, check_float_weights, check_layer_count, load_hf,
+                              load_state_into)
 from lmstack.utils import atomic_path
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -99,6 +100,7 @@ def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype = torch.flo
     d = Path(directory)
     config = ModelConfig.load(d / "config.json")
     state = _read_safetensors(d / "model.safetensors")
+    check_layer_count(config, state, str(d / "model.safetensors"))
     with torch.device("meta"):
         model = Transformer(config)
     load_state_into(model, state, str(d / "model.safetensors"), check_finite=check_finite)
