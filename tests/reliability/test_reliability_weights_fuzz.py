@@ -248,7 +248,8 @@ def test_gguf_flipped_data_bytes_are_clear_errors_or_finite(small_gguf, tmp_path
 
     def poke(b, rng):  # NaN (f32), inf (f16 pair), all-ones, or harmless bytes into the tensor data
         pos = rng.randrange(layout.data_offset, len(raw) - 4)
-        b[pos : pos + 4] = rng.choice([b"\x00\x00\xc0\x7f", b"\x00\x7c\x00\x7c", b"\xff\xff\xff\xff", b"\x01\x02\x03\x04"])
+        b[pos : pos + 4] = rng.choice([b"\x00\x00\xc0\x7f", b"\x00\x7c\x00\x7c", b"\xff\xff\xff\xff",
+                                       b"\x01\x02\x03\x04"])
 
     results = mutated_outcomes(raw, 7, 30, poke, lambda data: load_gguf_model(write_to(path, data)))
     assert results["error"] > 0 and results["ok"] > 0, results

@@ -71,7 +71,8 @@ def _ids_by_token(raw: dict, where: str, what: str = "vocab") -> dict[int, str]:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= MAX_TOKEN_ID:
             raise TokenizerFileError(f"{where}: {what}[{s!r}] = {i!r:.40}; expected a token id in [0, {MAX_TOKEN_ID}]")
         if i in out:
-            raise TokenizerFileError(f"{where}: {what} gives id {i} to both {out[i]!r} and {s!r}; expected each id once")
+            raise TokenizerFileError(f"{where}: {what} gives id {i} to both {out[i]!r} and {s!r}; "
+                                     "expected each id once")
         out[i] = s
     return out
 
@@ -263,7 +264,8 @@ def _hf_merge(m, n: int, where: str) -> tuple[bytes, bytes]:
     parts = m.split(" ") if isinstance(m, str) else m
     if not isinstance(parts, list) or len(parts) != 2:
         raise TokenizerFileError(f"{where}: model.merges[{n}] = {m!r:.60}; expected \"left right\" or [left, right]")
-    return printable_token(parts[0], where, f"model.merges[{n}]"), printable_token(parts[1], where, f"model.merges[{n}]")
+    what = f"model.merges[{n}]"
+    return printable_token(parts[0], where, what), printable_token(parts[1], where, what)
 
 
 def from_hf_json(text: str, where: str = "tokenizer.json") -> Tokenizer:

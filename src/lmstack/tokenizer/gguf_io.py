@@ -84,7 +84,8 @@ class _Cursor:
             v = self.string(what)
             return v.decode("utf-8", errors="replace") if keep else None
         if vtype != _ARRAY:
-            raise GGUFFormatError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos} ({what}); expected 0..12")
+            raise GGUFFormatError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos} ({what}); "
+                                  "expected 0..12")
         itype, count = self.scalar("<I", what), self.scalar("<Q", what)
         smallest = struct.calcsize(_SCALARS[itype]) if itype in _SCALARS else 8  # a string or array is >= 8 bytes
         self.need(count * smallest, f"{what}: array of {count}")
@@ -199,7 +200,8 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     merge_lines = get("tokenizer.ggml.merges", kind=list)
     types = get("tokenizer.ggml.token_type", required=False, kind=list) or [TOKEN_NORMAL] * len(tokens)
     if len(types) != len(tokens):
-        raise TokenizerFileError(f"{path}: {len(types)} token types for {len(tokens)} tokens; expected one type per token")
+        raise TokenizerFileError(f"{path}: {len(types)} token types for {len(tokens)} tokens; "
+                                 "expected one type per token")
 
     vocab: dict[int, bytes] = {}
     specials: list[str] = []
