@@ -1,7 +1,13 @@
-"""GGUF files of the llama architecture, read through the ``gguf`` package.
+"""GGUF files of the llama architecture.
 
-Tensors are dequantized (F32, F16, BF16, Q8_0, Q4_0, Q4_1, and whatever else ``gguf.quants``
-knows) to the requested dtype. llama.cpp's converter permutes the rows of W_Q and W_K so that
+The header is parsed by :func:`lmstack.tokenizer.gguf_io.read_gguf_layout`, which trusts no count or
+length ("truncated at byte N, expected M"); before any weight is read, every tensor's type, size
+(type x shape), alignment and place in the file is checked (``read_gguf_header``), and after
+dequantization the weights must be finite (``check_finite``). The ``gguf`` package supplies the
+type sizes and the dequantizers.
+
+Tensors are dequantized (F32, F16, BF16, Q8_0, Q4_0, Q4_1, and whatever else ``gguf.quants`` knows)
+to the requested dtype. llama.cpp's converter permutes the rows of W_Q and W_K so that
 its interleaved-pair RoPE reproduces HF's half-split RoPE; ``load_gguf`` undoes that permutation
 (rope_layout="half", the default) or keeps it and uses interleaved RoPE (rope_layout="interleaved")
 — both give the same logits (seed 000 §1.3: the two layouts differ by a fixed permutation).
