@@ -459,3 +459,46 @@ def test_layer_count_disagreeing_with_the_weights_is_refused_before_building(sma
     struct.pack_into("<I", raw, at, layers)
     with pytest.raises(WeightsError, match=rf"the config says n_layers={layers}, but the weights hold blocks 0..1"):
         load_gguf(write_to(tmp_path / "l.gguf", bytes(raw)))
+
+
+@pytest.fixture(scope="module")
+def sharded_hf(tmp_path_factory):
+    torch.manual_seed(1)
+    model = Transformer(ModelConfig(vocab_size=V, d_model=D, n_layers=2, n_heads=N, n_kv_heads=K, d_ff=F,
+                                    max_seq_len=128))
+    d = tmp_path_factory.mktemp("sharded") / "ckpt"
+    save_hf(model, d, max_shard_bytes=20_000)
+    assert len(list(d.glob("model-*.safetensors"))) > 1 and outcome(lambda: load_model(d).model) == "ok"
+    return d
+
+
+@pytest.mark.parametrize(("weight_map", "message"), [
+    (lambda wm: sorted(wm.values()), r"weight_map=\[.*; expected an object tensor name -> shard file"),
+    (lambda wm: None, r"weight_map=None; expected an object"),
+    (lambda wm: {k: 3 for k in wm}, r"shard name 3 must be a non-empty string"),
+    (lambda wm: {k: "" for k in wm}, r"shard name '' must be a non-empty string"),
+    (lambda wm: {k: "../../etc/passwd" for k in wm}, r"shard '../../etc/passwd' is outside the checkpoint folder"),
+    (lambda wm: {k: "/etc/passwd" for k in wm}, r"shard '/etc/passwd' is outside the checkpoint folder"),
+    (lambda wm: {k: "sub/../../x.safetensors" for k in wm}, r"shard 'sub/../../x.safetensors' is outside"),
+    (lambda wm: {k: "escape.safetensors" for k in wm}, r"shard 'escape.safetensors' is outside"),  # a symlink out
+    (lambda wm: {**wm, "model.layers.9.mlp.up_proj.weight": sorted(wm.values())[0]},
+     r"tensors listed but absent from shards: \['model.layers.9.mlp.up_proj.weight'\]"),
+])
+def test_sharded_index_is_checked_before_any_shard_is_read(sharded_hf, tmp_path, weight_map, message):
+    d = tmp_path / "ckpt"
+    shutil.copytree(sharded_hf, d)
+    (d / "escape.safetensors").symlink_to(next(sharded_hf.glob("model-*.safetensors")))
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"] = weight_map(index["weight_map"])
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightsError, match=rf"model.safetensors.index.json: {message}"):
+        load_model(d)
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "7", "{not json", '{"weight_map": {"a": "b"}'])
+def test_sharded_index_that_is_not_an_object(sharded_hf, tmp_path, content):
+    d = tmp_path / "ckpt"
+    shutil.copytree(sharded_hf, d)
+    (d / "model.safetensors.index.json").write_text(content)
+    with pytest.raises(WeightsError, match=r"not a safetensors index: .*model.safetensors.index.json: "):
+        load_model(d)
