@@ -4,6 +4,11 @@ Only byte-level BPE (``tokenizer.ggml.model == "gpt2"``) is supported: tokens ar
 strings (see :mod:`.byte_unicode`), merges are ``"left right"`` strings, and token types mark
 control/user-defined tokens (special tokens, stored as plain text). ``tokenizer.ggml.pre`` names
 the pre-tokenizer; ``"smollm"`` (SmolLM2) splits every digit and then applies GPT-2's regex.
+
+:func:`read_gguf_layout` is lmstack's one GGUF header parser (the model loader uses it too): it trusts
+no count or length, so a cut or corrupted file is a :class:`GGUFFormatError` saying
+"truncated at byte N, expected M"; the tokenizer reader turns it and every malformed entry into a
+:class:`~.tokenizer.TokenizerFileError` naming the file and key.
 """
 
 from __future__ import annotations
