@@ -337,15 +337,20 @@ def test_real_gguf_cut_at_many_points_is_a_clear_error(real_gguf_copy, tmp_path)
 
 
 # ---- safetensors --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def small_hf(tmp_path_factory):
-    torch.manual_seed(0)
+def small_checkpoint(folder: Path, seed: int, max_shard_bytes: int | None = None) -> Path:
+    """A 2-layer HF checkpoint (one file, or shards) that loads cleanly."""
+    torch.manual_seed(seed)
     model = Transformer(ModelConfig(vocab_size=V, d_model=D, n_layers=2, n_heads=N, n_kv_heads=K, d_ff=F,
                                     max_seq_len=128))
-    d = tmp_path_factory.mktemp("hf") / "ckpt"
-    save_hf(model, d)
+    d = folder / "ckpt"
+    save_hf(model, d, max_shard_bytes=max_shard_bytes)
     assert outcome(lambda: load_model(d).model) == "ok"
     return d
+
+
+@pytest.fixture(scope="module")
+def small_hf(tmp_path_factory):
+    return small_checkpoint(tmp_path_factory.mktemp("hf"), 0)
 
 
 def with_weights(src: Path, dst: Path, data: bytes) -> Path:
@@ -463,12 +468,8 @@ def test_layer_count_disagreeing_with_the_weights_is_refused_before_building(sma
 
 @pytest.fixture(scope="module")
 def sharded_hf(tmp_path_factory):
-    torch.manual_seed(1)
-    model = Transformer(ModelConfig(vocab_size=V, d_model=D, n_layers=2, n_heads=N, n_kv_heads=K, d_ff=F,
-                                    max_seq_len=128))
-    d = tmp_path_factory.mktemp("sharded") / "ckpt"
-    save_hf(model, d, max_shard_bytes=20_000)
-    assert len(list(d.glob("model-*.safetensors"))) > 1 and outcome(lambda: load_model(d).model) == "ok"
+    d = small_checkpoint(tmp_path_factory.mktemp("sharded"), 1, max_shard_bytes=20_000)
+    assert len(list(d.glob("model-*.safetensors"))) > 1
     return d
 
 
