@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -129,3 +130,40 @@ def file_starts_with(path: Path, prefix: bytes) -> bool:
 def is_png_file(path: Path) -> bool:
     """A file starting with the PNG signature."""
     return file_starts_with(path, b"\x89PNG\r\n\x1a\n")
+
+
+# ---- strict field checks for configs read from JSON/TOML (model and train configs share them) ----
+def check_bool(name: str, value: object, error: type[Exception] = ValueError) -> bool:
+    """``value`` if it is a real boolean; the strings "false"/"no" and the numbers 0/1 are refused,
+    since ``bool("false")`` is True."""
+    if not isinstance(value, bool):
+        raise error(f"{name}={value!r} must be true or false (a boolean, not {type(value).__name__})")
+    return value
+
+
+def check_int(name: str, value: object, error: type[Exception] = ValueError, minimum: int | None = None,
+              maximum: int | None = None) -> int:
+    """``value`` as an int: an int (not a bool) or a float with an integral value (JSON's ``64.0``);
+    ``64.9``, strings and ``None`` are refused rather than truncated or parsed."""
+    expected = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
+        minimum, f"an integer >= {minimum}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy integers are Integral
+        raise error(f"{name}={value!r} must be {expected} (got {type(value).__name__})")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise error(f"{name}={value!r} must be {expected}")
+    if maximum is not None and value > maximum:
+        raise error(f"{name}={value!r} is too large; expected at most {maximum}")
+    return value
+
+
+def check_float(name: str, value: object, error: type[Exception] = ValueError) -> float:
+    """``value`` as a finite float: an int or float (not a bool, not a string, not NaN/inf)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise error(f"{name}={value!r} must be a number (got {type(value).__name__})")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise error(f"{name}={value!r} must be a finite number")
+    return value

@@ -131,9 +131,9 @@ def test_fields_given_as_the_wrong_type_name_the_field(tmp_path, field, value):
 
 @pytest.mark.parametrize("overrides,message", [
     ({"sep_id": 64}, "sep_id=64 is not a token id of the model (vocab_size=64: ids 0..63)"),
-    ({"sep_id": -1}, "sep_id=-1 must be an integer >= 0"),
+    ({"sep_id": -1}, "sep_id=-1 must be a non-negative integer"),
     ({"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "eos_token_id": 64}},
-     "model.eos_token_id=64 is not a token id of the model (vocab_size=64: ids 0..63)"),
+     "model: eos_token_id=64 is not a token id of vocab_size=64"),
 ])
 def test_ids_checked_against_the_vocabulary(tmp_path, overrides, message):
     with pytest.raises(TrainConfigError) as e:

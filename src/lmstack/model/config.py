@@ -17,12 +17,18 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmstack.utils import atomic_write_text, check_bool, check_float, check_int
+
 ROPE_LAYOUTS = ("half", "interleaved")
 # "auto" picks the fastest backend for the tensors' device (lmstack.kernels.backends); the flash
 # backends apply where no explicit mask is needed and fall back to sdpa otherwise (docs/kernels.md).
 ATTN_BACKENDS = ("auto", "sdpa", "reference", "matmul", "flash_pytorch", "flash_triton")
 NORM_BACKENDS = ("auto", "torch", "triton")  # RMSNorm: eager fp32 formula or the fused Triton kernel
 ARCHITECTURES = ("llama", "mistral", "qwen2")
+#: Longest context whose RoPE tables lmstack builds (they cover every position up front): 16.7M positions;
+#: real models use <= 10M, and a corrupt 2**32 must not ask for terabytes.
+MAX_SEQ_LEN = 1 << 24
+MAX_SIZE = (1 << 31) - 1  # no size of a real model comes near this; larger ones are corrupt files
 
 
 class ConfigError(ValueError):
@@ -65,10 +71,21 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"{f}={v!r} must be a positive integer")
+        for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+            setattr(self, f, check_int(f, getattr(self, f), ConfigError, minimum=1, maximum=MAX_SIZE))
+        self.max_seq_len = check_int("max_seq_len", self.max_seq_len, ConfigError, 1, MAX_SEQ_LEN)
+        for f in ("tie_embeddings", "qkv_bias", "qk_norm", "parallel_block"):
+            check_bool(f, getattr(self, f), ConfigError)
+        for f in ("rope_theta", "norm_eps", "init_std"):
+            setattr(self, f, check_float(f, getattr(self, f), ConfigError))
+        for f in ("head_dim", "sliding_window", "bos_token_id", "eos_token_id"):
+            if getattr(self, f) is not None:
+                setattr(self, f, check_int(f, getattr(self, f), ConfigError, 0 if f.endswith("_id") else 1, MAX_SIZE))
+        for f in ("bos_token_id", "eos_token_id"):
+            if getattr(self, f) is not None and getattr(self, f) >= self.vocab_size:
+                raise ConfigError(f"{f}={getattr(self, f)} is not a token id of vocab_size={self.vocab_size}")
+        if not isinstance(self.name, str):
+            raise ConfigError(f"name={self.name!r} must be a string")
         if self.head_dim is None:
             if self.d_model % self.n_heads != 0:
                 raise ConfigError(
@@ -76,8 +93,6 @@ class ModelConfig:
                     "choose n_heads so that d_model = n_heads * head_dim, or set head_dim explicitly"
                 )
             self.head_dim = self.d_model // self.n_heads
-        elif isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim <= 0:
-            raise ConfigError(f"head_dim={self.head_dim!r} must be a positive integer or None")
         if self.head_dim % 2 != 0:
             raise ConfigError(
                 f"head_dim={self.head_dim} is odd; RoPE rotates pairs of dimensions and needs an even head dim"
@@ -99,10 +114,6 @@ class ModelConfig:
             raise ConfigError(f"norm_backend={self.norm_backend!r}; expected one of {NORM_BACKENDS}")
         if self.architecture not in ARCHITECTURES:
             raise ConfigError(f"architecture={self.architecture!r}; expected one of {ARCHITECTURES}")
-        if self.sliding_window is not None and (
-            isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window <= 0
-        ):
-            raise ConfigError(f"sliding_window={self.sliding_window!r} must be a positive integer or None")
         if not (self.init_std > 0):
             raise ConfigError(f"init_std={self.init_std!r} must be > 0")
 
@@ -118,6 +129,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(f"a ModelConfig needs a JSON object of fields, got {type(d).__name__} {d!r:.80}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -128,20 +141,12 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def save(self, path: str | os.PathLike) -> None:
-        from lmstack.utils import atomic_write_text
-
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ModelConfig":
         """Read an lmstack config JSON, or an HF ``config.json`` (detected by ``model_type``)."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(d, dict):
-            raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
+        d = read_json_object(path)
         if "model_type" in d:
             from lmstack.model.hf import config_from_hf
 
@@ -157,6 +162,18 @@ class ModelConfig:
         if key not in PRESETS:
             raise ConfigError(f"unknown model preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
         return PRESETS[key].replace(**overrides)
+
+
+def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
+    """A config file's JSON object; anything else (bad JSON or UTF-8, a number, a list) is a ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__} {d!r:.80}")
+    return d
 
 
 def _preset(name: str, **kw: Any) -> ModelConfig:

@@ -13,12 +13,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lmstack.model.config import ConfigError, ModelConfig
-from lmstack.utils import atomic_path, atomic_write_text
+from lmstack.model.config import MAX_SEQ_LEN, MAX_SIZE, ConfigError, ModelConfig, read_json_object
+from lmstack.utils import atomic_path, atomic_write_text, check_bool, check_float, check_int
 
 HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -28,66 +29,95 @@ class WeightsError(ValueError):
 
 
 # ---- config ---------------------------------------------------------------------------------
+def _dict_or_none(d: dict[str, Any], key: str, source: str) -> dict[str, Any]:
+    v = d.get(key)
+    if v is not None and not isinstance(v, dict):
+        raise ConfigError(f"{source}: {key}={v!r} must be an object (or null), got {type(v).__name__}")
+    return v or {}
+
+
 def _rope_theta(d: dict[str, Any], source: str) -> float:
-    params = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or params
+    params = _dict_or_none(d, "rope_parameters", source)
+    scaling = _dict_or_none(d, "rope_scaling", source) or params
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if rope_type not in ("default", None):
         raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported (only plain RoPE)")
-    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    return float(theta)
+    key = "rope_parameters.rope_theta" if "rope_theta" in params else "rope_theta"
+    return check_float(key, params.get("rope_theta", d.get("rope_theta", 10000.0)), ConfigError)
 
 
-def _first_id(v: Any) -> int | None:
+def _first_id(d: dict[str, Any], key: str) -> int | None:
+    v = d.get(key)
     if isinstance(v, list):
-        return int(v[0]) if v else None
-    return None if v is None else int(v)
+        v = v[0] if v else None
+    return None if v is None else check_int(key, v, ConfigError, minimum=0)
+
+
+def _flag(d: dict[str, Any], key: str) -> bool:
+    """An HF boolean field; absent or null is False."""
+    v = d.get(key)
+    return False if v is None else check_bool(key, v, ConfigError)
+
+
+def _int(d: dict[str, Any], key: str, default: int | None = None, maximum: int = MAX_SIZE) -> int:
+    """A positive HF integer field; absent (or null, for fields with a default) is ``default``."""
+    if key not in d and default is None:
+        raise ConfigError(f"missing required field {key!r}")
+    v = d.get(key)
+    return check_int(key, default if v is None and default is not None else v, ConfigError, 1, maximum)
 
 
 def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """Translate an HF ``config.json`` dict of a Llama / Mistral / Qwen2 model into a ModelConfig."""
+    """Translate an HF ``config.json`` dict of a Llama / Mistral / Qwen2 model into a ModelConfig.
+
+    Every field is type-checked under its HF name: ``hidden_size: null``, ``"64"``, ``64.9``,
+    ``rope_scaling: "linear"`` or ``tie_word_embeddings: "false"`` are ConfigErrors naming it.
+    """
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
     model_type = d.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
         raise ConfigError(
             f"{source}: unknown architecture model_type={model_type!r}; supported: {sorted(HF_MODEL_TYPES)}"
         )
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{source}: hidden_act={act!r}; lmstack's SwiGLU needs 'silu'")
-    if d.get("mlp_bias"):
-        raise ConfigError(f"{source}: mlp_bias=True is not supported")
-    if model_type == "llama" and d.get("attention_bias"):
-        raise ConfigError(f"{source}: attention_bias=True (a bias on o_proj too) is not supported")
-    window = None
-    if model_type == "mistral":
-        window = d.get("sliding_window")
-    elif model_type == "qwen2" and d.get("use_sliding_window"):
-        raise ConfigError(f"{source}: Qwen2 use_sliding_window=True (per-layer windows) is not supported")
     try:
-        n_heads = int(d["num_attention_heads"])
+        if _flag(d, "mlp_bias"):
+            raise ConfigError("mlp_bias=True is not supported")
+        if model_type == "llama" and _flag(d, "attention_bias"):
+            raise ConfigError("attention_bias=True (a bias on o_proj too) is not supported")
+        window = None
+        if model_type == "mistral" and d.get("sliding_window") is not None:
+            window = check_int("sliding_window", d["sliding_window"], ConfigError, minimum=1)
+        elif model_type == "qwen2" and _flag(d, "use_sliding_window"):
+            raise ConfigError("Qwen2 use_sliding_window=True (per-layer windows) is not supported")
+        n_heads = _int(d, "num_attention_heads")
+        head_dim = d.get("head_dim")
+        name = d.get("_name_or_path") or model_type
         return ModelConfig(
-            vocab_size=int(d["vocab_size"]),
-            d_model=int(d["hidden_size"]),
-            n_layers=int(d["num_hidden_layers"]),
+            vocab_size=_int(d, "vocab_size"),
+            d_model=_int(d, "hidden_size"),
+            n_layers=_int(d, "num_hidden_layers"),
             n_heads=n_heads,
-            n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
-            d_ff=int(d["intermediate_size"]),
-            head_dim=d.get("head_dim"),
-            max_seq_len=int(d.get("max_position_embeddings", 4096)),
+            n_kv_heads=_int(d, "num_key_value_heads", n_heads),
+            d_ff=_int(d, "intermediate_size"),
+            head_dim=None if head_dim is None else _int(d, "head_dim"),
+            max_seq_len=_int(d, "max_position_embeddings", 4096, MAX_SEQ_LEN),
             rope_theta=_rope_theta(d, source),
-            norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            norm_eps=check_float("rms_norm_eps", d.get("rms_norm_eps", 1e-6), ConfigError),
+            tie_embeddings=_flag(d, "tie_word_embeddings"),
             qkv_bias=model_type == "qwen2",
             sliding_window=window,
             architecture=model_type,
-            bos_token_id=_first_id(d.get("bos_token_id")),
-            eos_token_id=_first_id(d.get("eos_token_id")),
-            name=str(d.get("_name_or_path") or model_type),
+            bos_token_id=_first_id(d, "bos_token_id"),
+            eos_token_id=_first_id(d, "eos_token_id"),
+            name=name if isinstance(name, str) else model_type,
         )
-    except KeyError as e:
-        raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
     except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith(f"{source}:") else f"{source}: {msg}") from None
 
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
@@ -175,8 +205,33 @@ def from_hf_name(name: str) -> str | None:
 
 
 # ---- loading into a model -------------------------------------------------------------------
-def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Copy ``state`` (lmstack names) into ``model``, checking names, shapes and completeness.
+def check_weights_finite(state: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse weights holding NaN or inf (a corrupt file, or one altered on purpose), naming the tensor.
+
+    One vectorised pass per tensor (``isfinite(...).all()``).
+    """
+    for name, t in state.items():
+        if not bool(torch.isfinite(t).all()):
+            bad = (~torch.isfinite(t)).nonzero()
+            where = tuple(bad[0].tolist())
+            raise WeightsError(f"{source}: tensor {name!r} has {len(bad)} non-finite value(s), the first "
+                               f"{t[where].item()} at index {where}; expected finite weights "
+                               "(pass check_finite=False to load it anyway)")
+
+
+def check_layer_count(config: ModelConfig, names, source: str) -> None:
+    """Refuse a config whose layer count disagrees with the weights before a model is built from it
+    (a corrupt count such as 16 million would otherwise take minutes to build, even on the meta device)."""
+    blocks = {int(m.group(1)) for n in names if (m := _LM_BLOCK.fullmatch(n))}
+    if blocks != set(range(config.n_layers)):
+        held = f"blocks 0..{max(blocks)}" if blocks == set(range(len(blocks))) and blocks else f"{len(blocks)} blocks"
+        raise WeightsError(f"{source}: the config says n_layers={config.n_layers}, but the weights hold {held}")
+
+
+def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
+                    check_finite: bool = True) -> None:
+    """Copy ``state`` (lmstack names) into ``model``, checking names, shapes, completeness and (with
+    ``check_finite``) that every weight is finite.
 
     Works on a model built on the meta device too: parameters are replaced by the loaded tensors.
     """
@@ -191,6 +246,10 @@ def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
         t = state[name]
         if tuple(t.shape) != tuple(p.shape):
             raise WeightsError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+        if not t.is_floating_point():  # e.g. a safetensors header whose F32 was changed to I32
+            raise WeightsError(f"{source}: tensor {name!r} has dtype {t.dtype}; expected a floating-point dtype")
+    if check_finite:
+        check_weights_finite(state, source)
     if any(p.is_meta for p in params.values()):
         # adopt the loaded tensors as the parameters: no allocation, no copy
         model.load_state_dict({n: state[n].to(p.dtype) for n, p in params.items()}, strict=False, assign=True)
@@ -204,11 +263,69 @@ def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
             p.copy_(state[name].to(p.dtype))
 
 
+_ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+                   "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+
+
+def _st_tensor_end(name: str, info: Any) -> int:
+    """End offset (in the data section) of one header entry, checking size = dtype x shape."""
+    if not isinstance(info, dict):
+        raise WeightsError(f"header entry {name!r} is {info!r:.80}; expected an object with dtype, shape, "
+                           "data_offsets")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _ST_DTYPE_BYTES:
+        raise WeightsError(f"tensor {name!r} has dtype {dtype!r}; expected one of {sorted(_ST_DTYPE_BYTES)}")
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise WeightsError(f"tensor {name!r} has shape {shape!r}; expected a list of sizes >= 0")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise WeightsError(f"tensor {name!r} has data_offsets {offsets!r}; expected [begin, end], begin <= end")
+    need = _ST_DTYPE_BYTES[dtype] * int(np.prod(shape, dtype=object))
+    if offsets[1] - offsets[0] != need:
+        raise WeightsError(f"tensor {name!r} spans {offsets[1] - offsets[0]} bytes, but dtype {dtype} x "
+                           f"shape {shape} needs {need}; is its dtype or shape altered?")
+    return offsets[1]
+
+
+def _check_safetensors_header(path: Path) -> None:
+    """Check a safetensors header before the library maps the file: a truncated file is named as
+    "truncated at byte N, expected M", and every tensor's byte size is its dtype x shape.
+    Raises WeightsError without the path (``_read_safetensors`` adds it)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if size < 8 or 8 + n > size:
+            raise WeightsError(f"truncated at byte {size}, expected {8 + n if size >= 8 else 8} bytes or more "
+                               "(the safetensors header)")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError) as e:
+            raise WeightsError(f"the safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise WeightsError(f"the safetensors header is {type(header).__name__}; expected an object")
+    ends = {k: _st_tensor_end(k, v) for k, v in header.items() if k != "__metadata__"}
+    last = max(ends, key=ends.get, default=None)
+    if last is not None and 8 + n + ends[last] > size:
+        raise WeightsError(f"truncated at byte {size}, expected {8 + n + ends[last]} (the data of tensor {last!r})")
+
+
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
+        _check_safetensors_header(path)
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
-        raise WeightsError(f"{path}: cannot read safetensors file ({e})") from None
+        detail = str(e) if isinstance(e, WeightsError) else f"({e})"
+        raise WeightsError(f"{path}: cannot read safetensors file: {detail}") from None
+
+
+def _shard_path(d: Path, index: Path, shard: Any) -> Path:
+    """The file a sharded index names, refused unless it is a plain file name inside the checkpoint folder."""
+    if not isinstance(shard, str) or not shard:
+        raise WeightsError(f"{index}: shard name {shard!r} must be a non-empty string")
+    p = d / shard
+    if Path(shard).is_absolute() or ".." in Path(shard).parts or d.resolve() not in p.resolve().parents:
+        raise WeightsError(f"{index}: shard {shard!r} is outside the checkpoint folder {d}; refusing to read it")
+    return p
 
 
 def read_hf_state(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -219,12 +336,15 @@ def read_hf_state(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
         return _read_safetensors(single)
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise WeightsError(f"{index}: not a safetensors index ({e})") from None
+            weight_map = read_json_object(index).get("weight_map")
+        except ConfigError as e:
+            raise WeightsError(f"not a safetensors index: {e}") from None
+        if not isinstance(weight_map, dict):
+            raise WeightsError(f"{index}: weight_map={weight_map!r:.80}; expected an object tensor name -> shard file")
+        shards = {shard: _shard_path(d, index, shard) for shard in weight_map.values()}
         state: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
-            state.update(_read_safetensors(d / shard))
+        for shard in sorted(shards):
+            state.update(_read_safetensors(shards[shard]))
         absent = sorted(set(weight_map) - set(state))
         if absent:
             raise WeightsError(f"{index}: tensors listed but absent from shards: {absent[:5]}")
@@ -235,8 +355,8 @@ def read_hf_state(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def load_hf(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
-            device: torch.device | str = "cpu"):
-    """Load an HF checkpoint directory into an lmstack ``Transformer``."""
+            device: torch.device | str = "cpu", check_finite: bool = True):
+    """Load an HF checkpoint directory into an lmstack ``Transformer`` (``check_finite``: refuse NaN/inf)."""
     from lmstack.model.transformer import Transformer
 
     d = Path(directory)
@@ -254,9 +374,10 @@ def load_hf(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
             state[lm] = t
     if config.tie_embeddings:
         state.pop("lm_head.weight", None)  # some tied checkpoints store the copy too
+    check_layer_count(config, state, str(d))
     with torch.device("meta"):
         model = Transformer(config)
-    load_state_into(model, state, str(d))
+    load_state_into(model, state, str(d), check_finite=check_finite)
     return model.to(device=device, dtype=dtype)
 
 

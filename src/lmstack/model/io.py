@@ -11,7 +11,6 @@ lmstack's own checkpoints are the second kind with lmstack names: ``save_pretrai
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +18,9 @@ from typing import Any
 
 import torch
 
-from lmstack.model.config import ModelConfig
-from lmstack.model.hf import WeightsError, _read_safetensors, check_float_weights, load_hf, load_state_into
+from lmstack.model.config import ModelConfig, read_json_object
+from lmstack.model.hf import (WeightsError, _read_safetensors, check_float_weights, check_layer_count, load_hf,
+                              load_state_into)
 from lmstack.utils import atomic_path
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,8 +55,10 @@ class LoadedModel:
 
 
 def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> LoadedModel:
-    """Load a model by name (``smollm2-135m``), GGUF file, or checkpoint directory."""
+               device: torch.device | str = "cpu", check_finite: bool = True) -> LoadedModel:
+    """Load a model by name (``smollm2-135m``), GGUF file, or checkpoint directory.
+
+    Bad files raise ``WeightsError``/``ConfigError``; ``check_finite=False`` skips the NaN/inf scan."""
     path = Path(spec)
     if not path.exists() and str(spec).lower() in NAMED_MODELS:
         path = find_named_model(str(spec))
@@ -67,15 +69,14 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32,
             raise WeightsError(f"{path}: expected a .gguf file or a checkpoint directory")
         from lmstack.model.gguf import load_gguf
 
-        g = load_gguf(path, dtype=dtype, device=device)
+        g = load_gguf(path, dtype=dtype, device=device, check_finite=check_finite)
         return LoadedModel(g.model, path, g.metadata)
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise WeightsError(f"{path}: no config.json")
-    raw = json.loads(cfg_path.read_text())
-    if "model_type" in raw:
-        return LoadedModel(load_hf(path, dtype=dtype, device=device), path)
-    return LoadedModel(load_pretrained(path, dtype=dtype, device=device), path)
+    if "model_type" in read_json_object(cfg_path):
+        return LoadedModel(load_hf(path, dtype=dtype, device=device, check_finite=check_finite), path)
+    return LoadedModel(load_pretrained(path, dtype=dtype, device=device, check_finite=check_finite), path)
 
 
 def save_pretrained(model, directory: str | os.PathLike) -> None:
@@ -92,14 +93,15 @@ def save_pretrained(model, directory: str | os.PathLike) -> None:
 
 
 def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu"):
-    """Load an lmstack checkpoint written by ``save_pretrained``."""
+                    device: torch.device | str = "cpu", check_finite: bool = True):
+    """Load an lmstack checkpoint written by ``save_pretrained`` (``check_finite``: refuse NaN/inf)."""
     from lmstack.model.transformer import Transformer
 
     d = Path(directory)
     config = ModelConfig.load(d / "config.json")
     state = _read_safetensors(d / "model.safetensors")
+    check_layer_count(config, state, str(d / "model.safetensors"))
     with torch.device("meta"):
         model = Transformer(config)
-    load_state_into(model, state, str(d / "model.safetensors"))
+    load_state_into(model, state, str(d / "model.safetensors"), check_finite=check_finite)
     return model.to(device=device, dtype=dtype)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from lmstack.utils import atomic_write_text
 
-from .byte_unicode import str_to_token, token_to_str
+from .byte_unicode import token_to_str
 from .gguf_io import load_gguf_tokenizer
 from .pretokenize import GPT2_PATTERN, PATTERNS, SMOLLM_PATTERN
-from .tokenizer import Tokenizer
+from .tokenizer import MAX_TOKEN_ID, Tokenizer, TokenizerFileError, printable_token
 
 FORMAT = "lmstack-bpe"
 _META = ("bos_token_id", "eos_token_id", "pad_token_id", "chat_template")
@@ -28,11 +28,65 @@ def _pattern_value(tok: Tokenizer) -> str:
     return tok.pattern_name if tok.pattern_name in PATTERNS else tok.pattern
 
 
-def _set_meta(tok: Tokenizer, meta: dict) -> Tokenizer:
+def _set_meta(tok: Tokenizer, meta: dict, where: str) -> Tokenizer:
     for k in _META:
-        if meta.get(k) is not None:
-            setattr(tok, k, meta[k])
+        v = meta.get(k)
+        if v is None:
+            continue
+        if k == "chat_template" and not isinstance(v, str):
+            raise TokenizerFileError(f"{where}: chat_template={v!r:.60} must be a string")
+        if k != "chat_template" and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOKEN_ID):
+            raise TokenizerFileError(f"{where}: {k}={v!r:.60} must be a token id in [0, {MAX_TOKEN_ID}]")
+        setattr(tok, k, v)
     return tok
+
+
+# ---------------------------------------------------------------------- checks shared by the readers
+def _read_json(path: str | os.PathLike):
+    """(text, value) of a JSON file; bad UTF-8 or JSON is a TokenizerFileError naming the file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerFileError(f"{path}: not UTF-8 text ({e})") from None
+    return text, _parse_json(text, str(path))
+
+
+def _parse_json(text: str, where: str):
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise TokenizerFileError(f"{where}: not valid JSON ({e})") from None
+
+
+def _expect(value, kind: type, where: str, what: str):
+    if not isinstance(value, kind):
+        raise TokenizerFileError(f"{where}: {what} is {type(value).__name__} {value!r:.60}; expected {kind.__name__}")
+    return value
+
+
+def _ids_by_token(raw: dict, where: str, what: str = "vocab") -> dict[int, str]:
+    """A token -> id map (HF, GPT-2) inverted, with every id an integer in range and used once."""
+    out: dict[int, str] = {}
+    for s, i in _expect(raw, dict, where, what).items():
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= MAX_TOKEN_ID:
+            raise TokenizerFileError(f"{where}: {what}[{s!r}] = {i!r:.40}; expected a token id in [0, {MAX_TOKEN_ID}]")
+        if i in out:
+            raise TokenizerFileError(f"{where}: {what} gives id {i} to both {out[i]!r} and {s!r}; "
+                                     "expected each id once")
+        out[i] = s
+    return out
+
+
+def _build(where: str, vocab: dict[int, bytes], merges, specials, pattern) -> Tokenizer:
+    """The Tokenizer, with whatever it refuses (a merge of unknown tokens, a bad pattern) naming the file."""
+    if not vocab:
+        raise TokenizerFileError(f"{where}: the vocabulary is empty")
+    if pattern is not None and not isinstance(pattern, str):
+        raise TokenizerFileError(f"{where}: pattern={pattern!r:.60} must be a string (a regex or a name)")
+    try:
+        return Tokenizer(vocab, merges, specials, pattern=pattern)
+    except ValueError as e:
+        raise TokenizerFileError(f"{where}: {e}") from None
 
 
 # ---------------------------------------------------------------------- lmstack JSON
@@ -53,25 +107,39 @@ def save(tok: Tokenizer, path: str | os.PathLike) -> None:
     atomic_write_text(path, json.dumps(to_dict(tok), ensure_ascii=False))
 
 
+def _hex_token(h, where: str, what: str) -> bytes:
+    try:
+        return bytes.fromhex(_expect(h, str, where, what))
+    except ValueError:
+        raise TokenizerFileError(f"{where}: malformed {what} = {h!r:.40}; expected a hex string") from None
+
+
 def from_dict(d: dict, where: str = "tokenizer") -> Tokenizer:
+    _expect(d, dict, where, "the file's JSON")
     if d.get("format") != FORMAT:
-        raise ValueError(f"{where}: format={d.get('format')!r}, expected {FORMAT!r}")
+        raise TokenizerFileError(f"{where}: format={d.get('format')!r}, expected {FORMAT!r}")
     for key in ("vocab", "merges"):
         if key not in d:
-            raise ValueError(f"{where}: no {key!r} entry; expected a file written by lmstack.tokenizer.save")
-    try:
-        vocab = {int(i): bytes.fromhex(h) for i, h in d["vocab"].items()}
-        merges = [(bytes.fromhex(a), bytes.fromhex(b)) for a, b in d["merges"]]
-    except (ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"{where}: malformed vocab/merges ({e}); expected hex strings") from None
-    specials = sorted(d.get("special_tokens", {}), key=lambda s: d["special_tokens"][s])
-    return _set_meta(Tokenizer(vocab, merges, specials, pattern=d.get("pattern")), d)
+            raise TokenizerFileError(f"{where}: no {key!r} entry; expected a file written by lmstack.tokenizer.save")
+    vocab: dict[int, bytes] = {}
+    for k, h in _expect(d["vocab"], dict, where, "vocab").items():
+        i = int(k) if k.isascii() and k.isdigit() else -1
+        if not 0 <= i <= MAX_TOKEN_ID or i in vocab:
+            raise TokenizerFileError(f"{where}: malformed vocab id {k!r}; expected distinct ids in [0, {MAX_TOKEN_ID}]")
+        vocab[i] = _hex_token(h, where, f"vocab[{k!r}]")
+    merges = []
+    for n, m in enumerate(_expect(d["merges"], list, where, "merges")):
+        if not isinstance(m, list) or len(m) != 2:
+            raise TokenizerFileError(f"{where}: malformed merges[{n}] = {m!r:.60}; expected a pair of hex strings")
+        merges.append((_hex_token(m[0], where, f"merges[{n}][0]"), _hex_token(m[1], where, f"merges[{n}][1]")))
+    specials = _ids_by_token(d.get("special_tokens") or {}, where, "special_tokens")
+    tok = _build(where, vocab, merges, [specials[i] for i in sorted(specials)], d.get("pattern"))
+    return _set_meta(tok, d, where)
 
 
 def load(path: str | os.PathLike) -> Tokenizer:
     """Read a file written by :func:`save`."""
-    path = Path(path)
-    return from_dict(json.loads(path.read_text(encoding="utf-8")), str(path))
+    return from_dict(_read_json(path)[1], str(path))
 
 
 # ---------------------------------------------------------------------- GPT-2 vocab.json + merges.txt
@@ -91,20 +159,25 @@ def load_gpt2(
     pattern: str | None = None,
 ) -> Tokenizer:
     """Read GPT-2 files. ``special_tokens=None`` treats ``<|endoftext|>`` as special when present."""
-    raw = json.loads(Path(vocab_path).read_text(encoding="utf-8"))
+    raw = _ids_by_token(_read_json(vocab_path)[1], str(vocab_path))
     if special_tokens is None:
-        special_tokens = [s for s in ("<|endoftext|>",) if s in raw]
+        special_tokens = [s for s in ("<|endoftext|>",) if s in raw.values()]
     specials = set(special_tokens)
-    vocab = {int(i): (s.encode("utf-8") if s in specials else str_to_token(s)) for s, i in raw.items()}
+    vocab = {i: (s.encode("utf-8") if s in specials else printable_token(s, str(vocab_path), f"token {i}"))
+             for i, s in raw.items()}
+    try:
+        lines = Path(merges_path).read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        raise TokenizerFileError(f"{merges_path}: not UTF-8 text ({e})") from None
     merges = []
-    for n, line in enumerate(Path(merges_path).read_text(encoding="utf-8").split("\n")):
+    for n, line in enumerate(lines):
         if not line or (n == 0 and line.startswith("#version")):
             continue
         parts = line.split(" ")
         if len(parts) != 2:
-            raise ValueError(f"{merges_path}:{n + 1}: {line!r} is not two tokens separated by one space")
-        merges.append((str_to_token(parts[0]), str_to_token(parts[1])))
-    return Tokenizer(vocab, merges, special_tokens, pattern=pattern)
+            raise TokenizerFileError(f"{merges_path}:{n + 1}: {line!r} is not two tokens separated by one space")
+        merges.append(tuple(printable_token(p, f"{merges_path}:{n + 1}", "merge") for p in parts))
+    return _build(str(vocab_path), vocab, merges, special_tokens, pattern)
 
 
 # ---------------------------------------------------------------------- HF tokenizer.json
@@ -151,54 +224,74 @@ def save_hf(tok: Tokenizer, path: str | os.PathLike) -> None:
     atomic_write_text(path, to_hf_json(tok))
 
 
-def _pattern_from_hf(pre: dict | None, where: str) -> str:
-    if pre is None:
-        raise ValueError(f"{where}: no pre_tokenizer; expected ByteLevel (byte-level BPE)")
+def _pattern_from_hf(pre, where: str) -> str:
+    if not isinstance(pre, dict):
+        raise TokenizerFileError(f"{where}: pre_tokenizer is {pre!r:.60}; expected ByteLevel (byte-level BPE)")
     kind = pre.get("type")
     if kind == "ByteLevel" and pre.get("use_regex", True):
         return GPT2_PATTERN
-    if kind == "Sequence":
-        steps = pre.get("pretokenizers", [])
-        kinds = [s.get("type") for s in steps]
+    steps = pre.get("pretokenizers") if kind == "Sequence" else None
+    if isinstance(steps, list) and all(isinstance(step, dict) for step in steps):
+        kinds = [step.get("type") for step in steps]
         if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
             return SMOLLM_PATTERN
         if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
-            pat = steps[0].get("pattern", {})
-            if "Regex" in pat and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert"):
+            pat = steps[0].get("pattern")
+            if (isinstance(pat, dict) and isinstance(pat.get("Regex"), str) and steps[0].get("behavior") == "Isolated"
+                    and not steps[0].get("invert")):
                 return pat["Regex"]
-    raise ValueError(
+    raise TokenizerFileError(
         f"{where}: pre_tokenizer {json.dumps(pre)[:200]} is not supported; expected ByteLevel(use_regex), "
         "Sequence[Digits(individual), ByteLevel] or Sequence[Split(Regex, Isolated), ByteLevel(use_regex=false)]"
     )
 
 
+def _hf_added_tokens(d: dict, where: str) -> dict[int, str]:
+    added: dict[int, str] = {}
+    for n, t in enumerate(_expect(d.get("added_tokens") or [], list, where, "added_tokens")):
+        i = t.get("id") if isinstance(t, dict) else None
+        content = t.get("content") if isinstance(t, dict) else None
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= MAX_TOKEN_ID or not isinstance(content, str):
+            raise TokenizerFileError(f"{where}: added_tokens[{n}] = {t!r:.80}; expected an object with an integer "
+                                     f"'id' in [0, {MAX_TOKEN_ID}] and a string 'content'")
+        if i in added:
+            raise TokenizerFileError(f"{where}: added_tokens gives id {i} to both {added[i]!r} and {content!r}")
+        added[i] = content
+    return added
+
+
+def _hf_merge(m, n: int, where: str) -> tuple[bytes, bytes]:
+    parts = m.split(" ") if isinstance(m, str) else m
+    if not isinstance(parts, list) or len(parts) != 2:
+        raise TokenizerFileError(f"{where}: model.merges[{n}] = {m!r:.60}; expected \"left right\" or [left, right]")
+    what = f"model.merges[{n}]"
+    return printable_token(parts[0], where, what), printable_token(parts[1], where, what)
+
+
 def from_hf_json(text: str, where: str = "tokenizer.json") -> Tokenizer:
-    d = json.loads(text)
-    model = d.get("model", {})
+    d = _expect(_parse_json(text, where), dict, where, "the file's JSON")
+    model = _expect(d.get("model"), dict, where, "model")
     if model.get("type") != "BPE":
-        raise ValueError(f"{where}: model.type={model.get('type')!r}, expected 'BPE'")
+        raise TokenizerFileError(f"{where}: model.type={model.get('type')!r:.60}, expected 'BPE'")
     if d.get("normalizer") is not None:
-        raise ValueError(f"{where}: normalizer {d['normalizer'].get('type')!r} is not supported; expected none")
+        raise TokenizerFileError(f"{where}: normalizer {json.dumps(d['normalizer'])[:100]} is not supported; "
+                                 "expected none")
     if not isinstance(model.get("vocab"), dict):
-        raise ValueError(f"{where}: model.vocab is missing or not a dict; expected token -> id")
+        raise TokenizerFileError(f"{where}: model.vocab is missing or not a dict; expected token -> id")
     pattern = _pattern_from_hf(d.get("pre_tokenizer"), where)
-    added = {t["id"]: t["content"] for t in d.get("added_tokens", [])}
-    vocab = {}
-    for s, i in model["vocab"].items():
-        vocab[i] = added[i].encode("utf-8") if i in added else str_to_token(s)
+    added = _hf_added_tokens(d, where)
+    vocab = {i: added[i].encode("utf-8") if i in added else printable_token(s, where, f"model.vocab[{s!r}]")
+             for i, s in _ids_by_token(model["vocab"], where, "model.vocab").items()}
     for i, s in added.items():
         vocab[i] = s.encode("utf-8")
-    merges = []
-    for m in model.get("merges", []):
-        a, b = m.split(" ") if isinstance(m, str) else m
-        merges.append((str_to_token(a), str_to_token(b)))
-    specials = [added[i] for i in sorted(added)]
-    return Tokenizer(vocab, merges, specials, pattern=pattern)
+    merges = [_hf_merge(m, n, where) for n, m in enumerate(_expect(model.get("merges") or [], list, where,
+                                                                    "model.merges"))]
+    return _build(where, vocab, merges, [added[i] for i in sorted(added)], pattern)
 
 
 def load_hf(path: str | os.PathLike) -> Tokenizer:
-    path = Path(path)
-    return from_hf_json(path.read_text(encoding="utf-8"), str(path))
+    text, _ = _read_json(path)
+    return from_hf_json(text, str(path))
 
 
 def to_hf_tokenizer(tok: Tokenizer):
@@ -236,18 +329,18 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             return load_hf(path / "tokenizer.json")
         if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
             return load_gpt2(path / "vocab.json", path / "merges.txt")
-        raise ValueError(f"directory {str(path)!r} has neither tokenizer.json nor vocab.json + merges.txt")
+        raise TokenizerFileError(f"directory {str(path)!r} has neither tokenizer.json nor vocab.json + merges.txt")
     with open(path, "rb") as f:
         head = f.read(4)
     if head == b"GGUF":
         return load_gguf_tokenizer(path)
-    text = path.read_text(encoding="utf-8")
     try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: neither GGUF nor JSON ({e})") from None
-    if d.get("format") == FORMAT:
+        text, d = _read_json(path)
+    except TokenizerFileError as e:
+        raise TokenizerFileError(f"{path}: neither GGUF nor JSON ({str(e).removeprefix(f'{path}: ')})") from None
+    if isinstance(d, dict) and d.get("format") == FORMAT:
         return from_dict(d, str(path))
-    if "model" in d:
+    if isinstance(d, dict) and "model" in d:
         return from_hf_json(text, str(path))
-    raise ValueError(f"{path}: JSON without 'format': {FORMAT!r} or an HF 'model'; not a tokenizer file")
+    raise TokenizerFileError(f"{path}: {type(d).__name__} {d!r:.60} is not a tokenizer file; expected a JSON object "
+                             f"with 'format': {FORMAT!r} or an HF 'model'")

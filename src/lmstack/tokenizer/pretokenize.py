@@ -63,6 +63,26 @@ def resolve_pattern(pattern: str | None) -> str:
     return pattern
 
 
+#: Text with every kind of character a corpus holds (letters, digits, punctuation, spaces, tabs, newlines,
+#: accents, CJK, emoji, control characters): a pre-tokenizer's pieces must put it back together.
+COVERAGE_PROBE = "Hello, World! It's 2024:\n\tnaïve café — 日本語 😀  x_y=1.5e3\r\n\x00\x1f end "
+
+
+def resolve_training_pattern(pattern: str | None) -> str:
+    """:func:`resolve_pattern`, refusing a pattern whose pieces do not cover the text (e.g. ``''``):
+    BPE only sees the pieces, so such a pattern would train a tokenizer that drops what it misses."""
+    resolved = resolve_pattern(pattern)
+    pieces = regex.findall(resolved, COVERAGE_PROBE)
+    if "".join(pieces) != COVERAGE_PROBE:
+        covered = sum(map(len, pieces))
+        raise ValueError(
+            f"pattern {pattern!r} does not cover the text: its pieces of {COVERAGE_PROBE!r} hold {covered} of "
+            f"{len(COVERAGE_PROBE)} characters; a pre-tokenizer must match every character "
+            f"(use one of {', '.join(sorted(PATTERNS))})"
+        )
+    return resolved
+
+
 def special_splitter(special_tokens: Iterable[str]) -> regex.Pattern | None:
     """A regex whose ``split`` cuts text around special tokens, keeping them (longest first)."""
     specials = sorted(set(special_tokens), key=lambda s: (-len(s), s))

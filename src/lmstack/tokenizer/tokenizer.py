@@ -13,10 +13,41 @@ from itertools import chain, repeat
 
 import regex
 
+from .byte_unicode import str_to_token
 from .pretokenize import PreTokenizer, resolve_pattern, special_splitter
 
 
 _NO_RANK = 1 << 62  # rank of a pair that is not a merge
+#: Largest token id a vocabulary may use: real vocabularies stay below 300k; ids beyond this are a
+#: corrupt file, and V = max id + 1 sizes the model's embedding.
+MAX_TOKEN_ID = (1 << 24) - 1
+
+
+class TokenizerFileError(ValueError):
+    """A tokenizer file (lmstack JSON, HF tokenizer.json, GPT-2 vocab/merges, GGUF) that is malformed;
+    the message names the file and what was expected."""
+
+
+def printable_token(s, where: str, what: str) -> bytes:
+    """A GPT-2 printable token string from a file -> bytes; anything else is a TokenizerFileError naming it."""
+    if not isinstance(s, str):
+        raise TokenizerFileError(f"{where}: {what} is {s!r:.60}; expected a token string")
+    try:
+        return str_to_token(s)
+    except ValueError as e:
+        raise TokenizerFileError(f"{where}: {what}: {e}") from None
+
+
+def _checked_vocab(vocab: dict[int, bytes]) -> dict[int, bytes]:
+    """id -> bytes with every id an integer in [0, MAX_TOKEN_ID] and every token bytes."""
+    out: dict[int, bytes] = {}
+    for i, b in vocab.items():
+        if isinstance(i, bool) or not hasattr(i, "__index__") or not 0 <= int(i) <= MAX_TOKEN_ID:
+            raise ValueError(f"token id {i!r} must be an integer in [0, {MAX_TOKEN_ID}]")
+        if not isinstance(b, (bytes, bytearray)):
+            raise ValueError(f"token {int(i)} is {b!r:.40}; expected bytes")
+        out[int(i)] = bytes(b)
+    return out
 
 
 class Tokenizer:
@@ -38,7 +69,7 @@ class Tokenizer:
         pattern: str | None = None,
         cache_size: int = 1 << 18,
     ) -> None:
-        self.vocab: dict[int, bytes] = {int(i): bytes(b) for i, b in vocab.items()}
+        self.vocab: dict[int, bytes] = _checked_vocab(vocab)
         self.merges: list[tuple[bytes, bytes]] = [(bytes(a), bytes(b)) for a, b in merges]
         self.pattern: str = resolve_pattern(pattern)
         self.pattern_name: str | None = pattern if pattern is not None and pattern != self.pattern else None

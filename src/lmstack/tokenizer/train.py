@@ -22,7 +22,7 @@ from pathlib import Path
 import regex
 from tqdm import tqdm
 
-from .pretokenize import PATTERNS, PreTokenizer, resolve_pattern, special_splitter
+from .pretokenize import PATTERNS, PreTokenizer, resolve_training_pattern, special_splitter
 
 #: Fallback cut when no special token is near a nominal chunk boundary: before a space followed by
 #: an ASCII letter, which starts a pre-token under every built-in pattern (GPT-2, GPT-4, Llama-3, SmolLM).
@@ -157,7 +157,7 @@ def count_pretokens(
 ) -> Counter:
     """Distinct pre-token (str) -> count over all input files, counted in parallel chunks."""
     paths = _paths(input_path)
-    pattern = resolve_pattern(pattern)
+    pattern = resolve_training_pattern(pattern)
     specials = tuple(special_tokens)
     split_bytes = [s.encode("utf-8") for s in specials]
     workers, total, ranges = plan_chunks(paths, split_bytes, num_workers, _CHUNK_BYTES,

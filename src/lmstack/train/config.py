@@ -29,6 +29,7 @@ from typing import Any
 
 from lmstack.model.config import ConfigError, ModelConfig
 from lmstack.train.schedule import SCHEDULES
+from lmstack.utils import check_bool, check_int
 
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -92,9 +93,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_zero: bool = False) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
-                raise TrainConfigError(f"{name}={v!r} must be an integer >= {0 if allow_zero else 1}")
+            setattr(self, name, check_int(name, getattr(self, name), TrainConfigError, 0 if allow_zero else 1))
 
         def num(name: str, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
             v = getattr(self, name)
@@ -104,11 +103,9 @@ class TrainConfig:
                                        f"{hi if hi is not None else 'inf'})")
 
         for n in ("packing", "activation_checkpointing", "compile", "fused_loss"):
-            if not isinstance(getattr(self, n), bool):
-                raise TrainConfigError(f"{n}={getattr(self, n)!r} must be true or false (a boolean, not a string "
-                                       "or number)")
-        if self.qk_norm is not None and not isinstance(self.qk_norm, bool):
-            raise TrainConfigError(f"qk_norm={self.qk_norm!r} must be true, false or null")
+            check_bool(n, getattr(self, n), TrainConfigError)
+        if self.qk_norm is not None:
+            check_bool("qk_norm", self.qk_norm, TrainConfigError)
         for n in ("train_data", "out_dir", "device"):
             if not isinstance(getattr(self, n), str):
                 raise TrainConfigError(f"{n}={getattr(self, n)!r} must be a string")
@@ -189,10 +186,6 @@ class TrainConfig:
             raise TrainConfigError(f"seq_len={self.seq_len} exceeds model.max_seq_len={cfg.max_seq_len}")
         if self.sep_id is not None and self.sep_id >= cfg.vocab_size:
             raise TrainConfigError(f"sep_id={self.sep_id} is not a token id of the model (vocab_size="
-                                   f"{cfg.vocab_size}: ids 0..{cfg.vocab_size - 1})")
-        eos = cfg.eos_token_id
-        if isinstance(eos, int) and not isinstance(eos, bool) and not 0 <= eos < cfg.vocab_size:
-            raise TrainConfigError(f"model.eos_token_id={eos} is not a token id of the model (vocab_size="
                                    f"{cfg.vocab_size}: ids 0..{cfg.vocab_size - 1})")
         return cfg
 
