@@ -473,8 +473,7 @@ class SelectivePagedBatch(PackedPagedBatch):
                impl: AttentionImpl) -> Tensor:
         positions = meta.positions  # (1, T)
         kc, vc = self._write(layer_idx, k, v)
-        _, N, T, H = q.shape
-        K = k.shape[1]
+        K, H = k.shape[1], k.shape[3]
         outs = []
         for t0, t1, g, kp in self.segments:
             R, S = g.shape
