@@ -47,14 +47,12 @@ import torch
 def build(args):
     import transformers
 
-    from lmstack.kernels.backends import attention_impl, choose_attention
     from lmstack.model import ModelConfig
     from lmstack.model.transformer import Transformer
 
     cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads, d_ff=args.d_ff, max_seq_len=max(args.seq, 128),
                       tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5)
-    attn = {"auto": "auto", "sdpa": "sdpa", "eager": "reference"}[args.attn]  # lmstack RuntimeConfig.attn_backend
     ours = Transformer(cfg, seed=0)
     hf_cfg = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.d_model, num_hidden_layers=args.layers,
@@ -111,6 +109,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from lmstack.accounting import measure_cpu, training_step_flops
+    from lmstack.kernels.backends import attention_impl, choose_attention
     from lmstack.train import AdamW, cross_entropy
     from lmstack.train.losses import linear_cross_entropy
 
@@ -156,6 +155,7 @@ def main() -> None:
         ac = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if prec == "bf16" else contextlib.nullcontext
 
         # each lmstack row's attention, decided once as the Trainer does (kernels.backends.choose_attention)
+        attn = {"auto": "auto", "sdpa": "sdpa", "eager": "reference"}[args.attn]  # RuntimeConfig.attn_backend
         autocast = "bf16" if prec == "bf16" else None
         impls = {k: attention_impl(choose_attention(k.partition("@")[2] or attn, "cpu", autocast,
                                                     k.endswith("compile"), S)[0]) for k in models}
