@@ -68,8 +68,7 @@ def _worker(rank, world, port, repeats, q):
     from lmstack.parallel.zero import FullyShard, ZeroOptimizer
 
     out = {}
-    cfg = ModelConfig(vocab_size=2048, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=768, max_seq_len=256,
-                      attn_backend="sdpa", norm_backend="torch")
+    cfg = ModelConfig(vocab_size=2048, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=768, max_seq_len=256)
     g = torch.Generator().manual_seed(rank)
     B, S = 4, 128
     x = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
@@ -91,8 +90,7 @@ def _worker(rank, world, port, repeats, q):
     del runs
 
     # 2. bytes per step (fp32 gradients), measured on the ring vs the accounting model
-    small = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
-                        attn_backend="sdpa", norm_backend="torch")
+    small = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
     xs, ys = x[:, :32] % 256, y[:, :32] % 256
     P = Transformer(small, seed=0).num_params()
     bytes_rows = []
@@ -126,7 +124,7 @@ def _worker(rank, world, port, repeats, q):
     # 3. pipeline bubble (pp = world), real model, m micro-batches of 2 sequences
     mesh = DeviceMesh.build(pp=world)
     pcfg = ModelConfig(vocab_size=2048, d_model=256, n_layers=4 * world, n_heads=8, n_kv_heads=4, d_ff=768,
-                       max_seq_len=256, attn_backend="sdpa", norm_backend="torch")
+                       max_seq_len=256)
     rows = []
     for m in (2, 4, 8):
         for kind in ("gpipe", "1f1b", "zb"):

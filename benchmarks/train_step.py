@@ -19,8 +19,8 @@ what lmstack's AdamW does) and with ``fused=True`` where this torch has it. The 
 each separates what lmstack's model code and fused loss buy from what the optimizer buys.
 
 ``--ab-attn BACKEND`` adds a second lmstack row, "lmstack@BACKEND": the *same* lmstack model and
-optimizer with ``set_attn_backend(BACKEND)`` for its step and the default backend back for the
-next, stepped in the same rounds as the others — an A/B of one change inside one process, which
+optimizer with ``set_attention`` of BACKEND's implementation for its step and the default one back for
+the next, stepped in the same rounds as the others — an A/B of one change inside one process, which
 machine-load swings between separate runs would drown.
 
 lmstack's step is the Trainer's: forward to the final hidden states, then the block-wise
@@ -52,8 +52,7 @@ def build(args):
 
     cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads, d_ff=args.d_ff, max_seq_len=max(args.seq, 128),
-                      tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5,
-                      attn_backend={"auto": "auto", "sdpa": "sdpa", "eager": "reference"}[args.attn])
+                      tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5)
     ours = Transformer(cfg, seed=0)
     hf_cfg = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.d_model, num_hidden_layers=args.layers,
@@ -110,6 +109,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from lmstack.accounting import measure_cpu, training_step_flops
+    from lmstack.kernels.backends import attention_impl, choose_attention
     from lmstack.train import AdamW, cross_entropy
     from lmstack.train.losses import linear_cross_entropy
 
@@ -143,7 +143,6 @@ def main() -> None:
           f"F={cfg.d_ff}, {ours.num_params():,} params, {args.attn} attention; batch B={B} S={S} ({B * S} tokens/step); "
           f"{flops / 1e9:.1f} GFLOP/step")
 
-    default_attn = cfg.attn_backend  # set_attn_backend rewrites the config's field
     models = {"lmstack": ours, **hf_models}
     if args.ab_attn:
         models[f"lmstack@{args.ab_attn}"] = ours  # the same model and optimizer, another attention
@@ -155,9 +154,15 @@ def main() -> None:
     for prec in precisions:
         ac = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if prec == "bf16" else contextlib.nullcontext
 
-        def step_ours(model, backend=None):  # what Trainer.forward_loss + train_step do
-            if args.ab_attn:  # switch only for the A/B (a compiled model would recompile)
-                ours.set_attn_backend(backend or default_attn)
+        # each lmstack row's attention, decided once as the Trainer does (kernels.backends.choose_attention)
+        attn = {"auto": "auto", "sdpa": "sdpa", "eager": "reference"}[args.attn]  # RuntimeConfig.attn_backend
+        autocast = "bf16" if prec == "bf16" else None
+        impls = {k: attention_impl(choose_attention(k.partition("@")[2] or attn, "cpu", autocast,
+                                                    k.endswith("compile"), S)[0]) for k in models}
+        print(f"  [{prec}] attention: " + ", ".join(f"{k} {v.name}" for k, v in impls.items() if k.startswith("lmstack")))
+
+        def step_ours(model, key):  # what Trainer.forward_loss + train_step do
+            ours.set_attention(impls[key])
             with ac():
                 if args.fused_loss:
                     h = model(x, return_hidden=True)  # (B, S, D)
@@ -179,7 +184,7 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        steps = {k: (functools.partial(step_ours, m, k.partition("@")[2] or None) if k.startswith("lmstack")
+        steps = {k: (functools.partial(step_ours, m, k) if k.startswith("lmstack")
                      else functools.partial(step_hf, m, hf_opts[k])) for k, m in models.items()}
         for k in [k for k in steps if k.endswith("compile")]:
             t0 = timeit.default_timer()

@@ -69,12 +69,13 @@ def test_backward_is_twice_forward_on_hf_model():
 
 @pytest.mark.parametrize("cfg", SMALL[:2], ids=["gqa", "mqa-tied"])
 def test_forward_equals_flop_counter_on_lmstack_model(cfg):
+    from lmstack.model.seam import ReferenceAttention
     from lmstack.model.transformer import Transformer
 
     # The reference backend spells attention as explicit matmuls, which FlopCounterMode counts.
-    cfg = cfg.replace(attn_backend="reference")
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
+    model.set_attention(ReferenceAttention())
     B, S = 2, 11
     ids = torch.randint(0, cfg.vocab_size, (B, S))
     with torch.no_grad():
@@ -149,10 +150,12 @@ def test_mfu_hand():
 def test_decode_step_equals_flop_counter_on_lmstack_model():
     # One decoding step (T = 1) against S cached keys, logits for the last position only.
     from lmstack.inference.kv_cache import KVCache
+    from lmstack.model.seam import ReferenceAttention
     from lmstack.model.transformer import Transformer
 
-    cfg = SMALL[0].replace(attn_backend="reference")
+    cfg = SMALL[0]
     model = Transformer(cfg).eval()
+    model.set_attention(ReferenceAttention())  # explicit matmuls, which FlopCounterMode counts
     B, S = 2, 9
     cache = KVCache(cfg, B, S)
     ids = torch.randint(0, cfg.vocab_size, (B, S))

@@ -256,7 +256,8 @@ def test_release_outside_window_counts(model):
 
 
 def test_document_ids_need_a_cache_with_key_sequence_ids(model):
-    """A cache whose update() returns 3 tensors cannot mask by sequence: a clear error, not a wrong mask."""
+    """A cache that holds one sequence per row (no keys' sequence ids) cannot mask by sequence: a clear
+    error, not a wrong mask."""
     from lmstack.inference.kv_cache import KVCache
 
     cache = KVCache(model.config, 1, 16, dtype=torch.float64)

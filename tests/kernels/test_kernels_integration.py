@@ -1,4 +1,4 @@
-"""Model integration: attention and RMSNorm backends chosen by config give the same model."""
+"""Model integration: attention and RMSNorm backends chosen by the runtime config give the same model."""
 
 import subprocess
 import sys
@@ -7,14 +7,21 @@ import pytest
 import torch
 
 from lmstack.kernels.backends import resolve_attn_backend, resolve_norm_backend
-from lmstack.model.config import ConfigError, ModelConfig
+from lmstack.kernels.runtime import RuntimeConfig, configure
+from lmstack.model.config import ModelConfig
 from lmstack.model.transformer import Transformer
 
 CFG = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
 
 
-def _logits_and_grads(cfg, tokens):
-    model = Transformer(cfg, seed=1)
+def _build(cfg, attn="auto", norm="auto", seed=1):
+    model = Transformer(cfg, seed=seed)
+    configure(model, RuntimeConfig(attn, norm))
+    return model
+
+
+def _logits_and_grads(cfg, tokens, attn, norm):
+    model = _build(cfg, attn, norm)
     logits = model(tokens)
     logits.square().mean().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -26,8 +33,8 @@ def test_backends_give_the_same_model(attn, norm, request):
     if "triton" in attn + norm:
         request.getfixturevalue("triton_interpreter")
     tokens = torch.randint(0, 64, (2, 19), generator=torch.Generator().manual_seed(0))
-    ref_logits, ref_grads = _logits_and_grads(CFG.replace(attn_backend="reference", norm_backend="torch"), tokens)
-    logits, grads = _logits_and_grads(CFG.replace(attn_backend=attn, norm_backend=norm), tokens)
+    ref_logits, ref_grads = _logits_and_grads(CFG, tokens, "reference", "torch")
+    logits, grads = _logits_and_grads(CFG, tokens, attn, norm)
     torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-5)
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], atol=2e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
@@ -40,31 +47,49 @@ def test_flash_backend_falls_back_with_masks():
     pos = torch.cat([torch.arange(7), torch.arange(9)])[None]
     for extra in (dict(sliding_window=5), dict()):
         cfg = CFG.replace(**extra)
-        a = Transformer(cfg.replace(attn_backend="flash_pytorch"), seed=2)
-        b = Transformer(cfg.replace(attn_backend="sdpa"), seed=2)
+        a = _build(cfg, "flash_pytorch", seed=2)
+        b = _build(cfg, "sdpa", seed=2)
         kw = dict(positions=pos, document_ids=docs) if not extra else {}
         torch.testing.assert_close(a(tokens, **kw), b(tokens, **kw))
 
 
-def test_set_attn_and_norm_backend():
+def test_configure_sets_the_implementations_once():
     model = Transformer(CFG, seed=0)
+    assert model.attention.name == "sdpa"  # a model built without a runtime: the seam's default
     tokens = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
     base = model(tokens)
-    model.set_attn_backend("flash_pytorch")
-    assert all(b.attn.backend == "flash_pytorch" for b in model.blocks)
+    line = configure(model, RuntimeConfig("flash_pytorch", "torch"))
+    assert line == "attention: flash_pytorch (configured); rmsnorm: torch (configured)"
+    assert all(b.attn.impl.name == "flash_pytorch" for b in model.blocks)
     torch.testing.assert_close(model(tokens), base, atol=2e-6, rtol=1e-5)
-    model.set_norm_backend("torch")
-    assert model.config.norm_backend == "torch"
     with pytest.raises(ValueError, match="flash9"):
-        model.set_attn_backend("flash9")
+        RuntimeConfig(attn_backend="flash9")
     with pytest.raises(ValueError, match="cudnn"):
-        model.set_norm_backend("cudnn")
+        RuntimeConfig(norm_backend="cudnn")
+
+
+def test_auto_is_decided_once_and_logged():
+    model = Transformer(CFG, seed=0)
+    assert configure(model, training_autocast="bf16", max_keys=256) == (
+        "attention: matmul (auto: CPU, bf16 autocast, ≤512 keys); rmsnorm: torch (auto)")
+    assert model.attention.name == "matmul"
+    assert configure(model, training_autocast="bf16", max_keys=1024).startswith("attention: sdpa (auto: CPU, >512 keys)")
+    assert configure(model).startswith("attention: sdpa (auto: CPU)")
+    assert configure(model, training_autocast="bf16", compile=True).startswith("attention: sdpa (auto: CPU, compiled)")
+
+
+def test_runtime_keys_left_the_model_config():
+    # an lmstack config.json written before RuntimeConfig still loads; the backends are not architecture
+    cfg = ModelConfig.from_dict({**CFG.to_dict(), "attn_backend": "sdpa", "norm_backend": "torch"})
+    assert cfg == CFG and "attn_backend" not in cfg.to_dict()
+    with pytest.raises(TypeError):
+        ModelConfig(attn_backend="sdpa")
 
 
 def test_config_validation_and_defaults():
-    assert ModelConfig().attn_backend == "auto" and ModelConfig().norm_backend == "auto"
-    with pytest.raises(ConfigError, match="norm_backend='apex'"):
-        ModelConfig(norm_backend="apex")
+    assert RuntimeConfig() == RuntimeConfig("auto", "auto")
+    with pytest.raises(ValueError, match="norm_backend='apex'"):
+        RuntimeConfig(norm_backend="apex")
     # "auto" keeps the CPU behaviour: SDPA attention, the eager RMSNorm formula
     assert resolve_attn_backend("auto", "cpu") == "sdpa"
     assert resolve_norm_backend("auto", torch.zeros(2)) == "torch"
@@ -82,10 +107,11 @@ def test_import_does_not_load_triton():
 def test_lazy_aliases_stay_callable(triton_interpreter):
     # the package's lazy aliases must not be shadowed by their submodules once those are imported
     import lmstack.kernels as kernels
+    from lmstack.model.layers import rms_norm
     import lmstack.kernels.flash_triton  # noqa: F401
     import lmstack.kernels.triton_rmsnorm  # noqa: F401
 
     x = torch.randn(2, 3, 16)
-    torch.testing.assert_close(kernels.rmsnorm_triton(x, torch.ones(16)), kernels.rms_norm(x, torch.ones(16), 1e-5, "torch"))
+    torch.testing.assert_close(kernels.rmsnorm_triton(x, torch.ones(16)), rms_norm(x, torch.ones(16), 1e-5))
     torch.testing.assert_close(kernels.flash_attention_triton(x[None], x[None], x[None], causal=True),
                                kernels.flash_attention_pytorch(x[None], x[None], x[None], causal=True), atol=2e-6, rtol=1e-5)

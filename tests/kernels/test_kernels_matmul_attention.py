@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lmstack.kernels import backends
+from lmstack.model.seam import AttentionMetadata
 from lmstack.kernels import matmul_attention as ma
 from lmstack.model.attention import attention_mask
 
@@ -144,8 +145,11 @@ def test_attention_entry_point(backend):
     q, k, v, d_out = make(B, N, K, T, T, H, seed=3)
     mask = torch.ones(T, T, dtype=torch.bool).tril()
     o_ref, _ = reference64(q, k, v, mask, d_out)
-    for kw in ({"causal": True}, {"mask": mask}):
-        o = backends.attention(q, k, v, backend=backend, **kw)
+    pos = torch.arange(T)
+    # the causal fast path, and the same triangle as an explicit mask from positions
+    for meta in (AttentionMetadata(pos, is_causal=True), AttentionMetadata(pos, pos)):
+        assert meta.mask() is None or torch.equal(meta.mask(), mask)
+        o = backends.attention_impl(backend)(q, k, v, meta)
         torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
 
 

@@ -49,7 +49,6 @@ def test_param_count_formula_of_seed_for_mha():
         (dict(vocab_size=0), "vocab_size=0 must be a positive integer"),
         (dict(n_layers=2.5), "n_layers=2.5 must be a positive integer"),
         (dict(rope_layout="spiral"), "rope_layout='spiral'"),
-        (dict(attn_backend="flash9"), "attn_backend='flash9'"),
         (dict(sliding_window=0), "sliding_window=0"),
         (dict(norm_eps=0.0), "norm_eps=0.0"),
         (dict(architecture="gpt2"), "architecture='gpt2'"),

@@ -7,6 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="HF transformers is the reference for parity tests")
 
+from lmstack.kernels.backends import attention_impl  # noqa: E402
 from lmstack.model.config import ModelConfig  # noqa: E402
 from lmstack.model.hf import load_hf, save_hf  # noqa: E402
 from lmstack.model.io import load_model  # noqa: E402
@@ -37,7 +38,7 @@ def test_logits_match_transformers(family, backend, tmp_path):
     hf = _hf_model(family)
     hf.save_pretrained(tmp_path)
     model = load_hf(tmp_path)
-    model.set_attn_backend(backend)
+    model.set_attention(attention_impl(backend))
     tokens = torch.randint(0, 128, (2, 21), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(tokens).logits
@@ -55,8 +56,7 @@ def test_sliding_window_is_applied(tmp_path):
     tokens = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         windowed = model(tokens)
-        for block in model.blocks:
-            block.attn.window = None
+        model.config.sliding_window = None  # the window reaches attention through the forward's metadata
         full = model(tokens)
     assert torch.allclose(windowed[:, :6], full[:, :6], atol=1e-6)  # inside the window nothing changes
     assert (windowed[:, 6:] - full[:, 6:]).abs().max() > 1e-3

@@ -154,3 +154,21 @@ def test_reference_attention_matches_sdpa(N, K, window):
     torch.testing.assert_close(ref, sdpa, rtol=1e-5, atol=1e-5)
     if window is None:
         torch.testing.assert_close(ref, F.scaled_dot_product_attention(q, ke, ve, is_causal=True), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_tables_grow_with_the_positions_used():
+    """A config at the cap (max_seq_len = 2**24) allocates tables for the positions used, not 16.7M rows."""
+    H = 16
+    rope = RotaryEmbedding(H, 1 << 24, 10000.0)
+    x = torch.randn(1, 2, 3, H, dtype=torch.float64)
+    small = rope(x, torch.tensor([0, 5, 9]))
+    assert rope.length == RotaryEmbedding.INITIAL_POSITIONS
+    assert rope.tables("cpu", torch.float64)[0].shape == (RotaryEmbedding.INITIAL_POSITIONS, H)
+    far = rope(x, torch.tensor([0, 5, 20000]))
+    assert rope.length == 32768  # doubled to the next power of two
+    torch.testing.assert_close(far[:, :, :2], small[:, :, :2])  # the same rows, whatever the table size
+    fresh = RotaryEmbedding(H, 32768, 10000.0)
+    fresh.reserve(32768)
+    torch.testing.assert_close(fresh(x, torch.tensor([0, 5, 20000])), far)  # values independent of growth
+    with pytest.raises(ValueError, match="position 32768 is beyond max_seq_len=32768"):
+        fresh(x, torch.tensor([0, 1, 32768]))

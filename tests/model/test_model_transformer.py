@@ -7,6 +7,7 @@ import torch
 
 from lmstack.inference import KVCache, generate
 from lmstack.model.config import ModelConfig
+from lmstack.model.seam import AttentionMetadata
 from lmstack.model.transformer import Transformer
 
 TINY = dict(vocab_size=97, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=128)
@@ -81,9 +82,9 @@ def test_parallel_block_formula():
     block = model.blocks[0]
     assert block.ffn_norm is None
     x = torch.randn(2, 6, 64)
-    pos = torch.arange(6)
+    meta = AttentionMetadata(torch.arange(6), is_causal=True)
     h = block.attn_norm(x)
-    torch.testing.assert_close(block(x, pos), x + block.attn(h, pos) + block.ffn(h))
+    torch.testing.assert_close(block(x, meta), x + block.attn(h, meta) + block.ffn(h))
 
 
 def test_tied_embeddings_share_storage():

@@ -61,8 +61,8 @@ def spawn(fn, world: int, *args) -> None:
 
 
 def tiny_config(**kw) -> ModelConfig:
-    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64,
-                attn_backend="sdpa", norm_backend="torch")
+    # built without a RuntimeConfig, a Transformer runs SDPA and the eager RMSNorm (the seam's defaults)
+    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
     base.update(kw)
     return ModelConfig(**base)
 

@@ -201,3 +201,20 @@ def test_set_max_steps_from_a_callback_moves_the_end_and_the_schedule(token_file
     assert lrs[4] == pytest.approx(cosine_lr(3, 1e-2, 1e-3, 2, 5))  # the update of step 4 used lr(t=3)
     with pytest.raises(ValueError, match="max_steps=3 must be > the current step 5"):
         t.set_max_steps(3)
+
+
+def test_attention_backend_is_a_runtime_choice_decided_once(token_file, tmp_path, capsys):
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'train_data = "{token_file}"\n[model]\nd_model = 32\nn_layers = 1\nn_heads = 4\n'
+                    'attn_backend = "reference"\n')
+    c = TrainConfig.load(toml)  # the old spelling, [model] attn_backend, is still read: it moves to the top level
+    assert c.attn_backend == "reference" and "attn_backend" not in c.model and c.runtime().attn_backend == "reference"
+    assert TrainConfig.load(toml, ["attn_backend=reference"]).attn_backend == "reference"
+    with pytest.raises(TrainConfigError, match="model.attn_backend='reference' and attn_backend='sdpa' disagree"):
+        TrainConfig.load(toml, ["attn_backend=sdpa"])
+    with pytest.raises(TrainConfigError, match="attn_backend='flash9'"):
+        TrainConfig.load(toml, ["attn_backend=flash9"])
+    # auto is resolved once when the trainer is built, for CPU bf16 autocast at seq_len <= 512, and logged
+    t = Trainer(tiny_config(token_file, tmp_path, precision="bf16"), progress=False)
+    assert t.raw_model.attention.name == "matmul"
+    assert "attention: matmul (auto: CPU, bf16 autocast, ≤512 keys)" in capsys.readouterr().out

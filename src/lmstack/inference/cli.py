@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from lmstack.kernels.backends import ATTENTION_BACKENDS
+from lmstack.kernels.runtime import RuntimeConfig, configure
 from lmstack.threads import add_threads_argument
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,6 +52,8 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--quant", choices=["int8", "int4"], default=None,
                    help="weight-only quantisation of the linears and the unembedding (same as --dtype int8/int4)")
     p.add_argument("--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)")
+    p.add_argument("--attn-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="attention implementation (lmstack.kernels; auto = sdpa for inference)")
     add_threads_argument(p)  # lmstack's main applies it (lmstack.threads)
 
 
@@ -159,6 +163,7 @@ def _load(args):
     dtype, quant = weight_format(args.dtype, getattr(args, "quant", None))
     lm = load_model(args.model, dtype=dtype)
     model = lm.model.eval()
+    configure(model, RuntimeConfig(attn_backend=getattr(args, "attn_backend", "auto")))
     if quant is not None:
         from lmstack.quant import quantize_model
 

@@ -71,6 +71,7 @@ from lmstack.inference.sampling import (
     token_logprobs,
 )
 from lmstack.inference.speculative import ngram_propose, verify_drafts
+from lmstack.kernels.runtime import RuntimeConfig, configure
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -560,7 +561,7 @@ class LLM:
     """Offline batch inference: ``LLM("smollm2-135m").generate(prompts, SamplingParams(...))``.
 
     ``model`` is a name (``smollm2-135m``), a .gguf file or checkpoint directory, or a
-    Transformer; ``dtype`` a torch dtype or "fp32"/"bf16"/"int8"/"int4"; ``quant="int8"``/"int4"
+    Transformer; ``runtime`` a ``lmstack.kernels.RuntimeConfig`` (attention/RMSNorm backends); ``dtype`` a torch dtype or "fp32"/"bf16"/"int8"/"int4"; ``quant="int8"``/"int4"
     quantises the linears' weights (``lmstack.quant``, the model is changed in place); engine
     options (block_size, num_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
     ...) are passed through to ``LLMEngine``. ``generate`` checks every prompt before queueing
@@ -569,7 +570,8 @@ class LLM:
     """
 
     def __init__(self, model="smollm2-135m", tokenizer=None, dtype: torch.dtype | str = torch.float32,
-                 device: torch.device | str = "cpu", quant: str | None = None, **engine_kwargs):
+                 device: torch.device | str = "cpu", quant: str | None = None, runtime: RuntimeConfig | None = None,
+                 **engine_kwargs):
         if isinstance(dtype, str):  # "fp32", "bf16", "int8", "int4"
             from lmstack.inference.cli import weight_format
 
@@ -586,6 +588,8 @@ class LLM:
             from lmstack.quant import quantize_model
 
             quantize_model(model, quant)
+        # the attention/RMSNorm backends, resolved once here; without ``runtime`` the model keeps its own
+        self.runtime = configure(model, runtime) if runtime is not None else None
         self.engine = LLMEngine(model.eval(), tokenizer, **engine_kwargs)
 
     @property

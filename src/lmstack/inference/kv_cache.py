@@ -3,7 +3,8 @@
 Keys and values of every layer are stored in two tensors of shape (L, B, K, S_max, H), allocated
 once: KV bytes = 2 · B · S_max · K · H · L · bytes per element (seed 000 §1.7). Each row of the
 batch writes its tokens at their own positions, so left-padded or ragged batches work.
-It implements the model's seam ``update(layer_idx, k, v, positions) -> (k_all, v_all, k_positions)``.
+It plugs into the attention seam (``lmstack.model.seam``): ``attend`` stores K/V with ``update``, then
+attends over every stored key.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import torch
 from torch import Tensor
 
 from lmstack.model.config import ModelConfig
+from lmstack.model.seam import StoreThenAttend
 
 
-class KVCache:
+class KVCache(StoreThenAttend):
     def __init__(self, config: ModelConfig, batch_size: int, max_seq_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         if max_seq_len > config.max_seq_len:

@@ -20,9 +20,9 @@ Storage is two tensors (L, num_blocks, bs, K, H): KV bytes = 2·P·(num_blocks·
 accounting formula (seed 001 "性能指标分析") with B·S = num_blocks·bs. Block 0 is the *null
 block*: never allocated, it receives the writes of padding tokens and pads the gathered keys.
 
-Attention over the pool is a gather-based reference (``PagedBatch``): each row's blocks are
-gathered into (B, K, S, H) with their positions (B, S) (−1 = empty), which is exactly the
-model's KV-cache seam, so the model computes masks and RoPE from true positions unchanged.
+Attention over the pool plugs into the attention seam (``lmstack.model.seam``): a batch object's
+``attend`` scatters this step's K/V into their slots, gathers each row's blocks into (B, K, S, H)
+with their positions (B, S) (−1 = empty) and calls the model's attention implementation on them.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lmstack.model.config import ModelConfig
+from lmstack.model.seam import AttentionImpl, AttentionMetadata, StoreThenAttend
 
 NULL_BLOCK = 0
 
@@ -377,8 +377,8 @@ class PagedKVCache:
         return k.transpose(0, 1), v.transpose(0, 1)
 
 
-class PagedBatch:
-    """The model's KV-cache seam for one forward over a paged pool (gather-based reference attention).
+class PagedBatch(StoreThenAttend):
+    """The attention seam's cache for one padded (B, T) forward over a paged pool.
 
     ``update`` scatters this step's k, v (B, K, T, H) into their slots, then gathers every
     row's blocks into (B, K, S, H) with key positions (B, S).
@@ -404,9 +404,9 @@ class PagedBatch:
 class PackedPagedBatch:
     """The seam for one flattened forward (1, T) over several sequences (``PagedKVCache.packed_batch``).
 
-    ``update`` scatters this step's k, v (1, K, T, H) into their slots and returns every
-    sequence's gathered keys side by side, (1, K, S, H) with S = Σ S_r, their positions and
-    their sequence ids (1, S): the model's mask lets a token see only its own sequence's
+    ``attend`` scatters this step's k, v (1, K, T, H) into their slots and attends over every
+    sequence's gathered keys side by side, (1, K, S, H) with S = Σ S_r, with their positions and
+    sequence ids (1, S) in the metadata: the mask lets a token see only its own sequence's
     earlier keys. Reference path: the attention is computed over all T × S pairs.
     """
 
@@ -445,7 +445,9 @@ class PackedPagedBatch:
         vc.index_copy_(0, self.slots, v[0].transpose(0, 1).to(vc.dtype))
         return kc, vc
 
-    def update(self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor):
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
+               impl: AttentionImpl) -> Tensor:
+        """Store k, v (1, K, T, H); attend over every sequence's keys side by side, (1, K, S, H), S = Σ S_r."""
         kc, vc = self._write(layer_idx, k, v)
         if self._flat is None:
             device = self.slots.device
@@ -456,7 +458,7 @@ class PackedPagedBatch:
         g, kp, ids = self._flat
         k_all = kc.index_select(0, g).transpose(0, 1)[None].to(k.dtype)  # (1, K, S, H)
         v_all = vc.index_select(0, g).transpose(0, 1)[None].to(v.dtype)
-        return k_all, v_all, kp, ids
+        return impl(q, k_all, v_all, meta.for_keys(kp, ids))  # (1, N, T, H)
 
 
 class SelectivePagedBatch(PackedPagedBatch):
@@ -467,13 +469,11 @@ class SelectivePagedBatch(PackedPagedBatch):
     sequence's keys and nothing is computed for them.
     """
 
-    def attention(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
-                  window: int | None) -> Tensor:
-        from lmstack.model.attention import attention_mask
-
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
+               impl: AttentionImpl) -> Tensor:
+        positions = meta.positions  # (1, T)
         kc, vc = self._write(layer_idx, k, v)
-        _, N, T, H = q.shape
-        K = k.shape[1]
+        K, H = k.shape[1], k.shape[3]
         outs = []
         for t0, t1, g, kp in self.segments:
             R, S = g.shape
@@ -485,7 +485,6 @@ class SelectivePagedBatch(PackedPagedBatch):
             else:
                 qs = q[:, :, t0:t1]  # (1, N, n, H)
                 qp = positions[:, t0:t1]  # (1, n)
-            mask = attention_mask(qp, kp, window)  # (R, 1, n, S)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=K != N)
+            o = impl(qs, ks, vs, AttentionMetadata(qp, kp, window=meta.window))  # (R, N, n, H)
             outs.append(o[:, :, 0].transpose(0, 1)[None] if R > 1 else o)  # (1, N, n, H)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (1, N, T, H)

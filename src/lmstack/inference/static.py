@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lmstack.model.config import ModelConfig
+from lmstack.model.seam import StoreThenAttend
 
 
 # Inductor options for the decode step: a C++ wrapper calls the ~200 kernels of one step instead of
@@ -25,7 +26,7 @@ from lmstack.model.config import ModelConfig
 COMPILE_OPTIONS = {"cpp_wrapper": True, "size_asserts": False}
 
 
-class StaticKVCache:
+class StaticKVCache(StoreThenAttend):
     """Keys/values, one (B, K, S_max, H) tensor per layer, and slot positions (B, S_max); slot i
     holds position i.
 
@@ -88,6 +89,7 @@ class StaticDecoder:
         p = next(model.parameters())
         self.device = p.device
         self.cache = StaticKVCache(model.config, 1, max_seq_len, dtype or p.dtype, p.device)
+        model.rope.reserve(max_seq_len)  # the compiled step reads the RoPE tables; they cannot grow inside it
         self.compiled = compile
         self._step = self._forward
         if compile:

@@ -1,4 +1,5 @@
-"""Kernels: FlashAttention-2 (tiled PyTorch and Triton), fused RMSNorm (Triton), benchmarking.
+"""Kernels: the attention/RMSNorm registry and runtime config, FlashAttention-2 (tiled PyTorch and
+Triton), fused RMSNorm (Triton), benchmarking.
 
 Seed 000 §2.7 (FlashAttention: tiling + online softmax, exact, O(S) memory), §4.1 (HBM vs SRAM);
 seed 001 "GPU 架构", "优化技巧", "工程细节 / 基准测试", "Triton Kernel", "FlashAttention".
@@ -8,15 +9,19 @@ Triton is never imported by ``import lmstack.kernels``: the Triton modules
 """
 
 from lmstack.kernels.backends import (
+    ATTENTION,
     ATTENTION_BACKENDS,
     NORM_BACKENDS,
+    attention_impl,
+    choose_attention,
+    choose_norm,
     flash_attention,
     resolve_attn_backend,
     resolve_norm_backend,
-    rms_norm,
     triton_usable,
 )
 from lmstack.kernels.flash_pytorch import FlashAttentionPyTorch, flash_attention_pytorch
+from lmstack.kernels.runtime import RuntimeConfig, configure
 
 
 def flash_attention_triton(*args, **kwargs):
@@ -34,7 +39,7 @@ def rmsnorm_triton(*args, **kwargs):
 
 
 __all__ = [
-    "ATTENTION_BACKENDS", "NORM_BACKENDS", "FlashAttentionPyTorch", "flash_attention", "flash_attention_pytorch",
-    "flash_attention_triton", "resolve_attn_backend", "resolve_norm_backend", "rms_norm", "rmsnorm_triton",
-    "triton_usable",
+    "ATTENTION", "ATTENTION_BACKENDS", "NORM_BACKENDS", "FlashAttentionPyTorch", "RuntimeConfig", "attention_impl",
+    "choose_attention", "choose_norm", "configure", "flash_attention", "flash_attention_pytorch",
+    "flash_attention_triton", "resolve_attn_backend", "resolve_norm_backend", "rmsnorm_triton", "triton_usable",
 ]

@@ -1,4 +1,4 @@
-"""Which attention / RMSNorm implementation runs where, and one entry point for each.
+"""The registry of attention / RMSNorm implementations, and the one ``auto`` policy.
 
 Seed 000 §2.7 (FlashAttention is exact, so every backend computes the same function),
 seed 001 "优化技巧" (fusion, tiling). Backends:
@@ -7,11 +7,13 @@ attention  ``sdpa``           F.scaled_dot_product_attention (on CUDA its FlashA
            ``reference``      softmax(QKᵀ/√H + mask) V, materialising the (T, S) matrix
            ``flash_pytorch``  lmstack.kernels.flash_pytorch (tiled PyTorch, O(S) memory)
            ``flash_triton``   lmstack.kernels.flash_triton (Triton; CUDA or TRITON_INTERPRET=1)
+                              (both flash kernels cover the plain causal case; a call whose metadata
+                              needs an explicit mask — cache slots, window, documents — runs sdpa)
            ``matmul``         lmstack.kernels.matmul_attention: bf16 matmuls, fp32 scores/softmax,
                               block-triangular for causal masks (row blocks skip the keys they
                               never see), P recomputed in backward (CPU training)
            ``auto``           the fastest available on the tensor's device (table below)
-rmsnorm    ``torch``          the eager fp32 formula in lmstack.model.layers.RMSNorm
+rmsnorm    ``torch``          the eager fp32 formula in lmstack.model.layers.RMSNorm (impl None)
            ``triton``         lmstack.kernels.triton_rmsnorm (one fused kernel each way)
            ``auto``           triton on CUDA when Triton is installed, else torch
 
@@ -23,7 +25,9 @@ K=2, T=S=256, H=64, one thread; docs/training.md) and 87–103 vs 95–116 ms at
 SDPA is faster (293 vs 329 ms), so beyond ``CPU_TRAINING_MAX_KEYS`` = 512 keys ``auto`` stays on
 SDPA (512–1024 is not measured; the cut is at the last length where ``matmul`` was faster).
 In fp32, for inference and under torch.compile SDPA stays faster or fuses better.
-``model/attention.py`` runs every backend through ``attention()`` below. On CUDA SDPA dispatches to
+The policy is applied once, by ``choose_attention`` when a model, engine or trainer is built (with
+what the builder knows: device, training under autocast, longest key length, compile), never per
+call. On CUDA SDPA dispatches to
 FlashAttention-2 in CUDA, which the
 Triton kernel aims to match (≥ 0.9x) but has not been measured against on this project's
 machines, so it is not promoted to the default. Change ``FASTEST_ATTENTION`` once it has.
@@ -38,15 +42,48 @@ import os
 import torch
 from torch import Tensor
 
-from lmstack.model.config import ATTN_BACKENDS as ATTENTION_BACKENDS  # noqa: E402 (one source of truth)
-from lmstack.model.config import NORM_BACKENDS  # noqa: E402
+from lmstack.model.seam import AttentionImpl, AttentionMetadata, NormImpl, ReferenceAttention, SDPAAttention
 
+ATTENTION_BACKENDS = ("auto", "sdpa", "reference", "matmul", "flash_pytorch", "flash_triton")
+NORM_BACKENDS = ("auto", "torch", "triton")  # RMSNorm: eager fp32 formula or the fused Triton kernel
 # device type -> attention backend that "auto" picks (see the module docstring for why)
 FASTEST_ATTENTION = {"cpu": "sdpa", "cuda": "sdpa"}
 # CPU training under low-precision autocast: the block-triangular matmul attention (module docstring)
 CPU_TRAINING_ATTENTION = "matmul"
 CPU_TRAINING_MAX_KEYS = 512  # longer key sequences: SDPA's own backward is faster (module docstring)
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class MatmulAttentionImpl:
+    """``lmstack.kernels.matmul_attention``: bf16 matmuls, fp32 softmax, block-triangular causal."""
+
+    name = "matmul"
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
+        from lmstack.kernels.matmul_attention import matmul_attention
+
+        mask = meta.mask()
+        return matmul_attention(q, k, v, mask=mask, causal=mask is None)
+
+
+class FlashAttentionImpl:
+    """FlashAttention-2 (seed 000 §2.7), tiled PyTorch or Triton, for the plain causal case; a call
+    whose metadata needs an explicit mask (KV-cache slots, window, packed documents) runs sdpa."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
+        if meta.mask() is not None:
+            return ATTENTION["sdpa"](q, k, v, meta)
+        return flash_attention(q, k, v, causal=True, backend=self.name)
+
+
+#: name -> the stateless implementation object (``lmstack.model.seam.AttentionImpl``)
+ATTENTION: dict[str, AttentionImpl] = {
+    "sdpa": SDPAAttention(), "reference": ReferenceAttention(), "matmul": MatmulAttentionImpl(),
+    "flash_pytorch": FlashAttentionImpl("flash_pytorch"), "flash_triton": FlashAttentionImpl("flash_triton"),
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,58 +109,38 @@ def cpu_training_autocast(device: torch.device | str) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def resolve_attn_backend(name: str, device: torch.device | str, key_len: int | None = None) -> str:
-    """Map ``auto`` to a concrete backend for ``device`` (and the autograd/autocast state, and the
-    key length S when given); check other names."""
+def choose_attention(name: str, device: torch.device | str, training_autocast: str | None = None,
+                     compile: bool = False, max_keys: int | None = None) -> tuple[str, str]:
+    """The one ``auto`` policy: (backend, reason). ``training_autocast``: the autocast dtype name
+    ("bf16"/"fp16") when the built thing trains under autocast, else None; ``max_keys``: the longest
+    key sequence S it will see (None: unknown). Other names are checked and returned as they are."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend={name!r}; expected one of {ATTENTION_BACKENDS}")
-    if name == "auto":
-        if cpu_training_autocast(device) and (key_len is None or key_len <= CPU_TRAINING_MAX_KEYS):
-            return CPU_TRAINING_ATTENTION
-        return FASTEST_ATTENTION.get(torch.device(device).type, "sdpa")
-    return name
+    if name != "auto":
+        return name, "configured"
+    kind = torch.device(device).type
+    if (kind == "cpu" and training_autocast in ("bf16", "fp16") and not compile
+            and (max_keys is None or max_keys <= CPU_TRAINING_MAX_KEYS)):
+        return CPU_TRAINING_ATTENTION, f"auto: CPU, {training_autocast} autocast, ≤{CPU_TRAINING_MAX_KEYS} keys"
+    why = [kind.upper() if kind == "cpu" else kind]
+    if training_autocast and kind == "cpu":
+        why.append("compiled" if compile else f">{CPU_TRAINING_MAX_KEYS} keys")
+    return FASTEST_ATTENTION.get(kind, "sdpa"), "auto: " + ", ".join(why)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
-              backend: str = "auto") -> Tensor:
-    """softmax(QKᵀ/√H + mask) V through one backend (seed 000 §1.2, §1.3, §2.7).
-
-    q (B, N, T, H), k/v (B, K, S, H); mask: bool, True = may attend, broadcastable to (B, 1, T, S),
-    or ``causal=True`` (bottom-right aligned) -> (B, N, T, H). The flash backends take ``causal``
-    only. ``model/attention.py`` calls it for every backend.
-    """
-    backend = resolve_attn_backend(backend, q.device, k.shape[2])
-    if mask is not None and causal:
-        raise ValueError("give either mask or causal=True, not both")
-    if backend == "matmul":
-        from lmstack.kernels.matmul_attention import matmul_attention
-
-        return matmul_attention(q, k, v, mask=mask, causal=causal)
-    if backend in ("flash_pytorch", "flash_triton"):
-        if mask is not None:
-            raise ValueError(f"backend={backend!r} takes causal=True, not an explicit mask")
-        return flash_attention(q, k, v, causal=causal, backend=backend)
-    if backend == "reference":
-        from lmstack.model.attention import attention_mask, reference_attention
-
-        if causal:
-            T, S = q.shape[2], k.shape[2]
-            mask = attention_mask(torch.arange(S - T, S, device=q.device), torch.arange(S, device=q.device))
-        return reference_attention(q, k, v, mask)
-    import torch.nn.functional as F
-
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+def resolve_attn_backend(name: str, device: torch.device | str, key_len: int | None = None) -> str:
+    """``choose_attention`` with the training/autocast state read from the current context."""
+    training = torch.get_autocast_dtype("cpu") if cpu_training_autocast(device) else None
+    autocast = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(training)
+    return choose_attention(name, device, autocast, torch.compiler.is_compiling(), key_len)[0]
 
 
-def resolve_norm_backend(name: str, x: Tensor) -> str:
-    """Map ``auto`` to ``triton`` for fp32/fp16/bf16 CUDA tensors when Triton is installed, else ``torch``."""
-    if name not in NORM_BACKENDS:
-        raise ValueError(f"norm backend={name!r}; expected one of {NORM_BACKENDS}")
-    if name == "auto":
-        ok = x.device.type == "cuda" and x.dtype in _TRITON_DTYPES and triton_usable(x.device)
-        return "triton" if ok else "torch"
-    return name
+def attention_impl(name: str) -> AttentionImpl:
+    """The registered implementation of a concrete backend name (not ``auto``)."""
+    if name not in ATTENTION:
+        raise ValueError(f"attention backend={name!r}; expected one of {sorted(ATTENTION)} (auto is resolved "
+                         "by choose_attention)")
+    return ATTENTION[name]
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, backend: str = "flash_pytorch",
@@ -143,13 +160,25 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, backe
     raise ValueError(f"flash backend={backend!r}; expected 'flash_pytorch' or 'flash_triton'")
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> Tensor:
-    """RMSNorm (seed 000 §1.10) through the chosen backend; ``torch`` is the model's eager formula."""
-    backend = resolve_norm_backend(backend, x)
-    if backend == "triton":
-        from lmstack.kernels.triton_rmsnorm import rmsnorm_triton
+def choose_norm(name: str, device: torch.device | str) -> tuple[str, NormImpl | None]:
+    """``auto`` -> ``triton`` on CUDA when Triton is installed, else ``torch``; returns (name, impl),
+    impl None for ``torch`` (the model's own eager formula)."""
+    if name not in NORM_BACKENDS:
+        raise ValueError(f"norm backend={name!r}; expected one of {NORM_BACKENDS}")
+    if name == "auto":
+        device = torch.device(device)
+        name = "triton" if device.type == "cuda" and triton_usable(device) else "torch"
+    return name, (rms_norm_triton if name == "triton" else None)
 
-        return rmsnorm_triton(x, weight, eps)
-    from lmstack.model.layers import rms_norm as rms_norm_eager
 
-    return rms_norm_eager(x, weight, eps)
+def resolve_norm_backend(name: str, x: Tensor) -> str:
+    """``choose_norm`` for a tensor: ``triton`` for fp32/fp16/bf16 CUDA tensors when Triton is installed."""
+    chosen = choose_norm(name, x.device)[0]
+    return "torch" if chosen == "triton" and name == "auto" and x.dtype not in _TRITON_DTYPES else chosen
+
+
+def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm (seed 000 §1.10) through the fused Triton kernel (imports Triton on first use)."""
+    from lmstack.kernels.triton_rmsnorm import rmsnorm_triton
+
+    return rmsnorm_triton(x, weight, eps)

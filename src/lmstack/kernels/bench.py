@@ -245,7 +245,7 @@ def attention_fn(backend: str, causal: bool = True) -> Callable:
     if backend in ("flash_pytorch", "flash_triton"):
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, backend=backend)
     if backend == "reference":
-        from lmstack.model.attention import reference_attention
+        from lmstack.model.seam import reference_attention
 
         def ref(q, k, v):
             T, S = q.shape[-2], k.shape[-2]
@@ -304,18 +304,18 @@ def bench_attention(backend: str, B: int, N: int, K: int, S: int, H: int, dtype:
     return row
 
 
-def bench_model(config, batch: int, seq: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                warmup: int = 1, repeats: int = 3, nvtx: bool = False, lr: float = 1e-4) -> dict[str, Any]:
-    """Forward / backward / optimizer-step breakdown of one training step of a model config.
+def bench_model(model, batch: int, seq: int, runtime: dict[str, str] | None = None, warmup: int = 1,
+                repeats: int = 3, nvtx: bool = False, lr: float = 1e-4) -> dict[str, Any]:
+    """Forward / backward / optimizer-step breakdown of one training step of a built model
+    (a ``Transformer``, its backends already configured; ``runtime``: the backend names, reported).
 
     Each phase is timed separately (synchronised before and after), as the seed suggests: copy the
     training step and put clock reads between the phases. The whole step's peak memory is taken
     after one warm-up step so that AdamW's state is already allocated.
     """
-    from lmstack.model.transformer import Transformer
-
-    device = torch.device(device)
-    model = Transformer(config, device=device, dtype=dtype)
+    config = model.config
+    p = next(model.parameters())
+    device, dtype = p.device, p.dtype
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=gen).to(device)
@@ -355,8 +355,7 @@ def bench_model(config, batch: int, seq: int, device: str = "cpu", dtype: torch.
         rows.append({"phase": name, "median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3})
     return {
         "config": config.name, "params": model.num_params(), "batch": batch, "seq": seq, "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."), "attn_backend": config.attn_backend,
-        "norm_backend": config.norm_backend, "warmup": warmup, "repeats": repeats, "phases": rows,
+        "dtype": str(dtype).removeprefix("torch."), **(runtime or {}), "warmup": warmup, "repeats": repeats, "phases": rows,
         "tokens_per_s": batch * seq / statistics.median(total),
         "peak_memory_mib": mem.peak_bytes / 2**20, "peak_memory_delta_mib": mem.delta_bytes / 2**20,
         "memory_method": mem.method, "machine": machine_info(device),

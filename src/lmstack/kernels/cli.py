@@ -92,7 +92,9 @@ def _check_json_output(args, inputs) -> None:
 
 def _run_model(args) -> int:
     from lmstack.kernels.bench import bench_model, format_table, write_json
+    from lmstack.kernels.runtime import RuntimeConfig, configure
     from lmstack.model.config import ModelConfig
+    from lmstack.model.transformer import Transformer
 
     _check_json_output(args, [("the --config", args.config)])
     device, dtype = _device_dtype(args)
@@ -100,17 +102,17 @@ def _run_model(args) -> int:
     overrides = {}
     if args.n_layers:
         overrides["n_layers"] = args.n_layers
-    if args.attn_backend:
-        overrides["attn_backend"] = args.attn_backend
-    if args.norm_backend:
-        overrides["norm_backend"] = args.norm_backend
     if args.seq > cfg.max_seq_len:
         overrides["max_seq_len"] = args.seq
     cfg = cfg.replace(**overrides)
-    res = bench_model(cfg, args.batch, args.seq, device, dtype, args.warmup, args.repeats, args.nvtx)
+    runtime = RuntimeConfig(args.attn_backend or "auto", args.norm_backend or "auto")
+    model = Transformer(cfg, device=device, dtype=dtype)
+    line = configure(model, runtime, max_keys=args.seq)
+    res = bench_model(model, args.batch, args.seq, {"attn_backend": model.attention.name,
+                                                    "norm_backend": runtime.norm_backend},
+                      args.warmup, args.repeats, args.nvtx)
     print(f"{res['config']}: {res['params'] / 1e6:.1f}M params, B={args.batch} S={args.seq} {res['dtype']} on "
-          f"{device} (attn={cfg.attn_backend}, norm={cfg.norm_backend}), median of {args.repeats} after "
-          f"{args.warmup} warm-up")
+          f"{device} ({line}), median of {args.repeats} after {args.warmup} warm-up")
     print(format_table(res["phases"]))
     print(f"tokens/s {res['tokens_per_s']:.1f}   peak memory {res['peak_memory_mib']:.1f} MiB "
           f"(+{res['peak_memory_delta_mib']:.1f} MiB during the step; {res['memory_method']})")

@@ -20,10 +20,9 @@ from typing import Any
 from lmstack.utils import atomic_write_text, check_bool, check_float, check_int
 
 ROPE_LAYOUTS = ("half", "interleaved")
-# "auto" picks the fastest backend for the tensors' device (lmstack.kernels.backends); the flash
-# backends apply where no explicit mask is needed and fall back to sdpa otherwise (docs/kernels.md).
-ATTN_BACKENDS = ("auto", "sdpa", "reference", "matmul", "flash_pytorch", "flash_triton")
-NORM_BACKENDS = ("auto", "torch", "triton")  # RMSNorm: eager fp32 formula or the fused Triton kernel
+# Runtime choices, not architecture: older lmstack config files hold them; they are dropped on load
+# (the backends are set by lmstack.kernels.runtime.RuntimeConfig).
+RUNTIME_FIELDS = ("attn_backend", "norm_backend")
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 #: Longest context whose RoPE tables lmstack builds (they cover every position up front): 16.7M positions;
 #: real models use <= 10M, and a corrupt 2**32 must not ask for terabytes.
@@ -60,8 +59,6 @@ class ModelConfig:
     sliding_window: int | None = None  # W: a query sees itself and the W - 1 keys before it
     qk_norm: bool = False  # RMSNorm over H on q and k before RoPE (seed 001 "训练稳定性")
     parallel_block: bool = False  # GPT-J: y = x + Attn(Norm(x)) + MLP(Norm(x))
-    attn_backend: str = "auto"  # one of ATTN_BACKENDS; "auto" is sdpa on CPU
-    norm_backend: str = "auto"  # one of NORM_BACKENDS; "auto" is triton on CUDA with Triton, else torch
     init_std: float = 0.02
     architecture: str = "llama"  # HF family used when saving: llama | mistral | qwen2
     bos_token_id: int | None = None
@@ -108,10 +105,6 @@ class ModelConfig:
             raise ConfigError(f"norm_eps={self.norm_eps!r} must be > 0")
         if self.rope_layout not in ROPE_LAYOUTS:
             raise ConfigError(f"rope_layout={self.rope_layout!r}; expected one of {ROPE_LAYOUTS}")
-        if self.attn_backend not in ATTN_BACKENDS:
-            raise ConfigError(f"attn_backend={self.attn_backend!r}; expected one of {ATTN_BACKENDS}")
-        if self.norm_backend not in NORM_BACKENDS:
-            raise ConfigError(f"norm_backend={self.norm_backend!r}; expected one of {NORM_BACKENDS}")
         if self.architecture not in ARCHITECTURES:
             raise ConfigError(f"architecture={self.architecture!r}; expected one of {ARCHITECTURES}")
         if not (self.init_std > 0):
@@ -131,6 +124,7 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         if not isinstance(d, dict):
             raise ConfigError(f"a ModelConfig needs a JSON object of fields, got {type(d).__name__} {d!r:.80}")
+        d = {k: v for k, v in d.items() if k not in RUNTIME_FIELDS}  # written by older lmstack versions
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

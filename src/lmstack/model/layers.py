@@ -80,20 +80,19 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(self, dim: int, eps: float = 1e-5,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None, backend: str = "torch"):
+                 device: torch.device | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.dim, self.eps = dim, eps
-        self.backend = backend  # "torch" (this formula), "triton" (fused kernel) or "auto"; lmstack.kernels
+        # None: the formula below; else a NormImpl from lmstack.kernels.registry (e.g. the fused Triton kernel)
+        self.impl = None
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))  # γ
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:  # (..., D) -> (..., D)
-        if self.backend != "torch":
-            from lmstack.kernels.backends import rms_norm as rms_norm_backend
-
-            return rms_norm_backend(x, self.weight, self.eps, self.backend)
+        if self.impl is not None:
+            return self.impl(x, self.weight, self.eps)
         y = rms_norm(x, self.weight, self.eps)
         if torch.is_autocast_enabled(y.device.type):
             # Every consumer (q/k/v, gate/up, the unembedding) is an autocast matmul that would cast
@@ -168,23 +167,36 @@ class RotaryEmbedding(nn.Module):
     ``layout="half"`` rotates the pairs (i, i + H/2) as HF transformers does:
     x ⊙ cos + [-x_{H/2:}, x_{:H/2}] ⊙ sin.
     Both are the same rotation R_m up to a fixed permutation of the head dimensions.
-    The tables are built once per (device, dtype) for all ``max_seq_len`` positions and cached
-    (not saved in checkpoints), so meta-device construction works and the forward needs no
-    host synchronisation (positions are never read back to the CPU on an accelerator).
+    The tables are built per (device, dtype) for the positions used so far, not for all of
+    ``max_seq_len`` (up to 2**24): they start at ``INITIAL_POSITIONS`` and double on demand (capped at
+    ``max_seq_len``); they are not saved in checkpoints, so meta-device construction works. Positions
+    are read back to the host only on CPU, or on an accelerator while the tables are shorter than
+    ``max_seq_len``; under torch.compile the tables must already cover them (``reserve``).
     """
+
+    INITIAL_POSITIONS = 8192
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0, layout: str = "half"):
         super().__init__()
         if layout not in ("half", "interleaved"):
             raise ValueError(f"rope layout={layout!r}; expected 'half' or 'interleaved'")
         self.head_dim, self.max_seq_len, self.theta, self.layout = head_dim, max_seq_len, theta, layout
+        self.length = min(max_seq_len, self.INITIAL_POSITIONS)  # positions the tables cover
         self._cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
 
+    def reserve(self, n: int) -> None:
+        """Make the tables cover positions 0 .. n-1 (doubling, capped at ``max_seq_len``)."""
+        if n > self.max_seq_len:
+            raise ValueError(f"position {n - 1} is beyond max_seq_len={self.max_seq_len} of the RoPE tables")
+        if n > self.length:
+            self.length = min(self.max_seq_len, 1 << (n - 1).bit_length())
+            self._cache.clear()
+
     def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos(mθ_i), sin(mθ_i) for m < max_seq_len, laid out for ``layout``: two (S, H) tensors."""
+        """cos(mθ_i), sin(mθ_i) for m < ``self.length``, laid out for ``layout``: two (S, H) tensors."""
         key = (torch.device(device), dtype)
         if key not in self._cache:
-            angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64),
+            angles = torch.outer(torch.arange(self.length, dtype=torch.float64),
                                  rope_frequencies(self.head_dim, self.theta))  # (S, H/2), exact in float64
             if self.layout == "interleaved":
                 angles = angles.repeat_interleave(2, dim=-1)  # (S, H): θ0 θ0 θ1 θ1 ...
@@ -196,10 +208,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """x: (B, heads, S, H); positions: (B, S) or (S,) integer positions m < max_seq_len. Returns R_m x."""
-        if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
-            top = int(positions.max())
-            if top >= self.max_seq_len:
-                raise ValueError(f"position {top} is beyond max_seq_len={self.max_seq_len} of the RoPE tables")
+        if positions.numel() and not torch.compiler.is_compiling() and (
+                positions.device.type == "cpu" or self.length < self.max_seq_len):
+            self.reserve(int(positions.max()) + 1)
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         cos, sin = self.tables(x.device, compute)
         cos, sin = cos[positions], sin[positions]  # (B, S, H) or (S, H)

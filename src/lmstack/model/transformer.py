@@ -2,7 +2,9 @@
 
 Seed 000 §1.2 (the layer-by-layer forward pass), seed 001 "模型架构" (pre-norm, no biases),
 "层并行" (the GPT-J parallel block). The model knows nothing about caches, sharding or
-kernels beyond the seams it exposes: ``kv_cache`` and ``positions`` in ``forward``.
+kernels beyond the seams it exposes: ``kv_cache`` and ``positions`` in ``forward``, and the
+attention / RMSNorm implementations set once by the builder (``set_attention``, ``set_norm``;
+``lmstack.kernels.registry.configure`` resolves a ``RuntimeConfig`` into them).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import Tensor, nn
 from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from lmstack.model.seam import AttentionImpl, AttentionMetadata, NormImpl
 
 
 class Block(nn.Module):
@@ -36,13 +39,12 @@ class Block(nn.Module):
         self.ffn_norm = None if self.parallel else RMSNorm(config.d_model, config.norm_eps, **kw)  # γ_ffn
         self.ffn = SwiGLU(config.d_model, config.d_ff, **kw)
 
-    def forward(self, x: Tensor, positions: Tensor, kv_cache=None, causal_fast_path: bool = False,
-                document_ids: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         # x: (B, T, D) -> (B, T, D)
         if self.parallel:
             h = self.attn_norm(x)
-            return x + self.attn(h, positions, kv_cache, causal_fast_path, document_ids) + self.ffn(h)
-        x = x + self.attn(self.attn_norm(x), positions, kv_cache, causal_fast_path, document_ids)
+            return x + self.attn(h, meta) + self.ffn(h)
+        x = x + self.attn(self.attn_norm(x), meta)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -67,7 +69,6 @@ class Transformer(nn.Module):
         self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, **kw)
         # Activation checkpointing (seed 000 §1.8): recompute each block's activations in backward.
         self.activation_checkpointing = False
-        self.set_norm_backend(config.norm_backend)
         if self.embed.weight.device.type != "meta":
             self.init_weights(seed)
 
@@ -115,26 +116,20 @@ class Transformer(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if exclude_embedding else n
 
-    def set_attn_backend(self, backend: str) -> None:
-        """Switch every layer's attention backend (one of ``model.config.ATTN_BACKENDS``)."""
-        from lmstack.model.config import ATTN_BACKENDS
-
-        if backend not in ATTN_BACKENDS:
-            raise ValueError(f"attn backend={backend!r}; expected one of {ATTN_BACKENDS}")
-        self.config.attn_backend = backend
+    def set_attention(self, impl: AttentionImpl) -> None:
+        """Run every layer's attention through ``impl`` (``lmstack.kernels.registry`` builds them)."""
         for block in self.blocks:
-            block.attn.backend = backend
+            block.attn.impl = impl
 
-    def set_norm_backend(self, backend: str) -> None:
-        """Switch every RMSNorm between ``"torch"``, ``"triton"`` and ``"auto"`` (lmstack.kernels)."""
-        from lmstack.model.config import NORM_BACKENDS
+    @property
+    def attention(self) -> AttentionImpl:
+        return self.blocks[0].attn.impl
 
-        if backend not in NORM_BACKENDS:
-            raise ValueError(f"norm backend={backend!r}; expected one of {NORM_BACKENDS}")
-        self.config.norm_backend = backend
+    def set_norm(self, impl: NormImpl | None) -> None:
+        """Run every RMSNorm through ``impl`` (None: the eager formula in ``model.layers``)."""
         for m in self.modules():
             if isinstance(m, RMSNorm):
-                m.backend = backend
+                m.impl = impl
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, tokens: Tensor, positions: Tensor | None = None, kv_cache=None,
@@ -152,25 +147,24 @@ class Transformer(nn.Module):
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape (B, S), got {tuple(tokens.shape)}")
         B, S = tokens.shape
+        is_causal = positions is None and kv_cache is None  # 0..S-1 on every row: the causal triangle
         if positions is None:
             if kv_cache is not None:
                 raise ValueError("positions are required when a kv_cache is passed")
             positions = torch.arange(S, device=tokens.device)  # (S,)
-            causal_fast_path = True
-        else:
-            causal_fast_path = False
-            if positions.shape[-1] != S:
-                raise ValueError(f"positions shape {tuple(positions.shape)} does not match tokens {(B, S)}")
+        elif positions.shape[-1] != S:
+            raise ValueError(f"positions shape {tuple(positions.shape)} does not match tokens {(B, S)}")
         if document_ids is not None and document_ids.shape != tokens.shape:
             raise ValueError(f"document_ids shape {tuple(document_ids.shape)} does not match tokens {(B, S)}")
+        meta = AttentionMetadata(positions, document_ids=document_ids, window=self.config.sliding_window,
+                                 is_causal=is_causal, cache=kv_cache)
         x = self.embed(tokens)  # (B, S, D)
         checkpoint = self.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None
         for block in self.blocks:
             if checkpoint:
-                x = torch.utils.checkpoint.checkpoint(block, x, positions, None, causal_fast_path, document_ids,
-                                                      use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, meta, use_reentrant=False)
             else:
-                x = block(x, positions, kv_cache, causal_fast_path, document_ids)
+                x = block(x, meta)
         if last_n is not None:
             x = x[:, -last_n:]
         x = self.norm(x)

@@ -10,8 +10,8 @@ results over disjoint key sets merge exactly through their log-sum-exp:
 Load balance: with a causal mask the last positions attend to the most keys. The sequence is
 cut into 2·cp chunks and rank r takes chunks r and 2·cp-1-r, so every rank does the same work.
 
-``context_parallel(model, group)`` replaces each block's attention by ``RingAttention`` (reusing
-its projections, RoPE and heads); ``ContextParallel`` picks this rank's tokens and positions and
+``context_parallel(model, group)`` sets ``RingAttention`` as the model's attention implementation
+(behind the attention seam, the model's forward unchanged); ``ContextParallel`` picks this rank's tokens and positions and
 returns its logits (B, S/cp, V). The loss over local tokens, averaged over the cp ranks (they
 hold equal token counts), is the full-sequence mean; gradients are averaged over dp×cp.
 """
@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from lmstack.model.seam import AttentionMetadata
 from lmstack.parallel import collectives as C
 
 
@@ -101,40 +102,32 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
     return o.to(q.dtype)
 
 
-class RingAttention(nn.Module):
-    """Drop-in for ``lmstack.model.attention.Attention`` under context parallelism: the same
-    projections, RoPE and head counts, attention computed with ``ring_attention``."""
+class RingAttention:
+    """The attention implementation (``lmstack.model.seam.AttentionImpl``) of context parallelism:
+    causal attention over every cp rank's keys with ``ring_attention``; the model's own ``Attention``
+    computes q, k, v as always."""
 
-    def __init__(self, attn: nn.Module, group):
-        super().__init__()
-        if getattr(attn, "window", None) is not None:
-            raise ValueError("context parallelism: sliding-window attention is not supported")
-        self.inner, self.group = attn, group
+    name = "ring"
 
-    def forward(self, x: Tensor, positions: Tensor, kv_cache=None, causal_fast_path: bool = False,
-                document_ids: Tensor | None = None) -> Tensor:
-        if kv_cache is not None or document_ids is not None:
-            raise ValueError("context parallelism: kv_cache and document_ids are not supported")
-        a = self.inner
-        B, T, _ = x.shape
-        q = a.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # (B, N, T, H)
-        k = a.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, K, T, H)
-        v = a.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, K, T, H)
-        if a.q_norm is not None:
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k = a.rope(q, positions), a.rope(k, positions)
-        G = a.n_heads // a.n_kv_heads
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
+        # q (B, N, T, H), k/v (B, K, T, H): this rank's tokens -> (B, N, T, H)
+        if meta.key_positions is not None or meta.document_ids is not None or meta.window is not None:
+            raise ValueError("context parallelism: kv caches, document_ids and sliding windows are not supported")
+        G = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, N, T, H)
-        pos = positions if positions.dim() == 1 else positions[0]
-        out = ring_attention(q, k, v, pos, pos, self.group)  # (B, N, T, H)
-        return a.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
+        pos = meta.positions if meta.positions.dim() == 1 else meta.positions[0]
+        return ring_attention(q, k, v, pos, pos, self.group)
 
 
 def context_parallel(model: nn.Module, group) -> nn.Module:
-    """Replace every block's attention with ``RingAttention`` over ``group`` (in place)."""
-    for block in model.blocks:
-        if not isinstance(block.attn, RingAttention):
-            block.attn = RingAttention(block.attn, group)
+    """Run every layer's attention as ``RingAttention`` over ``group`` (the model's own forward)."""
+    if model.config.sliding_window is not None:
+        raise ValueError("context parallelism: sliding-window attention is not supported")
+    if not isinstance(model.attention, RingAttention):
+        model.set_attention(RingAttention(group))
     return model
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmstack.model.seam import AttentionMetadata
 from lmstack.parallel import collectives as C
 
 # ---- schedules ------------------------------------------------------------------------------------
@@ -223,6 +224,7 @@ class PipelineStage(nn.Module):
         self.first, self.last = s == 0, s == p - 1
         self.d_model, self.vocab_size = model.config.d_model, model.config.vocab_size
         self.layer_range = (a, b)
+        self.window = model.config.sliding_window
         self.blocks = nn.ModuleList(model.blocks[a:b])
         self.embed = model.embed if self.first else None
         self.norm = model.norm if self.last else None
@@ -252,9 +254,9 @@ class PipelineStage(nn.Module):
         if self.first:
             x = self.embed(x)  # (B, S, D)
         S = x.shape[1]
-        positions = torch.arange(S, device=x.device)
+        meta = AttentionMetadata(torch.arange(S, device=x.device), window=self.window, is_causal=True)
         for blk in self.blocks:
-            x = blk(x, positions, None, True, None)
+            x = blk(x, meta)
         if self.last:
             x = self.norm(x)
             w = self.unembedding()

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmstack.model.config import ConfigError, ModelConfig
+from lmstack.kernels.runtime import RuntimeConfig
+from lmstack.model.config import RUNTIME_FIELDS, ConfigError, ModelConfig
 from lmstack.train.schedule import SCHEDULES
 from lmstack.utils import check_bool, check_int
 
@@ -75,6 +76,9 @@ class TrainConfig:
     activation_checkpointing: bool = False
     device: str = "auto"
     compile: bool = False  # torch.compile the model
+    # runtime choices (lmstack.kernels.runtime.RuntimeConfig); ``[model] attn_backend = ...`` is still read
+    attn_backend: str = "auto"  # auto | sdpa | reference | matmul | flash_pytorch | flash_triton
+    norm_backend: str = "auto"  # auto | torch | triton
     fused_loss: bool = True  # unembedding + cross-entropy block by block, never the (B·S, V) logits (losses.py)
     # ---- evaluation, logging, checkpoints
     eval_interval: int = 100
@@ -104,6 +108,7 @@ class TrainConfig:
 
         for n in ("packing", "activation_checkpointing", "compile", "fused_loss"):
             check_bool(n, getattr(self, n), TrainConfigError)
+        self._move_runtime_keys()
         if self.qk_norm is not None:
             check_bool("qk_norm", self.qk_norm, TrainConfigError)
         for n in ("train_data", "out_dir", "device"):
@@ -165,6 +170,26 @@ class TrainConfig:
                     raise TrainConfigError(f"parallel={self.parallel!r}: {e}") from None
         if not self.train_data:
             raise TrainConfigError("train_data is required: a token file from `lmstack tokenizer encode`")
+
+    def _move_runtime_keys(self) -> None:
+        """``[model] attn_backend/norm_backend`` (the spelling before RuntimeConfig) become the top-level keys."""
+        if isinstance(self.model, dict):
+            self.model = dict(self.model)  # not the caller's table
+            for key in RUNTIME_FIELDS:
+                if key in self.model:
+                    value = self.model.pop(key)
+                    if getattr(self, key) not in ("auto", value):
+                        raise TrainConfigError(f"model.{key}={value!r} and {key}={getattr(self, key)!r} disagree; "
+                                               f"{key} is a runtime choice now: set only the top-level {key}")
+                    setattr(self, key, value)
+        try:
+            self.runtime()
+        except ValueError as e:
+            raise TrainConfigError(str(e)) from None
+
+    def runtime(self) -> RuntimeConfig:
+        """The backends this run uses (resolved once by the trainer, ``lmstack.kernels.runtime.configure``)."""
+        return RuntimeConfig(self.attn_backend, self.norm_backend)
 
     # ---- model ---------------------------------------------------------------------------
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:

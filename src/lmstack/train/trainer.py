@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmstack.kernels.runtime import configure
 from lmstack.train import checkpoint as ckpt
 from lmstack.train.config import TrainConfig, TrainConfigError
 from lmstack.train.data import Batch, check_token_ids, get_batch, open_tokens, resolve_device, sequential_batches
@@ -192,6 +193,11 @@ class Trainer:
             for line in ckpt.recover(self.ckpt_dir):
                 print(f"checkpoints: {line}")
         self.raw_model = Transformer(self.model_config, device=self.device, seed=c.seed)
+        autocast = c.precision if c.precision in ("bf16", "fp16") else None
+        runtime_line = configure(self.raw_model, c.runtime(), self.device, training_autocast=autocast,
+                                 compile=c.compile, max_keys=c.seq_len)
+        if self.is_main:
+            print(runtime_line)
         self.raw_model.activation_checkpointing = c.activation_checkpointing
         self.raw_model.train()
         self._parallelize_fn = parallelize
