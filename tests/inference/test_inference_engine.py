@@ -14,8 +14,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=14)
 
 
 def all_free(engine):
-    a = engine.cache.allocator
-    return all(r == 0 for r in a.ref_count) and a.num_free == a.num_blocks - 1 and not engine.cache.tables
+    a = engine.cache.blocks
+    return all(r == 0 for r in a.ref_count) and a.num_free == a.num_blocks - 1 and not engine.cache.blocks.tables
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +58,8 @@ def test_packed_mask_hides_other_sequences_keys(model):
     for selective in (True, False):
         cache = PagedKVCache(model.config, 20, 4, torch.float64)
         for sid, ids in (("a", a), ("b", b)):
-            cache.allocate(sid, ids)
-            cache.reserve(sid, len(ids))
+            cache.blocks.allocate(sid, ids)
+            cache.blocks.reserve(sid, len(ids))
         batch, pos, sid = cache.packed_batch([("a", 0, 5), ("b", 0, 3)], selective=selective)
         with torch.no_grad():
             got = model(torch.tensor([a + b]), pos, kv_cache=batch, document_ids=sid)[0]  # (8, V)
@@ -112,8 +112,8 @@ def test_abort_mid_generation_frees_blocks(model, prompts):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=30))
     for _ in range(3):
         engine.step()
-    assert engine.cache.tables  # blocks in use
-    assert engine.abort_request("r1") and "r1" not in engine.cache.tables
+    assert engine.cache.blocks.tables  # blocks in use
+    assert engine.abort_request("r1") and "r1" not in engine.cache.blocks.tables
     assert not engine.abort_request("r1")  # already gone
     engine.add_request("w", prompts[5], SamplingParams(max_tokens=3))
     assert engine.abort_request("w")  # aborted while waiting
@@ -242,17 +242,18 @@ def test_sliding_window_frees_out_of_window_blocks(prompts, opts):
 
 def test_release_outside_window_counts(model):
     """Block i (positions 4i..4i+3) is dead once 4(i+1) <= p - W + 1 for the next position p."""
-    from lmstack.inference.paged import NULL_BLOCK, PagedKVCache
+    from lmstack.inference.block_manager import NULL_BLOCK
+    from lmstack.inference.paged import PagedKVCache
 
     cache = PagedKVCache(model.config, 20, 4, torch.float64)
-    cache.allocate("s", list(range(1, 15)))
-    cache.reserve("s", 14)
-    cache.commit("s", list(range(1, 15)), 14)  # p = 14, W = 6: keys 9..14 visible; blocks 0, 1 (0..7) dead
-    assert cache.release_outside_window("s", 6) == 2
-    assert cache.tables["s"][:2] == [NULL_BLOCK, NULL_BLOCK] and cache.first_live_block("s") == 2
-    assert cache.allocator.num_free == 19 - 2
-    cache.free("s")
-    assert cache.allocator.num_free == 19
+    cache.blocks.allocate("s", list(range(1, 15)))
+    cache.blocks.reserve("s", 14)
+    cache.blocks.commit("s", list(range(1, 15)), 14)  # p = 14, W = 6: keys 9..14 visible; blocks 0, 1 (0..7) dead
+    assert cache.blocks.release_outside_window("s", 6) == 2
+    assert cache.blocks.tables["s"][:2] == [NULL_BLOCK, NULL_BLOCK] and cache.blocks.first_live_block("s") == 2
+    assert cache.blocks.num_free == 19 - 2
+    cache.blocks.free("s")
+    assert cache.blocks.num_free == 19
 
 
 def test_document_ids_need_a_cache_with_key_sequence_ids(model):

@@ -25,8 +25,8 @@ def spec_reference(model, spec_prompts):
 
 
 def all_free(engine):
-    a = engine.cache.allocator
-    return all(r == 0 for r in a.ref_count) and a.num_free == a.num_blocks - 1 and not engine.cache.tables
+    a = engine.cache.blocks
+    return all(r == 0 for r in a.ref_count) and a.num_free == a.num_blocks - 1 and not engine.cache.blocks.tables
 
 
 @pytest.mark.parametrize("opts", [

@@ -7,7 +7,7 @@ import torch
 from inference_helpers import full_recompute_greedy
 from lmstack.accounting.memory import kv_cache_bytes
 from lmstack.inference import KVCache, PagedKVCache, generate
-from lmstack.inference.paged import BlockAllocator, NoFreeBlocks, chain_hash
+from lmstack.inference.block_manager import BlockManager, NoFreeBlocks, chain_hash
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -34,11 +34,11 @@ def test_contiguous_truncate_forgets_positions(model):
 
 
 def test_allocator_refcounts_prefix_index_and_lru():
-    a = BlockAllocator(4)  # blocks 1..3 usable, 0 is the null block
-    b1, b2, b3 = a.allocate(), a.allocate(), a.allocate()
+    a = BlockManager(4)  # blocks 1..3 usable, 0 is the null block
+    b1, b2, b3 = a.allocate_block(), a.allocate_block(), a.allocate_block()
     assert {b1, b2, b3} == {1, 2, 3} and a.num_free == 0
     with pytest.raises(NoFreeBlocks):
-        a.allocate()
+        a.allocate_block()
     h1, h2 = chain_hash(None, [1, 2]), chain_hash(None, [3, 4])
     a.register(b1, h1)
     a.register(b2, h2)
@@ -46,8 +46,8 @@ def test_allocator_refcounts_prefix_index_and_lru():
     a.decref(b1)
     a.decref(b3)  # no hash: plain free
     assert a.num_free == 3 and a.ref_count == [0, 0, 0, 0]
-    assert a.allocate() == b3  # never-cached blocks first
-    assert a.allocate() == b2  # then the least recently freed cached block is evicted
+    assert a.allocate_block() == b3  # never-cached blocks first
+    assert a.allocate_block() == b2  # then the least recently freed cached block is evicted
     assert a.lookup(h2) is None and a.lookup(h1) == b1
     a.incref(b1)  # a prefix hit revives the cached block
     assert a.ref_count[b1] == 1 and a.num_free == 0
@@ -63,15 +63,15 @@ def test_chain_hash_names_whole_prefix():
 
 
 def _run(model, cache, rows, tokens_of):
-    batch, positions = cache.batch(rows)
-    T = positions.shape[1]
-    toks = torch.zeros(len(rows), T, dtype=torch.long)
-    for i, (sid, start, n) in enumerate(rows):
-        toks[i, T - n:] = torch.tensor(tokens_of[sid][start:start + n])
+    """The engine's one packed forward over rows (seq_id, start, n); logits of each row's last token."""
+    batch, positions, seq_ids = cache.packed_batch(rows)
+    toks = torch.tensor([[t for sid, start, n in rows for t in tokens_of[sid][start:start + n]]])  # (1, T)
+    last = torch.tensor([n for _, _, n in rows]).cumsum(0) - 1
     with torch.no_grad():
-        logits = model(toks, positions, kv_cache=batch, last_n=1)[:, -1]
+        hidden = model(toks, positions, kv_cache=batch, document_ids=seq_ids, return_hidden=True)[0]  # (T, D)
+        logits = model.unembed(hidden[last])  # (R, V)
     for sid, start, n in rows:
-        cache.commit(sid, tokens_of[sid], n)
+        cache.blocks.commit(sid, tokens_of[sid], n)
     return logits
 
 
@@ -81,64 +81,64 @@ def test_paged_prefix_sharing_and_copy_on_write_match_full_recompute(model):
     g = torch.Generator().manual_seed(3)
     a = torch.randint(0, 97, (10,), generator=g).tolist()
     toks = {"a": a}
-    cache.allocate("a", a)
-    cache.reserve("a", 10)
+    cache.blocks.allocate("a", a)
+    cache.blocks.reserve("a", 10)
     _run(model, cache, [("a", 0, 10)], toks)
     # b shares a's first two full blocks (8 tokens) through the prefix cache
     toks["b"] = a[:8] + [7, 7, 7]
-    assert cache.allocate("b", toks["b"]) == 8
-    assert cache.tables["b"][:2] == cache.tables["a"][:2]
-    assert cache.allocator.ref_count[cache.tables["a"][0]] == 2
+    assert cache.blocks.allocate("b", toks["b"]) == 8
+    assert cache.blocks.tables["b"][:2] == cache.blocks.tables["a"][:2]
+    assert cache.blocks.ref_count[cache.blocks.tables["a"][0]] == 2
     # fork a: the child shares the partly filled third block (tokens 8, 9)
-    cache.fork("a", "c")
+    cache.blocks.fork("a", "c")
     toks["c"] = a + [11]
     toks["a"] = a + [22]
-    shared = cache.tables["a"][2]
-    assert cache.blocks_needed("c", 1) == 1  # the copy-on-write copy
+    shared = cache.blocks.tables["a"][2]
+    assert cache.blocks.blocks_needed("c", 1) == 1  # the copy-on-write copy
     for sid in ("a", "c"):
-        cache.reserve(sid, 1)
-    cache.reserve("b", 3)
+        cache.blocks.reserve(sid, 1)
+    cache.blocks.reserve("b", 3)
     # the first writer got a private copy; the other then owns the original alone
-    assert cache.tables["a"][2] != cache.tables["c"][2] and shared in (cache.tables["a"][2], cache.tables["c"][2])
+    assert cache.blocks.tables["a"][2] != cache.blocks.tables["c"][2] and shared in (cache.blocks.tables["a"][2], cache.blocks.tables["c"][2])
     logits = _run(model, cache, [("a", 10, 1), ("c", 10, 1), ("b", 8, 3)], toks)
     with torch.no_grad():
         for i, sid in enumerate(("a", "c", "b")):
             ref = model(torch.tensor([toks[sid]]))[0, -1]
             assert torch.allclose(logits[i], ref, atol=1e-10), sid
     for sid in ("a", "b", "c"):
-        cache.free(sid)
-    assert all(r == 0 for r in cache.allocator.ref_count)
-    assert cache.allocator.num_free == cache.num_blocks - 1
+        cache.blocks.free(sid)
+    assert all(r == 0 for r in cache.blocks.ref_count)
+    assert cache.blocks.num_free == cache.num_blocks - 1
 
 
 def test_paged_truncate_releases_tail_blocks(model):
     cache = PagedKVCache(model.config, num_blocks=8, block_size=4)
-    cache.allocate("s", list(range(10)))
-    cache.reserve("s", 10)
-    cache.commit("s", list(range(10)), 10)
-    cache.truncate("s", 5)
-    assert len(cache.tables["s"]) == 2 and cache.allocator.num_free == 5
+    cache.blocks.allocate("s", list(range(10)))
+    cache.blocks.reserve("s", 10)
+    cache.blocks.commit("s", list(range(10)), 10)
+    cache.blocks.truncate("s", 5)
+    assert len(cache.blocks.tables["s"]) == 2 and cache.blocks.num_free == 5
     with pytest.raises(ValueError, match="truncate"):
-        cache.truncate("s", 6)
+        cache.blocks.truncate("s", 6)
 
 
 def test_paged_cache_errors(model):
     cache = PagedKVCache(model.config, num_blocks=3, block_size=4)
-    cache.allocate("s", [1, 2, 3])
+    cache.blocks.allocate("s", [1, 2, 3])
     with pytest.raises(ValueError, match="already has blocks"):
-        cache.allocate("s", [1])
+        cache.blocks.allocate("s", [1])
     with pytest.raises(NoFreeBlocks, match="needs 3 blocks"):
-        cache.reserve("s", 9)
+        cache.blocks.reserve("s", 9)
     with pytest.raises(ValueError, match="reserve"):
-        cache.batch([("s", 0, 3)])
+        cache.packed_batch([("s", 0, 3)])
     with pytest.raises(ValueError, match="num_blocks"):
         PagedKVCache(model.config, num_blocks=1)
 
 
 def _prefill(model, cache, sid, toks):
     """Allocate ``sid`` (reusing cached prefix blocks), compute the rest; returns (cached tokens, logits)."""
-    cached = cache.allocate(sid, toks[sid])
-    cache.reserve(sid, len(toks[sid]) - cached)
+    cached = cache.blocks.allocate(sid, toks[sid])
+    cache.blocks.reserve(sid, len(toks[sid]) - cached)
     return cached, _run(model, cache, [(sid, cached, len(toks[sid]) - cached)], toks)[0]
 
 
@@ -174,9 +174,9 @@ def test_truncate_into_a_registered_full_block_keeps_the_cached_prefix(model):
     orig = torch.randint(0, 97, (8,), generator=g).tolist()
     toks = {"a": orig + [1]}
     _prefill(model, cache, "a", toks)  # 9 tokens: blocks 0 and 1 full and named
-    cache.truncate("a", 6)
+    cache.blocks.truncate("a", 6)
     toks["a"] = orig[:6] + [90, 91, 92]
-    cache.reserve("a", 3)
+    cache.blocks.reserve("a", 3)
     logits_a = _run(model, cache, [("a", 6, 3)], toks)[0]
     torch.testing.assert_close(logits_a, _recompute(model, toks["a"]), atol=1e-10, rtol=0)
     toks["b"] = orig + [33, 34]
@@ -184,8 +184,8 @@ def test_truncate_into_a_registered_full_block_keeps_the_cached_prefix(model):
     assert cached == 8  # both original blocks still served from the cache
     torch.testing.assert_close(logits_b, _recompute(model, toks["b"]), atol=1e-10, rtol=0)
     # a's new second block is private; freeing everything returns every block
-    assert cache.tables["a"][1] != cache.tables["b"][1]
+    assert cache.blocks.tables["a"][1] != cache.blocks.tables["b"][1]
     for sid in ("a", "b"):
-        cache.free(sid)
-    assert all(r == 0 for r in cache.allocator.ref_count)
-    assert cache.allocator.num_free == cache.num_blocks - 1
+        cache.blocks.free(sid)
+    assert all(r == 0 for r in cache.blocks.ref_count)
+    assert cache.blocks.num_free == cache.num_blocks - 1

@@ -14,10 +14,10 @@ from transformers import (  # public names: a refactor of transformers' modules 
 )
 
 from lmstack.inference import sample_next
+from lmstack.inference.stops import StopStrings, find_stop_string
 from lmstack.inference.sampling import (
     SamplingParams,
     apply_repetition_penalty,
-    find_stop_string,
     sample_token,
     target_probs,
     token_logprobs,

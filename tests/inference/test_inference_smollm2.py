@@ -56,7 +56,7 @@ def test_engine_batched_paged_greedy_equals_full_recompute(smol, chats, referenc
     assert [o.token_ids for o in outs] == reference
     assert outs[1].num_cached_tokens >= 16  # the shared system prompt came from the prefix cache
     assert outs[0].text == tok.decode([t for t in reference[0] if t != model.config.eos_token_id])
-    a = llm.engine.cache.allocator
+    a = llm.engine.cache.blocks
     assert all(r == 0 for r in a.ref_count) and a.num_free == a.num_blocks - 1
 
 

@@ -82,7 +82,7 @@ def greedy_with_penalty(model, prompt, n, penalty):
 
 
 def all_blocks_free(engine):
-    alloc = engine.cache.allocator
+    alloc = engine.cache.blocks
     return alloc.num_free == alloc.usable_blocks and not engine.requests and not engine.has_unfinished_requests()
 
 
@@ -240,15 +240,15 @@ def test_async_streams_all_get_an_answer(nan_model):
 
 
 class _BrokenOnce(LLMEngine):
-    """An engine whose scheduler raises once (a bug in the loop, not in a request)."""
+    """An engine whose step raises once in its scheduler (a bug in the loop, not in a request)."""
 
     broken = True
 
-    def _schedule(self):
+    def step(self):
         if self.broken:
             self.broken = False
             raise RuntimeError("scheduler bug")
-        return super()._schedule()
+        return super().step()
 
 
 def test_async_loop_failure_reaches_every_waiter_and_the_loop_goes_on(model):

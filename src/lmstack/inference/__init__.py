@@ -10,9 +10,10 @@ engine, speculative decoding and chat (seed 000 §2, seed 001 "推理").
 from lmstack.inference.engine import LLM, AsyncLLM, GenerationError, LLMEngine, RequestOutput
 from lmstack.inference.generate import generate
 from lmstack.inference.kv_cache import KVCache
-from lmstack.inference.paged import BlockAllocator, PagedKVCache
+from lmstack.inference.block_manager import BlockManager
+from lmstack.inference.paged import PagedKVCache
 from lmstack.inference.sampling import SamplingParams, sample_next
 from lmstack.inference.speculative import speculative_generate, truncated_draft
 
-__all__ = ["LLM", "AsyncLLM", "BlockAllocator", "GenerationError", "KVCache", "LLMEngine", "PagedKVCache",
+__all__ = ["LLM", "AsyncLLM", "BlockManager", "GenerationError", "KVCache", "LLMEngine", "PagedKVCache",
            "RequestOutput", "SamplingParams", "generate", "sample_next", "speculative_generate", "truncated_draft"]

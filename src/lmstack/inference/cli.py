@@ -109,7 +109,7 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int, out=None, st
     ``stop`` strings end generation; the text from the stop string on is not printed.
     """
     from lmstack.inference import generate
-    from lmstack.inference.sampling import find_stop_string
+    from lmstack.inference.stops import find_stop_string
 
     out = out or sys.stdout
     ids = tokenizer.encode(prompt)

@@ -230,13 +230,3 @@ def token_logprobs(logits: Tensor, token: int, n_top: int) -> tuple[float, dict[
         values, ids = torch.topk(logp, min(n_top, logp.shape[-1]))
         top = {int(i): float(v) for i, v in zip(ids, values)}
     return float(logp[token]), top
-
-
-def find_stop_string(text: str, stops: Sequence[str], start: int = 0) -> int:
-    """Index in ``text`` where the earliest stop string begins (searching from ``start``), or -1."""
-    best = -1
-    for s in stops:
-        i = text.find(s, start)
-        if i != -1 and (best == -1 or i < best):
-            best = i
-    return best

@@ -232,3 +232,19 @@ def speculative_generate(target: nn.Module, prompt_ids: Sequence[int], max_new_t
             if x in stop or len(tokens) - n_prompt >= max_new_tokens:
                 return tokens[n_prompt:], stats
     return tokens[n_prompt:], stats
+
+
+class PromptLookup:
+    """The engine's speculation strategy: prompt-lookup drafts (``ngram_propose``) for a decoding
+    sequence, fed in the same forward and checked by ``verify_drafts`` (the model runner). The
+    scheduler asks ``propose`` within its token budget."""
+
+    def __init__(self, num_speculative_tokens: int, ngram: tuple[int, int] = (3, 1)):
+        if not 1 <= ngram[1] <= ngram[0]:
+            raise ValueError(f"ngram={ngram} must be (largest, smallest) n-gram sizes with 1 <= smallest <= largest")
+        self.k, self.ngram = num_speculative_tokens, ngram
+
+    def propose(self, tokens: Sequence[int], room: int) -> list[int]:
+        """At most min(k, room) drafts continuing ``tokens``; room: what the budget and limits allow."""
+        k = min(self.k, room)
+        return ngram_propose(tokens, k, *self.ngram) if k > 0 else []

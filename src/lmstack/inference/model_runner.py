@@ -1,0 +1,96 @@
+"""The model runner: one forward for one iteration, then the tokens it yields.
+
+Seed 000 §2.2 (Orca's selective batching), §2.3 (speculative verification), §2.6 (sampling);
+seed 001 "推理流程". The scheduled sequences' new tokens — decode tokens first, then prefill
+chunks and speculative drafts — are flattened into one (1, T) row without padding, with
+per-token positions and sequence ids; the cache's batch object gives the attention seam its
+slots and key metadata from the block tables. Only the rows that need a next token go through
+the unembedding. ``sample`` draws one token per ready row, ``verify`` checks a row's drafts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lmstack.inference.paged import PagedKVCache
+from lmstack.inference.sampling import NonFiniteLogitsError, bad_logit_rows, check_logits, sample_token, token_logprobs
+from lmstack.inference.sequence import Sequence
+from lmstack.inference.speculative import verify_drafts
+
+
+class ModelRunner:
+    """Runs ``model`` over ``cache``; ``selective=False`` uses the reference packed attention
+    (one masked attention over every gathered key) instead of the per-sequence grouping."""
+
+    def __init__(self, model, cache: PagedKVCache, generator: torch.Generator, selective: bool = True):
+        self.model, self.cache, self.generator, self.selective = model, cache, generator, selective
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def forward(self, order: list[tuple[Sequence, int]]) -> tuple[Tensor | None, list[int]]:
+        """One forward over (sequence, n tokens) rows, in this order. Returns logits (R, V) of the
+        rows that need them — the last token of a sequence whose prompt is then complete, every
+        fed position of a speculating one (its last token and its k drafts) — and each
+        sequence's first row in them."""
+        rows = [(s.request_id, s.num_computed, n) for s, n in order]
+        batch, positions, seq_ids = self.cache.packed_batch(rows, selective=self.selective)
+        ids: list[int] = []
+        for s, n in order:
+            ids.extend(s.all_ids[s.num_computed:s.num_computed + n - len(s.drafts)] + s.drafts)
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)[None]  # (1, T)
+        hidden = self.model(tokens, positions, kv_cache=batch, document_ids=seq_ids, return_hidden=True)[0]  # (T, D)
+        need: list[int] = []
+        first_row: list[int] = []
+        t = 0
+        for s, n in order:
+            t += n
+            first_row.append(len(need))
+            if s.drafts:
+                need.extend(range(t - n, t))
+            elif s.num_computed + n == len(s.all_ids):
+                need.append(t - 1)
+        logits = self.model.unembed(hidden[need]) if need else None  # (R, V)
+        if not self.selective and len(order) > 1 and logits is not None and bool(bad_logit_rows(logits).any()):
+            # the reference attention sees every sequence's keys, masked, and 0 · NaN = NaN: one
+            # sequence's NaN K/V reach all rows, so the caller reruns them one at a time (nothing committed yet)
+            raise NonFiniteLogitsError("non-finite logits in a step over several sequences")
+        return logits, first_row
+
+    def sample(self, seqs: list[Sequence], logits: Tensor) -> list[tuple[int, tuple | None] | Exception]:
+        """logits (R, V) of R ready sequences -> per row (token, logprobs or None), or the exception
+        that fails that row only (NaN/+inf logits: ``check_logits`` names what was found).
+        Greedy rows take one batched argmax; the others go through ``sample_token``."""
+        bad = bad_logit_rows(logits).tolist()
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy and s.params.repetition_penalty == 1.0
+                  and not bad[i]]
+        tokens: list[int] = [0] * len(seqs)
+        if greedy:
+            for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+                tokens[i] = t
+        greedy_set = set(greedy)
+        logits_cpu = None
+        out: list = []
+        for i, s in enumerate(seqs):
+            try:
+                if bad[i]:
+                    check_logits(logits[i])  # raises NonFiniteLogitsError
+                if logits_cpu is None and (i not in greedy_set or s.logprobs is not None):
+                    logits_cpu = logits.float().cpu()
+                if i not in greedy_set:
+                    tokens[i] = sample_token(logits_cpu[i], s.params, s.generator or self.generator, s.all_ids)
+                lp = token_logprobs(logits_cpu[i], tokens[i], s.params.logprobs) if s.logprobs is not None else None
+                out.append((tokens[i], lp))
+            except Exception as e:  # noqa: BLE001 — one row's failure is that request's alone
+                out.append(e)
+        return out
+
+    def verify(self, seq: Sequence, logits: Tensor) -> list[tuple[int, tuple | None]]:
+        """logits (k + 1, V) at the sequence's last token and at each draft -> the kept drafts and
+        one more token, each with its logprobs (or None). Speculation's one accept/reject rule."""
+        check_logits(logits)
+        logits_cpu = logits.float().cpu()
+        emitted = verify_drafts(logits_cpu, seq.drafts, seq.params, seq.all_ids, seq.generator or self.generator)
+        if seq.logprobs is None:
+            return [(t, None) for t in emitted]
+        return [(t, token_logprobs(logits_cpu[i], t, seq.params.logprobs)) for i, t in enumerate(emitted)]

@@ -1,0 +1,156 @@
+"""The scheduler: which sequences run in the next iteration, with how many tokens, and what
+happens to them afterwards (seed 000 §2.2 token-budget batching; seed 001 "动态负载", Orca
+iteration-level scheduling, vLLM preemption by recomputation).
+
+``schedule`` fills a token budget (``max_num_batched_tokens``): running sequences first (a decode
+costs 1 token plus its speculative drafts, an unfinished prompt continues with a chunk — chunked
+prefill), then waiting requests while blocks, the budget and ``max_num_seqs`` allow. When a
+running sequence needs a block and none is free, the most recently admitted one is preempted:
+its blocks are freed and it goes back to the front of the queue (prefix caching usually gives
+its blocks back). After the forward, ``commit`` records stored K/V and ``append`` applies a new
+token and the stop rules.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from lmstack.inference.block_manager import BlockManager
+from lmstack.inference.sequence import RUNNING, WAITING, Sequence
+from lmstack.inference.speculative import PromptLookup
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, watermark_blocks: int, eos_token_id: int | None,
+                 sliding_window: int | None, speculator: PromptLookup | None, stats: dict):
+        self.blocks = blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len, self.watermark_blocks = max_model_len, watermark_blocks
+        self.eos_token_id, self.sliding_window = eos_token_id, sliding_window  # window None: keep old blocks
+        self.speculator, self.stats = speculator, stats
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and give its blocks back (abort, error)."""
+        if seq.status == WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq.status == RUNNING and seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free(seq.request_id)
+
+    # ---- before the forward --------------------------------------------------------------
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to feed) for the next forward; drafts are in ``seq.drafts``."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.all_ids) - seq.num_computed, budget)
+            seq.drafts = self._propose(seq, budget - 1) if n == 1 else []
+            n += len(seq.drafts)
+            while not self.blocks.can_append(seq.request_id, n):
+                if seq.drafts:  # speculation never costs another sequence its blocks
+                    n -= len(seq.drafts)
+                    seq.drafts = []
+                    continue
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status != RUNNING:
+                break
+            self.blocks.reserve(seq.request_id, n)
+            scheduled.append((seq, n))
+            budget -= n
+            i += 1
+        if preempted:
+            return scheduled
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.blocks.allocate(seq.request_id, seq.all_ids)
+            n = min(len(seq.all_ids) - cached, budget)
+            if not self.blocks.can_append(seq.request_id, n, reserve=self.watermark_blocks if self.running else 0):
+                self.blocks.free(seq.request_id)
+                break
+            self.waiting.popleft()
+            seq.num_computed = cached
+            if seq.num_cached_tokens is None:  # first admission: prefix-cache statistics
+                seq.num_cached_tokens = cached
+                self.stats["prompt_tokens"] += seq.num_prompt
+                self.stats["cached_prompt_tokens"] += cached
+            seq.status = RUNNING
+            self.running.append(seq)
+            self.blocks.reserve(seq.request_id, n)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def _propose(self, seq: Sequence, budget: int) -> list[int]:
+        """The speculation budget: drafts within the token budget left and what max_tokens /
+        max_model_len still allow after the next token."""
+        if self.speculator is None:
+            return []
+        room = min(budget, seq.params.max_tokens - seq.num_output - 1, self.max_model_len - len(seq.all_ids) - 1)
+        return self.speculator.propose(seq.all_ids, room)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq.request_id)
+        seq.num_computed = 0
+        seq.drafts = []
+        seq.status = WAITING
+        seq.num_preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(seq)
+
+    # ---- after the forward ---------------------------------------------------------------
+    def commit(self, seq: Sequence, n: int, token_ids: list[int] | None = None) -> None:
+        """``n`` more of the sequence's tokens have their K/V in the cache. ``token_ids``: the tokens
+        up to them when these are not all in ``all_ids`` yet (kept drafts); the blocks reserved
+        past them (for rejected drafts) are then given back."""
+        rid = seq.request_id
+        self.blocks.commit(rid, seq.all_ids if token_ids is None else token_ids, n)
+        if token_ids is not None:
+            self.blocks.truncate(rid, self.blocks.num_tokens[rid])
+        if self.sliding_window is not None:
+            self.stats["window_released_blocks"] += self.blocks.release_outside_window(rid, self.sliding_window)
+        seq.num_computed += n
+
+    def append(self, seq: Sequence, token: int, logprobs=None) -> None:
+        """A new token for ``seq``; the stop rules (stop token, max_tokens, max_model_len, stop string)
+        finish it and free its blocks. ``logprobs``: the (log p, top) pair to record."""
+        now = time.perf_counter()
+        seq.all_ids.append(token)
+        self.stats["generated_tokens"] += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_times.append(now)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        p = seq.params
+        reason = None
+        is_stop_token = (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids
+        if is_stop_token:
+            reason = "stop"
+        elif seq.num_output >= p.max_tokens or len(seq.all_ids) >= self.max_model_len:
+            reason = "length"
+        if seq.stops is not None and seq.stops.update(seq.output_ids[:-1] if is_stop_token else seq.output_ids):
+            reason = "stop"
+        if reason is not None:
+            seq.finish(reason, now)
+            self.blocks.free(seq.request_id)
+
+    def end_step(self) -> None:
+        self.running = [s for s in self.running if s.status == RUNNING]
+
