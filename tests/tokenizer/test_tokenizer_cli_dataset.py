@@ -11,7 +11,7 @@ from tok_helpers import stdlib_text
 from lmstack.cli import main
 from lmstack.tokenizer import Tokenizer, load_tokenizer
 from lmstack.tokenizer import train as train_mod
-from lmstack.tokenizer.dataset import encode_files, open_tokens, token_dtype
+from lmstack.tokenizer import encode_files, open_tokens, token_dtype
 
 
 def test_dtype_rule():

@@ -219,7 +219,7 @@ class Tokenizer:
             return [self.encode(t, allow_special) for t in texts]
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         chunksize = max(1, len(texts) // (4 * num_workers))
-        with ctx.Pool(num_workers, initializer=_set_worker_tokenizer, initargs=(self,)) as pool:
+        with ctx.Pool(num_workers, initializer=set_worker_tokenizer, initargs=(self,)) as pool:
             return pool.map(_worker_encode, [(t, allow_special) for t in texts], chunksize=chunksize)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
@@ -312,10 +312,16 @@ class Tokenizer:
 _WORKER_TOKENIZER: list[Tokenizer] = []
 
 
-def _set_worker_tokenizer(tok: Tokenizer) -> None:
+def set_worker_tokenizer(tok: Tokenizer) -> None:
+    """A process pool's initializer: this worker encodes with ``tok``."""
     _WORKER_TOKENIZER[:] = [tok]
+
+
+def worker_tokenizer() -> Tokenizer:
+    """The tokenizer this pool worker was started with."""
+    return _WORKER_TOKENIZER[0]
 
 
 def _worker_encode(task: tuple[str, bool]) -> list[int]:
     text, allow_special = task
-    return _WORKER_TOKENIZER[0].encode(text, allow_special)
+    return worker_tokenizer().encode(text, allow_special)

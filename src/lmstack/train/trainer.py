@@ -45,7 +45,8 @@ import torch
 
 from lmstack.train import checkpoint as ckpt
 from lmstack.train.config import TrainConfig, TrainConfigError
-from lmstack.train.data import Batch, check_token_ids, get_batch, open_tokens, resolve_device, sequential_batches
+from lmstack.tokenizer.token_file import check_token_ids, open_tokens, read_sidecar
+from lmstack.train.data import Batch, get_batch, resolve_device, sequential_batches
 from lmstack.train.losses import cross_entropy, linear_cross_entropy
 from lmstack.train.optim import SGD, AdamW, clip_grad_norm, global_grad_norm
 from lmstack.train.run_dir import check_run_paths, clear_run, existing_run, refuse_existing_run, truncate_metrics
@@ -167,9 +168,7 @@ class Trainer:
 
         # ---- data (seed 000 §5.3) ----
         tokens = open_tokens(c.train_data)
-        side = Path(str(c.train_data) + ".json")
-        data_vocab = json.loads(side.read_text()).get("vocab_size") if side.is_file() else None
-        data_vocab = data_vocab if isinstance(data_vocab, int) and not isinstance(data_vocab, bool) else None
+        data_vocab = read_sidecar(c.train_data).vocab_size
         if c.val_data:
             self.train_tokens, self.val_tokens = tokens, open_tokens(c.val_data)
         else:
