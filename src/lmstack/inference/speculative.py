@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from lmstack.inference.kv_cache import KVCache
 from lmstack.inference.prompts import prompt_token_ids
 from lmstack.inference.sampling import SamplingParams, target_probs
+from lmstack.model.transformer import Transformer
 
 
 def truncated_draft(model: nn.Module, n_layers: int) -> nn.Module:
@@ -37,8 +38,6 @@ def truncated_draft(model: nn.Module, n_layers: int) -> nn.Module:
 
     The weights are shared (no copy); the draft is a Transformer of its own config.
     """
-    from lmstack.model.transformer import Transformer
-
     if not 1 <= n_layers <= model.config.n_layers:
         raise ValueError(f"n_layers={n_layers} must be in [1, {model.config.n_layers}]")
     with torch.device("meta"):
