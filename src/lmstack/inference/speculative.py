@@ -22,7 +22,7 @@ reports the measured rate and the tokens produced per target forward.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -126,8 +126,6 @@ class SpeculativeStats:
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
-    draft_forwards: int = 0
-    per_step_accepted: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -188,7 +186,6 @@ def speculative_generate(target: nn.Module, prompt_ids: Sequence[int], max_new_t
         if k > 0 and draft is not None:
             logits = run(draft, d_cache, d_done, tokens[d_done:])[-1]
             d_done = len(tokens)
-            stats.draft_forwards += 1
             for j in range(k):
                 q = _probs(logits, params, tokens + drafts)
                 x = int(torch.multinomial(q, 1, generator=gen))
@@ -197,7 +194,6 @@ def speculative_generate(target: nn.Module, prompt_ids: Sequence[int], max_new_t
                 if j < k - 1:
                     logits = run(draft, d_cache, d_done, [x])[-1]
                     d_done += 1
-                    stats.draft_forwards += 1
         elif k > 0:
             drafts = ngram_propose(tokens, k, *ngram)
             for x in drafts:
@@ -217,7 +213,6 @@ def speculative_generate(target: nn.Module, prompt_ids: Sequence[int], max_new_t
         emitted, n_acc = rejection_sample(p, q, drafts, gen)
         stats.proposed += len(drafts)
         stats.accepted += n_acc
-        stats.per_step_accepted.append(n_acc)
         # ---- roll back: the target keeps the accepted drafts, the draft model what it had right
         base = len(tokens)
         t_done = base + n_acc
