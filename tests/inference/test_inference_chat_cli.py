@@ -96,6 +96,33 @@ def test_cli_generate_and_chat_on_a_saved_checkpoint(tmp_path, capsys):
     assert spec.getvalue() == buf.getvalue()
 
 
+def test_llm_and_the_cli_load_through_the_same_checks(tmp_path, capsys):
+    """``LLM(path)`` and ``lmstack generate`` share one loader: the checkpoint's own tokenizer by default,
+    and a tokenizer with more ids than the model's vocabulary refused by both."""
+    import torch
+
+    from inference_helpers import make_model
+    from lmstack.cli import main
+    from lmstack.inference import LLM
+    from lmstack.model.io import save_pretrained
+    from lmstack.tokenizer import Tokenizer, save_hf
+
+    small = Tokenizer({i: bytes([i]) for i in range(256)}, [])
+    model = make_model(vocab_size=256, dtype=torch.float32)
+    save_pretrained(model, tmp_path / "ckpt")
+    save_hf(small, tmp_path / "ckpt" / "tokenizer.json")
+    assert LLM(str(tmp_path / "ckpt")).tokenizer.vocab == small.vocab
+    big = Tokenizer({i: bytes([i]) for i in range(256)}, [], special_tokens=["<|extra|>"])  # V = 257 > 256
+    save_hf(big, tmp_path / "big.json")
+    with pytest.raises(ValueError, match="257 tokens but the model's vocabulary has 256"):
+        LLM(str(tmp_path / "ckpt"), tokenizer=str(tmp_path / "big.json"))
+    with pytest.raises(ValueError, match="257 tokens"):
+        LLM(model, tokenizer=big)
+    assert main(["generate", "--model", str(tmp_path / "ckpt"), "--tokenizer", str(tmp_path / "big.json"),
+                 "--prompt", "hi"]) == 2
+    assert "257 tokens but the model's vocabulary has 256" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_cli_generate_quantized_and_llm_quant(tmp_path, capsys):
     """``--quant int8`` / ``--dtype int4`` and ``LLM(quant=...)``: the output is the greedy output of
