@@ -2,8 +2,9 @@
 
 Public API: :class:`Tokenizer` (encode / decode / encode_iterable / apply_chat_template),
 :func:`train_bpe`, file formats (lmstack JSON, GPT-2 vocab.json+merges.txt, HF tokenizer.json,
-GGUF in; tiktoken and HF tokenizers out; :func:`load_tokenizer` picks one), chat templates, dataset encoding to flat token files for ``np.memmap``
-(:func:`encode_files`; :mod:`.token_file` reads them: :func:`open_tokens`), the pre-tokenizer patterns, the GPT-2 byte mapping.
+GGUF in; tiktoken and HF tokenizers out; :func:`load_tokenizer` picks one), chat templates,
+dataset encoding to flat token files for ``np.memmap`` (:func:`encode_files`; :func:`open_tokens`
+reads them back), the pre-tokenizer patterns, the GPT-2 byte mapping.
 """
 
 from .byte_unicode import bytes_to_unicode, unicode_to_bytes
