@@ -19,6 +19,7 @@ from collections import deque
 from lmstack.inference.block_manager import BlockManager
 from lmstack.inference.sequence import RUNNING, WAITING, Sequence
 from lmstack.inference.speculative import PromptLookup
+from lmstack.inference.stops import token_stop
 
 
 class Scheduler:
@@ -138,14 +139,11 @@ class Scheduler:
         seq.token_times.append(now)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
-        p = seq.params
-        reason = None
-        is_stop_token = (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids
-        if is_stop_token:
-            reason = "stop"
-        elif seq.num_output >= p.max_tokens or len(seq.all_ids) >= self.max_model_len:
+        reason = token_stop(token, seq.num_output, seq.params, self.eos_token_id)
+        if reason is None and len(seq.all_ids) >= self.max_model_len:
             reason = "length"
-        if seq.stops is not None and seq.stops.update(seq.output_ids[:-1] if is_stop_token else seq.output_ids):
+        # the text leaves a stop token out; a stop string cuts it and ends the request too
+        if seq.stops is not None and seq.stops.update(seq.output_ids[:-1] if reason == "stop" else seq.output_ids):
             reason = "stop"
         if reason is not None:
             seq.finish(reason, now)

@@ -1,4 +1,4 @@
-"""Stop strings over a stream of tokens: the one place that decodes, cuts and holds text back.
+"""Stopping: the token rules and stop strings — the one place that decodes, cuts and holds text back.
 
 Seed 000 §2.6 (stopping rules), seed 001 "推理流程". A stop string can span several tokens and a
 token can end in the middle of a UTF-8 character, so while a request runs the text shown is held
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lmstack.inference.sampling import SamplingParams
+
 
 def find_stop_string(text: str, stops: Sequence[str], start: int = 0) -> int:
     """Index in ``text`` where the earliest stop string begins (searching from ``start``), or -1."""
@@ -19,6 +21,14 @@ def find_stop_string(text: str, stops: Sequence[str], start: int = 0) -> int:
         if i != -1 and (best == -1 or i < best):
             best = i
     return best
+
+
+def token_stop(token: int, num_output: int, params: SamplingParams, eos_token_id: int | None = None) -> str | None:
+    """The token rules every decode loop applies after emitting ``token`` (the ``num_output``-th):
+    "stop" for EOS (unless ``ignore_eos``) or a stop token id, "length" at ``max_tokens``, else None."""
+    if (token == eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
+        return "stop"
+    return "length" if num_output >= params.max_tokens else None
 
 
 class StopStrings:
