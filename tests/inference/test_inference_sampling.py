@@ -13,8 +13,6 @@ from transformers import (  # public names: a refactor of transformers' modules 
     TopPLogitsWarper,
 )
 
-from lmstack.inference import sample_next
-from lmstack.inference.stops import StopStrings, find_stop_string
 from lmstack.inference.sampling import (
     SamplingParams,
     apply_repetition_penalty,
@@ -22,6 +20,7 @@ from lmstack.inference.sampling import (
     target_probs,
     token_logprobs,
 )
+from lmstack.inference.stops import StopStrings, find_stop_string, token_stop
 
 P = [0.5, 0.2, 0.15, 0.1, 0.05]
 LOGITS = torch.tensor([math.log(p) for p in P], dtype=torch.float64)
@@ -104,12 +103,16 @@ def test_empirical_frequencies_follow_the_filtered_distribution():
     assert (counts / n - expected).abs().max() < 0.03
 
 
-def test_seed_reproducible_and_sample_next_compat():
+def test_seed_reproducible_and_greedy_is_argmax():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
-    a = sample_next(logits, 0.8, 10, 0.9, torch.Generator().manual_seed(5))
-    b = sample_next(logits, 0.8, 10, 0.9, torch.Generator().manual_seed(5))
-    assert a.tolist() == b.tolist() and a.shape == (3,)
-    assert sample_next(logits, 0.0).tolist() == logits.argmax(-1).tolist()
+    params = SamplingParams(temperature=0.8, top_k=10, top_p=0.9)
+
+    def draw(seed):
+        gen = torch.Generator().manual_seed(seed)
+        return [sample_token(row, params, gen) for row in logits]
+    assert draw(5) == draw(5)
+    greedy = SamplingParams(temperature=0.0)
+    assert [sample_token(row, greedy) for row in logits] == logits.argmax(-1).tolist()
 
 
 def test_logprobs_and_stop_strings():
@@ -126,3 +129,37 @@ def test_logprobs_and_stop_strings():
 def test_bad_params_raise_clear_errors(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)
+
+
+class _CharTokenizer:
+    """One token per character; id 0 is half of a multi-byte character (decodes to U+FFFD)."""
+
+    def decode(self, ids):
+        return "".join("\ufffd" if i == 0 else chr(i) for i in ids)
+
+
+def test_stop_strings_hold_back_a_possible_stop_and_an_incomplete_character():
+    """The one stop-string handler (engine and stream_generate): while running, the text shown never
+    holds the start of a stop string nor half a character; the stop string and what follows never show."""
+    stops = StopStrings(_CharTokenizer(), ["END"])
+    ids, shown, stopped = [], [], False
+    for ch in "abEND!":
+        ids.append(ord(ch))
+        stopped = stops.update(ids)
+        shown.append(stops.emit(finished=stopped)[1])
+        if stopped:
+            break
+    assert stopped and stops.text == "ab" and "".join(shown) == "ab"
+    assert shown[:3] == ["", "", "a"]  # "b" and "bE" could still become "END"
+    plain = StopStrings(_CharTokenizer())
+    plain.update([ord("x"), 0])
+    assert plain.emit(finished=False) == ("x", "x")  # the half character waits
+    plain.update([ord("x"), 0, ord("y")])
+    assert plain.emit(finished=True) == ("x\ufffdy", "\ufffdy")
+
+
+def test_token_stop_rules():
+    p = SamplingParams(max_tokens=3, stop_token_ids=[7])
+    assert token_stop(7, 1, p) == "stop" and token_stop(2, 1, p, eos_token_id=2) == "stop"
+    assert token_stop(2, 1, SamplingParams(ignore_eos=True), eos_token_id=2) is None
+    assert token_stop(5, 3, p) == "length" and token_stop(5, 2, p) is None

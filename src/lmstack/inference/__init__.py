@@ -7,13 +7,13 @@ engine, speculative decoding and chat (seed 000 §2, seed 001 "推理").
 - ``SamplingParams``: temperature, top-k, top-p, min-p, repetition penalty, stops, seed, logprobs.
 """
 
+from lmstack.inference.block_manager import BlockManager
 from lmstack.inference.engine import LLM, AsyncLLM, GenerationError, LLMEngine, RequestOutput
 from lmstack.inference.generate import generate
 from lmstack.inference.kv_cache import KVCache
-from lmstack.inference.block_manager import BlockManager
 from lmstack.inference.paged import PagedKVCache
-from lmstack.inference.sampling import SamplingParams, sample_next
+from lmstack.inference.sampling import SamplingParams
 from lmstack.inference.speculative import speculative_generate, truncated_draft
 
 __all__ = ["LLM", "AsyncLLM", "BlockManager", "GenerationError", "KVCache", "LLMEngine", "PagedKVCache",
-           "RequestOutput", "SamplingParams", "generate", "sample_next", "speculative_generate", "truncated_draft"]
+           "RequestOutput", "SamplingParams", "generate", "speculative_generate", "truncated_draft"]

@@ -9,7 +9,7 @@ Seed 001 "动态负载" (vLLM PagedAttention). A sequence's *block table* maps i
   prefixes and a new prompt starting with a cached prefix reuses those blocks. A named block is
   never written again (a write into it goes to a copy). Freed named blocks wait in an LRU list
   and are evicted only when no never-used block is left;
-- copy-on-write: a block shared by several sequences (``fork``) is copied before one writes it.
+- copy-on-write: a shared block (or a named one, after ``truncate``) is copied before a write into it.
 
 Block 0 is the *null block*: never allocated, it takes padding writes and released table entries.
 The manager moves no K/V itself: copies and scrubbing go through the ``storage`` it is given.
@@ -159,9 +159,9 @@ class BlockManager:
         return need
 
     def _copy_before_write(self, block: int) -> bool:
-        """Whether a write into ``block`` must go to a copy: another sequence refers to it, or it
-        is named in the prefix-cache index (a full block that ``truncate`` made partly filled
-        again: its cached content must stay what its hash says, for requests served from it)."""
+        """Whether a write into ``block`` must go to a copy: a full block that ``truncate`` made partly
+        filled again is still named in the prefix-cache index or shared with another sequence, and
+        its content must stay what its hash says, for the requests served from it."""
         return self.ref_count[block] > 1 or block in self.block_hash
 
     def can_append(self, seq_id: Hashable, n: int, reserve: int = 0) -> bool:
@@ -194,17 +194,6 @@ class BlockManager:
             h = chain_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs])
             hashes.append(h)
             self.register(table[i], h)
-
-    def fork(self, parent: Hashable, child: Hashable) -> None:
-        """The child shares every block of the parent (copy-on-write on the next write)."""
-        if child in self.tables:
-            raise ValueError(f"sequence {child!r} already has blocks")
-        for block in self.tables[parent]:
-            if block != NULL_BLOCK:
-                self.incref(block)
-        self.tables[child] = list(self.tables[parent])
-        self.hashes[child] = list(self.hashes[parent])
-        self.num_tokens[child] = self.num_tokens[parent]
 
     def free(self, seq_id: Hashable) -> None:
         """Release a finished, aborted or preempted sequence's blocks (tail first, so the LRU

@@ -211,17 +211,6 @@ def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = 1.0,
-                generator: torch.Generator | None = None, min_p: float = 0.0) -> Tensor:
-    """logits (B, V) -> next ids (B,): one draw per row, the parameters checked by ``SamplingParams``
-    (same conventions: temperature 0 greedy, top_p 1 or None off)."""
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    probs = target_probs(logits, params)  # (B, V)
-    if params.greedy:
-        return probs.argmax(dim=-1)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
-
-
 def token_logprobs(logits: Tensor, token: int, n_top: int) -> tuple[float, dict[int, float]]:
     """log p(token) and the ``n_top`` most likely tokens' log-probabilities under softmax(logits (V,))."""
     logp = torch.log_softmax(logits.float(), dim=-1)
