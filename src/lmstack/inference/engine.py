@@ -53,6 +53,12 @@ class PromptTooLongError(ValueError):
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the paged cache may store
 
 
+def _blocks_in(nbytes: int, c, block_size: int, dtype: torch.dtype) -> int:
+    """Blocks that fit in ``nbytes``: each holds K and V of bs tokens, 2·bs·L·K·H elements."""
+    per_block = 2 * block_size * c.n_layers * c.n_kv_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
+    return max(2, nbytes // per_block)
+
+
 class LLMEngine:
     """Continuous batching over a ``PagedKVCache``; see the module docstring.
 
@@ -89,10 +95,7 @@ class LLMEngine:
             raise ValueError(f"watermark={watermark!r} must be in [0, 1): the fraction of the blocks kept free "
                              "when admitting a request while others run")
         if num_blocks is None:
-            kv_cache_bytes = as_integer("kv_cache_bytes", kv_cache_bytes, 1)
-            element = torch.empty(0, dtype=kv_dtype).element_size()
-            per_block = 2 * block_size * c.n_layers * c.n_kv_heads * c.head_dim * element
-            num_blocks = max(2, kv_cache_bytes // per_block)
+            num_blocks = _blocks_in(as_integer("kv_cache_bytes", kv_cache_bytes, 1), c, block_size, kv_dtype)
         num_blocks = as_integer("num_blocks", num_blocks, 2)
         self.cache = PagedKVCache(c, num_blocks, block_size, kv_dtype, p.device, enable_prefix_caching)
         if eos_token_id is None:
