@@ -33,10 +33,6 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
-    def num_blocks(self) -> int:
-        return self.blocks.num_blocks
-
-    @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 

@@ -53,12 +53,6 @@ class StaticKVCache(StoreThenAttend):
     def reset(self) -> None:
         self.positions.fill_(-1)
 
-    def truncate(self, length: int) -> None:
-        """Forget every position >= ``length``."""
-        if length < 0:
-            raise ValueError(f"length={length} must be >= 0")
-        self.positions[:, length:] = -1
-
     def update(self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Store k, v (B, K, T, H) at ``positions`` (T,) (the same for every row); return
         this layer's full (B, K, S_max, H) x2 and the slot positions (B, S_max)."""
