@@ -44,6 +44,9 @@ class RequestOutput:
 
 @dataclass(slots=True, eq=False)
 class Sequence:
+    """One request's state, shared by the scheduler (queues, blocks), the runner (tokens to feed)
+    and the engine (its ``RequestOutput``)."""
+
     request_id: str
     all_ids: list[int]  # prompt + generated tokens
     num_prompt: int
@@ -71,10 +74,6 @@ class Sequence:
     @property
     def num_output(self) -> int:
         return len(self.all_ids) - self.num_prompt
-
-    @property
-    def text(self) -> str:
-        return self.stops.text if self.stops is not None else ""
 
     def finish(self, reason: str, now: float) -> None:
         self.status, self.finish_reason, self.finished_time = FINISHED, reason, now
