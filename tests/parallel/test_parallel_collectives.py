@@ -31,7 +31,7 @@ def _collectives(rank, world):
     # ring reduce-scatter / all-gather == torch's
     x = torch.randn(world * 6, generator=g)
     want = torch.empty(6)
-    C._rs_tensor(want, x.clone(), None)
+    C.reduce_scatter_into(want, x.clone(), None)
     with C.count_bytes() as c:
         got = C.reduce_scatter(x, None)
     torch.testing.assert_close(got, want)
@@ -39,7 +39,7 @@ def _collectives(rank, world):
     with C.count_bytes() as c:
         got = C.all_gather(want, None)
     ref = torch.empty(world * 6)
-    C._ag_tensor(ref, want, None)
+    C.all_gather_into(ref, want, None)
     torch.testing.assert_close(got, ref)
     assert c.total == all_gather_bytes(ref.numel() * 4, world)
 
