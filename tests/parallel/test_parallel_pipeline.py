@@ -16,6 +16,7 @@ def _pipeline(rank, world, cases):
     for name, cfg, kind, m, data, wl, wp in cases:
         model = Transformer(cfg, seed=0)
         pipe = PipelineParallel(model, mesh.group("pp"), micro_batches=m, schedule_kind=kind, tied_group=tied)
+        assert type(pipe.stage) is type(model)  # a stage is the model's own class holding a slice of its layers
         opt = make_opt(pipe.parameters())
         losses = []
         for x, y in data:

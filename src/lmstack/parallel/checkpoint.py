@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from lmstack.train.checkpoint import (CheckpointError, capture_rng, join_optimizer_state, restore_rng,
+                                      split_optimizer_state)
 from lmstack.utils import atomic_path, atomic_write_text
 
 SHARD_FORMAT = "lmstack-parallel-shards-v1"
@@ -86,8 +88,6 @@ def replica_source(pm, rank: int) -> int:
 
 
 def _write_rank(folder: Path, rank: int, pm, optimizer, data_generator) -> None:
-    from lmstack.train.checkpoint import _split_optimizer, capture_rng
-
     tensors: dict[str, torch.Tensor] = {}
     source = replica_source(pm, rank)
     if source != rank:  # a replica: only its RNG states are its own
@@ -98,7 +98,7 @@ def _write_rank(folder: Path, rank: int, pm, optimizer, data_generator) -> None:
     opt_meta = None
     if optimizer is not None:
         sd = _local_optimizer(optimizer).state_dict()
-        opt_tensors, opt_meta = _split_optimizer(sd)
+        opt_tensors, opt_meta = split_optimizer_state(sd)
         for k, v in opt_tensors.items():
             tensors[f"optim/{k}"] = v.to_local() if hasattr(v, "to_local") else v
     rng_tensors, rng_meta = capture_rng(data_generator)
@@ -173,8 +173,6 @@ def save_sharded(directory: str | os.PathLike, step: int, pm, optimizer, data_ge
 def load_sharded(step_dir: str | os.PathLike, pm, optimizer, data_generator) -> dict[str, Any]:
     """Every rank: restore its parameters, optimizer states and RNG states from its shard file
     of checkpoint ``step_dir``; returns the checkpoint's ``state.json``."""
-    from lmstack.train.checkpoint import CheckpointError, _join_optimizer, restore_rng
-
     p = Path(step_dir)
     folder = shards_dir(p)
     if not (p / "state.json").is_file():
@@ -207,7 +205,7 @@ def load_sharded(step_dir: str | os.PathLike, pm, optimizer, data_generator) -> 
         if meta.get("optimizer") is None:
             raise CheckpointError(f"{st_path}: no optimizer state to resume from")
         local = _local_optimizer(optimizer)
-        sd = _join_optimizer({k[len("optim/"):]: v for k, v in tensors.items() if k.startswith("optim/")},
+        sd = join_optimizer_state({k[len("optim/"):]: v for k, v in tensors.items() if k.startswith("optim/")},
                              meta["optimizer"])
         params = _params_in_order(local)
         for idx, st in sd["state"].items():

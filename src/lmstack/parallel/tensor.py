@@ -27,6 +27,7 @@ gathering V, or ``TensorParallel(gather_output=True)`` all-gathers them.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -188,8 +189,6 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def _max_all_reduce(t: Tensor, group) -> None:
-    import torch.distributed as dist
-
     if C.group_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmstack.parallel import collectives as C
+from lmstack.parallel.ddp import broadcast_module
 
 
 def _pad_flat(t: Tensor, M: int) -> Tensor:
@@ -379,8 +380,6 @@ class FullyShard(nn.Module):
         self.param_dtype, self.master_dtype = param_dtype, master_dtype
         self.prefetch_next = prefetch
         if broadcast and self.M > 1:
-            from lmstack.parallel.ddp import broadcast_module
-
             broadcast_module(model, group)
         self.module = model
         if units is None:

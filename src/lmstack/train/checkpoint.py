@@ -108,7 +108,7 @@ def restore_rng(tensors: dict[str, torch.Tensor], meta: dict[str, Any],
 
 # ---- optimizer state <-> (tensors, json) ------------------------------------------------------
 
-def _split_optimizer(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def split_optimizer_state(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for idx, st in sd["state"].items():
@@ -121,7 +121,7 @@ def _split_optimizer(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[
     return tensors, {"param_groups": groups, "scalars": scalars}
 
 
-def _join_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+def join_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
     state: dict[int, dict[str, Any]] = {}
     for key, v in tensors.items():
         _, idx, name = key.split(".", 2)
@@ -271,7 +271,7 @@ def _write_checkpoint_files(tmp: Path, model: torch.nn.Module, optimizer: torch.
     _save_tensors(dict(model.state_dict()), tmp / "model.safetensors")
     opt_meta = None
     if optimizer is not None:
-        opt_tensors, opt_meta = _split_optimizer(optimizer.state_dict())
+        opt_tensors, opt_meta = split_optimizer_state(optimizer.state_dict())
         _save_tensors(opt_tensors, tmp / "optimizer.safetensors")
     rng_tensors, rng_meta = capture_rng(data_generator)
     _save_tensors(rng_tensors, tmp / "rng.safetensors")
@@ -326,7 +326,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     if optimizer is not None:
         if "optimizer" not in ck or meta.get("optimizer") is None:
             raise CheckpointError(f"{path}: no optimizer state to resume from")
-        sd = _join_optimizer(ck["optimizer"], meta["optimizer"])
+        sd = join_optimizer_state(ck["optimizer"], meta["optimizer"])
         device = next(model.parameters()).device
         for st in sd["state"].values():
             for k, v in st.items():
