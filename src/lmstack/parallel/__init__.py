@@ -35,6 +35,7 @@ __all__ = [
     "CommCounter", "all_gather", "all_reduce", "count_bytes", "reduce_scatter", "ring_all_reduce_",
     "ContextParallel", "ring_attention", "DataParallel", "broadcast_module", "DeviceMesh",
     "PipelineParallel", "bubble_formula", "schedule", "simulate",
-    "ParallelWrapper", "NativeParallelModel", "ParallelModel", "ParallelPlan", "get_parallelize", "init_distributed", "parallelize",
+    "ParallelWrapper", "NativeParallelModel",
+    "ParallelModel", "ParallelPlan", "get_parallelize", "init_distributed", "parallelize",
     "TensorParallel", "vocab_parallel_cross_entropy", "FullyShard", "ZeroOptimizer",
 ]

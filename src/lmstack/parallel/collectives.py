@@ -352,19 +352,6 @@ class ReduceFromParallelFn(torch.autograd.Function):
         return g, None
 
 
-class SplitFn(torch.autograd.Function):
-    """Keep this rank's slice of ``dim`` forward; all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group) -> Tensor:
-        ctx.dim, ctx.group = dim, group
-        return split_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        return all_gather_dim(g.contiguous(), ctx.dim, ctx.group), None, None
-
-
 class GatherFn(torch.autograd.Function):
     """All-gather ``dim`` forward; keep this rank's slice of the gradient backward (for outputs
     that every rank uses identically, e.g. gathering vocab-sharded logits for a replicated loss)."""
@@ -378,14 +365,3 @@ class GatherFn(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         return split_dim(g, ctx.dim, ctx.group), None, None
 
-
-def all_gather_autograd(x: Tensor, dim: int, group=None) -> Tensor:
-    return AllGatherFn.apply(x, dim, group)
-
-
-def reduce_scatter_autograd(x: Tensor, dim: int, group=None) -> Tensor:
-    return ReduceScatterFn.apply(x, dim, group)
-
-
-def all_reduce_autograd(x: Tensor, group=None) -> Tensor:
-    return AllReduceFn.apply(x, group)

@@ -32,7 +32,8 @@ from lmstack.parallel.interface import GradItem, ParallelWrapper, WrapperBase
 from lmstack.parallel.mesh import DeviceMesh
 from lmstack.parallel.native import NativeParallelModel
 from lmstack.parallel.pipeline import PipelineParallel, tied_embedding_groups
-from lmstack.parallel.tensor import TensorParallel, gather_tp_named, gather_tp_state_dict, tp_sharded_ids
+from lmstack.parallel.tensor import (TensorParallel, gather_tp_named, gather_tp_state_dict, single_process_name,
+                                     tp_sharded_ids)
 from lmstack.parallel.zero import FullyShard, ZeroOptimizer
 
 
@@ -203,15 +204,12 @@ class ParallelModel(WrapperBase, nn.Module):
             sd = self.fsdp.full_state_dict()
             if self.tp_model is not None:  # ZeRO-3 over TP shards: undo the TP split too
                 sd = gather_tp_named(self.model, sd, self.mesh.group("tp"))
-            return {_clean(k): v for k, v in sd.items()}
+            return {single_process_name(k): v for k, v in sd.items()}
         only = {id(p) for p in self.pipeline.stage.parameters()} if self.pipeline is not None else None
         if self.tp_model is not None:
             return gather_tp_state_dict(self.model, self.mesh.group("tp"), only)
-        return {_clean(n): p.detach() for n, p in self.model.named_parameters() if only is None or id(p) in only}
-
-
-def _clean(name: str) -> str:
-    return name.replace(".inner.", ".")
+        return {single_process_name(n): p.detach() for n, p in self.model.named_parameters()
+                if only is None or id(p) in only}
 
 
 def parallelize(model: nn.Module, plan=None, mesh: DeviceMesh | None = None) -> ParallelWrapper:

@@ -290,10 +290,10 @@ def gather_tp_state_dict(model: nn.Module, group, only: set[int] | None = None) 
             else:
                 full = p.detach().clone()
             out[key] = full
-    return {_single_process_name(k): v for k, v in out.items()}
+    return {single_process_name(k): v for k, v in out.items()}
 
 
-def _single_process_name(k: str) -> str:
+def single_process_name(k: str) -> str:
     """EnterParallelRegion wraps the norm ("blocks.0.attn_norm.norm.weight" -> "blocks.0.attn_norm.weight");
     the zero-bubble split wraps linears (".inner.")."""
     return k.replace("_norm.norm.", "_norm.").replace("norm.norm.", "norm.").replace(".inner.", ".")
@@ -323,5 +323,5 @@ def gather_tp_named(model: nn.Module, sd: dict[str, Tensor], group) -> dict[str,
     for k, v in sd.items():
         if k in dims:
             v = C.all_gather_dim(v.contiguous(), dims[k], group)
-        out[_single_process_name(k)] = v
+        out[single_process_name(k)] = v
     return out
