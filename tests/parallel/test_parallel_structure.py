@@ -52,3 +52,25 @@ def test_no_instance_method_patching():
                 bad += [f"{name}:{node.lineno}" for t in node.targets if isinstance(t, ast.Attribute)
                         and not (isinstance(t.value, ast.Name) and t.value.id == "self")]
     assert bad == []
+
+
+def test_pipeline_stages_chained_equal_the_model():
+    """Stages are the model's own class on a slice of its layers, run by its own forward: chained,
+    they give the model's logits (tied embeddings: the last stage's copy of W_e)."""
+    import torch
+
+    from lmstack.model.config import ModelConfig
+    from lmstack.model.transformer import Transformer
+    from lmstack.parallel.pipeline import pipeline_stage
+
+    for tie in (False, True):
+        cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32,
+                          tie_embeddings=tie)
+        model = Transformer(cfg, seed=0)
+        tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        x = tokens
+        for s in range(3):
+            stage = pipeline_stage(model, s, 3)
+            assert type(stage) is Transformer and len(stage.blocks) == 1
+            x = stage(x)
+        torch.testing.assert_close(x, model(tokens))

@@ -6,7 +6,8 @@ splitting backward into the input gradient B — needed by the previous stage at
 weight gradient W — which can wait — lets W fill the bubbles: zero bubble).
 
 Stage s of p runs layers [L·s/p, L·(s+1)/p) — the first stage also the embedding, the last the
-final norm, unembedding and loss. Activations (B/m, S, D) go forward with send/recv; their
+final norm, unembedding and loss — as a model of the model's own class holding that slice,
+through the model's own forward (``pipeline_stage``). Activations (B/m, S, D) go forward with send/recv; their
 gradients come back the same way. Schedules are lists of actions per stage:
 
   gpipe   F0 F1 … F(m-1)  B0 … B(m-1)                 bubble (p-1)/(m+p-1), m micro-batches in flight
