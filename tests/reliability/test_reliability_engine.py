@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
 from inference_helpers import full_recompute_greedy, make_model  # noqa: E402
 from lmstack.inference import LLM, AsyncLLM, LLMEngine, SamplingParams, generate  # noqa: E402
 from lmstack.inference.static import StaticDecoder  # noqa: E402
+from lmstack.tokenizer import render_chat_template  # noqa: E402
 
 N = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=N)
@@ -360,9 +361,7 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
 
 
 def _chat_reference(model, tok, messages, n):
-    from lmstack.inference.chat import render_chat_template
-
-    text = render_chat_template(CHATML, messages)
+    text = render_chat_template(CHATML, messages, add_generation_prompt=True)
     return tok.decode(full_recompute_greedy(model, tok.encode(text), n))
 
 
@@ -408,9 +407,7 @@ def test_chat_drops_the_oldest_exchange_when_the_conversation_outgrows_the_conte
 
 
 def render(messages):
-    from lmstack.inference.chat import render_chat_template
-
-    return render_chat_template(CHATML, messages)
+    return render_chat_template(CHATML, messages, add_generation_prompt=True)
 
 
 # ---- the real model ------------------------------------------------------------------------------

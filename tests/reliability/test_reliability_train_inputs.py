@@ -18,7 +18,7 @@ import torch
 
 from lmstack.train import TrainConfig, Trainer
 from lmstack.train.config import TrainConfigError
-from lmstack.train.data import check_token_ids
+from lmstack.tokenizer import check_token_ids
 from reliability_train_helpers import cli, corpus_ids, run_config, train_cli, write_tokens
 
 

@@ -20,9 +20,9 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smol(gguf_path):
-    from lmstack.tokenizer import Tokenizer
+    from lmstack.tokenizer import load_gguf_tokenizer
 
-    return Tokenizer.from_gguf(gguf_path)
+    return load_gguf_tokenizer(gguf_path)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from tok_helpers import stdlib_text
 from lmstack.cli import main
 from lmstack.tokenizer import Tokenizer, load_tokenizer
 from lmstack.tokenizer import train as train_mod
-from lmstack.tokenizer.dataset import encode_files, open_tokens, token_dtype
+from lmstack.tokenizer import encode_files, is_token_file, open_tokens, read_sidecar, token_dtype
 
 
 def test_dtype_rule():
@@ -45,6 +45,26 @@ def test_large_vocab_writes_uint32(tmp_path):
     assert stats.dtype == "uint32"
     assert open_tokens(tmp_path / "o.bin").tolist() == [104, 105, 256]
 
+
+
+def test_the_reader_takes_what_the_encoder_writes_and_nothing_else(tmp_path):
+    """One reader for the format the encoder writes: the sidecar's dtype, count and vocabulary."""
+    vocab = {i: bytes([i]) for i in range(256)}
+    (tmp_path / "a.txt").write_text("hello")
+    encode_files(Tokenizer(vocab, []), tmp_path / "a.txt", tmp_path / "t.bin")
+    info = read_sidecar(tmp_path / "t.bin")
+    assert (info.dtype, info.n_tokens, info.vocab_size) == (np.uint16, 5, 256) and is_token_file(tmp_path / "t.bin")
+    side = tmp_path / "t.bin.json"
+    for text in ("[1, 2]", "{", json.dumps({"dtype": "float32", "n_tokens": 5}), json.dumps({"n_tokens": 5})):
+        side.write_text(text)
+        assert not is_token_file(tmp_path / "t.bin")
+        with pytest.raises(ValueError, match="sidecar|dtype"):
+            open_tokens(tmp_path / "t.bin")
+    side.write_text(json.dumps({"dtype": "uint16", "n_tokens": True, "vocab_size": "256"}))
+    assert read_sidecar(tmp_path / "t.bin").n_tokens is None and read_sidecar(tmp_path / "t.bin").vocab_size is None
+    assert open_tokens(tmp_path / "t.bin").tolist() == list(b"hello")
+    side.unlink()
+    assert not is_token_file(tmp_path / "t.bin")
 
 def test_cli_train_encode_info(tmp_path, capsys):
     corpus = tmp_path / "docs"

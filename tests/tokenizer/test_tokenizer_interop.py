@@ -13,8 +13,11 @@ from lmstack.tokenizer import (
     load_gpt2,
     load_tokenizer,
     save_gpt2,
+    save,
     save_hf,
     to_hf_json,
+    to_hf_tokenizer,
+    to_tiktoken,
 )
 from lmstack.tokenizer.byte_unicode import token_to_str
 
@@ -90,8 +93,8 @@ def test_overlapping_specials_longest_first(trained):
 
 
 def test_exports_equal_direct_references(trained):
-    hf = trained.to_hf_tokenizer()
-    enc = trained.to_tiktoken()
+    hf = to_hf_tokenizer(trained)
+    enc = to_tiktoken(trained)
     for text in TEXTS:
         assert hf.encode(text, add_special_tokens=False).ids == trained.encode(text)
         if "<|endoftext|><|endoftext|>" not in text:
@@ -102,7 +105,7 @@ def test_exports_equal_direct_references(trained):
 # ---------------------------------------------------------------- SmolLM2's vocabulary (from the GGUF)
 @pytest.fixture(scope="module")
 def smol_refs(smol):
-    return tiktoken_direct(smol, single_digits=True), smol.to_hf_tokenizer()
+    return tiktoken_direct(smol, single_digits=True), to_hf_tokenizer(smol)
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -118,8 +121,8 @@ def test_smollm2_matches_tiktoken_and_hf(smol, hf_smollm, smol_refs, text):
 # ---------------------------------------------------------------- formats
 def test_own_format_roundtrip(trained, tmp_path):
     path = tmp_path / "tok.json"
-    trained.save(path)
-    back = Tokenizer.load(path)
+    save(trained, path)
+    back = load_tokenizer(path)
     assert back.vocab == trained.vocab and back.merges == trained.merges
     assert back.special_tokens == trained.special_tokens and back.pattern == trained.pattern
     for text in TEXTS:
@@ -165,7 +168,7 @@ def test_hf_json_in_and_out(trained, smol, hf_smollm, tmp_path):
     gpt4 = Tokenizer(trained.vocab, trained.merges, SPECIALS, pattern="gpt4")
     assert json.loads(to_hf_json(gpt4))["pre_tokenizer"]["type"] == "Sequence"
     for text in TEXTS:
-        assert gpt4.to_hf_tokenizer().encode(text, add_special_tokens=False).ids == gpt4.encode(text)
+        assert to_hf_tokenizer(gpt4).encode(text, add_special_tokens=False).ids == gpt4.encode(text)
 
 
 def test_unsupported_files_are_named(tmp_path):

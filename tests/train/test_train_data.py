@@ -6,13 +6,13 @@ import torch
 
 from lmstack.train import (
     get_batch,
-    open_tokens,
     pack_documents,
     pad_batch,
     sequential_batches,
     split_documents,
     token_budget_batches,
 )
+from lmstack.tokenizer import open_tokens
 from lmstack.train.data import document_layout
 
 from conftest import write_tokens

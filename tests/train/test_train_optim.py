@@ -138,7 +138,7 @@ def test_schedule_object_applies_and_validates():
     opt = SGD([{"params": [torch.nn.Parameter(torch.ones(1))], "lr_scale": 0.5}], lr=1.0)
     assert s.apply(opt, 8) == pytest.approx(0.55)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.275)
-    assert LRSchedule.from_state_dict(s.state_dict()) == s
+    assert LRSchedule(**s.state_dict()) == s
     with pytest.raises(ValueError, match="schedule='linear'"):
         LRSchedule("linear")
     with pytest.raises(ValueError, match="min_lr=2"):

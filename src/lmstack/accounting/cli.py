@@ -10,9 +10,13 @@ import argparse
 import json
 import os
 
-from lmstack.model.config import PRESETS, ModelConfig
+from rich.console import Console
+from rich.table import Table
+
 from lmstack.accounting.hardware import HARDWARE, get_hardware, measure_cpu
 from lmstack.accounting.plan import build_plan
+from lmstack.accounting.roofline import plot_roofline
+from lmstack.model.config import PRESETS, ModelConfig
 from lmstack.threads import add_threads_argument
 from lmstack.utils import atomic_write_text, check_outputs, is_json_file, is_png_file
 
@@ -81,8 +85,6 @@ def run_plan(args: argparse.Namespace) -> int:
         atomic_write_text(args.json, json.dumps(plan, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
-        from lmstack.accounting.roofline import plot_roofline
-
         pts = []
         for d, p in zip(plan["decode"], plan["prefill"]):
             pts.append((f"decode B={d['B']}", d["intensity"]))
@@ -94,9 +96,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _print_plan(plan: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(width=None if os.isatty(1) else 150)
     m, hw, w, pc = plan["model"], plan["hardware"], plan["workload"], plan["params"]
     console.print(

@@ -173,7 +173,7 @@ def measure_cpu(quick: bool = False, dtypes: tuple[str, ...] = ("fp32", "bf16"),
     2·n³ / median time of an (n, n) @ (n, n) product (seed 001 "张量计算": 2·D·B·K FLOPs).
     ``quick`` uses small sizes (well under a second) for tests; the numbers are then rough.
     """
-    import torch
+    import torch  # only to measure: the formulas import without torch
 
     old_threads = torch.get_num_threads()
     if threads is not None:

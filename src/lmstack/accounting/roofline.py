@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from lmstack.model.config import ModelConfig
 from lmstack.accounting.flops import forward_flops, unembedding_flops
 from lmstack.accounting.hardware import Hardware
@@ -134,7 +136,6 @@ def plot_roofline(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     peak, bw = hw.flops(dtype), hw.hbm_bandwidth
     ridge = peak / bw

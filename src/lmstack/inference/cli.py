@@ -10,19 +10,19 @@ import argparse
 import sys
 import time
 
-import torch
-
+from lmstack.inference.engine import LLMEngine, PromptTooLongError
+from lmstack.inference.generate import stream_generate
+from lmstack.inference.loader import DTYPES, QUANT, load_for_inference
+from lmstack.inference.sampling import SamplingParams
+from lmstack.inference.static import StaticDecoder
 from lmstack.kernels.backends import ATTENTION_BACKENDS
 from lmstack.kernels.runtime import RuntimeConfig, configure
 from lmstack.threads import add_threads_argument
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _checked(field: str, convert):
     """An argparse ``type``: convert the text, then check the value with ``SamplingParams`` (the one
     validation of every decode path), so a bad flag exits 2 with a message naming it."""
-    from lmstack.inference.sampling import SamplingParams
 
     def parse(text: str):
         value = convert(text)  # ValueError: argparse's own "invalid float value: 'x'"
@@ -47,9 +47,9 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--repetition-penalty", type=_checked("repetition_penalty", float), default=1.0,
                    help="> 0; 1 = off")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(DTYPES) + ["int8", "int4"], default="fp32",
+    p.add_argument("--dtype", choices=sorted(DTYPES) + list(QUANT), default="fp32",
                    help="weight dtype; int8/int4 = fp32 model with weight-only quantised linears (lmstack.quant)")
-    p.add_argument("--quant", choices=["int8", "int4"], default=None,
+    p.add_argument("--quant", choices=list(QUANT), default=None,
                    help="weight-only quantisation of the linears and the unembedding (same as --dtype int8/int4)")
     p.add_argument("--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)")
     p.add_argument("--attn-backend", choices=ATTENTION_BACKENDS, default="auto",
@@ -76,100 +76,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=run_chat)
 
 
-def load_tokenizer(model_source, tokenizer_path=None):
-    """The tokenizer of a model: its GGUF, or a tokenizer file/dir (tokenizer.json, vocab+merges)."""
-    from lmstack.tokenizer import Tokenizer, load_tokenizer as load_any
-
-    path = tokenizer_path or model_source
-    if str(path).endswith(".gguf"):
-        return Tokenizer.from_gguf(path)
-    try:
-        return load_any(path)
-    except (ValueError, FileNotFoundError) as e:
-        raise ValueError(f"{path}: no tokenizer found ({e}); pass --tokenizer FILE") from None
-
-
 def _sampling_kwargs(args) -> dict:
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
-def _check_tokenizer(tokenizer, model) -> None:
-    """A tokenizer with ids the model has no embedding for does not belong to it."""
-    n, V = getattr(tokenizer, "vocab_size", None), model.config.vocab_size
-    if n is not None and n > V:
-        raise ValueError(f"the tokenizer has {n} tokens but the model's vocabulary has {V}: they do not belong "
-                         "together (--tokenizer: pass the model's own)")
-
-
-def stream_generate(model, tokenizer, prompt: str, max_tokens: int, out=None, stop: tuple[str, ...] = (),
-                    decoder=None, **sampling) -> dict:
-    """Generate, printing text as it is decoded; returns counts and timings.
-
-    ``stop`` strings end generation; the text from the stop string on is not printed.
-    """
-    from lmstack.inference import generate
-    from lmstack.inference.sampling import find_stop_string
-
-    out = out or sys.stdout
-    ids = tokenizer.encode(prompt)
-    stop_ids = [t for t in (model.config.eos_token_id,) if t is not None]
-    new: list[int] = []
-    printed = ""
-    t0 = time.perf_counter()
-    first = None
-    text = ""
-    hold = max((len(s) for s in stop), default=1) - 1  # chars kept back while a stop string may be forming
-    for token in generate(model, ids, max_tokens, stop_ids=stop_ids, decoder=decoder, **sampling):
-        if first is None:
-            first = time.perf_counter()
-        new.append(token)
-        if token in stop_ids:
-            break
-        text = tokenizer.decode(new)
-        if stop and find_stop_string(text, stop) != -1:
-            break
-        if text.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
-            continue
-        ready = text[:len(text) - hold] if stop else text
-        if len(ready) > len(printed):
-            out.write(ready[len(printed):])
-            out.flush()
-            printed = ready
-    t1 = time.perf_counter()
-    text = tokenizer.decode([t for t in new if t not in stop_ids])
-    if stop:
-        at = find_stop_string(text, stop)
-        text = text if at == -1 else text[:at]
-    out.write(text[len(printed):] + "\n")
-    out.flush()
-    decode_s = t1 - first if first is not None and len(new) > 1 else float("nan")
-    return {"prompt_tokens": len(ids), "new_tokens": len(new), "ttft_s": (first or t1) - t0, "text": text,
-            "total_s": t1 - t0, "decode_tokens_per_s": (len(new) - 1) / decode_s if len(new) > 1 else float("nan")}
-
-
-def weight_format(dtype: str, quant: str | None = None) -> tuple[torch.dtype, str | None]:
-    """``--dtype`` / ``--quant`` -> (floating dtype to load in, quantisation method or None)."""
-    if dtype in ("int8", "int4"):
-        if quant not in (None, dtype):
-            raise ValueError(f"--dtype {dtype} conflicts with --quant {quant}")
-        return torch.float32, dtype
-    return DTYPES[dtype], quant
-
-
 def _load(args):
-    from lmstack.model.io import load_model
-
-    dtype, quant = weight_format(args.dtype, getattr(args, "quant", None))
-    lm = load_model(args.model, dtype=dtype)
-    model = lm.model.eval()
+    model, tokenizer = load_for_inference(args.model, args.tokenizer, args.dtype, quant=getattr(args, "quant", None))
     configure(model, RuntimeConfig(attn_backend=getattr(args, "attn_backend", "auto")))
-    if quant is not None:
-        from lmstack.quant import quantize_model
-
-        quantize_model(model, quant)
-    tokenizer = load_tokenizer(lm.source, args.tokenizer)
-    _check_tokenizer(tokenizer, model)
     return model, tokenizer
 
 
@@ -177,15 +91,11 @@ def run_generate(args) -> int:
     model, tok = _load(args)
     prompt = args.prompt
     if args.chat:
-        from lmstack.inference.chat import apply_chat_template
-
-        prompt = apply_chat_template(tok, [{"role": "user", "content": prompt}])
+        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     else:
         print(prompt, end="", flush=True)
     decoder = None
     if args.compile:
-        from lmstack.inference.static import StaticDecoder
-
         n = len(tok.encode(prompt)) + args.max_tokens
         decoder = StaticDecoder(model, min(model.config.max_seq_len, -(-n // 256) * 256), compile=True)
         t0 = time.perf_counter()
@@ -206,9 +116,6 @@ def run_chat(args, stdin=None, out=None, tokenizer=None) -> int:
     A turn never ends the conversation: when the conversation outgrows the context the oldest
     exchanges are dropped (with a note on stderr); a turn that does not fit even alone, or whose
     reply fails, is dropped with a message and the next line is read."""
-    from lmstack.inference.engine import LLMEngine
-    from lmstack.inference.sampling import SamplingParams
-
     stdin = stdin or sys.stdin
     out = out or sys.stdout
     model, tok = _load(args)
@@ -262,11 +169,8 @@ def _add_turn(engine, tok, messages: list[dict], request_id: str, params) -> Non
     """Queue the reply to ``messages`` (the last one the new user turn). When the new turn does
     not fit even alone, raise the engine's ``PromptTooLongError`` and keep the history; else drop
     the oldest exchanges (after the system message) until the conversation fits."""
-    from lmstack.inference.chat import apply_chat_template
-    from lmstack.inference.engine import PromptTooLongError
-
     def prompt(msgs):
-        return tok.encode(apply_chat_template(tok, msgs))
+        return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True))
 
     first = 1 if messages and messages[0]["role"] == "system" else 0
     engine.check_request(request_id, prompt(messages[:first] + messages[-1:]), params)

@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -57,6 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmstack.inference.loader import load_for_inference
 from lmstack.inference.paged import PagedKVCache
 from lmstack.inference.prompts import prompt_token_ids
 from lmstack.inference.sampling import (
@@ -572,25 +572,10 @@ class LLM:
     def __init__(self, model="smollm2-135m", tokenizer=None, dtype: torch.dtype | str = torch.float32,
                  device: torch.device | str = "cpu", quant: str | None = None, runtime: RuntimeConfig | None = None,
                  **engine_kwargs):
-        if isinstance(dtype, str):  # "fp32", "bf16", "int8", "int4"
-            from lmstack.inference.cli import weight_format
-
-            dtype, quant = weight_format(dtype, quant)
-        if isinstance(model, (str, os.PathLike)):
-            from lmstack.inference.cli import load_tokenizer
-            from lmstack.model.io import load_model
-
-            lm = load_model(model, dtype=dtype, device=device)
-            if tokenizer is None:
-                tokenizer = load_tokenizer(lm.source)
-            model = lm.model
-        if quant is not None:  # weight-only int8/int4 linears (lmstack.quant), in place
-            from lmstack.quant import quantize_model
-
-            quantize_model(model, quant)
+        model, tokenizer = load_for_inference(model, tokenizer, dtype, device, quant)
         # the attention/RMSNorm backends, resolved once here; without ``runtime`` the model keeps its own
         self.runtime = configure(model, runtime) if runtime is not None else None
-        self.engine = LLMEngine(model.eval(), tokenizer, **engine_kwargs)
+        self.engine = LLMEngine(model, tokenizer, **engine_kwargs)
 
     @property
     def tokenizer(self):
@@ -638,9 +623,7 @@ class LLM:
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         """One chat turn: render the model's chat template (jinja2) and generate the reply."""
-        from lmstack.inference.chat import apply_chat_template
-
-        prompt = apply_chat_template(self.tokenizer, messages, add_generation_prompt=True)
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.generate([self.tokenizer.encode(prompt)], sampling_params)[0]
 
 

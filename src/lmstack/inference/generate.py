@@ -1,18 +1,21 @@
 """Autoregressive generation: prefill the prompt once, then decode one token per step with the KV cache.
 
 Seed 000 §2.4 (KV cache), §2.6 (sampling: temperature, top-k, top-p); seed 001 "推理流程"
-(prefill vs decode). The full engine (paged cache, continuous batching, speculation) builds on this.
+(prefill vs decode; text is shown as soon as it forms complete UTF-8, TTFT and decode tokens/s).
+The full engine (paged cache, continuous batching, speculation) builds on this.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from lmstack.inference.kv_cache import KVCache
 from lmstack.inference.prompts import prompt_token_ids
-from lmstack.inference.sampling import SamplingParams, sample_token
+from lmstack.inference.sampling import SamplingParams, find_stop_string, sample_token
 
 
 @torch.inference_mode()
@@ -77,3 +80,46 @@ def _generate_static(decoder, prompt_ids: list[int], params: SamplingParams) -> 
         ids.append(token)
         position = torch.tensor([len(ids) - 1], device=decoder.device)
         logits = decoder.decode(torch.tensor([[token]], device=decoder.device), position)  # (V,)
+
+
+def stream_generate(model, tokenizer, prompt: str, max_tokens: int, out=None, stop: tuple[str, ...] = (),
+                    decoder=None, **sampling) -> dict:
+    """Generate, writing text to ``out`` (stdout) as it is decoded; returns counts and timings.
+
+    ``stop`` strings end generation; the text from the stop string on is not written.
+    """
+    out = out or sys.stdout
+    ids = tokenizer.encode(prompt)
+    stop_ids = [t for t in (model.config.eos_token_id,) if t is not None]
+    new: list[int] = []
+    printed = ""
+    t0 = time.perf_counter()
+    first = None
+    text = ""
+    hold = max((len(s) for s in stop), default=1) - 1  # chars kept back while a stop string may be forming
+    for token in generate(model, ids, max_tokens, stop_ids=stop_ids, decoder=decoder, **sampling):
+        if first is None:
+            first = time.perf_counter()
+        new.append(token)
+        if token in stop_ids:
+            break
+        text = tokenizer.decode(new)
+        if stop and find_stop_string(text, stop) != -1:
+            break
+        if text.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
+            continue
+        ready = text[:len(text) - hold] if stop else text
+        if len(ready) > len(printed):
+            out.write(ready[len(printed):])
+            out.flush()
+            printed = ready
+    t1 = time.perf_counter()
+    text = tokenizer.decode([t for t in new if t not in stop_ids])
+    if stop:
+        at = find_stop_string(text, stop)
+        text = text if at == -1 else text[:at]
+    out.write(text[len(printed):] + "\n")
+    out.flush()
+    decode_s = t1 - first if first is not None and len(new) > 1 else float("nan")
+    return {"prompt_tokens": len(ids), "new_tokens": len(new), "ttft_s": (first or t1) - t0, "text": text,
+            "total_s": t1 - t0, "decode_tokens_per_s": (len(new) - 1) / decode_s if len(new) > 1 else float("nan")}

@@ -22,7 +22,7 @@ reports the measured rate and the tokens produced per target forward.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from lmstack.inference.kv_cache import KVCache
 from lmstack.inference.prompts import prompt_token_ids
 from lmstack.inference.sampling import SamplingParams, target_probs
+from lmstack.model.transformer import Transformer
 
 
 def truncated_draft(model: nn.Module, n_layers: int) -> nn.Module:
@@ -37,8 +38,6 @@ def truncated_draft(model: nn.Module, n_layers: int) -> nn.Module:
 
     The weights are shared (no copy); the draft is a Transformer of its own config.
     """
-    from lmstack.model.transformer import Transformer
-
     if not 1 <= n_layers <= model.config.n_layers:
         raise ValueError(f"n_layers={n_layers} must be in [1, {model.config.n_layers}]")
     with torch.device("meta"):
@@ -127,8 +126,6 @@ class SpeculativeStats:
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
-    draft_forwards: int = 0
-    per_step_accepted: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -189,7 +186,6 @@ def speculative_generate(target: nn.Module, prompt_ids: Sequence[int], max_new_t
         if k > 0 and draft is not None:
             logits = run(draft, d_cache, d_done, tokens[d_done:])[-1]
             d_done = len(tokens)
-            stats.draft_forwards += 1
             for j in range(k):
                 q = _probs(logits, params, tokens + drafts)
                 x = int(torch.multinomial(q, 1, generator=gen))
@@ -198,7 +194,6 @@ def speculative_generate(target: nn.Module, prompt_ids: Sequence[int], max_new_t
                 if j < k - 1:
                     logits = run(draft, d_cache, d_done, [x])[-1]
                     d_done += 1
-                    stats.draft_forwards += 1
         elif k > 0:
             drafts = ngram_propose(tokens, k, *ngram)
             for x in drafts:
@@ -218,7 +213,6 @@ def speculative_generate(target: nn.Module, prompt_ids: Sequence[int], max_new_t
         emitted, n_acc = rejection_sample(p, q, drafts, gen)
         stats.proposed += len(drafts)
         stats.accepted += n_acc
-        stats.per_step_accepted.append(n_acc)
         # ---- roll back: the target keeps the accepted drafts, the draft model what it had right
         base = len(tokens)
         t_done = base + n_acc

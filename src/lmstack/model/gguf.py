@@ -26,6 +26,7 @@ import torch
 
 from lmstack.model.config import MAX_SEQ_LEN, MAX_SIZE, ConfigError, ModelConfig
 from lmstack.model.hf import WeightsError, check_layer_count, load_state_into
+from lmstack.tokenizer.gguf_io import GGUFFormatError, read_gguf_layout
 from lmstack.utils import check_float, check_int
 
 _BLOCK_NAMES = {  # GGUF name inside blk.{i}  ->  lmstack name inside blocks.{i}
@@ -61,8 +62,6 @@ class GGUFModel:
 
 def _open(path: Path):
     """The file's header (metadata and tensor table), parsed without trusting any count or length."""
-    from lmstack.tokenizer.gguf_io import GGUFFormatError, read_gguf_layout
-
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such GGUF file")
     try:

@@ -383,10 +383,9 @@ def load_hf(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
 def check_float_weights(model) -> None:
     """Refuse to save a model whose linears ``lmstack.quant`` replaced: their int8/int4 weights are
-    buffers, not parameters, so a float checkpoint of ``named_parameters()`` would silently lack them."""
-    from lmstack.quant.linear import WeightOnlyLinear  # torch only: no import cycle with the model
-
-    quantised = [n for n, m in model.named_modules() if isinstance(m, WeightOnlyLinear)]
+    buffers, not parameters, so a float checkpoint of ``named_parameters()`` would silently lack them.
+    A quantised linear is recognised by its ``qweight`` buffer (the model does not import ``lmstack.quant``)."""
+    quantised = [n for n, m in model.named_modules() if "qweight" in dict(m.named_buffers(recurse=False))]
     if quantised:
         raise ValueError(f"model has {len(quantised)} quantised linears (e.g. {quantised[0]!r}, lmstack.quant); "
                          "save the float model before quantize_model, and quantise again after loading")

@@ -47,8 +47,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from lmstack.train.checkpoint import (CheckpointError, capture_rng, join_optimizer_state, restore_rng,
-                                      split_optimizer_state)
+from lmstack.run_state import CheckpointError, capture_rng, join_optimizer, restore_rng, split_optimizer
 from lmstack.utils import atomic_path, atomic_write_text
 
 SHARD_FORMAT = "lmstack-parallel-shards-v1"
@@ -98,7 +97,7 @@ def _write_rank(folder: Path, rank: int, pm, optimizer, data_generator) -> None:
     opt_meta = None
     if optimizer is not None:
         sd = _local_optimizer(optimizer).state_dict()
-        opt_tensors, opt_meta = split_optimizer_state(sd)
+        opt_tensors, opt_meta = split_optimizer(sd)
         for k, v in opt_tensors.items():
             tensors[f"optim/{k}"] = v.to_local() if hasattr(v, "to_local") else v
     rng_tensors, rng_meta = capture_rng(data_generator)
@@ -205,7 +204,7 @@ def load_sharded(step_dir: str | os.PathLike, pm, optimizer, data_generator) -> 
         if meta.get("optimizer") is None:
             raise CheckpointError(f"{st_path}: no optimizer state to resume from")
         local = _local_optimizer(optimizer)
-        sd = join_optimizer_state({k[len("optim/"):]: v for k, v in tensors.items() if k.startswith("optim/")},
+        sd = join_optimizer({k[len("optim/"):]: v for k, v in tensors.items() if k.startswith("optim/")},
                              meta["optimizer"])
         params = _params_in_order(local)
         for idx, st in sd["state"].items():

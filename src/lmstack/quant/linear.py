@@ -1,6 +1,7 @@
 """What the weight-only quantised linears share: the forward around a CPU kernel (seed 001 "量化").
 
-A subclass stores its codes and scales, says whether its kernel can run (``_kernel_ok``), calls it
+A subclass stores its codes in a ``qweight`` buffer (how ``model.hf.check_float_weights`` spots it)
+and its scales, says whether its kernel can run (``_kernel_ok``), calls it
 on (M, I) rows in ``compute_dtype`` (``_kernel_mm``) and can rebuild the float weight
 (``dequantized_weight``). The forward takes the kernel on CPU, dequantises otherwise, and from
 ``DEQUANT_ROWS`` rows on (a prefill: compute-bound, where a float GEMM beats a weight-only kernel)

@@ -1,13 +1,15 @@
 """Byte-level BPE tokenizer (seed 001 "分词器", "细节问答"; seed 000 §5.3 memmap token files).
 
-Public API: :class:`Tokenizer` (encode / decode / encode_iterable / save / load / from_gguf),
+Public API: :class:`Tokenizer` (encode / decode / encode_iterable / apply_chat_template),
 :func:`train_bpe`, file formats (lmstack JSON, GPT-2 vocab.json+merges.txt, HF tokenizer.json,
-GGUF in; tiktoken and HF tokenizers out), dataset encoding to flat token files for ``np.memmap``
-(:func:`encode_files`, :func:`open_tokens`), the pre-tokenizer patterns, the GPT-2 byte mapping.
+GGUF in; tiktoken and HF tokenizers out; :func:`load_tokenizer` picks one), chat templates,
+dataset encoding to flat token files for ``np.memmap`` (:func:`encode_files`; :func:`open_tokens`
+reads them back), the pre-tokenizer patterns, the GPT-2 byte mapping.
 """
 
 from .byte_unicode import bytes_to_unicode, unicode_to_bytes
-from .dataset import EncodeStats, encode_files, open_tokens, token_dtype
+from .chat import ChatTemplateError, render_chat_template
+from .dataset import EncodeStats, encode_files
 from .formats import (
     from_hf_json,
     load,
@@ -23,14 +25,20 @@ from .formats import (
 )
 from .gguf_io import load_gguf_tokenizer, read_gguf_metadata
 from .pretokenize import GPT2_PATTERN, GPT4_PATTERN, LLAMA3_PATTERN, PATTERNS, SMOLLM_PATTERN, PreTokenizer
+from .token_file import check_token_ids, is_token_file, open_tokens, read_sidecar, token_dtype
 from .tokenizer import Tokenizer
 from .train import count_pretokens, train_bpe
 
 __all__ = [
     "Tokenizer",
+    "ChatTemplateError",
+    "render_chat_template",
     "PreTokenizer",
     "encode_files",
     "open_tokens",
+    "read_sidecar",
+    "check_token_ids",
+    "is_token_file",
     "token_dtype",
     "EncodeStats",
     "train_bpe",

@@ -10,6 +10,13 @@ from pathlib import Path
 from lmstack.threads import add_threads_argument, available_cpus
 from lmstack.utils import check_outputs, file_starts_with, is_json_file
 
+from . import formats
+from .dataset import encode_files
+from .pretokenize import PATTERNS
+from .token_file import is_token_file
+from .tokenizer import Tokenizer
+from .train import train_bpe
+
 
 def _expand(inputs: list[str], glob: str) -> list[Path]:
     """Files as given; directories expand to their files matching ``glob`` (recursively, sorted)."""
@@ -45,10 +52,6 @@ def _tokenizer_files(path: str) -> list[tuple[str, Path]]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from . import formats
-    from .tokenizer import Tokenizer
-    from .train import train_bpe
-
     paths = _expand(args.inputs or _default_corpus(), args.glob)
     out = Path(args.out)
     if args.format == "gpt2":
@@ -80,16 +83,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    from .dataset import encode_files, is_token_file
-    from .formats import load_tokenizer
-
     paths = _expand(args.inputs or _default_corpus(), args.glob)
     side = str(args.out) + ".json"
     check_outputs([("--out", args.out), ("the sidecar of --out", side)],
                   [("the input", p) for p in paths] + _tokenizer_files(args.tokenizer),
                   {"--out": ("a token file (one with a .json sidecar naming its dtype)", is_token_file),
                    "the sidecar of --out": ("a token-file sidecar (a JSON object)", is_json_file)}, force=args.force)
-    tok = load_tokenizer(args.tokenizer)
+    tok = formats.load_tokenizer(args.tokenizer)
     stats = encode_files(tok, paths, args.out, num_workers=args.threads or available_cpus(), progress=True)
     print(
         f"{stats.n_tokens} tokens ({stats.dtype}) from {stats.n_bytes / 1e6:.2f} MB in {len(paths)} file(s): "
@@ -100,10 +100,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .formats import load_tokenizer
-    from .pretokenize import PATTERNS
-
-    tok = load_tokenizer(args.tokenizer)
+    tok = formats.load_tokenizer(args.tokenizer)
     name = next((k for k, v in PATTERNS.items() if v == tok.pattern), "custom")
     print(f"tokenizer     {args.tokenizer}")
     print(f"vocab size V  {tok.vocab_size}")

@@ -1,7 +1,7 @@
 """Encode text files into one flat token file readable with ``np.memmap`` (seed 000 §5.3; seed 001 "细节问答").
 
-The output is the raw ids back to back, ``uint16`` when V <= 65536 and ``uint32`` otherwise, plus a
-small JSON sidecar (``<out>.json``: dtype, n_tokens, vocab_size, bytes/token) so a reader never guesses.
+The output is a token file (:mod:`.token_file`: the raw ids back to back, ``uint16`` when V <= 65536 and
+``uint32`` otherwise, plus a JSON sidecar with dtype, n_tokens, vocab_size, bytes/token).
 Inputs are cut at special-token boundaries (or before ``" <letter>"``, which always starts a
 pre-token), worker processes encode chunks in parallel, and the parent appends their ids in order;
 memory stays bounded by the chunk size whatever the corpus size ("流式懒加载": read -> encode -> write).
@@ -9,7 +9,6 @@ memory stays bounded by the chunk size whatever the corpus size ("流式懒加�
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import time
@@ -20,21 +19,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from lmstack.utils import atomic_path, atomic_write_text, is_json_file
+from lmstack.utils import atomic_path
 
-from . import tokenizer as _tokmod
-from .tokenizer import Tokenizer
 from .pretokenize import PATTERNS
+from .token_file import token_dtype, write_sidecar
+from .tokenizer import Tokenizer, set_worker_tokenizer, worker_tokenizer
 from .train import plan_chunks
 
 _CHUNK_BYTES = 4 << 20
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 when every id fits (V <= 65536), else uint32."""
-    if vocab_size <= 0 or vocab_size > 1 << 32:
-        raise ValueError(f"vocab_size={vocab_size} must be in 1..2**32")
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
 @dataclass
@@ -56,7 +48,7 @@ class EncodeStats:
 
 def _encode_range(task: tuple[str, int, int, str], tok: Tokenizer | None = None) -> bytes:
     path, start, end, dtype = task
-    tok = tok or _tokmod._WORKER_TOKENIZER[0]
+    tok = tok or worker_tokenizer()
     with open(path, "rb") as f:
         f.seek(start)
         text = f.read(end - start).decode("utf-8", errors="replace")
@@ -92,7 +84,7 @@ def encode_files(
             pool = None
         else:
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            pool = ctx.Pool(min(workers, len(tasks)), initializer=_tokmod._set_worker_tokenizer, initargs=(tok,))
+            pool = ctx.Pool(min(workers, len(tasks)), initializer=set_worker_tokenizer, initargs=(tok,))
             results = pool.imap(_encode_range, tasks)
         try:
             for t, data in zip(tasks, results):
@@ -107,21 +99,6 @@ def encode_files(
     bar.close()
     stats = EncodeStats(n_tokens, total, time.perf_counter() - t0, dtype.name, tok.vocab_size)
     meta = {**asdict(stats), "bytes_per_token": stats.bytes_per_token, "inputs": [str(p) for p in paths]}
-    atomic_write_text(str(output) + ".json", json.dumps(meta, indent=1))
+    write_sidecar(output, meta)
     return stats
 
-
-def is_token_file(path: str | os.PathLike) -> bool:
-    """A token file as ``encode_files`` writes it: its ``<path>.json`` sidecar names the dtype."""
-    side = Path(str(path) + ".json")
-    return Path(path).is_file() and is_json_file(side) and "dtype" in json.loads(side.read_text(encoding="utf-8"))
-
-
-def open_tokens(path: str | os.PathLike, dtype: str | np.dtype | None = None) -> np.memmap:
-    """Memory-map a token file; ``dtype=None`` reads it from the ``.json`` sidecar."""
-    if dtype is None:
-        side = Path(str(path) + ".json")
-        if not side.is_file():
-            raise ValueError(f"{path}: no sidecar {side.name}; pass dtype='uint16' or 'uint32'")
-        dtype = json.loads(side.read_text())["dtype"]
-    return np.memmap(path, dtype=np.dtype(dtype), mode="r")

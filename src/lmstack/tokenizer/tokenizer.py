@@ -8,12 +8,14 @@ once and cached, because natural text repeats its words (seed 001 "细节问答"
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from collections.abc import Iterable, Iterator
 from itertools import chain, repeat
 
 import regex
 
 from .byte_unicode import str_to_token
+from .chat import render_chat_template
 from .pretokenize import PreTokenizer, resolve_pattern, special_splitter
 
 
@@ -139,12 +141,6 @@ class Tokenizer:
             token = token.encode("utf-8")
         return self._encoder.get(token)
 
-    def id_to_token(self, token_id: int) -> bytes:
-        try:
-            return self.vocab[token_id]
-        except KeyError:
-            raise ValueError(f"token id {token_id} is not in the vocabulary (V={self.vocab_size})") from None
-
     # ------------------------------------------------------------------ BPE core
     def _bpe(self, piece: bytes) -> list[int]:
         """Merge one pre-token: repeatedly merge the adjacent pair of lowest merge rank (leftmost
@@ -221,11 +217,9 @@ class Tokenizer:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
         if num_workers == 1 or len(texts) < 2:
             return [self.encode(t, allow_special) for t in texts]
-        import multiprocessing as mp
-
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         chunksize = max(1, len(texts) // (4 * num_workers))
-        with ctx.Pool(num_workers, initializer=_set_worker_tokenizer, initargs=(self,)) as pool:
+        with ctx.Pool(num_workers, initializer=set_worker_tokenizer, initargs=(self,)) as pool:
             return pool.map(_worker_encode, [(t, allow_special) for t in texts], chunksize=chunksize)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
@@ -296,46 +290,11 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = False, **extra
     ) -> str | list[int]:
-        """Render ``messages`` with ``chat_template`` (Jinja2, as HF does); ids when ``tokenize``."""
-        from .chat import render_chat
-
-        extra.setdefault("bos_token", self.vocab[self.bos_token_id].decode("utf-8", "replace")
-                         if self.bos_token_id is not None else "")
-        extra.setdefault("eos_token", self.vocab[self.eos_token_id].decode("utf-8", "replace")
-                         if self.eos_token_id is not None else "")
-        text = render_chat(self.chat_template, messages, add_generation_prompt, **extra)
+        """Render ``messages`` with ``chat_template`` (:mod:`.chat`, as HF does); ids when ``tokenize``."""
+        for name, tid in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id)):
+            extra.setdefault(name, self.vocab[tid].decode("utf-8", "replace") if tid is not None else "")
+        text = render_chat_template(self.chat_template, messages, add_generation_prompt, **extra)
         return self.encode(text) if tokenize else text
-
-    # ------------------------------------------------------------------ files (see .formats)
-    @classmethod
-    def from_gguf(cls, path) -> Tokenizer:
-        """The tokenizer stored in a GGUF file (e.g. SmolLM2's)."""
-        from .gguf_io import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(path)
-
-    @classmethod
-    def load(cls, path) -> Tokenizer:
-        """Any supported file: lmstack JSON, HF tokenizer.json, GPT-2 directory, GGUF."""
-        from .formats import load_tokenizer
-
-        return load_tokenizer(path)
-
-    def save(self, path) -> None:
-        """lmstack's own JSON format (atomic write)."""
-        from .formats import save
-
-        save(self, path)
-
-    def to_tiktoken(self, name: str = "lmstack"):
-        from .formats import to_tiktoken
-
-        return to_tiktoken(self, name)
-
-    def to_hf_tokenizer(self):
-        from .formats import to_hf_tokenizer
-
-        return to_hf_tokenizer(self)
 
     def __len__(self) -> int:
         return len(self.vocab)
@@ -353,10 +312,16 @@ class Tokenizer:
 _WORKER_TOKENIZER: list[Tokenizer] = []
 
 
-def _set_worker_tokenizer(tok: Tokenizer) -> None:
+def set_worker_tokenizer(tok: Tokenizer) -> None:
+    """A process pool's initializer: this worker encodes with ``tok``."""
     _WORKER_TOKENIZER[:] = [tok]
+
+
+def worker_tokenizer() -> Tokenizer:
+    """The tokenizer this pool worker was started with."""
+    return _WORKER_TOKENIZER[0]
 
 
 def _worker_encode(task: tuple[str, bool]) -> list[int]:
     text, allow_special = task
-    return _WORKER_TOKENIZER[0].encode(text, allow_special)
+    return worker_tokenizer().encode(text, allow_special)

@@ -9,7 +9,6 @@ from lmstack.train.config import TrainConfig, TrainConfigError
 from lmstack.train.data import (
     Batch,
     get_batch,
-    open_tokens,
     pack_documents,
     pad_batch,
     sequential_batches,
@@ -25,7 +24,7 @@ from lmstack.train.trainer import Trainer, TrainingDiverged, unigram_baseline
 __all__ = [
     "AdamW", "Batch", "CheckpointError", "IGNORE_INDEX", "LRSchedule", "SGD", "TrainConfig", "TrainConfigError",
     "Trainer", "TrainingDiverged", "clip_grad_norm", "cosine_lr", "cross_entropy", "get_batch", "global_grad_norm",
-    "latest_checkpoint", "load_balance_loss", "load_checkpoint", "log_softmax", "logsumexp", "open_tokens",
+    "latest_checkpoint", "load_balance_loss", "load_checkpoint", "log_softmax", "logsumexp",
     "pack_documents", "pad_batch", "save_checkpoint", "sequential_batches", "softmax", "split_documents",
     "token_budget_batches", "unigram_baseline", "wsd_lr", "z_loss_term",
 ]

@@ -29,25 +29,20 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from lmstack.run_state import CheckpointError, capture_rng, join_optimizer, restore_rng, split_optimizer
 from lmstack.utils import atomic_write_text
 
 FORMAT = "lmstack-train-checkpoint-v1"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that is missing, incomplete or does not match the model."""
 
 
 class CheckpointWriteError(OSError):
@@ -69,72 +64,6 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         code = errno.ENOSPC if "No space left" in str(e) or "StorageFull" in str(e) else errno.EIO
         raise OSError(code, f"{os.strerror(code)} ({e})", str(path)) from None
     _fsync_path(path)
-
-
-# ---- RNG states ------------------------------------------------------------------------------
-
-def capture_rng(data_generator: torch.Generator | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors, json) with every RNG state a run depends on."""
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = s
-    if data_generator is not None:
-        tensors["data"] = data_generator.get_state()
-    py = random.getstate()
-    np_state = np.random.get_state()
-    meta = {
-        "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-    }
-    return tensors, meta
-
-
-def restore_rng(tensors: dict[str, torch.Tensor], meta: dict[str, Any],
-                data_generator: torch.Generator | None = None) -> None:
-    torch.set_rng_state(tensors["torch_cpu"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
-    if data_generator is not None and "data" in tensors:
-        data_generator.set_state(tensors["data"])
-    if "python" in meta:
-        v, st, g = meta["python"]
-        random.setstate((v, tuple(st), g))
-    if "numpy" in meta:
-        name, keys, pos, has_gauss, cached = meta["numpy"]
-        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
-# ---- optimizer state <-> (tensors, json) ------------------------------------------------------
-
-def split_optimizer_state(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for idx, st in sd["state"].items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"state.{idx}.{k}"] = v
-            else:
-                scalars.setdefault(str(idx), {})[k] = v
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
-    return tensors, {"param_groups": groups, "scalars": scalars}
-
-
-def join_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
-    for key, v in tensors.items():
-        _, idx, name = key.split(".", 2)
-        state.setdefault(int(idx), {})[name] = v
-    for idx, d in meta.get("scalars", {}).items():
-        state.setdefault(int(idx), {}).update(d)
-    groups = []
-    for g in meta["param_groups"]:
-        g = dict(g)
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-        groups.append(g)
-    return {"state": state, "param_groups": groups}
 
 
 # ---- save / find / load -----------------------------------------------------------------------
@@ -271,7 +200,7 @@ def _write_checkpoint_files(tmp: Path, model: torch.nn.Module, optimizer: torch.
     _save_tensors(dict(model.state_dict()), tmp / "model.safetensors")
     opt_meta = None
     if optimizer is not None:
-        opt_tensors, opt_meta = split_optimizer_state(optimizer.state_dict())
+        opt_tensors, opt_meta = split_optimizer(optimizer.state_dict())
         _save_tensors(opt_tensors, tmp / "optimizer.safetensors")
     rng_tensors, rng_meta = capture_rng(data_generator)
     _save_tensors(rng_tensors, tmp / "rng.safetensors")
@@ -326,7 +255,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     if optimizer is not None:
         if "optimizer" not in ck or meta.get("optimizer") is None:
             raise CheckpointError(f"{path}: no optimizer state to resume from")
-        sd = join_optimizer_state(ck["optimizer"], meta["optimizer"])
+        sd = join_optimizer(ck["optimizer"], meta["optimizer"])
         device = next(model.parameters()).device
         for st in sd["state"].values():
             for k, v in st.items():

@@ -10,6 +10,13 @@ import argparse
 import os
 import sys
 
+from lmstack.inference.generate import stream_generate
+from lmstack.threads import add_threads_argument, set_threads
+from lmstack.tokenizer import load_tokenizer
+from lmstack.train.config import TrainConfig, apply_overrides
+from lmstack.train.run_dir import check_run_paths, refuse_existing_run
+from lmstack.train.trainer import Trainer, TrainingDiverged
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -31,8 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (and no MFU measurement)")
     p.add_argument("--sample", default=None, metavar="PROMPT", help="after training, sample from the model")
     p.add_argument("--sample-tokens", type=int, default=64)
-    from lmstack.threads import add_threads_argument
-
     add_threads_argument(p)
 
 
@@ -51,9 +56,6 @@ def split_resume(args: argparse.Namespace, extra: list[str] | None = None) -> No
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from lmstack.train.config import TrainConfig, apply_overrides
-    from lmstack.train.trainer import Trainer
-
     split_resume(args)
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run in out_dir and --overwrite deletes it: pass one of them")
@@ -61,8 +63,6 @@ def run_train(args: argparse.Namespace) -> int:
         config = TrainConfig.load(args.config, args.overrides)
     else:
         config = TrainConfig.from_dict(apply_overrides({}, args.overrides), where="overrides")
-    from lmstack.train.run_dir import check_run_paths, refuse_existing_run
-
     # a resumed run may read its own out_dir/config.json (rewritten by the same run)
     check_run_paths(config, None if args.resume else args.config)
     if not args.resume and not args.overwrite:  # before building anything (Trainer.fit checks again)
@@ -71,8 +71,6 @@ def run_train(args: argparse.Namespace) -> int:
     if args.sample is not None:  # fail now, not after hours of training
         if not config.tokenizer:
             raise ValueError("--sample needs tokenizer= in the config (the tokenizer to encode the prompt with)")
-        from lmstack.tokenizer import load_tokenizer
-
         tok = load_tokenizer(config.tokenizer)
     trainer = Trainer(config, progress=not args.no_progress, overwrite=args.overwrite)
     if args.resume:
@@ -84,8 +82,6 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"model: {trainer.raw_model.num_params():,} parameters (L={mc.n_layers}, D={mc.d_model}, "
               f"N={mc.n_heads}, K={mc.n_kv_heads}, F={mc.d_ff}, V={mc.vocab_size}); "
               f"{trainer.tokens_per_step:,} tokens/step; {len(trainer.train_tokens):,} training tokens")
-    from lmstack.train.trainer import TrainingDiverged
-
     try:
         summary = trainer.fit()
     except TrainingDiverged as e:
@@ -101,8 +97,6 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"checkpoint  {summary['checkpoint']}\nmodel       {model_dir}\nmetrics     {summary['metrics']}\n"
           f"loss curve  {png}")
     if tok is not None:
-        from lmstack.inference.cli import stream_generate
-
         print(args.sample, end="", flush=True)
         stream_generate(trainer.raw_model.eval(), tok, args.sample, args.sample_tokens, temperature=0.8, top_k=50,
                         seed=config.seed)
@@ -115,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = p.parse_known_args(argv)
     try:
         split_resume(args, extra)
-        from lmstack.threads import set_threads
-
         set_threads(args.threads)
         return run_train(args)
     except (ValueError, FileNotFoundError, OSError) as e:

@@ -29,8 +29,9 @@ from typing import Any
 
 from lmstack.kernels.runtime import RuntimeConfig
 from lmstack.model.config import RUNTIME_FIELDS, ConfigError, ModelConfig
+from lmstack.parallel.plan import ParallelPlan
 from lmstack.train.schedule import SCHEDULES
-from lmstack.utils import check_bool, check_int
+from lmstack.utils import atomic_write_text, check_bool, check_int
 
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -160,14 +161,9 @@ class TrainConfig:
                 raise TrainConfigError(f"parallel={self.parallel!r} must be a table (e.g. {{dp = 2, zero = 1}}) "
                                        "or a string (e.g. 'ddp' or 'dp=2,tp=2')")
             try:
-                from lmstack.parallel.plan import ParallelPlan
-            except ImportError:
-                pass
-            else:
-                try:
-                    ParallelPlan.parse(self.parallel)
-                except (ValueError, TypeError) as e:
-                    raise TrainConfigError(f"parallel={self.parallel!r}: {e}") from None
+                ParallelPlan.parse(self.parallel)
+            except (ValueError, TypeError) as e:
+                raise TrainConfigError(f"parallel={self.parallel!r}: {e}") from None
         if not self.train_data:
             raise TrainConfigError("train_data is required: a token file from `lmstack tokenizer encode`")
 
@@ -243,8 +239,6 @@ class TrainConfig:
         return cls.from_dict(d, where=str(p))
 
     def save(self, path: str | os.PathLike) -> None:
-        from lmstack.utils import atomic_write_text
-
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 

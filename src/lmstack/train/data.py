@@ -1,7 +1,8 @@
-"""Training data: memory-mapped token files, random windows, evaluation batches, packing, token budgets.
+"""Training data: random windows, evaluation batches, packing, token budgets over a token array.
 
 Seed 000 §5.3: ``np.memmap`` maps the token file written by ``lmstack tokenizer encode`` instead
-of loading it, so a corpus larger than RAM costs nothing until a window is read. A training
+of loading it (:func:`lmstack.tokenizer.token_file.open_tokens`, the one reader), so a corpus larger
+than RAM costs nothing until a window is read. A training
 example is a window of S + 1 consecutive tokens: x = tokens[i : i+S] and y = tokens[i+1 : i+S+1]
 (y is x shifted by one: position s predicts token s+1). Any i in [0, n - S - 1] is valid.
 
@@ -13,65 +14,14 @@ token see another document, and targets that cross a boundary are ignored (-100)
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from lmstack.train.losses import IGNORE_INDEX
-
-
-def open_tokens(path: str | os.PathLike, dtype: str | np.dtype | None = None) -> np.memmap:
-    """Memory-map a flat token file; ``dtype=None`` reads it from the ``<path>.json`` sidecar."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"token file {str(path)!r} does not exist (write one with `lmstack tokenizer encode`)")
-    if dtype is None:
-        side = Path(str(path) + ".json")
-        if not side.is_file():
-            raise ValueError(f"{path}: no sidecar {side.name}; pass dtype='uint16' or 'uint32'")
-        try:
-            meta = json.loads(side.read_text())
-            dtype = meta["dtype"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{side}: not a token-file sidecar (a JSON object with 'dtype'): {e!r}") from None
-        n_tokens = meta.get("n_tokens")
-    else:
-        n_tokens = None
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
-        raise ValueError(f"{path}: token dtype {dtype!r} is not one of uint16, uint32, int32, int64") from None
-    if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32), np.dtype(np.int32), np.dtype(np.int64)):
-        raise ValueError(f"{path}: token dtype {dtype} is not one of uint16, uint32, int32, int64")
-    if path.stat().st_size % dtype.itemsize:
-        raise ValueError(f"{path}: size {path.stat().st_size} bytes is not a multiple of {dtype} ({dtype.itemsize} bytes)")
-    if isinstance(n_tokens, int) and n_tokens * dtype.itemsize != path.stat().st_size:
-        raise ValueError(f"{path}: the sidecar says {n_tokens} tokens of {dtype} ({n_tokens * dtype.itemsize} bytes) "
-                         f"but the file has {path.stat().st_size} bytes: the sidecar's dtype or count does not "
-                         "match the file")
-    if path.stat().st_size == 0:
-        raise ValueError(f"{path}: empty token file")
-    return np.memmap(path, dtype=dtype, mode="r")
-
-
-def check_token_ids(tokens: np.ndarray, vocab_size: int, name: str = "token file",
-                    chunk: int = 1 << 22) -> None:
-    """Every id in ``tokens`` must be in [0, vocab_size): scanned in chunks (a memmap is read once,
-    ``chunk`` ids at a time); raises ValueError with the first bad value and its position."""
-    for start in range(0, len(tokens), chunk):
-        part = np.asarray(tokens[start:start + chunk])
-        lo, hi = part.min(), part.max()
-        if lo < 0 or hi >= vocab_size:
-            i = int(np.flatnonzero((part < 0) | (part >= vocab_size))[0])
-            raise ValueError(f"{name}: token id {int(part[i])} at position {start + i} is outside the model's "
-                             f"vocabulary 0..{vocab_size - 1} (vocab_size={vocab_size}); re-encode the data with "
-                             "the model's tokenizer or raise model.vocab_size")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from lmstack.utils import atomic_path
+
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """All JSON lines of a metrics file; a resumed run's later line for a step replaces the earlier one."""
@@ -31,8 +33,6 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from lmstack.utils import atomic_path
 
     rows = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in rows if r.get("kind", "train") == "train"]

@@ -14,6 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
+from lmstack.train.config import TrainConfigError
 from lmstack.utils import atomic_write_text, check_outputs
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "model", "loss_curve.png")
@@ -51,8 +52,6 @@ def existing_run(out_dir: str | os.PathLike) -> list[str]:
 def refuse_existing_run(out_dir: str | os.PathLike, found: list[str] | None = None) -> None:
     """A fresh run without ``--overwrite``: raise TrainConfigError when ``out_dir`` holds a run
     (``found``: what ``existing_run`` saw, when already looked up)."""
-    from lmstack.train.config import TrainConfigError
-
     found = existing_run(out_dir) if found is None else found
     if found:
         raise TrainConfigError(f"out_dir {str(out_dir)!r} already holds a run ({', '.join(found)}); pass --resume "

@@ -90,8 +90,5 @@ class LRSchedule:
         return lr
 
     def state_dict(self) -> dict:
+        """The schedule's fields (``LRSchedule(**state_dict())`` rebuilds it), recorded in each checkpoint."""
         return asdict(self)
-
-    @classmethod
-    def from_state_dict(cls, d: dict) -> "LRSchedule":
-        return cls(**d)

@@ -42,13 +42,23 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
+from lmstack.accounting import measure_cpu, training_step_flops
 from lmstack.kernels.runtime import configure
+from lmstack.model.io import save_pretrained
+from lmstack.model.transformer import Transformer
+from lmstack.parallel import get_parallelize
+from lmstack.parallel.checkpoint import load_sharded, save_sharded
+from lmstack.tokenizer import load_tokenizer, save_hf
+from lmstack.tokenizer.token_file import check_token_ids, open_tokens, read_sidecar
 from lmstack.train import checkpoint as ckpt
 from lmstack.train.config import TrainConfig, TrainConfigError
-from lmstack.train.data import Batch, check_token_ids, get_batch, open_tokens, resolve_device, sequential_batches
+from lmstack.train.data import Batch, get_batch, resolve_device, sequential_batches
 from lmstack.train.losses import cross_entropy, linear_cross_entropy
 from lmstack.train.optim import SGD, AdamW, clip_grad_norm, global_grad_norm
+from lmstack.train.plot import plot_loss_curve
 from lmstack.train.run_dir import check_run_paths, clear_run, existing_run, refuse_existing_run, truncate_metrics
 from lmstack.train.schedule import LRSchedule
 
@@ -90,8 +100,6 @@ def device_peak_flops(device_type: str, precision: str) -> float:
     """Measured dense matmul FLOP/s of this device in the run's compute dtype (for MFU)."""
     key = "bf16" if precision == "bf16" else ("fp16" if precision == "fp16" else "fp32")
     if device_type == "cpu":
-        from lmstack.accounting import measure_cpu
-
         return measure_cpu(quick=False, dtypes=(key,)).flops(key)
     if device_type == "cuda":
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[key]
@@ -118,8 +126,6 @@ def unigram_baseline(train: np.ndarray, val: np.ndarray, vocab_size: int) -> flo
 
 def _barrier() -> None:
     """Wait for every rank (no-op for one process)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
@@ -147,8 +153,6 @@ class Trainer:
                  | None = None, progress: bool = True, peak_flops: float | None = None, overwrite: bool = False):
         """``overwrite``: a fresh run may replace a previous run in ``out_dir`` (its files are deleted
         when ``fit`` starts); without it a fresh run into a folder holding a run is refused."""
-        from lmstack.model.transformer import Transformer
-
         self.config = c = config
         self.progress = progress
         self.rank = int(os.environ.get("RANK", 0))
@@ -168,9 +172,7 @@ class Trainer:
 
         # ---- data (seed 000 §5.3) ----
         tokens = open_tokens(c.train_data)
-        side = Path(str(c.train_data) + ".json")
-        data_vocab = json.loads(side.read_text()).get("vocab_size") if side.is_file() else None
-        data_vocab = data_vocab if isinstance(data_vocab, int) and not isinstance(data_vocab, bool) else None
+        data_vocab = read_sidecar(c.train_data).vocab_size
         if c.val_data:
             self.train_tokens, self.val_tokens = tokens, open_tokens(c.val_data)
         else:
@@ -223,8 +225,6 @@ class Trainer:
         self.tokens_seen = 0
         self.last_eval: dict[str, float] = {}
         self.tokens_per_step = c.batch_size * c.grad_accum * c.seq_len * self.dp_size
-        from lmstack.accounting import training_step_flops
-
         self.flops_per_step = training_step_flops(self.model_config, c.batch_size * c.grad_accum * self.dp_size,
                                                   c.seq_len, recompute=c.activation_checkpointing)
         self._peak_flops = peak_flops
@@ -235,10 +235,6 @@ class Trainer:
         if self._parallelize_fn is not None:
             return self._parallelize_fn(self, model)
         if self.config.parallel:
-            try:
-                from lmstack.parallel import get_parallelize  # lazily: single-process runs never import it
-            except ImportError as e:
-                raise TrainConfigError(f"parallel={self.config.parallel!r} needs lmstack.parallel ({e})") from None
             try:
                 fn = get_parallelize(self.config.parallel)
             except ValueError as e:
@@ -268,8 +264,6 @@ class Trainer:
 
     def reduce_metric(self, value: float) -> float:
         """Average a scalar over all ranks (identity for one process)."""
-        import torch.distributed as dist
-
         if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
             return value
         dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -423,8 +417,6 @@ class Trainer:
         RNG states) into ``step_N.shards/`` (``lmstack.parallel.checkpoint``)."""
         pm = self.parallel_model
         if pm is not None:
-            from lmstack.parallel.checkpoint import save_sharded
-
             full = pm.full_state_dict(all_stages=True)  # a collective: all ranks
             if self.is_main and pm.sharded:
                 self._full_state = full  # export() writes these, not raw_model's shards
@@ -444,8 +436,6 @@ class Trainer:
         if not p.is_dir():
             raise ckpt.CheckpointError(f"{p}: no such checkpoint directory")
         if self.parallel_model is not None:  # every rank reads its own shard file
-            from lmstack.parallel.checkpoint import load_sharded
-
             meta = load_sharded(p, self.parallel_model, self.optimizer, self.data_generator)
         else:
             meta = ckpt.load_checkpoint(p, self.raw_model, self.optimizer, self.data_generator)
@@ -464,13 +454,9 @@ class Trainer:
 
     def export(self, directory: str | os.PathLike | None = None) -> Path:
         """The trained weights as an lmstack model directory (config.json + model.safetensors)."""
-        from lmstack.model.io import save_pretrained
-
         d = Path(directory) if directory is not None else self.out_dir / "model"
         save_pretrained(self._unsharded_model(), d)
         if self.config.tokenizer and Path(self.config.tokenizer).exists():
-            from lmstack.tokenizer import load_tokenizer, save_hf
-
             save_hf(load_tokenizer(self.config.tokenizer), d / "tokenizer.json")  # HF format, beside the weights
         return d
 
@@ -483,8 +469,6 @@ class Trainer:
         if self._full_state is None:
             raise RuntimeError("export() of a sharded run needs the full parameters: call save_checkpoint() on "
                                "every rank first (fit() does at the end)")
-        from lmstack.model.transformer import Transformer
-
         model = Transformer(self.model_config, device="cpu", seed=self.config.seed)
         missing, unexpected = model.load_state_dict(self._full_state, strict=False)
         loaded = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in self._full_state}
@@ -515,8 +499,6 @@ class Trainer:
 
         ``callback(trainer, metrics)`` runs after each step (tests use it to interrupt a run).
         """
-        from tqdm import tqdm
-
         c = self.config
         stop_at = None if c.stop_after is None else self.step + c.stop_after
         end = c.max_steps if stop_at is None else min(c.max_steps, stop_at)
@@ -610,8 +592,6 @@ class Trainer:
     def plot(self, baseline: float | None = None) -> Path | None:
         if not self.is_main:
             return None
-        from lmstack.train.plot import plot_loss_curve
-
         return plot_loss_curve(self.metrics_path, self.out_dir / "loss_curve.png", baseline,
                                title=f"{self.model_config.name}: {self.raw_model.num_params():,} params, "
                                      f"B={self.config.batch_size}x{self.config.grad_accum}, S={self.config.seq_len}")
