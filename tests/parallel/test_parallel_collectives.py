@@ -31,7 +31,7 @@ def _collectives(rank, world):
     # ring reduce-scatter / all-gather == torch's
     x = torch.randn(world * 6, generator=g)
     want = torch.empty(6)
-    C._rs_tensor(want, x.clone(), None)
+    C.reduce_scatter_into(want, x.clone(), None)
     with C.count_bytes() as c:
         got = C.reduce_scatter(x, None)
     torch.testing.assert_close(got, want)
@@ -39,7 +39,7 @@ def _collectives(rank, world):
     with C.count_bytes() as c:
         got = C.all_gather(want, None)
     ref = torch.empty(world * 6)
-    C._ag_tensor(ref, want, None)
+    C.all_gather_into(ref, want, None)
     torch.testing.assert_close(got, ref)
     assert c.total == all_gather_bytes(ref.numel() * 4, world)
 
@@ -47,21 +47,21 @@ def _collectives(rank, world):
     # => dL/dx_r = sum over ranks of w's slice r: a reduce-scatter of the w's
     x = torch.randn(2, 3, generator=g, requires_grad=True)
     w = torch.randn(2 * world, 3, generator=torch.Generator().manual_seed(100 + rank))
-    y = C.all_gather_autograd(x, 0)
+    y = C.AllGatherFn.apply(x, 0, None)
     (y * w).sum().backward()
     w_all = [torch.randn(2 * world, 3, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
     torch.testing.assert_close(x.grad, sum(w_all)[2 * rank:2 * rank + 2])
     # reduce-scatter forward, all-gather backward
     x = torch.randn(2 * world, 3, generator=g, requires_grad=True)
     w = torch.randn(2, 3, generator=torch.Generator().manual_seed(200 + rank))
-    y = C.reduce_scatter_autograd(x, 0)
+    y = C.ReduceScatterFn.apply(x, 0, None)
     (y * w).sum().backward()
     w_all = [torch.randn(2, 3, generator=torch.Generator().manual_seed(200 + r)) for r in range(world)]
     torch.testing.assert_close(x.grad, torch.cat(w_all))
     # all-reduce forward, all-reduce backward
     x = torch.randn(4, generator=g, requires_grad=True)
     w = torch.randn(4, generator=torch.Generator().manual_seed(300 + rank))
-    (C.all_reduce_autograd(x) * w).sum().backward()
+    (C.AllReduceFn.apply(x, None) * w).sum().backward()
     w_all = [torch.randn(4, generator=torch.Generator().manual_seed(300 + r)) for r in range(world)]
     torch.testing.assert_close(x.grad, sum(w_all))
 

@@ -12,8 +12,11 @@ def _train(cfg, plan, data):
     from lmstack.model.transformer import Transformer
     from lmstack.parallel.plan import parallelize
 
+    from lmstack.parallel.interface import ParallelWrapper
+
     model = Transformer(cfg, seed=0)
     pm = parallelize(model, plan)
+    assert isinstance(pm, ParallelWrapper), type(pm)  # both backends implement the trainer's interface
     opt = pm.build_optimizer(torch.optim.AdamW, **OPT_KW)
     losses = []
     for x, y in data:

@@ -16,6 +16,7 @@ def _pipeline(rank, world, cases):
     for name, cfg, kind, m, data, wl, wp in cases:
         model = Transformer(cfg, seed=0)
         pipe = PipelineParallel(model, mesh.group("pp"), micro_batches=m, schedule_kind=kind, tied_group=tied)
+        assert type(pipe.stage) is type(model)  # a stage is the model's own class holding a slice of its layers
         opt = make_opt(pipe.parameters())
         losses = []
         for x, y in data:
@@ -25,8 +26,8 @@ def _pipeline(rank, world, cases):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(wl), atol=1e-5, rtol=1e-5)
         mine = {id(p) for p in pipe.stage.parameters()}
         got = {n.replace(".inner.", "."): p.detach() for n, p in model.named_parameters() if id(p) in mine}
-        if pipe.stage.unembed is not None:  # the last stage's copy of the tied W_e
-            torch.testing.assert_close(pipe.stage.unembed.detach(), wp["embed.weight"], atol=1e-4, rtol=1e-3)
+        if pipe.tied_copy is not None:  # the last stage's copy of the tied W_e
+            torch.testing.assert_close(pipe.tied_copy.detach(), wp["embed.weight"], atol=1e-4, rtol=1e-3)
         assert got
         assert_close_params(got, {n: wp[n] for n in got}, prefix=name + " ")
         bubble = pipe.measured_bubble()

@@ -16,7 +16,10 @@ def _tensor_parallel(rank, world, cases):
 
     for name, cfg, sp, vocab_ce, data, wl, wp in cases:
         model = Transformer(cfg, seed=0)
+        plain = {k: v for k, v in vars(model.blocks[0].attn).items() if not k.startswith("_")}
         m = TensorParallel(model, None, sequence_parallel=sp, gather_output=not vocab_ce)
+        # the attention module keeps its attributes (no per-rank head counts written into it)
+        assert {k: v for k, v in vars(model.blocks[0].attn).items() if not k.startswith("_")} == plain
         # each rank holds 1/tp of every matrix
         assert model.blocks[0].attn.q_proj.weight.shape == (cfg.n_heads * cfg.head_dim // world, cfg.d_model)
         assert model.blocks[0].attn.k_proj.weight.shape[0] == cfg.n_kv_heads * cfg.head_dim // world

@@ -30,7 +30,7 @@ class Attention(nn.Module):
         super().__init__()
         c = config
         self.layer_idx = layer_idx
-        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim  # N, K, H
+        self.head_dim = c.head_dim  # H; N and K are read from the projections (a tp shard holds N/tp, K/tp)
         self.impl: AttentionImpl = DEFAULT_ATTENTION  # set by Transformer.set_attention
         kw = dict(device=device, dtype=dtype)
         self.q_proj = Linear(c.d_model, c.n_heads * c.head_dim, bias=c.qkv_bias, **kw)  # W_Q (N·H, D)
@@ -50,11 +50,14 @@ class Attention(nn.Module):
         return self._rope[0]
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        """x: (B, T, D); ``meta``: this forward's positions, documents, window, cache. -> (B, T, D)"""
+        """x: (B, T, D); ``meta``: this forward's positions, documents, window, cache. -> (B, T, D)
+        The head counts N and K follow from the projections' output widths (N·H, K·H), so a
+        model whose projections hold a subset of the heads runs unchanged."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, N, T, H)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, H)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, H)
+        H = self.head_dim
+        q = self.q_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, N, T, H)
+        k = self.k_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, K, T, H)
+        v = self.v_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, K, T, H)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, meta.positions), self.rope(k, meta.positions)  # RoPE on q and k, never v
@@ -62,5 +65,5 @@ class Attention(nn.Module):
             out = meta.cache.attend(self.layer_idx, q, k, v, meta, self.impl)  # store K/V, then attend
         else:
             out = self.impl(q, k, v, meta)  # (B, N, T, H)
-        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, N·H)
+        out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, N·H)
         return self.o_proj(out)

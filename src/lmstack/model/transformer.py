@@ -136,6 +136,9 @@ class Transformer(nn.Module):
                 last_n: int | None = None, document_ids: Tensor | None = None, return_hidden: bool = False) -> Tensor:
         """tokens: (B, S) int64; positions: (B, S) or (S,) absolute positions (default 0..S-1).
 
+        A model may hold a slice of the layers (a pipeline stage): without ``embed`` it takes
+        hidden states (B, S, D) in place of tokens; without ``norm`` it returns hidden states.
+
         ``kv_cache``: see ``lmstack.model.attention`` — stores keys/values across calls.
         ``last_n``: compute logits only for the last n positions (decoding needs 1).
         ``document_ids``: (B, S) ids of packed documents; attention never crosses documents
@@ -144,9 +147,10 @@ class Transformer(nn.Module):
         for a loss that applies the unembedding itself (``lmstack.train.losses.linear_cross_entropy``).
         Returns logits (B, S, V), or (B, last_n, V).
         """
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must have shape (B, S), got {tuple(tokens.shape)}")
-        B, S = tokens.shape
+        if tokens.dim() != (2 if self.embed is not None else 3):
+            want = "(B, S)" if self.embed is not None else "(B, S, D) hidden states (this model has no embedding)"
+            raise ValueError(f"tokens must have shape {want}, got {tuple(tokens.shape)}")
+        B, S = tokens.shape[:2]
         is_causal = positions is None and kv_cache is None  # 0..S-1 on every row: the causal triangle
         if positions is None:
             if kv_cache is not None:
@@ -154,17 +158,19 @@ class Transformer(nn.Module):
             positions = torch.arange(S, device=tokens.device)  # (S,)
         elif positions.shape[-1] != S:
             raise ValueError(f"positions shape {tuple(positions.shape)} does not match tokens {(B, S)}")
-        if document_ids is not None and document_ids.shape != tokens.shape:
+        if document_ids is not None and document_ids.shape != (B, S):
             raise ValueError(f"document_ids shape {tuple(document_ids.shape)} does not match tokens {(B, S)}")
         meta = AttentionMetadata(positions, document_ids=document_ids, window=self.config.sliding_window,
                                  is_causal=is_causal, cache=kv_cache)
-        x = self.embed(tokens)  # (B, S, D)
+        x = self.embed(tokens) if self.embed is not None else tokens  # (B, S, D)
         checkpoint = self.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None
         for block in self.blocks:
             if checkpoint:
                 x = torch.utils.checkpoint.checkpoint(block, x, meta, use_reentrant=False)
             else:
                 x = block(x, meta)
+        if self.norm is None:
+            return x  # (B, S, D): the next stage's input
         if last_n is not None:
             x = x[:, -last_n:]
         x = self.norm(x)

@@ -8,8 +8,9 @@ tensor       Megatron tensor parallelism, sequence parallelism, vocab-parallel e
 pipeline     stages, GPipe / 1F1B / zero-bubble schedules, bubble simulation and measurement
 context      ring attention (causal, load-balanced) for context parallelism
 expert       all-to-all dispatch/combine: the expert-parallel seam for MoE layers
-plan         ParallelPlan, parallelize(model, plan), the trainer seam get_parallelize
-native       the same plans on torch DDP, FSDP2 fully_shard, DTensor, ZeroRedundancyOptimizer
+interface    ParallelWrapper: the one interface the trainer calls; WrapperBase, what both implement alike
+plan         ParallelPlan, ParallelModel, parallelize(model, plan), the trainer seam get_parallelize
+native       NativeParallelModel: the same plans on torch DDP, FSDP2, DTensor, ZeroRedundancyOptimizer, pipelining
 """
 
 from lmstack.parallel.collectives import (
@@ -22,7 +23,9 @@ from lmstack.parallel.collectives import (
 )
 from lmstack.parallel.context import ContextParallel, ring_attention
 from lmstack.parallel.ddp import DataParallel, broadcast_module
+from lmstack.parallel.interface import ParallelWrapper
 from lmstack.parallel.mesh import DeviceMesh
+from lmstack.parallel.native import NativeParallelModel
 from lmstack.parallel.pipeline import PipelineParallel, bubble_formula, schedule, simulate
 from lmstack.parallel.plan import ParallelModel, ParallelPlan, get_parallelize, init_distributed, parallelize
 from lmstack.parallel.tensor import TensorParallel, vocab_parallel_cross_entropy
@@ -32,6 +35,7 @@ __all__ = [
     "CommCounter", "all_gather", "all_reduce", "count_bytes", "reduce_scatter", "ring_all_reduce_",
     "ContextParallel", "ring_attention", "DataParallel", "broadcast_module", "DeviceMesh",
     "PipelineParallel", "bubble_formula", "schedule", "simulate",
+    "ParallelWrapper", "NativeParallelModel",
     "ParallelModel", "ParallelPlan", "get_parallelize", "init_distributed", "parallelize",
     "TensorParallel", "vocab_parallel_cross_entropy", "FullyShard", "ZeroOptimizer",
 ]

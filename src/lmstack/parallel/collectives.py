@@ -37,11 +37,9 @@ class CommCounter:
     """Bytes this rank sent, by collective kind ("all_reduce", "reduce_scatter", ...)."""
 
     sent: dict[str, int] = field(default_factory=dict)
-    calls: dict[str, int] = field(default_factory=dict)
 
     def add(self, kind: str, nbytes: int) -> None:
         self.sent[kind] = self.sent.get(kind, 0) + int(nbytes)
-        self.calls[kind] = self.calls.get(kind, 0) + 1
 
     @property
     def total(self) -> int:
@@ -73,13 +71,13 @@ def count_bytes():
         _state.counter = prev
 
 
-def _group_ranks(group) -> tuple[int, int, list[int]]:
+def group_ranks(group) -> tuple[int, int, list[int]]:
     """(my index in the group, group size, global ranks of the group in order)."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     return ranks.index(dist.get_rank()), len(ranks), ranks
 
 
-def _send_recv(send: Tensor, dst: int, recv: Tensor, src: int, kind: str) -> None:
+def send_recv(send: Tensor, dst: int, recv: Tensor, src: int, kind: str) -> None:
     """Send to ``dst`` and receive from ``src`` at once (isend first, so a ring never deadlocks)."""
     req = dist.isend(send.contiguous(), dst)
     dist.recv(recv, src)
@@ -111,7 +109,7 @@ def ring_reduce_scatter_(flat: Tensor, group=None, kind: str = "reduce_scatter")
     chunk i; every rank sent M-1 chunks = (M-1)/M · n elements.
     Returns (start, length) of chunk i.
     """
-    me, M, ranks = _group_ranks(group)
+    me, M, ranks = group_ranks(group)
     chunks = _chunks(flat.numel(), M)
     if M == 1:
         return chunks[0]
@@ -120,7 +118,7 @@ def ring_reduce_scatter_(flat: Tensor, group=None, kind: str = "reduce_scatter")
         s_start, s_len = chunks[(me - 1 - t) % M]
         r_start, r_len = chunks[(me - 2 - t) % M]
         buf = torch.empty(r_len, dtype=flat.dtype, device=flat.device)
-        _send_recv(flat[s_start:s_start + s_len], nxt, buf, prv, kind)
+        send_recv(flat[s_start:s_start + s_len], nxt, buf, prv, kind)
         flat[r_start:r_start + r_len] += buf
     return chunks[me]
 
@@ -128,7 +126,7 @@ def ring_reduce_scatter_(flat: Tensor, group=None, kind: str = "reduce_scatter")
 def ring_all_gather_(flat: Tensor, owned: int, group=None, kind: str = "all_gather") -> None:
     """In-place ring all-gather: rank i starts owning chunk ``owned``; step t it forwards the
     chunk it got last step to rank i+1. Each rank sends (M-1)/M · n elements."""
-    me, M, ranks = _group_ranks(group)
+    me, M, ranks = group_ranks(group)
     if M == 1:
         return
     chunks = _chunks(flat.numel(), M)
@@ -138,7 +136,7 @@ def ring_all_gather_(flat: Tensor, owned: int, group=None, kind: str = "all_gath
         s_start, s_len = chunks[(owned - t) % M]
         r_start, r_len = chunks[(owned - t - 1) % M]
         buf = torch.empty(r_len, dtype=flat.dtype, device=flat.device)
-        _send_recv(flat[s_start:s_start + s_len], nxt, buf, prv, kind)
+        send_recv(flat[s_start:s_start + s_len], nxt, buf, prv, kind)
         flat[r_start:r_start + r_len] = buf
 
 
@@ -146,7 +144,7 @@ def ring_all_reduce_(t: Tensor, group=None) -> Tensor:
     """Seed 000 §6.2 Ring All-Reduce = Reduce-Scatter + All-Gather, in place (sum).
     Each rank sends 2(M-1)/M · n elements in 2(M-1) steps (``accounting.comm.all_reduce_bytes``)."""
     flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)
-    me, M, _ = _group_ranks(group)
+    me, M, _ = group_ranks(group)
     if M > 1:
         ring_reduce_scatter_(flat, group, kind="all_reduce")  # rank i holds the sum of chunk i
         ring_all_gather_(flat, me, group, kind="all_reduce")
@@ -158,7 +156,7 @@ def ring_all_reduce_(t: Tensor, group=None) -> Tensor:
 # ---- the collectives the strategies call ---------------------------------------------------------
 
 
-def _use_ring(impl: str) -> bool:
+def use_ring(impl: str) -> bool:
     if impl not in ("auto", "ring", "torch"):
         raise ValueError(f"impl={impl!r}; expected 'auto', 'ring' or 'torch'")
     return impl == "ring" or (impl == "auto" and _counter() is not None)
@@ -180,7 +178,7 @@ def all_reduce(t: Tensor, group=None, impl: str = "auto", async_op: bool = False
     """Sum ``t`` over ``group`` in place. Returns a work handle when ``async_op`` (torch path)."""
     if group_size(group) == 1:
         return None
-    if _use_ring(impl):
+    if use_ring(impl):
         ring_all_reduce_(t, group)
         return None
     return dist.all_reduce(t, group=group, async_op=async_op)
@@ -188,51 +186,51 @@ def all_reduce(t: Tensor, group=None, impl: str = "auto", async_op: bool = False
 
 def reduce_scatter(inp: Tensor, group=None, impl: str = "auto") -> Tensor:
     """1-D ``inp`` of M·c elements -> the sum of chunk ``rank`` (c elements) over the group."""
-    me, M, _ = _group_ranks(group)
+    me, M, _ = group_ranks(group)
     if inp.numel() % M:
         raise ValueError(f"reduce_scatter: {inp.numel()} elements do not divide into M={M} equal shards")
     c = inp.numel() // M
     if M == 1:
         return inp.reshape(-1).clone()
-    if _use_ring(impl):
+    if use_ring(impl):
         flat = inp.reshape(-1).clone()
         start, length = ring_reduce_scatter_(flat, group)
         return flat[start:start + length].clone()
     out = torch.empty(c, dtype=inp.dtype, device=inp.device)
-    _rs_tensor(out, inp.reshape(-1).contiguous(), group)
+    reduce_scatter_into(out, inp.reshape(-1).contiguous(), group)
     return out
 
 
 def all_gather(shard: Tensor, group=None, impl: str = "auto", out: Tensor | None = None) -> Tensor:
     """1-D ``shard`` of c elements from every rank -> M·c elements in rank order."""
-    me, M, _ = _group_ranks(group)
+    me, M, _ = group_ranks(group)
     c = shard.numel()
     if out is None:
         out = torch.empty(M * c, dtype=shard.dtype, device=shard.device)
     if M == 1:
         out.copy_(shard.reshape(-1))
         return out
-    if _use_ring(impl):
+    if use_ring(impl):
         out[me * c:(me + 1) * c] = shard.reshape(-1)
         ring_all_gather_(out, me, group)
         return out
-    _ag_tensor(out, shard.reshape(-1).contiguous(), group)
+    all_gather_into(out, shard.reshape(-1).contiguous(), group)
     return out
 
 
-def _rs_tensor(out: Tensor, inp: Tensor, group) -> None:
+def reduce_scatter_into(out: Tensor, inp: Tensor, group) -> None:
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, inp, group=group)
 
 
-def _ag_tensor(out: Tensor, inp: Tensor, group, async_op: bool = False):
+def all_gather_into(out: Tensor, inp: Tensor, group, async_op: bool = False):
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=async_op)
 
 
 def broadcast(t: Tensor, src_in_group: int = 0, group=None) -> Tensor:
     """Seed 000 §6.2 Broadcast: the group's rank ``src_in_group`` sends the same data to all."""
-    _, M, ranks = _group_ranks(group)
+    _, M, ranks = group_ranks(group)
     if M > 1:
         dist.broadcast(t, src=ranks[src_in_group], group=group)
     return t
@@ -243,7 +241,7 @@ def broadcast(t: Tensor, src_in_group: int = 0, group=None) -> Tensor:
 
 def all_gather_dim(x: Tensor, dim: int, group=None) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (all ranks' shapes equal)."""
-    _, M, _ = _group_ranks(group)
+    _, M, _ = group_ranks(group)
     if M == 1:
         return x
     xt = x.movedim(dim, 0).contiguous()  # (s, ...)
@@ -253,7 +251,7 @@ def all_gather_dim(x: Tensor, dim: int, group=None) -> Tensor:
 
 def reduce_scatter_dim(x: Tensor, dim: int, group=None) -> Tensor:
     """Sum over ranks, keep this rank's 1/M slice of ``dim``."""
-    me, M, _ = _group_ranks(group)
+    me, M, _ = group_ranks(group)
     if M == 1:
         return x
     if x.shape[dim] % M:
@@ -265,7 +263,7 @@ def reduce_scatter_dim(x: Tensor, dim: int, group=None) -> Tensor:
 
 def split_dim(x: Tensor, dim: int, group=None) -> Tensor:
     """This rank's 1/M slice of ``dim`` (no communication)."""
-    me, M, _ = _group_ranks(group)
+    me, M, _ = group_ranks(group)
     if x.shape[dim] % M:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} does not divide into M={M} shards")
     return x.chunk(M, dim=dim)[me].contiguous()
@@ -367,14 +365,3 @@ class GatherFn(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         return split_dim(g, ctx.dim, ctx.group), None, None
 
-
-def all_gather_autograd(x: Tensor, dim: int, group=None) -> Tensor:
-    return AllGatherFn.apply(x, dim, group)
-
-
-def reduce_scatter_autograd(x: Tensor, dim: int, group=None) -> Tensor:
-    return ReduceScatterFn.apply(x, dim, group)
-
-
-def all_reduce_autograd(x: Tensor, group=None) -> Tensor:
-    return AllReduceFn.apply(x, group)

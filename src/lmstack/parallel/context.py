@@ -51,9 +51,9 @@ class _RingShift(torch.autograd.Function):
 
 
 def _shift(x: Tensor, group, direction: int) -> Tensor:
-    me, M, ranks = C._group_ranks(group)
+    me, M, ranks = C.group_ranks(group)
     out = torch.empty_like(x)
-    C._send_recv(x.contiguous(), ranks[(me + direction) % M], out, ranks[(me - direction) % M], "ring_attention")
+    C.send_recv(x.contiguous(), ranks[(me + direction) % M], out, ranks[(me - direction) % M], "ring_attention")
     return out
 
 
@@ -139,7 +139,7 @@ class ContextParallel(nn.Module):
         super().__init__()
         self.module = context_parallel(model, group)
         self.group = group
-        self.rank = C._group_ranks(group)[0] if C.group_size(group) > 1 else 0
+        self.rank = C.group_ranks(group)[0] if C.group_size(group) > 1 else 0
         self.cp = C.group_size(group)
 
     def positions(self, S: int) -> Tensor:

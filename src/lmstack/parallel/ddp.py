@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from lmstack.parallel import collectives as C
@@ -66,7 +65,8 @@ class DataParallel(nn.Module):
         if cur:
             self.buckets.append(cur)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        for p in self._params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
         # buckets launched from a gradient hook, i.e. while backward was still running (overlap)
         self.launched_during_backward = 0
         self._reset_step()
@@ -138,22 +138,8 @@ class DataParallel(nn.Module):
         finally:
             self.require_sync = prev
 
-    def all_reduce_grads(self) -> None:
-        """Average the gradients now (used by schedules that run backward outside autograd's
-        normal flow, e.g. a pipeline's weight-gradient passes)."""
-        for p in self._params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            C.all_reduce(p.grad, self.group, impl=self.impl)
-            p.grad.div_(self.world)
-
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
 
 def _unique_params(module: nn.Module) -> list[nn.Parameter]:
@@ -167,6 +153,3 @@ def broadcast_module(module: nn.Module, group=None, src_in_group: int = 0) -> No
         for t in list(module.parameters()) + list(module.buffers()):
             C.broadcast(t.data, src_in_group, group)
 
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()

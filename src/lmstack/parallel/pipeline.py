@@ -6,7 +6,8 @@ splitting backward into the input gradient B — needed by the previous stage at
 weight gradient W — which can wait — lets W fill the bubbles: zero bubble).
 
 Stage s of p runs layers [L·s/p, L·(s+1)/p) — the first stage also the embedding, the last the
-final norm, unembedding and loss. Activations (B/m, S, D) go forward with send/recv; their
+final norm, unembedding and loss — as a model of the model's own class holding that slice,
+through the model's own forward (``pipeline_stage``). Activations (B/m, S, D) go forward with send/recv; their
 gradients come back the same way. Schedules are lists of actions per stage:
 
   gpipe   F0 F1 … F(m-1)  B0 … B(m-1)                 bubble (p-1)/(m+p-1), m micro-batches in flight
@@ -30,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmstack.model.seam import AttentionMetadata
+from lmstack.model.layers import Linear
 from lmstack.parallel import collectives as C
 
 # ---- schedules ------------------------------------------------------------------------------------
@@ -210,64 +211,46 @@ def stage_layers(L: int, p: int, s: int) -> tuple[int, int]:
     return start, start + base + (1 if s < extra else 0)
 
 
-class PipelineStage(nn.Module):
-    """Stage s of a ``Transformer``: (embed) + blocks[a:b] + (norm, unembedding). The model's own
-    modules are reused; parameters of other stages are not referenced."""
+def pipeline_stage(model: nn.Module, s: int, p: int) -> nn.Module:
+    """Stage s of p: a model of ``model``'s own class holding blocks[a:b] — the embedding only on
+    the first stage, the final norm and unembedding only on the last — run by the model's own
+    forward (tokens or hidden states (B, S, D) in; hidden states or logits out). The modules are
+    ``model``'s, shared, not copied; only a last stage with tied embeddings that is not also the
+    first gets its own copy of W_e as ``lm_head`` (``PipelineParallel.sync_tied`` sums the two
+    gradients)."""
+    L = len(model.blocks)
+    if p > L:
+        raise ValueError(f"pipeline: pp={p} stages exceed n_layers={L}")
+    a, b = stage_layers(L, p, s)
+    first, last = s == 0, s == p - 1
+    with torch.device("meta"):  # the frame only; every module below is the model's
+        stage = type(model)(model.config)
+    stage.rope = model.rope
+    stage.blocks = nn.ModuleList(model.blocks[a:b])
+    stage.embed = model.embed if first else None
+    stage.norm = model.norm if last else None
+    stage.lm_head = model.lm_head if last else None
+    if last and model.lm_head is None and not first:
+        w = model.embed.weight  # (V, D) [TP: (V/tp, D)]
+        stage.lm_head = Linear(w.shape[1], w.shape[0], device=w.device, dtype=w.dtype)
+        stage.lm_head.weight = nn.Parameter(w.detach().clone())
+    stage.activation_checkpointing = model.activation_checkpointing
+    stage.train(model.training)
+    return stage
 
-    def __init__(self, model: nn.Module, s: int, p: int, split_weight_grad: bool = False, vocab_group=None):
-        super().__init__()
-        self.vocab_group = vocab_group  # tensor-parallel stages: logits are vocab shards, gather them
-        L = len(model.blocks)
-        if p > L:
-            raise ValueError(f"pipeline: pp={p} stages exceed n_layers={L}")
-        a, b = stage_layers(L, p, s)
-        self.first, self.last = s == 0, s == p - 1
-        self.d_model, self.vocab_size = model.config.d_model, model.config.vocab_size
-        self.layer_range = (a, b)
-        self.window = model.config.sliding_window
-        self.blocks = nn.ModuleList(model.blocks[a:b])
-        self.embed = model.embed if self.first else None
-        self.norm = model.norm if self.last else None
-        self.tied = model.lm_head is None
-        self.lm_head = model.lm_head if self.last and not self.tied else None
-        if self.last and self.tied and not self.first:
-            # the last stage keeps its own copy of W_e for the unembedding; its gradient is summed
-            # with the first stage's (``PipelineParallel.sync_tied``)
-            self.unembed = nn.Parameter(model.embed.weight.detach().clone())
-        else:
-            self.unembed = None
-        self.stash = _WeightGradStash() if split_weight_grad else None
-        if split_weight_grad:
-            for blk in self.blocks:
-                for mod, names in ((blk.attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                   (blk.ffn, ("gate_proj", "up_proj", "down_proj"))):
-                    for n in names:
-                        setattr(mod, n, SplitWeightGradLinear(getattr(mod, n), self.stash))
 
-    def unembedding(self) -> Tensor:
-        if self.unembed is not None:
-            return self.unembed
-        return self.embed.weight if self.tied else self.lm_head.weight
-
-    def forward(self, x: Tensor) -> Tensor:
-        """First stage: tokens (B, S) -> ...; middle: (B, S, D) -> (B, S, D); last: -> logits (B, S, V)."""
-        if self.first:
-            x = self.embed(x)  # (B, S, D)
-        S = x.shape[1]
-        meta = AttentionMetadata(torch.arange(S, device=x.device), window=self.window, is_causal=True)
-        for blk in self.blocks:
-            x = blk(x, meta)
-        if self.last:
-            x = self.norm(x)
-            w = self.unembedding()
-            if self.stash is not None:
-                logits = _SplitLinearFn.apply(x, w, self.stash)
-            else:
-                logits = F.linear(x, w)  # (B, S, V)  [TP: (B, S, V/tp)]
-            if self.vocab_group is not None:
-                logits = C.GatherFn.apply(logits, logits.dim() - 1, self.vocab_group)
-            return logits
-        return x
+def split_weight_grads(stage: nn.Module) -> _WeightGradStash:
+    """Zero-bubble: every linear of ``stage`` (blocks and unembedding) computes its weight
+    gradient in a later W pass; returns the stash that holds the pending (x, g) pairs."""
+    stash = _WeightGradStash()
+    for blk in stage.blocks:
+        for mod, names in ((blk.attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                           (blk.ffn, ("gate_proj", "up_proj", "down_proj"))):
+            for n in names:
+                setattr(mod, n, SplitWeightGradLinear(getattr(mod, n), stash))
+    if stage.lm_head is not None:
+        stage.lm_head = SplitWeightGradLinear(stage.lm_head, stash)
+    return stash
 
 
 @dataclass
@@ -276,30 +259,49 @@ class StepTimes:
     wall: float  # seconds from the common start to the end of this stage's last action
 
 
+_EVAL_TAG = 1 << 20  # send/recv tag of the forward-only pass, apart from the schedules' 2i / 2i+1
+
+
 class PipelineParallel(nn.Module):
     """Run one stage of a pipeline over ``group`` (the pp axis), ``micro_batches`` m per step.
 
-        pipe = PipelineParallel(model, group, micro_batches=4, schedule="1f1b")
+        pipe = PipelineParallel(model, group, micro_batches=4, schedule_kind="1f1b")
         loss = pipe.train_step(tokens, targets, loss_fn)   # backward done; step your optimizer
         pipe.parameters()                                  # this stage's parameters only
 
-    ``dp_group``: gradients are averaged over it after the schedule (DP×PP).
+    ``dp_group``: gradients are averaged over it after the schedule (DP×PP). ``vocab_group``:
+    tensor-parallel stages, the last one all-gathers its vocab-sharded logits over it.
     """
 
     def __init__(self, model: nn.Module, group=None, micro_batches: int = 4, schedule_kind: str = "1f1b",
                  dp_group=None, tied_group=None, vocab_group=None):
         super().__init__()
-        self.rank_in, self.p, self.ranks = C._group_ranks(group) if C.group_size(group) > 1 else (0, 1, [0])
-        if C.group_size(group) == 1:
-            self.ranks = [dist.get_rank()] if dist.is_initialized() else [0]
+        if C.group_size(group) > 1:
+            self.rank_in, self.p, self.ranks = C.group_ranks(group)
+        else:
+            self.rank_in, self.p, self.ranks = 0, 1, [dist.get_rank()] if dist.is_initialized() else [0]
         self.group, self.m, self.kind = group, micro_batches, schedule_kind
         self.orders = schedule(schedule_kind, self.p, micro_batches)
-        self.stage = PipelineStage(model, self.rank_in, self.p, split_weight_grad=schedule_kind == "zb",
-                                   vocab_group=vocab_group)
+        self.first, self.last = self.rank_in == 0, self.rank_in == self.p - 1
+        self.d_model, self.vocab_size = model.config.d_model, model.config.vocab_size
+        self.tied = model.lm_head is None
+        self.stage = pipeline_stage(model, self.rank_in, self.p)
+        # the last stage's copy of a tied W_e (None elsewhere)
+        self.tied_copy = self.stage.lm_head.weight if self.last and self.tied and not self.first else None
+        self.stash = split_weight_grads(self.stage) if schedule_kind == "zb" else None
+        self.vocab_group = vocab_group
         self.dp_group = dp_group
         self.tied_group = tied_group  # {first, last} stage ranks when embeddings are tied
         self.last_times: StepTimes | None = None
         self._device = next(self.stage.parameters()).device
+        self._parts_loss = None  # (loss_fn, state) of train_parts: one function object for every step
+
+    def run_stage(self, x: Tensor) -> Tensor:
+        """This stage's forward: tokens (B, S) or (B, S, D) in; (B, S, D) or, last, logits (B, S, V)."""
+        out = self.stage(x)
+        if self.last and self.vocab_group is not None:  # (B, S, V/tp) -> (B, S, V)
+            out = C.GatherFn.apply(out, out.dim() - 1, self.vocab_group)
+        return out
 
     def _send(self, t: Tensor, to: int, tag: int):
         return dist.isend(t.contiguous(), self.ranks[to], tag=tag)
@@ -315,10 +317,9 @@ class PipelineParallel(nn.Module):
         B, S = tokens.shape
         if B % self.m:
             raise ValueError(f"pipeline: batch B={B} is not divisible by micro_batches={self.m}")
-        st, s, p = self.stage, self.rank_in, self.p
+        s = self.rank_in
         xs, ys = tokens.chunk(self.m), targets.chunk(self.m)
-        D = st.blocks[0].attn_norm.weight.shape[0] if len(st.blocks) else None
-        act_shape = (B // self.m, S, D)
+        act_shape = (B // self.m, S, self.d_model)
         inputs, outputs, losses = {}, {}, {}
         sends = []
         busy = 0.0
@@ -327,55 +328,84 @@ class PipelineParallel(nn.Module):
         t0 = time.perf_counter()
         for kind, i in self.orders[s]:
             if kind == "F":
-                x = xs[i] if st.first else self._recv(act_shape, torch.float32, s - 1, 2 * i)
-                if not st.first:
+                x = xs[i] if self.first else self._recv(act_shape, torch.float32, s - 1, 2 * i)
+                if not self.first:
                     x.requires_grad_(True)
                 ta = time.perf_counter()
-                out = st(x)
-                if st.last:
+                out = self.run_stage(x)
+                if self.last:
                     loss = loss_fn(out, ys[i]) / self.m
-                    losses[i] = float(loss.detach()) 
+                    losses[i] = float(loss.detach())
                     out = loss
                 busy += time.perf_counter() - ta
                 inputs[i], outputs[i] = x, out
-                if not st.last:
+                if not self.last:
                     sends.append(self._send(out.detach(), s + 1, 2 * i))
             elif kind == "B":
-                g = None if st.last else self._recv(outputs[i].shape, outputs[i].dtype, s + 1, 2 * i + 1)
+                g = None if self.last else self._recv(outputs[i].shape, outputs[i].dtype, s + 1, 2 * i + 1)
                 ta = time.perf_counter()
-                if st.stash is not None:
-                    st.stash.current = i
+                if self.stash is not None:
+                    self.stash.current = i
                 torch.autograd.backward(outputs[i], g)
                 busy += time.perf_counter() - ta
-                if not st.first:
+                if not self.first:
                     sends.append(self._send(inputs[i].grad, s - 1, 2 * i + 1))
                 del outputs[i], inputs[i]
             else:  # W
                 ta = time.perf_counter()
-                st.stash.run(i)
+                self.stash.run(i)
                 busy += time.perf_counter() - ta
         for w in sends:
             w.wait()
         self.last_times = StepTimes(busy=busy, wall=time.perf_counter() - t0)
-        self.sync_tied()
-        if self.dp_group is not None and C.group_size(self.dp_group) > 1:
-            self._dp_average()
+        self.sync_grads()
         loss = torch.tensor([sum(losses.values())], dtype=torch.float64, device=C.comm_device(self.group))
-        if p > 1:
+        if self.p > 1:
             dist.broadcast(loss, self.ranks[-1], group=self.group)
         return float(loss)
 
+    def train_parts(self, tokens: Tensor, targets: Tensor, loss_parts) -> Tensor:
+        """``train_step`` for a loss in parts: ``loss_parts(logits, y) -> (ce, z)`` runs on the last
+        stage, each micro-batch's ce + z scaled by 1/m. Returns [mean ce, mean z] over the
+        micro-batches (float64), the same on every rank of the pipeline."""
+        parts: list[Tensor] = []
+        if self._parts_loss is None:  # one function object for every step (torch's schedules cache it)
+            state = {}
+
+            def loss_fn(logits, y):
+                ce, z = state["parts_fn"](logits, y)
+                state["parts"].append(torch.stack([ce.detach().double(), z.detach().double()]))
+                return ce + z
+
+            self._parts_loss = (loss_fn, state)
+        loss_fn, state = self._parts_loss
+        state["parts_fn"], state["parts"] = loss_parts, parts
+        self.train_step(tokens, targets, loss_fn)
+        dev = C.comm_device(self.group)
+        # torch's schedules may run the loss once more on their first step (shape inference): keep the last m
+        parts = [t for t in parts if t.device.type != "meta"][-self.m:]
+        out = (torch.stack(parts).mean(0) if parts else torch.zeros(2, dtype=torch.float64)).to(dev)
+        if self.p > 1:
+            dist.broadcast(out, self.ranks[-1], group=self.group)
+        return out.cpu()
+
+    def sync_grads(self) -> None:
+        """After a schedule: the tied W_e's two copies summed, then the average over dp."""
+        self.sync_tied()
+        if self.dp_group is not None and C.group_size(self.dp_group) > 1:
+            self.dp_average()
+
     def sync_tied(self) -> None:
         """Tied W_e on the first and last stages: sum their gradients (one parameter in two places)."""
-        st = self.stage
-        if self.p == 1 or not st.tied or not (st.first or st.last):
+        if self.p == 1 or not self.tied or not (self.first or self.last):
             return
-        w = st.embed.weight if st.first else st.unembed
+        w = self.stage.embed.weight if self.first else self.tied_copy
         if w.grad is None:
             w.grad = torch.zeros_like(w)
         C.all_reduce(w.grad, self.tied_group)
 
-    def _dp_average(self) -> None:
+    def dp_average(self) -> None:
+        """Average this stage's gradients over ``dp_group`` in one flat all-reduce."""
         params = [q for q in self.stage.parameters() if q.requires_grad]
         for q in params:
             if q.grad is None:
@@ -389,12 +419,27 @@ class PipelineParallel(nn.Module):
             off += q.numel()
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
-        """Without gradients only (evaluation): the logits (B, S, V) on every rank of the pipeline.
+        """Evaluation only (under no_grad): the stages run in turn without micro-batches — stage s
+        receives (B, S, D) from s - 1 and sends its output to s + 1 — and the last stage's logits
+        (B, S, V) are broadcast to every rank of the pipeline, so each computes the same loss.
         Training runs forward and backward together: ``train_step``."""
         if torch.is_grad_enabled():
-            raise RuntimeError("PipelineParallel runs forward and backward together: call "
+            raise RuntimeError("a pipeline runs forward and backward together: call "
                                "train_step(tokens, targets, loss_fn) (forward alone only under torch.no_grad())")
-        return forward_only(self.stage, self.group, self.ranks, self.rank_in, self.p, tokens, positions, document_ids)
+        if positions is not None or document_ids is not None:
+            raise ValueError("pipeline parallelism: positions/document_ids (packing) are not supported")
+        B, S = tokens.shape
+        dev = self._device
+        x = tokens.to(dev) if self.first else torch.empty(B, S, self.d_model, device=dev)
+        if not self.first:
+            dist.recv(x, self.ranks[self.rank_in - 1], tag=_EVAL_TAG)
+        out = self.run_stage(x).float().contiguous()  # (B, S, V); the tp vocab gather returns a strided view
+        if not self.last:
+            dist.send(out, self.ranks[self.rank_in + 1], tag=_EVAL_TAG)
+            out = torch.empty(B, S, self.vocab_size, device=dev)
+        if self.p > 1:
+            dist.broadcast(out, self.ranks[-1], group=self.group)
+        return out
 
     def measured_bubble(self) -> float:
         """1 - (compute time of all stages) / (p · slowest stage's wall time) for the last step."""
@@ -409,31 +454,6 @@ class PipelineParallel(nn.Module):
             dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=self.group)
             return float(1 - busy[0] / (self.p * wall[0]))
         return float(1 - vals[0] / vals[1])
-
-
-_EVAL_TAG = 1 << 20  # send/recv tag of the forward-only pass, apart from the schedules' 2i / 2i+1
-
-
-@torch.no_grad()
-def forward_only(stage: "PipelineStage", group, ranks: list[int], s: int, p: int, tokens: Tensor,
-                 positions: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
-    """Evaluation through the stages in turn (no micro-batches): stage s receives (B, S, D) from
-    s - 1, sends its output to s + 1; the last stage's logits (B, S, V) are broadcast to every
-    rank of the pipeline so each can compute the same loss."""
-    if positions is not None or document_ids is not None:
-        raise ValueError("pipeline parallelism: positions/document_ids (packing) are not supported")
-    B, S = tokens.shape
-    dev = next(stage.parameters()).device
-    x = tokens.to(dev) if stage.first else torch.empty(B, S, stage.d_model, device=dev)
-    if not stage.first:
-        dist.recv(x, ranks[s - 1], tag=_EVAL_TAG)
-    out = stage(x).float().contiguous()  # (B, S, V); the tp vocab gather returns a strided view
-    if not stage.last:
-        dist.send(out.contiguous(), ranks[s + 1], tag=_EVAL_TAG)
-        out = torch.empty(B, S, stage.vocab_size, device=dev)
-    if p > 1:
-        dist.broadcast(out, ranks[-1], group=group)
-    return out
 
 
 def tied_embedding_groups(mesh) -> object:

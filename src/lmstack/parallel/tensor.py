@@ -7,9 +7,9 @@ swap in backward; compute/communication ratio 4h/tp) and "序列并行和上下�
 and residual regions the activations are split along S: all-gather before the column-parallel
 matmul and reduce-scatter after the row-parallel one replace the all-reduce).
 
-``tensor_parallel(model, group, sequence_parallel=False)`` rewrites a ``Transformer`` from the
-outside — the model code is unchanged, only its submodules are replaced by sharded ones and the
-attention's head counts set to the per-rank values:
+``tensor_parallel(model, group, sequence_parallel=False)`` shards a ``Transformer`` from the
+outside — the model code and its attributes are unchanged, only its linears/embedding are replaced
+by sharded ones (attention reads N/tp and K/tp from its projections' widths):
 
     attn_norm -> [norm, f]        f: identity fwd / all-reduce bwd  (SP: all-gather S / reduce-scatter)
     q,k,v     -> column-parallel   W (N·H/tp, D), (K·H/tp, D): rank r gets heads r·N/tp .. and kv heads r·K/tp ..
@@ -27,6 +27,7 @@ gathering V, or ``TensorParallel(gather_output=True)`` all-gathers them.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -35,7 +36,15 @@ from lmstack.parallel import collectives as C
 
 def _rank_size(group) -> tuple[int, int]:
     M = C.group_size(group)
-    return (C._group_ranks(group)[0] if M > 1 else 0), M
+    return (C.group_ranks(group)[0] if M > 1 else 0), M
+
+
+def check_divisible(tp: int, **sizes: int) -> None:
+    """The one tensor-parallel divisibility check: every split size (N, K, F, V, a linear's
+    width) must be a multiple of tp. ``check_divisible(2, n_heads=4, d_ff=64)``."""
+    for name, v in sizes.items():
+        if v % tp:
+            raise ValueError(f"tensor parallelism: {name}={v} is not divisible by tp={tp}")
 
 
 def _keep_frozen(new: nn.Module, old: nn.Module) -> nn.Module:
@@ -60,9 +69,7 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, lin: nn.Module, group) -> "ColumnParallelLinear":
         r, M = _rank_size(group)
-        O = lin.weight.shape[0]
-        if O % M:
-            raise ValueError(f"column-parallel: out_features={O} is not divisible by tp={M}")
+        check_divisible(M, out_features=lin.weight.shape[0])
         w = lin.weight.detach().chunk(M, 0)[r].clone()
         b = lin.bias.detach().chunk(M, 0)[r].clone() if getattr(lin, "bias", None) is not None else None
         return _keep_frozen(cls(w, b), lin)
@@ -85,9 +92,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, lin: nn.Module, group, sequence_parallel: bool = False) -> "RowParallelLinear":
         r, M = _rank_size(group)
-        I = lin.weight.shape[1]
-        if I % M:
-            raise ValueError(f"row-parallel: in_features={I} is not divisible by tp={M}")
+        check_divisible(M, in_features=lin.weight.shape[1])
         w = lin.weight.detach().chunk(M, 1)[r].clone()
         b = lin.bias.detach().clone() if getattr(lin, "bias", None) is not None else None
         return _keep_frozen(cls(w, group, sequence_parallel, b), lin)
@@ -134,8 +139,7 @@ class VocabParallelEmbedding(nn.Module):
     def from_embedding(cls, emb: nn.Module, group, sequence_parallel: bool = False) -> "VocabParallelEmbedding":
         r, M = _rank_size(group)
         V = emb.weight.shape[0]
-        if V % M:
-            raise ValueError(f"vocab-parallel embedding: vocab_size={V} is not divisible by tp={M}")
+        check_divisible(M, vocab_size=V)
         return _keep_frozen(cls(emb.weight.detach().chunk(M, 0)[r].clone(), r * (V // M), group, sequence_parallel),
                             emb)
 
@@ -185,8 +189,6 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def _max_all_reduce(t: Tensor, group) -> None:
-    import torch.distributed as dist
-
     if C.group_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
 
@@ -212,10 +214,7 @@ def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) ->
     Raises a clear error when N, K, F or V is not divisible by tp."""
     r, M = _rank_size(group)
     cfg = model.config
-    for name, v in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("d_ff", cfg.d_ff),
-                    ("vocab_size", cfg.vocab_size)):
-        if v % M:
-            raise ValueError(f"tensor parallelism: {name}={v} is not divisible by tp={M}")
+    check_divisible(M, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, d_ff=cfg.d_ff, vocab_size=cfg.vocab_size)
     if getattr(cfg, "parallel_block", False):
         raise ValueError("tensor parallelism: parallel_block=True (GPT-J) is not supported")
     sp = sequence_parallel
@@ -226,7 +225,6 @@ def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) ->
         a.k_proj = ColumnParallelLinear.from_linear(a.k_proj, group)
         a.v_proj = ColumnParallelLinear.from_linear(a.v_proj, group)
         a.o_proj = RowParallelLinear.from_linear(a.o_proj, group, sp)
-        a.n_heads, a.n_kv_heads = cfg.n_heads // M, cfg.n_kv_heads // M  # per-rank N/tp, K/tp
         if a.q_norm is not None:  # shared over heads: each rank sees only its heads
             replicated_partial += [a.q_norm.weight, a.k_norm.weight]
         f = block.ffn
@@ -246,7 +244,6 @@ def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) ->
     model.norm = EnterParallelRegion(model.norm, group, sp)
     for p in replicated_partial:
         p.register_hook(_allreduce_grad_hook(group))
-    model._tp_group, model._tp_sequence_parallel = group, sp
     return model
 
 
@@ -293,6 +290,38 @@ def gather_tp_state_dict(model: nn.Module, group, only: set[int] | None = None) 
             else:
                 full = p.detach().clone()
             out[key] = full
-    # EnterParallelRegion wraps the norm: "blocks.0.attn_norm.norm.weight" -> "blocks.0.attn_norm.weight"
-    return {k.replace("_norm.norm.", "_norm.").replace("norm.norm.", "norm.").replace(".inner.", "."): v
-            for k, v in out.items()}
+    return {single_process_name(k): v for k, v in out.items()}
+
+
+def single_process_name(k: str) -> str:
+    """EnterParallelRegion wraps the norm ("blocks.0.attn_norm.norm.weight" -> "blocks.0.attn_norm.weight");
+    the zero-bubble split wraps linears (".inner.")."""
+    return k.replace("_norm.norm.", "_norm.").replace("norm.norm.", "norm.").replace(".inner.", ".")
+
+
+def tp_sharded_ids(model: nn.Module) -> set[int]:
+    """ids of the parameters split across the tp ranks (the rest are replicated)."""
+    out = set()
+    for mod in model.modules():
+        if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
+            out.update(id(p) for p in (mod.weight, getattr(mod, "bias", None)) if p is not None)
+        elif isinstance(mod, RowParallelLinear):
+            out.add(id(mod.weight))
+    return out
+
+
+def gather_tp_named(model: nn.Module, sd: dict[str, Tensor], group) -> dict[str, Tensor]:
+    """A state dict of tp shards under ``model``'s names (e.g. gathered from ZeRO-3 flat shards)
+    -> the full tensors under single-process names."""
+    dims = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dims[f"{name}.weight"] = dims[f"{name}.bias"] = 0
+        elif isinstance(mod, RowParallelLinear):
+            dims[f"{name}.weight"] = 1
+    out = {}
+    for k, v in sd.items():
+        if k in dims:
+            v = C.all_gather_dim(v.contiguous(), dims[k], group)
+        out[single_process_name(k)] = v
+    return out

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmstack.parallel import collectives as C
+from lmstack.parallel.ddp import broadcast_module
 
 
 def _pad_flat(t: Tensor, M: int) -> Tensor:
@@ -60,7 +61,7 @@ class ZeroOptimizer:
             raise ValueError(f"stage={stage}; ZeroOptimizer implements ZeRO-1 and ZeRO-2 (ZeRO-3 is FullyShard)")
         self.group, self.stage = group, stage
         self.M = C.group_size(group)
-        self.rank = C._group_ranks(group)[0] if self.M > 1 else 0
+        self.rank = C.group_ranks(group)[0] if self.M > 1 else 0
         groups = list(params)
         if not groups:
             raise ValueError("ZeroOptimizer got an empty parameter list")
@@ -303,10 +304,10 @@ class _Unit:
             out = buf.data[seg.base:seg.base + self.M * seg.c]
             if self.M == 1:
                 out.copy_(src)
-            elif C._use_ring("auto"):
+            elif C.use_ring("auto"):
                 C.all_gather(src, self.group, out=out)
             else:
-                works.append(C._ag_tensor(out, src, self.group, async_op=True))
+                works.append(C.all_gather_into(out, src, self.group, async_op=True))
         self._work = works or "done"
 
     def materialize(self) -> Tensor:
@@ -375,12 +376,10 @@ class FullyShard(nn.Module):
         self.segment_key = segment_key or (lambda p: p.dim() >= 2)
         self.shard_keys: dict[int, object] = {}
         self.group, self.M = group, C.group_size(group)
-        self.rank = C._group_ranks(group)[0] if self.M > 1 else 0
+        self.rank = C.group_ranks(group)[0] if self.M > 1 else 0
         self.param_dtype, self.master_dtype = param_dtype, master_dtype
         self.prefetch_next = prefetch
         if broadcast and self.M > 1:
-            from lmstack.parallel.ddp import broadcast_module
-
             broadcast_module(model, group)
         self.module = model
         if units is None:

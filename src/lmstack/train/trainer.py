@@ -203,7 +203,7 @@ class Trainer:
         self.raw_model.activation_checkpointing = c.activation_checkpointing
         self.raw_model.train()
         self._parallelize_fn = parallelize
-        self.parallel_model = None  # a lmstack.parallel.ParallelModel when config.parallel is set
+        self.parallel_model = None  # a lmstack.parallel.ParallelWrapper when config.parallel is set
         self._full_state: dict[str, torch.Tensor] | None = None  # last gathered full parameters (rank 0)
         self.model = self.parallelize(self.raw_model)
         pm = self.parallel_model
@@ -216,7 +216,7 @@ class Trainer:
         self.schedule = build_schedule(c)
         # fp16 has a narrow exponent range: scale the loss so small gradients do not underflow
         self.scaler = torch.amp.GradScaler(self.device.type) if c.precision == "fp16" else None
-        if self.scaler is not None and pm is not None and (pm.sharded or pm.native is not None):
+        if self.scaler is not None and pm is not None and not pm.fp16_scaler_ok:
             raise TrainConfigError(f"precision='fp16' with parallel={c.parallel!r}: the fp16 loss scaler checks "
                                    "for overflow per rank, which sharded plans (tp, pp, ZeRO) would let diverge; "
                                    "use precision='bf16' or 'fp32'")
@@ -360,7 +360,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over ``grad_accum`` micro-batches (loss scaled by 1/grad_accum)."""
-        if self.parallel_model is not None and self.parallel_model.pipeline is not None:
+        if self.parallel_model is not None and self.parallel_model.pipelined:
             return self.pipeline_train_step()
         n = self.config.grad_accum
         ce_sum = z_sum = 0.0
