@@ -13,6 +13,19 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import pytest  # noqa: E402  (after TRITON_INTERPRET: nothing below may import triton first)
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module whose timings or small kernels suffer from the other core's load
+    (``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: the compiled Triton run on a CUDA GPU (a subprocess)")

@@ -13,12 +13,7 @@ from lmstack.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_i
                            quantize_model, quantized_weight_bytes)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def weight(o=96, i=128, seed=0):

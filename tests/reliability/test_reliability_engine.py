@@ -30,12 +30,7 @@ NAN_TOKEN = 13  # its embedding row is NaN in ``nan_model``
 POISON = 66  # a forward over a batch holding it raises in ``Poisoned``
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
