@@ -1,4 +1,5 @@
-"""A training run's state as safetensors tensors + JSON: RNG states and optimizer state.
+"""A training run's state as safetensors tensors + JSON: RNG states and optimizer state, and how a
+finished checkpoint folder is committed into place.
 
 Shared by the single-process checkpoint (:mod:`lmstack.train.checkpoint`) and the sharded one
 (:mod:`lmstack.parallel.checkpoint`), which both store tensors with safetensors only (never pickle)
@@ -8,7 +9,10 @@ and of every checkpoint).
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +21,32 @@ import torch
 
 class CheckpointError(ValueError):
     """A checkpoint directory that is missing, incomplete or does not match the model."""
+
+
+# ---- committing a checkpoint folder -----------------------------------------------------------
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file, or a directory so the renames and new entries in it survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_dir(staged: Path, final: Path, aside: Path) -> Path | None:
+    """Rename the finished folder ``staged`` to ``final`` and fsync their parent. A ``final`` already
+    there (a re-save of the same step) is first moved to ``aside`` (a leftover ``aside`` replaced):
+    returns ``aside`` then, for the caller to delete once the new checkpoint is committed, else None."""
+    old = None
+    if final.exists():
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.rename(final, aside)
+        old = aside
+    os.rename(staged, final)
+    fsync_path(final.parent)
+    return old
 
 
 # ---- RNG states ------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from lmstack.run_state import CheckpointError, capture_rng, join_optimizer, restore_rng, split_optimizer
+from lmstack.run_state import CheckpointError, capture_rng, commit_dir, join_optimizer, restore_rng, split_optimizer
 from lmstack.utils import atomic_path, atomic_write_text
 
 SHARD_FORMAT = "lmstack-parallel-shards-v1"
@@ -146,19 +146,7 @@ def save_sharded(directory: str | os.PathLike, step: int, pm, optimizer, data_ge
     dist.barrier()
     path = None
     if rank == 0:
-        final = d / f"step_{step:08d}.shards"
-        old = None
-        if final.exists():  # saving the same step again
-            old = d / f".old_step_{step:08d}.shards"
-            if old.exists():
-                shutil.rmtree(old)
-            os.rename(final, old)
-        os.rename(staging, final)
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        old = commit_dir(staging, d / f"step_{step:08d}.shards", d / f".old_step_{step:08d}.shards")
         path = write_main()
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

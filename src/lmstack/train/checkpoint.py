@@ -38,7 +38,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lmstack.run_state import CheckpointError, capture_rng, join_optimizer, restore_rng, split_optimizer
+from lmstack.run_state import (CheckpointError, capture_rng, commit_dir, fsync_path, join_optimizer, restore_rng,
+                               split_optimizer)
 from lmstack.utils import atomic_write_text
 
 FORMAT = "lmstack-train-checkpoint-v1"
@@ -49,21 +50,13 @@ class CheckpointWriteError(OSError):
     """Writing a checkpoint failed (disk full, I/O error); the previous checkpoint is intact."""
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
     except SafetensorError as e:  # safetensors reports an OSError (ENOSPC, EIO) as its own error type
         code = errno.ENOSPC if "No space left" in str(e) or "StorageFull" in str(e) else errno.EIO
         raise OSError(code, f"{os.strerror(code)} ({e})", str(path)) from None
-    _fsync_path(path)
+    fsync_path(path)
 
 
 # ---- save / find / load -----------------------------------------------------------------------
@@ -128,7 +121,7 @@ def recover(directory: str | os.PathLike) -> list[str]:
             shutil.rmtree(p, ignore_errors=True)
             done.append(f"removed {p.name}")
     if done:
-        _fsync_path(d)
+        fsync_path(d)
     return done
 
 
@@ -175,12 +168,8 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
         kept = f"the previous checkpoint {prev} is intact" if prev is not None else "no earlier checkpoint exists"
         raise CheckpointWriteError(e.errno or errno.EIO, f"cannot write checkpoint {final} ({e.strerror or e}); "
                                    f"{kept}. Free some space (or set out_dir elsewhere) and resume") from None
-    old = None
-    if final.exists():  # re-saving the same step: move the old one aside first (recover() puts it back)
-        old = d / f".old_step_{step:08d}_{os.getpid()}"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_path(d)
+    # re-saving the same step moves the old one aside first (recover() puts it back)
+    old = commit_dir(tmp, final, d / f".old_step_{step:08d}_{os.getpid()}")
     atomic_write_text(d / "latest", final.name + "\n")
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -209,7 +198,7 @@ def _write_checkpoint_files(tmp: Path, model: torch.nn.Module, optimizer: torch.
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_path(tmp)
+    fsync_path(tmp)
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
