@@ -270,14 +270,15 @@ class GenerationError(RuntimeError):
         self.outputs = outputs
 
 
-def _as_prompt_list(prompts) -> tuple[list, bool]:
+def _as_prompt_list(prompts) -> list:
+    """One prompt (a string or token ids) or many -> a list of prompts."""
     if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-        return [prompts], True
+        return [prompts]
     if isinstance(prompts, torch.Tensor):
-        return ([prompts.tolist()], True) if prompts.dim() == 1 else (prompts.tolist(), False)
+        return [prompts.tolist()] if prompts.dim() == 1 else prompts.tolist()
     if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray, dict)):
         raise ValueError(f"prompts={prompts!r:.60} must be a prompt (a string or token ids) or a list of prompts")
-    return list(prompts), False
+    return list(prompts)
 
 
 class LLM:
@@ -307,7 +308,7 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
-        prompt_list, _ = _as_prompt_list(prompts)
+        prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
