@@ -166,9 +166,8 @@ class LLMEngine:
         """The one early exit (abort, error): out of the queues and the engine, blocks freed (after
         an error, cleaned first when they hold NaN/inf: ``BlockManager.scrub``)."""
         if error is not None:
-            self.cache.blocks.scrub(seq.request_id)
             seq.error = f"request {seq.request_id!r} failed: {type(error).__name__}: {error}"
-        self.scheduler.remove(seq)
+        self.scheduler.remove(seq, scrub=error is not None)
         self.requests.pop(seq.request_id, None)
         seq.finish(reason, time.perf_counter())
 
