@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
 
-from inference_helpers import full_recompute_greedy, make_model  # noqa: E402
+from inference_helpers import full_recompute_greedy, full_recompute_greedy_penalized, make_model  # noqa: E402
 from lmstack.inference import LLM, AsyncLLM, LLMEngine, SamplingParams, generate  # noqa: E402
 from lmstack.inference.static import StaticDecoder  # noqa: E402
 from lmstack.tokenizer import render_chat_template  # noqa: E402
@@ -62,19 +62,6 @@ class Poisoned(torch.nn.Module):
 
     def unembed(self, h):
         return self.inner.unembed(h)
-
-
-@torch.no_grad()
-def greedy_with_penalty(model, prompt, n, penalty):
-    """Full recompute, greedy, CTRL repetition penalty written out: a seen token's positive logit
-    is divided by the penalty, a negative one multiplied (float64)."""
-    ids = list(prompt)
-    for _ in range(n):
-        logits = model(torch.tensor([ids]))[0, -1].double().tolist()
-        for t in set(ids):
-            logits[t] = logits[t] / penalty if logits[t] > 0 else logits[t] * penalty
-        ids.append(max(range(len(logits)), key=logits.__getitem__))
-    return ids[len(prompt):]
 
 
 def all_blocks_free(engine):
@@ -148,8 +135,8 @@ def test_tiny_temperature_and_penalty_run_with_the_others(model):
     prompts = [GOOD[0], GOOD[1], GOOD[2], [4, 40, 4], [7, 70, 7]]
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs[:3]] == [full_recompute_greedy(model, p, N) for p in prompts[:3]]
-    assert outs[3].token_ids == greedy_with_penalty(model, prompts[3], N, 1e-300)
-    assert outs[4].token_ids == greedy_with_penalty(model, prompts[4], N, 1e300)
+    assert outs[3].token_ids == full_recompute_greedy_penalized(model, prompts[3], N, 1e-300)
+    assert outs[4].token_ids == full_recompute_greedy_penalized(model, prompts[4], N, 1e300)
     assert all_blocks_free(llm.engine)
 
 
@@ -420,7 +407,8 @@ def test_smollm2_tiny_temperature_and_penalty_do_not_break_the_engine():
     eos = [model.config.eos_token_id]
     assert outs[0].token_ids == full_recompute_greedy(model, tok.encode("Hi"), N, eos)
     assert outs[1].token_ids == full_recompute_greedy(model, tok.encode(prompts[1]), N, eos)
-    assert outs[2].token_ids == greedy_with_penalty(model, tok.encode("Hi"), N, 1e-300)[:len(outs[2].token_ids)]
+    ref = full_recompute_greedy_penalized(model, tok.encode("Hi"), N, 1e-300)
+    assert outs[2].token_ids == ref[:len(outs[2].token_ids)]
     assert all_blocks_free(llm.engine)
     with pytest.raises(ValueError):
         llm.generate(["Hi", 5], GREEDY)

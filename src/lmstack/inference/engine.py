@@ -166,9 +166,8 @@ class LLMEngine:
         """The one early exit (abort, error): out of the queues and the engine, blocks freed (after
         an error, cleaned first when they hold NaN/inf: ``BlockManager.scrub``)."""
         if error is not None:
-            self.cache.blocks.scrub(seq.request_id)
             seq.error = f"request {seq.request_id!r} failed: {type(error).__name__}: {error}"
-        self.scheduler.remove(seq)
+        self.scheduler.remove(seq, scrub=error is not None)
         self.requests.pop(seq.request_id, None)
         seq.finish(reason, time.perf_counter())
 
@@ -270,14 +269,15 @@ class GenerationError(RuntimeError):
         self.outputs = outputs
 
 
-def _as_prompt_list(prompts) -> tuple[list, bool]:
+def _as_prompt_list(prompts) -> list:
+    """One prompt (a string or token ids) or many -> a list of prompts."""
     if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-        return [prompts], True
+        return [prompts]
     if isinstance(prompts, torch.Tensor):
-        return ([prompts.tolist()], True) if prompts.dim() == 1 else (prompts.tolist(), False)
+        return [prompts.tolist()] if prompts.dim() == 1 else prompts.tolist()
     if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray, dict)):
         raise ValueError(f"prompts={prompts!r:.60} must be a prompt (a string or token ids) or a list of prompts")
-    return list(prompts), False
+    return list(prompts)
 
 
 class LLM:
@@ -307,7 +307,7 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
-        prompt_list, _ = _as_prompt_list(prompts)
+        prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompt_list)
         else:

@@ -40,12 +40,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of the queues and give its blocks back (abort, error)."""
+    def remove(self, seq: Sequence, scrub: bool = False) -> None:
+        """Take a sequence out of the queues and give its blocks back (abort, error); ``scrub``
+        (after an error) first zeroes its own blocks that hold NaN/inf (``BlockManager.scrub``)."""
         if seq.status == WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         elif seq.status == RUNNING and seq in self.running:
             self.running.remove(seq)
+        if scrub:
+            self.blocks.scrub(seq.request_id)
         self.blocks.free(seq.request_id)
 
     # ---- before the forward --------------------------------------------------------------
