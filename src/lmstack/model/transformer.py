@@ -160,6 +160,7 @@ class Transformer(nn.Module):
             raise ValueError(f"positions shape {tuple(positions.shape)} does not match tokens {(B, S)}")
         if document_ids is not None and document_ids.shape != (B, S):
             raise ValueError(f"document_ids shape {tuple(document_ids.shape)} does not match tokens {(B, S)}")
+        self.rope.cover(positions)  # once per forward: every layer's attention only rotates
         meta = AttentionMetadata(positions, document_ids=document_ids, window=self.config.sliding_window,
                                  is_causal=is_causal, cache=kv_cache)
         x = self.embed(tokens) if self.embed is not None else tokens  # (B, S, D)
