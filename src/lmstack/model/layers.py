@@ -83,7 +83,7 @@ class RMSNorm(nn.Module):
                  device: torch.device | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.dim, self.eps = dim, eps
-        # None: the formula below; else a NormImpl from lmstack.kernels.registry (e.g. the fused Triton kernel)
+        # None: the formula below; else a NormImpl from lmstack.kernels.backends (e.g. the fused Triton kernel)
         self.impl = None
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))  # γ
 

@@ -10,7 +10,7 @@ v, meta, impl)`` instead: the cache stores k, v, then calls ``impl`` on the keys
 
 This module is the only one both ``model/`` and ``kernels/`` import (the model owns the interface it
 needs; kernels implement it): the metadata, the mask it implies, the two Protocols, and the
-torch-only reference/SDPA implementations a model built without a runtime uses. ``kernels.registry``
+torch-only reference/SDPA implementations a model built without a runtime uses. ``kernels.backends``
 registers these two and the tiled/Triton/matmul ones, and owns the one ``auto`` policy.
 """
 
@@ -175,5 +175,5 @@ class SDPAAttention:
                                               enable_gqa=q.shape[1] != k.shape[1])
 
 
-#: What a model built without a runtime runs (``Transformer(config)``); ``kernels.registry`` resolves others.
+#: What a model built without a runtime runs (``Transformer(config)``); ``kernels.backends`` resolves others.
 DEFAULT_ATTENTION = SDPAAttention()
