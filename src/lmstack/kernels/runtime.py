@@ -15,9 +15,6 @@ import torch
 
 from lmstack.kernels.backends import ATTENTION_BACKENDS, NORM_BACKENDS, attention_impl, choose_attention, choose_norm
 
-#: keys that used to be ModelConfig fields and are runtime choices now
-RUNTIME_KEYS = ("attn_backend", "norm_backend")
-
 
 @dataclass
 class RuntimeConfig:

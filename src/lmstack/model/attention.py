@@ -60,7 +60,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, K, T, H)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, meta.positions), self.rope(k, meta.positions)  # RoPE on q and k, never v
+        q, k = self.rope.rotate(q, meta.positions), self.rope.rotate(k, meta.positions)  # RoPE on q and k, never v;
+        # the positions were covered once for all layers (Transformer.forward)
         if meta.cache is not None:
             out = meta.cache.attend(self.layer_idx, q, k, v, meta, self.impl)  # store K/V, then attend
         else:

@@ -24,7 +24,7 @@ ROPE_LAYOUTS = ("half", "interleaved")
 # (the backends are set by lmstack.kernels.runtime.RuntimeConfig).
 RUNTIME_FIELDS = ("attn_backend", "norm_backend")
 ARCHITECTURES = ("llama", "mistral", "qwen2")
-#: Longest context whose RoPE tables lmstack builds (they cover every position up front): 16.7M positions;
+#: Longest context lmstack accepts (the RoPE tables grow on demand up to it): 16.7M positions;
 #: real models use <= 10M, and a corrupt 2**32 must not ask for terabytes.
 MAX_SEQ_LEN = 1 << 24
 MAX_SIZE = (1 << 31) - 1  # no size of a real model comes near this; larger ones are corrupt files

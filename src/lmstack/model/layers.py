@@ -83,7 +83,7 @@ class RMSNorm(nn.Module):
                  device: torch.device | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.dim, self.eps = dim, eps
-        # None: the formula below; else a NormImpl from lmstack.kernels.registry (e.g. the fused Triton kernel)
+        # None: the formula below; else a NormImpl from lmstack.kernels.backends (e.g. the fused Triton kernel)
         self.impl = None
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))  # γ
 
@@ -206,11 +206,21 @@ class RotaryEmbedding(nn.Module):
                                 angles.sin().to(device=device, dtype=dtype))
         return self._cache[key]
 
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x: (B, heads, S, H); positions: (B, S) or (S,) integer positions m < max_seq_len. Returns R_m x."""
+    def cover(self, positions: Tensor) -> None:
+        """Grow the tables to cover ``positions`` (and refuse positions >= max_seq_len); reads the
+        largest position back to the host only on CPU or while the tables can still grow."""
         if positions.numel() and not torch.compiler.is_compiling() and (
                 positions.device.type == "cpu" or self.length < self.max_seq_len):
             self.reserve(int(positions.max()) + 1)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x: (B, heads, S, H); positions: (B, S) or (S,) integer positions m < max_seq_len. Returns R_m x."""
+        self.cover(positions)
+        return self.rotate(x, positions)
+
+    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """``forward`` for positions already covered (``cover``): no host read-back. A Transformer
+        covers a forward's positions once, not once per layer for q and for k."""
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         cos, sin = self.tables(x.device, compute)
         cos, sin = cos[positions], sin[positions]  # (B, S, H) or (S, H)

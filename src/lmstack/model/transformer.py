@@ -4,7 +4,7 @@ Seed 000 §1.2 (the layer-by-layer forward pass), seed 001 "模型架构" (pre-n
 "层并行" (the GPT-J parallel block). The model knows nothing about caches, sharding or
 kernels beyond the seams it exposes: ``kv_cache`` and ``positions`` in ``forward``, and the
 attention / RMSNorm implementations set once by the builder (``set_attention``, ``set_norm``;
-``lmstack.kernels.registry.configure`` resolves a ``RuntimeConfig`` into them).
+``lmstack.kernels.runtime.configure`` resolves a ``RuntimeConfig`` into them).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class Transformer(nn.Module):
         return n - self.embed.weight.numel() if exclude_embedding else n
 
     def set_attention(self, impl: AttentionImpl) -> None:
-        """Run every layer's attention through ``impl`` (``lmstack.kernels.registry`` builds them)."""
+        """Run every layer's attention through ``impl`` (``lmstack.kernels.backends`` registers them)."""
         for block in self.blocks:
             block.attn.impl = impl
 
@@ -160,6 +160,7 @@ class Transformer(nn.Module):
             raise ValueError(f"positions shape {tuple(positions.shape)} does not match tokens {(B, S)}")
         if document_ids is not None and document_ids.shape != (B, S):
             raise ValueError(f"document_ids shape {tuple(document_ids.shape)} does not match tokens {(B, S)}")
+        self.rope.cover(positions)  # once per forward: every layer's attention only rotates
         meta = AttentionMetadata(positions, document_ids=document_ids, window=self.config.sliding_window,
                                  is_causal=is_causal, cache=kv_cache)
         x = self.embed(tokens) if self.embed is not None else tokens  # (B, S, D)
