@@ -17,7 +17,7 @@ registers these two and the tiled/Triton/matmul ones, and owns the one ``auto`` 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -67,21 +67,15 @@ class AttentionMetadata:
     window: int | None = None
     is_causal: bool = False
     cache: Any = None
-    # the mask, built on the first ``mask()`` call and shared by every layer that sees this record
-    _mask: Tensor | None = field(default=None, init=False, repr=False, compare=False)
-    _mask_built: bool = field(default=False, init=False, repr=False, compare=False)
 
     def mask(self) -> Tensor | None:
         """The boolean mask (B, 1, T, S) or (T, S), True = may attend; None when ``is_causal``
-        and nothing else restricts the keys (the implementation applies the causal triangle).
-        Built once per record: every layer of a forward gets the same tensor."""
-        if not self._mask_built:
-            if not (self.is_causal and self.window is None and self.document_ids is None):
-                kp = self.positions if self.key_positions is None else self.key_positions
-                kd = self.document_ids if self.key_document_ids is None else self.key_document_ids
-                self._mask = attention_mask(self.positions, kp, self.window, self.document_ids, kd)
-            self._mask_built = True
-        return self._mask
+        and nothing else restricts the keys (the implementation applies the causal triangle)."""
+        if self.is_causal and self.window is None and self.document_ids is None:
+            return None
+        kp = self.positions if self.key_positions is None else self.key_positions
+        kd = self.document_ids if self.key_document_ids is None else self.key_document_ids
+        return attention_mask(self.positions, kp, self.window, self.document_ids, kd)
 
     def for_keys(self, key_positions: Tensor, key_document_ids: Tensor | None = None,
                  positions: Tensor | None = None, document_ids: Tensor | None = None) -> "AttentionMetadata":
