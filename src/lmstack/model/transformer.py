@@ -22,6 +22,22 @@ from lmstack.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, Sw
 from lmstack.model.seam import AttentionImpl, AttentionMetadata, NormImpl
 
 
+def token_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw) -> nn.Module:
+    """Layer ``layer_idx``'s token mixer: ``(x (B, T, D), meta: AttentionMetadata) -> (B, T, D)``.
+
+    The one place a layer's kind of sequence mixing is chosen from the config (seed 001 "注意力机制"):
+    today softmax attention with GQA (``model.attention``); new kinds (MLA, linear attention,
+    Mamba-2, Gated DeltaNet, ...) are added as branches here, each in its own module.
+    """
+    return Attention(config, layer_idx, rope, **kw)
+
+
+def channel_mixer(config: ModelConfig, layer_idx: int, **kw) -> nn.Module:
+    """Layer ``layer_idx``'s feed-forward: ``(B, T, D) -> (B, T, D)``; today the dense SwiGLU
+    (seed 001 "模型架构"). Mixture-of-experts layers are chosen here from the config."""
+    return SwiGLU(config.d_model, config.d_ff, **kw)
+
+
 class Block(nn.Module):
     """One Transformer layer.
 
@@ -35,9 +51,9 @@ class Block(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.parallel = config.parallel_block
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, **kw)  # γ_attn
-        self.attn = Attention(config, layer_idx, rope, **kw)
+        self.attn = token_mixer(config, layer_idx, rope, **kw)
         self.ffn_norm = None if self.parallel else RMSNorm(config.d_model, config.norm_eps, **kw)  # γ_ffn
-        self.ffn = SwiGLU(config.d_model, config.d_ff, **kw)
+        self.ffn = channel_mixer(config, layer_idx, **kw)
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         # x: (B, T, D) -> (B, T, D)
