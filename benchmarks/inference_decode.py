@@ -34,7 +34,7 @@ import time
 import torch
 
 from lmstack.accounting.memory import kv_cache_bytes
-from lmstack.inference import generate
+from lmstack.inference import SamplingParams, generate
 from lmstack.inference.static import StaticDecoder
 from lmstack.model.io import find_named_model, load_model
 from lmstack.quant import quantize_model, quantized_weight_bytes
@@ -81,7 +81,7 @@ class LmstackEngine:
         self.model(torch.tensor([prompt]), last_n=1)
         t1 = time.perf_counter()
         times, tokens = [], []
-        for tok in generate(self.model, prompt, n_new, decoder=self.decoder):
+        for tok in generate(self.model, prompt, SamplingParams(temperature=0, max_tokens=n_new), decoder=self.decoder):
             times.append(time.perf_counter())
             tokens.append(tok)
         return len(prompt) / (t1 - t0), (n_new - 1) / (times[-1] - times[0]), tokens
@@ -145,7 +145,7 @@ def profile_decode(engine: LmstackEngine, prompt: list[int], n_new: int, rows: i
 
     engine.run(prompt, n_new)  # warm-up: compiles a compiled step
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        n = sum(1 for _ in generate(engine.model, prompt, n_new, decoder=engine.decoder))
+        n = sum(1 for _ in generate(engine.model, prompt, SamplingParams(temperature=0, max_tokens=n_new), decoder=engine.decoder))
     events = prof.key_averages()
     total_us = sum(ev.self_cpu_time_total for ev in events)
     print(f"\n{engine.name}: {n} tokens, profiled self CPU time {total_us / 1e3 / n:.1f} ms per token "

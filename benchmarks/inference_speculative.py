@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from lmstack.inference import generate, speculative_generate, truncated_draft
+from lmstack.inference import DraftModel, PromptLookup, SamplingParams, generate, truncated_draft
 from lmstack.inference.loader import model_tokenizer
 from lmstack.model.io import load_model
 
@@ -41,22 +41,24 @@ def main() -> None:
     eos = [model.config.eos_token_id]
     print(f"load avg {os.getloadavg()[0]:.1f}; SmolLM2-135M fp32, prompt {len(prompt)} tokens, "
           f"up to {args.new_tokens} new tokens, k={args.k}")
-    list(generate(model, prompt, 4))  # warm-up
+    list(generate(model, prompt, SamplingParams(temperature=0, max_tokens=4)))  # warm-up
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, stop_token_ids=eos)
     t = time.perf_counter()
-    base = list(generate(model, prompt, args.new_tokens, stop_ids=eos))
+    base = list(generate(model, prompt, params))
     t_base = time.perf_counter() - t
     print(f"{'plain decode':<28}{t_base:7.2f} s  {len(base) / t_base:6.1f} tok/s")
     for name, draft in [("prompt lookup (n-gram)", None),
                         (f"draft: first {args.draft_layers} layers", truncated_draft(model, args.draft_layers))]:
+        spec = DraftModel(draft, args.k) if draft is not None else PromptLookup(args.k)
         t = time.perf_counter()
-        out, st = speculative_generate(model, prompt, args.new_tokens, draft=draft, num_speculative_tokens=args.k,
-                                       stop_ids=eos)
+        out = list(generate(model, prompt, params, speculation=spec))
         el = time.perf_counter() - t
+        st = spec.stats
         same = "identical" if out == base else f"DIFFERENT (first diff at {next(i for i, (a, b) in enumerate(zip(out, base)) if a != b)})"
         print(f"{name:<28}{el:7.2f} s  {len(out) / el:6.1f} tok/s  speedup {t_base / el:.2f}x  acceptance "
               f"{100 * st.acceptance_rate:.0f}%  tokens/target step {st.tokens_per_target_forward:.2f}  output {same}")
     # the batching engine (one sequence here): the same prompt lookup inside LLMEngine's iteration
-    from lmstack.inference import LLM, SamplingParams
+    from lmstack.inference import LLM
 
     sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
     times = {}

@@ -30,6 +30,7 @@ from rich.table import Table
 
 from lmstack.accounting import param_counts, six_nd, training_memory, training_step_flops
 from lmstack.inference.generate import stream_generate
+from lmstack.inference.sampling import SamplingParams
 from lmstack.inference.loader import model_tokenizer
 from lmstack.model.io import load_model
 from lmstack.threads import add_threads_argument, available_cpus
@@ -238,7 +239,7 @@ def run_demo(args) -> int:
     _section("6. sampling the model trained here")
     m = trainer.raw_model.eval()
     print(args.sample_prompt, end="", flush=True)
-    stream_generate(m, tok, args.sample_prompt, 100, temperature=0.7, top_k=40, seed=0)
+    stream_generate(m, tok, args.sample_prompt, SamplingParams(max_tokens=100, temperature=0.7, top_k=40, seed=0))
 
     if not args.skip_smollm2:
         _section("7. SmolLM2-135M-Instruct (real pretrained weights, GGUF)")
@@ -255,7 +256,7 @@ def run_demo(args) -> int:
                   f"N={c.n_heads}, K={c.n_kv_heads}, F={c.d_ff}, V={c.vocab_size}) in {time.perf_counter() - t0:.1f} s\n")
             print(args.prompt, end="", flush=True)
             with torch.inference_mode():
-                st = stream_generate(big, big_tok, args.prompt, args.max_tokens)
+                st = stream_generate(big, big_tok, args.prompt, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
             print(f"{st['new_tokens']} new tokens; TTFT {st['ttft_s'] * 1000:.0f} ms; "
                   f"decode {st['decode_tokens_per_s']:.1f} tokens/s (fp32, CPU, KV cache)")
 

@@ -3,8 +3,23 @@ near-tie can flip between two summation orders) and the full-recompute greedy re
 
 import torch
 
+from lmstack.inference import DraftModel, PromptLookup, SamplingParams, generate
 from lmstack.model.config import ModelConfig
 from lmstack.model.transformer import Transformer
+
+
+def greedy(n, **kw) -> SamplingParams:
+    """Greedy sampling of ``n`` new tokens (``SamplingParams`` defaults to temperature 1)."""
+    return SamplingParams(temperature=0.0, max_tokens=n, **kw)
+
+
+def speculate(target, prompt, n, params=None, draft=None, k=4, stop_ids=(), seed=0):
+    """``generate`` with draft-model (``draft``) or prompt-lookup speculation -> (tokens, stats)."""
+    params = params or SamplingParams(temperature=0.0)
+    params = SamplingParams(**{**vars(params), "max_tokens": n, "stop_token_ids": tuple(stop_ids),
+                               "seed": params.seed if params.seed is not None else seed})
+    spec = DraftModel(draft, k) if draft is not None else PromptLookup(k)
+    return list(generate(target, prompt, params, speculation=spec)), spec.stats
 
 
 def make_model(vocab_size=97, n_layers=2, seed=1, init_std=0.02, dtype=torch.float64, **kw):

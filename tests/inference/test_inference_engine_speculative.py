@@ -98,15 +98,15 @@ def test_verify_drafts_keeps_the_target_distribution():
     second = torch.zeros(5)
     params = SamplingParams(temperature=1.0, max_tokens=8)
     for _ in range(n):
-        out = verify_drafts(logits, drafts, params, [0], g)
+        out, _ = verify_drafts(logits, drafts, params, [0], g)
         first[out[0]] += 1
         if out[0] == drafts[0]:
             second[out[1]] += 1
     torch.testing.assert_close(first / n, p[0], atol=0.012, rtol=0)
     torch.testing.assert_close(second / second.sum(), p[1], atol=0.02, rtol=0)
     # greedy: drafts are kept while they are the argmax, then the argmax follows
-    assert verify_drafts(logits, [0, 1], SamplingParams(temperature=0.0), [], None) == [0, 1, 4]
-    assert verify_drafts(logits, [2, 1], SamplingParams(temperature=0.0), [], None) == [0]
+    assert verify_drafts(logits, [0, 1], SamplingParams(temperature=0.0), [], None) == ([0, 1, 4], 2)
+    assert verify_drafts(logits, [2, 1], SamplingParams(temperature=0.0), [], None) == ([0], 0)
     with pytest.raises(ValueError, match="k\\+1=3 rows"):
         verify_drafts(logits[:2], drafts, params, [], g)
 
@@ -119,8 +119,8 @@ def test_verify_drafts_penalises_each_row_by_the_drafts_before_it():
     Penalising row j by draft j itself rejects draft 1 (row 0 -> [1.5, 1, 0, 0] -> 0)."""
     logits = torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.9], [0.0, 0.0, 1.0, 0.8]])
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
-    assert verify_drafts(logits, [1, 2], params, [0], None) == [1, 2, 3]
-    assert verify_drafts(logits, [0, 2], params, [0], None) == [1]  # draft 0 is not the penalised argmax
+    assert verify_drafts(logits, [1, 2], params, [0], None) == ([1, 2, 3], 2)
+    assert verify_drafts(logits, [0, 2], params, [0], None) == ([1], 0)  # draft 0 is not the penalised argmax
 
 
 def test_engine_rejects_bad_speculation_options(model):

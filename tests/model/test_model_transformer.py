@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lmstack.inference import KVCache, generate
+from lmstack.inference import KVCache, SamplingParams, generate
 from lmstack.model.config import ModelConfig
 from lmstack.model.seam import AttentionMetadata
 from lmstack.model.transformer import Transformer
@@ -64,7 +64,8 @@ def test_kv_cache_matches_full_recompute(extra):
 def test_greedy_generation_with_cache_equals_without():
     model = Transformer(ModelConfig(**TINY), seed=5).eval()
     prompt = [3, 14, 15, 92, 65]
-    assert list(generate(model, prompt, 12)) == list(generate(model, prompt, 12, use_cache=False))
+    params = SamplingParams(temperature=0, max_tokens=12)
+    assert list(generate(model, prompt, params)) == list(generate(model, prompt, params, use_cache=False))
 
 
 def test_variants_change_the_function():

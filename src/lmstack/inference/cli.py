@@ -102,8 +102,8 @@ def run_generate(args) -> int:
         print("[compiling the decode step ...]", file=sys.stderr, flush=True)
         decoder.warm_up()  # compile now, so that the reported decode speed is the compiled one
         print(f"[compiled in {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
-    stats = stream_generate(model, tok, prompt, args.max_tokens, stop=tuple(args.stop), decoder=decoder,
-                            **_sampling_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, stop=tuple(args.stop), **_sampling_kwargs(args))
+    stats = stream_generate(model, tok, prompt, params, decoder=decoder)
     print(f"[{stats['new_tokens']} tokens, TTFT {stats['ttft_s'] * 1000:.0f} ms, "
           f"{stats['decode_tokens_per_s']:.1f} tokens/s decode]", file=sys.stderr)
     return 0

@@ -19,7 +19,7 @@ sequence that provokes it fails. Requests are checked when added (``check_reques
 
 ``LLM`` is the offline API (``generate(prompts, sampling_params)``); ``AsyncLLM`` is the
 streaming API a server sits on (``generate`` yields deltas, ``abort``). docs/inference.md
-relates this loop to ``generate``, ``StaticDecoder`` and ``speculative_generate``.
+relates this loop to the batch-1 ``generate`` loop and its step strategies.
 """
 
 from __future__ import annotations

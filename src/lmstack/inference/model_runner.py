@@ -90,7 +90,7 @@ class ModelRunner:
         one more token, each with its logprobs (or None). Speculation's one accept/reject rule."""
         check_logits(logits)
         logits_cpu = logits.float().cpu()
-        emitted = verify_drafts(logits_cpu, seq.drafts, seq.params, seq.all_ids, seq.generator or self.generator)
+        emitted, _ = verify_drafts(logits_cpu, seq.drafts, seq.params, seq.all_ids, seq.generator or self.generator)
         if seq.logprobs is None:
             return [(t, None) for t in emitted]
         return [(t, token_logprobs(logits_cpu[i], t, seq.params.logprobs)) for i, t in enumerate(emitted)]

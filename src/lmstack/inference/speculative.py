@@ -28,9 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from lmstack.inference.kv_cache import KVCache
-from lmstack.inference.prompts import prompt_token_ids
-from lmstack.inference.sampling import SamplingParams, target_probs
-from lmstack.inference.stops import token_stop
+from lmstack.inference.sampling import SamplingParams, as_integer, check_logits, target_probs
 from lmstack.model.transformer import Transformer
 
 
@@ -91,34 +89,38 @@ def rejection_sample(p: Tensor, q: Tensor, draft: Sequence[int], generator: torc
 
 
 def verify_drafts(logits: Tensor, drafts: Sequence[int], params: SamplingParams, history: Sequence[int],
-                  generator: torch.Generator | None = None) -> list[int]:
-    """Verify one-hot (prompt-lookup) drafts against the target: logits (k + 1, V) at the last
-    token and at each draft. Returns the kept drafts followed by one more token.
+                  generator: torch.Generator | None = None, q: Tensor | None = None) -> tuple[list[int], int]:
+    """Speculation's one accept/reject rule, for every path (the engine's runner and ``generate``).
+
+    logits (k + 1, V): the target at the last token and at each of the k drafts; q (k, V): the
+    proposer's distributions, or None for one-hot drafts (prompt lookup; a greedy draft model).
+    Returns (the kept drafts followed by one more token, the number kept).
 
     Greedy: a draft is kept while it is the argmax; the extra token is the argmax after them.
-    Sampling: the accept/reject rule with q one-hot on the draft d — keep d with probability
-    p(d), else draw from max(0, p − q) renormalised, i.e. p with d removed; after k kept drafts
-    a bonus token comes from the last row. The tokens have exactly the target's distribution.
-    ``history`` (the tokens before the drafts) feeds the repetition penalty.
+    Sampling: ``rejection_sample`` with p from ``target_probs`` per row — the history grows by the
+    drafts before each row (it feeds the repetition penalty; rows past a rejection are not read).
+    The tokens have exactly the target's distribution.
     """
-    if logits.shape[0] != len(drafts) + 1:
-        raise ValueError(f"need k+1={len(drafts) + 1} rows of logits for {len(drafts)} drafts, got {logits.shape[0]}")
-    emitted: list[int] = []
+    k = len(drafts)
+    if logits.shape[0] != k + 1:
+        raise ValueError(f"need k+1={k + 1} rows of logits for {k} drafts, got {logits.shape[0]}")
+    logits = logits.float().cpu()
     if params.greedy and params.repetition_penalty == 1.0:
+        check_logits(logits)
         best = logits.argmax(dim=-1).tolist()
+        emitted: list[int] = []
         for i, d in enumerate(drafts):
             if best[i] != d:
                 break
             emitted.append(int(d))
         emitted.append(best[len(emitted)])  # the correction, or the bonus token after k kept
-        return emitted
-    # the one-hot case of rejection_sample: p for every position (history grows by the drafts before
-    # it; past a rejection the rows are not read), q one-hot on each draft
+        return emitted, len(emitted) - 1
     history = list(history)
-    p = torch.stack([target_probs(logits[i], params, history + list(drafts[:i])) for i in range(len(drafts) + 1)])
-    q = torch.zeros(len(drafts), p.shape[-1])
-    q[torch.arange(len(drafts)), torch.as_tensor(list(drafts), dtype=torch.long)] = 1.0
-    return rejection_sample(p, q, drafts, generator)[0]
+    p = torch.stack([target_probs(logits[i], params, history + list(drafts[:i])) for i in range(k + 1)])  # (k+1, V)
+    if q is None:  # one-hot on each draft
+        q = torch.zeros(k, p.shape[-1])
+        q[torch.arange(k), torch.as_tensor(list(drafts), dtype=torch.long)] = 1.0
+    return rejection_sample(p, q, drafts, generator)
 
 
 @dataclass
@@ -136,110 +138,82 @@ class SpeculativeStats:
     def tokens_per_target_forward(self) -> float:
         return self.emitted / max(1, self.target_forwards)
 
-
-def _probs(logits: Tensor, params: SamplingParams, history: list[int]) -> Tensor:
-    return target_probs(logits.float().cpu(), params, history if params.repetition_penalty != 1.0 else None)
-
-
-@torch.inference_mode()
-def speculative_generate(target: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
-                         params: SamplingParams | None = None, draft: nn.Module | None = None,
-                         num_speculative_tokens: int = 4, ngram: tuple[int, int] = (3, 1),
-                         stop_ids: Sequence[int] = (), seed: int = 0) -> tuple[list[int], SpeculativeStats]:
-    """Generate up to ``max_new_tokens`` for one prompt with speculation; returns (tokens, stats).
-
-    With ``draft`` the proposals come from the draft model (sampled from q with the same
-    SamplingParams); without it from prompt lookup with n in ``ngram`` = (max_n, min_n).
-    """
-    params = params or SamplingParams(temperature=0.0)
-    k_max = num_speculative_tokens
-    if k_max < 1:
-        raise ValueError(f"num_speculative_tokens={k_max} must be >= 1")
-    prompt_ids = prompt_token_ids(prompt_ids, target.config.vocab_size, name="prompt_ids")  # as every path
-    p0 = next(target.parameters())
-    device, dtype = p0.device, p0.dtype
-    total = len(prompt_ids) + max_new_tokens + k_max + 1
-    if total > target.config.max_seq_len:
-        raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + k+1 ({k_max + 1}) "
-                         f"exceeds max_seq_len={target.config.max_seq_len}")
-    if draft is not None and draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"draft vocab_size={draft.config.vocab_size} != target vocab_size={target.config.vocab_size}")
-    gen = torch.Generator().manual_seed(params.seed if params.seed is not None else seed)
-    t_cache = KVCache(target.config, 1, total, dtype=dtype, device=device)
-    d_cache = KVCache(draft.config, 1, total, dtype=next(draft.parameters()).dtype, device=device) if draft else None
-    tokens = list(prompt_ids)
-    n_prompt = len(tokens)
-    t_done = d_done = 0  # tokens whose K/V each model has cached
-    stats = SpeculativeStats()
-    rules = SamplingParams(max_tokens=max(1, max_new_tokens), stop_token_ids=stop_ids)  # the stop rules only
-
-    def run(model, cache, start, new):  # feed tokens[start:] + new, return logits for every fed token
-        ids = torch.tensor([new], device=device)
-        pos = torch.arange(start, start + len(new), device=device)
-        return model(ids, pos, kv_cache=cache)[0]  # (T, V)
-
-    while len(tokens) - n_prompt < max_new_tokens:
-        room = max_new_tokens - (len(tokens) - n_prompt)
-        k = min(k_max, room - 1) if room > 1 else 0
-        # ---- propose
-        drafts: list[int] = []
-        q_rows: list[Tensor] = []
-        if k > 0 and draft is not None:
-            logits = run(draft, d_cache, d_done, tokens[d_done:])[-1]
-            d_done = len(tokens)
-            for j in range(k):
-                q = _probs(logits, params, tokens + drafts)
-                x = int(torch.multinomial(q, 1, generator=gen))
-                drafts.append(x)
-                q_rows.append(q)
-                if j < k - 1:
-                    logits = run(draft, d_cache, d_done, [x])[-1]
-                    d_done += 1
-        elif k > 0:
-            drafts = ngram_propose(tokens, k, *ngram)
-            for x in drafts:
-                q_rows.append(torch.zeros(target.config.vocab_size).index_fill_(0, torch.tensor(x), 1.0))
-        # ---- verify: one target forward over the pending tokens and the drafts
-        fed = tokens[t_done:] + drafts
-        logits = run(target, t_cache, t_done, fed)[-(len(drafts) + 1):]  # (k+1, V)
-        stats.target_forwards += 1
-        history = list(tokens)
-        p_rows = []
-        for j in range(len(drafts) + 1):
-            p_rows.append(_probs(logits[j], params, history))
-            if j < len(drafts):
-                history.append(drafts[j])
-        p = torch.stack(p_rows)
-        q = torch.stack(q_rows) if q_rows else torch.zeros(0, target.config.vocab_size)
-        emitted, n_acc = rejection_sample(p, q, drafts, gen)
-        stats.proposed += len(drafts)
-        stats.accepted += n_acc
-        # ---- roll back: the target keeps the accepted drafts, the draft model what it had right
-        base = len(tokens)
-        t_done = base + n_acc
-        t_cache.truncate(t_done)
-        if d_cache is not None:
-            d_done = min(d_done, t_done)
-            d_cache.truncate(d_done)
-        for x in emitted:
-            tokens.append(x)
-            stats.emitted += 1
-            if token_stop(x, len(tokens) - n_prompt, rules) is not None:
-                return tokens[n_prompt:], stats
-    return tokens[n_prompt:], stats
+    def record(self, proposed: int, accepted: int) -> None:
+        self.target_forwards += 1
+        self.proposed += proposed
+        self.accepted += accepted
 
 
 class PromptLookup:
-    """The engine's speculation strategy: prompt-lookup drafts (``ngram_propose``) for a decoding
-    sequence, fed in the same forward and checked by ``verify_drafts`` (the model runner). The
-    scheduler asks ``propose`` within its token budget."""
+    """Prompt-lookup speculation (``ngram_propose``): drafts copied from earlier in the sequence,
+    one-hot, so acceptance is p(draft). The engine's scheduler asks ``propose`` within its token
+    budget; ``generate`` drives the same object through ``start`` / ``draft`` / ``rollback``."""
 
     def __init__(self, num_speculative_tokens: int, ngram: tuple[int, int] = (3, 1)):
+        if as_integer("num_speculative_tokens", num_speculative_tokens) < 0:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0 (0 = off)")
         if not 1 <= ngram[1] <= ngram[0]:
             raise ValueError(f"ngram={ngram} must be (largest, smallest) n-gram sizes with 1 <= smallest <= largest")
         self.k, self.ngram = num_speculative_tokens, ngram
+        self.stats = SpeculativeStats()
 
     def propose(self, tokens: Sequence[int], room: int) -> list[int]:
         """At most min(k, room) drafts continuing ``tokens``; room: what the budget and limits allow."""
         k = min(self.k, room)
         return ngram_propose(tokens, k, *self.ngram) if k > 0 else []
+
+    def start(self, target: nn.Module, max_seq_len: int) -> None:
+        self.stats = SpeculativeStats()
+
+    def draft(self, tokens: list[int], room: int, params: SamplingParams,
+              generator: torch.Generator) -> tuple[list[int], Tensor | None]:
+        return self.propose(tokens, room), None  # q one-hot
+
+    def rollback(self, length: int) -> None:
+        pass
+
+
+class DraftModel:
+    """Draft-model speculation: a smaller model q (or ``truncated_draft``) samples k drafts with the
+    request's ``SamplingParams``, keeping its own KV cache, rolled back to what the target kept."""
+
+    def __init__(self, draft: nn.Module, num_speculative_tokens: int = 4):
+        if as_integer("num_speculative_tokens", num_speculative_tokens) < 1:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
+        self.model, self.k = draft, num_speculative_tokens
+        self.stats = SpeculativeStats()
+
+    def start(self, target: nn.Module, max_seq_len: int) -> None:
+        if self.model.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"draft vocab_size={self.model.config.vocab_size} != target vocab_size="
+                             f"{target.config.vocab_size}")
+        p = next(self.model.parameters())
+        self.cache = KVCache(self.model.config, 1, max_seq_len, dtype=p.dtype, device=p.device)
+        self.done = 0  # tokens whose K/V the draft has cached
+        self.stats = SpeculativeStats()
+
+    def _run(self, ids: list[int]) -> Tensor:  # feed ids, cached from self.done on; logits of the last (V,)
+        device = self.cache.k.device
+        pos = torch.arange(self.done, self.done + len(ids), device=device)
+        self.done += len(ids)
+        return self.model(torch.tensor([ids], device=device), pos, kv_cache=self.cache, last_n=1)[0, -1]
+
+    def draft(self, tokens: list[int], room: int, params: SamplingParams,
+              generator: torch.Generator) -> tuple[list[int], Tensor | None]:
+        k = min(self.k, room)
+        if k <= 0:
+            return [], None
+        logits = self._run(tokens[self.done:])
+        drafts: list[int] = []
+        q_rows: list[Tensor] = []
+        for j in range(k):
+            q = target_probs(logits.float().cpu(), params, tokens + drafts)  # (V,)
+            drafts.append(int(torch.multinomial(q, 1, generator=generator)))
+            q_rows.append(q)
+            if j < k - 1:
+                logits = self._run(drafts[-1:])
+        return drafts, torch.stack(q_rows)  # (k,), (k, V)
+
+    def rollback(self, length: int) -> None:
+        self.done = min(self.done, length)
+        self.cache.truncate(self.done)

@@ -53,6 +53,10 @@ class StaticKVCache(StoreThenAttend):
     def reset(self) -> None:
         self.positions.fill_(-1)
 
+    def truncate(self, length: int) -> None:
+        """Forget every slot at position >= ``length`` (speculation rolls back rejected drafts)."""
+        self.positions[:, length:] = -1
+
     def update(self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Store k, v (B, K, T, H) at ``positions`` (T,) (the same for every row); return
         this layer's full (B, K, S_max, H) x2 and the slot positions (B, S_max)."""
@@ -110,11 +114,17 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def prefill(self, ids) -> Tensor:
-        n = len(ids)
+        """The prompt from position 0, eagerly; logits of its last token (V,)."""
+        return self.forward(ids, 0)[0]
+
+    @torch.inference_mode()
+    def forward(self, ids, start: int, last_n: int = 1) -> Tensor:
+        """Feed ``ids`` at positions start.. eagerly (their number varies); logits of the last ``last_n`` (last_n, V)."""
+        n = start + len(ids)
         if n > self.cache.max_seq_len:
-            raise ValueError(f"prompt of {n} tokens exceeds the decoder's max_seq_len={self.cache.max_seq_len}")
-        tokens = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)[None]  # (1, S)
-        return self._forward(tokens, torch.arange(n, device=self.device))[0]
+            raise ValueError(f"{n} tokens exceed the decoder's max_seq_len={self.cache.max_seq_len}")
+        tokens = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)[None]  # (1, T)
+        return self.model(tokens, torch.arange(start, n, device=self.device), kv_cache=self.cache, last_n=last_n)[0]
 
     @torch.inference_mode()
     def decode(self, token: Tensor, position: Tensor) -> Tensor:

@@ -11,6 +11,7 @@ import os
 import sys
 
 from lmstack.inference.generate import stream_generate
+from lmstack.inference.sampling import SamplingParams
 from lmstack.threads import add_threads_argument, set_threads
 from lmstack.tokenizer import load_tokenizer
 from lmstack.train.config import TrainConfig, apply_overrides
@@ -98,8 +99,8 @@ def run_train(args: argparse.Namespace) -> int:
           f"loss curve  {png}")
     if tok is not None:
         print(args.sample, end="", flush=True)
-        stream_generate(trainer.raw_model.eval(), tok, args.sample, args.sample_tokens, temperature=0.8, top_k=50,
-                        seed=config.seed)
+        params = SamplingParams(max_tokens=args.sample_tokens, temperature=0.8, top_k=50, seed=config.seed)
+        stream_generate(trainer.raw_model.eval(), tok, args.sample, params)
     return 0
 
 
