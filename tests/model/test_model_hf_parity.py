@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers", reason="HF transformers is th
 
 from lmstack.kernels.backends import attention_impl  # noqa: E402
 from lmstack.model.config import ModelConfig  # noqa: E402
-from lmstack.model.hf import load_hf, save_hf  # noqa: E402
+from lmstack.model.hf import load_config, load_hf, save_hf  # noqa: E402
 from lmstack.model.io import load_model  # noqa: E402
 
 SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -95,7 +95,7 @@ def test_sharded_hf_checkpoint_loads(tmp_path):
 def test_config_roundtrip_through_hf_dict(tmp_path):
     hf = _hf_model("qwen2")
     hf.save_pretrained(tmp_path)
-    c = ModelConfig.load(tmp_path / "config.json")
+    c = load_config(tmp_path / "config.json")
     assert (c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.d_ff, c.vocab_size) == (64, 2, 4, 2, 160, 128)
     assert c.qkv_bias and c.tie_embeddings and c.rope_theta == 1000.0 and c.architecture == "qwen2"
 

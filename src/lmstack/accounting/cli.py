@@ -17,6 +17,7 @@ from lmstack.accounting.hardware import HARDWARE, get_hardware, measure_cpu
 from lmstack.accounting.plan import build_plan
 from lmstack.accounting.roofline import plot_roofline
 from lmstack.model.config import PRESETS, ModelConfig
+from lmstack.model.hf import load_config
 from lmstack.threads import add_threads_argument
 from lmstack.utils import atomic_write_text, check_outputs, is_json_file, is_png_file
 
@@ -51,7 +52,7 @@ def _load_model(spec: str) -> ModelConfig:
     if spec.lower() in PRESETS:
         return ModelConfig.from_preset(spec)
     if os.path.exists(spec):
-        return ModelConfig.load(spec)
+        return load_config(spec)
     raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an existing file")
 
 

@@ -42,6 +42,8 @@ import os
 import torch
 from torch import Tensor
 
+from lmstack.kernels.flash_pytorch import flash_attention_pytorch
+from lmstack.kernels.matmul_attention import matmul_attention
 from lmstack.model.seam import AttentionImpl, AttentionMetadata, NormImpl, ReferenceAttention, SDPAAttention
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "reference", "matmul", "flash_pytorch", "flash_triton")
@@ -60,8 +62,6 @@ class MatmulAttentionImpl:
     name = "matmul"
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
-        from lmstack.kernels.matmul_attention import matmul_attention
-
         mask = meta.mask()
         return matmul_attention(q, k, v, mask=mask, causal=mask is None)
 
@@ -150,8 +150,6 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, backe
     q (B, N, T, H), k/v (B, K, S, H) -> O (B, N, T, H) [, L (B, N, T)]; causal is bottom-right aligned.
     """
     if backend == "flash_pytorch":
-        from lmstack.kernels.flash_pytorch import flash_attention_pytorch
-
         return flash_attention_pytorch(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
     if backend == "flash_triton":
         from lmstack.kernels.flash_triton import flash_attention_triton  # imports triton on first use

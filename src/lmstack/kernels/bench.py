@@ -27,6 +27,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
+
+from lmstack.kernels.backends import flash_attention
+from lmstack.model.seam import reference_attention
+from lmstack.utils import atomic_write_text
 
 
 # ---- NVTX ------------------------------------------------------------------------------------
@@ -221,8 +226,6 @@ def format_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:
-    from lmstack.utils import atomic_write_text
-
     atomic_write_text(path, json.dumps(payload, indent=2, default=str) + "\n")
 
 
@@ -238,15 +241,9 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def attention_fn(backend: str, causal: bool = True) -> Callable:
     """(q, k, v) -> O for a backend name; ``sdpa_flash`` forces SDPA's FlashAttention kernel (CUDA)."""
-    import torch.nn.functional as F
-
-    from lmstack.kernels.backends import flash_attention
-
     if backend in ("flash_pytorch", "flash_triton"):
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, backend=backend)
     if backend == "reference":
-        from lmstack.model.seam import reference_attention
-
         def ref(q, k, v):
             T, S = q.shape[-2], k.shape[-2]
             mask = None

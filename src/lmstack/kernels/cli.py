@@ -13,6 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
+from lmstack.kernels.bench import bench_attention, bench_model, format_table, machine_info, parse_dtype, write_json
+from lmstack.kernels.runtime import RuntimeConfig, configure
+from lmstack.model.config import ModelConfig
+from lmstack.model.hf import load_config
+from lmstack.model.transformer import Transformer
+from lmstack.threads import add_threads_argument
+from lmstack.utils import check_outputs, is_json_file
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -25,14 +35,10 @@ def _ints(text: str) -> list[int]:
 
 
 def _default_device() -> str:
-    import torch
-
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def register(subparsers) -> None:
-    from lmstack.threads import add_threads_argument
-
     p = subparsers.add_parser("bench", help="benchmark attention backends or a model training step",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(title="what", metavar="WHAT")
@@ -76,8 +82,6 @@ def register(subparsers) -> None:
 
 
 def _device_dtype(args):
-    from lmstack.kernels.bench import parse_dtype
-
     device = args.device or _default_device()
     dtype = parse_dtype(args.dtype or ("bf16" if device.startswith("cuda") else "fp32"))
     return device, dtype
@@ -85,20 +89,13 @@ def _device_dtype(args):
 
 def _check_json_output(args, inputs) -> None:
     """``--json`` must not be an input, nor replace a file that is not JSON (without --force)."""
-    from lmstack.utils import check_outputs, is_json_file
-
     check_outputs([("--json", args.json)], inputs, {"--json": ("a JSON file", is_json_file)}, force=args.force)
 
 
 def _run_model(args) -> int:
-    from lmstack.kernels.bench import bench_model, format_table, write_json
-    from lmstack.kernels.runtime import RuntimeConfig, configure
-    from lmstack.model.config import ModelConfig
-    from lmstack.model.transformer import Transformer
-
     _check_json_output(args, [("the --config", args.config)])
     device, dtype = _device_dtype(args)
-    cfg = ModelConfig.load(args.config) if args.config else ModelConfig.from_preset(args.preset)
+    cfg = load_config(args.config) if args.config else ModelConfig.from_preset(args.preset)
     overrides = {}
     if args.n_layers:
         overrides["n_layers"] = args.n_layers
@@ -122,8 +119,6 @@ def _run_model(args) -> int:
 
 
 def _run_attention(args) -> int:
-    from lmstack.kernels.bench import bench_attention, format_table, machine_info, write_json
-
     _check_json_output(args, [])
     device, dtype = _device_dtype(args)
     if args.backends:

@@ -139,12 +139,11 @@ class ModelConfig:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ModelConfig":
-        """Read an lmstack config JSON, or an HF ``config.json`` (detected by ``model_type``)."""
+        """Read an lmstack config JSON (``lmstack.model.hf.load_config`` also reads HF ``config.json``)."""
         d = read_json_object(path)
         if "model_type" in d:
-            from lmstack.model.hf import config_from_hf
-
-            return config_from_hf(d, source=str(path))
+            raise ConfigError(f"{path}: an HF config.json (model_type={d['model_type']!r}); read it with "
+                              "lmstack.model.hf.load_config, which reads both kinds")
         try:
             return cls.from_dict(d)
         except (ConfigError, TypeError) as e:

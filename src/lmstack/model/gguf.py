@@ -26,6 +26,7 @@ import torch
 
 from lmstack.model.config import MAX_SEQ_LEN, MAX_SIZE, ConfigError, ModelConfig
 from lmstack.model.hf import WeightsError, check_layer_count, load_state_into
+from lmstack.model.transformer import Transformer
 from lmstack.tokenizer.gguf_io import GGUFFormatError, read_gguf_layout
 from lmstack.utils import check_float, check_int
 
@@ -243,8 +244,6 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
     is False, every weight is checked for NaN/inf; failures are ``WeightsError``/``ConfigError`` naming the
     tensor or metadata key.
     """
-    from lmstack.model.transformer import Transformer
-
     path = Path(path)
     header = read_gguf_header(path, rope_layout)
     config = header.config

@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lmstack.model.config import MAX_SEQ_LEN, MAX_SIZE, ConfigError, ModelConfig, read_json_object
+from lmstack.model.transformer import Transformer
 from lmstack.utils import atomic_path, atomic_write_text, check_bool, check_float, check_int
 
 HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -354,15 +355,19 @@ def read_hf_state(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     raise WeightsError(f"{d}: no model.safetensors or model.safetensors.index.json")
 
 
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """An lmstack config JSON, or an HF ``config.json`` (detected by ``model_type``)."""
+    d = read_json_object(path)
+    return config_from_hf(d, source=str(path)) if "model_type" in d else ModelConfig.load(path)
+
+
 def load_hf(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
             device: torch.device | str = "cpu", check_finite: bool = True):
     """Load an HF checkpoint directory into an lmstack ``Transformer`` (``check_finite``: refuse NaN/inf)."""
-    from lmstack.model.transformer import Transformer
-
     d = Path(directory)
     if not (d / "config.json").exists():
         raise WeightsError(f"{d}: no config.json (is this an HF checkpoint directory?)")
-    config = ModelConfig.load(d / "config.json")
+    config = load_config(d / "config.json")
     hf_state = read_hf_state(d)
     state = {}
     for name, t in hf_state.items():

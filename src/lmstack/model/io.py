@@ -19,8 +19,10 @@ from typing import Any
 import torch
 
 from lmstack.model.config import ModelConfig, read_json_object
-from lmstack.model.hf import (WeightsError, _read_safetensors, check_float_weights, check_layer_count, load_hf,
-                              load_state_into)
+from lmstack.model.gguf import load_gguf
+from lmstack.model.hf import (WeightsError, _read_safetensors, check_float_weights, check_layer_count, load_config,
+                              load_hf, load_state_into)
+from lmstack.model.transformer import Transformer
 from lmstack.utils import atomic_path
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,8 +69,6 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if path.is_file():
         if path.suffix != ".gguf":
             raise WeightsError(f"{path}: expected a .gguf file or a checkpoint directory")
-        from lmstack.model.gguf import load_gguf
-
         g = load_gguf(path, dtype=dtype, device=device, check_finite=check_finite)
         return LoadedModel(g.model, path, g.metadata)
     cfg_path = path / "config.json"
@@ -95,10 +95,8 @@ def save_pretrained(model, directory: str | os.PathLike) -> None:
 def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu", check_finite: bool = True):
     """Load an lmstack checkpoint written by ``save_pretrained`` (``check_finite``: refuse NaN/inf)."""
-    from lmstack.model.transformer import Transformer
-
     d = Path(directory)
-    config = ModelConfig.load(d / "config.json")
+    config = load_config(d / "config.json")
     state = _read_safetensors(d / "model.safetensors")
     check_layer_count(config, state, str(d / "model.safetensors"))
     with torch.device("meta"):

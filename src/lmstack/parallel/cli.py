@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import argparse
 
+from lmstack.parallel.mesh import DeviceMesh
+from lmstack.parallel.pipeline import bubble_formula, schedule, simulate
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("parallel", help="pipeline schedules/bubbles and device-mesh layouts",
@@ -30,8 +33,6 @@ def register(subparsers) -> None:
 
 
 def run_bubble(args) -> int:
-    from lmstack.parallel.pipeline import bubble_formula, schedule, simulate
-
     p, m = args.pp, args.micro_batches
     print(f"p={p} stages, m={m} micro-batches; formula (p-1)/(m+p-1) = {bubble_formula(p, m):.3f}")
     for kind in ("gpipe", "1f1b", "zb"):
@@ -46,8 +47,6 @@ def run_bubble(args) -> int:
 
 
 def run_mesh(args) -> int:
-    from lmstack.parallel.mesh import DeviceMesh
-
     model = args.tp * args.pp * args.cp
     if args.world % model:
         raise ValueError(f"world={args.world} is not divisible by tp·pp·cp = {model}")
