@@ -155,6 +155,16 @@ def test_cli_generate_quantized_and_llm_quant(tmp_path, capsys):
     assert isinstance(llm.engine.model.blocks[0].attn.q_proj, Int8Linear)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0]
     assert out.token_ids == full_recompute_greedy(quantize_model(copy.deepcopy(model), "int8"), prompt, 6)
+    # the number format is a runtime choice: RuntimeConfig(dtype=...) is what quant= stands for
+    from lmstack.kernels import RuntimeConfig
+
+    llm = LLM(str(tmp_path / "ckpt"), runtime=RuntimeConfig(dtype="int8"))
+    assert isinstance(llm.engine.model.blocks[0].attn.q_proj, Int8Linear) and llm.runtime.dtype == "int8"
+    assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0].token_ids == out.token_ids
+    with pytest.raises(ValueError, match="disagree"):
+        LLM(str(tmp_path / "ckpt"), runtime=RuntimeConfig(dtype="int4"), quant="int8")
+    with pytest.raises(ValueError, match="dtype='int3'"):
+        RuntimeConfig(dtype="int3")
     assert weight_format("bf16", "int8") == (torch.bfloat16, "int8")
     with pytest.raises(ValueError, match="conflicts"):
         weight_format("int8", "int4")

@@ -35,7 +35,7 @@ def test_engine_with_each_backend_equals_full_recompute(backend, selective, prom
     model = make_model()  # the fixture's weights, its own implementation
     llm = LLM(model, runtime=RuntimeConfig(attn_backend=backend), block_size=4, num_blocks=200,
               max_num_batched_tokens=9, max_num_seqs=6, selective=selective)
-    assert llm.runtime.startswith(f"attention: {backend} (configured)")
+    assert llm.runtime_line.startswith(f"attention: {backend} (configured)")
     spy = Spy(backend)
     model.set_attention(spy)
     outs = llm.generate(prompts, GREEDY)

@@ -70,12 +70,15 @@ def test_configure_sets_the_implementations_once():
 
 def test_auto_is_decided_once_and_logged():
     model = Transformer(CFG, seed=0)
-    assert configure(model, training_autocast="bf16", max_keys=256) == (
+    bf16 = RuntimeConfig(dtype="bf16")
+    assert configure(model, bf16, training=True, max_keys=256) == (
         "attention: matmul (auto: CPU, bf16 autocast, ≤512 keys); rmsnorm: torch (auto)")
     assert model.attention.name == "matmul"
-    assert configure(model, training_autocast="bf16", max_keys=1024).startswith("attention: sdpa (auto: CPU, >512 keys)")
+    assert configure(model, bf16, training=True, max_keys=1024).startswith("attention: sdpa (auto: CPU, >512 keys)")
     assert configure(model).startswith("attention: sdpa (auto: CPU)")
-    assert configure(model, training_autocast="bf16", compile=True).startswith("attention: sdpa (auto: CPU, compiled)")
+    assert configure(model, bf16, max_keys=256).startswith("attention: sdpa (auto: CPU)")  # inference: no autocast
+    assert configure(model, RuntimeConfig(dtype="bf16", compile=True), training=True).startswith(
+        "attention: sdpa (auto: CPU, compiled)")
 
 
 def test_runtime_keys_left_the_model_config():

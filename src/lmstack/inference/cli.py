@@ -12,7 +12,7 @@ import time
 
 from lmstack.inference.engine import LLMEngine, PromptTooLongError
 from lmstack.inference.generate import stream_generate
-from lmstack.inference.loader import DTYPES, QUANT, load_for_inference
+from lmstack.inference.loader import DTYPES, QUANT, load_for_inference, weight_format
 from lmstack.inference.sampling import SamplingParams
 from lmstack.inference.static import StaticDecoder
 from lmstack.kernels.backends import ATTENTION_BACKENDS
@@ -81,9 +81,18 @@ def _sampling_kwargs(args) -> dict:
                 repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
+def _runtime(args) -> RuntimeConfig:
+    """--attn-backend, --dtype (or --quant), --compile: how the model runs, as one RuntimeConfig."""
+    dtype, quant = args.dtype, getattr(args, "quant", None)
+    weight_format(dtype, quant)  # --dtype int4 --quant int8 conflict
+    return RuntimeConfig(attn_backend=getattr(args, "attn_backend", "auto"), dtype=quant or dtype,
+                         compile=getattr(args, "compile", False))
+
+
 def _load(args):
-    model, tokenizer = load_for_inference(args.model, args.tokenizer, args.dtype, quant=getattr(args, "quant", None))
-    configure(model, RuntimeConfig(attn_backend=getattr(args, "attn_backend", "auto")))
+    runtime = _runtime(args)
+    model, tokenizer = load_for_inference(args.model, args.tokenizer, runtime.dtype)
+    configure(model, runtime)
     return model, tokenizer
 
 
@@ -95,7 +104,7 @@ def run_generate(args) -> int:
     else:
         print(prompt, end="", flush=True)
     decoder = None
-    if args.compile:
+    if _runtime(args).compile:
         n = len(tok.encode(prompt)) + args.max_tokens
         decoder = StaticDecoder(model, min(model.config.max_seq_len, -(-n // 256) * 256), compile=True)
         t0 = time.perf_counter()

@@ -29,10 +29,11 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import replace
 
 import torch
 
-from lmstack.inference.loader import load_for_inference
+from lmstack.inference.loader import DTYPES, load_for_inference, weight_format
 from lmstack.inference.model_runner import ModelRunner
 from lmstack.inference.paged import PagedKVCache
 from lmstack.inference.prompts import prompt_token_ids
@@ -284,20 +285,33 @@ class LLM:
     """Offline batch inference: ``LLM("smollm2-135m").generate(prompts, SamplingParams(...))``.
 
     ``model`` is a name (``smollm2-135m``), a .gguf file or checkpoint directory, or a
-    Transformer; ``runtime`` a ``lmstack.kernels.RuntimeConfig`` (attention/RMSNorm backends); ``dtype`` a torch dtype or "fp32"/"bf16"/"int8"/"int4"; ``quant="int8"``/"int4"
-    quantises the linears' weights (``lmstack.quant``, the model is changed in place); engine
+    Transformer; ``runtime`` a ``lmstack.kernels.RuntimeConfig``: attention/RMSNorm backends and the
+    number format (``dtype`` "fp32"/"bf16"/"fp16", or "int8"/"int4": weight-only quantised linears,
+    ``lmstack.quant``, the model changed in place). ``dtype=`` / ``quant=`` are shorthands for
+    ``runtime.dtype`` (a torch dtype is accepted for ``dtype``). Without ``runtime`` a Transformer
+    passed in keeps the backends it has. Engine
     options (block_size, num_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
     ...) are passed through to ``LLMEngine``. ``generate`` checks every prompt before queueing
     any (``ValueError``), and raises ``GenerationError`` (holding every output) when some requests
     failed while running; the engine stays usable either way.
     """
 
-    def __init__(self, model="smollm2-135m", tokenizer=None, dtype: torch.dtype | str = torch.float32,
-                 device: torch.device | str = "cpu", quant: str | None = None, runtime: RuntimeConfig | None = None,
-                 **engine_kwargs):
-        model, tokenizer = load_for_inference(model, tokenizer, dtype, device, quant)
-        # the attention/RMSNorm backends, resolved once here; without ``runtime`` the model keeps its own
-        self.runtime = configure(model, runtime) if runtime is not None else None
+    def __init__(self, model="smollm2-135m", tokenizer=None, runtime: RuntimeConfig | None = None,
+                 device: torch.device | str = "cpu", *, dtype: torch.dtype | str | None = None,
+                 quant: str | None = None, **engine_kwargs):
+        configured = runtime is not None
+        runtime = runtime or RuntimeConfig()
+        if dtype is not None or quant is not None:
+            name = next((k for k, v in DTYPES.items() if v == dtype), dtype) if isinstance(dtype, torch.dtype) else dtype
+            weight_format(name or "fp32", quant)  # names both values when they conflict
+            name = quant or name
+            if configured and runtime.dtype not in ("fp32", name):
+                raise ValueError(f"dtype/quant={name!r} and runtime.dtype={runtime.dtype!r} disagree; set one")
+            runtime = replace(runtime, dtype=name)
+        model, tokenizer = load_for_inference(model, tokenizer, runtime.dtype, device)
+        # the backends, resolved once here; without ``runtime`` a model passed in keeps its own
+        self.runtime = runtime
+        self.runtime_line = configure(model, runtime) if configured else None
         self.engine = LLMEngine(model, tokenizer, **engine_kwargs)
 
     @property

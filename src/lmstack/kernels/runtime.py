@@ -1,10 +1,11 @@
-"""RuntimeConfig: how a model runs (attention / RMSNorm backends), as opposed to what it is.
+"""RuntimeConfig: how a model runs (backends, number format, compilation), as opposed to what it is.
 
 ``ModelConfig`` is the architecture (what a checkpoint's config.json holds); the runtime choices
-are given to whatever builds a model (trainer, engine, CLI) and resolved once by ``configure``,
-which sets the implementations on the model and returns the line it logs, e.g.
-``attention: matmul (auto: CPU, bf16 autocast, ≤512 keys); rmsnorm: torch (auto)``.
-Seed 000 §2.7 (every attention backend computes the same function).
+are given to whatever builds a model — the trainer (``TrainConfig.runtime()``), the engine
+(``LLM(model, runtime=...)``), the commands (``--attn-backend``, ``--dtype``, ``--compile``) — and
+resolved once by ``configure``, which sets the implementations on the model and returns the line
+it logs, e.g. ``attention: matmul (auto: CPU, bf16 autocast, ≤512 keys); rmsnorm: torch (auto)``.
+Seed 000 §2.7 (every attention backend computes the same function), §5 (number formats).
 """
 
 from __future__ import annotations
@@ -16,33 +17,49 @@ import torch
 from lmstack.kernels.backends import ATTENTION_BACKENDS, NORM_BACKENDS, attention_impl, choose_attention, choose_norm
 
 
+#: Floating formats: training autocasts to them (fp32 master weights; "fp32" = no autocast), inference
+#: holds its weights in them.
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: Inference also runs weight-only quantised linears (``lmstack.quant``) over fp32 weights.
+WEIGHT_FORMATS = PRECISIONS + ("int8", "int4")
+
+
 @dataclass
 class RuntimeConfig:
     """attn_backend: one of ``ATTENTION_BACKENDS`` ("auto": ``backends.choose_attention``);
-    norm_backend: one of ``NORM_BACKENDS`` ("auto": triton on CUDA with Triton, else torch)."""
+    norm_backend: one of ``NORM_BACKENDS`` ("auto": triton on CUDA with Triton, else torch);
+    dtype: the number format, one of ``WEIGHT_FORMATS`` (training: ``PRECISIONS``, the autocast dtype);
+    compile: ``torch.compile`` the model (training) or the decode step (``lmstack generate``)."""
 
     attn_backend: str = "auto"
     norm_backend: str = "auto"
+    dtype: str = "fp32"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.attn_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attn_backend={self.attn_backend!r}; expected one of {ATTENTION_BACKENDS}")
         if self.norm_backend not in NORM_BACKENDS:
             raise ValueError(f"norm_backend={self.norm_backend!r}; expected one of {NORM_BACKENDS}")
+        if self.dtype not in WEIGHT_FORMATS:
+            raise ValueError(f"dtype={self.dtype!r}; expected one of {WEIGHT_FORMATS}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile={self.compile!r} must be true or false")
 
 
 def configure(model, runtime: RuntimeConfig | None = None, device: torch.device | str | None = None,
-              training_autocast: str | None = None, compile: bool = False, max_keys: int | None = None) -> str:
+              training: bool = False, max_keys: int | None = None) -> str:
     """Resolve ``runtime`` once for what the builder knows and set it on ``model`` (anything with
     ``set_attention``/``set_norm``, e.g. ``lmstack.model.transformer.Transformer``); returns the log line.
 
-    device: where the model runs (default: its parameters'); training_autocast: "bf16"/"fp16" when it
-    trains under autocast; compile: torch.compile'd; max_keys: the longest key sequence S it will see.
+    device: where the model runs (default: its parameters'); training: it trains (under autocast when
+    ``runtime.dtype`` is bf16/fp16); max_keys: the longest key sequence S it will see.
     """
     runtime = runtime or RuntimeConfig()
     if device is None:
         device = next(model.parameters()).device
-    attn, why = choose_attention(runtime.attn_backend, device, training_autocast, compile, max_keys)
+    autocast = runtime.dtype if training and runtime.dtype in ("bf16", "fp16") else None
+    attn, why = choose_attention(runtime.attn_backend, device, autocast, runtime.compile, max_keys)
     norm, norm_impl = choose_norm(runtime.norm_backend, device)
     model.set_attention(attention_impl(attn))
     model.set_norm(norm_impl)

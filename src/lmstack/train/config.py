@@ -27,14 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmstack.kernels.runtime import RuntimeConfig
+from lmstack.kernels.runtime import PRECISIONS, RuntimeConfig
 from lmstack.model.config import RUNTIME_FIELDS, ConfigError, ModelConfig
 from lmstack.parallel.plan import ParallelPlan
 from lmstack.train.schedule import SCHEDULES
 from lmstack.utils import atomic_write_text, check_bool, check_int
 
 OPTIMIZERS = ("adamw", "sgd")
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class TrainConfigError(ValueError):
@@ -109,6 +108,8 @@ class TrainConfig:
 
         for n in ("packing", "activation_checkpointing", "compile", "fused_loss"):
             check_bool(n, getattr(self, n), TrainConfigError)
+        if self.precision not in PRECISIONS:
+            raise TrainConfigError(f"precision={self.precision!r}; expected one of {PRECISIONS}")
         self._move_runtime_keys()
         if self.qk_norm is not None:
             check_bool("qk_norm", self.qk_norm, TrainConfigError)
@@ -146,8 +147,6 @@ class TrainConfig:
         if self.schedule == "wsd" and not (1 <= self.decay_steps <= self.max_steps - self.warmup_steps):
             raise TrainConfigError(f"decay_steps={self.decay_steps} must be in [1, max_steps - warmup_steps] "
                                    "for schedule='wsd'")
-        if self.precision not in PRECISIONS:
-            raise TrainConfigError(f"precision={self.precision!r}; expected one of {PRECISIONS}")
         if not isinstance(self.model, dict):
             raise TrainConfigError(f"model={self.model!r} must be a table of ModelConfig fields")
         if self.packing and self.sep_id is None:
@@ -184,8 +183,9 @@ class TrainConfig:
             raise TrainConfigError(str(e)) from None
 
     def runtime(self) -> RuntimeConfig:
-        """The backends this run uses (resolved once by the trainer, ``lmstack.kernels.runtime.configure``)."""
-        return RuntimeConfig(self.attn_backend, self.norm_backend)
+        """How this run computes: backends, precision, compile (resolved once by the trainer,
+        ``lmstack.kernels.runtime.configure``). The TOML keeps them as top-level keys."""
+        return RuntimeConfig(self.attn_backend, self.norm_backend, dtype=self.precision, compile=self.compile)
 
     # ---- model ---------------------------------------------------------------------------
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:

@@ -195,9 +195,8 @@ class Trainer:
             for line in ckpt.recover(self.ckpt_dir):
                 print(f"checkpoints: {line}")
         self.raw_model = Transformer(self.model_config, device=self.device, seed=c.seed)
-        autocast = c.precision if c.precision in ("bf16", "fp16") else None
-        runtime_line = configure(self.raw_model, c.runtime(), self.device, training_autocast=autocast,
-                                 compile=c.compile, max_keys=c.seq_len)
+        self.runtime = c.runtime()  # backends, precision, compile: how this run computes
+        runtime_line = configure(self.raw_model, self.runtime, self.device, training=True, max_keys=c.seq_len)
         if self.is_main:
             print(runtime_line)
         self.raw_model.activation_checkpointing = c.activation_checkpointing
@@ -210,12 +209,12 @@ class Trainer:
         # data-parallel coordinates: the tp/pp/cp ranks of one replica read the same rows
         self.dp_rank = pm.mesh.rank("dp") if pm is not None else self.rank
         self.dp_size = pm.mesh.dp if pm is not None else self.world_size
-        if c.compile:
+        if self.runtime.compile:
             self.model = torch.compile(self.model)
         self.optimizer = self.build_optimizer()
         self.schedule = build_schedule(c)
         # fp16 has a narrow exponent range: scale the loss so small gradients do not underflow
-        self.scaler = torch.amp.GradScaler(self.device.type) if c.precision == "fp16" else None
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.runtime.dtype == "fp16" else None
         if self.scaler is not None and pm is not None and not pm.fp16_scaler_ok:
             raise TrainConfigError(f"precision='fp16' with parallel={c.parallel!r}: the fp16 loss scaler checks "
                                    "for overflow per rank, which sharded plans (tp, pp, ZeRO) would let diverge; "
@@ -303,9 +302,9 @@ class Trainer:
     # ---- one step -------------------------------------------------------------------------
     def autocast(self):
         """bf16/fp16 autocast (seed 000 §5.4): matmuls in low precision, weights stay fp32."""
-        if self.config.precision == "fp32":
+        if self.runtime.dtype == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=AUTOCAST_DTYPES[self.config.precision])
+        return torch.autocast(device_type=self.device.type, dtype=AUTOCAST_DTYPES[self.runtime.dtype])
 
     def next_batch(self) -> Batch:
         c = self.config
@@ -487,7 +486,7 @@ class Trainer:
 
     def peak_flops(self) -> float:
         if self._peak_flops is None:
-            self._peak_flops = device_peak_flops(self.device.type, self.config.precision)
+            self._peak_flops = device_peak_flops(self.device.type, self.runtime.dtype)
         return self._peak_flops
 
     def _sync(self) -> None:
