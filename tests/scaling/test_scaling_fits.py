@@ -91,13 +91,14 @@ def test_offset_power_law_recovers_parameters():
     assert f.params["alpha"] == pytest.approx(ref[2], rel=0.03)
 
 
+@pytest.mark.slow
 def test_offset_fit_bootstrap_interval_covers_truth():
     rng = np.random.default_rng(4)
     x = np.geomspace(1e6, 1e9, 20)
     y = offset_power_law(x, 2.0, 50.0, 0.3) * np.exp(rng.normal(0, 0.003, 20))
     f = fit_offset_power_law(x, y)
     start = [[np.log(f.params["L_inf"]), np.log(f.params["beta"]), f.params["alpha"]]]
-    bootstrap(f, lambda i: fit_offset_power_law(x[i], y[i], starts=start), len(x), n_boot=60)
+    bootstrap(f, lambda i: fit_offset_power_law(x[i], y[i], starts=start), len(x), n_boot=40)
     lo, hi = f.ci["alpha"]
     assert lo < 0.3 < hi and hi - lo < 0.2
 
@@ -122,6 +123,7 @@ def test_chinchilla_fit_recovers_parameters_with_intervals():
         assert lo <= TRUE[k] + 0.01 and hi >= TRUE[k] - 0.01, (k, f.ci[k])
 
 
+@pytest.mark.slow
 def test_approach3_exponents_sum_to_one_and_match_the_analytic_optimum():
     N, D, L = _chinchilla_runs(40, noise=0.001, seed=5)
     res = ch.approach3(N, D, L, n_boot=0)

@@ -80,7 +80,8 @@ def offset_power_law(x, L_inf: float, beta: float, alpha: float) -> np.ndarray:
     return L_inf + beta * np.asarray(x, dtype=np.float64) ** -alpha
 
 
-def fit_offset_power_law(x, y, starts: np.ndarray | None = None, delta: float = HUBER_DELTA) -> Fit:
+def fit_offset_power_law(x, y, starts: np.ndarray | None = None, delta: float = HUBER_DELTA,
+                         top_k: int | None = 8) -> Fit:
     """L(x) = L∞ + β·x^−α, fitted as log L = LSE(log L∞, log β − α log x) with a Huber loss.
 
     Seed 000 §3.2's L(C); parameters θ = (e, b, α) with L∞ = eᵉ, β = eᵇ, searched from a grid of starts.
@@ -99,7 +100,7 @@ def fit_offset_power_law(x, y, starts: np.ndarray | None = None, delta: float = 
     if starts is None:
         lo = float(np.log(y.min()))
         starts = grid([lo - 2, lo - 0.5, lo - 0.05], [0.0, 5.0, 10.0, 20.0], [0.05, 0.2, 0.5, 1.0])
-    res = robust_fit(residuals, starts, delta, bounds=[(None, None), (None, None), (0.0, 5.0)])
+    res = robust_fit(residuals, starts, delta, bounds=[(None, None), (None, None), (0.0, 5.0)], top_k=top_k)
     e, b, alpha = res.params
     p = {"L_inf": float(np.exp(e)), "beta": float(np.exp(b)), "alpha": float(alpha)}
     return Fit("L = L_inf + beta*x^-alpha", p, lambda q: offset_power_law(q, **p))

@@ -105,7 +105,7 @@ def robust_fit(residuals: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
     converged = 0
     for x0 in starts:
         res = optimize.minimize(objective, x0, jac=True, method="L-BFGS-B", bounds=bounds,
-                                options={"maxiter": maxiter, "ftol": 1e-15, "gtol": 1e-12})
+                                options={"maxiter": maxiter, "ftol": 1e-13, "gtol": 1e-9})
         if not np.isfinite(res.fun):
             continue
         converged += bool(res.success)
