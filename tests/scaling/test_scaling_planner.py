@@ -62,3 +62,22 @@ def test_hardware_budget_and_errors():
         compute_optimal(1e20, "nope")
     with pytest.raises(ValueError, match="C=-1"):
         compute_optimal(-1, "chinchilla")
+
+
+@pytest.mark.parametrize("name", ["chinchilla", "epoch", "chinchilla-approach1"])
+def test_optimal_for_params_inverts_the_planner(name):
+    from lmstack.scaling.planner import optimal_for_params
+
+    p = optimal_for_params(7e9, name)
+    assert compute_optimal(p.C, name).N == pytest.approx(7e9, rel=1e-9)
+    if name == "chinchilla-approach1":
+        assert p.D == pytest.approx(20 * 7e9)
+
+
+def test_lmstack_plan_shows_the_compute_optimal_line(capsys):
+    from lmstack.cli import main
+
+    assert main(["plan", "--model", "smollm2-135m", "--scaling-law", "chinchilla-approach1", "--batch", "1"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("compute-optimal")][0]
+    # SmolLM2-135M: 134,515,008 parameters (tied) -> 20 tokens each
+    assert "D=2.69e+09 tokens (20.0/param)" in line

@@ -102,6 +102,20 @@ def compute_optimal(C: float, law: Law | str = "chinchilla") -> Plan:
     return Plan(float(C), N, D, D / N, law.loss(N, D), law.name)
 
 
+def optimal_for_params(N: float, law: Law | str = "epoch") -> Plan:
+    """The inverse question: the budget C (and tokens D) for which a model of N parameters is compute-optimal
+    (N = G·(C/6)^a  ⇒  C = 6·(N/G)^(1/a); for the fixed-ratio rule D = k·N)."""
+    law = get_law(law) if isinstance(law, str) else law
+    if not (isinstance(N, (int, float)) and math.isfinite(N) and N > 0):
+        raise ValueError(f"N={N!r} must be a positive number of parameters")
+    if law.tokens_per_param is not None:
+        C = 6.0 * N * law.tokens_per_param * N
+    else:
+        C = 6.0 * (N / law.G) ** (1.0 / law.a)
+    D = C / (6.0 * N)
+    return Plan(C, float(N), D, D / N, law.loss(N, D), law.name)
+
+
 def compute_from_hardware(n_devices: int, hours: float, peak_flops: float, mfu: float) -> float:
     """C = devices × seconds × peak FLOP/s × MFU (model FLOPs utilisation, seed 000 §1.6)."""
     for name, v in (("devices", n_devices), ("hours", hours), ("peak_flops", peak_flops)):
