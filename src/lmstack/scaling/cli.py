@@ -44,6 +44,34 @@ def register(subparsers) -> None:
     add_threads_argument(ft)
     ft.set_defaults(func=cmd_fit)
 
+    cc = sub.add_parser("coord-check", help="µP coordinate check: activation size vs width at steps 0-5, SP and µP")
+    cc.add_argument("--widths", default="32,64,128,256", help="comma-separated d_model values (default 32,64,128,256)")
+    cc.add_argument("--base-width", type=int, default=32, help="µP base width (default 32)")
+    cc.add_argument("--steps", type=int, default=5)
+    cc.add_argument("--lr", type=float, default=1e-2)
+    cc.add_argument("--out", default="runs/scaling-mup/coord_check.png", help="PNG path")
+    add_threads_argument(cc)
+    cc.set_defaults(func=cmd_coord_check)
+
+    lt = sub.add_parser("lr-transfer", help="loss vs learning rate for several widths under SP and µP")
+    lt.add_argument("--data", required=True, help="token file (lmstack tokenizer encode)")
+    lt.add_argument("--widths", default="32,64,128")
+    lt.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2,1e-1")
+    lt.add_argument("--base-width", type=int, default=32)
+    lt.add_argument("--steps", type=int, default=150)
+    lt.add_argument("--out", default="runs/scaling-mup", help="folder for the runs, lr_transfer.json/.png")
+    add_threads_argument(lt)
+    lt.set_defaults(func=cmd_lr_transfer)
+
+    bs = sub.add_parser("batch-sweep", help="loss vs steps at several batch sizes, with the gradient noise scale")
+    bs.add_argument("--data", required=True, help="token file (lmstack tokenizer encode)")
+    bs.add_argument("--batches", default="2,8,32", help="sequences per step (default 2,8,32)")
+    bs.add_argument("--steps", type=int, default=200)
+    bs.add_argument("--width", type=int, default=64)
+    bs.add_argument("--out", default="runs/scaling-batch", help="folder for the runs, batch_sweep.json/.png")
+    add_threads_argument(bs)
+    bs.set_defaults(func=cmd_batch_sweep)
+
 
 def _laws(spec: str):
     from lmstack.scaling.planner import PRESETS, Law
@@ -129,4 +157,62 @@ def cmd_fit(args) -> int:
     for f in res.figures:
         print(f"wrote {f}")
     print(f"wrote {out / 'fit.json'}")
+    return 0
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        v = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated integers") from None
+    if not v or min(v) < 1:
+        raise ValueError(f"{flag} {text!r}: expected positive integers")
+    return v
+
+
+def cmd_coord_check(args) -> int:
+    from lmstack.scaling.coord_check import SITES, coord_check, plot_coord_check
+
+    widths = _ints(args.widths, "--widths")
+    res = {p: coord_check(widths, args.base_width, p, steps=args.steps, lr=args.lr) for p in ("sp", "mup")}
+    print(f"mean |x| at step {args.steps} (lr {args.lr:g}, base width {args.base_width}):")
+    print(f"{'':5} {'width':>6} " + " ".join(f"{s:>11}" for s in SITES))
+    for p, r in res.items():
+        for w in widths:
+            print(f"{p:5} {w:>6} " + " ".join(f"{v:>11.4f}" for v in r[w][-1]))
+    print(f"wrote {plot_coord_check(res, Path(args.out))}")
+    return 0
+
+
+def cmd_lr_transfer(args) -> int:
+    from lmstack.scaling.experiments import lr_transfer, plot_lr_transfer
+
+    out = Path(args.out)
+    try:
+        lrs = [float(x) for x in args.lrs.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--lrs {args.lrs!r}: expected comma-separated numbers") from None
+    s = lr_transfer(args.data, out, _ints(args.widths, "--widths"), lrs, args.base_width, steps=args.steps)
+    print(f"final validation loss ({args.steps} steps):")
+    print(f"{'':5} {'width':>6} " + " ".join(f"{lr:>8g}" for lr in lrs) + "   best lr")
+    for p in ("sp", "mup"):
+        for w, r in s["results"][p].items():
+            print(f"{p:5} {w:>6} " + " ".join(f"{r[lr]:>8.4f}" for lr in lrs) + f"   {s['best_lr'][p][w]:g}")
+    atomic_write_text(out / "lr_transfer.json", json.dumps(s, indent=2, default=str) + "\n")
+    print(f"wrote {plot_lr_transfer(s, out / 'lr_transfer.png')} and {out / 'lr_transfer.json'}")
+    return 0
+
+
+def cmd_batch_sweep(args) -> int:
+    from lmstack.scaling.experiments import batch_sweep, plot_batch_sweep
+
+    out = Path(args.out)
+    s = batch_sweep(args.data, out, _ints(args.batches, "--batches"), args.steps, width=args.width)
+    for b, pts in sorted(s["curves"].items()):
+        print(f"B={b:>4} sequences: final training loss {pts[-1][1]:.4f} after {pts[-1][0]} steps")
+    if s["noise_scale"]:
+        print(f"gradient noise scale B_simple ≈ {s['noise_scale']['b_simple_tokens']:,.0f} tokens "
+              f"(≈ {s['noise_scale']['b_simple_tokens'] / s['seq']:,.1f} sequences of {s['seq']})")
+    atomic_write_text(out / "batch_sweep.json", json.dumps(s, indent=2, default=str) + "\n")
+    print(f"wrote {plot_batch_sweep(s, out / 'batch_sweep.png')} and {out / 'batch_sweep.json'}")
     return 0
