@@ -212,3 +212,14 @@ def test_bad_input_names_the_array():
         fit_power_law([1.0, -2.0, 3.0], [1.0, 2.0, 3.0])
     with pytest.raises(ValueError, match="different lengths"):
         fit_power_law([1.0, 2.0, 3.0], [1.0, 2.0])
+
+
+def test_lse_softmax_matches_scipy():
+    from scipy.special import logsumexp, softmax
+
+    from lmstack.scaling.laws import _lse_softmax
+
+    z = np.random.default_rng(0).normal(0, 300, (3, 50))
+    lse, w = _lse_softmax(z)
+    np.testing.assert_allclose(lse, logsumexp(z, axis=0), rtol=1e-12)
+    np.testing.assert_allclose(w, softmax(z, axis=0), rtol=1e-9, atol=1e-300)

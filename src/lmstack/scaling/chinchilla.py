@@ -143,6 +143,8 @@ def approach2(C, N, L, n_boot: int = 200, level: float = 0.9, seed: int = 0) -> 
     Cs, Ns, parabolas = _minima(groups)
     res = _alloc("approach 2 (IsoFLOP)", Cs, Ns)
     res.extra["parabolas"] = parabolas
+    # a minimum outside the sizes trained at that budget is an extrapolation: worth a warning
+    res.extra["outside"] = [float(c) for c, n in zip(Cs, Ns) if not groups[c][0].min() <= n <= groups[c][0].max()]
     rng = np.random.default_rng(seed)
     a_s, b_s = [], []
     for _ in range(n_boot):

@@ -148,6 +148,8 @@ def cmd_fit(args) -> int:
         print(f"  {a}")
         if a.law is not None:
             print(f"    {a.law}")
+        for c in a.extra.get("outside", []):
+            print(f"    warning: at C={c:.3g} the parabola's minimum lies outside the sizes trained (extrapolated)")
     for name, why in res.errors.items():
         print(f"  {name}: not fitted: {why}")
     for h in res.holdout:

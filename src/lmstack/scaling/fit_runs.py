@@ -31,7 +31,10 @@ class RunsFit:
         out: dict[str, Any] = {"approaches": {}, "errors": self.errors, "holdout": self.holdout,
                                "figures": [str(p) for p in self.figures]}
         for a in self.approaches:
-            d = {"a": a.a, "b": a.b, "a_ci": a.a_ci, "b_ci": a.b_ci}
+            d = {"a": a.a, "b": a.b, "a_ci": a.a_ci, "b_ci": a.b_ci,
+                 "points": {"C": a.C.tolist(), "N_opt": a.N_opt.tolist(), "D_opt": a.D_opt.tolist()}}
+            if a.extra.get("outside"):
+                d["minimum_outside_sizes"] = a.extra["outside"]
             if a.law is not None:
                 d["law"] = a.law.params
                 d["law_ci"] = a.law.ci

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy import linalg, optimize
+from threadpoolctl import threadpool_limits
 
 
 def _design(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -104,8 +105,10 @@ def robust_fit(residuals: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
     best: tuple[float, np.ndarray] | None = None
     converged = 0
     for x0 in starts:
-        res = optimize.minimize(objective, x0, jac=True, method="L-BFGS-B", bounds=bounds,
-                                options={"maxiter": maxiter, "ftol": 1e-13, "gtol": 1e-9})
+        # a few parameters: BLAS threads only add wake-up costs (100x slower on a loaded machine)
+        with threadpool_limits(1, user_api="blas"):
+            res = optimize.minimize(objective, x0, jac=True, method="L-BFGS-B", bounds=bounds,
+                                    options={"maxiter": maxiter, "ftol": 1e-13, "gtol": 1e-9})
         if not np.isfinite(res.fun):
             continue
         converged += bool(res.success)
