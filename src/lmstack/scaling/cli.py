@@ -150,6 +150,8 @@ def cmd_fit(args) -> int:
             print(f"    {a.law}")
         for c in a.extra.get("outside", []):
             print(f"    warning: at C={c:.3g} the parabola's minimum lies outside the sizes trained (extrapolated)")
+    if res.loss_law is not None:
+        print(f"loss on the compute frontier (approach 1's envelope): {res.loss_law}")
     for name, why in res.errors.items():
         print(f"  {name}: not fitted: {why}")
     for h in res.holdout:

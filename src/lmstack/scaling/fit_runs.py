@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from lmstack.scaling import chinchilla as ch
-from lmstack.scaling.laws import chinchilla_loss, prediction_interval
+from lmstack.scaling.laws import Fit, chinchilla_loss, fit_loss_law, prediction_interval
 from lmstack.scaling.runs import columns
 from lmstack.utils import atomic_write_text
 
@@ -26,10 +26,12 @@ class RunsFit:
     errors: dict[str, str]  # approach -> why it could not be fitted
     holdout: list[dict[str, Any]] = field(default_factory=list)  # name, N, D, actual, predicted, interval, error
     figures: list[Path] = field(default_factory=list)
+    loss_law: Fit | None = None  # seed 000 §3.2's L(C) = L∞ + β·C^−α through approach 1's envelope
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"approaches": {}, "errors": self.errors, "holdout": self.holdout,
-                               "figures": [str(p) for p in self.figures]}
+                               "figures": [str(p) for p in self.figures],
+                               "loss_law": self.loss_law.params if self.loss_law else None}
         for a in self.approaches:
             d = {"a": a.a, "b": a.b, "a_ci": a.a_ci, "b_ci": a.b_ci,
                  "points": {"C": a.C.tolist(), "N_opt": a.N_opt.tolist(), "D_opt": a.D_opt.tolist()}}
@@ -71,6 +73,12 @@ def fit_runs(rows: list[dict[str, Any]], out_dir: Path | None = None, n_boot: in
             res.approaches.append(fn())
         except ValueError as e:
             res.errors[name] = str(e)
+    a1 = next((a for a in res.approaches if "envelope_loss" in a.extra), None)
+    if a1 is not None:
+        try:
+            res.loss_law = fit_loss_law(a1.C, a1.extra["envelope_loss"])
+        except ValueError as e:
+            res.errors["L(C)"] = str(e)
     a3 = next((a for a in res.approaches if a.law is not None), None)
     if a3 is not None:
         for r in held:
