@@ -172,11 +172,15 @@ def test_isoflop_parabola_matches_numpy_polyfit():
     np.testing.assert_allclose([p2, p1, p0], np.polyfit(np.log(N), L, 2), rtol=1e-8)
 
 
-def test_approach2_refuses_a_concave_profile():
-    N = np.array([1e6, 1e7, 1e8, 1e6, 1e7, 1e8])
-    C = np.array([1e18] * 3 + [1e19] * 3)
-    with pytest.raises(ValueError, match="not convex"):
-        ch.approach2(C, N, np.array([3.0, 3.5, 3.0, 2.9, 3.4, 2.9]), n_boot=0)
+def test_approach2_leaves_out_a_concave_profile():
+    N = np.array([1e6, 1e7, 1e8] * 3)
+    C = np.array([1e18] * 3 + [1e19] * 3 + [1e20] * 3)
+    L = np.array([3.0, 3.5, 3.0, 2.9, 2.8, 2.9, 2.8, 2.7, 2.8])
+    res = ch.approach2(C, N, L, n_boot=0)
+    assert list(res.extra["skipped"]) == [1e18] and "not convex" in res.extra["skipped"][1e18]
+    assert len(res.C) == 2
+    with pytest.raises(ValueError, match="1 budget.*not convex"):
+        ch.approach2(C[:6], N[:6], L[:6], n_boot=0)
 
 
 def test_approach1_envelope_finds_the_optimal_sizes():

@@ -119,20 +119,27 @@ def isoflop_parabola(N, L) -> tuple[float, float, float]:
     return float(p[0]), float(p[1]), float(p[2])
 
 
-def _minima(groups: dict[float, tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, dict]:
-    Cs, Ns, parabolas = [], [], {}
+def _minima(groups: dict[float, tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, dict, dict]:
+    """Per-budget parabola minima; budgets whose profile has < 3 sizes or is not convex are skipped
+    (with the reason), and at least 2 budgets must remain for the power law."""
+    Cs, Ns, parabolas, skipped = [], [], {}, {}
     for C, (N, L) in sorted(groups.items()):
         if len(np.unique(N)) < 3:
-            raise ValueError(f"approach 2: budget C={C:.3g} has {len(np.unique(N))} distinct model sizes; "
-                             "a parabola needs >= 3")
+            skipped[C] = f"{len(np.unique(N))} distinct model sizes; a parabola needs >= 3"
+            continue
         p0, p1, p2 = isoflop_parabola(N, L)
         if p2 <= 0:
-            raise ValueError(f"approach 2: the IsoFLOP curve at C={C:.3g} is not convex (fitted curvature {p2:.3g}); "
-                             "widen the range of model sizes so the minimum lies inside it")
+            skipped[C] = (f"the IsoFLOP curve is not convex (fitted curvature {p2:.3g}); widen the range of model "
+                          "sizes so the minimum lies inside it")
+            continue
         Cs.append(C)
         Ns.append(np.exp(-p1 / (2 * p2)))
         parabolas[C] = (p0, p1, p2)
-    return np.array(Cs), np.array(Ns), parabolas
+    if len(Cs) < 2:
+        why = "; ".join(f"C={c:.3g}: {w}" for c, w in skipped.items())
+        raise ValueError(f"approach 2: {len(Cs)} budget(s) with a convex IsoFLOP profile; a power law needs >= 2"
+                         + (f" ({why})" if why else ""))
+    return np.array(Cs), np.array(Ns), parabolas, skipped
 
 
 def approach2(C, N, L, n_boot: int = 200, level: float = 0.9, seed: int = 0) -> Approach:
@@ -140,9 +147,10 @@ def approach2(C, N, L, n_boot: int = 200, level: float = 0.9, seed: int = 0) -> 
     within each budget."""
     C, N, L = (np.asarray(v, dtype=np.float64) for v in (C, N, L))
     groups = {float(c): (N[C == c], L[C == c]) for c in np.unique(C)}
-    Cs, Ns, parabolas = _minima(groups)
+    Cs, Ns, parabolas, skipped = _minima(groups)
     res = _alloc("approach 2 (IsoFLOP)", Cs, Ns)
     res.extra["parabolas"] = parabolas
+    res.extra["skipped"] = skipped
     # a minimum outside the sizes trained at that budget is an extrapolation: worth a warning
     res.extra["outside"] = [float(c) for c, n in zip(Cs, Ns) if not groups[c][0].min() <= n <= groups[c][0].max()]
     rng = np.random.default_rng(seed)

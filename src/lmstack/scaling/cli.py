@@ -148,6 +148,8 @@ def cmd_fit(args) -> int:
         print(f"  {a}")
         if a.law is not None:
             print(f"    {a.law}")
+        for c, why in a.extra.get("skipped", {}).items():
+            print(f"    warning: budget C={c:.3g} left out: {why}")
         for c in a.extra.get("outside", []):
             print(f"    warning: at C={c:.3g} the parabola's minimum lies outside the sizes trained (extrapolated)")
     if res.loss_law is not None:

@@ -35,6 +35,8 @@ class RunsFit:
         for a in self.approaches:
             d = {"a": a.a, "b": a.b, "a_ci": a.a_ci, "b_ci": a.b_ci,
                  "points": {"C": a.C.tolist(), "N_opt": a.N_opt.tolist(), "D_opt": a.D_opt.tolist()}}
+            if a.extra.get("skipped"):
+                d["budgets_left_out"] = {str(c): w for c, w in a.extra["skipped"].items()}
             if a.extra.get("outside"):
                 d["minimum_outside_sizes"] = a.extra["outside"]
             if a.law is not None:
