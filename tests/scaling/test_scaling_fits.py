@@ -227,3 +227,12 @@ def test_lse_softmax_matches_scipy():
     lse, w = _lse_softmax(z)
     np.testing.assert_allclose(lse, logsumexp(z, axis=0), rtol=1e-12)
     np.testing.assert_allclose(w, softmax(z, axis=0), rtol=1e-9, atol=1e-300)
+
+
+def test_approach2_window_keeps_the_sizes_near_each_minimum():
+    C, N, D, L = _isoflop_runs()
+    res = ch.approach2(C, N, L, n_boot=0, window=3.0)
+    for c, used in res.extra["used"].items():
+        best = N[C == c][np.argmin(L[C == c])]
+        assert used.min() >= best / 3 and used.max() <= best * 3 and len(used) >= 3
+    assert res.a == pytest.approx(0.28 / 0.62, abs=0.05)

@@ -142,15 +142,27 @@ def _minima(groups: dict[float, tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndar
     return np.array(Cs), np.array(Ns), parabolas, skipped
 
 
-def approach2(C, N, L, n_boot: int = 200, level: float = 0.9, seed: int = 0) -> Approach:
+def approach2(C, N, L, n_boot: int = 200, level: float = 0.9, seed: int = 0, window: float | None = None) -> Approach:
     """Approach 2: runs grouped by budget C; per-budget parabola minima; intervals from resampling runs
-    within each budget."""
+    within each budget. ``window``: fit each parabola only to the sizes within a factor ``window`` of that
+    budget's best run (loss is parabolic in log N only near the minimum); None uses every run, as
+    Hoffmann et al. did."""
     C, N, L = (np.asarray(v, dtype=np.float64) for v in (C, N, L))
-    groups = {float(c): (N[C == c], L[C == c]) for c in np.unique(C)}
+    if window is not None and not window > 1:
+        raise ValueError(f"window={window!r} must be > 1 (a factor in N around each budget's best run)")
+    groups = {}
+    for c in np.unique(C):
+        n, l = N[C == c], L[C == c]
+        if window is not None:
+            best = n[np.argmin(l)]
+            keep = (n >= best / window) & (n <= best * window)
+            n, l = n[keep], l[keep]
+        groups[float(c)] = (n, l)
     Cs, Ns, parabolas, skipped = _minima(groups)
     res = _alloc("approach 2 (IsoFLOP)", Cs, Ns)
     res.extra["parabolas"] = parabolas
     res.extra["skipped"] = skipped
+    res.extra["used"] = {c: groups[c][0] for c in parabolas}  # the sizes each parabola was fitted to
     # a minimum outside the sizes trained at that budget is an extrapolation: worth a warning
     res.extra["outside"] = [float(c) for c, n in zip(Cs, Ns) if not groups[c][0].min() <= n <= groups[c][0].max()]
     rng = np.random.default_rng(seed)

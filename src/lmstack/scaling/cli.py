@@ -41,6 +41,9 @@ def register(subparsers) -> None:
     ft.add_argument("--out", default=None, help="folder for fit.json and the PNGs (default: beside the runs file)")
     ft.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples for the intervals (default 100)")
     ft.add_argument("--level", type=float, default=0.9, help="interval level (default 0.9)")
+    ft.add_argument("--window", type=float, default=None,
+                    help="approach 2: fit each IsoFLOP parabola to the sizes within this factor of the budget's "
+                         "best run (default: all sizes)")
     add_threads_argument(ft)
     ft.set_defaults(func=cmd_fit)
 
@@ -140,7 +143,7 @@ def cmd_fit(args) -> int:
     check_outputs([("--out", out), ("--out's fit.json", out / "fit.json")], [("the runs file", runs)],
                   {"--out's fit.json": ("a JSON file", is_json_file)})
     rows = read_runs(runs)
-    res = fit_runs(rows, out, n_boot=args.bootstrap, level=args.level)
+    res = fit_runs(rows, out, n_boot=args.bootstrap, level=args.level, window=args.window)
     print(f"{len(rows)} runs from {runs} ({sum(bool(r.get('holdout')) for r in rows)} held out); "
           f"{args.level:.0%} bootstrap intervals over {args.bootstrap} resamples")
     print("compute-optimal allocation N_opt ∝ C^a, D_opt ∝ C^b:")

@@ -58,7 +58,7 @@ def _curves(rows: list[dict[str, Any]]) -> list[tuple[float, np.ndarray, np.ndar
 
 
 def fit_runs(rows: list[dict[str, Any]], out_dir: Path | None = None, n_boot: int = 100, level: float = 0.9,
-             seed: int = 0) -> RunsFit:
+             seed: int = 0, window: float | None = None) -> RunsFit:
     """Approaches 1-3 on the non-held-out rows; predict the held-out ones; figures into ``out_dir``."""
     fit_rows = [r for r in rows if not r.get("holdout")]
     held = [r for r in rows if r.get("holdout")]
@@ -69,7 +69,8 @@ def fit_runs(rows: list[dict[str, Any]], out_dir: Path | None = None, n_boot: in
     res = RunsFit([], {})
     curves = _curves(fit_rows)
     for name, fn in (("approach 1", lambda: ch.approach1(curves, n_boot=n_boot, level=level, seed=seed)),
-                     ("approach 2", lambda: ch.approach2(budget, N, L, n_boot=n_boot, level=level, seed=seed)),
+                     ("approach 2", lambda: ch.approach2(budget, N, L, n_boot=n_boot, level=level, seed=seed,
+                                                              window=window)),
                      ("approach 3", lambda: ch.approach3(N, D, L, n_boot=n_boot, level=level, seed=seed))):
         try:
             res.approaches.append(fn())

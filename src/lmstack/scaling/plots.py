@@ -45,6 +45,9 @@ def plot_isoflop(rows: list[dict[str, Any]], a2: Approach, path: Path) -> Path:
         pts = [(r["N"], r["loss"]) for r in rows if float(r.get("budget", r["C"])) == C]
         n, l = np.array(pts).T
         ax.scatter(n, l, color=color, s=18, label=f"C = {C:.2g}")
+        used = a2.extra.get("used", {}).get(C)
+        if used is not None:
+            n = used
         p0, p1, p2 = a2.extra["parabolas"][C]
         x = np.linspace(np.log(n.min()) - 0.2, np.log(n.max()) + 0.2, 100)
         ax.plot(np.exp(x), p0 + p1 * x + p2 * x * x, color=color, lw=1)
