@@ -236,3 +236,12 @@ def test_approach2_window_keeps_the_sizes_near_each_minimum():
         best = N[C == c][np.argmin(L[C == c])]
         assert used.min() >= best / 3 and used.max() <= best * 3 and len(used) >= 3
     assert res.a == pytest.approx(0.28 / 0.62, abs=0.05)
+
+
+def test_envelope_end_is_not_the_run_that_ended_last():
+    # two runs of one budget: the good one ends 1% earlier (whole steps); the envelope's end is still its loss
+    good = (1e4, np.array([1e9, 2.97e9]), np.array([5.0, 4.0]))
+    bad = (1e6, np.array([1e9, 3.0e9]), np.array([6.0, 5.8]))
+    C, N, L = ch.envelope([good, bad])
+    assert L[-1] == 4.0 and N[-1] == 1e4
+    assert np.all(np.diff(L) <= 1e-12)  # non-increasing here

@@ -65,9 +65,14 @@ def _alloc(name: str, C: np.ndarray, N: np.ndarray) -> Approach:
 
 
 # ---- approach 1 -----------------------------------------------------------------------------------
-def envelope(curves: list[tuple[float, np.ndarray, np.ndarray]], points: int = 40) -> tuple[np.ndarray, ...]:
+def envelope(curves: list[tuple[float, np.ndarray, np.ndarray]], points: int = 40,
+             slack: float = 0.05) -> tuple[np.ndarray, ...]:
     """The lower envelope of loss-vs-FLOPs curves ``(N, flops (k,), loss (k,))``: at log-spaced C, the
-    lowest loss any run reached at that C (loss interpolated linearly in log C) and that run's N."""
+    lowest loss any run reached at that C (loss interpolated linearly in log C) and that run's N.
+
+    A run counts as reaching up to ``(1 + slack)`` × its last FLOP count at its final loss: runs of one
+    budget end a little apart (whole optimizer steps), and without the slack the envelope's last point
+    would belong to whichever run happened to end last, however bad its loss."""
     lo = min(float(np.min(f)) for _, f, _ in curves)
     hi = max(float(np.max(f)) for _, f, _ in curves)
     grid_c = np.unique(np.concatenate([np.geomspace(lo, hi, points)] + [np.asarray(f)[-1:] for _, f, _ in curves]))
@@ -77,8 +82,8 @@ def envelope(curves: list[tuple[float, np.ndarray, np.ndarray]], points: int = 4
         f, loss = np.asarray(f, dtype=np.float64), np.asarray(loss, dtype=np.float64)
         order = np.argsort(f)
         f, loss = f[order], loss[order]
-        inside = (grid_c >= f[0] * (1 - 1e-9)) & (grid_c <= f[-1] * (1 + 1e-9))
-        li = np.interp(np.log(grid_c[inside]), np.log(f), loss)
+        inside = (grid_c >= f[0] * (1 - 1e-9)) & (grid_c <= f[-1] * (1 + slack))
+        li = np.interp(np.log(grid_c[inside]), np.log(f), loss)  # constant beyond the last point
         better = li < best_l[inside]
         idx = np.flatnonzero(inside)[better]
         best_l[idx] = li[better]
