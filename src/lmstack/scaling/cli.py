@@ -26,7 +26,8 @@ def register(subparsers) -> None:
     pl.add_argument("--hardware", default="h100", help="... of this accounting/hardware entry (default h100)")
     pl.add_argument("--mfu", type=float, default=0.4, help="... at this model FLOPs utilisation (default 0.4)")
     pl.add_argument("--dtype", default="bf16", help="dtype for the peak FLOP/s (default bf16)")
-    pl.add_argument("--law", default="all", help="chinchilla | epoch | chinchilla-approach1 | all (default) | a fit.json")
+    pl.add_argument("--law", default="all",
+                    help="chinchilla | epoch | chinchilla-approach1 | all (default) | a fit.json")
     pl.set_defaults(func=cmd_plan)
 
     sw = sub.add_parser("sweep", help="train the IsoFLOP grid of a sweep file (resumable: finished runs are skipped)")

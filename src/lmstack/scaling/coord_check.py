@@ -50,9 +50,12 @@ def coord_check(widths: list[int], base_width: int, parametrization: str, steps:
             groups = [{"params": list(model.parameters()), "lr": lr}]
         opt = AdamW(groups, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
         acts: dict[str, float] = {}
-        hooks = [model.embed.register_forward_hook(lambda m, i, o: acts.__setitem__("embedding", float(o.detach().abs().mean()))),
-                 model.blocks[-1].register_forward_hook(lambda m, i, o: acts.__setitem__("last block",
-                                                                                           float(o.detach().abs().mean())))]
+
+        def record(site: str):
+            return lambda module, inputs, output: acts.__setitem__(site, float(output.detach().abs().mean()))
+
+        hooks = [model.embed.register_forward_hook(record("embedding")),
+                 model.blocks[-1].register_forward_hook(record("last block"))]
         rows = []
         for t in range(steps + 1):
             logits = model(x)  # (B, S, V)
