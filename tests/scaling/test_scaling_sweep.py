@@ -151,3 +151,17 @@ def test_plan_command_prints_the_presets(capsys):
     assert main(["scaling", "plan", "--flops", "5.76e23", "--law", "epoch"]) == 0
     out = capsys.readouterr().out
     assert "epoch" in out and "7.22e+10" in out  # Besiroglu et al.'s law at Gopher's budget: ~72B params
+
+
+def test_exact_flop_budgets_use_accountings_step_count(tmp_path):
+    """flops = "exact": steps × (accounting's FLOPs per step, itself tested in tests/accounting) = C within
+    half a step; attention's FLOPs make that fewer steps than 6ND would."""
+    from lmstack.accounting import training_step_flops
+
+    cfg = tmp_path / "sweep.toml"
+    cfg.write_text('flops = "exact"\n' + SWEEP.format(out=tmp_path / "out", data=_tokens(tmp_path)))
+    sweep = Sweep.load(cfg)
+    for s in sweep.plan():
+        step_flops = training_step_flops(sweep.model_config(s.model), 4, 16)
+        assert abs(s.steps * step_flops - s.budget) <= step_flops / 2
+        assert s.steps < s.budget / (6 * s.N * 64)

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from lmstack.scaling.mup import MupTrainer
 from lmstack.scaling.noise_scale import NoiseScaleCallback
-from lmstack.train import TrainConfig, Trainer
+from lmstack.train import TrainConfig, Trainer, TrainingDiverged
 from lmstack.utils import atomic_path
 
 
@@ -35,9 +35,7 @@ def _config(train_data: str, out_dir: Path, width: int, lr: float, steps: int, b
 def _fit(trainer: Trainer, callback=None) -> dict[str, Any]:
     try:
         return trainer.fit(callback=callback)
-    except Exception as e:  # a diverged run is a data point (loss = nan), not a failed experiment
-        if type(e).__name__ != "TrainingDiverged":
-            raise
+    except TrainingDiverged:  # a diverged run is a data point (loss = nan), not a failed experiment
         return {"val_loss": float("nan")}
 
 

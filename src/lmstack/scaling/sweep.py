@@ -13,6 +13,7 @@ A sweep file (TOML)::
     min_steps = 20                    # (C, N) pairs with fewer optimizer steps are left out
     warmup_fraction = 0.05
     eval_points = 4                   # validation losses along each run (approach 1's curves)
+    flops = "6nd"                     # steps from C = 6ND, or "exact": C = accounting's FLOPs per step × steps
     [train]                           # TrainConfig keys shared by every run (train_data, batch_size, lr, ...)
     [model]                           # ModelConfig keys shared by every size
     [[sizes]]                         # one table per model shape: d_model, n_layers, n_heads, d_ff, ...
@@ -46,7 +47,9 @@ from lmstack.train import TrainConfig, Trainer
 from lmstack.utils import check_float, check_int
 
 SHORT = {"d_model": "d", "n_layers": "L", "n_heads": "h", "n_kv_heads": "k", "d_ff": "f"}  # run names
-KNOWN = {"out_dir", "budgets", "min_steps", "warmup_fraction", "eval_points", "train", "model", "sizes", "holdout"}
+KNOWN = {"out_dir", "budgets", "min_steps", "warmup_fraction", "eval_points", "flops", "train", "model", "sizes",
+         "holdout"}
+FLOP_COUNTS = ("6nd", "exact")
 
 
 def _order(key: str) -> tuple[int, str]:
@@ -87,6 +90,7 @@ class Sweep:
     warmup_fraction: float = 0.05
     eval_points: int = 4
     holdout: dict[str, Any] | None = None
+    flops: str = "6nd"
     _vocab: int | None = field(default=None, repr=False)
 
     @classmethod
@@ -125,10 +129,13 @@ class Sweep:
                 check_int(f"{p}: holdout.size", holdout["size"], minimum=0, maximum=len(sizes) - 1)
             elif not isinstance(holdout["size"], dict):
                 raise ValueError(f"{p}: holdout.size={holdout['size']!r} must be an index into sizes or a table")
+        flops = d.get("flops", "6nd")
+        if flops not in FLOP_COUNTS:
+            raise ValueError(f"{p}: flops={flops!r}; expected one of {FLOP_COUNTS}")
         return cls(p, Path(d.get("out_dir", "runs/scaling")), sorted(budgets), train, dict(d.get("model", {})),
                    sizes, check_int(f"{p}: min_steps", d.get("min_steps", 20), minimum=1),
                    check_float(f"{p}: warmup_fraction", d.get("warmup_fraction", 0.05)),
-                   check_int(f"{p}: eval_points", d.get("eval_points", 4), minimum=1), holdout)
+                   check_int(f"{p}: eval_points", d.get("eval_points", 4), minimum=1), holdout, flops)
 
     @property
     def runs_path(self) -> Path:
@@ -153,7 +160,13 @@ class Sweep:
         cfg = self.model_config(size)
         N = compute_params(cfg)
         tps = self.tokens_per_step()
-        steps = round(budget / (6.0 * N) / tps)
+        if self.flops == "exact":  # attention scores and all: accounting's count of one optimizer step
+            t = self.train
+            step_flops = training_step_flops(cfg, int(t.get("batch_size", 8)) * int(t.get("grad_accum", 1)),
+                                             int(t.get("seq_len", 256)))
+            steps = round(budget / step_flops)
+        else:
+            steps = round(budget / (6.0 * N) / tps)
         if steps < self.min_steps:
             return None
         shape = "".join(f"{SHORT.get(k, '_' + k)}{v}" for k, v in sorted(size.items(), key=lambda kv: _order(kv[0])))
