@@ -42,3 +42,9 @@ def test_lr_transfer_and_batch_sweep_commands(tokens, tmp_path):
                  "--width", "16", "--out", str(out), "--threads", "1"]) == 0
     s = json.loads((out / "batch_sweep.json").read_text())
     assert set(s["curves"]) == {"2", "4"} and is_png_file(out / "batch_sweep.png")
+
+
+def test_outputs_never_swallow_the_input(tokens, capsys):
+    # --out is the folder holding the token file: refused before anything is written
+    assert main(["scaling", "batch-sweep", "--data", str(tokens), "--out", str(tokens.parent)]) == 2
+    assert "lies inside --out" in capsys.readouterr().err

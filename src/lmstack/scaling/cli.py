@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from lmstack.threads import add_threads_argument
-from lmstack.utils import atomic_write_text, check_outputs, is_json_file
+from lmstack.utils import atomic_write_text, check_outputs, is_json_file, is_png_file
 
 
 def register(subparsers) -> None:
@@ -184,6 +184,7 @@ def cmd_coord_check(args) -> int:
     from lmstack.scaling.coord_check import SITES, coord_check, plot_coord_check
 
     widths = _ints(args.widths, "--widths")
+    check_outputs([("--out", args.out)], [], {"--out": ("a PNG image", is_png_file)})
     res = {p: coord_check(widths, args.base_width, p, steps=args.steps, lr=args.lr) for p in ("sp", "mup")}
     print(f"mean |x| at step {args.steps} (lr {args.lr:g}, base width {args.base_width}):")
     print(f"{'':5} {'width':>6} " + " ".join(f"{s:>11}" for s in SITES))
@@ -198,6 +199,7 @@ def cmd_lr_transfer(args) -> int:
     from lmstack.scaling.experiments import lr_transfer, plot_lr_transfer
 
     out = Path(args.out)
+    check_outputs([("--out", out)], [("--data", args.data)])
     try:
         lrs = [float(x) for x in args.lrs.split(",") if x.strip()]
     except ValueError:
@@ -217,6 +219,7 @@ def cmd_batch_sweep(args) -> int:
     from lmstack.scaling.experiments import batch_sweep, plot_batch_sweep
 
     out = Path(args.out)
+    check_outputs([("--out", out)], [("--data", args.data)])
     s = batch_sweep(args.data, out, _ints(args.batches, "--batches"), args.steps, width=args.width)
     for b, pts in sorted(s["curves"].items()):
         print(f"B={b:>4} sequences: final training loss {pts[-1][1]:.4f} after {pts[-1][0]} steps")
