@@ -45,6 +45,9 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="with --hardware cpu: a fast, rough measurement")
     p.add_argument("--force", action="store_true", help="replace an existing --json/--plot file of another kind")
     add_threads_argument(p, help="CPU threads for --hardware cpu (default: the CPUs available to this process)")
+    p.add_argument("--scaling-law", metavar="LAW", default=None,
+                   help="also print the compute-optimal tokens for this model under a lmstack.scaling preset "
+                        "(chinchilla, epoch, chinchilla-approach1)")
     p.set_defaults(func=run_plan)
 
 
@@ -82,6 +85,8 @@ def run_plan(args: argparse.Namespace) -> int:
     plan = build_plan(cfg, hw, batches, args.seq, args.dtype, devices=args.devices,
                       train_batch=args.train_batch, step_time_s=args.step_time)
     _print_plan(plan)
+    if args.scaling_law:
+        _print_compute_optimal(cfg, hw, args)
     if args.json:
         atomic_write_text(args.json, json.dumps(plan, indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -94,6 +99,19 @@ def run_plan(args: argparse.Namespace) -> int:
                       title=f"{cfg.name} on {hw.name}, S={args.seq}, {plan['workload']['dtype']}")
         print(f"wrote {args.plot}")
     return 0
+
+
+def _print_compute_optimal(cfg: ModelConfig, hw, args: argparse.Namespace) -> None:
+    """One line from ``lmstack.scaling``: the tokens and FLOPs for which this N is compute-optimal."""
+    from lmstack.accounting import param_counts
+    from lmstack.scaling.planner import optimal_for_params
+
+    p = optimal_for_params(param_counts(cfg).total, args.scaling_law)
+    hours = p.C / (args.devices * hw.flops(args.dtype) * 0.4) / 3600
+    loss = "" if p.loss != p.loss else f", predicted loss {p.loss:.3f}"
+    print(f"compute-optimal ({p.law} law, lmstack scaling plan): N={p.N:.3g} params wants D={p.D:.3g} tokens "
+          f"({p.tokens_per_param:.1f}/param), C=6ND={p.C:.3g} FLOPs{loss}; {hours:,.1f} h on {args.devices} x "
+          f"{hw.name} at 40% MFU")
 
 
 def _print_plan(plan: dict) -> None:

@@ -1,0 +1,81 @@
+"""The runs table: one JSON object per line (``runs.jsonl``), one line per finished training run.
+
+Every write replaces the file atomically (``lmstack.utils.atomic_write_text``), so an interrupted sweep
+never leaves a half-written line; reading checks every line and names the file and line of a bad one.
+A row holds at least ``name``, ``N`` (parameters), ``D`` (tokens), ``C`` (FLOPs, 6ND) and ``loss``
+(final validation loss); the sweep adds the budget, the exact FLOPs, the loss curve, timings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lmstack.utils import atomic_write_text
+
+REQUIRED = ("name", "N", "D", "C", "loss")
+
+
+class RunsFileError(ValueError):
+    """A runs.jsonl line that is not a valid run row."""
+
+
+def _check_row(row: Any, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise RunsFileError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    missing = [k for k in REQUIRED if k not in row]
+    if missing:
+        raise RunsFileError(f"{where}: missing field(s) {missing}; a run row needs {list(REQUIRED)}")
+    if not isinstance(row["name"], str) or not row["name"]:
+        raise RunsFileError(f"{where}: name={row['name']!r} must be a non-empty string")
+    for k in ("N", "D", "C", "loss"):
+        v = row[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise RunsFileError(f"{where}: {k}={v!r} must be a finite number > 0")
+    return row
+
+
+def read_runs(path: str | os.PathLike, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """All rows of ``path``; a corrupt line raises ``RunsFileError`` naming ``path:line``."""
+    p = Path(path)
+    if not p.exists():
+        if missing_ok:
+            return []
+        raise FileNotFoundError(f"runs file {str(p)!r} does not exist (run `lmstack scaling sweep` first)")
+    rows, names = [], {}
+    with open(p, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{p}:{i}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RunsFileError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): {line.strip()[:80]!r}; "
+                                    "delete or fix that line (the sweep reruns a run whose line is missing)") from None
+            row = _check_row(row, where)
+            if row["name"] in names:
+                raise RunsFileError(f"{where}: run {row['name']!r} already recorded on line {names[row['name']]}")
+            names[row["name"]] = i
+            rows.append(row)
+    return rows
+
+
+def append_run(path: str | os.PathLike, row: dict[str, Any]) -> None:
+    """Add ``row`` to ``path`` (the whole file is rewritten atomically: old lines + the new one)."""
+    _check_row(row, f"new row for {path}")
+    p = Path(path)
+    old = p.read_text(encoding="utf-8") if p.exists() else ""
+    if old and not old.endswith("\n"):
+        old += "\n"
+    atomic_write_text(p, old + json.dumps(row, sort_keys=True) + "\n")
+
+
+def columns(rows: list[dict[str, Any]], *keys: str) -> tuple[np.ndarray, ...]:
+    """The numeric columns ``keys`` of ``rows`` as float arrays."""
+    return tuple(np.array([float(r[k]) for r in rows]) for k in keys)
