@@ -1,4 +1,4 @@
-"""Chunked == recurrent == plain reference for the linear-recurrence mixers (lmstack.kernels.linear_scan).
+"""Chunked == recurrent == plain reference for the linear-recurrence mixers (lmstack.model.linear_scan).
 
 The references here are written independently of the kernels: the decayed linear recurrence as its
 quadratic (attention-like) form over the whole sequence, and the delta rule as the literal matrix
@@ -8,7 +8,7 @@ recurrence S_t = γ_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ with a
 import pytest
 import torch
 
-from lmstack.kernels.linear_scan import decay_chunked, decay_recurrent, delta_chunked, delta_recurrent
+from lmstack.model.linear_scan import decay_chunked, decay_recurrent, delta_chunked, delta_recurrent
 
 B, N, HK, HV = 2, 3, 5, 4
 

@@ -18,6 +18,10 @@ factor is exp(b_i − b_j) with j ≤ i (an exponent ≤ 0) or exp(b_i) — neve
 at any S. Internal arithmetic is fp32 (fp64 for fp64 inputs); outputs come back in q's dtype, the
 state in fp32/fp64.
 
+This is the model's own (plain PyTorch) definition of these mixers, as ``seam.reference_attention``
+is for softmax attention: it lives in ``model/`` because the model may not import ``kernels/``
+(pyproject's import contracts); a faster kernel would implement the same functions there.
+
 Shapes (seed symbols): q, k (B, N, S, Hk); v (B, N, S, Hv); log_decay, beta (B, N, S);
 state (B, N, Hk, Hv). Callers apply feature maps, scaling and grouping before calling.
 """
