@@ -1,0 +1,106 @@
+"""Per-layer token mixers beyond global softmax attention, and the cache that serves them.
+
+Seed 001 "注意力机制" (linear attention, Mamba-2, Gated DeltaNet, 3:1 linear:full hybrids, DSA),
+"推理时注意力开销" (grouped sliding window: local layers with one global layer in a group);
+seed 000 §1.9 (sliding window), §2.5 (local attention shrinks the KV cache).
+
+``build_mixer(config, layer_idx, rope)`` is what ``transformer.token_mixer`` calls: it reads
+``config.mixer_types[layer_idx]`` and returns the module. Every mixer maps ``(x (B, T, D), meta) -> (B, T, D)``.
+
+``MixerCache`` is a per-sequence cache for hybrids: attention layers keep K/V (a local layer only its
+last W − 1), recurrent layers keep an O(1) state (plus the short convolution's last K − 1 inputs).
+Pass it as ``kv_cache=``; prefill and decode then continue exactly where the last call stopped.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lmstack.model.attention import Attention
+from lmstack.model.config import ModelConfig
+from lmstack.model.deltanet import GatedDeltaNet
+from lmstack.model.dsa import SparseAttention
+from lmstack.model.layers import RotaryEmbedding
+from lmstack.model.linear_attention import LinearAttention
+from lmstack.model.mamba2 import Mamba2Mixer
+from lmstack.model.seam import AttentionImpl, AttentionMetadata, StoreThenAttend
+
+#: Mixers that are softmax attention over a KV cache (``Transformer.set_attention`` sets their impl).
+SOFTMAX_MIXERS = ("attention", "local_attention")
+
+
+class LocalAttention(Attention):
+    """Softmax attention restricted to a sliding window of W positions (Gemma-style local layers).
+    The window is this layer's, not the model's: it replaces ``meta.window`` for this layer only."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, rope: RotaryEmbedding | None = None, **kw):
+        super().__init__(config, layer_idx, rope, **kw)
+        self.window = config.local_window
+
+    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        local = AttentionMetadata(meta.positions, meta.key_positions, meta.document_ids, meta.key_document_ids,
+                                  self.window, meta.is_causal, meta.cache)
+        return super().forward(x, local)
+
+
+def build_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw) -> nn.Module:
+    """Layer ``layer_idx``'s token mixer from ``config.mixer_types``."""
+    kind = config.mixer_types[layer_idx]
+    if kind == "attention":
+        return Attention(config, layer_idx, rope, **kw)
+    if kind == "local_attention":
+        return LocalAttention(config, layer_idx, rope, **kw)
+    if kind == "linear_attention":
+        return LinearAttention(config, layer_idx, **kw)
+    if kind == "mamba2":
+        return Mamba2Mixer(config, layer_idx, **kw)
+    if kind == "gated_deltanet":
+        return GatedDeltaNet(config, layer_idx, **kw)
+    if kind == "dsa":
+        return SparseAttention(config, layer_idx, rope, **kw)
+    raise ValueError(f"layer {layer_idx}: unknown mixer {kind!r} in layer_types")
+
+
+# ---- the cache -----------------------------------------------------------------------------------
+class MixerCache(StoreThenAttend):
+    """One sequence per row: contiguous K/V for attention layers (the last W − 1 for windowed ones),
+    recurrent (and conv) states for the others. ``nbytes()`` reports what it holds."""
+
+    def __init__(self) -> None:
+        self.kv: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        self.states: dict[int, tuple[Tensor, ...]] = {}
+        self.extra: dict[tuple[int, str], Tensor] = {}  # e.g. DSA's indexer keys
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if positions.dim() == 1:
+            positions = positions.expand(k.shape[0], -1)
+        if layer_idx in self.kv:
+            k0, v0, p0 = self.kv[layer_idx]
+            k, v, positions = torch.cat([k0, k], 2), torch.cat([v0, v], 2), torch.cat([p0, positions], 1)
+        self.kv[layer_idx] = (k, v, positions)
+        return k, v, positions
+
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
+               impl: AttentionImpl) -> Tensor:
+        out = super().attend(layer_idx, q, k, v, meta, impl)
+        if meta.window is not None:  # later queries never see more than the last W − 1 of these keys
+            k_all, v_all, p_all = self.kv[layer_idx]
+            keep = max(meta.window - 1, 0)
+            self.kv[layer_idx] = (k_all[:, :, -keep:] if keep else k_all[:, :, :0],
+                                  v_all[:, :, -keep:] if keep else v_all[:, :, :0],
+                                  p_all[:, -keep:] if keep else p_all[:, :0])
+        return out
+
+    def get_state(self, layer_idx: int):
+        return self.states.get(layer_idx)
+
+    def set_state(self, layer_idx: int, state: tuple[Tensor, ...]) -> None:
+        self.states[layer_idx] = state
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held: K/V (positions excluded), recurrent states, and extra per-layer tensors."""
+        kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v, _ in self.kv.values())
+        st = sum(t.numel() * t.element_size() for s in self.states.values() for t in s)
+        ex = sum(t.numel() * t.element_size() for t in self.extra.values())
+        return {"kv": kv, "state": st, "extra": ex}
