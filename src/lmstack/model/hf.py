@@ -91,8 +91,9 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfi
         window = None
         if model_type == "mistral" and d.get("sliding_window") is not None:
             window = check_int("sliding_window", d["sliding_window"], ConfigError, minimum=1)
-        elif model_type == "qwen2" and _flag(d, "use_sliding_window"):
-            raise ConfigError("Qwen2 use_sliding_window=True (per-layer windows) is not supported")
+        layer_types, local_window = None, None
+        if model_type == "qwen2" and _flag(d, "use_sliding_window"):
+            layer_types, local_window = _qwen2_local_global(d)
         n_heads = _int(d, "num_attention_heads")
         head_dim = d.get("head_dim")
         name = d.get("_name_or_path") or model_type
@@ -110,6 +111,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfi
             tie_embeddings=_flag(d, "tie_word_embeddings"),
             qkv_bias=model_type == "qwen2",
             sliding_window=window,
+            layer_types=layer_types,
+            local_window=local_window,
             architecture=model_type,
             bos_token_id=_first_id(d, "bos_token_id"),
             eos_token_id=_first_id(d, "eos_token_id"),
@@ -129,6 +132,9 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     arch = c.architecture
     if c.sliding_window is not None and arch != "mistral":
         raise ConfigError(f"sliding_window={c.sliding_window} needs architecture='mistral', got {arch!r}")
+    if c.layer_types is not None and (arch != "qwen2" or set(c.layer_types) - set(_HF_LAYER_TYPES)):
+        raise ConfigError(f"layer_types={c.layer_types} has no {arch!r} HF equivalent (only qwen2 with "
+                          f"{sorted(_HF_LAYER_TYPES)} layers, i.e. interleaved local/global attention)")
     if c.qkv_bias != (arch == "qwen2"):
         raise ConfigError(f"qkv_bias={c.qkv_bias} does not fit architecture={arch!r} (only qwen2 has q/k/v bias)")
     d: dict[str, Any] = {
@@ -155,9 +161,34 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         d.update(attention_bias=False, mlp_bias=False)
     elif arch == "mistral":
         d["sliding_window"] = c.sliding_window
+    elif c.layer_types is not None:  # interleaved local/global windows (HF layer_types)
+        d.update(use_sliding_window=True, sliding_window=c.local_window, max_window_layers=c.n_layers,
+                 layer_types=[_HF_LAYER_TYPES[t] for t in c.layer_types])
     else:
         d.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layers)
     return d
+
+
+# Qwen2's per-layer attention kinds <-> lmstack mixers (model.mixers): interleaved local/global models.
+_HF_LAYER_TYPES = {"attention": "full_attention", "local_attention": "sliding_attention"}
+
+
+def _qwen2_local_global(d: dict[str, Any]) -> tuple[list[str], int]:
+    """Qwen2 with ``use_sliding_window``: per-layer windows from ``layer_types`` (or, in older configs,
+    sliding from layer ``max_window_layers`` on) -> (lmstack layer_types, local_window)."""
+    n = _int(d, "num_hidden_layers")
+    window = check_int("sliding_window", d.get("sliding_window"), ConfigError, minimum=1)
+    kinds = d.get("layer_types")
+    if kinds is None:
+        first = check_int("max_window_layers", d.get("max_window_layers", 28), ConfigError, minimum=0)
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if not isinstance(kinds, list) or len(kinds) != n:
+        raise ConfigError(f"layer_types={kinds!r:.80} must list one attention kind for each of the {n} layers")
+    back = {v: k for k, v in _HF_LAYER_TYPES.items()}
+    for i, t in enumerate(kinds):
+        if t not in back:
+            raise ConfigError(f"layer_types[{i}]={t!r} (layer {i}); expected one of {sorted(back)}")
+    return [back[t] for t in kinds], window
 
 
 # ---- names ----------------------------------------------------------------------------------
