@@ -85,3 +85,13 @@ def test_cache_table_and_plot(tmp_path):
     assert hybrid[1] < full[1] / 3.9 and linear[0] == linear[1] and local[1] < full[1] / 5
     plot_cache_vs_context(cfg, [1024, 4096, 1 << 16], tmp_path / "kv.png")
     assert (tmp_path / "kv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_cli_prints_the_cache_table_and_plot(tmp_path, capsys):
+    from lmstack.cli import main
+
+    png = tmp_path / "cache.png"
+    assert main(["plan", "--model", "llama3-8b", "--batch", "1", "--mixers-plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "3:1 deltanet:full" in out and "137.44 GB" in out  # full attention at 1M tokens: 2·8·128·2²⁰·32·2 B
+    assert png.read_bytes()[:4] == b"\x89PNG"
