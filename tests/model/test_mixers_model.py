@@ -201,3 +201,16 @@ def test_set_attention_skips_recurrent_layers():
     model.set_attention(impl)
     assert model.blocks[1].attn.impl is impl and not hasattr(model.blocks[0].attn, "impl")
     assert model.attention is impl
+
+
+def test_init_recurrent_parameters_reference_ranges():
+    from lmstack.model.mixers import init_recurrent_parameters
+
+    model = _model(["mamba2", "gated_deltanet"], n_layers=2, dtype=torch.float32)
+    init_recurrent_parameters(model, seed=3)
+    for block in model.blocks:
+        m = block.attn
+        A, dt = -m.A_log.exp(), F.softplus(m.dt_bias)
+        assert ((A <= -1.0) & (A >= -16.0)).all() and ((dt >= 1e-3 * 0.999) & (dt <= 1e-1 * 1.001)).all()
+        assert m.conv1d.weight.abs().max() <= 0.5  # U(±1/√4)
+    assert (model.blocks[0].attn.D == 1).all()

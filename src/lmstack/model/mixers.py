@@ -14,6 +14,8 @@ Pass it as ``kv_cache=``; prefill and decode then continue exactly where the las
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -104,3 +106,23 @@ class MixerCache(StoreThenAttend):
         st = sum(t.numel() * t.element_size() for s in self.states.values() for t in s)
         ex = sum(t.numel() * t.element_size() for t in self.extra.values())
         return {"kv": kv, "state": st, "extra": ex}
+
+
+@torch.no_grad()
+def init_recurrent_parameters(model: nn.Module, seed: int = 0) -> None:
+    """Reference initial values for the recurrent mixers' non-matrix parameters, which ``Transformer.init_weights``
+    draws like any weight (N(0, σ²)): A = U[1, 16] (A_log = log A), Δ = exp(U[log 1e-3, log 1e-1]) through
+    softplus⁻¹ into dt_bias, D = 1, conv weights U(±1/√K_c) (PyTorch's Conv1d default), conv bias 0."""
+    gen = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, (Mamba2Mixer, GatedDeltaNet)):
+            n = m.A_log.numel()
+            m.A_log.copy_(torch.empty(n).uniform_(1.0, 16.0, generator=gen).log())
+            dt = torch.exp(torch.empty(n).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+            m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹(Δ)
+            bound = m.conv1d.weight.shape[-1] ** -0.5
+            m.conv1d.weight.copy_(torch.empty(m.conv1d.weight.shape).uniform_(-bound, bound, generator=gen))
+            if m.conv1d.bias is not None:
+                m.conv1d.bias.zero_()
+            if isinstance(m, Mamba2Mixer):
+                m.D.fill_(1.0)
