@@ -181,8 +181,29 @@ def test_recurrent_layer_needs_a_state_cache():
     model = _model(["gated_deltanet", "attention"], n_layers=2)
     with pytest.raises(TypeError, match=r"layer 0 \(gated_deltanet\).*MixerCache"):
         model(torch.zeros(1, 3, dtype=torch.long), positions=torch.arange(3), kv_cache=KVOnly())
-    with pytest.raises(ValueError, match=r"layer 0 \(gated_deltanet\): packed documents"):
-        model(torch.zeros(1, 3, dtype=torch.long), document_ids=torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"layer 0 \(gated_deltanet\): document_ids with a cache"):
+        model(torch.zeros(1, 3, dtype=torch.long), positions=torch.arange(3), kv_cache=MixerCache(),
+              document_ids=torch.zeros(1, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(PATTERNS) if n != "dsa"])
+def test_packed_documents_equal_separate_sequences(name):
+    """Packing (document_ids, positions restarting per document): each document's logits are those of the
+    document run alone — recurrent states and conv inputs restart at every boundary."""
+    n_layers = 6 if name.startswith("5:1") else 4
+    model = _model(PATTERNS[name], n_layers)
+    lengths = [[5, 7, 4], [9, 7]]
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(8))
+    docs = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths])
+    positions = torch.tensor([sum((list(range(n)) for n in row), []) for row in lengths])
+    with torch.no_grad():
+        packed = model(tokens, positions=positions, document_ids=docs)
+        for b, row in enumerate(lengths):
+            start = 0
+            for n in row:
+                alone = model(tokens[b:b + 1, start:start + n])
+                torch.testing.assert_close(packed[b:b + 1, start:start + n], alone, rtol=1e-9, atol=1e-9)
+                start += n
 
 
 def test_conv_state_shape_mismatch_is_named():

@@ -20,15 +20,14 @@ from torch import Tensor, nn
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Linear
 from lmstack.model.linear_scan import delta_chunked, delta_recurrent
-from lmstack.model.recurrent import cached_state, causal_conv, gated_rms_norm, reject_packing
-from lmstack.model.seam import AttentionMetadata
+from lmstack.model.recurrent import RecurrentMixer, causal_conv, gated_rms_norm
 
 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     kind = "gated_deltanet"
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0,
@@ -55,11 +54,10 @@ class GatedDeltaNet(nn.Module):
         self.norm = _Weight(self.h_v, **kw)
         self.out_proj = Linear(value_dim, c.d_model, **kw)
 
-    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        reject_packing(meta, self.layer_idx, self.kind)
+    def mix(self, x: Tensor, state: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """x (B, T, D), state (conv inputs, recurrent state) or None -> (B, T, D), new state."""
         B, T, _ = x.shape
         c = torch.float64 if x.dtype == torch.float64 else torch.float32  # the scan's precision
-        state = cached_state(meta, self.layer_idx, self.kind)
         conv_state, s0 = (None, None) if state is None else state
         qkv, conv_state = causal_conv(self.in_proj_qkv(x), self.conv1d.weight, self.conv1d.bias, conv_state)
         q, k, v = F.silu(qkv).split(self.split, dim=-1)
@@ -74,12 +72,10 @@ class GatedDeltaNet(nn.Module):
             y, s = delta_recurrent(q, k, v, beta, g, state=s0)
         else:
             y, s = delta_chunked(q, k, v, beta, g, chunk_size=self.chunk_size, state=s0)
-        if meta.cache is not None:
-            meta.cache.set_state(self.layer_idx, (conv_state, s))
         y = y.transpose(1, 2).to(x.dtype)  # (B, T, n_v, H_v)
         z = self.in_proj_z(x).view(B, T, self.n_v, self.h_v)
         y = gated_rms_norm(y, z, self.norm.weight, self.eps, self.h_v, norm_first=True)
-        return self.out_proj(y.reshape(B, T, -1))
+        return self.out_proj(y.reshape(B, T, -1)), (conv_state, s)
 
 
 class _Weight(nn.Module):

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Linear
 from lmstack.model.linear_scan import decay_chunked, decay_recurrent
-from lmstack.model.recurrent import cached_state, reject_packing
-from lmstack.model.seam import AttentionMetadata
+from lmstack.model.recurrent import RecurrentMixer
 
 FEATURE_MAPS = {"identity": lambda x: x, "elu1": lambda x: F.elu(x) + 1.0, "relu": F.relu}
 
 
-class LinearAttention(nn.Module):
+class LinearAttention(RecurrentMixer):
     """N heads of head dim H; q, k, v, o projections as in softmax attention (no RoPE: order comes from causality)."""
 
     kind = "linear_attention"
@@ -39,8 +38,8 @@ class LinearAttention(nn.Module):
         self.v_proj = Linear(c.d_model, c.n_heads * c.head_dim, **kw)
         self.o_proj = Linear(c.n_heads * c.head_dim, c.d_model, **kw)  # (D, N·H)
 
-    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        reject_packing(meta, self.layer_idx, self.kind)
+    def mix(self, x: Tensor, state: tuple[Tensor] | None) -> tuple[Tensor, tuple[Tensor]]:
+        """x (B, T, D), state (S (B, N, H, H [+1]),) or None -> (B, T, D), new state."""
         B, T, _ = x.shape
         H = self.head_dim
         phi = FEATURE_MAPS[self.feature_map]
@@ -51,14 +50,11 @@ class LinearAttention(nn.Module):
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # last column accumulates φ(q)·Σφ(k)
         else:
             q = q * H ** -0.5
-        state = cached_state(meta, self.layer_idx, self.kind)
         s0 = None if state is None else state[0]
         if s0 is not None and T == 1:
             y, s = decay_recurrent(q, k, v, None, state=s0)
         else:
             y, s = decay_chunked(q, k, v, None, chunk_size=self.chunk_size, state=s0)
-        if meta.cache is not None:
-            meta.cache.set_state(self.layer_idx, (s,))
         if self.normalize:
             y = y[..., :-1] / (y[..., -1:] + self.eps)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (s,)

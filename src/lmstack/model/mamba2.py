@@ -18,11 +18,10 @@ from torch import Tensor, nn
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Linear
 from lmstack.model.linear_scan import decay_chunked, decay_recurrent
-from lmstack.model.recurrent import cached_state, causal_conv, gated_rms_norm, reject_packing
-from lmstack.model.seam import AttentionMetadata
+from lmstack.model.recurrent import RecurrentMixer, causal_conv, gated_rms_norm
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentMixer):
     kind = "mamba2"
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0,
@@ -45,13 +44,12 @@ class Mamba2Mixer(nn.Module):
         self.norm = _Weight(self.inner, **kw)
         self.out_proj = Linear(self.inner, c.d_model, **kw)
 
-    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        reject_packing(meta, self.layer_idx, self.kind)
+    def mix(self, x: Tensor, state: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """x (B, T, D), state (conv inputs, recurrent state) or None -> (B, T, D), new state."""
         B, T, _ = x.shape
         P, G, Ns, nH = self.head_dim, self.n_groups, self.state_size, self.n_heads
         c = torch.float64 if x.dtype == torch.float64 else torch.float32  # the scan's precision
         z, xBC, dt = self.in_proj(x).split([self.inner, self.conv_dim, nH], dim=-1)
-        state = cached_state(meta, self.layer_idx, self.kind)
         conv_state, h0 = (None, None) if state is None else state
         xBC, conv_state = causal_conv(xBC, self.conv1d.weight, self.conv1d.bias, conv_state)
         xs, Bm, Cm = F.silu(xBC).split([self.inner, G * Ns, G * Ns], dim=-1)
@@ -67,12 +65,10 @@ class Mamba2Mixer(nn.Module):
             y, h = decay_recurrent(q, k, v, dt_h * A[:, None], state=h0)
         else:
             y, h = decay_chunked(q, k, v, dt_h * A[:, None], chunk_size=self.chunk_size, state=h0)
-        if meta.cache is not None:
-            meta.cache.set_state(self.layer_idx, (conv_state, h))
         y = y + self.D.to(c)[:, None, None] * xh.to(c)  # the D skip
         y = y.transpose(1, 2).reshape(B, T, self.inner).to(x.dtype)
         y = gated_rms_norm(y, z, self.norm.weight, self.eps, self.inner // G, norm_first=False)
-        return self.out_proj(y)
+        return self.out_proj(y), (conv_state, h)
 
 
 class _Weight(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from lmstack.model.seam import AttentionMetadata
 
@@ -43,12 +43,6 @@ def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float, group: int,
     return weight * y32.to(dtype)
 
 
-def reject_packing(meta: AttentionMetadata, layer_idx: int, kind: str) -> None:
-    if meta.document_ids is not None:
-        raise ValueError(f"layer {layer_idx} ({kind}): packed documents (document_ids) are not supported by "
-                         "recurrent mixers; train on unpacked rows")
-
-
 def cached_state(meta: AttentionMetadata, layer_idx: int, kind: str):
     """The layer's recurrent state from ``meta.cache`` (None: no cache, or the first call)."""
     if meta.cache is None:
@@ -57,3 +51,37 @@ def cached_state(meta: AttentionMetadata, layer_idx: int, kind: str):
         raise TypeError(f"layer {layer_idx} ({kind}) keeps a recurrent state, which {type(meta.cache).__name__} "
                         "cannot hold; decode hybrids with lmstack.model.mixers.MixerCache")
     return meta.cache.get_state(layer_idx)
+
+
+def per_document(fn, x: Tensor, document_ids: Tensor) -> Tensor:
+    """Run ``fn`` ((1, T_doc, D) -> (1, T_doc, D), from a fresh state) on each packed document of each row:
+    a recurrent state must not carry from one document into the next. x (B, T, D), document_ids (B, T)."""
+    rows = []
+    for b in range(x.shape[0]):
+        ids = document_ids[b]
+        cuts = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist(), ids.shape[0]]
+        rows.append(torch.cat([fn(x[b:b + 1, s:e]) for s, e in zip(cuts, cuts[1:])], dim=1))
+    return torch.cat(rows, dim=0)
+
+
+class RecurrentMixer(nn.Module):
+    """A token mixer with a recurrent state: subclasses define ``mix(x, state) -> (y, new_state)``
+    (state None = zeros); ``forward`` takes the state from / gives it to ``meta.cache`` and restarts it
+    at every packed document boundary."""
+
+    kind = "recurrent"
+    layer_idx = 0
+
+    def mix(self, x: Tensor, state) -> tuple[Tensor, tuple]:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        if meta.document_ids is not None:
+            if meta.cache is not None:
+                raise ValueError(f"layer {self.layer_idx} ({self.kind}): document_ids with a cache; a MixerCache "
+                                 "holds one sequence per row")
+            return per_document(lambda seg: self.mix(seg, None)[0], x, meta.document_ids)
+        y, state = self.mix(x, cached_state(meta, self.layer_idx, self.kind))
+        if meta.cache is not None:
+            meta.cache.set_state(self.layer_idx, state)
+        return y
