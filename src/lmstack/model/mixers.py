@@ -66,32 +66,48 @@ def build_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw
 
 # ---- the cache -----------------------------------------------------------------------------------
 class MixerCache(StoreThenAttend):
-    """One sequence per row: contiguous K/V for attention layers (the last W − 1 for windowed ones),
-    recurrent (and conv) states for the others. ``nbytes()`` reports what it holds."""
+    """One sequence per row: K/V for attention layers (the last W − 1 for windowed ones), recurrent (and conv)
+    states for the others. K/V live in buffers that grow by doubling, so a decode step writes one position
+    instead of copying the whole cache. ``nbytes()`` reports what it holds (the used positions)."""
 
     def __init__(self) -> None:
-        self.kv: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        self._kv: dict[int, list] = {}  # layer -> [k (B, K, cap, H), v, positions (B, cap), n used]
         self.states: dict[int, tuple[Tensor, ...]] = {}
         self.extra: dict[tuple[int, str], Tensor] = {}  # e.g. DSA's indexer keys
 
+    @property
+    def kv(self) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
+        """layer -> (k (B, K, S, H), v, positions (B, S)) of the held positions."""
+        return {i: (k[:, :, :n], v[:, :, :n], p[:, :n]) for i, (k, v, p, n) in self._kv.items()}
+
     def update(self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, K, T, H = k.shape
         if positions.dim() == 1:
-            positions = positions.expand(k.shape[0], -1)
-        if layer_idx in self.kv:
-            k0, v0, p0 = self.kv[layer_idx]
-            k, v, positions = torch.cat([k0, k], 2), torch.cat([v0, v], 2), torch.cat([p0, positions], 1)
-        self.kv[layer_idx] = (k, v, positions)
-        return k, v, positions
+            positions = positions.expand(B, -1)
+        entry = self._kv.get(layer_idx)
+        n = 0 if entry is None else entry[3]
+        if entry is None or n + T > entry[0].shape[2]:
+            cap = max(16, n + T, 2 * (0 if entry is None else entry[0].shape[2]))
+            kb, vb = k.new_empty(B, K, cap, H), v.new_empty(B, K, cap, v.shape[-1])
+            pb = positions.new_full((B, cap), -1)
+            if entry is not None:
+                kb[:, :, :n], vb[:, :, :n], pb[:, :n] = entry[0][:, :, :n], entry[1][:, :, :n], entry[2][:, :n]
+            entry = self._kv[layer_idx] = [kb, vb, pb, n]
+        kb, vb, pb, _ = entry
+        kb[:, :, n:n + T], vb[:, :, n:n + T], pb[:, n:n + T] = k, v, positions
+        entry[3] = n + T
+        return kb[:, :, :n + T], vb[:, :, :n + T], pb[:, :n + T]
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
                impl: AttentionImpl) -> Tensor:
         out = super().attend(layer_idx, q, k, v, meta, impl)
-        if meta.window is not None:  # later queries never see more than the last W − 1 of these keys
-            k_all, v_all, p_all = self.kv[layer_idx]
-            keep = max(meta.window - 1, 0)
-            self.kv[layer_idx] = (k_all[:, :, -keep:] if keep else k_all[:, :, :0],
-                                  v_all[:, :, -keep:] if keep else v_all[:, :, :0],
-                                  p_all[:, -keep:] if keep else p_all[:, :0])
+        entry = self._kv[layer_idx]
+        keep = None if meta.window is None else max(meta.window - 1, 0)
+        if keep is not None and entry[3] > keep:  # later queries never see more than the last W − 1 keys
+            kb, vb, pb, n = entry
+            kb[:, :, :keep], vb[:, :, :keep], pb[:, :keep] = (kb[:, :, n - keep:n].clone(),
+                                                              vb[:, :, n - keep:n].clone(), pb[:, n - keep:n].clone())
+            entry[3] = keep
         return out
 
     def get_state(self, layer_idx: int):
