@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
