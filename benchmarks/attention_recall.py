@@ -27,7 +27,7 @@ from lmstack.model.mixers import init_recurrent_parameters
 from lmstack.model.transformer import Transformer
 from lmstack.utils import atomic_path, atomic_write_text
 
-VOCAB = 256  # keys 0..127, values 128..255
+VOCAB = 64  # keys 0..31, values 32..63 (--vocab)
 VARIANTS = {
     "full attention": ["attention"],
     "linear attention": ["linear_attention"],
@@ -118,6 +118,7 @@ def plot(results: dict, path: str) -> None:
 
 
 def main() -> None:
+    global VOCAB
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=16, help="sequences per step at the largest P (more at smaller P)")
@@ -127,9 +128,11 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="keys from the lower half, values from the upper")
     ap.add_argument("--out", default="docs/attention_recall")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    VOCAB = args.vocab
     results = {}
     for name in args.variants.split(","):
         results[name] = train(name, args)
