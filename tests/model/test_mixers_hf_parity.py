@@ -121,3 +121,24 @@ def test_gated_deltanet_matches_hf_qwen3_5(S):
         ref = hf(x)
         out = ours(x, _meta(S))
     assert (out - ref).abs().max().item() < 1e-4
+
+
+def test_gated_deltanet_matches_hf_qwen3_next():
+    """Qwen3-Next's fused in_proj_qkvz / in_proj_ba, re-laid out by hf.gated_deltanet_from_qwen3_next."""
+    from lmstack.model.hf import WeightsError, gated_deltanet_from_qwen3_next
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    hf_cfg = transformers.Qwen3NextConfig(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                                          linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+                                          num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=1e-6)
+    hf = _randomise(Qwen3NextGatedDeltaNet(hf_cfg, layer_idx=0).eval(), seed=1)
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, d_ff=64, layer_types=["gated_deltanet"],
+                      delta_n_heads=2, delta_n_v_heads=4, delta_head_dim=8, delta_v_head_dim=6, conv_kernel=4,
+                      mixer_chunk_size=8, norm_eps=1e-6)
+    ours = GatedDeltaNet(cfg)
+    ours.load_state_dict(gated_deltanet_from_qwen3_next(hf.state_dict(), 2, 4, 8, 6))
+    x = torch.randn(2, 19, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(x, _meta(19)) - hf(x)).abs().max().item() < 1e-4
+    with pytest.raises(WeightsError, match=r"in_proj_qkvz.weight has 80 rows; n_k=4 groups"):
+        gated_deltanet_from_qwen3_next(hf.state_dict(), 4, 4, 8, 6)

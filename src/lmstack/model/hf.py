@@ -453,3 +453,32 @@ def save_hf(model, directory: str | os.PathLike, max_shard_bytes: int | None = N
         atomic_write_text(d / "model.safetensors.index.json",
                           json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     atomic_write_text(d / "config.json", json.dumps(hf_config, indent=2) + "\n")
+
+
+def gated_deltanet_from_qwen3_next(state: dict[str, torch.Tensor], n_k: int, n_v: int, h_k: int, h_v: int,
+                                   source: str = "Qwen3-Next linear_attn") -> dict[str, torch.Tensor]:
+    """One Qwen3-Next ``linear_attn`` layer's tensors -> ``model.deltanet.GatedDeltaNet`` names (Qwen3.5's layout).
+
+    Qwen3-Next fuses the projections per q/k head group: ``in_proj_qkvz`` rows are, for each of the n_k groups,
+    [q (h_k) | k (h_k) | v (r·h_v) | z (r·h_v)] with r = n_v / n_k, and ``in_proj_ba`` rows [b (r) | a (r)];
+    lmstack (and Qwen3.5) keep [all q | all k | all v], z, b, a as separate projections. conv1d, dt_bias, A_log,
+    norm and out_proj carry over. A tensor whose shape disagrees with the head sizes is a WeightsError naming it."""
+    if n_v % n_k:
+        raise WeightsError(f"{source}: n_v={n_v} value heads is not a multiple of n_k={n_k} key heads")
+    r = n_v // n_k
+    qkvz, ba = state["in_proj_qkvz.weight"], state["in_proj_ba.weight"]
+    per_group = 2 * h_k + 2 * r * h_v
+    if qkvz.shape[0] != n_k * per_group:
+        raise WeightsError(f"{source}: in_proj_qkvz.weight has {qkvz.shape[0]} rows; n_k={n_k} groups of "
+                           f"2·h_k + 2·(n_v/n_k)·h_v = {per_group} need {n_k * per_group}")
+    if ba.shape[0] != 2 * n_v:
+        raise WeightsError(f"{source}: in_proj_ba.weight has {ba.shape[0]} rows; expected 2·n_v = {2 * n_v}")
+    D = qkvz.shape[1]
+    q, k, v, z = qkvz.view(n_k, per_group, D).split([h_k, h_k, r * h_v, r * h_v], dim=1)
+    b, a = ba.view(n_k, 2 * r, D).split([r, r], dim=1)
+    out = {"in_proj_qkv.weight": torch.cat([q.reshape(-1, D), k.reshape(-1, D), v.reshape(-1, D)]),
+           "in_proj_z.weight": z.reshape(-1, D), "in_proj_b.weight": b.reshape(-1, D),
+           "in_proj_a.weight": a.reshape(-1, D)}
+    for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight"):
+        out[name] = state[name]
+    return out
