@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Linear
 from lmstack.model.linear_scan import delta_chunked, delta_recurrent
-from lmstack.model.recurrent import RecurrentMixer, causal_conv, gated_rms_norm
+from lmstack.model.recurrent import NormWeight, RecurrentMixer, causal_conv, gated_rms_norm
 
 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -51,7 +51,7 @@ class GatedDeltaNet(RecurrentMixer):
                                 padding=c.conv_kernel - 1, bias=False, **kw)
         self.dt_bias = nn.Parameter(torch.ones(self.n_v, **kw))
         self.A_log = nn.Parameter(torch.zeros(self.n_v, **kw))
-        self.norm = _Weight(self.h_v, **kw)
+        self.norm = NormWeight(self.h_v, **kw)
         self.out_proj = Linear(value_dim, c.d_model, **kw)
 
     def mix(self, x: Tensor, state: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
@@ -77,10 +77,3 @@ class GatedDeltaNet(RecurrentMixer):
         y = gated_rms_norm(y, z, self.norm.weight, self.eps, self.h_v, norm_first=True)
         return self.out_proj(y.reshape(B, T, -1)), (conv_state, s)
 
-
-class _Weight(nn.Module):
-    """Holds the gated norm's γ under the HF name ``norm.weight``."""
-
-    def __init__(self, n: int, device=None, dtype=None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n, device=device, dtype=dtype))

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Linear
 from lmstack.model.linear_scan import decay_chunked, decay_recurrent
-from lmstack.model.recurrent import RecurrentMixer, causal_conv, gated_rms_norm
+from lmstack.model.recurrent import NormWeight, RecurrentMixer, causal_conv, gated_rms_norm
 
 
 class Mamba2Mixer(RecurrentMixer):
@@ -41,7 +41,7 @@ class Mamba2Mixer(RecurrentMixer):
         self.dt_bias = nn.Parameter(torch.ones(self.n_heads, **kw))
         self.A_log = nn.Parameter(torch.zeros(self.n_heads, **kw))
         self.D = nn.Parameter(torch.ones(self.n_heads, **kw))
-        self.norm = _Weight(self.inner, **kw)
+        self.norm = NormWeight(self.inner, **kw)
         self.out_proj = Linear(self.inner, c.d_model, **kw)
 
     def mix(self, x: Tensor, state: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
@@ -70,10 +70,3 @@ class Mamba2Mixer(RecurrentMixer):
         y = gated_rms_norm(y, z, self.norm.weight, self.eps, self.inner // G, norm_first=False)
         return self.out_proj(y), (conv_state, h)
 
-
-class _Weight(nn.Module):
-    """Holds a norm's γ under the name ``norm.weight`` (the HF name; applied by ``gated_rms_norm``)."""
-
-    def __init__(self, n: int, device=None, dtype=None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n, device=device, dtype=dtype))

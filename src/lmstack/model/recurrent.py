@@ -64,6 +64,14 @@ def per_document(fn, x: Tensor, document_ids: Tensor) -> Tensor:
     return torch.cat(rows, dim=0)
 
 
+class NormWeight(nn.Module):
+    """Holds a gated norm's γ under the HF name ``norm.weight`` (applied by ``gated_rms_norm``)."""
+
+    def __init__(self, n: int, device: torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n, device=device, dtype=dtype))
+
+
 class RecurrentMixer(nn.Module):
     """A token mixer with a recurrent state: subclasses define ``mix(x, state) -> (y, new_state)``
     (state None = zeros); ``forward`` takes the state from / gives it to ``meta.cache`` and restarts it
