@@ -9,15 +9,14 @@ recurrent form, state in and out), and the KV + state bytes the cache holds. Dec
 flat in S for the recurrent mixers and grows with S for full attention. Then the chunked Gated DeltaNet
 (UT/WY form) against the token-by-token recurrent loop, forward + backward (training), as a ratio
 (the ``flash-linear-attention`` package needs a GPU/Triton and is not a dependency here).
-Prefill: the fastest of ``--repeats`` runs; decode: the median of the fastest quarter of the steps (the
-machine these figures come from is shared, so the least disturbed runs are the estimate); a small model (D=256, L=4, H=64) so the mixers dominate.
+Prefill: the fastest of ``--repeats`` runs; decode: the fastest of the ``--decode-steps`` steps (the machine
+these figures come from is shared, so the least disturbed run is the estimate); a small model (D=256, L=4, H=64) so the mixers dominate.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import time
 
 import torch
@@ -66,7 +65,7 @@ def measure(model: Transformer, S: int, decode_steps: int, repeats: int) -> dict
         t = time.perf_counter()
         model(tokens[:, i:i + 1], positions=torch.tensor([i]), kv_cache=cache)
         steps.append(time.perf_counter() - t)
-    return {"prefill_tok_s": S / prefill, "decode_ms": 1e3 * statistics.median(sorted(steps)[: max(1, len(steps) // 4)]),
+    return {"prefill_tok_s": S / prefill, "decode_ms": 1e3 * min(steps),
             "cache_mib": sum(cache.nbytes().values()) / 2**20}
 
 
