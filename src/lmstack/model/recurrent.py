@@ -24,7 +24,11 @@ def causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor | 
         raise ValueError(f"conv state has shape {tuple(state.shape)}, expected (B, channels, conv_kernel - 1) = "
                          f"{(B, Cd, Kc - 1)}")
     padded = torch.cat([state.to(xt.dtype), xt], dim=-1)  # (B, Cd, Kc − 1 + T)
-    y = F.conv1d(padded, weight, bias, groups=Cd)  # (B, Cd, T)
+    if T <= Kc:  # decode: a few multiply-adds per channel; F.conv1d's setup costs more than the work
+        y = (padded.unfold(-1, Kc, 1) * weight.view(Cd, 1, Kc)).sum(-1)  # (B, Cd, T)
+        y = y if bias is None else y + bias[:, None]
+    else:
+        y = F.conv1d(padded, weight, bias, groups=Cd)  # (B, Cd, T)
     return y.transpose(1, 2), padded[..., padded.shape[-1] - (Kc - 1):]
 
 
