@@ -42,6 +42,7 @@ def local_global_hf(tmp_path):
     return hf, tmp_path
 
 
+@pytest.mark.slow
 def test_local_global_qwen2_matches_hf(local_global_hf):
     hf, tmp = local_global_hf
     model = load_hf(tmp / "hf")
@@ -60,6 +61,7 @@ def test_local_global_qwen2_matches_hf(local_global_hf):
         assert (again(tokens).logits - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 def test_local_global_decode_keeps_only_the_window(local_global_hf):
     """Decoding with the cache == the full forward, and a local layer holds only W − 1 keys (seed 000 §2.5)."""
     hf, tmp = local_global_hf
