@@ -147,7 +147,10 @@ class Transformer(nn.Module):
 
     @property
     def attention(self) -> AttentionImpl:
-        return next((b.attn.impl for b in self.blocks if hasattr(b.attn, "impl")), None)
+        """The implementation the softmax-attention layers run (None when no layer is softmax attention)."""
+        kinds = self.config.mixer_types
+        return next((b.attn.impl for i, b in enumerate(self.blocks)
+                     if kinds[getattr(b.attn, "layer_idx", i)] in SOFTMAX_MIXERS), None)
 
     def set_norm(self, impl: NormImpl | None) -> None:
         """Run every RMSNorm through ``impl`` (None: the eager formula in ``model.layers``)."""
