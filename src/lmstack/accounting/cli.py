@@ -104,21 +104,6 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_mixer_cache(cfg: ModelConfig, dtype: str, window: int, path: str) -> None:
-    """Seed 001 "注意力机制": the O(n²) → O(n) argument in bytes — KV + state per sequence vs context."""
-    contexts = [1 << k for k in range(10, 21, 2)]  # 1k .. 1M tokens
-    table = cache_table(cfg, contexts, dtype, window)
-    t = Table(title=f"KV + state per sequence ({dtype}) vs context S (accounting.mixers)")
-    t.add_column("layers")
-    for S in contexts:
-        t.add_column(f"S={S:,}", justify="right")
-    for name, ys in table.items():
-        t.add_row(name, *[_gb(y) for y in ys])
-    Console(width=None if os.isatty(1) else 150).print(t)
-    plot_cache_vs_context(cfg, contexts, path, dtype, window)
-    print(f"wrote {path}")
-
-
 def _print_plan(plan: dict) -> None:
     console = Console(width=None if os.isatty(1) else 150)
     m, hw, w, pc = plan["model"], plan["hardware"], plan["workload"], plan["params"]
@@ -211,3 +196,19 @@ def _print_plan(plan: dict) -> None:
         f"TP over M={c['M']} (seed 001 张量并行): compute/communication ratio 4h/tp = {c['tp_compute_comm_ratio']:.0f}; "
         f"{_gb(c['tp_layer_bytes_per_device'])} sent per layer per sequence (fwd + bwd)"
     )
+
+
+def _print_mixer_cache(cfg: ModelConfig, dtype: str, window: int, path: str) -> None:
+    """Seed 001 "注意力机制": the O(n²) → O(n) argument in bytes — KV + state per sequence vs context."""
+    contexts = [1 << k for k in range(10, 21, 2)]  # 1k .. 1M tokens
+    table = cache_table(cfg, contexts, dtype, window)
+    t = Table(title=f"KV + state per sequence ({dtype}) vs context S (accounting.mixers)")
+    t.add_column("layers")
+    for S in contexts:
+        t.add_column(f"S={S:,}", justify="right")
+    for name, ys in table.items():
+        t.add_row(name, *[_gb(y) for y in ys])
+    Console(width=None if os.isatty(1) else 150).print(t)
+    plot_cache_vs_context(cfg, contexts, path, dtype, window)
+    print(f"wrote {path}")
+
