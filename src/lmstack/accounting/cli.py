@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmstack.accounting.hardware import HARDWARE, get_hardware, measure_cpu
+from lmstack.accounting.mixers import cache_table, plot_cache_vs_context
 from lmstack.accounting.plan import build_plan
 from lmstack.accounting.roofline import plot_roofline
 from lmstack.model.config import PRESETS, ModelConfig
@@ -42,6 +43,10 @@ def register(subparsers) -> None:
                    help="a measured training step time: report MFU for --train-batch sequences on --devices devices")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
     p.add_argument("--plot", metavar="PNG", help="draw the roofline with this workload's points to PNG")
+    p.add_argument("--mixers-plot", metavar="PNG",
+                   help="KV + state bytes per sequence vs context for full / 3:1 Gated-DeltaNet:full / 5:1 "
+                   "local:global / pure Gated DeltaNet layer patterns of this model: a table, and this PNG")
+    p.add_argument("--local-window", type=int, default=4096, help="W of the 5:1 local layers (default 4096)")
     p.add_argument("--quick", action="store_true", help="with --hardware cpu: a fast, rough measurement")
     p.add_argument("--force", action="store_true", help="replace an existing --json/--plot file of another kind")
     add_threads_argument(p, help="CPU threads for --hardware cpu (default: the CPUs available to this process)")
@@ -75,8 +80,10 @@ def _gb(x: float) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     model_file = args.model if args.model.lower() not in PRESETS and os.path.exists(args.model) else None
-    check_outputs([("--json", args.json), ("--plot", args.plot)], [("the --model", model_file)],
-                  {"--json": ("a JSON file", is_json_file), "--plot": ("a PNG image", is_png_file)}, force=args.force)
+    check_outputs([("--json", args.json), ("--plot", args.plot), ("--mixers-plot", args.mixers_plot)],
+                  [("the --model", model_file)],
+                  {"--json": ("a JSON file", is_json_file), "--plot": ("a PNG image", is_png_file),
+                   "--mixers-plot": ("a PNG image", is_png_file)}, force=args.force)
     if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
         raise ValueError(f"--json and --plot are both {args.json!r}; give them different paths")
     cfg = _load_model(args.model)
@@ -98,6 +105,8 @@ def run_plan(args: argparse.Namespace) -> int:
         plot_roofline(hw, pts, args.plot, plan["workload"]["dtype"],
                       title=f"{cfg.name} on {hw.name}, S={args.seq}, {plan['workload']['dtype']}")
         print(f"wrote {args.plot}")
+    if args.mixers_plot:
+        _print_mixer_cache(cfg, plan["workload"]["dtype"], args.local_window, args.mixers_plot)
     return 0
 
 
@@ -206,3 +215,19 @@ def _print_plan(plan: dict) -> None:
         f"TP over M={c['M']} (seed 001 张量并行): compute/communication ratio 4h/tp = {c['tp_compute_comm_ratio']:.0f}; "
         f"{_gb(c['tp_layer_bytes_per_device'])} sent per layer per sequence (fwd + bwd)"
     )
+
+
+def _print_mixer_cache(cfg: ModelConfig, dtype: str, window: int, path: str) -> None:
+    """Seed 001 "注意力机制": the O(n²) → O(n) argument in bytes — KV + state per sequence vs context."""
+    contexts = [1 << k for k in range(10, 21, 2)]  # 1k .. 1M tokens
+    table = cache_table(cfg, contexts, dtype, window)
+    t = Table(title=f"KV + state per sequence ({dtype}) vs context S (accounting.mixers)")
+    t.add_column("layers")
+    for S in contexts:
+        t.add_column(f"S={S:,}", justify="right")
+    for name, ys in table.items():
+        t.add_row(name, *[_gb(y) for y in ys])
+    Console(width=None if os.isatty(1) else 150).print(t)
+    plot_cache_vs_context(cfg, contexts, path, dtype, window)
+    print(f"wrote {path}")
+

@@ -24,6 +24,9 @@ ROPE_LAYOUTS = ("half", "interleaved")
 # (the backends are set by lmstack.kernels.runtime.RuntimeConfig).
 RUNTIME_FIELDS = ("attn_backend", "norm_backend")
 ARCHITECTURES = ("llama", "mistral", "qwen2")
+#: Token mixers a layer may have (``ModelConfig.layer_types``; ``lmstack.model.mixers``).
+MIXERS = ("attention", "local_attention", "linear_attention", "mamba2", "gated_deltanet", "dsa")
+LINEAR_FEATURE_MAPS = ("identity", "elu1", "relu")
 #: Longest context lmstack accepts (the RoPE tables grow on demand up to it): 16.7M positions;
 #: real models use <= 10M, and a corrupt 2**32 must not ask for terabytes.
 MAX_SEQ_LEN = 1 << 24
@@ -64,6 +67,24 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = field(default="custom", compare=False)
+    # --- token mixers beyond softmax attention (model/mixers.py, linear_attention.py, mamba2.py, deltanet.py, dsa.py)
+    layer_types: list[str] | None = None  # per layer, one of MIXERS; None = "attention" in every layer
+    local_window: int | None = None  # W of the "local_attention" layers (Gemma-style local:global)
+    mixer_chunk_size: int = 64  # C: chunk length of the chunked (training/prefill) forms
+    linear_feature_map: str = "elu1"  # φ of "linear_attention": identity | elu1 (elu + 1) | relu
+    linear_normalize: bool = True  # "linear_attention" divides by φ(q)·Σφ(k)
+    ssm_state_size: int = 64  # Mamba-2: state size per head (HF state_size)
+    ssm_n_groups: int = 1  # Mamba-2: groups of heads sharing B_t, C_t
+    ssm_head_dim: int = 64  # Mamba-2: P; heads = ssm_expand·D / P
+    ssm_expand: int = 2  # Mamba-2: inner width = ssm_expand·D
+    conv_kernel: int = 4  # Mamba-2 / Gated DeltaNet short causal depthwise convolution
+    delta_n_heads: int | None = None  # Gated DeltaNet q/k heads; None = n_heads
+    delta_n_v_heads: int | None = None  # Gated DeltaNet value heads (a multiple of delta_n_heads); None = equal
+    delta_head_dim: int | None = None  # Gated DeltaNet q/k head dim; None = head_dim
+    delta_v_head_dim: int | None = None  # Gated DeltaNet value head dim; None = delta_head_dim
+    dsa_top_k: int = 2048  # DSA: keys each query attends to
+    dsa_index_heads: int = 4  # DSA: lightning-indexer heads
+    dsa_index_head_dim: int = 32  # DSA: lightning-indexer head dim
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -109,6 +130,49 @@ class ModelConfig:
             raise ConfigError(f"architecture={self.architecture!r}; expected one of {ARCHITECTURES}")
         if not (self.init_std > 0):
             raise ConfigError(f"init_std={self.init_std!r} must be > 0")
+        self._check_mixers()
+
+    def _check_mixers(self) -> None:
+        """The token-mixer block: a per-layer pattern of known mixers, and the sizes the used ones need."""
+        if self.layer_types is not None:
+            if isinstance(self.layer_types, (str, bytes)) or not isinstance(self.layer_types, (list, tuple)):
+                raise ConfigError(f"layer_types={self.layer_types!r:.80}; expected a list of {self.n_layers} "
+                                  f"mixer names from {MIXERS}")
+            self.layer_types = list(self.layer_types)
+            if len(self.layer_types) != self.n_layers:
+                raise ConfigError(f"layer_types has {len(self.layer_types)} entries but n_layers={self.n_layers}; "
+                                  "give one mixer per layer")
+            for i, t in enumerate(self.layer_types):
+                if t not in MIXERS:
+                    raise ConfigError(f"layer_types[{i}]={t!r} (layer {i}) is not a known mixer; expected one of {MIXERS}")
+        for f in ("mixer_chunk_size", "ssm_state_size", "ssm_n_groups", "ssm_head_dim", "ssm_expand", "conv_kernel",
+                  "dsa_top_k", "dsa_index_heads", "dsa_index_head_dim"):
+            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
+        for f in ("local_window", "delta_n_heads", "delta_n_v_heads", "delta_head_dim", "delta_v_head_dim"):
+            if getattr(self, f) is not None:
+                setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
+        check_bool("linear_normalize", self.linear_normalize, ConfigError)
+        if self.linear_feature_map not in LINEAR_FEATURE_MAPS:
+            raise ConfigError(f"linear_feature_map={self.linear_feature_map!r}; expected one of {LINEAR_FEATURE_MAPS}")
+        used = set(self.mixer_types)
+        if "local_attention" in used and self.local_window is None:
+            i = self.mixer_types.index("local_attention")
+            raise ConfigError(f"layer_types[{i}]='local_attention' (layer {i}) needs local_window (the window W)")
+        if "mamba2" in used:
+            inner = self.ssm_expand * self.d_model
+            if inner % self.ssm_head_dim or (inner // self.ssm_head_dim) % self.ssm_n_groups:
+                raise ConfigError(f"mamba2 layers: ssm_expand*d_model={inner} must be ssm_head_dim={self.ssm_head_dim} "
+                                  f"x a multiple of ssm_n_groups={self.ssm_n_groups} heads")
+        if "gated_deltanet" in used:
+            nk = self.delta_n_heads or self.n_heads
+            nv = self.delta_n_v_heads or nk
+            if nv % nk:
+                raise ConfigError(f"gated_deltanet layers: delta_n_v_heads={nv} must be a multiple of delta_n_heads={nk}")
+
+    @property
+    def mixer_types(self) -> list[str]:
+        """Each layer's token mixer (``layer_types``, or softmax attention everywhere)."""
+        return list(self.layer_types) if self.layer_types is not None else ["attention"] * self.n_layers
 
     # ---- derived symbols -------------------------------------------------------------------
     @property
@@ -204,3 +268,11 @@ PRESETS: dict[str, ModelConfig] = {
                 bos_token_id=1, eos_token_id=2),
     ]
 }
+
+
+def repeat_pattern(unit: list[str], n_layers: int) -> list[str]:
+    """``unit`` repeated to ``n_layers`` layers: ``repeat_pattern(["linear_attention"] * 3 + ["attention"], 8)``
+    is the 3:1 linear:full hybrid; ``["local_attention"] * 5 + ["attention"]`` Gemma's 5:1 local:global."""
+    if not unit:
+        raise ConfigError("repeat_pattern needs a non-empty unit of mixer names")
+    return [unit[i % len(unit)] for i in range(n_layers)]

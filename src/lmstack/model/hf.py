@@ -92,8 +92,9 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfi
         window = None
         if model_type == "mistral" and d.get("sliding_window") is not None:
             window = check_int("sliding_window", d["sliding_window"], ConfigError, minimum=1)
-        elif model_type == "qwen2" and _flag(d, "use_sliding_window"):
-            raise ConfigError("Qwen2 use_sliding_window=True (per-layer windows) is not supported")
+        layer_types, local_window = None, None
+        if model_type == "qwen2" and _flag(d, "use_sliding_window"):
+            layer_types, local_window = _qwen2_local_global(d)
         n_heads = _int(d, "num_attention_heads")
         head_dim = d.get("head_dim")
         name = d.get("_name_or_path") or model_type
@@ -111,6 +112,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfi
             tie_embeddings=_flag(d, "tie_word_embeddings"),
             qkv_bias=model_type == "qwen2",
             sliding_window=window,
+            layer_types=layer_types,
+            local_window=local_window,
             architecture=model_type,
             bos_token_id=_first_id(d, "bos_token_id"),
             eos_token_id=_first_id(d, "eos_token_id"),
@@ -130,6 +133,9 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     arch = c.architecture
     if c.sliding_window is not None and arch != "mistral":
         raise ConfigError(f"sliding_window={c.sliding_window} needs architecture='mistral', got {arch!r}")
+    if c.layer_types is not None and (arch != "qwen2" or set(c.layer_types) - set(_HF_LAYER_TYPES)):
+        raise ConfigError(f"layer_types={c.layer_types} has no {arch!r} HF equivalent (only qwen2 with "
+                          f"{sorted(_HF_LAYER_TYPES)} layers, i.e. interleaved local/global attention)")
     if c.qkv_bias != (arch == "qwen2"):
         raise ConfigError(f"qkv_bias={c.qkv_bias} does not fit architecture={arch!r} (only qwen2 has q/k/v bias)")
     d: dict[str, Any] = {
@@ -156,9 +162,34 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         d.update(attention_bias=False, mlp_bias=False)
     elif arch == "mistral":
         d["sliding_window"] = c.sliding_window
+    elif c.layer_types is not None:  # interleaved local/global windows (HF layer_types)
+        d.update(use_sliding_window=True, sliding_window=c.local_window, max_window_layers=c.n_layers,
+                 layer_types=[_HF_LAYER_TYPES[t] for t in c.layer_types])
     else:
         d.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layers)
     return d
+
+
+# Qwen2's per-layer attention kinds <-> lmstack mixers (model.mixers): interleaved local/global models.
+_HF_LAYER_TYPES = {"attention": "full_attention", "local_attention": "sliding_attention"}
+
+
+def _qwen2_local_global(d: dict[str, Any]) -> tuple[list[str], int]:
+    """Qwen2 with ``use_sliding_window``: per-layer windows from ``layer_types`` (or, in older configs,
+    sliding from layer ``max_window_layers`` on) -> (lmstack layer_types, local_window)."""
+    n = _int(d, "num_hidden_layers")
+    window = check_int("sliding_window", d.get("sliding_window"), ConfigError, minimum=1)
+    kinds = d.get("layer_types")
+    if kinds is None:
+        first = check_int("max_window_layers", d.get("max_window_layers", 28), ConfigError, minimum=0)
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if not isinstance(kinds, list) or len(kinds) != n:
+        raise ConfigError(f"layer_types={kinds!r:.80} must list one attention kind for each of the {n} layers")
+    back = {v: k for k, v in _HF_LAYER_TYPES.items()}
+    for i, t in enumerate(kinds):
+        if t not in back:
+            raise ConfigError(f"layer_types[{i}]={t!r} (layer {i}); expected one of {sorted(back)}")
+    return [back[t] for t in kinds], window
 
 
 # ---- names ----------------------------------------------------------------------------------
@@ -427,3 +458,32 @@ def save_hf(model, directory: str | os.PathLike, max_shard_bytes: int | None = N
         atomic_write_text(d / "model.safetensors.index.json",
                           json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     atomic_write_text(d / "config.json", json.dumps(hf_config, indent=2) + "\n")
+
+
+def gated_deltanet_from_qwen3_next(state: dict[str, torch.Tensor], n_k: int, n_v: int, h_k: int, h_v: int,
+                                   source: str = "Qwen3-Next linear_attn") -> dict[str, torch.Tensor]:
+    """One Qwen3-Next ``linear_attn`` layer's tensors -> ``model.deltanet.GatedDeltaNet`` names (Qwen3.5's layout).
+
+    Qwen3-Next fuses the projections per q/k head group: ``in_proj_qkvz`` rows are, for each of the n_k groups,
+    [q (h_k) | k (h_k) | v (r·h_v) | z (r·h_v)] with r = n_v / n_k, and ``in_proj_ba`` rows [b (r) | a (r)];
+    lmstack (and Qwen3.5) keep [all q | all k | all v], z, b, a as separate projections. conv1d, dt_bias, A_log,
+    norm and out_proj carry over. A tensor whose shape disagrees with the head sizes is a WeightsError naming it."""
+    if n_v % n_k:
+        raise WeightsError(f"{source}: n_v={n_v} value heads is not a multiple of n_k={n_k} key heads")
+    r = n_v // n_k
+    qkvz, ba = state["in_proj_qkvz.weight"], state["in_proj_ba.weight"]
+    per_group = 2 * h_k + 2 * r * h_v
+    if qkvz.shape[0] != n_k * per_group:
+        raise WeightsError(f"{source}: in_proj_qkvz.weight has {qkvz.shape[0]} rows; n_k={n_k} groups of "
+                           f"2·h_k + 2·(n_v/n_k)·h_v = {per_group} need {n_k * per_group}")
+    if ba.shape[0] != 2 * n_v:
+        raise WeightsError(f"{source}: in_proj_ba.weight has {ba.shape[0]} rows; expected 2·n_v = {2 * n_v}")
+    D = qkvz.shape[1]
+    q, k, v, z = qkvz.view(n_k, per_group, D).split([h_k, h_k, r * h_v, r * h_v], dim=1)
+    b, a = ba.view(n_k, 2 * r, D).split([r, r], dim=1)
+    out = {"in_proj_qkv.weight": torch.cat([q.reshape(-1, D), k.reshape(-1, D), v.reshape(-1, D)]),
+           "in_proj_z.weight": z.reshape(-1, D), "in_proj_b.weight": b.reshape(-1, D),
+           "in_proj_a.weight": a.reshape(-1, D)}
+    for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight"):
+        out[name] = state[name]
+    return out

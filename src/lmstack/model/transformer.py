@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from lmstack.model.mixers import SOFTMAX_MIXERS, build_mixer
 from lmstack.model.seam import AttentionImpl, AttentionMetadata, NormImpl
 
 
@@ -28,7 +29,11 @@ def token_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw
     The one place a layer's kind of sequence mixing is chosen from the config (seed 001 "注意力机制"):
     today softmax attention with GQA (``model.attention``); new kinds (MLA, linear attention,
     Mamba-2, Gated DeltaNet, ...) are added as branches here, each in its own module.
+    ``config.layer_types`` picks a mixer per layer (``model.mixers``: local/linear attention, Mamba-2,
+    Gated DeltaNet, DSA).
     """
+    if config.layer_types is not None:
+        return build_mixer(config, layer_idx, rope, **kw)
     return Attention(config, layer_idx, rope, **kw)
 
 
@@ -133,13 +138,19 @@ class Transformer(nn.Module):
         return n - self.embed.weight.numel() if exclude_embedding else n
 
     def set_attention(self, impl: AttentionImpl) -> None:
-        """Run every layer's attention through ``impl`` (``lmstack.kernels.backends`` registers them)."""
-        for block in self.blocks:
-            block.attn.impl = impl
+        """Run every layer's attention through ``impl`` (``lmstack.kernels.backends`` registers them);
+        layers whose mixer is not softmax attention over a KV cache (``config.layer_types``) keep theirs."""
+        kinds = self.config.mixer_types
+        for i, block in enumerate(self.blocks):
+            if kinds[getattr(block.attn, "layer_idx", i)] in SOFTMAX_MIXERS:
+                block.attn.impl = impl
 
     @property
     def attention(self) -> AttentionImpl:
-        return self.blocks[0].attn.impl
+        """The implementation the softmax-attention layers run (None when no layer is softmax attention)."""
+        kinds = self.config.mixer_types
+        return next((b.attn.impl for i, b in enumerate(self.blocks)
+                     if kinds[getattr(b.attn, "layer_idx", i)] in SOFTMAX_MIXERS), None)
 
     def set_norm(self, impl: NormImpl | None) -> None:
         """Run every RMSNorm through ``impl`` (None: the eager formula in ``model.layers``)."""
