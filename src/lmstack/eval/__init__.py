@@ -1,0 +1,10 @@
+"""Evaluation (seed 001 "基准测试"; seed 000 perplexity): perplexity and bits per byte, a task runner
+(multiple choice, continuation log-likelihood, generation), the lm-evaluation-harness model class,
+arena ratings (Elo, Bradley–Terry) and contamination tests (exchangeability, n-gram overlap).
+docs/eval.md."""
+
+from .perplexity import PerplexityResult, bits_per_byte, perplexity, read_eval_tokens, windows
+from .scoring import RowScore, encode_pair, loglikelihoods, score_rows
+
+__all__ = ["PerplexityResult", "RowScore", "bits_per_byte", "encode_pair", "loglikelihoods", "perplexity",
+           "read_eval_tokens", "score_rows", "windows"]

@@ -1,0 +1,67 @@
+"""``lmstack eval ...``: perplexity / bits per byte (``ppl``), task files (``run``), lm-evaluation-harness
+(``harness``), arena ratings (``arena``) and contamination tests (``contamination``). docs/eval.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from lmstack.inference.loader import DTYPES, QUANT
+from lmstack.threads import add_threads_argument
+from lmstack.utils import atomic_write_text, check_outputs, is_json_file
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="model name (smollm2-135m), .gguf file or checkpoint dir")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)")
+    p.add_argument("--dtype", choices=sorted(DTYPES) + list(QUANT), default="fp32",
+                   help="weights: fp32/bf16/fp16, or int8/int4 weight-only quantised linears")
+    add_threads_argument(p)
+
+
+def _load(args):
+    from lmstack.inference.loader import load_for_inference
+
+    return load_for_inference(args.model, args.tokenizer, args.dtype)
+
+
+def _write_json(path, obj, inputs) -> None:
+    check_outputs([("--json", path)], inputs, {"--json": ("a JSON file", is_json_file)})
+    atomic_write_text(path, json.dumps(obj, indent=1) + "\n")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    ev = sub.add_parser("eval", help="evaluate models: perplexity, tasks, lm-eval, arena ratings, contamination")
+    esub = ev.add_subparsers(title="eval commands", metavar="EVAL_COMMAND")
+
+    p = esub.add_parser("ppl", help="perplexity and bits per byte on a text or token file (strided windows)")
+    p.add_argument("data", help="UTF-8 text file, or a token file (with its .json sidecar)")
+    _model_args(p)
+    p.add_argument("--max-length", type=int, default=None, help="window length (default: the model's context)")
+    p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: max-length/2)")
+    p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
+    p.add_argument("--add-bos", action="store_true", help="put the model's BOS token first")
+    p.add_argument("--batch", type=int, default=4, help="windows per forward")
+    p.add_argument("--json", default=None, help="write the result here")
+    p.set_defaults(func=run_ppl)
+    ev.set_defaults(func=lambda args: ev.print_help() or 0)
+
+
+def run_ppl(args) -> int:
+    from lmstack.eval.perplexity import perplexity, read_eval_tokens
+
+    if args.json:
+        check_outputs([("--json", args.json)], [("the data", args.data)], {"--json": ("a JSON file", is_json_file)})
+    model, tok = _load(args)
+    bos = model.config.bos_token_id if args.add_bos else None
+    if args.add_bos and bos is None:
+        raise ValueError(f"--add-bos: model {args.model} has no bos_token_id")
+    ids = read_eval_tokens(args.data, tok, add_bos=bos, max_tokens=args.max_tokens)
+    r = perplexity(model, ids, args.max_length, args.stride, tokenizer=tok, batch_windows=args.batch)
+    bpb = f"{r.bits_per_byte:.4f}" if r.bits_per_byte is not None else "n/a"
+    print(f"perplexity {r.perplexity:.4f}  bits/byte {bpb}  tokens {r.n_tokens}  windows {r.n_windows} "
+          f"(max_length {r.max_length}, stride {r.stride})  {r.tokens_per_s:.0f} tokens/s")
+    if args.json:
+        _write_json(args.json, {"data": str(args.data), "model": str(args.model), "dtype": args.dtype, **r.to_dict()},
+                    [("the data", args.data)])
+    return 0

@@ -1,0 +1,29 @@
+"""`lmstack eval ...` end to end on the tiny HF folder: exit codes, JSON written, clear errors."""
+
+import json
+import math
+
+import pytest
+
+from lmstack.cli import main
+
+
+def test_ppl_cli(tiny_dir, lm, tmp_path, capsys):
+    from lmstack.eval import perplexity
+
+    model, tok = lm
+    text = "the cat is at the theatre; this hat is the cat's. " * 4
+    p = tmp_path / "t.txt"
+    p.write_text(text)
+    out = tmp_path / "r.json"
+    rc = main(["eval", "ppl", str(p), "--model", str(tiny_dir), "--max-length", "32", "--stride", "8",
+               "--json", str(out), "--threads", "1"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    # the same numbers as the library call on the same ids (the library is checked against HF elsewhere)
+    ref = perplexity(model, tok.encode(text), max_length=32, stride=8, tokenizer=tok, progress=False)
+    assert r["perplexity"] == pytest.approx(ref.perplexity, rel=1e-9)
+    assert math.isfinite(r["bits_per_byte"]) and r["stride"] == 8
+    assert "perplexity" in capsys.readouterr().out
+    assert main(["eval", "ppl", str(tmp_path / "missing.txt"), "--model", str(tiny_dir)]) == 2
+    assert main(["eval", "ppl", str(p), "--model", str(tiny_dir), "--json", str(p)]) == 2  # would overwrite input
