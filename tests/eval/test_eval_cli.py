@@ -27,3 +27,23 @@ def test_ppl_cli(tiny_dir, lm, tmp_path, capsys):
     assert "perplexity" in capsys.readouterr().out
     assert main(["eval", "ppl", str(tmp_path / "missing.txt"), "--model", str(tiny_dir)]) == 2
     assert main(["eval", "ppl", str(p), "--model", str(tiny_dir), "--json", str(p)]) == 2  # would overwrite input
+
+
+def test_run_cli(tiny_dir, lm, tmp_path, capsys):
+    from lmstack.eval.runner import Evaluator, run_task
+    from lmstack.eval.tasks import load_task
+
+    rows = [{"context": "the cat", "choices": ["is", "at", "hat"], "answer": i % 3} for i in range(5)]
+    t = tmp_path / "mc.jsonl"
+    t.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "r.json"
+    assert main(["eval", "run", str(t), "--model", str(tiny_dir), "--json", str(out), "--samples",
+                 "--threads", "1"]) == 0
+    r = json.loads(out.read_text())["results"][0]
+    ref = run_task(load_task(t), Evaluator(*lm), progress=False)
+    assert r["metrics"] == pytest.approx(ref.metrics) and len(r["samples"]) == 5
+    assert "acc_norm" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "x", "choices": ["a", "b"], "answer": 5}\n')
+    assert main(["eval", "run", str(bad), "--model", str(tiny_dir)]) == 2
+    assert "bad.jsonl:1: field 'answer' = 5 is out of range" in capsys.readouterr().err

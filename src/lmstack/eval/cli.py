@@ -44,6 +44,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=4, help="windows per forward")
     p.add_argument("--json", default=None, help="write the result here")
     p.set_defaults(func=run_ppl)
+
+    r = esub.add_parser("run", help="run task files (YAML spec or JSONL items): multiple choice, loglikelihood, generate")
+    r.add_argument("tasks", nargs="+", help="task files (.yaml/.yml spec or .jsonl items)")
+    _model_args(r)
+    r.add_argument("--max-length", type=int, default=None, help="context length (default: the model's)")
+    r.add_argument("--limit", type=int, default=None, help="only the first N items of each task")
+    r.add_argument("--json", default=None, help="write the results here")
+    r.add_argument("--samples", action="store_true", help="include per-item records in the JSON")
+    r.set_defaults(func=run_tasks)
     ev.set_defaults(func=lambda args: ev.print_help() or 0)
 
 
@@ -64,4 +73,25 @@ def run_ppl(args) -> int:
     if args.json:
         _write_json(args.json, {"data": str(args.data), "model": str(args.model), "dtype": args.dtype, **r.to_dict()},
                     [("the data", args.data)])
+    return 0
+
+
+def run_tasks(args) -> int:
+    from lmstack.eval.runner import Evaluator, run_task, table
+    from lmstack.eval.tasks import load_task
+
+    inputs = [("a task file", t) for t in args.tasks]
+    if args.json:
+        check_outputs([("--json", args.json)], inputs, {"--json": ("a JSON file", is_json_file)})
+    tasks = [load_task(t) for t in args.tasks]  # every file checked before the model loads
+    if args.limit is not None:
+        for t in tasks:
+            t.items = t.items[:args.limit]
+    model, tok = _load(args)
+    ev = Evaluator(model, tok, args.max_length)
+    results = [run_task(t, ev) for t in tasks]
+    print(table(results))
+    if args.json:
+        _write_json(args.json, {"model": str(args.model), "dtype": args.dtype,
+                                "results": [r.to_dict(args.samples) for r in results]}, inputs)
     return 0
