@@ -66,12 +66,21 @@ def test_striding_equals_transformers_guide(lm, hf_model, max_length, stride):
 
 
 def test_windows_cover_each_token_once():
-    for n, L, s in [(100, 16, 5), (100, 16, 16), (7, 16, 8), (33, 8, 1)]:
+    for n, L, s in [(100, 16, 5), (100, 16, 16), (7, 16, 8), (33, 8, 1), (17, 16, 16)]:
         seen = []
         for b, e, first in windows(n, L, s):
             assert e - b <= L
             seen += list(range(b + first, e))
         assert len(seen) == len(set(seen))
+
+
+def test_last_window_of_one_token(lm, hf_model):
+    model, tok = lm
+    ids = tok.encode(TEXT)[:33]  # windows [0,16), [16,32), [32,33): the last scores nothing, as in the guide
+    r = perplexity(model, ids, max_length=16, stride=16, progress=False)
+    assert r.n_windows == 3 and r.n_tokens == 30
+    ref = [float(hf_token_nll(hf_model, ids[b:b + 16]).sum()) for b in (0, 16)]
+    assert r.perplexity == pytest.approx(math.exp(sum(ref) / 30), rel=1e-5)
 
 
 def test_short_text(lm, hf_model, tmp_path):

@@ -53,6 +53,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--json", default=None, help="write the results here")
     r.add_argument("--samples", action="store_true", help="include per-item records in the JSON")
     r.set_defaults(func=run_tasks)
+
+    h = esub.add_parser("harness", add_help=False,
+                        help="lm-evaluation-harness's command line with model `lmstack` registered "
+                             "(lmstack eval harness run --model lmstack --model_args model=smollm2-135m --tasks T ...)")
+    h.add_argument("lm_eval_args", nargs=argparse.REMAINDER,
+                   help="an lm-eval subcommand (run, ls, validate) and its arguments")
+    h.set_defaults(func=run_harness)
     ev.set_defaults(func=lambda args: ev.print_help() or 0)
 
 
@@ -94,4 +101,18 @@ def run_tasks(args) -> int:
     if args.json:
         _write_json(args.json, {"model": str(args.model), "dtype": args.dtype,
                                 "results": [r.to_dict(args.samples) for r in results]}, inputs)
+    return 0
+
+
+def run_harness(args) -> int:
+    try:
+        from lmstack.eval.harness import run_lm_eval
+    except ImportError as e:
+        raise ValueError(f"lmstack eval harness needs lm-evaluation-harness ({e}): pip install lm-eval") from None
+    argv = list(args.lm_eval_args)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv or argv[0] not in ("run", "ls", "validate"):
+        raise ValueError(f"lmstack eval harness: start with an lm-eval subcommand (run, ls, validate), got {argv[:1]}")
+    run_lm_eval(argv)
     return 0

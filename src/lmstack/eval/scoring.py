@@ -34,7 +34,8 @@ def _device(model) -> torch.device:
 @torch.no_grad()
 def score_rows(model, rows: list[list[int]], starts: list[int], max_batch_tokens: int = 8192,
                chunk_positions: int = 512) -> list[RowScore]:
-    """Score each row's positions ``start .. len(row)-1`` (``start`` >= 1: position 0 has no context).
+    """Score each row's positions ``start .. len(row)-1`` (``start`` >= 1: position 0 has no context). The
+    model sees each row without its last token, so a row may be one token longer than the context.
 
     Rows are grouped longest first into batches of at most ``max_batch_tokens`` padded tokens.
     """
@@ -56,7 +57,12 @@ def score_rows(model, rows: list[list[int]], starts: list[int], max_batch_tokens
         for b, k in enumerate(batch):
             tokens[b, :len(rows[k])] = torch.tensor(rows[k], dtype=torch.long)
         tokens = tokens.to(device)
-        hidden = model(tokens, return_hidden=True)  # (B, T, D)
+        if T == 1:  # rows of one token have nothing to score (start == 1 == len)
+            for k in batch:
+                out[k] = RowScore(torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool))
+            continue
+        # the last token is only a target: the inputs are the first T-1 (a row of max_length + 1 fits the context)
+        hidden = model(tokens[:, :T - 1], return_hidden=True)  # (B, T-1, D)
         for b, k in enumerate(batch):
             n, s = len(rows[k]), starts[k]
             lps, gr = [], []
