@@ -54,6 +54,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--samples", action="store_true", help="include per-item records in the JSON")
     r.set_defaults(func=run_tasks)
 
+    a = esub.add_parser("arena", help="ratings from pairwise battles: online Elo, Bradley-Terry with bootstrap CIs, PNG")
+    a.add_argument("battles", help="JSONL: model_a, model_b, winner (model_a | model_b | tie | tie (bothbad))")
+    a.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--k", type=float, default=4.0, help="online Elo step")
+    a.add_argument("--json", default=None, help="write the ratings here")
+    a.add_argument("--png", default=None, help="plot the ratings with their intervals here")
+    a.set_defaults(func=run_arena)
+
     h = esub.add_parser("harness", add_help=False,
                         help="lm-evaluation-harness's command line with model `lmstack` registered "
                              "(lmstack eval harness run --model lmstack --model_args model=smollm2-135m --tasks T ...)")
@@ -115,4 +124,28 @@ def run_harness(args) -> int:
     if not argv or argv[0] not in ("run", "ls", "validate"):
         raise ValueError(f"lmstack eval harness: start with an lm-eval subcommand (run, ls, validate), got {argv[:1]}")
     run_lm_eval(argv)
+    return 0
+
+
+def run_arena(args) -> int:
+    import sys
+
+    from lmstack.eval.arena import plot_ratings, rate, read_battles
+    from lmstack.utils import is_png_file
+
+    ins = [("the battles file", args.battles)]
+    check_outputs([("--json", args.json), ("--png", args.png)], ins,
+                  {"--json": ("a JSON file", is_json_file), "--png": ("a PNG file", is_png_file)})
+    if args.bootstrap < 0:
+        raise ValueError(f"--bootstrap={args.bootstrap} must be >= 0")
+    battles = read_battles(args.battles)
+    for w in battles.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    result = rate(battles, args.bootstrap, args.seed, args.k)
+    print(result.table())
+    if args.json:
+        _write_json(args.json, result.to_dict(), ins)
+    if args.png:
+        plot_ratings(result, args.png)
+        print(f"wrote {args.png}")
     return 0
