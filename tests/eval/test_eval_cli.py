@@ -47,3 +47,29 @@ def test_run_cli(tiny_dir, lm, tmp_path, capsys):
     bad.write_text('{"context": "x", "choices": ["a", "b"], "answer": 5}\n')
     assert main(["eval", "run", str(bad), "--model", str(tiny_dir)]) == 2
     assert "bad.jsonl:1: field 'answer' = 5 is out of range" in capsys.readouterr().err
+
+
+def test_contamination_cli(tiny_dir, tmp_path, capsys):
+    rows = [{"context": f"the cat {w} is at the hat", "choices": ["yes", "no"], "answer": i % 2}
+            for i, w in enumerate(["one", "two", "three", "four", "five", "six"])]
+    t = tmp_path / "mc.jsonl"
+    t.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = tmp_path / "train.txt"
+    corpus.write_text("unrelated words here. The CAT, three is here! more words.\n")
+    run = tmp_path / "run.json"
+    assert main(["eval", "run", str(t), "--model", str(tiny_dir), "--json", str(run), "--samples"]) == 0
+    out = tmp_path / "o.json"
+    assert main(["eval", "contamination", "overlap", str(t), "--train", str(corpus), "--n", "4",
+                 "--results", str(run), "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["flagged_lines"] == [3] and d["contaminated"] == 1
+    samples = json.loads(run.read_text())["results"][0]["samples"]
+    acc = [float(s["pred"] == s["answer"]) for s in samples]
+    assert d["rescore"]["acc"]["clean"] == pytest.approx(sum(acc[:2] + acc[3:]) / 5)
+    ex = tmp_path / "x.json"
+    assert main(["eval", "contamination", "exchangeability", str(t), "--model", str(tiny_dir),
+                 "--permutations", "9", "--shards", "2", "--json", str(ex)]) == 0
+    d = json.loads(ex.read_text())
+    assert d["n_permutations"] == 9 and d["p_value"] in [k / 10 for k in range(1, 11)]
+    assert main(["eval", "contamination", "overlap", str(t)]) == 2
+    assert "needs --train" in capsys.readouterr().err

@@ -63,6 +63,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--png", default=None, help="plot the ratings with their intervals here")
     a.set_defaults(func=run_arena)
 
+    c = esub.add_parser("contamination", help="train-test contamination: exchangeability test (Oren et al. 2023) "
+                                              "or n-gram overlap with a training corpus")
+    c.add_argument("method", choices=["exchangeability", "overlap"])
+    c.add_argument("task", help="task file (.yaml/.jsonl): its items, in file order, are the benchmark")
+    _model_args(c)
+    c.add_argument("--permutations", type=int, default=99, help="exchangeability: random orders to compare")
+    c.add_argument("--shards", type=int, default=0, help="exchangeability: also the sharded t-test with this many")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--max-length", type=int, default=None, help="context length (default: the model's)")
+    c.add_argument("--train", default=None, help="overlap: the training corpus (text file, or token file + sidecar)")
+    c.add_argument("--n", type=int, default=13, help="overlap: n-gram length (words for text, tokens for token files)")
+    c.add_argument("--results", default=None, help="overlap: a `lmstack eval run --samples` JSON to re-score "
+                                                   "on the clean items")
+    c.add_argument("--json", default=None, help="write the result here")
+    c.set_defaults(func=run_contamination)
+
     h = esub.add_parser("harness", add_help=False,
                         help="lm-evaluation-harness's command line with model `lmstack` registered "
                              "(lmstack eval harness run --model lmstack --model_args model=smollm2-135m --tasks T ...)")
@@ -149,3 +165,72 @@ def run_arena(args) -> int:
         plot_ratings(result, args.png)
         print(f"wrote {args.png}")
     return 0
+
+
+def _item_texts(task) -> list[str]:
+    return [it.context + task.target_delimiter + it.target() for it in task.items]
+
+
+def run_contamination(args) -> int:
+    from lmstack.eval import contamination as C
+    from lmstack.eval.tasks import load_task
+
+    ins = [("the task", args.task), ("--train", args.train), ("--results", args.results)]
+    if args.json:
+        check_outputs([("--json", args.json)], ins, {"--json": ("a JSON file", is_json_file)})
+    task = load_task(args.task)
+    texts = _item_texts(task)
+    if args.method == "exchangeability":
+        model, tok = _load(args)
+        examples = [tok.encode(t + "\n") for t in texts]  # one example a line, as the file lists them
+        r = C.permutation_test(model, examples, args.permutations, args.seed, max_length=args.max_length, progress=True)
+        if args.shards:
+            r.sharded_p_value, r.shard_differences = C.sharded_test(model, examples, args.shards, seed=args.seed,
+                                                                    max_length=args.max_length, progress=True)
+        print(f"{task.name}: {len(examples)} examples; canonical log-likelihood {r.canonical_loglik:.2f} vs "
+              f"permuted mean {sum(r.permuted_logliks) / len(r.permuted_logliks):.2f}; permutation p = {r.p_value:.4f}"
+              + (f"; sharded ({args.shards}) p = {r.sharded_p_value:.4g}" if args.shards else ""))
+        out = {"task": task.name, "method": "exchangeability", "model": str(args.model), **r.to_dict()}
+    else:
+        from lmstack.tokenizer import is_token_file
+
+        if not args.train:
+            raise ValueError("overlap needs --train FILE (a text corpus or a token file)")
+        if is_token_file(args.train):
+            from lmstack.inference.loader import model_tokenizer
+
+            tok = model_tokenizer(args.model, args.tokenizer)
+            r = C.ngram_overlap([tok.encode(t) for t in texts], C.token_chunks(args.train), args.n)
+        else:
+            r = C.ngram_overlap([C.normalize_words(t) for t in texts], C.text_chunks(args.train), args.n)
+        print(f"{task.name}: {r.contaminated} of {len(texts)} items share a {args.n}-gram with {args.train} "
+              f"({sum(f is None for f in r.flags)} shorter than {args.n})")
+        out = {"task": task.name, "method": "overlap", "train": str(args.train), **r.to_dict(),
+               "flagged_lines": [it.line for it, f in zip(task.items, r.flags) if f]}
+        if args.results:
+            out["rescore"] = _rescore(args.results, task, r.flags)
+            for metric, d in out["rescore"].items():
+                print(f"  {metric}: all {d['all']:.4f}  clean {d['clean']:.4f} (n={d['n_clean']})  "
+                      f"contaminated {d['contaminated']:.4f} (n={d['n_contaminated']})")
+    if args.json:
+        _write_json(args.json, out, ins)
+    return 0
+
+
+def _rescore(path, task, flags) -> dict:
+    from lmstack.eval.contamination import clean_rescore
+
+    with open(path, encoding="utf-8") as f:
+        results = json.load(f).get("results", [])
+    mine = [r for r in results if r.get("name") == task.name and r.get("samples")]
+    if not mine:
+        raise ValueError(f"{path}: no results with samples for task {task.name!r} (run `lmstack eval run --samples`)")
+    by_line = {s["line"]: s for s in mine[0]["samples"]}
+    if set(by_line) != {it.line for it in task.items}:
+        raise ValueError(f"{path}: its samples do not cover the items of {task.path} (different file or --limit?)")
+    samples = [by_line[it.line] for it in task.items]
+    metrics = {"multiple_choice": {"acc": lambda s: s["pred"] == s["answer"],
+                                   "acc_norm": lambda s: s["pred_norm"] == s["answer"]},
+               "loglikelihood": {"acc": lambda s: s["greedy"], "loglik": lambda s: s["loglik"]},
+               "generate": {"exact_match": lambda s: s["extracted"] == str(s["answer"]).strip()}}[task.kind]
+    return {m: clean_rescore(samples, fn, flags) for m, fn in metrics.items()}
