@@ -79,6 +79,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--json", default=None, help="write the result here")
     c.set_defaults(func=run_contamination)
 
+    m = esub.add_parser("make-data", help="build the offline evaluation sets (stdlib held-out text, docstring "
+                                          "multiple choice) with provenance.json")
+    m.add_argument("out", help="output directory")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--heldout-bytes", type=int, default=48_000)
+    m.set_defaults(func=run_make_data)
+
     h = esub.add_parser("harness", add_help=False,
                         help="lm-evaluation-harness's command line with model `lmstack` registered "
                              "(lmstack eval harness run --model lmstack --model_args model=smollm2-135m --tasks T ...)")
@@ -234,3 +241,13 @@ def _rescore(path, task, flags) -> dict:
                "loglikelihood": {"acc": lambda s: s["greedy"], "loglik": lambda s: s["loglik"]},
                "generate": {"exact_match": lambda s: s["extracted"] == str(s["answer"]).strip()}}[task.kind]
     return {m: clean_rescore(samples, fn, flags) for m, fn in metrics.items()}
+
+
+def run_make_data(args) -> int:
+    from lmstack.eval.datasets import make_data
+
+    prov = make_data(args.out, args.seed, args.heldout_bytes)
+    print(f"{args.out}: stdlib_heldout.txt ({prov['stdlib_heldout.txt']['bytes']} bytes, "
+          f"{len(prov['stdlib_heldout.txt']['files'])} files), stdlib_docstring_mc.jsonl "
+          f"({prov['stdlib_docstring_mc.jsonl']['items']} items) from Python {prov['python']}")
+    return 0
