@@ -33,7 +33,7 @@ def _device(model) -> torch.device:
 
 @torch.no_grad()
 def score_rows(model, rows: list[list[int]], starts: list[int], max_batch_tokens: int = 8192,
-               chunk_positions: int = 512) -> list[RowScore]:
+               chunk_positions: int = 1024) -> list[RowScore]:
     """Score each row's positions ``start .. len(row)-1`` (``start`` >= 1: position 0 has no context). The
     model sees each row without its last token, so a row may be one token longer than the context.
 
@@ -63,19 +63,24 @@ def score_rows(model, rows: list[list[int]], starts: list[int], max_batch_tokens
             continue
         # the last token is only a target: the inputs are the first T-1 (a row of max_length + 1 fits the context)
         hidden = model(tokens[:, :T - 1], return_hidden=True)  # (B, T-1, D)
-        for b, k in enumerate(batch):
-            n, s = len(rows[k]), starts[k]
-            lps, gr = [], []
-            # logits at j-1 predict token j: positions s-1 .. n-2 predict s .. n-1
-            for c0 in range(s - 1, n - 1, chunk_positions):
-                c1 = min(c0 + chunk_positions, n - 1)
-                logits = model.unembed(hidden[b, c0:c1]).float()  # (c, V)
-                logp = F.log_softmax(logits, dim=-1)
-                target = tokens[b, c0 + 1:c1 + 1]
-                lps.append(logp.gather(-1, target[:, None])[:, 0].double().cpu())
-                gr.append((logits.argmax(-1) == target).cpu())
-            out[k] = RowScore(torch.cat(lps) if lps else torch.zeros(0, dtype=torch.float64),
-                              torch.cat(gr) if gr else torch.zeros(0, dtype=torch.bool))
+        # every scored position of the batch in one (P, D) matrix: the unembedding (V, D) is read once per
+        # chunk of positions, not once per row; logits at j-1 predict token j
+        bi = torch.cat([torch.full((len(rows[k]) - starts[k],), b) for b, k in enumerate(batch)]).to(device)
+        pj = torch.cat([torch.arange(starts[k] - 1, len(rows[k]) - 1) for k in batch]).to(device)
+        target = tokens[bi, pj + 1]  # (P,)
+        lps, gr = [], []
+        for c0 in range(0, len(pj), chunk_positions):
+            logits = model.unembed(hidden[bi[c0:c0 + chunk_positions], pj[c0:c0 + chunk_positions]]).float()  # (c, V)
+            t = target[c0:c0 + chunk_positions]
+            lps.append(F.log_softmax(logits, dim=-1).gather(-1, t[:, None])[:, 0].double().cpu())
+            gr.append((logits.argmax(-1) == t).cpu())
+        lp, g = (torch.cat(lps), torch.cat(gr)) if lps else (torch.zeros(0, dtype=torch.float64),
+                                                              torch.zeros(0, dtype=torch.bool))
+        o = 0
+        for k in batch:
+            n = len(rows[k]) - starts[k]
+            out[k] = RowScore(lp[o:o + n], g[o:o + n])
+            o += n
     return out  # type: ignore[return-value]
 
 
