@@ -73,3 +73,16 @@ def test_contamination_cli(tiny_dir, tmp_path, capsys):
     assert d["n_permutations"] == 9 and d["p_value"] in [k / 10 for k in range(1, 11)]
     assert main(["eval", "contamination", "overlap", str(t)]) == 2
     assert "needs --train" in capsys.readouterr().err
+
+
+def test_judge_cli(tiny_dir, tmp_path, capsys):
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"prompt": "where is the cat?"}\n{"prompt": "what is this?"}\n')
+    out = tmp_path / "b.jsonl"
+    assert main(["eval", "judge", str(q), "--contestant", f"a={tiny_dir}", "--contestant", f"b={tiny_dir}",
+                 "--judge", str(tiny_dir), "--max-tokens", "4", "--battles", str(out), "--threads", "1"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    # the same model twice gives the same answers: the judge sees identical A and B, so every verdict is a tie
+    assert len(rows) == 2 and all(r["winner"] == "tie" for r in rows)
+    assert main(["eval", "judge", str(q), "--contestant", f"a={tiny_dir}", "--battles", str(out)]) == 2
+    assert "at least two" in capsys.readouterr().err

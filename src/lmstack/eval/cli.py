@@ -79,6 +79,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--json", default=None, help="write the result here")
     c.set_defaults(func=run_contamination)
 
+    j = esub.add_parser("judge", help="pairwise LLM-as-judge: models answer prompts, a judge compares each pair in "
+                                      "both positions; battles JSONL + arena ratings")
+    j.add_argument("prompts", help="JSONL with a 'prompt' string a line")
+    j.add_argument("--contestant", action="append", required=True, metavar="NAME=MODEL",
+                   help="a model to rate (repeat; at least 2): name=model name, .gguf or checkpoint dir")
+    j.add_argument("--judge", default="smollm2-135m", help="the judge model")
+    j.add_argument("--dtype", choices=sorted(DTYPES) + list(QUANT), default="fp32")
+    j.add_argument("--max-tokens", type=int, default=64, help="answer length")
+    j.add_argument("--battles", required=True, help="write the battles JSONL here (input of `lmstack eval arena`)")
+    add_threads_argument(j)
+    j.set_defaults(func=run_judge)
+
     m = esub.add_parser("make-data", help="build the offline evaluation sets (stdlib held-out text, docstring "
                                           "multiple choice) with provenance.json")
     m.add_argument("out", help="output directory")
@@ -250,4 +262,35 @@ def run_make_data(args) -> int:
     print(f"{args.out}: stdlib_heldout.txt ({prov['stdlib_heldout.txt']['bytes']} bytes, "
           f"{len(prov['stdlib_heldout.txt']['files'])} files), stdlib_docstring_mc.jsonl "
           f"({prov['stdlib_docstring_mc.jsonl']['items']} items) from Python {prov['python']}")
+    return 0
+
+
+def run_judge(args) -> int:
+    from lmstack.eval.arena import rate, read_battles
+    from lmstack.eval.judge import battles, read_questions, write_battles
+    from lmstack.eval.runner import Evaluator
+    from lmstack.inference.loader import load_for_inference
+
+    check_outputs([("--battles", args.battles)], [("the prompts", args.prompts)])
+    contestants = {}
+    for spec in args.contestant:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--contestant {spec!r}: expected NAME=MODEL")
+        if name in contestants:
+            raise ValueError(f"--contestant: the name {name!r} is given twice")
+        contestants[name] = path
+    if len(contestants) < 2:
+        raise ValueError("--contestant: give at least two models to compare")
+    questions = read_questions(args.prompts)
+    answers = {}
+    for name, path in contestants.items():
+        ev = Evaluator(*load_for_inference(path, None, args.dtype))
+        answers[name] = ev.generate([f"Question: {q}\nAnswer:" for q in questions], ["\n\n"], args.max_tokens,
+                                    progress=True)
+        del ev
+    judge = Evaluator(*load_for_inference(args.judge, None, args.dtype))
+    write_battles(args.battles, battles(answers, questions, judge))
+    print(f"wrote {args.battles}")
+    print(rate(read_battles(args.battles), n_bootstrap=100, progress=False).table())
     return 0
