@@ -12,6 +12,13 @@
 
 Both sides load the same GGUF (lmstack's loader; transformers' ``gguf_file``) and run with ``--threads``
 torch threads; each side runs twice and the faster run counts.
+
+``--contamination-demo MODEL_DIR`` runs instead the exchangeability test's demonstration (issue: "fine-tune the
+small demo model on one task's test items in canonical order"): the first ``--demo-items`` docstring items, the
+untouched model's permutation and sharded p-values, then a copy fine-tuned on those items concatenated in file
+order (AdamW, ``--demo-steps`` steps) tested the same way:
+
+    python benchmarks/eval.py --contamination-demo runs/demo/run/model --threads 2
 """
 
 from __future__ import annotations
@@ -60,6 +67,51 @@ def hf_guide_ppl(hf, ids, max_length, stride):
     return math.exp(nll / n), n
 
 
+def contamination_demo(args) -> None:
+    import copy
+
+    import torch.nn.functional as F
+
+    from lmstack.eval.contamination import permutation_test, sharded_test
+    from lmstack.eval.tasks import load_task
+    from lmstack.inference.loader import load_for_inference
+
+    model, tok = load_for_inference(args.contamination_demo, None, "fp32")
+    task = load_task(DATA / "stdlib_docstring_mc.yaml")
+    items = task.items[:args.demo_items]
+    examples = [tok.encode(it.context + task.target_delimiter + it.target() + "\n") for it in items]
+    canon = sum(examples, [])
+    L = model.config.max_seq_len
+    print(f"{args.contamination_demo}: {len(examples)} items of {task.name} ({len(canon)} tokens, context {L})")
+
+    def report(m, label):
+        r = permutation_test(m, examples, n_permutations=99, seed=0, progress=True)
+        p_sh, diffs = sharded_test(m, examples, n_shards=args.demo_shards, n_permutations=10, seed=0)
+        print(f"  {label}: canonical loglik {r.canonical_loglik:.1f} vs permuted mean "
+              f"{sum(r.permuted_logliks) / len(r.permuted_logliks):.1f}; permutation p = {r.p_value:.3f}; "
+              f"sharded ({args.demo_shards} shards) p = {p_sh:.2e}")
+
+    model.eval()
+    report(model, "untouched")
+    tuned = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(tuned.parameters(), lr=args.demo_lr, weight_decay=0.0)
+    x = torch.tensor(canon)
+    t0 = time.perf_counter()
+    for step in range(args.demo_steps):  # the test items, in file order, windows of the context
+        loss = 0.0
+        for b in range(0, len(canon) - 1, L):
+            w = x[b:b + L + 1]
+            out = tuned(w[None, :-1])[0]
+            loss = loss + F.cross_entropy(out, w[1:], reduction="sum")
+        loss = loss / (len(canon) - 1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    print(f"  fine-tuned {args.demo_steps} steps on the canonical order (lr {args.demo_lr}, final loss "
+          f"{float(loss):.3f} nats/token, {time.perf_counter() - t0:.0f} s)")
+    report(tuned.eval(), "fine-tuned")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -68,8 +120,17 @@ def main() -> None:
     ap.add_argument("--stride", type=int, default=512)
     ap.add_argument("--mc-items", type=int, default=48)
     ap.add_argument("--batch-size", type=int, default=8, help="lm-eval hf batch_size")
+    ap.add_argument("--contamination-demo", default=None, metavar="MODEL_DIR",
+                    help="run the exchangeability demonstration on this (demo) model instead")
+    ap.add_argument("--demo-items", type=int, default=64)
+    ap.add_argument("--demo-shards", type=int, default=8)
+    ap.add_argument("--demo-steps", type=int, default=30)
+    ap.add_argument("--demo-lr", type=float, default=1e-3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.contamination_demo:
+        contamination_demo(args)
+        return
 
     import transformers
 
