@@ -92,9 +92,12 @@ def permutation_test(model, examples: list[list[int]], n_permutations: int = 99,
 def sharded_test(model, examples: list[list[int]], n_shards: int, n_permutations: int = 10, seed: int = 0,
                  sep: Iterable[int] = (), max_length: int | None = None, progress: bool = False) -> tuple[float, list[float]]:
     """The sharded likelihood comparison: (one-sided t-test p-value, per-shard canonical - mean permuted)."""
-    from scipy import stats
     from tqdm import tqdm
 
+    try:
+        from scipy import stats
+    except ImportError:
+        raise ValueError("the sharded test's t-test needs scipy: pip install 'lmstack[eval]'") from None
     if not (2 <= n_shards <= len(examples) // 2):
         raise ValueError(f"n_shards={n_shards} must be in 2..{len(examples) // 2} (each shard needs >= 2 examples)")
     sep = list(sep)
