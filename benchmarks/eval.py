@@ -108,7 +108,7 @@ def contamination_demo(args) -> None:
         loss.backward()
         opt.step()
     print(f"  fine-tuned {args.demo_steps} steps on the canonical order (lr {args.demo_lr}, final loss "
-          f"{float(loss):.3f} nats/token, {time.perf_counter() - t0:.0f} s)")
+          f"{loss.item():.3f} nats/token, {time.perf_counter() - t0:.0f} s)")
     report(tuned.eval(), "fine-tuned")
 
 
