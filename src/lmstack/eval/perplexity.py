@@ -1,0 +1,145 @@
+"""Perplexity and bits per byte of a model on a text or token file (seed 000: perplexity = exp of the
+mean cross-entropy; seed 001 "基准测试": perplexity and its limits).
+
+Strided sliding windows, as the transformers documentation ("Perplexity of fixed-length models")
+describes: windows of ``max_length`` tokens start every ``stride`` tokens; each window scores only the
+tokens no earlier window scored (``trg_len = end - prev_end``), so every scored token sees up to
+``max_length - stride`` tokens of context. The first token of a window whose targets are the whole
+window has no context and is not scored (as in that loop, where the label shift drops it), so
+``stride == max_length`` gives the plain non-overlapping evaluation. The negative log-likelihoods are
+summed exactly (the guide's weighting of each window's mean loss by ``num_valid - batch_size`` is one
+token short for windows whose first label is masked; tests/eval/test_eval_perplexity.py).
+
+Bits per byte = total negative log-likelihood / (ln 2 · bytes of the scored tokens): the byte count
+does not depend on the tokenizer, so models with different vocabularies compare.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lmstack.eval.scoring import score_rows
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    bits_per_byte: float | None  # None without a tokenizer (a token file read alone)
+    nll_sum: float  # nats, over the scored tokens
+    n_tokens: int  # tokens scored
+    n_bytes: int | None  # bytes of the scored tokens
+    n_windows: int
+    max_length: int
+    stride: int
+    seconds: float
+    tokens_per_s: float  # scored tokens per second
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def windows(n: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored index within the window) of each window over ``n`` tokens (the loop of
+    the transformers perplexity guide)."""
+    if max_length < 2:
+        raise ValueError(f"max_length={max_length} must be >= 2")
+    if not (1 <= stride <= max_length):
+        raise ValueError(f"stride={stride} must be in 1..max_length={max_length}")
+    if n < 2:
+        raise ValueError(f"{n} tokens: perplexity needs at least 2 (one to predict from, one to predict)")
+    out, prev_end = [], 0
+    for begin in range(0, n, stride):
+        end = min(begin + max_length, n)
+        trg_len = end - prev_end
+        out.append((begin, end, max(1, (end - begin) - trg_len)))
+        prev_end = end
+        if end == n:
+            break
+    return out
+
+
+def token_bytes(tokenizer, ids) -> np.ndarray:
+    """Byte length of each token id (its bytes in the byte-level vocabulary)."""
+    cache: dict[int, int] = {}
+    out = np.empty(len(ids), dtype=np.int64)
+    for i, t in enumerate(ids):
+        t = int(t)
+        if t not in cache:
+            cache[t] = len(tokenizer.decode_bytes([t]))
+        out[i] = cache[t]
+    return out
+
+
+def bits_per_byte(nll_nats: float, n_bytes: int) -> float:
+    """Total NLL in nats over the text's bytes -> bits per byte."""
+    if n_bytes <= 0:
+        raise ValueError(f"n_bytes={n_bytes} must be positive")
+    return nll_nats / (math.log(2) * n_bytes)
+
+
+def perplexity(model, ids, max_length: int | None = None, stride: int | None = None, tokenizer=None,
+               batch_windows: int = 4, progress: bool = True) -> PerplexityResult:
+    """Perplexity of ``model`` on token ids (a list, array or memmap). ``max_length`` defaults to the
+    model's context (``config.max_seq_len``), ``stride`` to ``max_length // 2``."""
+    from tqdm import tqdm
+
+    ids = np.asarray(ids, dtype=np.int64)
+    V = model.config.vocab_size
+    if len(ids) and (ids.min() < 0 or ids.max() >= V):
+        bad = int(np.flatnonzero((ids < 0) | (ids >= V))[0])
+        raise ValueError(f"token id {int(ids[bad])} at position {bad} is outside the model's vocabulary 0..{V - 1}")
+    max_length = int(max_length or model.config.max_seq_len)
+    stride = int(stride or max(1, max_length // 2))
+    wins = windows(len(ids), max_length, stride)
+    nll, n_tok, n_bytes = 0.0, 0, 0
+    nbytes = token_bytes(tokenizer, ids) if tokenizer is not None else None
+    t0 = time.perf_counter()
+    total = sum(e - b - s for b, e, s in wins)
+    with tqdm(total=total, desc="perplexity", unit="tok", disable=not progress) as bar:
+        for g in range(0, len(wins), batch_windows):
+            group = wins[g:g + batch_windows]
+            rows = [ids[b:e].tolist() for b, e, _ in group]
+            scores = score_rows(model, rows, [s for _, _, s in group],
+                                max_batch_tokens=max_length * batch_windows)
+            for (b, e, s), sc in zip(group, scores):
+                nll -= float(sc.logprobs.sum())
+                n_tok += len(sc.logprobs)
+                if nbytes is not None:
+                    n_bytes += int(nbytes[b + s:e].sum())
+            bar.update(sum(e - b - s for b, e, s in group))
+            bar.set_postfix(ppl=f"{math.exp(nll / max(n_tok, 1)):.3f}")
+    seconds = time.perf_counter() - t0
+    return PerplexityResult(
+        perplexity=math.exp(nll / n_tok), bits_per_byte=bits_per_byte(nll, n_bytes) if nbytes is not None else None,
+        nll_sum=nll, n_tokens=n_tok, n_bytes=n_bytes if nbytes is not None else None, n_windows=len(wins),
+        max_length=max_length, stride=stride, seconds=seconds, tokens_per_s=n_tok / max(seconds, 1e-9))
+
+
+def read_eval_tokens(path, tokenizer=None, add_bos: int | None = None, max_tokens: int | None = None) -> np.ndarray:
+    """Token ids of a token file (``lmstack tokenizer encode``: a sidecar names its dtype) or a UTF-8 text
+    file encoded with ``tokenizer``; ``add_bos``: a token id to put first; ``max_tokens``: keep the first n."""
+    from lmstack.tokenizer import is_token_file, open_tokens
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such text or token file")
+    if is_token_file(path):
+        ids = np.asarray(open_tokens(path), dtype=np.int64)
+    else:
+        if tokenizer is None:
+            raise ValueError(f"{path}: a text file needs the model's tokenizer (pass --tokenizer)")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e}) and not a token file (no {path.name}.json sidecar)") from None
+        ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if add_bos is not None:
+        ids = np.concatenate([[add_bos], ids])
+    return ids

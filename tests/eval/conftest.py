@@ -1,0 +1,62 @@
+"""Fixtures for the evaluation tests: a tiny random HF Llama saved as an HF folder (transformers is the
+reference for every log-probability) with a small byte-level BPE tokenizer beside it."""
+
+import pytest
+import torch
+
+from lmstack.tokenizer import Tokenizer
+from lmstack.tokenizer.formats import save_hf
+
+MERGES = [(b" ", b"t"), (b"h", b"e"), (b" t", b"he"), (b" ", b"a"), (b"i", b"s"), (b" ", b"c"), (b"a", b"t")]
+EOS = "<|endoftext|>"
+
+
+def make_tokenizer() -> Tokenizer:
+    vocab = {i: bytes([i]) for i in range(256)}
+    for a, b in MERGES:
+        vocab[len(vocab)] = a + b
+    return Tokenizer(vocab, MERGES, special_tokens=[EOS], pattern="gpt2")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """An HF Llama folder (config.json + model.safetensors + tokenizer.json), context 64."""
+    transformers = pytest.importorskip("transformers", reason="HF transformers is the reference")
+    tok = make_tokenizer()
+    eos = tok.token_to_id(EOS)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                                   rope_theta=1000.0, max_position_embeddings=64, rms_norm_eps=1e-6,
+                                   bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15)
+    d = tmp_path_factory.mktemp("tiny_hf")
+    model.save_pretrained(d, safe_serialization=True)
+    save_hf(tok, d / "tokenizer.json")
+    return d
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_dir):
+    import transformers
+
+    return transformers.LlamaForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def lm(tiny_dir):
+    """(lmstack model, tokenizer) loaded through the inference loader."""
+    from lmstack.inference.loader import load_for_inference
+
+    return load_for_inference(str(tiny_dir), dtype="fp32")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
