@@ -24,6 +24,7 @@ ROPE_LAYOUTS = ("half", "interleaved")
 # (the backends are set by lmstack.kernels.runtime.RuntimeConfig).
 RUNTIME_FIELDS = ("attn_backend", "norm_backend")
 ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES += ("mixtral", "olmoe", "qwen2_moe", "deepseek_v2", "deepseek_v3")  # model/moe.py, model/mla.py
 #: Longest context lmstack accepts (the RoPE tables grow on demand up to it): 16.7M positions;
 #: real models use <= 10M, and a corrupt 2**32 must not ask for terabytes.
 MAX_SEQ_LEN = 1 << 24
@@ -64,6 +65,36 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = field(default="custom", compare=False)
+    # --- mixture of experts / MLA (model/moe.py, model/mla.py)
+    n_experts: int = 0  # E routed experts per MoE layer; 0 = every FFN is the dense SwiGLU
+    n_experts_per_token: int = 2  # k
+    d_ff_expert: int | None = None  # F of one routed expert (fine-grained experts: < d_ff); None = d_ff
+    n_shared_experts: int = 0  # always-on shared experts (DeepSeekMoE, Qwen-MoE)
+    d_ff_shared: int | None = None  # total hidden width of the shared experts; None = n_shared · d_ff_expert
+    shared_expert_gate: bool = False  # Qwen-MoE: the shared expert's output is scaled by sigmoid(x·w)
+    moe_first_dense: int = 0  # the first k layers keep the dense FFN (DeepSeek first_k_dense_replace)
+    moe_layer_step: int = 1  # layer i >= moe_first_dense is MoE when (i + 1) % step == 0 (Qwen decoder_sparse_step)
+    router: str = "topk"  # topk | hash (hash: model.moe.hash_route on the token ids)
+    router_score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    router_order: str = "softmax_topk"  # softmax_topk | topk_softmax
+    router_norm_topk: bool = False  # renormalise the k gate values to sum to 1
+    router_scale: float = 1.0  # routed_scaling_factor multiplying the gate values
+    router_groups: int = 1  # group-limited routing: experts in this many groups ...
+    router_topk_groups: int = 1  # ... of which only the best this many may be chosen
+    router_aux_free_bias: bool = False  # DeepSeek-V3 per-expert selection bias (e_score_correction_bias)
+    capacity_factor: float | None = None  # None: no token dropping; else capacity ceil(cf·T·k/E) per expert
+    moe_aux_loss_coef: float = 0.0  # α of the balance loss α·E·Σ f_i·P_i
+    moe_device_loss_coef: float = 0.0  # α_dev of the device-level balance loss over moe_devices groups
+    moe_devices: int = 1
+    moe_z_loss_coef: float = 0.0  # β of the router z-loss β·mean(logsumexp²)
+    moe_bias_update_rate: float = 0.0  # γ: aux-free bias step b_i += γ·sign(mean load − load_i) per step
+    kv_lora_rank: int = 0  # d_c of MLA's compressed KV; > 0 makes every token mixer MLA
+    q_lora_rank: int = 0  # d_c' of MLA's compressed query; 0 = a full-rank q projection
+    qk_nope_head_dim: int = 0  # MLA per-head q/k dims without RoPE
+    qk_rope_head_dim: int = 0  # d_R: MLA's decoupled RoPE dims (one shared key per token)
+    v_head_dim: int = 0  # MLA per-head value dims
+    qk_norm_full: bool = False  # OLMoE: RMSNorm over all N·H query / K·H key features (not per head)
+    qkv_clip: float | None = None  # OLMoE clip_qkv: clamp q, k, v to ±clip
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -109,6 +140,67 @@ class ModelConfig:
             raise ConfigError(f"architecture={self.architecture!r}; expected one of {ARCHITECTURES}")
         if not (self.init_std > 0):
             raise ConfigError(f"init_std={self.init_std!r} must be > 0")
+        self._check_moe_mla()
+
+    def _check_moe_mla(self) -> None:
+        """Validate the mixture-of-experts / MLA block (model/moe.py, model/mla.py)."""
+        for f in ("n_experts", "n_shared_experts", "moe_first_dense", "kv_lora_rank", "q_lora_rank",
+                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 0, MAX_SIZE))
+        for f in ("n_experts_per_token", "moe_layer_step", "router_groups", "router_topk_groups", "moe_devices"):
+            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
+        for f in ("d_ff_expert", "d_ff_shared"):
+            if getattr(self, f) is not None:
+                setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
+        for f in ("shared_expert_gate", "router_norm_topk", "router_aux_free_bias", "qk_norm_full"):
+            check_bool(f, getattr(self, f), ConfigError)
+        for f in ("router_scale", "moe_aux_loss_coef", "moe_device_loss_coef", "moe_z_loss_coef",
+                  "moe_bias_update_rate"):
+            setattr(self, f, check_float(f, getattr(self, f), ConfigError))
+            if getattr(self, f) < 0:
+                raise ConfigError(f"{f}={getattr(self, f)} must be >= 0")
+        for f in ("capacity_factor", "qkv_clip"):
+            if getattr(self, f) is not None:
+                setattr(self, f, check_float(f, getattr(self, f), ConfigError))
+                if not getattr(self, f) > 0:
+                    raise ConfigError(f"{f}={getattr(self, f)} must be > 0 (or null)")
+        choices = {"router": ("topk", "hash"), "router_score": ("softmax", "sigmoid"),
+                   "router_order": ("softmax_topk", "topk_softmax")}
+        for f, allowed in choices.items():
+            if getattr(self, f) not in allowed:
+                raise ConfigError(f"{f}={getattr(self, f)!r}; expected one of {allowed}")
+        if self.n_experts:
+            if self.n_experts_per_token > self.n_experts:
+                raise ConfigError(f"n_experts_per_token={self.n_experts_per_token} exceeds n_experts="
+                                  f"{self.n_experts}; top-k routing needs k <= E")
+            if self.n_experts % self.router_groups:
+                raise ConfigError(f"router_groups={self.router_groups} does not divide n_experts={self.n_experts}")
+            if self.router_topk_groups > self.router_groups:
+                raise ConfigError(f"router_topk_groups={self.router_topk_groups} exceeds router_groups="
+                                  f"{self.router_groups}")
+            if self.router_groups > 1 and self.router_topk_groups * (self.n_experts // self.router_groups) \
+                    < self.n_experts_per_token:
+                raise ConfigError(f"router_topk_groups={self.router_topk_groups} groups of "
+                                  f"{self.n_experts // self.router_groups} experts hold fewer than "
+                                  f"n_experts_per_token={self.n_experts_per_token}")
+            if self.n_experts % self.moe_devices:
+                raise ConfigError(f"moe_devices={self.moe_devices} does not divide n_experts={self.n_experts}")
+        if self.kv_lora_rank:
+            for f in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, f) < 1:
+                    raise ConfigError(f"MLA (kv_lora_rank={self.kv_lora_rank}) needs {f} >= 1, got {getattr(self, f)}")
+            if self.qk_rope_head_dim % 2:
+                raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} is odd; RoPE rotates pairs")
+
+    @property
+    def is_mla(self) -> bool:
+        """Every layer's token mixer is multi-head latent attention (model/mla.py)."""
+        return self.kv_lora_rank > 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Layer ``layer_idx``'s FFN is a mixture of experts (model/moe.py)."""
+        return (self.n_experts > 0 and layer_idx >= self.moe_first_dense
+                and (layer_idx + 1) % self.moe_layer_step == 0)
 
     # ---- derived symbols -------------------------------------------------------------------
     @property

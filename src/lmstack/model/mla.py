@@ -1,0 +1,175 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): one compressed KV latent per token.
+
+Seed 001 "有损提速" (MLA: every head's keys and values are up-projections of one compressed vector, and
+the per-head up-projections can be absorbed into the query and the output), seed 000 §2.5 (KV size:
+MHA 2·N·H, GQA 2·K·H, MLA d_c + d_R numbers per token and layer).
+
+Symbols: N heads, d_c = ``kv_lora_rank`` (the latent), d_c' = ``q_lora_rank``, H_n = ``qk_nope_head_dim``,
+d_R = ``qk_rope_head_dim`` (the decoupled RoPE part: one key shared by all heads), H_v = ``v_head_dim``.
+
+    c_t  = RMSNorm(x W_DKV)                  (B, T, d_c)     the only thing a cache must keep, plus
+    k_R  = RoPE(x W_KR)                      (B, 1, T, d_R)  the shared RoPE key
+    k_i  = [c W_UK_i ; k_R],  v_i = c W_UV_i                  per head, expanded ("naive" form)
+    q_i  = [q_nope_i ; RoPE(q_R_i)]                          from x (or from a compressed query)
+    score_i(t, s) = q_nope_i · (W_UK_i c_s) + q_R_i · k_R,s = (W_UK_iᵀ q_nope_i) · c_s + q_R_i · k_R,s
+
+The last line is the absorbed form: one key per token, ``[c ; k_R]`` (an MQA with K = 1 of width
+d_c + d_R), a query ``[W_UKᵀ q_nope ; q_R]`` per head, values c, and W_UV applied to each head's output.
+Without a cache ``MLA`` runs the expanded form through the attention seam (any backend); with a cache it
+runs the absorbed form, so the cache holds d_c + d_R numbers per token and layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from lmstack.model.config import ModelConfig
+from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding
+from lmstack.model.seam import DEFAULT_ATTENTION, AttentionImpl, AttentionMetadata
+
+LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a / kv_a RMSNorm eps (fixed in its code, not rms_norm_eps)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention: (x (B, T, D), meta) -> (B, T, D).
+
+    Parameter names follow DeepSeek's checkpoints: ``q_proj`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``,
+    ``kv_a_proj`` (W_DKV and W_KR stacked: (d_c + d_R, D)), ``kv_a_layernorm``, ``kv_b_proj`` (W_UK and W_UV
+    per head: (N·(H_n + H_v), d_c)), ``o_proj`` (D, N·H_v). RoPE on the d_R dims uses ``config.rope_layout``
+    (DeepSeek's own: "interleaved").
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.n_heads, self.d_c, self.d_cq = c.n_heads, c.kv_lora_rank, c.q_lora_rank
+        self.h_nope, self.d_rope, self.h_v = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.h_qk = self.h_nope + self.d_rope
+        self.impl: AttentionImpl = DEFAULT_ATTENTION
+        kw = dict(device=device, dtype=dtype)
+        N = c.n_heads
+        if self.d_cq:
+            self.q_a_proj = Linear(c.d_model, self.d_cq, **kw)  # W_DQ (d_c', D)
+            self.q_a_layernorm = RMSNorm(self.d_cq, LATENT_NORM_EPS, **kw)
+            self.q_b_proj = Linear(self.d_cq, N * self.h_qk, **kw)  # W_UQ and W_QR (N·(H_n+d_R), d_c')
+        else:
+            self.q_proj = Linear(c.d_model, N * self.h_qk, **kw)  # (N·(H_n+d_R), D)
+        self.kv_a_proj = Linear(c.d_model, self.d_c + self.d_rope, **kw)  # [W_DKV; W_KR] (d_c+d_R, D)
+        self.kv_a_layernorm = RMSNorm(self.d_c, LATENT_NORM_EPS, **kw)
+        self.kv_b_proj = Linear(self.d_c, N * (self.h_nope + self.h_v), **kw)  # [W_UK; W_UV] per head
+        self.o_proj = Linear(N * self.h_v, c.d_model, **kw)  # W_O (D, N·H_v)
+        self.rope = RotaryEmbedding(self.d_rope, c.max_seq_len, c.rope_theta, c.rope_layout)
+
+    # ---- pieces ---------------------------------------------------------------------------------
+    def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """x (B, T, D) -> q_nope (B, N, T, H_n), q_rope (B, N, T, d_R) (rotated)."""
+        B, T, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.d_cq else self.q_proj(x)
+        q = q.view(B, T, self.n_heads, self.h_qk).transpose(1, 2)  # (B, N, T, H_n + d_R)
+        q_nope, q_rope = q.split([self.h_nope, self.d_rope], dim=-1)
+        return q_nope, self.rope(q_rope, positions)
+
+    def latent(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """x (B, T, D) -> c (B, T, d_c) (normed latent), k_rope (B, 1, T, d_R) (rotated, shared by all heads)."""
+        B, T, _ = x.shape
+        c, k_rope = self.kv_a_proj(x).split([self.d_c, self.d_rope], dim=-1)
+        return self.kv_a_layernorm(c), self.rope(k_rope.reshape(B, 1, T, self.d_rope), positions)
+
+    def up_weights(self) -> tuple[Tensor, Tensor]:
+        """W_UK (N, H_n, d_c) and W_UV (N, H_v, d_c) from ``kv_b_proj``."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.h_nope + self.h_v, self.d_c)
+        return w[:, : self.h_nope], w[:, self.h_nope:]
+
+    # ---- the two forms ----------------------------------------------------------------------------
+    def expanded(self, q_nope: Tensor, q_rope: Tensor, c: Tensor, k_rope: Tensor, meta: AttentionMetadata) -> Tensor:
+        """Naive form: per-head keys/values from the latent -> (B, N, T, H_v)."""
+        B, T = c.shape[:2]
+        kv = self.kv_b_proj(c).view(B, T, self.n_heads, self.h_nope + self.h_v).transpose(1, 2)
+        k_nope, v = kv.split([self.h_nope, self.h_v], dim=-1)  # (B, N, T, H_n), (B, N, T, H_v)
+        q = torch.cat([q_nope, q_rope], dim=-1)  # (B, N, T, H_n + d_R)
+        k = torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1)  # (B, N, T, H_n + d_R)
+        return self.impl(q, k, v, meta)  # the impl scales by 1/sqrt(H_n + d_R), DeepSeek's softmax scale
+
+    def absorbed_query(self, q_nope: Tensor, q_rope: Tensor) -> Tensor:
+        """[W_UKᵀ q_nope ; q_R] (B, N, T, d_c + d_R), scaled so that an implementation's 1/sqrt(d_c + d_R)
+        becomes DeepSeek's 1/sqrt(H_n + d_R)."""
+        w_uk, _ = self.up_weights()
+        q_lat = torch.einsum("bnth,nhc->bntc", q_nope, w_uk)  # (B, N, T, d_c)
+        fix = math.sqrt((self.d_c + self.d_rope) / self.h_qk)
+        return torch.cat([q_lat, q_rope], dim=-1) * fix
+
+    def absorbed_output(self, o_lat: Tensor) -> Tensor:
+        """Per-head latent outputs (B, N, T, d_c) -> W_UV applied: (B, N, T, H_v)."""
+        _, w_uv = self.up_weights()
+        return torch.einsum("bntc,nvc->bntv", o_lat, w_uv)
+
+    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        """x (B, T, D) -> (B, T, D). No cache: the expanded form through ``self.impl``. A cache: the absorbed
+        form; a cache with ``stores_latent = True`` (``LatentKVCache``) keeps only [c ; k_R] per token, any
+        other ``KVCache`` gets key [c ; k_R] and value c as one kv head (correct, c stored twice)."""
+        B, T, _ = x.shape
+        q_nope, q_rope = self.queries(x, meta.positions)
+        c, k_rope = self.latent(x, meta.positions)
+        if meta.cache is None:
+            out = self.expanded(q_nope, q_rope, c, k_rope, meta)  # (B, N, T, H_v)
+        else:
+            q_abs = self.absorbed_query(q_nope, q_rope)  # (B, N, T, d_c + d_R)
+            k_lat = torch.cat([c[:, None], k_rope], dim=-1)  # (B, 1, T, d_c + d_R)
+            if getattr(meta.cache, "stores_latent", False):
+                o_lat = meta.cache.attend(self.layer_idx, q_abs, k_lat, None, meta, self.impl)
+            else:
+                o_lat = meta.cache.attend(self.layer_idx, q_abs, k_lat, c[:, None], meta, self.impl)
+            out = self.absorbed_output(o_lat)  # (B, N, T, H_v)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class LatentKVCache:
+    """A contiguous MLA cache: per layer (B, S_max, d_c + d_R) — the latent and the RoPE key, nothing else.
+
+    ``attend`` appends the new tokens' [c ; k_R] at their positions and attends with keys [c ; k_R] and
+    values c, a view of the same storage. Bytes per token = (d_c + d_R)·L·bytes (``nbytes_per_token``).
+    """
+
+    stores_latent = True
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device=None, dtype=torch.float32):
+        if not config.is_mla:
+            raise ValueError(f"LatentKVCache needs an MLA config (kv_lora_rank > 0), got kv_lora_rank="
+                             f"{config.kv_lora_rank}")
+        self.d_c = config.kv_lora_rank
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        self.data = [torch.zeros(batch_size, max_len, width, device=device, dtype=dtype)
+                     for _ in range(config.n_layers)]
+        self.length = [0] * config.n_layers
+        self.max_len = max_len
+
+    @property
+    def nbytes_per_token(self) -> int:
+        return sum(t.shape[-1] * t.element_size() for t in self.data)
+
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor | None, meta: AttentionMetadata,
+               impl: AttentionImpl) -> Tensor:
+        if meta.document_ids is not None:
+            raise ValueError("document_ids with a LatentKVCache: it holds one sequence per row")
+        T = k.shape[2]
+        start = self.length[layer_idx]
+        if start + T > self.max_len:
+            raise ValueError(f"LatentKVCache: {start} + {T} tokens exceed max_len={self.max_len}")
+        buf = self.data[layer_idx]
+        buf[:, start:start + T] = k[:, 0].to(buf.dtype)
+        self.length[layer_idx] = start + T
+        keys = buf[:, None, : start + T]  # (B, 1, S, d_c + d_R)
+        key_positions = torch.arange(start + T, device=buf.device)
+        return impl(q, keys.to(q.dtype), keys[..., : self.d_c].to(q.dtype), meta.for_keys(key_positions))
+
+
+def kv_bytes_per_token(config: ModelConfig, bytes_per_value: int = 2) -> int:
+    """KV-cache bytes one token costs over all layers: MLA (d_c + d_R)·L·bytes; otherwise 2·K·H·L·bytes."""
+    if config.is_mla:
+        return (config.kv_lora_rank + config.qk_rope_head_dim) * config.n_layers * bytes_per_value
+    return 2 * config.n_kv_heads * config.head_dim * config.n_layers * bytes_per_value
