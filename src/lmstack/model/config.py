@@ -297,3 +297,33 @@ PRESETS: dict[str, ModelConfig] = {
                 bos_token_id=1, eos_token_id=2),
     ]
 }
+
+
+# --- mixture of experts / MLA presets (model/moe.py, model/mla.py): numbers from each model's HF config.json
+PRESETS.update({
+    p.name: p
+    for p in [
+        _preset("mixtral-8x7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
+                max_seq_len=32768, rope_theta=1e6, norm_eps=1e-5, architecture="mixtral", bos_token_id=1,
+                eos_token_id=2, n_experts=8, n_experts_per_token=2, router_norm_topk=True),
+        _preset("olmoe-1b-7b", vocab_size=50304, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, d_ff=1024,
+                max_seq_len=4096, rope_theta=10000.0, norm_eps=1e-5, architecture="olmoe", eos_token_id=50279,
+                n_experts=64, n_experts_per_token=8, qk_norm_full=True),
+        _preset("qwen1.5-moe-a2.7b", vocab_size=151936, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=16,
+                d_ff=5632, max_seq_len=8192, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True, architecture="qwen2_moe",
+                bos_token_id=151643, eos_token_id=151643, n_experts=60, n_experts_per_token=4, d_ff_expert=1408,
+                n_shared_experts=1, d_ff_shared=5632, shared_expert_gate=True),
+        _preset("deepseek-v2-lite", vocab_size=102400, d_model=2048, n_layers=27, n_heads=16, n_kv_heads=16,
+                d_ff=10944, head_dim=192, max_seq_len=163840, rope_theta=10000.0, rope_layout="interleaved",
+                norm_eps=1e-6, architecture="deepseek_v2", bos_token_id=100000, eos_token_id=100001, n_experts=64,
+                n_experts_per_token=6, d_ff_expert=1408, n_shared_experts=2, moe_first_dense=1, kv_lora_rank=512,
+                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        _preset("deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+                d_ff=18432, head_dim=192, max_seq_len=163840, rope_theta=10000.0, rope_layout="interleaved",
+                norm_eps=1e-6, architecture="deepseek_v3", bos_token_id=0, eos_token_id=1, n_experts=256,
+                n_experts_per_token=8, d_ff_expert=2048, n_shared_experts=1, moe_first_dense=3, router_score="sigmoid",
+                router_norm_topk=True, router_scale=2.5, router_groups=8, router_topk_groups=4,
+                router_aux_free_bias=True, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                qk_rope_head_dim=64, v_head_dim=128),
+    ]
+})
