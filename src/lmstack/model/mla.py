@@ -110,8 +110,8 @@ class MLA(nn.Module):
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         """x (B, T, D) -> (B, T, D). No cache: the expanded form through ``self.impl``. A cache: the absorbed
-        form; a cache with ``stores_latent = True`` (``LatentKVCache``) keeps only [c ; k_R] per token, any
-        other ``KVCache`` gets key [c ; k_R] and value c as one kv head (correct, c stored twice)."""
+        form against a latent cache (``stores_latent = True``, e.g. ``LatentKVCache``) that keeps only
+        [c ; k_R] per token and passes c — a view of the same storage — as the values."""
         B, T, _ = x.shape
         q_nope, q_rope = self.queries(x, meta.positions)
         c, k_rope = self.latent(x, meta.positions)
@@ -120,10 +120,10 @@ class MLA(nn.Module):
         else:
             q_abs = self.absorbed_query(q_nope, q_rope)  # (B, N, T, d_c + d_R)
             k_lat = torch.cat([c[:, None], k_rope], dim=-1)  # (B, 1, T, d_c + d_R)
-            if getattr(meta.cache, "stores_latent", False):
-                o_lat = meta.cache.attend(self.layer_idx, q_abs, k_lat, None, meta, self.impl)
-            else:
-                o_lat = meta.cache.attend(self.layer_idx, q_abs, k_lat, c[:, None], meta, self.impl)
+            if not getattr(meta.cache, "stores_latent", False):
+                raise ValueError(f"an MLA model needs a latent KV cache (stores_latent = True, e.g. "
+                                 f"lmstack.model.mla.LatentKVCache), got {type(meta.cache).__name__}")
+            o_lat = meta.cache.attend(self.layer_idx, q_abs, k_lat, None, meta, self.impl)  # (B, N, T, d_c)
             out = self.absorbed_output(o_lat)  # (B, N, T, H_v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
