@@ -300,8 +300,9 @@ def moe_from_config(c, device: torch.device | None = None, dtype: torch.dtype | 
                device=device, dtype=dtype)
 
 
-def moe_modules(model: nn.Module) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
+def moe_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's MoE layers: ``MoE`` and wrappers of one (``is_expert_parallel``, lmstack.parallel.expert)."""
+    return [m for m in model.modules() if isinstance(m, MoE) or getattr(m, "is_expert_parallel", False)]
 
 
 def moe_aux_loss(model: nn.Module) -> Tensor | None:
