@@ -21,6 +21,7 @@ runs the absorbed form, so the cache holds d_c + d_R numbers per token and layer
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -99,14 +100,14 @@ class MLA(nn.Module):
         """[W_UKᵀ q_nope ; q_R] (B, N, T, d_c + d_R), scaled so that an implementation's 1/sqrt(d_c + d_R)
         becomes DeepSeek's 1/sqrt(H_n + d_R)."""
         w_uk, _ = self.up_weights()
-        q_lat = torch.einsum("bnth,nhc->bntc", q_nope, w_uk)  # (B, N, T, d_c)
+        q_lat = q_nope @ w_uk  # (B, N, T, H_n) @ (N, H_n, d_c) -> (B, N, T, d_c), one batched matmul
         fix = math.sqrt((self.d_c + self.d_rope) / self.h_qk)
         return torch.cat([q_lat, q_rope], dim=-1) * fix
 
     def absorbed_output(self, o_lat: Tensor) -> Tensor:
         """Per-head latent outputs (B, N, T, d_c) -> W_UV applied: (B, N, T, H_v)."""
         _, w_uv = self.up_weights()
-        return torch.einsum("bntc,nvc->bntv", o_lat, w_uv)
+        return o_lat @ w_uv.transpose(1, 2)  # (B, N, T, d_c) @ (N, d_c, H_v) -> (B, N, T, H_v)
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         """x (B, T, D) -> (B, T, D). No cache: the expanded form through ``self.impl``. A cache: the absorbed
@@ -123,9 +124,29 @@ class MLA(nn.Module):
             if not getattr(meta.cache, "stores_latent", False):
                 raise ValueError(f"an MLA model needs a latent KV cache (stores_latent = True, e.g. "
                                  f"lmstack.model.mla.LatentKVCache), got {type(meta.cache).__name__}")
-            o_lat = meta.cache.attend(self.layer_idx, q_abs, k_lat, None, meta, self.impl)  # (B, N, T, d_c)
+            o_lat = meta.cache.attend(self.layer_idx, q_abs, k_lat, None, meta, FoldHeads(self.impl))  # (B,N,T,d_c)
             out = self.absorbed_output(o_lat)  # (B, N, T, H_v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FoldHeads:
+    """Run an implementation on the absorbed form as one matmul over all heads: with a single kv head
+    (K = 1, MQA) the N query heads can be folded into the query rows, q (B, N, T, d) -> (B, 1, N·T, d), with
+    the queries' positions (and documents) tiled N times, so the shared latent keys are read once instead
+    of being expanded per head. Without key positions (no cache) the call is passed through unchanged."""
+
+    def __init__(self, impl: AttentionImpl):
+        self.impl, self.name = impl, f"fold({getattr(impl, 'name', type(impl).__name__)})"
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
+        if k.shape[1] != 1 or meta.key_positions is None:
+            return self.impl(q, k, v, meta)
+        B, N, T, d = q.shape
+        tile = (lambda t: None if t is None else t.repeat(N) if t.dim() == 1 else t.repeat(1, N))
+        folded = dataclasses.replace(meta, positions=tile(meta.positions), document_ids=tile(meta.document_ids),
+                                     is_causal=False, cache=None)
+        out = self.impl(q.reshape(B, 1, N * T, d), k, v, folded)  # (B, 1, N·T, d_v)
+        return out.view(B, N, T, -1)
 
 
 class LatentKVCache:
