@@ -8,8 +8,13 @@
    the query, W_UV on the output) vs the expanded form (per-head K and V cached, N·(H_n + d_R + H_v) per
    token): time per step and KV bytes per token and layer.
 
+3. ``--plot-runs DENSE MOE MOE_NOBAL --out PNG``: the CPU training comparison (configs/dense_small.toml,
+   configs/moe_small.toml with and without balancing): loss curves on one plot, and the expert load
+   (max/mean over experts, 1 = balanced) and each expert's share of the routed tokens over the steps.
+
   .venv/bin/python benchmarks/moe.py                  # defaults below, CPU
   .venv/bin/python benchmarks/moe.py --tokens 4096 --experts 16 --top-k 4
+  .venv/bin/python benchmarks/moe.py --plot-runs runs/dense_small runs/moe_small runs/moe_nobal --out docs/moe_train.png
 """
 
 from __future__ import annotations
@@ -119,6 +124,52 @@ def bench_mla(args) -> None:
               f"({b_exp / b_abs:.1f}x smaller); max |diff| = {diff:.1e}")
 
 
+def _rows(run: str, kind: str = "train") -> list[dict]:
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("kind") == kind]
+
+
+def plot_runs(runs: list[str], out: str) -> None:
+    """Loss curves of the runs on one axis; expert load balance and per-expert shares of the MoE runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lmstack.utils import atomic_path
+
+    moe_runs = [r for r in runs if "moe_load_0" in (_rows(r) or [{}])[-1]]
+    fig, axes = plt.subplots(1, 2 + len(moe_runs), figsize=(5 * (2 + len(moe_runs)), 4))
+    for run in runs:
+        tr, ev = _rows(run), _rows(run, "eval")
+        axes[0].plot([r["step"] for r in tr], [r["loss"] for r in tr], label=run)
+        last = ev[-1]["val_loss"] if ev else float("nan")
+        print(f"{run}: final train loss {tr[-1]['loss']:.3f}, val loss {last:.3f}")
+    axes[0].set(xlabel="step", ylabel="train loss", title="loss (equal active params, equal tokens)")
+    axes[0].legend()
+    for run in moe_runs:
+        tr = _rows(run)
+        axes[1].plot([r["step"] for r in tr], [r["moe_load_max_over_mean"] for r in tr], label=run)
+        print(f"{run}: expert load max/mean at the end {tr[-1]['moe_load_max_over_mean']:.2f}")
+    axes[1].axhline(1.0, color="grey", lw=0.5)
+    axes[1].set(xlabel="step", ylabel="max / mean expert load (mean over layers)", title="balance")
+    axes[1].legend()
+    for ax, run in zip(axes[2:], moe_runs):
+        tr = _rows(run)
+        E = sum(1 for k in tr[0] if k.startswith("moe_load_") and k[9:].isdigit())
+        loads = [[r[f"moe_load_{i}"] for i in range(E)] for r in tr]
+        shares = [[x / max(sum(row), 1) for x in row] for row in loads]
+        ax.stackplot([r["step"] for r in tr], list(zip(*shares)), labels=[f"expert {i}" for i in range(E)])
+        ax.set(xlabel="step", ylabel="share of routed tokens (all layers)", title=run, ylim=(0, 1))
+    fig.tight_layout()
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d-model", type=int, default=512)
@@ -129,7 +180,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--mla-seq", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--plot-runs", nargs="+", metavar="RUN_DIR", help="plot these training runs and exit")
+    ap.add_argument("--out", default="docs/moe_train.png")
     args = ap.parse_args()
+    if args.plot_runs:
+        plot_runs(args.plot_runs, args.out)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     bench_moe(args)

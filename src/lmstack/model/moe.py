@@ -127,9 +127,12 @@ def expert_swiglu(x: Tensor, counts: list[int], gate: Tensor, up: Tensor, down: 
             x, up.transpose(1, 2), offs=offs)  # (R, F)
         return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)  # (R, D)
     outs = []
+    # unbind once: its backward stacks the E per-expert grads in one op (indexing gate[e] per expert would
+    # materialise a zero (E, F, D) grad per expert and add them up)
+    gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
     for e, rows in enumerate(x.split(counts)):  # a loop over the E experts; each is one (n_e, D) block
         if rows.shape[0]:
-            outs.append(F.linear(F.silu(F.linear(rows, gate[e])) * F.linear(rows, up[e]), down[e]))
+            outs.append(F.linear(F.silu(F.linear(rows, gates[e])) * F.linear(rows, ups[e]), downs[e]))
     return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
 
 
