@@ -15,7 +15,8 @@ from lmstack.model.io import load_model  # noqa: E402
 
 SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=96, max_position_embeddings=256, rope_theta=1000.0)
-MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=12,
+           v_head_dim=10)
 
 FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
@@ -31,6 +32,12 @@ FAMILIES = {
     "deepseek_v2_lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM",  # V2-Lite: full-rank q, greedy routing
                          dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                               first_k_dense_replace=1, **{**MLA, "q_lora_rank": None})),
+    "deepseek_v2_yarn": ("DeepseekV2Config", "DeepseekV2ForCausalLM",  # YaRN as in the real V2 configs
+                         dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                              first_k_dense_replace=1, rope_parameters={
+                                  "rope_type": "yarn", "rope_theta": 1000.0, "factor": 8.0,
+                                  "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                                  "mscale": 0.707, "mscale_all_dim": 0.9}, **MLA)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                          first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, **MLA)),
@@ -85,8 +92,10 @@ def test_roundtrip_lmstack_to_hf_format(family, tmp_path):
 def test_config_fields_translate(tmp_path):
     _hf_model("deepseek_v3").save_pretrained(tmp_path)
     c = ModelConfig.load(tmp_path / "config.json")
-    assert (c.n_experts, c.n_experts_per_token, c.d_ff_expert, c.n_shared_experts, c.moe_first_dense) == (8, 2, 32, 1, 1)
-    assert (c.kv_lora_rank, c.q_lora_rank, c.qk_rope_head_dim, c.router_score, c.router_groups) == (16, 24, 8, "sigmoid", 4)
+    assert (c.n_experts, c.n_experts_per_token, c.d_ff_expert, c.n_shared_experts, c.moe_first_dense) == \
+        (8, 2, 32, 1, 1)
+    assert (c.kv_lora_rank, c.q_lora_rank, c.qk_rope_head_dim, c.router_score, c.router_groups) == \
+        (16, 24, 8, "sigmoid", 4)
     assert c.router_aux_free_bias and c.router_scale == 2.5 and c.is_mla
 
 

@@ -190,7 +190,8 @@ def _print_plan(plan: dict) -> None:
     if "moe" in plan:  # mixture of experts / MLA
         e = plan["moe"]
         console.print(
-            f"MoE / MLA (seed 001 MoE, 有损提速): routed {e['routed']}, active {e['active']}, shared {e['shared']}, "
+            f"MoE / MLA (seed 001 MoE, 有损提速): routed {e['routed']}, active {e['active']}, "
+            f"shared {e['shared']}, "
             f"fine-grained {e['fine_grained_ratio']:.3g}, {e['moe_layers']} MoE layers; params total "
             f"{e['total_params'] / 1e9:,.2f}B, active {e['active_params'] / 1e9:,.2f}B; training FLOPs per token "
             f"6·N_active = {e['six_n_active_per_token']:.3e} (6·N_total {e['six_n_total_per_token']:.3e}); KV "

@@ -95,6 +95,7 @@ class ModelConfig:
     v_head_dim: int = 0  # MLA per-head value dims
     qk_norm_full: bool = False  # OLMoE: RMSNorm over all N·H query / K·H key features (not per head)
     qkv_clip: float | None = None  # OLMoE clip_qkv: clamp q, k, v to ±clip
+    rope_yarn: dict | None = None  # MLA only: YaRN RoPE scaling {factor, original_max_position_embeddings, ...}
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -191,6 +192,24 @@ class ModelConfig:
                     raise ConfigError(f"MLA (kv_lora_rank={self.kv_lora_rank}) needs {f} >= 1, got {getattr(self, f)}")
             if self.qk_rope_head_dim % 2:
                 raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} is odd; RoPE rotates pairs")
+        if self.rope_yarn is not None:
+            if not self.is_mla:
+                raise ConfigError("rope_yarn (YaRN scaling) is implemented for MLA models (kv_lora_rank > 0) only")
+            if not isinstance(self.rope_yarn, dict):
+                raise ConfigError(f"rope_yarn={self.rope_yarn!r} must be an object of YaRN parameters")
+            allowed = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                       "mscale_all_dim", "attention_factor", "truncate"}
+            unknown = sorted(set(self.rope_yarn) - allowed)
+            if unknown:
+                raise ConfigError(f"rope_yarn has unknown key(s) {unknown}; known: {sorted(allowed)}")
+            for key in ("factor", "original_max_position_embeddings"):
+                if key not in self.rope_yarn:
+                    raise ConfigError(f"rope_yarn needs {key!r}, got {self.rope_yarn!r}")
+            for key, v in self.rope_yarn.items():
+                if key == "truncate":
+                    check_bool("rope_yarn.truncate", v, ConfigError)
+                elif v is not None:
+                    check_float(f"rope_yarn.{key}", v, ConfigError)
 
     @property
     def is_mla(self) -> bool:
@@ -317,13 +336,17 @@ PRESETS.update({
                 d_ff=10944, head_dim=192, max_seq_len=163840, rope_theta=10000.0, rope_layout="interleaved",
                 norm_eps=1e-6, architecture="deepseek_v2", bos_token_id=100000, eos_token_id=100001, n_experts=64,
                 n_experts_per_token=6, d_ff_expert=1408, n_shared_experts=2, moe_first_dense=1, kv_lora_rank=512,
-                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                rope_yarn=dict(factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                               mscale=0.707, mscale_all_dim=0.707)),
         _preset("deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, n_kv_heads=128,
                 d_ff=18432, head_dim=192, max_seq_len=163840, rope_theta=10000.0, rope_layout="interleaved",
                 norm_eps=1e-6, architecture="deepseek_v3", bos_token_id=0, eos_token_id=1, n_experts=256,
                 n_experts_per_token=8, d_ff_expert=2048, n_shared_experts=1, moe_first_dense=3, router_score="sigmoid",
                 router_norm_topk=True, router_scale=2.5, router_groups=8, router_topk_groups=4,
                 router_aux_free_bias=True, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
-                qk_rope_head_dim=64, v_head_dim=128),
+                qk_rope_head_dim=64, v_head_dim=128,
+                rope_yarn=dict(factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                               mscale=1.0, mscale_all_dim=1.0)),
     ]
 })

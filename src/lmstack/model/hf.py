@@ -84,6 +84,9 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfi
         raise ConfigError(
             f"{source}: unknown architecture model_type={model_type!r}; supported: {sorted(HF_MODEL_TYPES)}"
         )
+    yarn = None
+    if model_type in ("deepseek_v2", "deepseek_v3"):  # MLA models may carry YaRN RoPE scaling (model/mla.py)
+        d, yarn = split_yarn(d, source)
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{source}: hidden_act={act!r}; lmstack's SwiGLU needs 'silu'")
@@ -121,6 +124,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfi
         )
         if model_type in MOE_MODEL_TYPES:
             kw.update(moe_config_from_hf(d, model_type))
+            if yarn is not None:
+                kw["rope_yarn"] = yarn
         return ModelConfig(**kw)
     except ConfigError as e:
         msg = str(e)
@@ -621,6 +626,8 @@ def moe_config_to_hf(c: ModelConfig) -> dict[str, Any]:
                  q_lora_rank=c.q_lora_rank or None, qk_nope_head_dim=c.qk_nope_head_dim,
                  qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, attention_bias=False,
                  head_dim=c.qk_rope_head_dim, norm_topk_prob=c.router_norm_topk)
+        if c.rope_yarn is not None:
+            d["rope_parameters"] = {"rope_type": "yarn", "rope_theta": c.rope_theta, **c.rope_yarn}
         if arch == "deepseek_v2":
             grouped = c.router_groups > 1
             d.update(topk_method="group_limited_greedy" if grouped else "greedy",
@@ -629,3 +636,25 @@ def moe_config_to_hf(c: ModelConfig) -> dict[str, Any]:
             d.update(n_group=c.router_groups, topk_group=c.router_topk_groups, rope_interleave=c.rope_layout ==
                      "interleaved", num_nextn_predict_layers=0)
     return d
+
+
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+              "attention_factor", "truncate")
+
+
+def split_yarn(d: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A DeepSeek config without its YaRN scaling (``rope_scaling`` or ``rope_parameters`` of type yarn), and
+    the YaRN parameters for ``ModelConfig.rope_yarn`` (None when the RoPE is plain)."""
+    d = dict(d)
+    for key in ("rope_scaling", "rope_parameters"):
+        v = _dict_or_none(d, key, source)
+        kind = v.get("rope_type", v.get("type"))
+        if kind == "yarn":
+            yarn = {k: v[k] for k in _YARN_KEYS if v.get(k) is not None}
+            if "factor" not in yarn:  # DeepSeek-V3 style: the ratio of the context lengths
+                yarn["factor"] = _int(d, "max_position_embeddings") / _int(v, "original_max_position_embeddings")
+            d[key] = {"rope_type": "default", **({"rope_theta": v["rope_theta"]} if "rope_theta" in v else {})}
+            if key == "rope_scaling":
+                d.pop(key)
+            return d, yarn
+    return d, None

@@ -64,7 +64,12 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.d_c, LATENT_NORM_EPS, **kw)
         self.kv_b_proj = Linear(self.d_c, N * (self.h_nope + self.h_v), **kw)  # [W_UK; W_UV] per head
         self.o_proj = Linear(N * self.h_v, c.d_model, **kw)  # W_O (D, N·H_v)
-        self.rope = RotaryEmbedding(self.d_rope, c.max_seq_len, c.rope_theta, c.rope_layout)
+        if c.rope_yarn is not None:
+            self.rope = YarnRotaryEmbedding(self.d_rope, c.max_seq_len, c.rope_theta, c.rope_layout, c.rope_yarn)
+            self.q_scale = self.rope.softmax_scale_factor  # mscale² on top of 1/sqrt(H_n + d_R)
+        else:
+            self.rope = RotaryEmbedding(self.d_rope, c.max_seq_len, c.rope_theta, c.rope_layout)
+            self.q_scale = 1.0
 
     # ---- pieces ---------------------------------------------------------------------------------
     def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -92,7 +97,7 @@ class MLA(nn.Module):
         B, T = c.shape[:2]
         kv = self.kv_b_proj(c).view(B, T, self.n_heads, self.h_nope + self.h_v).transpose(1, 2)
         k_nope, v = kv.split([self.h_nope, self.h_v], dim=-1)  # (B, N, T, H_n), (B, N, T, H_v)
-        q = torch.cat([q_nope, q_rope], dim=-1)  # (B, N, T, H_n + d_R)
+        q = torch.cat([q_nope, q_rope], dim=-1) * self.q_scale  # (B, N, T, H_n + d_R)
         k = torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1)  # (B, N, T, H_n + d_R)
         return self.impl(q, k, v, meta)  # the impl scales by 1/sqrt(H_n + d_R), DeepSeek's softmax scale
 
@@ -101,7 +106,7 @@ class MLA(nn.Module):
         becomes DeepSeek's 1/sqrt(H_n + d_R)."""
         w_uk, _ = self.up_weights()
         q_lat = q_nope @ w_uk  # (B, N, T, H_n) @ (N, H_n, d_c) -> (B, N, T, d_c), one batched matmul
-        fix = math.sqrt((self.d_c + self.d_rope) / self.h_qk)
+        fix = math.sqrt((self.d_c + self.d_rope) / self.h_qk) * self.q_scale
         return torch.cat([q_lat, q_rope], dim=-1) * fix
 
     def absorbed_output(self, o_lat: Tensor) -> Tensor:
@@ -127,6 +132,56 @@ class MLA(nn.Module):
             o_lat = meta.cache.attend(self.layer_idx, q_abs, k_lat, None, meta, FoldHeads(self.impl))  # (B,N,T,d_c)
             out = self.absorbed_output(o_lat)  # (B, N, T, H_v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class YarnRotaryEmbedding(RotaryEmbedding):
+    """RoPE with YaRN scaling (Peng et al. 2023; DeepSeek-V2/V3's long-context RoPE): per frequency, a ramp
+    between the original θ_i (high frequencies, extrapolated) and θ_i / factor (low frequencies, interpolated)
+    over the dimensions whose wavelength fits between beta_fast and beta_slow rotations of the original
+    context; cos/sin scaled by the attention factor, and the softmax scale by mscale(factor, mscale_all_dim)²
+    (``softmax_scale_factor``), as DeepSeek's checkpoints expect."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float, layout: str, yarn: dict):
+        super().__init__(head_dim, max_seq_len, theta, layout)
+        factor = float(yarn["factor"])
+        orig = float(yarn["original_max_position_embeddings"])
+        mscale, mscale_all = yarn.get("mscale"), yarn.get("mscale_all_dim")
+        att = yarn.get("attention_factor")
+        if att is None:
+            att = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                   else _yarn_mscale(factor))
+        self.attention_factor = float(att)
+        self.softmax_scale_factor = _yarn_mscale(factor, mscale_all) ** 2 if mscale_all else 1.0
+        fast, slow = yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1
+
+        def dim_for(rotations: float) -> float:  # the dimension whose wavelength makes `rotations` turns in orig
+            return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = dim_for(fast), dim_for(slow)
+        if yarn.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
+        base = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)  # θ_i
+        extrapolate = 1 - ramp  # 1: keep θ_i, 0: θ_i / factor
+        self.inv_freq = base / factor * (1 - extrapolate) + base * extrapolate  # (H/2,)
+
+    def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        key = (torch.device(device), dtype)
+        if key not in self._cache:
+            positions = torch.arange(self.length, dtype=torch.float64, device="cpu")
+            angles = torch.outer(positions, self.inv_freq)  # (S, H/2)
+            angles = angles.repeat_interleave(2, dim=-1) if self.layout == "interleaved" else torch.cat(
+                [angles, angles], dim=-1)
+            self._cache[key] = ((angles.cos() * self.attention_factor).to(device=device, dtype=dtype),
+                                (angles.sin() * self.attention_factor).to(device=device, dtype=dtype))
+        return self._cache[key]
 
 
 class FoldHeads:
