@@ -58,6 +58,28 @@ def _ep_train(rank, world, steps):
     assert len({tuple(g.tolist()) for g in gathered}) > 1
 
 
+def _ep_bytes(rank, world):
+    """All-to-all bytes of one MoE layer's forward + backward, counted, == accounting (uniform routing)."""
+    from lmstack.accounting.comm import moe_all_to_all_bytes
+    from lmstack.model.config import ModelConfig
+    from lmstack.parallel import collectives as C
+    from lmstack.parallel.expert import combine, dispatch
+
+    T, k, D, E = 6 * world, 2, 8, 2 * world
+    ids = (torch.arange(T * k) + rank) % E  # every expert gets the same number of rows from every rank
+    x = torch.randn(T * k, D, requires_grad=True)
+    with C.count_bytes() as c:
+        recv, meta = dispatch(x, ids, E)
+        combine(recv * 2, meta).sum().backward()
+    cfg = ModelConfig(vocab_size=8, d_model=D, n_layers=1, n_heads=2, d_ff=8, n_experts=E, n_experts_per_token=k)
+    assert c.sent["all_to_all"] == moe_all_to_all_bytes(cfg, T, world, "fp32")
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+
+
+def test_all_to_all_bytes_equal_accounting():
+    spawn(_ep_bytes, 4)
+
+
 def _ep_bad(rank, world):
     from lmstack.model.moe import MoE
     from lmstack.parallel.expert import ExpertParallelMoE
