@@ -24,7 +24,7 @@ ROPE_LAYOUTS = ("half", "interleaved")
 # (the backends are set by lmstack.kernels.runtime.RuntimeConfig).
 RUNTIME_FIELDS = ("attn_backend", "norm_backend")
 ARCHITECTURES = ("llama", "mistral", "qwen2")
-ARCHITECTURES += ("mixtral", "olmoe", "qwen2_moe", "deepseek_v2", "deepseek_v3")  # model/moe.py, model/mla.py
+ARCHITECTURES += ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")  # model/moe.py, mla.py
 #: Longest context lmstack accepts (the RoPE tables grow on demand up to it): 16.7M positions;
 #: real models use <= 10M, and a corrupt 2**32 must not ask for terabytes.
 MAX_SEQ_LEN = 1 << 24

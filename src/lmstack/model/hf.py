@@ -24,7 +24,8 @@ from lmstack.utils import atomic_path, atomic_write_text, check_bool, check_floa
 HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # mixture-of-experts / MLA families (model/moe.py, model/mla.py); their config and names: end of this file
 MOE_MODEL_TYPES = {"mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                   "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                   "deepseek_v3": "DeepseekV3ForCausalLM"}
 HF_MODEL_TYPES.update(MOE_MODEL_TYPES)
 
 
@@ -98,7 +99,7 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfi
         window = None
         if model_type in ("mistral", "mixtral") and d.get("sliding_window") is not None:
             window = check_int("sliding_window", d["sliding_window"], ConfigError, minimum=1)
-        elif model_type in ("qwen2", "qwen2_moe") and _flag(d, "use_sliding_window"):
+        elif model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and _flag(d, "use_sliding_window"):
             raise ConfigError("Qwen2 use_sliding_window=True (per-layer windows) is not supported")
         n_heads = _int(d, "num_attention_heads")
         head_dim = d.get("head_dim")
@@ -551,13 +552,23 @@ def moe_config_from_hf(d: dict[str, Any], model_type: str) -> dict[str, Any]:
         clip = d.get("clip_qkv")
         kw.update(n_experts=_int(d, "num_experts"), router_norm_topk=_flag(d, "norm_topk_prob"), qk_norm_full=True,
                   qkv_clip=None if clip is None else check_float("clip_qkv", clip, ConfigError))
-    elif model_type == "qwen2_moe":
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
         only = d.get("mlp_only_layers") or []
         if only:
             raise ConfigError(f"mlp_only_layers={only!r} is not supported (expected []); "
                               "use decoder_sparse_step for regular dense/MoE interleaving")
         shared = _none_or_int(d, "shared_expert_intermediate_size")
-        kw.update(n_experts=_int(d, "num_experts"), d_ff_expert=_int(d, "moe_intermediate_size"), qkv_bias=True,
+        if model_type == "qwen3_moe":  # per-head QK-norm, no q/k/v bias, no shared expert
+            if _flag(d, "attention_bias"):
+                raise ConfigError(f"attention_bias={d['attention_bias']!r} is not supported for qwen3_moe "
+                                  "(a bias on o_proj too); expected false")
+            kw.update(qk_norm=True, qkv_bias=False)
+            shared = None
+        else:
+            kw["qkv_bias"] = True
+        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; the hub configs say num_experts
+        n_key = "num_local_experts" if model_type == "qwen3_moe" and "num_experts" not in d else "num_experts"
+        kw.update(n_experts=_int(d, n_key), d_ff_expert=_int(d, "moe_intermediate_size"),
                   router_norm_topk=_flag(d, "norm_topk_prob"), moe_layer_step=_int(d, "decoder_sparse_step", 1),
                   n_shared_experts=1 if shared else 0, d_ff_shared=shared, shared_expert_gate=bool(shared))
     else:  # deepseek_v2 / deepseek_v3
@@ -615,10 +626,14 @@ def moe_config_to_hf(c: ModelConfig) -> dict[str, Any]:
     elif arch == "olmoe":
         d.update(num_experts=c.n_experts, norm_topk_prob=c.router_norm_topk, clip_qkv=c.qkv_clip,
                  attention_bias=False)
-    elif arch == "qwen2_moe":
+    elif arch in ("qwen2_moe", "qwen3_moe"):
         d.update(num_experts=c.n_experts, moe_intermediate_size=c.d_ff_expert or c.d_ff,
                  norm_topk_prob=c.router_norm_topk, decoder_sparse_step=c.moe_layer_step, mlp_only_layers=[],
-                 shared_expert_intermediate_size=c.d_ff_shared or 0, use_sliding_window=False, qkv_bias=True)
+                 use_sliding_window=False)
+        if arch == "qwen2_moe":
+            d.update(shared_expert_intermediate_size=c.d_ff_shared or 0, qkv_bias=True)
+        else:
+            d.update(head_dim=c.head_dim, attention_bias=False, num_local_experts=c.n_experts)
     else:
         d.update(n_routed_experts=c.n_experts, moe_intermediate_size=c.d_ff_expert or c.d_ff,
                  n_shared_experts=c.n_shared_experts, first_k_dense_replace=c.moe_first_dense,
