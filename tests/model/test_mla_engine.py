@@ -68,14 +68,6 @@ def test_prefix_cache_serves_latent_blocks(kw, prompts):
     assert outs[-1].num_cached_tokens == 8
 
 
-@pytest.mark.parametrize("kw", [MLA, {**MLA, **MOE}], ids=["mla", "mla+moe"])
-def test_batch1_generate_with_latent_cache(kw, prompts):
-    from lmstack.inference.generate import generate
-    model = _model(**kw)
-    for p in prompts[:3]:
-        assert list(generate(model, p, 8))[:8] == _recompute(model, p, 8)
-
-
 def test_paged_latent_blocks_bytes_equal_accounting():
     model = _model(**MLA)
     llm = LLM(model, block_size=4, num_blocks=10)

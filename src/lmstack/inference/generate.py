@@ -18,7 +18,6 @@ from lmstack.inference.kv_cache import KVCache
 from lmstack.inference.prompts import prompt_token_ids
 from lmstack.inference.sampling import SamplingParams, sample_token
 from lmstack.inference.stops import StopStrings, token_stop
-from lmstack.model.mla import LatentKVCache
 
 
 @torch.inference_mode()
@@ -69,10 +68,7 @@ def _decode(step, prompt_ids: list[int], params: SamplingParams) -> Iterator[int
 
 def _cached_step(model, total: int):
     p = next(model.parameters())
-    if model.config.is_mla:  # MLA (model/mla.py): the cache holds the latent and the RoPE key only
-        cache = LatentKVCache(model.config, 1, total, device=p.device, dtype=p.dtype)
-    else:
-        cache = KVCache(model.config, 1, total, dtype=p.dtype, device=p.device)
+    cache = KVCache(model.config, 1, total, dtype=p.dtype, device=p.device)
 
     def step(ids: list[int], start: int) -> Tensor:
         new = torch.tensor([ids[start:]], device=p.device)  # (1, T)
