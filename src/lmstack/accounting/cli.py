@@ -215,6 +215,17 @@ def _print_plan(plan: dict) -> None:
         f"TP over M={c['M']} (seed 001 张量并行): compute/communication ratio 4h/tp = {c['tp_compute_comm_ratio']:.0f}; "
         f"{_gb(c['tp_layer_bytes_per_device'])} sent per layer per sequence (fwd + bwd)"
     )
+    if "moe" in plan:  # mixture of experts / MLA
+        e = plan["moe"]
+        console.print(
+            f"MoE / MLA (seed 001 MoE, 有损提速): routed {e['routed']}, active {e['active']}, "
+            f"shared {e['shared']}, "
+            f"fine-grained {e['fine_grained_ratio']:.3g}, {e['moe_layers']} MoE layers; params total "
+            f"{e['total_params'] / 1e9:,.2f}B, active {e['active_params'] / 1e9:,.2f}B; training FLOPs per token "
+            f"6·N_active = {e['six_n_active_per_token']:.3e} (6·N_total {e['six_n_total_per_token']:.3e}); KV "
+            f"{e['kv_bytes_per_token']:,.0f} bytes/token (MHA of the same heads: "
+            f"{e['kv_bytes_per_token_gqa_equivalent']:,.0f}); EP={e['ep']} all-to-all "
+            f"{_gb(e['all_to_all_bytes_per_step_per_device'])} per device per step")
 
 
 def _print_mixer_cache(cfg: ModelConfig, dtype: str, window: int, path: str) -> None:
@@ -230,4 +241,3 @@ def _print_mixer_cache(cfg: ModelConfig, dtype: str, window: int, path: str) -> 
     Console(width=None if os.isatty(1) else 150).print(t)
     plot_cache_vs_context(cfg, contexts, path, dtype, window)
     print(f"wrote {path}")
-

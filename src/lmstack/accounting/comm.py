@@ -86,3 +86,17 @@ def tp_layer_bytes(cfg: ModelConfig, B: int, S: int, M: int, dtype: object = "bf
     n = B * S * cfg.d_model * bytes_per_element(dtype)
     count = 4 if backward else 2
     return count * all_reduce_bytes(n, M)
+
+
+def moe_all_to_all_bytes(cfg: ModelConfig, tokens: int, ep: int, dtype: object = "bf16",
+                         backward: bool = True) -> float:
+    """Expert parallelism (seed 001 "专家并行"): bytes one device sends per step for ``tokens`` local tokens.
+
+    Each MoE layer dispatches every token's hidden state to each of its k experts and combines the k
+    outputs back: 2 all-to-alls of tokens·k·D elements, of which (ep−1)/ep leave the device when experts are
+    uniformly loaded (the rest are this device's own experts). The backward repeats both in reverse (×2).
+    """
+    _check_m(ep)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    per_layer = 2 * tokens * cfg.n_experts_per_token * cfg.d_model * bytes_per_element(dtype) * (ep - 1) / ep
+    return moe_layers * per_layer * (2 if backward else 1)

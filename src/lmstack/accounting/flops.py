@@ -19,7 +19,7 @@ attention matrices are counted in full (B, N, T, S), the way a dense kernel comp
 from __future__ import annotations
 
 from lmstack.model.config import ModelConfig
-from lmstack.accounting.params import total_params
+from lmstack.accounting.params import active_params, layer_ffn_params, mla_params_per_layer, total_params
 
 
 def attended_keys(S: int, window: int | None) -> int:
@@ -29,6 +29,8 @@ def attended_keys(S: int, window: int | None) -> int:
 
 def attention_projection_flops(cfg: ModelConfig, B: int, T: int) -> int:
     """Seed 000 §1.6: Q, K, V and O projections of T tokens: 2BT·D·NH + 2·2BT·D·KH + 2BT·NH·D."""
+    if cfg.is_mla:  # every MLA weight is one multiply-add per token
+        return 2 * B * T * mla_params_per_layer(cfg)
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     return 2 * B * T * D * (N * H) + 2 * 2 * B * T * D * (K * H) + 2 * B * T * (N * H) * D
 
@@ -36,6 +38,8 @@ def attention_projection_flops(cfg: ModelConfig, B: int, T: int) -> int:
 def attention_score_flops(cfg: ModelConfig, B: int, T: int, S: int, window: int | None = None) -> int:
     """Seed 000 §1.6: QKᵀ (B,N,T,H)x(B,N,H,S) 2BNTSH plus A·V 2BNTSH = 4BNTSH (= 4BS²D at T = S)."""
     Se = attended_keys(S, window)
+    if cfg.is_mla:  # expanded form: QKᵀ over H_n + d_R, A·V over H_v
+        return 2 * B * cfg.n_heads * T * Se * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     return 4 * B * cfg.n_heads * T * Se * cfg.head_dim
 
 
@@ -65,7 +69,11 @@ def forward_flops(
     would instead add ``unembedding_flops(cfg, B, 1)``).
     """
     T = S if T is None else T
-    total = cfg.n_layers * layer_forward_flops(cfg, B, T, S, window)
+    if cfg.n_experts:  # MoE: each layer's FFN costs its *active* weights (moe_ffn_flops)
+        attn = attention_projection_flops(cfg, B, T) + attention_score_flops(cfg, B, T, S, window)
+        total = cfg.n_layers * attn + moe_ffn_flops(cfg, B, T)
+    else:
+        total = cfg.n_layers * layer_forward_flops(cfg, B, T, S, window)
     if logits:
         total += unembedding_flops(cfg, B, T)
     return total
@@ -95,7 +103,7 @@ def six_nd(n_params: float, n_tokens: float) -> float:
 def six_nd_vs_exact(cfg: ModelConfig, B: int, S: int) -> dict[str, float]:
     """Compare 6·P·BS with the exact 3 × forward count; the gap is the S² attention term
     (not in 6ND) minus the embedding lookup (in P but costing no matmul)."""
-    approx = six_nd(total_params(cfg), B * S)
+    approx = six_nd(active_params(cfg), B * S)  # N_active: the total for a dense model
     exact = 3 * forward_flops(cfg, B, S)
     return {"six_nd": approx, "exact": exact, "ratio_exact_over_6nd": exact / approx}
 
@@ -111,3 +119,17 @@ def mfu(flops_per_step: float, step_time_s: float, peak_flops: float, n_devices:
     if step_time_s <= 0:
         raise ValueError(f"step_time_s={step_time_s} must be > 0")
     return flops_per_step / step_time_s / (peak_flops * n_devices)
+
+
+def moe_ffn_flops(cfg: ModelConfig, B: int, T: int) -> int:
+    """All layers' FFN forward FLOPs with MoE: a dense layer 6BTDF; an MoE layer 2BT × (router E·D + k routed
+    experts 3·D·F_e + shared experts), i.e. 2 FLOPs per *active* weight (seed 001 "MoE")."""
+    total = 0
+    for i in range(cfg.n_layers):
+        if cfg.is_moe_layer(i):
+            skipped = (cfg.n_experts - cfg.n_experts_per_token) * 3 * cfg.d_model * (cfg.d_ff_expert or cfg.d_ff)
+            bias = cfg.n_experts if cfg.router_aux_free_bias else 0
+            total += 2 * B * T * (layer_ffn_params(cfg, i) - skipped - bias)
+        else:
+            total += ffn_flops(cfg, B, T)
+    return total

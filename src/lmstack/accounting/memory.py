@@ -24,6 +24,8 @@ def kv_cache_elements(cfg: ModelConfig, B: int, S: int, window: int | None = Non
     once it leaves the window, so only min(S, W) positions are kept.
     """
     Se = S if window is None else min(S, window)
+    if cfg.is_mla:  # MLA (seed 000 §2.5): one latent d_c + the shared RoPE key d_R per token and layer
+        return B * Se * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.n_layers
     return 2 * B * Se * cfg.n_kv_heads * cfg.head_dim * cfg.n_layers
 
 

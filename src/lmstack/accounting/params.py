@@ -54,6 +54,8 @@ def attention_params_per_layer(cfg: ModelConfig) -> int:
     Seed 001 "性能指标分析" writes the same as DNH + 2DKH + DNH. With ``qkv_bias`` the q, k, v
     projections carry NH + 2KH biases.
     """
+    if cfg.is_mla:
+        return mla_params_per_layer(cfg)
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     p = D * N * H + 2 * D * K * H + N * H * D
     if cfg.qkv_bias:
@@ -68,7 +70,10 @@ def ffn_params_per_layer(cfg: ModelConfig) -> int:
 
 def norm_params_per_layer(cfg: ModelConfig) -> int:
     """Seed 000 §1.4: two RMSNorm gammas of D per layer (pre-attention, pre-FFN), plus 2H for QK-norm."""
-    return 2 * cfg.d_model + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    extra = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim if cfg.qk_norm_full else 0  # OLMoE: over all heads
+    if cfg.is_mla:
+        extra += cfg.kv_lora_rank + cfg.q_lora_rank  # the latent RMSNorms
+    return 2 * cfg.d_model + (2 * cfg.head_dim if cfg.qk_norm else 0) + extra
 
 
 def param_counts(cfg: ModelConfig) -> ParamCounts:
@@ -77,7 +82,7 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     return ParamCounts(
         embedding=embedding_params(cfg),
         attention=L * attention_params_per_layer(cfg),
-        ffn=L * ffn_params_per_layer(cfg),
+        ffn=sum(layer_ffn_params(cfg, i) for i in range(L)),
         norms=L * norm_params_per_layer(cfg) + cfg.d_model,  # + final norm D
         unembedding=unembedding_params(cfg),
     )
@@ -140,3 +145,50 @@ def moe_params(
     total = dense.total - n_moe * ffn_params_per_layer(cfg) + n_moe * per_moe_layer
     active = total - n_moe * (n_experts - top_k) * expert
     return MoEParams(total=total, active=active)
+
+
+# ---- mixture of experts / MLA (model/moe.py, model/mla.py) ------------------------------------------
+def mla_params_per_layer(cfg: ModelConfig) -> int:
+    """MLA projections (seed 001 "有损提速"): q = D·N(H_n+d_R) (or D·d_c' + d_c'·N(H_n+d_R) compressed),
+    [W_DKV; W_KR] D·(d_c + d_R), [W_UK; W_UV] d_c·N(H_n + H_v), W_O N·H_v·D (norm gammas: ``norms``)."""
+    D, N = cfg.d_model, cfg.n_heads
+    h_qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q = D * cfg.q_lora_rank + cfg.q_lora_rank * N * h_qk if cfg.q_lora_rank else D * N * h_qk
+    return (q + D * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            + cfg.kv_lora_rank * N * (cfg.qk_nope_head_dim + cfg.v_head_dim) + N * cfg.v_head_dim * D)
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """One routed expert: a SwiGLU of hidden size F_e, 3·D·F_e."""
+    return 3 * cfg.d_model * (cfg.d_ff_expert or cfg.d_ff)
+
+
+def layer_ffn_params(cfg: ModelConfig, layer_idx: int) -> int:
+    """Layer ``layer_idx``'s FFN: dense 3DF, or E routed experts + router (E·D, + E aux-free biases)
+    + shared experts 3·D·F_shared (+ D for Qwen-MoE's shared-expert gate)."""
+    if not cfg.is_moe_layer(layer_idx):
+        return ffn_params_per_layer(cfg)
+    D, E = cfg.d_model, cfg.n_experts
+    p = E * expert_params(cfg) + E * D + (E if cfg.router_aux_free_bias else 0)
+    if cfg.n_shared_experts:
+        p += 3 * D * (cfg.d_ff_shared or cfg.n_shared_experts * (cfg.d_ff_expert or cfg.d_ff))
+        p += D if cfg.shared_expert_gate else 0
+    return p
+
+
+def moe_layers(cfg: ModelConfig) -> int:
+    return sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters one token uses (seed 001 "MoE", the routed/active/shared table): the total minus the
+    (E − k) routed experts it skips in every MoE layer. Equals ``total_params`` for a dense model."""
+    return total_params(cfg) - moe_layers(cfg) * (cfg.n_experts - cfg.n_experts_per_token) * expert_params(cfg)
+
+
+def moe_summary(cfg: ModelConfig) -> dict[str, int | float]:
+    """The seed's routed / active / shared table row for ``cfg``, with total and active parameters."""
+    Fe = cfg.d_ff_expert or cfg.d_ff
+    return {"routed": cfg.n_experts, "active": cfg.n_experts_per_token, "shared": cfg.n_shared_experts,
+            "fine_grained_ratio": Fe / cfg.d_ff if cfg.n_experts else 1.0, "moe_layers": moe_layers(cfg),
+            "total_params": total_params(cfg), "active_params": active_params(cfg)}

@@ -92,4 +92,15 @@ def build_plan(
         "tp_layer_bytes_per_device": comm.tp_layer_bytes(cfg, 1, S, M, "bf16"),
         "tp_compute_comm_ratio": comm.tp_compute_comm_ratio(cfg.d_model, M),
     }
+    if cfg.n_experts or cfg.is_mla:  # mixture of experts / MLA (model/moe.py, model/mla.py)
+        tokens = tb * S
+        out["moe"] = {
+            **params.moe_summary(cfg),
+            "six_n_active_per_token": flops.six_nd(params.active_params(cfg), 1),
+            "six_n_total_per_token": flops.six_nd(params.total_params(cfg), 1),
+            "kv_bytes_per_token": memory.kv_cache_bytes(cfg, 1, 1, dt),
+            "kv_bytes_per_token_gqa_equivalent": 2 * cfg.n_heads * (cfg.v_head_dim or cfg.head_dim) * cfg.n_layers
+            * bytes_per_element(dt),
+            "ep": M, "all_to_all_bytes_per_step_per_device": comm.moe_all_to_all_bytes(cfg, tokens // M, M, dt),
+        }
     return out

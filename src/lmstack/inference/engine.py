@@ -55,8 +55,10 @@ KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # wha
 
 
 def _blocks_in(nbytes: int, c, block_size: int, dtype: torch.dtype) -> int:
-    """Blocks that fit in ``nbytes``: each holds K and V of bs tokens, 2·bs·L·K·H elements."""
-    per_block = 2 * block_size * c.n_layers * c.n_kv_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
+    """Blocks that fit in ``nbytes``: each holds K and V of bs tokens, 2·bs·L·K·H elements (MLA: the latent,
+    bs·L·(d_c + d_R))."""
+    per_token = (c.kv_lora_rank + c.qk_rope_head_dim) if c.is_mla else 2 * c.n_kv_heads * c.head_dim  # MLA: latent
+    per_block = block_size * c.n_layers * per_token * torch.empty(0, dtype=dtype).element_size()
     return max(2, nbytes // per_block)
 
 

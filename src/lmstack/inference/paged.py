@@ -29,8 +29,11 @@ class PagedKVCache:
         self.config, self.block_size = config, block_size
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching, storage=self)
         shape = (config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)  # (L, NB, bs, K, H)
+        self.stores_latent = config.is_mla  # MLA (model/mla.py): blocks hold [c ; k_R], d_c + d_R per token
+        if self.stores_latent:
+            shape = (config.n_layers, num_blocks, block_size, 1, config.kv_lora_rank + config.qk_rope_head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape[:-1] + (0,) if self.stores_latent else shape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -121,13 +124,20 @@ class PackedPagedBatch:
             self.segments.append((t0, t1, g.to(device), kp.to(device)))
             t0, r = t1, r1
 
-    def _write(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    @property
+    def stores_latent(self) -> bool:
+        """MLA: the model passes v=None and the values are the first d_c numbers of each latent key."""
+        return self.cache.stores_latent
+
+    def _write(self, layer_idx: int, k: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor | None]:
         _, K, T, H = k.shape
         if k.shape[0] != 1 or self.slots.shape != (T,):
             raise ValueError(f"batch was prepared for (1, {self.slots.shape[0]}) tokens, got k of shape {tuple(k.shape)}")
         kc = self.cache.k[layer_idx].view(-1, K, H)  # (NB·bs, K, H)
-        vc = self.cache.v[layer_idx].view(-1, K, H)
         kc.index_copy_(0, self.slots, k[0].transpose(0, 1).to(kc.dtype))
+        if v is None:  # a latent cache: the values are views of the keys
+            return kc, None
+        vc = self.cache.v[layer_idx].view(-1, K, v.shape[-1])
         vc.index_copy_(0, self.slots, v[0].transpose(0, 1).to(vc.dtype))
         return kc, vc
 
@@ -143,7 +153,10 @@ class PackedPagedBatch:
             self._flat = (g.to(device), kp[None].to(device), ids[None].to(device))
         g, kp, ids = self._flat
         k_all = kc.index_select(0, g).transpose(0, 1)[None].to(k.dtype)  # (1, K, S, H)
-        v_all = vc.index_select(0, g).transpose(0, 1)[None].to(v.dtype)
+        if vc is None:  # MLA: values = the latent c, the first d_c of each key
+            v_all = k_all[..., :self.cache.config.kv_lora_rank]
+        else:
+            v_all = vc.index_select(0, g).transpose(0, 1)[None].to(v.dtype)
         return impl(q, k_all, v_all, meta.for_keys(kp, ids))  # (1, N, T, H)
 
 
@@ -164,7 +177,10 @@ class SelectivePagedBatch(PackedPagedBatch):
         for t0, t1, g, kp in self.segments:
             R, S = g.shape
             ks = kc.index_select(0, g.flatten()).view(R, S, K, H).transpose(1, 2).to(q.dtype)  # (R, K, S, H)
-            vs = vc.index_select(0, g.flatten()).view(R, S, K, H).transpose(1, 2).to(q.dtype)
+            if vc is None:  # MLA: values = the latent c, the first d_c of each key
+                vs = ks[..., :self.cache.config.kv_lora_rank]
+            else:
+                vs = vc.index_select(0, g.flatten()).view(R, S, K, -1).transpose(1, 2).to(q.dtype)
             if R > 1:  # R decode rows, one token each
                 qs = q[0, :, t0:t1].transpose(0, 1)[:, :, None]  # (R, N, 1, H)
                 qp = positions[0, t0:t1, None]  # (R, 1)

@@ -23,7 +23,8 @@ ROPE_LAYOUTS = ("half", "interleaved")
 # Runtime choices, not architecture: older lmstack config files hold them; they are dropped on load
 # (the backends are set by lmstack.kernels.runtime.RuntimeConfig).
 RUNTIME_FIELDS = ("attn_backend", "norm_backend")
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2",
+                 "deepseek_v3")  # HF families lmstack loads and saves (model/hf.py; MoE: moe.py, MLA: mla.py)
 #: Token mixers a layer may have (``ModelConfig.layer_types``; ``lmstack.model.mixers``).
 MIXERS = ("attention", "local_attention", "linear_attention", "mamba2", "gated_deltanet", "dsa")
 LINEAR_FEATURE_MAPS = ("identity", "elu1", "relu")
@@ -85,6 +86,37 @@ class ModelConfig:
     dsa_top_k: int = 2048  # DSA: keys each query attends to
     dsa_index_heads: int = 4  # DSA: lightning-indexer heads
     dsa_index_head_dim: int = 32  # DSA: lightning-indexer head dim
+    # --- mixture of experts / MLA (model/moe.py, model/mla.py)
+    n_experts: int = 0  # E routed experts per MoE layer; 0 = every FFN is the dense SwiGLU
+    n_experts_per_token: int = 2  # k
+    d_ff_expert: int | None = None  # F of one routed expert (fine-grained experts: < d_ff); None = d_ff
+    n_shared_experts: int = 0  # always-on shared experts (DeepSeekMoE, Qwen-MoE)
+    d_ff_shared: int | None = None  # total hidden width of the shared experts; None = n_shared · d_ff_expert
+    shared_expert_gate: bool = False  # Qwen-MoE: the shared expert's output is scaled by sigmoid(x·w)
+    moe_first_dense: int = 0  # the first k layers keep the dense FFN (DeepSeek first_k_dense_replace)
+    moe_layer_step: int = 1  # layer i >= moe_first_dense is MoE when (i + 1) % step == 0 (Qwen decoder_sparse_step)
+    router: str = "topk"  # topk | hash (hash: model.moe.hash_route on the token ids)
+    router_score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    router_order: str = "softmax_topk"  # softmax_topk | topk_softmax
+    router_norm_topk: bool = False  # renormalise the k gate values to sum to 1
+    router_scale: float = 1.0  # routed_scaling_factor multiplying the gate values
+    router_groups: int = 1  # group-limited routing: experts in this many groups ...
+    router_topk_groups: int = 1  # ... of which only the best this many may be chosen
+    router_aux_free_bias: bool = False  # DeepSeek-V3 per-expert selection bias (e_score_correction_bias)
+    capacity_factor: float | None = None  # None: no token dropping; else capacity ceil(cf·T·k/E) per expert
+    moe_aux_loss_coef: float = 0.0  # α of the balance loss α·E·Σ f_i·P_i
+    moe_device_loss_coef: float = 0.0  # α_dev of the device-level balance loss over moe_devices groups
+    moe_devices: int = 1
+    moe_z_loss_coef: float = 0.0  # β of the router z-loss β·mean(logsumexp²)
+    moe_bias_update_rate: float = 0.0  # γ: aux-free bias step b_i += γ·sign(mean load − load_i) per step
+    kv_lora_rank: int = 0  # d_c of MLA's compressed KV; > 0 makes every token mixer MLA
+    q_lora_rank: int = 0  # d_c' of MLA's compressed query; 0 = a full-rank q projection
+    qk_nope_head_dim: int = 0  # MLA per-head q/k dims without RoPE
+    qk_rope_head_dim: int = 0  # d_R: MLA's decoupled RoPE dims (one shared key per token)
+    v_head_dim: int = 0  # MLA per-head value dims
+    qk_norm_full: bool = False  # OLMoE: RMSNorm over all N·H query / K·H key features (not per head)
+    qkv_clip: float | None = None  # OLMoE clip_qkv: clamp q, k, v to ±clip
+    rope_yarn: dict | None = None  # MLA only: YaRN RoPE scaling {factor, original_max_position_embeddings, ...}
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -131,6 +163,7 @@ class ModelConfig:
         if not (self.init_std > 0):
             raise ConfigError(f"init_std={self.init_std!r} must be > 0")
         self._check_mixers()
+        self._check_moe_mla()
 
     def _check_mixers(self) -> None:
         """The token-mixer block: a per-layer pattern of known mixers, and the sizes the used ones need."""
@@ -173,6 +206,84 @@ class ModelConfig:
     def mixer_types(self) -> list[str]:
         """Each layer's token mixer (``layer_types``, or softmax attention everywhere)."""
         return list(self.layer_types) if self.layer_types is not None else ["attention"] * self.n_layers
+
+    def _check_moe_mla(self) -> None:
+        """Validate the mixture-of-experts / MLA block (model/moe.py, model/mla.py)."""
+        for f in ("n_experts", "n_shared_experts", "moe_first_dense", "kv_lora_rank", "q_lora_rank",
+                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 0, MAX_SIZE))
+        for f in ("n_experts_per_token", "moe_layer_step", "router_groups", "router_topk_groups", "moe_devices"):
+            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
+        for f in ("d_ff_expert", "d_ff_shared"):
+            if getattr(self, f) is not None:
+                setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
+        for f in ("shared_expert_gate", "router_norm_topk", "router_aux_free_bias", "qk_norm_full"):
+            check_bool(f, getattr(self, f), ConfigError)
+        for f in ("router_scale", "moe_aux_loss_coef", "moe_device_loss_coef", "moe_z_loss_coef",
+                  "moe_bias_update_rate"):
+            setattr(self, f, check_float(f, getattr(self, f), ConfigError))
+            if getattr(self, f) < 0:
+                raise ConfigError(f"{f}={getattr(self, f)} must be >= 0")
+        for f in ("capacity_factor", "qkv_clip"):
+            if getattr(self, f) is not None:
+                setattr(self, f, check_float(f, getattr(self, f), ConfigError))
+                if not getattr(self, f) > 0:
+                    raise ConfigError(f"{f}={getattr(self, f)} must be > 0 (or null)")
+        choices = {"router": ("topk", "hash"), "router_score": ("softmax", "sigmoid"),
+                   "router_order": ("softmax_topk", "topk_softmax")}
+        for f, allowed in choices.items():
+            if getattr(self, f) not in allowed:
+                raise ConfigError(f"{f}={getattr(self, f)!r}; expected one of {allowed}")
+        if self.n_experts:
+            if self.n_experts_per_token > self.n_experts:
+                raise ConfigError(f"n_experts_per_token={self.n_experts_per_token} exceeds n_experts="
+                                  f"{self.n_experts}; top-k routing needs k <= E")
+            if self.n_experts % self.router_groups:
+                raise ConfigError(f"router_groups={self.router_groups} does not divide n_experts={self.n_experts}")
+            if self.router_topk_groups > self.router_groups:
+                raise ConfigError(f"router_topk_groups={self.router_topk_groups} exceeds router_groups="
+                                  f"{self.router_groups}")
+            if self.router_groups > 1 and self.router_topk_groups * (self.n_experts // self.router_groups) \
+                    < self.n_experts_per_token:
+                raise ConfigError(f"router_topk_groups={self.router_topk_groups} groups of "
+                                  f"{self.n_experts // self.router_groups} experts hold fewer than "
+                                  f"n_experts_per_token={self.n_experts_per_token}")
+            if self.n_experts % self.moe_devices:
+                raise ConfigError(f"moe_devices={self.moe_devices} does not divide n_experts={self.n_experts}")
+        if self.kv_lora_rank:
+            for f in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, f) < 1:
+                    raise ConfigError(f"MLA (kv_lora_rank={self.kv_lora_rank}) needs {f} >= 1, got {getattr(self, f)}")
+            if self.qk_rope_head_dim % 2:
+                raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} is odd; RoPE rotates pairs")
+        if self.rope_yarn is not None:
+            if not self.is_mla:
+                raise ConfigError("rope_yarn (YaRN scaling) is implemented for MLA models (kv_lora_rank > 0) only")
+            if not isinstance(self.rope_yarn, dict):
+                raise ConfigError(f"rope_yarn={self.rope_yarn!r} must be an object of YaRN parameters")
+            allowed = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                       "mscale_all_dim", "attention_factor", "truncate"}
+            unknown = sorted(set(self.rope_yarn) - allowed)
+            if unknown:
+                raise ConfigError(f"rope_yarn has unknown key(s) {unknown}; known: {sorted(allowed)}")
+            for key in ("factor", "original_max_position_embeddings"):
+                if key not in self.rope_yarn:
+                    raise ConfigError(f"rope_yarn needs {key!r}, got {self.rope_yarn!r}")
+            for key, v in self.rope_yarn.items():
+                if key == "truncate":
+                    check_bool("rope_yarn.truncate", v, ConfigError)
+                elif v is not None:
+                    check_float(f"rope_yarn.{key}", v, ConfigError)
+
+    @property
+    def is_mla(self) -> bool:
+        """Every layer's token mixer is multi-head latent attention (model/mla.py)."""
+        return self.kv_lora_rank > 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Layer ``layer_idx``'s FFN is a mixture of experts (model/moe.py)."""
+        return (self.n_experts > 0 and layer_idx >= self.moe_first_dense
+                and (layer_idx + 1) % self.moe_layer_step == 0)
 
     # ---- derived symbols -------------------------------------------------------------------
     @property
@@ -276,3 +387,35 @@ def repeat_pattern(unit: list[str], n_layers: int) -> list[str]:
     if not unit:
         raise ConfigError("repeat_pattern needs a non-empty unit of mixer names")
     return [unit[i % len(unit)] for i in range(n_layers)]
+# --- mixture of experts / MLA presets (model/moe.py, model/mla.py): numbers from each model's HF config.json
+PRESETS.update({
+    p.name: p
+    for p in [
+        _preset("mixtral-8x7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
+                max_seq_len=32768, rope_theta=1e6, norm_eps=1e-5, architecture="mixtral", bos_token_id=1,
+                eos_token_id=2, n_experts=8, n_experts_per_token=2, router_norm_topk=True),
+        _preset("olmoe-1b-7b", vocab_size=50304, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, d_ff=1024,
+                max_seq_len=4096, rope_theta=10000.0, norm_eps=1e-5, architecture="olmoe", eos_token_id=50279,
+                n_experts=64, n_experts_per_token=8, qk_norm_full=True),
+        _preset("qwen1.5-moe-a2.7b", vocab_size=151936, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=16,
+                d_ff=5632, max_seq_len=8192, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True, architecture="qwen2_moe",
+                bos_token_id=151643, eos_token_id=151643, n_experts=60, n_experts_per_token=4, d_ff_expert=1408,
+                n_shared_experts=1, d_ff_shared=5632, shared_expert_gate=True),
+        _preset("deepseek-v2-lite", vocab_size=102400, d_model=2048, n_layers=27, n_heads=16, n_kv_heads=16,
+                d_ff=10944, head_dim=192, max_seq_len=163840, rope_theta=10000.0, rope_layout="interleaved",
+                norm_eps=1e-6, architecture="deepseek_v2", bos_token_id=100000, eos_token_id=100001, n_experts=64,
+                n_experts_per_token=6, d_ff_expert=1408, n_shared_experts=2, moe_first_dense=1, kv_lora_rank=512,
+                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                rope_yarn=dict(factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                               mscale=0.707, mscale_all_dim=0.707)),
+        _preset("deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+                d_ff=18432, head_dim=192, max_seq_len=163840, rope_theta=10000.0, rope_layout="interleaved",
+                norm_eps=1e-6, architecture="deepseek_v3", bos_token_id=0, eos_token_id=1, n_experts=256,
+                n_experts_per_token=8, d_ff_expert=2048, n_shared_experts=1, moe_first_dense=3, router_score="sigmoid",
+                router_norm_topk=True, router_scale=2.5, router_groups=8, router_topk_groups=4,
+                router_aux_free_bias=True, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                qk_rope_head_dim=64, v_head_dim=128,
+                rope_yarn=dict(factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                               mscale=1.0, mscale_all_dim=1.0)),
+    ]
+})

@@ -23,6 +23,11 @@ from lmstack.model.transformer import Transformer
 from lmstack.utils import atomic_path, atomic_write_text, check_bool, check_float, check_int
 
 HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# mixture-of-experts / MLA families (model/moe.py, model/mla.py); their config and names: end of this file
+MOE_MODEL_TYPES = {"mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                   "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                   "deepseek_v3": "DeepseekV3ForCausalLM"}
+HF_MODEL_TYPES.update(MOE_MODEL_TYPES)
 
 
 class WeightsError(ValueError):
@@ -81,6 +86,9 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfi
         raise ConfigError(
             f"{source}: unknown architecture model_type={model_type!r}; supported: {sorted(HF_MODEL_TYPES)}"
         )
+    yarn = None
+    if model_type in ("deepseek_v2", "deepseek_v3"):  # MLA models may carry YaRN RoPE scaling (model/mla.py)
+        d, yarn = split_yarn(d, source)
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{source}: hidden_act={act!r}; lmstack's SwiGLU needs 'silu'")
@@ -90,15 +98,17 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfi
         if model_type == "llama" and _flag(d, "attention_bias"):
             raise ConfigError("attention_bias=True (a bias on o_proj too) is not supported")
         window = None
-        if model_type == "mistral" and d.get("sliding_window") is not None:
+        if model_type in ("mistral", "mixtral") and d.get("sliding_window") is not None:
             window = check_int("sliding_window", d["sliding_window"], ConfigError, minimum=1)
         layer_types, local_window = None, None
         if model_type == "qwen2" and _flag(d, "use_sliding_window"):
             layer_types, local_window = _qwen2_local_global(d)
+        elif model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and _flag(d, "use_sliding_window"):
+            raise ConfigError("Qwen2 use_sliding_window=True (per-layer windows) is not supported")
         n_heads = _int(d, "num_attention_heads")
         head_dim = d.get("head_dim")
         name = d.get("_name_or_path") or model_type
-        return ModelConfig(
+        kw = dict(
             vocab_size=_int(d, "vocab_size"),
             d_model=_int(d, "hidden_size"),
             n_layers=_int(d, "num_hidden_layers"),
@@ -119,6 +129,11 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfi
             eos_token_id=_first_id(d, "eos_token_id"),
             name=name if isinstance(name, str) else model_type,
         )
+        if model_type in MOE_MODEL_TYPES:
+            kw.update(moe_config_from_hf(d, model_type))
+            if yarn is not None:
+                kw["rope_yarn"] = yarn
+        return ModelConfig(**kw)
     except ConfigError as e:
         msg = str(e)
         raise ConfigError(msg if msg.startswith(f"{source}:") else f"{source}: {msg}") from None
@@ -126,6 +141,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfi
 
 def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     """The HF ``config.json`` dict for ``c`` (raises if the family cannot express it)."""
+    if c.architecture in MOE_MODEL_TYPES:
+        return moe_config_to_hf(c)
     if c.qk_norm or c.parallel_block:
         raise ConfigError("qk_norm / parallel_block models have no Llama/Mistral/Qwen2 HF equivalent")
     if c.rope_layout != "half":
@@ -215,7 +232,9 @@ _LM_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def to_hf_name(name: str) -> str:
+def to_hf_name(name: str, architecture: str = "llama") -> str:
+    if architecture in MOE_MODEL_TYPES:
+        return moe_to_hf_name(name, architecture)
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     m = _LM_BLOCK.fullmatch(name)
@@ -233,6 +252,8 @@ def from_hf_name(name: str) -> str | None:
         return f"blocks.{m.group(1)}.{_HF_BLOCK_NAMES[m.group(2)]}"
     if name.endswith("rotary_emb.inv_freq"):
         return None
+    if m and m.group(2) in _HF_MOE_BLOCK_NAMES:
+        return f"blocks.{m.group(1)}.{_HF_MOE_BLOCK_NAMES[m.group(2)]}"
     raise KeyError(name)
 
 
@@ -400,6 +421,8 @@ def load_hf(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
         raise WeightsError(f"{d}: no config.json (is this an HF checkpoint directory?)")
     config = load_config(d / "config.json")
     hf_state = read_hf_state(d)
+    if config.architecture in MOE_MODEL_TYPES:
+        hf_state = stack_experts(hf_state, config, str(d))
     state = {}
     for name, t in hf_state.items():
         try:
@@ -433,7 +456,12 @@ def save_hf(model, directory: str | os.PathLike, max_shard_bytes: int | None = N
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     hf_config = config_to_hf(model.config)
-    state = {to_hf_name(n): p.detach().contiguous().cpu() for n, p in model.named_parameters()}
+    state = {}
+    for n, p in model.named_parameters():
+        if model.config.architecture in MOE_MODEL_TYPES and n.endswith(_EXPERT_PARAMS) and p.dim() == 3:
+            state.update(unstack_experts(n, p.detach().cpu(), model.config.architecture))
+        else:
+            state[to_hf_name(n, model.config.architecture)] = p.detach().contiguous().cpu()
     hf_config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
     if max_shard_bytes is None or sum(t.numel() * t.element_size() for t in state.values()) <= max_shard_bytes:
         with atomic_path(d / "model.safetensors") as tmp:
@@ -487,3 +515,226 @@ def gated_deltanet_from_qwen3_next(state: dict[str, torch.Tensor], n_k: int, n_v
     for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight"):
         out[name] = state[name]
     return out
+# ---- mixture of experts / MLA families (model/moe.py, model/mla.py) -----------------------------------
+_HF_MOE_BLOCK_NAMES = {  # HF name inside model.layers.{i} -> lmstack name inside blocks.{i} (load direction)
+    "mlp.gate.weight": "ffn.router.weight",
+    "block_sparse_moe.gate.weight": "ffn.router.weight",
+    "mlp.gate.e_score_correction_bias": "ffn.router.bias",
+    "mlp.shared_expert_gate.weight": "ffn.shared_gate.weight",
+    "self_attn.q_norm.weight": "attn.q_norm.weight",
+    "self_attn.k_norm.weight": "attn.k_norm.weight",
+    "self_attn.q_a_proj.weight": "attn.q_a_proj.weight",
+    "self_attn.q_a_layernorm.weight": "attn.q_a_layernorm.weight",
+    "self_attn.q_b_proj.weight": "attn.q_b_proj.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn.kv_a_proj.weight",
+    "self_attn.kv_a_layernorm.weight": "attn.kv_a_layernorm.weight",
+    "self_attn.kv_b_proj.weight": "attn.kv_b_proj.weight",
+    **{f"mlp.{shared}.{w}_proj.weight": f"ffn.shared.{w}_proj.weight"
+       for shared in ("shared_expert", "shared_experts") for w in ("gate", "up", "down")},
+    **{f"mlp.stacked_experts.{w}_proj.weight": f"ffn.{w}_proj.weight" for w in ("gate", "up", "down")},
+}
+_EXPERT_PARAMS = ("ffn.gate_proj.weight", "ffn.up_proj.weight", "ffn.down_proj.weight")
+_MIXTRAL_W = {"w1": "gate", "w3": "up", "w2": "down"}
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+?)(?:_proj)?\.weight")
+
+
+def _expert_prefix(arch: str) -> str:
+    return "block_sparse_moe" if arch == "mixtral" else "mlp"
+
+
+def stack_experts(hf_state: dict[str, torch.Tensor], config: ModelConfig, source: str) -> dict[str, torch.Tensor]:
+    """Per-expert HF tensors ``...experts.{j}.{w}.weight`` -> one (E, out, in) tensor per layer and weight,
+    under the internal name ``model.layers.{i}.mlp.stacked_experts.{w}_proj.weight``. A missing expert is a
+    WeightsError naming the layer, the weight, the experts absent and ``n_experts``."""
+    if config.architecture == "deepseek_v3":  # multi-token-prediction layers past n_layers: not part of the model
+        hf_state = {n: t for n, t in hf_state.items()
+                    if not ((m := _HF_BLOCK.fullmatch(n)) and int(m.group(1)) >= config.n_layers)}
+    groups: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    out = {}
+    for name, t in hf_state.items():
+        m = _HF_EXPERT.fullmatch(name)
+        if m is None:
+            out[name] = t
+            continue
+        w = _MIXTRAL_W.get(m.group(3), m.group(3))
+        groups.setdefault((int(m.group(1)), w), {})[int(m.group(2))] = t
+    E = config.n_experts
+    moe_layers = [i for i in range(config.n_layers) if config.is_moe_layer(i)]
+    for i in moe_layers:
+        for w in ("gate", "up", "down"):
+            got = groups.pop((i, w), {})
+            missing = sorted(set(range(E)) - set(got))
+            extra = sorted(set(got) - set(range(E)))
+            if missing or extra:
+                what = f"missing for experts {missing[:8]}" if missing else f"present for experts {extra[:8]}"
+                raise WeightsError(f"{source}: layer {i} expert weight {w}_proj is {what}, but the config says "
+                                   f"n_experts={E} (experts 0..{E - 1})")
+            out[f"model.layers.{i}.mlp.stacked_experts.{w}_proj.weight"] = torch.stack([got[j] for j in range(E)])
+    if groups:
+        (i, w), _ = next(iter(groups.items()))
+        raise WeightsError(f"{source}: layer {i} holds expert weights ({w}_proj), but the config makes it a dense "
+                           f"layer (moe_first_dense={config.moe_first_dense}, moe_layer_step={config.moe_layer_step})")
+    return out
+
+
+def unstack_experts(name: str, t: torch.Tensor, arch: str) -> dict[str, torch.Tensor]:
+    """lmstack ``blocks.{i}.ffn.{w}_proj.weight`` (E, out, in) -> the family's per-expert HF tensors."""
+    i = _LM_BLOCK.fullmatch(name).group(1)
+    w = name.split(".")[-2].removesuffix("_proj")
+    hf_w = {v: k for k, v in _MIXTRAL_W.items()}[w] if arch == "mixtral" else f"{w}_proj"
+    prefix = f"model.layers.{i}.{_expert_prefix(arch)}.experts"
+    return {f"{prefix}.{j}.{hf_w}.weight": t[j].contiguous() for j in range(t.shape[0])}
+
+
+def moe_to_hf_name(name: str, arch: str) -> str:
+    m = _LM_BLOCK.fullmatch(name)
+    if m is None or m.group(2) in _BLOCK_NAMES:
+        return to_hf_name(name)
+    rest = m.group(2)
+    table = {v: k for k, v in _HF_MOE_BLOCK_NAMES.items() if "stacked" not in k}
+    table["ffn.router.weight"] = "block_sparse_moe.gate.weight" if arch == "mixtral" else "mlp.gate.weight"
+    if rest.startswith("ffn.shared."):
+        shared = "shared_experts" if arch.startswith("deepseek") else "shared_expert"
+        return f"model.layers.{m.group(1)}.mlp.{shared}.{rest.removeprefix('ffn.shared.')}"
+    if rest not in table:
+        raise KeyError(f"lmstack parameter {name!r} has no HF name in a {arch} checkpoint")
+    return f"model.layers.{m.group(1)}.{table[rest]}"
+
+
+def _none_or_int(d: dict[str, Any], key: str) -> int | None:
+    return None if d.get(key) is None else check_int(key, d[key], ConfigError, 1, MAX_SIZE)
+
+
+def moe_config_from_hf(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The MoE / MLA ModelConfig fields of an HF Mixtral / OLMoE / Qwen2-MoE / DeepSeek-V2/V3 config.
+    Fields this loader cannot honour are ConfigErrors naming the field and its value."""
+    kw: dict[str, Any] = {"n_experts_per_token": _int(d, "num_experts_per_tok")}
+    if model_type == "mixtral":
+        kw.update(n_experts=_int(d, "num_local_experts"), router_norm_topk=True)
+    elif model_type == "olmoe":
+        if _flag(d, "attention_bias"):
+            raise ConfigError(f"attention_bias={d['attention_bias']!r} is not supported for olmoe (expected false)")
+        clip = d.get("clip_qkv")
+        kw.update(n_experts=_int(d, "num_experts"), router_norm_topk=_flag(d, "norm_topk_prob"), qk_norm_full=True,
+                  qkv_clip=None if clip is None else check_float("clip_qkv", clip, ConfigError))
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        only = d.get("mlp_only_layers") or []
+        if only:
+            raise ConfigError(f"mlp_only_layers={only!r} is not supported (expected []); "
+                              "use decoder_sparse_step for regular dense/MoE interleaving")
+        shared = _none_or_int(d, "shared_expert_intermediate_size")
+        if model_type == "qwen3_moe":  # per-head QK-norm, no q/k/v bias, no shared expert
+            if _flag(d, "attention_bias"):
+                raise ConfigError(f"attention_bias={d['attention_bias']!r} is not supported for qwen3_moe "
+                                  "(a bias on o_proj too); expected false")
+            kw.update(qk_norm=True, qkv_bias=False)
+            shared = None
+        else:
+            kw["qkv_bias"] = True
+        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; the hub configs say num_experts
+        n_key = "num_local_experts" if model_type == "qwen3_moe" and "num_experts" not in d else "num_experts"
+        kw.update(n_experts=_int(d, n_key), d_ff_expert=_int(d, "moe_intermediate_size"),
+                  router_norm_topk=_flag(d, "norm_topk_prob"), moe_layer_step=_int(d, "decoder_sparse_step", 1),
+                  n_shared_experts=1 if shared else 0, d_ff_shared=shared, shared_expert_gate=bool(shared))
+    else:  # deepseek_v2 / deepseek_v3
+        if _flag(d, "attention_bias"):
+            raise ConfigError(f"attention_bias={d['attention_bias']!r} is not supported for {model_type}")
+        freq = d.get("moe_layer_freq", 1)
+        if freq != 1:
+            raise ConfigError(f"moe_layer_freq={freq!r} is not supported (expected 1)")
+        n_shared = d.get("n_shared_experts") or 0
+        e_ff = _int(d, "moe_intermediate_size")
+        kw.update(n_experts=_int(d, "n_routed_experts"), d_ff_expert=e_ff,
+                  n_shared_experts=check_int("n_shared_experts", n_shared, ConfigError, 0, MAX_SIZE),
+                  d_ff_shared=n_shared * e_ff or None,
+                  moe_first_dense=check_int("first_k_dense_replace", d.get("first_k_dense_replace", 0),
+                                            ConfigError, 0, MAX_SIZE),
+                  router_scale=check_float("routed_scaling_factor", d.get("routed_scaling_factor", 1.0), ConfigError),
+                  kv_lora_rank=_int(d, "kv_lora_rank"), q_lora_rank=_none_or_int(d, "q_lora_rank") or 0,
+                  qk_nope_head_dim=_int(d, "qk_nope_head_dim"), qk_rope_head_dim=_int(d, "qk_rope_head_dim"),
+                  v_head_dim=_int(d, "v_head_dim"),
+                  head_dim=_int(d, "qk_nope_head_dim") + _int(d, "qk_rope_head_dim"),
+                  n_kv_heads=_int(d, "num_attention_heads"), rope_layout="interleaved")
+        if model_type == "deepseek_v2":
+            method = d.get("topk_method", "greedy")
+            if method not in ("greedy", "group_limited_greedy"):
+                raise ConfigError(f"topk_method={method!r} is not supported for deepseek_v2; "
+                                  "expected 'greedy' or 'group_limited_greedy'")
+            if method == "group_limited_greedy":
+                kw.update(router_groups=_int(d, "n_group"), router_topk_groups=_int(d, "topk_group"))
+        else:
+            method = d.get("topk_method", "noaux_tc")
+            if method != "noaux_tc":
+                raise ConfigError(f"topk_method={method!r} is not supported for deepseek_v3 (expected 'noaux_tc')")
+            if d.get("scoring_func", "sigmoid") != "sigmoid":
+                raise ConfigError(f"scoring_func={d['scoring_func']!r} is not supported (expected 'sigmoid')")
+            kw.update(router_score="sigmoid", router_aux_free_bias=True, router_norm_topk=_flag(d, "norm_topk_prob"),
+                      router_groups=_int(d, "n_group", 1), router_topk_groups=_int(d, "topk_group", 1),
+                      rope_layout="interleaved" if d.get("rope_interleave", True) else "half")
+    return kw
+
+
+def moe_config_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """The HF ``config.json`` of a Mixtral / OLMoE / Qwen2-MoE / DeepSeek-V2/V3 ModelConfig."""
+    arch = c.architecture
+    d: dict[str, Any] = {
+        "architectures": [MOE_MODEL_TYPES[arch]], "model_type": arch, "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model, "intermediate_size": c.d_ff, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "hidden_act": "silu",
+        "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "tie_word_embeddings": c.tie_embeddings, "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id,
+        "num_experts_per_tok": c.n_experts_per_token, "torch_dtype": "float32",
+    }
+    if arch == "mixtral":
+        d.update(num_local_experts=c.n_experts, head_dim=c.head_dim, sliding_window=c.sliding_window)
+    elif arch == "olmoe":
+        d.update(num_experts=c.n_experts, norm_topk_prob=c.router_norm_topk, clip_qkv=c.qkv_clip,
+                 attention_bias=False)
+    elif arch in ("qwen2_moe", "qwen3_moe"):
+        d.update(num_experts=c.n_experts, moe_intermediate_size=c.d_ff_expert or c.d_ff,
+                 norm_topk_prob=c.router_norm_topk, decoder_sparse_step=c.moe_layer_step, mlp_only_layers=[],
+                 use_sliding_window=False)
+        if arch == "qwen2_moe":
+            d.update(shared_expert_intermediate_size=c.d_ff_shared or 0, qkv_bias=True)
+        else:
+            d.update(head_dim=c.head_dim, attention_bias=False, num_local_experts=c.n_experts)
+    else:
+        d.update(n_routed_experts=c.n_experts, moe_intermediate_size=c.d_ff_expert or c.d_ff,
+                 n_shared_experts=c.n_shared_experts, first_k_dense_replace=c.moe_first_dense,
+                 routed_scaling_factor=c.router_scale, kv_lora_rank=c.kv_lora_rank,
+                 q_lora_rank=c.q_lora_rank or None, qk_nope_head_dim=c.qk_nope_head_dim,
+                 qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, attention_bias=False,
+                 head_dim=c.qk_rope_head_dim, norm_topk_prob=c.router_norm_topk)
+        if c.rope_yarn is not None:
+            d["rope_parameters"] = {"rope_type": "yarn", "rope_theta": c.rope_theta, **c.rope_yarn}
+        if arch == "deepseek_v2":
+            grouped = c.router_groups > 1
+            d.update(topk_method="group_limited_greedy" if grouped else "greedy",
+                     n_group=c.router_groups if grouped else None, topk_group=c.router_topk_groups if grouped else None)
+        else:
+            d.update(n_group=c.router_groups, topk_group=c.router_topk_groups, rope_interleave=c.rope_layout ==
+                     "interleaved", num_nextn_predict_layers=0)
+    return d
+
+
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+              "attention_factor", "truncate")
+
+
+def split_yarn(d: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A DeepSeek config without its YaRN scaling (``rope_scaling`` or ``rope_parameters`` of type yarn), and
+    the YaRN parameters for ``ModelConfig.rope_yarn`` (None when the RoPE is plain)."""
+    d = dict(d)
+    for key in ("rope_scaling", "rope_parameters"):
+        v = _dict_or_none(d, key, source)
+        kind = v.get("rope_type", v.get("type"))
+        if kind == "yarn":
+            yarn = {k: v[k] for k in _YARN_KEYS if v.get(k) is not None}
+            if "factor" not in yarn:  # DeepSeek-V3 style: the ratio of the context lengths
+                yarn["factor"] = _int(d, "max_position_embeddings") / _int(v, "original_max_position_embeddings")
+            d[key] = {"rope_type": "default", **({"rope_theta": v["rope_theta"]} if "rope_theta" in v else {})}
+            if key == "rope_scaling":
+                d.pop(key)
+            return d, yarn
+    return d, None

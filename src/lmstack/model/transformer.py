@@ -20,6 +20,9 @@ from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from lmstack.model.mixers import SOFTMAX_MIXERS, build_mixer
+from lmstack.model.mla import MLA
+from lmstack.model.moe import moe_from_config
+from lmstack.model.olmoe import OlmoeAttention
 from lmstack.model.seam import AttentionImpl, AttentionMetadata, NormImpl
 
 
@@ -34,12 +37,18 @@ def token_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw
     """
     if config.layer_types is not None:
         return build_mixer(config, layer_idx, rope, **kw)
+    if config.is_mla:  # multi-head latent attention (DeepSeek-V2/V3): model.mla
+        return MLA(config, layer_idx, **kw)
+    if config.qk_norm_full or config.qkv_clip is not None:  # OLMoE's attention: model.olmoe
+        return OlmoeAttention(config, layer_idx, rope, **kw)
     return Attention(config, layer_idx, rope, **kw)
 
 
 def channel_mixer(config: ModelConfig, layer_idx: int, **kw) -> nn.Module:
     """Layer ``layer_idx``'s feed-forward: ``(B, T, D) -> (B, T, D)``; today the dense SwiGLU
     (seed 001 "模型架构"). Mixture-of-experts layers are chosen here from the config."""
+    if config.is_moe_layer(layer_idx):  # mixture of experts: model.moe
+        return moe_from_config(config, **kw)
     return SwiGLU(config.d_model, config.d_ff, **kw)
 
 

@@ -10,6 +10,12 @@ model lands with its own issue; this module is the communication half it plugs i
 
 Rank r owns experts [r·E/ep, (r+1)·E/ep). Both directions are differentiable: the backward of
 an all-to-all is the reverse all-to-all (the same duality as all-gather / reduce-scatter).
+
+``ExpertParallelMoE`` puts the seam to work on a ``model.moe.MoE``: the router and the shared experts
+stay replicated, the routed experts are sliced so each rank keeps its E/ep, and the forward is route ->
+dispatch -> grouped local experts -> combine. ``expert_parallel(model, group)`` swaps every MoE layer of
+a plain model; ``sync_expert_parallel_grads`` then makes one data-parallel step over the same ranks equal
+to single-process training on the concatenated batch (replicated grads averaged, expert grads / ep).
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
+from lmstack.model.moe import MoE, expert_swiglu
 from lmstack.parallel import collectives as C
 
 
@@ -40,15 +47,26 @@ def _all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int], group
     return out
 
 
+def _count(x: Tensor, send_counts: list[int], group) -> None:
+    """Inside ``collectives.count_bytes()``: add the bytes of the rows this rank sends to *other* ranks."""
+    counter = C._counter()
+    if counter is not None and C.group_size(group) > 1:
+        me = dist.get_rank(group)
+        row = x[0].numel() * x.element_size() if x.shape[0] else 0
+        counter.add("all_to_all", (sum(send_counts) - send_counts[me]) * row)
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, send_counts: list[int], recv_counts: list[int], group) -> Tensor:
         ctx.args = (send_counts, recv_counts, group)
+        _count(x, send_counts, group)
         return _all_to_all(x, send_counts, recv_counts, group)
 
     @staticmethod
     def backward(ctx, g: Tensor):
         send_counts, recv_counts, group = ctx.args
+        _count(g, recv_counts, group)
         return _all_to_all(g.contiguous(), recv_counts, send_counts, group), None, None, None
 
 
@@ -76,3 +94,96 @@ def combine(y: Tensor, meta: DispatchMeta, group=None) -> Tensor:
     """Send expert outputs (n_recv, D) back to their tokens' ranks, restoring the token order."""
     back = _AllToAll.apply(y, meta.recv_counts, meta.send_counts, group)  # (T, D) in sorted order
     return torch.zeros_like(back).index_add(0, meta.order, back)  # out[order[j]] = back[j]
+
+
+class ExpertParallelMoE(nn.Module):
+    """``moe``'s routed experts sharded over ``group``: this rank holds experts [r·E/ep, (r+1)·E/ep).
+
+    Parameters keep the MoE's names (``router.weight``, ``gate_proj.weight`` (E/ep, F, D), ...). The
+    routing, the balance terms (on this rank's tokens) and the stats are the wrapped MoE's own code.
+    """
+
+    is_expert_parallel = True
+
+    def __init__(self, moe: MoE, group=None):
+        super().__init__()
+        M, r = C.group_size(group), (dist.get_rank(group) if dist.is_initialized() else 0)
+        E = moe.n_experts
+        if E % M:
+            raise ValueError(f"expert parallelism: n_experts={E} is not divisible by ep={M}")
+        if moe.capacity_factor is not None:
+            raise ValueError(f"expert parallelism with capacity_factor={moe.capacity_factor}: token dropping "
+                             "is only implemented in the single-process MoE; use capacity_factor=None")
+        self.group, self.ep, self.per = group, M, E // M
+        self.lo = r * self.per
+        self._moe = [moe]  # not a submodule: its full expert weights are not this module's parameters
+        self.router, self.shared, self.shared_gate = moe.router, moe.shared, moe.shared_gate
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            full = getattr(moe, name)
+            local = nn.Module()
+            local.weight = nn.Parameter(full.weight.detach()[self.lo:self.lo + self.per].clone())
+            setattr(self, name, local)
+
+    @property
+    def aux_loss(self):
+        return self._moe[0].aux_loss
+
+    @property
+    def stats(self):
+        return self._moe[0].stats
+
+    def update_bias(self, load: Tensor, rate: float) -> None:
+        self._moe[0].update_bias(load, rate)
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The sharded (not replicated) parameters: this rank's slices of the routed experts."""
+        return [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
+        moe = self._moe[0]
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (T, D)
+        T, k = x.shape[0], moe.k
+        r = moe.routing(x)
+        flat_e = r.expert_ids.reshape(-1)  # (T·k,) one row per (token, expert) assignment
+        tok = torch.arange(T, device=x.device).repeat_interleave(k)  # (T·k,)
+        recv, meta = dispatch(x[tok], flat_e, moe.n_experts, self.group)  # rows for this rank's experts
+        local = meta.local_expert_ids - self.lo  # (n_recv,) in 0 .. E/ep - 1
+        order = torch.argsort(local, stable=True)
+        counts = torch.bincount(local, minlength=self.per).tolist()
+        y_sorted = expert_swiglu(recv[order], counts, self.gate_proj.weight, self.up_proj.weight,
+                                 self.down_proj.weight)  # (n_recv, D)
+        y = torch.zeros_like(y_sorted).index_copy(0, order, y_sorted)  # back in received order
+        back = combine(y, meta, self.group)  # (T·k, D) in assignment order
+        out = torch.zeros_like(x).index_add(0, tok, back * r.weights.reshape(-1, 1).to(back.dtype))
+        if self.shared is not None:
+            s = self.shared(x)
+            out = out + (torch.sigmoid(self.shared_gate(x)) * s if self.shared_gate is not None else s)
+        moe._record(r, x.new_tensor(0.0), torch.bincount(flat_e, minlength=moe.n_experts),
+                    torch.zeros((), dtype=torch.long, device=x.device))
+        return out.view(shape)
+
+
+def expert_parallel(model: nn.Module, group=None) -> nn.Module:
+    """Replace every ``MoE`` in ``model`` (in place) by an ``ExpertParallelMoE`` over ``group``; returns it."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, MoE):
+                setattr(parent, name, ExpertParallelMoE(child, group))
+    return model
+
+
+def sync_expert_parallel_grads(model: nn.Module, group=None) -> None:
+    """Data parallelism over the ep ranks (EP ≤ DP, here EP = DP): after each rank's backward on its own
+    batch (loss = its local mean), average the replicated parameters' grads over the ranks and divide the
+    sharded experts' grads by ep — they already summed every rank's tokens through the all-to-all backward."""
+    M = C.group_size(group)
+    sharded = {id(p) for m in model.modules() if isinstance(m, ExpertParallelMoE) for p in m.expert_parameters()}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if id(p) in sharded:
+            p.grad.div_(M)
+        elif M > 1:
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(M)

@@ -48,6 +48,7 @@ from tqdm import tqdm
 from lmstack.accounting import measure_cpu, training_step_flops
 from lmstack.kernels.runtime import configure
 from lmstack.model.io import save_pretrained
+from lmstack.model.moe import moe_aux_loss, moe_metrics, update_router_biases
 from lmstack.model.transformer import Transformer
 from lmstack.parallel import get_parallelize
 from lmstack.parallel.checkpoint import load_sharded, save_sharded
@@ -362,12 +363,16 @@ class Trainer:
         if self.parallel_model is not None and self.parallel_model.pipelined:
             return self.pipeline_train_step()
         n = self.config.grad_accum
-        ce_sum = z_sum = 0.0
+        ce_sum = z_sum = aux_sum = 0.0
         for i in range(n):
             batch = self.next_batch()
             with self.micro_step_context(i, n):
                 ce, z = self.forward_loss(batch)
                 loss = ce + z
+                aux = moe_aux_loss(self.raw_model)  # mixture of experts: the routers' balance terms (model/moe.py)
+                if aux is not None:
+                    loss = loss + aux
+                    aux_sum += float(aux.detach())
                 value = float(loss.detach())
                 if not math.isfinite(value) and self.world_size == 1:
                     self.optimizer.zero_grad(set_to_none=True)
@@ -378,7 +383,14 @@ class Trainer:
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             ce_sum += float(ce.detach())
             z_sum += float(z.detach())
-        return self._finish_step(ce_sum / n, z_sum / n)
+        m = self._finish_step(ce_sum / n, z_sum / n)
+        moe = moe_metrics(self.raw_model)  # last micro-batch's expert loads, dropped tokens, balance terms
+        if moe:
+            rate = self.raw_model.config.moe_bias_update_rate
+            if rate:
+                update_router_biases(self.raw_model, rate)  # aux-loss-free balancing (DeepSeek-V3)
+            m.update(moe_aux_loss=aux_sum / n, **moe)
+        return m
 
     @torch.no_grad()
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
