@@ -187,3 +187,27 @@ def test_truncate_into_a_registered_full_block_keeps_the_cached_prefix(model):
         cache.blocks.free(sid)
     assert all(r == 0 for r in cache.blocks.ref_count)
     assert cache.blocks.num_free == cache.blocks.usable_blocks
+
+
+@pytest.mark.parametrize("kind", ["mla", "hybrid"])
+def test_batch1_generate_builds_the_cache_the_layers_need(kind):
+    """``generate``'s contiguous step holds MLA's latent / a hybrid's K/V + recurrent states: greedy output
+    equals the plainly written full recompute; speculation rolls the MLA latent back, and refuses the
+    recurrent state (which cannot be rolled back) with a clear error."""
+    from inference_helpers import greedy, speculate
+    from lmstack.model.config import ModelConfig, repeat_pattern
+    from lmstack.model.transformer import Transformer
+
+    extra = (dict(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=10,
+                  head_dim=16, rope_layout="interleaved") if kind == "mla" else
+             dict(layer_types=repeat_pattern(["gated_deltanet", "attention"], 2), mixer_chunk_size=4))
+    cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=256, **extra)
+    model = Transformer(cfg, dtype=torch.float64, seed=1).eval()
+    prompt = [5, 17, 3, 5, 17, 3, 5, 17, 9, 2]
+    ref = full_recompute_greedy(model, prompt, 12)
+    assert list(generate(model, prompt, greedy(12))) == ref
+    if kind == "mla":
+        assert speculate(model, prompt, 12, k=3)[0] == ref
+    else:
+        with pytest.raises(ValueError, match="rolls back"):
+            speculate(model, prompt, 12, k=3)

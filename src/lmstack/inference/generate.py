@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 
 from lmstack.inference.kv_cache import KVCache
+from lmstack.model.mixers import MixerCache
+from lmstack.model.mla import LatentKVCache
 from lmstack.inference.prompts import prompt_token_ids
 from lmstack.inference.sampling import SamplingParams, sample_token
 from lmstack.inference.speculative import verify_drafts
@@ -89,13 +91,23 @@ def _decode(step, prompt_ids: list[int], params: SamplingParams, speculation=Non
                 return
 
 
+def contiguous_cache(config, total: int, dtype: torch.dtype, device):
+    """The batch-1 cache a model's layers need: K/V per head (``KVCache``), MLA's latent
+    (``LatentKVCache``), or a hybrid's K/V and recurrent states (``MixerCache``)."""
+    if config.layer_types is not None:
+        return MixerCache()
+    if config.is_mla:
+        return LatentKVCache(config, 1, total, device=device, dtype=dtype)
+    return KVCache(config, 1, total, dtype=dtype, device=device)
+
+
 class CachedStep:
-    """The default step: the contiguous ``KVCache`` for one sequence of up to ``total`` tokens."""
+    """The default step: a contiguous cache (``contiguous_cache``) for one sequence of up to ``total`` tokens."""
 
     def __init__(self, model, total: int):
         p = next(model.parameters())
         self.model, self.device = model, p.device
-        self.cache = KVCache(model.config, 1, total, dtype=p.dtype, device=p.device)
+        self.cache = contiguous_cache(model.config, total, p.dtype, p.device)
 
     def __call__(self, ids: list[int], start: int, drafts: list[int]) -> Tensor:
         new = torch.tensor([ids[start:] + drafts], device=self.device)  # (1, T)
@@ -103,6 +115,9 @@ class CachedStep:
         return self.model(new, pos, kv_cache=self.cache, last_n=len(drafts) + 1)[0]  # (k+1, V)
 
     def truncate(self, length: int) -> None:
+        if not hasattr(self.cache, "truncate"):  # a recurrent state cannot be rolled back
+            raise ValueError(f"speculation needs a cache that rolls back rejected drafts; {type(self.cache).__name__} "
+                             "holds recurrent states (use_cache=False speculates by recomputing)")
         self.cache.truncate(length)
 
 

@@ -228,6 +228,10 @@ class LatentKVCache:
     def nbytes_per_token(self) -> int:
         return sum(t.shape[-1] * t.element_size() for t in self.data)
 
+    def truncate(self, length: int) -> None:
+        """Forget every token at position >= ``length`` (speculation rolls back rejected drafts)."""
+        self.length = [min(n, length) for n in self.length]
+
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor | None, meta: AttentionMetadata,
                impl: AttentionImpl) -> Tensor:
         if meta.document_ids is not None:
