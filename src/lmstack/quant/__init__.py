@@ -4,7 +4,8 @@
 quantised one in place; activations stay in floating point (weight-only), so the bytes a
 decode step reads shrink 4x (int8) or ~7x (int4) against fp32 weights.
 
-Post-training methods with calibration data: GPTQ (``gptq``).
+Post-training methods with calibration data: GPTQ (``gptq``), AWQ (``awq``); LLM.int8() with
+outlier columns in 16-bit (``llm_int8``).
 """
 
 from lmstack.quant.gptq import CalibrationError, gptq_quantize, gptq_quantize_model
