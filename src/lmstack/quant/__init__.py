@@ -5,7 +5,8 @@ quantised one in place; activations stay in floating point (weight-only), so the
 decode step reads shrink 4x (int8) or ~7x (int4) against fp32 weights.
 
 Post-training methods with calibration data: GPTQ (``gptq``), AWQ (``awq``); LLM.int8() with
-outlier columns in 16-bit (``llm_int8``).
+outlier columns in 16-bit (``llm_int8``). Formats: fp8 / MXFP8 / MXFP4 / NF4 in simulation (``formats``);
+GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks read directly (``gguf_blocks``).
 """
 
 from lmstack.quant.gptq import CalibrationError, gptq_quantize, gptq_quantize_model

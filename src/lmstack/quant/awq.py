@@ -39,20 +39,22 @@ class ScaledInputLinear(nn.Module):
 
 
 def awq_loss(weights: list[Tensor], gram: Tensor, scale: Tensor, group_size: int) -> float:
-    """L(s) = Σ tr(Δ G Δᵀ), Δ = Q(W·s)/s − W, G = XᵀX (I, I); float64."""
+    """L(s) = Σ tr(Δ G Δᵀ), Δ = Q(W·s)/s − W, G = XᵀX (I, I), in G's dtype."""
     total = 0.0
     for W in weights:
-        w_hat = dequantize_int4(*quantize_int4((W * scale).float(), group_size)).double() / scale
+        w_hat = dequantize_int4(*quantize_int4((W * scale).float(), group_size)).to(gram.dtype) / scale
         d = w_hat - W
-        total += float(((d @ gram) * d).sum())
+        total += float(((d @ gram) * d).sum(dtype=torch.float64))
     return total
 
 
 @torch.no_grad()
-def awq_search(weights: list[Tensor], X: Tensor, group_size: int = 32, grid: int = 20) -> tuple[Tensor, float, dict]:
+def awq_search(weights: list[Tensor], X: Tensor, group_size: int = 32, grid: int = 20,
+               dtype: torch.dtype = torch.float64, max_out_rows: int | None = None) -> tuple[Tensor, float, dict]:
     """Best per-input-channel scale s (I,) for the linears ``weights`` (each (O_k, I)) sharing input X (n, I).
 
-    Returns (s, α*, {α: L}) — s = 1 when α* = 0 (RTN was best)."""
+    The loss is evaluated in ``dtype``; ``max_out_rows`` evaluates it on every k-th output row only
+    (the unembedding's V rows: the cost is O·I² per α). Returns (s, α*, {α: L}) — s = 1 when α* = 0."""
     if X is None or X.numel() == 0:
         raise CalibrationError("AWQ needs calibration inputs X (n, I); got none")
     X = X.reshape(-1, X.shape[-1]).double()
@@ -62,11 +64,13 @@ def awq_search(weights: list[Tensor], X: Tensor, group_size: int = 32, grid: int
             raise CalibrationError(f"weight in_features={W.shape[1]} does not match the calibration inputs' {I}")
         if I % group_size:
             raise ValueError(f"in_features={I} is not a multiple of group_size={group_size}")
-    Ws = [W.detach().double() for W in weights]
-    gram = X.t() @ X  # (I, I)
-    mean_abs = X.abs().mean(dim=0).clamp(min=1e-8)  # (I,)
+    Ws = [W.detach().to(dtype) for W in weights]
+    if max_out_rows is not None:
+        Ws = [W[:: max(1, W.shape[0] // max_out_rows)] for W in Ws]
+    gram = (X.t() @ X).to(dtype)  # (I, I)
+    mean_abs = X.abs().mean(dim=0).clamp(min=1e-8).to(dtype)  # (I,)
     losses: dict[float, float] = {}
-    best = (float("inf"), 0.0, torch.ones(I, dtype=torch.float64))
+    best = (float("inf"), 0.0, torch.ones(I, dtype=dtype))
     for k in range(grid + 1):
         alpha = k / grid
         s = mean_abs ** alpha
@@ -121,7 +125,7 @@ def awq_quantize_model(model: nn.Module, tokens: Tensor, group_size: int = 32, g
     def block_fn(block, xs, args, kwargs):
         for members, norm in _groups(block, xs[0], args, kwargs):
             X = inputs_of(block, members, xs, args, kwargs)
-            s, alpha, _ = awq_search([lin.weight for _, _, lin in members], X, group_size, grid)
+            s, alpha, _ = awq_search([lin.weight for _, _, lin in members], X, group_size, grid, torch.float32)
             alphas.append((",".join(names[id(lin)] for _, _, lin in members), alpha))
             s = s.float()
             fold = norm is not None
@@ -133,7 +137,8 @@ def awq_quantize_model(model: nn.Module, tokens: Tensor, group_size: int = 32, g
 
     def head_fn(W, hs):
         X = torch.cat([h.reshape(-1, h.shape[-1]) for h in hs])
-        s, alpha, _ = awq_search([W], X[:: max(1, X.shape[0] // max_rows)], group_size, grid)
+        s, alpha, _ = awq_search([W], X[:: max(1, X.shape[0] // max_rows)], group_size, grid, torch.float32,
+                                 max_out_rows=4096)
         alphas.append(("lm_head", alpha))
         s = s.float()
         if model.norm is not None:
