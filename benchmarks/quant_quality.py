@@ -15,6 +15,8 @@ calibration slices of Python standard-library sources (the demo's default corpus
 The "fp32" model is the shipped GGUF dequantised: its block linears are Q4_1 (int4, groups of 32),
 its embedding Q8_0. int4 with groups of 32 therefore reproduces the block weights exactly (RTN's
 loss at G = 32 is the unembedding's); groups of 64 are the comparison where the methods differ.
+The KV-cache rows feed each row in chunks of 16 tokens through the cache (fp32 weights) and compare
+with the fp32 cache fed the same way (their Δ is against that row).
 Peers when installed and runnable on this CPU: bitsandbytes (Linear8bitLt, Linear4bit NF4),
 torchao (int8 / int4 weight-only), llama.cpp on the same GGUF (``llama-cpp-python``; its
 perplexity over the same token ids from its logits); a peer that is missing or fails gets a row
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmstack.inference import generate
+from lmstack.inference.kv_cache import KVCache
 from lmstack.inference.loader import model_tokenizer
 from lmstack.model.gguf import read_gguf_header, unpermute_rope_rows
 from lmstack.model.io import find_named_model, load_model
@@ -46,6 +49,7 @@ from lmstack.quant.awq import awq_quantize_model
 from lmstack.quant.formats import simulate_model
 from lmstack.quant.gguf_blocks import gguf_int4
 from lmstack.quant.gptq import gptq_quantize_model
+from lmstack.quant.kv_cache import QuantizedKVCache
 from lmstack.quant.llm_int8 import llm_int8_model, outlier_stats
 from lmstack.utils import atomic_write_text
 
@@ -82,6 +86,24 @@ def perplexity(model: nn.Module, ev: torch.Tensor) -> float:
         nll += F.cross_entropy(logits[:-1], r[1:], reduction="sum").item()
         n += r.numel() - 1
     return math.exp(nll / n)
+
+
+@torch.inference_mode()
+def kv_perplexity(model: nn.Module, ev: torch.Tensor, fmt: str | None, chunk: int = 16) -> tuple[float, int]:
+    """Perplexity when each row is fed in chunks of ``chunk`` tokens through a KV cache (fp32 ``KVCache`` when
+    ``fmt`` is None, else ``QuantizedKVCache`` in ``fmt`` with blocks of 16), and the cache's bytes."""
+    nll, n, S = 0.0, 0, ev.shape[1]
+    for r in ev:
+        cache = KVCache(model.config, 1, S) if fmt is None else QuantizedKVCache(model.config, 1, S, fmt, 16)
+        logits = torch.cat([model(r[None, i:i + chunk], positions=torch.arange(i, min(i + chunk, S)),
+                                  kv_cache=cache)[0] for i in range(0, S, chunk)]).float()
+        nll += F.cross_entropy(logits[:-1], r[1:], reduction="sum").item()
+        n += S - 1
+    return math.exp(nll / n), cache.nbytes
+
+
+KV_METHODS = {"KV cache fp32 (chunks of 16)": None, "KV cache int8 (blocks of 16)": "int8",
+              "KV cache fp8 e4m3 (blocks of 16)": "fp8"}
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -268,12 +290,19 @@ def main() -> None:
           f"{where}; eval {tuple(ev.shape)}, calibration {tuple(calib.shape)}", flush=True)
     table = builders(calib)
     wanted = [m.strip() for m in args.methods.split(",") if m.strip()] or list(table)
+    table.update({k: None for k in KV_METHODS})
     for m in wanted:
         if m not in table:
             sys.exit(f"--methods: unknown method {m!r}; expected names from {list(table)}")
     results: dict[str, dict] = {}
     for name in wanted:
         t = time.perf_counter()
+        if name in KV_METHODS:
+            p, kv = kv_perplexity(base, ev, KV_METHODS[name])
+            results[name] = r = dict(ppl=p, bytes=weight_bytes(base), decode=float("nan"), prefill=float("nan"),
+                                     note=f"fp32 weights; KV cache of {ev.shape[1]} positions: {kv / 1e6:.2f} MB")
+            print(name, r, flush=True)
+            continue
         try:
             model = table[name](copy.deepcopy(base)).eval()
             build = time.perf_counter() - t
@@ -301,9 +330,11 @@ def main() -> None:
         if "error" in r:
             lines.append(f"| {name} | — | — | — | — | — ({r['error']}) |")
             continue
-        delta = f"{100 * (r['ppl'] / ref - 1):+.2f}%" if ref else "—"
-        lines.append(f"| {name} | {r['ppl']:.3f} | {delta} | {r['bytes'] / 1e6:.1f} | {r['decode']:.1f} | "
-                     f"{r['prefill']:.0f} |")
+        base_ppl = results.get("KV cache fp32 (chunks of 16)", {}).get("ppl") if name in KV_METHODS else ref
+        delta = f"{100 * (r['ppl'] / base_ppl - 1):+.2f}%" if base_ppl else "—"
+        dec = "—" if math.isnan(r["decode"]) else f"{r['decode']:.1f}"
+        pre = "—" if math.isnan(r["prefill"]) else f"{r['prefill']:.0f}"
+        lines.append(f"| {name} | {r['ppl']:.3f} | {delta} | {r['bytes'] / 1e6:.1f} | {dec} | {pre} |")
     notes = [f"- {n}: {r['note']}" for n, r in results.items() if r.get("note")]
     text = "\n".join(lines + [""] + notes) + "\n"
     print(text)
