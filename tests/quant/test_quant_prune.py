@@ -70,9 +70,10 @@ def test_distill_loss_equals_plain_kl():
 
 
 def test_distillation_recovers():
-    t = teacher()
+    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
+    t = Transformer(cfg, seed=3).eval()
     with torch.no_grad():  # peaky teacher distributions (a random init's are nearly flat)
-        t.embed.weight.mul_(40)
+        t.lm_head.weight.mul_(10)
     small = prune_width(t, tokens(), d_ff=64, n_kv_heads=1)
     held = tokens(5, 4)
     with torch.no_grad():
@@ -81,7 +82,7 @@ def test_distillation_recovers():
     distill(small, t, tokens(2, 32), steps=30, lr=1e-3)
     with torch.no_grad():
         after = float(distill_loss(small(held), t(held)))
-    assert after < 0.7 * before
+    assert before > 0.05 and after < 0.7 * before, (before, after)
 
 
 def test_bad_widths():
