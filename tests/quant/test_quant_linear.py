@@ -151,3 +151,20 @@ def test_saving_a_quantised_model_is_refused_with_a_clear_error(tmp_path):
         with pytest.raises(ValueError, match="quantised linears"):
             save(model, tmp_path / save.__name__)
         assert not (tmp_path / save.__name__ / "model.safetensors").exists()
+
+
+def test_int4_fallback_is_logged_and_exact(caplog):
+    """O = 40 is not a multiple of 16: the CPU kernel cannot take it; the layer says so and dequantises."""
+    import logging
+
+    import lmstack.quant.int4 as int4
+
+    int4._logged.clear()
+    w = weight(o=40)
+    q, s, lo = quantize_int4(w, 32)
+    with caplog.at_level(logging.WARNING, logger="lmstack.quant.int4"):
+        m = Int4Linear(q, s, lo, compute_dtype=torch.float32)
+    assert not m.use_kernel and "out_features=40 is not a multiple of 16" in caplog.text
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(m(x), F.linear(x, dequantize_int4(q, s, lo)), atol=1e-5, rtol=1e-5)
+    assert torch.equal(m._codes(), q)

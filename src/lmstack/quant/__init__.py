@@ -3,14 +3,22 @@
 ``quantize_model(model, "int8")`` swaps every ``Linear`` of an lmstack ``Transformer`` for a
 quantised one in place; activations stay in floating point (weight-only), so the bytes a
 decode step reads shrink 4x (int8) or ~7x (int4) against fp32 weights.
+
+Post-training methods with calibration data: GPTQ (``gptq``), AWQ (``awq``); LLM.int8() with
+outlier columns in 16-bit (``llm_int8``). Formats: fp8 / MXFP8 / MXFP4 / NF4 in simulation (``formats``);
+GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks read directly (``gguf_blocks``). An int8 / fp8 KV
+cache (``kv_cache``), fake-quant training with a straight-through estimator (``qat``), dynamic loss
+scaling for fp16 (``loss_scale``), width pruning + distillation (``prune``, ``lmstack compress``).
 """
 
+from lmstack.quant.gptq import CalibrationError, gptq_quantize, gptq_quantize_model
 from lmstack.quant.int4 import Int4Linear, dequantize_int4, quantize_int4
 from lmstack.quant.int8 import Int8Linear, dequantize_int8, quantize_int8
 from lmstack.quant.linear import WeightOnlyLinear
 from lmstack.quant.model import QUANT_METHODS, quantize_model, quantized_weight_bytes
 
 __all__ = [
+    "CalibrationError", "gptq_quantize", "gptq_quantize_model",
     "Int4Linear", "Int8Linear", "QUANT_METHODS", "dequantize_int4", "dequantize_int8", "quantize_int4",
     "quantize_int8", "quantize_model", "quantized_weight_bytes", "WeightOnlyLinear",
 ]

@@ -8,12 +8,16 @@ zero point z = min + 8 s, and takes (scale, z) packed as (I/G, O, 2).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor, nn
 
 from lmstack.quant.linear import WeightOnlyLinear
 
 QMAX4 = 15
+_log = logging.getLogger(__name__)
+_logged: set[str] = set()
 
 
 def quantize_int4(weight: Tensor, group_size: int = 32) -> tuple[Tensor, Tensor, Tensor]:
@@ -60,6 +64,13 @@ class Int4Linear(WeightOnlyLinear):
         self.register_buffer("scale", scale.float().contiguous())  # (O, I/G)
         self.register_buffer("lo", lo.float().contiguous())  # (O, I/G)
         self.use_kernel = _has_int4_kernel() and O % 16 == 0  # the CPU packing needs O divisible by 16
+        self.fallback_reason = None if self.use_kernel else (
+            "torch has no _weight_int4pack_mm_for_cpu kernel" if not _has_int4_kernel() else
+            f"out_features={O} is not a multiple of 16 (the CPU int4 packing needs it)")
+        if self.fallback_reason and self.fallback_reason not in _logged:  # once per reason
+            _logged.add(self.fallback_reason)
+            _log.warning("Int4Linear: %s; this layer dequantises and runs F.linear (same numbers, no speed-up)",
+                         self.fallback_reason)
         if self.use_kernel:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
             self.register_buffer("qweight", packed)  # (O, I/2) uint8, two 4-bit values per byte

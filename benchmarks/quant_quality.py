@@ -1,0 +1,363 @@
+"""Quality vs speed of every quantisation method on SmolLM2-135M in one run (docs/quant.md's table).
+
+    nice -n 10 python benchmarks/quant_quality.py [--threads 1] [--seq 256] [--eval-rows 16] [--calib-rows 16]
+        [--methods fp32,bf16,...] [--out results.md] [--plot quant_quality.png]
+
+For each method: perplexity on the evaluation text (rows of ``--seq`` tokens, next-token NLL over all
+positions), Δ vs fp32, the weight bytes one decode step reads (the embedding table only when it is
+also the unembedding), batch-1 greedy decode tok/s (``--decode`` new tokens after a 16-token prompt,
+the contiguous KV cache) and prefill tok/s (one forward over ``--seq`` tokens, last logits only).
+
+Texts (offline): evaluation = the GPL-3 licence text, calibration (GPTQ/AWQ) = the Apache-2.0 and
+GFDL-1.3 licence texts, all from /usr/share/common-licenses; where those are missing, held-out /
+calibration slices of Python standard-library sources (the demo's default corpus).
+
+The "fp32" model is the shipped GGUF dequantised: its block linears are Q4_1 (int4, groups of 32),
+its embedding Q8_0. int4 with groups of 32 therefore reproduces the block weights exactly (RTN's
+loss at G = 32 is the unembedding's); groups of 64 are the comparison where the methods differ.
+The KV-cache rows feed each row in chunks of 16 tokens through the cache (fp32 weights) and compare
+with the fp32 cache fed the same way (their Δ is against that row).
+Peers when installed and runnable on this CPU: bitsandbytes (Linear8bitLt, Linear4bit NF4),
+torchao (int8 / int4 weight-only), llama.cpp on the same GGUF (``llama-cpp-python``; its
+perplexity over the same token ids from its logits); a peer that is missing or fails gets a row
+saying why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmstack.inference import generate
+from lmstack.inference.kv_cache import KVCache
+from lmstack.inference.loader import model_tokenizer
+from lmstack.model.gguf import read_gguf_header, unpermute_rope_rows
+from lmstack.model.io import find_named_model, load_model
+from lmstack.model.layers import Linear
+from lmstack.quant import Int4Linear, quantize_model
+from lmstack.quant.awq import awq_quantize_model
+from lmstack.quant.formats import simulate_model
+from lmstack.quant.gguf_blocks import gguf_int4
+from lmstack.quant.gptq import gptq_quantize_model
+from lmstack.quant.kv_cache import QuantizedKVCache
+from lmstack.quant.llm_int8 import llm_int8_model, outlier_stats
+from lmstack.utils import atomic_write_text
+
+LICENSES = Path("/usr/share/common-licenses")
+
+
+def texts() -> tuple[str, str, str]:
+    """(evaluation text, calibration text, where they came from)."""
+    if all((LICENSES / n).is_file() for n in ("GPL-3", "Apache-2.0", "GFDL-1.3")):
+        return ((LICENSES / "GPL-3").read_text(), (LICENSES / "Apache-2.0").read_text() +
+                (LICENSES / "GFDL-1.3").read_text(), "eval GPL-3, calibration Apache-2.0 + GFDL-1.3 licence texts")
+    import sysconfig
+
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(lib.glob("*.py"))
+    half = len(files) // 2
+    cal = "".join(f.read_text(errors="ignore") for f in files[:20])
+    ev = "".join(f.read_text(errors="ignore") for f in files[half:half + 20])
+    return ev, cal, "eval/calibration: disjoint Python stdlib modules"
+
+
+def rows(ids: list[int], n: int, seq: int) -> torch.Tensor:
+    k = min(n, len(ids) // seq)
+    if k < 1:
+        raise ValueError(f"{len(ids)} tokens do not fill one row of {seq}")
+    return torch.tensor(ids[: k * seq]).view(k, seq)
+
+
+@torch.inference_mode()
+def perplexity(model: nn.Module, ev: torch.Tensor) -> float:
+    nll, n = 0.0, 0
+    for r in ev:
+        logits = model(r[None])[0].float()  # (S, V)
+        nll += F.cross_entropy(logits[:-1], r[1:], reduction="sum").item()
+        n += r.numel() - 1
+    return math.exp(nll / n)
+
+
+@torch.inference_mode()
+def kv_perplexity(model: nn.Module, ev: torch.Tensor, fmt: str | None, chunk: int = 16) -> tuple[float, int]:
+    """Perplexity when each row is fed in chunks of ``chunk`` tokens through a KV cache (fp32 ``KVCache`` when
+    ``fmt`` is None, else ``QuantizedKVCache`` in ``fmt`` with blocks of 16), and the cache's bytes."""
+    nll, n, S = 0.0, 0, ev.shape[1]
+    for r in ev:
+        cache = KVCache(model.config, 1, S) if fmt is None else QuantizedKVCache(model.config, 1, S, fmt, 16)
+        logits = torch.cat([model(r[None, i:i + chunk], positions=torch.arange(i, min(i + chunk, S)),
+                                  kv_cache=cache)[0] for i in range(0, S, chunk)]).float()
+        nll += F.cross_entropy(logits[:-1], r[1:], reduction="sum").item()
+        n += S - 1
+    return math.exp(nll / n), cache.nbytes
+
+
+KV_METHODS = {"KV cache fp32 (chunks of 16)": None, "KV cache int8 (blocks of 16)": "int8",
+              "KV cache fp8 e4m3 (blocks of 16)": "fp8"}
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights a decode step reads: ``kernel_bytes()`` of each quantised module (plus its float
+    parameters), every other parameter once, the embedding only when it is also the unembedding."""
+    total, seen = 0, set()
+    for m in model.modules():
+        if hasattr(m, "kernel_bytes") and not any(id(p) in seen for p in m.parameters()):
+            total += m.kernel_bytes()  # codes and scales; a float bias is counted below
+            for name, p in m.named_parameters():
+                if name != "bias":
+                    seen.add(id(p))
+    tied = getattr(model, "lm_head", None) is None
+    for name, p in model.named_parameters():
+        if id(p) not in seen and (tied or not name.startswith("embed.")):
+            total += p.numel() * p.element_size()
+    return total
+
+
+@torch.inference_mode()
+def speed(model: nn.Module, prompt: list[int], ev: torch.Tensor, n_new: int, repeats: int) -> tuple[float, float]:
+    list(generate(model, prompt, 4))  # warm-up
+    dec, pre = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        n = sum(1 for _ in generate(model, prompt, n_new))
+        dec.append(n / (time.perf_counter() - t))
+        t = time.perf_counter()
+        model(ev[:1], last_n=1)
+        pre.append(ev.shape[1] / (time.perf_counter() - t))
+    return statistics.median(dec), statistics.median(pre)
+
+
+# ---- peers ---------------------------------------------------------------------------------------------------
+
+def _swap_linears(model: nn.Module, make) -> nn.Module:
+    for block in model.blocks:
+        for parent in block.modules():
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Linear):
+                    setattr(parent, name, make(child.weight.detach(), child.bias))
+    W = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    model.lm_head = make(W.detach().clone(), None)
+    return model
+
+
+def bnb_model(model: nn.Module, kind: str) -> nn.Module:
+    import bitsandbytes as bnb
+
+    def make(w, b):
+        O, I = w.shape
+        if kind == "int8":
+            lin = bnb.nn.Linear8bitLt(I, O, bias=False, has_fp16_weights=False, threshold=6.0)
+            lin.weight = bnb.nn.Int8Params(w.clone(), requires_grad=False, has_fp16_weights=False)
+        else:
+            lin = bnb.nn.Linear4bit(I, O, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+            lin.weight = bnb.nn.Params4bit(w.clone(), requires_grad=False, quant_type="nf4", blocksize=64)
+        return lin.to("cpu")  # its packed weight is its parameter (counted; the absmax / SCB scales are not)
+
+    return _swap_linears(model, make)
+
+
+def torchao_model(model: nn.Module, kind: str) -> nn.Module:
+    from torchao.quantization import quantize_
+
+    def make(w, b):
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data.copy_(w)
+        O, I = w.shape
+        lin.kernel_bytes = lambda: O * I * (1 if kind == "int8" else 0.5) + 2 * O * (1 if kind == "int8" else 2 * I // 32)
+        return lin
+
+    _swap_linears(model, make)
+    model.to(torch.bfloat16)
+    if kind == "int8":
+        from torchao.quantization import Int8WeightOnlyConfig
+
+        quantize_(model, Int8WeightOnlyConfig())
+    else:
+        from torchao.quantization import Int4WeightOnlyConfig
+
+        quantize_(model, Int4WeightOnlyConfig(group_size=32))
+    return model
+
+
+def gguf_own_model(model: nn.Module) -> nn.Module:
+    """The GGUF's Q4_1 block linears read as codes straight into Int4Linear (no float round trip); the
+    Q8_0 embedding stays as its dequantised floats (tied unembedding)."""
+    path = find_named_model("smollm2-135m")
+    header = read_gguf_header(path)
+    cfg = model.config
+    for name, s in header.spans.items():
+        if s.qtype.name not in ("Q4_0", "Q4_1", "Q4_K") or not name.startswith("blocks."):
+            continue
+        q, sc, lo = gguf_int4(header.data[s.start:s.end].reshape(s.shape[0], -1), s.qtype.name)
+        heads = cfg.n_heads if ".q_proj." in name else cfg.n_kv_heads if ".k_proj." in name else 0
+        if heads:
+            q, sc, lo = (unpermute_rope_rows(t, heads) for t in (q, sc, lo))
+        parent = model.get_submodule(name.rsplit(".", 2)[0])
+        setattr(parent, name.rsplit(".", 2)[1], Int4Linear(q.contiguous(), sc.contiguous(), lo.contiguous()))
+    model.quantization = "gguf-q4_1"
+    return model
+
+
+def llama_cpp_row(ev: torch.Tensor, prompt: list[int], n_new: int, threads: int) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(find_named_model("smollm2-135m")), n_ctx=ev.shape[1], logits_all=True,
+                n_threads=threads, verbose=False)
+    nll, n = 0.0, 0
+    for r in ev.tolist():
+        llm.reset()
+        llm.eval(r)
+        logits = torch.tensor(llm.scores[: len(r)]).float()
+        nll += F.cross_entropy(logits[:-1], torch.tensor(r[1:]), reduction="sum").item()
+        n += len(r) - 1
+    t = time.perf_counter()
+    k = 0
+    llm.reset()
+    for k, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True), 1):
+        if k >= n_new:
+            break
+    dec = k / (time.perf_counter() - t)
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(ev[0].tolist())
+    pre = ev.shape[1] / (time.perf_counter() - t)
+    size = find_named_model("smollm2-135m").stat().st_size
+    return dict(ppl=math.exp(nll / n), bytes=size, decode=dec, prefill=pre)
+
+
+# ---- the methods ---------------------------------------------------------------------------------------------
+
+def builders(calib: torch.Tensor) -> dict:
+    return {
+        "fp32": lambda m: m,
+        "bf16": lambda m: m.to(torch.bfloat16),
+        "int8 RTN": lambda m: quantize_model(m, "int8"),
+        "LLM.int8 (t=6)": lambda m: llm_int8_model(m),
+        "LLM.int8 (t=2)": lambda m: llm_int8_model(m, threshold=2.0),
+        "int4 RTN G32": lambda m: quantize_model(m, "int4"),
+        "GPTQ int4 G32": lambda m: gptq_quantize_model(m, calib, 4, 32),
+        "AWQ int4 G32": lambda m: awq_quantize_model(m, calib, 32),
+        "int4 RTN G64": lambda m: quantize_model(m, "int4", group_size=64),
+        "GPTQ int4 G64": lambda m: gptq_quantize_model(m, calib, 4, 64),
+        "GPTQ int4 G64 act-order": lambda m: gptq_quantize_model(m, calib, 4, 64, act_order=True),
+        "AWQ int4 G64": lambda m: awq_quantize_model(m, calib, 64),
+        "fp8 e4m3 per-channel (sim)": lambda m: simulate_model(m, "fp8-e4m3"),
+        "fp8 e4m3 W8A8 (sim)": lambda m: simulate_model(m, "fp8-e4m3-w8a8"),
+        "fp8 e5m2 per-channel (sim)": lambda m: simulate_model(m, "fp8-e5m2"),
+        "MXFP8 (sim)": lambda m: simulate_model(m, "mxfp8"),
+        "MXFP4 (sim)": lambda m: simulate_model(m, "mxfp4"),
+        "NF4 blocks of 64 (sim)": lambda m: simulate_model(m, "nf4"),
+        "GGUF Q4_1 blocks -> Int4Linear": gguf_own_model,
+        "bitsandbytes LLM.int8": lambda m: bnb_model(m, "int8"),
+        "bitsandbytes NF4": lambda m: bnb_model(m, "nf4"),
+        "torchao int8 weight-only": lambda m: torchao_model(m, "int8"),
+        "torchao int4 weight-only G32": lambda m: torchao_model(m, "int4"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--eval-rows", type=int, default=16)
+    ap.add_argument("--calib-rows", type=int, default=16)
+    ap.add_argument("--decode", type=int, default=32, help="new tokens per decode timing")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--methods", default="", help="comma-separated subset of the method names (default: all)")
+    ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--out", help="also write the markdown table here")
+    ap.add_argument("--plot", help="write a perplexity vs weight-bytes scatter (PNG) here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = load_model("smollm2-135m")
+    base = lm.model.eval()
+    tok = model_tokenizer(lm.source)
+    ev_text, cal_text, where = texts()
+    ev = rows(tok.encode(ev_text), args.eval_rows, args.seq)
+    calib = rows(tok.encode(cal_text), args.calib_rows, args.seq)
+    prompt = ev[0, :16].tolist()
+    print(f"SmolLM2-135M, torch {torch.__version__}, {args.threads} thread(s), load avg {os.getloadavg()[0]:.1f}; "
+          f"{where}; eval {tuple(ev.shape)}, calibration {tuple(calib.shape)}", flush=True)
+    table = builders(calib)
+    wanted = [m.strip() for m in args.methods.split(",") if m.strip()] or list(table)
+    table.update({k: None for k in KV_METHODS})
+    for m in wanted:
+        if m not in table:
+            sys.exit(f"--methods: unknown method {m!r}; expected names from {list(table)}")
+    results: dict[str, dict] = {}
+    for name in wanted:
+        t = time.perf_counter()
+        if name in KV_METHODS:
+            p, kv = kv_perplexity(base, ev, KV_METHODS[name])
+            results[name] = r = dict(ppl=p, bytes=weight_bytes(base), decode=float("nan"), prefill=float("nan"),
+                                     note=f"fp32 weights; KV cache of {ev.shape[1]} positions: {kv / 1e6:.2f} MB")
+            print(name, r, flush=True)
+            continue
+        try:
+            model = table[name](copy.deepcopy(base)).eval()
+            build = time.perf_counter() - t
+            r = dict(ppl=perplexity(model, ev), bytes=weight_bytes(model), build=build)
+            r["decode"], r["prefill"] = speed(model, prompt, ev, args.decode, args.repeats)
+            if name.startswith("LLM.int8 (t=6"):
+                st = outlier_stats(model)
+                r["note"] = (f"outlier columns per call, mean over layers "
+                             f"{sum(s['mean_per_call'] for s in st) / len(st):.2f}; max "
+                             f"{max(s['mean_per_call'] for s in st):.1f} ({max(st, key=lambda s: s['mean_per_call'])['layer']})")
+        except Exception as e:  # noqa: BLE001 — a peer that does not run here gets a row saying why
+            r = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+        results[name] = r
+        print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+    if args.llama_cpp:
+        for th in sorted({1, args.threads}):
+            try:
+                results[f"llama.cpp Q4_1 GGUF ({th}t)"] = llama_cpp_row(ev, prompt, args.decode, th)
+            except Exception as e:  # noqa: BLE001
+                results[f"llama.cpp Q4_1 GGUF ({th}t)"] = dict(error=f"{type(e).__name__}: {e}"[:140])
+    ref = results.get("fp32", {}).get("ppl")
+    lines = ["| method | perplexity | Δ vs fp32 | weight MB | decode tok/s | prefill tok/s |",
+             "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | — | — | — | — | — ({r['error']}) |")
+            continue
+        base_ppl = results.get("KV cache fp32 (chunks of 16)", {}).get("ppl") if name in KV_METHODS else ref
+        delta = f"{100 * (r['ppl'] / base_ppl - 1):+.2f}%" if base_ppl else "—"
+        dec = "—" if math.isnan(r["decode"]) else f"{r['decode']:.1f}"
+        pre = "—" if math.isnan(r["prefill"]) else f"{r['prefill']:.0f}"
+        lines.append(f"| {name} | {r['ppl']:.3f} | {delta} | {r['bytes'] / 1e6:.1f} | {dec} | {pre} |")
+    notes = [f"- {n}: {r['note']}" for n, r in results.items() if r.get("note")]
+    text = "\n".join(lines + [""] + notes) + "\n"
+    print(text)
+    if args.out:
+        atomic_write_text(args.out, text)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for name, r in results.items():
+            if "error" not in r:
+                ax.scatter(r["bytes"] / 1e6, r["ppl"])
+                ax.annotate(name, (r["bytes"] / 1e6, r["ppl"]), fontsize=6)
+        ax.set_xlabel("weight MB read per decode step")
+        ax.set_ylabel("perplexity")
+        ax.set_title("SmolLM2-135M: quality vs size")
+        tmp = Path(args.plot).with_suffix(".tmp.png")
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, args.plot)
+
+
+if __name__ == "__main__":
+    main()

