@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmstack.inference import generate
+from lmstack.inference import SamplingParams, generate
 from lmstack.inference.kv_cache import KVCache
 from lmstack.inference.loader import model_tokenizer
 from lmstack.model.gguf import read_gguf_header, unpermute_rope_rows
@@ -125,11 +125,11 @@ def weight_bytes(model: nn.Module) -> int:
 
 @torch.inference_mode()
 def speed(model: nn.Module, prompt: list[int], ev: torch.Tensor, n_new: int, repeats: int) -> tuple[float, float]:
-    list(generate(model, prompt, 4))  # warm-up
+    list(generate(model, prompt, SamplingParams(temperature=0, max_tokens=4)))  # warm-up
     dec, pre = [], []
     for _ in range(repeats):
         t = time.perf_counter()
-        n = sum(1 for _ in generate(model, prompt, n_new))
+        n = sum(1 for _ in generate(model, prompt, SamplingParams(temperature=0, max_tokens=n_new)))
         dec.append(n / (time.perf_counter() - t))
         t = time.perf_counter()
         model(ev[:1], last_n=1)
