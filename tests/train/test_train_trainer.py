@@ -123,6 +123,7 @@ def test_z_loss_and_qk_norm_switches(token_file, tmp_path):
     (dict(schedule="wsd", decay_steps=0), "decay_steps=0"),
     (dict(packing=True), "packing=true needs sep_id"),
     (dict(optimizer="lion"), "optimizer='lion'"),
+    (dict(quant="int4"), "quant='int4'.*int4-qat"),
 ])
 def test_bad_config_values_give_clear_errors(token_file, tmp_path, changes, message):
     with pytest.raises(TrainConfigError, match=message):
@@ -218,3 +219,21 @@ def test_attention_backend_is_a_runtime_choice_decided_once(token_file, tmp_path
     t = Trainer(tiny_config(token_file, tmp_path, precision="bf16"), progress=False)
     assert t.raw_model.attention.name == "matmul"
     assert "attention: matmul (auto: CPU, bf16 autocast, ≤512 keys)" in capsys.readouterr().out
+
+
+def test_quantisation_aware_training_from_the_config(token_file, tmp_path):
+    """``quant = "int4-qat"``: the trainer's block linears compute with the int4 round trip of their master
+    weights (``quantize_int4`` / ``dequantize_int4``, written independently of QAT), and training moves them."""
+    import torch.nn.functional as F
+
+    from lmstack.quant import dequantize_int4, quantize_int4
+    from lmstack.train import Trainer
+
+    t = Trainer(tiny_config(token_file, tmp_path, quant="int4-qat", max_steps=3), progress=False)
+    lin = t.raw_model.blocks[0].attn.q_proj
+    before = lin.weight.detach().clone()
+    x = torch.randn(3, lin.in_features)
+    w_hat = dequantize_int4(*quantize_int4(lin.weight.detach(), 32))
+    torch.testing.assert_close(lin(x), F.linear(x, w_hat))
+    t.fit()
+    assert not torch.equal(lin.weight.detach(), before)

@@ -80,6 +80,7 @@ class TrainConfig:
     attn_backend: str = "auto"  # auto | sdpa | reference | matmul | flash_pytorch | flash_triton
     norm_backend: str = "auto"  # auto | torch | triton
     fused_loss: bool = True  # unembedding + cross-entropy block by block, never the (B·S, V) logits (losses.py)
+    quant: str | None = None  # "int4-qat": quantisation-aware training, fake-quantised block linears (quant/qat.py)
     # ---- evaluation, logging, checkpoints
     eval_interval: int = 100
     eval_batches: int = 20
@@ -108,6 +109,9 @@ class TrainConfig:
 
         for n in ("packing", "activation_checkpointing", "compile", "fused_loss"):
             check_bool(n, getattr(self, n), TrainConfigError)
+        if self.quant not in (None, "int4-qat"):
+            raise TrainConfigError(f"quant={self.quant!r}; expected \"int4-qat\" (quantisation-aware training) or "
+                                   "null (post-training quantisation: `lmstack generate --dtype int4`, `LLM(quant=...)`)")
         if self.precision not in PRECISIONS:
             raise TrainConfigError(f"precision={self.precision!r}; expected one of {PRECISIONS}")
         self._move_runtime_keys()

@@ -52,6 +52,7 @@ from lmstack.model.moe import moe_aux_loss, moe_metrics, update_router_biases
 from lmstack.model.transformer import Transformer
 from lmstack.parallel import get_parallelize
 from lmstack.parallel.checkpoint import load_sharded, save_sharded
+from lmstack.quant.qat import prepare_qat
 from lmstack.tokenizer import load_tokenizer, save_hf
 from lmstack.tokenizer.token_file import check_token_ids, open_tokens, read_sidecar
 from lmstack.train import checkpoint as ckpt
@@ -201,6 +202,8 @@ class Trainer:
         if self.is_main:
             print(runtime_line)
         self.raw_model.activation_checkpointing = c.activation_checkpointing
+        if c.quant == "int4-qat":  # seed 001 "有损提速": train through the int4 rounding (straight-through)
+            prepare_qat(self.raw_model, "int4")
         self.raw_model.train()
         self._parallelize_fn = parallelize
         self.parallel_model = None  # a lmstack.parallel.ParallelWrapper when config.parallel is set
