@@ -53,6 +53,13 @@ def _counter() -> CommCounter | None:
     return getattr(_state, "counter", None)
 
 
+def record_bytes(kind: str, nbytes: int) -> None:
+    """Add ``nbytes`` sent by a ``kind`` collective to the ``count_bytes()`` counter, if one is active."""
+    c = _counter()
+    if c is not None:
+        c.add(kind, nbytes)
+
+
 @contextlib.contextmanager
 def count_bytes():
     """Count the bytes this rank sends; inside it every collective here runs the ring on

@@ -49,11 +49,10 @@ def _all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int], group
 
 def _count(x: Tensor, send_counts: list[int], group) -> None:
     """Inside ``collectives.count_bytes()``: add the bytes of the rows this rank sends to *other* ranks."""
-    counter = C._counter()
-    if counter is not None and C.group_size(group) > 1:
+    if C.group_size(group) > 1:
         me = dist.get_rank(group)
         row = x[0].numel() * x.element_size() if x.shape[0] else 0
-        counter.add("all_to_all", (sum(send_counts) - send_counts[me]) * row)
+        C.record_bytes("all_to_all", (sum(send_counts) - send_counts[me]) * row)
 
 
 class _AllToAll(torch.autograd.Function):
