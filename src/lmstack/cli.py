@@ -17,7 +17,7 @@ from lmstack.train.cli import split_resume
 # Chapters in the order the help lists them; each names the module whose ``register`` adds its commands.
 CHAPTERS = {"demo": "lmstack.demo", "inference": "lmstack.inference.cli", "tokenizer": "lmstack.tokenizer.cli",
             "accounting": "lmstack.accounting.cli", "train": "lmstack.train.cli", "kernels": "lmstack.kernels.cli",
-            "parallel": "lmstack.parallel.cli"}
+            "parallel": "lmstack.parallel.cli", "serve": "lmstack.serve.cli"}
 
 
 def build_parser() -> argparse.ArgumentParser:
