@@ -193,11 +193,21 @@ class Server:
     # ---- running -----------------------------------------------------------------------
     async def run(self, ids: list[int], params: SamplingParams, rid: str) -> AsyncIterator:
         """The engine's deltas for one request; metrics on the way; an abort when left early."""
-        async for out in self.llm.generate(ids, params, rid):
-            self.metrics.tokens(len(out.new_token_ids))
-            if out.finished:
-                self.metrics.finished(out)
-            yield out
+        finished = False
+        try:
+            async for out in self.llm.generate(ids, params, rid):
+                self.metrics.tokens(len(out.new_token_ids))
+                if out.finished:
+                    finished = True
+                    self.metrics.finished(out)
+                yield out
+        except GenerationError:
+            finished = True
+            self.metrics.requests.labels("error").inc()
+            raise
+        finally:
+            if not finished:  # left early: the client went away, or shutdown
+                self.metrics.requests.labels("abort").inc()
 
     def token_text(self, token: int) -> tuple[str, list[int]]:
         raw = self.tokenizer.decode_bytes([token]) if 0 <= token < self.tokenizer.vocab_size else b""
@@ -331,7 +341,7 @@ def build_app(server: Server) -> FastAPI:
             msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
             if len(errs) > 1:
                 msg += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
-        return JSONResponse(error_body(msg, param=".".join(loc) or None, code="invalid_value"), status_code=400)
+        return JSONResponse(error_body(msg, param=loc[0] if loc else None, code="invalid_value"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):

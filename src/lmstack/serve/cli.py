@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 
 from lmstack.inference.loader import DTYPES, QUANT, load_for_inference
 from lmstack.threads import add_threads_argument
@@ -59,5 +60,11 @@ def run_serve(args) -> int:
     config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     print(f"lmstack serve: {server.model_name} on http://{args.host}:{args.port} (chat page at /)", flush=True)
-    uvicorn.Server(config).run()
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it for the handler that was there
+    # before: a no-op one makes that graceful shutdown a clean exit (status 0)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
