@@ -102,6 +102,7 @@ def test_20_disconnects_mid_stream_free_their_blocks(served):
     assert "lmstack_requests_total{finish_reason=\"abort\"}" in httpx.get(url + "/metrics").text
 
 
+@pytest.mark.slow
 def test_fuzzed_bodies_never_get_a_5xx():
     """hypothesis builds bodies around valid ones (fields dropped, replaced by any JSON value, junk
     fields added) and raw bytes; every answer is < 500 and the server stays healthy."""
