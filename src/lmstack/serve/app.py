@@ -210,7 +210,7 @@ class Server:
                 self.metrics.requests.labels("abort").inc()
 
     def token_text(self, token: int) -> tuple[str, list[int]]:
-        raw = self.tokenizer.decode_bytes([token]) if 0 <= token < self.tokenizer.vocab_size else b""
+        raw = self.tokenizer.decode_bytes([token]) if token in self.tokenizer.vocab else b""
         return raw.decode("utf-8", "replace"), list(raw)
 
 

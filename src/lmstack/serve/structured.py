@@ -29,10 +29,8 @@ class _Wrapped:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None):
         specials = set(getattr(tokenizer, "special_tokens", {}).values())
-        self.tokens = []
-        for i in range(vocab_size):
-            raw = tokenizer.vocab.get(i, b"") if i < tokenizer.vocab_size else b""
-            self.tokens.append(b"\xff" + raw if i in specials else raw)
+        vocab = tokenizer.vocab  # ids the model has beyond the tokenizer's are empty (never text)
+        self.tokens = [b"\xff" + vocab.get(i, b"") if i in specials else vocab.get(i, b"") for i in range(vocab_size)]
         self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
         self.bos_token_id = tokenizer.bos_token_id
         self.special_token_ids = sorted(specials)
@@ -52,8 +50,10 @@ class Grammars:
         if eos_token_id is None:
             raise ValueError("structured output needs an EOS token to end the JSON")
         self.vocab_size = vocab_size
+        # the JSON slices: the mask's precomputed token groups, made for JSON strings
         self.lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Wrapped(tokenizer, vocab_size, eos_token_id)),
-                                            n_vocab=vocab_size, eos_token=eos_token_id)
+                                            n_vocab=vocab_size, eos_token=eos_token_id,
+                                            slices=llguidance.LLTokenizer.json_slices())
 
     def grammar(self, schema: dict | None) -> str:
         """None = any JSON object (json_object); else the schema (json_schema)."""
