@@ -230,3 +230,15 @@ def test_engine_is_idle_and_every_block_free_afterwards(served, client):
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
     wait_idle(served[1])
     assert all_blocks_free(served[1])
+
+
+def test_prompt_lookup_speculation_keeps_the_greedy_text(client, model):
+    """`lmstack serve --speculative-tokens K`: drafts change the speed, not the greedy text."""
+    engine = tiny_engine(model, num_speculative_tokens=3)
+    messages = [{"role": "user", "content": "abc abc abc abc abc abc"}]
+    with live_server(Server(engine, MODEL)) as url:
+        spec = openai.OpenAI(base_url=url + "/v1", api_key="unused").chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert spec.usage.model_dump() == plain.usage.model_dump()

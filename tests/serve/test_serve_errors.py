@@ -99,7 +99,7 @@ def test_api_key():
 
 
 def _hold_a_stream(url, started: threading.Event, stop: threading.Event):
-    body = {"model": MODEL, "messages": USER, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    body = {"model": MODEL, "messages": USER, "max_tokens": 200, "stream": True, "ignore_eos": True, "user": "slow"}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
         for _ in r.iter_lines():
             started.set()
@@ -107,7 +107,25 @@ def _hold_a_stream(url, started: threading.Event, stop: threading.Event):
                 break
 
 
-def test_full_queue_answers_429_or_waits():
+def _slow_sampling(monkeypatch):
+    """Requests with user="slow" take ~20 ms a token: a stream that surely holds its slot."""
+    from lmstack.serve import app as app_module
+
+    real = app_module.Server.sampling
+
+    def slow(output_ids, logits):
+        time.sleep(0.02)
+        return logits
+
+    def sampling(self, body, max_tokens, logprobs, index, processors=()):
+        extra = [slow] if body.user == "slow" else []
+        return real(self, body, max_tokens, logprobs, index, list(processors) + extra)
+
+    monkeypatch.setattr(app_module.Server, "sampling", sampling)
+
+
+def test_full_queue_answers_429_or_waits(monkeypatch):
+    _slow_sampling(monkeypatch)
     engine = tiny_engine(max_num_seqs=1)
     for timeout, expect in [(0.0, 429), (30.0, 200)]:
         with live_server(Server(engine, MODEL, max_queue=0, queue_timeout=timeout)) as url:
