@@ -190,3 +190,15 @@ def test_a_failing_request_takes_no_other_down(served, monkeypatch):
     wait_idle(engine)
     assert all_blocks_free(engine)
     del server
+
+
+def test_a_client_leaving_a_non_streamed_request_aborts_it(served, monkeypatch):
+    _slow_sampling(monkeypatch)  # 200 tokens at ~20 ms each: still running when the client leaves
+    url, engine = served
+    before = engine.stats["generated_tokens"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 100,
+                                                      "ignore_eos": True, "user": "slow"}, timeout=0.5)
+    wait_idle(engine, timeout=10)
+    assert all_blocks_free(engine)
+    assert engine.stats["generated_tokens"] - before < 100

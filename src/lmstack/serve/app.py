@@ -352,14 +352,7 @@ def build_app(server: Server) -> FastAPI:
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500)
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        path = request.url.path
-        if server.api_key and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
-            if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
-                return JSONResponse(error_body("invalid or missing API key (Authorization: Bearer KEY)",
-                                               code="invalid_api_key"), status_code=401)
-        return await call_next(request)
+    app.add_middleware(_BearerAuth, server=server)
 
     @app.get("/health")
     async def health():
@@ -495,6 +488,26 @@ def build_app(server: Server) -> FastAPI:
                           "total_tokens": prompt_tokens + completion}}
 
     return app
+
+
+class _BearerAuth:
+    """``Authorization: Bearer KEY`` on /v1/*, /tokenize, /detokenize when the server has a key. A plain
+    ASGI middleware: Starlette's ``BaseHTTPMiddleware`` would hide client disconnects from the routes."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        key = self.server.api_key
+        path = scope.get("path", "")
+        if key and scope["type"] == "http" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if auth != f"Bearer {key}":
+                response = JSONResponse(error_body("invalid or missing API key (Authorization: Bearer KEY)",
+                                                   code="invalid_api_key"), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _chat_ids(server: Server, messages, add_generation_prompt: bool) -> list[int]:
