@@ -86,6 +86,7 @@ class Server:
         self.queue_timeout, self.max_n = queue_timeout, max_n
         self.in_flight = 0
         self._room: asyncio.Condition | None = None
+        self._notifiers: set[asyncio.Task] = set()
         self.metrics = ServerMetrics(self)
         self.created = int(time.time())
         self._grammar = None  # structured.Grammars, built on first use
@@ -99,17 +100,18 @@ class Server:
         """Room for ``k`` engine requests, waiting up to ``queue_timeout`` s; else 429."""
         if self._room is None:
             self._room = asyncio.Condition()
-        if self.in_flight + k > self.capacity:
+        if k > self.capacity:
+            raise APIError(400, f"{k} choices are more than this server ever runs at once ({self.capacity})",
+                           param="n")
+        if self.in_flight + k > self.capacity and self.queue_timeout > 0:
             async with self._room:
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._room.wait_for(lambda: self.in_flight + k <= self.capacity),
-                                           self.queue_timeout) if self.queue_timeout > 0 else None
-                except TimeoutError:
-                    pass
-            if self.in_flight + k > self.capacity:
-                self.metrics.rejected.inc()
-                raise APIError(429, f"the server is at capacity ({self.in_flight} requests in flight, at most "
-                                    f"{self.capacity}); retry later", "rate_limit_error", None, "queue_full")
+                                           self.queue_timeout)
+        if self.in_flight + k > self.capacity:
+            self.metrics.rejected.inc()
+            raise APIError(429, f"the server is at capacity ({self.in_flight} requests in flight, at most "
+                                f"{self.capacity}); retry later", "rate_limit_error", None, "queue_full")
         self.in_flight += k
         return _Lease(self, k)
 
@@ -122,8 +124,10 @@ class Server:
                 async with room:
                     room.notify_all()
 
-            with contextlib.suppress(RuntimeError):  # no running loop (interpreter shutting down)
-                asyncio.get_running_loop().create_task(notify())
+            with contextlib.suppress(RuntimeError):  # no running loop (a finalizer outside it)
+                task = asyncio.get_running_loop().create_task(notify())
+                self._notifiers.add(task)  # a reference until it ran (the loop keeps only weak ones)
+                task.add_done_callback(self._notifiers.discard)
 
     # ---- checks ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
