@@ -244,9 +244,8 @@ def _completion_logprobs(server: Server, entries, offset: int) -> dict:
 
 
 def _finish_reason(out) -> str | None:
-    if not out.finished:
-        return None
-    return {"stop": "stop", "length": "length"}.get(out.finish_reason, out.finish_reason)
+    """The engine's reasons ("stop", "length") are OpenAI's; None while running."""
+    return out.finish_reason if out.finished else None
 
 
 def _sse(obj) -> str:
@@ -455,8 +454,10 @@ def build_app(server: Server) -> FastAPI:
             raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than this server allows per request "
                                 f"({server.max_n})", param="n")
         jobs = []  # (prompt ids, prompt text, params) per choice
+        prompt_tokens = 0
         for j, p in enumerate(prompts):
             ids = server.token_ids(p, "prompt" if len(prompts) == 1 else f"prompt[{j}]")
+            prompt_tokens += len(ids)
             max_tokens = server.max_tokens(ids, body.max_tokens)
             text = p if isinstance(p, str) else server.tokenizer.decode(ids)
             for i in range(body.n):
@@ -468,7 +469,6 @@ def build_app(server: Server) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gens = [server.run(ids, params, f"{rid}-{k}") for k, (ids, _, params) in enumerate(jobs)]
-        prompt_tokens = sum(len(server.token_ids(p, "prompt")) for p in prompts)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _streaming(lease, _completion_stream(server, gens, jobs, rid, created, prompt_tokens,
