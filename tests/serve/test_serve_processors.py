@@ -45,3 +45,34 @@ def test_processors_run_before_sampling_and_leave_logprobs_raw():
     assert free.token_ids != masked.token_ids or set(free.token_ids) <= {7, 9}
     with pytest.raises(ValueError, match="logits_processors"):
         SamplingParams(logits_processors=[3])
+
+
+def test_async_llm_shutdown_aborts_and_frees():
+    """``AsyncLLM.shutdown``: running requests are aborted between steps, every block is free, the loop ends."""
+    import asyncio
+
+    from lmstack.inference.engine import AsyncLLM, LLMEngine
+
+    engine = LLMEngine(tiny_model(), None, block_size=4, num_blocks=64, eos_token_id=None)
+    llm = AsyncLLM(engine)
+
+    async def main():
+        async def consume():
+            n = 0
+            async for _ in llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=200)):
+                n += 1
+            return n
+
+        task = asyncio.create_task(consume())
+        while engine.stats["generated_tokens"] < 3:
+            await asyncio.sleep(0.001)
+        await llm.shutdown()
+        assert llm.alive and llm._task is None
+        return await asyncio.gather(task, return_exceptions=True)
+
+    (result,) = asyncio.run(main())
+    assert isinstance(result, RuntimeError) and "shutting down" in str(result)
+    assert not engine.requests and not engine.has_unfinished_requests()
+    b = engine.cache.blocks
+    assert b.num_free == b.num_blocks - 1
+    assert engine.stats["generated_tokens"] < 200

@@ -315,15 +315,7 @@ def build_app(server: Server) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        # shutdown: every request still in the engine is aborted (blocks freed), the loop stopped
-        for rid in list(server.engine.requests):
-            server.llm.abort(rid)
-        task = server.llm._task
-        if task is not None and not task.done():
-            await asyncio.sleep(0)  # let the loop apply the aborts
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await server.llm.shutdown()  # every request still in the engine aborted (blocks freed), the loop stopped
 
     app = FastAPI(title="lmstack", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API over lmstack's continuous-batching engine")
@@ -359,9 +351,8 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        task = server.llm._task
-        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
-            raise APIError(503, f"the engine loop died: {task.exception()!r}", "server_error")
+        if not server.llm.alive:
+            raise APIError(503, "the engine loop died (it restarts with the next request)", "server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")
