@@ -66,7 +66,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **extra}
     t0 = time.perf_counter()
-    last, first, itl, tokens = None, None, [], 0
+    last, first, itl, tokens, chunks = None, None, [], 0, 0
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -78,6 +78,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
                 if any(c.get("text") for c in chunk.get("choices") or []):
+                    chunks += 1
                     now = time.perf_counter()
                     if first is None:
                         first = now
@@ -87,7 +88,8 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
     except httpx.HTTPError as e:
         return Result(False, error=repr(e))
     end = time.perf_counter()
-    return Result(first is not None, (first or end) - t0, itl, end - t0, tokens)
+    # a server without stream_options (llama-cpp-python) sends no usage: one chunk per token there
+    return Result(first is not None, (first or end) - t0, itl, end - t0, tokens or chunks)
 
 
 async def run_rate(url, model, rate, prompts, outs, gaps, extra, desc) -> tuple[list[Result], float]:
@@ -234,8 +236,14 @@ def main() -> int:
                 port = free_port()
                 lurl = f"http://127.0.0.1:{port}"
                 procs.append(start([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port",
-                                    str(port), "--n_threads", str(args.threads), "--n_ctx", "4096"], lurl))
-                all_rows["llama.cpp"] = bench("llama.cpp", lurl, name, rates, args, {"ignore_eos": True})
+                                    str(port), "--n_threads", str(args.threads), "--n_ctx", "4096",
+                                    # queue concurrent requests (by default a new one interrupts the running one)
+                                    "--interrupt_requests", "False"], lurl))
+                # llama-cpp-python has no ignore_eos: a -100 logit bias on EOS keeps every output at max_tokens
+                from lmstack.inference.loader import model_tokenizer
+
+                eos = model_tokenizer(gguf).eos_token_id
+                all_rows["llama.cpp"] = bench("llama.cpp", lurl, name, rates, args, {"logit_bias": {str(eos): -100}})
                 for a, b in zip(all_rows["lmstack"], all_rows["llama.cpp"]):
                     print(f"rate {a['rate']:g}: lmstack / llama.cpp tokens/s {a['tok_s'] / b['tok_s']:.2f}x, "
                           f"TTFT p50 {a['ttft_p50'] / b['ttft_p50']:.2f}x, ITL p50 {a['itl_p50'] / b['itl_p50']:.2f}x")
