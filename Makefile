@@ -19,6 +19,8 @@ $(VENV)/.stamp-base: pyproject.toml
 
 $(VENV)/.stamp-test: $(VENV)/.stamp-base
 	$(PY) -m pip install -q -e ".[test]"
+	@# tests/serve's browser test drives Debian's chromium with Playwright (never `playwright install`)
+	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	touch $@
 
 install: $(VENV)/.stamp-base

@@ -422,6 +422,27 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
+    @property
+    def alive(self) -> bool:
+        """False once the loop task has died of an exception (it restarts on the next request)."""
+        t = self._task
+        return t is None or not t.done() or t.cancelled() or t.exception() is None
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort every request (blocks freed; each waiter's ``generate`` raises RuntimeError) and stop
+        the loop task. The loop applies the aborts between steps, never while a step runs in its thread."""
+        for rid, q in list(self._queues.items()):
+            q.put_nowait(RuntimeError(f"request {rid!r} aborted: the engine is shutting down"))
+            self.abort(rid)
+        task, deadline = self._task, time.monotonic() + timeout
+        while task is not None and not task.done() and self._pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        self._task = None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
         for op in pending:

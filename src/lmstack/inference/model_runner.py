@@ -63,7 +63,7 @@ class ModelRunner:
         Greedy rows take one batched argmax; the others go through ``sample_token``."""
         bad = bad_logit_rows(logits).tolist()
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy and s.params.repetition_penalty == 1.0
-                  and not bad[i]]
+                  and not s.params.logits_processors and not bad[i]]
         tokens: list[int] = [0] * len(seqs)
         if greedy:
             for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
@@ -78,7 +78,10 @@ class ModelRunner:
                 if logits_cpu is None and (i not in greedy_set or s.logprobs is not None):
                     logits_cpu = logits.float().cpu()
                 if i not in greedy_set:
-                    tokens[i] = sample_token(logits_cpu[i], s.params, s.generator or self.generator, s.all_ids)
+                    row = logits_cpu[i]
+                    for process in s.params.logits_processors:  # (V,) -> (V,), on a copy
+                        row = process(s.output_ids, row.clone() if row is logits_cpu[i] else row)
+                    tokens[i] = sample_token(row, s.params, s.generator or self.generator, s.all_ids)
                 lp = token_logprobs(logits_cpu[i], tokens[i], s.params.logprobs) if s.logprobs is not None else None
                 out.append((tokens[i], lp))
             except Exception as e:  # noqa: BLE001 — one row's failure is that request's alone

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -66,7 +66,10 @@ class SamplingParams:
     ``repetition_penalty`` 1 is off. ``logprobs``: None returns none; n ≥ 0 returns the sampled
     token's log-probability and the n most likely alternatives, under the model's own
     distribution (raw logits, before penalties, temperature and filters). ``seed`` makes this
-    request's samples reproducible whatever else runs in the batch.
+    request's samples reproducible whatever else runs in the batch. ``logits_processors``:
+    callables ``(output token ids so far, logits (V,)) -> logits (V,)`` applied in order before
+    the sampler (a server's presence/frequency penalties, a grammar's mask); a request with any
+    is sampled row by row and never speculates. Logprobs stay those of the raw logits.
     """
 
     temperature: float = 1.0
@@ -80,6 +83,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    logits_processors: Sequence[Callable] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         self.temperature = as_real("temperature", self.temperature)
@@ -111,6 +115,10 @@ class SamplingParams:
                 raise ValueError(f"seed={self.seed} must fit in 64 bits: [-2**63, 2**64)")
         if self.logprobs is not None:
             self.logprobs = as_integer("logprobs", self.logprobs, 0)
+        self.logits_processors = tuple(self.logits_processors)
+        if any(not callable(p) for p in self.logits_processors):
+            raise ValueError(f"logits_processors={self.logits_processors!r:.80} must be callables "
+                             "(output token ids, logits (V,)) -> logits (V,)")
 
     @property
     def greedy(self) -> bool:

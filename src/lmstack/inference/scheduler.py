@@ -104,7 +104,7 @@ class Scheduler:
     def _propose(self, seq: Sequence, budget: int) -> list[int]:
         """The speculation budget: drafts within the token budget left and what max_tokens /
         max_model_len still allow after the next token."""
-        if self.speculator is None:
+        if self.speculator is None or seq.params.logits_processors:  # drafts would bypass the processors
             return []
         room = min(budget, seq.params.max_tokens - seq.num_output - 1, self.max_model_len - len(seq.all_ids) - 1)
         return self.speculator.propose(seq.all_ids, room)

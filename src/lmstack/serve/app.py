@@ -1,0 +1,632 @@
+"""The OpenAI-compatible HTTP server: one engine loop (``AsyncLLM``) behind a FastAPI app.
+
+Seed 000 §2.1–2.2 (latency vs throughput; continuous batching), seed 001 "推理" / "动态负载"
+(requests arrive at any time with any length; iteration-level scheduling over a paged KV cache;
+TTFT and per-token latency are what users see); DESIGN.md "Real parts" (FastAPI + uvicorn, the
+OpenAI HTTP API). Every HTTP request becomes ``n`` engine requests on the one ``AsyncLLM``; the
+engine batches them with everything else in flight.
+
+- Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE
+  streaming as OpenAI: ``data: {chunk}`` lines, ``data: [DONE]``, a usage chunk with
+  ``stream_options.include_usage``), ``GET /health``, ``GET /metrics``, ``POST /tokenize``,
+  ``POST /detokenize``, ``GET /`` (the chat page, ``static/index.html``).
+- Bad input is a 4xx with OpenAI's error object, checked before anything reaches the engine
+  (the engine's own ``check_request`` included); a failure while running stays with its request.
+- Load: at most ``max_num_seqs + max_queue`` engine requests are admitted; beyond that a request
+  waits up to ``queue_timeout`` seconds for room, then gets 429.
+- A client that goes away (streaming or not) aborts its engine requests, freeing their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lmstack.inference.engine import AsyncLLM, GenerationError, LLMEngine
+from lmstack.inference.sampling import SamplingParams
+from lmstack.serve.metrics import ServerMetrics
+from lmstack.serve.penalties import Penalties
+from lmstack.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                    error_body)
+
+log = logging.getLogger("lmstack.serve")
+STATIC = Path(__file__).parent / "static"
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error object and ``status``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class _Lease:
+    """``k`` admitted engine requests; released once (by the stream's end, or when the stream
+    object is dropped without ever being started)."""
+
+    def __init__(self, server: Server, k: int):
+        self.server, self.k = server, k
+
+    def release(self) -> None:
+        if self.k:
+            self.server._release(self.k)
+            self.k = 0
+
+
+class Server:
+    """The state behind the app: the engine, its async loop, the tokenizer, admission, metrics."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, *, api_key: str | None = None, max_queue: int = 256,
+                 queue_timeout: float = 0.0, max_n: int = 16):
+        if engine.tokenizer is None:
+            raise ValueError("the server needs an engine with a tokenizer (text in, text out)")
+        if max_queue < 0 or queue_timeout < 0 or max_n < 1:
+            raise ValueError(f"max_queue={max_queue}, queue_timeout={queue_timeout} must be >= 0, max_n={max_n} >= 1")
+        self.engine, self.llm = engine, AsyncLLM(engine)
+        self.tokenizer = engine.tokenizer
+        self.model_name, self.api_key = model_name, api_key
+        self.capacity = engine.scheduler.max_num_seqs + max_queue
+        self.queue_timeout, self.max_n = queue_timeout, max_n
+        self.in_flight = 0
+        self._room: asyncio.Condition | None = None
+        self._notifiers: set[asyncio.Task] = set()
+        self.metrics = ServerMetrics(self)
+        self.created = int(time.time())
+        self._grammar = None  # structured.Grammars, built on first use
+
+    # ---- admission ---------------------------------------------------------------------
+    def pending_adds(self) -> int:
+        sched = self.engine.scheduler
+        return max(0, self.in_flight - len(sched.running) - len(sched.waiting))
+
+    async def admit(self, k: int) -> _Lease:
+        """Room for ``k`` engine requests, waiting up to ``queue_timeout`` s; else 429."""
+        if self._room is None:
+            self._room = asyncio.Condition()
+        if k > self.capacity:
+            raise APIError(400, f"{k} choices are more than this server ever runs at once ({self.capacity})",
+                           param="n")
+        if self.in_flight + k > self.capacity and self.queue_timeout > 0:
+            async with self._room:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait_for(lambda: self.in_flight + k <= self.capacity),
+                                           self.queue_timeout)
+        if self.in_flight + k > self.capacity:
+            self.metrics.rejected.inc()
+            raise APIError(429, f"the server is at capacity ({self.in_flight} requests in flight, at most "
+                                f"{self.capacity}); retry later", "rate_limit_error", None, "queue_full")
+        self.in_flight += k
+        return _Lease(self, k)
+
+    def _release(self, k: int) -> None:
+        self.in_flight -= k
+        if self._room is not None:
+            room = self._room
+
+            async def notify():
+                async with room:
+                    room.notify_all()
+
+            with contextlib.suppress(RuntimeError):  # no running loop (a finalizer outside it)
+                task = asyncio.get_running_loop().create_task(notify())
+                self._notifiers.add(task)  # a reference until it ran (the loop keeps only weak ones)
+                task.add_done_callback(self._notifiers.discard)
+
+    # ---- checks ------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "invalid_request_error", "model", "model_not_found")
+
+    def check_n(self, n: int) -> None:
+        if n > self.max_n:
+            raise APIError(400, f"n={n} is more than this server allows ({self.max_n})", param="n")
+
+    def token_ids(self, prompt, param: str) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise APIError(400, f"{param} is empty: generation needs at least one prompt token", param=param)
+        V = self.engine.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {V})", param=param)
+        return ids
+
+    def max_tokens(self, ids: list[int], asked: int | None) -> int:
+        """``asked`` checked against the context; None = all the room left."""
+        room = self.engine.max_model_len - len(ids)
+        room = min(room, self.engine.cache.blocks.capacity_tokens - len(ids))
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(ids)} tokens, which leaves no room to generate within this "
+                                f"model's context of {self.engine.max_model_len} tokens", param="messages",
+                           code="context_length_exceeded")
+        if asked is None:
+            return room
+        if len(ids) + asked > self.engine.max_model_len:
+            raise APIError(400, f"this model's maximum context length is {self.engine.max_model_len} tokens, but "
+                                f"{len(ids) + asked} were requested ({len(ids)} in the prompt, {asked} for the "
+                                "completion); lower max_tokens or the prompt", param="max_tokens",
+                           code="context_length_exceeded")
+        return asked
+
+    def sampling(self, body, max_tokens: int, logprobs: int | None, index: int, processors=()) -> SamplingParams:
+        seed = body.seed
+        if seed is not None and index:
+            seed = (seed + index + 2**63) % 2**64 - 2**63  # choice i of n: seed + i, kept in 64 bits
+        procs = list(processors)
+        if body.presence_penalty or body.frequency_penalty:
+            procs.append(Penalties(body.presence_penalty or 0.0, body.frequency_penalty or 0.0))
+        stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        try:
+            return SamplingParams(
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
+                min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
+                max_tokens=max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or (),
+                ignore_eos=body.ignore_eos, seed=seed, logprobs=logprobs, logits_processors=procs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    def precheck(self, ids: list[int], params: SamplingParams) -> None:
+        """The engine's own checks, without queueing anything."""
+        try:
+            self.engine.check_request(f"check-{uuid.uuid4().hex}", ids, params)
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_request") from None
+
+    # ---- running -----------------------------------------------------------------------
+    async def run(self, ids: list[int], params: SamplingParams, rid: str) -> AsyncIterator:
+        """The engine's deltas for one request; metrics on the way; an abort when left early."""
+        finished = False
+        try:
+            async for out in self.llm.generate(ids, params, rid):
+                self.metrics.tokens(len(out.new_token_ids))
+                if out.finished:
+                    finished = True
+                    self.metrics.finished(out)
+                yield out
+        except GenerationError:
+            finished = True
+            self.metrics.requests.labels("error").inc()
+            raise
+        finally:
+            if not finished:  # left early: the client went away, or shutdown
+                self.metrics.requests.labels("abort").inc()
+
+    def token_text(self, token: int) -> tuple[str, list[int]]:
+        raw = self.tokenizer.decode_bytes([token]) if token in self.tokenizer.vocab else b""
+        return raw.decode("utf-8", "replace"), list(raw)
+
+
+# ---- response pieces ---------------------------------------------------------------------
+def _chat_logprobs(server: Server, entries) -> dict:
+    content = []
+    for token, (lp, top) in entries:
+        text, raw = server.token_text(token)
+        tops = []
+        for t, v in sorted(top.items(), key=lambda kv: -kv[1]):
+            tt, tr = server.token_text(t)
+            tops.append({"token": tt, "logprob": v, "bytes": tr})
+        content.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": tops})
+    return {"content": content, "refusal": None}
+
+
+def _completion_logprobs(server: Server, entries, offset: int) -> dict:
+    tokens, lps, tops, offsets = [], [], [], []
+    for token, (lp, top) in entries:
+        text, _ = server.token_text(token)
+        tokens.append(text)
+        lps.append(lp)
+        tops.append({server.token_text(t)[0]: v for t, v in sorted(top.items(), key=lambda kv: -kv[1])})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _finish_reason(out) -> str | None:
+    """The engine's reasons ("stop", "length") are OpenAI's; None while running."""
+    return out.finish_reason if out.finished else None
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(index, item) from several async iterators as they come; an exception ends it; leaving it
+    early cancels the rest (each iterator's cleanup aborts its engine request)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, gen):
+        try:
+            async for item in gen:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except BaseException as e:  # noqa: BLE001 — handed to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _until_disconnect(request: Request, work):
+    """Await ``work`` unless the client goes away first (then it is cancelled: requests aborted)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch():
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise APIError(499, "the client closed the request", "client_closed")
+    return task.result()
+
+
+def _engine_error(e: GenerationError) -> APIError:
+    return APIError(500, f"the request failed in the engine: {e}", "server_error", code="engine_error")
+
+
+# ---- the app -----------------------------------------------------------------------------
+def build_app(server: Server) -> FastAPI:
+    """The FastAPI app over ``server`` (``Server``)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await server.llm.shutdown()  # every request still in the engine aborted (blocks freed), the loop stopped
+
+    app = FastAPI(title="lmstack", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API over lmstack's continuous-batching engine")
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            msg = f"the request body is not valid JSON: {first.get('msg')}"
+        else:
+            msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+            if len(errs) > 1:
+                msg += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
+        return JSONResponse(error_body(msg, param=loc[0] if loc else None, code="invalid_value"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500)
+
+    app.add_middleware(_BearerAuth, server=server)
+
+    @app.get("/health")
+    async def health():
+        if not server.llm.alive:
+            raise APIError(503, "the engine loop died (it restarts with the next request)", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def chat_page():
+        return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "lmstack", "max_model_len": server.engine.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        server.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt (text) or messages (chat)", param="prompt")
+        if body.messages is not None:
+            ids = _chat_ids(server, body.messages, body.add_generation_prompt)
+        else:
+            ids = server.tokenizer.encode(body.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        server.check_model(body.model)
+        V = server.tokenizer.vocab_size
+        bad = [t for t in body.tokens if t >= V]
+        if bad:
+            raise APIError(400, f"tokens {bad[:5]} are outside the tokenizer's vocabulary [0, {V})", param="tokens")
+        return {"prompt": server.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        server.check_model(body.model)
+        server.check_n(body.n)
+        ids = _chat_ids(server, body.messages, True)
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = server.max_tokens(ids, asked)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        processors = _structured(server, body)
+        params = [server.sampling(body, max_tokens, logprobs, i, processors[i] if processors else ())
+                  for i in range(body.n)]
+        server.precheck(ids, params[0])
+        lease = await server.admit(body.n)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        gens = [server.run(ids, p, f"{rid}-{i}") for i, p in enumerate(params)]
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _streaming(lease, _chat_stream(server, gens, rid, created, len(ids), include_usage, logprobs))
+        try:
+            outs = await _until_disconnect(request, _collect(gens))
+        except GenerationError as e:
+            raise _engine_error(e) from None
+        finally:
+            lease.release()
+        choices = []
+        for i, out in enumerate(outs):
+            choices.append({"index": i, "message": {"role": "assistant", "content": out.text, "refusal": None},
+                            "logprobs": _chat_logprobs(server, zip(out.token_ids, out.logprobs))
+                            if logprobs is not None else None,
+                            "finish_reason": _finish_reason(out)})
+        completion = sum(len(o.token_ids) for o in outs)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
+                "system_fingerprint": None, "choices": choices,
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
+                          "total_tokens": len(ids) + completion}}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_model(body.model)
+        server.check_n(body.n)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported (no fill-in-the-middle template)", param="suffix")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs prompt logprobs, which this engine does not compute",
+                           param="echo")
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if len(prompts) * body.n > server.max_n:
+            raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than this server allows per request "
+                                f"({server.max_n})", param="n")
+        jobs = []  # (prompt ids, prompt text, params) per choice
+        prompt_tokens = 0
+        for j, p in enumerate(prompts):
+            ids = server.token_ids(p, "prompt" if len(prompts) == 1 else f"prompt[{j}]")
+            prompt_tokens += len(ids)
+            max_tokens = server.max_tokens(ids, body.max_tokens)
+            text = p if isinstance(p, str) else server.tokenizer.decode(ids)
+            for i in range(body.n):
+                params = server.sampling(body, max_tokens, body.logprobs, i)
+                if i == 0:
+                    server.precheck(ids, params)
+                jobs.append((ids, text, params))
+        lease = await server.admit(len(jobs))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        gens = [server.run(ids, params, f"{rid}-{k}") for k, (ids, _, params) in enumerate(jobs)]
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _streaming(lease, _completion_stream(server, gens, jobs, rid, created, prompt_tokens,
+                                                        include_usage, body.echo, body.logprobs))
+        try:
+            outs = await _until_disconnect(request, _collect(gens))
+        except GenerationError as e:
+            raise _engine_error(e) from None
+        finally:
+            lease.release()
+        choices = []
+        for k, ((_, ptext, _), out) in enumerate(zip(jobs, outs)):
+            text = (ptext if body.echo else "") + out.text
+            lp = (_completion_logprobs(server, zip(out.token_ids, out.logprobs), 0)
+                  if body.logprobs is not None else None)
+            choices.append({"index": k, "text": text, "logprobs": lp, "finish_reason": _finish_reason(out)})
+        completion = sum(len(o.token_ids) for o in outs)
+        return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
+                "system_fingerprint": None, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": prompt_tokens + completion}}
+
+    return app
+
+
+class _BearerAuth:
+    """``Authorization: Bearer KEY`` on /v1/*, /tokenize, /detokenize when the server has a key. A plain
+    ASGI middleware: Starlette's ``BaseHTTPMiddleware`` would hide client disconnects from the routes."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        key = self.server.api_key
+        path = scope.get("path", "")
+        if key and scope["type"] == "http" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if auth != f"Bearer {key}":
+                response = JSONResponse(error_body("invalid or missing API key (Authorization: Bearer KEY)",
+                                                   code="invalid_api_key"), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _chat_ids(server: Server, messages, add_generation_prompt: bool) -> list[int]:
+    if not messages:
+        raise APIError(400, "messages is empty: give at least one message", param="messages")
+    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    try:
+        text = server.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+    except ValueError as e:  # ChatTemplateError: no template, or the template rejected the messages
+        raise APIError(400, f"messages: {e}", param="messages") from None
+    return server.token_ids(server.tokenizer.encode(text), "messages")
+
+
+def _structured(server: Server, body: ChatCompletionRequest):
+    """Per choice, the grammar's logits processor (``structured.py``), or None for free text."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    from lmstack.serve import structured  # llguidance: only for requests that ask for structured output
+
+    if server._grammar is None:
+        server._grammar = structured.Grammars(server.tokenizer, server.engine.config.vocab_size,
+                                              server.engine.scheduler.eos_token_id)
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        schema = fmt.json_schema.schema_
+    else:
+        schema = None
+    try:
+        return [[server._grammar.processor(schema)] for _ in range(body.n)]
+    except ValueError as e:
+        raise APIError(400, f"response_format: {e}", param="response_format") from None
+
+
+async def _collect(gens: list[AsyncIterator]) -> list:
+    """Every request's final output (each iterator's last item)."""
+    last: dict[int, object] = {}
+    async for i, out in _merge(gens):
+        last[i] = out
+    return [last[i] for i in range(len(gens))]
+
+
+def _streaming(lease: _Lease, body: AsyncIterator[str]) -> StreamingResponse:
+    async def stream():
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            lease.release()
+
+    gen = stream()
+    weakref.finalize(gen, lease.release)  # a stream never started (client gone at once) releases too
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _chat_stream(server: Server, gens, rid, created, prompt_tokens, include_usage, logprobs):
+    def chunk(choices, usage=None):
+        c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
+             "system_fingerprint": None, "choices": choices}
+        if include_usage:
+            c["usage"] = usage
+        return _sse(c)
+
+    for i in range(len(gens)):
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+    sent_lp = [0] * len(gens)
+    completion = 0
+    try:
+        async for i, out in _merge(gens):
+            lp = None
+            if logprobs is not None and out.logprobs is not None:
+                new = list(zip(out.token_ids[sent_lp[i]:], out.logprobs[sent_lp[i]:]))
+                sent_lp[i] += len(new)
+                lp = _chat_logprobs(server, new) if new else None
+            if out.new_text or lp is not None:
+                yield chunk([{"index": i, "delta": {"content": out.new_text}, "logprobs": lp, "finish_reason": None}])
+            if out.finished:
+                completion += len(out.token_ids)
+                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(out)}])
+    except GenerationError as e:
+        yield _sse(_engine_error(e).body())
+        yield "data: [DONE]\n\n"
+        return
+    if include_usage:
+        yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                         "total_tokens": prompt_tokens + completion})
+    yield "data: [DONE]\n\n"
+
+
+async def _completion_stream(server: Server, gens, jobs, rid, created, prompt_tokens, include_usage, echo, logprobs):
+    def chunk(choices, usage=None):
+        c = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
+             "system_fingerprint": None, "choices": choices}
+        if include_usage:
+            c["usage"] = usage
+        return _sse(c)
+
+    if echo:
+        for k, (_, ptext, _) in enumerate(jobs):
+            yield chunk([{"index": k, "text": ptext, "logprobs": None, "finish_reason": None}])
+    sent_lp = [0] * len(gens)
+    offsets = [0] * len(gens)
+    completion = 0
+    try:
+        async for k, out in _merge(gens):
+            lp = None
+            if logprobs is not None and out.logprobs is not None:
+                new = list(zip(out.token_ids[sent_lp[k]:], out.logprobs[sent_lp[k]:]))
+                sent_lp[k] += len(new)
+                lp = _completion_logprobs(server, new, offsets[k]) if new else None
+                if lp:
+                    offsets[k] += sum(len(t) for t in lp["tokens"])
+            if out.new_text or lp is not None or out.finished:
+                yield chunk([{"index": k, "text": out.new_text, "logprobs": lp, "finish_reason": _finish_reason(out)}])
+            if out.finished:
+                completion += len(out.token_ids)
+    except GenerationError as e:
+        yield _sse(_engine_error(e).body())
+        yield "data: [DONE]\n\n"
+        return
+    if include_usage:
+        yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                         "total_tokens": prompt_tokens + completion})
+    yield "data: [DONE]\n\n"

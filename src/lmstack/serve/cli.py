@@ -1,0 +1,70 @@
+"""``lmstack serve``: load a model, build the engine and serve the OpenAI API with uvicorn.
+
+Seed 001 "动态负载" (one engine loop batches every client's requests). SIGTERM / Ctrl-C shut
+down gracefully: no new connections, in-flight requests get ``--shutdown-timeout`` seconds to
+finish, then are aborted (their KV blocks freed), and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+from lmstack.inference.loader import DTYPES, QUANT, load_for_inference
+from lmstack.threads import add_threads_argument
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (FastAPI + uvicorn)")
+    p.add_argument("--model", default="smollm2-135m", help="model name (smollm2-135m), .gguf file or checkpoint dir")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
+    p.add_argument("--dtype", choices=sorted(DTYPES) + list(QUANT), default="fp32")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("LMSTACK_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $LMSTACK_API_KEY, else none)")
+    p.add_argument("--max-seqs", type=int, default=64, help="sequences in the running batch at most")
+    p.add_argument("--max-tokens-per-step", type=int, default=512, help="token budget of one engine step")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size in MiB")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--speculative-tokens", type=int, default=0, help="prompt-lookup speculation (0 = off)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests admitted beyond --max-seqs; more get 429 (after --queue-timeout)")
+    p.add_argument("--queue-timeout", type=float, default=0.0, help="seconds a request waits for room before 429")
+    p.add_argument("--max-n", type=int, default=16, help="choices (n) per request at most")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGTERM before they are aborted")
+    p.add_argument("--seed", type=int, default=0, help="the engine's sampling seed (requests without `seed`)")
+    add_threads_argument(p)
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from lmstack.inference.engine import LLMEngine
+    from lmstack.serve.app import Server, build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model, tokenizer = load_for_inference(args.model, args.tokenizer, args.dtype)
+    engine = LLMEngine(model, tokenizer, max_num_seqs=args.max_seqs, max_num_batched_tokens=args.max_tokens_per_step,
+                       max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_mb * 2**20,
+                       enable_prefix_caching=not args.no_prefix_caching,
+                       num_speculative_tokens=args.speculative_tokens, seed=args.seed)
+    server = Server(engine, args.served_model_name or str(args.model), api_key=args.api_key,
+                    max_queue=args.max_queue, queue_timeout=args.queue_timeout, max_n=args.max_n)
+    config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    print(f"lmstack serve: {server.model_name} on http://{args.host}:{args.port} (chat page at /)", flush=True)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it for the handler that was there
+    # before: a no-op one makes that graceful shutdown a clean exit (status 0)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0

@@ -1,0 +1,204 @@
+"""Bad input, auth, load and failures: 4xx with OpenAI's error object (never a 5xx for bad input),
+401 without the key, 429 when full (or a wait), a failing request that takes no other down."""
+
+import threading
+import time
+
+import pytest
+
+from lmstack.serve.app import Server
+from serve_helpers import MODEL, all_blocks_free, live_server, tiny_engine, tiny_model, wait_idle
+
+httpx = pytest.importorskip("httpx", reason="raw HTTP requests")
+openai = pytest.importorskip("openai", reason="the official client")
+
+USER = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine = tiny_engine(tiny_model(max_seq_len=128))
+    with live_server(Server(engine, MODEL, max_n=4)) as url:
+        yield url, engine
+
+
+def check_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_malformed_json(served, path):
+    r = httpx.post(served[0] + path, content=b'{"model": "tiny", "messages": [', headers={
+        "content-type": "application/json"})
+    assert "JSON" in check_error(r, 400)["message"]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": MODEL, "messages": USER, "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "messages": USER, "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": "hello"}, 400, "messages"),
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ({"model": MODEL, "messages": USER, "n": 0}, 400, "n"),
+    ({"model": MODEL, "messages": USER, "n": 5}, 400, "n"),  # max_n=4
+    ({"model": MODEL, "messages": USER, "max_tokens": 500}, 400, "max_tokens"),  # context 128
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
+    ({"model": MODEL, "messages": USER, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": MODEL, "messages": USER, "top_logprobs": 3}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": USER, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ({"model": "gpt-9", "messages": USER}, 404, "model"),
+])
+def test_chat_bad_requests(served, body, status, param):
+    r = httpx.post(served[0] + "/v1/chat/completions", json=body)
+    check_error(r, status, param)
+
+
+@pytest.mark.parametrize("body, status", [
+    ({"model": MODEL, "prompt": ""}, 400),
+    ({"model": MODEL, "prompt": []}, 400),
+    ({"model": MODEL, "prompt": [1, 2, 999]}, 400),
+    ({"model": MODEL, "prompt": "x", "logprobs": 9}, 400),
+    ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400),
+    ({"model": MODEL, "prompt": ["a", "b", "c"], "n": 2}, 400),
+    ({"model": MODEL, "prompt": {"a": 1}}, 400),
+])
+def test_completion_bad_requests(served, body, status):
+    check_error(httpx.post(served[0] + "/v1/completions", json=body), status)
+
+
+def test_unknown_route_and_method(served):
+    check_error(httpx.get(served[0] + "/v1/nothing"), 404)
+    check_error(httpx.get(served[0] + "/v1/chat/completions"), 405)
+
+
+def test_openai_client_sees_the_errors(served):
+    client = openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=USER)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1000)
+    # and the server still answers
+    assert client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3).choices[0].message.content != ""
+
+
+def test_api_key():
+    with live_server(Server(tiny_engine(), MODEL, api_key="sekrit")) as url:
+        check_error(httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": USER}), 401)
+        check_error(httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="sekrit")
+        assert ok.chat.completions.create(model=MODEL, messages=USER, max_tokens=2).usage.completion_tokens == 2
+        assert httpx.get(url + "/health").status_code == 200  # health and metrics stay open
+
+
+def _hold_a_stream(url, started: threading.Event, stop: threading.Event):
+    body = {"model": MODEL, "messages": USER, "max_tokens": 200, "stream": True, "ignore_eos": True, "user": "slow"}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for _ in r.iter_lines():
+            started.set()
+            if stop.is_set():
+                break
+
+
+def _slow_sampling(monkeypatch):
+    """Requests with user="slow" take ~20 ms a token: a stream that surely holds its slot."""
+    from lmstack.serve import app as app_module
+
+    real = app_module.Server.sampling
+
+    def slow(output_ids, logits):
+        time.sleep(0.02)
+        return logits
+
+    def sampling(self, body, max_tokens, logprobs, index, processors=()):
+        extra = [slow] if body.user == "slow" else []
+        return real(self, body, max_tokens, logprobs, index, list(processors) + extra)
+
+    monkeypatch.setattr(app_module.Server, "sampling", sampling)
+
+
+def test_full_queue_answers_429_or_waits(monkeypatch):
+    _slow_sampling(monkeypatch)
+    engine = tiny_engine(max_num_seqs=1)
+    for timeout, expect in [(0.0, 429), (30.0, 200)]:
+        with live_server(Server(engine, MODEL, max_queue=0, queue_timeout=timeout)) as url:
+            started, stop = threading.Event(), threading.Event()
+            t = threading.Thread(target=_hold_a_stream, args=(url, started, stop))
+            t.start()
+            assert started.wait(30)
+            if expect == 200:
+                threading.Timer(0.5, stop.set).start()  # room comes back while the second one waits
+            r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 2},
+                           timeout=60)
+            stop.set()
+            t.join()
+            if expect == 429:
+                assert check_error(r, 429)["code"] == "queue_full"
+                assert "lmstack_requests_rejected_total 1.0" in httpx.get(url + "/metrics").text
+            else:
+                assert r.status_code == 200, r.text
+            wait_idle(engine)
+            assert all_blocks_free(engine)
+
+
+def test_a_failing_request_takes_no_other_down(served, monkeypatch):
+    """A request whose sampling raises inside the engine loop gets a 500 error object; requests
+    running beside it finish normally and the loop serves the next ones."""
+    url, engine = served
+    server = None
+    from lmstack.serve import app as app_module
+
+    real = app_module.Server.sampling
+
+    def boom(output_ids, logits):
+        if len(output_ids) >= 2:
+            raise RuntimeError("boom")
+        return logits
+
+    def sampling(self, body, max_tokens, logprobs, index, processors=()):
+        extra = [boom] if body.user == "boom" else []
+        return real(self, body, max_tokens, logprobs, index, list(processors) + extra)
+
+    monkeypatch.setattr(app_module.Server, "sampling", sampling)
+    results = {}
+
+    def call(name, user):
+        results[name] = httpx.post(url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": USER, "max_tokens": 30, "user": user, "ignore_eos": True}, timeout=60)
+
+    threads = [threading.Thread(target=call, args=(f"good{i}", "ok")) for i in range(3)]
+    threads.append(threading.Thread(target=call, args=("bad", "boom")))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert check_error(results["bad"], 500)["type"] == "server_error"
+    assert "boom" in results["bad"].json()["error"]["message"]
+    for i in range(3):
+        assert results[f"good{i}"].json()["usage"]["completion_tokens"] == 30
+    stream = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 30,
+                                                            "user": "boom", "stream": True}, timeout=60)
+    assert stream.status_code == 200 and '"server_error"' in stream.text and stream.text.endswith("data: [DONE]\n\n")
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    wait_idle(engine)
+    assert all_blocks_free(engine)
+    del server
+
+
+def test_a_client_leaving_a_non_streamed_request_aborts_it(served, monkeypatch):
+    _slow_sampling(monkeypatch)  # 200 tokens at ~20 ms each: still running when the client leaves
+    url, engine = served
+    before = engine.stats["generated_tokens"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 100,
+                                                      "ignore_eos": True, "user": "slow"}, timeout=0.5)
+    wait_idle(engine, timeout=10)
+    assert all_blocks_free(engine)
+    assert engine.stats["generated_tokens"] - before < 100
