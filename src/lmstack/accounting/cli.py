@@ -21,6 +21,8 @@ from lmstack.model.config import PRESETS, ModelConfig
 from lmstack.model.hf import load_config
 from lmstack.threads import add_threads_argument
 from lmstack.utils import atomic_write_text, check_outputs, is_json_file, is_png_file
+from lmstack.accounting import param_counts
+from lmstack.scaling.planner import optimal_for_params
 
 
 def register(subparsers) -> None:
@@ -112,9 +114,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _print_compute_optimal(cfg: ModelConfig, hw, args: argparse.Namespace) -> None:
     """One line from ``lmstack.scaling``: the tokens and FLOPs for which this N is compute-optimal."""
-    from lmstack.accounting import param_counts
-    from lmstack.scaling.planner import optimal_for_params
-
     p = optimal_for_params(param_counts(cfg).total, args.scaling_law)
     hours = p.C / (args.devices * hw.flops(args.dtype) * 0.4) / 3600
     loss = "" if p.loss != p.loss else f", predicted loss {p.loss:.3f}"

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from lmstack.utils import atomic_path
 
 WINNERS = {"model_a": 1.0, "model_b": 0.0, "tie": 0.5, "tie (bothbad)": 0.5}
 SCALE, BASE, INIT = 400.0, 10.0, 1000.0
@@ -169,7 +170,6 @@ def plot_ratings(result: ArenaResult, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lmstack.utils import atomic_path
 
     order = np.argsort(-result.bt)
     y = result.bt[order]

@@ -9,6 +9,17 @@ import json
 from lmstack.inference.loader import DTYPES, QUANT
 from lmstack.threads import add_threads_argument
 from lmstack.utils import atomic_write_text, check_outputs, is_json_file
+from lmstack.eval import contamination as C
+from lmstack.eval.arena import plot_ratings, rate, read_battles
+from lmstack.eval.contamination import clean_rescore
+from lmstack.eval.datasets import make_data
+from lmstack.eval.judge import battles, read_questions, write_battles
+from lmstack.eval.perplexity import perplexity, read_eval_tokens
+from lmstack.eval.runner import Evaluator, run_task, table
+from lmstack.eval.tasks import load_task
+from lmstack.inference.loader import load_for_inference, model_tokenizer
+from lmstack.tokenizer import is_token_file
+from lmstack.utils import is_png_file
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -20,7 +31,6 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from lmstack.inference.loader import load_for_inference
 
     return load_for_inference(args.model, args.tokenizer, args.dtype)
 
@@ -108,7 +118,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_ppl(args) -> int:
-    from lmstack.eval.perplexity import perplexity, read_eval_tokens
 
     if args.json:
         check_outputs([("--json", args.json)], [("the data", args.data)], {"--json": ("a JSON file", is_json_file)})
@@ -128,8 +137,6 @@ def run_ppl(args) -> int:
 
 
 def run_tasks(args) -> int:
-    from lmstack.eval.runner import Evaluator, run_task, table
-    from lmstack.eval.tasks import load_task
 
     inputs = [("a task file", t) for t in args.tasks]
     if args.json:
@@ -150,7 +157,7 @@ def run_tasks(args) -> int:
 
 def run_harness(args) -> int:
     try:
-        from lmstack.eval.harness import run_lm_eval
+        from lmstack.eval.harness import run_lm_eval  # lm-evaluation-harness is optional
     except ImportError as e:
         raise ValueError(f"lmstack eval harness needs lm-evaluation-harness ({e}): pip install lm-eval") from None
     argv = list(args.lm_eval_args)
@@ -165,8 +172,6 @@ def run_harness(args) -> int:
 def run_arena(args) -> int:
     import sys
 
-    from lmstack.eval.arena import plot_ratings, rate, read_battles
-    from lmstack.utils import is_png_file
 
     ins = [("the battles file", args.battles)]
     check_outputs([("--json", args.json), ("--png", args.png)], ins,
@@ -191,8 +196,6 @@ def _item_texts(task) -> list[str]:
 
 
 def run_contamination(args) -> int:
-    from lmstack.eval import contamination as C
-    from lmstack.eval.tasks import load_task
 
     ins = [("the task", args.task), ("--train", args.train), ("--results", args.results)]
     if args.json:
@@ -211,13 +214,9 @@ def run_contamination(args) -> int:
               + (f"; sharded ({args.shards}) p = {r.sharded_p_value:.4g}" if args.shards else ""))
         out = {"task": task.name, "method": "exchangeability", "model": str(args.model), **r.to_dict()}
     else:
-        from lmstack.tokenizer import is_token_file
-
         if not args.train:
             raise ValueError("overlap needs --train FILE (a text corpus or a token file)")
         if is_token_file(args.train):
-            from lmstack.inference.loader import model_tokenizer
-
             tok = model_tokenizer(args.model, args.tokenizer)
             r = C.ngram_overlap([tok.encode(t) for t in texts], C.token_chunks(args.train), args.n)
         else:
@@ -237,7 +236,6 @@ def run_contamination(args) -> int:
 
 
 def _rescore(path, task, flags) -> dict:
-    from lmstack.eval.contamination import clean_rescore
 
     with open(path, encoding="utf-8") as f:
         results = json.load(f).get("results", [])
@@ -256,7 +254,6 @@ def _rescore(path, task, flags) -> dict:
 
 
 def run_make_data(args) -> int:
-    from lmstack.eval.datasets import make_data
 
     prov = make_data(args.out, args.seed, args.heldout_bytes)
     print(f"{args.out}: stdlib_heldout.txt ({prov['stdlib_heldout.txt']['bytes']} bytes, "
@@ -266,10 +263,6 @@ def run_make_data(args) -> int:
 
 
 def run_judge(args) -> int:
-    from lmstack.eval.arena import rate, read_battles
-    from lmstack.eval.judge import battles, read_questions, write_battles
-    from lmstack.eval.runner import Evaluator
-    from lmstack.inference.loader import load_for_inference
 
     check_outputs([("--battles", args.battles)], [("the prompts", args.prompts)])
     contestants = {}

@@ -26,6 +26,7 @@ import numpy as np
 
 from lmstack.eval.perplexity import windows
 from lmstack.eval.scoring import score_rows
+from lmstack.tokenizer import open_tokens
 
 
 # ---- exchangeability ---------------------------------------------------------------------------
@@ -198,7 +199,6 @@ def text_chunks(path, chunk_chars: int = 1 << 20) -> Iterator[list[str]]:
 
 
 def token_chunks(path, chunk: int = 1 << 22) -> Iterator[list[int]]:
-    from lmstack.tokenizer import open_tokens
 
     toks = open_tokens(path)
     for i in range(0, len(toks), chunk):

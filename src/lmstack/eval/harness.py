@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from lmstack.eval.runner import Evaluator
 from lmstack.eval.scoring import prefix_token_id
+from lmstack.inference.loader import load_for_inference
 
 
 def _int_or_none(v):
@@ -36,7 +37,6 @@ class LMStackLM(LM):
     def __init__(self, model="smollm2-135m", tokenizer=None, dtype="fp32", max_length=None, max_gen_toks=256,
                  max_batch_tokens=8192, batch_size=None, device=None, **unused):
         super().__init__()
-        from lmstack.inference.loader import load_for_inference
 
         import torch
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
+from lmstack.eval.tasks import TaskError, read_jsonl
+from lmstack.utils import atomic_write_text
 
 TEMPLATE = ("Question: {question}\n\nAnswer A: {a}\n\nAnswer B: {b}\n\n"
             "Which answer is better, A or B? The better answer is")
@@ -57,8 +59,6 @@ def battles(answers: dict[str, list[str]], questions: list[str], judge, progress
 
 def read_questions(path) -> list[str]:
     """JSONL with a ``prompt`` (or ``question``) string a line; errors name the line."""
-    from lmstack.eval.tasks import TaskError, read_jsonl
-
     out = []
     for n, obj in read_jsonl(Path(path)):
         q = obj.get("prompt", obj.get("question"))
@@ -69,6 +69,5 @@ def read_questions(path) -> list[str]:
 
 
 def write_battles(path, rows: list[dict]) -> None:
-    from lmstack.utils import atomic_write_text
 
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from lmstack.eval.scoring import score_rows
+from lmstack.tokenizer import is_token_file, open_tokens
 
 
 @dataclass
@@ -123,8 +124,6 @@ def perplexity(model, ids, max_length: int | None = None, stride: int | None = N
 def read_eval_tokens(path, tokenizer=None, add_bos: int | None = None, max_tokens: int | None = None) -> np.ndarray:
     """Token ids of a token file (``lmstack tokenizer encode``: a sidecar names its dtype) or a UTF-8 text
     file encoded with ``tokenizer``; ``add_bos``: a token id to put first; ``max_tokens``: keep the first n."""
-    from lmstack.tokenizer import is_token_file, open_tokens
-
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such text or token file")

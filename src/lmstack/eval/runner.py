@@ -23,6 +23,8 @@ import numpy as np
 
 from lmstack.eval.scoring import encode_pair, loglikelihoods, prefix_token_id
 from lmstack.eval.tasks import Task
+from lmstack.inference.engine import LLM
+from lmstack.inference.sampling import SamplingParams
 
 
 def mean_stderr(xs) -> float | None:
@@ -71,9 +73,6 @@ class Evaluator:
     def generate(self, prompts: list[str], stop: list[str], max_tokens: int, progress: bool = False) -> list[str]:
         """Greedy continuations through the engine, cut at the first stop sequence; prompts longer than the
         context keep their last tokens (as lm-eval does)."""
-        from lmstack.inference.engine import LLM
-        from lmstack.inference.sampling import SamplingParams
-
         if self._llm is None:
             self._llm = LLM(self.model, self.tokenizer, max_model_len=self.max_length)
         keep = self.max_length - max_tokens

@@ -12,6 +12,13 @@ from pathlib import Path
 
 from lmstack.threads import add_threads_argument
 from lmstack.utils import atomic_write_text, check_outputs, is_json_file, is_png_file
+from lmstack.accounting import get_hardware
+from lmstack.scaling.coord_check import SITES, coord_check, plot_coord_check
+from lmstack.scaling.experiments import batch_sweep, lr_transfer, plot_batch_sweep, plot_lr_transfer
+from lmstack.scaling.fit_runs import fit_runs
+from lmstack.scaling.planner import PRESETS, Law, compute_from_hardware, compute_optimal
+from lmstack.scaling.runs import read_runs
+from lmstack.scaling.sweep import Sweep, run_sweep
 
 
 def register(subparsers) -> None:
@@ -78,7 +85,6 @@ def register(subparsers) -> None:
 
 
 def _laws(spec: str):
-    from lmstack.scaling.planner import PRESETS, Law
 
     if spec == "all":
         return list(PRESETS.values())
@@ -95,13 +101,11 @@ def _laws(spec: str):
 
 
 def cmd_plan(args) -> int:
-    from lmstack.scaling.planner import compute_from_hardware, compute_optimal
 
     budgets = list(args.flops or [])
     if args.gpus is not None or args.hours is not None:
         if args.gpus is None or args.hours is None:
             raise ValueError("--gpus and --hours go together (devices × hours × peak × --mfu)")
-        from lmstack.accounting import get_hardware
 
         hw = get_hardware(args.hardware)
         C = compute_from_hardware(args.gpus, args.hours, hw.flops(args.dtype), args.mfu)
@@ -120,7 +124,6 @@ def cmd_plan(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from lmstack.scaling.sweep import Sweep, run_sweep
 
     sweep = Sweep.load(args.config)
     if args.dry_run:
@@ -136,8 +139,6 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_fit(args) -> int:
-    from lmstack.scaling.fit_runs import fit_runs
-    from lmstack.scaling.runs import read_runs
 
     runs = Path(args.runs)
     out = Path(args.out) if args.out else runs.parent / "fit"
@@ -181,7 +182,6 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def cmd_coord_check(args) -> int:
-    from lmstack.scaling.coord_check import SITES, coord_check, plot_coord_check
 
     widths = _ints(args.widths, "--widths")
     check_outputs([("--out", args.out)], [], {"--out": ("a PNG image", is_png_file)})
@@ -196,7 +196,6 @@ def cmd_coord_check(args) -> int:
 
 
 def cmd_lr_transfer(args) -> int:
-    from lmstack.scaling.experiments import lr_transfer, plot_lr_transfer
 
     out = Path(args.out)
     check_outputs([("--out", out)], [("--data", args.data)])
@@ -216,7 +215,6 @@ def cmd_lr_transfer(args) -> int:
 
 
 def cmd_batch_sweep(args) -> int:
-    from lmstack.scaling.experiments import batch_sweep, plot_batch_sweep
 
     out = Path(args.out)
     check_outputs([("--out", out)], [("--data", args.data)])

@@ -16,6 +16,7 @@ from lmstack.model.transformer import Transformer
 from lmstack.scaling.mup import apply_mup, mup_param_groups
 from lmstack.train.losses import cross_entropy
 from lmstack.train.optim import AdamW
+from lmstack.utils import atomic_path
 
 SITES = ("embedding", "last block", "logits")
 
@@ -79,7 +80,6 @@ def plot_coord_check(results: dict[str, dict[int, np.ndarray]], path: Path) -> P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lmstack.utils import atomic_path
 
     fig, axes = plt.subplots(len(results), len(SITES), figsize=(4 * len(SITES), 3.2 * len(results)), squeeze=False)
     for r, (name, res) in enumerate(results.items()):

@@ -18,6 +18,7 @@ from lmstack.scaling import chinchilla as ch
 from lmstack.scaling.laws import Fit, chinchilla_loss, fit_loss_law, prediction_interval
 from lmstack.scaling.runs import columns
 from lmstack.utils import atomic_write_text
+from lmstack.scaling import plots
 
 
 @dataclass
@@ -100,7 +101,6 @@ def fit_runs(rows: list[dict[str, Any]], out_dir: Path | None = None, n_boot: in
 
 
 def _figures(rows, fit_rows, curves, res: RunsFit, out_dir: Path) -> list[Path]:
-    from lmstack.scaling import plots
 
     out_dir.mkdir(parents=True, exist_ok=True)
     by = {a.name.split(" (")[0]: a for a in res.approaches}

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from lmstack.model.config import ModelConfig
 from lmstack.train.config import TrainConfig
 from lmstack.train.trainer import Trainer, optimizer_class
+from lmstack.model.transformer import Transformer
 
 KINDS = ("input", "hidden", "output", "vector")
 
@@ -114,7 +115,6 @@ def mup_table(model: nn.Module, base_width: int) -> list[MupParam]:
 
 
 def _shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    from lmstack.model.transformer import Transformer
 
     with torch.device("meta"):
         model = Transformer(cfg, device="meta")

@@ -14,6 +14,8 @@ import signal
 
 from lmstack.inference.loader import DTYPES, QUANT, load_for_inference
 from lmstack.threads import add_threads_argument
+from lmstack.inference.engine import LLMEngine
+from lmstack.serve.app import Server, build_app
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,8 +48,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_serve(args) -> int:
     import uvicorn
 
-    from lmstack.inference.engine import LLMEngine
-    from lmstack.serve.app import Server, build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model, tokenizer = load_for_inference(args.model, args.tokenizer, args.dtype)
