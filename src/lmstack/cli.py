@@ -24,7 +24,8 @@ CHAPTERS = {"demo": "lmstack.demo", "inference": "lmstack.inference.cli", "token
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmstack",
-        description="lmstack: tokenizer, Llama-family model, training, parallelism, kernels, inference, accounting.",
+        description="lmstack: tokenizer, model, training, parallelism, kernels, inference and serving, "
+                    "quantisation, evaluation, accounting and scaling laws.",
     )
     parser.add_argument("--version", action="version", version=f"lmstack {__version__}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
