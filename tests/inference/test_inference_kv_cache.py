@@ -211,3 +211,32 @@ def test_batch1_generate_builds_the_cache_the_layers_need(kind):
     else:
         with pytest.raises(ValueError, match="rolls back"):
             speculate(model, prompt, 12, k=3)
+
+
+def test_logits_processors_apply_on_the_batch1_path_as_in_the_engine(model, prompts):
+    """One sampler: a processor that bans token ids is applied by ``generate`` and by the engine alike;
+    greedy output equals the plainly written recompute with those logits set to -inf."""
+    from inference_helpers import greedy
+    from lmstack.inference import LLM
+
+    banned = [3, 5, 7, 11]
+
+    def ban(output_ids, logits):
+        logits[banned] = float("-inf")
+        return logits
+
+    for p in prompts[:3]:
+        ids, ref = list(p), []
+        with torch.no_grad():
+            for _ in range(8):
+                logits = model(torch.tensor([ids]))[0, -1]
+                logits[banned] = float("-inf")
+                ref.append(int(logits.argmax()))
+                ids.append(ref[-1])
+        params = greedy(8, logits_processors=[ban])
+        assert list(generate(model, p, params)) == ref
+        assert LLM(model).generate([p], params)[0].token_ids == ref
+    with pytest.raises(ValueError, match="speculation"):
+        from lmstack.inference import PromptLookup
+
+        list(generate(model, prompts[0], greedy(8, logits_processors=[ban]), speculation=PromptLookup(2)))

@@ -42,6 +42,9 @@ def generate(model, prompt_ids: Sequence[int], params: SamplingParams | None = N
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     prompt_ids = prompt_token_ids(prompt_ids, model.config.vocab_size, name="prompt_ids")
+    if speculation is not None and params.logits_processors:
+        raise ValueError("logits_processors with speculation: drafts are verified against the raw distribution, "
+                         "which the processors would change; pass speculation=None")
     extra = speculation.k + 1 if speculation is not None else 0  # drafts are fed past the last kept token
     total = len(prompt_ids) + params.max_tokens + extra
     limit, where = (decoder.cache.max_seq_len, "the decoder's ") if decoder is not None else (model.config.max_seq_len, "")
@@ -75,7 +78,7 @@ def _decode(step, prompt_ids: list[int], params: SamplingParams, speculation=Non
             drafts, q = speculation.draft(ids, room, params, gen)
         logits = step(ids, done, drafts)  # (k+1, V)
         if speculation is None:
-            emitted, kept = [sample_token(logits[-1].cpu(), params, gen, ids)], 0
+            emitted, kept = [sample_token(logits[-1].cpu(), params, gen, ids, ids[len(prompt_ids):])], 0
         else:
             emitted, kept = verify_drafts(logits, drafts, params, ids, gen, q)
             speculation.stats.record(len(drafts), kept)

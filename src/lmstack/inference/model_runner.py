@@ -78,10 +78,8 @@ class ModelRunner:
                 if logits_cpu is None and (i not in greedy_set or s.logprobs is not None):
                     logits_cpu = logits.float().cpu()
                 if i not in greedy_set:
-                    row = logits_cpu[i]
-                    for process in s.params.logits_processors:  # (V,) -> (V,), on a copy
-                        row = process(s.output_ids, row.clone() if row is logits_cpu[i] else row)
-                    tokens[i] = sample_token(row, s.params, s.generator or self.generator, s.all_ids)
+                    tokens[i] = sample_token(logits_cpu[i], s.params, s.generator or self.generator, s.all_ids,
+                                             s.output_ids)
                 lp = token_logprobs(logits_cpu[i], tokens[i], s.params.logprobs) if s.logprobs is not None else None
                 out.append((tokens[i], lp))
             except Exception as e:  # noqa: BLE001 — one row's failure is that request's alone

@@ -211,8 +211,11 @@ def target_probs(logits: Tensor, params: SamplingParams, history: Tensor | Seque
 
 
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-                 history: Tensor | Sequence[int] | None = None) -> int:
-    """logits (V,) -> one token id under ``params`` (the distribution of ``target_probs``)."""
+                 history: Tensor | Sequence[int] | None = None, output_ids: Sequence[int] = ()) -> int:
+    """logits (V,) -> one token id under ``params`` (the distribution of ``target_probs``), after the
+    request's ``logits_processors`` (each given ``output_ids``, the tokens generated so far, and a copy)."""
+    for process in params.logits_processors:  # (V,) -> (V,)
+        logits = process(output_ids, logits.clone())
     probs = target_probs(logits, params, history)
     if params.greedy:
         return int(probs.argmax())
