@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lmstack.model.layers import Linear
 from lmstack.quant.int8 import QMAX8, quantize_int8
+from lmstack.quant.model import replace_block_linears
 
 
 def _int_mm(a: Tensor, b_t: Tensor) -> Tensor:
@@ -91,15 +91,7 @@ class LLMInt8Linear(nn.Module):
 def llm_int8_model(model: nn.Module, threshold: float = 6.0, lm_head: bool = True,
                    outlier_dtype: torch.dtype = torch.float16) -> nn.Module:
     """Swap every block ``Linear`` (and the unembedding when ``lm_head``) for ``LLMInt8Linear``, in place."""
-    if not hasattr(model, "blocks"):
-        raise TypeError(f"expected an lmstack Transformer (with .blocks), got {type(model).__name__}")
-    if getattr(model, "quantization", None):
-        raise ValueError(f"the model is already quantised ({model.quantization}); quantise a float model")
-    for block in model.blocks:
-        for parent in block.modules():
-            for name, child in list(parent.named_children()):
-                if isinstance(child, Linear):
-                    setattr(parent, name, LLMInt8Linear.from_linear(child, threshold, outlier_dtype))
+    replace_block_linears(model, lambda name, child: LLMInt8Linear.from_linear(child, threshold, outlier_dtype))
     if lm_head:
         W = model.embed.weight if model.lm_head is None else model.lm_head.weight
         model.lm_head = LLMInt8Linear(*quantize_int8(W), None, threshold, outlier_dtype)

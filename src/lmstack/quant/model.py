@@ -19,6 +19,20 @@ from lmstack.quant.linear import WeightOnlyLinear
 QUANT_METHODS = ("int8", "int4")
 
 
+def replace_block_linears(model: nn.Module, make) -> None:
+    """Replace every ``Linear`` inside ``model.blocks`` (an lmstack Transformer's W_Q … W_down) by
+    ``make(name, linear)``, in place; a float model only (one quantisation per model)."""
+    if not hasattr(model, "blocks"):
+        raise TypeError(f"expected an lmstack Transformer (with .blocks), got {type(model).__name__}")
+    if getattr(model, "quantization", None):
+        raise ValueError(f"the model is already quantised ({model.quantization}); quantise a float model")
+    for block in model.blocks:
+        for parent in block.modules():
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Linear):
+                    setattr(parent, name, make(name, child))
+
+
 def _quantized(weight_or_linear, method: str, group_size: int, compute_dtype: torch.dtype) -> nn.Module:
     if method == "int8":
         if isinstance(weight_or_linear, torch.Tensor):
@@ -43,15 +57,7 @@ def quantize_model(model: nn.Module, method: str = "int8", lm_head: bool | str =
     for m in (method, head_method):
         if m is not False and m not in QUANT_METHODS:
             raise ValueError(f"quantisation method={m!r}; expected one of {QUANT_METHODS}")
-    if not hasattr(model, "blocks"):
-        raise TypeError(f"expected an lmstack Transformer (with .blocks), got {type(model).__name__}")
-    if getattr(model, "quantization", None):
-        raise ValueError(f"the model is already quantised ({model.quantization}); quantise a float model")
-    for block in model.blocks:
-        for parent in block.modules():
-            for name, child in list(parent.named_children()):
-                if isinstance(child, Linear):
-                    setattr(parent, name, _quantized(child, method, group_size, compute_dtype))
+    replace_block_linears(model, lambda name, child: _quantized(child, method, group_size, compute_dtype))
     if head_method:
         if model.lm_head is not None:
             model.lm_head = _quantized(model.lm_head, head_method, group_size, compute_dtype)
