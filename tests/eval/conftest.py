@@ -55,8 +55,5 @@ def lm(tiny_dir):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test here runs with one intra-op thread (the root conftest's ``one_thread``)."""

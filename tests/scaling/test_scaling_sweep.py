@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from lmstack.cli import main
 from lmstack.model.config import ModelConfig
@@ -14,15 +13,11 @@ from lmstack.scaling.runs import RunsFileError, append_run, read_runs
 from lmstack.scaling.sweep import Sweep, compute_params, run_sweep
 from lmstack.utils import is_png_file
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TRUE = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _tokens(tmp_path):

@@ -4,16 +4,11 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread is as fast and does not fight other jobs on a shared machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_thread):
+    """Every test here runs with one intra-op thread (the root conftest's ``one_thread``)."""
 
 
 def write_tokens(path, ids, vocab_size):
