@@ -131,8 +131,12 @@ class Tokenizer:
     # ------------------------------------------------------------------ sizes and lookups
     @property
     def vocab_size(self) -> int:
-        """V: one more than the largest id (ids are dense in every format lmstack reads)."""
-        return max(self.vocab) + 1
+        """V: one more than the largest id (ids are dense in every format lmstack reads). Cached while the
+        vocabulary keeps its size: per-token callers (a grammar's vocabulary, a sampler) pay O(1), not O(V)."""
+        cached = self.__dict__.get("_vocab_size")
+        if cached is None or cached[0] != len(self.vocab):
+            cached = self.__dict__["_vocab_size"] = (len(self.vocab), max(self.vocab) + 1)
+        return cached[1]
 
     def token_to_id(self, token: bytes | str) -> int | None:
         if isinstance(token, str):
