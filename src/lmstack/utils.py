@@ -108,6 +108,22 @@ def check_outputs(outputs: Labeled, inputs: Labeled, kinds: dict[str, tuple[str,
                                   "(choose another path, or pass --force to replace it)")
 
 
+def read_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of a JSONL file; a line that is not a JSON object
+    raises ``error`` naming ``path:line`` (tasks, battles, sweep runs all read through here)."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno}): {line.strip()[:80]!r}") from None
+            if not isinstance(obj, dict):
+                raise error(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+            yield n, obj
+
+
 def is_json_file(path: Path) -> bool:
     """A regular file holding a JSON object (what lmstack's own JSON outputs are)."""
     if not path.is_file():

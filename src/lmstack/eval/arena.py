@@ -15,13 +15,13 @@ A battles file is JSONL, one battle a line: ``{"model_a": str, "model_b": str, "
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from lmstack.utils import atomic_path
+
+from lmstack.utils import atomic_path, read_jsonl
 
 WINNERS = {"model_a": 1.0, "model_b": 0.0, "tie": 0.5, "tie (bothbad)": 0.5}
 SCALE, BASE, INIT = 400.0, 10.0, 1000.0
@@ -46,31 +46,22 @@ def read_battles(path) -> Battles:
         raise FileNotFoundError(f"{path}: no such battles file")
     names: dict[str, int] = {}
     a, b, s, seen_line = [], [], [], {}
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BattlesError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise BattlesError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            for key in ("model_a", "model_b", "winner"):
-                if key not in obj:
-                    raise BattlesError(f"{where}: missing field {key!r}")
-                if not isinstance(obj[key], str) or not obj[key]:
-                    raise BattlesError(f"{where}: field {key!r} = {obj[key]!r:.60} must be a non-empty string")
-            if obj["winner"] not in WINNERS:
-                raise BattlesError(f"{where}: field 'winner' = {obj['winner']!r} must be one of {list(WINNERS)}")
-            if obj["model_a"] == obj["model_b"]:
-                raise BattlesError(f"{where}: model_a and model_b are both {obj['model_a']!r}")
-            for key in ("model_a", "model_b"):
-                seen_line.setdefault(obj[key], n)
-            a.append(names.setdefault(obj["model_a"], len(names)))
-            b.append(names.setdefault(obj["model_b"], len(names)))
-            s.append(WINNERS[obj["winner"]])
+    for n, obj in read_jsonl(path, BattlesError):
+        where = f"{path}:{n}"
+        for key in ("model_a", "model_b", "winner"):
+            if key not in obj:
+                raise BattlesError(f"{where}: missing field {key!r}")
+            if not isinstance(obj[key], str) or not obj[key]:
+                raise BattlesError(f"{where}: field {key!r} = {obj[key]!r:.60} must be a non-empty string")
+        if obj["winner"] not in WINNERS:
+            raise BattlesError(f"{where}: field 'winner' = {obj['winner']!r} must be one of {list(WINNERS)}")
+        if obj["model_a"] == obj["model_b"]:
+            raise BattlesError(f"{where}: model_a and model_b are both {obj['model_a']!r}")
+        for key in ("model_a", "model_b"):
+            seen_line.setdefault(obj[key], n)
+        a.append(names.setdefault(obj["model_a"], len(names)))
+        b.append(names.setdefault(obj["model_b"], len(names)))
+        s.append(WINNERS[obj["winner"]])
     if not s:
         raise BattlesError(f"{path}: no battles (empty file)")
     models = list(names)

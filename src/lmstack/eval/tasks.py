@@ -29,11 +29,12 @@ Every error names the file, the line (for items) and the field.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from lmstack.utils import read_jsonl as utils_read_jsonl
 
 KINDS = ("multiple_choice", "loglikelihood", "generate")
 
@@ -100,18 +101,7 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
     """(line number, object) for each non-blank line; a line that is not a JSON object is an error."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such task data file")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise TaskError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
-            rows.append((n, obj))
+    rows = list(utils_read_jsonl(path, TaskError))
     if not rows:
         raise TaskError(f"{path}: no items (empty dataset)")
     return rows

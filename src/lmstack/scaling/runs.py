@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from lmstack.utils import atomic_write_text
+from lmstack.utils import atomic_write_text, read_jsonl
 
 REQUIRED = ("name", "N", "D", "C", "loss")
 
@@ -48,21 +48,17 @@ def read_runs(path: str | os.PathLike, missing_ok: bool = False) -> list[dict[st
             return []
         raise FileNotFoundError(f"runs file {str(p)!r} does not exist (run `lmstack scaling sweep` first)")
     rows, names = [], {}
-    with open(p, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{p}:{i}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise RunsFileError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): {line.strip()[:80]!r}; "
-                                    "delete or fix that line (the sweep reruns a run whose line is missing)") from None
-            row = _check_row(row, where)
-            if row["name"] in names:
-                raise RunsFileError(f"{where}: run {row['name']!r} already recorded on line {names[row['name']]}")
-            names[row["name"]] = i
-            rows.append(row)
+    try:
+        lines = list(read_jsonl(p, RunsFileError))
+    except RunsFileError as e:
+        raise RunsFileError(f"{e}; delete or fix that line (the sweep reruns a run whose line is missing)") from None
+    for i, row in lines:
+        where = f"{p}:{i}"
+        row = _check_row(row, where)
+        if row["name"] in names:
+            raise RunsFileError(f"{where}: run {row['name']!r} already recorded on line {names[row['name']]}")
+        names[row["name"]] = i
+        rows.append(row)
     return rows
 
 
