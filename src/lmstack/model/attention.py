@@ -49,10 +49,9 @@ class Attention(nn.Module):
     def rope(self) -> RotaryEmbedding:
         return self._rope[0]
 
-    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        """x: (B, T, D); ``meta``: this forward's positions, documents, window, cache. -> (B, T, D)
-        The head counts N and K follow from the projections' output widths (N·H, K·H), so a
-        model whose projections hold a subset of the heads runs unchanged."""
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, D) -> q (B, N, T, H), k, v (B, K, T, H) before RoPE (projections, per-head QK-norm).
+        A variant attention (OLMoE's, ``model.olmoe``) overrides only this."""
         B, T, _ = x.shape
         H = self.head_dim
         q = self.q_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, N, T, H)
@@ -60,6 +59,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, K, T, H)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        """x: (B, T, D); ``meta``: this forward's positions, documents, window, cache. -> (B, T, D)
+        The head counts N and K follow from the projections' output widths (N·H, K·H), so a
+        model whose projections hold a subset of the heads runs unchanged."""
+        B, T, _ = x.shape
+        q, k, v = self.project(x)  # (B, N, T, H), (B, K, T, H) x2
         q, k = self.rope.rotate(q, meta.positions), self.rope.rotate(k, meta.positions)  # RoPE on q and k, never v;
         # the positions were covered once for all layers (Transformer.forward)
         if meta.cache is not None:

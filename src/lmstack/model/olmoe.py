@@ -13,7 +13,6 @@ from torch import Tensor
 from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import RMSNorm, RotaryEmbedding
-from lmstack.model.seam import AttentionMetadata
 
 
 class OlmoeAttention(Attention):
@@ -28,7 +27,7 @@ class OlmoeAttention(Attention):
             self.q_norm = RMSNorm(c.n_heads * c.head_dim, c.norm_eps, **kw)
             self.k_norm = RMSNorm(c.n_kv_heads * c.head_dim, c.norm_eps, **kw)
 
-    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:  # (B, T, D) -> (B, T, D)
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # (B, T, D) -> (B, N|K, T, H) x3
         B, T, _ = x.shape
         H = self.head_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, N·H), (B, T, K·H) x2
@@ -36,11 +35,4 @@ class OlmoeAttention(Attention):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
-        q = self.rope.rotate(q.view(B, T, -1, H).transpose(1, 2), meta.positions)  # (B, N, T, H)
-        k = self.rope.rotate(k.view(B, T, -1, H).transpose(1, 2), meta.positions)  # (B, K, T, H)
-        v = v.view(B, T, -1, H).transpose(1, 2)  # (B, K, T, H)
-        if meta.cache is not None:
-            out = meta.cache.attend(self.layer_idx, q, k, v, meta, self.impl)
-        else:
-            out = self.impl(q, k, v, meta)  # (B, N, T, H)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return tuple(t.view(B, T, -1, H).transpose(1, 2) for t in (q, k, v))
