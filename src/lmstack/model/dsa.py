@@ -74,12 +74,7 @@ class SparseAttention(Attention):
         if meta.document_ids is not None:
             raise ValueError(f"layer {self.layer_idx} (dsa): packed documents (document_ids) are not supported")
         B, T, _ = x.shape
-        H = self.head_dim
-        q = self.q_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, N, T, H)
-        k = self.k_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, K, T, H)
-        v = self.v_proj(x).view(B, T, -1, H).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.project(x)  # (B, N, T, H), (B, K, T, H) x2
         q, k = self.rope.rotate(q, meta.positions), self.rope.rotate(k, meta.positions)
         q_idx, k_idx, w = self.indexer(x)
         qpos = meta.positions if meta.positions.dim() == 2 else meta.positions.expand(B, -1)  # (B, T)
@@ -100,7 +95,7 @@ class SparseAttention(Attention):
             kk = min(self.top_k, k.shape[2])
             idx = top_indices(scores[:, 0].masked_fill(~visible, -torch.inf), kk)  # (B, kk)
             ok = visible.gather(1, idx)  # (B, kk): False only when fewer than kk keys are visible
-            gather = idx[:, None, :, None].expand(B, k.shape[1], kk, H)
+            gather = idx[:, None, :, None].expand(B, k.shape[1], kk, self.head_dim)
             ks, vs = k.gather(2, gather), v.gather(2, gather)  # (B, K, kk, H)
             out = F.scaled_dot_product_attention(q, ks, vs, attn_mask=ok[:, None, None, :], enable_gqa=G > 1)
         else:

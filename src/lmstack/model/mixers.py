@@ -14,6 +14,7 @@ Pass it as ``kv_cache=``; prefill and decode then continue exactly where the las
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -41,9 +42,7 @@ class LocalAttention(Attention):
         self.window = config.local_window
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        local = AttentionMetadata(meta.positions, meta.key_positions, meta.document_ids, meta.key_document_ids,
-                                  self.window, meta.is_causal, meta.cache)
-        return super().forward(x, local)
+        return super().forward(x, dataclasses.replace(meta, window=self.window))
 
 
 def build_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw) -> nn.Module:
