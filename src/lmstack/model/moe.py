@@ -262,6 +262,11 @@ class MoE(nn.Module):
         return out.view(shape)
 
     def _record(self, r: Routing, zero: Tensor, load: Tensor, dropped: Tensor) -> None:
+        """The balance terms and load statistics of this forward, for the trainer (``moe_aux_loss``,
+        ``moe_metrics``). Only when gradients are on: inference and evaluation skip them."""
+        if not torch.is_grad_enabled():
+            self.aux_loss, self.stats = None, {}
+            return
         E = self.n_experts
         bal = balance_loss(r.probs, r.expert_ids, E)
         terms = {"balance": bal}
