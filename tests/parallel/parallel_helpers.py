@@ -1,11 +1,18 @@
 """Shared helpers for the parallel tests: spawn gloo ranks on 127.0.0.1, a tiny model, a
-single-process reference training run to compare against."""
+single-process reference training run to compare against.
+
+The ranks of one ``spawn`` meet through a ``file://`` rendezvous (a FileStore in a fresh temporary
+folder), not a TCP port: picking a "free" port and binding it later raced with every other gloo job
+on the machine (two concurrent runs could pick the same port, or another process could take it in
+between), which made the multi-process tests fail now and then."""
 
 from __future__ import annotations
 
 import io
 import os
+import shutil
 import socket
+import tempfile
 import traceback
 
 import torch
@@ -18,6 +25,7 @@ from lmstack.model.transformer import Transformer
 
 
 def free_port() -> int:
+    """A port free right now (torchrun launches only; it may be taken before torchrun binds it)."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -25,11 +33,11 @@ def free_port() -> int:
     return port
 
 
-def _entry(rank: int, world: int, port: int, fn, payload: bytes):
+def _entry(rank: int, world: int, store_file: str, fn, payload: bytes):
     args = torch.load(io.BytesIO(payload), weights_only=False)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     except Exception:
@@ -56,8 +64,12 @@ def spawn(fn, world: int, *args) -> None:
     # with a file descriptor sent to each rank, more than the fork server passes in one message
     buf = io.BytesIO()
     torch.save(args, buf)
-    mp.start_processes(_entry, args=(world, free_port(), fn, buf.getvalue()), nprocs=world, join=True,
-                       start_method="forkserver")
+    folder = tempfile.mkdtemp(prefix="lmstack_gloo_")  # private to this spawn: no two runs share a store
+    try:
+        mp.start_processes(_entry, args=(world, os.path.join(folder, "store"), fn, buf.getvalue()), nprocs=world,
+                           join=True, start_method="forkserver")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def tiny_config(**kw) -> ModelConfig:
