@@ -19,7 +19,9 @@ single-process checkpoint ``lmstack.train.checkpoint`` writes:
         rank_<r>.json          the optimizer's hyper-parameters and scalar states, python/numpy RNG
     Without ZeRO the data-parallel (and context-parallel) replicas hold the same parameters and
     optimizer states: only the dp = cp = 0 rank of each (tp, pp) position writes them, the others
-    write their RNG states and name that rank in ``state_from`` (``replica_source``).
+    write their RNG states and name that rank in ``state_from`` (``replica_source``). With expert
+    parallelism the ranks of one ep group hold different experts: the dp = e (e < ep) rank writes
+    the state of ep coordinate e, and so each expert shard is saved once.
 
 Resuming reads every rank's own file, so it needs the same layout — world size, mesh sizes, zero
 stage, backend (checked against ``plan.json``); settings that do not move state between ranks
@@ -83,7 +85,8 @@ def replica_source(pm, rank: int) -> int:
     if pm.plan.zero != 0:
         return rank
     c = pm.mesh.coords(rank)
-    return pm.mesh.rank_of(pp=c["pp"], dp=0, cp=0, tp=c["tp"])
+    ep = getattr(pm.mesh, "ep", 1)  # expert parallelism: the replicas of one expert shard (same dp mod ep)
+    return pm.mesh.rank_of(pp=c["pp"], dp=c["dp"] % ep, cp=0, tp=c["tp"])
 
 
 def _write_rank(folder: Path, rank: int, pm, optimizer, data_generator) -> None:
@@ -115,6 +118,8 @@ def _write_rank(folder: Path, rank: int, pm, optimizer, data_generator) -> None:
 def _layout(pm) -> dict[str, Any]:
     """What decides how the state is split over the ranks (bucket sizes, ddp mode, micro-batches do not)."""
     out = {a: pm.mesh.size(a) for a in ("dp", "tp", "pp", "cp")}
+    if getattr(pm.mesh, "ep", 1) > 1:  # (absent for ep = 1: earlier checkpoints keep resuming)
+        out["ep"] = pm.mesh.ep
     out.update(zero=pm.plan.zero, backend=pm.plan.backend, world_size=dist.get_world_size())
     if pm.mesh.pp > 1:
         out["schedule_zb"] = pm.plan.schedule == "zb"  # the zero-bubble split renames the linears

@@ -16,11 +16,19 @@ stay replicated, the routed experts are sliced so each rank keeps its E/ep, and 
 dispatch -> grouped local experts -> combine. ``expert_parallel(model, group)`` swaps every MoE layer of
 a plain model; ``sync_expert_parallel_grads`` then makes one data-parallel step over the same ranks equal
 to single-process training on the concatenated batch (replicated grads averaged, expert grads / ep).
+
+Composed with data parallelism (``parallelize`` with ``ep`` in the plan; ``mesh.dp = dp·ep`` ranks split
+the batch): ``shard_experts`` swaps the MoE layers and scales each expert gradient by 1/ep as it arrives
+(the all-to-all backward already summed the ep group's tokens into it), ``ExpertDataParallel`` then
+averages the replicated gradients over all dp·ep ranks and the expert gradients over the dp ranks that
+hold the same shard (``mesh.group("edp")``); ZeRO-1/2 shard the experts' states over that same group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -115,6 +123,7 @@ class ExpertParallelMoE(nn.Module):
                              "is only implemented in the single-process MoE; use capacity_factor=None")
         self.group, self.ep, self.per = group, M, E // M
         self.lo = r * self.per
+        self.load_group = None  # the data-parallel group: aux-free bias updates use the loads summed over it
         self._moe = [moe]  # not a submodule: its full expert weights are not this module's parameters
         self.router, self.shared, self.shared_gate = moe.router, moe.shared, moe.shared_gate
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -122,6 +131,7 @@ class ExpertParallelMoE(nn.Module):
             local = nn.Module()
             local.weight = nn.Parameter(full.weight.detach()[self.lo:self.lo + self.per].clone())
             setattr(self, name, local)
+            setattr(moe, name, None)  # the full (E, ., .) weights are not needed any more: free them
 
     @property
     def aux_loss(self):
@@ -131,7 +141,20 @@ class ExpertParallelMoE(nn.Module):
     def stats(self):
         return self._moe[0].stats
 
+    @property
+    def token_ids(self):  # hash routing reads the layer's token ids from the wrapped MoE
+        return self._moe[0].token_ids
+
+    @token_ids.setter
+    def token_ids(self, ids) -> None:
+        self._moe[0].token_ids = ids
+
     def update_bias(self, load: Tensor, rate: float) -> None:
+        """Aux-free balancing from this rank's loads, summed over ``load_group`` when set, so that every
+        replica of the (replicated) router moves its bias the same way (as one process on the whole batch)."""
+        if self.load_group is not None and C.group_size(self.load_group) > 1:
+            load = load.clone()
+            dist.all_reduce(load, group=self.load_group)
         self._moe[0].update_bias(load, rate)
 
     def expert_parameters(self) -> list[nn.Parameter]:
@@ -186,3 +209,113 @@ def sync_expert_parallel_grads(model: nn.Module, group=None) -> None:
         elif M > 1:
             dist.all_reduce(p.grad, group=group)
             p.grad.div_(M)
+
+
+def shard_experts(model: nn.Module, ep_group, load_group=None) -> list[nn.Parameter]:
+    """``expert_parallel`` for training composed with data parallelism: swap every MoE of ``model``
+    for an ``ExpertParallelMoE`` over ``ep_group`` and register a hook dividing each expert gradient by
+    ep as it is accumulated (the all-to-all backward summed the ep group's losses into it; averaging it
+    over the ranks of the same shard then gives the global mean). Returns the expert parameters."""
+    from lmstack.model.moe import moe_modules
+
+    if not moe_modules(model):
+        raise ValueError(f"ep={C.group_size(ep_group)} but the model has no MoE layers (n_experts=0): "
+                         "expert parallelism needs a mixture-of-experts model")
+    expert_parallel(model, ep_group)
+    M = C.group_size(ep_group)
+    params = []
+    for m in model.modules():
+        if isinstance(m, ExpertParallelMoE):
+            m.load_group = load_group
+            params.extend(m.expert_parameters())
+    if M > 1:
+        for p in params:
+            p.register_hook(lambda g, M=M: g / M)
+    return params
+
+
+class ExpertDataParallel(nn.Module):
+    """Data parallelism for a model whose experts are sharded over ep (forward is the module's).
+
+    At the end of each synchronised backward: the replicated parameters' gradients are averaged over
+    ``dp_group`` (all dp·ep ranks), the expert gradients over ``edp_group`` (the dp ranks holding the
+    same shard), each as one flat all-reduce. Rank 0 of each group broadcasts its values at
+    construction. ``no_sync()`` accumulates locally (gradient accumulation), like ``DataParallel``.
+    """
+
+    def __init__(self, module: nn.Module, dp_group, edp_group, expert_params: list[nn.Parameter]):
+        super().__init__()
+        self.module, self.dp_group, self.edp_group = module, dp_group, edp_group
+        ids = {id(p) for p in expert_params}
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.kinds = [(dp_group, [p for p in params if id(p) not in ids]),
+                      (edp_group, [p for p in params if id(p) in ids])]
+        with torch.no_grad():
+            for group, ps in ((dp_group, [p for p in module.parameters() if id(p) not in ids]),
+                              (edp_group, list(expert_params))):
+                for t in ps:
+                    C.broadcast(t.data, 0, group)
+            for b in module.buffers():
+                C.broadcast(b.data, 0, dp_group)
+        self.require_sync = True
+        self._queued = False
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, p: Tensor) -> None:
+        if self.require_sync and not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    @torch.no_grad()
+    def _finish(self) -> None:
+        self._queued = False
+        for group, ps in self.kinds:
+            M = C.group_size(group)
+            if not ps or M == 1:
+                continue
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
+            C.all_reduce(flat, group, impl="torch")
+            flat.div_(M)
+            off = 0
+            for p in ps:
+                g = flat[off:off + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+                off += p.numel()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        prev, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = prev
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+@torch.no_grad()
+def gather_experts(model: nn.Module, sd: dict[str, Tensor], ep_group) -> dict[str, Tensor]:
+    """Replace each expert shard (E/ep, ., .) in ``sd`` (single-process names) by the whole (E, ., .)
+    tensor, all-gathered over ``ep_group`` in rank order (rank r holds experts [r·E/ep, (r+1)·E/ep))."""
+    M = C.group_size(ep_group)
+    out = dict(sd)
+    for name, mod in model.named_modules():
+        if not isinstance(mod, ExpertParallelMoE):
+            continue
+        for attr in ("gate_proj", "up_proj", "down_proj"):
+            key = f"{name}.{attr}.weight"
+            if key not in out:
+                continue
+            w = out[key].detach().contiguous()
+            parts = [torch.empty_like(w) for _ in range(M)]
+            if M > 1:
+                dist.all_gather(parts, w, group=ep_group)
+            else:
+                parts = [w]
+            out[key] = torch.cat(parts, 0)
+    return out

@@ -93,10 +93,10 @@ class WrapperBase:
     @property
     def sharded(self) -> bool:
         """Whether a rank's model is not the plain single-process one: it holds only part of the
-        parameters or optimizer states (tp, pp, ZeRO), or its attention was replaced (cp's ring
+        parameters or optimizer states (tp, pp, ZeRO, ep), or its attention was replaced (cp's ring
         attention). The full parameters then come from ``full_state_dict()``."""
         return (self.mesh.tp > 1 or self.mesh.pp > 1 or self.plan.zero > 0 or self.fsdp is not None
-                or self.cp_model is not None)
+                or self.cp_model is not None or self.mesh.ep > 1)
 
     @property
     def pipelined(self) -> bool:

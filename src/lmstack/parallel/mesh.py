@@ -11,7 +11,12 @@ tensor-parallel group is a block of neighbouring ranks (one node) and the pipeli
     rank = ((pp_i · dp + dp_i) · cp + cp_i) · tp + tp_i
 
 Expert parallelism shares the data-parallel ranks (seed 001 "专家并行": EP ≤ DP, they share the
-weight partition): the ``ep`` groups are blocks of ``ep`` consecutive members of each dp group.
+weight partition): the ``ep`` groups are blocks of ``ep`` consecutive members of each dp group
+(``ep`` coordinate = dp index mod ep), and the ``edp`` groups ("expert data parallel") join the
+members of a dp group with the same ``ep`` coordinate — the ranks that hold the same expert shard,
+over which its gradients are averaged. Here ``dp`` is the whole data-parallel degree (the batch is
+split over it); the plan's ``dp`` with ``ep`` > 1 counts the replicas of one expert shard, so
+``mesh.dp = plan.dp · plan.ep`` (``plan.build_mesh``).
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class DeviceMesh:
     def size(self, axis: str) -> int:
         if axis == "dp_cp":
             return self.dp * self.cp
+        if axis == "edp":
+            return self.dp // self.ep
         return getattr(self, axis)
 
     def rank_of(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
@@ -82,6 +89,7 @@ class DeviceMesh:
         self._coords = self.coords(me)
         self._coords["ep"] = self._coords["dp"] % self.ep
         self._coords["dp_cp"] = self._coords["dp"] * self.cp + self._coords["cp"]
+        self._coords["edp"] = self._coords["dp"] // self.ep
         # one group per axis per setting of the other coordinates; every rank creates all of them
         axes = {
             "tp": lambda c: tuple((k, c[k]) for k in ("pp", "dp", "cp")),
@@ -90,6 +98,7 @@ class DeviceMesh:
             "pp": lambda c: tuple((k, c[k]) for k in ("dp", "cp", "tp")),
             "dp_cp": lambda c: tuple((k, c[k]) for k in ("pp", "tp")),  # gradient sync of DP×CP
             "ep": lambda c: tuple((k, c[k]) for k in ("pp", "cp", "tp")) + (("dp_block", c["dp"] // self.ep),),
+            "edp": lambda c: tuple((k, c[k]) for k in ("pp", "cp", "tp")) + (("ep", c["dp"] % self.ep),),
         }
         for axis, key in axes.items():
             buckets: dict = {}
@@ -104,7 +113,7 @@ class DeviceMesh:
                     self._members[axis] = ranks
 
     def group(self, axis: str):
-        """The process group of this rank along ``axis`` (dp, tp, pp, cp, ep or dp_cp)."""
+        """The process group of this rank along ``axis`` (dp, tp, pp, cp, ep, edp or dp_cp)."""
         if axis not in self._groups:
             raise KeyError(f"axis={axis!r}; expected one of {sorted(self._groups)}")
         return self._groups[axis]

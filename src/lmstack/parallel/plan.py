@@ -4,10 +4,16 @@ Seed 001 "混合并行" (3D/4D): model parallelism (TP/SP/CP/EP) inside a node, 
 across nodes, data parallelism replicating the unit; seed 000 §6.1 (DP scales throughput, TP/PP
 model memory, SP/CP activation memory). Order applied here:
 
+    0. expert parallel over the ep axis                            (replaces the MoE layers)
     1. tensor parallel (+ sequence parallel) over the tp axis      (replaces linears/embedding)
     2. context parallel over the cp axis                           (replaces attention)
     3. pipeline stages over the pp axis                            (keeps this rank's layers)
     4. data parallel over dp (× cp): DDP, ZeRO-1/2 (optimizer) or ZeRO-3 (FullyShard)
+
+With ``ep`` > 1 the world is dp·ep (·tp·pp·cp) ranks: each MoE layer's experts are split over the
+ep ranks of a group, every other parameter is replicated over all dp·ep ranks, and the batch is
+split over all of them (``mesh.dp = dp·ep``). EP composes with DDP and ZeRO-1/2; a plan with ep and
+tp, pp, cp, zero=3 or backend="native" is refused (not implemented).
 
 The model code is never touched; the returned wrapper (``ParallelModel``, or
 ``NativeParallelModel`` for ``backend="native"``) has one interface for every combination,
@@ -28,6 +34,7 @@ from torch import Tensor, nn
 
 from lmstack.parallel.context import ContextParallel
 from lmstack.parallel.ddp import DataParallel, broadcast_module
+from lmstack.parallel.expert import ExpertDataParallel, gather_experts, shard_experts
 from lmstack.parallel.interface import GradItem, ParallelWrapper, WrapperBase
 from lmstack.parallel.mesh import DeviceMesh
 from lmstack.parallel.native import NativeParallelModel
@@ -39,7 +46,7 @@ from lmstack.parallel.zero import FullyShard, ZeroOptimizer
 
 @dataclass
 class ParallelPlan:
-    dp: int | None = None  # None: the world size divided by tp·pp·cp
+    dp: int | None = None  # None: the world size divided by ep·tp·pp·cp
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -71,6 +78,16 @@ class ParallelPlan:
         if self.pp > 1 and self.tp > 1 and self.schedule == "zb":
             raise ValueError("schedule='zb' with tp > 1 is not supported (the W/B split would bypass the row-parallel "
                              "all-reduce); use 1f1b or gpipe")
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ep={self.ep!r} must be an integer >= 1")
+        if self.ep > 1:
+            others = {"tp": self.tp > 1, "pp": self.pp > 1, "cp": self.cp > 1, "zero=3": self.zero == 3,
+                      "backend='native'": self.backend == "native"}
+            bad = [k for k, v in others.items() if v]
+            if bad:
+                raise ValueError(f"ep={self.ep} with {', '.join(bad)} is not supported: expert parallelism composes "
+                                 "with dp and zero=1/2 only (tp for the attention, pp and cp are not implemented "
+                                 "with it)")
         if self.pp > 1 and self.sequence_parallel:
             raise ValueError("pp > 1 with sequence_parallel is not supported (stages exchange full-S activations)")
 
@@ -155,6 +172,7 @@ class ParallelModel(WrapperBase, nn.Module):
         self.dp_group = mesh.group("dp_cp") if mesh.cp > 1 else mesh.group("dp")
         self.dp_size = mesh.dp * mesh.cp
         self.runner: nn.Module = model
+        self.expert_params: list[nn.Parameter] = []  # ep > 1: this rank's expert shards
 
     def forward(self, tokens: Tensor, *args, **kwargs) -> Tensor:
         if self.pipeline is not None and torch.is_grad_enabled():
@@ -168,7 +186,10 @@ class ParallelModel(WrapperBase, nn.Module):
         if params is None:
             params = [p for p in self.parameters() if p.requires_grad]
         if self.plan.zero in (1, 2):
-            self.zero_optimizer = ZeroOptimizer(params, optimizer_class, self.dp_group, self.plan.zero, **kwargs)
+            # experts differ per ep rank: their states are sharded over the ranks holding the same ones
+            edp = {id(p): self.mesh.group("edp") for p in self.expert_params}
+            self.zero_optimizer = ZeroOptimizer(params, optimizer_class, self.dp_group, self.plan.zero,
+                                                shard_groups=edp, **kwargs)
             return self.zero_optimizer
         return optimizer_class(params, **kwargs)
 
@@ -178,6 +199,7 @@ class ParallelModel(WrapperBase, nn.Module):
         ``counted`` is False for a copy counted elsewhere (the last stage's tied W_e)."""
         tp_axis = "tp" if self.mesh.tp > 1 else None
         tp_ids = tp_sharded_ids(self.model) if self.tp_model is not None else set()
+        ep_ids = {id(p) for p in self.expert_params}
         copy_id = self._stage_copy_id()
         items = []
         if self.zero_optimizer is not None:
@@ -190,14 +212,18 @@ class ParallelModel(WrapperBase, nn.Module):
                 split = isinstance(key, tuple) and key[1]
                 items.append((sh.grad, tp_axis if split else None, True))
         else:
-            for p in self.runner.parameters():  # once each
+            for p in self.runner.parameters():  # once each; expert shards differ over ep (ZeRO: over dp, above)
                 if p.requires_grad:
-                    items.append((p.grad, tp_axis if id(p) in tp_ids else None, id(p) != copy_id))
+                    axis = "ep" if id(p) in ep_ids else (tp_axis if id(p) in tp_ids else None)
+                    items.append((p.grad, axis, id(p) != copy_id))
         return items
 
     def _split_axes(self) -> list[str]:
         """The axes over which split gradients are summed, the same list on every rank."""
-        return ["tp"] if self.mesh.tp > 1 else []
+        axes = ["tp"] if self.mesh.tp > 1 else []
+        if self.mesh.ep > 1 and self.zero_optimizer is None:
+            axes.append("ep")
+        return axes
 
     def _full_state_dict(self) -> dict[str, Tensor]:
         if self.fsdp is not None:
@@ -208,19 +234,45 @@ class ParallelModel(WrapperBase, nn.Module):
         only = {id(p) for p in self.pipeline.stage.parameters()} if self.pipeline is not None else None
         if self.tp_model is not None:
             return gather_tp_state_dict(self.model, self.mesh.group("tp"), only)
-        return {single_process_name(n): p.detach() for n, p in self.model.named_parameters()
-                if only is None or id(p) in only}
+        sd = {single_process_name(n): p.detach() for n, p in self.model.named_parameters()
+              if only is None or id(p) in only}
+        if self.mesh.ep > 1:  # each rank holds E/ep experts: gather the whole (E, ., .) tensors
+            sd = gather_experts(self.model, sd, self.mesh.group("ep"))
+        return sd
+
+
+def build_mesh(plan: ParallelPlan) -> DeviceMesh:
+    """The mesh of ``plan`` on this world. With ep > 1 the plan's dp counts the replicas of one expert
+    shard and the mesh's data-parallel axis (which splits the batch) has dp·ep ranks."""
+    if plan.ep == 1:
+        return DeviceMesh.build(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp)
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    rest = plan.ep * plan.tp * plan.pp * plan.cp
+    if plan.dp is None:
+        if world % rest:
+            raise ValueError(f"world size {world} is not divisible by ep·tp·pp·cp = {plan.ep}·{plan.tp}·{plan.pp}·"
+                             f"{plan.cp} = {rest}")
+        dp = world // rest
+    else:
+        dp = plan.dp
+        if dp * rest != world:
+            raise ValueError(f"world size {world} != dp·ep·tp·pp·cp = {dp}·{plan.ep}·{plan.tp}·{plan.pp}·{plan.cp} "
+                             f"= {dp * rest}")
+    return DeviceMesh.build(dp=dp * plan.ep, tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep)
 
 
 def parallelize(model: nn.Module, plan=None, mesh: DeviceMesh | None = None) -> ParallelWrapper:
     """Apply ``plan`` to a ``lmstack.model.Transformer`` (built identically on every rank)."""
     plan = ParallelPlan.parse(plan)
     if mesh is None:
-        mesh = DeviceMesh.build(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep)
+        mesh = build_mesh(plan)
     if plan.backend == "native":
         return NativeParallelModel(model, plan, mesh)
     pm = ParallelModel(model, plan, mesh)
     runner: nn.Module = model
+    # 0. expert parallel: this rank keeps E/ep experts of each MoE layer
+    if mesh.ep > 1:
+        pm.expert_params = shard_experts(model, mesh.group("ep"), load_group=pm.dp_group)
     # 1. tensor (+ sequence) parallel
     if mesh.tp > 1:
         pm.tp_model = TensorParallel(model, mesh.group("tp"), plan.sequence_parallel, gather_output=True)
@@ -254,6 +306,12 @@ def parallelize(model: nn.Module, plan=None, mesh: DeviceMesh | None = None) -> 
                 runner = pm.fsdp
             else:  # shard the inner model, keep the TP/CP wrapper outside: it calls the model module
                 runner.module = pm.fsdp
+        elif mesh.ep > 1:  # replicated grads averaged over dp·ep ranks, expert grads over their replicas
+            ddp = ExpertDataParallel(runner, pm.dp_group, mesh.group("edp"), pm.expert_params)
+            if plan.zero == 0:
+                pm.ddp = runner = ddp
+            else:  # ZeRO-1/2 reduce-scatter the gradients themselves; only the broadcast is wanted
+                ddp.require_sync = False
         elif pm.pipeline is None and plan.zero == 0:
             pm.ddp = DataParallel(runner, pm.dp_group, mode=plan.ddp_mode, bucket_mb=plan.bucket_mb)
             runner = pm.ddp

@@ -56,12 +56,17 @@ class ZeroOptimizer:
     divides by M; the inner optimizer updates it in place and the all-gather fills the rest.
     """
 
-    def __init__(self, params: Iterable, optimizer_class: type, group=None, stage: int = 1, **defaults):
+    def __init__(self, params: Iterable, optimizer_class: type, group=None, stage: int = 1,
+                 shard_groups: dict[int, object] | None = None, **defaults):
+        """``shard_groups``: {id(parameter): process group} for parameters sharded over another group
+        than ``group`` — expert parallelism's experts differ per ep rank, so their states are sharded
+        (and gradients averaged) over the ranks holding the same experts (``mesh.group("edp")``)."""
         if stage not in (1, 2):
             raise ValueError(f"stage={stage}; ZeroOptimizer implements ZeRO-1 and ZeRO-2 (ZeRO-3 is FullyShard)")
         self.group, self.stage = group, stage
         self.M = C.group_size(group)
         self.rank = C.group_ranks(group)[0] if self.M > 1 else 0
+        self._groups = dict(shard_groups or {})
         groups = list(params)
         if not groups:
             raise ValueError("ZeroOptimizer got an empty parameter list")
@@ -88,12 +93,21 @@ class ZeroOptimizer:
             self._hooks = [p.register_post_accumulate_grad_hook(self._reduce_scatter_now) for p in self.params]
 
     # a slice of the parameter's flat storage when possible (in-place update, no copy)
+    def _where(self, p: Tensor) -> tuple[object, int, int]:
+        """(group, size M, this rank's index) the parameter is sharded over."""
+        if id(p) not in self._groups:
+            return self.group, self.M, self.rank
+        g = self._groups[id(p)]
+        M = C.group_size(g)
+        return g, M, (C.group_ranks(g)[0] if M > 1 else 0)
+
     def _make_shard(self, p: Tensor) -> Tensor:
+        _, M, rank = self._where(p)
         n = p.numel()
-        c = math.ceil(n / self.M)
-        if n % self.M == 0 and p.is_contiguous():
-            return p.data.view(-1)[self.rank * c:(self.rank + 1) * c]
-        return _pad_flat(p.detach(), self.M)[self.rank * c:(self.rank + 1) * c].clone()
+        c = math.ceil(n / M)
+        if n % M == 0 and p.is_contiguous():
+            return p.data.view(-1)[rank * c:(rank + 1) * c]
+        return _pad_flat(p.detach(), M)[rank * c:(rank + 1) * c].clone()
 
     @property
     def param_groups(self):
@@ -105,7 +119,8 @@ class ZeroOptimizer:
 
     def _reduce_scatter_grad(self, p: Tensor) -> None:
         shard = self._shard[id(p)]
-        g = C.reduce_scatter(_pad_flat(p.grad, self.M), self.group) / self.M  # (c,)
+        group, M, _ = self._where(p)
+        g = C.reduce_scatter(_pad_flat(p.grad, M), group) / M  # (c,)
         shard.grad = g if shard.grad is None else shard.grad.add_(g)
         p.grad = None  # free the full gradient: only the 1/M shard is kept
 
@@ -145,7 +160,7 @@ class ZeroOptimizer:
         self.inner.step()
         for p in self.params:
             shard = self._shard[id(p)]
-            full = C.all_gather(shard.detach(), self.group)  # (M·c,)
+            full = C.all_gather(shard.detach(), self._where(p)[0])  # (M·c,)
             p.data.view(-1).copy_(full[:p.numel()])
 
     def state_dict(self) -> dict:
@@ -165,7 +180,8 @@ class ZeroOptimizer:
             shard = self._shard[id(p)]
             c = shard.numel()
             if shard.data_ptr() < p.data_ptr() or shard.data_ptr() >= p.data_ptr() + p.numel() * p.element_size():
-                shard.copy_(_pad_flat(p.detach(), self.M)[self.rank * c:(self.rank + 1) * c])
+                _, M, rank = self._where(p)
+                shard.copy_(_pad_flat(p.detach(), M)[rank * c:(rank + 1) * c])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._reduced = False
