@@ -202,3 +202,69 @@ def test_bad_expert_parallel_plans_name_both_values():
     with pytest.raises(ValueError, match="ep=0 must be an integer >= 1"):
         ParallelPlan(ep=0)
     spawn(_bad, 2)
+
+
+@pytest.mark.slow
+def test_torchrun_lmstack_train_with_ep_in_the_plan(tmp_path):
+    """``torchrun --nproc-per-node 4 -m lmstack train --config run.toml`` with ``[parallel] dp = 2, ep = 2``:
+    the run trains, every rank writes its shard, and the gathered ``model.safetensors`` holds all E experts."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    rng = np.random.default_rng(0)
+    ids = np.tile(np.arange(1, 33), 200)[:6000]
+    ids = np.where(rng.random(ids.shape) < 0.1, rng.integers(1, 64, size=ids.shape), ids).astype(np.uint16)
+    ids.tofile(tmp_path / "tokens.bin")
+    (tmp_path / "tokens.bin.json").write_text(json.dumps({"n_tokens": len(ids), "dtype": "uint16", "vocab_size": 64}))
+    (tmp_path / "run.toml").write_text(f'''
+train_data = "{tmp_path / 'tokens.bin'}"
+batch_size = 2
+seq_len = 16
+max_steps = 3
+warmup_steps = 0
+eval_interval = 0
+eval_batches = 1
+log_interval = 1
+out_dir = "{tmp_path / 'run'}"
+device = "cpu"
+precision = "fp32"
+[model]
+d_model = 32
+n_layers = 3
+n_heads = 4
+n_kv_heads = 2
+d_ff = 64
+vocab_size = 64
+max_seq_len = 64
+n_experts = 4
+n_experts_per_token = 2
+d_ff_expert = 16
+moe_first_dense = 1
+moe_aux_loss_coef = 0.01
+[parallel]
+dp = 2
+ep = 2
+''')
+    torchrun = Path(sys.executable).with_name("torchrun")
+    # --standalone: the rendezvous store binds port 0 itself (no port picked in advance, no race)
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node=4", "-m", "lmstack", "train", "--config",
+           str(tmp_path / "run.toml"), "--no-progress"]
+    r = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                       text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [row for row in rows if row["kind"] == "train"]
+    assert [row["step"] for row in train] == [1, 2, 3]
+    assert all(np.isfinite(row["loss"]) and row["moe_aux_loss"] > 0 for row in train)
+    assert train[0]["tokens"] == 2 * 16 * 4  # the batch is split over all dp·ep = 4 ranks
+    ckpt = tmp_path / "run" / "checkpoints"
+    step = sorted(p for p in ckpt.glob("step_*") if p.is_dir() and not p.name.endswith(".shards"))[-1]
+    assert len(list(Path(f"{step}.shards").glob("rank_*.safetensors"))) == 4
+    plan = json.loads((Path(f"{step}.shards") / "plan.json").read_text())
+    assert plan["layout"]["ep"] == 2 and plan["layout"]["dp"] == 4
+    full = load_file(str(step / "model.safetensors"))
+    assert full["blocks.1.ffn.gate_proj.weight"].shape == (4, 16, 32)  # all E experts, gathered
