@@ -3,7 +3,9 @@
 same model on the whole batch (losses 1e-5, gathered weights 1e-4, gradient norm 1e-4); an uneven
 all-to-all (a rank sends no rows to some rank, an expert gets no rows) equals the local computation,
 values and gradients; a sharded checkpoint resumes bit-exactly (``torch.equal``) and its gathered
-``model.safetensors`` loads into a single-process model; bad plans fail naming both values."""
+``model.safetensors`` loads into a single-process model; the all-to-all bytes of a training step equal
+``accounting.comm.moe_all_to_all_bytes``; bad plans fail naming both values; ``torchrun -m lmstack train``
+runs a plan with ep."""
 
 import json
 from pathlib import Path
@@ -192,7 +194,31 @@ def _bad(rank, world):
         parallelize(Transformer(tiny_config(), seed=0), dict(ep=2))
 
 
-def test_bad_expert_parallel_plans_name_both_values():
+def _bytes(rank, world):
+    """One training step of a (dp=1, ep=world) plan: the all-to-all bytes this rank sent == accounting.
+    With k = E every token goes to every expert, so the split is exactly uniform ((ep-1)/ep of the rows
+    leave the rank), the case ``moe_all_to_all_bytes`` describes."""
+    from lmstack.accounting.comm import moe_all_to_all_bytes
+    from lmstack.model.transformer import Transformer
+    from lmstack.parallel import collectives as C
+    from lmstack.parallel.plan import parallelize
+
+    cfg = tiny_config(**{**MOE, "n_experts_per_token": 4})
+    pm = parallelize(Transformer(cfg, seed=0), dict(ep=world))
+    (x, y), = batches(1, 2 * world, 16, seed=1)
+    with C.count_bytes() as c:
+        pm.forward_backward(x, y, ce)
+    T = 2 * 16  # this rank's tokens: B/world sequences of S
+    assert c.sent["all_to_all"] == moe_all_to_all_bytes(cfg, T, world, "fp32")
+    assert c.sent["all_to_all"] == 2 * 4 * T * 4 * 32 * (world - 1) // world * 4  # layers·(2 fwd+2 bwd)·T·k·D·(ep-1)/ep·4 B
+
+
+def _bad_and_bytes(rank, world):
+    _bad(rank, world)
+    _bytes(rank, world)
+
+
+def test_bad_ep_plans_name_both_values_and_step_all_to_all_bytes_equal_accounting():
     from lmstack.parallel.plan import ParallelPlan
 
     for kw, what in ((dict(ep=2, tp=2), "tp"), (dict(ep=2, pp=2), "pp"), (dict(ep=2, zero=3), "zero=3"),
@@ -201,7 +227,7 @@ def test_bad_expert_parallel_plans_name_both_values():
             ParallelPlan(**kw)
     with pytest.raises(ValueError, match="ep=0 must be an integer >= 1"):
         ParallelPlan(ep=0)
-    spawn(_bad, 2)
+    spawn(_bad_and_bytes, 2)
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Launch: ``torchrun --nproc_per_node=2 -m lmstack.train --config run.json parallel=ddp`` on gloo
-(127.0.0.1, a free port) trains through the trainer's ``parallelize`` seam: the process group is
+(torchrun --standalone: its store on a port it binds itself) trains through the trainer's ``parallelize`` seam: the process group is
 initialised from torchrun's environment, the model is wrapped in lmstack's DataParallel, both
 ranks step together and rank 0 writes the metrics. (Exact agreement with single-process
 training is shown by the spawn-based tests; the trainer samples a different batch per rank.)"""
@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parallel_helpers import free_port
 
 
 @pytest.mark.slow
@@ -31,9 +30,9 @@ def test_torchrun_ddp_through_the_trainer(tmp_path):
            "device": "cpu", "precision": "fp32", "parallel": "ddp"}
     (tmp_path / "run.json").write_text(json.dumps(cfg))
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nnodes=1", "--node_rank=0", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "lmstack.train", "--config", str(tmp_path / "run.json"),
-           "--no-progress"]
+    # --standalone: the rendezvous store binds port 0 itself (no port picked in advance, no race)
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "lmstack.train", "--config",
+           str(tmp_path / "run.json"), "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -30,7 +30,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parallel_helpers import free_port
 
 MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "vocab_size": 64,
          "max_seq_len": 64, "attn_backend": "sdpa", "norm_backend": "torch", "tie_embeddings": True}
@@ -229,8 +228,9 @@ class Launches:
             (self.base / f"{launch}.json").write_text(json.dumps(spec, indent=1))
             target, timeout = [str(DRIVER), str(self.base / f"{launch}.json")], 120 + 60 * len(jobs)
         torchrun = Path(sys.executable).with_name("torchrun")
-        cmd = [str(torchrun), "--nnodes=1", "--node_rank=0", f"--nproc_per_node={jobs[0].nproc}",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target]
+        # --standalone: torchrun's rendezvous store binds port 0 itself (no free port picked beforehand,
+        # which another concurrent gloo job could take before torchrun binds it)
+        cmd = [str(torchrun), "--standalone", f"--nproc_per_node={jobs[0].nproc}", *target]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         try:
             r = subprocess.run(cmd, cwd=self.base, env=env, capture_output=True, text=True, timeout=timeout)
