@@ -1,5 +1,5 @@
 """Expert parallelism through ``parallelize(model, plan)`` (seed 001 "专家并行" + "混合并行") on gloo ranks:
-(dp=1, ep=2), (dp=2, ep=2), (dp=1, ep=4) and ep with ZeRO-1/2 each equal single-process training of the
+(dp=1, ep=2), (dp=2, ep=2), (dp=1, ep=4), ep with ZeRO-1/2 and ep×tp (tp for the attention) each equal single-process training of the
 same model on the whole batch (losses 1e-5, gathered weights 1e-4, gradient norm 1e-4); an uneven
 all-to-all (a rank sends no rows to some rank, an expert gets no rows) equals the local computation,
 values and gradients; a sharded checkpoint resumes bit-exactly (``torch.equal``) and its gathered
@@ -46,7 +46,8 @@ def _train(rank, world, cases):
         ep = plan["ep"]
         eps = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
         assert eps and all(m.gate_proj.weight.shape[0] == cfg.n_experts // ep for m in eps), name
-        assert pm.mesh.dp == world and pm.mesh.size("edp") == world // ep
+        tp = plan.get("tp", 1)
+        assert pm.mesh.dp == world // tp and pm.mesh.size("edp") == world // tp // ep
         opt = pm.build_optimizer(torch.optim.AdamW, **OPT_KW)
         losses, norms = [], []
         for x, y in data:
@@ -64,7 +65,7 @@ def _train(rank, world, cases):
         got = [torch.empty_like(w) for _ in range(world)]
         dist.all_gather(got, w)
         for r in range(world):
-            same = (r % ep) == (rank % ep)  # ep coordinate = dp index mod ep (tp = pp = cp = 1)
+            same = (r // tp) % ep == (rank // tp) % ep  # ep coordinate = dp index mod ep, dp index = rank // tp
             assert torch.equal(got[r], w) == same, (name, r)
 
 
@@ -85,7 +86,8 @@ def test_expert_parallel_plans_on_2_ranks_equal_single_process():
 def test_expert_parallel_plans_on_4_ranks_equal_single_process():
     spawn(_train, 4, _cases(4, [("dp2 ep2", dict(dp=2, ep=2)), ("dp1 ep4", dict(ep=4)),
                                 ("dp2 ep2 zero1", dict(dp=2, ep=2, zero=1)),
-                                ("dp2 ep2 zero2", dict(dp=2, ep=2, zero=2))]))
+                                ("dp2 ep2 zero2", dict(dp=2, ep=2, zero=2)),
+                                ("ep2 tp2", dict(dp=1, ep=2, tp=2)), ("ep2 tp2 zero1", dict(ep=2, tp=2, zero=1))]))
 
 
 def _uneven(rank, world):
@@ -221,7 +223,7 @@ def _bad_and_bytes(rank, world):
 def test_bad_ep_plans_name_both_values_and_step_all_to_all_bytes_equal_accounting():
     from lmstack.parallel.plan import ParallelPlan
 
-    for kw, what in ((dict(ep=2, tp=2), "tp"), (dict(ep=2, pp=2), "pp"), (dict(ep=2, zero=3), "zero=3"),
+    for kw, what in ((dict(ep=2, tp=2, sequence_parallel=True), "sequence_parallel"), (dict(ep=2, pp=2), "pp"), (dict(ep=2, zero=3), "zero=3"),
                      (dict(ep=2, backend="native"), "backend='native'"), (dict(ep=2, cp=2), "cp")):
         with pytest.raises(ValueError, match=f"ep=2 with {what} is not supported"):
             ParallelPlan(**kw)

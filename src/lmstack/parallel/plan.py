@@ -12,8 +12,9 @@ model memory, SP/CP activation memory). Order applied here:
 
 With ``ep`` > 1 the world is dp·ep (·tp·pp·cp) ranks: each MoE layer's experts are split over the
 ep ranks of a group, every other parameter is replicated over all dp·ep ranks, and the batch is
-split over all of them (``mesh.dp = dp·ep``). EP composes with DDP and ZeRO-1/2; a plan with ep and
-tp, pp, cp, zero=3 or backend="native" is refused (not implemented).
+split over all of them (``mesh.dp = dp·ep``). EP composes with DDP, ZeRO-1/2 and TP (which then
+shards the attention; the MoE layers run whole on each tp rank); a plan with ep and sequence
+parallelism, pp, cp, zero=3 or backend="native" is refused (not implemented).
 
 The model code is never touched; the returned wrapper (``ParallelModel``, or
 ``NativeParallelModel`` for ``backend="native"``) has one interface for every combination,
@@ -81,13 +82,12 @@ class ParallelPlan:
         if not isinstance(self.ep, int) or self.ep < 1:
             raise ValueError(f"ep={self.ep!r} must be an integer >= 1")
         if self.ep > 1:
-            others = {"tp": self.tp > 1, "pp": self.pp > 1, "cp": self.cp > 1, "zero=3": self.zero == 3,
-                      "backend='native'": self.backend == "native"}
+            others = {"sequence_parallel": self.sequence_parallel, "pp": self.pp > 1, "cp": self.cp > 1,
+                      "zero=3": self.zero == 3, "backend='native'": self.backend == "native"}
             bad = [k for k, v in others.items() if v]
             if bad:
                 raise ValueError(f"ep={self.ep} with {', '.join(bad)} is not supported: expert parallelism composes "
-                                 "with dp and zero=1/2 only (tp for the attention, pp and cp are not implemented "
-                                 "with it)")
+                                 "with dp, zero=1/2 and tp (for the attention) only")
         if self.pp > 1 and self.sequence_parallel:
             raise ValueError("pp > 1 with sequence_parallel is not supported (stages exchange full-S activations)")
 
@@ -233,9 +233,10 @@ class ParallelModel(WrapperBase, nn.Module):
             return {single_process_name(k): v for k, v in sd.items()}
         only = {id(p) for p in self.pipeline.stage.parameters()} if self.pipeline is not None else None
         if self.tp_model is not None:
-            return gather_tp_state_dict(self.model, self.mesh.group("tp"), only)
-        sd = {single_process_name(n): p.detach() for n, p in self.model.named_parameters()
-              if only is None or id(p) in only}
+            sd = gather_tp_state_dict(self.model, self.mesh.group("tp"), only)
+        else:
+            sd = {single_process_name(n): p.detach() for n, p in self.model.named_parameters()
+                  if only is None or id(p) in only}
         if self.mesh.ep > 1:  # each rank holds E/ep experts: gather the whole (E, ., .) tensors
             sd = gather_experts(self.model, sd, self.mesh.group("ep"))
         return sd

@@ -19,7 +19,9 @@ by sharded ones (attention reads N/tp and K/tp from its projections' widths):
     norm      -> [norm, f];  lm_head column-parallel over V (tied: the embedding shard itself)
 
 so each block does one all-reduce after attention and one after the MLP in the forward, and
-their two duals in the backward (``accounting.comm.tp_layer_bytes``). The model then returns
+their two duals in the backward (``accounting.comm.tp_layer_bytes``). A mixture-of-experts FFN
+(``model.moe.MoE`` or the expert-parallel one) is not split: it runs whole on every tp rank, so TP
+shards the attention of those blocks only (their ffn_norm is left unwrapped). The model then returns
 vocab-sharded logits (B, S, V/tp); ``vocab_parallel_cross_entropy`` computes the loss without
 gathering V, or ``TensorParallel(gather_output=True)`` all-gathers them.
 """
@@ -31,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmstack.model.moe import MoE
 from lmstack.parallel import collectives as C
 
 
@@ -228,13 +231,20 @@ def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) ->
         if a.q_norm is not None:  # shared over heads: each rank sees only its heads
             replicated_partial += [a.q_norm.weight, a.k_norm.weight]
         f = block.ffn
-        f.gate_proj = ColumnParallelLinear.from_linear(f.gate_proj, group)
-        f.up_proj = ColumnParallelLinear.from_linear(f.up_proj, group)
-        f.down_proj = RowParallelLinear.from_linear(f.down_proj, group, sp)
+        moe = isinstance(f, MoE) or getattr(f, "is_expert_parallel", False)
+        if moe:  # a mixture-of-experts FFN stays whole on every tp rank (tp shards the attention only)
+            if sp:
+                raise ValueError("tensor parallelism: sequence_parallel=True with mixture-of-experts layers is "
+                                 "not supported (the MoE layers are not split over tp)")
+        else:
+            f.gate_proj = ColumnParallelLinear.from_linear(f.gate_proj, group)
+            f.up_proj = ColumnParallelLinear.from_linear(f.up_proj, group)
+            f.down_proj = RowParallelLinear.from_linear(f.down_proj, group, sp)
         if sp:
             replicated_partial += [block.attn_norm.weight, block.ffn_norm.weight]
         block.attn_norm = EnterParallelRegion(block.attn_norm, group, sp)
-        block.ffn_norm = EnterParallelRegion(block.ffn_norm, group, sp)
+        if not moe:  # before a replicated MoE the input gradient is already whole: no f (all-reduce)
+            block.ffn_norm = EnterParallelRegion(block.ffn_norm, group, sp)
     tied = model.lm_head is None
     model.embed = VocabParallelEmbedding.from_embedding(model.embed, group, sp)
     if not tied:
