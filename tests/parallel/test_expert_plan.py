@@ -296,3 +296,81 @@ ep = 2
     assert plan["layout"]["ep"] == 2 and plan["layout"]["dp"] == 4
     full = load_file(str(step / "model.safetensors"))
     assert full["blocks.1.ffn.gate_proj.weight"].shape == (4, 16, 32)  # all E experts, gathered
+
+
+def _trainer_cfg(tmp: Path, plan, accum: int) -> dict:
+    import numpy as np
+
+    data = tmp / "tokens.bin"
+    if not data.exists():
+        rng = np.random.default_rng(0)
+        ids = np.tile(np.arange(1, 33), 200)[:6000]
+        ids = np.where(rng.random(ids.shape) < 0.1, rng.integers(1, 64, size=ids.shape), ids).astype(np.uint16)
+        ids.tofile(data)
+        (tmp / "tokens.bin.json").write_text(json.dumps({"n_tokens": len(ids), "dtype": "uint16", "vocab_size": 64}))
+    model = dict(d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=64, **MOE)
+    return {"train_data": str(data), "batch_size": 2, "seq_len": 16, "grad_accum": accum, "max_steps": 3,
+            "warmup_steps": 0, "lr": 1e-2, "min_lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1, "grad_clip": 0.5,
+            "eval_interval": 0, "eval_batches": 1, "log_interval": 1, "device": "cpu", "precision": "fp32",
+            "parallel": plan, "model": model,
+            "out_dir": str(tmp / ("run_" + "_".join(f"{k}{v}" for k, v in (plan or {}).items())))}
+
+
+def _trainer_reference(cfg: dict, n_ranks: int):
+    """The single-process trainer whose micro-batch is the n ranks' micro-batches concatenated (each rank
+    samples with the generator seeded by its data-parallel rank, as ``Trainer`` does)."""
+    from lmstack.train.config import TrainConfig
+    from lmstack.train.data import Batch, get_batch
+    from lmstack.train.trainer import Trainer
+
+    class Concat(Trainer):
+        def __init__(self, c):
+            super().__init__(c, progress=False)
+            self.gens = [torch.Generator().manual_seed(c.seed * 1_000_003 + r) for r in range(n_ranks)]
+
+        def next_batch(self):
+            c = self.config
+            parts = [get_batch(self.train_tokens, c.batch_size, c.seq_len, self.device, g) for g in self.gens]
+            return Batch(torch.cat([b.x for b in parts]), torch.cat([b.y for b in parts]))
+
+    t = Concat(TrainConfig.from_dict({**cfg, "parallel": None}))
+    t.fit()
+    rows = [json.loads(x) for x in (Path(cfg["out_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in rows if x["kind"] == "train"], {k: v.detach().clone() for k, v in t.raw_model.state_dict().items()}
+
+
+def _trainer_ep(rank, world, cfgs):
+    from safetensors.torch import load_file
+
+    from lmstack.train.config import TrainConfig
+    from lmstack.train.trainer import Trainer
+
+    for cfg, want_rows, want_sd in cfgs:
+        t = Trainer(TrainConfig.from_dict(cfg), progress=False)
+        assert t.dp_size == world  # every dp·ep rank samples its own rows
+        t.fit()
+        dist.barrier()
+        if rank == 0:
+            rows = [json.loads(x) for x in (Path(cfg["out_dir"]) / "metrics.jsonl").read_text().splitlines()]
+            rows = [x for x in rows if x["kind"] == "train"]
+            assert [x["step"] for x in rows] == [x["step"] for x in want_rows]
+            torch.testing.assert_close(torch.tensor([x["loss"] for x in rows]),
+                                       torch.tensor([x["loss"] for x in want_rows]), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(torch.tensor([x["grad_norm"] for x in rows]),  # clipping active (0.5)
+                                       torch.tensor([x["grad_norm"] for x in want_rows]), atol=1e-5, rtol=1e-4)
+            ckpt = Path(cfg["out_dir"]) / "checkpoints"
+            got = load_file(str(ckpt / (ckpt / "latest").read_text().strip() / "model.safetensors"))
+            assert_close_params({k: got[k] for k in want_sd}, want_sd, prefix=f"{cfg['parallel']} ")
+        dist.barrier()
+
+
+@pytest.mark.slow
+def test_trainer_with_ep_plans_equals_single_process_trainer(tmp_path):
+    """``Trainer`` (what ``torchrun -m lmstack train`` runs) with {dp=2, ep=2} (grad_accum 2: no_sync) and
+    {ep=2, dp=2, zero=1} on 4 ranks == one process on the 4 ranks' batches: losses, clipped grad norms, weights."""
+    cases = []
+    for plan, accum in (({"dp": 2, "ep": 2}, 2), ({"dp": 2, "ep": 2, "zero": 1}, 1)):
+        cfg = _trainer_cfg(tmp_path, plan, accum)
+        rows, sd = _trainer_reference({**cfg, "out_dir": cfg["out_dir"] + "_ref"}, 4)
+        cases.append((cfg, rows, sd))
+    spawn(_trainer_ep, 4, cases)
