@@ -234,6 +234,17 @@ def shard_experts(model: nn.Module, ep_group, load_group=None) -> list[nn.Parame
     return params
 
 
+@torch.no_grad()
+def broadcast_expert_parallel(module: nn.Module, dp_group, edp_group, expert_params: list[nn.Parameter]) -> None:
+    """Make the replicas equal: replicated parameters and buffers from rank 0 of ``dp_group``, each
+    expert shard from rank 0 of its ``edp_group`` (the ranks holding the same experts)."""
+    ids = {id(p) for p in expert_params}
+    for t in [p for p in module.parameters() if id(p) not in ids] + list(module.buffers()):
+        C.broadcast(t.data, 0, dp_group)
+    for p in expert_params:
+        C.broadcast(p.data, 0, edp_group)
+
+
 class ExpertDataParallel(nn.Module):
     """Data parallelism for a model whose experts are sharded over ep (forward is the module's).
 
@@ -250,13 +261,7 @@ class ExpertDataParallel(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         self.kinds = [(dp_group, [p for p in params if id(p) not in ids]),
                       (edp_group, [p for p in params if id(p) in ids])]
-        with torch.no_grad():
-            for group, ps in ((dp_group, [p for p in module.parameters() if id(p) not in ids]),
-                              (edp_group, list(expert_params))):
-                for t in ps:
-                    C.broadcast(t.data, 0, group)
-            for b in module.buffers():
-                C.broadcast(b.data, 0, dp_group)
+        broadcast_expert_parallel(module, dp_group, edp_group, expert_params)
         self.require_sync = True
         self._queued = False
         for p in params:

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from lmstack.parallel.context import ContextParallel
 from lmstack.parallel.ddp import DataParallel, broadcast_module
-from lmstack.parallel.expert import ExpertDataParallel, gather_experts, shard_experts
+from lmstack.parallel.expert import ExpertDataParallel, broadcast_expert_parallel, gather_experts, shard_experts
 from lmstack.parallel.interface import GradItem, ParallelWrapper, WrapperBase
 from lmstack.parallel.mesh import DeviceMesh
 from lmstack.parallel.native import NativeParallelModel
@@ -308,11 +308,10 @@ def parallelize(model: nn.Module, plan=None, mesh: DeviceMesh | None = None) -> 
             else:  # shard the inner model, keep the TP/CP wrapper outside: it calls the model module
                 runner.module = pm.fsdp
         elif mesh.ep > 1:  # replicated grads averaged over dp·ep ranks, expert grads over their replicas
-            ddp = ExpertDataParallel(runner, pm.dp_group, mesh.group("edp"), pm.expert_params)
             if plan.zero == 0:
-                pm.ddp = runner = ddp
-            else:  # ZeRO-1/2 reduce-scatter the gradients themselves; only the broadcast is wanted
-                ddp.require_sync = False
+                pm.ddp = runner = ExpertDataParallel(runner, pm.dp_group, mesh.group("edp"), pm.expert_params)
+            else:  # ZeRO-1/2 reduce-scatter the gradients themselves (experts over edp: build_optimizer)
+                broadcast_expert_parallel(model, pm.dp_group, mesh.group("edp"), pm.expert_params)
         elif pm.pipeline is None and plan.zero == 0:
             pm.ddp = DataParallel(runner, pm.dp_group, mode=plan.ddp_mode, bucket_mb=plan.bucket_mb)
             runner = pm.ddp
