@@ -378,3 +378,16 @@ def test_trainer_with_ep_plans_equals_single_process_trainer(tmp_path):
         rows, sd = _trainer_reference({**cfg, "out_dir": cfg["out_dir"] + "_ref"}, 4)
         cases.append((cfg, rows, sd))
     spawn(_trainer_ep, 4, cases)
+
+
+def test_parallel_mesh_cli_prints_the_ep_coordinate(capsys):
+    """``lmstack parallel mesh --world 8 --tp 2 --ep 2``: ranks (0,1), (4,5) hold expert shard 0 and (2,3), (6,7)
+    shard 1 (by hand: dp index = rank // tp, ep coordinate = dp mod ep); world not divisible by tp·ep fails."""
+    from lmstack.cli import main
+
+    assert main(["parallel", "mesh", "--world", "8", "--tp", "2", "--ep", "2"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("rank")]
+    assert [int(x.split("ep=")[1]) for x in lines] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert main(["parallel", "mesh", "--world", "6", "--tp", "2", "--ep", "2"]) != 0
+    out = capsys.readouterr()
+    assert "world=6 is not divisible by tp·pp·cp·ep = 4" in out.out + out.err

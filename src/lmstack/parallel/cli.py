@@ -2,6 +2,7 @@
 
     lmstack parallel bubble --pp 4 --micro-batches 8     # GPipe / 1F1B / zero-bubble schedules and bubbles
     lmstack parallel mesh --world 8 --tp 2 --pp 2        # which rank holds which (pp, dp, cp, tp) coordinate
+    lmstack parallel mesh --world 8 --tp 2 --ep 2        # ... and which expert shard (ep = dp mod ep)
 
 Training itself runs through ``torchrun --nproc_per_node=N -m lmstack.train --config run.toml
 parallel=ddp`` (docs/parallel.md).
@@ -26,7 +27,7 @@ def register(subparsers) -> None:
     b.set_defaults(func=run_bubble)
     m = sub.add_parser("mesh", help="print the rank layout of a plan")
     m.add_argument("--world", type=int, required=True)
-    for axis in ("tp", "pp", "cp"):
+    for axis in ("tp", "pp", "cp", "ep"):
         m.add_argument(f"--{axis}", type=int, default=1)
     m.set_defaults(func=run_mesh)
     p.set_defaults(func=lambda args: (p.print_help(), 0)[1])
@@ -47,12 +48,14 @@ def run_bubble(args) -> int:
 
 
 def run_mesh(args) -> int:
-    model = args.tp * args.pp * args.cp
+    ep = getattr(args, "ep", 1)
+    model = args.tp * args.pp * args.cp * ep
     if args.world % model:
-        raise ValueError(f"world={args.world} is not divisible by tp·pp·cp = {model}")
-    mesh = DeviceMesh(dp=args.world // model, tp=args.tp, pp=args.pp, cp=args.cp)
-    print(f"{mesh}: tp fastest (one node), pp slowest")
+        raise ValueError(f"world={args.world} is not divisible by tp·pp·cp·ep = {model}")
+    mesh = DeviceMesh(dp=args.world // model * ep, tp=args.tp, pp=args.pp, cp=args.cp, ep=ep)
+    print(f"{mesh}: tp fastest (one node), pp slowest" + (f"; ep coordinate = dp mod {ep}" if ep > 1 else ""))
     for r in range(args.world):
         c = mesh.coords(r)
-        print(f"  rank {r:3d}: pp={c['pp']} dp={c['dp']} cp={c['cp']} tp={c['tp']}")
+        line = f"  rank {r:3d}: pp={c['pp']} dp={c['dp']} cp={c['cp']} tp={c['tp']}"
+        print(line + (f" ep={c['dp'] % ep}" if ep > 1 else ""))
     return 0
