@@ -366,12 +366,34 @@ def _trainer_ep(rank, world, cfgs):
             got = load_file(str(ckpt / (ckpt / "latest").read_text().strip() / "model.safetensors"))
             assert_close_params({k: got[k] for k in want_sd}, want_sd, prefix=f"{cfg['parallel']} ")
         dist.barrier()
+    # kill-and-resume through the trainer: a run to step 4 checkpointing every 2 steps, and a second trainer
+    # resumed from its step-2 checkpoint, end on the same weights (torch.equal) and log the same losses
+    cfg = {**cfgs[0][0], "max_steps": 4, "ckpt_interval": 2}
+    full_dir, resumed_dir = Path(cfg["out_dir"] + "_full"), Path(cfg["out_dir"] + "_resumed")
+    Trainer(TrainConfig.from_dict({**cfg, "out_dir": str(full_dir)}), progress=False).fit()
+    t = Trainer(TrainConfig.from_dict({**cfg, "out_dir": str(resumed_dir)}), progress=False)
+    assert t.resume(full_dir / "checkpoints" / "step_00000002") == 2
+    t.fit()
+    dist.barrier()
+    if rank == 0:
+        def last(d):
+            ck = d / "checkpoints"
+            return load_file(str(ck / (ck / "latest").read_text().strip() / "model.safetensors"))
+
+        a, b = last(full_dir), last(resumed_dir)
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+        rows = {d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (full_dir, resumed_dir)}
+        la = [x["loss"] for x in rows[full_dir] if x["kind"] == "train" and x["step"] > 2]
+        lb = [x["loss"] for x in rows[resumed_dir] if x["kind"] == "train" and x["step"] > 2]
+        assert la == lb and len(la) == 2
+    dist.barrier()
 
 
 @pytest.mark.slow
 def test_trainer_with_ep_plans_equals_single_process_trainer(tmp_path):
     """``Trainer`` (what ``torchrun -m lmstack train`` runs) with {dp=2, ep=2} (grad_accum 2: no_sync) and
-    {ep=2, dp=2, zero=1} on 4 ranks == one process on the 4 ranks' batches: losses, clipped grad norms, weights."""
+    {ep=2, dp=2, zero=1} on 4 ranks == one process on the 4 ranks' batches: losses, clipped grad norms, weights;
+    a {dp=2, ep=2} run resumed from its step-2 checkpoint ends bit-exactly on the uninterrupted run's weights."""
     cases = []
     for plan, accum in (({"dp": 2, "ep": 2}, 2), ({"dp": 2, "ep": 2, "zero": 1}, 1)):
         cfg = _trainer_cfg(tmp_path, plan, accum)
