@@ -4,7 +4,8 @@ single-process reference training run to compare against.
 The ranks of one ``spawn`` meet through a ``file://`` rendezvous (a FileStore in a fresh temporary
 folder), not a TCP port: picking a "free" port and binding it later raced with every other gloo job
 on the machine (two concurrent runs could pick the same port, or another process could take it in
-between), which made the multi-process tests fail now and then."""
+between), which made the multi-process tests fail now and then. A barrier right after the rendezvous keeps a
+rank from exiting (a test without collectives) while its peers still connect to it."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ def _entry(rank: int, world: int, store_file: str, fn, payload: bytes):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    # every rank has finished connecting its gloo pairs before any can run a short test and exit: a rank
+    # closing its sockets while a peer still connects fails that peer ("connectFullMesh ... closed by peer")
+    dist.barrier()
     try:
         fn(rank, world, *args)
     except Exception:
