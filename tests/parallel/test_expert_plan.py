@@ -1,11 +1,12 @@
-"""Expert parallelism through ``parallelize(model, plan)`` (seed 001 "专家并行" + "混合并行") on gloo ranks:
-(dp=1, ep=2), (dp=2, ep=2), (dp=1, ep=4), ep with ZeRO-1/2 and ep×tp (tp for the attention) each equal single-process training of the
-same model on the whole batch (losses 1e-5, gathered weights 1e-4, gradient norm 1e-4); an uneven
-all-to-all (a rank sends no rows to some rank, an expert gets no rows) equals the local computation,
-values and gradients; a sharded checkpoint resumes bit-exactly (``torch.equal``) and its gathered
-``model.safetensors`` loads into a single-process model; the all-to-all bytes of a training step equal
-``accounting.comm.moe_all_to_all_bytes``; bad plans fail naming both values; ``torchrun -m lmstack train``
-runs a plan with ep."""
+"""Expert parallelism through ``parallelize(model, plan)`` (seed 001 "专家并行" + "混合并行") on gloo
+ranks: (dp=1, ep=2), (dp=2, ep=2), (dp=1, ep=4), ep with ZeRO-1/2, ep×tp (tp for the attention) and tp
+with replicated MoE layers each equal single-process training of the same model on the whole batch
+(losses 1e-5, gathered weights 1e-4, gradient norm 1e-4); an uneven all-to-all (a rank sends no rows to
+some rank, an expert gets no rows) equals the local computation, values and gradients; a sharded
+checkpoint resumes bit-exactly (``torch.equal``) and its gathered ``model.safetensors`` loads into a
+single-process model; the all-to-all bytes of a training step equal ``accounting.comm.moe_all_to_all_bytes``;
+bad plans fail naming both values; ``torchrun -m lmstack train`` runs a plan with ep; the ``Trainer`` with
+ep plans equals the single-process trainer and resumes bit-exactly; ``lmstack parallel mesh --ep``."""
 
 import json
 from pathlib import Path
@@ -216,7 +217,8 @@ def _bytes(rank, world):
         pm.forward_backward(x, y, ce)
     T = 2 * 16  # this rank's tokens: B/world sequences of S
     assert c.sent["all_to_all"] == moe_all_to_all_bytes(cfg, T, world, "fp32")
-    assert c.sent["all_to_all"] == 2 * 4 * T * 4 * 32 * (world - 1) // world * 4  # layers·(2 fwd+2 bwd)·T·k·D·(ep-1)/ep·4 B
+    # by hand: 2 MoE layers · (2 forward + 2 backward all-to-alls) · T·k·D · (ep-1)/ep rows leaving · 4 bytes
+    assert c.sent["all_to_all"] == 2 * 4 * T * 4 * 32 * (world - 1) // world * 4
 
 
 def _bad_and_bytes(rank, world):
@@ -227,8 +229,9 @@ def _bad_and_bytes(rank, world):
 def test_bad_ep_plans_name_both_values_and_step_all_to_all_bytes_equal_accounting():
     from lmstack.parallel.plan import ParallelPlan
 
-    for kw, what in ((dict(ep=2, tp=2, sequence_parallel=True), "sequence_parallel"), (dict(ep=2, pp=2), "pp"), (dict(ep=2, zero=3), "zero=3"),
-                     (dict(ep=2, backend="native"), "backend='native'"), (dict(ep=2, cp=2), "cp")):
+    for kw, what in ((dict(ep=2, tp=2, sequence_parallel=True), "sequence_parallel"), (dict(ep=2, pp=2), "pp"),
+                     (dict(ep=2, zero=3), "zero=3"), (dict(ep=2, backend="native"), "backend='native'"),
+                     (dict(ep=2, cp=2), "cp")):
         with pytest.raises(ValueError, match=f"ep=2 with {what} is not supported"):
             ParallelPlan(**kw)
     with pytest.raises(ValueError, match="ep=0 must be an integer >= 1"):
@@ -340,7 +343,8 @@ def _trainer_reference(cfg: dict, n_ranks: int):
     t = Concat(TrainConfig.from_dict({**cfg, "parallel": None}))
     t.fit()
     rows = [json.loads(x) for x in (Path(cfg["out_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    return [x for x in rows if x["kind"] == "train"], {k: v.detach().clone() for k, v in t.raw_model.state_dict().items()}
+    sd = {k: v.detach().clone() for k, v in t.raw_model.state_dict().items()}
+    return [x for x in rows if x["kind"] == "train"], sd
 
 
 def _trainer_ep(rank, world, cfgs):
@@ -382,7 +386,8 @@ def _trainer_ep(rank, world, cfgs):
 
         a, b = last(full_dir), last(resumed_dir)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-        rows = {d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (full_dir, resumed_dir)}
+        rows = {d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+                for d in (full_dir, resumed_dir)}
         la = [x["loss"] for x in rows[full_dir] if x["kind"] == "train" and x["step"] > 2]
         lb = [x["loss"] for x in rows[resumed_dir] if x["kind"] == "train" and x["step"] > 2]
         assert la == lb and len(la) == 2

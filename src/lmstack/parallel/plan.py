@@ -251,14 +251,14 @@ def build_mesh(plan: ParallelPlan) -> DeviceMesh:
     rest = plan.ep * plan.tp * plan.pp * plan.cp
     if plan.dp is None:
         if world % rest:
-            raise ValueError(f"world size {world} is not divisible by ep·tp·pp·cp = {plan.ep}·{plan.tp}·{plan.pp}·"
-                             f"{plan.cp} = {rest}")
+            raise ValueError(f"world size {world} is not divisible by ep·tp·pp·cp = "
+                             f"{plan.ep}·{plan.tp}·{plan.pp}·{plan.cp} = {rest}")
         dp = world // rest
     else:
         dp = plan.dp
         if dp * rest != world:
-            raise ValueError(f"world size {world} != dp·ep·tp·pp·cp = {dp}·{plan.ep}·{plan.tp}·{plan.pp}·{plan.cp} "
-                             f"= {dp * rest}")
+            raise ValueError(f"world size {world} != dp·ep·tp·pp·cp = "
+                             f"{dp}·{plan.ep}·{plan.tp}·{plan.pp}·{plan.cp} = {dp * rest}")
     return DeviceMesh.build(dp=dp * plan.ep, tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep)
 
 
