@@ -127,6 +127,7 @@ def test_cached_decode_equals_full_forward(pair):
         assert len(cache.states) == sum(k in ("mamba2", "gated_deltanet") for k in KINDS[family])
 
 
+@pytest.mark.slow
 def test_generate_matches_hf_greedy(pair):
     """lmstack's batch-1 generate (state cache) emits HF's greedy tokens, recomputed by full forwards."""
     _, hf, model, _ = pair
@@ -235,6 +236,14 @@ def test_unsupported_config_fields_are_named(tmp_path, family, change, expect):
         load_hf(tmp_path)
 
 
+def test_llama_family_refuses_to_export_hybrid_fields():
+    from lmstack.model.hf import config_to_hf
+
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, d_ff=64, sandwich_norm=True, final_softcap=5.0)
+    with pytest.raises(ConfigError, match=r"\['sandwich_norm', 'final_softcap'\] set on architecture='llama'"):
+        config_to_hf(cfg)
+
+
 # ---- initialisation -----------------------------------------------------------------------------------
 def test_init_weights_sets_recurrent_reference_values_and_offset_norms():
     """Transformer(cfg) draws the recurrent parameters from their reference ranges (A ∈ [1, 16], Δ = softplus(dt_bias)
@@ -253,3 +262,24 @@ def test_init_weights_sets_recurrent_reference_values_and_offset_norms():
     assert torch.equal(model.blocks[1].attn.q_norm.weight, torch.zeros(8))
     x = torch.randn(3, 32)
     assert torch.allclose(model.norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps), atol=1e-6)
+
+
+if __name__ == "__main__":  # the figures in docs/model.md: max |Δ logits| vs transformers per family
+    import tempfile
+    from pathlib import Path
+
+    for fam, build in FAMILIES.items():
+        hf = build()
+        with tempfile.TemporaryDirectory() as tmp:
+            hf.save_pretrained(tmp)
+            model = load_hf(Path(tmp))
+        tokens = _tokens(2, 37)
+        with torch.no_grad():
+            ref = hf(tokens).logits
+            full = (model(tokens) - ref).abs().max().item()
+            cache = MixerCache()
+            steps = [model(tokens[:1, :9], positions=torch.arange(9), kv_cache=cache)]
+            steps += [model(tokens[:1, i:i + 1], positions=torch.tensor([i]), kv_cache=cache) for i in range(9, 37)]
+            dec = (torch.cat(steps, 1) - ref[:1]).abs().max().item()
+        print(f"{type(hf).__name__:24s} layers {model.config.mixer_types}  max|Δ| full {full:.1e}  decode {dec:.1e}  "
+              f"(|logits| max {ref.abs().max().item():.2f})")

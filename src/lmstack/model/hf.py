@@ -151,6 +151,10 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
         return moe_config_to_hf(c)
     if c.architecture in HYBRID_MODEL_TYPES:
         return hybrid_config_to_hf(c)
+    variant = [f for f, v in _VARIANT_DEFAULTS.items() if getattr(c, f) != v]
+    if variant:
+        raise ConfigError(f"{variant} set on architecture={c.architecture!r}, whose HF family has no such option; "
+                          f"these belong to {sorted(HYBRID_MODEL_TYPES)}")
     if c.qk_norm or c.parallel_block:
         raise ConfigError("qk_norm / parallel_block models have no Llama/Mistral/Qwen2 HF equivalent")
     if c.rope_layout != "half":
@@ -785,6 +789,10 @@ _HYBRID_FIELDS = {
 }
 _HYBRID_FIELDS["gemma3_text"] = _HYBRID_FIELDS["gemma2"] | {"rope_local_base_freq", "sliding_window_pattern",
                                                             "_sliding_window_pattern"}
+#: the hybrid-family ModelConfig fields at their Llama-block defaults (other families cannot export them)
+_VARIANT_DEFAULTS = dict(block_ffn=True, norm_offset=False, sandwich_norm=False, ffn_act="silu", embed_scale=False,
+                         query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None, local_rope_theta=None,
+                         rotary_dim=None, attn_output_gate=False, ssm_dt_limit=None)
 #: no positional limit in a pure Mamba-2 model: lmstack's cap on the sequences it accepts
 MAMBA2_MAX_SEQ_LEN = 1 << 20
 
