@@ -213,6 +213,24 @@ def test_shape_mismatch_names_layer_field_and_shapes(tmp_path, family, name, fn,
         load_hf(tmp_path)
 
 
+@pytest.mark.parametrize("family,name,expect", [
+    ("mamba2", "backbone.layers.2.mixer.D", r"layer 2 \(mamba2\): missing tensor 'backbone.layers.2.mixer.D'"),
+    ("gemma2", "model.layers.1.post_feedforward_layernorm.weight",
+     r"layer 1 \(attention\): missing tensor 'model.layers.1.post_feedforward_layernorm.weight'"),
+    ("qwen3_next", "model.layers.3.self_attn.q_norm.weight",
+     r"layer 3 \(attention\): missing tensor 'model.layers.3.self_attn.q_norm.weight'"),
+])
+def test_missing_tensor_names_layer_and_hf_name(tmp_path, family, name, expect):
+    from safetensors.torch import load_file, save_file
+
+    FAMILIES[family]().save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state[name]
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightsError, match=expect):
+        load_hf(tmp_path)
+
+
 @pytest.mark.parametrize("family,change,expect", [
     ("mamba2", {"use_bias": True}, r"use_bias=True is not supported by lmstack's Mamba2ForCausalLM loader"),
     ("mamba2", {"residual_scale": 0.5}, r"field\(s\) \['residual_scale'\] are not supported by lmstack's "

@@ -1088,6 +1088,25 @@ def load_hybrid(config: ModelConfig, hf_state: dict[str, torch.Tensor], source: 
     check_layer_count(config, state, source)
     with torch.device("meta"):
         model = Transformer(config)
+    missing = [n for n, _ in model.named_parameters() if n not in state]
+    if missing:
+        m = _LM_BLOCK.fullmatch(missing[0])
+        if m is None:
+            top = {v: k for k, v in _HYBRID_TOP_NAMES.get(arch, _HF_TOP_NAMES).items()}
+            raise WeightsError(f"{source}: missing tensor {top.get(missing[0], missing[0])!r}")
+        block = {v: k for k, v in _HYBRID_BLOCK_NAMES[arch].items()
+                 if not k.startswith(("mlp.stacked", "linear_attn.in_proj_qkv.", "linear_attn.in_proj_z.",
+                                      "linear_attn.in_proj_b.", "linear_attn.in_proj_a."))}
+        i, kind = int(m.group(1)), config.mixer_types[int(m.group(1))]
+        hf_name = block.get(m.group(2), m.group(2))
+        prefix = "backbone.layers" if arch == "mamba2" else "model.layers"
+        if m.group(2).startswith("attn.in_proj_"):
+            hf_name = "linear_attn.in_proj_qkvz.weight / in_proj_ba.weight"
+        elif m.group(2) in ("ffn.gate_proj.weight", "ffn.up_proj.weight", "ffn.down_proj.weight") and \
+                config.is_moe_layer(i):
+            hf_name = f"mlp.experts.*.{m.group(2).split('.')[1]}.weight"
+        raise WeightsError(f"{source}: layer {i} ({kind}): missing tensor '{prefix}.{i}.{hf_name}'"
+                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     _check_hybrid_shapes(model, state, hf_names, source)
     load_state_into(model, state, source, check_finite=check_finite)
     return model
