@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
-from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, rms_norm
+from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from lmstack.model.seam import AttentionMetadata, causal_mask
 
 #: the config fields that make a softmax-attention layer a ``VariantAttention``
@@ -45,10 +45,10 @@ class OffsetRMSNorm(RMSNorm):
         torch.nn.init.zeros_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:  # (..., D) -> (..., D)
-        gamma = 1.0 + self.weight
         if self.impl is not None:
-            return self.impl(x, gamma, self.eps)
-        y = rms_norm(x, gamma, self.eps)
+            return self.impl(x, 1.0 + self.weight, self.eps)
+        x32 = x.float()  # (x·γ) is cast, not x then ·γ (as HF Gemma / Qwen3-Next do): equal in fp32, not in bf16
+        y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         if torch.is_autocast_enabled(y.device.type):
             y = y.to(torch.get_autocast_dtype(y.device.type))
         return y
