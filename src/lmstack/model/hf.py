@@ -785,7 +785,8 @@ _HYBRID_FIELDS = {
                    "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim",
                    "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "decoder_sparse_step",
                    "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok",
-                   "num_experts", "norm_topk_prob", "mlp_only_layers"},
+                   "num_experts", "norm_topk_prob", "mlp_only_layers", "use_sliding_window", "sliding_window",
+                   "max_window_layers"},
 }
 _HYBRID_FIELDS["gemma3_text"] = _HYBRID_FIELDS["gemma2"] | {"rope_local_base_freq", "sliding_window_pattern",
                                                             "_sliding_window_pattern"}
@@ -903,6 +904,7 @@ def hybrid_config_from_hf(d: dict[str, Any], model_type: str, source: str = "con
             return ModelConfig(**kw)
         # qwen3_next
         _expect(d, "hidden_act", ("silu",), family)
+        _expect(d, "use_sliding_window", (False, None), family)
         only = d.get("mlp_only_layers") or []
         if only:
             raise ConfigError(f"mlp_only_layers={only!r} is not supported (expected []); lmstack places dense "
