@@ -107,13 +107,15 @@ def test_logits_match_hf(pair):
 
 
 def test_cached_decode_equals_full_forward(pair):
-    """Prefill 9 tokens (longer than the window W = 5), then decode one token at a time with the MixerCache."""
+    """Prefill 9 tokens (longer than the window W = 5) in two chunks of 4 and 5 (the second continues the conv and
+    recurrent states), then decode one token at a time with the MixerCache."""
     family, hf, model, _ = pair
     tokens = _tokens(1, 20, seed=2)
     cache = MixerCache()
     with torch.no_grad():
         ref = hf(tokens).logits
-        outs = [model(tokens[:, :9], positions=torch.arange(9), kv_cache=cache)]
+        outs = [model(tokens[:, :4], positions=torch.arange(4), kv_cache=cache),
+                model(tokens[:, 4:9], positions=torch.arange(4, 9), kv_cache=cache)]
         for i in range(9, 20):
             outs.append(model(tokens[:, i:i + 1], positions=torch.tensor([i]), kv_cache=cache))
     assert (torch.cat(outs, 1) - ref).abs().max().item() < 1e-4
