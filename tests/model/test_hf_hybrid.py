@@ -168,6 +168,30 @@ def test_gemma2_softcaps_and_windows_matter(tmp_path):
             assert (other(tokens) - out).abs().max() > 1e-3
 
 
+def test_gemma3_linear_rope_scaling_on_global_layers(tmp_path):
+    """Gemma-3 4B+ scale the global layers' RoPE linearly (positions / 8); the local layers keep theirs."""
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
+    cfg = transformers.Gemma3TextConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=7,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=5,
+                                        query_pre_attn_scalar=12, rope_parameters=rope, max_position_embeddings=128)
+    hf = _randomise(transformers.Gemma3ForCausalLM(cfg).eval())
+    hf.save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    assert model.config.rope_linear_factor == 8.0
+    tokens = _tokens(2, 30, seed=7)
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        assert (model(tokens) - ref).abs().max().item() < 1e-4
+        plain = Transformer(model.config.replace(rope_linear_factor=None))
+        plain.load_state_dict(model.state_dict())
+        assert (plain(tokens) - ref).abs().max() > 1e-3
+    save_hf(model, tmp_path / "out")
+    with torch.no_grad():
+        again = transformers.Gemma3ForCausalLM.from_pretrained(tmp_path / "out").eval()
+        assert (again(tokens).logits - ref).abs().max().item() < 1e-5
+
+
 def test_mamba2_time_step_limit(tmp_path):
     """HF's time_step_limit clamps Δ after the softplus; a tight limit changes the logits and lmstack follows."""
     hf = _mamba2(time_step_limit=(0.0, 0.4))
@@ -240,9 +264,12 @@ def test_missing_tensor_names_layer_and_hf_name(tmp_path, family, name, expect):
     ("mamba2", {"num_heads": 4}, r"num_heads=4 x head_dim=8 must equal expand x hidden_size = 64"),
     ("gemma2", {"attention_bias": True}, r"attention_bias=True is not supported by lmstack's Gemma2ForCausalLM"),
     ("gemma2", {"hidden_activation": "gelu"}, r"hidden_activation='gelu' is not supported"),
-    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
-     r"rope_parameters.full_attention.rope_type='linear' is not supported"),
+     r"rope_parameters.full_attention.rope_type='yarn' is not supported"),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     r"rope_parameters.sliding_attention.rope_type='linear' is not supported"),
     ("qwen3_next", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] is not supported"),
     ("qwen3_next", {"layer_types": ["linear_attention"] * 3 + ["mamba"]}, r"layer_types\[3\]='mamba' \(layer 3\)"),
 ])

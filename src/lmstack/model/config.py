@@ -132,6 +132,7 @@ class ModelConfig:
     rotary_dim: int | None = None  # partial RoPE: only the first rotary_dim of H rotate (Qwen3-Next); None = H
     attn_output_gate: bool = False  # Qwen3-Next: attention output ·sigmoid(gate), gate from a doubled q_proj
     ssm_dt_limit: list | None = None  # Mamba-2: Δ clamped to [lo, hi] after the softplus (HF time_step_limit)
+    rope_linear_factor: float | None = None  # linear RoPE scaling (positions / factor) of the global layers (Gemma-3)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -187,7 +188,7 @@ class ModelConfig:
             check_bool(f, getattr(self, f), ConfigError)
         if self.ffn_act not in FFN_ACTS:
             raise ConfigError(f"ffn_act={self.ffn_act!r}; expected one of {FFN_ACTS}")
-        for f in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta"):
+        for f in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta", "rope_linear_factor"):
             if getattr(self, f) is not None:
                 setattr(self, f, check_float(f, getattr(self, f), ConfigError))
                 if not getattr(self, f) > 0:

@@ -793,7 +793,8 @@ _HYBRID_FIELDS["gemma3_text"] = _HYBRID_FIELDS["gemma2"] | {"rope_local_base_fre
 #: the hybrid-family ModelConfig fields at their Llama-block defaults (other families cannot export them)
 _VARIANT_DEFAULTS = dict(block_ffn=True, norm_offset=False, sandwich_norm=False, ffn_act="silu", embed_scale=False,
                          query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None, local_rope_theta=None,
-                         rotary_dim=None, attn_output_gate=False, ssm_dt_limit=None)
+                         rotary_dim=None, attn_output_gate=False, ssm_dt_limit=None,
+                         rope_linear_factor=None)
 #: no positional limit in a pure Mamba-2 model: lmstack's cap on the sequences it accepts
 MAMBA2_MAX_SEQ_LEN = 1 << 20
 
@@ -868,8 +869,14 @@ def hybrid_config_from_hf(d: dict[str, Any], model_type: str, source: str = "con
                   norm_eps=check_float("rms_norm_eps", d.get("rms_norm_eps", 1e-6), ConfigError), norm_offset=True,
                   qk_norm=model_type != "gemma2")
         _expect(d, "attention_bias", (False,), family)
-        if _dict_or_none(d, "rope_scaling", source):
-            raise ConfigError(f"rope_scaling={d['rope_scaling']!r} is not supported (only plain RoPE)")
+        legacy_scaling = _dict_or_none(d, "rope_scaling", source)
+        linear = None  # Gemma-3 4B+: linear RoPE scaling of the global layers
+        if legacy_scaling and model_type == "gemma3_text" and \
+                legacy_scaling.get("rope_type", legacy_scaling.get("type")) == "linear":
+            linear = check_float("rope_scaling.factor", legacy_scaling.get("factor"), ConfigError)
+        elif legacy_scaling:
+            raise ConfigError(f"rope_scaling={d['rope_scaling']!r} is not supported (only plain RoPE"
+                              f"{', or linear on the global layers' if model_type == 'gemma3_text' else ''})")
         params = _dict_or_none(d, "rope_parameters", source)
         if model_type in ("gemma2", "gemma3_text"):
             _expect(d, "hidden_activation", ("gelu_pytorch_tanh",), family)
@@ -883,7 +890,11 @@ def hybrid_config_from_hf(d: dict[str, Any], model_type: str, source: str = "con
                 every = check_int("sliding_window_pattern", every, ConfigError, 1, MAX_SIZE)
                 default = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
                 if "full_attention" in params or "sliding_attention" in params:
-                    theta = _plain_theta(_dict_or_none(params, "full_attention", source), "rope_parameters.full_attention")
+                    full = _dict_or_none(params, "full_attention", source)
+                    if full.get("rope_type") == "linear":
+                        linear = check_float("rope_parameters.full_attention.factor", full.get("factor"), ConfigError)
+                        full = {**full, "rope_type": "default"}
+                    theta = _plain_theta(full, "rope_parameters.full_attention")
                     local_theta = _plain_theta(_dict_or_none(params, "sliding_attention", source),
                                                "rope_parameters.sliding_attention")
                 else:
@@ -894,7 +905,7 @@ def hybrid_config_from_hf(d: dict[str, Any], model_type: str, source: str = "con
                                     default)
             softcaps = {f: None if d.get(f) is None else check_float(f, d[f], ConfigError)
                         for f in ("attn_logit_softcapping", "final_logit_softcapping")}
-            kw.update(rope_theta=theta, local_rope_theta=local_theta, layer_types=layer_types,
+            kw.update(rope_theta=theta, local_rope_theta=local_theta, layer_types=layer_types, rope_linear_factor=linear,
                       local_window=check_int("sliding_window", d.get("sliding_window", 4096), ConfigError, 1, MAX_SIZE),
                       tie_embeddings=d.get("tie_word_embeddings", True) is not False, sandwich_norm=True,
                       ffn_act="gelu_tanh", embed_scale=True, attn_softcap=softcaps["attn_logit_softcapping"],
@@ -954,10 +965,15 @@ def hybrid_config_to_hf(c: ModelConfig) -> dict[str, Any]:
                  sliding_window=c.local_window, layer_types=[kinds[t] for t in c.mixer_types],
                  attn_logit_softcapping=c.attn_softcap, final_logit_softcapping=c.final_softcap)
         if arch == "gemma2":
+            if c.rope_linear_factor is not None:
+                raise ConfigError("rope_linear_factor has no Gemma-2 HF equivalent")
             d["rope_parameters"] = {"rope_type": "default", "rope_theta": c.rope_theta}
         else:
+            full = {"rope_type": "default", "rope_theta": c.rope_theta}
+            if c.rope_linear_factor is not None:
+                full.update(rope_type="linear", factor=c.rope_linear_factor)
             d["rope_parameters"] = {
-                "full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
+                "full_attention": full,
                 "sliding_attention": {"rope_type": "default", "rope_theta": c.local_rope_theta or c.rope_theta}}
         return d
     kinds = {"gated_deltanet": "linear_attention", "attention": "full_attention"}

@@ -8,7 +8,7 @@ of them is built exactly as before:
 - ``OffsetRMSNorm`` (``norm_offset``): y = norm(x)·(1 + w), w stored zero-centred (Gemma, Qwen3-Next);
 - ``GeGLU`` (``ffn_act="gelu_tanh"``): W_down(gelu_tanh(x W_gate) ⊙ x W_up) (Gemma);
 - ``VariantAttention``: softmax attention with any of a per-layer RoPE base (``local_rope_theta``, Gemma-3's
-  local layers), partial RoPE (``rotary_dim``), the scale 1/√query_pre_attn_scalar (Gemma), attention-logit
+  local layers), linear RoPE scaling of the global layers (``rope_linear_factor``), partial RoPE (``rotary_dim``), the scale 1/√query_pre_attn_scalar (Gemma), attention-logit
   soft-capping s → cap·tanh(s/cap) (``attn_softcap``, Gemma-2) and a sigmoid output gate whose values come
   from a doubled q_proj, per head [q_h | gate_h] (``attn_output_gate``, Qwen3-Next).
 """
@@ -24,12 +24,12 @@ from torch import Tensor
 
 from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
-from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, rope_frequencies
 from lmstack.model.seam import AttentionMetadata, causal_mask
 
 #: the config fields that make a softmax-attention layer a ``VariantAttention``
 VARIANT_ATTENTION_FIELDS = ("attn_output_gate", "attn_softcap", "query_pre_attn_scalar", "local_rope_theta",
-                            "rotary_dim")
+                            "rotary_dim", "rope_linear_factor")
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -94,6 +94,25 @@ class SoftcapAttention:
         return (probs @ v).to(q.dtype)
 
 
+class LinearScaledRotary(RotaryEmbedding):
+    """RoPE with linear position scaling: angle m·θ_i / factor (HF ``rope_type="linear"``, Gemma-3's global layers)."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float, layout: str, factor: float):
+        super().__init__(head_dim, max_seq_len, theta, layout)
+        self.factor = factor
+
+    def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        key = (torch.device(device), dtype)
+        if key not in self._cache:
+            angles = torch.outer(torch.arange(self.length, dtype=torch.float64) / self.factor,
+                                 rope_frequencies(self.head_dim, self.theta))  # (S, H/2)
+            angles = (angles.repeat_interleave(2, dim=-1) if self.layout == "interleaved"
+                      else torch.cat([angles, angles], dim=-1))  # (S, H)
+            self._cache[key] = (angles.cos().to(device=device, dtype=dtype),
+                                angles.sin().to(device=device, dtype=dtype))
+        return self._cache[key]
+
+
 class VariantAttention(Attention):
     """Softmax attention (GQA, KV cache through the seam) with the Gemma / Qwen3-Next variations listed in the
     module docstring. A ``local_attention`` layer uses ``config.local_window`` as its window (and
@@ -114,7 +133,10 @@ class VariantAttention(Attention):
         theta = c.local_rope_theta if self.local and c.local_rope_theta is not None else c.rope_theta
         self.rotary_dim = c.rotary_dim or H
         self._own_rope = None  # not a submodule (no weights); tables grow on demand
-        if theta != c.rope_theta or self.rotary_dim != H:
+        factor = None if self.local else c.rope_linear_factor
+        if factor is not None:
+            self._own_rope = [LinearScaledRotary(self.rotary_dim, c.max_seq_len, theta, c.rope_layout, factor)]
+        elif theta != c.rope_theta or self.rotary_dim != H:
             self._own_rope = [RotaryEmbedding(self.rotary_dim, c.max_seq_len, theta, c.rope_layout)]
         # impl divides the scores by √H; Gemma's scale is 1/√query_pre_attn_scalar: fold the ratio into q
         self.q_scale = None if c.query_pre_attn_scalar is None else math.sqrt(H / c.query_pre_attn_scalar)
