@@ -106,6 +106,15 @@ def test_logits_match_hf(pair):
     assert (out - ref).abs().max().item() < 1e-4
 
 
+def test_parameter_count_matches_hf_and_accounting(pair):
+    """lmstack's model and ``accounting.mixers.model_params`` count what transformers' model holds."""
+    from lmstack.accounting.mixers import model_params
+
+    _, hf, model, _ = pair
+    n_hf = sum(p.numel() for p in hf.parameters())
+    assert model.num_params() == n_hf == model_params(model.config)
+
+
 def test_cached_decode_equals_full_forward(pair):
     """Prefill 9 tokens (longer than the window W = 5) in two chunks of 4 and 5 (the second continues the conv and
     recurrent states), then decode one token at a time with the MixerCache."""

@@ -1,6 +1,8 @@
 """HF-format checkpoints (``config.json`` + ``model.safetensors`` or a sharded index) in and out.
 
-Supports the Llama, Mistral and Qwen2 families. Names map both ways through one table; HF
+Supports the Llama, Mistral and Qwen2 families; the MoE / MLA families (Mixtral, OLMoE, Qwen2/3-MoE, DeepSeek-V2/V3)
+and the recurrent / hybrid / interleaved ones (Mamba2, Gemma-2, Gemma-3 text, Qwen3-Next) have their own sections
+at the end of this file. Names map both ways through one table per family; HF
 stores q/k rows in the "half" RoPE layout, which is lmstack's default, so weights copy as-is.
 Only safetensors are read: nothing is ever unpickled.
 """
