@@ -24,7 +24,8 @@ ROPE_LAYOUTS = ("half", "interleaved")
 # (the backends are set by lmstack.kernels.runtime.RuntimeConfig).
 RUNTIME_FIELDS = ("attn_backend", "norm_backend")
 ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2",
-                 "deepseek_v3", "mamba2", "gemma2", "gemma3_text", "qwen3_next")  # HF families lmstack loads and saves (model/hf.py; MoE: moe.py, MLA: mla.py)
+                 "deepseek_v3", "mamba2", "gemma2", "gemma3_text",
+                 "qwen3_next")  # HF families lmstack loads and saves (model/hf.py; MoE: moe.py, MLA: mla.py)
 #: Token mixers a layer may have (``ModelConfig.layer_types``; ``lmstack.model.mixers``).
 MIXERS = ("attention", "local_attention", "linear_attention", "mamba2", "gated_deltanet", "dsa")
 LINEAR_FEATURE_MAPS = ("identity", "elu1", "relu")

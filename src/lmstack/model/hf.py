@@ -955,7 +955,8 @@ def hybrid_config_to_hf(c: ModelConfig) -> dict[str, Any]:
         d.update(state_size=c.ssm_state_size, expand=c.ssm_expand, head_dim=c.ssm_head_dim,
                  num_heads=c.ssm_expand * c.d_model // c.ssm_head_dim, n_groups=c.ssm_n_groups,
                  conv_kernel=c.conv_kernel, layer_norm_epsilon=c.norm_eps, chunk_size=c.mixer_chunk_size,
-                 time_step_limit=[lim[0], {"__float__": "Infinity"} if lim[1] == float("inf") else lim[1]], use_bias=False, use_conv_bias=True, hidden_act="silu", rms_norm=True)
+                 time_step_limit=[lim[0], {"__float__": "Infinity"} if lim[1] == float("inf") else lim[1]],
+                 use_bias=False, use_conv_bias=True, hidden_act="silu", rms_norm=True)
         return d
     d.update(intermediate_size=c.d_ff, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
              head_dim=c.head_dim, max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
