@@ -18,7 +18,8 @@ tests/model/test_mixers_accounting.py). Parameter counts equal the modules' ``nu
 
 from __future__ import annotations
 
-from lmstack.accounting.params import attention_params_per_layer, ffn_params_per_layer, norm_params_per_layer
+from lmstack.accounting.params import (attention_params_per_layer, ffn_params_per_layer, layer_ffn_params,
+                                      norm_params_per_layer)
 from lmstack.accounting.precision import bytes_per_element
 from lmstack.model.config import ModelConfig
 from lmstack.utils import atomic_path
@@ -65,9 +66,15 @@ def model_params(c: ModelConfig) -> int:
     """All parameters of the lmstack Transformer for ``c`` with its per-layer mixers."""
     qk = 2 * c.head_dim if c.qk_norm else 0
     per_layer = 0
-    for kind in c.mixer_types:
+    for i, kind in enumerate(c.mixer_types):
         norms = norm_params_per_layer(c) - (qk if kind not in ("attention", "local_attention", "dsa") else 0)
-        per_layer += mixer_params(c, kind) + ffn_params_per_layer(c) + norms
+        # the HF hybrid-family block options (model/variants.py): no FFN (Mamba2), sandwich norms (Gemma),
+        # the attention output gate's half of q_proj (Qwen3-Next)
+        norms += (c.d_model if c.sandwich_norm else 0) * (2 if c.block_ffn else 1) - (0 if c.block_ffn else c.d_model)
+        gate = c.d_model * c.n_heads * c.head_dim if c.attn_output_gate and kind in ("attention", "local_attention") \
+            else 0
+        ffn = (layer_ffn_params(c, i) if c.n_experts else ffn_params_per_layer(c)) if c.block_ffn else 0
+        per_layer += mixer_params(c, kind) + gate + ffn + norms
     emb = c.vocab_size * c.d_model
     return per_layer + emb + c.d_model + (0 if c.tie_embeddings else emb)
 

@@ -105,7 +105,8 @@ def _run_model(args) -> int:
     runtime = RuntimeConfig(args.attn_backend or "auto", args.norm_backend or "auto")
     model = Transformer(cfg, device=device, dtype=dtype)
     line = configure(model, runtime, max_keys=args.seq)
-    res = bench_model(model, args.batch, args.seq, {"attn_backend": model.attention.name,
+    attn = model.attention  # None when no layer is softmax attention (e.g. a pure Mamba-2 model)
+    res = bench_model(model, args.batch, args.seq, {"attn_backend": attn.name if attn is not None else "none",
                                                     "norm_backend": runtime.norm_backend},
                       args.warmup, args.repeats, args.nvtx)
     print(f"{res['config']}: {res['params'] / 1e6:.1f}M params, B={args.batch} S={args.seq} {res['dtype']} on "

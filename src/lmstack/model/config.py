@@ -24,10 +24,12 @@ ROPE_LAYOUTS = ("half", "interleaved")
 # (the backends are set by lmstack.kernels.runtime.RuntimeConfig).
 RUNTIME_FIELDS = ("attn_backend", "norm_backend")
 ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2",
-                 "deepseek_v3")  # HF families lmstack loads and saves (model/hf.py; MoE: moe.py, MLA: mla.py)
+                 "deepseek_v3", "mamba2", "gemma2", "gemma3_text",
+                 "qwen3_next")  # HF families lmstack loads and saves (model/hf.py; MoE: moe.py, MLA: mla.py)
 #: Token mixers a layer may have (``ModelConfig.layer_types``; ``lmstack.model.mixers``).
 MIXERS = ("attention", "local_attention", "linear_attention", "mamba2", "gated_deltanet", "dsa")
 LINEAR_FEATURE_MAPS = ("identity", "elu1", "relu")
+FFN_ACTS = ("silu", "gelu_tanh")  # the gated FFN's activation: SwiGLU, GeGLU (Gemma)
 #: Longest context lmstack accepts (the RoPE tables grow on demand up to it): 16.7M positions;
 #: real models use <= 10M, and a corrupt 2**32 must not ask for terabytes.
 MAX_SEQ_LEN = 1 << 24
@@ -117,6 +119,21 @@ class ModelConfig:
     qk_norm_full: bool = False  # OLMoE: RMSNorm over all N·H query / K·H key features (not per head)
     qkv_clip: float | None = None  # OLMoE clip_qkv: clamp q, k, v to ±clip
     rope_yarn: dict | None = None  # MLA only: YaRN RoPE scaling {factor, original_max_position_embeddings, ...}
+    # --- HF hybrid / interleaved families (Mamba2, Gemma-2/3, Qwen3-Next: model/variants.py, model/hf_hybrid.py);
+    # the defaults are the Llama block above, unchanged
+    block_ffn: bool = True  # False: a block is norm -> token mixer -> residual only (Mamba2ForCausalLM)
+    norm_offset: bool = False  # every RMSNorm applies (1 + w), w stored zero-centred (Gemma, Qwen3-Next)
+    sandwich_norm: bool = False  # Gemma-2/3: a norm on the mixer's and on the FFN's output too, before the residual
+    ffn_act: str = "silu"  # gated FFN activation: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma)
+    embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(D)
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale 1/sqrt(this) instead of 1/sqrt(H)
+    attn_softcap: float | None = None  # Gemma-2: attention logits s -> cap·tanh(s/cap)
+    final_softcap: float | None = None  # Gemma-2: output logits z -> cap·tanh(z/cap)
+    local_rope_theta: float | None = None  # Gemma-3: RoPE base Θ of the local_attention layers
+    rotary_dim: int | None = None  # partial RoPE: only the first rotary_dim of H rotate (Qwen3-Next); None = H
+    attn_output_gate: bool = False  # Qwen3-Next: attention output ·sigmoid(gate), gate from a doubled q_proj
+    ssm_dt_limit: list | None = None  # Mamba-2: Δ clamped to [lo, hi] after the softplus (HF time_step_limit)
+    rope_linear_factor: float | None = None  # linear RoPE scaling (positions / factor) of the global layers (Gemma-3)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -164,6 +181,34 @@ class ModelConfig:
             raise ConfigError(f"init_std={self.init_std!r} must be > 0")
         self._check_mixers()
         self._check_moe_mla()
+        self._check_variants()
+
+    def _check_variants(self) -> None:
+        """The HF hybrid / interleaved-family fields (model/variants.py)."""
+        for f in ("block_ffn", "norm_offset", "sandwich_norm", "embed_scale", "attn_output_gate"):
+            check_bool(f, getattr(self, f), ConfigError)
+        if self.ffn_act not in FFN_ACTS:
+            raise ConfigError(f"ffn_act={self.ffn_act!r}; expected one of {FFN_ACTS}")
+        for f in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta", "rope_linear_factor"):
+            if getattr(self, f) is not None:
+                setattr(self, f, check_float(f, getattr(self, f), ConfigError))
+                if not getattr(self, f) > 0:
+                    raise ConfigError(f"{f}={getattr(self, f)} must be > 0 (or null)")
+        if self.rotary_dim is not None:
+            self.rotary_dim = check_int("rotary_dim", self.rotary_dim, ConfigError, 2, self.head_dim)
+            if self.rotary_dim % 2:
+                raise ConfigError(f"rotary_dim={self.rotary_dim} is odd; RoPE rotates pairs of dimensions")
+        if self.ssm_dt_limit is not None:
+            lim = self.ssm_dt_limit
+            if not isinstance(lim, (list, tuple)) or len(lim) != 2:
+                raise ConfigError(f"ssm_dt_limit={lim!r}; expected [lo, hi]")
+            lo, hi = (v if v == float("inf") and i else check_float(f"ssm_dt_limit[{i}]", v, ConfigError)
+                      for i, v in enumerate(lim))
+            if not 0 <= lo < hi:
+                raise ConfigError(f"ssm_dt_limit={lim!r}; expected 0 <= lo < hi")
+            self.ssm_dt_limit = [lo, hi]
+        if not self.block_ffn and self.parallel_block:
+            raise ConfigError("block_ffn=False (no feed-forward) and parallel_block=True contradict each other")
 
     def _check_mixers(self) -> None:
         """The token-mixer block: a per-layer pattern of known mixers, and the sizes the used ones need."""

@@ -1,6 +1,8 @@
 """HF-format checkpoints (``config.json`` + ``model.safetensors`` or a sharded index) in and out.
 
-Supports the Llama, Mistral and Qwen2 families. Names map both ways through one table; HF
+Supports the Llama, Mistral and Qwen2 families; the MoE / MLA families (Mixtral, OLMoE, Qwen2/3-MoE, DeepSeek-V2/V3)
+and the recurrent / hybrid / interleaved ones (Mamba2, Gemma-2, Gemma-3 text, Qwen3-Next) have their own sections
+at the end of this file. Names map both ways through one table per family; HF
 stores q/k rows in the "half" RoPE layout, which is lmstack's default, so weights copy as-is.
 Only safetensors are read: nothing is ever unpickled.
 """
@@ -28,6 +30,10 @@ MOE_MODEL_TYPES = {"mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
                    "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                    "deepseek_v3": "DeepseekV3ForCausalLM"}
 HF_MODEL_TYPES.update(MOE_MODEL_TYPES)
+# recurrent / hybrid / interleaved local-global families (model/variants.py, mamba2.py, deltanet.py): end of this file
+HYBRID_MODEL_TYPES = {"mamba2": "Mamba2ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                      "gemma3_text": "Gemma3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+HF_MODEL_TYPES.update(HYBRID_MODEL_TYPES)
 
 
 class WeightsError(ValueError):
@@ -86,6 +92,8 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfi
         raise ConfigError(
             f"{source}: unknown architecture model_type={model_type!r}; supported: {sorted(HF_MODEL_TYPES)}"
         )
+    if model_type in HYBRID_MODEL_TYPES:
+        return hybrid_config_from_hf(d, model_type, source)
     yarn = None
     if model_type in ("deepseek_v2", "deepseek_v3"):  # MLA models may carry YaRN RoPE scaling (model/mla.py)
         d, yarn = split_yarn(d, source)
@@ -143,6 +151,12 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
     """The HF ``config.json`` dict for ``c`` (raises if the family cannot express it)."""
     if c.architecture in MOE_MODEL_TYPES:
         return moe_config_to_hf(c)
+    if c.architecture in HYBRID_MODEL_TYPES:
+        return hybrid_config_to_hf(c)
+    variant = [f for f, v in _VARIANT_DEFAULTS.items() if getattr(c, f) != v]
+    if variant:
+        raise ConfigError(f"{variant} set on architecture={c.architecture!r}, whose HF family has no such option; "
+                          f"these belong to {sorted(HYBRID_MODEL_TYPES)}")
     if c.qk_norm or c.parallel_block:
         raise ConfigError("qk_norm / parallel_block models have no Llama/Mistral/Qwen2 HF equivalent")
     if c.rope_layout != "half":
@@ -421,6 +435,8 @@ def load_hf(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
         raise WeightsError(f"{d}: no config.json (is this an HF checkpoint directory?)")
     config = load_config(d / "config.json")
     hf_state = read_hf_state(d)
+    if config.architecture in HYBRID_MODEL_TYPES:
+        return load_hybrid(config, hf_state, str(d), check_finite).to(device=device, dtype=dtype)
     if config.architecture in MOE_MODEL_TYPES:
         hf_state = stack_experts(hf_state, config, str(d))
     state = {}
@@ -457,7 +473,9 @@ def save_hf(model, directory: str | os.PathLike, max_shard_bytes: int | None = N
     d.mkdir(parents=True, exist_ok=True)
     hf_config = config_to_hf(model.config)
     state = {}
-    for n, p in model.named_parameters():
+    if model.config.architecture in HYBRID_MODEL_TYPES:
+        state = hybrid_state_to_hf(model)
+    for n, p in ([] if state else model.named_parameters()):
         if model.config.architecture in MOE_MODEL_TYPES and n.endswith(_EXPERT_PARAMS) and p.dim() == 3:
             state.update(unstack_experts(n, p.detach().cpu(), model.config.architecture))
         else:
@@ -738,3 +756,425 @@ def split_yarn(d: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str
                 d.pop(key)
             return d, yarn
     return d, None
+
+
+# ---- recurrent / hybrid / interleaved local-global families ------------------------------------------
+# Mamba2ForCausalLM (pure Mamba-2 blocks, no FFN), Gemma2ForCausalLM / Gemma3ForCausalLM (text; interleaved
+# sliding-window : global attention, GeGLU, (1 + w) sandwich norms) and Qwen3NextForCausalLM (3:1 Gated DeltaNet :
+# gated full attention, MoE with a gated shared expert). Config fields this loader does not know are refused by
+# name; fields it knows but cannot honour are refused with their value.
+
+#: HF config fields that do not change the forward pass (bookkeeping, training-only, generation defaults)
+_HARMLESS_FIELDS = {
+    "transformers_version", "architectures", "output_hidden_states", "return_dict", "dtype", "torch_dtype",
+    "chunk_size_feed_forward", "is_encoder_decoder", "problem_type", "id2label", "label2id", "_name_or_path",
+    "model_type", "output_attentions", "use_cache", "initializer_range", "pad_token_id", "bos_token_id",
+    "eos_token_id", "tie_word_embeddings", "attention_dropout", "output_router_logits", "router_aux_loss_coef",
+    "max_position_embeddings", "tokenizer_class", "_attn_implementation_autoset", "use_bidirectional_attention",
+    "cache_implementation", "residual_in_fp32", "time_step_rank", "time_step_min", "time_step_max",
+    "time_step_floor", "rescale_prenorm_residual", "hidden_act", "hidden_activation", "attention_bias",
+    "use_bias", "use_conv_bias", "rms_norm", "vocab_size", "hidden_size", "num_hidden_layers",
+}
+#: the fields each family's loader reads (besides the harmless ones)
+_HYBRID_FIELDS = {
+    "mamba2": {"state_size", "expand", "head_dim", "num_heads", "n_groups", "conv_kernel", "layer_norm_epsilon",
+               "chunk_size", "time_step_limit", "norm_before_gate"},
+    "gemma2": {"intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+               "rope_parameters", "rope_theta", "rope_scaling", "query_pre_attn_scalar", "sliding_window",
+               "layer_types", "final_logit_softcapping", "attn_logit_softcapping"},
+    "qwen3_next": {"intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                   "rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor", "layer_types",
+                   "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim",
+                   "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "decoder_sparse_step",
+                   "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok",
+                   "num_experts", "norm_topk_prob", "mlp_only_layers", "use_sliding_window", "sliding_window",
+                   "max_window_layers"},
+}
+_HYBRID_FIELDS["gemma3_text"] = _HYBRID_FIELDS["gemma2"] | {"rope_local_base_freq", "sliding_window_pattern",
+                                                            "_sliding_window_pattern"}
+#: the hybrid-family ModelConfig fields at their Llama-block defaults (other families cannot export them)
+_VARIANT_DEFAULTS = dict(block_ffn=True, norm_offset=False, sandwich_norm=False, ffn_act="silu", embed_scale=False,
+                         query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None, local_rope_theta=None,
+                         rotary_dim=None, attn_output_gate=False, ssm_dt_limit=None,
+                         rope_linear_factor=None)
+#: no positional limit in a pure Mamba-2 model: lmstack's cap on the sequences it accepts
+MAMBA2_MAX_SEQ_LEN = 1 << 20
+
+
+def _expect(d: dict[str, Any], key: str, allowed: tuple, family: str) -> None:
+    """A field this loader supports only at the values ``allowed`` (absent counts as the first)."""
+    v = d.get(key, allowed[0])
+    if v not in allowed:
+        raise ConfigError(f"{key}={v!r} is not supported by lmstack's {family} loader (expected one of {allowed})")
+
+
+def _plain_theta(params: dict[str, Any], where: str) -> float:
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", None):
+        raise ConfigError(f"{where}.rope_type={kind!r} is not supported (only plain RoPE, 'default')")
+    return check_float(f"{where}.rope_theta", params.get("rope_theta", 10000.0), ConfigError)
+
+
+def _hf_kinds(d: dict[str, Any], n: int, table: dict[str, str], default: list[str]) -> list[str]:
+    """HF ``layer_types`` (or ``default`` when absent) -> lmstack mixers via ``table``; refuses unknown kinds."""
+    kinds = d.get("layer_types") or default
+    if not isinstance(kinds, list) or len(kinds) != n:
+        raise ConfigError(f"layer_types={kinds!r:.80} must list one kind for each of num_hidden_layers={n} layers")
+    for i, t in enumerate(kinds):
+        if t not in table:
+            raise ConfigError(f"layer_types[{i}]={t!r} (layer {i}); expected one of {sorted(table)}")
+    return [table[t] for t in kinds]
+
+
+def hybrid_config_from_hf(d: dict[str, Any], model_type: str, source: str = "config.json") -> ModelConfig:
+    """An HF Mamba2 / Gemma-2 / Gemma-3 (text) / Qwen3-Next ``config.json`` dict -> ModelConfig.
+    A field this loader does not know, or a value it cannot honour, is a ConfigError naming the field."""
+    family = HYBRID_MODEL_TYPES[model_type]
+    try:
+        unknown = sorted(set(d) - _HARMLESS_FIELDS - _HYBRID_FIELDS[model_type])
+        if unknown:
+            raise ConfigError(f"field(s) {unknown} are not supported by lmstack's {family} loader; known fields: "
+                              f"{sorted(_HYBRID_FIELDS[model_type])} (and bookkeeping ones)")
+        n = _int(d, "num_hidden_layers")
+        name = d.get("_name_or_path") or model_type
+        kw: dict[str, Any] = dict(vocab_size=_int(d, "vocab_size"), d_model=_int(d, "hidden_size"), n_layers=n,
+                                  tie_embeddings=_flag(d, "tie_word_embeddings"), architecture=model_type,
+                                  bos_token_id=_first_id(d, "bos_token_id"), eos_token_id=_first_id(d, "eos_token_id"),
+                                  name=name if isinstance(name, str) else model_type)
+        if model_type == "mamba2":
+            for key, allowed in (("hidden_act", ("silu",)), ("use_bias", (False,)), ("use_conv_bias", (True,)),
+                                 ("rms_norm", (True,)), ("norm_before_gate", (False,))):
+                _expect(d, key, allowed, family)
+            D, expand, P = kw["d_model"], _int(d, "expand", 2), _int(d, "head_dim", 64)
+            heads = _int(d, "num_heads", max(expand * D // P, 1))
+            if heads * P != expand * D:
+                raise ConfigError(f"num_heads={heads} x head_dim={P} must equal expand x hidden_size = {expand * D}")
+            limit = d.get("time_step_limit", [0.0, float("inf")])
+            if not isinstance(limit, (list, tuple)) or len(limit) != 2:
+                raise ConfigError(f"time_step_limit={limit!r}; expected [lo, hi]")
+            # transformers writes inf as {"__float__": "Infinity"} (JSON has no inf)
+            limit = [float(v["__float__"]) if isinstance(v, dict) and isinstance(v.get("__float__"), str) else v
+                     for v in limit]
+            if limit[1] != float("inf"):
+                check_float("time_step_limit[1]", limit[1], ConfigError)
+            kw.update(n_heads=1, head_dim=2, d_ff=1, max_seq_len=MAMBA2_MAX_SEQ_LEN, layer_types=["mamba2"] * n,
+                      block_ffn=False, ssm_state_size=_int(d, "state_size", 128), ssm_expand=expand, ssm_head_dim=P,
+                      ssm_n_groups=_int(d, "n_groups", 1), conv_kernel=_int(d, "conv_kernel", 4),
+                      mixer_chunk_size=_int(d, "chunk_size", 256),
+                      norm_eps=check_float("layer_norm_epsilon", d.get("layer_norm_epsilon", 1e-5), ConfigError),
+                      ssm_dt_limit=None if list(limit) == [0.0, float("inf")] else list(limit))
+            return ModelConfig(**kw)
+        n_heads = _int(d, "num_attention_heads")
+        kw.update(n_heads=n_heads, n_kv_heads=_int(d, "num_key_value_heads", n_heads), d_ff=_int(d, "intermediate_size"),
+                  head_dim=None if d.get("head_dim") is None else _int(d, "head_dim"),
+                  max_seq_len=_int(d, "max_position_embeddings", 8192, MAX_SEQ_LEN),
+                  norm_eps=check_float("rms_norm_eps", d.get("rms_norm_eps", 1e-6), ConfigError), norm_offset=True,
+                  qk_norm=model_type != "gemma2")
+        _expect(d, "attention_bias", (False,), family)
+        legacy_scaling = _dict_or_none(d, "rope_scaling", source)
+        linear = None  # Gemma-3 4B+: linear RoPE scaling of the global layers
+        if legacy_scaling and model_type == "gemma3_text" and \
+                legacy_scaling.get("rope_type", legacy_scaling.get("type")) == "linear":
+            linear = check_float("rope_scaling.factor", legacy_scaling.get("factor"), ConfigError)
+        elif legacy_scaling:
+            raise ConfigError(f"rope_scaling={d['rope_scaling']!r} is not supported (only plain RoPE"
+                              f"{', or linear on the global layers' if model_type == 'gemma3_text' else ''})")
+        params = _dict_or_none(d, "rope_parameters", source)
+        if model_type in ("gemma2", "gemma3_text"):
+            _expect(d, "hidden_activation", ("gelu_pytorch_tanh",), family)
+            _expect(d, "hidden_act", ("gelu_pytorch_tanh",), family)
+            _expect(d, "use_bidirectional_attention", (None, False), family)
+            if model_type == "gemma2":
+                theta = _plain_theta(params or {"rope_theta": d.get("rope_theta", 10000.0)}, "rope_parameters")
+                local_theta, default = None, ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+            else:
+                every = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+                every = check_int("sliding_window_pattern", every, ConfigError, 1, MAX_SIZE)
+                default = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+                if "full_attention" in params or "sliding_attention" in params:
+                    full = _dict_or_none(params, "full_attention", source)
+                    if full.get("rope_type") == "linear":
+                        linear = check_float("rope_parameters.full_attention.factor", full.get("factor"), ConfigError)
+                        full = {**full, "rope_type": "default"}
+                    theta = _plain_theta(full, "rope_parameters.full_attention")
+                    local_theta = _plain_theta(_dict_or_none(params, "sliding_attention", source),
+                                               "rope_parameters.sliding_attention")
+                else:
+                    theta = _plain_theta(params or {"rope_theta": d.get("rope_theta", 1e6)}, "rope_parameters")
+                    local_theta = check_float("rope_local_base_freq", d.get("rope_local_base_freq", 10000.0),
+                                              ConfigError)
+            layer_types = _hf_kinds(d, n, {"sliding_attention": "local_attention", "full_attention": "attention"},
+                                    default)
+            softcaps = {f: None if d.get(f) is None else check_float(f, d[f], ConfigError)
+                        for f in ("attn_logit_softcapping", "final_logit_softcapping")}
+            kw.update(rope_theta=theta, local_rope_theta=local_theta, layer_types=layer_types, rope_linear_factor=linear,
+                      local_window=check_int("sliding_window", d.get("sliding_window", 4096), ConfigError, 1, MAX_SIZE),
+                      tie_embeddings=d.get("tie_word_embeddings", True) is not False, sandwich_norm=True,
+                      ffn_act="gelu_tanh", embed_scale=True, attn_softcap=softcaps["attn_logit_softcapping"],
+                      final_softcap=softcaps["final_logit_softcapping"],
+                      query_pre_attn_scalar=check_float("query_pre_attn_scalar", d.get("query_pre_attn_scalar", 256),
+                                                        ConfigError))
+            return ModelConfig(**kw)
+        # qwen3_next
+        _expect(d, "hidden_act", ("silu",), family)
+        _expect(d, "use_sliding_window", (False, None), family)
+        only = d.get("mlp_only_layers") or []
+        if only:
+            raise ConfigError(f"mlp_only_layers={only!r} is not supported (expected []); lmstack places dense "
+                              "layers by decoder_sparse_step only")
+        theta = _plain_theta(params or {"rope_theta": d.get("rope_theta", 10000.0)}, "rope_parameters")
+        factor = check_float("partial_rotary_factor", params.get("partial_rotary_factor",
+                                                                 d.get("partial_rotary_factor", 0.25)), ConfigError)
+        head_dim = kw["head_dim"] or kw["d_model"] // n_heads
+        every = check_int("full_attention_interval", d.get("full_attention_interval", 4), ConfigError, 1, MAX_SIZE)
+        layer_types = _hf_kinds(d, n, {"linear_attention": "gated_deltanet", "full_attention": "attention"},
+                                ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)])
+        shared = _none_or_int(d, "shared_expert_intermediate_size")
+        kw.update(rope_theta=theta, rotary_dim=int(head_dim * factor), layer_types=layer_types, attn_output_gate=True,
+                  delta_n_heads=_int(d, "linear_num_key_heads"), delta_n_v_heads=_int(d, "linear_num_value_heads"),
+                  delta_head_dim=_int(d, "linear_key_head_dim"), delta_v_head_dim=_int(d, "linear_value_head_dim"),
+                  conv_kernel=_int(d, "linear_conv_kernel_dim", 4), n_experts=_int(d, "num_experts"),
+                  n_experts_per_token=_int(d, "num_experts_per_tok"), d_ff_expert=_int(d, "moe_intermediate_size"),
+                  router_norm_topk=_flag(d, "norm_topk_prob"), moe_layer_step=_int(d, "decoder_sparse_step", 1),
+                  n_shared_experts=1 if shared else 0, d_ff_shared=shared, shared_expert_gate=bool(shared))
+        return ModelConfig(**kw)
+    except ConfigError as e:
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith(f"{source}:") else f"{source}: {msg}") from None
+
+
+def hybrid_config_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """The HF ``config.json`` of a Mamba2 / Gemma-2 / Gemma-3 / Qwen3-Next ModelConfig."""
+    arch = c.architecture
+    d: dict[str, Any] = {"architectures": [HYBRID_MODEL_TYPES[arch]], "model_type": arch, "vocab_size": c.vocab_size,
+                         "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,
+                         "tie_word_embeddings": c.tie_embeddings, "bos_token_id": c.bos_token_id,
+                         "eos_token_id": c.eos_token_id, "torch_dtype": "float32"}
+    if arch == "mamba2":
+        lim = c.ssm_dt_limit or [0.0, float("inf")]
+        d.update(state_size=c.ssm_state_size, expand=c.ssm_expand, head_dim=c.ssm_head_dim,
+                 num_heads=c.ssm_expand * c.d_model // c.ssm_head_dim, n_groups=c.ssm_n_groups,
+                 conv_kernel=c.conv_kernel, layer_norm_epsilon=c.norm_eps, chunk_size=c.mixer_chunk_size,
+                 time_step_limit=[lim[0], {"__float__": "Infinity"} if lim[1] == float("inf") else lim[1]],
+                 use_bias=False, use_conv_bias=True, hidden_act="silu", rms_norm=True)
+        return d
+    d.update(intermediate_size=c.d_ff, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+             head_dim=c.head_dim, max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
+             attention_bias=False)
+    if arch in ("gemma2", "gemma3_text"):
+        kinds = {"local_attention": "sliding_attention", "attention": "full_attention"}
+        scalar = c.query_pre_attn_scalar
+        d.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
+                 sliding_window=c.local_window, layer_types=[kinds[t] for t in c.mixer_types],
+                 attn_logit_softcapping=c.attn_softcap, final_logit_softcapping=c.final_softcap)
+        if arch == "gemma2":
+            if c.rope_linear_factor is not None:
+                raise ConfigError("rope_linear_factor has no Gemma-2 HF equivalent")
+            d["rope_parameters"] = {"rope_type": "default", "rope_theta": c.rope_theta}
+        else:
+            full = {"rope_type": "default", "rope_theta": c.rope_theta}
+            if c.rope_linear_factor is not None:
+                full.update(rope_type="linear", factor=c.rope_linear_factor)
+            d["rope_parameters"] = {
+                "full_attention": full,
+                "sliding_attention": {"rope_type": "default", "rope_theta": c.local_rope_theta or c.rope_theta}}
+        return d
+    kinds = {"gated_deltanet": "linear_attention", "attention": "full_attention"}
+    d.update(hidden_act="silu", layer_types=[kinds[t] for t in c.mixer_types],
+             rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta,
+                              "partial_rotary_factor": (c.rotary_dim or c.head_dim) / c.head_dim},
+             linear_num_key_heads=c.delta_n_heads, linear_num_value_heads=c.delta_n_v_heads,
+             linear_key_head_dim=c.delta_head_dim, linear_value_head_dim=c.delta_v_head_dim,
+             linear_conv_kernel_dim=c.conv_kernel, num_experts=c.n_experts, num_experts_per_tok=c.n_experts_per_token,
+             moe_intermediate_size=c.d_ff_expert, shared_expert_intermediate_size=c.d_ff_shared or 0,
+             norm_topk_prob=c.router_norm_topk, decoder_sparse_step=c.moe_layer_step, mlp_only_layers=[])
+    return d
+
+
+_MAMBA2_MIXER = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight",
+                 "out_proj.weight")
+_ATTN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight", "k_norm.weight")
+_GDN = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
+        "out_proj.weight")
+_HYBRID_BLOCK_NAMES = {  # per family: HF name inside the layer -> lmstack name inside blocks.{i}
+    "mamba2": {"norm.weight": "attn_norm.weight", **{f"mixer.{n}": f"attn.{n}" for n in _MAMBA2_MIXER}},
+    "gemma2": {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attn_norm.weight",
+               "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+               "post_feedforward_layernorm.weight": "post_ffn_norm.weight",
+               **{f"self_attn.{n}": f"attn.{n}" for n in _ATTN},
+               **{f"mlp.{w}_proj.weight": f"ffn.{w}_proj.weight" for w in ("gate", "up", "down")}},
+    "qwen3_next": {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                   **{f"self_attn.{n}": f"attn.{n}" for n in _ATTN},
+                   **{f"linear_attn.{n}": f"attn.{n}" for n in _GDN + ("in_proj_qkv.weight", "in_proj_z.weight",
+                                                                       "in_proj_b.weight", "in_proj_a.weight")},
+                   **{f"mlp.{w}_proj.weight": f"ffn.{w}_proj.weight" for w in ("gate", "up", "down")},
+                   "mlp.gate.weight": "ffn.router.weight", "mlp.shared_expert_gate.weight": "ffn.shared_gate.weight",
+                   **{f"mlp.shared_expert.{w}_proj.weight": f"ffn.shared.{w}_proj.weight" for w in ("gate", "up", "down")},
+                   **{f"mlp.stacked_experts.{w}_proj.weight": f"ffn.{w}_proj.weight" for w in ("gate", "up", "down")}},
+}
+_HYBRID_BLOCK_NAMES["gemma3_text"] = _HYBRID_BLOCK_NAMES["gemma2"]
+_HYBRID_TOP_NAMES = {  # HF top-level name -> lmstack
+    "mamba2": {"backbone.embeddings.weight": "embed.weight", "backbone.norm_f.weight": "norm.weight",
+               "lm_head.weight": "lm_head.weight"},
+}
+_HYBRID_PREFIX = {"mamba2": re.compile(r"backbone\.layers\.(\d+)\.(.+)")}
+#: which config fields size each tensor (for shape-mismatch errors); keys are lmstack names inside a block
+_SHAPE_FIELDS = {
+    "attn.in_proj.weight": "hidden_size, expand, n_groups, state_size, num_heads",
+    "attn.conv1d.weight": "conv_kernel (linear_conv_kernel_dim) and the conv channels (expand·hidden_size + "
+                          "2·n_groups·state_size, or 2·key heads·key dim + value heads·value dim)",
+    "attn.conv1d.bias": "expand, hidden_size, n_groups, state_size",
+    "attn.dt_bias": "num_heads (linear_num_value_heads)", "attn.A_log": "num_heads (linear_num_value_heads)",
+    "attn.D": "num_heads", "attn.norm.weight": "expand·hidden_size (linear_value_head_dim)",
+    "attn.out_proj.weight": "hidden_size, expand (linear_num_value_heads·linear_value_head_dim)",
+    "attn.q_proj.weight": "num_attention_heads, head_dim, hidden_size",
+    "attn.k_proj.weight": "num_key_value_heads, head_dim, hidden_size",
+    "attn.v_proj.weight": "num_key_value_heads, head_dim, hidden_size",
+    "attn.o_proj.weight": "hidden_size, num_attention_heads, head_dim",
+    "attn.q_norm.weight": "head_dim", "attn.k_norm.weight": "head_dim",
+    "attn.in_proj_qkv.weight": "linear_num_key_heads, linear_key_head_dim, linear_num_value_heads, "
+                               "linear_value_head_dim", "attn.in_proj_z.weight": "linear_num_value_heads, "
+                               "linear_value_head_dim", "attn.in_proj_b.weight": "linear_num_value_heads",
+    "attn.in_proj_a.weight": "linear_num_value_heads",
+    "ffn.gate_proj.weight": "intermediate_size / moe_intermediate_size, num_experts",
+    "ffn.up_proj.weight": "intermediate_size / moe_intermediate_size, num_experts",
+    "ffn.down_proj.weight": "intermediate_size / moe_intermediate_size, num_experts",
+    "ffn.router.weight": "num_experts", "ffn.shared_gate.weight": "hidden_size",
+    "ffn.shared.gate_proj.weight": "shared_expert_intermediate_size",
+    "ffn.shared.up_proj.weight": "shared_expert_intermediate_size",
+    "ffn.shared.down_proj.weight": "shared_expert_intermediate_size",
+}
+
+
+def _hybrid_from_hf_name(name: str, arch: str) -> str | None:
+    """lmstack name of an HF tensor of a hybrid family; None for tensors lmstack does not use; KeyError if unknown."""
+    top = _HYBRID_TOP_NAMES.get(arch, _HF_TOP_NAMES)
+    if name in top:
+        return top[name]
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    m = _HYBRID_PREFIX.get(arch, _HF_BLOCK).fullmatch(name)
+    table = _HYBRID_BLOCK_NAMES[arch]
+    if m and m.group(2) in table:
+        return f"blocks.{m.group(1)}.{table[m.group(2)]}"
+    raise KeyError(name)
+
+
+def _check_hybrid_shapes(model: torch.nn.Module, state: dict[str, torch.Tensor], hf_names: dict[str, str],
+                         source: str) -> None:
+    """A tensor whose shape disagrees with the config: a WeightsError naming the layer, its mixer kind, the HF
+    tensor, both shapes and the config fields that size it (load_state_into then checks names and dtypes)."""
+    kinds = model.config.mixer_types
+    for name, p in model.named_parameters():
+        t = state.get(name)
+        if t is None or tuple(t.shape) == tuple(p.shape):
+            continue
+        m = _LM_BLOCK.fullmatch(name)
+        where = f"layer {m.group(1)} ({kinds[int(m.group(1))]})" if m else "top level"
+        fields = _SHAPE_FIELDS.get(m.group(2) if m else "", "vocab_size, hidden_size")
+        raise WeightsError(f"{source}: {where}: tensor {hf_names.get(name, name)!r} has shape {tuple(t.shape)}, but "
+                           f"the config makes it {tuple(p.shape)} (fields: {fields})")
+
+
+def load_hybrid(config: ModelConfig, hf_state: dict[str, torch.Tensor], source: str, check_finite: bool = True):
+    """HF tensors of a Mamba2 / Gemma-2/3 / Qwen3-Next checkpoint -> an lmstack ``Transformer`` on the CPU."""
+    arch = config.architecture
+    if config.n_experts:
+        hf_state = stack_experts(hf_state, config, source)
+    if arch == "qwen3_next":  # re-lay out the fused Gated DeltaNet projections (model/deltanet.py's layout)
+        hf_state = dict(hf_state)
+        for i, kind in enumerate(config.mixer_types):
+            prefix = f"model.layers.{i}.linear_attn."
+            if kind != "gated_deltanet" or prefix + "in_proj_qkvz.weight" not in hf_state \
+                    or prefix + "in_proj_ba.weight" not in hf_state:
+                continue
+            layer = {n.removeprefix(prefix): hf_state.pop(n) for n in list(hf_state) if n.startswith(prefix)}
+            for need in _GDN:
+                if need not in layer:
+                    raise WeightsError(f"{source}: layer {i} (gated_deltanet): missing tensor {prefix + need!r}")
+            hf_state.update({f"model.layers.{i}.linear_attn.{n}": t for n, t in gated_deltanet_from_qwen3_next(
+                layer, config.delta_n_heads, config.delta_n_v_heads, config.delta_head_dim, config.delta_v_head_dim,
+                source=f"{source}: layer {i} (gated_deltanet; fields linear_num_key_heads, linear_num_value_heads, "
+                       "linear_key_head_dim, linear_value_head_dim)").items()})
+    state, hf_names = {}, {}
+    for name, t in hf_state.items():
+        try:
+            lm = _hybrid_from_hf_name(name, arch)
+        except KeyError:
+            raise WeightsError(f"{source}: unexpected tensor {name!r} for a {arch} model") from None
+        if lm is not None:
+            state[lm], hf_names[lm] = t, name
+    if config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    check_layer_count(config, state, source)
+    with torch.device("meta"):
+        model = Transformer(config)
+    missing = [n for n, _ in model.named_parameters() if n not in state]
+    if missing:
+        m = _LM_BLOCK.fullmatch(missing[0])
+        if m is None:
+            top = {v: k for k, v in _HYBRID_TOP_NAMES.get(arch, _HF_TOP_NAMES).items()}
+            raise WeightsError(f"{source}: missing tensor {top.get(missing[0], missing[0])!r}")
+        block = {v: k for k, v in _HYBRID_BLOCK_NAMES[arch].items()
+                 if not k.startswith(("mlp.stacked", "linear_attn.in_proj_qkv.", "linear_attn.in_proj_z.",
+                                      "linear_attn.in_proj_b.", "linear_attn.in_proj_a."))}
+        i, kind = int(m.group(1)), config.mixer_types[int(m.group(1))]
+        hf_name = block.get(m.group(2), m.group(2))
+        prefix = "backbone.layers" if arch == "mamba2" else "model.layers"
+        if m.group(2).startswith("attn.in_proj_"):
+            hf_name = "linear_attn.in_proj_qkvz.weight / in_proj_ba.weight"
+        elif m.group(2) in ("ffn.gate_proj.weight", "ffn.up_proj.weight", "ffn.down_proj.weight") and \
+                config.is_moe_layer(i):
+            hf_name = f"mlp.experts.*.{m.group(2).split('.')[1]}.weight"
+        raise WeightsError(f"{source}: layer {i} ({kind}): missing tensor '{prefix}.{i}.{hf_name}'"
+                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    _check_hybrid_shapes(model, state, hf_names, source)
+    load_state_into(model, state, source, check_finite=check_finite)
+    return model
+
+
+def gated_deltanet_to_qwen3_next(state: dict[str, torch.Tensor], n_k: int, n_v: int, h_k: int,
+                                 h_v: int) -> dict[str, torch.Tensor]:
+    """The inverse of ``gated_deltanet_from_qwen3_next``: separate q/k/v, z, b, a -> fused in_proj_qkvz / in_proj_ba."""
+    r = n_v // n_k
+    D = state["in_proj_qkv.weight"].shape[1]
+    q, k, v = state["in_proj_qkv.weight"].split([n_k * h_k, n_k * h_k, n_v * h_v])
+    z, b, a = state["in_proj_z.weight"], state["in_proj_b.weight"], state["in_proj_a.weight"]
+    qkvz = torch.cat([q.view(n_k, h_k, D), k.view(n_k, h_k, D), v.reshape(n_k, r * h_v, D),
+                      z.reshape(n_k, r * h_v, D)], dim=1).reshape(-1, D)
+    ba = torch.cat([b.reshape(n_k, r, D), a.reshape(n_k, r, D)], dim=1).reshape(-1, D)
+    out = {"in_proj_qkvz.weight": qkvz.contiguous(), "in_proj_ba.weight": ba.contiguous()}
+    for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight"):
+        out[name] = state[name]
+    return out
+
+
+def hybrid_state_to_hf(model) -> dict[str, torch.Tensor]:
+    """A Mamba2 / Gemma / Qwen3-Next lmstack model's parameters under their HF names (experts per expert, the
+    Qwen3-Next Gated DeltaNet projections fused back)."""
+    c = model.config
+    arch = c.architecture
+    top = {v: k for k, v in _HYBRID_TOP_NAMES.get(arch, _HF_TOP_NAMES).items()}
+    block = {v: k for k, v in _HYBRID_BLOCK_NAMES[arch].items() if "stacked" not in k}
+    prefix = "backbone.layers" if arch == "mamba2" else "model.layers"
+    params = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    for i, kind in enumerate(c.mixer_types):
+        if kind == "gated_deltanet":
+            p = f"blocks.{i}.attn."
+            layer = {n.removeprefix(p): params.pop(n) for n in list(params) if n.startswith(p)}
+            fused = gated_deltanet_to_qwen3_next(layer, c.delta_n_heads, c.delta_n_v_heads, c.delta_head_dim,
+                                                 c.delta_v_head_dim)
+            out.update({f"{prefix}.{i}.linear_attn.{n}": t for n, t in fused.items()})
+    for n, t in params.items():
+        m = _LM_BLOCK.fullmatch(n)
+        if n in top:
+            out[top[n]] = t
+        elif m and c.is_moe_layer(int(m.group(1))) and m.group(2) in ("ffn.gate_proj.weight", "ffn.up_proj.weight",
+                                                                      "ffn.down_proj.weight"):
+            out.update(unstack_experts(n, t, arch))
+        elif m and m.group(2) in block:
+            out[f"{prefix}.{m.group(1)}.{block[m.group(2)]}"] = t
+        else:
+            raise KeyError(f"lmstack parameter {n!r} has no HF name in a {arch} checkpoint")
+    return out

@@ -30,6 +30,7 @@ class Mamba2Mixer(RecurrentMixer):
         c = config
         kw = dict(device=device, dtype=dtype)
         self.layer_idx, self.chunk_size, self.eps = layer_idx, c.mixer_chunk_size, c.norm_eps
+        self.dt_limit = c.ssm_dt_limit  # [lo, hi] clamp on Δ after the softplus (HF time_step_limit); None = none
         self.inner = c.ssm_expand * c.d_model  # I
         self.head_dim = c.ssm_head_dim  # P
         self.n_heads = self.inner // self.head_dim
@@ -54,6 +55,8 @@ class Mamba2Mixer(RecurrentMixer):
         xBC, conv_state = causal_conv(xBC, self.conv1d.weight, self.conv1d.bias, conv_state)
         xs, Bm, Cm = F.silu(xBC).split([self.inner, G * Ns, G * Ns], dim=-1)
         dt = F.softplus(dt.to(c) + self.dt_bias.to(c))  # Δ (B, T, nH)
+        if self.dt_limit is not None:
+            dt = dt.clamp(*self.dt_limit)
         A = -self.A_log.to(c).exp()  # (nH,)
         xh = xs.view(B, T, nH, P).transpose(1, 2)  # (B, nH, T, P)
         k = Bm.view(B, T, G, Ns).repeat_interleave(nH // G, dim=2).transpose(1, 2)  # (B, nH, T, N_state)

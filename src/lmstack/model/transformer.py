@@ -19,11 +19,12 @@ from torch import Tensor, nn
 from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
-from lmstack.model.mixers import SOFTMAX_MIXERS, build_mixer
+from lmstack.model.mixers import SOFTMAX_MIXERS, build_mixer, init_recurrent_parameters
 from lmstack.model.mla import MLA
 from lmstack.model.moe import moe_from_config
 from lmstack.model.olmoe import OlmoeAttention
 from lmstack.model.seam import AttentionImpl, AttentionMetadata, NormImpl
+from lmstack.model.variants import GeGLU, OffsetRMSNorm, VariantAttention, make_norm, uses_variant_attention
 
 
 def token_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw) -> nn.Module:
@@ -35,6 +36,8 @@ def token_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw
     ``config.layer_types`` picks a mixer per layer (``model.mixers``: local/linear attention, Mamba-2,
     Gated DeltaNet, DSA).
     """
+    if uses_variant_attention(config) and config.mixer_types[layer_idx] in SOFTMAX_MIXERS:
+        return VariantAttention(config, layer_idx, rope, **kw)  # Gemma-2/3, Qwen3-Next attention: model.variants
     if config.layer_types is not None:
         return build_mixer(config, layer_idx, rope, **kw)
     if config.is_mla:  # multi-head latent attention (DeepSeek-V2/V3): model.mla
@@ -49,6 +52,8 @@ def channel_mixer(config: ModelConfig, layer_idx: int, **kw) -> nn.Module:
     (seed 001 "模型架构"). Mixture-of-experts layers are chosen here from the config."""
     if config.is_moe_layer(layer_idx):  # mixture of experts: model.moe
         return moe_from_config(config, **kw)
+    if config.ffn_act == "gelu_tanh":  # Gemma's GeGLU: model.variants
+        return GeGLU(config.d_model, config.d_ff, **kw)
     return SwiGLU(config.d_model, config.d_ff, **kw)
 
 
@@ -57,6 +62,8 @@ class Block(nn.Module):
 
     Sequential (default):  h = x + Attn(Norm_attn(x));  y = h + FFN(Norm_ffn(h))
     Parallel (GPT-J):      y = x + Attn(Norm(x)) + FFN(Norm(x))   — one shared norm.
+    Sandwich (Gemma-2/3, ``sandwich_norm``): each branch's output is normed too before the residual add.
+    Mixer only (Mamba2, ``block_ffn=False``): y = x + Mixer(Norm(x)).
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int, rope: RotaryEmbedding,
@@ -64,18 +71,29 @@ class Block(nn.Module):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.parallel = config.parallel_block
-        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, **kw)  # γ_attn
+        self.attn_norm = make_norm(config, config.d_model, **kw)  # γ_attn
         self.attn = token_mixer(config, layer_idx, rope, **kw)
-        self.ffn_norm = None if self.parallel else RMSNorm(config.d_model, config.norm_eps, **kw)  # γ_ffn
-        self.ffn = channel_mixer(config, layer_idx, **kw)
+        ffn = config.block_ffn
+        self.ffn_norm = None if self.parallel or not ffn else make_norm(config, config.d_model, **kw)  # γ_ffn
+        self.ffn = channel_mixer(config, layer_idx, **kw) if ffn else None
+        sandwich = config.sandwich_norm
+        self.post_attn_norm = make_norm(config, config.d_model, **kw) if sandwich else None
+        self.post_ffn_norm = make_norm(config, config.d_model, **kw) if sandwich and ffn else None
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         # x: (B, T, D) -> (B, T, D)
         if self.parallel:
             h = self.attn_norm(x)
             return x + self.attn(h, meta) + self.ffn(h)
-        x = x + self.attn(self.attn_norm(x), meta)
-        return x + self.ffn(self.ffn_norm(x))
+        if self.post_attn_norm is None and self.ffn is not None:  # the Llama block
+            x = x + self.attn(self.attn_norm(x), meta)
+            return x + self.ffn(self.ffn_norm(x))
+        h = self.attn(self.attn_norm(x), meta)
+        x = x + (h if self.post_attn_norm is None else self.post_attn_norm(h))
+        if self.ffn is None:
+            return x
+        h = self.ffn(self.ffn_norm(x))
+        return x + (h if self.post_ffn_norm is None else self.post_ffn_norm(h))
 
 
 class Transformer(nn.Module):
@@ -94,7 +112,7 @@ class Transformer(nn.Module):
         self.embed = Embedding(config.vocab_size, config.d_model, **kw)  # W_e (V, D)
         self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_layout)
         self.blocks = nn.ModuleList(Block(config, i, self.rope, **kw) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.d_model, config.norm_eps, **kw)  # γ_final
+        self.norm = make_norm(config, config.d_model, **kw)  # γ_final
         # W_u (V, D); with tied embeddings the unembedding *is* W_e.
         self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, **kw)
         # Activation checkpointing (seed 000 §1.8): recompute each block's activations in backward.
@@ -121,7 +139,9 @@ class Transformer(nn.Module):
         - embedding and every linear weight: truncated normal N(0, σ²) cut at ±3σ, σ = init_std;
         - the two residual-branch outputs per block (W_O and W_down): σ / sqrt(2L), so the
           variance the residual stream accumulates over 2L branches stays O(σ²) (GPT-2 scheme);
-        - biases 0; RMSNorm γ = 1.
+        - biases 0; RMSNorm γ = 1 (w = 0 for the (1 + w) norms of ``norm_offset`` models);
+        - the recurrent mixers' decay / Δ / D / conv parameters: their reference values
+          (``mixers.init_recurrent_parameters``, seeded with ``seed``).
         """
         gen = torch.Generator(device="cpu").manual_seed(seed)
         std = self.config.init_std
@@ -141,6 +161,10 @@ class Transformer(nn.Module):
                 trunc(p, residual_std)
             else:
                 trunc(p, std)
+        for m in self.modules():
+            if isinstance(m, OffsetRMSNorm):
+                m.reset_parameters()
+        init_recurrent_parameters(self, seed)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -200,6 +224,8 @@ class Transformer(nn.Module):
         meta = AttentionMetadata(positions, document_ids=document_ids, window=self.config.sliding_window,
                                  is_causal=is_causal, cache=kv_cache)
         x = self.embed(tokens) if self.embed is not None else tokens  # (B, S, D)
+        if self.config.embed_scale and self.embed is not None:  # Gemma: W_e[tokens]·√D
+            x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
         checkpoint = self.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None
         for block in self.blocks:
             if checkpoint:
@@ -213,4 +239,6 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if return_hidden:
             return x  # (B, S, D)
-        return self.unembed(x)  # (B, S, V)
+        logits = self.unembed(x)  # (B, S, V)
+        cap = self.config.final_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)  # Gemma-2: soft-capped logits
