@@ -72,7 +72,8 @@ def fit_power_law(x, y, method: str = "qr") -> Fit:
     x, y = _positive("x", x), _positive("y", y)
     _same_length(x=x, y=y)
     log_a, b = linear_fit(np.log(x), np.log(y), method)
-    a = float(np.exp(log_a))
+    with np.errstate(over="ignore"):  # a bootstrap resample's degenerate line may give a = inf; b still counts
+        a = float(np.exp(log_a))
     return Fit("y = a*x^b", {"a": a, "b": b}, lambda q: a * np.asarray(q, dtype=np.float64) ** b)
 
 
