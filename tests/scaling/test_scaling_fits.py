@@ -291,3 +291,19 @@ def test_backtest_prefers_the_data_constrained_law_on_repeated_runs():
     assert bt["fit"]["mean_abs_error"] < bt["none"]["mean_abs_error"]
     assert all(b < bt["none"]["test_budget"] for b in bt["none"]["train_budgets"])
     assert backtest(rows).keys() == {"none"}  # without U only the plain law can run
+
+
+def test_constrained_optimum_is_the_closed_form_while_data_is_fresh():
+    from lmstack.scaling.fit_runs import constrained_optimum
+    from lmstack.scaling.laws import Fit
+    from lmstack.scaling.planner import compute_optimal
+
+    C = np.array([1e20, 1e21, 1e22])
+    law = Fit("", {**TRUE, "r_star": 15.4}, None)
+    a3 = ch.Approach("approach 3", 0.0, 0.0, law=law)
+    fresh = constrained_optimum(a3, C, U=1e15)  # D_opt ≪ U: D' = D, Hoffmann's eq. 4
+    want = [compute_optimal(c, "chinchilla").N for c in C]
+    assert fresh["N_opt"] == pytest.approx(want, rel=1e-4)
+    assert fresh["a"] == pytest.approx(0.28 / 0.62, abs=1e-4)
+    scarce = constrained_optimum(a3, C, U=1e9)  # D_opt ≫ U: repeated tokens are worth less -> larger models
+    assert all(s > w for s, w in zip(scarce["N_opt"], want)) and scarce["a"] > fresh["a"]

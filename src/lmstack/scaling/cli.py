@@ -166,6 +166,12 @@ def cmd_fit(args) -> int:
         print(f"  {a}")
         if a.law is not None:
             print(f"    {a.law}")
+        if a.extra.get("constrained"):
+            k = a.extra["constrained"]
+            iv = f" [{k['a_ci'][0]:.3f}, {k['a_ci'][1]:.3f}]" if k.get("a_ci") else ""
+            pts = ", ".join(f"C={c:.3g}: {n:,.0f}" for c, n in zip(k["C"], k["N_opt"]))
+            print(f"    with U = {k['U']:,.0f} unique tokens (numerical optimum of the D' law): N_opt {pts}; "
+                  f"a = {k['a']:.3f}{iv}" if k.get("a") is not None else f"    with U = {k['U']:,.0f}: N_opt {pts}")
         for c, why in a.extra.get("skipped", {}).items():
             print(f"    warning: budget C={c:.3g} left out: {why}")
         for c in a.extra.get("outside", []):

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy import optimize
 
 from lmstack.scaling import chinchilla as ch
-from lmstack.scaling.laws import R_STAR_D, Fit, chinchilla_loss, data_constrained_loss, fit_loss_law
+from lmstack.scaling.laws import R_STAR_D, Fit, chinchilla_loss, data_constrained_loss, fit_loss_law, fit_power_law
 from lmstack.scaling.runs import columns
 from lmstack.utils import atomic_write_text
 from lmstack.scaling import plots
@@ -52,6 +53,8 @@ class RunsFit:
             if a.law is not None:
                 d["law"] = a.law.params
                 d["law_ci"] = a.law.ci
+            if a.extra.get("constrained"):
+                d["constrained"] = a.extra["constrained"]
             out["approaches"][a.name] = d
         return out
 
@@ -94,6 +97,36 @@ def _approach3(rows, repeats: str, U, n_boot: int, level: float, seed: int) -> c
     if repeats == "none":
         return ch.approach3(N, D, L, n_boot=n_boot, level=level, seed=seed)
     return ch.approach3(N, D, L, n_boot=n_boot, level=level, seed=seed, U=U, r_star=REPEATS[repeats])
+
+
+def _constrained_n_opt(params: dict[str, float], C: np.ndarray, U: float) -> np.ndarray:
+    """argmin over N of the data-constrained L(N, C/6N; U), numerically (no closed form once D > U)."""
+    out = []
+    for c in C:
+        hi = np.log(c / 6.0)  # D >= 1 token
+        r = optimize.minimize_scalar(lambda ln: float(data_constrained_loss(np.exp(ln), c / 6.0 / np.exp(ln), U,
+                                                                            **params)),
+                                     bounds=(0.0, hi), method="bounded", options={"xatol": 1e-6})
+        out.append(float(np.exp(r.x)))
+    return np.array(out)
+
+
+def constrained_optimum(a3: ch.Approach, C: np.ndarray, U: float, level: float = 0.9) -> dict[str, Any]:
+    """Approach 3 with a fixed supply of U unique tokens: the compute-optimal N at each budget under the fitted
+    D' law and the exponent a of N_opt ∝ C^a through them (with bootstrap intervals). a = β/(α+β) holds
+    only while D_opt ≤ U; past it tokens are worth less and the optimum moves to larger models."""
+    C = np.asarray(C, dtype=np.float64)
+    n = _constrained_n_opt(a3.law.params, C, U)
+    out = {"U": U, "C": C.tolist(), "N_opt": n.tolist(), "D_opt": (C / 6.0 / n).tolist(), "a": None, "a_ci": None}
+    if len(C) >= 2:
+        out["a"] = fit_power_law(C, n).params["b"]
+        if a3.law.samples is not None:
+            names = list(a3.law.params)
+            a_s = [fit_power_law(C, _constrained_n_opt(dict(zip(names, row)), C, U)).params["b"]
+                   for row in a3.law.samples]
+            q = np.percentile(a_s, [(1 - level) / 2 * 100, (1 + level) / 2 * 100])
+            out["a_ci"] = (float(q[0]), float(q[1]))
+    return out
 
 
 def backtest(rows: list[dict[str, Any]], recipes=tuple(REPEATS), U: np.ndarray | None = None) -> dict[str, dict]:
@@ -161,6 +194,9 @@ def fit_runs(rows: list[dict[str, Any]], out_dir: Path | None = None, n_boot: in
             res.approaches.append(fn())
         except ValueError as e:
             res.errors[name] = str(e)
+    a3 = next((a for a in res.approaches if a.law is not None), None)
+    if a3 is not None and "r_star" in a3.law.params:
+        a3.extra["constrained"] = constrained_optimum(a3, np.unique(budget), float(np.median(U_fit)), level)
     a1 = next((a for a in res.approaches if "envelope_loss" in a.extra), None)
     if a1 is not None:
         try:
