@@ -13,6 +13,7 @@ from lmstack.scaling.laws import (
     data_constrained_loss,
     effective_data,
     fit_chinchilla,
+    fit_chinchilla_repeated,
     fit_data_constrained,
     fit_loss_law,
     fit_lr_law,
@@ -245,3 +246,64 @@ def test_envelope_end_is_not_the_run_that_ended_last():
     C, N, L = ch.envelope([good, bad])
     assert L[-1] == 4.0 and N[-1] == 1e4
     assert np.all(np.diff(L) <= 1e-12)  # non-increasing here
+
+
+def _repeated_runs(r_star, noise=0.003, seed=7):
+    """A grid of (N, D) around the Chinchilla optimum, U = 1e10 unique tokens, so the data-rich corner repeats
+    its data up to ~30 times; losses from the data-constrained law with ``r_star``."""
+    rng = np.random.default_rng(seed)
+    N, D = (a.ravel() for a in np.meshgrid(np.geomspace(1e8, 1e10, 6), np.geomspace(2e9, 3e11, 6)))
+    U = np.full_like(D, 1e10)
+    L = data_constrained_loss(N, D, U, r_star=r_star, **TRUE) * np.exp(rng.normal(0, noise, len(N)))
+    return N, D, U, L
+
+
+@pytest.mark.slow
+def test_repeated_fit_recovers_law_and_r_star():
+    N, D, U, L = _repeated_runs(r_star=5.0)
+    fixed = fit_chinchilla_repeated(N, D, U, L, r_star=5.0)  # R* given: the five Chinchilla parameters
+    for k in ("alpha", "beta"):
+        assert fixed.params[k] == pytest.approx(TRUE[k], abs=0.06)
+    assert fixed.params["r_star"] == 5.0
+    prof = fit_chinchilla_repeated(N, D, U, L, r_star=None)  # R* profiled over a grid
+    assert 2.5 < prof.params["r_star"] < 10.0
+    assert prof.params["beta"] == pytest.approx(TRUE["beta"], abs=0.06)
+    # the same losses read as fresh data (D' = D) put a shallower data exponent on the repeated corner
+    plain = fit_chinchilla(N, D, L)
+    worst = np.max(np.abs(plain.predict(N, D) / L - 1))
+    assert worst > np.max(np.abs(prof.predict(N, D, U) / L - 1))
+
+
+@pytest.mark.slow
+def test_backtest_prefers_the_data_constrained_law_on_repeated_runs():
+    from lmstack.scaling.fit_runs import backtest
+    N, D, U, L = _repeated_runs(r_star=3.0, noise=0.001)
+    # budgets: group the runs by C rounded to a factor ~3 grid; the largest group is the test set
+    C = 6 * N * D
+    budget = 10 ** np.round(np.log10(C) * 2) / 2
+    rows = [{"name": str(i), "N": n, "D": d, "C": c, "budget": b, "loss": l}
+            for i, (n, d, c, b, l) in enumerate(zip(N, D, C, budget, L))]
+    top = np.sort(np.unique(budget))[-3]  # drop the top two budgets (a single run each) so the test set has several
+    rows = [r for r in rows if r["budget"] <= top]
+    Urows = np.full(len(rows), 1e10)
+    bt = backtest(rows, U=Urows)
+    assert set(bt) == {"none", "muennighoff", "fit"}
+    assert bt["fit"]["mean_abs_error"] < bt["none"]["mean_abs_error"]
+    assert all(b < bt["none"]["test_budget"] for b in bt["none"]["train_budgets"])
+    assert backtest(rows).keys() == {"none"}  # without U only the plain law can run
+
+
+def test_constrained_optimum_is_the_closed_form_while_data_is_fresh():
+    from lmstack.scaling.fit_runs import constrained_optimum
+    from lmstack.scaling.laws import Fit
+    from lmstack.scaling.planner import compute_optimal
+
+    C = np.array([1e20, 1e21, 1e22])
+    law = Fit("", {**TRUE, "r_star": 15.4}, None)
+    a3 = ch.Approach("approach 3", 0.0, 0.0, law=law)
+    fresh = constrained_optimum(a3, C, U=1e15)  # D_opt ≪ U: D' = D, Hoffmann's eq. 4
+    want = [compute_optimal(c, "chinchilla").N for c in C]
+    assert fresh["N_opt"] == pytest.approx(want, rel=1e-4)
+    assert fresh["a"] == pytest.approx(0.28 / 0.62, abs=1e-4)
+    scarce = constrained_optimum(a3, C, U=1e9)  # D_opt ≫ U: repeated tokens are worth less -> larger models
+    assert all(s > w for s, w in zip(scarce["N_opt"], want)) and scarce["a"] > fresh["a"]

@@ -81,6 +81,7 @@ def test_sweep_resumes_and_records_6nd(tmp_path):
         assert r["C"] == pytest.approx(6 * r["N"] * r["D"])
         assert r["C"] == pytest.approx(r["budget"], rel=0.15)  # D = C/(6N), rounded to whole steps
         assert len(r["curve"]) >= 1 and r["loss"] > 0
+        assert r["unique_tokens"] == int(20000 * (1 - 0.05))  # U: the training split (default val_fraction)
     assert run_sweep(sweep, progress=False) == (0, 4)
 
 
@@ -138,6 +139,10 @@ def test_fit_command_predicts_the_held_out_run(tmp_path, capsys):
     assert fit["approaches"]["approach 3 (L(N,D) fit)"]["a"] == pytest.approx(0.28 / 0.62, abs=0.05)
     (held,) = fit["holdout"]
     assert abs(held["error"]) < 0.02  # the aim: held-out loss within 2%
+    lo, hi = held["interval"]
+    lo_run, hi_run = held["interval_run"]  # adds one run's scatter about the law: wider
+    assert lo_run <= lo < hi <= hi_run
+    assert fit["repeats"] == "none" and set(fit["backtest"]) == {"none"}  # no unique_tokens: the plain law
     for name in ("isoflop", "envelope", "contours", "predicted_vs_actual"):
         assert is_png_file(tmp_path / "fit" / f"{name}.png")
 

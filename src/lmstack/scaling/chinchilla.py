@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lmstack.scaling.laws import Fit, bootstrap_chinchilla, fit_chinchilla, fit_power_law
+from lmstack.scaling.laws import (R_STAR_D, Fit, bootstrap_chinchilla, fit_chinchilla, fit_chinchilla_repeated,
+                                  fit_power_law)
 from lmstack.scaling.lstsq import qr_lstsq
 from lmstack.scaling.planner import Law
 
@@ -189,11 +190,19 @@ def approach2(C, N, L, n_boot: int = 200, level: float = 0.9, seed: int = 0, win
 
 
 # ---- approach 3 -----------------------------------------------------------------------------------
-def approach3(N, D, L, n_boot: int = 100, level: float = 0.9, seed: int = 0) -> Approach:
-    """Approach 3: the parametric L(N, D); a = β/(α+β), b = α/(α+β) for the fit and each bootstrap refit."""
-    fit = fit_chinchilla(N, D, L)
+def approach3(N, D, L, n_boot: int = 100, level: float = 0.9, seed: int = 0, U=None,
+              r_star: float | None = R_STAR_D) -> Approach:
+    """Approach 3: the parametric L(N, D); a = β/(α+β), b = α/(α+β) for the fit and each bootstrap refit.
+
+    With ``U`` (unique training tokens, per run or one number) runs that repeat their data are fitted with
+    the data-constrained D' (``laws.fit_chinchilla_repeated``; ``r_star`` fixed, or None to fit it). The
+    compute-optimal a, b are unchanged by it: while D ≤ U, D' = D."""
+    if U is None:
+        fit = fit_chinchilla(N, D, L)
+    else:
+        fit = fit_chinchilla_repeated(N, D, U, L, r_star=r_star)
     if n_boot:
-        bootstrap_chinchilla(fit, N, D, L, n_boot=n_boot, level=level, seed=seed)
+        bootstrap_chinchilla(fit, N, D, L, n_boot=n_boot, level=level, seed=seed, U=U, fit_r_star=r_star is None)
     p = fit.params
     res = Approach("approach 3 (L(N,D) fit)", p["beta"] / (p["alpha"] + p["beta"]),
                    p["alpha"] / (p["alpha"] + p["beta"]), law=fit)

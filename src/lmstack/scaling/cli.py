@@ -52,6 +52,12 @@ def register(subparsers) -> None:
     ft.add_argument("--window", type=float, default=None,
                     help="approach 2: fit each IsoFLOP parabola to the sizes within this factor of the budget's "
                          "best run (default: all sizes)")
+    ft.add_argument("--repeats", choices=["auto", "none", "muennighoff", "fit"], default="auto",
+                    help="approach 3 for runs that repeat their data: none (D as trained), muennighoff (D' with "
+                         "R* = 15.4), fit (D' with R* fitted), auto (default: the lowest backtest error — fit all "
+                         "budgets but the largest, predict the largest)")
+    ft.add_argument("--unique-tokens", type=float, default=None,
+                    help="U, the unique training tokens, for rows that do not record unique_tokens")
     add_threads_argument(ft)
     ft.set_defaults(func=cmd_fit)
 
@@ -145,14 +151,27 @@ def cmd_fit(args) -> int:
     check_outputs([("--out", out), ("--out's fit.json", out / "fit.json")], [("the runs file", runs)],
                   {"--out's fit.json": ("a JSON file", is_json_file)})
     rows = read_runs(runs)
-    res = fit_runs(rows, out, n_boot=args.bootstrap, level=args.level, window=args.window)
+    res = fit_runs(rows, out, n_boot=args.bootstrap, level=args.level, window=args.window, repeats=args.repeats,
+                   unique=args.unique_tokens)
     print(f"{len(rows)} runs from {runs} ({sum(bool(r.get('holdout')) for r in rows)} held out); "
           f"{args.level:.0%} bootstrap intervals over {args.bootstrap} resamples")
+    if res.backtest:
+        bt = next(iter(res.backtest.values()))
+        print(f"backtest (approach 3 fitted on C < {bt['test_budget']:.3g}, predicting the {len(bt['test'])} runs "
+              f"at C = {bt['test_budget']:.3g}): mean |error| "
+              + ", ".join(f"{k} {v['mean_abs_error']:.2%}" for k, v in res.backtest.items()))
+    print(f"approach 3 recipe: repeats={res.repeats}")
     print("compute-optimal allocation N_opt ∝ C^a, D_opt ∝ C^b:")
     for a in res.approaches:
         print(f"  {a}")
         if a.law is not None:
             print(f"    {a.law}")
+        if a.extra.get("constrained"):
+            k = a.extra["constrained"]
+            iv = f" [{k['a_ci'][0]:.3f}, {k['a_ci'][1]:.3f}]" if k.get("a_ci") else ""
+            pts = ", ".join(f"C={c:.3g}: {n:,.0f}" for c, n in zip(k["C"], k["N_opt"]))
+            print(f"    with U = {k['U']:,.0f} unique tokens (numerical optimum of the D' law): N_opt {pts}; "
+                  f"a = {k['a']:.3f}{iv}" if k.get("a") is not None else f"    with U = {k['U']:,.0f}: N_opt {pts}")
         for c, why in a.extra.get("skipped", {}).items():
             print(f"    warning: budget C={c:.3g} left out: {why}")
         for c in a.extra.get("outside", []):
@@ -163,7 +182,9 @@ def cmd_fit(args) -> int:
         print(f"  {name}: not fitted: {why}")
     for h in res.holdout:
         iv = f" [{h['interval'][0]:.4f}, {h['interval'][1]:.4f}]" if h["interval"] else ""
-        print(f"held-out {h['name']}: N={h['N']:,.0f} D={h['D']:,.0f}: predicted {h['predicted']:.4f}{iv}, "
+        ivr = (f" (one run: [{h['interval_run'][0]:.4f}, {h['interval_run'][1]:.4f}])"
+               if h.get("interval_run") else "")
+        print(f"held-out {h['name']}: N={h['N']:,.0f} D={h['D']:,.0f}: predicted {h['predicted']:.4f}{iv}{ivr}, "
               f"actual {h['actual']:.4f}, error {h['error']:+.2%}")
     for f in res.figures:
         print(f"wrote {f}")

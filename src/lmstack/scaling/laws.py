@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy import optimize
+
 from lmstack.scaling.lstsq import grid, linear_fit, robust_fit
 
 HUBER_DELTA = 1e-3  # Hoffmann et al. 2022 (approach 3) and Besiroglu et al. 2024
@@ -70,7 +72,8 @@ def fit_power_law(x, y, method: str = "qr") -> Fit:
     x, y = _positive("x", x), _positive("y", y)
     _same_length(x=x, y=y)
     log_a, b = linear_fit(np.log(x), np.log(y), method)
-    a = float(np.exp(log_a))
+    with np.errstate(over="ignore"):  # a bootstrap resample's degenerate line may give a = inf; b still counts
+        a = float(np.exp(log_a))
     return Fit("y = a*x^b", {"a": a, "b": b}, lambda q: a * np.asarray(q, dtype=np.float64) ** b)
 
 
@@ -133,12 +136,13 @@ def hoffmann_grid() -> np.ndarray:
 
 
 def fit_chinchilla(N, D, L, starts: np.ndarray | None = None, delta: float = HUBER_DELTA,
-                   top_k: int | None = 24) -> Fit:
+                   top_k: int | None = 24, return_objective: bool = False) -> Fit | tuple[Fit, float]:
     """Chinchilla's approach 3 fit: minimise Σ Huber_δ(LSE(a − α log N, b − β log D, e) − log L)
     over θ = (a, b, e, α, β) with L-BFGS from a grid of starts; A = eᵃ, B = eᵇ, E = eᵉ.
 
     ``starts`` default to Hoffmann's grid; L-BFGS runs from the ``top_k`` starts with the lowest
-    objective (None: from all 4 500, as the paper did; same optimum on the tests' data, 100× slower)."""
+    objective (None: from all 4 500, as the paper did; same optimum on the tests' data, 100× slower).
+    ``return_objective``: also return the Huber objective at the optimum (to compare fits of one data set)."""
     N, D, L = _positive("N", N), _positive("D", D), _positive("loss", L)
     _same_length(N=N, D=D, loss=L)
     if len(L) < 5:
@@ -156,7 +160,8 @@ def fit_chinchilla(N, D, L, starts: np.ndarray | None = None, delta: float = HUB
     a, b, e, alpha, beta = res.params
     p = {"E": float(np.exp(e)), "A": float(np.exp(a)), "B": float(np.exp(b)), "alpha": float(alpha),
          "beta": float(beta)}
-    return Fit("L(N,D) = E + A/N^alpha + B/D^beta", p, lambda n, d: chinchilla_loss(n, d, **p))
+    fit = Fit("L(N,D) = E + A/N^alpha + B/D^beta", p, lambda n, d: chinchilla_loss(n, d, **p))
+    return (fit, res.objective) if return_objective else fit
 
 
 # ---- data-constrained: repeated epochs (Muennighoff et al. 2023) -------------------------------------
@@ -197,6 +202,51 @@ def fit_data_constrained(N, D, U, L, law: dict[str, float], delta: float = HUBER
                lambda n, d, u: data_constrained_loss(n, d, u, r_star=r_star, **law))
 
 
+R_STAR_GRID = tuple(float(v) for v in np.geomspace(0.5, 1000.0, 12))  # the profile of fit_chinchilla_repeated
+
+
+def fit_chinchilla_repeated(N, D, U, L, r_star: float | None = R_STAR_D, starts: np.ndarray | None = None,
+                            delta: float = HUBER_DELTA, top_k: int | None = 24,
+                            r_star_grid: tuple[float, ...] = R_STAR_GRID) -> Fit:
+    """Approach 3 on runs that repeat their data: L = E + A/N^α + B/D'^β with D' = ``effective_data(D, U, R*)``.
+
+    ``r_star``: Muennighoff et al.'s R*_D = 15.4 by default (a published constant, no extra parameter), or
+    None to fit it as well — by profiling: ``fit_chinchilla`` on (N, D', L) from ``starts`` (default the
+    whole grid; warm starts from a neighbouring R* fall into the E → 0 branch) for each R* of
+    ``r_star_grid``, then a bounded 1-D search of ln R* between the best grid point's neighbours.
+    Params: E, A, B, α, β, r_star (``data_constrained_loss(N, D, U, **params)``)."""
+    N, D, U, L = (_positive(k, v) for k, v in (("N", N), ("D", D), ("unique tokens U", U), ("loss", L)))
+    if len(U) == 1:
+        U = np.full_like(D, U[0])
+    _same_length(N=N, D=D, U=U, loss=L)
+    if r_star is not None:
+        fit = fit_chinchilla(N, effective_data(D, U, r_star), L, starts=starts, delta=delta, top_k=top_k)
+        best_r = float(r_star)
+    else:
+        def profile(r, s=starts):
+            return fit_chinchilla(N, effective_data(D, U, r), L, starts=s, delta=delta, top_k=top_k,
+                                  return_objective=True)
+
+        grid_fits = [profile(r) for r in r_star_grid]
+        k = int(np.argmin([f[1] for f in grid_fits]))
+        fit, obj = grid_fits[k]
+        best_r = r_star_grid[k]
+        lo, hi = np.log(r_star_grid[max(k - 1, 0)]), np.log(r_star_grid[min(k + 1, len(r_star_grid) - 1)])
+        if hi > lo:
+            p0 = fit.params
+            warm = [[np.log(p0["A"]), np.log(p0["B"]), np.log(p0["E"]), p0["alpha"], p0["beta"]]]
+            if starts is not None:
+                warm = np.vstack([warm, np.atleast_2d(starts)])
+            s = optimize.minimize_scalar(lambda x: profile(float(np.exp(x)), warm)[1], bounds=(lo, hi),
+                                         method="bounded", options={"xatol": 0.02})
+            f2, obj2 = profile(float(np.exp(s.x)), warm)
+            if obj2 < obj:
+                fit, best_r = f2, float(np.exp(s.x))
+    p = {**fit.params, "r_star": best_r}
+    return Fit("L(N,D) = E + A/N^alpha + B/D'^beta, D' = U + U*R*(1-exp(-R/R*)), R = D/U - 1", p,
+               lambda n, d, u=U: data_constrained_loss(n, d, u, **p))
+
+
 # ---- uncertainty -----------------------------------------------------------------------------------
 def bootstrap(fit: Fit, refit: Callable[[np.ndarray], Fit], n: int, n_boot: int = 200, level: float = 0.9,
               seed: int = 0) -> Fit:
@@ -233,9 +283,16 @@ def prediction_interval(fit: Fit, make_predict: Callable[[dict[str, float]], flo
     return float(q[0]), float(q[1])
 
 
-def bootstrap_chinchilla(fit: Fit, N, D, L, n_boot: int = 100, level: float = 0.9, seed: int = 0) -> Fit:
-    """Bootstrap ``fit_chinchilla``: each refit starts from the full-data optimum (one start, not the grid)."""
+def bootstrap_chinchilla(fit: Fit, N, D, L, n_boot: int = 100, level: float = 0.9, seed: int = 0,
+                         U=None, fit_r_star: bool = False) -> Fit:
+    """Bootstrap ``fit_chinchilla`` (or, with ``U``, ``fit_chinchilla_repeated`` at the fit's R*; with
+    ``fit_r_star`` R* is profiled again in every refit): each refit starts from the full-data optimum."""
     N, D, L = (np.asarray(v, dtype=np.float64) for v in (N, D, L))
     p = fit.params
     start = [[np.log(p["A"]), np.log(p["B"]), np.log(p["E"]), p["alpha"], p["beta"]]]
-    return bootstrap(fit, lambda i: fit_chinchilla(N[i], D[i], L[i], starts=start), len(L), n_boot, level, seed)
+    if U is None:
+        return bootstrap(fit, lambda i: fit_chinchilla(N[i], D[i], L[i], starts=start), len(L), n_boot, level, seed)
+    U = np.broadcast_to(np.asarray(U, dtype=np.float64), D.shape)
+    r_star = None if fit_r_star else p["r_star"]
+    return bootstrap(fit, lambda i: fit_chinchilla_repeated(N[i], D[i], U[i], L[i], r_star=r_star, starts=start),
+                     len(L), n_boot, level, seed)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from lmstack.scaling.chinchilla import Approach
-from lmstack.scaling.laws import chinchilla_loss
+from lmstack.scaling.laws import chinchilla_loss, data_constrained_loss
 from lmstack.utils import atomic_path
 
 
@@ -80,18 +80,24 @@ def plot_envelope(curves: list[tuple[float, np.ndarray, np.ndarray]], a1: Approa
     return _save(fig, path)
 
 
-def plot_contours(rows: list[dict[str, Any]], a3: Approach, path: Path) -> Path:
-    """Contours of the fitted L(N, D), the runs, iso-C lines and the compute-optimal N_opt(C)."""
+def plot_contours(rows: list[dict[str, Any]], a3: Approach, path: Path, unique: float | None = None) -> Path:
+    """Contours of the fitted L(N, D), the runs, iso-C lines and the compute-optimal N_opt(C); a law fitted
+    with repeats (``r_star``) is drawn through D' for ``unique`` tokens, with the line D = U."""
     plt = _plt()
-    p = a3.law.params
+    p = dict(a3.law.params)
+    r_star = p.pop("r_star", None)
     N = np.array([r["N"] for r in rows])
     D = np.array([r["D"] for r in rows])
     n = np.geomspace(N.min() / 3, N.max() * 3, 200)
     d = np.geomspace(D.min() / 3, D.max() * 3, 200)
     nn, dd = np.meshgrid(n, d)
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    cs = ax.contourf(nn, dd, chinchilla_loss(nn, dd, **p), levels=20, cmap="viridis")
+    repeated = r_star is not None and unique is not None
+    z = data_constrained_loss(nn, dd, unique, **p, r_star=r_star) if repeated else chinchilla_loss(nn, dd, **p)
+    cs = ax.contourf(nn, dd, z, levels=20, cmap="viridis")
     fig.colorbar(cs, ax=ax, label="predicted loss")
+    if repeated:
+        ax.axhline(unique, color="w", ls=":", lw=1, label=f"D = U (1 epoch); R* = {r_star:.3g} above")
     ax.scatter(N, D, c="w", edgecolors="k", s=20, label="runs")
     C = np.geomspace((6 * N * D).min(), (6 * N * D).max() * 10, 50)
     n_opt = a3.n_opt(C)

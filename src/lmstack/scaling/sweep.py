@@ -226,6 +226,7 @@ def run_one(sweep: Sweep, spec: RunSpec) -> dict[str, Any]:
             "flops_exact": float(trainer.flops_per_step) * trainer.step, "steps": trainer.step,
             "loss": summary["val_loss"], "train_loss": summary["last_train"].get("loss", math.nan),
             "seconds": seconds, "tokens_per_param": D / spec.N, "lr": config.lr, "model": spec.model,
+            "unique_tokens": len(trainer.train_tokens),  # U: D/U epochs of the training split
             "curve": _curve(trainer.metrics_path, spec.tokens_per_step, spec.N)}
 
 
