@@ -151,3 +151,17 @@ def test_indexer_training_lowers_the_kl():
 def test_bad_settings(kw, match):
     with pytest.raises(ConfigError, match=match):
         ModelConfig(**{**BASE, **kw})
+
+
+def test_dense_warmup_decode_equals_its_forward():
+    """A warm-up model attends densely in decode too: cached decode logits == one full forward."""
+    from lmstack.model.mixers import MixerCache
+
+    model, _ = _layer(dsa_dense_warmup=True)
+    tokens = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(5))
+    cache = MixerCache()
+    with torch.no_grad():
+        full = model(tokens)
+        outs = [model(tokens[:, :4], positions=torch.arange(4), kv_cache=cache)]
+        outs += [model(tokens[:, t:t + 1], positions=torch.tensor([t]), kv_cache=cache) for t in range(4, 10)]
+    torch.testing.assert_close(torch.cat(outs, dim=1), full)

@@ -128,7 +128,7 @@ class SparseAttention(Attention):
         G = q.shape[1] // k.shape[1]
         if T == 1 and meta.cache is not None:  # decode: gather the selected keys only
             visible = (kpos >= 0) & (kpos <= qpos)  # (B, S)
-            kk = min(self.top_k, k.shape[2])
+            kk = k.shape[2] if self.dense_warmup else min(self.top_k, k.shape[2])  # warm-up: every key
             idx = top_indices(scores[:, 0].masked_fill(~visible, -torch.inf), kk)  # (B, kk)
             ok = visible.gather(1, idx)  # (B, kk): False only when fewer than kk keys are visible
             gather = idx[:, None, :, None].expand(B, k.shape[1], kk, self.head_dim)
