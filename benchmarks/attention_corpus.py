@@ -102,7 +102,7 @@ def plot(results: dict, path: str, baseline: float | None) -> None:
         ax.axhline(baseline, color="gray", linestyle=":", label=f"unigram baseline {baseline:.2f}")
     ax.set_xlabel("step (same batches for every model)")
     ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("Default corpus (stdlib .py, V=4096): full vs linear vs Gated DeltaNet vs 3:1")
+    ax.set_title("Demo corpus (stdlib .py, V=4096), same tokens")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -124,7 +124,12 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="docs/attention_corpus")
+    ap.add_argument("--plot-only", action="store_true", help="redraw OUT.png from OUT.json")
     args = ap.parse_args()
+    if args.plot_only:
+        results = json.loads(Path(args.out + ".json").read_text())["results"]
+        plot(results, args.out + ".png", next(iter(results.values()))["baseline"])
+        return
     torch.set_num_threads(args.threads)
     tok_path, tokens_path = demo_data(Path(args.data_dir))
     tok = load_tokenizer(tok_path)
