@@ -42,6 +42,7 @@ from lmstack.inference.scheduler import Scheduler
 from lmstack.inference.sequence import FINISHED, RUNNING, RequestOutput
 from lmstack.inference.sequence import Sequence as Seq
 from lmstack.inference.speculative import PromptLookup
+from lmstack.inference.state_pool import StatePool, recurrent_layers
 from lmstack.inference.stops import StopStrings
 from lmstack.kernels.runtime import RuntimeConfig, configure
 
@@ -62,6 +63,21 @@ def _blocks_in(nbytes: int, c, block_size: int, dtype: torch.dtype) -> int:
     return max(2, nbytes // per_block)
 
 
+def _state_pool(model, num_speculative_tokens: int, num_slots: int) -> StatePool | None:
+    """The recurrent-state pool of a hybrid model (None: no recurrent layer); refuses what the engine cannot serve."""
+    kinds = model.config.mixer_types
+    if "dsa" in kinds:
+        raise ValueError(f"layer {kinds.index('dsa')} is a DSA layer, whose indexer keys the paged engine does not "
+                         "store; decode DSA models with lmstack.inference.generate (MixerCache)")
+    if not recurrent_layers(model):
+        return None
+    if num_speculative_tokens:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: the model has recurrent layers "
+                         f"({sorted(set(kinds) - {'attention', 'local_attention'})}), whose state cannot be rolled "
+                         "back past rejected drafts; use 0")
+    return StatePool(model, num_slots)
+
+
 class LLMEngine:
     """Continuous batching over a ``PagedKVCache``; see the module docstring.
 
@@ -69,7 +85,9 @@ class LLMEngine:
     masked attention over every gathered key, mask from (sequence id, position)) instead of the
     per-sequence grouping; ``free_outside_window=False`` keeps a sliding-window model's old blocks;
     ``num_speculative_tokens`` > 0 turns on prompt-lookup speculation (n-gram sizes ``ngram`` =
-    (largest, smallest)).
+    (largest, smallest)). A model with recurrent layers (linear attention, Mamba-2, Gated DeltaNet) keeps
+    their states in a ``StatePool`` of ``num_state_slots`` sequences (default ``max_num_seqs``; ``self.states``);
+    for it prefix caching is off and speculation is refused (a recurrent state cannot be rolled back).
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
@@ -78,7 +96,7 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, eos_token_id: int | None = None, seed: int = 0,
                  watermark: float = 0.01, selective: bool = True,
                  free_outside_window: bool = True, num_speculative_tokens: int = 0,
-                 ngram: tuple[int, int] = (3, 1)):
+                 ngram: tuple[int, int] = (3, 1), num_state_slots: int | None = None):
         p = next(model.parameters())
         c = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, c
@@ -97,6 +115,10 @@ class LLMEngine:
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark={watermark!r} must be in [0, 1): the fraction of the blocks kept free "
                              "when admitting a request while others run")
+        self.states = _state_pool(model, num_speculative_tokens, max_num_seqs if num_state_slots is None
+                                  else as_integer("num_state_slots", num_state_slots, 1))
+        if self.states is not None:
+            enable_prefix_caching = False  # a cached block has no recurrent state for its prefix (docs/inference.md)
         if num_blocks is None:
             num_blocks = _blocks_in(as_integer("kv_cache_bytes", kv_cache_bytes, 1), c, block_size, kv_dtype)
         num_blocks = as_integer("num_blocks", num_blocks, 2)
@@ -111,8 +133,8 @@ class LLMEngine:
             self.cache.blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len, watermark_blocks=int(watermark * num_blocks), eos_token_id=eos_token_id,
             sliding_window=c.sliding_window if free_outside_window else None,
-            speculator=speculator if num_speculative_tokens else None, stats=self.stats)
-        self.runner = ModelRunner(model, self.cache, self.generator, selective)
+            speculator=speculator if num_speculative_tokens else None, stats=self.stats, states=self.states)
+        self.runner = ModelRunner(model, self.cache, self.generator, selective, states=self.states)
         self.requests: dict[str, Seq] = {}
         self._ids = itertools.count()
 

@@ -16,6 +16,7 @@ from torch import Tensor
 from lmstack.inference.paged import PagedKVCache
 from lmstack.inference.sampling import NonFiniteLogitsError, bad_logit_rows, check_logits, sample_token, token_logprobs
 from lmstack.inference.sequence import Sequence
+from lmstack.inference.state_pool import StatePool
 from lmstack.inference.speculative import verify_drafts
 
 
@@ -23,8 +24,10 @@ class ModelRunner:
     """Runs ``model`` over ``cache``; ``selective=False`` uses the reference packed attention
     (one masked attention over every gathered key) instead of the per-sequence grouping."""
 
-    def __init__(self, model, cache: PagedKVCache, generator: torch.Generator, selective: bool = True):
+    def __init__(self, model, cache: PagedKVCache, generator: torch.Generator, selective: bool = True,
+                 states: StatePool | None = None):
         self.model, self.cache, self.generator, self.selective = model, cache, generator, selective
+        self.states = states  # recurrent-state slots of a hybrid model (``state_pool``), or None
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
@@ -35,6 +38,8 @@ class ModelRunner:
         sequence's first row in them."""
         rows = [(s.request_id, s.num_computed, n) for s, n in order]
         batch, positions, seq_ids = self.cache.packed_batch(rows, selective=self.selective)
+        if self.states is not None:  # recurrent layers read their sequences' states from the pool
+            batch = self.states.batch(batch, rows)
         ids: list[int] = []
         for s, n in order:
             ids.extend(s.all_ids[s.num_computed:s.num_computed + n - len(s.drafts)] + s.drafts)

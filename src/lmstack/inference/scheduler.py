@@ -8,7 +8,8 @@ prefill), then waiting requests while blocks, the budget and ``max_num_seqs`` al
 running sequence needs a block and none is free, the most recently admitted one is preempted:
 its blocks are freed and it goes back to the front of the queue (prefix caching usually gives
 its blocks back). After the forward, ``commit`` records stored K/V and ``append`` applies a new
-token and the stop rules.
+token and the stop rules. A model with recurrent layers also needs a slot of the ``StatePool``
+(``states``): taken on admission (no free slot: the request waits), given back with the blocks.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections import deque
 
 from lmstack.inference.block_manager import BlockManager
 from lmstack.inference.sequence import RUNNING, WAITING, Sequence
+from lmstack.inference.state_pool import StatePool
 from lmstack.inference.speculative import PromptLookup
 from lmstack.inference.stops import token_stop
 
@@ -25,8 +27,10 @@ from lmstack.inference.stops import token_stop
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, watermark_blocks: int, eos_token_id: int | None,
-                 sliding_window: int | None, speculator: PromptLookup | None, stats: dict):
+                 sliding_window: int | None, speculator: PromptLookup | None, stats: dict,
+                 states: StatePool | None = None):
         self.blocks = blocks
+        self.states = states  # recurrent-state slots (hybrid models), or None
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len, self.watermark_blocks = max_model_len, watermark_blocks
         self.eos_token_id, self.sliding_window = eos_token_id, sliding_window  # window None: keep old blocks
@@ -49,7 +53,13 @@ class Scheduler:
             self.running.remove(seq)
         if scrub:
             self.blocks.scrub(seq.request_id)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back a sequence's blocks and its state slot."""
         self.blocks.free(seq.request_id)
+        if self.states is not None:
+            self.states.free(seq.request_id)
 
     # ---- before the forward --------------------------------------------------------------
     def schedule(self) -> list[tuple[Sequence, int]]:
@@ -82,6 +92,8 @@ class Scheduler:
         if preempted:
             return scheduled
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if self.states is not None and not self.states.num_free:
+                break  # no state slot: the request waits for a running one to finish
             seq = self.waiting[0]
             cached = self.blocks.allocate(seq.request_id, seq.all_ids)
             n = min(len(seq.all_ids) - cached, budget)
@@ -95,6 +107,8 @@ class Scheduler:
                 self.stats["prompt_tokens"] += seq.num_prompt
                 self.stats["cached_prompt_tokens"] += cached
             seq.status = RUNNING
+            if self.states is not None:
+                self.states.allocate(seq.request_id)
             self.running.append(seq)
             self.blocks.reserve(seq.request_id, n)
             scheduled.append((seq, n))
@@ -110,7 +124,7 @@ class Scheduler:
         return self.speculator.propose(seq.all_ids, room)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.blocks.free(seq.request_id)
+        self._release(seq)  # a recurrent state is dropped too: it is rebuilt by the recomputation
         seq.num_computed = 0
         seq.drafts = []
         seq.status = WAITING
@@ -125,6 +139,8 @@ class Scheduler:
         past them (for rejected drafts) are then given back."""
         rid = seq.request_id
         self.blocks.commit(rid, seq.all_ids if token_ids is None else token_ids, n)
+        if self.states is not None:
+            self.states.commit(rid)  # the states the forward staged for these tokens
         if token_ids is not None:
             self.blocks.truncate(rid, self.blocks.num_tokens[rid])
         if self.sliding_window is not None:
@@ -150,7 +166,7 @@ class Scheduler:
             reason = "stop"
         if reason is not None:
             seq.finish(reason, now)
-            self.blocks.free(seq.request_id)
+            self._release(seq)
 
     def end_step(self) -> None:
         self.running = [s for s in self.running if s.status == RUNNING]

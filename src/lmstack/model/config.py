@@ -88,6 +88,8 @@ class ModelConfig:
     dsa_top_k: int = 2048  # DSA: keys each query attends to
     dsa_index_heads: int = 4  # DSA: lightning-indexer heads
     dsa_index_head_dim: int = 32  # DSA: lightning-indexer head dim
+    dsa_indexer_loss: float = 0.0  # DSA: weight of the indexer's KL loss in training (model/dsa.py); 0 = off
+    dsa_dense_warmup: bool = False  # DSA: V3.2's dense warm-up stage (dense attention, KL over every causal key)
     # --- mixture of experts / MLA (model/moe.py, model/mla.py)
     n_experts: int = 0  # E routed experts per MoE layer; 0 = every FFN is the dense SwiGLU
     n_experts_per_token: int = 2  # k
@@ -230,6 +232,10 @@ class ModelConfig:
             if getattr(self, f) is not None:
                 setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
         check_bool("linear_normalize", self.linear_normalize, ConfigError)
+        check_bool("dsa_dense_warmup", self.dsa_dense_warmup, ConfigError)
+        self.dsa_indexer_loss = check_float("dsa_indexer_loss", self.dsa_indexer_loss, ConfigError)
+        if self.dsa_indexer_loss < 0:
+            raise ConfigError(f"dsa_indexer_loss={self.dsa_indexer_loss!r} must be >= 0 (0 turns it off)")
         if self.linear_feature_map not in LINEAR_FEATURE_MAPS:
             raise ConfigError(f"linear_feature_map={self.linear_feature_map!r}; expected one of {LINEAR_FEATURE_MAPS}")
         used = set(self.mixer_types)

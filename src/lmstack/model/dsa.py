@@ -9,16 +9,27 @@ then query t attends (softmax, GQA, RoPE as in ``model.attention``) only to its 
 causal keys. With top_k ≥ S it is dense causal attention. Training/prefill builds the (T, S) selection mask;
 decode (T = 1 with a ``MixerCache``) gathers the k selected keys, so the softmax costs O(k), and the indexer
 O(S·H_I·n_I) cheap multiply-adds. Simplifications against V3.2: the main attention is GQA rather than MLA;
-the indexer has no RoPE and no FP8; top-k is not differentiable, so the indexer learns nothing from the LM
-loss here (V3.2 trains it with a KL loss towards the dense attention distribution).
+the indexer has no RoPE and no FP8.
+
+Training the indexer (V3.2): top-k is not differentiable, so the indexer learns from its own objective,
+``indexer_kl_loss``: per query t, the main attention's distribution summed over heads and L1-normalised,
+p_t = Σ_h P_{h,t,:} / ‖Σ_h P_{h,t,:}‖₁ (detached: a target), against q_t = softmax(I_{t,:}), loss = mean_t KL(p_t ‖ q_t).
+``config.dsa_dense_warmup`` is the dense warm-up stage: the layer attends densely and the KL runs over every
+causal key; otherwise (the sparse stage) the layer attends to its top-k and the KL is restricted to the selected
+set S_t (both p and q renormalised over S_t). With ``config.dsa_indexer_loss`` > 0 and gradients on, each DSA
+layer keeps ``indexer_loss`` (that weight × its KL) after the forward; the indexer then reads a detached x,
+so the KL trains the indexer only and the LM loss never reaches it (``dsa_indexer_loss`` sums the layers' terms
+for the trainer). Freezing the rest of the model during the warm-up, as V3.2 does, is left to the caller.
 """
 
 from __future__ import annotations
 
 
+import math
+
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
@@ -50,6 +61,27 @@ def top_k_selection(scores: Tensor, q_positions: Tensor, k_positions: Tensor, to
     return chosen & visible  # -inf picks (fewer than kk visible keys) are dropped
 
 
+def indexer_kl_loss(scores: Tensor, attn_probs: Tensor, allowed: Tensor) -> Tensor:
+    """DeepSeek-V3.2's indexer objective: mean over queries of KL(p_t ‖ softmax(I_t)) over the allowed keys.
+
+    scores (B, T, S): the indexer's I; attn_probs (B, N, T, S): the main attention's probabilities (a target:
+    detached here); allowed (B, T, S) bool: the keys the KL runs over (every causal key in the dense stage, the
+    selected top-k in the sparse stage; each query needs at least one). p_t = Σ_h P_{h,t} restricted to the allowed
+    keys, L1-normalised; q_t = softmax of I_t over the allowed keys. In fp32 (fp64 for fp64 scores). -> scalar."""
+    c = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    p = attn_probs.detach().to(c).sum(1).masked_fill(~allowed, 0.0)  # (B, T, S)
+    p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(c).tiny)
+    log_q = torch.log_softmax(scores.to(c).masked_fill(~allowed, -torch.inf), dim=-1).masked_fill(~allowed, 0.0)
+    kl = (torch.special.xlogy(p, p) - p * log_q).sum(-1)  # (B, T); 0·log 0 = 0
+    return kl.mean()
+
+
+def dsa_indexer_loss(model: nn.Module) -> Tensor | None:
+    """Sum of every DSA layer's weighted indexer loss from the last forward (None: none computed)."""
+    losses = [m.indexer_loss for m in model.modules() if isinstance(m, SparseAttention) and m.indexer_loss is not None]
+    return torch.stack([x.float() for x in losses]).sum() if losses else None
+
+
 class SparseAttention(Attention):
     """GQA softmax attention (q/k/v/o, RoPE, QK-norm from ``Attention``) over indexer-selected keys."""
 
@@ -63,6 +95,8 @@ class SparseAttention(Attention):
         self.idx_q = Linear(config.d_model, self.n_idx * self.h_idx, **kw)  # (n_I·H_I, D)
         self.idx_k = Linear(config.d_model, self.h_idx, **kw)  # one key head shared by the indexer heads
         self.idx_w = Linear(config.d_model, self.n_idx, **kw)  # per-query head weights w_{t,j}
+        self.loss_weight, self.dense_warmup = config.dsa_indexer_loss, config.dsa_dense_warmup
+        self.indexer_loss: Tensor | None = None  # weight × KL of the last training forward (module docstring)
 
     def indexer(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x.shape
@@ -76,7 +110,9 @@ class SparseAttention(Attention):
         B, T, _ = x.shape
         q, k, v = self.project(x)  # (B, N, T, H), (B, K, T, H) x2
         q, k = self.rope.rotate(q, meta.positions), self.rope.rotate(k, meta.positions)
-        q_idx, k_idx, w = self.indexer(x)
+        train_indexer = self.loss_weight > 0 and torch.is_grad_enabled()
+        self.indexer_loss = None
+        q_idx, k_idx, w = self.indexer(x.detach() if train_indexer else x)  # the KL alone trains the indexer
         qpos = meta.positions if meta.positions.dim() == 2 else meta.positions.expand(B, -1)  # (B, T)
         kpos = qpos
         if meta.cache is not None:
@@ -92,18 +128,29 @@ class SparseAttention(Attention):
         G = q.shape[1] // k.shape[1]
         if T == 1 and meta.cache is not None:  # decode: gather the selected keys only
             visible = (kpos >= 0) & (kpos <= qpos)  # (B, S)
-            kk = min(self.top_k, k.shape[2])
+            kk = k.shape[2] if self.dense_warmup else min(self.top_k, k.shape[2])  # warm-up: every key
             idx = top_indices(scores[:, 0].masked_fill(~visible, -torch.inf), kk)  # (B, kk)
             ok = visible.gather(1, idx)  # (B, kk): False only when fewer than kk keys are visible
             gather = idx[:, None, :, None].expand(B, k.shape[1], kk, self.head_dim)
             ks, vs = k.gather(2, gather), v.gather(2, gather)  # (B, K, kk, H)
             out = F.scaled_dot_product_attention(q, ks, vs, attn_mask=ok[:, None, None, :], enable_gqa=G > 1)
         else:
-            chosen = top_k_selection(scores, qpos, kpos, self.top_k)  # (B, T, S)
+            if self.dense_warmup:  # V3.2's warm-up: dense attention; the indexer only learns to imitate it
+                chosen = (kpos[..., None, :] >= 0) & (kpos[..., None, :] <= qpos[..., :, None])  # (B, T, S)
+                chosen = chosen.expand_as(scores)
+            else:
+                chosen = top_k_selection(scores, qpos, kpos, self.top_k)  # (B, T, S)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=chosen[:, None], enable_gqa=G > 1)
+            if train_indexer:
+                with torch.no_grad():  # the main attention's probabilities over the same keys: the target
+                    c = torch.float64 if q.dtype == torch.float64 else torch.float32
+                    kg = k.repeat_interleave(G, dim=1).to(c)  # (B, N, S, H)
+                    logits = (q.to(c) @ kg.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, N, T, S)
+                    probs = torch.softmax(logits.masked_fill(~chosen[:, None], -torch.inf), dim=-1)
+                self.indexer_loss = self.loss_weight * indexer_kl_loss(scores, probs, chosen)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
 
 
-__all__ = ["SparseAttention", "index_scores", "top_k_selection"]
+__all__ = ["SparseAttention", "dsa_indexer_loss", "index_scores", "indexer_kl_loss", "top_k_selection"]

@@ -79,7 +79,8 @@ class NormWeight(nn.Module):
 class RecurrentMixer(nn.Module):
     """A token mixer with a recurrent state: subclasses define ``mix(x, state) -> (y, new_state)``
     (state None = zeros); ``forward`` takes the state from / gives it to ``meta.cache`` and restarts it
-    at every packed document boundary."""
+    at every packed document boundary. A cache with ``recurrent(layer_idx, x, mix) -> y`` (the serving engine's
+    ``inference.state_pool.RecurrentBatch``: several packed sequences, a state each) runs ``mix`` itself."""
 
     kind = "recurrent"
     layer_idx = 0
@@ -88,6 +89,8 @@ class RecurrentMixer(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        if meta.cache is not None and hasattr(meta.cache, "recurrent"):  # the engine's batch: a state per sequence
+            return meta.cache.recurrent(self.layer_idx, x, self.mix)
         if meta.document_ids is not None:
             if meta.cache is not None:
                 raise ValueError(f"layer {self.layer_idx} ({self.kind}): document_ids with a cache; a MixerCache "

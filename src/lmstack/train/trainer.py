@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from lmstack.accounting import measure_cpu, training_step_flops
 from lmstack.kernels.runtime import configure
+from lmstack.model.dsa import dsa_indexer_loss
 from lmstack.model.io import save_pretrained
 from lmstack.model.moe import moe_aux_loss, moe_metrics, update_router_biases
 from lmstack.model.transformer import Transformer
@@ -366,7 +367,7 @@ class Trainer:
         if self.parallel_model is not None and self.parallel_model.pipelined:
             return self.pipeline_train_step()
         n = self.config.grad_accum
-        ce_sum = z_sum = aux_sum = 0.0
+        ce_sum = z_sum = aux_sum = idx_sum = 0.0
         for i in range(n):
             batch = self.next_batch()
             with self.micro_step_context(i, n):
@@ -376,6 +377,10 @@ class Trainer:
                 if aux is not None:
                     loss = loss + aux
                     aux_sum += float(aux.detach())
+                idx = dsa_indexer_loss(self.raw_model)  # DSA: the indexer's KL towards the main attention
+                if idx is not None:
+                    loss = loss + idx
+                    idx_sum += float(idx.detach())
                 value = float(loss.detach())
                 if not math.isfinite(value) and self.world_size == 1:
                     self.optimizer.zero_grad(set_to_none=True)
@@ -387,6 +392,8 @@ class Trainer:
             ce_sum += float(ce.detach())
             z_sum += float(z.detach())
         m = self._finish_step(ce_sum / n, z_sum / n)
+        if self.raw_model.config.dsa_indexer_loss > 0 and "dsa" in self.raw_model.config.mixer_types:
+            m["dsa_indexer_loss"] = idx_sum / n
         moe = moe_metrics(self.raw_model)  # last micro-batch's expert loads, dropped tokens, balance terms
         if moe:
             rate = self.raw_model.config.moe_bias_update_rate
