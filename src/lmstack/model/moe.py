@@ -78,13 +78,16 @@ def route(logits: Tensor, k: int, score: str = "softmax", order: str = "softmax_
     return Routing(expert_ids, (weights * scale).to(logits.dtype), probs, logits)
 
 
+HASH_MULT, HASH_STEP, HASH_PRIME = 2654435761, 0x9E3779B1, 2147483647  # Knuth's multiplier, 2^32/φ, 2^31 − 1
+
+
 def hash_route(token_ids: Tensor, n_experts: int, k: int = 1, seed: int = 0) -> Routing:
-    """Hash routing (seed 001 "MoE", the baseline): each token id goes to fixed experts chosen by a
-    seeded random hash of the id, with gate 1/k; no parameters, perfectly balanced in expectation."""
-    ids = token_ids.reshape(-1).long()  # (T,)
-    gen = torch.Generator().manual_seed(seed)
-    a = int(torch.randint(1, 1 << 30, (1,), generator=gen)) | 1
-    cols = [((ids * a + j * 0x9E3779B1 + seed) % 2147483647) % n_experts for j in range(k)]  # k hashes
+    """Hash routing (seed 001 "MoE", the baseline): token id t goes to the k experts
+    e_j = ((t·HASH_MULT + j·HASH_STEP + seed) mod HASH_PRIME) mod E, j = 0..k−1, each with gate 1/k;
+    no parameters, a fixed function of the token (the same in training, prefill and decode), balanced
+    in expectation over distinct tokens (skewed only as much as the token frequencies are)."""
+    ids = token_ids.reshape(-1).long()  # (T,); t·HASH_MULT < 2^63 for any id < 2^31
+    cols = [((ids * HASH_MULT + j * HASH_STEP + seed) % HASH_PRIME) % n_experts for j in range(k)]  # k hashes
     expert_ids = torch.stack(cols, dim=-1)  # (T, k)  (may repeat an expert when k > 1: a gate of 2/k then)
     T = ids.numel()
     probs = torch.zeros(T, n_experts, device=ids.device).scatter_add_(
@@ -213,16 +216,21 @@ class MoE(nn.Module):
         self.down_proj = ExpertWeights(n_experts, d_ff, d_model, **kw)  # W_down (E, D, F)
         self.shared = SwiGLU(d_model, d_ff_shared, **kw) if n_shared else None
         self.shared_gate = Linear(d_model, 1, **kw) if (n_shared and shared_gate) else None
-        self.token_ids: Tensor | None = None  # hash routing reads the layer's token ids (B, S) from here
+        self.reads_token_ids = router == "hash"  # the Block passes the input token ids (AttentionMetadata.token_ids)
         self.aux_loss: Tensor | None = None
         self.stats: dict[str, Tensor] = {}
 
-    def routing(self, x: Tensor) -> Routing:
-        """x (T, D) -> the routing decision."""
+    def routing(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
+        """x (T, D) -> the routing decision; hash routing reads ``token_ids`` (B, S) with B·S = T instead."""
         if self.router_kind == "hash":
-            if self.token_ids is None:
-                raise ValueError("hash routing needs the layer's token ids: set moe.token_ids = tokens (B, S)")
-            return hash_route(self.token_ids, self.n_experts, self.k)
+            if token_ids is None:
+                raise ValueError("hash routing needs the input token ids: call moe(x, token_ids=tokens (B, S)); "
+                                 "a Transformer passes them (AttentionMetadata.token_ids), a pipeline stage "
+                                 "without the embedding cannot")
+            if token_ids.numel() != x.shape[0]:
+                raise ValueError(f"hash routing: token_ids has {token_ids.numel()} ids "
+                                 f"(shape {tuple(token_ids.shape)}) for {x.shape[0]} tokens")
+            return hash_route(token_ids.to(x.device), self.n_experts, self.k)
         return route(self.router(x), self.k, self.score, self.order, self.norm_topk, self.scale,
                      self.router.bias, self.n_groups, self.topk_groups)
 
@@ -232,11 +240,11 @@ class MoE(nn.Module):
             return None
         return math.ceil(self.capacity_factor * T * self.k / self.n_experts)
 
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:  # (B, T, D) -> (B, T, D)
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, D)
         T, E, k = x.shape[0], self.n_experts, self.k
-        r = self.routing(x)
+        r = self.routing(x, token_ids)
         flat_e = r.expert_ids.reshape(-1)  # (T·k,)
         order = torch.argsort(flat_e, stable=True)  # assignments sorted by expert, in token order within one
         counts_t = torch.bincount(flat_e, minlength=E)  # (E,) load
@@ -321,14 +329,18 @@ def moe_aux_loss(model: nn.Module) -> Tensor | None:
 
 def moe_metrics(model: nn.Module) -> dict[str, float]:
     """Per-step training metrics over all MoE layers of the last forward: load max/mean ratio (1 = balanced),
-    dropped assignments, mean balance / z terms, and the per-expert load histogram summed over layers."""
+    dropped assignments, mean balance / z terms, the fractions of (layer, expert) pairs that got < 1 % of
+    their layer's assignments and none at all (collapse), and the per-expert load histogram summed over layers."""
     mods = [m for m in moe_modules(model) if m.stats]
     if not mods:
         return {}
     load = torch.stack([m.stats["load"].float() for m in mods])  # (L_moe, E)
     out = {"moe_load_max_over_mean": float((load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)).mean()),
            "moe_dropped": float(sum(int(m.stats["dropped"]) for m in mods)),
-           "moe_balance": float(torch.stack([m.stats["balance"] for m in mods]).mean())}
+           "moe_balance": float(torch.stack([m.stats["balance"] for m in mods]).mean()),
+           # collapse: share of (layer, expert) pairs getting < 1 % of their layer's assignments / none at all
+           "moe_experts_below_1pct": float((load < 0.01 * load.sum(dim=1, keepdim=True)).float().mean()),
+           "moe_experts_dead": float((load == 0).float().mean())}
     if all("z" in m.stats for m in mods):
         out["moe_z"] = float(torch.stack([m.stats["z"] for m in mods]).mean())
     for i, c in enumerate(load.sum(dim=0).tolist()):

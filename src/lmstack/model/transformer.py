@@ -69,13 +69,20 @@ class Block(nn.Module):
         self.ffn_norm = None if self.parallel else RMSNorm(config.d_model, config.norm_eps, **kw)  # γ_ffn
         self.ffn = channel_mixer(config, layer_idx, **kw)
 
+    def channel(self, h: Tensor, meta: AttentionMetadata) -> Tensor:
+        """The feed-forward on h (B, T, D); one that routes on the token itself (a hash-routed MoE,
+        ``reads_token_ids``) also gets the input token ids from ``meta``."""
+        if getattr(self.ffn, "reads_token_ids", False):
+            return self.ffn(h, token_ids=meta.token_ids)
+        return self.ffn(h)
+
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         # x: (B, T, D) -> (B, T, D)
         if self.parallel:
             h = self.attn_norm(x)
-            return x + self.attn(h, meta) + self.ffn(h)
+            return x + self.attn(h, meta) + self.channel(h, meta)
         x = x + self.attn(self.attn_norm(x), meta)
-        return x + self.ffn(self.ffn_norm(x))
+        return x + self.channel(self.ffn_norm(x), meta)
 
 
 class Transformer(nn.Module):
@@ -198,7 +205,8 @@ class Transformer(nn.Module):
             raise ValueError(f"document_ids shape {tuple(document_ids.shape)} does not match tokens {(B, S)}")
         self.rope.cover(positions)  # once per forward: every layer's attention only rotates
         meta = AttentionMetadata(positions, document_ids=document_ids, window=self.config.sliding_window,
-                                 is_causal=is_causal, cache=kv_cache)
+                                 is_causal=is_causal, cache=kv_cache,
+                                 token_ids=tokens if self.embed is not None else None)
         x = self.embed(tokens) if self.embed is not None else tokens  # (B, S, D)
         checkpoint = self.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None
         for block in self.blocks:
