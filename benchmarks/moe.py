@@ -170,7 +170,11 @@ def plot_runs(runs: list[str], out: str) -> None:
     from lmstack.utils import atomic_path
 
     moe_runs = [r for r in runs if "moe_load_0" in (_rows(r) or [{}])[-1]]
-    fig, axes = plt.subplots(1, 3 + len(moe_runs), figsize=(4.5 * (3 + len(moe_runs)), 4))
+    cols = max(3, len(moe_runs))
+    fig, grid = plt.subplots(2 if moe_runs else 1, cols, figsize=(5 * cols, 8 if moe_runs else 4), squeeze=False)
+    axes = list(grid[0]) + list(grid[1] if moe_runs else [])
+    for ax in axes[3:cols]:
+        ax.set_visible(False)
     for run in runs:
         tr, ev = _rows(run), _rows(run, "eval")
         axes[0].plot([r["step"] for r in tr], [r["loss"] for r in tr], label=run)
@@ -196,7 +200,7 @@ def plot_runs(runs: list[str], out: str) -> None:
     axes[2].set(xlabel="step", ylabel="fraction of (layer, expert) pairs", title="experts getting < 1 % of tokens",
                 ylim=(0, 1))
     axes[2].legend(fontsize=7)
-    for ax, run in zip(axes[3:], moe_runs):
+    for ax, run in zip(axes[cols:], moe_runs):
         tr = _rows(run)
         E = sum(1 for k in tr[0] if k.startswith("moe_load_") and k[9:].isdigit())
         loads = [[r[f"moe_load_{i}"] for i in range(E)] for r in tr]
