@@ -5,7 +5,8 @@
    checked equal first), on the same (T, D) input; timed in alternation after warm-up, every round printed,
    on the wall clock and on this process's CPU time (the steadier one on a shared machine); ratio
    lmstack / HF (> 1: lmstack faster), and the matmul rate each reaches (both do the same 18·T·k·D·F matmul
-   FLOPs per step). ``--profile``: torch.profiler's top operators of one lmstack step.
+   FLOPs per step). lmstack is timed twice: as it runs (CPU fp32: expert GEMMs through oneDNN) and with its
+   expert matmuls through ``F.linear`` (torch's BLAS, what HF uses) — the same BLAS on both sides. ``--profile``: torch.profiler's top operators of one lmstack step.
 2. MLA decode step at S keys (B = 1): the absorbed form (one latent cache of d_c + d_R per token, W_UK in
    the query, W_UV on the output) vs the expanded form (per-head K and V cached, N·(H_n + d_R + H_v) per
    token): time per step and KV bytes per token and layer.
@@ -52,6 +53,7 @@ def _median_time(fns: dict, rounds: int, warmup: int = 2) -> dict[str, float]:
 def bench_moe(args) -> None:
     import transformers
 
+    import lmstack.model.moe as moe_mod
     from lmstack.model.moe import MoE
 
     D, Fe, E, k, T = args.d_model, args.d_ff, args.experts, args.top_k, args.tokens
@@ -88,19 +90,27 @@ def bench_moe(args) -> None:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             step(ours)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-    fns = {"lmstack": lambda: step(ours), "hf": lambda: step(hf)}
+    def step_blas(model):  # lmstack's expert matmuls through torch's BLAS (F.linear) instead of oneDNN
+        moe_mod.ONEDNN[0], saved = False, moe_mod.ONEDNN[0]
+        try:
+            step(model)
+        finally:
+            moe_mod.ONEDNN[0] = saved
+
+    fns = {"lmstack": lambda: step(ours), "lmstack_F.linear": lambda: step_blas(ours), "hf": lambda: step(hf)}
     for clock, ts in _times(fns, args.rounds).items():
         for name, v in ts.items():
             print(f"  {clock:4s} {name:17s} ms/step per round: {' '.join(f'{x * 1e3:.0f}' for x in v)}")
         t = {name: statistics.median(v) for name, v in ts.items()}
         ratios = [h / o for h, o in zip(ts["hf"], ts["lmstack"])]
         flops = 18 * T * k * D * Fe  # fwd 3 matmuls of 2·(T·k)·D·F, backward twice that
-        print(f"  {clock} time: matmul rate lmstack {flops / t['lmstack'] / 1e9:.0f} GFLOP/s, "
+        print(f"  {clock} time: matmul rate lmstack {flops / t['lmstack'] / 1e9:.0f} GFLOP/s (with F.linear "
+              f"{flops / t['lmstack_F.linear'] / 1e9:.0f}), "
               f"HF {flops / t['hf'] / 1e9:.0f} GFLOP/s ({flops / 1e9:.1f} GFLOP of matmuls per step)")
         print(f"  {clock} time, medians: lmstack {T / t['lmstack']:,.0f} tok/s ({t['lmstack'] * 1e3:.0f} ms/step), "
-              f"HF MixtralSparseMoeBlock "
+              f"lmstack with F.linear {T / t['lmstack_F.linear']:,.0f} tok/s, HF MixtralSparseMoeBlock "
               f"{T / t['hf']:,.0f} tok/s; ratio lmstack/HF = {t['hf'] / t['lmstack']:.2f}x "
-              f"(per round {min(ratios):.2f}–{max(ratios):.2f}x)")
+              f"(per round {min(ratios):.2f}–{max(ratios):.2f}x), with F.linear {t['hf'] / t['lmstack_F.linear']:.2f}x")
 
 
 def bench_mla(args) -> None:

@@ -103,10 +103,15 @@ def _moe(**kw):
     return MoE(**args)
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "F.linear"])
 @pytest.mark.parametrize("shared", [0, 1])
-def test_grouped_compute_equals_per_expert_loop(shared):
+def test_grouped_compute_equals_per_expert_loop(shared, onednn, monkeypatch):
+    import lmstack.model.moe as moe_mod
+    monkeypatch.setattr(moe_mod, "ONEDNN", [onednn])
     moe = _moe(n_shared=shared, d_ff_shared=20, shared_gate=bool(shared), norm_topk=True)
     x = torch.randn(3, 5, 16, requires_grad=True)
+    if onednn and not moe_mod.onednn_ok(x):
+        pytest.skip("this torch build has no oneDNN linear (torch.ops.mkldnn._linear_pointwise)")
     y = moe(x)
     x2 = x.detach().clone().requires_grad_(True)
     flat = x2.reshape(-1, 16)
@@ -115,10 +120,11 @@ def test_grouped_compute_equals_per_expert_loop(shared):
         ref = ref + torch.sigmoid(moe.shared_gate(flat)) * moe.shared(flat)
     torch.testing.assert_close(y.reshape(-1, 16), ref, atol=1e-5, rtol=1e-5)
     g = torch.randn_like(y)
-    gx, gw = torch.autograd.grad(y, (x, moe.gate_proj.weight), g)
-    gx2, gw2 = torch.autograd.grad(ref, (x2, moe.gate_proj.weight), g.reshape(-1, 16))
-    torch.testing.assert_close(gx, gx2, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(gw, gw2, atol=1e-5, rtol=1e-5)
+    ws = (moe.gate_proj.weight, moe.up_proj.weight, moe.down_proj.weight)
+    got = torch.autograd.grad(y, (x, *ws), g)
+    want = torch.autograd.grad(ref, (x2, *ws), g.reshape(-1, 16))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_one_expert_top1_equals_dense_swiglu():
