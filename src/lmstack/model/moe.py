@@ -11,7 +11,7 @@ token, F one routed expert's hidden width.
 
 Expert compute is grouped: the T·k (token, expert) assignments are sorted by expert and each
 expert's rows go through one matmul per weight (``torch._grouped_mm`` on CUDA, one matmul per
-expert elsewhere) — the Python loop is over experts, never over tokens.
+expert elsewhere, through oneDNN on CPU fp32) — the Python loop is over experts, never over tokens.
 """
 
 from __future__ import annotations
