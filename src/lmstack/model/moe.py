@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lmstack.model.layers import Linear, SwiGLU
 
@@ -149,8 +150,6 @@ def onednn_ok(x: Tensor) -> bool:
     """Whether ``expert_swiglu`` multiplies through oneDNN: CPU fp32 eager (no tracing or counting dispatch mode
     active, so FLOP counters and compilers see plain ``mm``), oneDNN built in, and not disabled by
     ``LMSTACK_MOE_ONEDNN=0``."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return (x.device.type == "cpu" and x.dtype == torch.float32 and ONEDNN[0]
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
             and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling())
