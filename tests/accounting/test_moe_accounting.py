@@ -145,3 +145,21 @@ def test_decode_params_shared_experts_and_dense_layers():
         vocab + 61 * attn + 3 * dense_layer + 58 * (256 * D + (touched + 1) * 3 * D * 2048), rel=1e-12)
     with pytest.raises(ValueError, match="k=9 must be between 1 and n_experts=8"):
         params.expected_experts_touched(8, 9, 1)
+
+
+def test_moe_ffn_intensity_counts_touched_experts():
+    """Mixtral-8x7B decode (T = 1), bf16: B = 1 touches k = 2 experts: FLOPs 6·2·4096·14336 = 704,643,072, bytes
+    2·(2·2·4096 + 2·2·14336 + 2·3·4096·14336) = 704,790,528 -> I ≈ 0.99979. B = 64: 128 assignments, touched
+    8·(1 − 0.75⁶⁴) ≈ 8 -> FLOPs 45,097,156,608, bytes ≈ 2·(1,048,576 + 3,670,016 + 8·176,160,768) ≈ 2.828e9 ->
+    I ≈ 15.95, a quarter (k/E) of a dense FFN of the same width at B = 64 (6·64·D·F / 2·(2·64·(D + F) + 3DF) ≈ 63.2)."""
+    from lmstack.accounting.intensity import ffn_flops_bytes, ffn_intensity
+    c = ModelConfig.from_preset("mixtral-8x7b")
+    assert ffn_flops_bytes(c, 1, 1) == (704_643_072, 704_790_528)
+    f, b = ffn_flops_bytes(c, 64, 1)
+    touched = 8 * (1 - 0.75 ** 64)
+    assert f == 45_097_156_608
+    assert b == pytest.approx(2 * (1_048_576 + 3_670_016 + touched * 176_160_768), rel=1e-12)
+    assert ffn_intensity(c, 64, 1) == pytest.approx(15.9466, abs=1e-4)
+    dense = c.replace(n_experts=0, n_experts_per_token=1)
+    assert ffn_intensity(dense, 64, 1) == pytest.approx(6 * 64 * 4096 * 14336 / (2 * (2 * 64 * (4096 + 14336)
+                                                                                      + 3 * 4096 * 14336)))
