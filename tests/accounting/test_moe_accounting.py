@@ -102,3 +102,64 @@ def test_plan_has_moe_section():
     assert e["total_params"] > 6.7e11 and e["active_params"] < 3.8e10
     assert e["kv_bytes_per_token"] == 70272
     assert e["six_n_active_per_token"] == 6 * e["active_params"]
+
+
+def test_decode_reads_only_the_experts_the_batch_touches():
+    """Mixtral-8x7B (V = 32000 untied, D = 4096, L = 32, N = 32, K = 8, H = 128, E = 8, k = 2, F_e = 14336):
+    a decode step reads embedding + LM head 2·32000·4096 = 262,144,000, attention (2·4096·4096 + 2·4096·1024)·32
+    = 1,342,177,280, routers 8·4096·32 = 1,048,576, and E·(1 − (1 − k/E)^B) experts of 3·4096·14336 =
+    176,160,768 per layer: B = 1 -> 2 experts, B = 4 -> 8·(1 − 0.75⁴) = 5.46875 experts."""
+    from lmstack.accounting.roofline import decode_point
+    c = ModelConfig.from_preset("mixtral-8x7b")
+    rest = 262_144_000 + 1_342_177_280 + 1_048_576
+    assert params.expected_experts_touched(8, 2, 1) == 2.0
+    assert params.expected_experts_touched(8, 2, 4) == pytest.approx(5.46875, rel=1e-12)
+    assert params.decode_params(c, 1) == rest + 2 * 176_160_768 * 32 == 12_879_659_008
+    assert params.decode_params(c, 4) == pytest.approx(rest + 5.46875 * 176_160_768 * 32, rel=1e-12)
+    assert params.decode_params(c, 4) == pytest.approx(32_433_504_256, rel=1e-12)
+    # a large batch touches every expert: all matrices, i.e. the total minus the norm gammas (2·D per layer + D)
+    assert params.decode_params(c, 10**6) == pytest.approx(params.total_params(c) - (2 * 32 + 1) * 4096, rel=1e-12)
+    h100 = get_hardware("h100")
+    p1, p4 = decode_point(c, h100, 1, 1024), decode_point(c, h100, 4, 1024)
+    assert p1.num_params == 12_879_659_008 and p4.num_params == pytest.approx(32_433_504_256, rel=1e-12)
+    assert p1.memory_bytes == 2 * 12_879_659_008 + memory.kv_cache_bytes(c, 1, 1024, "bf16")
+    assert params.decode_params(c, None) == params.total_params(c) - (2 * 32 + 1) * 4096  # resident: every expert
+    assert not p1.fits  # 46.7B bf16 weights do not fit one 80 GB H100, though a B = 1 step reads 12.9B of them
+    # a dense model keeps the seed's Param (Llama-2-13B: 13,015,449,600) at every B
+    dense = ModelConfig.from_preset("llama2-13b")
+    assert decode_point(dense, h100, 8, 1024).num_params == params.matmul_params(dense) == 13_015_449_600
+
+
+def test_decode_params_shared_experts_and_dense_layers():
+    """DeepSeek-V3: 3 dense layers (F = 18432), 58 MoE layers of 256 routed (k = 8, F_e = 2048) + 1 shared expert;
+    B = 1 reads 8 routed + 1 shared expert per MoE layer — the active parameters less embedding and norms."""
+    c = ModelConfig.from_preset("deepseek-v3")
+    D = 7168
+    moe_layer = 256 * D + (8 + 1) * 3 * D * 2048  # router + 8 routed + the shared expert
+    dense_layer = 3 * D * 18432
+    attn = params.mla_params_per_layer(c)
+    vocab = 2 * c.vocab_size * D
+    assert params.decode_params(c, 1) == pytest.approx(vocab + 61 * attn + 3 * dense_layer + 58 * moe_layer, rel=1e-12)
+    touched = 256 * (1 - (1 - 8 / 256) ** 64)  # B = 64: ≈ 222.6 of 256 experts
+    assert params.decode_params(c, 64) == pytest.approx(
+        vocab + 61 * attn + 3 * dense_layer + 58 * (256 * D + (touched + 1) * 3 * D * 2048), rel=1e-12)
+    with pytest.raises(ValueError, match="k=9 must be between 1 and n_experts=8"):
+        params.expected_experts_touched(8, 9, 1)
+
+
+def test_moe_ffn_intensity_counts_touched_experts():
+    """Mixtral-8x7B decode (T = 1), bf16: B = 1 touches k = 2 experts: FLOPs 6·2·4096·14336 = 704,643,072, bytes
+    2·(2·2·4096 + 2·2·14336 + 2·3·4096·14336) = 704,790,528 -> I ≈ 0.99979. B = 64: 128 assignments, touched
+    8·(1 − 0.75⁶⁴) ≈ 8 -> FLOPs 45,097,156,608, bytes ≈ 2·(1,048,576 + 3,670,016 + 8·176,160,768) ≈ 2.828e9 ->
+    I ≈ 15.95, a quarter (k/E) of a dense FFN of the same width at B = 64 (6·64·D·F / 2·(2·64·(D + F) + 3DF) ≈ 63.2)."""
+    from lmstack.accounting.intensity import ffn_flops_bytes, ffn_intensity
+    c = ModelConfig.from_preset("mixtral-8x7b")
+    assert ffn_flops_bytes(c, 1, 1) == (704_643_072, 704_790_528)
+    f, b = ffn_flops_bytes(c, 64, 1)
+    touched = 8 * (1 - 0.75 ** 64)
+    assert f == 45_097_156_608
+    assert b == pytest.approx(2 * (1_048_576 + 3_670_016 + touched * 176_160_768), rel=1e-12)
+    assert ffn_intensity(c, 64, 1) == pytest.approx(15.9466, abs=1e-4)
+    dense = c.replace(n_experts=0, n_experts_per_token=1)
+    assert ffn_intensity(dense, 64, 1) == pytest.approx(6 * 64 * 4096 * 14336 / (2 * (2 * 64 * (4096 + 14336)
+                                                                                      + 3 * 4096 * 14336)))

@@ -41,7 +41,8 @@ def prompts():
     return [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 9, 17, 5)] + [shared + [7], shared + [8, 9]]
 
 
-@pytest.mark.parametrize("kind,kw", [("mla", MLA), ("moe", MOE), ("mla+moe", {**MLA, **MOE})])
+@pytest.mark.parametrize("kind,kw", [("mla", MLA), ("moe", MOE), ("mla+moe", {**MLA, **MOE}),
+                                     ("moe-hash", {**MOE, "router": "hash"})])
 @pytest.mark.parametrize("num_blocks,selective", [(200, True), (200, False), (12, True)],
                          ids=["selective", "packed", "preempting"])
 def test_engine_greedy_equals_full_recompute(kind, kw, num_blocks, selective, prompts):

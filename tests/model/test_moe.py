@@ -103,10 +103,15 @@ def _moe(**kw):
     return MoE(**args)
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "F.linear"])
 @pytest.mark.parametrize("shared", [0, 1])
-def test_grouped_compute_equals_per_expert_loop(shared):
+def test_grouped_compute_equals_per_expert_loop(shared, onednn, monkeypatch):
+    import lmstack.model.moe as moe_mod
+    monkeypatch.setattr(moe_mod, "ONEDNN", [onednn])
     moe = _moe(n_shared=shared, d_ff_shared=20, shared_gate=bool(shared), norm_topk=True)
     x = torch.randn(3, 5, 16, requires_grad=True)
+    if onednn and not moe_mod.onednn_ok(x):
+        pytest.skip("this torch build has no oneDNN linear (torch.ops.mkldnn._linear_pointwise)")
     y = moe(x)
     x2 = x.detach().clone().requires_grad_(True)
     flat = x2.reshape(-1, 16)
@@ -115,10 +120,11 @@ def test_grouped_compute_equals_per_expert_loop(shared):
         ref = ref + torch.sigmoid(moe.shared_gate(flat)) * moe.shared(flat)
     torch.testing.assert_close(y.reshape(-1, 16), ref, atol=1e-5, rtol=1e-5)
     g = torch.randn_like(y)
-    gx, gw = torch.autograd.grad(y, (x, moe.gate_proj.weight), g)
-    gx2, gw2 = torch.autograd.grad(ref, (x2, moe.gate_proj.weight), g.reshape(-1, 16))
-    torch.testing.assert_close(gx, gx2, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(gw, gw2, atol=1e-5, rtol=1e-5)
+    ws = (moe.gate_proj.weight, moe.up_proj.weight, moe.down_proj.weight)
+    got = torch.autograd.grad(y, (x, *ws), g)
+    want = torch.autograd.grad(ref, (x2, *ws), g.reshape(-1, 16))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_one_expert_top1_equals_dense_swiglu():
@@ -167,21 +173,71 @@ def test_aux_free_bias_moves_toward_balance():
     assert moe.router.bias[0] < 0  # the overloaded expert's selection score went down
 
 
+def _hash_by_hand(t, E, j):
+    """The documented hash in plain Python integers: ((t·2654435761 + j·0x9E3779B1) mod (2^31 − 1)) mod E."""
+    return ((t * 2654435761 + j * 0x9E3779B1) % (2**31 - 1)) % E
+
+
 def test_hash_routing_is_a_fixed_function_of_the_token():
     ids = torch.tensor([[5, 7, 5, 9, 7, 5]])
-    r = hash_route(ids, n_experts=8, k=1)
-    e = r.expert_ids[:, 0]
-    assert e[0] == e[2] == e[5] and e[1] == e[4]
-    assert torch.all(r.weights == 1.0)
+    r = hash_route(ids, n_experts=8, k=2)
+    # worked values: 5·2654435761 = 13272178805 ≡ 386277923 (mod 2^31 − 1), ≡ 3 (mod 8); likewise below
+    assert r.expert_ids.tolist() == [[3, 5], [7, 1], [3, 5], [4, 6], [7, 1], [3, 5]]
+    assert r.expert_ids.tolist() == [[_hash_by_hand(t, 8, j) for j in range(2)] for t in ids[0].tolist()]
+    assert torch.all(r.weights == 0.5)
     big = hash_route(torch.arange(8000), n_experts=8)
     load = torch.bincount(big.expert_ids[:, 0], minlength=8).float()
     assert load.max() / load.mean() < 1.1  # balanced over many distinct tokens
     moe = _moe(n_experts=8, k=1, router="hash")
     with pytest.raises(ValueError, match="token ids"):
         moe(torch.randn(1, 6, 16))
-    moe.token_ids = ids
-    out = moe(torch.randn(1, 6, 16))
-    assert out.shape == (1, 6, 16)
+    with pytest.raises(ValueError, match="token_ids has 3 ids"):
+        moe(torch.randn(1, 6, 16), token_ids=ids[:, :3])
+    x = torch.randn(1, 6, 16)
+    out = moe(x, token_ids=ids)
+    hand = Routing(torch.tensor([[_hash_by_hand(t, 8, 0)] for t in ids[0].tolist()]), torch.ones(6, 1),
+                   torch.zeros(6, 8), None)
+    torch.testing.assert_close(out, loop_reference(x[0], hand, moe.gate_proj.weight, moe.up_proj.weight,
+                                                   moe.down_proj.weight)[None], atol=1e-6, rtol=1e-6)
+
+
+HASH = dict(vocab_size=60, d_model=16, n_layers=3, n_heads=2, d_ff=32, n_experts=4, n_experts_per_token=2,
+            d_ff_expert=16, moe_first_dense=1, router="hash", max_seq_len=64)
+
+
+def test_hash_routing_inside_the_model_forward():
+    """The Transformer hands each MoE layer the input token ids: every MoE layer's load is the bincount of
+    the hand-computed hash of the tokens, and the logits equal a forward with the hand routing patched in."""
+    m = Transformer(ModelConfig(**HASH)).eval()
+    tokens = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(3))
+    hand = torch.tensor([[_hash_by_hand(t, 4, j) for j in range(2)] for t in tokens.reshape(-1).tolist()])
+    with torch.enable_grad():
+        logits = m(tokens)
+    for b in m.blocks[1:]:
+        assert b.ffn.stats["load"].tolist() == torch.bincount(hand.reshape(-1), minlength=4).tolist()
+    # the same layers driven by a plain top-k router whose logits force the hand assignment
+    ref = Transformer(ModelConfig(**{**HASH, "router": "topk"})).eval()
+    ref.load_state_dict(m.state_dict())
+    assert (hand[:, 0] != hand[:, 1]).all()  # two distinct experts per token here, so a top-2 router can force it
+    forced = torch.full((tokens.numel(), 4), -1e4).scatter_(1, hand, 0.0)  # softmax: 1/2 on each chosen expert
+    for b in ref.blocks[1:]:
+        b.ffn.router.forward = lambda x, f=forced: f
+    with torch.no_grad():
+        torch.testing.assert_close(logits, ref(tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_hash_routed_model_cached_decode_equals_full_recompute():
+    from lmstack.inference.kv_cache import KVCache
+    m = Transformer(ModelConfig(**HASH), dtype=torch.float64).eval()
+    tokens = torch.randint(0, 60, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = m(tokens)
+        cache = KVCache(m.config, 2, 16, dtype=torch.float64)
+        pre = m(tokens[:, :5], positions=torch.arange(5), kv_cache=cache)
+        torch.testing.assert_close(pre, full[:, :5], atol=1e-10, rtol=1e-10)
+        for t in range(5, 12):
+            step = m(tokens[:, t:t + 1], positions=torch.tensor([t]), kv_cache=cache)
+            torch.testing.assert_close(step[:, 0], full[:, t], atol=1e-10, rtol=1e-10)
 
 
 def test_transformer_interleaves_dense_and_moe_and_reports_aux_losses():

@@ -150,7 +150,7 @@ def _print_plan(plan: dict) -> None:
         t.add_column(c, justify="right")
     t.columns[-1].header = "fits (W+KV)"
     for d in plan["decode"]:
-        t.add_row(str(d["B"]), f"{d['num_params']:,}", f"{d['memory_bytes']:,.0f}", f"{d['latency_s']:.4f}",
+        t.add_row(str(d["B"]), f"{d['num_params']:,.0f}", f"{d['memory_bytes']:,.0f}", f"{d['latency_s']:.4f}",
                   f"{d['throughput_tok_s']:.4f}", f"{d['compute_s']:.4f}", d["bound"], "yes" if d["fits"] else "NO")
     console.print(t)
 

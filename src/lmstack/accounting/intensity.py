@@ -19,13 +19,26 @@ from __future__ import annotations
 
 from lmstack.model.config import ModelConfig
 from lmstack.accounting.hardware import Hardware
+from lmstack.accounting.params import expected_experts_touched
 from lmstack.accounting.precision import bytes_per_element
 
 
 def ffn_flops_bytes(cfg: ModelConfig, B: int, T: int, dtype: object = "bf16") -> tuple[float, float]:
-    """Seed 001 "计算强度分析": (FLOPs, bytes) of one SwiGLU FFN on T tokens."""
-    D, F = cfg.d_model, cfg.d_ff
+    """Seed 001 "计算强度分析": (FLOPs, bytes) of one SwiGLU FFN on T tokens.
+
+    A mixture of experts (``cfg.n_experts``): the routed experts of one MoE layer — the B·T·k assignments each
+    read their row and write U, G and the output (2·BTk·D + 2·BTk·F_e), and only the experts the batch touches
+    are read (``expected_experts_touched``·3·D·F_e): FLOPs 6·BTk·D·F_e. At decode the expert weights dominate the
+    bytes, so I ≈ 2·B·k / (P·touched): 1 FLOP/byte at B = 1 in bf16 like a dense FFN, but k/E of the dense FFN's
+    intensity once the batch touches every expert."""
     P = bytes_per_element(dtype)
+    D = cfg.d_model
+    if cfg.n_experts:
+        k, Fe = cfg.n_experts_per_token, cfg.d_ff_expert or cfg.d_ff
+        a = B * T * k  # assignments
+        touched = expected_experts_touched(cfg.n_experts, k, B * T)
+        return 6 * a * D * Fe, P * (2 * a * D + 2 * a * Fe + touched * 3 * D * Fe)
+    F = cfg.d_ff
     return 6 * B * T * D * F, P * (2 * B * T * D + 2 * B * T * F + 3 * D * F)
 
 

@@ -192,3 +192,43 @@ def moe_summary(cfg: ModelConfig) -> dict[str, int | float]:
     return {"routed": cfg.n_experts, "active": cfg.n_experts_per_token, "shared": cfg.n_shared_experts,
             "fine_grained_ratio": Fe / cfg.d_ff if cfg.n_experts else 1.0, "moe_layers": moe_layers(cfg),
             "total_params": total_params(cfg), "active_params": active_params(cfg)}
+
+
+def expected_experts_touched(n_experts: int, k: int, tokens: int) -> float:
+    """Expected number of distinct routed experts a batch of ``tokens`` tokens uses in one MoE layer when
+    each token picks k of E uniformly (a given expert is missed by one token with probability 1 − k/E):
+    E·(1 − (1 − k/E)^tokens). 1 token: k; many tokens: → E."""
+    if not 1 <= k <= n_experts:
+        raise ValueError(f"experts per token k={k} must be between 1 and n_experts={n_experts}")
+    if tokens < 0:
+        raise ValueError(f"tokens={tokens} must be >= 0")
+    return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens)
+
+
+def decode_params(cfg: ModelConfig, tokens: int | None = 1) -> float:
+    """The matrix weights one forward step over ``tokens`` tokens streams (the decode roofline's Param).
+
+    A dense model: ``matmul_params`` (the seed's formula, unchanged). With MoE and/or MLA layers, the same
+    convention (embedding and LM head, attention and FFN matrices; norms and biases left out) counted from the
+    real layer shapes: MLA projections (``mla_params_per_layer``); per MoE layer the router E·D, the shared
+    experts 3·D·F_shared (+ D for Qwen's shared gate), and only the routed experts the batch touches —
+    ``expected_experts_touched(E, k, tokens)``·3·D·F_e, k experts for B = 1, all E for a large batch.
+    ``tokens=None``: every expert (the matrices that must be resident).
+    """
+    if not cfg.n_experts and not cfg.is_mla:
+        return float(matmul_params(cfg))
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    vocab = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * D
+    attn = mla_params_per_layer(cfg) if cfg.is_mla else D * N * H + 2 * D * K * H + D * N * H
+    total: float = vocab + attn * cfg.n_layers
+    E = cfg.n_experts
+    touched = E if tokens is None or not E else expected_experts_touched(E, cfg.n_experts_per_token, tokens)
+    for i in range(cfg.n_layers):
+        if not cfg.is_moe_layer(i):
+            total += 3 * D * cfg.d_ff
+            continue
+        total += cfg.n_experts * D + touched * expert_params(cfg)
+        if cfg.n_shared_experts:
+            total += 3 * D * (cfg.d_ff_shared or cfg.n_shared_experts * (cfg.d_ff_expert or cfg.d_ff))
+            total += D if cfg.shared_expert_gate else 0
+    return total

@@ -23,7 +23,7 @@ from lmstack.model.config import ModelConfig
 from lmstack.accounting.flops import forward_flops, unembedding_flops
 from lmstack.accounting.hardware import Hardware
 from lmstack.accounting.memory import kv_cache_bytes
-from lmstack.accounting.params import matmul_params
+from lmstack.accounting.params import decode_params
 from lmstack.accounting.precision import bytes_per_element
 from lmstack.utils import atomic_path
 
@@ -32,14 +32,14 @@ from lmstack.utils import atomic_path
 class DecodePoint:
     B: int
     S: int
-    num_params: int  # seed 001 Param (matrices)
+    num_params: float  # seed 001 Param (matrices read by the step; expected experts touched for an MoE)
     memory_bytes: float  # Param·P + Memory_KV
     latency_s: float  # memory_bytes / bandwidth
     throughput_tok_s: float  # B / latency
     flops: float  # FLOPs of the step (T = 1)
     compute_s: float  # flops / peak
     intensity: float  # flops / memory_bytes
-    fits: bool  # memory_bytes <= HBM size
+    fits: bool  # every weight matrix (all experts) + the KV cache <= HBM size
 
     @property
     def bound(self) -> str:
@@ -65,8 +65,9 @@ def decode_throughput(B: int, latency_s: float) -> float:
 
 
 def decode_point(cfg: ModelConfig, hw: Hardware, B: int, S: int, dtype: object = "bf16") -> DecodePoint:
-    """One decoding step of B sequences with S cached positions each (seed 001 table row)."""
-    params = matmul_params(cfg)
+    """One decoding step of B sequences with S cached positions each (seed 001 table row). A mixture of
+    experts reads only the experts its B tokens touch (``params.decode_params``)."""
+    params = decode_params(cfg, B)
     kv = kv_cache_bytes(cfg, B, S, dtype, cfg.sliding_window)
     memory = params * bytes_per_element(dtype) + kv
     lat = decode_latency(params * bytes_per_element(dtype), kv, hw.hbm_bandwidth)
@@ -75,7 +76,7 @@ def decode_point(cfg: ModelConfig, hw: Hardware, B: int, S: int, dtype: object =
     return DecodePoint(
         B=B, S=S, num_params=params, memory_bytes=memory, latency_s=lat,
         throughput_tok_s=decode_throughput(B, lat), flops=fl, compute_s=comp,
-        intensity=fl / memory, fits=memory <= hw.hbm_bytes,
+        intensity=fl / memory, fits=decode_params(cfg, None) * bytes_per_element(dtype) + kv <= hw.hbm_bytes,
     )
 
 
@@ -110,7 +111,7 @@ def prefill_point(cfg: ModelConfig, hw: Hardware, B: int, S: int, dtype: object 
     one decoding step (seed 001 "推理": 首 Token 延迟)."""
     P = bytes_per_element(dtype)
     fl = forward_flops(cfg, B, S, logits=False, window=cfg.sliding_window) + unembedding_flops(cfg, B, 1)
-    moved = matmul_params(cfg) * P + kv_cache_bytes(cfg, B, S, dtype, cfg.sliding_window)
+    moved = decode_params(cfg, B * S) * P + kv_cache_bytes(cfg, B, S, dtype, cfg.sliding_window)
     comp = fl / hw.flops(dtype)
     mem = moved / hw.hbm_bandwidth
     pre = max(comp, mem)

@@ -11,17 +11,19 @@ token, F one routed expert's hidden width.
 
 Expert compute is grouped: the T·k (token, expert) assignments are sorted by expert and each
 expert's rows go through one matmul per weight (``torch._grouped_mm`` on CUDA, one matmul per
-expert elsewhere) — the Python loop is over experts, never over tokens.
+expert elsewhere, through oneDNN on CPU fp32) — the Python loop is over experts, never over tokens.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lmstack.model.layers import Linear, SwiGLU
 
@@ -78,13 +80,16 @@ def route(logits: Tensor, k: int, score: str = "softmax", order: str = "softmax_
     return Routing(expert_ids, (weights * scale).to(logits.dtype), probs, logits)
 
 
+HASH_MULT, HASH_STEP, HASH_PRIME = 2654435761, 0x9E3779B1, 2147483647  # Knuth's multiplier, 2^32/φ, 2^31 − 1
+
+
 def hash_route(token_ids: Tensor, n_experts: int, k: int = 1, seed: int = 0) -> Routing:
-    """Hash routing (seed 001 "MoE", the baseline): each token id goes to fixed experts chosen by a
-    seeded random hash of the id, with gate 1/k; no parameters, perfectly balanced in expectation."""
-    ids = token_ids.reshape(-1).long()  # (T,)
-    gen = torch.Generator().manual_seed(seed)
-    a = int(torch.randint(1, 1 << 30, (1,), generator=gen)) | 1
-    cols = [((ids * a + j * 0x9E3779B1 + seed) % 2147483647) % n_experts for j in range(k)]  # k hashes
+    """Hash routing (seed 001 "MoE", the baseline): token id t goes to the k experts
+    e_j = ((t·HASH_MULT + j·HASH_STEP + seed) mod HASH_PRIME) mod E, j = 0..k−1, each with gate 1/k;
+    no parameters, a fixed function of the token (the same in training, prefill and decode), balanced
+    in expectation over distinct tokens (skewed only as much as the token frequencies are)."""
+    ids = token_ids.reshape(-1).long()  # (T,); t·HASH_MULT < 2^63 for any id < 2^31
+    cols = [((ids * HASH_MULT + j * HASH_STEP + seed) % HASH_PRIME) % n_experts for j in range(k)]  # k hashes
     expert_ids = torch.stack(cols, dim=-1)  # (T, k)  (may repeat an expert when k > 1: a gate of 2/k then)
     T = ids.numel()
     probs = torch.zeros(T, n_experts, device=ids.device).scatter_add_(
@@ -118,21 +123,59 @@ def z_loss(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
 
 
+class _OneDNNLinear(torch.autograd.Function):
+    """x (n, D_in) @ w (D_out, D_in)ᵀ through oneDNN (``torch.ops.mkldnn._linear_pointwise`` on plain strided
+    fp32 tensors), forward and both backward products: on CPUs where torch's BLAS (MKL) runs below the vector
+    units' peak — measured 2x on the AMD EPYC of docs/moe.md — oneDNN's GEMM is the faster exact fp32 GEMM."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w)
+        return _onednn_mm_t(x, w)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, w = ctx.saved_tensors
+        dx = _onednn_mm_t(dy, w.t()) if ctx.needs_input_grad[0] else None  # dy @ w
+        dw = _onednn_mm_t(dy.t(), x.t()) if ctx.needs_input_grad[1] else None  # dyᵀ @ x
+        return dx, dw
+
+
+def _onednn_mm_t(a: Tensor, b: Tensor) -> Tensor:
+    """a @ bᵀ by oneDNN (any strides)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
+def onednn_ok(x: Tensor) -> bool:
+    """Whether ``expert_swiglu`` multiplies through oneDNN: CPU fp32 eager (no tracing or counting dispatch mode
+    active, so FLOP counters and compilers see plain ``mm``), oneDNN built in, and not disabled by
+    ``LMSTACK_MOE_ONEDNN=0``."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and ONEDNN[0]
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling())
+
+
+#: expert_swiglu's switch for the oneDNN GEMMs (benchmarks/moe.py flips it to time both paths)
+ONEDNN = [os.environ.get("LMSTACK_MOE_ONEDNN", "1") != "0"]
+
+
 def expert_swiglu(x: Tensor, counts: list[int], gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """Grouped SwiGLU: x (R, D) rows sorted by expert, counts[e] rows for expert e; weights gate/up (E, F, D),
-    down (E, D, F) -> (R, D). One matmul per weight per expert (``torch._grouped_mm`` on CUDA bf16)."""
+    down (E, D, F) -> (R, D). One matmul per weight per expert (``torch._grouped_mm`` on CUDA bf16; on CPU fp32
+    through oneDNN where ``onednn_ok``, else ``F.linear``)."""
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[0]:
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         h = F.silu(torch._grouped_mm(x, gate.transpose(1, 2), offs=offs)) * torch._grouped_mm(
             x, up.transpose(1, 2), offs=offs)  # (R, F)
         return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)  # (R, D)
     outs = []
+    linear = _OneDNNLinear.apply if onednn_ok(x) else F.linear
     # unbind once: its backward stacks the E per-expert grads in one op (indexing gate[e] per expert would
     # materialise a zero (E, F, D) grad per expert and add them up)
     gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
     for e, rows in enumerate(x.split(counts)):  # a loop over the E experts; each is one (n_e, D) block
         if rows.shape[0]:
-            outs.append(F.linear(F.silu(F.linear(rows, gates[e])) * F.linear(rows, ups[e]), downs[e]))
+            outs.append(linear(F.silu(linear(rows, gates[e])) * linear(rows, ups[e]), downs[e]))
     return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
 
 
@@ -213,16 +256,21 @@ class MoE(nn.Module):
         self.down_proj = ExpertWeights(n_experts, d_ff, d_model, **kw)  # W_down (E, D, F)
         self.shared = SwiGLU(d_model, d_ff_shared, **kw) if n_shared else None
         self.shared_gate = Linear(d_model, 1, **kw) if (n_shared and shared_gate) else None
-        self.token_ids: Tensor | None = None  # hash routing reads the layer's token ids (B, S) from here
+        self.reads_token_ids = router == "hash"  # the Block passes the input token ids (AttentionMetadata.token_ids)
         self.aux_loss: Tensor | None = None
         self.stats: dict[str, Tensor] = {}
 
-    def routing(self, x: Tensor) -> Routing:
-        """x (T, D) -> the routing decision."""
+    def routing(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
+        """x (T, D) -> the routing decision; hash routing reads ``token_ids`` (B, S) with B·S = T instead."""
         if self.router_kind == "hash":
-            if self.token_ids is None:
-                raise ValueError("hash routing needs the layer's token ids: set moe.token_ids = tokens (B, S)")
-            return hash_route(self.token_ids, self.n_experts, self.k)
+            if token_ids is None:
+                raise ValueError("hash routing needs the input token ids: call moe(x, token_ids=tokens (B, S)); "
+                                 "a Transformer passes them (AttentionMetadata.token_ids), a pipeline stage "
+                                 "without the embedding cannot")
+            if token_ids.numel() != x.shape[0]:
+                raise ValueError(f"hash routing: token_ids has {token_ids.numel()} ids "
+                                 f"(shape {tuple(token_ids.shape)}) for {x.shape[0]} tokens")
+            return hash_route(token_ids.to(x.device), self.n_experts, self.k)
         return route(self.router(x), self.k, self.score, self.order, self.norm_topk, self.scale,
                      self.router.bias, self.n_groups, self.topk_groups)
 
@@ -232,11 +280,11 @@ class MoE(nn.Module):
             return None
         return math.ceil(self.capacity_factor * T * self.k / self.n_experts)
 
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:  # (B, T, D) -> (B, T, D)
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, D)
         T, E, k = x.shape[0], self.n_experts, self.k
-        r = self.routing(x)
+        r = self.routing(x, token_ids)
         flat_e = r.expert_ids.reshape(-1)  # (T·k,)
         order = torch.argsort(flat_e, stable=True)  # assignments sorted by expert, in token order within one
         counts_t = torch.bincount(flat_e, minlength=E)  # (E,) load
@@ -321,14 +369,18 @@ def moe_aux_loss(model: nn.Module) -> Tensor | None:
 
 def moe_metrics(model: nn.Module) -> dict[str, float]:
     """Per-step training metrics over all MoE layers of the last forward: load max/mean ratio (1 = balanced),
-    dropped assignments, mean balance / z terms, and the per-expert load histogram summed over layers."""
+    dropped assignments, mean balance / z terms, the fractions of (layer, expert) pairs that got < 1 % of
+    their layer's assignments and none at all (collapse), and the per-expert load histogram summed over layers."""
     mods = [m for m in moe_modules(model) if m.stats]
     if not mods:
         return {}
     load = torch.stack([m.stats["load"].float() for m in mods])  # (L_moe, E)
     out = {"moe_load_max_over_mean": float((load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)).mean()),
            "moe_dropped": float(sum(int(m.stats["dropped"]) for m in mods)),
-           "moe_balance": float(torch.stack([m.stats["balance"] for m in mods]).mean())}
+           "moe_balance": float(torch.stack([m.stats["balance"] for m in mods]).mean()),
+           # collapse: share of (layer, expert) pairs getting < 1 % of their layer's assignments / none at all
+           "moe_experts_below_1pct": float((load < 0.01 * load.sum(dim=1, keepdim=True)).float().mean()),
+           "moe_experts_dead": float((load == 0).float().mean())}
     if all("z" in m.stats for m in mods):
         out["moe_z"] = float(torch.stack([m.stats["z"] for m in mods]).mean())
     for i, c in enumerate(load.sum(dim=0).tolist()):

@@ -58,6 +58,8 @@ class AttentionMetadata:
     is_causal:        the mask is exactly the causal triangle over 0..T-1 (no cache, no window,
                       no documents): an implementation may use its built-in causal mask
     cache:            a ``KVCache`` that stores this forward's k, v and attends over what it holds
+    token_ids:        (B, T) the input token ids of the queries, or None (a pipeline stage that gets
+                      hidden states); read by layers that route on the token itself (hash-routed MoE)
     """
 
     positions: Tensor
@@ -67,6 +69,7 @@ class AttentionMetadata:
     window: int | None = None
     is_causal: bool = False
     cache: Any = None
+    token_ids: Tensor | None = None
 
     def mask(self) -> Tensor | None:
         """The boolean mask (B, 1, T, S) or (T, S), True = may attend; None when ``is_causal``

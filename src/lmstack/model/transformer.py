@@ -80,19 +80,26 @@ class Block(nn.Module):
         self.post_attn_norm = make_norm(config, config.d_model, **kw) if sandwich else None
         self.post_ffn_norm = make_norm(config, config.d_model, **kw) if sandwich and ffn else None
 
+    def channel(self, h: Tensor, meta: AttentionMetadata) -> Tensor:
+        """The feed-forward on h (B, T, D); one that routes on the token itself (a hash-routed MoE,
+        ``reads_token_ids``) also gets the input token ids from ``meta``."""
+        if getattr(self.ffn, "reads_token_ids", False):
+            return self.ffn(h, token_ids=meta.token_ids)
+        return self.ffn(h)
+
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         # x: (B, T, D) -> (B, T, D)
         if self.parallel:
             h = self.attn_norm(x)
-            return x + self.attn(h, meta) + self.ffn(h)
+            return x + self.attn(h, meta) + self.channel(h, meta)
         if self.post_attn_norm is None and self.ffn is not None:  # the Llama block
             x = x + self.attn(self.attn_norm(x), meta)
-            return x + self.ffn(self.ffn_norm(x))
+            return x + self.channel(self.ffn_norm(x), meta)
         h = self.attn(self.attn_norm(x), meta)
         x = x + (h if self.post_attn_norm is None else self.post_attn_norm(h))
         if self.ffn is None:
             return x
-        h = self.ffn(self.ffn_norm(x))
+        h = self.channel(self.ffn_norm(x), meta)
         return x + (h if self.post_ffn_norm is None else self.post_ffn_norm(h))
 
 
@@ -222,7 +229,8 @@ class Transformer(nn.Module):
             raise ValueError(f"document_ids shape {tuple(document_ids.shape)} does not match tokens {(B, S)}")
         self.rope.cover(positions)  # once per forward: every layer's attention only rotates
         meta = AttentionMetadata(positions, document_ids=document_ids, window=self.config.sliding_window,
-                                 is_causal=is_causal, cache=kv_cache)
+                                 is_causal=is_causal, cache=kv_cache,
+                                 token_ids=tokens if self.embed is not None else None)
         x = self.embed(tokens) if self.embed is not None else tokens  # (B, S, D)
         if self.config.embed_scale and self.embed is not None:  # Gemma: W_e[tokens]·√D
             x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
