@@ -11,13 +11,13 @@ import torch.distributed as dist
 from parallel_helpers import batches, ce, spawn, tiny_config
 
 
-def _ep_train(rank, world, steps):
+def _ep_train(rank, world, steps, router="topk"):
     from lmstack.model.moe import moe_modules
     from lmstack.model.transformer import Transformer
     from lmstack.parallel.expert import ExpertParallelMoE, expert_parallel, sync_expert_parallel_grads
 
     cfg = tiny_config(n_experts=2 * world, n_experts_per_token=2, d_ff_expert=16, n_shared_experts=1,
-                      moe_first_dense=1, n_layers=3)
+                      moe_first_dense=1, n_layers=3, router=router)
     ref = Transformer(cfg, seed=0)  # the same seeded weights on every rank
     model = expert_parallel(copy.deepcopy(ref))
     eps = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
@@ -92,6 +92,12 @@ def _ep_bad(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_training_equals_single_process(world):
     spawn(_ep_train, world, 3)
+
+
+@pytest.mark.slow
+def test_expert_parallel_hash_routing_equals_single_process():
+    # hash routing reads the input token ids (AttentionMetadata.token_ids) through the sharded layer too
+    spawn(_ep_train, 2, 2, "hash")
 
 
 def test_experts_not_divisible_by_ep():

@@ -142,12 +142,8 @@ class ExpertParallelMoE(nn.Module):
         return self._moe[0].stats
 
     @property
-    def token_ids(self):  # hash routing reads the layer's token ids from the wrapped MoE
-        return self._moe[0].token_ids
-
-    @token_ids.setter
-    def token_ids(self, ids) -> None:
-        self._moe[0].token_ids = ids
+    def reads_token_ids(self) -> bool:  # a hash-routed MoE: the Block passes the input token ids
+        return self._moe[0].reads_token_ids
 
     def update_bias(self, load: Tensor, rate: float) -> None:
         """Aux-free balancing from this rank's loads, summed over ``load_group`` when set, so that every
@@ -161,12 +157,12 @@ class ExpertParallelMoE(nn.Module):
         """The sharded (not replicated) parameters: this rank's slices of the routed experts."""
         return [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
 
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:  # (B, T, D) -> (B, T, D)
         moe = self._moe[0]
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, D)
         T, k = x.shape[0], moe.k
-        r = moe.routing(x)
+        r = moe.routing(x, token_ids)
         flat_e = r.expert_ids.reshape(-1)  # (T·k,) one row per (token, expert) assignment
         tok = torch.arange(T, device=x.device).repeat_interleave(k)  # (T·k,)
         recv, meta = dispatch(x[tok], flat_e, moe.n_experts, self.group)  # rows for this rank's experts
