@@ -49,4 +49,7 @@ class editable_wheel_with_pth(editable_wheel):
         return _WithPth(super()._select_strategy(*args, **kw))
 
 
-setup(cmdclass={"build_py": build_py_with_pth, "editable_wheel": editable_wheel_with_pth})
+cmdclass = {"build_py": build_py_with_pth}
+if hasattr(editable_wheel, "_select_strategy"):  # setuptools >= 64's editable wheels (a private hook: skip if gone)
+    cmdclass["editable_wheel"] = editable_wheel_with_pth
+setup(cmdclass=cmdclass)
