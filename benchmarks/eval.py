@@ -1,7 +1,7 @@
 """Evaluation throughput on SmolLM2-135M (fp32): lmstack vs HF transformers / lm-eval's ``hf`` class.
 
     python benchmarks/eval.py [--threads 2] [--ppl-tokens 4096] [--max-length 1024] [--stride 512]
-        [--mc-items 48] [--batch-size 8]
+        [--mc-items 48] [--batch-size 8] [--repeats 3]
 
 1. Perplexity: the same tokens of ``data/eval/stdlib_heldout.txt``, context and stride. lmstack's
    ``eval.perplexity`` (windows batched, logits formed a chunk at a time) vs the transformers guide's loop
@@ -11,7 +11,8 @@
    (``batch_size`` as given) on the same model weights; the largest log-likelihood difference is printed.
 
 Both sides load the same GGUF (lmstack's loader; transformers' ``gguf_file``) and run with ``--threads``
-torch threads; each side runs twice and the faster run counts.
+torch threads. The machine is shared and noisy, so the two sides alternate ``--repeats`` times (after one
+untimed warm-up each): each repetition's ratio is printed, then the median, min and max of the ratios.
 
 ``--contamination-demo MODEL_DIR`` runs instead the exchangeability test's demonstration (issue: "fine-tune the
 small demo model on one task's test items in canonical order"): the first ``--demo-items`` docstring items, the
@@ -38,13 +39,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DATA = Path(__file__).resolve().parents[1] / "data" / "eval"
 
 
-def best_of(fn, repeats=2):
-    best, out = math.inf, None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def alternate(ours, peer, work: float, repeats: int, label: str, unit: str):
+    """Warm both up, then time them in turn ``repeats`` times; print each pair and the ratio summary.
+    Returns (our outputs, peer outputs) of the last run."""
+    ours()
+    peer()
+    ratios = []
+    for i in range(repeats):
+        t_l, out_l = timed(ours)
+        t_h, out_h = timed(peer)
+        ratios.append(t_h / t_l)
+        print(f"  [{i + 1}/{repeats}] lmstack {work / t_l:8.1f} {unit}   {label} {work / t_h:8.1f} {unit}   "
+              f"ratio {t_h / t_l:.2f}x", flush=True)
+    r = sorted(ratios)
+    print(f"  ratio over {repeats} repetitions: median {r[len(r) // 2]:.2f}x (min {r[0]:.2f}x, max {r[-1]:.2f}x)")
+    return out_l, out_h
 
 
 @torch.no_grad()
@@ -120,6 +135,7 @@ def main() -> None:
     ap.add_argument("--stride", type=int, default=512)
     ap.add_argument("--mc-items", type=int, default=48)
     ap.add_argument("--batch-size", type=int, default=8, help="lm-eval hf batch_size")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repetitions of each side, alternating")
     ap.add_argument("--contamination-demo", default=None, metavar="MODEL_DIR",
                     help="run the exchangeability demonstration on this (demo) model instead")
     ap.add_argument("--demo-items", type=int, default=64)
@@ -134,7 +150,7 @@ def main() -> None:
 
     import transformers
 
-    from lmstack.eval.perplexity import perplexity, read_eval_tokens
+    from lmstack.eval.perplexity import perplexity, read_eval_tokens, windows
     from lmstack.eval.runner import Evaluator
     from lmstack.eval.tasks import load_task
     from lmstack.inference.loader import load_for_inference
@@ -148,18 +164,19 @@ def main() -> None:
           f"transformers {transformers.__version__}")
 
     ids = read_eval_tokens(DATA / "stdlib_heldout.txt", tok, max_tokens=args.ppl_tokens).tolist()
-    t_l, r = best_of(lambda: perplexity(model, ids, args.max_length, args.stride, tokenizer=tok, progress=False))
-    t_h, (ppl_h, n_h) = best_of(lambda: hf_guide_ppl(hf, ids, args.max_length, args.stride))
-    print(f"\nperplexity, {len(ids)} tokens, max_length {args.max_length}, stride {args.stride}: "
-          f"lmstack {r.perplexity:.4f} ({r.n_tokens} tokens), HF {ppl_h:.4f} ({n_h} tokens)")
-    print(f"  lmstack {r.n_tokens / t_l:8.0f} tokens/s   HF transformers {n_h / t_h:8.0f} tokens/s   "
-          f"ratio {t_h / t_l:.2f}x")
+    n_scored = sum(e - b - s for b, e, s in windows(len(ids), args.max_length, args.stride))
+    print(f"\nperplexity, {len(ids)} tokens, max_length {args.max_length}, stride {args.stride} "
+          f"({n_scored} scored tokens a pass)")
+    r, (ppl_h, n_h) = alternate(
+        lambda: perplexity(model, ids, args.max_length, args.stride, tokenizer=tok, progress=False),
+        lambda: hf_guide_ppl(hf, ids, args.max_length, args.stride), n_scored, args.repeats,
+        "HF transformers", "tokens/s")
+    print(f"  perplexity: lmstack {r.perplexity:.6f} ({r.n_tokens} tokens), HF {ppl_h:.6f} ({n_h} tokens)")
 
     task = load_task(DATA / "stdlib_docstring_mc.yaml")
     pairs = [(p, task.target_delimiter + c) for it, p in zip(task.items[:args.mc_items], task.prompts())
              for c in it.choices]
     ev = Evaluator(model, tok)
-    t_l, ll_l = best_of(lambda: ev.loglikelihood(pairs))
 
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
@@ -167,12 +184,11 @@ def main() -> None:
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     hflm = HFLM(pretrained=hf, tokenizer=hf_tok, batch_size=args.batch_size, device="cpu")
     reqs = [Instance("loglikelihood", {}, pr, i) for i, pr in enumerate(pairs)]
-    t_h, ll_h = best_of(lambda: hflm.loglikelihood(reqs, disable_tqdm=True))
+    print(f"\nmultiple choice, {args.mc_items} items = {len(pairs)} loglikelihood requests")
+    ll_l, ll_h = alternate(lambda: ev.loglikelihood(pairs), lambda: hflm.loglikelihood(reqs, disable_tqdm=True),
+                           len(pairs), args.repeats, f"lm-eval hf (batch {args.batch_size})", "requests/s")
     diff = max(abs(a[0] - b[0]) for a, b in zip(ll_l, ll_h))
-    print(f"\nmultiple choice, {args.mc_items} items = {len(pairs)} loglikelihood requests "
-          f"(max |loglik difference| {diff:.2e})")
-    print(f"  lmstack {len(pairs) / t_l:8.1f} requests/s   lm-eval hf (batch {args.batch_size}) "
-          f"{len(pairs) / t_h:8.1f} requests/s   ratio {t_h / t_l:.2f}x")
+    print(f"  max |loglik difference| {diff:.2e}; same greedy flags: {[a[1] for a in ll_l] == [b[1] for b in ll_h]}")
 
 
 if __name__ == "__main__":

@@ -52,13 +52,16 @@ def test_no_striding_equals_hand_ce(lm, hf_model):
     assert r.perplexity == pytest.approx(math.exp(float(nll.mean())), rel=1e-5)
 
 
-@pytest.mark.parametrize("max_length,stride", [(64, 16), (32, 32), (16, 5)])
-def test_striding_equals_transformers_guide(lm, hf_model, max_length, stride):
+@pytest.mark.parametrize("max_length,stride,batch", [(64, 16, None), (32, 32, None), (16, 5, None), (16, 5, 3),
+                                                    (32, 12, 1)])
+def test_striding_equals_transformers_guide(lm, hf_model, max_length, stride, batch):
+    """Also with the windows split into batches of ``batch`` (a partial last batch, one window a forward)."""
     model, tok = lm
     ids = tok.encode(TEXT)
     assert len(ids) > 3 * max_length
     nll_sum, n = hf_strided_reference(hf_model, ids, max_length, stride)
-    r = perplexity(model, ids, max_length=max_length, stride=stride, tokenizer=tok, progress=False)
+    r = perplexity(model, ids, max_length=max_length, stride=stride, tokenizer=tok, progress=False,
+                   batch_windows=batch)
     assert r.n_tokens == n
     assert r.perplexity == pytest.approx(math.exp(nll_sum / n), rel=1e-5)
     if stride < max_length:  # every token after the first is scored once

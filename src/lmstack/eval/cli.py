@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: max-length/2)")
     p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
     p.add_argument("--add-bos", action="store_true", help="put the model's BOS token first")
-    p.add_argument("--batch", type=int, default=4, help="windows per forward")
+    p.add_argument("--batch", type=int, default=None, help="windows per forward (default: 8192 tokens' worth, ≤ 32)")
     p.add_argument("--json", default=None, help="write the result here")
     p.set_defaults(func=run_ppl)
 

@@ -1,10 +1,11 @@
 """lm-evaluation-harness model class ``lmstack`` (seed 001 "基准测试": the tool people actually run).
 
-Importing this module registers ``LMStackLM`` under the name ``lmstack`` in lm-eval's model registry
-(lm-eval has no plugin entry point for models), so after ``import lmstack.eval.harness``
-``lm_eval.simple_evaluate(model="lmstack", model_args="model=smollm2-135m,dtype=int4", tasks=[...])``
-works, and ``lmstack eval harness --model lmstack --model_args model=smollm2-135m --tasks ...`` runs
-lm-eval's own command line with it registered.
+``LMStackLM`` is registered as ``lmstack`` in lm-eval's model registry. lm-eval reads no entry points,
+so the installed package ships a .pth hook (``lmstack._lm_eval_hook``) that registers the lazy name
+``lmstack.eval.harness:LMStackLM`` whenever ``lm_eval.models`` loads: lm-eval's own
+``lm_eval --model lmstack --model_args model=smollm2-135m --tasks ...`` then works, as does
+``lm_eval.simple_evaluate(model="lmstack", ...)``. Importing this module registers the class too (for an
+interpreter without the hook), and ``lmstack eval harness ...`` is lm-eval's command line after that import.
 
 The three request types run on lmstack's code: ``loglikelihood`` and ``loglikelihood_rolling`` through
 ``lmstack.eval.runner.Evaluator`` (batched ``Transformer.forward``; the context/continuation split

@@ -10,6 +10,11 @@ window has no context and is not scored (as in that loop, where the label shift 
 summed exactly (the guide's weighting of each window's mean loss by ``num_valid - batch_size`` is one
 token short for windows whose first label is masked; tests/eval/test_eval_perplexity.py).
 
+The fast path (``window_nll``): windows of equal length run as one batch (``batch_windows`` at a
+time, no padding), the unembedding and the cross-entropy run only on the scored positions (a context-only
+position never forms its V logits), a chunk of positions at a time as logsumexp − target logit (no
+(S, V) log-softmax), and the sum stays on the device until the end (no host sync per window).
+
 Bits per byte = total negative log-likelihood / (ln 2 · bytes of the scored tokens): the byte count
 does not depend on the tokenizer, so models with different vocabularies compare.
 """
@@ -23,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lmstack.eval.scoring import score_rows
+import torch
+
 from lmstack.tokenizer import is_token_file, open_tokens
 
 
@@ -83,10 +89,33 @@ def bits_per_byte(nll_nats: float, n_bytes: int) -> float:
     return nll_nats / (math.log(2) * n_bytes)
 
 
+@torch.inference_mode()
+def window_nll(model, tokens: torch.Tensor, begins: list[int], length: int, start: int,
+               chunk_positions: int = 256) -> torch.Tensor:
+    """Sum of −log p(tokens[b + j] | tokens[b:b + j]) over j = start .. length−1 for every window begin b
+    (windows of one ``length``, scored from one ``start`` >= 1), as a float64 scalar on the model's device.
+
+    tokens: (n,) on the device. The model sees each window without its last token; hidden states at
+    positions start−1 .. length−2 predict the scored tokens."""
+    idx = torch.tensor(begins, device=tokens.device)[:, None] + torch.arange(length, device=tokens.device)  # (B, S)
+    x = tokens[idx]  # (B, S)
+    hidden = model(x[:, :-1], return_hidden=True)[:, start - 1:]  # (B, S - start, D): the scored positions only
+    hidden = hidden.reshape(-1, hidden.shape[-1])  # (P, D)
+    target = x[:, start:].reshape(-1)  # (P,)
+    total = torch.zeros((), dtype=torch.float64, device=tokens.device)
+    for c0 in range(0, len(target), chunk_positions):
+        logits = model.unembed(hidden[c0:c0 + chunk_positions]).float()  # (c, V)
+        t = target[c0:c0 + chunk_positions]
+        nll = torch.logsumexp(logits, dim=-1) - logits.gather(-1, t[:, None])[:, 0]  # (c,) = −log softmax[t]
+        total += nll.double().sum()
+    return total
+
+
 def perplexity(model, ids, max_length: int | None = None, stride: int | None = None, tokenizer=None,
-               batch_windows: int = 4, progress: bool = True) -> PerplexityResult:
+               batch_windows: int | None = None, progress: bool = True) -> PerplexityResult:
     """Perplexity of ``model`` on token ids (a list, array or memmap). ``max_length`` defaults to the
-    model's context (``config.max_seq_len``), ``stride`` to ``max_length // 2``."""
+    model's context (``config.max_seq_len``), ``stride`` to ``max_length // 2``; ``batch_windows``
+    (windows per forward) to as many as make 8192 tokens, at most 32."""
     from tqdm import tqdm
 
     ids = np.asarray(ids, dtype=np.int64)
@@ -96,24 +125,33 @@ def perplexity(model, ids, max_length: int | None = None, stride: int | None = N
         raise ValueError(f"token id {int(ids[bad])} at position {bad} is outside the model's vocabulary 0..{V - 1}")
     max_length = int(max_length or model.config.max_seq_len)
     stride = int(stride or max(1, max_length // 2))
+    if batch_windows is None:
+        batch_windows = max(1, min(32, 8192 // max_length))
     wins = windows(len(ids), max_length, stride)
-    nll, n_tok, n_bytes = 0.0, 0, 0
+    n_tok = sum(e - b - s for b, e, s in wins)
     nbytes = token_bytes(tokenizer, ids) if tokenizer is not None else None
+    n_bytes = sum(int(nbytes[b + s:e].sum()) for b, e, s in wins) if nbytes is not None else 0
+    # windows with the same (length, first scored index) batch without padding: all but the first and last
+    groups: dict[tuple[int, int], list[int]] = {}
+    for b, e, s in wins:
+        groups.setdefault((e - b, s), []).append(b)
+    device = next(model.parameters()).device
     t0 = time.perf_counter()
-    total = sum(e - b - s for b, e, s in wins)
-    with tqdm(total=total, desc="perplexity", unit="tok", disable=not progress) as bar:
-        for g in range(0, len(wins), batch_windows):
-            group = wins[g:g + batch_windows]
-            rows = [ids[b:e].tolist() for b, e, _ in group]
-            scores = score_rows(model, rows, [s for _, _, s in group],
-                                max_batch_tokens=max_length * batch_windows)
-            for (b, e, s), sc in zip(group, scores):
-                nll -= float(sc.logprobs.sum())
-                n_tok += len(sc.logprobs)
-                if nbytes is not None:
-                    n_bytes += int(nbytes[b + s:e].sum())
-            bar.update(sum(e - b - s for b, e, s in group))
-            bar.set_postfix(ppl=f"{math.exp(nll / max(n_tok, 1)):.3f}")
+    tokens = torch.as_tensor(ids, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    done = 0
+    with tqdm(total=n_tok, desc="perplexity", unit="tok", disable=not progress) as bar:
+        for (length, start), begins in groups.items():
+            if length <= start:  # a one-token last window (stride = max_length) scores nothing
+                continue
+            for g in range(0, len(begins), batch_windows):
+                part = begins[g:g + batch_windows]
+                total += window_nll(model, tokens, part, length, start)
+                done += len(part) * (length - start)
+                bar.update(len(part) * (length - start))
+                if progress and device.type == "cpu":  # free there; elsewhere it would sync every batch
+                    bar.set_postfix(ppl=f"{math.exp(float(total) / done):.3f}")
+    nll = float(total)
     seconds = time.perf_counter() - t0
     return PerplexityResult(
         perplexity=math.exp(nll / n_tok), bits_per_byte=bits_per_byte(nll, n_bytes) if nbytes is not None else None,

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -31,9 +30,9 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def score_rows(model, rows: list[list[int]], starts: list[int], max_batch_tokens: int = 8192,
-               chunk_positions: int = 1024) -> list[RowScore]:
+               chunk_positions: int = 512) -> list[RowScore]:
     """Score each row's positions ``start .. len(row)-1`` (``start`` >= 1: position 0 has no context). The
     model sees each row without its last token, so a row may be one token longer than the context.
 
@@ -72,7 +71,8 @@ def score_rows(model, rows: list[list[int]], starts: list[int], max_batch_tokens
         for c0 in range(0, len(pj), chunk_positions):
             logits = model.unembed(hidden[bi[c0:c0 + chunk_positions], pj[c0:c0 + chunk_positions]]).float()  # (c, V)
             t = target[c0:c0 + chunk_positions]
-            lps.append(F.log_softmax(logits, dim=-1).gather(-1, t[:, None])[:, 0].double().cpu())
+            lp = logits.gather(-1, t[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # log softmax at t only
+            lps.append(lp.double().cpu())
             gr.append((logits.argmax(-1) == t).cpu())
         lp, g = (torch.cat(lps), torch.cat(gr)) if lps else (torch.zeros(0, dtype=torch.float64),
                                                               torch.zeros(0, dtype=torch.bool))

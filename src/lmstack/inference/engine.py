@@ -177,7 +177,8 @@ class LLMEngine:
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         stops = StopStrings(self.tokenizer, params.stop) if self.tokenizer is not None else None
         return Seq(request_id, list(ids), len(ids), params, arrival, gen, stops,
-                   logprobs=[] if params.logprobs is not None else None)
+                   logprobs=[] if params.logprobs is not None else None,
+                   prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False when it is unknown or already finished."""

@@ -5,7 +5,8 @@ seed 001 "推理流程". The scheduled sequences' new tokens — decode tokens f
 chunks and speculative drafts — are flattened into one (1, T) row without padding, with
 per-token positions and sequence ids; the cache's batch object gives the attention seam its
 slots and key metadata from the block tables. Only the rows that need a next token go through
-the unembedding. ``sample`` draws one token per ready row, ``verify`` checks a row's drafts.
+the unembedding — and the prompt positions of a request that asked for prompt logprobs
+(``prompt_logprobs``). ``sample`` draws one token per ready row, ``verify`` checks a row's drafts.
 """
 
 from __future__ import annotations
@@ -60,7 +61,32 @@ class ModelRunner:
             # the reference attention sees every sequence's keys, masked, and 0 · NaN = NaN: one
             # sequence's NaN K/V reach all rows, so the caller reruns them one at a time (nothing committed yet)
             raise NonFiniteLogitsError("non-finite logits in a step over several sequences")
+        t = 0
+        for s, n in order:
+            if s.prompt_logprobs is not None and s.num_computed + 1 < s.num_prompt:
+                self.prompt_logprobs(s, hidden[t:t + n])
+            t += n
         return logits, first_row
+
+    def prompt_logprobs(self, s: Sequence, hidden: Tensor, chunk: int = 512) -> None:
+        """Fill ``s.prompt_logprobs[j + 1]`` = (log p(prompt[j + 1] | prompt[:j + 1]), top n) from the hidden
+        states (n, D) of the chunk fed at positions ``num_computed ..``; by index, so a recomputation (after
+        preemption, or a forward rerun one sequence at a time) writes the same values again."""
+        j0 = s.num_computed
+        m = min(len(hidden), s.num_prompt - 1 - j0)  # positions whose next token is still in the prompt
+        n_top = s.params.prompt_logprobs
+        for c0 in range(0, m, chunk):
+            c1 = min(m, c0 + chunk)
+            logp = torch.log_softmax(self.model.unembed(hidden[c0:c1]).float(), dim=-1)  # (c, V)
+            target = torch.tensor(s.all_ids[j0 + c0 + 1:j0 + c1 + 1], device=logp.device)
+            lp = logp.gather(-1, target[:, None])[:, 0].tolist()
+            if n_top:
+                vals, ids = torch.topk(logp, min(n_top, logp.shape[-1]), dim=-1)
+                tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+            else:
+                tops = [{} for _ in lp]
+            for k, (v, top) in enumerate(zip(lp, tops)):
+                s.prompt_logprobs[j0 + c0 + k + 1] = (v, top)
 
     def sample(self, seqs: list[Sequence], logits: Tensor) -> list[tuple[int, tuple | None] | Exception]:
         """logits (R, V) of R ready sequences -> per row (token, logprobs or None), or the exception

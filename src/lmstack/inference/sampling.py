@@ -65,7 +65,10 @@ class SamplingParams:
     0 or None, ``top_p`` 1 (None is read as 1) and ``min_p`` 0 switch those filters off;
     ``repetition_penalty`` 1 is off. ``logprobs``: None returns none; n ≥ 0 returns the sampled
     token's log-probability and the n most likely alternatives, under the model's own
-    distribution (raw logits, before penalties, temperature and filters). ``seed`` makes this
+    distribution (raw logits, before penalties, temperature and filters). ``prompt_logprobs``: None
+    returns none; n ≥ 0 returns, for every prompt token after the first, its log-probability given
+    the tokens before it and the n most likely tokens there (vLLM's ``prompt_logprobs``; computed in
+    the prefill, and such a request never takes a prefix-cache hit). ``seed`` makes this
     request's samples reproducible whatever else runs in the batch. ``logits_processors``:
     callables ``(output token ids so far, logits (V,)) -> logits (V,)`` applied in order before
     the sampler (a server's presence/frequency penalties, a grammar's mask); a request with any
@@ -84,6 +87,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     logits_processors: Sequence[Callable] = field(default_factory=tuple)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.temperature = as_real("temperature", self.temperature)
@@ -115,6 +119,8 @@ class SamplingParams:
                 raise ValueError(f"seed={self.seed} must fit in 64 bits: [-2**63, 2**64)")
         if self.logprobs is not None:
             self.logprobs = as_integer("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = as_integer("prompt_logprobs", self.prompt_logprobs, 0)
         self.logits_processors = tuple(self.logits_processors)
         if any(not callable(p) for p in self.logits_processors):
             raise ValueError(f"logits_processors={self.logits_processors!r:.80} must be callables "

@@ -95,7 +95,8 @@ class Scheduler:
             if self.states is not None and not self.states.num_free:
                 break  # no state slot: the request waits for a running one to finish
             seq = self.waiting[0]
-            cached = self.blocks.allocate(seq.request_id, seq.all_ids)
+            # prompt logprobs need the logits at every prompt position: such a request takes no prefix hit
+            cached = self.blocks.allocate(seq.request_id, seq.all_ids if seq.prompt_logprobs is None else ())
             n = min(len(seq.all_ids) - cached, budget)
             if not self.blocks.can_append(seq.request_id, n, reserve=self.watermark_blocks if self.running else 0):
                 self.blocks.free(seq.request_id)

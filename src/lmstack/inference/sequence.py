@@ -36,6 +36,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
     error: str | None = None  # finish_reason "error": what failed (the request was aborted, the engine goes on)
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first), (log p(token | prefix), top)
+    prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -66,6 +68,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
+    prompt_logprobs: list | None = None  # num_prompt entries, filled by the prefill (ModelRunner); [0] stays None
 
     @property
     def output_ids(self) -> list[int]:
@@ -90,4 +93,5 @@ class Sequence:
             self.request_id, self.all_ids[:self.num_prompt], self.output_ids, text, new_ids, new_text, finished,
             self.finish_reason, list(self.logprobs) if self.logprobs is not None else None, self.arrival,
             self.first_token_time, self.finished_time, list(self.token_times) if finished else [],
-            self.num_cached_tokens or 0, self.num_preemptions, self.error)
+            self.num_cached_tokens or 0, self.num_preemptions, self.error,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)

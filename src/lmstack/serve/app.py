@@ -232,12 +232,22 @@ def _chat_logprobs(server: Server, entries) -> dict:
 
 
 def _completion_logprobs(server: Server, entries, offset: int) -> dict:
+    """OpenAI's legacy logprobs object over (token, (logprob, top) or None) entries; None (the first
+    prompt token under ``echo``: nothing precedes it) gives null logprob and top_logprobs."""
     tokens, lps, tops, offsets = [], [], [], []
-    for token, (lp, top) in entries:
+    for token, entry in entries:
         text, _ = server.token_text(token)
         tokens.append(text)
-        lps.append(lp)
-        tops.append({server.token_text(t)[0]: v for t, v in sorted(top.items(), key=lambda kv: -kv[1])})
+        if entry is None:
+            lps.append(None)
+            tops.append(None)
+        else:
+            lp, top = entry
+            lps.append(lp)
+            d: dict[str, float] = {}
+            for t, v in sorted(top.items(), key=lambda kv: -kv[1]):
+                d.setdefault(server.token_text(t)[0], v)  # two tokens with one text (partial UTF-8): the likelier
+            tops.append(d)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -433,9 +443,12 @@ def build_app(server: Server) -> FastAPI:
         server.check_n(body.n)
         if body.suffix:
             raise APIError(400, "suffix is not supported (no fill-in-the-middle template)", param="suffix")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs prompt logprobs, which this engine does not compute",
-                           param="echo")
+        score_prompt = body.echo and body.logprobs is not None  # the prompt's own logprobs (prefill)
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens=0 only makes sense with echo=true (score the prompt, generate nothing)",
+                           param="max_tokens")
+        if score_prompt and body.stream:
+            raise APIError(400, "echo with logprobs is not supported with stream=true", param="stream")
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -449,10 +462,13 @@ def build_app(server: Server) -> FastAPI:
         for j, p in enumerate(prompts):
             ids = server.token_ids(p, "prompt" if len(prompts) == 1 else f"prompt[{j}]")
             prompt_tokens += len(ids)
-            max_tokens = server.max_tokens(ids, body.max_tokens)
+            # max_tokens=0 (echo only): the engine still runs one step, whose token is dropped
+            max_tokens = server.max_tokens(ids, body.max_tokens or (None if body.max_tokens is None else 1))
             text = p if isinstance(p, str) else server.tokenizer.decode(ids)
             for i in range(body.n):
                 params = server.sampling(body, max_tokens, body.logprobs, i)
+                if score_prompt:
+                    params.prompt_logprobs = body.logprobs
                 if i == 0:
                     server.precheck(ids, params)
                 jobs.append((ids, text, params))
@@ -471,12 +487,21 @@ def build_app(server: Server) -> FastAPI:
         finally:
             lease.release()
         choices = []
+        completion = 0
         for k, ((_, ptext, _), out) in enumerate(zip(jobs, outs)):
-            text = (ptext if body.echo else "") + out.text
-            lp = (_completion_logprobs(server, zip(out.token_ids, out.logprobs), 0)
-                  if body.logprobs is not None else None)
-            choices.append({"index": k, "text": text, "logprobs": lp, "finish_reason": _finish_reason(out)})
-        completion = sum(len(o.token_ids) for o in outs)
+            gen_ids, gen_lps, gen_text = out.token_ids, out.logprobs, out.text
+            if body.max_tokens == 0:  # echo only: the one token the engine made is not part of the answer
+                gen_ids, gen_lps, gen_text = [], [], ""
+            completion += len(gen_ids)
+            text = (ptext if body.echo else "") + gen_text
+            lp = None
+            if body.logprobs is not None:
+                entries = list(zip(gen_ids, gen_lps))
+                if score_prompt:
+                    entries = list(zip(out.prompt_token_ids, out.prompt_logprobs)) + entries
+                lp = _completion_logprobs(server, entries, 0)
+            finish = "length" if body.max_tokens == 0 else _finish_reason(out)
+            choices.append({"index": k, "text": text, "logprobs": lp, "finish_reason": finish})
         return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
                 "system_fingerprint": None, "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,

@@ -54,10 +54,13 @@ class Sampling(_Request):
 
 
 class CompletionRequest(Sampling):
-    """``POST /v1/completions``: a prompt is a string, a list of strings, token ids, or a list of those."""
+    """``POST /v1/completions``: a prompt is a string, a list of strings, token ids, or a list of those.
+    ``echo`` with ``logprobs`` returns the prompt tokens' log-probabilities too (the first one null), and
+    ``max_tokens=0`` with ``echo`` only scores the prompt — how lm-eval's ``local-completions`` asks for
+    log-likelihoods (OpenAI's legacy API, vLLM)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     suffix: str | None = None
