@@ -1,0 +1,78 @@
+"""lmstack's int4 x int8 VNNI kernel (quant/int4_vnni.py, csrc/int4_vnni.cpp): the packed layout by hand,
+the kernel against its formula written in numpy float64 (activations quantised per group, w = d·q + m
+with fp16 d, m), ``Int4Linear`` on it against F.linear on the dequantised weight, and under torch.compile.
+Where the CPU or compiler cannot run it, the fallback (a reason, torch's kernel) is what is checked."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmstack.quant import Int4Linear, dequantize_int4, quantize_int4
+from lmstack.quant import int4_vnni
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_pack_layout_by_hand_and_unpack():
+    q = torch.randint(0, 16, (32, 16), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    s, lo = torch.rand(32, 2) + 0.1, torch.randn(32, 2)
+    packed, d, m = int4_vnni.pack(q, s, lo)
+    assert packed.shape == (2, 2, 64) and d.shape == (2, 2, 16) and d.dtype == torch.float16
+    # tile 1, chunk 1, row 5, j = 2: q[16 + 5, 8 + 2] low nibble, q[16 + 5, 8 + 4 + 2] high nibble
+    assert int(packed[1, 1, 4 * 5 + 2]) == int(q[21, 10]) | (int(q[21, 14]) << 4)
+    assert float(d[1, 0, 5]) == float(s[21, 0].half()) and float(m[1, 1, 3]) == float(lo[19, 1].half())
+    assert torch.equal(int4_vnni.unpack(packed), q)
+    with pytest.raises(ValueError, match="% 16"):
+        int4_vnni.pack(q[:24], s[:24], lo[:24])
+
+
+def reference(x, q, d, m, G):
+    """y = Σ_g d·s_x·Σ q·x_q + m·Σ x, float64, with s_x = max|x_g|/127 and x_q = round(x / s_x) (ties to even)."""
+    x = x.double().numpy()
+    M, I = x.shape
+    xg = x.reshape(M, I // G, G)
+    sx = (np.abs(xg).max(-1) / 127).astype(np.float32).astype(np.float64)  # the kernel's float32 scale
+    xq = np.clip(np.round(xg / np.where(sx > 0, sx, 1)[..., None]), -127, 127)
+    qg = q.double().numpy().reshape(-1, I // G, G)
+    dot = np.einsum("ogi,mgi->mog", qg, xq)
+    return (dot * d[None] * sx[:, None] + m[None] * xg.sum(-1)[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("O,I,G,M", [(64, 128, 32, 1), (32, 64, 8, 5), (48, 256, 64, 4), (16, 96, 32, 9)])
+def test_kernel_equals_its_formula_and_int4linear_is_close_to_float(O, I, G, M):
+    g = torch.Generator().manual_seed(O + M)
+    w, x = torch.randn(O, I, generator=g), torch.randn(M, I, generator=g)
+    q, s, lo = quantize_int4(w, G)
+    if not int4_vnni.available():  # no skip: the fallback is what runs here
+        assert int4_vnni.status()
+        lin = Int4Linear(q, s, lo)
+        assert not lin.vnni and "kernel=aten" in repr(lin)
+        with pytest.raises(ValueError, match="cannot run"):
+            Int4Linear(q, s, lo, kernel="vnni")
+        return
+    packed, d, m = int4_vnni.pack(q, s, lo)
+    d64, m64 = d.double().permute(0, 2, 1).reshape(O, -1).numpy(), m.double().permute(0, 2, 1).reshape(O, -1).numpy()
+    ref = reference(x, q, d64, m64, G)
+    y = int4_vnni.mm(x, packed, d, m, G)
+    np.testing.assert_allclose(y.double().numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    lin = Int4Linear(q, s, lo)  # "auto" takes the VNNI kernel
+    assert lin.vnni and torch.equal(lin._codes(), q)
+    torch.testing.assert_close(lin(x), y)
+    torch.testing.assert_close(lin.dequantized_weight(), dequantize_int4(q, s, lo))
+    # against float activations: the int8 rounding of x (step max|x_g|/127) is the only difference
+    full = F.linear(x.double(), dequantize_int4(q, s, lo).double())
+    assert float((lin(x).double() - full).norm() / full.norm()) < 0.03
+    assert lin.kernel_bytes() == O * I // 2 + 2 * 2 * O * (I // G)  # codes + fp16 d and m
+
+
+@pytest.mark.slow
+def test_kernel_runs_inside_a_compiled_graph():
+    if not int4_vnni.available():
+        assert int4_vnni.status()
+        return
+    q, s, lo = quantize_int4(torch.randn(32, 64, generator=torch.Generator().manual_seed(1)), 32)
+    lin = Int4Linear(q, s, lo)
+    x = torch.randn(1, 64)
+    compiled = torch.compile(lambda t: torch.relu(lin(t)) * 2, fullgraph=True)  # fullgraph: no graph break
+    torch.testing.assert_close(compiled(x), torch.relu(lin(x)) * 2)
