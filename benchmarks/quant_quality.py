@@ -449,10 +449,15 @@ def main() -> None:
         pre = "—" if math.isnan(r["prefill"]) else f"{r['prefill']:.0f}"
         lines.append(f"| {name} | {r['ppl']:.3f} | {delta} | {r['bytes'] / 1e6:.1f} | {dec} | {pre} |")
     notes = [f"- {n}: {r['note']}" for n, r in results.items() if r.get("note")]
+    print("\n".join(lines + [""] + notes), flush=True)
     race = []
     threads = [int(t) for t in args.race_threads.split(",") if t.strip()]
     if threads:
-        race = [""] + decode_race(base, ev[1, :args.race_prompt].tolist(), args.race_decode, threads, args.race_rounds)
+        try:
+            race = [""] + decode_race(base, ev[1, :args.race_prompt].tolist(), args.race_decode, threads,
+                                      args.race_rounds)
+        except Exception as e:  # noqa: BLE001 — the table above stays
+            race = ["", f"decode race failed: {type(e).__name__}: {e}"]
         torch.set_num_threads(args.threads)
     text = "\n".join(lines + [""] + notes + race) + "\n"
     print(text)

@@ -8,7 +8,9 @@ activations quantised per group, s_x = max|x|/127, x_q = round(x / s_x):
 
     y_o = Σ_g d_og · s_x,g · Σ_{i∈g} q_oi · x_q,i  +  m_og · Σ_{i∈g} x_i
 
-(llama.cpp's Q4_1 × Q8_1 dot product has the same form). ``pack`` lays the codes out in tiles of 16 output
+(llama.cpp's Q4_1 × Q8_1 dot product has the same form). By default (``terms=2``) each activation is two
+int8 terms, x ≈ s_x1·x_q1 + s_x2·x_q2 with x_q2 the rounded residual: one 8-bit term alone cost SmolLM2
++0.9% perplexity, the pair keeps ~15 bits for a second ``vpdpbusd`` on codes already unpacked. ``pack`` lays the codes out in tiles of 16 output
 rows (one ``vpdpbusd`` = 16 rows × 4 inputs, one int32 lane per row) and d, m as fp16.
 Needs a CPU with avx512f/avx512bw/avx512_vnni and a C++ compiler; ``status()`` says why it is off
 otherwise (``Int4Linear`` then uses torch's ``_weight_int4pack_mm_for_cpu``). ``LMSTACK_INT4_KERNEL=aten``
@@ -61,7 +63,7 @@ def status() -> str | None:
         return f"building {SOURCE.name} failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
     @torch.library.register_fake("lmstack_quant::int4_vnni_mm")
-    def _(x, packed, d, m, G):  # shapes for torch.compile
+    def _(x, packed, d, m, G, terms=2):  # shapes for torch.compile
         return x.new_empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
 
     return None
@@ -95,6 +97,7 @@ def unpack(packed: Tensor) -> Tensor:
     return q.permute(0, 2, 1, 3, 4).reshape(T * 16, C * 8)
 
 
-def mm(x: Tensor, packed: Tensor, d: Tensor, m: Tensor, group_size: int) -> Tensor:
-    """x (M, I) float -> (M, O) float32 through the kernel (``available()`` must be True)."""
-    return torch.ops.lmstack_quant.int4_vnni_mm(x, packed, d, m, group_size)
+def mm(x: Tensor, packed: Tensor, d: Tensor, m: Tensor, group_size: int, terms: int = 2) -> Tensor:
+    """x (M, I) float -> (M, O) float32 through the kernel (``available()`` must be True). ``terms=2``: each
+    activation as two int8 terms, x ≈ s_x1·x_q1 + s_x2·x_q2 (the second rounds the residual; ~15 bits)."""
+    return torch.ops.lmstack_quant.int4_vnni_mm(x, packed, d, m, group_size, terms)

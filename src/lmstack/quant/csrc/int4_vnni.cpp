@@ -9,6 +9,9 @@
 // xs = sum x. Then  y[o] = sum_g d[o,g]*sx[g]*sum_{i in g} q[o,i]*xq[i] + m[o,g]*xs[g]:
 // one vpdpbusd multiplies 16 rows x 4 inputs (u8 codes x s8 activations) into 16 int32 lanes, one
 // lane per output row, so no horizontal sums are needed.
+// terms = 2 splits each activation in two int8 terms, x ~ sx1*xq1 + sx2*xq2 with xq2 the rounded residual
+// (sx2 = max|x - sx1*xq1|/127 <= sx1/254): about 15 bits instead of 8, for a second pass over codes
+// already in registers (the two terms are two activation rows sharing one unpacking of the weights).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -56,7 +59,8 @@ inline void tile_rows(const uint8_t* w, const int8_t* xq, const float* sx, const
 }
 
 at::Tensor int4_vnni_mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& d,
-                        const at::Tensor& m, int64_t G) {
+                        const at::Tensor& m, int64_t G, int64_t terms) {
+  TORCH_CHECK(terms == 1 || terms == 2, "int4_vnni_mm: terms must be 1 or 2, got ", terms);
   TORCH_CHECK(x_in.dim() == 2, "int4_vnni_mm: x must be (M, I), got ", x_in.sizes());
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64,
               "int4_vnni_mm: packed must be uint8 (O/16, I/8, 64)");
@@ -67,23 +71,35 @@ at::Tensor int4_vnni_mm(const at::Tensor& x_in, const at::Tensor& packed, const 
   TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.numel() == T * NG * 16 &&
               m.numel() == T * NG * 16, "int4_vnni_mm: d, m must be fp16 (O/16, I/G, 16)");
   at::Tensor x = x_in.to(at::kFloat).contiguous();
-  at::Tensor xq = at::empty({M, I}, x.options().dtype(at::kChar));
-  at::Tensor sx = at::empty({M, NG}, x.options());
-  at::Tensor xs = at::empty({M, NG}, x.options());
+  const int64_t MR = M * terms;  // activation rows the tiles run: (x) or (term 1, term 2) per row
+  at::Tensor xq = at::empty({MR, I}, x.options().dtype(at::kChar));
+  at::Tensor sx = at::empty({MR, NG}, x.options());
+  at::Tensor xs = at::zeros({MR, NG}, x.options());
   const float* xp = x.data_ptr<float>();
   int8_t* xqp = xq.data_ptr<int8_t>();
   float* sxp = sx.data_ptr<float>();
   float* xsp = xs.data_ptr<float>();
-  for (int64_t r = 0; r < M * NG; ++r) {  // quantise the activations, one scale per group
-    const float* g = xp + r * G;
-    float amax = 0.f, sum = 0.f;
-    for (int64_t i = 0; i < G; ++i) { amax = std::max(amax, std::fabs(g[i])); sum += g[i]; }
-    const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    for (int64_t i = 0; i < G; ++i) xqp[r * G + i] = static_cast<int8_t>(std::nearbyint(g[i] * inv));
-    sxp[r] = s;
-    xsp[r] = sum;
+  for (int64_t r = 0; r < M; ++r) {  // quantise the activations, one scale per group (and term)
+    for (int64_t gi = 0; gi < NG; ++gi) {
+      const float* g = xp + r * I + gi * G;
+      int8_t* q1 = xqp + (r * terms) * I + gi * G;
+      float amax = 0.f, sum = 0.f;
+      for (int64_t i = 0; i < G; ++i) { amax = std::max(amax, std::fabs(g[i])); sum += g[i]; }
+      const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t i = 0; i < G; ++i) q1[i] = static_cast<int8_t>(std::nearbyint(g[i] * inv));
+      sxp[(r * terms) * NG + gi] = s;
+      xsp[(r * terms) * NG + gi] = sum;  // the m term once, with the exact sum
+      if (terms == 2) {
+        int8_t* q2 = xqp + (r * 2 + 1) * I + gi * G;
+        float rmax = 0.f;
+        for (int64_t i = 0; i < G; ++i) rmax = std::max(rmax, std::fabs(g[i] - s * q1[i]));
+        const float inv2 = rmax > 0.f ? 127.f / rmax : 0.f;
+        for (int64_t i = 0; i < G; ++i) q2[i] = static_cast<int8_t>(std::nearbyint((g[i] - s * q1[i]) * inv2));
+        sxp[(r * 2 + 1) * NG + gi] = rmax / 127.f;
+      }
+    }
   }
-  at::Tensor y = at::empty({M, O}, x.options());
+  at::Tensor y = at::empty({MR, O}, x.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
@@ -94,19 +110,21 @@ at::Tensor int4_vnni_mm(const at::Tensor& x_in, const at::Tensor& packed, const 
       const uint16_t* dt = dp + t * NG * 16;
       const uint16_t* mt = mp + t * NG * 16;
       int64_t r = 0;
-      for (; r + 4 <= M; r += 4)
+      for (; r + 4 <= MR; r += 4)
         tile_rows<4>(w, xqp + r * I, sxp + r * NG, xsp + r * NG, dt, mt, yp + r * O + t * 16, I, G, NG, O);
-      for (; r < M; ++r)
+      for (; r + 2 <= MR; r += 2)
+        tile_rows<2>(w, xqp + r * I, sxp + r * NG, xsp + r * NG, dt, mt, yp + r * O + t * 16, I, G, NG, O);
+      for (; r < MR; ++r)
         tile_rows<1>(w, xqp + r * I, sxp + r * NG, xsp + r * NG, dt, mt, yp + r * O + t * 16, I, G, NG, O);
     }
   });
-  return y;
+  return terms == 1 ? y : y.view({M, 2, O}).sum(1);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(lmstack_quant, lib) {
-  lib.def("int4_vnni_mm(Tensor x, Tensor packed, Tensor d, Tensor m, int G) -> Tensor");
+  lib.def("int4_vnni_mm(Tensor x, Tensor packed, Tensor d, Tensor m, int G, int terms=2) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmstack_quant, CPU, lib) {
