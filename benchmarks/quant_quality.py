@@ -49,7 +49,7 @@ from lmstack.inference.loader import model_tokenizer
 from lmstack.model.gguf import read_gguf_header, unpermute_rope_rows
 from lmstack.model.io import find_named_model, load_model
 from lmstack.model.layers import Linear
-from lmstack.quant import Int4Linear, quantize_model
+from lmstack.quant import Int4Linear, Int8Linear, quantize_model
 from lmstack.quant.awq import awq_quantize_model
 from lmstack.quant.formats import simulate_model
 from lmstack.quant.gguf_blocks import gguf_int4
@@ -94,10 +94,11 @@ def perplexity(model: nn.Module, ev: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def kv_perplexity(model: nn.Module, ev: torch.Tensor, fmt: str | None, prefill: int = 16) -> tuple[float, int]:
+def kv_perplexity(model: nn.Module, ev: torch.Tensor, fmt: str | None, prefill: int = 16,
+                  step: int = 1) -> tuple[float, int]:
     """Perplexity when each row goes through the engine's paged pool (blocks of 16; fp32 when ``fmt`` is
-    None, else "int8"/"fp8" blocks): a ``prefill``-token chunk, then one token per forward (decode), and
-    the pool's bytes for one row."""
+    None, else "int8"/"fp8" blocks): a ``prefill``-token chunk, then ``step`` tokens per forward (1 = decode),
+    and the pool's bytes for one row."""
     from lmstack.inference.paged import PagedKVCache
 
     nll, n, S = 0.0, 0, ev.shape[1]
@@ -107,12 +108,13 @@ def kv_perplexity(model: nn.Module, ev: torch.Tensor, fmt: str | None, prefill: 
         ids = r.tolist()
         pool.blocks.allocate(0, ids)
         logits, start = [], 0
-        for step in [prefill] + [1] * (S - prefill):
-            pool.blocks.reserve(0, step)
-            batch, pos, seq = pool.packed_batch([(0, start, step)])
-            logits.append(model(r[None, start:start + step], pos, kv_cache=batch, document_ids=seq)[0])
-            pool.blocks.commit(0, ids, step)
-            start += step
+        while start < S:
+            n = min(prefill if start == 0 else step, S - start)
+            pool.blocks.reserve(0, n)
+            batch, pos, seq = pool.packed_batch([(0, start, n)])
+            logits.append(model(r[None, start:start + n], pos, kv_cache=batch, document_ids=seq)[0])
+            pool.blocks.commit(0, ids, n)
+            start += n
         logits = torch.cat(logits).float()
         nll += F.cross_entropy(logits[:-1], r[1:], reduction="sum").item()
         n += S - 1
@@ -206,6 +208,13 @@ def torchao_model(model: nn.Module, kind: str) -> nn.Module:
     return model
 
 
+def int8_head(model: nn.Module) -> nn.Module:
+    """The unembedding as ``Int8Linear`` (per-row scales) of the tied embedding / lm_head weight."""
+    W = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    model.lm_head = Int8Linear.from_weight(W.detach())
+    return model
+
+
 def gguf_own_model(model: nn.Module) -> nn.Module:
     """The GGUF's Q4_1 block linears read as codes straight into Int4Linear (no float round trip); the
     Q8_0 embedding stays as its dequantised floats (tied unembedding)."""
@@ -269,14 +278,14 @@ class LmstackInt4:
     """lmstack int4 (RTN G32 = the GGUF's Q4_1 block weights, int4 unembedding) with a compiled decode step
     on ``kernel`` ("vnni": lmstack's, "aten": torch's): ``run`` -> (prefill tok/s, decode tok/s)."""
 
-    def __init__(self, base: nn.Module, kernel: str, max_len: int):
+    def __init__(self, base: nn.Module, kernel: str, max_len: int, compile: bool = True):
         from lmstack.inference.static import StaticDecoder
 
-        self.name = f"lmstack int4 compiled ({kernel} kernel)"
+        self.name = f"lmstack int4 {'compiled' if compile else 'static cache, eager'} ({kernel} kernel)"
         self.model = quantize_model(copy.deepcopy(base), "int4")
         if kernel == "aten":
             to_aten_int4(self.model)
-        self.decoder = StaticDecoder(self.model, max_len, compile=True)
+        self.decoder = StaticDecoder(self.model, max_len, compile=compile)
         self.decoder.warm_up()
 
     @torch.inference_mode()
@@ -304,13 +313,14 @@ def to_aten_int4(model: nn.Module) -> nn.Module:
     return model
 
 
-def decode_race(base: nn.Module, prompt: list[int], n_new: int, threads: list[int], rounds: int) -> list[str]:
+def decode_race(base: nn.Module, prompt: list[int], n_new: int, threads: list[int], rounds: int,
+                compile: bool = True) -> list[str]:
     """Interleaved rounds of lmstack int4 (both kernels, compiled step) and llama.cpp per thread count."""
     out = ["| threads | engine | decode tok/s (median) | ms/token | all rounds tok/s | prefill tok/s | "
            "lmstack VNNI / this |", "|---|---|---|---|---|---|---|"]
     for th in threads:
         torch.set_num_threads(th)
-        engines = [LmstackInt4(base, "vnni", len(prompt) + n_new + 8), LmstackInt4(base, "aten", len(prompt) + n_new + 8)]
+        engines = [LmstackInt4(base, k, len(prompt) + n_new + 8, compile) for k in ("vnni", "aten")]
         try:
             engines.append(LlamaCpp(th, len(prompt) + n_new + 8))
         except Exception as e:  # noqa: BLE001
@@ -345,6 +355,10 @@ def builders(calib: torch.Tensor) -> dict:
         "int4 RTN G64": lambda m: quantize_model(m, "int4", group_size=64),
         "GPTQ int4 G64": lambda m: gptq_quantize_model(m, calib, 4, 64),
         "GPTQ int4 G64 act-order": lambda m: gptq_quantize_model(m, calib, 4, 64, act_order=True),
+        "GPTQ int4 G64 act-order + range search": lambda m: gptq_quantize_model(m, calib, 4, 64, act_order=True,
+                                                                              shrink_grid=20),
+        "GPTQ int4 G64 act-order + range search; int8 unembedding": lambda m: int8_head(
+            gptq_quantize_model(m, calib, 4, 64, act_order=True, shrink_grid=20, lm_head=False)),
         "AWQ int4 G64": lambda m: awq_quantize_model(m, calib, 64),
         "fp8 e4m3 per-channel (sim)": lambda m: simulate_model(m, "fp8-e4m3"),
         "fp8 e4m3 W8A8 (sim)": lambda m: simulate_model(m, "fp8-e4m3-w8a8"),
@@ -370,7 +384,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", default="", help="comma-separated subset of the method names (default: all)")
     ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--kv-rows", type=int, default=4, help="evaluation rows decoded token by token through the KV pool")
+    ap.add_argument("--kv-rows", type=int, default=4, help="evaluation rows fed through the KV pool")
+    ap.add_argument("--kv-step", type=int, default=1, help="tokens per forward after the 16-token prefill (1 = decode)")
+    ap.add_argument("--race-compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="compiled lmstack decode steps in the race (--no-race-compile: eager)")
     ap.add_argument("--race-threads", default="1,2", help="thread counts of the int4 / llama.cpp decode race ('' = none)")
     ap.add_argument("--race-rounds", type=int, default=5)
     ap.add_argument("--race-prompt", type=int, default=128, help="prompt tokens of the race")
@@ -398,9 +415,9 @@ def main() -> None:
     for name in wanted:
         t = time.perf_counter()
         if name in KV_METHODS:
-            p, kv = kv_perplexity(base, ev[:args.kv_rows], KV_METHODS[name])
+            p, kv = kv_perplexity(base, ev[:args.kv_rows], KV_METHODS[name], step=args.kv_step)
             results[name] = r = dict(ppl=p, bytes=weight_bytes(base), decode=float("nan"), prefill=float("nan"),
-                                     note=f"fp32 weights, {args.kv_rows} rows decoded token by token; pool of "
+                                     note=f"fp32 weights, {args.kv_rows} rows, 16-token prefill then {args.kv_step} token(s) per forward; pool of "
                                           f"{ev.shape[1] // 16 + 1} blocks x 16: {kv / 1e6:.2f} MB")
             print(name, r, flush=True)
             continue
@@ -455,7 +472,7 @@ def main() -> None:
     if threads:
         try:
             race = [""] + decode_race(base, ev[1, :args.race_prompt].tolist(), args.race_decode, threads,
-                                      args.race_rounds)
+                                      args.race_rounds, args.race_compile)
         except Exception as e:  # noqa: BLE001 — the table above stays
             race = ["", f"decode race failed: {type(e).__name__}: {e}"]
         torch.set_num_threads(args.threads)
