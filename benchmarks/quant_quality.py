@@ -101,7 +101,7 @@ def kv_perplexity(model: nn.Module, ev: torch.Tensor, fmt: str | None, prefill: 
     and the pool's bytes for one row."""
     from lmstack.inference.paged import PagedKVCache
 
-    nll, n, S = 0.0, 0, ev.shape[1]
+    nll, count, S = 0.0, 0, ev.shape[1]
     for r in tqdm(ev, desc=f"KV {fmt or 'fp32'}", leave=False):
         pool = PagedKVCache(model.config, S // 16 + 1, 16, torch.float32 if fmt is None else fmt,
                             enable_prefix_caching=False)
@@ -117,8 +117,8 @@ def kv_perplexity(model: nn.Module, ev: torch.Tensor, fmt: str | None, prefill: 
             start += n
         logits = torch.cat(logits).float()
         nll += F.cross_entropy(logits[:-1], r[1:], reduction="sum").item()
-        n += S - 1
-    return math.exp(nll / n), pool.nbytes
+        count += S - 1
+    return math.exp(nll / count), pool.nbytes
 
 
 KV_METHODS = {"KV pool fp32 (paged decode)": None, "KV pool int8 (paged blocks of 16)": "int8",
