@@ -82,3 +82,22 @@ def test_kernel_runs_inside_a_compiled_graph():
     x = torch.randn(1, 64)
     compiled = torch.compile(lambda t: torch.relu(lin(t)) * 2, fullgraph=True)  # fullgraph: no graph break
     torch.testing.assert_close(compiled(x), torch.relu(lin(x)) * 2)
+
+
+def test_turned_off_by_env_logs_the_reason_and_falls_back(monkeypatch, caplog):
+    import logging
+
+    q, s, lo = quantize_int4(torch.randn(32, 64, generator=torch.Generator().manual_seed(2)), 32)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setenv("LMSTACK_INT4_KERNEL", "aten")
+    int4_vnni.status.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmstack.quant.int4_vnni"):
+            assert int4_vnni.status() == "LMSTACK_INT4_KERNEL=aten" and not int4_vnni.available()
+        assert "VNNI kernel off: LMSTACK_INT4_KERNEL=aten" in caplog.text
+        lin = Int4Linear(q, s, lo)
+        assert not lin.vnni  # torch's kernel, bf16 activations: close to F.linear on the dequantised weight
+        torch.testing.assert_close(lin(x), F.linear(x, dequantize_int4(q, s, lo)), atol=0.05, rtol=0.02)
+    finally:
+        monkeypatch.delenv("LMSTACK_INT4_KERNEL")
+        int4_vnni.status.cache_clear()

@@ -44,7 +44,15 @@ def _cpu_flags() -> set[str]:
 
 @functools.cache
 def status() -> str | None:
-    """None when the kernel is built and loaded, else the reason it is not used (built at the first call)."""
+    """None when the kernel is built and loaded, else the reason it is not used (built at the first call;
+    the reason is logged once as a warning on ``lmstack.quant.int4_vnni``)."""
+    reason = _build()
+    if reason is not None:
+        _log.warning("int4 VNNI kernel off: %s; Int4Linear uses torch's _weight_int4pack_mm_for_cpu", reason)
+    return reason
+
+
+def _build() -> str | None:
     if os.environ.get("LMSTACK_INT4_KERNEL", "").lower() == "aten":
         return "LMSTACK_INT4_KERNEL=aten"
     missing = [f for f in FLAGS if f not in _cpu_flags()]
