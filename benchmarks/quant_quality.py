@@ -1,7 +1,7 @@
 """Quality vs speed of every quantisation method on SmolLM2-135M in one run (docs/quant.md's table).
 
     nice -n 10 python benchmarks/quant_quality.py [--threads 1] [--seq 256] [--eval-rows 16] [--calib-rows 16]
-        [--methods fp32,bf16,...] [--out results.md] [--plot quant_quality.png]
+        [--methods fp32,bf16,...] [--out results.md] [--plot quant_quality.png] [--race-rounds 5] [--race-threads 1,2]
 
 For each method: perplexity on the evaluation text (rows of ``--seq`` tokens, next-token NLL over all
 positions), Δ vs fp32, the weight bytes one decode step reads (the embedding table only when it is
@@ -15,8 +15,12 @@ calibration slices of Python standard-library sources (the demo's default corpus
 The "fp32" model is the shipped GGUF dequantised: its block linears are Q4_1 (int4, groups of 32),
 its embedding Q8_0. int4 with groups of 32 therefore reproduces the block weights exactly (RTN's
 loss at G = 32 is the unembedding's); groups of 64 are the comparison where the methods differ.
-The KV-cache rows feed each row in chunks of 16 tokens through the cache (fp32 weights) and compare
-with the fp32 cache fed the same way (their Δ is against that row).
+The KV-cache rows run the engine's paged pool (``PagedKVCache``, blocks of 16, fp32 weights) the way
+decoding fills it: a 16-token prefill, then one token per forward, over ``--kv-rows`` rows; each compares
+with the fp32 pool fed the same way (their Δ is against that row) and states the pool's bytes.
+The decode race (item "int4 decode vs llama.cpp"): lmstack int4 with a compiled decode step on its own
+VNNI kernel and on torch's kernel, and llama.cpp on the Q4_1 GGUF, at each of ``--race-threads``,
+``--race-rounds`` interleaved rounds (each engine once per round), medians and ms/token.
 Peers when installed and runnable on this CPU: bitsandbytes (Linear8bitLt, Linear4bit NF4),
 torchao (int8 / int4 weight-only), llama.cpp on the same GGUF (``llama-cpp-python``; its
 perplexity over the same token ids from its logits); a peer that is missing or fails gets a row
@@ -37,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from lmstack.inference import SamplingParams, generate
 from lmstack.inference.kv_cache import KVCache
@@ -44,7 +49,7 @@ from lmstack.inference.loader import model_tokenizer
 from lmstack.model.gguf import read_gguf_header, unpermute_rope_rows
 from lmstack.model.io import find_named_model, load_model
 from lmstack.model.layers import Linear
-from lmstack.quant import Int4Linear, quantize_model
+from lmstack.quant import Int4Linear, Int8Linear, quantize_model
 from lmstack.quant.awq import awq_quantize_model
 from lmstack.quant.formats import simulate_model
 from lmstack.quant.gguf_blocks import gguf_int4
@@ -89,21 +94,35 @@ def perplexity(model: nn.Module, ev: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def kv_perplexity(model: nn.Module, ev: torch.Tensor, fmt: str | None, chunk: int = 16) -> tuple[float, int]:
-    """Perplexity when each row is fed in chunks of ``chunk`` tokens through a KV cache (fp32 ``KVCache`` when
-    ``fmt`` is None, else ``QuantizedKVCache`` in ``fmt`` with blocks of 16), and the cache's bytes."""
-    nll, n, S = 0.0, 0, ev.shape[1]
-    for r in ev:
-        cache = KVCache(model.config, 1, S) if fmt is None else QuantizedKVCache(model.config, 1, S, fmt, 16)
-        logits = torch.cat([model(r[None, i:i + chunk], positions=torch.arange(i, min(i + chunk, S)),
-                                  kv_cache=cache)[0] for i in range(0, S, chunk)]).float()
+def kv_perplexity(model: nn.Module, ev: torch.Tensor, fmt: str | None, prefill: int = 16,
+                  step: int = 1) -> tuple[float, int]:
+    """Perplexity when each row goes through the engine's paged pool (blocks of 16; fp32 when ``fmt`` is
+    None, else "int8"/"fp8" blocks): a ``prefill``-token chunk, then ``step`` tokens per forward (1 = decode),
+    and the pool's bytes for one row."""
+    from lmstack.inference.paged import PagedKVCache
+
+    nll, count, S = 0.0, 0, ev.shape[1]
+    for r in tqdm(ev, desc=f"KV {fmt or 'fp32'}", leave=False):
+        pool = PagedKVCache(model.config, S // 16 + 1, 16, torch.float32 if fmt is None else fmt,
+                            enable_prefix_caching=False)
+        ids = r.tolist()
+        pool.blocks.allocate(0, ids)
+        logits, start = [], 0
+        while start < S:
+            n = min(prefill if start == 0 else step, S - start)
+            pool.blocks.reserve(0, n)
+            batch, pos, seq = pool.packed_batch([(0, start, n)])
+            logits.append(model(r[None, start:start + n], pos, kv_cache=batch, document_ids=seq)[0])
+            pool.blocks.commit(0, ids, n)
+            start += n
+        logits = torch.cat(logits).float()
         nll += F.cross_entropy(logits[:-1], r[1:], reduction="sum").item()
-        n += S - 1
-    return math.exp(nll / n), cache.nbytes
+        count += S - 1
+    return math.exp(nll / count), pool.nbytes
 
 
-KV_METHODS = {"KV cache fp32 (chunks of 16)": None, "KV cache int8 (blocks of 16)": "int8",
-              "KV cache fp8 e4m3 (blocks of 16)": "fp8"}
+KV_METHODS = {"KV pool fp32 (paged decode)": None, "KV pool int8 (paged blocks of 16)": "int8",
+              "KV pool fp8 e4m3 (paged blocks of 16)": "fp8"}
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -189,6 +208,13 @@ def torchao_model(model: nn.Module, kind: str) -> nn.Module:
     return model
 
 
+def int8_head(model: nn.Module) -> nn.Module:
+    """The unembedding as ``Int8Linear`` (per-row scales) of the tied embedding / lm_head weight."""
+    W = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    model.lm_head = Int8Linear.from_weight(W.detach())
+    return model
+
+
 def gguf_own_model(model: nn.Module) -> nn.Module:
     """The GGUF's Q4_1 block linears read as codes straight into Int4Linear (no float round trip); the
     Q8_0 embedding stays as its dequantised floats (tied unembedding)."""
@@ -208,11 +234,12 @@ def gguf_own_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def llama_cpp_row(ev: torch.Tensor, prompt: list[int], n_new: int, threads: int) -> dict:
+def llama_cpp_ppl(ev: torch.Tensor) -> float:
+    """llama.cpp's perplexity over the same token ids: its logits for every position (``logits_all``)."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(find_named_model("smollm2-135m")), n_ctx=ev.shape[1], logits_all=True,
-                n_threads=threads, verbose=False)
+                n_threads=1, verbose=False)
     nll, n = 0.0, 0
     for r in ev.tolist():
         llm.reset()
@@ -220,19 +247,97 @@ def llama_cpp_row(ev: torch.Tensor, prompt: list[int], n_new: int, threads: int)
         logits = torch.tensor(llm.scores[: len(r)]).float()
         nll += F.cross_entropy(logits[:-1], torch.tensor(r[1:]), reduction="sum").item()
         n += len(r) - 1
-    t = time.perf_counter()
-    k = 0
-    llm.reset()
-    for k, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True), 1):
-        if k >= n_new:
-            break
-    dec = k / (time.perf_counter() - t)
-    llm.reset()
-    t = time.perf_counter()
-    llm.eval(ev[0].tolist())
-    pre = ev.shape[1] / (time.perf_counter() - t)
-    size = find_named_model("smollm2-135m").stat().st_size
-    return dict(ppl=math.exp(nll / n), bytes=size, decode=dec, prefill=pre)
+    return math.exp(nll / n)
+
+
+class LlamaCpp:
+    """llama.cpp on the Q4_1 GGUF at ``threads`` threads: ``run`` -> (prefill tok/s, decode tok/s)."""
+
+    def __init__(self, threads: int, n_ctx: int):
+        from llama_cpp import Llama
+
+        self.name = f"llama.cpp Q4_1 GGUF ({threads}t)"
+        self.llm = Llama(model_path=str(find_named_model("smollm2-135m")), n_ctx=n_ctx, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+
+    def run(self, prompt: list[int], n_new: int) -> tuple[float, float]:
+        self.llm.reset()
+        t = time.perf_counter()
+        self.llm.eval(prompt)
+        pre = len(prompt) / (time.perf_counter() - t)
+        stamps = []
+        token = int(torch.tensor(self.llm.scores[len(prompt) - 1]).argmax())
+        for _ in range(n_new):
+            self.llm.eval([token])
+            stamps.append(time.perf_counter())
+            token = int(torch.tensor(self.llm.scores[self.llm.n_tokens - 1]).argmax())
+        return pre, (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
+
+
+class LmstackInt4:
+    """lmstack int4 (RTN G32 = the GGUF's Q4_1 block weights, int4 unembedding) with a compiled decode step
+    on ``kernel`` ("vnni": lmstack's, "aten": torch's): ``run`` -> (prefill tok/s, decode tok/s)."""
+
+    def __init__(self, base: nn.Module, kernel: str, max_len: int, compile: bool = True):
+        from lmstack.inference.static import StaticDecoder
+
+        self.name = f"lmstack int4 {'compiled' if compile else 'static cache, eager'} ({kernel} kernel)"
+        self.model = quantize_model(copy.deepcopy(base), "int4")
+        if kernel == "aten":
+            to_aten_int4(self.model)
+        self.decoder = StaticDecoder(self.model, max_len, compile=compile)
+        self.decoder.warm_up()
+
+    @torch.inference_mode()
+    def run(self, prompt: list[int], n_new: int) -> tuple[float, float]:
+        self.decoder.reset()
+        t = time.perf_counter()
+        logits = self.decoder.prefill(prompt)
+        pre = len(prompt) / (time.perf_counter() - t)
+        stamps, token = [], logits.argmax()
+        for i in range(n_new):
+            logits = self.decoder.decode(token.view(1, 1), torch.tensor([len(prompt) + i]))
+            token = logits.argmax()
+            int(token)  # the host reads the token, as a sampler does
+            stamps.append(time.perf_counter())
+        return pre, (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def to_aten_int4(model: nn.Module) -> nn.Module:
+    """Every Int4Linear on lmstack's VNNI kernel rebuilt on torch's ``_weight_int4pack_mm_for_cpu`` (same codes)."""
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, Int4Linear) and mod.vnni:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr,
+                    Int4Linear(mod._codes(), mod.scale, mod.lo, mod.bias, kernel="aten"))
+    return model
+
+
+def decode_race(base: nn.Module, prompt: list[int], n_new: int, threads: list[int], rounds: int,
+                compile: bool = True) -> list[str]:
+    """Interleaved rounds of lmstack int4 (both kernels, compiled step) and llama.cpp per thread count."""
+    out = ["| threads | engine | decode tok/s (median) | ms/token | all rounds tok/s | prefill tok/s | "
+           "lmstack VNNI / this |", "|---|---|---|---|---|---|---|"]
+    for th in threads:
+        torch.set_num_threads(th)
+        engines = [LmstackInt4(base, k, len(prompt) + n_new + 8, compile) for k in ("vnni", "aten")]
+        try:
+            engines.append(LlamaCpp(th, len(prompt) + n_new + 8))
+        except Exception as e:  # noqa: BLE001
+            out.append(f"| {th} | llama.cpp | — ({type(e).__name__}: {str(e)[:80]}) | | | | |")
+        res: dict[str, list] = {e.name: [] for e in engines}
+        for e in engines:
+            e.run(prompt, 4)  # warm-up
+        for _ in tqdm(range(rounds), desc=f"decode race, {th} thread(s)", leave=False):
+            for e in engines:
+                res[e.name].append(e.run(prompt, n_new))
+        med = {k: statistics.median(d for _, d in v) for k, v in res.items()}
+        ours = med[engines[0].name]
+        for k, v in res.items():
+            out.append(f"| {th} | {k} | {med[k]:.1f} | {1000 / med[k]:.1f} | {', '.join(f'{d:.0f}' for _, d in v)} | "
+                       f"{statistics.median(p for p, _ in v):.0f} | {ours / med[k]:.2f}x |")
+        print("\n".join(out), flush=True)
+    return out
 
 
 # ---- the methods ---------------------------------------------------------------------------------------------
@@ -250,6 +355,10 @@ def builders(calib: torch.Tensor) -> dict:
         "int4 RTN G64": lambda m: quantize_model(m, "int4", group_size=64),
         "GPTQ int4 G64": lambda m: gptq_quantize_model(m, calib, 4, 64),
         "GPTQ int4 G64 act-order": lambda m: gptq_quantize_model(m, calib, 4, 64, act_order=True),
+        "GPTQ int4 G64 act-order + range search": lambda m: gptq_quantize_model(m, calib, 4, 64, act_order=True,
+                                                                              shrink_grid=20),
+        "GPTQ int4 G64 act-order + range search; int8 unembedding": lambda m: int8_head(
+            gptq_quantize_model(m, calib, 4, 64, act_order=True, shrink_grid=20, lm_head=False)),
         "AWQ int4 G64": lambda m: awq_quantize_model(m, calib, 64),
         "fp8 e4m3 per-channel (sim)": lambda m: simulate_model(m, "fp8-e4m3"),
         "fp8 e4m3 W8A8 (sim)": lambda m: simulate_model(m, "fp8-e4m3-w8a8"),
@@ -257,7 +366,7 @@ def builders(calib: torch.Tensor) -> dict:
         "MXFP8 (sim)": lambda m: simulate_model(m, "mxfp8"),
         "MXFP4 (sim)": lambda m: simulate_model(m, "mxfp4"),
         "NF4 blocks of 64 (sim)": lambda m: simulate_model(m, "nf4"),
-        "GGUF Q4_1 blocks -> Int4Linear": gguf_own_model,
+        "GGUF Q4_1 blocks -> Int4Linear (Q8_0 embedding as floats)": gguf_own_model,
         "bitsandbytes LLM.int8": lambda m: bnb_model(m, "int8"),
         "bitsandbytes NF4": lambda m: bnb_model(m, "nf4"),
         "torchao int8 weight-only": lambda m: torchao_model(m, "int8"),
@@ -275,6 +384,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", default="", help="comma-separated subset of the method names (default: all)")
     ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--kv-rows", type=int, default=4, help="evaluation rows fed through the KV pool")
+    ap.add_argument("--kv-step", type=int, default=1, help="tokens per forward after the 16-token prefill (1 = decode)")
+    ap.add_argument("--race-compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="compiled lmstack decode steps in the race (--no-race-compile: eager)")
+    ap.add_argument("--race-threads", default="1,2", help="thread counts of the int4 / llama.cpp decode race ('' = none)")
+    ap.add_argument("--race-rounds", type=int, default=5)
+    ap.add_argument("--race-prompt", type=int, default=128, help="prompt tokens of the race")
+    ap.add_argument("--race-decode", type=int, default=64, help="new tokens per race round")
     ap.add_argument("--out", help="also write the markdown table here")
     ap.add_argument("--plot", help="write a perplexity vs weight-bytes scatter (PNG) here")
     args = ap.parse_args()
@@ -298,9 +415,10 @@ def main() -> None:
     for name in wanted:
         t = time.perf_counter()
         if name in KV_METHODS:
-            p, kv = kv_perplexity(base, ev, KV_METHODS[name])
+            p, kv = kv_perplexity(base, ev[:args.kv_rows], KV_METHODS[name], step=args.kv_step)
             results[name] = r = dict(ppl=p, bytes=weight_bytes(base), decode=float("nan"), prefill=float("nan"),
-                                     note=f"fp32 weights; KV cache of {ev.shape[1]} positions: {kv / 1e6:.2f} MB")
+                                     note=f"fp32 weights, {args.kv_rows} rows, 16-token prefill then {args.kv_step} token(s) per forward; pool of "
+                                          f"{ev.shape[1] // 16 + 1} blocks x 16: {kv / 1e6:.2f} MB")
             print(name, r, flush=True)
             continue
         try:
@@ -318,11 +436,23 @@ def main() -> None:
         results[name] = r
         print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
     if args.llama_cpp:
-        for th in sorted({1, args.threads}):
-            try:
-                results[f"llama.cpp Q4_1 GGUF ({th}t)"] = llama_cpp_row(ev, prompt, args.decode, th)
-            except Exception as e:  # noqa: BLE001
-                results[f"llama.cpp Q4_1 GGUF ({th}t)"] = dict(error=f"{type(e).__name__}: {e}"[:140])
+        name = "llama.cpp Q4_1 GGUF (its own logits)"
+        try:
+            r = dict(ppl=llama_cpp_ppl(ev), bytes=find_named_model("smollm2-135m").stat().st_size)
+            for th in sorted({1, 2, args.threads}):
+                eng = LlamaCpp(th, ev.shape[1] + args.decode + 8)
+                eng.run(prompt, 4)
+                runs = [eng.run(prompt, args.decode) for _ in range(args.repeats)]
+                pre = [eng.run(ev[0].tolist(), 1)[0] for _ in range(args.repeats)]
+                r[f"decode_{th}t"] = statistics.median(d for _, d in runs)
+                r[f"prefill_{th}t"] = statistics.median(pre)
+            r["decode"], r["prefill"] = r[f"decode_{args.threads}t"], r[f"prefill_{args.threads}t"]
+            r["note"] = "; ".join(f"{th} thread(s): decode {r[f'decode_{th}t']:.1f}, prefill {r[f'prefill_{th}t']:.0f} tok/s"
+                                  for th in sorted({1, 2, args.threads})) + " (file bytes as weight MB)"
+        except Exception as e:  # noqa: BLE001
+            r = dict(error=f"{type(e).__name__}: {e}"[:140])
+        results[name] = r
+        print(name, r, flush=True)
     ref = results.get("fp32", {}).get("ppl")
     lines = ["| method | perplexity | Δ vs fp32 | weight MB | decode tok/s | prefill tok/s |",
              "|---|---|---|---|---|---|"]
@@ -330,13 +460,23 @@ def main() -> None:
         if "error" in r:
             lines.append(f"| {name} | — | — | — | — | — ({r['error']}) |")
             continue
-        base_ppl = results.get("KV cache fp32 (chunks of 16)", {}).get("ppl") if name in KV_METHODS else ref
+        base_ppl = results.get("KV pool fp32 (paged decode)", {}).get("ppl") if name in KV_METHODS else ref
         delta = f"{100 * (r['ppl'] / base_ppl - 1):+.2f}%" if base_ppl else "—"
         dec = "—" if math.isnan(r["decode"]) else f"{r['decode']:.1f}"
         pre = "—" if math.isnan(r["prefill"]) else f"{r['prefill']:.0f}"
         lines.append(f"| {name} | {r['ppl']:.3f} | {delta} | {r['bytes'] / 1e6:.1f} | {dec} | {pre} |")
     notes = [f"- {n}: {r['note']}" for n, r in results.items() if r.get("note")]
-    text = "\n".join(lines + [""] + notes) + "\n"
+    print("\n".join(lines + [""] + notes), flush=True)
+    race = []
+    threads = [int(t) for t in args.race_threads.split(",") if t.strip()]
+    if threads:
+        try:
+            race = [""] + decode_race(base, ev[1, :args.race_prompt].tolist(), args.race_decode, threads,
+                                      args.race_rounds, args.race_compile)
+        except Exception as e:  # noqa: BLE001 — the table above stays
+            race = ["", f"decode race failed: {type(e).__name__}: {e}"]
+        torch.set_num_threads(args.threads)
+    text = "\n".join(lines + [""] + notes + race) + "\n"
     print(text)
     if args.out:
         atomic_write_text(args.out, text)

@@ -84,7 +84,7 @@ def test_int4_linear_equals_linear_on_dequantized_weight(compute_dtype):
     w = weight()
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
     q, s, lo = quantize_int4(w, 32)
-    m = Int4Linear(q, s, lo, compute_dtype=compute_dtype)
+    m = Int4Linear(q, s, lo, compute_dtype=compute_dtype, kernel="aten")  # torch's kernel (VNNI: test_quant_int4_vnni)
     assert torch.equal(m._codes(), q)  # the packed layout holds exactly the codes
     ref = F.linear(x.to(compute_dtype).float(), dequantize_int4(q, s, lo))
     tol = dict(atol=1e-4, rtol=1e-5) if compute_dtype == torch.float32 else dict(atol=0.05, rtol=0.02)

@@ -88,3 +88,25 @@ def test_distillation_recovers():
 def test_bad_widths():
     with pytest.raises(ValueError, match="d_ff=256"):
         prune_width(teacher(), tokens(), d_ff=256)
+
+
+def test_rescaled_norm_gives_kept_channels_their_magnitudes():
+    """With one calibration token the first attention norm's input is one embedding row x: the pruned norm's
+    output on the kept channels equals the teacher's norm output there (γ scaled by sqrt((mean_kept x² + ε) /
+    (mean_all x² + ε)), recomputed here in float64); without the rescale it is smaller by that factor."""
+    t = teacher()
+    tok = tokens(b=1)[:, :1]
+    small = prune_width(t, tok, d_model=40)
+    plain = prune_width(t, tok, d_model=40, rescale_norms=False)
+    x = t.embed.weight[tok[0, 0]].double()  # (D,)
+    kept = torch.tensor([i for i in range(64) if any(torch.equal(t.embed.weight[:, i], c)
+                                                     for c in small.embed.weight.t())])
+    assert kept.numel() == 40
+    ref = (x / torch.sqrt((x ** 2).mean() + t.blocks[0].attn_norm.eps) * t.blocks[0].attn_norm.weight.double())[kept]
+    with torch.no_grad():
+        got = small.blocks[0].attn_norm(x[kept].float()[None]).double()[0]
+        shrunk = plain.blocks[0].attn_norm(x[kept].float()[None]).double()[0]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    eps = t.blocks[0].attn_norm.eps
+    factor = torch.sqrt(((x[kept] ** 2).mean() + eps) / ((x ** 2).mean() + eps))
+    torch.testing.assert_close(shrunk * factor, ref, rtol=1e-5, atol=1e-6)

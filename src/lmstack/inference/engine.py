@@ -35,7 +35,7 @@ import torch
 
 from lmstack.inference.loader import DTYPES, load_for_inference, weight_format
 from lmstack.inference.model_runner import ModelRunner
-from lmstack.inference.paged import PagedKVCache
+from lmstack.inference.paged import KV_QUANT_FORMATS, PagedKVCache, kv_pool_bytes
 from lmstack.inference.prompts import prompt_token_ids
 from lmstack.inference.sampling import SamplingParams, as_integer, as_real
 from lmstack.inference.scheduler import Scheduler
@@ -55,12 +55,10 @@ class PromptTooLongError(ValueError):
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the paged cache may store
 
 
-def _blocks_in(nbytes: int, c, block_size: int, dtype: torch.dtype) -> int:
+def _blocks_in(nbytes: int, c, block_size: int, dtype: torch.dtype | str) -> int:
     """Blocks that fit in ``nbytes``: each holds K and V of bs tokens, 2·bs·L·K·H elements (MLA: the latent,
-    bs·L·(d_c + d_R))."""
-    per_token = (c.kv_lora_rank + c.qk_rope_head_dim) if c.is_mla else 2 * c.n_kv_heads * c.head_dim  # MLA: latent
-    per_block = block_size * c.n_layers * per_token * torch.empty(0, dtype=dtype).element_size()
-    return max(2, nbytes // per_block)
+    bs·L·(d_c + d_R)); a quantised pool ("int8"/"fp8") 1 byte each plus its scales (``kv_pool_bytes``)."""
+    return max(2, nbytes // kv_pool_bytes(c, 1, block_size, dtype))
 
 
 def _state_pool(model, num_speculative_tokens: int, num_slots: int) -> StatePool | None:
@@ -91,7 +89,7 @@ class LLMEngine:
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_bytes: int = 512 * 2**20, kv_dtype: torch.dtype | None = None,
+                 kv_cache_bytes: int = 512 * 2**20, kv_dtype: torch.dtype | str | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, eos_token_id: int | None = None, seed: int = 0,
                  watermark: float = 0.01, selective: bool = True,
@@ -108,9 +106,10 @@ class LLMEngine:
         self.max_model_len = min(c.max_seq_len, max_model_len)
         block_size = as_integer("block_size", block_size, 1)
         kv_dtype = kv_dtype or p.dtype
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype={kv_dtype!r} must be one of {', '.join(map(str, KV_DTYPES))}: K/V are "
-                             "stored as they are computed, an integer dtype would silently truncate them")
+        if kv_dtype not in KV_DTYPES and kv_dtype not in KV_QUANT_FORMATS:
+            raise ValueError(f"kv_dtype={kv_dtype!r} must be one of {', '.join(map(str, KV_DTYPES))} (K/V stored "
+                             "as computed; a raw integer dtype would silently truncate them) or a quantised "
+                             f"format {', '.join(map(repr, KV_QUANT_FORMATS))} (codes with per-block scales)")
         watermark = as_real("watermark", watermark)
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark={watermark!r} must be in [0, 1): the fraction of the blocks kept free "

@@ -6,6 +6,16 @@ the ``BlockManager``'s business (``cache.blocks``); this module moves K/V and bu
 view of the pool. A batch object plugs into the attention seam (``lmstack.model.seam``): its
 ``attend`` scatters this step's K/V into their slots, gathers each sequence's blocks with their
 positions (−1 = empty) and calls the model's attention implementation on them.
+
+Quantised blocks (``dtype="int8"`` or ``"fp8"``, seed 001 "低精度计算"; the issue's KV-cache
+quantisation): the pool holds 1-byte codes plus one float32 scale per (layer, block, KV head) for K
+and for V, s = max|x| / q_max over the block's filled bs × H values (q_max 127 for int8, 448 for
+fp8 e4m3), codes = round(x / s): KV bytes = 2·1·NB·bs·L·K·H + 2·4·NB·L·K (``kv_pool_bytes``).
+Blocks fill one token at a time, so a write re-quantises the blocks it touches: it dequantises
+them, puts the new rows in, and keeps the old scale unless the new rows exceed it (then the
+block is re-rounded on the larger scale; a block that starts at offset 0 takes a fresh scale).
+Codes of a block whose scale did not grow come back unchanged. Gathering dequantises to the
+compute dtype (no int8 attention kernel on the CPU): the pool saves memory, not time.
 """
 
 from __future__ import annotations
@@ -15,21 +25,54 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
+from lmstack.accounting.memory import kv_cache_elements
 from lmstack.inference.block_manager import BlockManager
 from lmstack.model.config import ModelConfig
 from lmstack.model.seam import AttentionImpl, AttentionMetadata
+
+# quantised KV formats: name -> (code dtype, largest code magnitude)
+KV_QUANT_FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+SCALE_BYTES = 4  # one float32 scale per (layer, block, KV head), for K and for V
+
+
+def kv_pool_bytes(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str) -> int:
+    """Bytes of a pool of ``num_blocks`` blocks: the accounting formula 2·P·(NB·bs)·L·K·H (MLA: the latent),
+    P = 1 for "int8"/"fp8", plus for a quantised pool its 2·NB·L·K float32 scales."""
+    elements = kv_cache_elements(config, 1, num_blocks * block_size)
+    if isinstance(dtype, str) and dtype in KV_QUANT_FORMATS:
+        return elements + 2 * num_blocks * config.n_layers * config.n_kv_heads * SCALE_BYTES
+    return elements * torch.empty(0, dtype=dtype).element_size()
+
+
+def _raw(t: Tensor) -> Tensor:
+    """fp8 codes moved as bytes (index_copy_ has no float8 kernel on the CPU)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 class PagedKVCache:
     """The block pool (L, num_blocks, bs, K, H) for K and V; ``blocks`` holds every sequence's block table."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                  enable_prefix_caching: bool = True):
         self.config, self.block_size = config, block_size
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching, storage=self)
         shape = (config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)  # (L, NB, bs, K, H)
         self.stores_latent = config.is_mla  # MLA (model/mla.py): blocks hold [c ; k_R], d_c + d_R per token
+        self.quant = dtype if isinstance(dtype, str) else None  # "int8" / "fp8": codes + per-block scales
+        if self.quant is not None:
+            if self.quant not in KV_QUANT_FORMATS:
+                raise ValueError(f"KV cache dtype={dtype!r}: a quantised pool is one of {tuple(KV_QUANT_FORMATS)}")
+            if self.stores_latent:
+                raise ValueError(f"KV cache dtype={dtype!r}: quantised blocks hold K and V per KV head; "
+                                 "an MLA latent cache stays in a float dtype")
+            code_dtype, self.qmax = KV_QUANT_FORMATS[self.quant]
+            self.k = torch.zeros(shape, dtype=code_dtype, device=device)
+            self.v = torch.zeros(shape, dtype=code_dtype, device=device)
+            # s per (layer, block, KV head); 0 = nothing stored (dequantises to 0, grows on the first write)
+            self.k_scale = torch.zeros(shape[:2] + shape[3:4], dtype=torch.float32, device=device)  # (L, NB, K)
+            self.v_scale = torch.zeros_like(self.k_scale)
+            return
         if self.stores_latent:
             shape = (config.n_layers, num_blocks, block_size, 1, config.kv_lora_rank + config.qk_rope_head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -37,19 +80,72 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        n = self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        if self.quant is not None:
+            n += self.k_scale.numel() * self.k_scale.element_size() + self.v_scale.numel() * self.v_scale.element_size()
+        return n
 
     # ---- what the block manager asks of the storage ------------------------------------------
     def copy_block(self, src: int, dst: int) -> None:
-        self.k[:, dst].copy_(self.k[:, src])
-        self.v[:, dst].copy_(self.v[:, src])
+        _raw(self.k)[:, dst].copy_(_raw(self.k)[:, src])
+        _raw(self.v)[:, dst].copy_(_raw(self.v)[:, src])
+        if self.quant is not None:
+            self.k_scale[:, dst].copy_(self.k_scale[:, src])
+            self.v_scale[:, dst].copy_(self.v_scale[:, src])
 
     def block_is_finite(self, block: int) -> bool:
+        if self.quant is not None:  # codes are clamped when written; a NaN/inf input makes its scale non-finite
+            return bool(torch.isfinite(self.k_scale[:, block]).all() and torch.isfinite(self.v_scale[:, block]).all())
         return bool(torch.isfinite(self.k[:, block]).all() and torch.isfinite(self.v[:, block]).all())
 
     def zero_block(self, block: int) -> None:
-        self.k[:, block].zero_()
-        self.v[:, block].zero_()
+        _raw(self.k)[:, block].zero_()
+        _raw(self.v)[:, block].zero_()
+        if self.quant is not None:
+            self.k_scale[:, block].zero_()
+            self.v_scale[:, block].zero_()
+
+    # ---- storing and reading K/V (float or quantised) -------------------------------------
+    def write(self, layer_idx: int, slots: Tensor, k: Tensor, v: Tensor | None) -> None:
+        """Store rows k, v (T, K, H) at pool slots (T,) (slot = block·bs + offset) of one layer."""
+        if self.quant is None:
+            kc = self.k[layer_idx].view(-1, *k.shape[1:])  # (NB·bs, K, H)
+            kc.index_copy_(0, slots, k.to(kc.dtype))
+            if v is not None:
+                vc = self.v[layer_idx].view(-1, *v.shape[1:])
+                vc.index_copy_(0, slots, v.to(vc.dtype))
+            return
+        self._write_quantised(self.k[layer_idx], self.k_scale[layer_idx], slots, k)
+        self._write_quantised(self.v[layer_idx], self.v_scale[layer_idx], slots, v)
+
+    def _write_quantised(self, codes: Tensor, scale: Tensor, slots: Tensor, x: Tensor) -> None:
+        """codes (NB, bs, K, H), scale (NB, K) of one layer; x (T, K, H) for slots (T,): re-quantise the
+        touched blocks with s = max(old s, max|x| of the filled part / q_max) (fresh when the write starts the block)."""
+        bs, qmax = self.block_size, self.qmax
+        blk, off = slots // bs, slots % bs
+        ub, inv = torch.unique(blk, return_inverse=True)  # (U,), (T,)
+        U = ub.numel()
+        lo = torch.full((U,), bs, dtype=torch.long, device=slots.device).scatter_reduce(0, inv, off, "amin")
+        hi = torch.zeros(U, dtype=torch.long, device=slots.device).scatter_reduce(0, inv, off, "amax")
+        s_old = scale.index_select(0, ub)  # (U, K)
+        vals = codes.index_select(0, ub).float() * s_old[:, None, :, None]  # (U, bs, K, H) dequantised
+        vals[inv, off] = x.float()
+        filled = torch.arange(bs, device=slots.device)[None] <= hi[:, None]  # (U, bs): offsets 0..hi hold tokens
+        amax = (vals.abs().amax(dim=-1) * filled[..., None]).amax(dim=1)  # (U, K)
+        s = torch.where((lo == 0)[:, None], amax / qmax, torch.maximum(s_old, amax / qmax))  # (U, K)
+        y = vals / torch.where(s > 0, s, 1.0)[:, None, :, None]
+        q = torch.round(y).clamp(-qmax, qmax) if codes.dtype == torch.int8 else y.clamp(-qmax, qmax)
+        _raw(codes).index_copy_(0, ub, _raw(q.to(codes.dtype)))
+        scale.index_copy_(0, ub, s)
+
+    def gather(self, layer_idx: int, which: str, index: Tensor, dtype: torch.dtype) -> Tensor:
+        """K (``which="k"``) or V rows at pool slots ``index`` (S,) of one layer -> (S, K, H) in ``dtype``."""
+        store = self.k if which == "k" else self.v
+        if self.quant is None:
+            return store[layer_idx].view(-1, *store.shape[-2:]).index_select(0, index).to(dtype)
+        codes = _raw(store[layer_idx]).view(-1, *store.shape[-2:]).index_select(0, index).view(store.dtype)
+        s = (self.k_scale if which == "k" else self.v_scale)[layer_idx].index_select(0, index // self.block_size)
+        return (codes.to(torch.float32) * s[..., None]).to(dtype)  # (S, K, H)
 
     # ---- one forward pass ----------------------------------------------------------------
     def packed_batch(self, rows: Sequence[tuple[Hashable, int, int]], selective: bool = True
@@ -129,22 +225,17 @@ class PackedPagedBatch:
         """MLA: the model passes v=None and the values are the first d_c numbers of each latent key."""
         return self.cache.stores_latent
 
-    def _write(self, layer_idx: int, k: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def _write(self, layer_idx: int, k: Tensor, v: Tensor | None) -> None:
         _, K, T, H = k.shape
         if k.shape[0] != 1 or self.slots.shape != (T,):
             raise ValueError(f"batch was prepared for (1, {self.slots.shape[0]}) tokens, got k of shape {tuple(k.shape)}")
-        kc = self.cache.k[layer_idx].view(-1, K, H)  # (NB·bs, K, H)
-        kc.index_copy_(0, self.slots, k[0].transpose(0, 1).to(kc.dtype))
-        if v is None:  # a latent cache: the values are views of the keys
-            return kc, None
-        vc = self.cache.v[layer_idx].view(-1, K, v.shape[-1])
-        vc.index_copy_(0, self.slots, v[0].transpose(0, 1).to(vc.dtype))
-        return kc, vc
+        # (T, K, H) rows; a latent cache (v is None) stores only the keys, the values are views of them
+        self.cache.write(layer_idx, self.slots, k[0].transpose(0, 1), None if v is None else v[0].transpose(0, 1))
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
                impl: AttentionImpl) -> Tensor:
         """Store k, v (1, K, T, H); attend over every sequence's keys side by side, (1, K, S, H), S = Σ S_r."""
-        kc, vc = self._write(layer_idx, k, v)
+        self._write(layer_idx, k, v)
         if self._flat is None:
             device = self.slots.device
             g = torch.cat([g for g, _ in self.keys])
@@ -152,11 +243,11 @@ class PackedPagedBatch:
             ids = torch.cat([torch.full((g.numel(),), r, dtype=torch.long) for r, (g, _) in enumerate(self.keys)])
             self._flat = (g.to(device), kp[None].to(device), ids[None].to(device))
         g, kp, ids = self._flat
-        k_all = kc.index_select(0, g).transpose(0, 1)[None].to(k.dtype)  # (1, K, S, H)
-        if vc is None:  # MLA: values = the latent c, the first d_c of each key
+        k_all = self.cache.gather(layer_idx, "k", g, k.dtype).transpose(0, 1)[None]  # (1, K, S, H)
+        if v is None:  # MLA: values = the latent c, the first d_c of each key
             v_all = k_all[..., :self.cache.config.kv_lora_rank]
         else:
-            v_all = vc.index_select(0, g).transpose(0, 1)[None].to(v.dtype)
+            v_all = self.cache.gather(layer_idx, "v", g, v.dtype).transpose(0, 1)[None]
         return impl(q, k_all, v_all, meta.for_keys(kp, ids))  # (1, N, T, H)
 
 
@@ -171,16 +262,16 @@ class SelectivePagedBatch(PackedPagedBatch):
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
                impl: AttentionImpl) -> Tensor:
         positions = meta.positions  # (1, T)
-        kc, vc = self._write(layer_idx, k, v)
+        self._write(layer_idx, k, v)
         K, H = k.shape[1], k.shape[3]
         outs = []
         for t0, t1, g, kp in self.segments:
             R, S = g.shape
-            ks = kc.index_select(0, g.flatten()).view(R, S, K, H).transpose(1, 2).to(q.dtype)  # (R, K, S, H)
-            if vc is None:  # MLA: values = the latent c, the first d_c of each key
+            ks = self.cache.gather(layer_idx, "k", g.flatten(), q.dtype).view(R, S, K, H).transpose(1, 2)  # (R, K, S, H)
+            if v is None:  # MLA: values = the latent c, the first d_c of each key
                 vs = ks[..., :self.cache.config.kv_lora_rank]
             else:
-                vs = vc.index_select(0, g.flatten()).view(R, S, K, -1).transpose(1, 2).to(q.dtype)
+                vs = self.cache.gather(layer_idx, "v", g.flatten(), q.dtype).view(R, S, K, -1).transpose(1, 2)
             if R > 1:  # R decode rows, one token each
                 qs = q[0, :, t0:t1].transpose(0, 1)[:, :, None]  # (R, N, 1, H)
                 qp = positions[0, t0:t1, None]  # (R, 1)

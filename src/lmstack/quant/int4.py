@@ -2,8 +2,9 @@
 
 For each output row o and group j of G consecutive inputs:  s = (max − min) / 15,
 Q = round((W − min) / s) ∈ [0, 15],  Ŵ = Q · s + min,  so |W − Ŵ| ≤ s / 2.
-The CPU kernel ``_weight_int4pack_mm_for_cpu`` uses the form Ŵ = (Q − 8) · s + z with the
-zero point z = min + 8 s, and takes (scale, z) packed as (I/G, O, 2).
+Two CPU kernels: lmstack's own ``int4_vnni`` (int8 activations per group of G, AVX-512 VNNI; used
+when the CPU and a compiler allow, see that module) and torch's ``_weight_int4pack_mm_for_cpu``, which
+uses the form Ŵ = (Q − 8) · s + z with the zero point z = min + 8 s, and takes (scale, z) packed as (I/G, O, 2).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmstack.quant import int4_vnni
 from lmstack.quant.linear import WeightOnlyLinear
 
 QMAX4 = 15
@@ -51,18 +54,33 @@ def _has_int4_kernel() -> bool:
 class Int4Linear(WeightOnlyLinear):
     """y = x Ŵᵀ (+ b) with Ŵ stored as packed 4-bit Q and per-group (scale, zero) — 0.5 byte per weight.
 
-    ``compute_dtype`` as in ``Int8Linear`` (bf16: the CPU kernel's fast path). Without the
-    kernel (or when O is not a multiple of 16) the codes are packed two per byte by hand and the
-    forward dequantises.
+    ``compute_dtype`` as in ``Int8Linear`` (bf16: the CPU kernel's fast path). ``kernel``: "auto"
+    takes lmstack's VNNI kernel (int8 activations per group, fp16 d and m; ``int4_vnni``) when
+    ``compute_dtype`` is bf16 and it is available, else torch's (bf16 activations); "aten" forces torch's.
+    Without a kernel (or when O is not a multiple of 16) the codes are packed two per byte by hand and
+    the forward dequantises.
     """
 
     def __init__(self, q: Tensor, scale: Tensor, lo: Tensor, bias: Tensor | None = None,
-                 compute_dtype: torch.dtype = torch.bfloat16):
+                 compute_dtype: torch.dtype = torch.bfloat16, kernel: str = "auto"):
         O, I = q.shape
         super().__init__(O, I, bias, compute_dtype)
+        if kernel not in ("auto", "aten", "vnni"):
+            raise ValueError(f"kernel={kernel!r}; expected 'auto', 'aten' or 'vnni'")
         self.group_size = I // scale.shape[1]
         self.register_buffer("scale", scale.float().contiguous())  # (O, I/G)
         self.register_buffer("lo", lo.float().contiguous())  # (O, I/G)
+        shape_ok = O % 16 == 0 and I % 8 == 0 and self.group_size % 8 == 0
+        self.vnni = kernel != "aten" and compute_dtype == torch.bfloat16 and shape_ok and int4_vnni.available()
+        if kernel == "vnni" and not self.vnni:
+            raise ValueError(f"kernel='vnni' cannot run: {int4_vnni.status() or f'shape ({O}, {I}), G={self.group_size}'}")
+        if self.vnni:
+            self.use_kernel, self.fallback_reason = True, None
+            packed, d, m = int4_vnni.pack(q, scale, lo)
+            self.register_buffer("qweight", packed)  # (O/16, I/8, 64) uint8, two codes per byte
+            self.register_buffer("d16", d)  # (O/16, I/G, 16) fp16
+            self.register_buffer("m16", m)
+            return
         self.use_kernel = _has_int4_kernel() and O % 16 == 0  # the CPU packing needs O divisible by 16
         self.fallback_reason = None if self.use_kernel else (
             "torch has no _weight_int4pack_mm_for_cpu kernel" if not _has_int4_kernel() else
@@ -93,6 +111,8 @@ class Int4Linear(WeightOnlyLinear):
     def _codes(self) -> Tensor:
         """Q (O, I) from the stored form (the kernel's packed layout is opaque: recover it by
         multiplying the identity, which is exact for 4-bit codes)."""
+        if self.vnni:
+            return int4_vnni.unpack(self.qweight)
         if not self.use_kernel:
             lo, hi = self.qweight & 0xF, self.qweight >> 4
             return torch.stack([lo, hi], dim=-1).view(self.out_features, self.in_features)
@@ -106,8 +126,19 @@ class Int4Linear(WeightOnlyLinear):
 
     def kernel_bytes(self) -> int:
         """Bytes the matmul reads: packed Q (half a byte per weight) and each group's scale and zero."""
+        if self.vnni:
+            return self.qweight.numel() + 2 * self.d16.numel() * self.d16.element_size()
         sz = self.scales_and_zeros if self.use_kernel else torch.stack([self.scale, self.lo])
         return self.qweight.numel() + sz.numel() * sz.element_size()
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., I) -> (..., O)
+        if self.vnni and x.device.type == "cpu":  # fp32 or bf16 x straight in: the kernel quantises it to int8
+            y = int4_vnni.mm(x.reshape(-1, self.in_features), self.qweight, self.d16, self.m16, self.group_size)
+            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        if self.vnni:  # off the CPU: dequantise
+            return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        return super().forward(x)
 
     def _kernel_ok(self) -> bool:
         return self.use_kernel
@@ -117,4 +148,4 @@ class Int4Linear(WeightOnlyLinear):
                                                           self.scales_and_zeros)  # (M, O)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", group_size={self.group_size}"
+        return super().extra_repr() + f", group_size={self.group_size}, kernel={'vnni' if self.vnni else 'aten'}"

@@ -8,6 +8,12 @@ Importance on calibration tokens (mean over B·S positions of an activation's ma
   mean over the group's query heads of the L2 norm of the head's attention output (the input of W_O);
 - embedding channel d: mean |x_d| of every RMSNorm's output (attention, FFN, final) summed over layers.
 
+Dropping residual channels changes what each RMSNorm divides by: rms over the kept channels (the
+loud ones) exceeds rms over all, so every normalised activation would shrink. ``prune_width``
+(``rescale_norms=True``) scales each norm's kept γ by sqrt((mean_kept E[x_d²] + ε) / (mean_all E[x_d²] + ε)),
+the second moments of the norm's input measured on the calibration tokens, so the pruned norms
+give the kept channels the magnitudes they had.
+
 ``prune_width(model, tokens, d_ff=…, n_kv_heads=…, d_model=…)`` keeps the most important channels /
 groups in their original order and returns a new ``Transformer`` whose weights are slices of the old
 ones (W_gate, W_up rows, W_down columns; W_Q/W_K/W_V rows, W_O columns; D columns/rows and γ entries
@@ -28,7 +34,8 @@ from lmstack.quant.gptq import calibration_batches
 
 @torch.no_grad()
 def importance(model: Transformer, tokens: Tensor) -> dict[str, list[Tensor] | Tensor]:
-    """{"ffn": [(F,) per layer], "kv_groups": [(K,) per layer], "embed": (D,)} on ``tokens`` (B, S)."""
+    """{"ffn": [(F,) per layer], "kv_groups": [(K,) per layer], "embed": (D,), "norm_ms": {norm name: (D,)
+    mean x_d² of its input}} on ``tokens`` (B, S)."""
     calibration_batches(tokens, 1)
     cfg = model.config
     H, N, K = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -46,9 +53,13 @@ def importance(model: Transformer, tokens: Tensor) -> dict[str, list[Tensor] | T
             lambda m, a, i=i: add(ffn[i], a[0].abs().reshape(-1, a[0].shape[-1]).sum(0))))
         hooks.append(block.attn.o_proj.register_forward_pre_hook(
             lambda m, a, i=i: add(heads[i], a[0].reshape(-1, N, H).norm(dim=-1).sum(0))))
-    for m in model.modules():
+    norm_ms: dict[str, Tensor] = {}
+    for name, m in model.named_modules():
         if isinstance(m, RMSNorm) and m.weight.shape[0] == cfg.d_model:
             hooks.append(m.register_forward_hook(lambda mod, a, out: add(emb, out.abs().reshape(-1, out.shape[-1]).sum(0))))
+            acc = norm_ms[name] = torch.zeros(cfg.d_model)
+            hooks.append(m.register_forward_pre_hook(
+                lambda mod, a, acc=acc: add(acc, a[0].float().pow(2).reshape(-1, a[0].shape[-1]).sum(0))))
     try:
         for b in range(tokens.shape[0]):
             model(tokens[b:b + 1])
@@ -57,7 +68,8 @@ def importance(model: Transformer, tokens: Tensor) -> dict[str, list[Tensor] | T
         for h in hooks:
             h.remove()
     n = count[0]
-    return {"ffn": [f / n for f in ffn], "kv_groups": [h.view(K, N // K).mean(1) / n for h in heads], "embed": emb / n}
+    return {"ffn": [f / n for f in ffn], "kv_groups": [h.view(K, N // K).mean(1) / n for h in heads], "embed": emb / n,
+            "norm_ms": {k: v / n for k, v in norm_ms.items()}}
 
 
 def _keep(scores: Tensor, k: int) -> Tensor:
@@ -66,8 +78,9 @@ def _keep(scores: Tensor, k: int) -> Tensor:
 
 @torch.no_grad()
 def prune_width(model: Transformer, tokens: Tensor, d_ff: int | None = None, n_kv_heads: int | None = None,
-                d_model: int | None = None) -> Transformer:
-    """A new, narrower Transformer keeping the most important FFN channels, KV groups and embedding channels."""
+                d_model: int | None = None, rescale_norms: bool = True) -> Transformer:
+    """A new, narrower Transformer keeping the most important FFN channels, KV groups and embedding channels;
+    ``rescale_norms``: correct the RMSNorm γ for the dropped channels (module docstring)."""
     cfg = model.config
     d_ff, n_kv_heads, d_model = d_ff or cfg.d_ff, n_kv_heads or cfg.n_kv_heads, d_model or cfg.d_model
     for name, new, old in (("d_ff", d_ff, cfg.d_ff), ("n_kv_heads", n_kv_heads, cfg.n_kv_heads),
@@ -108,6 +121,12 @@ def prune_width(model: Transformer, tokens: Tensor, d_ff: int | None = None, n_k
         new_sd[p + "ffn.gate_proj.weight"] = sd[p + "ffn.gate_proj.weight"][fk][:, dk]
         new_sd[p + "ffn.up_proj.weight"] = sd[p + "ffn.up_proj.weight"][fk][:, dk]
         new_sd[p + "ffn.down_proj.weight"] = sd[p + "ffn.down_proj.weight"][dk][:, fk]
+    if rescale_norms and d_model < cfg.d_model:
+        for name, ms in imp["norm_ms"].items():
+            key = f"{name}.weight"
+            eps = model.get_submodule(name).eps
+            if key in new_sd:
+                new_sd[key] = new_sd[key] * torch.sqrt((ms[dk].mean() + eps) / (ms.mean() + eps)).to(new_sd[key].dtype)
     missing = set(student.state_dict()) - set(new_sd)
     if missing:
         raise ValueError(f"prune_width does not know how to slice {sorted(missing)[:3]}")

@@ -1,0 +1,103 @@
+"""lmstack's int4 x int8 VNNI kernel (quant/int4_vnni.py, csrc/int4_vnni.cpp): the packed layout by hand,
+the kernel against its formula written in numpy float64 (activations quantised per group, w = d·q + m
+with fp16 d, m), ``Int4Linear`` on it against F.linear on the dequantised weight, and under torch.compile.
+Where the CPU or compiler cannot run it, the fallback (a reason, torch's kernel) is what is checked."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmstack.quant import Int4Linear, dequantize_int4, quantize_int4
+from lmstack.quant import int4_vnni
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_pack_layout_by_hand_and_unpack():
+    q = torch.randint(0, 16, (32, 16), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    s, lo = torch.rand(32, 2) + 0.1, torch.randn(32, 2)
+    packed, d, m = int4_vnni.pack(q, s, lo)
+    assert packed.shape == (2, 2, 64) and d.shape == (2, 2, 16) and d.dtype == torch.float16
+    # tile 1, chunk 1, row 5, j = 2: q[16 + 5, 8 + 2] low nibble, q[16 + 5, 8 + 4 + 2] high nibble
+    assert int(packed[1, 1, 4 * 5 + 2]) == int(q[21, 10]) | (int(q[21, 14]) << 4)
+    assert float(d[1, 0, 5]) == float(s[21, 0].half()) and float(m[1, 1, 3]) == float(lo[19, 1].half())
+    assert torch.equal(int4_vnni.unpack(packed), q)
+    with pytest.raises(ValueError, match="% 16"):
+        int4_vnni.pack(q[:24], s[:24], lo[:24])
+
+
+def reference(x, q, d, m, G, terms=1):
+    """y = Σ_g d·Σ_t s_t·Σ q·x_t + m·Σ x, float64: term 1 s_1 = max|x_g|/127, x_1 = round(x / s_1) (ties to
+    even); term 2 (``terms=2``) the same rounding of the residual x − s_1·x_1."""
+    x = x.double().numpy()
+    M, I = x.shape
+    xg = x.reshape(M, I // G, G)
+    qg = q.double().numpy().reshape(-1, I // G, G)
+    out, rest = 0.0, xg
+    for _ in range(terms):
+        s = (np.abs(rest).max(-1) / 127).astype(np.float32).astype(np.float64)  # the kernel's float32 scale
+        xq = np.clip(np.round(rest / np.where(s > 0, s, 1)[..., None]), -127, 127)
+        out = out + np.einsum("ogi,mgi->mog", qg, xq) * s[:, None]
+        rest = rest - xq * s[..., None]
+    return (out * d[None] + m[None] * xg.sum(-1)[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("O,I,G,M", [(64, 128, 32, 1), (32, 64, 8, 5), (48, 256, 64, 4), (16, 96, 32, 9)])
+def test_kernel_equals_its_formula_and_int4linear_is_close_to_float(O, I, G, M):
+    g = torch.Generator().manual_seed(O + M)
+    w, x = torch.randn(O, I, generator=g), torch.randn(M, I, generator=g)
+    q, s, lo = quantize_int4(w, G)
+    if not int4_vnni.available():  # no skip: the fallback is what runs here
+        assert int4_vnni.status()
+        lin = Int4Linear(q, s, lo)
+        assert not lin.vnni and "kernel=aten" in repr(lin)
+        with pytest.raises(ValueError, match="cannot run"):
+            Int4Linear(q, s, lo, kernel="vnni")
+        return
+    packed, d, m = int4_vnni.pack(q, s, lo)
+    d64, m64 = d.double().permute(0, 2, 1).reshape(O, -1).numpy(), m.double().permute(0, 2, 1).reshape(O, -1).numpy()
+    for terms in (1, 2):
+        ref = reference(x, q, d64, m64, G, terms)
+        y = int4_vnni.mm(x, packed, d, m, G, terms)
+        np.testing.assert_allclose(y.double().numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    lin = Int4Linear(q, s, lo)  # "auto" takes the VNNI kernel, two activation terms
+    assert lin.vnni and torch.equal(lin._codes(), q)
+    torch.testing.assert_close(lin(x), y)
+    torch.testing.assert_close(lin.dequantized_weight(), dequantize_int4(q, s, lo))
+    # against float activations and fp16 d, m: one int8 term costs ~1% (random weights), two ~1e-4
+    full = F.linear(x.double(), torch.tensor(d64).repeat_interleave(G, 1) * q.double() + torch.tensor(m64).repeat_interleave(G, 1))
+    one = int4_vnni.mm(x, packed, d, m, G, 1)
+    assert float((lin(x).double() - full).norm() / full.norm()) < 3e-4 < float((one.double() - full).norm() / full.norm())
+    assert lin.kernel_bytes() == O * I // 2 + 2 * 2 * O * (I // G)  # codes + fp16 d and m
+
+
+@pytest.mark.slow
+def test_kernel_runs_inside_a_compiled_graph():
+    if not int4_vnni.available():
+        assert int4_vnni.status()
+        return
+    q, s, lo = quantize_int4(torch.randn(32, 64, generator=torch.Generator().manual_seed(1)), 32)
+    lin = Int4Linear(q, s, lo)
+    x = torch.randn(1, 64)
+    compiled = torch.compile(lambda t: torch.relu(lin(t)) * 2, fullgraph=True)  # fullgraph: no graph break
+    torch.testing.assert_close(compiled(x), torch.relu(lin(x)) * 2)
+
+
+def test_turned_off_by_env_logs_the_reason_and_falls_back(monkeypatch, caplog):
+    import logging
+
+    q, s, lo = quantize_int4(torch.randn(32, 64, generator=torch.Generator().manual_seed(2)), 32)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setenv("LMSTACK_INT4_KERNEL", "aten")
+    int4_vnni.status.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmstack.quant.int4_vnni"):
+            assert int4_vnni.status() == "LMSTACK_INT4_KERNEL=aten" and not int4_vnni.available()
+        assert "VNNI kernel off: LMSTACK_INT4_KERNEL=aten" in caplog.text
+        lin = Int4Linear(q, s, lo)
+        assert not lin.vnni  # torch's kernel, bf16 activations: close to F.linear on the dequantised weight
+        torch.testing.assert_close(lin(x), F.linear(x, dequantize_int4(q, s, lo)), atol=0.05, rtol=0.02)
+    finally:
+        monkeypatch.delenv("LMSTACK_INT4_KERNEL")
+        int4_vnni.status.cache_clear()
