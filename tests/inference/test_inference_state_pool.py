@@ -136,3 +136,18 @@ def test_what_the_engine_refuses():
     dsa = _model(["dsa", "attention"], 2)
     with pytest.raises(ValueError, match=r"layer 0 is a DSA layer"):
         LLMEngine(dsa, num_blocks=20)
+
+
+@pytest.mark.parametrize("name, n_attention", [("3:1 hybrid", 1), ("5:1 local:global", 6), ("pure linear", 0)])
+def test_kv_pool_holds_only_attention_layers(name, n_attention):
+    """The paged pool keeps K/V for the softmax-attention layers only (local ones included): its bytes are
+    accounting's per-layer KV bytes at NB·bs tokens, summed over those layers; a pure linear model's pool is empty
+    and its block count covers every seat at full length."""
+    model = _model(*PATTERNS[name], dtype=torch.float32)
+    c = model.config
+    engine = LLMEngine(model, block_size=4, num_blocks=50, num_state_slots=2)
+    assert engine.cache.k.shape[0] == n_attention
+    assert engine.cache.nbytes == n_attention * mixer_cache_bytes(c, "attention", 50 * 4, dtype="fp32")
+    if n_attention == 0:
+        free = LLMEngine(model, block_size=4, max_num_seqs=3, max_model_len=64)
+        assert free.cache.nbytes == 0 and free.cache.blocks.num_blocks >= 3 * 16

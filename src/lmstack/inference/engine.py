@@ -55,10 +55,14 @@ class PromptTooLongError(ValueError):
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the paged cache may store
 
 
-def _blocks_in(nbytes: int, c, block_size: int, dtype: torch.dtype | str) -> int:
+def _blocks_in(nbytes: int, c, block_size: int, dtype: torch.dtype | str, seats: int, max_len: int) -> int:
     """Blocks that fit in ``nbytes``: each holds K and V of bs tokens, 2·bs·L·K·H elements (MLA: the latent,
-    bs·L·(d_c + d_R)); a quantised pool ("int8"/"fp8") 1 byte each plus its scales (``kv_pool_bytes``)."""
-    return max(2, nbytes // kv_pool_bytes(c, 1, block_size, dtype))
+    bs·L·(d_c + d_R)); a quantised pool ("int8"/"fp8") 1 byte each plus its scales (``kv_pool_bytes``).
+    A model without softmax-attention layers stores nothing in its blocks: enough for every seat at full length."""
+    per_block = kv_pool_bytes(c, 1, block_size, dtype)
+    if per_block == 0:
+        return max(2, seats * -(-max_len // block_size))
+    return max(2, nbytes // per_block)
 
 
 def _state_pool(model, num_speculative_tokens: int, num_slots: int) -> StatePool | None:
@@ -119,7 +123,8 @@ class LLMEngine:
         if self.states is not None:
             enable_prefix_caching = False  # a cached block has no recurrent state for its prefix (docs/inference.md)
         if num_blocks is None:
-            num_blocks = _blocks_in(as_integer("kv_cache_bytes", kv_cache_bytes, 1), c, block_size, kv_dtype)
+            num_blocks = _blocks_in(as_integer("kv_cache_bytes", kv_cache_bytes, 1), c, block_size, kv_dtype,
+                                    max_num_seqs, self.max_model_len)
         num_blocks = as_integer("num_blocks", num_blocks, 2)
         self.cache = PagedKVCache(c, num_blocks, block_size, kv_dtype, p.device, enable_prefix_caching)
         if eos_token_id is None:

@@ -28,6 +28,7 @@ from torch import Tensor
 from lmstack.accounting.memory import kv_cache_elements
 from lmstack.inference.block_manager import BlockManager
 from lmstack.model.config import ModelConfig
+from lmstack.model.mixers import SOFTMAX_MIXERS
 from lmstack.model.seam import AttentionImpl, AttentionMetadata
 
 # quantised KV formats: name -> (code dtype, largest code magnitude)
@@ -35,12 +36,20 @@ KV_QUANT_FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 44
 SCALE_BYTES = 4  # one float32 scale per (layer, block, KV head), for K and for V
 
 
+def kv_layers(config: ModelConfig) -> list[int]:
+    """The layers whose K/V live in the pool: the softmax-attention ones. A hybrid's recurrent layers keep
+    their O(1) state in the engine's ``StatePool`` instead, so a 3:1 hybrid's pool is a quarter of a dense one's."""
+    return [i for i, kind in enumerate(config.mixer_types) if kind in SOFTMAX_MIXERS]
+
+
 def kv_pool_bytes(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str) -> int:
-    """Bytes of a pool of ``num_blocks`` blocks: the accounting formula 2·P·(NB·bs)·L·K·H (MLA: the latent),
-    P = 1 for "int8"/"fp8", plus for a quantised pool its 2·NB·L·K float32 scales."""
-    elements = kv_cache_elements(config, 1, num_blocks * block_size)
+    """Bytes of a pool of ``num_blocks`` blocks: the accounting formula 2·P·(NB·bs)·L·K·H (MLA: the latent)
+    with L = the softmax-attention layers (``kv_layers``), P = 1 for "int8"/"fp8", plus for a quantised
+    pool its 2·NB·L·K float32 scales."""
+    L = len(kv_layers(config))
+    elements = kv_cache_elements(config, 1, num_blocks * block_size) // config.n_layers * L  # linear in L
     if isinstance(dtype, str) and dtype in KV_QUANT_FORMATS:
-        return elements + 2 * num_blocks * config.n_layers * config.n_kv_heads * SCALE_BYTES
+        return elements + 2 * num_blocks * L * config.n_kv_heads * SCALE_BYTES
     return elements * torch.empty(0, dtype=dtype).element_size()
 
 
@@ -50,14 +59,17 @@ def _raw(t: Tensor) -> Tensor:
 
 
 class PagedKVCache:
-    """The block pool (L, num_blocks, bs, K, H) for K and V; ``blocks`` holds every sequence's block table."""
+    """The block pool (L, num_blocks, bs, K, H) for K and V, L = the softmax-attention layers (``kv_layers``;
+    a model layer's row is ``row[layer_idx]``); ``blocks`` holds every sequence's block table."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                  enable_prefix_caching: bool = True):
         self.config, self.block_size = config, block_size
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching, storage=self)
-        shape = (config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)  # (L, NB, bs, K, H)
+        layers = kv_layers(config)
+        self.row = {layer: r for r, layer in enumerate(layers)}  # model layer -> its row of the pool
+        shape = (len(layers), num_blocks, block_size, config.n_kv_heads, config.head_dim)  # (L, NB, bs, K, H)
         self.stores_latent = config.is_mla  # MLA (model/mla.py): blocks hold [c ; k_R], d_c + d_R per token
         self.quant = dtype if isinstance(dtype, str) else None  # "int8" / "fp8": codes + per-block scales
         if self.quant is not None:
@@ -74,7 +86,7 @@ class PagedKVCache:
             self.v_scale = torch.zeros_like(self.k_scale)
             return
         if self.stores_latent:
-            shape = (config.n_layers, num_blocks, block_size, 1, config.kv_lora_rank + config.qk_rope_head_dim)
+            shape = (len(layers), num_blocks, block_size, 1, config.kv_lora_rank + config.qk_rope_head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape[:-1] + (0,) if self.stores_latent else shape, dtype=dtype, device=device)
 
@@ -108,6 +120,7 @@ class PagedKVCache:
     # ---- storing and reading K/V (float or quantised) -------------------------------------
     def write(self, layer_idx: int, slots: Tensor, k: Tensor, v: Tensor | None) -> None:
         """Store rows k, v (T, K, H) at pool slots (T,) (slot = block·bs + offset) of one layer."""
+        layer_idx = self.row[layer_idx]
         if self.quant is None:
             kc = self.k[layer_idx].view(-1, *k.shape[1:])  # (NB·bs, K, H)
             kc.index_copy_(0, slots, k.to(kc.dtype))
@@ -141,6 +154,7 @@ class PagedKVCache:
     def gather(self, layer_idx: int, which: str, index: Tensor, dtype: torch.dtype) -> Tensor:
         """K (``which="k"``) or V rows at pool slots ``index`` (S,) of one layer -> (S, K, H) in ``dtype``."""
         store = self.k if which == "k" else self.v
+        layer_idx = self.row[layer_idx]
         if self.quant is None:
             return store[layer_idx].view(-1, *store.shape[-2:]).index_select(0, index).to(dtype)
         codes = _raw(store[layer_idx]).view(-1, *store.shape[-2:]).index_select(0, index).view(store.dtype)
