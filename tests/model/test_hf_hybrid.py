@@ -339,3 +339,34 @@ if __name__ == "__main__":  # the figures in docs/model.md: max |Δ logits| vs t
             dec = (torch.cat(steps, 1) - ref[:1]).abs().max().item()
         print(f"{type(hf).__name__:24s} layers {model.config.mixer_types}  max|Δ| full {full:.1e}  decode {dec:.1e}  "
               f"(|logits| max {ref.abs().max().item():.2f})")
+
+
+def test_gemma2_softcap_reaches_every_logits_path(tmp_path):
+    """The final soft-cap is part of ``unembed``: paths that unembed hidden states themselves (the engine's
+    runner, perplexity, the trainer's loss) give HF's logits, and the trainer's loss is HF's cross-entropy."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from lmstack.inference import LLM
+    from lmstack.train.trainer import Trainer
+
+    hf = _gemma2()
+    hf.save_pretrained(tmp_path)
+    model = load_hf(tmp_path)
+    tokens = _tokens(1, 12, seed=7)
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        assert (model.unembed(model(tokens, return_hidden=True)) - ref).abs().max().item() < 1e-4
+        out = LLM(model, block_size=4, num_blocks=32).generate([tokens[0].tolist()],
+                                                               SamplingParams(max_tokens=1, temperature=0,
+                                                                              prompt_logprobs=0))[0]
+        want = torch.log_softmax(ref[0, :-1].double(), -1).gather(-1, tokens[0, 1:, None])[:, 0]
+        got = torch.tensor([lp for lp, _ in out.prompt_logprobs[1:]], dtype=torch.float64)
+        assert (got - want).abs().max().item() < 1e-4
+        hf_loss = torch.nn.functional.cross_entropy(ref[0, :-1], tokens[0, 1:]).item()
+    # the trainer's loss with fused_loss on: Trainer.forward_loss reads only these attributes
+    fake = SimpleNamespace(config=SimpleNamespace(fused_loss=True, z_loss=0.0), parallel_model=None,
+                           _parallelize_fn=None, raw_model=model, model=model, autocast=contextlib.nullcontext)
+    batch = SimpleNamespace(x=tokens[:, :-1], y=tokens[:, 1:], positions=None, document_ids=None)
+    loss, _ = Trainer.forward_loss(fake, batch)
+    assert abs(loss.item() - hf_loss) < 1e-4

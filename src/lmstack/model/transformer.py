@@ -134,10 +134,12 @@ class Transformer(nn.Module):
 
     def unembed(self, x: Tensor) -> Tensor:
         """Final-normed hidden states (..., D) -> logits (..., V). The untied unembedding is a module
-        call, so ``lmstack.quant`` can swap in a quantised one; tied, it is W_e itself."""
-        if self.lm_head is not None:
-            return self.lm_head(x)
-        return F.linear(x, self.embed.weight)
+        call, so ``lmstack.quant`` can swap in a quantised one; tied, it is W_e itself. Gemma-2's final
+        soft-cap (``final_softcap``: c·tanh(z / c)) is part of it, so every caller that unembeds hidden
+        states itself (the engine, perplexity, scoring) gets the model's real logits."""
+        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
+        cap = self.config.final_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -247,6 +249,4 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if return_hidden:
             return x  # (B, S, D)
-        logits = self.unembed(x)  # (B, S, V)
-        cap = self.config.final_softcap
-        return logits if cap is None else cap * torch.tanh(logits / cap)  # Gemma-2: soft-capped logits
+        return self.unembed(x)  # (B, S, V)

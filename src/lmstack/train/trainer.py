@@ -322,9 +322,11 @@ class Trainer:
 
         With ``config.fused_loss`` (single process) the model returns its final hidden states and
         ``linear_cross_entropy`` applies the unembedding block by block: the same loss and
-        gradients without the (B·S, V) logits.
+        gradients without the (B·S, V) logits. A soft-capped output (Gemma-2's ``final_softcap``) is not a
+        plain linear map, so such a model takes the unfused path.
         """
-        if self.config.fused_loss and self.parallel_model is None and self._parallelize_fn is None:
+        if (self.config.fused_loss and self.parallel_model is None and self._parallelize_fn is None
+                and self.raw_model.config.final_softcap is None):
             with self.autocast():
                 h = self.model(batch.x, positions=batch.positions, document_ids=batch.document_ids,
                                return_hidden=True)  # (B, S, D)
