@@ -163,3 +163,15 @@ def test_moe_ffn_intensity_counts_touched_experts():
     dense = c.replace(n_experts=0, n_experts_per_token=1)
     assert ffn_intensity(dense, 64, 1) == pytest.approx(6 * 64 * 4096 * 14336 / (2 * (2 * 64 * (4096 + 14336)
                                                                                       + 3 * 4096 * 14336)))
+
+
+def test_ffn_intensity_counts_shared_experts():
+    # by hand, B = T = 1, bf16 (P = 2), E = 4, k = 2, F_e = 16, one shared expert of width 16, D = 32:
+    # routed: FLOPs 6·2·32·16, bytes 2·(2·2·32 + 2·2·16 + touched·3·32·16) with touched = 4·(1 − (1 − 2/4)^1) = 2;
+    # shared: FLOPs 6·32·16, bytes 2·(2·32 + 2·16 + 3·32·16)
+    from lmstack.accounting.intensity import ffn_flops_bytes
+
+    c = _tiny_moe()
+    flops, nbytes = ffn_flops_bytes(c, 1, 1, "bf16")
+    assert flops == 6 * 2 * 32 * 16 + 6 * 32 * 16
+    assert nbytes == 2 * (2 * 2 * 32 + 2 * 2 * 16 + 2 * 3 * 32 * 16) + 2 * (2 * 32 + 2 * 16 + 3 * 32 * 16)

@@ -270,3 +270,18 @@ def test_config_errors_name_the_values():
         MoE(8, 2, 3, 16)
     c = ModelConfig(n_experts=8, n_experts_per_token=2, d_ff_expert=64, capacity_factor=1.25)
     assert ModelConfig.from_dict(c.to_dict()) == c
+
+
+def test_cpu_autocast_keeps_expert_matmuls_in_bf16():
+    import lmstack.model.moe as moe_mod
+
+    # under CPU autocast F.linear computes in bf16; the oneDNN path (fp32 only) must step aside, not upcast
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8, generator=g)
+    gate, up, down = torch.randn(2, 12, 8, generator=g), torch.randn(2, 12, 8, generator=g), torch.randn(2, 8, 12, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not moe_mod.onednn_ok(x)
+        out = moe_mod.expert_swiglu(x, [2, 4], gate, up, down)
+        ref = torch.cat([F.linear(F.silu(F.linear(r, gate[e])) * F.linear(r, up[e]), down[e])
+                         for e, r in enumerate(x.split([2, 4]))])
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)

@@ -66,6 +66,7 @@ def test_chat_bad_requests(served, body, status, param):
     ({"model": MODEL, "prompt": "x", "logprobs": 9}, 400),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400),  # max_tokens=0 only with echo (score the prompt)
     ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0, "echo": True, "stream": True}, 400),  # no token to drop in a stream
     ({"model": MODEL, "prompt": "x", "max_tokens": -1, "echo": True}, 400),
     ({"model": MODEL, "prompt": ["a", "b", "c"], "n": 2}, 400),
     ({"model": MODEL, "prompt": {"a": 1}}, 400),

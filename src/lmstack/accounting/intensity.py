@@ -28,7 +28,8 @@ def ffn_flops_bytes(cfg: ModelConfig, B: int, T: int, dtype: object = "bf16") ->
 
     A mixture of experts (``cfg.n_experts``): the routed experts of one MoE layer — the B·T·k assignments each
     read their row and write U, G and the output (2·BTk·D + 2·BTk·F_e), and only the experts the batch touches
-    are read (``expected_experts_touched``·3·D·F_e): FLOPs 6·BTk·D·F_e. At decode the expert weights dominate the
+    are read (``expected_experts_touched``·3·D·F_e): FLOPs 6·BTk·D·F_e; shared experts add a dense FFN of width
+    F_s. At decode the expert weights dominate the
     bytes, so I ≈ 2·B·k / (P·touched): 1 FLOP/byte at B = 1 in bf16 like a dense FFN, but k/E of the dense FFN's
     intensity once the batch touches every expert."""
     P = bytes_per_element(dtype)
@@ -37,7 +38,12 @@ def ffn_flops_bytes(cfg: ModelConfig, B: int, T: int, dtype: object = "bf16") ->
         k, Fe = cfg.n_experts_per_token, cfg.d_ff_expert or cfg.d_ff
         a = B * T * k  # assignments
         touched = expected_experts_touched(cfg.n_experts, k, B * T)
-        return 6 * a * D * Fe, P * (2 * a * D + 2 * a * Fe + touched * 3 * D * Fe)
+        flops, nbytes = 6 * a * D * Fe, P * (2 * a * D + 2 * a * Fe + touched * 3 * D * Fe)
+        if cfg.n_shared_experts:  # always-on experts: a dense FFN of width F_s on every token
+            Fs = cfg.d_ff_shared or cfg.n_shared_experts * Fe
+            flops += 6 * B * T * D * Fs
+            nbytes += P * (2 * B * T * D + 2 * B * T * Fs + 3 * D * Fs)
+        return flops, nbytes
     F = cfg.d_ff
     return 6 * B * T * D * F, P * (2 * B * T * D + 2 * B * T * F + 3 * D * F)
 

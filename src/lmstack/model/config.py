@@ -121,7 +121,7 @@ class ModelConfig:
     qk_norm_full: bool = False  # OLMoE: RMSNorm over all N·H query / K·H key features (not per head)
     qkv_clip: float | None = None  # OLMoE clip_qkv: clamp q, k, v to ±clip
     rope_yarn: dict | None = None  # MLA only: YaRN RoPE scaling {factor, original_max_position_embeddings, ...}
-    # --- HF hybrid / interleaved families (Mamba2, Gemma-2/3, Qwen3-Next: model/variants.py, model/hf_hybrid.py);
+    # --- HF hybrid / interleaved families (Mamba2, Gemma-2/3, Qwen3-Next: model/variants.py, model/hf.py);
     # the defaults are the Llama block above, unchanged
     block_ffn: bool = True  # False: a block is norm -> token mixer -> residual only (Mamba2ForCausalLM)
     norm_offset: bool = False  # every RMSNorm applies (1 + w), w stored zero-centred (Gemma, Qwen3-Next)

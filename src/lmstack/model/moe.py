@@ -23,7 +23,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+try:  # private: if a torch release moves it, treat every call as "a dispatch mode is active" (plain F.linear)
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+except ImportError:  # pragma: no cover - depends on the torch version
+    def _get_current_dispatch_mode():
+        return True
 
 from lmstack.model.layers import Linear, SwiGLU
 
@@ -152,7 +157,8 @@ def onednn_ok(x: Tensor) -> bool:
     ``LMSTACK_MOE_ONEDNN=0``."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and ONEDNN[0]
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling())
+            and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled("cpu"))  # autocast would make F.linear bf16; oneDNN here stays fp32
 
 
 #: expert_swiglu's switch for the oneDNN GEMMs (benchmarks/moe.py flips it to time both paths)

@@ -23,12 +23,15 @@ import functools
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 _log = logging.getLogger(__name__)
+_BUILD_LOCK = threading.Lock()
+_FAKE_REGISTERED: list[bool] = []  # the op's shape function, registered with the first successful build
 SOURCE = Path(__file__).with_name("csrc") / "int4_vnni.cpp"
 FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "f16c")
 
@@ -44,9 +47,11 @@ def _cpu_flags() -> set[str]:
 
 @functools.cache
 def status() -> str | None:
-    """None when the kernel is built and loaded, else the reason it is not used (built at the first call;
-    the reason is logged once as a warning on ``lmstack.quant.int4_vnni``)."""
-    reason = _build()
+    """None when the kernel is built and loaded, else the reason it is not used (built at the first call,
+    under a lock so two threads never build it twice; the reason is logged once as a warning on
+    ``lmstack.quant.int4_vnni``)."""
+    with _BUILD_LOCK:
+        reason = _build()
     if reason is not None:
         _log.warning("int4 VNNI kernel off: %s; Int4Linear uses torch's _weight_int4pack_mm_for_cpu", reason)
     return reason
@@ -67,13 +72,16 @@ def _build() -> str | None:
 
         load(name="lmstack_int4_vnni", sources=[str(SOURCE)], is_python_module=False, verbose=False,
              extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"])
-    except Exception as e:  # noqa: BLE001 — any build failure means: use torch's kernel
+
+        if not _FAKE_REGISTERED:  # once per process, even if status() is asked again (its cache cleared)
+
+            @torch.library.register_fake("lmstack_quant::int4_vnni_mm")
+            def _(x, packed, d, m, G, terms=2):  # shapes for torch.compile
+                return x.new_empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
+
+            _FAKE_REGISTERED.append(True)
+    except Exception as e:  # noqa: BLE001 — any build/registration failure means: use torch's kernel
         return f"building {SOURCE.name} failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-
-    @torch.library.register_fake("lmstack_quant::int4_vnni_mm")
-    def _(x, packed, d, m, G, terms=2):  # shapes for torch.compile
-        return x.new_empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
-
     return None
 
 

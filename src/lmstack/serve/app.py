@@ -449,6 +449,8 @@ def build_app(server: Server) -> FastAPI:
                            param="max_tokens")
         if score_prompt and body.stream:
             raise APIError(400, "echo with logprobs is not supported with stream=true", param="stream")
+        if body.max_tokens == 0 and body.stream:
+            raise APIError(400, "max_tokens=0 (score the prompt only) is not supported with stream=true", param="stream")
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

@@ -55,9 +55,10 @@ class Sampling(_Request):
 
 class CompletionRequest(Sampling):
     """``POST /v1/completions``: a prompt is a string, a list of strings, token ids, or a list of those.
-    ``echo`` with ``logprobs`` returns the prompt tokens' log-probabilities too (the first one null), and
-    ``max_tokens=0`` with ``echo`` only scores the prompt — how lm-eval's ``local-completions`` asks for
-    log-likelihoods (OpenAI's legacy API, vLLM)."""
+    ``echo`` with ``logprobs`` returns the prompt tokens' log-probabilities too (the first one null), as
+    OpenAI's legacy API and vLLM do; lm-eval's ``local-completions`` asks for log-likelihoods that way
+    (``max_tokens=1``, then it keeps the continuation's slice). ``max_tokens=0`` with ``echo`` only scores the
+    prompt (not streamed)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: Annotated[int, Field(ge=0)] | None = 16

@@ -279,6 +279,13 @@ class Trainer:
         """``train_step`` under pipeline parallelism (pp > 1): the ``grad_accum`` micro-batches go
         through the pipeline schedule together (m = grad_accum micro-batches in flight, each loss
         scaled by 1/m), then ``optimizer_step`` as usual."""
+        c = self.raw_model.config
+        extra = [name for name, on in (("moe_aux_loss_coef / moe_device_loss_coef / moe_z_loss_coef",
+                                        c.moe_aux_loss_coef or c.moe_device_loss_coef or c.moe_z_loss_coef),
+                                       ("dsa_indexer_loss", c.dsa_indexer_loss)) if on]
+        if extra:  # the pipeline schedule carries one loss per micro-batch: these terms would be silently dropped
+            raise TrainConfigError(f"model.{extra[0]} > 0 with pipeline parallelism (pp > 1): the auxiliary loss is "
+                                   "not carried through the pipeline schedule; set it to 0 or train without pp")
         n = self.config.grad_accum
         batches = [self.next_batch() for _ in range(n)]
         x, y = torch.cat([b.x for b in batches]), torch.cat([b.y for b in batches])  # (n·B, S)
