@@ -370,3 +370,18 @@ def test_gemma2_softcap_reaches_every_logits_path(tmp_path):
     batch = SimpleNamespace(x=tokens[:, :-1], y=tokens[:, 1:], positions=None, document_ids=None)
     loss, _ = Trainer.forward_loss(fake, batch)
     assert abs(loss.item() - hf_loss) < 1e-4
+
+
+def test_layers_own_rope_tables_are_reserved_for_the_static_decoder(tmp_path, monkeypatch):
+    """Gemma-3's local layers keep their own RoPE tables; the static (compiled) decoder cannot grow tables inside
+    its graph, so it reserves every table the model reads (Transformer.ropes), not just the shared one."""
+    from lmstack.inference.static import StaticDecoder
+    from lmstack.model.layers import RotaryEmbedding
+
+    monkeypatch.setattr(RotaryEmbedding, "INITIAL_POSITIONS", 16)
+    _gemma3().save_pretrained(tmp_path)
+    model = load_hf(tmp_path)
+    ropes = model.ropes()
+    assert len(ropes) > 1 and all(r.length == 16 for r in ropes)
+    StaticDecoder(model, max_seq_len=100)
+    assert all(r.length >= 100 for r in ropes)

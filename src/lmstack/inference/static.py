@@ -87,7 +87,8 @@ class StaticDecoder:
         p = next(model.parameters())
         self.device = p.device
         self.cache = StaticKVCache(model.config, 1, max_seq_len, dtype or p.dtype, p.device)
-        model.rope.reserve(max_seq_len)  # the compiled step reads the RoPE tables; they cannot grow inside it
+        for rope in model.ropes():  # the compiled step reads the RoPE tables; they cannot grow inside it
+            rope.reserve(max_seq_len)
         self.compiled = compile
         self._step = self._forward
         if compile:

@@ -175,6 +175,7 @@ class RotaryEmbedding(nn.Module):
     """
 
     INITIAL_POSITIONS = 8192
+    position_scale = 1.0  # angles m·θ_i / position_scale (linear RoPE scaling sets it; exact for 1.0)
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0, layout: str = "half"):
         super().__init__()
@@ -196,7 +197,7 @@ class RotaryEmbedding(nn.Module):
         """cos(mθ_i), sin(mθ_i) for m < ``self.length``, laid out for ``layout``: two (S, H) tensors."""
         key = (torch.device(device), dtype)
         if key not in self._cache:
-            angles = torch.outer(torch.arange(self.length, dtype=torch.float64),
+            angles = torch.outer(torch.arange(self.length, dtype=torch.float64) / self.position_scale,
                                  rope_frequencies(self.head_dim, self.theta))  # (S, H/2), exact in float64
             if self.layout == "interleaved":
                 angles = angles.repeat_interleave(2, dim=-1)  # (S, H): θ0 θ0 θ1 θ1 ...

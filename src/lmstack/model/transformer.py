@@ -127,6 +127,12 @@ class Transformer(nn.Module):
         if self.embed.weight.device.type != "meta":
             self.init_weights(seed)
 
+    def ropes(self) -> list[RotaryEmbedding]:
+        """The RoPE tables this model reads: the shared one and any a layer keeps of its own (Gemma-3's local
+        base and linear scaling, Qwen3-Next's partial RoPE: ``VariantAttention._own_rope``)."""
+        own = [r for b in self.blocks for r in (getattr(b.attn, "_own_rope", None) or ())]
+        return [self.rope, *own]
+
     # ---- weights -------------------------------------------------------------------------
     @property
     def unembedding(self) -> Tensor:
@@ -229,7 +235,8 @@ class Transformer(nn.Module):
             raise ValueError(f"positions shape {tuple(positions.shape)} does not match tokens {(B, S)}")
         if document_ids is not None and document_ids.shape != (B, S):
             raise ValueError(f"document_ids shape {tuple(document_ids.shape)} does not match tokens {(B, S)}")
-        self.rope.cover(positions)  # once per forward: every layer's attention only rotates
+        for rope in self.ropes():  # once per forward: every layer's attention only rotates
+            rope.cover(positions)
         meta = AttentionMetadata(positions, document_ids=document_ids, window=self.config.sliding_window,
                                  is_causal=is_causal, cache=kv_cache,
                                  token_ids=tokens if self.embed is not None else None)

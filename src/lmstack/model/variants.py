@@ -99,18 +99,7 @@ class LinearScaledRotary(RotaryEmbedding):
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float, layout: str, factor: float):
         super().__init__(head_dim, max_seq_len, theta, layout)
-        self.factor = factor
-
-    def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        key = (torch.device(device), dtype)
-        if key not in self._cache:
-            angles = torch.outer(torch.arange(self.length, dtype=torch.float64) / self.factor,
-                                 rope_frequencies(self.head_dim, self.theta))  # (S, H/2)
-            angles = (angles.repeat_interleave(2, dim=-1) if self.layout == "interleaved"
-                      else torch.cat([angles, angles], dim=-1))  # (S, H)
-            self._cache[key] = (angles.cos().to(device=device, dtype=dtype),
-                                angles.sin().to(device=device, dtype=dtype))
-        return self._cache[key]
+        self.factor = self.position_scale = factor
 
 
 class VariantAttention(Attention):
@@ -147,9 +136,9 @@ class VariantAttention(Attention):
         if self._own_rope is None:
             return self.rope.rotate(x, positions)  # the model's shared tables (covered once per forward)
         rope, rd = self._own_rope[0], self.rotary_dim
-        if rd == x.shape[-1]:
-            return rope(x, positions)
-        return torch.cat([rope(x[..., :rd], positions), x[..., rd:]], dim=-1)
+        if rd == x.shape[-1]:  # covered once per forward with the model's own (Transformer.ropes)
+            return rope.rotate(x, positions)
+        return torch.cat([rope.rotate(x[..., :rd], positions), x[..., rd:]], dim=-1)
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         """x (B, T, D) -> (B, T, D)."""
