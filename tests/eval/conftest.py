@@ -19,20 +19,12 @@ def make_tokenizer() -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
+def tiny_dir(tmp_path_factory, make_hf_llama):
     """An HF Llama folder (config.json + model.safetensors + tokenizer.json), context 64."""
-    transformers = pytest.importorskip("transformers", reason="HF transformers is the reference")
     tok = make_tokenizer()
     eos = tok.token_to_id(EOS)
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                                   rope_theta=1000.0, max_position_embeddings=64, rms_norm_eps=1e-6,
-                                   bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.15)
+    model = make_hf_llama(std=0.15, vocab_size=tok.vocab_size, rope_theta=1000.0, max_position_embeddings=64,
+                          bos_token_id=eos, eos_token_id=eos)
     d = tmp_path_factory.mktemp("tiny_hf")
     model.save_pretrained(d, safe_serialization=True)
     save_hf(tok, d / "tokenizer.json")

@@ -13,18 +13,11 @@ transformers = pytest.importorskip("transformers", reason="HF transformers is th
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tmp_path_factory, make_hf_llama):
     """A random HF Llama (fp32) and the same weights loaded by lmstack's loader."""
     from lmstack.model.io import load_model
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
-                                   rms_norm_eps=1e-6, tie_word_embeddings=False)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0.0, 0.1)
+    hf = make_hf_llama(vocab_size=120)
     d = tmp_path_factory.mktemp("hf_llama")
     hf.save_pretrained(d, safe_serialization=True)
     return hf, load_model(str(d), dtype=torch.float32).model.eval()

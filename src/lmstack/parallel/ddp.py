@@ -31,7 +31,27 @@ from torch import Tensor, nn
 from lmstack.parallel import collectives as C
 
 
-class DataParallel(nn.Module):
+class GradSyncWrapper(nn.Module):
+    """What every gradient-averaging wrapper shares: forward is the wrapped module's, and ``no_sync()``
+    accumulates gradients locally (no communication) while ``require_sync`` is off."""
+
+    require_sync = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) inside this context."""
+        prev = self.require_sync
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = prev
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+class DataParallel(GradSyncWrapper):
     """Wrap ``module`` for data parallelism over ``group``; forward is the module's forward."""
 
     def __init__(self, module: nn.Module, group=None, mode: str = "bucketed", bucket_mb: float = 25.0,
@@ -126,20 +146,6 @@ class DataParallel(nn.Module):
                         p.grad.copy_(g)
                     offset += n
         self._reset_step()
-
-    # ---- API -----------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally (no communication) inside this context."""
-        prev = self.require_sync
-        self.require_sync = False
-        try:
-            yield
-        finally:
-            self.require_sync = prev
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
 
 
 def _unique_params(module: nn.Module) -> list[nn.Parameter]:

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lmstack.model.moe import MoE, expert_swiglu
 from lmstack.parallel import collectives as C
+from lmstack.parallel.ddp import GradSyncWrapper
 
 
 @dataclass
@@ -241,7 +240,7 @@ def broadcast_expert_parallel(module: nn.Module, dp_group, edp_group, expert_par
         C.broadcast(p.data, 0, edp_group)
 
 
-class ExpertDataParallel(nn.Module):
+class ExpertDataParallel(GradSyncWrapper):
     """Data parallelism for a model whose experts are sharded over ep (forward is the module's).
 
     At the end of each synchronised backward: the replicated parameters' gradients are averaged over
@@ -287,16 +286,6 @@ class ExpertDataParallel(nn.Module):
                     p.grad.copy_(g)
                 off += p.numel()
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        prev, self.require_sync = self.require_sync, False
-        try:
-            yield
-        finally:
-            self.require_sync = prev
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
 
 
 @torch.no_grad()
