@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from lmstack.inference.paged import PagedKVCache
-from lmstack.inference.sampling import NonFiniteLogitsError, bad_logit_rows, check_logits, sample_token, token_logprobs
+from lmstack.inference.sampling import (NonFiniteLogitsError, bad_logit_rows, check_logits, rows_logprobs, sample_token,
+                                        token_logprobs)
 from lmstack.inference.sequence import Sequence
 from lmstack.inference.state_pool import StatePool
 from lmstack.inference.speculative import verify_drafts
@@ -74,19 +75,11 @@ class ModelRunner:
         preemption, or a forward rerun one sequence at a time) writes the same values again."""
         j0 = s.num_computed
         m = min(len(hidden), s.num_prompt - 1 - j0)  # positions whose next token is still in the prompt
-        n_top = s.params.prompt_logprobs
         for c0 in range(0, m, chunk):
             c1 = min(m, c0 + chunk)
-            logp = torch.log_softmax(self.model.unembed(hidden[c0:c1]).float(), dim=-1)  # (c, V)
-            target = torch.tensor(s.all_ids[j0 + c0 + 1:j0 + c1 + 1], device=logp.device)
-            lp = logp.gather(-1, target[:, None])[:, 0].tolist()
-            if n_top:
-                vals, ids = torch.topk(logp, min(n_top, logp.shape[-1]), dim=-1)
-                tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-            else:
-                tops = [{} for _ in lp]
-            for k, (v, top) in enumerate(zip(lp, tops)):
-                s.prompt_logprobs[j0 + c0 + k + 1] = (v, top)
+            rows = rows_logprobs(self.model.unembed(hidden[c0:c1]), s.all_ids[j0 + c0 + 1:j0 + c1 + 1],
+                                 s.params.prompt_logprobs)  # (c, V) logits -> c entries
+            s.prompt_logprobs[j0 + c0 + 1:j0 + c1 + 1] = rows
 
     def sample(self, seqs: list[Sequence], logits: Tensor) -> list[tuple[int, tuple | None] | Exception]:
         """logits (R, V) of R ready sequences -> per row (token, logprobs or None), or the exception

@@ -230,9 +230,15 @@ def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Genera
 
 def token_logprobs(logits: Tensor, token: int, n_top: int) -> tuple[float, dict[int, float]]:
     """log p(token) and the ``n_top`` most likely tokens' log-probabilities under softmax(logits (V,))."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    top: dict[int, float] = {}
-    if n_top > 0:
-        values, ids = torch.topk(logp, min(n_top, logp.shape[-1]))
-        top = {int(i): float(v) for i, v in zip(ids, values)}
-    return float(logp[token]), top
+    return rows_logprobs(logits[None], [token], n_top)[0]
+
+
+def rows_logprobs(logits: Tensor, tokens: Sequence[int] | Tensor, n_top: int) -> list[tuple[float, dict[int, float]]]:
+    """``token_logprobs`` for R rows at once: logits (R, V), tokens (R,) -> per row (log p(token), top n)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
+    target = torch.as_tensor(tokens, device=logp.device, dtype=torch.long)
+    lp = logp.gather(-1, target[:, None])[:, 0].tolist()
+    if n_top <= 0:
+        return [(v, {}) for v in lp]
+    values, ids = torch.topk(logp, min(n_top, logp.shape[-1]), dim=-1)
+    return [(v, dict(zip(i, t))) for v, i, t in zip(lp, ids.tolist(), values.tolist())]
