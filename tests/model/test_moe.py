@@ -105,9 +105,17 @@ def _moe(**kw):
 
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "F.linear"])
 @pytest.mark.parametrize("shared", [0, 1])
-def test_grouped_compute_equals_per_expert_loop(shared, onednn, monkeypatch):
+def test_grouped_compute_equals_per_expert_loop(shared, onednn):
     import lmstack.model.moe as moe_mod
-    monkeypatch.setattr(moe_mod, "ONEDNN", [onednn])
+    saved = moe_mod.ONEDNN[0]  # one switch (model.layers.ONEDNN) for every oneDNN GEMM
+    moe_mod.ONEDNN[0] = onednn
+    try:
+        _check_grouped_against_loop(moe_mod, shared, onednn)
+    finally:
+        moe_mod.ONEDNN[0] = saved
+
+
+def _check_grouped_against_loop(moe_mod, shared, onednn):
     moe = _moe(n_shared=shared, d_ff_shared=20, shared_gate=bool(shared), norm_topk=True)
     x = torch.randn(3, 5, 16, requires_grad=True)
     if onednn and not moe_mod.onednn_ok(x):

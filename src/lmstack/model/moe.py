@@ -17,20 +17,13 @@ expert elsewhere, through oneDNN on CPU fp32) — the Python loop is over expert
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-try:  # private: if a torch release moves it, treat every call as "a dispatch mode is active" (plain F.linear)
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-except ImportError:  # pragma: no cover - depends on the torch version
-    def _get_current_dispatch_mode():
-        return True
-
-from lmstack.model.layers import Linear, SwiGLU
+from lmstack.model.layers import ONEDNN, Linear, SwiGLU, onednn_linear, onednn_ok  # noqa: F401 (ONEDNN: the switch)
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 ROUTER_ORDERS = ("softmax_topk", "topk_softmax")  # softmax then top-k | top-k of the logits then softmax
@@ -128,43 +121,6 @@ def z_loss(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
 
 
-class _OneDNNLinear(torch.autograd.Function):
-    """x (n, D_in) @ w (D_out, D_in)ᵀ through oneDNN (``torch.ops.mkldnn._linear_pointwise`` on plain strided
-    fp32 tensors), forward and both backward products: on CPUs where torch's BLAS (MKL) runs below the vector
-    units' peak — measured 2x on the AMD EPYC of docs/moe.md — oneDNN's GEMM is the faster exact fp32 GEMM."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:
-        ctx.save_for_backward(x, w)
-        return _onednn_mm_t(x, w)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        x, w = ctx.saved_tensors
-        dx = _onednn_mm_t(dy, w.t()) if ctx.needs_input_grad[0] else None  # dy @ w
-        dw = _onednn_mm_t(dy.t(), x.t()) if ctx.needs_input_grad[1] else None  # dyᵀ @ x
-        return dx, dw
-
-
-def _onednn_mm_t(a: Tensor, b: Tensor) -> Tensor:
-    """a @ bᵀ by oneDNN (any strides)."""
-    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
-
-
-def onednn_ok(x: Tensor) -> bool:
-    """Whether ``expert_swiglu`` multiplies through oneDNN: CPU fp32 eager (no tracing or counting dispatch mode
-    active, so FLOP counters and compilers see plain ``mm``), oneDNN built in, and not disabled by
-    ``LMSTACK_MOE_ONEDNN=0``."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and ONEDNN[0]
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling()
-            and not torch.is_autocast_enabled("cpu"))  # autocast would make F.linear bf16; oneDNN here stays fp32
-
-
-#: expert_swiglu's switch for the oneDNN GEMMs (benchmarks/moe.py flips it to time both paths)
-ONEDNN = [os.environ.get("LMSTACK_MOE_ONEDNN", "1") != "0"]
-
-
 def expert_swiglu(x: Tensor, counts: list[int], gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """Grouped SwiGLU: x (R, D) rows sorted by expert, counts[e] rows for expert e; weights gate/up (E, F, D),
     down (E, D, F) -> (R, D). One matmul per weight per expert (``torch._grouped_mm`` on CUDA bf16; on CPU fp32
@@ -175,7 +131,7 @@ def expert_swiglu(x: Tensor, counts: list[int], gate: Tensor, up: Tensor, down: 
             x, up.transpose(1, 2), offs=offs)  # (R, F)
         return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)  # (R, D)
     outs = []
-    linear = _OneDNNLinear.apply if onednn_ok(x) else F.linear
+    linear = onednn_linear if onednn_ok(x) else F.linear
     # unbind once: its backward stacks the E per-expert grads in one op (indexing gate[e] per expert would
     # materialise a zero (E, F, D) grad per expert and add them up)
     gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
