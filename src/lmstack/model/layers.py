@@ -57,8 +57,9 @@ def onednn_linear(x: Tensor, w: Tensor) -> Tensor:
 def onednn_ok(x: Tensor) -> bool:
     """Whether a matmul on x goes through oneDNN: CPU fp32 eager (no tracing or counting dispatch mode active, so
     FLOP counters and compilers see plain ``mm``; no CPU autocast, under which F.linear computes in bf16), oneDNN
-    built in, and not switched off (``ONEDNN``, ``LMSTACK_ONEDNN=0``)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and ONEDNN[0]
+    built in, not switched off (``ONEDNN``, ``LMSTACK_ONEDNN=0``), and a plain tensor (a DTensor of the native
+    parallel backend has no oneDNN sharding rule)."""
+    return (type(x) is Tensor and x.device.type == "cpu" and x.dtype == torch.float32 and ONEDNN[0]
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
             and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling()
             and not torch.is_autocast_enabled("cpu"))
@@ -67,7 +68,7 @@ def onednn_ok(x: Tensor) -> bool:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear``, through oneDNN's GEMM where ``onednn_ok`` and the product is large enough to gain
     (≥ ``ONEDNN_MIN_ROWS`` rows or a weight of ≥ ``ONEDNN_MIN_WEIGHT`` elements); x (..., in) -> (..., out)."""
-    if (weight.dtype == torch.float32 and onednn_ok(x)
+    if (type(weight) in (Tensor, nn.Parameter) and weight.dtype == torch.float32 and onednn_ok(x)
             and (x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1] or weight.numel() >= ONEDNN_MIN_WEIGHT)):
         y = onednn_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias

@@ -131,7 +131,7 @@ def expert_swiglu(x: Tensor, counts: list[int], gate: Tensor, up: Tensor, down: 
             x, up.transpose(1, 2), offs=offs)  # (R, F)
         return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)  # (R, D)
     outs = []
-    linear = onednn_linear if onednn_ok(x) else F.linear
+    linear = onednn_linear if onednn_ok(x) and type(gate) in (Tensor, nn.Parameter) else F.linear
     # unbind once: its backward stacks the E per-expert grads in one op (indexing gate[e] per expert would
     # materialise a zero (E, F, D) grad per expert and add them up)
     gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
