@@ -152,3 +152,25 @@ def test_bad_json_line_and_missing_data(tmp_path):
     (tmp_path / "z.jsonl").write_text('{"context": "a"}\n')
     with pytest.raises(TaskError, match=r"z\.jsonl:1: missing field 'answer'"):
         load_task(tmp_path / "z.jsonl")
+
+
+def test_shared_context_runs_once_and_equals_hf(lm, hf_model):
+    """Options of one item share their context: ``shared_context_scores`` prefills it once into a KV cache and
+    scores each continuation from a copy; every option's log-likelihood equals HF's full forward on the row."""
+    from lmstack.eval.scoring import can_share_context, shared_context_scores
+
+    model, tok = lm
+    ctx = tok.encode("Q: which module reads JSON?\nA:")
+    conts = [tok.encode(" json"), tok.encode(" the csv module"), tok.encode(" x")]
+    assert can_share_context(model)
+    ctx2 = tok.encode("Q: and which one writes CSV files, line by line?\nA:")
+    rows = [ctx + c for c in conts] + [ctx2 + c for c in conts]
+    starts = [len(ctx)] * 3 + [len(ctx2)] * 3
+    got = shared_context_scores(model, rows, starts, [[0, 1, 2], [3, 4, 5]])  # two items, one batch
+    scores = [got[i] for i in range(6)]
+    for s, c, x in zip(scores, conts + conts, [ctx] * 3 + [ctx2] * 3):
+        c = list(c)
+        assert float(s.logprobs.sum()) == pytest.approx(hf_sum_logprob(hf_model, x, c), rel=1e-6, abs=1e-5)
+    for s, c in zip(scores, conts):
+        assert len(s.logprobs) == len(c)
+        assert float(s.logprobs.sum()) == pytest.approx(hf_sum_logprob(hf_model, ctx, c), rel=1e-6, abs=1e-5)

@@ -6,6 +6,10 @@ scoring of options and continuations). ``score_rows`` runs the model's own forwa
 of rows; causal attention means a row's padding never reaches its real positions. The logits are
 formed a chunk of positions at a time, so a long window never holds a (S, V) tensor per row at once.
 
+Requests that share a context (a multiple-choice item's options) run that context once: ``shared_context_scores``
+prefills it into a KV cache and scores every option's continuation from copies of that cache, instead of running
+the context once per option as a plain row would.
+
 ``encode_pair`` splits a (context, continuation) pair into token ids the way lm-evaluation-harness
 does: trailing spaces of the context move to the continuation, the whole string is encoded, and the
 continuation is what follows the context's own encoding.
@@ -84,6 +88,79 @@ def score_rows(model, rows: list[list[int]], starts: list[int], max_batch_tokens
     return out  # type: ignore[return-value]
 
 
+def _row_score(model, hidden: torch.Tensor, target: torch.Tensor) -> RowScore:
+    """hidden (n, D) at the positions that predict target (n,) -> their log-probabilities and greedy flags."""
+    logits = model.unembed(hidden).float()  # (n, V)
+    lp = logits.gather(-1, target[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    return RowScore(lp.double().cpu(), (logits.argmax(-1) == target).cpu())
+
+
+def can_share_context(model) -> bool:
+    """Whether ``shared_context_scores`` applies: a softmax-attention model (no recurrent / local layers, no MLA
+    latent cache) whose layers store K/V in ``inference.kv_cache.KVCache``."""
+    c = getattr(model, "config", None)
+    return c is not None and getattr(c, "layer_types", None) is None and not getattr(c, "is_mla", False)
+
+
+@torch.inference_mode()
+def shared_context_scores(model, rows: list[list[int]], starts: list[int], groups: list[list[int]],
+                          max_batch_tokens: int = 8192) -> dict[int, RowScore]:
+    """Score rows whose first ``starts[i]`` tokens (>= 2) are a context shared within each group of row indices:
+    each group's context minus its last token is prefilled once into a KV cache row (groups batched, right-padded),
+    the row is copied to one cache row per request, and every request's last context token + continuation (but
+    its last token) is fed from there at its own positions, all requests of a batch in one forward."""
+    from lmstack.inference.kv_cache import KVCache
+
+    p = next(model.parameters())
+    device = p.device
+    out: dict[int, RowScore] = {}
+    groups = sorted(groups, key=lambda g: -len(rows[g[0]]))
+    i = 0
+    while i < len(groups):  # batches of groups: about max_batch_tokens tokens of rows each
+        batch, tokens_in = [], 0
+        while i < len(groups) and (not batch or tokens_in + sum(len(rows[k]) for k in groups[i]) <= max_batch_tokens):
+            batch.append(groups[i])
+            tokens_in += sum(len(rows[k]) for k in groups[i])
+            i += 1
+        members = [k for g in batch for k in g]
+        n = {k: len(rows[k]) - starts[k] for k in members}  # scored tokens per request
+        C = max(starts[g[0]] - 1 for g in batch)  # longest prefilled context
+        S = max(starts[k] - 1 + n[k] for k in members)  # positions 0 .. S-1 are ever stored
+        ctx = torch.zeros(len(batch), C, dtype=torch.long)
+        for j, g in enumerate(batch):
+            ctx[j, :starts[g[0]] - 1] = torch.tensor(rows[g[0]][:starts[g[0]] - 1], dtype=torch.long)
+        cache = KVCache(model.config, len(batch), S, dtype=p.dtype, device=device)
+        # right padding is harmless: a request's own tokens overwrite positions start-1 .., and the pad keys left
+        # beyond them sit at positions later than any query of that row (causal by position)
+        model(ctx.to(device), positions=torch.arange(C, device=device)[None].expand(len(batch), C),
+              kv_cache=cache, return_hidden=True)
+        rows_of = torch.tensor([j for j, g in enumerate(batch) for _ in g], device=device)  # (R,) group per request
+        cache.k, cache.v = cache.k.index_select(1, rows_of), cache.v.index_select(1, rows_of)  # (L, R, K, S, H)
+        cache.positions = cache.positions.index_select(0, rows_of)
+        T = max(n.values())
+        tokens = torch.zeros(len(members), T, dtype=torch.long)
+        positions = torch.zeros(len(members), T, dtype=torch.long)
+        for b, k in enumerate(members):
+            tokens[b, :n[k]] = torch.tensor(rows[k][starts[k] - 1:-1], dtype=torch.long)
+            positions[b] = starts[k] - 1 + torch.arange(T)
+        if int(positions.max()) >= S:  # pad positions of short requests may run past S: store them in a wider cache
+            wider = KVCache(model.config, len(members), int(positions.max()) + 1, dtype=p.dtype, device=device)
+            wider.k[..., :S, :], wider.v[..., :S, :] = cache.k, cache.v
+            wider.positions[:, :S], wider.length = cache.positions, cache.length
+            cache = wider
+        hidden = model(tokens.to(device), positions=positions.to(device), kv_cache=cache, return_hidden=True)
+        # (R, T, D): the first n[k] positions of row b predict request k's continuation; all of them in one
+        # (P, D) matrix so the (V, D) unembedding is read once per batch, not once per request
+        h = torch.cat([hidden[b, :n[k]] for b, k in enumerate(members)])
+        target = torch.cat([torch.tensor(rows[k][starts[k]:], dtype=torch.long) for k in members]).to(device)
+        score = _row_score(model, h, target)
+        o = 0
+        for k in members:
+            out[k] = RowScore(score.logprobs[o:o + n[k]], score.greedy[o:o + n[k]])
+            o += n[k]
+    return out
+
+
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) as lm-eval's HF model splits them: encode the whole, then split."""
     n_spaces = len(context) - len(context.rstrip())
@@ -124,5 +201,15 @@ def loglikelihoods(model, requests: list[tuple[list[int], list[int]]], max_lengt
         row = (list(ctx) + list(cont))[-(max_length + 1):]
         rows.append(row)
         starts.append(len(row) - len(cont))
-    scores = score_rows(model, rows, starts, **kw)
+    scores: list[RowScore | None] = [None] * len(rows)
+    if can_share_context(model):  # a context shared by several requests (multiple choice) runs once
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (r, s) in enumerate(zip(rows, starts)):
+            groups.setdefault(tuple(r[:s]), []).append(i)
+        shared = [g for ctx, g in groups.items() if len(g) > 1 and len(ctx) >= 2]
+        for i, sc in shared_context_scores(model, rows, starts, shared, kw.get("max_batch_tokens", 8192)).items():
+            scores[i] = sc
+    rest = [i for i, s in enumerate(scores) if s is None]
+    for i, sc in zip(rest, score_rows(model, [rows[i] for i in rest], [starts[i] for i in rest], **kw)):
+        scores[i] = sc
     return [(float(s.logprobs.sum()), bool(s.greedy.all())) for s in scores]

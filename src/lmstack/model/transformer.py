@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
-from lmstack.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from lmstack.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU, linear
 from lmstack.model.mixers import SOFTMAX_MIXERS, build_mixer, init_recurrent_parameters
 from lmstack.model.mla import MLA
 from lmstack.model.moe import moe_from_config
@@ -143,7 +143,7 @@ class Transformer(nn.Module):
         call, so ``lmstack.quant`` can swap in a quantised one; tied, it is W_e itself. Gemma-2's final
         soft-cap (``final_softcap``: c·tanh(z / c)) is part of it, so every caller that unembeds hidden
         states itself (the engine, perplexity, scoring) gets the model's real logits."""
-        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
+        logits = self.lm_head(x) if self.lm_head is not None else linear(x, self.embed.weight)  # tied: W_e
         cap = self.config.final_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
