@@ -587,73 +587,85 @@ def _streaming(lease: _Lease, body: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _chat_stream(server: Server, gens, rid, created, prompt_tokens, include_usage, logprobs):
+def _chunker(server: Server, rid, created, obj: str, include_usage: bool):
+    """One SSE chunk of a stream of ``obj`` ("chat.completion.chunk" / "text_completion"); usage only when asked."""
     def chunk(choices, usage=None):
-        c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
+        c = {"id": rid, "object": obj, "created": created, "model": server.model_name,
              "system_fingerprint": None, "choices": choices}
         if include_usage:
             c["usage"] = usage
         return _sse(c)
+    return chunk
 
-    for i in range(len(gens)):
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
-    sent_lp = [0] * len(gens)
-    completion = 0
+
+def _new_logprobs(out, sent: list[int], i: int) -> list[tuple[int, tuple]]:
+    """(token, logprobs) of stream ``i``'s tokens not yet sent (``sent[i]`` counts them; advanced here)."""
+    new = list(zip(out.token_ids[sent[i]:], out.logprobs[sent[i]:]))
+    sent[i] += len(new)
+    return new
+
+
+async def _stream_tail(gen_events, chunk, prompt_tokens: int, include_usage: bool, counts: list[int]):
+    """Relay ``gen_events``; an engine error ends the stream with its error body; then usage (if asked) and [DONE]."""
     try:
-        async for i, out in _merge(gens):
-            lp = None
-            if logprobs is not None and out.logprobs is not None:
-                new = list(zip(out.token_ids[sent_lp[i]:], out.logprobs[sent_lp[i]:]))
-                sent_lp[i] += len(new)
-                lp = _chat_logprobs(server, new) if new else None
-            if out.new_text or lp is not None:
-                yield chunk([{"index": i, "delta": {"content": out.new_text}, "logprobs": lp, "finish_reason": None}])
-            if out.finished:
-                completion += len(out.token_ids)
-                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(out)}])
+        async for event in gen_events:
+            yield event
     except GenerationError as e:
         yield _sse(_engine_error(e).body())
         yield "data: [DONE]\n\n"
         return
     if include_usage:
+        completion = sum(counts)
         yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                          "total_tokens": prompt_tokens + completion})
     yield "data: [DONE]\n\n"
 
 
-async def _completion_stream(server: Server, gens, jobs, rid, created, prompt_tokens, include_usage, echo, logprobs):
-    def chunk(choices, usage=None):
-        c = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-             "system_fingerprint": None, "choices": choices}
-        if include_usage:
-            c["usage"] = usage
-        return _sse(c)
+async def _chat_stream(server: Server, gens, rid, created, prompt_tokens, include_usage, logprobs):
+    chunk = _chunker(server, rid, created, "chat.completion.chunk", include_usage)
+    completion = [0]
 
-    if echo:
-        for k, (_, ptext, _) in enumerate(jobs):
-            yield chunk([{"index": k, "text": ptext, "logprobs": None, "finish_reason": None}])
-    sent_lp = [0] * len(gens)
-    offsets = [0] * len(gens)
-    completion = 0
-    try:
+    async def events():
+        for i in range(len(gens)):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        sent_lp = [0] * len(gens)
+        async for i, out in _merge(gens):
+            lp = None
+            if logprobs is not None and out.logprobs is not None:
+                new = _new_logprobs(out, sent_lp, i)
+                lp = _chat_logprobs(server, new) if new else None
+            if out.new_text or lp is not None:
+                yield chunk([{"index": i, "delta": {"content": out.new_text}, "logprobs": lp, "finish_reason": None}])
+            if out.finished:
+                completion[0] += len(out.token_ids)
+                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(out)}])
+
+    async for event in _stream_tail(events(), chunk, prompt_tokens, include_usage, completion):
+        yield event
+
+
+async def _completion_stream(server: Server, gens, jobs, rid, created, prompt_tokens, include_usage, echo, logprobs):
+    chunk = _chunker(server, rid, created, "text_completion", include_usage)
+    completion = [0]
+
+    async def events():
+        if echo:
+            for k, (_, ptext, _) in enumerate(jobs):
+                yield chunk([{"index": k, "text": ptext, "logprobs": None, "finish_reason": None}])
+        sent_lp = [0] * len(gens)
+        offsets = [0] * len(gens)
         async for k, out in _merge(gens):
             lp = None
             if logprobs is not None and out.logprobs is not None:
-                new = list(zip(out.token_ids[sent_lp[k]:], out.logprobs[sent_lp[k]:]))
-                sent_lp[k] += len(new)
+                new = _new_logprobs(out, sent_lp, k)
                 lp = _completion_logprobs(server, new, offsets[k]) if new else None
                 if lp:
                     offsets[k] += sum(len(t) for t in lp["tokens"])
             if out.new_text or lp is not None or out.finished:
                 yield chunk([{"index": k, "text": out.new_text, "logprobs": lp, "finish_reason": _finish_reason(out)}])
             if out.finished:
-                completion += len(out.token_ids)
-    except GenerationError as e:
-        yield _sse(_engine_error(e).body())
-        yield "data: [DONE]\n\n"
-        return
-    if include_usage:
-        yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                         "total_tokens": prompt_tokens + completion})
-    yield "data: [DONE]\n\n"
+                completion[0] += len(out.token_ids)
+
+    async for event in _stream_tail(events(), chunk, prompt_tokens, include_usage, completion):
+        yield event
