@@ -70,16 +70,8 @@ def score_rows(model, rows: list[list[int]], starts: list[int], max_batch_tokens
         # chunk of positions, not once per row; logits at j-1 predict token j
         bi = torch.cat([torch.full((len(rows[k]) - starts[k],), b) for b, k in enumerate(batch)]).to(device)
         pj = torch.cat([torch.arange(starts[k] - 1, len(rows[k]) - 1) for k in batch]).to(device)
-        target = tokens[bi, pj + 1]  # (P,)
-        lps, gr = [], []
-        for c0 in range(0, len(pj), chunk_positions):
-            logits = model.unembed(hidden[bi[c0:c0 + chunk_positions], pj[c0:c0 + chunk_positions]]).float()  # (c, V)
-            t = target[c0:c0 + chunk_positions]
-            lp = logits.gather(-1, t[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # log softmax at t only
-            lps.append(lp.double().cpu())
-            gr.append((logits.argmax(-1) == t).cpu())
-        lp, g = (torch.cat(lps), torch.cat(gr)) if lps else (torch.zeros(0, dtype=torch.float64),
-                                                              torch.zeros(0, dtype=torch.bool))
+        score = _row_score(model, hidden[bi, pj], tokens[bi, pj + 1], chunk_positions)  # log softmax at the targets
+        lp, g = score.logprobs, score.greedy
         o = 0
         for k in batch:
             n = len(rows[k]) - starts[k]
@@ -88,11 +80,16 @@ def score_rows(model, rows: list[list[int]], starts: list[int], max_batch_tokens
     return out  # type: ignore[return-value]
 
 
-def _row_score(model, hidden: torch.Tensor, target: torch.Tensor) -> RowScore:
-    """hidden (n, D) at the positions that predict target (n,) -> their log-probabilities and greedy flags."""
-    logits = model.unembed(hidden).float()  # (n, V)
-    lp = logits.gather(-1, target[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-    return RowScore(lp.double().cpu(), (logits.argmax(-1) == target).cpu())
+def _row_score(model, hidden: torch.Tensor, target: torch.Tensor, chunk_positions: int = 512) -> RowScore:
+    """hidden (P, D) at the positions that predict target (P,) -> their log-probabilities and greedy flags; the
+    (V, D) unembedding is applied a chunk of positions at a time, so no (P, V) logits are ever held at once."""
+    lps, gr = [torch.zeros(0, dtype=torch.float64)], [torch.zeros(0, dtype=torch.bool)]
+    for c0 in range(0, len(target), chunk_positions):
+        logits = model.unembed(hidden[c0:c0 + chunk_positions]).float()  # (c, V)
+        t = target[c0:c0 + chunk_positions]
+        lps.append((logits.gather(-1, t[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).double().cpu())
+        gr.append((logits.argmax(-1) == t).cpu())
+    return RowScore(torch.cat(lps), torch.cat(gr))
 
 
 def can_share_context(model) -> bool:
