@@ -49,3 +49,9 @@ def test_compiled_decoder_greedy_equals_full_recompute(model, prompts):
     decoder = StaticDecoder(model, 64, compile=True)
     for p in prompts[:6] + prompts[-3:]:
         assert list(generate(model, p, greedy(N), decoder=decoder)) == full_recompute_greedy(model, p, N)
+    # one graph (the RoPE tables and the warm-up's inference tensors cause no recompile), called directly
+    assert len(decoder._graphs) == 1 and decoder._direct is not None
+    guarded = StaticDecoder(model, 64, compile=True, direct=False)  # Dynamo's guarded call on every step
+    p = prompts[0]
+    assert list(generate(model, p, greedy(N), decoder=guarded)) == full_recompute_greedy(model, p, N)
+    assert guarded._direct is None

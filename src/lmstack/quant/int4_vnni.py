@@ -20,6 +20,7 @@ turns it off.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -70,8 +71,12 @@ def _build() -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="lmstack_int4_vnni", sources=[str(SOURCE)], is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"])
+        cflags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]
+        # One build folder per source text: two checkouts of lmstack on one machine (or an upgrade) never
+        # load or rebuild each other's kernel.
+        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
+        load(name=f"lmstack_int4_vnni_{digest}", sources=[str(SOURCE)], is_python_module=False, verbose=False,
+             extra_cflags=cflags)
 
         if not _FAKE_REGISTERED:  # once per process, even if status() is asked again (its cache cleared)
 
