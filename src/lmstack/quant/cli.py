@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from lmstack.model.io import load_model, save_pretrained
 from lmstack.quant.prune import distill, prune_width
@@ -141,7 +142,7 @@ def run_compress(args: argparse.Namespace) -> int:
     def on_step(step: int, loss: float) -> None:
         if args.eval_every and step % args.eval_every == 0 and step != args.distill_steps:
             evals.append((step, _ppl(student, held)))
-            print(f"step {step}: loss {loss:.3f}, held-out perplexity {evals[-1][1]:.2f}", flush=True)
+            tqdm.write(f"step {step}: loss {loss:.3f}, held-out perplexity {evals[-1][1]:.2f}")
 
     losses = []
     t0 = time.perf_counter()
