@@ -177,7 +177,7 @@ def test_bad_kv_formats_are_refused(small):
 def test_smollm2_engine_int8_kv_greedy_vs_fp32():
     """``LLM("smollm2-135m", kv_dtype="int8")``, greedy, 48 tokens of a fixed prompt, blocks of 16, against
     the fp32 pool. Measured: the first 26 tokens are equal (then "Motion:" / "Motion, also known as" part:
-    a near tie); the pool is 0.251x the fp32 pool's bytes (0.502x bf16)."""
+    a near tie); the pool is 0.251x the fp32 pool's bytes (0.502x bf16). fp8: the first 12."""
     sp = SamplingParams(temperature=0.0, max_tokens=48)
     prompt = "The three laws of motion are"
     fp32 = LLM("smollm2-135m", num_blocks=16)
@@ -186,3 +186,6 @@ def test_smollm2_engine_int8_kv_greedy_vs_fp32():
     out = tokens(int8.generate([prompt], sp)[0])
     assert agreement([out], [ref])[0] >= 24, (out, ref)
     assert int8.engine.cache.nbytes / fp32.engine.cache.nbytes == pytest.approx((64 + 4 / 16) / 256)
+    # fp8 e4m3 blocks (power-of-two scales): measured, the first 12 tokens equal the fp32 pool's
+    fp8 = LLM("smollm2-135m", num_blocks=16, kv_dtype="fp8")
+    assert agreement([tokens(fp8.generate([prompt], sp)[0])], [ref])[0] >= 12
