@@ -74,7 +74,8 @@ def _ppl(model, rows) -> float:
 @torch.inference_mode()
 def _decode_speed(model, prompt: list[int], n_new: int, repeats: int = 3) -> float:
     """Median tok/s of batch-1 greedy ``generate`` (contiguous KV cache, eager) over ``repeats`` runs."""
-    from lmstack.inference import SamplingParams, generate
+    from lmstack.inference.generate import generate  # a command may time the engine (pyproject: layers' ignore)
+    from lmstack.inference.sampling import SamplingParams
 
     list(generate(model, prompt, SamplingParams(temperature=0, max_tokens=4)))  # warm-up
     runs = []
