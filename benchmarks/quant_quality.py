@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import math
 import os
 import shlex
@@ -174,8 +175,27 @@ def _swap_linears(model: nn.Module, make) -> nn.Module:
     return model
 
 
+class _Once(logging.Filter):
+    """Let each distinct message through once (bitsandbytes logs its fp32 -> fp16 cast on every call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if msg in self.seen:
+            return False
+        self.seen.add(msg)
+        return True
+
+
 def bnb_model(model: nn.Module, kind: str) -> nn.Module:
     import bitsandbytes as bnb
+
+    log = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _Once) for f in log.filters):
+        log.addFilter(_Once())
 
     def make(w, b):
         O, I = w.shape
