@@ -345,7 +345,9 @@ def decode_race(base: nn.Module, prompt: list[int], n_new: int, threads: list[in
            "lmstack VNNI / this |", "|---|---|---|---|---|---|---|"]
     for th in threads:
         torch.set_num_threads(th)
-        engines = [LmstackInt4(base, k, len(prompt) + n_new + 8, compile) for k in ("vnni", "aten")]
+        engines = [LmstackInt4(base, k, len(prompt) + n_new + 8, compile)  # the compile is most of the race's time
+                   for k in tqdm(("vnni", "aten"), desc=f"{'compiling' if compile else 'building'} int4 decode steps, "
+                                 f"{th} thread(s)", leave=False)]
         try:
             engines.append(LlamaCpp(th, len(prompt) + n_new + 8))
         except Exception as e:  # noqa: BLE001
