@@ -3,6 +3,10 @@
     nice -n 10 python benchmarks/quant_quality.py [--threads 1] [--seq 256] [--eval-rows 16] [--calib-rows 16]
         [--methods fp32,bf16,...] [--out results.md] [--plot quant_quality.png] [--race-rounds 5] [--race-threads 1,2]
 
+With no --methods every method runs (weights, formats, peers, the KV pool rows), then llama.cpp's own row and
+the decode race; a method that fails gets a row saying why and the run goes on. ``--out`` is rewritten
+atomically after every method (marked partial until the end), ``--plot`` written atomically at the end.
+
 For each method: perplexity on the evaluation text (rows of ``--seq`` tokens, next-token NLL over all
 positions), Δ vs fp32, the weight bytes one decode step reads (the embedding table only when it is
 also the unembedding), batch-1 greedy decode tok/s (``--decode`` new tokens after a 16-token prompt,
@@ -31,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -56,7 +62,7 @@ from lmstack.quant.gguf_blocks import gguf_int4
 from lmstack.quant.gptq import gptq_quantize_model
 from lmstack.quant.kv_cache import QuantizedKVCache
 from lmstack.quant.llm_int8 import llm_int8_model, outlier_stats
-from lmstack.utils import atomic_write_text
+from lmstack.utils import atomic_path, atomic_write_text
 
 LICENSES = Path("/usr/share/common-licenses")
 
@@ -84,9 +90,9 @@ def rows(ids: list[int], n: int, seq: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def perplexity(model: nn.Module, ev: torch.Tensor) -> float:
+def perplexity(model: nn.Module, ev: torch.Tensor, desc: str = "perplexity") -> float:
     nll, n = 0.0, 0
-    for r in ev:
+    for r in tqdm(ev, desc=desc, leave=False, unit="row"):
         logits = model(r[None])[0].float()  # (S, V)
         nll += F.cross_entropy(logits[:-1], r[1:], reduction="sum").item()
         n += r.numel() - 1
@@ -146,7 +152,7 @@ def weight_bytes(model: nn.Module) -> int:
 def speed(model: nn.Module, prompt: list[int], ev: torch.Tensor, n_new: int, repeats: int) -> tuple[float, float]:
     list(generate(model, prompt, SamplingParams(temperature=0, max_tokens=4)))  # warm-up
     dec, pre = [], []
-    for _ in range(repeats):
+    for _ in tqdm(range(repeats), desc="decode/prefill timing", leave=False):
         t = time.perf_counter()
         n = sum(1 for _ in generate(model, prompt, SamplingParams(temperature=0, max_tokens=n_new)))
         dec.append(n / (time.perf_counter() - t))
@@ -169,8 +175,27 @@ def _swap_linears(model: nn.Module, make) -> nn.Module:
     return model
 
 
+class _Once(logging.Filter):
+    """Let each distinct message through once (bitsandbytes logs its fp32 -> fp16 cast on every call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if msg in self.seen:
+            return False
+        self.seen.add(msg)
+        return True
+
+
 def bnb_model(model: nn.Module, kind: str) -> nn.Module:
     import bitsandbytes as bnb
+
+    log = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _Once) for f in log.filters):
+        log.addFilter(_Once())
 
     def make(w, b):
         O, I = w.shape
@@ -320,7 +345,9 @@ def decode_race(base: nn.Module, prompt: list[int], n_new: int, threads: list[in
            "lmstack VNNI / this |", "|---|---|---|---|---|---|---|"]
     for th in threads:
         torch.set_num_threads(th)
-        engines = [LmstackInt4(base, k, len(prompt) + n_new + 8, compile) for k in ("vnni", "aten")]
+        engines = [LmstackInt4(base, k, len(prompt) + n_new + 8, compile)  # the compile is most of the race's time
+                   for k in tqdm(("vnni", "aten"), desc=f"{'compiling' if compile else 'building'} int4 decode steps, "
+                                 f"{th} thread(s)", leave=False)]
         try:
             engines.append(LlamaCpp(th, len(prompt) + n_new + 8))
         except Exception as e:  # noqa: BLE001
@@ -374,6 +401,98 @@ def builders(calib: torch.Tensor) -> dict:
     }
 
 
+LLAMA_CPP_ROW = "llama.cpp Q4_1 GGUF (its own logits)"
+
+
+def run_method(name: str, table: dict, base: nn.Module, ev: torch.Tensor, prompt: list[int],
+               args: argparse.Namespace) -> dict:
+    """One row: build the model (a deep copy of ``base``), its perplexity, weight bytes and speed; a KV row
+    runs the paged pool instead. A method that fails gets a row saying why (the run goes on)."""
+    t = time.perf_counter()
+    try:
+        if name in KV_METHODS:
+            p, kv = kv_perplexity(base, ev[:args.kv_rows], KV_METHODS[name], step=args.kv_step)
+            return dict(ppl=p, bytes=weight_bytes(base), decode=float("nan"), prefill=float("nan"),
+                        seconds=time.perf_counter() - t,
+                        note=f"fp32 weights, {min(args.kv_rows, ev.shape[0])} rows, 16-token prefill then "
+                             f"{args.kv_step} token(s) per forward; pool of {ev.shape[1] // 16 + 1} blocks x 16: "
+                             f"{kv / 1e6:.2f} MB")
+        model = table[name](copy.deepcopy(base)).eval()
+        build = time.perf_counter() - t
+        r = dict(ppl=perplexity(model, ev, desc=f"perplexity ({name})"), bytes=weight_bytes(model), build=build)
+        r["decode"], r["prefill"] = speed(model, prompt, ev, args.decode, args.repeats)
+        if name.startswith("LLM.int8 (t=6"):
+            st = outlier_stats(model)
+            r["note"] = (f"outlier columns per call, mean over layers "
+                         f"{sum(s['mean_per_call'] for s in st) / len(st):.2f}; max "
+                         f"{max(s['mean_per_call'] for s in st):.1f} ({max(st, key=lambda s: s['mean_per_call'])['layer']})")
+    except Exception as e:  # noqa: BLE001 — a peer that does not run here gets a row saying why
+        r = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+    r["seconds"] = time.perf_counter() - t
+    return r
+
+
+def llama_cpp_row(ev: torch.Tensor, prompt: list[int], args: argparse.Namespace) -> dict:
+    t = time.perf_counter()
+    try:
+        r = dict(ppl=llama_cpp_ppl(ev), bytes=find_named_model("smollm2-135m").stat().st_size)
+        for th in sorted({1, 2, args.threads}):
+            eng = LlamaCpp(th, ev.shape[1] + args.decode + 8)
+            eng.run(prompt, 4)
+            runs = [eng.run(prompt, args.decode) for _ in range(args.repeats)]
+            pre = [eng.run(ev[0].tolist(), 1)[0] for _ in range(args.repeats)]
+            r[f"decode_{th}t"] = statistics.median(d for _, d in runs)
+            r[f"prefill_{th}t"] = statistics.median(pre)
+        r["decode"], r["prefill"] = r[f"decode_{args.threads}t"], r[f"prefill_{args.threads}t"]
+        r["note"] = "; ".join(f"{th} thread(s): decode {r[f'decode_{th}t']:.1f}, prefill {r[f'prefill_{th}t']:.0f} tok/s"
+                              for th in sorted({1, 2, args.threads})) + " (file bytes as weight MB)"
+    except Exception as e:  # noqa: BLE001
+        r = dict(error=f"{type(e).__name__}: {e}"[:140])
+    r["seconds"] = time.perf_counter() - t
+    return r
+
+
+def markdown(results: dict[str, dict], header: str, race: list[str]) -> str:
+    ref = results.get("fp32", {}).get("ppl")
+    kv_ref = results.get("KV pool fp32 (paged decode)", {}).get("ppl")
+    lines = [header, "", "| method | perplexity | Δ vs fp32 | weight MB | decode tok/s | prefill tok/s | time s |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | — | — | — | — | — ({r['error']}) | {r['seconds']:.0f} |")
+            continue
+        base_ppl = kv_ref if name in KV_METHODS else ref
+        delta = f"{100 * (r['ppl'] / base_ppl - 1):+.2f}%" if base_ppl else "—"
+        dec = "—" if math.isnan(r["decode"]) else f"{r['decode']:.1f}"
+        pre = "—" if math.isnan(r["prefill"]) else f"{r['prefill']:.0f}"
+        lines.append(f"| {name} | {r['ppl']:.3f} | {delta} | {r['bytes'] / 1e6:.1f} | {dec} | {pre} | {r['seconds']:.0f} |")
+    notes = [f"- {n}: {r['note']}" for n, r in results.items() if r.get("note")]
+    if any(n in KV_METHODS for n in results):
+        notes.append("- KV rows: Δ against the fp32 pool fed the same way (\"KV pool fp32\"), not against fp32 above")
+    return "\n".join(lines + [""] + notes + race) + "\n"
+
+
+def plot(results: dict[str, dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in results.items():
+        if "error" not in r and name not in KV_METHODS:  # KV rows: fp32 weights, another baseline
+            ax.scatter(r["bytes"] / 1e6, r["ppl"])
+            ax.annotate(name, (r["bytes"] / 1e6, r["ppl"]), fontsize=6)
+    ax.set_xlabel("weight MB read per decode step")
+    ax.set_ylabel("perplexity")
+    ax.set_yscale("log")
+    ax.set_title("SmolLM2-135M: quality vs size")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -382,7 +501,8 @@ def main() -> None:
     ap.add_argument("--calib-rows", type=int, default=16)
     ap.add_argument("--decode", type=int, default=32, help="new tokens per decode timing")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--methods", default="", help="comma-separated subset of the method names (default: all)")
+    ap.add_argument("--methods", default="", help="comma-separated subset of the method names (default: all, "
+                                                  "the KV pool rows included)")
     ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--kv-rows", type=int, default=4, help="evaluation rows fed through the KV pool")
     ap.add_argument("--kv-step", type=int, default=1, help="tokens per forward after the 16-token prefill (1 = decode)")
@@ -392,10 +512,22 @@ def main() -> None:
     ap.add_argument("--race-rounds", type=int, default=5)
     ap.add_argument("--race-prompt", type=int, default=128, help="prompt tokens of the race")
     ap.add_argument("--race-decode", type=int, default=64, help="new tokens per race round")
-    ap.add_argument("--out", help="also write the markdown table here")
+    ap.add_argument("--out", help="also write the markdown table here (rewritten after every method, atomically)")
     ap.add_argument("--plot", help="write a perplexity vs weight-bytes scatter (PNG) here")
     args = ap.parse_args()
+    for flag in ("threads", "seq", "eval_rows", "calib_rows", "decode", "repeats", "kv_rows", "kv_step",
+                 "race_rounds", "race_prompt", "race_decode"):
+        if getattr(args, flag) < 1:
+            sys.exit(f"--{flag.replace('_', '-')}={getattr(args, flag)}: expected ≥ 1")
+    try:
+        threads = [int(t) for t in args.race_threads.split(",") if t.strip()]
+    except ValueError:
+        sys.exit(f"--race-threads={args.race_threads!r}: expected comma-separated integers, e.g. 1,2")
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            sys.exit(f"{flag} {path}: its folder does not exist")
     torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
     lm = load_model("smollm2-135m")
     base = lm.model.eval()
     tok = model_tokenizer(lm.source)
@@ -403,100 +535,45 @@ def main() -> None:
     ev = rows(tok.encode(ev_text), args.eval_rows, args.seq)
     calib = rows(tok.encode(cal_text), args.calib_rows, args.seq)
     prompt = ev[0, :16].tolist()
-    print(f"SmolLM2-135M, torch {torch.__version__}, {args.threads} thread(s), load avg {os.getloadavg()[0]:.1f}; "
-          f"{where}; eval {tuple(ev.shape)}, calibration {tuple(calib.shape)}", flush=True)
+    race_prompt = ev[1 % ev.shape[0]].tolist()[:args.race_prompt]
+    if len(race_prompt) < args.race_prompt:
+        race_prompt = tok.encode(ev_text)[:args.race_prompt]
+    header = (f"SmolLM2-135M, torch {torch.__version__}, {args.threads} thread(s), load avg at start "
+              f"{os.getloadavg()[0]:.1f}; {where}; eval {tuple(ev.shape)}, calibration {tuple(calib.shape)}; "
+              f"`{shlex.join(['python', 'benchmarks/quant_quality.py'] + sys.argv[1:])}`")
+    print(header, flush=True)
     table = builders(calib)
-    wanted = [m.strip() for m in args.methods.split(",") if m.strip()] or list(table)
     table.update({k: None for k in KV_METHODS})
+    wanted = [m.strip() for m in args.methods.split(",") if m.strip()] or list(table)
     for m in wanted:
         if m not in table:
             sys.exit(f"--methods: unknown method {m!r}; expected names from {list(table)}")
     results: dict[str, dict] = {}
-    for name in wanted:
-        t = time.perf_counter()
-        if name in KV_METHODS:
-            p, kv = kv_perplexity(base, ev[:args.kv_rows], KV_METHODS[name], step=args.kv_step)
-            results[name] = r = dict(ppl=p, bytes=weight_bytes(base), decode=float("nan"), prefill=float("nan"),
-                                     note=f"fp32 weights, {args.kv_rows} rows, 16-token prefill then {args.kv_step} token(s) per forward; pool of "
-                                          f"{ev.shape[1] // 16 + 1} blocks x 16: {kv / 1e6:.2f} MB")
-            print(name, r, flush=True)
-            continue
-        try:
-            model = table[name](copy.deepcopy(base)).eval()
-            build = time.perf_counter() - t
-            r = dict(ppl=perplexity(model, ev), bytes=weight_bytes(model), build=build)
-            r["decode"], r["prefill"] = speed(model, prompt, ev, args.decode, args.repeats)
-            if name.startswith("LLM.int8 (t=6"):
-                st = outlier_stats(model)
-                r["note"] = (f"outlier columns per call, mean over layers "
-                             f"{sum(s['mean_per_call'] for s in st) / len(st):.2f}; max "
-                             f"{max(s['mean_per_call'] for s in st):.1f} ({max(st, key=lambda s: s['mean_per_call'])['layer']})")
-        except Exception as e:  # noqa: BLE001 — a peer that does not run here gets a row saying why
-            r = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
-        results[name] = r
-        print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
-    if args.llama_cpp:
-        name = "llama.cpp Q4_1 GGUF (its own logits)"
-        try:
-            r = dict(ppl=llama_cpp_ppl(ev), bytes=find_named_model("smollm2-135m").stat().st_size)
-            for th in sorted({1, 2, args.threads}):
-                eng = LlamaCpp(th, ev.shape[1] + args.decode + 8)
-                eng.run(prompt, 4)
-                runs = [eng.run(prompt, args.decode) for _ in range(args.repeats)]
-                pre = [eng.run(ev[0].tolist(), 1)[0] for _ in range(args.repeats)]
-                r[f"decode_{th}t"] = statistics.median(d for _, d in runs)
-                r[f"prefill_{th}t"] = statistics.median(pre)
-            r["decode"], r["prefill"] = r[f"decode_{args.threads}t"], r[f"prefill_{args.threads}t"]
-            r["note"] = "; ".join(f"{th} thread(s): decode {r[f'decode_{th}t']:.1f}, prefill {r[f'prefill_{th}t']:.0f} tok/s"
-                                  for th in sorted({1, 2, args.threads})) + " (file bytes as weight MB)"
-        except Exception as e:  # noqa: BLE001
-            r = dict(error=f"{type(e).__name__}: {e}"[:140])
-        results[name] = r
-        print(name, r, flush=True)
-    ref = results.get("fp32", {}).get("ppl")
-    lines = ["| method | perplexity | Δ vs fp32 | weight MB | decode tok/s | prefill tok/s |",
-             "|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        if "error" in r:
-            lines.append(f"| {name} | — | — | — | — | — ({r['error']}) |")
-            continue
-        base_ppl = results.get("KV pool fp32 (paged decode)", {}).get("ppl") if name in KV_METHODS else ref
-        delta = f"{100 * (r['ppl'] / base_ppl - 1):+.2f}%" if base_ppl else "—"
-        dec = "—" if math.isnan(r["decode"]) else f"{r['decode']:.1f}"
-        pre = "—" if math.isnan(r["prefill"]) else f"{r['prefill']:.0f}"
-        lines.append(f"| {name} | {r['ppl']:.3f} | {delta} | {r['bytes'] / 1e6:.1f} | {dec} | {pre} |")
-    notes = [f"- {n}: {r['note']}" for n, r in results.items() if r.get("note")]
-    print("\n".join(lines + [""] + notes), flush=True)
+    bar = tqdm(wanted + ([LLAMA_CPP_ROW] if args.llama_cpp else []), desc="methods", unit="method")
+    for name in bar:
+        bar.set_postfix_str(name[:40])
+        if name == LLAMA_CPP_ROW:
+            results[name] = r = llama_cpp_row(ev, prompt, args)
+        else:
+            results[name] = r = run_method(name, table, base, ev, prompt, args)
+        tqdm.write(f"{name} {({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})}")
+        if args.out:  # a crash later keeps the rows so far
+            atomic_write_text(args.out, markdown(results, header + " (partial: still running)", []))
     race = []
-    threads = [int(t) for t in args.race_threads.split(",") if t.strip()]
     if threads:
         try:
-            race = [""] + decode_race(base, ev[1, :args.race_prompt].tolist(), args.race_decode, threads,
-                                      args.race_rounds, args.race_compile)
+            race = [""] + decode_race(base, race_prompt, args.race_decode, threads, args.race_rounds,
+                                      args.race_compile)
         except Exception as e:  # noqa: BLE001 — the table above stays
             race = ["", f"decode race failed: {type(e).__name__}: {e}"]
         torch.set_num_threads(args.threads)
-    text = "\n".join(lines + [""] + notes + race) + "\n"
+    race.append(f"\n(total {(time.perf_counter() - t_start) / 60:.1f} min, load avg at the end {os.getloadavg()[0]:.1f})")
+    text = markdown(results, header, race)
     print(text)
     if args.out:
         atomic_write_text(args.out, text)
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 5))
-        for name, r in results.items():
-            if "error" not in r:
-                ax.scatter(r["bytes"] / 1e6, r["ppl"])
-                ax.annotate(name, (r["bytes"] / 1e6, r["ppl"]), fontsize=6)
-        ax.set_xlabel("weight MB read per decode step")
-        ax.set_ylabel("perplexity")
-        ax.set_title("SmolLM2-135M: quality vs size")
-        tmp = Path(args.plot).with_suffix(".tmp.png")
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, args.plot)
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """``lmstack compress`` on the real SmolLM2: the written checkpoint has the asked widths and accounting's count."""
 
 import importlib.util
+import json
 
 import pytest
 
 from lmstack.accounting.params import total_params
 from lmstack.cli import main
+from lmstack.utils import is_png_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -17,14 +19,19 @@ def test_compress_smollm2(tmp_path, capsys):
 
     out = tmp_path / "pruned"
     assert main(["compress", "--model", "smollm2-135m", "--out", str(out), "--d-ff", "1024", "--n-kv-heads", "2",
-                 "--seq", "64", "--calib-rows", "2", "--eval-rows", "1", "--distill-steps", "1",
-                 "--threads", "1"]) == 0
+                 "--seq", "64", "--calib-rows", "2", "--eval-rows", "1", "--distill-rows", "3", "--distill-steps", "2",
+                 "--eval-every", "1", "--speed-tokens", "2", "--threads", "1"]) == 0
     printed = capsys.readouterr().out
-    assert "parameters 134.5M ->" in printed and "distilled (1 steps)" in printed
+    assert "parameters 134.5M ->" in printed and "distilled (2 steps)" in printed and "tok/s" in printed
     model = load_pretrained(out)
     c = model.config
     assert (c.d_ff, c.n_kv_heads, c.n_heads, c.d_model, c.head_dim) == (1024, 2, 6, 576, 64)
     assert sum(p.numel() for p in model.parameters()) == total_params(c)
+    report = json.loads((out / "compress.json").read_text())
+    assert report["params_after"] == total_params(c) and report["params_before"] == 134_515_008  # SmolLM2-135M
+    assert [s for s, _ in report["held_out_ppl"]] == [0, 1, 2] and len(report["losses"]) == 2
+    assert report["held_out_ppl"][-1][1] == report["ppl_distilled"] and report["decode_tok_s_after"] > 0
+    assert is_png_file(out / "distill.png")
 
 
 def test_compress_refuses_an_output_that_is_an_input(tmp_path):

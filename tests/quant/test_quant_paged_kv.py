@@ -45,13 +45,17 @@ def test_pool_bytes_equal_accounting_plus_scales(fmt):
 
 def replay(writes, bs, qmax, fp8=False):
     """Plain replay of the pool's rule for one block and head, float64: a write of rows at offsets
-    dequantises the block, puts the rows in, s = amax(filled offsets 0..max written)/qmax, kept at the old
-    s when larger and the write does not start at offset 0; codes = round(x / s), clamped."""
+    dequantises the block, puts the rows in, s = amax(filled offsets 0..max written)/qmax (fp8: the next
+    power of two up, by frexp), kept at the old s when larger and the write does not start at offset 0;
+    codes = round(x / s), clamped (fp8: torch's e4m3 cast rounds)."""
     codes, s = np.zeros((bs, writes[0][1].shape[-1])), 0.0
     for offs, rows in writes:
         vals = codes * s
         vals[offs] = rows
         amax = np.abs(vals[:max(offs) + 1]).max() / qmax
+        if fp8 and amax > 0:
+            m, e = np.frexp(amax)  # amax = m·2^e, m in [0.5, 1)
+            amax = 2.0 ** (e - 1) if m == 0.5 else 2.0 ** e
         s = amax if min(offs) == 0 else max(s, amax)
         y = vals / (s if s > 0 else 1.0)
         if fp8:
@@ -88,6 +92,30 @@ def test_stored_blocks_equal_a_plain_replay(fmt, qmax):
     s0 = x[:4].abs().amax(dim=(0, 2)) / qmax  # (K,)
     if fmt == "int8":
         assert bool(((got_k[:4].float() - x[:4]).abs() <= s0[None, :, None] / 2 + 1e-7).all())
+
+
+def test_fp8_block_by_hand():
+    """One fp8 block, one head, H = 4 (a config with head_dim 4), worked by hand. First write, offsets 0..1:
+    max|x| = 300, 300/448 = 0.67 -> s = 2^0 = 1. e4m3 (3 mantissa bits): 300 in [256, 512), step 32 -> 288;
+    1.1 in [1, 2), step 1/8 -> 1.125; −0.3 in [1/4, 1/2), step 1/32 -> −0.3125 (0.0125 away vs 0.01875);
+    0.01 below 2⁻⁶: subnormal, step 2⁻⁹ -> 5·2⁻⁹. Second write, offset 2, max 500: 500/448 -> s = 2; the old
+    codes halve exactly (144, 0.5625, −0.15625) but for the subnormal, 2.5·2⁻⁹ -> 2·2⁻⁹ (ties to even)
+    -> 0.0078125 after ×2; 500/2 = 250 in [128, 256), step 16 -> 256 -> 512."""
+    c = ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=8, max_seq_len=16)
+    pool = PagedKVCache(c, num_blocks=2, block_size=4, dtype="fp8")
+    row0 = torch.tensor([[300.0, 1.1, -0.3, 0.01]])
+    row1 = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    pool.write(0, torch.tensor([4, 5]), torch.stack([row0, row1]), torch.stack([row1, row0]))
+    assert pool.k_scale[0, 1, 0] == 1.0
+    got = pool.gather(0, "k", torch.tensor([4, 5]), torch.float64)[:, 0]
+    assert got[0].tolist() == [288.0, 1.125, -0.3125, 5 * 2.0 ** -9] and got[1].tolist() == [1.0, 2.0, 3.0, 4.0]
+    pool.write(0, torch.tensor([6]), torch.tensor([[[500.0, 0.0, 0.0, 0.0]]]), torch.zeros(1, 1, 4))
+    assert pool.k_scale[0, 1, 0] == 2.0
+    got = pool.gather(0, "k", torch.tensor([4, 5, 6]), torch.float64)[:, 0]
+    assert got[0].tolist() == [288.0, 1.125, -0.3125, 0.0078125]
+    assert got[1].tolist() == [1.0, 2.0, 3.0, 4.0] and got[2].tolist() == [512.0, 0.0, 0.0, 0.0]
+    # the same value through torch's own e4m3 dtype, no lmstack code: 300 -> 288, 250 -> 256
+    assert torch.tensor([300.0, 250.0, 1.1, -0.3]).to(torch.float8_e4m3fn).float().tolist() == [288.0, 256.0, 1.125, -0.3125]
 
 
 def test_copy_and_zero_move_codes_with_scales():
@@ -149,7 +177,7 @@ def test_bad_kv_formats_are_refused(small):
 def test_smollm2_engine_int8_kv_greedy_vs_fp32():
     """``LLM("smollm2-135m", kv_dtype="int8")``, greedy, 48 tokens of a fixed prompt, blocks of 16, against
     the fp32 pool. Measured: the first 26 tokens are equal (then "Motion:" / "Motion, also known as" part:
-    a near tie); the pool is 0.251x the fp32 pool's bytes (0.502x bf16)."""
+    a near tie); the pool is 0.251x the fp32 pool's bytes (0.502x bf16). fp8: the first 12."""
     sp = SamplingParams(temperature=0.0, max_tokens=48)
     prompt = "The three laws of motion are"
     fp32 = LLM("smollm2-135m", num_blocks=16)
@@ -158,3 +186,6 @@ def test_smollm2_engine_int8_kv_greedy_vs_fp32():
     out = tokens(int8.generate([prompt], sp)[0])
     assert agreement([out], [ref])[0] >= 24, (out, ref)
     assert int8.engine.cache.nbytes / fp32.engine.cache.nbytes == pytest.approx((64 + 4 / 16) / 256)
+    # fp8 e4m3 blocks (power-of-two scales): measured, the first 12 tokens equal the fp32 pool's
+    fp8 = LLM("smollm2-135m", num_blocks=16, kv_dtype="fp8")
+    assert agreement([tokens(fp8.generate([prompt], sp)[0])], [ref])[0] >= 12

@@ -85,6 +85,29 @@ def test_distillation_recovers():
     assert before > 0.05 and after < 0.7 * before, (before, after)
 
 
+def test_distill_calls_on_step_with_the_student_as_it_stands():
+    """on_step(k, loss_k) runs after step k in eval mode: the KL it measures (plain float64) on step k+1's batch
+    equals the loss distill then reports for step k+1, which is computed with the same parameters."""
+    t = teacher()
+    small = prune_width(t, tokens(), d_ff=64, n_kv_heads=1)
+    data = tokens(2, 12)  # 3 batches of 4 rows, in turn
+    seen = []
+
+    def on_step(step, loss):
+        assert not small.training
+        x = data[(torch.arange(step * 4, step * 4 + 4)) % 12]
+        with torch.no_grad():
+            ls = torch.log_softmax(small(x).double(), -1)
+            lt = torch.log_softmax(t(x).double(), -1)
+        seen.append((step, loss, float((lt.exp() * (lt - ls)).sum(-1).mean())))
+
+    losses = distill(small, t, data, steps=3, lr=1e-3, on_step=on_step)
+    assert [s for s, _, _ in seen] == [1, 2, 3] and [l for _, l, _ in seen] == losses
+    for k in range(2):
+        assert seen[k][2] == pytest.approx(losses[k + 1], rel=1e-4)
+    assert not small.training
+
+
 def test_bad_widths():
     with pytest.raises(ValueError, match="d_ff=256"):
         prune_width(teacher(), tokens(), d_ff=256)

@@ -4,27 +4,34 @@
     lmstack compress --model runs/demo --d-ff 256 --out runs/demo-pruned
 
 Calibration / distillation / evaluation text: ``--text FILE`` (default: the running Python's
-standard-library sources, the demo's corpus); rows of ``--seq`` tokens, the last ``--eval-rows`` held
-out for the before/after perplexity. Prints parameters, perplexity of the
-original, the pruned and the distilled model, and writes an lmstack checkpoint (config.json +
-model.safetensors) to ``--out``.
+standard-library sources, the demo's corpus); rows of ``--seq`` tokens: the first ``--calib-rows``
+calibrate the pruning, the next ``--eval-rows`` are held out for the perplexities, and distillation
+cycles through ``--distill-rows`` rows (default: the calibration rows; more are taken from after the
+held-out ones). Prints parameters, perplexity of the original, the pruned and the distilled model
+(also every ``--eval-every`` steps), batch-1 greedy decode tok/s of the original and the result
+(``--speed-tokens``), and writes an lmstack checkpoint (config.json + model.safetensors) to ``--out``
+with ``compress.json`` (the figures) and ``distill.png`` (loss and held-out perplexity per step).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import statistics
 import sysconfig
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from lmstack.model.io import load_model, save_pretrained
 from lmstack.quant.prune import distill, prune_width
 from lmstack.threads import add_threads_argument, set_threads
 from lmstack.tokenizer import load_tokenizer
-from lmstack.utils import check_outputs
+from lmstack.utils import atomic_path, atomic_write_text, check_outputs
 
 
 def register(subparsers) -> None:
@@ -40,6 +47,11 @@ def register(subparsers) -> None:
     p.add_argument("--calib-rows", type=int, default=16)
     p.add_argument("--eval-rows", type=int, default=4)
     p.add_argument("--distill-steps", type=int, default=0)
+    p.add_argument("--distill-rows", type=int, default=None,
+                   help="rows distillation cycles through (default: the --calib-rows; extra ones follow the held-out rows)")
+    p.add_argument("--eval-every", type=int, default=0, help="held-out perplexity every N distillation steps (0: end only)")
+    p.add_argument("--speed-tokens", type=int, default=32,
+                   help="new tokens per batch-1 greedy decode timing of the original and the result (0: skip)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--temperature", type=float, default=1.0)
     add_threads_argument(p)
@@ -59,27 +71,108 @@ def _ppl(model, rows) -> float:
     return math.exp(nll / (rows.numel() - rows.shape[0]))
 
 
+@torch.inference_mode()
+def _decode_speed(model, prompt: list[int], n_new: int, repeats: int = 3) -> float:
+    """Median tok/s of batch-1 greedy ``generate`` (contiguous KV cache, eager) over ``repeats`` runs."""
+    from lmstack.inference.generate import generate  # a command may time the engine (pyproject: layers' ignore)
+    from lmstack.inference.sampling import SamplingParams
+
+    list(generate(model, prompt, SamplingParams(temperature=0, max_tokens=4)))  # warm-up
+    runs = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        n = sum(1 for _ in generate(model, prompt, SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)))
+        runs.append(n / (time.perf_counter() - t))
+    return statistics.median(runs)
+
+
+def _plot(path: Path, losses: list[float], evals: list[tuple[int, float]], teacher_ppl: float, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax.plot(range(1, len(losses) + 1), losses, lw=1.2, label="distillation loss T²·KL (training batch)")
+    ax.set_xlabel("distillation step")
+    ax.set_ylabel("T²·KL (nats/token)")
+    ax.grid(alpha=0.3)
+    ax2 = ax.twinx()
+    ax2.plot(*zip(*evals), "o-", color="C1", ms=4, label="held-out perplexity")
+    ax2.axhline(teacher_ppl, color="gray", ls="--", lw=1, label=f"teacher {teacher_ppl:.2f}")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("held-out perplexity")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
 def run_compress(args: argparse.Namespace) -> int:
     check_outputs([("--out", args.out)], [("--model", args.model), ("--text", args.text)])
     set_threads(args.threads)
+    for name in ("distill_steps", "eval_every", "speed_tokens"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}; expected ≥ 0")
     lm = load_model(args.model)
     teacher = lm.model.eval()
     ids = load_tokenizer(lm.source).encode(_text(args.text))
-    n = min(args.calib_rows + args.eval_rows, len(ids) // args.seq)
-    if n <= args.eval_rows:
-        raise ValueError(f"the text gives {len(ids)} tokens: fewer than {args.eval_rows + 1} rows of --seq {args.seq}")
-    rows = torch.tensor(ids[: n * args.seq]).view(n, args.seq)
-    calib, held = rows[:-args.eval_rows], rows[-args.eval_rows:]
+    c, e = args.calib_rows, args.eval_rows
+    d = c if args.distill_rows is None else args.distill_rows
+    avail = len(ids) // args.seq
+    if c < 1 or e < 1 or d < 1:
+        raise ValueError(f"--calib-rows={c}, --eval-rows={e}, --distill-rows={d}: each must be ≥ 1")
+    if avail <= e:
+        raise ValueError(f"the text gives {len(ids)} tokens: fewer than {e + 1} rows of --seq {args.seq} "
+                         f"(--eval-rows {e} + at least one to calibrate)")
+    c = min(c, avail - e)  # a short text calibrates on what is left before the held-out rows
+    d = c if args.distill_rows is None else d
+    if d > c and avail < c + e + (d - c):
+        raise ValueError(f"the text gives {avail} rows of --seq {args.seq}: fewer than --distill-rows {d} + --eval-rows {e}")
+    rows = torch.tensor(ids[: avail * args.seq]).view(avail, args.seq)
+    calib, held = rows[:c], rows[c:c + e]
+    train = calib[:d] if d <= c else torch.cat([calib, rows[c + e:c + e + d - c]])
     student = prune_width(teacher, calib, args.d_ff, args.n_kv_heads, args.d_model)
     before, pruned = _ppl(teacher, held), _ppl(student, held)
-    after = pruned
+    evals = [(0, pruned)]
+
+    def on_step(step: int, loss: float) -> None:
+        if args.eval_every and step % args.eval_every == 0 and step != args.distill_steps:
+            evals.append((step, _ppl(student, held)))
+            tqdm.write(f"step {step}: loss {loss:.3f}, held-out perplexity {evals[-1][1]:.2f}")
+
+    losses = []
+    t0 = time.perf_counter()
     if args.distill_steps:
-        distill(student, teacher, calib, args.distill_steps, args.lr, args.temperature)
-        after = _ppl(student, held)
+        losses = distill(student, teacher, train, args.distill_steps, args.lr, args.temperature, on_step=on_step)
+        evals.append((args.distill_steps, _ppl(student, held)))
+    distill_s = time.perf_counter() - t0
+    after = evals[-1][1]
     p_t = sum(p.numel() for p in teacher.parameters())
     p_s = sum(p.numel() for p in student.parameters())
     print(f"parameters {p_t / 1e6:.1f}M -> {p_s / 1e6:.1f}M; "
           f"held-out perplexity {before:.2f} -> pruned {pruned:.2f} -> distilled ({args.distill_steps} steps) {after:.2f}")
+    report = dict(model=args.model, d_ff=student.config.d_ff, n_kv_heads=student.config.n_kv_heads,
+                  d_model=student.config.d_model, params_before=p_t, params_after=p_s, seq=args.seq,
+                  calib_rows=c, eval_rows=e, distill_rows=d, distill_steps=args.distill_steps, lr=args.lr,
+                  temperature=args.temperature, distill_seconds=round(distill_s, 1), ppl_teacher=before,
+                  ppl_pruned=pruned, ppl_distilled=after, held_out_ppl=evals, losses=losses)
+    if args.speed_tokens:
+        prompt = held[0, :16].tolist()
+        report["decode_tok_s_before"] = _decode_speed(teacher, prompt, args.speed_tokens)
+        report["decode_tok_s_after"] = _decode_speed(student, prompt, args.speed_tokens)
+        print(f"batch-1 greedy decode ({args.speed_tokens} tokens, eager, {torch.get_num_threads()} thread(s)): "
+              f"{report['decode_tok_s_before']:.1f} -> {report['decode_tok_s_after']:.1f} tok/s")
     save_pretrained(student, args.out)
-    print(f"wrote {args.out}/config.json and model.safetensors (tokenizer: the original model's)")
+    out = Path(args.out)
+    atomic_write_text(out / "compress.json", json.dumps(report, indent=1) + "\n")
+    if losses:
+        _plot(out / "distill.png", losses, evals, before,
+              f"{args.model}: {p_t / 1e6:.1f}M -> {p_s / 1e6:.1f}M parameters, {d} rows × {args.seq} tokens, lr {args.lr}")
+    print(f"wrote {args.out}/config.json, model.safetensors, compress.json{', distill.png' if losses else ''} "
+          f"(tokenizer: the original model's)")
     return 0

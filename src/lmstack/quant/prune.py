@@ -23,6 +23,8 @@ position; ``distill`` runs a few AdamW steps of it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -145,8 +147,11 @@ def distill_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: fl
 
 
 def distill(student: nn.Module, teacher: nn.Module, tokens: Tensor, steps: int = 20, lr: float = 3e-4,
-            temperature: float = 1.0, batch: int = 4) -> list[float]:
-    """``steps`` AdamW steps of ``distill_loss`` on rows of ``tokens`` (B, S); returns the losses."""
+            temperature: float = 1.0, batch: int = 4,
+            on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """``steps`` AdamW steps of ``distill_loss`` on rows of ``tokens`` (B, S) (batches of ``batch`` rows in
+    turn); returns the losses. ``on_step(step, loss)`` runs after each step (1-based; the student in eval
+    mode during the call), e.g. to measure held-out perplexity along the way."""
     from tqdm import tqdm
 
     calibration_batches(tokens, 2)
@@ -164,5 +169,9 @@ def distill(student: nn.Module, teacher: nn.Module, tokens: Tensor, steps: int =
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        if on_step is not None:
+            student.eval()
+            on_step(step + 1, losses[-1])
+            student.train()
     student.eval()
     return losses
