@@ -11,7 +11,9 @@ activations quantised per group, s_x = max|x|/127, x_q = round(x / s_x):
 (llama.cpp's Q4_1 × Q8_1 dot product has the same form). By default (``terms=2``) each activation is two
 int8 terms, x ≈ s_x1·x_q1 + s_x2·x_q2 with x_q2 the rounded residual: one 8-bit term alone cost SmolLM2
 +0.9% perplexity, the pair keeps ~15 bits for a second ``vpdpbusd`` on codes already unpacked. ``pack`` lays the codes out in tiles of 16 output
-rows (one ``vpdpbusd`` = 16 rows × 4 inputs, one int32 lane per row) and d, m as fp16.
+rows (one ``vpdpbusd`` = 16 rows × 4 inputs, one int32 lane per row) and d, m as fp16. Per call the kernel
+quantises the activations with AVX-512 into a per-thread scratch buffer, accumulates both terms into one
+output and prefetches the codes 8 KiB ahead (a decode step streams every weight from DRAM once).
 Needs a CPU with avx512f/avx512bw/avx512_vnni and a C++ compiler; ``status()`` says why it is off
 otherwise (``Int4Linear`` then uses torch's ``_weight_int4pack_mm_for_cpu``). ``LMSTACK_INT4_KERNEL=aten``
 turns it off.
