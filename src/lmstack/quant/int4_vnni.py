@@ -73,12 +73,14 @@ def _build() -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        cflags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]
+        # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled into this kernel;
+        # without the flag it silently runs on one thread.
+        cflags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp"]
         # One build folder per source text: two checkouts of lmstack on one machine (or an upgrade) never
         # load or rebuild each other's kernel.
         digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
         load(name=f"lmstack_int4_vnni_{digest}", sources=[str(SOURCE)], is_python_module=False, verbose=False,
-             extra_cflags=cflags)
+             extra_cflags=cflags, extra_ldflags=["-fopenmp"])
 
         if not _FAKE_REGISTERED:  # once per process, even if status() is asked again (its cache cleared)
 
