@@ -140,14 +140,15 @@ def fast_attention(model):
 def token_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """−log softmax(logits)[target] per row, float64: (c, V) logits, (c,) targets -> (c,). The logits are
     overwritten (they are the caller's scratch): logsumexp as torch computes it (row max m, then
-    m + log Σ exp(z − m)), but in place, so no second (c, V) tensor is allocated."""
+    m + log Σ exp(z − m)), but in place, so no second (c, V) tensor is allocated, and m − z_target is taken in
+    float64 (torch's fp32 m + log Σ rounds at the magnitude of m)."""
     if logits.dtype != torch.float32:
         logits = logits.float()
     tl = logits.gather(-1, target[:, None])[:, 0]  # (c,) the target logits, before the overwrite
     m = logits.amax(-1, keepdim=True)  # (c, 1)
     m.masked_fill_(m.isinf(), 0.0)  # a row of ±inf: as torch.logsumexp, no inf − inf
-    lse = logits.sub_(m).exp_().sum(-1).log_().add_(m[:, 0])  # (c,)
-    return (lse - tl).double()
+    log_s = logits.sub_(m).exp_().sum(-1).log_()  # (c,) log Σ exp(z − m)
+    return log_s.double() + (m[:, 0].double() - tl.double())  # m − z_t exact in float64, not rounded at |m|
 
 
 def perplexity(model, ids, max_length: int | None = None, stride: int | None = None, tokenizer=None,
