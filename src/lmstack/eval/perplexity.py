@@ -15,7 +15,7 @@ time, no padding), the unembedding and the cross-entropy run only on the scored 
 position never forms its V logits), a chunk of positions at a time as logsumexp − target logit computed in
 place on the chunk's logits (``token_nll``: no (S, V) log-softmax, no second (c, V) temporary), and the sum
 stays on the device until the end (no host sync per window). The model's causal self-attention runs through
-``kernels.onednn_attention`` where it applies (``fast_attention``: CPU fp32, oneDNN GEMMs, block-triangular).
+``eval.attention`` where it applies (``fast_attention``: CPU fp32, oneDNN GEMMs, block-triangular).
 Constants below are measured in docs/eval.md.
 
 Bits per byte = total negative log-likelihood / (ln 2 · bytes of the scored tokens): the byte count
@@ -118,10 +118,10 @@ def window_nll(model, tokens: torch.Tensor, begins: list[int], length: int, star
 
 @contextmanager
 def fast_attention(model):
-    """Within the block, the model's softmax-attention layers run ``kernels.onednn_attention`` (oneDNN GEMMs,
+    """Within the block, the model's softmax-attention layers run ``eval.attention`` (oneDNN GEMMs,
     block-triangular; CPU fp32 causal windows of >= 256 tokens) and otherwise their own implementation,
     which it falls back to; restored on exit. A model without ``blocks`` runs unchanged."""
-    from lmstack.kernels.onednn_attention import OneDNNAttention
+    from lmstack.eval.attention import OneDNNAttention
     from lmstack.model.mixers import SOFTMAX_MIXERS
 
     kinds = model.config.mixer_types

@@ -12,9 +12,6 @@ attention  ``sdpa``           F.scaled_dot_product_attention (on CUDA its FlashA
            ``matmul``         lmstack.kernels.matmul_attention: bf16 matmuls, fp32 scores/softmax,
                               block-triangular for causal masks (row blocks skip the keys they
                               never see), P recomputed in backward (CPU training)
-           ``onednn``         lmstack.kernels.onednn_attention: CPU fp32 causal self-attention without
-                              autograd through oneDNN's GEMM, block-triangular (perplexity windows);
-                              any other call runs sdpa. Not chosen by ``auto`` (eval.perplexity uses it)
            ``auto``           the fastest available on the tensor's device (table below)
 rmsnorm    ``torch``          the eager fp32 formula in lmstack.model.layers.RMSNorm (impl None)
            ``triton``         lmstack.kernels.triton_rmsnorm (one fused kernel each way)
@@ -47,10 +44,9 @@ from torch import Tensor
 
 from lmstack.kernels.flash_pytorch import flash_attention_pytorch
 from lmstack.kernels.matmul_attention import matmul_attention
-from lmstack.kernels.onednn_attention import OneDNNAttention
 from lmstack.model.seam import AttentionImpl, AttentionMetadata, NormImpl, ReferenceAttention, SDPAAttention
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "reference", "matmul", "flash_pytorch", "flash_triton", "onednn")
+ATTENTION_BACKENDS = ("auto", "sdpa", "reference", "matmul", "flash_pytorch", "flash_triton")
 NORM_BACKENDS = ("auto", "torch", "triton")  # RMSNorm: eager fp32 formula or the fused Triton kernel
 # device type -> attention backend that "auto" picks (see the module docstring for why)
 FASTEST_ATTENTION = {"cpu": "sdpa", "cuda": "sdpa"}
@@ -87,7 +83,6 @@ class FlashAttentionImpl:
 ATTENTION: dict[str, AttentionImpl] = {
     "sdpa": SDPAAttention(), "reference": ReferenceAttention(), "matmul": MatmulAttentionImpl(),
     "flash_pytorch": FlashAttentionImpl("flash_pytorch"), "flash_triton": FlashAttentionImpl("flash_triton"),
-    "onednn": OneDNNAttention(),
 }
 
 

@@ -1,11 +1,11 @@
-"""Causal attention for CPU fp32 inference through oneDNN's GEMM, block-triangular over query rows.
+"""Causal attention for CPU fp32 inference through oneDNN's GEMM, block-triangular over query rows: the
+attention of ``eval.perplexity``'s windows (``perplexity.fast_attention`` swaps it in).
 
 Seed 000 §1.2 (softmax(QKᵀ/√H + causal mask) V), §1.3 (the causal mask), §2.7 (attention is exact
 whichever way it is tiled). Why it exists: SDPA's CPU flash kernel does its block products with torch's
 BLAS, which on this project's AMD EPYC runs fp32 GEMMs at about half the speed of oneDNN's
-(docs/kernels.md). For a full causal forward at T = S = 1024 (perplexity windows, prefill without a
-cache) this path measured ~25 ms per layer against SDPA's ~40 ms (SmolLM2-135M's N = 9, K = 3, H = 64,
-one thread; docs/eval.md).
+(docs/kernels.md); at the perplexity windows' T = 1024 this path is ~1.7x faster (docs/eval.md). It lives
+in eval/ because it calls the model's oneDNN GEMM (``model.layers``), which kernels/ may not import.
 
 Scheme: for each batch row and kv head, the G query heads of the group are stacked along the rows
 (row t·G + g = query t of head g), and the queries are cut into blocks of ``ROW_BLOCK`` rows. Block
@@ -28,8 +28,8 @@ from torch import Tensor
 from lmstack.model.layers import _onednn_mm_t, onednn_ok
 from lmstack.model.seam import AttentionImpl, AttentionMetadata, SDPAAttention
 
-ROW_BLOCK = 128  # query rows a block (T = 1023, one thread: 64 → 22 ms, 128 → 16–24 ms, 256 → 20–27 ms a layer)
-MIN_T = 256  # shorter sequences: SDPA (few blocks to skip; its one call beats the per-block calls)
+ROW_BLOCK = 128  # query rows a block (64, 128, 192, 256 measured: docs/eval.md)
+MIN_T = 256  # shorter sequences run the fallback (few blocks to skip; one SDPA call beats the per-block calls)
 _TRIU: dict[int, Tensor] = {}
 
 

@@ -1,9 +1,9 @@
-"""lmstack.kernels.onednn_attention vs an fp64 softmax(QKᵀ/√H + causal mask)V written with torch ops.
+"""lmstack.eval.attention (oneDNN causal attention) vs an fp64 softmax(QKᵀ/√H + causal mask)V written with torch ops.
 
 MHA/GQA/MQA, the model's strided (B, T, N, H) layout and contiguous inputs, row blocks that do not divide T,
 T shorter than one block, a head size whose 1/√H is not a power of two; the ``OneDNNAttention`` dispatch
 (the kernel only for plain causal fp32 self-attention of >= MIN_T tokens without autograd, everything else
-to the fallback) and the registry entry.
+to the fallback).
 """
 
 import math
@@ -11,8 +11,7 @@ import math
 import pytest
 import torch
 
-from lmstack.kernels import backends
-from lmstack.kernels import onednn_attention as oa
+from lmstack.eval import attention as oa
 from lmstack.model.layers import onednn_ok
 from lmstack.model.seam import AttentionMetadata
 
@@ -97,8 +96,3 @@ def test_dispatch(monkeypatch):
         impl(qq, kk, vv, meta)
         assert spy.calls == n and used == [1]
 
-
-def test_registered_backend():
-    assert "onednn" in backends.ATTENTION_BACKENDS
-    assert backends.attention_impl("onednn").name == "onednn"
-    assert backends.choose_attention("onednn", "cpu") == ("onednn", "configured")
