@@ -29,7 +29,7 @@ from lmstack.model.layers import _onednn_mm_t, onednn_ok
 from lmstack.model.seam import AttentionImpl, AttentionMetadata, SDPAAttention
 
 ROW_BLOCK = 128  # query rows a block (64, 128, 192, 256 measured: docs/eval.md)
-MIN_T = 256  # shorter sequences run the fallback (few blocks to skip; one SDPA call beats the per-block calls)
+MIN_T = 192  # shorter sequences run the fallback (SDPA's one call beats the per-block calls below ~160 tokens)
 _TRIU: dict[int, Tensor] = {}
 
 
