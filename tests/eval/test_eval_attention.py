@@ -1,4 +1,5 @@
-"""lmstack.eval.attention (oneDNN causal attention) vs an fp64 softmax(QKᵀ/√H + causal mask)V written with torch ops.
+"""lmstack.eval.attention (oneDNN causal attention) vs an fp64 softmax(QKᵀ/√H + causal mask)V written with
+torch ops.
 
 MHA/GQA/MQA, the model's strided (B, T, N, H) layout and contiguous inputs, row blocks that do not divide T,
 T shorter than one block, a head size whose 1/√H is not a power of two; the ``OneDNNAttention`` dispatch
@@ -32,9 +33,8 @@ def reference64(q, k, v):
 def make(B, N, K, T, H, seed=0, model_layout=True):
     g = torch.Generator().manual_seed(seed)
     if model_layout:  # (B, T, heads, H) transposed: what the model's projections and RoPE produce
-        return (torch.randn(B, T, N, H, generator=g).transpose(1, 2), torch.randn(B, T, K, H, generator=g).transpose(1, 2),
-                torch.randn(B, T, K, H, generator=g).transpose(1, 2))
-    return torch.randn(B, N, T, H, generator=g), torch.randn(B, K, T, H, generator=g), torch.randn(B, K, T, H, generator=g)
+        return tuple(torch.randn(B, T, n, H, generator=g).transpose(1, 2) for n in (N, K, K))
+    return tuple(torch.randn(B, n, T, H, generator=g) for n in (N, K, K))
 
 
 @pytest.mark.parametrize("B,N,K,T,H,block,layout", [

@@ -119,7 +119,7 @@ def window_nll(model, tokens: torch.Tensor, begins: list[int], length: int, star
 @contextmanager
 def fast_attention(model):
     """Within the block, the model's softmax-attention layers run ``eval.attention`` (oneDNN GEMMs,
-    block-triangular; CPU fp32 causal windows of >= 256 tokens) and otherwise their own implementation,
+    block-triangular; CPU fp32 causal windows of >= ``attention.MIN_T`` tokens) and otherwise their own implementation,
     which it falls back to; restored on exit. A model without ``blocks`` runs unchanged."""
     from lmstack.eval.attention import OneDNNAttention
     from lmstack.model.mixers import SOFTMAX_MIXERS
@@ -156,8 +156,7 @@ def perplexity(model, ids, max_length: int | None = None, stride: int | None = N
     """Perplexity of ``model`` on token ids (a list, array or memmap). ``max_length`` defaults to the
     model's context (``config.max_seq_len``), ``stride`` to ``max_length // 2``; ``batch_windows``
     (windows per forward) to as many as make ``BATCH_TOKENS_CPU`` tokens on the CPU (``BATCH_TOKENS``
-    elsewhere), at most 32. The model's softmax attention
-    runs through ``fast_attention`` meanwhile."""
+    elsewhere), at most 32. The model's softmax attention runs through ``fast_attention`` meanwhile."""
     from tqdm import tqdm
 
     ids = np.asarray(ids, dtype=np.int64)
