@@ -139,3 +139,55 @@ def test_token_file(lm, tmp_path):
     write_sidecar(p, {"dtype": "uint16", "n_tokens": len(ids), "vocab_size": tok.vocab_size})
     got = read_eval_tokens(p)
     assert got.tolist() == ids.tolist()
+
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory, make_hf_llama):
+    """(lmstack model, HF model): a tiny random HF Llama with context 512 (GQA, tied embeddings), saved and
+    loaded through lmstack's HF loader — long enough windows for the oneDNN attention path (>= MIN_T = 192 tokens)."""
+    from lmstack.model.hf import load_hf
+
+    hf = make_hf_llama(std=0.15, vocab_size=300, max_position_embeddings=512, tie_word_embeddings=True,
+                       rope_theta=10000.0)
+    d = tmp_path_factory.mktemp("tiny_hf_512")
+    hf.save_pretrained(d, safe_serialization=True)
+    return load_hf(d).eval(), hf
+
+
+def test_long_windows_through_onednn_attention_equal_transformers(long_context, monkeypatch):
+    """Windows of 300 tokens (stride 150, and one window a forward) run the oneDNN block-triangular attention
+    and give the perplexity of the transformers guide's loop on HF's model; the model's attention is restored."""
+    from lmstack.eval import attention as oa
+    from lmstack.model.layers import onednn_ok
+
+    if not onednn_ok(torch.zeros(1)):
+        pytest.skip("needs torch built with oneDNN (mkldnn)")
+    model, hf = long_context
+    before = model.attention
+    calls = []
+    real = oa.onednn_causal_attention
+    monkeypatch.setattr(oa, "onednn_causal_attention", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    ids = torch.randint(0, 300, (700,), generator=torch.Generator().manual_seed(0)).tolist()
+    nll_sum, n = hf_strided_reference(hf, ids, 300, 150)
+    for batch in (None, 1):
+        calls.clear()
+        r = perplexity(model, ids, max_length=300, stride=150, progress=False, batch_windows=batch)
+        assert r.n_tokens == n == len(ids) - 1
+        assert r.perplexity == pytest.approx(math.exp(nll_sum / n), rel=1e-5)
+        assert {s[2] for s in calls} == {299, 249}  # the full windows and the 250-token last one (>= MIN_T)
+    assert model.attention is before
+
+
+def test_token_nll_equals_log_softmax():
+    """In-place logsumexp − target logit vs torch's float64 log_softmax, also for large logits."""
+    from lmstack.eval.perplexity import token_nll
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1000, generator=g) * 4
+    logits[1] += 1e4  # shifted rows: the max subtraction keeps exp finite
+    logits[2, 7] = 80.0
+    target = torch.tensor([3, 999, 7, 0, 500])
+    ref = -torch.log_softmax(logits.double(), -1).gather(-1, target[:, None])[:, 0]
+    got = token_nll(logits.clone(), target)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-5)

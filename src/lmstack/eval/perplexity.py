@@ -12,8 +12,11 @@ token short for windows whose first label is masked; tests/eval/test_eval_perple
 
 The fast path (``window_nll``): windows of equal length run as one batch (``batch_windows`` at a
 time, no padding), the unembedding and the cross-entropy run only on the scored positions (a context-only
-position never forms its V logits), a chunk of positions at a time as logsumexp − target logit (no
-(S, V) log-softmax), and the sum stays on the device until the end (no host sync per window).
+position never forms its V logits), a chunk of positions at a time as logsumexp − target logit computed in
+place on the chunk's logits (``token_nll``: no (S, V) log-softmax, no second (c, V) temporary), and the sum
+stays on the device until the end (no host sync per window). The model's causal self-attention runs through
+``eval.attention`` where it applies (``fast_attention``: CPU fp32, oneDNN GEMMs, block-triangular).
+Constants below are measured in docs/eval.md.
 
 Bits per byte = total negative log-likelihood / (ln 2 · bytes of the scored tokens): the byte count
 does not depend on the tokenizer, so models with different vocabularies compare.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +35,10 @@ import numpy as np
 import torch
 
 from lmstack.tokenizer import is_token_file, open_tokens
+
+CHUNK_POSITIONS = 128  # scored positions unembedded at once: (128, V) fp32 logits, 25 MB at V = 49152
+BATCH_TOKENS_CPU = 2048  # tokens a forward on the CPU (larger batches' activations page-fault on first touch)
+BATCH_TOKENS = 8192  # tokens a forward on other devices
 
 
 @dataclass
@@ -91,7 +99,7 @@ def bits_per_byte(nll_nats: float, n_bytes: int) -> float:
 
 @torch.inference_mode()
 def window_nll(model, tokens: torch.Tensor, begins: list[int], length: int, start: int,
-               chunk_positions: int = 256) -> torch.Tensor:
+               chunk_positions: int = CHUNK_POSITIONS) -> torch.Tensor:
     """Sum of −log p(tokens[b + j] | tokens[b:b + j]) over j = start .. length−1 for every window begin b
     (windows of one ``length``, scored from one ``start`` >= 1), as a float64 scalar on the model's device.
 
@@ -104,18 +112,51 @@ def window_nll(model, tokens: torch.Tensor, begins: list[int], length: int, star
     target = x[:, start:].reshape(-1)  # (P,)
     total = torch.zeros((), dtype=torch.float64, device=tokens.device)
     for c0 in range(0, len(target), chunk_positions):
-        logits = model.unembed(hidden[c0:c0 + chunk_positions]).float()  # (c, V)
-        t = target[c0:c0 + chunk_positions]
-        nll = torch.logsumexp(logits, dim=-1) - logits.gather(-1, t[:, None])[:, 0]  # (c,) = −log softmax[t]
-        total += nll.double().sum()
+        total += token_nll(model.unembed(hidden[c0:c0 + chunk_positions]), target[c0:c0 + chunk_positions]).sum()
     return total
+
+
+@contextmanager
+def fast_attention(model):
+    """Within the block, the model's softmax-attention layers run ``eval.attention`` (oneDNN GEMMs,
+    block-triangular; CPU fp32 causal windows of >= ``attention.MIN_T`` tokens) and otherwise their own implementation,
+    which it falls back to; restored on exit. A model without ``blocks`` runs unchanged."""
+    from lmstack.eval.attention import OneDNNAttention
+    from lmstack.model.mixers import SOFTMAX_MIXERS
+
+    kinds = model.config.mixer_types
+    layers = [b.attn for i, b in enumerate(getattr(model, "blocks", ()))
+              if kinds[getattr(b.attn, "layer_idx", i)] in SOFTMAX_MIXERS and hasattr(b.attn, "impl")]
+    saved = [a.impl for a in layers]
+    try:
+        for a, impl in zip(layers, saved):
+            a.impl = OneDNNAttention(fallback=impl)
+        yield
+    finally:
+        for a, impl in zip(layers, saved):
+            a.impl = impl
+
+
+def token_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """−log softmax(logits)[target] per row, float64: (c, V) logits, (c,) targets -> (c,). The logits are
+    overwritten (they are the caller's scratch): logsumexp as torch computes it (row max m, then
+    m + log Σ exp(z − m)), but in place, so no second (c, V) tensor is allocated, and m − z_target is taken in
+    float64 (torch's fp32 m + log Σ rounds at the magnitude of m)."""
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    tl = logits.gather(-1, target[:, None])[:, 0]  # (c,) the target logits, before the overwrite
+    m = logits.amax(-1, keepdim=True)  # (c, 1)
+    m.masked_fill_(m.isinf(), 0.0)  # a row of ±inf: as torch.logsumexp, no inf − inf
+    log_s = logits.sub_(m).exp_().sum(-1).log_()  # (c,) log Σ exp(z − m)
+    return log_s.double() + (m[:, 0].double() - tl.double())  # m − z_t exact in float64, not rounded at |m|
 
 
 def perplexity(model, ids, max_length: int | None = None, stride: int | None = None, tokenizer=None,
                batch_windows: int | None = None, progress: bool = True) -> PerplexityResult:
     """Perplexity of ``model`` on token ids (a list, array or memmap). ``max_length`` defaults to the
     model's context (``config.max_seq_len``), ``stride`` to ``max_length // 2``; ``batch_windows``
-    (windows per forward) to as many as make 8192 tokens, at most 32."""
+    (windows per forward) to as many as make ``BATCH_TOKENS_CPU`` tokens on the CPU (``BATCH_TOKENS``
+    elsewhere), at most 32. The model's softmax attention runs through ``fast_attention`` meanwhile."""
     from tqdm import tqdm
 
     ids = np.asarray(ids, dtype=np.int64)
@@ -125,8 +166,9 @@ def perplexity(model, ids, max_length: int | None = None, stride: int | None = N
         raise ValueError(f"token id {int(ids[bad])} at position {bad} is outside the model's vocabulary 0..{V - 1}")
     max_length = int(max_length or model.config.max_seq_len)
     stride = int(stride or max(1, max_length // 2))
+    device = next(model.parameters()).device
     if batch_windows is None:
-        batch_windows = max(1, min(32, 8192 // max_length))
+        batch_windows = max(1, min(32, (BATCH_TOKENS_CPU if device.type == "cpu" else BATCH_TOKENS) // max_length))
     wins = windows(len(ids), max_length, stride)
     n_tok = sum(e - b - s for b, e, s in wins)
     nbytes = token_bytes(tokenizer, ids) if tokenizer is not None else None
@@ -135,12 +177,11 @@ def perplexity(model, ids, max_length: int | None = None, stride: int | None = N
     groups: dict[tuple[int, int], list[int]] = {}
     for b, e, s in wins:
         groups.setdefault((e - b, s), []).append(b)
-    device = next(model.parameters()).device
     t0 = time.perf_counter()
     tokens = torch.as_tensor(ids, device=device)
     total = torch.zeros((), dtype=torch.float64, device=device)
     done = 0
-    with tqdm(total=n_tok, desc="perplexity", unit="tok", disable=not progress) as bar:
+    with tqdm(total=n_tok, desc="perplexity", unit="tok", disable=not progress) as bar, fast_attention(model):
         for (length, start), begins in groups.items():
             if length <= start:  # a one-token last window (stride = max_length) scores nothing
                 continue
