@@ -55,3 +55,15 @@ def test_compiled_decoder_greedy_equals_full_recompute(model, prompts):
     p = prompts[0]
     assert list(generate(model, p, greedy(N), decoder=guarded)) == full_recompute_greedy(model, p, N)
     assert guarded._direct is None
+    # a step unlike the traced one (int32 ids) goes through Dynamo (a recompile), not the captured graph
+    logits = decoder.decode(torch.tensor([[5]]), torch.tensor([0]))
+    torch.testing.assert_close(decoder.decode(torch.tensor([[5]], dtype=torch.int32), torch.tensor([0])), logits)
+    assert len(decoder._graphs) == 2
+    # Dynamo keeps its backends for the life of the process; they must not keep a decoder (and its model) alive
+    import gc
+    import weakref
+
+    ref = weakref.ref(decoder)
+    del decoder
+    gc.collect()
+    assert ref() is None

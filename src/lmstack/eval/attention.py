@@ -75,7 +75,8 @@ def applies(q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> bool:
     window or documents) of at least ``MIN_T`` tokens, fp32 on the CPU where oneDNN GEMMs run (``onednn_ok``),
     nothing recording gradients."""
     return (meta.is_causal and meta.cache is None and meta.mask() is None and q.shape[2] == k.shape[2] >= MIN_T
-            and k.shape == v.shape and onednn_ok(q) and k.dtype == v.dtype == torch.float32
+            and k.shape == v.shape and q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3]
+            and q.shape[1] % k.shape[1] == 0 and onednn_ok(q) and k.dtype == v.dtype == torch.float32
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 

@@ -124,17 +124,22 @@ def fast_attention(model):
     from lmstack.eval.attention import OneDNNAttention
     from lmstack.model.mixers import SOFTMAX_MIXERS
 
+    from lmstack.model.seam import SDPAAttention
+
     kinds = model.config.mixer_types
+    # only layers on the default SDPA: a backend the user chose (kernels.configure, the reference) is kept
     layers = [b.attn for i, b in enumerate(getattr(model, "blocks", ()))
-              if kinds[getattr(b.attn, "layer_idx", i)] in SOFTMAX_MIXERS and hasattr(b.attn, "impl")]
+              if kinds[getattr(b.attn, "layer_idx", i)] in SOFTMAX_MIXERS and type(getattr(b.attn, "impl", None)) is SDPAAttention]
     saved = [a.impl for a in layers]
+    ours = [OneDNNAttention(fallback=impl) for impl in saved]
     try:
-        for a, impl in zip(layers, saved):
-            a.impl = OneDNNAttention(fallback=impl)
+        for a, impl in zip(layers, ours):
+            a.impl = impl
         yield
     finally:
-        for a, impl in zip(layers, saved):
-            a.impl = impl
+        for a, impl, mine in zip(layers, saved, ours):
+            if a.impl is mine:  # an overlapping call on the same model may have put its own back already
+                a.impl = impl
 
 
 def token_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 
 import torch
 from torch import Tensor
@@ -93,7 +94,7 @@ class StaticDecoder:
             rope.tables(p.device, compute)  # built now, so the first step does not change them (a recompile)
         self.compiled = compile
         self._step = self._forward
-        self._graphs: list[tuple] = []  # (compiled graph, its example inputs), one per Dynamo compilation
+        self._graphs: list[tuple] = []  # (compiled graph, its example inputs, outputs), one per Dynamo compilation
         self._direct: tuple | None = None  # (graph, inputs, token slot, position slot) once captured
         self._want_direct = compile and direct
         if compile:
@@ -105,30 +106,27 @@ class StaticDecoder:
             if compile_mode is not None:
                 from torch._inductor import list_mode_options
 
-                options = dict(list_mode_options(compile_mode)) | options
-            self._step = torch.compile(forward, fullgraph=True, dynamic=False,
-                                       backend=functools.partial(self._inductor, options=options))
-
-    def _inductor(self, gm, example_inputs, options):
-        """Dynamo's backend: Inductor, keeping the compiled graph and the tensors it was traced with."""
-        from torch._inductor.compile_fx import compile_fx
-
-        graph = compile_fx(gm, example_inputs, config_patches=options)
-        self._graphs.append((graph, list(example_inputs)))
-        return graph
+                try:
+                    options = dict(list_mode_options(compile_mode)) | options
+                except (KeyError, RuntimeError) as e:
+                    raise ValueError(f"compile_mode={compile_mode!r} is not a torch.compile mode ({e})") from None
+            if options.get("triton.cudagraphs"):  # a CUDA-graph tree is not called like a plain graph
+                self._want_direct = False
+            self._step = torch.compile(forward, fullgraph=True, dynamic=False, backend=_Inductor(self, options))
 
     def _capture(self, token: Tensor, position: Tensor) -> None:
-        """After the first compiled step: if it is one graph whose inputs are this step's token and
-        position plus tensors that live as long as the decoder (parameters, buffers, the cache, the RoPE
-        tables), later steps call that graph directly with those tensors, without Dynamo's guard checks
-        (about 1 ms of a 4.6 ms SmolLM2 int4 step on one CPU thread: the guards walk every parameter)."""
+        """After the first compiled step: if it is one graph with one output whose inputs are this step's
+        token and position plus tensors that live as long as the decoder (parameters, buffers, the cache,
+        the RoPE tables), later steps call that graph directly with those tensors, without Dynamo's guard
+        checks (about 1 ms of a 4.6 ms SmolLM2 int4 step on one CPU thread: the guards walk every parameter)."""
         self._want_direct = False
         if len(self._graphs) != 1:
             return
-        graph, inputs = self._graphs[0]
+        graph, inputs, n_out = self._graphs[0]
         slots = [[i for i, t in enumerate(inputs) if t is x] for x in (token, position)]
-        if all(len(s) == 1 for s in slots) and all(isinstance(t, Tensor) for t in inputs):
+        if n_out == 1 and all(len(s) == 1 for s in slots) and all(isinstance(t, Tensor) for t in inputs):
             self._direct = (graph, inputs, slots[0][0], slots[1][0])
+            self._signature = [(t.shape, t.dtype, t.device) for t in (token, position)]
 
     def _forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
         # tokens (1, T), positions (T,) -> logits of the last token (1, V)
@@ -167,12 +165,34 @@ class StaticDecoder:
         run the graph traced from this decoder's model as it was then, so replacing the model's modules
         or parameter tensors afterwards (in-place updates are fine) needs a new decoder, and Python-side
         effects of the forward (none in lmstack's decode path) are not replayed."""
-        if self._direct is not None:
+        if self._direct is not None and all(  # what the graph was traced for; anything else goes through Dynamo
+                (t.shape, t.dtype, t.device) == sig for t, sig in zip((token, position), self._signature)):
             graph, inputs, i_token, i_position = self._direct
             args = list(inputs)
             args[i_token], args[i_position] = token, position
-            return graph(*args)[0][0]
+            return graph(*args)[0][0]  # compile_fx's function takes the inputs as positional arguments
         out = self._step(token, position)[0]
         if self._want_direct:
             self._capture(token, position)
         return out
+
+
+class _Inductor:
+    """Dynamo's backend for a ``StaticDecoder``: Inductor with the decoder's options, appending (graph, the
+    tensors it was traced with, number of outputs) to the decoder's ``_graphs``. Dynamo keeps its backends
+    for the life of the process, so this holds the decoder only weakly (the decoder, its model and cache
+    are freed with the last other reference)."""
+
+    def __init__(self, decoder: StaticDecoder, options: dict):
+        self.decoder, self.options = weakref.ref(decoder), options
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        inputs = list(example_inputs)  # before compile_fx, which may consume the list
+        outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+        graph = compile_fx(gm, example_inputs, config_patches=self.options)
+        decoder = self.decoder()
+        if decoder is not None:
+            decoder._graphs.append((graph, inputs, len(outputs) if isinstance(outputs, (list, tuple)) else 1))
+        return graph

@@ -161,15 +161,17 @@ def run_compress(args: argparse.Namespace) -> int:
                   calib_rows=c, eval_rows=e, distill_rows=d, distill_steps=args.distill_steps, lr=args.lr,
                   temperature=args.temperature, distill_seconds=round(distill_s, 1), ppl_teacher=before,
                   ppl_pruned=pruned, ppl_distilled=after, held_out_ppl=evals, losses=losses)
+    save_pretrained(student, args.out)  # the distilled model first: nothing after it can lose the run
+    out = Path(args.out)
+    atomic_write_text(out / "compress.json", json.dumps(report, indent=1) + "\n")
     if args.speed_tokens:
         prompt = held[0, :16].tolist()
         report["decode_tok_s_before"] = _decode_speed(teacher, prompt, args.speed_tokens)
         report["decode_tok_s_after"] = _decode_speed(student, prompt, args.speed_tokens)
-        print(f"batch-1 greedy decode ({args.speed_tokens} tokens, eager, {torch.get_num_threads()} thread(s)): "
+        print(f"batch-1 greedy generation (16-token prompt + {args.speed_tokens} tokens, eager, "
+              f"{torch.get_num_threads()} thread(s)): "
               f"{report['decode_tok_s_before']:.1f} -> {report['decode_tok_s_after']:.1f} tok/s")
-    save_pretrained(student, args.out)
-    out = Path(args.out)
-    atomic_write_text(out / "compress.json", json.dumps(report, indent=1) + "\n")
+        atomic_write_text(out / "compress.json", json.dumps(report, indent=1) + "\n")
     if losses:
         _plot(out / "distill.png", losses, evals, before,
               f"{args.model}: {p_t / 1e6:.1f}M -> {p_s / 1e6:.1f}M parameters, {d} rows × {args.seq} tokens, lr {args.lr}")

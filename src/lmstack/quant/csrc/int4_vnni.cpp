@@ -30,9 +30,9 @@ namespace {
 // token and the hardware prefetcher alone left one core at ~15 GB/s of its ~40; 8 KiB ahead measured best
 // (1-32 KiB tried on SmolLM2-135M's matrices, one thread).
 constexpr int64_t kPrefetch = 8192;
-// Split a matrix over threads only from this many weights on (SmolLM2: the FFN and unembedding split, the
-// 576 x 576 attention projections do not -- two threads were slower there, 7.2 vs 6.1 us): below it the
-// fork costs more than the share of the work it saves.
+// Split a call over threads only from this many weights x activation rows on (SmolLM2 decode: the FFN
+// and unembedding split, the 576 x 576 attention projections do not -- two threads were slower there,
+// 7.2 vs 6.1 us): below it the fork costs more than the share of the work it saves.
 constexpr int64_t kParallelWeights = 512 * 1024;
 
 // One group of G inputs of one activation row: TERMS int8 terms, their scales, and the exact sum.
@@ -148,7 +148,7 @@ void run_tiles(const uint8_t* wp, const uint16_t* dp, const uint16_t* mp, const 
     }
   };
   // Threads only when each gets a few tiles: a fork costs more than a small matrix's share of the work.
-  if (at::get_num_threads() > 1 && T * 16 * I >= kParallelWeights) at::parallel_for(0, T, 1, body); else body(0, T);
+  if (at::get_num_threads() > 1 && M * T * 16 * I >= kParallelWeights) at::parallel_for(0, T, 1, body); else body(0, T);
 }
 
 struct Scratch {  // per calling thread: the quantised activations, reused across calls
@@ -179,8 +179,8 @@ at::Tensor int4_vnni_mm(const at::Tensor& x_in, const at::Tensor& packed, const 
     for (int64_t g = 0; g < NG; ++g) {
       int8_t* q1 = s.xq.data() + (r * terms) * I + g * G;
       float* s1 = s.sx.data() + (r * terms) * NG + g;
-      quantise_group(xp + r * I + g * G, G, static_cast<int>(terms), q1, q1 + I, s1, s1 + NG,
-                     s.xs.data() + r * NG + g);
+      quantise_group(xp + r * I + g * G, G, static_cast<int>(terms), q1, terms == 2 ? q1 + I : nullptr, s1,
+                     terms == 2 ? s1 + NG : nullptr, s.xs.data() + r * NG + g);
     }
   at::Tensor y = at::empty({M, O}, x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
