@@ -163,13 +163,16 @@ def test_errors(target):
         truncated_draft(target, 9)
 
 
-@pytest.mark.parametrize("strategy", ["static", "recompute"])
+@pytest.mark.parametrize("strategy", ["static", "static-compiled", "recompute"])
 def test_speculation_is_a_strategy_of_every_batch1_step(target, prompts, greedy_refs, strategy):
-    """Speculation rides on the static decoder and on full recomputation too (one loop, step
-    strategies): greedy output equals the plainly written full-recompute reference, drafts kept."""
+    """Speculation rides on the static decoder (eager, and compiled: its one-token steps call the captured
+    graph while verification runs eagerly over the same cache, rolled back by ``truncate``) and on full
+    recomputation too (one loop, step strategies): greedy output equals the plainly written full-recompute
+    reference, drafts kept."""
     from lmstack.inference.static import StaticDecoder
 
-    kw = dict(decoder=StaticDecoder(target, 64)) if strategy == "static" else dict(use_cache=False)
+    kw = (dict(decoder=StaticDecoder(target, 64, compile=strategy == "static-compiled"))
+          if strategy.startswith("static") else dict(use_cache=False))
     kept = 0
     for i, ref in greedy_refs.items():
         for spec in (DraftModel(truncated_draft(target, 2), 3), PromptLookup(4)):
