@@ -51,6 +51,27 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed); imported on first use."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_png(fig, path: str | os.PathLike, **savefig_kw) -> Path:
+    """Write ``fig`` to ``path`` as a PNG atomically and close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", **savefig_kw)
+    plt.close(fig)
+    return path
+
+
 # ---- outputs never overwrite inputs -------------------------------------------------------------
 
 class OutputError(ValueError):

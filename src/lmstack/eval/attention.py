@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from lmstack.model.layers import _onednn_mm_t, onednn_ok
+from lmstack.model.layers import onednn_linear, onednn_ok
 from lmstack.model.seam import AttentionImpl, AttentionMetadata, SDPAAttention
 
 ROW_BLOCK = 128  # query rows a block (64, 128, 192, 256 measured: docs/eval.md)
@@ -63,10 +63,10 @@ def onednn_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None
             for t0 in range(0, T, block):
                 t1 = min(T, t0 + block)
                 n = t1 - t0
-                scores = _onednn_mm_t(qq[t0:t1].reshape(n * G, H), kk[:t1])  # (n·G, t1) = Q Kᵀ·s
+                scores = onednn_linear(qq[t0:t1].reshape(n * G, H), kk[:t1])  # (n·G, t1) = Q Kᵀ·s
                 scores.view(n, G, t1)[:, :, t0:].masked_fill_(_strict_upper(n), -math.inf)
                 probs = torch._softmax(scores, -1, False, out=scores)  # in place, exact fp32 softmax
-                out[b, t0:t1, h] = _onednn_mm_t(probs, vv[:t1].t()).view(n, G, H)  # P V
+                out[b, t0:t1, h] = onednn_linear(probs, vv[:t1].t()).view(n, G, H)  # P V
     return out.view(B, T, N, H).transpose(1, 2)
 
 

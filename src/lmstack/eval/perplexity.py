@@ -123,13 +123,13 @@ def fast_attention(model):
     which it falls back to; restored on exit. A model without ``blocks`` runs unchanged."""
     from lmstack.eval.attention import OneDNNAttention
     from lmstack.model.mixers import SOFTMAX_MIXERS
-
     from lmstack.model.seam import SDPAAttention
 
     kinds = model.config.mixer_types
     # only layers on the default SDPA: a backend the user chose (kernels.configure, the reference) is kept
     layers = [b.attn for i, b in enumerate(getattr(model, "blocks", ()))
-              if kinds[getattr(b.attn, "layer_idx", i)] in SOFTMAX_MIXERS and type(getattr(b.attn, "impl", None)) is SDPAAttention]
+              if kinds[getattr(b.attn, "layer_idx", i)] in SOFTMAX_MIXERS
+              and type(getattr(b.attn, "impl", None)) is SDPAAttention]
     saved = [a.impl for a in layers]
     ours = [OneDNNAttention(fallback=impl) for impl in saved]
     try:

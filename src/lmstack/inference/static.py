@@ -95,7 +95,7 @@ class StaticDecoder:
         self.compiled = compile
         self._step = self._forward
         self._graphs: list[tuple] = []  # (compiled graph, its example inputs, outputs), one per Dynamo compilation
-        self._direct: tuple | None = None  # (graph, inputs, token slot, position slot) once captured
+        self._direct: tuple | None = None  # (graph, inputs, token slot, position slot, their shape/dtype/device) once captured
         self._want_direct = compile and direct
         if compile:
             # Dynamo keeps its compiled graphs (and checks their guards on every call) per code
@@ -125,8 +125,8 @@ class StaticDecoder:
         graph, inputs, n_out = self._graphs[0]
         slots = [[i for i, t in enumerate(inputs) if t is x] for x in (token, position)]
         if n_out == 1 and all(len(s) == 1 for s in slots) and all(isinstance(t, Tensor) for t in inputs):
-            self._direct = (graph, inputs, slots[0][0], slots[1][0])
-            self._signature = [(t.shape, t.dtype, t.device) for t in (token, position)]
+            self._direct = (graph, inputs, slots[0][0], slots[1][0],
+                            [(t.shape, t.dtype, t.device) for t in (token, position)])
 
     def _forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
         # tokens (1, T), positions (T,) -> logits of the last token (1, V)
@@ -166,8 +166,8 @@ class StaticDecoder:
         or parameter tensors afterwards (in-place updates are fine) needs a new decoder, and Python-side
         effects of the forward (none in lmstack's decode path) are not replayed."""
         if self._direct is not None and all(  # what the graph was traced for; anything else goes through Dynamo
-                (t.shape, t.dtype, t.device) == sig for t, sig in zip((token, position), self._signature)):
-            graph, inputs, i_token, i_position = self._direct
+                (t.shape, t.dtype, t.device) == sig for t, sig in zip((token, position), self._direct[4])):
+            graph, inputs, i_token, i_position, _ = self._direct
             args = list(inputs)
             args[i_token], args[i_position] = token, position
             return graph(*args)[0][0]  # compile_fx's function takes the inputs as positional arguments

@@ -31,7 +31,7 @@ from lmstack.model.io import load_model, save_pretrained
 from lmstack.quant.prune import distill, prune_width
 from lmstack.threads import add_threads_argument, set_threads
 from lmstack.tokenizer import load_tokenizer
-from lmstack.utils import atomic_path, atomic_write_text, check_outputs
+from lmstack.utils import atomic_write_text, check_outputs, pyplot, save_png
 
 
 def register(subparsers) -> None:
@@ -87,12 +87,7 @@ def _decode_speed(model, prompt: list[int], n_new: int, repeats: int = 3) -> flo
 
 
 def _plot(path: Path, losses: list[float], evals: list[tuple[int, float]], teacher_ppl: float, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    fig, ax = pyplot().subplots(figsize=(7, 4.2), dpi=120)
     ax.plot(range(1, len(losses) + 1), losses, lw=1.2, label="distillation loss T²·KL (training batch)")
     ax.set_xlabel("distillation step")
     ax.set_ylabel("T²·KL (nats/token)")
@@ -107,9 +102,7 @@ def _plot(path: Path, losses: list[float], evals: list[tuple[int, float]], teach
     ax.legend(h1 + h2, l1 + l2, fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def run_compress(args: argparse.Namespace) -> int:
@@ -122,15 +115,14 @@ def run_compress(args: argparse.Namespace) -> int:
     teacher = lm.model.eval()
     ids = load_tokenizer(lm.source).encode(_text(args.text))
     c, e = args.calib_rows, args.eval_rows
-    d = c if args.distill_rows is None else args.distill_rows
     avail = len(ids) // args.seq
-    if c < 1 or e < 1 or d < 1:
-        raise ValueError(f"--calib-rows={c}, --eval-rows={e}, --distill-rows={d}: each must be ≥ 1")
+    if c < 1 or e < 1 or (args.distill_rows is not None and args.distill_rows < 1):
+        raise ValueError(f"--calib-rows={c}, --eval-rows={e}, --distill-rows={args.distill_rows}: each must be ≥ 1")
     if avail <= e:
         raise ValueError(f"the text gives {len(ids)} tokens: fewer than {e + 1} rows of --seq {args.seq} "
                          f"(--eval-rows {e} + at least one to calibrate)")
     c = min(c, avail - e)  # a short text calibrates on what is left before the held-out rows
-    d = c if args.distill_rows is None else d
+    d = c if args.distill_rows is None else args.distill_rows
     if d > c and avail < c + e + (d - c):
         raise ValueError(f"the text gives {avail} rows of --seq {args.seq}: fewer than --distill-rows {d} + --eval-rows {e}")
     rows = torch.tensor(ids[: avail * args.seq]).view(avail, args.seq)

@@ -13,30 +13,16 @@ import numpy as np
 
 from lmstack.scaling.chinchilla import Approach
 from lmstack.scaling.laws import chinchilla_loss, data_constrained_loss
-from lmstack.utils import atomic_path
+from lmstack.utils import pyplot, save_png
 
 
 def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return save_png(fig, path, dpi=120, bbox_inches="tight")
 
 
 def plot_isoflop(rows: list[dict[str, Any]], a2: Approach, path: Path) -> Path:
     """Final loss vs N for each budget, the fitted parabola in log N and its minimum."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     cmap = plt.get_cmap("viridis")
     budgets = sorted(a2.extra["parabolas"])
@@ -63,7 +49,7 @@ def plot_isoflop(rows: list[dict[str, Any]], a2: Approach, path: Path) -> Path:
 
 def plot_envelope(curves: list[tuple[float, np.ndarray, np.ndarray]], a1: Approach, path: Path) -> Path:
     """Validation loss vs FLOPs for every run, and the lower envelope (approach 1)."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     Ns = sorted({c[0] for c in curves})
     cmap = plt.get_cmap("plasma")
@@ -83,7 +69,7 @@ def plot_envelope(curves: list[tuple[float, np.ndarray, np.ndarray]], a1: Approa
 def plot_contours(rows: list[dict[str, Any]], a3: Approach, path: Path, unique: float | None = None) -> Path:
     """Contours of the fitted L(N, D), the runs, iso-C lines and the compute-optimal N_opt(C); a law fitted
     with repeats (``r_star``) is drawn through D' for ``unique`` tokens, with the line D = U."""
-    plt = _plt()
+    plt = pyplot()
     p = dict(a3.law.params)
     r_star = p.pop("r_star", None)
     N = np.array([r["N"] for r in rows])
@@ -115,7 +101,7 @@ def plot_contours(rows: list[dict[str, Any]], a3: Approach, path: Path, unique: 
 
 def plot_predicted_vs_actual(actual: np.ndarray, predicted: np.ndarray, held: np.ndarray, path: Path) -> Path:
     """Each run's loss against the approach-3 prediction; held-out runs marked."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 5))
     ax.scatter(actual[~held], predicted[~held], s=18, label="fitted runs")
     if held.any():

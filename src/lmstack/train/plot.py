@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from lmstack.utils import atomic_path
+from lmstack.utils import pyplot, save_png
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -29,15 +29,10 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
                     baseline: float | None = None, title: str | None = None) -> Path:
     """Train loss per logged step, validation loss at each evaluation, optional unigram baseline."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in rows if r.get("kind", "train") == "train"]
     val = [(r["step"], r["val_loss"]) for r in rows if r.get("kind") == "eval"]
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    fig, ax = pyplot().subplots(figsize=(7, 4.2), dpi=120)
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1.2)
     if val:
@@ -50,8 +45,4 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out = Path(out_png)
-    with atomic_path(out) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
-    return out
+    return save_png(fig, out_png)
