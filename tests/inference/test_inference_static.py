@@ -26,6 +26,8 @@ def test_static_cache_bytes_and_positions(model):
         cache.update(0, k, k, torch.tensor([[0, 1, 2]]))
     with pytest.raises(ValueError, match="max_seq_len"):
         StaticKVCache(model.config, 1, 10_000)
+    with pytest.raises(ValueError, match="compile_mode='fastest'"):
+        StaticDecoder(model, 64, compile=True, compile_mode="fastest")
 
 
 def test_static_decoder_greedy_equals_full_recompute(model, prompts):

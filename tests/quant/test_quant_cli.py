@@ -39,3 +39,11 @@ def test_compress_refuses_an_output_that_is_an_input(tmp_path):
     src.write_text("hello")
     assert main(["compress", "--model", "smollm2-135m", "--out", str(src), "--text", str(src)]) == 2
     assert src.read_text() == "hello"
+
+
+@pytest.mark.parametrize("flag,value", [("--eval-every", "-1"), ("--speed-tokens", "-2"), ("--distill-rows", "0"),
+                                        ("--calib-rows", "0")])
+def test_compress_refuses_bad_counts_before_loading_anything(tmp_path, capsys, flag, value):
+    out = tmp_path / "pruned"
+    assert main(["compress", "--model", "smollm2-135m", "--out", str(out), flag, value]) == 2
+    assert f"{flag}={value}" in capsys.readouterr().err and not out.exists()

@@ -111,13 +111,14 @@ def run_compress(args: argparse.Namespace) -> int:
     for name in ("distill_steps", "eval_every", "speed_tokens"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}; expected ≥ 0")
+    for name in ("calib_rows", "eval_rows", "distill_rows"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}; expected ≥ 1")
     lm = load_model(args.model)
     teacher = lm.model.eval()
     ids = load_tokenizer(lm.source).encode(_text(args.text))
     c, e = args.calib_rows, args.eval_rows
     avail = len(ids) // args.seq
-    if c < 1 or e < 1 or (args.distill_rows is not None and args.distill_rows < 1):
-        raise ValueError(f"--calib-rows={c}, --eval-rows={e}, --distill-rows={args.distill_rows}: each must be ≥ 1")
     if avail <= e:
         raise ValueError(f"the text gives {len(ids)} tokens: fewer than {e + 1} rows of --seq {args.seq} "
                          f"(--eval-rows {e} + at least one to calibrate)")
