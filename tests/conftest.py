@@ -47,6 +47,21 @@ def make_hf_llama():
     return random_hf_llama
 
 
+@pytest.fixture(scope="session")
+def hf_llama_pair(tmp_path_factory):
+    """``pair(**config)`` -> (a ``random_hf_llama``, the same weights saved as safetensors and loaded by
+    lmstack's loader in fp32, eval mode): the two sides of an HF-parity test."""
+    from lmstack.model.io import load_model
+
+    def pair(**config):
+        hf = random_hf_llama(**config)
+        d = tmp_path_factory.mktemp("hf_llama")
+        hf.save_pretrained(d, safe_serialization=True)
+        return hf, load_model(str(d), dtype=torch.float32).model.eval()
+
+    return pair
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: the compiled Triton run on a CUDA GPU (a subprocess)")
 

@@ -13,14 +13,9 @@ transformers = pytest.importorskip("transformers", reason="HF transformers is th
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory, make_hf_llama):
+def models(hf_llama_pair):
     """A random HF Llama (fp32) and the same weights loaded by lmstack's loader."""
-    from lmstack.model.io import load_model
-
-    hf = make_hf_llama(vocab_size=120)
-    d = tmp_path_factory.mktemp("hf_llama")
-    hf.save_pretrained(d, safe_serialization=True)
-    return hf, load_model(str(d), dtype=torch.float32).model.eval()
+    return hf_llama_pair(vocab_size=120)
 
 
 def hf_prompt_logprobs(hf, ids, n_top):

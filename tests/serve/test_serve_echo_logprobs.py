@@ -16,13 +16,8 @@ transformers = pytest.importorskip("transformers", reason="HF transformers is th
 
 
 @pytest.fixture(scope="module")
-def hf_and_served(tmp_path_factory, make_hf_llama):
-    from lmstack.model.io import load_model
-
-    hf = make_hf_llama(vocab_size=258)
-    d = tmp_path_factory.mktemp("hf_llama_serve")
-    hf.save_pretrained(d, safe_serialization=True)
-    model = load_model(str(d), dtype=torch.float32).model.eval()
+def hf_and_served(hf_llama_pair):
+    hf, model = hf_llama_pair(vocab_size=258)
     tok = tiny_tokenizer()
     engine = LLMEngine(model, tok, eos_token_id=tok.eos_token_id, block_size=4, num_blocks=256)
     with live_server(Server(engine, MODEL)) as url:
