@@ -1,0 +1,123 @@
+"""A pipeline step: a generator over documents that counts what it sees and says why it drops.
+
+The shape of datatrove's pipeline (readers -> extractors -> filters -> dedup -> tokenizer -> writers): every
+step takes an iterator of :class:`Document` and yields the documents that go on. What a step drops it hands to
+``stats.drop(doc, reason)``: the reason is counted, and the executor's exclusion writer (if any) keeps the
+document with its reason, so every dropped document can be found again.
+
+Three kinds:
+- :class:`Step`: any generator (readers ignore their input; writers pass documents through after writing).
+- :class:`Filter`: ``reason(doc) -> str | None`` (None keeps the document; a string names the rule that dropped it).
+- :class:`Mapper`: ``apply(doc) -> Document`` (extraction, PII replacement, tagging: changes text or metadata).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmstack.data.document import Document
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+@dataclass
+class StepStats:
+    """One step's counters in one task: documents and UTF-8 bytes in and out, drops per reason, free counters."""
+
+    name: str
+    docs_in: int = 0
+    docs_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    dropped: Counter = field(default_factory=Counter)  # reason -> documents
+    counters: Counter = field(default_factory=Counter)  # e.g. "email_replaced" -> 12
+    on_drop: Callable[[Document, str, str], None] | None = field(default=None, repr=False, compare=False)
+
+    def seen(self, doc: Document) -> None:
+        self.docs_in += 1
+        self.bytes_in += len(doc.text.encode("utf-8", "surrogatepass"))
+
+    def kept(self, doc: Document) -> None:
+        self.docs_out += 1
+        self.bytes_out += len(doc.text.encode("utf-8", "surrogatepass"))
+
+    def drop(self, doc: Document, reason: str) -> None:
+        """Count ``reason`` and hand the document to the exclusion writer (``on_drop(doc, step, reason)``)."""
+        self.dropped[reason] += 1
+        if self.on_drop is not None:
+            self.on_drop(doc, self.name, reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "docs_in": self.docs_in, "docs_out": self.docs_out, "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out, "dropped": dict(sorted(self.dropped.items())),
+                "counters": dict(sorted(self.counters.items()))}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepStats:
+        return cls(d["name"], d["docs_in"], d["docs_out"], d["bytes_in"], d["bytes_out"],
+                   Counter(d.get("dropped", {})), Counter(d.get("counters", {})))
+
+    def merge(self, other: StepStats) -> StepStats:
+        """The sum of two tasks' stats for the same step (``lmstack data stats``)."""
+        if other.name != self.name:
+            raise ValueError(f"cannot merge stats of step {other.name!r} into {self.name!r}")
+        return StepStats(self.name, self.docs_in + other.docs_in, self.docs_out + other.docs_out,
+                         self.bytes_in + other.bytes_in, self.bytes_out + other.bytes_out,
+                         self.dropped + other.dropped, self.counters + other.counters)
+
+
+class Step:
+    """A generator over documents. Subclasses override :meth:`run`; ``name`` defaults to the class in snake_case."""
+
+    name: str = ""
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if not cls.__dict__.get("name"):
+            cls.name = _snake(cls.__name__)
+
+    def run(self, docs: Iterable[Document], stats: StepStats) -> Iterator[Document]:
+        for doc in docs:
+            stats.seen(doc)
+            stats.kept(doc)
+            yield doc
+
+    def __call__(self, docs: Iterable[Document], stats: StepStats | None = None) -> Iterator[Document]:
+        return self.run(docs, stats if stats is not None else StepStats(self.name))
+
+
+class Filter(Step):
+    """Keeps a document when :meth:`reason` returns None; otherwise drops it with that reason."""
+
+    def reason(self, doc: Document) -> str | None:
+        raise NotImplementedError
+
+    def run(self, docs: Iterable[Document], stats: StepStats) -> Iterator[Document]:
+        for doc in docs:
+            stats.seen(doc)
+            why = self.reason(doc)
+            if why is None:
+                stats.kept(doc)
+                yield doc
+            else:
+                stats.drop(doc, why)
+
+
+class Mapper(Step):
+    """Changes each document (text or metadata); :meth:`apply` may count into ``stats.counters``."""
+
+    def apply(self, doc: Document, stats: StepStats) -> Document:
+        raise NotImplementedError
+
+    def run(self, docs: Iterable[Document], stats: StepStats) -> Iterator[Document]:
+        for doc in docs:
+            stats.seen(doc)
+            out = self.apply(doc, stats)
+            stats.kept(out)
+            yield out
