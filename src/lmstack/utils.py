@@ -72,6 +72,58 @@ def save_png(fig, path: str | os.PathLike, **savefig_kw) -> Path:
     return path
 
 
+# ---- native extensions built on first use ---------------------------------------------------------
+
+def build_extension(name: str, source: Path, cflags: Iterable[str] = (), ldflags: Iterable[str] = (),
+                    python_module: bool = False):
+    """Compile one C++ ``source`` on first use with ``torch.utils.cpp_extension.load`` (ninja) and load it:
+    ``(module, None)``, or ``(None, reason)`` when it cannot be built (no compiler, missing source, a compile
+    error), so the caller falls back to its Python or torch path and can say why.
+
+    The build folder is named by a digest of the source, the flags and the Python ABI: two checkouts (or an
+    upgrade) never load each other's build. ``python_module=True``: a plain CPython extension (its init
+    function ``PyInit_<TORCH_EXTENSION_NAME>``) linked ``--as-needed``, so it depends on no torch library and
+    a process that finds it already built loads it directly, without importing torch. Otherwise the library
+    registers torch ops when loaded (``torch.ops.*``) and ``module`` is None on success.
+    """
+    import hashlib
+    import shutil
+    import sysconfig
+
+    cflags, ldflags = list(cflags), list(ldflags)
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return None, f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH"
+    if not source.is_file():
+        return None, f"{source} is missing"
+    if python_module:
+        ldflags = ["-Wl,--as-needed", *ldflags]  # before the torch libraries load() appends: none is kept
+    tag = " ".join(cflags + ldflags) + str(sysconfig.get_config_var("EXT_SUFFIX"))
+    full = f"{name}_{hashlib.sha256(source.read_bytes() + tag.encode()).hexdigest()[:12]}"
+    try:
+        kw = {}
+        if python_module:
+            root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+            build = Path(root) / "lmstack" / full
+            so = build / f"{full}.so"
+            if so.is_file() and not (build / "lock").exists():  # built before (and not being rebuilt now)
+                import importlib.util
+
+                spec = importlib.util.spec_from_file_location(full, so)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                return module, None
+            build.mkdir(parents=True, exist_ok=True)
+            kw["build_directory"] = str(build)
+        from torch.utils.cpp_extension import load
+
+        module = load(name=full, sources=[str(source)], is_python_module=python_module, verbose=False,
+                      extra_cflags=cflags, extra_ldflags=ldflags, **kw)
+    except Exception as e:  # noqa: BLE001 — any build or load failure means: the caller's fallback
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return None, f"building {source.name} failed: {type(e).__name__}: {first}"
+    return (module if python_module else None), None
+
+
 # ---- outputs never overwrite inputs -------------------------------------------------------------
 
 class OutputError(ValueError):
