@@ -91,8 +91,6 @@ def build_extension(name: str, source: Path, cflags: Iterable[str] = (), ldflags
     import sysconfig
 
     cflags, ldflags = list(cflags), list(ldflags)
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return None, f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH"
     if not source.is_file():
         return None, f"{source} is missing"
     if python_module:
@@ -112,8 +110,11 @@ def build_extension(name: str, source: Path, cflags: Iterable[str] = (), ldflags
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
                 return module, None
-            build.mkdir(parents=True, exist_ok=True)
             kw["build_directory"] = str(build)
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            return None, f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH"
+        if python_module:
+            Path(kw["build_directory"]).mkdir(parents=True, exist_ok=True)
         from torch.utils.cpp_extension import load
 
         module = load(name=full, sources=[str(source)], is_python_module=python_module, verbose=False,

@@ -133,6 +133,8 @@ class Tokenizer:
         # byte value (as a latin-1 char) -> chr(its token id); missing bytes are deleted
         self._byte_chars = {b: (chr(i) if i >= 0 else None) for b, i in enumerate(self._byte_ids)}
         self._cache: dict[str, list[int]] = {}
+        #: False: always the Python path (tests and benchmarks compare the two)
+        self.use_native = True
         self._native_enc = None  # the native encoder, built at the first encode (see _core)
         self._native_tried = False
 
@@ -156,6 +158,8 @@ class Tokenizer:
     # ------------------------------------------------------------------ native core
     def _core(self):
         """The native encoder (built once, at the first use), or None: the Python path runs."""
+        if not self.use_native:
+            return None
         if not self._native_tried:
             self._native_tried = True
             self._native_enc = native.new_encoder(self)
@@ -165,7 +169,7 @@ class Tokenizer:
     def backend(self) -> str:
         """``"native"``, ``"native BPE, regex pre-tokenizer"`` (a custom pattern), or ``"python (<reason>)"``."""
         if self._core() is None:
-            return f"python ({native.status()})"
+            return f"python ({native.status() or 'use_native=False'})"
         return "native" if self.pattern in native.KINDS else "native BPE, regex pre-tokenizer"
 
     def _native_splits(self) -> bool:
