@@ -297,7 +297,7 @@ class Tokenizer:
                     raise TypeError(f"encode expects str, got {type(t).__name__}")
             data = native.module().encode_join(self._native_enc, texts, allow_special, max(1, num_threads),
                                               dtype.itemsize, -1 if sep_id is None else sep_id)
-            return np.frombuffer(data, dtype=dtype)
+            return np.frombuffer(data, dtype=dtype.newbyteorder("=")).astype(dtype, copy=False)  # native order
         tail = [] if sep_id is None else [sep_id]
         parts = [np.asarray(self.encode(t, allow_special) + tail, dtype=dtype) for t in texts]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
