@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from lmstack.utils import atomic_path

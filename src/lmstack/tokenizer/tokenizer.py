@@ -12,20 +12,20 @@ when it builds; otherwise, or with ``LMSTACK_TOKENIZER=python``, in the Python c
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 from collections.abc import Iterable, Iterator
 from itertools import chain, repeat
 
-import regex
-
 import numpy as np
+import regex
 
 from . import native
 from .byte_unicode import str_to_token
 from .chat import render_chat_template
 from .pretokenize import PreTokenizer, resolve_pattern, special_splitter
 
-
 _NO_RANK = 1 << 62  # rank of a pair that is not a merge
+_NATIVE_LOCK = threading.Lock()
 #: Largest token id a vocabulary may use: real vocabularies stay below 300k; ids beyond this are a
 #: corrupt file, and V = max id + 1 sizes the model's embedding.
 MAX_TOKEN_ID = (1 << 24) - 1
@@ -161,8 +161,10 @@ class Tokenizer:
         if not self.use_native:
             return None
         if not self._native_tried:
-            self._native_tried = True
-            self._native_enc = native.new_encoder(self)
+            with _NATIVE_LOCK:  # two threads' first encodes build one encoder
+                if not self._native_tried:
+                    self._native_enc = native.new_encoder(self)
+                    self._native_tried = True
         return self._native_enc
 
     @property
