@@ -1,12 +1,17 @@
-"""Small shared helpers: atomic file writes (nothing lmstack writes is ever left half-written) and the
-one guard every writing command calls so that an output never overwrites an input."""
+"""Small shared helpers: atomic file writes (nothing lmstack writes is ever left half-written), the
+one guard every writing command calls so that an output never overwrites an input, and the one way to
+build a C++ extension on first use."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.util
 import json
 import numbers
 import os
+import shutil
+import sysconfig
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -86,10 +91,6 @@ def build_extension(name: str, source: Path, cflags: Iterable[str] = (), ldflags
     a process that finds it already built loads it directly, without importing torch. Otherwise the library
     registers torch ops when loaded (``torch.ops.*``) and ``module`` is None on success.
     """
-    import hashlib
-    import shutil
-    import sysconfig
-
     cflags, ldflags = list(cflags), list(ldflags)
     if not source.is_file():
         return None, f"{source} is missing"
@@ -104,8 +105,6 @@ def build_extension(name: str, source: Path, cflags: Iterable[str] = (), ldflags
             build = Path(root) / "lmstack" / full
             so = build / f"{full}.so"
             if so.is_file() and not (build / "lock").exists():  # built before (and not being rebuilt now)
-                import importlib.util
-
                 spec = importlib.util.spec_from_file_location(full, so)
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -39,8 +40,11 @@ def docs_of(texts, source="mem"):
     return [Document(t, stable_id(source, i), {"n": i}) for i, t in enumerate(texts)]
 
 
-def test_token_file_is_each_document_then_eos(smol, tmp_path):
+@pytest.mark.parametrize("use_native", [True, False])
+def test_token_file_is_each_document_then_eos(smol, tmp_path, use_native):
     tt = to_tiktoken(smol)  # the reference encoder on the same vocabulary
+    smol = pickle.loads(pickle.dumps(smol))
+    smol.use_native = use_native  # False: the Python path, what runs without a compiler
     eos = smol.eos_token_id
     docs = docs_of(TEXTS + ["", "lone \ud800 surrogate \udfff"])
     stats = StepStats("tokenize")

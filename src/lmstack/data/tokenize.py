@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from lmstack.data.document import Document
 from lmstack.data.step import Step, StepStats
+from lmstack.threads import available_cpus
 from lmstack.tokenizer import Tokenizer, load_tokenizer, open_tokens, read_sidecar, token_dtype
 from lmstack.tokenizer.token_file import sidecar_path, write_sidecar
 from lmstack.utils import atomic_path
@@ -169,8 +170,6 @@ def tokenize_shards(shards: Sequence[str | os.PathLike], out_dir: str | os.PathL
                     progress: bool | None = None) -> tuple[list[Path], StepStats]:
     """One token file per input shard (:func:`shard_output`), shards on ``num_workers`` processes (default:
     the CPUs available); returns the outputs in shard order and the stats of all tasks merged."""
-    from lmstack.threads import available_cpus
-
     shards = [Path(s) for s in shards]
     outputs = [shard_output(s, out_dir) for s in shards]
     seen: dict[Path, Path] = {}
