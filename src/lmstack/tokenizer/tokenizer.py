@@ -340,6 +340,10 @@ class Tokenizer:
         if seg_start:
             out.extend(self.encode(buf[:seg_start]))
         seg = buf[seg_start:end]
+        if self._native_splits():  # the same cut, in C++: every pre-token but the last
+            ids, keep = native.module().encode_prefix(self._native_enc, seg)
+            out.extend(ids)
+            return seg[len(seg) - keep:] + buf[end:]
         pieces = self._split(seg)
         if pieces and sum(map(len, pieces)) == len(seg):  # pre-tokens tile the segment (built-in patterns)
             keep = pieces.pop()

@@ -867,6 +867,44 @@ PyObject* py_cache_len(PyObject*, PyObject* args) {
   return PyLong_FromSize_t(e->cache_len());
 }
 
+// encode_prefix(enc, text) -> (ids, k): the ids of every pre-token of special-free `text` but the last, and
+// the last one's length in characters (encode_iterable holds it back: more text may extend it)
+PyObject* py_encode_prefix(PyObject*, PyObject* args) {
+  PyObject *cap, *text;
+  if (!PyArg_ParseTuple(args, "OO", &cap, &text)) return nullptr;
+  Encoder* e = get_splitting_encoder(cap);
+  if (e == nullptr) return nullptr;
+  const uint8_t* s;
+  size_t n;
+  PyObject* keep;
+  if (!utf8_of(text, &s, &n, &keep)) return nullptr;
+  std::vector<uint32_t> out;
+  Py_ssize_t last_chars = 0;
+  bool oom = false;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    Scratch sc;
+    size_t i = 0;
+    while (i < n) {
+      size_t j = e->next_piece(s, n, i);
+      if (j == n) {
+        for (size_t b = i; b < n; ++b) last_chars += (s[b] & 0xC0) != 0x80;
+      } else {
+        e->piece(s + i, j - i, out, sc);
+      }
+      i = j;
+    }
+  } catch (const std::bad_alloc&) {
+    oom = true;
+  }
+  Py_END_ALLOW_THREADS
+  Py_XDECREF(keep);
+  if (oom) return PyErr_NoMemory();
+  PyObject* ids = id_list(e, out);
+  if (ids == nullptr) return nullptr;
+  return Py_BuildValue("(Nn)", ids, last_chars);
+}
+
 // pretokenize(enc, text) -> list[str]: the pre-tokens of special-free text (for tests against `regex`)
 PyObject* py_pretokenize(PyObject*, PyObject* args) {
   PyObject *cap, *text;
@@ -897,6 +935,7 @@ PyMethodDef kMethods[] = {
     {"encode_join", py_encode_join, METH_VARARGS, "encode_join(enc, texts, allow_special, threads, itemsize, sep)"},
     {"clear_cache", py_clear_cache, METH_VARARGS, "clear_cache(enc)"},
     {"cache_len", py_cache_len, METH_VARARGS, "cache_len(enc) -> cached pieces"},
+    {"encode_prefix", py_encode_prefix, METH_VARARGS, "encode_prefix(enc, text) -> (ids, last piece's length)"},
     {"pretokenize", py_pretokenize, METH_VARARGS, "pretokenize(enc, text) -> list[str]"},
     {nullptr, nullptr, 0, nullptr}};
 
