@@ -196,3 +196,15 @@ def test_falls_back_to_python_with_a_reason(tmp_path, env, reason):
     backend, status, ids = json.loads(out.stdout.strip().splitlines()[-1])
     assert status == reason and backend == f"python ({reason})"
     assert ids == [256, 256, 257, 120]  # "ab" merged twice, the special, "x" (hand-worked)
+
+
+def test_sparse_large_ids(trained):
+    """Ids past the core's table of ready-made Python ints (2^20) come out right (hand-worked)."""
+    vocab = {i: bytes([i]) for i in range(256)}
+    vocab[3_000_000] = b"ab"
+    vocab[3_000_001] = b"abab"
+    tok = Tokenizer(vocab, [(b"a", b"b"), (b"ab", b"ab")], ["<|e|>"])
+    assert tok.backend == "native"
+    assert tok.encode("ababab<|e|>") == [3_000_001, 3_000_000, 3_000_002]
+    np.testing.assert_array_equal(tok.encode_concat(["abab", "x"], np.uint32, sep_id=3_000_002),
+                                  [3_000_001, 3_000_002, 120, 3_000_002])

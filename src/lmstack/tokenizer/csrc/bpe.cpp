@@ -568,11 +568,13 @@ PyObject* py_new(PyObject*, PyObject* args) {
     }
     std::stable_sort(e->specials.begin(), e->specials.end(),
                      [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
-    size_t per_shard = std::max<size_t>(1, (size_t)std::max<Py_ssize_t>(cache_size, 1) / kShards);
+    // (at most 2^22 pieces a shard: its arenas of <= 256-byte keys stay within 32-bit offsets)
+    size_t per_shard = std::min<size_t>(1u << 22, std::max<size_t>(1, (size_t)std::max<Py_ssize_t>(cache_size, 1) / kShards));
     for (Shard& sh : e->shards) {
       sh.limit = per_shard;
       sh.clear();
     }
+    max_id = std::min<Py_ssize_t>(max_id, (1 << 20) - 1);  // larger ids (sparse vocabularies) get new ints
     e->ints.assign((size_t)max_id + 1, nullptr);
     for (Py_ssize_t i = 0; i <= max_id; ++i) {
       e->ints[i] = PyLong_FromSsize_t(i);
@@ -718,15 +720,21 @@ bool encode_many(Encoder* e, const std::vector<std::pair<const uint8_t*, size_t>
   return !oom;
 }
 
+// The UTF-8 of every str in `texts`; `keeps` holds a reference to each str and each bytes copy, so that
+// another thread changing the list while the GIL is released frees nothing being read.
 bool collect_texts(PyObject* texts, std::vector<std::pair<const uint8_t*, size_t>>& views,
                    std::vector<PyObject*>& keeps) {
   Py_ssize_t n = PyList_GET_SIZE(texts);
   views.reserve((size_t)n);
+  keeps.reserve(2 * (size_t)n);
   for (Py_ssize_t k = 0; k < n; ++k) {
+    PyObject* item = PyList_GET_ITEM(texts, k);
     const uint8_t* s;
     size_t len;
     PyObject* keep;
-    if (!utf8_of(PyList_GET_ITEM(texts, k), &s, &len, &keep)) return false;
+    if (!utf8_of(item, &s, &len, &keep)) return false;
+    Py_INCREF(item);
+    keeps.push_back(item);
     if (keep) keeps.push_back(keep);
     views.emplace_back(s, len);
   }
