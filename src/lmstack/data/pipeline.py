@@ -1,0 +1,138 @@
+"""A pipeline: stages of steps, written in Python or in a TOML file.
+
+A stage is a list of steps run as ``tasks`` independent tasks (task ``rank`` of ``world``: a reader takes
+every ``world``-th input file); stages run one after another, each a global barrier: dedup's signatures ->
+buckets -> clusters -> filter are four stages, each reading what the one before wrote. A stage's task count
+defaults to its reader's number of input files (1 when it does not start with a reader).
+
+The TOML file (paths relative to the working directory the command runs in)::
+
+    output = "runs/data/demo"     # logs: <output>/<stage>/{stats,completions,excluded}/
+    exclusions = true             # keep every dropped document with its step and reason (default true)
+
+    [[step]]                      # a one-stage pipeline; for several, use [[stage]] with [[stage.step]]
+    type = "read_warc"            # a registered step name (lmstack.data.step.register_step) ...
+    paths = ["crawl/"]
+    [[step]]
+    type = "gopher_quality"       # ... every other key is a keyword argument of the step's class
+    [[step]]
+    type = "write_jsonl"
+    output = "runs/data/demo/clean"
+
+    # [[stage]]
+    # name = "signatures"
+    # tasks = 4
+    # [[stage.step]]
+    # type = "..."
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmstack.data.readers import Reader
+from lmstack.data.step import STEPS, Step, register_step, step_class
+
+__all__ = ["Pipeline", "Stage", "build_step", "register_step", "STEPS"]
+
+
+def build_step(spec: dict[str, Any], where: str = "step") -> Step:
+    """A step from ``{"type": name, **kwargs}`` (``name`` optionally renames it in the stats)."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
+        raise ValueError(f"{where}: expected a table with a string 'type', got {spec!r}")
+    kwargs = {k: v for k, v in spec.items() if k not in ("type", "name")}
+    cls = step_class(spec["type"])
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"{where} (type {spec['type']!r}): {e}; {cls.__name__} takes "
+                         f"{inspect.signature(cls)}") from None
+    step = cls(**kwargs)
+    if "name" in spec:
+        step.name = str(spec["name"])
+    return step
+
+
+@dataclass
+class Stage:
+    """Steps run as ``tasks`` tasks (None: the reader's file count, or 1)."""
+
+    name: str
+    steps: list[Step]
+    tasks: int | None = None
+
+    def __post_init__(self):
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise ValueError(f"stage name {self.name!r}: expected a plain folder name")
+        if not self.steps:
+            raise ValueError(f"stage {self.name!r} has no steps")
+        if self.tasks is not None and (isinstance(self.tasks, bool) or not isinstance(self.tasks, int)
+                                       or self.tasks < 1):
+            raise ValueError(f"stage {self.name!r}: tasks={self.tasks!r} must be an integer >= 1")
+
+    def task_count(self) -> int:
+        if self.tasks is not None:
+            return self.tasks
+        first = self.steps[0]
+        return max(1, len(first.files())) if isinstance(first, Reader) else 1
+
+
+@dataclass
+class Pipeline:
+    """Stages run in order; ``output`` holds each stage's stats, completion markers and exclusions."""
+
+    stages: list[Stage]
+    output: str | os.PathLike
+    exclusions: bool = True
+    source: str | None = field(default=None, compare=False)  # the TOML file it came from
+
+    def __post_init__(self):
+        self.output = os.path.abspath(self.output)
+        names = [s.name for s in self.stages]
+        if not names:
+            raise ValueError("a pipeline needs at least one stage")
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique, got {names}")
+
+    @classmethod
+    def from_steps(cls, steps: list[Step], output: str | os.PathLike, tasks: int | None = None,
+                   name: str = "main", **kw) -> Pipeline:
+        return cls([Stage(name, list(steps), tasks)], output, **kw)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "pipeline") -> Pipeline:
+        known = {"output", "exclusions", "step", "stage"}
+        extra = set(d) - known
+        if extra:
+            raise ValueError(f"{where}: unknown top-level keys {sorted(extra)}; expected {sorted(known)}")
+        if "output" not in d:
+            raise ValueError(f"{where}: missing 'output' (the folder for stats, completion markers, exclusions)")
+        if ("step" in d) == ("stage" in d):
+            raise ValueError(f"{where}: give either [[step]] tables (one stage) or [[stage]] tables, not "
+                             f"{'both' if 'step' in d else 'neither'}")
+        raw = [{"name": "main", "step": d["step"]}] if "step" in d else d["stage"]
+        stages = []
+        for i, s in enumerate(raw):
+            sw = f"{where}: stage {i} ({s.get('name', f'stage{i}')!r})"
+            extra = set(s) - {"name", "tasks", "step"}
+            if extra:
+                raise ValueError(f"{sw}: unknown keys {sorted(extra)}; expected name, tasks, step")
+            steps = [build_step(spec, f"{sw} step {j}") for j, spec in enumerate(s.get("step", []))]
+            stages.append(Stage(str(s.get("name", f"stage{i}")), steps, s.get("tasks")))
+        return cls(stages, d["output"], bool(d.get("exclusions", True)))
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike) -> Pipeline:
+        path = Path(path)
+        try:
+            d = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: not valid TOML: {e}") from None
+        p = cls.from_dict(d, str(path))
+        p.source = str(path)
+        return p
