@@ -187,35 +187,37 @@ def _decode(data: bytes, stats: StepStats) -> str:
 def _chunks(path: Path) -> Iterator[bytes]:
     """The decompressed bytes of ``path`` (by suffix: .gz, .zst, else plain), CHUNK at a time.
 
-    A gzip stream cut short raises EOFError (gzip's own check); a zstd stream cut short raises
-    :class:`Truncated` (zstandard's stream reader would end silently, so frames are checked by hand).
+    A gzip or zstd stream cut short raises :class:`Truncated` after yielding every byte before the cut
+    (gzip.open would lose its last read, zstandard's stream reader would end silently).
     """
     name = path.name
     if name.endswith(".gz"):
-        with gzip.open(path, "rb") as f:
-            while chunk := f.read(CHUNK):
-                yield chunk
+        yield from _members(path, lambda: zlib.decompressobj(wbits=31), "gzip")
     elif name.endswith(".zst"):
         import zstandard
 
-        with open(path, "rb") as f:
-            d = zstandard.ZstdDecompressor().decompressobj()
-            pending = False  # inside a frame that has not ended
-            while data := f.read(CHUNK):
-                while data:
-                    out = d.decompress(data)
-                    pending = not d.eof
-                    if out:
-                        yield out
-                    data = d.unused_data if d.eof else b""
-                    if d.eof:
-                        d = zstandard.ZstdDecompressor().decompressobj()
-            if pending:
-                raise Truncated(f"{path}: zstd stream ends inside a frame")
+        yield from _members(path, lambda: zstandard.ZstdDecompressor().decompressobj(), "zstd")
     else:
         with open(path, "rb") as f:
             while chunk := f.read(CHUNK):
                 yield chunk
+
+
+def _members(path: Path, new, what: str) -> Iterator[bytes]:
+    """Decompress a file of one or more gzip members / zstd frames; :class:`Truncated` if the last is cut."""
+    with open(path, "rb") as f:
+        d, pending = new(), False
+        while data := f.read(CHUNK):
+            while data:
+                out = d.decompress(data)
+                pending = not d.eof
+                if out:
+                    yield out
+                if not d.eof:
+                    break
+                data, d = d.unused_data, new()
+        if pending:
+            raise Truncated(f"{what} stream ends before its end-of-stream marker")
 
 
 def _lines(chunks: Iterable[bytes], max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
