@@ -90,6 +90,14 @@ def test_truncated_warc_keeps_the_records_before_the_cut(tmp_path):
     assert dict(stats.dropped) == {"truncated_record": 1}
 
 
+def test_a_warc_record_over_the_limit_is_dropped_unread(tmp_path):
+    path = tmp_path / "c.warc.gz"
+    write_warc(path, PAGES)
+    docs, stats = read(WarcReader(str(path), max_doc_bytes=1000))
+    assert [d.metadata["url"] for d in docs] == [p[0] for p in PAGES if p[0] != "http://example.com/bin"]
+    assert dict(stats.dropped) == {"too_long": 1}  # the 1 KiB binary body plus its HTTP headers
+
+
 def test_wet_reader(tmp_path):
     path = tmp_path / "crawl.warc.wet.gz"
     texts = [b"Plain text one.\nSecond line.", "caf\xe9".encode("latin-1"), b"   ", "Ünïcode ok".encode()]

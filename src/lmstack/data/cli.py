@@ -10,6 +10,11 @@ import json
 import sys
 from pathlib import Path
 
+from lmstack.data.executor import StageFailed, get_executor
+from lmstack.data.pipeline import Pipeline
+from lmstack.data.report import format_table, merge_stats, plot_funnel, to_json
+from lmstack.utils import atomic_write_text
+
 # modules adding `lmstack data ...` subcommands (demo, train-classifier, ...), each with register(sub): add yours
 SUBCOMMANDS: tuple[str, ...] = ()
 
@@ -39,9 +44,6 @@ def register(subparsers) -> None:
 
 
 def cmd_run(args) -> int:
-    from lmstack.data.executor import StageFailed, get_executor
-    from lmstack.data.pipeline import Pipeline
-
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers={args.workers} must be >= 1")
     pipeline = Pipeline.from_toml(args.pipeline)
@@ -63,9 +65,6 @@ def cmd_stats(args) -> int:
 
 
 def _report(output: Path, png: str | None) -> None:
-    from lmstack.data.report import format_table, merge_stats, plot_funnel, to_json
-    from lmstack.utils import atomic_write_text
-
     merged = merge_stats(output)
     print(format_table(merged))
     atomic_write_text(output / "stats.json", json.dumps(to_json(merged), indent=1) + "\n")

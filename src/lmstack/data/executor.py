@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from lmstack.data.pipeline import Pipeline, Stage
+from lmstack.data.readers import Reader
 from lmstack.data.step import StepStats
 from lmstack.data.writers import ExclusionWriter
 from lmstack.utils import atomic_write_text
@@ -98,6 +99,8 @@ def _run_task_safely(stage: Stage, rank: int, world: int, output: str, exclusion
 
 def plan_stage(pipeline: Pipeline, stage: Stage) -> tuple[int, list[int]]:
     """(task count, ranks still to run); records the count in ``tasks.json`` or checks it against it."""
+    if isinstance(stage.steps[0], Reader):
+        stage.steps[0].files()  # list the inputs now, once, for every task
     world = stage.task_count()
     record = Path(pipeline.output) / "tasks.json"
     counts = json.loads(record.read_text()) if record.exists() else {}
@@ -128,6 +131,12 @@ def _bar(total: int, desc: str, progress: bool):
     return tqdm(total=total, desc=desc, unit="task", disable=not progress, file=sys.stderr)
 
 
+def _one_thread_each() -> None:
+    """Worker start-up: one BLAS/OpenMP thread per worker process (the workers share the CPUs)."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
+
 class LocalExecutor:
     """Tasks in ``workers`` processes (``spawn``: no state inherited from the caller); 1 runs them here."""
 
@@ -153,7 +162,8 @@ class LocalExecutor:
                     from concurrent.futures import ProcessPoolExecutor, as_completed
 
                     ctx = mp.get_context(self.start_method)
-                    with ProcessPoolExecutor(min(self.workers, len(pending)), mp_context=ctx) as pool:
+                    with ProcessPoolExecutor(min(self.workers, len(pending)), mp_context=ctx,
+                                             initializer=_one_thread_each) as pool:
                         futs = [pool.submit(_run_task_safely, stage, r, world, pipeline.output, pipeline.exclusions)
                                 for r in pending]
                         for f in as_completed(futs):

@@ -72,9 +72,19 @@ class Reader(Step):
         # so worker processes and Ray tasks with another working directory read the same files
         self.paths = [(p, os.path.abspath(p)) for p in paths]
         self.glob, self.limit, self.max_doc_bytes = glob, limit, max_doc_bytes
+        self._files: list[tuple[str, Path]] | None = None
 
     def files(self) -> list[tuple[str, Path]]:
-        """Every input file as (source name, absolute path), sorted by source; a missing input is an error."""
+        """Every input file as (source name, absolute path), sorted by source; a missing input is an error.
+
+        Listed once and kept: the executor lists them before it ships the stage to its tasks, so every task
+        splits the same list (and a stage reading the stage before's output lists it after that stage ran).
+        """
+        if self._files is None:
+            self._files = self._list()
+        return self._files
+
+    def _list(self) -> list[tuple[str, Path]]:
         out: dict[str, Path] = {}
         for given, full in self.paths:
             if any(c in given for c in "*?["):

@@ -70,32 +70,34 @@ def format_table(merged: dict[str, dict[str, Any]]) -> str:
 
 def plot_funnel(merged: dict[str, dict[str, Any]], path: str | os.PathLike) -> Path:
     """Bars of the documents and MB kept after each step (input of the first step first), stage after stage."""
-    labels, docs, mbytes = [], [], []
+    labels, docs, nbytes = [], [], []
     for stage, m in merged.items():
         steps = m["steps"]
         if steps and not labels:
             first = steps[0]
-            src_docs = first.docs_in if first.docs_in else first.docs_out
             labels.append(f"{stage}: input")
-            docs.append(src_docs)
-            mbytes.append((first.bytes_in or first.bytes_out) / 1e6)
+            docs.append(first.docs_in or first.docs_out)
+            nbytes.append(first.bytes_in or first.bytes_out)
         for s in steps:
             labels.append(f"{stage}: {s.name}")
             docs.append(s.docs_out)
-            mbytes.append(s.bytes_out / 1e6)
+            nbytes.append(s.bytes_out)
+    top = max(nbytes, default=0)
+    unit, scale = ("GB", 1e9) if top >= 1e9 else ("MB", 1e6) if top >= 1e6 else ("KB", 1e3)
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, max(3.0, 0.45 * len(labels) + 1.2)))
+    fig, axes = plt.subplots(1, 2, figsize=(12, max(3.0, 0.45 * len(labels) + 1.2)))
     y = list(range(len(labels)))[::-1]
-    for ax, values, title in ((axes[0], docs, "documents kept"), (axes[1], mbytes, "MB kept (UTF-8 text)")):
+    panels = ((axes[0], docs, "documents kept", "{:,.0f}"),
+              (axes[1], [b / scale for b in nbytes], f"{unit} kept (text; raw HTML before extraction)", "{:,.2f}"))
+    for ax, values, title, fmt in panels:
         ax.barh(y, values, color="#4c72b0")
         base = values[0] or 1
         for yi, v in zip(y, values):
-            ax.text(v, yi, f" {v:,.0f}" if title.startswith("doc") else f" {v:,.2f}", va="center", fontsize=8)
-            ax.text(0, yi, f" {100 * v / base:.0f}%", va="center", ha="left", fontsize=7, color="white")
+            ax.text(v, yi, f" {fmt.format(v)} ({100 * v / base:.0f}%)", va="center", fontsize=8)
         ax.set_yticks(y)
         ax.set_yticklabels(labels if ax is axes[0] else [""] * len(labels), fontsize=8)
-        ax.set_title(title)
-        ax.margins(x=0.2)
-    fig.suptitle("data pipeline funnel")
+        ax.set_title(title, fontsize=10)
+        ax.margins(x=0.3)
+    fig.suptitle("data pipeline funnel (after each step)")
     fig.tight_layout()
     return save_png(fig, path, dpi=110)
