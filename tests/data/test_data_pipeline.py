@@ -199,6 +199,9 @@ def test_registry_and_toml_errors(corpus, tmp_path):
     with pytest.raises(ValueError, match=r"step 1 \(type 'write_jsonl'\).*max_doc"):
         Pipeline.from_dict({"output": "x", "step": [{"type": "read_jsonl", "paths": ["in"]},
                                                     {"type": "write_jsonl", "output": "o", "max_doc": 3}]})
+    one = Pipeline.from_dict({"output": str(tmp_path / "o"), "tasks": 2,
+                              "step": [{"type": "read_jsonl", "paths": [str(corpus / "in")], "name": "src"}]})
+    assert one.stages[0].task_count() == 2 and one.stages[0].steps[0].name == "src"
     with pytest.raises(ValueError, match="missing 'output'"):
         Pipeline.from_dict({"step": []})
     with pytest.raises(ValueError, match="either"):

@@ -253,3 +253,20 @@ def test_a_missing_input_is_a_clear_error(tmp_path):
         read(JsonlReader(str(tmp_path / "nope.jsonl")))
     with pytest.raises(FileNotFoundError, match=r"no file matches"):
         read(JsonlReader(str(tmp_path / "*.jsonl")))
+
+
+def test_chunked_and_gzip_bodies_are_decoded(tmp_path):
+    html = b"<html><body><p>stored as the server sent it</p></body></html>"
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (html[:20], html[20:])) + b"0\r\n\r\n"
+    path = tmp_path / "raw.warc.gz"
+    with open(path, "wb") as f:
+        w = WARCWriter(f, gzip=True)
+        for url, body, headers in [
+                ("http://a/gzip", gzip.compress(html, mtime=0), [("Content-Encoding", "gzip")]),
+                ("http://a/chunked", chunked, [("Transfer-Encoding", "chunked")]),
+                ("http://a/bad", b"\x1f\x8b not really gzip", [("Content-Encoding", "gzip")])]:
+            h = StatusAndHeaders("200 OK", [("Content-Type", "text/html")] + headers, protocol="HTTP/1.1")
+            w.write_record(w.create_warc_record(url, "response", payload=io.BytesIO(body), http_headers=h))
+    docs, stats = read(WarcReader(str(path)))
+    assert [d.metadata["raw"] for d in docs] == [html, html, b"\x1f\x8b not really gzip"]
+    assert stats.counters["undecodable_http_encoding"] == 1

@@ -33,7 +33,7 @@ from typing import Any
 from lmstack.data.pipeline import Pipeline, Stage
 from lmstack.data.readers import Reader
 from lmstack.data.step import StepStats
-from lmstack.data.writers import ExclusionWriter
+from lmstack.data.writers import ExclusionWriter, clear_task_files
 from lmstack.utils import atomic_write_text
 
 
@@ -55,13 +55,17 @@ def step_names(stage: Stage) -> list[str]:
     return out
 
 
-def run_task(stage: Stage, rank: int, world: int, output: str, exclusions: bool = True) -> dict[str, Any] | None:
-    """Run task ``rank`` of ``world`` of ``stage``; its stats dict, or None when it had already completed."""
+def run_task(stage: Stage, rank: int, world: int, output: str, exclusions: bool = True,
+             progress: bool = False) -> dict[str, Any] | None:
+    """Run task ``rank`` of ``world`` of ``stage``; its stats dict, or None when it had already completed.
+    ``progress``: a tqdm bar of the documents leaving the last step."""
     marker = marker_path(output, stage.name, rank)
     if marker.exists():
         return None
     t0 = time.perf_counter()
     logs = _logs(output, stage.name)
+    for folder in ("stats", "completions"):  # temp files of a run killed while writing them
+        clear_task_files(logs / folder, f"{rank:05d}.")
     steps = [s.for_task(rank, world) for s in stage.steps]
     stats = [StepStats(n) for n in step_names(stage)]
     excluded = ExclusionWriter(logs / "excluded", rank) if exclusions else None
@@ -73,6 +77,10 @@ def run_task(stage: Stage, rank: int, world: int, output: str, exclusions: bool 
         docs = step.run(docs, st)
         gens.append(docs)
     try:
+        if progress:
+            from tqdm import tqdm
+
+            docs = tqdm(docs, desc=f"{stage.name} task {rank}", unit="doc", leave=False, file=sys.stderr)
         for _ in docs:
             pass
     except BaseException:
@@ -89,10 +97,10 @@ def run_task(stage: Stage, rank: int, world: int, output: str, exclusions: bool 
     return result
 
 
-def _run_task_safely(stage: Stage, rank: int, world: int, output: str, exclusions: bool):
+def _run_task_safely(stage: Stage, rank: int, world: int, output: str, exclusions: bool, progress: bool = False):
     """run_task, with a failure returned as text (an exception from a worker may not unpickle)."""
     try:
-        return rank, run_task(stage, rank, world, output, exclusions), None
+        return rank, run_task(stage, rank, world, output, exclusions, progress), None
     except Exception:
         return rank, None, traceback.format_exc()
 
@@ -153,7 +161,8 @@ class LocalExecutor:
                 bar.update(world - len(pending))
                 if self.workers == 1 or len(pending) <= 1:
                     for r in pending:
-                        _, _, err = _run_task_safely(stage, r, world, pipeline.output, pipeline.exclusions)
+                        _, _, err = _run_task_safely(stage, r, world, pipeline.output, pipeline.exclusions,
+                                                     self.progress)
                         if err:
                             failures[r] = err
                         bar.update()

@@ -9,6 +9,7 @@ The TOML file (paths relative to the working directory the command runs in)::
 
     output = "runs/data/demo"     # logs: <output>/<stage>/{stats,completions,excluded}/
     exclusions = true             # keep every dropped document with its step and reason (default true)
+    tasks = 8                     # optional (default: one task per input file)
 
     [[step]]                      # a one-stage pipeline; for several, use [[stage]] with [[stage.step]]
     type = "read_warc"            # a registered step name (lmstack.data.step.register_step) ...
@@ -106,7 +107,7 @@ class Pipeline:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "pipeline") -> Pipeline:
-        known = {"output", "exclusions", "step", "stage"}
+        known = {"output", "exclusions", "tasks", "step", "stage"}
         extra = set(d) - known
         if extra:
             raise ValueError(f"{where}: unknown top-level keys {sorted(extra)}; expected {sorted(known)}")
@@ -115,7 +116,10 @@ class Pipeline:
         if ("step" in d) == ("stage" in d):
             raise ValueError(f"{where}: give either [[step]] tables (one stage) or [[stage]] tables, not "
                              f"{'both' if 'step' in d else 'neither'}")
-        raw = [{"name": "main", "step": d["step"]}] if "step" in d else d["stage"]
+        if "tasks" in d and "stage" in d:
+            raise ValueError(f"{where}: a top-level 'tasks' is for a [[step]] pipeline; give each [[stage]] its own")
+        raw = [{"name": "main", "step": d["step"], **({"tasks": d["tasks"]} if "tasks" in d else {})}] \
+            if "step" in d else d["stage"]
         stages = []
         for i, s in enumerate(raw):
             sw = f"{where}: stage {i} ({s.get('name', f'stage{i}')!r})"

@@ -15,7 +15,8 @@ Ids (:func:`~lmstack.data.document.stable_id`) depend only on where a document c
 
 **WARC response records are not text yet.** The reader puts the HTTP body, undecoded, in
 ``doc.metadata["raw"]`` (bytes) with the HTTP ``Content-Type`` header in ``doc.metadata["content_type"]``
-(``""`` when absent) and leaves ``doc.text == ""``; the extraction step (:mod:`lmstack.data.extract`) turns
+(``""`` when absent) and leaves ``doc.text == ""`` (chunked transfer and gzip/deflate content encodings are
+undone; the charset is the extractor's to detect); the extraction step (:mod:`lmstack.data.extract`) turns
 ``raw`` into text and removes it. Writers never write ``raw``. Other metadata: ``url``, ``source``,
 ``warc_date``, ``warc_record_id``, ``http_status``.
 
@@ -377,8 +378,8 @@ class TextReader(Reader):
 
 # ---- WARC and WET ------------------------------------------------------------------------------------------
 
-def _http_split(block: bytes) -> tuple[int | None, str, bytes] | None:
-    """(status, Content-Type, body) of an HTTP response block; None when it has no header/body separator."""
+def _http_split(block: bytes) -> tuple[int | None, dict[str, str], bytes] | None:
+    """(status, headers lower-cased, body) of an HTTP response block; None without a header/body separator."""
     end = block.find(b"\r\n\r\n")
     sep = 4
     if end < 0:
@@ -390,12 +391,46 @@ def _http_split(block: bytes) -> tuple[int | None, str, bytes] | None:
     if head and head[0].startswith("HTTP/"):
         fields = head[0].split()
         status = int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
-    ctype = ""
+    headers: dict[str, str] = {}
     for line in head[1:]:
         k, _, v = line.partition(":")
-        if k.strip().lower() == "content-type":
-            ctype = v.strip()
-    return status, ctype, block[end + sep:]
+        headers[k.strip().lower()] = v.strip()
+    return status, headers, block[end + sep:]
+
+
+def _dechunk(body: bytes) -> bytes:
+    """The payload of a ``Transfer-Encoding: chunked`` body (RFC 9112 §7.1); ValueError when malformed."""
+    out, i = [], 0
+    while True:
+        nl = body.find(b"\r\n", i)
+        if nl < 0:
+            raise ValueError("chunk size line without CRLF")
+        size = int(body[i:nl].split(b";")[0].strip(), 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(body[nl + 2:nl + 2 + size])
+        if len(out[-1]) < size:
+            raise ValueError("chunk shorter than its size")
+        i = nl + 2 + size + 2
+
+
+def _decode_payload(headers: dict[str, str], body: bytes, stats: StepStats) -> bytes:
+    """Undo chunked transfer and gzip/deflate content encodings (crawlers such as wget store bodies as
+    received; Common Crawl stores them decoded). A body that does not decode is kept as it is, counted."""
+    try:
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            body = _dechunk(body)
+        enc = headers.get("content-encoding", "").lower().strip()
+        if enc in ("gzip", "x-gzip"):
+            body = zlib.decompress(body, wbits=47)  # gzip or zlib header
+        elif enc == "deflate":
+            try:
+                body = zlib.decompress(body)
+            except zlib.error:
+                body = zlib.decompress(body, wbits=-15)  # raw deflate, as some servers send
+    except (ValueError, zlib.error):
+        stats.counters["undecodable_http_encoding"] += 1
+    return body
 
 
 class _WarcBase(Reader):
@@ -441,8 +476,10 @@ class WarcReader(_WarcBase):
         http = _http_split(block)
         if http is None or not http[2]:
             return "no_http_body"
-        status, ctype, body = http
-        doc = Document("", stable_id(source, rid), {**meta, "content_type": ctype, "http_status": status, "raw": body})
+        status, headers, body = http
+        body = _decode_payload(headers, body, stats)
+        doc = Document("", stable_id(source, rid), {**meta, "content_type": headers.get("content-type", ""),
+                                                    "http_status": status, "raw": body})
         return _emit(stats, doc, len(block), len(body))
 
 
