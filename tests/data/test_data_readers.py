@@ -246,6 +246,8 @@ def test_tasks_split_the_files(tmp_path):
         write_jsonl(tmp_path / f"{i}.jsonl", [json.dumps({"text": f"file {i}"}).encode() + b"\n"])
     got = [[d.text for d in read(JsonlReader(str(tmp_path)), rank, 2)[0]] for rank in range(2)]
     assert got == [["file 0", "file 2", "file 4"], ["file 1", "file 3"]]
+    by_glob = read(JsonlReader(f"{tmp_path}/[13].jsonl"))[0]
+    assert [d.metadata["source"] for d in by_glob] == [f"{tmp_path}/1.jsonl", f"{tmp_path}/3.jsonl"]
 
 
 def test_a_missing_input_is_a_clear_error(tmp_path):

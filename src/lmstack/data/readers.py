@@ -24,7 +24,8 @@ Bad input never ends the run. Per record (the record is dropped with ``stats.dro
 placeholder with empty text and ``metadata["source"]``): ``empty``, ``too_long`` (over ``max_doc_bytes``;
 a 100 MB line is skipped without being held in memory), ``bad_json``, ``no_text``, ``truncated_record``
 (a WARC record shorter than its Content-Length), ``no_http_body``. Per file (everything read before the
-fault is kept; the placeholder's ``metadata["error"]`` says what broke, and a warning names the file):
+fault is kept; the file counts as one more record in, dropped; the placeholder's ``metadata["error"]`` says
+what broke, and a warning names the file):
 ``truncated_file`` (gzip/zstd stream cut short), ``corrupt_compression``, ``corrupt_parquet``,
 ``unreadable_file``. Undecodable UTF-8 is replaced by U+FFFD and counted in ``counters["utf8_replaced"]``
 (WARC bodies are left to the extractor, which detects their encoding).
@@ -157,9 +158,7 @@ def _glob_root(pattern: str) -> str:
 
 def _glob_source(given: str, full: str, match: str) -> str:
     """A glob match's source name: the pattern's folder as written plus the path below it."""
-    rel = os.path.relpath(match, _glob_root(full))
-    base = _glob_root(given) if Path(given).parts else ""
-    return Path(base, rel).as_posix() if base not in ("", ".") else Path(rel).as_posix()
+    return Path(_glob_root(given), os.path.relpath(match, _glob_root(full))).as_posix()
 
 
 def _drop_file(stats: StepStats, source: str, reason: str, error: BaseException) -> None:
