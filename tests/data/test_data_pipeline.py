@@ -139,7 +139,7 @@ def test_relaunch_skips_completed_tasks_and_refuses_another_split(corpus):
 @pytest.mark.slow
 def test_kill_9_mid_task_then_relaunch_is_byte_identical(corpus):
     LocalExecutor(1, progress=False).run(Pipeline.from_toml(toml(corpus, "ref")))
-    path = toml(corpus, "b", delay=0.3)  # 3 records kept per task: 0.9 s
+    path = toml(corpus, "b", delay=0.5)  # 3 records kept per task: 1.5 s, 0.5 s with each shard open
     out = corpus / "b"
     proc = subprocess.Popen([sys.executable, "-m", "lmstack", "data", "run", str(path), "--no-progress"],
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -158,7 +158,7 @@ def test_kill_9_mid_task_then_relaunch_is_byte_identical(corpus):
     assert not (out / "main" / "completions" / "00001.json").exists()
     assert any(p.name.startswith(".") for p in (out / "clean").iterdir())  # the killed shard's temp file
 
-    LocalExecutor(1, progress=False).run(Pipeline.from_toml(path))
+    LocalExecutor(1, progress=False).run(Pipeline.from_toml(toml(corpus, "b", delay=0.0)))  # same run, no sleep
     starts = (corpus / "b.log").read_text().split()
     assert [starts[i + 1] for i in range(0, len(starts), 2)] == ["0", "1", "1", "2", "3"]  # task 0 never again
     assert tree(out) == tree(corpus / "ref")
@@ -202,6 +202,12 @@ def test_registry_and_toml_errors(corpus, tmp_path):
     one = Pipeline.from_dict({"output": str(tmp_path / "o"), "tasks": 2,
                               "step": [{"type": "read_jsonl", "paths": [str(corpus / "in")], "name": "src"}]})
     assert one.stages[0].task_count() == 2 and one.stages[0].steps[0].name == "src"
+    src = {"type": "read_jsonl", "paths": [str(corpus / "in")]}
+    with pytest.raises(ValueError, match="lies inside stage 'main'.s input"):
+        Pipeline.from_dict({"output": str(tmp_path / "o"), "step": [src, {"type": "write_jsonl",
+                                                                          "output": str(corpus / "in" / "clean")}]})
+    with pytest.raises(ValueError, match="the pipeline's output"):
+        Pipeline.from_dict({"output": str(corpus / "in" / "logs"), "step": [src]})
     with pytest.raises(ValueError, match="missing 'output'"):
         Pipeline.from_dict({"step": []})
     with pytest.raises(ValueError, match="either"):

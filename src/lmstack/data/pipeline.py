@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmstack.data.readers import Reader
+from lmstack.data.readers import Reader, _glob_root
 from lmstack.data.step import STEPS, Step, register_step, step_class
+from lmstack.data.writers import ShardWriter
 
 __all__ = ["Pipeline", "Stage", "build_step", "register_step", "STEPS"]
 
@@ -99,6 +100,27 @@ class Pipeline:
             raise ValueError("a pipeline needs at least one stage")
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
+        self._check_paths()
+
+    def _check_paths(self) -> None:
+        """No output may land inside an input folder: a relaunch would read it (and split tasks differently).
+        A stage may read exactly the folder an earlier stage wrote."""
+        outs = [(i, f"stage {st.name!r} step {step.name!r} output", Path(step.output))
+                for i, st in enumerate(self.stages) for step in st.steps if isinstance(step, ShardWriter)]
+        outs.append((len(self.stages), "the pipeline's output (stats, markers, exclusions)", Path(self.output)))
+        for j, st in enumerate(self.stages):
+            for step in st.steps:
+                if not isinstance(step, Reader):
+                    continue
+                for given, full in step.paths:
+                    root = Path(_glob_root(full) if any(c in given for c in "*?[") else full).resolve()
+                    for i, what, out in outs:
+                        out = out.resolve()
+                        if out == root and what.endswith(" output") and i < j:
+                            continue  # this stage reads what an earlier one wrote
+                        if out == root or root in out.parents:
+                            raise ValueError(f"{what} {str(out)!r} lies inside stage {st.name!r}'s input "
+                                             f"{given!r}: a relaunch would read it; write it elsewhere")
 
     @classmethod
     def from_steps(cls, steps: list[Step], output: str | os.PathLike, tasks: int | None = None,

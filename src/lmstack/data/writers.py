@@ -144,7 +144,9 @@ def clear_task_files(folder: Path, stem: str) -> None:
                 p.unlink()
 
 
-class _ShardWriter(Step):
+class ShardWriter(Step):
+    """Base of the shard writers: ``output`` folder, rollover at ``max_docs`` / ``max_bytes``, ``prefix``."""
+
     suffix = ""
 
     def __init__(self, output: str | os.PathLike, max_docs: int | None = None, max_bytes: int | None = None,
@@ -190,7 +192,7 @@ class _ShardWriter(Step):
 
 
 @register_step("write_jsonl")
-class JsonlWriter(_ShardWriter):
+class JsonlWriter(ShardWriter):
     """JSONL shards in ``output``; ``compression`` None, "gz" or "zst"."""
 
     def __init__(self, output, compression: str | None = "gz", max_docs=None, max_bytes=None, prefix=""):
@@ -208,7 +210,7 @@ class JsonlWriter(_ShardWriter):
 
 
 @register_step("write_parquet")
-class ParquetWriter(_ShardWriter):
+class ParquetWriter(ShardWriter):
     """Parquet shards in ``output`` (zstd-compressed columns id, text, metadata-as-JSON)."""
 
     suffix = ".parquet"
