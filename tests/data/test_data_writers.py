@@ -74,6 +74,10 @@ def test_reruns_are_byte_identical(tmp_path):
         fa, fb = sorted((tmp_path / a).iterdir()), sorted((tmp_path / b).iterdir())
         assert [p.name for p in fa] == [p.name for p in fb] and fa
         assert all(x.read_bytes() == y.read_bytes() for x, y in zip(fa, fb))
+    # RFC 1952: bytes 4-7 of a gzip member are its MTIME; 0 means none (so the same docs give the same bytes
+    # whenever they are written), and FLG (byte 3) has no FNAME bit
+    head = sorted((tmp_path / "a").iterdir())[0].read_bytes()[:10]
+    assert head[:3] == b"\x1f\x8b\x08" and head[4:8] == b"\0\0\0\0" and not head[3] & 0x08
 
 
 def test_parquet_shards_match_pyarrow(tmp_path):
