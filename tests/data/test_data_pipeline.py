@@ -206,6 +206,9 @@ def test_registry_and_toml_errors(corpus, tmp_path):
     with pytest.raises(ValueError, match="lies inside stage 'main'.s input"):
         Pipeline.from_dict({"output": str(tmp_path / "o"), "step": [src, {"type": "write_jsonl",
                                                                           "output": str(corpus / "in" / "clean")}]})
+    with pytest.raises(ValueError, match="inside stage 'main'.s log folder"):
+        Pipeline.from_dict({"output": str(tmp_path / "o"), "step": [src, {"type": "write_jsonl",
+                                                                          "output": str(tmp_path / "o" / "main")}]})
     with pytest.raises(ValueError, match="the pipeline's output"):
         Pipeline.from_dict({"output": str(corpus / "in" / "logs"), "step": [src]})
     with pytest.raises(ValueError, match="missing 'output'"):
@@ -253,3 +256,10 @@ def test_run_task_returns_none_for_a_completed_task(corpus):
     st = p.stages[0]
     assert run_task(st, 0, 4, p.output)["steps"][0]["docs_out"] == 5
     assert run_task(st, 0, 4, p.output) is None
+
+
+def test_the_example_config_builds():
+    p = Pipeline.from_toml(REPO / "configs" / "data" / "example.toml")
+    assert [s.name for s in p.stages] == ["wet", "to_parquet"] and p.stages[1].tasks == 1
+    assert [type(s).__name__ for s in p.stages[0].steps] == ["WetReader", "JsonlWriter"]
+    assert p.stages[1].steps[1].max_bytes == 256_000_000

@@ -108,6 +108,12 @@ class Pipeline:
         outs = [(i, f"stage {st.name!r} step {step.name!r} output", Path(step.output))
                 for i, st in enumerate(self.stages) for step in st.steps if isinstance(step, ShardWriter)]
         outs.append((len(self.stages), "the pipeline's output (stats, markers, exclusions)", Path(self.output)))
+        for _, what, out in outs[:-1]:
+            for st in self.stages:
+                logs = (Path(self.output) / st.name).resolve()
+                if out.resolve() == logs or logs in out.resolve().parents:
+                    raise ValueError(f"{what} {str(out)!r} is inside stage {st.name!r}'s log folder {str(logs)!r} "
+                                     "(stats, markers, exclusions); rename the stage or the output")
         for j, st in enumerate(self.stages):
             for step in st.steps:
                 if not isinstance(step, Reader):
