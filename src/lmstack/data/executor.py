@@ -186,9 +186,10 @@ class LocalExecutor:
 class RayExecutor:
     """Tasks as Ray tasks (one CPU each, at most ``workers`` in flight; None: as many as Ray schedules).
 
-    Connects to ``address`` (e.g. ``"auto"`` or ``"ray://head:10001"``) or, with None, to a running
-    ``ray.init`` of this process, else starts a local Ray with ``ray_init`` keyword arguments (and shuts it
-    down after the run).
+    Uses this process's Ray when ``ray.init`` already ran; else joins ``address`` (``"auto"``: the cluster
+    ``ray start`` began on this machine, ``"ray://head:10001"``: a remote one) or, with None, starts a new
+    local Ray bound to 127.0.0.1 without a dashboard (``ray_init``: more ``ray.init`` keyword arguments),
+    and shuts down what it started after the run.
     """
 
     def __init__(self, workers: int | None = None, address: str | None = None, progress: bool = True,
@@ -204,7 +205,8 @@ class RayExecutor:
             raise ImportError("the Ray executor needs ray: pip install 'lmstack[data-ray]'") from None
         started = not ray.is_initialized()
         if started:
-            ray.init(address=self.address, **self.ray_init)
+            local = {"address": "local", "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
+            ray.init(**(local if self.address is None else {"address": self.address}), **self.ray_init)
         try:
             remote = ray.remote(num_cpus=1)(_run_task_safely)
             for stage in pipeline.stages:
