@@ -216,7 +216,7 @@ def run_contamination(args) -> int:
     else:
         if not args.train:
             raise ValueError("overlap needs --train FILE (a text corpus or a token file)")
-        if is_token_file(args.train):
+        if is_token_file(args.train, strict=True):
             tok = model_tokenizer(args.model, args.tokenizer)
             r = C.ngram_overlap([tok.encode(t) for t in texts], C.token_chunks(args.train), args.n)
         else:
