@@ -129,6 +129,18 @@ def check_outputs(outputs: Labeled, inputs: Labeled, kinds: dict[str, tuple[str,
                                   "(choose another path, or pass --force to replace it)")
 
 
+def own_folder(path: str | os.PathLike, *markers: str) -> bool:
+    """True when a command may write into folder ``path`` without ``--force``: it does not exist, is empty, or
+    holds one of ``markers`` (a file only that command writes, so the folder is an earlier run of its own).
+    A folder holding anything else — another model, another run — is not the command's to overwrite."""
+    p = Path(path)
+    if not p.exists():
+        return True
+    if not p.is_dir():
+        return False
+    return not any(p.iterdir()) or any((p / m).exists() for m in markers)
+
+
 def read_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, dict]]:
     """(line number, object) for each non-blank line of a JSONL file; a line that is not a JSON object
     raises ``error`` naming ``path:line`` (tasks, battles, sweep runs all read through here)."""

@@ -31,7 +31,7 @@ from lmstack.model.io import load_model, save_pretrained
 from lmstack.quant.prune import distill, prune_width
 from lmstack.threads import add_threads_argument, set_threads
 from lmstack.tokenizer import load_tokenizer
-from lmstack.utils import atomic_write_text, check_outputs, pyplot, save_png
+from lmstack.utils import atomic_write_text, check_outputs, own_folder, pyplot, save_png
 
 
 def register(subparsers) -> None:
@@ -39,6 +39,8 @@ def register(subparsers) -> None:
                               description=__doc__.split("\n")[0] + " (seed 001 \"有损提速\"; Minitron).")
     p.add_argument("--model", required=True, help="smollm2-135m, a GGUF file or an lmstack checkpoint directory")
     p.add_argument("--out", required=True, help="directory for the pruned checkpoint")
+    p.add_argument("--force", action="store_true",
+                   help="write into --out even when it holds something other than an earlier compress output")
     p.add_argument("--d-ff", type=int, default=None, help="FFN width F to keep (default: unchanged)")
     p.add_argument("--n-kv-heads", type=int, default=None, help="KV groups K to keep, with their query heads")
     p.add_argument("--d-model", type=int, default=None, help="embedding channels D to keep")
@@ -106,7 +108,9 @@ def _plot(path: Path, losses: list[float], evals: list[tuple[int, float]], teach
 
 
 def run_compress(args: argparse.Namespace) -> int:
-    check_outputs([("--out", args.out)], [("--model", args.model), ("--text", args.text)])
+    check_outputs([("--out", args.out)], [("--model", args.model), ("--text", args.text)],
+                  {"--out": ("an empty folder or an earlier `lmstack compress` output (one with compress.json)",
+                             lambda p: own_folder(p, "compress.json"))}, force=args.force)
     set_threads(args.threads)
     for name in ("distill_steps", "eval_every", "speed_tokens"):
         if getattr(args, name) < 0:
