@@ -40,7 +40,7 @@ from lmstack.tokenizer import Tokenizer, encode_files, save, train_bpe
 from lmstack.train import TrainConfig, Trainer
 from lmstack.train.plot import read_metrics
 from lmstack.train.trainer import device_peak_flops
-from lmstack.utils import check_outputs
+from lmstack.utils import check_outputs, own_folder
 
 DEFAULT_PROMPT = "The three most important ideas in machine learning are"
 SEP = "<|endoftext|>"
@@ -51,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                     "-> SmolLM2-135M (a few minutes on a CPU)")
     p.add_argument("inputs", nargs="*", help="text files or directories for the corpus (default: Python's stdlib)")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    p.add_argument("--force", action="store_true", help="write into --out even when it holds something other "
+                                                        "than an earlier demo's files (its run/ is replaced)")
     p.add_argument("--glob", default="*.py", help="files to take from directories (default *.py)")
     p.add_argument("--corpus-mb", type=float, default=6.0, help="use at most this many MB of text (default 6)")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size V (default 4096)")
@@ -149,6 +151,8 @@ def run_demo(args) -> int:
     check_outputs([(f"--out's {name}", out / name) for name in ("corpus.txt", "tokenizer.json", "tokens.bin",
                                                                  "tokens.bin.json", "run")],
                   [("the input", f) for f in corpus_files(args.inputs, args.glob)])
+    check_outputs([("--out", out)], [], {"--out": ("an empty folder or an earlier demo's (one with corpus.txt)",
+                                                   lambda p: own_folder(p, "corpus.txt"))}, force=args.force)
     out.mkdir(parents=True, exist_ok=True)
 
     _section("1. corpus")
