@@ -102,3 +102,35 @@ def test_expert_parallel_hash_routing_equals_single_process():
 
 def test_experts_not_divisible_by_ep():
     spawn(_ep_bad, 4)
+
+
+def _ep_empty_rank(rank, world):
+    """Every token routes to rank 0's experts, so rank 1's receive zero rows; forward and backward must still run
+    the same collectives on both ranks (issue #31: a grad-less empty expert output skipped the combine's backward
+    all-to-all on that rank and gloo aborted), and the gradients equal the unsharded layer's."""
+    from lmstack.model.moe import MoE
+    from lmstack.parallel.expert import ExpertParallelMoE
+
+    torch.manual_seed(0)
+    D, E = 8, 2 * world
+    ref = MoE(D, E, 2, 16)
+    with torch.no_grad():
+        ref.router.weight.zero_()
+        ref.router.weight[:2] = 5.0  # x > 0: experts 0 and 1 (rank 0's) win for every token
+    layer = ExpertParallelMoE(copy.deepcopy(ref))
+    x = torch.rand(2 * world, 3, D) + 0.1  # (B, T, D), positive
+    x_ref = x.clone().requires_grad_(True)
+    ref(x_ref).square().sum().backward()
+    xs = x[rank * 2:(rank + 1) * 2].clone().requires_grad_(True)
+    out = layer(xs)
+    out.square().sum().backward()
+    torch.testing.assert_close(xs.grad, x_ref.grad[rank * 2:(rank + 1) * 2], atol=1e-5, rtol=1e-4)
+    own = layer.gate_proj.weight.grad  # this rank's experts: the rows of every rank were dispatched to them
+    lo = rank * 2
+    torch.testing.assert_close(own, ref.gate_proj.weight.grad[lo:lo + 2], atol=1e-5, rtol=1e-4)
+    if rank == 1:
+        assert own.abs().sum() == 0  # nothing was routed here
+
+
+def test_expert_parallel_rank_with_no_rows_trains():
+    spawn(_ep_empty_rank, 2)

@@ -205,3 +205,43 @@ def test_a_client_leaving_a_non_streamed_request_aborts_it(served, monkeypatch):
     wait_idle(engine, timeout=10)
     assert all_blocks_free(engine)
     assert engine.stats["generated_tokens"] - before < 100
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
+    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": [{"type": "text", '
+                             b'"text": "\\udfff"}]}]}', "messages"),
+    ("/v1/completions", b'{"model": "%s", "prompt": "\\ud800"}', "prompt"),
+    ("/v1/completions", b'{"model": "%s", "prompt": ["ok", "\\ud800"]}', "prompt"),
+    ("/v1/completions", b'{"model": "%s", "prompt": "ok", "stop": "\\ud800"}', "stop"),
+    ("/tokenize", b'{"model": "%s", "prompt": "x\\ud800"}', "prompt"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(served, path, body, param):
+    """JSON can carry "\\ud800", which no UTF-8 text holds: the tokenizer would raise (a 500 before issue #31)."""
+    r = httpx.post(served[0] + path, content=body.replace(b"%s", MODEL.encode()),
+                   headers={"content-type": "application/json"})
+    err = check_error(r, 400, param)
+    assert "surrogate" in err["message"]
+
+
+def test_an_empty_api_key_is_refused_not_an_open_server():
+    engine = tiny_engine(tiny_model(max_seq_len=64))
+    with pytest.raises(ValueError, match="api_key is empty"):
+        Server(engine, MODEL, api_key="")
+    with pytest.raises(ValueError, match="api_key is empty"):
+        Server(engine, MODEL, api_key="  ")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--api-key", ""], "--api-key is empty"),
+    (["--port", "99999"], "--port 99999: expected 1..65535"),
+    (["--queue-timeout", "nan"], "--queue-timeout nan"),
+    (["--shutdown-timeout", "-5"], "--shutdown-timeout -5.0"),
+    (["--kv-cache-mb", "1000000000"], "more than this machine's available memory"),
+    (["--max-seqs", "0"], "--max-seqs 0"),
+])
+def test_serve_flags_are_checked_before_anything_loads(flags, message, capsys):
+    from lmstack.cli import main
+
+    assert main(["serve", "--model", "no-such-model-is-loaded", *flags]) == 2
+    assert message in capsys.readouterr().err

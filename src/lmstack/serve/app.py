@@ -81,6 +81,8 @@ class Server:
             raise ValueError(f"max_queue={max_queue}, queue_timeout={queue_timeout} must be >= 0, max_n={max_n} >= 1")
         self.engine, self.llm = engine, AsyncLLM(engine)
         self.tokenizer = engine.tokenizer
+        if api_key is not None and not api_key.strip():
+            raise ValueError("api_key is empty: pass a non-empty key, or None to serve without authentication")
         self.model_name, self.api_key = model_name, api_key
         self.capacity = engine.scheduler.max_num_seqs + max_queue
         self.queue_timeout, self.max_n = queue_timeout, max_n
@@ -338,7 +340,8 @@ def build_app(server: Server) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
         errs = e.errors()
-        first = errs[0] if errs else {}
+        # a union field reports one error per branch: the validator's own message (value_error) says most
+        first = next((x for x in errs if x.get("type") == "value_error"), errs[0] if errs else {})
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             msg = f"the request body is not valid JSON: {first.get('msg')}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 
@@ -45,12 +46,52 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping); None where unreadable."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_serve_args(args) -> None:
+    """Refuse bad flags before anything loads, each named with what was expected (exit 2, no traceback)."""
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty (an unset shell variable?): pass a non-empty key, or leave the flag "
+                         "out (and LMSTACK_API_KEY unset) to serve without authentication")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port {args.port}: expected 1..65535")
+    for flag, v in (("--queue-timeout", args.queue_timeout), ("--shutdown-timeout", args.shutdown_timeout)):
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{flag} {v}: expected a finite number of seconds >= 0")
+    for flag, v in (("--max-seqs", args.max_seqs), ("--max-tokens-per-step", args.max_tokens_per_step),
+                    ("--kv-cache-mb", args.kv_cache_mb), ("--max-n", args.max_n)):
+        if v < 1:
+            raise ValueError(f"{flag} {v}: expected a positive integer")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue {args.max_queue}: expected >= 0")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError(f"--max-model-len {args.max_model_len}: expected a positive integer")
+    avail = available_memory_bytes()
+    if avail is not None and args.kv_cache_mb * 2**20 > avail:
+        raise ValueError(f"--kv-cache-mb {args.kv_cache_mb}: more than this machine's available memory "
+                         f"({avail // 2**20} MiB); pass a smaller pool")
+
+
 def run_serve(args) -> int:
     import uvicorn
 
+    check_serve_args(args)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model, tokenizer = load_for_inference(args.model, args.tokenizer, args.dtype)
+    if args.max_model_len is not None and args.max_model_len > model.config.max_seq_len:
+        raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's context "
+                         f"({model.config.max_seq_len} positions)")
     engine = LLMEngine(model, tokenizer, max_num_seqs=args.max_seqs, max_num_batched_tokens=args.max_tokens_per_step,
                        max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_mb * 2**20,
                        enable_prefix_caching=not args.no_prefix_caching,
