@@ -1,5 +1,6 @@
 """The Tokenize step: documents -> token files with EOS after each document, against tiktoken on the same
-vocabulary; round trip to the text; one atomic output per shard on worker processes; read by lmstack train."""
+vocabulary; round trip to the text; one atomic output per shard on the executor's worker processes, from a
+pipeline TOML table too; read by lmstack train."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import pytest
 
 from lmstack.data.document import Document, stable_id
 from lmstack.data.step import StepStats
-from lmstack.data.tokenize import Tokenize, concat_token_files, shard_output, tokenize_shards
+from lmstack.data.executor import LocalExecutor
+from lmstack.data.pipeline import Pipeline
+from lmstack.data.tokenize import Tokenize, concat_token_files, tokenize_shards
 from lmstack.tokenizer import load_gguf_tokenizer, open_tokens, read_sidecar, to_tiktoken
 
 TEXTS = [
@@ -48,8 +51,10 @@ def test_token_file_is_each_document_then_eos(smol, tmp_path, use_native):
     eos = smol.eos_token_id
     docs = docs_of(TEXTS + ["", "lone \ud800 surrogate \udfff"])
     stats = StepStats("tokenize")
-    out = tmp_path / "shard.bin"
-    passed = list(Tokenize(smol, out)(docs, stats))
+    step = Tokenize(smol, tmp_path).for_task(3, 8)
+    out = step.token_file()
+    assert out == tmp_path / "00003.bin"  # named after the task
+    passed = list(step(docs, stats))
 
     texts = TEXTS + ["lone \ufffd surrogate \ufffd"]  # lone surrogates become U+FFFD, as tiktoken does
     want = np.concatenate([np.array(tt.encode_ordinary(t) + [eos], dtype=np.uint16) for t in texts])
@@ -59,7 +64,7 @@ def test_token_file_is_each_document_then_eos(smol, tmp_path, use_native):
     assert stats.docs_in == len(docs) and stats.docs_out == len(texts)
     assert stats.dropped == {"empty_text": 1}
     assert stats.counters["tokens"] == len(want) and stats.counters["surrogate_documents"] == 1
-    meta = json.loads((tmp_path / "shard.bin.json").read_text())
+    meta = json.loads((tmp_path / "00003.bin.json").read_text())
     assert meta["n_documents"] == len(texts) and meta["eos_id"] == eos and meta["vocab_size"] == smol.vocab_size
 
     # round trip: cut after each EOS (as training's split_documents does) and decode back to the text
@@ -69,21 +74,20 @@ def test_token_file_is_each_document_then_eos(smol, tmp_path, use_native):
 
 
 def test_nothing_is_written_when_the_stream_fails(smol, tmp_path):
-    out = tmp_path / "shard.bin"
-    list(Tokenize(smol, out)(docs_of(["old contents"]), StepStats("tokenize")))
-    before = out.read_bytes()
+    step = Tokenize(smol, tmp_path)
+    list(step(docs_of(["a killed run's file"]), StepStats("tokenize")))  # no completion marker: not trusted
 
     def broken():
         yield from docs_of(["fine", "also fine"])
         raise RuntimeError("reader died")
 
     with pytest.raises(RuntimeError, match="reader died"):
-        list(Tokenize(smol, out)(broken(), StepStats("tokenize")))
-    gen = Tokenize(smol, out)(iter(docs_of(["x"] * 5)), StepStats("tokenize"))
+        list(step(broken(), StepStats("tokenize")))
+    assert list(tmp_path.iterdir()) == []  # the old file cleared at the start, the new one never renamed
+    gen = step(iter(docs_of(["x"] * 5)), StepStats("tokenize"))
     next(gen)
     gen.close()  # a consumer that stops early
-    assert out.read_bytes() == before and read_sidecar(out).n_tokens == len(before) // 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.bin", "shard.bin.json"]  # no temp files left
+    assert list(tmp_path.iterdir()) == []  # no token file, no sidecar, no temp file
 
 
 def write_shard(path: Path, texts, gz=False):
@@ -102,19 +106,20 @@ def test_shards_in_parallel_and_lmstack_train_reads_them(smol, tmp_path):
     groups = [TEXTS[:3] * 4, TEXTS[3:] * 3, ["", ""], TEXTS[::-1] * 5]
     shards = [write_shard(tmp_path / f"{k:05d}.jsonl{'.gz' if k % 2 else ''}", g, gz=bool(k % 2))
               for k, g in enumerate(groups)]
-    outputs, stats = tokenize_shards(shards, tmp_path / "tokens", smol, num_workers=2, progress=False)
-    assert outputs == [shard_output(s, tmp_path / "tokens") for s in shards]
-    assert [o.name for o in outputs] == ["00000.bin", "00001.bin", "00002.bin", "00003.bin"]
+    outputs, stats = tokenize_shards(shards, tmp_path / "tokens", smol, tmp_path / "logs", num_workers=2)
+    assert outputs == [tmp_path / "tokens" / f"{k:05d}.bin" for k in range(4)]  # shard k -> task k
     eos = smol.eos_token_id
     for g, o in zip(groups, outputs):
         want = [i for t in g if t for i in tt.encode_ordinary(t) + [eos]]
         assert np.asarray(open_tokens(o) if want else []).tolist() == want
     n_docs = sum(len(g) for g in groups)
-    assert (stats.docs_in, stats.docs_out, stats.dropped["empty_text"]) == (n_docs, n_docs - 2, 2)
+    assert (stats.docs_in, stats.docs_out) == (n_docs - 2, n_docs - 2)  # the reader drops empty records
+    assert read_sidecar(outputs[2]).n_tokens == 0 and outputs[2].stat().st_size == 0
     assert stats.counters["tokens"] == sum(read_sidecar(o).n_tokens for o in outputs)
 
-    one_process, _ = tokenize_shards(shards, tmp_path / "again", smol, num_workers=1, progress=False)
+    one_process, again = tokenize_shards(shards, tmp_path / "again", smol, tmp_path / "logs1", num_workers=1)
     assert [a.read_bytes() for a in outputs] == [b.read_bytes() for b in one_process]  # byte-identical
+    assert again == stats
 
     merged = tmp_path / "train.bin"
     n = concat_token_files(outputs, merged)
@@ -135,18 +140,34 @@ def test_shards_in_parallel_and_lmstack_train_reads_them(smol, tmp_path):
     assert result["step"] == 2 and result["tokens_seen"] == 2 * 2 * 32
 
 
-def test_colliding_shard_names_are_refused(smol, tmp_path):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    s1 = write_shard(tmp_path / "a" / "00000.jsonl", ["x"])
-    s2 = write_shard(tmp_path / "b" / "00000.jsonl.gz", ["y"], gz=True)
-    with pytest.raises(ValueError, match="would both write"):
-        tokenize_shards([s1, s2], tmp_path / "out", smol, progress=False)
+def test_pipeline_toml_table(smol, tmp_path):
+    """``type = "tokenize"`` in a pipeline file: one token file per input shard, relaunch skips done tasks."""
+    from lmstack.tokenizer import save
+
+    save(smol, tmp_path / "tok.json")
+    (tmp_path / "in").mkdir()
+    for k in range(2):
+        write_shard(tmp_path / "in" / f"part{k}.jsonl", TEXTS[k::2])
+    spec = {"output": str(tmp_path / "logs"),
+            "step": [{"type": "read_jsonl", "paths": [str(tmp_path / "in")]},
+                     {"type": "tokenize", "tokenizer": str(tmp_path / "tok.json"), "output": str(tmp_path / "tok")}]}
+    LocalExecutor(1, progress=False).run(Pipeline.from_dict(spec))
+    tt = to_tiktoken(smol)
+    for k in range(2):
+        want = [i for t in TEXTS[k::2] for i in tt.encode_ordinary(t) + [smol.eos_token_id]]
+        assert np.asarray(open_tokens(tmp_path / "tok" / f"{k:05d}.bin")).tolist() == want
+    before = (tmp_path / "tok" / "00000.bin").stat().st_mtime_ns
+    LocalExecutor(1, progress=False).run(Pipeline.from_dict(spec))  # every task has its marker: nothing reruns
+    assert (tmp_path / "tok" / "00000.bin").stat().st_mtime_ns == before
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Pipeline.from_dict({**spec, "step": [spec["step"][0], {**spec["step"][1], "tokenizer": "missing.json"}]})
 
 
 def test_eos_choice_is_checked(smol, tmp_path):
     with pytest.raises(ValueError, match="not one of the tokenizer's special tokens"):
-        Tokenize(smol, tmp_path / "x.bin", eos="<|nope|>")
+        Tokenize(smol, tmp_path, eos="<|nope|>")
     with pytest.raises(ValueError, match="not a token id"):
-        Tokenize(smol, tmp_path / "x.bin", eos=10**7)
-    assert Tokenize(smol, tmp_path / "x.bin", eos="<|endoftext|>").eos_id == smol.special_tokens["<|endoftext|>"]
+        Tokenize(smol, tmp_path, eos=10**7)
+    step = Tokenize(smol, tmp_path, eos="<|endoftext|>")
+    list(step(docs_of(["hi"]), StepStats("tokenize")))
+    assert open_tokens(step.token_file()).tolist()[-1] == smol.special_tokens["<|endoftext|>"]

@@ -1,11 +1,12 @@
 """The last data step: surviving documents -> lmstack token files that ``lmstack train`` reads (docs/data.md).
 
 Each document's ids (lmstack's tokenizer, its native core when built) are followed by EOS, so documents
-never run together and shards can be concatenated (``lmstack.train.data.split_documents`` cuts after each
-EOS). One input shard gives one token file (:mod:`lmstack.tokenizer.token_file`: raw ``uint16`` / ``uint32``
-ids plus a JSON sidecar), written atomically: a token file is complete with its sidecar or absent.
-:func:`tokenize_shards` runs one task per shard on worker processes; :func:`concat_token_files` joins the
-shards into the single file ``lmstack train --train-data`` takes.
+never run together and token files can be concatenated (``lmstack.train.data.split_documents`` cuts after
+each EOS). Each task writes one token file, ``output/{prefix}{rank:05d}.bin`` (:mod:`lmstack.tokenizer.token_file`:
+raw ``uint16`` / ``uint32`` ids plus the JSON sidecar ``.bin.json``), atomically: complete with its sidecar or
+absent. A stage has one task per input shard by default, so one input shard gives one token file;
+:func:`tokenize_shards` runs that stage on the local executor's processes and :func:`concat_token_files`
+joins the files into the single one ``lmstack train`` takes.
 
 Text in documents is data, not markup: a literal ``<|endoftext|>`` in a crawled page is encoded as text
 (``allow_special=False``), and lone surrogates (from JSON ``\\ud800`` escapes) become U+FFFD, as tiktoken
@@ -14,24 +15,25 @@ does, counted in ``stats.counters["surrogate_documents"]``.
 
 from __future__ import annotations
 
-import gzip
-import json
-import multiprocessing as mp
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from lmstack.data.document import Document
-from lmstack.data.step import Step, StepStats
-from lmstack.threads import available_cpus
+from lmstack.data.executor import LocalExecutor
+from lmstack.data.pipeline import Pipeline
+from lmstack.data.readers import JsonlReader
+from lmstack.data.report import merge_stats
+from lmstack.data.step import StepStats, register_step
+from lmstack.data.writers import ShardWriter, clear_task_files
 from lmstack.tokenizer import Tokenizer, load_tokenizer, open_tokens, read_sidecar, token_dtype
 from lmstack.tokenizer.token_file import sidecar_path, write_sidecar
 from lmstack.utils import atomic_path
 
 _BATCH_CHARS = 4 << 20  # characters encoded per native call (bounds memory whatever the shard's size)
+_LOADED: dict[str, Tokenizer] = {}  # tokenizer path -> loaded, once per worker process
 
 
 def eos_id(tok: Tokenizer, eos: str | int | None = None) -> int:
@@ -65,30 +67,54 @@ def _clean(text: str) -> tuple[str, bool]:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"), True
 
 
-class Tokenize(Step):
-    """Writes the documents it sees to the token file ``output`` (ids + EOS per document) and passes them on.
+@register_step("tokenize")
+class Tokenize(ShardWriter):
+    """Writes the documents it sees to this task's token file and passes them on.
 
-    Empty documents are dropped (reason ``empty_text``): they would add a lone EOS. Counters:
-    ``tokens`` (ids written, EOS included: the file's length), ``surrogate_documents``.
+    ``tokenizer``: a :class:`~lmstack.tokenizer.Tokenizer` or a path :func:`~lmstack.tokenizer.load_tokenizer`
+    reads (loaded in the worker, once per process). ``eos``: a special token or an id (default: the
+    tokenizer's EOS, else ``<|endoftext|>``). Empty documents are dropped (reason ``empty_text``): they
+    would add a lone EOS. Counters: ``tokens`` (ids written, EOS included: the file's length),
+    ``surrogate_documents``, ``shards``.
     """
 
     name = "tokenize"
+    suffix = ".bin"
 
     def __init__(self, tokenizer: Tokenizer | str | os.PathLike, output: str | os.PathLike,
-                 eos: str | int | None = None, allow_special: bool = False, num_threads: int = 1) -> None:
-        self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-        self.output = Path(output)
-        self.eos_id = eos_id(self.tokenizer, eos)
+                 eos: str | int | None = None, allow_special: bool = False, num_threads: int = 1,
+                 prefix: str = "") -> None:
+        super().__init__(output, prefix=prefix)
+        if not isinstance(tokenizer, Tokenizer):
+            if not Path(tokenizer).exists():
+                raise FileNotFoundError(f"tokenize: tokenizer {str(tokenizer)!r} does not exist")
+            tokenizer = os.path.abspath(tokenizer)
+        self.tokenizer = tokenizer
+        if isinstance(tokenizer, Tokenizer):
+            eos_id(tokenizer, eos)  # a bad eos is an error now, not in a worker
+        self.eos = eos
         self.allow_special = bool(allow_special)
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-            raise ValueError(f"num_threads={num_threads!r} must be an integer >= 1")
+            raise ValueError(f"tokenize: num_threads={num_threads!r} must be an integer >= 1")
         self.num_threads = num_threads
-        self.dtype = token_dtype(self.tokenizer.vocab_size)
+
+    def load(self) -> Tokenizer:
+        if isinstance(self.tokenizer, Tokenizer):
+            return self.tokenizer
+        if self.tokenizer not in _LOADED:
+            _LOADED[self.tokenizer] = load_tokenizer(self.tokenizer)
+        return _LOADED[self.tokenizer]
+
+    def token_file(self) -> Path:
+        """This task's output: ``output/{prefix}{rank:05d}.bin``."""
+        return Path(self.output) / f"{self.prefix}{self.rank:05d}{self.suffix}"
 
     def run(self, docs: Iterable[Document], stats: StepStats) -> Iterator[Document]:
-        tok, out = self.tokenizer, self.output
+        tok = self.load()
+        eos, dtype, out = eos_id(tok, self.eos), token_dtype(tok.vocab_size), self.token_file()
+        clear_task_files(out.parent, out.name)  # what a killed run of this task left (no completion marker)
         n_docs = n_bytes = 0
-        stale = sidecar_path(out)
+        stats.counters["tokens"] += 0
         with atomic_path(out) as tmp, open(tmp, "wb") as f:  # an exception or an early close: nothing written
             batch: list[str] = []
             size = 0
@@ -105,103 +131,42 @@ class Tokenize(Step):
                 n_docs += 1
                 n_bytes += len(text.encode("utf-8"))
                 if size >= _BATCH_CHARS:
-                    stats.counters["tokens"] += self._write(batch, f)
+                    stats.counters["tokens"] += self._encode(tok, batch, dtype, eos, f)
                     batch, size = [], 0
                 stats.kept(doc)
                 yield doc
-            stats.counters["tokens"] += self._write(batch, f)
+            stats.counters["tokens"] += self._encode(tok, batch, dtype, eos, f)
             f.flush()
-            stale.unlink(missing_ok=True)  # an old sidecar never describes the new file
         n_tokens = stats.counters["tokens"]
-        write_sidecar(out, {"dtype": self.dtype.name, "n_tokens": n_tokens, "vocab_size": tok.vocab_size,
-                            "n_documents": n_docs, "n_bytes": n_bytes, "eos_id": self.eos_id,
+        write_sidecar(out, {"dtype": dtype.name, "n_tokens": n_tokens, "vocab_size": tok.vocab_size,
+                            "n_documents": n_docs, "n_bytes": n_bytes, "eos_id": eos,
                             "bytes_per_token": n_bytes / max(n_tokens - n_docs, 1)})
+        stats.counters["shards"] += 1
 
-    def _write(self, texts: list[str], f) -> int:
+    def _encode(self, tok: Tokenizer, texts: list[str], dtype: np.dtype, eos: int, f) -> int:
         if not texts:
             return 0
-        ids = self.tokenizer.encode_concat(texts, self.dtype, sep_id=self.eos_id, allow_special=self.allow_special,
-                                           num_threads=self.num_threads)
+        ids = tok.encode_concat(texts, dtype, sep_id=eos, allow_special=self.allow_special,
+                                num_threads=self.num_threads)
         f.write(ids.tobytes())
         return len(ids)
 
 
-def read_jsonl_documents(path: str | os.PathLike) -> Iterator[Document]:
-    """Documents of a JSONL shard (plain or ``.gz``), one ``{"text", "id", "metadata"}`` object per line."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                yield Document(obj["text"], str(obj["id"]), obj.get("metadata") or {})
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: expected a JSON object with 'text' and 'id': {e!r}") from None
-
-
-def shard_output(shard: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """``out_dir/<shard name without its extensions>.bin`` (``00003.jsonl.gz`` -> ``00003.bin``)."""
-    return Path(out_dir) / (Path(shard).name.split(".")[0] + ".bin")
-
-
-_WORKER: list = []
-
-
-def _init(step_args: dict, read: Callable[[Path], Iterable[Document]]) -> None:
-    _WORKER[:] = [step_args, read]
-
-
-def _task(job: tuple[str, str]) -> dict:
-    shard, output = job
-    step_args, read = _WORKER
-    step = Tokenize(output=output, **step_args)
-    stats = StepStats(step.name)
-    for _ in step(read(Path(shard)), stats):
-        pass
-    return stats.to_dict()
-
-
 def tokenize_shards(shards: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
-                    tokenizer: Tokenizer | str | os.PathLike, eos: str | int | None = None,
-                    allow_special: bool = False, num_workers: int | None = None,
-                    read: Callable[[Path], Iterable[Document]] = read_jsonl_documents,
-                    progress: bool | None = None) -> tuple[list[Path], StepStats]:
-    """One token file per input shard (:func:`shard_output`), shards on ``num_workers`` processes (default:
-    the CPUs available); returns the outputs in shard order and the stats of all tasks merged."""
-    shards = [Path(s) for s in shards]
-    outputs = [shard_output(s, out_dir) for s in shards]
-    seen: dict[Path, Path] = {}
-    for s, o in zip(shards, outputs):
-        if not s.is_file():
-            raise FileNotFoundError(f"input shard {str(s)!r} does not exist or is not a file")
-        if o in seen:
-            raise ValueError(f"shards {str(seen[o])!r} and {str(s)!r} would both write {str(o)!r}; rename one")
-        seen[o] = s
-    tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-    step_args = {"tokenizer": tok, "eos": eos_id(tok, eos), "allow_special": allow_special}
-    workers = max(1, min(num_workers or available_cpus(), len(shards)))
-    jobs = [(str(s), str(o)) for s, o in zip(shards, outputs)]
-    total = StepStats(Tokenize.name)
-    bar = tqdm(total=len(jobs), unit="shard", desc="tokenize", disable=(not progress) if progress is not None else None)
-    if workers == 1:
-        _init(step_args, read)
-        results: Iterable[dict] = map(_task, jobs)
-        pool = None
-    else:
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        pool = ctx.Pool(workers, initializer=_init, initargs=(step_args, read))
-        results = pool.imap(_task, jobs)  # in shard order
-    try:
-        for d in results:
-            total = total.merge(StepStats.from_dict(d))
-            bar.update(1)
-    finally:
-        if pool is not None:
-            pool.terminate()
-        bar.close()
-    return outputs, total
+                    tokenizer: Tokenizer | str | os.PathLike, logs: str | os.PathLike,
+                    eos: str | int | None = None, allow_special: bool = False, num_workers: int = 1,
+                    progress: bool = False) -> tuple[list[Path], StepStats]:
+    """JSONL shards of documents -> one token file per shard in ``out_dir`` (``00000.bin``, ... in the
+    shards' sorted order), as one pipeline stage (``read_jsonl`` + ``tokenize``, one task per shard) on the
+    local executor with ``num_workers`` processes; ``logs`` gets the stage's stats and completion markers, so
+    a relaunch skips finished shards. Returns the token files and the tokenize step's stats over all tasks."""
+    reader = JsonlReader([str(s) for s in shards])
+    step = Tokenize(tokenizer, out_dir, eos=eos, allow_special=allow_special)
+    world = len(reader.files())
+    LocalExecutor(num_workers, progress=progress).run(Pipeline.from_steps([reader, step], logs, tasks=world,
+                                                                          name="tokenize"))
+    stats = next(s for s in merge_stats(logs)["tokenize"]["steps"] if s.name == step.name)
+    return [step.for_task(r, world).token_file() for r in range(world)], stats
 
 
 def concat_token_files(paths: Sequence[str | os.PathLike], output: str | os.PathLike) -> int:
