@@ -65,6 +65,17 @@ class Sampling(_Request):
     repetition_penalty: Annotated[float, Field(gt=0, le=100)] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # OpenAI fields this server does not implement: accepted only at their no-op values (``Server.unsupported``),
+    # anything else is a 400 naming the field — never a plain-text answer pretending to comply
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
 
 
 class CompletionRequest(Sampling):
