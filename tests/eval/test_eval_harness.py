@@ -159,3 +159,15 @@ def test_lmstack_eval_harness_cli(tiny_dir, lm, tmp_path):
     spec = tmp_path / "mine.yaml"
     spec.write_text(f'data: {data.name}\nprompt: "Q: {{question}}\\nA:"\n')
     assert got["acc,none"] == pytest.approx(run_task(load_task(spec), Evaluator(*lm), progress=False).metrics["acc"])
+
+
+def test_unknown_model_args_are_refused_by_name(tiny_dir):
+    """Issue #31: `--model_args ... dtyp=int4` ran fp32 silently (unknown keys were swallowed)."""
+    from lm_eval.api.registry import get_model
+
+    cls = get_model("lmstack")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['dtyp'\]"):
+        cls.create_from_arg_string(f"model={tiny_dir},dtyp=int4", {"batch_size": 1, "device": "cpu"})
+    ok = cls.create_from_arg_string(f"model={tiny_dir},dtype=fp32", {"batch_size": 1, "max_batch_size": None,
+                                                                     "device": "cpu"})
+    assert ok.max_gen_toks == 256
