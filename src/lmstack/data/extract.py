@@ -3,7 +3,8 @@
 The reader leaves a WARC record's HTTP payload in ``doc.metadata["raw"]`` (bytes) with its
 ``doc.metadata["content_type"]`` and an empty text; :class:`Extract` turns it into text.
 
-Decoding (never raises): the charset named in the Content-Type header if Python knows it, else the
+Decoding (never raises): bytes that decode as UTF-8 (and are not plain ASCII) are UTF-8, whatever the
+header says (legacy 8-bit text almost never forms valid multi-byte UTF-8 sequences); else the charset named in the Content-Type header if Python knows it, else the
 ``<meta charset>`` of the page, else uchardet's guess (resiliparse's ``detect_encoding``), then
 resiliparse's ``bytes_to_str`` with ``errors="replace"`` and UTF-8 / cp1252 fallbacks, so undecodable
 bytes become U+FFFD instead of an exception.
@@ -40,7 +41,7 @@ def _known_codec(name: str | None) -> str | None:
 def looks_binary(raw: bytes) -> bool:
     """True when the first 4 KiB hold a NUL byte or mostly control bytes (images, archives, PDFs)."""
     head = raw[:4096]
-    if not head:
+    if not head or head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # UTF-16 text has NULs
         return False
     if b"\x00" in head:
         return True
@@ -55,6 +56,11 @@ def decode_html(raw: bytes, content_type: str | None = None) -> str:
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise TypeError(f"decode_html expects bytes, got {type(raw).__name__}")
     raw = bytes(raw)
+    if not raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) and not raw.isascii():
+        try:  # bytes that are valid UTF-8 and not ASCII are UTF-8 whatever a header claims
+            return raw.decode("utf-8").removeprefix("\ufeff")
+        except UnicodeDecodeError:
+            pass
     header = _CHARSET.search(content_type or "")
     encoding = _known_codec(header.group(1) if header else None)
     if encoding is None:
