@@ -132,10 +132,19 @@ _TOXIC = ["You are a {w} and everyone here knows it.", "Shut up, you {w} {w2}.",
           "I hate people like you, you {w} piece of {w2}.", "People like you are {w} {w2} and should leave."]
 
 
+# Counterfactual fillers: the same templates with harmless words are negatives, so "you", "free", "watch",
+# "live" or "best" carry no signal on their own and the model keys on the harmful words.
+_NSFW_FILL = ["cooking", "gardening", "travel", "football", "piano", "chess", "science", "history", "knitting",
+              "cycling", "photography", "baking", "local news", "concerts", "yoga classes", "book reviews"]
+_TOXIC_FILL = ["friend", "hero", "genius", "neighbour", "expert", "helpful", "kind", "thoughtful", "clever",
+               "teacher", "student", "volunteer", "great", "wonderful"]
+
+
 def generated_examples(kind: str, n: int = 600, seed: int = 0) -> tuple[list[str], list[str]]:
     """(positive, negative) paragraphs for ``kind`` in {"nsfw", "toxic"}, ``n`` of each, from templates.
 
-    Positives: one harmful template sentence, alone or among 1-3 ordinary sentences. Negatives: ordinary
+    Positives: one harmful template sentence, alone or among 1-3 ordinary sentences. Negatives: the same
+    templates filled with harmless words (half of them) among ordinary
     sentences of three kinds (forum-style lines, the crawl generator's prose, and lines of the Python standard
     library's docstrings, which every machine has: a broad technical English vocabulary), so the model must
     key on the harmful wording rather than on common words or the register of the text around it.
@@ -161,7 +170,14 @@ def generated_examples(kind: str, n: int = 600, seed: int = 0) -> tuple[list[str
         parts = [bad] + [ordinary() for _ in range(rng.choice([0, 0, 1, 2, 3]))]
         rng.shuffle(parts)
         pos.append(" ".join(parts))
-    neg = [" ".join(ordinary() for _ in range(rng.randint(1, 5))) for _ in range(n)]
+    fill = _NSFW_FILL if kind == "nsfw" else _TOXIC_FILL
+    neg = []
+    for i in range(n):
+        parts = [ordinary() for _ in range(rng.randint(1, 4))]
+        if i % 2 == 0:
+            parts.append(rng.choice(temps).format(w=rng.choice(fill), w2=rng.choice(fill), w3=rng.choice(fill)))
+            rng.shuffle(parts)
+        neg.append(" ".join(parts))
     return pos, neg
 
 

@@ -94,8 +94,8 @@ def html_to_text(html: str, main_content: bool = True, engine: str = "resilipars
                                   noscript=False, comments=False)
     except Exception:  # resiliparse's HTMLParserException on pathological input
         return ""
-    lines = (ln.strip() for ln in text.splitlines())
-    return "\n".join(ln for ln in lines if ln)
+    lines = (ln.rstrip() for ln in text.splitlines())  # keep the indentation of <pre> code
+    return "\n".join(ln for ln in lines if ln.strip())
 
 
 class Extract(Mapper):

@@ -32,7 +32,8 @@ _OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
 _IPV4 = rf"(?<![\w.]){_OCTET}(?:\.{_OCTET}){{3}}(?![\w]|\.\d)"
 # Anything made of hex digits and colons with at least two colons (optionally ending in a dotted quad);
 # ipaddress decides whether it is an IPv6 address.
-_IPV6 = r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:[0-9A-Fa-f]{1,4}|" + _OCTET + r"(?:\." + _OCTET + r"){3})?(?![\w:])"
+_IPV6 = (r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:" + _OCTET + r"(?:\." + _OCTET + r"){3}|[0-9A-Fa-f]{1,4})?"
+         r"(?![\w:]|\.\w)")
 _SEP = r"[-. ]?"
 _NANP = (r"(?:(?:\+|\b)1" + _SEP + r")?(?:\([2-9]\d\d\)[ ]?|\b[2-9]\d\d" + _SEP + r")\d\d\d" + _SEP + r"\d{4}")
 _INTL = r"(?:\+|\b00)[1-9]\d{0,2}(?:[ .-]?\(0\))?(?:[ .-]?\(?\d{1,5}\)?){1,5}"
