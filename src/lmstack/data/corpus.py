@@ -130,11 +130,10 @@ def _near_duplicate(words: list[str], target: float, rng: random.Random, n: int 
     j = 1.0
     for k, pos in enumerate(order):
         out[pos] = f"variant{k}" + words[pos][len(words[pos].rstrip(".!?,")):]  # keep the punctuation
-        if k % 4 == 3:
-            b = grams(out)
-            j = len(a & b) / len(a | b)
-            if j <= target:
-                break
+        b = grams(out)
+        j = len(a & b) / len(a | b)
+        if j <= target:
+            break
     return out, j
 
 
@@ -150,11 +149,11 @@ def generated_records(rng: random.Random, n_clean: int = 60) -> Iterator[Record]
         yield Record(f"{base}/clean/{i}", page(f"Notes {i}", paras).encode(), "text/html; charset=utf-8",
                      _labels("clean"))
     for i in range(8):  # exact duplicates of clean pages
-        src = i * 3
+        src = (i * 3) % n_clean
         yield Record(f"{base}/exact/{i}", page(f"Notes {src}", clean[src]).encode(), "text/html; charset=utf-8",
                      _labels("exact_duplicate", dup_of=f"{base}/clean/{src}"))
     for i, target in enumerate([0.9, 0.8, 0.7, 0.5, 0.3, 0.9, 0.8, 0.7]):
-        src = 1 + i * 3
+        src = (1 + i * 3) % n_clean
         lens = [len(p.split()) for p in clean[src]]
         near, j = _near_duplicate(" ".join(clean[src]).split(), target, rng)
         paras, k = [], 0
@@ -235,7 +234,7 @@ def generated_records(rng: random.Random, n_clean: int = 60) -> Iterator[Record]
                      _labels("wrong_encoding", encoding=enc, declared=declared,
                              check=paras[-1].encode(enc, errors="replace").decode(enc)))
     for i in range(6):
-        blob = _png(rng) if i % 2 == 0 else gzip.compress(bytes(rng.randrange(256) for _ in range(2000)))
+        blob = _png(rng) if i % 2 == 0 else gzip.compress(bytes(rng.randrange(256) for _ in range(2000)), mtime=0)
         ctype = ["image/png", "application/gzip", "text/html"][i % 3]  # some lie about their type
         yield Record(f"{base}/binary/{i}", blob, ctype, _labels("binary", "bad"))
     for kind in ("nsfw", "toxic"):
