@@ -153,8 +153,14 @@ def run_demo(out_dir: str | Path, real_limit: int = 120, n_files: int = 4, quiet
         funnel.append({"step": step.name, "docs": len(stream), "dropped": dict(st.dropped),
                        "counters": dict(st.counters)})
     kinds_left = dict(Counter(labels[d.metadata["url"]]["kind"] for d in stream))
+    left = {d.metadata["url"] for d in stream}
+    gen = {u: lab for u, lab in labels.items() if lab["kind"] != "real"}
+    unwanted = {u for u, lab in gen.items() if lab["quality"] == "bad" or lab["nsfw"] or lab["toxic"]}
+    chain_row = {"unwanted_generated_removed": len(unwanted - left) / max(1, len(unwanted)),
+                 "wanted_generated_kept": len((set(gen) - unwanted) & left) / max(1, len(set(gen) - unwanted)),
+                 "real_pages_kept": sum(1 for u in left if labels[u]["kind"] == "real")}
     report = {"corpus": summary, "filters": rows, "funnel": funnel, "survivors_by_kind": kinds_left,
-              "seconds": round(time.perf_counter() - t0, 1)}
+              "chain": chain_row, "seconds": round(time.perf_counter() - t0, 1)}
     atomic_write_text(out / "filters_report.json", json.dumps(report, indent=2, sort_keys=True) + "\n")
     if not quiet:
         print(f"corpus: {summary['records']} records in {summary['files']} WARC files: {summary['kinds']}")
@@ -164,5 +170,8 @@ def run_demo(out_dir: str | Path, real_limit: int = 120, n_files: int = 4, quiet
             print(f"{name:34s} {r['flagged']:7d} {r['precision']:9.3f} {r['recall']:6.3f} "
                   f"{r['real_dropped']:>10d} of {n_real:<5d}  {r['caught']}")
         print("funnel: " + " -> ".join(f"{f['step']} {f['docs']}" for f in funnel))
-        print(f"survivors by kind: {kinds_left}  ({report['seconds']} s)")
+        print(f"survivors by kind: {kinds_left}")
+        print(f"whole chain: {chain_row['unwanted_generated_removed']:.1%} of the unwanted generated pages removed, "
+              f"{chain_row['wanted_generated_kept']:.1%} of the wanted ones kept, "
+              f"{chain_row['real_pages_kept']} real pages kept ({report['seconds']} s)")
     return report
