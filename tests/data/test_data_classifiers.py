@@ -10,12 +10,19 @@ import torch.nn.functional as F
 
 pytest.importorskip("fasttext")
 
-from lmstack.data.classifiers import (ClassifierFilter, FastTextClassifier, PerplexityFilter,  # noqa: E402
-                                      PerplexityScorer, builtin_classifier, generated_examples,
-                                      precision_recall, train_fasttext)
-from lmstack.data.corpus import prose  # noqa: E402
-from lmstack.data.document import Document  # noqa: E402
-from lmstack.data.step import StepStats  # noqa: E402
+from lmstack.data.classifiers import (
+    ClassifierFilter,
+    FastTextClassifier,
+    PerplexityFilter,
+    PerplexityScorer,
+    builtin_classifier,
+    generated_examples,
+    precision_recall,
+    train_fasttext,
+)
+from lmstack.data.corpus import prose
+from lmstack.data.document import Document
+from lmstack.data.step import StepStats
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny forwards: threads only contend
 

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("warcio")
 
-from lmstack.data.corpus import _near_duplicate, read_labels, write_corpus  # noqa: E402
+from lmstack.data.corpus import _near_duplicate, read_labels, write_corpus
 
 
 def test_corpus_writes_warc_and_labels(tmp_path):
@@ -50,9 +50,9 @@ def test_near_duplicates_hit_their_jaccard():
 
 
 def test_pii_pages_carry_counts_the_replacer_finds(tmp_path):
+    from lmstack.data.corpus import generated_records
     from lmstack.data.extract import decode_html, html_to_text
     from lmstack.data.pii import PIIReplacer
-    from lmstack.data.corpus import generated_records
 
     recs = [r for r in generated_records(random.Random(0), n_clean=2) if r.labels["kind"] == "pii"]
     assert len(recs) == 12

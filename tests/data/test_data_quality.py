@@ -6,8 +6,7 @@ import random
 import pytest
 
 from lmstack.data.document import Document
-from lmstack.data.quality import (C4BadWords, C4Quality, FineWebQuality, GopherQuality, GopherRepetition,
-                                  split_words)
+from lmstack.data.quality import C4BadWords, C4Quality, FineWebQuality, GopherQuality, GopherRepetition, split_words
 
 
 def words(n: int, rng=None, length: int = 5) -> list[str]:
@@ -58,9 +57,9 @@ def test_gopher_symbol_ratios():
 
 def test_gopher_bullet_and_ellipsis_lines():
     lines = [" ".join(["the", "and"] + words(6, random.Random(i))) for i in range(100)]
-    bullets = lambda k: "\n".join(("- " if i < k else "") + ln for i, ln in enumerate(lines))  # noqa: E731
+    bullets = lambda k: "\n".join(("- " if i < k else "") + ln for i, ln in enumerate(lines))
     assert gq(bullets(90)) is None and gq(bullets(91)) == "gopher_too_many_bullets"
-    ell = lambda k: "\n".join(ln + (" ..." if i < k else ".") for i, ln in enumerate(lines[:10]))  # noqa: E731
+    ell = lambda k: "\n".join(ln + (" ..." if i < k else ".") for i, ln in enumerate(lines[:10]))
     assert gq(ell(3)) is None and gq(ell(4)) == "gopher_too_many_end_ellipsis"
 
 
@@ -90,7 +89,7 @@ def test_gopher_duplicate_lines_and_paragraphs():
     # character fraction: a repeated line of c characters in a text of T characters, threshold c / T
     t = "\n".join(uniq[:5] + [uniq[0]])
     frac = len(uniq[0]) / len(t)
-    only = dict(dup_line_frac=None, top_n_grams=[], dup_n_grams=[])  # the n-gram rules would see it too
+    only = {"dup_line_frac": None, "top_n_grams": [], "dup_n_grams": []}  # the n-gram rules would see it too
     assert gr(t, dup_line_char_frac=frac, **only) is None
     assert gr(t, dup_line_char_frac=frac - 1e-9, **only) == "dup_line_char_frac"
 

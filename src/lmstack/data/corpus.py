@@ -23,7 +23,6 @@ import gzip
 import hashlib
 import io
 import json
-import os
 import random
 import struct
 import uuid
@@ -115,7 +114,7 @@ def _labels(kind: str, quality: str = "good", **kw: Any) -> dict[str, Any]:
 
 def _png(rng: random.Random) -> bytes:
     raw = bytes(rng.randrange(256) for _ in range(3 * 16 * 16 + 16))
-    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))  # noqa: E731
+    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 16, 16, 8, 2, 0, 0, 0)) +
             chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
 
@@ -123,7 +122,7 @@ def _png(rng: random.Random) -> bytes:
 def _near_duplicate(words: list[str], target: float, rng: random.Random, n: int = 5) -> tuple[list[str], float]:
     """A copy of ``words`` whose word-5-gram-set Jaccard with the original is close to ``target``: replaces
     words at random positions, one at a time, until the measured Jaccard falls to the target."""
-    grams = lambda ws: {tuple(ws[i:i + n]) for i in range(len(ws) - n + 1)}  # noqa: E731
+    grams = lambda ws: {tuple(ws[i:i + n]) for i in range(len(ws) - n + 1)}
     a, out = grams(words), list(words)
     order = list(range(len(words)))
     rng.shuffle(order)
@@ -206,8 +205,8 @@ def generated_records(rng: random.Random, n_clean: int = 60) -> Iterator[Record]
         for _ in range(rng.randint(1, 3)):
             a, b, c = rng.randint(200, 989), rng.randint(100, 999), rng.randint(1000, 9999)
             fmt = rng.choice([f"({a}) {b}-{c}", f"{a}-{b}-{c}", f"{a}.{b}.{c}", f"+1 {a} {b} {c}", f"{a}{b}{c}",
-                              f"+44 20 {b}{c % 10} {c}", f"+49 30 {b}{c}", f"+33 1 {b % 90 + 10} {c % 90 + 10} "
-                              f"{a % 90 + 10} {b % 90 + 10}"])
+                              f"+44 20 {b}{c % 10} {c}", f"+49 30 {b}{c}",
+                              f"+33 1 {b % 90 + 10} {c % 90 + 10} {a % 90 + 10} {b % 90 + 10}"])
             extra.append(f"Call us at {fmt} during office hours.")
             counts["phone_number"] += 1
         for _ in range(rng.randint(0, 2)):

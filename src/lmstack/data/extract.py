@@ -25,8 +25,8 @@ from lmstack.data.step import Mapper, StepStats
 
 ENGINES = ("resiliparse", "trafilatura")
 _HTML_TYPES = ("text/html", "application/xhtml", "text/xml", "application/xml", "text/plain")
-_CHARSET = re.compile(r"charset\s*=\s*[\"']?([\w.:-]+)", re.I)
-_LOOKS_HTML = re.compile(r"^\s*(?:<!doctype\s+html|<html|<head|<body|<\?xml|<!--|<div|<p[\s>])", re.I)
+_CHARSET = re.compile(r"charset\s*=\s*[\"']?([\w.:-]+)", re.IGNORECASE)
+_LOOKS_HTML = re.compile(r"^\s*(?:<!doctype\s+html|<html|<head|<body|<\?xml|<!--|<div|<p[\s>])", re.IGNORECASE)
 
 
 def _known_codec(name: str | None) -> str | None:
@@ -83,7 +83,7 @@ def html_to_text(html: str, main_content: bool = True, engine: str = "resilipars
         try:
             out = trafilatura.extract(html, include_comments=False, include_tables=True,
                                       favor_precision=main_content, no_fallback=not main_content)
-        except Exception:  # trafilatura raises a zoo of lxml errors on broken pages
+        except Exception:  # noqa: BLE001  trafilatura raises a zoo of lxml errors on broken pages
             return ""
         return (out or "").strip()
     from resiliparse.extract.html2text import extract_plain_text
@@ -92,7 +92,7 @@ def html_to_text(html: str, main_content: bool = True, engine: str = "resilipars
         text = extract_plain_text(html, preserve_formatting=True, main_content=main_content,
                                   list_bullets=True, alt_texts=False, links=False, form_fields=False,
                                   noscript=False, comments=False)
-    except Exception:  # resiliparse's HTMLParserException on pathological input
+    except Exception:  # noqa: BLE001  resiliparse's HTMLParserException on pathological input
         return ""
     lines = (ln.rstrip() for ln in text.splitlines())  # keep the indentation of <pre> code
     return "\n".join(ln for ln in lines if ln.strip())

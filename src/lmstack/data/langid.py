@@ -10,7 +10,10 @@ at least ``min_chars`` characters votes for lid.176's top label with its length,
 the largest share; its score is the length-weighted mean of lid.176's probability over the paragraphs that
 voted for it (in (0, 1]): how sure the model is of the text in that language, not diluted by the paragraphs
 in another language (their share is reported, and :class:`LanguageFilter` can require a ``min_share``).
-``metadata["languages"]`` keeps the shares so a mixed page can be routed or split later.
+``metadata["languages"]`` keeps the shares so a mixed page can be routed or split later. Paragraphs whose top
+probability is below ``abstain_below`` (0.5: code, numbers, tables, names) do not vote, unless no paragraph
+is above it; on the demo crawl's real pages this cuts false drops of English documentation with code from
+19 to 3 at the same recall (docs/data.md).
 """
 
 from __future__ import annotations
@@ -49,9 +52,10 @@ def _load(path: str):
 class LanguageID:
     """``predict(text) -> (language, score)``, ``distribution(text) -> {language: share}``; see the module docstring."""
 
-    def __init__(self, model_path: str | Path | None = None, min_chars: int = 20, max_chars: int = 100_000):
+    def __init__(self, model_path: str | Path | None = None, min_chars: int = 20, max_chars: int = 100_000,
+                 abstain_below: float = 0.5):
         self.path = str(model_path or lid_model_path())
-        self.min_chars, self.max_chars = min_chars, max_chars
+        self.min_chars, self.max_chars, self.abstain_below = min_chars, max_chars, abstain_below
 
     @property
     def model(self):
@@ -73,9 +77,10 @@ class LanguageID:
         long = [p.strip() for p in paras if len(p.strip()) >= self.min_chars] or [text.strip()]
         if not "".join(long):
             return {}
+        preds = [(p, *self.predict_one(p)) for p in long]
+        sure = [x for x in preds if x[2] >= self.abstain_below] or preds
         mass: dict[str, list[float]] = {}
-        for p in long:
-            lang, prob = self.predict_one(p)
+        for p, lang, prob in sure:
             m = mass.setdefault(lang, [0.0, 0.0])
             m[0] += len(p)
             m[1] += len(p) * prob

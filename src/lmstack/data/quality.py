@@ -154,9 +154,9 @@ class GopherQuality(Filter):
             ends = sum(ln.rstrip().endswith(("...", "…")) for ln in lines)
             if ends / len(lines) > self.max_ellipsis_lines_ratio:
                 return "gopher_too_many_end_ellipsis"
-        if self.min_alpha_words_ratio is not None:
-            if sum(1 for w in words if _HAS_ALPHA.search(w)) / n < self.min_alpha_words_ratio:
-                return "gopher_below_alpha_threshold"
+        if (self.min_alpha_words_ratio is not None
+                and sum(1 for w in words if _HAS_ALPHA.search(w)) / n < self.min_alpha_words_ratio):
+            return "gopher_below_alpha_threshold"
         if self.min_stop_words is not None:
             seen = set(words) if self.case_sensitive else {w.lower() for w in words}
             if len(self.stop_words & seen) < self.min_stop_words:
@@ -381,12 +381,12 @@ class FineWebQuality(Filter):
             ratio = sum(1 for ln in lines if ln.endswith(self.stop_chars)) / len(lines)
             if ratio < self.line_punct_thr and not (ratio == 0 and self.line_punct_exclude_zero):
                 return "line_punct_ratio"
-        if self.short_line_thr is not None:
-            if sum(1 for ln in lines if len(ln) <= self.short_line_length) / len(lines) > self.short_line_thr:
-                return "short_line_ratio"
-        if self.char_duplicates_ratio is not None:
-            if duplicates(lines)[1] / (len(text) - text.count("\n")) > self.char_duplicates_ratio:
-                return "char_dup_ratio"
+        short = sum(1 for ln in lines if len(ln) <= self.short_line_length) / len(lines)
+        if self.short_line_thr is not None and short > self.short_line_thr:
+            return "short_line_ratio"
+        if (self.char_duplicates_ratio is not None
+                and duplicates(lines)[1] / (len(text) - text.count("\n")) > self.char_duplicates_ratio):
+            return "char_dup_ratio"
         if self.new_line_ratio is not None:
             n_words = len(split_words(text))
             if n_words == 0 or text.count("\n") / n_words > self.new_line_ratio:
