@@ -80,3 +80,12 @@ def test_trafilatura_engine_extracts_the_article():
     assert paras[0] in text and "Sitemap" not in text
     with pytest.raises(ValueError, match="engine"):
         html_to_text("<p>x</p>", engine="lynx")
+
+
+def test_html_already_decoded_or_in_the_text():
+    st = StepStats("extract")
+    docs = [Document("", "s", {"raw": "<html><body><p>Decoded already.</p></body></html>"}),
+            Document("<!DOCTYPE html><html><body><p>In the text field.</p></body></html>", "t"),
+            Document("Plain text stays as it is.", "p")]
+    assert [d.text for d in Extract()(docs, st)] == ["Decoded already.", "In the text field.",
+                                                     "Plain text stays as it is."]

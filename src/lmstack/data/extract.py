@@ -120,6 +120,8 @@ class Extract(Mapper):
         ctype = (doc.metadata.get("content_type") or "").lower()
         if raw is None:
             return None if (doc.text or "").strip() else "extract_empty"
+        if isinstance(raw, str):  # a reader that already decoded the payload
+            return None
         if looks_binary(bytes(raw)):
             return "extract_binary"
         if ctype and not any(t in ctype for t in _HTML_TYPES):
@@ -129,7 +131,9 @@ class Extract(Mapper):
     def apply(self, doc: Document, stats: StepStats) -> Document:
         meta = dict(doc.metadata)
         raw = meta.get("raw") if self.keep_raw else meta.pop("raw", None)
-        if raw is not None:
+        if isinstance(raw, str):
+            html = raw
+        elif raw is not None:
             html = decode_html(raw, meta.get("content_type"))
         elif _LOOKS_HTML.match(doc.text or ""):
             html = doc.text

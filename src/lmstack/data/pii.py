@@ -38,6 +38,7 @@ _SEP = r"[-. ]?"
 _NANP = (r"(?:(?:\+|\b)1" + _SEP + r")?(?:\([2-9]\d\d\)[ ]?|\b[2-9]\d\d" + _SEP + r")\d\d\d" + _SEP + r"\d{4}")
 _INTL = r"(?:\+|\b00)[1-9]\d{0,2}(?:[ .-]?\(0\))?(?:[ .-]?\(?\d{1,5}\)?){1,5}"
 _PHONE = rf"(?<![\w+]){_NANP}(?![\w-])|(?<![\w+]){_INTL}(?![\w-])"
+_MAYBE = re.compile(r"[@\d:]")
 _PII = re.compile(rf"(?P<email>{_EMAIL})|(?P<ipv6>{_IPV6})|(?P<ipv4>{_IPV4})|(?P<phone>{_PHONE})")
 
 
@@ -70,6 +71,8 @@ class PIIReplacer:
 
     def replace(self, text: str) -> tuple[str, dict[str, int]]:
         counts = {"email_address": 0, "phone_number": 0, "ip_address": 0}
+        if not _MAYBE.search(text):  # no '@', digit or ':': nothing any pattern could match
+            return text, counts
         parts, last = [], 0
         for tok in _TOKENS.finditer(text):  # never look inside an existing token
             parts.append(_PII.sub(lambda m: self._sub(m, counts), text[last:tok.start()]))
