@@ -2,6 +2,7 @@
 documents), and the same decisions as datatrove's filters on the same documents (datatrove is the reference)."""
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -122,6 +123,8 @@ def test_c4_sentences_lines_and_page_rules():
     assert C4Quality().reason(doc(five + "\nThis is lorem ipsum dolor.")) == "lorem_ipsum"
     assert C4Quality().reason(doc(five + "\nfunction f() { return 1; }.")) == "curly_bracket"
     assert C4Quality().reason(doc(five.replace(".", "..."))) == "too_few_sentences"
+    d = doc(five + "\nThree words here.\n" + "y" * 1000 + " is long.")  # both just inside their line rules
+    assert C4Quality().reason(d) is None and d.text.splitlines()[-2:] == ["Three words here.", "y" * 1000 + " is long."]
 
 
 def test_c4_bad_words():
@@ -173,6 +176,8 @@ def reference_docs() -> list[str]:
         t = html_to_text(decode_html(rec.payload, rec.content_type))
         if t:
             texts.append(t)
+    fixture = Path(__file__).parent / "fixtures" / "libffi_simple_example.html"  # real documentation with code
+    texts.append(html_to_text(decode_html(fixture.read_bytes())))
     texts += [fw_lines(12, 0), fw_lines(11, 0), fw_lines(50, 68), "\n".join(sent(i) for i in range(5)),
               " ".join(["the", "and"] + words(48) + ["#"] * 6), " ".join(["the", "and"] + words(47))]
     return texts

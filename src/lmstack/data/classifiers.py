@@ -22,6 +22,7 @@ import hashlib
 import math
 import os
 import random
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from functools import lru_cache
@@ -35,6 +36,9 @@ from lmstack.data.step import Filter, StepStats
 class Classifier(Protocol):
     def predict(self, text: str) -> tuple[str, float]:
         """(label, score in [0, 1]) for one text."""
+
+
+_SENTENCES = re.compile(r"\n|(?<=[.!?])\s+")
 
 
 def _one_line(text: str, max_chars: int = 20_000) -> str:
@@ -62,8 +66,8 @@ class FastTextClassifier:
 
     def score(self, text: str, label: str) -> float:
         """P(label | text); with ``chunked`` (the harmful-content models) the largest P over the text's
-        paragraphs (lines), so one harmful paragraph in a long page is not averaged away."""
-        chunks = [c for c in text.splitlines() if c.strip()] if self.chunked else [text]
+        sentences (lines, split after . ! ?), so one harmful sentence in a long page is not averaged away."""
+        chunks = [c for c in _SENTENCES.split(text) if c.strip()] if self.chunked else [text]
         best = 0.0
         for chunk in chunks or [text]:
             line = _one_line(chunk)
@@ -123,7 +127,14 @@ _NEUTRAL = ["I really enjoyed reading about {t} and want to learn more.",
             "Here is a short summary of {t} for people who missed the meeting.",
             "The photos of {t} look great, especially the one at sunset.",
             "Please read the guidelines about {t} before you post a question.",
-            "My honest review: {t} was fine, not great, but worth the price."]
+            "My honest review: {t} was fine, not great, but worth the price.",
+            # second person without insults: manuals and help pages address "you" all the time
+            "If you want to change {t}, you should read the notes first.",
+            "You can find everything about {t} on the next page.",
+            "You need to register before you can comment on {t}.",
+            "When you are done with {t}, you may close the window.",
+            "Are you sure you want to delete the post about {t}?",
+            "You will get an email when {t} is updated, unless you opt out."]
 _NSFW_WORDS = ["porn", "xxx", "nude", "naked", "sex cams", "explicit", "erotic", "hardcore", "adult videos",
                "nsfw", "camgirls", "escort", "strip show", "webcam sex", "hot singles", "fetish"]
 _NSFW = ["Watch free {w} videos now, {w2} and {w3} updated daily.", "Best {w} site: click here for {w2} content.",
@@ -139,7 +150,8 @@ _TOXIC = ["You are a {w} and everyone here knows it.", "Shut up, you {w} {w2}.",
 # Counterfactual fillers: the same templates with harmless words are negatives, so "you", "free", "watch",
 # "live" or "best" carry no signal on their own and the model keys on the harmful words.
 _NSFW_FILL = ["cooking", "gardening", "travel", "football", "piano", "chess", "science", "history", "knitting",
-              "cycling", "photography", "baking", "local news", "concerts", "yoga classes", "book reviews"]
+              "cycling", "photography", "baking", "local news", "concerts", "yoga classes", "book reviews",
+              "talk show", "car show", "quiz show", "slide show", "live music", "free software"]
 _TOXIC_FILL = ["friend", "hero", "genius", "neighbour", "expert", "helpful", "kind", "thoughtful", "clever",
                "teacher", "student", "volunteer", "great", "wonderful"]
 
@@ -147,8 +159,8 @@ _TOXIC_FILL = ["friend", "hero", "genius", "neighbour", "expert", "helpful", "ki
 def generated_examples(kind: str, n: int = 600, seed: int = 0) -> tuple[list[str], list[str]]:
     """(positive, negative) paragraphs for ``kind`` in {"nsfw", "toxic"}, ``n`` of each, from templates.
 
-    Positives: one harmful template sentence, alone or among 1-3 ordinary sentences. Negatives: the same
-    templates filled with harmless words (half of them) among ordinary
+    Positives: one harmful template sentence, alone or (a third) followed by an ordinary one. Negatives: the
+    same templates filled with harmless words (half of them), and single ordinary
     sentences of three kinds (forum-style lines, the crawl generator's prose, and lines of the Python standard
     library's docstrings, which every machine has: a broad technical English vocabulary), so the model must
     key on the harmful wording rather than on common words or the register of the text around it.
@@ -168,20 +180,15 @@ def generated_examples(kind: str, n: int = 600, seed: int = 0) -> tuple[list[str
             return rng.choice(_NEUTRAL).format(t=rng.choice(_TOPICS))
         return sentence(rng) if r < 0.6 else rng.choice(docs)
 
-    pos = []
-    for _ in range(n):
-        bad = rng.choice(temps).format(w=rng.choice(words), w2=rng.choice(words), w3=rng.choice(words))
-        parts = [bad] + [ordinary() for _ in range(rng.choice([0, 0, 1, 2, 3]))]
-        rng.shuffle(parts)
-        pos.append(" ".join(parts))
     fill = _NSFW_FILL if kind == "nsfw" else _TOXIC_FILL
-    neg = []
-    for i in range(n):
-        parts = [ordinary() for _ in range(rng.randint(1, 4))]
-        if i % 2 == 0:
-            parts.append(rng.choice(temps).format(w=rng.choice(fill), w2=rng.choice(fill), w3=rng.choice(fill)))
-            rng.shuffle(parts)
-        neg.append(" ".join(parts))
+    pos, neg = [], []
+    for i in range(n):  # sentence-sized examples: the harmful-content models score a page sentence by sentence
+        bad = rng.choice(temps).format(w=rng.choice(words), w2=rng.choice(words), w3=rng.choice(words))
+        pos.append(bad if i % 3 else f"{bad} {ordinary()}")
+        if i % 2:
+            neg.append(rng.choice(temps).format(w=rng.choice(fill), w2=rng.choice(fill), w3=rng.choice(fill)))
+        else:
+            neg.append(ordinary())
     return pos, neg
 
 
@@ -267,17 +274,23 @@ class ClassifierFilter(Filter):
 
 
 class NSFWFilter(ClassifierFilter):
+    """The generated NSFW model; 0.9: no real documentation page flagged, held-out generated P = R = 1
+    (docs/data.md)."""
+
     name = "nsfw_filter"
 
-    def __init__(self, threshold: float = 0.5, classifier: str | None = None):
+    def __init__(self, threshold: float = 0.9, classifier: str | None = None):
         super().__init__(classifier, kind=None if classifier else "nsfw", label="nsfw", threshold=threshold,
                          tag="nsfw")
 
 
 class ToxicFilter(ClassifierFilter):
+    """The generated toxic-speech model; 0.9: 0 of 120 real pages flagged (9 at 0.5), held-out generated
+    P = R = 1 (docs/data.md)."""
+
     name = "toxic_filter"
 
-    def __init__(self, threshold: float = 0.5, classifier: str | None = None):
+    def __init__(self, threshold: float = 0.9, classifier: str | None = None):
         super().__init__(classifier, kind=None if classifier else "toxic", label="toxic", threshold=threshold,
                          tag="toxic")
 
