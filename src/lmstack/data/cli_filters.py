@@ -98,3 +98,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+register = add_subcommands  # the name lmstack.data.cli's SUBCOMMANDS call
