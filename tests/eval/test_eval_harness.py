@@ -23,7 +23,9 @@ ROWS = [{"question": q, "choices": c, "answer": a} for q, c, a in [
     ("the cat is", ["at the hat", "this", "the theatre"], 0), ("where is the hat?", ["at the cat", "the", "heart"], 2),
     ("this is", ["a cat", "a hat", "the cat sat"], 1), ("A: the", ["cat", "hat", "theatre", "is"], 3),
     ("is this the cat?", ["yes", "no"], 0), ("the heart", ["is at", "sat", "hat"], 1),
-    ("hat or cat", ["hat", "cat"], 1), ("the theatre is", ["there", "here", "at the cat"], 2)]]
+    ("hat or cat", ["hat", "cat"], 1), ("the theatre is", ["there", "here", "at the cat"], 2),
+    # non-ASCII: lm-eval divides by characters; "日本" is 2 characters, 6 bytes (per byte it would win here)
+    ("the cat is", ["日本", "x"], 1), ("where is", ["the hat", "über café"], 0)]]
 
 LM_EVAL_MC = """task: lmstack_local_mc
 dataset_path: json
