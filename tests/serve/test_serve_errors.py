@@ -353,3 +353,14 @@ def test_logit_bias_is_applied(served):
     banned = httpx.post(url + "/v1/completions", json={**base, "logprobs": 1,
                                                        "logit_bias": {str(first["tokens"][0]): -100}}).json()
     assert banned["choices"][0]["logprobs"]["tokens"][0] != plain["logprobs"]["tokens"][0]
+
+
+def test_error_objects_name_the_right_param_and_head_is_allowed(served):
+    """Issue #31: malformed JSON reported param "1" (an offset), stop "" param null, HEAD / a 405."""
+    url = served[0]
+    r = httpx.post(url + "/v1/chat/completions", content=b'{"model": "x", "messages": [',
+                   headers={"content-type": "application/json"})
+    assert check_error(r, 400)["param"] is None
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "stop": ""})
+    check_error(r, 400, "stop")
+    assert httpx.head(url + "/").status_code == 200 and httpx.head(url + "/health").status_code == 200

@@ -42,6 +42,7 @@ from lmstack.serve.penalties import LogitBias, Penalties
 from lmstack.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                     error_body)
 
+GRAMMAR_FAILED = "structured output: the grammar matcher failed"  # how serve/structured.py's masks fail
 log = logging.getLogger("lmstack.serve")
 STATIC = Path(__file__).parent / "static"
 
@@ -352,6 +353,11 @@ async def _until_disconnect(request: Request, work):
 
 
 def _engine_error(e: GenerationError) -> APIError:
+    """A request that failed in the engine: a 500, except when the request's own JSON schema is what failed (the
+    grammar matcher gave up mid-generation: too complex a pattern, an unsatisfiable structure) — a 400."""
+    if GRAMMAR_FAILED in str(e):
+        return APIError(400, f"response_format: the JSON schema cannot be followed: {e}", param="response_format",
+                        code="invalid_schema")
     return APIError(500, f"the request failed in the engine: {e}", "server_error", code="engine_error")
 
 
@@ -384,7 +390,8 @@ def build_app(server: Server) -> FastAPI:
             msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
             if len(errs) > 1:
                 msg += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
-        return JSONResponse(error_body(msg, param=loc[0] if loc else None, code="invalid_value"), status_code=400)
+        param = loc[0] if loc and first.get("type") != "json_invalid" else None  # (a JSON error's loc is an offset)
+        return JSONResponse(error_body(msg, param=param, code="invalid_value"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -398,7 +405,7 @@ def build_app(server: Server) -> FastAPI:
     app.add_middleware(_BodyLimit, server=server)
     app.add_middleware(_BearerAuth, server=server)  # added last: runs first (no key, no body read at all)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not server.llm.alive:
             raise APIError(503, "the engine loop died (it restarts with the next request)", "server_error")
@@ -408,7 +415,7 @@ def build_app(server: Server) -> FastAPI:
     async def metrics():
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)
     async def chat_page():
         return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
 

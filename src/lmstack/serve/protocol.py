@@ -52,7 +52,8 @@ class Sampling(_Request):
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Text | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
+    stop: Annotated[Text, Field(min_length=1)] | Annotated[list[Annotated[Text, Field(min_length=1)]],
+                                                          Field(max_length=MAX_STOP)] | None = None
     seed: int | None = Field(default=None, ge=-2**63, lt=2**64)
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
