@@ -46,9 +46,9 @@ import numpy as np
 
 from lmstack.data.document import Document
 from lmstack.data.dedup.drop import DropListed
-from lmstack.data.dedup.normalize import WordHasher, _constants, mix64, ngram_hashes, words
-from lmstack.data.dedup.runs import (group_starts, load_array, merge_runs, node, node_index, node_task, run_files,
-                                     save_array, save_removed, write_run)
+from lmstack.data.dedup.normalize import WordHasher, _constants, mix64, ngram_hashes, sorted_unique, words
+from lmstack.data.dedup.runs import (group_starts, load_array, merge_runs, node, run_files, save_array, save_removed,
+                                     write_run)
 from lmstack.utils import atomic_path
 
 PAIR = np.dtype([("a", "<u8"), ("b", "<u8")])  # a < b
@@ -102,7 +102,7 @@ class MinHasher:
     def shingles(self, text: str) -> np.ndarray:
         """The document's shingle set: sorted unique uint64 hashes of its normalised word n-grams (a text of
         fewer than n words is one shingle; an empty one has none)."""
-        return np.unique(ngram_hashes(self.word_hashes(words(text)), self.config.n_gram))
+        return sorted_unique(ngram_hashes(self.word_hashes(words(text)), self.config.n_gram))
 
     def signatures(self, sets: Sequence[np.ndarray]) -> np.ndarray:
         """(len(sets), k) uint32: each shingle set's k minima. An empty set gets all 0xFFFFFFFF."""
@@ -227,15 +227,16 @@ def _bucket_pairs(keys: np.ndarray, nodes: np.ndarray, max_group: int) -> np.nda
 
 
 def minhash_buckets(folder: str | os.PathLike, task: int = 0, n_tasks: int = 1,
-                    config: MinHashConfig | None = None, block: int = 1 << 16) -> int:
+                    config: MinHashConfig | None = None, budget: int = 1 << 20, block: int | None = None) -> int:
     """Stage 2, task ``task`` of ``n_tasks``: bands ``task, task + n_tasks, ...``; for each, merge the runs of
-    all shards and write the candidate pairs of its buckets -> ``pairs/band_XXX.npy``. Returns the pairs."""
+    all shards (``budget`` records in memory, see ``runs.merge_runs``) and write the candidate pairs of its
+    buckets -> ``pairs/band_XXX.npy``. Returns the pairs."""
     config = config or MinHashConfig()
     folder = Path(folder)
     total = 0
     for band in range(task, config.bands, n_tasks):
         found = [_bucket_pairs(k, v, config.max_group)
-                 for k, v in merge_runs(run_files(_band_dir(folder, band)), block=block)]
+                 for k, v in merge_runs(run_files(_band_dir(folder, band)), budget=budget, block=block)]
         pairs = np.unique(np.concatenate(found)) if found else np.empty(0, PAIR)
         save_array(folder / "pairs" / f"band_{band:03d}.npy", pairs)
         total += len(pairs)
@@ -263,9 +264,10 @@ class ShingleStore:
         return values, offsets
 
     def __getitem__(self, nd: int) -> np.ndarray:
-        values, offsets = self._task(int(node_task(nd)))
-        i = int(node_index(nd))
-        return np.asarray(values[offsets[i]:offsets[i + 1]])
+        nd = int(nd)
+        values, offsets = self._task(nd >> 32)
+        i = nd & 0xFFFFFFFF
+        return values[offsets[i]:offsets[i + 1]]
 
 
 def _pair_part(pairs: np.ndarray, parts: int) -> np.ndarray:
@@ -282,7 +284,8 @@ def minhash_confirm(folder: str | os.PathLike, task: int = 0, n_tasks: int = 1,
     pairs = np.unique(np.concatenate(found)) if found else np.empty(0, PAIR)
     pairs = pairs[_pair_part(pairs, n_tasks) == task]
     store = ShingleStore(folder)
-    sims = np.array([jaccard(store[a], store[b]) for a, b in zip(pairs["a"], pairs["b"])], dtype=np.float64)
+    sims = np.array([jaccard(store[a], store[b]) for a, b in zip(pairs["a"].tolist(), pairs["b"].tolist())],
+                    dtype=np.float64)
     keep = sims >= config.threshold
     edges = np.empty(int(keep.sum()), EDGE)
     edges["a"], edges["b"], edges["jaccard"] = pairs["a"][keep], pairs["b"][keep], sims[keep]

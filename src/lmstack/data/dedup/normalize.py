@@ -69,7 +69,7 @@ def mix64(x: np.ndarray) -> np.ndarray:
 
 
 class WordHasher:
-    """Stable 64-bit hashes of words, cached (a corpus repeats its words; the cache is cleared when it holds
+    """Stable 63-bit hashes of words (uint64 arrays), cached (a corpus repeats its words; the cache is cleared when it holds
     ``max_cache`` words, so its memory is bounded whatever the corpus size)."""
 
     def __init__(self, max_cache: int = 1 << 19):
@@ -77,19 +77,18 @@ class WordHasher:
         self.max_cache = max_cache
 
     def __call__(self, ws: list[str]) -> np.ndarray:
-        """(W,) uint64 hashes of ``ws``."""
+        """(W,) uint64: the top 63 bits of each word's :func:`hash64`."""
         cache = self.cache
         vals = list(map(cache.get, ws))
-        if None in vals:
-            if len(cache) > self.max_cache:
+        if None in vals:  # hash the new words once each, then look everything up again
+            missing = set(ws).difference(cache)
+            if len(cache) + len(missing) > self.max_cache:
                 cache.clear()
-            for i, v in enumerate(vals):
-                if v is None:
-                    v = cache.get(ws[i])
-                    if v is None:
-                        v = cache[ws[i]] = hash64(ws[i])
-                    vals[i] = v
-        return np.array(vals, dtype=np.uint64)
+                missing = set(ws)
+            for w in missing:
+                cache[w] = hash64(w) >> 1  # 63 bits: numpy converts ints below 2^63 fastest
+            vals = list(map(cache.__getitem__, ws))
+        return np.fromiter(vals, dtype=np.int64, count=len(vals)).view(np.uint64)
 
 
 @functools.cache
@@ -114,6 +113,14 @@ def ngram_hashes(word_hashes: np.ndarray, n: int, short: bool = True) -> np.ndar
     for j in range(1, n):
         acc += word_hashes[j:j + G] * c[j]
     return mix64(acc)
+
+
+def sorted_unique(x: np.ndarray) -> np.ndarray:
+    """``np.unique`` of a 1-d array by one sort (numpy 2's hash-based unique is slower on these sizes)."""
+    x = np.sort(x)
+    if len(x) > 1:
+        x = x[np.concatenate(([True], x[1:] != x[:-1]))]
+    return x
 
 
 def text_hash(text: str) -> int:

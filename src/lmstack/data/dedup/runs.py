@@ -3,8 +3,8 @@
 A *run* is one task's records sorted by key, saved as a ``.npy`` structured array ``(key: u8, val: u8)``
 (keys are hashes; ``val`` a document's node or a count). A later stage merges the runs of all tasks in key
 order without ever holding them: each run is memory-mapped and read a block at a time, so memory is
-(number of runs x block) plus the largest group of equal keys — never the corpus (the external merge sort of
-Knuth, TAOCP vol. 3, 5.4.1, vectorised: each round merges with numpy everything below the smallest
+a fixed budget of records plus the largest group of equal keys — never the corpus (the external merge sort of
+Knuth, TAOCP vol. 3, 5.4.1, vectorised: each round merges with numpy everything up to the smallest
 "last key read" among the runs still being read).
 
 A document is named by its *node* ``task << 32 | index``: the task (input shard) that read it and its
@@ -90,10 +90,16 @@ def _bisect(run: np.ndarray, key: int) -> int:
 
 
 def merge_runs(paths: Sequence[str | os.PathLike], lo: int = 0, hi: int | None = None,
-               block: int = 1 << 16) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+               budget: int = 1 << 20, block: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Merge sorted runs: yield ``(keys, vals)`` blocks in (key, val) order, restricted to ``lo <= key < hi``
-    (``hi=None``: no upper bound). A group of equal keys is never split across two blocks."""
+    (``hi=None``: no upper bound). A group of equal keys is never split across two blocks.
+
+    Each round reads ``block`` records per run, by default ``budget // len(paths)`` (at least 64): about
+    ``budget`` records (16 bytes each) in memory whatever the number of runs, plus the largest group of equal
+    keys."""
     runs = [_open_run(Path(p)) for p in paths]
+    if block is None:
+        block = max(64, budget // max(1, len(runs)))
     pos = [_bisect(r, lo) for r in runs]
     end = [len(r) if hi is None else _bisect(r, hi) for r in runs]
     carry_k = np.empty(0, np.uint64)
