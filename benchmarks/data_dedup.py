@@ -146,7 +146,7 @@ def run_lmstack(shards: list[list[str]], folder: Path) -> tuple[Timer, set, list
     return t, removed, groups
 
 
-def run_datatrove(shards: list[list[str]], folder: Path) -> tuple[Timer, set]:
+def run_datatrove(shards: list[list[str]], folder: Path) -> tuple[Timer, set, list]:
     import logging
 
     import xxhash
@@ -173,13 +173,35 @@ def run_datatrove(shards: list[list[str]], folder: Path) -> tuple[Timer, set]:
         for b in range(BANDS):
             MinhashDedupBuckets(sig, str(folder / "buckets"), config=cfg).run(None, b, BANDS)
     with t("clusters"):
-        MinhashDedupCluster(str(folder / "buckets"), str(folder / "remove"), config=cfg).run(None, 0, 1)
+        MinhashDedupCluster(str(folder / "buckets"), str(folder / "remove"), config=cfg,
+                            save_cluster_id=True).run(None, 0, 1)
     removed = set()
     for s, texts in enumerate(shards):
         kept = {d.id for d in MinhashDedupFilter(str(folder / "remove")).run(
             iter(DTDocument(x, f"{s}-{i}") for i, x in enumerate(texts)), s, len(shards))}
         removed |= {(s, i) for i in range(len(texts)) if f"{s}-{i}" not in kept}
-    return t, removed
+    groups: dict[int, list] = {}  # its .clusters files: (document index, cluster id) per shard
+    for s in range(len(shards)):
+        f = folder / "remove" / f"{s:06d}.clusters"
+        if f.exists():
+            for doc, cid in np.fromfile(f, dtype="<u4").reshape(-1, 2).tolist():
+                groups.setdefault(cid, []).append((s, doc))
+    return t, removed, sorted(sorted(g) for g in groups.values())
+
+
+def explain(shards, groups_lm, groups_dt) -> list[str]:
+    """One line per cluster the libraries disagree on: its members' true Jaccard similarity to each other."""
+    from lmstack.data.dedup.minhash import MinHasher, jaccard
+
+    h = MinHasher()
+    lm, dt = {tuple(g) for g in groups_lm}, {tuple(g) for g in groups_dt}
+    out = []
+    for side, mine, other in (("lmstack", lm, dt), ("datatrove", dt, lm)):
+        for g in sorted(mine - other):
+            sets = [h.shingles(shards[s][i]) for s, i in g]
+            js = [jaccard(sets[a], sets[b]) for a in range(len(g)) for b in range(a + 1, len(g))]
+            out.append(f"only {side}: cluster of {len(g)} {list(g)}, pairwise Jaccard {min(js):.3f}..{max(js):.3f}")
+    return out
 
 
 # ---- memory --------------------------------------------------------------------------------------
@@ -230,7 +252,7 @@ def main(argv=None) -> int:
         t_lm, removed_lm, groups = run_lmstack(shards, tmp / "lm")
         runs = {"lmstack": t_lm}
         if not args.skip_datatrove:
-            t_dt, removed_dt = run_datatrove(shards, tmp / "dt")
+            t_dt, removed_dt, groups_dt = run_datatrove(shards, tmp / "dt")
             runs["datatrove"] = t_dt
         print(f"\n{'stage':<11} {'library':<10} {'cpu s':>7} {'wall s':>7} {'docs/s':>9} {'MB/s':>7}")
         for stage in ("signatures", "buckets", "confirm", "clusters"):
@@ -250,14 +272,18 @@ def main(argv=None) -> int:
         if "datatrove" in runs:
             print(f"all stages (lmstack with confirm): lmstack {total['lmstack']:.2f} s, datatrove {total['datatrove']:.2f} s "
                   f"({total['datatrove'] / total['lmstack']:.2f}x)")
-            same = removed_lm == removed_dt
-            in_clusters = all(sum((d in removed_dt) for d in g) == len(g) - 1 for g in groups)
-            print(f"removed: lmstack {len(removed_lm)}, datatrove {len(removed_dt)}; same set: {same}; "
-                  f"datatrove keeps one per lmstack cluster: {in_clusters}")
+            # survivors by one rule (the first document of each cluster) on each library's clusters
+            first_dt = {d for g in groups_dt for d in g[1:]}
+            same = first_dt == removed_lm
+            print(f"removed: lmstack {len(removed_lm)}, datatrove {len(removed_dt)}; clusters: lmstack {len(groups)}, "
+                  f"datatrove {len(groups_dt)}; the same clusters: {sorted(groups) == groups_dt}; the same survivors "
+                  f"when both keep each cluster's first document: {same}")
+            diff = explain(shards, groups, groups_dt)
+            for line in diff:
+                print("  " + line)
             result["survivors"] = {"lmstack_removed": len(removed_lm), "datatrove_removed": len(removed_dt),
-                                   "same_removed_set": same, "one_per_cluster": in_clusters,
-                                   "only_lmstack": sorted(removed_lm - removed_dt)[:20],
-                                   "only_datatrove": sorted(removed_dt - removed_lm)[:20]}
+                                   "lmstack_clusters": len(groups), "datatrove_clusters": len(groups_dt),
+                                   "same_survivors_first_rule": same, "differences": diff}
         if not args.skip_memory:
             sizes = [int(x) for x in args.memory_sizes.split(",")]
             mem = {"fixed": [], "proportional": []}

@@ -180,19 +180,19 @@ def test_bucket_pairs_match_brute_force(tmp_path):
         for i in range(len(docs)):
             for band in range(cfg.bands):
                 buckets.setdefault((band, int(bh[i, band])), []).append(int(node(t, i)))
-    minhash_buckets(tmp_path, 0, 1, cfg, block=5)
-    for band in range(cfg.bands):
-        got = {(int(a), int(b)) for a, b in load_array(tmp_path / "pairs" / f"band_{band:03d}.npy").tolist()}
+    for task in range(3):  # bands 0, 3, 6, 9 / 1, 4, 7 / 2, 5, 8
+        minhash_buckets(tmp_path, task, 3, cfg, block=5)
+        got = {(int(a), int(b)) for a, b in load_array(tmp_path / "pairs" / f"{task:05d}.npy").tolist()}
         want = set()
         for (bd, _), members in buckets.items():
-            if bd != band or len(members) < 2:
+            if bd % 3 != task or len(members) < 2:
                 continue
             m = sorted(members)
             if len(m) <= cfg.max_group:
                 want |= {(x, y) for i, x in enumerate(m) for y in m[i + 1:]}
             else:  # a large bucket: star from its first member + chain
                 want |= {(m[0], y) for y in m[1:]} | {(x, y) for x, y in zip(m[1:], m[2:])}
-        assert got == want, band
+        assert got == want, task
 
 
 def test_normalize_matches_datatrove():
@@ -204,3 +204,12 @@ def test_normalize_matches_datatrove():
               "Ünïcödé ÅNGSTRÖM Crème Brûlée\n\nnext   para", "   ", "e\u0301te\u0301 decomposed", "snake_case-and-dash"]:
         assert normalize(t) == text_mod.simplify_text(t, cfg), t
     assert normalize("  Crème   Brûlée, s'il vous plaît!\n") == "creme brulee s il vous plait"
+
+
+def test_bad_config_names_the_value(tmp_path):
+    with pytest.raises(ValueError, match="threshold=0"):
+        MinHashConfig(threshold=0)
+    with pytest.raises(ValueError, match="bands=0"):
+        MinHashConfig(bands=0)
+    with pytest.raises(FileNotFoundError, match="did the previous stage run"):
+        minhash_buckets(tmp_path, 0, 1)

@@ -22,7 +22,7 @@ Stages (one folder; each stage reads what the previous ones wrote there):
    candidates later) and, per band, the sorted run of (band hash, node) (``buckets/band_XXX/``).
 2. :func:`minhash_buckets` — one task per band (or several bands per task): the streaming k-way merge of the
    band's runs (``runs.merge_runs``: a block per run in memory, never a dict of the corpus); each group of
-   equal band hashes gives candidate pairs -> ``pairs/band_XXX.npy``.
+   equal band hashes gives candidate pairs -> ``pairs/XXXXX.npy`` (one file per task).
 3. :func:`minhash_confirm` — any number of tasks, each a hash slice of the pairs: the pair's true Jaccard
    similarity on the stored shingle sets; pairs with J >= τ are edges -> ``edges/XXXXX.npy``.
 4. :func:`minhash_clusters` — one task: union-find over the edges (Tarjan 1975, union by smaller root,
@@ -229,18 +229,16 @@ def _bucket_pairs(keys: np.ndarray, nodes: np.ndarray, max_group: int) -> np.nda
 def minhash_buckets(folder: str | os.PathLike, task: int = 0, n_tasks: int = 1,
                     config: MinHashConfig | None = None, budget: int = 1 << 20, block: int | None = None) -> int:
     """Stage 2, task ``task`` of ``n_tasks``: bands ``task, task + n_tasks, ...``; for each, merge the runs of
-    all shards (``budget`` records in memory, see ``runs.merge_runs``) and write the candidate pairs of its
-    buckets -> ``pairs/band_XXX.npy``. Returns the pairs."""
+    all shards (``budget`` records in memory, see ``runs.merge_runs``); the candidate pairs of their buckets,
+    without repeats -> ``pairs/{task}.npy``. Returns their number."""
     config = config or MinHashConfig()
     folder = Path(folder)
-    total = 0
-    for band in range(task, config.bands, n_tasks):
-        found = [_bucket_pairs(k, v, config.max_group)
-                 for k, v in merge_runs(run_files(_band_dir(folder, band)), budget=budget, block=block)]
-        pairs = np.unique(np.concatenate(found)) if found else np.empty(0, PAIR)
-        save_array(folder / "pairs" / f"band_{band:03d}.npy", pairs)
-        total += len(pairs)
-    return total
+    found = [_bucket_pairs(k, v, config.max_group)
+             for band in range(task, config.bands, n_tasks)
+             for k, v in merge_runs(run_files(_band_dir(folder, band)), budget=budget, block=block)]
+    pairs = np.unique(np.concatenate(found)) if found else np.empty(0, PAIR)
+    save_array(folder / "pairs" / f"{task:05d}.npy", pairs)
+    return len(pairs)
 
 
 # ---- stage 3: confirm by true Jaccard ------------------------------------------------------------
