@@ -135,9 +135,9 @@ def run_lmstack(shards: list[list[str]], folder: Path) -> tuple[Timer, set, list
         for s, d in enumerate(docs):
             minhash_signatures(d, folder, s, cfg)
     with t("buckets"):
-        minhash_buckets(folder, 0, 1, cfg)
+        t.pairs = minhash_buckets(folder, 0, 1, cfg)
     with t("confirm"):
-        minhash_confirm(folder, 0, 1, cfg)
+        t.edges = minhash_confirm(folder, 0, 1, cfg)
     with t("clusters"):
         minhash_clusters(folder, cfg)
     clusters = load_clusters(folder)
@@ -226,6 +226,29 @@ def peak_memory(shards: list[list[str]], folder: Path, budget: int) -> dict[str,
     return out
 
 
+def plot_memory(mem: dict, path: str, per_shard: int) -> None:
+    from lmstack.utils import pyplot, save_png
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, kind in zip(axes, ("fixed", "proportional")):
+        rows = mem[kind]
+        x = [r["docs"] for r in rows]
+        for stage in ("signatures", "buckets", "confirm", "clusters"):
+            ax.plot(x, [r[stage] for r in rows], "o-", label=stage)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [f"{n}\n{r['edges']} edges" for n, r in zip(x, rows)])
+        ax.minorticks_off()
+        ax.set_title("200 planted duplicates" if kind == "fixed" else "duplicates = 10% of the corpus")
+        ax.set_xlabel("documents in the corpus")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("peak traced memory (MB)")
+    axes[0].legend()
+    fig.suptitle(f"lmstack fuzzy dedup: peak memory per stage ({per_shard} documents per shard)")
+    fig.tight_layout()
+    save_png(fig, path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=3000)
@@ -251,6 +274,9 @@ def main(argv=None) -> int:
     try:
         t_lm, removed_lm, groups = run_lmstack(shards, tmp / "lm")
         runs = {"lmstack": t_lm}
+        print(f"lmstack: {t_lm.pairs} candidate pairs, {t_lm.edges} confirmed (J >= 0.8), "
+              f"{t_lm.pairs - t_lm.edges} rejected")
+        result["lmstack_pairs"] = {"candidates": t_lm.pairs, "confirmed": t_lm.edges}
         if not args.skip_datatrove:
             t_dt, removed_dt, groups_dt = run_datatrove(shards, tmp / "dt")
             runs["datatrove"] = t_dt
@@ -270,7 +296,8 @@ def main(argv=None) -> int:
                 print(f"{'':<11} lmstack is {ratio:.2f}x datatrove per core")
         total = {lib: sum(t.cpu.values()) for lib, t in runs.items()}
         if "datatrove" in runs:
-            print(f"all stages (lmstack with confirm): lmstack {total['lmstack']:.2f} s, datatrove {total['datatrove']:.2f} s "
+            print(f"all stages (lmstack with confirm): lmstack {total['lmstack']:.2f} s, "
+                  f"datatrove {total['datatrove']:.2f} s "
                   f"({total['datatrove'] / total['lmstack']:.2f}x)")
             # survivors by one rule (the first document of each cluster) on each library's clusters
             first_dt = {d for g in groups_dt for d in g[1:]}
@@ -289,7 +316,8 @@ def main(argv=None) -> int:
             mem = {"fixed": [], "proportional": []}
             print(f"\npeak memory (tracemalloc MB), {args.memory_docs_per_shard} documents per shard, 60-300 words, "
                   f"merge budget {args.merge_budget} records:")
-            print(f"{'docs':>6} {'dups':>5} {'edges':>6} {'signatures':>10} {'buckets':>8} {'confirm':>8} {'clusters':>8}")
+            print(f"{'docs':>6} {'dups':>5} {'edges':>6} {'signatures':>10} {'buckets':>8} {'confirm':>8} "
+                  f"{'clusters':>8}")
             for kind in ("fixed", "proportional"):
                 for n in sizes:
                     d = 200 if kind == "fixed" else n // 10
@@ -301,21 +329,7 @@ def main(argv=None) -> int:
                           f"{m['confirm']:8.2f} {m['clusters']:8.2f}")
             result["memory"] = mem
             if args.png:
-                from lmstack.utils import pyplot, save_png
-
-                plt = pyplot()
-                fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-                for ax, kind in zip(axes, ("fixed", "proportional")):
-                    rows = mem[kind]
-                    for stage in ("signatures", "buckets", "confirm", "clusters"):
-                        ax.plot([r["docs"] for r in rows], [r[stage] for r in rows], "o-", label=stage)
-                    ax.set_title(f"{'200 planted duplicates' if kind == 'fixed' else 'duplicates = 10% of corpus'}")
-                    ax.set_xlabel("documents in the corpus")
-                    ax.grid(alpha=0.3)
-                axes[0].set_ylabel("peak traced memory (MB)")
-                axes[0].legend()
-                fig.suptitle(f"lmstack fuzzy dedup: peak memory per stage ({args.memory_docs_per_shard} docs/shard)")
-                save_png(fig, args.png)
+                plot_memory(mem, args.png, args.memory_docs_per_shard)
                 print(f"wrote {args.png}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -168,7 +168,8 @@ def test_minhash_clusters_match_datatrove(tmp_path):
     MinhashDedupCluster(str(dt / "buckets"), str(dt / "remove"), config=cfg).run(None, 0, 1)
     dt_removed = set()
     for t, docs in enumerate(shards):
-        kept = {d.id for d in MinhashDedupFilter(str(dt / "remove")).run(iter(DTDocument(d.text, d.id) for d in docs), t, 2)}
+        stream = iter(DTDocument(d.text, d.id) for d in docs)
+        kept = {d.id for d in MinhashDedupFilter(str(dt / "remove")).run(stream, t, 2)}
         dt_removed |= {(t, n) for n in names[t] if n not in kept}
 
     work = tmp_path / "lm"

@@ -215,7 +215,8 @@ def _bucket_pairs(keys: np.ndarray, nodes: np.ndarray, max_group: int) -> np.nda
     chain = member & (np.arange(len(keys)) - 1 != first)  # ... and with its predecessor (if not the first)
     chain_a, chain_b = nodes[np.flatnonzero(chain) - 1], nodes[chain]
     extra_a, extra_b = [], []
-    for s, g in zip(starts[multi & (sizes > 3) & (sizes <= max_group)], sizes[multi & (sizes > 3) & (sizes <= max_group)]):
+    mid = multi & (sizes > 3) & (sizes <= max_group)  # size 2 and 3: star + chain are all the pairs
+    for s, g in zip(starts[mid], sizes[mid]):
         for i, j in combinations(range(s + 1, s + g), 2):  # star + chain already hold (s, .) and (j-1, j)
             if j != i + 1:
                 extra_a.append(nodes[i])
@@ -254,7 +255,7 @@ class ShingleStore:
         if task in self._open:
             return self._open[task]
         data = self.folder / f"{task:05d}.u64"
-        offsets = load_array(self.folder / f"{task:05d}.offsets.npy")
+        offsets = load_array(self.folder / f"{task:05d}.offsets.npy", mmap=True)
         if not data.is_file():
             raise FileNotFoundError(f"{data}: no shingles for task {task} (did minhash_signatures run for it?)")
         values = np.memmap(data, dtype=np.uint64, mode="r") if offsets[-1] else np.empty(0, np.uint64)

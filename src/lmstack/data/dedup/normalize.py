@@ -69,8 +69,8 @@ def mix64(x: np.ndarray) -> np.ndarray:
 
 
 class WordHasher:
-    """Stable 63-bit hashes of words (uint64 arrays), cached (a corpus repeats its words; the cache is cleared when it holds
-    ``max_cache`` words, so its memory is bounded whatever the corpus size)."""
+    """Stable 63-bit hashes of words (uint64 arrays), cached (a corpus repeats its words; the cache is cleared
+    when it holds ``max_cache`` words, so its memory is bounded whatever the corpus size)."""
 
     def __init__(self, max_cache: int = 1 << 19):
         self.cache: dict[str, int] = {}
