@@ -88,7 +88,8 @@ def near_copy(rng: random.Random, text: str, vocab: list[str], frac: float) -> s
     return out
 
 
-def make_corpus(n_docs: int, dup_docs: int, shards: int, seed: int = 0, words=(150, 1200)) -> list[list[str]]:
+def make_corpus(n_docs: int, dup_docs: int, shards: int, seed: int = 0, words=(150, 1200),
+                max_edit: float = 0.02) -> list[list[str]]:
     """``n_docs`` documents of which ``dup_docs`` are near-copies of earlier originals (clusters of 2-5),
     dealt round-robin into ``shards`` shards (so copies land in other shards)."""
     rng = random.Random(seed)
@@ -99,7 +100,7 @@ def make_corpus(n_docs: int, dup_docs: int, shards: int, seed: int = 0, words=(1
     while len(docs) < n_docs:
         src = rng.randrange(len(originals))
         for _ in range(min(rng.choice((1, 1, 1, 2, 3, 4)), n_docs - len(docs))):
-            docs.append(near_copy(rng, originals[src], vocab, rng.uniform(0.0, 0.02)))
+            docs.append(near_copy(rng, originals[src], vocab, rng.uniform(0.0, max_edit)))
     order = list(range(len(originals))) + rng.sample(range(len(originals), n_docs), n_docs - len(originals))
     out: list[list[str]] = [[] for _ in range(shards)]
     for j, i in enumerate(order):
@@ -254,6 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--docs", type=int, default=3000)
     ap.add_argument("--dup-frac", type=float, default=0.1, help="fraction of documents that are near-copies")
     ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--max-edit", type=float, default=0.02, help="a near-copy changes up to this fraction of words")
     ap.add_argument("--memory-sizes", default="2000,4000,8000,16000", help="corpus sizes for the memory scan")
     ap.add_argument("--memory-docs-per-shard", type=int, default=1000)
     ap.add_argument("--merge-budget", type=int, default=4096,
@@ -264,11 +266,12 @@ def main(argv=None) -> int:
     ap.add_argument("--png", help="write the memory plot here")
     args = ap.parse_args(argv)
 
-    shards = make_corpus(args.docs, int(args.dup_frac * args.docs), args.shards)
+    shards = make_corpus(args.docs, int(args.dup_frac * args.docs), args.shards, max_edit=args.max_edit)
     n_docs = sum(len(s) for s in shards)
     mb = sum(len(t.encode()) for s in shards for t in s) / 1e6
     print(f"corpus: {n_docs} documents, {mb:.1f} MB, {args.shards} shards, {int(args.dup_frac * args.docs)} "
-          f"planted near-copies; {BANDS} bands x {ROWS} rows, {NGRAM}-grams")
+          f"planted near-copies (up to {args.max_edit:.1%} of words changed); {BANDS} bands x {ROWS} rows, "
+          f"{NGRAM}-grams")
     result = {"docs": n_docs, "mb": mb, "stages": {}}
     tmp = Path(tempfile.mkdtemp(prefix="dedup_bench_"))
     try:
