@@ -63,3 +63,32 @@ def test_paragraph_dedup():
                                             ("d", "Fresh text")]
     assert dict(stats.dropped) == {"duplicate_paragraphs_only": 1}
     assert stats.counters["paragraphs_removed"] == 5
+
+
+def test_paragraph_dedup_matches_an_exact_set():
+    """With p = 1e-9 the Bloom step's output equals an exact dedup with a Python set of the normalised
+    paragraphs seen so far, on 300 random documents whose paragraphs repeat."""
+    import random
+    import re
+
+    from lmstack.data.dedup.normalize import normalize
+
+    rng = random.Random(0)
+    pool = [" ".join(rng.choice(["red", "green", "blue", "cyan", "black"]) for _ in range(rng.randint(1, 6)))
+            for _ in range(150)]
+    docs = [Document("\n\n".join(rng.choice(pool).capitalize() + rng.choice(["", ".", "!"])
+                                 for _ in range(rng.randint(1, 6))), str(i)) for i in range(300)]
+    got = {d.id: d.text for d in BloomParagraphDedup(n=5000, p=1e-9)(docs)}
+    seen: set[str] = set()
+    for d in docs:
+        kept = []
+        for para in re.split(r"\n\n", d.text):
+            key = normalize(para)
+            if key and key in seen:
+                continue
+            seen.add(key)
+            kept.append(para)
+        if kept:
+            assert got[d.id] == "\n\n".join(kept)
+        else:
+            assert d.id not in got

@@ -197,3 +197,59 @@ def test_node_packs_shard_and_index():
     assert int(node(3, 7)) == (3 << 32) | 7
     with pytest.raises(ValueError, match="task=-1"):
         node(-1, 0)
+
+
+def _random_corpus(seed: int, shards: int = 3, docs: int = 40):
+    """Documents of lines drawn from a small pool (so lines and whole documents repeat), with case and
+    punctuation noise that normalisation must see through."""
+    rng = random.Random(seed)
+    pool = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta", "eps", "zeta"]) for _ in range(rng.randint(1, 4)))
+            for _ in range(60)]
+
+    def noisy(line):
+        return rng.choice([line, line.upper(), line + ".", "  " + line.title() + "!"])
+
+    out = []
+    for t in range(shards):
+        shard = []
+        for i in range(docs):
+            lines = [noisy(rng.choice(pool)) for _ in range(rng.randint(1, 5))]
+            if rng.random() < 0.2:
+                lines.append("")
+            shard.append(Document("\n".join(lines), f"{t}-{i}"))
+        out.append(shard)
+    return out
+
+
+def test_exact_and_line_dedup_match_brute_force(tmp_path):
+    """On random shards with repeats: exact dedup keeps the first document of each normalised text (a dict
+    over all documents in order); line dedup removes exactly the lines whose normalised form a Counter over
+    the whole corpus has seen more than once."""
+    from collections import Counter
+
+    from lmstack.data.dedup.normalize import normalize
+
+    shards = _random_corpus(3)
+    for t, docs in enumerate(shards):
+        exact_hashes(docs, tmp_path / "exact", t)
+        line_counts(docs, tmp_path / "lines", t)
+    for part in range(4):
+        exact_duplicates(tmp_path / "exact", part, 4)
+        duplicate_lines(tmp_path / "lines", part, 4)
+    first: dict[str, str] = {}
+    for docs in shards:
+        for d in docs:
+            first.setdefault(normalize(d.text), d.id)
+    want_docs = [[d.id for d in docs if first[normalize(d.text)] == d.id] for docs in shards]
+    got_docs = [[d.id for d in ExactDedupFilter(tmp_path / "exact", t)(docs)] for t, docs in enumerate(shards)]
+    assert got_docs == want_docs
+
+    counts = Counter(normalize(line) for docs in shards for d in docs for line in d.text.split("\n"))
+    for t, docs in enumerate(shards):
+        got = {d.id: d.text for d in LineDedup(tmp_path / "lines")(docs)}
+        for d in docs:
+            kept = [line for line in d.text.split("\n") if not normalize(line) or counts[normalize(line)] == 1]
+            if any(normalize(line) for line in kept):
+                assert got[d.id] == "\n".join(kept)
+            else:
+                assert d.id not in got

@@ -21,7 +21,7 @@ line hashes (stage 3: 8 bytes per distinct duplicated line).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -137,3 +137,21 @@ class LineDedup(Step):
             out = Document("\n".join(line for line, d in zip(lines, drop) if not d), doc.id, doc.metadata)
             stats.kept(out)
             yield out
+
+
+def exact_dedup(shards: Sequence[Iterable[Document]], folder: str | os.PathLike) -> list[list[Document]]:
+    """The document stages in this process, one shard after another: each shard's survivors (``shards`` must
+    be re-iterable)."""
+    for t, docs in enumerate(shards):
+        exact_hashes(docs, folder, t)
+    exact_duplicates(folder)
+    return [list(ExactDedupFilter(folder, t)(docs)) for t, docs in enumerate(shards)]
+
+
+def line_dedup(shards: Sequence[Iterable[Document]], folder: str | os.PathLike) -> list[list[Document]]:
+    """The line stages in this process: each shard's documents without the corpus's duplicated lines."""
+    for t, docs in enumerate(shards):
+        line_counts(docs, folder, t)
+    duplicate_lines(folder)
+    step = LineDedup(folder)
+    return [list(step(docs)) for docs in shards]
