@@ -78,3 +78,23 @@ def test_bad_schema_is_a_400(served):
         "model": MODEL, "messages": [{"role": "user", "content": "x"}],
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "pattern": "^a{1000000}$"},  # compiles, fails at the first step (was a 500)
+    {"$ref": "#"},  # refers only to itself: admits only the empty output (was a 200 with content "")
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},  # a -> b -> a
+    {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]},  # every object needs another
+])
+def test_schemas_that_compile_but_admit_nothing_are_400s(served, schema):
+    import httpx
+
+    r = httpx.post(served[0] + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    if r.status_code == 200:  # only acceptable if what came back is JSON that validates
+        content = r.json()["choices"][0]["message"]["content"]
+        jsonschema.validate(json.loads(content), schema)
+    else:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "response_format"

@@ -16,7 +16,7 @@ from lmstack.data.report import format_table, merge_stats, plot_funnel, to_json
 from lmstack.utils import atomic_write_text
 
 # modules adding `lmstack data ...` subcommands (demo, train-classifier, ...), each with register(sub): add yours
-SUBCOMMANDS: tuple[str, ...] = ()
+SUBCOMMANDS: tuple[str, ...] = ("lmstack.data.cli_filters",)  # train-classifier, demo
 
 
 def register(subparsers) -> None:

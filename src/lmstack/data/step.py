@@ -182,8 +182,10 @@ def step_class(name: str) -> type[Step]:
                 found = importlib.util.find_spec(module) is not None
             except ModuleNotFoundError:
                 found = False
-            if found:
-                importlib.import_module(module)
+            if found:  # a module registers with @register_step, or lists its steps in a STEPS dict
+                for step_name, cls in getattr(importlib.import_module(module), "STEPS", {}).items():
+                    if step_name not in STEPS:
+                        register_step(step_name)(cls)
     if name not in STEPS:
         raise ValueError(f"unknown step type {name!r}; registered: {', '.join(sorted(STEPS))} "
                          "(or give 'package.module:Class')")

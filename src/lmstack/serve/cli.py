@@ -28,7 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("LMSTACK_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $LMSTACK_API_KEY, else none)")
+                   help="require `Authorization: Bearer KEY` on every route but /health and the chat page "
+                        "(default: $LMSTACK_API_KEY, else none)")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="with --api-key, leave /metrics open (for a Prometheus scraper without the key); every "
+                        "other route but /health and the chat page needs the key")
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (larger: 413)")
     p.add_argument("--max-seqs", type=int, default=64, help="sequences in the running batch at most")
     p.add_argument("--max-tokens-per-step", type=int, default=512, help="token budget of one engine step")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -72,6 +77,8 @@ def check_serve_args(args) -> None:
                     ("--kv-cache-mb", args.kv_cache_mb), ("--max-n", args.max_n)):
         if v < 1:
             raise ValueError(f"{flag} {v}: expected a positive integer")
+    if not math.isfinite(args.max_body_mb) or args.max_body_mb <= 0:
+        raise ValueError(f"--max-body-mb {args.max_body_mb}: expected a positive number of MiB")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue {args.max_queue}: expected >= 0")
     if args.max_model_len is not None and args.max_model_len < 1:
@@ -97,6 +104,7 @@ def run_serve(args) -> int:
                        enable_prefix_caching=not args.no_prefix_caching,
                        num_speculative_tokens=args.speculative_tokens, seed=args.seed)
     server = Server(engine, args.served_model_name or str(args.model), api_key=args.api_key,
+                    max_body_bytes=int(args.max_body_mb * 2**20), public_metrics=args.public_metrics,
                     max_queue=args.max_queue, queue_timeout=args.queue_timeout, max_n=args.max_n)
     config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.shutdown_timeout)

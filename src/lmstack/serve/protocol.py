@@ -52,7 +52,8 @@ class Sampling(_Request):
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Text | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
+    stop: Annotated[Text, Field(min_length=1)] | Annotated[list[Annotated[Text, Field(min_length=1)]],
+                                                          Field(max_length=MAX_STOP)] | None = None
     seed: int | None = Field(default=None, ge=-2**63, lt=2**64)
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
@@ -65,6 +66,17 @@ class Sampling(_Request):
     repetition_penalty: Annotated[float, Field(gt=0, le=100)] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # OpenAI fields this server does not implement: accepted only at their no-op values (``Server.unsupported``),
+    # anything else is a 400 naming the field — never a plain-text answer pretending to comply
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
 
 
 class CompletionRequest(Sampling):

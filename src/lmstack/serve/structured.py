@@ -49,7 +49,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None):
         if eos_token_id is None:
             raise ValueError("structured output needs an EOS token to end the JSON")
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos = vocab_size, eos_token_id
         # the JSON slices: the mask's precomputed token groups, made for JSON strings
         self.lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Wrapped(tokenizer, vocab_size, eos_token_id)),
                                             n_vocab=vocab_size, eos_token=eos_token_id,
@@ -68,7 +68,19 @@ class Grammars:
         return grammar
 
     def processor(self, schema: dict | None) -> GrammarMask:
-        return GrammarMask(llguidance.LLMatcher(self.lltok, self.grammar(schema), log_level=0), self.vocab_size)
+        """A request's mask, its first step computed now: a schema that compiles but fails at the first step (a
+        huge repetition, a self-requiring ``$ref``) or admits no JSON value at all (``{"$ref": "#"}``: only the
+        empty output) is a ValueError here (the server's 400), not a 500 mid-generation or an empty 200."""
+        mask = GrammarMask(llguidance.LLMatcher(self.lltok, self.grammar(schema), log_level=0), self.vocab_size)
+        try:
+            first = mask.allowed([])
+        except ValueError as e:
+            raise ValueError(f"the JSON schema cannot be used: {e}") from None
+        text = first.copy()
+        text[self.eos] = False
+        if not text.any():
+            raise ValueError("the JSON schema admits no JSON value (e.g. a $ref that only refers to itself)")
+        return mask
 
 
 class GrammarMask:
