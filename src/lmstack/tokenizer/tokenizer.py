@@ -270,9 +270,6 @@ class Tokenizer:
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
         if self._native_splits():
-            for t in texts:
-                if not isinstance(t, str):
-                    raise TypeError(f"encode expects str, got {type(t).__name__}")
             return native.module().encode_batch(self._native_enc, texts, allow_special, num_workers)
         if num_workers == 1 or len(texts) < 2:
             return [self.encode(t, allow_special) for t in texts]
@@ -294,9 +291,6 @@ class Tokenizer:
         if sep_id is not None and not 0 <= sep_id < self.vocab_size:
             raise ValueError(f"sep_id={sep_id} is not a token id (V={self.vocab_size})")
         if self._native_splits():
-            for t in texts:
-                if not isinstance(t, str):
-                    raise TypeError(f"encode expects str, got {type(t).__name__}")
             data = native.module().encode_join(self._native_enc, texts, allow_special, max(1, num_threads),
                                               dtype.itemsize, -1 if sep_id is None else sep_id)
             return np.frombuffer(data, dtype=dtype.newbyteorder("=")).astype(dtype, copy=False)  # native order
