@@ -3,11 +3,7 @@ tokenizers on the same vocabulary, and the Python path (ids unchanged); threads,
 
 from __future__ import annotations
 
-import json
-import os
 import pickle
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -170,32 +166,6 @@ def test_pickles_without_the_native_encoder(trained):
     twin = pickle.loads(pickle.dumps(tok))
     assert twin._native_enc is None
     assert twin.encode("it'S 12345 ok") == tok.encode("it'S 12345 ok")
-
-
-def _run(code: str, **env) -> subprocess.CompletedProcess:
-    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
-    full = {**os.environ, "PYTHONPATH": os.path.abspath(src), **env}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120)
-
-
-_FALLBACK = """
-import json, tiktoken
-from lmstack.tokenizer import Tokenizer, native
-vocab = {i: bytes([i]) for i in range(256)}
-vocab[256] = b"ab"
-tok = Tokenizer(vocab, [(b"a", b"b")], ["<|e|>"])
-print(json.dumps([tok.backend, native.status(), tok.encode("abab<|e|>x")]))
-"""
-
-
-@pytest.mark.parametrize("env, reason", [({"LMSTACK_TOKENIZER": "python"}, "LMSTACK_TOKENIZER=python"),
-                                         ({"CXX": "/nonexistent/c++"}, "no C++ compiler (/nonexistent/c++) on PATH")])
-def test_falls_back_to_python_with_a_reason(tmp_path, env, reason):
-    out = _run(_FALLBACK, TORCH_EXTENSIONS_DIR=str(tmp_path), **env)  # an empty build cache
-    assert out.returncode == 0, out.stderr
-    backend, status, ids = json.loads(out.stdout.strip().splitlines()[-1])
-    assert status == reason and backend == f"python ({reason})"
-    assert ids == [256, 256, 257, 120]  # "ab" merged twice, the special, "x" (hand-worked)
 
 
 def test_sparse_large_ids(trained):
