@@ -5,7 +5,6 @@ build a C++ extension on first use."""
 from __future__ import annotations
 
 import argparse
-
 import contextlib
 import hashlib
 import importlib.util

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from lmstack.data.document import Document, stable_id
-from lmstack.data.step import StepStats
 from lmstack.data.executor import LocalExecutor
 from lmstack.data.pipeline import Pipeline
+from lmstack.data.step import StepStats
 from lmstack.data.tokenize import Tokenize, concat_token_files, tokenize_shards
 from lmstack.tokenizer import load_gguf_tokenizer, open_tokens, read_sidecar, to_tiktoken
 
