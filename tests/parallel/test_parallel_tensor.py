@@ -75,6 +75,9 @@ def test_tensor_and_sequence_parallel_match_single_process():
         ("tp-tied-qknorm-vocabce", dict(tie_embeddings=True, qk_norm=True), False, True),
         ("sp-qkvbias", dict(qkv_bias=True), True, False),
         ("sp-tied-qknorm-vocabce", dict(tie_embeddings=True, qk_norm=True), True, True),
+        # a hybrid: the linear-attention layer shards what its spec declares (q/k/v by heads, o row-parallel)
+        ("tp-linear-attention-hybrid", dict(layer_types=["attention", "linear_attention"], mixer_chunk_size=4),
+         False, False),
     ]:
         cfg = tiny_config(**kw)
         data = batches(2, 2, 16)

@@ -32,9 +32,10 @@ full (T, min(S, W)) as a dense kernel computes them; recurrent mixers counted as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from lmstack.model.config import MIXERS, ModelConfig
+if TYPE_CHECKING:  # only annotations: model.config reads LAYER_TYPES from here
+    from lmstack.model.config import ModelConfig
 
 #: the cache a kind needs: per-token K/V (a window of them), MLA's per-token latent, K/V plus DSA's indexer keys,
 #: or an O(1) recurrent state (+ the short convolution's last inputs)
@@ -76,6 +77,7 @@ class MixerSpec:
     context_parallel: str | None  # None: ring attention can run it; else why not
     paged: str | None  # None: the paged engine serves it; else why not
     speculation: str | None  # None: drafts can be rolled back; else why not
+    in_layer_types: bool = True  # ``layer_types`` may name it (MLA is chosen by ``kv_lora_rank`` instead)
 
 
 # ---- sizes -----------------------------------------------------------------------------------------------
@@ -258,19 +260,6 @@ SPECS: dict[str, MixerSpec] = {s.name: s for s in [
     MixerSpec("local_attention", "local attention", "kv", softmax=True, recurrent=False, params=attention_params,
               norm_params=attention_norm_params, flops=_local_flops, cache_bytes=_local_bytes, tp_plan=_attention_tp,
               context_parallel="ring attention has no sliding window", paged=None, speculation=None),
-    MixerSpec("mla", "MLA", "latent", softmax=True, recurrent=False, params=mla_params,
-              norm_params=lambda c: c.kv_lora_rank + c.q_lora_rank, flops=_mla_flops, cache_bytes=_latent_bytes,
-              tp_plan=_refuse_tp("mla", "the shared latent projections kv_a_proj / q_a_proj are not split by heads"),
-              context_parallel="ring attention passes K and V of one head width; MLA's keys (H_n + d_R) and values "
-                               "(H_v) differ",
-              paged=None, speculation=None),
-    MixerSpec("dsa", "DSA", "kv+index", softmax=False, recurrent=False,
-              params=lambda c: attention_params(c) + _dsa_indexer_params(c), norm_params=attention_norm_params,
-              flops=_dsa_flops, cache_bytes=_dsa_bytes,
-              tp_plan=_refuse_tp("dsa", "the lightning indexer scores every key with replicated weights"),
-              context_parallel="its indexer selects keys from the whole sequence",
-              paged="its indexer keys are not stored in the paged blocks; decode DSA models with "
-                    "lmstack.inference.generate (MixerCache)", speculation=None),
     MixerSpec("linear_attention", "linear attention", "state", softmax=False, recurrent=True, params=lambda c: 4 * c.d_model * c.n_heads
               * c.head_dim, norm_params=_none, flops=_linear_flops, cache_bytes=_linear_bytes, tp_plan=_linear_tp,
               context_parallel=_RECURRENT_CP, paged=None, speculation=_NO_ROLLBACK),
@@ -282,9 +271,22 @@ SPECS: dict[str, MixerSpec] = {s.name: s for s in [
               flops=_delta_flops, cache_bytes=_delta_bytes,
               tp_plan=_refuse_tp("gated_deltanet", "in_proj_qkv stacks [q | k | v] in one matrix, not split by heads"),
               context_parallel=_RECURRENT_CP, paged=None, speculation=_NO_ROLLBACK),
+    MixerSpec("dsa", "DSA", "kv+index", softmax=False, recurrent=False,
+              params=lambda c: attention_params(c) + _dsa_indexer_params(c), norm_params=attention_norm_params,
+              flops=_dsa_flops, cache_bytes=_dsa_bytes,
+              tp_plan=_refuse_tp("dsa", "the lightning indexer scores every key with replicated weights"),
+              context_parallel="its indexer selects keys from the whole sequence",
+              paged="its indexer keys are not stored in the paged blocks; decode DSA models with "
+                    "lmstack.inference.generate (MixerCache)", speculation=None),
+    MixerSpec("mla", "MLA", "latent", softmax=True, recurrent=False, params=mla_params,
+              norm_params=lambda c: c.kv_lora_rank + c.q_lora_rank, flops=_mla_flops, cache_bytes=_latent_bytes,
+              tp_plan=_refuse_tp("mla", "the shared latent projections kv_a_proj / q_a_proj are not split by heads"),
+              context_parallel="ring attention passes K and V of one head width; MLA's keys (H_n + d_R) and values "
+                               "(H_v) differ",
+              paged=None, speculation=None, in_layer_types=False),
 ]}
-if set(SPECS) != set(MIXERS) | {"mla"}:  # config.MIXERS is what layer_types may name
-    raise ImportError(f"mixer specs {sorted(SPECS)} do not match config.MIXERS {MIXERS} + 'mla'")
+#: the names ``ModelConfig.layer_types`` may hold (``config.MIXERS``): MLA is chosen by ``kv_lora_rank`` instead
+LAYER_TYPES = tuple(k for k, s in SPECS.items() if s.in_layer_types)
 
 
 # ---- queries -------------------------------------------------------------------------------------------------

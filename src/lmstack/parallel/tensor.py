@@ -238,11 +238,11 @@ def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) ->
     mixer as its spec declares (``tensor_parallel_plan``), the FFN, the embedding and the unembedding.
     Raises a clear error, before anything changes, when N, K, F or V is not divisible by tp or a layer's mixer
     cannot be sharded (MLA, Mamba-2, Gated DeltaNet, DSA, OLMoE's whole-projection QK-norm)."""
-    r, M = _rank_size(group)
     cfg = model.config
     if getattr(cfg, "parallel_block", False):
         raise ValueError("tensor parallelism: parallel_block=True (GPT-J) is not supported")
-    plans = tensor_parallel_plan(model)
+    plans = tensor_parallel_plan(model)  # refuses an unshardable layer before anything (even the group) is touched
+    r, M = _rank_size(group)
     check_divisible(M, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, vocab_size=cfg.vocab_size,
                     **({"d_ff": cfg.d_ff} if cfg.block_ffn else {}))
     sp = sequence_parallel
