@@ -33,7 +33,7 @@ from torch import Tensor
 from lmstack.accounting.memory import kv_layer_elements
 from lmstack.inference.block_manager import BlockManager
 from lmstack.model.config import ModelConfig
-from lmstack.model.mixer_spec import softmax_layers
+from lmstack.model.mixer_spec import attention_kind, softmax_layers, spec
 from lmstack.model.seam import AttentionImpl, AttentionMetadata
 
 # quantised KV formats: name -> (code dtype, largest code magnitude)
@@ -75,7 +75,8 @@ class PagedKVCache:
         layers = kv_layers(config)
         self.row = {layer: r for r, layer in enumerate(layers)}  # model layer -> its row of the pool
         shape = (len(layers), num_blocks, block_size, config.n_kv_heads, config.head_dim)  # (L, NB, bs, K, H)
-        self.stores_latent = config.is_mla  # MLA (model/mla.py): blocks hold [c ; k_R], d_c + d_R per token
+        # MLA (model/mla.py): blocks hold [c ; k_R], d_c + d_R per token
+        self.stores_latent = spec(attention_kind(config)).cache == "latent"
         self.quant = dtype if isinstance(dtype, str) else None  # "int8" / "fp8": codes + per-block scales
         if self.quant is not None:
             if self.quant not in KV_QUANT_FORMATS:

@@ -78,6 +78,7 @@ class MixerSpec:
     paged: str | None  # None: the paged engine serves it; else why not
     speculation: str | None  # None: drafts can be rolled back; else why not
     in_layer_types: bool = True  # ``layer_types`` may name it (MLA is chosen by ``kv_lora_rank`` instead)
+    variants: bool = False  # softmax attention whose variants the config switches on (soft-cap, output gate, ...)
 
 
 # ---- sizes -----------------------------------------------------------------------------------------------
@@ -256,10 +257,10 @@ _NO_ROLLBACK = "its recurrent state cannot be rolled back past rejected drafts"
 SPECS: dict[str, MixerSpec] = {s.name: s for s in [
     MixerSpec("attention", "softmax attention", "kv", softmax=True, recurrent=False, params=attention_params,
               norm_params=attention_norm_params, flops=_attention_flops, cache_bytes=_kv_bytes, tp_plan=_attention_tp,
-              context_parallel=None, paged=None, speculation=None),
+              context_parallel=None, paged=None, speculation=None, variants=True),
     MixerSpec("local_attention", "local attention", "kv", softmax=True, recurrent=False, params=attention_params,
               norm_params=attention_norm_params, flops=_local_flops, cache_bytes=_local_bytes, tp_plan=_attention_tp,
-              context_parallel="ring attention has no sliding window", paged=None, speculation=None),
+              context_parallel="ring attention has no sliding window", paged=None, speculation=None, variants=True),
     MixerSpec("linear_attention", "linear attention", "state", softmax=False, recurrent=True, params=lambda c: 4 * c.d_model * c.n_heads
               * c.head_dim, norm_params=_none, flops=_linear_flops, cache_bytes=_linear_bytes, tp_plan=_linear_tp,
               context_parallel=_RECURRENT_CP, paged=None, speculation=_NO_ROLLBACK),
@@ -313,8 +314,7 @@ def softmax_layers(c: ModelConfig) -> list[int]:
 def layer_softcap(c: ModelConfig, layer_idx: int) -> float | None:
     """The attention-logit soft-cap of layer ``layer_idx`` (Gemma-2's ``attn_softcap`` on its softmax-attention
     layers), which the layer's AttentionImpl must apply (``supports_softcap``), else None."""
-    kind = layer_kinds(c)[layer_idx]
-    return c.attn_softcap if kind in ("attention", "local_attention") else None
+    return c.attn_softcap if layer_specs(c)[layer_idx].variants else None
 
 
 def unsupported(c: ModelConfig, ability: str) -> list[tuple[int, str, str]]:
