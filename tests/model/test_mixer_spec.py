@@ -130,7 +130,6 @@ def test_inference_memory_holds_the_states():
 
 # ---- what a layer refuses, by name, before anything runs ----------------------------------------------------
 @pytest.mark.parametrize("name,kw,match", [
-    ("mla", MLA, r"layer 0 \(MLA\): tensor parallelism: mla layers are not sharded"),
     ("mamba2", dict(layer_types=["attention", "mamba2", "attention", "mamba2"]), r"layer 1 \(Mamba-2\).*in_proj"),
     ("gated deltanet", dict(layer_types=["gated_deltanet"] * 4), r"layer 0 \(Gated DeltaNet\).*in_proj_qkv"),
     ("dsa", dict(layer_types=["dsa"] * 4), r"layer 0 \(DSA\).*indexer"),

@@ -240,6 +240,16 @@ def _linear_tp(c: ModelConfig) -> TPPlan:
     return (("q_proj", "column"), ("k_proj", "column"), ("v_proj", "column"), ("o_proj", "row"))
 
 
+def _mla_tp(c: ModelConfig) -> TPPlan:
+    """MLA split by heads: the per-head up-projections (q_proj or q_b_proj, kv_b_proj: [W_UK; W_UV] per head)
+    column-parallel, W_O row-parallel; the latent projections and their norms (kv_a_proj, kv_a_layernorm, q_a_proj,
+    q_a_layernorm) shared by every head, so replicated (each rank's gradient covers its heads only)."""
+    q = ((("q_a_proj", "replicated"), ("q_a_layernorm", "replicated"), ("q_b_proj", "column")) if c.q_lora_rank
+         else (("q_proj", "column"),))
+    return q + (("kv_a_proj", "replicated"), ("kv_a_layernorm", "replicated"), ("kv_b_proj", "column"),
+                ("o_proj", "row"))
+
+
 def _refuse_tp(kind: str, why: str) -> Callable[[ModelConfig], TPPlan]:
     def plan(c: ModelConfig) -> TPPlan:
         raise UnsupportedMixer(f"tensor parallelism: {kind} layers are not sharded ({why})")
@@ -281,7 +291,7 @@ SPECS: dict[str, MixerSpec] = {s.name: s for s in [
                     "lmstack.inference.generate (MixerCache)", speculation=None),
     MixerSpec("mla", "MLA", "latent", softmax=True, recurrent=False, params=mla_params,
               norm_params=lambda c: c.kv_lora_rank + c.q_lora_rank, flops=_mla_flops, cache_bytes=_latent_bytes,
-              tp_plan=_refuse_tp("mla", "the shared latent projections kv_a_proj / q_a_proj are not split by heads"),
+              tp_plan=_mla_tp,
               context_parallel="ring attention passes K and V of one head width; MLA's keys (H_n + d_R) and values "
                                "(H_v) differ",
               paged=None, speculation=None, in_layer_types=False),

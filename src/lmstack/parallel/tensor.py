@@ -11,7 +11,8 @@ matmul and reduce-scatter after the row-parallel one replace the all-reduce).
 outside — the model code and its attributes are unchanged, only its linears/embedding are replaced
 by sharded ones (attention reads N/tp and K/tp from its projections' widths). What a layer's mixer
 shards is what its spec declares (``model.mixer_spec``: softmax / local attention and linear attention
-split by heads as below); a mixer without a plan (MLA, Mamba-2, Gated DeltaNet, DSA) is refused by name
+split by heads as below; MLA's per-head up-projections column- and W_O row-parallel with its latent
+projections replicated); a mixer without a plan (Mamba-2, Gated DeltaNet, DSA) is refused by name
 before anything is sharded:
 
     attn_norm -> [norm, f]        f: identity fwd / all-reduce bwd  (SP: all-gather S / reduce-scatter)
@@ -237,7 +238,7 @@ def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) ->
     """Shard a ``lmstack.model.Transformer`` in place over ``group`` (see the module docstring): each layer's
     mixer as its spec declares (``tensor_parallel_plan``), the FFN, the embedding and the unembedding.
     Raises a clear error, before anything changes, when N, K, F or V is not divisible by tp or a layer's mixer
-    cannot be sharded (MLA, Mamba-2, Gated DeltaNet, DSA, OLMoE's whole-projection QK-norm)."""
+    cannot be sharded (Mamba-2, Gated DeltaNet, DSA, OLMoE's whole-projection QK-norm)."""
     cfg = model.config
     if getattr(cfg, "parallel_block", False):
         raise ValueError("tensor parallelism: parallel_block=True (GPT-J) is not supported")
