@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # only annotations: model.config reads LAYER_TYPES from here
     from lmstack.model.config import ModelConfig
 
 #: the cache a kind needs: per-token K/V (a window of them), MLA's per-token latent, K/V plus DSA's indexer keys,
-#: or an O(1) recurrent state (+ the short convolution's last inputs)
+#: or an O(1) recurrent state (+ the short convolution's last inputs: a ``model.recurrent.RecurrentMixer``)
 CACHES = ("kv", "latent", "kv+index", "state")
 #: how a tensor-parallel plan treats a submodule: split its output features (column), its input features (row,
 #: then all-reduce), or keep it whole on every rank with a gradient that is a partial sum (replicated)
@@ -68,7 +68,6 @@ class MixerSpec:
     title: str  # how messages name it ("Mamba-2")
     cache: str
     softmax: bool  # it runs the model's AttentionImpl (``Transformer.set_attention`` sets it)
-    recurrent: bool  # it carries a recurrent state (``model.recurrent.RecurrentMixer``)
     params: Callable[[ModelConfig], int]
     norm_params: Callable[[ModelConfig], int]
     flops: Callable[[ModelConfig, int, int, int, int | None], tuple[int, int]]
@@ -265,31 +264,32 @@ _RECURRENT_CP = "its recurrence runs over contiguous tokens, and ring attention 
 _NO_ROLLBACK = "its recurrent state cannot be rolled back past rejected drafts"
 
 SPECS: dict[str, MixerSpec] = {s.name: s for s in [
-    MixerSpec("attention", "softmax attention", "kv", softmax=True, recurrent=False, params=attention_params,
+    MixerSpec("attention", "softmax attention", "kv", softmax=True, params=attention_params,
               norm_params=attention_norm_params, flops=_attention_flops, cache_bytes=_kv_bytes, tp_plan=_attention_tp,
               context_parallel=None, paged=None, speculation=None, variants=True),
-    MixerSpec("local_attention", "local attention", "kv", softmax=True, recurrent=False, params=attention_params,
+    MixerSpec("local_attention", "local attention", "kv", softmax=True, params=attention_params,
               norm_params=attention_norm_params, flops=_local_flops, cache_bytes=_local_bytes, tp_plan=_attention_tp,
               context_parallel="ring attention has no sliding window", paged=None, speculation=None, variants=True),
-    MixerSpec("linear_attention", "linear attention", "state", softmax=False, recurrent=True, params=lambda c: 4 * c.d_model * c.n_heads
-              * c.head_dim, norm_params=_none, flops=_linear_flops, cache_bytes=_linear_bytes, tp_plan=_linear_tp,
+    MixerSpec("linear_attention", "linear attention", "state", softmax=False,
+              params=lambda c: 4 * c.d_model * c.n_heads * c.head_dim, norm_params=_none, flops=_linear_flops,
+              cache_bytes=_linear_bytes, tp_plan=_linear_tp,
               context_parallel=_RECURRENT_CP, paged=None, speculation=_NO_ROLLBACK),
-    MixerSpec("mamba2", "Mamba-2", "state", softmax=False, recurrent=True, params=_mamba2_params, norm_params=_none,
+    MixerSpec("mamba2", "Mamba-2", "state", softmax=False, params=_mamba2_params, norm_params=_none,
               flops=_mamba2_flops, cache_bytes=_mamba2_bytes,
               tp_plan=_refuse_tp("mamba2", "in_proj stacks [z | xBC | Δ] in one matrix, not split by heads"),
               context_parallel=_RECURRENT_CP, paged=None, speculation=_NO_ROLLBACK),
-    MixerSpec("gated_deltanet", "Gated DeltaNet", "state", softmax=False, recurrent=True, params=_delta_params, norm_params=_none,
-              flops=_delta_flops, cache_bytes=_delta_bytes,
+    MixerSpec("gated_deltanet", "Gated DeltaNet", "state", softmax=False, params=_delta_params,
+              norm_params=_none, flops=_delta_flops, cache_bytes=_delta_bytes,
               tp_plan=_refuse_tp("gated_deltanet", "in_proj_qkv stacks [q | k | v] in one matrix, not split by heads"),
               context_parallel=_RECURRENT_CP, paged=None, speculation=_NO_ROLLBACK),
-    MixerSpec("dsa", "DSA", "kv+index", softmax=False, recurrent=False,
+    MixerSpec("dsa", "DSA", "kv+index", softmax=False,
               params=lambda c: attention_params(c) + _dsa_indexer_params(c), norm_params=attention_norm_params,
               flops=_dsa_flops, cache_bytes=_dsa_bytes,
               tp_plan=_refuse_tp("dsa", "the lightning indexer scores every key with replicated weights"),
               context_parallel="its indexer selects keys from the whole sequence",
               paged="its indexer keys are not stored in the paged blocks; decode DSA models with "
                     "lmstack.inference.generate (MixerCache)", speculation=None),
-    MixerSpec("mla", "MLA", "latent", softmax=True, recurrent=False, params=mla_params,
+    MixerSpec("mla", "MLA", "latent", softmax=True, params=mla_params,
               norm_params=lambda c: c.kv_lora_rank + c.q_lora_rank, flops=_mla_flops, cache_bytes=_latent_bytes,
               tp_plan=_mla_tp,
               context_parallel="ring attention passes K and V of one head width; MLA's keys (H_n + d_R) and values "
