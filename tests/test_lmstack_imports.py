@@ -38,6 +38,9 @@ def test_the_package_keeps_every_contract():
      "the tokenizer imports no other chapter"),
     ("parallel/bad_train_import.py", "def f():\n    from lmstack.train.trainer import Trainer\n",  # hidden in a function
      "parallelism wraps a plain model"),
+    # the mixer specs accounting reads must stay arithmetic on the config: a torch module behind them breaks it
+    ("model/mixer_spec.py", "from lmstack.model.layers import Linear\n",
+     "accounting imports nothing of the model but its pure declarations"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path, module, source, contract):
     copy = tmp_path / "src" / "lmstack"

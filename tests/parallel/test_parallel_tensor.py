@@ -21,8 +21,13 @@ def _tensor_parallel(rank, world, cases):
         # the attention module keeps its attributes (no per-rank head counts written into it)
         assert {k: v for k, v in vars(model.blocks[0].attn).items() if not k.startswith("_")} == plain
         # each rank holds 1/tp of every matrix
-        assert model.blocks[0].attn.q_proj.weight.shape == (cfg.n_heads * cfg.head_dim // world, cfg.d_model)
-        assert model.blocks[0].attn.k_proj.weight.shape[0] == cfg.n_kv_heads * cfg.head_dim // world
+        if cfg.kv_lora_rank:  # MLA: the per-head up-projections split, the latent projection whole
+            a = model.blocks[0].attn
+            assert a.kv_b_proj.weight.shape[0] == cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) // world
+            assert a.kv_a_proj.weight.shape == (cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.d_model)
+        else:
+            assert model.blocks[0].attn.q_proj.weight.shape == (cfg.n_heads * cfg.head_dim // world, cfg.d_model)
+            assert model.blocks[0].attn.k_proj.weight.shape[0] == cfg.n_kv_heads * cfg.head_dim // world
         opt = make_opt(m.parameters())
         losses = []
         for x, y in data:
@@ -75,6 +80,13 @@ def test_tensor_and_sequence_parallel_match_single_process():
         ("tp-tied-qknorm-vocabce", dict(tie_embeddings=True, qk_norm=True), False, True),
         ("sp-qkvbias", dict(qkv_bias=True), True, False),
         ("sp-tied-qknorm-vocabce", dict(tie_embeddings=True, qk_norm=True), True, True),
+        # a hybrid: the linear-attention layer shards what its spec declares (q/k/v by heads, o row-parallel)
+        ("tp-linear-attention-hybrid", dict(layer_types=["attention", "linear_attention"], mixer_chunk_size=4),
+         False, False),
+        # MLA (its spec's plan): q / kv_b column, o row, the latent projections replicated; compressed q with SP
+        ("tp-mla", dict(kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6), False, False),
+        ("sp-mla-compressed-q", dict(kv_lora_rank=8, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                     v_head_dim=6), True, False),
     ]:
         cfg = tiny_config(**kw)
         data = batches(2, 2, 16)

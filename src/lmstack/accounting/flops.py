@@ -14,33 +14,41 @@ Norms, RoPE, softmax and the residual adds are O(BSD) and not counted (as in the
 The functions take T query tokens attending to S keys, so decoding (T = 1) uses them too; the
 attention matrices are counted in full (B, N, T, S), the way a dense kernel computes them. Pass
 ``window`` for sliding-window attention (seed 000 §1.9): each query sees at most W keys, O(nW).
+Layer by layer, each layer's token mixer counts itself (``lmstack.model.mixer_spec``: local attention's
+own window, MLA, DSA, linear attention, Mamba-2, Gated DeltaNet) and its FFN costs its active weights
+(none in a block without FFN), so a hybrid's count follows its ``layer_types``.
 """
 
 from __future__ import annotations
 
 from lmstack.model.config import ModelConfig
-from lmstack.accounting.params import active_params, layer_ffn_params, mla_params_per_layer, total_params
+from lmstack.model.mixer_spec import attended_keys, attention_kind, layer_specs, spec
+from lmstack.accounting.params import active_params, layer_ffn_params, total_params
 
-
-def attended_keys(S: int, window: int | None) -> int:
-    """Seed 000 §1.9: with a sliding window W a query attends to min(S, W) keys, not S."""
-    return S if window is None else min(S, window)
+__all__ = ["attended_keys"]  # re-exported: seed 000 §1.9, min(S, W) keys
 
 
 def attention_projection_flops(cfg: ModelConfig, B: int, T: int) -> int:
-    """Seed 000 §1.6: Q, K, V and O projections of T tokens: 2BT·D·NH + 2·2BT·D·KH + 2BT·NH·D."""
-    if cfg.is_mla:  # every MLA weight is one multiply-add per token
-        return 2 * B * T * mla_params_per_layer(cfg)
-    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    return 2 * B * T * D * (N * H) + 2 * 2 * B * T * D * (K * H) + 2 * B * T * (N * H) * D
+    """Seed 000 §1.6: Q, K, V and O projections of T tokens: 2BT·D·NH + 2·2BT·D·KH + 2BT·NH·D (MLA: every weight
+    one multiply-add per token; the output gate's projection with ``attn_output_gate``) — the spec's count."""
+    return spec(attention_kind(cfg)).flops(cfg, B, T, T, None)[0]
 
 
 def attention_score_flops(cfg: ModelConfig, B: int, T: int, S: int, window: int | None = None) -> int:
-    """Seed 000 §1.6: QKᵀ (B,N,T,H)x(B,N,H,S) 2BNTSH plus A·V 2BNTSH = 4BNTSH (= 4BS²D at T = S)."""
-    Se = attended_keys(S, window)
-    if cfg.is_mla:  # expanded form: QKᵀ over H_n + d_R, A·V over H_v
-        return 2 * B * cfg.n_heads * T * Se * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
-    return 4 * B * cfg.n_heads * T * Se * cfg.head_dim
+    """Seed 000 §1.6: QKᵀ (B,N,T,H)x(B,N,H,S) 2BNTSH plus A·V 2BNTSH = 4BNTSH (= 4BS²D at T = S); MLA's expanded
+    form: QKᵀ over H_n + d_R, A·V over H_v."""
+    return spec(attention_kind(cfg)).flops(cfg, B, T, S, window)[1]
+
+
+def layer_ffn_flops(cfg: ModelConfig, layer_idx: int, B: int, T: int) -> int:
+    """Layer ``layer_idx``'s FFN: dense 6BTDF; MoE 2BT × its active weights (``moe_ffn_flops``); none without FFN."""
+    if not cfg.block_ffn:
+        return 0
+    if not cfg.is_moe_layer(layer_idx):
+        return ffn_flops(cfg, B, T)
+    skipped = (cfg.n_experts - cfg.n_experts_per_token) * 3 * cfg.d_model * (cfg.d_ff_expert or cfg.d_ff)
+    bias = cfg.n_experts if cfg.router_aux_free_bias else 0
+    return 2 * B * T * (layer_ffn_params(cfg, layer_idx) - skipped - bias)
 
 
 def ffn_flops(cfg: ModelConfig, B: int, T: int) -> int:
@@ -69,11 +77,9 @@ def forward_flops(
     would instead add ``unembedding_flops(cfg, B, 1)``).
     """
     T = S if T is None else T
-    if cfg.n_experts:  # MoE: each layer's FFN costs its *active* weights (moe_ffn_flops)
-        attn = attention_projection_flops(cfg, B, T) + attention_score_flops(cfg, B, T, S, window)
-        total = cfg.n_layers * attn + moe_ffn_flops(cfg, B, T)
-    else:
-        total = cfg.n_layers * layer_forward_flops(cfg, B, T, S, window)
+    total = 0
+    for i, s in enumerate(layer_specs(cfg)):  # each layer's mixer (model.mixer_spec) and FFN (MoE: active weights)
+        total += sum(s.flops(cfg, B, T, S, window)) + layer_ffn_flops(cfg, i, B, T)
     if logits:
         total += unembedding_flops(cfg, B, T)
     return total
@@ -109,8 +115,9 @@ def six_nd_vs_exact(cfg: ModelConfig, B: int, S: int) -> dict[str, float]:
 
 
 def attention_share(cfg: ModelConfig, B: int, S: int, window: int | None = None) -> float:
-    """Fraction of forward FLOPs in the S² terms (QKᵀ and A·V); it grows with S (seed 000 §1.6)."""
-    att = cfg.n_layers * attention_score_flops(cfg, B, S, S, window)
+    """Fraction of forward FLOPs in the S² terms (QKᵀ and A·V) of the layers that attend over keys (a hybrid's
+    recurrent layers have none); it grows with S (seed 000 §1.6)."""
+    att = sum(s.flops(cfg, B, S, S, window)[1] for s in layer_specs(cfg) if s.cache != "state")
     return att / forward_flops(cfg, B, S, window=window)
 
 
@@ -124,12 +131,4 @@ def mfu(flops_per_step: float, step_time_s: float, peak_flops: float, n_devices:
 def moe_ffn_flops(cfg: ModelConfig, B: int, T: int) -> int:
     """All layers' FFN forward FLOPs with MoE: a dense layer 6BTDF; an MoE layer 2BT × (router E·D + k routed
     experts 3·D·F_e + shared experts), i.e. 2 FLOPs per *active* weight (seed 001 "MoE")."""
-    total = 0
-    for i in range(cfg.n_layers):
-        if cfg.is_moe_layer(i):
-            skipped = (cfg.n_experts - cfg.n_experts_per_token) * 3 * cfg.d_model * (cfg.d_ff_expert or cfg.d_ff)
-            bias = cfg.n_experts if cfg.router_aux_free_bias else 0
-            total += 2 * B * T * (layer_ffn_params(cfg, i) - skipped - bias)
-        else:
-            total += ffn_flops(cfg, B, T)
-    return total
+    return sum(layer_ffn_flops(cfg, i, B, T) for i in range(cfg.n_layers))

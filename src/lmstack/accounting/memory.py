@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from lmstack.model.config import ModelConfig
+from lmstack.model.mixer_spec import attention_kind, layer_specs, spec
 from lmstack.accounting.params import norm_params_per_layer, param_counts, total_params
 from lmstack.accounting.precision import bytes_per_element
 
@@ -21,12 +22,19 @@ def kv_cache_elements(cfg: ModelConfig, B: int, S: int, window: int | None = Non
     """Seed 000 §1.7: KV Cache Size = B·S·(K·H)·L·2 elements (2 for key and value).
 
     With a sliding window W (seed 000 §1.9, §2.5 "局部注意力") a token's K/V can be dropped
-    once it leaves the window, so only min(S, W) positions are kept.
+    once it leaves the window, so only min(S, W) positions are kept. Layer by layer (``model.mixer_spec``):
+    a softmax layer keeps ``kv_layer_elements`` (MLA: its latent), a local one the W_local − 1 positions the next
+    query needs, DSA its indexer keys too; a recurrent layer keeps a state instead (``accounting.mixers``), no KV.
     """
     Se = S if window is None else min(S, window)
-    if cfg.is_mla:  # MLA (seed 000 §2.5): one latent d_c + the shared RoPE key d_R per token and layer
-        return B * Se * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.n_layers
-    return 2 * B * Se * cfg.n_kv_heads * cfg.head_dim * cfg.n_layers
+    # the spec's bytes at one byte per element are its elements
+    return B * sum(int(s.cache_bytes(cfg, Se, 1, 1)) for s in layer_specs(cfg) if s.cache != "state")
+
+
+def kv_layer_elements(cfg: ModelConfig, B: int, S: int) -> int:
+    """K/V elements one softmax-attention layer keeps for B sequences of S tokens: 2·B·S·K·H, or MLA's latent
+    B·S·(d_c + d_R) (seed 000 §2.5) — what a paged pool block holds per layer."""
+    return B * int(spec(attention_kind(cfg)).cache_bytes(cfg, S, 1, 1))
 
 
 def kv_cache_bytes(cfg: ModelConfig, B: int, S: int, dtype: object = "bf16", window: int | None = None) -> float:
@@ -119,9 +127,12 @@ def inference_memory(
     window: int | None = None,
 ) -> InferenceMemory:
     """Seed 000 §1.7: Memory_inference = weights + KV cache + peak activations, at the prefill of
-    S tokens (the activation peak) with a cache of S positions."""
+    S tokens (the activation peak) with a cache of S positions; a hybrid's recurrent layers add their fp32
+    states (and convolution inputs) to the cache (``model.mixer_spec``)."""
     w = total_params(cfg) * bytes_per_element(dtype)
+    p = bytes_per_element(kv_dtype or dtype)
     kv = kv_cache_bytes(cfg, B, S, kv_dtype or dtype, window)
+    kv += B * sum(s.cache_bytes(cfg, S, p, bytes_per_element("fp32")) for s in layer_specs(cfg) if s.cache == "state")
     act = peak_activation_elements(cfg, B, S, S, flash) * bytes_per_element(dtype)
     return InferenceMemory(weights=w, kv_cache=kv, activations=act)
 

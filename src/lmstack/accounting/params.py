@@ -5,7 +5,11 @@ Seed 000 §1.4, per component of the dense decoder (symbols of §1.1):
   FFN 3·D·F (gate, up, down); RMSNorm gammas 2D per layer plus the final D; unembedding V·D.
   Total 2VD + L(4D² + 2D + 3DF) for MHA (K = N) with untied embeddings.
 This module generalises it to GQA/MQA (K < N), H ≠ D/N, tied embeddings, q/k/v biases
-(Qwen2) and QK-norm gammas (H each for q and k), so that it equals ``sum(p.numel())``.
+(Qwen2), QK-norm gammas (H each for q and k), and layer by layer to every token mixer and block variant:
+each layer's mixer counts itself (``lmstack.model.mixer_spec``: MLA, local / linear attention, Mamba-2,
+Gated DeltaNet, DSA, the output gate), a block without FFN (Mamba-2) or with one shared norm (GPT-J's
+parallel block) or Gemma's sandwich norms counts what it holds, so that ``total_params`` equals
+``sum(p.numel())`` of the built model (tests/model/test_mixer_spec.py).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from lmstack.model.config import ModelConfig
+from lmstack.model.mixer_spec import attention_kind, attention_params, layer_kinds, layer_specs, mla_params, spec
 
 
 @dataclass(frozen=True)
@@ -20,9 +25,9 @@ class ParamCounts:
     """Parameters per component, summed over all L layers (seed 000 §1.4)."""
 
     embedding: int  # V·D
-    attention: int  # L·(D·NH + 2·D·KH + NH·D [+ NH + 2KH biases])
-    ffn: int  # L·3DF
-    norms: int  # L·2D + D [+ L·2H for QK-norm]
+    attention: int  # every layer's token mixer: L·(D·NH + 2·D·KH + NH·D [+ NH + 2KH biases]) for softmax attention
+    ffn: int  # L·3DF (0 in a layer without FFN)
+    norms: int  # L·2D + D [+ L·2H for QK-norm]; per layer what the block holds
     unembedding: int  # V·D, or 0 when tied to the embedding
 
     @property
@@ -54,13 +59,7 @@ def attention_params_per_layer(cfg: ModelConfig) -> int:
     Seed 001 "性能指标分析" writes the same as DNH + 2DKH + DNH. With ``qkv_bias`` the q, k, v
     projections carry NH + 2KH biases.
     """
-    if cfg.is_mla:
-        return mla_params_per_layer(cfg)
-    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    p = D * N * H + 2 * D * K * H + N * H * D
-    if cfg.qkv_bias:
-        p += N * H + 2 * K * H
-    return p
+    return spec(attention_kind(cfg)).params(cfg)  # model.mixer_spec: softmax attention's or MLA's count
 
 
 def ffn_params_per_layer(cfg: ModelConfig) -> int:
@@ -69,21 +68,29 @@ def ffn_params_per_layer(cfg: ModelConfig) -> int:
 
 
 def norm_params_per_layer(cfg: ModelConfig) -> int:
-    """Seed 000 §1.4: two RMSNorm gammas of D per layer (pre-attention, pre-FFN), plus 2H for QK-norm."""
-    extra = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim if cfg.qk_norm_full else 0  # OLMoE: over all heads
-    if cfg.is_mla:
-        extra += cfg.kv_lora_rank + cfg.q_lora_rank  # the latent RMSNorms
-    return 2 * cfg.d_model + (2 * cfg.head_dim if cfg.qk_norm else 0) + extra
+    """Seed 000 §1.4: two RMSNorm gammas of D per layer (pre-attention, pre-FFN), plus 2H for QK-norm
+    (a softmax-attention layer of the Llama block; ``layer_norm_params`` counts any layer)."""
+    return 2 * cfg.d_model + spec(attention_kind(cfg)).norm_params(cfg)  # QK-norm, or MLA's latent norms
+
+
+def layer_norm_params(cfg: ModelConfig, layer_idx: int) -> int:
+    """Layer ``layer_idx``'s RMSNorm gammas: D before the mixer; D before the FFN (none in GPT-J's parallel block,
+    which shares the first, or in a block without FFN); Gemma's sandwich norms D after each branch; and the
+    mixer's own (QK-norm, MLA's latent norms: ``MixerSpec.norm_params``)."""
+    D = cfg.d_model
+    ffn = cfg.block_ffn
+    block = D + (D if ffn and not cfg.parallel_block else 0) + ((D + (D if ffn else 0)) if cfg.sandwich_norm else 0)
+    return block + layer_specs(cfg)[layer_idx].norm_params(cfg)
 
 
 def param_counts(cfg: ModelConfig) -> ParamCounts:
-    """Exact parameter count of the lmstack Transformer for ``cfg``, by component (seed 000 §1.4)."""
+    """Exact parameter count of the lmstack Transformer for ``cfg``, by component (seed 000 §1.4), layer by layer."""
     L = cfg.n_layers
     return ParamCounts(
         embedding=embedding_params(cfg),
-        attention=L * attention_params_per_layer(cfg),
+        attention=sum(s.params(cfg) for s in layer_specs(cfg)),
         ffn=sum(layer_ffn_params(cfg, i) for i in range(L)),
-        norms=L * norm_params_per_layer(cfg) + cfg.d_model,  # + final norm D
+        norms=sum(layer_norm_params(cfg, i) for i in range(L)) + cfg.d_model,  # + final norm D
         unembedding=unembedding_params(cfg),
     )
 
@@ -150,12 +157,9 @@ def moe_params(
 # ---- mixture of experts / MLA (model/moe.py, model/mla.py) ------------------------------------------
 def mla_params_per_layer(cfg: ModelConfig) -> int:
     """MLA projections (seed 001 "有损提速"): q = D·N(H_n+d_R) (or D·d_c' + d_c'·N(H_n+d_R) compressed),
-    [W_DKV; W_KR] D·(d_c + d_R), [W_UK; W_UV] d_c·N(H_n + H_v), W_O N·H_v·D (norm gammas: ``norms``)."""
-    D, N = cfg.d_model, cfg.n_heads
-    h_qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    q = D * cfg.q_lora_rank + cfg.q_lora_rank * N * h_qk if cfg.q_lora_rank else D * N * h_qk
-    return (q + D * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-            + cfg.kv_lora_rank * N * (cfg.qk_nope_head_dim + cfg.v_head_dim) + N * cfg.v_head_dim * D)
+    [W_DKV; W_KR] D·(d_c + d_R), [W_UK; W_UV] d_c·N(H_n + H_v), W_O N·H_v·D (norm gammas: ``norms``);
+    the formula is ``model.mixer_spec.mla_params``, the MLA spec's count."""
+    return mla_params(cfg)
 
 
 def expert_params(cfg: ModelConfig) -> int:
@@ -165,7 +169,9 @@ def expert_params(cfg: ModelConfig) -> int:
 
 def layer_ffn_params(cfg: ModelConfig, layer_idx: int) -> int:
     """Layer ``layer_idx``'s FFN: dense 3DF, or E routed experts + router (E·D, + E aux-free biases)
-    + shared experts 3·D·F_shared (+ D for Qwen-MoE's shared-expert gate)."""
+    + shared experts 3·D·F_shared (+ D for Qwen-MoE's shared-expert gate); 0 in a block without FFN (Mamba-2)."""
+    if not cfg.block_ffn:
+        return 0
     if not cfg.is_moe_layer(layer_idx):
         return ffn_params_per_layer(cfg)
     D, E = cfg.d_model, cfg.n_experts
@@ -208,22 +214,27 @@ def expected_experts_touched(n_experts: int, k: int, tokens: int) -> float:
 def decode_params(cfg: ModelConfig, tokens: int | None = 1) -> float:
     """The matrix weights one forward step over ``tokens`` tokens streams (the decode roofline's Param).
 
-    A dense model: ``matmul_params`` (the seed's formula, unchanged). With MoE and/or MLA layers, the same
-    convention (embedding and LM head, attention and FFN matrices; norms and biases left out) counted from the
-    real layer shapes: MLA projections (``mla_params_per_layer``); per MoE layer the router E·D, the shared
+    A dense model of softmax-attention layers: ``matmul_params`` (the seed's formula, unchanged). Otherwise the
+    same convention (embedding and LM head, mixer and FFN matrices; norms and biases left out) counted from the
+    real layer shapes: each layer's mixer as its spec counts it (``model.mixer_spec``: MLA projections, a
+    recurrent mixer's projections with its few per-head vectors, the output gate); no FFN in a block without
+    one; per MoE layer the router E·D, the shared
     experts 3·D·F_shared (+ D for Qwen's shared gate), and only the routed experts the batch touches —
     ``expected_experts_touched(E, k, tokens)``·3·D·F_e, k experts for B = 1, all E for a large batch.
     ``tokens=None``: every expert (the matrices that must be resident).
     """
-    if not cfg.n_experts and not cfg.is_mla:
+    plain = set(layer_kinds(cfg)) == {"attention"} and cfg.block_ffn and not cfg.attn_output_gate
+    if not cfg.n_experts and plain:
         return float(matmul_params(cfg))
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     vocab = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * D
-    attn = mla_params_per_layer(cfg) if cfg.is_mla else D * N * H + 2 * D * K * H + D * N * H
-    total: float = vocab + attn * cfg.n_layers
+    bias = (N * H * (2 if cfg.attn_output_gate else 1) + 2 * K * H) if cfg.qkv_bias else 0
+    total: float = vocab + sum(s.params(cfg) - (bias if s.params is attention_params else 0) for s in layer_specs(cfg))
     E = cfg.n_experts
     touched = E if tokens is None or not E else expected_experts_touched(E, cfg.n_experts_per_token, tokens)
     for i in range(cfg.n_layers):
+        if not cfg.block_ffn:
+            continue
         if not cfg.is_moe_layer(i):
             total += 3 * D * cfg.d_ff
             continue

@@ -7,6 +7,7 @@ the CLI prints, what ``--json`` writes and what the tests check are the same num
 from __future__ import annotations
 
 from lmstack.model.config import ModelConfig
+from lmstack.model.mixer_spec import layer_specs
 from lmstack.accounting import comm, flops, intensity, memory, params, roofline
 from lmstack.accounting.hardware import Hardware
 from lmstack.accounting.precision import bytes_per_element, canonical_dtype
@@ -92,7 +93,8 @@ def build_plan(
         "tp_layer_bytes_per_device": comm.tp_layer_bytes(cfg, 1, S, M, "bf16"),
         "tp_compute_comm_ratio": comm.tp_compute_comm_ratio(cfg.d_model, M),
     }
-    if cfg.n_experts or cfg.is_mla:  # mixture of experts / MLA (model/moe.py, model/mla.py)
+    # mixture of experts / MLA (model/moe.py, model/mla.py: the layers whose spec caches a latent)
+    if cfg.n_experts or any(s.cache == "latent" for s in layer_specs(cfg)):
         tokens = tb * S
         out["moe"] = {
             **params.moe_summary(cfg),

@@ -122,13 +122,14 @@ def fast_attention(model):
     block-triangular; CPU fp32 causal windows of >= ``attention.MIN_T`` tokens) and otherwise their own implementation,
     which it falls back to; restored on exit. A model without ``blocks`` runs unchanged."""
     from lmstack.eval.attention import OneDNNAttention
-    from lmstack.model.mixers import SOFTMAX_MIXERS
+    from lmstack.model.mixer_spec import layer_specs
     from lmstack.model.seam import SDPAAttention
 
-    kinds = model.config.mixer_types
-    # only layers on the default SDPA: a backend the user chose (kernels.configure, the reference) is kept
+    specs = layer_specs(model.config)
+    # only softmax-attention layers on the default SDPA: a backend the user chose (kernels.configure, the
+    # reference) is kept
     layers = [b.attn for i, b in enumerate(getattr(model, "blocks", ()))
-              if kinds[getattr(b.attn, "layer_idx", i)] in SOFTMAX_MIXERS
+              if specs[getattr(b.attn, "layer_idx", i)].softmax
               and type(getattr(b.attn, "impl", None)) is SDPAAttention]
     saved = [a.impl for a in layers]
     ours = [OneDNNAttention(fallback=impl) for impl in saved]

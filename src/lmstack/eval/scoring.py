@@ -21,6 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lmstack.model.config import ModelConfig
+from lmstack.model.mixer_spec import layer_kinds
+
 
 @dataclass
 class RowScore:
@@ -96,7 +99,7 @@ def can_share_context(model) -> bool:
     """Whether ``shared_context_scores`` applies: a softmax-attention model (no recurrent / local layers, no MLA
     latent cache) whose layers store K/V in ``inference.kv_cache.KVCache``."""
     c = getattr(model, "config", None)
-    return c is not None and getattr(c, "layer_types", None) is None and not getattr(c, "is_mla", False)
+    return isinstance(c, ModelConfig) and set(layer_kinds(c)) == {"attention"}  # model.mixer_spec
 
 
 @torch.inference_mode()

@@ -46,6 +46,7 @@ from lmstack.inference.speculative import PromptLookup
 from lmstack.inference.state_pool import StatePool, recurrent_layers
 from lmstack.inference.stops import StopStrings
 from lmstack.kernels.runtime import RuntimeConfig, configure
+from lmstack.model.mixer_spec import refuse, unsupported
 
 
 class PromptTooLongError(ValueError):
@@ -68,16 +69,13 @@ def _blocks_in(nbytes: int, c, block_size: int, dtype: torch.dtype | str, seats:
 
 def _state_pool(model, num_speculative_tokens: int, num_slots: int) -> StatePool | None:
     """The recurrent-state pool of a hybrid model (None: no recurrent layer); refuses what the engine cannot serve."""
-    kinds = model.config.mixer_types
-    if "dsa" in kinds:
-        raise ValueError(f"layer {kinds.index('dsa')} is a DSA layer, whose indexer keys the paged engine does not "
-                         "store; decode DSA models with lmstack.inference.generate (MixerCache)")
+    refuse(model.config, "paged", "the paged engine")  # each layer's spec says what it supports (model.mixer_spec)
     if not recurrent_layers(model):
         return None
-    if num_speculative_tokens:
+    no_rollback = sorted({kind for _, kind, _ in unsupported(model.config, "speculation")})
+    if num_speculative_tokens and no_rollback:
         raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: the model has recurrent layers "
-                         f"({sorted(set(kinds) - {'attention', 'local_attention'})}), whose state cannot be rolled "
-                         "back past rejected drafts; use 0")
+                         f"({no_rollback}), whose state cannot be rolled back past rejected drafts; use 0")
     return StatePool(model, num_slots)
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lmstack.inference.kv_cache import KVCache
+from lmstack.model.mixer_spec import layer_kinds
 from lmstack.model.mixers import MixerCache
 from lmstack.model.mla import LatentKVCache
 from lmstack.inference.prompts import prompt_token_ids
@@ -97,11 +98,12 @@ def _decode(step, prompt_ids: list[int], params: SamplingParams, speculation=Non
 def contiguous_cache(config, total: int, dtype: torch.dtype, device):
     """The batch-1 cache a model's layers need: K/V per head (``KVCache``), MLA's latent
     (``LatentKVCache``), or a hybrid's K/V and recurrent states (``MixerCache``)."""
-    if config.layer_types is not None:
-        return MixerCache()
-    if config.is_mla:
+    kinds = set(layer_kinds(config))  # each layer's mixer kind (model.mixer_spec)
+    if kinds == {"attention"}:
+        return KVCache(config, 1, total, dtype=dtype, device=device)
+    if kinds == {"mla"}:
         return LatentKVCache(config, 1, total, device=device, dtype=dtype)
-    return KVCache(config, 1, total, dtype=dtype, device=device)
+    return MixerCache()
 
 
 class CachedStep:

@@ -30,10 +30,10 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
-from lmstack.accounting.memory import kv_cache_elements
+from lmstack.accounting.memory import kv_layer_elements
 from lmstack.inference.block_manager import BlockManager
 from lmstack.model.config import ModelConfig
-from lmstack.model.mixers import SOFTMAX_MIXERS
+from lmstack.model.mixer_spec import attention_kind, softmax_layers, spec
 from lmstack.model.seam import AttentionImpl, AttentionMetadata
 
 # quantised KV formats: name -> (code dtype, largest code magnitude)
@@ -44,7 +44,7 @@ SCALE_BYTES = 4  # one float32 scale per (layer, block, KV head), for K and for 
 def kv_layers(config: ModelConfig) -> list[int]:
     """The layers whose K/V live in the pool: the softmax-attention ones. A hybrid's recurrent layers keep
     their O(1) state in the engine's ``StatePool`` instead, so a 3:1 hybrid's pool is a quarter of a dense one's."""
-    return [i for i, kind in enumerate(config.mixer_types) if kind in SOFTMAX_MIXERS]
+    return softmax_layers(config)
 
 
 def kv_pool_bytes(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str) -> int:
@@ -52,7 +52,7 @@ def kv_pool_bytes(config: ModelConfig, num_blocks: int, block_size: int, dtype: 
     with L = the softmax-attention layers (``kv_layers``), P = 1 for "int8"/"fp8", plus for a quantised
     pool its 2·NB·L·K float32 scales."""
     L = len(kv_layers(config))
-    elements = kv_cache_elements(config, 1, num_blocks * block_size) // config.n_layers * L  # linear in L
+    elements = kv_layer_elements(config, 1, num_blocks * block_size) * L
     if isinstance(dtype, str) and dtype in KV_QUANT_FORMATS:
         return elements + 2 * num_blocks * L * config.n_kv_heads * SCALE_BYTES
     return elements * torch.empty(0, dtype=dtype).element_size()
@@ -75,7 +75,8 @@ class PagedKVCache:
         layers = kv_layers(config)
         self.row = {layer: r for r, layer in enumerate(layers)}  # model layer -> its row of the pool
         shape = (len(layers), num_blocks, block_size, config.n_kv_heads, config.head_dim)  # (L, NB, bs, K, H)
-        self.stores_latent = config.is_mla  # MLA (model/mla.py): blocks hold [c ; k_R], d_c + d_R per token
+        # MLA (model/mla.py): blocks hold [c ; k_R], d_c + d_R per token
+        self.stores_latent = spec(attention_kind(config)).cache == "latent"
         self.quant = dtype if isinstance(dtype, str) else None  # "int8" / "fp8": codes + per-block scales
         if self.quant is not None:
             if self.quant not in KV_QUANT_FORMATS:
@@ -300,6 +301,6 @@ class SelectivePagedBatch(PackedPagedBatch):
             else:
                 qs = q[:, :, t0:t1]  # (1, N, n, H)
                 qp = positions[:, t0:t1]  # (1, n)
-            o = impl(qs, ks, vs, AttentionMetadata(qp, kp, window=meta.window))  # (R, N, n, H)
+            o = impl(qs, ks, vs, AttentionMetadata(qp, kp, window=meta.window, softcap=meta.softcap))  # (R, N, n, H)
             outs.append(o[:, :, 0].transpose(0, 1)[None] if R > 1 else o)  # (1, N, n, H)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (1, N, T, H)

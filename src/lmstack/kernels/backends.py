@@ -110,14 +110,18 @@ def cpu_training_autocast(device: torch.device | str) -> bool:
 
 
 def choose_attention(name: str, device: torch.device | str, training_autocast: str | None = None,
-                     compile: bool = False, max_keys: int | None = None) -> tuple[str, str]:
+                     compile: bool = False, max_keys: int | None = None, needs: tuple[str, ...] = ()) -> tuple[str, str]:
     """The one ``auto`` policy: (backend, reason). ``training_autocast``: the autocast dtype name
     ("bf16"/"fp16") when the built thing trains under autocast, else None; ``max_keys``: the longest
-    key sequence S it will see (None: unknown). Other names are checked and returned as they are."""
+    key sequence S it will see (None: unknown); ``needs``: what the model's layers need of the implementation
+    (``("softcap",)``: Gemma-2's soft-capped scores, which only ``reference`` applies — ``Transformer.attention_needs``).
+    Other names are checked and returned as they are (the model refuses one that lacks what it needs)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend={name!r}; expected one of {ATTENTION_BACKENDS}")
     if name != "auto":
         return name, "configured"
+    if "softcap" in needs:
+        return "reference", "auto: soft-capped attention scores"
     kind = torch.device(device).type
     if (kind == "cpu" and training_autocast in ("bf16", "fp16") and not compile
             and (max_keys is None or max_keys <= CPU_TRAINING_MAX_KEYS)):

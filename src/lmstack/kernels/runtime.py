@@ -59,7 +59,8 @@ def configure(model, runtime: RuntimeConfig | None = None, device: torch.device 
     if device is None:
         device = next(model.parameters()).device
     autocast = runtime.dtype if training and runtime.dtype in ("bf16", "fp16") else None
-    attn, why = choose_attention(runtime.attn_backend, device, autocast, runtime.compile, max_keys)
+    needs = getattr(model, "attention_needs", tuple)()  # e.g. ("softcap",) for Gemma-2 (Transformer.attention_needs)
+    attn, why = choose_attention(runtime.attn_backend, device, autocast, runtime.compile, max_keys, needs)
     norm, norm_impl = choose_norm(runtime.norm_backend, device)
     model.set_attention(attention_impl(attn))
     model.set_norm(norm_impl)

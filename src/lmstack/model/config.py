@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmstack.model.mixer_spec import LAYER_TYPES
 from lmstack.utils import atomic_write_text, check_bool, check_float, check_int
 
 ROPE_LAYOUTS = ("half", "interleaved")
@@ -26,8 +27,8 @@ RUNTIME_FIELDS = ("attn_backend", "norm_backend")
 ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2",
                  "deepseek_v3", "mamba2", "gemma2", "gemma3_text",
                  "qwen3_next")  # HF families lmstack loads and saves (model/hf.py; MoE: moe.py, MLA: mla.py)
-#: Token mixers a layer may have (``ModelConfig.layer_types``; ``lmstack.model.mixers``).
-MIXERS = ("attention", "local_attention", "linear_attention", "mamba2", "gated_deltanet", "dsa")
+#: Token mixers a layer may have (``ModelConfig.layer_types``): the kinds declared in ``lmstack.model.mixer_spec``.
+MIXERS = LAYER_TYPES
 LINEAR_FEATURE_MAPS = ("identity", "elu1", "relu")
 FFN_ACTS = ("silu", "gelu_tanh")  # the gated FFN's activation: SwiGLU, GeGLU (Gemma)
 #: Longest context lmstack accepts (the RoPE tables grow on demand up to it): 16.7M positions;

@@ -4,8 +4,10 @@ Seed 001 "注意力机制" (linear attention, Mamba-2, Gated DeltaNet, 3:1 linea
 "推理时注意力开销" (grouped sliding window: local layers with one global layer in a group);
 seed 000 §1.9 (sliding window), §2.5 (local attention shrinks the KV cache).
 
-``build_mixer(config, layer_idx, rope)`` is what ``transformer.token_mixer`` calls: it reads
-``config.mixer_types[layer_idx]`` and returns the module. Every mixer maps ``(x (B, T, D), meta) -> (B, T, D)``.
+``build_mixer(config, layer_idx, rope)`` is what ``transformer.token_mixer`` calls: it reads the layer's kind
+(``mixer_spec.layer_kinds``: ``config.mixer_types``, MLA for an MLA model's attention layers) and builds
+``MODULES[kind]``. Every mixer maps ``(x (B, T, D), meta) -> (B, T, D)``. What a kind costs, caches and
+supports is its spec (``model.mixer_spec.SPECS``); adding a mixer = its module, its spec, its line here.
 
 ``MixerCache`` is a per-sequence cache for hybrids: attention layers keep K/V (a local layer only its
 last W − 1), recurrent layers keep an O(1) state (plus the short convolution's last K − 1 inputs).
@@ -27,10 +29,11 @@ from lmstack.model.dsa import SparseAttention
 from lmstack.model.layers import RotaryEmbedding
 from lmstack.model.linear_attention import LinearAttention
 from lmstack.model.mamba2 import Mamba2Mixer
+from lmstack.model.mixer_spec import SPECS, layer_kinds
+from lmstack.model.mla import MLA
+from lmstack.model.olmoe import OlmoeAttention
 from lmstack.model.seam import AttentionImpl, AttentionMetadata, StoreThenAttend
-
-#: Mixers that are softmax attention over a KV cache (``Transformer.set_attention`` sets their impl).
-SOFTMAX_MIXERS = ("attention", "local_attention")
+from lmstack.model.variants import VariantAttention, uses_variant_attention
 
 
 class LocalAttention(Attention):
@@ -45,22 +48,37 @@ class LocalAttention(Attention):
         return super().forward(x, dataclasses.replace(meta, window=self.window))
 
 
-def build_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw) -> nn.Module:
-    """Layer ``layer_idx``'s token mixer from ``config.mixer_types``."""
-    kind = config.mixer_types[layer_idx]
-    if kind == "attention":
-        return Attention(config, layer_idx, rope, **kw)
-    if kind == "local_attention":
+def softmax_attention(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, local: bool = False,
+                      **kw) -> nn.Module:
+    """A softmax-attention layer with the variants the config asks for: Gemma-2/3 / Qwen3-Next's
+    (``model.variants``: soft-cap, output gate, own RoPE, offset QK-norm), a local window, OLMoE's whole-projection
+    QK-norm and clipping (``model.olmoe``), else the plain GQA ``Attention``."""
+    if uses_variant_attention(config):
+        return VariantAttention(config, layer_idx, rope, **kw)
+    if local:
         return LocalAttention(config, layer_idx, rope, **kw)
-    if kind == "linear_attention":
-        return LinearAttention(config, layer_idx, **kw)
-    if kind == "mamba2":
-        return Mamba2Mixer(config, layer_idx, **kw)
-    if kind == "gated_deltanet":
-        return GatedDeltaNet(config, layer_idx, **kw)
-    if kind == "dsa":
-        return SparseAttention(config, layer_idx, rope, **kw)
-    raise ValueError(f"layer {layer_idx}: unknown mixer {kind!r} in layer_types")
+    if config.qk_norm_full or config.qkv_clip is not None:
+        return OlmoeAttention(config, layer_idx, rope, **kw)
+    return Attention(config, layer_idx, rope, **kw)
+
+
+#: kind -> builder ``(config, layer_idx, rope, device=, dtype=) -> module``; the kinds are ``mixer_spec.SPECS``'
+MODULES = {
+    "attention": softmax_attention,
+    "local_attention": lambda c, i, rope, **kw: softmax_attention(c, i, rope, local=True, **kw),
+    "mla": lambda c, i, rope, **kw: MLA(c, i, **kw),  # multi-head latent attention (DeepSeek-V2/V3)
+    "dsa": lambda c, i, rope, **kw: SparseAttention(c, i, rope, **kw),
+    "linear_attention": lambda c, i, rope, **kw: LinearAttention(c, i, **kw),
+    "mamba2": lambda c, i, rope, **kw: Mamba2Mixer(c, i, **kw),
+    "gated_deltanet": lambda c, i, rope, **kw: GatedDeltaNet(c, i, **kw),
+}
+if set(MODULES) != set(SPECS):
+    raise ImportError(f"mixer modules {sorted(MODULES)} do not match the specs {sorted(SPECS)}")
+
+
+def build_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw) -> nn.Module:
+    """Layer ``layer_idx``'s token mixer: ``MODULES[kind]`` for its kind (``mixer_spec.layer_kinds``)."""
+    return MODULES[layer_kinds(config)[layer_idx]](config, layer_idx, rope, **kw)
 
 
 # ---- the cache -----------------------------------------------------------------------------------

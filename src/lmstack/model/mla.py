@@ -79,7 +79,7 @@ class MLA(nn.Module):
         """x (B, T, D) -> q_nope (B, N, T, H_n), q_rope (B, N, T, d_R) (rotated)."""
         B, T, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.d_cq else self.q_proj(x)
-        q = q.view(B, T, self.n_heads, self.h_qk).transpose(1, 2)  # (B, N, T, H_n + d_R)
+        q = q.view(B, T, -1, self.h_qk).transpose(1, 2)  # (B, N, T, H_n + d_R); N from the width (a tp shard: N/tp)
         q_nope, q_rope = q.split([self.h_nope, self.d_rope], dim=-1)
         return q_nope, self.rope(q_rope, positions)
 
@@ -91,17 +91,17 @@ class MLA(nn.Module):
 
     def up_weights(self) -> tuple[Tensor, Tensor]:
         """W_UK (N, H_n, d_c) and W_UV (N, H_v, d_c) from ``kv_b_proj``."""
-        w = self.kv_b_proj.weight.view(self.n_heads, self.h_nope + self.h_v, self.d_c)
+        w = self.kv_b_proj.weight.view(-1, self.h_nope + self.h_v, self.d_c)  # N from the width
         return w[:, : self.h_nope], w[:, self.h_nope:]
 
     # ---- the two forms ----------------------------------------------------------------------------
     def expanded(self, q_nope: Tensor, q_rope: Tensor, c: Tensor, k_rope: Tensor, meta: AttentionMetadata) -> Tensor:
         """Naive form: per-head keys/values from the latent -> (B, N, T, H_v)."""
         B, T = c.shape[:2]
-        kv = self.kv_b_proj(c).view(B, T, self.n_heads, self.h_nope + self.h_v).transpose(1, 2)
+        kv = self.kv_b_proj(c).view(B, T, -1, self.h_nope + self.h_v).transpose(1, 2)
         k_nope, v = kv.split([self.h_nope, self.h_v], dim=-1)  # (B, N, T, H_n), (B, N, T, H_v)
         q = torch.cat([q_nope, q_rope], dim=-1) * self.q_scale  # (B, N, T, H_n + d_R)
-        k = torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1)  # (B, N, T, H_n + d_R)
+        k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)  # (B, N, T, H_n + d_R)
         return self.impl(q, k, v, meta)  # the impl scales by 1/sqrt(H_n + d_R), DeepSeek's softmax scale
 
     def absorbed_query(self, q_nope: Tensor, q_rope: Tensor) -> Tensor:

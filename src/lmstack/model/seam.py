@@ -60,6 +60,9 @@ class AttentionMetadata:
     cache:            a ``KVCache`` that stores this forward's k, v and attends over what it holds
     token_ids:        (B, T) the input token ids of the queries, or None (a pipeline stage that gets
                       hidden states); read by layers that route on the token itself (hash-routed MoE)
+    softcap:          attention-logit soft-cap c: scores s -> c·tanh(s/c) before the mask (Gemma-2), or None;
+                      only an implementation with ``supports_softcap = True`` may be handed one
+                      (``Transformer.set_attention`` refuses the others by name)
     """
 
     positions: Tensor
@@ -70,6 +73,7 @@ class AttentionMetadata:
     is_causal: bool = False
     cache: Any = None
     token_ids: Tensor | None = None
+    softcap: float | None = None
 
     def mask(self) -> Tensor | None:
         """The boolean mask (B, 1, T, S) or (T, S), True = may attend; None when ``is_causal``
@@ -85,11 +89,12 @@ class AttentionMetadata:
         """The record a cache passes on with the keys it gathered: no cache, never the causal fast path."""
         return AttentionMetadata(self.positions if positions is None else positions, key_positions,
                                  self.document_ids if document_ids is None else document_ids, key_document_ids,
-                                 self.window, False, None)
+                                 self.window, False, None, softcap=self.softcap)
 
 
 class AttentionImpl(Protocol):
-    """A stateless attention implementation: q (B, N, T, H), k/v (B, K, S, H) -> (B, N, T, H)."""
+    """A stateless attention implementation: q (B, N, T, H), k/v (B, K, S, H) -> (B, N, T, H). It may declare
+    ``supports_softcap = True`` when it applies ``meta.softcap`` (absent: it does not)."""
 
     name: str
 
@@ -124,8 +129,14 @@ class NormImpl(Protocol):
     def __call__(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...
 
 
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """softmax(QKᵀ/√H + mask) V in fp32 (fp64 for fp64 inputs) with GQA expansion made explicit (seed 000 §1.2, §1.3).
+def supports_softcap(impl: AttentionImpl) -> bool:
+    """Whether ``impl`` applies ``AttentionMetadata.softcap`` (it declares ``supports_softcap = True``)."""
+    return bool(getattr(impl, "supports_softcap", False))
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, softcap: float | None = None) -> Tensor:
+    """softmax(QKᵀ/√H + mask) V in fp32 (fp64 for fp64 inputs) with GQA expansion made explicit (seed 000 §1.2, §1.3);
+    with ``softcap`` c the scores are c·tanh(s/c) before the mask (Gemma-2's attention-logit soft-capping).
 
     q: (B, N, T, H); k, v: (B, K, S, H); mask: bool broadcastable to (B, N, T, S). -> (B, N, T, H)
     """
@@ -134,6 +145,8 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) ->
     v = v.repeat_interleave(G, dim=1)  # (B, N, S, H)
     c = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp32 at least
     scores = (q.to(c) @ k.to(c).transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, N, T, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, -torch.inf)
     probs = torch.softmax(scores, dim=-1)
@@ -146,15 +159,17 @@ def causal_mask(T: int, S: int, device: torch.device) -> Tensor:
 
 
 class ReferenceAttention:
-    """The explicit formula, materialising the (T, S) scores: the reference every other one equals."""
+    """The explicit formula, materialising the (T, S) scores: the reference every other one equals. It applies
+    soft-capped scores (``meta.softcap``)."""
 
     name = "reference"
+    supports_softcap = True
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         mask = meta.mask()
         if mask is None:
             mask = causal_mask(q.shape[2], k.shape[2], q.device)
-        return reference_attention(q, k, v, mask)
+        return reference_attention(q, k, v, mask, meta.softcap)
 
 
 class SDPAAttention:

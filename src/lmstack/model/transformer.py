@@ -16,35 +16,23 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU, linear
-from lmstack.model.mixers import SOFTMAX_MIXERS, build_mixer, init_recurrent_parameters
-from lmstack.model.mla import MLA
+from lmstack.model.mixer_spec import layer_softcap, layer_specs
+from lmstack.model.mixers import build_mixer, init_recurrent_parameters
 from lmstack.model.moe import moe_from_config
-from lmstack.model.olmoe import OlmoeAttention
-from lmstack.model.seam import AttentionImpl, AttentionMetadata, NormImpl
-from lmstack.model.variants import GeGLU, OffsetRMSNorm, VariantAttention, make_norm, uses_variant_attention
+from lmstack.model.seam import AttentionImpl, AttentionMetadata, NormImpl, supports_softcap
+from lmstack.model.variants import GeGLU, OffsetRMSNorm, make_norm
 
 
 def token_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw) -> nn.Module:
     """Layer ``layer_idx``'s token mixer: ``(x (B, T, D), meta: AttentionMetadata) -> (B, T, D)``.
 
-    The one place a layer's kind of sequence mixing is chosen from the config (seed 001 "注意力机制"):
-    today softmax attention with GQA (``model.attention``); new kinds (MLA, linear attention,
-    Mamba-2, Gated DeltaNet, ...) are added as branches here, each in its own module.
-    ``config.layer_types`` picks a mixer per layer (``model.mixers``: local/linear attention, Mamba-2,
-    Gated DeltaNet, DSA).
+    The layer's kind (``model.mixer_spec.layer_kinds``: ``config.layer_types``, softmax attention by default, MLA
+    in an MLA model) is one declared spec (``mixer_spec.SPECS``); ``model.mixers.build_mixer`` builds its module
+    (softmax attention with its variants, MLA, local/linear attention, Mamba-2, Gated DeltaNet, DSA).
     """
-    if uses_variant_attention(config) and config.mixer_types[layer_idx] in SOFTMAX_MIXERS:
-        return VariantAttention(config, layer_idx, rope, **kw)  # Gemma-2/3, Qwen3-Next attention: model.variants
-    if config.layer_types is not None:
-        return build_mixer(config, layer_idx, rope, **kw)
-    if config.is_mla:  # multi-head latent attention (DeepSeek-V2/V3): model.mla
-        return MLA(config, layer_idx, **kw)
-    if config.qk_norm_full or config.qkv_clip is not None:  # OLMoE's attention: model.olmoe
-        return OlmoeAttention(config, layer_idx, rope, **kw)
-    return Attention(config, layer_idx, rope, **kw)
+    return build_mixer(config, layer_idx, rope, **kw)
 
 
 def channel_mixer(config: ModelConfig, layer_idx: int, **kw) -> nn.Module:
@@ -185,20 +173,40 @@ class Transformer(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if exclude_embedding else n
 
+    def _softmax_blocks(self) -> list[tuple[int, nn.Module]]:
+        """(layer index, block) of the blocks whose mixer runs an AttentionImpl (``MixerSpec.softmax``); a pipeline
+        stage holds a slice of the layers, so the index is the mixer's own ``layer_idx``."""
+        specs = layer_specs(self.config)
+        out = []
+        for i, block in enumerate(self.blocks):
+            layer = getattr(block.attn, "layer_idx", i)
+            if specs[layer].softmax:
+                out.append((layer, block))
+        return out
+
+    def attention_needs(self) -> tuple[str, ...]:
+        """What an attention implementation must honour for this model: ``("softcap",)`` when a layer soft-caps its
+        scores (Gemma-2's ``attn_softcap``; ``seam.supports_softcap``), else ()."""
+        capped = any(layer_softcap(self.config, i) is not None for i, _ in self._softmax_blocks())
+        return ("softcap",) if capped else ()
+
     def set_attention(self, impl: AttentionImpl) -> None:
         """Run every layer's attention through ``impl`` (``lmstack.kernels.backends`` registers them);
-        layers whose mixer is not softmax attention over a KV cache (``config.layer_types``) keep theirs."""
-        kinds = self.config.mixer_types
-        for i, block in enumerate(self.blocks):
-            if kinds[getattr(block.attn, "layer_idx", i)] in SOFTMAX_MIXERS:
-                block.attn.impl = impl
+        layers whose mixer is not softmax attention over a KV cache (``config.layer_types``) keep theirs.
+        An implementation that cannot apply what a layer needs (soft-capped scores) is refused by name, before
+        anything is set."""
+        capped = [i for i, _ in self._softmax_blocks() if layer_softcap(self.config, i) is not None]
+        if capped and not supports_softcap(impl):
+            raise ValueError(f"attention backend {getattr(impl, 'name', type(impl).__name__)!r} does not apply "
+                             f"attention-logit soft-capping (attn_softcap={self.config.attn_softcap} in layers "
+                             f"{capped}); use one that does: 'reference' (or attn_backend='auto')")
+        for _, block in self._softmax_blocks():
+            block.attn.impl = impl
 
     @property
     def attention(self) -> AttentionImpl:
         """The implementation the softmax-attention layers run (None when no layer is softmax attention)."""
-        kinds = self.config.mixer_types
-        return next((b.attn.impl for i, b in enumerate(self.blocks)
-                     if kinds[getattr(b.attn, "layer_idx", i)] in SOFTMAX_MIXERS), None)
+        return next((b.attn.impl for _, b in self._softmax_blocks()), None)
 
     def set_norm(self, impl: NormImpl | None) -> None:
         """Run every RMSNorm through ``impl`` (None: the eager formula in ``model.layers``)."""

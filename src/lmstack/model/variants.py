@@ -9,7 +9,8 @@ of them is built exactly as before:
 - ``GeGLU`` (``ffn_act="gelu_tanh"``): W_down(gelu_tanh(x W_gate) ⊙ x W_up) (Gemma);
 - ``VariantAttention``: softmax attention with any of a per-layer RoPE base (``local_rope_theta``, Gemma-3's
   local layers), linear RoPE scaling of the global layers (``rope_linear_factor``), partial RoPE (``rotary_dim``), the scale 1/√query_pre_attn_scalar (Gemma), attention-logit
-  soft-capping s → cap·tanh(s/cap) (``attn_softcap``, Gemma-2) and a sigmoid output gate whose values come
+  soft-capping s → cap·tanh(s/cap) (``attn_softcap``, Gemma-2: ``meta.softcap``, applied by an implementation that
+  declares ``supports_softcap`` — the reference — and refused by name for one that does not) and a sigmoid output gate whose values come
   from a doubled q_proj, per head [q_h | gate_h] (``attn_output_gate``, Qwen3-Next).
 """
 
@@ -25,7 +26,7 @@ from torch import Tensor
 from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, rope_frequencies
-from lmstack.model.seam import AttentionMetadata, causal_mask
+from lmstack.model.seam import AttentionMetadata, ReferenceAttention
 
 #: the config fields that make a softmax-attention layer a ``VariantAttention``
 VARIANT_ATTENTION_FIELDS = ("attn_output_gate", "attn_softcap", "query_pre_attn_scalar", "local_rope_theta",
@@ -71,29 +72,6 @@ def uses_variant_attention(config: ModelConfig) -> bool:
         config.qk_norm and config.norm_offset)
 
 
-class SoftcapAttention:
-    """softmax(cap·tanh(QKᵀ/(√H·cap)) + mask) V in fp32 with GQA: Gemma-2's attention-logit soft-capping.
-    An ``AttentionImpl`` (the KV caches call it on the keys they hold); q arrives pre-scaled (see
-    ``VariantAttention``), so the 1/√H here and that factor make Gemma's 1/√query_pre_attn_scalar."""
-
-    name = "softcap-reference"
-
-    def __init__(self, cap: float):
-        self.cap = cap
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
-        mask = meta.mask()
-        if mask is None:
-            mask = causal_mask(q.shape[2], k.shape[2], q.device)
-        G = q.shape[1] // k.shape[1]
-        c = torch.float64 if q.dtype == torch.float64 else torch.float32
-        k, v = k.repeat_interleave(G, dim=1).to(c), v.repeat_interleave(G, dim=1).to(c)  # (B, N, S, H)
-        scores = (q.to(c) @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, N, T, S)
-        scores = self.cap * torch.tanh(scores / self.cap)
-        probs = torch.softmax(scores.masked_fill(~mask, -torch.inf), dim=-1)
-        return (probs @ v).to(q.dtype)
-
-
 class LinearScaledRotary(RotaryEmbedding):
     """RoPE with linear position scaling: angle m·θ_i / factor (HF ``rope_type="linear"``, Gemma-3's global layers)."""
 
@@ -129,7 +107,11 @@ class VariantAttention(Attention):
             self._own_rope = [RotaryEmbedding(self.rotary_dim, c.max_seq_len, theta, c.rope_layout)]
         # impl divides the scores by √H; Gemma's scale is 1/√query_pre_attn_scalar: fold the ratio into q
         self.q_scale = None if c.query_pre_attn_scalar is None else math.sqrt(H / c.query_pre_attn_scalar)
-        self.softcap = None if c.attn_softcap is None else SoftcapAttention(c.attn_softcap)
+        # Gemma-2's soft-capped scores are metadata the implementation applies (``meta.softcap``): a capped layer
+        # starts on the reference formula, and Transformer.set_attention refuses a backend that cannot cap
+        self.softcap = c.attn_softcap
+        if self.softcap is not None:
+            self.impl = ReferenceAttention()
 
     def _rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """RoPE on the first ``rotary_dim`` dims of x (B, heads, T, H); the rest pass through."""
@@ -158,13 +140,12 @@ class VariantAttention(Attention):
         q, k = self._rotate(q, meta.positions), self._rotate(k, meta.positions)
         if self.q_scale is not None:
             q = q * self.q_scale
-        if self.local:
-            meta = dataclasses.replace(meta, window=self.window)
-        impl = self.softcap if self.softcap is not None else self.impl
+        if self.local or self.softcap is not None:
+            meta = dataclasses.replace(meta, window=self.window if self.local else meta.window, softcap=self.softcap)
         if meta.cache is not None:
-            out = meta.cache.attend(self.layer_idx, q, k, v, meta, impl)
+            out = meta.cache.attend(self.layer_idx, q, k, v, meta, self.impl)
         else:
-            out = impl(q, k, v, meta)  # (B, N, T, H)
+            out = self.impl(q, k, v, meta)  # (B, N, T, H)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, N·H)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from lmstack.model.mixer_spec import refuse
 from lmstack.model.seam import AttentionMetadata
 from lmstack.parallel import collectives as C
 
@@ -123,9 +124,13 @@ class RingAttention:
 
 
 def context_parallel(model: nn.Module, group) -> nn.Module:
-    """Run every layer's attention as ``RingAttention`` over ``group`` (the model's own forward)."""
+    """Run every layer's attention as ``RingAttention`` over ``group`` (the model's own forward). A layer whose
+    spec says ring attention cannot run it (``model.mixer_spec``: recurrent mixers, which would get two
+    non-contiguous chunks; local windows; MLA; DSA) is refused by name, and so is a soft-capped one
+    (``RingAttention`` does not apply ``meta.softcap``: ``Transformer.set_attention`` refuses it)."""
     if model.config.sliding_window is not None:
         raise ValueError("context parallelism: sliding-window attention is not supported")
+    refuse(model.config, "context_parallel", "context parallelism")
     if not isinstance(model.attention, RingAttention):
         model.set_attention(RingAttention(group))
     return model

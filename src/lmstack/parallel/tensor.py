@@ -9,7 +9,11 @@ matmul and reduce-scatter after the row-parallel one replace the all-reduce).
 
 ``tensor_parallel(model, group, sequence_parallel=False)`` shards a ``Transformer`` from the
 outside — the model code and its attributes are unchanged, only its linears/embedding are replaced
-by sharded ones (attention reads N/tp and K/tp from its projections' widths):
+by sharded ones (attention reads N/tp and K/tp from its projections' widths). What a layer's mixer
+shards is what its spec declares (``model.mixer_spec``: softmax / local attention and linear attention
+split by heads as below; MLA's per-head up-projections column- and W_O row-parallel with its latent
+projections replicated); a mixer without a plan (Mamba-2, Gated DeltaNet, DSA) is refused by name
+before anything is sharded:
 
     attn_norm -> [norm, f]        f: identity fwd / all-reduce bwd  (SP: all-gather S / reduce-scatter)
     q,k,v     -> column-parallel   W (N·H/tp, D), (K·H/tp, D): rank r gets heads r·N/tp .. and kv heads r·K/tp ..
@@ -33,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmstack.model.mixer_spec import UnsupportedMixer, tp_plan
 from lmstack.model.moe import MoE
 from lmstack.parallel import collectives as C
 
@@ -212,38 +217,61 @@ def _allreduce_grad_hook(group):
     return hook
 
 
-def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> nn.Module:
-    """Shard a ``lmstack.model.Transformer`` in place over ``group`` (see the module docstring).
-    Raises a clear error when N, K, F or V is not divisible by tp."""
-    r, M = _rank_size(group)
+def tensor_parallel_plan(model: nn.Module) -> list[tuple[nn.Module, tuple[tuple[str, str], ...]]]:
+    """(mixer, its declared plan) for every block: what each layer's spec shards (``model.mixer_spec.tp_plan``:
+    softmax attention's q/k/v column- and o row-parallel, ...). A layer whose mixer has no plan, or whose module
+    lacks a submodule its plan names, raises ``UnsupportedMixer`` naming the layer — before anything is sharded."""
     cfg = model.config
-    check_divisible(M, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, d_ff=cfg.d_ff, vocab_size=cfg.vocab_size)
+    plans = []
+    for i, block in enumerate(model.blocks):
+        layer = getattr(block.attn, "layer_idx", i)  # a pipeline stage holds a slice of the layers
+        plan = tp_plan(cfg, layer)
+        missing = [name for name, _ in plan if not isinstance(getattr(block.attn, name, None), nn.Module)]
+        if missing:
+            raise UnsupportedMixer(f"tensor parallelism: layer {layer}'s {type(block.attn).__name__} has no "
+                                   f"{missing} that its plan {plan} shards")
+        plans.append((block.attn, plan))
+    return plans
+
+
+def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> nn.Module:
+    """Shard a ``lmstack.model.Transformer`` in place over ``group`` (see the module docstring): each layer's
+    mixer as its spec declares (``tensor_parallel_plan``), the FFN, the embedding and the unembedding.
+    Raises a clear error, before anything changes, when N, K, F or V is not divisible by tp or a layer's mixer
+    cannot be sharded (Mamba-2, Gated DeltaNet, DSA, OLMoE's whole-projection QK-norm)."""
+    cfg = model.config
     if getattr(cfg, "parallel_block", False):
         raise ValueError("tensor parallelism: parallel_block=True (GPT-J) is not supported")
+    plans = tensor_parallel_plan(model)  # refuses an unshardable layer before anything (even the group) is touched
+    r, M = _rank_size(group)
+    check_divisible(M, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, vocab_size=cfg.vocab_size,
+                    **({"d_ff": cfg.d_ff} if cfg.block_ffn else {}))
     sp = sequence_parallel
     replicated_partial = []  # replicated weights whose gradient is a partial sum over tp ranks
-    for block in model.blocks:
-        a = block.attn
-        a.q_proj = ColumnParallelLinear.from_linear(a.q_proj, group)
-        a.k_proj = ColumnParallelLinear.from_linear(a.k_proj, group)
-        a.v_proj = ColumnParallelLinear.from_linear(a.v_proj, group)
-        a.o_proj = RowParallelLinear.from_linear(a.o_proj, group, sp)
-        if a.q_norm is not None:  # shared over heads: each rank sees only its heads
-            replicated_partial += [a.q_norm.weight, a.k_norm.weight]
+    if sp and any(isinstance(b.ffn, MoE) or getattr(b.ffn, "is_expert_parallel", False) for b in model.blocks):
+        raise ValueError("tensor parallelism: sequence_parallel=True with mixture-of-experts layers is "
+                         "not supported (the MoE layers are not split over tp)")
+    for block, (a, plan) in zip(model.blocks, plans):
+        for name, style in plan:  # the layer's declared plan (model.mixer_spec)
+            sub = getattr(a, name)
+            if style == "column":
+                setattr(a, name, ColumnParallelLinear.from_linear(sub, group))
+            elif style == "row":
+                setattr(a, name, RowParallelLinear.from_linear(sub, group, sp))
+            else:  # replicated, e.g. per-head QK-norm gammas shared over heads: each rank sees only its heads
+                replicated_partial += list(sub.parameters())
         f = block.ffn
         moe = isinstance(f, MoE) or getattr(f, "is_expert_parallel", False)
-        if moe:  # a mixture-of-experts FFN stays whole on every tp rank (tp shards the attention only)
-            if sp:
-                raise ValueError("tensor parallelism: sequence_parallel=True with mixture-of-experts layers is "
-                                 "not supported (the MoE layers are not split over tp)")
-        else:
+        if f is not None and not moe:  # a mixture-of-experts FFN stays whole on every tp rank
             f.gate_proj = ColumnParallelLinear.from_linear(f.gate_proj, group)
             f.up_proj = ColumnParallelLinear.from_linear(f.up_proj, group)
             f.down_proj = RowParallelLinear.from_linear(f.down_proj, group, sp)
-        if sp:
-            replicated_partial += [block.attn_norm.weight, block.ffn_norm.weight]
+        if sp:  # norms over S/tp tokens (Gemma's sandwich norms too): their gradients are partial sums
+            norms = (block.attn_norm, block.ffn_norm, getattr(block, "post_attn_norm", None),
+                     getattr(block, "post_ffn_norm", None))
+            replicated_partial += [n.weight for n in norms if n is not None]
         block.attn_norm = EnterParallelRegion(block.attn_norm, group, sp)
-        if not moe:  # before a replicated MoE the input gradient is already whole: no f (all-reduce)
+        if f is not None and not moe:  # before a replicated MoE the input gradient is already whole: no f
             block.ffn_norm = EnterParallelRegion(block.ffn_norm, group, sp)
     tied = model.lm_head is None
     model.embed = VocabParallelEmbedding.from_embedding(model.embed, group, sp)
