@@ -1,15 +1,19 @@
-"""Small shared helpers: atomic file writes (nothing lmstack writes is ever left half-written) and the
-one guard every writing command calls so that an output never overwrites an input."""
+"""Small shared helpers: atomic file writes (nothing lmstack writes is ever left half-written), the
+one guard every writing command calls so that an output never overwrites an input, and the one way to
+build a C++ extension on first use."""
 
 from __future__ import annotations
 
 import argparse
-
 import contextlib
+import hashlib
+import importlib.util
 import json
 import math
 import numbers
 import os
+import shutil
+import sysconfig
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -73,6 +77,53 @@ def save_png(fig, path: str | os.PathLike, **savefig_kw) -> Path:
         fig.savefig(tmp, format="png", **savefig_kw)
     plt.close(fig)
     return path
+
+
+# ---- native extensions built on first use ---------------------------------------------------------
+
+def build_extension(name: str, source: Path, cflags: Iterable[str] = (), ldflags: Iterable[str] = (),
+                    python_module: bool = False):
+    """Compile one C++ ``source`` on first use with ``torch.utils.cpp_extension.load`` (ninja) and load it:
+    ``(module, None)``, or ``(None, reason)`` when it cannot be built (no compiler, missing source, a compile
+    error), so the caller falls back to its Python or torch path and can say why.
+
+    The build folder is named by a digest of the source, the flags and the Python ABI: two checkouts (or an
+    upgrade) never load each other's build. ``python_module=True``: a plain CPython extension (its init
+    function ``PyInit_<TORCH_EXTENSION_NAME>``) linked ``--as-needed``, so it depends on no torch library and
+    a process that finds it already built loads it directly, without importing torch. Otherwise the library
+    registers torch ops when loaded (``torch.ops.*``) and ``module`` is None on success.
+    """
+    cflags, ldflags = list(cflags), list(ldflags)
+    if not source.is_file():
+        return None, f"{source} is missing"
+    if python_module:
+        ldflags = ["-Wl,--as-needed", *ldflags]  # before the torch libraries load() appends: none is kept
+    tag = " ".join(cflags + ldflags) + str(sysconfig.get_config_var("EXT_SUFFIX"))
+    full = f"{name}_{hashlib.sha256(source.read_bytes() + tag.encode()).hexdigest()[:12]}"
+    try:
+        kw = {}
+        if python_module:
+            root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+            build = Path(root) / "lmstack" / full
+            so = build / f"{full}.so"
+            if so.is_file() and not (build / "lock").exists():  # built before (and not being rebuilt now)
+                spec = importlib.util.spec_from_file_location(full, so)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                return module, None
+            kw["build_directory"] = str(build)
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            return None, f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH"
+        if python_module:
+            Path(kw["build_directory"]).mkdir(parents=True, exist_ok=True)
+        from torch.utils.cpp_extension import load
+
+        module = load(name=full, sources=[str(source)], is_python_module=python_module, verbose=False,
+                      extra_cflags=cflags, extra_ldflags=ldflags, **kw)
+    except Exception as e:  # noqa: BLE001 — any build or load failure means: the caller's fallback
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return None, f"building {source.name} failed: {type(e).__name__}: {first}"
+    return (module if python_module else None), None
 
 
 # ---- outputs never overwrite inputs -------------------------------------------------------------

@@ -22,15 +22,15 @@ turns it off.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import shutil
 import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from lmstack.utils import build_extension
 
 _log = logging.getLogger(__name__)
 _BUILD_LOCK = threading.Lock()
@@ -66,22 +66,13 @@ def _build() -> str | None:
     missing = [f for f in FLAGS if f not in _cpu_flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return "no C++ compiler (c++) on PATH"
-    if not SOURCE.is_file():
-        return f"{SOURCE} is missing"
+    # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled into this kernel;
+    # without the flag it silently runs on one thread.
+    cflags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp"]
+    _, reason = build_extension("lmstack_int4_vnni", SOURCE, cflags, ["-fopenmp"])
+    if reason is not None:
+        return reason
     try:
-        from torch.utils.cpp_extension import load
-
-        # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled into this kernel;
-        # without the flag it silently runs on one thread.
-        cflags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp"]
-        # One build folder per source text: two checkouts of lmstack on one machine (or an upgrade) never
-        # load or rebuild each other's kernel.
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
-        load(name=f"lmstack_int4_vnni_{digest}", sources=[str(SOURCE)], is_python_module=False, verbose=False,
-             extra_cflags=cflags, extra_ldflags=["-fopenmp"])
-
         if not _FAKE_REGISTERED:  # once per process, even if status() is asked again (its cache cleared)
 
             @torch.library.register_fake("lmstack_quant::int4_vnni_mm")
@@ -89,8 +80,8 @@ def _build() -> str | None:
                 return x.new_empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
 
             _FAKE_REGISTERED.append(True)
-    except Exception as e:  # noqa: BLE001 — any build/registration failure means: use torch's kernel
-        return f"building {SOURCE.name} failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    except Exception as e:  # noqa: BLE001 — a registration failure means: use torch's kernel
+        return f"registering {SOURCE.name}'s shapes failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     return None
 
 

@@ -110,6 +110,7 @@ def cmd_info(args: argparse.Namespace) -> int:
           f"{' ...' if len(tok.special_tokens) > 8 else ''}")
     print(f"bos/eos/pad   {tok.bos_token_id} / {tok.eos_token_id} / {tok.pad_token_id}")
     print(f"chat template {'yes' if tok.chat_template else 'no'}")
+    print(f"encoder       {tok.backend}")
     if tok.missing_bytes:
         print(f"missing bytes {len(tok.missing_bytes)} (text containing them does not round-trip)")
     text = args.text if args.text is not None else "Hello, world! 你好 123"

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from lmstack.utils import atomic_path
@@ -52,7 +51,7 @@ def _encode_range(task: tuple[str, int, int, str], tok: Tokenizer | None = None)
     with open(path, "rb") as f:
         f.seek(start)
         text = f.read(end - start).decode("utf-8", errors="replace")
-    return np.asarray(tok.encode(text), dtype=dtype).tobytes()
+    return tok.encode_concat([text], dtype).tobytes()
 
 
 def encode_files(

@@ -4,22 +4,28 @@ Text -> special-token split (longest first) -> pre-tokens (regex, :class:`.preto
 applied by rank (lowest first, like HF ``tokenizers``) -> ids. Decoding concatenates token bytes
 and decodes UTF-8 with invalid sequences replaced by U+FFFD. Each distinct pre-token is merged
 once and cached, because natural text repeats its words (seed 001 "细节问答": hash maps).
+
+Encoding runs in the native core (:mod:`.native`, ``csrc/bpe.cpp``: the same algorithm in C++, GIL released)
+when it builds; otherwise, or with ``LMSTACK_TOKENIZER=python``, in the Python code below. ``backend`` says which.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 from collections.abc import Iterable, Iterator
 from itertools import chain, repeat
 
+import numpy as np
 import regex
 
+from . import native
 from .byte_unicode import str_to_token
 from .chat import render_chat_template
 from .pretokenize import PreTokenizer, resolve_pattern, special_splitter
 
-
 _NO_RANK = 1 << 62  # rank of a pair that is not a merge
+_NATIVE_LOCK = threading.Lock()
 #: Largest token id a vocabulary may use: real vocabularies stay below 300k; ids beyond this are a
 #: corrupt file, and V = max id + 1 sizes the model's embedding.
 MAX_TOKEN_ID = (1 << 24) - 1
@@ -127,6 +133,10 @@ class Tokenizer:
         # byte value (as a latin-1 char) -> chr(its token id); missing bytes are deleted
         self._byte_chars = {b: (chr(i) if i >= 0 else None) for b, i in enumerate(self._byte_ids)}
         self._cache: dict[str, list[int]] = {}
+        #: False: always the Python path (tests and benchmarks compare the two)
+        self.use_native = True
+        self._native_enc = None  # the native encoder, built at the first encode (see _core)
+        self._native_tried = False
 
     # ------------------------------------------------------------------ sizes and lookups
     @property
@@ -144,6 +154,40 @@ class Tokenizer:
                 return self.special_tokens[token]
             token = token.encode("utf-8")
         return self._encoder.get(token)
+
+    # ------------------------------------------------------------------ native core
+    def _core(self):
+        """The native encoder (built once, at the first use), or None: the Python path runs."""
+        if not self.use_native:
+            return None
+        if not self._native_tried:
+            with _NATIVE_LOCK:  # two threads' first encodes build one encoder
+                if not self._native_tried:
+                    self._native_enc = native.new_encoder(self)
+                    self._native_tried = True
+        return self._native_enc
+
+    @property
+    def backend(self) -> str:
+        """``"native"``, ``"native BPE, regex pre-tokenizer"`` (a custom pattern), or ``"python (<reason>)"``."""
+        if self._core() is None:
+            return f"python ({native.status() or 'use_native=False'})"
+        return "native" if self.pattern in native.KINDS else "native BPE, regex pre-tokenizer"
+
+    def _native_splits(self) -> bool:
+        return self._core() is not None and self.pattern in native.KINDS
+
+    def clear_cache(self) -> None:
+        """Forget every merged pre-token (both paths' caches): the next encode starts cold."""
+        self._cache.clear()
+        if self._core() is not None:
+            native.module().clear_cache(self._native_enc)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_native_enc"], state["_native_tried"] = None, False  # a process rebuilds its own
+        state["_cache"] = {}
+        return state
 
     # ------------------------------------------------------------------ BPE core
     def _bpe(self, piece: bytes) -> list[int]:
@@ -177,6 +221,9 @@ class Tokenizer:
         return self._pre.split(text)
 
     def _encode_pieces(self, pieces: list[str], out: list[int]) -> None:
+        if self._core() is not None:
+            out.extend(native.module().encode_pieces(self._native_enc, pieces))
+            return
         cache = self._cache
         got = list(map(cache.get, pieces))  # C-level lookups; misses are None
         if None in got:
@@ -200,6 +247,8 @@ class Tokenizer:
         """Text -> ids. With ``allow_special=False`` special-token strings are encoded as plain text."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
+        if self._native_splits():
+            return native.module().encode(self._native_enc, text, allow_special)
         out: list[int] = []
         if self._splitter is None or not allow_special:
             self._encode_ordinary(text, out)
@@ -215,16 +264,39 @@ class Tokenizer:
     def encode_batch(
         self, texts: Iterable[str], allow_special: bool = True, num_workers: int = 1
     ) -> list[list[int]]:
-        """Encode many texts; ``num_workers > 1`` spreads them over that many processes (fork)."""
+        """Encode many texts; ``num_workers > 1`` spreads them over that many threads (native core) or
+        processes (fork; the Python path)."""
         texts = list(texts)
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
+        if self._native_splits():
+            return native.module().encode_batch(self._native_enc, texts, allow_special, num_workers)
         if num_workers == 1 or len(texts) < 2:
             return [self.encode(t, allow_special) for t in texts]
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         chunksize = max(1, len(texts) // (4 * num_workers))
         with ctx.Pool(num_workers, initializer=set_worker_tokenizer, initargs=(self,)) as pool:
             return pool.map(_worker_encode, [(t, allow_special) for t in texts], chunksize=chunksize)
+
+    def encode_concat(self, texts: Iterable[str], dtype, sep_id: int | None = None, allow_special: bool = True,
+                      num_threads: int = 1) -> np.ndarray:
+        """The ids of every text back to back, each text followed by ``sep_id`` (e.g. EOS) when given, as one
+        ``dtype`` (uint16 / uint32) array: a token file's contents, without a Python int per token."""
+        texts = list(texts)
+        dtype = np.dtype(dtype)
+        if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)):
+            raise ValueError(f"dtype={dtype} must be uint16 or uint32")
+        if self.vocab_size > np.iinfo(dtype).max + 1:
+            raise ValueError(f"dtype={dtype} cannot hold ids of a vocabulary of {self.vocab_size}")
+        if sep_id is not None and not 0 <= sep_id < self.vocab_size:
+            raise ValueError(f"sep_id={sep_id} is not a token id (V={self.vocab_size})")
+        if self._native_splits():
+            data = native.module().encode_join(self._native_enc, texts, allow_special, max(1, num_threads),
+                                              dtype.itemsize, -1 if sep_id is None else sep_id)
+            return np.frombuffer(data, dtype=dtype.newbyteorder("=")).astype(dtype, copy=False)  # native order
+        tail = [] if sep_id is None else [sep_id]
+        parts = [np.asarray(self.encode(t, allow_special) + tail, dtype=dtype) for t in texts]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         vocab = self.vocab
@@ -262,6 +334,10 @@ class Tokenizer:
         if seg_start:
             out.extend(self.encode(buf[:seg_start]))
         seg = buf[seg_start:end]
+        if self._native_splits():  # the same cut, in C++: every pre-token but the last
+            ids, keep = native.module().encode_prefix(self._native_enc, seg)
+            out.extend(ids)
+            return seg[len(seg) - keep:] + buf[end:]
         pieces = self._split(seg)
         if pieces and sum(map(len, pieces)) == len(seg):  # pre-tokens tile the segment (built-in patterns)
             keep = pieces.pop()
