@@ -292,20 +292,24 @@ def run_demo(out_dir: str | Path, real_limit: int = 120, n_files: int = 4, quiet
     filtered = {r["metadata"]["url"] for r in _records(out / "filtered")}
     in_pipeline = pipeline_rows(labels, logs, {d.metadata["url"] for d in docs}, filtered, threshold)
     funnel = [{"stage": st, "step": s.name, "docs": s.docs_out, "bytes": s.bytes_out, "dropped": dict(s.dropped),
-               "counters": dict(s.counters)} for st, m in merged.items() for s in m["steps"]]
+               "counters": dict(s.counters)} for st, m in merged.items() for s in m["steps"] if s.docs_in or s.docs_out]
     funnel.insert(0, {"stage": "filter", "step": "input", "docs": merged["filter"]["steps"][0].docs_in,
                       "bytes": merged["filter"]["steps"][0].bytes_in})
     left = {r["metadata"]["url"] for r in _records(out / "clean")}
     kinds_left = dict(Counter(labels[u]["kind"] for u in left))
     gen = {u: lab for u, lab in labels.items() if lab["kind"] != "real"}
     unwanted = {u for u, lab in gen.items() if lab["quality"] == "bad" or lab["nsfw"] or lab["toxic"]}
-    copies = {u for u, lab in gen.items() if lab["kind"] == "exact_duplicate" or
-              (lab["kind"] == "near_duplicate" and lab["jaccard"] >= threshold)}
-    wanted = set(gen) - unwanted - copies
+    groups: dict[str, set[str]] = {}  # a clean page with its exact copies and near copies at J >= τ
+    for u, lab in gen.items():
+        if lab["kind"] == "exact_duplicate" or (lab["kind"] == "near_duplicate" and lab["jaccard"] >= threshold):
+            groups.setdefault(lab["dup_of"], {lab["dup_of"]}).add(u)
+    grouped = set().union(*groups.values()) if groups else set()
+    units = [{u} for u in set(gen) - unwanted - grouped] + list(groups.values())  # keep one of each
     tokens = merged["tokenize"]["steps"][-1].counters.get("tokens", 0)
     chain_row = {"unwanted_generated_removed": len(unwanted - left) / max(1, len(unwanted)),
-                 "copies_removed": len(copies - left) / max(1, len(copies)),
-                 "wanted_generated_kept": len(wanted & left) / max(1, len(wanted)),
+                 "duplicate_groups_left_with_one": sum(len(g & left) == 1 for g in groups.values()),
+                 "duplicate_groups": len(groups),
+                 "wanted_generated_kept": sum(bool(g & left) for g in units) / max(1, len(units)),
                  "real_pages_kept": sum(1 for u in left if labels[u]["kind"] == "real"), "tokens": tokens}
     report = {"corpus": summary, "filters": rows, "pipeline": in_pipeline, "funnel": funnel,
               "survivors_by_kind": kinds_left, "chain": chain_row, "seconds": round(time.perf_counter() - t0, 1)}
@@ -327,7 +331,8 @@ def run_demo(out_dir: str | Path, real_limit: int = 120, n_files: int = 4, quiet
                   f"{r['real_dropped']:>10d} of {n_real:<5d}  {r['caught']}")
         print(f"survivors by kind: {kinds_left}")
         print(f"whole pipeline: {chain_row['unwanted_generated_removed']:.1%} of the unwanted generated pages removed, "
-              f"{chain_row['copies_removed']:.1%} of the planted copies, {chain_row['wanted_generated_kept']:.1%} of "
-              f"the wanted ones kept, {chain_row['real_pages_kept']} real pages kept; {tokens:,} tokens "
+              f"{chain_row['duplicate_groups_left_with_one']} of {chain_row['duplicate_groups']} planted duplicate "
+              f"groups left with one page, {chain_row['wanted_generated_kept']:.1%} of the wanted ones kept (one per "
+              f"group), {chain_row['real_pages_kept']} real pages kept; {tokens:,} tokens "
               f"({report['seconds']} s)")
     return report
