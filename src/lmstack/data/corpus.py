@@ -260,11 +260,16 @@ def real_records(limit: int = 120) -> Iterator[Record]:
         other = [f for f in files if "debian-reference" not in str(f)]
         keep = deb[: limit // 2]
         files = keep + rng.sample(other, min(len(other), limit - len(keep)))
+    first: dict[bytes, str] = {}  # packages that ship the same page (libffi-dev and libffi8): labelled copies
     for p in files:
         parts = p.name.split(".")
         lang = parts[-2] if len(parts) >= 3 and "debian-reference" in str(p) else "en"
         lang = {"zh-cn": "zh", "zh-tw": "zh", "pt-br": "pt"}.get(lang, lang)
-        yield Record(f"http://docs.local{p}", p.read_bytes(), "text/html", _labels("real", language=lang))
+        data, url = p.read_bytes(), f"http://docs.local{p}"
+        key = hashlib.blake2b(data, digest_size=16).digest()
+        same = {"dup_of": first[key]} if key in first else {}
+        first.setdefault(key, url)
+        yield Record(url, data, "text/html", _labels("real", language=lang, **same))
 
 
 def write_corpus(out_dir: str | Path, n_files: int = 4, real_limit: int = 120, seed: int = 0, n_clean: int = 60,

@@ -236,11 +236,12 @@ def pipeline_rows(labels: dict[str, dict[str, Any]], logs: Path, extracted: set[
                       "caught": dict(Counter(labels[u]["kind"] for u in flagged))}
         reached -= flagged
     groups: dict[str, dict[str, set[str]]] = {}
-    for u, lab in labels.items():
-        if lab["kind"] == "exact_duplicate" or (lab["kind"] == "near_duplicate" and lab["jaccard"] >= threshold):
+    for u, lab in labels.items():  # exact: planted copies and real pages with the same bytes as an earlier one
+        exact = lab["kind"] == "exact_duplicate" or (lab["kind"] == "real" and "dup_of" in lab)
+        if exact or (lab["kind"] == "near_duplicate" and lab["jaccard"] >= threshold):
             g = groups.setdefault(lab["dup_of"], {"exact": {lab["dup_of"]}, "all": {lab["dup_of"]}})
             g["all"].add(u)
-            if lab["kind"] == "exact_duplicate":
+            if exact:
                 g["exact"].add(u)
     dedup = {r["metadata"].get("url", ""): r["step"] for r in _excluded(logs, "dedup")}
     present = set(filtered)
