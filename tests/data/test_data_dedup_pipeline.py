@@ -3,6 +3,7 @@ their own task counts, filters in a later stage over the written shards) on a fo
 structure is built by hand; survivors checked against the hand-written rule (the first copy in (task, index)
 order survives), 1 worker == 2 workers byte for byte, a relaunch after completion writes nothing."""
 
+import os
 import random
 from pathlib import Path
 
@@ -165,3 +166,12 @@ def test_dedup_step_errors(folder, tmp_path):
     two = Pipeline([Stage("c", [MinHashClusters()], tasks=2)], tmp_path / "o2")
     with pytest.raises(Exception, match="tasks = 1"):
         LocalExecutor(1, progress=False).run(two)
+
+
+def test_the_dedup_example_config_builds():
+    p = Pipeline.from_toml(Path(__file__).resolve().parents[2] / "configs" / "data" / "dedup.toml")
+    assert [s.name for s in p.stages] == ["filter", "exact_duplicates", "minhash_buckets", "minhash_confirm",
+                                         "minhash_clusters", "dedup"]
+    assert [s.tasks for s in p.stages[1:5]] == [4, 14, 4, 1]
+    work = {s.folder for st in p.stages for s in st.steps if hasattr(s, "dedup")}
+    assert work == {os.path.join(p.output, "dedup", "exact"), os.path.join(p.output, "dedup", "minhash")}
