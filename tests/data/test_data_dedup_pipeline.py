@@ -175,3 +175,22 @@ def test_the_dedup_example_config_builds():
     assert [s.tasks for s in p.stages[1:5]] == [4, 14, 4, 1]
     work = {s.folder for st in p.stages for s in st.steps if hasattr(s, "dedup")}
     assert work == {os.path.join(p.output, "dedup", "exact"), os.path.join(p.output, "dedup", "minhash")}
+
+
+@pytest.mark.slow
+def test_ray_runs_the_dedup_pipeline_to_the_same_bytes(folder, monkeypatch):
+    ray = pytest.importorskip("ray")
+    from lmstack.data.executor import RayExecutor
+
+    root, _ = folder
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    out1 = _run(root, "local", 1)
+    path = root / "ray.toml"
+    path.write_text(TOML.format(out=root / "ray", inp=root / "in"))
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    try:
+        RayExecutor(2, progress=False).run(Pipeline.from_toml(path))
+    finally:
+        ray.shutdown()
+    assert _files(out1) == _files(root / "ray")
