@@ -41,7 +41,7 @@ install-data: $(VENV)/.stamp-data
 
 # the labelled offline crawl and every filter's precision/recall (docs/data.md "Demo corpus")
 data-demo: install-data
-	$(PY) -m lmstack.data.cli_filters demo --out data-demo
+	$(PY) -m lmstack data demo --out data-demo
 
 demo: install
 	$(VENV)/bin/lmstack demo

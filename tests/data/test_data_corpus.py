@@ -62,14 +62,25 @@ def test_pii_pages_carry_counts_the_replacer_finds(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_reports_precision_and_recall(tmp_path, monkeypatch):
+def test_demo_runs_the_pipeline_on_a_tiny_crawl(tmp_path, monkeypatch):
+    """`lmstack data demo --tiny` end to end (one worker): the planted labels are the reference."""
     from lmstack.data.demo import run_demo
+    from lmstack.tokenizer import read_sidecar
 
     monkeypatch.setenv("LMSTACK_CACHE", str(tmp_path / "cache"))
-    report = run_demo(tmp_path, real_limit=0, n_files=2, quiet=True)
-    rows = report["filters"]
+    report = run_demo(tmp_path, n_files=2, quiet=True, workers=1, tiny=True)
+    rows, piped = report["filters"], report["pipeline"]
     assert rows["extract (binary records)"]["recall"] == 1.0
     assert rows["pii (replacements)"]["precision"] == 1.0 and rows["pii (replacements)"]["recall"] == 1.0
     assert rows["gopher_quality"]["precision"] > 0.9 and rows["toxic_filter"]["recall"] > 0.9
-    assert json.loads((tmp_path / "filters_report.json").read_text())["funnel"][0]["step"] == "read"
-    assert report["survivors_by_kind"].get("clean", 0) >= 25  # clean prose survives the whole chain
+    # 8 exact copies of 8 clean pages: exactly one of each pair goes; the near copies at J >= 0.8 go too
+    assert piped["exact_filter"]["flagged"] == 8
+    assert piped["exact_filter"]["precision"] == 1.0 and piped["exact_filter"]["recall"] == 1.0
+    assert piped["minhash_filter"]["precision"] == 1.0 and piped["minhash_filter"]["recall"] == 1.0
+    chain = report["chain"]
+    assert chain["duplicate_groups_left_with_one"] == chain["duplicate_groups"] > 0
+    assert chain["wanted_generated_kept"] == 1.0 and chain["unwanted_generated_removed"] > 0.9
+    assert [f["step"] for f in report["funnel"]][:3] == ["input", "warc_reader", "extract"]
+    tokens = sorted((tmp_path / "tokens").glob("*.bin"))
+    assert len(tokens) == 2 and sum(read_sidecar(t).n_tokens for t in tokens) == chain["tokens"] > 0
+    assert (tmp_path / "funnel.png").read_bytes()[:4] == b"\x89PNG"

@@ -60,6 +60,12 @@ class FastTextClassifier:
         self.model = fasttext.load_model(str(path))
         self.vocab = frozenset(self.model.get_words()) if chunked else frozenset()
 
+    def __getstate__(self) -> dict:  # to worker processes and Ray tasks: the path, loaded again there
+        return {"path": self.path, "chunked": self.chunked}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"], state["chunked"])
+
     def predict(self, text: str) -> tuple[str, float]:
         labels, probs = self.model.predict(_one_line(text), k=1)
         return labels[0].removeprefix("__label__"), float(min(max(probs[0], 0.0), 1.0))

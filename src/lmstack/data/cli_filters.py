@@ -60,7 +60,9 @@ def train_classifier_main(args: argparse.Namespace) -> int:
 def demo_main(args: argparse.Namespace) -> int:
     from lmstack.data.demo import run_demo
 
-    run_demo(args.out, real_limit=args.real_pages, n_files=args.files)
+    kw = {"address": args.ray_address} if args.executor == "ray" else {}
+    run_demo(args.out, real_limit=args.real_pages, n_files=args.files, workers=args.workers, executor=args.executor,
+             tiny=args.tiny, **kw)
     return 0
 
 
@@ -77,10 +79,15 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=train_classifier_main)
-    d = sub.add_parser("demo", help="build the labelled offline crawl and report every filter's precision/recall")
-    d.add_argument("--out", default="data-demo", help="folder for the crawl and the report")
+    d = sub.add_parser("demo", help="build the labelled offline crawl, run the whole pipeline on it (filters, "
+                                    "dedup, tokenize): funnel and every step's precision/recall")
+    d.add_argument("--out", default="data-demo", help="folder for the crawl, the pipeline's outputs and the report")
     d.add_argument("--real-pages", type=int, default=120, help="real HTML pages from /usr/share (at most)")
-    d.add_argument("--files", type=int, default=4, help="WARC files to write")
+    d.add_argument("--files", type=int, default=4, help="WARC files to write (one task each)")
+    d.add_argument("--workers", type=int, default=2, help="tasks at once (local processes or Ray tasks)")
+    d.add_argument("--executor", choices=["local", "ray"], default="local")
+    d.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray)")
+    d.add_argument("--tiny", action="store_true", help="a small crawl (16 clean pages, <= 8 real ones): seconds")
     d.set_defaults(func=demo_main)
 
 

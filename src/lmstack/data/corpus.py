@@ -136,8 +136,8 @@ def _near_duplicate(words: list[str], target: float, rng: random.Random, n: int 
     return out, j
 
 
-def generated_records(rng: random.Random, n_clean: int = 60) -> Iterator[Record]:
-    """The labelled generated pages (see the module docstring)."""
+def generated_records(rng: random.Random, n_clean: int = 60, long_pages: int = 2) -> Iterator[Record]:
+    """The labelled generated pages (see the module docstring); ``long_pages`` pages of > 100,000 words."""
     from lmstack.data.classifiers import generated_examples
 
     base = "http://generated.example"
@@ -219,7 +219,7 @@ def generated_records(rng: random.Random, n_clean: int = 60) -> Iterator[Record]
     for i in range(6):
         yield Record(f"{base}/short/{i}", page(f"Hi {i}", [sentence(rng)]).encode(), "text/html",
                      _labels("very_short", "bad"))
-    for i in range(2):  # more than 100,000 words
+    for i in range(long_pages):  # more than 100,000 words
         paras = [" ".join(sentence(rng) for _ in range(50)) for _ in range(200)]
         yield Record(f"{base}/long/{i}", page(f"Everything {i}", paras).encode(), "text/html",
                      _labels("very_long", "bad"))
@@ -260,22 +260,29 @@ def real_records(limit: int = 120) -> Iterator[Record]:
         other = [f for f in files if "debian-reference" not in str(f)]
         keep = deb[: limit // 2]
         files = keep + rng.sample(other, min(len(other), limit - len(keep)))
+    first: dict[bytes, str] = {}  # packages that ship the same page (libffi-dev and libffi8): labelled copies
     for p in files:
         parts = p.name.split(".")
         lang = parts[-2] if len(parts) >= 3 and "debian-reference" in str(p) else "en"
         lang = {"zh-cn": "zh", "zh-tw": "zh", "pt-br": "pt"}.get(lang, lang)
-        yield Record(f"http://docs.local{p}", p.read_bytes(), "text/html", _labels("real", language=lang))
+        data, url = p.read_bytes(), f"http://docs.local{p}"
+        key = hashlib.blake2b(data, digest_size=16).digest()
+        same = {"dup_of": first[key]} if key in first else {}
+        first.setdefault(key, url)
+        yield Record(url, data, "text/html", _labels("real", language=lang, **same))
 
 
-def write_corpus(out_dir: str | Path, n_files: int = 4, real_limit: int = 120, seed: int = 0) -> dict[str, Any]:
-    """Writes the WARC files and ``labels.jsonl`` (each atomically); returns a summary (records per kind)."""
+def write_corpus(out_dir: str | Path, n_files: int = 4, real_limit: int = 120, seed: int = 0, n_clean: int = 60,
+                 long_pages: int = 2) -> dict[str, Any]:
+    """Writes the WARC files and ``labels.jsonl`` (each atomically); returns a summary (records per kind).
+    ``n_clean`` clean prose pages and ``long_pages`` very long ones (fewer for a quick run)."""
     from warcio.statusandheaders import StatusAndHeaders
     from warcio.warcwriter import WARCWriter
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    records = list(real_records(real_limit)) + list(generated_records(rng))
+    records = list(real_records(real_limit)) + list(generated_records(rng, n_clean, long_pages))
     random.Random(seed + 1).shuffle(records)
     labels, kinds = [], {}
     for f in range(n_files):

@@ -100,6 +100,9 @@ class Pipeline:
             raise ValueError("a pipeline needs at least one stage")
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
+        for st in self.stages:
+            for step in st.steps:
+                step.bind(self.output)
         self._check_paths()
 
     def _check_paths(self) -> None:

@@ -69,15 +69,19 @@ def format_table(merged: dict[str, dict[str, Any]]) -> str:
 
 
 def plot_funnel(merged: dict[str, dict[str, Any]], path: str | os.PathLike) -> Path:
-    """Bars of the documents and MB kept after each step (input of the first step first), stage after stage."""
+    """Bars of the documents and MB kept after each step (input of the first step first), stage after stage.
+    Left out: steps no document went through (dedup's global stages) and a later stage's reader that reads
+    back exactly what the stage before wrote (same documents and bytes)."""
     labels, docs, nbytes = [], [], []
     for stage, m in merged.items():
-        steps = m["steps"]
+        steps = [s for s in m["steps"] if s.docs_in or s.docs_out]
         if steps and not labels:
             first = steps[0]
             labels.append(f"{stage}: input")
             docs.append(first.docs_in or first.docs_out)
             nbytes.append(first.bytes_in or first.bytes_out)
+        elif steps and (steps[0].docs_out, steps[0].bytes_out) == (docs[-1], nbytes[-1]):
+            steps = steps[1:]
         for s in steps:
             labels.append(f"{stage}: {s.name}")
             docs.append(s.docs_out)

@@ -104,6 +104,10 @@ class Step:
     def __call__(self, docs: Iterable[Document], stats: StepStats | None = None) -> Iterator[Document]:
         return self.run(docs, stats if stats is not None else StepStats(self.name))
 
+    def bind(self, output: str) -> None:
+        """Called by :class:`~lmstack.data.pipeline.Pipeline` with its output folder (absolute): a step that
+        keeps work files between stages (dedup) derives its folder from it. Default: nothing."""
+
     def for_task(self, rank: int, world: int) -> Step:
         """This step as task ``rank`` of ``world`` sees it: a shallow copy with ``rank`` and ``world`` set."""
         if not (isinstance(rank, int) and isinstance(world, int) and 0 <= rank < world):

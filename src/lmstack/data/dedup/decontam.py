@@ -21,12 +21,12 @@ import numpy as np
 from lmstack.data.document import Document
 from lmstack.data.dedup.normalize import WordHasher, ngram_hashes, words
 from lmstack.data.step import Filter
-from lmstack.eval.datasets import stdlib_docstring_mc, stdlib_heldout_text
-from lmstack.eval.tasks import load_task
 
 
 def task_texts(paths: Sequence[str | os.PathLike]) -> Iterator[str]:
     """Each item of each task file as the text a model is shown: its prompt, the delimiter, its gold answer."""
+    from lmstack.eval.tasks import load_task  # here: lmstack.eval imports torch, which dedup's other steps do not need
+
     for path in paths:
         task = load_task(path)
         for item in task.items:
@@ -35,6 +35,8 @@ def task_texts(paths: Sequence[str | os.PathLike]) -> Iterator[str]:
 
 def builtin_texts() -> Iterator[str]:
     """The texts of ``lmstack eval make-data``'s sets, generated here as that command generates them."""
+    from lmstack.eval.datasets import stdlib_docstring_mc, stdlib_heldout_text
+
     for item in stdlib_docstring_mc():
         yield f"{item['docstring']} {item['choices'][item['answer']]}"
     yield stdlib_heldout_text()[0]

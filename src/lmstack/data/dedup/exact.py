@@ -38,9 +38,17 @@ from lmstack.data.step import Step, StepStats
 
 def exact_hashes(docs: Iterable[Document], folder: str | os.PathLike, task: int) -> int:
     """Stage 1: ``folder/hashes/{task:05d}.npy``, the run of (normalised-text hash, node). Returns the count."""
-    keys = np.fromiter((text_hash(d.text) for d in docs), dtype=np.uint64)
+    return sum(1 for _ in exact_hash_stream(docs, folder, task))
+
+
+def exact_hash_stream(docs: Iterable[Document], folder: str | os.PathLike, task: int) -> Iterator[Document]:
+    """Stage 1 as a pass-through: yields every document on, writes the run when the stream ends."""
+    keys = []
+    for d in docs:
+        keys.append(text_hash(d.text))
+        yield d
+    keys = np.array(keys, dtype=np.uint64)
     write_run(Path(folder) / "hashes" / f"{task:05d}.npy", keys, node(task, np.arange(len(keys))))
-    return len(keys)
 
 
 def exact_duplicates(folder: str | os.PathLike, part: int = 0, parts: int = 1) -> int:
@@ -76,14 +84,26 @@ def line_keys(text: str) -> tuple[list[str], np.ndarray, np.ndarray]:
 def line_counts(docs: Iterable[Document], folder: str | os.PathLike, task: int) -> int:
     """Stage 1: ``folder/line_counts/{task:05d}.npy``, the run of (line hash, occurrences in this shard).
     Returns the number of counted lines."""
+    counted = [0]
+    for _ in line_count_stream(docs, folder, task, counted):
+        pass
+    return counted[0]
+
+
+def line_count_stream(docs: Iterable[Document], folder: str | os.PathLike, task: int,
+                      counted: list[int] | None = None) -> Iterator[Document]:
+    """Stage 1 as a pass-through: yields every document on, writes the run when the stream ends (and adds the
+    number of counted lines to ``counted[0]``)."""
     parts = []
     for doc in docs:
         _, keys, has_words = line_keys(doc.text)
         parts.append(keys[has_words])
+        yield doc
     keys = np.concatenate(parts) if parts else np.empty(0, np.uint64)
     uniq, counts = np.unique(keys, return_counts=True)
     write_run(Path(folder) / "line_counts" / f"{task:05d}.npy", uniq, counts)
-    return len(keys)
+    if counted is not None:
+        counted[0] += len(keys)
 
 
 def duplicate_lines(folder: str | os.PathLike, part: int = 0, parts: int = 1) -> int:

@@ -37,7 +37,7 @@ plus the candidate pairs and edges — they grow with the duplicates, not with t
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
@@ -168,6 +168,12 @@ def minhash_signatures(docs: Iterable[Document], folder: str | os.PathLike, task
     """Stage 1 for input shard ``task``: ``shingles/{task}.u64`` + ``.offsets.npy`` (document i's set is
     ``u64[offsets[i]:offsets[i+1]]``) and one run ``buckets/band_XXX/{task}.npy`` per band. Documents without
     a word have no signature (they are never fuzzy duplicates). Returns the number of documents."""
+    return sum(1 for _ in signature_stream(docs, folder, task, config, batch))
+
+
+def signature_stream(docs: Iterable[Document], folder: str | os.PathLike, task: int,
+                     config: MinHashConfig | None = None, batch: int = 256) -> Iterator[Document]:
+    """Stage 1 as a pass-through: yields every document on; the files are complete when the stream ends."""
     hasher = MinHasher(config)
     folder = Path(folder)
     offsets = [0]
@@ -190,6 +196,7 @@ def minhash_signatures(docs: Iterable[Document], folder: str | os.PathLike, task
             pending.append(s)
             if len(pending) == batch:
                 flush()
+            yield doc
         if pending:
             flush()
     save_array(folder / "shingles" / f"{task:05d}.offsets.npy", np.array(offsets, dtype=np.int64))
@@ -197,7 +204,6 @@ def minhash_signatures(docs: Iterable[Document], folder: str | os.PathLike, task
     vals = np.concatenate(nodes) if nodes else np.empty(0, np.uint64)
     for band in range(hasher.config.bands):
         write_run(_band_dir(folder, band) / f"{task:05d}.npy", keys[:, band], vals)
-    return len(offsets) - 1
 
 
 # ---- stage 2: buckets -> candidate pairs --------------------------------------------------------
