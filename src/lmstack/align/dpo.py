@@ -133,3 +133,34 @@ class DPOTrainer(ModelTrainer):
         self.last_eval = {"val_loss": sums["loss"] / n_total,
                           **{f"val_{k}": v / n_total for k, v in sums.items() if k != "loss"}}
         return self.last_eval
+
+
+def sample_pairs(model, tokenizer, task, problems, num_generations: int = 8, max_new_tokens: int = 64,
+                 temperature: float = 1.0, seed: int = 0, chat: bool = True, system: str | None = None,
+                 stop: Sequence[str] = ("</answer>",)) -> list[dict]:
+    """Preference pairs from the model's own samples (on-policy DPO data): for each problem, G samples from the
+    engine, checked by the task's verifier; a problem with a correct and an incorrect sample gives
+    {"prompt", "chosen": the first correct, "rejected": the first incorrect}. Problems with all samples right
+    or all wrong give none."""
+    from lmstack.align.data import encode_prompt
+    from lmstack.align.rewards import correctness_reward
+    from lmstack.inference.engine import LLM
+    from lmstack.inference.sampling import SamplingParams
+
+    llm = LLM(model, tokenizer, seed=seed)
+    eos = llm.engine.scheduler.eos_token_id
+    prompts = [encode_prompt(tokenizer, p.prompt, system, chat) for p in problems]
+    params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, stop=tuple(stop),
+                             seed=seed * 100_003 + k) for k in range(len(prompts) * num_generations)]
+    outs = llm.generate([p for p in prompts for _ in range(num_generations)], params)
+    rows = []
+    for i, problem in enumerate(problems):
+        texts = []
+        for o in outs[i * num_generations:(i + 1) * num_generations]:
+            ids = list(o.token_ids)
+            texts.append(tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids).strip())
+        good = [t for t in texts if t and correctness_reward(problem, t) == 1.0]
+        bad = [t for t in texts if t and correctness_reward(problem, t) == 0.0]
+        if good and bad:
+            rows.append({"prompt": problem.prompt, "chosen": good[0], "rejected": bad[0], "task": problem.task})
+    return rows

@@ -25,13 +25,24 @@ from lmstack.align.losses import sft_loss
 from lmstack.align.logprobs import batch_logprobs
 from lmstack.kernels.runtime import configure
 from lmstack.model.io import save_pretrained
-from lmstack.tokenizer import save_hf
+from lmstack.tokenizer import save_hf, save_hf_config
 from lmstack.train import checkpoint as ckpt
 from lmstack.train.config import TrainConfig, TrainConfigError
 from lmstack.train.data import Batch, resolve_device
 from lmstack.train.losses import IGNORE_INDEX
 from lmstack.train.schedule import LRSchedule
 from lmstack.train.trainer import Trainer, build_schedule
+
+
+def save_model_dir(model, tokenizer, directory: str | os.PathLike) -> Path:
+    """An lmstack model directory (config.json + model.safetensors) with the tokenizer beside it in HF's two
+    files (tokenizer.json; tokenizer_config.json: the chat template and special tokens)."""
+    d = Path(directory)
+    save_pretrained(model, d)
+    if tokenizer is not None:
+        save_hf(tokenizer, d / "tokenizer.json")
+        save_hf_config(tokenizer, d / "tokenizer_config.json")
+    return d
 
 
 class ModelTrainer(Trainer):
@@ -78,11 +89,8 @@ class ModelTrainer(Trainer):
     def export(self, directory: str | os.PathLike | None = None) -> Path:
         """The weights as an lmstack model directory, with the tokenizer (and its chat template) beside them:
         what ``lmstack generate/serve/chat`` load."""
-        d = Path(directory) if directory is not None else self.out_dir / "model"
-        save_pretrained(self.raw_model, d)
-        if self.tokenizer is not None:
-            save_hf(self.tokenizer, d / "tokenizer.json")
-        return d
+        return save_model_dir(self.raw_model, self.tokenizer,
+                              Path(directory) if directory is not None else self.out_dir / "model")
 
     def sample_indices(self, n_items: int) -> list[int]:
         """B indices drawn with the trainer's data generator (saved in checkpoints: resume is exact)."""

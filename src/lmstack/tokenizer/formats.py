@@ -224,6 +224,40 @@ def save_hf(tok: Tokenizer, path: str | os.PathLike) -> None:
     atomic_write_text(path, to_hf_json(tok))
 
 
+_HF_SPECIALS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "pad_token_id"}
+
+
+def save_hf_config(tok: Tokenizer, path: str | os.PathLike) -> None:
+    """HF's ``tokenizer_config.json`` beside a ``tokenizer.json``: the chat template and the BOS/EOS/PAD tokens
+    (as strings), which tokenizer.json does not hold."""
+    d: dict = {"chat_template": tok.chat_template} if tok.chat_template else {}
+    for key, attr in _HF_SPECIALS.items():
+        tid = getattr(tok, attr)
+        if tid is not None:
+            d[key] = tok.vocab[tid].decode("utf-8", "replace")
+    atomic_write_text(path, json.dumps(d, ensure_ascii=False, indent=1))
+
+
+def _read_hf_config(tok: Tokenizer, path: Path) -> Tokenizer:
+    """Take the chat template and BOS/EOS/PAD from an HF ``tokenizer_config.json`` when there is one (a token
+    may be a string or {"content": ...}; one that is not in the vocabulary is ignored); transformers >= 4.50
+    writes the template to ``chat_template.jinja`` beside it instead."""
+    jinja = path.parent / "chat_template.jinja"
+    d = _read_json(path)[1] if path.is_file() else {}
+    if not isinstance(d, dict):
+        raise TokenizerFileError(f"{path}: expected a JSON object")
+    meta = {"chat_template": d.get("chat_template")} if isinstance(d.get("chat_template"), str) else {}
+    if "chat_template" not in meta and jinja.is_file():
+        meta["chat_template"] = jinja.read_text(encoding="utf-8")
+    for key, attr in _HF_SPECIALS.items():
+        v = d.get(key)
+        v = v.get("content") if isinstance(v, dict) else v
+        tid = tok.token_to_id(v) if isinstance(v, str) and v else None
+        if tid is not None and getattr(tok, attr) is None:
+            meta[attr] = tid
+    return _set_meta(tok, meta, str(path))
+
+
 def _pattern_from_hf(pre, where: str) -> str:
     if not isinstance(pre, dict):
         raise TokenizerFileError(f"{where}: pre_tokenizer is {pre!r:.60}; expected ByteLevel (byte-level BPE)")
@@ -326,7 +360,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist")
     if path.is_dir():
         if (path / "tokenizer.json").is_file():
-            return load_hf(path / "tokenizer.json")
+            return _read_hf_config(load_hf(path / "tokenizer.json"), path / "tokenizer_config.json")
         if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
             return load_gpt2(path / "vocab.json", path / "merges.txt")
         raise TokenizerFileError(f"directory {str(path)!r} has neither tokenizer.json nor vocab.json + merges.txt")
