@@ -41,6 +41,7 @@ def register(subparsers) -> None:
     s.add_argument("--data", help="JSONL rows {prompt, response}")
     s.add_argument("--val", help="validation JSONL (default: none; the loss on training examples)")
     s.add_argument("--task", help="instead of --data: worked solutions of a verifiable task (lmstack.align.tasks)")
+    s.add_argument("--task-args", default="{}", help='JSON keyword arguments of the task, e.g. \'{"digits": 1}\'')
     s.add_argument("--examples", type=int, default=256, help="--task: training examples")
     s.add_argument("--packing", action="store_true", help="pack examples into rows (per-document attention)")
     s.add_argument("--normalize", default="token", choices=["token", "sequence"])
@@ -51,6 +52,7 @@ def register(subparsers) -> None:
     _trainer_args(d)
     d.add_argument("--data", help="JSONL rows {prompt, chosen, rejected}")
     d.add_argument("--task", help="instead of --data: pairs from the model's own verified/failed samples")
+    d.add_argument("--task-args", default="{}", help="JSON keyword arguments of the task")
     d.add_argument("--prompts", type=int, default=128, help="--task: problems sampled for pairs")
     d.add_argument("--generations", type=int, default=8, help="--task: samples per problem")
     d.add_argument("--beta", type=float, default=0.1)
@@ -84,6 +86,16 @@ def register(subparsers) -> None:
     g.add_argument("--ckpt-interval", type=int, default=0)
     g.add_argument("--resume", action="store_true")
     g.set_defaults(func=cmd_grpo)
+
+
+def _json(text: str, flag: str) -> dict:
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} {text!r} is not JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{flag} {text!r} must be a JSON object")
+    return d
 
 
 def _load(args):
@@ -125,7 +137,7 @@ def cmd_sft(args) -> int:
     if args.data:
         rows = [(r["prompt"], r["response"]) for r in read_sft(args.data)]
     else:
-        task = get_task(args.task)
+        task = get_task(args.task, **_json(args.task_args, "--task-args"))
         rows = [(p.prompt, task.solution(p)) for p in task.generate(args.examples, args.seed)]
     chat, max_len = not args.no_chat, args.seq_len + 1
     train = [encode_example(tok, p, r, chat=chat, max_len=max_len) for p, r in rows]
@@ -150,7 +162,7 @@ def cmd_dpo(args) -> int:
     if args.data:
         rows = read_preferences(args.data)
     else:
-        task = get_task(args.task)
+        task = get_task(args.task, **_json(args.task_args, "--task-args"))
         rows = sample_pairs(model, tok, task, task.generate(args.prompts, args.seed), args.generations,
                             seed=args.seed, chat=not args.no_chat)
         if not rows:
@@ -176,10 +188,7 @@ def cmd_grpo(args) -> int:
     from lmstack.align.sft import save_model_dir
 
     model, tok = _load(args)
-    try:
-        task_args, weights = json.loads(args.task_args), json.loads(args.reward_weights)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--task-args / --reward-weights must be JSON objects ({e})") from None
+    task_args, weights = _json(args.task_args, "--task-args"), _json(args.reward_weights, "--reward-weights")
     config = GRPOConfig(task=args.task, task_args=task_args, rewards=tuple(args.rewards.split(",")),
                         reward_weights=weights, algorithm=args.algorithm, steps=args.steps,
                         prompts_per_step=args.prompts_per_step, num_generations=args.generations,
