@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmstack.align.data import DataError, Example, collate, encode_example, pack, read_preferences, response_mask
+from lmstack.align.data import (
+    DataError,
+    Example,
+    collate,
+    encode_example,
+    pack,
+    read_preferences,
+    response_mask,
+)
 from lmstack.align.logprobs import batch_logprobs
 
 sys.path.insert(0, str(Path(__file__).parent))

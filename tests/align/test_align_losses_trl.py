@@ -12,7 +12,13 @@
 import pytest
 import torch
 
-from lmstack.align.losses import dpo_loss, dpo_rewards, grpo_loss, sft_loss, token_logprobs
+from lmstack.align.losses import (
+    dpo_loss,
+    dpo_rewards,
+    grpo_loss,
+    sft_loss,
+    token_logprobs,
+)
 
 trl = pytest.importorskip("trl", reason="TRL is the reference for the alignment losses")
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -91,15 +97,13 @@ def test_dpo_loss_and_gradients_equal_trl(hf_llama_pair, hf_tokenizer, tmp_path,
             assert float(m[key]) == pytest.approx(logged[key][-1], rel=1e-5, abs=1e-6), key
 
 
-def _grpo_trainer(hf_tokenizer, tmp_path, loss_type, eps_low, eps_high, max_len, G):
+def _grpo_trainer(make_hf_llama, hf_tokenizer, tmp_path, loss_type, eps_low, eps_high, max_len, G):
     from datasets import Dataset
-
-    from conftest import random_hf_llama
 
     args = trl.GRPOConfig(output_dir=str(tmp_path), loss_type=loss_type, beta=0.0, epsilon=eps_low,
                           epsilon_high=eps_high, num_generations=G, per_device_train_batch_size=4,
                           max_completion_length=max_len, report_to=[], use_cpu=True, bf16=False)
-    return trl.GRPOTrainer(model=random_hf_llama(vocab_size=V), reward_funcs=lambda completions, **kw: [0.0] *
+    return trl.GRPOTrainer(model=make_hf_llama(vocab_size=V), reward_funcs=lambda completions, **kw: [0.0] *
                            len(completions), args=args, train_dataset=Dataset.from_dict({"prompt": ["w1 w2"] * 4}),
                            processing_class=hf_tokenizer)
 
@@ -107,9 +111,9 @@ def _grpo_trainer(hf_tokenizer, tmp_path, loss_type, eps_low, eps_high, max_len,
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("beta,kl_correction", [(0.0, False), (0.04, False), (0.04, True)])
-def test_grpo_loss_equals_trl(hf_tokenizer, tmp_path, loss_type, beta, kl_correction):
+def test_grpo_loss_equals_trl(make_hf_llama, hf_tokenizer, tmp_path, loss_type, beta, kl_correction):
     B, T, max_len, eps_low, eps_high = 4, 6, 8, 0.2, 0.28
-    trainer = _grpo_trainer(hf_tokenizer, tmp_path, loss_type, eps_low, eps_high, max_len, G=2)
+    trainer = _grpo_trainer(make_hf_llama, hf_tokenizer, tmp_path, loss_type, eps_low, eps_high, max_len, G=2)
     trainer.beta = beta  # set after construction: a beta > 0 config would load a reference model from the hub
     trainer.args.use_bias_correction_kl = kl_correction
     g = torch.Generator().manual_seed(0)

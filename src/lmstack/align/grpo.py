@@ -45,8 +45,8 @@ from lmstack.align.logprobs import batch_logprobs
 from lmstack.align.losses import (
     GRPO_LOSS_TYPES,
     PG_LOSSES,
-    grpo_loss,
     group_advantages,
+    grpo_loss,
     masked_mean,
     rloo_advantages,
     sft_loss,

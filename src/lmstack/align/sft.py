@@ -21,8 +21,8 @@ import torch
 
 from lmstack.accounting import training_step_flops
 from lmstack.align.data import Example, collate, pack
-from lmstack.align.losses import sft_loss
 from lmstack.align.logprobs import batch_logprobs
+from lmstack.align.losses import sft_loss
 from lmstack.kernels.runtime import configure
 from lmstack.model.io import save_pretrained
 from lmstack.tokenizer import save_hf, save_hf_config
@@ -51,7 +51,7 @@ class ModelTrainer(Trainer):
     def __init__(self, config: TrainConfig, model: torch.nn.Module, tokenizer=None, progress: bool = True,
                  overwrite: bool = False):
         c = self.config = config
-        if c.parallel or int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        if c.parallel or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise TrainConfigError("lmstack.align trainers run in one process; parallel plans are not supported")
         self.progress, self.rank, self.world_size = progress, 0, 1
         self.device = resolve_device(c.device)
