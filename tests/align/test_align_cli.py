@@ -55,3 +55,11 @@ def test_bad_input_exits_2_naming_it(tmp_path, checkpoint, capsys):
     assert "bad.jsonl:2: missing ['rejected']" in capsys.readouterr().err
     assert main(["grpo", "--model", str(checkpoint), "--generations", "1", "--out", str(tmp_path / "g")]) == 2
     assert "num_generations=1 with advantage='group'" in capsys.readouterr().err
+
+
+def test_grpo_eval_only_prints_the_held_out_accuracy(tmp_path, checkpoint, capsys):
+    assert main(["grpo", "--model", str(checkpoint), "--eval-only", "--eval-problems", "3", "--max-new-tokens", "4",
+                 "--out", str(tmp_path / "g"), "--threads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["problems"] == 3 and out["eval_accuracy"] == 0.0  # a random tiny model
+    assert not (tmp_path / "g" / "checkpoints").exists()

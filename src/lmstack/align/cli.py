@@ -85,6 +85,7 @@ def register(subparsers) -> None:
     g.add_argument("--eval-every", type=int, default=0)
     g.add_argument("--ckpt-interval", type=int, default=0)
     g.add_argument("--resume", action="store_true")
+    g.add_argument("--eval-only", action="store_true", help="print the held-out greedy accuracy and exit")
     g.set_defaults(func=cmd_grpo)
 
 
@@ -198,6 +199,9 @@ def cmd_grpo(args) -> int:
                         mask_truncated=args.mask_truncated, chat=not args.no_chat, eval_problems=args.eval_problems,
                         eval_every=args.eval_every, seed=args.seed, out_dir=args.out, ckpt_interval=args.ckpt_interval)
     trainer = GRPOTrainer(config, model, tok)
+    if args.eval_only:
+        print(json.dumps({"model": args.model, "problems": args.eval_problems, **trainer.evaluate()}))
+        return 0
     if args.resume:
         trainer.resume()
     elif (Path(args.out) / "checkpoints").exists() and not args.overwrite:
