@@ -54,6 +54,7 @@ def register(subparsers) -> None:
     d.add_argument("--task", help="instead of --data: pairs from the model's own verified/failed samples")
     d.add_argument("--task-args", default="{}", help="JSON keyword arguments of the task")
     d.add_argument("--prompts", type=int, default=128, help="--task: problems sampled for pairs")
+    d.add_argument("--val-prompts", type=int, default=0, help="--task: held-out problems sampled for validation pairs")
     d.add_argument("--generations", type=int, default=8, help="--task: samples per problem")
     d.add_argument("--beta", type=float, default=0.1)
     d.add_argument("--loss-type", default="sigmoid", choices=["sigmoid", "ipo", "robust", "hinge"])
@@ -160,27 +161,40 @@ def cmd_dpo(args) -> int:
     model, tok = _load(args)
     if bool(args.data) == bool(args.task):
         raise ValueError("pass exactly one of --data (JSONL pairs) or --task (pairs from the model's own samples)")
+    val_rows = []
     if args.data:
         rows = read_preferences(args.data)
     else:
         task = get_task(args.task, **_json(args.task_args, "--task-args"))
-        rows = sample_pairs(model, tok, task, task.generate(args.prompts, args.seed), args.generations,
-                            seed=args.seed, chat=not args.no_chat)
+
+        def sample(problems):
+            return sample_pairs(model, tok, task, problems, args.generations, seed=args.seed, chat=not args.no_chat)
+
+        rows = sample(task.generate(args.prompts, args.seed))
         if not rows:
             raise ValueError(f"no problem of {args.prompts} had both a correct and an incorrect sample; "
                              "raise --prompts or --generations")
+        val_rows = sample(task.generate(args.val_prompts, args.seed, "test")) if args.val_prompts else []
         Path(args.out).mkdir(parents=True, exist_ok=True)
         write_jsonl(Path(args.out) / "pairs.jsonl", rows)
-        print(f"{len(rows)} pairs from {args.prompts} problems -> {Path(args.out) / 'pairs.jsonl'}")
+        if val_rows:
+            write_jsonl(Path(args.out) / "val_pairs.jsonl", val_rows)
+        print(f"{len(rows)} pairs from {args.prompts} problems, {len(val_rows)} held-out pairs from "
+              f"{args.val_prompts} -> {args.out}")
     chat, max_len = not args.no_chat, args.seq_len + 1
-    pairs = [(encode_example(tok, r["prompt"], r["chosen"], chat=chat, max_len=max_len),
-              encode_example(tok, r["prompt"], r["rejected"], chat=chat, max_len=max_len)) for r in rows]
+
+    def encode(rs):
+        return [(encode_example(tok, r["prompt"], r["chosen"], chat=chat, max_len=max_len),
+                 encode_example(tok, r["prompt"], r["rejected"], chat=chat, max_len=max_len)) for r in rs]
+    pairs, val_pairs = encode(rows), encode(val_rows)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    trainer = DPOTrainer(_train_config(args), model, pairs, tokenizer=tok, beta=args.beta, loss_type=args.loss_type,
-                         label_smoothing=args.label_smoothing, reference=args.reference, pad_id=pad,
-                         overwrite=args.overwrite)
+    trainer = DPOTrainer(_train_config(args), model, pairs, val_pairs, tokenizer=tok, beta=args.beta,
+                         loss_type=args.loss_type, label_smoothing=args.label_smoothing, reference=args.reference,
+                         pad_id=pad, overwrite=args.overwrite)
     if args.resume:
         trainer.resume()
+    else:
+        print("before training:", json.dumps(trainer.evaluate()))
     return _finish(trainer, trainer.fit())
 
 
