@@ -16,7 +16,8 @@ from lmstack.train.cli import split_resume
 
 # Chapters in the order the help lists them; each names the module whose ``register`` adds its commands.
 CHAPTERS = {"demo": "lmstack.demo", "inference": "lmstack.inference.cli", "tokenizer": "lmstack.tokenizer.cli",
-            "accounting": "lmstack.accounting.cli", "train": "lmstack.train.cli", "kernels": "lmstack.kernels.cli",
+            "accounting": "lmstack.accounting.cli", "train": "lmstack.train.cli", "align": "lmstack.align.cli",
+            "kernels": "lmstack.kernels.cli",
             "parallel": "lmstack.parallel.cli", "quant": "lmstack.quant.cli", "scaling": "lmstack.scaling.cli",
             "eval": "lmstack.eval.cli", "serve": "lmstack.serve.cli",
             "data": "lmstack.data.cli"}

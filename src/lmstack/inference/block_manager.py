@@ -124,6 +124,16 @@ class BlockManager:
             self.cached[h] = block
             self.block_hash[block] = h
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (after a weight update their K/V are stale): evictable cached blocks go back
+        to the free list and no block keeps a name. Returns how many cached blocks were forgotten."""
+        n = len(self.cached)
+        self.free_list.extend(self.evictable)
+        self.evictable.clear()
+        self.cached.clear()
+        self.block_hash.clear()
+        return n
+
     # ---- sequences -----------------------------------------------------------------------
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
         """Start a sequence; reuse cached full blocks of its prefix. Returns the tokens already stored.

@@ -213,6 +213,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache — call after the model's weights change (an RL learner updating the shared
+        parameters in place), so no request is served K/V computed with the old weights. Refused while requests
+        are running (their blocks hold old K/V too). Returns how many cached blocks were forgotten."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("reset_prefix_cache() with requests still running: finish or abort them first")
+        return self.cache.blocks.reset_prefix_cache()
+
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.stats["cached_prompt_tokens"] / max(1, self.stats["prompt_tokens"])

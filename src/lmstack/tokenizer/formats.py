@@ -224,6 +224,20 @@ def save_hf(tok: Tokenizer, path: str | os.PathLike) -> None:
     atomic_write_text(path, to_hf_json(tok))
 
 
+_HF_SPECIALS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "pad_token_id"}
+
+
+def save_hf_config(tok: Tokenizer, path: str | os.PathLike) -> None:
+    """HF's ``tokenizer_config.json`` beside a ``tokenizer.json``: the chat template and the BOS/EOS/PAD tokens
+    (as strings), which tokenizer.json does not hold."""
+    d: dict = {"chat_template": tok.chat_template} if tok.chat_template else {}
+    for key, attr in _HF_SPECIALS.items():
+        tid = getattr(tok, attr)
+        if tid is not None:
+            d[key] = tok.vocab[tid].decode("utf-8", "replace")
+    atomic_write_text(path, json.dumps(d, ensure_ascii=False, indent=1))
+
+
 def _pattern_from_hf(pre, where: str) -> str:
     if not isinstance(pre, dict):
         raise TokenizerFileError(f"{where}: pre_tokenizer is {pre!r:.60}; expected ByteLevel (byte-level BPE)")

@@ -1,0 +1,166 @@
+"""Direct preference optimisation on lmstack's Trainer loop (``ModelTrainer``).
+
+Each micro-batch holds B pairs as 2B rows [chosen_1..B, rejected_1..B] (TRL's layout); the policy's sequence
+log-probs Σ_t log π_θ(y_t|x, y_<t) over each response go into ``losses.dpo_loss`` with the reference's.
+The reference is either a frozen copy of the starting model (``reference="model"``: two models in memory) or
+its log-probs computed once before training (``reference="precomputed"``, TRL's
+``precompute_ref_log_probs``: one model in memory, one extra pass over the data). Logged per step: TRL's
+rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies and logps/chosen, logps/rejected.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+
+from lmstack.align.data import Example, collate
+from lmstack.align.logprobs import batch_logprobs
+from lmstack.align.losses import DPO_LOSSES, dpo_loss, dpo_rewards
+from lmstack.align.sft import ModelTrainer
+from lmstack.train.config import TrainConfig, TrainConfigError
+from lmstack.train.data import Batch
+from lmstack.train.losses import IGNORE_INDEX
+
+REFERENCES = ("precomputed", "model")
+
+
+class DPOTrainer(ModelTrainer):
+    """``pairs``: (chosen Example, rejected Example) with the same prompt."""
+
+    def __init__(self, config: TrainConfig, model, pairs: Sequence[tuple[Example, Example]],
+                 val_pairs: Sequence[tuple[Example, Example]] = (), tokenizer=None, beta: float = 0.1,
+                 loss_type: str = "sigmoid", label_smoothing: float = 0.0, reference: str = "precomputed",
+                 pad_id: int = 0, **kw):
+        if loss_type not in DPO_LOSSES:
+            raise TrainConfigError(f"loss_type={loss_type!r}; expected one of {DPO_LOSSES}")
+        if reference not in REFERENCES:
+            raise TrainConfigError(f"reference={reference!r}; expected one of {REFERENCES}")
+        if not pairs:
+            raise TrainConfigError("no preference pairs")
+        if not beta > 0:
+            raise TrainConfigError(f"beta={beta} must be > 0")
+        super().__init__(config, model, tokenizer, **kw)
+        self.pairs, self.val_pairs = list(pairs), list(val_pairs)
+        self.beta, self.loss_type, self.label_smoothing, self.pad_id = beta, loss_type, label_smoothing, pad_id
+        self.reference = reference
+        self.ref_model = None
+        if reference == "model":
+            self.ref_model = copy.deepcopy(self.raw_model).eval().requires_grad_(False)
+            self.ref_logps = None
+        else:  # once, with the starting weights: the reference never needs to be in memory again
+            self.ref_logps = self.sequence_logps(self.raw_model, self.pairs)  # (N, 2)
+            self.val_ref_logps = self.sequence_logps(self.raw_model, self.val_pairs) if self.val_pairs else None
+        self._index: list[int] = []
+        self.last_metrics: dict[str, float] = {}
+
+    def pair_batch(self, pairs: Sequence[tuple[Example, Example]]) -> tuple[Batch, torch.Tensor]:
+        """(Batch of 2B rows, response token counts (2B,))."""
+        batch = collate([c for c, _ in pairs] + [r for _, r in pairs], self.pad_id).to(self.device)
+        return batch, (batch.y != IGNORE_INDEX).sum(-1)
+
+    @torch.no_grad()
+    def sequence_logps(self, model, pairs) -> torch.Tensor:
+        """(N, 2) Σ log π over each chosen and rejected response, B pairs at a time."""
+        was = model.training
+        model.eval()
+        out = []
+        for i in range(0, len(pairs), self.config.batch_size):
+            batch, _ = self.pair_batch(pairs[i:i + self.config.batch_size])
+            with self.autocast():
+                s = batch_logprobs(model, batch)[0].sum(-1).float()
+            n = s.shape[0] // 2
+            out.append(torch.stack([s[:n], s[n:]], dim=1))
+        model.train(was)
+        return torch.cat(out)
+
+    def next_batch(self) -> Batch:
+        self._index = self.sample_indices(len(self.pairs))
+        batch, self._lengths = self.pair_batch([self.pairs[i] for i in self._index])
+        return batch
+
+    def _ref(self, batch: Batch, index: list[int], table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if table is not None:
+            ref = table[index].to(self.device)
+            return ref[:, 0], ref[:, 1]
+        with torch.no_grad(), self.autocast():
+            s = batch_logprobs(self.ref_model, batch)[0].sum(-1).float()
+        n = s.shape[0] // 2
+        return s[:n], s[n:]
+
+    def pair_loss(self, batch: Batch, lengths: torch.Tensor, ref_c: torch.Tensor, ref_r: torch.Tensor):
+        with self.autocast():
+            s = batch_logprobs(self.model, batch)[0].sum(-1).float()
+        n = s.shape[0] // 2
+        losses = dpo_loss(s[:n], s[n:], ref_c, ref_r, self.beta, self.loss_type, self.label_smoothing,
+                          lengths[:n].float(), lengths[n:].float())
+        m = {k: float(v) for k, v in dpo_rewards(s[:n], s[n:], ref_c, ref_r, self.beta).items()}
+        m["logps/chosen"], m["logps/rejected"] = float(s[:n].detach().mean()), float(s[n:].detach().mean())
+        return losses.mean(), m
+
+    def forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        ref_c, ref_r = self._ref(batch, self._index, self.ref_logps)
+        loss, self.last_metrics = self.pair_loss(batch, self._lengths, ref_c, ref_r)
+        return loss, torch.zeros((), device=loss.device)
+
+    def train_step(self) -> dict[str, float]:
+        m = super().train_step()
+        m.update(self.last_metrics)  # the last micro-batch's DPO metrics
+        return m
+
+    @torch.no_grad()
+    def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
+        """DPO loss and implicit-reward accuracy/margin over the validation pairs (every pair once)."""
+        pairs = self.val_pairs or self.pairs
+        table = (self.val_ref_logps if self.val_pairs else self.ref_logps) if self.ref_model is None else None
+        self.model.eval()
+        sums: dict[str, float] = {}
+        n_total = 0
+        try:
+            B = self.config.batch_size
+            for i in range(0, len(pairs), B):
+                idx = list(range(i, min(i + B, len(pairs))))
+                batch, lengths = self.pair_batch([pairs[j] for j in idx])
+                ref_c, ref_r = self._ref(batch, idx, table)
+                loss, m = self.pair_loss(batch, lengths, ref_c, ref_r)
+                m["loss"] = float(loss)
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v * len(idx)
+                n_total += len(idx)
+        finally:
+            self.model.train()
+        self.last_eval = {"val_loss": sums["loss"] / n_total,
+                          **{f"val_{k}": v / n_total for k, v in sums.items() if k != "loss"}}
+        return self.last_eval
+
+
+def sample_pairs(model, tokenizer, task, problems, num_generations: int = 8, max_new_tokens: int = 64,
+                 temperature: float = 1.0, seed: int = 0, chat: bool = True, system: str | None = None,
+                 stop: Sequence[str] = ("</answer>",)) -> list[dict]:
+    """Preference pairs from the model's own samples (on-policy DPO data): for each problem, G samples from the
+    engine, checked by the task's verifier; a problem with a correct and an incorrect sample gives
+    {"prompt", "chosen": the first correct, "rejected": the first incorrect}. Problems with all samples right
+    or all wrong give none."""
+    from lmstack.align.data import encode_prompt
+    from lmstack.align.rewards import correctness_reward
+    from lmstack.inference.engine import LLM
+    from lmstack.inference.sampling import SamplingParams
+
+    llm = LLM(model, tokenizer, seed=seed)
+    eos = llm.engine.scheduler.eos_token_id
+    prompts = [encode_prompt(tokenizer, p.prompt, system, chat) for p in problems]
+    params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, stop=tuple(stop),
+                             seed=seed * 100_003 + k) for k in range(len(prompts) * num_generations)]
+    outs = llm.generate([p for p in prompts for _ in range(num_generations)], params)
+    rows = []
+    for i, problem in enumerate(problems):
+        texts = []
+        for o in outs[i * num_generations:(i + 1) * num_generations]:
+            ids = list(o.token_ids)
+            texts.append(tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids).strip())
+        good = [t for t in texts if t and correctness_reward(problem, t) == 1.0]
+        bad = [t for t in texts if t and correctness_reward(problem, t) == 0.0]
+        if good and bad:
+            rows.append({"prompt": problem.prompt, "chosen": good[0], "rejected": bad[0], "task": problem.task})
+    return rows
