@@ -146,9 +146,8 @@ def status() -> str | None:
 
 
 def clear_cache() -> None:
-    """Forget the choice (tests that change ``LMSTACK_INT4_KERNEL``); built libraries stay loaded."""
+    """Forget the choice (tests that change ``LMSTACK_INT4_KERNEL``); built kernels stay loaded."""
     selected.cache_clear()
-    build.cache_clear()
 
 
 def available() -> bool:
@@ -183,7 +182,7 @@ def unpack(packed: Tensor) -> Tensor:
 def mm(x: Tensor, packed: Tensor, d: Tensor, m: Tensor, group_size: int, terms: int = 2,
        kernel: str | None = None) -> Tensor:
     """x (M, I) float -> (M, O) float32 through ``kernel`` ("vnni" | "avx2"; None: the chosen one, which must
-    be one of ours; a named one must have built). ``terms=2``: each activation as two int8 terms,
+    be one of ours; a named one must have been built: ``build(kernel)`` is None). ``terms=2``: each activation as two int8 terms,
     x ≈ s_x1·x_q1 + s_x2·x_q2 (the second rounds the residual; ~15 bits)."""
     if (kernel or selected()[0]) == "avx2":
         return torch.ops.lmstack_quant.int4_avx2_mm(x, packed, d, m, group_size, terms)
