@@ -50,7 +50,11 @@ SPECS = {
              ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp"]),
     "avx2": (Path(__file__).with_name("csrc") / "int4_avx2.cpp", ("avx2", "fma", "f16c"),
              ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]),
+    # Int8Linear's AVX2 kernel (quant/int8.py), built the same way: op int8_avx2_mm
+    "int8_avx2": (Path(__file__).with_name("csrc") / "int8_avx2.cpp", ("avx2", "fma", "f16c"),
+                  ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]),
 }
+OPS = {"vnni": "int4_vnni_mm", "avx2": "int4_avx2_mm", "int8_avx2": "int8_avx2_mm"}
 SOURCE = SPECS["vnni"][0]
 X86 = ("x86_64", "AMD64", "i686", "i386")
 
@@ -84,7 +88,7 @@ def choose_kernel(flags, arch: str, forced: str = "") -> tuple[str, str | None]:
 
 @functools.cache
 def build(name: str) -> str | None:
-    """Compile and load kernel ``name`` ("vnni" | "avx2") if this CPU (its real flags) and a compiler allow:
+    """Compile and load kernel ``name`` ("vnni" | "avx2" | "int8_avx2") if this CPU (its real flags) and a compiler allow:
     None when loaded, else the reason. Under a lock, so two threads never build it twice."""
     source, needs, cflags = SPECS[name]
     with _BUILD_LOCK:
@@ -101,14 +105,14 @@ def build(name: str) -> str | None:
             # One build folder per source text: two checkouts of lmstack on one machine (or an upgrade) never
             # load or rebuild each other's kernel.
             digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
-            load(name=f"lmstack_int4_{name}_{digest}", sources=[str(source)], is_python_module=False,
+            load(name=f"lmstack_{OPS[name].removesuffix('_mm')}_{digest}", sources=[str(source)], is_python_module=False,
                  verbose=False, extra_cflags=cflags, extra_ldflags=["-fopenmp"])
             if name not in _FAKE_REGISTERED:  # once per process, even if build() is asked again (cache cleared)
 
-                def fake(x, packed, d, m, G, terms=2):  # shapes for torch.compile
+                def fake(x, packed, *args):  # shapes for torch.compile: (M, I) -> (M, O), O = 16 tiles
                     return x.new_empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
 
-                torch.library.register_fake(f"lmstack_quant::int4_{name}_mm")(fake)
+                torch.library.register_fake(f"lmstack_quant::{OPS[name]}")(fake)
                 _FAKE_REGISTERED.add(name)
         except Exception as e:  # noqa: BLE001 — any build/registration failure means: use torch's kernel
             return f"building {source.name} failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
