@@ -301,15 +301,17 @@ class LlamaCpp:
 
 class LmstackInt4:
     """lmstack int4 (RTN G32 = the GGUF's Q4_1 block weights, int4 unembedding) with a compiled decode step
-    on ``kernel`` ("vnni": lmstack's, "aten": torch's): ``run`` -> (prefill tok/s, decode tok/s)."""
+    on ``kernel`` ("vnni": lmstack's, the VNNI or AVX2 one ``int4_vnni.kernel()`` chose; "aten": torch's):
+    ``run`` -> (prefill tok/s, decode tok/s); the name says which kernel ran."""
 
     def __init__(self, base: nn.Module, kernel: str, max_len: int, compile: bool = True):
         from lmstack.inference.static import StaticDecoder
 
-        self.name = f"lmstack int4 {'compiled' if compile else 'static cache, eager'} ({kernel} kernel)"
         self.model = quantize_model(copy.deepcopy(base), "int4")
         if kernel == "aten":
             to_aten_int4(self.model)
+        ran = "+".join(sorted({m.kernel for m in self.model.modules() if isinstance(m, Int4Linear)}))
+        self.name = f"lmstack int4 {'compiled' if compile else 'static cache, eager'} ({ran} kernel)"  # the one that ran
         self.decoder = StaticDecoder(self.model, max_len, compile=compile)
         self.decoder.warm_up()
 
