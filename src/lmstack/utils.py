@@ -3,8 +3,11 @@ one guard every writing command calls so that an output never overwrites an inpu
 
 from __future__ import annotations
 
+import argparse
+
 import contextlib
 import json
+import math
 import numbers
 import os
 import tempfile
@@ -127,6 +130,48 @@ def check_outputs(outputs: Labeled, inputs: Labeled, kinds: dict[str, tuple[str,
             if not is_kind(out):
                 raise OutputError(f"{olabel} {str(out)!r} exists and is not {what}; refusing to replace it "
                                   "(choose another path, or pass --force to replace it)")
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1 (argparse names the flag in its error: exit 2, no traceback)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v}: expected an integer >= 1")
+    return v
+
+
+def finite_float(text: str) -> float:
+    """argparse ``type=``: a finite number (nan and inf refused)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{text}: expected a finite number")
+    return v
+
+
+def unit_interval(text: str) -> float:
+    """argparse ``type=``: a level strictly between 0 and 1 (an interval's coverage)."""
+    v = finite_float(text)
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"{v}: expected a level in (0, 1), e.g. 0.9")
+    return v
+
+
+def own_folder(path: str | os.PathLike, *markers: str) -> bool:
+    """True when a command may write into folder ``path`` without ``--force``: it does not exist, is empty, or
+    holds one of ``markers`` (a file only that command writes, so the folder is an earlier run of its own).
+    A folder holding anything else — another model, another run — is not the command's to overwrite."""
+    p = Path(path)
+    if not p.exists():
+        return True
+    if not p.is_dir():
+        return False
+    return not any(p.iterdir()) or any((p / m).exists() for m in markers)
 
 
 def read_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, dict]]:

@@ -116,3 +116,28 @@ def test_clean_rescore_by_hand():
     samples = [{"acc": 1.0}, {"acc": 0.0}, {"acc": 1.0}, {"acc": 1.0}]
     r = clean_rescore(samples, lambda s: s["acc"], [True, False, None, False])
     assert r == {"all": 0.75, "clean": 0.5, "contaminated": 1.0, "n_clean": 2, "n_contaminated": 1}
+
+
+def test_canonical_order_scoring_lower_than_permutations_is_not_contamination(monkeypatch):
+    """Both tests are one-sided: data the model finds *less* likely in its published order (here a stand-in
+    scorer: -1 per adjacent pair in file order, so the canonical order is the least likely of all, plus a
+    small deterministic jitter) must get p ≈ 1, never a small p. A two-sided t-test flags it (p ~ 1e-5)."""
+    from lmstack.eval import contamination
+
+    def loglik(model, seqs, max_length=None):
+        out = []
+        for s in seqs:
+            follows = sum(b == a + 1 for a, b in zip(s, s[1:]))
+            out.append(-10.0 * follows + 0.01 * (sum(s[::3]) % 7))
+        return out
+
+    monkeypatch.setattr(contamination, "sequence_loglik_batch", loglik)
+    ex = [[i] for i in range(24)]  # 24 one-token examples, token i at position i
+    r = permutation_test(None, ex, n_permutations=49, seed=0)
+    assert r.canonical_loglik < min(r.permuted_logliks)
+    assert r.p_value == 1.0  # (1 + 49) / (1 + 49): every permutation scores at least as high
+    p, diffs = sharded_test(None, ex, n_shards=4, n_permutations=6, seed=0)
+    assert max(diffs) < 0 and len(set(diffs)) > 1
+    from scipy import stats
+    assert p == pytest.approx(stats.ttest_1samp(diffs, 0.0, alternative="greater").pvalue, rel=1e-12)
+    assert p > 0.999

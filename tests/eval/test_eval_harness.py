@@ -23,7 +23,9 @@ ROWS = [{"question": q, "choices": c, "answer": a} for q, c, a in [
     ("the cat is", ["at the hat", "this", "the theatre"], 0), ("where is the hat?", ["at the cat", "the", "heart"], 2),
     ("this is", ["a cat", "a hat", "the cat sat"], 1), ("A: the", ["cat", "hat", "theatre", "is"], 3),
     ("is this the cat?", ["yes", "no"], 0), ("the heart", ["is at", "sat", "hat"], 1),
-    ("hat or cat", ["hat", "cat"], 1), ("the theatre is", ["there", "here", "at the cat"], 2)]]
+    ("hat or cat", ["hat", "cat"], 1), ("the theatre is", ["there", "here", "at the cat"], 2),
+    # non-ASCII: lm-eval divides by characters; "日本" is 2 characters, 6 bytes (per byte it would win here)
+    ("the cat is", ["日本", "x"], 1), ("where is", ["the hat", "über café"], 0)]]
 
 LM_EVAL_MC = """task: lmstack_local_mc
 dataset_path: json
@@ -159,3 +161,15 @@ def test_lmstack_eval_harness_cli(tiny_dir, lm, tmp_path):
     spec = tmp_path / "mine.yaml"
     spec.write_text(f'data: {data.name}\nprompt: "Q: {{question}}\\nA:"\n')
     assert got["acc,none"] == pytest.approx(run_task(load_task(spec), Evaluator(*lm), progress=False).metrics["acc"])
+
+
+def test_unknown_model_args_are_refused_by_name(tiny_dir):
+    """Issue #31: `--model_args ... dtyp=int4` ran fp32 silently (unknown keys were swallowed)."""
+    from lm_eval.api.registry import get_model
+
+    cls = get_model("lmstack")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['dtyp'\]"):
+        cls.create_from_arg_string(f"model={tiny_dir},dtyp=int4", {"batch_size": 1, "device": "cpu"})
+    ok = cls.create_from_arg_string(f"model={tiny_dir},dtype=fp32", {"batch_size": 1, "max_batch_size": None,
+                                                                     "device": "cpu"})
+    assert ok.max_gen_toks == 256

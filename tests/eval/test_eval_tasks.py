@@ -174,3 +174,25 @@ def test_shared_context_runs_once_and_equals_hf(lm, hf_model):
     for s, c in zip(scores, conts):
         assert len(s.logprobs) == len(c)
         assert float(s.logprobs.sum()) == pytest.approx(hf_sum_logprob(hf_model, ctx, c), rel=1e-6, abs=1e-5)
+
+
+NON_ASCII = [{"question": "the cat is", "choices": ["日本", "x"], "answer": 1},
+             {"question": "where is", "choices": ["the hat", "über café"], "answer": 0}]
+
+
+def test_acc_norm_divides_by_characters_not_bytes(lm, hf_model, tmp_path):
+    """lm-eval's acc_norm divides by ``len(choice)`` in characters: "日本" is 2 characters (6 UTF-8 bytes),
+    so per character it is far less likely than "x" (-19.2 vs -11.2 nats per character) — per byte it would
+    win (-6.4). Log-likelihoods from HF's logits."""
+    model, tok = lm
+    write_jsonl(tmp_path / "na.jsonl", NON_ASCII)
+    spec = tmp_path / "na.yaml"
+    spec.write_text('name: na\ndata: na.jsonl\nprompt: "Q: {question}\\nA:"\n')
+    res = run_task(load_task(spec), Evaluator(model, tok), progress=False)
+    row = NON_ASCII[0]
+    lls = [hf_sum_logprob(hf_model, *encode_pair(tok, f"Q: {row['question']}\nA:", " " + c)) for c in row["choices"]]
+    by_char = int(np.argmax([ll / len(c) for ll, c in zip(lls, row["choices"])]))
+    by_byte = int(np.argmax([ll / len(c.encode()) for ll, c in zip(lls, row["choices"])]))
+    assert (by_char, by_byte) == (1, 0)  # the item tells the two apart
+    assert res.samples[0]["pred_norm"] == by_char
+    assert res.samples[0]["loglik"] == pytest.approx(lls, rel=1e-6)

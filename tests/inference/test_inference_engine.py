@@ -265,3 +265,40 @@ def test_document_ids_need_a_cache_with_key_sequence_ids(model):
     with pytest.raises(ValueError, match="sequence ids"), torch.no_grad():
         model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], kv_cache=cache,
               document_ids=torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_one_driver_per_engine_and_llm_generate_from_threads(model, prompts, reference):
+    """Issue #31: LLM.generate from 3 threads failed every call (KeyError 'req-21', 'call reserve() first') and
+    AsyncLLM(llm.engine) beside llm.generate hung. Calls from threads now run one after another, each equal to
+    the single-threaded reference; a second driver on one engine is refused by name."""
+    import threading
+
+    llm = LLM(model, block_size=4, num_blocks=100)
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            results[i] = llm.generate([prompts[i]], GREEDY)[0].token_ids
+        except Exception as e:  # noqa: BLE001 — collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and all(results[i] == reference[i] for i in range(3))
+    stream = AsyncLLM(llm.engine)  # an idle engine may change driver
+
+    async def stream_then_generate():
+        gen = stream.generate(prompts[0], GREEDY)
+        first = await gen.__anext__()  # a stream in flight: the LLM may not step the engine under it
+        with pytest.raises(RuntimeError, match="already driven by a AsyncLLM with requests in flight"):
+            llm.generate([prompts[1]], GREEDY)
+        tokens = list(first.new_token_ids)
+        async for out in gen:
+            tokens += out.new_token_ids
+        return tokens
+
+    assert asyncio.run(stream_then_generate()) == reference[0]
+    assert llm.generate([prompts[1]], GREEDY)[0].token_ids == reference[1]  # the stream is done: the LLM again

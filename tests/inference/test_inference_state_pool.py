@@ -151,3 +151,31 @@ def test_kv_pool_holds_only_attention_layers(name, n_attention):
     if n_attention == 0:
         free = LLMEngine(model, block_size=4, max_num_seqs=3, max_model_len=64)
         assert free.cache.nbytes == 0 and free.cache.blocks.num_blocks >= 3 * 16
+
+
+def test_a_retried_forward_advances_no_state_twice(prompts):
+    """Fault injection: the 3:1 hybrid's last layer (full attention, after three recurrent layers that already
+    ran) raises once in a 2-row decode step. The engine reruns the step one sequence at a time; states are
+    staged, not written, during a forward, so each sequence's recurrent state advances once and both outputs
+    equal full-recompute greedy."""
+    model = _model(*PATTERNS["3:1 hybrid"])
+    ps = [prompts[4], prompts[7]]  # 5 and 9 tokens: one 14-token prefill, then 2-row decode steps
+    reference = [full_recompute_greedy(model, p, N_NEW) for p in ps]
+    calls = {"armed": True, "raised": 0}
+
+    def fail_once(module, args):
+        x = args[0]  # (1, T, D): the packed rows of one forward
+        if calls["armed"] and x.shape[1] == 2:
+            calls["armed"] = False
+            calls["raised"] += 1
+            raise RuntimeError("injected fault in the last layer")
+
+    handle = model.blocks[3].register_forward_pre_hook(fail_once)
+    try:
+        llm = LLM(model, block_size=4, num_blocks=200, max_num_batched_tokens=64)
+        outs = llm.generate(ps, greedy(N_NEW))
+    finally:
+        handle.remove()
+    assert calls["raised"] == 1
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finish_reason == "length" for o in outs) and all_free(llm.engine)

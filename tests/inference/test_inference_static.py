@@ -69,3 +69,16 @@ def test_compiled_decoder_greedy_equals_full_recompute(model, prompts):
     del decoder
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.slow
+def test_compiled_decoder_in_fp32_equals_full_recompute(model, prompts):
+    """fp32, the CLI's default (`generate --compile` crashed there: Dynamo met torch.backends.mkldnn.is_available
+    inside the oneDNN dispatch check); the float64 fixture never reaches the oneDNN path."""
+    import copy
+
+    torch._dynamo.reset()
+    m32 = copy.deepcopy(model).float()
+    decoder = StaticDecoder(m32, 64, compile=True)
+    for p in prompts[:2]:
+        assert list(generate(m32, p, greedy(N), decoder=decoder)) == full_recompute_greedy(m32, p, N)

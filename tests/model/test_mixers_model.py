@@ -34,6 +34,7 @@ def _model(unit, n_layers=4, dtype=torch.float64, **kw):
     return Transformer(cfg).to(dtype)
 
 
+@pytest.mark.usefixtures("one_thread")  # tiny float64 forwards: a second thread only adds overhead
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_training_forward_backward_any_pattern(name):
     n_layers = 6 if name.startswith("5:1") else 4
@@ -46,6 +47,28 @@ def test_training_forward_backward_any_pattern(name):
     no_grad = [n for n, p in model.named_parameters() if p.grad is None and "idx_" not in n]  # top-k: no indexer grad
     assert no_grad == []
     assert model.config.mixer_types == repeat_pattern(PATTERNS[name], n_layers)
+    # the gradients against central finite differences, float64: per layer (and for the embedding), the
+    # directional derivative of the loss along a random direction of that layer's parameters
+    m64 = _model(PATTERNS[name], n_layers)
+
+    def loss_of():
+        return F.cross_entropy(m64(tokens)[:, :-1].reshape(-1, 64), tokens[:, 1:].reshape(-1))
+
+    loss_of().backward()
+    g = torch.Generator().manual_seed(2)
+    for part in [m64.embed, *m64.blocks]:
+        params = [p for n, p in part.named_parameters() if "idx_" not in n]
+        dirs = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+        analytic = sum(float((p.grad * d).sum()) for p, d in zip(params, dirs))
+        eps, ends = 1e-6, []
+        with torch.no_grad():
+            for sign in (1, -2, 1):  # +eps, -eps, back to the start
+                for p, d in zip(params, dirs):
+                    p.add_(sign * eps * d)
+                if sign != 1 or not ends:
+                    ends.append(float(loss_of()))
+        numeric = (ends[0] - ends[1]) / (2 * eps)
+        assert analytic == pytest.approx(numeric, rel=1e-6, abs=1e-9), (type(part).__name__, analytic, numeric)
 
 
 @pytest.mark.parametrize("name", sorted(PATTERNS))

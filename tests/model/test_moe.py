@@ -115,6 +115,26 @@ def test_grouped_compute_equals_per_expert_loop(shared, onednn):
         moe_mod.ONEDNN[0] = saved
 
 
+def _token_by_token(x, moe, shared):
+    """The MoE written out here, one token at a time in float64 from the module's weights (nothing from
+    lmstack.model.moe): logits = x Wᵀ, p = softmax, the top-2 experts, gates p_i / Σ_top p (norm_topk),
+    y = Σ_i g_i · W_down,i (silu(W_gate,i x) ⊙ W_up,i x) (+ sigmoid(w_s · x) · shared SwiGLU(x))."""
+    Wr, Wg, Wu, Wd = (w.double() for w in (moe.router.weight, moe.gate_proj.weight, moe.up_proj.weight,
+                                            moe.down_proj.weight))
+    rows = []
+    for xt in x.double():  # (D,)
+        p = torch.softmax(Wr @ xt, dim=0)  # (E,)
+        top = sorted(range(len(p)), key=lambda e: -float(p[e]))[:2]
+        yt = sum(p[e] / (p[top[0]] + p[top[1]]) * (Wd[e] @ (F.silu(Wg[e] @ xt) * (Wu[e] @ xt))) for e in top)
+        if shared:
+            sw = moe.shared
+            s = sw.down_proj.weight.double() @ (F.silu(sw.gate_proj.weight.double() @ xt)
+                                                 * (sw.up_proj.weight.double() @ xt))
+            yt = yt + torch.sigmoid(moe.shared_gate.weight.double()[0] @ xt) * s
+        rows.append(yt)
+    return torch.stack(rows)  # (T, D)
+
+
 def _check_grouped_against_loop(moe_mod, shared, onednn):
     moe = _moe(n_shared=shared, d_ff_shared=20, shared_gate=bool(shared), norm_topk=True)
     x = torch.randn(3, 5, 16, requires_grad=True)
@@ -122,17 +142,18 @@ def _check_grouped_against_loop(moe_mod, shared, onednn):
         pytest.skip("this torch build has no oneDNN linear (torch.ops.mkldnn._linear_pointwise)")
     y = moe(x)
     x2 = x.detach().clone().requires_grad_(True)
-    flat = x2.reshape(-1, 16)
-    ref = loop_reference(flat, moe.routing(flat), moe.gate_proj.weight, moe.up_proj.weight, moe.down_proj.weight)
-    if shared:
-        ref = ref + torch.sigmoid(moe.shared_gate(flat)) * moe.shared(flat)
-    torch.testing.assert_close(y.reshape(-1, 16), ref, atol=1e-5, rtol=1e-5)
+    ref = _token_by_token(x2.reshape(-1, 16), moe, shared)
+    torch.testing.assert_close(y.reshape(-1, 16).double(), ref, atol=1e-5, rtol=1e-5)
     g = torch.randn_like(y)
-    ws = (moe.gate_proj.weight, moe.up_proj.weight, moe.down_proj.weight)
+    ws = (moe.router.weight, moe.gate_proj.weight, moe.up_proj.weight, moe.down_proj.weight)
     got = torch.autograd.grad(y, (x, *ws), g)
-    want = torch.autograd.grad(ref, (x2, *ws), g.reshape(-1, 16))
+    want = torch.autograd.grad(ref, (x2, *ws), g.reshape(-1, 16).double())
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-5)
+    if not shared:  # and lmstack's own per-expert loop (other tests' reference) agrees with this one
+        flat = x.detach().reshape(-1, 16)
+        torch.testing.assert_close(loop_reference(flat, moe.routing(flat), *ws[1:]).double(), ref.detach(),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_one_expert_top1_equals_dense_swiglu():

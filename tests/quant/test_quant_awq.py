@@ -94,3 +94,20 @@ def test_awq_bad_calibration():
         awq_search(Ws, X[:0])
     with pytest.raises(ValueError, match="group_size=24"):
         awq_search(Ws, X, group_size=24)
+
+
+def test_awq_alpha_grid_and_optimum_equal_a_hand_search():
+    """The searched α are exactly {k/grid : k = 0..grid}; α* and s are those of a grid search written here
+    (s = mean|x|^α / √(max · min), error ‖X (Q(W s)/s − W)ᵀ‖² in float64)."""
+    X, Ws = data(0)
+    grid = 10
+    s, alpha, losses = awq_search(Ws, X, group_size=16, grid=grid)
+    assert sorted(losses) == pytest.approx([k / grid for k in range(grid + 1)], abs=0)
+    m = X.abs().mean(0)
+    errs = {}
+    for k in range(grid + 1):
+        sk = m ** (k / grid)
+        errs[k / grid] = output_error(X, Ws, sk / (sk.max() * sk.min()).sqrt())
+    best = min(errs, key=errs.get)
+    assert alpha == best and 0 < alpha < 1
+    assert [losses[a] for a in sorted(losses)] == pytest.approx([errs[a] for a in sorted(errs)], rel=1e-9)

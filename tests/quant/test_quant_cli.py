@@ -47,3 +47,32 @@ def test_compress_refuses_bad_counts_before_loading_anything(tmp_path, capsys, f
     out = tmp_path / "pruned"
     assert main(["compress", "--model", "smollm2-135m", "--out", str(out), flag, value]) == 2
     assert f"{flag}={value}" in capsys.readouterr().err and not out.exists()
+
+
+def test_compress_refuses_a_folder_holding_another_model_without_force(tmp_path, capsys):
+    """Issue #31: `compress --out DIR` replaced an HF Llama's config.json and model.safetensors (exit 0)."""
+    other = tmp_path / "hf-llama"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "llama"}')
+    (other / "model.safetensors").write_bytes(b"weights")
+    assert main(["compress", "--model", "smollm2-135m", "--out", str(other), "--d-ff", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert "exists and is not an empty folder or an earlier `lmstack compress` output" in err and "--force" in err
+    assert (other / "config.json").read_text() == '{"model_type": "llama"}'
+    assert (other / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_own_folder_rule():
+    from lmstack.utils import own_folder
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        assert own_folder(d / "new") and own_folder(d)  # absent, empty
+        (d / "metrics.jsonl").write_text("{}")
+        assert not own_folder(d, "compress.json")  # another run's files
+        (d / "compress.json").write_text("{}")
+        assert own_folder(d, "compress.json")  # an earlier output of the same command
+        assert not own_folder(d / "metrics.jsonl", "compress.json")  # a file is not a folder

@@ -168,3 +168,34 @@ def test_int4_fallback_is_logged_and_exact(caplog):
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(m(x), F.linear(x, dequantize_int4(q, s, lo)), atol=1e-5, rtol=1e-5)
     assert torch.equal(m._codes(), q)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_mla_models_quantise_and_decode(method):
+    """Issue #31: `--dtype int8/int4` crashed every MLA model ('Int8Linear' object has no attribute 'weight':
+    the absorbed form reads kv_b_proj as a matrix). kv_b_proj stays float; the quantised model's logits and its
+    cached greedy decode equal a float model carrying the dequantised weights (the fake-quant reference)."""
+    import copy
+
+    from lmstack.inference import SamplingParams, generate
+    from lmstack.quant import quantize_model
+
+    cfg = ModelConfig(vocab_size=80, d_model=64, n_layers=2, n_heads=4, d_ff=64, head_dim=16, kv_lora_rank=32,
+                      q_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, max_seq_len=64)
+    model = Transformer(cfg, seed=0).eval()
+    q = quantize_model(copy.deepcopy(model), method, lm_head=False, group_size=32, compute_dtype=torch.float32)
+    ref = copy.deepcopy(model)
+    qmods = dict(q.named_modules())
+    n_quant = 0
+    with torch.no_grad():
+        for name, mod in ref.named_modules():
+            if isinstance(mod, Linear) and name.startswith("blocks.") and hasattr(qmods[name], "dequantized_weight"):
+                mod.weight.copy_(qmods[name].dequantized_weight(torch.float32))
+                n_quant += 1
+    assert n_quant > 0 and not hasattr(qmods["blocks.0.attn.kv_b_proj"], "dequantized_weight")
+    x = torch.randint(0, 80, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(q(x), ref(x), rtol=1e-4,
+                                   atol=1e-4)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    assert list(generate(q, x[0].tolist(), greedy)) == list(generate(ref, x[0].tolist(), greedy))

@@ -8,7 +8,6 @@ import pytest
 from lmstack.cli import main
 from lmstack.model.config import ModelConfig
 from lmstack.model.transformer import Transformer
-from lmstack.scaling.laws import chinchilla_loss
 from lmstack.scaling.runs import RunsFileError, append_run, read_runs
 from lmstack.scaling.sweep import Sweep, compute_params, run_sweep
 from lmstack.utils import is_png_file
@@ -18,6 +17,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TRUE = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
 
 
+def chinchilla_loss(N, D, E, A, B, alpha, beta):
+    """The synthetic runs' law, written here (Hoffmann et al. 2022 eq. 2): E + A/N^α + B/D^β."""
+    return E + A / N**alpha + B / D**beta
 
 
 def _tokens(tmp_path):

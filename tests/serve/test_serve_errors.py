@@ -205,3 +205,151 @@ def test_a_client_leaving_a_non_streamed_request_aborts_it(served, monkeypatch):
     wait_idle(engine, timeout=10)
     assert all_blocks_free(engine)
     assert engine.stats["generated_tokens"] - before < 100
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
+    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": [{"type": "text", '
+                             b'"text": "\\udfff"}]}]}', "messages"),
+    ("/v1/completions", b'{"model": "%s", "prompt": "\\ud800"}', "prompt"),
+    ("/v1/completions", b'{"model": "%s", "prompt": ["ok", "\\ud800"]}', "prompt"),
+    ("/v1/completions", b'{"model": "%s", "prompt": "ok", "stop": "\\ud800"}', "stop"),
+    ("/tokenize", b'{"model": "%s", "prompt": "x\\ud800"}', "prompt"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(served, path, body, param):
+    """JSON can carry "\\ud800", which no UTF-8 text holds: the tokenizer would raise (a 500 before issue #31)."""
+    r = httpx.post(served[0] + path, content=body.replace(b"%s", MODEL.encode()),
+                   headers={"content-type": "application/json"})
+    err = check_error(r, 400, param)
+    assert "surrogate" in err["message"]
+
+
+def test_an_empty_api_key_is_refused_not_an_open_server():
+    engine = tiny_engine(tiny_model(max_seq_len=64))
+    with pytest.raises(ValueError, match="api_key is empty"):
+        Server(engine, MODEL, api_key="")
+    with pytest.raises(ValueError, match="api_key is empty"):
+        Server(engine, MODEL, api_key="  ")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--api-key", ""], "--api-key is empty"),
+    (["--port", "99999"], "--port 99999: expected 1..65535"),
+    (["--queue-timeout", "nan"], "--queue-timeout nan"),
+    (["--shutdown-timeout", "-5"], "--shutdown-timeout -5.0"),
+    (["--kv-cache-mb", "1000000000"], "more than this machine's available memory"),
+    (["--max-seqs", "0"], "--max-seqs 0"),
+])
+def test_serve_flags_are_checked_before_anything_loads(flags, message, capsys):
+    from lmstack.cli import main
+
+    assert main(["serve", "--model", "no-such-model-is-loaded", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def _routes(app):
+    from starlette.routing import Route
+
+    for r in app.routes:
+        if isinstance(r, Route):
+            for m in sorted(r.methods or ()):
+                if m != "HEAD":
+                    yield r.path, m
+
+
+def test_with_a_key_every_route_but_health_and_the_chat_page_needs_it():
+    """One test over the whole route table (a new route cannot slip through): /v1/*, /tokenize, /detokenize,
+    /docs, /openapi.json, /metrics... refuse a missing or wrong key; /health and / answer; --public-metrics opens
+    /metrics only."""
+    from lmstack.serve.app import PUBLIC_ROUTES, build_app
+
+    server = Server(tiny_engine(), MODEL, api_key="sekret")
+    routes = sorted(set(_routes(build_app(server))))
+    assert ("/tokenize", "POST") in routes and ("/openapi.json", "GET") in routes and ("/metrics", "GET") in routes
+    with live_server(server) as url:
+        for path, method in routes:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "bearer sekret"}):
+                r = httpx.request(method, url + path, headers=headers, json={} if method == "POST" else None)
+                if path in PUBLIC_ROUTES:
+                    assert r.status_code == 200, (path, r.status_code)
+                else:
+                    assert r.status_code == 401, (path, method, headers, r.status_code)
+        ok = httpx.get(url + "/openapi.json", headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200 and "/v1/chat/completions" in ok.json()["paths"]
+    with live_server(Server(tiny_engine(), MODEL, api_key="sekret", public_metrics=True)) as url:
+        assert httpx.get(url + "/metrics").status_code == 200
+        assert httpx.get(url + "/docs").status_code == 401
+
+
+def test_bodies_over_the_limit_get_413():
+    server = Server(tiny_engine(), MODEL, max_body_bytes=2000)
+    with live_server(server) as url:
+        big = {"model": MODEL, "prompt": "x" * 5000}
+        err = check_error(httpx.post(url + "/tokenize", json=big), 413)
+        assert "2000 bytes" in err["message"]
+
+        def chunks():  # no Content-Length: the limit stops the streamed body
+            for _ in range(10):
+                yield b" " * 500
+        check_error(httpx.post(url + "/tokenize", content=chunks(), headers={"content-type": "application/json"}), 413)
+        assert httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "hello"}).status_code == 200
+
+
+@pytest.mark.xfail(reason="tokenising runs in a worker thread, but the Python encoder's regex pass holds the GIL "
+                          "for the whole text, so the event loop still waits (a GIL-free native encoder fixes it)",
+                   strict=False)
+def test_health_answers_during_a_large_tokenize():
+    server = Server(tiny_engine(), MODEL)  # default limit (4 MiB): tokenising ~3 MB runs off the event loop
+    with live_server(server) as url:
+        done = threading.Event()
+
+        def tokenize():
+            httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "ab cd " * 500_000}, timeout=120)
+            done.set()
+
+        t = threading.Thread(target=tokenize)
+        t.start()
+        time.sleep(0.2)
+        worst = 0.0
+        while not done.is_set():
+            t0 = time.perf_counter()
+            assert httpx.get(url + "/health", timeout=30).status_code == 200
+            worst = max(worst, time.perf_counter() - t0)
+            time.sleep(0.05)
+        t.join()
+        assert worst < 1.0, worst
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"parallel_tool_calls": True}, "parallel_tool_calls"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"logit_bias": {"999999": 5}}, "logit_bias"),
+    ({"logit_bias": {"a": 5}}, "logit_bias"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
+])
+def test_unimplemented_openai_fields_are_400s_not_ignored(served, extra, param):
+    r = httpx.post(served[0] + "/v1/chat/completions", json={"model": MODEL, "messages": USER, **extra})
+    check_error(r, 400, param)
+
+
+def test_best_of_other_than_n_is_refused(served):
+    r = httpx.post(served[0] + "/v1/completions", json={"model": MODEL, "prompt": "hi", "best_of": 3})
+    check_error(r, 400, "best_of")
+
+
+def test_logit_bias_is_applied(served):
+    """OpenAI's logit_bias (was silently ignored): +100 on one token makes greedy pick it every step; -100 on the
+    unbiased greedy continuation's first token makes the first token change."""
+    url = served[0]
+    base = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json={**base, "logit_bias": {"7": 100}, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    plain = httpx.post(url + "/v1/completions", json={**base, "logprobs": 1}).json()["choices"][0]
+    first = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": plain["logprobs"]["tokens"][0]}).json()
+    biased = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": r.json()["choices"][0]["text"]}).json()
+    assert biased["tokens"] == [7] * 4
+    banned = httpx.post(url + "/v1/completions", json={**base, "logprobs": 1,
+                                                       "logit_bias": {str(first["tokens"][0]): -100}}).json()
+    assert banned["choices"][0]["logprobs"]["tokens"][0] != plain["logprobs"]["tokens"][0]

@@ -178,3 +178,42 @@ def test_unsupported_files_are_named(tmp_path):
         load_tokenizer(bad)
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("where", ["jinja_file", "config"])
+def test_hf_folder_chat_template_and_special_tokens_as_autotokenizer_reads_them(trained, tmp_path, where):
+    """Issue #31: an HF folder's tokenizer_config.json and chat_template.jinja were never read, so chat failed on
+    every HF checkpoint. The chat template and bos/eos/pad read from the folder render and resolve as
+    transformers' AutoTokenizer does on the same folder."""
+    transformers = pytest.importorskip("transformers")
+
+    template = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n"
+                "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    save_hf(trained, tmp_path / "tokenizer.json")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
+                                                bos_token="<|im_start|>", eos_token="<|endoftext|>",
+                                                pad_token="<|endoftext|>")
+    fast.chat_template = template
+    fast.save_pretrained(tmp_path)
+    cfg_path = tmp_path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    jinja = tmp_path / "chat_template.jinja"
+    if where == "config":  # the older layout: the template inside tokenizer_config.json
+        jinja.unlink(missing_ok=True)
+        cfg["chat_template"] = template
+    else:
+        jinja.write_text(template)
+        cfg.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(cfg))
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+    assert tok.chat_template == template
+    assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+        ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == \
+        (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id)
+    cfg["eos_token"] = "<|not-a-token|>"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match=r"eos_token='<\|not-a-token\|>' is not a token"):
+        load_tokenizer(tmp_path)

@@ -20,3 +20,15 @@ def test_demo_tour_on_a_tiny_corpus(tmp_path, capsys):
     assert "unigram baseline" in text and "Training memory" in text
     for f in ("tokenizer.json", "tokens.bin", "run/metrics.jsonl", "run/loss_curve.png", "run/model/model.safetensors"):
         assert (out / f).is_file(), f
+
+
+def test_demo_refuses_an_out_folder_of_something_else(tmp_path, capsys):
+    """The demo replaces --out's run/: a folder holding another run or model is refused without --force."""
+    from lmstack.cli import main
+
+    other = tmp_path / "theirs"
+    (other / "run").mkdir(parents=True)
+    (other / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["demo", "--out", str(other), "--skip-smollm2"]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert (other / "run" / "metrics.jsonl").read_text() == '{"step": 1}\n'

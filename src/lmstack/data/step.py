@@ -9,10 +9,21 @@ Three kinds:
 - :class:`Step`: any generator (readers ignore their input; writers pass documents through after writing).
 - :class:`Filter`: ``reason(doc) -> str | None`` (None keeps the document; a string names the rule that dropped it).
 - :class:`Mapper`: ``apply(doc) -> Document`` (extraction, PII replacement, tagging: changes text or metadata).
+
+Tasks: the executor runs each stage as ``world`` tasks; before task ``rank`` runs, every step is replaced by
+``step.for_task(rank, world)`` (a shallow copy with ``rank``/``world`` set), so a reader picks its share of the
+input files and a writer names its shards after the task. Steps must be picklable (they travel to worker
+processes and Ray tasks): keep open files and models out of ``__init__``, open them in ``run``.
+
+Registry: ``@register_step("gopher_quality")`` on a class makes ``type = "gopher_quality"`` work in a pipeline
+TOML file (:mod:`lmstack.data.pipeline`); :data:`STEP_MODULES` lists the modules imported to fill it.
 """
 
 from __future__ import annotations
 
+import copy
+import importlib
+import importlib.util
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -76,6 +87,8 @@ class Step:
     """A generator over documents. Subclasses override :meth:`run`; ``name`` defaults to the class in snake_case."""
 
     name: str = ""
+    rank: int = 0  # this task's index in its stage, set by for_task
+    world: int = 1  # the stage's task count
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -90,6 +103,14 @@ class Step:
 
     def __call__(self, docs: Iterable[Document], stats: StepStats | None = None) -> Iterator[Document]:
         return self.run(docs, stats if stats is not None else StepStats(self.name))
+
+    def for_task(self, rank: int, world: int) -> Step:
+        """This step as task ``rank`` of ``world`` sees it: a shallow copy with ``rank`` and ``world`` set."""
+        if not (isinstance(rank, int) and isinstance(world, int) and 0 <= rank < world):
+            raise ValueError(f"task rank={rank!r} of world={world!r}: expected integers with 0 <= rank < world")
+        step = copy.copy(self)
+        step.rank, step.world = rank, world
+        return step
 
 
 class Filter(Step):
@@ -121,3 +142,51 @@ class Mapper(Step):
             out = self.apply(doc, stats)
             stats.kept(out)
             yield out
+
+
+# ---- the registry of step names (pipeline TOML ``type = "..."``) ------------------------------------------
+
+STEPS: dict[str, type[Step]] = {}
+
+# Modules whose import registers steps; a module not present in this install is skipped. Add yours here.
+STEP_MODULES = (
+    "lmstack.data.readers", "lmstack.data.writers",
+    "lmstack.data.extract", "lmstack.data.langid", "lmstack.data.pii", "lmstack.data.quality",
+    "lmstack.data.classifiers", "lmstack.data.dedup", "lmstack.data.tokenize",
+)
+
+
+def register_step(name: str) -> Callable[[type[Step]], type[Step]]:
+    """Class decorator: ``type = name`` in a pipeline file builds this step (``cls(**the other keys)``)."""
+    def add(cls: type[Step]) -> type[Step]:
+        if not (isinstance(cls, type) and issubclass(cls, Step)):
+            raise TypeError(f"register_step({name!r}) decorates a Step subclass, got {cls!r}")
+        if STEPS.get(name, cls) is not cls:
+            raise ValueError(f"step name {name!r} is already registered to {STEPS[name].__module__}.{STEPS[name].__qualname__}")
+        STEPS[name] = cls
+        return cls
+    return add
+
+
+def step_class(name: str) -> type[Step]:
+    """The class registered as ``name``, or ``"package.module:Class"`` for a step outside the registry."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        cls = getattr(importlib.import_module(module), attr, None)
+        if not (isinstance(cls, type) and issubclass(cls, Step)):
+            raise ValueError(f"step type {name!r}: {module} has no Step subclass named {attr!r}")
+        return cls
+    if name not in STEPS:
+        for module in STEP_MODULES:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except ModuleNotFoundError:
+                found = False
+            if found:  # a module registers with @register_step, or lists its steps in a STEPS dict
+                for step_name, cls in getattr(importlib.import_module(module), "STEPS", {}).items():
+                    if step_name not in STEPS:
+                        register_step(step_name)(cls)
+    if name not in STEPS:
+        raise ValueError(f"unknown step type {name!r}; registered: {', '.join(sorted(STEPS))} "
+                         "(or give 'package.module:Class')")
+    return STEPS[name]

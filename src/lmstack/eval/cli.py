@@ -8,7 +8,7 @@ import json
 
 from lmstack.inference.loader import DTYPES, QUANT
 from lmstack.threads import add_threads_argument
-from lmstack.utils import atomic_write_text, check_outputs, is_json_file
+from lmstack.utils import atomic_write_text, check_outputs, finite_float, is_json_file, is_png_file, positive_int
 from lmstack.eval import contamination as C
 from lmstack.eval.arena import plot_ratings, rate, read_battles
 from lmstack.eval.contamination import clean_rescore
@@ -19,7 +19,6 @@ from lmstack.eval.runner import Evaluator, run_task, table
 from lmstack.eval.tasks import load_task
 from lmstack.inference.loader import load_for_inference, model_tokenizer
 from lmstack.tokenizer import is_token_file
-from lmstack.utils import is_png_file
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -47,28 +46,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = esub.add_parser("ppl", help="perplexity and bits per byte on a text or token file (strided windows)")
     p.add_argument("data", help="UTF-8 text file, or a token file (with its .json sidecar)")
     _model_args(p)
-    p.add_argument("--max-length", type=int, default=None, help="window length (default: the model's context)")
-    p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: max-length/2)")
-    p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
+    p.add_argument("--max-length", type=positive_int, default=None, help="window length (default: the model's context)")
+    p.add_argument("--stride", type=positive_int, default=None, help="tokens between window starts (default: max-length/2)")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="evaluate only the first N tokens")
     p.add_argument("--add-bos", action="store_true", help="put the model's BOS token first")
-    p.add_argument("--batch", type=int, default=None, help="windows per forward (default: 8192 tokens' worth, ≤ 32)")
+    p.add_argument("--batch", type=positive_int, default=None, help="windows per forward (default: 8192 tokens' worth, ≤ 32)")
     p.add_argument("--json", default=None, help="write the result here")
     p.set_defaults(func=run_ppl)
 
     r = esub.add_parser("run", help="run task files (YAML spec or JSONL items): multiple choice, loglikelihood, generate")
     r.add_argument("tasks", nargs="+", help="task files (.yaml/.yml spec or .jsonl items)")
     _model_args(r)
-    r.add_argument("--max-length", type=int, default=None, help="context length (default: the model's)")
-    r.add_argument("--limit", type=int, default=None, help="only the first N items of each task")
+    r.add_argument("--max-length", type=positive_int, default=None, help="context length (default: the model's)")
+    r.add_argument("--limit", type=positive_int, default=None, help="only the first N items of each task")
     r.add_argument("--json", default=None, help="write the results here")
     r.add_argument("--samples", action="store_true", help="include per-item records in the JSON")
     r.set_defaults(func=run_tasks)
 
     a = esub.add_parser("arena", help="ratings from pairwise battles: online Elo, Bradley-Terry with bootstrap CIs, PNG")
     a.add_argument("battles", help="JSONL: model_a, model_b, winner (model_a | model_b | tie | tie (bothbad))")
-    a.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals")
+    a.add_argument("--bootstrap", type=positive_int, default=200, help="bootstrap resamples for the intervals")
     a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--k", type=float, default=4.0, help="online Elo step")
+    a.add_argument("--k", type=finite_float, default=4.0, help="online Elo step")
     a.add_argument("--json", default=None, help="write the ratings here")
     a.add_argument("--png", default=None, help="plot the ratings with their intervals here")
     a.set_defaults(func=run_arena)
@@ -78,12 +77,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("method", choices=["exchangeability", "overlap"])
     c.add_argument("task", help="task file (.yaml/.jsonl): its items, in file order, are the benchmark")
     _model_args(c)
-    c.add_argument("--permutations", type=int, default=99, help="exchangeability: random orders to compare")
+    c.add_argument("--permutations", type=positive_int, default=99, help="exchangeability: random orders to compare")
     c.add_argument("--shards", type=int, default=0, help="exchangeability: also the sharded t-test with this many")
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--max-length", type=int, default=None, help="context length (default: the model's)")
+    c.add_argument("--max-length", type=positive_int, default=None, help="context length (default: the model's)")
     c.add_argument("--train", default=None, help="overlap: the training corpus (text file, or token file + sidecar)")
-    c.add_argument("--n", type=int, default=13, help="overlap: n-gram length (words for text, tokens for token files)")
+    c.add_argument("--n", type=positive_int, default=13, help="overlap: n-gram length (words for text, tokens for token files)")
     c.add_argument("--results", default=None, help="overlap: a `lmstack eval run --samples` JSON to re-score "
                                                    "on the clean items")
     c.add_argument("--json", default=None, help="write the result here")
@@ -216,7 +215,7 @@ def run_contamination(args) -> int:
     else:
         if not args.train:
             raise ValueError("overlap needs --train FILE (a text corpus or a token file)")
-        if is_token_file(args.train):
+        if is_token_file(args.train, strict=True):
             tok = model_tokenizer(args.model, args.tokenizer)
             r = C.ngram_overlap([tok.encode(t) for t in texts], C.token_chunks(args.train), args.n)
         else:

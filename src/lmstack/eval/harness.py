@@ -36,8 +36,12 @@ class LMStackLM(LM):
     context (default the model's); ``max_gen_toks``: generation budget when a task names none."""
 
     def __init__(self, model="smollm2-135m", tokenizer=None, dtype="fp32", max_length=None, max_gen_toks=256,
-                 max_batch_tokens=8192, batch_size=None, device=None, **unused):
+                 max_batch_tokens=8192, batch_size=None, device=None, max_batch_size=None, **unknown):
         super().__init__()
+        if unknown:  # a typo (dtyp=int4) would otherwise run the defaults silently
+            raise ValueError(f"lmstack model_args: unknown key(s) {sorted(unknown)}; expected model, tokenizer, dtype, "
+                             "max_length, max_gen_toks, max_batch_tokens (and lm-eval's batch_size, max_batch_size, "
+                             "device)")
 
         import torch
 

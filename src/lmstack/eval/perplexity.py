@@ -211,7 +211,7 @@ def read_eval_tokens(path, tokenizer=None, add_bos: int | None = None, max_token
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such text or token file")
-    if is_token_file(path):
+    if is_token_file(path, strict=True):
         ids = np.asarray(open_tokens(path), dtype=np.int64)
     else:
         if tokenizer is None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import replace
@@ -130,6 +131,7 @@ class LLMEngine:
         if eos_token_id is None:
             eos_token_id = c.eos_token_id if c.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
         self.generator = torch.Generator().manual_seed(seed)
+        self.driver: object | None = None  # the one LLM or AsyncLLM that steps this engine (``attach``)
         self.stats = {"steps": 0, "forwards": 0, "preemptions": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
                       "computed_tokens": 0, "generated_tokens": 0, "window_released_blocks": 0,
                       "spec_proposed": 0, "spec_accepted": 0}
@@ -218,6 +220,18 @@ class LLMEngine:
         return self.stats["cached_prompt_tokens"] / max(1, self.stats["prompt_tokens"])
 
     # ---- one iteration -------------------------------------------------------------------
+    def attach(self, driver: object) -> None:
+        """Make ``driver`` (an ``LLM`` or ``AsyncLLM``) the one that steps this engine; each driver claims the
+        engine when it starts work. The engine is not thread-safe and a driver takes every request in it for
+        its own, so while another driver has work in flight (its ``busy()``) the claim is refused by name —
+        instead of two loops stepping one engine (which lost requests or hung). An idle driver is replaced."""
+        current = self.driver
+        if current is not None and current is not driver and current.busy():
+            raise RuntimeError(f"this LLMEngine is already driven by a {type(current).__name__} with requests in "
+                               f"flight; one engine has one driver at a time (use that {type(current).__name__}, "
+                               f"or build another engine for the {type(driver).__name__})")
+        self.driver = driver
+
     def step(self) -> list[RequestOutput]:
         """Schedule, run one iteration, sample; returns outputs of the requests that progressed."""
         scheduled = self.scheduler.schedule()
@@ -342,6 +356,8 @@ class LLM:
         self.runtime = runtime
         self.runtime_line = configure(model, runtime) if configured else None
         self.engine = LLMEngine(model, tokenizer, **engine_kwargs)
+        self.engine.attach(self)
+        self._lock = threading.Lock()  # generate() from several threads: one call steps the engine at a time
 
     @property
     def tokenizer(self):
@@ -349,7 +365,17 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order. Thread-safe: calls from several
+        threads run one after another (each steps the engine until its own requests finish)."""
+        with self._lock:
+            self.engine.attach(self)
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def busy(self) -> bool:
+        """A ``generate`` call is running (the engine's driver protocol, ``LLMEngine.attach``)."""
+        return self._lock.locked()
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -403,6 +429,7 @@ class AsyncLLM:
     """
 
     def __init__(self, engine: LLMEngine):
+        engine.attach(self)
         self.engine = engine
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending: list[tuple] = []
@@ -414,8 +441,13 @@ class AsyncLLM:
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
 
+    def busy(self) -> bool:
+        """Streams in flight or requests waiting to be added (``LLMEngine.attach``)."""
+        return bool(self._queues or self._pending)
+
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> asyncio.Queue:
         params = params or SamplingParams()
+        self.engine.attach(self)
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already streaming")
         self._ensure_loop()

@@ -23,6 +23,8 @@ except ImportError:  # pragma: no cover - depends on the torch version
 #: the switch for oneDNN GEMMs on CPU fp32 (``LMSTACK_ONEDNN=0`` turns them off; benchmarks flip it to time both)
 ONEDNN = [os.environ.get("LMSTACK_ONEDNN", "1") != "0"]
 ONEDNN_MIN_ROWS = 8  # below this (decode's GEMV) torch's BLAS is as fast, except for a large weight:
+#: oneDNN is built into this torch and has the fused linear op (read once: nothing a compiled graph must trace)
+_MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 ONEDNN_MIN_WEIGHT = 1 << 22  # e.g. the unembedding (V·D elements), where oneDNN stays ~2x faster at one row
 
 
@@ -59,9 +61,10 @@ def onednn_ok(x: Tensor) -> bool:
     FLOP counters and compilers see plain ``mm``; no CPU autocast, under which F.linear computes in bf16), oneDNN
     built in, not switched off (``ONEDNN``, ``LMSTACK_ONEDNN=0``), and a plain tensor (a DTensor of the native
     parallel backend has no oneDNN sharding rule)."""
-    return (type(x) is Tensor and x.device.type == "cpu" and x.dtype == torch.float32 and ONEDNN[0]
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling()
+    # is_compiling() first: Dynamo cannot trace torch.backends.mkldnn.is_available (issue #31: `generate
+    # --compile` at fp32 crashed with torch._dynamo.exc.Unsupported), and a compiled graph wants plain mm anyway
+    return (not torch.compiler.is_compiling() and type(x) is Tensor and x.device.type == "cpu"
+            and x.dtype == torch.float32 and ONEDNN[0] and _MKLDNN_LINEAR and _get_current_dispatch_mode() is None
             and not torch.is_autocast_enabled("cpu"))
 
 

@@ -43,6 +43,9 @@ class MLA(nn.Module):
     (DeepSeek's own: "interleaved").
     """
 
+    #: read as a matrix by the absorbed form (``up_weights``): weight-only quantisation keeps it in floating point
+    float_linears = ("kv_b_proj",)
+
     def __init__(self, config: ModelConfig, layer_idx: int = 0, device: torch.device | None = None,
                  dtype: torch.dtype | None = None):
         super().__init__()

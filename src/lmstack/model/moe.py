@@ -138,7 +138,12 @@ def expert_swiglu(x: Tensor, counts: list[int], gate: Tensor, up: Tensor, down: 
     for e, rows in enumerate(x.split(counts)):  # a loop over the E experts; each is one (n_e, D) block
         if rows.shape[0]:
             outs.append(linear(F.silu(linear(rows, gates[e])) * linear(rows, ups[e]), downs[e]))
-    return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+    if not outs:  # no rows for any expert here: still a (0, D) result *in the graph* of x and the weights, so
+        # the backward reaches x (with expert parallelism the all-to-all that produced x must run its backward
+        # collective on every rank, or the ranks deadlock/abort: issue #31)
+        rows = x[:0]  # F.linear: oneDNN has no primitive for an empty product's backward
+        return F.linear(F.silu(F.linear(rows, gates[0])) * F.linear(rows, ups[0]), downs[0])
+    return torch.cat(outs)
 
 
 def loop_reference(x: Tensor, routing: Routing, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:

@@ -34,16 +34,17 @@ def causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor | 
 
 def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float, group: int, norm_first: bool) -> Tensor:
     """RMSNorm over groups of ``group`` channels, gated by silu(z): norm(y)·γ·silu(z) (Gated DeltaNet,
-    ``norm_first``) or norm(y·silu(z))·γ (Mamba-2). In fp32, returned in y's dtype."""
+    ``norm_first``) or norm(y·silu(z))·γ (Mamba-2). In fp32 (fp64 for an fp64 y), returned in y's dtype."""
     dtype = y.dtype
-    y32, g = y.float(), F.silu(z.float())
+    c = torch.float64 if dtype == torch.float64 else torch.float32
+    y32, g = y.to(c), F.silu(z.to(c))
     if not norm_first:
         y32 = y32 * g
     shape = y32.shape
     y32 = y32.view(*shape[:-1], -1, group)
     y32 = (y32 * torch.rsqrt(y32.pow(2).mean(-1, keepdim=True) + eps)).view(shape)
     if norm_first:
-        return ((weight * y32.to(dtype)).float() * g).to(dtype)
+        return ((weight * y32.to(dtype)).to(c) * g).to(dtype)
     return weight * y32.to(dtype)
 
 

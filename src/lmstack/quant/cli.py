@@ -31,7 +31,7 @@ from lmstack.model.io import load_model, save_pretrained
 from lmstack.quant.prune import distill, prune_width
 from lmstack.threads import add_threads_argument, set_threads
 from lmstack.tokenizer import load_tokenizer
-from lmstack.utils import atomic_write_text, check_outputs, pyplot, save_png
+from lmstack.utils import atomic_write_text, check_outputs, finite_float, own_folder, positive_int, pyplot, save_png
 
 
 def register(subparsers) -> None:
@@ -39,21 +39,23 @@ def register(subparsers) -> None:
                               description=__doc__.split("\n")[0] + " (seed 001 \"有损提速\"; Minitron).")
     p.add_argument("--model", required=True, help="smollm2-135m, a GGUF file or an lmstack checkpoint directory")
     p.add_argument("--out", required=True, help="directory for the pruned checkpoint")
-    p.add_argument("--d-ff", type=int, default=None, help="FFN width F to keep (default: unchanged)")
-    p.add_argument("--n-kv-heads", type=int, default=None, help="KV groups K to keep, with their query heads")
-    p.add_argument("--d-model", type=int, default=None, help="embedding channels D to keep")
+    p.add_argument("--force", action="store_true",
+                   help="write into --out even when it holds something other than an earlier compress output")
+    p.add_argument("--d-ff", type=positive_int, default=None, help="FFN width F to keep (default: unchanged)")
+    p.add_argument("--n-kv-heads", type=positive_int, default=None, help="KV groups K to keep, with their query heads")
+    p.add_argument("--d-model", type=positive_int, default=None, help="embedding channels D to keep")
     p.add_argument("--text", default=None, help="calibration/distillation/eval text file (default: stdlib sources)")
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--calib-rows", type=int, default=16)
-    p.add_argument("--eval-rows", type=int, default=4)
+    p.add_argument("--seq", type=positive_int, default=256)
+    p.add_argument("--calib-rows", type=positive_int, default=16)
+    p.add_argument("--eval-rows", type=positive_int, default=4)
     p.add_argument("--distill-steps", type=int, default=0)
     p.add_argument("--distill-rows", type=int, default=None,
                    help="rows distillation cycles through (default: the --calib-rows; extra ones follow the held-out rows)")
     p.add_argument("--eval-every", type=int, default=0, help="held-out perplexity every N distillation steps (0: end only)")
     p.add_argument("--speed-tokens", type=int, default=32,
                    help="new tokens per batch-1 greedy decode timing of the original and the result (0: skip)")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lr", type=finite_float, default=3e-4)
+    p.add_argument("--temperature", type=finite_float, default=1.0)
     add_threads_argument(p)
     p.set_defaults(func=run_compress)
 
@@ -106,7 +108,9 @@ def _plot(path: Path, losses: list[float], evals: list[tuple[int, float]], teach
 
 
 def run_compress(args: argparse.Namespace) -> int:
-    check_outputs([("--out", args.out)], [("--model", args.model), ("--text", args.text)])
+    check_outputs([("--out", args.out)], [("--model", args.model), ("--text", args.text)],
+                  {"--out": ("an empty folder or an earlier `lmstack compress` output (one with compress.json)",
+                             lambda p: own_folder(p, "compress.json"))}, force=args.force)
     set_threads(args.threads)
     for name in ("distill_steps", "eval_every", "speed_tokens"):
         if getattr(args, name) < 0:

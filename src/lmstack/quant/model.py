@@ -21,15 +21,18 @@ QUANT_METHODS = ("int8", "int4")
 
 def replace_block_linears(model: nn.Module, make) -> None:
     """Replace every ``Linear`` inside ``model.blocks`` (an lmstack Transformer's W_Q … W_down) by
-    ``make(name, linear)``, in place; a float model only (one quantisation per model)."""
+    ``make(name, linear)``, in place; a float model only (one quantisation per model). A module that reads one
+    of its linears as a matrix (MLA's absorbed form multiplies the queries by ``kv_b_proj.weight``) names it in
+    its ``float_linears`` attribute, and that linear stays in floating point."""
     if not hasattr(model, "blocks"):
         raise TypeError(f"expected an lmstack Transformer (with .blocks), got {type(model).__name__}")
     if getattr(model, "quantization", None):
         raise ValueError(f"the model is already quantised ({model.quantization}); quantise a float model")
     for block in model.blocks:
         for parent in block.modules():
+            keep = getattr(parent, "float_linears", ())
             for name, child in list(parent.named_children()):
-                if isinstance(child, Linear):
+                if isinstance(child, Linear) and name not in keep:
                     setattr(parent, name, make(name, child))
 
 

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from lmstack.threads import add_threads_argument
-from lmstack.utils import atomic_write_text, check_outputs, is_json_file, is_png_file
+from lmstack.utils import atomic_write_text, check_outputs, is_json_file, is_png_file, unit_interval
 from lmstack.accounting import get_hardware
 from lmstack.scaling.coord_check import SITES, coord_check, plot_coord_check
 from lmstack.scaling.experiments import batch_sweep, lr_transfer, plot_batch_sweep, plot_lr_transfer
@@ -48,7 +48,7 @@ def register(subparsers) -> None:
     ft.add_argument("runs", help="runs.jsonl written by `lmstack scaling sweep`")
     ft.add_argument("--out", default=None, help="folder for fit.json and the PNGs (default: beside the runs file)")
     ft.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples for the intervals (default 100)")
-    ft.add_argument("--level", type=float, default=0.9, help="interval level (default 0.9)")
+    ft.add_argument("--level", type=unit_interval, default=0.9, help="interval level (default 0.9)")
     ft.add_argument("--window", type=float, default=None,
                     help="approach 2: fit each IsoFLOP parabola to the sizes within this factor of the budget's "
                          "best run (default: all sizes)")

@@ -32,12 +32,13 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmstack.inference.engine import AsyncLLM, GenerationError, LLMEngine
 from lmstack.inference.sampling import SamplingParams
 from lmstack.serve.metrics import ServerMetrics
-from lmstack.serve.penalties import Penalties
+from lmstack.serve.penalties import LogitBias, Penalties
 from lmstack.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                     error_body)
 
@@ -74,14 +75,20 @@ class Server:
     """The state behind the app: the engine, its async loop, the tokenizer, admission, metrics."""
 
     def __init__(self, engine: LLMEngine, model_name: str, *, api_key: str | None = None, max_queue: int = 256,
-                 queue_timeout: float = 0.0, max_n: int = 16):
+                 queue_timeout: float = 0.0, max_n: int = 16, max_body_bytes: int = 4 * 2**20,
+                 public_metrics: bool = False):
         if engine.tokenizer is None:
             raise ValueError("the server needs an engine with a tokenizer (text in, text out)")
         if max_queue < 0 or queue_timeout < 0 or max_n < 1:
             raise ValueError(f"max_queue={max_queue}, queue_timeout={queue_timeout} must be >= 0, max_n={max_n} >= 1")
         self.engine, self.llm = engine, AsyncLLM(engine)
         self.tokenizer = engine.tokenizer
+        if api_key is not None and not api_key.strip():
+            raise ValueError("api_key is empty: pass a non-empty key, or None to serve without authentication")
         self.model_name, self.api_key = model_name, api_key
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes={max_body_bytes}; expected >= 1")
+        self.max_body_bytes, self.public_metrics = max_body_bytes, public_metrics
         self.capacity = engine.scheduler.max_num_seqs + max_queue
         self.queue_timeout, self.max_n = queue_timeout, max_n
         self.in_flight = 0
@@ -174,6 +181,8 @@ class Server:
         if seed is not None and index:
             seed = (seed + index + 2**63) % 2**64 - 2**63  # choice i of n: seed + i, kept in 64 bits
         procs = list(processors)
+        if body.logit_bias:
+            procs.append(LogitBias(self.logit_bias(body.logit_bias)))
         if body.presence_penalty or body.frequency_penalty:
             procs.append(Penalties(body.presence_penalty or 0.0, body.frequency_penalty or 0.0))
         stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
@@ -186,6 +195,34 @@ class Server:
                 ignore_eos=body.ignore_eos, seed=seed, logprobs=logprobs, logits_processors=procs)
         except ValueError as e:
             raise APIError(400, str(e)) from None
+
+    def logit_bias(self, bias: dict[str, float]) -> dict[int, float]:
+        """``logit_bias``'s keys are token ids as strings (JSON object keys): each in the vocabulary."""
+        V = self.engine.config.vocab_size
+        out = {}
+        for key, value in bias.items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+            if not 0 <= tid < V:
+                raise APIError(400, f"logit_bias token {tid} is outside the vocabulary [0, {V})", param="logit_bias")
+            out[tid] = value
+        return out
+
+    @staticmethod
+    def unsupported(body) -> None:
+        """OpenAI fields the server does not implement are refused unless at their no-op value."""
+        if body.tools or body.functions:
+            raise APIError(400, "tool calls are not supported by this server (tools/functions)", param="tools")
+        if body.tool_choice not in (None, "none") or body.function_call not in (None, "none"):
+            raise APIError(400, "tool_choice is not supported (no tools)", param="tool_choice")
+        if body.parallel_tool_calls:
+            raise APIError(400, "parallel_tool_calls is not supported (no tools)", param="parallel_tool_calls")
+        if body.modalities not in (None, ["text"]) or body.audio is not None:
+            raise APIError(400, "only text output is supported (modalities ['text'])", param="modalities")
+        if body.best_of not in (None, 1) and body.best_of != body.n:
+            raise APIError(400, f"best_of={body.best_of} is not supported (only best_of = n)", param="best_of")
 
     def precheck(self, ids: list[int], params: SamplingParams) -> None:
         """The engine's own checks, without queueing anything."""
@@ -338,7 +375,8 @@ def build_app(server: Server) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
         errs = e.errors()
-        first = errs[0] if errs else {}
+        # a union field reports one error per branch: the validator's own message (value_error) says most
+        first = next((x for x in errs if x.get("type") == "value_error"), errs[0] if errs else {})
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             msg = f"the request body is not valid JSON: {first.get('msg')}"
@@ -357,7 +395,8 @@ def build_app(server: Server) -> FastAPI:
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500)
 
-    app.add_middleware(_BearerAuth, server=server)
+    app.add_middleware(_BodyLimit, server=server)
+    app.add_middleware(_BearerAuth, server=server)  # added last: runs first (no key, no body read at all)
 
     @app.get("/health")
     async def health():
@@ -383,10 +422,10 @@ def build_app(server: Server) -> FastAPI:
         server.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt (text) or messages (chat)", param="prompt")
-        if body.messages is not None:
-            ids = _chat_ids(server, body.messages, body.add_generation_prompt)
+        if body.messages is not None:  # tokenising a large body takes seconds: never on the event loop
+            ids = await run_in_threadpool(_chat_ids, server, body.messages, body.add_generation_prompt)
         else:
-            ids = server.tokenizer.encode(body.prompt)
+            ids = await run_in_threadpool(server.tokenizer.encode, body.prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.max_model_len}
 
     @app.post("/detokenize")
@@ -396,13 +435,14 @@ def build_app(server: Server) -> FastAPI:
         bad = [t for t in body.tokens if t >= V]
         if bad:
             raise APIError(400, f"tokens {bad[:5]} are outside the tokenizer's vocabulary [0, {V})", param="tokens")
-        return {"prompt": server.tokenizer.decode(body.tokens)}
+        return {"prompt": await run_in_threadpool(server.tokenizer.decode, body.tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
         server.check_n(body.n)
-        ids = _chat_ids(server, body.messages, True)
+        server.unsupported(body)
+        ids = await run_in_threadpool(_chat_ids, server, body.messages, True)  # CPU work off the event loop
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = server.max_tokens(ids, asked)
         if body.top_logprobs is not None and not body.logprobs:
@@ -441,6 +481,7 @@ def build_app(server: Server) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body.model)
         server.check_n(body.n)
+        server.unsupported(body)
         if body.suffix:
             raise APIError(400, "suffix is not supported (no fill-in-the-middle template)", param="suffix")
         score_prompt = body.echo and body.logprobs is not None  # the prompt's own logprobs (prefill)
@@ -512,6 +553,51 @@ def build_app(server: Server) -> FastAPI:
     return app
 
 
+#: routes that answer without the API key: liveness, the chat page (it asks for the key itself), and /metrics
+#: when the server is started with ``public_metrics`` (a Prometheus scraper without the key)
+PUBLIC_ROUTES = ("/health", "/")
+
+
+def _protected(path: str, public_metrics: bool) -> bool:
+    """With an API key every route needs it — /v1/*, /tokenize, /detokenize, /docs, /openapi.json, /metrics and
+    any route added later — except ``PUBLIC_ROUTES`` (and /metrics with ``public_metrics``)."""
+    if path in PUBLIC_ROUTES:
+        return False
+    return not (public_metrics and path == "/metrics")
+
+
+class _BodyLimit:
+    """Request bodies above ``server.max_body_bytes`` get a 413 before the route reads them (a declared
+    Content-Length), or as soon as a streamed body passes the limit: one client's huge body cannot hold the
+    event loop or the memory."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.server.max_body_bytes
+        too_large = JSONResponse(error_body(f"the request body is larger than this server accepts ({limit} bytes)",
+                                            code="request_too_large"), status_code=413)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await too_large(scope, receive, send)
+        seen = 0
+
+        async def counted():  # a body without Content-Length (chunked): stop reading it at the limit
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:  # FastAPI passes an HTTPException through its body parsing: a 413 error object
+                    raise StarletteHTTPException(413, f"the request body is larger than this server accepts "
+                                                      f"({limit} bytes)")
+            return message
+
+        await self.app(scope, counted, send)
+
+
 class _BearerAuth:
     """``Authorization: Bearer KEY`` on /v1/*, /tokenize, /detokenize when the server has a key. A plain
     ASGI middleware: Starlette's ``BaseHTTPMiddleware`` would hide client disconnects from the routes."""
@@ -522,7 +608,7 @@ class _BearerAuth:
     async def __call__(self, scope, receive, send):
         key = self.server.api_key
         path = scope.get("path", "")
-        if key and scope["type"] == "http" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+        if key and scope["type"] == "http" and _protected(path, self.server.public_metrics):
             auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if auth != f"Bearer {key}":
                 response = JSONResponse(error_body("invalid or missing API key (Authorization: Bearer KEY)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 
@@ -27,7 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("LMSTACK_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $LMSTACK_API_KEY, else none)")
+                   help="require `Authorization: Bearer KEY` on every route but /health and the chat page "
+                        "(default: $LMSTACK_API_KEY, else none)")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="with --api-key, leave /metrics open (for a Prometheus scraper without the key); every "
+                        "other route but /health and the chat page needs the key")
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (larger: 413)")
     p.add_argument("--max-seqs", type=int, default=64, help="sequences in the running batch at most")
     p.add_argument("--max-tokens-per-step", type=int, default=512, help="token budget of one engine step")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -45,17 +51,60 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping); None where unreadable."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_serve_args(args) -> None:
+    """Refuse bad flags before anything loads, each named with what was expected (exit 2, no traceback)."""
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty (an unset shell variable?): pass a non-empty key, or leave the flag "
+                         "out (and LMSTACK_API_KEY unset) to serve without authentication")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port {args.port}: expected 1..65535")
+    for flag, v in (("--queue-timeout", args.queue_timeout), ("--shutdown-timeout", args.shutdown_timeout)):
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{flag} {v}: expected a finite number of seconds >= 0")
+    for flag, v in (("--max-seqs", args.max_seqs), ("--max-tokens-per-step", args.max_tokens_per_step),
+                    ("--kv-cache-mb", args.kv_cache_mb), ("--max-n", args.max_n)):
+        if v < 1:
+            raise ValueError(f"{flag} {v}: expected a positive integer")
+    if not math.isfinite(args.max_body_mb) or args.max_body_mb <= 0:
+        raise ValueError(f"--max-body-mb {args.max_body_mb}: expected a positive number of MiB")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue {args.max_queue}: expected >= 0")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError(f"--max-model-len {args.max_model_len}: expected a positive integer")
+    avail = available_memory_bytes()
+    if avail is not None and args.kv_cache_mb * 2**20 > avail:
+        raise ValueError(f"--kv-cache-mb {args.kv_cache_mb}: more than this machine's available memory "
+                         f"({avail // 2**20} MiB); pass a smaller pool")
+
+
 def run_serve(args) -> int:
     import uvicorn
 
+    check_serve_args(args)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model, tokenizer = load_for_inference(args.model, args.tokenizer, args.dtype)
+    if args.max_model_len is not None and args.max_model_len > model.config.max_seq_len:
+        raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's context "
+                         f"({model.config.max_seq_len} positions)")
     engine = LLMEngine(model, tokenizer, max_num_seqs=args.max_seqs, max_num_batched_tokens=args.max_tokens_per_step,
                        max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_mb * 2**20,
                        enable_prefix_caching=not args.no_prefix_caching,
                        num_speculative_tokens=args.speculative_tokens, seed=args.seed)
     server = Server(engine, args.served_model_name or str(args.model), api_key=args.api_key,
+                    max_body_bytes=int(args.max_body_mb * 2**20), public_metrics=args.public_metrics,
                     max_queue=args.max_queue, queue_timeout=args.queue_timeout, max_n=args.max_n)
     config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.shutdown_timeout)

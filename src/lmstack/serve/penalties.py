@@ -1,4 +1,4 @@
-"""OpenAI's presence and frequency penalties as an engine logits processor.
+"""OpenAI's presence and frequency penalties and ``logit_bias`` as engine logits processors.
 
 Seed 000 §2.6 (sampling controls). The OpenAI API reference defines them on the counts c[j] of
 each token j in the output so far: ``logit[j] -= c[j] · frequency_penalty + [c[j] > 0] · presence_penalty``
@@ -24,3 +24,17 @@ class Penalties:
         counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=V)[:V]  # (V,)
         counts = counts.to(device=logits.device, dtype=logits.dtype)
         return logits - self.frequency * counts - self.presence * (counts > 0).to(logits.dtype)
+
+
+class LogitBias:
+    """OpenAI's ``logit_bias``: a map token id -> bias in [-100, 100] added to that token's logit before sampling
+    (-100 bans the token in practice, +100 forces it)."""
+
+    def __init__(self, bias: dict[int, float]):
+        self.ids = torch.tensor(sorted(bias), dtype=torch.long)
+        self.values = torch.tensor([float(bias[i]) for i in sorted(bias)])
+
+    def __call__(self, output_ids: list[int], logits: Tensor) -> Tensor:
+        out = logits.clone()
+        out[self.ids.to(logits.device)] += self.values.to(device=logits.device, dtype=logits.dtype)
+        return out

@@ -12,9 +12,23 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 MAX_STOP = 4  # OpenAI: up to 4 stop sequences
+
+
+def _encodable(s: str) -> str:
+    """JSON may carry a lone UTF-16 surrogate (``"\\ud800"``) that no UTF-8 text can hold: refuse it here (400
+    naming the field) rather than fail in the tokenizer (a 500)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone surrogate {s[e.start]!r} at index {e.start}: not valid Unicode text") from None
+    return s
+
+
+#: a string that must be valid Unicode (every text the tokenizer or the detokenizer's caller will read)
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -38,7 +52,7 @@ class Sampling(_Request):
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
+    stop: Text | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = Field(default=None, ge=-2**63, lt=2**64)
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
@@ -51,6 +65,17 @@ class Sampling(_Request):
     repetition_penalty: Annotated[float, Field(gt=0, le=100)] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # OpenAI fields this server does not implement: accepted only at their no-op values (``Server.unsupported``),
+    # anything else is a 400 naming the field — never a plain-text answer pretending to comply
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
 
 
 class CompletionRequest(Sampling):
@@ -60,22 +85,22 @@ class CompletionRequest(Sampling):
     (``max_tokens=1``, then it keeps the continuation's slice). ``max_tokens=0`` with ``echo`` only scores the
     prompt (not streamed)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -110,7 +135,7 @@ class TokenizeRequest(_Request):
     """``POST /tokenize``: a text prompt, or chat messages rendered with the model's template."""
 
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
 

@@ -317,6 +317,49 @@ def to_tiktoken(tok: Tokenizer, name: str = "lmstack"):
     return tiktoken.Encoding(name=name, pat_str=tok.pattern, mergeable_ranks=ranks, special_tokens=dict(tok.special_tokens))
 
 
+def _token_content(v, where: str, key: str) -> str | None:
+    """A special token in tokenizer_config.json: a string, or an AddedToken object ``{"content": ...}``."""
+    if v is None or isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return v["content"]
+    raise TokenizerFileError(f"{where}: {key}={v!r:.60}; expected a string or an object with a 'content' string")
+
+
+def apply_hf_folder_config(tok: Tokenizer, folder: str | os.PathLike) -> Tokenizer:
+    """What HF keeps beside ``tokenizer.json``: the chat template (``chat_template.jinja``, else
+    ``tokenizer_config.json``'s ``chat_template`` — a string, or a list of named templates of which "default"
+    is taken) and the bos/eos/pad tokens named in ``tokenizer_config.json``, as ``AutoTokenizer`` reads them.
+    Only what the folder states is set; a token named there must be in the vocabulary."""
+    folder = Path(folder)
+    cfg_path = folder / "tokenizer_config.json"
+    cfg: dict = {}
+    if cfg_path.is_file():
+        _, cfg = _read_json(cfg_path)
+        cfg = _expect(cfg, dict, str(cfg_path), "the file")
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise TokenizerFileError(f"{cfg_path}: chat_template={template!r:.60}; expected a string or named templates")
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():  # transformers saves the template there; it wins over the config's copy
+        template = jinja.read_text(encoding="utf-8")
+    if template is not None:
+        tok.chat_template = template
+    ids = {b.decode("utf-8", "replace"): i for i, b in tok.vocab.items()}
+    ids.update(tok.special_tokens)
+    for key in ("bos_token", "eos_token", "pad_token"):
+        content = _token_content(cfg.get(key), str(cfg_path), key)
+        if content is None:
+            continue
+        if content not in ids:
+            raise TokenizerFileError(f"{cfg_path}: {key}={content!r} is not a token of {folder / 'tokenizer.json'}")
+        setattr(tok, f"{key}_id", ids[content])
+    return tok
+
+
 # ---------------------------------------------------------------------- any of the above
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load by path: ``*.gguf``; a directory holding ``tokenizer.json`` or ``vocab.json`` + ``merges.txt``;
@@ -324,11 +367,11 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist")
-    if path.is_dir():
+    if path.is_dir():  # an HF folder: the tokenizer, plus its chat template and special tokens beside it
         if (path / "tokenizer.json").is_file():
-            return load_hf(path / "tokenizer.json")
+            return apply_hf_folder_config(load_hf(path / "tokenizer.json"), path)
         if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
-            return load_gpt2(path / "vocab.json", path / "merges.txt")
+            return apply_hf_folder_config(load_gpt2(path / "vocab.json", path / "merges.txt"), path)
         raise TokenizerFileError(f"directory {str(path)!r} has neither tokenizer.json nor vocab.json + merges.txt")
     with open(path, "rb") as f:
         head = f.read(4)

@@ -76,8 +76,15 @@ def read_sidecar(path: str | os.PathLike) -> TokenFileInfo:
                          _int_or_none(meta.get("vocab_size")))
 
 
-def is_token_file(path: str | os.PathLike) -> bool:
-    """A token file as ``encode_files`` writes it: a file whose sidecar names its dtype."""
+def is_token_file(path: str | os.PathLike, strict: bool = False) -> bool:
+    """A token file as ``encode_files`` writes it: a file whose sidecar names its dtype.
+
+    ``strict`` (readers that would otherwise take the file as text): a sidecar that is there but unreadable
+    (not JSON, no ``dtype``, a bogus dtype) is a ValueError naming it, not False — read as text, the binary
+    gives a wrong answer (issue #31: ``eval ppl tok.bin`` reported a perplexity over its bytes)."""
+    if strict and sidecar_path(path).is_file():
+        read_sidecar(path)
+        return Path(path).is_file()
     try:
         read_sidecar(path)
     except (ValueError, OSError):

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmstack.kernels.runtime import PRECISIONS, RuntimeConfig
+from lmstack.cpu import TRAIN_PRECISIONS
+from lmstack.kernels.runtime import RuntimeConfig
 from lmstack.model.config import RUNTIME_FIELDS, ConfigError, ModelConfig
 from lmstack.parallel.plan import ParallelPlan
 from lmstack.train.schedule import SCHEDULES
@@ -72,7 +73,9 @@ class TrainConfig:
     z_loss: float = 0.0  # α of α·log²Z (seed 001 "训练稳定性"); 1e-4 is typical
     qk_norm: bool | None = None  # shortcut for model.qk_norm
     # ---- precision and memory (seed 000 §1.8, §5.1-5.4)
-    precision: str = "bf16"  # bf16/fp16: autocast with fp32 master weights; fp32: no autocast
+    # auto: bf16 autocast where the CPU multiplies bf16 natively and measures faster, else fp32 (lmstack.cpu);
+    # bf16/fp16: autocast with fp32 master weights; fp32: no autocast
+    precision: str = "auto"
     activation_checkpointing: bool = False
     device: str = "auto"
     compile: bool = False  # torch.compile the model
@@ -112,8 +115,8 @@ class TrainConfig:
         if self.quant not in (None, "int4-qat"):
             raise TrainConfigError(f"quant={self.quant!r}; expected \"int4-qat\" (quantisation-aware training) or "
                                    "null (post-training quantisation: `lmstack generate --dtype int4`, `LLM(quant=...)`)")
-        if self.precision not in PRECISIONS:
-            raise TrainConfigError(f"precision={self.precision!r}; expected one of {PRECISIONS}")
+        if self.precision not in TRAIN_PRECISIONS:
+            raise TrainConfigError(f"precision={self.precision!r}; expected one of {TRAIN_PRECISIONS}")
         self._move_runtime_keys()
         if self.qk_norm is not None:
             check_bool("qk_norm", self.qk_norm, TrainConfigError)
@@ -188,8 +191,10 @@ class TrainConfig:
 
     def runtime(self) -> RuntimeConfig:
         """How this run computes: backends, precision, compile (resolved once by the trainer,
-        ``lmstack.kernels.runtime.configure``). The TOML keeps them as top-level keys."""
-        return RuntimeConfig(self.attn_backend, self.norm_backend, dtype=self.precision, compile=self.compile)
+        ``lmstack.kernels.runtime.configure``). The TOML keeps them as top-level keys. The Trainer resolves
+        ``precision="auto"`` (``lmstack.cpu.choose_precision``) before it asks; unresolved, auto reads as fp32."""
+        dtype = "fp32" if self.precision == "auto" else self.precision
+        return RuntimeConfig(self.attn_backend, self.norm_backend, dtype=dtype, compile=self.compile)
 
     # ---- model ---------------------------------------------------------------------------
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:

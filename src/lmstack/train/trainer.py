@@ -31,6 +31,7 @@ The step is factored so a distributed wrapper can plug in without touching this 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -46,6 +47,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from lmstack.accounting import measure_cpu, training_step_flops
+from lmstack.cpu import choose_precision
 from lmstack.kernels.runtime import configure
 from lmstack.model.dsa import dsa_indexer_loss
 from lmstack.model.io import save_pretrained
@@ -165,6 +167,11 @@ class Trainer:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        # precision="auto": bf16 only where this CPU/GPU multiplies it natively and faster (lmstack.cpu); the
+        # resolved precision is what the run's config (and so its checkpoints) records
+        self.precision_choice = choose_precision(c.precision, self.device)
+        if self.precision_choice.precision != c.precision:
+            self.config = c = dataclasses.replace(c, precision=self.precision_choice.precision)
         torch.manual_seed(c.seed)
         self.out_dir = Path(c.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
@@ -201,7 +208,7 @@ class Trainer:
         self.runtime = c.runtime()  # backends, precision, compile: how this run computes
         runtime_line = configure(self.raw_model, self.runtime, self.device, training=True, max_keys=c.seq_len)
         if self.is_main:
-            print(runtime_line)
+            print(f"{self.precision_choice.line()}\n{runtime_line}")
         self.raw_model.activation_checkpointing = c.activation_checkpointing
         if c.quant == "int4-qat":  # seed 001 "有损提速": train through the int4 rounding (straight-through)
             prepare_qat(self.raw_model, "int4")

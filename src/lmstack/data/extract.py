@@ -1,0 +1,166 @@
+"""HTML -> plain text: decode the bytes, extract the visible (optionally only the main) text.
+
+The reader leaves a WARC record's HTTP payload in ``doc.metadata["raw"]`` (bytes) with its
+``doc.metadata["content_type"]`` and an empty text; :class:`Extract` turns it into text.
+
+Decoding (never raises): bytes that decode as UTF-8 (and are not plain ASCII) are UTF-8, whatever the
+header says (legacy 8-bit text almost never forms valid multi-byte UTF-8 sequences); else the charset named in the Content-Type header if Python knows it, else the
+``<meta charset>`` of the page, else uchardet's guess (resiliparse's ``detect_encoding``), then
+resiliparse's ``bytes_to_str`` with ``errors="replace"`` and UTF-8 / cp1252 fallbacks, so undecodable
+bytes become U+FFFD instead of an exception.
+
+Extraction: resiliparse's ``extract_plain_text`` (Bevendorff et al., "FastWARC/Resiliparse", 2021) with
+formatting kept (one block per line) and, in main-content mode (the default), its heuristics that drop
+navigation, menus, footers and sidebars; trafilatura (Barbaresi 2021) as the slower alternative engine.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+from collections.abc import Iterable, Iterator
+
+from lmstack.data.document import Document
+from lmstack.data.step import Mapper, StepStats
+
+ENGINES = ("resiliparse", "trafilatura")
+_HTML_TYPES = ("text/html", "application/xhtml", "text/xml", "application/xml", "text/plain")
+_CHARSET = re.compile(r"charset\s*=\s*[\"']?([\w.:-]+)", re.IGNORECASE)
+_LOOKS_HTML = re.compile(r"^\s*(?:<!doctype\s+html|<html|<head|<body|<\?xml|<!--|<div|<p[\s>])", re.IGNORECASE)
+
+
+def _known_codec(name: str | None) -> str | None:
+    if not name:
+        return None
+    try:
+        return codecs.lookup(name).name
+    except LookupError:
+        return None
+
+
+def looks_binary(raw: bytes) -> bool:
+    """True when the first 4 KiB hold a NUL byte or mostly control bytes (images, archives, PDFs)."""
+    head = raw[:4096]
+    if not head or head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # UTF-16 text has NULs
+        return False
+    if b"\x00" in head:
+        return True
+    ctrl = sum(1 for b in head if b < 9 or 13 < b < 32)
+    return ctrl > 0.1 * len(head)
+
+
+def decode_html(raw: bytes, content_type: str | None = None) -> str:
+    """Bytes of a web page -> str, never raising (see the module docstring for the order of guesses)."""
+    from resiliparse.parse.encoding import bytes_to_str, detect_encoding
+
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise TypeError(f"decode_html expects bytes, got {type(raw).__name__}")
+    raw = bytes(raw)
+    if not raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) and not raw.isascii():
+        try:  # bytes that are valid UTF-8 and not ASCII are UTF-8 whatever a header claims
+            return raw.decode("utf-8").removeprefix("\ufeff")
+        except UnicodeDecodeError:
+            pass
+    header = _CHARSET.search(content_type or "")
+    encoding = _known_codec(header.group(1) if header else None)
+    if encoding is None:
+        encoding = _known_codec(detect_encoding(raw, from_html_meta=True)) or "utf-8"
+    try:
+        return bytes_to_str(raw, encoding, errors="replace")
+    except (UnicodeError, LookupError):  # a codec that fails even with errors="replace"
+        return raw.decode("utf-8", errors="replace")
+
+
+def html_to_text(html: str, main_content: bool = True, engine: str = "resiliparse") -> str:
+    """HTML string -> text, one block per line; '' when nothing can be extracted (never raises on bad HTML)."""
+    if engine not in ENGINES:
+        raise ValueError(f"extraction engine {engine!r} is not one of {ENGINES}")
+    if not html or not html.strip():
+        return ""
+    if engine == "trafilatura":
+        import trafilatura
+
+        try:
+            out = trafilatura.extract(html, include_comments=False, include_tables=True,
+                                      favor_precision=main_content, no_fallback=not main_content)
+        except Exception:  # noqa: BLE001  trafilatura raises a zoo of lxml errors on broken pages
+            return ""
+        return (out or "").strip()
+    from resiliparse.extract.html2text import extract_plain_text
+
+    try:
+        text = extract_plain_text(html, preserve_formatting=True, main_content=main_content,
+                                  list_bullets=True, alt_texts=False, links=False, form_fields=False,
+                                  noscript=False, comments=False)
+    except Exception:  # noqa: BLE001  resiliparse's HTMLParserException on pathological input
+        return ""
+    lines = (ln.rstrip() for ln in text.splitlines())  # keep the indentation of <pre> code
+    return "\n".join(ln for ln in lines if ln.strip())
+
+
+class Extract(Mapper):
+    """``metadata["raw"]`` (bytes, a WARC payload) or HTML in ``doc.text`` -> extracted text.
+
+    Keeps ``metadata["content_type"]``, removes ``metadata["raw"]`` (so the document stays JSON) and records
+    ``metadata["encoding_replacements"]`` (U+FFFD characters the decoding produced). A record that is binary,
+    not HTML/text, or extracts to nothing is dropped with reason ``extract_binary`` / ``extract_not_html`` /
+    ``extract_empty`` (an extractor that yields empty documents would only hand them to the next filter).
+    Counters: ``extracted``, ``decoded_with_replacements``.
+    """
+
+    name = "extract"
+
+    def __init__(self, engine: str = "resiliparse", main_content: bool = True, keep_raw: bool = False):
+        if engine not in ENGINES:
+            raise ValueError(f"extraction engine {engine!r} is not one of {ENGINES}")
+        self.engine, self.main_content, self.keep_raw = engine, main_content, keep_raw
+
+    def _why_not(self, doc: Document) -> str | None:
+        raw = doc.metadata.get("raw")
+        ctype = (doc.metadata.get("content_type") or "").lower()
+        if raw is None:
+            return None if (doc.text or "").strip() else "extract_empty"
+        if isinstance(raw, str):  # a reader that already decoded the payload
+            return None
+        if looks_binary(bytes(raw)):
+            return "extract_binary"
+        if ctype and not any(t in ctype for t in _HTML_TYPES):
+            return "extract_not_html"
+        return None
+
+    def apply(self, doc: Document, stats: StepStats) -> Document:
+        meta = dict(doc.metadata)
+        raw = meta.get("raw") if self.keep_raw else meta.pop("raw", None)
+        if isinstance(raw, str):
+            html = raw
+        elif raw is not None:
+            html = decode_html(raw, meta.get("content_type"))
+        elif _LOOKS_HTML.match(doc.text or ""):
+            html = doc.text
+        else:  # already plain text: nothing to extract
+            return doc
+        bad = html.count("\ufffd")
+        if bad:
+            meta["encoding_replacements"] = bad
+            stats.counters["decoded_with_replacements"] += 1
+        ctype = (meta.get("content_type") or "").lower()
+        text = html.strip() if "text/plain" in ctype else html_to_text(html, self.main_content, self.engine)
+        stats.counters["extracted"] += 1
+        return Document(text, doc.id, meta)
+
+    def run(self, docs: Iterable[Document], stats: StepStats) -> Iterator[Document]:
+        for doc in docs:
+            stats.seen(doc)
+            why = self._why_not(doc)
+            if why is None:
+                doc = self.apply(doc, stats)
+                why = None if doc.text.strip() else "extract_empty"
+            if why is None:
+                stats.kept(doc)
+                yield doc
+            else:
+                doc.metadata.pop("raw", None)
+                stats.drop(doc, why)
+
+
+STEPS = {"extract": Extract}
