@@ -102,6 +102,35 @@ def test_kernel_chosen_from_faked_cpu_flags(flags, arch, forced, want):
     assert int4_vnni.choose_kernel(flags, arch, forced) == want
 
 
+# lmstack.cpu's canned machines (LMSTACK_CPU=<name>) -> the kernel, by hand from each part's ISA
+CANNED = {"default": "aten", "avx2": "avx2", "avx2_vnni": "avx2", "avx512": "avx2", "avx512_vnni": "vnni",
+          "avx512_bf16": "vnni", "amx": "vnni", "neon": "aten", "neon_bf16": "aten"}
+
+
+@pytest.mark.parametrize("machine", sorted(CANNED))
+def test_kernel_chosen_for_each_canned_cpu(monkeypatch, machine):
+    from lmstack.cpu import FAKE_CPUS
+
+    if machine not in FAKE_CPUS:
+        pytest.fail(f"lmstack.cpu has no canned machine {machine!r}")
+    f = FAKE_CPUS[machine]
+    assert int4_vnni.choose_kernel(f.flags, f.arch)[0] == CANNED[machine]
+    monkeypatch.setenv("LMSTACK_CPU", machine)  # the process-wide choice follows the canned machine
+    int4_vnni.clear_cache()
+    try:
+        name, why = int4_vnni.selected()
+        want = CANNED[machine]
+        if want != "aten" and int4_vnni.build(want) is not None:  # this CPU cannot build it: the reason names it
+            assert name == "aten" and want in why
+        else:
+            assert name == want and (why is None) == (want != "aten")
+            if machine.startswith("neon"):
+                assert "aarch64" in why and "NEON" in why
+    finally:
+        monkeypatch.delenv("LMSTACK_CPU")
+        int4_vnni.clear_cache()
+
+
 def test_arm_and_bad_switch():
     name, why = int4_vnni.choose_kernel({"fp", "asimd", "asimddp"}, "aarch64")
     assert name == "aten" and "aarch64" in why and "NEON" in why

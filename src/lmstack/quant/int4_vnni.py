@@ -18,7 +18,8 @@ codes out in tiles of 16 output rows (one ``vpdpbusd`` = 16 rows × 4 inputs, on
 two 8-row halves) and d, m as fp16. Per call the kernel quantises the activations into a per-thread scratch
 buffer, accumulates both terms into one output and prefetches the codes 8 KiB ahead.
 
-Which kernel runs (``kernel()``) is decided once per process by :func:`choose_kernel` from the CPU's flags:
+Which kernel runs (``kernel()``) is decided once per process by :func:`choose_kernel` from the CPU's flags
+(``lmstack.cpu.cpu_features()``, which ``LMSTACK_CPU=avx2|avx512_vnni|neon|...`` replaces by a canned machine):
 avx512f/avx512bw/avx512_vnni → "vnni", else avx2/fma/f16c → "avx2", else (an older x86, ARM: no NEON kernel
 is written, none could be tested here) torch's ``_weight_int4pack_mm_for_cpu`` ("aten") with the reason in
 ``status()``. ``LMSTACK_INT4_KERNEL=vnni|avx2|aten`` forces one (a forced kernel the CPU cannot run is off,
@@ -37,6 +38,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from lmstack.cpu import cpu_features, probe
 
 _log = logging.getLogger(__name__)
 _BUILD_LOCK = threading.Lock()
@@ -59,13 +62,10 @@ SOURCE = SPECS["vnni"][0]
 X86 = ("x86_64", "AMD64", "i686", "i386")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
+def _cpu_flags() -> frozenset[str]:
+    """The flags of the CPU this process really runs on (not ``LMSTACK_CPU``'s canned machine): what a build
+    needs, since a kernel using instructions the CPU lacks would crash."""
+    return probe().flags
 
 
 def choose_kernel(flags, arch: str, forced: str = "") -> tuple[str, str | None]:
@@ -123,9 +123,8 @@ def build(name: str) -> str | None:
 def selected() -> tuple[str, str | None]:
     """(the kernel Int4Linear uses: "vnni" | "avx2" | "aten", why not ours or None), decided at the first
     call; the reason is logged once as a warning on ``lmstack.quant.int4_vnni``."""
-    import platform
-
-    flags, arch, forced = _cpu_flags(), platform.machine(), os.environ.get(ENV, "")
+    cpu = cpu_features()  # LMSTACK_CPU=<name> fakes it: the choice follows, the build still checks the real CPU
+    flags, arch, forced = cpu.flags, cpu.arch, os.environ.get(ENV, "")
     name, reason = choose_kernel(flags, arch, forced)
     if name in KERNELS:  # ours: build it; auto falls through to the next one the CPU runs when a build fails
         tried = []

@@ -15,6 +15,7 @@ import os
 import torch
 from torch import Tensor, nn
 
+from lmstack.cpu import cpu_features
 from lmstack.quant import int4_vnni
 from lmstack.quant.linear import WeightOnlyLinear
 
@@ -59,9 +60,8 @@ def choose_int8_kernel(flags, arch: str, forced: str = "") -> tuple[str, str | N
 
 def int8_kernel() -> str:
     """The kernel Int8Linear's "auto" takes on this CPU: "avx2" (lmstack's, built) or "aten"."""
-    import platform
-
-    name, _ = choose_int8_kernel(int4_vnni._cpu_flags(), platform.machine(), os.environ.get(ENV, ""))
+    cpu = cpu_features()
+    name, _ = choose_int8_kernel(cpu.flags, cpu.arch, os.environ.get(ENV, ""))
     return name if name == "aten" or int4_vnni.build("int8_avx2") is None else "aten"
 
 
