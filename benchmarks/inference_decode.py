@@ -12,7 +12,13 @@ then again), and the medians over rounds are printed with the ratios against HF 
 the same dtype and llama.cpp. The roofline of a format is read bandwidth / bytes one decode
 step reads (its weights, except the embedding table when it is not the unembedding, plus the KV
 cache at the mean context). llama.cpp runs the Q4_1 GGUF through ``llama-cpp-python``; it is
-skipped with a note when not installed.
+skipped with a note when not installed. The int4 engines' names carry the kernel their linears ran
+(``[vnni]``, ``[avx2]``: lmstack's; ``[aten]``: torch's), and the header prints torch's CPU capability and
+llama.cpp's own system line, so a run restricted to AVX2 on an AVX-512 machine says so:
+
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 LMSTACK_INT4_KERNEL=avx2 \
+        python benchmarks/inference_decode.py --threads 1 --lmstack int4+compile --hf "" --llama-threads 1
+    (with a llama-cpp-python built with -DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AVX2=ON on PYTHONPATH)
 
 ``--profile`` runs instead: for each ``--lmstack`` engine, after its warm-up, ``--new-tokens``
 decode steps under ``torch.profiler`` (CPU), and prints the ops with the most self CPU time and
@@ -37,7 +43,7 @@ from lmstack.accounting.memory import kv_cache_bytes
 from lmstack.inference import SamplingParams, generate
 from lmstack.inference.static import StaticDecoder
 from lmstack.model.io import find_named_model, load_model
-from lmstack.quant import quantize_model, quantized_weight_bytes
+from lmstack.quant import Int4Linear, int4_vnni, quantize_model, quantized_weight_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -72,6 +78,9 @@ class LmstackEngine:
             self.model = copy.deepcopy(base).to(torch.bfloat16)
         else:
             self.model = base
+        kernels = sorted({m.kernel for m in self.model.modules() if isinstance(m, Int4Linear)})
+        if kernels:  # which int4 kernel ran: lmstack's vnni / avx2 or torch's aten
+            self.name += f" [{'+'.join(kernels)}]"
         self.decoder = StaticDecoder(self.model, max_len, compile=flag == "compile") if flag else None
         self.weight_bytes = quantized_weight_bytes(self.model)
 
@@ -177,6 +186,9 @@ def main() -> None:
     max_len = -(-(args.prompt_tokens + args.new_tokens) // 64) * 64
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch threads "
           f"{args.threads}, load avg {os.getloadavg()[0]:.1f}; torch {torch.__version__}")
+    kernel, why = int4_vnni.selected()
+    print(f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; lmstack int4 kernel {kernel}"
+          + (f" ({why})" if why else "") + f"; {int4_vnni.ENV}={os.environ.get(int4_vnni.ENV, '')!r}")
     print(f"SmolLM2-135M-Instruct, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens (greedy), "
           f"medians of {args.repeats} interleaved rounds after a warm-up")
 
@@ -189,6 +201,10 @@ def main() -> None:
     if args.llama_threads:
         try:
             engines += [LlamaCppEngine(path, int(t)) for t in args.llama_threads.split(",")]
+            import llama_cpp
+
+            print(f"llama.cpp {llama_cpp.__version__} ({os.path.dirname(llama_cpp.__file__)}): "
+                  f"{llama_cpp.llama_print_system_info().decode().strip()}")
         except ImportError:
             print("llama.cpp: llama-cpp-python not installed; skipped")
     for e in engines:  # warm-up (compiles the compiled decode steps)

@@ -301,15 +301,17 @@ class LlamaCpp:
 
 class LmstackInt4:
     """lmstack int4 (RTN G32 = the GGUF's Q4_1 block weights, int4 unembedding) with a compiled decode step
-    on ``kernel`` ("vnni": lmstack's, "aten": torch's): ``run`` -> (prefill tok/s, decode tok/s)."""
+    on ``kernel`` ("vnni": lmstack's, the VNNI or AVX2 one ``int4_vnni.kernel()`` chose; "aten": torch's):
+    ``run`` -> (prefill tok/s, decode tok/s); the name says which kernel ran."""
 
     def __init__(self, base: nn.Module, kernel: str, max_len: int, compile: bool = True):
         from lmstack.inference.static import StaticDecoder
 
-        self.name = f"lmstack int4 {'compiled' if compile else 'static cache, eager'} ({kernel} kernel)"
         self.model = quantize_model(copy.deepcopy(base), "int4")
         if kernel == "aten":
             to_aten_int4(self.model)
+        ran = "+".join(sorted({m.kernel for m in self.model.modules() if isinstance(m, Int4Linear)}))
+        self.name = f"lmstack int4 {'compiled' if compile else 'static cache, eager'} ({ran} kernel)"  # the one that ran
         self.decoder = StaticDecoder(self.model, max_len, compile=compile)
         self.decoder.warm_up()
 
@@ -339,17 +341,24 @@ def to_aten_int4(model: nn.Module) -> nn.Module:
 
 
 def decode_race(base: nn.Module, prompt: list[int], n_new: int, threads: list[int], rounds: int,
-                compile: bool = True) -> list[str]:
-    """Interleaved rounds of lmstack int4 (both kernels, compiled step) and llama.cpp per thread count."""
+                compile: bool = True, kernels: tuple[str, ...] = ("vnni", "aten")) -> list[str]:
+    """Interleaved rounds of lmstack int4 (``kernels``: "vnni" = lmstack's chosen kernel, "aten" = torch's;
+    compiled step, built and compiled once for all thread counts) and llama.cpp per thread count."""
     out = ["| threads | engine | decode tok/s (median) | ms/token | all rounds tok/s | prefill tok/s | "
-           "lmstack VNNI / this |", "|---|---|---|---|---|---|---|"]
+           "lmstack / this |", "|---|---|---|---|---|---|---|"]
+    torch.set_num_threads(threads[0])
+    lm_engines = [LmstackInt4(base, k, len(prompt) + n_new + 8, compile)  # the compile is most of the race's time
+                  for k in tqdm(kernels, desc=f"{'compiling' if compile else 'building'} int4 decode steps", leave=False)]
     for th in threads:
         torch.set_num_threads(th)
-        engines = [LmstackInt4(base, k, len(prompt) + n_new + 8, compile)  # the compile is most of the race's time
-                   for k in tqdm(("vnni", "aten"), desc=f"{'compiling' if compile else 'building'} int4 decode steps, "
-                                 f"{th} thread(s)", leave=False)]
+        engines = list(lm_engines)
         try:
             engines.append(LlamaCpp(th, len(prompt) + n_new + 8))
+            if th == threads[0]:
+                import llama_cpp
+
+                out.insert(0, f"llama.cpp {llama_cpp.__version__}: {llama_cpp.llama_print_system_info().decode().strip()}; "
+                              f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}\n")
         except Exception as e:  # noqa: BLE001
             out.append(f"| {th} | llama.cpp | — ({type(e).__name__}: {str(e)[:80]}) | | | | |")
         res: dict[str, list] = {e.name: [] for e in engines}
@@ -510,6 +519,8 @@ def main() -> None:
                     help="compiled lmstack decode steps in the race (--no-race-compile: eager)")
     ap.add_argument("--race-threads", default="1,2", help="thread counts of the int4 / llama.cpp decode race ('' = none)")
     ap.add_argument("--race-rounds", type=int, default=5)
+    ap.add_argument("--race-kernels", default="vnni,aten",
+                    help="lmstack int4 engines of the race: vnni (lmstack's kernel, VNNI or AVX2 as chosen), aten")
     ap.add_argument("--race-prompt", type=int, default=128, help="prompt tokens of the race")
     ap.add_argument("--race-decode", type=int, default=64, help="new tokens per race round")
     ap.add_argument("--out", help="also write the markdown table here (rewritten after every method, atomically)")
@@ -563,7 +574,7 @@ def main() -> None:
     if threads:
         try:
             race = [""] + decode_race(base, race_prompt, args.race_decode, threads, args.race_rounds,
-                                      args.race_compile)
+                                      args.race_compile, tuple(k for k in args.race_kernels.split(",") if k))
         except Exception as e:  # noqa: BLE001 — the table above stays
             race = ["", f"decode race failed: {type(e).__name__}: {e}"]
         torch.set_num_threads(args.threads)

@@ -1,7 +1,9 @@
-"""lmstack's int4 x int8 VNNI kernel (quant/int4_vnni.py, csrc/int4_vnni.cpp): the packed layout by hand,
-the kernel against its formula written in numpy float64 (activations quantised per group, w = d·q + m
-with fp16 d, m), ``Int4Linear`` on it against F.linear on the dequantised weight, and under torch.compile.
-Where the CPU or compiler cannot run it, the fallback (a reason, torch's kernel) is what is checked."""
+"""lmstack's int4 x int8 kernels (quant/int4_vnni.py; csrc/int4_vnni.cpp for AVX-512 VNNI, csrc/int4_avx2.cpp
+for AVX2): the packed layout by hand, each kernel the machine can run against the formula written in numpy
+float64 (activations quantised per group, w = d·q + m with fp16 d, m), ``Int4Linear`` on it against F.linear
+on the dequantised weight, and under torch.compile; the choice of kernel from faked CPU flags, and each
+forced by ``LMSTACK_INT4_KERNEL``. Where the CPU or compiler cannot run one, the fallback (a reason, torch's
+kernel) is what is checked."""
 
 import numpy as np
 import pytest
@@ -43,42 +45,130 @@ def reference(x, q, d, m, G, terms=1):
     return (out * d[None] + m[None] * xg.sum(-1)[:, None]).sum(-1)
 
 
+@pytest.mark.parametrize("kernel", int4_vnni.KERNELS)
 @pytest.mark.parametrize("O,I,G,M", [(64, 128, 32, 1), (32, 64, 8, 5), (48, 256, 64, 4), (16, 96, 32, 9)])
-def test_kernel_equals_its_formula_and_int4linear_is_close_to_float(O, I, G, M):
+def test_kernel_equals_its_formula_and_int4linear_is_close_to_float(kernel, O, I, G, M):
     g = torch.Generator().manual_seed(O + M)
     w, x = torch.randn(O, I, generator=g), torch.randn(M, I, generator=g)
     q, s, lo = quantize_int4(w, G)
-    if not int4_vnni.available():  # no skip: the fallback is what runs here
-        assert int4_vnni.status()
-        lin = Int4Linear(q, s, lo)
-        assert not lin.vnni and "kernel=aten" in repr(lin)
+    if int4_vnni.build(kernel) is not None:  # no skip: the fallback is what runs here
         with pytest.raises(ValueError, match="cannot run"):
-            Int4Linear(q, s, lo, kernel="vnni")
+            Int4Linear(q, s, lo, kernel=kernel)
         return
     packed, d, m = int4_vnni.pack(q, s, lo)
     d64, m64 = d.double().permute(0, 2, 1).reshape(O, -1).numpy(), m.double().permute(0, 2, 1).reshape(O, -1).numpy()
     for terms in (1, 2):
         ref = reference(x, q, d64, m64, G, terms)
-        y = int4_vnni.mm(x, packed, d, m, G, terms)
+        y = int4_vnni.mm(x, packed, d, m, G, terms, kernel=kernel)
         np.testing.assert_allclose(y.double().numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    lin = Int4Linear(q, s, lo)  # "auto" takes the VNNI kernel, two activation terms
-    assert lin.vnni and torch.equal(lin._codes(), q)
+    lin = Int4Linear(q, s, lo, kernel=kernel)  # two activation terms
+    assert lin.kernel == kernel and lin.vnni and f"kernel={kernel}" in repr(lin) and torch.equal(lin._codes(), q)
     torch.testing.assert_close(lin(x), y)
     torch.testing.assert_close(lin.dequantized_weight(), dequantize_int4(q, s, lo))
     # against float activations and fp16 d, m: one int8 term costs ~1% (random weights), two ~1e-4
     full = F.linear(x.double(), torch.tensor(d64).repeat_interleave(G, 1) * q.double() + torch.tensor(m64).repeat_interleave(G, 1))
-    one = int4_vnni.mm(x, packed, d, m, G, 1)
+    one = int4_vnni.mm(x, packed, d, m, G, 1, kernel=kernel)
     assert float((lin(x).double() - full).norm() / full.norm()) < 3e-4 < float((one.double() - full).norm() / full.norm())
     assert lin.kernel_bytes() == O * I // 2 + 2 * 2 * O * (I // G)  # codes + fp16 d and m
 
 
-@pytest.mark.slow
-def test_kernel_runs_inside_a_compiled_graph():
-    if not int4_vnni.available():
-        assert int4_vnni.status()
-        return
-    q, s, lo = quantize_int4(torch.randn(32, 64, generator=torch.Generator().manual_seed(1)), 32)
+def test_auto_takes_the_chosen_kernel_or_says_why_not():
+    q, s, lo = quantize_int4(torch.randn(32, 64, generator=torch.Generator().manual_seed(4)), 32)
     lin = Int4Linear(q, s, lo)
+    assert lin.kernel == int4_vnni.kernel()
+    if lin.kernel == "aten":
+        assert int4_vnni.status() and not lin.vnni and "kernel=aten" in repr(lin)
+    else:
+        assert int4_vnni.status() is None and int4_vnni.build(lin.kernel) is None
+    assert Int4Linear(q, s, lo, compute_dtype=torch.float32).kernel == "aten"  # ours only for bf16 compute
+
+
+AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})  # Haswell .. Zen 3
+AVX512_VNNI = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"}  # Cascade Lake
+
+
+@pytest.mark.parametrize("flags,arch,forced,want", [
+    (AVX2, "x86_64", "", ("avx2", None)),
+    (AVX2 | {"avx_vnni"}, "x86_64", "", ("avx2", None)),  # Alder Lake: 256-bit VNNI only, the AVX2 kernel
+    (AVX2 | {"avx512f", "avx512bw", "avx512vl"}, "x86_64", "auto", ("avx2", None)),  # AVX-512 without VNNI
+    (AVX512_VNNI, "x86_64", "", ("vnni", None)),
+    (AVX512_VNNI, "x86_64", "AVX2", ("avx2", None)),  # forced, case-insensitive
+    (AVX512_VNNI, "x86_64", "aten", ("aten", "LMSTACK_INT4_KERNEL=aten")),
+    (AVX2, "x86_64", "vnni", ("aten", "LMSTACK_INT4_KERNEL=vnni but the CPU lacks avx512f, avx512bw, avx512_vnni")),
+    (frozenset({"sse4_2", "avx"}), "x86_64", "", ("aten", "the CPU lacks avx2, fma, f16c")),
+    (AVX2 - {"f16c"}, "x86_64", "", ("aten", "the CPU lacks f16c")),
+])
+def test_kernel_chosen_from_faked_cpu_flags(flags, arch, forced, want):
+    assert int4_vnni.choose_kernel(flags, arch, forced) == want
+
+
+# lmstack.cpu's canned machines (LMSTACK_CPU=<name>) -> the kernel, by hand from each part's ISA
+CANNED = {"default": "aten", "avx2": "avx2", "avx2_vnni": "avx2", "avx512": "avx2", "avx512_vnni": "vnni",
+          "avx512_bf16": "vnni", "amx": "vnni", "neon": "aten", "neon_bf16": "aten"}
+
+
+@pytest.mark.parametrize("machine", sorted(CANNED))
+def test_kernel_chosen_for_each_canned_cpu(monkeypatch, machine):
+    from lmstack.cpu import FAKE_CPUS
+
+    if machine not in FAKE_CPUS:
+        pytest.fail(f"lmstack.cpu has no canned machine {machine!r}")
+    f = FAKE_CPUS[machine]
+    assert int4_vnni.choose_kernel(f.flags, f.arch)[0] == CANNED[machine]
+    monkeypatch.setenv("LMSTACK_CPU", machine)  # the process-wide choice follows the canned machine
+    int4_vnni.clear_cache()
+    try:
+        name, why = int4_vnni.selected()
+        want = CANNED[machine]
+        if want != "aten" and int4_vnni.build(want) is not None:  # this CPU cannot build it: the reason names it
+            assert name == "aten" and want in why
+        else:
+            assert name == want and (why is None) == (want != "aten")
+            if machine.startswith("neon"):
+                assert "aarch64" in why and "NEON" in why
+    finally:
+        monkeypatch.delenv("LMSTACK_CPU")
+        int4_vnni.clear_cache()
+
+
+def test_arm_and_bad_switch():
+    name, why = int4_vnni.choose_kernel({"fp", "asimd", "asimddp"}, "aarch64")
+    assert name == "aten" and "aarch64" in why and "NEON" in why
+    assert int4_vnni.choose_kernel(AVX512_VNNI, "aarch64", "vnni")[0] == "aten"  # x86 flags on ARM: still torch's
+    with pytest.raises(ValueError, match="LMSTACK_INT4_KERNEL='avx'.*auto, aten, vnni, avx2"):
+        int4_vnni.choose_kernel(AVX2, "x86_64", "avx")
+
+
+@pytest.mark.parametrize("kernel", int4_vnni.KERNELS)
+def test_env_switch_forces_each_kernel(monkeypatch, kernel):
+    q, s, lo = quantize_int4(torch.randn(32, 64, generator=torch.Generator().manual_seed(5)), 32)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
+    monkeypatch.setenv("LMSTACK_INT4_KERNEL", kernel)
+    int4_vnni.clear_cache()
+    try:
+        lin = Int4Linear(q, s, lo)
+        if int4_vnni.build(kernel) is not None:  # this CPU cannot: torch's kernel, with the reason
+            assert lin.kernel == "aten" and kernel in int4_vnni.status()
+            return
+        assert int4_vnni.kernel() == kernel and lin.kernel == kernel
+        packed, d, m = int4_vnni.pack(q, s, lo)
+        d64, m64 = d.double().permute(0, 2, 1).reshape(32, -1).numpy(), m.double().permute(0, 2, 1).reshape(32, -1).numpy()
+        ref = reference(x, q, d64, m64, 32, 2)
+        np.testing.assert_allclose(lin(x).double().numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    finally:
+        monkeypatch.delenv("LMSTACK_INT4_KERNEL")
+        int4_vnni.clear_cache()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", int4_vnni.KERNELS)
+def test_kernel_runs_inside_a_compiled_graph(kernel):
+    q, s, lo = quantize_int4(torch.randn(32, 64, generator=torch.Generator().manual_seed(1)), 32)
+    if int4_vnni.build(kernel) is not None:
+        with pytest.raises(ValueError, match="cannot run"):
+            Int4Linear(q, s, lo, kernel=kernel)
+        return
+    lin = Int4Linear(q, s, lo, kernel=kernel)
     x = torch.randn(1, 64)
     compiled = torch.compile(lambda t: torch.relu(lin(t)) * 2, fullgraph=True)  # fullgraph: no graph break
     torch.testing.assert_close(compiled(x), torch.relu(lin(x)) * 2)
@@ -90,14 +180,14 @@ def test_turned_off_by_env_logs_the_reason_and_falls_back(monkeypatch, caplog):
     q, s, lo = quantize_int4(torch.randn(32, 64, generator=torch.Generator().manual_seed(2)), 32)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
     monkeypatch.setenv("LMSTACK_INT4_KERNEL", "aten")
-    int4_vnni.status.cache_clear()
+    int4_vnni.clear_cache()
     try:
         with caplog.at_level(logging.WARNING, logger="lmstack.quant.int4_vnni"):
             assert int4_vnni.status() == "LMSTACK_INT4_KERNEL=aten" and not int4_vnni.available()
-        assert "VNNI kernel off: LMSTACK_INT4_KERNEL=aten" in caplog.text
+        assert "int4 kernel off: LMSTACK_INT4_KERNEL=aten" in caplog.text
         lin = Int4Linear(q, s, lo)
-        assert not lin.vnni  # torch's kernel, bf16 activations: close to F.linear on the dequantised weight
+        assert not lin.vnni and lin.kernel == "aten"  # torch's kernel, bf16 activations: close to F.linear
         torch.testing.assert_close(lin(x), F.linear(x, dequantize_int4(q, s, lo)), atol=0.05, rtol=0.02)
     finally:
         monkeypatch.delenv("LMSTACK_INT4_KERNEL")
-        int4_vnni.status.cache_clear()
+        int4_vnni.clear_cache()

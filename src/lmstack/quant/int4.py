@@ -2,8 +2,8 @@
 
 For each output row o and group j of G consecutive inputs:  s = (max − min) / 15,
 Q = round((W − min) / s) ∈ [0, 15],  Ŵ = Q · s + min,  so |W − Ŵ| ≤ s / 2.
-Two CPU kernels: lmstack's own ``int4_vnni`` (int8 activations per group of G, AVX-512 VNNI; used
-when the CPU and a compiler allow, see that module) and torch's ``_weight_int4pack_mm_for_cpu``, which
+CPU kernels: lmstack's own in ``int4_vnni`` (int8 activations per group of G; AVX-512 VNNI, or AVX2 without
+it; used when the CPU and a compiler allow, see that module) and torch's ``_weight_int4pack_mm_for_cpu``, which
 uses the form Ŵ = (Q − 8) · s + z with the zero point z = min + 8 s, and takes (scale, z) packed as (I/G, O, 2).
 """
 
@@ -55,25 +55,31 @@ class Int4Linear(WeightOnlyLinear):
     """y = x Ŵᵀ (+ b) with Ŵ stored as packed 4-bit Q and per-group (scale, zero) — 0.5 byte per weight.
 
     ``compute_dtype`` as in ``Int8Linear`` (bf16: the CPU kernel's fast path). ``kernel``: "auto"
-    takes lmstack's VNNI kernel (int8 activations per group, fp16 d and m; ``int4_vnni``) when
-    ``compute_dtype`` is bf16 and it is available, else torch's (bf16 activations); "aten" forces torch's.
-    Without a kernel (or when O is not a multiple of 16) the codes are packed two per byte by hand and
-    the forward dequantises.
+    takes lmstack's kernel the CPU runs (``int4_vnni.kernel()``: "vnni" or "avx2"; int8 activations per
+    group, fp16 d and m) when ``compute_dtype`` is bf16, else torch's (bf16 activations); "aten" forces
+    torch's, "vnni" / "avx2" that one of ours (a ValueError with the reason if it cannot run). The one
+    chosen is ``self.kernel``. Without a kernel (or when O is not a multiple of 16) the codes are packed two
+    per byte by hand and the forward dequantises.
     """
 
     def __init__(self, q: Tensor, scale: Tensor, lo: Tensor, bias: Tensor | None = None,
                  compute_dtype: torch.dtype = torch.bfloat16, kernel: str = "auto"):
         O, I = q.shape
         super().__init__(O, I, bias, compute_dtype)
-        if kernel not in ("auto", "aten", "vnni"):
-            raise ValueError(f"kernel={kernel!r}; expected 'auto', 'aten' or 'vnni'")
+        if kernel not in ("auto", "aten", *int4_vnni.KERNELS):
+            raise ValueError(f"kernel={kernel!r}; expected 'auto', 'aten', {', '.join(map(repr, int4_vnni.KERNELS))}")
         self.group_size = I // scale.shape[1]
         self.register_buffer("scale", scale.float().contiguous())  # (O, I/G)
         self.register_buffer("lo", lo.float().contiguous())  # (O, I/G)
         shape_ok = O % 16 == 0 and I % 8 == 0 and self.group_size % 8 == 0
-        self.vnni = kernel != "aten" and compute_dtype == torch.bfloat16 and shape_ok and int4_vnni.available()
-        if kernel == "vnni" and not self.vnni:
-            raise ValueError(f"kernel='vnni' cannot run: {int4_vnni.status() or f'shape ({O}, {I}), G={self.group_size}'}")
+        if kernel in int4_vnni.KERNELS:  # forced: it runs or the constructor says why not
+            why = int4_vnni.build(kernel) or (None if shape_ok else f"shape ({O}, {I}), G={self.group_size}")
+            if why:
+                raise ValueError(f"kernel={kernel!r} cannot run: {why}")
+            self.kernel = kernel
+        else:
+            ours = kernel == "auto" and compute_dtype == torch.bfloat16 and shape_ok
+            self.kernel = int4_vnni.kernel() if ours else "aten"
         if self.vnni:
             self.use_kernel, self.fallback_reason = True, None
             packed, d, m = int4_vnni.pack(q, scale, lo)
@@ -85,6 +91,8 @@ class Int4Linear(WeightOnlyLinear):
         self.fallback_reason = None if self.use_kernel else (
             "torch has no _weight_int4pack_mm_for_cpu kernel" if not _has_int4_kernel() else
             f"out_features={O} is not a multiple of 16 (the CPU int4 packing needs it)")
+        if not self.use_kernel:
+            self.kernel = "dequant"
         if self.fallback_reason and self.fallback_reason not in _logged:  # once per reason
             _logged.add(self.fallback_reason)
             _log.warning("Int4Linear: %s; this layer dequantises and runs F.linear (same numbers, no speed-up)",
@@ -107,6 +115,11 @@ class Int4Linear(WeightOnlyLinear):
     def from_weight(cls, weight: Tensor, group_size: int = 32,
                     compute_dtype: torch.dtype = torch.bfloat16) -> "Int4Linear":
         return cls(*quantize_int4(weight, group_size), None, compute_dtype)
+
+    @property
+    def vnni(self) -> bool:
+        """Whether lmstack's own int8-activation kernel (``kernel`` "vnni" or its AVX2 twin "avx2") runs this layer."""
+        return self.kernel in int4_vnni.KERNELS
 
     def _codes(self) -> Tensor:
         """Q (O, I) from the stored form (the kernel's packed layout is opaque: recover it by
@@ -133,7 +146,8 @@ class Int4Linear(WeightOnlyLinear):
 
     def forward(self, x: Tensor) -> Tensor:  # (..., I) -> (..., O)
         if self.vnni and x.device.type == "cpu":  # fp32 or bf16 x straight in: the kernel quantises it to int8
-            y = int4_vnni.mm(x.reshape(-1, self.in_features), self.qweight, self.d16, self.m16, self.group_size)
+            y = int4_vnni.mm(x.reshape(-1, self.in_features), self.qweight, self.d16, self.m16, self.group_size,
+                             kernel=self.kernel)
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
         if self.vnni:  # off the CPU: dequantise
@@ -148,4 +162,4 @@ class Int4Linear(WeightOnlyLinear):
                                                           self.scales_and_zeros)  # (M, O)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", group_size={self.group_size}, kernel={'vnni' if self.vnni else 'aten'}"
+        return super().extra_repr() + f", group_size={self.group_size}, kernel={self.kernel}"

@@ -1,22 +1,29 @@
-"""lmstack's own int4 matmul for decode: int4 codes x int8 activations with AVX-512 VNNI (seed 001 "量化",
-"性能指标分析": at batch 1 every weight is read once per token, so the kernel has to keep pace with memory).
+"""lmstack's own int4 matmul for decode: int4 codes x int8 activations, with AVX-512 VNNI or, on CPUs
+without it, AVX2 (seed 001 "量化", "性能指标分析": at batch 1 every weight is read once per token, so the
+kernel has to keep pace with memory).
 
-The C++ kernel (``csrc/int4_vnni.cpp``, compiled on first use with ``torch.utils.cpp_extension`` and
-registered as ``torch.ops.lmstack_quant.int4_vnni_mm``, so a compiled decode step calls it without a graph
-break) computes, per output row o and group g of G inputs, with the weight w = d·q + m (q ∈ 0..15) and the
-activations quantised per group, s_x = max|x|/127, x_q = round(x / s_x):
+Two C++ kernels, one packed layout and one formula: ``csrc/int4_vnni.cpp`` (AVX-512 VNNI, ``vpdpbusd``) and
+``csrc/int4_avx2.cpp`` (AVX2 + FMA + F16C, the ``vpmaddubsw`` + ``vpmaddwd`` pair, compiled with
+``-mavx2 -mfma -mf16c`` only so it runs on any AVX2 CPU). Each is compiled on first use with
+``torch.utils.cpp_extension`` and registered as ``torch.ops.lmstack_quant.int4_<name>_mm``, so a compiled
+decode step calls it without a graph break. Both compute, per output row o and group g of G inputs, with the
+weight w = d·q + m (q ∈ 0..15) and the activations quantised per group, s_x = max|x|/127, x_q = round(x / s_x):
 
     y_o = Σ_g d_og · s_x,g · Σ_{i∈g} q_oi · x_q,i  +  m_og · Σ_{i∈g} x_i
 
 (llama.cpp's Q4_1 × Q8_1 dot product has the same form). By default (``terms=2``) each activation is two
 int8 terms, x ≈ s_x1·x_q1 + s_x2·x_q2 with x_q2 the rounded residual: one 8-bit term alone cost SmolLM2
-+0.9% perplexity, the pair keeps ~15 bits for a second ``vpdpbusd`` on codes already unpacked. ``pack`` lays the codes out in tiles of 16 output
-rows (one ``vpdpbusd`` = 16 rows × 4 inputs, one int32 lane per row) and d, m as fp16. Per call the kernel
-quantises the activations with AVX-512 into a per-thread scratch buffer, accumulates both terms into one
-output and prefetches the codes 8 KiB ahead (a decode step streams every weight from DRAM once).
-Needs a CPU with avx512f/avx512bw/avx512_vnni and a C++ compiler; ``status()`` says why it is off
-otherwise (``Int4Linear`` then uses torch's ``_weight_int4pack_mm_for_cpu``). ``LMSTACK_INT4_KERNEL=aten``
-turns it off.
++0.9% perplexity, the pair keeps ~15 bits for a second dot product on codes already unpacked. ``pack`` lays the
+codes out in tiles of 16 output rows (one ``vpdpbusd`` = 16 rows × 4 inputs, one int32 lane per row; on AVX2
+two 8-row halves) and d, m as fp16. Per call the kernel quantises the activations into a per-thread scratch
+buffer, accumulates both terms into one output and prefetches the codes 8 KiB ahead.
+
+Which kernel runs (``kernel()``) is decided once per process by :func:`choose_kernel` from the CPU's flags
+(``lmstack.cpu.cpu_features()``, which ``LMSTACK_CPU=avx2|avx512_vnni|neon|...`` replaces by a canned machine):
+avx512f/avx512bw/avx512_vnni → "vnni", else avx2/fma/f16c → "avx2", else (an older x86, ARM: no NEON kernel
+is written, none could be tested here) torch's ``_weight_int4pack_mm_for_cpu`` ("aten") with the reason in
+``status()``. ``LMSTACK_INT4_KERNEL=vnni|avx2|aten`` forces one (a forced kernel the CPU cannot run is off,
+with the reason); a kernel that fails to build is off with the reason too (auto then tries the next).
 """
 
 from __future__ import annotations
@@ -30,62 +37,116 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lmstack.cpu import cpu_features, probe
 from lmstack.utils import build_extension
 
 _log = logging.getLogger(__name__)
 _BUILD_LOCK = threading.Lock()
-_FAKE_REGISTERED: list[bool] = []  # the op's shape function, registered with the first successful build
-SOURCE = Path(__file__).with_name("csrc") / "int4_vnni.cpp"
-FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "f16c")
+_FAKE_REGISTERED: set[str] = set()  # each op's shape function, registered with its first successful build
+ENV = "LMSTACK_INT4_KERNEL"
+KERNELS = ("vnni", "avx2")  # lmstack's own, best first
+# name -> (source, CPU flags it needs, compiler flags). -fopenmp: at::parallel_for is a header template whose
+# OpenMP pragma is compiled into the kernel; without the flag it silently runs on one thread.
+SPECS = {
+    "vnni": (Path(__file__).with_name("csrc") / "int4_vnni.cpp", ("avx512f", "avx512bw", "avx512_vnni", "f16c"),
+             ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp"]),
+    "avx2": (Path(__file__).with_name("csrc") / "int4_avx2.cpp", ("avx2", "fma", "f16c"),
+             ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]),
+    # Int8Linear's AVX2 kernel (quant/int8.py), built the same way: op int8_avx2_mm
+    "int8_avx2": (Path(__file__).with_name("csrc") / "int8_avx2.cpp", ("avx2", "fma", "f16c"),
+                  ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]),
+}
+OPS = {"vnni": "int4_vnni_mm", "avx2": "int4_avx2_mm", "int8_avx2": "int8_avx2_mm"}
+SOURCE = SPECS["vnni"][0]
+X86 = ("x86_64", "AMD64", "i686", "i386")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
+def _cpu_flags() -> frozenset[str]:
+    """The flags of the CPU this process really runs on (not ``LMSTACK_CPU``'s canned machine): what a build
+    needs, since a kernel using instructions the CPU lacks would crash."""
+    return probe().flags
+
+
+def choose_kernel(flags, arch: str, forced: str = "") -> tuple[str, str | None]:
+    """The int4 kernel for a CPU with ISA ``flags`` (/proc/cpuinfo names) and ``arch`` (``platform.machine()``):
+    ("vnni" | "avx2", None), or ("aten", why not ours). ``forced``: the ``LMSTACK_INT4_KERNEL`` value."""
+    forced = (forced or "auto").strip().lower()
+    if forced not in ("auto", "aten", *KERNELS):
+        raise ValueError(f"{ENV}={forced!r}; expected one of auto, aten, {', '.join(KERNELS)}")
+    if forced == "aten":
+        return "aten", f"{ENV}=aten"
+    if arch not in X86:
+        return "aten", (f"no lmstack int4 kernel for {arch} (a NEON one is not written: it could not be tested "
+                        "here); torch's kernel runs")
+    for name in [forced] if forced in KERNELS else KERNELS:
+        missing = [f for f in SPECS[name][1] if f not in flags]
+        if not missing:
+            return name, None
+    return "aten", (f"{ENV}={forced} but " if forced in KERNELS else "") + f"the CPU lacks {', '.join(missing)}"
 
 
 @functools.cache
-def status() -> str | None:
-    """None when the kernel is built and loaded, else the reason it is not used (built at the first call,
-    under a lock so two threads never build it twice; the reason is logged once as a warning on
-    ``lmstack.quant.int4_vnni``)."""
+def build(name: str) -> str | None:
+    """Compile and load kernel ``name`` ("vnni" | "avx2" | "int8_avx2") if this CPU (its real flags) and a compiler allow:
+    None when loaded, else the reason. Under a lock, so two threads never build it twice."""
+    source, needs, cflags = SPECS[name]
     with _BUILD_LOCK:
-        reason = _build()
-    if reason is not None:
-        _log.warning("int4 VNNI kernel off: %s; Int4Linear uses torch's _weight_int4pack_mm_for_cpu", reason)
-    return reason
+        missing = [f for f in needs if f not in _cpu_flags()]
+        if missing:
+            return f"the CPU lacks {', '.join(missing)}"
+        # one build folder per source text and flags (utils.build_extension): two checkouts never share a build
+        _, reason = build_extension(f"lmstack_{OPS[name].removesuffix('_mm')}", source, cflags, ["-fopenmp"])
+        if reason is not None:
+            return reason
+        try:
+            if name not in _FAKE_REGISTERED:  # once per process, even if build() is asked again (cache cleared)
 
+                def fake(x, packed, *args):  # shapes for torch.compile: (M, I) -> (M, O), O = 16 tiles
+                    return x.new_empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
 
-def _build() -> str | None:
-    if os.environ.get("LMSTACK_INT4_KERNEL", "").lower() == "aten":
-        return "LMSTACK_INT4_KERNEL=aten"
-    missing = [f for f in FLAGS if f not in _cpu_flags()]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled into this kernel;
-    # without the flag it silently runs on one thread.
-    cflags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp"]
-    _, reason = build_extension("lmstack_int4_vnni", SOURCE, cflags, ["-fopenmp"])
-    if reason is not None:
-        return reason
-    try:
-        if not _FAKE_REGISTERED:  # once per process, even if status() is asked again (its cache cleared)
-
-            @torch.library.register_fake("lmstack_quant::int4_vnni_mm")
-            def _(x, packed, d, m, G, terms=2):  # shapes for torch.compile
-                return x.new_empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
-
-            _FAKE_REGISTERED.append(True)
-    except Exception as e:  # noqa: BLE001 — a registration failure means: use torch's kernel
-        return f"registering {SOURCE.name}'s shapes failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                torch.library.register_fake(f"lmstack_quant::{OPS[name]}")(fake)
+                _FAKE_REGISTERED.add(name)
+        except Exception as e:  # noqa: BLE001 — any build/registration failure means: use torch's kernel
+            return f"building {source.name} failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     return None
 
 
+@functools.cache
+def selected() -> tuple[str, str | None]:
+    """(the kernel Int4Linear uses: "vnni" | "avx2" | "aten", why not ours or None), decided at the first
+    call; the reason is logged once as a warning on ``lmstack.quant.int4_vnni``."""
+    cpu = cpu_features()  # LMSTACK_CPU=<name> fakes it: the choice follows, the build still checks the real CPU
+    flags, arch, forced = cpu.flags, cpu.arch, os.environ.get(ENV, "")
+    name, reason = choose_kernel(flags, arch, forced)
+    if name in KERNELS:  # ours: build it; auto falls through to the next one the CPU runs when a build fails
+        tried = []
+        for cand in KERNELS[KERNELS.index(name):] if forced.strip().lower() in ("", "auto") else [name]:
+            if choose_kernel(flags, arch, cand)[0] == cand:
+                if (why := build(cand)) is None:
+                    return cand, None
+                tried.append(f"{cand}: {why}")
+        reason = "; ".join(tried)
+    _log.warning("int4 kernel off: %s; Int4Linear uses torch's _weight_int4pack_mm_for_cpu", reason)
+    return "aten", reason
+
+
+def kernel() -> str:
+    """The kernel Int4Linear's "auto" takes: "vnni", "avx2" or "aten" (torch's)."""
+    return selected()[0]
+
+
+def status() -> str | None:
+    """None when one of lmstack's kernels is built and chosen, else the reason it is not used."""
+    return selected()[1]
+
+
+def clear_cache() -> None:
+    """Forget the choice (tests that change ``LMSTACK_INT4_KERNEL``); built kernels stay loaded."""
+    selected.cache_clear()
+
+
 def available() -> bool:
+    """Whether Int4Linear's "auto" runs one of lmstack's kernels."""
     return status() is None
 
 
@@ -113,7 +174,11 @@ def unpack(packed: Tensor) -> Tensor:
     return q.permute(0, 2, 1, 3, 4).reshape(T * 16, C * 8)
 
 
-def mm(x: Tensor, packed: Tensor, d: Tensor, m: Tensor, group_size: int, terms: int = 2) -> Tensor:
-    """x (M, I) float -> (M, O) float32 through the kernel (``available()`` must be True). ``terms=2``: each
-    activation as two int8 terms, x ≈ s_x1·x_q1 + s_x2·x_q2 (the second rounds the residual; ~15 bits)."""
+def mm(x: Tensor, packed: Tensor, d: Tensor, m: Tensor, group_size: int, terms: int = 2,
+       kernel: str | None = None) -> Tensor:
+    """x (M, I) float -> (M, O) float32 through ``kernel`` ("vnni" | "avx2"; None: the chosen one, which must
+    be one of ours; a named one must have been built: ``build(kernel)`` is None). ``terms=2``: each activation as two int8 terms,
+    x ≈ s_x1·x_q1 + s_x2·x_q2 (the second rounds the residual; ~15 bits)."""
+    if (kernel or selected()[0]) == "avx2":
+        return torch.ops.lmstack_quant.int4_avx2_mm(x, packed, d, m, group_size, terms)
     return torch.ops.lmstack_quant.int4_vnni_mm(x, packed, d, m, group_size, terms)

@@ -2,17 +2,25 @@
 
 For W of shape (O, I):  s_o = max_i |W_oi| / 127,  Q_oi = round(W_oi / s_o) ∈ [-127, 127],
 Ŵ_oi = s_o · Q_oi, so |W_oi − Ŵ_oi| ≤ s_o / 2. The matmul y = x Ŵᵀ = (x Qᵀ) ⊙ s is what
-``torch.ops.aten._weight_int8pack_mm`` computes on CPU without materialising Ŵ.
+``torch.ops.aten._weight_int8pack_mm`` computes on CPU without materialising Ŵ. On an AVX2 CPU without
+AVX-512 VNNI torch's kernel is slow (measured 2-10x behind lmstack's at batch 1, docs/quant.md), so there
+``Int8Linear`` runs lmstack's ``csrc/int8_avx2.cpp`` instead: int8 activations per group of G inputs (two
+int8 terms, ~15 bits, as the int4 kernel), y_o = s_o · Σ_g Σ_t s_x,t,g · Σ_{i∈g} Q_oi · x_q,t,i.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor, nn
 
+from lmstack.cpu import cpu_features
+from lmstack.quant import int4_vnni
 from lmstack.quant.linear import WeightOnlyLinear
 
 QMAX8 = 127
+ENV = "LMSTACK_INT8_KERNEL"
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -35,24 +43,69 @@ def _has_int8_kernel() -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
+def choose_int8_kernel(flags, arch: str, forced: str = "") -> tuple[str, str | None]:
+    """Int8Linear's kernel for a CPU with ISA ``flags`` and ``arch``: ("avx2", None) where the int4 choice is
+    the AVX2 kernel (AVX2 without AVX-512 VNNI: torch's int8 kernel is slow there), else ("aten", why).
+    ``forced``: the ``LMSTACK_INT8_KERNEL`` value ("avx2" runs ours on any AVX2 CPU, "aten" torch's)."""
+    forced = (forced or "auto").strip().lower()
+    if forced not in ("auto", "aten", "avx2"):
+        raise ValueError(f"{ENV}={forced!r}; expected one of auto, aten, avx2")
+    if forced == "aten":
+        return "aten", f"{ENV}=aten"
+    name, why = int4_vnni.choose_kernel(flags, arch, "avx2" if forced == "avx2" else "")
+    if name == "avx2":
+        return "avx2", None
+    return "aten", why or "torch's int8 kernel is as fast on an AVX-512 VNNI CPU"
+
+
+def int8_kernel() -> str:
+    """The kernel Int8Linear's "auto" takes on this CPU: "avx2" (lmstack's, built) or "aten"."""
+    cpu = cpu_features()
+    name, _ = choose_int8_kernel(cpu.flags, cpu.arch, os.environ.get(ENV, ""))
+    return name if name == "aten" or int4_vnni.build("int8_avx2") is None else "aten"
+
+
+def pack_int8(q: Tensor) -> Tensor:
+    """Q (O, I) int8 -> (O/16, I/4, 64) for the AVX2 kernel: byte 4r + j of chunk c in tile t is Q[16t + r, 4c + j]."""
+    O, I = q.shape
+    return q.reshape(O // 16, 16, I // 4, 4).permute(0, 2, 1, 3).reshape(O // 16, I // 4, 64).contiguous()
+
+
+def unpack_int8(packed: Tensor) -> Tensor:
+    """The inverse of ``pack_int8``: (O/16, I/4, 64) -> Q (O, I)."""
+    T, C, _ = packed.shape
+    return packed.view(T, C, 16, 4).permute(0, 2, 1, 3).reshape(T * 16, C * 4)
+
+
 class Int8Linear(WeightOnlyLinear):
     """y = x Ŵᵀ (+ b) with Ŵ stored as int8 Q (O, I) and fp scales s (O,).
 
     ``compute_dtype`` is the dtype the activation is cast to for the matmul: bf16 (default) is
     what the CPU int8 kernel is fast for (an fp32 activation takes a ~10x slower path there);
     the output is cast back to the input's dtype. With ``DEQUANT_ROWS`` or more rows (prefill),
-    off CPU, or without the kernel, the weight is dequantised and F.linear runs.
+    off CPU, or without the kernel, the weight is dequantised and F.linear runs. ``kernel``: "auto" takes
+    lmstack's AVX2 kernel where ``int8_kernel()`` says so (then ``qweight`` holds Q in its tile layout and
+    the activations are quantised to int8 per group of ``act_group`` inputs), "aten" torch's, "avx2" ours.
     """
 
     DEQUANT_ROWS = 32  # from this many rows on, dequantise and use F.linear
 
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None,
-                 compute_dtype: torch.dtype = torch.bfloat16):
+                 compute_dtype: torch.dtype = torch.bfloat16, kernel: str = "auto"):
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
             raise ValueError(f"expected int8 Q (O, I) and scales (O,), got {q.dtype} {tuple(q.shape)} "
                              f"and {tuple(scale.shape)}")
         super().__init__(*q.shape, bias, compute_dtype)
-        self.register_buffer("qweight", q.contiguous())
+        O, I = q.shape
+        if kernel not in ("auto", "aten", "avx2"):
+            raise ValueError(f"kernel={kernel!r}; expected 'auto', 'aten' or 'avx2'")
+        self.act_group = next((g for g in (32, 16, 8) if I % g == 0), 0)  # the kernel's activation groups
+        shape_ok = O % 16 == 0 and self.act_group > 0
+        if kernel == "avx2" and (why := int4_vnni.build("int8_avx2") or (None if shape_ok else f"shape ({O}, {I})")):
+            raise ValueError(f"kernel='avx2' cannot run: {why}")
+        self.kernel = "avx2" if kernel == "avx2" or (kernel == "auto" and shape_ok and int8_kernel() == "avx2") \
+            else "aten"
+        self.register_buffer("qweight", pack_int8(q) if self.kernel == "avx2" else q.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("scale_c", scale.to(compute_dtype).contiguous())  # s in the kernel's dtype
 
@@ -67,14 +120,27 @@ class Int8Linear(WeightOnlyLinear):
         return cls(q, s, None, compute_dtype)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return dequantize_int8(self.qweight, self.scale, dtype)
+        return dequantize_int8(unpack_int8(self.qweight) if self.kernel == "avx2" else self.qweight, self.scale, dtype)
 
     def kernel_bytes(self) -> int:
         """Bytes the matmul reads: Q (1 byte per weight) and the scales."""
-        return self.qweight.numel() + self.scale_c.numel() * self.scale_c.element_size()
+        scale = self.scale if self.kernel == "avx2" else self.scale_c
+        return self.qweight.numel() + scale.numel() * scale.element_size()
 
     def _kernel_ok(self) -> bool:
         return _has_int8_kernel()
 
     def _kernel_mm(self, x2: Tensor) -> Tensor:
         return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale_c)  # (M, O)
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., I) -> (..., O)
+        if self.kernel == "avx2" and x.device.type == "cpu" and x.numel() // self.in_features < self.DEQUANT_ROWS:
+            # fp32 or bf16 x straight in (not cast to compute_dtype): the kernel quantises it to int8
+            y = torch.ops.lmstack_quant.int8_avx2_mm(x.reshape(-1, self.in_features), self.qweight, self.scale,
+                                                     self.act_group, 2)  # (M, O) fp32
+            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", kernel={self.kernel}"

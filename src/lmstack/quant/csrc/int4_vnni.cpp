@@ -195,7 +195,8 @@ at::Tensor int4_vnni_mm(const at::Tensor& x_in, const at::Tensor& packed, const 
 
 }  // namespace
 
-TORCH_LIBRARY(lmstack_quant, lib) {
+// A fragment: the AVX2 kernel's library registers its own op in the same namespace; both may be loaded.
+TORCH_LIBRARY_FRAGMENT(lmstack_quant, lib) {
   lib.def("int4_vnni_mm(Tensor x, Tensor packed, Tensor d, Tensor m, int G, int terms=2) -> Tensor");
 }
 
