@@ -58,3 +58,12 @@ def test_bad_numbers_exit_2_naming_the_flag(argv, flag, capsys):
         main(argv)
     assert e.value.code == 2
     assert f"argument {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", ["[]", "{", "{\"approaches\": 3}", "{\"approaches\": {\"1\": []}}"])
+def test_scaling_plan_law_file_that_is_not_a_fit_exits_2(tmp_path, content, capsys):
+    """Issue #31: `scaling plan --law` on a file holding `[]` was an AttributeError traceback."""
+    f = tmp_path / "fit.json"
+    f.write_text(content)
+    assert main(["scaling", "plan", "--law", str(f), "--flops", "1e20"]) == 2
+    assert "--law" in capsys.readouterr().err

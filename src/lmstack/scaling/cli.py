@@ -98,9 +98,16 @@ def _laws(spec: str):
         return [PRESETS[spec]]
     path = Path(spec)
     if path.is_file():
-        d = json.loads(path.read_text(encoding="utf-8"))
-        for a in d.get("approaches", {}).values():
-            if "law" in a:
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"--law {spec}: not a JSON fit file ({e})") from None
+        approaches = d.get("approaches") if isinstance(d, dict) else None
+        if not isinstance(approaches, dict):
+            raise ValueError(f"--law {spec}: expected a `lmstack scaling fit` fit.json (an object with "
+                             f"'approaches'), got {type(d).__name__} {json.dumps(d)[:60]}")
+        for a in approaches.values():
+            if isinstance(a, dict) and "law" in a:
                 return [Law.from_params(a["law"], name=f"fit ({path})")]
         raise ValueError(f"--law {spec}: the fit file holds no L(N, D) law (approach 3 failed?)")
     raise ValueError(f"--law {spec!r}: expected chinchilla, epoch, chinchilla-approach1, all, or a fit.json path")
