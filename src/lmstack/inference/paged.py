@@ -169,6 +169,29 @@ class PagedKVCache:
         s = (self.k_scale if which == "k" else self.v_scale)[layer_idx].index_select(0, index // self.block_size)
         return (codes.to(torch.float32) * s[..., None]).to(dtype)  # (S, K, H)
 
+    def read_blocks(self, layer_idx: int, which: str, table: Tensor, dtype: torch.dtype) -> Tensor:
+        """K or V of whole blocks through block tables ``table`` (B, M) of one layer -> (B, M·bs, K, H) in
+        ``dtype``: one indexed load of the pool per call (slot s of row b = block table[b, s // bs])."""
+        store = self.k if which == "k" else self.v
+        r = self.row[layer_idx]
+        if self.quant is None:
+            return store[r][table].flatten(1, 2).to(dtype)  # (B, M, bs, K, H) -> (B, S, K, H)
+        codes = _raw(store[r])[table].view(store.dtype)  # (B, M, bs, K, H)
+        s = (self.k_scale if which == "k" else self.v_scale)[r][table]  # (B, M, K)
+        return (codes.to(torch.float32) * s[:, :, None, :, None]).flatten(1, 2).to(dtype)
+
+    def write_layers(self, layers: Sequence[int], slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store k, v (L', T, K, H) of model layers ``layers`` at pool slots (T,); all pool rows in order (a
+        dense model's decode step) go in with one ``index_copy_`` per pool."""
+        rows = [self.row[layer] for layer in layers]
+        if self.quant is None and rows == list(range(self.k.shape[0])):
+            L, K, H = self.k.shape[0], self.k.shape[-2], self.k.shape[-1]
+            self.k.view(L, -1, K, H).index_copy_(1, slots, k.to(self.k.dtype))
+            self.v.view(L, -1, K, H).index_copy_(1, slots, v.to(self.v.dtype))
+            return
+        for i, layer in enumerate(layers):
+            self.write(layer, slots, k[i], v[i])
+
     # ---- one forward pass ----------------------------------------------------------------
     def packed_batch(self, rows: Sequence[tuple[Hashable, int, int]], selective: bool = True
                      ) -> tuple["PackedPagedBatch", Tensor, Tensor]:
