@@ -37,12 +37,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_BUCKET_TOKENS = 256  # the smallest table bucket covers this many positions
 
 
-def batch_bucket(n: int) -> int:
-    """The padded batch size for n decode rows: the first of ``BATCH_BUCKETS`` ≥ n, then multiples of 64."""
-    for b in BATCH_BUCKETS:
+def batch_bucket(n: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
+    """The padded batch size for n decode rows: the first bucket ≥ n, then multiples of the largest."""
+    for b in buckets:
         if n <= b:
             return b
-    return -(-n // BATCH_BUCKETS[-1]) * BATCH_BUCKETS[-1]
+    return -(-n // buckets[-1]) * buckets[-1]
 
 
 class DecodeBatch:
@@ -82,6 +82,7 @@ class DecodeStep:
     def __init__(self, model, cache: PagedKVCache, max_model_len: int, compile: bool = False,
                  compile_options: dict | None = None):
         self.model, self.cache, self.compiled = model, cache, compile
+        self.buckets = BATCH_BUCKETS  # batch sizes compiled (set before the first step to compile fewer)
         self.device = cache.k.device
         self.layers = sorted(cache.row, key=cache.row.get)  # model layers in pool-row order
         self.max_blocks = cache.blocks.blocks_for(max_model_len)
@@ -146,7 +147,7 @@ class DecodeStep:
         -> logits (R, V). Stores every layer's K/V of the fed tokens in the pool."""
         R = len(tokens)
         m = max(map(len, tables))
-        B, M = (batch_bucket(R), self.table_bucket(m)) if self.compiled else (R, m)
+        B, M = (batch_bucket(R, self.buckets), self.table_bucket(m)) if self.compiled else (R, m)
         rows = [t + [0] * (M - len(t)) for t in tables] + [[0] * M] * (B - R)  # null block pads
         table = torch.tensor(rows, dtype=torch.long, device=self.device)  # (B, M)
         pos = torch.tensor(positions + [0] * (B - R), dtype=torch.long, device=self.device)  # (B,)
@@ -162,5 +163,5 @@ class DecodeStep:
 
     def warm_up(self, batch_sizes, blocks: int = 1) -> None:
         """Compile the buckets of these batch sizes (table bucket of ``blocks`` blocks) on null-block rows."""
-        for b in sorted({batch_bucket(n) for n in batch_sizes}):
+        for b in sorted({batch_bucket(n, self.buckets) for n in batch_sizes}):
             self.forward([0] * b, [0] * b, [[0] * blocks] * b)

@@ -94,7 +94,10 @@ class LLMEngine:
     for it prefix caching is off and speculation is refused (a recurrent state cannot be rolled back).
     Iterations in which every sequence feeds just its next token run as a ``DecodeStep`` (fixed shapes,
     the blocks read through the block tables); ``compile=True`` compiles that step once per (batch, table)
-    bucket (``decode_step``; compiling takes seconds to minutes per bucket on a CPU: ``warm_up``).
+    bucket (``decode_step``; compiling takes seconds to minutes per bucket on a CPU: ``warm_up``); a dict
+    compiles with those inductor options over the static decoder's. ``fuse_projections`` (default) makes the
+    model compute q/k/v and gate/up with one GEMM each (``Transformer.fuse_projections``: its parameters become
+    views of the fused weights, checkpoints unchanged).
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
@@ -103,7 +106,8 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, eos_token_id: int | None = None, seed: int = 0,
                  watermark: float = 0.01, selective: bool = True,
                  free_outside_window: bool = True, num_speculative_tokens: int = 0,
-                 ngram: tuple[int, int] = (3, 1), num_state_slots: int | None = None, compile: bool = False):
+                 ngram: tuple[int, int] = (3, 1), num_state_slots: int | None = None, compile: bool | dict = False,
+                 fuse_projections: bool = True):
         p = next(model.parameters())
         c = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, c
@@ -144,11 +148,14 @@ class LLMEngine:
             max_model_len=self.max_model_len, watermark_blocks=int(watermark * num_blocks), eos_token_id=eos_token_id,
             sliding_window=c.sliding_window if free_outside_window else None,
             speculator=speculator if num_speculative_tokens else None, stats=self.stats, states=self.states)
+        if fuse_projections and hasattr(model, "fuse_projections"):
+            model.fuse_projections()  # QKV and gate/up as one GEMM each (the weights become views; docs/inference.md)
         # decode-only iterations in fixed shapes (compiled per bucket with ``compile``); not for recurrent
         # states or an MLA latent cache, whose steps stay on the packed batch
         decode = None
         if selective and self.states is None and not self.cache.stores_latent:
-            decode = DecodeStep(model, self.cache, self.max_model_len, compile=compile)
+            decode = DecodeStep(model, self.cache, self.max_model_len, compile=bool(compile),
+                                compile_options=compile if isinstance(compile, dict) else None)
         elif compile:
             raise ValueError("compile=True: the compiled decode step serves dense softmax-attention models "
                              "(no recurrent layers, no MLA latent cache) with selective=True")
