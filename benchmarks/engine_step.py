@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate linears")
     ap.add_argument("--rows", type=int, default=12)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -62,9 +63,10 @@ def main() -> None:
     model = load_model(find_named_model("smollm2-135m"), dtype=dtype).model.eval()
     batches = [int(b) for b in args.batch.split(",")]
     kw = {"compile": True} if args.compile else {}
+    kw["fuse_projections"] = not args.no_fuse
     engine = LLMEngine(model, max_num_seqs=max(batches), max_num_batched_tokens=512, **kw)
     print(f"SmolLM2-135M {args.dtype}, torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
-          f"load avg {os.getloadavg()[0]:.1f}, compile={args.compile}")
+          f"load avg {os.getloadavg()[0]:.1f}, compile={args.compile}, fused projections {not args.no_fuse}")
     if args.compile:
         t0 = time.perf_counter()
         engine.warm_up(batches)

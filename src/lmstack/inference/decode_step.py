@@ -51,23 +51,28 @@ class DecodeBatch:
     ``table`` (B, M) block ids, ``positions`` (B,) the fed token's position. ``attend`` gathers the layer's
     M blocks per row through the table, (B, M·bs, K, H), sets slot p_b to this step's k, v, and calls the
     model's attention implementation with key positions 0 .. M·bs−1 (mask: ≤ p_b, window). The k, v of
-    every layer are kept in ``new_k``/``new_v`` for ``DecodeStep`` to store after the forward."""
+    every layer are kept in ``new_k``/``new_v`` for ``DecodeStep`` to store after the forward. Eagerly
+    (``slots`` (B,) given) each layer's k, v are stored in the pool first and read back with the blocks:
+    one copy of the blocks instead of a copy and the copy that puts the token into it."""
 
-    def __init__(self, cache: PagedKVCache, table: Tensor, positions: Tensor):
-        self.cache, self.table, self.positions = cache, table, positions
+    def __init__(self, cache: PagedKVCache, table: Tensor, positions: Tensor, slots: Tensor | None = None):
+        self.cache, self.table, self.positions, self.slots = cache, table, positions, slots
         self.new_k: list[Tensor] = []
         self.new_v: list[Tensor] = []
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
                impl: AttentionImpl) -> Tensor:
         B, K, _, H = k.shape
-        rows = torch.arange(B, device=k.device)
+        if self.slots is not None:  # eager: store first (in place), then read the blocks with this token in them
+            self.cache.write(layer_idx, self.slots, k[:, :, 0], v[:, :, 0])
         ks = self.cache.read_blocks(layer_idx, "k", self.table, q.dtype)  # (B, S, K, H), S = M·bs
         vs = self.cache.read_blocks(layer_idx, "v", self.table, q.dtype)
-        ks = ks.index_put((rows, self.positions), k[:, :, 0].to(ks.dtype))  # this token at its own slot
-        vs = vs.index_put((rows, self.positions), v[:, :, 0].to(vs.dtype))
-        self.new_k.append(k[:, :, 0])  # (B, K, H)
-        self.new_v.append(v[:, :, 0])
+        if self.slots is None:  # compiled: the pool is only read; this token goes into the copy, the pool after
+            rows = torch.arange(B, device=k.device)
+            ks = ks.index_put((rows, self.positions), k[:, :, 0].to(ks.dtype))  # this token at its own slot
+            vs = vs.index_put((rows, self.positions), v[:, :, 0].to(vs.dtype))
+            self.new_k.append(k[:, :, 0])  # (B, K, H)
+            self.new_v.append(v[:, :, 0])
         S = ks.shape[1]
         kp = torch.arange(S, device=k.device).expand(B, S)  # slot s holds position s
         m = AttentionMetadata(self.positions[:, None], kp, window=meta.window)
@@ -115,6 +120,10 @@ class DecodeStep:
         logits = self.model(tokens, positions[:, None], kv_cache=batch, last_n=1)[:, -1]  # (B, V)
         return logits, torch.stack(batch.new_k), torch.stack(batch.new_v)
 
+    def _eager(self, tokens: Tensor, positions: Tensor, table: Tensor, slots: Tensor) -> Tensor:
+        batch = DecodeBatch(self.cache, table, positions, slots)
+        return self.model(tokens, positions[:, None], kv_cache=batch, last_n=1)[:, -1]  # (B, V)
+
     def _step_for(self, key: tuple[int, int]):
         if key not in self._steps:
             # one code object per bucket: each keeps its own single graph in Dynamo's cache
@@ -152,12 +161,11 @@ class DecodeStep:
         table = torch.tensor(rows, dtype=torch.long, device=self.device)  # (B, M)
         pos = torch.tensor(positions + [0] * (B - R), dtype=torch.long, device=self.device)  # (B,)
         tok = torch.tensor(tokens + [0] * (B - R), dtype=torch.long, device=self.device)[:, None]  # (B, 1)
-        if self.compiled:
-            logits, k, v = self._call(tok, pos, table)
-        else:
-            logits, k, v = self._forward(tok, pos, table)
         bs = self.cache.block_size
         slots = table[torch.arange(B, device=self.device), pos // bs] * bs + pos % bs  # (B,) pads -> null block
+        if not self.compiled:
+            return self._eager(tok, pos, table, slots)
+        logits, k, v = self._call(tok, pos, table)
         self.cache.write_layers(self.layers, slots, k, v)
         return logits[:R]
 
