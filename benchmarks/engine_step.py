@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from lmstack.inference import LLMEngine, SamplingParams
+from lmstack.inference import LLMEngine, SamplingParams, generate
 from lmstack.model.io import find_named_model, load_model
 
 
@@ -46,6 +46,14 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int, prompt_len: int, pro
     return times, prof
 
 
+def batch1_decode(model, steps: int, prompt_len: int) -> float:
+    """Seconds per token of the batch-1 loop (``generate``, contiguous KV cache, eager) after its first token."""
+    prompt = torch.randint(1000, 20000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    times = [time.perf_counter() for _ in generate(model, prompt, SamplingParams(temperature=0, max_tokens=steps + 1,
+                                                                                 ignore_eos=True))]
+    return statistics.median(b - a for a, b in zip(times, times[1:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -57,6 +65,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate linears")
     ap.add_argument("--rows", type=int, default=12)
+    ap.add_argument("--batch1", action="store_true", help="also time the batch-1 loop (generate, eager) after each batch")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -76,6 +85,10 @@ def main() -> None:
         ms = statistics.median(times[1:] or times) * 1000
         print(f"batch {b:3d}: decode step {ms:7.1f} ms  ({b / ms * 1000:6.1f} tok/s)  "
               f"load avg {os.getloadavg()[0]:.1f}")
+        if args.batch1:
+            s1 = batch1_decode(model, args.steps, args.prompt_len)
+            print(f"           batch-1 generate (eager): {s1 * 1000:7.1f} ms/token; engine / batch-1 = "
+                  f"{b / ms * 1000 * s1:.2f}x tokens/s")
         if prof is not None:
             ev = prof.key_averages()
             total_ops = sum(e.self_cpu_time_total for e in ev) / 1000 / len(times)

@@ -127,12 +127,17 @@ def fuse_linears(linears: list[nn.Module]) -> tuple[Tensor, Tensor | None] | Non
 
 
 def still_fused(linears: list[nn.Module], fused: Tensor) -> bool:
-    """Whether every fused linear's weight still views ``fused``: False once a parameter was replaced
-    (``model.to``, a new ``nn.Parameter``); not checked while compiling (a compiled graph is traced once)."""
+    """Whether the fused linears' weights are still the row blocks of ``fused`` (``fuse_linears``): False once
+    a parameter was replaced (``model.to``, a new ``nn.Parameter``); not checked while compiling (a compiled
+    graph is traced once)."""
     if torch.compiler.is_compiling():
         return True
-    ptr = fused.untyped_storage().data_ptr()
-    return all(m.weight.untyped_storage().data_ptr() == ptr for m in linears)
+    ptr, step = fused.data_ptr(), fused.stride(0) * fused.element_size()
+    for m in linears:
+        if m.weight.data_ptr() != ptr:
+            return False
+        ptr += m.weight.shape[0] * step
+    return True
 
 
 class Embedding(nn.Module):
