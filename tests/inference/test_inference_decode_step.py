@@ -25,7 +25,10 @@ def _slot(cache, which, r, block, off):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float64, "int8"])
 @pytest.mark.parametrize("window", [None, 6])
-def test_decode_attention_through_random_block_tables(kv_dtype, window):
+@pytest.mark.parametrize("eager", [True, False])
+def test_decode_attention_through_random_block_tables(kv_dtype, window, eager):
+    """eager: k, v stored in the pool first (read back with the blocks); else (the compiled step's way) put
+    into the loaded copy only, the pool left as it was."""
     model = make_model()
     c = model.config
     bs, NB, K, H, N = 4, 40, c.n_kv_heads, c.head_dim, c.n_heads
@@ -45,19 +48,25 @@ def test_decode_attention_through_random_block_tables(kv_dtype, window):
     k = torch.randn(B, K, 1, H, generator=g, dtype=torch.float64)
     v = torch.randn(B, K, 1, H, generator=g, dtype=torch.float64)
     layer = 1
-    batch = DecodeBatch(cache, table, pos)
+    slots = torch.tensor([tables[b][p // bs] * bs + p % bs for b, p in enumerate(positions)])
+    before = cache.k.clone()
+    batch = DecodeBatch(cache, table, pos, slots if eager else None)
     out = batch.attend(layer, q, k, v, AttentionMetadata(pos[:, None], window=window), SDPAAttention())
+    assert torch.equal(cache.k, before) != eager  # written in place only eagerly
     for b in range(B):
         p = positions[b]
         lo = 0 if window is None else max(0, p - window + 1)
-        ks = [_slot(cache, "k", layer, tables[b][j // bs], j % bs) for j in range(lo, p)] + [k[b, :, 0]]
-        vs = [_slot(cache, "v", layer, tables[b][j // bs], j % bs) for j in range(lo, p)] + [v[b, :, 0]]
+        last = p + 1 if eager else p  # eagerly the token's own k, v are read back from the pool (int8: quantised)
+        ks = [_slot(cache, "k", layer, tables[b][j // bs], j % bs) for j in range(lo, last)]
+        vs = [_slot(cache, "v", layer, tables[b][j // bs], j % bs) for j in range(lo, last)]
+        if not eager:
+            ks, vs = ks + [k[b, :, 0]], vs + [v[b, :, 0]]
         kb = torch.stack(ks, dim=1).repeat_interleave(N // K, dim=0)  # (N, S_b, H)
         vb = torch.stack(vs, dim=1).repeat_interleave(N // K, dim=0)
         ref = F.scaled_dot_product_attention(q[b], kb, vb)  # (N, 1, H): every listed key visible
         tol = 1e-9 if cache.quant is None else 1e-6  # an int8 pool dequantises in float32
         torch.testing.assert_close(out[b], ref, rtol=tol, atol=tol)
-    assert [t.shape for t in batch.new_k] == [(B, K, H)]  # kept for the write after the forward
+    assert [t.shape for t in batch.new_k] == ([] if eager else [(B, K, H)])  # kept for the write after the forward
 
 
 def test_batch_buckets():

@@ -7,10 +7,10 @@ not need the packed row of ``PagedKVCache.packed_batch``: row b feeds one token 
 keys are its block table, padded with the null block to M entries, so the whole step is three tensors
 (tokens (B, 1), positions (B,), table (B, M)) whatever the sequences hold. ``DecodeBatch.attend`` reads
 each layer's blocks through the table in one indexed load of the pool (no per-sequence Python, no slot
-lists that grow with the blocks), puts this step's k, v at the row's own position of that copy, and
-keeps them: the cache is written once after the forward for all layers (one ``index_copy_`` over the
-(L, NB·bs, K, H) pool), so the step only reads the pool and a compiled graph of it mutates none of its
-inputs. Key slot s of row b holds position s; the mask (s ≤ p_b, and the sliding window) hides the slots
+lists that grow with the blocks). Eagerly each layer's k, v are stored in the pool first and come back
+with the blocks; compiled, the step puts them at the row's own position of the loaded copy and keeps
+them, and the cache is written once after the forward for all layers (one ``index_copy_`` over the
+(L, NB·bs, K, H) pool), so the graph only reads the pool and mutates none of its inputs. Key slot s of row b holds position s; the mask (s ≤ p_b, and the sliding window) hides the slots
 past the token, the padding and released blocks.
 
 ``DecodeStep`` runs it eagerly, or compiled (``compile=True``): B is padded to a bucket (1, 2, 4, 8, 16,
