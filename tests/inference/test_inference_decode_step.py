@@ -160,4 +160,16 @@ def test_fused_projections_equal_the_separate_linears():
         attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight * 2)
         plain.blocks[0].attn.k_proj.weight.mul_(2)
         torch.testing.assert_close(model(tokens), plain(tokens), rtol=1e-12, atol=1e-12)
+        # a replaced module (a wrapper, as LoRA or quantisation puts in): its SwiGLU uses the new modules
+        class Scaled(torch.nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x):
+                return 3 * self.inner(x)
+
+        model.blocks[1].ffn.up_proj = Scaled(model.blocks[1].ffn.up_proj)
+        plain.blocks[1].ffn.up_proj = Scaled(plain.blocks[1].ffn.up_proj)
+        torch.testing.assert_close(model(tokens), plain(tokens), rtol=1e-12, atol=1e-12)
     assert list(model.state_dict()) == list(plain.state_dict())  # checkpoints unchanged

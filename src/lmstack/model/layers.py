@@ -128,15 +128,17 @@ def fuse_linears(linears: list[nn.Module]) -> tuple[Tensor, Tensor | None] | Non
 
 def still_fused(linears: list[nn.Module], fused: Tensor) -> bool:
     """Whether the fused linears' weights are still the row blocks of ``fused`` (``fuse_linears``): False once
-    a parameter was replaced (``model.to``, a new ``nn.Parameter``); not checked while compiling (a compiled
+    a parameter was replaced (``model.to``, a new ``nn.Parameter``) — callers pass the modules they hold now, so
+    a replaced module counts too; not checked while compiling (a compiled
     graph is traced once)."""
     if torch.compiler.is_compiling():
         return True
     ptr, step = fused.data_ptr(), fused.stride(0) * fused.element_size()
-    for m in linears:
-        if m.weight.data_ptr() != ptr:
+    for m in linears:  # a module replaced since (quantised, LoRA-wrapped) may have no weight of its own
+        w = getattr(m, "weight", None)
+        if not isinstance(w, Tensor) or w.data_ptr() != ptr:
             return False
-        ptr += m.weight.shape[0] * step
+        ptr += w.shape[0] * step
     return True
 
 
