@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from lmstack.inference import LLMEngine, SamplingParams, generate
+from lmstack.inference import LLMEngine, SamplingParams, generate, truncated_draft
 from lmstack.model.io import find_named_model, load_model
 
 
@@ -65,16 +65,20 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate linears")
     ap.add_argument("--rows", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only the first N layers (compiling all 30 takes very long on a loaded CPU)")
     ap.add_argument("--batch1", action="store_true", help="also time the batch-1 loop (generate, eager) after each batch")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     model = load_model(find_named_model("smollm2-135m"), dtype=dtype).model.eval()
+    if args.layers is not None:
+        model = truncated_draft(model, args.layers).eval()
     batches = [int(b) for b in args.batch.split(",")]
     kw = {"compile": True} if args.compile else {}
     kw["fuse_projections"] = not args.no_fuse
     engine = LLMEngine(model, max_num_seqs=max(batches), max_num_batched_tokens=512, **kw)
-    print(f"SmolLM2-135M {args.dtype}, torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
+    print(f"SmolLM2-135M {args.dtype} ({model.config.n_layers} layers), torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
           f"load avg {os.getloadavg()[0]:.1f}, compile={args.compile}, fused projections {not args.no_fuse}")
     if args.compile:
         t0 = time.perf_counter()

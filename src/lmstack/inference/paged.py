@@ -171,14 +171,16 @@ class PagedKVCache:
 
     def read_blocks(self, layer_idx: int, which: str, table: Tensor, dtype: torch.dtype) -> Tensor:
         """K or V of whole blocks through block tables ``table`` (B, M) of one layer -> (B, M·bs, K, H) in
-        ``dtype``: one indexed load of the pool per call (slot s of row b = block table[b, s // bs])."""
+        ``dtype``: one ``index_select`` of whole blocks per call (slot s of row b = block table[b, s // bs]);
+        copying bs·K·H contiguous values per block, many times faster than advanced indexing on CPU."""
         store = self.k if which == "k" else self.v
-        r = self.row[layer_idx]
+        r, (B, M) = self.row[layer_idx], table.shape
+        flat = table.reshape(-1)  # (B·M,)
         if self.quant is None:
-            return store[r][table].flatten(1, 2).to(dtype)  # (B, M, bs, K, H) -> (B, S, K, H)
-        codes = _raw(store[r])[table].view(store.dtype)  # (B, M, bs, K, H)
-        s = (self.k_scale if which == "k" else self.v_scale)[r][table]  # (B, M, K)
-        return (codes.to(torch.float32) * s[:, :, None, :, None]).flatten(1, 2).to(dtype)
+            return store[r].index_select(0, flat).view(B, M * self.block_size, *store.shape[-2:]).to(dtype)
+        codes = _raw(store[r]).index_select(0, flat).view(store.dtype)  # (B·M, bs, K, H)
+        s = (self.k_scale if which == "k" else self.v_scale)[r].index_select(0, flat)  # (B·M, K)
+        return (codes.to(torch.float32) * s[:, None, :, None]).view(B, M * self.block_size, *store.shape[-2:]).to(dtype)
 
     def write_layers(self, layers: Sequence[int], slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store k, v (L', T, K, H) of model layers ``layers`` at pool slots (T,); all pool rows in order (a
