@@ -34,6 +34,7 @@ from dataclasses import replace
 
 import torch
 
+from lmstack.inference.decode_step import DecodeStep
 from lmstack.inference.loader import DTYPES, load_for_inference, weight_format
 from lmstack.inference.model_runner import ModelRunner
 from lmstack.inference.paged import KV_QUANT_FORMATS, PagedKVCache, kv_pool_bytes
@@ -89,6 +90,12 @@ class LLMEngine:
     (largest, smallest)). A model with recurrent layers (linear attention, Mamba-2, Gated DeltaNet) keeps
     their states in a ``StatePool`` of ``num_state_slots`` sequences (default ``max_num_seqs``; ``self.states``);
     for it prefix caching is off and speculation is refused (a recurrent state cannot be rolled back).
+    Iterations in which every sequence feeds just its next token run as a ``DecodeStep`` (fixed shapes,
+    the blocks read through the block tables); ``compile=True`` compiles that step once per (batch, table)
+    bucket (``decode_step``; compiling takes seconds to minutes per bucket on a CPU: ``warm_up``); a dict
+    compiles with those inductor options over the static decoder's. ``fuse_projections`` (default) makes the
+    model compute q/k/v and gate/up with one GEMM each (``Transformer.fuse_projections``: its parameters become
+    views of the fused weights, checkpoints unchanged).
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
@@ -97,7 +104,8 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, eos_token_id: int | None = None, seed: int = 0,
                  watermark: float = 0.01, selective: bool = True,
                  free_outside_window: bool = True, num_speculative_tokens: int = 0,
-                 ngram: tuple[int, int] = (3, 1), num_state_slots: int | None = None):
+                 ngram: tuple[int, int] = (3, 1), num_state_slots: int | None = None, compile: bool | dict = False,
+                 fuse_projections: bool = True):
         p = next(model.parameters())
         c = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, c
@@ -138,7 +146,18 @@ class LLMEngine:
             max_model_len=self.max_model_len, watermark_blocks=int(watermark * num_blocks), eos_token_id=eos_token_id,
             sliding_window=c.sliding_window if free_outside_window else None,
             speculator=speculator if num_speculative_tokens else None, stats=self.stats, states=self.states)
-        self.runner = ModelRunner(model, self.cache, self.generator, selective, states=self.states)
+        if fuse_projections and hasattr(model, "fuse_projections"):
+            model.fuse_projections()  # QKV and gate/up as one GEMM each (the weights become views; docs/inference.md)
+        # decode-only iterations in fixed shapes (compiled per bucket with ``compile``); not for recurrent
+        # states or an MLA latent cache, whose steps stay on the packed batch
+        decode = None
+        if selective and self.states is None and not self.cache.stores_latent:
+            decode = DecodeStep(model, self.cache, self.max_model_len, compile=bool(compile),
+                                compile_options=compile if isinstance(compile, dict) else None)
+        elif compile:
+            raise ValueError("compile=True: the compiled decode step serves dense softmax-attention models "
+                             "(no recurrent layers, no MLA latent cache) with selective=True")
+        self.runner = ModelRunner(model, self.cache, self.generator, selective, states=self.states, decode=decode)
         self.requests: dict[str, Seq] = {}
         self._ids = itertools.count()
 
@@ -209,6 +228,15 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 — any failure of one request must not reach the others
             self._stop(seq, "error", e)
             failed.append(seq)
+
+    def warm_up(self, batch_sizes: Iterable[int] | None = None) -> None:
+        """Compile the decode step's batch buckets for ``batch_sizes`` (default every bucket up to
+        ``max_num_seqs``) at the smallest table bucket, before serving; nothing to do without ``compile``."""
+        decode = self.runner.decode
+        if decode is None or not decode.compiled:
+            return
+        sizes = range(1, self.scheduler.max_num_seqs + 1) if batch_sizes is None else batch_sizes
+        decode.warm_up([as_integer("batch size", b, 1) for b in sizes])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lmstack.inference.decode_step import DecodeStep
 from lmstack.inference.paged import PagedKVCache
 from lmstack.inference.sampling import (NonFiniteLogitsError, bad_logit_rows, check_logits, rows_logprobs, sample_token,
                                         token_logprobs)
@@ -24,12 +25,15 @@ from lmstack.inference.speculative import verify_drafts
 
 class ModelRunner:
     """Runs ``model`` over ``cache``; ``selective=False`` uses the reference packed attention
-    (one masked attention over every gathered key) instead of the per-sequence grouping."""
+    (one masked attention over every gathered key) instead of the per-sequence grouping. ``decode``: the
+    ``DecodeStep`` that runs iterations in which every row feeds just its next token (eager or compiled),
+    or None (every iteration goes through the packed batch)."""
 
     def __init__(self, model, cache: PagedKVCache, generator: torch.Generator, selective: bool = True,
-                 states: StatePool | None = None):
+                 states: StatePool | None = None, decode: DecodeStep | None = None):
         self.model, self.cache, self.generator, self.selective = model, cache, generator, selective
         self.states = states  # recurrent-state slots of a hybrid model (``state_pool``), or None
+        self.decode = decode
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
@@ -38,6 +42,13 @@ class ModelRunner:
         rows that need them — the last token of a sequence whose prompt is then complete, every
         fed position of a speculating one (its last token and its k drafts) — and each
         sequence's first row in them."""
+        if self.decode is not None and all(n == 1 and not s.drafts and s.num_computed + 1 == len(s.all_ids)
+                                           for s, n in order):
+            blocks = self.cache.blocks
+            logits = self.decode.forward([s.all_ids[-1] for s, _ in order], [s.num_computed for s, _ in order],
+                                         [blocks.tables[s.request_id][:blocks.blocks_for(s.num_computed + 1)]
+                                          for s, _ in order])
+            return logits, list(range(len(order)))
         rows = [(s.request_id, s.num_computed, n) for s, n in order]
         batch, positions, seq_ids = self.cache.packed_batch(rows, selective=self.selective)
         if self.states is not None:  # recurrent layers read their sequences' states from the pool

@@ -170,6 +170,31 @@ class PagedKVCache:
         s = (self.k_scale if which == "k" else self.v_scale)[layer_idx].index_select(0, index // self.block_size)
         return (codes.to(torch.float32) * s[..., None]).to(dtype)  # (S, K, H)
 
+    def read_blocks(self, layer_idx: int, which: str, table: Tensor, dtype: torch.dtype) -> Tensor:
+        """K or V of whole blocks through block tables ``table`` (B, M) of one layer -> (B, M·bs, K, H) in
+        ``dtype``: one ``index_select`` of whole blocks per call (slot s of row b = block table[b, s // bs]);
+        copying bs·K·H contiguous values per block, many times faster than advanced indexing on CPU."""
+        store = self.k if which == "k" else self.v
+        r, (B, M) = self.row[layer_idx], table.shape
+        flat = table.reshape(-1)  # (B·M,)
+        if self.quant is None:
+            return store[r].index_select(0, flat).view(B, M * self.block_size, *store.shape[-2:]).to(dtype)
+        codes = _raw(store[r]).index_select(0, flat).view(store.dtype)  # (B·M, bs, K, H)
+        s = (self.k_scale if which == "k" else self.v_scale)[r].index_select(0, flat)  # (B·M, K)
+        return (codes.to(torch.float32) * s[:, None, :, None]).view(B, M * self.block_size, *store.shape[-2:]).to(dtype)
+
+    def write_layers(self, layers: Sequence[int], slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store k, v (L', T, K, H) of model layers ``layers`` at pool slots (T,); all pool rows in order (a
+        dense model's decode step) go in with one ``index_copy_`` per pool."""
+        rows = [self.row[layer] for layer in layers]
+        if self.quant is None and rows == list(range(self.k.shape[0])):
+            L, K, H = self.k.shape[0], self.k.shape[-2], self.k.shape[-1]
+            self.k.view(L, -1, K, H).index_copy_(1, slots, k.to(self.k.dtype))
+            self.v.view(L, -1, K, H).index_copy_(1, slots, v.to(self.v.dtype))
+            return
+        for i, layer in enumerate(layers):
+            self.write(layer, slots, k[i], v[i])
+
     # ---- one forward pass ----------------------------------------------------------------
     def packed_batch(self, rows: Sequence[tuple[Hashable, int, int]], selective: bool = True
                      ) -> tuple["PackedPagedBatch", Tensor, Tensor]:

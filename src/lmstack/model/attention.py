@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lmstack.model.config import ModelConfig
-from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding
+from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding, fuse_linears, linear, still_fused
 from lmstack.model.seam import DEFAULT_ATTENTION, AttentionImpl, AttentionMetadata, attention_mask, reference_attention
 
 __all__ = ["Attention", "attention_mask", "reference_attention"]
@@ -42,6 +42,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.norm_eps, **kw)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv: tuple[Tensor, Tensor | None, list[int]] | None = None  # fused [W_Q; W_K; W_V], bias, widths (``fuse``)
         # Shared across layers when the Transformer passes one in; not a submodule then.
         self._rope = [rope if rope is not None else RotaryEmbedding(c.head_dim, c.max_seq_len, c.rope_theta, c.rope_layout)]
 
@@ -54,12 +55,28 @@ class Attention(nn.Module):
         A variant attention (OLMoE's, ``model.olmoe``) overrides only this."""
         B, T, _ = x.shape
         H = self.head_dim
-        q = self.q_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, N, T, H)
-        k = self.k_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, K, T, H)
-        v = self.v_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, K, T, H)
+        if self.qkv is not None and not still_fused([self.q_proj, self.k_proj, self.v_proj], self.qkv[0]):
+            self.qkv = None  # a parameter was replaced: back to the separate projections
+        if self.qkv is not None:  # one GEMM for the three projections
+            w, b, widths = self.qkv
+            q, k, v = (t.reshape(B, T, -1, H).transpose(1, 2) for t in linear(x, w, b).split(widths, dim=-1))
+        else:
+            q = self.q_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, N, T, H)
+            k = self.k_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, K, T, H)
+            v = self.v_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, K, T, H)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
+
+    def fuse(self) -> bool:
+        """Compute q, k, v with one GEMM from now on (``fuse_linears``: the projections' weights become views
+        of one (N·H + 2·K·H, D) weight); False where they cannot be fused or a subclass projects otherwise."""
+        if self.qkv is None and type(self).project is Attention.project:
+            linears = [self.q_proj, self.k_proj, self.v_proj]
+            fused = fuse_linears(linears)
+            if fused is not None:
+                self.qkv = (*fused, [m.weight.shape[0] for m in linears])
+        return self.qkv is not None
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         """x: (B, T, D); ``meta``: this forward's positions, documents, window, cache. -> (B, T, D)

@@ -103,6 +103,45 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def fuse_linears(linears: list[nn.Module]) -> tuple[Tensor, Tensor | None] | None:
+    """One weight (ΣO, I) (and bias) whose row blocks are these linears' weights, for one GEMM in place of
+    several on the same input (QKV, gate/up). The linears' parameters become views of it, so in-place
+    updates (``load_state_dict``, an optimizer step) reach the fused copy; a parameter replaced by a new
+    tensor does not (fuse again). None when they are not all plain ``Linear`` of one input size, dtype
+    and device (quantised or wrapped linears, LoRA) or were fused already."""
+    if not all(type(m) is Linear for m in linears):
+        return None
+    ws = [m.weight for m in linears]
+    if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1 or len({m.bias is None for m in linears}) != 1:
+        return None
+    W = torch.cat([w.detach() for w in ws])  # (ΣO, I)
+    b = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+    o = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = W[o:o + n]
+        if b is not None:
+            m.bias.data = b[o:o + n]
+        o += n
+    return W, b
+
+
+def still_fused(linears: list[nn.Module], fused: Tensor) -> bool:
+    """Whether the fused linears' weights are still the row blocks of ``fused`` (``fuse_linears``): False once
+    a parameter was replaced (``model.to``, a new ``nn.Parameter``) — callers pass the modules they hold now, so
+    a replaced module counts too; not checked while compiling (a compiled
+    graph is traced once)."""
+    if torch.compiler.is_compiling():
+        return True
+    ptr, step = fused.data_ptr(), fused.stride(0) * fused.element_size()
+    for m in linears:  # a module replaced since (quantised, LoRA-wrapped) may have no weight of its own
+        w = getattr(m, "weight", None)
+        if not isinstance(w, Tensor) or w.data_ptr() != ptr:
+            return False
+        ptr += w.shape[0] * step
+    return True
+
+
 class Embedding(nn.Module):
     """Lookup W_e[tokens]: (B, S) int -> (B, S, D)."""
 
@@ -178,8 +217,21 @@ class SwiGLU(nn.Module):
         self.gate_proj = Linear(d_model, d_ff, device=device, dtype=dtype)  # W_gate (F, D)
         self.up_proj = Linear(d_model, d_ff, device=device, dtype=dtype)  # W_up (F, D)
         self.down_proj = Linear(d_ff, d_model, device=device, dtype=dtype)  # W_down (D, F)
+        self.gate_up: Tensor | None = None  # [W_gate; W_up] (2F, D) once ``fuse`` ran: one GEMM for both
+
+    def fuse(self) -> bool:
+        """Compute gate and up with one GEMM from now on (``fuse_linears``); False where they cannot be fused."""
+        fused = fuse_linears([self.gate_proj, self.up_proj]) if self.gate_up is None else None
+        if fused is not None:
+            self.gate_up = fused[0]
+        return self.gate_up is not None
 
     def forward(self, x: Tensor) -> Tensor:  # (B, S, D) -> (B, S, D)
+        if self.gate_up is not None and not still_fused([self.gate_proj, self.up_proj], self.gate_up):
+            self.gate_up = None  # a parameter was replaced: back to the separate linears
+        if self.gate_up is not None:
+            g, u = linear(x, self.gate_up).chunk(2, dim=-1)  # (B, S, F) x2
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # hidden (B, S, F)
 
 

@@ -214,6 +214,12 @@ class Transformer(nn.Module):
             if isinstance(m, RMSNorm):
                 m.impl = impl
 
+    def fuse_projections(self) -> int:
+        """Fuse each attention's q/k/v and each SwiGLU's gate/up into one GEMM (runtime-side: checkpoints and
+        ``state_dict`` are unchanged, the separate weights become views of the fused ones); returns how many
+        modules were fused. For inference: call it after the model is placed and converted."""
+        return sum(bool(m.fuse()) for m in self.modules() if isinstance(m, (Attention, SwiGLU)))
+
     # ---- forward -------------------------------------------------------------------------
     def forward(self, tokens: Tensor, positions: Tensor | None = None, kv_cache=None,
                 last_n: int | None = None, document_ids: Tensor | None = None, return_hidden: bool = False) -> Tensor:

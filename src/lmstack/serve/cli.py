@@ -39,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size in MiB")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the engine's decode step per batch bucket (warmed up before serving; minutes on a CPU)")
     p.add_argument("--speculative-tokens", type=int, default=0, help="prompt-lookup speculation (0 = off)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests admitted beyond --max-seqs; more get 429 (after --queue-timeout)")
@@ -102,7 +104,8 @@ def run_serve(args) -> int:
     engine = LLMEngine(model, tokenizer, max_num_seqs=args.max_seqs, max_num_batched_tokens=args.max_tokens_per_step,
                        max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_mb * 2**20,
                        enable_prefix_caching=not args.no_prefix_caching,
-                       num_speculative_tokens=args.speculative_tokens, seed=args.seed)
+                       num_speculative_tokens=args.speculative_tokens, seed=args.seed, compile=args.compile)
+    engine.warm_up()  # the compiled buckets (nothing to do without --compile)
     server = Server(engine, args.served_model_name or str(args.model), api_key=args.api_key,
                     max_body_bytes=int(args.max_body_mb * 2**20), public_metrics=args.public_metrics,
                     max_queue=args.max_queue, queue_timeout=args.queue_timeout, max_n=args.max_n)

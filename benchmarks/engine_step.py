@@ -1,0 +1,105 @@
+"""One decode step of the batching engine at batch 1, 4, 16: its time and where it goes.
+
+    python benchmarks/engine_step.py --threads 1 [--batch 1,4,16] [--steps 8] [--profile]
+
+``--batch`` sequences with 128-token random prompts are prefilled, then ``--steps`` decode-only
+iterations (``LLMEngine.step``: schedule, forward, sample, commit) are timed; the median is printed
+per batch size with the tokens/s it implies. ``--profile`` also runs torch.profiler over those steps
+and prints the ops with the most self CPU time (linears = ``aten::addmm``/``mm``/``linear``, the K/V
+gathers = ``index_select``/``index``, attention, norms, ...) and the time no op accounts for
+(Python: scheduling, batch construction, the seam objects). ``--compile`` builds the engine with
+its compiled decode step (``LLMEngine(compile=True)``) and warms it up first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from lmstack.inference import LLMEngine, SamplingParams, generate, truncated_draft
+from lmstack.model.io import find_named_model, load_model
+
+
+def decode_steps(engine: LLMEngine, batch: int, steps: int, prompt_len: int, profile: bool):
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        engine.add_request(f"r{batch}-{i}", torch.randint(1000, 20000, (prompt_len,), generator=g).tolist(),
+                           SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True))
+    while any(s.num_computed < s.num_prompt for s in engine.requests.values()):
+        engine.step()  # prefill (chunks), not timed
+    times, prof = [], None
+    if profile:
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        prof.__enter__()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    return times, prof
+
+
+def batch1_decode(model, steps: int, prompt_len: int) -> float:
+    """Seconds per token of the batch-1 loop (``generate``, contiguous KV cache, eager) after its first token."""
+    prompt = torch.randint(1000, 20000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    times = [time.perf_counter() for _ in generate(model, prompt, SamplingParams(temperature=0, max_tokens=steps + 1,
+                                                                                 ignore_eos=True))]
+    return statistics.median(b - a for a, b in zip(times, times[1:]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", default="1,4,16")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate linears")
+    ap.add_argument("--rows", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only the first N layers (compiling all 30 takes very long on a loaded CPU)")
+    ap.add_argument("--batch1", action="store_true", help="also time the batch-1 loop (generate, eager) after each batch")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model = load_model(find_named_model("smollm2-135m"), dtype=dtype).model.eval()
+    if args.layers is not None:
+        model = truncated_draft(model, args.layers).eval()
+    batches = [int(b) for b in args.batch.split(",")]
+    kw = {"compile": True} if args.compile else {}
+    kw["fuse_projections"] = not args.no_fuse
+    engine = LLMEngine(model, max_num_seqs=max(batches), max_num_batched_tokens=512, **kw)
+    print(f"SmolLM2-135M {args.dtype} ({model.config.n_layers} layers), torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
+          f"load avg {os.getloadavg()[0]:.1f}, compile={args.compile}, fused projections {not args.no_fuse}")
+    if args.compile:
+        t0 = time.perf_counter()
+        engine.warm_up(batches)
+        print(f"warm-up (compiles) {time.perf_counter() - t0:.1f} s")
+    for b in batches:
+        times, prof = decode_steps(engine, b, args.steps, args.prompt_len, args.profile)
+        ms = statistics.median(times[1:] or times) * 1000
+        print(f"batch {b:3d}: decode step {ms:7.1f} ms  ({b / ms * 1000:6.1f} tok/s)  "
+              f"load avg {os.getloadavg()[0]:.1f}")
+        if args.batch1:
+            s1 = batch1_decode(model, args.steps, args.prompt_len)
+            print(f"           batch-1 generate (eager): {s1 * 1000:7.1f} ms/token; engine / batch-1 = "
+                  f"{b / ms * 1000 * s1:.2f}x tokens/s")
+        if prof is not None:
+            ev = prof.key_averages()
+            total_ops = sum(e.self_cpu_time_total for e in ev) / 1000 / len(times)
+            print(f"  per step: ops {total_ops:.1f} ms, outside ops (Python) {sum(times) / len(times) * 1000 - total_ops:.1f} ms")
+            for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:args.rows]:
+                print(f"  {e.key:40s} {e.self_cpu_time_total / 1000 / len(times):7.2f} ms  {e.count // len(times):5d} calls")
+
+
+if __name__ == "__main__":
+    main()

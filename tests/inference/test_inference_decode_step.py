@@ -1,0 +1,175 @@
+"""The engine's decode-only step (``lmstack.inference.decode_step``): attention through block tables
+against SDPA over keys assembled slot by slot, the eager step on the engine's path, and the compiled
+step (buckets, padding rows) against full recompute with preemption, prefix caching, chunked prefill
+and abort — with no recompilation after warm-up."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference_helpers import full_recompute_greedy, greedy, make_model
+from lmstack.inference import LLM, LLMEngine
+from lmstack.inference.decode_step import DecodeBatch, DecodeStep, batch_bucket
+from lmstack.inference.paged import PagedKVCache
+from lmstack.model.seam import AttentionMetadata, SDPAAttention
+
+
+def _slot(cache, which, r, block, off):
+    """One stored key/value row (K, H), dequantised by hand for an int8 pool: code · scale of its block."""
+    store = cache.k if which == "k" else cache.v
+    if cache.quant is None:
+        return store[r, block, off].double()
+    scale = (cache.k_scale if which == "k" else cache.v_scale)[r, block]  # (K,)
+    return store[r, block, off].double() * scale.double()[:, None]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float64, "int8"])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("eager", [True, False])
+def test_decode_attention_through_random_block_tables(kv_dtype, window, eager):
+    """eager: k, v stored in the pool first (read back with the blocks); else (the compiled step's way) put
+    into the loaded copy only, the pool left as it was."""
+    model = make_model()
+    c = model.config
+    bs, NB, K, H, N = 4, 40, c.n_kv_heads, c.head_dim, c.n_heads
+    cache = PagedKVCache(c, NB, bs, kv_dtype)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(c.n_layers):  # every slot holds something (int8: codes and scales)
+        cache.write(layer, torch.arange(NB * bs), torch.randn(NB * bs, K, H, generator=g, dtype=torch.float64),
+                    torch.randn(NB * bs, K, H, generator=g, dtype=torch.float64))
+    # fragmented tables, rows 0 and 1 share their first two blocks (a cached prefix), row 2 has one block
+    tables = [[17, 3, 29, 8], [17, 3, 11], [5]]
+    positions = [13, 9, 2]  # the fed token's position: inside the table's last block
+    M = 5
+    table = torch.tensor([t + [0] * (M - len(t)) for t in tables])
+    pos = torch.tensor(positions)
+    B = len(tables)
+    q = torch.randn(B, N, 1, H, generator=g, dtype=torch.float64)
+    k = torch.randn(B, K, 1, H, generator=g, dtype=torch.float64)
+    v = torch.randn(B, K, 1, H, generator=g, dtype=torch.float64)
+    layer = 1
+    slots = torch.tensor([tables[b][p // bs] * bs + p % bs for b, p in enumerate(positions)])
+    before = cache.k.clone()
+    batch = DecodeBatch(cache, table, pos, slots if eager else None)
+    out = batch.attend(layer, q, k, v, AttentionMetadata(pos[:, None], window=window), SDPAAttention())
+    assert torch.equal(cache.k, before) != eager  # written in place only eagerly
+    for b in range(B):
+        p = positions[b]
+        lo = 0 if window is None else max(0, p - window + 1)
+        last = p + 1 if eager else p  # eagerly the token's own k, v are read back from the pool (int8: quantised)
+        ks = [_slot(cache, "k", layer, tables[b][j // bs], j % bs) for j in range(lo, last)]
+        vs = [_slot(cache, "v", layer, tables[b][j // bs], j % bs) for j in range(lo, last)]
+        if not eager:
+            ks, vs = ks + [k[b, :, 0]], vs + [v[b, :, 0]]
+        kb = torch.stack(ks, dim=1).repeat_interleave(N // K, dim=0)  # (N, S_b, H)
+        vb = torch.stack(vs, dim=1).repeat_interleave(N // K, dim=0)
+        ref = F.scaled_dot_product_attention(q[b], kb, vb)  # (N, 1, H): every listed key visible
+        tol = 1e-9 if cache.quant is None else 1e-6  # an int8 pool dequantises in float32
+        torch.testing.assert_close(out[b], ref, rtol=tol, atol=tol)
+    assert [t.shape for t in batch.new_k] == ([] if eager else [(B, K, H)])  # kept for the write after the forward
+
+
+def test_batch_buckets():
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 16, 17, 64, 65, 130)] == [1, 2, 4, 8, 16, 32, 64, 128, 192]
+
+
+def test_engine_decode_iterations_go_through_the_decode_step(model, prompts, monkeypatch):
+    calls = []
+    forward = DecodeStep.forward
+
+    def counted(self, tokens, positions, tables):
+        calls.append(len(tokens))
+        return forward(self, tokens, positions, tables)
+
+    monkeypatch.setattr(DecodeStep, "forward", counted)
+    llm = LLM(model, block_size=4, max_num_seqs=4)
+    out = llm.generate(prompts[:6], greedy(8))
+    assert [o.token_ids for o in out] == [full_recompute_greedy(model, p, 8) for p in prompts[:6]]
+    assert calls and max(calls) == 4  # decode-only iterations of 4 rows, and the tails with fewer
+
+
+def test_compile_is_refused_where_the_step_cannot_serve(model):
+    with pytest.raises(ValueError, match="compile=True"):
+        LLMEngine(model, selective=False, compile=True)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """One compiled engine for every scenario below (each bucket compiles once: tens of seconds on a CPU)."""
+    model = make_model()
+    # 14 blocks of 4: one sequence always fits, three running ones get preempted; 8-token budget: chunked prefill
+    llm = LLM(model, block_size=4, num_blocks=14, max_num_seqs=3, max_num_batched_tokens=8,
+              compile={"cpp_wrapper": False})
+    llm.engine.runner.decode.buckets = (2, 4)  # two compilations: 1-2 rows pad to 2, 3 rows to 4
+    llm.engine.warm_up()
+    return model, llm
+
+
+@pytest.mark.slow
+def test_compiled_decode_equals_full_recompute_across_buckets(compiled, prompts):
+    model, llm = compiled
+    decode = llm.engine.runner.decode
+    assert decode.graphs == 2  # buckets 2 and 4 at one table bucket
+    chosen = prompts[:4] + prompts[8:11] + prompts[-4:]  # short, across blocks, long (chunked), shared prefixes
+    out = llm.generate(chosen, greedy(12))
+    assert [o.token_ids for o in out] == [full_recompute_greedy(model, p, 12) for p in chosen]
+    assert llm.engine.stats["preemptions"] > 0
+    assert sum(o.num_cached_tokens for o in llm.generate(chosen[-4:], greedy(2))) > 0  # prefix cache hits
+    assert decode.graphs == 2  # no recompilation after warm-up
+
+
+@pytest.mark.slow
+def test_compiled_decode_with_abort(compiled, prompts):
+    model, llm = compiled
+    engine = llm.engine
+    chosen = prompts[4:7]
+    for i, p in enumerate(chosen):
+        engine.add_request(f"a{i}", p, greedy(10))
+    done = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        steps += 1
+        if steps == 6:
+            assert engine.abort_request("a1")
+    assert "a1" not in done and "a1" not in engine.requests  # aborted mid-decode, gone from the engine
+    for i in (0, 2):
+        assert done[f"a{i}"].token_ids == full_recompute_greedy(model, chosen[i], 10)
+    assert engine.runner.decode.graphs == 2
+    assert not engine.cache.blocks.tables  # every block table given back
+
+
+def test_fused_projections_equal_the_separate_linears():
+    import copy
+
+    model = make_model(qkv_bias=True)
+    plain = copy.deepcopy(model)
+    assert model.fuse_projections() == 2 * model.config.n_layers  # every attention and SwiGLU
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), plain(tokens), rtol=1e-12, atol=1e-12)
+        # in-place updates of the separate parameters reach the fused weights (load_state_dict copies in place)
+        state = {k: v + 0.01 * torch.randn_like(v) for k, v in plain.state_dict().items()}
+        plain.load_state_dict(state)
+        model.load_state_dict(state)
+        torch.testing.assert_close(model(tokens), plain(tokens), rtol=1e-12, atol=1e-12)
+        # a replaced parameter: the layer goes back to its separate linears
+        attn = model.blocks[0].attn
+        attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight * 2)
+        plain.blocks[0].attn.k_proj.weight.mul_(2)
+        torch.testing.assert_close(model(tokens), plain(tokens), rtol=1e-12, atol=1e-12)
+        # a replaced module (a wrapper, as LoRA or quantisation puts in): its SwiGLU uses the new modules
+        class Scaled(torch.nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x):
+                return 3 * self.inner(x)
+
+        model.blocks[1].ffn.up_proj = Scaled(model.blocks[1].ffn.up_proj)
+        plain.blocks[1].ffn.up_proj = Scaled(plain.blocks[1].ffn.up_proj)
+        torch.testing.assert_close(model(tokens), plain(tokens), rtol=1e-12, atol=1e-12)
+    assert list(model.state_dict()) == list(plain.state_dict())  # checkpoints unchanged
