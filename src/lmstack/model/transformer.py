@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU, linear
 from lmstack.model.mixer_spec import layer_softcap, layer_specs
