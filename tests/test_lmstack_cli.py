@@ -67,3 +67,13 @@ def test_scaling_plan_law_file_that_is_not_a_fit_exits_2(tmp_path, content, caps
     f.write_text(content)
     assert main(["scaling", "plan", "--law", str(f), "--flops", "1e20"]) == 2
     assert "--law" in capsys.readouterr().err
+
+
+def test_scaling_fit_on_constant_losses_reports_instead_of_crashing(tmp_path, capsys):
+    """Issue #31: `scaling fit` on constant losses was a ZeroDivisionError (alpha + beta = 0)."""
+    runs = tmp_path / "runs.jsonl"
+    rows = [("a", 1e6, 1e8), ("b", 2e6, 1e8), ("c", 4e6, 1e8), ("d", 1e6, 2e8), ("e", 2e6, 4e8)]
+    runs.write_text("".join(f'{{"name": "{n}", "N": {N}, "D": {D}, "C": {6 * N * D}, "loss": 3.0}}\n'
+                            for n, N, D in rows))
+    assert main(["scaling", "fit", str(runs), "--out", str(tmp_path / "fit")]) == 0
+    assert "approach 3: not fitted" in capsys.readouterr().out

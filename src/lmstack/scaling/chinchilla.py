@@ -204,6 +204,9 @@ def approach3(N, D, L, n_boot: int = 100, level: float = 0.9, seed: int = 0, U=N
     if n_boot:
         bootstrap_chinchilla(fit, N, D, L, n_boot=n_boot, level=level, seed=seed, U=U, fit_r_star=r_star is None)
     p = fit.params
+    if not p["alpha"] + p["beta"] > 0:  # constant losses (or no trend): no exponent to split the budget with
+        raise ValueError(f"approach 3: the fitted exponents alpha={p['alpha']:.3g}, beta={p['beta']:.3g} give no "
+                         "allocation (the losses do not fall with N or D: constant or noise-only runs?)")
     res = Approach("approach 3 (L(N,D) fit)", p["beta"] / (p["alpha"] + p["beta"]),
                    p["alpha"] / (p["alpha"] + p["beta"]), law=fit)
     if fit.samples is not None:
