@@ -173,3 +173,26 @@ def test_fused_projections_equal_the_separate_linears():
         plain.blocks[1].ffn.up_proj = Scaled(plain.blocks[1].ffn.up_proj)
         torch.testing.assert_close(model(tokens), plain(tokens), rtol=1e-12, atol=1e-12)
     assert list(model.state_dict()) == list(plain.state_dict())  # checkpoints unchanged
+
+
+def test_fused_projections_leave_training_gradients_to_every_parameter():
+    """LLM(model) fuses q/k/v and gate/up in place; the same model trained afterwards (GRPO serves and trains one
+    model) must still send gradients to q_proj/k_proj/v_proj/gate_proj/up_proj — equal to an unfused copy's."""
+    import copy
+
+    from lmstack.model.config import ModelConfig
+    from lmstack.model.transformer import Transformer
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32)
+    ref = Transformer(cfg, seed=0).double()
+    fused = copy.deepcopy(ref)
+    assert fused.fuse_projections() == 4
+    x = torch.randint(0, 64, (2, 8))
+    ref(x).square().mean().backward()
+    fused(x).square().mean().backward()
+    grads = dict(ref.named_parameters())
+    for name, p in fused.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, grads[name].grad)
+    with torch.no_grad():  # and inference through the fused GEMMs gives the same logits
+        torch.testing.assert_close(fused(x), ref(x))

@@ -144,10 +144,10 @@ class GRPOTrainer:
                 if len(ids) + c.max_new_tokens > max_len:
                     raise ValueError(f"{split} prompt {i} has {len(ids)} tokens: with max_new_tokens="
                                      f"{c.max_new_tokens} it exceeds the model's context of {max_len} tokens")
-        # fuse_projections=False: the learner trains these very parameters, and the engine's runtime fusion
-        # (q/k/v and gate/up re-homed as views of one fused weight) would train a different set than it serves
+        # the engine fuses q/k/v and gate/up for its rollouts (no_grad); the learner's backward runs the separate
+        # projections, whose parameters are views of the fused weights, so each optimizer step reaches both
         self.llm = LLM(model, tokenizer, max_num_seqs=c.max_num_seqs,
-                       max_num_batched_tokens=c.max_num_batched_tokens, seed=c.seed, fuse_projections=False)
+                       max_num_batched_tokens=c.max_num_batched_tokens, seed=c.seed)
         assert self.llm.engine.model is model  # one model: the engine serves the learner's tensors
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if c.beta > 0 else None
         decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]

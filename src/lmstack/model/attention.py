@@ -57,7 +57,8 @@ class Attention(nn.Module):
         H = self.head_dim
         if self.qkv is not None and not still_fused([self.q_proj, self.k_proj, self.v_proj], self.qkv[0]):
             self.qkv = None  # a parameter was replaced: back to the separate projections
-        if self.qkv is not None:  # one GEMM for the three projections
+        if self.qkv is not None and not torch.is_grad_enabled():  # one GEMM for the three projections; with
+            # autograd on, the separate ones: the fused weight is no parameter, so gradients would miss q/k/v
             w, b, widths = self.qkv
             q, k, v = (t.reshape(B, T, -1, H).transpose(1, 2) for t in linear(x, w, b).split(widths, dim=-1))
         else:

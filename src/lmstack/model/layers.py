@@ -229,7 +229,8 @@ class SwiGLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # (B, S, D) -> (B, S, D)
         if self.gate_up is not None and not still_fused([self.gate_proj, self.up_proj], self.gate_up):
             self.gate_up = None  # a parameter was replaced: back to the separate linears
-        if self.gate_up is not None:
+        if self.gate_up is not None and not torch.is_grad_enabled():  # inference only: with autograd the separate
+            # linears, whose parameters the gradients must reach (the fused weight is no parameter)
             g, u = linear(x, self.gate_up).chunk(2, dim=-1)  # (B, S, F) x2
             return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # hidden (B, S, F)
