@@ -61,7 +61,10 @@ def numeric_equal(a: str, b: str, rel_tol: float = 1e-6, abs_tol: float = 1e-9) 
 def symbolic_equal(a: str, b: str) -> bool:
     """Mathematical equality via math-verify (LaTeX or plain; sympy underneath). False when either side does
     not parse."""
-    from math_verify import parse, verify
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise ImportError("symbolic equality needs math-verify: pip install 'lmstack[align]'") from None
 
     def p(s: str):
         s = s.strip()
