@@ -40,7 +40,17 @@ def test_docstring_items_are_right():
 
 
 def test_make_data_and_the_shipped_copy(tmp_path):
-    prov = make_data(tmp_path, heldout_bytes=10_000)
+    """Built in a fresh interpreter, as `lmstack eval make-data` builds the shipped copy: a library imported
+    by another test can rebind a stdlib function (importing ray replaces inspect.isgenerator), which changes
+    which docstrings the generator sees in this process."""
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from lmstack.eval.datasets import make_data; "
+            "print(json.dumps(make_data(sys.argv[1], heldout_bytes=10_000)))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         check=True)
+    prov = json.loads(out.stdout.strip().splitlines()[-1])
     task = load_task(tmp_path / "stdlib_docstring_mc.yaml")
     assert task.kind == "multiple_choice" and len(task.items) == prov["stdlib_docstring_mc.jsonl"]["items"]
     assert task.items[0].context.startswith("Python standard library.\nDocstring: ")
