@@ -45,6 +45,18 @@ def json_line(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj, ensure_ascii=False, default=_json_default) + "\n").encode("utf-8", "replace")
 
 
+def _abort(close, atomic) -> None:
+    """Close the open file, then drop the temporary file (``atomic_path`` exited with an error): no partial shard."""
+    try:
+        close()
+    finally:
+        err = RuntimeError("shard aborted")
+        try:
+            atomic.__exit__(type(err), err, None)
+        except RuntimeError:
+            pass
+
+
 class JsonlShard:
     """One JSONL file written atomically: :meth:`write` lines, then :meth:`close` (rename) or :meth:`abort`."""
 
@@ -77,14 +89,7 @@ class JsonlShard:
         return self.path
 
     def abort(self) -> None:
-        try:
-            self._raw.close()
-        finally:
-            err = RuntimeError("shard aborted")
-            try:
-                self._atomic.__exit__(type(err), err, None)
-            except RuntimeError:
-                pass
+        _abort(self._raw.close, self._atomic)
 
 
 class ParquetShard:
@@ -126,14 +131,7 @@ class ParquetShard:
         return self.path
 
     def abort(self) -> None:
-        try:
-            self._w.close()
-        finally:
-            err = RuntimeError("shard aborted")
-            try:
-                self._atomic.__exit__(type(err), err, None)
-            except RuntimeError:
-                pass
+        _abort(self._w.close, self._atomic)
 
 
 def clear_task_files(folder: Path, stem: str) -> None:
