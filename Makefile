@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 # The CPU build of torch lies on this machine's disk; on a GPU machine: make TORCH=torch demo
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test install install-test install-data data-demo clean
+# `make test` = lint gates + the whole suite (CI); `make test-fast` skips the slow tests
+.PHONY: demo test test-fast lint install install-test install-data data-demo clean
 
 $(VENV)/.stamp-base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,8 +47,17 @@ data-demo: install-data
 demo: install
 	$(VENV)/bin/lmstack demo
 
-test: install-test
+LINT_PATHS := src tests benchmarks
+
+lint: install-test
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+
+test: lint
 	$(PY) -m pytest -q
+
+test-fast: install-test
+	$(PY) -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV)

@@ -30,7 +30,10 @@ from lmstack.threads import add_threads_argument, set_threads
 
 def run_lmstack(model, tok, prompts, G, L):
     llm = LLM(model, tok, max_num_seqs=len(prompts) * G, max_num_batched_tokens=1024)
-    params = [SamplingParams(temperature=1.0, max_tokens=L, ignore_eos=True, seed=k) for k in range(len(prompts) * G)]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=L, ignore_eos=True, seed=k)
+        for k in range(len(prompts) * G)
+    ]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate([p for p in prompts for _ in range(G)], params)
@@ -42,17 +45,29 @@ def run_hf(prompts, G, L):
     import transformers
 
     path = find_named_model("smollm2-135m")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     S = max(map(len, prompts))
     ids = torch.tensor([[0] * (S - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (S - len(p)) + [1] * len(p) for p in prompts])
     torch.manual_seed(0)
     with torch.no_grad():
-        hf.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        hf.generate(
+            ids[:1], attention_mask=mask[:1], max_new_tokens=2, do_sample=False, pad_token_id=0
+        )
         t0 = time.perf_counter()
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=L, min_new_tokens=L, do_sample=True,
-                          temperature=1.0, top_k=0, num_return_sequences=G, pad_token_id=0)
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=L,
+            min_new_tokens=L,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            num_return_sequences=G,
+            pad_token_id=0,
+        )
         wall = time.perf_counter() - t0
     return wall, (out.shape[1] - S) * out.shape[0]
 
@@ -67,13 +82,17 @@ def main() -> None:
     add_threads_argument(ap)
     args = ap.parse_args()
     set_threads(args.threads)
-    print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"capability {torch.backends.cpu.get_cpu_capability()}")
+    print(
+        f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"capability {torch.backends.cpu.get_cpu_capability()}"
+    )
     model, tok = load_for_inference("smollm2-135m")
     task = get_task("arithmetic", digits=2)
     prompts = [encode_prompt(tok, p.prompt) for p in task.generate(args.prompts, seed=1)]
     P, G, L = args.prompts, args.generations, args.max_new_tokens
-    print(f"rollout: P={P} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens) x G={G}, {L} new tokens")
+    print(
+        f"rollout: P={P} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens) x G={G}, {L} new tokens"
+    )
     wall, n = run_lmstack(model, tok, prompts, G, L)
     print(f"  lmstack engine   {wall:7.2f} s  {n / wall:8.1f} tok/s")
     if not args.skip_hf:
@@ -81,17 +100,29 @@ def main() -> None:
         print(f"  HF generate      {hwall:7.2f} s  {hn / hwall:8.1f} tok/s")
         print(f"  lmstack / HF     {(n / wall) / (hn / hwall):7.2f}x")
     if args.grpo_steps:
-        cfg = GRPOConfig(task="arithmetic", task_args={"digits": 2}, steps=args.grpo_steps, prompts_per_step=P,
-                         num_generations=G, max_new_tokens=L, lr=1e-6, eval_problems=1, train_problems=200,
-                         out_dir="runs/bench_align", micro_batch=16)
+        cfg = GRPOConfig(
+            task="arithmetic",
+            task_args={"digits": 2},
+            steps=args.grpo_steps,
+            prompts_per_step=P,
+            num_generations=G,
+            max_new_tokens=L,
+            lr=1e-6,
+            eval_problems=1,
+            train_problems=200,
+            out_dir="runs/bench_align",
+            micro_batch=16,
+        )
         trainer = GRPOTrainer(cfg, model, tok, progress=False)
         print(f"GRPO step (P={P}, G={G}, L_max={L}, micro-batch 16, mu=1):")
         for _ in range(args.grpo_steps):
             m = trainer.train_step()
-            print(f"  step {m['step']}: generation {m['gen_s']:.2f}s ({m['gen_tokens_per_s']:.0f} tok/s), "
-                  f"old log-probs {m['logprob_s']:.2f}s, training {m['train_s']:.2f}s "
-                  f"({m['train_tokens_per_s']:.0f} tok/s), total {m['step_s']:.2f}s, "
-                  f"generation share {m['gen_s'] / m['step_s']:.0%}")
+            print(
+                f"  step {m['step']}: generation {m['gen_s']:.2f}s ({m['gen_tokens_per_s']:.0f} tok/s), "
+                f"old log-probs {m['logprob_s']:.2f}s, training {m['train_s']:.2f}s "
+                f"({m['train_tokens_per_s']:.0f} tok/s), total {m['step_s']:.2f}s, "
+                f"generation share {m['gen_s'] / m['step_s']:.0%}"
+            )
 
 
 if __name__ == "__main__":

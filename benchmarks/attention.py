@@ -31,7 +31,9 @@ def check_agreement(B: int, N: int, K: int, S: int, H: int, dtype: torch.dtype) 
     from lmstack.kernels.bench import attention_fn
 
     gen = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = (torch.randn(B, n, S, H, generator=gen).to("cuda", dtype).requires_grad_() for n in (N, K, K))
+    q, k, v = (
+        torch.randn(B, n, S, H, generator=gen).to("cuda", dtype).requires_grad_() for n in (N, K, K)
+    )
     outs = []
     for backend in ("sdpa_flash", "flash_triton"):
         o = attention_fn(backend, causal=True)(q, k, v)
@@ -42,7 +44,9 @@ def check_agreement(B: int, N: int, K: int, S: int, H: int, dtype: torch.dtype) 
 
 def main() -> None:
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seq", default="1024,2048,4096,8192" if gpu else "256,512,1024,2048")
     p.add_argument("--batch", type=int, default=4 if gpu else 1)
     p.add_argument("--heads", type=int, default=16 if gpu else 8)
@@ -68,8 +72,20 @@ def main() -> None:
     rows, fwd_rows = [], []
 
     def bench(b: str, S: int, backward: bool = True, label: str | None = None) -> dict:
-        row = bench_attention(b, args.batch, args.heads, K, S, args.head_dim, dtype, device, causal=True,
-                              backward=backward, warmup=args.warmup, repeats=args.repeats)
+        row = bench_attention(
+            b,
+            args.batch,
+            args.heads,
+            K,
+            S,
+            args.head_dim,
+            dtype,
+            device,
+            causal=True,
+            backward=backward,
+            warmup=args.warmup,
+            repeats=args.repeats,
+        )
         row["backend"] = label or b
         return row
 
@@ -81,11 +97,17 @@ def main() -> None:
             rows.append(bench("flash_triton", S, label="flash_triton_split"))
             os.environ.pop("LMSTACK_FLASH_BWD")
             fwd_rows += [bench(b, S, backward=False) for b in backends]
-    for r in rows + fwd_rows:  # attention FLOPs: 4·B·N·T·S·H, halved by the causal mask; backward 2.5x forward
+    for r in (
+        rows + fwd_rows
+    ):  # attention FLOPs: 4·B·N·T·S·H, halved by the causal mask; backward 2.5x forward
         flops = 4 * r["B"] * r["N"] * r["S"] * r["S"] * r["H"] * (0.5 if r["causal"] else 1.0)
-        r["TFLOP/s"] = flops * (3.5 if r["pass"] == "fwd+bwd" else 1.0) / (r["median_ms"] * 1e-3) / 1e12
-    print(f"causal attention fwd+bwd, B={args.batch} N={args.heads} K={K} H={args.head_dim} "
-          f"{str(dtype)[6:]} on {device}; median / min of {args.repeats} after {args.warmup} warm-up")
+        r["TFLOP/s"] = (
+            flops * (3.5 if r["pass"] == "fwd+bwd" else 1.0) / (r["median_ms"] * 1e-3) / 1e12
+        )
+    print(
+        f"causal attention fwd+bwd, B={args.batch} N={args.heads} K={K} H={args.head_dim} "
+        f"{str(dtype)[6:]} on {device}; median / min of {args.repeats} after {args.warmup} warm-up"
+    )
     print(format_table(rows, ["backend", "S", "median_ms", "min_ms", "TFLOP/s", "peak_mib"]))
     if fwd_rows:
         print("forward only:")
@@ -93,8 +115,10 @@ def main() -> None:
         for S in seqs:
             t = {r["backend"]: r["median_ms"] for r in rows if r["S"] == S}
             f = {r["backend"]: r["median_ms"] for r in fwd_rows if r["S"] == S}
-            print(f"S={S}: forward {f['sdpa_flash'] / f['flash_triton']:.3f}x, fwd+bwd split schedule "
-                  f"{t['sdpa_flash'] / t['flash_triton_split']:.3f}x of sdpa_flash")
+            print(
+                f"S={S}: forward {f['sdpa_flash'] / f['flash_triton']:.3f}x, fwd+bwd split schedule "
+                f"{t['sdpa_flash'] / t['flash_triton_split']:.3f}x of sdpa_flash"
+            )
     ratios = []
     peer, ours = ("sdpa_flash", "flash_triton") if gpu else ("sdpa", "flash_pytorch")
     for S in seqs:
@@ -105,10 +129,19 @@ def main() -> None:
             m = {r["backend"]: r["peak_mib"] for r in rows if r["S"] == S}
             line += f"; peak memory reference / flash_pytorch = {m['reference'] / m['flash_pytorch']:.1f}x"
         print(line)
-    print(f"median speed ratio {ours}/{peer} (t_{peer} / t_{ours}): {statistics.median(ratios):.3f}x")
+    print(
+        f"median speed ratio {ours}/{peer} (t_{peer} / t_{ours}): {statistics.median(ratios):.3f}x"
+    )
     if args.json:
-        write_json(args.json, {"rows": rows, "forward_rows": fwd_rows, "ratios": dict(zip(seqs, ratios)),
-                               "machine": info})
+        write_json(
+            args.json,
+            {
+                "rows": rows,
+                "forward_rows": fwd_rows,
+                "ratios": dict(zip(seqs, ratios)),
+                "machine": info,
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ VARIANTS = {
     "gated deltanet": ["gated_deltanet"],
     "3:1 deltanet:full": ["gated_deltanet"] * 3 + ["attention"],
 }
-SHAPE = dict(d_model=192, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=512, max_seq_len=512, tie_embeddings=True)
+SHAPE = dict(
+    d_model=192, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=512, max_seq_len=512, tie_embeddings=True
+)
 
 
 def demo_data(data_dir: Path) -> tuple[Path, Path]:
@@ -57,9 +59,13 @@ def demo_data(data_dir: Path) -> tuple[Path, Path]:
 
 def matched_d_ff(unit: list[str], vocab_size: int, target: int) -> int:
     """The d_ff (a multiple of 8) whose model has the parameter count closest to ``target``."""
+
     def params(d_ff):
         layers = [unit[i % len(unit)] for i in range(SHAPE["n_layers"])]
-        return model_params(ModelConfig(**{**SHAPE, "d_ff": d_ff}, vocab_size=vocab_size, layer_types=layers))
+        return model_params(
+            ModelConfig(**{**SHAPE, "d_ff": d_ff}, vocab_size=vocab_size, layer_types=layers)
+        )
+
     return min(range(8, 4 * SHAPE["d_ff"], 8), key=lambda f: abs(params(f) - target))
 
 
@@ -68,24 +74,61 @@ def run(name: str, args, tok_path: Path, tokens_path: Path, vocab_size: int, sep
     full = model_params(ModelConfig(**SHAPE, vocab_size=vocab_size))
     d_ff = matched_d_ff(unit, vocab_size, full)
     layers = [unit[i % len(unit)] for i in range(SHAPE["n_layers"])]
-    model = {**SHAPE, "d_ff": d_ff, "vocab_size": vocab_size, "eos_token_id": sep_id, "name": name.replace(" ", "_"),
-             "layer_types": layers, "mixer_chunk_size": 64}
+    model = {
+        **SHAPE,
+        "d_ff": d_ff,
+        "vocab_size": vocab_size,
+        "eos_token_id": sep_id,
+        "name": name.replace(" ", "_"),
+        "layer_types": layers,
+        "mixer_chunk_size": 64,
+    }
     out_dir = Path(args.work_dir) / name.replace(" ", "_").replace(":", "-")
-    cfg = TrainConfig(model=model, train_data=str(tokens_path), val_fraction=0.05, tokenizer=str(tok_path),
-                      sep_id=sep_id, batch_size=args.batch, seq_len=args.seq_len, grad_accum=1, lr=args.lr,
-                      min_lr=args.lr / 10, weight_decay=0.1, beta2=0.95, grad_clip=1.0, precision="fp32",
-                      device="cpu", eval_batches=args.eval_batches, eval_interval=args.eval_every, log_interval=10,
-                      out_dir=str(out_dir), keep_last=1, ckpt_interval=0, seed=0, max_steps=args.steps,
-                      warmup_steps=max(1, args.steps // 20))
+    cfg = TrainConfig(
+        model=model,
+        train_data=str(tokens_path),
+        val_fraction=0.05,
+        tokenizer=str(tok_path),
+        sep_id=sep_id,
+        batch_size=args.batch,
+        seq_len=args.seq_len,
+        grad_accum=1,
+        lr=args.lr,
+        min_lr=args.lr / 10,
+        weight_decay=0.1,
+        beta2=0.95,
+        grad_clip=1.0,
+        precision="fp32",
+        device="cpu",
+        eval_batches=args.eval_batches,
+        eval_interval=args.eval_every,
+        log_interval=10,
+        out_dir=str(out_dir),
+        keep_last=1,
+        ckpt_interval=0,
+        seed=0,
+        max_steps=args.steps,
+        warmup_steps=max(1, args.steps // 20),
+    )
     trainer = Trainer(cfg, progress=True, overwrite=True)
-    init_recurrent_parameters(trainer.raw_model, seed=0)  # Trainer draws A, Δ-bias, conv as plain weights
+    init_recurrent_parameters(
+        trainer.raw_model, seed=0
+    )  # Trainer draws A, Δ-bias, conv as plain weights
     t0 = time.perf_counter()
     summary = trainer.fit()
     seconds = time.perf_counter() - t0
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     curve = [(r["step"], r["val_loss"]) for r in rows if r["kind"] == "eval"]
-    return {"baseline": trainer.unigram_baseline(), "params": trainer.raw_model.num_params(), "d_ff": d_ff, "layer_types": layers, "seconds": seconds,
-            "tokens": args.steps * args.batch * args.seq_len, "val_loss": summary["val_loss"], "curve": curve}
+    return {
+        "baseline": trainer.unigram_baseline(),
+        "params": trainer.raw_model.num_params(),
+        "d_ff": d_ff,
+        "layer_types": layers,
+        "seconds": seconds,
+        "tokens": args.steps * args.batch * args.seq_len,
+        "val_loss": summary["val_loss"],
+        "curve": curve,
+    }
 
 
 def plot(results: dict, path: str, baseline: float | None) -> None:
@@ -97,7 +140,13 @@ def plot(results: dict, path: str, baseline: float | None) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, r in results.items():
         steps, losses = zip(*r["curve"])
-        ax.plot(steps, losses, marker="o", markersize=3, label=f"{name} ({r['params'] / 1e6:.2f}M params)")
+        ax.plot(
+            steps,
+            losses,
+            marker="o",
+            markersize=3,
+            label=f"{name} ({r['params'] / 1e6:.2f}M params)",
+        )
     if baseline is not None:
         ax.axhline(baseline, color="gray", linestyle=":", label=f"unigram baseline {baseline:.2f}")
     ax.set_xlabel("step (same batches for every model)")
@@ -113,7 +162,9 @@ def plot(results: dict, path: str, baseline: float | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data-dir", default="runs/demo", help="`lmstack demo` output (tokenizer.json, tokens.bin)")
+    ap.add_argument(
+        "--data-dir", default="runs/demo", help="`lmstack demo` output (tokenizer.json, tokens.bin)"
+    )
     ap.add_argument("--work-dir", default="runs/attention_corpus", help="the runs' out_dirs")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16)
@@ -138,15 +189,22 @@ def main() -> None:
     for name in args.variants.split(","):
         results[name] = r = run(name, args, tok_path, tokens_path, tok.vocab_size, sep_id)
         baseline = r["baseline"]
-        print(f"{name}: {r['params']:,} params (d_ff {r['d_ff']}), {r['seconds']:.0f} s, "
-              f"val loss {r['val_loss']:.4f}", flush=True)
-    atomic_write_text(args.out + ".json", json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
+        print(
+            f"{name}: {r['params']:,} params (d_ff {r['d_ff']}), {r['seconds']:.0f} s, "
+            f"val loss {r['val_loss']:.4f}",
+            flush=True,
+        )
+    atomic_write_text(
+        args.out + ".json", json.dumps({"args": vars(args), "results": results}, indent=2) + "\n"
+    )
     plot(results, args.out + ".png", baseline)
     print("\n| layers | params | d_ff | val loss | ppl | tokens/s |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['params']:,} | {r['d_ff']} | {r['val_loss']:.3f} | {2.718281828 ** r['val_loss']:.1f} | "
-              f"{r['tokens'] / r['seconds']:,.0f} |")
+        print(
+            f"| {name} | {r['params']:,} | {r['d_ff']} | {r['val_loss']:.3f} | {2.718281828 ** r['val_loss']:.1f} | "
+            f"{r['tokens'] / r['seconds']:,.0f} |"
+        )
 
 
 if __name__ == "__main__":

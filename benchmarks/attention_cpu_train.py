@@ -42,9 +42,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--other", default=None, help="path of another matmul_attention module to time as 'other'")
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="cpu",
-                    help="cpu: process CPU time (robust when other jobs share the machine; use with --threads 1)")
+    ap.add_argument(
+        "--other", default=None, help="path of another matmul_attention module to time as 'other'"
+    )
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="cpu",
+        help="cpu: process CPU time (robust when other jobs share the machine; use with --threads 1)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -54,22 +60,34 @@ def main() -> None:
         def fn(q, k, v):
             ma.SDPA_FORWARD = sdpa_forward
             return ma.matmul_attention(q, k, v, causal=True)
+
         return fn
 
-    fns = {"matmul": matmul(True), "matmul_blockfwd": matmul(False),
-           "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)}
+    fns = {
+        "matmul": matmul(True),
+        "matmul_blockfwd": matmul(False),
+        "sdpa": lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        ),
+    }
     if args.other:
         other = load_other(args.other)
         fns["other"] = lambda q, k, v: other(q, k, v, causal=True)
     B, N, K = args.batch, args.heads, args.kv_heads
     clock = time.process_time if args.clock == "cpu" else timeit.default_timer
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock; causal, bf16 autocast, B={B} N={N} K={K}; "
-          f"median of {args.repeats} after {args.warmup} warm-up, interleaved")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock; causal, bf16 autocast, B={B} N={N} K={K}; "
+        f"median of {args.repeats} after {args.warmup} warm-up, interleaved"
+    )
     for H in [int(h) for h in args.head_dim.split(",")]:
         for S in [int(s) for s in args.seq.split(",")]:
             g = torch.Generator().manual_seed(0)
-            q, k, v = (torch.randn(B, S, n, H, generator=g, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
-                       for n in (N, K, K))
+            q, k, v = (
+                torch.randn(B, S, n, H, generator=g, dtype=torch.bfloat16)
+                .transpose(1, 2)
+                .requires_grad_()
+                for n in (N, K, K)
+            )
             d_out = torch.randn(B, S, N * H, generator=g, dtype=torch.bfloat16)
             fwd = {name: [] for name in fns}
             both = {name: [] for name in fns}
@@ -77,7 +95,9 @@ def main() -> None:
                 for name, fn in fns.items():
                     with torch.autocast("cpu", dtype=torch.bfloat16):
                         t0 = clock()
-                        o = fn(q, k, v).transpose(1, 2).reshape(B, S, N * H)  # as the model reads it
+                        o = (
+                            fn(q, k, v).transpose(1, 2).reshape(B, S, N * H)
+                        )  # as the model reads it
                         t1 = clock()
                     o.backward(d_out)
                     t2 = clock()
@@ -88,8 +108,10 @@ def main() -> None:
             mf = {n: statistics.median(t) * 1e3 for n, t in fwd.items()}
             mb = {n: statistics.median(t) * 1e3 for n, t in both.items()}
             line = " | ".join(f"{n} fwd {mf[n]:.1f} fwd+bwd {mb[n]:.1f} ms" for n in fns)
-            ratio = (f"sdpa/matmul fwd+bwd {mb['sdpa'] / mb['matmul']:.2f}x, "
-                     f"matmul_blockfwd/matmul {mb['matmul_blockfwd'] / mb['matmul']:.2f}x")
+            ratio = (
+                f"sdpa/matmul fwd+bwd {mb['sdpa'] / mb['matmul']:.2f}x, "
+                f"matmul_blockfwd/matmul {mb['matmul_blockfwd'] / mb['matmul']:.2f}x"
+            )
             if "other" in fns:
                 ratio += f", other/matmul {mb['other'] / mb['matmul']:.2f}x"
             print(f"H={H} S={S}: {line} | {ratio}")

@@ -38,9 +38,20 @@ PATTERNS = {
 
 def build(unit: list[str], max_seq_len: int) -> Transformer:
     L = 4
-    cfg = ModelConfig(vocab_size=1024, d_model=256, n_layers=L, n_heads=4, n_kv_heads=2, d_ff=512,
-                      max_seq_len=max_seq_len, layer_types=[unit[i % len(unit)] for i in range(L)],
-                      mixer_chunk_size=64, ssm_head_dim=64, ssm_state_size=64, ssm_expand=1)
+    cfg = ModelConfig(
+        vocab_size=1024,
+        d_model=256,
+        n_layers=L,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=512,
+        max_seq_len=max_seq_len,
+        layer_types=[unit[i % len(unit)] for i in range(L)],
+        mixer_chunk_size=64,
+        ssm_head_dim=64,
+        ssm_state_size=64,
+        ssm_expand=1,
+    )
     return Transformer(cfg).eval()
 
 
@@ -56,17 +67,22 @@ def best_time(fn, repeats: int) -> float:
 
 @torch.no_grad()
 def measure(model: Transformer, S: int, decode_steps: int, repeats: int) -> dict:
-    tokens = torch.randint(0, 1024, (1, S + decode_steps), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, 1024, (1, S + decode_steps), generator=torch.Generator().manual_seed(0)
+    )
     prefill = best_time(lambda: model(tokens[:, :S], last_n=1), repeats)
     cache = MixerCache()
     model(tokens[:, :S], positions=torch.arange(S), kv_cache=cache, last_n=1)
     steps = []
     for i in range(S, S + decode_steps):
         t = time.perf_counter()
-        model(tokens[:, i:i + 1], positions=torch.tensor([i]), kv_cache=cache)
+        model(tokens[:, i : i + 1], positions=torch.tensor([i]), kv_cache=cache)
         steps.append(time.perf_counter() - t)
-    return {"prefill_tok_s": S / prefill, "decode_ms": 1e3 * min(steps),
-            "cache_mib": sum(cache.nbytes().values()) / 2**20}
+    return {
+        "prefill_tok_s": S / prefill,
+        "decode_ms": 1e3 * min(steps),
+        "cache_mib": sum(cache.nbytes().values()) / 2**20,
+    }
 
 
 def chunked_vs_loop(S: int, repeats: int) -> tuple[float, float]:
@@ -99,24 +115,32 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     contexts = [int(s) for s in args.contexts.split(",")]
     names = args.patterns.split(",")
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {args.threads} threads, "
-          f"fp32, D=256 L=4, decode {args.decode_steps} tokens, best of {args.repeats}")
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {args.threads} threads, "
+        f"fp32, D=256 L=4, decode {args.decode_steps} tokens, best of {args.repeats}"
+    )
     rows = []
     for name in tqdm(names, desc="patterns"):
         model = build(PATTERNS[name], max(contexts) + args.decode_steps)
         for S in contexts:
             rows.append((name, S, measure(model, S, args.decode_steps, args.repeats)))
-    print(f"\n| layers | S | prefill tok/s | decode ms/token | KV+state MiB |\n|---|---|---|---|---|")
+    print(
+        "\n| layers | S | prefill tok/s | decode ms/token | KV+state MiB |\n|---|---|---|---|---|"
+    )
     for name, S, r in rows:
-        print(f"| {name} | {S} | {r['prefill_tok_s']:,.0f} | {r['decode_ms']:.2f} | {r['cache_mib']:.2f} |")
+        print(
+            f"| {name} | {S} | {r['prefill_tok_s']:,.0f} | {r['decode_ms']:.2f} | {r['cache_mib']:.2f} |"
+        )
     print("\ndecode ms/token at the longest / shortest context (1.0 = flat in S):")
     for name in names:
         d = [r["decode_ms"] for n, _, r in rows if n == name]
         print(f"  {name}: {d[-1] / d[0]:.2f}x")
     S = 1024
     chunked, loop = chunked_vs_loop(S, args.repeats)
-    print(f"\nGated DeltaNet fwd+bwd, B=1 N=4 H=64 S={S}: chunked UT/WY {chunked * 1e3:.1f} ms, per-token loop "
-          f"{loop * 1e3:.1f} ms -> chunked is {loop / chunked:.1f}x faster")
+    print(
+        f"\nGated DeltaNet fwd+bwd, B=1 N=4 H=64 S={S}: chunked UT/WY {chunked * 1e3:.1f} ms, per-token loop "
+        f"{loop * 1e3:.1f} ms -> chunked is {loop / chunked:.1f}x faster"
+    )
 
 
 if __name__ == "__main__":

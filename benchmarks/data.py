@@ -63,17 +63,31 @@ def bench_extract(records, with_datatrove: bool) -> tuple[dict, list[str]]:
     from lmstack.data.step import StepStats
 
     mb = sum(len(r.payload) for r in records) / 1e6
-    docs = [Document("", r.url, {"raw": r.payload, "content_type": r.content_type}) for r in records]
+    docs = [
+        Document("", r.url, {"raw": r.payload, "content_type": r.content_type}) for r in records
+    ]
     res = {"docs": len(docs), "mb": mb}
     texts = {}
-    for label, engine in (("lmstack resiliparse", "resiliparse"), ("lmstack trafilatura", "trafilatura")):
+    for label, engine in (
+        ("lmstack resiliparse", "resiliparse"),
+        ("lmstack trafilatura", "trafilatura"),
+    ):
         step = Extract(engine=engine)
-        step.apply(Document("", "w", {"raw": b"<html><body><p>warm up</p></body></html>"}), StepStats("w"))
+        step.apply(
+            Document("", "w", {"raw": b"<html><body><p>warm up</p></body></html>"}), StepStats("w")
+        )
         st = StepStats("extract")
-        out, cpu = _cpu(lambda d: step.apply(Document(d.text, d.id, dict(d.metadata)), st).text, docs)
+        out, cpu = _cpu(
+            lambda d: step.apply(Document(d.text, d.id, dict(d.metadata)), st).text,  # noqa: B023
+            docs,
+        )
         texts[label] = out
-        res[label] = {"cpu_s": cpu, "docs_per_s": len(docs) / cpu, "mb_per_s": mb / cpu,
-                      "kept": sum(bool(t) for t in out)}
+        res[label] = {
+            "cpu_s": cpu,
+            "docs_per_s": len(docs) / cpu,
+            "mb_per_s": mb / cpu,
+            "kept": sum(bool(t) for t in out),
+        }
     if with_datatrove:
         from datatrove.pipeline.extractors import Trafilatura
 
@@ -81,7 +95,9 @@ def bench_extract(records, with_datatrove: bool) -> tuple[dict, list[str]]:
 
         dt = Trafilatura()
         dt.extract("<html><body><p>warm up the extractor</p></body></html>")
-        html = [decode_html(r.payload, r.content_type) for r in records]  # decoded outside the timing
+        html = [
+            decode_html(r.payload, r.content_type) for r in records
+        ]  # decoded outside the timing
 
         def one(h):
             try:
@@ -91,16 +107,24 @@ def bench_extract(records, with_datatrove: bool) -> tuple[dict, list[str]]:
 
         out, cpu = _cpu(one, html)
         texts["datatrove trafilatura"] = out
-        res["datatrove trafilatura"] = {"cpu_s": cpu, "docs_per_s": len(docs) / cpu, "mb_per_s": mb / cpu,
-                                        "kept": sum(bool(t) for t in out)}
+        res["datatrove trafilatura"] = {
+            "cpu_s": cpu,
+            "docs_per_s": len(docs) / cpu,
+            "mb_per_s": mb / cpu,
+            "kept": sum(bool(t) for t in out),
+        }
         for label in ("lmstack resiliparse", "lmstack trafilatura"):
             both = [(a, b) for a, b in zip(texts[label], out) if a and b]
-            sims = [len(_words(a) & _words(b)) / max(1, len(_words(a) | _words(b))) for a, b in both]
+            sims = [
+                len(_words(a) & _words(b)) / max(1, len(_words(a) | _words(b))) for a, b in both
+            ]
             res[label]["vs_datatrove"] = {
-                "speedup": cpu / res[label]["cpu_s"], "both_kept": len(both),
+                "speedup": cpu / res[label]["cpu_s"],
+                "both_kept": len(both),
                 "only_lmstack": sum(bool(a) and not b for a, b in zip(texts[label], out)),
                 "only_datatrove": sum(bool(b) and not a for a, b in zip(texts[label], out)),
-                "mean_word_jaccard": sum(sims) / max(1, len(sims))}
+                "mean_word_jaccard": sum(sims) / max(1, len(sims)),
+            }
     return res, texts["lmstack resiliparse"]
 
 
@@ -112,9 +136,16 @@ def bench_gopher(texts: list[str], with_datatrove: bool) -> dict:
     ours = GopherQuality(stop_words_case_sensitive=True)
     ours.reason(Document("warm up the rules with a few words", "w"))
     lm, cpu = _cpu(lambda t: ours.reason(Document(t, "x")), texts)
-    res = {"docs": len(texts), "mb": mb,
-           "lmstack": {"cpu_s": cpu, "docs_per_s": len(texts) / cpu, "mb_per_s": mb / cpu,
-                       "kept": sum(r is None for r in lm)}}
+    res = {
+        "docs": len(texts),
+        "mb": mb,
+        "lmstack": {
+            "cpu_s": cpu,
+            "docs_per_s": len(texts) / cpu,
+            "mb_per_s": mb / cpu,
+            "kept": sum(r is None for r in lm),
+        },
+    }
     if with_datatrove:
         from datatrove.data import Document as DTDocument
         from datatrove.pipeline.filters import GopherQualityFilter
@@ -127,8 +158,12 @@ def bench_gopher(texts: list[str], with_datatrove: bool) -> dict:
             return None if r is True else (r[1] if isinstance(r, tuple) else "dropped")
 
         dt, cpu_dt = _cpu(one, texts)
-        res["datatrove"] = {"cpu_s": cpu_dt, "docs_per_s": len(texts) / cpu_dt, "mb_per_s": mb / cpu_dt,
-                            "kept": sum(r is None for r in dt)}
+        res["datatrove"] = {
+            "cpu_s": cpu_dt,
+            "docs_per_s": len(texts) / cpu_dt,
+            "mb_per_s": mb / cpu_dt,
+            "kept": sum(r is None for r in dt),
+        }
         res["speedup"] = cpu_dt / cpu
         res["same_decision"] = sum((a is None) == (b is None) for a, b in zip(lm, dt))
         res["same_reason"] = sum(a == b for a, b in zip(lm, dt))
@@ -147,15 +182,22 @@ def bench_minhash(n_docs: int, with_datatrove: bool) -> dict:
             t_dt, removed_dt, groups_dt = data_dedup.run_datatrove(shards, Path(tmp) / "dt")
             runs["datatrove"] = t_dt
     for lib, t in runs.items():
-        res[lib] = {s: {"cpu_s": c, "docs_per_s": n / c, "mb_per_s": mb / c} for s, c in t.cpu.items()}
+        res[lib] = {
+            s: {"cpu_s": c, "docs_per_s": n / c, "mb_per_s": mb / c} for s, c in t.cpu.items()
+        }
     if with_datatrove:
         res["speedup"] = {s: t_dt.cpu[s] / t_lm.cpu[s] for s in t_dt.cpu}
-        res["speedup"]["all (lmstack with confirm)"] = sum(t_dt.cpu.values()) / sum(t_lm.cpu.values())
+        res["speedup"]["all (lmstack with confirm)"] = sum(t_dt.cpu.values()) / sum(
+            t_lm.cpu.values()
+        )
         first_dt = {d for g in groups_dt for d in g[1:]}
-        res["survivors"] = {"lmstack_removed": len(removed_lm), "datatrove_removed": len(removed_dt),
-                            "same_clusters": sorted(groups_lm) == groups_dt,
-                            "same_survivors_first_rule": first_dt == removed_lm,
-                            "differences": data_dedup.explain(shards, groups_lm, groups_dt)}
+        res["survivors"] = {
+            "lmstack_removed": len(removed_lm),
+            "datatrove_removed": len(removed_dt),
+            "same_clusters": sorted(groups_lm) == groups_dt,
+            "same_survivors_first_rule": first_dt == removed_lm,
+            "differences": data_dedup.explain(shards, groups_lm, groups_dt),
+        }
     return res
 
 
@@ -165,8 +207,12 @@ def _row(name, r, base=None):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--real-pages", type=int, default=120, help="real HTML pages in the crawl (at most)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--real-pages", type=int, default=120, help="real HTML pages in the crawl (at most)"
+    )
     ap.add_argument("--minhash-docs", type=int, default=2000)
     ap.add_argument("--skip-datatrove", action="store_true")
     ap.add_argument("--json", help="write the figures here")
@@ -185,30 +231,52 @@ def main(argv=None) -> int:
     base = ex.get("datatrove trafilatura", {}).get("cpu_s")
     for name in ("lmstack resiliparse", "lmstack trafilatura", "datatrove trafilatura"):
         if name in ex:
-            print(_row(name, ex[name], base if name.startswith("lmstack") else None) + f" kept {ex[name]['kept']}")
+            print(
+                _row(name, ex[name], base if name.startswith("lmstack") else None)
+                + f" kept {ex[name]['kept']}"
+            )
     for name in ("lmstack resiliparse", "lmstack trafilatura"):
         if "vs_datatrove" in ex[name]:
             v = ex[name]["vs_datatrove"]
-            print(f"{name} vs datatrove: both keep {v['both_kept']}, only lmstack {v['only_lmstack']}, only datatrove "
-                  f"{v['only_datatrove']}; mean word-set Jaccard of the outputs {v['mean_word_jaccard']:.3f}")
+            print(
+                f"{name} vs datatrove: both keep {v['both_kept']}, only lmstack {v['only_lmstack']}, only datatrove "
+                f"{v['only_datatrove']}; mean word-set Jaccard of the outputs {v['mean_word_jaccard']:.3f}"
+            )
     gq = bench_gopher(texts, with_dt)
     result["gopher_quality"] = gq
     print(f"\nGopher quality: {gq['docs']} extracted texts, {gq['mb']:.2f} MB")
     print("| library | CPU s | docs/s | MB/s | lmstack / datatrove |\n|---|---|---|---|---|")
-    print(_row("lmstack", gq["lmstack"], gq.get("datatrove", {}).get("cpu_s")) + f" kept {gq['lmstack']['kept']}")
+    print(
+        _row("lmstack", gq["lmstack"], gq.get("datatrove", {}).get("cpu_s"))
+        + f" kept {gq['lmstack']['kept']}"
+    )
     if with_dt:
         print(_row("datatrove", gq["datatrove"]) + f" kept {gq['datatrove']['kept']}")
-        print(f"same keep/drop decision on {gq['same_decision']} of {gq['docs']}, same reason on {gq['same_reason']}")
+        print(
+            f"same keep/drop decision on {gq['same_decision']} of {gq['docs']}, same reason on {gq['same_reason']}"
+        )
     mh = bench_minhash(args.minhash_docs, with_dt)
     result["minhash"] = mh
-    print(f"\nMinHash: {mh['docs']} documents, {mh['mb']:.2f} MB (benchmarks/data_dedup.py's corpus)")
-    print("| stage | lmstack CPU s | MB/s | datatrove CPU s | MB/s | lmstack / datatrove |\n|---|---|---|---|---|---|")
+    print(
+        f"\nMinHash: {mh['docs']} documents, {mh['mb']:.2f} MB (benchmarks/data_dedup.py's corpus)"
+    )
+    print(
+        "| stage | lmstack CPU s | MB/s | datatrove CPU s | MB/s | lmstack / datatrove |\n|---|---|---|---|---|---|"
+    )
     for stage, r in mh["lmstack"].items():
         d = mh.get("datatrove", {}).get(stage)
-        print(f"| {stage} | {r['cpu_s']:.3f} | {r['mb_per_s']:.2f} | "
-              + (f"{d['cpu_s']:.3f} | {d['mb_per_s']:.2f} | {mh['speedup'][stage]:.2f}x |" if d else "- | - | - |"))
+        print(
+            f"| {stage} | {r['cpu_s']:.3f} | {r['mb_per_s']:.2f} | "
+            + (
+                f"{d['cpu_s']:.3f} | {d['mb_per_s']:.2f} | {mh['speedup'][stage]:.2f}x |"
+                if d
+                else "- | - | - |"
+            )
+        )
     if with_dt:
-        print(f"all stages: {mh['speedup']['all (lmstack with confirm)']:.2f}x; survivors: {mh['survivors']}")
+        print(
+            f"all stages: {mh['speedup']['all (lmstack with confirm)']:.2f}x; survivors: {mh['survivors']}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=float) + "\n")
         print(f"wrote {args.json}")

@@ -58,13 +58,20 @@ def heldout_docs(crawl_urls: set[str], limit: int, max_chars: int = 8000) -> lis
         for f in sorted(glob(pattern, recursive=True)):
             name = Path(f).name.split(".")
             english = "debian-reference" not in f or (len(name) >= 3 and name[-2] == "en")
-            if english and f"http://docs.local{f}" not in crawl_urls and Path(f).stat().st_size > 2000 and f not in files:
+            if (
+                english
+                and f"http://docs.local{f}" not in crawl_urls
+                and Path(f).stat().st_size > 2000
+                and f not in files
+            ):
                 files.append(f)
     random.Random(1).shuffle(files)
     step, out, seen = Extract(), [], set()
     for f in files:
         data = Path(f).read_bytes()
-        doc = step.apply(Document("", f, {"raw": data, "content_type": "text/html"}), StepStats("extract"))
+        doc = step.apply(
+            Document("", f, {"raw": data, "content_type": "text/html"}), StepStats("extract")
+        )
         if len(doc.text) > 500 and doc.text not in seen:
             seen.add(doc.text)
             out.append(doc.text[:max_chars])
@@ -90,13 +97,21 @@ def encode(tok, texts: list[str], path: Path) -> int:
     ids = [i for t in texts for i in tok.encode(t) + [eos]]
     dtype = token_dtype(tok.vocab_size)
     np.asarray(ids, dtype=dtype).tofile(path)
-    write_sidecar(path, {"dtype": np.dtype(dtype).name, "n_tokens": len(ids), "vocab_size": tok.vocab_size,
-                         "eos_id": eos})
+    write_sidecar(
+        path,
+        {
+            "dtype": np.dtype(dtype).name,
+            "n_tokens": len(ids),
+            "vocab_size": tok.vocab_size,
+            "eos_id": eos,
+        },
+    )
     return len(ids)
 
 
-def train_and_eval(train: Path, heldout: dict[str, Path], steps: int, out_dir: Path, vocab: int,
-                   eos: int) -> dict:
+def train_and_eval(
+    train: Path, heldout: dict[str, Path], steps: int, out_dir: Path, vocab: int, eos: int
+) -> dict:
     import torch
 
     from lmstack.tokenizer import open_tokens
@@ -105,16 +120,43 @@ def train_and_eval(train: Path, heldout: dict[str, Path], steps: int, out_dir: P
     torch.set_num_threads(1)
     B, S = 16, 128
     first = next(iter(heldout.values()))
-    cfg = TrainConfig(model=dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=384, max_seq_len=S,
-                                 tie_embeddings=True, vocab_size=vocab), train_data=str(train), val_data=str(first),
-                      sep_id=eos, batch_size=B, seq_len=S, lr=3e-3, min_lr=3e-4, warmup_steps=20, max_steps=steps,
-                      precision="fp32", device="cpu", eval_interval=10 ** 9, eval_batches=1, log_interval=50,
-                      out_dir=str(out_dir), keep_last=1, seed=0)
+    cfg = TrainConfig(
+        model=dict(
+            d_model=128,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=384,
+            max_seq_len=S,
+            tie_embeddings=True,
+            vocab_size=vocab,
+        ),
+        train_data=str(train),
+        val_data=str(first),
+        sep_id=eos,
+        batch_size=B,
+        seq_len=S,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=20,
+        max_steps=steps,
+        precision="fp32",
+        device="cpu",
+        eval_interval=10**9,
+        eval_batches=1,
+        log_interval=50,
+        out_dir=str(out_dir),
+        keep_last=1,
+        seed=0,
+    )
     t0 = time.perf_counter()
     trainer = Trainer(cfg, progress=False, overwrite=True)
     summary = trainer.fit()
-    res = {"train_tokens": len(trainer.train_tokens), "seconds": round(time.perf_counter() - t0, 1),
-           "final_train_loss": summary.get("train_loss", summary.get("loss"))}
+    res = {
+        "train_tokens": len(trainer.train_tokens),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "final_train_loss": summary.get("train_loss", summary.get("loss")),
+    }
     for name, path in heldout.items():
         trainer.val_tokens = open_tokens(path)
         windows = max(1, (len(trainer.val_tokens) - 1) // (B * S))
@@ -123,8 +165,12 @@ def train_and_eval(train: Path, heldout: dict[str, Path], steps: int, out_dir: P
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--demo", default="data-demo", help="a `lmstack data demo` folder (made when missing)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--demo", default="data-demo", help="a `lmstack data demo` folder (made when missing)"
+    )
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--heldout-docs", type=int, default=40)
@@ -160,15 +206,25 @@ def main(argv=None) -> int:
             print(f"{name}: {len(texts)} documents, {mb:.2f} MB, {n:,} tokens")
         held = {"heldout_prose": paths["heldout_prose"], "heldout_docs": paths["heldout_docs"]}
         for name in ("raw", "clean"):
-            r = train_and_eval(paths[name], held, args.steps, tmp / f"run_{name}", tok.vocab_size,
-                               tok.special_tokens[SEP])
+            r = train_and_eval(
+                paths[name],
+                held,
+                args.steps,
+                tmp / f"run_{name}",
+                tok.vocab_size,
+                tok.special_tokens[SEP],
+            )
             result[f"train_{name}"] = r
-            print(f"trained on {name} ({r['train_tokens']:,} tokens, {args.steps} steps, {r['seconds']} s): "
-                  f"held-out prose loss {r['heldout_prose']:.3f}, held-out documentation loss {r['heldout_docs']:.3f}")
+            print(
+                f"trained on {name} ({r['train_tokens']:,} tokens, {args.steps} steps, {r['seconds']} s): "
+                f"held-out prose loss {r['heldout_prose']:.3f}, held-out documentation loss {r['heldout_docs']:.3f}"
+            )
     for h in ("heldout_prose", "heldout_docs"):
         d = result["train_raw"][h] - result["train_clean"][h]
-        print(f"{h}: raw {result['train_raw'][h]:.3f} -> clean {result['train_clean'][h]:.3f} nats/token "
-              f"({d:+.3f}; perplexity x{2.718281828 ** -d:.2f})")
+        print(
+            f"{h}: raw {result['train_raw'][h]:.3f} -> clean {result['train_clean'][h]:.3f} nats/token "
+            f"({d:+.3f}; perplexity x{2.718281828**-d:.2f})"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0

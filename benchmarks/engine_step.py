@@ -27,8 +27,11 @@ from lmstack.model.io import find_named_model, load_model
 def decode_steps(engine: LLMEngine, batch: int, steps: int, prompt_len: int, profile: bool):
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
-        engine.add_request(f"r{batch}-{i}", torch.randint(1000, 20000, (prompt_len,), generator=g).tolist(),
-                           SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True))
+        engine.add_request(
+            f"r{batch}-{i}",
+            torch.randint(1000, 20000, (prompt_len,), generator=g).tolist(),
+            SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True),
+        )
     while any(s.num_computed < s.num_prompt for s in engine.requests.values()):
         engine.step()  # prefill (chunks), not timed
     times, prof = [], None
@@ -48,9 +51,15 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int, prompt_len: int, pro
 
 def batch1_decode(model, steps: int, prompt_len: int) -> float:
     """Seconds per token of the batch-1 loop (``generate``, contiguous KV cache, eager) after its first token."""
-    prompt = torch.randint(1000, 20000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    times = [time.perf_counter() for _ in generate(model, prompt, SamplingParams(temperature=0, max_tokens=steps + 1,
-                                                                                 ignore_eos=True))]
+    prompt = torch.randint(
+        1000, 20000, (prompt_len,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+    times = [
+        time.perf_counter()
+        for _ in generate(
+            model, prompt, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+        )
+    ]
     return statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
@@ -63,11 +72,21 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate linears")
+    ap.add_argument(
+        "--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate linears"
+    )
     ap.add_argument("--rows", type=int, default=12)
-    ap.add_argument("--layers", type=int, default=None,
-                    help="keep only the first N layers (compiling all 30 takes very long on a loaded CPU)")
-    ap.add_argument("--batch1", action="store_true", help="also time the batch-1 loop (generate, eager) after each batch")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="keep only the first N layers (compiling all 30 takes very long on a loaded CPU)",
+    )
+    ap.add_argument(
+        "--batch1",
+        action="store_true",
+        help="also time the batch-1 loop (generate, eager) after each batch",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -78,8 +97,10 @@ def main() -> None:
     kw = {"compile": True} if args.compile else {}
     kw["fuse_projections"] = not args.no_fuse
     engine = LLMEngine(model, max_num_seqs=max(batches), max_num_batched_tokens=512, **kw)
-    print(f"SmolLM2-135M {args.dtype} ({model.config.n_layers} layers), torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
-          f"load avg {os.getloadavg()[0]:.1f}, compile={args.compile}, fused projections {not args.no_fuse}")
+    print(
+        f"SmolLM2-135M {args.dtype} ({model.config.n_layers} layers), torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
+        f"load avg {os.getloadavg()[0]:.1f}, compile={args.compile}, fused projections {not args.no_fuse}"
+    )
     if args.compile:
         t0 = time.perf_counter()
         engine.warm_up(batches)
@@ -87,18 +108,26 @@ def main() -> None:
     for b in batches:
         times, prof = decode_steps(engine, b, args.steps, args.prompt_len, args.profile)
         ms = statistics.median(times[1:] or times) * 1000
-        print(f"batch {b:3d}: decode step {ms:7.1f} ms  ({b / ms * 1000:6.1f} tok/s)  "
-              f"load avg {os.getloadavg()[0]:.1f}")
+        print(
+            f"batch {b:3d}: decode step {ms:7.1f} ms  ({b / ms * 1000:6.1f} tok/s)  "
+            f"load avg {os.getloadavg()[0]:.1f}"
+        )
         if args.batch1:
             s1 = batch1_decode(model, args.steps, args.prompt_len)
-            print(f"           batch-1 generate (eager): {s1 * 1000:7.1f} ms/token; engine / batch-1 = "
-                  f"{b / ms * 1000 * s1:.2f}x tokens/s")
+            print(
+                f"           batch-1 generate (eager): {s1 * 1000:7.1f} ms/token; engine / batch-1 = "
+                f"{b / ms * 1000 * s1:.2f}x tokens/s"
+            )
         if prof is not None:
             ev = prof.key_averages()
             total_ops = sum(e.self_cpu_time_total for e in ev) / 1000 / len(times)
-            print(f"  per step: ops {total_ops:.1f} ms, outside ops (Python) {sum(times) / len(times) * 1000 - total_ops:.1f} ms")
-            for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:args.rows]:
-                print(f"  {e.key:40s} {e.self_cpu_time_total / 1000 / len(times):7.2f} ms  {e.count // len(times):5d} calls")
+            print(
+                f"  per step: ops {total_ops:.1f} ms, outside ops (Python) {sum(times) / len(times) * 1000 - total_ops:.1f} ms"
+            )
+            for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[: args.rows]:
+                print(
+                    f"  {e.key:40s} {e.self_cpu_time_total / 1000 / len(times):7.2f} ms  {e.count // len(times):5d} calls"
+                )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ order (AdamW, ``--demo-steps`` steps) tested the same way:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -56,10 +55,15 @@ def alternate(ours, peer, work: float, repeats: int, label: str, unit: str):
         t_l, out_l = timed(ours)
         t_h, out_h = timed(peer)
         ratios.append(t_h / t_l)
-        print(f"  [{i + 1}/{repeats}] lmstack {work / t_l:8.1f} {unit}   {label} {work / t_h:8.1f} {unit}   "
-              f"ratio {t_h / t_l:.2f}x", flush=True)
+        print(
+            f"  [{i + 1}/{repeats}] lmstack {work / t_l:8.1f} {unit}   {label} {work / t_h:8.1f} {unit}   "
+            f"ratio {t_h / t_l:.2f}x",
+            flush=True,
+        )
     r = sorted(ratios)
-    print(f"  ratio over {repeats} repetitions: median {r[len(r) // 2]:.2f}x (min {r[0]:.2f}x, max {r[-1]:.2f}x)")
+    print(
+        f"  ratio over {repeats} repetitions: median {r[len(r) // 2]:.2f}x (min {r[0]:.2f}x, max {r[-1]:.2f}x)"
+    )
     return out_l, out_h
 
 
@@ -94,18 +98,24 @@ def contamination_demo(args) -> None:
 
     model, tok = load_for_inference(args.contamination_demo, None, "fp32")
     task = load_task(DATA / "stdlib_docstring_mc.yaml")
-    items = task.items[:args.demo_items]
+    items = task.items[: args.demo_items]
     examples = [tok.encode(it.context + task.target_delimiter + it.target() + "\n") for it in items]
     canon = sum(examples, [])
     L = model.config.max_seq_len
-    print(f"{args.contamination_demo}: {len(examples)} items of {task.name} ({len(canon)} tokens, context {L})")
+    print(
+        f"{args.contamination_demo}: {len(examples)} items of {task.name} ({len(canon)} tokens, context {L})"
+    )
 
     def report(m, label):
         r = permutation_test(m, examples, n_permutations=99, seed=0, progress=True)
-        p_sh, diffs = sharded_test(m, examples, n_shards=args.demo_shards, n_permutations=10, seed=0)
-        print(f"  {label}: canonical loglik {r.canonical_loglik:.1f} vs permuted mean "
-              f"{sum(r.permuted_logliks) / len(r.permuted_logliks):.1f}; permutation p = {r.p_value:.3f}; "
-              f"sharded ({args.demo_shards} shards) p = {p_sh:.2e}")
+        p_sh, diffs = sharded_test(
+            m, examples, n_shards=args.demo_shards, n_permutations=10, seed=0
+        )
+        print(
+            f"  {label}: canonical loglik {r.canonical_loglik:.1f} vs permuted mean "
+            f"{sum(r.permuted_logliks) / len(r.permuted_logliks):.1f}; permutation p = {r.p_value:.3f}; "
+            f"sharded ({args.demo_shards} shards) p = {p_sh:.2e}"
+        )
 
     model.eval()
     report(model, "untouched")
@@ -113,18 +123,20 @@ def contamination_demo(args) -> None:
     opt = torch.optim.AdamW(tuned.parameters(), lr=args.demo_lr, weight_decay=0.0)
     x = torch.tensor(canon)
     t0 = time.perf_counter()
-    for step in range(args.demo_steps):  # the test items, in file order, windows of the context
+    for _step in range(args.demo_steps):  # the test items, in file order, windows of the context
         loss = 0.0
         for b in range(0, len(canon) - 1, L):
-            w = x[b:b + L + 1]
+            w = x[b : b + L + 1]
             out = tuned(w[None, :-1])[0]
             loss = loss + F.cross_entropy(out, w[1:], reduction="sum")
         loss = loss / (len(canon) - 1)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    print(f"  fine-tuned {args.demo_steps} steps on the canonical order (lr {args.demo_lr}, final loss "
-          f"{loss.item():.3f} nats/token, {time.perf_counter() - t0:.0f} s)")
+    print(
+        f"  fine-tuned {args.demo_steps} steps on the canonical order (lr {args.demo_lr}, final loss "
+        f"{loss.item():.3f} nats/token, {time.perf_counter() - t0:.0f} s)"
+    )
     report(tuned.eval(), "fine-tuned")
 
 
@@ -136,9 +148,15 @@ def main() -> None:
     ap.add_argument("--stride", type=int, default=512)
     ap.add_argument("--mc-items", type=int, default=48)
     ap.add_argument("--batch-size", type=int, default=8, help="lm-eval hf batch_size")
-    ap.add_argument("--repeats", type=int, default=3, help="timed repetitions of each side, alternating")
-    ap.add_argument("--contamination-demo", default=None, metavar="MODEL_DIR",
-                    help="run the exchangeability demonstration on this (demo) model instead")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="timed repetitions of each side, alternating"
+    )
+    ap.add_argument(
+        "--contamination-demo",
+        default=None,
+        metavar="MODEL_DIR",
+        help="run the exchangeability demonstration on this (demo) model instead",
+    )
     ap.add_argument("--demo-items", type=int, default=64)
     ap.add_argument("--demo-shards", type=int, default=8)
     ap.add_argument("--demo-steps", type=int, default=30)
@@ -159,24 +177,38 @@ def main() -> None:
 
     path = find_named_model("smollm2-135m")
     model, tok = load_for_inference("smollm2-135m", dtype="fp32")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
-    print(f"SmolLM2-135M fp32 ({path.name} dequantised), {args.threads} threads, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    print(
+        f"SmolLM2-135M fp32 ({path.name} dequantised), {args.threads} threads, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}"
+    )
 
     ids = read_eval_tokens(DATA / "stdlib_heldout.txt", tok, max_tokens=args.ppl_tokens).tolist()
     n_scored = sum(e - b - s for b, e, s in windows(len(ids), args.max_length, args.stride))
-    print(f"\nperplexity, {len(ids)} tokens, max_length {args.max_length}, stride {args.stride} "
-          f"({n_scored} scored tokens a pass)")
+    print(
+        f"\nperplexity, {len(ids)} tokens, max_length {args.max_length}, stride {args.stride} "
+        f"({n_scored} scored tokens a pass)"
+    )
     r, (ppl_h, n_h) = alternate(
         lambda: perplexity(model, ids, args.max_length, args.stride, tokenizer=tok, progress=False),
-        lambda: hf_guide_ppl(hf, ids, args.max_length, args.stride), n_scored, args.repeats,
-        "HF transformers", "tokens/s")
-    print(f"  perplexity: lmstack {r.perplexity:.6f} ({r.n_tokens} tokens), HF {ppl_h:.6f} ({n_h} tokens)")
+        lambda: hf_guide_ppl(hf, ids, args.max_length, args.stride),
+        n_scored,
+        args.repeats,
+        "HF transformers",
+        "tokens/s",
+    )
+    print(
+        f"  perplexity: lmstack {r.perplexity:.6f} ({r.n_tokens} tokens), HF {ppl_h:.6f} ({n_h} tokens)"
+    )
 
     task = load_task(DATA / "stdlib_docstring_mc.yaml")
-    pairs = [(p, task.target_delimiter + c) for it, p in zip(task.items[:args.mc_items], task.prompts())
-             for c in it.choices]
+    pairs = [
+        (p, task.target_delimiter + c)
+        for it, p in zip(task.items[: args.mc_items], task.prompts())
+        for c in it.choices
+    ]
     ev = Evaluator(model, tok)
 
     from lm_eval.api.instance import Instance
@@ -186,10 +218,18 @@ def main() -> None:
     hflm = HFLM(pretrained=hf, tokenizer=hf_tok, batch_size=args.batch_size, device="cpu")
     reqs = [Instance("loglikelihood", {}, pr, i) for i, pr in enumerate(pairs)]
     print(f"\nmultiple choice, {args.mc_items} items = {len(pairs)} loglikelihood requests")
-    ll_l, ll_h = alternate(lambda: ev.loglikelihood(pairs), lambda: hflm.loglikelihood(reqs, disable_tqdm=True),
-                           len(pairs), args.repeats, f"lm-eval hf (batch {args.batch_size})", "requests/s")
+    ll_l, ll_h = alternate(
+        lambda: ev.loglikelihood(pairs),
+        lambda: hflm.loglikelihood(reqs, disable_tqdm=True),
+        len(pairs),
+        args.repeats,
+        f"lm-eval hf (batch {args.batch_size})",
+        "requests/s",
+    )
     diff = max(abs(a[0] - b[0]) for a, b in zip(ll_l, ll_h))
-    print(f"  max |loglik difference| {diff:.2e}; same greedy flags: {[a[1] for a in ll_l] == [b[1] for b in ll_h]}")
+    print(
+        f"  max |loglik difference| {diff:.2e}; same greedy flags: {[a[1] for a in ll_l] == [b[1] for b in ll_h]}"
+    )
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ class LmstackEngine:
     def __init__(self, base, spec: str, max_len: int):
         fmt, _, flag = spec.partition("+")
         if flag not in ("", "static", "compile"):
-            raise SystemExit(f"--lmstack entry {spec!r}: expected FORMAT, FORMAT+static or FORMAT+compile")
+            raise SystemExit(
+                f"--lmstack entry {spec!r}: expected FORMAT, FORMAT+static or FORMAT+compile"
+            )
         self.name = f"lmstack {fmt}" + {"": "", "static": " static", "compile": " compiled"}[flag]
         self.fmt = fmt
         if fmt in ("int8", "int4"):
@@ -81,7 +83,9 @@ class LmstackEngine:
         kernels = sorted({m.kernel for m in self.model.modules() if isinstance(m, Int4Linear)})
         if kernels:  # which int4 kernel ran: lmstack's vnni / avx2 or torch's aten
             self.name += f" [{'+'.join(kernels)}]"
-        self.decoder = StaticDecoder(self.model, max_len, compile=flag == "compile") if flag else None
+        self.decoder = (
+            StaticDecoder(self.model, max_len, compile=flag == "compile") if flag else None
+        )
         self.weight_bytes = quantized_weight_bytes(self.model)
 
     @torch.inference_mode()
@@ -90,7 +94,12 @@ class LmstackEngine:
         self.model(torch.tensor([prompt]), last_n=1)
         t1 = time.perf_counter()
         times, tokens = [], []
-        for tok in generate(self.model, prompt, SamplingParams(temperature=0, max_tokens=n_new), decoder=self.decoder):
+        for tok in generate(
+            self.model,
+            prompt,
+            SamplingParams(temperature=0, max_tokens=n_new),
+            decoder=self.decoder,
+        ):
             times.append(time.perf_counter())
             tokens.append(tok)
         return len(prompt) / (t1 - t0), (n_new - 1) / (times[-1] - times[0]), tokens
@@ -103,7 +112,8 @@ class HFEngine:
         self.name = f"HF transformers {fmt}"
         self.fmt = fmt
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=DTYPES[fmt]).eval()
+            str(path.parent), gguf_file=path.name, dtype=DTYPES[fmt]
+        ).eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @torch.inference_mode()
@@ -117,7 +127,11 @@ class HFEngine:
         t2 = time.perf_counter()
         out = self.model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, **kw)
         t3 = time.perf_counter()
-        return len(prompt) / (t1 - t0), (n_new - 1) / ((t3 - t2) - (t2 - t1)), out[0, len(prompt):].tolist()
+        return (
+            len(prompt) / (t1 - t0),
+            (n_new - 1) / ((t3 - t2) - (t2 - t1)),
+            out[0, len(prompt) :].tolist(),
+        )
 
 
 class LlamaCppEngine:
@@ -127,8 +141,14 @@ class LlamaCppEngine:
         self.name = f"llama.cpp Q4_1 {threads}t"
         self.fmt = "Q4_1"
         self.threads = threads
-        self.llm = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512, n_batch=512,
-                         verbose=False)
+        self.llm = Llama(
+            model_path=str(path),
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_ctx=512,
+            n_batch=512,
+            verbose=False,
+        )
         self.weight_bytes = path.stat().st_size
 
     def run(self, prompt, n_new):
@@ -154,11 +174,21 @@ def profile_decode(engine: LmstackEngine, prompt: list[int], n_new: int, rows: i
 
     engine.run(prompt, n_new)  # warm-up: compiles a compiled step
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        n = sum(1 for _ in generate(engine.model, prompt, SamplingParams(temperature=0, max_tokens=n_new), decoder=engine.decoder))
+        n = sum(
+            1
+            for _ in generate(
+                engine.model,
+                prompt,
+                SamplingParams(temperature=0, max_tokens=n_new),
+                decoder=engine.decoder,
+            )
+        )
     events = prof.key_averages()
     total_us = sum(ev.self_cpu_time_total for ev in events)
-    print(f"\n{engine.name}: {n} tokens, profiled self CPU time {total_us / 1e3 / n:.1f} ms per token "
-          f"(the prompt's prefill included once)")
+    print(
+        f"\n{engine.name}: {n} tokens, profiled self CPU time {total_us / 1e3 / n:.1f} ms per token "
+        f"(the prompt's prefill included once)"
+    )
     print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
@@ -168,13 +198,19 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--lmstack", default="fp32,bf16,int8,int4,fp32+compile,bf16+compile,int8+compile,int4+compile",
-                    help="comma list of FORMAT[+static|+compile]: no suffix = the dynamic KV cache, "
-                         "+static = static cache eager, +compile = static cache + torch.compile'd decode step")
+    ap.add_argument(
+        "--lmstack",
+        default="fp32,bf16,int8,int4,fp32+compile,bf16+compile,int8+compile,int4+compile",
+        help="comma list of FORMAT[+static|+compile]: no suffix = the dynamic KV cache, "
+        "+static = static cache eager, +compile = static cache + torch.compile'd decode step",
+    )
     ap.add_argument("--hf", default="fp32,bf16", help="HF transformers dtypes (empty: skip)")
     ap.add_argument("--llama-threads", default="1,2", help="llama.cpp thread counts (empty: skip)")
-    ap.add_argument("--profile", action="store_true",
-                    help="torch.profiler breakdown of each --lmstack engine's decode steps instead of the timing table")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch.profiler breakdown of each --lmstack engine's decode steps instead of the timing table",
+    )
     ap.add_argument("--profile-rows", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -184,13 +220,20 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(1000, 20000, (args.prompt_tokens,), generator=g).tolist()
     max_len = -(-(args.prompt_tokens + args.new_tokens) // 64) * 64
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch threads "
-          f"{args.threads}, load avg {os.getloadavg()[0]:.1f}; torch {torch.__version__}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch threads "
+        f"{args.threads}, load avg {os.getloadavg()[0]:.1f}; torch {torch.__version__}"
+    )
     kernel, why = int4_vnni.selected()
-    print(f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; lmstack int4 kernel {kernel}"
-          + (f" ({why})" if why else "") + f"; {int4_vnni.ENV}={os.environ.get(int4_vnni.ENV, '')!r}")
-    print(f"SmolLM2-135M-Instruct, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens (greedy), "
-          f"medians of {args.repeats} interleaved rounds after a warm-up")
+    print(
+        f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; lmstack int4 kernel {kernel}"
+        + (f" ({why})" if why else "")
+        + f"; {int4_vnni.ENV}={os.environ.get(int4_vnni.ENV, '')!r}"
+    )
+    print(
+        f"SmolLM2-135M-Instruct, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens (greedy), "
+        f"medians of {args.repeats} interleaved rounds after a warm-up"
+    )
 
     engines = [LmstackEngine(base, s, max_len) for s in args.lmstack.split(",") if s]
     if args.profile:
@@ -203,8 +246,10 @@ def main() -> None:
             engines += [LlamaCppEngine(path, int(t)) for t in args.llama_threads.split(",")]
             import llama_cpp
 
-            print(f"llama.cpp {llama_cpp.__version__} ({os.path.dirname(llama_cpp.__file__)}): "
-                  f"{llama_cpp.llama_print_system_info().decode().strip()}")
+            print(
+                f"llama.cpp {llama_cpp.__version__} ({os.path.dirname(llama_cpp.__file__)}): "
+                f"{llama_cpp.llama_print_system_info().decode().strip()}"
+            )
         except ImportError:
             print("llama.cpp: llama-cpp-python not installed; skipped")
     for e in engines:  # warm-up (compiles the compiled decode steps)
@@ -224,20 +269,29 @@ def main() -> None:
     read_bw, copy_bw = bandwidths_gbs(args.threads)
     S = args.prompt_tokens + args.new_tokens // 2  # mean context during decode
     ref_tokens = engines[0].tokens
-    med = {n: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for n, v in results.items()}
-    print(f"\n{'engine':<26}{'weights MB':>11}{'prefill tok/s':>15}{'decode tok/s':>14}{'roofline':>10}"
-          f"{'% roof':>8}  same tokens as {engines[0].name}")
+    med = {
+        n: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v))
+        for n, v in results.items()
+    }
+    print(
+        f"\n{'engine':<26}{'weights MB':>11}{'prefill tok/s':>15}{'decode tok/s':>14}{'roofline':>10}"
+        f"{'% roof':>8}  same tokens as {engines[0].name}"
+    )
     for e in engines:
         pre, dec = med[e.name]
         kv = kv_cache_bytes(cfg, 1, S, "bf16" if e.fmt == "bf16" else "fp32")
         step = e.weight_bytes + (0 if e.fmt == "Q4_1" else kv)
         roof = read_bw * 1e9 / step
         same = sum(a == b for a, b in zip(e.tokens, ref_tokens))
-        print(f"{e.name:<26}{step / 1e6:>11.0f}{pre:>15.1f}{dec:>14.2f}{roof:>10.1f}{100 * dec / roof:>7.0f}%"
-              f"  {same}/{len(ref_tokens)}")
-    print(f"\nbandwidth, {args.threads} thread(s): read {read_bw:.1f} GB/s (roofline uses this), copy "
-          f"{copy_bw:.1f} GB/s (read + write); KV at S={S} included for lmstack/HF; load avg per round "
-          f"{', '.join(f'{x:.1f}' for x in loads)}")
+        print(
+            f"{e.name:<26}{step / 1e6:>11.0f}{pre:>15.1f}{dec:>14.2f}{roof:>10.1f}{100 * dec / roof:>7.0f}%"
+            f"  {same}/{len(ref_tokens)}"
+        )
+    print(
+        f"\nbandwidth, {args.threads} thread(s): read {read_bw:.1f} GB/s (roofline uses this), copy "
+        f"{copy_bw:.1f} GB/s (read + write); KV at S={S} included for lmstack/HF; load avg per round "
+        f"{', '.join(f'{x:.1f}' for x in loads)}"
+    )
     peers = [e for e in engines if not e.name.startswith("lmstack")]
     for e in engines:
         if not e.name.startswith("lmstack"):
@@ -253,8 +307,10 @@ def main() -> None:
     if hf32:
         best = max(aim, key=lambda e: med[e.name][1])
         ratio = med[best.name][1] / hf32[1]
-        print(f"aim >= 3x HF transformers batch-1 decode: best {best.name} {ratio:.2f}x vs HF fp32 -> "
-              f"{'met' if ratio >= 3 else 'NOT met'}")
+        print(
+            f"aim >= 3x HF transformers batch-1 decode: best {best.name} {ratio:.2f}x vs HF fp32 -> "
+            f"{'met' if ratio >= 3 else 'NOT met'}"
+        )
 
 
 if __name__ == "__main__":

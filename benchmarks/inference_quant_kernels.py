@@ -49,8 +49,10 @@ def main() -> None:
         "int4 kernel, bf16 act": (lambda: [m(x) for m in q4], 0.5),
         "int4 kernel, fp32 act": (lambda: [m(x) for m in q4f], 0.5),
     }
-    print(f"{args.layers} weights of {O}x{I}, M=1, torch threads {args.threads}, load avg {os.getloadavg()[0]:.1f}, "
-          f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})")
+    print(
+        f"{args.layers} weights of {O}x{I}, M=1, torch threads {args.threads}, load avg {os.getloadavg()[0]:.1f}, "
+        f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})"
+    )
     res = {}
     with torch.inference_mode():
         for name, (fn, bytes_per_w) in cases.items():
@@ -61,8 +63,11 @@ def main() -> None:
                 fn()
                 ts.append(time.perf_counter() - t)
             res[name] = statistics.median(ts) / args.layers
-            print(f"{name:<26}{res[name] * 1e6:>9.1f} µs{O * I * bytes_per_w / res[name] / 1e9:>7.1f} GB/s"
-                  f"{res['fp32 F.linear'] / res[name]:>7.2f}x fp32", flush=True)
+            print(
+                f"{name:<26}{res[name] * 1e6:>9.1f} µs{O * I * bytes_per_w / res[name] / 1e9:>7.1f} GB/s"
+                f"{res['fp32 F.linear'] / res[name]:>7.2f}x fp32",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

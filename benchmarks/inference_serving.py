@@ -46,8 +46,12 @@ def pct(xs, q):
 
 def workload(n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1000, 20000, (int(torch.randint(16, 161, (), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
+    prompts = [
+        torch.randint(
+            1000, 20000, (int(torch.randint(16, 161, (), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(n)
+    ]
     outs = [int(torch.randint(8, 97, (), generator=g)) for _ in range(n)]
     return prompts, outs
 
@@ -65,9 +69,12 @@ def run_continuous(model, prompts, outs, batch, **kw):
 def run_static_lmstack(model, prompts, outs, batch):
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        longest = max(outs[i:i + batch])
+        longest = max(outs[i : i + batch])
         llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=4096)
-        llm.generate(prompts[i:i + batch], SamplingParams(temperature=0, max_tokens=longest, ignore_eos=True))
+        llm.generate(
+            prompts[i : i + batch],
+            SamplingParams(temperature=0, max_tokens=longest, ignore_eos=True),
+        )
     return time.perf_counter() - t0
 
 
@@ -75,18 +82,27 @@ def run_static_lmstack(model, prompts, outs, batch):
 def run_static_hf(path, dtype, prompts, outs, batch):
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype
+    ).eval()
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        chunk = prompts[i:i + batch]
+        chunk = prompts[i : i + batch]
         T = max(map(len, chunk))
         ids = torch.zeros(len(chunk), T, dtype=torch.long)
         mask = torch.zeros(len(chunk), T, dtype=torch.long)
         for j, p in enumerate(chunk):
-            ids[j, T - len(p):] = torch.tensor(p)
-            mask[j, T - len(p):] = 1
-        n = max(outs[i:i + batch])
-        hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            ids[j, T - len(p) :] = torch.tensor(p)
+            mask[j, T - len(p) :] = 1
+        n = max(outs[i : i + batch])
+        hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
     return time.perf_counter() - t0
 
 
@@ -98,18 +114,24 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-static-lmstack", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="cProfile the continuous-batching run only")
+    ap.add_argument(
+        "--profile", action="store_true", help="cProfile the continuous-batching run only"
+    )
     ap.add_argument("--profile-rows", type=int, default=25)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = find_named_model("smollm2-135m")
     model = load_model(path, dtype=DTYPES[args.dtype]).model.eval()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch threads "
-          f"{args.threads}, load avg {os.getloadavg()[0]:.1f}; SmolLM2-135M {args.dtype}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch threads "
+        f"{args.threads}, load avg {os.getloadavg()[0]:.1f}; SmolLM2-135M {args.dtype}"
+    )
     prompts, outs = workload(args.requests)
     useful = sum(outs)
-    print(f"{args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, outputs "
-          f"{min(outs)}-{max(outs)} tokens ({useful} in all), batch {args.batch}\n")
+    print(
+        f"{args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, outputs "
+        f"{min(outs)}-{max(outs)} tokens ({useful} in all), batch {args.batch}\n"
+    )
 
     if args.profile:
         import cProfile
@@ -117,8 +139,10 @@ def main() -> None:
 
         prof = cProfile.Profile()
         wall, res, engine = prof.runcall(run_continuous, model, prompts, outs, args.batch)
-        print(f"continuous (lmstack) under cProfile: {wall:.1f} s, {engine.stats['computed_tokens']} tokens computed, "
-              f"{engine.stats['forwards']} forwards")
+        print(
+            f"continuous (lmstack) under cProfile: {wall:.1f} s, {engine.stats['computed_tokens']} tokens computed, "
+            f"{engine.stats['forwards']} forwards"
+        )
         stats = pstats.Stats(prof)
         stats.sort_stats("tottime").print_stats(args.profile_rows)
         stats.sort_stats("cumulative").print_stats(args.profile_rows)
@@ -127,28 +151,45 @@ def main() -> None:
     ttft = [r.ttft for r in res]
     itl = [b - a for r in res for a, b in zip(r.token_times, r.token_times[1:])]
     thr = useful / wall
-    print(f"continuous (lmstack): {wall:7.1f} s  {thr:7.1f} tok/s   steps {engine.stats['steps']}, "
-          f"preemptions {engine.stats['preemptions']}, forwards {engine.stats['forwards']}")
-    print(f"  TTFT p50 {pct(ttft, 50):.2f} s  p90 {pct(ttft, 90):.2f} s  p99 {pct(ttft, 99):.2f} s;  inter-token "
-          f"p50 {pct(itl, 50) * 1000:.0f} ms  p90 {pct(itl, 90) * 1000:.0f} ms  p99 {pct(itl, 99) * 1000:.0f} ms")
+    print(
+        f"continuous (lmstack): {wall:7.1f} s  {thr:7.1f} tok/s   steps {engine.stats['steps']}, "
+        f"preemptions {engine.stats['preemptions']}, forwards {engine.stats['forwards']}"
+    )
+    print(
+        f"  TTFT p50 {pct(ttft, 50):.2f} s  p90 {pct(ttft, 90):.2f} s  p99 {pct(ttft, 99):.2f} s;  inter-token "
+        f"p50 {pct(itl, 50) * 1000:.0f} ms  p90 {pct(itl, 90) * 1000:.0f} ms  p99 {pct(itl, 99) * 1000:.0f} ms"
+    )
     if not args.skip_static_lmstack:
         w = run_static_lmstack(model, prompts, outs, args.batch)
-        print(f"static (lmstack):     {w:7.1f} s  {useful / w:7.1f} tok/s   continuous/static = {w / wall:.2f}x")
+        print(
+            f"static (lmstack):     {w:7.1f} s  {useful / w:7.1f} tok/s   continuous/static = {w / wall:.2f}x"
+        )
     if not args.skip_hf:
         w = run_static_hf(path, DTYPES[args.dtype], prompts, outs, args.batch)
-        print(f"static (HF generate): {w:7.1f} s  {useful / w:7.1f} tok/s   continuous/static = {w / wall:.2f}x")
+        print(
+            f"static (HF generate): {w:7.1f} s  {useful / w:7.1f} tok/s   continuous/static = {w / wall:.2f}x"
+        )
 
     # shared system prompt: prefix caching
     g = torch.Generator().manual_seed(1)
     system = torch.randint(1000, 20000, (192,), generator=g).tolist()
-    shared = [system + torch.randint(1000, 20000, (int(torch.randint(8, 33, (), generator=g)),), generator=g).tolist()
-              for _ in range(args.requests // 2)]
+    shared = [
+        system
+        + torch.randint(
+            1000, 20000, (int(torch.randint(8, 33, (), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(args.requests // 2)
+    ]
     souts = [16] * len(shared)
-    print(f"\nshared system prompt: {len(shared)} requests = 192-token system prompt + 8-32 token question, 16 out")
+    print(
+        f"\nshared system prompt: {len(shared)} requests = 192-token system prompt + 8-32 token question, 16 out"
+    )
     for caching in (True, False):
         w, _, eng = run_continuous(model, shared, souts, args.batch, enable_prefix_caching=caching)
-        print(f"  prefix caching {'on ' if caching else 'off'}: {w:6.1f} s  {sum(souts) / w:6.1f} tok/s  "
-              f"hit rate {100 * eng.prefix_cache_hit_rate:.1f}% of prompt tokens; computed {eng.stats['computed_tokens']}")
+        print(
+            f"  prefix caching {'on ' if caching else 'off'}: {w:6.1f} s  {sum(souts) / w:6.1f} tok/s  "
+            f"hit rate {100 * eng.prefix_cache_hit_rate:.1f}% of prompt tokens; computed {eng.stats['computed_tokens']}"
+        )
 
 
 if __name__ == "__main__":

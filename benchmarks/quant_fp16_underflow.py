@@ -56,16 +56,27 @@ def main() -> None:
     nz = g32 != 0
     rows = [("fp32", g32, None)]
     rows.append(("fp16, no loss scaling", *grads(lm.model, tokens, torch.float16)))
-    rows.append(("fp16, dynamic loss scaling", *grads(lm.model, tokens, torch.float16, DynamicLossScaler(2.0 ** 16))))
+    rows.append(
+        (
+            "fp16, dynamic loss scaling",
+            *grads(lm.model, tokens, torch.float16, DynamicLossScaler(2.0**16)),
+        )
+    )
     rows.append(("bf16", *grads(lm.model, tokens, torch.bfloat16)))
-    print(f"{int(nz.sum())} non-zero fp32 gradient elements of {g32.numel()}; "
-          f"{float((g32[nz].abs() < 2 ** -24).float().mean()):.1%} of them below fp16's smallest subnormal 2^-24, "
-          f"{float((g32[nz].abs() < 2 ** -14).float().mean()):.1%} below its smallest normal 2^-14")
-    print("| gradients | loss scale | zero where fp32 is not | ‖g − g32‖ / ‖g32‖ |\n|---|---|---|---|")
+    print(
+        f"{int(nz.sum())} non-zero fp32 gradient elements of {g32.numel()}; "
+        f"{float((g32[nz].abs() < 2**-24).float().mean()):.1%} of them below fp16's smallest subnormal 2^-24, "
+        f"{float((g32[nz].abs() < 2**-14).float().mean()):.1%} below its smallest normal 2^-14"
+    )
+    print(
+        "| gradients | loss scale | zero where fp32 is not | ‖g − g32‖ / ‖g32‖ |\n|---|---|---|---|"
+    )
     for name, g, s in rows:
         lost = float(((g == 0) & nz).float().sum() / nz.sum())
         err = float((g - g32).norm() / g32.norm())
-        print(f"| {name} | {'—' if s is None else f'2^{int(torch.log2(torch.tensor(s)))}'} | {lost:.2%} | {err:.4f} |")
+        print(
+            f"| {name} | {'—' if s is None else f'2^{int(torch.log2(torch.tensor(s)))}'} | {lost:.2%} | {err:.4f} |"
+        )
     if args.plot:
         import matplotlib
 
@@ -74,7 +85,10 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(8, 4))
         ax.hist(torch.log2(g32[nz].abs()).numpy(), bins=120, color="gray")
-        for x, label in ((-24, "fp16 smallest subnormal 2^-24"), (-14, "fp16 smallest normal 2^-14")):
+        for x, label in (
+            (-24, "fp16 smallest subnormal 2^-24"),
+            (-14, "fp16 smallest normal 2^-14"),
+        ):
             ax.axvline(x, color="red" if x == -24 else "orange", linestyle="--", label=label)
         ax.set_xlabel("log2 |gradient| (fp32 backward, SmolLM2-135M)")
         ax.set_ylabel("elements")

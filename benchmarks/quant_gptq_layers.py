@@ -40,19 +40,29 @@ def main() -> None:
             model(r[None])
     for h in hooks:
         h.remove()
-    print("| layer | RTN G32 | RTN G64 | GPTQ G64 | + range search | act-order | act-order + range search |")
+    print(
+        "| layer | RTN G32 | RTN G64 | GPTQ G64 | + range search | act-order | act-order + range search |"
+    )
     print("|---|---|---|---|---|---|---|")
     for (b, name), (acc, lin) in accs.items():
         H, W = acc.hessian(), lin.weight.detach()
 
         def err(t):
-            return layer_error(W, dequantize_int4(*t), H)
+            return layer_error(W, dequantize_int4(*t), H)  # noqa: B023
 
         rtn64 = err(quantize_int4(W, 64))
         res = [err(quantize_int4(W, 32)), rtn64]
-        for kw in (dict(), dict(shrink_grid=20), dict(act_order=True), dict(act_order=True, shrink_grid=20)):
+        for kw in (
+            dict(),
+            dict(shrink_grid=20),
+            dict(act_order=True),
+            dict(act_order=True, shrink_grid=20),
+        ):
             res.append(err(gptq_quantize(W, H, 4, 64, **kw)))
-        print(f"| blocks.{b}.{name} | " + " | ".join(f"{r / rtn64:.3f}" for r in res) + " |", flush=True)
+        print(
+            f"| blocks.{b}.{name} | " + " | ".join(f"{r / rtn64:.3f}" for r in res) + " |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def decode_filled(x: torch.Tensor, pow2: bool) -> torch.Tensor:
     for t in range(bs):
         vals = codes * s
         vals[..., t, :] = x[..., t, :]
-        sn = scale(vals[..., :t + 1, :].abs().amax(dim=(-2, -1), keepdim=True), 448.0, pow2)
+        sn = scale(vals[..., : t + 1, :].abs().amax(dim=(-2, -1), keepdim=True), 448.0, pow2)
         s = sn if t == 0 else torch.maximum(s, sn)
         codes = (vals / s).clamp(-448, 448).to(E4M3).float()
     return codes * s
@@ -64,40 +64,48 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16)
     args = ap.parse_args()
     if args.tokens < args.block or args.tokens % args.block:
-        raise SystemExit(f"--tokens={args.tokens} must be a positive multiple of --block={args.block}")
+        raise SystemExit(
+            f"--tokens={args.tokens} must be a positive multiple of --block={args.block}"
+        )
     torch.set_num_threads(1)
     lm = load_model("smollm2-135m")
     model = lm.model.eval()
     text = Path("/usr/share/common-licenses/GPL-3")
     if not text.is_file():
         raise SystemExit(f"{text} is missing (the evaluation text of benchmarks/quant_quality.py)")
-    ids = torch.tensor(model_tokenizer(lm.source).encode(text.read_text())[:args.tokens])[None]
+    ids = torch.tensor(model_tokenizer(lm.source).encode(text.read_text())[: args.tokens])[None]
     if ids.shape[1] < args.tokens:
         raise SystemExit(f"the text has {ids.shape[1]} tokens, fewer than --tokens={args.tokens}")
     cache = KVCache(model.config, 1, args.tokens)
     with torch.inference_mode():
         model(ids, torch.arange(args.tokens)[None], kv_cache=cache)
-    print(f"SmolLM2-135M K/V of {args.tokens} GPL-3 tokens, blocks of {args.block} positions x H per (layer, KV head)")
-    print("| | int8 | e4m3 s=max/448 | e4m3 s=2^k | e5m2 | e4m3 subnormal / flushed | top-1% |x| share of error "
-          "(int8, e4m3) | decode-filled e4m3 s=max/448, s=2^k | median block max/rms |")
+    print(
+        f"SmolLM2-135M K/V of {args.tokens} GPL-3 tokens, blocks of {args.block} positions x H per (layer, KV head)"
+    )
+    print(
+        "| | int8 | e4m3 s=max/448 | e4m3 s=2^k | e5m2 | e4m3 subnormal / flushed | top-1% |x| share of error "
+        "(int8, e4m3) | decode-filled e4m3 s=max/448, s=2^k | median block max/rms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, t in (("K", cache.k), ("V", cache.v)):
         L, B, K, S, H = t.shape  # (L, B, K, S, H)
         x = t.float().reshape(L, B, K, S // args.block, args.block, H)
-        rel = lambda xh: float((xh - x).norm() / x.norm())  # noqa: E731
+        rel = lambda xh: float((xh - x).norm() / x.norm())  # noqa: B023, E731
         i8, _ = once(x, "int8")
         e4, c4 = once(x, "e4m3")
         e4p, _ = once(x, "e4m3", pow2=True)
         e5, _ = once(x, "e5m2")
         nz = x != 0
-        sub = float(((c4.abs() < 2 ** -6) & nz).float().mean())
+        sub = float(((c4.abs() < 2**-6) & nz).float().mean())
         flushed = float(((c4 == 0) & nz).float().mean())
         big = x.abs() >= x.abs().flatten().kthvalue(int(0.99 * x.numel())).values
         share = [float(((xh - x)[big] ** 2).sum() / ((xh - x) ** 2).sum()) for xh in (i8, e4)]
         ratio = float((x.abs().amax(dim=(-2, -1)) / x.pow(2).mean(dim=(-2, -1)).sqrt()).median())
-        print(f"| {name} | {rel(i8):.4f} | {rel(e4):.4f} | {rel(e4p):.4f} | {rel(e5):.4f} | {sub:.5f} / {flushed:.5f} | "
-              f"{share[0]:.2f}, {share[1]:.2f} | {rel(decode_filled(x, False)):.4f}, {rel(decode_filled(x, True)):.4f} | "
-              f"{ratio:.1f} |")
+        print(
+            f"| {name} | {rel(i8):.4f} | {rel(e4):.4f} | {rel(e4p):.4f} | {rel(e5):.4f} | {sub:.5f} / {flushed:.5f} | "
+            f"{share[0]:.2f}, {share[1]:.2f} | {rel(decode_filled(x, False)):.4f}, {rel(decode_filled(x, True)):.4f} | "
+            f"{ratio:.1f} |"
+        )
 
 
 if __name__ == "__main__":

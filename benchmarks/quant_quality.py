@@ -50,7 +50,6 @@ from torch import nn
 from tqdm import tqdm
 
 from lmstack.inference import SamplingParams, generate
-from lmstack.inference.kv_cache import KVCache
 from lmstack.inference.loader import model_tokenizer
 from lmstack.model.gguf import read_gguf_header, unpermute_rope_rows
 from lmstack.model.io import find_named_model, load_model
@@ -60,7 +59,6 @@ from lmstack.quant.awq import awq_quantize_model
 from lmstack.quant.formats import simulate_model
 from lmstack.quant.gguf_blocks import gguf_int4
 from lmstack.quant.gptq import gptq_quantize_model
-from lmstack.quant.kv_cache import QuantizedKVCache
 from lmstack.quant.llm_int8 import llm_int8_model, outlier_stats
 from lmstack.utils import atomic_path, atomic_write_text
 
@@ -70,15 +68,18 @@ LICENSES = Path("/usr/share/common-licenses")
 def texts() -> tuple[str, str, str]:
     """(evaluation text, calibration text, where they came from)."""
     if all((LICENSES / n).is_file() for n in ("GPL-3", "Apache-2.0", "GFDL-1.3")):
-        return ((LICENSES / "GPL-3").read_text(), (LICENSES / "Apache-2.0").read_text() +
-                (LICENSES / "GFDL-1.3").read_text(), "eval GPL-3, calibration Apache-2.0 + GFDL-1.3 licence texts")
+        return (
+            (LICENSES / "GPL-3").read_text(),
+            (LICENSES / "Apache-2.0").read_text() + (LICENSES / "GFDL-1.3").read_text(),
+            "eval GPL-3, calibration Apache-2.0 + GFDL-1.3 licence texts",
+        )
     import sysconfig
 
     lib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(lib.glob("*.py"))
     half = len(files) // 2
     cal = "".join(f.read_text(errors="ignore") for f in files[:20])
-    ev = "".join(f.read_text(errors="ignore") for f in files[half:half + 20])
+    ev = "".join(f.read_text(errors="ignore") for f in files[half : half + 20])
     return ev, cal, "eval/calibration: disjoint Python stdlib modules"
 
 
@@ -100,8 +101,9 @@ def perplexity(model: nn.Module, ev: torch.Tensor, desc: str = "perplexity") -> 
 
 
 @torch.inference_mode()
-def kv_perplexity(model: nn.Module, ev: torch.Tensor, fmt: str | None, prefill: int = 16,
-                  step: int = 1) -> tuple[float, int]:
+def kv_perplexity(
+    model: nn.Module, ev: torch.Tensor, fmt: str | None, prefill: int = 16, step: int = 1
+) -> tuple[float, int]:
     """Perplexity when each row goes through the engine's paged pool (blocks of 16; fp32 when ``fmt`` is
     None, else "int8"/"fp8" blocks): a ``prefill``-token chunk, then ``step`` tokens per forward (1 = decode),
     and the pool's bytes for one row."""
@@ -109,8 +111,13 @@ def kv_perplexity(model: nn.Module, ev: torch.Tensor, fmt: str | None, prefill: 
 
     nll, count, S = 0.0, 0, ev.shape[1]
     for r in tqdm(ev, desc=f"KV {fmt or 'fp32'}", leave=False):
-        pool = PagedKVCache(model.config, S // 16 + 1, 16, torch.float32 if fmt is None else fmt,
-                            enable_prefix_caching=False)
+        pool = PagedKVCache(
+            model.config,
+            S // 16 + 1,
+            16,
+            torch.float32 if fmt is None else fmt,
+            enable_prefix_caching=False,
+        )
         ids = r.tolist()
         pool.blocks.allocate(0, ids)
         logits, start = [], 0
@@ -118,7 +125,9 @@ def kv_perplexity(model: nn.Module, ev: torch.Tensor, fmt: str | None, prefill: 
             n = min(prefill if start == 0 else step, S - start)
             pool.blocks.reserve(0, n)
             batch, pos, seq = pool.packed_batch([(0, start, n)])
-            logits.append(model(r[None, start:start + n], pos, kv_cache=batch, document_ids=seq)[0])
+            logits.append(
+                model(r[None, start : start + n], pos, kv_cache=batch, document_ids=seq)[0]
+            )
             pool.blocks.commit(0, ids, n)
             start += n
         logits = torch.cat(logits).float()
@@ -127,8 +136,11 @@ def kv_perplexity(model: nn.Module, ev: torch.Tensor, fmt: str | None, prefill: 
     return math.exp(nll / count), pool.nbytes
 
 
-KV_METHODS = {"KV pool fp32 (paged decode)": None, "KV pool int8 (paged blocks of 16)": "int8",
-              "KV pool fp8 e4m3 (paged blocks of 16)": "fp8"}
+KV_METHODS = {
+    "KV pool fp32 (paged decode)": None,
+    "KV pool int8 (paged blocks of 16)": "int8",
+    "KV pool fp8 e4m3 (paged blocks of 16)": "fp8",
+}
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -149,7 +161,9 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 @torch.inference_mode()
-def speed(model: nn.Module, prompt: list[int], ev: torch.Tensor, n_new: int, repeats: int) -> tuple[float, float]:
+def speed(
+    model: nn.Module, prompt: list[int], ev: torch.Tensor, n_new: int, repeats: int
+) -> tuple[float, float]:
     list(generate(model, prompt, SamplingParams(temperature=0, max_tokens=4)))  # warm-up
     dec, pre = [], []
     for _ in tqdm(range(repeats), desc="decode/prefill timing", leave=False):
@@ -163,6 +177,7 @@ def speed(model: nn.Module, prompt: list[int], ev: torch.Tensor, n_new: int, rep
 
 
 # ---- peers ---------------------------------------------------------------------------------------------------
+
 
 def _swap_linears(model: nn.Module, make) -> nn.Module:
     for block in model.blocks:
@@ -203,9 +218,15 @@ def bnb_model(model: nn.Module, kind: str) -> nn.Module:
             lin = bnb.nn.Linear8bitLt(I, O, bias=False, has_fp16_weights=False, threshold=6.0)
             lin.weight = bnb.nn.Int8Params(w.clone(), requires_grad=False, has_fp16_weights=False)
         else:
-            lin = bnb.nn.Linear4bit(I, O, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
-            lin.weight = bnb.nn.Params4bit(w.clone(), requires_grad=False, quant_type="nf4", blocksize=64)
-        return lin.to("cpu")  # its packed weight is its parameter (counted; the absmax / SCB scales are not)
+            lin = bnb.nn.Linear4bit(
+                I, O, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4"
+            )
+            lin.weight = bnb.nn.Params4bit(
+                w.clone(), requires_grad=False, quant_type="nf4", blocksize=64
+            )
+        return lin.to(
+            "cpu"
+        )  # its packed weight is its parameter (counted; the absmax / SCB scales are not)
 
     return _swap_linears(model, make)
 
@@ -217,7 +238,9 @@ def torchao_model(model: nn.Module, kind: str) -> nn.Module:
         lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
         lin.weight.data.copy_(w)
         O, I = w.shape
-        lin.kernel_bytes = lambda: O * I * (1 if kind == "int8" else 0.5) + 2 * O * (1 if kind == "int8" else 2 * I // 32)
+        lin.kernel_bytes = lambda: (
+            O * I * (1 if kind == "int8" else 0.5) + 2 * O * (1 if kind == "int8" else 2 * I // 32)
+        )
         return lin
 
     _swap_linears(model, make)
@@ -249,12 +272,16 @@ def gguf_own_model(model: nn.Module) -> nn.Module:
     for name, s in header.spans.items():
         if s.qtype.name not in ("Q4_0", "Q4_1", "Q4_K") or not name.startswith("blocks."):
             continue
-        q, sc, lo = gguf_int4(header.data[s.start:s.end].reshape(s.shape[0], -1), s.qtype.name)
+        q, sc, lo = gguf_int4(header.data[s.start : s.end].reshape(s.shape[0], -1), s.qtype.name)
         heads = cfg.n_heads if ".q_proj." in name else cfg.n_kv_heads if ".k_proj." in name else 0
         if heads:
             q, sc, lo = (unpermute_rope_rows(t, heads) for t in (q, sc, lo))
         parent = model.get_submodule(name.rsplit(".", 2)[0])
-        setattr(parent, name.rsplit(".", 2)[1], Int4Linear(q.contiguous(), sc.contiguous(), lo.contiguous()))
+        setattr(
+            parent,
+            name.rsplit(".", 2)[1],
+            Int4Linear(q.contiguous(), sc.contiguous(), lo.contiguous()),
+        )
     model.quantization = "gguf-q4_1"
     return model
 
@@ -263,8 +290,13 @@ def llama_cpp_ppl(ev: torch.Tensor) -> float:
     """llama.cpp's perplexity over the same token ids: its logits for every position (``logits_all``)."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(find_named_model("smollm2-135m")), n_ctx=ev.shape[1], logits_all=True,
-                n_threads=1, verbose=False)
+    llm = Llama(
+        model_path=str(find_named_model("smollm2-135m")),
+        n_ctx=ev.shape[1],
+        logits_all=True,
+        n_threads=1,
+        verbose=False,
+    )
     nll, n = 0.0, 0
     for r in ev.tolist():
         llm.reset()
@@ -282,8 +314,13 @@ class LlamaCpp:
         from llama_cpp import Llama
 
         self.name = f"llama.cpp Q4_1 GGUF ({threads}t)"
-        self.llm = Llama(model_path=str(find_named_model("smollm2-135m")), n_ctx=n_ctx, n_threads=threads,
-                         n_threads_batch=threads, verbose=False)
+        self.llm = Llama(
+            model_path=str(find_named_model("smollm2-135m")),
+            n_ctx=n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
 
     def run(self, prompt: list[int], n_new: int) -> tuple[float, float]:
         self.llm.reset()
@@ -296,7 +333,9 @@ class LlamaCpp:
             self.llm.eval([token])
             stamps.append(time.perf_counter())
             token = int(torch.tensor(self.llm.scores[self.llm.n_tokens - 1]).argmax())
-        return pre, (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
+        return pre, (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float(
+            "nan"
+        )
 
 
 class LmstackInt4:
@@ -310,7 +349,9 @@ class LmstackInt4:
         self.model = quantize_model(copy.deepcopy(base), "int4")
         if kernel == "aten":
             to_aten_int4(self.model)
-        ran = "+".join(sorted({m.kernel for m in self.model.modules() if isinstance(m, Int4Linear)}))
+        ran = "+".join(
+            sorted({m.kernel for m in self.model.modules() if isinstance(m, Int4Linear)})
+        )
         self.name = f"lmstack int4 {'compiled' if compile else 'static cache, eager'} ({ran} kernel)"  # the one that ran
         self.decoder = StaticDecoder(self.model, max_len, compile=compile)
         self.decoder.warm_up()
@@ -335,20 +376,39 @@ def to_aten_int4(model: nn.Module) -> nn.Module:
     for name, mod in list(model.named_modules()):
         if isinstance(mod, Int4Linear) and mod.vnni:
             parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr,
-                    Int4Linear(mod._codes(), mod.scale, mod.lo, mod.bias, kernel="aten"))
+            setattr(
+                model.get_submodule(parent) if parent else model,
+                attr,
+                Int4Linear(mod._codes(), mod.scale, mod.lo, mod.bias, kernel="aten"),
+            )
     return model
 
 
-def decode_race(base: nn.Module, prompt: list[int], n_new: int, threads: list[int], rounds: int,
-                compile: bool = True, kernels: tuple[str, ...] = ("vnni", "aten")) -> list[str]:
+def decode_race(
+    base: nn.Module,
+    prompt: list[int],
+    n_new: int,
+    threads: list[int],
+    rounds: int,
+    compile: bool = True,
+    kernels: tuple[str, ...] = ("vnni", "aten"),
+) -> list[str]:
     """Interleaved rounds of lmstack int4 (``kernels``: "vnni" = lmstack's chosen kernel, "aten" = torch's;
     compiled step, built and compiled once for all thread counts) and llama.cpp per thread count."""
-    out = ["| threads | engine | decode tok/s (median) | ms/token | all rounds tok/s | prefill tok/s | "
-           "lmstack / this |", "|---|---|---|---|---|---|---|"]
+    out = [
+        "| threads | engine | decode tok/s (median) | ms/token | all rounds tok/s | prefill tok/s | "
+        "lmstack / this |",
+        "|---|---|---|---|---|---|---|",
+    ]
     torch.set_num_threads(threads[0])
-    lm_engines = [LmstackInt4(base, k, len(prompt) + n_new + 8, compile)  # the compile is most of the race's time
-                  for k in tqdm(kernels, desc=f"{'compiling' if compile else 'building'} int4 decode steps", leave=False)]
+    lm_engines = [
+        LmstackInt4(
+            base, k, len(prompt) + n_new + 8, compile
+        )  # the compile is most of the race's time
+        for k in tqdm(
+            kernels, desc=f"{'compiling' if compile else 'building'} int4 decode steps", leave=False
+        )
+    ]
     for th in threads:
         torch.set_num_threads(th)
         engines = list(lm_engines)
@@ -357,8 +417,11 @@ def decode_race(base: nn.Module, prompt: list[int], n_new: int, threads: list[in
             if th == threads[0]:
                 import llama_cpp
 
-                out.insert(0, f"llama.cpp {llama_cpp.__version__}: {llama_cpp.llama_print_system_info().decode().strip()}; "
-                              f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}\n")
+                out.insert(
+                    0,
+                    f"llama.cpp {llama_cpp.__version__}: {llama_cpp.llama_print_system_info().decode().strip()}; "
+                    f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}\n",
+                )
         except Exception as e:  # noqa: BLE001
             out.append(f"| {th} | llama.cpp | — ({type(e).__name__}: {str(e)[:80]}) | | | | |")
         res: dict[str, list] = {e.name: [] for e in engines}
@@ -370,13 +433,16 @@ def decode_race(base: nn.Module, prompt: list[int], n_new: int, threads: list[in
         med = {k: statistics.median(d for _, d in v) for k, v in res.items()}
         ours = med[engines[0].name]
         for k, v in res.items():
-            out.append(f"| {th} | {k} | {med[k]:.1f} | {1000 / med[k]:.1f} | {', '.join(f'{d:.0f}' for _, d in v)} | "
-                       f"{statistics.median(p for p, _ in v):.0f} | {ours / med[k]:.2f}x |")
+            out.append(
+                f"| {th} | {k} | {med[k]:.1f} | {1000 / med[k]:.1f} | {', '.join(f'{d:.0f}' for _, d in v)} | "
+                f"{statistics.median(p for p, _ in v):.0f} | {ours / med[k]:.2f}x |"
+            )
         print("\n".join(out), flush=True)
     return out
 
 
 # ---- the methods ---------------------------------------------------------------------------------------------
+
 
 def builders(calib: torch.Tensor) -> dict:
     return {
@@ -391,10 +457,12 @@ def builders(calib: torch.Tensor) -> dict:
         "int4 RTN G64": lambda m: quantize_model(m, "int4", group_size=64),
         "GPTQ int4 G64": lambda m: gptq_quantize_model(m, calib, 4, 64),
         "GPTQ int4 G64 act-order": lambda m: gptq_quantize_model(m, calib, 4, 64, act_order=True),
-        "GPTQ int4 G64 act-order + range search": lambda m: gptq_quantize_model(m, calib, 4, 64, act_order=True,
-                                                                              shrink_grid=20),
+        "GPTQ int4 G64 act-order + range search": lambda m: gptq_quantize_model(
+            m, calib, 4, 64, act_order=True, shrink_grid=20
+        ),
         "GPTQ int4 G64 act-order + range search; int8 unembedding": lambda m: int8_head(
-            gptq_quantize_model(m, calib, 4, 64, act_order=True, shrink_grid=20, lm_head=False)),
+            gptq_quantize_model(m, calib, 4, 64, act_order=True, shrink_grid=20, lm_head=False)
+        ),
         "AWQ int4 G64": lambda m: awq_quantize_model(m, calib, 64),
         "fp8 e4m3 per-channel (sim)": lambda m: simulate_model(m, "fp8-e4m3"),
         "fp8 e4m3 W8A8 (sim)": lambda m: simulate_model(m, "fp8-e4m3-w8a8"),
@@ -413,28 +481,45 @@ def builders(calib: torch.Tensor) -> dict:
 LLAMA_CPP_ROW = "llama.cpp Q4_1 GGUF (its own logits)"
 
 
-def run_method(name: str, table: dict, base: nn.Module, ev: torch.Tensor, prompt: list[int],
-               args: argparse.Namespace) -> dict:
+def run_method(
+    name: str,
+    table: dict,
+    base: nn.Module,
+    ev: torch.Tensor,
+    prompt: list[int],
+    args: argparse.Namespace,
+) -> dict:
     """One row: build the model (a deep copy of ``base``), its perplexity, weight bytes and speed; a KV row
     runs the paged pool instead. A method that fails gets a row saying why (the run goes on)."""
     t = time.perf_counter()
     try:
         if name in KV_METHODS:
-            p, kv = kv_perplexity(base, ev[:args.kv_rows], KV_METHODS[name], step=args.kv_step)
-            return dict(ppl=p, bytes=weight_bytes(base), decode=float("nan"), prefill=float("nan"),
-                        seconds=time.perf_counter() - t,
-                        note=f"fp32 weights, {min(args.kv_rows, ev.shape[0])} rows, 16-token prefill then "
-                             f"{args.kv_step} token(s) per forward; pool of {ev.shape[1] // 16 + 1} blocks x 16: "
-                             f"{kv / 1e6:.2f} MB")
+            p, kv = kv_perplexity(base, ev[: args.kv_rows], KV_METHODS[name], step=args.kv_step)
+            return dict(
+                ppl=p,
+                bytes=weight_bytes(base),
+                decode=float("nan"),
+                prefill=float("nan"),
+                seconds=time.perf_counter() - t,
+                note=f"fp32 weights, {min(args.kv_rows, ev.shape[0])} rows, 16-token prefill then "
+                f"{args.kv_step} token(s) per forward; pool of {ev.shape[1] // 16 + 1} blocks x 16: "
+                f"{kv / 1e6:.2f} MB",
+            )
         model = table[name](copy.deepcopy(base)).eval()
         build = time.perf_counter() - t
-        r = dict(ppl=perplexity(model, ev, desc=f"perplexity ({name})"), bytes=weight_bytes(model), build=build)
+        r = dict(
+            ppl=perplexity(model, ev, desc=f"perplexity ({name})"),
+            bytes=weight_bytes(model),
+            build=build,
+        )
         r["decode"], r["prefill"] = speed(model, prompt, ev, args.decode, args.repeats)
         if name.startswith("LLM.int8 (t=6"):
             st = outlier_stats(model)
-            r["note"] = (f"outlier columns per call, mean over layers "
-                         f"{sum(s['mean_per_call'] for s in st) / len(st):.2f}; max "
-                         f"{max(s['mean_per_call'] for s in st):.1f} ({max(st, key=lambda s: s['mean_per_call'])['layer']})")
+            r["note"] = (
+                f"outlier columns per call, mean over layers "
+                f"{sum(s['mean_per_call'] for s in st) / len(st):.2f}; max "
+                f"{max(s['mean_per_call'] for s in st):.1f} ({max(st, key=lambda s: s['mean_per_call'])['layer']})"
+            )
     except Exception as e:  # noqa: BLE001 — a peer that does not run here gets a row saying why
         r = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
     r["seconds"] = time.perf_counter() - t
@@ -453,8 +538,13 @@ def llama_cpp_row(ev: torch.Tensor, prompt: list[int], args: argparse.Namespace)
             r[f"decode_{th}t"] = statistics.median(d for _, d in runs)
             r[f"prefill_{th}t"] = statistics.median(pre)
         r["decode"], r["prefill"] = r[f"decode_{args.threads}t"], r[f"prefill_{args.threads}t"]
-        r["note"] = "; ".join(f"{th} thread(s): decode {r[f'decode_{th}t']:.1f}, prefill {r[f'prefill_{th}t']:.0f} tok/s"
-                              for th in sorted({1, 2, args.threads})) + " (file bytes as weight MB)"
+        r["note"] = (
+            "; ".join(
+                f"{th} thread(s): decode {r[f'decode_{th}t']:.1f}, prefill {r[f'prefill_{th}t']:.0f} tok/s"
+                for th in sorted({1, 2, args.threads})
+            )
+            + " (file bytes as weight MB)"
+        )
     except Exception as e:  # noqa: BLE001
         r = dict(error=f"{type(e).__name__}: {e}"[:140])
     r["seconds"] = time.perf_counter() - t
@@ -464,8 +554,12 @@ def llama_cpp_row(ev: torch.Tensor, prompt: list[int], args: argparse.Namespace)
 def markdown(results: dict[str, dict], header: str, race: list[str]) -> str:
     ref = results.get("fp32", {}).get("ppl")
     kv_ref = results.get("KV pool fp32 (paged decode)", {}).get("ppl")
-    lines = [header, "", "| method | perplexity | Δ vs fp32 | weight MB | decode tok/s | prefill tok/s | time s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "| method | perplexity | Δ vs fp32 | weight MB | decode tok/s | prefill tok/s | time s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         if "error" in r:
             lines.append(f"| {name} | — | — | — | — | — ({r['error']}) | {r['seconds']:.0f} |")
@@ -474,10 +568,14 @@ def markdown(results: dict[str, dict], header: str, race: list[str]) -> str:
         delta = f"{100 * (r['ppl'] / base_ppl - 1):+.2f}%" if base_ppl else "—"
         dec = "—" if math.isnan(r["decode"]) else f"{r['decode']:.1f}"
         pre = "—" if math.isnan(r["prefill"]) else f"{r['prefill']:.0f}"
-        lines.append(f"| {name} | {r['ppl']:.3f} | {delta} | {r['bytes'] / 1e6:.1f} | {dec} | {pre} | {r['seconds']:.0f} |")
+        lines.append(
+            f"| {name} | {r['ppl']:.3f} | {delta} | {r['bytes'] / 1e6:.1f} | {dec} | {pre} | {r['seconds']:.0f} |"
+        )
     notes = [f"- {n}: {r['note']}" for n, r in results.items() if r.get("note")]
     if any(n in KV_METHODS for n in results):
-        notes.append("- KV rows: Δ against the fp32 pool fed the same way (\"KV pool fp32\"), not against fp32 above")
+        notes.append(
+            '- KV rows: Δ against the fp32 pool fed the same way ("KV pool fp32"), not against fp32 above'
+        )
     return "\n".join(lines + [""] + notes + race) + "\n"
 
 
@@ -510,30 +608,67 @@ def main() -> None:
     ap.add_argument("--calib-rows", type=int, default=16)
     ap.add_argument("--decode", type=int, default=32, help="new tokens per decode timing")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--methods", default="", help="comma-separated subset of the method names (default: all, "
-                                                  "the KV pool rows included)")
+    ap.add_argument(
+        "--methods",
+        default="",
+        help="comma-separated subset of the method names (default: all, the KV pool rows included)",
+    )
     ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--kv-rows", type=int, default=4, help="evaluation rows fed through the KV pool")
-    ap.add_argument("--kv-step", type=int, default=1, help="tokens per forward after the 16-token prefill (1 = decode)")
-    ap.add_argument("--race-compile", action=argparse.BooleanOptionalAction, default=True,
-                    help="compiled lmstack decode steps in the race (--no-race-compile: eager)")
-    ap.add_argument("--race-threads", default="1,2", help="thread counts of the int4 / llama.cpp decode race ('' = none)")
+    ap.add_argument(
+        "--kv-rows", type=int, default=4, help="evaluation rows fed through the KV pool"
+    )
+    ap.add_argument(
+        "--kv-step",
+        type=int,
+        default=1,
+        help="tokens per forward after the 16-token prefill (1 = decode)",
+    )
+    ap.add_argument(
+        "--race-compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compiled lmstack decode steps in the race (--no-race-compile: eager)",
+    )
+    ap.add_argument(
+        "--race-threads",
+        default="1,2",
+        help="thread counts of the int4 / llama.cpp decode race ('' = none)",
+    )
     ap.add_argument("--race-rounds", type=int, default=5)
-    ap.add_argument("--race-kernels", default="vnni,aten",
-                    help="lmstack int4 engines of the race: vnni (lmstack's kernel, VNNI or AVX2 as chosen), aten")
+    ap.add_argument(
+        "--race-kernels",
+        default="vnni,aten",
+        help="lmstack int4 engines of the race: vnni (lmstack's kernel, VNNI or AVX2 as chosen), aten",
+    )
     ap.add_argument("--race-prompt", type=int, default=128, help="prompt tokens of the race")
     ap.add_argument("--race-decode", type=int, default=64, help="new tokens per race round")
-    ap.add_argument("--out", help="also write the markdown table here (rewritten after every method, atomically)")
+    ap.add_argument(
+        "--out",
+        help="also write the markdown table here (rewritten after every method, atomically)",
+    )
     ap.add_argument("--plot", help="write a perplexity vs weight-bytes scatter (PNG) here")
     args = ap.parse_args()
-    for flag in ("threads", "seq", "eval_rows", "calib_rows", "decode", "repeats", "kv_rows", "kv_step",
-                 "race_rounds", "race_prompt", "race_decode"):
+    for flag in (
+        "threads",
+        "seq",
+        "eval_rows",
+        "calib_rows",
+        "decode",
+        "repeats",
+        "kv_rows",
+        "kv_step",
+        "race_rounds",
+        "race_prompt",
+        "race_decode",
+    ):
         if getattr(args, flag) < 1:
             sys.exit(f"--{flag.replace('_', '-')}={getattr(args, flag)}: expected ≥ 1")
     try:
         threads = [int(t) for t in args.race_threads.split(",") if t.strip()]
     except ValueError:
-        sys.exit(f"--race-threads={args.race_threads!r}: expected comma-separated integers, e.g. 1,2")
+        sys.exit(
+            f"--race-threads={args.race_threads!r}: expected comma-separated integers, e.g. 1,2"
+        )
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         if path and not Path(path).resolve().parent.is_dir():
             sys.exit(f"{flag} {path}: its folder does not exist")
@@ -546,12 +681,14 @@ def main() -> None:
     ev = rows(tok.encode(ev_text), args.eval_rows, args.seq)
     calib = rows(tok.encode(cal_text), args.calib_rows, args.seq)
     prompt = ev[0, :16].tolist()
-    race_prompt = ev[1 % ev.shape[0]].tolist()[:args.race_prompt]
+    race_prompt = ev[1 % ev.shape[0]].tolist()[: args.race_prompt]
     if len(race_prompt) < args.race_prompt:
-        race_prompt = tok.encode(ev_text)[:args.race_prompt]
-    header = (f"SmolLM2-135M, torch {torch.__version__}, {args.threads} thread(s), load avg at start "
-              f"{os.getloadavg()[0]:.1f}; {where}; eval {tuple(ev.shape)}, calibration {tuple(calib.shape)}; "
-              f"`{shlex.join(['python', 'benchmarks/quant_quality.py'] + sys.argv[1:])}`")
+        race_prompt = tok.encode(ev_text)[: args.race_prompt]
+    header = (
+        f"SmolLM2-135M, torch {torch.__version__}, {args.threads} thread(s), load avg at start "
+        f"{os.getloadavg()[0]:.1f}; {where}; eval {tuple(ev.shape)}, calibration {tuple(calib.shape)}; "
+        f"`{shlex.join(['python', 'benchmarks/quant_quality.py'] + sys.argv[1:])}`"
+    )
     print(header, flush=True)
     table = builders(calib)
     table.update({k: None for k in KV_METHODS})
@@ -567,18 +704,29 @@ def main() -> None:
             results[name] = r = llama_cpp_row(ev, prompt, args)
         else:
             results[name] = r = run_method(name, table, base, ev, prompt, args)
-        tqdm.write(f"{name} {({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})}")
+        tqdm.write(
+            f"{name} { ({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}) }"
+        )
         if args.out:  # a crash later keeps the rows so far
             atomic_write_text(args.out, markdown(results, header + " (partial: still running)", []))
     race = []
     if threads:
         try:
-            race = [""] + decode_race(base, race_prompt, args.race_decode, threads, args.race_rounds,
-                                      args.race_compile, tuple(k for k in args.race_kernels.split(",") if k))
+            race = [""] + decode_race(
+                base,
+                race_prompt,
+                args.race_decode,
+                threads,
+                args.race_rounds,
+                args.race_compile,
+                tuple(k for k in args.race_kernels.split(",") if k),
+            )
         except Exception as e:  # noqa: BLE001 — the table above stays
             race = ["", f"decode race failed: {type(e).__name__}: {e}"]
         torch.set_num_threads(args.threads)
-    race.append(f"\n(total {(time.perf_counter() - t_start) / 60:.1f} min, load avg at the end {os.getloadavg()[0]:.1f})")
+    race.append(
+        f"\n(total {(time.perf_counter() - t_start) / 60:.1f} min, load avg at the end {os.getloadavg()[0]:.1f})"
+    )
     text = markdown(results, header, race)
     print(text)
     if args.out:

@@ -23,7 +23,9 @@ from lmstack.kernels.bench import format_table, machine_info, parse_dtype, time_
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rows", type=int, default=16384, help="B·S rows")
     p.add_argument("--dims", default="2048,4096,8192", help="comma-separated D")
     p.add_argument("--dtype", default="bf16,fp32")
@@ -32,7 +34,9 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/rmsnorm.py compares CUDA kernels; no CUDA device here (the CPU path is F.rms_norm itself)")
+        print(
+            "benchmarks/rmsnorm.py compares CUDA kernels; no CUDA device here (the CPU path is F.rms_norm itself)"
+        )
         return
     from lmstack.kernels.triton_rmsnorm import rmsnorm_triton
 
@@ -45,24 +49,46 @@ def main() -> None:
             x = torch.randn(args.rows, D, device="cuda", dtype=dtype, requires_grad=True)
             w = (1 + 0.1 * torch.randn(D, device="cuda")).to(dtype).requires_grad_()
             dy = torch.randn_like(x)
-            impls = {"torch": lambda: F.rms_norm(x, (D,), w, 1e-5), "triton": lambda: rmsnorm_triton(x, w, 1e-5)}
+            impls = {
+                "torch": lambda: F.rms_norm(x, (D,), w, 1e-5),  # noqa: B023
+                "triton": lambda: rmsnorm_triton(x, w, 1e-5),  # noqa: B023
+            }
             ref = torch.autograd.grad(impls["torch"](), (x, w), dy)
             got = torch.autograd.grad(impls["triton"](), (x, w), dy)
             err = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, got))
-            moved = (4 * args.rows * D + 3 * D) * x.element_size()  # x, y, dy, dx (+ γ, dγ), each once
+            moved = (
+                4 * args.rows * D + 3 * D
+            ) * x.element_size()  # x, y, dy, dx (+ γ, dγ), each once
             t = {}
             for impl, fn in impls.items():
+
                 def step(fn=fn):
-                    torch.autograd.grad(fn(), (x, w), dy)
+                    torch.autograd.grad(fn(), (x, w), dy)  # noqa: B023
 
                 timing = time_fn(step, "cuda", args.warmup, args.repeats)
                 t[impl] = timing.median
-                rows.append({"impl": impl, "dtype": name, "rows": args.rows, "D": D, "median_ms": timing.median * 1e3,
-                             "min_ms": timing.min * 1e3, "GB/s": moved / timing.median / 1e9, "max_grad_diff": err})
+                rows.append(
+                    {
+                        "impl": impl,
+                        "dtype": name,
+                        "rows": args.rows,
+                        "D": D,
+                        "median_ms": timing.median * 1e3,
+                        "min_ms": timing.min * 1e3,
+                        "GB/s": moved / timing.median / 1e9,
+                        "max_grad_diff": err,
+                    }
+                )
             ratios.append(t["torch"] / t["triton"])
-            print(f"{name} D={D}: triton vs F.rms_norm = {ratios[-1]:.3f}x (fwd+bwd; max grad diff {err:.2g})")
-    print(format_table(rows, ["impl", "dtype", "D", "median_ms", "min_ms", "GB/s", "max_grad_diff"]))
-    print(f"median speed ratio triton / F.rms_norm (t_torch / t_triton): {statistics.median(ratios):.3f}x")
+            print(
+                f"{name} D={D}: triton vs F.rms_norm = {ratios[-1]:.3f}x (fwd+bwd; max grad diff {err:.2g})"
+            )
+    print(
+        format_table(rows, ["impl", "dtype", "D", "median_ms", "min_ms", "GB/s", "max_grad_diff"])
+    )
+    print(
+        f"median speed ratio triton / F.rms_norm (t_torch / t_triton): {statistics.median(ratios):.3f}x"
+    )
     if args.json:
         write_json(args.json, {"rows": rows, "ratios": ratios, "machine": info})
 

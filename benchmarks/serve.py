@@ -32,9 +32,11 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
-WORDS = ("the model reads every token once and writes the next one while the scheduler fills each step "
-         "with decodes and prefill chunks under a token budget so that short requests never wait for long ones "
-         "paged blocks hold keys and values and a prefix cache shares them").split()
+WORDS = (
+    "the model reads every token once and writes the next one while the scheduler fills each step "
+    "with decodes and prefill chunks under a token budget so that short requests never wait for long ones "
+    "paged blocks hold keys and values and a prefix cache shares them"
+).split()
 
 
 @dataclass
@@ -62,9 +64,18 @@ def trace(n: int, seed: int = 0):
     return prompts, outs, gaps
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int, extra: dict) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, **extra}
+async def one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int, extra: dict
+) -> Result:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
     t0 = time.perf_counter()
     last, first, itl, tokens, chunks = None, None, [], 0, 0
     try:
@@ -92,8 +103,12 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
     return Result(first is not None, (first or end) - t0, itl, end - t0, tokens or chunks)
 
 
-async def run_rate(url, model, rate, prompts, outs, gaps, extra, desc) -> tuple[list[Result], float]:
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+async def run_rate(
+    url, model, rate, prompts, outs, gaps, extra, desc
+) -> tuple[list[Result], float]:
+    limits = httpx.Limits(
+        max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4
+    )
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         bar = tqdm(total=len(prompts), desc=desc, leave=False)
         tasks = []
@@ -117,12 +132,18 @@ def summarize(results: list[Result], wall: float, slo_ttft: float, slo_itl: floa
     ok = [r for r in results if r.ok]
     itl = [x for r in ok for x in r.itl]
     good = [r for r in ok if r.ttft <= slo_ttft and (sum(r.itl) / max(1, len(r.itl))) <= slo_itl]
-    return {"ok": len(ok), "n": len(results), "wall": wall, "tok_s": sum(r.tokens for r in ok) / wall,
-            "req_s": len(ok) / wall, "goodput": len(good) / wall,
-            **{f"ttft_p{q}": pct([r.ttft for r in ok], q) for q in (50, 90, 99)},
-            **{f"itl_p{q}": pct(itl, q) for q in (50, 90, 99)},
-            "e2e_p50": pct([r.e2e for r in ok], 50),
-            "errors": [r.error for r in results if not r.ok][:3]}
+    return {
+        "ok": len(ok),
+        "n": len(results),
+        "wall": wall,
+        "tok_s": sum(r.tokens for r in ok) / wall,
+        "req_s": len(ok) / wall,
+        "goodput": len(good) / wall,
+        **{f"ttft_p{q}": pct([r.ttft for r in ok], q) for q in (50, 90, 99)},
+        **{f"itl_p{q}": pct(itl, q) for q in (50, 90, 99)},
+        "e2e_p50": pct([r.e2e for r in ok], 50),
+        "errors": [r.error for r in results if not r.ok][:3],
+    }
 
 
 def free_port() -> int:
@@ -149,16 +170,23 @@ def start(cmd: list[str], url: str, env=None, timeout: float = 300) -> subproces
 
 def bench(name, url, model, rates, args, extra) -> list[dict]:
     prompts, outs, gaps = trace(args.requests, args.seed)
-    asyncio.run(run_rate(url, model, 100.0, prompts[:4], outs[:4], gaps[:4], extra, f"{name} warm-up"))
+    asyncio.run(
+        run_rate(url, model, 100.0, prompts[:4], outs[:4], gaps[:4], extra, f"{name} warm-up")
+    )
     rows = []
     for rate in rates:
-        results, wall = asyncio.run(run_rate(url, model, rate, prompts, outs, gaps, extra, f"{name} {rate:g} req/s"))
+        results, wall = asyncio.run(
+            run_rate(url, model, rate, prompts, outs, gaps, extra, f"{name} {rate:g} req/s")
+        )
         s = summarize(results, wall, args.slo_ttft, args.slo_itl)
         s["rate"] = rate
         rows.append(s)
-        print(f"{name:9s} {rate:6.2f} {s['ok']:3d}/{s['n']:<3d} {s['tok_s']:7.1f} {s['req_s']:6.2f} "
-              f"{s['goodput']:6.2f}  {s['ttft_p50']:6.3f} {s['ttft_p90']:6.3f} {s['ttft_p99']:6.3f}  "
-              f"{s['itl_p50'] * 1e3:6.1f} {s['itl_p90'] * 1e3:6.1f} {s['itl_p99'] * 1e3:6.1f}", flush=True)
+        print(
+            f"{name:9s} {rate:6.2f} {s['ok']:3d}/{s['n']:<3d} {s['tok_s']:7.1f} {s['req_s']:6.2f} "
+            f"{s['goodput']:6.2f}  {s['ttft_p50']:6.3f} {s['ttft_p90']:6.3f} {s['ttft_p99']:6.3f}  "
+            f"{s['itl_p50'] * 1e3:6.1f} {s['itl_p90'] * 1e3:6.1f} {s['itl_p99'] * 1e3:6.1f}",
+            flush=True,
+        )
         if s["errors"]:
             print("   errors:", s["errors"])
     return rows
@@ -181,7 +209,7 @@ def plot(all_rows: dict[str, list[dict]], path: str, title: str) -> None:
     for ax, t in zip(axes, ("TTFT (s)", "inter-token latency (ms)", "tokens/s, goodput req/s")):
         ax.set_xlabel("offered load (requests/s, Poisson)")
         ax.set_title(t)
-        ax.grid(alpha=.3)
+        ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
@@ -194,24 +222,43 @@ def plot(all_rows: dict[str, list[dict]], path: str, title: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--url", default=None, help="a running OpenAI-compatible server (else lmstack serve is started)")
+    ap.add_argument(
+        "--url",
+        default=None,
+        help="a running OpenAI-compatible server (else lmstack serve is started)",
+    )
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--rates", default="0.5,1,2,4", help="offered loads, requests/s")
     ap.add_argument("--requests", type=int, default=32, help="requests per rate")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="the server's torch threads")
     ap.add_argument("--max-seqs", type=int, default=32)
-    ap.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO: TTFT at most this (s)")
-    ap.add_argument("--slo-itl", type=float, default=0.2, help="goodput SLO: mean inter-token latency at most (s)")
-    ap.add_argument("--llama-cpp", action="store_true", help="also run llama-cpp-python's server on the same GGUF")
+    ap.add_argument(
+        "--slo-ttft", type=float, default=2.0, help="goodput SLO: TTFT at most this (s)"
+    )
+    ap.add_argument(
+        "--slo-itl",
+        type=float,
+        default=0.2,
+        help="goodput SLO: mean inter-token latency at most (s)",
+    )
+    ap.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="also run llama-cpp-python's server on the same GGUF",
+    )
     ap.add_argument("--plot", default=None, help="PNG path for latency vs load")
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     name = args.served_model_name or args.model
-    print(f"{args.requests} requests per rate; prompts 8-96 words, outputs 8-64 tokens; SLO TTFT <= {args.slo_ttft} s, "
-          f"mean ITL <= {args.slo_itl * 1e3:g} ms; server threads {args.threads}")
-    print(f"{'system':9s} {'rate':>6s} {'ok':>7s} {'tok/s':>7s} {'req/s':>6s} {'good':>6s}  "
-          f"{'TTFT p50':>6s} {'p90':>6s} {'p99':>6s}  {'ITL ms p50':>6s} {'p90':>6s} {'p99':>6s}")
+    print(
+        f"{args.requests} requests per rate; prompts 8-96 words, outputs 8-64 tokens; SLO TTFT <= {args.slo_ttft} s, "
+        f"mean ITL <= {args.slo_itl * 1e3:g} ms; server threads {args.threads}"
+    )
+    print(
+        f"{'system':9s} {'rate':>6s} {'ok':>7s} {'tok/s':>7s} {'req/s':>6s} {'good':>6s}  "
+        f"{'TTFT p50':>6s} {'p90':>6s} {'p99':>6s}  {'ITL ms p50':>6s} {'p90':>6s} {'p99':>6s}"
+    )
     all_rows = {}
     procs = []
     try:
@@ -219,40 +266,87 @@ def main() -> int:
         if url is None:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            procs.append(start([sys.executable, "-m", "lmstack", "serve", "--model", args.model, "--port", str(port),
-                                "--served-model-name", name, "--threads", str(args.threads),
-                                "--max-seqs", str(args.max_seqs), "--max-queue", str(4 * args.requests)], url))
+            procs.append(
+                start(
+                    [
+                        sys.executable,
+                        "-m",
+                        "lmstack",
+                        "serve",
+                        "--model",
+                        args.model,
+                        "--port",
+                        str(port),
+                        "--served-model-name",
+                        name,
+                        "--threads",
+                        str(args.threads),
+                        "--max-seqs",
+                        str(args.max_seqs),
+                        "--max-queue",
+                        str(4 * args.requests),
+                    ],
+                    url,
+                )
+            )
         all_rows["lmstack"] = bench("lmstack", url, name, rates, args, {"ignore_eos": True})
         if args.llama_cpp:
             import importlib.util
 
             if importlib.util.find_spec("llama_cpp") is None:
-                print("llama-cpp-python is not installed (it compiles llama.cpp for minutes; docs/inference.md): "
-                      "skipping the comparison")
+                print(
+                    "llama-cpp-python is not installed (it compiles llama.cpp for minutes; docs/inference.md): "
+                    "skipping the comparison"
+                )
             else:
                 from lmstack.model.io import find_named_model
 
                 gguf = find_named_model(args.model)
                 port = free_port()
                 lurl = f"http://127.0.0.1:{port}"
-                procs.append(start([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port",
-                                    str(port), "--n_threads", str(args.threads), "--n_ctx", "4096",
-                                    # queue concurrent requests (by default a new one interrupts the running one)
-                                    "--interrupt_requests", "False"], lurl))
+                procs.append(
+                    start(
+                        [
+                            sys.executable,
+                            "-m",
+                            "llama_cpp.server",
+                            "--model",
+                            str(gguf),
+                            "--port",
+                            str(port),
+                            "--n_threads",
+                            str(args.threads),
+                            "--n_ctx",
+                            "4096",
+                            # queue concurrent requests (by default a new one interrupts the running one)
+                            "--interrupt_requests",
+                            "False",
+                        ],
+                        lurl,
+                    )
+                )
                 # llama-cpp-python has no ignore_eos: a -100 logit bias on EOS keeps every output at max_tokens
                 from lmstack.inference.loader import model_tokenizer
 
                 eos = model_tokenizer(gguf).eos_token_id
-                all_rows["llama.cpp"] = bench("llama.cpp", lurl, name, rates, args, {"logit_bias": {str(eos): -100}})
+                all_rows["llama.cpp"] = bench(
+                    "llama.cpp", lurl, name, rates, args, {"logit_bias": {str(eos): -100}}
+                )
                 for a, b in zip(all_rows["lmstack"], all_rows["llama.cpp"]):
-                    print(f"rate {a['rate']:g}: lmstack / llama.cpp tokens/s {a['tok_s'] / b['tok_s']:.2f}x, "
-                          f"TTFT p50 {a['ttft_p50'] / b['ttft_p50']:.2f}x, ITL p50 {a['itl_p50'] / b['itl_p50']:.2f}x")
+                    print(
+                        f"rate {a['rate']:g}: lmstack / llama.cpp tokens/s {a['tok_s'] / b['tok_s']:.2f}x, "
+                        f"TTFT p50 {a['ttft_p50'] / b['ttft_p50']:.2f}x, ITL p50 {a['itl_p50'] / b['itl_p50']:.2f}x"
+                    )
     finally:
         for p in procs:
             p.terminate()
             p.wait(60)
     if args.plot:
-        plot(all_rows, args.plot, f"{name}: {args.requests} requests per rate, {args.threads} server threads")
+        plot(
+            all_rows,
+            args.plot,
+            f"{name}: {args.requests} requests per rate, {args.threads} server threads",
+        )
     return 0
 
 

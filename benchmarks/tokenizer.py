@@ -64,18 +64,38 @@ def _train_child(kind: str, corpus: str, vocab_size: int) -> None:
 
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
         tok.train([corpus], trainer)
         n = tok.get_vocab_size()
     dt = time.perf_counter() - t0
-    peak_kb = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    peak_kb = max(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+    )
     print(json.dumps({"seconds": dt, "peak_mb": peak_kb / 1024, "vocab": n}))
 
 
 def train_once(kind: str, corpus: Path, vocab_size: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--_train", kind, "--corpus", str(corpus), "--vocab", str(vocab_size)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--_train",
+            kind,
+            "--corpus",
+            str(corpus),
+            "--vocab",
+            str(vocab_size),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -114,7 +134,9 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_encode(corpus: Path, mb: float, repeats: int, workers: int, hf_too: bool, python_path: bool) -> dict:
+def bench_encode(
+    corpus: Path, mb: float, repeats: int, workers: int, hf_too: bool, python_path: bool
+) -> dict:
     import tiktoken  # noqa: F401
 
     from lmstack.data.tokenize import tokenize_shards
@@ -133,8 +155,15 @@ def bench_encode(corpus: Path, mb: float, repeats: int, workers: int, hf_too: bo
     nbytes = len(text.encode())
     ids = tok.encode(text)
     assert ids == enc.encode(text, allowed_special="all"), "ids differ from tiktoken's"
-    assert hf is None or ids == hf.encode(text, add_special_tokens=False).ids, "ids differ from HF's"
-    res = {"MB": nbytes / 1e6, "tokens": len(ids), "bytes_per_token": nbytes / len(ids), "backend": tok.backend}
+    assert hf is None or ids == hf.encode(text, add_special_tokens=False).ids, (
+        "ids differ from HF's"
+    )
+    res = {
+        "MB": nbytes / 1e6,
+        "tokens": len(ids),
+        "bytes_per_token": nbytes / len(ids),
+        "backend": tok.backend,
+    }
     single = {
         "lmstack_1": lambda: tok.encode(text),  # pre-token cache warm from the warm-up
         "tiktoken_1": lambda: enc.encode(text, allowed_special="all"),
@@ -142,17 +171,25 @@ def bench_encode(corpus: Path, mb: float, repeats: int, workers: int, hf_too: bo
     if hf is not None:
         single["hf_1"] = lambda: hf.encode(text, add_special_tokens=False)
     res.update(interleaved(single, repeats))
-    cold = interleaved({
-        "lmstack_1cold": lambda: (tok.clear_cache(), tok.encode(text)),  # cache emptied before each run
-        "tiktoken_1": lambda: enc.encode(text, allowed_special="all"),
-    }, repeats)
+    cold = interleaved(
+        {
+            "lmstack_1cold": lambda: (
+                tok.clear_cache(),
+                tok.encode(text),
+            ),  # cache emptied before each run
+            "tiktoken_1": lambda: enc.encode(text, allowed_special="all"),
+        },
+        repeats,
+    )
     # the cold round's peer is reported as its own row: its MB/s and the cold ratio come from the same round
     for sfx in ("", "@cpu"):
         res["lmstack_1cold" + sfx] = cold["lmstack_1cold" + sfx]
         res["lmstack_1cold/tiktoken_1" + sfx] = cold["lmstack_1cold/tiktoken_1" + sfx]
         res["tiktoken_1cold" + sfx] = cold["tiktoken_1" + sfx]
     par = {
-        "lmstack_par": lambda: tok.encode_batch(docs, num_workers=workers),  # native: threads, GIL released
+        "lmstack_par": lambda: tok.encode_batch(
+            docs, num_workers=workers
+        ),  # native: threads, GIL released
         "tiktoken_par": lambda: enc.encode_batch(docs, num_threads=workers, allowed_special="all"),
     }
     if hf is not None:
@@ -165,31 +202,61 @@ def bench_encode(corpus: Path, mb: float, repeats: int, workers: int, hf_too: bo
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "in.txt"
         src.write_text(text, encoding="utf-8")
-        res["lmstack_file"] = timed(lambda: encode_files(tok, src, Path(tmp) / "o.bin", num_workers=workers, progress=False), repeats)
+        res["lmstack_file"] = timed(
+            lambda: encode_files(
+                tok, src, Path(tmp) / "o.bin", num_workers=workers, progress=False
+            ),
+            repeats,
+        )
         # the data pipeline's last step: JSONL shards of documents -> one token file per shard
         shards = []
         for k in range(2 * workers):
             shards.append(Path(tmp) / f"{k:05d}.jsonl")
-            shards[-1].write_text("".join(json.dumps({"text": d, "id": str(i)}) + "\n"
-                                          for i, d in enumerate(docs[k::2 * workers])), encoding="utf-8")
-        runs = iter(range(10**6))  # a fresh log folder per run: the executor skips tasks already completed
-        res["lmstack_shards"] = timed(lambda: tokenize_shards(shards, Path(tmp) / "tok", tok, Path(tmp) / f"logs{next(runs)}",
-                                                              num_workers=1), repeats)
+            shards[-1].write_text(
+                "".join(
+                    json.dumps({"text": d, "id": str(i)}) + "\n"
+                    for i, d in enumerate(docs[k :: 2 * workers])
+                ),
+                encoding="utf-8",
+            )
+        runs = iter(
+            range(10**6)
+        )  # a fresh log folder per run: the executor skips tasks already completed
+        res["lmstack_shards"] = timed(
+            lambda: tokenize_shards(
+                shards, Path(tmp) / "tok", tok, Path(tmp) / f"logs{next(runs)}", num_workers=1
+            ),
+            repeats,
+        )
     return res
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mb", type=float, default=20.0, help="training corpus size (MB of stdlib sources)")
-    ap.add_argument("--encode-mb", type=float, default=5.0, help="text size for the encoding benchmark")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--mb", type=float, default=20.0, help="training corpus size (MB of stdlib sources)"
+    )
+    ap.add_argument(
+        "--encode-mb", type=float, default=5.0, help="text size for the encoding benchmark"
+    )
     ap.add_argument("--vocab", type=int, default=10_000)
-    ap.add_argument("--repeats", type=int, default=5, help="timed encoding rounds after one warm-up round")
+    ap.add_argument(
+        "--repeats", type=int, default=5, help="timed encoding rounds after one warm-up round"
+    )
     ap.add_argument("--train-repeats", type=int, default=1, help="training runs per trainer")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-encode", action="store_true")
-    ap.add_argument("--skip-hf", action="store_true", help="encoding: tiktoken only (HF's rows take most of the time)")
-    ap.add_argument("--python-path", action="store_true", help="encoding: also time lmstack's Python path")
+    ap.add_argument(
+        "--skip-hf",
+        action="store_true",
+        help="encoding: tiktoken only (HF's rows take most of the time)",
+    )
+    ap.add_argument(
+        "--python-path", action="store_true", help="encoding: also time lmstack's Python path"
+    )
     ap.add_argument("--corpus", help=argparse.SUPPRESS)
     ap.add_argument("--_train", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -197,49 +264,92 @@ def main() -> None:
         _train_child(args._train, args.corpus, args.vocab)
         return
 
-    print(f"machine: {platform.machine()} {platform.processor() or ''} cores={os.cpu_count()} python={platform.python_version()}")
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''} cores={os.cpu_count()} python={platform.python_version()}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         corpus = build_corpus(Path(tmp) / "corpus.txt", max(args.mb, args.encode_mb))
         if not args.skip_train:
-            train_corpus = corpus if args.mb >= args.encode_mb else build_corpus(Path(tmp) / "train.txt", args.mb)
+            train_corpus = (
+                corpus
+                if args.mb >= args.encode_mb
+                else build_corpus(Path(tmp) / "train.txt", args.mb)
+            )
             size = train_corpus.stat().st_size / 1e6
             runs: dict[str, list[dict]] = {"lmstack": [], "hf": []}
-            for _ in range(args.train_repeats):  # alternate, so load from other processes hits both alike
+            for _ in range(
+                args.train_repeats
+            ):  # alternate, so load from other processes hits both alike
                 for k in runs:
                     runs[k].append(train_once(k, train_corpus, args.vocab))
             med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
             mem = {k: max(r["peak_mb"] for r in v) for k, v in runs.items()}
-            print(f"\ntraining: {size:.1f} MB stdlib corpus, V={args.vocab}, GPT-2 pattern, <|endoftext|> special")
+            print(
+                f"\ntraining: {size:.1f} MB stdlib corpus, V={args.vocab}, GPT-2 pattern, <|endoftext|> special"
+            )
             for k in runs:
                 print(f"  {k:8s} {med[k]:7.2f} s   peak RSS {mem[k]:7.0f} MB")
-            print(f"  ratio lmstack/hf: time {med['lmstack'] / med['hf']:.2f}x, peak memory {mem['lmstack'] / mem['hf']:.2f}x")
+            print(
+                f"  ratio lmstack/hf: time {med['lmstack'] / med['hf']:.2f}x, peak memory {mem['lmstack'] / mem['hf']:.2f}x"
+            )
         if not args.skip_encode:
-            r = bench_encode(corpus, args.encode_mb, args.repeats, args.workers, not args.skip_hf, args.python_path)
+            r = bench_encode(
+                corpus,
+                args.encode_mb,
+                args.repeats,
+                args.workers,
+                not args.skip_hf,
+                args.python_path,
+            )
             mbps = lambda k: r["MB"] / r[k]  # noqa: E731
-            print(f"\nencoding: {r['MB']:.1f} MB, SmolLM2 vocab (V=49152, smollm pattern), {r['tokens']} tokens, "
-                  f"{r['bytes_per_token']:.2f} bytes/token, ids identical to tiktoken's{'' if args.skip_hf else ' and HF’s'}; "
-                  f"lmstack backend: {r['backend']}")
-            rows = ("lmstack_1", "tiktoken_1", "hf_1", "lmstack_1cold", "tiktoken_1cold", "lmstack_par", "tiktoken_par",
-                    "hf_par", "lmstack_py_1", "lmstack_file", "lmstack_shards")
+            print(
+                f"\nencoding: {r['MB']:.1f} MB, SmolLM2 vocab (V=49152, smollm pattern), {r['tokens']} tokens, "
+                f"{r['bytes_per_token']:.2f} bytes/token, ids identical to tiktoken's{'' if args.skip_hf else ' and HF’s'}; "
+                f"lmstack backend: {r['backend']}"
+            )
+            rows = (
+                "lmstack_1",
+                "tiktoken_1",
+                "hf_1",
+                "lmstack_1cold",
+                "tiktoken_1cold",
+                "lmstack_par",
+                "tiktoken_par",
+                "hf_par",
+                "lmstack_py_1",
+                "lmstack_file",
+                "lmstack_shards",
+            )
             print(f"  {'':14s} {'wall':>12s} {'CPU time':>16s}")
             for k in (k for k in rows if k in r):
                 per_cpu = f"   {r['MB'] / r[k + '@cpu']:7.2f} MB/cpu-s" if k + "@cpu" in r else ""
                 print(f"  {k:14s} {mbps(k):7.2f} MB/s{per_cpu}")
-            print("  (tiktoken_1cold: tiktoken in the cold-cache round, the peer of lmstack_1cold; *_par: "
-                  f"{args.workers} threads)")
-            print("  ratios are medians of per-round ratios (contenders run round-robin), so they need not equal the "
-                  "quotient of the MB/s medians above")
-            print(f"  ratio lmstack/tiktoken time: 1 thread {r['lmstack_1/tiktoken_1']:.2f}x "
-                  f"(cold cache {r['lmstack_1cold/tiktoken_1']:.2f}x), "
-                  f"parallel ({args.workers}) {r['lmstack_par/tiktoken_par']:.2f}x")
+            print(
+                "  (tiktoken_1cold: tiktoken in the cold-cache round, the peer of lmstack_1cold; *_par: "
+                f"{args.workers} threads)"
+            )
+            print(
+                "  ratios are medians of per-round ratios (contenders run round-robin), so they need not equal the "
+                "quotient of the MB/s medians above"
+            )
+            print(
+                f"  ratio lmstack/tiktoken time: 1 thread {r['lmstack_1/tiktoken_1']:.2f}x "
+                f"(cold cache {r['lmstack_1cold/tiktoken_1']:.2f}x), "
+                f"parallel ({args.workers}) {r['lmstack_par/tiktoken_par']:.2f}x"
+            )
             for sfx, what in (("", "wall time"), ("@cpu", "CPU time")):
-                print(f"  throughput per core, lmstack/tiktoken, by {what} (aim >= 1): "
-                      f"warm {1 / r['lmstack_1/tiktoken_1' + sfx]:.2f}x, cold {1 / r['lmstack_1cold/tiktoken_1' + sfx]:.2f}x, "
-                      f"parallel ({args.workers} threads) {1 / r['lmstack_par/tiktoken_par' + sfx]:.2f}x")
+                print(
+                    f"  throughput per core, lmstack/tiktoken, by {what} (aim >= 1): "
+                    f"warm {1 / r['lmstack_1/tiktoken_1' + sfx]:.2f}x, cold {1 / r['lmstack_1cold/tiktoken_1' + sfx]:.2f}x, "
+                    f"parallel ({args.workers} threads) {1 / r['lmstack_par/tiktoken_par' + sfx]:.2f}x"
+                )
             if "hf_1" in r:
-                print(f"  ratio lmstack/hf time:       1 thread {r['lmstack_1/hf_1']:.2f}x, "
-                      f"parallel {r['lmstack_par/hf_par']:.2f}x")
+                print(
+                    f"  ratio lmstack/hf time:       1 thread {r['lmstack_1/hf_1']:.2f}x, "
+                    f"parallel {r['lmstack_par/hf_par']:.2f}x"
+                )
             print("RESULT " + json.dumps({k: v for k, v in r.items()}))
+
 
 if __name__ == "__main__":
     main()

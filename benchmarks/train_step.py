@@ -50,15 +50,32 @@ def build(args):
     from lmstack.model import ModelConfig
     from lmstack.model.transformer import Transformer
 
-    cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                      n_kv_heads=args.kv_heads, d_ff=args.d_ff, max_seq_len=max(args.seq, 128),
-                      tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5)
+    cfg = ModelConfig(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        d_ff=args.d_ff,
+        max_seq_len=max(args.seq, 128),
+        tie_embeddings=True,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+    )
     ours = Transformer(cfg, seed=0)
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.d_model, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, intermediate_size=args.d_ff,
-        max_position_embeddings=max(args.seq, 128), rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=True, attn_implementation="eager" if args.attn == "eager" else "sdpa")
+        vocab_size=args.vocab,
+        hidden_size=args.d_model,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.d_ff,
+        max_position_embeddings=max(args.seq, 128),
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        attn_implementation="eager" if args.attn == "eager" else "sdpa",
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_cfg)
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
@@ -88,25 +105,48 @@ def main() -> None:
     ap.add_argument("--d-ff", type=int, default=688)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--precision", choices=["auto", "bf16", "fp32", "both"], default="auto",
-                    help="auto (default): what the Trainer would choose on this CPU (lmstack.cpu.choose_precision: "
-                         "bf16 only where it is native and faster); both: bf16 then fp32 (bf16 is skipped, with the "
-                         "reason, on a CPU that would only emulate it — an emulated bf16 step takes minutes)")
-    ap.add_argument("--attn", choices=["auto", "sdpa", "eager"], default="auto",
-                    help="auto = lmstack's default attn_backend (what the Trainer runs; lmstack.kernels.backends picks "
-                         "per device/autocast/grad) vs HF sdpa; sdpa = F.scaled_dot_product_attention for both; "
-                         "eager = explicit softmax(QKᵀ)V (lmstack attn_backend='reference', HF attn_implementation='eager')")
-    ap.add_argument("--no-fused-loss", dest="fused_loss", action="store_false",
-                    help="lmstack: materialise the logits and call cross_entropy (TrainConfig fused_loss=false)")
-    ap.add_argument("--ab-attn", default=None, choices=["sdpa", "matmul", "reference", "flash_pytorch"],
-                    help="also time the same lmstack model with this attention backend, alternating every step")
-    ap.add_argument("--compile", action="store_true",
-                    help="also time torch.compile'd lmstack and HF models (compiling takes minutes on one thread)")
+    ap.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32", "both"],
+        default="auto",
+        help="auto (default): what the Trainer would choose on this CPU (lmstack.cpu.choose_precision: "
+        "bf16 only where it is native and faster); both: bf16 then fp32 (bf16 is skipped, with the "
+        "reason, on a CPU that would only emulate it — an emulated bf16 step takes minutes)",
+    )
+    ap.add_argument(
+        "--attn",
+        choices=["auto", "sdpa", "eager"],
+        default="auto",
+        help="auto = lmstack's default attn_backend (what the Trainer runs; lmstack.kernels.backends picks "
+        "per device/autocast/grad) vs HF sdpa; sdpa = F.scaled_dot_product_attention for both; "
+        "eager = explicit softmax(QKᵀ)V (lmstack attn_backend='reference', HF attn_implementation='eager')",
+    )
+    ap.add_argument(
+        "--no-fused-loss",
+        dest="fused_loss",
+        action="store_false",
+        help="lmstack: materialise the logits and call cross_entropy (TrainConfig fused_loss=false)",
+    )
+    ap.add_argument(
+        "--ab-attn",
+        default=None,
+        choices=["sdpa", "matmul", "reference", "flash_pytorch"],
+        help="also time the same lmstack model with this attention backend, alternating every step",
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time torch.compile'd lmstack and HF models (compiling takes minutes on one thread)",
+    )
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                    help="wall: timeit.default_timer; cpu: process CPU time (robust when other jobs share the machine)")
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall: timeit.default_timer; cpu: process CPU time (robust when other jobs share the machine)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -124,14 +164,20 @@ def main() -> None:
     opt_ours = AdamW(ours.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     hf_kw = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     hf_models = {"hf": hf, "hf+foreach": copy.deepcopy(hf)}  # same weights, an optimizer each
-    hf_opts = {"hf": torch.optim.AdamW(hf.parameters(), **hf_kw),  # torch's default: for-loop on CPU
-               "hf+foreach": torch.optim.AdamW(hf_models["hf+foreach"].parameters(), foreach=True, **hf_kw)}
+    hf_opts = {
+        "hf": torch.optim.AdamW(hf.parameters(), **hf_kw),  # torch's default: for-loop on CPU
+        "hf+foreach": torch.optim.AdamW(
+            hf_models["hf+foreach"].parameters(), foreach=True, **hf_kw
+        ),
+    }
     try:
         fused_model = copy.deepcopy(hf)
         hf_opts["hf+fused"] = torch.optim.AdamW(fused_model.parameters(), fused=True, **hf_kw)
         hf_models["hf+fused"] = fused_model
     except (RuntimeError, TypeError) as e:  # fused AdamW needs a newer torch on CPU
-        print(f"torch.optim.AdamW(fused=True) is not available here ({str(e).splitlines()[0][:100]})")
+        print(
+            f"torch.optim.AdamW(fused=True) is not available here ({str(e).splitlines()[0][:100]})"
+        )
     flops = training_step_flops(cfg, B, S)
     from lmstack.cpu import choose_precision, cpu_features
 
@@ -139,8 +185,10 @@ def main() -> None:
     if args.precision == "both":
         precisions = ["bf16", "fp32"]
         if not cpu_features().native_bf16:
-            print("bf16 skipped: this CPU has no native bf16 matmul (AVX512_BF16, AMX or ARM BF16); torch would "
-                  "emulate it (pass --precision bf16 to time it anyway)")
+            print(
+                "bf16 skipped: this CPU has no native bf16 matmul (AVX512_BF16, AMX or ARM BF16); torch would "
+                "emulate it (pass --precision bf16 to time it anyway)"
+            )
             precisions = ["fp32"]
     elif args.precision == "auto":
         choice = choose_precision("auto", "cpu")
@@ -153,34 +201,55 @@ def main() -> None:
         peak = {p: hw.flops(p) for p in precisions}
     else:  # the same 2n³ / median time of an (n, n) @ (n, n) matmul, timed with the process CPU clock
         peak = {p: cpu_clock_peak(p) for p in precisions}
-    print(f"machine: {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {args.clock} clock; measured matmul peak "
-          + ", ".join(f"{p} {peak[p] / 1e9:.0f} GFLOP/s" for p in precisions))
-    print(f"model: V={cfg.vocab_size} D={cfg.d_model} L={cfg.n_layers} N={cfg.n_heads} K={cfg.n_kv_heads} "
-          f"F={cfg.d_ff}, {ours.num_params():,} params, {args.attn} attention; batch B={B} S={S} ({B * S} tokens/step); "
-          f"{flops / 1e9:.1f} GFLOP/step")
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {args.clock} clock; measured matmul peak "
+        + ", ".join(f"{p} {peak[p] / 1e9:.0f} GFLOP/s" for p in precisions)
+    )
+    print(
+        f"model: V={cfg.vocab_size} D={cfg.d_model} L={cfg.n_layers} N={cfg.n_heads} K={cfg.n_kv_heads} "
+        f"F={cfg.d_ff}, {ours.num_params():,} params, {args.attn} attention; batch B={B} S={S} ({B * S} tokens/step); "
+        f"{flops / 1e9:.1f} GFLOP/step"
+    )
 
     models = {"lmstack": ours, **hf_models}
     if args.ab_attn:
         models[f"lmstack@{args.ab_attn}"] = ours  # the same model and optimizer, another attention
-    if args.compile:  # same parameters and optimizers, compiled graphs (what TrainConfig compile=true does)
+    if (
+        args.compile
+    ):  # same parameters and optimizers, compiled graphs (what TrainConfig compile=true does)
         models["lmstack+compile"] = torch.compile(ours)
         models["hf+compile"] = torch.compile(hf)
         hf_opts["hf+compile"] = hf_opts["hf"]
 
     for prec in precisions:
-        ac = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if prec == "bf16" else contextlib.nullcontext
+        ac = (
+            (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+            if prec == "bf16"
+            else contextlib.nullcontext
+        )
 
         # each lmstack row's attention, decided once as the Trainer does (kernels.backends.choose_attention)
-        attn = {"auto": "auto", "sdpa": "sdpa", "eager": "reference"}[args.attn]  # RuntimeConfig.attn_backend
+        attn = {"auto": "auto", "sdpa": "sdpa", "eager": "reference"}[
+            args.attn
+        ]  # RuntimeConfig.attn_backend
         autocast = "bf16" if prec == "bf16" else None
-        impls = {k: attention_impl(choose_attention(k.partition("@")[2] or attn, "cpu", autocast,
-                                                    k.endswith("compile"), S)[0]) for k in models}
-        print(f"  [{prec}] attention: " + ", ".join(f"{k} {v.name}" for k, v in impls.items() if k.startswith("lmstack")))
+        impls = {
+            k: attention_impl(
+                choose_attention(
+                    k.partition("@")[2] or attn, "cpu", autocast, k.endswith("compile"), S
+                )[0]
+            )
+            for k in models
+        }
+        print(
+            f"  [{prec}] attention: "
+            + ", ".join(f"{k} {v.name}" for k, v in impls.items() if k.startswith("lmstack"))
+        )
 
         def step_ours(model, key):  # what Trainer.forward_loss + train_step do
-            ours.set_attention(impls[key])
-            with ac():
+            ours.set_attention(impls[key])  # noqa: B023
+            with ac():  # noqa: B023
                 if args.fused_loss:
                     h = model(x, return_hidden=True)  # (B, S, D)
                     ce, z = linear_cross_entropy(h, ours.unembedding, y)
@@ -193,7 +262,7 @@ def main() -> None:
             opt_ours.zero_grad(set_to_none=True)
 
         def step_hf(model, opt):
-            with ac():
+            with ac():  # noqa: B023
                 out = model(input_ids=x, labels=None)
             # HF's own loss on the same targets (labels already shifted): ForCausalLMLoss upcasts and uses F.cross_entropy
             loss = hf.loss_function(out.logits, labels=None, vocab_size=args.vocab, shift_labels=y)
@@ -201,20 +270,31 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        steps = {k: (functools.partial(step_ours, m, k) if k.startswith("lmstack")
-                     else functools.partial(step_hf, m, hf_opts[k])) for k, m in models.items()}
+        steps = {
+            k: (
+                functools.partial(step_ours, m, k)
+                if k.startswith("lmstack")
+                else functools.partial(step_hf, m, hf_opts[k])
+            )
+            for k, m in models.items()
+        }
         for k in [k for k in steps if k.endswith("compile")]:
             t0 = timeit.default_timer()
             try:
                 steps[k]()  # compiles (forward and backward graphs) for this precision
                 print(f"  [{prec}] {k}: compiled in {timeit.default_timer() - t0:.0f} s")
             except Exception as e:  # report, time the rest
-                print(f"  [{prec}] {k}: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+                print(
+                    f"  [{prec}] {k}: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+                )
                 del steps[k]
         clock = timeit.default_timer if args.clock == "wall" else time.process_time
         times = {k: [] for k in steps}
         for i in range(args.warmup + args.repeats):
-            for name, fn in steps.items():  # interleaved: lmstack, hf, lmstack+compile, hf+compile, ...
+            for (
+                name,
+                fn,
+            ) in steps.items():  # interleaved: lmstack, hf, lmstack+compile, hf+compile, ...
                 t0 = clock()
                 fn()
                 dt = clock() - t0
@@ -223,16 +303,28 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         tps = {k: B * S / v for k, v in med.items()}
         mfu = {k: flops / v / peak[prec] for k, v in med.items()}
-        print(f"[{prec}{' autocast, fp32 master weights' if prec == 'bf16' else ''}] "
-              + " | ".join(f"{k} {med[k] * 1e3:.0f} ms/step {tps[k]:,.0f} tok/s MFU {mfu[k]:.1%}" for k in med))
-        ratios = [("eager lmstack / eager HF (default AdamW)", "lmstack", "hf"),
-                  ("eager lmstack / eager HF (AdamW foreach)", "lmstack", "hf+foreach"),
-                  ("eager lmstack / eager HF (AdamW fused)", "lmstack", "hf+fused"),
-                  (f"lmstack / lmstack@{args.ab_attn}", "lmstack", f"lmstack@{args.ab_attn}"),
-                  ("compiled lmstack / eager HF", "lmstack+compile", "hf"),
-                  ("compiled lmstack / compiled HF", "lmstack+compile", "hf+compile")]
-        print(f"[{prec}] tokens/s ratio " + ", ".join(f"{label} = {tps[a] / tps[b]:.2f}x" for label, a, b in ratios
-                                                        if a in tps and b in tps))
+        print(
+            f"[{prec}{' autocast, fp32 master weights' if prec == 'bf16' else ''}] "
+            + " | ".join(
+                f"{k} {med[k] * 1e3:.0f} ms/step {tps[k]:,.0f} tok/s MFU {mfu[k]:.1%}" for k in med
+            )
+        )
+        ratios = [
+            ("eager lmstack / eager HF (default AdamW)", "lmstack", "hf"),
+            ("eager lmstack / eager HF (AdamW foreach)", "lmstack", "hf+foreach"),
+            ("eager lmstack / eager HF (AdamW fused)", "lmstack", "hf+fused"),
+            (f"lmstack / lmstack@{args.ab_attn}", "lmstack", f"lmstack@{args.ab_attn}"),
+            ("compiled lmstack / eager HF", "lmstack+compile", "hf"),
+            ("compiled lmstack / compiled HF", "lmstack+compile", "hf+compile"),
+        ]
+        print(
+            f"[{prec}] tokens/s ratio "
+            + ", ".join(
+                f"{label} = {tps[a] / tps[b]:.2f}x"
+                for label, a, b in ratios
+                if a in tps and b in tps
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,16 @@ def random_hf_llama(std: float = 0.1, seed: int = 0, **config):
     the HF-parity tests. ``config`` overrides the LlamaConfig defaults below (D=64, L=2, N=4, K=2, F=128, untied)."""
     transformers = pytest.importorskip("transformers", reason="HF transformers is the reference")
     torch.manual_seed(seed)
-    kw = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=128, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    kw = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(kw | config))).eval()
     with torch.no_grad():
         for p in model.parameters():

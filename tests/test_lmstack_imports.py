@@ -21,8 +21,14 @@ LINT = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imp
 def lint(src: Path) -> subprocess.CompletedProcess:
     """Run the linter with pyproject's contracts on the ``lmstack`` package found in ``src``."""
     env = {**os.environ, "PYTHONPATH": str(src)}
-    return subprocess.run([sys.executable, "-c", LINT, str(PYPROJECT)], env=env, cwd=src, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", LINT, str(PYPROJECT)],
+        env=env,
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_the_package_keeps_every_contract():
@@ -31,17 +37,32 @@ def test_the_package_keeps_every_contract():
     assert " 0 broken" in out.stdout and "BROKEN" not in out.stdout
 
 
-@pytest.mark.parametrize("module,source,contract", [
-    ("model/bad_cli_import.py", "from lmstack.inference.cli import register\n",
-     "library code never imports a command-line module"),
-    ("tokenizer/bad_model_import.py", "from lmstack.model.config import ModelConfig\n",
-     "the tokenizer imports no other chapter"),
-    ("parallel/bad_train_import.py", "def f():\n    from lmstack.train.trainer import Trainer\n",  # hidden in a function
-     "parallelism wraps a plain model"),
-    # the mixer specs accounting reads must stay arithmetic on the config: a torch module behind them breaks it
-    ("model/mixer_spec.py", "from lmstack.model.layers import Linear\n",
-     "accounting imports nothing of the model but its pure declarations"),
-])
+@pytest.mark.parametrize(
+    "module,source,contract",
+    [
+        (
+            "model/bad_cli_import.py",
+            "from lmstack.inference.cli import register\n",
+            "library code never imports a command-line module",
+        ),
+        (
+            "tokenizer/bad_model_import.py",
+            "from lmstack.model.config import ModelConfig\n",
+            "the tokenizer imports no other chapter",
+        ),
+        (
+            "parallel/bad_train_import.py",
+            "def f():\n    from lmstack.train.trainer import Trainer\n",  # hidden in a function
+            "parallelism wraps a plain model",
+        ),
+        # the mixer specs accounting reads must stay arithmetic on the config: a torch module behind them breaks it
+        (
+            "model/mixer_spec.py",
+            "from lmstack.model.layers import Linear\n",
+            "accounting imports nothing of the model but its pure declarations",
+        ),
+    ],
+)
 def test_a_forbidden_import_breaks_its_contract(tmp_path, module, source, contract):
     copy = tmp_path / "src" / "lmstack"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
@@ -50,4 +71,6 @@ def test_a_forbidden_import_breaks_its_contract(tmp_path, module, source, contra
     assert out.returncode == 1, out.stdout + out.stderr
     verdict = re.search(re.escape(contract) + r".*?(KEPT|BROKEN)", " ".join(out.stdout.split()))
     assert verdict and verdict.group(1) == "BROKEN", out.stdout
-    assert module.replace("/", ".").removesuffix(".py") in out.stdout  # the report names the offending module
+    assert (
+        module.replace("/", ".").removesuffix(".py") in out.stdout
+    )  # the report names the offending module

@@ -43,7 +43,9 @@ class _Loader:
         try:
             register()
         except Exception as e:  # never break lm-eval itself over the plugin
-            print(f"lmstack: could not register the 'lmstack' lm-eval model: {e!r}", file=sys.stderr)
+            print(
+                f"lmstack: could not register the 'lmstack' lm-eval model: {e!r}", file=sys.stderr
+            )
 
 
 class _Finder:

@@ -15,19 +15,28 @@ from lmstack.threads import set_threads
 from lmstack.train.cli import split_resume
 
 # Chapters in the order the help lists them; each names the module whose ``register`` adds its commands.
-CHAPTERS = {"demo": "lmstack.demo", "inference": "lmstack.inference.cli", "tokenizer": "lmstack.tokenizer.cli",
-            "accounting": "lmstack.accounting.cli", "train": "lmstack.train.cli", "align": "lmstack.align.cli",
-            "kernels": "lmstack.kernels.cli",
-            "parallel": "lmstack.parallel.cli", "quant": "lmstack.quant.cli", "scaling": "lmstack.scaling.cli",
-            "eval": "lmstack.eval.cli", "serve": "lmstack.serve.cli",
-            "data": "lmstack.data.cli"}
+CHAPTERS = {
+    "demo": "lmstack.demo",
+    "inference": "lmstack.inference.cli",
+    "tokenizer": "lmstack.tokenizer.cli",
+    "accounting": "lmstack.accounting.cli",
+    "train": "lmstack.train.cli",
+    "align": "lmstack.align.cli",
+    "kernels": "lmstack.kernels.cli",
+    "parallel": "lmstack.parallel.cli",
+    "quant": "lmstack.quant.cli",
+    "scaling": "lmstack.scaling.cli",
+    "eval": "lmstack.eval.cli",
+    "serve": "lmstack.serve.cli",
+    "data": "lmstack.data.cli",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmstack",
         description="lmstack: tokenizer, model, training, parallelism, kernels, inference and serving, "
-                    "quantisation, evaluation, accounting and scaling laws.",
+        "quantisation, evaluation, accounting and scaling laws.",
     )
     parser.add_argument("--version", action="version", version=f"lmstack {__version__}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
@@ -45,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        if extra:  # key=value overrides argparse left after an optional-argument flag (train --resume)
+        if (
+            extra
+        ):  # key=value overrides argparse left after an optional-argument flag (train --resume)
             split_resume(args, extra)
         if hasattr(args, "threads"):  # every command that computes has --threads
             set_threads(args.threads)

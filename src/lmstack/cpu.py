@@ -82,15 +82,36 @@ class CpuFeatures:
 
     def summary(self) -> str:
         """One line for logs: arch, torch's capability and the flags that matter here."""
-        shown = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16",
-                             "amx_int8", "asimd", "asimddp", "bf16", "i8mm", "sve") if f in self.flags]
+        shown = [
+            f
+            for f in (
+                "avx2",
+                "fma",
+                "avx512f",
+                "avx512_vnni",
+                "avx_vnni",
+                "avx512_bf16",
+                "amx_bf16",
+                "amx_int8",
+                "asimd",
+                "asimddp",
+                "bf16",
+                "i8mm",
+                "sve",
+            )
+            if f in self.flags
+        ]
         src = "" if self.source == "probed" else f" [{self.source}]"
-        return f"{self.arch}, torch capability {self.capability}, flags {' '.join(shown) or '-'}{src}"
+        return (
+            f"{self.arch}, torch capability {self.capability}, flags {' '.join(shown) or '-'}{src}"
+        )
 
 
 def _fakes(**machines: tuple[str, str, set[str] | frozenset[str]]) -> dict[str, CpuFeatures]:
-    return {name: CpuFeatures(arch, cap, frozenset(flags), source=f"{ENV}={name}")
-            for name, (arch, cap, flags) in machines.items()}
+    return {
+        name: CpuFeatures(arch, cap, frozenset(flags), source=f"{ENV}={name}")
+        for name, (arch, cap, flags) in machines.items()
+    }
 
 
 # Canned machines for LMSTACK_CPU and for tests (flag sets of real parts, trimmed to what matters).
@@ -101,10 +122,18 @@ FAKE_CPUS: dict[str, CpuFeatures] = _fakes(
     avx512=("x86_64", "AVX512", _X86_AVX512),  # Skylake-X
     avx512_vnni=("x86_64", "AVX512", _X86_AVX512 | {"avx512_vnni"}),  # Cascade Lake
     avx512_bf16=("x86_64", "AVX512", _X86_AVX512 | {"avx512_vnni", "avx512_bf16"}),  # Zen 4
-    amx=("x86_64", "AVX512", _X86_AVX512 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8",
-                                            "avx_vnni"}),  # Sapphire Rapids
+    amx=(
+        "x86_64",
+        "AVX512",
+        _X86_AVX512
+        | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni"},
+    ),  # Sapphire Rapids
     neon=("aarch64", "DEFAULT", {"fp", "asimd", "asimddp"}),  # Graviton 2, Raspberry Pi 5
-    neon_bf16=("aarch64", "DEFAULT", {"fp", "asimd", "asimddp", "bf16", "i8mm"}),  # Graviton 3, Apple M2+
+    neon_bf16=(
+        "aarch64",
+        "DEFAULT",
+        {"fp", "asimd", "asimddp", "bf16", "i8mm"},
+    ),  # Graviton 3, Apple M2+
 )
 
 
@@ -125,18 +154,23 @@ def probe(cpuinfo: str = "/proc/cpuinfo") -> CpuFeatures:
     """Read this machine (no cache, no ``LMSTACK_CPU``): ``cpu_features()`` is the cached entry point."""
     arch = platform.machine() or "unknown"
     flags = _read_flags(cpuinfo)
-    if not flags and arch in ("arm64", "aarch64"):  # macOS has no /proc: every Apple Silicon has NEON + dotprod
+    if not flags and arch in (
+        "arm64",
+        "aarch64",
+    ):  # macOS has no /proc: every Apple Silicon has NEON + dotprod
         flags = frozenset({"fp", "asimd", "asimddp"})
     return CpuFeatures(arch, torch.backends.cpu.get_cpu_capability(), flags)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached(fake: str | None) -> CpuFeatures:
     if fake is None:
         return probe()
     key = fake.strip().lower()
     if key not in FAKE_CPUS:
-        raise ValueError(f"{ENV}={fake!r}; expected one of {sorted(FAKE_CPUS)} (or unset to probe this CPU)")
+        raise ValueError(
+            f"{ENV}={fake!r}; expected one of {sorted(FAKE_CPUS)} (or unset to probe this CPU)"
+        )
     return FAKE_CPUS[key]
 
 
@@ -183,8 +217,12 @@ def _measure(n: int) -> dict[str, float]:
     return {"bf16": matmul_gflops(torch.bfloat16, n), "fp32": matmul_gflops(torch.float32, n)}
 
 
-def choose_precision(requested: str = "auto", device: str | torch.device = "cpu",
-                     features: CpuFeatures | None = None, measure=_measure) -> PrecisionChoice:
+def choose_precision(
+    requested: str = "auto",
+    device: str | torch.device = "cpu",
+    features: CpuFeatures | None = None,
+    measure=_measure,
+) -> PrecisionChoice:
     """The training precision to run for ``requested`` on ``device`` (mixed precision: seed 000 §5.4).
 
     ``auto`` on a CPU: bf16 autocast only where the CPU has native bf16 matmul (:attr:`CpuFeatures.native_bf16`)
@@ -199,8 +237,10 @@ def choose_precision(requested: str = "auto", device: str | torch.device = "cpu"
         if requested != "auto":
             return PrecisionChoice(requested, "as configured")
         ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        return PrecisionChoice("bf16" if ok else "fp32", "auto: " + ("the GPU supports bf16" if ok else
-                                                                     "this GPU has no bf16"))
+        return PrecisionChoice(
+            "bf16" if ok else "fp32",
+            "auto: " + ("the GPU supports bf16" if ok else "this GPU has no bf16"),
+        )
     if dev.type != "cpu":  # mps, xpu, ...: no probe here, fp32 unless asked
         if requested != "auto":
             return PrecisionChoice(requested, "as configured")
@@ -210,21 +250,38 @@ def choose_precision(requested: str = "auto", device: str | torch.device = "cpu"
         return PrecisionChoice("fp32", "as configured")
     if requested in ("bf16", "fp16"):
         if requested == "bf16" and not f.native_bf16:
-            if f.source != "probed":  # a canned machine: this CPU's timings would say nothing about it
+            if (
+                f.source != "probed"
+            ):  # a canned machine: this CPU's timings would say nothing about it
                 g, how = {}, "not measured on a faked CPU"
             else:
                 g = measure(128)
                 slow = g["fp32"] / max(g["bf16"], 1e-9)
                 how = f"measured bf16 {g['bf16']:.1f} vs fp32 {g['fp32']:.1f} GFLOP/s, {slow:.1f}x slower"
-            warnings.warn(f"precision='bf16' on a CPU without native bf16 matmul ({f.summary()}): torch emulates "
-                          f"it ({how}); precision='auto' or 'fp32' trains faster here", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"precision='bf16' on a CPU without native bf16 matmul ({f.summary()}): torch emulates "
+                f"it ({how}); precision='auto' or 'fp32' trains faster here",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return PrecisionChoice("bf16", f"as configured; emulated: {how}", g)
         return PrecisionChoice(requested, "as configured")
     if not f.native_bf16:
-        return PrecisionChoice("fp32", "auto: no native bf16 matmul on this CPU (AVX512_BF16, AMX or ARM BF16); "
-                                       "torch would emulate bf16")
+        return PrecisionChoice(
+            "fp32",
+            "auto: no native bf16 matmul on this CPU (AVX512_BF16, AMX or ARM BF16); "
+            "torch would emulate bf16",
+        )
     g = measure(512)
     if g["bf16"] > g["fp32"]:
-        return PrecisionChoice("bf16", f"auto: native bf16, measured {g['bf16']:.0f} vs fp32 {g['fp32']:.0f} GFLOP/s", g)
-    return PrecisionChoice("fp32", f"auto: native bf16 flags but measured bf16 {g['bf16']:.0f} <= fp32 "
-                                   f"{g['fp32']:.0f} GFLOP/s", g)
+        return PrecisionChoice(
+            "bf16",
+            f"auto: native bf16, measured {g['bf16']:.0f} vs fp32 {g['fp32']:.0f} GFLOP/s",
+            g,
+        )
+    return PrecisionChoice(
+        "fp32",
+        f"auto: native bf16 flags but measured bf16 {g['bf16']:.0f} <= fp32 "
+        f"{g['fp32']:.0f} GFLOP/s",
+        g,
+    )

@@ -32,8 +32,8 @@ from rich.table import Table
 from lmstack.accounting import param_counts, six_nd, training_memory, training_step_flops
 from lmstack.cpu import choose_precision, cpu_features
 from lmstack.inference.generate import stream_generate
-from lmstack.inference.sampling import SamplingParams
 from lmstack.inference.loader import model_tokenizer
+from lmstack.inference.sampling import SamplingParams
 from lmstack.model.io import load_model
 from lmstack.threads import add_threads_argument, available_cpus
 from lmstack.tokenizer import Tokenizer, encode_files, save, train_bpe
@@ -47,25 +47,51 @@ SEP = "<|endoftext|>"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the tour: BPE -> token file -> accounting -> train a small model -> sample "
-                                    "-> SmolLM2-135M (a few minutes on a CPU)")
-    p.add_argument("inputs", nargs="*", help="text files or directories for the corpus (default: Python's stdlib)")
+    p = sub.add_parser(
+        "demo",
+        help="the tour: BPE -> token file -> accounting -> train a small model -> sample "
+        "-> SmolLM2-135M (a few minutes on a CPU)",
+    )
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        help="text files or directories for the corpus (default: Python's stdlib)",
+    )
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
-    p.add_argument("--force", action="store_true", help="write into --out even when it holds something other "
-                                                        "than an earlier demo's files (its run/ is replaced)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into --out even when it holds something other "
+        "than an earlier demo's files (its run/ is replaced)",
+    )
     p.add_argument("--glob", default="*.py", help="files to take from directories (default *.py)")
-    p.add_argument("--corpus-mb", type=float, default=6.0, help="use at most this many MB of text (default 6)")
-    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size V (default 4096)")
-    p.add_argument("--train-seconds", type=float, default=300.0, help="training time budget (default 300 s)")
-    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="training precision (default auto: bf16 autocast only where this CPU multiplies bf16 "
-                        "natively and measures it faster than fp32, else fp32)")
+    p.add_argument(
+        "--corpus-mb", type=float, default=6.0, help="use at most this many MB of text (default 6)"
+    )
+    p.add_argument(
+        "--vocab-size", type=int, default=4096, help="BPE vocabulary size V (default 4096)"
+    )
+    p.add_argument(
+        "--train-seconds", type=float, default=300.0, help="training time budget (default 300 s)"
+    )
+    p.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="training precision (default auto: bf16 autocast only where this CPU multiplies bf16 "
+        "natively and measures it faster than fp32, else fp32)",
+    )
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt for SmolLM2-135M")
     p.add_argument("--sample-prompt", default="def ", help="prompt for the model trained here")
     p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--skip-smollm2", action="store_true", help="stop after sampling the trained model")
-    add_threads_argument(p, help="CPU threads (default: time 1 thread against all the CPUs available to this "
-                                 "process, affinity and cgroup quota, and keep the faster)")
+    p.add_argument(
+        "--skip-smollm2", action="store_true", help="stop after sampling the trained model"
+    )
+    add_threads_argument(
+        p,
+        help="CPU threads (default: time 1 thread against all the CPUs available to this "
+        "process, affinity and cgroup quota, and keep the faster)",
+    )
     p.set_defaults(func=run_demo)
 
 
@@ -90,8 +116,11 @@ def corpus_files(inputs: list[str], glob: str) -> list[Path]:
         root = Path(sysconfig.get_paths()["stdlib"])
         skip = ("test", "tests", "idle_test", "site-packages", "lib2to3", "__pycache__")
         top = sorted(root.glob("*.py"))
-        pkgs = sorted(f for f in root.rglob("*.py") if f.parent != root
-                      and not any(part in skip for part in f.relative_to(root).parts))
+        pkgs = sorted(
+            f
+            for f in root.rglob("*.py")
+            if f.parent != root and not any(part in skip for part in f.relative_to(root).parts)
+        )
         files = top + pkgs
     return files
 
@@ -125,41 +154,76 @@ def print_accounting(cfg, B: int, S: int, grad_accum: int, precision: str, peak:
     """Seed 000 §1.4 parameters, §1.8 training memory, §1.6 FLOPs; ideal step time at the measured peak."""
     console = Console(width=110)
     pc = param_counts(cfg)
-    t = Table(title=f"Parameters (seed 000 §1.4): V={cfg.vocab_size} D={cfg.d_model} L={cfg.n_layers} "
-                    f"N={cfg.n_heads} K={cfg.n_kv_heads} F={cfg.d_ff}, tied embeddings")
+    t = Table(
+        title=f"Parameters (seed 000 §1.4): V={cfg.vocab_size} D={cfg.d_model} L={cfg.n_layers} "
+        f"N={cfg.n_heads} K={cfg.n_kv_heads} F={cfg.d_ff}, tied embeddings"
+    )
     for c in ("embedding", "attention", "ffn", "norms", "unembedding", "total"):
         t.add_column(c, justify="right")
-    t.add_row(*[f"{v:,}" for v in (pc.embedding, pc.attention, pc.ffn, pc.norms, pc.unembedding, pc.total)])
+    t.add_row(
+        *[
+            f"{v:,}"
+            for v in (pc.embedding, pc.attention, pc.ffn, pc.norms, pc.unembedding, pc.total)
+        ]
+    )
     console.print(t)
     tokens = B * S * grad_accum
     mem = training_memory(cfg, B, S, flash=True, mixed_precision=precision == "bf16")
     t = Table(title=f"Training memory (seed 000 §1.8) at B={B}, S={S}, {precision}")
     for c in ("fp32 master", "bf16 copy", "AdamW m+v", "fp32 grads", "activations", "total"):
         t.add_column(c, justify="right")
-    t.add_row(*[f"{v / 2**20:,.1f} MiB" for v in (mem.master_weights, mem.low_precision_weights, mem.optimizer,
-                                                   mem.gradients, mem.activations, mem.total)])
+    t.add_row(
+        *[
+            f"{v / 2**20:,.1f} MiB"
+            for v in (
+                mem.master_weights,
+                mem.low_precision_weights,
+                mem.optimizer,
+                mem.gradients,
+                mem.activations,
+                mem.total,
+            )
+        ]
+    )
     console.print(t)
     flops = training_step_flops(cfg, B * grad_accum, S)
-    console.print(f"FLOPs per step (3 x forward, seed 000 §1.6): {flops / 1e9:,.1f} GFLOP for {tokens:,} tokens "
-                  f"(6ND would say {six_nd(pc.total, tokens) / 1e9:,.1f}); measured {precision} matmul peak "
-                  f"{peak / 1e9:,.0f} GFLOP/s -> ideal step {flops / peak * 1e3:,.0f} ms at 100% MFU")
+    console.print(
+        f"FLOPs per step (3 x forward, seed 000 §1.6): {flops / 1e9:,.1f} GFLOP for {tokens:,} tokens "
+        f"(6ND would say {six_nd(pc.total, tokens) / 1e9:,.1f}); measured {precision} matmul peak "
+        f"{peak / 1e9:,.0f} GFLOP/s -> ideal step {flops / peak * 1e3:,.0f} ms at 100% MFU"
+    )
 
 
 def run_demo(args) -> int:
     t_demo = time.perf_counter()
     out = Path(args.out)
-    check_outputs([(f"--out's {name}", out / name) for name in ("corpus.txt", "tokenizer.json", "tokens.bin",
-                                                                 "tokens.bin.json", "run")],
-                  [("the input", f) for f in corpus_files(args.inputs, args.glob)])
-    check_outputs([("--out", out)], [], {"--out": ("an empty folder or an earlier demo's (one with corpus.txt)",
-                                                   lambda p: own_folder(p, "corpus.txt"))}, force=args.force)
+    check_outputs(
+        [
+            (f"--out's {name}", out / name)
+            for name in ("corpus.txt", "tokenizer.json", "tokens.bin", "tokens.bin.json", "run")
+        ],
+        [("the input", f) for f in corpus_files(args.inputs, args.glob)],
+    )
+    check_outputs(
+        [("--out", out)],
+        [],
+        {
+            "--out": (
+                "an empty folder or an earlier demo's (one with corpus.txt)",
+                lambda p: own_folder(p, "corpus.txt"),
+            )
+        },
+        force=args.force,
+    )
     out.mkdir(parents=True, exist_ok=True)
 
     _section("1. corpus")
     corpus = out / "corpus.txt"
     n_files, n_bytes = collect_corpus(args.inputs, args.glob, args.corpus_mb, corpus)
-    print(f"{n_files} files, {n_bytes / 1e6:.2f} MB -> {corpus}"
-          f"{'' if args.inputs else ' (from ' + sysconfig.get_paths()['stdlib'] + ')'}")
+    print(
+        f"{n_files} files, {n_bytes / 1e6:.2f} MB -> {corpus}"
+        f"{'' if args.inputs else ' (from ' + sysconfig.get_paths()['stdlib'] + ')'}"
+    )
 
     _section("2. tokenizer: byte-level BPE")
     t0 = time.perf_counter()
@@ -168,30 +232,66 @@ def run_demo(args) -> int:
     tok.eos_token_id = tok.special_tokens[SEP]
     tok_path = out / "tokenizer.json"
     save(tok, tok_path)
-    print(f"V={tok.vocab_size}, {len(merges)} merges in {time.perf_counter() - t0:.1f} s -> {tok_path}")
+    print(
+        f"V={tok.vocab_size}, {len(merges)} merges in {time.perf_counter() - t0:.1f} s -> {tok_path}"
+    )
     sample = "def forward(self, x):\n    return x"
-    print(f"encode({sample!r}) -> {len(tok.encode(sample))} tokens: "
-          f"{[tok.decode([i]) for i in tok.encode(sample)]}")
+    print(
+        f"encode({sample!r}) -> {len(tok.encode(sample))} tokens: "
+        f"{[tok.decode([i]) for i in tok.encode(sample)]}"
+    )
 
     _section("3. data: token file for np.memmap")
     tokens_path = out / "tokens.bin"
     stats = encode_files(tok, [corpus], tokens_path, progress=True)
-    print(f"{stats.n_tokens:,} tokens ({stats.dtype}), {stats.bytes_per_token:.2f} bytes/token, "
-          f"{stats.seconds:.1f} s -> {tokens_path}")
+    print(
+        f"{stats.n_tokens:,} tokens ({stats.dtype}), {stats.bytes_per_token:.2f} bytes/token, "
+        f"{stats.seconds:.1f} s -> {tokens_path}"
+    )
 
     _section("4. accounting: the model about to be trained")
     sep_id = tok.special_tokens[SEP]
-    model = dict(d_model=192, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=512, max_seq_len=512,
-                 tie_embeddings=True, vocab_size=tok.vocab_size, eos_token_id=sep_id, name="demo")
+    model = dict(
+        d_model=192,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=512,
+        max_seq_len=512,
+        tie_embeddings=True,
+        vocab_size=tok.vocab_size,
+        eos_token_id=sep_id,
+        name="demo",
+    )
     B, S = 16, 128
     choice = choose_precision(args.precision, "cpu")
     print(f"{choice.line()}; CPU: {cpu_features().summary()}")
     args.precision = choice.precision
-    base = dict(model=model, train_data=str(tokens_path), val_fraction=0.05, tokenizer=str(tok_path), sep_id=sep_id,
-                batch_size=B, seq_len=S, grad_accum=1, lr=5e-3, min_lr=5e-4, weight_decay=0.1,
-                beta2=0.95, grad_clip=1.0, precision=args.precision, device="cpu", eval_batches=8,
-                log_interval=5, out_dir=str(out / "run"), keep_last=1, seed=0)
-    probe = Trainer(TrainConfig(**base, max_steps=100, warmup_steps=10), progress=False, peak_flops=1.0)
+    base = dict(
+        model=model,
+        train_data=str(tokens_path),
+        val_fraction=0.05,
+        tokenizer=str(tok_path),
+        sep_id=sep_id,
+        batch_size=B,
+        seq_len=S,
+        grad_accum=1,
+        lr=5e-3,
+        min_lr=5e-4,
+        weight_decay=0.1,
+        beta2=0.95,
+        grad_clip=1.0,
+        precision=args.precision,
+        device="cpu",
+        eval_batches=8,
+        log_interval=5,
+        out_dir=str(out / "run"),
+        keep_last=1,
+        seed=0,
+    )
+    probe = Trainer(
+        TrainConfig(**base, max_steps=100, warmup_steps=10), progress=False, peak_flops=1.0
+    )
     peak = device_peak_flops("cpu", args.precision)
     print_accounting(probe.model_config, B, S, 1, args.precision, peak)
     # Calibrate: time steps with 1 thread and with every CPU available to this process (other jobs on
@@ -209,19 +309,27 @@ def run_demo(args) -> int:
     torch.set_num_threads(threads)
     max_steps = max(20, int(args.train_seconds / step_s))
     del probe
-    print(f"measured {', '.join(f'{k} thread(s) {v * 1e3:.0f} ms' for k, v in timings.items())} per step; "
-          f"using {threads} -> {max_steps} steps ({max_steps * B * S:,} tokens) "
-          f"in ~{args.train_seconds:.0f} s")
+    print(
+        f"measured {', '.join(f'{k} thread(s) {v * 1e3:.0f} ms' for k, v in timings.items())} per step; "
+        f"using {threads} -> {max_steps} steps ({max_steps * B * S:,} tokens) "
+        f"in ~{args.train_seconds:.0f} s"
+    )
 
     _section("5. training")
     shutil.rmtree(out / "run", ignore_errors=True)
-    config = TrainConfig(**base, max_steps=max_steps, warmup_steps=min(30, max_steps // 10),
-                         eval_interval=max(max_steps // 6, 1),
-                         time_limit_s=args.train_seconds * 1.1)
+    config = TrainConfig(
+        **base,
+        max_steps=max_steps,
+        warmup_steps=min(30, max_steps // 10),
+        eval_interval=max(max_steps // 6, 1),
+        time_limit_s=args.train_seconds * 1.1,
+    )
     trainer = Trainer(config, peak_flops=peak)
     baseline = trainer.unigram_baseline()
-    print(f"{trainer.raw_model.num_params():,} parameters; {len(trainer.train_tokens):,} training / "
-          f"{len(trainer.val_tokens):,} validation tokens; unigram baseline {baseline:.3f} nats/token")
+    print(
+        f"{trainer.raw_model.num_params():,} parameters; {len(trainer.train_tokens):,} training / "
+        f"{len(trainer.val_tokens):,} validation tokens; unigram baseline {baseline:.3f} nats/token"
+    )
     t_train = time.perf_counter()
     replan_at = min(20, max_steps // 4)
 
@@ -238,19 +346,29 @@ def run_demo(args) -> int:
     summary = trainer.fit(callback=replan)
     png = trainer.plot(baseline)
     model_dir = trainer.export()
-    rows = [r for r in read_metrics(trainer.metrics_path)
-            if r.get("kind") == "train"]
+    rows = [r for r in read_metrics(trainer.metrics_path) if r.get("kind") == "train"]
     tps = float(np.median([r["tokens_per_s"] for r in rows[1:]])) if len(rows) > 1 else float("nan")
-    mfu = float(np.median([r["mfu"] for r in rows[1:] if "mfu" in r])) if len(rows) > 1 else float("nan")
+    mfu = (
+        float(np.median([r["mfu"] for r in rows[1:] if "mfu" in r]))
+        if len(rows) > 1
+        else float("nan")
+    )
     verdict = "below" if summary["val_loss"] < baseline else "NOT below"
-    print(f"step {summary['step']}: validation loss {summary['val_loss']:.3f} (perplexity {summary['val_ppl']:.1f}) "
-          f"vs unigram baseline {baseline:.3f} -> {baseline - summary['val_loss']:.2f} nats/token {verdict}; "
-          f"{tps:,.0f} tokens/s, MFU {mfu:.1%}, {summary['seconds']:.0f} s")
+    print(
+        f"step {summary['step']}: validation loss {summary['val_loss']:.3f} (perplexity {summary['val_ppl']:.1f}) "
+        f"vs unigram baseline {baseline:.3f} -> {baseline - summary['val_loss']:.2f} nats/token {verdict}; "
+        f"{tps:,.0f} tokens/s, MFU {mfu:.1%}, {summary['seconds']:.0f} s"
+    )
 
     _section("6. sampling the model trained here")
     m = trainer.raw_model.eval()
     print(args.sample_prompt, end="", flush=True)
-    stream_generate(m, tok, args.sample_prompt, SamplingParams(max_tokens=100, temperature=0.7, top_k=40, seed=0))
+    stream_generate(
+        m,
+        tok,
+        args.sample_prompt,
+        SamplingParams(max_tokens=100, temperature=0.7, top_k=40, seed=0),
+    )
 
     if not args.skip_smollm2:
         _section("7. SmolLM2-135M-Instruct (real pretrained weights, GGUF)")
@@ -263,17 +381,28 @@ def run_demo(args) -> int:
             big = lm.model.eval()
             big_tok = model_tokenizer(lm.source)
             c = big.config
-            print(f"loaded {lm.source.name}: {big.num_params():,} parameters (L={c.n_layers}, D={c.d_model}, "
-                  f"N={c.n_heads}, K={c.n_kv_heads}, F={c.d_ff}, V={c.vocab_size}) in {time.perf_counter() - t0:.1f} s\n")
+            print(
+                f"loaded {lm.source.name}: {big.num_params():,} parameters (L={c.n_layers}, D={c.d_model}, "
+                f"N={c.n_heads}, K={c.n_kv_heads}, F={c.d_ff}, V={c.vocab_size}) in {time.perf_counter() - t0:.1f} s\n"
+            )
             print(args.prompt, end="", flush=True)
             with torch.inference_mode():
-                st = stream_generate(big, big_tok, args.prompt, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
-            print(f"{st['new_tokens']} new tokens; TTFT {st['ttft_s'] * 1000:.0f} ms; "
-                  f"decode {st['decode_tokens_per_s']:.1f} tokens/s (fp32, CPU, KV cache)")
+                st = stream_generate(
+                    big,
+                    big_tok,
+                    args.prompt,
+                    SamplingParams(max_tokens=args.max_tokens, temperature=0.0),
+                )
+            print(
+                f"{st['new_tokens']} new tokens; TTFT {st['ttft_s'] * 1000:.0f} ms; "
+                f"decode {st['decode_tokens_per_s']:.1f} tokens/s (fp32, CPU, KV cache)"
+            )
 
     _section("outputs")
-    print(f"tokenizer    {tok_path}\ntoken file   {tokens_path}\ncheckpoint   {summary['checkpoint']}\n"
-          f"model        {model_dir}  (try: lmstack generate --model {model_dir} --prompt 'def ')\n"
-          f"metrics      {summary['metrics']}\nloss curve   {png}")
+    print(
+        f"tokenizer    {tok_path}\ntoken file   {tokens_path}\ncheckpoint   {summary['checkpoint']}\n"
+        f"model        {model_dir}  (try: lmstack generate --model {model_dir} --prompt 'def ')\n"
+        f"metrics      {summary['metrics']}\nloss curve   {png}"
+    )
     print(f"demo finished in {time.perf_counter() - t_demo:.0f} s")
     return 0

@@ -25,6 +25,7 @@ class CheckpointError(ValueError):
 
 # ---- committing a checkpoint folder -----------------------------------------------------------
 
+
 def fsync_path(path: str | os.PathLike) -> None:
     """fsync a file, or a directory so the renames and new entries in it survive a crash."""
     fd = os.open(path, os.O_RDONLY)
@@ -51,7 +52,10 @@ def commit_dir(staged: Path, final: Path, aside: Path) -> Path | None:
 
 # ---- RNG states ------------------------------------------------------------------------------
 
-def capture_rng(data_generator: torch.Generator | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+
+def capture_rng(
+    data_generator: torch.Generator | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, json) with every RNG state a run depends on."""
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -63,13 +67,22 @@ def capture_rng(data_generator: torch.Generator | None = None) -> tuple[dict[str
     np_state = np.random.get_state()
     meta = {
         "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "numpy": [
+            np_state[0],
+            np_state[1].tolist(),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
     }
     return tensors, meta
 
 
-def restore_rng(tensors: dict[str, torch.Tensor], meta: dict[str, Any],
-                data_generator: torch.Generator | None = None) -> None:
+def restore_rng(
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    data_generator: torch.Generator | None = None,
+) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
     cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
     if cuda and torch.cuda.is_available():
@@ -86,6 +99,7 @@ def restore_rng(tensors: dict[str, torch.Tensor], meta: dict[str, Any],
 
 # ---- optimizer state <-> (tensors, json) ------------------------------------------------------
 
+
 def split_optimizer(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """An optimizer ``state_dict`` -> (tensors keyed ``state.<param index>.<name>``, JSON metadata)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -96,7 +110,10 @@ def split_optimizer(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[s
                 tensors[f"state.{idx}.{k}"] = v
             else:
                 scalars.setdefault(str(idx), {})[k] = v
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+    groups = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+        for g in sd["param_groups"]
+    ]
     return tensors, {"param_groups": groups, "scalars": scalars}
 
 

@@ -55,8 +55,10 @@ def _quota_v1(cgroup_root: Path) -> float | None:
     return None
 
 
-def cgroup_cpu_quota(cgroup_root: str | os.PathLike = "/sys/fs/cgroup",
-                     proc_cgroup: str | os.PathLike = "/proc/self/cgroup") -> float | None:
+def cgroup_cpu_quota(
+    cgroup_root: str | os.PathLike = "/sys/fs/cgroup",
+    proc_cgroup: str | os.PathLike = "/proc/self/cgroup",
+) -> float | None:
     """This process's CPU quota in CPUs (cgroup v2 ``cpu.max``, else v1 CFS); None when unlimited."""
     root = Path(cgroup_root)
     rel = "/"
@@ -103,8 +105,18 @@ def set_threads(threads: int | None = None) -> int:
     return n
 
 
-def add_threads_argument(p: argparse.ArgumentParser, *aliases: str, help: str | None = None) -> None:
+def add_threads_argument(
+    p: argparse.ArgumentParser, *aliases: str, help: str | None = None
+) -> None:
     """``--threads N`` (default: the CPUs available to this process, see ``available_cpus``)."""
-    p.add_argument("--threads", *aliases, dest="threads", type=int, default=None, metavar="N",
-                   help=help or "CPU threads (default: the CPUs available to this process: affinity and "
-                                "cgroup quota, not the machine's core count)")
+    p.add_argument(
+        "--threads",
+        *aliases,
+        dest="threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help=help
+        or "CPU threads (default: the CPUs available to this process: affinity and "
+        "cgroup quota, not the machine's core count)",
+    )

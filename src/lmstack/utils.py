@@ -81,8 +81,14 @@ def save_png(fig, path: str | os.PathLike, **savefig_kw) -> Path:
 
 # ---- native extensions built on first use ---------------------------------------------------------
 
-def build_extension(name: str, source: Path, cflags: Iterable[str] = (), ldflags: Iterable[str] = (),
-                    python_module: bool = False):
+
+def build_extension(
+    name: str,
+    source: Path,
+    cflags: Iterable[str] = (),
+    ldflags: Iterable[str] = (),
+    python_module: bool = False,
+):
     """Compile one C++ ``source`` on first use with ``torch.utils.cpp_extension.load`` (ninja) and load it:
     ``(module, None)``, or ``(None, reason)`` when it cannot be built (no compiler, missing source, a compile
     error), so the caller falls back to its Python or torch path and can say why.
@@ -97,16 +103,24 @@ def build_extension(name: str, source: Path, cflags: Iterable[str] = (), ldflags
     if not source.is_file():
         return None, f"{source} is missing"
     if python_module:
-        ldflags = ["-Wl,--as-needed", *ldflags]  # before the torch libraries load() appends: none is kept
+        ldflags = [
+            "-Wl,--as-needed",
+            *ldflags,
+        ]  # before the torch libraries load() appends: none is kept
     tag = " ".join(cflags + ldflags) + str(sysconfig.get_config_var("EXT_SUFFIX"))
     full = f"{name}_{hashlib.sha256(source.read_bytes() + tag.encode()).hexdigest()[:12]}"
     try:
         kw = {}
         if python_module:
-            root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+            root = (
+                os.environ.get("TORCH_EXTENSIONS_DIR")
+                or Path.home() / ".cache" / "torch_extensions"
+            )
             build = Path(root) / "lmstack" / full
             so = build / f"{full}.so"
-            if so.is_file() and not (build / "lock").exists():  # built before (and not being rebuilt now)
+            if (
+                so.is_file() and not (build / "lock").exists()
+            ):  # built before (and not being rebuilt now)
                 spec = importlib.util.spec_from_file_location(full, so)
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
@@ -118,8 +132,15 @@ def build_extension(name: str, source: Path, cflags: Iterable[str] = (), ldflags
             Path(kw["build_directory"]).mkdir(parents=True, exist_ok=True)
         from torch.utils.cpp_extension import load
 
-        module = load(name=full, sources=[str(source)], is_python_module=python_module, verbose=False,
-                      extra_cflags=cflags, extra_ldflags=ldflags, **kw)
+        module = load(
+            name=full,
+            sources=[str(source)],
+            is_python_module=python_module,
+            verbose=False,
+            extra_cflags=cflags,
+            extra_ldflags=ldflags,
+            **kw,
+        )
     except Exception as e:  # noqa: BLE001 — any build or load failure means: the caller's fallback
         first = str(e).splitlines()[0][:200] if str(e) else ""
         return None, f"building {source.name} failed: {type(e).__name__}: {first}"
@@ -127,6 +148,7 @@ def build_extension(name: str, source: Path, cflags: Iterable[str] = (), ldflags
 
 
 # ---- outputs never overwrite inputs -------------------------------------------------------------
+
 
 class OutputError(ValueError):
     """An output path that would overwrite one of the command's inputs, or a file of another kind."""
@@ -153,8 +175,12 @@ def _inside(path: Path, folder: Path) -> bool:
 Labeled = Iterable[tuple[str, "str | os.PathLike | None"]]
 
 
-def check_outputs(outputs: Labeled, inputs: Labeled, kinds: dict[str, tuple[str, Callable[[Path], bool]]] | None = None,
-                  force: bool = False) -> None:
+def check_outputs(
+    outputs: Labeled,
+    inputs: Labeled,
+    kinds: dict[str, tuple[str, Callable[[Path], bool]]] | None = None,
+    force: bool = False,
+) -> None:
     """Refuse to write an output that is, or resolves to, one of the inputs; call before writing anything.
 
     ``outputs`` and ``inputs`` are (label, path) pairs, the label saying what the path is
@@ -171,16 +197,22 @@ def check_outputs(outputs: Labeled, inputs: Labeled, kinds: dict[str, tuple[str,
         for ilabel, src in ins:
             if _same(out, src):
                 how = "is" if os.path.abspath(out) == os.path.abspath(src) else "resolves to"
-                raise OutputError(f"{olabel} {str(out)!r} {how} {ilabel} {str(src)!r}; refusing to overwrite an "
-                                  "input (choose another output path)")
+                raise OutputError(
+                    f"{olabel} {str(out)!r} {how} {ilabel} {str(src)!r}; refusing to overwrite an "
+                    "input (choose another output path)"
+                )
             if out.is_dir() and src.exists() and _inside(src, out):
-                raise OutputError(f"{ilabel} {str(src)!r} lies inside {olabel} {str(out)!r}, which this command "
-                                  "writes into; move the input or choose another output")
+                raise OutputError(
+                    f"{ilabel} {str(src)!r} lies inside {olabel} {str(out)!r}, which this command "
+                    "writes into; move the input or choose another output"
+                )
         if kinds and olabel in kinds and out.exists() and not force:
             what, is_kind = kinds[olabel]
             if not is_kind(out):
-                raise OutputError(f"{olabel} {str(out)!r} exists and is not {what}; refusing to replace it "
-                                  "(choose another path, or pass --force to replace it)")
+                raise OutputError(
+                    f"{olabel} {str(out)!r} exists and is not {what}; refusing to replace it "
+                    "(choose another path, or pass --force to replace it)"
+                )
 
 
 def positive_int(text: str) -> int:
@@ -225,7 +257,9 @@ def own_folder(path: str | os.PathLike, *markers: str) -> bool:
     return not any(p.iterdir()) or any((p / m).exists() for m in markers)
 
 
-def read_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, dict]]:
+def read_jsonl(
+    path: str | os.PathLike, error: type[Exception] = ValueError
+) -> Iterator[tuple[int, dict]]:
     """(line number, object) for each non-blank line of a JSONL file; a line that is not a JSON object
     raises ``error`` naming ``path:line`` (tasks, battles, sweep runs all read through here)."""
     with open(path, encoding="utf-8") as f:
@@ -235,7 +269,9 @@ def read_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> 
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise error(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno}): {line.strip()[:80]!r}") from None
+                raise error(
+                    f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno}): {line.strip()[:80]!r}"
+                ) from None
             if not isinstance(obj, dict):
                 raise error(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
             yield n, obj
@@ -270,19 +306,29 @@ def check_bool(name: str, value: object, error: type[Exception] = ValueError) ->
     """``value`` if it is a real boolean; the strings "false"/"no" and the numbers 0/1 are refused,
     since ``bool("false")`` is True."""
     if not isinstance(value, bool):
-        raise error(f"{name}={value!r} must be true or false (a boolean, not {type(value).__name__})")
+        raise error(
+            f"{name}={value!r} must be true or false (a boolean, not {type(value).__name__})"
+        )
     return value
 
 
-def check_int(name: str, value: object, error: type[Exception] = ValueError, minimum: int | None = None,
-              maximum: int | None = None) -> int:
+def check_int(
+    name: str,
+    value: object,
+    error: type[Exception] = ValueError,
+    minimum: int | None = None,
+    maximum: int | None = None,
+) -> int:
     """``value`` as an int: an int (not a bool) or a float with an integral value (JSON's ``64.0``);
     ``64.9``, strings and ``None`` are refused rather than truncated or parsed."""
     expected = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
-        minimum, f"an integer >= {minimum}")
+        minimum, f"an integer >= {minimum}"
+    )
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy integers are Integral
+    if isinstance(value, bool) or not isinstance(
+        value, numbers.Integral
+    ):  # numpy integers are Integral
         raise error(f"{name}={value!r} must be {expected} (got {type(value).__name__})")
     value = int(value)
     if minimum is not None and value < minimum:

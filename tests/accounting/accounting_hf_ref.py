@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers")
 
 
 def hf_model(cfg, attn: str = "eager"):
-    import torch
 
     common = dict(
         vocab_size=cfg.vocab_size,
@@ -51,7 +50,8 @@ def hf_numel_meta(cfg) -> int:
     # tied weights appear once in parameters(); DeepSeek-V3's selection bias is an HF buffer, an lmstack
     # (frozen) parameter
     return sum(p.numel() for p in m.parameters()) + sum(
-        b.numel() for n, b in m.named_buffers() if n.endswith("e_score_correction_bias"))
+        b.numel() for n, b in m.named_buffers() if n.endswith("e_score_correction_bias")
+    )
 
 
 def _hf_moe_model(cfg, common):
@@ -59,20 +59,40 @@ def _hf_moe_model(cfg, common):
     moe = dict(num_experts_per_tok=cfg.n_experts_per_token)
     arch = cfg.architecture
     if arch == "mixtral":
-        return transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=cfg.n_experts, **moe,
-                                                                          **common))
+        return transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(num_local_experts=cfg.n_experts, **moe, **common)
+        )
     if arch == "olmoe":
-        return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(num_experts=cfg.n_experts, **moe, **common))
+        return transformers.OlmoeForCausalLM(
+            transformers.OlmoeConfig(num_experts=cfg.n_experts, **moe, **common)
+        )
     if arch == "qwen2_moe":
-        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
-            num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff_expert,
-            shared_expert_intermediate_size=cfg.d_ff_shared, **moe, **common))
-    ds = dict(n_routed_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff_expert,
-              n_shared_experts=cfg.n_shared_experts, first_k_dense_replace=cfg.moe_first_dense,
-              kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
-              qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-              v_head_dim=cfg.v_head_dim, **moe, **{**common, "head_dim": cfg.qk_rope_head_dim})
+        return transformers.Qwen2MoeForCausalLM(
+            transformers.Qwen2MoeConfig(
+                num_experts=cfg.n_experts,
+                moe_intermediate_size=cfg.d_ff_expert,
+                shared_expert_intermediate_size=cfg.d_ff_shared,
+                **moe,
+                **common,
+            )
+        )
+    ds = dict(
+        n_routed_experts=cfg.n_experts,
+        moe_intermediate_size=cfg.d_ff_expert,
+        n_shared_experts=cfg.n_shared_experts,
+        first_k_dense_replace=cfg.moe_first_dense,
+        kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank or None,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        **moe,
+        **{**common, "head_dim": cfg.qk_rope_head_dim},
+    )
     if arch == "deepseek_v2":
         return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**ds))
-    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-        n_group=cfg.router_groups, topk_group=cfg.router_topk_groups, **ds))
+    return transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(
+            n_group=cfg.router_groups, topk_group=cfg.router_topk_groups, **ds
+        )
+    )

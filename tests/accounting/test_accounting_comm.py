@@ -54,7 +54,9 @@ def test_ring_volumes_match_simulation(M):
 
 def test_all_reduce_time_hand():
     # 1 GB over 8 GPUs at 450 GB/s one-way: 2·7/8·1e9 / 450e9 s, + 14 steps of 5 µs.
-    assert all_reduce_time(1e9, 8, 450e9, latency_s=5e-6) == pytest.approx(1.75e9 / 450e9 + 14 * 5e-6)
+    assert all_reduce_time(1e9, 8, 450e9, latency_s=5e-6) == pytest.approx(
+        1.75e9 / 450e9 + 14 * 5e-6
+    )
 
 
 def test_ddp_and_zero_step_bytes():
@@ -70,7 +72,12 @@ def test_ddp_and_zero_step_bytes():
 
 
 @settings(max_examples=40, deadline=None)
-@given(b=st.integers(1, 64), s=st.integers(1, 8192), h=st.integers(64, 16384), tp=st.sampled_from([1, 2, 4, 8]))
+@given(
+    b=st.integers(1, 64),
+    s=st.integers(1, 8192),
+    h=st.integers(64, 16384),
+    tp=st.sampled_from([1, 2, 4, 8]),
+)
 def test_tp_ratio(b, s, h, tp):
     # seed 001: (16bsh²/tp) / (4bsh) = 4h/tp, independent of b and s
     assert tp_compute_flops(b, s, h, tp) == pytest.approx(16 * b * s * h * h / tp)

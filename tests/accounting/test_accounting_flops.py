@@ -25,9 +25,15 @@ from lmstack.model.config import ModelConfig
 # convention as seed 001 "张量计算". Tolerance: exact (0) for matmul FLOPs.
 SMALL = [
     ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=160),  # GQA
-    ModelConfig(vocab_size=50, d_model=48, n_layers=3, n_heads=6, n_kv_heads=1, d_ff=96, tie_embeddings=True),  # MQA
-    ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=72, qkv_bias=True),  # Qwen2-like
-    ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=24, d_ff=40),  # H ≠ D/N
+    ModelConfig(
+        vocab_size=50, d_model=48, n_layers=3, n_heads=6, n_kv_heads=1, d_ff=96, tie_embeddings=True
+    ),  # MQA
+    ModelConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=72, qkv_bias=True
+    ),  # Qwen2-like
+    ModelConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=24, d_ff=40
+    ),  # H ≠ D/N
 ]
 
 
@@ -84,12 +90,20 @@ def test_forward_equals_flop_counter_on_lmstack_model(cfg):
 
 
 @settings(max_examples=50, deadline=None)
-@given(B=st.integers(1, 8), S=st.integers(1, 4096), H=st.sampled_from([16, 64, 128]), N=st.integers(1, 16),
-       L=st.integers(1, 48), V=st.integers(1, 200_000))
+@given(
+    B=st.integers(1, 8),
+    S=st.integers(1, 4096),
+    H=st.sampled_from([16, 64, 128]),
+    N=st.integers(1, 16),
+    L=st.integers(1, 48),
+    V=st.integers(1, 200_000),
+)
 def test_seed_closed_form(B, S, H, N, L, V):
     # Seed 000 §1.6: 2LBSD(12D + 2S) + 2BSDV for MHA with F = 8/3·D (D = 3·k so F is an integer).
     D = 3 * H * N
-    cfg = ModelConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=N, head_dim=D // N, d_ff=8 * D // 3)
+    cfg = ModelConfig(
+        vocab_size=V, d_model=D, n_layers=L, n_heads=N, head_dim=D // N, d_ff=8 * D // 3
+    )
     assert forward_flops(cfg, B, S) == seed_forward_flops(B, S, D, L, V)
     assert layer_forward_flops(cfg, B, S) == 2 * B * S * D * (12 * D + 2 * S)
 
@@ -113,8 +127,12 @@ def test_decode_step_flops():
 def test_sliding_window_caps_keys():
     # Seed 000 §1.9: each query sees at most W keys: O(nW) instead of O(n²).
     cfg = ModelConfig.from_preset("mistral-7b")
-    assert attention_score_flops(cfg, 1, 8192, 8192, window=4096) == attention_score_flops(cfg, 1, 8192, 4096)
-    assert attention_score_flops(cfg, 1, 100, 100, window=4096) == attention_score_flops(cfg, 1, 100, 100)
+    assert attention_score_flops(cfg, 1, 8192, 8192, window=4096) == attention_score_flops(
+        cfg, 1, 8192, 4096
+    )
+    assert attention_score_flops(cfg, 1, 100, 100, window=4096) == attention_score_flops(
+        cfg, 1, 100, 100
+    )
 
 
 def test_attention_share_grows_with_S():
@@ -161,5 +179,7 @@ def test_decode_step_equals_flop_counter_on_lmstack_model():
     ids = torch.randint(0, cfg.vocab_size, (B, S))
     with torch.no_grad():
         model(ids[:, :-1], positions=torch.arange(S - 1), kv_cache=cache)
-        counted = _count(lambda: model(ids[:, -1:], positions=torch.tensor([S - 1]), kv_cache=cache, last_n=1))
+        counted = _count(
+            lambda: model(ids[:, -1:], positions=torch.tensor([S - 1]), kv_cache=cache, last_n=1)
+        )
     assert counted == forward_flops(cfg, B, S, T=1)

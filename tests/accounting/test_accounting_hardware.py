@@ -19,7 +19,9 @@ def test_table_entries_complete():
         # dense throughput roughly doubles per halving of the precision
         assert hw.flops("bf16") == pytest.approx(2 * hw.flops("tf32"), rel=0.05)
     for name in ("h100-sxm", "h100-pcie", "h200", "b200"):
-        assert HARDWARE[name].flops("fp8") == pytest.approx(2 * HARDWARE[name].flops("bf16"), rel=0.01)
+        assert HARDWARE[name].flops("fp8") == pytest.approx(
+            2 * HARDWARE[name].flops("bf16"), rel=0.01
+        )
     with pytest.raises(ValueError, match="no peak FLOP/s for dtype='fp8'"):
         HARDWARE["a100-80gb"].flops("fp8")
 
@@ -49,8 +51,20 @@ def test_measure_cpu_quick():
     assert hw.ridge_point("fp32") > 0
 
 
-@pytest.mark.parametrize("d,b", [("fp32", 4), ("float32", 4), ("tf32", 4), ("bf16", 2), ("torch.bfloat16", 2),
-                                 ("fp16", 2), ("int8", 1), ("fp8", 1), ("int4", 0.5)])
+@pytest.mark.parametrize(
+    "d,b",
+    [
+        ("fp32", 4),
+        ("float32", 4),
+        ("tf32", 4),
+        ("bf16", 2),
+        ("torch.bfloat16", 2),
+        ("fp16", 2),
+        ("int8", 1),
+        ("fp8", 1),
+        ("int4", 0.5),
+    ],
+)
 def test_bytes_per_element(d, b):
     assert bytes_per_element(d) == b
 

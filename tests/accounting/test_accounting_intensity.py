@@ -40,7 +40,9 @@ def test_attention_matches_seed(B, T, S, k):
     f, b = attention_flops_bytes(cfg, B, T, S)
     assert f == 6 * B * T * D * D + 4 * B * T * S * D  # seed FLOPs
     assert b == 8 * B * T * D + 6 * D * D + 4 * B * S * D  # seed bytes
-    assert attention_intensity(cfg, B, T, S) == pytest.approx(seed_attention_intensity(B, T, S, D), rel=1e-12)
+    assert attention_intensity(cfg, B, T, S) == pytest.approx(
+        seed_attention_intensity(B, T, S, D), rel=1e-12
+    )
 
 
 def test_limits_from_the_seed():

@@ -21,7 +21,9 @@ from lmstack.model.config import ModelConfig
 def test_kv_cache_llama2_13b_seed_table():
     # Seed 001 table: B=1 memory 26,869,760,000 = 2·13,015,449,600 + KV; KV = 2·2·1·1024·40·5120.
     cfg = ModelConfig.from_preset("llama2-13b")
-    assert kv_cache_bytes(cfg, 1, 1024, "bf16") == 838_860_800 == 26_869_760_000 - 2 * 13_015_449_600
+    assert (
+        kv_cache_bytes(cfg, 1, 1024, "bf16") == 838_860_800 == 26_869_760_000 - 2 * 13_015_449_600
+    )
 
 
 def test_kv_cache_llama3_8b_gqa():
@@ -39,7 +41,9 @@ def test_kv_variants_mha_mqa_gqa_mla():
     v = kv_cache_variants(cfg, 2, 100, "bf16")
     assert v["mha"] == 32 * v["mqa"] == 4 * v["gqa"]
     assert v["mla"] == 2 * 100 * 32 * 576 * 2
-    assert mla_kv_cache_bytes(1, 1, 60, 512, 64, "bf16") == 60 * 576 * 2  # DeepSeek-V2: 576 elements/token/layer
+    assert (
+        mla_kv_cache_bytes(1, 1, 60, 512, 64, "bf16") == 60 * 576 * 2
+    )  # DeepSeek-V2: 576 elements/token/layer
 
 
 def test_sliding_window_caps_kv():
@@ -57,7 +61,10 @@ def test_activations_seed_14BSD():
     assert train_activation_elements_per_layer(cfg, B, S, flash=True) == 14 * B * S * D + B * N * S
     # F = 8/3·D: 6BSD + BNS² + 2BSD + 2BS(8/3)D
     cfg2 = cfg.replace(d_ff=8 * 64 // 3 + 1)  # 171
-    assert train_activation_elements_per_layer(cfg2, B, S) == 8 * B * S * D + 2 * B * S * 171 + B * N * S * S
+    assert (
+        train_activation_elements_per_layer(cfg2, B, S)
+        == 8 * B * S * D + 2 * B * S * 171 + B * N * S * S
+    )
 
 
 def test_activation_bytes_and_checkpointing():
@@ -65,15 +72,22 @@ def test_activation_bytes_and_checkpointing():
     B, S, D, N = 2, 32, 64, 4
     per_layer = 14 * B * S * D + B * N * S * S
     assert train_activation_bytes(cfg, B, S, "bf16") == 2 * 5 * per_layer
-    assert train_activation_bytes(cfg, B, S, "bf16", checkpoint=True) == 2 * (5 * B * S * D + per_layer)
+    assert train_activation_bytes(cfg, B, S, "bf16", checkpoint=True) == 2 * (
+        5 * B * S * D + per_layer
+    )
 
 
 def test_peak_inference_activations():
     # Seed 000 §1.7: BSD + 3BSD (QKV) + BNS² (BNS with FA) + BSF at K = N.
     cfg = ModelConfig.from_preset("llama2-13b")
     B, S, D, N, F = 1, 1024, 5120, 40, 13824
-    assert peak_activation_elements(cfg, B, S) == B * S * D + 3 * B * S * D + B * N * S * S + B * S * F
-    assert peak_activation_elements(cfg, B, S, flash=True) == B * S * D + 3 * B * S * D + B * N * S + B * S * F
+    assert (
+        peak_activation_elements(cfg, B, S) == B * S * D + 3 * B * S * D + B * N * S * S + B * S * F
+    )
+    assert (
+        peak_activation_elements(cfg, B, S, flash=True)
+        == B * S * D + 3 * B * S * D + B * N * S + B * S * F
+    )
     # decode: O(BNS + BF)
     assert peak_activation_elements(cfg, 8, 1, S) == 8 * D + 8 * 3 * D + 8 * N * S + 8 * F
 
@@ -96,7 +110,12 @@ def test_training_memory_18P():
     P = 6_738_415_616
     m = training_memory(cfg, 1, 4096, flash=True)
     assert m.states == 18 * P
-    assert (m.master_weights, m.low_precision_weights, m.optimizer, m.gradients) == (4 * P, 2 * P, 8 * P, 4 * P)
+    assert (m.master_weights, m.low_precision_weights, m.optimizer, m.gradients) == (
+        4 * P,
+        2 * P,
+        8 * P,
+        4 * P,
+    )
     assert m.activations == train_activation_bytes(cfg, 1, 4096, "bf16", flash=True)
     assert training_memory(cfg, 1, 16, mixed_precision=False).states == 16 * P
 
@@ -106,7 +125,10 @@ def test_per_device_ddp_zero_hand():
     cfg = ModelConfig.from_preset("llama2-7b")
     P, M, B, S = total_params(cfg), 8, 16, 2048
     act = train_activation_bytes(cfg, B // M, S, "bf16", flash=True)
-    d = {s: training_memory_per_device(cfg, B, S, s, M, flash=True) for s in ("ddp", "zero1", "zero2", "zero3")}
+    d = {
+        s: training_memory_per_device(cfg, B, S, s, M, flash=True)
+        for s in ("ddp", "zero1", "zero2", "zero3")
+    }
     assert d["ddp"].states == 18 * P and d["ddp"].activations == act
     assert d["zero1"].states == pytest.approx(4 * P + 2 * P + 8 * P / M + 4 * P)
     assert d["zero2"].states == pytest.approx(4 * P + 2 * P + 8 * P / M + 4 * P / M)
@@ -125,7 +147,9 @@ def test_per_device_tp_pp_hand():
     pp = training_memory_per_device(cfg, B, S, "pp", M, micro_batches=4)
     assert pp.states == pytest.approx(18 * P / M)
     # 1F1B with 4 micro-batches of B/4 on 4 stages: the first stage holds all 4 in flight for L/M layers
-    assert pp.activations == pytest.approx(2 * (8 / M) * train_activation_elements_per_layer(cfg, B, S))
+    assert pp.activations == pytest.approx(
+        2 * (8 / M) * train_activation_elements_per_layer(cfg, B, S)
+    )
     with pytest.raises(ValueError, match="strategy='fsdp'"):
         training_memory_per_device(cfg, B, S, "fsdp", M)
 
@@ -141,5 +165,9 @@ def test_engine_kv_allocation_equals_formula(dtype):
     B, S = 3, 40
     cache = KVCache(cfg, B, S, dtype=getattr(torch, dtype))
     allocated = cache.k.untyped_storage().nbytes() + cache.v.untyped_storage().nbytes()
-    assert allocated == kv_cache_bytes(cfg, B, S, dtype) == 2 * B * S * 2 * 16 * 3 * (2 if dtype == "bfloat16" else 4)
+    assert (
+        allocated
+        == kv_cache_bytes(cfg, B, S, dtype)
+        == 2 * B * S * 2 * 16 * 3 * (2 if dtype == "bfloat16" else 4)
+    )
     assert cache.nbytes == allocated

@@ -31,8 +31,16 @@ def test_llama2_70b_and_llama3_70b_hand_count():
     # Hand count: 2VD + L(2D² + 2D·KH + 3DF + 2D) + D with V=32000/128256, D=8192, L=80, K·H=1024, F=28672.
     D, L, KH, F = 8192, 80, 8 * 128, 28672
     per_layer = 2 * D * D + 2 * D * KH + 3 * D * F + 2 * D
-    assert total_params(ModelConfig.from_preset("llama2-70b")) == 2 * 32000 * D + L * per_layer + D == 68_976_648_192
-    assert total_params(ModelConfig.from_preset("llama3-70b")) == 2 * 128256 * D + L * per_layer + D == 70_553_706_496
+    assert (
+        total_params(ModelConfig.from_preset("llama2-70b"))
+        == 2 * 32000 * D + L * per_layer + D
+        == 68_976_648_192
+    )
+    assert (
+        total_params(ModelConfig.from_preset("llama3-70b"))
+        == 2 * 128256 * D + L * per_layer + D
+        == 70_553_706_496
+    )
 
 
 def test_seed_formula_for_mha():
@@ -86,8 +94,18 @@ def test_equals_hf_model_numel(name):
 
 def test_qk_norm_and_odd_shapes_vs_formula():
     # H ≠ D/N, MQA, tied, biases, QK-norm: count by hand.
-    cfg = ModelConfig(vocab_size=100, d_model=48, n_layers=3, n_heads=4, n_kv_heads=1, head_dim=16, d_ff=80,
-                      tie_embeddings=True, qkv_bias=True, qk_norm=True)
+    cfg = ModelConfig(
+        vocab_size=100,
+        d_model=48,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=16,
+        d_ff=80,
+        tie_embeddings=True,
+        qkv_bias=True,
+        qk_norm=True,
+    )
     attn = 48 * 64 + 2 * 48 * 16 + 64 * 48 + (64 + 2 * 16)
     per_layer = attn + 3 * 48 * 80 + 2 * 48 + 2 * 16
     assert total_params(cfg) == 100 * 48 + 3 * per_layer + 48
@@ -110,8 +128,18 @@ def test_lmstack_model_numel_with_bias_and_qk_norm():
 
     from lmstack.model.transformer import Transformer
 
-    cfg = ModelConfig(vocab_size=100, d_model=48, n_layers=3, n_heads=4, n_kv_heads=1, head_dim=16, d_ff=80,
-                      tie_embeddings=True, qkv_bias=True, qk_norm=True)
+    cfg = ModelConfig(
+        vocab_size=100,
+        d_model=48,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=16,
+        d_ff=80,
+        tie_embeddings=True,
+        qkv_bias=True,
+        qk_norm=True,
+    )
     with torch.device("meta"):
         model = Transformer(cfg)
     assert total_params(cfg) == sum(p.numel() for p in model.parameters())

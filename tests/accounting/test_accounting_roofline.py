@@ -35,7 +35,9 @@ def test_llama2_13b_seed_table(B):
 
 
 def test_trade_off_latency_vs_throughput():
-    pts = decode_sweep(ModelConfig.from_preset("llama2-13b"), get_hardware("h100"), [1, 2, 8, 32, 128, 512], 1024)
+    pts = decode_sweep(
+        ModelConfig.from_preset("llama2-13b"), get_hardware("h100"), [1, 2, 8, 32, 128, 512], 1024
+    )
     lat = [p.latency_s for p in pts]
     thr = [p.throughput_tok_s for p in pts]
     assert lat == sorted(lat) and thr == sorted(thr)  # both grow with B (seed 001: 矛盾)

@@ -13,7 +13,13 @@ from lmstack.model.config import ModelConfig
 from lmstack.model.mla import LatentKVCache
 from lmstack.model.transformer import Transformer
 
-MOE_PRESETS = ["mixtral-8x7b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "deepseek-v3"]
+MOE_PRESETS = [
+    "mixtral-8x7b",
+    "olmoe-1b-7b",
+    "qwen1.5-moe-a2.7b",
+    "deepseek-v2-lite",
+    "deepseek-v3",
+]
 
 
 @pytest.mark.parametrize("name", MOE_PRESETS)
@@ -47,21 +53,46 @@ def test_total_and_active_vs_published(name):
 
 def test_seed_routed_active_shared_table_rows():
     rows = {n: params.moe_summary(ModelConfig.from_preset(n)) for n in MOE_PRESETS}
-    assert [(rows[n]["routed"], rows[n]["active"], rows[n]["shared"]) for n in ("mixtral-8x7b", "olmoe-1b-7b",
-            "deepseek-v3")] == [(8, 2, 0), (64, 8, 0), (256, 8, 1)]  # the seed's table
-    assert rows["olmoe-1b-7b"]["fine_grained_ratio"] == 1.0  # OLMoE: F = F_e = 1024 (its table's 1/8 is vs 8·F)
+    assert [
+        (rows[n]["routed"], rows[n]["active"], rows[n]["shared"])
+        for n in ("mixtral-8x7b", "olmoe-1b-7b", "deepseek-v3")
+    ] == [(8, 2, 0), (64, 8, 0), (256, 8, 1)]  # the seed's table
+    assert (
+        rows["olmoe-1b-7b"]["fine_grained_ratio"] == 1.0
+    )  # OLMoE: F = F_e = 1024 (its table's 1/8 is vs 8·F)
 
 
 def _tiny_moe(**kw):
-    base = dict(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48, n_experts=4,
-                n_experts_per_token=2, d_ff_expert=16, n_shared_experts=1, moe_first_dense=1)
+    base = dict(
+        vocab_size=64,
+        d_model=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=48,
+        n_experts=4,
+        n_experts_per_token=2,
+        d_ff_expert=16,
+        n_shared_experts=1,
+        moe_first_dense=1,
+    )
     return ModelConfig(**{**base, **kw})
 
 
 @pytest.mark.parametrize("mla", [False, True])
 def test_forward_flops_match_torch_flop_counter(mla):
-    extra = dict(kv_lora_rank=12, q_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=8,
-                 rope_layout="interleaved") if mla else {}
+    extra = (
+        dict(
+            kv_lora_rank=12,
+            q_lora_rank=10,
+            qk_nope_head_dim=6,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            rope_layout="interleaved",
+        )
+        if mla
+        else {}
+    )
     c = _tiny_moe(**extra)
     m = Transformer(c)
     m.set_attention(attention_impl("reference"))  # explicit matmuls, which torch's counter sees
@@ -110,6 +141,7 @@ def test_decode_reads_only_the_experts_the_batch_touches():
     = 1,342,177,280, routers 8·4096·32 = 1,048,576, and E·(1 − (1 − k/E)^B) experts of 3·4096·14336 =
     176,160,768 per layer: B = 1 -> 2 experts, B = 4 -> 8·(1 − 0.75⁴) = 5.46875 experts."""
     from lmstack.accounting.roofline import decode_point
+
     c = ModelConfig.from_preset("mixtral-8x7b")
     rest = 262_144_000 + 1_342_177_280 + 1_048_576
     assert params.expected_experts_touched(8, 2, 1) == 2.0
@@ -118,16 +150,28 @@ def test_decode_reads_only_the_experts_the_batch_touches():
     assert params.decode_params(c, 4) == pytest.approx(rest + 5.46875 * 176_160_768 * 32, rel=1e-12)
     assert params.decode_params(c, 4) == pytest.approx(32_433_504_256, rel=1e-12)
     # a large batch touches every expert: all matrices, i.e. the total minus the norm gammas (2·D per layer + D)
-    assert params.decode_params(c, 10**6) == pytest.approx(params.total_params(c) - (2 * 32 + 1) * 4096, rel=1e-12)
+    assert params.decode_params(c, 10**6) == pytest.approx(
+        params.total_params(c) - (2 * 32 + 1) * 4096, rel=1e-12
+    )
     h100 = get_hardware("h100")
     p1, p4 = decode_point(c, h100, 1, 1024), decode_point(c, h100, 4, 1024)
-    assert p1.num_params == 12_879_659_008 and p4.num_params == pytest.approx(32_433_504_256, rel=1e-12)
+    assert p1.num_params == 12_879_659_008 and p4.num_params == pytest.approx(
+        32_433_504_256, rel=1e-12
+    )
     assert p1.memory_bytes == 2 * 12_879_659_008 + memory.kv_cache_bytes(c, 1, 1024, "bf16")
-    assert params.decode_params(c, None) == params.total_params(c) - (2 * 32 + 1) * 4096  # resident: every expert
-    assert not p1.fits  # 46.7B bf16 weights do not fit one 80 GB H100, though a B = 1 step reads 12.9B of them
+    assert (
+        params.decode_params(c, None) == params.total_params(c) - (2 * 32 + 1) * 4096
+    )  # resident: every expert
+    assert (
+        not p1.fits
+    )  # 46.7B bf16 weights do not fit one 80 GB H100, though a B = 1 step reads 12.9B of them
     # a dense model keeps the seed's Param (Llama-2-13B: 13,015,449,600) at every B
     dense = ModelConfig.from_preset("llama2-13b")
-    assert decode_point(dense, h100, 8, 1024).num_params == params.matmul_params(dense) == 13_015_449_600
+    assert (
+        decode_point(dense, h100, 8, 1024).num_params
+        == params.matmul_params(dense)
+        == 13_015_449_600
+    )
 
 
 def test_decode_params_shared_experts_and_dense_layers():
@@ -139,10 +183,14 @@ def test_decode_params_shared_experts_and_dense_layers():
     dense_layer = 3 * D * 18432
     attn = params.mla_params_per_layer(c)
     vocab = 2 * c.vocab_size * D
-    assert params.decode_params(c, 1) == pytest.approx(vocab + 61 * attn + 3 * dense_layer + 58 * moe_layer, rel=1e-12)
+    assert params.decode_params(c, 1) == pytest.approx(
+        vocab + 61 * attn + 3 * dense_layer + 58 * moe_layer, rel=1e-12
+    )
     touched = 256 * (1 - (1 - 8 / 256) ** 64)  # B = 64: ≈ 222.6 of 256 experts
     assert params.decode_params(c, 64) == pytest.approx(
-        vocab + 61 * attn + 3 * dense_layer + 58 * (256 * D + (touched + 1) * 3 * D * 2048), rel=1e-12)
+        vocab + 61 * attn + 3 * dense_layer + 58 * (256 * D + (touched + 1) * 3 * D * 2048),
+        rel=1e-12,
+    )
     with pytest.raises(ValueError, match="k=9 must be between 1 and n_experts=8"):
         params.expected_experts_touched(8, 9, 1)
 
@@ -153,16 +201,18 @@ def test_moe_ffn_intensity_counts_touched_experts():
     8·(1 − 0.75⁶⁴) ≈ 8 -> FLOPs 45,097,156,608, bytes ≈ 2·(1,048,576 + 3,670,016 + 8·176,160,768) ≈ 2.828e9 ->
     I ≈ 15.95, a quarter (k/E) of a dense FFN of the same width at B = 64 (6·64·D·F / 2·(2·64·(D + F) + 3DF) ≈ 63.2)."""
     from lmstack.accounting.intensity import ffn_flops_bytes, ffn_intensity
+
     c = ModelConfig.from_preset("mixtral-8x7b")
     assert ffn_flops_bytes(c, 1, 1) == (704_643_072, 704_790_528)
     f, b = ffn_flops_bytes(c, 64, 1)
-    touched = 8 * (1 - 0.75 ** 64)
+    touched = 8 * (1 - 0.75**64)
     assert f == 45_097_156_608
     assert b == pytest.approx(2 * (1_048_576 + 3_670_016 + touched * 176_160_768), rel=1e-12)
     assert ffn_intensity(c, 64, 1) == pytest.approx(15.9466, abs=1e-4)
     dense = c.replace(n_experts=0, n_experts_per_token=1)
-    assert ffn_intensity(dense, 64, 1) == pytest.approx(6 * 64 * 4096 * 14336 / (2 * (2 * 64 * (4096 + 14336)
-                                                                                      + 3 * 4096 * 14336)))
+    assert ffn_intensity(dense, 64, 1) == pytest.approx(
+        6 * 64 * 4096 * 14336 / (2 * (2 * 64 * (4096 + 14336) + 3 * 4096 * 14336))
+    )
 
 
 def test_ffn_intensity_counts_shared_experts():
@@ -174,4 +224,6 @@ def test_ffn_intensity_counts_shared_experts():
     c = _tiny_moe()
     flops, nbytes = ffn_flops_bytes(c, 1, 1, "bf16")
     assert flops == 6 * 2 * 32 * 16 + 6 * 32 * 16
-    assert nbytes == 2 * (2 * 2 * 32 + 2 * 2 * 16 + 2 * 3 * 32 * 16) + 2 * (2 * 32 + 2 * 16 + 3 * 32 * 16)
+    assert nbytes == 2 * (2 * 2 * 32 + 2 * 2 * 16 + 2 * 3 * 32 * 16) + 2 * (
+        2 * 32 + 2 * 16 + 3 * 32 * 16
+    )

@@ -31,7 +31,9 @@ def test_example_is_the_rendered_conversation_split_at_the_generation_prompt():
     ex = encode_example(tok, "What is 2+3?", "5")
     msgs = [{"role": "user", "content": "What is 2+3?"}]
     prompt_text = hf_render_chat(CHATML, msgs, add_generation_prompt=True)
-    full_text = hf_render_chat(CHATML, msgs + [{"role": "assistant", "content": "5"}], add_generation_prompt=False)
+    full_text = hf_render_chat(
+        CHATML, msgs + [{"role": "assistant", "content": "5"}], add_generation_prompt=False
+    )
     assert tok.decode(ex.prompt) == prompt_text  # what the engine is given when it generates
     assert tok.decode(ex.prompt + ex.response) == full_text
     assert ex.response == [ord("5"), tok.eos_token_id, ord("\n")]  # the reply, <|im_end|>, newline
@@ -46,7 +48,9 @@ def test_labels_are_shifted_with_prompt_and_padding_masked():
 
 def test_prompt_longer_than_the_context_and_empty_response_are_refused():
     tok = byte_chat_tokenizer()
-    with pytest.raises(DataError, match="the prompt has 39 tokens, which leaves no room .* context of 30 tokens"):
+    with pytest.raises(
+        DataError, match="the prompt has 39 tokens, which leaves no room .* context of 30 tokens"
+    ):
         encode_example(tok, "x" * 20, "y", max_len=30)
     ex = encode_example(tok, "hi", "a long answer", max_len=25)
     assert ex.truncated and len(ex) == 25
@@ -58,8 +62,13 @@ def test_packed_rows_give_each_document_its_own_logprobs():
     """Attention stays inside each document and positions restart: the per-token log-probs of a packed row
     equal those of each example run alone (the ``document_ids`` seam); without them they would not."""
     g = torch.Generator().manual_seed(0)
-    exs = [Example(torch.randint(0, 250, (p,), generator=g).tolist(), torch.randint(0, 250, (r,), generator=g).tolist())
-           for p, r in [(5, 4), (3, 7), (6, 2), (2, 3)]]
+    exs = [
+        Example(
+            torch.randint(0, 250, (p,), generator=g).tolist(),
+            torch.randint(0, 250, (r,), generator=g).tolist(),
+        )
+        for p, r in [(5, 4), (3, 7), (6, 2), (2, 3)]
+    ]
     model = tiny_model().eval()
     batch, members = pack(exs, seq_len=24)
     assert len(members) < len(exs)  # some rows do hold several documents
@@ -70,10 +79,12 @@ def test_packed_rows_give_each_document_its_own_logprobs():
             for i in row:
                 alone, _ = batch_logprobs(model, collate([exs[i]]))
                 n = alone.shape[1]
-                torch.testing.assert_close(packed[r, at:at + n], alone[0], rtol=1e-5, atol=1e-5)
-                assert batch.positions[r, at:at + n].tolist() == list(range(n))
+                torch.testing.assert_close(packed[r, at : at + n], alone[0], rtol=1e-5, atol=1e-5)
+                assert batch.positions[r, at : at + n].tolist() == list(range(n))
                 at += n
-        leaky = batch_logprobs(model, type(batch)(batch.x, batch.y))[0]  # no document ids, no restarts
+        leaky = batch_logprobs(model, type(batch)(batch.x, batch.y))[
+            0
+        ]  # no document ids, no restarts
         assert not torch.allclose(leaky, packed, atol=1e-3)
 
 
@@ -82,11 +93,13 @@ def test_preference_rows_malformed_named_by_line(tmp_path):
     good = {"prompt": "q", "chosen": "a", "rejected": "b"}
     p.write_text(json.dumps(good) + "\n\n" + json.dumps(good) + "\n")
     assert len(read_preferences(p)) == 2
-    for line, message in [("{not json", r"pairs.jsonl:2: not valid JSON"),
-                          (json.dumps({"prompt": "q", "chosen": "a"}), r"pairs.jsonl:2: missing \['rejected'\]"),
-                          (json.dumps(good | {"chosen": 3}), r"pairs.jsonl:2: chosen=3 must be a string"),
-                          (json.dumps(good | {"rejected": " "}), r"pairs.jsonl:2: rejected is empty"),
-                          ("[1, 2]", r"pairs.jsonl:2: expected a JSON object")]:
+    for line, message in [
+        ("{not json", r"pairs.jsonl:2: not valid JSON"),
+        (json.dumps({"prompt": "q", "chosen": "a"}), r"pairs.jsonl:2: missing \['rejected'\]"),
+        (json.dumps(good | {"chosen": 3}), r"pairs.jsonl:2: chosen=3 must be a string"),
+        (json.dumps(good | {"rejected": " "}), r"pairs.jsonl:2: rejected is empty"),
+        ("[1, 2]", r"pairs.jsonl:2: expected a JSON object"),
+    ]:
         p.write_text(json.dumps(good) + "\n" + line + "\n")
         with pytest.raises(DataError, match=message):
             read_preferences(p)

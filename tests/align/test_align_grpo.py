@@ -26,14 +26,32 @@ def a_rate(problem, completion):
 
 
 def _config(tmp_path, **kw):
-    base = dict(steps=2, prompts_per_step=4, num_generations=8, max_new_tokens=8, lr=1e-2, chat=False, stop=(),
-                eval_problems=4, train_problems=64, out_dir=str(tmp_path / "run"), epochs=2, micro_batch=16, seed=0)
+    base = dict(
+        steps=2,
+        prompts_per_step=4,
+        num_generations=8,
+        max_new_tokens=8,
+        lr=1e-2,
+        chat=False,
+        stop=(),
+        eval_problems=4,
+        train_problems=64,
+        out_dir=str(tmp_path / "run"),
+        epochs=2,
+        micro_batch=16,
+        seed=0,
+    )
     return GRPOConfig(**(base | kw))
 
 
 def _trainer(tmp_path, seed=0, **kw):
-    return GRPOTrainer(_config(tmp_path, **kw), tiny_model(seed=seed, vocab_size=V, max_seq_len=128),
-                       byte_chat_tokenizer(), progress=False, reward_fns={"a": a_rate})
+    return GRPOTrainer(
+        _config(tmp_path, **kw),
+        tiny_model(seed=seed, vocab_size=V, max_seq_len=128),
+        byte_chat_tokenizer(),
+        progress=False,
+        reward_fns={"a": a_rate},
+    )
 
 
 @pytest.mark.slow
@@ -43,8 +61,20 @@ def test_grpo_reward_rises_on_a_task_a_tiny_model_can_learn(tmp_path):
     rewards = [r["reward"] for r in trainer.history if "reward" in r]
     assert sum(rewards[-3:]) / 3 > 3 * sum(rewards[:3]) / 3, rewards
     row = trainer.history[-1]
-    for key in ("clip_ratio/low", "clip_ratio/high", "entropy", "frac_reward_zero_std", "completion_length",
-                "truncated", "gen_s", "logprob_s", "train_s", "gen_tokens_per_s", "rewards/a", "eval_accuracy"):
+    for key in (
+        "clip_ratio/low",
+        "clip_ratio/high",
+        "entropy",
+        "frac_reward_zero_std",
+        "completion_length",
+        "truncated",
+        "gen_s",
+        "logprob_s",
+        "train_s",
+        "gen_tokens_per_s",
+        "rewards/a",
+        "eval_accuracy",
+    ):
         assert key in row, key
     assert (tmp_path / "run" / "grpo.png").stat().st_size > 0
     assert row["clip_ratio/region"] > 0  # μ = 2 epochs: the second sees ρ ≠ 1
@@ -59,7 +89,11 @@ def test_same_seed_same_rollouts_losses_and_weights(tmp_path):
         runs.append((rows, [p.detach().clone() for p in t.model.parameters()]))
     (rows_a, w_a), (rows_b, w_b) = runs
     for ra, rb in zip(rows_a, rows_b):
-        assert (ra["reward"], ra["loss"], ra["completion_length"]) == (rb["reward"], rb["loss"], rb["completion_length"])
+        assert (ra["reward"], ra["loss"], ra["completion_length"]) == (
+            rb["reward"],
+            rb["loss"],
+            rb["completion_length"],
+        )
     for a, b in zip(w_a, w_b):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -87,7 +121,9 @@ def test_engine_serves_the_updated_weights_and_no_stale_prefix(tmp_path):
     trainer.llm.generate([prompt], greedy)  # caches the prompt's blocks under the old weights
     trainer.train_step()  # updates the shared weights in place, then resets the prefix cache
     ours = trainer.llm.generate([prompt], greedy)[0]
-    fresh = LLM(copy.deepcopy(trainer.model), trainer.tokenizer).generate([prompt], greedy)[0].token_ids
+    fresh = (
+        LLM(copy.deepcopy(trainer.model), trainer.tokenizer).generate([prompt], greedy)[0].token_ids
+    )
     assert ours.token_ids == fresh
     assert ours.num_cached_tokens == 0  # nothing was served from K/V computed before the update
 
@@ -100,18 +136,26 @@ def test_engine_serves_the_updated_weights_and_no_stale_prefix(tmp_path):
     stale = llm.generate([prompt], greedy)[0]
     assert stale.num_cached_tokens > 0
     llm.engine.reset_prefix_cache()
-    fresh = LLM(copy.deepcopy(trainer.model), trainer.tokenizer).generate([prompt], greedy)[0].token_ids
+    fresh = (
+        LLM(copy.deepcopy(trainer.model), trainer.tokenizer).generate([prompt], greedy)[0].token_ids
+    )
     assert llm.generate([prompt], greedy)[0].token_ids == fresh
 
 
 def test_expert_iteration_trains_on_verified_samples(tmp_path):
-    t = GRPOTrainer(_config(tmp_path, algorithm="expert_iteration"), tiny_model(vocab_size=V, max_seq_len=128),
-                    byte_chat_tokenizer(), progress=False,
-                    reward_fns={"correct": lambda p, c: float(c.count("a") > 0)})
+    t = GRPOTrainer(
+        _config(tmp_path, algorithm="expert_iteration"),
+        tiny_model(vocab_size=V, max_seq_len=128),
+        byte_chat_tokenizer(),
+        progress=False,
+        reward_fns={"correct": lambda p, c: float(c.count("a") > 0)},
+    )
     before = [p.detach().clone() for p in t.model.parameters()]
     m = t.train_step()
     assert m["kept"] == round(m["rewards/correct"] * 32)
-    assert m["kept"] == 0 or any(not torch.equal(a, b) for a, b in zip(before, t.model.parameters()))
+    assert m["kept"] == 0 or any(
+        not torch.equal(a, b) for a, b in zip(before, t.model.parameters())
+    )
 
 
 def test_a_failing_reward_scores_zero_and_the_run_goes_on(tmp_path):
@@ -120,18 +164,30 @@ def test_a_failing_reward_scores_zero_and_the_run_goes_on(tmp_path):
             raise RuntimeError("verifier crashed")
         return float("nan") if "b" in completion else 1.0
 
-    t = GRPOTrainer(_config(tmp_path), tiny_model(vocab_size=V, max_seq_len=128), byte_chat_tokenizer(),
-                    progress=False, reward_fns={"flaky": flaky})
+    t = GRPOTrainer(
+        _config(tmp_path),
+        tiny_model(vocab_size=V, max_seq_len=128),
+        byte_chat_tokenizer(),
+        progress=False,
+        reward_fns={"flaky": flaky},
+    )
     m = t.train_step()
-    assert m["reward_failures/flaky"] > 0 and m["reward"] == pytest.approx(1 - m["reward_failures/flaky"] / 32)
+    assert m["reward_failures/flaky"] > 0 and m["reward"] == pytest.approx(
+        1 - m["reward_failures/flaky"] / 32
+    )
 
 
 def test_bad_input_is_refused_with_the_reason(tmp_path):
-    with pytest.raises(ValueError, match="num_generations=1 with advantage='group': a group of one sample"):
+    with pytest.raises(
+        ValueError, match="num_generations=1 with advantage='group': a group of one sample"
+    ):
         _config(tmp_path, num_generations=1)
     _config(tmp_path, num_generations=1, advantage="batch")  # a batch baseline needs no group
-    with pytest.raises(ValueError, match=r"train prompt \d+ has \d+ tokens: with max_new_tokens=100 it exceeds the "
-                                         "model's context of 128 tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"train prompt \d+ has \d+ tokens: with max_new_tokens=100 it exceeds the "
+        "model's context of 128 tokens",
+    ):
         _trainer(tmp_path, max_new_tokens=100)
     with pytest.raises(ValueError, match="loss_type='ppo'"):
         _config(tmp_path, loss_type="ppo")

@@ -27,7 +27,9 @@ def test_generation_is_seeded_and_splits_are_disjoint(name):
     test = {p.prompt for p in task.generate(20, seed=0, split="test")}
     train = {p.prompt for s in range(3) for p in task.generate(50, seed=s)}
     assert not test & train
-    for p in a:  # the worked solution is accepted by the task's own verifier through the reward path
+    for (
+        p
+    ) in a:  # the worked solution is accepted by the task's own verifier through the reward path
         assert correctness_reward(p, task.solution(p)) == 1.0
         assert format_reward(p, f"<answer>{p.answer}</answer>") == 1.0
 
@@ -50,21 +52,30 @@ def test_countdown_verifier():
     assert not task.check(p, "8 * 2")  # does not use the given numbers
     assert not task.check(p, "(3 + 5) + 2")  # wrong value
     assert not task.check(p, "__import__('os')")  # no names or calls are ever evaluated
-    assert evaluate("7 / 2") == 3.5 and evaluate("1 / (2 - 2)") is None and evaluate("2 ** 3") is None
+    assert (
+        evaluate("7 / 2") == 3.5 and evaluate("1 / (2 - 2)") is None and evaluate("2 ** 3") is None
+    )
     for q in Countdown(n_numbers=4).generate(30):  # every generated target is reachable
-        assert sorted(q.data["numbers"]) == sorted(int(t) for t in q.answer.replace("(", " ").replace(")", " ")
-                                                   .split() if t.isdigit())
-        assert eval(q.answer) == pytest.approx(q.data["target"])  # Python's own evaluation of the expression
+        assert sorted(q.data["numbers"]) == sorted(
+            int(t) for t in q.answer.replace("(", " ").replace(")", " ").split() if t.isdigit()
+        )
+        assert eval(q.answer) == pytest.approx(
+            q.data["target"]
+        )  # Python's own evaluation of the expression
 
 
 def test_strings_and_format_tasks_against_python():
     for p in get_task("strings").generate(30):
         w = p.data["word"]
-        assert p.answer == (w[::-1] if p.data["kind"] == "reverse" else str(w.count(p.data["letter"])))
+        assert p.answer == (
+            w[::-1] if p.data["kind"] == "reverse" else str(w.count(p.data["letter"]))
+        )
     fmt = get_task("format")
     for p in fmt.generate(30):
         if p.data["kind"] == "json":
-            assert fmt.check(p, json.dumps({"n": p.data["n"], "word": p.data["word"]}))  # key order is free
+            assert fmt.check(
+                p, json.dumps({"n": p.data["n"], "word": p.data["word"]})
+            )  # key order is free
             assert not fmt.check(p, "{word: 1}")
         else:
             assert not fmt.check(p, p.answer.lower() + "x")
@@ -81,13 +92,20 @@ def test_format_reward_and_extraction():
 
 
 def test_numeric_and_symbolic_equality():
-    assert numeric_equal("1,000", "1000") and numeric_equal("50%", "0.5") and not numeric_equal("0.5", "0.51")
+    assert (
+        numeric_equal("1,000", "1000")
+        and numeric_equal("50%", "0.5")
+        and not numeric_equal("0.5", "0.51")
+    )
     assert not numeric_equal("x", "1")
     assert symbolic_equal("\\frac{1}{2}", "0.5")
     assert symbolic_equal("(x+1)^2", "x^2+2x+1")
     assert not symbolic_equal("x^2", "x^3")
     p = Problem("math", "", "\\frac{3}{4}")
-    assert math_reward(p, "<answer>0.75</answer>") == 1.0 and math_reward(p, "<answer>3/5</answer>") == 0.0
+    assert (
+        math_reward(p, "<answer>0.75</answer>") == 1.0
+        and math_reward(p, "<answer>3/5</answer>") == 0.0
+    )
 
 
 def test_weighted_rewards_and_failures_count_as_zero():
@@ -99,9 +117,12 @@ def test_weighted_rewards_and_failures_count_as_zero():
     def nan(problem, completion):
         return math.nan if "5" in completion else 1.0
 
-    res = score([p, p], ["<answer>5</answer>", "nope"],
-                {"format": format_reward, "correct": correctness_reward, "raises": raises, "nan": nan},
-                weights={"format": 0.5, "correct": 2.0})
+    res = score(
+        [p, p],
+        ["<answer>5</answer>", "nope"],
+        {"format": format_reward, "correct": correctness_reward, "raises": raises, "nan": nan},
+        weights={"format": 0.5, "correct": 2.0},
+    )
     assert res.total == [0.5 + 2.0 + 0 + 0, 0 + 0 + 0 + 1.0]
     assert res.failures == {"format": 0, "correct": 0, "raises": 2, "nan": 1}
     assert "RuntimeError: boom" in res.errors["raises"] and "nan" in res.errors["nan"]

@@ -28,7 +28,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny forwards: threads onl
 
 
 def spam(rng: random.Random) -> str:
-    kw = rng.sample(["cheap", "watches", "best", "price", "buy", "now", "replica", "online", "sale", "deal"], 3)
+    kw = rng.sample(
+        ["cheap", "watches", "best", "price", "buy", "now", "replica", "online", "sale", "deal"], 3
+    )
     return " ".join(kw * rng.randint(3, 8)) + " click here"
 
 
@@ -46,7 +48,9 @@ def test_quality_classifier_beats_chance_on_held_out(tmp_path):
     assert label == "positive" and 0.5 < score <= 1.0
     docs = [Document(good[201], "g"), Document(bad[201], "b")]
     st = StepStats("quality")
-    kept = list(ClassifierFilter(tmp_path / "q.bin", label="positive", drop_if_label=False)(docs, st))
+    kept = list(
+        ClassifierFilter(tmp_path / "q.bin", label="positive", drop_if_label=False)(docs, st)
+    )
     assert [d.id for d in kept] == ["g"] and st.dropped == {"quality_below_threshold": 1}
     with pytest.raises(ValueError, match="both classes"):
         train_fasttext(good, [], tmp_path / "x.bin")
@@ -59,7 +63,9 @@ def test_quality_classifier_beats_chance_on_held_out(tmp_path):
 def test_generated_harm_classifiers_on_held_out_generated_data(kind, tmp_path):
     clf = builtin_classifier(kind, cache_dir=tmp_path)
     pos, neg = generated_examples(kind, n=200, seed=1)  # another seed than training
-    p, r = precision_recall([clf.score(t, kind) for t in pos + neg], [True] * 200 + [False] * 200, 0.5)
+    p, r = precision_recall(
+        [clf.score(t, kind) for t in pos + neg], [True] * 200 + [False] * 200, 0.5
+    )
     assert p > 0.9 and r > 0.9
     assert clf.score("The library opens at nine and the staff were friendly.", kind) < 0.5
 
@@ -102,7 +108,9 @@ def test_perplexity_filter_threshold_and_percentile(tiny_lm):
     kept = list(PerplexityFilter(scorer, max_perplexity=median)(docs, StepStats("p")))
     assert {d.id for d in kept} == {str(i) for i, p in enumerate(ppl) if p <= median}
     docs = [Document(t, str(i)) for i, t in enumerate(texts)]
-    kept = list(PerplexityFilter(scorer, keep_fraction=0.3, calibration_docs=10)(docs, StepStats("p")))
+    kept = list(
+        PerplexityFilter(scorer, keep_fraction=0.3, calibration_docs=10)(docs, StepStats("p"))
+    )
     assert {d.id for d in kept} == {str(i) for i in sorted(range(10), key=lambda i: ppl[i])[:3]}
     with pytest.raises(ValueError, match="exactly one"):
         PerplexityFilter(scorer)
@@ -115,10 +123,39 @@ def test_train_classifier_command(tmp_path, capsys):
     (tmp_path / "good.txt").write_text("\n".join(" ".join(prose(rng, (1, 1))) for _ in range(100)))
     (tmp_path / "bad.jsonl").write_text("\n".join(f'{{"text": "{spam(rng)}"}}' for _ in range(100)))
     out = tmp_path / "q.bin"
-    assert main(["train-classifier", "--positive", str(tmp_path / "good.txt"), "--negative",
-                 str(tmp_path / "bad.jsonl"), "--out", str(out), "--epoch", "10"]) == 0
+    assert (
+        main(
+            [
+                "train-classifier",
+                "--positive",
+                str(tmp_path / "good.txt"),
+                "--negative",
+                str(tmp_path / "bad.jsonl"),
+                "--out",
+                str(out),
+                "--epoch",
+                "10",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
-    assert out.is_file() and "held out (10 + 10): threshold 0.5: precision 1.000 recall 1.000" in printed
-    assert main(["train-classifier", "--positive", str(tmp_path / "none.txt"), "--negative",
-                 str(tmp_path / "bad.jsonl"), "--out", str(out)]) == 2
+    assert (
+        out.is_file()
+        and "held out (10 + 10): threshold 0.5: precision 1.000 recall 1.000" in printed
+    )
+    assert (
+        main(
+            [
+                "train-classifier",
+                "--positive",
+                str(tmp_path / "none.txt"),
+                "--negative",
+                str(tmp_path / "bad.jsonl"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
     assert "none.txt: no such file" in capsys.readouterr().err

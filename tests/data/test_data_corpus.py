@@ -1,7 +1,6 @@
 """The offline crawl: WARC records readable by warcio, labels beside them, near-duplicates at the Jaccard they
 claim (recomputed here from the texts), PII counts the replacer finds exactly, and the demo's report."""
 
-import json
 import random
 
 import pytest
@@ -14,7 +13,9 @@ from lmstack.data.corpus import _near_duplicate, read_labels, write_corpus
 def test_corpus_writes_warc_and_labels(tmp_path):
     from warcio.archiveiterator import ArchiveIterator
 
-    summary = write_corpus(tmp_path, n_files=2, real_limit=0)  # generated pages only: works with no docs on disk
+    summary = write_corpus(
+        tmp_path, n_files=2, real_limit=0
+    )  # generated pages only: works with no docs on disk
     labels = read_labels(tmp_path)
     assert summary["records"] == len(labels) and summary["files"] == 2
     urls = []
@@ -26,8 +27,20 @@ def test_corpus_writes_warc_and_labels(tmp_path):
                     assert rec.content_stream().read()
     assert sorted(urls) == sorted(labels)
     kinds = {lab["kind"] for lab in labels.values()}
-    assert {"clean", "exact_duplicate", "near_duplicate", "binary", "pii", "very_short", "very_long",
-            "wrong_encoding", "keyword_spam", "boilerplate_heavy", "nsfw", "toxic"} <= kinds
+    assert {
+        "clean",
+        "exact_duplicate",
+        "near_duplicate",
+        "binary",
+        "pii",
+        "very_short",
+        "very_long",
+        "wrong_encoding",
+        "keyword_spam",
+        "boilerplate_heavy",
+        "nsfw",
+        "toxic",
+    } <= kinds
     again = tmp_path / "again"
     write_corpus(again, n_files=2, real_limit=0)
     for f in sorted(tmp_path.glob("*.warc.gz")):  # deterministic: the same bytes on every run
@@ -39,8 +52,8 @@ def test_near_duplicates_hit_their_jaccard():
     words = [f"w{rng.randrange(10_000)}" for _ in range(400)]
 
     def jaccard(a, b, n=5):
-        ga = {tuple(a[i:i + n]) for i in range(len(a) - n + 1)}
-        gb = {tuple(b[i:i + n]) for i in range(len(b) - n + 1)}
+        ga = {tuple(a[i : i + n]) for i in range(len(a) - n + 1)}
+        gb = {tuple(b[i : i + n]) for i in range(len(b) - n + 1)}
         return len(ga & gb) / len(ga | gb)
 
     for target in (0.9, 0.7, 0.5, 0.3):
@@ -71,7 +84,10 @@ def test_demo_runs_the_pipeline_on_a_tiny_crawl(tmp_path, monkeypatch):
     report = run_demo(tmp_path, n_files=2, quiet=True, workers=1, tiny=True)
     rows, piped = report["filters"], report["pipeline"]
     assert rows["extract (binary records)"]["recall"] == 1.0
-    assert rows["pii (replacements)"]["precision"] == 1.0 and rows["pii (replacements)"]["recall"] == 1.0
+    assert (
+        rows["pii (replacements)"]["precision"] == 1.0
+        and rows["pii (replacements)"]["recall"] == 1.0
+    )
     assert rows["gopher_quality"]["precision"] > 0.9 and rows["toxic_filter"]["recall"] > 0.9
     # 8 exact copies of 8 clean pages: exactly one of each pair goes; the near copies at J >= 0.8 go too
     assert piped["exact_filter"]["flagged"] == 8

@@ -36,7 +36,9 @@ def test_false_positive_rate_near_target(p):
     theory = (1 - math.exp(-f.k * n / f.m)) ** f.k
     assert abs(fp - theory) < 4 * math.sqrt(theory * (1 - theory) / q), (fp, theory)
     assert abs(fp - p) < 0.15 * p, (fp, p)
-    assert f.fill_ratio() == pytest.approx(1 - math.exp(-f.k * n / f.m), abs=0.01)  # about half the bits for optimal k
+    assert f.fill_ratio() == pytest.approx(
+        1 - math.exp(-f.k * n / f.m), abs=0.01
+    )  # about half the bits for optimal k
 
 
 def test_add_reports_repeats_within_one_call(tmp_path):
@@ -52,15 +54,19 @@ def test_add_reports_repeats_within_one_call(tmp_path):
 def test_paragraph_dedup():
     """The first occurrence of each paragraph (compared normalised) survives, later ones are removed from
     every document with the blank-line separators of what is left; a document with nothing new is dropped."""
-    docs = [Document("Intro paragraph.\n\nSubscribe to our newsletter!\n\nBody one.", "a"),
-            Document("SUBSCRIBE to our newsletter\n\nBody two, new.\n\n\nIntro paragraph", "b"),
-            Document("Body one.\n\n---\n\nsubscribe, to our newsletter.", "c"),
-            Document("Fresh text\n\nfresh text.", "d")]
+    docs = [
+        Document("Intro paragraph.\n\nSubscribe to our newsletter!\n\nBody one.", "a"),
+        Document("SUBSCRIBE to our newsletter\n\nBody two, new.\n\n\nIntro paragraph", "b"),
+        Document("Body one.\n\n---\n\nsubscribe, to our newsletter.", "c"),
+        Document("Fresh text\n\nfresh text.", "d"),
+    ]
     stats = StepStats("bloom")
     out = list(BloomParagraphDedup(n=1000, p=1e-6)(docs, stats))
-    assert [(d.id, d.text) for d in out] == [("a", "Intro paragraph.\n\nSubscribe to our newsletter!\n\nBody one."),
-                                            ("b", "Body two, new."),
-                                            ("d", "Fresh text")]
+    assert [(d.id, d.text) for d in out] == [
+        ("a", "Intro paragraph.\n\nSubscribe to our newsletter!\n\nBody one."),
+        ("b", "Body two, new."),
+        ("d", "Fresh text"),
+    ]
     assert dict(stats.dropped) == {"duplicate_paragraphs_only": 1}
     assert stats.counters["paragraphs_removed"] == 5
 
@@ -74,10 +80,22 @@ def test_paragraph_dedup_matches_an_exact_set():
     from lmstack.data.dedup.normalize import normalize
 
     rng = random.Random(0)
-    pool = [" ".join(rng.choice(["red", "green", "blue", "cyan", "black"]) for _ in range(rng.randint(1, 6)))
-            for _ in range(150)]
-    docs = [Document("\n\n".join(rng.choice(pool).capitalize() + rng.choice(["", ".", "!"])
-                                 for _ in range(rng.randint(1, 6))), str(i)) for i in range(300)]
+    pool = [
+        " ".join(
+            rng.choice(["red", "green", "blue", "cyan", "black"]) for _ in range(rng.randint(1, 6))
+        )
+        for _ in range(150)
+    ]
+    docs = [
+        Document(
+            "\n\n".join(
+                rng.choice(pool).capitalize() + rng.choice(["", ".", "!"])
+                for _ in range(rng.randint(1, 6))
+            ),
+            str(i),
+        )
+        for i in range(300)
+    ]
     got = {d.id: d.text for d in BloomParagraphDedup(n=5000, p=1e-9)(docs)}
     seen: set[str] = set()
     for d in docs:

@@ -11,7 +11,13 @@ import random
 import numpy as np
 import pytest
 
-from lmstack.data.dedup.minhash import MinHashConfig, MinHasher, jaccard, minhash_buckets, minhash_signatures
+from lmstack.data.dedup.minhash import (
+    MinHashConfig,
+    MinHasher,
+    jaccard,
+    minhash_buckets,
+    minhash_signatures,
+)
 from lmstack.data.dedup.normalize import normalize, words
 from lmstack.data.dedup.runs import load_array, merge_runs, node, write_run
 from lmstack.data.document import Document
@@ -23,7 +29,7 @@ def pair_with_jaccard(rng, s: float, union: int = 1000):
     c = int(round(s * union))
     only = (union - c) // 2
     vals = rng.choice(np.iinfo(np.int64).max, size=c + 2 * only, replace=False).astype(np.uint64)
-    common, a_only, b_only = vals[:c], vals[c:c + only], vals[c + only:]
+    common, a_only, b_only = vals[:c], vals[c : c + only], vals[c + only :]
     a, b = np.unique(np.concatenate([common, a_only])), np.unique(np.concatenate([common, b_only]))
     return a, b, c / (c + 2 * only)
 
@@ -72,16 +78,19 @@ def test_minhash_agrees_with_datasketch():
     statistics (mean absolute error within 30% of each other, both near the standard error)."""
     datasketch = pytest.importorskip("datasketch")
     rng = random.Random(0)
-    vocab = ["".join(rng.choice("abcdefghijklmnopqrst") for _ in range(rng.randint(2, 8))) for _ in range(3000)]
+    vocab = [
+        "".join(rng.choice("abcdefghijklmnopqrst") for _ in range(rng.randint(2, 8)))
+        for _ in range(3000)
+    ]
     k = 128
     h = MinHasher(MinHashConfig(bands=16, rows=8, seed=3))
     ours, theirs, exact, se = [], [], [], []
-    for i in range(120):
+    for _i in range(120):
         ta, tb = _text_pair(rng, vocab, 200, rng.uniform(0.0, 0.25))
         grams = []
         for t in (ta, tb):
             w = words(t)
-            grams.append({" ".join(w[j:j + 5]) for j in range(len(w) - 4)})
+            grams.append({" ".join(w[j : j + 5]) for j in range(len(w) - 4)})
         j_strings = len(grams[0] & grams[1]) / len(grams[0] | grams[1])
         a, b = h.shingles(ta), h.shingles(tb)
         assert jaccard(a, b) == pytest.approx(j_strings)
@@ -126,14 +135,19 @@ def test_signatures_of_a_batch_equal_one_at_a_time():
     """The batched product (documents chunked, a long one in parts) gives each set's own minima."""
     rng = np.random.default_rng(5)
     h = MinHasher()
-    sets = [np.unique(rng.integers(0, 2**63, size=n).astype(np.uint64)) for n in (3, 0, 5000, 1, 700, 2100, 40)]
+    sets = [
+        np.unique(rng.integers(0, 2**63, size=n).astype(np.uint64))
+        for n in (3, 0, 5000, 1, 700, 2100, 40)
+    ]
     batch = h.signatures(sets)
     for s, row in zip(sets, batch):
         if len(s) == 0:
             assert (row == 0xFFFFFFFF).all()
             continue
         x = s >> np.uint64(32)  # the 32-bit keys
-        ref = ((x[:, None] * h.a + h.b).min(axis=0) >> np.uint64(32)).astype(np.uint32)  # one set, no chunks
+        ref = ((x[:, None] * h.a + h.b).min(axis=0) >> np.uint64(32)).astype(
+            np.uint32
+        )  # one set, no chunks
         np.testing.assert_array_equal(row, ref)
 
 
@@ -168,10 +182,13 @@ def test_bucket_pairs_match_brute_force(tmp_path):
     rng = random.Random(4)
     vocab = ["".join(rng.choice("abcdefgh") for _ in range(5)) for _ in range(400)]
     base = [" ".join(rng.choice(vocab) for _ in range(60)) for _ in range(6)]
-    shards = [[Document(base[0], "a"), Document(base[1], "b"), Document(base[2] + " x", "c")],
-              [Document(base[0] + " tail words here", "d"), Document(base[3], "e")]
-              + [Document(base[4], f"f{i}") for i in range(20)],
-              [Document(base[4], f"g{i}") for i in range(20)] + [Document(base[2], "h"), Document(base[5], "i")]]
+    shards = [
+        [Document(base[0], "a"), Document(base[1], "b"), Document(base[2] + " x", "c")],
+        [Document(base[0] + " tail words here", "d"), Document(base[3], "e")]
+        + [Document(base[4], f"f{i}") for i in range(20)],
+        [Document(base[4], f"g{i}") for i in range(20)]
+        + [Document(base[2], "h"), Document(base[5], "i")],
+    ]
     cfg = MinHashConfig(bands=10, rows=2, max_group=3)
     h = MinHasher(cfg)
     buckets: dict = {}
@@ -183,14 +200,16 @@ def test_bucket_pairs_match_brute_force(tmp_path):
                 buckets.setdefault((band, int(bh[i, band])), []).append(int(node(t, i)))
     for task in range(3):  # bands 0, 3, 6, 9 / 1, 4, 7 / 2, 5, 8
         minhash_buckets(tmp_path, task, 3, cfg, block=5)
-        got = {(int(a), int(b)) for a, b in load_array(tmp_path / "pairs" / f"{task:05d}.npy").tolist()}
+        got = {
+            (int(a), int(b)) for a, b in load_array(tmp_path / "pairs" / f"{task:05d}.npy").tolist()
+        }
         want = set()
         for (bd, _), members in buckets.items():
             if bd % 3 != task or len(members) < 2:
                 continue
             m = sorted(members)
             if len(m) <= cfg.max_group:
-                want |= {(x, y) for i, x in enumerate(m) for y in m[i + 1:]}
+                want |= {(x, y) for i, x in enumerate(m) for y in m[i + 1 :]}
             else:  # a large bucket: star from its first member + chain
                 want |= {(m[0], y) for y in m[1:]} | {(x, y) for x, y in zip(m[1:], m[2:])}
         assert got == want, task
@@ -201,9 +220,14 @@ def test_normalize_matches_datatrove():
     accents, case and whitespace."""
     text_mod = pytest.importorskip("datatrove.utils.text")
     cfg = text_mod.TextNormConfig(norm_numbers=False)
-    for t in ["Hello, World!  It's 3.5% — “quoted” «fr»\tnaïve café_x", "$100 a+b=c #tag @user (p) [s] {c} 10:30 a/b",
-              "Ünïcödé ÅNGSTRÖM Crème Brûlée\n\nnext   para", "   ", "e\u0301te\u0301 decomposed",
-              "snake_case-and-dash"]:
+    for t in [
+        "Hello, World!  It's 3.5% — “quoted” «fr»\tnaïve café_x",
+        "$100 a+b=c #tag @user (p) [s] {c} 10:30 a/b",
+        "Ünïcödé ÅNGSTRÖM Crème Brûlée\n\nnext   para",
+        "   ",
+        "e\u0301te\u0301 decomposed",
+        "snake_case-and-dash",
+    ]:
         assert normalize(t) == text_mod.simplify_text(t, cfg), t
     assert normalize("  Crème   Brûlée, s'il vous plaît!\n") == "creme brulee s il vous plait"
 

@@ -14,8 +14,12 @@ from lmstack.data.pipeline import Pipeline
 from lmstack.data.report import merge_stats
 from lmstack.data.writers import read_records
 
-VOCAB = ["".join(random.Random(i).choices("abcdefghijklmnopqrstuvwxyz", k=random.Random(-i).randint(3, 9)))
-         for i in range(3000)]
+VOCAB = [
+    "".join(
+        random.Random(i).choices("abcdefghijklmnopqrstuvwxyz", k=random.Random(-i).randint(3, 9))
+    )
+    for i in range(3000)
+]
 
 
 def _text(rng: random.Random, n: int = 300) -> list[str]:
@@ -31,9 +35,11 @@ def _edit(words: list[str], k: int, rng: random.Random) -> list[str]:
 
 def _jaccard5(a: str, b: str) -> float:
     """Hand reference: word 5-gram sets of the lower-cased, punctuation-free texts."""
+
     def grams(t):
         ws = "".join(c if c.isalnum() else " " for c in t.lower()).split()
-        return {tuple(ws[i:i + 5]) for i in range(len(ws) - 4)}
+        return {tuple(ws[i : i + 5]) for i in range(len(ws) - 4)}
+
     ga, gb = grams(a), grams(b)
     return len(ga & gb) / len(ga | gb)
 
@@ -43,10 +49,15 @@ def folder(tmp_path):
     rng = random.Random(0)
     a, b, c, d, e = (_text(rng) for _ in range(5))
     files = {
-        "a0": " ".join(a), "a1": " ".join(_edit(a, 3, rng)), "a2": " ".join(a).upper() + " !!",  # a2: exact copy
-        "b0": " ".join(b), "b1": " ".join(_edit(b, 2, rng)),
-        "c0": " ".join(c), "c1": " ".join(_edit(c, 3, rng)),
-        "d0": " ".join(d), "d1": " ".join(_edit(d, 120, rng)),  # far apart: both stay
+        "a0": " ".join(a),
+        "a1": " ".join(_edit(a, 3, rng)),
+        "a2": " ".join(a).upper() + " !!",  # a2: exact copy
+        "b0": " ".join(b),
+        "b1": " ".join(_edit(b, 2, rng)),
+        "c0": " ".join(c),
+        "c1": " ".join(_edit(c, 3, rng)),
+        "d0": " ".join(d),
+        "d1": " ".join(_edit(d, 120, rng)),  # far apart: both stay
         "e0": " ".join(e),
     }
     for x, y in (("a0", "a1"), ("b0", "b1"), ("c0", "c1")):
@@ -123,8 +134,11 @@ def _run(root: Path, name: str, workers: int) -> Path:
 
 
 def _files(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and "completions" not in p.parts}  # markers hold the task's wall time
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and "completions" not in p.parts
+    }  # markers hold the task's wall time
 
 
 @pytest.mark.slow
@@ -148,18 +162,22 @@ def test_minhash_pipeline_survivors_workers_and_relaunch(folder):
 
     before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in out2.rglob("*")}
     LocalExecutor(2, progress=False).run(Pipeline.from_toml(root / "two.toml"))
-    assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in out2.rglob("*")} == before  # nothing ran
+    assert {
+        p: (p.stat().st_mtime_ns, p.stat().st_size) for p in out2.rglob("*")
+    } == before  # nothing ran
 
 
 def test_dedup_step_errors(folder, tmp_path):
     from lmstack.data.dedup.steps import MinHashClusters, MinHashDedupFilter
-    from lmstack.data.readers import TextReader
     from lmstack.data.pipeline import Stage
+    from lmstack.data.readers import TextReader
 
     root, _ = folder
     with pytest.raises(ValueError, match="no work folder"):
         list(MinHashDedupFilter()([]))
-    bad = Pipeline([Stage("s", [TextReader(str(root / "in")), MinHashClusters()], tasks=1)], tmp_path / "o1")
+    bad = Pipeline(
+        [Stage("s", [TextReader(str(root / "in")), MinHashClusters()], tasks=1)], tmp_path / "o1"
+    )
     assert bad.stages[0].steps[1].folder == str(tmp_path / "o1" / "dedup" / "minhash")
     with pytest.raises(Exception, match="not documents"):
         LocalExecutor(1, progress=False).run(bad)
@@ -170,11 +188,20 @@ def test_dedup_step_errors(folder, tmp_path):
 
 def test_the_dedup_example_config_builds():
     p = Pipeline.from_toml(Path(__file__).resolve().parents[2] / "configs" / "data" / "dedup.toml")
-    assert [s.name for s in p.stages] == ["filter", "exact_duplicates", "minhash_buckets", "minhash_confirm",
-                                         "minhash_clusters", "dedup"]
+    assert [s.name for s in p.stages] == [
+        "filter",
+        "exact_duplicates",
+        "minhash_buckets",
+        "minhash_confirm",
+        "minhash_clusters",
+        "dedup",
+    ]
     assert [s.tasks for s in p.stages[1:5]] == [4, 14, 4, 1]
     work = {s.folder for st in p.stages for s in st.steps if hasattr(s, "dedup")}
-    assert work == {os.path.join(p.output, "dedup", "exact"), os.path.join(p.output, "dedup", "minhash")}
+    assert work == {
+        os.path.join(p.output, "dedup", "exact"),
+        os.path.join(p.output, "dedup", "minhash"),
+    }
 
 
 @pytest.mark.slow
@@ -187,8 +214,13 @@ def test_ray_runs_the_dedup_pipeline_to_the_same_bytes(folder, monkeypatch):
     out1 = _run(root, "local", 1)
     path = root / "ray.toml"
     path.write_text(TOML.format(out=root / "ray", inp=root / "in"))
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+    )
     try:
         RayExecutor(2, progress=False).run(Pipeline.from_toml(path))
     finally:

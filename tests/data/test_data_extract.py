@@ -12,7 +12,9 @@ from lmstack.data.document import Document
 from lmstack.data.extract import Extract, decode_html, html_to_text
 from lmstack.data.step import StepStats
 
-FIXTURE = Path(__file__).parent / "fixtures" / "libffi_simple_example.html"  # libffi's manual (MIT), as Debian ships it
+FIXTURE = (
+    Path(__file__).parent / "fixtures" / "libffi_simple_example.html"
+)  # libffi's manual (MIT), as Debian ships it
 
 
 def test_real_html_matches_hand_checked_text():
@@ -34,8 +36,10 @@ def test_real_html_matches_hand_checked_text():
 def test_main_content_drops_menus_and_footers():
     from lmstack.data.corpus import FOOTER, NAV, page
 
-    paras = ["The committee reviewed the annual report near the market and the harbour.",
-             "A small team repaired the old bridge before the festival in the spring."]
+    paras = [
+        "The committee reviewed the annual report near the market and the harbour.",
+        "A small team repaired the old bridge before the festival in the spring.",
+    ]
     html = page("Story", paras, before=NAV * 2, after=FOOTER)
     text = html_to_text(html)
     for p in paras:
@@ -45,25 +49,49 @@ def test_main_content_drops_menus_and_footers():
     assert "Sitemap" in html_to_text(html, main_content=False)
 
 
-@pytest.mark.parametrize("enc,header", [("cp1252", None), ("latin-1", "text/html; charset=utf-8"),
-                                        ("utf-16", None), ("utf-8", "text/html; charset=iso-8859-1"),
-                                        ("shift_jis", "text/html; charset=shift_jis")])
+@pytest.mark.parametrize(
+    "enc,header",
+    [
+        ("cp1252", None),
+        ("latin-1", "text/html; charset=utf-8"),
+        ("utf-16", None),
+        ("utf-8", "text/html; charset=iso-8859-1"),
+        ("shift_jis", "text/html; charset=shift_jis"),
+    ],
+)
 def test_encodings_detected_from_the_bytes(enc, header):
-    s = "こんにちは、世界。今日は良い天気です。" if enc == "shift_jis" else "Café crème, naïve façade, déjà vu, résumé."
+    s = (
+        "こんにちは、世界。今日は良い天気です。"
+        if enc == "shift_jis"
+        else "Café crème, naïve façade, déjà vu, résumé."
+    )
     html = f"<html><body><p>{s}</p><p>{s}</p></body></html>"
     assert s in html_to_text(decode_html(html.encode(enc), header))
 
 
 def test_undecodable_and_binary_input_never_crash():
     rnd = os.urandom(5000)
-    for raw in (rnd, b"<html><body><p>ok \xff\xfe\x80 bytes</p></body></html>", b"", b"\x00" * 100,
-                b"<html><body>" + b"<div>" * 5000 + b"deep</body></html>"):
+    for raw in (
+        rnd,
+        b"<html><body><p>ok \xff\xfe\x80 bytes</p></body></html>",
+        b"",
+        b"\x00" * 100,
+        b"<html><body>" + b"<div>" * 5000 + b"deep</body></html>",
+    ):
         assert isinstance(html_to_text(decode_html(raw)), str)
-    docs = [Document("", "a", {"raw": b"\x89PNG\r\n\x1a\n" + rnd, "content_type": "text/html"}),
-            Document("", "b", {"raw": b"%PDF-1.4 ...", "content_type": "application/pdf"}),
-            Document("", "c", {"raw": b"<html><body><p>Hello there, reader.</p></body></html>",
-                               "content_type": "text/html"}),
-            Document("", "d", {"raw": b"<html><body></body></html>", "content_type": "text/html"})]
+    docs = [
+        Document("", "a", {"raw": b"\x89PNG\r\n\x1a\n" + rnd, "content_type": "text/html"}),
+        Document("", "b", {"raw": b"%PDF-1.4 ...", "content_type": "application/pdf"}),
+        Document(
+            "",
+            "c",
+            {
+                "raw": b"<html><body><p>Hello there, reader.</p></body></html>",
+                "content_type": "text/html",
+            },
+        ),
+        Document("", "d", {"raw": b"<html><body></body></html>", "content_type": "text/html"}),
+    ]
     st = StepStats("extract")
     out = list(Extract()(docs, st))
     assert [d.id for d in out] == ["c"] and out[0].text == "Hello there, reader."
@@ -75,7 +103,9 @@ def test_trafilatura_engine_extracts_the_article():
     pytest.importorskip("trafilatura")
     from lmstack.data.corpus import FOOTER, NAV, page
 
-    paras = [" ".join(["The committee reviewed the annual report near the market and the harbour."] * 3)] * 2
+    paras = [
+        " ".join(["The committee reviewed the annual report near the market and the harbour."] * 3)
+    ] * 2
     text = html_to_text(page("Story", paras, before=NAV, after=FOOTER), engine="trafilatura")
     assert paras[0] in text and "Sitemap" not in text
     with pytest.raises(ValueError, match="engine"):
@@ -84,8 +114,13 @@ def test_trafilatura_engine_extracts_the_article():
 
 def test_html_already_decoded_or_in_the_text():
     st = StepStats("extract")
-    docs = [Document("", "s", {"raw": "<html><body><p>Decoded already.</p></body></html>"}),
-            Document("<!DOCTYPE html><html><body><p>In the text field.</p></body></html>", "t"),
-            Document("Plain text stays as it is.", "p")]
-    assert [d.text for d in Extract()(docs, st)] == ["Decoded already.", "In the text field.",
-                                                     "Plain text stays as it is."]
+    docs = [
+        Document("", "s", {"raw": "<html><body><p>Decoded already.</p></body></html>"}),
+        Document("<!DOCTYPE html><html><body><p>In the text field.</p></body></html>", "t"),
+        Document("Plain text stays as it is.", "p"),
+    ]
+    assert [d.text for d in Extract()(docs, st)] == [
+        "Decoded already.",
+        "In the text field.",
+        "Plain text stays as it is.",
+    ]

@@ -40,13 +40,17 @@ def test_mixed_document_votes_by_length():
     shares = lid.distribution(text)
     assert list(shares) == ["en", "de"]
     n_en, n_de = len(long_en), len(SAMPLES["de"])
-    assert shares["en"] == pytest.approx(n_en / (n_en + n_de)) and sum(shares.values()) == pytest.approx(1.0)
+    assert shares["en"] == pytest.approx(n_en / (n_en + n_de)) and sum(
+        shares.values()
+    ) == pytest.approx(1.0)
     lang, score = lid.predict(text)
     assert lang == "en" and 0.5 < score <= 1.0
 
 
 def test_filter_keeps_routes_and_drops_with_reasons():
-    docs = [Document(SAMPLES[k], k) for k in ("en", "de", "fr")] + [Document("1234 5678 %%%% ----", "junk")]
+    docs = [Document(SAMPLES[k], k) for k in ("en", "de", "fr")] + [
+        Document("1234 5678 %%%% ----", "junk")
+    ]
     st = StepStats("language_filter")
     kept = list(LanguageFilter(["en", "de"], threshold=0.65)(docs, st))
     assert [d.id for d in kept] == ["en", "de"]
@@ -63,5 +67,7 @@ def test_paragraphs_lid_cannot_place_do_not_vote():
     text = SAMPLES["en"] + "\n" + code
     lang, score = LanguageID().predict(text)
     assert lang == "en" and score > 0.65
-    _, diluted = LanguageID(abstain_below=0.0).predict(text)  # every line votes: the code drags the score
+    _, diluted = LanguageID(abstain_below=0.0).predict(
+        text
+    )  # every line votes: the code drags the score
     assert diluted < score

@@ -9,13 +9,45 @@ from lmstack.data.document import Document
 from lmstack.data.pii import EMAIL_TOKEN, IP_TOKEN, PHONE_TOKEN, PII, PIIReplacer
 from lmstack.data.step import StepStats
 
-PHONES = ["(555) 123-4567", "(555)123-4567", "555-123-4567", "555.123.4567", "555 123 4567", "5551234567",
-          "+1 555 123 4567", "+1-555-123-4567", "1-800-555-0199", "+1 (555) 123-4567",
-          "+44 20 7946 0958", "+44 (0)20 7946 0958", "+49 30 901820", "+33 1 23 45 67 89", "+81-3-1234-5678",
-          "+86 10 1234 5678", "+861012345678", "0044 20 7946 0958", "+91 98765 43210", "+61 2 9374 4000"]
-EMAILS = ["john.doe@example.com", "a@b.io", "first.last+tag@mail.example.co.uk", "x_y-z@sub-domain.example.org"]
-IPS = ["8.8.8.8", "192.168.1.1", "10.0.0.254", "255.255.255.255", "2001:4860:4860::8888", "fe80::1", "::1",
-       "2001:db8:0:0:1:0:0:1", "::ffff:192.0.2.128"]
+PHONES = [
+    "(555) 123-4567",
+    "(555)123-4567",
+    "555-123-4567",
+    "555.123.4567",
+    "555 123 4567",
+    "5551234567",
+    "+1 555 123 4567",
+    "+1-555-123-4567",
+    "1-800-555-0199",
+    "+1 (555) 123-4567",
+    "+44 20 7946 0958",
+    "+44 (0)20 7946 0958",
+    "+49 30 901820",
+    "+33 1 23 45 67 89",
+    "+81-3-1234-5678",
+    "+86 10 1234 5678",
+    "+861012345678",
+    "0044 20 7946 0958",
+    "+91 98765 43210",
+    "+61 2 9374 4000",
+]
+EMAILS = [
+    "john.doe@example.com",
+    "a@b.io",
+    "first.last+tag@mail.example.co.uk",
+    "x_y-z@sub-domain.example.org",
+]
+IPS = [
+    "8.8.8.8",
+    "192.168.1.1",
+    "10.0.0.254",
+    "255.255.255.255",
+    "2001:4860:4860::8888",
+    "fe80::1",
+    "::1",
+    "2001:db8:0:0:1:0:0:1",
+    "::ffff:192.0.2.128",
+]
 
 
 @pytest.mark.parametrize("phone", PHONES)
@@ -40,22 +72,43 @@ def test_every_ip_format_and_public_only(ip):
     assert out == (f"Server {IP_TOKEN} is up." if public else f"Server {ip} is up.")
 
 
-@pytest.mark.parametrize("text", ["Version 3.11.2 and 1.2.3.4.5", "On 2024-01-01 at 12:30:45", "pi = 3.14159",
-                                  "ISBN 978-3-16-148410-0", "order 1234567890123456", "999.1.1.1 and 256.0.0.1",
-                                  "an @ sign alone", "zip 12345"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Version 3.11.2 and 1.2.3.4.5",
+        "On 2024-01-01 at 12:30:45",
+        "pi = 3.14159",
+        "ISBN 978-3-16-148410-0",
+        "order 1234567890123456",
+        "999.1.1.1 and 256.0.0.1",
+        "an @ sign alone",
+        "zip 12345",
+    ],
+)
 def test_non_pii_left_alone(text):
-    assert PIIReplacer().replace(text) == (text, {"email_address": 0, "phone_number": 0, "ip_address": 0})
+    assert PIIReplacer().replace(text) == (
+        text,
+        {"email_address": 0, "phone_number": 0, "ip_address": 0},
+    )
 
 
 def test_exact_counts_and_existing_tokens_never_touched():
-    text = (f"Mail {EMAILS[0]} or {EMAILS[1]}; call {PHONES[0]}, {PHONES[10]} or {PHONES[5]}; hosts {IPS[0]}, "
-            f"{IPS[4]}. Already clean: {EMAIL_TOKEN} {PHONE_TOKEN} {IP_TOKEN}|||PHONE_NUMBER|||.")
+    text = (
+        f"Mail {EMAILS[0]} or {EMAILS[1]}; call {PHONES[0]}, {PHONES[10]} or {PHONES[5]}; hosts {IPS[0]}, "
+        f"{IPS[4]}. Already clean: {EMAIL_TOKEN} {PHONE_TOKEN} {IP_TOKEN}|||PHONE_NUMBER|||."
+    )
     st = StepStats("pii")
     doc = PII().apply(Document(text, "x"), st)
     assert dict(st.counters) == {"email_address": 2, "phone_number": 3, "ip_address": 2}
     assert doc.metadata["pii"] == {"email_address": 2, "phone_number": 3, "ip_address": 2}
-    assert doc.text.count(EMAIL_TOKEN) == 3 and doc.text.count(PHONE_TOKEN) == 5 and doc.text.count(IP_TOKEN) == 3
-    assert doc.text.endswith(f"Already clean: {EMAIL_TOKEN} {PHONE_TOKEN} {IP_TOKEN}|||PHONE_NUMBER|||.")
+    assert (
+        doc.text.count(EMAIL_TOKEN) == 3
+        and doc.text.count(PHONE_TOKEN) == 5
+        and doc.text.count(IP_TOKEN) == 3
+    )
+    assert doc.text.endswith(
+        f"Already clean: {EMAIL_TOKEN} {PHONE_TOKEN} {IP_TOKEN}|||PHONE_NUMBER|||."
+    )
     st2 = StepStats("pii")  # idempotent: a second pass finds nothing and changes nothing
     again = PII().apply(doc, st2)
     assert again.text == doc.text and sum(st2.counters.values()) == 0

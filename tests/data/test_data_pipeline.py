@@ -56,12 +56,19 @@ def corpus(tmp_path, monkeypatch):
     """4 JSONL files of 5 records: records 0 and 3 of each say "drop"; file 2 has one more line that is not JSON."""
     (tmp_path / "stepmod.py").write_text(STEP_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join([str(tmp_path), str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+    )
     inp = tmp_path / "in"
     inp.mkdir()
     for i in range(4):
-        lines = [json.dumps({"text": f"file {i} doc {j}" + (" drop" if j in (0, 3) else "") + " body" * j})
-                 for j in range(5)]
+        lines = [
+            json.dumps(
+                {"text": f"file {i} doc {j}" + (" drop" if j in (0, 3) else "") + " body" * j}
+            )
+            for j in range(5)
+        ]
         if i == 2:
             lines.insert(2, "{not json")
         (inp / f"part{i}.jsonl").write_text("\n".join(lines) + "\n")
@@ -70,30 +77,35 @@ def corpus(tmp_path, monkeypatch):
 
 def toml(root, out, delay=0.0, extra=""):
     path = root / f"{out}.toml"
-    path.write_text(textwrap.dedent(f'''
+    path.write_text(
+        textwrap.dedent(f'''
         output = "{root / out}"
         [[step]]
         type = "read_jsonl"
-        paths = ["{root / 'in'}"]
+        paths = ["{root / "in"}"]
         [[step]]
         type = "stepmod:NoDrop"
         [[step]]
         type = "write_jsonl"
-        output = "{root / out / 'clean'}"
+        output = "{root / out / "clean"}"
         max_docs = 2
         [[step]]
         type = "stepmod:Slow"  # after the writer: it sleeps while a shard is open
         log = "{root / out}.log"
         delay = {delay}
         {extra}
-    '''))
+    ''')
+    )
     return path
 
 
 def tree(folder: Path) -> dict[str, bytes]:
     """Every file below ``folder`` but the completion markers (they hold the wall time)."""
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and "completions" not in p.parts and p.suffix not in (".log", ".png")}
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and "completions" not in p.parts and p.suffix not in (".log", ".png")
+    }
 
 
 def test_toml_pipeline_counts_and_exclusions(corpus):
@@ -106,22 +118,36 @@ def test_toml_pipeline_counts_and_exclusions(corpus):
     reader, nodrop, writer, slow = (sum(t["steps"][k]["docs_out"] for t in stats) for k in range(4))
     assert (reader, nodrop, writer, slow) == (20, 12, 12, 12)  # 21 records, 1 bad; 8 say "drop"
     assert stats[2]["steps"][0]["dropped"] == {"bad_json": 1}
-    assert [s["name"] for s in stats[0]["steps"]] == ["jsonl_reader", "no_drop", "jsonl_writer", "slow"]
+    assert [s["name"] for s in stats[0]["steps"]] == [
+        "jsonl_reader",
+        "no_drop",
+        "jsonl_writer",
+        "slow",
+    ]
     # 3 kept per file, 2 per shard: 2 shards per task
-    assert sorted(os.listdir(out / "clean")) == [f"0000{i}_0000{k}.jsonl.gz" for i in range(4) for k in range(2)]
+    assert sorted(os.listdir(out / "clean")) == [
+        f"0000{i}_0000{k}.jsonl.gz" for i in range(4) for k in range(2)
+    ]
     kept = [r["text"] for f in sorted((out / "clean").iterdir()) for r in read_records(f)]
     assert kept == [f"file {i} doc {j}" + " body" * j for i in range(4) for j in (1, 2, 4)]
     excluded = [r for f in sorted((out / "main" / "excluded").iterdir()) for r in read_records(f)]
     assert [(r["step"], r["reason"]) for r in excluded].count(("no_drop", "contains_drop")) == 8
-    assert [(r["step"], r["reason"], r["metadata"]["line"]) for r in excluded if r["reason"] == "bad_json"] == \
-        [("jsonl_reader", "bad_json", 3)]
+    assert [
+        (r["step"], r["reason"], r["metadata"]["line"])
+        for r in excluded
+        if r["reason"] == "bad_json"
+    ] == [("jsonl_reader", "bad_json", 3)]
 
     # the merged report: `lmstack data stats`
     assert main(["data", "stats", str(out)]) == 0
     merged = json.loads((out / "stats.json").read_text())["main"]
     assert merged["tasks"] == merged["world"] == 4
     assert [(s["name"], s["docs_in"], s["docs_out"]) for s in merged["steps"]] == [
-        ("jsonl_reader", 21, 20), ("no_drop", 20, 12), ("jsonl_writer", 12, 12), ("slow", 12, 12)]
+        ("jsonl_reader", 21, 20),
+        ("no_drop", 20, 12),
+        ("jsonl_writer", 12, 12),
+        ("slow", 12, 12),
+    ]
     assert (out / "funnel.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -129,7 +155,9 @@ def test_relaunch_skips_completed_tasks_and_refuses_another_split(corpus):
     path = toml(corpus, "a")
     LocalExecutor(1, progress=False).run(Pipeline.from_toml(path))
     LocalExecutor(1, progress=False).run(Pipeline.from_toml(path))
-    assert (corpus / "a.log").read_text().split("\n").count("start 0") == 1  # the second run did nothing
+    assert (corpus / "a.log").read_text().split("\n").count(
+        "start 0"
+    ) == 1  # the second run did nothing
     p = Pipeline.from_toml(path)
     p.stages[0].tasks = 2
     with pytest.raises(ValueError, match="launched with 4 tasks"):
@@ -139,15 +167,23 @@ def test_relaunch_skips_completed_tasks_and_refuses_another_split(corpus):
 @pytest.mark.slow
 def test_kill_9_mid_task_then_relaunch_is_byte_identical(corpus):
     LocalExecutor(1, progress=False).run(Pipeline.from_toml(toml(corpus, "ref")))
-    path = toml(corpus, "b", delay=0.5)  # 3 records kept per task: 1.5 s, 0.5 s with each shard open
+    path = toml(
+        corpus, "b", delay=0.5
+    )  # 3 records kept per task: 1.5 s, 0.5 s with each shard open
     out = corpus / "b"
-    proc = subprocess.Popen([sys.executable, "-m", "lmstack", "data", "run", str(path), "--no-progress"],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmstack", "data", "run", str(path), "--no-progress"],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 120
         # task 0 complete, task 1 has renamed its first shard and is writing its second
         while not list((out / "clean").glob(".00001_00001.jsonl.gz.*.tmp")):
-            assert proc.poll() is None and time.time() < deadline, "the pipeline ended before it could be killed"
+            assert proc.poll() is None and time.time() < deadline, (
+                "the pipeline ended before it could be killed"
+            )
             time.sleep(0.02)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -156,29 +192,61 @@ def test_kill_9_mid_task_then_relaunch_is_byte_identical(corpus):
             os.killpg(proc.pid, signal.SIGKILL)
     assert (out / "main" / "completions" / "00000.json").exists()
     assert not (out / "main" / "completions" / "00001.json").exists()
-    assert any(p.name.startswith(".") for p in (out / "clean").iterdir())  # the killed shard's temp file
+    assert any(
+        p.name.startswith(".") for p in (out / "clean").iterdir()
+    )  # the killed shard's temp file
 
-    LocalExecutor(1, progress=False).run(Pipeline.from_toml(toml(corpus, "b", delay=0.0)))  # same run, no sleep
+    LocalExecutor(1, progress=False).run(
+        Pipeline.from_toml(toml(corpus, "b", delay=0.0))
+    )  # same run, no sleep
     starts = (corpus / "b.log").read_text().split()
-    assert [starts[i + 1] for i in range(0, len(starts), 2)] == ["0", "1", "1", "2", "3"]  # task 0 never again
+    assert [starts[i + 1] for i in range(0, len(starts), 2)] == [
+        "0",
+        "1",
+        "1",
+        "2",
+        "3",
+    ]  # task 0 never again
     assert tree(out) == tree(corpus / "ref")
 
 
 def test_stages_run_in_order_and_a_failed_task_stops_the_run(corpus):
     out = corpus / "ms"
-    first = Stage("split", [JsonlReader(str(corpus / "in")), JsonlWriter(out / "s1", compression=None)], tasks=2)
-    second = Stage("merge", [JsonlReader(str(out / "s1")), build_step({"type": "stepmod:NoDrop"}),
-                             JsonlWriter(out / "s2", compression=None)], tasks=1)
+    first = Stage(
+        "split",
+        [JsonlReader(str(corpus / "in")), JsonlWriter(out / "s1", compression=None)],
+        tasks=2,
+    )
+    second = Stage(
+        "merge",
+        [
+            JsonlReader(str(out / "s1")),
+            build_step({"type": "stepmod:NoDrop"}),
+            JsonlWriter(out / "s2", compression=None),
+        ],
+        tasks=1,
+    )
     LocalExecutor(1, progress=False).run(Pipeline([first, second], out))
     # stage 1: task 0 has files 0 and 2, task 1 files 1 and 3; stage 2 reads both after both finished
     assert sorted(os.listdir(out / "s1")) == ["00000_00000.jsonl", "00001_00000.jsonl"]
     assert len(list(read_records(out / "s2" / "00000_00000.jsonl"))) == 12
 
-    bad = Pipeline([Stage("boom", [JsonlReader(str(corpus / "in")), build_step({"type": "stepmod:Boom"})]),
-                    Stage("after", [JsonlReader(str(corpus / "in"))])], corpus / "bad")
-    with pytest.raises(StageFailed, match=r"(?s)stage 'boom': 1 task\(s\) failed \(\[1\]\).*task 1 always fails"):
+    bad = Pipeline(
+        [
+            Stage("boom", [JsonlReader(str(corpus / "in")), build_step({"type": "stepmod:Boom"})]),
+            Stage("after", [JsonlReader(str(corpus / "in"))]),
+        ],
+        corpus / "bad",
+    )
+    with pytest.raises(
+        StageFailed, match=r"(?s)stage 'boom': 1 task\(s\) failed \(\[1\]\).*task 1 always fails"
+    ):
         LocalExecutor(1, progress=False).run(bad)
-    assert sorted(os.listdir(corpus / "bad" / "boom" / "completions")) == ["00000.json", "00002.json", "00003.json"]
+    assert sorted(os.listdir(corpus / "bad" / "boom" / "completions")) == [
+        "00000.json",
+        "00002.json",
+        "00003.json",
+    ]
     assert not (corpus / "bad" / "after").exists()
 
 
@@ -197,18 +265,38 @@ def test_registry_and_toml_errors(corpus, tmp_path):
     with pytest.raises(ValueError, match=r"unknown step type 'gopher_qualty'.*read_jsonl"):
         build_step({"type": "gopher_qualty"})
     with pytest.raises(ValueError, match=r"step 1 \(type 'write_jsonl'\).*max_doc"):
-        Pipeline.from_dict({"output": "x", "step": [{"type": "read_jsonl", "paths": ["in"]},
-                                                    {"type": "write_jsonl", "output": "o", "max_doc": 3}]})
-    one = Pipeline.from_dict({"output": str(tmp_path / "o"), "tasks": 2,
-                              "step": [{"type": "read_jsonl", "paths": [str(corpus / "in")], "name": "src"}]})
+        Pipeline.from_dict(
+            {
+                "output": "x",
+                "step": [
+                    {"type": "read_jsonl", "paths": ["in"]},
+                    {"type": "write_jsonl", "output": "o", "max_doc": 3},
+                ],
+            }
+        )
+    one = Pipeline.from_dict(
+        {
+            "output": str(tmp_path / "o"),
+            "tasks": 2,
+            "step": [{"type": "read_jsonl", "paths": [str(corpus / "in")], "name": "src"}],
+        }
+    )
     assert one.stages[0].task_count() == 2 and one.stages[0].steps[0].name == "src"
     src = {"type": "read_jsonl", "paths": [str(corpus / "in")]}
     with pytest.raises(ValueError, match="lies inside stage 'main'.s input"):
-        Pipeline.from_dict({"output": str(tmp_path / "o"), "step": [src, {"type": "write_jsonl",
-                                                                          "output": str(corpus / "in" / "clean")}]})
+        Pipeline.from_dict(
+            {
+                "output": str(tmp_path / "o"),
+                "step": [src, {"type": "write_jsonl", "output": str(corpus / "in" / "clean")}],
+            }
+        )
     with pytest.raises(ValueError, match="inside stage 'main'.s log folder"):
-        Pipeline.from_dict({"output": str(tmp_path / "o"), "step": [src, {"type": "write_jsonl",
-                                                                          "output": str(tmp_path / "o" / "main")}]})
+        Pipeline.from_dict(
+            {
+                "output": str(tmp_path / "o"),
+                "step": [src, {"type": "write_jsonl", "output": str(tmp_path / "o" / "main")}],
+            }
+        )
     with pytest.raises(ValueError, match="the pipeline's output"):
         Pipeline.from_dict({"output": str(corpus / "in" / "logs"), "step": [src]})
     with pytest.raises(ValueError, match="missing 'output'"):
@@ -239,8 +327,13 @@ def test_ray_executor_gives_the_same_outputs_and_stats(corpus, monkeypatch):
     ray = pytest.importorskip("ray")
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     LocalExecutor(1, progress=False).run(Pipeline.from_toml(toml(corpus, "local")))
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}},
+    )
     try:
         RayExecutor(2, progress=False).run(Pipeline.from_toml(toml(corpus, "ray")))
         assert ray.is_initialized()  # it used this process's Ray and left it running
@@ -248,7 +341,9 @@ def test_ray_executor_gives_the_same_outputs_and_stats(corpus, monkeypatch):
         ray.shutdown()
     local, viaray = tree(corpus / "local"), tree(corpus / "ray")
     assert local == viaray and any(k.startswith("main/stats/") for k in local)
-    assert sorted(os.listdir(corpus / "ray" / "main" / "completions")) == [f"0000{i}.json" for i in range(4)]
+    assert sorted(os.listdir(corpus / "ray" / "main" / "completions")) == [
+        f"0000{i}.json" for i in range(4)
+    ]
 
 
 def test_run_task_returns_none_for_a_completed_task(corpus):

@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from lmstack.data.document import Document
-from lmstack.data.quality import C4BadWords, C4Quality, FineWebQuality, GopherQuality, GopherRepetition, split_words
+from lmstack.data.quality import (
+    C4BadWords,
+    C4Quality,
+    FineWebQuality,
+    GopherQuality,
+    GopherRepetition,
+    split_words,
+)
 
 
 def words(n: int, rng=None, length: int = 5) -> list[str]:
@@ -45,7 +52,10 @@ def test_gopher_mean_word_length_bounds():
     # 2 x 3 + 14 x 11 + 34 x 10 = 500 characters over 50 words: exactly 10
     ten = ["the", "and"] + words(14, length=11) + words(34, random.Random(1), length=10)
     assert gq(" ".join(ten)) is None
-    assert gq(" ".join(ten[:-1] + words(1, random.Random(2), length=11))) == "gopher_above_avg_threshold"
+    assert (
+        gq(" ".join(ten[:-1] + words(1, random.Random(2), length=11)))
+        == "gopher_above_avg_threshold"
+    )
 
 
 def test_gopher_symbol_ratios():
@@ -70,7 +80,10 @@ def test_gopher_alpha_and_stop_words():
     assert gq(" ".join(base + ["1234"] * 13)) == "gopher_below_alpha_threshold"  # 50 / 63
     assert gq(" ".join(["the", "the"] + words(48))) == "gopher_enough_stop_words"
     assert gq(" ".join(["The", "And"] + words(48))) is None  # case-insensitive, as Gopher means it
-    assert gq(" ".join(["The", "And"] + words(48)), stop_words_case_sensitive=True) == "gopher_enough_stop_words"
+    assert (
+        gq(" ".join(["The", "And"] + words(48)), stop_words_case_sensitive=True)
+        == "gopher_enough_stop_words"
+    )
 
 
 # ---------------------------------------------------------------------------------- Gopher repetition boundaries
@@ -90,7 +103,11 @@ def test_gopher_duplicate_lines_and_paragraphs():
     # character fraction: a repeated line of c characters in a text of T characters, threshold c / T
     t = "\n".join(uniq[:5] + [uniq[0]])
     frac = len(uniq[0]) / len(t)
-    only = {"dup_line_frac": None, "top_n_grams": [], "dup_n_grams": []}  # the n-gram rules would see it too
+    only = {
+        "dup_line_frac": None,
+        "top_n_grams": [],
+        "dup_n_grams": [],
+    }  # the n-gram rules would see it too
     assert gr(t, dup_line_char_frac=frac, **only) is None
     assert gr(t, dup_line_char_frac=frac - 1e-9, **only) == "dup_line_char_frac"
 
@@ -116,15 +133,22 @@ def test_c4_sentences_lines_and_page_rules():
     five = "\n".join(sent(i) for i in range(5))
     assert C4Quality().reason(doc(five)) is None
     assert C4Quality().reason(doc("\n".join(sent(i) for i in range(4)))) == "too_few_sentences"
-    d = doc(five + "\nNo end punctuation here\nTwo words.\nEnable javascript to see this page.\n"
-            "We use cookies, see the cookie policy.\nA citation here[1].\n" + "x" * 1001 + " long word.")
+    d = doc(
+        five + "\nNo end punctuation here\nTwo words.\nEnable javascript to see this page.\n"
+        "We use cookies, see the cookie policy.\nA citation here[1].\n" + "x" * 1001 + " long word."
+    )
     assert C4Quality().reason(d) is None  # the bad lines go, the page stays
     assert d.text.splitlines() == five.splitlines() + ["A citation here."]
     assert C4Quality().reason(doc(five + "\nThis is lorem ipsum dolor.")) == "lorem_ipsum"
     assert C4Quality().reason(doc(five + "\nfunction f() { return 1; }.")) == "curly_bracket"
     assert C4Quality().reason(doc(five.replace(".", "..."))) == "too_few_sentences"
-    d = doc(five + "\nThree words here.\n" + "y" * 1000 + " is long.")  # both just inside their line rules
-    assert C4Quality().reason(d) is None and d.text.splitlines()[-2:] == ["Three words here.", "y" * 1000 + " is long."]
+    d = doc(
+        five + "\nThree words here.\n" + "y" * 1000 + " is long."
+    )  # both just inside their line rules
+    assert C4Quality().reason(d) is None and d.text.splitlines()[-2:] == [
+        "Three words here.",
+        "y" * 1000 + " is long.",
+    ]
 
 
 def test_c4_bad_words():
@@ -141,7 +165,11 @@ def test_c4_bad_words():
 def fw_lines(n_punct: int, n_short: int, n: int = 100) -> str:
     out = []
     for i in range(n):
-        ln = " ".join(words(3, random.Random(i), 4)) if i < n_short else " ".join(words(7, random.Random(i), 5))
+        ln = (
+            " ".join(words(3, random.Random(i), 4))
+            if i < n_short
+            else " ".join(words(7, random.Random(i), 5))
+        )
         out.append(ln + ("." if i >= n - n_punct else ""))
     return "\n".join(out)
 
@@ -152,15 +180,22 @@ def test_fineweb_boundaries():
     assert f.reason(doc(fw_lines(11, 0))) == "line_punct_ratio"
     assert f.reason(doc(fw_lines(50, 67))) is None  # 67 lines of <= 30 characters of 100
     assert f.reason(doc(fw_lines(50, 68))) == "short_line_ratio"
-    assert len("x" * 30) <= 30 and f.reason(doc("\n".join(["y" * 30 + "."] * 1 + [fw_lines(50, 0)]))) is None
+    assert (
+        len("x" * 30) <= 30
+        and f.reason(doc("\n".join(["y" * 30 + "."] * 1 + [fw_lines(50, 0)]))) is None
+    )
     base = fw_lines(50, 0, 20).splitlines()
     t = "\n".join(base + [base[0]])
     frac = len(base[0]) / (len(t) - t.count("\n"))
     assert FineWebQuality(char_duplicates_ratio=frac).reason(doc(t)) is None
     assert FineWebQuality(char_duplicates_ratio=frac - 1e-9).reason(doc(t)) == "char_dup_ratio"
     assert f.reason(doc("\n\n  \n")) == "empty"
-    assert f.reason(doc("\n".join(["Aaaaaa bbbbbbbbb ccccccccc dddddddd eeeeee."] * 1 + ["Ok fine."] * 9))) \
+    assert (
+        f.reason(
+            doc("\n".join(["Aaaaaa bbbbbbbbb ccccccccc dddddddd eeeeee."] * 1 + ["Ok fine."] * 9))
+        )
         == "short_line_ratio"
+    )
 
 
 # ------------------------------------------------------------------------ the same survivors as datatrove's filters
@@ -176,10 +211,18 @@ def reference_docs() -> list[str]:
         t = html_to_text(decode_html(rec.payload, rec.content_type))
         if t:
             texts.append(t)
-    fixture = Path(__file__).parent / "fixtures" / "libffi_simple_example.html"  # real documentation with code
+    fixture = (
+        Path(__file__).parent / "fixtures" / "libffi_simple_example.html"
+    )  # real documentation with code
     texts.append(html_to_text(decode_html(fixture.read_bytes())))
-    texts += [fw_lines(12, 0), fw_lines(11, 0), fw_lines(50, 68), "\n".join(sent(i) for i in range(5)),
-              " ".join(["the", "and"] + words(48) + ["#"] * 6), " ".join(["the", "and"] + words(47))]
+    texts += [
+        fw_lines(12, 0),
+        fw_lines(11, 0),
+        fw_lines(50, 68),
+        "\n".join(sent(i) for i in range(5)),
+        " ".join(["the", "and"] + words(48) + ["#"] * 6),
+        " ".join(["the", "and"] + words(47)),
+    ]
     return texts
 
 
@@ -200,23 +243,29 @@ def _dt_reason(flt, text):
 @pytest.mark.slow
 def test_same_decisions_as_datatrove(dt):
     texts = reference_docs()
-    pairs = [(GopherQuality(stop_words_case_sensitive=True), dt.GopherQualityFilter()),
-             (GopherRepetition(), dt.GopherRepetitionFilter()),
-             (C4Quality(), dt.C4QualityFilter()),
-             (FineWebQuality(char_duplicates_ratio=0.01), dt.FineWebQualityFilter())]
+    pairs = [
+        (GopherQuality(stop_words_case_sensitive=True), dt.GopherQualityFilter()),
+        (GopherRepetition(), dt.GopherRepetitionFilter()),
+        (C4Quality(), dt.C4QualityFilter()),
+        (FineWebQuality(char_duplicates_ratio=0.01), dt.FineWebQualityFilter()),
+    ]
     for ours, ref in pairs:
         got, want = [], []
         for t in texts:
             d = doc(t)
             got.append((ours.reason(d), d.text))
             want.append(_dt_reason(ref, t))
-        assert got == want, ours.name  # same reason for every drop, same rewritten text (C4) for every keep
+        assert got == want, (
+            ours.name
+        )  # same reason for every drop, same rewritten text (C4) for every keep
         assert any(r is None for r, _ in got) and any(r is not None for r, _ in got)
 
 
 def test_word_splitter_matches_spacy_on_common_shapes(dt):
     from datatrove.utils.text import split_into_words
 
-    s = ("Linux kernel (see \"capabilities(7)\") has /etc/passwd and ~/.bashrc; it's isn't 50% $5 C++ a/b "
-         "e.g. U.S. 1,000.50 2024-01-01 well-known x--y wait... «quoted» e-mail me@example.com #tag done.")
+    s = (
+        "Linux kernel (see \"capabilities(7)\") has /etc/passwd and ~/.bashrc; it's isn't 50% $5 C++ a/b "
+        "e.g. U.S. 1,000.50 2024-01-01 well-known x--y wait... «quoted» e-mail me@example.com #tag done."
+    )
     assert split_words(s) == split_into_words(s)

@@ -56,16 +56,24 @@ def test_token_file_is_each_document_then_eos(smol, tmp_path, use_native):
     assert out == tmp_path / "00003.bin"  # named after the task
     passed = list(step(docs, stats))
 
-    texts = TEXTS + ["lone \ufffd surrogate \ufffd"]  # lone surrogates become U+FFFD, as tiktoken does
+    texts = TEXTS + [
+        "lone \ufffd surrogate \ufffd"
+    ]  # lone surrogates become U+FFFD, as tiktoken does
     want = np.concatenate([np.array(tt.encode_ordinary(t) + [eos], dtype=np.uint16) for t in texts])
     got = open_tokens(out)
     np.testing.assert_array_equal(got, want)
-    assert [d.text for d in passed] == TEXTS + ["lone \ud800 surrogate \udfff"]  # documents pass on unchanged
+    assert [d.text for d in passed] == TEXTS + [
+        "lone \ud800 surrogate \udfff"
+    ]  # documents pass on unchanged
     assert stats.docs_in == len(docs) and stats.docs_out == len(texts)
     assert stats.dropped == {"empty_text": 1}
     assert stats.counters["tokens"] == len(want) and stats.counters["surrogate_documents"] == 1
     meta = json.loads((tmp_path / "00003.bin.json").read_text())
-    assert meta["n_documents"] == len(texts) and meta["eos_id"] == eos and meta["vocab_size"] == smol.vocab_size
+    assert (
+        meta["n_documents"] == len(texts)
+        and meta["eos_id"] == eos
+        and meta["vocab_size"] == smol.vocab_size
+    )
 
     # round trip: cut after each EOS (as training's split_documents does) and decode back to the text
     ends = np.flatnonzero(np.asarray(got) == eos)
@@ -75,7 +83,9 @@ def test_token_file_is_each_document_then_eos(smol, tmp_path, use_native):
 
 def test_nothing_is_written_when_the_stream_fails(smol, tmp_path):
     step = Tokenize(smol, tmp_path)
-    list(step(docs_of(["a killed run's file"]), StepStats("tokenize")))  # no completion marker: not trusted
+    list(
+        step(docs_of(["a killed run's file"]), StepStats("tokenize"))
+    )  # no completion marker: not trusted
 
     def broken():
         yield from docs_of(["fine", "also fine"])
@@ -83,7 +93,9 @@ def test_nothing_is_written_when_the_stream_fails(smol, tmp_path):
 
     with pytest.raises(RuntimeError, match="reader died"):
         list(step(broken(), StepStats("tokenize")))
-    assert list(tmp_path.iterdir()) == []  # the old file cleared at the start, the new one never renamed
+    assert (
+        list(tmp_path.iterdir()) == []
+    )  # the old file cleared at the start, the new one never renamed
     gen = step(iter(docs_of(["x"] * 5)), StepStats("tokenize"))
     next(gen)
     gen.close()  # a consumer that stops early
@@ -91,8 +103,10 @@ def test_nothing_is_written_when_the_stream_fails(smol, tmp_path):
 
 
 def write_shard(path: Path, texts, gz=False):
-    lines = "".join(json.dumps({"text": t, "id": stable_id(str(path), i), "metadata": {}}) + "\n"
-                    for i, t in enumerate(texts))
+    lines = "".join(
+        json.dumps({"text": t, "id": stable_id(str(path), i), "metadata": {}}) + "\n"
+        for i, t in enumerate(texts)
+    )
     path.write_bytes(gzip.compress(lines.encode()) if gz else lines.encode())
     return path
 
@@ -104,21 +118,32 @@ def test_shards_in_parallel_and_lmstack_train_reads_them(smol, tmp_path):
 
     tt = to_tiktoken(smol)
     groups = [TEXTS[:3] * 4, TEXTS[3:] * 3, ["", ""], TEXTS[::-1] * 5]
-    shards = [write_shard(tmp_path / f"{k:05d}.jsonl{'.gz' if k % 2 else ''}", g, gz=bool(k % 2))
-              for k, g in enumerate(groups)]
-    outputs, stats = tokenize_shards(shards, tmp_path / "tokens", smol, tmp_path / "logs", num_workers=2)
+    shards = [
+        write_shard(tmp_path / f"{k:05d}.jsonl{'.gz' if k % 2 else ''}", g, gz=bool(k % 2))
+        for k, g in enumerate(groups)
+    ]
+    outputs, stats = tokenize_shards(
+        shards, tmp_path / "tokens", smol, tmp_path / "logs", num_workers=2
+    )
     assert outputs == [tmp_path / "tokens" / f"{k:05d}.bin" for k in range(4)]  # shard k -> task k
     eos = smol.eos_token_id
     for g, o in zip(groups, outputs):
         want = [i for t in g if t for i in tt.encode_ordinary(t) + [eos]]
         assert np.asarray(open_tokens(o) if want else []).tolist() == want
     n_docs = sum(len(g) for g in groups)
-    assert (stats.docs_in, stats.docs_out) == (n_docs - 2, n_docs - 2)  # the reader drops empty records
+    assert (stats.docs_in, stats.docs_out) == (
+        n_docs - 2,
+        n_docs - 2,
+    )  # the reader drops empty records
     assert read_sidecar(outputs[2]).n_tokens == 0 and outputs[2].stat().st_size == 0
     assert stats.counters["tokens"] == sum(read_sidecar(o).n_tokens for o in outputs)
 
-    one_process, again = tokenize_shards(shards, tmp_path / "again", smol, tmp_path / "logs1", num_workers=1)
-    assert [a.read_bytes() for a in outputs] == [b.read_bytes() for b in one_process]  # byte-identical
+    one_process, again = tokenize_shards(
+        shards, tmp_path / "again", smol, tmp_path / "logs1", num_workers=1
+    )
+    assert [a.read_bytes() for a in outputs] == [
+        b.read_bytes() for b in one_process
+    ]  # byte-identical
     assert again == stats
 
     merged = tmp_path / "train.bin"
@@ -130,10 +155,23 @@ def test_shards_in_parallel_and_lmstack_train_reads_them(smol, tmp_path):
     batch = next(sequential_batches(data, 2, 32))
     np.testing.assert_array_equal(batch.x.numpy().ravel(), np.asarray(data[:64]))
 
-    cfg = TrainConfig(model=dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64),
-                      train_data=str(merged), batch_size=2, seq_len=32, max_steps=2, warmup_steps=1, lr=1e-3,
-                      min_lr=1e-4, eval_interval=0, eval_batches=1, log_interval=1, out_dir=str(tmp_path / "run"),
-                      device="cpu", precision="fp32", val_fraction=0.2)
+    cfg = TrainConfig(
+        model=dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64),
+        train_data=str(merged),
+        batch_size=2,
+        seq_len=32,
+        max_steps=2,
+        warmup_steps=1,
+        lr=1e-3,
+        min_lr=1e-4,
+        eval_interval=0,
+        eval_batches=1,
+        log_interval=1,
+        out_dir=str(tmp_path / "run"),
+        device="cpu",
+        precision="fp32",
+        val_fraction=0.2,
+    )
     trainer = Trainer(cfg, progress=False)
     assert trainer.model_config.vocab_size >= smol.vocab_size  # V from the token file's sidecar
     result = trainer.fit()
@@ -148,19 +186,31 @@ def test_pipeline_toml_table(smol, tmp_path):
     (tmp_path / "in").mkdir()
     for k in range(2):
         write_shard(tmp_path / "in" / f"part{k}.jsonl", TEXTS[k::2])
-    spec = {"output": str(tmp_path / "logs"),
-            "step": [{"type": "read_jsonl", "paths": [str(tmp_path / "in")]},
-                     {"type": "tokenize", "tokenizer": str(tmp_path / "tok.json"), "output": str(tmp_path / "tok")}]}
+    spec = {
+        "output": str(tmp_path / "logs"),
+        "step": [
+            {"type": "read_jsonl", "paths": [str(tmp_path / "in")]},
+            {
+                "type": "tokenize",
+                "tokenizer": str(tmp_path / "tok.json"),
+                "output": str(tmp_path / "tok"),
+            },
+        ],
+    }
     LocalExecutor(1, progress=False).run(Pipeline.from_dict(spec))
     tt = to_tiktoken(smol)
     for k in range(2):
         want = [i for t in TEXTS[k::2] for i in tt.encode_ordinary(t) + [smol.eos_token_id]]
         assert np.asarray(open_tokens(tmp_path / "tok" / f"{k:05d}.bin")).tolist() == want
     before = (tmp_path / "tok" / "00000.bin").stat().st_mtime_ns
-    LocalExecutor(1, progress=False).run(Pipeline.from_dict(spec))  # every task has its marker: nothing reruns
+    LocalExecutor(1, progress=False).run(
+        Pipeline.from_dict(spec)
+    )  # every task has its marker: nothing reruns
     assert (tmp_path / "tok" / "00000.bin").stat().st_mtime_ns == before
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        Pipeline.from_dict({**spec, "step": [spec["step"][0], {**spec["step"][1], "tokenizer": "missing.json"}]})
+        Pipeline.from_dict(
+            {**spec, "step": [spec["step"][0], {**spec["step"][1], "tokenizer": "missing.json"}]}
+        )
 
 
 def test_eos_choice_is_checked(smol, tmp_path):

@@ -34,11 +34,18 @@ def plain_records(path):
         data = gzip.decompress(data)
     elif path.name.endswith(".zst"):
         import zstandard
-        data = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True).read()
+
+        data = (
+            zstandard.ZstdDecompressor()
+            .stream_reader(io.BytesIO(data), read_across_frames=True)
+            .read()
+        )
     return [json.loads(line) for line in data.decode("utf-8").splitlines()]
 
 
-@pytest.mark.parametrize("compression,suffix", [(None, ".jsonl"), ("gz", ".jsonl.gz"), ("zst", ".jsonl.zst")])
+@pytest.mark.parametrize(
+    "compression,suffix", [(None, ".jsonl"), ("gz", ".jsonl.gz"), ("zst", ".jsonl.zst")]
+)
 def test_jsonl_shards_roll_over_and_read_back(tmp_path, compression, suffix):
     w = JsonlWriter(tmp_path / "out", compression=compression, max_docs=4)
     out, stats = drain(w, docs(10, raw=True), rank=3)
@@ -47,19 +54,31 @@ def test_jsonl_shards_roll_over_and_read_back(tmp_path, compression, suffix):
     assert files == [f"00003_0000{i}{suffix}" for i in range(3)]  # 10 docs, 4 per shard: 4 + 4 + 2
     recs = [r for f in files for r in plain_records(tmp_path / "out" / f)]
     assert [len(plain_records(tmp_path / "out" / f)) for f in files] == [4, 4, 2]
-    assert recs[7] == {"id": "id7", "text": "text of document 7 — ünïcode", "metadata": {"url": "http://e/7", "score": 1.75}}
+    assert recs[7] == {
+        "id": "id7",
+        "text": "text of document 7 — ünïcode",
+        "metadata": {"url": "http://e/7", "score": 1.75},
+    }
     assert stats.counters["shards"] == 3 and stats.docs_in == stats.docs_out == 10
     back = list(JsonlReader(str(tmp_path / "out")).run(iter(()), StepStats("r")))
-    assert [(d.id, d.text, d.metadata["score"]) for d in back] == [(f"id{i}", f"text of document {i} — ünïcode", i / 4)
-                                                                  for i in range(10)]
+    assert [(d.id, d.text, d.metadata["score"]) for d in back] == [
+        (f"id{i}", f"text of document {i} — ünïcode", i / 4) for i in range(10)
+    ]
 
 
 def test_byte_rollover(tmp_path):
     w = JsonlWriter(tmp_path, compression=None, max_bytes=200)
     drain(w, docs(6))
     sizes = [len(p.read_bytes()) for p in sorted(tmp_path.glob("*.jsonl"))]
-    lines = [len(json.dumps({"id": d.id, "text": d.text, "metadata": d.metadata}, ensure_ascii=False).encode()) + 1
-             for d in docs(6)]
+    lines = [
+        len(
+            json.dumps(
+                {"id": d.id, "text": d.text, "metadata": d.metadata}, ensure_ascii=False
+            ).encode()
+        )
+        + 1
+        for d in docs(6)
+    ]
     assert lines == [107, 108, 107, 108, 107, 108]  # "score": 0.0, 0.25, 0.5, 0.75, 1.0, 1.25
     # a shard closes after the record that brings it to >= 200 bytes: 107+108 each time
     assert sizes == [215, 215, 215]
@@ -84,12 +103,18 @@ def test_parquet_shards_match_pyarrow(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     drain(ParquetWriter(tmp_path, max_docs=4, row_group=2), docs(9, raw=True))
     files = sorted(tmp_path.glob("*.parquet"))
-    assert [p.name for p in files] == ["00000_00000.parquet", "00000_00001.parquet", "00000_00002.parquet"]
+    assert [p.name for p in files] == [
+        "00000_00000.parquet",
+        "00000_00001.parquet",
+        "00000_00002.parquet",
+    ]
     rows = [r for f in files for r in pq.read_table(f).to_pylist()]
     assert [r["id"] for r in rows] == [f"id{i}" for i in range(9)]
     assert json.loads(rows[2]["metadata"]) == {"url": "http://e/2", "score": 0.5}
     back = list(ParquetReader(str(tmp_path)).run(iter(()), StepStats("r")))
-    assert [(d.id, d.metadata["url"]) for d in back] == [(f"id{i}", f"http://e/{i}") for i in range(9)]
+    assert [(d.id, d.metadata["url"]) for d in back] == [
+        (f"id{i}", f"http://e/{i}") for i in range(9)
+    ]
 
 
 def test_a_shard_is_whole_or_absent_when_the_run_dies(tmp_path):
@@ -100,7 +125,9 @@ def test_a_shard_is_whole_or_absent_when_the_run_dies(tmp_path):
     with pytest.raises(RuntimeError, match="mid-shard"):
         drain(JsonlWriter(tmp_path, compression="gz", max_docs=4), dying())
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["00000_00000.jsonl.gz"]  # the finished shard; the half-written one and its temp file gone
+    assert names == [
+        "00000_00000.jsonl.gz"
+    ]  # the finished shard; the half-written one and its temp file gone
     assert len(plain_records(tmp_path / names[0])) == 4
 
 
@@ -109,8 +136,11 @@ def test_a_relaunched_task_replaces_its_leftovers(tmp_path):
     (tmp_path / ".00000_00001.jsonl.gz.abc.tmp").write_bytes(b"half")
     (tmp_path / "00001_00000.jsonl.gz").write_bytes(b"another task's shard")
     drain(JsonlWriter(tmp_path, max_docs=4), docs(5))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["00000_00000.jsonl.gz", "00000_00001.jsonl.gz",
-                                                         "00001_00000.jsonl.gz"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "00000_00000.jsonl.gz",
+        "00000_00001.jsonl.gz",
+        "00001_00000.jsonl.gz",
+    ]
     assert (tmp_path / "00001_00000.jsonl.gz").read_bytes() == b"another task's shard"
 
 
@@ -127,16 +157,28 @@ def test_exclusion_writer_keeps_each_drop_with_step_and_reason(tmp_path):
     ex.close()
     assert [d.id for d in kept] == ["id0", "id2", "id4"]
     recs = plain_records(tmp_path / "excluded" / "00002.jsonl.gz")
-    assert [(r["id"], r["step"], r["reason"]) for r in recs] == [("id1", "odd", "odd"), ("id3", "odd", "odd")]
+    assert [(r["id"], r["step"], r["reason"]) for r in recs] == [
+        ("id1", "odd", "odd"),
+        ("id3", "odd", "odd"),
+    ]
     assert recs[0]["text"] == "text of document 1 — ünïcode" and "raw" not in recs[0]["metadata"]
     assert dict(stats.dropped) == {"odd": 2} and stats.docs_in == 5 and stats.docs_out == 3
 
 
 def test_stats_merge_by_hand():
-    a = StepStats("gopher", 10, 7, 1000, 600, Counter({"too_short": 2, "no_stop_words": 1}), Counter({"x": 1}))
+    a = StepStats(
+        "gopher", 10, 7, 1000, 600, Counter({"too_short": 2, "no_stop_words": 1}), Counter({"x": 1})
+    )
     b = StepStats("gopher", 5, 4, 300, 250, Counter({"too_short": 1}))
     m = StepStats.from_dict(json.loads(json.dumps(a.to_dict()))).merge(b)
-    assert m.to_dict() == {"name": "gopher", "docs_in": 15, "docs_out": 11, "bytes_in": 1300, "bytes_out": 850,
-                           "dropped": {"no_stop_words": 1, "too_short": 3}, "counters": {"x": 1}}
+    assert m.to_dict() == {
+        "name": "gopher",
+        "docs_in": 15,
+        "docs_out": 11,
+        "bytes_in": 1300,
+        "bytes_out": 850,
+        "dropped": {"no_stop_words": 1, "too_short": 3},
+        "counters": {"x": 1},
+    }
     with pytest.raises(ValueError, match="cannot merge"):
         a.merge(StepStats("c4"))

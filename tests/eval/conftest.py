@@ -7,7 +7,15 @@ import torch
 from lmstack.tokenizer import Tokenizer
 from lmstack.tokenizer.formats import save_hf
 
-MERGES = [(b" ", b"t"), (b"h", b"e"), (b" t", b"he"), (b" ", b"a"), (b"i", b"s"), (b" ", b"c"), (b"a", b"t")]
+MERGES = [
+    (b" ", b"t"),
+    (b"h", b"e"),
+    (b" t", b"he"),
+    (b" ", b"a"),
+    (b"i", b"s"),
+    (b" ", b"c"),
+    (b"a", b"t"),
+]
 EOS = "<|endoftext|>"
 
 
@@ -23,8 +31,14 @@ def tiny_dir(tmp_path_factory, make_hf_llama):
     """An HF Llama folder (config.json + model.safetensors + tokenizer.json), context 64."""
     tok = make_tokenizer()
     eos = tok.token_to_id(EOS)
-    model = make_hf_llama(std=0.15, vocab_size=tok.vocab_size, rope_theta=1000.0, max_position_embeddings=64,
-                          bos_token_id=eos, eos_token_id=eos)
+    model = make_hf_llama(
+        std=0.15,
+        vocab_size=tok.vocab_size,
+        rope_theta=1000.0,
+        max_position_embeddings=64,
+        bos_token_id=eos,
+        eos_token_id=eos,
+    )
     d = tmp_path_factory.mktemp("tiny_hf")
     model.save_pretrained(d, safe_serialization=True)
     save_hf(tok, d / "tokenizer.json")

@@ -7,7 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from lmstack.eval.arena import BattlesError, Battles, bt_fit, online_elo, rate, read_battles, to_elo_scale
+from lmstack.eval.arena import (
+    Battles,
+    BattlesError,
+    bt_fit,
+    online_elo,
+    rate,
+    read_battles,
+    to_elo_scale,
+)
 
 TRUE = {"alpha": 1250.0, "beta": 1120.0, "gamma": 1000.0, "delta": 930.0, "eps": 700.0}
 
@@ -32,8 +40,10 @@ def test_bt_equals_scipy_mle():
 
     def nll(beta):
         d = beta[bat.a] - beta[bat.b]
-        return float(-(bat.score * -np.logaddexp(0, -d) + (1 - bat.score) * -np.logaddexp(0, d)).sum()
-                     + ridge * n / 2 * beta @ beta)
+        return float(
+            -(bat.score * -np.logaddexp(0, -d) + (1 - bat.score) * -np.logaddexp(0, d)).sum()
+            + ridge * n / 2 * beta @ beta
+        )
 
     ref = minimize(nll, np.zeros(M), method="BFGS", options={"gtol": 1e-9}).x
     got = bt_fit(bat.a, bat.b, bat.score, M, ridge=ridge)
@@ -42,7 +52,9 @@ def test_bt_equals_scipy_mle():
 
 def test_bt_is_consistent_and_elo_orders_alike():
     bat = simulate(100_000, seed=5)
-    true = np.array([TRUE[m] for m in bat.models])  # mean 1000 already: the fit is centred at 1000 too
+    true = np.array(
+        [TRUE[m] for m in bat.models]
+    )  # mean 1000 already: the fit is centred at 1000 too
     res = rate(bat, n_bootstrap=0, progress=False)
     assert np.abs(res.bt - true).max() < 5
     # online Elo (one ordered pass) ranks them the same way
@@ -95,7 +107,9 @@ def test_online_elo_worked_example():
     bat = Battles(["a", "b"], np.array([0, 0]), np.array([1, 1]), np.array([1.0, 0.5]))
     e = 1 / (1 + 10 ** (-4 / 400))
     r = online_elo(bat, k=4)
-    assert r[0] == pytest.approx(1002 + 4 * (0.5 - e)) and r[1] == pytest.approx(998 - 4 * (0.5 - e))
+    assert r[0] == pytest.approx(1002 + 4 * (0.5 - e)) and r[1] == pytest.approx(
+        998 - 4 * (0.5 - e)
+    )
     assert to_elo_scale(np.array([math.log(10)]))[0] == pytest.approx(1400)
 
 
@@ -107,7 +121,9 @@ def _write(tmp_path, rows):
 
 def test_bad_battles(tmp_path):
     ok = {"model_a": "x", "model_b": "y", "winner": "model_a"}
-    with pytest.raises(BattlesError, match=r"battles\.jsonl:2: field 'winner' = 'modle_b' must be one of"):
+    with pytest.raises(
+        BattlesError, match=r"battles\.jsonl:2: field 'winner' = 'modle_b' must be one of"
+    ):
         read_battles(_write(tmp_path, [ok, {**ok, "winner": "modle_b"}]))
     with pytest.raises(BattlesError, match=r"battles\.jsonl:1: missing field 'model_b'"):
         read_battles(_write(tmp_path, [{"model_a": "x", "winner": "tie"}]))
@@ -117,9 +133,13 @@ def test_bad_battles(tmp_path):
         read_battles(_write(tmp_path, []))
     with pytest.raises(BattlesError, match=r":1: model_a and model_b are both 'x'"):
         read_battles(_write(tmp_path, [{**ok, "model_b": "x"}]))
-    bat = read_battles(_write(tmp_path, [ok, ok, {**ok, "model_b": "yy"}]))  # 'yy' once: a typo of 'y'?
-    assert bat.warnings == [f"{tmp_path / 'battles.jsonl'}:3: model 'yy' appears in only one battle "
-                            "(a typo of another name?)"]
+    bat = read_battles(
+        _write(tmp_path, [ok, ok, {**ok, "model_b": "yy"}])
+    )  # 'yy' once: a typo of 'y'?
+    assert bat.warnings == [
+        f"{tmp_path / 'battles.jsonl'}:3: model 'yy' appears in only one battle "
+        "(a typo of another name?)"
+    ]
 
 
 def test_arena_cli(tmp_path, capsys):
@@ -128,10 +148,18 @@ def test_arena_cli(tmp_path, capsys):
 
     bat = simulate(300, seed=3, tie_rate=0.1)
     w = {1.0: "model_a", 0.0: "model_b", 0.5: "tie"}
-    p = _write(tmp_path, [{"model_a": bat.models[i], "model_b": bat.models[j], "winner": w[s]}
-                          for i, j, s in zip(bat.a, bat.b, bat.score)])
+    p = _write(
+        tmp_path,
+        [
+            {"model_a": bat.models[i], "model_b": bat.models[j], "winner": w[s]}
+            for i, j, s in zip(bat.a, bat.b, bat.score)
+        ],
+    )
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    assert main(["eval", "arena", str(p), "--bootstrap", "20", "--json", str(out), "--png", str(png)]) == 0
+    assert (
+        main(["eval", "arena", str(p), "--bootstrap", "20", "--json", str(out), "--png", str(png)])
+        == 0
+    )
     d = json.loads(out.read_text())
     assert d["n_battles"] == 300 and len(d["ratings"]) == 5 and is_png_file(png)
     assert all(r["ci_low"] <= r["bradley_terry"] <= r["ci_high"] for r in d["ratings"])

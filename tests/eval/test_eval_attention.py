@@ -16,7 +16,9 @@ from lmstack.eval import attention as oa
 from lmstack.model.layers import onednn_ok
 from lmstack.model.seam import AttentionMetadata
 
-pytestmark = pytest.mark.skipif(not onednn_ok(torch.zeros(1)), reason="needs torch built with oneDNN (mkldnn)")
+pytestmark = pytest.mark.skipif(
+    not onednn_ok(torch.zeros(1)), reason="needs torch built with oneDNN (mkldnn)"
+)
 
 
 def reference64(q, k, v):
@@ -37,12 +39,23 @@ def make(B, N, K, T, H, seed=0, model_layout=True):
     return tuple(torch.randn(B, n, T, H, generator=g) for n in (N, K, K))
 
 
-@pytest.mark.parametrize("B,N,K,T,H,block,layout", [
-    (2, 6, 2, 300, 32, 128, True),   # GQA, 300 = 128 + 128 + 44
-    (1, 9, 3, 260, 64, 64, False),   # SmolLM2's heads, contiguous inputs
-    (1, 4, 4, 130, 16, 128, True),   # MHA, last block of 2 rows
-    (1, 4, 1, 50, 48, 128, True),    # MQA, one block shorter than the block size; 1/√48 is not exact
-])
+@pytest.mark.parametrize(
+    "B,N,K,T,H,block,layout",
+    [
+        (2, 6, 2, 300, 32, 128, True),  # GQA, 300 = 128 + 128 + 44
+        (1, 9, 3, 260, 64, 64, False),  # SmolLM2's heads, contiguous inputs
+        (1, 4, 4, 130, 16, 128, True),  # MHA, last block of 2 rows
+        (
+            1,
+            4,
+            1,
+            50,
+            48,
+            128,
+            True,
+        ),  # MQA, one block shorter than the block size; 1/√48 is not exact
+    ],
+)
 def test_equals_fp64_reference(B, N, K, T, H, block, layout):
     q, k, v = make(B, N, K, T, H, model_layout=layout)
     out = oa.onednn_causal_attention(q, k, v, block=block)
@@ -80,19 +93,29 @@ def test_dispatch(monkeypatch):
     causal = AttentionMetadata(pos, is_causal=True)
     used = []
     real = oa.onednn_causal_attention
-    monkeypatch.setattr(oa, "onednn_causal_attention", lambda *a, **kw: used.append(1) or real(*a, **kw))
+    monkeypatch.setattr(
+        oa, "onednn_causal_attention", lambda *a, **kw: used.append(1) or real(*a, **kw)
+    )
     spy = Spy()
     impl = oa.OneDNNAttention(fallback=spy)
     with torch.no_grad():
-        torch.testing.assert_close(impl(q, k, v, causal).double(), reference64(q, k, v), rtol=1e-5, atol=2e-6)
+        torch.testing.assert_close(
+            impl(q, k, v, causal).double(), reference64(q, k, v), rtol=1e-5, atol=2e-6
+        )
     assert used == [1] and spy.calls == 0
     # each of these goes to the fallback: an explicit mask (window), fewer than MIN_T tokens, not fp32,
     # autograd recording
-    cases = [(q, k, v, AttentionMetadata(pos, window=8, is_causal=True)),
-             (q[:, :, :T - 1], k[:, :, :T - 1], v[:, :, :T - 1], AttentionMetadata(pos[:T - 1], is_causal=True)),
-             (q.double(), k.double(), v.double(), causal),
-             (q.clone().requires_grad_(), k, v, causal)]
+    cases = [
+        (q, k, v, AttentionMetadata(pos, window=8, is_causal=True)),
+        (
+            q[:, :, : T - 1],
+            k[:, :, : T - 1],
+            v[:, :, : T - 1],
+            AttentionMetadata(pos[: T - 1], is_causal=True),
+        ),
+        (q.double(), k.double(), v.double(), causal),
+        (q.clone().requires_grad_(), k, v, causal),
+    ]
     for n, (qq, kk, vv, meta) in enumerate(cases, start=1):
         impl(qq, kk, vv, meta)
         assert spy.calls == n and used == [1]
-

@@ -8,8 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmstack.eval.contamination import (clean_rescore, ngram_overlap, normalize_words, permutation_test,
-                                        sequence_loglik_batch, sharded_test, text_chunks)
+from lmstack.eval.contamination import (
+    clean_rescore,
+    ngram_overlap,
+    normalize_words,
+    permutation_test,
+    sequence_loglik_batch,
+    sharded_test,
+    text_chunks,
+)
 from lmstack.model.config import ModelConfig
 from lmstack.model.transformer import Transformer
 
@@ -17,8 +24,16 @@ V = 64
 
 
 def tiny(seed=0):
-    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=128,
-                      init_std=0.2)
+    cfg = ModelConfig(
+        vocab_size=V,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        max_seq_len=128,
+        init_std=0.2,
+    )
     return Transformer(cfg, seed=seed).eval()
 
 
@@ -45,12 +60,17 @@ def test_false_positive_rate_under_the_null():
     """A model that never saw the data: canonical order is one exchangeable draw, so p is uniform on
     {1/20, ..., 1} and P(p <= 0.05) = 1/20; over 40 datasets we expect 2 rejections."""
     model = tiny(seed=3)
-    ps = [permutation_test(model, dataset(100 + r), n_permutations=19, seed=r).p_value for r in range(40)]
+    ps = [
+        permutation_test(model, dataset(100 + r), n_permutations=19, seed=r).p_value
+        for r in range(40)
+    ]
     rejections = sum(p <= 0.05 for p in ps)
     assert rejections <= 6  # P(Binomial(40, 0.05) >= 7) = 0.003
     assert 0.35 < np.mean(ps) < 0.65  # uniform mean 0.525
-    sharded = [sharded_test(model, dataset(200 + r, n=12), n_shards=4, n_permutations=5, seed=r)[0]
-               for r in range(20)]
+    sharded = [
+        sharded_test(model, dataset(200 + r, n=12), n_shards=4, n_permutations=5, seed=r)[0]
+        for r in range(20)
+    ]
     assert sum(p <= 0.05 for p in sharded) <= 4
 
 
@@ -79,11 +99,11 @@ def test_detects_a_model_trained_on_the_canonical_order():
 def brute_force_flags(items, corpus, n):
     out = []
     for it in items:
-        grams = [it[i:i + n] for i in range(len(it) - n + 1)]
+        grams = [it[i : i + n] for i in range(len(it) - n + 1)]
         if not grams:
             out.append((None, 0.0))
             continue
-        hits = sum(any(corpus[j:j + n] == g for j in range(len(corpus) - n + 1)) for g in grams)
+        hits = sum(any(corpus[j : j + n] == g for j in range(len(corpus) - n + 1)) for g in grams)
         out.append((hits > 0, hits / len(grams)))
     return out
 
@@ -94,8 +114,12 @@ def test_ngram_overlap_equals_brute_force(n):
     words = [f"w{i}" for i in range(30)]
     corpus = [words[i] for i in rng.integers(0, 30, 2000)]
     items = [[words[i] for i in rng.integers(0, 30, rng.integers(2, 40))] for _ in range(30)]
-    items += [corpus[500:500 + 20], corpus[995:1005 + n], corpus[10:10 + n - 1]]  # planted; one spans chunks
-    chunks = [corpus[i:i + 1000] for i in range(0, len(corpus), 1000)]
+    items += [
+        corpus[500 : 500 + 20],
+        corpus[995 : 1005 + n],
+        corpus[10 : 10 + n - 1],
+    ]  # planted; one spans chunks
+    chunks = [corpus[i : i + 1000] for i in range(0, len(corpus), 1000)]
     got = ngram_overlap(items, chunks, n=n)
     ref = brute_force_flags(items, corpus, n)
     assert got.flags == [f for f, _ in ref]
@@ -139,5 +163,8 @@ def test_canonical_order_scoring_lower_than_permutations_is_not_contamination(mo
     p, diffs = sharded_test(None, ex, n_shards=4, n_permutations=6, seed=0)
     assert max(diffs) < 0 and len(set(diffs)) > 1
     from scipy import stats
-    assert p == pytest.approx(stats.ttest_1samp(diffs, 0.0, alternative="greater").pvalue, rel=1e-12)
+
+    assert p == pytest.approx(
+        stats.ttest_1samp(diffs, 0.0, alternative="greater").pvalue, rel=1e-12
+    )
     assert p > 0.999

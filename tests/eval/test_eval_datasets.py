@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lmstack.eval.datasets import make_data, stdlib_docstring_mc, stdlib_heldout_text
+from lmstack.eval.datasets import stdlib_docstring_mc, stdlib_heldout_text
 from lmstack.eval.tasks import load_task
 
 REPO_DATA = Path(__file__).resolve().parents[2] / "data" / "eval"
@@ -46,16 +46,28 @@ def test_make_data_and_the_shipped_copy(tmp_path):
     import subprocess
     import sys
 
-    code = ("import json, sys; from lmstack.eval.datasets import make_data; "
-            "print(json.dumps(make_data(sys.argv[1], heldout_bytes=10_000)))")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300,
-                         check=True)
+    code = (
+        "import json, sys; from lmstack.eval.datasets import make_data; "
+        "print(json.dumps(make_data(sys.argv[1], heldout_bytes=10_000)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     prov = json.loads(out.stdout.strip().splitlines()[-1])
     task = load_task(tmp_path / "stdlib_docstring_mc.yaml")
-    assert task.kind == "multiple_choice" and len(task.items) == prov["stdlib_docstring_mc.jsonl"]["items"]
+    assert (
+        task.kind == "multiple_choice"
+        and len(task.items) == prov["stdlib_docstring_mc.jsonl"]["items"]
+    )
     assert task.items[0].context.startswith("Python standard library.\nDocstring: ")
     shipped = json.loads((REPO_DATA / "provenance.json").read_text())
     if shipped["python"] != prov["python"]:
-        pytest.skip(f"data/eval was generated with Python {shipped['python']}, this is {prov['python']}")
+        pytest.skip(
+            f"data/eval was generated with Python {shipped['python']}, this is {prov['python']}"
+        )
     for name in ("stdlib_docstring_mc.jsonl", "stdlib_docstring_mc.yaml"):
         assert (REPO_DATA / name).read_text() == (tmp_path / name).read_text()

@@ -4,7 +4,14 @@ reads the answers gives wins; the battles feed the arena code."""
 import pytest
 
 from lmstack.eval.arena import read_battles
-from lmstack.eval.judge import TEMPLATE, battles, prefers_first, read_questions, verdict, write_battles
+from lmstack.eval.judge import (
+    TEMPLATE,
+    battles,
+    prefers_first,
+    read_questions,
+    verdict,
+    write_battles,
+)
 
 
 class StubJudge:
@@ -42,7 +49,11 @@ def test_quality_judge_gives_wins_both_ways():
 
 
 def test_battles_feed_the_arena(tmp_path):
-    answers = {"strong": ["good good good"] * 3, "mid": ["good", "good good", "x"], "weak": ["no"] * 3}
+    answers = {
+        "strong": ["good good good"] * 3,
+        "mid": ["good", "good good", "x"],
+        "weak": ["no"] * 3,
+    }
     rows = battles(answers, ["q1", "q2", "q3"], StubJudge(quality_rule), progress=False)
     assert len(rows) == 9
     p = tmp_path / "b.jsonl"

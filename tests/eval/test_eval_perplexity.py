@@ -9,7 +9,10 @@ import torch.nn.functional as F
 
 from lmstack.eval import bits_per_byte, perplexity, read_eval_tokens, windows
 
-TEXT = ("the cat is at the hat. " * 3 + "A story: the theatre is where this cat sat, at the heart of it all. ") * 3
+TEXT = (
+    "the cat is at the hat. " * 3
+    + "A story: the theatre is where this cat sat, at the heart of it all. "
+) * 3
 
 
 @torch.no_grad()
@@ -52,16 +55,25 @@ def test_no_striding_equals_hand_ce(lm, hf_model):
     assert r.perplexity == pytest.approx(math.exp(float(nll.mean())), rel=1e-5)
 
 
-@pytest.mark.parametrize("max_length,stride,batch", [(64, 16, None), (32, 32, None), (16, 5, None), (16, 5, 3),
-                                                    (32, 12, 1)])
+@pytest.mark.parametrize(
+    "max_length,stride,batch",
+    [(64, 16, None), (32, 32, None), (16, 5, None), (16, 5, 3), (32, 12, 1)],
+)
 def test_striding_equals_transformers_guide(lm, hf_model, max_length, stride, batch):
     """Also with the windows split into batches of ``batch`` (a partial last batch, one window a forward)."""
     model, tok = lm
     ids = tok.encode(TEXT)
     assert len(ids) > 3 * max_length
     nll_sum, n = hf_strided_reference(hf_model, ids, max_length, stride)
-    r = perplexity(model, ids, max_length=max_length, stride=stride, tokenizer=tok, progress=False,
-                   batch_windows=batch)
+    r = perplexity(
+        model,
+        ids,
+        max_length=max_length,
+        stride=stride,
+        tokenizer=tok,
+        progress=False,
+        batch_windows=batch,
+    )
     assert r.n_tokens == n
     assert r.perplexity == pytest.approx(math.exp(nll_sum / n), rel=1e-5)
     if stride < max_length:  # every token after the first is scored once
@@ -79,10 +91,12 @@ def test_windows_cover_each_token_once():
 
 def test_last_window_of_one_token(lm, hf_model):
     model, tok = lm
-    ids = tok.encode(TEXT)[:33]  # windows [0,16), [16,32), [32,33): the last scores nothing, as in the guide
+    ids = tok.encode(TEXT)[
+        :33
+    ]  # windows [0,16), [16,32), [32,33): the last scores nothing, as in the guide
     r = perplexity(model, ids, max_length=16, stride=16, progress=False)
     assert r.n_windows == 3 and r.n_tokens == 30
-    ref = [float(hf_token_nll(hf_model, ids[b:b + 16]).sum()) for b in (0, 16)]
+    ref = [float(hf_token_nll(hf_model, ids[b : b + 16]).sum()) for b in (0, 16)]
     assert r.perplexity == pytest.approx(math.exp(sum(ref) / 30), rel=1e-5)
 
 
@@ -91,10 +105,14 @@ def test_short_text(lm, hf_model, tmp_path):
     p = tmp_path / "short.txt"
     p.write_text("the cat sat")
     ids = read_eval_tokens(p, tok)
-    r = perplexity(model, ids, tokenizer=tok, progress=False)  # max_length = model context 64 > len(ids)
+    r = perplexity(
+        model, ids, tokenizer=tok, progress=False
+    )  # max_length = model context 64 > len(ids)
     assert r.n_windows == 1
-    assert r.perplexity == pytest.approx(math.exp(float(hf_token_nll(hf_model, ids.tolist()).mean())), rel=1e-5)
-    assert r.n_bytes == len("the cat sat".encode()) - len(tok.decode_bytes([int(ids[0])]))
+    assert r.perplexity == pytest.approx(
+        math.exp(float(hf_token_nll(hf_model, ids.tolist()).mean())), rel=1e-5
+    )
+    assert r.n_bytes == len(b"the cat sat") - len(tok.decode_bytes([int(ids[0])]))
 
 
 def test_bits_per_byte_worked_example():
@@ -147,8 +165,13 @@ def long_context(tmp_path_factory, make_hf_llama):
     loaded through lmstack's HF loader — long enough windows for the oneDNN attention path (>= MIN_T = 192 tokens)."""
     from lmstack.model.hf import load_hf
 
-    hf = make_hf_llama(std=0.15, vocab_size=300, max_position_embeddings=512, tie_word_embeddings=True,
-                       rope_theta=10000.0)
+    hf = make_hf_llama(
+        std=0.15,
+        vocab_size=300,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    )
     d = tmp_path_factory.mktemp("tiny_hf_512")
     hf.save_pretrained(d, safe_serialization=True)
     return load_hf(d).eval(), hf
@@ -166,7 +189,9 @@ def test_long_windows_through_onednn_attention_equal_transformers(long_context, 
     before = model.attention
     calls = []
     real = oa.onednn_causal_attention
-    monkeypatch.setattr(oa, "onednn_causal_attention", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    monkeypatch.setattr(
+        oa, "onednn_causal_attention", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw)
+    )
     ids = torch.randint(0, 300, (700,), generator=torch.Generator().manual_seed(0)).tolist()
     nll_sum, n = hf_strided_reference(hf, ids, 300, 150)
     for batch in (None, 1):
@@ -174,7 +199,10 @@ def test_long_windows_through_onednn_attention_equal_transformers(long_context, 
         r = perplexity(model, ids, max_length=300, stride=150, progress=False, batch_windows=batch)
         assert r.n_tokens == n == len(ids) - 1
         assert r.perplexity == pytest.approx(math.exp(nll_sum / n), rel=1e-5)
-        assert {s[2] for s in calls} == {299, 249}  # the full windows and the 250-token last one (>= MIN_T)
+        assert {s[2] for s in calls} == {
+            299,
+            249,
+        }  # the full windows and the 250-token last one (>= MIN_T)
     assert model.attention is before
 
 

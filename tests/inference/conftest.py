@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from inference_helpers import make_model
 
 

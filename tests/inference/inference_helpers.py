@@ -16,15 +16,30 @@ def greedy(n, **kw) -> SamplingParams:
 def speculate(target, prompt, n, params=None, draft=None, k=4, stop_ids=(), seed=0):
     """``generate`` with draft-model (``draft``) or prompt-lookup speculation -> (tokens, stats)."""
     params = params or SamplingParams(temperature=0.0)
-    params = SamplingParams(**{**vars(params), "max_tokens": n, "stop_token_ids": tuple(stop_ids),
-                               "seed": params.seed if params.seed is not None else seed})
+    params = SamplingParams(
+        **{
+            **vars(params),
+            "max_tokens": n,
+            "stop_token_ids": tuple(stop_ids),
+            "seed": params.seed if params.seed is not None else seed,
+        }
+    )
     spec = DraftModel(draft, k) if draft is not None else PromptLookup(k)
     return list(generate(target, prompt, params, speculation=spec)), spec.stats
 
 
 def make_model(vocab_size=97, n_layers=2, seed=1, init_std=0.02, dtype=torch.float64, **kw):
-    cfg = ModelConfig(vocab_size=vocab_size, d_model=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=128,
-                      max_seq_len=256, init_std=init_std, **kw)
+    cfg = ModelConfig(
+        vocab_size=vocab_size,
+        d_model=64,
+        n_layers=n_layers,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=128,
+        max_seq_len=256,
+        init_std=init_std,
+        **kw,
+    )
     return Transformer(cfg, dtype=dtype, seed=seed).eval()
 
 
@@ -39,8 +54,6 @@ def full_recompute_greedy(model, prompt, n, stop_ids=()):
         if t in stop_ids:
             break
     return out
-
-
 
 
 @torch.no_grad()
@@ -68,6 +81,12 @@ def hf_render_chat(template, messages, add_generation_prompt, bos_token=None, eo
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
-                                  bos_token=bos_token, eos_token=eos_token, chat_template=template)
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+        bos_token=bos_token,
+        eos_token=eos_token,
+        chat_template=template,
+    )
+    return tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )

@@ -6,8 +6,8 @@ and abort — with no recompilation after warm-up."""
 import pytest
 import torch
 import torch.nn.functional as F
-
 from inference_helpers import full_recompute_greedy, greedy, make_model
+
 from lmstack.inference import LLM, LLMEngine
 from lmstack.inference.decode_step import DecodeBatch, DecodeStep, batch_bucket
 from lmstack.inference.paged import PagedKVCache
@@ -35,8 +35,12 @@ def test_decode_attention_through_random_block_tables(kv_dtype, window, eager):
     cache = PagedKVCache(c, NB, bs, kv_dtype)
     g = torch.Generator().manual_seed(0)
     for layer in range(c.n_layers):  # every slot holds something (int8: codes and scales)
-        cache.write(layer, torch.arange(NB * bs), torch.randn(NB * bs, K, H, generator=g, dtype=torch.float64),
-                    torch.randn(NB * bs, K, H, generator=g, dtype=torch.float64))
+        cache.write(
+            layer,
+            torch.arange(NB * bs),
+            torch.randn(NB * bs, K, H, generator=g, dtype=torch.float64),
+            torch.randn(NB * bs, K, H, generator=g, dtype=torch.float64),
+        )
     # fragmented tables, rows 0 and 1 share their first two blocks (a cached prefix), row 2 has one block
     tables = [[17, 3, 29, 8], [17, 3, 11], [5]]
     positions = [13, 9, 2]  # the fed token's position: inside the table's last block
@@ -51,12 +55,16 @@ def test_decode_attention_through_random_block_tables(kv_dtype, window, eager):
     slots = torch.tensor([tables[b][p // bs] * bs + p % bs for b, p in enumerate(positions)])
     before = cache.k.clone()
     batch = DecodeBatch(cache, table, pos, slots if eager else None)
-    out = batch.attend(layer, q, k, v, AttentionMetadata(pos[:, None], window=window), SDPAAttention())
+    out = batch.attend(
+        layer, q, k, v, AttentionMetadata(pos[:, None], window=window), SDPAAttention()
+    )
     assert torch.equal(cache.k, before) != eager  # written in place only eagerly
     for b in range(B):
         p = positions[b]
         lo = 0 if window is None else max(0, p - window + 1)
-        last = p + 1 if eager else p  # eagerly the token's own k, v are read back from the pool (int8: quantised)
+        last = (
+            p + 1 if eager else p
+        )  # eagerly the token's own k, v are read back from the pool (int8: quantised)
         ks = [_slot(cache, "k", layer, tables[b][j // bs], j % bs) for j in range(lo, last)]
         vs = [_slot(cache, "v", layer, tables[b][j // bs], j % bs) for j in range(lo, last)]
         if not eager:
@@ -66,11 +74,23 @@ def test_decode_attention_through_random_block_tables(kv_dtype, window, eager):
         ref = F.scaled_dot_product_attention(q[b], kb, vb)  # (N, 1, H): every listed key visible
         tol = 1e-9 if cache.quant is None else 1e-6  # an int8 pool dequantises in float32
         torch.testing.assert_close(out[b], ref, rtol=tol, atol=tol)
-    assert [t.shape for t in batch.new_k] == ([] if eager else [(B, K, H)])  # kept for the write after the forward
+    assert [t.shape for t in batch.new_k] == (
+        [] if eager else [(B, K, H)]
+    )  # kept for the write after the forward
 
 
 def test_batch_buckets():
-    assert [batch_bucket(n) for n in (1, 2, 3, 5, 16, 17, 64, 65, 130)] == [1, 2, 4, 8, 16, 32, 64, 128, 192]
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 16, 17, 64, 65, 130)] == [
+        1,
+        2,
+        4,
+        8,
+        16,
+        32,
+        64,
+        128,
+        192,
+    ]
 
 
 def test_engine_decode_iterations_go_through_the_decode_step(model, prompts, monkeypatch):
@@ -98,8 +118,14 @@ def compiled():
     """One compiled engine for every scenario below (each bucket compiles once: tens of seconds on a CPU)."""
     model = make_model()
     # 14 blocks of 4: one sequence always fits, three running ones get preempted; 8-token budget: chunked prefill
-    llm = LLM(model, block_size=4, num_blocks=14, max_num_seqs=3, max_num_batched_tokens=8,
-              compile={"cpp_wrapper": False})
+    llm = LLM(
+        model,
+        block_size=4,
+        num_blocks=14,
+        max_num_seqs=3,
+        max_num_batched_tokens=8,
+        compile={"cpp_wrapper": False},
+    )
     llm.engine.runner.decode.buckets = (2, 4)  # two compilations: 1-2 rows pad to 2, 3 rows to 4
     llm.engine.warm_up()
     return model, llm
@@ -110,11 +136,15 @@ def test_compiled_decode_equals_full_recompute_across_buckets(compiled, prompts)
     model, llm = compiled
     decode = llm.engine.runner.decode
     assert decode.graphs == 2  # buckets 2 and 4 at one table bucket
-    chosen = prompts[:4] + prompts[8:11] + prompts[-4:]  # short, across blocks, long (chunked), shared prefixes
+    chosen = (
+        prompts[:4] + prompts[8:11] + prompts[-4:]
+    )  # short, across blocks, long (chunked), shared prefixes
     out = llm.generate(chosen, greedy(12))
     assert [o.token_ids for o in out] == [full_recompute_greedy(model, p, 12) for p in chosen]
     assert llm.engine.stats["preemptions"] > 0
-    assert sum(o.num_cached_tokens for o in llm.generate(chosen[-4:], greedy(2))) > 0  # prefix cache hits
+    assert (
+        sum(o.num_cached_tokens for o in llm.generate(chosen[-4:], greedy(2))) > 0
+    )  # prefix cache hits
     assert decode.graphs == 2  # no recompilation after warm-up
 
 
@@ -134,7 +164,9 @@ def test_compiled_decode_with_abort(compiled, prompts):
         steps += 1
         if steps == 6:
             assert engine.abort_request("a1")
-    assert "a1" not in done and "a1" not in engine.requests  # aborted mid-decode, gone from the engine
+    assert (
+        "a1" not in done and "a1" not in engine.requests
+    )  # aborted mid-decode, gone from the engine
     for i in (0, 2):
         assert done[f"a{i}"].token_ids == full_recompute_greedy(model, chosen[i], 10)
     assert engine.runner.decode.graphs == 2
@@ -160,6 +192,7 @@ def test_fused_projections_equal_the_separate_linears():
         attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight * 2)
         plain.blocks[0].attn.k_proj.weight.mul_(2)
         torch.testing.assert_close(model(tokens), plain(tokens), rtol=1e-12, atol=1e-12)
+
         # a replaced module (a wrapper, as LoRA or quantisation puts in): its SwiGLU uses the new modules
         class Scaled(torch.nn.Module):
             def __init__(self, inner):
@@ -183,7 +216,9 @@ def test_fused_projections_leave_training_gradients_to_every_parameter():
     from lmstack.model.config import ModelConfig
     from lmstack.model.transformer import Transformer
 
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32)
+    cfg = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32
+    )
     ref = Transformer(cfg, seed=0).double()
     fused = copy.deepcopy(ref)
     assert fused.fuse_projections() == 4

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 import torch
-
 from inference_helpers import full_recompute_greedy
+
 from lmstack.inference import LLM, AsyncLLM, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14)
@@ -15,7 +15,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=14)
 
 def all_free(engine):
     a = engine.cache.blocks
-    return all(r == 0 for r in a.ref_count) and a.num_free == a.num_blocks - 1 and not engine.cache.blocks.tables
+    return (
+        all(r == 0 for r in a.ref_count)
+        and a.num_free == a.num_blocks - 1
+        and not engine.cache.blocks.tables
+    )
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +27,20 @@ def reference(model, prompts):
     return [full_recompute_greedy(model, p, GREEDY.max_tokens) for p in prompts]
 
 
-@pytest.mark.parametrize("opts", [
-    dict(block_size=4, num_blocks=200, max_num_batched_tokens=512, max_num_seqs=64),  # everything at once
-    dict(block_size=4, num_blocks=200, max_num_batched_tokens=7, max_num_seqs=5),  # chunked prefill, few seats
-    dict(block_size=16, num_blocks=40, max_num_batched_tokens=64, max_num_seqs=8),
-    dict(block_size=4, num_blocks=200, max_num_batched_tokens=64, enable_prefix_caching=False),
-], ids=["one-batch", "chunked", "block16", "no-prefix-cache"])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(
+            block_size=4, num_blocks=200, max_num_batched_tokens=512, max_num_seqs=64
+        ),  # everything at once
+        dict(
+            block_size=4, num_blocks=200, max_num_batched_tokens=7, max_num_seqs=5
+        ),  # chunked prefill, few seats
+        dict(block_size=16, num_blocks=40, max_num_batched_tokens=64, max_num_seqs=8),
+        dict(block_size=4, num_blocks=200, max_num_batched_tokens=64, enable_prefix_caching=False),
+    ],
+    ids=["one-batch", "chunked", "block16", "no-prefix-cache"],
+)
 def test_batched_greedy_equals_full_recompute(model, prompts, reference, opts):
     llm = LLM(model, **opts)
     outs = llm.generate(prompts, GREEDY)
@@ -37,11 +49,20 @@ def test_batched_greedy_equals_full_recompute(model, prompts, reference, opts):
     assert all_free(llm.engine)
 
 
-@pytest.mark.parametrize("selective", [True, False], ids=["grouped-attention", "one-masked-attention"])
+@pytest.mark.parametrize(
+    "selective", [True, False], ids=["grouped-attention", "one-masked-attention"]
+)
 def test_mixed_prefill_and_decode_in_one_forward(model, prompts, reference, selective):
     """Every iteration is ONE forward of a flattened (1, T) row; with selective=False the model's
     mask over all gathered keys is built from (sequence id, position) — both equal full recompute."""
-    llm = LLM(model, block_size=4, num_blocks=200, max_num_batched_tokens=9, max_num_seqs=6, selective=selective)
+    llm = LLM(
+        model,
+        block_size=4,
+        num_blocks=200,
+        max_num_batched_tokens=9,
+        max_num_seqs=6,
+        selective=selective,
+    )
     outs = llm.generate(prompts, GREEDY)
     eng = llm.engine
     assert eng.stats["forwards"] == eng.stats["steps"]
@@ -68,7 +89,9 @@ def test_packed_mask_hides_other_sequences_keys(model):
 
 
 def test_preemption_by_recompute_with_a_tiny_pool(model, prompts, reference):
-    llm = LLM(model, block_size=4, num_blocks=14, max_num_batched_tokens=32, max_num_seqs=16)  # 52 token slots
+    llm = LLM(
+        model, block_size=4, num_blocks=14, max_num_batched_tokens=32, max_num_seqs=16
+    )  # 52 token slots
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.stats["preemptions"] > 0
     assert [o.token_ids for o in outs] == reference
@@ -90,8 +113,11 @@ def test_prefix_cache_serves_shared_prompt_blocks(model, prompts, reference):
     assert all_free(engine)
 
 
-@pytest.mark.parametrize("first,second", [([5, 6, 7, 8], [5, 6, 7, 9]), ([1, 23, 4, 5], [12, 3, 4, 5])],
-                         ids=["last-token-of-block", "digit-collision"])
+@pytest.mark.parametrize(
+    "first,second",
+    [([5, 6, 7, 8], [5, 6, 7, 9]), ([1, 23, 4, 5], [12, 3, 4, 5])],
+    ids=["last-token-of-block", "digit-collision"],
+)
 def test_prefix_cache_never_serves_a_block_of_other_tokens(model, first, second):
     """The second request differs from the cached first only in the last token of a full block,
     or in tokens whose decimal digits concatenate alike: no cached token, output = recompute."""
@@ -127,7 +153,9 @@ def test_stop_token_ids_eos_and_max_tokens(model, prompts, reference):
     llm = LLM(model, block_size=4, eos_token_id=ref[3])
     out = llm.generate([p], SamplingParams(temperature=0, max_tokens=14))[0]
     assert out.token_ids == ref[:4] and out.finish_reason == "stop"
-    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, stop_token_ids=[ref[5]]))[0]
+    out = llm.generate(
+        [p], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, stop_token_ids=[ref[5]])
+    )[0]
     assert out.token_ids == ref[:6] and out.finish_reason == "stop"
     out = llm.generate([p], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
     assert out.token_ids == ref[:2] and out.finish_reason == "length"
@@ -157,18 +185,26 @@ def test_stop_strings_and_streamed_text(model, prompts, reference):
             pieces.append(o.new_text)
             last = o
     cut = full.find(stop)
-    assert last.finish_reason == "stop" and last.text == full[:cut] and "".join(pieces) == full[:cut]
+    assert (
+        last.finish_reason == "stop" and last.text == full[:cut] and "".join(pieces) == full[:cut]
+    )
 
 
 def test_seeded_sampling_is_independent_of_the_batch(model, prompts):
     sp = SamplingParams(temperature=0.9, top_k=20, max_tokens=10, seed=123, logprobs=2)
     alone = LLM(model, block_size=4).generate([prompts[3]], sp)[0]
-    mixed = LLM(model, block_size=4).generate(prompts[:6], [SamplingParams(temperature=1.0, max_tokens=10)] * 3
-                                               + [sp] + [SamplingParams(max_tokens=10)] * 2)[3]
+    mixed = LLM(model, block_size=4).generate(
+        prompts[:6],
+        [SamplingParams(temperature=1.0, max_tokens=10)] * 3
+        + [sp]
+        + [SamplingParams(max_tokens=10)] * 2,
+    )[3]
     assert alone.token_ids == mixed.token_ids
     assert len(alone.logprobs) == 10 and all(len(top) == 2 for _, top in alone.logprobs)
     with torch.no_grad():
-        ref = torch.log_softmax(model(torch.tensor([prompts[3]]))[0, -1].float(), -1)[alone.token_ids[0]]
+        ref = torch.log_softmax(model(torch.tensor([prompts[3]]))[0, -1].float(), -1)[
+            alone.token_ids[0]
+        ]
     assert alone.logprobs[0][0] == pytest.approx(float(ref), abs=1e-5)
 
 
@@ -221,11 +257,17 @@ def test_async_streaming_and_disconnect(model, prompts, reference):
     assert all_free(engine)
 
 
-@pytest.mark.parametrize("opts", [
-    dict(block_size=4, num_blocks=200, max_num_batched_tokens=64),
-    dict(block_size=4, num_blocks=200, max_num_batched_tokens=7, max_num_seqs=5),  # chunked prefill
-    dict(block_size=4, num_blocks=14, max_num_batched_tokens=32, max_num_seqs=16),  # preemption
-], ids=["batched", "chunked", "tiny-pool"])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(block_size=4, num_blocks=200, max_num_batched_tokens=64),
+        dict(
+            block_size=4, num_blocks=200, max_num_batched_tokens=7, max_num_seqs=5
+        ),  # chunked prefill
+        dict(block_size=4, num_blocks=14, max_num_batched_tokens=32, max_num_seqs=16),  # preemption
+    ],
+    ids=["batched", "chunked", "tiny-pool"],
+)
 def test_sliding_window_frees_out_of_window_blocks(prompts, opts):
     """Mistral-style window W = 6: blocks entirely behind the window are freed during generation,
     and greedy output still equals full recompute of the same windowed model (no cache)."""
@@ -248,9 +290,14 @@ def test_release_outside_window_counts(model):
     cache = PagedKVCache(model.config, 20, 4, torch.float64)
     cache.blocks.allocate("s", list(range(1, 15)))
     cache.blocks.reserve("s", 14)
-    cache.blocks.commit("s", list(range(1, 15)), 14)  # p = 14, W = 6: keys 9..14 visible; blocks 0, 1 (0..7) dead
+    cache.blocks.commit(
+        "s", list(range(1, 15)), 14
+    )  # p = 14, W = 6: keys 9..14 visible; blocks 0, 1 (0..7) dead
     assert cache.blocks.release_outside_window("s", 6) == 2
-    assert cache.blocks.tables["s"][:2] == [NULL_BLOCK, NULL_BLOCK] and cache.blocks.first_live_block("s") == 2
+    assert (
+        cache.blocks.tables["s"][:2] == [NULL_BLOCK, NULL_BLOCK]
+        and cache.blocks.first_live_block("s") == 2
+    )
     assert cache.blocks.num_free == 19 - 2
     cache.blocks.free("s")
     assert cache.blocks.num_free == 19
@@ -263,8 +310,12 @@ def test_document_ids_need_a_cache_with_key_sequence_ids(model):
 
     cache = KVCache(model.config, 1, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match="sequence ids"), torch.no_grad():
-        model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], kv_cache=cache,
-              document_ids=torch.zeros(1, 3, dtype=torch.long))
+        model(
+            torch.tensor([[1, 2, 3]]),
+            torch.arange(3)[None],
+            kv_cache=cache,
+            document_ids=torch.zeros(1, 3, dtype=torch.long),
+        )
 
 
 def test_one_driver_per_engine_and_llm_generate_from_threads(model, prompts, reference):
@@ -292,8 +343,12 @@ def test_one_driver_per_engine_and_llm_generate_from_threads(model, prompts, ref
 
     async def stream_then_generate():
         gen = stream.generate(prompts[0], GREEDY)
-        first = await gen.__anext__()  # a stream in flight: the LLM may not step the engine under it
-        with pytest.raises(RuntimeError, match="already driven by a AsyncLLM with requests in flight"):
+        first = (
+            await gen.__anext__()
+        )  # a stream in flight: the LLM may not step the engine under it
+        with pytest.raises(
+            RuntimeError, match="already driven by a AsyncLLM with requests in flight"
+        ):
             llm.generate([prompts[1]], GREEDY)
         tokens = list(first.new_token_ids)
         async for out in gen:
@@ -301,4 +356,6 @@ def test_one_driver_per_engine_and_llm_generate_from_threads(model, prompts, ref
         return tokens
 
     assert asyncio.run(stream_then_generate()) == reference[0]
-    assert llm.generate([prompts[1]], GREEDY)[0].token_ids == reference[1]  # the stream is done: the LLM again
+    assert (
+        llm.generate([prompts[1]], GREEDY)[0].token_ids == reference[1]
+    )  # the stream is done: the LLM again

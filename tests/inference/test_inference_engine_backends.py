@@ -2,8 +2,8 @@
 implementation it gives the full-recompute greedy tokens, grouped or one masked attention."""
 
 import pytest
-
 from inference_helpers import full_recompute_greedy, make_model
+
 from lmstack.inference import LLM, SamplingParams
 from lmstack.kernels import RuntimeConfig
 from lmstack.kernels.backends import attention_impl
@@ -30,14 +30,25 @@ class Spy:
 # flash_*: every paged call carries an explicit mask (cache slots), so they hand it to sdpa (kernels.backends);
 # flash_triton therefore needs no Triton here.
 @pytest.mark.parametrize("selective", [True, False], ids=["grouped", "one-masked"])
-@pytest.mark.parametrize("backend", ["sdpa", "reference", "matmul", "flash_pytorch", "flash_triton"])
+@pytest.mark.parametrize(
+    "backend", ["sdpa", "reference", "matmul", "flash_pytorch", "flash_triton"]
+)
 def test_engine_with_each_backend_equals_full_recompute(backend, selective, prompts, reference):
     model = make_model()  # the fixture's weights, its own implementation
-    llm = LLM(model, runtime=RuntimeConfig(attn_backend=backend), block_size=4, num_blocks=200,
-              max_num_batched_tokens=9, max_num_seqs=6, selective=selective)
+    llm = LLM(
+        model,
+        runtime=RuntimeConfig(attn_backend=backend),
+        block_size=4,
+        num_blocks=200,
+        max_num_batched_tokens=9,
+        max_num_seqs=6,
+        selective=selective,
+    )
     assert llm.runtime_line.startswith(f"attention: {backend} (configured)")
     spy = Spy(backend)
     model.set_attention(spy)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
-    assert spy.calls >= llm.engine.stats["forwards"] * model.config.n_layers  # every layer, every forward
+    assert (
+        spy.calls >= llm.engine.stats["forwards"] * model.config.n_layers
+    )  # every layer, every forward

@@ -3,8 +3,8 @@ counts, prefix hashes, LRU eviction and copy-on-write (seed 000 §2.4, seed 001 
 
 import pytest
 import torch
-
 from inference_helpers import full_recompute_greedy, greedy
+
 from lmstack.accounting.memory import kv_cache_bytes
 from lmstack.inference import KVCache, PagedKVCache, generate
 from lmstack.inference.block_manager import BlockManager, NoFreeBlocks, chain_hash
@@ -21,7 +21,9 @@ def test_bytes_equal_accounting_formula(model, dtype):
 def test_contiguous_cache_greedy_equals_full_recompute(model, prompts):
     for p in prompts[:6]:
         assert list(generate(model, p, greedy(12))) == full_recompute_greedy(model, p, 12)
-        assert list(generate(model, p, greedy(5), use_cache=False)) == full_recompute_greedy(model, p, 5)
+        assert list(generate(model, p, greedy(5), use_cache=False)) == full_recompute_greedy(
+            model, p, 5
+        )
 
 
 def test_contiguous_truncate_forgets_positions(model):
@@ -65,12 +67,16 @@ def test_chain_hash_names_whole_prefix():
 def _run(model, cache, rows, tokens_of):
     """The engine's one packed forward over rows (seq_id, start, n); logits of each row's last token."""
     batch, positions, seq_ids = cache.packed_batch(rows)
-    toks = torch.tensor([[t for sid, start, n in rows for t in tokens_of[sid][start:start + n]]])  # (1, T)
+    toks = torch.tensor(
+        [[t for sid, start, n in rows for t in tokens_of[sid][start : start + n]]]
+    )  # (1, T)
     last = torch.tensor([n for _, _, n in rows]).cumsum(0) - 1
     with torch.no_grad():
-        hidden = model(toks, positions, kv_cache=batch, document_ids=seq_ids, return_hidden=True)[0]  # (T, D)
+        hidden = model(toks, positions, kv_cache=batch, document_ids=seq_ids, return_hidden=True)[
+            0
+        ]  # (T, D)
         logits = model.unembed(hidden[last])  # (R, V)
-    for sid, start, n in rows:
+    for sid, _start, n in rows:
         cache.blocks.commit(sid, tokens_of[sid], n)
     return logits
 
@@ -145,11 +151,15 @@ def _recompute(model, ids):
         return model(torch.tensor([ids]))[0, -1]
 
 
-@pytest.mark.parametrize("first,second", [
-    ([5, 6, 7, 8], [5, 6, 7, 9]),  # differ only in the last token of the full block
-    ([1, 23, 4, 5], [12, 3, 4, 5]),  # equal under a join of decimal digits without a separator
-    ([1, 2, 34, 5], [1, 23, 4, 5]),
-], ids=["last-token", "digits-1|23-vs-12|3", "digits-2|34-vs-23|4"])
+@pytest.mark.parametrize(
+    "first,second",
+    [
+        ([5, 6, 7, 8], [5, 6, 7, 9]),  # differ only in the last token of the full block
+        ([1, 23, 4, 5], [12, 3, 4, 5]),  # equal under a join of decimal digits without a separator
+        ([1, 2, 34, 5], [1, 23, 4, 5]),
+    ],
+    ids=["last-token", "digits-1|23-vs-12|3", "digits-2|34-vs-23|4"],
+)
 def test_prefix_cache_does_not_share_blocks_of_different_tokens(model, first, second):
     """A block is shared only when every token of it (and of every block before it) is equal:
     the second prompt gets no cached block and its logits equal full recompute."""
@@ -158,8 +168,12 @@ def test_prefix_cache_does_not_share_blocks_of_different_tokens(model, first, se
     toks = {"a": first + tail, "b": second + tail, "c": first + [70, 71]}
     for sid in ("a", "b", "c"):
         cached, logits = _prefill(model, cache, sid, toks)
-        assert cached == (4 if sid == "c" else 0), sid  # only "c" repeats a cached block ("a"'s first)
-        torch.testing.assert_close(logits, _recompute(model, toks[sid]), atol=1e-10, rtol=0, msg=sid)
+        assert cached == (4 if sid == "c" else 0), (
+            sid
+        )  # only "c" repeats a cached block ("a"'s first)
+        torch.testing.assert_close(
+            logits, _recompute(model, toks[sid]), atol=1e-10, rtol=0, msg=sid
+        )
     assert chain_hash(None, first) != chain_hash(None, second)
 
 
@@ -195,13 +209,28 @@ def test_batch1_generate_builds_the_cache_the_layers_need(kind):
     equals the plainly written full recompute; speculation rolls the MLA latent back, and refuses the
     recurrent state (which cannot be rolled back) with a clear error."""
     from inference_helpers import greedy, speculate
+
     from lmstack.model.config import ModelConfig, repeat_pattern
     from lmstack.model.transformer import Transformer
 
-    extra = (dict(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=10,
-                  head_dim=16, rope_layout="interleaved") if kind == "mla" else
-             dict(layer_types=repeat_pattern(["gated_deltanet", "attention"], 2), mixer_chunk_size=4))
-    cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=256, **extra)
+    extra = (
+        dict(
+            kv_lora_rank=16,
+            q_lora_rank=12,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=4,
+            v_head_dim=10,
+            head_dim=16,
+            rope_layout="interleaved",
+        )
+        if kind == "mla"
+        else dict(
+            layer_types=repeat_pattern(["gated_deltanet", "attention"], 2), mixer_chunk_size=4
+        )
+    )
+    cfg = ModelConfig(
+        vocab_size=97, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=256, **extra
+    )
     model = Transformer(cfg, dtype=torch.float64, seed=1).eval()
     prompt = [5, 17, 3, 5, 17, 3, 5, 17, 9, 2]
     ref = full_recompute_greedy(model, prompt, 12)
@@ -217,6 +246,7 @@ def test_logits_processors_apply_on_the_batch1_path_as_in_the_engine(model, prom
     """One sampler: a processor that bans token ids is applied by ``generate`` and by the engine alike;
     greedy output equals the plainly written recompute with those logits set to -inf."""
     from inference_helpers import greedy
+
     from lmstack.inference import LLM
 
     banned = [3, 5, 7, 11]
@@ -239,4 +269,8 @@ def test_logits_processors_apply_on_the_batch1_path_as_in_the_engine(model, prom
     with pytest.raises(ValueError, match="speculation"):
         from lmstack.inference import PromptLookup
 
-        list(generate(model, prompts[0], greedy(8, logits_processors=[ban]), speculation=PromptLookup(2)))
+        list(
+            generate(
+                model, prompts[0], greedy(8, logits_processors=[ban]), speculation=PromptLookup(2)
+            )
+        )

@@ -51,7 +51,9 @@ def test_prompt_logprobs_equal_hf(models):
     hf, model = models
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 120, (n,), generator=g).tolist() for n in (2, 5, 17, 40, 63)]
-    engine = LLMEngine(model, block_size=4, max_num_batched_tokens=24)  # chunked prefill, batched requests
+    engine = LLMEngine(
+        model, block_size=4, max_num_batched_tokens=24
+    )  # chunked prefill, batched requests
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
     for out in run(engine, prompts, params):
         check(out, hf, 3)
@@ -75,8 +77,14 @@ def test_preemption_recomputes_them(models):
     hf, model = models
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 120, (n,), generator=g).tolist() for n in (30, 31, 29)]
-    engine = LLMEngine(model, block_size=4, num_blocks=20, max_num_batched_tokens=16, watermark=0.0,
-                       enable_prefix_caching=False)
+    engine = LLMEngine(
+        model,
+        block_size=4,
+        num_blocks=20,
+        max_num_batched_tokens=16,
+        watermark=0.0,
+        enable_prefix_caching=False,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=3)
     outs = run(engine, prompts, params)
     assert engine.stats["preemptions"] > 0

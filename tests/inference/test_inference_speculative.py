@@ -1,11 +1,16 @@
 """Speculative decoding (seed 000 §2.3): greedy output identical to the target alone, and the
 sampled distribution equal to the target's (statistical tests)."""
 
-
 import pytest
 import torch
+from inference_helpers import (
+    full_recompute_greedy,
+    full_recompute_greedy_penalized,
+    greedy,
+    make_model,
+    speculate,
+)
 
-from inference_helpers import full_recompute_greedy, full_recompute_greedy_penalized, greedy, make_model, speculate
 from lmstack.inference import DraftModel, PromptLookup, SamplingParams, generate, truncated_draft
 from lmstack.inference.speculative import ngram_propose, rejection_sample
 
@@ -28,10 +33,15 @@ def greedy_refs(target, prompts):
     return {i: full_recompute_greedy(target, prompts[i], 20) for i in (0, 8, 11, 12)}
 
 
-@pytest.mark.parametrize("proposer,k", [("truncated", 1), ("truncated", 4), ("small-model", 3), ("ngram", 4)])
+@pytest.mark.parametrize(
+    "proposer,k", [("truncated", 1), ("truncated", 4), ("small-model", 3), ("ngram", 4)]
+)
 def test_greedy_identical_to_target(target, prompts, greedy_refs, proposer, k):
-    draft = {"truncated": truncated_draft(target, 1), "small-model": make_model(n_layers=1, seed=7),
-             "ngram": None}[proposer]
+    draft = {
+        "truncated": truncated_draft(target, 1),
+        "small-model": make_model(n_layers=1, seed=7),
+        "ngram": None,
+    }[proposer]
     for i, ref in greedy_refs.items():
         out, stats = speculate(target, prompts[i], 20, draft=draft, k=k)
         assert out == ref
@@ -42,17 +52,29 @@ def test_greedy_identical_to_target(target, prompts, greedy_refs, proposer, k):
 REPETITIVE = [[3, 4, 5, 6] * 4, [7, 8] * 7 + [7], [10, 20, 30, 10, 20, 40, 10, 20]]
 
 
-@pytest.mark.parametrize("proposer,k,penalty", [
-    ("truncated", 3, 1.3), ("truncated", 1, 1.3), ("truncated", 4, 0.7), ("small-model", 2, 1.3), ("ngram", 4, 0.7),
-])  # (a penalty > 1 discourages the repeats prompt lookup proposes: it would keep no draft)
+@pytest.mark.parametrize(
+    "proposer,k,penalty",
+    [
+        ("truncated", 3, 1.3),
+        ("truncated", 1, 1.3),
+        ("truncated", 4, 0.7),
+        ("small-model", 2, 1.3),
+        ("ngram", 4, 0.7),
+    ],
+)  # (a penalty > 1 discourages the repeats prompt lookup proposes: it would keep no draft)
 def test_greedy_with_repetition_penalty_identical_to_target(target, prompts, proposer, k, penalty):
     """The penalty reads the history, which grows by each draft: row j of the target's verify pass
     must be penalised by the tokens before draft j only (not by draft j itself). Greedy output
     equals plain greedy under the same penalty (the plainly written reference and ``generate``),
     with drafts kept along the way; the filters (top-k, top-p, min-p) ride along."""
-    draft = {"truncated": truncated_draft(target, 2), "small-model": make_model(n_layers=1, seed=7),
-             "ngram": None}[proposer]
-    params = SamplingParams(temperature=0.0, repetition_penalty=penalty, top_k=5, top_p=0.8, min_p=0.05)
+    draft = {
+        "truncated": truncated_draft(target, 2),
+        "small-model": make_model(n_layers=1, seed=7),
+        "ngram": None,
+    }[proposer]
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=penalty, top_k=5, top_p=0.8, min_p=0.05
+    )
     accepted = 0
     for p in [prompts[8], prompts[11]] + REPETITIVE:
         ref = full_recompute_greedy_penalized(target, p, 16, penalty)
@@ -66,11 +88,15 @@ def test_greedy_with_repetition_penalty_identical_to_target(target, prompts, pro
 def test_stop_ids_end_speculative_generation(target, prompts, greedy_refs):
     ref = greedy_refs[8]
     out, _ = speculate(target, prompts[8], 20, draft=truncated_draft(target, 2), stop_ids=[ref[6]])
-    assert out == ref[:ref.index(ref[6]) + 1]
+    assert out == ref[: ref.index(ref[6]) + 1]
 
 
 def test_ngram_proposals():
-    assert ngram_propose([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # longest suffix [1,2,3] seen before
+    assert ngram_propose([1, 2, 3, 9, 1, 2, 3], 3) == [
+        9,
+        1,
+        2,
+    ]  # longest suffix [1,2,3] seen before
     assert ngram_propose([5, 6, 7, 8], 2) == []
     assert ngram_propose([4, 4, 4], 2) == [4]
 
@@ -98,7 +124,7 @@ def chi2_quantile_999(df: int) -> float:
     slightly above the tables for df >= 10 (df 15: 37.84 vs 37.697; df 50: 86.74 vs 86.661), i.e.
     a significance a little under 0.001."""
     a = 2 / (9 * df)
-    return df * (1 - a + 3.0902 * a ** 0.5) ** 3
+    return df * (1 - a + 3.0902 * a**0.5) ** 3
 
 
 def test_speculative_sampling_is_lossless_end_to_end():
@@ -125,7 +151,9 @@ def test_speculative_sampling_is_lossless_end_to_end():
     with torch.no_grad():
         p1 = torch.softmax(tgt(torch.tensor([prompt]))[0, -1] / 1.5, -1)
         q1 = torch.softmax(dft(torch.tensor([prompt]))[0, -1] / 1.5, -1)
-        cond = torch.stack([torch.softmax(tgt(torch.tensor([prompt + [a]]))[0, -1] / 1.5, -1) for a in range(V)])
+        cond = torch.stack(
+            [torch.softmax(tgt(torch.tensor([prompt + [a]]))[0, -1] / 1.5, -1) for a in range(V)]
+        )
     joint = p1[:, None] * cond  # (V, V): p(x1) p(x2 | x1)
     alpha = float(torch.minimum(p1, q1).sum())
     assert 0.3 < 1 - alpha < 0.8 and float(p1.min()) > 0.015
@@ -134,8 +162,12 @@ def test_speculative_sampling_is_lossless_end_to_end():
     crit = 37.697  # χ²(15) at 0.999, tables
     assert n * float(((p_bug - p1) ** 2 / p1).sum()) > 300
     g = torch.Generator().manual_seed(0)
-    sims = torch.stack([torch.bincount(torch.multinomial(p_bug, n, replacement=True, generator=g), minlength=V)
-                        for _ in range(2000)]).double()
+    sims = torch.stack(
+        [
+            torch.bincount(torch.multinomial(p_bug, n, replacement=True, generator=g), minlength=V)
+            for _ in range(2000)
+        ]
+    ).double()
     power = float((((sims - n * p1) ** 2 / (n * p1)).sum(-1) > crit).double().mean())
     assert power > 0.99
     counts = torch.zeros(V, V, dtype=torch.float64)
@@ -171,8 +203,11 @@ def test_speculation_is_a_strategy_of_every_batch1_step(target, prompts, greedy_
     reference, drafts kept."""
     from lmstack.inference.static import StaticDecoder
 
-    kw = (dict(decoder=StaticDecoder(target, 64, compile=strategy == "static-compiled"))
-          if strategy.startswith("static") else dict(use_cache=False))
+    kw = (
+        dict(decoder=StaticDecoder(target, 64, compile=strategy == "static-compiled"))
+        if strategy.startswith("static")
+        else dict(use_cache=False)
+    )
     kept = 0
     for i, ref in greedy_refs.items():
         for spec in (DraftModel(truncated_draft(target, 2), 3), PromptLookup(4)):

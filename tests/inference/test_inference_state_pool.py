@@ -8,8 +8,8 @@ accounting formula; pool exhaustion queues requests (seed 001 "注意力机制",
 
 import pytest
 import torch
-
 from inference_helpers import full_recompute_greedy, greedy
+
 from lmstack.accounting.mixers import mixer_cache_bytes
 from lmstack.inference import LLM, LLMEngine
 from lmstack.model.config import ModelConfig, repeat_pattern
@@ -25,9 +25,22 @@ PATTERNS = {
 
 
 def _model(unit, n_layers, dtype=torch.float64):
-    cfg = ModelConfig(vocab_size=97, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=64,
-                      max_seq_len=128, init_std=0.05, layer_types=repeat_pattern(unit, n_layers), ssm_head_dim=16,
-                      ssm_state_size=8, ssm_expand=2, mixer_chunk_size=4, local_window=5)
+    cfg = ModelConfig(
+        vocab_size=97,
+        d_model=32,
+        n_layers=n_layers,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        max_seq_len=128,
+        init_std=0.05,
+        layer_types=repeat_pattern(unit, n_layers),
+        ssm_head_dim=16,
+        ssm_state_size=8,
+        ssm_expand=2,
+        mixer_chunk_size=4,
+        local_window=5,
+    )
     model = Transformer(cfg, dtype=dtype, seed=3).eval()
     init_recurrent_parameters(model)
     return model
@@ -43,17 +56,31 @@ def case(request, prompts):
 def all_free(engine):
     blocks, states = engine.cache.blocks, engine.states
     blocks_free = all(r == 0 for r in blocks.ref_count) and not blocks.tables
-    states_free = states is None or (states.num_free == states.num_slots and not states.slot_of and not states.pending)
+    states_free = states is None or (
+        states.num_free == states.num_slots and not states.slot_of and not states.pending
+    )
     return blocks_free and states_free
 
 
-@pytest.mark.parametrize("opts", [
-    dict(block_size=4, num_blocks=200, max_num_batched_tokens=512),  # everything in one forward
-    dict(block_size=4, num_blocks=200, max_num_batched_tokens=7, max_num_seqs=5),  # chunked prefill, few seats
-    dict(block_size=4, num_blocks=14, max_num_batched_tokens=32, max_num_seqs=16),  # preemption: 52 token slots
-    dict(block_size=4, num_blocks=200, max_num_batched_tokens=64, num_state_slots=2),  # 2 states for 9 requests
-    dict(block_size=4, num_blocks=200, max_num_batched_tokens=9, selective=False),  # the reference attention
-], ids=["one-batch", "chunked", "preempt", "two-slots", "reference-attention"])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(block_size=4, num_blocks=200, max_num_batched_tokens=512),  # everything in one forward
+        dict(
+            block_size=4, num_blocks=200, max_num_batched_tokens=7, max_num_seqs=5
+        ),  # chunked prefill, few seats
+        dict(
+            block_size=4, num_blocks=14, max_num_batched_tokens=32, max_num_seqs=16
+        ),  # preemption: 52 token slots
+        dict(
+            block_size=4, num_blocks=200, max_num_batched_tokens=64, num_state_slots=2
+        ),  # 2 states for 9 requests
+        dict(
+            block_size=4, num_blocks=200, max_num_batched_tokens=9, selective=False
+        ),  # the reference attention
+    ],
+    ids=["one-batch", "chunked", "preempt", "two-slots", "reference-attention"],
+)
 def test_greedy_equals_full_recompute(case, opts):
     model, ps, reference = case
     llm = LLM(model, **opts)
@@ -63,7 +90,9 @@ def test_greedy_equals_full_recompute(case, opts):
     if "num_blocks" in opts and opts["num_blocks"] == 14:
         assert eng.stats["preemptions"] > 0
     assert all_free(eng)
-    if eng.states is not None:  # prefix caching is off for recurrent layers (no state for a cached prefix)
+    if (
+        eng.states is not None
+    ):  # prefix caching is off for recurrent layers (no state for a cached prefix)
         assert not eng.cache.blocks.enable_prefix_caching and eng.stats["cached_prompt_tokens"] == 0
 
 
@@ -86,7 +115,9 @@ def test_pool_exhaustion_queues_requests(prompts):
 
 def test_abort_and_preemption_free_state_slots(prompts):
     model = _model(*PATTERNS["3:1 hybrid"])
-    engine = LLMEngine(model, block_size=4, num_blocks=200, num_state_slots=3, max_num_batched_tokens=64)
+    engine = LLMEngine(
+        model, block_size=4, num_blocks=200, num_state_slots=3, max_num_batched_tokens=64
+    )
     for i, p in enumerate(prompts[8:12]):
         engine.add_request(f"r{i}", p, greedy(20))
     engine.step()
@@ -97,7 +128,9 @@ def test_abort_and_preemption_free_state_slots(prompts):
     assert "r1" not in engine.states.slot_of and engine.states.num_free == 1
     engine.step()  # the waiting request takes the freed slot
     assert "r3" in engine.states.slot_of
-    victim = engine.scheduler.running.pop()  # preempt by hand, as the scheduler does when blocks run out
+    victim = (
+        engine.scheduler.running.pop()
+    )  # preempt by hand, as the scheduler does when blocks run out
     engine.scheduler._preempt(victim)
     assert victim.request_id not in engine.states.slot_of and engine.states.num_free == 1
     while engine.has_unfinished_requests():
@@ -112,7 +145,11 @@ def test_state_bytes_equal_accounting(dtype, acc_dtype):
     model = _model(*PATTERNS["3:1 hybrid"], dtype=dtype)
     c = model.config
     engine = LLMEngine(model, block_size=4, num_blocks=50, num_state_slots=5)
-    want = sum(mixer_cache_bytes(c, kind, 1000, dtype=acc_dtype) for kind in c.mixer_types if kind != "attention")
+    want = sum(
+        mixer_cache_bytes(c, kind, 1000, dtype=acc_dtype)
+        for kind in c.mixer_types
+        if kind != "attention"
+    )
     assert engine.states.bytes_per_slot == want
     assert engine.states.nbytes == 5 * want
     assert sorted(engine.states.states) == [0, 1, 2]
@@ -129,7 +166,9 @@ def test_full_attention_model_has_no_state_pool(model):
 
 def test_what_the_engine_refuses():
     hybrid = _model(*PATTERNS["3:1 hybrid"])
-    with pytest.raises(ValueError, match=r"num_speculative_tokens=2: the model has recurrent layers"):
+    with pytest.raises(
+        ValueError, match=r"num_speculative_tokens=2: the model has recurrent layers"
+    ):
         LLMEngine(hybrid, num_blocks=20, num_speculative_tokens=2)
     with pytest.raises(ValueError, match=r"num_state_slots=0"):
         LLMEngine(hybrid, num_blocks=20, num_state_slots=0)
@@ -138,7 +177,9 @@ def test_what_the_engine_refuses():
         LLMEngine(dsa, num_blocks=20)
 
 
-@pytest.mark.parametrize("name, n_attention", [("3:1 hybrid", 1), ("5:1 local:global", 6), ("pure linear", 0)])
+@pytest.mark.parametrize(
+    "name, n_attention", [("3:1 hybrid", 1), ("5:1 local:global", 6), ("pure linear", 0)]
+)
 def test_kv_pool_holds_only_attention_layers(name, n_attention):
     """The paged pool keeps K/V for the softmax-attention layers only (local ones included): its bytes are
     accounting's per-layer KV bytes at NB·bs tokens, summed over those layers; a pure linear model's pool is empty
@@ -147,7 +188,9 @@ def test_kv_pool_holds_only_attention_layers(name, n_attention):
     c = model.config
     engine = LLMEngine(model, block_size=4, num_blocks=50, num_state_slots=2)
     assert engine.cache.k.shape[0] == n_attention
-    assert engine.cache.nbytes == n_attention * mixer_cache_bytes(c, "attention", 50 * 4, dtype="fp32")
+    assert engine.cache.nbytes == n_attention * mixer_cache_bytes(
+        c, "attention", 50 * 4, dtype="fp32"
+    )
     if n_attention == 0:
         free = LLMEngine(model, block_size=4, max_num_seqs=3, max_model_len=64)
         assert free.cache.nbytes == 0 and free.cache.blocks.num_blocks >= 3 * 16

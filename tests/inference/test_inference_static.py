@@ -3,8 +3,8 @@ full recompute token for token; one decoder serves several prompts."""
 
 import pytest
 import torch
-
 from inference_helpers import full_recompute_greedy, greedy
+
 from lmstack.accounting.memory import kv_cache_bytes
 from lmstack.inference import SamplingParams, generate
 from lmstack.inference.static import StaticDecoder, StaticKVCache
@@ -33,12 +33,16 @@ def test_static_cache_bytes_and_positions(model):
 def test_static_decoder_greedy_equals_full_recompute(model, prompts):
     decoder = StaticDecoder(model, 64)  # reused (reset) across all prompts
     for p in prompts:
-        assert list(generate(model, p, greedy(N), decoder=decoder)) == full_recompute_greedy(model, p, N)
+        assert list(generate(model, p, greedy(N), decoder=decoder)) == full_recompute_greedy(
+            model, p, N
+        )
 
 
 def test_static_decoder_sampling_matches_dynamic_cache(model, prompts):
     decoder = StaticDecoder(model, 64)
-    params = SamplingParams(max_tokens=N, temperature=0.9, top_p=0.9, seed=7, repetition_penalty=1.3)
+    params = SamplingParams(
+        max_tokens=N, temperature=0.9, top_p=0.9, seed=7, repetition_penalty=1.3
+    )
     for p in prompts[:4]:
         assert list(generate(model, p, params, decoder=decoder)) == list(generate(model, p, params))
     with pytest.raises(ValueError, match="max_seq_len=64"):
@@ -50,16 +54,24 @@ def test_compiled_decoder_greedy_equals_full_recompute(model, prompts):
     torch._dynamo.reset()
     decoder = StaticDecoder(model, 64, compile=True)
     for p in prompts[:6] + prompts[-3:]:
-        assert list(generate(model, p, greedy(N), decoder=decoder)) == full_recompute_greedy(model, p, N)
+        assert list(generate(model, p, greedy(N), decoder=decoder)) == full_recompute_greedy(
+            model, p, N
+        )
     # one graph (the RoPE tables and the warm-up's inference tensors cause no recompile), called directly
     assert len(decoder._graphs) == 1 and decoder._direct is not None
-    guarded = StaticDecoder(model, 64, compile=True, direct=False)  # Dynamo's guarded call on every step
+    guarded = StaticDecoder(
+        model, 64, compile=True, direct=False
+    )  # Dynamo's guarded call on every step
     p = prompts[0]
-    assert list(generate(model, p, greedy(N), decoder=guarded)) == full_recompute_greedy(model, p, N)
+    assert list(generate(model, p, greedy(N), decoder=guarded)) == full_recompute_greedy(
+        model, p, N
+    )
     assert guarded._direct is None
     # a step unlike the traced one (int32 ids) goes through Dynamo (a recompile), not the captured graph
     logits = decoder.decode(torch.tensor([[5]]), torch.tensor([0]))
-    torch.testing.assert_close(decoder.decode(torch.tensor([[5]], dtype=torch.int32), torch.tensor([0])), logits)
+    torch.testing.assert_close(
+        decoder.decode(torch.tensor([[5]], dtype=torch.int32), torch.tensor([0])), logits
+    )
     assert len(decoder._graphs) == 2
     # Dynamo keeps its backends for the life of the process; they must not keep a decoder (and its model) alive
     import gc
@@ -81,4 +93,6 @@ def test_compiled_decoder_in_fp32_equals_full_recompute(model, prompts):
     m32 = copy.deepcopy(model).float()
     decoder = StaticDecoder(m32, 64, compile=True)
     for p in prompts[:2]:
-        assert list(generate(m32, p, greedy(N), decoder=decoder)) == full_recompute_greedy(m32, p, N)
+        assert list(generate(m32, p, greedy(N), decoder=decoder)) == full_recompute_greedy(
+            m32, p, N
+        )

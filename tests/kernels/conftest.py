@@ -10,7 +10,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` i
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
 from kernel_refs import check_against_reference  # noqa: E402
 
 
@@ -19,7 +18,9 @@ def pytest_configure(config):
     # block pointers and they still work, so the warning is not news in every test. The interpreter's
     # log2(0) for rows that see no key (L = -inf by design) is not news either.
     config.addinivalue_line("filterwarnings", "ignore:tl.make_block_ptr is deprecated")
-    config.addinivalue_line("filterwarnings", "ignore:divide by zero encountered in log2:RuntimeWarning")
+    config.addinivalue_line(
+        "filterwarnings", "ignore:divide by zero encountered in log2:RuntimeWarning"
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -35,8 +36,10 @@ def _one_thread():
 def triton_interpreter():
     pytest.importorskip("triton")  # a test dependency on linux x86_64 only
     if TRITON_PREIMPORTED or os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it first); "
-                    "the interpreter run of the Triton kernels did not happen")
+        pytest.fail(
+            "triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it first); "
+            "the interpreter run of the Triton kernels did not happen"
+        )
 
 
 @pytest.fixture

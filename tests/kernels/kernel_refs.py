@@ -50,7 +50,13 @@ def check_against_reference(fn, B, N, K, T, S, H, causal, dtype, atol, rtol, **k
     assert torch.all(out[~seen] == 0) and torch.all(lse[~seen] == -math.inf)
     for name, g, rg in zip("qkv", grads, ref_grads):
         assert g.dtype == dtype and g.shape == rg.shape, name
-        torch.testing.assert_close(g.double(), rg, atol=atol, rtol=rtol, msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(
+            g.double(),
+            rg,
+            atol=atol,
+            rtol=rtol,
+            msg=lambda m: f"d{name}: {m}",  # noqa: B023
+        )
 
 
 def attention_error_bounds(q, k, v, do, causal, per_cast, tiny=0.0):
@@ -82,7 +88,9 @@ def attention_error_bounds(q, k, v, do, causal, per_cast, tiny=0.0):
         visible = torch.arange(S)[None, :] <= torch.arange(T)[:, None] + (S - T)
         s = s.masked_fill(~visible.to(s.device), -math.inf)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.where(torch.isfinite(lse), torch.exp(s - lse.nan_to_num(neginf=0.0)), torch.zeros_like(s))
+    p = torch.where(
+        torch.isfinite(lse), torch.exp(s - lse.nan_to_num(neginf=0.0)), torch.zeros_like(s)
+    )
     o = p @ ve
     o_err = per_cast * (p @ ve.abs() + o.abs()) + tiny * ve.abs().sum(-2, keepdim=True)
     ds = p * (do @ ve.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
@@ -96,6 +104,10 @@ def attention_error_bounds(q, k, v, do, causal, per_cast, tiny=0.0):
     dk = per_kv_head(ds.transpose(-1, -2) @ q * scale)
     dk_err = per_kv_head(ds_err.transpose(-1, -2) @ q.abs() * scale) + per_cast * dk.abs()
     dv = per_kv_head(p.transpose(-1, -2) @ do)
-    dv_err = per_kv_head(per_cast * p.transpose(-1, -2) @ do.abs() + tiny * do.abs().sum(-2, keepdim=True)) \
+    dv_err = (
+        per_kv_head(
+            per_cast * p.transpose(-1, -2) @ do.abs() + tiny * do.abs().sum(-2, keepdim=True)
+        )
         + per_cast * dv.abs()
+    )
     return o_err, dq_err, dk_err, dv_err

@@ -24,12 +24,22 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("kernel_aot.py")
     # one compiler process per head dim: each is single-threaded, and the suite leaves a core idle
-    procs = [subprocess.Popen([sys.executable, str(script), "90", "bf16", H], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for H in ("64", "128")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), "90", "bf16", H],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for H in ("64", "128")
+    ]
     outs = [proc.communicate(timeout=600) for proc in procs]
     for proc, (_, err) in zip(procs, outs):
         assert proc.returncode == 0, err[-2000:]
-    rows = [json.loads(line) for out, _ in outs for line in out.splitlines() if line.startswith("{")]
+    rows = [
+        json.loads(line) for out, _ in outs for line in out.splitlines() if line.startswith("{")
+    ]
     # per H: fwd, the K/V-tile kernel with split and with atomic dQ, dQ; H = 128 prunes the
     # 128 × 128 forward tile; + the D preprocessing kernel per H; + RMSNorm
     # forward and backward per process

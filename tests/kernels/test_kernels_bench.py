@@ -52,21 +52,65 @@ def test_nvtx_is_a_noop_by_default(monkeypatch):
 
 def test_format_table():
     text = bench.format_table([{"a": 1, "b": 0.123456}, {"a": 22, "b": None}])
-    assert text.splitlines()[0].split() == ["a", "b"] and "0.1235" in text and "-" in text.splitlines()[-1]
+    assert (
+        text.splitlines()[0].split() == ["a", "b"]
+        and "0.1235" in text
+        and "-" in text.splitlines()[-1]
+    )
 
 
 def test_cli_attention_and_model(tmp_path, capsys):
     from lmstack.cli import main
 
     out = tmp_path / "a.json"
-    assert main(["bench", "attention", "--seq", "32,64", "--heads", "2", "--head-dim", "16", "--repeats", "1",
-                 "--warmup", "0", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "attention",
+                "--seq",
+                "32,64",
+                "--heads",
+                "2",
+                "--head-dim",
+                "16",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert {r["backend"] for r in rows} == {"reference", "sdpa", "flash_pytorch"} and len(rows) == 6
     assert all(r["median_ms"] > 0 and r["peak_mib"] > 0 for r in rows)
     out = tmp_path / "m.json"
-    assert main(["bench", "model", "--preset", "smollm2-135m", "--n-layers", "1", "--batch", "1", "--seq", "16",
-                 "--repeats", "2", "--attn-backend", "flash_pytorch", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "model",
+                "--preset",
+                "smollm2-135m",
+                "--n-layers",
+                "1",
+                "--batch",
+                "1",
+                "--seq",
+                "16",
+                "--repeats",
+                "2",
+                "--attn-backend",
+                "flash_pytorch",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert [p["phase"] for p in res["phases"]] == ["forward", "backward", "optimizer", "step"]
     assert res["attn_backend"] == "flash_pytorch" and res["peak_memory_mib"] > 0

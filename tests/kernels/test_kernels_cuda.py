@@ -21,9 +21,18 @@ pytest.importorskip("triton")
 def test_triton_kernels_on_gpu():
     if not torch.cuda.is_available():
         if os.environ.get("LMSTACK_REQUIRE_CUDA") == "1":
-            pytest.fail("LMSTACK_REQUIRE_CUDA=1 but torch sees no CUDA GPU: the compiled Triton run did not happen")
-        pytest.skip("the compiled Triton run needs a CUDA GPU (the interpreter run covers the kernels on CPU)")
+            pytest.fail(
+                "LMSTACK_REQUIRE_CUDA=1 but torch sees no CUDA GPU: the compiled Triton run did not happen"
+            )
+        pytest.skip(
+            "the compiled Triton run needs a CUDA GPU (the interpreter run covers the kernels on CPU)"
+        )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_cuda_check.py"))],
-                          capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("kernel_cuda_check.py"))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -21,31 +21,71 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}N{}K{}T{}S{}H{}{}q{}k{}".format(*s[:6], "c" if s[6] else "f", *s[7:]))
+@pytest.mark.parametrize(
+    "shape",
+    SHAPES,
+    ids=lambda s: "B{}N{}K{}T{}S{}H{}{}q{}k{}".format(*s[:6], "c" if s[6] else "f", *s[7:]),
+)
 def test_matches_reference_fp64(check, shape):
     # fp64 in, fp64 compute: the tiling and online softmax change nothing but rounding order
     *dims, causal, bq, bk = shape
-    check(flash_attention_pytorch, *dims, causal, torch.float64, atol=1e-12, rtol=1e-10, block_q=bq, block_k=bk)
+    check(
+        flash_attention_pytorch,
+        *dims,
+        causal,
+        torch.float64,
+        atol=1e-12,
+        rtol=1e-10,
+        block_q=bq,
+        block_k=bk,
+    )
 
 
 @pytest.mark.parametrize("shape", SHAPES[:4], ids=str)
 def test_matches_reference_fp32(check, shape):
     *dims, causal, bq, bk = shape
-    check(flash_attention_pytorch, *dims, causal, torch.float32, atol=5e-6, rtol=1e-5, block_q=bq, block_k=bk)
+    check(
+        flash_attention_pytorch,
+        *dims,
+        causal,
+        torch.float32,
+        atol=5e-6,
+        rtol=1e-5,
+        block_q=bq,
+        block_k=bk,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_inputs(check, dtype):
     # fp32 tiles, output and gradients rounded once to the input dtype
-    tol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
-    check(flash_attention_pytorch, 1, 4, 2, 40, 40, 32, True, dtype, atol=4 * tol, rtol=2 * tol, block_q=16, block_k=16)
+    tol = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    check(
+        flash_attention_pytorch,
+        1,
+        4,
+        2,
+        40,
+        40,
+        32,
+        True,
+        dtype,
+        atol=4 * tol,
+        rtol=2 * tol,
+        block_q=16,
+        block_k=16,
+    )
 
 
 def test_default_scale_and_custom_scale():
-    (q, k, v), _ = [[t.double() for t in x] if isinstance(x, list) else x for x in [
-        [torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)], None]]
+    (q, k, v), _ = [
+        [t.double() for t in x] if isinstance(x, list) else x
+        for x in [[torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)], None]
+    ]
     ref = torch.softmax(q @ k.transpose(-1, -2) * 0.3, -1) @ v
-    torch.testing.assert_close(flash_attention_pytorch(q, k, v, scale=0.3, block_q=4, block_k=4), ref)
+    torch.testing.assert_close(
+        flash_attention_pytorch(q, k, v, scale=0.3, block_q=4, block_k=4), ref
+    )
 
 
 def test_saves_only_linear_state():
@@ -53,7 +93,9 @@ def test_saves_only_linear_state():
     B, N, S, H = 1, 2, 256, 16
     q, k, v = (torch.randn(B, N, S, H, requires_grad=True) for _ in range(3))
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.numel()) or t, lambda t: t
+    ):
         flash_attention_pytorch(q, k, v, causal=True)
     assert sum(saved) == 4 * B * N * S * H + B * N * S
     assert max(saved) < S * S
@@ -73,8 +115,12 @@ def test_peak_memory_grows_linearly_in_S():
         s = q @ k.transpose(-1, -2) / math.sqrt(H)
         return torch.softmax(s, dim=-1) @ v
 
-    flash = [peak(lambda q, k, v: flash_attention_pytorch(q, k, v, causal=True, block_q=64, block_k=64), S)
-             for S in (256, 512, 1024)]
+    flash = [
+        peak(
+            lambda q, k, v: flash_attention_pytorch(q, k, v, causal=True, block_q=64, block_k=64), S
+        )
+        for S in (256, 512, 1024)
+    ]
     plain = [peak(materialised, S) for S in (256, 512, 1024)]
     assert all(p > 0 for p in flash + plain)
     flash_ratio, plain_ratio = flash[2] / flash[0], plain[2] / plain[0]

@@ -26,11 +26,24 @@ def bwd_mode(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}N{}K{}T{}S{}H{}{}q{}k{}".format(*s[:6], "c" if s[6] else "f", *s[7:]))
+@pytest.mark.parametrize(
+    "shape",
+    SHAPES,
+    ids=lambda s: "B{}N{}K{}T{}S{}H{}{}q{}k{}".format(*s[:6], "c" if s[6] else "f", *s[7:]),
+)
 def test_matches_reference_fp32(check, shape, bwd_mode):
     # ieee fp32 dots; differences are fp32 rounding only
     *dims, causal, bq, bk = shape
-    check(flash_attention_triton, *dims, causal, torch.float32, atol=5e-6, rtol=1e-5, block_q=bq, block_k=bk)
+    check(
+        flash_attention_triton,
+        *dims,
+        causal,
+        torch.float32,
+        atol=5e-6,
+        rtol=1e-5,
+        block_q=bq,
+        block_k=bk,
+    )
 
 
 @pytest.mark.parametrize("H", [64, 80, 128])
@@ -41,7 +54,7 @@ def test_head_dims(check, H):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision(check, dtype, bwd_mode):
     # loaded in bf16/fp16, computed in fp32 (interpreter), rounded once on store
-    tol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    tol = 2**-7 if dtype == torch.bfloat16 else 2**-10
     check(flash_attention_triton, 1, 4, 2, 40, 40, 32, True, dtype, atol=4 * tol, rtol=2 * tol)
 
 
@@ -49,8 +62,12 @@ def test_agrees_with_pytorch_tiles():
     from lmstack.kernels import flash_attention_pytorch
 
     q, k, v = (torch.randn(1, 2, 33, 16) for _ in range(3))
-    torch.testing.assert_close(flash_attention_triton(q, k, v, causal=True),
-                               flash_attention_pytorch(q, k, v, causal=True), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        flash_attention_triton(q, k, v, causal=True),
+        flash_attention_pytorch(q, k, v, causal=True),
+        atol=2e-6,
+        rtol=1e-5,
+    )
 
 
 def test_non_contiguous_inputs(check):

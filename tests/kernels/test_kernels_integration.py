@@ -11,7 +11,9 @@ from lmstack.kernels.runtime import RuntimeConfig, configure
 from lmstack.model.config import ModelConfig
 from lmstack.model.transformer import Transformer
 
-CFG = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64)
+CFG = ModelConfig(
+    vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64
+)
 
 
 def _build(cfg, attn="auto", norm="auto", seed=1):
@@ -27,8 +29,15 @@ def _logits_and_grads(cfg, tokens, attn, norm):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("attn,norm", [("flash_pytorch", "torch"), ("flash_triton", "torch"), ("sdpa", "triton"),
-                                       ("flash_triton", "triton")])
+@pytest.mark.parametrize(
+    "attn,norm",
+    [
+        ("flash_pytorch", "torch"),
+        ("flash_triton", "torch"),
+        ("sdpa", "triton"),
+        ("flash_triton", "triton"),
+    ],
+)
 def test_backends_give_the_same_model(attn, norm, request):
     if "triton" in attn + norm:
         request.getfixturevalue("triton_interpreter")
@@ -37,7 +46,13 @@ def test_backends_give_the_same_model(attn, norm, request):
     logits, grads = _logits_and_grads(CFG, tokens, attn, norm)
     torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-5)
     for name, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[name], atol=2e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            g,
+            ref_grads[name],
+            atol=2e-5,
+            rtol=1e-4,
+            msg=lambda m: f"{name}: {m}",  # noqa: B023
+        )
 
 
 def test_flash_backend_falls_back_with_masks():
@@ -72,13 +87,19 @@ def test_auto_is_decided_once_and_logged():
     model = Transformer(CFG, seed=0)
     bf16 = RuntimeConfig(dtype="bf16")
     assert configure(model, bf16, training=True, max_keys=256) == (
-        "attention: matmul (auto: CPU, bf16 autocast, ≤512 keys); rmsnorm: torch (auto)")
+        "attention: matmul (auto: CPU, bf16 autocast, ≤512 keys); rmsnorm: torch (auto)"
+    )
     assert model.attention.name == "matmul"
-    assert configure(model, bf16, training=True, max_keys=1024).startswith("attention: sdpa (auto: CPU, >512 keys)")
+    assert configure(model, bf16, training=True, max_keys=1024).startswith(
+        "attention: sdpa (auto: CPU, >512 keys)"
+    )
     assert configure(model).startswith("attention: sdpa (auto: CPU)")
-    assert configure(model, bf16, max_keys=256).startswith("attention: sdpa (auto: CPU)")  # inference: no autocast
+    assert configure(model, bf16, max_keys=256).startswith(
+        "attention: sdpa (auto: CPU)"
+    )  # inference: no autocast
     assert configure(model, RuntimeConfig(dtype="bf16", compile=True), training=True).startswith(
-        "attention: sdpa (auto: CPU, compiled)")
+        "attention: sdpa (auto: CPU, compiled)"
+    )
 
 
 def test_runtime_keys_left_the_model_config():
@@ -100,9 +121,11 @@ def test_config_validation_and_defaults():
 
 
 def test_import_does_not_load_triton():
-    code = ("import sys, lmstack, lmstack.kernels, lmstack.model.transformer, lmstack.cli;"
-            "lmstack.cli.build_parser();"
-            "print('triton' in sys.modules)")
+    code = (
+        "import sys, lmstack, lmstack.kernels, lmstack.model.transformer, lmstack.cli;"
+        "lmstack.cli.build_parser();"
+        "print('triton' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -110,11 +133,17 @@ def test_import_does_not_load_triton():
 def test_lazy_aliases_stay_callable(triton_interpreter):
     # the package's lazy aliases must not be shadowed by their submodules once those are imported
     import lmstack.kernels as kernels
-    from lmstack.model.layers import rms_norm
     import lmstack.kernels.flash_triton  # noqa: F401
     import lmstack.kernels.triton_rmsnorm  # noqa: F401
+    from lmstack.model.layers import rms_norm
 
     x = torch.randn(2, 3, 16)
-    torch.testing.assert_close(kernels.rmsnorm_triton(x, torch.ones(16)), rms_norm(x, torch.ones(16), 1e-5))
-    torch.testing.assert_close(kernels.flash_attention_triton(x[None], x[None], x[None], causal=True),
-                               kernels.flash_attention_pytorch(x[None], x[None], x[None], causal=True), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        kernels.rmsnorm_triton(x, torch.ones(16)), rms_norm(x, torch.ones(16), 1e-5)
+    )
+    torch.testing.assert_close(
+        kernels.flash_attention_triton(x[None], x[None], x[None], causal=True),
+        kernels.flash_attention_pytorch(x[None], x[None], x[None], causal=True),
+        atol=2e-6,
+        rtol=1e-5,
+    )

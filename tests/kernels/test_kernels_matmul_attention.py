@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from lmstack.kernels import backends
-from lmstack.model.seam import AttentionMetadata
 from lmstack.kernels import matmul_attention as ma
 from lmstack.model.attention import attention_mask
+from lmstack.model.seam import AttentionMetadata
 
 
 def reference64(q, k, v, mask, d_out):
@@ -54,7 +54,9 @@ def rel_err(a, b):
 
 
 @pytest.mark.parametrize("N,K", [(4, 4), (4, 2), (4, 1)])
-@pytest.mark.parametrize("chunk", [1 << 18, 1 << 10])  # whole batch in one chunk / one row per chunk
+@pytest.mark.parametrize(
+    "chunk", [1 << 18, 1 << 10]
+)  # whole batch in one chunk / one row per chunk
 def test_fp32_causal_matches_fp64(N, K, chunk, monkeypatch, forward_path):
     monkeypatch.setattr(ma, "CHUNK_SCORES", chunk)
     B, T, H = 3, 16, 8
@@ -132,7 +134,9 @@ def test_auto_picks_matmul_only_for_cpu_training_under_low_precision_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert backends.resolve_attn_backend("auto", "cpu") == "matmul"
         assert backends.resolve_attn_backend("auto", "cpu", key_len=512) == "matmul"
-        assert backends.resolve_attn_backend("auto", "cpu", key_len=1024) == "sdpa"  # SDPA's backward wins there
+        assert (
+            backends.resolve_attn_backend("auto", "cpu", key_len=1024) == "sdpa"
+        )  # SDPA's backward wins there
         with torch.no_grad():  # inference keeps SDPA
             assert backends.resolve_attn_backend("auto", "cpu") == "sdpa"
     with pytest.raises(ValueError, match="attention backend='nope'"):
@@ -165,15 +169,22 @@ def test_row_blocks_worked_numbers():
     # default policy: one block below MIN_BLOCKED_T rows, then blocks of max(ROW_BLOCK, T / ROW_BLOCKS)
     assert ma.row_blocks(128, 128, causal=True) == [(0, 128, 128)]
     assert ma.row_blocks(256, 256, causal=True) == [(0, 128, 128), (128, 256, 256)]
-    assert ma.row_blocks(1024, 1024, causal=True) == [(0, 256, 256), (256, 512, 512), (512, 768, 768),
-                                                       (768, 1024, 1024)]
+    assert ma.row_blocks(1024, 1024, causal=True) == [
+        (0, 256, 256),
+        (256, 512, 512),
+        (512, 768, 768),
+        (768, 1024, 1024),
+    ]
     # from a mask: one past the last key any row of the block sees, over the batch, kept non-decreasing
     mask = torch.zeros(2, 1, 8, 8, dtype=torch.bool)
     mask[0, 0, :4, :6] = True  # rows 0..3 see up to key 5
     mask[1, 0, 4:, :3] = True  # rows 4..7 only up to key 2 -> e stays 6, the blocks merge
     assert ma.row_blocks(8, 8, causal=False, mask=mask, block=4) == [(0, 8, 6)]
     pos = torch.arange(8)
-    assert ma.row_blocks(8, 8, causal=False, mask=attention_mask(pos, pos, window=3), block=4) == [(0, 4, 4), (4, 8, 8)]
+    assert ma.row_blocks(8, 8, causal=False, mask=attention_mask(pos, pos, window=3), block=4) == [
+        (0, 4, 4),
+        (4, 8, 8),
+    ]
 
 
 @pytest.fixture(params=[True, False], ids=["sdpa_forward", "blocked_forward"])
@@ -190,7 +201,9 @@ def test_fp32_blocked_causal_matches_fp64(N, K, T, S, forward_path):
     B, H = 2, 8
     q, k, v, d_out = make(B, N, K, T, S, H, seed=4)
     o, grads = run(q, k, v, d_out, causal=True, block=8)
-    mask = attention_mask(torch.arange(S - T, S), torch.arange(S))  # query i sees key j iff j <= i + S - T
+    mask = attention_mask(
+        torch.arange(S - T, S), torch.arange(S)
+    )  # query i sees key j iff j <= i + S - T
     o_ref, grads_ref = reference64(q, k, v, mask, d_out)
     torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
     for g, r in zip(grads, grads_ref):

@@ -15,8 +15,11 @@ def reference(x, w, eps):
     return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-@pytest.mark.parametrize("shape,block_d", [((3, 5, 37), None), ((19, 300), None), ((10, 300), 64), ((2, 7, 64), 16)],
-                         ids=["3d-D37", "D300", "D300-tiles64", "D64-tiles16"])
+@pytest.mark.parametrize(
+    "shape,block_d",
+    [((3, 5, 37), None), ((19, 300), None), ((10, 300), 64), ((2, 7, 64), 16)],
+    ids=["3d-D37", "D300", "D300-tiles64", "D64-tiles16"],
+)
 def test_forward_backward_fp32(shape, block_d):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=gen).requires_grad_()
@@ -51,7 +54,7 @@ def test_low_precision_within_rounding_of_fp64(dtype):
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     y64 = w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
     rdx, rdw = torch.autograd.grad(y64, (x64, w64), dy.double())
-    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    u = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
     per_cast = 2 * u if dtype == torch.bfloat16 else u  # interpreter: bf16 truncation
     torch.testing.assert_close(y.double(), y64, atol=1e-6, rtol=1.02 * 2 * per_cast)
     torch.testing.assert_close(dx.double(), rdx, atol=1e-6, rtol=1.02 * per_cast)

@@ -10,12 +10,15 @@ from lmstack.model.seam import AttentionMetadata, reference_attention
 
 def _qkv(B, N, K, T, S, H, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, N, T, H, generator=g, dtype=torch.float64), torch.randn(B, K, S, H, generator=g,
-            dtype=torch.float64), torch.randn(B, K, S, H, generator=g, dtype=torch.float64))
+    return (
+        torch.randn(B, N, T, H, generator=g, dtype=torch.float64),
+        torch.randn(B, K, S, H, generator=g, dtype=torch.float64),
+        torch.randn(B, K, S, H, generator=g, dtype=torch.float64),
+    )
 
 
 def _cases():
-    B, T, H = 2, 9, 8
+    B, T, _H = 2, 9, 8
     pos = torch.arange(T)
     docs = torch.tensor([[0] * 4 + [1] * 5, [0] * 9])
     doc_pos = torch.stack([torch.cat([torch.arange(4), torch.arange(5)]), torch.arange(9)])
@@ -60,8 +63,12 @@ def test_every_implementation_equals_the_reference(name, case, heads, request):
 
 def test_metadata_mask():
     pos = torch.arange(4)
-    assert AttentionMetadata(pos, is_causal=True).mask() is None  # the implementation's own causal mask
-    assert torch.equal(AttentionMetadata(pos, pos).mask(), torch.ones(4, 4, dtype=torch.bool).tril())
+    assert (
+        AttentionMetadata(pos, is_causal=True).mask() is None
+    )  # the implementation's own causal mask
+    assert torch.equal(
+        AttentionMetadata(pos, pos).mask(), torch.ones(4, 4, dtype=torch.bool).tril()
+    )
     # a record passed on by a cache describes the cached keys and never takes the fast path
     m = AttentionMetadata(pos, is_causal=True, window=2).for_keys(torch.arange(6))
     assert not m.is_causal and m.cache is None and m.mask().shape == (4, 6)

@@ -17,7 +17,11 @@ HF_TO_GGUF = {
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """The row permutation llama.cpp's converter applies to W_Q and W_K (written from its description)."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def write_llama_gguf(path, hf_model, qtype_name: str = "F32", arch: str = "llama") -> None:
@@ -60,7 +64,9 @@ def write_llama_gguf(path, hf_model, qtype_name: str = "F32", arch: str = "llama
             elif rest == "self_attn.k_proj.weight":
                 a = llama_cpp_permute(a, c.num_key_value_heads)
         if a.ndim == 2 and qtype_name != "F32":
-            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
+            w.add_tensor(
+                gname, gguf.quants.quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype
+            )
         else:
             w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
     w.write_header_to_file()

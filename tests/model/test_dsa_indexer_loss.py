@@ -9,12 +9,23 @@ import torch
 import torch.nn.functional as F
 
 from lmstack.model.config import ConfigError, ModelConfig, repeat_pattern
-from lmstack.model.dsa import SparseAttention, dsa_indexer_loss, indexer_kl_loss
+from lmstack.model.dsa import dsa_indexer_loss, indexer_kl_loss
 from lmstack.model.seam import AttentionMetadata
 from lmstack.model.transformer import Transformer
 
-BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, dsa_top_k=3, dsa_index_heads=2,
-            dsa_index_head_dim=8, max_seq_len=64, init_std=0.2)
+BASE = dict(
+    vocab_size=64,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    dsa_top_k=3,
+    dsa_index_heads=2,
+    dsa_index_head_dim=8,
+    max_seq_len=64,
+    init_std=0.2,
+)
 
 
 def test_worked_number():
@@ -23,9 +34,13 @@ def test_worked_number():
     probs = torch.tensor([[[[0.5, 0.5]], [[1.0, 0.0]]]], dtype=torch.float64)  # (1, N=2, T=1, S=2)
     scores = torch.tensor([[[0.0, math.log(3.0)]]], dtype=torch.float64)  # (1, 1, 2)
     allowed = torch.ones(1, 1, 2, dtype=torch.bool)
-    assert indexer_kl_loss(scores, probs, allowed).item() == pytest.approx(math.log(3.0) / 2, rel=1e-12)
+    assert indexer_kl_loss(scores, probs, allowed).item() == pytest.approx(
+        math.log(3.0) / 2, rel=1e-12
+    )
     # restricted to the first key only: p = q = [1] -> 0
-    assert indexer_kl_loss(scores, probs, torch.tensor([[[True, False]]])).item() == pytest.approx(0.0, abs=1e-15)
+    assert indexer_kl_loss(scores, probs, torch.tensor([[[True, False]]])).item() == pytest.approx(
+        0.0, abs=1e-15
+    )
 
 
 def _loop_kl(scores, probs, allowed):
@@ -52,12 +67,20 @@ def test_loss_equals_the_definition():
     B, N, T, S = 2, 3, 5, 5
     scores = torch.randn(B, T, S, generator=g, dtype=torch.float64) * 2
     causal = torch.ones(T, S, dtype=torch.bool).tril().expand(B, T, S)
-    probs = torch.softmax(torch.randn(B, N, T, S, generator=g, dtype=torch.float64).masked_fill(~causal[:, None],
-                                                                                              -torch.inf), -1)
-    assert indexer_kl_loss(scores, probs, causal).item() == pytest.approx(_loop_kl(scores, probs, causal), rel=1e-12)
+    probs = torch.softmax(
+        torch.randn(B, N, T, S, generator=g, dtype=torch.float64).masked_fill(
+            ~causal[:, None], -torch.inf
+        ),
+        -1,
+    )
+    assert indexer_kl_loss(scores, probs, causal).item() == pytest.approx(
+        _loop_kl(scores, probs, causal), rel=1e-12
+    )
     subset = causal & (torch.rand(B, T, S, generator=g) < 0.6)
     subset[..., 0] = True  # every query keeps at least one key
-    assert indexer_kl_loss(scores, probs, subset).item() == pytest.approx(_loop_kl(scores, probs, subset), rel=1e-12)
+    assert indexer_kl_loss(scores, probs, subset).item() == pytest.approx(
+        _loop_kl(scores, probs, subset), rel=1e-12
+    )
 
 
 def _layer(**kw):
@@ -82,12 +105,18 @@ def test_layer_loss_against_float64_reference(warmup):
         qi = (x @ layer.idx_q.weight.T).view(B, T, 2, 8) / math.sqrt(8)
         ki = x @ layer.idx_k.weight.T
         wi = (x @ layer.idx_w.weight.T) / math.sqrt(2)
-        scores = torch.einsum("btj,btjs->bts", wi, torch.relu(torch.einsum("btjh,bsh->btjs", qi, ki)))
+        scores = torch.einsum(
+            "btj,btjs->bts", wi, torch.relu(torch.einsum("btjh,bsh->btjs", qi, ki))
+        )
         allowed = torch.zeros(B, T, T, dtype=torch.bool)
         for b in range(B):
             for t in range(T):
                 visible = list(range(t + 1))
-                keep = visible if warmup else sorted(visible, key=lambda s: (-float(scores[b, t, s]), s))[:3]
+                keep = (
+                    visible
+                    if warmup
+                    else sorted(visible, key=lambda s: (-float(scores[b, t, s]), s))[:3]
+                )
                 allowed[b, t, keep] = True
         kk = k.repeat_interleave(2, dim=1)
         logits = (q @ kk.transpose(-2, -1)) / math.sqrt(q.shape[-1])
@@ -110,11 +139,17 @@ def test_gradients_reach_only_the_indexer():
     assert aux is not None and aux.item() > 0
     aux.backward(retain_graph=True)
     got = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
-    assert got == {"blocks.0.attn.idx_q.weight", "blocks.0.attn.idx_k.weight", "blocks.0.attn.idx_w.weight"}
+    assert got == {
+        "blocks.0.attn.idx_q.weight",
+        "blocks.0.attn.idx_k.weight",
+        "blocks.0.attn.idx_w.weight",
+    }
     model.zero_grad(set_to_none=True)
     lm = F.cross_entropy(logits[:, :-1].reshape(-1, 64), tokens[:, 1:].reshape(-1))
     lm.backward()
-    assert all(p.grad is None for n, p in model.named_parameters() if "idx_" in n)  # the LM loss never reaches it
+    assert all(
+        p.grad is None for n, p in model.named_parameters() if "idx_" in n
+    )  # the LM loss never reaches it
 
 
 def test_off_without_gradients_or_weight():
@@ -143,11 +178,14 @@ def test_indexer_training_lowers_the_kl():
     assert losses[-1] < 0.7 * losses[0]
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(dsa_indexer_loss=-1.0), r"dsa_indexer_loss=-1.0 must be >= 0"),
-    (dict(dsa_indexer_loss="big"), r"dsa_indexer_loss='big' must be a number"),
-    (dict(dsa_dense_warmup="yes"), r"dsa_dense_warmup='yes' must be true or false"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(dsa_indexer_loss=-1.0), r"dsa_indexer_loss=-1.0 must be >= 0"),
+        (dict(dsa_indexer_loss="big"), r"dsa_indexer_loss='big' must be a number"),
+        (dict(dsa_dense_warmup="yes"), r"dsa_dense_warmup='yes' must be true or false"),
+    ],
+)
 def test_bad_settings(kw, match):
     with pytest.raises(ConfigError, match=match):
         ModelConfig(**{**BASE, **kw})
@@ -163,5 +201,8 @@ def test_dense_warmup_decode_equals_its_forward():
     with torch.no_grad():
         full = model(tokens)
         outs = [model(tokens[:, :4], positions=torch.arange(4), kv_cache=cache)]
-        outs += [model(tokens[:, t:t + 1], positions=torch.tensor([t]), kv_cache=cache) for t in range(4, 10)]
+        outs += [
+            model(tokens[:, t : t + 1], positions=torch.tensor([t]), kv_cache=cache)
+            for t in range(4, 10)
+        ]
     torch.testing.assert_close(torch.cat(outs, dim=1), full)

@@ -11,7 +11,9 @@ import json
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="HF transformers is the reference for parity tests")
+transformers = pytest.importorskip(
+    "transformers", reason="HF transformers is the reference for parity tests"
+)
 
 from lmstack.inference.generate import generate  # noqa: E402
 from lmstack.inference.sampling import SamplingParams  # noqa: E402
@@ -32,9 +34,20 @@ def _randomise(model, std=0.1, seed=0):
 
 
 def _mamba2(**extra):
-    cfg = transformers.Mamba2Config(hidden_size=32, num_heads=8, head_dim=8, expand=2, n_groups=2, state_size=6,
-                                    conv_kernel=4, chunk_size=16, num_hidden_layers=3, vocab_size=V,
-                                    layer_norm_epsilon=1e-5, **extra)
+    cfg = transformers.Mamba2Config(
+        hidden_size=32,
+        num_heads=8,
+        head_dim=8,
+        expand=2,
+        n_groups=2,
+        state_size=6,
+        conv_kernel=4,
+        chunk_size=16,
+        num_hidden_layers=3,
+        vocab_size=V,
+        layer_norm_epsilon=1e-5,
+        **extra,
+    )
     hf = _randomise(transformers.Mamba2ForCausalLM(cfg).eval(), std=0.2)
     with torch.no_grad():  # realistic decays: A in [1, 16], Δ around softplus(−1..1)
         for layer in hf.backbone.layers:
@@ -44,30 +57,67 @@ def _mamba2(**extra):
 
 
 def _gemma2(**extra):
-    cfg = transformers.Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=5,
-                                    query_pre_attn_scalar=12, attn_logit_softcapping=1.5,
-                                    final_logit_softcapping=3.0, max_position_embeddings=128, **extra)
+    cfg = transformers.Gemma2Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=5,
+        query_pre_attn_scalar=12,
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=3.0,
+        max_position_embeddings=128,
+        **extra,
+    )
     return _randomise(transformers.Gemma2ForCausalLM(cfg).eval())
 
 
 def _gemma3(**extra):
-    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
-    cfg = transformers.Gemma3TextConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=7,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=5,
-                                        query_pre_attn_scalar=12, rope_parameters=rope, max_position_embeddings=128,
-                                        **extra)
+    rope = {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    }
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=7,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=5,
+        query_pre_attn_scalar=12,
+        rope_parameters=rope,
+        max_position_embeddings=128,
+        **extra,
+    )
     return _randomise(transformers.Gemma3ForCausalLM(cfg).eval())
 
 
 def _qwen3_next(**extra):
-    cfg = transformers.Qwen3NextConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                                       linear_value_head_dim=6, num_experts=4, num_experts_per_tok=2,
-                                       moe_intermediate_size=16, shared_expert_intermediate_size=24,
-                                       decoder_sparse_step=2, max_position_embeddings=128, **extra)
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=6,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        decoder_sparse_step=2,
+        max_position_embeddings=128,
+        **extra,
+    )
     hf = _randomise(transformers.Qwen3NextForCausalLM(cfg).eval())
     with torch.no_grad():
         for layer in hf.model.layers:
@@ -77,10 +127,12 @@ def _qwen3_next(**extra):
 
 
 FAMILIES = {"mamba2": _mamba2, "gemma2": _gemma2, "gemma3": _gemma3, "qwen3_next": _qwen3_next}
-KINDS = {"mamba2": ["mamba2"] * 3,
-         "gemma2": ["local_attention", "attention"] * 2,
-         "gemma3": ["local_attention"] * 5 + ["attention", "local_attention"],
-         "qwen3_next": ["gated_deltanet"] * 3 + ["attention"]}
+KINDS = {
+    "mamba2": ["mamba2"] * 3,
+    "gemma2": ["local_attention", "attention"] * 2,
+    "gemma3": ["local_attention"] * 5 + ["attention", "local_attention"],
+    "qwen3_next": ["gated_deltanet"] * 3 + ["attention"],
+}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -123,12 +175,16 @@ def test_cached_decode_equals_full_forward(pair):
     cache = MixerCache()
     with torch.no_grad():
         ref = hf(tokens).logits
-        outs = [model(tokens[:, :4], positions=torch.arange(4), kv_cache=cache),
-                model(tokens[:, 4:9], positions=torch.arange(4, 9), kv_cache=cache)]
+        outs = [
+            model(tokens[:, :4], positions=torch.arange(4), kv_cache=cache),
+            model(tokens[:, 4:9], positions=torch.arange(4, 9), kv_cache=cache),
+        ]
         for i in range(9, 20):
-            outs.append(model(tokens[:, i:i + 1], positions=torch.tensor([i]), kv_cache=cache))
+            outs.append(model(tokens[:, i : i + 1], positions=torch.tensor([i]), kv_cache=cache))
     assert (torch.cat(outs, 1) - ref).abs().max().item() < 1e-4
-    if family.startswith("gemma"):  # local layers keep only their last W − 1 = 4 keys (seed 000 §2.5)
+    if family.startswith(
+        "gemma"
+    ):  # local layers keep only their last W − 1 = 4 keys (seed 000 §2.5)
         held = {i: cache.kv[i][0].shape[2] for i in cache.kv}
         assert {held[i] for i, k in enumerate(KINDS[family]) if k == "local_attention"} == {4}
     if family != "mamba2":
@@ -148,7 +204,7 @@ def test_generate_matches_hf_greedy(pair):
         for _ in range(8):
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
     got = list(generate(model, prompt, SamplingParams(temperature=0.0, max_tokens=8)))
-    assert got == ids[len(prompt):]
+    assert got == ids[len(prompt) :]
 
 
 def test_save_hf_round_trip(pair):
@@ -179,11 +235,23 @@ def test_gemma2_softcaps_and_windows_matter(tmp_path):
 
 def test_gemma3_linear_rope_scaling_on_global_layers(tmp_path):
     """Gemma-3 4B+ scale the global layers' RoPE linearly (positions / 8); the local layers keep theirs."""
-    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
-    cfg = transformers.Gemma3TextConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=7,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=5,
-                                        query_pre_attn_scalar=12, rope_parameters=rope, max_position_embeddings=128)
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    }
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=7,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=5,
+        query_pre_attn_scalar=12,
+        rope_parameters=rope,
+        max_position_embeddings=128,
+    )
     hf = _randomise(transformers.Gemma3ForCausalLM(cfg).eval())
     hf.save_pretrained(tmp_path / "hf")
     model = load_hf(tmp_path / "hf")
@@ -225,22 +293,45 @@ def _rewrite_tensor(d, name, fn):
     save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("family,name,fn,expect", [
-    ("mamba2", "backbone.layers.1.mixer.conv1d.weight", lambda t: t[..., :3].contiguous(),
-     r"layer 1 \(mamba2\): tensor 'backbone.layers.1.mixer.conv1d.weight' has shape \(88, 1, 3\), but the config "
-     r"makes it \(88, 1, 4\) \(fields: conv_kernel"),
-    ("mamba2", "backbone.layers.2.mixer.A_log", lambda t: t[:6].contiguous(),
-     r"layer 2 \(mamba2\): tensor 'backbone.layers.2.mixer.A_log' has shape \(6,\), but the config makes it "
-     r"\(8,\) \(fields: num_heads"),
-    ("qwen3_next", "model.layers.1.linear_attn.conv1d.weight", lambda t: t[:50].contiguous(),
-     r"layer 1 \(gated_deltanet\): tensor 'model.layers.1.linear_attn.conv1d.weight' has shape \(50, 1, 4\), but "
-     r"the config makes it \(56, 1, 4\)"),
-    ("qwen3_next", "model.layers.2.linear_attn.in_proj_qkvz.weight", lambda t: t[:60].contiguous(),
-     r"layer 2 \(gated_deltanet.*in_proj_qkvz.weight has 60 rows; n_k=2 groups"),
-    ("gemma3", "model.layers.5.self_attn.k_norm.weight", lambda t: t[:6].contiguous(),
-     r"layer 5 \(attention\): tensor 'model.layers.5.self_attn.k_norm.weight' has shape \(6,\), but the config "
-     r"makes it \(8,\) \(fields: head_dim"),
-])
+@pytest.mark.parametrize(
+    "family,name,fn,expect",
+    [
+        (
+            "mamba2",
+            "backbone.layers.1.mixer.conv1d.weight",
+            lambda t: t[..., :3].contiguous(),
+            r"layer 1 \(mamba2\): tensor 'backbone.layers.1.mixer.conv1d.weight' has shape \(88, 1, 3\), but the config "
+            r"makes it \(88, 1, 4\) \(fields: conv_kernel",
+        ),
+        (
+            "mamba2",
+            "backbone.layers.2.mixer.A_log",
+            lambda t: t[:6].contiguous(),
+            r"layer 2 \(mamba2\): tensor 'backbone.layers.2.mixer.A_log' has shape \(6,\), but the config makes it "
+            r"\(8,\) \(fields: num_heads",
+        ),
+        (
+            "qwen3_next",
+            "model.layers.1.linear_attn.conv1d.weight",
+            lambda t: t[:50].contiguous(),
+            r"layer 1 \(gated_deltanet\): tensor 'model.layers.1.linear_attn.conv1d.weight' has shape \(50, 1, 4\), but "
+            r"the config makes it \(56, 1, 4\)",
+        ),
+        (
+            "qwen3_next",
+            "model.layers.2.linear_attn.in_proj_qkvz.weight",
+            lambda t: t[:60].contiguous(),
+            r"layer 2 \(gated_deltanet.*in_proj_qkvz.weight has 60 rows; n_k=2 groups",
+        ),
+        (
+            "gemma3",
+            "model.layers.5.self_attn.k_norm.weight",
+            lambda t: t[:6].contiguous(),
+            r"layer 5 \(attention\): tensor 'model.layers.5.self_attn.k_norm.weight' has shape \(6,\), but the config "
+            r"makes it \(8,\) \(fields: head_dim",
+        ),
+    ],
+)
 def test_shape_mismatch_names_layer_field_and_shapes(tmp_path, family, name, fn, expect):
     FAMILIES[family]().save_pretrained(tmp_path)
     _rewrite_tensor(tmp_path, name, fn)
@@ -248,13 +339,26 @@ def test_shape_mismatch_names_layer_field_and_shapes(tmp_path, family, name, fn,
         load_hf(tmp_path)
 
 
-@pytest.mark.parametrize("family,name,expect", [
-    ("mamba2", "backbone.layers.2.mixer.D", r"layer 2 \(mamba2\): missing tensor 'backbone.layers.2.mixer.D'"),
-    ("gemma2", "model.layers.1.post_feedforward_layernorm.weight",
-     r"layer 1 \(attention\): missing tensor 'model.layers.1.post_feedforward_layernorm.weight'"),
-    ("qwen3_next", "model.layers.3.self_attn.q_norm.weight",
-     r"layer 3 \(attention\): missing tensor 'model.layers.3.self_attn.q_norm.weight'"),
-])
+@pytest.mark.parametrize(
+    "family,name,expect",
+    [
+        (
+            "mamba2",
+            "backbone.layers.2.mixer.D",
+            r"layer 2 \(mamba2\): missing tensor 'backbone.layers.2.mixer.D'",
+        ),
+        (
+            "gemma2",
+            "model.layers.1.post_feedforward_layernorm.weight",
+            r"layer 1 \(attention\): missing tensor 'model.layers.1.post_feedforward_layernorm.weight'",
+        ),
+        (
+            "qwen3_next",
+            "model.layers.3.self_attn.q_norm.weight",
+            r"layer 3 \(attention\): missing tensor 'model.layers.3.self_attn.q_norm.weight'",
+        ),
+    ],
+)
 def test_missing_tensor_names_layer_and_hf_name(tmp_path, family, name, expect):
     from safetensors.torch import load_file, save_file
 
@@ -266,22 +370,59 @@ def test_missing_tensor_names_layer_and_hf_name(tmp_path, family, name, expect):
         load_hf(tmp_path)
 
 
-@pytest.mark.parametrize("family,change,expect", [
-    ("mamba2", {"use_bias": True}, r"use_bias=True is not supported by lmstack's Mamba2ForCausalLM loader"),
-    ("mamba2", {"residual_scale": 0.5}, r"field\(s\) \['residual_scale'\] are not supported by lmstack's "
-                                        r"Mamba2ForCausalLM loader"),
-    ("mamba2", {"num_heads": 4}, r"num_heads=4 x head_dim=8 must equal expand x hidden_size = 64"),
-    ("gemma2", {"attention_bias": True}, r"attention_bias=True is not supported by lmstack's Gemma2ForCausalLM"),
-    ("gemma2", {"hidden_activation": "gelu"}, r"hidden_activation='gelu' is not supported"),
-    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6},
-                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
-     r"rope_parameters.full_attention.rope_type='yarn' is not supported"),
-    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                    "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
-     r"rope_parameters.sliding_attention.rope_type='linear' is not supported"),
-    ("qwen3_next", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] is not supported"),
-    ("qwen3_next", {"layer_types": ["linear_attention"] * 3 + ["mamba"]}, r"layer_types\[3\]='mamba' \(layer 3\)"),
-])
+@pytest.mark.parametrize(
+    "family,change,expect",
+    [
+        (
+            "mamba2",
+            {"use_bias": True},
+            r"use_bias=True is not supported by lmstack's Mamba2ForCausalLM loader",
+        ),
+        (
+            "mamba2",
+            {"residual_scale": 0.5},
+            r"field\(s\) \['residual_scale'\] are not supported by lmstack's "
+            r"Mamba2ForCausalLM loader",
+        ),
+        (
+            "mamba2",
+            {"num_heads": 4},
+            r"num_heads=4 x head_dim=8 must equal expand x hidden_size = 64",
+        ),
+        (
+            "gemma2",
+            {"attention_bias": True},
+            r"attention_bias=True is not supported by lmstack's Gemma2ForCausalLM",
+        ),
+        ("gemma2", {"hidden_activation": "gelu"}, r"hidden_activation='gelu' is not supported"),
+        (
+            "gemma3",
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                }
+            },
+            r"rope_parameters.full_attention.rope_type='yarn' is not supported",
+        ),
+        (
+            "gemma3",
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                }
+            },
+            r"rope_parameters.sliding_attention.rope_type='linear' is not supported",
+        ),
+        ("qwen3_next", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] is not supported"),
+        (
+            "qwen3_next",
+            {"layer_types": ["linear_attention"] * 3 + ["mamba"]},
+            r"layer_types\[3\]='mamba' \(layer 3\)",
+        ),
+    ],
+)
 def test_unsupported_config_fields_are_named(tmp_path, family, change, expect):
     FAMILIES[family]().save_pretrained(tmp_path)
     path = tmp_path / "config.json"
@@ -295,8 +436,18 @@ def test_unsupported_config_fields_are_named(tmp_path, family, change, expect):
 def test_llama_family_refuses_to_export_hybrid_fields():
     from lmstack.model.hf import config_to_hf
 
-    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, d_ff=64, sandwich_norm=True, final_softcap=5.0)
-    with pytest.raises(ConfigError, match=r"\['sandwich_norm', 'final_softcap'\] set on architecture='llama'"):
+    cfg = ModelConfig(
+        vocab_size=V,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ff=64,
+        sandwich_norm=True,
+        final_softcap=5.0,
+    )
+    with pytest.raises(
+        ConfigError, match=r"\['sandwich_norm', 'final_softcap'\] set on architecture='llama'"
+    ):
         config_to_hf(cfg)
 
 
@@ -304,8 +455,18 @@ def test_llama_family_refuses_to_export_hybrid_fields():
 def test_init_weights_sets_recurrent_reference_values_and_offset_norms():
     """Transformer(cfg) draws the recurrent parameters from their reference ranges (A ∈ [1, 16], Δ = softplus(dt_bias)
     ∈ [1e-3, 1e-1], D = 1) and zero-centred norms start at w = 0 (γ = 1)."""
-    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, d_ff=64, layer_types=["mamba2", "attention"],
-                      ssm_head_dim=8, ssm_state_size=6, norm_offset=True, qk_norm=True)
+    cfg = ModelConfig(
+        vocab_size=V,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ff=64,
+        layer_types=["mamba2", "attention"],
+        ssm_head_dim=8,
+        ssm_state_size=6,
+        norm_offset=True,
+        qk_norm=True,
+    )
     model = Transformer(cfg, seed=3)
     mixer = model.blocks[0].attn
     A = mixer.A_log.exp()
@@ -317,14 +478,18 @@ def test_init_weights_sets_recurrent_reference_values_and_offset_norms():
         assert torch.equal(getattr(model.blocks[1], name).weight, torch.zeros(32))
     assert torch.equal(model.blocks[1].attn.q_norm.weight, torch.zeros(8))
     x = torch.randn(3, 32)
-    assert torch.allclose(model.norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps), atol=1e-6)
+    assert torch.allclose(
+        model.norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps), atol=1e-6
+    )
 
 
-if __name__ == "__main__":  # the figures in docs/model.md: max |Δ logits| vs transformers per family
+if (
+    __name__ == "__main__"
+):  # the figures in docs/model.md: max |Δ logits| vs transformers per family
     import tempfile
     from pathlib import Path
 
-    for fam, build in FAMILIES.items():
+    for _fam, build in FAMILIES.items():
         hf = build()
         with tempfile.TemporaryDirectory() as tmp:
             hf.save_pretrained(tmp)
@@ -335,10 +500,15 @@ if __name__ == "__main__":  # the figures in docs/model.md: max |Δ logits| vs t
             full = (model(tokens) - ref).abs().max().item()
             cache = MixerCache()
             steps = [model(tokens[:1, :9], positions=torch.arange(9), kv_cache=cache)]
-            steps += [model(tokens[:1, i:i + 1], positions=torch.tensor([i]), kv_cache=cache) for i in range(9, 37)]
+            steps += [
+                model(tokens[:1, i : i + 1], positions=torch.tensor([i]), kv_cache=cache)
+                for i in range(9, 37)
+            ]
             dec = (torch.cat(steps, 1) - ref[:1]).abs().max().item()
-        print(f"{type(hf).__name__:24s} layers {model.config.mixer_types}  max|Δ| full {full:.1e}  decode {dec:.1e}  "
-              f"(|logits| max {ref.abs().max().item():.2f})")
+        print(
+            f"{type(hf).__name__:24s} layers {model.config.mixer_types}  max|Δ| full {full:.1e}  decode {dec:.1e}  "
+            f"(|logits| max {ref.abs().max().item():.2f})"
+        )
 
 
 def test_gemma2_softcap_reaches_every_logits_path(tmp_path):
@@ -357,16 +527,22 @@ def test_gemma2_softcap_reaches_every_logits_path(tmp_path):
     with torch.no_grad():
         ref = hf(tokens).logits
         assert (model.unembed(model(tokens, return_hidden=True)) - ref).abs().max().item() < 1e-4
-        out = LLM(model, block_size=4, num_blocks=32).generate([tokens[0].tolist()],
-                                                               SamplingParams(max_tokens=1, temperature=0,
-                                                                              prompt_logprobs=0))[0]
+        out = LLM(model, block_size=4, num_blocks=32).generate(
+            [tokens[0].tolist()], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+        )[0]
         want = torch.log_softmax(ref[0, :-1].double(), -1).gather(-1, tokens[0, 1:, None])[:, 0]
         got = torch.tensor([lp for lp, _ in out.prompt_logprobs[1:]], dtype=torch.float64)
         assert (got - want).abs().max().item() < 1e-4
         hf_loss = torch.nn.functional.cross_entropy(ref[0, :-1], tokens[0, 1:]).item()
     # the trainer's loss with fused_loss on: Trainer.forward_loss reads only these attributes
-    fake = SimpleNamespace(config=SimpleNamespace(fused_loss=True, z_loss=0.0), parallel_model=None,
-                           _parallelize_fn=None, raw_model=model, model=model, autocast=contextlib.nullcontext)
+    fake = SimpleNamespace(
+        config=SimpleNamespace(fused_loss=True, z_loss=0.0),
+        parallel_model=None,
+        _parallelize_fn=None,
+        raw_model=model,
+        model=model,
+        autocast=contextlib.nullcontext,
+    )
     batch = SimpleNamespace(x=tokens[:, :-1], y=tokens[:, 1:], positions=None, document_ids=None)
     loss, _ = Trainer.forward_loss(fake, batch)
     assert abs(loss.item() - hf_loss) < 1e-4

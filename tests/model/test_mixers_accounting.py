@@ -16,11 +16,30 @@ from lmstack.model.config import ModelConfig, repeat_pattern
 from lmstack.model.mixers import MixerCache
 from lmstack.model.transformer import Transformer
 
-BASE = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64, ssm_head_dim=16,
-            ssm_state_size=8, mixer_chunk_size=4, local_window=3, dsa_top_k=3, dsa_index_heads=2,
-            dsa_index_head_dim=8, max_seq_len=64)
-UNITS = [["attention"], ["local_attention", "attention"], ["linear_attention", "attention"], ["mamba2"],
-         ["gated_deltanet"] * 3 + ["attention"], ["dsa"]]
+BASE = dict(
+    vocab_size=64,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    ssm_head_dim=16,
+    ssm_state_size=8,
+    mixer_chunk_size=4,
+    local_window=3,
+    dsa_top_k=3,
+    dsa_index_heads=2,
+    dsa_index_head_dim=8,
+    max_seq_len=64,
+)
+UNITS = [
+    ["attention"],
+    ["local_attention", "attention"],
+    ["linear_attention", "attention"],
+    ["mamba2"],
+    ["gated_deltanet"] * 3 + ["attention"],
+    ["dsa"],
+]
 
 
 def _cfg(unit, **kw):
@@ -28,15 +47,21 @@ def _cfg(unit, **kw):
 
 
 @pytest.mark.parametrize("unit", UNITS, ids=lambda u: "+".join(u))
-@pytest.mark.parametrize("extra", [{}, dict(qk_norm=True, tie_embeddings=True), dict(delta_n_v_heads=8,
-                                                                                      delta_v_head_dim=6)])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, dict(qk_norm=True, tie_embeddings=True), dict(delta_n_v_heads=8, delta_v_head_dim=6)],
+)
 def test_params_equal_the_modules(unit, extra):
     cfg = _cfg(unit, **extra)
     with torch.device("meta"):
         model = Transformer(cfg)
     assert model_params(cfg) == model.num_params()
     for i, block in enumerate(model.blocks):
-        own = sum(p.numel() for n, p in block.attn.named_parameters() if not n.startswith(("q_norm", "k_norm")))
+        own = sum(
+            p.numel()
+            for n, p in block.attn.named_parameters()
+            if not n.startswith(("q_norm", "k_norm"))
+        )
         assert mixer_params(cfg, cfg.mixer_types[i]) == own
 
 
@@ -74,7 +99,9 @@ def test_linear_mixers_flat_in_context_full_attention_linear():
     assert decode_flops(cfg, 1 << 10) == decode_flops(cfg, 1 << 20)
     assert cache_bytes(cfg, 1 << 10) == cache_bytes(cfg, 1 << 20)
     assert cache_bytes(full, 2 << 20) == 2 * cache_bytes(full, 1 << 20)
-    assert decode_flops(full, 2048) - decode_flops(full, 1024) == 4 * 4 * 4 * 8 * 1024  # L·4·N·H per extra key
+    assert (
+        decode_flops(full, 2048) - decode_flops(full, 1024) == 4 * 4 * 4 * 8 * 1024
+    )  # L·4·N·H per extra key
 
 
 def test_cache_table_and_plot(tmp_path):
@@ -93,5 +120,7 @@ def test_plan_cli_prints_the_cache_table_and_plot(tmp_path, capsys):
     png = tmp_path / "cache.png"
     assert main(["plan", "--model", "llama3-8b", "--batch", "1", "--mixers-plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "3:1 deltanet:full" in out and "137.44 GB" in out  # full attention at 1M tokens: 2·8·128·2²⁰·32·2 B
+    assert (
+        "3:1 deltanet:full" in out and "137.44 GB" in out
+    )  # full attention at 1M tokens: 2·8·128·2²⁰·32·2 B
     assert png.read_bytes()[:4] == b"\x89PNG"

@@ -20,7 +20,10 @@ def quadratic_reference(q, k, v, g, s0):
     keep = torch.ones(S, S, dtype=torch.bool).tril()
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(~keep, -torch.inf).exp()
     y = ((q @ k.transpose(-1, -2)) * decay) @ v + G.exp()[..., None] * (q @ s0)
-    s = G[..., -1, None, None].exp() * s0 + (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2) @ v
+    s = (
+        G[..., -1, None, None].exp() * s0
+        + (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2) @ v
+    )
     return y, s
 
 
@@ -40,9 +43,17 @@ def _inputs(S, seed, dtype=torch.float64, with_state=True, decay=True):
     q = torch.randn(B, N, S, HK, generator=gen, dtype=dtype)
     k = torch.nn.functional.normalize(torch.randn(B, N, S, HK, generator=gen, dtype=dtype), dim=-1)
     v = torch.randn(B, N, S, HV, generator=gen, dtype=dtype)
-    g = -torch.rand(B, N, S, generator=gen, dtype=dtype) * 0.5 if decay else torch.zeros(B, N, S, dtype=dtype)
+    g = (
+        -torch.rand(B, N, S, generator=gen, dtype=dtype) * 0.5
+        if decay
+        else torch.zeros(B, N, S, dtype=dtype)
+    )
     beta = torch.rand(B, N, S, generator=gen, dtype=dtype)
-    s0 = torch.randn(B, N, HK, HV, generator=gen, dtype=dtype) if with_state else torch.zeros(B, N, HK, HV, dtype=dtype)
+    s0 = (
+        torch.randn(B, N, HK, HV, generator=gen, dtype=dtype)
+        if with_state
+        else torch.zeros(B, N, HK, HV, dtype=dtype)
+    )
     return q, k, v, g, beta, s0
 
 
@@ -97,8 +108,12 @@ def test_chunked_split_equals_whole():
     """Prefill in two pieces (state handed over) == one piece: what chunked prefill in an engine relies on."""
     q, k, v, g, beta, _ = _inputs(23, 3)
     y, s = delta_chunked(q, k, v, beta, g, chunk_size=8)
-    y1, s1 = delta_chunked(q[:, :, :10], k[:, :, :10], v[:, :, :10], beta[:, :, :10], g[:, :, :10], chunk_size=8)
-    y2, s2 = delta_chunked(q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], beta[:, :, 10:], g[:, :, 10:], 8, state=s1)
+    y1, s1 = delta_chunked(
+        q[:, :, :10], k[:, :, :10], v[:, :, :10], beta[:, :, :10], g[:, :, :10], chunk_size=8
+    )
+    y2, s2 = delta_chunked(
+        q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], beta[:, :, 10:], g[:, :, 10:], 8, state=s1
+    )
     torch.testing.assert_close(torch.cat([y1, y2], dim=2), y)
     torch.testing.assert_close(s2, s)
 
@@ -111,7 +126,9 @@ def test_long_sequences_strong_decay_stay_finite(dtype, tol):
     S = 4096
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, S, 8, generator=gen, dtype=torch.float64)
-    k = torch.nn.functional.normalize(torch.randn(1, 2, S, 8, generator=gen, dtype=torch.float64), dim=-1)
+    k = torch.nn.functional.normalize(
+        torch.randn(1, 2, S, 8, generator=gen, dtype=torch.float64), dim=-1
+    )
     v = torch.randn(1, 2, S, 8, generator=gen, dtype=torch.float64)
     g = -torch.rand(1, 2, S, generator=gen, dtype=torch.float64) * 8
     beta = torch.rand(1, 2, S, generator=gen, dtype=torch.float64)
@@ -120,7 +137,9 @@ def test_long_sequences_strong_decay_stay_finite(dtype, tol):
     assert y.dtype == dtype and torch.isfinite(y).all() and torch.isfinite(s).all()
     assert (y.double() - y_ref).abs().max().item() < tol * max(1.0, y_ref.abs().max().item())
     y_ref, _ = delta_recurrent(q, k, v, beta, g)
-    y, s = delta_chunked(q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype), g.to(dtype), chunk_size=64)
+    y, s = delta_chunked(
+        q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype), g.to(dtype), chunk_size=64
+    )
     assert torch.isfinite(y).all() and torch.isfinite(s).all()
     assert (y.double() - y_ref).abs().max().item() < tol * max(1.0, y_ref.abs().max().item())
 

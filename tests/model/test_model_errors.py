@@ -4,13 +4,13 @@ import json
 
 import pytest
 import torch
+from lmstack_gguf_writer import write_llama_gguf
 from safetensors.torch import load_file, save_file
 
 from lmstack.model.config import ConfigError
 from lmstack.model.gguf import load_gguf
 from lmstack.model.hf import WeightsError, load_hf
 from lmstack.model.io import load_model
-from lmstack_gguf_writer import write_llama_gguf
 
 
 @pytest.fixture
@@ -36,7 +36,9 @@ def test_missing_tensor(hf_dir):
     state = load_file(hf_dir / "model.safetensors")
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, hf_dir / "model.safetensors")
-    with pytest.raises(WeightsError, match=r"missing tensor\(s\) \['blocks.1.ffn.up_proj.weight'\]"):
+    with pytest.raises(
+        WeightsError, match=r"missing tensor\(s\) \['blocks.1.ffn.up_proj.weight'\]"
+    ):
         load_hf(hf_dir)
 
 
@@ -44,7 +46,10 @@ def test_wrong_shape(hf_dir):
     state = load_file(hf_dir / "model.safetensors")
     state["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)
     save_file(state, hf_dir / "model.safetensors")
-    with pytest.raises(WeightsError, match=r"'blocks.0.attn.k_proj.weight' has shape \(16, 64\), expected \(32, 64\)"):
+    with pytest.raises(
+        WeightsError,
+        match=r"'blocks.0.attn.k_proj.weight' has shape \(16, 64\), expected \(32, 64\)",
+    ):
         load_hf(hf_dir)
 
 
@@ -52,7 +57,9 @@ def test_unexpected_tensor(hf_dir):
     state = load_file(hf_dir / "model.safetensors")
     state["model.layers.0.self_attn.rotary_extra.weight"] = torch.zeros(2)
     save_file(state, hf_dir / "model.safetensors")
-    with pytest.raises(WeightsError, match="unexpected tensor 'model.layers.0.self_attn.rotary_extra.weight'"):
+    with pytest.raises(
+        WeightsError, match="unexpected tensor 'model.layers.0.self_attn.rotary_extra.weight'"
+    ):
         load_hf(hf_dir)
 
 
@@ -73,7 +80,9 @@ def test_pickle_checkpoint_is_refused(tmp_path, tiny_hf_llama):
 
 def test_unknown_gguf_architecture(tmp_path, tiny_hf_llama):
     write_llama_gguf(tmp_path / "m.gguf", tiny_hf_llama, "F32", arch="gpt2")
-    with pytest.raises(ConfigError, match=r"m.gguf: unknown architecture general.architecture='gpt2'"):
+    with pytest.raises(
+        ConfigError, match=r"m.gguf: unknown architecture general.architecture='gpt2'"
+    ):
         load_gguf(tmp_path / "m.gguf")
 
 

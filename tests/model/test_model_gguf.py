@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from lmstack_gguf_writer import write_llama_gguf
+
 from lmstack.model.gguf import load_gguf
 
 pytest.importorskip("gguf", reason="the gguf package reads GGUF files")
@@ -14,7 +14,9 @@ transformers = pytest.importorskip("transformers", reason="HF transformers is th
 def test_gguf_logits_match_transformers(qtype, tmp_path, tiny_hf_llama):
     write_llama_gguf(tmp_path / "tiny.gguf", tiny_hf_llama, qtype)
     model = load_gguf(tmp_path / "tiny.gguf").model
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf").eval()
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="tiny.gguf"
+    ).eval()
     tokens = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = ref_model(tokens).logits
@@ -31,7 +33,9 @@ def test_interleaved_layout_keeps_gguf_rows_and_gives_same_logits(tmp_path, tiny
     half = load_gguf(tmp_path / "tiny.gguf", rope_layout="half").model
     inter = load_gguf(tmp_path / "tiny.gguf", rope_layout="interleaved").model
     assert not torch.equal(half.blocks[0].attn.q_proj.weight, inter.blocks[0].attn.q_proj.weight)
-    torch.testing.assert_close(half.blocks[0].attn.q_proj.weight, tiny_hf_llama.model.layers[0].self_attn.q_proj.weight)
+    torch.testing.assert_close(
+        half.blocks[0].attn.q_proj.weight, tiny_hf_llama.model.layers[0].self_attn.q_proj.weight
+    )
     tokens = torch.randint(0, 96, (1, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(half(tokens), inter(tokens), rtol=1e-5, atol=1e-5)

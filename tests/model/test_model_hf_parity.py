@@ -5,20 +5,33 @@ import json
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="HF transformers is the reference for parity tests")
+transformers = pytest.importorskip(
+    "transformers", reason="HF transformers is the reference for parity tests"
+)
 
 from lmstack.kernels.backends import attention_impl  # noqa: E402
-from lmstack.model.config import ModelConfig  # noqa: E402
 from lmstack.model.hf import load_config, load_hf, save_hf  # noqa: E402
 from lmstack.model.io import load_model  # noqa: E402
 
-SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=160, rope_theta=1000.0, max_position_embeddings=256)
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=160,
+    rope_theta=1000.0,
+    max_position_embeddings=256,
+)
 
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 6}),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        {"tie_word_embeddings": True},
+    ),
 }
 
 
@@ -56,9 +69,13 @@ def test_sliding_window_is_applied(tmp_path):
     tokens = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         windowed = model(tokens)
-        model.config.sliding_window = None  # the window reaches attention through the forward's metadata
+        model.config.sliding_window = (
+            None  # the window reaches attention through the forward's metadata
+        )
         full = model(tokens)
-    assert torch.allclose(windowed[:, :6], full[:, :6], atol=1e-6)  # inside the window nothing changes
+    assert torch.allclose(
+        windowed[:, :6], full[:, :6], atol=1e-6
+    )  # inside the window nothing changes
     assert (windowed[:, 6:] - full[:, 6:]).abs().max() > 1e-3
 
 
@@ -96,7 +113,14 @@ def test_config_roundtrip_through_hf_dict(tmp_path):
     hf = _hf_model("qwen2")
     hf.save_pretrained(tmp_path)
     c = load_config(tmp_path / "config.json")
-    assert (c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.d_ff, c.vocab_size) == (64, 2, 4, 2, 160, 128)
+    assert (c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.d_ff, c.vocab_size) == (
+        64,
+        2,
+        4,
+        2,
+        160,
+        128,
+    )
     assert c.qkv_bias and c.tie_embeddings and c.rope_theta == 1000.0 and c.architecture == "qwen2"
 
 

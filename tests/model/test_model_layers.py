@@ -8,7 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from lmstack.model.attention import attention_mask, reference_attention
-from lmstack.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU, rope_frequencies
+from lmstack.model.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    rope_frequencies,
+)
 
 
 def test_linear_matches_matmul_with_bias():
@@ -36,7 +43,9 @@ def test_rmsnorm_matches_formula():
         norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(2, 3, 16) * 3
     xn = x.double().numpy()
-    ref = xn / np.sqrt((xn**2).mean(-1, keepdims=True) + 1e-5) * norm.weight.detach().double().numpy()
+    ref = (
+        xn / np.sqrt((xn**2).mean(-1, keepdims=True) + 1e-5) * norm.weight.detach().double().numpy()
+    )
     np.testing.assert_allclose(norm(x).detach().double().numpy(), ref, rtol=1e-5, atol=1e-6)
     # unit RMS before γ
     y = RMSNorm(16)(x)
@@ -70,7 +79,10 @@ def _rotation_matrix(m: int, H: int, theta: float) -> np.ndarray:
     R = np.zeros((H, H))
     for i in range(H // 2):
         a = m * theta ** (-2 * i / H)
-        R[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = [[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]]
+        R[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = [
+            [math.cos(a), -math.sin(a)],
+            [math.sin(a), math.cos(a)],
+        ]
     return R
 
 
@@ -88,7 +100,9 @@ def test_rope_interleaved_equals_block_diagonal_rotation(theta):
 
 def test_rope_half_layout_is_permuted_interleaved():
     H = 16
-    perm = torch.cat([torch.arange(0, H, 2), torch.arange(1, H, 2)])  # interleaved index -> half index
+    perm = torch.cat(
+        [torch.arange(0, H, 2), torch.arange(1, H, 2)]
+    )  # interleaved index -> half index
     x = torch.randn(2, 3, 9, H, dtype=torch.float64)
     pos = torch.arange(9)
     inter = RotaryEmbedding(H, 32, 500.0, "interleaved")(x, pos)
@@ -133,7 +147,9 @@ def _loop_mask(qp, kp, window):
 def test_attention_mask_matches_definition(window):
     qp = torch.tensor([4, 5, 6])
     kp = torch.tensor([0, 1, 2, 3, 4, 5, 6, -1])
-    torch.testing.assert_close(attention_mask(qp, kp, window), _loop_mask(qp.tolist(), kp.tolist(), window))
+    torch.testing.assert_close(
+        attention_mask(qp, kp, window), _loop_mask(qp.tolist(), kp.tolist(), window)
+    )
     causal = attention_mask(torch.arange(6), torch.arange(6))
     torch.testing.assert_close(causal, torch.tril(torch.ones(6, 6, dtype=torch.bool)))
 
@@ -153,7 +169,9 @@ def test_reference_attention_matches_sdpa(N, K, window):
     sdpa = F.scaled_dot_product_attention(q, ke, ve, attn_mask=mask)
     torch.testing.assert_close(ref, sdpa, rtol=1e-5, atol=1e-5)
     if window is None:
-        torch.testing.assert_close(ref, F.scaled_dot_product_attention(q, ke, ve, is_causal=True), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            ref, F.scaled_dot_product_attention(q, ke, ve, is_causal=True), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_rope_tables_grow_with_the_positions_used():
@@ -166,10 +184,14 @@ def test_rope_tables_grow_with_the_positions_used():
     assert rope.tables("cpu", torch.float64)[0].shape == (RotaryEmbedding.INITIAL_POSITIONS, H)
     far = rope(x, torch.tensor([0, 5, 20000]))
     assert rope.length == 32768  # doubled to the next power of two
-    torch.testing.assert_close(far[:, :, :2], small[:, :, :2])  # the same rows, whatever the table size
+    torch.testing.assert_close(
+        far[:, :, :2], small[:, :, :2]
+    )  # the same rows, whatever the table size
     fresh = RotaryEmbedding(H, 32768, 10000.0)
     fresh.reserve(32768)
-    torch.testing.assert_close(fresh(x, torch.tensor([0, 5, 20000])), far)  # values independent of growth
+    torch.testing.assert_close(
+        fresh(x, torch.tensor([0, 5, 20000])), far
+    )  # values independent of growth
     with pytest.raises(ValueError, match="position 32768 is beyond max_seq_len=32768"):
         fresh(x, torch.tensor([0, 1, 32768]))
 
@@ -184,7 +206,9 @@ def test_linear_through_onednn_equals_f_linear(rows):
     from lmstack.model.layers import ONEDNN_MIN_ROWS, linear, onednn_ok
 
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 3, 48, generator=g).requires_grad_(True)  # (rows, 3, in): 3·rows rows in all
+    x = torch.randn(rows, 3, 48, generator=g).requires_grad_(
+        True
+    )  # (rows, 3, in): 3·rows rows in all
     w = torch.randn(40, 48, generator=g).requires_grad_(True)
     b = torch.randn(40, generator=g).requires_grad_(True)
     y, ref = linear(x, w, b), torch.nn.functional.linear(x, w, b)

@@ -20,17 +20,23 @@ def imported_modules(path: Path) -> set[str]:
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)  # from lmstack import kernels
+            names.update(
+                f"{node.module}.{a.name}" for a in node.names
+            )  # from lmstack import kernels
     return names
 
 
-def violations(package: str, forbidden: str, allowed: tuple[str, ...] = (), exempt: tuple[str, ...] = ()) -> list[str]:
+def violations(
+    package: str, forbidden: str, allowed: tuple[str, ...] = (), exempt: tuple[str, ...] = ()
+) -> list[str]:
     bad = []
     for path in sorted((SRC / package).rglob("*.py")):
         if path.name in exempt:
             continue
         for name in sorted(imported_modules(path)):
-            if (name == forbidden or name.startswith(forbidden + ".")) and not name.startswith(allowed or ("\0",)):
+            if (name == forbidden or name.startswith(forbidden + ".")) and not name.startswith(
+                allowed or ("\0",)
+            ):
                 bad.append(f"{path.relative_to(SRC)} imports {name}")
     return bad
 
@@ -49,6 +55,8 @@ def test_the_scan_catches_a_forbidden_import(tmp_path, monkeypatch):
     (pkg / "bad.py").write_text("def f():\n    from lmstack.kernels.backends import ATTENTION\n")
     (pkg / "ok.py").write_text("from lmstack.model.seam import AttentionMetadata\n")
     monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
-    assert violations("model", "lmstack.kernels") == ["model/bad.py imports lmstack.kernels.backends",
-                                                      "model/bad.py imports lmstack.kernels.backends.ATTENTION"]
+    assert violations("model", "lmstack.kernels") == [
+        "model/bad.py imports lmstack.kernels.backends",
+        "model/bad.py imports lmstack.kernels.backends.ATTENTION",
+    ]
     assert violations("model", "lmstack.model", allowed=(INTERFACE,)) == []

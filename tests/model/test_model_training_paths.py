@@ -17,8 +17,10 @@ def _rope_tables(positions, head_dim, theta, layout):
     out element by element with ``math``: feature j uses θ_(j mod H/2) in the ``half`` layout and
     θ_(j // 2) in the ``interleaved`` one. Returns two float64 tensors positions.shape + (H,)."""
     H = head_dim
-    angles = [[m * theta ** (-2 * (j % (H // 2) if layout == "half" else j // 2) / H) for j in range(H)]
-              for m in positions.flatten().tolist()]
+    angles = [
+        [m * theta ** (-2 * (j % (H // 2) if layout == "half" else j // 2) / H) for j in range(H)]
+        for m in positions.flatten().tolist()
+    ]
     cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float64)
     sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64)
     return cos.reshape(*positions.shape, H), sin.reshape(*positions.shape, H)
@@ -41,7 +43,12 @@ def test_rope_forward_and_backward_match_autograd_of_the_formula(layout, batched
     g = torch.Generator().manual_seed(0)
     rope = RotaryEmbedding(8, 32, theta=100.0, layout=layout)
     # (B, S, N, H) -> (B, N, S, H): strided like q after .view().transpose(1, 2)
-    x = torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float64).transpose(1, 2).detach().requires_grad_()
+    x = (
+        torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float64)
+        .transpose(1, 2)
+        .detach()
+        .requires_grad_()
+    )
     pos = torch.tensor([[0, 4, 9], [1, 2, 31]]) if batched_positions else torch.tensor([3, 7, 30])
     out = rope(x, pos)
     cos, sin = _rope_tables(pos, 8, 100.0, layout)
@@ -79,12 +86,22 @@ def test_rmsnorm_under_autocast_returns_what_the_matmuls_would_cast_to():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = norm(x)
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y, ref.bfloat16(), rtol=0, atol=1e-2)  # one rounding of the fp32 result
+    torch.testing.assert_close(
+        y, ref.bfloat16(), rtol=0, atol=1e-2
+    )  # one rounding of the fp32 result
 
 
 def test_return_hidden_is_the_input_of_the_unembedding():
-    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=16,
-                      tie_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=50,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        max_seq_len=16,
+        tie_embeddings=True,
+    )
     model = Transformer(cfg, seed=0)
     tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
     h = model(tokens, return_hidden=True)

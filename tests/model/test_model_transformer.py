@@ -10,7 +10,9 @@ from lmstack.model.config import ModelConfig
 from lmstack.model.seam import AttentionMetadata
 from lmstack.model.transformer import Transformer
 
-TINY = dict(vocab_size=97, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=128)
+TINY = dict(
+    vocab_size=97, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=128
+)
 
 
 def test_init_is_seeded_and_follows_the_documented_scheme():
@@ -45,8 +47,18 @@ def test_meta_construction_then_materialize():
     torch.testing.assert_close(m(tokens), ref(tokens))
 
 
-@pytest.mark.parametrize("extra", [{}, {"sliding_window": 5}, {"qk_norm": True}, {"qkv_bias": True},
-                                   {"n_kv_heads": 1}, {"parallel_block": True}, {"rope_layout": "interleaved"}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"sliding_window": 5},
+        {"qk_norm": True},
+        {"qkv_bias": True},
+        {"n_kv_heads": 1},
+        {"parallel_block": True},
+        {"rope_layout": "interleaved"},
+    ],
+)
 def test_kv_cache_matches_full_recompute(extra):
     """Prefill + step-by-step decode through the cache equals recomputing the whole sequence."""
     model = Transformer(ModelConfig(**{**TINY, **extra}), seed=3).eval()
@@ -58,14 +70,18 @@ def test_kv_cache_matches_full_recompute(extra):
         for t in range(7, 20):
             pieces.append(model(tokens[:, t : t + 1], torch.tensor([t]), kv_cache=cache))
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-4, atol=1e-5)
-    assert cache.nbytes == 2 * 2 * 20 * model.config.n_kv_heads * model.config.head_dim * 3 * 4  # 2·B·S·K·H·L·bytes
+    assert (
+        cache.nbytes == 2 * 2 * 20 * model.config.n_kv_heads * model.config.head_dim * 3 * 4
+    )  # 2·B·S·K·H·L·bytes
 
 
 def test_greedy_generation_with_cache_equals_without():
     model = Transformer(ModelConfig(**TINY), seed=5).eval()
     prompt = [3, 14, 15, 92, 65]
     params = SamplingParams(temperature=0, max_tokens=12)
-    assert list(generate(model, prompt, params)) == list(generate(model, prompt, params, use_cache=False))
+    assert list(generate(model, prompt, params)) == list(
+        generate(model, prompt, params, use_cache=False)
+    )
 
 
 def test_variants_change_the_function():

@@ -10,12 +10,22 @@ import torch.nn.functional as F
 
 from lmstack.model.config import ConfigError, ModelConfig
 from lmstack.model.layers import SwiGLU
-from lmstack.model.moe import (MoE, Routing, balance_loss, device_balance_loss, hash_route, loop_reference,
-                               moe_aux_loss, moe_metrics, route, update_router_biases, z_loss)
+from lmstack.model.moe import (
+    MoE,
+    Routing,
+    balance_loss,
+    device_balance_loss,
+    hash_route,
+    loop_reference,
+    moe_aux_loss,
+    moe_metrics,
+    route,
+    update_router_biases,
+    z_loss,
+)
 from lmstack.model.transformer import Transformer
 
-LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0],
-                       [0.0, 3.0, 0.1, 2.9]])
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 0.1, 2.9]])
 
 
 def _softmax(row):
@@ -28,28 +38,38 @@ def test_softmax_then_topk_weights_by_hand():
     p0, p1 = _softmax([2.0, 1.0, 0.5, -1.0]), _softmax([0.0, 3.0, 0.1, 2.9])
     assert sorted(r.expert_ids[0].tolist()) == [0, 1] and sorted(r.expert_ids[1].tolist()) == [1, 3]
     got = {(t, int(e)): float(w) for t in range(2) for e, w in zip(r.expert_ids[t], r.weights[t])}
-    assert got[(0, 0)] == pytest.approx(p0[0], abs=1e-6) and got[(0, 1)] == pytest.approx(p0[1], abs=1e-6)
-    assert got[(1, 1)] == pytest.approx(p1[1], abs=1e-6) and got[(1, 3)] == pytest.approx(p1[3], abs=1e-6)
+    assert got[(0, 0)] == pytest.approx(p0[0], abs=1e-6) and got[(0, 1)] == pytest.approx(
+        p0[1], abs=1e-6
+    )
+    assert got[(1, 1)] == pytest.approx(p1[1], abs=1e-6) and got[(1, 3)] == pytest.approx(
+        p1[3], abs=1e-6
+    )
     rn = route(LOGITS, k=2, norm_topk=True)
     assert rn.weights.sum(-1).tolist() == pytest.approx([1.0, 1.0], abs=1e-6)
     assert float(rn.weights[0].max()) == pytest.approx(p0[0] / (p0[0] + p0[1]), abs=1e-6)
     # top-k of the logits then softmax over those k = renormalised softmax-then-top-k
     rt = route(LOGITS, k=2, order="topk_softmax")
-    assert float(rt.weights[1].max()) == pytest.approx(math.exp(3.0) / (math.exp(3.0) + math.exp(2.9)), abs=1e-6)
+    assert float(rt.weights[1].max()) == pytest.approx(
+        math.exp(3.0) / (math.exp(3.0) + math.exp(2.9)), abs=1e-6
+    )
     assert torch.allclose(rt.weights.sort(-1).values, rn.weights.sort(-1).values, atol=1e-6)
 
 
 def test_sigmoid_scores_bias_selects_but_does_not_gate():
     r = route(LOGITS, k=1, score="sigmoid", scale=2.5)
     assert r.expert_ids[:, 0].tolist() == [0, 1]
-    assert r.weights[:, 0].tolist() == pytest.approx([2.5 / (1 + math.exp(-2.0)), 2.5 / (1 + math.exp(-3.0))], abs=1e-6)
+    assert r.weights[:, 0].tolist() == pytest.approx(
+        [2.5 / (1 + math.exp(-2.0)), 2.5 / (1 + math.exp(-3.0))], abs=1e-6
+    )
     # probs for the balance loss: scores normalised per token
     s = 1 / (1 + np.exp(-LOGITS[0].double().numpy()))
     assert r.probs[0].tolist() == pytest.approx((s / s.sum()).tolist(), abs=1e-6)
     bias = torch.tensor([-1.0, 0.0, 0.0, 1.0])  # pushes selection toward expert 3
     rb = route(LOGITS, k=1, score="sigmoid", bias=bias)
     assert rb.expert_ids[:, 0].tolist() == [3, 3]
-    assert rb.weights[0, 0].item() == pytest.approx(1 / (1 + math.exp(1.0)), abs=1e-6)  # σ(-1): unbiased score
+    assert rb.weights[0, 0].item() == pytest.approx(
+        1 / (1 + math.exp(1.0)), abs=1e-6
+    )  # σ(-1): unbiased score
 
 
 def test_group_limited_routing_excludes_other_groups():
@@ -80,9 +100,13 @@ def test_balance_loss_value_and_gradient_vs_closed_form():
     # k = 1 is the seed's argmax count
     ids1 = probs.detach().argmax(-1, keepdim=True)
     f1 = np.bincount(ids1.numpy().ravel(), minlength=E) / T
-    assert balance_loss(probs.detach(), ids1, E).item() == pytest.approx(E * float((f1 * P).sum()), rel=1e-6)
+    assert balance_loss(probs.detach(), ids1, E).item() == pytest.approx(
+        E * float((f1 * P).sum()), rel=1e-6
+    )
     # uniform router and load: exactly 1
-    assert balance_loss(torch.full((8, 4), 0.25), torch.arange(8)[:, None] % 4, 4).item() == pytest.approx(1.0)
+    assert balance_loss(
+        torch.full((8, 4), 0.25), torch.arange(8)[:, None] % 4, 4
+    ).item() == pytest.approx(1.0)
 
 
 def test_device_balance_and_z_loss_by_hand():
@@ -93,7 +117,7 @@ def test_device_balance_and_z_loss_by_hand():
     with pytest.raises(ValueError, match="n_experts=4 is not divisible by n_devices=3"):
         device_balance_loss(probs, ids, 4, 3)
     lse = np.log(np.exp(LOGITS.double().numpy()).sum(axis=1))
-    assert z_loss(LOGITS).item() == pytest.approx(float((lse ** 2).mean()), rel=1e-6)
+    assert z_loss(LOGITS).item() == pytest.approx(float((lse**2).mean()), rel=1e-6)
 
 
 def _moe(**kw):
@@ -107,6 +131,7 @@ def _moe(**kw):
 @pytest.mark.parametrize("shared", [0, 1])
 def test_grouped_compute_equals_per_expert_loop(shared, onednn):
     import lmstack.model.moe as moe_mod
+
     saved = moe_mod.ONEDNN[0]  # one switch (model.layers.ONEDNN) for every oneDNN GEMM
     moe_mod.ONEDNN[0] = onednn
     try:
@@ -119,17 +144,23 @@ def _token_by_token(x, moe, shared):
     """The MoE written out here, one token at a time in float64 from the module's weights (nothing from
     lmstack.model.moe): logits = x Wᵀ, p = softmax, the top-2 experts, gates p_i / Σ_top p (norm_topk),
     y = Σ_i g_i · W_down,i (silu(W_gate,i x) ⊙ W_up,i x) (+ sigmoid(w_s · x) · shared SwiGLU(x))."""
-    Wr, Wg, Wu, Wd = (w.double() for w in (moe.router.weight, moe.gate_proj.weight, moe.up_proj.weight,
-                                            moe.down_proj.weight))
+    Wr, Wg, Wu, Wd = (
+        w.double()
+        for w in (moe.router.weight, moe.gate_proj.weight, moe.up_proj.weight, moe.down_proj.weight)
+    )
     rows = []
     for xt in x.double():  # (D,)
         p = torch.softmax(Wr @ xt, dim=0)  # (E,)
         top = sorted(range(len(p)), key=lambda e: -float(p[e]))[:2]
-        yt = sum(p[e] / (p[top[0]] + p[top[1]]) * (Wd[e] @ (F.silu(Wg[e] @ xt) * (Wu[e] @ xt))) for e in top)
+        yt = sum(
+            p[e] / (p[top[0]] + p[top[1]]) * (Wd[e] @ (F.silu(Wg[e] @ xt) * (Wu[e] @ xt)))
+            for e in top
+        )
         if shared:
             sw = moe.shared
-            s = sw.down_proj.weight.double() @ (F.silu(sw.gate_proj.weight.double() @ xt)
-                                                 * (sw.up_proj.weight.double() @ xt))
+            s = sw.down_proj.weight.double() @ (
+                F.silu(sw.gate_proj.weight.double() @ xt) * (sw.up_proj.weight.double() @ xt)
+            )
             yt = yt + torch.sigmoid(moe.shared_gate.weight.double()[0] @ xt) * s
         rows.append(yt)
     return torch.stack(rows)  # (T, D)
@@ -150,10 +181,16 @@ def _check_grouped_against_loop(moe_mod, shared, onednn):
     want = torch.autograd.grad(ref, (x2, *ws), g.reshape(-1, 16).double())
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-5)
-    if not shared:  # and lmstack's own per-expert loop (other tests' reference) agrees with this one
+    if (
+        not shared
+    ):  # and lmstack's own per-expert loop (other tests' reference) agrees with this one
         flat = x.detach().reshape(-1, 16)
-        torch.testing.assert_close(loop_reference(flat, moe.routing(flat), *ws[1:]).double(), ref.detach(),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            loop_reference(flat, moe.routing(flat), *ws[1:]).double(),
+            ref.detach(),
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 def test_one_expert_top1_equals_dense_swiglu():
@@ -177,8 +214,15 @@ def test_capacity_dropping_counts():
     cap = math.ceil(1.0 * 10 * 1 / 4)  # 3
     assert moe.capacity(10) == cap
     assert int(moe.stats["dropped"]) == 10 - cap
-    assert moe.stats["load"].tolist() == [10, 0, 0, 0] and moe.stats["kept"].tolist() == [cap, 0, 0, 0]
-    assert torch.all(y[0, cap:] == 0) and torch.all(y[0, :cap].abs().sum(-1) > 0)  # first come, first served
+    assert moe.stats["load"].tolist() == [10, 0, 0, 0] and moe.stats["kept"].tolist() == [
+        cap,
+        0,
+        0,
+        0,
+    ]
+    assert torch.all(y[0, cap:] == 0) and torch.all(
+        y[0, :cap].abs().sum(-1) > 0
+    )  # first come, first served
     no_drop = _moe(n_experts=4, k=1)
     no_drop.load_state_dict(moe.state_dict())
     no_drop(x)
@@ -212,7 +256,9 @@ def test_hash_routing_is_a_fixed_function_of_the_token():
     r = hash_route(ids, n_experts=8, k=2)
     # worked values: 5·2654435761 = 13272178805 ≡ 386277923 (mod 2^31 − 1), ≡ 3 (mod 8); likewise below
     assert r.expert_ids.tolist() == [[3, 5], [7, 1], [3, 5], [4, 6], [7, 1], [3, 5]]
-    assert r.expert_ids.tolist() == [[_hash_by_hand(t, 8, j) for j in range(2)] for t in ids[0].tolist()]
+    assert r.expert_ids.tolist() == [
+        [_hash_by_hand(t, 8, j) for j in range(2)] for t in ids[0].tolist()
+    ]
     assert torch.all(r.weights == 0.5)
     big = hash_route(torch.arange(8000), n_experts=8)
     load = torch.bincount(big.expert_ids[:, 0], minlength=8).float()
@@ -224,14 +270,35 @@ def test_hash_routing_is_a_fixed_function_of_the_token():
         moe(torch.randn(1, 6, 16), token_ids=ids[:, :3])
     x = torch.randn(1, 6, 16)
     out = moe(x, token_ids=ids)
-    hand = Routing(torch.tensor([[_hash_by_hand(t, 8, 0)] for t in ids[0].tolist()]), torch.ones(6, 1),
-                   torch.zeros(6, 8), None)
-    torch.testing.assert_close(out, loop_reference(x[0], hand, moe.gate_proj.weight, moe.up_proj.weight,
-                                                   moe.down_proj.weight)[None], atol=1e-6, rtol=1e-6)
+    hand = Routing(
+        torch.tensor([[_hash_by_hand(t, 8, 0)] for t in ids[0].tolist()]),
+        torch.ones(6, 1),
+        torch.zeros(6, 8),
+        None,
+    )
+    torch.testing.assert_close(
+        out,
+        loop_reference(x[0], hand, moe.gate_proj.weight, moe.up_proj.weight, moe.down_proj.weight)[
+            None
+        ],
+        atol=1e-6,
+        rtol=1e-6,
+    )
 
 
-HASH = dict(vocab_size=60, d_model=16, n_layers=3, n_heads=2, d_ff=32, n_experts=4, n_experts_per_token=2,
-            d_ff_expert=16, moe_first_dense=1, router="hash", max_seq_len=64)
+HASH = dict(
+    vocab_size=60,
+    d_model=16,
+    n_layers=3,
+    n_heads=2,
+    d_ff=32,
+    n_experts=4,
+    n_experts_per_token=2,
+    d_ff_expert=16,
+    moe_first_dense=1,
+    router="hash",
+    max_seq_len=64,
+)
 
 
 def test_hash_routing_inside_the_model_forward():
@@ -239,16 +306,24 @@ def test_hash_routing_inside_the_model_forward():
     the hand-computed hash of the tokens, and the logits equal a forward with the hand routing patched in."""
     m = Transformer(ModelConfig(**HASH)).eval()
     tokens = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(3))
-    hand = torch.tensor([[_hash_by_hand(t, 4, j) for j in range(2)] for t in tokens.reshape(-1).tolist()])
+    hand = torch.tensor(
+        [[_hash_by_hand(t, 4, j) for j in range(2)] for t in tokens.reshape(-1).tolist()]
+    )
     with torch.enable_grad():
         logits = m(tokens)
     for b in m.blocks[1:]:
-        assert b.ffn.stats["load"].tolist() == torch.bincount(hand.reshape(-1), minlength=4).tolist()
+        assert (
+            b.ffn.stats["load"].tolist() == torch.bincount(hand.reshape(-1), minlength=4).tolist()
+        )
     # the same layers driven by a plain top-k router whose logits force the hand assignment
     ref = Transformer(ModelConfig(**{**HASH, "router": "topk"})).eval()
     ref.load_state_dict(m.state_dict())
-    assert (hand[:, 0] != hand[:, 1]).all()  # two distinct experts per token here, so a top-2 router can force it
-    forced = torch.full((tokens.numel(), 4), -1e4).scatter_(1, hand, 0.0)  # softmax: 1/2 on each chosen expert
+    assert (
+        hand[:, 0] != hand[:, 1]
+    ).all()  # two distinct experts per token here, so a top-2 router can force it
+    forced = torch.full((tokens.numel(), 4), -1e4).scatter_(
+        1, hand, 0.0
+    )  # softmax: 1/2 on each chosen expert
     for b in ref.blocks[1:]:
         b.ffn.router.forward = lambda x, f=forced: f
     with torch.no_grad():
@@ -257,6 +332,7 @@ def test_hash_routing_inside_the_model_forward():
 
 def test_hash_routed_model_cached_decode_equals_full_recompute():
     from lmstack.inference.kv_cache import KVCache
+
     m = Transformer(ModelConfig(**HASH), dtype=torch.float64).eval()
     tokens = torch.randint(0, 60, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -265,18 +341,33 @@ def test_hash_routed_model_cached_decode_equals_full_recompute():
         pre = m(tokens[:, :5], positions=torch.arange(5), kv_cache=cache)
         torch.testing.assert_close(pre, full[:, :5], atol=1e-10, rtol=1e-10)
         for t in range(5, 12):
-            step = m(tokens[:, t:t + 1], positions=torch.tensor([t]), kv_cache=cache)
+            step = m(tokens[:, t : t + 1], positions=torch.tensor([t]), kv_cache=cache)
             torch.testing.assert_close(step[:, 0], full[:, t], atol=1e-10, rtol=1e-10)
 
 
 def test_transformer_interleaves_dense_and_moe_and_reports_aux_losses():
-    c = ModelConfig(vocab_size=50, d_model=16, n_layers=4, n_heads=2, d_ff=32, n_experts=4, n_experts_per_token=2,
-                    moe_first_dense=1, moe_layer_step=1, moe_aux_loss_coef=0.1, moe_z_loss_coef=1e-3)
+    c = ModelConfig(
+        vocab_size=50,
+        d_model=16,
+        n_layers=4,
+        n_heads=2,
+        d_ff=32,
+        n_experts=4,
+        n_experts_per_token=2,
+        moe_first_dense=1,
+        moe_layer_step=1,
+        moe_aux_loss_coef=0.1,
+        moe_z_loss_coef=1e-3,
+    )
     m = Transformer(c)
     kinds = [type(b.ffn).__name__ for b in m.blocks]
     assert kinds == ["SwiGLU", "MoE", "MoE", "MoE"]
-    assert [type(b.ffn).__name__ for b in Transformer(c.replace(moe_layer_step=2)).blocks] == \
-        ["SwiGLU", "MoE", "SwiGLU", "MoE"]
+    assert [type(b.ffn).__name__ for b in Transformer(c.replace(moe_layer_step=2)).blocks] == [
+        "SwiGLU",
+        "MoE",
+        "SwiGLU",
+        "MoE",
+    ]
     m(torch.randint(0, 50, (2, 8)))
     aux = moe_aux_loss(m)
     expect = sum(0.1 * b.ffn.stats["balance"] + 1e-3 * b.ffn.stats["z"] for b in m.blocks[1:])
@@ -307,10 +398,18 @@ def test_cpu_autocast_keeps_expert_matmuls_in_bf16():
     # under CPU autocast F.linear computes in bf16; the oneDNN path (fp32 only) must step aside, not upcast
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 8, generator=g)
-    gate, up, down = torch.randn(2, 12, 8, generator=g), torch.randn(2, 12, 8, generator=g), torch.randn(2, 8, 12, generator=g)
+    gate, up, down = (
+        torch.randn(2, 12, 8, generator=g),
+        torch.randn(2, 12, 8, generator=g),
+        torch.randn(2, 8, 12, generator=g),
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not moe_mod.onednn_ok(x)
         out = moe_mod.expert_swiglu(x, [2, 4], gate, up, down)
-        ref = torch.cat([F.linear(F.silu(F.linear(r, gate[e])) * F.linear(r, up[e]), down[e])
-                         for e, r in enumerate(x.split([2, 4]))])
+        ref = torch.cat(
+            [
+                F.linear(F.silu(F.linear(r, gate[e])) * F.linear(r, up[e]), down[e])
+                for e, r in enumerate(x.split([2, 4]))
+            ]
+        )
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref)

@@ -8,26 +8,52 @@ import pytest
 import torch
 
 from lmstack.model.moe import moe_modules
-from lmstack.train import Trainer, TrainConfig
+from lmstack.train import TrainConfig, Trainer
 
 
 @pytest.fixture
 def token_file(tmp_path):
     rng = np.random.default_rng(0)
-    ids = np.where(rng.random(8000) < 0.1, rng.integers(1, 64, 8000), np.tile(np.arange(1, 33), 250))
+    ids = np.where(
+        rng.random(8000) < 0.1, rng.integers(1, 64, 8000), np.tile(np.arange(1, 33), 250)
+    )
     path = tmp_path / "tokens.bin"
     ids.astype(np.uint16).tofile(path)
-    (tmp_path / "tokens.bin.json").write_text(json.dumps({"n_tokens": 8000, "dtype": "uint16", "vocab_size": 64}))
+    (tmp_path / "tokens.bin.json").write_text(
+        json.dumps({"n_tokens": 8000, "dtype": "uint16", "vocab_size": 64})
+    )
     return path
 
 
 def _config(token_file, out_dir, **model):
-    m = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64, n_experts=4,
-             n_experts_per_token=2, d_ff_expert=32)
+    m = dict(
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        max_seq_len=64,
+        n_experts=4,
+        n_experts_per_token=2,
+        d_ff_expert=32,
+    )
     m.update(model)
-    return TrainConfig(model=m, train_data=str(token_file), batch_size=4, seq_len=16, max_steps=4, warmup_steps=1,
-                       lr=1e-2, min_lr=1e-3, eval_interval=0, eval_batches=1, log_interval=1, out_dir=str(out_dir),
-                       device="cpu", precision="fp32")
+    return TrainConfig(
+        model=m,
+        train_data=str(token_file),
+        batch_size=4,
+        seq_len=16,
+        max_steps=4,
+        warmup_steps=1,
+        lr=1e-2,
+        min_lr=1e-3,
+        eval_interval=0,
+        eval_batches=1,
+        log_interval=1,
+        out_dir=str(out_dir),
+        device="cpu",
+        precision="fp32",
+    )
 
 
 def test_aux_loss_reaches_the_gradient_and_metrics(token_file, tmp_path):
@@ -62,8 +88,15 @@ def test_aux_loss_reaches_the_gradient_and_metrics(token_file, tmp_path):
 
 
 def test_aux_free_bias_updates_each_step(token_file, tmp_path):
-    t = Trainer(_config(token_file, tmp_path / "c", router_score="sigmoid", router_aux_free_bias=True,
-                        moe_bias_update_rate=1e-3))
+    t = Trainer(
+        _config(
+            token_file,
+            tmp_path / "c",
+            router_score="sigmoid",
+            router_aux_free_bias=True,
+            moe_bias_update_rate=1e-3,
+        )
+    )
     bias = t.raw_model.blocks[0].ffn.router.bias
     assert not bias.requires_grad and float(bias.abs().sum()) == 0
     load = None
@@ -83,7 +116,7 @@ def test_aux_free_bias_updates_each_step(token_file, tmp_path):
 def test_hash_routed_model_trains(token_file, tmp_path):
     """A model configured with hash routing trains through the Trainer: the loss falls, the routers have no
     parameters in use (no gradient), and each MoE layer's load is the bincount of the hash of the batch."""
-    from lmstack.model.moe import hash_route
+
     t = Trainer(_config(token_file, tmp_path / "h", router="hash", moe_aux_loss_coef=0.1))
     seen = {}
     orig = t.optimizer_step
@@ -105,7 +138,10 @@ def test_hash_routed_model_trains(token_file, tmp_path):
     losses = [t.train_step()["loss"] for _ in range(4)]
     assert seen["router_grad"] is None and seen["expert_grad"] > 0
     assert losses[-1] < losses[0]
-    hand = [((tok * 2654435761 + j * 0x9E3779B1) % (2**31 - 1)) % 4
-            for tok in seen["batch"].x.reshape(-1).tolist() for j in range(2)]
+    hand = [
+        ((tok * 2654435761 + j * 0x9E3779B1) % (2**31 - 1)) % 4
+        for tok in seen["batch"].x.reshape(-1).tolist()
+        for j in range(2)
+    ]
     for mod in moe_modules(t.raw_model):
         assert mod.stats["load"].tolist() == np.bincount(hand, minlength=4).tolist()

@@ -55,8 +55,15 @@ def _entry(rank: int, world: int, store_file: str, fn, payload: bytes):
 # threaded process that has run no torch op, so forking it is safe) instead of being a new
 # interpreter that imports torch again; torch._dynamo is here because torch.optim imports it on the
 # first optimizer. Together these cost seconds per rank, many times per test session.
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "lmstack.model.transformer", "lmstack.parallel",
-           "lmstack.train.trainer", "parallel_helpers"]
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "lmstack.model.transformer",
+    "lmstack.parallel",
+    "lmstack.train.trainer",
+    "parallel_helpers",
+]
 
 
 def spawn(fn, world: int, *args) -> None:
@@ -68,22 +75,33 @@ def spawn(fn, world: int, *args) -> None:
     # with a file descriptor sent to each rank, more than the fork server passes in one message
     buf = io.BytesIO()
     torch.save(args, buf)
-    folder = tempfile.mkdtemp(prefix="lmstack_gloo_")  # private to this spawn: no two runs share a store
+    folder = tempfile.mkdtemp(
+        prefix="lmstack_gloo_"
+    )  # private to this spawn: no two runs share a store
     try:
-        mp.start_processes(_entry, args=(world, os.path.join(folder, "store"), fn, buf.getvalue()), nprocs=world,
-                           join=True, start_method="forkserver")
+        mp.start_processes(
+            _entry,
+            args=(world, os.path.join(folder, "store"), fn, buf.getvalue()),
+            nprocs=world,
+            join=True,
+            start_method="forkserver",
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
 def tiny_config(**kw) -> ModelConfig:
     # built without a RuntimeConfig, a Transformer runs SDPA and the eager RMSNorm (the seam's defaults)
-    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
+    base = dict(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64
+    )
     base.update(kw)
     return ModelConfig(**base)
 
 
-def batches(n: int, B: int, S: int, V: int = 64, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    n: int, B: int, S: int, V: int = 64, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
@@ -105,7 +123,9 @@ def make_opt(params, lr: float = 1e-2):
     return torch.optim.AdamW(params, **{**OPT_KW, "lr": lr})
 
 
-def reference(cfg: ModelConfig, data, accum: int = 1, freeze: tuple[str, ...] = (), lr: float = 1e-2):
+def reference(
+    cfg: ModelConfig, data, accum: int = 1, freeze: tuple[str, ...] = (), lr: float = 1e-2
+):
     """Single-process training on the whole batch: losses and final parameters (by name)."""
     torch.manual_seed(0)
     model = Transformer(cfg, seed=0)
@@ -130,6 +150,12 @@ def reference(cfg: ModelConfig, data, accum: int = 1, freeze: tuple[str, ...] = 
 
 
 def assert_close_params(got: dict, want: dict, atol=1e-4, rtol=1e-3, prefix=""):
-    assert set(got) == set(want), (sorted(set(got) ^ set(want)))
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
     for n in want:
-        torch.testing.assert_close(got[n], want[n], atol=atol, rtol=rtol, msg=lambda m: f"{prefix}{n}: {m}")
+        torch.testing.assert_close(
+            got[n],
+            want[n],
+            atol=atol,
+            rtol=rtol,
+            msg=lambda m: f"{prefix}{n}: {m}",  # noqa: B023
+        )

@@ -34,12 +34,18 @@ def main(jobs_path: str) -> int:
 
     rank = int(os.environ["RANK"])
     for job in json.loads(Path(jobs_path).read_text()):
-        if dist.is_initialized():  # every rank has finished (and recorded) the job before: a failure in
-            dist.barrier()         # this one cannot stop a rank still writing the last one's files
+        if (
+            dist.is_initialized()
+        ):  # every rank has finished (and recorded) the job before: a failure in
+            dist.barrier()  # this one cannot stop a rank still writing the last one's files
         d = Path(job["dir"])
         d.mkdir(parents=True, exist_ok=True)
         log = d / f"rank{rank}.log"
-        with open(log, "w", encoding="utf-8", buffering=1) as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        with (
+            open(log, "w", encoding="utf-8", buffering=1) as f,
+            contextlib.redirect_stdout(f),
+            contextlib.redirect_stderr(f),
+        ):
             try:
                 rc = lmstack_main(["train", *job["args"]])
             except SystemExit as e:  # argparse errors
@@ -49,9 +55,14 @@ def main(jobs_path: str) -> int:
                 rc = 1
         (d / f"rank{rank}.rc").write_text(str(rc))
         if rc != 0 and not job.get("may_fail"):
-            print(f"parallel_train_driver: job {job['name']} failed on rank {rank} (exit code {rc}); see {log}",
-                  file=sys.stderr, flush=True)
-            os._exit(1)  # no clean-up: the other ranks may be blocked in one of this job's collectives
+            print(
+                f"parallel_train_driver: job {job['name']} failed on rank {rank} (exit code {rc}); see {log}",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(
+                1
+            )  # no clean-up: the other ranks may be blocked in one of this job's collectives
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -7,17 +7,27 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-
 from parallel_helpers import batches, ce, spawn, tiny_config
 
 
 def _ep_train(rank, world, steps, router="topk"):
     from lmstack.model.moe import moe_modules
     from lmstack.model.transformer import Transformer
-    from lmstack.parallel.expert import ExpertParallelMoE, expert_parallel, sync_expert_parallel_grads
+    from lmstack.parallel.expert import (
+        ExpertParallelMoE,
+        expert_parallel,
+        sync_expert_parallel_grads,
+    )
 
-    cfg = tiny_config(n_experts=2 * world, n_experts_per_token=2, d_ff_expert=16, n_shared_experts=1,
-                      moe_first_dense=1, n_layers=3, router=router)
+    cfg = tiny_config(
+        n_experts=2 * world,
+        n_experts_per_token=2,
+        d_ff_expert=16,
+        n_shared_experts=1,
+        moe_first_dense=1,
+        n_layers=3,
+        router=router,
+    )
     ref = Transformer(cfg, seed=0)  # the same seeded weights on every rank
     model = expert_parallel(copy.deepcopy(ref))
     eps = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
@@ -32,7 +42,7 @@ def _ep_train(rank, world, steps, router="topk"):
         loss_ref.backward()
         opt_ref.step()
         opt_ref.zero_grad()
-        xs, ys = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+        xs, ys = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
         loss = ce(model(xs), ys)
         loss.backward()
         sync_expert_parallel_grads(model)
@@ -41,14 +51,17 @@ def _ep_train(rank, world, steps, router="topk"):
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         assert abs(mean.item() / world - loss_ref.item()) < 1e-5
-        recv_counts.append(int(eps[0].stats["load"][eps[0].lo:eps[0].lo + 2].sum()))
+        recv_counts.append(int(eps[0].stats["load"][eps[0].lo : eps[0].lo + 2].sum()))
     ref_params = dict(ref.named_parameters())
     assert set(dict(model.named_parameters())) == set(ref_params)  # the same names, sliced experts
     for name, p in model.named_parameters():
         q = ref_params[name]
-        if name.endswith(("ffn.gate_proj.weight", "ffn.up_proj.weight", "ffn.down_proj.weight")) and p.dim() == 3:
+        if (
+            name.endswith(("ffn.gate_proj.weight", "ffn.up_proj.weight", "ffn.down_proj.weight"))
+            and p.dim() == 3
+        ):
             lo = rank * 2
-            torch.testing.assert_close(p.detach(), q.detach()[lo:lo + 2], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(p.detach(), q.detach()[lo : lo + 2], atol=1e-4, rtol=1e-4)
         else:
             torch.testing.assert_close(p.detach(), q.detach(), atol=1e-4, rtol=1e-4)
     # uneven splits: the ranks' experts received different numbers of rows
@@ -66,12 +79,16 @@ def _ep_bytes(rank, world):
     from lmstack.parallel.expert import combine, dispatch
 
     T, k, D, E = 6 * world, 2, 8, 2 * world
-    ids = (torch.arange(T * k) + rank) % E  # every expert gets the same number of rows from every rank
+    ids = (
+        torch.arange(T * k) + rank
+    ) % E  # every expert gets the same number of rows from every rank
     x = torch.randn(T * k, D, requires_grad=True)
     with C.count_bytes() as c:
         recv, meta = dispatch(x, ids, E)
         combine(recv * 2, meta).sum().backward()
-    cfg = ModelConfig(vocab_size=8, d_model=D, n_layers=1, n_heads=2, d_ff=8, n_experts=E, n_experts_per_token=k)
+    cfg = ModelConfig(
+        vocab_size=8, d_model=D, n_layers=1, n_heads=2, d_ff=8, n_experts=E, n_experts_per_token=k
+    )
     assert c.sent["all_to_all"] == moe_all_to_all_bytes(cfg, T, world, "fp32")
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
 
@@ -101,14 +118,19 @@ def _ep_bytes_skewed(rank, world):
     with C.count_bytes() as c:
         recv, meta = dispatch(x, ids[rank], E)
         combine(recv * 2, meta).sum().backward()
-    mine = [(xs[q][ids[q] // per == rank], ids[q][ids[q] // per == rank]) for q in range(world)]  # by source rank
+    mine = [
+        (xs[q][ids[q] // per == rank], ids[q][ids[q] // per == rank]) for q in range(world)
+    ]  # by source rank
     torch.testing.assert_close(recv, torch.cat([r for r, _ in mine]), rtol=0, atol=0)
     assert meta.local_expert_ids.tolist() == torch.cat([i for _, i in mine]).tolist()
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
     sent = int((ids[rank] // per != rank).sum())
     received = sum(int((ids[q] // per == rank).sum()) for q in range(world) if q != rank)
     assert c.sent["all_to_all"] == 2 * (sent + received) * D * 4
-    want = {0: (5, 15), 3: (10, 0)}  # worked by hand for 4 ranks: rank 0 sends 5 of 10, gets 3 x 5; rank 3 gets none
+    want = {
+        0: (5, 15),
+        3: (10, 0),
+    }  # worked by hand for 4 ranks: rank 0 sends 5 of 10, gets 3 x 5; rank 3 gets none
     if world == 4 and rank in want:
         assert (sent, received) == want[rank]
 
@@ -158,13 +180,15 @@ def _ep_empty_rank(rank, world):
     x = torch.rand(2 * world, 3, D) + 0.1  # (B, T, D), positive
     x_ref = x.clone().requires_grad_(True)
     ref(x_ref).square().sum().backward()
-    xs = x[rank * 2:(rank + 1) * 2].clone().requires_grad_(True)
+    xs = x[rank * 2 : (rank + 1) * 2].clone().requires_grad_(True)
     out = layer(xs)
     out.square().sum().backward()
-    torch.testing.assert_close(xs.grad, x_ref.grad[rank * 2:(rank + 1) * 2], atol=1e-5, rtol=1e-4)
-    own = layer.gate_proj.weight.grad  # this rank's experts: the rows of every rank were dispatched to them
+    torch.testing.assert_close(xs.grad, x_ref.grad[rank * 2 : (rank + 1) * 2], atol=1e-5, rtol=1e-4)
+    own = (
+        layer.gate_proj.weight.grad
+    )  # this rank's experts: the rows of every rank were dispatched to them
     lo = rank * 2
-    torch.testing.assert_close(own, ref.gate_proj.weight.grad[lo:lo + 2], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(own, ref.gate_proj.weight.grad[lo : lo + 2], atol=1e-5, rtol=1e-4)
     if rank == 1:
         assert own.abs().sum() == 0  # nothing was routed here
 

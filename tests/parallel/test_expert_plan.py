@@ -14,10 +14,25 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from parallel_helpers import (
+    OPT_KW,
+    assert_close_params,
+    batches,
+    ce,
+    make_opt,
+    reference,
+    spawn,
+    tiny_config,
+)
 
-from parallel_helpers import OPT_KW, assert_close_params, batches, ce, make_opt, reference, spawn, tiny_config
-
-MOE = dict(n_experts=4, n_experts_per_token=2, d_ff_expert=16, n_shared_experts=1, moe_first_dense=1, n_layers=3)
+MOE = dict(
+    n_experts=4,
+    n_experts_per_token=2,
+    d_ff_expert=16,
+    n_shared_experts=1,
+    moe_first_dense=1,
+    n_layers=3,
+)
 
 
 def _reference_norms(cfg, data):
@@ -30,7 +45,13 @@ def _reference_norms(cfg, data):
     norms = []
     for x, y in data:
         ce(model(x), y).backward()
-        norms.append(float(torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None))))
+        norms.append(
+            float(
+                torch.sqrt(
+                    sum(p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None)
+                )
+            )
+        )
         opt.step()
         opt.zero_grad()
     return norms
@@ -46,7 +67,9 @@ def _train(rank, world, cases):
         pm = parallelize(model, plan)
         ep = plan.get("ep", 1)
         eps = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
-        assert (len(eps) == 2) == (ep > 1) and all(m.gate_proj.weight.shape[0] == cfg.n_experts // ep for m in eps)
+        assert (len(eps) == 2) == (ep > 1) and all(
+            m.gate_proj.weight.shape[0] == cfg.n_experts // ep for m in eps
+        )
         tp = plan.get("tp", 1)
         assert pm.mesh.dp == world // tp and pm.mesh.size("edp") == world // tp // ep
         opt = pm.build_optimizer(torch.optim.AdamW, **OPT_KW)
@@ -56,10 +79,20 @@ def _train(rank, world, cases):
             norms.append(float(pm.grad_norm()))
             opt.step()
             opt.zero_grad()
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(wl), atol=1e-5, rtol=1e-5,
-                                   msg=lambda m: f"{name} losses: {m}")
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(wn), atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"{name} grad norms: {m}")
+        torch.testing.assert_close(
+            torch.tensor(losses),
+            torch.tensor(wl),
+            atol=1e-5,
+            rtol=1e-5,
+            msg=lambda m: f"{name} losses: {m}",  # noqa: B023
+        )
+        torch.testing.assert_close(
+            torch.tensor(norms),
+            torch.tensor(wn),
+            atol=1e-4,
+            rtol=1e-4,
+            msg=lambda m: f"{name} grad norms: {m}",  # noqa: B023
+        )
         assert_close_params(pm.full_state_dict(), wp, prefix=name + " ")
         if ep == 1:
             continue
@@ -68,7 +101,9 @@ def _train(rank, world, cases):
         got = [torch.empty_like(w) for _ in range(world)]
         dist.all_gather(got, w)
         for r in range(world):
-            same = (r // tp) % ep == (rank // tp) % ep  # ep coordinate = dp index mod ep, dp index = rank // tp
+            same = (r // tp) % ep == (
+                rank // tp
+            ) % ep  # ep coordinate = dp index mod ep, dp index = rank // tp
             assert torch.equal(got[r], w) == same, (name, r)
 
 
@@ -82,17 +117,38 @@ def _cases(world, plans):
 
 @pytest.mark.slow
 def test_expert_parallel_plans_on_2_ranks_equal_single_process():
-    spawn(_train, 2, _cases(2, [("dp1 ep2", dict(dp=1, ep=2)), ("dp1 ep2 zero1", dict(dp=1, ep=2, zero=1)),
-                                # no ep: tp shards the attention, the MoE layers stay whole on each tp rank
-                                ("tp2 moe replicated", dict(tp=2))]))
+    spawn(
+        _train,
+        2,
+        _cases(
+            2,
+            [
+                ("dp1 ep2", dict(dp=1, ep=2)),
+                ("dp1 ep2 zero1", dict(dp=1, ep=2, zero=1)),
+                # no ep: tp shards the attention, the MoE layers stay whole on each tp rank
+                ("tp2 moe replicated", dict(tp=2)),
+            ],
+        ),
+    )
 
 
 @pytest.mark.slow
 def test_expert_parallel_plans_on_4_ranks_equal_single_process():
-    spawn(_train, 4, _cases(4, [("dp2 ep2", dict(dp=2, ep=2)), ("dp1 ep4", dict(ep=4)),
-                                ("dp2 ep2 zero1", dict(dp=2, ep=2, zero=1)),
-                                ("dp2 ep2 zero2", dict(dp=2, ep=2, zero=2)),
-                                ("ep2 tp2", dict(dp=1, ep=2, tp=2)), ("ep2 tp2 zero1", dict(ep=2, tp=2, zero=1))]))
+    spawn(
+        _train,
+        4,
+        _cases(
+            4,
+            [
+                ("dp2 ep2", dict(dp=2, ep=2)),
+                ("dp1 ep4", dict(ep=4)),
+                ("dp2 ep2 zero1", dict(dp=2, ep=2, zero=1)),
+                ("dp2 ep2 zero2", dict(dp=2, ep=2, zero=2)),
+                ("ep2 tp2", dict(dp=1, ep=2, tp=2)),
+                ("ep2 tp2 zero1", dict(ep=2, tp=2, zero=1)),
+            ],
+        ),
+    )
 
 
 def _uneven(rank, world):
@@ -103,12 +159,16 @@ def _uneven(rank, world):
     E, D, T = 2 * world, 4, 5
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(T, D, generator=g, requires_grad=True)
-    ids = torch.randint(0, 2 * (rank + 1), (T,), generator=g) // 2 * 2  # even experts of ranks 0..r only
+    ids = (
+        torch.randint(0, 2 * (rank + 1), (T,), generator=g) // 2 * 2
+    )  # even experts of ranks 0..r only
     recv, meta = dispatch(x, ids, E)
     if rank < world - 1:
         assert meta.send_counts[world - 1] == 0  # nothing for the last rank's experts
     assert sum(meta.send_counts) == T
-    y = combine(recv * (meta.local_expert_ids[:, None].float() + 1), meta)  # expert i scales by i + 1
+    y = combine(
+        recv * (meta.local_expert_ids[:, None].float() + 1), meta
+    )  # expert i scales by i + 1
     torch.testing.assert_close(y, x * (ids[:, None].float() + 1))
     y.sum().backward()
     torch.testing.assert_close(x.grad, (ids[:, None].float() + 1).expand(T, D))
@@ -152,9 +212,9 @@ def _resume(rank, world, tmp, plans, cfg, data, want2):
         full = pm.full_state_dict()
 
         def write_main():
-            step = d / "step_00000002"
+            step = d / "step_00000002"  # noqa: B023
             step.mkdir(parents=True)
-            save_file({n: t.contiguous() for n, t in full.items()}, str(step / "model.safetensors"))
+            save_file({n: t.contiguous() for n, t in full.items()}, str(step / "model.safetensors"))  # noqa: B023
             (step / "state.json").write_text(json.dumps({"step": 2}))
             return step
 
@@ -173,9 +233,13 @@ def _resume(rank, world, tmp, plans, cfg, data, want2):
         assert len(shards) == world
         # the gathered weights load into a single-process model: equal to 2 single-process steps
         single = Transformer(cfg, seed=1)
-        missing, unexpected = single.load_state_dict(load_file(str(d / "step_00000002" / "model.safetensors")))
+        missing, unexpected = single.load_state_dict(
+            load_file(str(d / "step_00000002" / "model.safetensors"))
+        )
         assert not missing and not unexpected
-        assert_close_params({n: p.detach() for n, p in single.named_parameters()}, want2, prefix=f"{plan} ")
+        assert_close_params(
+            {n: p.detach() for n, p in single.named_parameters()}, want2, prefix=f"{plan} "
+        )
         dist.barrier()
 
 
@@ -195,7 +259,9 @@ def _bad(rank, world):
         parallelize(Transformer(tiny_config(**{**MOE, "n_experts": 3}), seed=0), dict(dp=1, ep=2))
     with pytest.raises(ValueError, match=r"world size 2 != dp·ep·tp·pp·cp = 2·2·1·1·1 = 4"):
         parallelize(Transformer(tiny_config(**MOE), seed=0), dict(dp=2, ep=2))
-    with pytest.raises(ValueError, match=r"world size 2 is not divisible by ep·tp·pp·cp = 4·1·1·1 = 4"):
+    with pytest.raises(
+        ValueError, match=r"world size 2 is not divisible by ep·tp·pp·cp = 4·1·1·1 = 4"
+    ):
         parallelize(Transformer(tiny_config(**MOE), seed=0), dict(ep=4))
     with pytest.raises(ValueError, match=r"ep=2 but the model has no MoE layers"):
         parallelize(Transformer(tiny_config(), seed=0), dict(ep=2))
@@ -212,7 +278,7 @@ def _bytes(rank, world):
 
     cfg = tiny_config(**{**MOE, "n_experts_per_token": 4})
     pm = parallelize(Transformer(cfg, seed=0), dict(ep=world))
-    (x, y), = batches(1, 2 * world, 16, seed=1)
+    ((x, y),) = batches(1, 2 * world, 16, seed=1)
     with C.count_bytes() as c:
         pm.forward_backward(x, y, ce)
     T = 2 * 16  # this rank's tokens: B/world sequences of S
@@ -229,9 +295,13 @@ def _bad_and_bytes(rank, world):
 def test_bad_ep_plans_name_both_values_and_step_all_to_all_bytes_equal_accounting():
     from lmstack.parallel.plan import ParallelPlan
 
-    for kw, what in ((dict(ep=2, tp=2, sequence_parallel=True), "sequence_parallel"), (dict(ep=2, pp=2), "pp"),
-                     (dict(ep=2, zero=3), "zero=3"), (dict(ep=2, backend="native"), "backend='native'"),
-                     (dict(ep=2, cp=2), "cp")):
+    for kw, what in (
+        (dict(ep=2, tp=2, sequence_parallel=True), "sequence_parallel"),
+        (dict(ep=2, pp=2), "pp"),
+        (dict(ep=2, zero=3), "zero=3"),
+        (dict(ep=2, backend="native"), "backend='native'"),
+        (dict(ep=2, cp=2), "cp"),
+    ):
         with pytest.raises(ValueError, match=f"ep=2 with {what} is not supported"):
             ParallelPlan(**kw)
     with pytest.raises(ValueError, match="ep=0 must be an integer >= 1"):
@@ -252,11 +322,15 @@ def test_torchrun_lmstack_train_with_ep_in_the_plan(tmp_path):
 
     rng = np.random.default_rng(0)
     ids = np.tile(np.arange(1, 33), 200)[:6000]
-    ids = np.where(rng.random(ids.shape) < 0.1, rng.integers(1, 64, size=ids.shape), ids).astype(np.uint16)
+    ids = np.where(rng.random(ids.shape) < 0.1, rng.integers(1, 64, size=ids.shape), ids).astype(
+        np.uint16
+    )
     ids.tofile(tmp_path / "tokens.bin")
-    (tmp_path / "tokens.bin.json").write_text(json.dumps({"n_tokens": len(ids), "dtype": "uint16", "vocab_size": 64}))
+    (tmp_path / "tokens.bin.json").write_text(
+        json.dumps({"n_tokens": len(ids), "dtype": "uint16", "vocab_size": 64})
+    )
     (tmp_path / "run.toml").write_text(f'''
-train_data = "{tmp_path / 'tokens.bin'}"
+train_data = "{tmp_path / "tokens.bin"}"
 batch_size = 2
 seq_len = 16
 max_steps = 3
@@ -264,7 +338,7 @@ warmup_steps = 0
 eval_interval = 0
 eval_batches = 1
 log_interval = 1
-out_dir = "{tmp_path / 'run'}"
+out_dir = "{tmp_path / "run"}"
 device = "cpu"
 precision = "fp32"
 [model]
@@ -286,18 +360,37 @@ ep = 2
 ''')
     torchrun = Path(sys.executable).with_name("torchrun")
     # --standalone: the rendezvous store binds port 0 itself (no port picked in advance, no race)
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node=4", "-m", "lmstack", "train", "--config",
-           str(tmp_path / "run.toml"), "--no-progress"]
-    r = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                       text=True, timeout=400)
+    cmd = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node=4",
+        "-m",
+        "lmstack",
+        "train",
+        "--config",
+        str(tmp_path / "run.toml"),
+        "--no-progress",
+    ]
+    r = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     train = [row for row in rows if row["kind"] == "train"]
     assert [row["step"] for row in train] == [1, 2, 3]
     assert all(np.isfinite(row["loss"]) and row["moe_aux_loss"] > 0 for row in train)
     assert train[0]["tokens"] == 2 * 16 * 4  # the batch is split over all dp·ep = 4 ranks
     ckpt = tmp_path / "run" / "checkpoints"
-    step = sorted(p for p in ckpt.glob("step_*") if p.is_dir() and not p.name.endswith(".shards"))[-1]
+    step = sorted(p for p in ckpt.glob("step_*") if p.is_dir() and not p.name.endswith(".shards"))[
+        -1
+    ]
     assert len(list(Path(f"{step}.shards").glob("rank_*.safetensors"))) == 4
     plan = json.loads((Path(f"{step}.shards") / "plan.json").read_text())
     assert plan["layout"]["ep"] == 2 and plan["layout"]["dp"] == 4
@@ -312,15 +405,35 @@ def _trainer_cfg(tmp: Path, plan, accum: int) -> dict:
     if not data.exists():
         rng = np.random.default_rng(0)
         ids = np.tile(np.arange(1, 33), 200)[:6000]
-        ids = np.where(rng.random(ids.shape) < 0.1, rng.integers(1, 64, size=ids.shape), ids).astype(np.uint16)
+        ids = np.where(
+            rng.random(ids.shape) < 0.1, rng.integers(1, 64, size=ids.shape), ids
+        ).astype(np.uint16)
         ids.tofile(data)
-        (tmp / "tokens.bin.json").write_text(json.dumps({"n_tokens": len(ids), "dtype": "uint16", "vocab_size": 64}))
+        (tmp / "tokens.bin.json").write_text(
+            json.dumps({"n_tokens": len(ids), "dtype": "uint16", "vocab_size": 64})
+        )
     model = dict(d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=64, **MOE)
-    return {"train_data": str(data), "batch_size": 2, "seq_len": 16, "grad_accum": accum, "max_steps": 3,
-            "warmup_steps": 0, "lr": 1e-2, "min_lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1, "grad_clip": 0.5,
-            "eval_interval": 0, "eval_batches": 1, "log_interval": 1, "device": "cpu", "precision": "fp32",
-            "parallel": plan, "model": model,
-            "out_dir": str(tmp / ("run_" + "_".join(f"{k}{v}" for k, v in (plan or {}).items())))}
+    return {
+        "train_data": str(data),
+        "batch_size": 2,
+        "seq_len": 16,
+        "grad_accum": accum,
+        "max_steps": 3,
+        "warmup_steps": 0,
+        "lr": 1e-2,
+        "min_lr": 1e-3,
+        "eps": 1e-6,
+        "weight_decay": 0.1,
+        "grad_clip": 0.5,
+        "eval_interval": 0,
+        "eval_batches": 1,
+        "log_interval": 1,
+        "device": "cpu",
+        "precision": "fp32",
+        "parallel": plan,
+        "model": model,
+        "out_dir": str(tmp / ("run_" + "_".join(f"{k}{v}" for k, v in (plan or {}).items()))),
+    }
 
 
 def _trainer_reference(cfg: dict, n_ranks: int):
@@ -333,16 +446,23 @@ def _trainer_reference(cfg: dict, n_ranks: int):
     class Concat(Trainer):
         def __init__(self, c):
             super().__init__(c, progress=False)
-            self.gens = [torch.Generator().manual_seed(c.seed * 1_000_003 + r) for r in range(n_ranks)]
+            self.gens = [
+                torch.Generator().manual_seed(c.seed * 1_000_003 + r) for r in range(n_ranks)
+            ]
 
         def next_batch(self):
             c = self.config
-            parts = [get_batch(self.train_tokens, c.batch_size, c.seq_len, self.device, g) for g in self.gens]
+            parts = [
+                get_batch(self.train_tokens, c.batch_size, c.seq_len, self.device, g)
+                for g in self.gens
+            ]
             return Batch(torch.cat([b.x for b in parts]), torch.cat([b.y for b in parts]))
 
     t = Concat(TrainConfig.from_dict({**cfg, "parallel": None}))
     t.fit()
-    rows = [json.loads(x) for x in (Path(cfg["out_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(x) for x in (Path(cfg["out_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
     sd = {k: v.detach().clone() for k, v in t.raw_model.state_dict().items()}
     return [x for x in rows if x["kind"] == "train"], sd
 
@@ -359,13 +479,24 @@ def _trainer_ep(rank, world, cfgs):
         t.fit()
         dist.barrier()
         if rank == 0:
-            rows = [json.loads(x) for x in (Path(cfg["out_dir"]) / "metrics.jsonl").read_text().splitlines()]
+            rows = [
+                json.loads(x)
+                for x in (Path(cfg["out_dir"]) / "metrics.jsonl").read_text().splitlines()
+            ]
             rows = [x for x in rows if x["kind"] == "train"]
             assert [x["step"] for x in rows] == [x["step"] for x in want_rows]
-            torch.testing.assert_close(torch.tensor([x["loss"] for x in rows]),
-                                       torch.tensor([x["loss"] for x in want_rows]), atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(torch.tensor([x["grad_norm"] for x in rows]),  # clipping active (0.5)
-                                       torch.tensor([x["grad_norm"] for x in want_rows]), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(
+                torch.tensor([x["loss"] for x in rows]),
+                torch.tensor([x["loss"] for x in want_rows]),
+                atol=1e-5,
+                rtol=1e-5,
+            )
+            torch.testing.assert_close(
+                torch.tensor([x["grad_norm"] for x in rows]),  # clipping active (0.5)
+                torch.tensor([x["grad_norm"] for x in want_rows]),
+                atol=1e-5,
+                rtol=1e-4,
+            )
             ckpt = Path(cfg["out_dir"]) / "checkpoints"
             got = load_file(str(ckpt / (ckpt / "latest").read_text().strip() / "model.safetensors"))
             assert_close_params({k: got[k] for k in want_sd}, want_sd, prefix=f"{cfg['parallel']} ")
@@ -380,14 +511,17 @@ def _trainer_ep(rank, world, cfgs):
     t.fit()
     dist.barrier()
     if rank == 0:
+
         def last(d):
             ck = d / "checkpoints"
             return load_file(str(ck / (ck / "latest").read_text().strip() / "model.safetensors"))
 
         a, b = last(full_dir), last(resumed_dir)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-        rows = {d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
-                for d in (full_dir, resumed_dir)}
+        rows = {
+            d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+            for d in (full_dir, resumed_dir)
+        }
         la = [x["loss"] for x in rows[full_dir] if x["kind"] == "train" and x["step"] > 2]
         lb = [x["loss"] for x in rows[resumed_dir] if x["kind"] == "train" and x["step"] > 2]
         assert la == lb and len(la) == 2

@@ -4,7 +4,6 @@ against the accounting model, autograd duals against hand-derived gradients; the
 import pytest
 import torch
 import torch.distributed as dist
-
 from parallel_helpers import spawn
 
 
@@ -49,14 +48,19 @@ def _collectives(rank, world):
     w = torch.randn(2 * world, 3, generator=torch.Generator().manual_seed(100 + rank))
     y = C.AllGatherFn.apply(x, 0, None)
     (y * w).sum().backward()
-    w_all = [torch.randn(2 * world, 3, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
-    torch.testing.assert_close(x.grad, sum(w_all)[2 * rank:2 * rank + 2])
+    w_all = [
+        torch.randn(2 * world, 3, generator=torch.Generator().manual_seed(100 + r))
+        for r in range(world)
+    ]
+    torch.testing.assert_close(x.grad, sum(w_all)[2 * rank : 2 * rank + 2])
     # reduce-scatter forward, all-gather backward
     x = torch.randn(2 * world, 3, generator=g, requires_grad=True)
     w = torch.randn(2, 3, generator=torch.Generator().manual_seed(200 + rank))
     y = C.ReduceScatterFn.apply(x, 0, None)
     (y * w).sum().backward()
-    w_all = [torch.randn(2, 3, generator=torch.Generator().manual_seed(200 + r)) for r in range(world)]
+    w_all = [
+        torch.randn(2, 3, generator=torch.Generator().manual_seed(200 + r)) for r in range(world)
+    ]
     torch.testing.assert_close(x.grad, torch.cat(w_all))
     # all-reduce forward, all-reduce backward
     x = torch.randn(4, generator=g, requires_grad=True)

@@ -6,7 +6,6 @@ gradient accumulation — each matches single-process training on the whole batc
 
 import pytest
 import torch
-
 from parallel_helpers import OPT_KW, assert_close_params, batches, ce, reference, spawn, tiny_config
 
 
@@ -27,15 +26,21 @@ def _compose(rank, world, cases):
             for a in range(accum):  # gradient accumulation: DDP under no_sync but for the last
                 x, y = data[i]
                 i += 1
-                tot += pm.forward_backward(x, y, lambda logits, t: ce(logits, t) / accum,
-                                           no_sync=pm.ddp is not None and a < accum - 1)
+                tot += pm.forward_backward(
+                    x,
+                    y,
+                    lambda logits, t: ce(logits, t) / accum,  # noqa: B023
+                    no_sync=pm.ddp is not None and a < accum - 1,
+                )
             opt.step()
             opt.zero_grad()
             losses.append(tot)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(wl), atol=1e-5, rtol=1e-5)
         got = pm.full_state_dict()
         assert got
-        assert_close_params(got, {k: wp[k] for k in got} if pm.pipeline is not None else wp, prefix=name + " ")
+        assert_close_params(
+            got, {k: wp[k] for k in got} if pm.pipeline is not None else wp, prefix=name + " "
+        )
 
 
 @pytest.mark.slow
@@ -47,17 +52,44 @@ def test_two_dimensional_compositions():
         ("zero2 x tp", dict(dp=2, tp=2, zero=2), {}, 1, ()),
         ("zero3 x tp", dict(dp=2, tp=2, zero=3), {}, 1, ()),
         ("dp x pp", dict(dp=2, pp=2, schedule="1f1b"), dict(n_layers=4), 1, ()),
-        ("zero1 x pp zb", dict(dp=2, pp=2, zero=1, schedule="zb"), dict(n_layers=4, tie_embeddings=True), 1, ()),
+        (
+            "zero1 x pp zb",
+            dict(dp=2, pp=2, zero=1, schedule="zb"),
+            dict(n_layers=4, tie_embeddings=True),
+            1,
+            (),
+        ),
         ("dp x cp", dict(dp=2, cp=2), {}, 1, ()),
-        ("tp x pp", dict(tp=2, pp=2, schedule="1f1b"), dict(n_layers=4, tie_embeddings=True), 1, ()),
+        (
+            "tp x pp",
+            dict(tp=2, pp=2, schedule="1f1b"),
+            dict(n_layers=4, tie_embeddings=True),
+            1,
+            (),
+        ),
         ("tp x cp", dict(tp=2, cp=2), dict(qk_norm=True), 1, ()),
         # tied + frozen (a column-parallel, a row-parallel and a replicated parameter) + accumulation
-        ("dp x tp tied frozen accum", dict(dp=2, tp=2), dict(tie_embeddings=True), 2,
-         ("blocks.0.attn.q_proj.weight", "blocks.1.ffn.down_proj.weight", "norm.weight")),
-        ("zero3 x tp tied frozen accum", dict(dp=2, tp=2, zero=3), dict(tie_embeddings=True), 2,
-         ("blocks.0.attn.k_proj.weight", "blocks.1.ffn_norm.weight")),
-        ("dp x pp zb tied frozen", dict(dp=2, pp=2, schedule="zb"), dict(n_layers=4, tie_embeddings=True), 1,
-         ("blocks.3.attn.v_proj.weight", "blocks.0.ffn.gate_proj.weight")),
+        (
+            "dp x tp tied frozen accum",
+            dict(dp=2, tp=2),
+            dict(tie_embeddings=True),
+            2,
+            ("blocks.0.attn.q_proj.weight", "blocks.1.ffn.down_proj.weight", "norm.weight"),
+        ),
+        (
+            "zero3 x tp tied frozen accum",
+            dict(dp=2, tp=2, zero=3),
+            dict(tie_embeddings=True),
+            2,
+            ("blocks.0.attn.k_proj.weight", "blocks.1.ffn_norm.weight"),
+        ),
+        (
+            "dp x pp zb tied frozen",
+            dict(dp=2, pp=2, schedule="zb"),
+            dict(n_layers=4, tie_embeddings=True),
+            1,
+            ("blocks.3.attn.v_proj.weight", "blocks.0.ffn.gate_proj.weight"),
+        ),
     ]:
         cfg = tiny_config(**kw)
         data = batches(2 * accum, 8, 16)
@@ -73,5 +105,11 @@ def test_plan_errors_name_the_bad_value():
         ParallelPlan(zero=3, pp=2)
     with pytest.raises(ValueError, match="unknown key 'pq'"):
         get_parallelize({"pq": 2})
-    for spec in ({"dp": 2, "tp": 2, "zero": 1}, {"pp": 2}, "zero3", {"cp": 2}, {"dp": 2, "backend": "native"}):
+    for spec in (
+        {"dp": 2, "tp": 2, "zero": 1},
+        {"pp": 2},
+        "zero3",
+        {"cp": 2},
+        {"dp": 2, "backend": "native"},
+    ):
         get_parallelize(spec)  # accepted: the trainer has the hooks for every strategy

@@ -3,12 +3,19 @@ log-sum-exp merging trains like one process on the whole sequence."""
 
 import torch
 import torch.distributed as dist
-
-from parallel_helpers import assert_close_params, batches, ce, make_opt, reference, spawn, tiny_config
+from parallel_helpers import (
+    assert_close_params,
+    batches,
+    ce,
+    make_opt,
+    reference,
+    spawn,
+    tiny_config,
+)
 
 
 def _context(rank, world, cases):
-    from lmstack.model.attention import reference_attention, attention_mask
+    from lmstack.model.attention import attention_mask, reference_attention
     from lmstack.model.transformer import Transformer
     from lmstack.parallel.context import ContextParallel, load_balanced_positions, ring_attention
     from lmstack.parallel.ddp import DataParallel
@@ -37,8 +44,11 @@ def _context(rank, world, cases):
             dist.all_reduce(t)
             losses.append(float(t) / world)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(wl), atol=1e-5, rtol=1e-5)
-        assert_close_params({n.replace(".inner.", "."): p.detach() for n, p in model.named_parameters()}, wp,
-                            prefix=name + " ")
+        assert_close_params(
+            {n.replace(".inner.", "."): p.detach() for n, p in model.named_parameters()},
+            wp,
+            prefix=name + " ",
+        )
 
 
 def _cases():

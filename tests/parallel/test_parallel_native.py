@@ -4,19 +4,19 @@ ZeroRedundancyOptimizer, torch.distributed.pipelining (GPipe, 1F1B) — the same
 match single-process training."""
 
 import torch
-
 from parallel_helpers import OPT_KW, assert_close_params, batches, ce, reference, spawn, tiny_config
 
 
 def _train(cfg, plan, data):
     from lmstack.model.transformer import Transformer
-    from lmstack.parallel.plan import parallelize
-
     from lmstack.parallel.interface import ParallelWrapper
+    from lmstack.parallel.plan import parallelize
 
     model = Transformer(cfg, seed=0)
     pm = parallelize(model, plan)
-    assert isinstance(pm, ParallelWrapper), type(pm)  # both backends implement the trainer's interface
+    assert isinstance(pm, ParallelWrapper), type(
+        pm
+    )  # both backends implement the trainer's interface
     opt = pm.build_optimizer(torch.optim.AdamW, **OPT_KW)
     losses = []
     for x, y in data:
@@ -33,10 +33,15 @@ def _native(rank, world, cases, bf16_case):
             pm, losses = _train(cfg, {**plan, "backend": backend}, data)
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(wl), atol=1e-5, rtol=1e-5)
             got = pm.full_state_dict()
-            assert_close_params(got, {k: wp[k] for k in got} if pm.pipeline is not None else wp,
-                                prefix=f"{name}/{backend} ")
+            assert_close_params(
+                got,
+                {k: wp[k] for k in got} if pm.pipeline is not None else wp,
+                prefix=f"{name}/{backend} ",
+            )
             res[backend] = (losses, pm.full_state_dict())
-        torch.testing.assert_close(torch.tensor(res["lmstack"][0]), torch.tensor(res["native"][0]), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(res["lmstack"][0]), torch.tensor(res["native"][0]), atol=1e-6, rtol=1e-6
+        )
 
     # bf16 compute, fp32 master shards: lmstack FullyShard vs fully_shard + MixedPrecisionPolicy
     cfg, data = bf16_case
@@ -49,15 +54,19 @@ def _native(rank, world, cases, bf16_case):
     a, b = pm.full_state_dict(), pn.full_state_dict()
     for n in b:
         assert a[n].dtype == torch.float32
-        torch.testing.assert_close(a[n], b[n], atol=2e-3, rtol=1e-2, msg=lambda m: f"bf16 {n}: {m}")
+        torch.testing.assert_close(a[n], b[n], atol=2e-3, rtol=1e-2, msg=lambda m: f"bf16 {n}: {m}")  # noqa: B023
 
 
 def test_native_backends_agree():
     cases = []
-    for name, plan, kw in [("ddp", dict(dp=2), {}), ("zero3-tied", dict(dp=2, zero=3), dict(tie_embeddings=True)),
-                           ("tp", dict(tp=2), {}), ("zero1", dict(dp=2, zero=1), {}),
-                           ("pp-gpipe-tied", dict(pp=2, schedule="gpipe"), dict(tie_embeddings=True, n_layers=4)),
-                           ("pp-1f1b", dict(pp=2, schedule="1f1b"), dict(n_layers=4))]:
+    for name, plan, kw in [
+        ("ddp", dict(dp=2), {}),
+        ("zero3-tied", dict(dp=2, zero=3), dict(tie_embeddings=True)),
+        ("tp", dict(tp=2), {}),
+        ("zero1", dict(dp=2, zero=1), {}),
+        ("pp-gpipe-tied", dict(pp=2, schedule="gpipe"), dict(tie_embeddings=True, n_layers=4)),
+        ("pp-1f1b", dict(pp=2, schedule="1f1b"), dict(n_layers=4)),
+    ]:
         cfg = tiny_config(**kw)
         data = batches(2, 4, 16)
         wl, wp = reference(cfg, data)

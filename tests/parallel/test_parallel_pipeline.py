@@ -2,8 +2,15 @@
 B/W split train like one process, tied embeddings included; the bubble is measured."""
 
 import torch
-
-from parallel_helpers import assert_close_params, batches, ce, make_opt, reference, spawn, tiny_config
+from parallel_helpers import (
+    assert_close_params,
+    batches,
+    ce,
+    make_opt,
+    reference,
+    spawn,
+    tiny_config,
+)
 
 
 def _pipeline(rank, world, cases):
@@ -15,8 +22,12 @@ def _pipeline(rank, world, cases):
     tied = tied_embedding_groups(mesh)
     for name, cfg, kind, m, data, wl, wp in cases:
         model = Transformer(cfg, seed=0)
-        pipe = PipelineParallel(model, mesh.group("pp"), micro_batches=m, schedule_kind=kind, tied_group=tied)
-        assert type(pipe.stage) is type(model)  # a stage is the model's own class holding a slice of its layers
+        pipe = PipelineParallel(
+            model, mesh.group("pp"), micro_batches=m, schedule_kind=kind, tied_group=tied
+        )
+        assert type(pipe.stage) is type(
+            model
+        )  # a stage is the model's own class holding a slice of its layers
         opt = make_opt(pipe.parameters())
         losses = []
         for x, y in data:
@@ -25,9 +36,15 @@ def _pipeline(rank, world, cases):
             opt.zero_grad()
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(wl), atol=1e-5, rtol=1e-5)
         mine = {id(p) for p in pipe.stage.parameters()}
-        got = {n.replace(".inner.", "."): p.detach() for n, p in model.named_parameters() if id(p) in mine}
+        got = {
+            n.replace(".inner.", "."): p.detach()
+            for n, p in model.named_parameters()
+            if id(p) in mine
+        }
         if pipe.tied_copy is not None:  # the last stage's copy of the tied W_e
-            torch.testing.assert_close(pipe.tied_copy.detach(), wp["embed.weight"], atol=1e-4, rtol=1e-3)
+            torch.testing.assert_close(
+                pipe.tied_copy.detach(), wp["embed.weight"], atol=1e-4, rtol=1e-3
+            )
         assert got
         assert_close_params(got, {n: wp[n] for n in got}, prefix=name + " ")
         bubble = pipe.measured_bubble()

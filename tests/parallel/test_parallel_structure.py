@@ -20,7 +20,9 @@ def _trees():
 
 
 def test_both_backends_implement_the_protocol():
-    members = [n for n in dir(ParallelWrapper) if not n.startswith("_")] + list(ParallelWrapper.__annotations__)
+    members = [n for n in dir(ParallelWrapper) if not n.startswith("_")] + list(
+        ParallelWrapper.__annotations__
+    )
     for cls in (ParallelModel, NativeParallelModel):
         src = inspect.getsource(cls) + inspect.getsource(cls.__mro__[1])
         for name in members:
@@ -32,11 +34,19 @@ def test_no_private_imports_and_no_plan_native_cycle():
     for name, tree in _trees():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lmstack"):
-                bad += [f"{name}: from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")]
+                bad += [
+                    f"{name}: from {node.module} import {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                ]
                 if name == "native.py" and node.module == "lmstack.parallel.plan":
                     bad.append("native.py imports plan")
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "C" \
-                    and node.attr.startswith("_"):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "C"
+                and node.attr.startswith("_")
+            ):
                 bad.append(f"{name}: C.{node.attr}")
     assert bad == []
 
@@ -46,11 +56,21 @@ def test_no_instance_method_patching():
     (``pm.build_optimizer = build_optimizer``)."""
     bad = []
     for name, tree in _trees():
-        defs = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        defs = {
+            n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        }
         for node in ast.walk(tree):
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id in defs:
-                bad += [f"{name}:{node.lineno}" for t in node.targets if isinstance(t, ast.Attribute)
-                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")]
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in defs
+            ):
+                bad += [
+                    f"{name}:{node.lineno}"
+                    for t in node.targets
+                    if isinstance(t, ast.Attribute)
+                    and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                ]
     assert bad == []
 
 
@@ -64,8 +84,16 @@ def test_pipeline_stages_chained_equal_the_model():
     from lmstack.parallel.pipeline import pipeline_stage
 
     for tie in (False, True):
-        cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32,
-                          tie_embeddings=tie)
+        cfg = ModelConfig(
+            vocab_size=64,
+            d_model=32,
+            n_layers=3,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=64,
+            max_seq_len=32,
+            tie_embeddings=tie,
+        )
         model = Transformer(cfg, seed=0)
         tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
         x = tokens

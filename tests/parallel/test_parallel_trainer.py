@@ -30,9 +30,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-
-MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64, "vocab_size": 64,
-         "max_seq_len": 64, "attn_backend": "sdpa", "norm_backend": "torch", "tie_embeddings": True}
+MODEL = {
+    "d_model": 32,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "d_ff": 64,
+    "vocab_size": 64,
+    "max_seq_len": 64,
+    "attn_backend": "sdpa",
+    "norm_backend": "torch",
+    "tie_embeddings": True,
+}
 DRIVER = Path(__file__).with_name("parallel_train_driver.py")
 
 
@@ -56,11 +65,14 @@ def _write_toml(path: Path, cfg: dict) -> None:
 def _data(tmp_path: Path) -> Path:
     rng = np.random.default_rng(0)
     ids = np.tile(np.arange(1, 33), 200)[:6000]
-    ids = np.where(rng.random(ids.shape) < 0.1, rng.integers(1, 64, size=ids.shape), ids).astype(np.uint16)
+    ids = np.where(rng.random(ids.shape) < 0.1, rng.integers(1, 64, size=ids.shape), ids).astype(
+        np.uint16
+    )
     data = tmp_path / "tokens.bin"
     ids.tofile(data)
-    (tmp_path / "tokens.bin.json").write_text(json.dumps({"n_tokens": len(ids), "dtype": "uint16",
-                                                          "vocab_size": 64}))
+    (tmp_path / "tokens.bin.json").write_text(
+        json.dumps({"n_tokens": len(ids), "dtype": "uint16", "vocab_size": 64})
+    )
     return data
 
 
@@ -78,7 +90,10 @@ def _reference(cfg: dict, dp: int):
 
         def next_batch(self):
             c = self.config
-            parts = [get_batch(self.train_tokens, c.batch_size, c.seq_len, self.device, g) for g in self.gens]
+            parts = [
+                get_batch(self.train_tokens, c.batch_size, c.seq_len, self.device, g)
+                for g in self.gens
+            ]
             return Batch(torch.cat([b.x for b in parts]), torch.cat([b.y for b in parts]))
 
     c = TrainConfig.from_dict({**cfg, "parallel": None})
@@ -111,15 +126,39 @@ PLANS = [  # (plan, dp, grad_accum, nproc, id)
 # one plan per world size runs as its own `torchrun -m lmstack train --config run.toml` launch
 CLI_PLANS = ("dp2_zero1_accum2", "dp2_tp2_zero1_4ranks", "dp2_tp2_pp2_zero1_8ranks")
 
-RESUME = [({"dp": 2}, 1, "ddp2"), ({"dp": 2, "zero": 2}, 2, "dp2_zero2"), ({"dp": 2, "zero": 3}, 2, "dp2_zero3"),
-          ({"tp": 2}, 1, "tp2"), ({"pp": 2}, 2, "pp2"), ({"dp": 2, "zero": 3, "backend": "native"}, 2, "native_dp2_zero3")]
+RESUME = [
+    ({"dp": 2}, 1, "ddp2"),
+    ({"dp": 2, "zero": 2}, 2, "dp2_zero2"),
+    ({"dp": 2, "zero": 3}, 2, "dp2_zero3"),
+    ({"tp": 2}, 1, "tp2"),
+    ({"pp": 2}, 2, "pp2"),
+    ({"dp": 2, "zero": 3, "backend": "native"}, 2, "native_dp2_zero3"),
+]
 
 
 def _config(job_dir: Path, data: Path, plan, accum: int, **kw) -> dict:
-    return {"train_data": str(data), "batch_size": 2, "seq_len": 16, "grad_accum": accum, "max_steps": 4,
-            "warmup_steps": 0, "lr": 1e-2, "min_lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1, "grad_clip": 0.5,
-            "eval_interval": 0, "eval_batches": 1, "log_interval": 1, "out_dir": str(job_dir / "run"),
-            "device": "cpu", "precision": "fp32", "parallel": plan, "model": MODEL, **kw}
+    return {
+        "train_data": str(data),
+        "batch_size": 2,
+        "seq_len": 16,
+        "grad_accum": accum,
+        "max_steps": 4,
+        "warmup_steps": 0,
+        "lr": 1e-2,
+        "min_lr": 1e-3,
+        "eps": 1e-6,
+        "weight_decay": 0.1,
+        "grad_clip": 0.5,
+        "eval_interval": 0,
+        "eval_batches": 1,
+        "log_interval": 1,
+        "out_dir": str(job_dir / "run"),
+        "device": "cpu",
+        "precision": "fp32",
+        "parallel": plan,
+        "model": MODEL,
+        **kw,
+    }
 
 
 def _rows(run_dir: Path, kind: str = "train") -> list[dict]:
@@ -134,10 +173,12 @@ def _checkpoint_weights(run_dir: Path) -> dict:
 
 # ---- launches ------------------------------------------------------------------------------
 
+
 @dataclass
 class Job:
     """One ``lmstack train`` run: ``launch`` names the torchrun launch it runs in (``cli_*``: its
     own ``torchrun -m lmstack train``; ``driver_*``: shared, through parallel_train_driver.py)."""
+
     name: str
     launch: str
     nproc: int
@@ -175,7 +216,7 @@ class JobResult:
 
 def _jobs(base: Path, data: Path) -> dict[str, Job]:
     jobs = {}
-    for plan, dp, accum, nproc, pid in PLANS:
+    for plan, _dp, accum, nproc, pid in PLANS:
         launch = f"cli_{pid}" if pid in CLI_PLANS else f"driver_{nproc}ranks"
         jobs[pid] = Job(pid, launch, nproc, _config(base / pid, data, plan, accum))
     later = []
@@ -185,11 +226,22 @@ def _jobs(base: Path, data: Path) -> dict[str, Job]:
         jobs[name] = Job(name, "driver_2ranks", 2, cfg)
         resume = ("--resume", str(Path(cfg["out_dir"]) / "checkpoints" / "step_00000003"))
         cfg2 = {**cfg, "out_dir": str(base / name / "resumed")}
-        jobs[f"{name}_resumed"] = Job(f"{name}_resumed", "driver_2ranks_resume", 2, cfg2, resume, needs=name)
+        jobs[f"{name}_resumed"] = Job(
+            f"{name}_resumed", "driver_2ranks_resume", 2, cfg2, resume, needs=name
+        )
         if plan.get("zero") == 2:  # another plan cannot read these shards: a clear error
             cfg3 = {**cfg2, "out_dir": str(base / name / "other"), "parallel": {"dp": 2, "zero": 1}}
-            later.append(Job(f"{name}_other_plan", "driver_2ranks_resume", 2, cfg3, resume, needs=name,
-                             may_fail=True))
+            later.append(
+                Job(
+                    f"{name}_other_plan",
+                    "driver_2ranks_resume",
+                    2,
+                    cfg3,
+                    resume,
+                    needs=name,
+                    may_fail=True,
+                )
+            )
     jobs.update((j.name, j) for j in later)
     return jobs
 
@@ -223,8 +275,10 @@ class Launches:
             (job,) = jobs
             target, timeout = ["-m", "lmstack", "train", *job.args], 300
         else:
-            spec = [{"name": j.name, "dir": str(j.log_dir), "args": j.args,
-                     "may_fail": j.may_fail} for j in jobs]
+            spec = [
+                {"name": j.name, "dir": str(j.log_dir), "args": j.args, "may_fail": j.may_fail}
+                for j in jobs
+            ]
             (self.base / f"{launch}.json").write_text(json.dumps(spec, indent=1))
             target, timeout = [str(DRIVER), str(self.base / f"{launch}.json")], 120 + 60 * len(jobs)
         torchrun = Path(sys.executable).with_name("torchrun")
@@ -233,9 +287,15 @@ class Launches:
         cmd = [str(torchrun), "--standalone", f"--nproc_per_node={jobs[0].nproc}", *target]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         try:
-            r = subprocess.run(cmd, cwd=self.base, env=env, capture_output=True, text=True, timeout=timeout)
+            r = subprocess.run(
+                cmd, cwd=self.base, env=env, capture_output=True, text=True, timeout=timeout
+            )
         except subprocess.TimeoutExpired as e:
-            out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
+            out = "".join(
+                x.decode(errors="replace") if isinstance(x, bytes) else x
+                for x in (e.stdout, e.stderr)
+                if x
+            )
             r = subprocess.CompletedProcess(cmd, f"timed out after {timeout}s", out, "")
         self.done[launch] = r
         return r
@@ -249,7 +309,9 @@ class Launches:
 
     def _read(self, job: Job) -> JobResult:
         r = self.done[job.launch]
-        launch_out = f"--- torchrun ({job.launch}) exit code {r.returncode} ---\n" + _tail(r.stdout + r.stderr)
+        launch_out = f"--- torchrun ({job.launch}) exit code {r.returncode} ---\n" + _tail(
+            r.stdout + r.stderr
+        )
         if job.launch.startswith("cli_"):
             return JobResult([r.returncode] * job.nproc, launch_out)
         rcs, logs = [], []
@@ -268,10 +330,22 @@ class Launches:
             job = self.jobs[name]
             msg = f"job {name} (plan {job.cfg['parallel']}, launch {job.launch}) exit codes per rank {res.rcs}"
             if all(rc is None for rc in res.rcs):
-                first = next((j.name for j in self.jobs.values() if j.launch == job.launch and j.name in self.needed
-                              and not j.may_fail and not self._read(j).ok), "?")
-                msg += (": it did not finish (killed, or the launch timed out)" if first == name else
-                        f": not run, the launch stopped at job {first} (its test shows why)")
+                first = next(
+                    (
+                        j.name
+                        for j in self.jobs.values()
+                        if j.launch == job.launch
+                        and j.name in self.needed
+                        and not j.may_fail
+                        and not self._read(j).ok
+                    ),
+                    "?",
+                )
+                msg += (
+                    ": it did not finish (killed, or the launch timed out)"
+                    if first == name
+                    else f": not run, the launch stopped at job {first} (its test shows why)"
+                )
             pytest.fail(msg + "\n" + res.output, pytrace=False)
         return Path(self.jobs[name].cfg["out_dir"])
 
@@ -285,14 +359,19 @@ def _needed_jobs(items) -> set[str] | None:
         if item.originalname == "test_torchrun_plan_table_matches_single_process_trainer":
             out.add(item.callspec.id)
         elif item.originalname == "test_torchrun_resume_from_sharded_checkpoint_continues_the_run":
-            out |= {f"resume_{item.callspec.id}", f"resume_{item.callspec.id}_resumed",
-                    f"resume_{item.callspec.id}_other_plan"}
+            out |= {
+                f"resume_{item.callspec.id}",
+                f"resume_{item.callspec.id}_resumed",
+                f"resume_{item.callspec.id}_other_plan",
+            }
     return out or None
 
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory, request):
-    return Launches(tmp_path_factory.mktemp("parallel_trainer"), _needed_jobs(request.session.items))
+    return Launches(
+        tmp_path_factory.mktemp("parallel_trainer"), _needed_jobs(request.session.items)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -305,14 +384,18 @@ def reference(tmp_path_factory):
         if key not in cache:
             cache[key] = _reference({**cfg, "out_dir": str(base / f"ref_{len(cache)}")}, dp)
         return cache[key]
+
     return get
 
 
 # ---- tests ---------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("plan,dp,accum,nproc", [x[:4] for x in PLANS], ids=[x[4] for x in PLANS])
-def test_torchrun_plan_table_matches_single_process_trainer(launches, reference, request, plan, dp, accum, nproc):
+def test_torchrun_plan_table_matches_single_process_trainer(
+    launches, reference, request, plan, dp, accum, nproc
+):
     name = request.node.callspec.id
     cfg = launches.jobs[name].cfg
     assert (cfg["parallel"], cfg["grad_accum"], launches.jobs[name].nproc) == (plan, accum, nproc)
@@ -322,12 +405,18 @@ def test_torchrun_plan_table_matches_single_process_trainer(launches, reference,
     assert [x["step"] for x in train] == [x["step"] for x in ref_rows] == [1, 2, 3, 4]
     losses, ref_losses = [x["loss"] for x in train], [x["loss"] for x in ref_rows]
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
-    np.testing.assert_allclose([x["grad_norm"] for x in train], [x["grad_norm"] for x in ref_rows], rtol=1e-4)
+    np.testing.assert_allclose(
+        [x["grad_norm"] for x in train], [x["grad_norm"] for x in ref_rows], rtol=1e-4
+    )
     assert all(x["grad_norm"] > cfg["grad_clip"] for x in ref_rows[:2])  # clipping was active
-    assert train[0]["tokens"] == 2 * accum * 16 * dp  # tokens per step count replicas, not tp/pp/cp ranks
+    assert (
+        train[0]["tokens"] == 2 * accum * 16 * dp
+    )  # tokens per step count replicas, not tp/pp/cp ranks
     # the final evaluation runs through the plan's forward (pp: stage by stage; cp: gathered logits)
     ev = _rows(run, "eval")
-    np.testing.assert_allclose([x["val_loss"] for x in ev], [x["val_loss"] for x in ref_ev], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        [x["val_loss"] for x in ev], [x["val_loss"] for x in ref_ev], rtol=0, atol=1e-5
+    )
     # the checkpoint holds the full (gathered) parameters under single-process names
     sd = _checkpoint_weights(run)
     assert set(sd) <= set(ref_sd) and set(ref_sd) - set(sd) <= {"lm_head.weight", "unembed.weight"}
@@ -349,15 +438,25 @@ def test_torchrun_resume_from_sharded_checkpoint_continues_the_run(launches, req
     from lmstack.parallel.checkpoint import shards_dir
 
     name = f"resume_{request.node.callspec.id}"
-    assert (launches.jobs[name].cfg["parallel"], launches.jobs[name].cfg["grad_accum"]) == (plan, accum)
+    assert (launches.jobs[name].cfg["parallel"], launches.jobs[name].cfg["grad_accum"]) == (
+        plan,
+        accum,
+    )
     run = launches.ok(name)
     step3 = run / "checkpoints" / "step_00000003"
     shards = shards_dir(step3)
-    assert sorted(x.name for x in shards.iterdir()) == ["plan.json", "rank_00000.json", "rank_00000.safetensors",
-                                                        "rank_00001.json", "rank_00001.safetensors"]
+    assert sorted(x.name for x in shards.iterdir()) == [
+        "plan.json",
+        "rank_00000.json",
+        "rank_00000.safetensors",
+        "rank_00001.json",
+        "rank_00001.safetensors",
+    ]
     assert not list((run / "checkpoints").glob(".staging*"))
     rank1 = load_file(str(shards / "rank_00001.safetensors"))
-    if plan == {"dp": 2}:  # a DDP replica writes only its RNG states; its parameters come from rank 0's file
+    if plan == {
+        "dp": 2
+    }:  # a DDP replica writes only its RNG states; its parameters come from rank 0's file
         assert rank1 and all(k.startswith("rng/") for k in rank1)
     else:
         assert any(k.startswith("optim/") for k in rank1)
@@ -367,8 +466,12 @@ def test_torchrun_resume_from_sharded_checkpoint_continues_the_run(launches, req
     resumed_dir = launches.ok(f"{name}_resumed")  # a fresh torchrun launch, as after a kill
     resumed = _rows(resumed_dir)
     assert [x["step"] for x in resumed] == [4, 5, 6]
-    np.testing.assert_allclose([x["loss"] for x in resumed], [x["loss"] for x in full[3:]], rtol=0, atol=1e-6)
-    np.testing.assert_allclose([x["grad_norm"] for x in resumed], [x["grad_norm"] for x in full[3:]], rtol=1e-5)
+    np.testing.assert_allclose(
+        [x["loss"] for x in resumed], [x["loss"] for x in full[3:]], rtol=0, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        [x["grad_norm"] for x in resumed], [x["grad_norm"] for x in full[3:]], rtol=1e-5
+    )
     a, b = _checkpoint_weights(run), _checkpoint_weights(resumed_dir)
     assert set(a) == set(b)
     for k in a:
@@ -377,7 +480,9 @@ def test_torchrun_resume_from_sharded_checkpoint_continues_the_run(launches, req
         other = f"{name}_other_plan"
         assert launches.jobs[other].cfg["parallel"] == {"dp": 2, "zero": 1}
         res = launches.result(other)
-        assert all(rc not in (0, None) for rc in res.rcs) and "resume with the same plan" in res.output, res.output
+        assert (
+            all(rc not in (0, None) for rc in res.rcs) and "resume with the same plan" in res.output
+        ), res.output
 
 
 def test_config_parallel_accepts_a_table_or_string_and_names_bad_values(tmp_path):
@@ -387,7 +492,9 @@ def test_config_parallel_accepts_a_table_or_string_and_names_bad_values(tmp_path
     cfg = {"train_data": str(data), "parallel": {"dp": 2, "tp": 2, "zero": 1}, "model": MODEL}
     _write_toml(tmp_path / "run.toml", cfg)
     assert TrainConfig.load(tmp_path / "run.toml").parallel == {"dp": 2, "tp": 2, "zero": 1}
-    assert TrainConfig.load(tmp_path / "run.toml", ["parallel=dp=2,zero=2"]).parallel == "dp=2,zero=2"
+    assert (
+        TrainConfig.load(tmp_path / "run.toml", ["parallel=dp=2,zero=2"]).parallel == "dp=2,zero=2"
+    )
     with pytest.raises(TrainConfigError, match="unknown key 'dq'"):
         TrainConfig(train_data=str(data), parallel={"dq": 2})
     with pytest.raises(TrainConfigError, match="parallel=3 must be a table"):

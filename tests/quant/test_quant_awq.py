@@ -19,7 +19,10 @@ def data(seed, loud=10.0):
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(400, 64, generator=g, dtype=torch.float64)
     X[:, [2, 17, 40]] *= loud  # activation outlier channels
-    Ws = [torch.randn(48, 64, generator=g, dtype=torch.float64), torch.randn(16, 64, generator=g, dtype=torch.float64)]
+    Ws = [
+        torch.randn(48, 64, generator=g, dtype=torch.float64),
+        torch.randn(16, 64, generator=g, dtype=torch.float64),
+    ]
     return X, Ws
 
 
@@ -35,8 +38,10 @@ def output_error(X, Ws, s):
 def test_awq_never_worse_than_rtn(seed, loud):
     X, Ws = data(seed, loud)
     s, alpha, losses = awq_search(Ws, X, group_size=16, grid=10)
-    rtn = sum(float((X @ (dequantize_int4(*quantize_int4(W.float(), 16)).double() - W).t()).pow(2).sum())
-              for W in Ws)
+    rtn = sum(
+        float((X @ (dequantize_int4(*quantize_int4(W.float(), 16)).double() - W).t()).pow(2).sum())
+        for W in Ws
+    )
     assert output_error(X, Ws, torch.ones(64, dtype=torch.float64)) == pytest.approx(rtn)
     assert output_error(X, Ws, s) <= rtn * (1 + 1e-9)
     assert losses[0.0] == pytest.approx(rtn, rel=1e-9)  # α = 0 is RTN
@@ -55,14 +60,18 @@ def test_awq_scale_is_normalised_mean_abs_power():
 def test_scaled_input_linear():
     W = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
     s = torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5
-    lin = ScaledInputLinear(Int4Linear(*quantize_int4(W * s, 32), compute_dtype=torch.float32), 1 / s)
+    lin = ScaledInputLinear(
+        Int4Linear(*quantize_int4(W * s, 32), compute_dtype=torch.float32), 1 / s
+    )
     x = torch.randn(3, 64)
     ref = (x / s) @ dequantize_int4(*quantize_int4(W * s, 32)).t()
     torch.testing.assert_close(lin(x), ref, atol=1e-4, rtol=1e-4)
 
 
 def small_model():
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
+    cfg = ModelConfig(
+        vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
+    )
     model = Transformer(cfg, seed=3).eval()
     with torch.no_grad():  # trained models have loud residual channels; give this one some
         model.embed.weight[:, [3, 30]] *= 20
@@ -76,9 +85,13 @@ def test_awq_model_folds_scales_and_beats_rtn():
     with torch.no_grad():
         ref = model(held)
         rtn = quantize_model(copy.deepcopy(model), "int4", compute_dtype=torch.float32)(held)
-        q = awq_quantize_model(copy.deepcopy(model), tokens, group_size=32, grid=10, compute_dtype=torch.float32)
+        q = awq_quantize_model(
+            copy.deepcopy(model), tokens, group_size=32, grid=10, compute_dtype=torch.float32
+        )
         out = q(held)
-    assert q.quantization == "awq-int4" and len(q.awq_alphas) == 2 * 4 + 1  # qkv, o, gate+up, down; head
+    assert (
+        q.quantization == "awq-int4" and len(q.awq_alphas) == 2 * 4 + 1
+    )  # qkv, o, gate+up, down; head
     assert isinstance(q.blocks[0].attn.q_proj, Int4Linear)  # folded into attn_norm's γ
     assert isinstance(q.blocks[0].ffn.down_proj, ScaledInputLinear)  # kept as an input scale
     assert (out - ref).pow(2).mean() <= (rtn - ref).pow(2).mean()
@@ -110,4 +123,6 @@ def test_awq_alpha_grid_and_optimum_equal_a_hand_search():
         errs[k / grid] = output_error(X, Ws, sk / (sk.max() * sk.min()).sqrt())
     best = min(errs, key=errs.get)
     assert alpha == best and 0 < alpha < 1
-    assert [losses[a] for a in sorted(losses)] == pytest.approx([errs[a] for a in sorted(errs)], rel=1e-9)
+    assert [losses[a] for a in sorted(losses)] == pytest.approx(
+        [errs[a] for a in sorted(errs)], rel=1e-9
+    )

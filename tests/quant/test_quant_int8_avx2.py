@@ -18,7 +18,9 @@ AVX512_VNNI = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 
 
 def test_pack_layout_by_hand_and_unpack():
-    q = torch.randint(-127, 128, (32, 8), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    q = torch.randint(
+        -127, 128, (32, 8), generator=torch.Generator().manual_seed(0), dtype=torch.int8
+    )
     packed = pack_int8(q)
     assert packed.shape == (2, 2, 64)
     assert int(packed[1, 1, 4 * 5 + 2]) == int(q[16 + 5, 4 + 2])  # tile 1, chunk 1, row 5, j = 2
@@ -33,14 +35,18 @@ def reference(x, q, s, G, terms):
     xg, qg = x.reshape(M, I // G, G), q.double().numpy().reshape(-1, I // G, G)
     out, rest = 0.0, xg
     for _ in range(terms):
-        sc = (np.abs(rest).max(-1) / 127).astype(np.float32).astype(np.float64)  # the kernel's float32 scale
+        sc = (
+            (np.abs(rest).max(-1) / 127).astype(np.float32).astype(np.float64)
+        )  # the kernel's float32 scale
         xq = np.clip(np.round(rest / np.where(sc > 0, sc, 1)[..., None]), -127, 127)
         out = out + (np.einsum("ogi,mgi->mog", qg, xq) * sc[:, None]).sum(-1)
         rest = rest - xq * sc[..., None]
     return out * s.double().numpy()[None]
 
 
-@pytest.mark.parametrize("O,I,G,M", [(64, 128, 32, 1), (32, 64, 8, 5), (48, 256, 64, 4), (16, 96, 32, 3)])
+@pytest.mark.parametrize(
+    "O,I,G,M", [(64, 128, 32, 1), (32, 64, 8, 5), (48, 256, 64, 4), (16, 96, 32, 3)]
+)
 def test_kernel_equals_its_formula_and_int8linear_is_close_to_float(O, I, G, M):
     g = torch.Generator().manual_seed(O + M)
     w, x = torch.randn(O, I, generator=g), torch.randn(M, I, generator=g)
@@ -52,25 +58,45 @@ def test_kernel_equals_its_formula_and_int8linear_is_close_to_float(O, I, G, M):
     for terms in (1, 2):
         ref = reference(x, q, s, G, terms)
         y = torch.ops.lmstack_quant.int8_avx2_mm(x, pack_int8(q), s, G, terms)
-        np.testing.assert_allclose(y.double().numpy(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+        np.testing.assert_allclose(
+            y.double().numpy(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max()
+        )
     lin = Int8Linear(q, s, kernel="avx2")
-    assert lin.kernel == "avx2" and "kernel=avx2" in repr(lin) and lin.qweight.shape == (O // 16, I // 4, 64)
+    assert (
+        lin.kernel == "avx2"
+        and "kernel=avx2" in repr(lin)
+        and lin.qweight.shape == (O // 16, I // 4, 64)
+    )
     torch.testing.assert_close(lin.dequantized_weight(), dequantize_int8(q, s))
-    full = F.linear(x.double(), dequantize_int8(q, s).double())  # two int8 activation terms: ~1e-4 of float
+    full = F.linear(
+        x.double(), dequantize_int8(q, s).double()
+    )  # two int8 activation terms: ~1e-4 of float
     assert float((lin(x).double() - full).norm() / full.norm()) < 3e-4
-    np.testing.assert_allclose(lin(x).double().numpy(), reference(x, q, s, lin.act_group, 2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        lin(x).double().numpy(), reference(x, q, s, lin.act_group, 2), rtol=1e-5, atol=1e-5
+    )
     assert lin.kernel_bytes() == O * I + 4 * O
-    rows = torch.randn(Int8Linear.DEQUANT_ROWS, I, generator=g)  # a prefill: dequantise and F.linear
+    rows = torch.randn(
+        Int8Linear.DEQUANT_ROWS, I, generator=g
+    )  # a prefill: dequantise and F.linear
     torch.testing.assert_close(lin(rows), F.linear(rows, dequantize_int8(q, s)))
 
 
-@pytest.mark.parametrize("flags,arch,forced,want", [
-    (AVX2, "x86_64", "", ("avx2", None)),
-    (AVX512_VNNI, "x86_64", "", ("aten", "torch's int8 kernel is as fast on an AVX-512 VNNI CPU")),
-    (AVX512_VNNI, "x86_64", "avx2", ("avx2", None)),
-    (AVX2, "x86_64", "aten", ("aten", "LMSTACK_INT8_KERNEL=aten")),
-    (frozenset({"sse4_2", "avx"}), "x86_64", "", ("aten", "the CPU lacks avx2, fma, f16c")),
-])
+@pytest.mark.parametrize(
+    "flags,arch,forced,want",
+    [
+        (AVX2, "x86_64", "", ("avx2", None)),
+        (
+            AVX512_VNNI,
+            "x86_64",
+            "",
+            ("aten", "torch's int8 kernel is as fast on an AVX-512 VNNI CPU"),
+        ),
+        (AVX512_VNNI, "x86_64", "avx2", ("avx2", None)),
+        (AVX2, "x86_64", "aten", ("aten", "LMSTACK_INT8_KERNEL=aten")),
+        (frozenset({"sse4_2", "avx"}), "x86_64", "", ("aten", "the CPU lacks avx2, fma, f16c")),
+    ],
+)
 def test_kernel_chosen_from_faked_cpu_flags(flags, arch, forced, want):
     assert choose_int8_kernel(flags, arch, forced) == want
 
@@ -90,7 +116,9 @@ def test_env_switch_forces_each_kernel(monkeypatch, forced):
     lin = Int8Linear(q, s)
     want = "aten" if forced == "aten" or int4_vnni.build("int8_avx2") is not None else "avx2"
     assert int8_kernel() == want and lin.kernel == want
-    tol = dict(rtol=1e-3, atol=2e-3) if want == "avx2" else dict(atol=0.05, rtol=0.02)  # aten: bf16 activations
+    tol = (
+        dict(rtol=1e-3, atol=2e-3) if want == "avx2" else dict(atol=0.05, rtol=0.02)
+    )  # aten: bf16 activations
     torch.testing.assert_close(lin(x), F.linear(x, dequantize_int8(q, s)), **tol)
 
 

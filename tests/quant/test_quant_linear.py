@@ -9,9 +9,16 @@ import torch.nn.functional as F
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Linear
 from lmstack.model.transformer import Transformer
-from lmstack.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8,
-                           quantize_model, quantized_weight_bytes)
-
+from lmstack.quant import (
+    Int4Linear,
+    Int8Linear,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    quantized_weight_bytes,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -31,7 +38,9 @@ def test_int8_matches_numpy_formula_and_error_bound():
     s_ref[s_ref == 0] = 1.0
     q_ref = np.clip(np.round(wn / s_ref[:, None]), -127, 127)
     np.testing.assert_allclose(s.numpy(), s_ref, rtol=1e-6)
-    assert (q.numpy().astype(np.int64) != q_ref).sum() <= 2  # fp32 vs fp64 division: a rare half-way tie
+    assert (
+        q.numpy().astype(np.int64) != q_ref
+    ).sum() <= 2  # fp32 vs fp64 division: a rare half-way tie
     assert q.dtype == torch.int8 and q.abs().max() <= 127
     err = (dequantize_int8(q, s) - w).abs()
     assert (err <= s[:, None] / 2 + 1e-6).all()  # |W − Ŵ| ≤ s/2
@@ -76,7 +85,9 @@ def test_int8_linear_many_rows_dequantizes():
     w = weight()
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3))  # >= DEQUANT_ROWS rows
     m = Int8Linear(*quantize_int8(w))
-    torch.testing.assert_close(m(x), F.linear(x, dequantize_int8(*quantize_int8(w))), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        m(x), F.linear(x, dequantize_int8(*quantize_int8(w))), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
@@ -84,17 +95,29 @@ def test_int4_linear_equals_linear_on_dequantized_weight(compute_dtype):
     w = weight()
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
     q, s, lo = quantize_int4(w, 32)
-    m = Int4Linear(q, s, lo, compute_dtype=compute_dtype, kernel="aten")  # torch's kernel (VNNI: test_quant_int4_vnni)
+    m = Int4Linear(
+        q, s, lo, compute_dtype=compute_dtype, kernel="aten"
+    )  # torch's kernel (VNNI: test_quant_int4_vnni)
     assert torch.equal(m._codes(), q)  # the packed layout holds exactly the codes
     ref = F.linear(x.to(compute_dtype).float(), dequantize_int4(q, s, lo))
-    tol = dict(atol=1e-4, rtol=1e-5) if compute_dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+    tol = (
+        dict(atol=1e-4, rtol=1e-5) if compute_dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+    )
     torch.testing.assert_close(m(x), ref, **tol)
     torch.testing.assert_close(m.dequantized_weight(), dequantize_int4(q, s, lo))
 
 
 def small_model(tie=True):
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
-                      tie_embeddings=tie)
+    cfg = ModelConfig(
+        vocab_size=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=128,
+        max_seq_len=64,
+        tie_embeddings=tie,
+    )
     return Transformer(cfg, seed=3).eval()
 
 
@@ -125,7 +148,9 @@ def test_quantize_model_without_lm_head_and_bad_method():
     with pytest.raises(ValueError, match="fp8"):
         quantize_model(small_model(), "int4", lm_head="fp8")
     mixed = quantize_model(small_model(), "int4", lm_head="int8")
-    assert isinstance(mixed.lm_head, Int8Linear) and isinstance(mixed.blocks[0].ffn.up_proj, Int4Linear)
+    assert isinstance(mixed.lm_head, Int8Linear) and isinstance(
+        mixed.blocks[0].ffn.up_proj, Int4Linear
+    )
     with pytest.raises(ValueError, match="already quantised"):
         quantize_model(mixed, "int8")
 
@@ -133,7 +158,9 @@ def test_quantize_model_without_lm_head_and_bad_method():
 def test_quantized_weight_bytes_worked_number():
     # D = 64, F = 128, K·H = 32, L = 2, V = 128, tied; int8 with bf16 scales (2 bytes per output row).
     model = quantize_model(small_model(), "int8")
-    per_layer = (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 64 * 128) + 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64)
+    per_layer = (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 64 * 128) + 2 * (
+        64 + 32 + 32 + 64 + 128 + 128 + 64
+    )
     norms = 4 * (2 * 64 * 2 + 64)  # fp32 γ: two per layer + the final one
     lm_head = 128 * 64 + 2 * 128
     assert quantized_weight_bytes(model) == 2 * per_layer + norms + lm_head
@@ -145,7 +172,9 @@ def test_saving_a_quantised_model_is_refused_with_a_clear_error(tmp_path):
     from lmstack.model.io import save_pretrained
     from lmstack.quant import quantize_model
 
-    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=128, max_seq_len=32)
+    cfg = ModelConfig(
+        vocab_size=64, d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=128, max_seq_len=32
+    )
     model = quantize_model(Transformer(cfg), "int8")
     for save in (save_pretrained, save_hf):
         with pytest.raises(ValueError, match="quantised linears"):
@@ -180,22 +209,39 @@ def test_mla_models_quantise_and_decode(method):
     from lmstack.inference import SamplingParams, generate
     from lmstack.quant import quantize_model
 
-    cfg = ModelConfig(vocab_size=80, d_model=64, n_layers=2, n_heads=4, d_ff=64, head_dim=16, kv_lora_rank=32,
-                      q_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, max_seq_len=64)
+    cfg = ModelConfig(
+        vocab_size=80,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        d_ff=64,
+        head_dim=16,
+        kv_lora_rank=32,
+        q_lora_rank=32,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        max_seq_len=64,
+    )
     model = Transformer(cfg, seed=0).eval()
-    q = quantize_model(copy.deepcopy(model), method, lm_head=False, group_size=32, compute_dtype=torch.float32)
+    q = quantize_model(
+        copy.deepcopy(model), method, lm_head=False, group_size=32, compute_dtype=torch.float32
+    )
     ref = copy.deepcopy(model)
     qmods = dict(q.named_modules())
     n_quant = 0
     with torch.no_grad():
         for name, mod in ref.named_modules():
-            if isinstance(mod, Linear) and name.startswith("blocks.") and hasattr(qmods[name], "dequantized_weight"):
+            if (
+                isinstance(mod, Linear)
+                and name.startswith("blocks.")
+                and hasattr(qmods[name], "dequantized_weight")
+            ):
                 mod.weight.copy_(qmods[name].dequantized_weight(torch.float32))
                 n_quant += 1
     assert n_quant > 0 and not hasattr(qmods["blocks.0.attn.kv_b_proj"], "dequantized_weight")
     x = torch.randint(0, 80, (1, 12))
     with torch.no_grad():
-        torch.testing.assert_close(q(x), ref(x), rtol=1e-4,
-                                   atol=1e-4)
+        torch.testing.assert_close(q(x), ref(x), rtol=1e-4, atol=1e-4)
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     assert list(generate(q, x[0].tolist(), greedy)) == list(generate(ref, x[0].tolist(), greedy))

@@ -66,7 +66,9 @@ def test_without_outliers_it_is_plain_vectorwise_int8_and_better_than_int8_with_
 
 
 def test_model_swap_and_outlier_stats():
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
+    cfg = ModelConfig(
+        vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
+    )
     model = Transformer(cfg, seed=3).eval()
     tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -76,7 +78,10 @@ def test_model_swap_and_outlier_stats():
     stats = outlier_stats(model)
     assert len(stats) == 2 * 7 + 1 and all(s["calls"] == 1 and s["rows"] == 24 for s in stats)
     assert any(s["outlier_columns"] > 0 for s in stats)
-    assert torch.nn.functional.cosine_similarity(out.flatten(0, 1), ref.flatten(0, 1), -1).min() > 0.999
+    assert (
+        torch.nn.functional.cosine_similarity(out.flatten(0, 1), ref.flatten(0, 1), -1).min()
+        > 0.999
+    )
 
 
 def _bnb_cpu():
@@ -86,7 +91,9 @@ def _bnb_cpu():
         import bitsandbytes as bnb
 
         lin = bnb.nn.Linear8bitLt(8, 8, bias=False, has_fp16_weights=False, threshold=6.0)
-        lin.weight = bnb.nn.Int8Params(torch.randn(8, 8), requires_grad=False, has_fp16_weights=False)
+        lin.weight = bnb.nn.Int8Params(
+            torch.randn(8, 8), requires_grad=False, has_fp16_weights=False
+        )
         lin = lin.to("cpu")
         lin(torch.randn(2, 8))
         return bnb
@@ -107,4 +114,6 @@ def test_against_bitsandbytes_linear8bitlt():
     ours = LLMInt8Linear(*quantize_int8(W))(x)
     y = x @ W.t()
     # the same decomposition up to rounding: both within the int8 error of the exact product
-    assert (ours - y_bnb).abs().max() < 0.01 * y.abs().max()  # measured 0.47% (bitsandbytes 0.50.2, CPU)
+    assert (
+        ours - y_bnb
+    ).abs().max() < 0.01 * y.abs().max()  # measured 0.47% (bitsandbytes 0.50.2, CPU)

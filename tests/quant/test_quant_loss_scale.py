@@ -7,12 +7,14 @@ from lmstack.quant.loss_scale import DynamicLossScaler, underflow_fraction
 
 
 def test_underflow_hand_worked():
-    g = torch.tensor([1e-3, 2.0 ** -20, 2.0 ** -25, 2.0 ** -26, 1e-9, 0.0])
+    g = torch.tensor([1e-3, 2.0**-20, 2.0**-25, 2.0**-26, 1e-9, 0.0])
     # fp16: 2^-20 is a subnormal (kept), 2^-25 is half the smallest subnormal (ties to even: 0),
     # 2^-26 and 1e-9 flush to 0 -> 3 of the 5 non-zero values; bf16 keeps all
     assert underflow_fraction(g, torch.float16) == pytest.approx(3 / 5)
     assert underflow_fraction(g, torch.bfloat16) == 0.0
-    assert underflow_fraction(g * 2.0 ** 16, torch.float16) == 0.0  # scaled by 2^16: all representable
+    assert (
+        underflow_fraction(g * 2.0**16, torch.float16) == 0.0
+    )  # scaled by 2^16: all representable
 
 
 def test_schedule_equals_torch_gradscaler():

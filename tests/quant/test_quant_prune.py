@@ -16,8 +16,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def teacher():
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
-                      tie_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=128,
+        max_seq_len=64,
+        tie_embeddings=True,
+    )
     return Transformer(cfg, seed=3).eval()
 
 
@@ -70,7 +78,9 @@ def test_distill_loss_equals_plain_kl():
 
 
 def test_distillation_recovers():
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
+    cfg = ModelConfig(
+        vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
+    )
     t = Transformer(cfg, seed=3).eval()
     with torch.no_grad():  # peaky teacher distributions (a random init's are nearly flat)
         t.lm_head.weight.mul_(10)
@@ -122,14 +132,23 @@ def test_rescaled_norm_gives_kept_channels_their_magnitudes():
     small = prune_width(t, tok, d_model=40)
     plain = prune_width(t, tok, d_model=40, rescale_norms=False)
     x = t.embed.weight[tok[0, 0]].double()  # (D,)
-    kept = torch.tensor([i for i in range(64) if any(torch.equal(t.embed.weight[:, i], c)
-                                                     for c in small.embed.weight.t())])
+    kept = torch.tensor(
+        [
+            i
+            for i in range(64)
+            if any(torch.equal(t.embed.weight[:, i], c) for c in small.embed.weight.t())
+        ]
+    )
     assert kept.numel() == 40
-    ref = (x / torch.sqrt((x ** 2).mean() + t.blocks[0].attn_norm.eps) * t.blocks[0].attn_norm.weight.double())[kept]
+    ref = (
+        x
+        / torch.sqrt((x**2).mean() + t.blocks[0].attn_norm.eps)
+        * t.blocks[0].attn_norm.weight.double()
+    )[kept]
     with torch.no_grad():
         got = small.blocks[0].attn_norm(x[kept].float()[None]).double()[0]
         shrunk = plain.blocks[0].attn_norm(x[kept].float()[None]).double()[0]
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     eps = t.blocks[0].attn_norm.eps
-    factor = torch.sqrt(((x[kept] ** 2).mean() + eps) / ((x ** 2).mean() + eps))
+    factor = torch.sqrt(((x[kept] ** 2).mean() + eps) / ((x**2).mean() + eps))
     torch.testing.assert_close(shrunk * factor, ref, rtol=1e-5, atol=1e-6)

@@ -31,13 +31,17 @@ def test_straight_through_gradient():
 
 
 def small_model():
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
+    cfg = ModelConfig(
+        vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64
+    )
     return Transformer(cfg, seed=3)
 
 
 def test_prepare_train_convert():
     model = small_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built before prepare_qat: the same Parameters
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-2
+    )  # built before prepare_qat: the same Parameters
     names = [n for n, _ in model.named_parameters()]
     prepare_qat(model)
     assert [n for n, _ in model.named_parameters()] == names

@@ -43,7 +43,9 @@ def install(point: str, step: int) -> None:
 
         def rmtree(path, *a, **kw):
             p = Path(path)
-            if (p.name.startswith(".pruned_") or p.name.startswith("step_")) and (Path(p.parent) / "latest").read_text().strip() == name:
+            if (p.name.startswith(".pruned_") or p.name.startswith("step_")) and (
+                Path(p.parent) / "latest"
+            ).read_text().strip() == name:
                 files = sorted(f for f in p.rglob("*") if f.is_file())
                 if files:
                     files[0].unlink()  # part of the folder is gone

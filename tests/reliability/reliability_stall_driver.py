@@ -8,8 +8,15 @@ import os
 import sys
 import time
 
-rank, port, timeout_s, stall_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
-os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, LOCAL_RANK=str(rank))
+rank, port, timeout_s, stall_s = (
+    int(sys.argv[1]),
+    sys.argv[2],
+    float(sys.argv[3]),
+    float(sys.argv[4]),
+)
+os.environ.update(
+    RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, LOCAL_RANK=str(rank)
+)
 
 import torch.distributed as dist  # noqa: E402
 

@@ -17,11 +17,17 @@ import torch
 LMSTACK = [sys.executable, "-m", "lmstack"]
 
 
-def write_tokens(path: Path, ids, vocab_size: int = 64, dtype: str = "uint16", n_tokens: int | None = None) -> Path:
+def write_tokens(
+    path: Path, ids, vocab_size: int = 64, dtype: str = "uint16", n_tokens: int | None = None
+) -> Path:
     """A token file and its sidecar, as ``lmstack tokenizer encode`` writes them."""
     arr = np.asarray(ids, dtype=dtype)
     arr.tofile(path)
-    meta = {"n_tokens": len(arr) if n_tokens is None else n_tokens, "dtype": dtype, "vocab_size": vocab_size}
+    meta = {
+        "n_tokens": len(arr) if n_tokens is None else n_tokens,
+        "dtype": dtype,
+        "vocab_size": vocab_size,
+    }
     Path(str(path) + ".json").write_text(json.dumps(meta))
     return path
 
@@ -38,9 +44,21 @@ def run_config(tmp: Path, **kw) -> Path:
     tokens = tmp / "tokens.bin"
     if not tokens.exists():
         write_tokens(tokens, corpus_ids())
-    cfg = dict(model=dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64),
-               train_data=str(tokens), batch_size=4, seq_len=16, warmup_steps=2, lr=1e-2, min_lr=1e-3,
-               eval_interval=0, eval_batches=2, log_interval=1, device="cpu", precision="fp32", keep_last=2)
+    cfg = dict(
+        model=dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64),
+        train_data=str(tokens),
+        batch_size=4,
+        seq_len=16,
+        warmup_steps=2,
+        lr=1e-2,
+        min_lr=1e-3,
+        eval_interval=0,
+        eval_batches=2,
+        log_interval=1,
+        device="cpu",
+        precision="fp32",
+        keep_last=2,
+    )
     cfg.update(kw)
     path = tmp / "run.json"
     path.write_text(json.dumps(cfg))
@@ -96,4 +114,8 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file under ``folder`` (relative path -> bytes)."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(Path(folder).rglob("*"))
+        if p.is_file()
+    }

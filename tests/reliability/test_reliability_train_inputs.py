@@ -9,17 +9,16 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from reliability_train_helpers import cli, corpus_ids, run_config, train_cli, write_tokens
 
+from lmstack.tokenizer import check_token_ids
 from lmstack.train import TrainConfig, Trainer
 from lmstack.train.config import TrainConfigError
-from lmstack.tokenizer import check_token_ids
-from reliability_train_helpers import cli, corpus_ids, run_config, train_cli, write_tokens
 
 
 def _config(tmp: Path, **kw) -> TrainConfig:
@@ -31,14 +30,26 @@ def _config(tmp: Path, **kw) -> TrainConfig:
 
 # ---- token files ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,bad,pos", [("uint16", 64, 4321), ("uint16", 65535, 0), ("int32", -3, 777),
-                                           ("int64", 2**40, 5999), ("uint32", 70000, 3000)])
+
+@pytest.mark.parametrize(
+    "dtype,bad,pos",
+    [
+        ("uint16", 64, 4321),
+        ("uint16", 65535, 0),
+        ("int32", -3, 777),
+        ("int64", 2**40, 5999),
+        ("uint32", 70000, 3000),
+    ],
+)
 def test_token_id_outside_the_vocabulary_is_refused_at_start(tmp_path, dtype, bad, pos):
     ids = corpus_ids().astype(dtype)
     ids[pos] = bad
     data = write_tokens(tmp_path / "bad.bin", ids, dtype=dtype)
-    with pytest.raises(ValueError, match=rf"token id {bad} at position {pos} is outside the model's vocabulary "
-                                         r"0\.\.63 \(vocab_size=64\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"token id {bad} at position {pos} is outside the model's vocabulary "
+        r"0\.\.63 \(vocab_size=64\)",
+    ):
         Trainer(_config(tmp_path, train_data=str(data)), progress=False)
     assert not (tmp_path / "run").exists()  # refused before writing anything
 
@@ -77,9 +88,14 @@ def test_sidecar_dtype_disagreeing_with_the_file_is_refused(tmp_path, written, c
     ids = corpus_ids(4000).astype(written)
     data = tmp_path / "t.bin"
     ids.tofile(data)
-    Path(str(data) + ".json").write_text(json.dumps({"n_tokens": 4000, "dtype": claimed, "vocab_size": 64}))
-    with pytest.raises(ValueError, match=rf"the sidecar says 4000 tokens of {claimed} \(\d+ bytes\) but the file "
-                                         rf"has {ids.nbytes} bytes"):
+    Path(str(data) + ".json").write_text(
+        json.dumps({"n_tokens": 4000, "dtype": claimed, "vocab_size": 64})
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"the sidecar says 4000 tokens of {claimed} \(\d+ bytes\) but the file "
+        rf"has {ids.nbytes} bytes",
+    ):
         Trainer(_config(tmp_path, train_data=str(data)), progress=False)
 
 
@@ -88,7 +104,9 @@ def test_cli_bad_token_file_exits_2_with_the_position(tmp_path):
     ids[4321] = 64
     write_tokens(tmp_path / "bad.bin", ids)
     config = run_config(tmp_path, max_steps=2)
-    rc, _, err = train_cli(config, f"out_dir={tmp_path / 'run'}", f"train_data={tmp_path / 'bad.bin'}")
+    rc, _, err = train_cli(
+        config, f"out_dir={tmp_path / 'run'}", f"train_data={tmp_path / 'bad.bin'}"
+    )
     assert rc == 2 and "token id 64 at position 4321" in err
 
 
@@ -115,26 +133,45 @@ def test_toml_string_false_is_refused_through_the_cli(tmp_path):
     toml = tmp_path / "run.toml"
     d = json.loads(config.read_text())
     toml.write_text(f'train_data = "{d["train_data"]}"\ncompile = "false"\n[model]\nd_model = 32\n')
-    rc, _, err = cli("train", "--config", toml, f"out_dir={tmp_path / 'run'}", "--no-progress", "--threads", "1")
+    rc, _, err = cli(
+        "train", "--config", toml, f"out_dir={tmp_path / 'run'}", "--no-progress", "--threads", "1"
+    )
     assert rc == 2 and "compile='false' must be true or false" in err
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("field,value", [("lr", "3e-4"), ("batch_size", "8"), ("max_steps", "10"),
-                                         ("grad_clip", "1.0"), ("seed", "0"), ("keep_last", "2"),
-                                         ("dist_timeout_s", "60"), ("sep_id", "0"), ("qk_norm", "no"),
-                                         ("train_data", 5), ("tokenizer", 3)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("lr", "3e-4"),
+        ("batch_size", "8"),
+        ("max_steps", "10"),
+        ("grad_clip", "1.0"),
+        ("seed", "0"),
+        ("keep_last", "2"),
+        ("dist_timeout_s", "60"),
+        ("sep_id", "0"),
+        ("qk_norm", "no"),
+        ("train_data", 5),
+        ("tokenizer", 3),
+    ],
+)
 def test_fields_given_as_the_wrong_type_name_the_field(tmp_path, field, value):
     with pytest.raises(TrainConfigError, match=rf"^{field}={value!r} must be"):
         _config(tmp_path, **{field: value})
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"sep_id": 64}, "sep_id=64 is not a token id of the model (vocab_size=64: ids 0..63)"),
-    ({"sep_id": -1}, "sep_id=-1 must be a non-negative integer"),
-    ({"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "eos_token_id": 64}},
-     "model: eos_token_id=64 is not a token id of vocab_size=64"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"sep_id": 64}, "sep_id=64 is not a token id of the model (vocab_size=64: ids 0..63)"),
+        ({"sep_id": -1}, "sep_id=-1 must be a non-negative integer"),
+        (
+            {"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "eos_token_id": 64}},
+            "model: eos_token_id=64 is not a token id of vocab_size=64",
+        ),
+    ],
+)
 def test_ids_checked_against_the_vocabulary(tmp_path, overrides, message):
     with pytest.raises(TrainConfigError) as e:
         Trainer(_config(tmp_path, **overrides), progress=False)
@@ -150,15 +187,18 @@ def test_dist_timeout_must_be_positive(tmp_path):
 
 # ---- CLI parsing ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("order", ["after", "before", "between"])
 def test_resume_does_not_swallow_a_following_override(tmp_path, order):
     config = run_config(tmp_path)
     run = tmp_path / "run"
     rc, _, err = train_cli(config, f"out_dir={run}", "max_steps=4", "ckpt_interval=2")
     assert rc == 0, err
-    args = {"after": ["--resume", "max_steps=6", f"out_dir={run}"],
-            "before": [f"out_dir={run}", "--resume", "max_steps=6"],
-            "between": [f"out_dir={run}", "--resume", "max_steps=6", "log_interval=1"]}[order]
+    args = {
+        "after": ["--resume", "max_steps=6", f"out_dir={run}"],
+        "before": [f"out_dir={run}", "--resume", "max_steps=6"],
+        "between": [f"out_dir={run}", "--resume", "max_steps=6", "log_interval=1"],
+    }[order]
     rc, out, err = train_cli(config, *args)
     assert rc == 0, err
     assert "resumed at step 4" in out and "step 6:" in out
@@ -169,8 +209,13 @@ def test_resume_with_a_checkpoint_path_still_works(tmp_path):
     config = run_config(tmp_path)
     run = tmp_path / "run"
     assert train_cli(config, f"out_dir={run}", "max_steps=4", "ckpt_interval=2")[0] == 0
-    rc, out, err = train_cli(config, "--resume", str(run / "checkpoints" / "step_00000002"), f"out_dir={run}",
-                             "max_steps=4")
+    rc, out, err = train_cli(
+        config,
+        "--resume",
+        str(run / "checkpoints" / "step_00000002"),
+        f"out_dir={run}",
+        "max_steps=4",
+    )
     assert rc == 0 and "resumed at step 2" in out, err
 
 
@@ -190,6 +235,7 @@ def test_bad_sample_tokenizer_fails_before_training(tmp_path, tokenizer):
 
 
 # ---- threads ----------------------------------------------------------------------------------------
+
 
 def test_cgroup_quota_v2_nested_and_v1(tmp_path):
     from lmstack.threads import cgroup_cpu_quota
@@ -233,18 +279,23 @@ def test_threads_flag(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     try:
         assert set_threads(None) == available_cpus() == torch.get_num_threads()
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's setting for several ranks per machine wins
+        monkeypatch.setenv(
+            "OMP_NUM_THREADS", "1"
+        )  # torchrun's setting for several ranks per machine wins
         assert set_threads(None) == 1 == torch.get_num_threads()
         assert set_threads(1) == 1 == torch.get_num_threads()
     finally:
         torch.set_num_threads(old)
     config = run_config(tmp_path, max_steps=2)
     for bad in ("0", "-2"):
-        rc, _, err = cli("train", "--config", config, f"out_dir={tmp_path / 'run'}", "--threads", bad)
+        rc, _, err = cli(
+            "train", "--config", config, f"out_dir={tmp_path / 'run'}", "--threads", bad
+        )
         assert rc == 2 and f"--threads={int(bad)} must be an integer >= 1" in err
 
 
 # ---- distributed: a stalled rank ----------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_stalled_rank_is_detected_after_the_timeout():
@@ -253,8 +304,12 @@ def test_stalled_rank_is_detected_after_the_timeout():
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     driver = str(Path(__file__).with_name("reliability_stall_driver.py"))
-    procs = [subprocess.Popen([sys.executable, driver, str(r), port, "3", "30"], stdout=subprocess.PIPE, text=True)
-             for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, driver, str(r), port, "3", "30"], stdout=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
     out0, _ = procs[0].communicate(timeout=60)
     procs[1].kill()
     procs[1].wait()

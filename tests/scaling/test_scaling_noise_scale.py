@@ -52,13 +52,24 @@ def test_callback_logs_b_simple_during_training(tmp_path):
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    ids = np.where(rng.random(8000) < 0.2, rng.integers(0, 64, 8000), np.tile(np.arange(64), 125)).astype(np.uint16)
+    ids = np.where(
+        rng.random(8000) < 0.2, rng.integers(0, 64, 8000), np.tile(np.arange(64), 125)
+    ).astype(np.uint16)
     ids.tofile(tmp_path / "t.bin")
     (tmp_path / "t.bin.json").write_text('{"n_tokens": 8000, "dtype": "uint16", "vocab_size": 64}')
-    cfg = TrainConfig(model=dict(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=16),
-                      train_data=str(tmp_path / "t.bin"), batch_size=2, seq_len=16, max_steps=6, warmup_steps=0,
-                      out_dir=str(tmp_path / "run"), device="cpu", precision="fp32", eval_interval=0,
-                      eval_batches=1)
+    cfg = TrainConfig(
+        model=dict(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=16),
+        train_data=str(tmp_path / "t.bin"),
+        batch_size=2,
+        seq_len=16,
+        max_steps=6,
+        warmup_steps=0,
+        out_dir=str(tmp_path / "run"),
+        device="cpu",
+        precision="fp32",
+        eval_interval=0,
+        eval_batches=1,
+    )
     cb = NoiseScaleCallback(every=2, big=4)
     Trainer(cfg, progress=False).fit(callback=cb)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

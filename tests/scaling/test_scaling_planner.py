@@ -8,9 +8,17 @@ from scipy import optimize
 from lmstack.scaling.planner import PRESETS, compute_from_hardware, compute_optimal
 
 # Hoffmann et al. 2022, Table 3 (approach 1 projections): parameters, FLOPs, tokens.
-TABLE3 = [(400e6, 1.92e19, 8.0e9), (1e9, 1.21e20, 20.2e9), (10e9, 1.23e22, 205.1e9), (67e9, 5.76e23, 1.5e12),
-          (175e9, 3.85e24, 3.7e12), (280e9, 9.90e24, 5.9e12), (520e9, 3.43e25, 11.0e12), (1e12, 1.27e26, 21.2e12),
-          (10e12, 1.30e28, 216.2e12)]
+TABLE3 = [
+    (400e6, 1.92e19, 8.0e9),
+    (1e9, 1.21e20, 20.2e9),
+    (10e9, 1.23e22, 205.1e9),
+    (67e9, 5.76e23, 1.5e12),
+    (175e9, 3.85e24, 3.7e12),
+    (280e9, 9.90e24, 5.9e12),
+    (520e9, 3.43e25, 11.0e12),
+    (1e12, 1.27e26, 21.2e12),
+    (10e12, 1.30e28, 216.2e12),
+]
 
 
 @pytest.mark.parametrize("N, C, D", TABLE3)
@@ -30,8 +38,12 @@ def test_table3_rows_are_6nd():
 def test_closed_form_optimum_equals_numerical_minimum(name, C):
     law = PRESETS[name]
     p = compute_optimal(C, law)
-    r = optimize.minimize_scalar(lambda ln: law.loss(np.exp(ln), C / (6 * np.exp(ln))),
-                                 bounds=(np.log(1e6), np.log(1e15)), method="bounded", options={"xatol": 1e-10})
+    r = optimize.minimize_scalar(
+        lambda ln: law.loss(np.exp(ln), C / (6 * np.exp(ln))),
+        bounds=(np.log(1e6), np.log(1e15)),
+        method="bounded",
+        options={"xatol": 1e-10},
+    )
     assert p.N == pytest.approx(np.exp(r.x), rel=1e-4)
     assert p.loss == pytest.approx(r.fun, rel=1e-9)
     assert 6 * p.N * p.D == pytest.approx(C, rel=1e-12)
@@ -55,7 +67,9 @@ def test_epoch_preset_is_in_the_20_tokens_per_parameter_regime():
 
 def test_hardware_budget_and_errors():
     # 1000 GPUs x 24 h x 989 TFLOP/s x 40% MFU
-    assert compute_from_hardware(1000, 24, 989e12, 0.4) == pytest.approx(1000 * 86400 * 989e12 * 0.4)
+    assert compute_from_hardware(1000, 24, 989e12, 0.4) == pytest.approx(
+        1000 * 86400 * 989e12 * 0.4
+    )
     with pytest.raises(ValueError, match="mfu"):
         compute_from_hardware(1, 1, 1e12, 1.5)
     with pytest.raises(ValueError, match="unknown scaling-law preset 'nope'"):
@@ -77,7 +91,20 @@ def test_optimal_for_params_inverts_the_planner(name):
 def test_lmstack_plan_shows_the_compute_optimal_line(capsys):
     from lmstack.cli import main
 
-    assert main(["plan", "--model", "smollm2-135m", "--scaling-law", "chinchilla-approach1", "--batch", "1"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "smollm2-135m",
+                "--scaling-law",
+                "chinchilla-approach1",
+                "--batch",
+                "1",
+            ]
+        )
+        == 0
+    )
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("compute-optimal")][0]
     # SmolLM2-135M: 134,515,008 parameters (tied) -> 20 tokens each
     assert "D=2.69e+09 tokens (20.0/param)" in line

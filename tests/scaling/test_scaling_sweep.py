@@ -24,10 +24,14 @@ def chinchilla_loss(N, D, E, A, B, alpha, beta):
 
 def _tokens(tmp_path):
     rng = np.random.default_rng(0)
-    ids = np.where(rng.random(20000) < 0.1, rng.integers(1, 64, 20000), np.tile(np.arange(1, 33), 700)[:20000])
+    ids = np.where(
+        rng.random(20000) < 0.1, rng.integers(1, 64, 20000), np.tile(np.arange(1, 33), 700)[:20000]
+    )
     path = tmp_path / "tokens.bin"
     ids.astype(np.uint16).tofile(path)
-    (tmp_path / "tokens.bin.json").write_text(json.dumps({"n_tokens": 20000, "dtype": "uint16", "vocab_size": 64}))
+    (tmp_path / "tokens.bin.json").write_text(
+        json.dumps({"n_tokens": 20000, "dtype": "uint16", "vocab_size": 64})
+    )
     return path
 
 
@@ -60,7 +64,9 @@ d_ff = 64
 
 
 def test_compute_params_is_every_parameter_of_a_tied_model():
-    cfg = ModelConfig.from_dict(dict(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=64, tie_embeddings=True))
+    cfg = ModelConfig.from_dict(
+        dict(d_model=32, n_layers=2, n_heads=2, d_ff=64, vocab_size=64, tie_embeddings=True)
+    )
     # tied: the one V·D table is the unembedding's weights; N = all parameters
     assert compute_params(cfg) == sum(p.numel() for p in Transformer(cfg).parameters())
 
@@ -83,7 +89,9 @@ def test_sweep_resumes_and_records_6nd(tmp_path):
         assert r["C"] == pytest.approx(6 * r["N"] * r["D"])
         assert r["C"] == pytest.approx(r["budget"], rel=0.15)  # D = C/(6N), rounded to whole steps
         assert len(r["curve"]) >= 1 and r["loss"] > 0
-        assert r["unique_tokens"] == int(20000 * (1 - 0.05))  # U: the training split (default val_fraction)
+        assert r["unique_tokens"] == int(
+            20000 * (1 - 0.05)
+        )  # U: the training split (default val_fraction)
     assert run_sweep(sweep, progress=False) == (0, 4)
 
 
@@ -107,7 +115,9 @@ def test_sweep_config_errors_name_the_field(tmp_path):
     cfg.write_text('budgets = []\n[[sizes]]\nd_model = 8\n[train]\ntrain_data = "x"\n')
     with pytest.raises(ValueError, match="budgets must be a non-empty list"):
         Sweep.load(cfg)
-    cfg.write_text('budgets = [1e9]\nbugdet = 1\n[[sizes]]\nd_model = 8\n[train]\ntrain_data = "x"\n')
+    cfg.write_text(
+        'budgets = [1e9]\nbugdet = 1\n[[sizes]]\nd_model = 8\n[train]\ntrain_data = "x"\n'
+    )
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['bugdet'\]"):
         Sweep.load(cfg)
 
@@ -120,13 +130,35 @@ def _synthetic_runs(path):
         for f in np.geomspace(1 / 6, 6, 7):
             N = G * (C / 6) ** (0.28 / 0.62) * f
             D = C / (6 * N)
-            curve = [[6 * N * d, float(chinchilla_loss(N, d, **TRUE))] for d in D * np.array([0.25, 0.5, 0.75])]
-            append_run(path, {"name": f"C{C:.0e}_{f:.2f}", "budget": C, "N": N, "D": D, "C": 6 * N * D,
-                              "loss": float(chinchilla_loss(N, D, **TRUE) * np.exp(rng.normal(0, 0.003))),
-                              "curve": curve})
+            curve = [
+                [6 * N * d, float(chinchilla_loss(N, d, **TRUE))]
+                for d in D * np.array([0.25, 0.5, 0.75])
+            ]
+            append_run(
+                path,
+                {
+                    "name": f"C{C:.0e}_{f:.2f}",
+                    "budget": C,
+                    "N": N,
+                    "D": D,
+                    "C": 6 * N * D,
+                    "loss": float(chinchilla_loss(N, D, **TRUE) * np.exp(rng.normal(0, 0.003))),
+                    "curve": curve,
+                },
+            )
     N = G * (3e20 / 6) ** (0.28 / 0.62)
-    append_run(path, {"name": "held", "holdout": True, "budget": 3e20, "N": N, "D": 3e20 / (6 * N), "C": 3e20,
-                      "loss": float(chinchilla_loss(N, 3e20 / (6 * N), **TRUE))})
+    append_run(
+        path,
+        {
+            "name": "held",
+            "holdout": True,
+            "budget": 3e20,
+            "N": N,
+            "D": 3e20 / (6 * N),
+            "C": 3e20,
+            "loss": float(chinchilla_loss(N, 3e20 / (6 * N), **TRUE)),
+        },
+    )
 
 
 @pytest.mark.slow
@@ -144,7 +176,9 @@ def test_fit_command_predicts_the_held_out_run(tmp_path, capsys):
     lo, hi = held["interval"]
     lo_run, hi_run = held["interval_run"]  # adds one run's scatter about the law: wider
     assert lo_run <= lo < hi <= hi_run
-    assert fit["repeats"] == "none" and set(fit["backtest"]) == {"none"}  # no unique_tokens: the plain law
+    assert fit["repeats"] == "none" and set(fit["backtest"]) == {
+        "none"
+    }  # no unique_tokens: the plain law
     for name in ("isoflop", "envelope", "contours", "predicted_vs_actual"):
         assert is_png_file(tmp_path / "fit" / f"{name}.png")
 
@@ -152,7 +186,9 @@ def test_fit_command_predicts_the_held_out_run(tmp_path, capsys):
 def test_plan_command_prints_the_presets(capsys):
     assert main(["scaling", "plan", "--flops", "5.76e23", "--law", "epoch"]) == 0
     out = capsys.readouterr().out
-    assert "epoch" in out and "7.22e+10" in out  # Besiroglu et al.'s law at Gopher's budget: ~72B params
+    assert (
+        "epoch" in out and "7.22e+10" in out
+    )  # Besiroglu et al.'s law at Gopher's budget: ~72B params
 
 
 def test_exact_flop_budgets_use_accountings_step_count(tmp_path):

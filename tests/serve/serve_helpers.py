@@ -16,22 +16,34 @@ from lmstack.model.config import ModelConfig
 from lmstack.model.transformer import Transformer
 from lmstack.tokenizer import Tokenizer
 
-CHATML = ("{% for message in messages %}"
-          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 MODEL = "tiny"
 
 
 def tiny_tokenizer() -> Tokenizer:
-    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], special_tokens=["<|im_start|>", "<|im_end|>"])
+    tok = Tokenizer(
+        {i: bytes([i]) for i in range(256)}, [], special_tokens=["<|im_start|>", "<|im_end|>"]
+    )
     tok.eos_token_id = tok.special_tokens["<|im_end|>"]
     tok.chat_template = CHATML
     return tok
 
 
 def tiny_model(seed: int = 1, max_seq_len: int = 256) -> Transformer:
-    cfg = ModelConfig(vocab_size=258, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
-                      max_seq_len=max_seq_len, init_std=0.02)
+    cfg = ModelConfig(
+        vocab_size=258,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=128,
+        max_seq_len=max_seq_len,
+        init_std=0.02,
+    )
     return Transformer(cfg, dtype=torch.float64, seed=seed).eval()
 
 
@@ -39,7 +51,9 @@ def tiny_engine(model=None, **kw) -> LLMEngine:
     tok = tiny_tokenizer()
     kw.setdefault("block_size", 4)
     kw.setdefault("num_blocks", 512)
-    return LLMEngine(model if model is not None else tiny_model(), tok, eos_token_id=tok.eos_token_id, **kw)
+    return LLMEngine(
+        model if model is not None else tiny_model(), tok, eos_token_id=tok.eos_token_id, **kw
+    )
 
 
 def free_port() -> int:
@@ -56,8 +70,13 @@ def live_server(server, timeout: float = 30.0):
     from lmstack.serve.app import build_app
 
     port = free_port()
-    config = uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning",
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        build_app(server),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+    )
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

@@ -11,14 +11,22 @@ import time
 from pathlib import Path
 
 import pytest
+from serve_helpers import MODEL, all_blocks_free, live_server, tiny_engine, wait_idle
 
 from lmstack.serve import app as app_module
 from lmstack.serve.app import Server
-from serve_helpers import MODEL, all_blocks_free, live_server, tiny_engine, wait_idle
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +39,16 @@ def artifacts(tmp_path_factory) -> Path:
 
 
 def test_chat_page_streams_stops_and_keeps_the_conversation(monkeypatch, artifacts):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test drives Chromium with Playwright")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="the browser test drives Chromium with Playwright"
+    )
     if not os.path.exists(CHROMIUM):
         pytest.skip("needs Debian's chromium (`apt-get install chromium`; `make test` installs it)")
     real = app_module.Server.sampling
 
-    def slow(output_ids, logits):  # ~30 ms a token, so that a reply is still streaming when stop is pressed
+    def slow(
+        output_ids, logits
+    ):  # ~30 ms a token, so that a reply is still streaming when stop is pressed
         time.sleep(0.03)
         return logits
 
@@ -57,7 +69,9 @@ def test_chat_page_streams_stops_and_keeps_the_conversation(monkeypatch, artifac
             page.click("#send")
             reply = page.locator(".msg.assistant").first
             # streamed text appears while the reply is still running
-            page.wait_for_function("parseInt(document.querySelector('.msg.assistant .meta')?.textContent) >= 5")
+            page.wait_for_function(
+                "parseInt(document.querySelector('.msg.assistant .meta')?.textContent) >= 5"
+            )
             assert reply.get_attribute("data-done") is None
             assert page.is_enabled("#stop") and not page.is_enabled("#send")
             page.click("#stop")
@@ -75,7 +89,12 @@ def test_chat_page_streams_stops_and_keeps_the_conversation(monkeypatch, artifac
             page.press("#input", "Enter")
             second = page.locator(".msg.assistant").nth(1)
             sync_api.expect(second).to_have_attribute("data-done", "length", timeout=30000)
-            assert page.evaluate("conversation.map(m => m.role)") == ["user", "assistant", "user", "assistant"]
+            assert page.evaluate("conversation.map(m => m.role)") == [
+                "user",
+                "assistant",
+                "user",
+                "assistant",
+            ]
             assert page.evaluate("conversation[1].content") == partial
             assert page.locator(".msg.user").all_text_contents() == ["Hello, server!", "And again."]
             page.screenshot(path=str(artifacts / "serve_chat_page.png"), full_page=True)

@@ -6,12 +6,14 @@ after the prompt keeps its own logprob."""
 
 import pytest
 import torch
+from serve_helpers import MODEL, live_server, tiny_tokenizer
 
 from lmstack.inference.engine import LLMEngine
 from lmstack.serve.app import Server
-from serve_helpers import MODEL, live_server, tiny_tokenizer
 
-openai = pytest.importorskip("openai", reason="the tests drive the server with the official `openai` client")
+openai = pytest.importorskip(
+    "openai", reason="the tests drive the server with the official `openai` client"
+)
 transformers = pytest.importorskip("transformers", reason="HF transformers is the reference")
 
 
@@ -35,7 +37,9 @@ def test_echo_max_tokens_0_equals_hf(hf_and_served):
     tok = tiny_tokenizer()
     text = "The cat sat on the mat, and then"
     ids = tok.encode(text)
-    r = client.completions.create(model=MODEL, prompt=text, echo=True, logprobs=2, max_tokens=0, temperature=0)
+    r = client.completions.create(
+        model=MODEL, prompt=text, echo=True, logprobs=2, max_tokens=0, temperature=0
+    )
     (c,) = r.choices
     assert c.text == text and r.usage.completion_tokens == 0
     lp = c.logprobs
@@ -62,8 +66,15 @@ def test_lm_eval_request_format(hf_and_served):
 
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 20)]
-    body = {"model": MODEL, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
-            "echo": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompts,
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
     out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
     for ch, ids in zip(sorted(out["choices"], key=lambda c: c["index"]), prompts):
         logp = hf_logprobs(hf, ids)

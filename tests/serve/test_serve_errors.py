@@ -5,9 +5,9 @@ import threading
 import time
 
 import pytest
+from serve_helpers import MODEL, all_blocks_free, live_server, tiny_engine, tiny_model, wait_idle
 
 from lmstack.serve.app import Server
-from serve_helpers import MODEL, all_blocks_free, live_server, tiny_engine, tiny_model, wait_idle
 
 httpx = pytest.importorskip("httpx", reason="raw HTTP requests")
 openai = pytest.importorskip("openai", reason="the official client")
@@ -33,44 +33,63 @@ def check_error(r, status, param=None):
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_malformed_json(served, path):
-    r = httpx.post(served[0] + path, content=b'{"model": "tiny", "messages": [', headers={
-        "content-type": "application/json"})
+    r = httpx.post(
+        served[0] + path,
+        content=b'{"model": "tiny", "messages": [',
+        headers={"content-type": "application/json"},
+    )
     assert "JSON" in check_error(r, 400)["message"]
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ({"model": MODEL, "messages": USER, "temperature": "hot"}, 400, "temperature"),
-    ({"model": MODEL, "messages": USER, "max_tokens": -1}, 400, "max_tokens"),
-    ({"model": MODEL, "messages": "hello"}, 400, "messages"),
-    ({"model": MODEL, "messages": []}, 400, "messages"),
-    ({"model": MODEL}, 400, "messages"),
-    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
-    ({"model": MODEL, "messages": USER, "n": 0}, 400, "n"),
-    ({"model": MODEL, "messages": USER, "n": 5}, 400, "n"),  # max_n=4
-    ({"model": MODEL, "messages": USER, "max_tokens": 500}, 400, "max_tokens"),  # context 128
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
-    ({"model": MODEL, "messages": USER, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ({"model": MODEL, "messages": USER, "top_logprobs": 3}, 400, "top_logprobs"),
-    ({"model": MODEL, "messages": USER, "response_format": {"type": "json_schema"}}, 400, "response_format"),
-    ({"model": "gpt-9", "messages": USER}, 404, "model"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": MODEL, "messages": USER, "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL, "messages": USER, "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": "hello"}, 400, "messages"),
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        ({"model": MODEL}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+        ({"model": MODEL, "messages": USER, "n": 0}, 400, "n"),
+        ({"model": MODEL, "messages": USER, "n": 5}, 400, "n"),  # max_n=4
+        ({"model": MODEL, "messages": USER, "max_tokens": 500}, 400, "max_tokens"),  # context 128
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
+        ({"model": MODEL, "messages": USER, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"model": MODEL, "messages": USER, "top_logprobs": 3}, 400, "top_logprobs"),
+        (
+            {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema"}},
+            400,
+            "response_format",
+        ),
+        ({"model": "gpt-9", "messages": USER}, 404, "model"),
+    ],
+)
 def test_chat_bad_requests(served, body, status, param):
     r = httpx.post(served[0] + "/v1/chat/completions", json=body)
     check_error(r, status, param)
 
 
-@pytest.mark.parametrize("body, status", [
-    ({"model": MODEL, "prompt": ""}, 400),
-    ({"model": MODEL, "prompt": []}, 400),
-    ({"model": MODEL, "prompt": [1, 2, 999]}, 400),
-    ({"model": MODEL, "prompt": "x", "logprobs": 9}, 400),
-    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400),  # max_tokens=0 only with echo (score the prompt)
-    ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400),
-    ({"model": MODEL, "prompt": "x", "max_tokens": 0, "echo": True, "stream": True}, 400),  # no token to drop in a stream
-    ({"model": MODEL, "prompt": "x", "max_tokens": -1, "echo": True}, 400),
-    ({"model": MODEL, "prompt": ["a", "b", "c"], "n": 2}, 400),
-    ({"model": MODEL, "prompt": {"a": 1}}, 400),
-])
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        ({"model": MODEL, "prompt": ""}, 400),
+        ({"model": MODEL, "prompt": []}, 400),
+        ({"model": MODEL, "prompt": [1, 2, 999]}, 400),
+        ({"model": MODEL, "prompt": "x", "logprobs": 9}, 400),
+        (
+            {"model": MODEL, "prompt": "x", "max_tokens": 0},
+            400,
+        ),  # max_tokens=0 only with echo (score the prompt)
+        ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400),
+        (
+            {"model": MODEL, "prompt": "x", "max_tokens": 0, "echo": True, "stream": True},
+            400,
+        ),  # no token to drop in a stream
+        ({"model": MODEL, "prompt": "x", "max_tokens": -1, "echo": True}, 400),
+        ({"model": MODEL, "prompt": ["a", "b", "c"], "n": 2}, 400),
+        ({"model": MODEL, "prompt": {"a": 1}}, 400),
+    ],
+)
 def test_completion_bad_requests(served, body, status):
     check_error(httpx.post(served[0] + "/v1/completions", json=body), status)
 
@@ -87,22 +106,41 @@ def test_openai_client_sees_the_errors(served):
     with pytest.raises(openai.BadRequestError, match="context"):
         client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1000)
     # and the server still answers
-    assert client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3).choices[0].message.content != ""
+    assert (
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
+        .choices[0]
+        .message.content
+        != ""
+    )
 
 
 def test_api_key():
     with live_server(Server(tiny_engine(), MODEL, api_key="sekrit")) as url:
-        check_error(httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": USER}), 401)
+        check_error(
+            httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": USER}), 401
+        )
         check_error(httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
         ok = openai.OpenAI(base_url=url + "/v1", api_key="sekrit")
-        assert ok.chat.completions.create(model=MODEL, messages=USER, max_tokens=2).usage.completion_tokens == 2
+        assert (
+            ok.chat.completions.create(
+                model=MODEL, messages=USER, max_tokens=2
+            ).usage.completion_tokens
+            == 2
+        )
         assert httpx.get(url + "/health").status_code == 200  # health and metrics stay open
 
 
 def _hold_a_stream(url, started: threading.Event, stop: threading.Event):
-    body = {"model": MODEL, "messages": USER, "max_tokens": 200, "stream": True, "ignore_eos": True, "user": "slow"}
+    body = {
+        "model": MODEL,
+        "messages": USER,
+        "max_tokens": 200,
+        "stream": True,
+        "ignore_eos": True,
+        "user": "slow",
+    }
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
         for _ in r.iter_lines():
             started.set()
@@ -138,8 +176,11 @@ def test_full_queue_answers_429_or_waits(monkeypatch):
             assert started.wait(30)
             if expect == 200:
                 threading.Timer(0.5, stop.set).start()  # room comes back while the second one waits
-            r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 2},
-                           timeout=60)
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": USER, "max_tokens": 2},
+                timeout=60,
+            )
             stop.set()
             t.join()
             if expect == 429:
@@ -173,8 +214,17 @@ def test_a_failing_request_takes_no_other_down(served, monkeypatch):
     results = {}
 
     def call(name, user):
-        results[name] = httpx.post(url + "/v1/chat/completions", json={
-            "model": MODEL, "messages": USER, "max_tokens": 30, "user": user, "ignore_eos": True}, timeout=60)
+        results[name] = httpx.post(
+            url + "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": USER,
+                "max_tokens": 30,
+                "user": user,
+                "ignore_eos": True,
+            },
+            timeout=60,
+        )
 
     threads = [threading.Thread(target=call, args=(f"good{i}", "ok")) for i in range(3)]
     threads.append(threading.Thread(target=call, args=("bad", "boom")))
@@ -186,9 +236,16 @@ def test_a_failing_request_takes_no_other_down(served, monkeypatch):
     assert "boom" in results["bad"].json()["error"]["message"]
     for i in range(3):
         assert results[f"good{i}"].json()["usage"]["completion_tokens"] == 30
-    stream = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 30,
-                                                            "user": "boom", "stream": True}, timeout=60)
-    assert stream.status_code == 200 and '"server_error"' in stream.text and stream.text.endswith("data: [DONE]\n\n")
+    stream = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": USER, "max_tokens": 30, "user": "boom", "stream": True},
+        timeout=60,
+    )
+    assert (
+        stream.status_code == 200
+        and '"server_error"' in stream.text
+        and stream.text.endswith("data: [DONE]\n\n")
+    )
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     wait_idle(engine)
     assert all_blocks_free(engine)
@@ -200,26 +257,49 @@ def test_a_client_leaving_a_non_streamed_request_aborts_it(served, monkeypatch):
     url, engine = served
     before = engine.stats["generated_tokens"]
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 100,
-                                                      "ignore_eos": True, "user": "slow"}, timeout=0.5)
+        httpx.post(
+            url + "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": USER,
+                "max_tokens": 100,
+                "ignore_eos": True,
+                "user": "slow",
+            },
+            timeout=0.5,
+        )
     wait_idle(engine, timeout=10)
     assert all_blocks_free(engine)
     assert engine.stats["generated_tokens"] - before < 100
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
-    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": [{"type": "text", '
-                             b'"text": "\\udfff"}]}]}', "messages"),
-    ("/v1/completions", b'{"model": "%s", "prompt": "\\ud800"}', "prompt"),
-    ("/v1/completions", b'{"model": "%s", "prompt": ["ok", "\\ud800"]}', "prompt"),
-    ("/v1/completions", b'{"model": "%s", "prompt": "ok", "stop": "\\ud800"}', "stop"),
-    ("/tokenize", b'{"model": "%s", "prompt": "x\\ud800"}', "prompt"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (
+            "/v1/chat/completions",
+            b'{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"model": "%s", "messages": [{"role": "user", "content": [{"type": "text", '
+            b'"text": "\\udfff"}]}]}',
+            "messages",
+        ),
+        ("/v1/completions", b'{"model": "%s", "prompt": "\\ud800"}', "prompt"),
+        ("/v1/completions", b'{"model": "%s", "prompt": ["ok", "\\ud800"]}', "prompt"),
+        ("/v1/completions", b'{"model": "%s", "prompt": "ok", "stop": "\\ud800"}', "stop"),
+        ("/tokenize", b'{"model": "%s", "prompt": "x\\ud800"}', "prompt"),
+    ],
+)
 def test_a_lone_surrogate_is_a_400_naming_the_field(served, path, body, param):
     """JSON can carry "\\ud800", which no UTF-8 text holds: the tokenizer would raise (a 500 before issue #31)."""
-    r = httpx.post(served[0] + path, content=body.replace(b"%s", MODEL.encode()),
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        served[0] + path,
+        content=body.replace(b"%s", MODEL.encode()),
+        headers={"content-type": "application/json"},
+    )
     err = check_error(r, 400, param)
     assert "surrogate" in err["message"]
 
@@ -232,14 +312,17 @@ def test_an_empty_api_key_is_refused_not_an_open_server():
         Server(engine, MODEL, api_key="  ")
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--api-key", ""], "--api-key is empty"),
-    (["--port", "99999"], "--port 99999: expected 1..65535"),
-    (["--queue-timeout", "nan"], "--queue-timeout nan"),
-    (["--shutdown-timeout", "-5"], "--shutdown-timeout -5.0"),
-    (["--kv-cache-mb", "1000000000"], "more than this machine's available memory"),
-    (["--max-seqs", "0"], "--max-seqs 0"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--api-key", ""], "--api-key is empty"),
+        (["--port", "99999"], "--port 99999: expected 1..65535"),
+        (["--queue-timeout", "nan"], "--queue-timeout nan"),
+        (["--shutdown-timeout", "-5"], "--shutdown-timeout -5.0"),
+        (["--kv-cache-mb", "1000000000"], "more than this machine's available memory"),
+        (["--max-seqs", "0"], "--max-seqs 0"),
+    ],
+)
 def test_serve_flags_are_checked_before_anything_loads(flags, message, capsys):
     from lmstack.cli import main
 
@@ -265,11 +348,21 @@ def test_with_a_key_every_route_but_health_and_the_chat_page_needs_it():
 
     server = Server(tiny_engine(), MODEL, api_key="sekret")
     routes = sorted(set(_routes(build_app(server))))
-    assert ("/tokenize", "POST") in routes and ("/openapi.json", "GET") in routes and ("/metrics", "GET") in routes
+    assert (
+        ("/tokenize", "POST") in routes
+        and ("/openapi.json", "GET") in routes
+        and ("/metrics", "GET") in routes
+    )
     with live_server(server) as url:
         for path, method in routes:
-            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "bearer sekret"}):
-                r = httpx.request(method, url + path, headers=headers, json={} if method == "POST" else None)
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"Authorization": "bearer sekret"},
+            ):
+                r = httpx.request(
+                    method, url + path, headers=headers, json={} if method == "POST" else None
+                )
                 if path in PUBLIC_ROUTES:
                     assert r.status_code == 200, (path, r.status_code)
                 else:
@@ -291,20 +384,35 @@ def test_bodies_over_the_limit_get_413():
         def chunks():  # no Content-Length: the limit stops the streamed body
             for _ in range(10):
                 yield b" " * 500
-        check_error(httpx.post(url + "/tokenize", content=chunks(), headers={"content-type": "application/json"}), 413)
-        assert httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "hello"}).status_code == 200
+
+        check_error(
+            httpx.post(
+                url + "/tokenize", content=chunks(), headers={"content-type": "application/json"}
+            ),
+            413,
+        )
+        assert (
+            httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "hello"}).status_code
+            == 200
+        )
 
 
-@pytest.mark.xfail(reason="tokenising runs in a worker thread, but the Python encoder's regex pass holds the GIL "
-                          "for the whole text, so the event loop still waits (a GIL-free native encoder fixes it)",
-                   strict=False)
+@pytest.mark.xfail(
+    reason="tokenising runs in a worker thread, but the Python encoder's regex pass holds the GIL "
+    "for the whole text, so the event loop still waits (a GIL-free native encoder fixes it)",
+    strict=False,
+)
 def test_health_answers_during_a_large_tokenize():
-    server = Server(tiny_engine(), MODEL)  # default limit (4 MiB): tokenising ~3 MB runs off the event loop
+    server = Server(
+        tiny_engine(), MODEL
+    )  # default limit (4 MiB): tokenising ~3 MB runs off the event loop
     with live_server(server) as url:
         done = threading.Event()
 
         def tokenize():
-            httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "ab cd " * 500_000}, timeout=120)
+            httpx.post(
+                url + "/tokenize", json={"model": MODEL, "prompt": "ab cd " * 500_000}, timeout=120
+            )
             done.set()
 
         t = threading.Thread(target=tokenize)
@@ -320,22 +428,29 @@ def test_health_answers_during_a_large_tokenize():
         assert worst < 1.0, worst
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"parallel_tool_calls": True}, "parallel_tool_calls"),
-    ({"modalities": ["text", "audio"]}, "modalities"),
-    ({"logit_bias": {"999999": 5}}, "logit_bias"),
-    ({"logit_bias": {"a": 5}}, "logit_bias"),
-    ({"logit_bias": {"1": 101}}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"parallel_tool_calls": True}, "parallel_tool_calls"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"logit_bias": {"a": 5}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ],
+)
 def test_unimplemented_openai_fields_are_400s_not_ignored(served, extra, param):
-    r = httpx.post(served[0] + "/v1/chat/completions", json={"model": MODEL, "messages": USER, **extra})
+    r = httpx.post(
+        served[0] + "/v1/chat/completions", json={"model": MODEL, "messages": USER, **extra}
+    )
     check_error(r, 400, param)
 
 
 def test_best_of_other_than_n_is_refused(served):
-    r = httpx.post(served[0] + "/v1/completions", json={"model": MODEL, "prompt": "hi", "best_of": 3})
+    r = httpx.post(
+        served[0] + "/v1/completions", json={"model": MODEL, "prompt": "hi", "best_of": 3}
+    )
     check_error(r, 400, "best_of")
 
 
@@ -343,24 +458,43 @@ def test_logit_bias_is_applied(served):
     """OpenAI's logit_bias (was silently ignored): +100 on one token makes greedy pick it every step; -100 on the
     unbiased greedy continuation's first token makes the first token change."""
     url = served[0]
-    base = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    base = {
+        "model": MODEL,
+        "prompt": "hello",
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     r = httpx.post(url + "/v1/completions", json={**base, "logit_bias": {"7": 100}, "logprobs": 1})
     assert r.status_code == 200, r.text
     plain = httpx.post(url + "/v1/completions", json={**base, "logprobs": 1}).json()["choices"][0]
-    first = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": plain["logprobs"]["tokens"][0]}).json()
-    biased = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": r.json()["choices"][0]["text"]}).json()
+    first = httpx.post(
+        url + "/tokenize", json={"model": MODEL, "prompt": plain["logprobs"]["tokens"][0]}
+    ).json()
+    biased = httpx.post(
+        url + "/tokenize", json={"model": MODEL, "prompt": r.json()["choices"][0]["text"]}
+    ).json()
     assert biased["tokens"] == [7] * 4
-    banned = httpx.post(url + "/v1/completions", json={**base, "logprobs": 1,
-                                                       "logit_bias": {str(first["tokens"][0]): -100}}).json()
+    banned = httpx.post(
+        url + "/v1/completions",
+        json={**base, "logprobs": 1, "logit_bias": {str(first["tokens"][0]): -100}},
+    ).json()
     assert banned["choices"][0]["logprobs"]["tokens"][0] != plain["logprobs"]["tokens"][0]
 
 
 def test_error_objects_name_the_right_param_and_head_is_allowed(served):
     """Issue #31: malformed JSON reported param "1" (an offset), stop "" param null, HEAD / a 405."""
     url = served[0]
-    r = httpx.post(url + "/v1/chat/completions", content=b'{"model": "x", "messages": [',
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        content=b'{"model": "x", "messages": [',
+        headers={"content-type": "application/json"},
+    )
     assert check_error(r, 400)["param"] is None
-    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "stop": ""})
+    r = httpx.post(
+        url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "stop": ""}
+    )
     check_error(r, 400, "stop")
-    assert httpx.head(url + "/").status_code == 200 and httpx.head(url + "/health").status_code == 200
+    assert (
+        httpx.head(url + "/").status_code == 200 and httpx.head(url + "/health").status_code == 200
+    )

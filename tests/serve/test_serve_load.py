@@ -11,12 +11,20 @@ import sys
 import time
 
 import pytest
+from serve_helpers import (
+    MODEL,
+    all_blocks_free,
+    free_port,
+    live_server,
+    tiny_engine,
+    tiny_model,
+    tiny_tokenizer,
+    wait_idle,
+)
 
 from lmstack.inference import LLM
 from lmstack.inference.sampling import SamplingParams
 from lmstack.serve.app import Server
-from serve_helpers import (MODEL, all_blocks_free, free_port, live_server, tiny_engine, tiny_model, tiny_tokenizer,
-                           wait_idle)
 
 httpx = pytest.importorskip("httpx", reason="raw HTTP requests")
 openai = pytest.importorskip("openai", reason="the official client")
@@ -38,7 +46,10 @@ def prompts(n):
     import random
 
     rng = random.Random(0)
-    return ["".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(1, 40))) for _ in range(n)]
+    return [
+        "".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(1, 40)))
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.slow
@@ -50,11 +61,18 @@ def test_64_concurrent_streams_equal_their_solo_outputs(served, model):
 
     async def one(client, p, n):
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=n, temperature=0, stream=True)
+            model=MODEL,
+            messages=[{"role": "user", "content": p}],
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+        )
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        client = openai.AsyncOpenAI(
+            base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300
+        )
         out = await asyncio.gather(*[one(client, p, n) for p, n in zip(ps, lengths)])
         await client.close()
         return out
@@ -68,7 +86,9 @@ def test_64_concurrent_streams_equal_their_solo_outputs(served, model):
     tok = tiny_tokenizer()
     solo = LLM(model, tok, eos_token_id=tok.eos_token_id, block_size=4, num_blocks=512)
     for p, n, text in zip(ps, lengths, texts):
-        ref = solo.chat([{"role": "user", "content": p}], SamplingParams(temperature=0, max_tokens=n))
+        ref = solo.chat(
+            [{"role": "user", "content": p}], SamplingParams(temperature=0, max_tokens=n)
+        )
         assert text == ref.text
     assert all_blocks_free(engine)
     assert rss1 - rss0 < 64 * 2**20, f"RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB over 64 requests"
@@ -77,8 +97,13 @@ def test_64_concurrent_streams_equal_their_solo_outputs(served, model):
 
 def test_20_disconnects_mid_stream_free_their_blocks(served):
     url, engine = served
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 200,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "go on"}],
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
     seen = []
 
     async def leave_early(client):
@@ -99,7 +124,7 @@ def test_20_disconnects_mid_stream_free_their_blocks(served):
     wait_idle(engine, timeout=20)
     assert all_blocks_free(engine)
     assert engine.stats["generated_tokens"] < 20 * 200  # aborted, not run to their end
-    assert "lmstack_requests_total{finish_reason=\"abort\"}" in httpx.get(url + "/metrics").text
+    assert 'lmstack_requests_total{finish_reason="abort"}' in httpx.get(url + "/metrics").text
 
 
 @pytest.mark.slow
@@ -111,18 +136,41 @@ def test_fuzzed_bodies_never_get_a_5xx():
     from hypothesis import strategies as st
 
     json_values = st.recursive(
-        st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**70), 2**70)
+        | st.floats(allow_nan=False, allow_infinity=False)
         | st.text(max_size=20),
-        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-        max_leaves=8)
-    chat_fields = {"model": st.just(MODEL), "messages": st.just([{"role": "user", "content": "hi"}]),
-                   "max_tokens": st.integers(1, 8), "temperature": st.floats(0, 2), "n": st.integers(1, 3),
-                   "stream": st.booleans(), "top_p": st.floats(0.01, 1), "seed": st.integers(0, 99),
-                   "logprobs": st.booleans(), "stop": st.just(["x"]), "presence_penalty": st.floats(-2, 2),
-                   "response_format": st.just({"type": "json_object"}), "top_k": st.integers(0, 5)}
-    completion_fields = {"model": st.just(MODEL), "prompt": st.just("hi"), "max_tokens": st.integers(1, 8),
-                         "echo": st.booleans(), "logprobs": st.integers(0, 5), "n": st.integers(1, 3),
-                         "stream": st.booleans(), "stop": st.text(min_size=1, max_size=3)}
+        lambda inner: (
+            st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+        ),
+        max_leaves=8,
+    )
+    chat_fields = {
+        "model": st.just(MODEL),
+        "messages": st.just([{"role": "user", "content": "hi"}]),
+        "max_tokens": st.integers(1, 8),
+        "temperature": st.floats(0, 2),
+        "n": st.integers(1, 3),
+        "stream": st.booleans(),
+        "top_p": st.floats(0.01, 1),
+        "seed": st.integers(0, 99),
+        "logprobs": st.booleans(),
+        "stop": st.just(["x"]),
+        "presence_penalty": st.floats(-2, 2),
+        "response_format": st.just({"type": "json_object"}),
+        "top_k": st.integers(0, 5),
+    }
+    completion_fields = {
+        "model": st.just(MODEL),
+        "prompt": st.just("hi"),
+        "max_tokens": st.integers(1, 8),
+        "echo": st.booleans(),
+        "logprobs": st.integers(0, 5),
+        "n": st.integers(1, 3),
+        "stream": st.booleans(),
+        "stop": st.text(min_size=1, max_size=3),
+    }
 
     def bodies(fields):
         @st.composite
@@ -133,20 +181,36 @@ def test_fuzzed_bodies_never_get_a_5xx():
             for k in draw(st.lists(st.text(max_size=6), max_size=2)):
                 body[k] = draw(json_values)
             return body
+
         return build()
 
     engine = tiny_engine(tiny_model(max_seq_len=64))
     with live_server(Server(engine, MODEL, max_n=4)) as url, httpx.Client(timeout=60) as client:
-        @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]),
-               chat=bodies(chat_fields), completion=bodies(completion_fields), raw=st.binary(max_size=40),
-               use_raw=st.integers(0, 9))
+
+        @settings(
+            max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), database=None
+        )
+        @given(
+            path=st.sampled_from(
+                ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
+            ),
+            chat=bodies(chat_fields),
+            completion=bodies(completion_fields),
+            raw=st.binary(max_size=40),
+            use_raw=st.integers(0, 9),
+        )
         def check(path, chat, completion, raw, use_raw):
             if use_raw == 0:
-                r = client.post(url + path, content=raw, headers={"content-type": "application/json"})
+                r = client.post(
+                    url + path, content=raw, headers={"content-type": "application/json"}
+                )
             else:
                 body = chat if path == "/v1/chat/completions" else completion
-                r = client.post(url + path, content=json.dumps(body), headers={"content-type": "application/json"})
+                r = client.post(
+                    url + path,
+                    content=json.dumps(body),
+                    headers={"content-type": "application/json"},
+                )
             assert r.status_code < 500, (path, r.status_code, r.text)
             if r.status_code >= 400:
                 assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -172,9 +236,27 @@ def test_cli_serves_and_shuts_down_on_sigterm(tmp_path):
     save_hf(tiny_tokenizer(), tmp_path / "ckpt" / "tokenizer.json")
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.Popen([sys.executable, "-m", "lmstack", "serve", "--model", str(tmp_path / "ckpt"),
-                             "--served-model-name", "ckpt", "--port", str(port), "--shutdown-timeout", "1",
-                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lmstack",
+            "serve",
+            "--model",
+            str(tmp_path / "ckpt"),
+            "--served-model-name",
+            "ckpt",
+            "--port",
+            str(port),
+            "--shutdown-timeout",
+            "1",
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         start = time.monotonic()
@@ -184,11 +266,24 @@ def test_cli_serves_and_shuts_down_on_sigterm(tmp_path):
                     break
             except httpx.TransportError:
                 pass
-            assert proc.poll() is None and time.monotonic() - start < 120, proc.stdout.read().decode()
+            assert proc.poll() is None and time.monotonic() - start < 120, (
+                proc.stdout.read().decode()
+            )
             time.sleep(0.2)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
-        assert client.completions.create(model="ckpt", prompt="hi", max_tokens=3).usage.completion_tokens == 3
-        body = {"model": "ckpt", "prompt": "hi", "max_tokens": 5000 // 20, "ignore_eos": True, "stream": True}
+        assert (
+            client.completions.create(
+                model="ckpt", prompt="hi", max_tokens=3
+            ).usage.completion_tokens
+            == 3
+        )
+        body = {
+            "model": "ckpt",
+            "prompt": "hi",
+            "max_tokens": 5000 // 20,
+            "ignore_eos": True,
+            "stream": True,
+        }
         lines = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             try:

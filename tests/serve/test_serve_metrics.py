@@ -3,9 +3,9 @@ did (tokens from the responses' usage, one TTFT / e2e sample per request, tokens
 gaps each), the KV gauges equal the pool when idle, the prefix-cache rate a hand count."""
 
 import pytest
+from serve_helpers import MODEL, live_server, tiny_engine, tiny_tokenizer, wait_idle
 
 from lmstack.serve.app import Server
-from serve_helpers import MODEL, live_server, tiny_engine, tiny_tokenizer, wait_idle
 
 httpx = pytest.importorskip("httpx", reason="raw HTTP requests")
 
@@ -14,8 +14,11 @@ def scrape(url) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def test_metrics_count_what_happened():
@@ -27,8 +30,15 @@ def test_metrics_count_what_happened():
         messages = [{"role": "user", "content": "the same prompt twice"}]
         usages = []
         for n_tokens in (5, 9):
-            r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages,
-                                                              "max_tokens": n_tokens, "ignore_eos": True})
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "messages": messages,
+                    "max_tokens": n_tokens,
+                    "ignore_eos": True,
+                },
+            )
             usages.append(r.json()["usage"])
         wait_idle(engine)
         m = scrape(url)
@@ -43,7 +53,11 @@ def test_metrics_count_what_happened():
         assert m[("lmstack_tokens_per_second", ())] > 0
         assert m[("lmstack_kv_blocks_used", ())] == 0 and m[("lmstack_kv_blocks_free", ())] == 511
         # prefix cache: the second request finds the first one's full 4-token blocks of the prompt
-        P = len(tiny_tokenizer().encode(tiny_tokenizer().apply_chat_template(messages, add_generation_prompt=True)))
+        P = len(
+            tiny_tokenizer().encode(
+                tiny_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+            )
+        )
         assert usages[0]["prompt_tokens"] == P
         cached = (P - 1) // 4 * 4  # full blocks, leaving at least the last prompt token to compute
         assert m[("lmstack_prefix_cache_hit_rate", ())] == pytest.approx(cached / (2 * P))

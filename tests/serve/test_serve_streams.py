@@ -6,9 +6,9 @@ route table outside the open list refuses a missing or wrong key (a new route ca
 import json
 
 import pytest
+from serve_helpers import MODEL, live_server, tiny_engine
 
 from lmstack.serve.app import Server, build_app
-from serve_helpers import MODEL, live_server, tiny_engine
 
 httpx = pytest.importorskip("httpx")
 
@@ -55,17 +55,30 @@ def check_finish_last(entries, want_reason):
 
 
 def test_chat_stream_choice_by_choice(served):
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, "temperature": 1.0, "n": 3, "seed": 7,
-            "stream_options": {"include_usage": True}}
-    full = post(served, "/v1/chat/completions", {k: v for k, v in body.items() if k != "stream_options"})
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "n": 3,
+        "seed": 7,
+        "stream_options": {"include_usage": True},
+    }
+    full = post(
+        served, "/v1/chat/completions", {k: v for k, v in body.items() if k != "stream_options"}
+    )
     chunks = stream(served, "/v1/chat/completions", body)
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]  # usage after every choice
+    assert (
+        chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+    )  # usage after every choice
     by = per_choice(chunks[:-1])
     assert sorted(by) == [0, 1, 2]
     for i, entries in by.items():
         want = full["choices"][i]
         assert entries[0]["delta"] == {"role": "assistant", "content": ""}
-        assert "".join(e["delta"].get("content") or "" for e in entries) == want["message"]["content"]
+        assert (
+            "".join(e["delta"].get("content") or "" for e in entries) == want["message"]["content"]
+        )
         check_finish_last(entries, want["finish_reason"])
         assert entries[-1]["delta"] == {}  # the finish chunk carries no content
 
@@ -79,7 +92,9 @@ def test_chat_stream_finish_reasons_stop_and_length(served):
     for body in (base, {**base, "stop": [text[3:5]]}):
         full = post(served, "/v1/chat/completions", body)["choices"][0]
         entries = per_choice(stream(served, "/v1/chat/completions", body))[0]
-        assert "".join(e["delta"].get("content") or "" for e in entries) == full["message"]["content"]
+        assert (
+            "".join(e["delta"].get("content") or "" for e in entries) == full["message"]["content"]
+        )
         check_finish_last(entries, full["finish_reason"])
     assert full["finish_reason"] == "stop" and full["message"]["content"] == text[:3]
 
@@ -88,7 +103,9 @@ def test_completion_stream_text_finish_and_logprobs_per_choice(served):
     prompts = ["hello there", "a different prompt"]
     body = {"model": MODEL, "prompt": prompts, "max_tokens": 8, "temperature": 0, "logprobs": 2}
     first = post(served, "/v1/completions", body)
-    stop = first["choices"][0]["text"][4:6]  # choice 0 ends on a stop string, choice 1 on max_tokens
+    stop = first["choices"][0]["text"][
+        4:6
+    ]  # choice 0 ends on a stop string, choice 1 on max_tokens
     assert stop and stop not in first["choices"][1]["text"]
     body["stop"] = [stop]
     full = post(served, "/v1/completions", body)
@@ -105,26 +122,40 @@ def test_completion_stream_text_finish_and_logprobs_per_choice(served):
             assert streamed == want["logprobs"][field], field
     # the offsets are cumulative character offsets into the choice's text (OpenAI's legacy format), by hand
     lp = full["choices"][1]["logprobs"]
-    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(len(lp["tokens"]))]
+    assert lp["text_offset"] == [
+        sum(len(t) for t in lp["tokens"][:j]) for j in range(len(lp["tokens"]))
+    ]
     assert len(lp["tokens"]) == 8 and lp["text_offset"][-1] > 0
 
 
 @pytest.fixture(scope="module")
 def keyed():
     server = Server(tiny_engine(), MODEL, api_key=KEY)
-    routes = [(m, r.path) for r in build_app(server).routes for m in sorted(getattr(r, "methods", None) or ())
-              if m != "HEAD"]
+    routes = [
+        (m, r.path)
+        for r in build_app(server).routes
+        for m in sorted(getattr(r, "methods", None) or ())
+        if m != "HEAD"
+    ]
     with live_server(server) as url:
         yield url, routes
 
 
-@pytest.mark.parametrize("auth", [None, "Bearer wrong", f"bearer {KEY}", KEY, f"Bearer {KEY}x"],
-                         ids=["missing", "wrong", "lowercase-scheme", "no-scheme", "key-prefix"])
+@pytest.mark.parametrize(
+    "auth",
+    [None, "Bearer wrong", f"bearer {KEY}", KEY, f"Bearer {KEY}x"],
+    ids=["missing", "wrong", "lowercase-scheme", "no-scheme", "key-prefix"],
+)
 def test_every_protected_route_refuses_a_bad_key(keyed, auth):
     url, routes = keyed
     protected = [(m, p) for m, p in routes if p not in OPEN]
-    assert {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
-            ("POST", "/tokenize"), ("POST", "/detokenize")} <= set(protected)
+    assert {
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("GET", "/v1/models"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+    } <= set(protected)
     headers = {} if auth is None else {"Authorization": auth}
     for method, path in protected:
         r = httpx.request(method, url + path, headers=headers, json={}, timeout=30)
@@ -132,5 +163,7 @@ def test_every_protected_route_refuses_a_bad_key(keyed, auth):
         assert r.json()["error"]["code"] == "invalid_api_key"
     # the right key gets past the check on every one of them (the empty body is then a 400, not a 401)
     for method, path in protected:
-        r = httpx.request(method, url + path, headers={"Authorization": f"Bearer {KEY}"}, json={}, timeout=30)
+        r = httpx.request(
+            method, url + path, headers={"Authorization": f"Bearer {KEY}"}, json={}, timeout=30
+        )
         assert r.status_code != 401, (method, path)

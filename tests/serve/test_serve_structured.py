@@ -6,9 +6,9 @@ independent validator)."""
 import json
 
 import pytest
+from serve_helpers import MODEL, all_blocks_free, live_server, tiny_engine, wait_idle
 
 from lmstack.serve.app import Server
-from serve_helpers import MODEL, all_blocks_free, live_server, tiny_engine, wait_idle
 
 openai = pytest.importorskip("openai", reason="the official client")
 jsonschema = pytest.importorskip("jsonschema", reason="validates the structured output")
@@ -42,9 +42,17 @@ def test_50_sampled_generations_validate(served):
     outputs = []
     for seed in range(0, 50, 10):  # choice i samples with seed + i: 50 different seeds
         r = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "a person as JSON"}], n=10, seed=seed,
-            temperature=1.0, max_tokens=200,
-            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+            model=MODEL,
+            messages=[{"role": "user", "content": "a person as JSON"}],
+            n=10,
+            seed=seed,
+            temperature=1.0,
+            max_tokens=200,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": SCHEMA},
+            },
+        )
         for c in r.choices:
             assert c.finish_reason == "stop", c.message.content
             outputs.append(c.message.content)
@@ -59,12 +67,21 @@ def test_50_sampled_generations_validate(served):
 def test_json_object_and_streaming(served):
     url, _ = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "JSON please"}], temperature=1.0, max_tokens=150,
-              seed=3, response_format={"type": "json_object"})
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "JSON please"}],
+        temperature=1.0,
+        max_tokens=150,
+        seed=3,
+        response_format={"type": "json_object"},
+    )
     full = client.chat.completions.create(**kw)
     assert isinstance(json.loads(full.choices[0].message.content), dict)
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
-                       if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(**kw, stream=True)
+        if c.choices
+    )
     assert streamed == full.choices[0].message.content
     free = client.chat.completions.create(**{**kw, "response_format": {"type": "text"}})
     with pytest.raises(json.JSONDecodeError):  # the same sampler without the mask writes no JSON
@@ -74,24 +91,57 @@ def test_json_object_and_streaming(served):
 def test_bad_schema_is_a_400(served):
     import httpx
 
-    r = httpx.post(served[0] + "/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "x"}],
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
+    r = httpx.post(
+        served[0] + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+            },
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
 
 
-@pytest.mark.parametrize("schema", [
-    {"type": "string", "pattern": "^a{1000000}$"},  # compiles, fails at the first step (was a 500)
-    {"$ref": "#"},  # refers only to itself: admits only the empty output (was a 200 with content "")
-    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},  # a -> b -> a
-    {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]},  # every object needs another
-])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {
+            "type": "string",
+            "pattern": "^a{1000000}$",
+        },  # compiles, fails at the first step (was a 500)
+        {
+            "$ref": "#"
+        },  # refers only to itself: admits only the empty output (was a 200 with content "")
+        {
+            "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+            "$ref": "#/$defs/a",
+        },  # a -> b -> a
+        {
+            "type": "object",
+            "properties": {"x": {"$ref": "#"}},
+            "required": ["x"],
+        },  # every object needs another
+    ],
+)
 def test_schemas_that_compile_but_admit_nothing_are_400s(served, schema):
     import httpx
 
-    r = httpx.post(served[0] + "/v1/chat/completions", timeout=60, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    r = httpx.post(
+        served[0] + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 8,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema},
+            },
+        },
+    )
     if r.status_code == 200:  # only acceptable if what came back is JSON that validates
         content = r.json()["choices"][0]["message"]["content"]
         jsonschema.validate(json.loads(content), schema)

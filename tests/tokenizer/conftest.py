@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from tok_helpers import SPECIALS, smollm2_gguf, stdlib_text
 
 
@@ -29,7 +28,9 @@ def smol(gguf_path):
 def hf_gguf(gguf_path):
     """transformers' own GGUF tokenizer conversion (independent of lmstack's GGUF reader)."""
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return transformers.AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name
+    )
 
 
 @pytest.fixture(scope="session")
@@ -45,11 +46,15 @@ def hf_smollm(hf_gguf):
         "type": "Sequence",
         "pretokenizers": [
             {"type": "Digits", "individual_digits": True},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+            {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "trim_offsets": True,
+                "use_regex": True,
+            },
         ],
     }
     return tokenizers.Tokenizer.from_str(json.dumps(spec))
-
 
 
 @pytest.fixture(scope="session")

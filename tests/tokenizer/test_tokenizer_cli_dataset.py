@@ -9,9 +9,16 @@ import pytest
 from tok_helpers import stdlib_text
 
 from lmstack.cli import main
-from lmstack.tokenizer import Tokenizer, load_tokenizer
+from lmstack.tokenizer import (
+    Tokenizer,
+    encode_files,
+    is_token_file,
+    load_tokenizer,
+    open_tokens,
+    read_sidecar,
+    token_dtype,
+)
 from lmstack.tokenizer import train as train_mod
-from lmstack.tokenizer import encode_files, is_token_file, open_tokens, read_sidecar, token_dtype
 
 
 def test_dtype_rule():
@@ -26,11 +33,15 @@ def test_encode_files_parallel_equals_encode(trained, tmp_path, monkeypatch):
     b.write_text("第二个文件 second file <|endoftext|> end\n" * 500, encoding="utf-8")
     monkeypatch.setattr(train_mod, "_SERIAL_BYTES", 0)  # the threshold lives in plan_chunks
     stats = encode_files(trained, [a, b], tmp_path / "out.bin", num_workers=2, chunk_bytes=16_384)
-    expected = trained.encode(a.read_text(encoding="utf-8")) + trained.encode(b.read_text(encoding="utf-8"))
+    expected = trained.encode(a.read_text(encoding="utf-8")) + trained.encode(
+        b.read_text(encoding="utf-8")
+    )
     tokens = np.memmap(tmp_path / "out.bin", dtype=np.uint16, mode="r")
     assert tokens.tolist() == expected
     assert stats.n_tokens == len(expected) and stats.dtype == "uint16"
-    assert stats.bytes_per_token == pytest.approx((a.stat().st_size + b.stat().st_size) / len(expected))
+    assert stats.bytes_per_token == pytest.approx(
+        (a.stat().st_size + b.stat().st_size) / len(expected)
+    )
     assert open_tokens(tmp_path / "out.bin").tolist() == expected
     meta = json.loads((tmp_path / "out.bin.json").read_text())
     assert meta["n_tokens"] == len(expected) and meta["vocab_size"] == trained.vocab_size
@@ -46,25 +57,35 @@ def test_large_vocab_writes_uint32(tmp_path):
     assert open_tokens(tmp_path / "o.bin").tolist() == [104, 105, 256]
 
 
-
 def test_the_reader_takes_what_the_encoder_writes_and_nothing_else(tmp_path):
     """One reader for the format the encoder writes: the sidecar's dtype, count and vocabulary."""
     vocab = {i: bytes([i]) for i in range(256)}
     (tmp_path / "a.txt").write_text("hello")
     encode_files(Tokenizer(vocab, []), tmp_path / "a.txt", tmp_path / "t.bin")
     info = read_sidecar(tmp_path / "t.bin")
-    assert (info.dtype, info.n_tokens, info.vocab_size) == (np.uint16, 5, 256) and is_token_file(tmp_path / "t.bin")
+    assert (info.dtype, info.n_tokens, info.vocab_size) == (np.uint16, 5, 256) and is_token_file(
+        tmp_path / "t.bin"
+    )
     side = tmp_path / "t.bin.json"
-    for text in ("[1, 2]", "{", json.dumps({"dtype": "float32", "n_tokens": 5}), json.dumps({"n_tokens": 5})):
+    for text in (
+        "[1, 2]",
+        "{",
+        json.dumps({"dtype": "float32", "n_tokens": 5}),
+        json.dumps({"n_tokens": 5}),
+    ):
         side.write_text(text)
         assert not is_token_file(tmp_path / "t.bin")
         with pytest.raises(ValueError, match="sidecar|dtype"):
             open_tokens(tmp_path / "t.bin")
     side.write_text(json.dumps({"dtype": "uint16", "n_tokens": True, "vocab_size": "256"}))
-    assert read_sidecar(tmp_path / "t.bin").n_tokens is None and read_sidecar(tmp_path / "t.bin").vocab_size is None
+    assert (
+        read_sidecar(tmp_path / "t.bin").n_tokens is None
+        and read_sidecar(tmp_path / "t.bin").vocab_size is None
+    )
     assert open_tokens(tmp_path / "t.bin").tolist() == list(b"hello")
     side.unlink()
     assert not is_token_file(tmp_path / "t.bin")
+
 
 def test_cli_train_encode_info(tmp_path, capsys):
     corpus = tmp_path / "docs"
@@ -72,19 +93,61 @@ def test_cli_train_encode_info(tmp_path, capsys):
     (corpus / "a.txt").write_text(stdlib_text(60_000), encoding="utf-8")
     (corpus / "b.txt").write_text("hello world, hello tokens\n" * 300, encoding="utf-8")
     tok_path = tmp_path / "tok.json"
-    assert main(["tokenizer", "train", str(corpus), "--glob", "*.txt", "--vocab-size", "400",
-                 "--out", str(tok_path)]) == 0
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                str(corpus),
+                "--glob",
+                "*.txt",
+                "--vocab-size",
+                "400",
+                "--out",
+                str(tok_path),
+            ]
+        )
+        == 0
+    )
     tok = load_tokenizer(tok_path)
     assert tok.vocab_size == 400 and "<|endoftext|>" in tok.special_tokens
-    assert main(["tokenizer", "train", str(corpus / "b.txt"), "--vocab-size", "270", "--format", "hf",
-                 "--out", str(tmp_path / "tokenizer.json")]) == 0
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                str(corpus / "b.txt"),
+                "--vocab-size",
+                "270",
+                "--format",
+                "hf",
+                "--out",
+                str(tmp_path / "tokenizer.json"),
+            ]
+        )
+        == 0
+    )
     assert load_tokenizer(tmp_path / "tokenizer.json").vocab_size == 270
     out = tmp_path / "tokens.bin"
-    assert main(["tokenizer", "encode", str(corpus / "b.txt"), "--tokenizer", str(tok_path),
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "tokenizer",
+                "encode",
+                str(corpus / "b.txt"),
+                "--tokenizer",
+                str(tok_path),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "bytes/token" in printed and "tokens (uint16)" in printed
-    assert np.memmap(out, dtype=np.uint16, mode="r").tolist() == tok.encode((corpus / "b.txt").read_text())
+    assert np.memmap(out, dtype=np.uint16, mode="r").tolist() == tok.encode(
+        (corpus / "b.txt").read_text()
+    )
     assert main(["tokenizer", "info", str(tok_path), "--text", "hello world"]) == 0
     assert "vocab size V  400" in capsys.readouterr().out
     assert main(["tokenizer", "info", str(tmp_path / "missing.json")]) == 2
@@ -128,10 +191,17 @@ def test_a_corrupt_sidecar_is_an_error_naming_it_for_readers_that_would_read_tex
     side = tmp_path / "t.bin.json"
     good = side.read_text()
     assert read_eval_tokens(tmp_path / "t.bin").tolist() == list(b"hello")
-    for text in ("{", "[1, 2]", good[: len(good) // 2], json.dumps({"dtype": "bogus", "n_tokens": 5})):
+    for text in (
+        "{",
+        "[1, 2]",
+        good[: len(good) // 2],
+        json.dumps({"dtype": "bogus", "n_tokens": 5}),
+    ):
         side.write_text(text)
         with pytest.raises(ValueError, match=r"t\.bin"):
             read_eval_tokens(tmp_path / "t.bin", tokenizer=Tokenizer(vocab, []))
     side.unlink()  # no sidecar at all: a text file, read with the tokenizer
     (tmp_path / "t.bin").write_text("hi")
-    assert read_eval_tokens(tmp_path / "t.bin", tokenizer=Tokenizer(vocab, [])).tolist() == list(b"hi")
+    assert read_eval_tokens(tmp_path / "t.bin", tokenizer=Tokenizer(vocab, [])).tolist() == list(
+        b"hi"
+    )

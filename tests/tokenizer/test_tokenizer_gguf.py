@@ -43,7 +43,12 @@ def test_metadata_matches_gguf_package(gguf_path):
     gguf = pytest.importorskip("gguf")
     reader = gguf.GGUFReader(str(gguf_path))
     ours = read_gguf_metadata(gguf_path)
-    for key in ("tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id", "tokenizer.chat_template", "general.architecture"):
+    for key in (
+        "tokenizer.ggml.pre",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.chat_template",
+        "general.architecture",
+    ):
         assert ours[key] == reader.fields[key].contents()
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
         theirs = reader.fields[key].contents()
@@ -90,7 +95,9 @@ def test_bad_files(tmp_path):
     with pytest.raises(ValueError, match="magic"):
         load_gguf_tokenizer(bad)
     trunc = tmp_path / "trunc.gguf"
-    trunc.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(8) + (5).to_bytes(8, "little") + b"\x10")
+    trunc.write_bytes(
+        b"GGUF" + (3).to_bytes(4, "little") + bytes(8) + (5).to_bytes(8, "little") + b"\x10"
+    )
     with pytest.raises(ValueError, match="truncated"):
         load_gguf_tokenizer(trunc)
 
@@ -106,8 +113,11 @@ def test_chat_template_matches_transformers(smol, hf_gguf, gen):
     theirs = hf_gguf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
     assert ours == theirs
     with_system = [{"role": "system", "content": "Be brief."}] + messages
-    assert smol.apply_chat_template(with_system, add_generation_prompt=gen, tokenize=True) == hf_gguf.encode(
-        hf_gguf.apply_chat_template(with_system, tokenize=False, add_generation_prompt=gen), add_special_tokens=False
+    assert smol.apply_chat_template(
+        with_system, add_generation_prompt=gen, tokenize=True
+    ) == hf_gguf.encode(
+        hf_gguf.apply_chat_template(with_system, tokenize=False, add_generation_prompt=gen),
+        add_special_tokens=False,
     )
     with pytest.raises(ValueError, match=r"messages\[0\]"):
         smol.apply_chat_template([{"content": "no role"}])

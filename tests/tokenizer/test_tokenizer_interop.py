@@ -12,8 +12,8 @@ from lmstack.tokenizer import (
     from_hf_json,
     load_gpt2,
     load_tokenizer,
-    save_gpt2,
     save,
+    save_gpt2,
     save_hf,
     to_hf_json,
     to_hf_tokenizer,
@@ -50,7 +50,12 @@ def hf_direct(tok: Tokenizer):
     hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     hf.decoder = decoders.ByteLevel()
-    hf.add_special_tokens([tokenizers.AddedToken(s, normalized=False, special=True) for _, s in sorted(specials.items())])
+    hf.add_special_tokens(
+        [
+            tokenizers.AddedToken(s, normalized=False, special=True)
+            for _, s in sorted(specials.items())
+        ]
+    )
     return hf
 
 
@@ -67,7 +72,9 @@ def tiktoken_direct(tok: Tokenizer, single_digits: bool = False):
         pattern = pattern.replace(r" ?\p{N}++", r"\p{N}")
     specials = set(tok.special_tokens.values())
     ranks = {b: i for i, b in tok.vocab.items() if i not in specials}
-    return tiktoken.Encoding("t", pat_str=pattern, mergeable_ranks=ranks, special_tokens=dict(tok.special_tokens))
+    return tiktoken.Encoding(
+        "t", pat_str=pattern, mergeable_ranks=ranks, special_tokens=dict(tok.special_tokens)
+    )
 
 
 # ---------------------------------------------------------------- a vocabulary lmstack trained
@@ -88,7 +95,10 @@ def test_trained_matches_tiktoken(trained, text):
 
 def test_overlapping_specials_longest_first(trained):
     ids = trained.encode("a<|endoftext|><|endoftext|><|endoftext|>b")
-    eot, eot2 = trained.special_tokens["<|endoftext|>"], trained.special_tokens["<|endoftext|><|endoftext|>"]
+    eot, eot2 = (
+        trained.special_tokens["<|endoftext|>"],
+        trained.special_tokens["<|endoftext|><|endoftext|>"],
+    )
     assert ids == trained.encode("a") + [eot2, eot] + trained.encode("b")
 
 
@@ -134,7 +144,9 @@ def test_gpt2_files_read_by_hf(trained, tmp_path):
     # HF's own reader of GPT-2 files
     from tokenizers import models, pre_tokenizers
 
-    hf = tokenizers.Tokenizer(models.BPE.from_file(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")))
+    hf = tokenizers.Tokenizer(
+        models.BPE.from_file(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    )
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     plain = [t for t in TEXTS if "<|" not in t]
     for text in plain:
@@ -181,18 +193,25 @@ def test_unsupported_files_are_named(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["jinja_file", "config"])
-def test_hf_folder_chat_template_and_special_tokens_as_autotokenizer_reads_them(trained, tmp_path, where):
+def test_hf_folder_chat_template_and_special_tokens_as_autotokenizer_reads_them(
+    trained, tmp_path, where
+):
     """Issue #31: an HF folder's tokenizer_config.json and chat_template.jinja were never read, so chat failed on
     every HF checkpoint. The chat template and bos/eos/pad read from the folder render and resolve as
     transformers' AutoTokenizer does on the same folder."""
     transformers = pytest.importorskip("transformers")
 
-    template = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n"
-                "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    template = (
+        "{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     save_hf(trained, tmp_path / "tokenizer.json")
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
-                                                bos_token="<|im_start|>", eos_token="<|endoftext|>",
-                                                pad_token="<|endoftext|>")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tokenizer.json"),
+        bos_token="<|im_start|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
     fast.chat_template = template
     fast.save_pretrained(tmp_path)
     cfg_path = tmp_path / "tokenizer_config.json"
@@ -209,10 +228,14 @@ def test_hf_folder_chat_template_and_special_tokens_as_autotokenizer_reads_them(
     tok = load_tokenizer(tmp_path)
     messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
     assert tok.chat_template == template
-    assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
-        ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == \
-        (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id)
+    assert tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    ) == ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (
+        ref.bos_token_id,
+        ref.eos_token_id,
+        ref.pad_token_id,
+    )
     cfg["eos_token"] = "<|not-a-token|>"
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(Exception, match=r"eos_token='<\|not-a-token\|>' is not a token"):

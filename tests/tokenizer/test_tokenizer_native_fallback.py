@@ -14,7 +14,9 @@ import pytest
 def _run(code: str, **env) -> subprocess.CompletedProcess:
     src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
     full = {**os.environ, "PYTHONPATH": os.path.abspath(src), **env}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120
+    )
 
 
 _FALLBACK = """
@@ -27,8 +29,13 @@ print(json.dumps([tok.backend, native.status(), tok.encode("abab<|e|>x")]))
 """
 
 
-@pytest.mark.parametrize("env, reason", [({"LMSTACK_TOKENIZER": "python"}, "LMSTACK_TOKENIZER=python"),
-                                         ({"CXX": "/nonexistent/c++"}, "no C++ compiler (/nonexistent/c++) on PATH")])
+@pytest.mark.parametrize(
+    "env, reason",
+    [
+        ({"LMSTACK_TOKENIZER": "python"}, "LMSTACK_TOKENIZER=python"),
+        ({"CXX": "/nonexistent/c++"}, "no C++ compiler (/nonexistent/c++) on PATH"),
+    ],
+)
 def test_falls_back_to_python_with_a_reason(tmp_path, env, reason):
     out = _run(_FALLBACK, TORCH_EXTENSIONS_DIR=str(tmp_path), **env)  # an empty build cache
     assert out.returncode == 0, out.stderr

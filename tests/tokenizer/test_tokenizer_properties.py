@@ -8,7 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tok_helpers import SPECIALS
 
-SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 # Arbitrary Unicode (no surrogates, which are not encodable as UTF-8), biased toward the
 # characters that stress pre-tokenization: whitespace runs, digits, apostrophes, specials' pieces.
@@ -19,7 +21,9 @@ unicode_text = st.text(
     ),
     max_size=80,
 )
-with_specials = st.lists(st.one_of(unicode_text, st.sampled_from(SPECIALS)), max_size=6).map("".join)
+with_specials = st.lists(st.one_of(unicode_text, st.sampled_from(SPECIALS)), max_size=6).map(
+    "".join
+)
 
 
 @SETTINGS
@@ -110,15 +114,20 @@ def test_encode_iterable_custom_pattern_that_skips_text(trained, text, cuts):
     """A custom pattern need not cover every character (here spaces are dropped); streaming still agrees."""
     from lmstack.tokenizer import Tokenizer
 
-    tok = _cached(trained, "words", lambda t: Tokenizer(t.vocab, t.merges, SPECIALS, pattern=r"\w+|[^\w\s]+"))
+    tok = _cached(
+        trained, "words", lambda t: Tokenizer(t.vocab, t.merges, SPECIALS, pattern=r"\w+|[^\w\s]+")
+    )
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     assert list(tok.encode_iterable(chunks, chunk_chars=1)) == tok.encode(text)
 
 
 mixed_text = st.text(
-    st.one_of(st.characters(max_codepoint=127), st.sampled_from(list("éß中😀\u00a0\u2028\u3000½٣")),
-              st.characters(exclude_categories=("Cs",))),
+    st.one_of(
+        st.characters(max_codepoint=127),
+        st.sampled_from(list("éß中😀\u00a0\u2028\u3000½٣")),
+        st.characters(exclude_categories=("Cs",)),
+    ),
     max_size=120,
 )
 

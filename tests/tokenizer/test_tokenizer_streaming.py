@@ -7,7 +7,9 @@ import tracemalloc
 
 import pytest
 
-LINE_WORDS = "the quick brown fox jumps over the lazy dog 你好 世界 😀 def return 0123 <|endoftext|>".split()
+LINE_WORDS = (
+    "the quick brown fox jumps over the lazy dog 你好 世界 😀 def return 0123 <|endoftext|>".split()
+)
 
 
 def write_file(path, n_bytes: int, seed: int = 0) -> None:
@@ -15,7 +17,9 @@ def write_file(path, n_bytes: int, seed: int = 0) -> None:
     with open(path, "w", encoding="utf-8") as f:
         written = 0
         while written < n_bytes:
-            line = " ".join(rng.choices(LINE_WORDS, k=rng.randint(0, 20))) + "\n" * rng.randint(1, 3)
+            line = " ".join(rng.choices(LINE_WORDS, k=rng.randint(0, 20))) + "\n" * rng.randint(
+                1, 3
+            )
             f.write(line)
             written += len(line.encode())
 

@@ -9,12 +9,11 @@ from collections import Counter
 
 import pytest
 import regex
+from tok_helpers import stdlib_text
 
 from lmstack.tokenizer import GPT2_PATTERN
 from lmstack.tokenizer import train as train_mod
 from lmstack.tokenizer.train import count_pretokens, find_chunk_boundaries, train_bpe
-
-from tok_helpers import stdlib_text
 
 WORDS = (
     "the of and to in is was he for it with as his on be at by had are but from or have an they which "
@@ -28,7 +27,7 @@ def make_corpus(n_words: int, seed: int, special: str | None = None) -> str:
     rng = random.Random(seed)
     weights = [1.0 / (i + 1) ** 1.1 for i in range(len(WORDS))]
     out = []
-    for i in range(n_words):
+    for _i in range(n_words):
         out.append(rng.choices(WORDS, weights)[0])
         r = rng.random()
         out.append(" " if r < 0.8 else ("\n" if r < 0.9 else (", " if r < 0.95 else "  ")))
@@ -64,7 +63,11 @@ def reference_train(text: str, vocab_size: int | None, specials: list[str], tie_
             break
         best_count = max(pairs.values())
         tied_pairs = [p for p, c in pairs.items() if c == best_count]
-        best = max(tied_pairs) if tie_break is None else max(tied_pairs, key=lambda p: tie_break(p, merges))
+        best = (
+            max(tied_pairs)
+            if tie_break is None
+            else max(tied_pairs, key=lambda p: tie_break(p, merges))
+        )
         tied.append(sum(1 for c in pairs.values() if c == best_count) > 1)
         merges.append(best)
         new_words = Counter()
@@ -162,7 +165,9 @@ def test_matches_hf_bpe_trainer_until_first_tie(tmp_path):
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=256 + n, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=256 + n,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     hf.train([str(path)], trainer)
     hf_merges = json.loads(hf.to_str())["model"]["merges"]
@@ -216,13 +221,19 @@ def test_custom_pattern_chunks_only_at_specials(tmp_path, monkeypatch):
     monkeypatch.setattr(train_mod, "_SERIAL_BYTES", 0)
     monkeypatch.setattr(train_mod, "_CHUNK_BYTES", 8192)
     custom = r"\S+\s*"  # would be cut differently before ' <letter>'
-    assert count_pretokens(path, pattern=custom, num_workers=2) == Counter(regex.findall(custom, text))
+    assert count_pretokens(path, pattern=custom, num_workers=2) == Counter(
+        regex.findall(custom, text)
+    )
 
 
 def gpt2_byte_chars() -> list[str]:
     """GPT-2's byte -> printable character table (openai/gpt-2 encoder.py ``bytes_to_unicode``):
     printable Latin-1 bytes map to themselves, the other bytes to U+0100 onwards in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     out, extra = [], 0
     for b in range(256):
         if b in keep:
@@ -259,7 +270,9 @@ def test_merges_to_exhaustion_match_reference_and_hf(tmp_path, name):
     path.write_text(text, encoding="utf-8")
     ref, tied = reference_train(text, None, [])
     assert len(ref) >= 5 and any(tied)
-    vocab, ours = train_bpe(path, 256 + 10 * len(ref))  # asks for more than exist: trains to exhaustion
+    vocab, ours = train_bpe(
+        path, 256 + 10 * len(ref)
+    )  # asks for more than exist: trains to exhaustion
     assert ours == ref
     assert len(vocab) == 256 + len(ref)
 
@@ -278,9 +291,17 @@ def test_merges_to_exhaustion_match_reference_and_hf(tmp_path, name):
     hf = Tokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     hf.decoder = decoders.ByteLevel()
-    hf.train([str(path)], trainers.BpeTrainer(vocab_size=256 + 10 * len(ref), show_progress=False,
-                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.train(
+        [str(path)],
+        trainers.BpeTrainer(
+            vocab_size=256 + 10 * len(ref),
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     hf_merges = json.loads(hf.to_str())["model"]["merges"]
     hf_merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in hf_merges]
-    assert hf_merges == [("".join(to_str[bytes([c])] for c in a), "".join(to_str[bytes([c])] for c in b))
-                         for a, b in ref_hf]
+    assert hf_merges == [
+        ("".join(to_str[bytes([c])] for c in a), "".join(to_str[bytes([c])] for c in b))
+        for a, b in ref_hf
+    ]

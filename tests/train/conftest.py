@@ -33,9 +33,22 @@ def token_file(tmp_path):
 def tiny_config(token_file, out_dir, **kw):
     from lmstack.train import TrainConfig
 
-    d = dict(model=dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64),
-             train_data=str(token_file), batch_size=4, seq_len=16, max_steps=10, warmup_steps=2, lr=1e-2,
-             min_lr=1e-3, eval_interval=0, eval_batches=2, log_interval=1, out_dir=str(out_dir), device="cpu",
-             precision="fp32", keep_last=3)
+    d = dict(
+        model=dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64),
+        train_data=str(token_file),
+        batch_size=4,
+        seq_len=16,
+        max_steps=10,
+        warmup_steps=2,
+        lr=1e-2,
+        min_lr=1e-3,
+        eval_interval=0,
+        eval_batches=2,
+        log_interval=1,
+        out_dir=str(out_dir),
+        device="cpu",
+        precision="fp32",
+        keep_last=3,
+    )
     d.update(kw)
     return TrainConfig(**d)

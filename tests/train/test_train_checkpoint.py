@@ -4,12 +4,11 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from lmstack.train import Trainer, latest_checkpoint, load_checkpoint, save_checkpoint
 from lmstack.train import checkpoint as ckpt
 from lmstack.train.checkpoint import CheckpointError, step_dirs
-
-from conftest import tiny_config
 
 
 def _losses(trainer, steps):
@@ -20,7 +19,9 @@ def test_round_trip_restores_exact_state(token_file, tmp_path):
     t = Trainer(tiny_config(token_file, tmp_path / "a"), progress=False)
     _losses(t, 3)
     path = t.save_checkpoint()
-    u = Trainer(tiny_config(token_file, tmp_path / "b", seed=123), progress=False)  # different init and sampler
+    u = Trainer(
+        tiny_config(token_file, tmp_path / "b", seed=123), progress=False
+    )  # different init and sampler
     u.resume(path)
     assert u.step == 3 and u.tokens_seen == t.tokens_seen
     for (n, a), (_, b) in zip(t.raw_model.state_dict().items(), u.raw_model.state_dict().items()):
@@ -29,7 +30,9 @@ def test_round_trip_restores_exact_state(token_file, tmp_path):
     assert sa["param_groups"] == sb["param_groups"]
     for i in sa["state"]:
         for k in sa["state"][i]:
-            assert torch.equal(torch.as_tensor(sa["state"][i][k]), torch.as_tensor(sb["state"][i][k]))
+            assert torch.equal(
+                torch.as_tensor(sa["state"][i][k]), torch.as_tensor(sb["state"][i][k])
+            )
     assert torch.equal(t.data_generator.get_state(), u.data_generator.get_state())
     assert _losses(t, 2) == _losses(u, 2)
 
@@ -69,7 +72,10 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(token_file, tmp_pa
             raise OSError("disk full (simulated crash mid-save)")
         real(tensors, path)
 
-    with mock.patch.object(ckpt, "_save_tensors", crash_on_optimizer), pytest.raises(OSError, match="disk full"):
+    with (
+        mock.patch.object(ckpt, "_save_tensors", crash_on_optimizer),
+        pytest.raises(OSError, match="disk full"),
+    ):
         t.save_checkpoint()
     assert calls[:2] == ["model.safetensors", "optimizer.safetensors"]
     d = tmp_path / "checkpoints"
@@ -120,12 +126,18 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(token_file, tmp_path)
     cfg_path = tmp_path / "run.json"
     cfg_path.write_text(json.dumps(cfg.to_dict()))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "lmstack.train", "--config", str(cfg_path), "--no-progress"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmstack.train", "--config", str(cfg_path), "--no-progress"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     ckdir = tmp_path / "killed" / "checkpoints"
     deadline = time.time() + 120
     try:
-        while time.time() < deadline and not (latest_checkpoint(ckdir) and latest_checkpoint(ckdir).name >= "step_00000006"):
+        while time.time() < deadline and not (
+            latest_checkpoint(ckdir) and latest_checkpoint(ckdir).name >= "step_00000006"
+        ):
             assert proc.poll() is None, proc.stderr.read().decode()
             time.sleep(0.05)
     finally:
@@ -136,8 +148,14 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(token_file, tmp_path)
     assert start >= 6
     resumed.config.stop_after = 4
     resumed.fit()
-    got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "killed" / "metrics.jsonl") if r["kind"] == "train"}
+    got = {
+        r["step"]: r["loss"]
+        for r in read_metrics(tmp_path / "killed" / "metrics.jsonl")
+        if r["kind"] == "train"
+    }
 
-    straight = Trainer(tiny_config(token_file, tmp_path / "straight", max_steps=400), progress=False)
+    straight = Trainer(
+        tiny_config(token_file, tmp_path / "straight", max_steps=400), progress=False
+    )
     expected = [straight.train_step()["loss"] for _ in range(start + 4)]
     assert [got[s] for s in range(start + 1, start + 5)] == expected[start:]

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from lmstack.tokenizer import open_tokens
 from lmstack.train import (
     get_batch,
     pack_documents,
@@ -12,10 +13,7 @@ from lmstack.train import (
     split_documents,
     token_budget_batches,
 )
-from lmstack.tokenizer import open_tokens
 from lmstack.train.data import document_layout
-
-from conftest import write_tokens
 
 
 def test_open_tokens_reads_sidecar_and_rejects_bad_files(tmp_path, token_file):
@@ -49,7 +47,9 @@ def test_get_batch_covers_every_valid_start_uniformly():
     for _ in range(draws):
         b = get_batch(data, 64, S, "cpu", g)
         np.add.at(counts, b.x[:, 0].numpy(), 1)
-    assert counts[: n - S].min() > 0 and counts[n - S:].sum() == 0  # every valid start, nothing beyond
+    assert (
+        counts[: n - S].min() > 0 and counts[n - S :].sum() == 0
+    )  # every valid start, nothing beyond
     expected = draws * 64 / (n - S)
     chi2 = ((counts[: n - S] - expected) ** 2 / expected).sum()
     assert chi2 < 70  # 31 degrees of freedom: p ≈ 1e-4 at 70
@@ -102,7 +102,9 @@ def test_packing_mask_equals_running_documents_separately():
     from lmstack.model import ModelConfig
     from lmstack.model.transformer import Transformer
 
-    cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
+    cfg = ModelConfig(
+        vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64
+    )
     model = Transformer(cfg, seed=0).double().eval()
     docs = [[3, 4, 5, 0], [6, 7, 8, 9, 10, 0], [11, 12, 0]]
     packed = pack_documents(docs, seq_len=15, sep_id=0)
@@ -112,7 +114,7 @@ def test_packing_mask_equals_running_documents_separately():
         start = 0
         for d in docs:
             alone = model(torch.tensor([d]))
-            torch.testing.assert_close(out[0, start:start + len(d)], alone[0])
+            torch.testing.assert_close(out[0, start : start + len(d)], alone[0])
             start += len(d)
     # no target crosses a document or falls on padding
     assert packed.y[0].tolist() == [4, 5, 0, -100, 7, 8, 9, 10, 0, -100, 12, 0, -100, -100, -100]

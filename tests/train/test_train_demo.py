@@ -10,15 +10,45 @@ def test_demo_tour_on_a_tiny_corpus(tmp_path, capsys):
     src = tmp_path / "src"
     src.mkdir()
     for i in range(30):
-        (src / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n\n\nclass C{i}:\n    pass\n" * 20)
+        (src / f"m{i}.py").write_text(
+            f"def f{i}(x):\n    return x + {i}\n\n\nclass C{i}:\n    pass\n" * 20
+        )
     out = tmp_path / "demo"
-    assert main(["demo", str(src), "--out", str(out), "--vocab-size", "300", "--train-seconds", "3",
-                 "--skip-smollm2"]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                str(src),
+                "--out",
+                str(out),
+                "--vocab-size",
+                "300",
+                "--train-seconds",
+                "3",
+                "--skip-smollm2",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
-    for section in ("1. corpus", "2. tokenizer", "3. data", "4. accounting", "5. training", "6. sampling", "outputs"):
+    for section in (
+        "1. corpus",
+        "2. tokenizer",
+        "3. data",
+        "4. accounting",
+        "5. training",
+        "6. sampling",
+        "outputs",
+    ):
         assert section in text
     assert "unigram baseline" in text and "Training memory" in text
-    for f in ("tokenizer.json", "tokens.bin", "run/metrics.jsonl", "run/loss_curve.png", "run/model/model.safetensors"):
+    for f in (
+        "tokenizer.json",
+        "tokens.bin",
+        "run/metrics.jsonl",
+        "run/loss_curve.png",
+        "run/model/model.safetensors",
+    ):
         assert (out / f).is_file(), f
 
 

@@ -5,16 +5,30 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from lmstack.train import Trainer
 
-from conftest import tiny_config
-
 
 def _run(token_file, out_dir, weight):
-    cfg = tiny_config(token_file, out_dir, max_steps=3, model=dict(
-        d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64, layer_types=["dsa", "attention"],
-        dsa_top_k=4, dsa_index_heads=2, dsa_index_head_dim=8, dsa_indexer_loss=weight))
+    cfg = tiny_config(
+        token_file,
+        out_dir,
+        max_steps=3,
+        model=dict(
+            d_model=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=64,
+            max_seq_len=64,
+            layer_types=["dsa", "attention"],
+            dsa_top_k=4,
+            dsa_index_heads=2,
+            dsa_index_head_dim=8,
+            dsa_indexer_loss=weight,
+        ),
+    )
     t = Trainer(cfg, progress=False)
     before = {n: p.detach().clone() for n, p in t.raw_model.named_parameters() if "idx_" in n}
     t.fit()
@@ -42,9 +56,14 @@ def test_pipeline_refuses_auxiliary_losses(field, value):
     from lmstack.train.config import TrainConfigError
     from lmstack.train.trainer import Trainer
 
-    extra = dict(n_experts=4, n_experts_per_token=2) if field.startswith("moe") else dict(
-        layer_types=["dsa", "attention"])
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, **extra, **{field: value})
+    extra = (
+        dict(n_experts=4, n_experts_per_token=2)
+        if field.startswith("moe")
+        else dict(layer_types=["dsa", "attention"])
+    )
+    cfg = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, **extra, **{field: value}
+    )
     fake = SimpleNamespace(raw_model=SimpleNamespace(config=cfg))
     with pytest.raises(TrainConfigError, match=f"model.{field}.*pipeline parallelism"):
         Trainer.pipeline_train_step(fake)

@@ -87,7 +87,11 @@ def test_bf16_autocast_matches_autocast_linear_then_cross_entropy():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ce, z = linear_cross_entropy(h, w, y, z_loss=1e-3, rows=64)
     (ce + z).backward()
-    assert ce.dtype == torch.float32 and h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    assert (
+        ce.dtype == torch.float32
+        and h.grad.dtype == torch.float32
+        and w.grad.dtype == torch.float32
+    )
     h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = F.linear(h2, w2)
@@ -132,7 +136,12 @@ def test_trainer_fused_loss_trains_like_the_materialised_logits(token_file, tmp_
         ma, mb = a.train_step(), b.train_step()
         assert ma["loss"] == pytest.approx(mb["loss"], **tol)
         assert ma["z_loss"] == pytest.approx(mb["z_loss"], **tol)
-        assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5 if precision == "fp32" else 2e-2)
+        assert ma["grad_norm"] == pytest.approx(
+            mb["grad_norm"], rel=1e-5 if precision == "fp32" else 2e-2
+        )
     for pa, pb in zip(a.raw_model.parameters(), b.raw_model.parameters()):
-        torch.testing.assert_close(pa, pb, **(dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else
-                                              dict(rtol=1e-2, atol=1e-3)))
+        torch.testing.assert_close(
+            pa,
+            pb,
+            **(dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else dict(rtol=1e-2, atol=1e-3)),
+        )

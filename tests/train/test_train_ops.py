@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmstack.train import cross_entropy, load_balance_loss, log_softmax, logsumexp, softmax, z_loss_term
+from lmstack.train import (
+    cross_entropy,
+    load_balance_loss,
+    log_softmax,
+    logsumexp,
+    softmax,
+    z_loss_term,
+)
 
 
 @pytest.mark.parametrize("scale", [1.0, 100.0, 5000.0])
@@ -71,7 +78,9 @@ def test_z_loss_value_and_grad_vs_autograd_reference(fused):
     torch.testing.assert_close(z, ref_z)
     torch.testing.assert_close(logits.grad, ref_logits.grad)
     # the unmasked helper: α·mean(log²Z)
-    torch.testing.assert_close(z_loss_term(logits.detach(), alpha), alpha * (lse.detach() ** 2).mean())
+    torch.testing.assert_close(
+        z_loss_term(logits.detach(), alpha), alpha * (lse.detach() ** 2).mean()
+    )
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -79,7 +88,9 @@ def test_cross_entropy_gradcheck(fused):
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 7, generator=g, dtype=torch.float64, requires_grad=True)
     targets = torch.tensor([0, 3, -100, 6, 2])
-    assert torch.autograd.gradcheck(lambda x: sum(cross_entropy(x, targets, z_loss=0.1, fused=fused)), (logits,))
+    assert torch.autograd.gradcheck(
+        lambda x: sum(cross_entropy(x, targets, z_loss=0.1, fused=fused)), (logits,)
+    )
 
 
 def test_cross_entropy_bf16_logits_computed_in_fp32():
@@ -119,4 +130,6 @@ def test_load_balance_loss_hand_computed():
     # f = (2/4, 1/4, 1/4); P = (0.4, 0.375, 0.225); E·Σ f·P = 3·(0.2 + 0.09375 + 0.05625)
     torch.testing.assert_close(load_balance_loss(probs, chosen, 3), torch.tensor(3 * 0.35))
     uniform = torch.full((6, 3), 1 / 3)
-    torch.testing.assert_close(load_balance_loss(uniform, torch.tensor([0, 1, 2, 0, 1, 2]), 3), torch.tensor(1.0))
+    torch.testing.assert_close(
+        load_balance_loss(uniform, torch.tensor([0, 1, 2, 0, 1, 2]), 3), torch.tensor(1.0)
+    )

@@ -21,8 +21,10 @@ def _problem(seed=0):
 
 def _groups(model, wd):
     ps = list(model.parameters())
-    return [{"params": [p for p in ps if p.dim() == 2], "weight_decay": wd},
-            {"params": [p for p in ps if p.dim() == 1], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in ps if p.dim() == 2], "weight_decay": wd},
+        {"params": [p for p in ps if p.dim() == 1], "weight_decay": 0.0},
+    ]
 
 
 def _run(model, opt, data, lrs=None):
@@ -44,7 +46,9 @@ def test_adamw_matches_torch_over_100_steps_with_weight_decay():
     ref = copy.deepcopy(model)
     lrs = [cosine_lr(t, 3e-2, 3e-3, 10, 100) for t in range(100)]
     ours = _run(model, AdamW(_groups(model, 0.1), lr=3e-2, betas=(0.9, 0.95), eps=1e-8), data, lrs)
-    theirs = _run(ref, torch.optim.AdamW(_groups(ref, 0.1), lr=3e-2, betas=(0.9, 0.95), eps=1e-8), data, lrs)
+    theirs = _run(
+        ref, torch.optim.AdamW(_groups(ref, 0.1), lr=3e-2, betas=(0.9, 0.95), eps=1e-8), data, lrs
+    )
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert ours == pytest.approx(theirs, rel=1e-5)
@@ -65,7 +69,11 @@ def test_sgd_matches_torch(momentum, wd):
     model, data = _problem(2)
     ref = copy.deepcopy(model)
     _run(model, SGD(model.parameters(), lr=1e-2, momentum=momentum, weight_decay=wd), data[:50])
-    _run(ref, torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=momentum, weight_decay=wd), data[:50])
+    _run(
+        ref,
+        torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=momentum, weight_decay=wd),
+        data[:50],
+    )
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -86,7 +94,9 @@ def test_clip_grad_norm_matches_torch_and_ignores_frozen(max_norm):
         if a.grad is not None:
             torch.testing.assert_close(a.grad, b.grad)
     if max_norm < 1:
-        total = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None))
+        total = math.sqrt(
+            sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None)
+        )
         assert total == pytest.approx(max_norm, rel=1e-4)
 
 
@@ -115,8 +125,12 @@ def test_cosine_schedule_hand_checked_points():
     assert cosine_lr(4, 1.0, 0.1, 10, 110) == pytest.approx(0.5)
     assert cosine_lr(9, 1.0, 0.1, 10, 110) == pytest.approx(1.0)
     assert cosine_lr(10, 1.0, 0.1, 10, 110) == pytest.approx(1.0)  # cos(0)
-    assert cosine_lr(60, 1.0, 0.1, 10, 110) == pytest.approx(0.55)  # halfway: 0.1 + 0.45·(1 + cos(π/2))
-    assert cosine_lr(35, 1.0, 0.1, 10, 110) == pytest.approx(0.1 + 0.45 * (1 + math.sqrt(0.5)))  # π/4
+    assert cosine_lr(60, 1.0, 0.1, 10, 110) == pytest.approx(
+        0.55
+    )  # halfway: 0.1 + 0.45·(1 + cos(π/2))
+    assert cosine_lr(35, 1.0, 0.1, 10, 110) == pytest.approx(
+        0.1 + 0.45 * (1 + math.sqrt(0.5))
+    )  # π/4
     assert cosine_lr(110, 1.0, 0.1, 10, 110) == pytest.approx(0.1)
     assert cosine_lr(500, 1.0, 0.1, 10, 110) == pytest.approx(0.1)
 

@@ -12,14 +12,18 @@ largest model they can train. With training FLOPs ≈ 6ND (seed 000 §1.6: forwa
 from __future__ import annotations
 
 
-def training_time_s(n_params: float, n_tokens: float, peak_flops: float, n_devices: int = 1, mfu: float = 0.4) -> float:
+def training_time_s(
+    n_params: float, n_tokens: float, peak_flops: float, n_devices: int = 1, mfu: float = 0.4
+) -> float:
     """Seed 001 "可用资源盘点": seconds to train N parameters on D tokens at a given MFU."""
     if not (0 < mfu <= 1):
         raise ValueError(f"mfu={mfu} must be in (0, 1]")
     return 6 * n_params * n_tokens / (mfu * peak_flops * n_devices)
 
 
-def trainable_tokens(n_params: float, seconds: float, peak_flops: float, n_devices: int = 1, mfu: float = 0.4) -> float:
+def trainable_tokens(
+    n_params: float, seconds: float, peak_flops: float, n_devices: int = 1, mfu: float = 0.4
+) -> float:
     """Seed 001 "可用资源盘点": tokens a time budget buys for an N-parameter model."""
     if not (0 < mfu <= 1):
         raise ValueError(f"mfu={mfu} must be in (0, 1]")

@@ -15,8 +15,8 @@ before the backward, plus the gradient reduce-scatter: 1.5× DDP.
 
 from __future__ import annotations
 
-from lmstack.model.config import ModelConfig
 from lmstack.accounting.precision import bytes_per_element
+from lmstack.model.config import ModelConfig
 
 
 def _check_m(M: int) -> None:
@@ -41,7 +41,9 @@ def all_reduce_bytes(n_bytes: float, M: int) -> float:
     return reduce_scatter_bytes(n_bytes, M) + all_gather_bytes(n_bytes, M)
 
 
-def collective_time(sent_bytes: float, bandwidth: float, steps: int = 0, latency_s: float = 0.0) -> float:
+def collective_time(
+    sent_bytes: float, bandwidth: float, steps: int = 0, latency_s: float = 0.0
+) -> float:
     """α-β estimate: sent bytes / one-direction bandwidth + steps × per-step latency."""
     return sent_bytes / bandwidth + steps * latency_s
 
@@ -51,7 +53,9 @@ def all_reduce_time(n_bytes: float, M: int, bandwidth: float, latency_s: float =
     return collective_time(all_reduce_bytes(n_bytes, M), bandwidth, 2 * (M - 1), latency_s)
 
 
-def data_parallel_step_bytes(n_params: float, M: int, strategy: str, dtype: object = "bf16") -> float:
+def data_parallel_step_bytes(
+    n_params: float, M: int, strategy: str, dtype: object = "bf16"
+) -> float:
     """Seed 000 §6.4: bytes each device sends per training step under DDP or ZeRO-1/2/3."""
     n = n_params * bytes_per_element(dtype)
     if strategy in ("ddp", "zero1", "zero2"):
@@ -79,7 +83,9 @@ def tp_compute_comm_ratio(h: int, tp: int) -> float:
     return 4 * h / tp
 
 
-def tp_layer_bytes(cfg: ModelConfig, B: int, S: int, M: int, dtype: object = "bf16", backward: bool = True) -> float:
+def tp_layer_bytes(
+    cfg: ModelConfig, B: int, S: int, M: int, dtype: object = "bf16", backward: bool = True
+) -> float:
     """Seed 000 §6.6: one all-reduce of the (B, S, D) activations after attention's row-parallel
     W_O and one after the FFN's W_down per layer forward; the backward mirrors them (§6.2: the
     all-reduce's backward is an all-reduce). Bytes each device sends for one layer."""
@@ -88,8 +94,9 @@ def tp_layer_bytes(cfg: ModelConfig, B: int, S: int, M: int, dtype: object = "bf
     return count * all_reduce_bytes(n, M)
 
 
-def moe_all_to_all_bytes(cfg: ModelConfig, tokens: int, ep: int, dtype: object = "bf16",
-                         backward: bool = True) -> float:
+def moe_all_to_all_bytes(
+    cfg: ModelConfig, tokens: int, ep: int, dtype: object = "bf16", backward: bool = True
+) -> float:
     """Expert parallelism (seed 001 "专家并行"): bytes one device sends per step for ``tokens`` local tokens.
 
     Each MoE layer dispatches every token's hidden state to each of its k experts and combines the k
@@ -98,5 +105,13 @@ def moe_all_to_all_bytes(cfg: ModelConfig, tokens: int, ep: int, dtype: object =
     """
     _check_m(ep)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    per_layer = 2 * tokens * cfg.n_experts_per_token * cfg.d_model * bytes_per_element(dtype) * (ep - 1) / ep
+    per_layer = (
+        2
+        * tokens
+        * cfg.n_experts_per_token
+        * cfg.d_model
+        * bytes_per_element(dtype)
+        * (ep - 1)
+        / ep
+    )
     return moe_layers * per_layer * (2 if backward else 1)

@@ -21,9 +21,9 @@ own window, MLA, DSA, linear attention, Mamba-2, Gated DeltaNet) and its FFN cos
 
 from __future__ import annotations
 
+from lmstack.accounting.params import active_params, layer_ffn_params
 from lmstack.model.config import ModelConfig
 from lmstack.model.mixer_spec import attended_keys, attention_kind, layer_specs, spec
-from lmstack.accounting.params import active_params, layer_ffn_params, total_params
 
 __all__ = ["attended_keys"]  # re-exported: seed 000 §1.9, min(S, W) keys
 
@@ -34,7 +34,9 @@ def attention_projection_flops(cfg: ModelConfig, B: int, T: int) -> int:
     return spec(attention_kind(cfg)).flops(cfg, B, T, T, None)[0]
 
 
-def attention_score_flops(cfg: ModelConfig, B: int, T: int, S: int, window: int | None = None) -> int:
+def attention_score_flops(
+    cfg: ModelConfig, B: int, T: int, S: int, window: int | None = None
+) -> int:
     """Seed 000 §1.6: QKᵀ (B,N,T,H)x(B,N,H,S) 2BNTSH plus A·V 2BNTSH = 4BNTSH (= 4BS²D at T = S); MLA's expanded
     form: QKᵀ over H_n + d_R, A·V over H_v."""
     return spec(attention_kind(cfg)).flops(cfg, B, T, S, window)[1]
@@ -46,7 +48,9 @@ def layer_ffn_flops(cfg: ModelConfig, layer_idx: int, B: int, T: int) -> int:
         return 0
     if not cfg.is_moe_layer(layer_idx):
         return ffn_flops(cfg, B, T)
-    skipped = (cfg.n_experts - cfg.n_experts_per_token) * 3 * cfg.d_model * (cfg.d_ff_expert or cfg.d_ff)
+    skipped = (
+        (cfg.n_experts - cfg.n_experts_per_token) * 3 * cfg.d_model * (cfg.d_ff_expert or cfg.d_ff)
+    )
     bias = cfg.n_experts if cfg.router_aux_free_bias else 0
     return 2 * B * T * (layer_ffn_params(cfg, layer_idx) - skipped - bias)
 
@@ -61,14 +65,25 @@ def unembedding_flops(cfg: ModelConfig, B: int, T: int) -> int:
     return 2 * B * T * cfg.d_model * cfg.vocab_size
 
 
-def layer_forward_flops(cfg: ModelConfig, B: int, T: int, S: int | None = None, window: int | None = None) -> int:
+def layer_forward_flops(
+    cfg: ModelConfig, B: int, T: int, S: int | None = None, window: int | None = None
+) -> int:
     """Seed 000 §1.6 "每层总计": attention + FFN of one layer; 2BSD(12D + 2S) at K = N, F = 8/3·D."""
     S = T if S is None else S
-    return attention_projection_flops(cfg, B, T) + attention_score_flops(cfg, B, T, S, window) + ffn_flops(cfg, B, T)
+    return (
+        attention_projection_flops(cfg, B, T)
+        + attention_score_flops(cfg, B, T, S, window)
+        + ffn_flops(cfg, B, T)
+    )
 
 
 def forward_flops(
-    cfg: ModelConfig, B: int, S: int, T: int | None = None, window: int | None = None, logits: bool = True
+    cfg: ModelConfig,
+    B: int,
+    S: int,
+    T: int | None = None,
+    window: int | None = None,
+    logits: bool = True,
 ) -> int:
     """Seed 000 §1.6: forward FLOPs = L·layer + 2BTDV; 2LBSD(12D + 2S) + 2BSDV for prefill (T = S).
 
@@ -78,7 +93,9 @@ def forward_flops(
     """
     T = S if T is None else T
     total = 0
-    for i, s in enumerate(layer_specs(cfg)):  # each layer's mixer (model.mixer_spec) and FFN (MoE: active weights)
+    for i, s in enumerate(
+        layer_specs(cfg)
+    ):  # each layer's mixer (model.mixer_spec) and FFN (MoE: active weights)
         total += sum(s.flops(cfg, B, T, S, window)) + layer_ffn_flops(cfg, i, B, T)
     if logits:
         total += unembedding_flops(cfg, B, T)

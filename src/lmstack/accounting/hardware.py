@@ -78,17 +78,37 @@ HARDWARE: dict[str, Hardware] = {
     # InfiniBand: HDR 200 Gb/s ConnectX-6 (DGX A100).
     "a100-40gb": Hardware(
         name="a100-40gb",
-        peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12, "int8": 624e12},
-        hbm_bandwidth=1.555e12, hbm_bytes=40e9, sram_bytes=108 * 192 * KIB,
-        nvlink_bandwidth=600e9, pcie_bandwidth=64e9, ib_bandwidth=200e9 / 8,
+        peak_flops={
+            "fp32": 19.5e12,
+            "tf32": 156e12,
+            "bf16": 312e12,
+            "fp16": 312e12,
+            "int8": 624e12,
+        },
+        hbm_bandwidth=1.555e12,
+        hbm_bytes=40e9,
+        sram_bytes=108 * 192 * KIB,
+        nvlink_bandwidth=600e9,
+        pcie_bandwidth=64e9,
+        ib_bandwidth=200e9 / 8,
         source="NVIDIA A100 datasheet; A100 whitepaper",
     ),
     # Same datasheet, A100 80GB SXM column: 80 GB HBM2e at 2,039 GB/s; compute as the 40 GB part.
     "a100-80gb": Hardware(
         name="a100-80gb",
-        peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12, "int8": 624e12},
-        hbm_bandwidth=2.039e12, hbm_bytes=80e9, sram_bytes=108 * 192 * KIB,
-        nvlink_bandwidth=600e9, pcie_bandwidth=64e9, ib_bandwidth=200e9 / 8,
+        peak_flops={
+            "fp32": 19.5e12,
+            "tf32": 156e12,
+            "bf16": 312e12,
+            "fp16": 312e12,
+            "int8": 624e12,
+        },
+        hbm_bandwidth=2.039e12,
+        hbm_bytes=80e9,
+        sram_bytes=108 * 192 * KIB,
+        nvlink_bandwidth=600e9,
+        pcie_bandwidth=64e9,
+        ib_bandwidth=200e9 / 8,
         source="NVIDIA A100 datasheet; A100 whitepaper",
     ),
     # NVIDIA H100 Tensor Core GPU datasheet / H100 whitepaper, SXM5 column, dense:
@@ -97,10 +117,20 @@ HARDWARE: dict[str, Hardware] = {
     # NVLink 4 900 GB/s; PCIe Gen5 128 GB/s; 132 SMs x 256 KB L1/shared; NDR 400 Gb/s IB.
     "h100-sxm": Hardware(
         name="h100-sxm",
-        peak_flops={"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12,
-                    "fp8": 1978.9e12, "int8": 1978.9e12},
-        hbm_bandwidth=3.35e12, hbm_bytes=80e9, sram_bytes=132 * 256 * KIB,
-        nvlink_bandwidth=900e9, pcie_bandwidth=128e9, ib_bandwidth=400e9 / 8,
+        peak_flops={
+            "fp32": 66.9e12,
+            "tf32": 494.7e12,
+            "bf16": 989.4e12,
+            "fp16": 989.4e12,
+            "fp8": 1978.9e12,
+            "int8": 1978.9e12,
+        },
+        hbm_bandwidth=3.35e12,
+        hbm_bytes=80e9,
+        sram_bytes=132 * 256 * KIB,
+        nvlink_bandwidth=900e9,
+        pcie_bandwidth=128e9,
+        ib_bandwidth=400e9 / 8,
         source="NVIDIA H100 datasheet; H100 whitepaper (SXM5)",
     ),
     # Same sources, H100 PCIe column, dense: FP32 51.2 TF, TF32 378 TF, BF16/FP16 756 TF,
@@ -108,10 +138,20 @@ HARDWARE: dict[str, Hardware] = {
     # PCIe Gen5 128 GB/s; 114 SMs x 256 KB.
     "h100-pcie": Hardware(
         name="h100-pcie",
-        peak_flops={"fp32": 51.2e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12,
-                    "fp8": 1513e12, "int8": 1513e12},
-        hbm_bandwidth=2.0e12, hbm_bytes=80e9, sram_bytes=114 * 256 * KIB,
-        nvlink_bandwidth=600e9, pcie_bandwidth=128e9, ib_bandwidth=400e9 / 8,
+        peak_flops={
+            "fp32": 51.2e12,
+            "tf32": 378e12,
+            "bf16": 756e12,
+            "fp16": 756e12,
+            "fp8": 1513e12,
+            "int8": 1513e12,
+        },
+        hbm_bandwidth=2.0e12,
+        hbm_bytes=80e9,
+        sram_bytes=114 * 256 * KIB,
+        nvlink_bandwidth=600e9,
+        pcie_bandwidth=128e9,
+        ib_bandwidth=400e9 / 8,
         source="NVIDIA H100 datasheet; H100 whitepaper (PCIe)",
     ),
     # NVIDIA H200 datasheet (SXM): the H100 SXM compute (sparse figures halved: BF16 989.5 TF,
@@ -119,10 +159,20 @@ HARDWARE: dict[str, Hardware] = {
     # NVLink 900 GB/s; PCIe Gen5 128 GB/s; 132 SMs x 256 KB.
     "h200": Hardware(
         name="h200",
-        peak_flops={"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12, "fp16": 989.5e12,
-                    "fp8": 1979e12, "int8": 1979e12},
-        hbm_bandwidth=4.8e12, hbm_bytes=141e9, sram_bytes=132 * 256 * KIB,
-        nvlink_bandwidth=900e9, pcie_bandwidth=128e9, ib_bandwidth=400e9 / 8,
+        peak_flops={
+            "fp32": 67e12,
+            "tf32": 494.5e12,
+            "bf16": 989.5e12,
+            "fp16": 989.5e12,
+            "fp8": 1979e12,
+            "int8": 1979e12,
+        },
+        hbm_bandwidth=4.8e12,
+        hbm_bytes=141e9,
+        sram_bytes=132 * 256 * KIB,
+        nvlink_bandwidth=900e9,
+        pcie_bandwidth=128e9,
+        ib_bandwidth=400e9 / 8,
         source="NVIDIA H200 datasheet (SXM)",
     ),
     # NVIDIA HGX B200 datasheet (8 GPUs, sparse): TF32 18 PF, FP16/BF16 36 PF, FP8 72 PF,
@@ -132,17 +182,32 @@ HARDWARE: dict[str, Hardware] = {
     # x16 256 GB/s; ConnectX-7 400 Gb/s (DGX B200).
     "b200": Hardware(
         name="b200",
-        peak_flops={"fp32": 80e12, "tf32": 1.125e15, "bf16": 2.25e15, "fp16": 2.25e15,
-                    "fp8": 4.5e15, "int8": 4.5e15},
-        hbm_bandwidth=8e12, hbm_bytes=180e9, sram_bytes=148 * 256 * KIB,
-        nvlink_bandwidth=1.8e12, pcie_bandwidth=256e9, ib_bandwidth=400e9 / 8,
+        peak_flops={
+            "fp32": 80e12,
+            "tf32": 1.125e15,
+            "bf16": 2.25e15,
+            "fp16": 2.25e15,
+            "fp8": 4.5e15,
+            "int8": 4.5e15,
+        },
+        hbm_bandwidth=8e12,
+        hbm_bytes=180e9,
+        sram_bytes=148 * 256 * KIB,
+        nvlink_bandwidth=1.8e12,
+        pcie_bandwidth=256e9,
+        ib_bandwidth=400e9 / 8,
         source="NVIDIA HGX B200 datasheet; Blackwell datasheet",
     ),
 }
 
 _HW_ALIASES = {
-    "a100": "a100-80gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb",
-    "h100": "h100-sxm", "h100sxm": "h100-sxm", "h100-sxm5": "h100-sxm", "h100pcie": "h100-pcie",
+    "a100": "a100-80gb",
+    "a100-40": "a100-40gb",
+    "a100-80": "a100-80gb",
+    "h100": "h100-sxm",
+    "h100sxm": "h100-sxm",
+    "h100-sxm5": "h100-sxm",
+    "h100pcie": "h100-pcie",
     "h200-sxm": "h200",
 }
 
@@ -166,7 +231,9 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_cpu(quick: bool = False, dtypes: tuple[str, ...] = ("fp32", "bf16"), threads: int | None = None) -> Hardware:
+def measure_cpu(
+    quick: bool = False, dtypes: tuple[str, ...] = ("fp32", "bf16"), threads: int | None = None
+) -> Hardware:
     """Measure this machine: memory bandwidth (a large tensor copy) and matmul FLOP/s per dtype.
 
     Bandwidth = bytes read + bytes written by ``dst.copy_(src)`` / median time; matmul FLOP/s =
@@ -180,21 +247,23 @@ def measure_cpu(quick: bool = False, dtypes: tuple[str, ...] = ("fp32", "bf16"),
         torch.set_num_threads(threads)
     try:
         n_bytes = (16 if quick else 256) * 2**20
-        src = torch.ones(n_bytes // 4, dtype=torch.float32)
-        dst = torch.empty_like(src)
-        t = _median_time(lambda: dst.copy_(src), 3 if quick else 7)
+        buffers = [torch.ones(n_bytes // 4, dtype=torch.float32)]
+        buffers.append(torch.empty_like(buffers[0]))
+        t = _median_time(lambda: buffers[1].copy_(buffers[0]), 3 if quick else 7)
         bandwidth = 2 * n_bytes / t
-        del src, dst
+        buffers.clear()  # free the 2 x n_bytes before the matmul timings
         torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         n = 256 if quick else 1024
         peak: dict[str, float] = {}
         for d in dtypes:
             key = canonical_dtype(d)
             if key not in torch_dtypes:
-                raise ValueError(f"measure_cpu cannot time dtype={d!r}; choose from {sorted(torch_dtypes)}")
+                raise ValueError(
+                    f"measure_cpu cannot time dtype={d!r}; choose from {sorted(torch_dtypes)}"
+                )
             a = torch.randn(n, n).to(torch_dtypes[key])
             b = torch.randn(n, n).to(torch_dtypes[key])
-            tm = _median_time(lambda: torch.mm(a, b), 3 if quick else 5)
+            tm = _median_time(lambda: torch.mm(a, b), 3 if quick else 5)  # noqa: B023
             peak[key] = 2 * n**3 / tm
         try:
             mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

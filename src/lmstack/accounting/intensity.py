@@ -17,13 +17,15 @@ at K = N, NH = D, P = 2 that is (6BTD² + 4BTSD) / (8BTD + 6D² + 4BSD)
 
 from __future__ import annotations
 
-from lmstack.model.config import ModelConfig
 from lmstack.accounting.hardware import Hardware
 from lmstack.accounting.params import expected_experts_touched
 from lmstack.accounting.precision import bytes_per_element
+from lmstack.model.config import ModelConfig
 
 
-def ffn_flops_bytes(cfg: ModelConfig, B: int, T: int, dtype: object = "bf16") -> tuple[float, float]:
+def ffn_flops_bytes(
+    cfg: ModelConfig, B: int, T: int, dtype: object = "bf16"
+) -> tuple[float, float]:
     """Seed 001 "计算强度分析": (FLOPs, bytes) of one SwiGLU FFN on T tokens.
 
     A mixture of experts (``cfg.n_experts``): the routed experts of one MoE layer — the B·T·k assignments each
@@ -59,12 +61,16 @@ def seed_ffn_intensity(B: int, T: int, D: int) -> float:
     return 6 * B * T * D / (5 * B * T + 6 * D)
 
 
-def attention_flops_bytes(cfg: ModelConfig, B: int, T: int, S: int, dtype: object = "bf16") -> tuple[float, float]:
+def attention_flops_bytes(
+    cfg: ModelConfig, B: int, T: int, S: int, dtype: object = "bf16"
+) -> tuple[float, float]:
     """Seed 001 "计算强度分析": (FLOPs, bytes) of the QKV projections + FlashAttention over S keys."""
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     P = bytes_per_element(dtype)
     flops = 2 * B * T * D * (N * H + 2 * K * H) + 4 * B * T * S * N * H
-    moved = B * T * D + D * (N * H + 2 * K * H) + 2 * B * T * K * H + B * T * N * H + 2 * B * S * K * H
+    moved = (
+        B * T * D + D * (N * H + 2 * K * H) + 2 * B * T * K * H + B * T * N * H + 2 * B * S * K * H
+    )
     return flops, P * moved
 
 
@@ -84,7 +90,9 @@ def verdict(intensity: float, ridge: float) -> str:
     return "compute-bound" if intensity >= ridge else "memory-bound"
 
 
-def phase_verdicts(cfg: ModelConfig, hw: Hardware, B: int, S: int, dtype: object = "bf16") -> dict[str, dict]:
+def phase_verdicts(
+    cfg: ModelConfig, hw: Hardware, B: int, S: int, dtype: object = "bf16"
+) -> dict[str, dict]:
     """Prefill (T = S, a context of S) and decode (T = 1 against S cached keys): FFN and
     attention intensities against ``hw``'s ridge point (seed 001 "计算强度分析")."""
     ridge = hw.ridge_point(dtype)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from lmstack.model.config import ModelConfig
-from lmstack.model.mixer_spec import attention_kind, layer_specs, spec
 from lmstack.accounting.params import norm_params_per_layer, param_counts, total_params
 from lmstack.accounting.precision import bytes_per_element
+from lmstack.model.config import ModelConfig
+from lmstack.model.mixer_spec import attention_kind, layer_specs, spec
 
 # ---- KV cache (§1.7, §2.5) ------------------------------------------------------------------
 
@@ -28,7 +28,9 @@ def kv_cache_elements(cfg: ModelConfig, B: int, S: int, window: int | None = Non
     """
     Se = S if window is None else min(S, window)
     # the spec's bytes at one byte per element are its elements
-    return B * sum(int(s.cache_bytes(cfg, Se, 1, 1)) for s in layer_specs(cfg) if s.cache != "state")
+    return B * sum(
+        int(s.cache_bytes(cfg, Se, 1, 1)) for s in layer_specs(cfg) if s.cache != "state"
+    )
 
 
 def kv_layer_elements(cfg: ModelConfig, B: int, S: int) -> int:
@@ -37,19 +39,28 @@ def kv_layer_elements(cfg: ModelConfig, B: int, S: int) -> int:
     return B * int(spec(attention_kind(cfg)).cache_bytes(cfg, S, 1, 1))
 
 
-def kv_cache_bytes(cfg: ModelConfig, B: int, S: int, dtype: object = "bf16", window: int | None = None) -> float:
+def kv_cache_bytes(
+    cfg: ModelConfig, B: int, S: int, dtype: object = "bf16", window: int | None = None
+) -> float:
     """Seed 001 "性能指标分析": Memory_KV = 2·P·B·S·L·K·H bytes (P bytes per element)."""
     return kv_cache_elements(cfg, B, S, window) * bytes_per_element(dtype)
 
 
-def mla_kv_cache_bytes(B: int, S: int, L: int, latent_dim: int, rope_dim: int = 0, dtype: object = "bf16") -> float:
+def mla_kv_cache_bytes(
+    B: int, S: int, L: int, latent_dim: int, rope_dim: int = 0, dtype: object = "bf16"
+) -> float:
     """Seed 000 §2.5 MLA: cache one latent (S, latent_dim) per layer instead of K and V, plus the
     decoupled-RoPE key of ``rope_dim`` (DeepSeek-V2: latent 512, RoPE key 64)."""
     return B * S * L * (latent_dim + rope_dim) * bytes_per_element(dtype)
 
 
 def kv_cache_variants(
-    cfg: ModelConfig, B: int, S: int, dtype: object = "bf16", mla_latent_dim: int = 512, mla_rope_dim: int = 64
+    cfg: ModelConfig,
+    B: int,
+    S: int,
+    dtype: object = "bf16",
+    mla_latent_dim: int = 512,
+    mla_rope_dim: int = 64,
 ) -> dict[str, float]:
     """Seed 000 §2.5: the same model's cache with MHA (K = N), its own GQA K, MQA (K = 1) and MLA."""
     out = {
@@ -64,7 +75,9 @@ def kv_cache_variants(
 # ---- activations (§1.5, §1.7, §1.8) ---------------------------------------------------------
 
 
-def train_activation_elements_per_layer(cfg: ModelConfig, B: int, S: int, flash: bool = False) -> int:
+def train_activation_elements_per_layer(
+    cfg: ModelConfig, B: int, S: int, flash: bool = False
+) -> int:
     """Seed 000 §1.5: activations one layer keeps for backward.
 
     attention: norm input BSD, norm output BSD, Q BS·NH, K and V BS·KH each, scores BNS²,
@@ -81,7 +94,12 @@ def train_activation_elements_per_layer(cfg: ModelConfig, B: int, S: int, flash:
 
 
 def train_activation_bytes(
-    cfg: ModelConfig, B: int, S: int, dtype: object = "bf16", flash: bool = False, checkpoint: bool = False
+    cfg: ModelConfig,
+    B: int,
+    S: int,
+    dtype: object = "bf16",
+    flash: bool = False,
+    checkpoint: bool = False,
 ) -> float:
     """Seed 000 §1.8: L × per-layer activations. With activation checkpointing only each layer's
     input (BSD) is kept and one layer's activations are rebuilt at a time in backward."""
@@ -93,7 +111,9 @@ def train_activation_bytes(
     return elements * bytes_per_element(dtype)
 
 
-def peak_activation_elements(cfg: ModelConfig, B: int, T: int, S: int | None = None, flash: bool = False) -> int:
+def peak_activation_elements(
+    cfg: ModelConfig, B: int, T: int, S: int | None = None, flash: bool = False
+) -> int:
     """Seed 000 §1.7: under inference_mode only one layer's activations are alive at a time:
     input B·T·D + projections B·T·(NH + 2KH) (3BSD at K = N) + scores B·N·T·S (B·N·T with
     FlashAttention) + FFN hidden B·T·F. Prefill T = S gives O(BNS² + BSF); decode T = 1 O(BNS + BF)."""
@@ -132,7 +152,11 @@ def inference_memory(
     w = total_params(cfg) * bytes_per_element(dtype)
     p = bytes_per_element(kv_dtype or dtype)
     kv = kv_cache_bytes(cfg, B, S, kv_dtype or dtype, window)
-    kv += B * sum(s.cache_bytes(cfg, S, p, bytes_per_element("fp32")) for s in layer_specs(cfg) if s.cache == "state")
+    kv += B * sum(
+        s.cache_bytes(cfg, S, p, bytes_per_element("fp32"))
+        for s in layer_specs(cfg)
+        if s.cache == "state"
+    )
     act = peak_activation_elements(cfg, B, S, S, flash) * bytes_per_element(dtype)
     return InferenceMemory(weights=w, kv_cache=kv, activations=act)
 
@@ -181,7 +205,9 @@ def training_memory(
     """Seed 000 §1.8: Memory_train = weights + optimizer states + gradients + activations,
     activations in bf16 (fp32 without mixed precision)."""
     states = training_state_bytes(total_params(cfg), mixed_precision)
-    act = train_activation_bytes(cfg, B, S, "bf16" if mixed_precision else "fp32", flash, checkpoint)
+    act = train_activation_bytes(
+        cfg, B, S, "bf16" if mixed_precision else "fp32", flash, checkpoint
+    )
     return TrainingMemory(activations=act, **states)
 
 
@@ -253,7 +279,10 @@ def training_memory_per_device(
     layers = cfg.n_layers / M
     per_layer = train_activation_elements_per_layer(cfg, 1, S, flash) * in_flight
     if checkpoint:
-        elements = layers * in_flight * S * cfg.d_model + train_activation_elements_per_layer(cfg, 1, S, flash) * B / n
+        elements = (
+            layers * in_flight * S * cfg.d_model
+            + train_activation_elements_per_layer(cfg, 1, S, flash) * B / n
+        )
     else:
         elements = layers * per_layer
     return TrainingMemory(activations=elements * bpe, **s)

@@ -48,8 +48,9 @@ def mixer_decode_flops(c: ModelConfig, kind: str, S: int) -> int:
     return sum(spec(kind).flops(c, 1, 1, S, None))
 
 
-def mixer_cache_bytes(c: ModelConfig, kind: str, S: int, dtype: object = "bf16", state_dtype: object = STATE_DTYPE
-                      ) -> float:
+def mixer_cache_bytes(
+    c: ModelConfig, kind: str, S: int, dtype: object = "bf16", state_dtype: object = STATE_DTYPE
+) -> float:
     """Bytes one layer keeps for one sequence after S tokens: KV (model dtype) or state (fp32) + conv inputs."""
     return spec(kind).cache_bytes(c, S, bytes_per_element(dtype), bytes_per_element(state_dtype))
 
@@ -75,19 +76,26 @@ def pattern_variants(c: ModelConfig, window: int = 4096) -> dict[str, ModelConfi
     return {
         "full": c.replace(layer_types=None),
         "3:1 deltanet:full": c.replace(layer_types=rep(["gated_deltanet"] * 3 + ["attention"])),
-        f"5:1 local({window}):global": c.replace(layer_types=rep(["local_attention"] * 5 + ["attention"]),
-                                                 local_window=window),
+        f"5:1 local({window}):global": c.replace(
+            layer_types=rep(["local_attention"] * 5 + ["attention"]), local_window=window
+        ),
         "pure deltanet": c.replace(layer_types=rep(["gated_deltanet"])),
     }
 
 
-def cache_table(c: ModelConfig, contexts: list[int], dtype: object = "bf16", window: int = 4096
-                ) -> dict[str, list[float]]:
+def cache_table(
+    c: ModelConfig, contexts: list[int], dtype: object = "bf16", window: int = 4096
+) -> dict[str, list[float]]:
     """{variant: [KV+state bytes at each S]} for ``pattern_variants``."""
-    return {name: [cache_bytes(v, S, 1, dtype) for S in contexts] for name, v in pattern_variants(c, window).items()}
+    return {
+        name: [cache_bytes(v, S, 1, dtype) for S in contexts]
+        for name, v in pattern_variants(c, window).items()
+    }
 
 
-def plot_cache_vs_context(c: ModelConfig, contexts: list[int], path, dtype: object = "bf16", window: int = 4096) -> None:
+def plot_cache_vs_context(
+    c: ModelConfig, contexts: list[int], path, dtype: object = "bf16", window: int = 4096
+) -> None:
     """PNG: KV + state bytes per sequence vs context length (log-log) for the four layer patterns."""
     import matplotlib
 

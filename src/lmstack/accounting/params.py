@@ -17,7 +17,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from lmstack.model.config import ModelConfig
-from lmstack.model.mixer_spec import attention_kind, attention_params, layer_kinds, layer_specs, mla_params, spec
+from lmstack.model.mixer_spec import (
+    attention_kind,
+    attention_params,
+    layer_kinds,
+    layer_specs,
+    mla_params,
+    spec,
+)
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,9 @@ def attention_params_per_layer(cfg: ModelConfig) -> int:
     Seed 001 "性能指标分析" writes the same as DNH + 2DKH + DNH. With ``qkv_bias`` the q, k, v
     projections carry NH + 2KH biases.
     """
-    return spec(attention_kind(cfg)).params(cfg)  # model.mixer_spec: softmax attention's or MLA's count
+    return spec(attention_kind(cfg)).params(
+        cfg
+    )  # model.mixer_spec: softmax attention's or MLA's count
 
 
 def ffn_params_per_layer(cfg: ModelConfig) -> int:
@@ -70,7 +79,9 @@ def ffn_params_per_layer(cfg: ModelConfig) -> int:
 def norm_params_per_layer(cfg: ModelConfig) -> int:
     """Seed 000 §1.4: two RMSNorm gammas of D per layer (pre-attention, pre-FFN), plus 2H for QK-norm
     (a softmax-attention layer of the Llama block; ``layer_norm_params`` counts any layer)."""
-    return 2 * cfg.d_model + spec(attention_kind(cfg)).norm_params(cfg)  # QK-norm, or MLA's latent norms
+    return 2 * cfg.d_model + spec(attention_kind(cfg)).norm_params(
+        cfg
+    )  # QK-norm, or MLA's latent norms
 
 
 def layer_norm_params(cfg: ModelConfig, layer_idx: int) -> int:
@@ -79,7 +90,11 @@ def layer_norm_params(cfg: ModelConfig, layer_idx: int) -> int:
     mixer's own (QK-norm, MLA's latent norms: ``MixerSpec.norm_params``)."""
     D = cfg.d_model
     ffn = cfg.block_ffn
-    block = D + (D if ffn and not cfg.parallel_block else 0) + ((D + (D if ffn else 0)) if cfg.sandwich_norm else 0)
+    block = (
+        D
+        + (D if ffn and not cfg.parallel_block else 0)
+        + ((D + (D if ffn else 0)) if cfg.sandwich_norm else 0)
+    )
     return block + layer_specs(cfg)[layer_idx].norm_params(cfg)
 
 
@@ -189,15 +204,23 @@ def moe_layers(cfg: ModelConfig) -> int:
 def active_params(cfg: ModelConfig) -> int:
     """Parameters one token uses (seed 001 "MoE", the routed/active/shared table): the total minus the
     (E − k) routed experts it skips in every MoE layer. Equals ``total_params`` for a dense model."""
-    return total_params(cfg) - moe_layers(cfg) * (cfg.n_experts - cfg.n_experts_per_token) * expert_params(cfg)
+    return total_params(cfg) - moe_layers(cfg) * (
+        cfg.n_experts - cfg.n_experts_per_token
+    ) * expert_params(cfg)
 
 
 def moe_summary(cfg: ModelConfig) -> dict[str, int | float]:
     """The seed's routed / active / shared table row for ``cfg``, with total and active parameters."""
     Fe = cfg.d_ff_expert or cfg.d_ff
-    return {"routed": cfg.n_experts, "active": cfg.n_experts_per_token, "shared": cfg.n_shared_experts,
-            "fine_grained_ratio": Fe / cfg.d_ff if cfg.n_experts else 1.0, "moe_layers": moe_layers(cfg),
-            "total_params": total_params(cfg), "active_params": active_params(cfg)}
+    return {
+        "routed": cfg.n_experts,
+        "active": cfg.n_experts_per_token,
+        "shared": cfg.n_shared_experts,
+        "fine_grained_ratio": Fe / cfg.d_ff if cfg.n_experts else 1.0,
+        "moe_layers": moe_layers(cfg),
+        "total_params": total_params(cfg),
+        "active_params": active_params(cfg),
+    }
 
 
 def expected_experts_touched(n_experts: int, k: int, tokens: int) -> float:
@@ -229,9 +252,15 @@ def decode_params(cfg: ModelConfig, tokens: int | None = 1) -> float:
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     vocab = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * D
     bias = (N * H * (2 if cfg.attn_output_gate else 1) + 2 * K * H) if cfg.qkv_bias else 0
-    total: float = vocab + sum(s.params(cfg) - (bias if s.params is attention_params else 0) for s in layer_specs(cfg))
+    total: float = vocab + sum(
+        s.params(cfg) - (bias if s.params is attention_params else 0) for s in layer_specs(cfg)
+    )
     E = cfg.n_experts
-    touched = E if tokens is None or not E else expected_experts_touched(E, cfg.n_experts_per_token, tokens)
+    touched = (
+        E
+        if tokens is None or not E
+        else expected_experts_touched(E, cfg.n_experts_per_token, tokens)
+    )
     for i in range(cfg.n_layers):
         if not cfg.block_ffn:
             continue
@@ -240,6 +269,8 @@ def decode_params(cfg: ModelConfig, tokens: int | None = 1) -> float:
             continue
         total += cfg.n_experts * D + touched * expert_params(cfg)
         if cfg.n_shared_experts:
-            total += 3 * D * (cfg.d_ff_shared or cfg.n_shared_experts * (cfg.d_ff_expert or cfg.d_ff))
+            total += (
+                3 * D * (cfg.d_ff_shared or cfg.n_shared_experts * (cfg.d_ff_expert or cfg.d_ff))
+            )
             total += D if cfg.shared_expert_gate else 0
     return total

@@ -19,12 +19,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from lmstack.model.config import ModelConfig
 from lmstack.accounting.flops import forward_flops, unembedding_flops
 from lmstack.accounting.hardware import Hardware
 from lmstack.accounting.memory import kv_cache_bytes
 from lmstack.accounting.params import decode_params
 from lmstack.accounting.precision import bytes_per_element
+from lmstack.model.config import ModelConfig
 from lmstack.utils import atomic_path
 
 
@@ -32,7 +32,9 @@ from lmstack.utils import atomic_path
 class DecodePoint:
     B: int
     S: int
-    num_params: float  # seed 001 Param (matrices read by the step; expected experts touched for an MoE)
+    num_params: (
+        float  # seed 001 Param (matrices read by the step; expected experts touched for an MoE)
+    )
     memory_bytes: float  # Param·P + Memory_KV
     latency_s: float  # memory_bytes / bandwidth
     throughput_tok_s: float  # B / latency
@@ -64,7 +66,9 @@ def decode_throughput(B: int, latency_s: float) -> float:
     return B / latency_s
 
 
-def decode_point(cfg: ModelConfig, hw: Hardware, B: int, S: int, dtype: object = "bf16") -> DecodePoint:
+def decode_point(
+    cfg: ModelConfig, hw: Hardware, B: int, S: int, dtype: object = "bf16"
+) -> DecodePoint:
     """One decoding step of B sequences with S cached positions each (seed 001 table row). A mixture of
     experts reads only the experts its B tokens touch (``params.decode_params``)."""
     params = decode_params(cfg, B)
@@ -74,13 +78,22 @@ def decode_point(cfg: ModelConfig, hw: Hardware, B: int, S: int, dtype: object =
     fl = forward_flops(cfg, B, S, T=1, window=cfg.sliding_window)
     comp = fl / hw.flops(dtype)
     return DecodePoint(
-        B=B, S=S, num_params=params, memory_bytes=memory, latency_s=lat,
-        throughput_tok_s=decode_throughput(B, lat), flops=fl, compute_s=comp,
-        intensity=fl / memory, fits=decode_params(cfg, None) * bytes_per_element(dtype) + kv <= hw.hbm_bytes,
+        B=B,
+        S=S,
+        num_params=params,
+        memory_bytes=memory,
+        latency_s=lat,
+        throughput_tok_s=decode_throughput(B, lat),
+        flops=fl,
+        compute_s=comp,
+        intensity=fl / memory,
+        fits=decode_params(cfg, None) * bytes_per_element(dtype) + kv <= hw.hbm_bytes,
     )
 
 
-def decode_sweep(cfg: ModelConfig, hw: Hardware, batches, S: int, dtype: object = "bf16") -> list[DecodePoint]:
+def decode_sweep(
+    cfg: ModelConfig, hw: Hardware, batches, S: int, dtype: object = "bf16"
+) -> list[DecodePoint]:
     """The latency/throughput trade-off over batch sizes (seed 001 Llama-2-13B table)."""
     return [decode_point(cfg, hw, int(b), S, dtype) for b in batches]
 
@@ -105,19 +118,32 @@ class PrefillPoint:
         return {**asdict(self), "bound": self.bound}
 
 
-def prefill_point(cfg: ModelConfig, hw: Hardware, B: int, S: int, dtype: object = "bf16") -> PrefillPoint:
+def prefill_point(
+    cfg: ModelConfig, hw: Hardware, B: int, S: int, dtype: object = "bf16"
+) -> PrefillPoint:
     """Prefill of B prompts of S tokens: all-position forward without logits, plus the last
     position's logits; it reads the weights once and writes the KV cache. TTFT = prefill +
     one decoding step (seed 001 "推理": 首 Token 延迟)."""
     P = bytes_per_element(dtype)
-    fl = forward_flops(cfg, B, S, logits=False, window=cfg.sliding_window) + unembedding_flops(cfg, B, 1)
+    fl = forward_flops(cfg, B, S, logits=False, window=cfg.sliding_window) + unembedding_flops(
+        cfg, B, 1
+    )
     moved = decode_params(cfg, B * S) * P + kv_cache_bytes(cfg, B, S, dtype, cfg.sliding_window)
     comp = fl / hw.flops(dtype)
     mem = moved / hw.hbm_bandwidth
     pre = max(comp, mem)
     ttft = pre + decode_point(cfg, hw, B, S, dtype).roofline_latency_s
-    return PrefillPoint(B=B, S=S, flops=fl, bytes=moved, compute_s=comp, memory_s=mem,
-                        prefill_s=pre, ttft_s=ttft, intensity=fl / moved)
+    return PrefillPoint(
+        B=B,
+        S=S,
+        flops=fl,
+        bytes=moved,
+        compute_s=comp,
+        memory_s=mem,
+        prefill_s=pre,
+        ttft_s=ttft,
+        intensity=fl / moved,
+    )
 
 
 def attainable_flops(intensity: float, peak_flops: float, bandwidth: float) -> float:
@@ -150,8 +176,14 @@ def plot_roofline(
     ax.text(ridge, peak * 0.5, f" ridge {ridge:.0f} FLOPs/B", color="gray", va="top")
     markers = "osD^v<>p*h"
     for i, (name, inten) in enumerate(points):
-        ax.plot([inten], [attainable_flops(inten, peak, bw)], markers[i % len(markers)], ms=7, alpha=0.85,
-                label=f"{name} (I={inten:.3g})")
+        ax.plot(
+            [inten],
+            [attainable_flops(inten, peak, bw)],
+            markers[i % len(markers)],
+            ms=7,
+            alpha=0.85,
+            label=f"{name} (I={inten:.3g})",
+        )
     ax.set_xlabel("arithmetic intensity (FLOPs / byte)")
     ax.set_ylabel("attainable FLOP/s")
     ax.set_title(title or f"roofline: {hw.name}")

@@ -52,19 +52,28 @@ def as_messages(prompt: str | list[dict], system: str | None = None) -> list[dic
     return list(prompt)
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict], system: str | None = None, chat: bool = True) -> list[int]:
+def encode_prompt(
+    tokenizer, prompt: str | list[dict], system: str | None = None, chat: bool = True
+) -> list[int]:
     """Prompt ids as the engine will be given them: the chat template with the generation prompt (``chat``
     and the tokenizer has a template), else the plain text."""
     if chat and getattr(tokenizer, "chat_template", None):
-        return tokenizer.encode(tokenizer.apply_chat_template(as_messages(prompt, system),
-                                                              add_generation_prompt=True))
+        return tokenizer.encode(
+            tokenizer.apply_chat_template(as_messages(prompt, system), add_generation_prompt=True)
+        )
     if not isinstance(prompt, str):
         raise DataError("a message-list prompt needs a tokenizer with a chat template")
     return tokenizer.encode(prompt)
 
 
-def encode_example(tokenizer, prompt: str | list[dict], response: str, system: str | None = None,
-                   chat: bool = True, max_len: int | None = None) -> Example:
+def encode_example(
+    tokenizer,
+    prompt: str | list[dict],
+    response: str,
+    system: str | None = None,
+    chat: bool = True,
+    max_len: int | None = None,
+) -> Example:
     """Tokenise one (prompt, response) pair through the chat template.
 
     The response ids are the rendered conversation after the rendered prompt (the reply plus the template's
@@ -81,9 +90,11 @@ def encode_example(tokenizer, prompt: str | list[dict], response: str, system: s
         head = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(msgs + [{"role": "assistant", "content": response}])
         if not full.startswith(head):
-            raise DataError("the chat template renders the prompt differently alone and inside the conversation; "
-                            "the response cannot be separated from it")
-        response_ids = tokenizer.encode(full[len(head):])
+            raise DataError(
+                "the chat template renders the prompt differently alone and inside the conversation; "
+                "the response cannot be separated from it"
+            )
+        response_ids = tokenizer.encode(full[len(head) :])
     else:
         response_ids = tokenizer.encode(response)
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -98,10 +109,12 @@ def fit_example(ex: Example, max_len: int | None) -> Example:
     if max_len is None:
         return ex
     if len(ex.prompt) >= max_len:
-        raise DataError(f"the prompt has {len(ex.prompt)} tokens, which leaves no room for a response within the "
-                        f"context of {max_len} tokens")
+        raise DataError(
+            f"the prompt has {len(ex.prompt)} tokens, which leaves no room for a response within the "
+            f"context of {max_len} tokens"
+        )
     if len(ex) > max_len:
-        return Example(ex.prompt, ex.response[:max_len - len(ex.prompt)], True)
+        return Example(ex.prompt, ex.response[: max_len - len(ex.prompt)], True)
     return ex
 
 
@@ -121,12 +134,14 @@ def collate(examples: Sequence[Example], pad_id: int = 0) -> Batch:
     x = torch.full((len(rows), S), pad_id, dtype=torch.long)
     y = torch.full((len(rows), S), IGNORE_INDEX, dtype=torch.long)
     for r, (xs, ys) in enumerate(rows):
-        x[r, :len(xs)] = torch.tensor(xs)
-        y[r, :len(ys)] = torch.tensor(ys)
+        x[r, : len(xs)] = torch.tensor(xs)
+        y[r, : len(ys)] = torch.tensor(ys)
     return Batch(x, y)
 
 
-def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> tuple[Batch, list[list[int]]]:
+def pack(
+    examples: Sequence[Example], seq_len: int, pad_id: int = 0
+) -> tuple[Batch, list[list[int]]]:
     """Pack examples into rows of S = ``seq_len`` positions, first fit in the given order.
 
     Each example keeps its own document id (attention never crosses into another) and positions 0..n−1; the
@@ -156,9 +171,9 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> tuple[Ba
         at = 0
         for d, (_, xs, ys) in enumerate(row):
             n = len(xs)
-            x[r, at:at + n], y[r, at:at + n] = torch.tensor(xs), torch.tensor(ys)
-            pos[r, at:at + n] = torch.arange(n)
-            doc[r, at:at + n] = d
+            x[r, at : at + n], y[r, at : at + n] = torch.tensor(xs), torch.tensor(ys)
+            pos[r, at : at + n] = torch.arange(n)
+            doc[r, at : at + n] = d
             at += n
         doc[r, at:] = len(row)  # the padding: a document of its own
         pos[r, at:] = torch.arange(seq_len - at)
@@ -173,6 +188,7 @@ def response_mask(batch: Batch) -> torch.Tensor:
 
 # ---- JSONL -----------------------------------------------------------------------------------------------
 
+
 def read_jsonl(path: str | os.PathLike, fields: Sequence[str]) -> list[dict]:
     """Rows of a JSONL file, each an object with string ``fields`` (extra keys kept). A malformed row is a
     ``DataError`` naming the file and the line; blank lines are skipped."""
@@ -184,7 +200,11 @@ def read_jsonl(path: str | os.PathLike, fields: Sequence[str]) -> list[dict]:
         missing = [k for k in fields if k not in row]
         if missing:
             raise DataError(f"{p}:{n}: missing {missing} (a row needs {list(fields)})")
-        bad = [k for k in fields if not (isinstance(row[k], str) or (k == "prompt" and isinstance(row[k], list)))]
+        bad = [
+            k
+            for k in fields
+            if not (isinstance(row[k], str) or (k == "prompt" and isinstance(row[k], list)))
+        ]
         if bad:
             raise DataError(f"{p}:{n}: {bad[0]}={row[bad[0]]!r:.40} must be a string")
         empty = [k for k in fields if k != "prompt" and not row[k].strip()]
@@ -208,4 +228,6 @@ def read_sft(path: str | os.PathLike) -> list[dict]:
 
 def write_jsonl(path: str | os.PathLike, rows: Sequence[dict]) -> None:
     """Rows as JSONL, written atomically."""
-    utils.atomic_write_text(Path(path), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    utils.atomic_write_text(
+        Path(path), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    )

@@ -29,10 +29,20 @@ REFERENCES = ("precomputed", "model")
 class DPOTrainer(ModelTrainer):
     """``pairs``: (chosen Example, rejected Example) with the same prompt."""
 
-    def __init__(self, config: TrainConfig, model, pairs: Sequence[tuple[Example, Example]],
-                 val_pairs: Sequence[tuple[Example, Example]] = (), tokenizer=None, beta: float = 0.1,
-                 loss_type: str = "sigmoid", label_smoothing: float = 0.0, reference: str = "precomputed",
-                 pad_id: int = 0, **kw):
+    def __init__(
+        self,
+        config: TrainConfig,
+        model,
+        pairs: Sequence[tuple[Example, Example]],
+        val_pairs: Sequence[tuple[Example, Example]] = (),
+        tokenizer=None,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        reference: str = "precomputed",
+        pad_id: int = 0,
+        **kw,
+    ):
         if loss_type not in DPO_LOSSES:
             raise TrainConfigError(f"loss_type={loss_type!r}; expected one of {DPO_LOSSES}")
         if reference not in REFERENCES:
@@ -43,7 +53,12 @@ class DPOTrainer(ModelTrainer):
             raise TrainConfigError(f"beta={beta} must be > 0")
         super().__init__(config, model, tokenizer, **kw)
         self.pairs, self.val_pairs = list(pairs), list(val_pairs)
-        self.beta, self.loss_type, self.label_smoothing, self.pad_id = beta, loss_type, label_smoothing, pad_id
+        self.beta, self.loss_type, self.label_smoothing, self.pad_id = (
+            beta,
+            loss_type,
+            label_smoothing,
+            pad_id,
+        )
         self.reference = reference
         self.ref_model = None
         if reference == "model":
@@ -51,7 +66,9 @@ class DPOTrainer(ModelTrainer):
             self.ref_logps = None
         else:  # once, with the starting weights: the reference never needs to be in memory again
             self.ref_logps = self.sequence_logps(self.raw_model, self.pairs)  # (N, 2)
-            self.val_ref_logps = self.sequence_logps(self.raw_model, self.val_pairs) if self.val_pairs else None
+            self.val_ref_logps = (
+                self.sequence_logps(self.raw_model, self.val_pairs) if self.val_pairs else None
+            )
         self._index: list[int] = []
         self.last_metrics: dict[str, float] = {}
 
@@ -67,7 +84,7 @@ class DPOTrainer(ModelTrainer):
         model.eval()
         out = []
         for i in range(0, len(pairs), self.config.batch_size):
-            batch, _ = self.pair_batch(pairs[i:i + self.config.batch_size])
+            batch, _ = self.pair_batch(pairs[i : i + self.config.batch_size])
             with self.autocast():
                 s = batch_logprobs(model, batch)[0].sum(-1).float()
             n = s.shape[0] // 2
@@ -80,7 +97,9 @@ class DPOTrainer(ModelTrainer):
         batch, self._lengths = self.pair_batch([self.pairs[i] for i in self._index])
         return batch
 
-    def _ref(self, batch: Batch, index: list[int], table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ref(
+        self, batch: Batch, index: list[int], table: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if table is not None:
             ref = table[index].to(self.device)
             return ref[:, 0], ref[:, 1]
@@ -89,14 +108,28 @@ class DPOTrainer(ModelTrainer):
         n = s.shape[0] // 2
         return s[:n], s[n:]
 
-    def pair_loss(self, batch: Batch, lengths: torch.Tensor, ref_c: torch.Tensor, ref_r: torch.Tensor):
+    def pair_loss(
+        self, batch: Batch, lengths: torch.Tensor, ref_c: torch.Tensor, ref_r: torch.Tensor
+    ):
         with self.autocast():
             s = batch_logprobs(self.model, batch)[0].sum(-1).float()
         n = s.shape[0] // 2
-        losses = dpo_loss(s[:n], s[n:], ref_c, ref_r, self.beta, self.loss_type, self.label_smoothing,
-                          lengths[:n].float(), lengths[n:].float())
+        losses = dpo_loss(
+            s[:n],
+            s[n:],
+            ref_c,
+            ref_r,
+            self.beta,
+            self.loss_type,
+            self.label_smoothing,
+            lengths[:n].float(),
+            lengths[n:].float(),
+        )
         m = {k: float(v) for k, v in dpo_rewards(s[:n], s[n:], ref_c, ref_r, self.beta).items()}
-        m["logps/chosen"], m["logps/rejected"] = float(s[:n].detach().mean()), float(s[n:].detach().mean())
+        m["logps/chosen"], m["logps/rejected"] = (
+            float(s[:n].detach().mean()),
+            float(s[n:].detach().mean()),
+        )
         return losses.mean(), m
 
     def forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +146,11 @@ class DPOTrainer(ModelTrainer):
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
         """DPO loss and implicit-reward accuracy/margin over the validation pairs (every pair once)."""
         pairs = self.val_pairs or self.pairs
-        table = (self.val_ref_logps if self.val_pairs else self.ref_logps) if self.ref_model is None else None
+        table = (
+            (self.val_ref_logps if self.val_pairs else self.ref_logps)
+            if self.ref_model is None
+            else None
+        )
         self.model.eval()
         sums: dict[str, float] = {}
         n_total = 0
@@ -130,14 +167,26 @@ class DPOTrainer(ModelTrainer):
                 n_total += len(idx)
         finally:
             self.model.train()
-        self.last_eval = {"val_loss": sums["loss"] / n_total,
-                          **{f"val_{k}": v / n_total for k, v in sums.items() if k != "loss"}}
+        self.last_eval = {
+            "val_loss": sums["loss"] / n_total,
+            **{f"val_{k}": v / n_total for k, v in sums.items() if k != "loss"},
+        }
         return self.last_eval
 
 
-def sample_pairs(model, tokenizer, task, problems, num_generations: int = 8, max_new_tokens: int = 64,
-                 temperature: float = 1.0, seed: int = 0, chat: bool = True, system: str | None = None,
-                 stop: Sequence[str] = ("</answer>",)) -> list[dict]:
+def sample_pairs(
+    model,
+    tokenizer,
+    task,
+    problems,
+    num_generations: int = 8,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    seed: int = 0,
+    chat: bool = True,
+    system: str | None = None,
+    stop: Sequence[str] = ("</answer>",),
+) -> list[dict]:
     """Preference pairs from the model's own samples (on-policy DPO data): for each problem, G samples from the
     engine, checked by the task's verifier; a problem with a correct and an incorrect sample gives
     {"prompt", "chosen": the first correct, "rejected": the first incorrect}. Problems with all samples right
@@ -150,17 +199,31 @@ def sample_pairs(model, tokenizer, task, problems, num_generations: int = 8, max
     llm = LLM(model, tokenizer, seed=seed)
     eos = llm.engine.scheduler.eos_token_id
     prompts = [encode_prompt(tokenizer, p.prompt, system, chat) for p in problems]
-    params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, stop=tuple(stop),
-                             seed=seed * 100_003 + k) for k in range(len(prompts) * num_generations)]
+    params = [
+        SamplingParams(
+            temperature=temperature,
+            max_tokens=max_new_tokens,
+            stop=tuple(stop),
+            seed=seed * 100_003 + k,
+        )
+        for k in range(len(prompts) * num_generations)
+    ]
     outs = llm.generate([p for p in prompts for _ in range(num_generations)], params)
     rows = []
     for i, problem in enumerate(problems):
         texts = []
-        for o in outs[i * num_generations:(i + 1) * num_generations]:
+        for o in outs[i * num_generations : (i + 1) * num_generations]:
             ids = list(o.token_ids)
             texts.append(tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids).strip())
         good = [t for t in texts if t and correctness_reward(problem, t) == 1.0]
         bad = [t for t in texts if t and correctness_reward(problem, t) == 0.0]
         if good and bad:
-            rows.append({"prompt": problem.prompt, "chosen": good[0], "rejected": bad[0], "task": problem.task})
+            rows.append(
+                {
+                    "prompt": problem.prompt,
+                    "chosen": good[0],
+                    "rejected": bad[0],
+                    "task": problem.task,
+                }
+            )
     return rows

@@ -89,7 +89,9 @@ class GRPOConfig:
     pg: str = "clip"
     beta: float = 0.0  # k3 KL coefficient; > 0 keeps a frozen reference copy
     advantage: str = "group"
-    mask_truncated: bool = False  # completions cut at max_new_tokens get no loss (DAPO's overlong filtering)
+    mask_truncated: bool = (
+        False  # completions cut at max_new_tokens get no loss (DAPO's overlong filtering)
+    )
     chat: bool = True
     system: str | None = None
     train_problems: int = 2000
@@ -103,30 +105,59 @@ class GRPOConfig:
 
     def __post_init__(self):
         self.rewards, self.stop = tuple(self.rewards), tuple(self.stop)
-        choices = {"algorithm": ALGORITHMS, "loss_type": tuple(GRPO_LOSS_TYPES), "pg": PG_LOSSES,
-                   "advantage": ADVANTAGES, "task": tuple(TASKS)}
+        choices = {
+            "algorithm": ALGORITHMS,
+            "loss_type": tuple(GRPO_LOSS_TYPES),
+            "pg": PG_LOSSES,
+            "advantage": ADVANTAGES,
+            "task": tuple(TASKS),
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {allowed}")
-        for name in ("steps", "prompts_per_step", "num_generations", "max_new_tokens", "epochs", "micro_batch",
-                     "train_problems", "eval_problems"):
+        for name in (
+            "steps",
+            "prompts_per_step",
+            "num_generations",
+            "max_new_tokens",
+            "epochs",
+            "micro_batch",
+            "train_problems",
+            "eval_problems",
+        ):
             utils.check_int(name, getattr(self, name), ValueError, 1)
         unknown = [r for r in self.rewards if r not in REWARDS]
         if unknown or not self.rewards:
-            raise ValueError(f"rewards={list(self.rewards)}; expected a non-empty list from {sorted(REWARDS)}")
-        if self.algorithm == "grpo" and self.num_generations == 1 and self.advantage in ("group", "rloo"):
-            raise ValueError(f"num_generations=1 with advantage={self.advantage!r}: a group of one sample has no "
-                             "spread, so every advantage would be 0 (and its std is undefined); use G >= 2")
+            raise ValueError(
+                f"rewards={list(self.rewards)}; expected a non-empty list from {sorted(REWARDS)}"
+            )
+        if (
+            self.algorithm == "grpo"
+            and self.num_generations == 1
+            and self.advantage in ("group", "rloo")
+        ):
+            raise ValueError(
+                f"num_generations=1 with advantage={self.advantage!r}: a group of one sample has no "
+                "spread, so every advantage would be 0 (and its std is undefined); use G >= 2"
+            )
         if not self.lr > 0 or self.beta < 0 or self.temperature < 0:
-            raise ValueError(f"lr={self.lr} must be > 0, beta={self.beta} and temperature={self.temperature} >= 0")
+            raise ValueError(
+                f"lr={self.lr} must be > 0, beta={self.beta} and temperature={self.temperature} >= 0"
+            )
 
 
 class GRPOTrainer:
     """``GRPOTrainer(config, model, tokenizer).fit()``; the model is trained in place and served by
     ``self.llm`` (an ``LLM`` whose engine holds the same parameter tensors)."""
 
-    def __init__(self, config: GRPOConfig, model, tokenizer, progress: bool = True,
-                 reward_fns: dict | None = None):
+    def __init__(
+        self,
+        config: GRPOConfig,
+        model,
+        tokenizer,
+        progress: bool = True,
+        reward_fns: dict | None = None,
+    ):
         """``reward_fns``: name -> f(problem, completion) in place of ``config.rewards`` (weights by name)."""
         self.config = c = config
         self.reward_fns = reward_fns if reward_fns is not None else list(c.rewards)
@@ -136,24 +167,41 @@ class GRPOTrainer:
         self.task = get_task(c.task, **c.task_args)
         self.train_set = self.task.generate(c.train_problems, c.seed, "train")
         self.test_set = self.task.generate(c.eval_problems, c.seed, "test")
-        self.train_prompts = [encode_prompt(tokenizer, p.prompt, c.system, c.chat) for p in self.train_set]
-        self.test_prompts = [encode_prompt(tokenizer, p.prompt, c.system, c.chat) for p in self.test_set]
+        self.train_prompts = [
+            encode_prompt(tokenizer, p.prompt, c.system, c.chat) for p in self.train_set
+        ]
+        self.test_prompts = [
+            encode_prompt(tokenizer, p.prompt, c.system, c.chat) for p in self.test_set
+        ]
         max_len = model.config.max_seq_len
         for split, prompts in (("train", self.train_prompts), ("test", self.test_prompts)):
             for i, ids in enumerate(prompts):
                 if len(ids) + c.max_new_tokens > max_len:
-                    raise ValueError(f"{split} prompt {i} has {len(ids)} tokens: with max_new_tokens="
-                                     f"{c.max_new_tokens} it exceeds the model's context of {max_len} tokens")
+                    raise ValueError(
+                        f"{split} prompt {i} has {len(ids)} tokens: with max_new_tokens="
+                        f"{c.max_new_tokens} it exceeds the model's context of {max_len} tokens"
+                    )
         # the engine fuses q/k/v and gate/up for its rollouts (no_grad); the learner's backward runs the separate
         # projections, whose parameters are views of the fused weights, so each optimizer step reaches both
-        self.llm = LLM(model, tokenizer, max_num_seqs=c.max_num_seqs,
-                       max_num_batched_tokens=c.max_num_batched_tokens, seed=c.seed)
+        self.llm = LLM(
+            model,
+            tokenizer,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            seed=c.seed,
+        )
         assert self.llm.engine.model is model  # one model: the engine serves the learner's tensors
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if c.beta > 0 else None
         decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
         rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-        self.optimizer = AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                                {"params": rest, "weight_decay": 0.0}], lr=c.lr, betas=(0.9, 0.99))
+        self.optimizer = AdamW(
+            [
+                {"params": decay, "weight_decay": c.weight_decay},
+                {"params": rest, "weight_decay": 0.0},
+            ],
+            lr=c.lr,
+            betas=(0.9, 0.99),
+        )
         self.order = list(range(len(self.train_set)))
         random.Random(c.seed).shuffle(self.order)
         self.step = 0
@@ -166,18 +214,28 @@ class GRPOTrainer:
         P, n = self.config.prompts_per_step, len(self.order)
         return [self.order[(step * P + k) % n] for k in range(P)]
 
-    def rollout(self, prompts: list[list[int]], step: int, greedy: bool = False, G: int | None = None):
+    def rollout(
+        self, prompts: list[list[int]], step: int, greedy: bool = False, G: int | None = None
+    ):
         """G samples per prompt (prompt-major: the G samples of prompt i are rows i·G … i·G+G−1)."""
         c = self.config
         G = c.num_generations if G is None else G
-        params = [SamplingParams(temperature=0.0 if greedy else c.temperature, top_p=c.top_p,
-                                 max_tokens=c.max_new_tokens, stop=c.stop,
-                                 seed=(c.seed * 1_000_003 + step) * 100_003 + k)
-                  for k in range(len(prompts) * G)]
+        params = [
+            SamplingParams(
+                temperature=0.0 if greedy else c.temperature,
+                top_p=c.top_p,
+                max_tokens=c.max_new_tokens,
+                stop=c.stop,
+                seed=(c.seed * 1_000_003 + step) * 100_003 + k,
+            )
+            for k in range(len(prompts) * G)
+        ]
         self.model.eval()
         try:
             return self.llm.generate([p for p in prompts for _ in range(G)], params)
-        except GenerationError as e:  # a failed request (e.g. NaN logits) is counted, scored 0 and not trained
+        except (
+            GenerationError
+        ) as e:  # a failed request (e.g. NaN logits) is counted, scored 0 and not trained
             return e.outputs
 
     def completion_text(self, out) -> str:
@@ -193,7 +251,7 @@ class GRPOTrainer:
     def _batches(self, examples: list[Example]):
         pad = getattr(self.tokenizer, "pad_token_id", None) or 0
         mb = self.config.micro_batch
-        return [collate(examples[i:i + mb], pad) for i in range(0, len(examples), mb)]
+        return [collate(examples[i : i + mb], pad) for i in range(0, len(examples), mb)]
 
     @torch.no_grad()
     def _logps(self, model, batches) -> list[torch.Tensor]:
@@ -215,32 +273,52 @@ class GRPOTrainer:
         completions = [list(o.token_ids) for o in outs]
         truncated = torch.tensor([o.finish_reason == "length" for o in outs])
         failed = torch.tensor([o.error is not None for o in outs])
-        examples = [Example(list(self.train_prompts[idx[k // G]]), completions[k] or [0]) for k in range(len(outs))]
+        examples = [
+            Example(list(self.train_prompts[idx[k // G]]), completions[k] or [0])
+            for k in range(len(outs))
+        ]
         batches = self._batches(examples)
-        m: dict = {"step": self.step + 1, "reward": float(rewards.mean()),
-                   "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-                   "frac_reward_zero_std": zero_std_fraction(rewards, G),
-                   "completion_length": sum(map(len, completions)) / len(completions),
-                   "completion_length_max": max(map(len, completions)),
-                   "completion_length_min": min(map(len, completions)), "truncated": float(truncated.float().mean()),
-                   "rollout_failures": int(failed.sum())}
+        m: dict = {
+            "step": self.step + 1,
+            "reward": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "frac_reward_zero_std": zero_std_fraction(rewards, G),
+            "completion_length": sum(map(len, completions)) / len(completions),
+            "completion_length_max": max(map(len, completions)),
+            "completion_length_min": min(map(len, completions)),
+            "truncated": float(truncated.float().mean()),
+            "rollout_failures": int(failed.sum()),
+        }
         for name, values in res.per_fn.items():
             v = torch.tensor(values)
-            m[f"rewards/{name}"], m[f"rewards/{name}_std"] = float(v.mean()), float(v.std()) if len(v) > 1 else 0.0
+            m[f"rewards/{name}"], m[f"rewards/{name}_std"] = (
+                float(v.mean()),
+                float(v.std()) if len(v) > 1 else 0.0,
+            )
             m[f"reward_failures/{name}"] = res.failures[name]
         if c.algorithm == "grpo":
             rewards = rewards.masked_fill(failed, 0.0)
-            train = self._grpo_update(batches, rewards, truncated if c.mask_truncated else failed, m, failed)
+            train = self._grpo_update(
+                batches, rewards, truncated if c.mask_truncated else failed, m, failed
+            )
         else:
-            correct = torch.tensor(res.per_fn.get("correct", res.total)).masked_fill(failed, 0.0).tolist()
+            correct = (
+                torch.tensor(res.per_fn.get("correct", res.total)).masked_fill(failed, 0.0).tolist()
+            )
             train = self._expert_iteration_update(examples, correct, m)
         t_logp, t_train = train
         n_gen = sum(map(len, completions))
         n_train = sum(int((b.y != IGNORE_INDEX).sum()) for b in batches)
         self.llm.engine.reset_prefix_cache()  # cached K/V were computed with the weights before this step
         self.step += 1
-        m.update(gen_s=t_gen, logprob_s=t_logp, train_s=t_train, step_s=time.perf_counter() - t0,
-                 gen_tokens_per_s=n_gen / max(t_gen, 1e-9), train_tokens_per_s=n_train * c.epochs / max(t_train, 1e-9))
+        m.update(
+            gen_s=t_gen,
+            logprob_s=t_logp,
+            train_s=t_train,
+            step_s=time.perf_counter() - t0,
+            gen_tokens_per_s=n_gen / max(t_gen, 1e-9),
+            train_tokens_per_s=n_train * c.epochs / max(t_train, 1e-9),
+        )
         return m
 
     def _grpo_update(self, batches, rewards, dropped, m, failed) -> tuple[float, float]:
@@ -253,7 +331,11 @@ class GRPOTrainer:
             adv = group_advantages(rewards, G, scale=c.advantage)
         t0 = time.perf_counter()
         old = self._logps(self.model, batches)  # π_old: once per rollout batch
-        ref = self._logps(self.ref_model, batches) if self.ref_model is not None else [None] * len(batches)
+        ref = (
+            self._logps(self.ref_model, batches)
+            if self.ref_model is not None
+            else [None] * len(batches)
+        )
         t_logp = time.perf_counter() - t0
         masks = [(b.y != IGNORE_INDEX) for b in batches]
         rows = torch.split(dropped | failed, [len(b.y) for b in batches])
@@ -268,9 +350,20 @@ class GRPOTrainer:
             total_loss = 0.0
             for b, mk, a, o, r in zip(batches, masks, advs, old, ref):
                 logp, ent = batch_logprobs(self.model, b, entropy=True)
-                loss, lm = grpo_loss(logp, o, a, mk, loss_type=c.loss_type, eps_low=c.eps_low, eps_high=c.eps_high,
-                                     beta=c.beta, ref_logp=r, max_len=c.max_new_tokens, pg=c.pg,
-                                     num_tokens=n_tokens if c.loss_type in ("dapo", "bnpo") else None)
+                loss, lm = grpo_loss(
+                    logp,
+                    o,
+                    a,
+                    mk,
+                    loss_type=c.loss_type,
+                    eps_low=c.eps_low,
+                    eps_high=c.eps_high,
+                    beta=c.beta,
+                    ref_logp=r,
+                    max_len=c.max_new_tokens,
+                    pg=c.pg,
+                    num_tokens=n_tokens if c.loss_type in ("dapo", "bnpo") else None,
+                )
                 # exact over the rollout batch: sequence-mean types weigh each micro-batch by its rows
                 weight = 1.0 if c.loss_type in ("dapo", "bnpo") else len(b.y) / N
                 (loss * weight).backward()
@@ -279,8 +372,11 @@ class GRPOTrainer:
                 lm["entropy"] = float(masked_mean(ent, mk))
                 for k, v in lm.items():
                     sums[k] = sums.get(k, 0.0) + v * share / c.epochs
-            norm = clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], c.grad_clip) \
-                if c.grad_clip > 0 else torch.tensor(0.0)
+            norm = (
+                clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], c.grad_clip)
+                if c.grad_clip > 0
+                else torch.tensor(0.0)
+            )
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             sums["loss"] = sums.get("loss", 0.0) + total_loss / c.epochs
@@ -303,7 +399,9 @@ class GRPOTrainer:
             for b in batches:
                 logp, _ = batch_logprobs(self.model, b)
                 mask = b.y != IGNORE_INDEX
-                loss = sft_loss(logp, mask) * (float(mask.sum()) / n_tokens)  # token mean over all kept
+                loss = sft_loss(logp, mask) * (
+                    float(mask.sum()) / n_tokens
+                )  # token mean over all kept
                 loss.backward()
                 total += float(loss.detach()) / c.epochs
             clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], c.grad_clip)
@@ -318,8 +416,10 @@ class GRPOTrainer:
         outs = self.rollout(self.test_prompts, step=-1, greedy=True, G=1)
         res = score(self.test_set, [self.completion_text(o) for o in outs], ["correct", "format"])
         self.llm.engine.reset_prefix_cache()
-        return {"eval_accuracy": sum(res.per_fn["correct"]) / len(outs),
-                "eval_format": sum(res.per_fn["format"]) / len(outs)}
+        return {
+            "eval_accuracy": sum(res.per_fn["correct"]) / len(outs),
+            "eval_format": sum(res.per_fn["format"]) / len(outs),
+        }
 
     def log(self, row: dict) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -328,18 +428,28 @@ class GRPOTrainer:
         self.history.append(row)
 
     def save_checkpoint(self) -> Path:
-        return ckpt.save_checkpoint(self.out_dir / "checkpoints", self.step, self.model, self.optimizer,
-                                    {"config": asdict(self.config), "kind": "grpo"}, keep_last=2)
+        return ckpt.save_checkpoint(
+            self.out_dir / "checkpoints",
+            self.step,
+            self.model,
+            self.optimizer,
+            {"config": asdict(self.config), "kind": "grpo"},
+            keep_last=2,
+        )
 
     def resume(self, path=None) -> int:
         p = Path(path) if path is not None else ckpt.latest_checkpoint(self.out_dir / "checkpoints")
         if p is None:
-            raise FileNotFoundError(f"no checkpoint to resume from in {self.out_dir / 'checkpoints'}")
+            raise FileNotFoundError(
+                f"no checkpoint to resume from in {self.out_dir / 'checkpoints'}"
+            )
         meta = ckpt.load_checkpoint(p, self.model, self.optimizer)
         self.step = int(meta["step"])
         self.llm.engine.reset_prefix_cache()
         if self.metrics_path.exists():  # the steps after the checkpoint will be logged again
-            rows = [r for _, r in utils.read_jsonl(self.metrics_path) if r.get("step", 0) <= self.step]
+            rows = [
+                r for _, r in utils.read_jsonl(self.metrics_path) if r.get("step", 0) <= self.step
+            ]
             utils.atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
         return self.step
 
@@ -350,7 +460,13 @@ class GRPOTrainer:
                 self.metrics_path.unlink()
             start = self.evaluate()
             self.log({"step": 0, **start})
-        bar = tqdm(total=c.steps, initial=self.step, desc=c.algorithm, unit="step", disable=not self.progress)
+        bar = tqdm(
+            total=c.steps,
+            initial=self.step,
+            desc=c.algorithm,
+            unit="step",
+            disable=not self.progress,
+        )
         t_start = time.perf_counter()
         while self.step < c.steps:
             m = self.train_step()
@@ -361,8 +477,14 @@ class GRPOTrainer:
             self.log(m)
             if c.ckpt_interval and self.step % c.ckpt_interval == 0 and self.step < c.steps:
                 self.save_checkpoint()
-            bar.set_postfix({"reward": f"{m['reward']:.2f}", "gen": f"{m['gen_s']:.1f}s",
-                             "train": f"{m['train_s']:.1f}s"}, refresh=False)
+            bar.set_postfix(
+                {
+                    "reward": f"{m['reward']:.2f}",
+                    "gen": f"{m['gen_s']:.1f}s",
+                    "train": f"{m['train_s']:.1f}s",
+                },
+                refresh=False,
+            )
             bar.update(1)
         bar.close()
         self.save_checkpoint()
@@ -370,14 +492,25 @@ class GRPOTrainer:
         rows = [r for r in self.history if "reward" in r]
         first = next((r for r in self.history if r.get("step") == 0), {})
         last = self.history[-1] if self.history else {}
-        return {"steps": self.step, "seconds": time.perf_counter() - t_start,
-                "eval_accuracy_start": first.get("eval_accuracy"), "eval_accuracy_end": last.get("eval_accuracy"),
-                "reward_first": rows[0]["reward"] if rows else None, "reward_last": rows[-1]["reward"] if rows else None,
-                "gen_s": sum(r["gen_s"] for r in rows), "logprob_s": sum(r["logprob_s"] for r in rows),
-                "train_s": sum(r["train_s"] for r in rows), "metrics": str(self.metrics_path)}
+        return {
+            "steps": self.step,
+            "seconds": time.perf_counter() - t_start,
+            "eval_accuracy_start": first.get("eval_accuracy"),
+            "eval_accuracy_end": last.get("eval_accuracy"),
+            "reward_first": rows[0]["reward"] if rows else None,
+            "reward_last": rows[-1]["reward"] if rows else None,
+            "gen_s": sum(r["gen_s"] for r in rows),
+            "logprob_s": sum(r["logprob_s"] for r in rows),
+            "train_s": sum(r["train_s"] for r in rows),
+            "metrics": str(self.metrics_path),
+        }
 
     def plot(self) -> Path | None:
-        rows = [r for _, r in utils.read_jsonl(self.metrics_path)] if self.metrics_path.exists() else []
+        rows = (
+            [r for _, r in utils.read_jsonl(self.metrics_path)]
+            if self.metrics_path.exists()
+            else []
+        )
         steps = [r for r in rows if "reward" in r]
         if not steps:
             return None
@@ -386,11 +519,20 @@ class GRPOTrainer:
         x = [r["step"] for r in steps]
         ax[0, 0].plot(x, [r["reward"] for r in steps], label="train reward (mean)")
         ev = [r for r in rows if "eval_accuracy" in r]
-        ax[0, 0].plot([r["step"] for r in ev], [r["eval_accuracy"] for r in ev], "o-", label="held-out accuracy")
+        ax[0, 0].plot(
+            [r["step"] for r in ev],
+            [r["eval_accuracy"] for r in ev],
+            "o-",
+            label="held-out accuracy",
+        )
         ax[0, 0].set_title("reward / accuracy")
         ax[0, 0].legend()
         ax[0, 1].plot(x, [r["completion_length"] for r in steps], label="completion length")
-        ax[0, 1].plot(x, [r["truncated"] * self.config.max_new_tokens for r in steps], label="truncated × L_max")
+        ax[0, 1].plot(
+            x,
+            [r["truncated"] * self.config.max_new_tokens for r in steps],
+            label="truncated × L_max",
+        )
         ax[0, 1].legend()
         ax[0, 1].set_title("tokens")
         for key in ("kl", "entropy", "clip_ratio/region", "frac_reward_zero_std"):
@@ -408,7 +550,9 @@ class GRPOTrainer:
         ax[1, 1].set_title("seconds per step")
         for a in ax.flat:
             a.set_xlabel("step")
-        fig.suptitle(f"{self.config.algorithm} on {self.config.task}: P={self.config.prompts_per_step}, "
-                     f"G={self.config.num_generations}, μ={self.config.epochs}")
+        fig.suptitle(
+            f"{self.config.algorithm} on {self.config.task}: P={self.config.prompts_per_step}, "
+            f"G={self.config.num_generations}, μ={self.config.epochs}"
+        )
         fig.tight_layout()
         return utils.save_png(fig, self.out_dir / f"{self.config.algorithm}.png")

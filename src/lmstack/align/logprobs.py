@@ -22,7 +22,9 @@ def batch_logprobs(model, batch: Batch, entropy: bool = False) -> tuple[Tensor, 
     (B, S, D), the M rows are picked and turned into (M, V) logits — a prompt's positions never cost a
     V-wide row (on a 60-token prompt with a 30-token answer that is two thirds of the logits saved)."""
     keep = batch.y != IGNORE_INDEX  # (B, S)
-    h = model(batch.x, positions=batch.positions, document_ids=batch.document_ids, return_hidden=True)  # (B, S, D)
+    h = model(
+        batch.x, positions=batch.positions, document_ids=batch.document_ids, return_hidden=True
+    )  # (B, S, D)
     logits = model.unembed(h[keep])  # (M, V)
     logp = torch.zeros(batch.y.shape, dtype=torch.float32, device=h.device)
     logp = logp.masked_scatter(keep, token_logprobs(logits, batch.y[keep]))

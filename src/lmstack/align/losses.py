@@ -25,8 +25,12 @@ IGNORE_INDEX = -100
 DPO_LOSSES = ("sigmoid", "ipo", "robust", "hinge")
 PG_LOSSES = ("naive", "clip", "no_clip", "dual_clip")
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
-GRPO_LOSS_TYPES = {"grpo": "seq_mean_token_mean", "bnpo": "token_mean", "dapo": "token_mean",
-                   "dr_grpo": "seq_mean_token_sum_norm"}
+GRPO_LOSS_TYPES = {
+    "grpo": "seq_mean_token_mean",
+    "bnpo": "token_mean",
+    "dapo": "token_mean",
+    "dr_grpo": "seq_mean_token_sum_norm",
+}
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -37,13 +41,16 @@ def _check_choice(name: str, value: str, allowed) -> None:
 
 # ---- token log-probabilities and SFT ----------------------------------------------------------------------
 
+
 def token_logprobs(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """log p(target) at each position: logits (B, T, V), targets (B, T) -> (B, T), 0 where ``ignore_index``.
 
     log softmax(U)_r = U_r − log Σ_v exp(U_v), computed in fp32 (a bf16 log-softmax loses the small
     differences between policy and reference that DPO and the PPO ratio are made of)."""
     if targets.shape != logits.shape[:-1]:
-        raise ValueError(f"targets {tuple(targets.shape)} must be logits {tuple(logits.shape)} without V")
+        raise ValueError(
+            f"targets {tuple(targets.shape)} must be logits {tuple(logits.shape)} without V"
+        )
     valid = targets != ignore_index
     safe = targets.masked_fill(~valid, 0)
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, safe.unsqueeze(-1)).squeeze(-1)
@@ -80,9 +87,18 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 # ---- preference optimisation -----------------------------------------------------------------------------
 
-def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor,
-             beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-             chosen_lengths: Tensor | None = None, rejected_lengths: Tensor | None = None) -> Tensor:
+
+def dpo_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_lengths: Tensor | None = None,
+    rejected_lengths: Tensor | None = None,
+) -> Tensor:
     """Per-pair preference loss (B,) from sequence log-probs (each (B,), summed over the response tokens).
 
     With h = (log π_θ(y_w) − log π_ref(y_w)) − (log π_θ(y_l) − log π_ref(y_l)):
@@ -104,8 +120,12 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
     rejected_ratio = rejected_logps - ref_rejected_logps
     if loss_type == "ipo":
         if chosen_lengths is None or rejected_lengths is None:
-            raise ValueError("loss_type='ipo' needs chosen_lengths and rejected_lengths (response token counts)")
-        h = (chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1))
+            raise ValueError(
+                "loss_type='ipo' needs chosen_lengths and rejected_lengths (response token counts)"
+            )
+        h = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(
+            min=1
+        )
         return (h - 1.0 / (2.0 * beta)) ** 2
     z = beta * (chosen_ratio - rejected_ratio)
     if loss_type == "sigmoid":
@@ -116,18 +136,29 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
     return (-(1.0 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1.0 - 2.0 * eps)
 
 
-def dpo_rewards(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor,
-                beta: float = 0.1) -> dict[str, Tensor]:
+def dpo_rewards(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    beta: float = 0.1,
+) -> dict[str, Tensor]:
     """DPO's implicit rewards r(x, y) = β (log π_θ(y|x) − log π_ref(y|x)) and TRL's metrics, each a scalar:
     rewards/chosen, rewards/rejected (means), rewards/margins (mean r_w − r_l), rewards/accuracies
     (fraction with r_w > r_l)."""
     rc = beta * (chosen_logps - ref_chosen_logps).detach()
     rr = beta * (rejected_logps - ref_rejected_logps).detach()
-    return {"rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(), "rewards/margins": (rc - rr).mean(),
-            "rewards/accuracies": (rc > rr).float().mean()}
+    return {
+        "rewards/chosen": rc.mean(),
+        "rewards/rejected": rr.mean(),
+        "rewards/margins": (rc - rr).mean(),
+        "rewards/accuracies": (rc > rr).float().mean(),
+    }
 
 
-def bradley_terry_loss(chosen_scores: Tensor, rejected_scores: Tensor, margin: Tensor | None = None) -> Tensor:
+def bradley_terry_loss(
+    chosen_scores: Tensor, rejected_scores: Tensor, margin: Tensor | None = None
+) -> Tensor:
     """Reward-model loss (Bradley & Terry 1952; InstructGPT, Ouyang et al. 2022 eq. 1; TRL RewardTrainer):
     P(y_w ≻ y_l) = σ(r_w − r_l), L = −mean log σ(r_w − r_l − margin). Scores (B,) -> scalar."""
     diff = chosen_scores - rejected_scores
@@ -137,6 +168,7 @@ def bradley_terry_loss(chosen_scores: Tensor, rejected_scores: Tensor, margin: T
 
 
 # ---- KL to the reference ---------------------------------------------------------------------------------
+
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
     """Per-token estimate of KL(π_θ ‖ π_ref) from a token sampled from π_θ (Schulman 2020, "Approximating
@@ -151,20 +183,25 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
     if kind == "k1":
         return -delta
     if kind == "k2":
-        return 0.5 * delta ** 2
+        return 0.5 * delta**2
     return torch.exp(delta) - delta - 1.0
 
 
 # ---- advantages ------------------------------------------------------------------------------------------
 
+
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
     if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of G={group_size} "
-                         "(expected (P·G,) with each prompt's G samples adjacent)")
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} do not split into groups of G={group_size} "
+            "(expected (P·G,) with each prompt's G samples adjacent)"
+        )
     return rewards.view(-1, group_size)  # (P, G)
 
 
-def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> Tensor:
+def group_advantages(
+    rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4
+) -> Tensor:
     """GRPO's outcome advantage (Shao et al. 2024, "DeepSeekMath", §4.1.2): each sample's reward minus its
     group's mean, Â_i = (r_i − mean_G r) / (std + ε), the same for every token of the sample.
 
@@ -175,8 +212,10 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
     A group of one has no spread: ``scale="group"`` with G = 1 is refused."""
     _check_choice("scale", scale, ("group", "batch", "none"))
     if scale == "group" and group_size < 2:
-        raise ValueError("group_size=1 with scale='group': a group of one sample has no standard deviation "
-                         "(and its advantage is always 0); use G >= 2, or scale='batch'/'none'")
+        raise ValueError(
+            "group_size=1 with scale='group': a group of one sample has no standard deviation "
+            "(and its advantage is always 0); use G >= 2, or scale='batch'/'none'"
+        )
     g = _groups(rewards, group_size)
     centred = g - g.mean(dim=1, keepdim=True)
     if scale == "none":
@@ -190,7 +229,9 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     sample i is the mean reward of the *other* G−1 samples of its prompt,
     Â_i = r_i − (Σ_j r_j − r_i)/(G−1) = G/(G−1) · (r_i − mean_G r). rewards (P·G,) -> (P·G,)."""
     if group_size < 2:
-        raise ValueError("group_size=1 with RLOO: the leave-one-out baseline needs G >= 2 samples per prompt")
+        raise ValueError(
+            "group_size=1 with RLOO: the leave-one-out baseline needs G >= 2 samples per prompt"
+        )
     g = _groups(rewards, group_size)
     baseline = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
     return (g - baseline).reshape(-1)
@@ -204,9 +245,17 @@ def zero_std_fraction(rewards: Tensor, group_size: int) -> float:
 
 # ---- policy-gradient losses ------------------------------------------------------------------------------
 
-def policy_gradient_loss(logp: Tensor, advantages: Tensor, old_logp: Tensor | None = None, kind: str = "clip",
-                         eps_low: float = 0.2, eps_high: float | None = None, dual_clip_c: float = 3.0,
-                         baseline: Tensor | float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+
+def policy_gradient_loss(
+    logp: Tensor,
+    advantages: Tensor,
+    old_logp: Tensor | None = None,
+    kind: str = "clip",
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    dual_clip_c: float = 3.0,
+    baseline: Tensor | float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token policy-gradient loss (B, T) and the clip indicators (B, T) for the metrics.
 
     A = ``advantages`` ((B,) broadcast over T, or (B, T)); ρ = exp(log π_θ − log π_old).
@@ -229,19 +278,34 @@ def policy_gradient_loss(logp: Tensor, advantages: Tensor, old_logp: Tensor | No
     zeros = torch.zeros_like(logp, dtype=torch.bool)
     info = {"low": zeros, "high": zeros, "dual": zeros}
     if kind == "naive":
-        b = 0.0 if baseline is None else (baseline.unsqueeze(-1) if isinstance(baseline, Tensor)
-                                          and baseline.dim() == logp.dim() - 1 else baseline)
+        b = (
+            0.0
+            if baseline is None
+            else (
+                baseline.unsqueeze(-1)
+                if isinstance(baseline, Tensor) and baseline.dim() == logp.dim() - 1
+                else baseline
+            )
+        )
         return -(A - b) * logp, info
     if old_logp is None:
-        raise ValueError(f"kind={kind!r} needs old_logp (the log-probs of the policy that sampled the rollout)")
+        raise ValueError(
+            f"kind={kind!r} needs old_logp (the log-probs of the policy that sampled the rollout)"
+        )
     ratio = torch.exp(logp - old_logp)
     if kind == "no_clip":
         return -ratio * A, info
     if not (0.0 <= eps_low < 1.0 and eps_high >= 0.0):
-        raise ValueError(f"eps_low={eps_low}, eps_high={eps_high}: expected 0 <= eps_low < 1 and eps_high >= 0")
+        raise ValueError(
+            f"eps_low={eps_low}, eps_high={eps_high}: expected 0 <= eps_low < 1 and eps_high >= 0"
+        )
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     loss = -torch.min(ratio * A, clipped * A)
-    info = {"low": (ratio < 1.0 - eps_low) & (A < 0), "high": (ratio > 1.0 + eps_high) & (A > 0), "dual": zeros}
+    info = {
+        "low": (ratio < 1.0 - eps_low) & (A < 0),
+        "high": (ratio > 1.0 + eps_high) & (A > 0),
+        "dual": zeros,
+    }
     if kind == "dual_clip":
         if dual_clip_c <= 1.0:
             raise ValueError(f"dual_clip_c={dual_clip_c} must be > 1")
@@ -252,8 +316,9 @@ def policy_gradient_loss(logp: Tensor, advantages: Tensor, old_logp: Tensor | No
     return loss, info
 
 
-def aggregate(per_token: Tensor, mask: Tensor, mode: str = "seq_mean_token_mean",
-              max_len: int | None = None) -> Tensor:
+def aggregate(
+    per_token: Tensor, mask: Tensor, mode: str = "seq_mean_token_mean", max_len: int | None = None
+) -> Tensor:
     """Reduce a per-token loss (B, T) to a scalar (verl's ``loss_agg_mode``):
 
     - ``seq_mean_token_mean`` (GRPO): mean over each sequence's tokens, then over sequences — a short
@@ -268,15 +333,28 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str = "seq_mean_token_mean"
     if mode == "token_mean":
         return (per_token * m).sum() / m.sum().clamp(min=1.0)
     if max_len is None:
-        raise ValueError("mode='seq_mean_token_sum_norm' (Dr. GRPO) needs max_len, the maximum completion length")
+        raise ValueError(
+            "mode='seq_mean_token_sum_norm' (Dr. GRPO) needs max_len, the maximum completion length"
+        )
     return (per_token * m).sum() / (per_token.shape[0] * max_len)
 
 
-def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss_type: str = "grpo",
-              eps_low: float = 0.2, eps_high: float | None = None, beta: float = 0.0,
-              ref_logp: Tensor | None = None, max_len: int | None = None, pg: str = "clip",
-              dual_clip_c: float = 3.0, num_tokens: Tensor | float | None = None,
-              kl_ratio_correction: bool = False) -> tuple[Tensor, dict[str, float]]:
+def grpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    loss_type: str = "grpo",
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    beta: float = 0.0,
+    ref_logp: Tensor | None = None,
+    max_len: int | None = None,
+    pg: str = "clip",
+    dual_clip_c: float = 3.0,
+    num_tokens: Tensor | float | None = None,
+    kl_ratio_correction: bool = False,
+) -> tuple[Tensor, dict[str, float]]:
     """GRPO's objective (DeepSeekMath eq. 21) as a loss: per token ℓ = ℓ_clip(ρ, A) + β·k3(π_θ, π_ref),
     with ``kl_ratio_correction`` the KL term weighted by ρ (DeepSeek-V3.2: then its gradient is the unbiased
     reverse-KL gradient for samples from π_old; TRL's ``use_bias_correction_kl``), reduced by ``loss_type``'s aggregation (``GRPO_LOSS_TYPES``). For ``dapo`` the normaliser is the number
@@ -285,17 +363,28 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
 
     Returns (loss, metrics): kl (token mean), clip fractions low/high/region/dual (token means)."""
     _check_choice("loss_type", loss_type, GRPO_LOSS_TYPES)
-    per_token, info = policy_gradient_loss(logp, advantages, old_logp, kind=pg, eps_low=eps_low,
-                                           eps_high=eps_high, dual_clip_c=dual_clip_c)
+    per_token, info = policy_gradient_loss(
+        logp,
+        advantages,
+        old_logp,
+        kind=pg,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip_c=dual_clip_c,
+    )
     metrics: dict[str, float] = {}
     if beta != 0.0:
         if ref_logp is None:
             raise ValueError(f"beta={beta} needs ref_logp (the reference model's log-probs)")
         kl = kl_estimate(logp, ref_logp, "k3")
-        per_token = per_token + beta * (kl * torch.exp(logp - old_logp) if kl_ratio_correction else kl)
+        per_token = per_token + beta * (
+            kl * torch.exp(logp - old_logp) if kl_ratio_correction else kl
+        )
         metrics["kl"] = float(masked_mean(kl.detach(), mask))
     if loss_type == "dapo" and num_tokens is not None:
-        loss = (per_token * mask.to(per_token.dtype)).sum() / torch.as_tensor(num_tokens).clamp(min=1.0)
+        loss = (per_token * mask.to(per_token.dtype)).sum() / torch.as_tensor(num_tokens).clamp(
+            min=1.0
+        )
     else:
         loss = aggregate(per_token, mask, GRPO_LOSS_TYPES[loss_type], max_len=max_len)
     for key in ("low", "high", "dual"):

@@ -48,6 +48,7 @@ def correctness_reward(problem: Problem, completion: str) -> float:
 
 def numeric_equal(a: str, b: str, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> bool:
     """Both strings are numbers (commas dropped, a trailing % is read as /100) and equal within tolerance."""
+
     def num(s: str) -> float:
         s = s.strip().replace(",", "")
         return float(s[:-1]) / 100 if s.endswith("%") else float(s)
@@ -64,11 +65,15 @@ def symbolic_equal(a: str, b: str) -> bool:
     try:
         from math_verify import parse, verify
     except ImportError:
-        raise ImportError("symbolic equality needs math-verify: pip install 'lmstack[align]'") from None
+        raise ImportError(
+            "symbolic equality needs math-verify: pip install 'lmstack[align]'"
+        ) from None
 
     def p(s: str):
         s = s.strip()
-        return parse(s if s.startswith("$") else f"${s}$")  # math mode: LaTeX and plain expressions alike
+        return parse(
+            s if s.startswith("$") else f"${s}$"
+        )  # math mode: LaTeX and plain expressions alike
 
     try:
         x, y = p(a), p(b)
@@ -82,10 +87,18 @@ def math_reward(problem: Problem, completion: str) -> float:
     answer = extract_answer(completion)
     if answer is None:
         return 0.0
-    return 1.0 if numeric_equal(answer, problem.answer) or symbolic_equal(answer, problem.answer) else 0.0
+    return (
+        1.0
+        if numeric_equal(answer, problem.answer) or symbolic_equal(answer, problem.answer)
+        else 0.0
+    )
 
 
-REWARDS: dict[str, RewardFn] = {"format": format_reward, "correct": correctness_reward, "math": math_reward}
+REWARDS: dict[str, RewardFn] = {
+    "format": format_reward,
+    "correct": correctness_reward,
+    "math": math_reward,
+}
 
 
 @dataclass
@@ -99,8 +112,12 @@ class RewardResult:
     errors: dict[str, str] = field(default_factory=dict)
 
 
-def score(problems: Sequence[Problem], completions: Sequence[str],
-          functions: dict[str, RewardFn] | Sequence[str], weights: dict[str, float] | None = None) -> RewardResult:
+def score(
+    problems: Sequence[Problem],
+    completions: Sequence[str],
+    functions: dict[str, RewardFn] | Sequence[str],
+    weights: dict[str, float] | None = None,
+) -> RewardResult:
     """Every reward function on every (problem, completion); total = Σ_f w_f · r_f (weights default 1)."""
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems for {len(completions)} completions")
@@ -114,7 +131,9 @@ def score(problems: Sequence[Problem], completions: Sequence[str],
     weights = weights or {}
     extra = set(weights) - set(functions)
     if extra:
-        raise ValueError(f"weights for {sorted(extra)}, which are not among the rewards {sorted(functions)}")
+        raise ValueError(
+            f"weights for {sorted(extra)}, which are not among the rewards {sorted(functions)}"
+        )
     per_fn: dict[str, list[float]] = {}
     failures = {name: 0 for name in functions}
     errors: dict[str, str] = {}
@@ -132,5 +151,7 @@ def score(problems: Sequence[Problem], completions: Sequence[str],
                 v = 0.0
             values.append(v)
         per_fn[name] = values
-    total = [sum(weights.get(n, 1.0) * per_fn[n][i] for n in functions) for i in range(len(completions))]
+    total = [
+        sum(weights.get(n, 1.0) * per_fn[n][i] for n in functions) for i in range(len(completions))
+    ]
     return RewardResult(total, per_fn, failures, errors)

@@ -49,8 +49,14 @@ class Task:
 
     name = "task"
 
-    def generate(self, n: int, seed: int = 0, split: str = "train", test_fraction: float = 0.1,
-                 max_tries: int = 100_000) -> list[Problem]:
+    def generate(
+        self,
+        n: int,
+        seed: int = 0,
+        split: str = "train",
+        test_fraction: float = 0.1,
+        max_tries: int = 100_000,
+    ) -> list[Problem]:
         """``n`` distinct problems of ``split``, the same for the same arguments."""
         if split not in SPLITS:
             raise ValueError(f"split={split!r}; expected one of {SPLITS}")
@@ -68,8 +74,10 @@ class Task:
             seen.add(key)
             out.append(p)
         if len(out) < n:
-            raise ValueError(f"task {self.name!r}: only {len(out)} distinct {split} problems found in {max_tries} "
-                             f"draws, {n} asked; ask for fewer or a larger problem space")
+            raise ValueError(
+                f"task {self.name!r}: only {len(out)} distinct {split} problems found in {max_tries} "
+                f"draws, {n} asked; ask for fewer or a larger problem space"
+            )
         return out
 
     def _draw(self, rng: random.Random) -> Problem:
@@ -102,11 +110,16 @@ class Arithmetic(Task):
         self.digits, self.ops = digits, ops
 
     def _draw(self, rng):
-        lo, hi = 10 ** (self.digits - 1) if self.digits > 1 else 0, 10 ** self.digits - 1
+        lo, hi = 10 ** (self.digits - 1) if self.digits > 1 else 0, 10**self.digits - 1
         a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(self.ops)
         value = a + b if op == "+" else a - b if op == "-" else a * b
         sym = {"+": "+", "-": "-", "*": "*"}[op]
-        return Problem(self.name, f"What is {a} {sym} {b}? {INSTRUCTION}", str(value), {"a": a, "b": b, "op": op})
+        return Problem(
+            self.name,
+            f"What is {a} {sym} {b}? {INSTRUCTION}",
+            str(value),
+            {"a": a, "b": b, "op": op},
+        )
 
     def check(self, problem, answer):
         return _int_answer(answer) == int(problem.answer)
@@ -136,8 +149,10 @@ class Countdown(Task):
             value = evaluate(expr)
             if value is not None and value.denominator == 1 and 0 < value <= 1000:
                 target = int(value)
-                prompt = (f"Using the numbers {nums}, each exactly once, and + - * /, make {target}. "
-                          f"Write the expression. {INSTRUCTION}")
+                prompt = (
+                    f"Using the numbers {nums}, each exactly once, and + - * /, make {target}. "
+                    f"Write the expression. {INSTRUCTION}"
+                )
                 return Problem(self.name, prompt, expr, {"numbers": nums, "target": target})
 
     def check(self, problem, answer):
@@ -151,8 +166,12 @@ class Countdown(Task):
         return f"{problem.answer} = {problem.data['target']}. <answer>{problem.answer}</answer>"
 
 
-_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-        ast.Div: lambda a, b: a / b}
+_OPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
 
 
 def _parse(text: str):
@@ -168,6 +187,7 @@ def _parse(text: str):
 def evaluate(expr: str) -> Fraction | None:
     """The exact value of an arithmetic expression of integers and + − × ÷ (and unary −); None when it is
     anything else or divides by zero. Only these AST nodes are evaluated: no names, calls or powers."""
+
     def ev(node):
         if isinstance(node, ast.Constant) and type(node.value) is int:
             return Fraction(node.value)
@@ -194,9 +214,38 @@ def numbers_in(expr: str) -> list[int] | None:
     return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and type(n.value) is int]
 
 
-WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "glass", "honey", "robot", "candle",
-         "planet", "forest", "silver", "window", "garden", "rocket", "banana", "mirror", "castle", "pencil",
-         "jungle", "violet", "marble", "dragon", "summer", "winter", "button", "camera", "island")
+WORDS = (
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "lemon",
+    "piano",
+    "glass",
+    "honey",
+    "robot",
+    "candle",
+    "planet",
+    "forest",
+    "silver",
+    "window",
+    "garden",
+    "rocket",
+    "banana",
+    "mirror",
+    "castle",
+    "pencil",
+    "jungle",
+    "violet",
+    "marble",
+    "dragon",
+    "summer",
+    "winter",
+    "button",
+    "camera",
+    "island",
+)
 
 
 class Strings(Task):
@@ -205,11 +254,19 @@ class Strings(Task):
     def _draw(self, rng):
         word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 7)))
         if rng.random() < 0.5:
-            return Problem(self.name, f"Reverse the string '{word}'. {INSTRUCTION}", word[::-1],
-                           {"kind": "reverse", "word": word})
+            return Problem(
+                self.name,
+                f"Reverse the string '{word}'. {INSTRUCTION}",
+                word[::-1],
+                {"kind": "reverse", "word": word},
+            )
         letter = rng.choice(word)
-        return Problem(self.name, f"How many times does the letter '{letter}' occur in '{word}'? {INSTRUCTION}",
-                       str(word.count(letter)), {"kind": "count", "word": word, "letter": letter})
+        return Problem(
+            self.name,
+            f"How many times does the letter '{letter}' occur in '{word}'? {INSTRUCTION}",
+            str(word.count(letter)),
+            {"kind": "count", "word": word, "letter": letter},
+        )
 
     def check(self, problem, answer):
         if problem.data["kind"] == "count":
@@ -224,14 +281,27 @@ class Format(Task):
         word, k = rng.choice(WORDS), rng.randint(2, 4)
         kind = rng.choice(("upper", "repeat", "json"))
         if kind == "upper":
-            return Problem(self.name, f"Write the word '{word}' in capital letters. {INSTRUCTION}", word.upper(),
-                           {"kind": kind})
+            return Problem(
+                self.name,
+                f"Write the word '{word}' in capital letters. {INSTRUCTION}",
+                word.upper(),
+                {"kind": kind},
+            )
         if kind == "repeat":
-            return Problem(self.name, f"Write the word '{word}' {k} times, separated by commas and no spaces. "
-                           f"{INSTRUCTION}", ",".join([word] * k), {"kind": kind})
-        return Problem(self.name, f"Write a JSON object with the key \"word\" set to \"{word}\" and the key "
-                       f"\"n\" set to {k}. {INSTRUCTION}", json.dumps({"word": word, "n": k}),
-                       {"kind": kind, "word": word, "n": k})
+            return Problem(
+                self.name,
+                f"Write the word '{word}' {k} times, separated by commas and no spaces. "
+                f"{INSTRUCTION}",
+                ",".join([word] * k),
+                {"kind": kind},
+            )
+        return Problem(
+            self.name,
+            f'Write a JSON object with the key "word" set to "{word}" and the key '
+            f'"n" set to {k}. {INSTRUCTION}',
+            json.dumps({"word": word, "n": k}),
+            {"kind": kind, "word": word, "n": k},
+        )
 
     def check(self, problem, answer):
         if problem.data["kind"] != "json":

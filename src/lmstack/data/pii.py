@@ -32,10 +32,24 @@ _OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
 _IPV4 = rf"(?<![\w.]){_OCTET}(?:\.{_OCTET}){{3}}(?![\w]|\.\d)"
 # Anything made of hex digits and colons with at least two colons (optionally ending in a dotted quad);
 # ipaddress decides whether it is an IPv6 address.
-_IPV6 = (r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:" + _OCTET + r"(?:\." + _OCTET + r"){3}|[0-9A-Fa-f]{1,4})?"
-         r"(?![\w:]|\.\w)")
+_IPV6 = (
+    r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:"
+    + _OCTET
+    + r"(?:\."
+    + _OCTET
+    + r"){3}|[0-9A-Fa-f]{1,4})?"
+    r"(?![\w:]|\.\w)"
+)
 _SEP = r"[-. ]?"
-_NANP = (r"(?:(?:\+|\b)1" + _SEP + r")?(?:\([2-9]\d\d\)[ ]?|\b[2-9]\d\d" + _SEP + r")\d\d\d" + _SEP + r"\d{4}")
+_NANP = (
+    r"(?:(?:\+|\b)1"
+    + _SEP
+    + r")?(?:\([2-9]\d\d\)[ ]?|\b[2-9]\d\d"
+    + _SEP
+    + r")\d\d\d"
+    + _SEP
+    + r"\d{4}"
+)
 _INTL = r"(?:\+|\b00)[1-9]\d{0,2}(?:[ .-]?\(0\))?(?:[ .-]?\(?\d{1,5}\)?){1,5}"
 _PHONE = rf"(?<![\w+]){_NANP}(?![\w-])|(?<![\w+]){_INTL}(?![\w-])"
 _MAYBE = re.compile(r"[@\d:]")
@@ -45,8 +59,19 @@ _PII = re.compile(rf"(?P<email>{_EMAIL})|(?P<ipv6>{_IPV6})|(?P<ipv4>{_IPV4})|(?P
 class PIIReplacer:
     """``replace(text) -> (text, counts)`` with counts ``{"email_address", "phone_number", "ip_address"}``."""
 
-    def __init__(self, emails: bool = True, phones: bool = True, ips: bool = True, public_ips_only: bool = False):
-        self.emails, self.phones, self.ips, self.public_ips_only = emails, phones, ips, public_ips_only
+    def __init__(
+        self,
+        emails: bool = True,
+        phones: bool = True,
+        ips: bool = True,
+        public_ips_only: bool = False,
+    ):
+        self.emails, self.phones, self.ips, self.public_ips_only = (
+            emails,
+            phones,
+            ips,
+            public_ips_only,
+        )
 
     def _ip_ok(self, s: str) -> bool:
         try:
@@ -75,7 +100,7 @@ class PIIReplacer:
             return text, counts
         parts, last = [], 0
         for tok in _TOKENS.finditer(text):  # never look inside an existing token
-            parts.append(_PII.sub(lambda m: self._sub(m, counts), text[last:tok.start()]))
+            parts.append(_PII.sub(lambda m: self._sub(m, counts), text[last : tok.start()]))
             parts.append(tok.group(0))
             last = tok.end()
         parts.append(_PII.sub(lambda m: self._sub(m, counts), text[last:]))
@@ -87,7 +112,13 @@ class PII(Mapper):
 
     name = "pii"
 
-    def __init__(self, emails: bool = True, phones: bool = True, ips: bool = True, public_ips_only: bool = False):
+    def __init__(
+        self,
+        emails: bool = True,
+        phones: bool = True,
+        ips: bool = True,
+        public_ips_only: bool = False,
+    ):
         self.replacer = PIIReplacer(emails, phones, ips, public_ips_only)
 
     def apply(self, doc: Document, stats: StepStats) -> Document:
@@ -96,7 +127,9 @@ class PII(Mapper):
             return doc
         for k, v in counts.items():
             stats.counters[k] += v
-        return Document(text, doc.id, {**doc.metadata, "pii": {k: v for k, v in counts.items() if v}})
+        return Document(
+            text, doc.id, {**doc.metadata, "pii": {k: v for k, v in counts.items() if v}}
+        )
 
 
 STEPS = {"pii": PII}

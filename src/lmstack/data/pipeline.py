@@ -52,8 +52,9 @@ def build_step(spec: dict[str, Any], where: str = "step") -> Step:
     try:
         inspect.signature(cls).bind(**kwargs)
     except TypeError as e:
-        raise ValueError(f"{where} (type {spec['type']!r}): {e}; {cls.__name__} takes "
-                         f"{inspect.signature(cls)}") from None
+        raise ValueError(
+            f"{where} (type {spec['type']!r}): {e}; {cls.__name__} takes {inspect.signature(cls)}"
+        ) from None
     step = cls(**kwargs)
     if "name" in spec:
         step.name = str(spec["name"])
@@ -73,8 +74,9 @@ class Stage:
             raise ValueError(f"stage name {self.name!r}: expected a plain folder name")
         if not self.steps:
             raise ValueError(f"stage {self.name!r} has no steps")
-        if self.tasks is not None and (isinstance(self.tasks, bool) or not isinstance(self.tasks, int)
-                                       or self.tasks < 1):
+        if self.tasks is not None and (
+            isinstance(self.tasks, bool) or not isinstance(self.tasks, int) or self.tasks < 1
+        ):
             raise ValueError(f"stage {self.name!r}: tasks={self.tasks!r} must be an integer >= 1")
 
     def task_count(self) -> int:
@@ -108,32 +110,54 @@ class Pipeline:
     def _check_paths(self) -> None:
         """No output may land inside an input folder: a relaunch would read it (and split tasks differently).
         A stage may read exactly the folder an earlier stage wrote."""
-        outs = [(i, f"stage {st.name!r} step {step.name!r} output", Path(step.output))
-                for i, st in enumerate(self.stages) for step in st.steps if isinstance(step, ShardWriter)]
-        outs.append((len(self.stages), "the pipeline's output (stats, markers, exclusions)", Path(self.output)))
+        outs = [
+            (i, f"stage {st.name!r} step {step.name!r} output", Path(step.output))
+            for i, st in enumerate(self.stages)
+            for step in st.steps
+            if isinstance(step, ShardWriter)
+        ]
+        outs.append(
+            (
+                len(self.stages),
+                "the pipeline's output (stats, markers, exclusions)",
+                Path(self.output),
+            )
+        )
         for _, what, out in outs[:-1]:
             for st in self.stages:
                 logs = (Path(self.output) / st.name).resolve()
                 if out.resolve() == logs or logs in out.resolve().parents:
-                    raise ValueError(f"{what} {str(out)!r} is inside stage {st.name!r}'s log folder {str(logs)!r} "
-                                     "(stats, markers, exclusions); rename the stage or the output")
+                    raise ValueError(
+                        f"{what} {str(out)!r} is inside stage {st.name!r}'s log folder {str(logs)!r} "
+                        "(stats, markers, exclusions); rename the stage or the output"
+                    )
         for j, st in enumerate(self.stages):
             for step in st.steps:
                 if not isinstance(step, Reader):
                     continue
                 for given, full in step.paths:
-                    root = Path(_glob_root(full) if any(c in given for c in "*?[") else full).resolve()
+                    root = Path(
+                        _glob_root(full) if any(c in given for c in "*?[") else full
+                    ).resolve()
                     for i, what, out in outs:
                         out = out.resolve()
                         if out == root and what.endswith(" output") and i < j:
                             continue  # this stage reads what an earlier one wrote
                         if out == root or root in out.parents:
-                            raise ValueError(f"{what} {str(out)!r} lies inside stage {st.name!r}'s input "
-                                             f"{given!r}: a relaunch would read it; write it elsewhere")
+                            raise ValueError(
+                                f"{what} {str(out)!r} lies inside stage {st.name!r}'s input "
+                                f"{given!r}: a relaunch would read it; write it elsewhere"
+                            )
 
     @classmethod
-    def from_steps(cls, steps: list[Step], output: str | os.PathLike, tasks: int | None = None,
-                   name: str = "main", **kw) -> Pipeline:
+    def from_steps(
+        cls,
+        steps: list[Step],
+        output: str | os.PathLike,
+        tasks: int | None = None,
+        name: str = "main",
+        **kw,
+    ) -> Pipeline:
         return cls([Stage(name, list(steps), tasks)], output, **kw)
 
     @classmethod
@@ -141,16 +165,27 @@ class Pipeline:
         known = {"output", "exclusions", "tasks", "step", "stage"}
         extra = set(d) - known
         if extra:
-            raise ValueError(f"{where}: unknown top-level keys {sorted(extra)}; expected {sorted(known)}")
+            raise ValueError(
+                f"{where}: unknown top-level keys {sorted(extra)}; expected {sorted(known)}"
+            )
         if "output" not in d:
-            raise ValueError(f"{where}: missing 'output' (the folder for stats, completion markers, exclusions)")
+            raise ValueError(
+                f"{where}: missing 'output' (the folder for stats, completion markers, exclusions)"
+            )
         if ("step" in d) == ("stage" in d):
-            raise ValueError(f"{where}: give either [[step]] tables (one stage) or [[stage]] tables, not "
-                             f"{'both' if 'step' in d else 'neither'}")
+            raise ValueError(
+                f"{where}: give either [[step]] tables (one stage) or [[stage]] tables, not "
+                f"{'both' if 'step' in d else 'neither'}"
+            )
         if "tasks" in d and "stage" in d:
-            raise ValueError(f"{where}: a top-level 'tasks' is for a [[step]] pipeline; give each [[stage]] its own")
-        raw = [{"name": "main", "step": d["step"], **({"tasks": d["tasks"]} if "tasks" in d else {})}] \
-            if "step" in d else d["stage"]
+            raise ValueError(
+                f"{where}: a top-level 'tasks' is for a [[step]] pipeline; give each [[stage]] its own"
+            )
+        raw = (
+            [{"name": "main", "step": d["step"], **({"tasks": d["tasks"]} if "tasks" in d else {})}]
+            if "step" in d
+            else d["stage"]
+        )
         stages = []
         for i, s in enumerate(raw):
             sw = f"{where}: stage {i} ({s.get('name', f'stage{i}')!r})"

@@ -27,9 +27,13 @@ import regex
 from lmstack.data.document import Document
 from lmstack.data.step import Filter
 
-_HAS_NON_SYMBOL = regex.compile(r"[^\p{P}\p{S}\p{C}\p{Z}]")  # a word that is not all punctuation/symbols
+_HAS_NON_SYMBOL = regex.compile(
+    r"[^\p{P}\p{S}\p{C}\p{Z}]"
+)  # a word that is not all punctuation/symbols
 _HAS_ALPHA = regex.compile(r"\p{L}")
-TERMINAL_PUNCTUATION = tuple(regex.findall(r"\p{Sentence_Terminal}", "".join(map(chr, range(0x30000)))))
+TERMINAL_PUNCTUATION = tuple(
+    regex.findall(r"\p{Sentence_Terminal}", "".join(map(chr, range(0x30000))))
+)
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")  # Gopher's list
 
 # The rule-based tokenizer's shape: split on white space; peel punctuation off the front and the back of each
@@ -38,12 +42,19 @@ STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")  # Gopher'
 _OPEN = "([{<\"'“‘«「『（〔【《〈`´‚„$£€¥#*&_§%=+—–…,:;!?¿¡。？！，、；：～·"
 _CLOSE = ")]}>\"'”’»」』）〕】》〉`´…,:;!?。？！，、；：～·%*&#_—–"
 _PREFIX = regex.compile(rf"(?:\.\.+|[{regex.escape(_OPEN)}]|\p{{So}})")
-_SUFFIX = regex.compile(rf"(?:\.\.+|[{regex.escape(_CLOSE)}]|\p{{So}}|['’][sSdDmM]|['’](?:ll|re|ve|LL|RE|VE)|n['’]t|N['’]T"
-                        r"|(?<=[\p{Ll}\d\p{P}]|\p{Lu}\p{Lu})\.)\Z")
-_INFIX = regex.compile(r"\.\.+|…|(?<=\d)[+\-*^](?=[\d-])|(?<=[\p{L}\d])[:<>=/](?=\p{L})|(?<=\p{L}),(?=\p{L})"
-                       r"|(?<=[\p{L}\d])(?:---|--|——|-|–|—|~)(?=\p{L})")
-_ABBREV = regex.compile(r"(?:\p{L}\.){2,}|(?:Mr|Mrs|Ms|Dr|St|Mt|Jr|Sr|vs|etc|Inc|Ltd|Co|Prof|No|Jan|Feb|Mar|Apr|Jun|"
-                        r"Jul|Aug|Sep|Sept|Oct|Nov|Dec)\.|\p{L}\.", regex.I)
+_SUFFIX = regex.compile(
+    rf"(?:\.\.+|[{regex.escape(_CLOSE)}]|\p{{So}}|['’][sSdDmM]|['’](?:ll|re|ve|LL|RE|VE)|n['’]t|N['’]T"
+    r"|(?<=[\p{Ll}\d\p{P}]|\p{Lu}\p{Lu})\.)\Z"
+)
+_INFIX = regex.compile(
+    r"\.\.+|…|(?<=\d)[+\-*^](?=[\d-])|(?<=[\p{L}\d])[:<>=/](?=\p{L})|(?<=\p{L}),(?=\p{L})"
+    r"|(?<=[\p{L}\d])(?:---|--|——|-|–|—|~)(?=\p{L})"
+)
+_ABBREV = regex.compile(
+    r"(?:\p{L}\.){2,}|(?:Mr|Mrs|Ms|Dr|St|Mt|Jr|Sr|vs|etc|Inc|Ltd|Co|Prof|No|Jan|Feb|Mar|Apr|Jun|"
+    r"Jul|Aug|Sep|Sept|Oct|Nov|Dec)\.|\p{L}\.",
+    regex.I,
+)
 _URL = regex.compile(r"(?:https?://|www\.)\S+|[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
 
 
@@ -55,12 +66,12 @@ def _chunk_words(chunk: str, out: list[str]) -> None:
         m = _PREFIX.match(chunk)
         if m and m.end() < len(chunk) + 1 and m.group(0):
             out.append(m.group(0))
-            chunk = chunk[m.end():]
+            chunk = chunk[m.end() :]
             continue
         m = _SUFFIX.search(chunk)
         if m and m.start() > 0:
             tail.append(m.group(0))
-            chunk = chunk[:m.start()]
+            chunk = chunk[: m.start()]
             continue
         break
     if chunk:
@@ -70,7 +81,7 @@ def _chunk_words(chunk: str, out: list[str]) -> None:
             start = 0
             for m in _INFIX.finditer(chunk):
                 if m.start() > start:
-                    out.append(chunk[start:m.start()])
+                    out.append(chunk[start : m.start()])
                 if m.group(0):
                     out.append(m.group(0))
                 start = m.end()
@@ -109,19 +120,35 @@ class GopherQuality(Filter):
 
     name = "gopher_quality"
 
-    def __init__(self, min_doc_words: int | None = 50, max_doc_words: int | None = 100_000,
-                 min_avg_word_length: float | None = 3, max_avg_word_length: float | None = 10,
-                 max_symbol_word_ratio: float | None = 0.1, max_bullet_lines_ratio: float | None = 0.9,
-                 max_ellipsis_lines_ratio: float | None = 0.3, min_alpha_words_ratio: float | None = 0.8,
-                 min_stop_words: int | None = 2, stop_words: Iterable[str] = STOP_WORDS,
-                 stop_words_case_sensitive: bool = False):
+    def __init__(
+        self,
+        min_doc_words: int | None = 50,
+        max_doc_words: int | None = 100_000,
+        min_avg_word_length: float | None = 3,
+        max_avg_word_length: float | None = 10,
+        max_symbol_word_ratio: float | None = 0.1,
+        max_bullet_lines_ratio: float | None = 0.9,
+        max_ellipsis_lines_ratio: float | None = 0.3,
+        min_alpha_words_ratio: float | None = 0.8,
+        min_stop_words: int | None = 2,
+        stop_words: Iterable[str] = STOP_WORDS,
+        stop_words_case_sensitive: bool = False,
+    ):
         self.min_doc_words, self.max_doc_words = min_doc_words, max_doc_words
-        self.min_avg_word_length, self.max_avg_word_length = min_avg_word_length, max_avg_word_length
+        self.min_avg_word_length, self.max_avg_word_length = (
+            min_avg_word_length,
+            max_avg_word_length,
+        )
         self.max_symbol_word_ratio = max_symbol_word_ratio
-        self.max_bullet_lines_ratio, self.max_ellipsis_lines_ratio = max_bullet_lines_ratio, max_ellipsis_lines_ratio
+        self.max_bullet_lines_ratio, self.max_ellipsis_lines_ratio = (
+            max_bullet_lines_ratio,
+            max_ellipsis_lines_ratio,
+        )
         self.min_alpha_words_ratio, self.min_stop_words = min_alpha_words_ratio, min_stop_words
         self.case_sensitive = stop_words_case_sensitive
-        self.stop_words = frozenset(w if stop_words_case_sensitive else w.lower() for w in stop_words)
+        self.stop_words = frozenset(
+            w if stop_words_case_sensitive else w.lower() for w in stop_words
+        )
 
     def reason(self, doc: Document) -> str | None:
         text = doc.text
@@ -154,8 +181,10 @@ class GopherQuality(Filter):
             ends = sum(ln.rstrip().endswith(("...", "…")) for ln in lines)
             if ends / len(lines) > self.max_ellipsis_lines_ratio:
                 return "gopher_too_many_end_ellipsis"
-        if (self.min_alpha_words_ratio is not None
-                and sum(1 for w in words if _HAS_ALPHA.search(w)) / n < self.min_alpha_words_ratio):
+        if (
+            self.min_alpha_words_ratio is not None
+            and sum(1 for w in words if _HAS_ALPHA.search(w)) / n < self.min_alpha_words_ratio
+        ):
             return "gopher_below_alpha_threshold"
         if self.min_stop_words is not None:
             seen = set(words) if self.case_sensitive else {w.lower() for w in words}
@@ -180,7 +209,7 @@ def duplicates(items: list[str]) -> tuple[int, int]:
 
 def top_ngram_chars(words: list[str], n: int) -> int:
     """Characters of the most frequent n-gram (words joined by one space) times its count; ties: first seen."""
-    grams = Counter(" ".join(words[i:i + n]) for i in range(len(words) - n + 1))
+    grams = Counter(" ".join(words[i : i + n]) for i in range(len(words) - n + 1))
     if not grams:
         return 0
     gram, count = grams.most_common(1)[0]
@@ -196,7 +225,7 @@ def duplicated_ngram_chars(words: list[str], n: int) -> int:
     seen: set[str] = set()
     chars, i, last = 0, 0, len(words) - n
     while i <= last:
-        gram = "".join(words[i:i + n])
+        gram = "".join(words[i : i + n])
         if gram in seen:
             chars += len(gram)
             i += n
@@ -223,10 +252,15 @@ class GopherRepetition(Filter):
 
     name = "gopher_repetition"
 
-    def __init__(self, dup_line_frac: float | None = 0.3, dup_para_frac: float | None = 0.3,
-                 dup_line_char_frac: float | None = 0.2, dup_para_char_frac: float | None = 0.2,
-                 top_n_grams: Iterable[tuple[int, float]] = GOPHER_TOP_NGRAMS,
-                 dup_n_grams: Iterable[tuple[int, float]] = GOPHER_DUP_NGRAMS):
+    def __init__(
+        self,
+        dup_line_frac: float | None = 0.3,
+        dup_para_frac: float | None = 0.3,
+        dup_line_char_frac: float | None = 0.2,
+        dup_para_char_frac: float | None = 0.2,
+        top_n_grams: Iterable[tuple[int, float]] = GOPHER_TOP_NGRAMS,
+        dup_n_grams: Iterable[tuple[int, float]] = GOPHER_DUP_NGRAMS,
+    ):
         self.dup_line_frac, self.dup_para_frac = dup_line_frac, dup_para_frac
         self.dup_line_char_frac, self.dup_para_char_frac = dup_line_char_frac, dup_para_char_frac
         self.top_n_grams, self.dup_n_grams = tuple(top_n_grams), tuple(dup_n_grams)
@@ -260,12 +294,21 @@ class GopherRepetition(Filter):
 
 # -------------------------------------------------------------------------------------------------------- C4
 C4_END_PUNCTUATION = (".", "?", "!", '"', "'")
-C4_POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
+C4_POLICY = (
+    "terms of use",
+    "privacy policy",
+    "cookie policy",
+    "uses cookies",
+    "use of cookies",
+    "use cookies",
+)
 _CITATION = re.compile(r"\[\d*]|\[edit]|\[citation needed]")
 # A sentence ends at a run of . ! ? (with closing quotes/brackets) before a space or the end, except after a
 # one-letter initial or a common abbreviation ("Dr.", "e.g."), which rule-based sentence splitters keep whole.
-_SENT_END = regex.compile(r"(?<!\b(?:\p{L}|[Dd]r|Mr|Mrs|Ms|St|vs|etc|e\.g|i\.e|Prof|Inc|Jr|Sr|No))"
-                          r"[.!?\p{Sentence_Terminal}]+[\"'”’)\]]*(?=\s|$)")
+_SENT_END = regex.compile(
+    r"(?<!\b(?:\p{L}|[Dd]r|Mr|Mrs|Ms|St|vs|etc|e\.g|i\.e|Prof|Inc|Jr|Sr|No))"
+    r"[.!?\p{Sentence_Terminal}]+[\"'”’)\]]*(?=\s|$)"
+)
 
 
 def count_sentences(line: str) -> int:
@@ -289,11 +332,22 @@ class C4Quality(Filter):
 
     name = "c4_quality"
 
-    def __init__(self, filter_no_terminal_punct: bool = True, min_num_sentences: int | None = 5,
-                 min_words_per_line: int | None = 3, max_word_length: int | None = 1000,
-                 filter_lorem_ipsum: bool = True, filter_javascript: bool = True, filter_curly_bracket: bool = True,
-                 filter_policy: bool = True, remove_citations: bool = True):
-        self.filter_no_terminal_punct, self.min_num_sentences = filter_no_terminal_punct, min_num_sentences
+    def __init__(
+        self,
+        filter_no_terminal_punct: bool = True,
+        min_num_sentences: int | None = 5,
+        min_words_per_line: int | None = 3,
+        max_word_length: int | None = 1000,
+        filter_lorem_ipsum: bool = True,
+        filter_javascript: bool = True,
+        filter_curly_bracket: bool = True,
+        filter_policy: bool = True,
+        remove_citations: bool = True,
+    ):
+        self.filter_no_terminal_punct, self.min_num_sentences = (
+            filter_no_terminal_punct,
+            min_num_sentences,
+        )
         self.min_words_per_line, self.max_word_length = min_words_per_line, max_word_length
         self.filter_lorem_ipsum, self.filter_javascript = filter_lorem_ipsum, filter_javascript
         self.filter_curly_bracket, self.filter_policy = filter_curly_bracket, filter_policy
@@ -304,11 +358,15 @@ class C4Quality(Filter):
         for line in doc.text.splitlines():
             line = line.strip()
             words = line.split()
-            if self.max_word_length is not None and any(len(w) > self.max_word_length for w in words):
+            if self.max_word_length is not None and any(
+                len(w) > self.max_word_length for w in words
+            ):
                 continue
             if self.remove_citations:
                 line = _CITATION.sub("", line)
-            if self.filter_no_terminal_punct and (not line.endswith(C4_END_PUNCTUATION) or line.endswith("...")):
+            if self.filter_no_terminal_punct and (
+                not line.endswith(C4_END_PUNCTUATION) or line.endswith("...")
+            ):
                 continue
             if self.min_words_per_line is not None and len(words) < self.min_words_per_line:
                 continue
@@ -339,7 +397,11 @@ class C4BadWords(Filter):
     def __init__(self, words: Iterable[str] | None = None, path: str | Path | None = None):
         vocab = set(words or ())
         if path is not None:
-            vocab |= {ln.strip() for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()}
+            vocab |= {
+                ln.strip()
+                for ln in Path(path).read_text(encoding="utf-8").splitlines()
+                if ln.strip()
+            }
         if not vocab:
             raise ValueError("C4BadWords needs a non-empty bad-words list (words=... or path=...)")
         alts = "|".join(re.escape(w.lower()) for w in sorted(vocab, key=len, reverse=True))
@@ -363,10 +425,16 @@ class FineWebQuality(Filter):
 
     name = "fineweb_quality"
 
-    def __init__(self, line_punct_thr: float | None = 0.12, line_punct_exclude_zero: bool = False,
-                 short_line_thr: float | None = 0.67, short_line_length: int = 30,
-                 char_duplicates_ratio: float | None = 0.1, new_line_ratio: float | None = 0.3,
-                 stop_chars: tuple[str, ...] = TERMINAL_PUNCTUATION):
+    def __init__(
+        self,
+        line_punct_thr: float | None = 0.12,
+        line_punct_exclude_zero: bool = False,
+        short_line_thr: float | None = 0.67,
+        short_line_length: int = 30,
+        char_duplicates_ratio: float | None = 0.1,
+        new_line_ratio: float | None = 0.3,
+        stop_chars: tuple[str, ...] = TERMINAL_PUNCTUATION,
+    ):
         self.line_punct_thr, self.line_punct_exclude_zero = line_punct_thr, line_punct_exclude_zero
         self.short_line_thr, self.short_line_length = short_line_thr, short_line_length
         self.char_duplicates_ratio, self.new_line_ratio = char_duplicates_ratio, new_line_ratio
@@ -384,8 +452,10 @@ class FineWebQuality(Filter):
         short = sum(1 for ln in lines if len(ln) <= self.short_line_length) / len(lines)
         if self.short_line_thr is not None and short > self.short_line_thr:
             return "short_line_ratio"
-        if (self.char_duplicates_ratio is not None
-                and duplicates(lines)[1] / (len(text) - text.count("\n")) > self.char_duplicates_ratio):
+        if (
+            self.char_duplicates_ratio is not None
+            and duplicates(lines)[1] / (len(text) - text.count("\n")) > self.char_duplicates_ratio
+        ):
             return "char_dup_ratio"
         if self.new_line_ratio is not None:
             n_words = len(split_words(text))
@@ -394,5 +464,10 @@ class FineWebQuality(Filter):
         return None
 
 
-STEPS = {"gopher_quality": GopherQuality, "gopher_repetition": GopherRepetition, "c4_quality": C4Quality,
-         "c4_badwords": C4BadWords, "fineweb_quality": FineWebQuality}
+STEPS = {
+    "gopher_quality": GopherQuality,
+    "gopher_repetition": GopherRepetition,
+    "c4_quality": C4Quality,
+    "c4_badwords": C4BadWords,
+    "fineweb_quality": FineWebQuality,
+}

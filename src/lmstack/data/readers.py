@@ -61,13 +61,20 @@ class Reader(Step):
 
     suffixes: tuple[str, ...] = ()  # what a folder input contributes (when no glob is given)
 
-    def __init__(self, paths: str | os.PathLike | Iterable[str | os.PathLike], glob: str | None = None,
-                 limit: int | None = None, max_doc_bytes: int = MAX_DOC_BYTES):
+    def __init__(
+        self,
+        paths: str | os.PathLike | Iterable[str | os.PathLike],
+        glob: str | None = None,
+        limit: int | None = None,
+        max_doc_bytes: int = MAX_DOC_BYTES,
+    ):
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         paths = [os.fspath(p) for p in paths]
         if not paths:
-            raise ValueError(f"{self.name}: paths is empty; expected input files, folders or glob patterns")
+            raise ValueError(
+                f"{self.name}: paths is empty; expected input files, folders or glob patterns"
+            )
         if max_doc_bytes < 1:
             raise ValueError(f"{self.name}: max_doc_bytes={max_doc_bytes!r} must be >= 1")
         # (as written, absolute): relative inputs resolve against the directory the pipeline was built in,
@@ -112,7 +119,7 @@ class Reader(Step):
         return sorted(out.items())
 
     def task_files(self) -> list[tuple[str, Path]]:
-        return self.files()[self.rank::self.world]
+        return self.files()[self.rank :: self.world]
 
     def read(self, path: Path, source: str, stats: StepStats) -> Iterator[Document]:
         raise NotImplementedError
@@ -140,7 +147,11 @@ def _file_fault(e: Exception) -> str | None:
         return "truncated_file"
     if module.startswith("pyarrow"):
         return "corrupt_parquet"
-    if isinstance(e, (gzip.BadGzipFile, zlib.error)) or module.startswith("zstandard") or "zstd" in str(e).lower():
+    if (
+        isinstance(e, (gzip.BadGzipFile, zlib.error))
+        or module.startswith("zstandard")
+        or "zstd" in str(e).lower()
+    ):
         return "corrupt_compression"
     if isinstance(e, OSError):
         return "unreadable_file"
@@ -169,8 +180,14 @@ def _drop_file(stats: StepStats, source: str, reason: str, error: BaseException)
     stats.drop(Document("", stable_id(source, "file"), {"source": source, "error": msg}), reason)
 
 
-def _drop(stats: StepStats, source: str, key: str | int, reason: str, nbytes: int = 0,
-          meta: dict[str, Any] | None = None) -> None:
+def _drop(
+    stats: StepStats,
+    source: str,
+    key: str | int,
+    reason: str,
+    nbytes: int = 0,
+    meta: dict[str, Any] | None = None,
+) -> None:
     stats.docs_in += 1
     stats.bytes_in += nbytes
     stats.drop(Document("", stable_id(source, key), {"source": source, **(meta or {})}), reason)
@@ -193,6 +210,7 @@ def _decode(data: bytes, stats: StepStats) -> str:
 
 
 # ---- byte streams and lines --------------------------------------------------------------------------------
+
 
 def _chunks(path: Path) -> Iterator[bytes]:
     """The decompressed bytes of ``path`` (by suffix: .gz, .zst, else plain), CHUNK at a time.
@@ -259,8 +277,10 @@ def _lines(chunks: Iterable[bytes], max_bytes: int) -> Iterator[tuple[int, bytes
 
 # ---- JSONL -------------------------------------------------------------------------------------------------
 
-def _record_document(obj: Any, source: str, key: int, text_key: str, id_key: str,
-                     stats: StepStats) -> Document | str:
+
+def _record_document(
+    obj: Any, source: str, key: int, text_key: str, id_key: str, stats: StepStats
+) -> Document | str:
     """A Document from one JSON object / Parquet row, or the reason it is dropped."""
     if not isinstance(obj, dict):
         return "bad_json"
@@ -270,7 +290,11 @@ def _record_document(obj: Any, source: str, key: int, text_key: str, id_key: str
     if not text.strip():
         return "empty"
     rid = obj.get(id_key)
-    doc_id = str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) and str(rid) else stable_id(source, key)
+    doc_id = (
+        str(rid)
+        if isinstance(rid, (str, int)) and not isinstance(rid, bool) and str(rid)
+        else stable_id(source, key)
+    )
     meta = obj.get("metadata")
     if isinstance(meta, str):  # Parquet shards store metadata as a JSON string
         try:
@@ -292,8 +316,15 @@ class JsonlReader(Reader):
 
     suffixes = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst", ".ndjson")
 
-    def __init__(self, paths, glob=None, limit=None, max_doc_bytes=MAX_DOC_BYTES, text_key: str = "text",
-                 id_key: str = "id"):
+    def __init__(
+        self,
+        paths,
+        glob=None,
+        limit=None,
+        max_doc_bytes=MAX_DOC_BYTES,
+        text_key: str = "text",
+        id_key: str = "id",
+    ):
         super().__init__(paths, glob, limit, max_doc_bytes)
         self.text_key, self.id_key = text_key, id_key
 
@@ -318,6 +349,7 @@ class JsonlReader(Reader):
 
 # ---- Parquet -----------------------------------------------------------------------------------------------
 
+
 @register_step("read_parquet")
 class ParquetReader(Reader):
     """One document per row: column ``text_key`` is the text, ``id_key`` the id when present, a ``metadata``
@@ -325,8 +357,16 @@ class ParquetReader(Reader):
 
     suffixes = (".parquet",)
 
-    def __init__(self, paths, glob=None, limit=None, max_doc_bytes=MAX_DOC_BYTES, text_key: str = "text",
-                 id_key: str = "id", batch_size: int = 1024):
+    def __init__(
+        self,
+        paths,
+        glob=None,
+        limit=None,
+        max_doc_bytes=MAX_DOC_BYTES,
+        text_key: str = "text",
+        id_key: str = "id",
+        batch_size: int = 1024,
+    ):
         super().__init__(paths, glob, limit, max_doc_bytes)
         self.text_key, self.id_key, self.batch_size = text_key, id_key, batch_size
 
@@ -338,7 +378,9 @@ class ParquetReader(Reader):
             for batch in f.iter_batches(batch_size=self.batch_size):
                 for obj in batch.to_pylist():
                     text = obj.get(self.text_key)
-                    nbytes = len(text.encode("utf-8", "surrogatepass")) if isinstance(text, str) else 0
+                    nbytes = (
+                        len(text.encode("utf-8", "surrogatepass")) if isinstance(text, str) else 0
+                    )
                     if nbytes > self.max_doc_bytes:
                         _drop(stats, source, row, "too_long", nbytes, {"row": row})
                     else:
@@ -352,12 +394,19 @@ class ParquetReader(Reader):
 
 # ---- text files --------------------------------------------------------------------------------------------
 
+
 @register_step("read_text")
 class TextReader(Reader):
     """One document per file (every file of a folder unless ``glob`` or ``suffixes`` narrow it)."""
 
-    def __init__(self, paths, glob=None, limit=None, max_doc_bytes=MAX_DOC_BYTES,
-                 suffixes: tuple[str, ...] | list[str] = ()):
+    def __init__(
+        self,
+        paths,
+        glob=None,
+        limit=None,
+        max_doc_bytes=MAX_DOC_BYTES,
+        suffixes: tuple[str, ...] | list[str] = (),
+    ):
         super().__init__(paths, glob, limit, max_doc_bytes)
         self.suffixes = tuple(suffixes)
 
@@ -371,11 +420,16 @@ class TextReader(Reader):
         if not text.strip():
             _drop(stats, source, 0, "empty", len(data))
             return
-        yield _emit(stats, Document(text, stable_id(source, 0), {"source": source}), len(data),
-                    len(text.encode("utf-8", "surrogatepass")))
+        yield _emit(
+            stats,
+            Document(text, stable_id(source, 0), {"source": source}),
+            len(data),
+            len(text.encode("utf-8", "surrogatepass")),
+        )
 
 
 # ---- WARC and WET ------------------------------------------------------------------------------------------
+
 
 def _http_split(block: bytes) -> tuple[int | None, dict[str, str], bytes] | None:
     """(status, headers lower-cased, body) of an HTTP response block; None without a header/body separator."""
@@ -394,7 +448,7 @@ def _http_split(block: bytes) -> tuple[int | None, dict[str, str], bytes] | None
     for line in head[1:]:
         k, _, v = line.partition(":")
         headers[k.strip().lower()] = v.strip()
-    return status, headers, block[end + sep:]
+    return status, headers, block[end + sep :]
 
 
 def _dechunk(body: bytes) -> bytes:
@@ -407,7 +461,7 @@ def _dechunk(body: bytes) -> bytes:
         size = int(body[i:nl].split(b";")[0].strip(), 16)
         if size == 0:
             return b"".join(out)
-        out.append(body[nl + 2:nl + 2 + size])
+        out.append(body[nl + 2 : nl + 2 + size])
         if len(out[-1]) < size:
             raise ValueError("chunk shorter than its size")
         i = nl + 2 + size + 2
@@ -445,8 +499,12 @@ class _WarcBase(Reader):
         for record in self._records(path):
             rid = record.record_id or f"offset:{record.stream_pos}"
             declared = record.content_length
-            meta = {"source": source, "url": record.headers.get("WARC-Target-URI", ""),
-                    "warc_date": record.headers.get("WARC-Date", ""), "warc_record_id": rid}
+            meta = {
+                "source": source,
+                "url": record.headers.get("WARC-Target-URI", ""),
+                "warc_date": record.headers.get("WARC-Date", ""),
+                "warc_record_id": rid,
+            }
             if declared > self.max_doc_bytes:
                 _drop(stats, source, rid, "too_long", declared, meta)
                 continue
@@ -477,8 +535,16 @@ class WarcReader(_WarcBase):
             return "no_http_body"
         status, headers, body = http
         body = _decode_payload(headers, body, stats)
-        doc = Document("", stable_id(source, rid), {**meta, "content_type": headers.get("content-type", ""),
-                                                    "http_status": status, "raw": body})
+        doc = Document(
+            "",
+            stable_id(source, rid),
+            {
+                **meta,
+                "content_type": headers.get("content-type", ""),
+                "http_status": status,
+                "raw": body,
+            },
+        )
         return _emit(stats, doc, len(block), len(body))
 
 
@@ -493,10 +559,17 @@ class WetReader(_WarcBase):
         text = _decode(block, stats)
         if not text.strip():
             return "empty"
-        meta = {**meta, "content_type": record.headers.get("Content-Type", "text/plain"),
-                "refers_to": record.headers.get("WARC-Refers-To", "")}
+        meta = {
+            **meta,
+            "content_type": record.headers.get("Content-Type", "text/plain"),
+            "refers_to": record.headers.get("WARC-Refers-To", ""),
+        }
         lang = record.headers.get("WARC-Identified-Content-Language")
         if lang:
             meta["cc_languages"] = lang
-        return _emit(stats, Document(text, stable_id(source, rid), meta), len(block),
-                     len(text.encode("utf-8", "surrogatepass")))
+        return _emit(
+            stats,
+            Document(text, stable_id(source, rid), meta),
+            len(block),
+            len(text.encode("utf-8", "surrogatepass")),
+        )

@@ -22,7 +22,9 @@ def merge_stats(output: str | os.PathLike) -> dict[str, dict[str, Any]]:
         raise FileNotFoundError(f"{output}: no such folder (expected a pipeline's output folder)")
     tasks_file = output / "tasks.json"
     worlds = json.loads(tasks_file.read_text()) if tasks_file.exists() else {}
-    stages = list(worlds) + sorted(p.parent.name for p in output.glob("*/stats") if p.parent.name not in worlds)
+    stages = list(worlds) + sorted(
+        p.parent.name for p in output.glob("*/stats") if p.parent.name not in worlds
+    )
     merged: dict[str, dict[str, Any]] = {}
     for stage in stages:
         files = sorted((output / stage / "stats").glob("*.json"))
@@ -34,12 +36,20 @@ def merge_stats(output: str | os.PathLike) -> dict[str, dict[str, Any]]:
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{f}: not a task stats file ({type(e).__name__}: {e})") from None
             if steps and [s.name for s in task] != [s.name for s in steps]:
-                raise ValueError(f"{f}: steps {[s.name for s in task]} differ from the stage's other tasks "
-                                 f"{[s.name for s in steps]}")
+                raise ValueError(
+                    f"{f}: steps {[s.name for s in task]} differ from the stage's other tasks "
+                    f"{[s.name for s in steps]}"
+                )
             steps = task if not steps else [a.merge(b) for a, b in zip(steps, task)]
-        merged[stage] = {"tasks": len(files), "world": worlds.get(stage, len(files)), "steps": steps}
+        merged[stage] = {
+            "tasks": len(files),
+            "world": worlds.get(stage, len(files)),
+            "steps": steps,
+        }
     if not merged:
-        raise FileNotFoundError(f"{output}: no <stage>/stats/*.json inside (is it a pipeline's output folder?)")
+        raise FileNotFoundError(
+            f"{output}: no <stage>/stats/*.json inside (is it a pipeline's output folder?)"
+        )
     return merged
 
 
@@ -57,13 +67,27 @@ def format_table(merged: dict[str, dict[str, Any]]) -> str:
     for stage, m in merged.items():
         label = f"{stage} ({m['tasks']}/{m['world']} tasks)"
         for s in m["steps"]:
-            drops = ", ".join(f"{k}: {v}" for k, v in sorted(s.dropped.items(), key=lambda kv: (-kv[1], kv[0])))
-            rows.append((label, s.name, str(s.docs_in), str(s.docs_out), _mb(s.bytes_in), _mb(s.bytes_out), drops))
+            drops = ", ".join(
+                f"{k}: {v}" for k, v in sorted(s.dropped.items(), key=lambda kv: (-kv[1], kv[0]))
+            )
+            rows.append(
+                (
+                    label,
+                    s.name,
+                    str(s.docs_in),
+                    str(s.docs_out),
+                    _mb(s.bytes_in),
+                    _mb(s.bytes_out),
+                    drops,
+                )
+            )
             label = ""
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     lines = []
     for r in rows:
-        cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1])] + [c.rjust(w) for c, w in zip(r[2:6], widths[2:6])]
+        cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1])] + [
+            c.rjust(w) for c, w in zip(r[2:6], widths[2:6])
+        ]
         lines.append("  ".join(cells + [r[6]]).rstrip())
     return "\n".join(lines)
 
@@ -91,8 +115,15 @@ def plot_funnel(merged: dict[str, dict[str, Any]], path: str | os.PathLike) -> P
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, max(3.0, 0.45 * len(labels) + 1.2)))
     y = list(range(len(labels)))[::-1]
-    panels = ((axes[0], docs, "documents kept", "{:,.0f}"),
-              (axes[1], [b / scale for b in nbytes], f"{unit} kept (text; raw HTML before extraction)", "{:,.2f}"))
+    panels = (
+        (axes[0], docs, "documents kept", "{:,.0f}"),
+        (
+            axes[1],
+            [b / scale for b in nbytes],
+            f"{unit} kept (text; raw HTML before extraction)",
+            "{:,.2f}",
+        ),
+    )
     for ax, values, title, fmt in panels:
         ax.barh(y, values, color="#4c72b0")
         base = values[0] or 1

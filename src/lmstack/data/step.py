@@ -48,7 +48,9 @@ class StepStats:
     bytes_out: int = 0
     dropped: Counter = field(default_factory=Counter)  # reason -> documents
     counters: Counter = field(default_factory=Counter)  # e.g. "email_replaced" -> 12
-    on_drop: Callable[[Document, str, str], None] | None = field(default=None, repr=False, compare=False)
+    on_drop: Callable[[Document, str, str], None] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def seen(self, doc: Document) -> None:
         self.docs_in += 1
@@ -65,22 +67,41 @@ class StepStats:
             self.on_drop(doc, self.name, reason)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "docs_in": self.docs_in, "docs_out": self.docs_out, "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out, "dropped": dict(sorted(self.dropped.items())),
-                "counters": dict(sorted(self.counters.items()))}
+        return {
+            "name": self.name,
+            "docs_in": self.docs_in,
+            "docs_out": self.docs_out,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "dropped": dict(sorted(self.dropped.items())),
+            "counters": dict(sorted(self.counters.items())),
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepStats:
-        return cls(d["name"], d["docs_in"], d["docs_out"], d["bytes_in"], d["bytes_out"],
-                   Counter(d.get("dropped", {})), Counter(d.get("counters", {})))
+        return cls(
+            d["name"],
+            d["docs_in"],
+            d["docs_out"],
+            d["bytes_in"],
+            d["bytes_out"],
+            Counter(d.get("dropped", {})),
+            Counter(d.get("counters", {})),
+        )
 
     def merge(self, other: StepStats) -> StepStats:
         """The sum of two tasks' stats for the same step (``lmstack data stats``)."""
         if other.name != self.name:
             raise ValueError(f"cannot merge stats of step {other.name!r} into {self.name!r}")
-        return StepStats(self.name, self.docs_in + other.docs_in, self.docs_out + other.docs_out,
-                         self.bytes_in + other.bytes_in, self.bytes_out + other.bytes_out,
-                         self.dropped + other.dropped, self.counters + other.counters)
+        return StepStats(
+            self.name,
+            self.docs_in + other.docs_in,
+            self.docs_out + other.docs_out,
+            self.bytes_in + other.bytes_in,
+            self.bytes_out + other.bytes_out,
+            self.dropped + other.dropped,
+            self.counters + other.counters,
+        )
 
 
 class Step:
@@ -101,7 +122,9 @@ class Step:
             stats.kept(doc)
             yield doc
 
-    def __call__(self, docs: Iterable[Document], stats: StepStats | None = None) -> Iterator[Document]:
+    def __call__(
+        self, docs: Iterable[Document], stats: StepStats | None = None
+    ) -> Iterator[Document]:
         return self.run(docs, stats if stats is not None else StepStats(self.name))
 
     def bind(self, output: str) -> None:
@@ -111,7 +134,9 @@ class Step:
     def for_task(self, rank: int, world: int) -> Step:
         """This step as task ``rank`` of ``world`` sees it: a shallow copy with ``rank`` and ``world`` set."""
         if not (isinstance(rank, int) and isinstance(world, int) and 0 <= rank < world):
-            raise ValueError(f"task rank={rank!r} of world={world!r}: expected integers with 0 <= rank < world")
+            raise ValueError(
+                f"task rank={rank!r} of world={world!r}: expected integers with 0 <= rank < world"
+            )
         step = copy.copy(self)
         step.rank, step.world = rank, world
         return step
@@ -154,21 +179,31 @@ STEPS: dict[str, type[Step]] = {}
 
 # Modules whose import registers steps; a module not present in this install is skipped. Add yours here.
 STEP_MODULES = (
-    "lmstack.data.readers", "lmstack.data.writers",
-    "lmstack.data.extract", "lmstack.data.langid", "lmstack.data.pii", "lmstack.data.quality",
-    "lmstack.data.classifiers", "lmstack.data.dedup", "lmstack.data.tokenize",
+    "lmstack.data.readers",
+    "lmstack.data.writers",
+    "lmstack.data.extract",
+    "lmstack.data.langid",
+    "lmstack.data.pii",
+    "lmstack.data.quality",
+    "lmstack.data.classifiers",
+    "lmstack.data.dedup",
+    "lmstack.data.tokenize",
 )
 
 
 def register_step(name: str) -> Callable[[type[Step]], type[Step]]:
     """Class decorator: ``type = name`` in a pipeline file builds this step (``cls(**the other keys)``)."""
+
     def add(cls: type[Step]) -> type[Step]:
         if not (isinstance(cls, type) and issubclass(cls, Step)):
             raise TypeError(f"register_step({name!r}) decorates a Step subclass, got {cls!r}")
         if STEPS.get(name, cls) is not cls:
-            raise ValueError(f"step name {name!r} is already registered to {STEPS[name].__module__}.{STEPS[name].__qualname__}")
+            raise ValueError(
+                f"step name {name!r} is already registered to {STEPS[name].__module__}.{STEPS[name].__qualname__}"
+            )
         STEPS[name] = cls
         return cls
+
     return add
 
 
@@ -191,6 +226,8 @@ def step_class(name: str) -> type[Step]:
                     if step_name not in STEPS:
                         register_step(step_name)(cls)
     if name not in STEPS:
-        raise ValueError(f"unknown step type {name!r}; registered: {', '.join(sorted(STEPS))} "
-                         "(or give 'package.module:Class')")
+        raise ValueError(
+            f"unknown step type {name!r}; registered: {', '.join(sorted(STEPS))} "
+            "(or give 'package.module:Class')"
+        )
     return STEPS[name]

@@ -32,7 +32,9 @@ from lmstack.tokenizer import Tokenizer, load_tokenizer, open_tokens, read_sidec
 from lmstack.tokenizer.token_file import sidecar_path, write_sidecar
 from lmstack.utils import atomic_path
 
-_BATCH_CHARS = 4 << 20  # characters encoded per native call (bounds memory whatever the shard's size)
+_BATCH_CHARS = (
+    4 << 20
+)  # characters encoded per native call (bounds memory whatever the shard's size)
 _LOADED: dict[str, Tokenizer] = {}  # tokenizer path -> loaded, once per worker process
 
 
@@ -45,7 +47,9 @@ def eos_id(tok: Tokenizer, eos: str | int | None = None) -> int:
         return eos
     if isinstance(eos, str):
         if eos not in tok.special_tokens:
-            raise ValueError(f"eos={eos!r} is not one of the tokenizer's special tokens {sorted(tok.special_tokens)}")
+            raise ValueError(
+                f"eos={eos!r} is not one of the tokenizer's special tokens {sorted(tok.special_tokens)}"
+            )
         return tok.special_tokens[eos]
     if eos is not None:
         raise ValueError(f"eos={eos!r} must be a special token string, a token id or None")
@@ -53,8 +57,10 @@ def eos_id(tok: Tokenizer, eos: str | int | None = None) -> int:
         return tok.eos_token_id
     if "<|endoftext|>" in tok.special_tokens:
         return tok.special_tokens["<|endoftext|>"]
-    raise ValueError(f"the tokenizer has no eos_token_id and no <|endoftext|>; pass eos= one of "
-                     f"{sorted(tok.special_tokens)} or a token id")
+    raise ValueError(
+        f"the tokenizer has no eos_token_id and no <|endoftext|>; pass eos= one of "
+        f"{sorted(tok.special_tokens)} or a token id"
+    )
 
 
 def _clean(text: str) -> tuple[str, bool]:
@@ -81,9 +87,15 @@ class Tokenize(ShardWriter):
     name = "tokenize"
     suffix = ".bin"
 
-    def __init__(self, tokenizer: Tokenizer | str | os.PathLike, output: str | os.PathLike,
-                 eos: str | int | None = None, allow_special: bool = False, num_threads: int = 1,
-                 prefix: str = "") -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | str | os.PathLike,
+        output: str | os.PathLike,
+        eos: str | int | None = None,
+        allow_special: bool = False,
+        num_threads: int = 1,
+        prefix: str = "",
+    ) -> None:
         super().__init__(output, prefix=prefix)
         if not isinstance(tokenizer, Tokenizer):
             if not Path(tokenizer).exists():
@@ -112,10 +124,15 @@ class Tokenize(ShardWriter):
     def run(self, docs: Iterable[Document], stats: StepStats) -> Iterator[Document]:
         tok = self.load()
         eos, dtype, out = eos_id(tok, self.eos), token_dtype(tok.vocab_size), self.token_file()
-        clear_task_files(out.parent, out.name)  # what a killed run of this task left (no completion marker)
+        clear_task_files(
+            out.parent, out.name
+        )  # what a killed run of this task left (no completion marker)
         n_docs = n_bytes = 0
         stats.counters["tokens"] += 0
-        with atomic_path(out) as tmp, open(tmp, "wb") as f:  # an exception or an early close: nothing written
+        with (
+            atomic_path(out) as tmp,
+            open(tmp, "wb") as f,
+        ):  # an exception or an early close: nothing written
             batch: list[str] = []
             size = 0
             for doc in docs:
@@ -138,24 +155,40 @@ class Tokenize(ShardWriter):
             stats.counters["tokens"] += self._encode(tok, batch, dtype, eos, f)
             f.flush()
         n_tokens = stats.counters["tokens"]
-        write_sidecar(out, {"dtype": dtype.name, "n_tokens": n_tokens, "vocab_size": tok.vocab_size,
-                            "n_documents": n_docs, "n_bytes": n_bytes, "eos_id": eos,
-                            "bytes_per_token": n_bytes / max(n_tokens - n_docs, 1)})
+        write_sidecar(
+            out,
+            {
+                "dtype": dtype.name,
+                "n_tokens": n_tokens,
+                "vocab_size": tok.vocab_size,
+                "n_documents": n_docs,
+                "n_bytes": n_bytes,
+                "eos_id": eos,
+                "bytes_per_token": n_bytes / max(n_tokens - n_docs, 1),
+            },
+        )
         stats.counters["shards"] += 1
 
     def _encode(self, tok: Tokenizer, texts: list[str], dtype: np.dtype, eos: int, f) -> int:
         if not texts:
             return 0
-        ids = tok.encode_concat(texts, dtype, sep_id=eos, allow_special=self.allow_special,
-                                num_threads=self.num_threads)
+        ids = tok.encode_concat(
+            texts, dtype, sep_id=eos, allow_special=self.allow_special, num_threads=self.num_threads
+        )
         f.write(ids.tobytes())
         return len(ids)
 
 
-def tokenize_shards(shards: Sequence[str | os.PathLike], out_dir: str | os.PathLike,
-                    tokenizer: Tokenizer | str | os.PathLike, logs: str | os.PathLike,
-                    eos: str | int | None = None, allow_special: bool = False, num_workers: int = 1,
-                    progress: bool = False) -> tuple[list[Path], StepStats]:
+def tokenize_shards(
+    shards: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    tokenizer: Tokenizer | str | os.PathLike,
+    logs: str | os.PathLike,
+    eos: str | int | None = None,
+    allow_special: bool = False,
+    num_workers: int = 1,
+    progress: bool = False,
+) -> tuple[list[Path], StepStats]:
     """JSONL shards of documents -> one token file per shard in ``out_dir`` (``00000.bin``, ... in the
     shards' sorted order), as one pipeline stage (``read_jsonl`` + ``tokenize``, one task per shard) on the
     local executor with ``num_workers`` processes; ``logs`` gets the stage's stats and completion markers, so
@@ -163,8 +196,9 @@ def tokenize_shards(shards: Sequence[str | os.PathLike], out_dir: str | os.PathL
     reader = JsonlReader([str(s) for s in shards])
     step = Tokenize(tokenizer, out_dir, eos=eos, allow_special=allow_special)
     world = len(reader.files())
-    LocalExecutor(num_workers, progress=progress).run(Pipeline.from_steps([reader, step], logs, tasks=world,
-                                                                          name="tokenize"))
+    LocalExecutor(num_workers, progress=progress).run(
+        Pipeline.from_steps([reader, step], logs, tasks=world, name="tokenize")
+    )
     stats = next(s for s in merge_stats(logs)["tokenize"]["steps"] if s.name == step.name)
     return [step.for_task(r, world).token_file() for r in range(world)], stats
 
@@ -176,7 +210,9 @@ def concat_token_files(paths: Sequence[str | os.PathLike], output: str | os.Path
     infos = [read_sidecar(p) for p in paths]
     if len({(i.dtype, i.vocab_size) for i in infos}) != 1:
         kinds = ", ".join(f"{p}: {i.dtype}/V={i.vocab_size}" for p, i in zip(paths, infos))
-        raise ValueError(f"token files differ in dtype or vocab_size ({kinds}); encode them with one tokenizer")
+        raise ValueError(
+            f"token files differ in dtype or vocab_size ({kinds}); encode them with one tokenizer"
+        )
     n = 0
     with atomic_path(output) as tmp, open(tmp, "wb") as f:
         for p, info in zip(paths, infos):
@@ -184,9 +220,16 @@ def concat_token_files(paths: Sequence[str | os.PathLike], output: str | os.Path
                 continue
             data = open_tokens(p)
             for start in range(0, len(data), 1 << 24):
-                f.write(np.asarray(data[start:start + (1 << 24)]).tobytes())
+                f.write(np.asarray(data[start : start + (1 << 24)]).tobytes())
             n += len(data)
         sidecar_path(output).unlink(missing_ok=True)
-    write_sidecar(output, {"dtype": infos[0].dtype.name, "n_tokens": n, "vocab_size": infos[0].vocab_size,
-                           "inputs": [str(p) for p in paths]})
+    write_sidecar(
+        output,
+        {
+            "dtype": infos[0].dtype.name,
+            "n_tokens": n,
+            "vocab_size": infos[0].vocab_size,
+            "inputs": [str(p) for p in paths],
+        },
+    )
     return n

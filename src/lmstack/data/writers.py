@@ -26,7 +26,15 @@ from lmstack.data.document import Document
 from lmstack.data.step import Step, StepStats, register_step
 from lmstack.utils import atomic_path
 
-COMPRESSIONS = {None: "", "": "", "none": "", "gz": ".gz", "gzip": ".gz", "zst": ".zst", "zstd": ".zst"}
+COMPRESSIONS = {
+    None: "",
+    "": "",
+    "none": "",
+    "gz": ".gz",
+    "gzip": ".gz",
+    "zst": ".zst",
+    "zstd": ".zst",
+}
 
 
 def _json_default(o: Any) -> Any:
@@ -37,12 +45,16 @@ def _json_default(o: Any) -> Any:
 
 def record(doc: Document, **extra: Any) -> dict[str, Any]:
     """The JSON object written for ``doc`` (bytes metadata left out)."""
-    meta = {k: v for k, v in doc.metadata.items() if not isinstance(v, (bytes, bytearray, memoryview))}
+    meta = {
+        k: v for k, v in doc.metadata.items() if not isinstance(v, (bytes, bytearray, memoryview))
+    }
     return {"id": doc.id, **extra, "text": doc.text, "metadata": meta}
 
 
 def json_line(obj: dict[str, Any]) -> bytes:
-    return (json.dumps(obj, ensure_ascii=False, default=_json_default) + "\n").encode("utf-8", "replace")
+    return (json.dumps(obj, ensure_ascii=False, default=_json_default) + "\n").encode(
+        "utf-8", "replace"
+    )
 
 
 def _abort(close, atomic) -> None:
@@ -102,7 +114,9 @@ class ParquetShard:
         self.path = Path(path)
         self._atomic = atomic_path(self.path)
         tmp = self._atomic.__enter__()
-        self._schema = pa.schema([("id", pa.string()), ("text", pa.string()), ("metadata", pa.string())])
+        self._schema = pa.schema(
+            [("id", pa.string()), ("text", pa.string()), ("metadata", pa.string())]
+        )
         self._w = pq.ParquetWriter(tmp, self._schema, compression=compression)
         self._rows: list[dict[str, str]] = []
         self._row_group = row_group
@@ -147,11 +161,18 @@ class ShardWriter(Step):
 
     suffix = ""
 
-    def __init__(self, output: str | os.PathLike, max_docs: int | None = None, max_bytes: int | None = None,
-                 prefix: str = ""):
+    def __init__(
+        self,
+        output: str | os.PathLike,
+        max_docs: int | None = None,
+        max_bytes: int | None = None,
+        prefix: str = "",
+    ):
         for key, v in (("max_docs", max_docs), ("max_bytes", max_bytes)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{self.name}: {key}={v!r} must be an integer >= 1 (or absent: no rollover)")
+                raise ValueError(
+                    f"{self.name}: {key}={v!r} must be an integer >= 1 (or absent: no rollover)"
+                )
         self.output = os.path.abspath(output)
         self.max_docs, self.max_bytes, self.prefix = max_docs, max_bytes, prefix
 
@@ -175,7 +196,9 @@ class ShardWriter(Step):
                     shard = self._open(index)
                 self._write(shard, doc)
                 stats.kept(doc)
-                if (self.max_docs and shard.docs >= self.max_docs) or (self.max_bytes and shard.bytes >= self.max_bytes):
+                if (self.max_docs and shard.docs >= self.max_docs) or (
+                    self.max_bytes and shard.bytes >= self.max_bytes
+                ):
                     shard.close()
                     stats.counters["shards"] += 1
                     shard, index = None, index + 1
@@ -193,9 +216,13 @@ class ShardWriter(Step):
 class JsonlWriter(ShardWriter):
     """JSONL shards in ``output``; ``compression`` None, "gz" or "zst"."""
 
-    def __init__(self, output, compression: str | None = "gz", max_docs=None, max_bytes=None, prefix=""):
+    def __init__(
+        self, output, compression: str | None = "gz", max_docs=None, max_bytes=None, prefix=""
+    ):
         if compression not in COMPRESSIONS:
-            raise ValueError(f"write_jsonl: compression={compression!r}; expected one of None, 'gz', 'zst'")
+            raise ValueError(
+                f"write_jsonl: compression={compression!r}; expected one of None, 'gz', 'zst'"
+            )
         super().__init__(output, max_docs, max_bytes, prefix)
         self.compression = compression
         self.suffix = ".jsonl" + COMPRESSIONS[compression]
@@ -213,8 +240,15 @@ class ParquetWriter(ShardWriter):
 
     suffix = ".parquet"
 
-    def __init__(self, output, compression: str = "zstd", max_docs=None, max_bytes=None, prefix="",
-                 row_group: int = 1024):
+    def __init__(
+        self,
+        output,
+        compression: str = "zstd",
+        max_docs=None,
+        max_bytes=None,
+        prefix="",
+        row_group: int = 1024,
+    ):
         super().__init__(output, max_docs, max_bytes, prefix)
         self.compression, self.row_group = compression, row_group
 
@@ -261,7 +295,11 @@ def read_records(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
     elif path.name.endswith(".zst"):
         import zstandard
 
-        data = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True).read()
+        data = (
+            zstandard.ZstdDecompressor()
+            .stream_reader(io.BytesIO(data), read_across_frames=True)
+            .read()
+        )
     for line in data.splitlines():
         if line.strip():
             yield json.loads(line)

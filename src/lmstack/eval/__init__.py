@@ -3,10 +3,26 @@
 arena ratings (Elo, Bradley–Terry) from battles or from a pairwise judge, and contamination tests (exchangeability, n-gram overlap).
 docs/eval.md."""
 
-from .tasks import Task, TaskError, load_task
 from .perplexity import PerplexityResult, bits_per_byte, perplexity, read_eval_tokens, windows
 from .runner import Evaluator, TaskResult, run_task, table
 from .scoring import RowScore, encode_pair, loglikelihoods, score_rows
+from .tasks import Task, TaskError, load_task
 
-__all__ = ["Evaluator", "Task", "TaskError", "TaskResult", "load_task", "run_task", "table", "PerplexityResult", "RowScore", "bits_per_byte", "encode_pair", "loglikelihoods", "perplexity",
-           "read_eval_tokens", "score_rows", "windows"]
+__all__ = [
+    "Evaluator",
+    "Task",
+    "TaskError",
+    "TaskResult",
+    "load_task",
+    "run_task",
+    "table",
+    "PerplexityResult",
+    "RowScore",
+    "bits_per_byte",
+    "encode_pair",
+    "loglikelihoods",
+    "perplexity",
+    "read_eval_tokens",
+    "score_rows",
+    "windows",
+]

@@ -52,9 +52,13 @@ def read_battles(path) -> Battles:
             if key not in obj:
                 raise BattlesError(f"{where}: missing field {key!r}")
             if not isinstance(obj[key], str) or not obj[key]:
-                raise BattlesError(f"{where}: field {key!r} = {obj[key]!r:.60} must be a non-empty string")
+                raise BattlesError(
+                    f"{where}: field {key!r} = {obj[key]!r:.60} must be a non-empty string"
+                )
         if obj["winner"] not in WINNERS:
-            raise BattlesError(f"{where}: field 'winner' = {obj['winner']!r} must be one of {list(WINNERS)}")
+            raise BattlesError(
+                f"{where}: field 'winner' = {obj['winner']!r} must be one of {list(WINNERS)}"
+            )
         if obj["model_a"] == obj["model_b"]:
             raise BattlesError(f"{where}: model_a and model_b are both {obj['model_a']!r}")
         for key in ("model_a", "model_b"):
@@ -66,8 +70,11 @@ def read_battles(path) -> Battles:
         raise BattlesError(f"{path}: no battles (empty file)")
     models = list(names)
     counts = np.bincount(np.array(a + b), minlength=len(models))
-    warnings = [f"{path}:{seen_line[m]}: model {m!r} appears in only one battle (a typo of another name?)"
-                for m, c in zip(models, counts) if c == 1]
+    warnings = [
+        f"{path}:{seen_line[m]}: model {m!r} appears in only one battle (a typo of another name?)"
+        for m, c in zip(models, counts)
+        if c == 1
+    ]
     return Battles(models, np.array(a), np.array(b), np.array(s, dtype=np.float64), warnings)
 
 
@@ -81,8 +88,15 @@ def online_elo(battles: Battles, k: float = 4.0) -> np.ndarray:
     return r
 
 
-def bt_fit(a: np.ndarray, b: np.ndarray, score: np.ndarray, M: int, ridge: float = 1e-6,
-           iters: int = 100, tol: float = 1e-10) -> np.ndarray:
+def bt_fit(
+    a: np.ndarray,
+    b: np.ndarray,
+    score: np.ndarray,
+    M: int,
+    ridge: float = 1e-6,
+    iters: int = 100,
+    tol: float = 1e-10,
+) -> np.ndarray:
     """Bradley–Terry strengths β (M,) (natural-log scale, mean 0) by Newton's method on the ridge-penalised
     log-likelihood Σ [s log σ(β_a - β_b) + (1 - s) log σ(β_b - β_a)] - ridge/2 ||β||²."""
     beta = np.zeros(M)
@@ -92,7 +106,9 @@ def bt_fit(a: np.ndarray, b: np.ndarray, score: np.ndarray, M: int, ridge: float
         r = score - p
         grad = np.bincount(a, r, M) - np.bincount(b, r, M) - ridge * n * beta
         w = p * (1 - p)
-        H = np.zeros((M, M))  # the Hessian of the negative log-likelihood: a weighted graph Laplacian
+        H = np.zeros(
+            (M, M)
+        )  # the Hessian of the negative log-likelihood: a weighted graph Laplacian
         np.add.at(H, (a, a), w)
         np.add.at(H, (b, b), w)
         np.add.at(H, (a, b), -w)
@@ -121,21 +137,45 @@ class ArenaResult:
 
     def to_dict(self) -> dict:
         order = np.argsort(-self.bt)
-        return {"n_battles": self.n_battles, "warnings": self.warnings, "ratings": [
-            {"model": self.models[i], "bradley_terry": float(self.bt[i]), "ci_low": float(self.ci_low[i]),
-             "ci_high": float(self.ci_high[i]), "online_elo": float(self.elo[i])} for i in order]}
+        return {
+            "n_battles": self.n_battles,
+            "warnings": self.warnings,
+            "ratings": [
+                {
+                    "model": self.models[i],
+                    "bradley_terry": float(self.bt[i]),
+                    "ci_low": float(self.ci_low[i]),
+                    "ci_high": float(self.ci_high[i]),
+                    "online_elo": float(self.elo[i]),
+                }
+                for i in order
+            ],
+        }
 
     def table(self) -> str:
         rows = [("rank", "model", "Bradley-Terry", "95% CI", "online Elo")]
         for k, d in enumerate(self.to_dict()["ratings"], 1):
-            rows.append((str(k), d["model"], f"{d['bradley_terry']:.1f}",
-                         f"[{d['ci_low']:.1f}, {d['ci_high']:.1f}]", f"{d['online_elo']:.1f}"))
+            rows.append(
+                (
+                    str(k),
+                    d["model"],
+                    f"{d['bradley_terry']:.1f}",
+                    f"[{d['ci_low']:.1f}, {d['ci_high']:.1f}]",
+                    f"{d['online_elo']:.1f}",
+                )
+            )
         w = [max(len(r[i]) for r in rows) for i in range(5)]
         return "\n".join("  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows)
 
 
-def rate(battles: Battles, n_bootstrap: int = 200, seed: int = 0, k: float = 4.0, level: float = 0.95,
-         progress: bool = True) -> ArenaResult:
+def rate(
+    battles: Battles,
+    n_bootstrap: int = 200,
+    seed: int = 0,
+    k: float = 4.0,
+    level: float = 0.95,
+    progress: bool = True,
+) -> ArenaResult:
     """Online Elo, the Bradley–Terry fit and its bootstrap percentile intervals."""
     from tqdm import tqdm
 
@@ -160,7 +200,6 @@ def plot_ratings(result: ArenaResult, path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
 
     order = np.argsort(-result.bt)
     y = result.bt[order]

@@ -41,21 +41,27 @@ def _strict_upper(n: int) -> Tensor:
 
 
 @torch.no_grad()
-def onednn_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None,
-                            block: int = ROW_BLOCK) -> Tensor:
+def onednn_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, block: int = ROW_BLOCK
+) -> Tensor:
     """softmax(Q Kᵀ·scale + causal mask) V. q (B, N, T, H), k/v (B, K, T, H) fp32 on the CPU, N a multiple
     of K, causal top-left aligned (query i sees keys 0..i). -> (B, N, T, H), a transposed view of a
     contiguous (B, T, N, H) tensor."""
     B, N, T, H = q.shape
     K = k.shape[1]
     if k.shape != (B, K, T, H) or v.shape != k.shape or N % K:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected (B, N, T, H) and "
-                         "(B, K, T, H) with N a multiple of K (self-attention, no cache)")
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected (B, N, T, H) and "
+            "(B, K, T, H) with N a multiple of K (self-attention, no cache)"
+        )
     G = N // K
     s = 1.0 / math.sqrt(H) if scale is None else float(scale)
     qg = torch.empty(B, K, T, G, H, dtype=q.dtype)  # rows (t, g) of each kv head's group, scaled
     torch.mul(q.unflatten(1, (K, G)).transpose(2, 3), s, out=qg)
-    k, v = k.contiguous(), v.contiguous()  # oneDNN reads a strided operand ~1000x slower (a reference path)
+    k, v = (
+        k.contiguous(),
+        v.contiguous(),
+    )  # oneDNN reads a strided operand ~1000x slower (a reference path)
     out = torch.empty(B, T, K, G, H, dtype=q.dtype)
     for b in range(B):
         for h in range(K):
@@ -65,7 +71,9 @@ def onednn_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None
                 n = t1 - t0
                 scores = onednn_linear(qq[t0:t1].reshape(n * G, H), kk[:t1])  # (n·G, t1) = Q Kᵀ·s
                 scores.view(n, G, t1)[:, :, t0:].masked_fill_(_strict_upper(n), -math.inf)
-                probs = torch._softmax(scores, -1, False, out=scores)  # in place, exact fp32 softmax
+                probs = torch._softmax(
+                    scores, -1, False, out=scores
+                )  # in place, exact fp32 softmax
                 out[b, t0:t1, h] = onednn_linear(probs, vv[:t1].t()).view(n, G, H)  # P V
     return out.view(B, T, N, H).transpose(1, 2)
 
@@ -74,10 +82,21 @@ def applies(q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> bool:
     """Whether ``onednn_causal_attention`` computes this call: plain causal self-attention (no mask, cache,
     window or documents) of at least ``MIN_T`` tokens, fp32 on the CPU where oneDNN GEMMs run (``onednn_ok``),
     nothing recording gradients."""
-    return (meta.is_causal and meta.cache is None and meta.mask() is None and q.shape[2] == k.shape[2] >= MIN_T
-            and k.shape == v.shape and q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3]
-            and q.shape[1] % k.shape[1] == 0 and onednn_ok(q) and k.dtype == v.dtype == torch.float32
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
+    return (
+        meta.is_causal
+        and meta.cache is None
+        and meta.mask() is None
+        and q.shape[2] == k.shape[2] >= MIN_T
+        and k.shape == v.shape
+        and q.shape[0] == k.shape[0]
+        and q.shape[3] == k.shape[3]
+        and q.shape[1] % k.shape[1] == 0
+        and onednn_ok(q)
+        and k.dtype == v.dtype == torch.float32
+        and not (
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        )
+    )
 
 
 class OneDNNAttention:

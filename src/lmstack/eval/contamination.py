@@ -28,10 +28,12 @@ from lmstack.eval.perplexity import windows
 from lmstack.eval.scoring import score_rows
 from lmstack.tokenizer import open_tokens
 
-
 # ---- exchangeability ---------------------------------------------------------------------------
 
-def sequence_loglik_batch(model, seqs: list[list[int]], max_length: int | None = None) -> list[float]:
+
+def sequence_loglik_batch(
+    model, seqs: list[list[int]], max_length: int | None = None
+) -> list[float]:
     """Total log-likelihood of each token sequence (tokens 1.. given the ones before; strided windows
     with stride max_length/2 when a sequence is longer than the context), batched."""
     L = int(max_length or model.config.max_seq_len)
@@ -65,15 +67,27 @@ class ExchangeabilityResult:
     shard_differences: list[float] | None = None
 
     def to_dict(self) -> dict:
-        return {"p_value": self.p_value, "canonical_loglik": self.canonical_loglik,
-                "permuted_mean": float(np.mean(self.permuted_logliks)), "n_permutations": len(self.permuted_logliks),
-                "n_examples": self.n_examples, "sharded_p_value": self.sharded_p_value,
-                "shard_differences": self.shard_differences}
+        return {
+            "p_value": self.p_value,
+            "canonical_loglik": self.canonical_loglik,
+            "permuted_mean": float(np.mean(self.permuted_logliks)),
+            "n_permutations": len(self.permuted_logliks),
+            "n_examples": self.n_examples,
+            "sharded_p_value": self.sharded_p_value,
+            "shard_differences": self.shard_differences,
+        }
 
 
-def permutation_test(model, examples: list[list[int]], n_permutations: int = 99, seed: int = 0,
-                     sep: Iterable[int] = (), max_length: int | None = None, batch: int = 8,
-                     progress: bool = False) -> ExchangeabilityResult:
+def permutation_test(
+    model,
+    examples: list[list[int]],
+    n_permutations: int = 99,
+    seed: int = 0,
+    sep: Iterable[int] = (),
+    max_length: int | None = None,
+    batch: int = 8,
+    progress: bool = False,
+) -> ExchangeabilityResult:
     """One-sided permutation test of the canonical order (``examples`` as token ids, in file order)."""
     from tqdm import tqdm
 
@@ -81,33 +95,52 @@ def permutation_test(model, examples: list[list[int]], n_permutations: int = 99,
         raise ValueError(f"{len(examples)} examples: the exchangeability test needs at least 2")
     sep = list(sep)
     rng = np.random.default_rng(seed)
-    canon = sequence_loglik_batch(model, [_concat(examples, range(len(examples)), sep)], max_length)[0]
+    canon = sequence_loglik_batch(
+        model, [_concat(examples, range(len(examples)), sep)], max_length
+    )[0]
     perms = [rng.permutation(len(examples)) for _ in range(n_permutations)]
     logliks: list[float] = []
     for i in tqdm(range(0, len(perms), batch), desc="permutations", disable=not progress):
-        logliks += sequence_loglik_batch(model, [_concat(examples, p, sep) for p in perms[i:i + batch]], max_length)
+        logliks += sequence_loglik_batch(
+            model, [_concat(examples, p, sep) for p in perms[i : i + batch]], max_length
+        )
     p = (1 + sum(x >= canon for x in logliks)) / (1 + len(logliks))
     return ExchangeabilityResult(p, canon, logliks, len(examples))
 
 
-def sharded_test(model, examples: list[list[int]], n_shards: int, n_permutations: int = 10, seed: int = 0,
-                 sep: Iterable[int] = (), max_length: int | None = None, progress: bool = False) -> tuple[float, list[float]]:
+def sharded_test(
+    model,
+    examples: list[list[int]],
+    n_shards: int,
+    n_permutations: int = 10,
+    seed: int = 0,
+    sep: Iterable[int] = (),
+    max_length: int | None = None,
+    progress: bool = False,
+) -> tuple[float, list[float]]:
     """The sharded likelihood comparison: (one-sided t-test p-value, per-shard canonical - mean permuted)."""
     from tqdm import tqdm
 
     try:
         from scipy import stats
     except ImportError:
-        raise ValueError("the sharded test's t-test needs scipy: pip install 'lmstack[eval]'") from None
+        raise ValueError(
+            "the sharded test's t-test needs scipy: pip install 'lmstack[eval]'"
+        ) from None
     if not (2 <= n_shards <= len(examples) // 2):
-        raise ValueError(f"n_shards={n_shards} must be in 2..{len(examples) // 2} (each shard needs >= 2 examples)")
+        raise ValueError(
+            f"n_shards={n_shards} must be in 2..{len(examples) // 2} (each shard needs >= 2 examples)"
+        )
     sep = list(sep)
     rng = np.random.default_rng(seed)
     diffs = []
-    for shard in tqdm(np.array_split(np.arange(len(examples)), n_shards), desc="shards", disable=not progress):
+    for shard in tqdm(
+        np.array_split(np.arange(len(examples)), n_shards), desc="shards", disable=not progress
+    ):
         ex = [examples[i] for i in shard]
-        seqs = [_concat(ex, range(len(ex)), sep)] + [_concat(ex, rng.permutation(len(ex)), sep)
-                                                     for _ in range(n_permutations)]
+        seqs = [_concat(ex, range(len(ex)), sep)] + [
+            _concat(ex, rng.permutation(len(ex)), sep) for _ in range(n_permutations)
+        ]
         ll = sequence_loglik_batch(model, seqs, max_length)
         diffs.append(ll[0] - float(np.mean(ll[1:])))
     if np.allclose(diffs, diffs[0]):
@@ -127,7 +160,7 @@ def normalize_words(text: str) -> list[str]:
 
 def ngrams(seq, n: int) -> Iterator[tuple]:
     for i in range(len(seq) - n + 1):
-        yield tuple(seq[i:i + n])
+        yield tuple(seq[i : i + n])
 
 
 @dataclass
@@ -141,9 +174,14 @@ class OverlapResult:
         return sum(f is True for f in self.flags)
 
     def to_dict(self) -> dict:
-        return {"n": self.n, "items": len(self.flags), "contaminated": self.contaminated,
-                "too_short": sum(f is None for f in self.flags), "flags": self.flags,
-                "overlap_fraction": self.overlap_fraction}
+        return {
+            "n": self.n,
+            "items": len(self.flags),
+            "contaminated": self.contaminated,
+            "too_short": sum(f is None for f in self.flags),
+            "flags": self.flags,
+            "overlap_fraction": self.overlap_fraction,
+        }
 
 
 def ngram_overlap(items: list[list], corpus_chunks: Iterable[list], n: int = 13) -> OverlapResult:
@@ -163,7 +201,7 @@ def ngram_overlap(items: list[list], corpus_chunks: Iterable[list], n: int = 13)
         for g in ngrams(seq, n):
             if g in wanted:
                 found.add(g)
-        tail = seq[-(n - 1):] if n > 1 else []
+        tail = seq[-(n - 1) :] if n > 1 else []
     flags: list[bool | None] = []
     frac = []
     for it in items:
@@ -202,7 +240,7 @@ def token_chunks(path, chunk: int = 1 << 22) -> Iterator[list[int]]:
 
     toks = open_tokens(path)
     for i in range(0, len(toks), chunk):
-        yield np.asarray(toks[i:i + chunk]).tolist()
+        yield np.asarray(toks[i : i + chunk]).tolist()
 
 
 def clean_rescore(samples: list[dict], metric_of, flags: list[bool | None]) -> dict:
@@ -214,5 +252,10 @@ def clean_rescore(samples: list[dict], metric_of, flags: list[bool | None]) -> d
     def mean(mask):
         return float(vals[mask].mean()) if mask.any() else math.nan
 
-    return {"all": float(vals.mean()), "clean": mean(clean), "contaminated": mean(f),
-            "n_clean": int(clean.sum()), "n_contaminated": int(f.sum())}
+    return {
+        "all": float(vals.mean()),
+        "clean": mean(clean),
+        "contaminated": mean(f),
+        "n_clean": int(clean.sum()),
+        "n_contaminated": int(f.sum()),
+    }

@@ -28,13 +28,67 @@ from lmstack.utils import atomic_write_text
 
 SEP = "<|endoftext|>"
 DEMO_CORPUS_BYTES = 6_000_000  # lmstack demo --corpus-mb default
-MC_MODULES = ("os.path", "string", "json", "textwrap", "itertools", "functools", "collections", "math",
-              "statistics", "random", "re", "shutil", "heapq", "bisect", "fnmatch", "glob", "difflib", "csv",
-              "base64", "calendar", "operator", "pprint", "secrets", "struct", "zlib", "binascii", "copy",
-              "html", "keyword", "locale", "tempfile", "urllib.parse", "inspect", "gzip", "hashlib", "time",
-              "platform", "colorsys", "quopri", "shlex", "unicodedata", "zipfile", "tarfile",
-              "socket", "subprocess", "ast", "dis", "codecs", "io", "posixpath", "datetime", "wave",
-              "uuid", "mimetypes", "ntpath", "email.utils", "xml.sax.saxutils", "http.cookies", "traceback")
+MC_MODULES = (
+    "os.path",
+    "string",
+    "json",
+    "textwrap",
+    "itertools",
+    "functools",
+    "collections",
+    "math",
+    "statistics",
+    "random",
+    "re",
+    "shutil",
+    "heapq",
+    "bisect",
+    "fnmatch",
+    "glob",
+    "difflib",
+    "csv",
+    "base64",
+    "calendar",
+    "operator",
+    "pprint",
+    "secrets",
+    "struct",
+    "zlib",
+    "binascii",
+    "copy",
+    "html",
+    "keyword",
+    "locale",
+    "tempfile",
+    "urllib.parse",
+    "inspect",
+    "gzip",
+    "hashlib",
+    "time",
+    "platform",
+    "colorsys",
+    "quopri",
+    "shlex",
+    "unicodedata",
+    "zipfile",
+    "tarfile",
+    "socket",
+    "subprocess",
+    "ast",
+    "dis",
+    "codecs",
+    "io",
+    "posixpath",
+    "datetime",
+    "wave",
+    "uuid",
+    "mimetypes",
+    "ntpath",
+    "email.utils",
+    "xml.sax.saxutils",
+    "http.cookies",
+    "traceback",
+)
 
 
 def stdlib_corpus_files() -> list[Path]:
@@ -43,12 +97,17 @@ def stdlib_corpus_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = ("test", "tests", "idle_test", "site-packages", "lib2to3", "__pycache__")
     top = sorted(root.glob("*.py"))
-    pkgs = sorted(f for f in root.rglob("*.py") if f.parent != root
-                  and not any(part in skip for part in f.relative_to(root).parts))
+    pkgs = sorted(
+        f
+        for f in root.rglob("*.py")
+        if f.parent != root and not any(part in skip for part in f.relative_to(root).parts)
+    )
     return top + pkgs
 
 
-def stdlib_heldout_text(max_bytes: int = 48_000, skip_bytes: int = DEMO_CORPUS_BYTES) -> tuple[str, list[str]]:
+def stdlib_heldout_text(
+    max_bytes: int = 48_000, skip_bytes: int = DEMO_CORPUS_BYTES
+) -> tuple[str, list[str]]:
     """(text, source files): whole files after the first ``skip_bytes`` of the demo's corpus (counted as the
     demo counts them), in order, joined by ``<|endoftext|>``, up to ``max_bytes`` (a file that does not fit
     in what is left is skipped)."""
@@ -72,7 +131,9 @@ def stdlib_heldout_text(max_bytes: int = 48_000, skip_bytes: int = DEMO_CORPUS_B
         names.append(str(f.relative_to(root)))
         size += n + len(SEP)
     if not parts:
-        raise ValueError(f"no stdlib files after the first {skip_bytes} bytes fit in {max_bytes} bytes")
+        raise ValueError(
+            f"no stdlib files after the first {skip_bytes} bytes fit in {max_bytes} bytes"
+        )
     return SEP.join(parts), names
 
 
@@ -84,8 +145,10 @@ def _first_sentence(doc: str) -> str | None:
         lines.append(line.strip())
     s = " ".join(lines)
     if "." in s:
-        s = s[:s.index(".") + 1]
-    if len(s) < 20 or len(s) > 200 or "(" in s[:s.find(" ") + 1 or None]:  # skip "f(x, y) -> z" signatures
+        s = s[: s.index(".") + 1]
+    if (
+        len(s) < 20 or len(s) > 200 or "(" in s[: s.find(" ") + 1 or None]
+    ):  # skip "f(x, y) -> z" signatures
         return None
     return s
 
@@ -104,7 +167,10 @@ def stdlib_docstring_mc(seed: int = 0, n_choices: int = 4, modules=MC_MODULES) -
             obj = getattr(mod, name)
             if name.startswith("_") or not callable(obj) or inspect.isclass(obj):
                 continue
-            if getattr(obj, "__module__", mod_name) not in (mod_name, None) and not mod_name.startswith("os.path"):
+            if getattr(obj, "__module__", mod_name) not in (
+                mod_name,
+                None,
+            ) and not mod_name.startswith("os.path"):
                 continue
             doc = getattr(obj, "__doc__", None)
             s = _first_sentence(doc) if isinstance(doc, str) else None
@@ -118,8 +184,15 @@ def stdlib_docstring_mc(seed: int = 0, n_choices: int = 4, modules=MC_MODULES) -
             others = rng.sample([n for n in names if n != name], n_choices - 1)
             choices = others + [name]
             rng.shuffle(choices)
-            items.append({"docstring": funcs[name], "choices": [f"{mod_name}.{c}" for c in choices],
-                          "answer": choices.index(name), "module": mod_name, "name": name})
+            items.append(
+                {
+                    "docstring": funcs[name],
+                    "choices": [f"{mod_name}.{c}" for c in choices],
+                    "answer": choices.index(name),
+                    "module": mod_name,
+                    "name": name,
+                }
+            )
     return items
 
 
@@ -138,15 +211,27 @@ def make_data(out, seed: int = 0, heldout_bytes: int = 48_000) -> dict:
     text, files = stdlib_heldout_text(heldout_bytes)
     items = stdlib_docstring_mc(seed)
     atomic_write_text(out / "stdlib_heldout.txt", text)
-    atomic_write_text(out / "stdlib_docstring_mc.jsonl", "".join(json.dumps(it) + "\n" for it in items))
+    atomic_write_text(
+        out / "stdlib_docstring_mc.jsonl", "".join(json.dumps(it) + "\n" for it in items)
+    )
     atomic_write_text(out / "stdlib_docstring_mc.yaml", MC_SPEC)
-    prov = {"generator": "lmstack eval make-data (lmstack.eval.datasets)", "python": platform.python_version(),
-            "stdlib": sysconfig.get_paths()["stdlib"], "seed": seed,
-            "stdlib_heldout.txt": {"what": "whole stdlib .py files after the demo corpus's first "
-                                           f"{DEMO_CORPUS_BYTES} bytes, joined by {SEP}", "bytes": len(text.encode()),
-                                   "files": files},
-            "stdlib_docstring_mc.jsonl": {"what": "first sentence of each public function's docstring; the right "
-                                                  "module.name among 3 others of its module", "items": len(items),
-                                          "modules": sorted({it["module"] for it in items})}}
+    prov = {
+        "generator": "lmstack eval make-data (lmstack.eval.datasets)",
+        "python": platform.python_version(),
+        "stdlib": sysconfig.get_paths()["stdlib"],
+        "seed": seed,
+        "stdlib_heldout.txt": {
+            "what": "whole stdlib .py files after the demo corpus's first "
+            f"{DEMO_CORPUS_BYTES} bytes, joined by {SEP}",
+            "bytes": len(text.encode()),
+            "files": files,
+        },
+        "stdlib_docstring_mc.jsonl": {
+            "what": "first sentence of each public function's docstring; the right "
+            "module.name among 3 others of its module",
+            "items": len(items),
+            "modules": sorted({it["module"] for it in items}),
+        },
+    }
     atomic_write_text(out / "provenance.json", json.dumps(prov, indent=1) + "\n")
     return prov

@@ -35,13 +35,26 @@ class LMStackLM(LM):
     a path or tokenizer object (default: the model's own); ``dtype``: fp32/bf16/int8/int4; ``max_length``:
     context (default the model's); ``max_gen_toks``: generation budget when a task names none."""
 
-    def __init__(self, model="smollm2-135m", tokenizer=None, dtype="fp32", max_length=None, max_gen_toks=256,
-                 max_batch_tokens=8192, batch_size=None, device=None, max_batch_size=None, **unknown):
+    def __init__(
+        self,
+        model="smollm2-135m",
+        tokenizer=None,
+        dtype="fp32",
+        max_length=None,
+        max_gen_toks=256,
+        max_batch_tokens=8192,
+        batch_size=None,
+        device=None,
+        max_batch_size=None,
+        **unknown,
+    ):
         super().__init__()
         if unknown:  # a typo (dtyp=int4) would otherwise run the defaults silently
-            raise ValueError(f"lmstack model_args: unknown key(s) {sorted(unknown)}; expected model, tokenizer, dtype, "
-                             "max_length, max_gen_toks, max_batch_tokens (and lm-eval's batch_size, max_batch_size, "
-                             "device)")
+            raise ValueError(
+                f"lmstack model_args: unknown key(s) {sorted(unknown)}; expected model, tokenizer, dtype, "
+                "max_length, max_gen_toks, max_batch_tokens (and lm-eval's batch_size, max_batch_size, "
+                "device)"
+            )
 
         import torch
 
@@ -49,7 +62,9 @@ class LMStackLM(LM):
             device = "cpu"  # lm-eval's command line defaults to cuda:0; its HF class falls back the same way
         m, tok = load_for_inference(model, tokenizer, dtype, device=device)
         if tok is None:
-            raise ValueError("the lmstack lm-eval model needs a tokenizer (model_args tokenizer=PATH)")
+            raise ValueError(
+                "the lmstack lm-eval model needs a tokenizer (model_args tokenizer=PATH)"
+            )
         self.ev = Evaluator(m, tok, _int_or_none(max_length), int(max_batch_tokens))
         self.max_gen_toks = int(max_gen_toks)
 
@@ -61,7 +76,7 @@ class LMStackLM(LM):
         pairs = [req.args for req in requests]
         out = []
         for i in tqdm(range(0, len(pairs), 64), disable=disable_tqdm, desc="lmstack loglikelihood"):
-            out += self.ev.loglikelihood(pairs[i:i + 64])
+            out += self.ev.loglikelihood(pairs[i : i + 64])
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -70,10 +85,18 @@ class LMStackLM(LM):
         ev = self.ev
         prefix = prefix_token_id(ev.model, ev.tokenizer)
         out = []
-        for (string,) in tqdm([r.args for r in requests], disable=disable_tqdm, desc="lmstack rolling"):
-            wins = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=ev.tokenizer.encode(string), prefix_token=prefix, max_seq_len=ev.max_length,
-                context_len=1)]
+        for (string,) in tqdm(
+            [r.args for r in requests], disable=disable_tqdm, desc="lmstack rolling"
+        ):
+            wins = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    token_list=ev.tokenizer.encode(string),
+                    prefix_token=prefix,
+                    max_seq_len=ev.max_length,
+                    context_len=1,
+                )
+            ]
             out.append(sum(ll for ll, _ in ev.loglikelihood_tokens(wins)) if wins else 0.0)
         return out
 
@@ -87,12 +110,15 @@ class LMStackLM(LM):
             until = kw.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             if kw.get("do_sample") and float(kw.get("temperature", 1.0)) > 0:
-                raise ValueError("generate_until: the lmstack class decodes greedily (do_sample=True requested)")
+                raise ValueError(
+                    "generate_until: the lmstack class decodes greedily (do_sample=True requested)"
+                )
             key = (tuple(until), int(kw.get("max_gen_toks", self.max_gen_toks)))
             groups.setdefault(key, []).append(i)
         for (until, max_toks), idx in groups.items():
-            texts = self.ev.generate([requests[i].args[0] for i in idx], list(until), max_toks,
-                                     progress=not disable_tqdm)
+            texts = self.ev.generate(
+                [requests[i].args[0] for i in idx], list(until), max_toks, progress=not disable_tqdm
+            )
             for i, t in zip(idx, texts):
                 out[i] = t
         return out  # type: ignore[return-value]
@@ -105,7 +131,10 @@ def run_lm_eval(argv: list[str]) -> None:
     from lm_eval.__main__ import cli_evaluate
 
     old = sys.argv
-    sys.argv = ["lm-eval", *(argv if argv and argv[0] in ("run", "ls", "validate") else ["run", *argv])]
+    sys.argv = [
+        "lm-eval",
+        *(argv if argv and argv[0] in ("run", "ls", "validate") else ["run", *argv]),
+    ]
     try:
         cli_evaluate()
     finally:

@@ -13,11 +13,14 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
+
 from lmstack.eval.tasks import TaskError, read_jsonl
 from lmstack.utils import atomic_write_text
 
-TEMPLATE = ("Question: {question}\n\nAnswer A: {a}\n\nAnswer B: {b}\n\n"
-            "Which answer is better, A or B? The better answer is")
+TEMPLATE = (
+    "Question: {question}\n\nAnswer A: {a}\n\nAnswer B: {b}\n\n"
+    "Which answer is better, A or B? The better answer is"
+)
 
 
 def prefers_first(judge, question: str, a: str, b: str) -> bool:
@@ -38,21 +41,31 @@ def verdict(judge, question: str, x: str, y: str) -> str:
     return "tie"
 
 
-def battles(answers: dict[str, list[str]], questions: list[str], judge, progress: bool = True) -> list[dict]:
+def battles(
+    answers: dict[str, list[str]], questions: list[str], judge, progress: bool = True
+) -> list[dict]:
     """Battles between every pair of models on every question; ``answers[model][i]`` answers ``questions[i]``."""
     from tqdm import tqdm
 
     names = list(answers)
     for m in names:
         if len(answers[m]) != len(questions):
-            raise ValueError(f"model {m!r} has {len(answers[m])} answers for {len(questions)} questions")
+            raise ValueError(
+                f"model {m!r} has {len(answers[m])} answers for {len(questions)} questions"
+            )
     pairs = list(itertools.combinations(names, 2))
     out = []
     with tqdm(total=len(pairs) * len(questions), desc="judging", disable=not progress) as bar:
         for i, q in enumerate(questions):
             for ma, mb in pairs:
-                out.append({"model_a": ma, "model_b": mb, "question": i,
-                            "winner": verdict(judge, q, answers[ma][i], answers[mb][i])})
+                out.append(
+                    {
+                        "model_a": ma,
+                        "model_b": mb,
+                        "question": i,
+                        "winner": verdict(judge, q, answers[ma][i], answers[mb][i]),
+                    }
+                )
                 bar.update(1)
     return out
 

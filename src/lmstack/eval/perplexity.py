@@ -31,13 +31,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-
 import torch
 
 from lmstack.tokenizer import is_token_file, open_tokens
 
-CHUNK_POSITIONS = 128  # scored positions unembedded at once: (128, V) fp32 logits, 25 MB at V = 49152
-BATCH_TOKENS_CPU = 2048  # tokens a forward on the CPU (larger batches' activations page-fault on first touch)
+CHUNK_POSITIONS = (
+    128  # scored positions unembedded at once: (128, V) fp32 logits, 25 MB at V = 49152
+)
+BATCH_TOKENS_CPU = (
+    2048  # tokens a forward on the CPU (larger batches' activations page-fault on first touch)
+)
 BATCH_TOKENS = 8192  # tokens a forward on other devices
 
 
@@ -66,7 +69,9 @@ def windows(n: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
     if not (1 <= stride <= max_length):
         raise ValueError(f"stride={stride} must be in 1..max_length={max_length}")
     if n < 2:
-        raise ValueError(f"{n} tokens: perplexity needs at least 2 (one to predict from, one to predict)")
+        raise ValueError(
+            f"{n} tokens: perplexity needs at least 2 (one to predict from, one to predict)"
+        )
     out, prev_end = [], 0
     for begin in range(0, n, stride):
         end = min(begin + max_length, n)
@@ -98,21 +103,33 @@ def bits_per_byte(nll_nats: float, n_bytes: int) -> float:
 
 
 @torch.inference_mode()
-def window_nll(model, tokens: torch.Tensor, begins: list[int], length: int, start: int,
-               chunk_positions: int = CHUNK_POSITIONS) -> torch.Tensor:
+def window_nll(
+    model,
+    tokens: torch.Tensor,
+    begins: list[int],
+    length: int,
+    start: int,
+    chunk_positions: int = CHUNK_POSITIONS,
+) -> torch.Tensor:
     """Sum of −log p(tokens[b + j] | tokens[b:b + j]) over j = start .. length−1 for every window begin b
     (windows of one ``length``, scored from one ``start`` >= 1), as a float64 scalar on the model's device.
 
     tokens: (n,) on the device. The model sees each window without its last token; hidden states at
     positions start−1 .. length−2 predict the scored tokens."""
-    idx = torch.tensor(begins, device=tokens.device)[:, None] + torch.arange(length, device=tokens.device)  # (B, S)
+    idx = torch.tensor(begins, device=tokens.device)[:, None] + torch.arange(
+        length, device=tokens.device
+    )  # (B, S)
     x = tokens[idx]  # (B, S)
-    hidden = model(x[:, :-1], return_hidden=True)[:, start - 1:]  # (B, S - start, D): the scored positions only
+    hidden = model(x[:, :-1], return_hidden=True)[
+        :, start - 1 :
+    ]  # (B, S - start, D): the scored positions only
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (P, D)
     target = x[:, start:].reshape(-1)  # (P,)
     total = torch.zeros((), dtype=torch.float64, device=tokens.device)
     for c0 in range(0, len(target), chunk_positions):
-        total += token_nll(model.unembed(hidden[c0:c0 + chunk_positions]), target[c0:c0 + chunk_positions]).sum()
+        total += token_nll(
+            model.unembed(hidden[c0 : c0 + chunk_positions]), target[c0 : c0 + chunk_positions]
+        ).sum()
     return total
 
 
@@ -128,9 +145,12 @@ def fast_attention(model):
     specs = layer_specs(model.config)
     # only softmax-attention layers on the default SDPA: a backend the user chose (kernels.configure, the
     # reference) is kept
-    layers = [b.attn for i, b in enumerate(getattr(model, "blocks", ()))
-              if specs[getattr(b.attn, "layer_idx", i)].softmax
-              and type(getattr(b.attn, "impl", None)) is SDPAAttention]
+    layers = [
+        b.attn
+        for i, b in enumerate(getattr(model, "blocks", ()))
+        if specs[getattr(b.attn, "layer_idx", i)].softmax
+        and type(getattr(b.attn, "impl", None)) is SDPAAttention
+    ]
     saved = [a.impl for a in layers]
     ours = [OneDNNAttention(fallback=impl) for impl in saved]
     try:
@@ -139,7 +159,9 @@ def fast_attention(model):
         yield
     finally:
         for a, impl, mine in zip(layers, saved, ours):
-            if a.impl is mine:  # an overlapping call on the same model may have put its own back already
+            if (
+                a.impl is mine
+            ):  # an overlapping call on the same model may have put its own back already
                 a.impl = impl
 
 
@@ -154,11 +176,20 @@ def token_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     m = logits.amax(-1, keepdim=True)  # (c, 1)
     m.masked_fill_(m.isinf(), 0.0)  # a row of ±inf: as torch.logsumexp, no inf − inf
     log_s = logits.sub_(m).exp_().sum(-1).log_()  # (c,) log Σ exp(z − m)
-    return log_s.double() + (m[:, 0].double() - tl.double())  # m − z_t exact in float64, not rounded at |m|
+    return log_s.double() + (
+        m[:, 0].double() - tl.double()
+    )  # m − z_t exact in float64, not rounded at |m|
 
 
-def perplexity(model, ids, max_length: int | None = None, stride: int | None = None, tokenizer=None,
-               batch_windows: int | None = None, progress: bool = True) -> PerplexityResult:
+def perplexity(
+    model,
+    ids,
+    max_length: int | None = None,
+    stride: int | None = None,
+    tokenizer=None,
+    batch_windows: int | None = None,
+    progress: bool = True,
+) -> PerplexityResult:
     """Perplexity of ``model`` on token ids (a list, array or memmap). ``max_length`` defaults to the
     model's context (``config.max_seq_len``), ``stride`` to ``max_length // 2``; ``batch_windows``
     (windows per forward) to as many as make ``BATCH_TOKENS_CPU`` tokens on the CPU (``BATCH_TOKENS``
@@ -169,16 +200,20 @@ def perplexity(model, ids, max_length: int | None = None, stride: int | None = N
     V = model.config.vocab_size
     if len(ids) and (ids.min() < 0 or ids.max() >= V):
         bad = int(np.flatnonzero((ids < 0) | (ids >= V))[0])
-        raise ValueError(f"token id {int(ids[bad])} at position {bad} is outside the model's vocabulary 0..{V - 1}")
+        raise ValueError(
+            f"token id {int(ids[bad])} at position {bad} is outside the model's vocabulary 0..{V - 1}"
+        )
     max_length = int(max_length or model.config.max_seq_len)
     stride = int(stride or max(1, max_length // 2))
     device = next(model.parameters()).device
     if batch_windows is None:
-        batch_windows = max(1, min(32, (BATCH_TOKENS_CPU if device.type == "cpu" else BATCH_TOKENS) // max_length))
+        batch_windows = max(
+            1, min(32, (BATCH_TOKENS_CPU if device.type == "cpu" else BATCH_TOKENS) // max_length)
+        )
     wins = windows(len(ids), max_length, stride)
     n_tok = sum(e - b - s for b, e, s in wins)
     nbytes = token_bytes(tokenizer, ids) if tokenizer is not None else None
-    n_bytes = sum(int(nbytes[b + s:e].sum()) for b, e, s in wins) if nbytes is not None else 0
+    n_bytes = sum(int(nbytes[b + s : e].sum()) for b, e, s in wins) if nbytes is not None else 0
     # windows with the same (length, first scored index) batch without padding: all but the first and last
     groups: dict[tuple[int, int], list[int]] = {}
     for b, e, s in wins:
@@ -187,26 +222,41 @@ def perplexity(model, ids, max_length: int | None = None, stride: int | None = N
     tokens = torch.as_tensor(ids, device=device)
     total = torch.zeros((), dtype=torch.float64, device=device)
     done = 0
-    with tqdm(total=n_tok, desc="perplexity", unit="tok", disable=not progress) as bar, fast_attention(model):
+    with (
+        tqdm(total=n_tok, desc="perplexity", unit="tok", disable=not progress) as bar,
+        fast_attention(model),
+    ):
         for (length, start), begins in groups.items():
             if length <= start:  # a one-token last window (stride = max_length) scores nothing
                 continue
             for g in range(0, len(begins), batch_windows):
-                part = begins[g:g + batch_windows]
+                part = begins[g : g + batch_windows]
                 total += window_nll(model, tokens, part, length, start)
                 done += len(part) * (length - start)
                 bar.update(len(part) * (length - start))
-                if progress and device.type == "cpu":  # free there; elsewhere it would sync every batch
+                if (
+                    progress and device.type == "cpu"
+                ):  # free there; elsewhere it would sync every batch
                     bar.set_postfix(ppl=f"{math.exp(float(total) / done):.3f}")
     nll = float(total)
     seconds = time.perf_counter() - t0
     return PerplexityResult(
-        perplexity=math.exp(nll / n_tok), bits_per_byte=bits_per_byte(nll, n_bytes) if nbytes is not None else None,
-        nll_sum=nll, n_tokens=n_tok, n_bytes=n_bytes if nbytes is not None else None, n_windows=len(wins),
-        max_length=max_length, stride=stride, seconds=seconds, tokens_per_s=n_tok / max(seconds, 1e-9))
+        perplexity=math.exp(nll / n_tok),
+        bits_per_byte=bits_per_byte(nll, n_bytes) if nbytes is not None else None,
+        nll_sum=nll,
+        n_tokens=n_tok,
+        n_bytes=n_bytes if nbytes is not None else None,
+        n_windows=len(wins),
+        max_length=max_length,
+        stride=stride,
+        seconds=seconds,
+        tokens_per_s=n_tok / max(seconds, 1e-9),
+    )
 
 
-def read_eval_tokens(path, tokenizer=None, add_bos: int | None = None, max_tokens: int | None = None) -> np.ndarray:
+def read_eval_tokens(
+    path, tokenizer=None, add_bos: int | None = None, max_tokens: int | None = None
+) -> np.ndarray:
     """Token ids of a token file (``lmstack tokenizer encode``: a sidecar names its dtype) or a UTF-8 text
     file encoded with ``tokenizer``; ``add_bos``: a token id to put first; ``max_tokens``: keep the first n."""
     path = Path(path)
@@ -220,7 +270,9 @@ def read_eval_tokens(path, tokenizer=None, add_bos: int | None = None, max_token
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text ({e}) and not a token file (no {path.name}.json sidecar)") from None
+            raise ValueError(
+                f"{path}: not UTF-8 text ({e}) and not a token file (no {path.name}.json sidecar)"
+            ) from None
         ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
     if max_tokens is not None:
         ids = ids[:max_tokens]

@@ -45,8 +45,14 @@ class TaskResult:
     seconds: float = 0.0
 
     def to_dict(self, samples: bool = False) -> dict:
-        d = {"name": self.name, "kind": self.kind, "n": self.n, "metrics": self.metrics, "stderr": self.stderr,
-             "seconds": self.seconds}
+        d = {
+            "name": self.name,
+            "kind": self.kind,
+            "n": self.n,
+            "metrics": self.metrics,
+            "stderr": self.stderr,
+            "seconds": self.seconds,
+        }
         if samples:
             d["samples"] = self.samples
         return d
@@ -55,7 +61,9 @@ class TaskResult:
 class Evaluator:
     """A model and its tokenizer, with the three request types every runner (ours, lm-eval's) needs."""
 
-    def __init__(self, model, tokenizer, max_length: int | None = None, max_batch_tokens: int = 8192):
+    def __init__(
+        self, model, tokenizer, max_length: int | None = None, max_batch_tokens: int = 8192
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.max_length = int(max_length or model.config.max_seq_len)
         self.max_batch_tokens = max_batch_tokens
@@ -66,18 +74,28 @@ class Evaluator:
         reqs = [encode_pair(self.tokenizer, c, x) for c, x in pairs]
         return self.loglikelihood_tokens(reqs)
 
-    def loglikelihood_tokens(self, reqs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        prefix = prefix_token_id(self.model, self.tokenizer) if any(not c for c, _ in reqs) else None
-        return loglikelihoods(self.model, reqs, self.max_length, prefix, max_batch_tokens=self.max_batch_tokens)
+    def loglikelihood_tokens(
+        self, reqs: list[tuple[list[int], list[int]]]
+    ) -> list[tuple[float, bool]]:
+        prefix = (
+            prefix_token_id(self.model, self.tokenizer) if any(not c for c, _ in reqs) else None
+        )
+        return loglikelihoods(
+            self.model, reqs, self.max_length, prefix, max_batch_tokens=self.max_batch_tokens
+        )
 
-    def generate(self, prompts: list[str], stop: list[str], max_tokens: int, progress: bool = False) -> list[str]:
+    def generate(
+        self, prompts: list[str], stop: list[str], max_tokens: int, progress: bool = False
+    ) -> list[str]:
         """Greedy continuations through the engine, cut at the first stop sequence; prompts longer than the
         context keep their last tokens (as lm-eval does)."""
         if self._llm is None:
             self._llm = LLM(self.model, self.tokenizer, max_model_len=self.max_length)
         keep = self.max_length - max_tokens
         if keep < 1:
-            raise ValueError(f"max_tokens={max_tokens} leaves no room for a prompt in the context {self.max_length}")
+            raise ValueError(
+                f"max_tokens={max_tokens} leaves no room for a prompt in the context {self.max_length}"
+            )
         ids = [self.tokenizer.encode(p)[-keep:] for p in prompts]
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=list(stop))
         outs = self._llm.generate(ids, params, use_tqdm=progress)
@@ -119,12 +137,23 @@ def run_task(task: Task, ev: Evaluator, progress: bool = True) -> TaskResult:
             pred, pred_norm = int(np.argmax(ll)), int(np.argmax(ll / lens))
             acc.append(float(pred == it.answer))
             acc_norm.append(float(pred_norm == it.answer))
-            samples.append({"line": it.line, "loglik": ll.tolist(), "pred": pred, "pred_norm": pred_norm,
-                            "answer": it.answer})
+            samples.append(
+                {
+                    "line": it.line,
+                    "loglik": ll.tolist(),
+                    "pred": pred,
+                    "pred_norm": pred_norm,
+                    "answer": it.answer,
+                }
+            )
         per = {"acc": acc, "acc_norm": acc_norm}
     elif task.kind == "loglikelihood":
-        res = _batched(ev.loglikelihood, [(p, task.target_delimiter + it.continuation)
-                                          for it, p in zip(task.items, prompts)], progress, task.name)
+        res = _batched(
+            ev.loglikelihood,
+            [(p, task.target_delimiter + it.continuation) for it, p in zip(task.items, prompts)],
+            progress,
+            task.name,
+        )
         for it, (ll, g) in zip(task.items, res):
             samples.append({"line": it.line, "loglik": ll, "greedy": g})
         per = {"loglik": [r[0] for r in res], "acc": [float(r[1]) for r in res]}
@@ -136,8 +165,15 @@ def run_task(task: Task, ev: Evaluator, progress: bool = True) -> TaskResult:
             em.append(float(got == str(it.answer).strip()))
             samples.append({"line": it.line, "output": text, "extracted": got, "answer": it.answer})
         per = {"exact_match": em}
-    return TaskResult(task.name, task.kind, len(task.items), {k: float(np.mean(v)) for k, v in per.items()},
-                      {k: mean_stderr(v) for k, v in per.items()}, samples, time.perf_counter() - t0)
+    return TaskResult(
+        task.name,
+        task.kind,
+        len(task.items),
+        {k: float(np.mean(v)) for k, v in per.items()},
+        {k: mean_stderr(v) for k, v in per.items()},
+        samples,
+        time.perf_counter() - t0,
+    )
 
 
 def _batched(fn, pairs, progress: bool, desc: str, chunk: int = 64):
@@ -146,8 +182,8 @@ def _batched(fn, pairs, progress: bool, desc: str, chunk: int = 64):
     out = []
     with tqdm(total=len(pairs), desc=desc, disable=not progress) as bar:
         for i in range(0, len(pairs), chunk):
-            out += fn(pairs[i:i + chunk])
-            bar.update(len(pairs[i:i + chunk]))
+            out += fn(pairs[i : i + chunk])
+            bar.update(len(pairs[i : i + chunk]))
     return out
 
 
@@ -157,6 +193,8 @@ def table(results: list[TaskResult]) -> str:
     for r in results:
         for k, v in r.metrics.items():
             se = r.stderr.get(k)
-            rows.append((r.name, r.kind, str(r.n), k, f"{v:.4f}", f"{se:.4f}" if se is not None else "-"))
+            rows.append(
+                (r.name, r.kind, str(r.n), k, f"{v:.4f}", f"{se:.4f}" if se is not None else "-")
+            )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)

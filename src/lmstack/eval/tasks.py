@@ -82,8 +82,10 @@ class Task:
             if self.fewshot:
                 pool = [j for j in range(len(self.items)) if j != i]
                 shots = [self.items[j] for j in rng.sample(pool, min(self.fewshot, len(pool)))]
-                prefix = "".join(s.context + self.target_delimiter + s.target() + self.fewshot_delimiter
-                                 for s in shots)
+                prefix = "".join(
+                    s.context + self.target_delimiter + s.target() + self.fewshot_delimiter
+                    for s in shots
+                )
             else:
                 prefix = ""
             out.append(prefix + it.context)
@@ -93,7 +95,9 @@ class Task:
 def _spec_value(spec: dict, key: str, kind, default, where: str):
     v = spec.get(key, default)
     if v is not default and not isinstance(v, kind):
-        raise TaskError(f"{where}: field {key!r} = {v!r:.60} must be {getattr(kind, '__name__', kind)}")
+        raise TaskError(
+            f"{where}: field {key!r} = {v!r:.60} must be {getattr(kind, '__name__', kind)}"
+        )
     return v
 
 
@@ -119,9 +123,13 @@ def _render(template: str, obj: dict, where: str) -> str:
     try:
         return template.format_map(obj)
     except KeyError as e:
-        raise TaskError(f"{where}: missing field {e.args[0]!r} (the prompt template {template!r:.60} uses it)") from None
+        raise TaskError(
+            f"{where}: missing field {e.args[0]!r} (the prompt template {template!r:.60} uses it)"
+        ) from None
     except (ValueError, IndexError) as e:
-        raise TaskError(f"{where}: the prompt template {template!r:.60} cannot be filled: {e}") from None
+        raise TaskError(
+            f"{where}: the prompt template {template!r:.60} cannot be filled: {e}"
+        ) from None
 
 
 def make_item(obj: dict, line: int, kind: str, template: str | None, path: Path) -> Item:
@@ -143,11 +151,15 @@ def make_item(obj: dict, line: int, kind: str, template: str | None, path: Path)
     if kind == "multiple_choice":
         choices = need("choices", list, "a list of option strings")
         if len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
-            raise TaskError(f"{where}: field 'choices' = {choices!r:.80} must hold at least 2 non-empty strings")
+            raise TaskError(
+                f"{where}: field 'choices' = {choices!r:.80} must hold at least 2 non-empty strings"
+            )
         ans = need("answer", int, "the index of the correct option (an integer)")
         if not 0 <= ans < len(choices):
-            raise TaskError(f"{where}: field 'answer' = {ans} is out of range: there are {len(choices)} choices "
-                            f"(0..{len(choices) - 1})")
+            raise TaskError(
+                f"{where}: field 'answer' = {ans} is out of range: there are {len(choices)} choices "
+                f"(0..{len(choices) - 1})"
+            )
         it.choices, it.answer = choices, ans
     elif kind == "loglikelihood":
         it.continuation = need("continuation", str, "a string 'continuation'")
@@ -158,7 +170,9 @@ def make_item(obj: dict, line: int, kind: str, template: str | None, path: Path)
         if isinstance(ans, (int, float)) and not isinstance(ans, bool):
             ans = str(ans)
         if "answer" not in obj:
-            raise TaskError(f"{where}: missing field 'answer' (generate items need the expected answer)")
+            raise TaskError(
+                f"{where}: missing field 'answer' (generate items need the expected answer)"
+            )
         if not isinstance(ans, str):
             raise TaskError(f"{where}: field 'answer' = {ans!r:.60} must be a string or number")
         it.answer = ans
@@ -183,10 +197,23 @@ def load_task(path, name: str | None = None) -> Task:
             raise TaskError(f"{path}: expected a mapping of task fields, got {type(spec).__name__}")
         where = str(path)
         if "data" not in spec:
-            raise TaskError(f"{path}: missing field 'data' (the JSONL file of items, relative to the spec)")
+            raise TaskError(
+                f"{path}: missing field 'data' (the JSONL file of items, relative to the spec)"
+            )
         data = path.parent / _spec_value(spec, "data", str, None, where)
-        known = {"name", "kind", "data", "prompt", "target_delimiter", "fewshot", "fewshot_seed", "fewshot_delimiter",
-                 "stop", "max_tokens", "regex"}
+        known = {
+            "name",
+            "kind",
+            "data",
+            "prompt",
+            "target_delimiter",
+            "fewshot",
+            "fewshot_seed",
+            "fewshot_delimiter",
+            "stop",
+            "max_tokens",
+            "regex",
+        }
         unknown = sorted(set(spec) - known)
         if unknown:
             raise TaskError(f"{path}: unknown field(s) {unknown}; expected some of {sorted(known)}")
@@ -210,11 +237,20 @@ def load_task(path, name: str | None = None) -> Task:
         except re.error as e:
             raise TaskError(f"{where}: field 'regex' = {regex!r}: {e}") from None
     task = Task(
-        name=name or _spec_value(spec, "name", str, None, where) or path.stem, kind=kind, path=data, items=items,
+        name=name or _spec_value(spec, "name", str, None, where) or path.stem,
+        kind=kind,
+        path=data,
+        items=items,
         target_delimiter=_spec_value(spec, "target_delimiter", str, " ", where),
-        fewshot=_spec_value(spec, "fewshot", int, 0, where), fewshot_seed=_spec_value(spec, "fewshot_seed", int, 1234, where),
-        fewshot_delimiter=_spec_value(spec, "fewshot_delimiter", str, "\n\n", where), stop=stop,
-        max_tokens=_spec_value(spec, "max_tokens", int, 32, where), regex=regex)
+        fewshot=_spec_value(spec, "fewshot", int, 0, where),
+        fewshot_seed=_spec_value(spec, "fewshot_seed", int, 1234, where),
+        fewshot_delimiter=_spec_value(spec, "fewshot_delimiter", str, "\n\n", where),
+        stop=stop,
+        max_tokens=_spec_value(spec, "max_tokens", int, 32, where),
+        regex=regex,
+    )
     if task.fewshot < 0 or task.max_tokens < 1:
-        raise TaskError(f"{where}: fewshot={task.fewshot} must be >= 0 and max_tokens={task.max_tokens} >= 1")
+        raise TaskError(
+            f"{where}: fewshot={task.fewshot} must be >= 0 and max_tokens={task.max_tokens} >= 1"
+        )
     return task

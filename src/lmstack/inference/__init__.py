@@ -15,5 +15,18 @@ from lmstack.inference.paged import PagedKVCache
 from lmstack.inference.sampling import SamplingParams
 from lmstack.inference.speculative import DraftModel, PromptLookup, truncated_draft
 
-__all__ = ["LLM", "AsyncLLM", "BlockManager", "DraftModel", "GenerationError", "KVCache", "LLMEngine", "PagedKVCache",
-           "PromptLookup", "RequestOutput", "SamplingParams", "generate", "truncated_draft"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "BlockManager",
+    "DraftModel",
+    "GenerationError",
+    "KVCache",
+    "LLMEngine",
+    "PagedKVCache",
+    "PromptLookup",
+    "RequestOutput",
+    "SamplingParams",
+    "generate",
+    "truncated_draft",
+]

@@ -53,10 +53,17 @@ def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
 class BlockManager:
     """Reference counts, free list, prefix-cache index (LRU eviction) and every sequence's block table."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 storage: BlockStorage | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        storage: BlockStorage | None = None,
+    ):
         if num_blocks < 2:
-            raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the reserved null block)")
+            raise ValueError(
+                f"num_blocks={num_blocks} must be >= 2 (block 0 is the reserved null block)"
+            )
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -64,12 +71,16 @@ class BlockManager:
         self.storage = storage
         self.ref_count = [0] * num_blocks
         self.free_list: deque[int] = deque(range(1, num_blocks))  # never used or no cached content
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but holds a cached prefix (LRU first)
+        self.evictable: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # ref 0 but holds a cached prefix (LRU first)
         self.cached: dict[bytes, int] = {}  # chained hash -> block
         self.block_hash: dict[int, bytes] = {}  # block -> its chained hash
         self.tables: dict[Hashable, list[int]] = {}
         self.num_tokens: dict[Hashable, int] = {}  # tokens whose K/V are stored, per sequence
-        self.hashes: dict[Hashable, list[bytes]] = {}  # chained hashes of the sequence's full blocks
+        self.hashes: dict[
+            Hashable, list[bytes]
+        ] = {}  # chained hashes of the sequence's full blocks
 
     # ---- the pool ------------------------------------------------------------------------
     @property
@@ -148,7 +159,7 @@ class BlockManager:
         hashes: list[bytes] = []
         parent = None
         for i in range((len(token_ids) - 1) // bs):
-            h = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
             block = self.lookup(h)
             if block is None:
                 break
@@ -164,7 +175,11 @@ class BlockManager:
         """New blocks ``reserve(seq_id, n)`` would take (including a copy-on-write copy)."""
         table, stored = self.tables[seq_id], self.num_tokens[seq_id]
         need = max(0, self.blocks_for(stored + n) - len(table))
-        if n > 0 and stored % self.block_size and self._copy_before_write(table[stored // self.block_size]):
+        if (
+            n > 0
+            and stored % self.block_size
+            and self._copy_before_write(table[stored // self.block_size])
+        ):
             need += 1  # the partly filled block is shared or named: it is copied before the write
         return need
 
@@ -180,8 +195,10 @@ class BlockManager:
     def reserve(self, seq_id: Hashable, n: int) -> None:
         """Make room for the next ``n`` tokens of ``seq_id``: new blocks, copy-on-write of a shared block."""
         if self.blocks_needed(seq_id, n) > self.num_free:
-            raise NoFreeBlocks(f"sequence {seq_id!r} needs {self.blocks_needed(seq_id, n)} blocks for {n} tokens; "
-                               f"{self.num_free} free")
+            raise NoFreeBlocks(
+                f"sequence {seq_id!r} needs {self.blocks_needed(seq_id, n)} blocks for {n} tokens; "
+                f"{self.num_free} free"
+            )
         table, stored, bs = self.tables[seq_id], self.num_tokens[seq_id], self.block_size
         if n > 0 and stored % bs:
             i = stored // bs
@@ -201,7 +218,7 @@ class BlockManager:
         full = self.num_tokens[seq_id] // bs
         while len(hashes) < full:
             i = len(hashes)
-            h = chain_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs])
             hashes.append(h)
             self.register(table[i], h)
 
@@ -223,15 +240,19 @@ class BlockManager:
         a copy (``reserve``), so requests served from the prefix cache still read what its hash says.
         """
         if n_tokens > self.num_tokens[seq_id]:
-            raise ValueError(f"cannot truncate {seq_id!r} to {n_tokens} > {self.num_tokens[seq_id]} stored tokens")
+            raise ValueError(
+                f"cannot truncate {seq_id!r} to {n_tokens} > {self.num_tokens[seq_id]} stored tokens"
+            )
         table = self.tables[seq_id]
         keep = self.blocks_for(n_tokens)
         if keep and table[keep - 1] == NULL_BLOCK:
-            raise ValueError(f"cannot truncate {seq_id!r} to {n_tokens} tokens: that block was released")
+            raise ValueError(
+                f"cannot truncate {seq_id!r} to {n_tokens} tokens: that block was released"
+            )
         for block in reversed(table[keep:]):
             self.decref(block)
         del table[keep:]
-        del self.hashes[seq_id][n_tokens // self.block_size:]
+        del self.hashes[seq_id][n_tokens // self.block_size :]
         self.num_tokens[seq_id] = n_tokens
 
     def release_outside_window(self, seq_id: Hashable, window: int) -> int:

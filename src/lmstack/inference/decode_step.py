@@ -55,21 +55,36 @@ class DecodeBatch:
     (``slots`` (B,) given) each layer's k, v are stored in the pool first and read back with the blocks:
     one copy of the blocks instead of a copy and the copy that puts the token into it."""
 
-    def __init__(self, cache: PagedKVCache, table: Tensor, positions: Tensor, slots: Tensor | None = None):
+    def __init__(
+        self, cache: PagedKVCache, table: Tensor, positions: Tensor, slots: Tensor | None = None
+    ):
         self.cache, self.table, self.positions, self.slots = cache, table, positions, slots
         self.new_k: list[Tensor] = []
         self.new_v: list[Tensor] = []
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
-               impl: AttentionImpl) -> Tensor:
+    def attend(
+        self,
+        layer_idx: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        meta: AttentionMetadata,
+        impl: AttentionImpl,
+    ) -> Tensor:
         B, K, _, H = k.shape
-        if self.slots is not None:  # eager: store first (in place), then read the blocks with this token in them
+        if (
+            self.slots is not None
+        ):  # eager: store first (in place), then read the blocks with this token in them
             self.cache.write(layer_idx, self.slots, k[:, :, 0], v[:, :, 0])
         ks = self.cache.read_blocks(layer_idx, "k", self.table, q.dtype)  # (B, S, K, H), S = M·bs
         vs = self.cache.read_blocks(layer_idx, "v", self.table, q.dtype)
-        if self.slots is None:  # compiled: the pool is only read; this token goes into the copy, the pool after
+        if (
+            self.slots is None
+        ):  # compiled: the pool is only read; this token goes into the copy, the pool after
             rows = torch.arange(B, device=k.device)
-            ks = ks.index_put((rows, self.positions), k[:, :, 0].to(ks.dtype))  # this token at its own slot
+            ks = ks.index_put(
+                (rows, self.positions), k[:, :, 0].to(ks.dtype)
+            )  # this token at its own slot
             vs = vs.index_put((rows, self.positions), v[:, :, 0].to(vs.dtype))
             self.new_k.append(k[:, :, 0])  # (B, K, H)
             self.new_v.append(v[:, :, 0])
@@ -84,22 +99,36 @@ class DecodeStep:
     logits (R, V) of the R rows. ``compile=True`` pads to buckets and compiles each once (module docstring);
     ``graphs`` counts the compilations (a warm engine makes no more)."""
 
-    def __init__(self, model, cache: PagedKVCache, max_model_len: int, compile: bool = False,
-                 compile_options: dict | None = None):
+    def __init__(
+        self,
+        model,
+        cache: PagedKVCache,
+        max_model_len: int,
+        compile: bool = False,
+        compile_options: dict | None = None,
+    ):
         self.model, self.cache, self.compiled = model, cache, compile
-        self.buckets = BATCH_BUCKETS  # batch sizes compiled (set before the first step to compile fewer)
+        self.buckets = (
+            BATCH_BUCKETS  # batch sizes compiled (set before the first step to compile fewer)
+        )
         self.device = cache.k.device
         self.layers = sorted(cache.row, key=cache.row.get)  # model layers in pool-row order
         self.max_blocks = cache.blocks.blocks_for(max_model_len)
         self.min_blocks = min(self.max_blocks, cache.blocks.blocks_for(MIN_BUCKET_TOKENS))
         self.options = dict(COMPILE_OPTIONS) | (compile_options or {})
         self._steps: dict[tuple[int, int], object] = {}  # (B, M) -> compiled step
-        self._direct: dict[tuple[int, int], tuple] = {}  # (B, M) -> (graph, inputs, token/position/table slots)
-        self._graphs: list[tuple] = []  # filled by the _Inductor backend: (graph, example inputs, number of outputs)
+        self._direct: dict[
+            tuple[int, int], tuple
+        ] = {}  # (B, M) -> (graph, inputs, token/position/table slots)
+        self._graphs: list[
+            tuple
+        ] = []  # filled by the _Inductor backend: (graph, example inputs, number of outputs)
         if compile:
             p = next(model.parameters())
             compute = torch.float64 if p.dtype == torch.float64 else torch.float32
-            for rope in model.ropes():  # the compiled step reads the RoPE tables; they cannot grow inside it
+            for rope in (
+                model.ropes()
+            ):  # the compiled step reads the RoPE tables; they cannot grow inside it
                 rope.reserve(max_model_len)
                 rope.tables(p.device, compute)
 
@@ -127,9 +156,13 @@ class DecodeStep:
     def _step_for(self, key: tuple[int, int]):
         if key not in self._steps:
             # one code object per bucket: each keeps its own single graph in Dynamo's cache
-            code = DecodeStep._forward.__code__.replace(co_name=f"_decode_{key[0]}x{key[1]}_{id(self):x}")
+            code = DecodeStep._forward.__code__.replace(
+                co_name=f"_decode_{key[0]}x{key[1]}_{id(self):x}"
+            )
             fn = functools.partial(types.FunctionType(code, globals()), self)
-            self._steps[key] = torch.compile(fn, fullgraph=True, dynamic=False, backend=_Inductor(self, self.options))
+            self._steps[key] = torch.compile(
+                fn, fullgraph=True, dynamic=False, backend=_Inductor(self, self.options)
+            )
         return self._steps[key]
 
     def _call(self, tokens: Tensor, positions: Tensor, table: Tensor):
@@ -145,8 +178,14 @@ class DecodeStep:
         out = self._step_for(key)(tokens, positions, table)
         if len(self._graphs) == n_before + 1:  # just compiled: capture its graph for direct calls
             graph, inputs, n_out = self._graphs[-1]
-            slots = [[i for i, t in enumerate(inputs) if t is x] for x in (tokens, positions, table)]
-            if n_out == 3 and all(len(s) == 1 for s in slots) and all(isinstance(t, Tensor) for t in inputs):
+            slots = [
+                [i for i, t in enumerate(inputs) if t is x] for x in (tokens, positions, table)
+            ]
+            if (
+                n_out == 3
+                and all(len(s) == 1 for s in slots)
+                and all(isinstance(t, Tensor) for t in inputs)
+            ):
                 self._direct[key] = (graph, inputs, [s[0] for s in slots])
         return out
 
@@ -160,9 +199,13 @@ class DecodeStep:
         rows = [t + [0] * (M - len(t)) for t in tables] + [[0] * M] * (B - R)  # null block pads
         table = torch.tensor(rows, dtype=torch.long, device=self.device)  # (B, M)
         pos = torch.tensor(positions + [0] * (B - R), dtype=torch.long, device=self.device)  # (B,)
-        tok = torch.tensor(tokens + [0] * (B - R), dtype=torch.long, device=self.device)[:, None]  # (B, 1)
+        tok = torch.tensor(tokens + [0] * (B - R), dtype=torch.long, device=self.device)[
+            :, None
+        ]  # (B, 1)
         bs = self.cache.block_size
-        slots = table[torch.arange(B, device=self.device), pos // bs] * bs + pos % bs  # (B,) pads -> null block
+        slots = (
+            table[torch.arange(B, device=self.device), pos // bs] * bs + pos % bs
+        )  # (B,) pads -> null block
         if not self.compiled:
             return self._eager(tok, pos, table, slots)
         logits, k, v = self._call(tok, pos, table)

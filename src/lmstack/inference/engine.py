@@ -55,10 +55,17 @@ class PromptTooLongError(ValueError):
     max_tokens exceed the whole KV pool."""
 
 
-KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what the paged cache may store
+KV_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+)  # what the paged cache may store
 
 
-def _blocks_in(nbytes: int, c, block_size: int, dtype: torch.dtype | str, seats: int, max_len: int) -> int:
+def _blocks_in(
+    nbytes: int, c, block_size: int, dtype: torch.dtype | str, seats: int, max_len: int
+) -> int:
     """Blocks that fit in ``nbytes``: each holds K and V of bs tokens, 2·bs·L·K·H elements (MLA: the latent,
     bs·L·(d_c + d_R)); a quantised pool ("int8"/"fp8") 1 byte each plus its scales (``kv_pool_bytes``).
     A model without softmax-attention layers stores nothing in its blocks: enough for every seat at full length."""
@@ -70,13 +77,17 @@ def _blocks_in(nbytes: int, c, block_size: int, dtype: torch.dtype | str, seats:
 
 def _state_pool(model, num_speculative_tokens: int, num_slots: int) -> StatePool | None:
     """The recurrent-state pool of a hybrid model (None: no recurrent layer); refuses what the engine cannot serve."""
-    refuse(model.config, "paged", "the paged engine")  # each layer's spec says what it supports (model.mixer_spec)
+    refuse(
+        model.config, "paged", "the paged engine"
+    )  # each layer's spec says what it supports (model.mixer_spec)
     if not recurrent_layers(model):
         return None
     no_rollback = sorted({kind for _, kind, _ in unsupported(model.config, "speculation")})
     if num_speculative_tokens and no_rollback:
-        raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: the model has recurrent layers "
-                         f"({no_rollback}), whose state cannot be rolled back past rejected drafts; use 0")
+        raise ValueError(
+            f"num_speculative_tokens={num_speculative_tokens}: the model has recurrent layers "
+            f"({no_rollback}), whose state cannot be rolled back past rejected drafts; use 0"
+        )
     return StatePool(model, num_slots)
 
 
@@ -98,14 +109,30 @@ class LLMEngine:
     views of the fused weights, checkpoints unchanged).
     """
 
-    def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_bytes: int = 512 * 2**20, kv_dtype: torch.dtype | str | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, eos_token_id: int | None = None, seed: int = 0,
-                 watermark: float = 0.01, selective: bool = True,
-                 free_outside_window: bool = True, num_speculative_tokens: int = 0,
-                 ngram: tuple[int, int] = (3, 1), num_state_slots: int | None = None, compile: bool | dict = False,
-                 fuse_projections: bool = True):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int = 512 * 2**20,
+        kv_dtype: torch.dtype | str | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        eos_token_id: int | None = None,
+        seed: int = 0,
+        watermark: float = 0.01,
+        selective: bool = True,
+        free_outside_window: bool = True,
+        num_speculative_tokens: int = 0,
+        ngram: tuple[int, int] = (3, 1),
+        num_state_slots: int | None = None,
+        compile: bool | dict = False,
+        fuse_projections: bool = True,
+    ):
         p = next(model.parameters())
         c = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, c
@@ -113,57 +140,116 @@ class LLMEngine:
         max_num_batched_tokens = as_integer("max_num_batched_tokens", max_num_batched_tokens, 1)
         num_speculative_tokens = as_integer("num_speculative_tokens", num_speculative_tokens, 0)
         speculator = PromptLookup(num_speculative_tokens, ngram)  # checks ngram even when off
-        max_model_len = c.max_seq_len if max_model_len is None else as_integer("max_model_len", max_model_len, 2)
+        max_model_len = (
+            c.max_seq_len
+            if max_model_len is None
+            else as_integer("max_model_len", max_model_len, 2)
+        )
         self.max_model_len = min(c.max_seq_len, max_model_len)
         block_size = as_integer("block_size", block_size, 1)
         kv_dtype = kv_dtype or p.dtype
         if kv_dtype not in KV_DTYPES and kv_dtype not in KV_QUANT_FORMATS:
-            raise ValueError(f"kv_dtype={kv_dtype!r} must be one of {', '.join(map(str, KV_DTYPES))} (K/V stored "
-                             "as computed; a raw integer dtype would silently truncate them) or a quantised "
-                             f"format {', '.join(map(repr, KV_QUANT_FORMATS))} (codes with per-block scales)")
+            raise ValueError(
+                f"kv_dtype={kv_dtype!r} must be one of {', '.join(map(str, KV_DTYPES))} (K/V stored "
+                "as computed; a raw integer dtype would silently truncate them) or a quantised "
+                f"format {', '.join(map(repr, KV_QUANT_FORMATS))} (codes with per-block scales)"
+            )
         watermark = as_real("watermark", watermark)
         if not 0 <= watermark < 1:
-            raise ValueError(f"watermark={watermark!r} must be in [0, 1): the fraction of the blocks kept free "
-                             "when admitting a request while others run")
-        self.states = _state_pool(model, num_speculative_tokens, max_num_seqs if num_state_slots is None
-                                  else as_integer("num_state_slots", num_state_slots, 1))
+            raise ValueError(
+                f"watermark={watermark!r} must be in [0, 1): the fraction of the blocks kept free "
+                "when admitting a request while others run"
+            )
+        self.states = _state_pool(
+            model,
+            num_speculative_tokens,
+            max_num_seqs
+            if num_state_slots is None
+            else as_integer("num_state_slots", num_state_slots, 1),
+        )
         if self.states is not None:
-            enable_prefix_caching = False  # a cached block has no recurrent state for its prefix (docs/inference.md)
+            enable_prefix_caching = (
+                False  # a cached block has no recurrent state for its prefix (docs/inference.md)
+            )
         if num_blocks is None:
-            num_blocks = _blocks_in(as_integer("kv_cache_bytes", kv_cache_bytes, 1), c, block_size, kv_dtype,
-                                    max_num_seqs, self.max_model_len)
+            num_blocks = _blocks_in(
+                as_integer("kv_cache_bytes", kv_cache_bytes, 1),
+                c,
+                block_size,
+                kv_dtype,
+                max_num_seqs,
+                self.max_model_len,
+            )
         num_blocks = as_integer("num_blocks", num_blocks, 2)
-        self.cache = PagedKVCache(c, num_blocks, block_size, kv_dtype, p.device, enable_prefix_caching)
+        self.cache = PagedKVCache(
+            c, num_blocks, block_size, kv_dtype, p.device, enable_prefix_caching
+        )
         if eos_token_id is None:
-            eos_token_id = c.eos_token_id if c.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+            eos_token_id = (
+                c.eos_token_id
+                if c.eos_token_id is not None
+                else getattr(tokenizer, "eos_token_id", None)
+            )
         self.generator = torch.Generator().manual_seed(seed)
-        self.driver: object | None = None  # the one LLM or AsyncLLM that steps this engine (``attach``)
-        self.stats = {"steps": 0, "forwards": 0, "preemptions": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
-                      "computed_tokens": 0, "generated_tokens": 0, "window_released_blocks": 0,
-                      "spec_proposed": 0, "spec_accepted": 0}
+        self.driver: object | None = (
+            None  # the one LLM or AsyncLLM that steps this engine (``attach``)
+        )
+        self.stats = {
+            "steps": 0,
+            "forwards": 0,
+            "preemptions": 0,
+            "prompt_tokens": 0,
+            "cached_prompt_tokens": 0,
+            "computed_tokens": 0,
+            "generated_tokens": 0,
+            "window_released_blocks": 0,
+            "spec_proposed": 0,
+            "spec_accepted": 0,
+        }
         self.scheduler = Scheduler(
-            self.cache.blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=self.max_model_len, watermark_blocks=int(watermark * num_blocks), eos_token_id=eos_token_id,
+            self.cache.blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            watermark_blocks=int(watermark * num_blocks),
+            eos_token_id=eos_token_id,
             sliding_window=c.sliding_window if free_outside_window else None,
-            speculator=speculator if num_speculative_tokens else None, stats=self.stats, states=self.states)
+            speculator=speculator if num_speculative_tokens else None,
+            stats=self.stats,
+            states=self.states,
+        )
         if fuse_projections and hasattr(model, "fuse_projections"):
             model.fuse_projections()  # QKV and gate/up as one GEMM each (the weights become views; docs/inference.md)
         # decode-only iterations in fixed shapes (compiled per bucket with ``compile``); not for recurrent
         # states or an MLA latent cache, whose steps stay on the packed batch
         decode = None
         if selective and self.states is None and not self.cache.stores_latent:
-            decode = DecodeStep(model, self.cache, self.max_model_len, compile=bool(compile),
-                                compile_options=compile if isinstance(compile, dict) else None)
+            decode = DecodeStep(
+                model,
+                self.cache,
+                self.max_model_len,
+                compile=bool(compile),
+                compile_options=compile if isinstance(compile, dict) else None,
+            )
         elif compile:
-            raise ValueError("compile=True: the compiled decode step serves dense softmax-attention models "
-                             "(no recurrent layers, no MLA latent cache) with selective=True")
-        self.runner = ModelRunner(model, self.cache, self.generator, selective, states=self.states, decode=decode)
+            raise ValueError(
+                "compile=True: the compiled decode step serves dense softmax-attention models "
+                "(no recurrent layers, no MLA latent cache) with selective=True"
+            )
+        self.runner = ModelRunner(
+            model, self.cache, self.generator, selective, states=self.states, decode=decode
+        )
         self.requests: dict[str, Seq] = {}
         self._ids = itertools.count()
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, request_id: str | None, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
         """Check the request and queue it; a bad one raises ``ValueError`` and queues nothing."""
         seq = self.check_request(request_id, prompt, params, arrival_time)
         self.enqueue(seq)
@@ -176,8 +262,13 @@ class LLMEngine:
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
-    def check_request(self, request_id: str | None, prompt, params: SamplingParams | None,
-                      arrival_time: float | None = None) -> Seq:
+    def check_request(
+        self,
+        request_id: str | None,
+        prompt,
+        params: SamplingParams | None,
+        arrival_time: float | None = None,
+    ) -> Seq:
         """Everything ``add_request`` checks, without queueing: the prompt, the parameters, the fit."""
         params = SamplingParams() if params is None else params
         if request_id is None:
@@ -186,22 +277,36 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: params={params!r} must be a SamplingParams")
-        ids = prompt_token_ids(prompt, self.config.vocab_size, self.tokenizer, f"request {request_id!r}")
+        ids = prompt_token_ids(
+            prompt, self.config.vocab_size, self.tokenizer, f"request {request_id!r}"
+        )
         if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room to "
-                                     f"generate within max_model_len={self.max_model_len}")
+            raise PromptTooLongError(
+                f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room to "
+                f"generate within max_model_len={self.max_model_len}"
+            )
         need = min(len(ids) + params.max_tokens, self.max_model_len)
         capacity = self.cache.blocks.capacity_tokens
         if need > capacity:
-            raise PromptTooLongError(f"request {request_id!r}: prompt + max_tokens = {need} tokens cannot fit in the "
-                                     f"KV pool of {capacity} tokens even alone; lower max_tokens "
-                                     "or give the engine more blocks")
+            raise PromptTooLongError(
+                f"request {request_id!r}: prompt + max_tokens = {need} tokens cannot fit in the "
+                f"KV pool of {capacity} tokens even alone; lower max_tokens "
+                "or give the engine more blocks"
+            )
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         stops = StopStrings(self.tokenizer, params.stop) if self.tokenizer is not None else None
-        return Seq(request_id, list(ids), len(ids), params, arrival, gen, stops,
-                   logprobs=[] if params.logprobs is not None else None,
-                   prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None)
+        return Seq(
+            request_id,
+            list(ids),
+            len(ids),
+            params,
+            arrival,
+            gen,
+            stops,
+            logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
+        )
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False when it is unknown or already finished."""
@@ -246,7 +351,9 @@ class LLMEngine:
         parameters in place), so no request is served K/V computed with the old weights. Refused while requests
         are running (their blocks hold old K/V too). Returns how many cached blocks were forgotten."""
         if self.has_unfinished_requests():
-            raise RuntimeError("reset_prefix_cache() with requests still running: finish or abort them first")
+            raise RuntimeError(
+                "reset_prefix_cache() with requests still running: finish or abort them first"
+            )
         return self.cache.blocks.reset_prefix_cache()
 
     @property
@@ -261,9 +368,11 @@ class LLMEngine:
         instead of two loops stepping one engine (which lost requests or hung). An idle driver is replaced."""
         current = self.driver
         if current is not None and current is not driver and current.busy():
-            raise RuntimeError(f"this LLMEngine is already driven by a {type(current).__name__} with requests in "
-                               f"flight; one engine has one driver at a time (use that {type(current).__name__}, "
-                               f"or build another engine for the {type(driver).__name__})")
+            raise RuntimeError(
+                f"this LLMEngine is already driven by a {type(current).__name__} with requests in "
+                f"flight; one engine has one driver at a time (use that {type(current).__name__}, "
+                f"or build another engine for the {type(driver).__name__})"
+            )
         self.driver = driver
 
     def step(self) -> list[RequestOutput]:
@@ -307,7 +416,7 @@ class LLMEngine:
             if s.drafts:  # committed after verification, when it is known how many drafts stay
                 spec.append(s)
                 with self._isolated(s, failed):
-                    self._verify(s, logits[at:at + n])  # (k + 1, V)
+                    self._verify(s, logits[at : at + n])  # (k + 1, V)
                 continue
             with self._isolated(s, failed):
                 self.scheduler.commit(s, n)
@@ -349,12 +458,16 @@ class GenerationError(RuntimeError):
 
 def _as_prompt_list(prompts) -> list:
     """One prompt (a string or token ids) or many -> a list of prompts."""
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+    if isinstance(prompts, str) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+    ):
         return [prompts]
     if isinstance(prompts, torch.Tensor):
         return [prompts.tolist()] if prompts.dim() == 1 else prompts.tolist()
     if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray, dict)):
-        raise ValueError(f"prompts={prompts!r:.60} must be a prompt (a string or token ids) or a list of prompts")
+        raise ValueError(
+            f"prompts={prompts!r:.60} must be a prompt (a string or token ids) or a list of prompts"
+        )
     return list(prompts)
 
 
@@ -373,17 +486,31 @@ class LLM:
     failed while running; the engine stays usable either way.
     """
 
-    def __init__(self, model="smollm2-135m", tokenizer=None, runtime: RuntimeConfig | None = None,
-                 device: torch.device | str = "cpu", *, dtype: torch.dtype | str | None = None,
-                 quant: str | None = None, **engine_kwargs):
+    def __init__(
+        self,
+        model="smollm2-135m",
+        tokenizer=None,
+        runtime: RuntimeConfig | None = None,
+        device: torch.device | str = "cpu",
+        *,
+        dtype: torch.dtype | str | None = None,
+        quant: str | None = None,
+        **engine_kwargs,
+    ):
         configured = runtime is not None
         runtime = runtime or RuntimeConfig()
         if dtype is not None or quant is not None:
-            name = next((k for k, v in DTYPES.items() if v == dtype), dtype) if isinstance(dtype, torch.dtype) else dtype
+            name = (
+                next((k for k, v in DTYPES.items() if v == dtype), dtype)
+                if isinstance(dtype, torch.dtype)
+                else dtype
+            )
             weight_format(name or "fp32", quant)  # names both values when they conflict
             name = quant or name
             if configured and runtime.dtype not in ("fp32", name):
-                raise ValueError(f"dtype/quant={name!r} and runtime.dtype={runtime.dtype!r} disagree; set one")
+                raise ValueError(
+                    f"dtype/quant={name!r} and runtime.dtype={runtime.dtype!r} disagree; set one"
+                )
             runtime = replace(runtime, dtype=name)
         model, tokenizer = load_for_inference(model, tokenizer, runtime.dtype, device)
         # the backends, resolved once here; without ``runtime`` a model passed in keeps its own
@@ -391,14 +518,20 @@ class LLM:
         self.runtime_line = configure(model, runtime) if configured else None
         self.engine = LLMEngine(model, tokenizer, **engine_kwargs)
         self.engine.attach(self)
-        self._lock = threading.Lock()  # generate() from several threads: one call steps the engine at a time
+        self._lock = (
+            threading.Lock()
+        )  # generate() from several threads: one call steps the engine at a time
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. Thread-safe: calls from several
         threads run one after another (each steps the engine until its own requests finish)."""
         with self._lock:
@@ -443,13 +576,20 @@ class LLM:
         outputs = [done[i] for i in ids]
         failed = [o for o in outputs if o.error is not None]
         if failed:
-            raise GenerationError(f"{len(failed)} of {len(outputs)} requests failed (the others finished, see "
-                                  f".outputs): " + "; ".join(o.error for o in failed[:3]), outputs)
+            raise GenerationError(
+                f"{len(failed)} of {len(outputs)} requests failed (the others finished, see "
+                f".outputs): " + "; ".join(o.error for o in failed[:3]),
+                outputs,
+            )
         return outputs
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
+    def chat(
+        self, messages: list[dict], sampling_params: SamplingParams | None = None
+    ) -> RequestOutput:
         """One chat turn: render the model's chat template (jinja2) and generate the reply."""
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         return self.generate([self.tokenizer.encode(prompt)], sampling_params)[0]
 
 
@@ -479,7 +619,9 @@ class AsyncLLM:
         """Streams in flight or requests waiting to be added (``LLMEngine.attach``)."""
         return bool(self._queues or self._pending)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> asyncio.Queue:
+    def add_request(
+        self, request_id: str, prompt, params: SamplingParams | None = None
+    ) -> asyncio.Queue:
         params = params or SamplingParams()
         self.engine.attach(self)
         if request_id in self._queues:
@@ -497,8 +639,9 @@ class AsyncLLM:
             if self._wakeup is not None:
                 self._wakeup.set()
 
-    async def generate(self, prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         request_id = request_id or f"async-{next(self.engine._ids)}"
         q = self.add_request(request_id, prompt, params)
         finished = False
@@ -528,7 +671,9 @@ class AsyncLLM:
             q.put_nowait(RuntimeError(f"request {rid!r} aborted: the engine is shutting down"))
             self.abort(rid)
         task, deadline = self._task, time.monotonic() + timeout
-        while task is not None and not task.done() and self._pending and time.monotonic() < deadline:
+        while (
+            task is not None and not task.done() and self._pending and time.monotonic() < deadline
+        ):
             await asyncio.sleep(0.005)
         self._task = None
         if task is not None and not task.done():

@@ -17,18 +17,25 @@ import torch
 from torch import Tensor
 
 from lmstack.inference.kv_cache import KVCache
-from lmstack.model.mixer_spec import layer_kinds
-from lmstack.model.mixers import MixerCache
-from lmstack.model.mla import LatentKVCache
 from lmstack.inference.prompts import prompt_token_ids
 from lmstack.inference.sampling import SamplingParams, sample_token
 from lmstack.inference.speculative import verify_drafts
 from lmstack.inference.stops import StopStrings, token_stop
+from lmstack.model.mixer_spec import layer_kinds
+from lmstack.model.mixers import MixerCache
+from lmstack.model.mla import LatentKVCache
 
 
 @torch.inference_mode()
-def generate(model, prompt_ids: Sequence[int], params: SamplingParams | None = None, *, decoder=None,
-             use_cache: bool = True, speculation=None) -> Iterator[int]:
+def generate(
+    model,
+    prompt_ids: Sequence[int],
+    params: SamplingParams | None = None,
+    *,
+    decoder=None,
+    use_cache: bool = True,
+    speculation=None,
+) -> Iterator[int]:
     """Yield up to ``params.max_tokens`` new token ids for one prompt, stopping by ``params``' rules.
 
     Batch 1, one loop (``_decode``) over a step strategy: the contiguous ``KVCache`` (default), a
@@ -44,15 +51,25 @@ def generate(model, prompt_ids: Sequence[int], params: SamplingParams | None = N
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     prompt_ids = prompt_token_ids(prompt_ids, model.config.vocab_size, name="prompt_ids")
     if speculation is not None and params.logits_processors:
-        raise ValueError("logits_processors with speculation: drafts are verified against the raw distribution, "
-                         "which the processors would change; pass speculation=None")
-    extra = speculation.k + 1 if speculation is not None else 0  # drafts are fed past the last kept token
+        raise ValueError(
+            "logits_processors with speculation: drafts are verified against the raw distribution, "
+            "which the processors would change; pass speculation=None"
+        )
+    extra = (
+        speculation.k + 1 if speculation is not None else 0
+    )  # drafts are fed past the last kept token
     total = len(prompt_ids) + params.max_tokens + extra
-    limit, where = (decoder.cache.max_seq_len, "the decoder's ") if decoder is not None else (model.config.max_seq_len, "")
+    limit, where = (
+        (decoder.cache.max_seq_len, "the decoder's ")
+        if decoder is not None
+        else (model.config.max_seq_len, "")
+    )
     if total > limit:
         spec = f" + k+1 ({extra})" if extra else ""
-        raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}){spec} exceeds {where}"
-                         f"max_seq_len={limit}")
+        raise ValueError(
+            f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}){spec} exceeds {where}"
+            f"max_seq_len={limit}"
+        )
     if speculation is not None:
         speculation.start(model, total)
     if decoder is not None:
@@ -75,11 +92,16 @@ def _decode(step, prompt_ids: list[int], params: SamplingParams, speculation=Non
     while True:
         drafts, q = [], None
         if speculation is not None:
-            room = params.max_tokens - (len(ids) - len(prompt_ids)) - 1  # the last token is never a draft
+            room = (
+                params.max_tokens - (len(ids) - len(prompt_ids)) - 1
+            )  # the last token is never a draft
             drafts, q = speculation.draft(ids, room, params, gen)
         logits = step(ids, done, drafts)  # (k+1, V)
         if speculation is None:
-            emitted, kept = [sample_token(logits[-1].cpu(), params, gen, ids, ids[len(prompt_ids):])], 0
+            emitted, kept = (
+                [sample_token(logits[-1].cpu(), params, gen, ids, ids[len(prompt_ids) :])],
+                0,
+            )
         else:
             emitted, kept = verify_drafts(logits, drafts, params, ids, gen, q)
             speculation.stats.record(len(drafts), kept)
@@ -121,8 +143,10 @@ class CachedStep:
 
     def truncate(self, length: int) -> None:
         if not hasattr(self.cache, "truncate"):  # a recurrent state cannot be rolled back
-            raise ValueError(f"speculation needs a cache that rolls back rejected drafts; {type(self.cache).__name__} "
-                             "holds recurrent states (use_cache=False speculates by recomputing)")
+            raise ValueError(
+                f"speculation needs a cache that rolls back rejected drafts; {type(self.cache).__name__} "
+                "holds recurrent states (use_cache=False speculates by recomputing)"
+            )
         self.cache.truncate(length)
 
 
@@ -133,7 +157,9 @@ class RecomputeStep:
         self.model, self.device = model, next(model.parameters()).device
 
     def __call__(self, ids: list[int], start: int, drafts: list[int]) -> Tensor:
-        return self.model(torch.tensor([ids + drafts], device=self.device), last_n=len(drafts) + 1)[0]
+        return self.model(torch.tensor([ids + drafts], device=self.device), last_n=len(drafts) + 1)[
+            0
+        ]
 
     def truncate(self, length: int) -> None:
         pass
@@ -157,8 +183,9 @@ class StaticStep:
         self.decoder.cache.truncate(length)
 
 
-def stream_generate(model, tokenizer, prompt: str, params: SamplingParams, out=None, decoder=None,
-                    speculation=None) -> dict:
+def stream_generate(
+    model, tokenizer, prompt: str, params: SamplingParams, out=None, decoder=None, speculation=None
+) -> dict:
     """Generate, writing text to ``out`` (stdout) as it is decoded; returns counts and timings.
 
     The model's EOS id is added to ``params.stop_token_ids``; ``params.stop`` strings end generation
@@ -189,5 +216,11 @@ def stream_generate(model, tokenizer, prompt: str, params: SamplingParams, out=N
     out.write(text.emit(finished=True)[1] + "\n")
     out.flush()
     decode_s = t1 - first if first is not None and len(new) > 1 else float("nan")
-    return {"prompt_tokens": len(ids), "new_tokens": len(new), "ttft_s": (first or t1) - t0, "text": text.text,
-            "total_s": t1 - t0, "decode_tokens_per_s": (len(new) - 1) / decode_s if len(new) > 1 else float("nan")}
+    return {
+        "prompt_tokens": len(ids),
+        "new_tokens": len(new),
+        "ttft_s": (first or t1) - t0,
+        "text": text.text,
+        "total_s": t1 - t0,
+        "decode_tokens_per_s": (len(new) - 1) / decode_s if len(new) > 1 else float("nan"),
+    }

@@ -25,7 +25,9 @@ def weight_format(dtype: str, quant: str | None = None) -> tuple[torch.dtype, st
             raise ValueError(f"--dtype {dtype} conflicts with --quant {quant}")
         return torch.float32, dtype
     if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}; expected one of {sorted(DTYPES) + list(QUANT)} or a torch dtype")
+        raise ValueError(
+            f"dtype={dtype!r}; expected one of {sorted(DTYPES) + list(QUANT)} or a torch dtype"
+        )
     return DTYPES[dtype], quant
 
 
@@ -42,12 +44,19 @@ def check_tokenizer(tokenizer, model) -> None:
     """A tokenizer with ids the model has no embedding for does not belong to it."""
     n, V = getattr(tokenizer, "vocab_size", None), model.config.vocab_size
     if n is not None and n > V:
-        raise ValueError(f"the tokenizer has {n} tokens but the model's vocabulary has {V}: they do not belong "
-                         "together (--tokenizer: pass the model's own)")
+        raise ValueError(
+            f"the tokenizer has {n} tokens but the model's vocabulary has {V}: they do not belong "
+            "together (--tokenizer: pass the model's own)"
+        )
 
 
-def load_for_inference(model="smollm2-135m", tokenizer=None, dtype: torch.dtype | str = torch.float32,
-                       device: torch.device | str = "cpu", quant: str | None = None):
+def load_for_inference(
+    model="smollm2-135m",
+    tokenizer=None,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    quant: str | None = None,
+):
     """-> (model in eval mode, tokenizer). ``model``: a name, .gguf file, checkpoint dir or a Transformer;
     ``tokenizer``: a tokenizer, a file/dir, or None (the model's own when ``model`` is a path)."""
     if isinstance(dtype, str):

@@ -16,11 +16,17 @@ from torch import Tensor
 
 from lmstack.inference.decode_step import DecodeStep
 from lmstack.inference.paged import PagedKVCache
-from lmstack.inference.sampling import (NonFiniteLogitsError, bad_logit_rows, check_logits, rows_logprobs, sample_token,
-                                        token_logprobs)
+from lmstack.inference.sampling import (
+    NonFiniteLogitsError,
+    bad_logit_rows,
+    check_logits,
+    rows_logprobs,
+    sample_token,
+    token_logprobs,
+)
 from lmstack.inference.sequence import Sequence
-from lmstack.inference.state_pool import StatePool
 from lmstack.inference.speculative import verify_drafts
+from lmstack.inference.state_pool import StatePool
 
 
 class ModelRunner:
@@ -29,8 +35,15 @@ class ModelRunner:
     ``DecodeStep`` that runs iterations in which every row feeds just its next token (eager or compiled),
     or None (every iteration goes through the packed batch)."""
 
-    def __init__(self, model, cache: PagedKVCache, generator: torch.Generator, selective: bool = True,
-                 states: StatePool | None = None, decode: DecodeStep | None = None):
+    def __init__(
+        self,
+        model,
+        cache: PagedKVCache,
+        generator: torch.Generator,
+        selective: bool = True,
+        states: StatePool | None = None,
+        decode: DecodeStep | None = None,
+    ):
         self.model, self.cache, self.generator, self.selective = model, cache, generator, selective
         self.states = states  # recurrent-state slots of a hybrid model (``state_pool``), or None
         self.decode = decode
@@ -42,12 +55,18 @@ class ModelRunner:
         rows that need them — the last token of a sequence whose prompt is then complete, every
         fed position of a speculating one (its last token and its k drafts) — and each
         sequence's first row in them."""
-        if self.decode is not None and all(n == 1 and not s.drafts and s.num_computed + 1 == len(s.all_ids)
-                                           for s, n in order):
+        if self.decode is not None and all(
+            n == 1 and not s.drafts and s.num_computed + 1 == len(s.all_ids) for s, n in order
+        ):
             blocks = self.cache.blocks
-            logits = self.decode.forward([s.all_ids[-1] for s, _ in order], [s.num_computed for s, _ in order],
-                                         [blocks.tables[s.request_id][:blocks.blocks_for(s.num_computed + 1)]
-                                          for s, _ in order])
+            logits = self.decode.forward(
+                [s.all_ids[-1] for s, _ in order],
+                [s.num_computed for s, _ in order],
+                [
+                    blocks.tables[s.request_id][: blocks.blocks_for(s.num_computed + 1)]
+                    for s, _ in order
+                ],
+            )
             return logits, list(range(len(order)))
         rows = [(s.request_id, s.num_computed, n) for s, n in order]
         batch, positions, seq_ids = self.cache.packed_batch(rows, selective=self.selective)
@@ -55,9 +74,11 @@ class ModelRunner:
             batch = self.states.batch(batch, rows)
         ids: list[int] = []
         for s, n in order:
-            ids.extend(s.all_ids[s.num_computed:s.num_computed + n - len(s.drafts)] + s.drafts)
+            ids.extend(s.all_ids[s.num_computed : s.num_computed + n - len(s.drafts)] + s.drafts)
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)[None]  # (1, T)
-        hidden = self.model(tokens, positions, kv_cache=batch, document_ids=seq_ids, return_hidden=True)[0]  # (T, D)
+        hidden = self.model(
+            tokens, positions, kv_cache=batch, document_ids=seq_ids, return_hidden=True
+        )[0]  # (T, D)
         need: list[int] = []
         first_row: list[int] = []
         t = 0
@@ -69,14 +90,19 @@ class ModelRunner:
             elif s.num_computed + n == len(s.all_ids):
                 need.append(t - 1)
         logits = self.model.unembed(hidden[need]) if need else None  # (R, V)
-        if not self.selective and len(order) > 1 and logits is not None and bool(bad_logit_rows(logits).any()):
+        if (
+            not self.selective
+            and len(order) > 1
+            and logits is not None
+            and bool(bad_logit_rows(logits).any())
+        ):
             # the reference attention sees every sequence's keys, masked, and 0 · NaN = NaN: one
             # sequence's NaN K/V reach all rows, so the caller reruns them one at a time (nothing committed yet)
             raise NonFiniteLogitsError("non-finite logits in a step over several sequences")
         t = 0
         for s, n in order:
             if s.prompt_logprobs is not None and s.num_computed + 1 < s.num_prompt:
-                self.prompt_logprobs(s, hidden[t:t + n])
+                self.prompt_logprobs(s, hidden[t : t + n])
             t += n
         return logits, first_row
 
@@ -85,20 +111,33 @@ class ModelRunner:
         states (n, D) of the chunk fed at positions ``num_computed ..``; by index, so a recomputation (after
         preemption, or a forward rerun one sequence at a time) writes the same values again."""
         j0 = s.num_computed
-        m = min(len(hidden), s.num_prompt - 1 - j0)  # positions whose next token is still in the prompt
+        m = min(
+            len(hidden), s.num_prompt - 1 - j0
+        )  # positions whose next token is still in the prompt
         for c0 in range(0, m, chunk):
             c1 = min(m, c0 + chunk)
-            rows = rows_logprobs(self.model.unembed(hidden[c0:c1]), s.all_ids[j0 + c0 + 1:j0 + c1 + 1],
-                                 s.params.prompt_logprobs)  # (c, V) logits -> c entries
-            s.prompt_logprobs[j0 + c0 + 1:j0 + c1 + 1] = rows
+            rows = rows_logprobs(
+                self.model.unembed(hidden[c0:c1]),
+                s.all_ids[j0 + c0 + 1 : j0 + c1 + 1],
+                s.params.prompt_logprobs,
+            )  # (c, V) logits -> c entries
+            s.prompt_logprobs[j0 + c0 + 1 : j0 + c1 + 1] = rows
 
-    def sample(self, seqs: list[Sequence], logits: Tensor) -> list[tuple[int, tuple | None] | Exception]:
+    def sample(
+        self, seqs: list[Sequence], logits: Tensor
+    ) -> list[tuple[int, tuple | None] | Exception]:
         """logits (R, V) of R ready sequences -> per row (token, logprobs or None), or the exception
         that fails that row only (NaN/+inf logits: ``check_logits`` names what was found).
         Greedy rows take one batched argmax; the others go through ``sample_token``."""
         bad = bad_logit_rows(logits).tolist()
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy and s.params.repetition_penalty == 1.0
-                  and not s.params.logits_processors and not bad[i]]
+        greedy = [
+            i
+            for i, s in enumerate(seqs)
+            if s.params.greedy
+            and s.params.repetition_penalty == 1.0
+            and not s.params.logits_processors
+            and not bad[i]
+        ]
         tokens: list[int] = [0] * len(seqs)
         if greedy:
             for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
@@ -113,9 +152,18 @@ class ModelRunner:
                 if logits_cpu is None and (i not in greedy_set or s.logprobs is not None):
                     logits_cpu = logits.float().cpu()
                 if i not in greedy_set:
-                    tokens[i] = sample_token(logits_cpu[i], s.params, s.generator or self.generator, s.all_ids,
-                                             s.output_ids)
-                lp = token_logprobs(logits_cpu[i], tokens[i], s.params.logprobs) if s.logprobs is not None else None
+                    tokens[i] = sample_token(
+                        logits_cpu[i],
+                        s.params,
+                        s.generator or self.generator,
+                        s.all_ids,
+                        s.output_ids,
+                    )
+                lp = (
+                    token_logprobs(logits_cpu[i], tokens[i], s.params.logprobs)
+                    if s.logprobs is not None
+                    else None
+                )
                 out.append((tokens[i], lp))
             except Exception as e:  # noqa: BLE001 — one row's failure is that request's alone
                 out.append(e)
@@ -126,7 +174,12 @@ class ModelRunner:
         one more token, each with its logprobs (or None). Speculation's one accept/reject rule."""
         check_logits(logits)
         logits_cpu = logits.float().cpu()
-        emitted, _ = verify_drafts(logits_cpu, seq.drafts, seq.params, seq.all_ids, seq.generator or self.generator)
+        emitted, _ = verify_drafts(
+            logits_cpu, seq.drafts, seq.params, seq.all_ids, seq.generator or self.generator
+        )
         if seq.logprobs is None:
             return [(t, None) for t in emitted]
-        return [(t, token_logprobs(logits_cpu[i], t, seq.params.logprobs)) for i, t in enumerate(emitted)]
+        return [
+            (t, token_logprobs(logits_cpu[i], t, seq.params.logprobs))
+            for i, t in enumerate(emitted)
+        ]

@@ -47,7 +47,9 @@ def kv_layers(config: ModelConfig) -> list[int]:
     return softmax_layers(config)
 
 
-def kv_pool_bytes(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str) -> int:
+def kv_pool_bytes(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str
+) -> int:
     """Bytes of a pool of ``num_blocks`` blocks: the accounting formula 2·P·(NB·bs)·L·K·H (MLA: the latent)
     with L = the softmax-attention layers (``kv_layers``), P = 1 for "int8"/"fp8", plus for a quantised
     pool its 2·NB·L·K float32 scales."""
@@ -67,40 +69,73 @@ class PagedKVCache:
     """The block pool (L, num_blocks, bs, K, H) for K and V, L = the softmax-attention layers (``kv_layers``;
     a model layer's row is ``row[layer_idx]``); ``blocks`` holds every sequence's block table."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-                 enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype | str = torch.float32,
+        device: torch.device | str = "cpu",
+        enable_prefix_caching: bool = True,
+    ):
         self.config, self.block_size = config, block_size
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching, storage=self)
         layers = kv_layers(config)
-        self.row = {layer: r for r, layer in enumerate(layers)}  # model layer -> its row of the pool
-        shape = (len(layers), num_blocks, block_size, config.n_kv_heads, config.head_dim)  # (L, NB, bs, K, H)
+        self.row = {
+            layer: r for r, layer in enumerate(layers)
+        }  # model layer -> its row of the pool
+        shape = (
+            len(layers),
+            num_blocks,
+            block_size,
+            config.n_kv_heads,
+            config.head_dim,
+        )  # (L, NB, bs, K, H)
         # MLA (model/mla.py): blocks hold [c ; k_R], d_c + d_R per token
         self.stores_latent = spec(attention_kind(config)).cache == "latent"
-        self.quant = dtype if isinstance(dtype, str) else None  # "int8" / "fp8": codes + per-block scales
+        self.quant = (
+            dtype if isinstance(dtype, str) else None
+        )  # "int8" / "fp8": codes + per-block scales
         if self.quant is not None:
             if self.quant not in KV_QUANT_FORMATS:
-                raise ValueError(f"KV cache dtype={dtype!r}: a quantised pool is one of {tuple(KV_QUANT_FORMATS)}")
+                raise ValueError(
+                    f"KV cache dtype={dtype!r}: a quantised pool is one of {tuple(KV_QUANT_FORMATS)}"
+                )
             if self.stores_latent:
-                raise ValueError(f"KV cache dtype={dtype!r}: quantised blocks hold K and V per KV head; "
-                                 "an MLA latent cache stays in a float dtype")
+                raise ValueError(
+                    f"KV cache dtype={dtype!r}: quantised blocks hold K and V per KV head; "
+                    "an MLA latent cache stays in a float dtype"
+                )
             code_dtype, self.qmax = KV_QUANT_FORMATS[self.quant]
             self.k = torch.zeros(shape, dtype=code_dtype, device=device)
             self.v = torch.zeros(shape, dtype=code_dtype, device=device)
             # s per (layer, block, KV head); 0 = nothing stored (dequantises to 0, grows on the first write)
-            self.k_scale = torch.zeros(shape[:2] + shape[3:4], dtype=torch.float32, device=device)  # (L, NB, K)
+            self.k_scale = torch.zeros(
+                shape[:2] + shape[3:4], dtype=torch.float32, device=device
+            )  # (L, NB, K)
             self.v_scale = torch.zeros_like(self.k_scale)
             return
         if self.stores_latent:
-            shape = (len(layers), num_blocks, block_size, 1, config.kv_lora_rank + config.qk_rope_head_dim)
+            shape = (
+                len(layers),
+                num_blocks,
+                block_size,
+                1,
+                config.kv_lora_rank + config.qk_rope_head_dim,
+            )
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape[:-1] + (0,) if self.stores_latent else shape, dtype=dtype, device=device)
+        self.v = torch.zeros(
+            shape[:-1] + (0,) if self.stores_latent else shape, dtype=dtype, device=device
+        )
 
     @property
     def nbytes(self) -> int:
         n = self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
         if self.quant is not None:
-            n += self.k_scale.numel() * self.k_scale.element_size() + self.v_scale.numel() * self.v_scale.element_size()
+            n += (
+                self.k_scale.numel() * self.k_scale.element_size()
+                + self.v_scale.numel() * self.v_scale.element_size()
+            )
         return n
 
     # ---- what the block manager asks of the storage ------------------------------------------
@@ -112,9 +147,16 @@ class PagedKVCache:
             self.v_scale[:, dst].copy_(self.v_scale[:, src])
 
     def block_is_finite(self, block: int) -> bool:
-        if self.quant is not None:  # codes are clamped when written; a NaN/inf input makes its scale non-finite
-            return bool(torch.isfinite(self.k_scale[:, block]).all() and torch.isfinite(self.v_scale[:, block]).all())
-        return bool(torch.isfinite(self.k[:, block]).all() and torch.isfinite(self.v[:, block]).all())
+        if (
+            self.quant is not None
+        ):  # codes are clamped when written; a NaN/inf input makes its scale non-finite
+            return bool(
+                torch.isfinite(self.k_scale[:, block]).all()
+                and torch.isfinite(self.v_scale[:, block]).all()
+            )
+        return bool(
+            torch.isfinite(self.k[:, block]).all() and torch.isfinite(self.v[:, block]).all()
+        )
 
     def zero_block(self, block: int) -> None:
         _raw(self.k)[:, block].zero_()
@@ -144,15 +186,25 @@ class PagedKVCache:
         blk, off = slots // bs, slots % bs
         ub, inv = torch.unique(blk, return_inverse=True)  # (U,), (T,)
         U = ub.numel()
-        lo = torch.full((U,), bs, dtype=torch.long, device=slots.device).scatter_reduce(0, inv, off, "amin")
-        hi = torch.zeros(U, dtype=torch.long, device=slots.device).scatter_reduce(0, inv, off, "amax")
+        lo = torch.full((U,), bs, dtype=torch.long, device=slots.device).scatter_reduce(
+            0, inv, off, "amin"
+        )
+        hi = torch.zeros(U, dtype=torch.long, device=slots.device).scatter_reduce(
+            0, inv, off, "amax"
+        )
         s_old = scale.index_select(0, ub)  # (U, K)
-        vals = codes.index_select(0, ub).float() * s_old[:, None, :, None]  # (U, bs, K, H) dequantised
+        vals = (
+            codes.index_select(0, ub).float() * s_old[:, None, :, None]
+        )  # (U, bs, K, H) dequantised
         vals[inv, off] = x.float()
-        filled = torch.arange(bs, device=slots.device)[None] <= hi[:, None]  # (U, bs): offsets 0..hi hold tokens
+        filled = (
+            torch.arange(bs, device=slots.device)[None] <= hi[:, None]
+        )  # (U, bs): offsets 0..hi hold tokens
         amax = (vals.abs().amax(dim=-1) * filled[..., None]).amax(dim=1)  # (U, K)
         s_new = amax / qmax
-        if codes.dtype == torch.float8_e4m3fn:  # a power of two ≥ amax/448: growing it re-rounds nothing (docstring)
+        if (
+            codes.dtype == torch.float8_e4m3fn
+        ):  # a power of two ≥ amax/448: growing it re-rounds nothing (docstring)
             s_new = torch.exp2(torch.ceil(torch.log2(s_new)))  # 0 stays 0, inf/NaN stay non-finite
         s = torch.where((lo == 0)[:, None], s_new, torch.maximum(s_old, s_new))  # (U, K)
         y = vals / torch.where(s > 0, s, 1.0)[:, None, :, None]
@@ -166,8 +218,15 @@ class PagedKVCache:
         layer_idx = self.row[layer_idx]
         if self.quant is None:
             return store[layer_idx].view(-1, *store.shape[-2:]).index_select(0, index).to(dtype)
-        codes = _raw(store[layer_idx]).view(-1, *store.shape[-2:]).index_select(0, index).view(store.dtype)
-        s = (self.k_scale if which == "k" else self.v_scale)[layer_idx].index_select(0, index // self.block_size)
+        codes = (
+            _raw(store[layer_idx])
+            .view(-1, *store.shape[-2:])
+            .index_select(0, index)
+            .view(store.dtype)
+        )
+        s = (self.k_scale if which == "k" else self.v_scale)[layer_idx].index_select(
+            0, index // self.block_size
+        )
         return (codes.to(torch.float32) * s[..., None]).to(dtype)  # (S, K, H)
 
     def read_blocks(self, layer_idx: int, which: str, table: Tensor, dtype: torch.dtype) -> Tensor:
@@ -178,10 +237,19 @@ class PagedKVCache:
         r, (B, M) = self.row[layer_idx], table.shape
         flat = table.reshape(-1)  # (B·M,)
         if self.quant is None:
-            return store[r].index_select(0, flat).view(B, M * self.block_size, *store.shape[-2:]).to(dtype)
+            return (
+                store[r]
+                .index_select(0, flat)
+                .view(B, M * self.block_size, *store.shape[-2:])
+                .to(dtype)
+            )
         codes = _raw(store[r]).index_select(0, flat).view(store.dtype)  # (B·M, bs, K, H)
         s = (self.k_scale if which == "k" else self.v_scale)[r].index_select(0, flat)  # (B·M, K)
-        return (codes.to(torch.float32) * s[:, None, :, None]).view(B, M * self.block_size, *store.shape[-2:]).to(dtype)
+        return (
+            (codes.to(torch.float32) * s[:, None, :, None])
+            .view(B, M * self.block_size, *store.shape[-2:])
+            .to(dtype)
+        )
 
     def write_layers(self, layers: Sequence[int], slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store k, v (L', T, K, H) of model layers ``layers`` at pool slots (T,); all pool rows in order (a
@@ -196,8 +264,9 @@ class PagedKVCache:
             self.write(layer, slots, k[i], v[i])
 
     # ---- one forward pass ----------------------------------------------------------------
-    def packed_batch(self, rows: Sequence[tuple[Hashable, int, int]], selective: bool = True
-                     ) -> tuple["PackedPagedBatch", Tensor, Tensor]:
+    def packed_batch(
+        self, rows: Sequence[tuple[Hashable, int, int]], selective: bool = True
+    ) -> tuple[PackedPagedBatch, Tensor, Tensor]:
         """One flattened forward for rows (seq_id, start, n): every row's tokens side by side in one
         (1, T) row, T = Σ n, no padding (Orca's selective batching, seed 000 §2.2).
 
@@ -215,17 +284,21 @@ class PagedKVCache:
             table = self.blocks.tables[seq_id]
             end = start + n
             if n < 1 or self.blocks.blocks_for(end) > len(table):
-                raise ValueError(f"sequence {seq_id!r} has {len(table)} blocks, needs {self.blocks.blocks_for(end)} "
-                                 f"for tokens {start}..{end - 1}; call reserve() first")
-            t = torch.tensor(table[:self.blocks.blocks_for(end)], dtype=torch.long)
+                raise ValueError(
+                    f"sequence {seq_id!r} has {len(table)} blocks, needs {self.blocks.blocks_for(end)} "
+                    f"for tokens {start}..{end - 1}; call reserve() first"
+                )
+            t = torch.tensor(table[: self.blocks.blocks_for(end)], dtype=torch.long)
             p = torch.arange(start, end)
             positions.append(p)
             slots.append(t[p // bs] * bs + p % bs)
             seq_ids.append(torch.full((n,), r, dtype=torch.long))
-            live = self.blocks.first_live_block(seq_id)  # blocks before it were released (sliding window)
+            live = self.blocks.first_live_block(
+                seq_id
+            )  # blocks before it were released (sliding window)
             g = (t[live:, None] * bs + offsets).flatten()  # (S_r,)
             kp = torch.arange(live * bs, live * bs + g.numel())
-            kp[end - live * bs:] = -1  # slots past the last token are empty
+            kp[end - live * bs :] = -1  # slots past the last token are empty
             keys.append((g, kp))
         positions_t = torch.cat(positions)[None]  # (1, T)
         seq_t = torch.cat(seq_ids)[None]  # (1, T)
@@ -243,15 +316,25 @@ class PackedPagedBatch:
     earlier keys. Reference path: the attention is computed over all T × S pairs.
     """
 
-    def __init__(self, cache: PagedKVCache, slots: Tensor, rows, keys: list[tuple[Tensor, Tensor]],
-                 positions: Tensor):
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        slots: Tensor,
+        rows,
+        keys: list[tuple[Tensor, Tensor]],
+        positions: Tensor,
+    ):
         self.cache, self.slots, self.rows, self.positions = cache, slots, rows, positions
         self.keys = keys
         device = cache.k.device
         self.lengths = [n for _, _, n in rows]
-        self._flat = None  # (gather (S,), key positions (1, S), key sequence ids (1, S)), built on first use
+        self._flat = (
+            None  # (gather (S,), key positions (1, S), key sequence ids (1, S)), built on first use
+        )
         # Segments for grouped attention: runs of single-token rows batched together, longer rows alone.
-        self.segments: list[tuple[int, int, Tensor, Tensor]] = []  # (t0, t1, gather (R, S), key pos (R, S))
+        self.segments: list[
+            tuple[int, int, Tensor, Tensor]
+        ] = []  # (t0, t1, gather (R, S), key pos (R, S))
         t0, r = 0, 0
         while r < len(rows):
             r1 = r + 1
@@ -262,8 +345,8 @@ class PackedPagedBatch:
             g = torch.zeros(r1 - r, S, dtype=torch.long)  # null block slots pad short rows
             kp = torch.full((r1 - r, S), -1, dtype=torch.long)
             for j, i in enumerate(range(r, r1)):
-                g[j, :keys[i][0].numel()] = keys[i][0]
-                kp[j, :keys[i][1].numel()] = keys[i][1]
+                g[j, : keys[i][0].numel()] = keys[i][0]
+                kp[j, : keys[i][1].numel()] = keys[i][1]
             t1 = t0 + sum(self.lengths[r:r1])
             self.segments.append((t0, t1, g.to(device), kp.to(device)))
             t0, r = t1, r1
@@ -276,24 +359,40 @@ class PackedPagedBatch:
     def _write(self, layer_idx: int, k: Tensor, v: Tensor | None) -> None:
         _, K, T, H = k.shape
         if k.shape[0] != 1 or self.slots.shape != (T,):
-            raise ValueError(f"batch was prepared for (1, {self.slots.shape[0]}) tokens, got k of shape {tuple(k.shape)}")
+            raise ValueError(
+                f"batch was prepared for (1, {self.slots.shape[0]}) tokens, got k of shape {tuple(k.shape)}"
+            )
         # (T, K, H) rows; a latent cache (v is None) stores only the keys, the values are views of them
-        self.cache.write(layer_idx, self.slots, k[0].transpose(0, 1), None if v is None else v[0].transpose(0, 1))
+        self.cache.write(
+            layer_idx, self.slots, k[0].transpose(0, 1), None if v is None else v[0].transpose(0, 1)
+        )
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
-               impl: AttentionImpl) -> Tensor:
+    def attend(
+        self,
+        layer_idx: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        meta: AttentionMetadata,
+        impl: AttentionImpl,
+    ) -> Tensor:
         """Store k, v (1, K, T, H); attend over every sequence's keys side by side, (1, K, S, H), S = Σ S_r."""
         self._write(layer_idx, k, v)
         if self._flat is None:
             device = self.slots.device
             g = torch.cat([g for g, _ in self.keys])
             kp = torch.cat([kp for _, kp in self.keys])
-            ids = torch.cat([torch.full((g.numel(),), r, dtype=torch.long) for r, (g, _) in enumerate(self.keys)])
+            ids = torch.cat(
+                [
+                    torch.full((g.numel(),), r, dtype=torch.long)
+                    for r, (g, _) in enumerate(self.keys)
+                ]
+            )
             self._flat = (g.to(device), kp[None].to(device), ids[None].to(device))
         g, kp, ids = self._flat
         k_all = self.cache.gather(layer_idx, "k", g, k.dtype).transpose(0, 1)[None]  # (1, K, S, H)
         if v is None:  # MLA: values = the latent c, the first d_c of each key
-            v_all = k_all[..., :self.cache.config.kv_lora_rank]
+            v_all = k_all[..., : self.cache.config.kv_lora_rank]
         else:
             v_all = self.cache.gather(layer_idx, "v", g, v.dtype).transpose(0, 1)[None]
         return impl(q, k_all, v_all, meta.for_keys(kp, ids))  # (1, N, T, H)
@@ -307,25 +406,42 @@ class SelectivePagedBatch(PackedPagedBatch):
     sequence's keys and nothing is computed for them.
     """
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
-               impl: AttentionImpl) -> Tensor:
+    def attend(
+        self,
+        layer_idx: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        meta: AttentionMetadata,
+        impl: AttentionImpl,
+    ) -> Tensor:
         positions = meta.positions  # (1, T)
         self._write(layer_idx, k, v)
         K, H = k.shape[1], k.shape[3]
         outs = []
         for t0, t1, g, kp in self.segments:
             R, S = g.shape
-            ks = self.cache.gather(layer_idx, "k", g.flatten(), q.dtype).view(R, S, K, H).transpose(1, 2)  # (R, K, S, H)
+            ks = (
+                self.cache.gather(layer_idx, "k", g.flatten(), q.dtype)
+                .view(R, S, K, H)
+                .transpose(1, 2)
+            )  # (R, K, S, H)
             if v is None:  # MLA: values = the latent c, the first d_c of each key
-                vs = ks[..., :self.cache.config.kv_lora_rank]
+                vs = ks[..., : self.cache.config.kv_lora_rank]
             else:
-                vs = self.cache.gather(layer_idx, "v", g.flatten(), q.dtype).view(R, S, K, -1).transpose(1, 2)
+                vs = (
+                    self.cache.gather(layer_idx, "v", g.flatten(), q.dtype)
+                    .view(R, S, K, -1)
+                    .transpose(1, 2)
+                )
             if R > 1:  # R decode rows, one token each
                 qs = q[0, :, t0:t1].transpose(0, 1)[:, :, None]  # (R, N, 1, H)
                 qp = positions[0, t0:t1, None]  # (R, 1)
             else:
                 qs = q[:, :, t0:t1]  # (1, N, n, H)
                 qp = positions[:, t0:t1]  # (1, n)
-            o = impl(qs, ks, vs, AttentionMetadata(qp, kp, window=meta.window, softcap=meta.softcap))  # (R, N, n, H)
+            o = impl(
+                qs, ks, vs, AttentionMetadata(qp, kp, window=meta.window, softcap=meta.softcap)
+            )  # (R, N, n, H)
             outs.append(o[:, :, 0].transpose(0, 1)[None] if R > 1 else o)  # (1, N, n, H)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (1, N, T, H)

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-
-GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM): logits / τ would only overflow
+GREEDY_BELOW = (
+    1e-5  # temperatures below this are greedy (as in vLLM): logits / τ would only overflow
+)
 
 
 class NonFiniteLogitsError(ValueError):
@@ -50,7 +51,9 @@ def as_integer(name: str, value, minimum: int | None = None) -> int:
             raise TypeError
         out = operator.index(value)
     except TypeError:
-        raise ValueError(f"{name}={value!r:.40} must be an integer, got {type(value).__name__}") from None
+        raise ValueError(
+            f"{name}={value!r:.40} must be an integer, got {type(value).__name__}"
+        ) from None
     if minimum is not None and out < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
     return out
@@ -92,7 +95,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.temperature = as_real("temperature", self.temperature)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
+            raise ValueError(
+                f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)"
+            )
         if self.top_k is not None:
             self.top_k = as_integer("top_k", self.top_k, 0)
         self.top_p = 1.0 if self.top_p is None else as_real("top_p", self.top_p)
@@ -103,19 +108,25 @@ class SamplingParams:
             raise ValueError(f"min_p={self.min_p!r} must be in [0, 1] (0 = off)")
         self.repetition_penalty = as_real("repetition_penalty", self.repetition_penalty)
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be a finite number > 0 (1 = off)")
+            raise ValueError(
+                f"repetition_penalty={self.repetition_penalty!r} must be a finite number > 0 (1 = off)"
+            )
         self.max_tokens = as_integer("max_tokens", self.max_tokens, 1)
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r} must be non-empty strings")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a sequence of token ids")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(
+            self.stop_token_ids, Iterable
+        ):
+            raise ValueError(
+                f"stop_token_ids={self.stop_token_ids!r} must be a sequence of token ids"
+            )
         self.stop_token_ids = tuple(as_integer("stop_token_ids", t, 0) for t in self.stop_token_ids)
         if self.seed is not None:
             self.seed = as_integer("seed", self.seed)
-            if not -2**63 <= self.seed < 2**64:
+            if not -(2**63) <= self.seed < 2**64:
                 raise ValueError(f"seed={self.seed} must fit in 64 bits: [-2**63, 2**64)")
         if self.logprobs is not None:
             self.logprobs = as_integer("logprobs", self.logprobs, 0)
@@ -123,8 +134,10 @@ class SamplingParams:
             self.prompt_logprobs = as_integer("prompt_logprobs", self.prompt_logprobs, 0)
         self.logits_processors = tuple(self.logits_processors)
         if any(not callable(p) for p in self.logits_processors):
-            raise ValueError(f"logits_processors={self.logits_processors!r:.80} must be callables "
-                             "(output token ids, logits (V,)) -> logits (V,)")
+            raise ValueError(
+                f"logits_processors={self.logits_processors!r:.80} must be callables "
+                "(output token ids, logits (V,)) -> logits (V,)"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -141,17 +154,24 @@ def check_logits(logits: Tensor) -> None:
         raise NonFiniteLogitsError(
             f"the model's logits contain {n_nan} NaN and {n_inf} +inf of {row.shape[-1]} values"
             + ("" if n_nan or n_inf else " (every token is -inf)")
-            + ": the model produced non-finite values (bad weights or an overflow in the forward pass)")
+            + ": the model produced non-finite values (bad weights or an overflow in the forward pass)"
+        )
 
 
 def bad_logit_rows(logits: Tensor) -> Tensor:
     """logits (..., V) -> (...) bool: rows with a NaN or +inf, or with every value -inf."""
     if bool(torch.isfinite(logits).all()):  # the usual case: one pass
         return torch.zeros(logits.shape[:-1], dtype=torch.bool, device=logits.device)
-    return logits.isnan().any(dim=-1) | (logits == math.inf).any(dim=-1) | (logits == -math.inf).all(dim=-1)
+    return (
+        logits.isnan().any(dim=-1)
+        | (logits == math.inf).any(dim=-1)
+        | (logits == -math.inf).all(dim=-1)
+    )
 
 
-def apply_repetition_penalty(logits: Tensor, history: Tensor | Sequence[int], penalty: float) -> Tensor:
+def apply_repetition_penalty(
+    logits: Tensor, history: Tensor | Sequence[int], penalty: float
+) -> Tensor:
     """logits (V,) or (B, V); history: token ids seen so far (prompt and output). Returns a float64
     copy: x / penalty and x · penalty stay finite there for any penalty down to 1e-300 (an
     overflow beyond that gives +inf, which ``filter_logits`` takes to its limit)."""
@@ -166,8 +186,13 @@ def apply_repetition_penalty(logits: Tensor, history: Tensor | Sequence[int], pe
     return out
 
 
-def filter_logits(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
-                  min_p: float = 0.0) -> Tensor:
+def filter_logits(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> Tensor:
     """Temperature, top-k, top-p and min-p on logits (..., V) > 0-temperature; dropped tokens get -inf.
 
     Returns float32 logits whose softmax is the distribution to sample from. Numerically safe:
@@ -176,11 +201,15 @@ def filter_logits(logits: Tensor, temperature: float = 1.0, top_k: int | None = 
     overflowed repetition penalty) becomes its limit, uniform over the +inf tokens.
     """
     if temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be > 0 here; greedy is handled by the caller")
+        raise ValueError(
+            f"temperature={temperature} must be > 0 here; greedy is handled by the caller"
+        )
     x = logits.double()
     top = x == math.inf
     x = torch.where(top.any(dim=-1, keepdim=True), torch.where(top, 0.0, -math.inf), x)
-    logits = ((x - x.amax(dim=-1, keepdim=True)) / temperature).float()  # max 0: exp never overflows
+    logits = (
+        (x - x.amax(dim=-1, keepdim=True)) / temperature
+    ).float()  # max 0: exp never overflows
     V = logits.shape[-1]
     if top_k:
         kth = torch.topk(logits, min(top_k, V), dim=-1).values[..., -1:]  # the k-th largest logit
@@ -197,7 +226,9 @@ def filter_logits(logits: Tensor, temperature: float = 1.0, top_k: int | None = 
     return logits
 
 
-def target_probs(logits: Tensor, params: SamplingParams, history: Tensor | Sequence[int] | None = None) -> Tensor:
+def target_probs(
+    logits: Tensor, params: SamplingParams, history: Tensor | Sequence[int] | None = None
+) -> Tensor:
     """The distribution a request samples from: logits (..., V) -> probabilities (..., V), float32.
 
     Greedy (temperature 0) is the one-hot distribution on the argmax, so speculative decoding's
@@ -210,14 +241,25 @@ def target_probs(logits: Tensor, params: SamplingParams, history: Tensor | Seque
     if params.greedy:
         probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    probs = filter_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p).softmax(dim=-1)
-    if not bool(torch.isfinite(probs).all()):  # only an all -inf row after an astronomically large penalty
-        raise ValueError(f"repetition_penalty={params.repetition_penalty!r} left no token with a finite logit")
+    probs = filter_logits(
+        logits, params.temperature, params.top_k, params.top_p, params.min_p
+    ).softmax(dim=-1)
+    if not bool(
+        torch.isfinite(probs).all()
+    ):  # only an all -inf row after an astronomically large penalty
+        raise ValueError(
+            f"repetition_penalty={params.repetition_penalty!r} left no token with a finite logit"
+        )
     return probs
 
 
-def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-                 history: Tensor | Sequence[int] | None = None, output_ids: Sequence[int] = ()) -> int:
+def sample_token(
+    logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    history: Tensor | Sequence[int] | None = None,
+    output_ids: Sequence[int] = (),
+) -> int:
     """logits (V,) -> one token id under ``params`` (the distribution of ``target_probs``), after the
     request's ``logits_processors`` (each given ``output_ids``, the tokens generated so far, and a copy)."""
     for process in params.logits_processors:  # (V,) -> (V,)
@@ -233,7 +275,9 @@ def token_logprobs(logits: Tensor, token: int, n_top: int) -> tuple[float, dict[
     return rows_logprobs(logits[None], [token], n_top)[0]
 
 
-def rows_logprobs(logits: Tensor, tokens: Sequence[int] | Tensor, n_top: int) -> list[tuple[float, dict[int, float]]]:
+def rows_logprobs(
+    logits: Tensor, tokens: Sequence[int] | Tensor, n_top: int
+) -> list[tuple[float, dict[int, float]]]:
     """``token_logprobs`` for R rows at once: logits (R, V), tokens (R,) -> per row (log p(token), top n)."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
     target = torch.as_tensor(tokens, device=logp.device, dtype=torch.long)

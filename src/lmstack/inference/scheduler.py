@@ -19,21 +19,34 @@ from collections import deque
 
 from lmstack.inference.block_manager import BlockManager
 from lmstack.inference.sequence import RUNNING, WAITING, Sequence
-from lmstack.inference.state_pool import StatePool
 from lmstack.inference.speculative import PromptLookup
+from lmstack.inference.state_pool import StatePool
 from lmstack.inference.stops import token_stop
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, watermark_blocks: int, eos_token_id: int | None,
-                 sliding_window: int | None, speculator: PromptLookup | None, stats: dict,
-                 states: StatePool | None = None):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        watermark_blocks: int,
+        eos_token_id: int | None,
+        sliding_window: int | None,
+        speculator: PromptLookup | None,
+        stats: dict,
+        states: StatePool | None = None,
+    ):
         self.blocks = blocks
         self.states = states  # recurrent-state slots (hybrid models), or None
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len, self.watermark_blocks = max_model_len, watermark_blocks
-        self.eos_token_id, self.sliding_window = eos_token_id, sliding_window  # window None: keep old blocks
+        self.eos_token_id, self.sliding_window = (
+            eos_token_id,
+            sliding_window,
+        )  # window None: keep old blocks
         self.speculator, self.stats = speculator, stats
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -96,9 +109,13 @@ class Scheduler:
                 break  # no state slot: the request waits for a running one to finish
             seq = self.waiting[0]
             # prompt logprobs need the logits at every prompt position: such a request takes no prefix hit
-            cached = self.blocks.allocate(seq.request_id, seq.all_ids if seq.prompt_logprobs is None else ())
+            cached = self.blocks.allocate(
+                seq.request_id, seq.all_ids if seq.prompt_logprobs is None else ()
+            )
             n = min(len(seq.all_ids) - cached, budget)
-            if not self.blocks.can_append(seq.request_id, n, reserve=self.watermark_blocks if self.running else 0):
+            if not self.blocks.can_append(
+                seq.request_id, n, reserve=self.watermark_blocks if self.running else 0
+            ):
                 self.blocks.free(seq.request_id)
                 break
             self.waiting.popleft()
@@ -119,9 +136,15 @@ class Scheduler:
     def _propose(self, seq: Sequence, budget: int) -> list[int]:
         """The speculation budget: drafts within the token budget left and what max_tokens /
         max_model_len still allow after the next token."""
-        if self.speculator is None or seq.params.logits_processors:  # drafts would bypass the processors
+        if (
+            self.speculator is None or seq.params.logits_processors
+        ):  # drafts would bypass the processors
             return []
-        room = min(budget, seq.params.max_tokens - seq.num_output - 1, self.max_model_len - len(seq.all_ids) - 1)
+        room = min(
+            budget,
+            seq.params.max_tokens - seq.num_output - 1,
+            self.max_model_len - len(seq.all_ids) - 1,
+        )
         return self.speculator.propose(seq.all_ids, room)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -145,7 +168,9 @@ class Scheduler:
         if token_ids is not None:
             self.blocks.truncate(rid, self.blocks.num_tokens[rid])
         if self.sliding_window is not None:
-            self.stats["window_released_blocks"] += self.blocks.release_outside_window(rid, self.sliding_window)
+            self.stats["window_released_blocks"] += self.blocks.release_outside_window(
+                rid, self.sliding_window
+            )
         seq.num_computed += n
 
     def append(self, seq: Sequence, token: int, logprobs=None) -> None:
@@ -163,7 +188,9 @@ class Scheduler:
         if reason is None and len(seq.all_ids) >= self.max_model_len:
             reason = "length"
         # the text leaves a stop token out; a stop string cuts it and ends the request too
-        if seq.stops is not None and seq.stops.update(seq.output_ids[:-1] if reason == "stop" else seq.output_ids):
+        if seq.stops is not None and seq.stops.update(
+            seq.output_ids[:-1] if reason == "stop" else seq.output_ids
+        ):
             reason = "stop"
         if reason is not None:
             seq.finish(reason, now)
@@ -171,4 +198,3 @@ class Scheduler:
 
     def end_step(self) -> None:
         self.running = [s for s in self.running if s.status == RUNNING]
-

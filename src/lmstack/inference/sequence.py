@@ -35,7 +35,9 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list, repr=False)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
-    error: str | None = None  # finish_reason "error": what failed (the request was aborted, the engine goes on)
+    error: str | None = (
+        None  # finish_reason "error": what failed (the request was aborted, the engine goes on)
+    )
     # SamplingParams.prompt_logprobs: per prompt token (None for the first), (log p(token | prefix), top)
     prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
 
@@ -58,7 +60,9 @@ class Sequence:
     stops: StopStrings | None = None  # decoded text and stop strings (needs a tokenizer)
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: str = WAITING
-    drafts: list[int] = field(default_factory=list)  # speculative tokens fed after the last token this step
+    drafts: list[int] = field(
+        default_factory=list
+    )  # speculative tokens fed after the last token this step
     logprobs: list | None = None
     sent_tokens: int = 0  # output tokens already reported
     finish_reason: str | None = None
@@ -66,13 +70,17 @@ class Sequence:
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
-    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
+    num_cached_tokens: int | None = (
+        None  # prompt tokens served from the prefix cache at first admission
+    )
     num_preemptions: int = 0
-    prompt_logprobs: list | None = None  # num_prompt entries, filled by the prefill (ModelRunner); [0] stays None
+    prompt_logprobs: list | None = (
+        None  # num_prompt entries, filled by the prefill (ModelRunner); [0] stays None
+    )
 
     @property
     def output_ids(self) -> list[int]:
-        return self.all_ids[self.num_prompt:]
+        return self.all_ids[self.num_prompt :]
 
     @property
     def num_output(self) -> int:
@@ -87,11 +95,26 @@ class Sequence:
         it runs: ``StopStrings.emit``)."""
         finished = self.status == FINISHED
         text, new_text = self.stops.emit(finished) if self.stops is not None else ("", "")
-        new_ids = self.output_ids[self.sent_tokens:]
+        new_ids = self.output_ids[self.sent_tokens :]
         self.sent_tokens += len(new_ids)
         return RequestOutput(
-            self.request_id, self.all_ids[:self.num_prompt], self.output_ids, text, new_ids, new_text, finished,
-            self.finish_reason, list(self.logprobs) if self.logprobs is not None else None, self.arrival,
-            self.first_token_time, self.finished_time, list(self.token_times) if finished else [],
-            self.num_cached_tokens or 0, self.num_preemptions, self.error,
-            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)
+            self.request_id,
+            self.all_ids[: self.num_prompt],
+            self.output_ids,
+            text,
+            new_ids,
+            new_text,
+            finished,
+            self.finish_reason,
+            list(self.logprobs) if self.logprobs is not None else None,
+            self.arrival,
+            self.first_token_time,
+            self.finished_time,
+            list(self.token_times) if finished else [],
+            self.num_cached_tokens or 0,
+            self.num_preemptions,
+            self.error,
+            prompt_logprobs=list(self.prompt_logprobs)
+            if self.prompt_logprobs is not None
+            else None,
+        )

@@ -54,17 +54,18 @@ def ngram_propose(tokens: Sequence[int], k: int, max_n: int = 3, min_n: int = 1)
     (trying n = max_n down to min_n); [] when nothing matches."""
     L = len(tokens)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
-        suffix = list(tokens[L - n:])
+        suffix = list(tokens[L - n :])
         for start in range(L - n - 1, -1, -1):  # latest earlier occurrence first
-            if list(tokens[start:start + n]) == suffix:
-                follow = list(tokens[start + n:start + n + k])
+            if list(tokens[start : start + n]) == suffix:
+                follow = list(tokens[start + n : start + n + k])
                 if follow:
                     return follow
     return []
 
 
-def rejection_sample(p: Tensor, q: Tensor, draft: Sequence[int], generator: torch.Generator | None = None
-                     ) -> tuple[list[int], int]:
+def rejection_sample(
+    p: Tensor, q: Tensor, draft: Sequence[int], generator: torch.Generator | None = None
+) -> tuple[list[int], int]:
     """Seed 000 §2.3 accept/reject. p (k+1, V) target, q (k, V) proposer, draft: k token ids.
 
     Returns (emitted tokens, number of accepted drafts): the accepted drafts followed by one
@@ -72,7 +73,9 @@ def rejection_sample(p: Tensor, q: Tensor, draft: Sequence[int], generator: torc
     """
     k = len(draft)
     if p.shape[0] != k + 1 or q.shape[0] != k:
-        raise ValueError(f"need p with k+1={k + 1} rows and q with k={k} rows, got {tuple(p.shape)} and {tuple(q.shape)}")
+        raise ValueError(
+            f"need p with k+1={k + 1} rows and q with k={k} rows, got {tuple(p.shape)} and {tuple(q.shape)}"
+        )
     out: list[int] = []
     for i, x in enumerate(draft):
         r = float(torch.rand((), generator=generator))
@@ -88,8 +91,14 @@ def rejection_sample(p: Tensor, q: Tensor, draft: Sequence[int], generator: torc
     return out, k
 
 
-def verify_drafts(logits: Tensor, drafts: Sequence[int], params: SamplingParams, history: Sequence[int],
-                  generator: torch.Generator | None = None, q: Tensor | None = None) -> tuple[list[int], int]:
+def verify_drafts(
+    logits: Tensor,
+    drafts: Sequence[int],
+    params: SamplingParams,
+    history: Sequence[int],
+    generator: torch.Generator | None = None,
+    q: Tensor | None = None,
+) -> tuple[list[int], int]:
     """Speculation's one accept/reject rule, for every path (the engine's runner and ``generate``).
 
     logits (k + 1, V): the target at the last token and at each of the k drafts; q (k, V): the
@@ -116,7 +125,9 @@ def verify_drafts(logits: Tensor, drafts: Sequence[int], params: SamplingParams,
         emitted.append(best[len(emitted)])  # the correction, or the bonus token after k kept
         return emitted, len(emitted) - 1
     history = list(history)
-    p = torch.stack([target_probs(logits[i], params, history + list(drafts[:i])) for i in range(k + 1)])  # (k+1, V)
+    p = torch.stack(
+        [target_probs(logits[i], params, history + list(drafts[:i])) for i in range(k + 1)]
+    )  # (k+1, V)
     if q is None:  # one-hot on each draft
         q = torch.zeros(k, p.shape[-1])
         q[torch.arange(k), torch.as_tensor(list(drafts), dtype=torch.long)] = 1.0
@@ -151,9 +162,13 @@ class PromptLookup:
 
     def __init__(self, num_speculative_tokens: int, ngram: tuple[int, int] = (3, 1)):
         if as_integer("num_speculative_tokens", num_speculative_tokens) < 0:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0 (0 = off)")
+            raise ValueError(
+                f"num_speculative_tokens={num_speculative_tokens} must be >= 0 (0 = off)"
+            )
         if not 1 <= ngram[1] <= ngram[0]:
-            raise ValueError(f"ngram={ngram} must be (largest, smallest) n-gram sizes with 1 <= smallest <= largest")
+            raise ValueError(
+                f"ngram={ngram} must be (largest, smallest) n-gram sizes with 1 <= smallest <= largest"
+            )
         self.k, self.ngram = num_speculative_tokens, ngram
         self.stats = SpeculativeStats()
 
@@ -165,8 +180,9 @@ class PromptLookup:
     def start(self, target: nn.Module, max_seq_len: int) -> None:
         self.stats = SpeculativeStats()
 
-    def draft(self, tokens: list[int], room: int, params: SamplingParams,
-              generator: torch.Generator) -> tuple[list[int], Tensor | None]:
+    def draft(
+        self, tokens: list[int], room: int, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[list[int], Tensor | None]:
         return self.propose(tokens, room), None  # q one-hot
 
     def rollback(self, length: int) -> None:
@@ -185,25 +201,32 @@ class DraftModel:
 
     def start(self, target: nn.Module, max_seq_len: int) -> None:
         if self.model.config.vocab_size != target.config.vocab_size:
-            raise ValueError(f"draft vocab_size={self.model.config.vocab_size} != target vocab_size="
-                             f"{target.config.vocab_size}")
+            raise ValueError(
+                f"draft vocab_size={self.model.config.vocab_size} != target vocab_size="
+                f"{target.config.vocab_size}"
+            )
         p = next(self.model.parameters())
         self.cache = KVCache(self.model.config, 1, max_seq_len, dtype=p.dtype, device=p.device)
         self.done = 0  # tokens whose K/V the draft has cached
         self.stats = SpeculativeStats()
 
-    def _run(self, ids: list[int]) -> Tensor:  # feed ids, cached from self.done on; logits of the last (V,)
+    def _run(
+        self, ids: list[int]
+    ) -> Tensor:  # feed ids, cached from self.done on; logits of the last (V,)
         device = self.cache.k.device
         pos = torch.arange(self.done, self.done + len(ids), device=device)
         self.done += len(ids)
-        return self.model(torch.tensor([ids], device=device), pos, kv_cache=self.cache, last_n=1)[0, -1]
+        return self.model(torch.tensor([ids], device=device), pos, kv_cache=self.cache, last_n=1)[
+            0, -1
+        ]
 
-    def draft(self, tokens: list[int], room: int, params: SamplingParams,
-              generator: torch.Generator) -> tuple[list[int], Tensor | None]:
+    def draft(
+        self, tokens: list[int], room: int, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[list[int], Tensor | None]:
         k = min(self.k, room)
         if k <= 0:
             return [], None
-        logits = self._run(tokens[self.done:])
+        logits = self._run(tokens[self.done :])
         drafts: list[int] = []
         q_rows: list[Tensor] = []
         for j in range(k):

@@ -46,21 +46,31 @@ class StatePool:
 
     def __init__(self, model: nn.Module, num_slots: int):
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_state_slots={num_slots!r} must be an integer >= 1 (the sequences that can hold "
-                             "a recurrent state at once)")
+            raise ValueError(
+                f"num_state_slots={num_slots!r} must be an integer >= 1 (the sequences that can hold "
+                "a recurrent state at once)"
+            )
         self.num_slots = num_slots
         self.layers = recurrent_layers(model)
         p = next(model.parameters())
         x0 = torch.zeros(1, 1, model.config.d_model, dtype=p.dtype, device=p.device)
-        self.states: dict[int, tuple[Tensor, ...]] = {}  # layer -> per state tensor (num_slots, ...)
+        self.states: dict[
+            int, tuple[Tensor, ...]
+        ] = {}  # layer -> per state tensor (num_slots, ...)
         with torch.no_grad():
             for i, mixer in self.layers.items():
-                _, state = mixer.mix(x0, None)  # one token from zeros: the state's shapes and dtypes
-                self.states[i] = tuple(torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                                       for t in state)
+                _, state = mixer.mix(
+                    x0, None
+                )  # one token from zeros: the state's shapes and dtypes
+                self.states[i] = tuple(
+                    torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                    for t in state
+                )
         self.free_slots: deque[int] = deque(range(num_slots))
         self.slot_of: dict[Hashable, int] = {}
-        self.pending: dict[Hashable, dict[int, tuple[Tensor, ...]]] = {}  # staged by the last forward
+        self.pending: dict[
+            Hashable, dict[int, tuple[Tensor, ...]]
+        ] = {}  # staged by the last forward
 
     @property
     def num_free(self) -> int:
@@ -106,7 +116,7 @@ class StatePool:
             for t, s in zip(self.states[layer], new):
                 t[slot].copy_(s[0])
 
-    def batch(self, inner, rows: Sequence[tuple[Hashable, int, int]]) -> "RecurrentBatch":
+    def batch(self, inner, rows: Sequence[tuple[Hashable, int, int]]) -> RecurrentBatch:
         """Wrap one forward's KV batch object for rows (seq_id, start, n) in the order the tokens are packed."""
         self.pending = {}
         return RecurrentBatch(inner, self, rows)
@@ -143,7 +153,9 @@ class RecurrentBatch:
         stored = self.pool.states[layer_idx]
         outs = []
         for t0, t1, idx in self.groups:
-            if len(idx) > 1 or self.rows[idx[0]][2] == 1:  # single-token rows: one batched recurrent step
+            if (
+                len(idx) > 1 or self.rows[idx[0]][2] == 1
+            ):  # single-token rows: one batched recurrent step
                 slots = torch.tensor([self.slots[i] for i in idx], device=x.device)
                 state = tuple(t.index_select(0, slots) for t in stored)  # (R, ...)
                 y, new = mix(x[0, t0:t1, None], state)  # (R, 1, D)
@@ -151,9 +163,11 @@ class RecurrentBatch:
             else:  # one prefill chunk: from its stored state, or from zeros at the prompt's start
                 i = idx[0]
                 slot = self.slots[i]
-                state = None if self.rows[i][1] == 0 else tuple(t[slot:slot + 1] for t in stored)
+                state = None if self.rows[i][1] == 0 else tuple(t[slot : slot + 1] for t in stored)
                 y, new = mix(x[:, t0:t1], state)  # (1, n, D)
                 outs.append(y)
             for j, i in enumerate(idx):
-                self.pool.pending.setdefault(self.rows[i][0], {})[layer_idx] = tuple(s[j:j + 1] for s in new)
+                self.pool.pending.setdefault(self.rows[i][0], {})[layer_idx] = tuple(
+                    s[j : j + 1] for s in new
+                )
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -20,7 +20,6 @@ from torch import Tensor
 from lmstack.model.config import ModelConfig
 from lmstack.model.seam import StoreThenAttend
 
-
 # Inductor options for the decode step: a C++ wrapper calls the ~200 kernels of one step instead of
 # Python, and no per-call shape asserts (shapes are static). Measured on SmolLM2-135M int4, one CPU
 # thread: 48 -> 62 tokens/s against the default Python wrapper.
@@ -37,14 +36,24 @@ class StaticKVCache(StoreThenAttend):
     copying a view's whole base.
     """
 
-    def __init__(self, config: ModelConfig, batch_size: int, max_seq_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int,
+        max_seq_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         if max_seq_len > config.max_seq_len:
-            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_seq_len={config.max_seq_len}")
+            raise ValueError(
+                f"max_seq_len={max_seq_len} exceeds the model's max_seq_len={config.max_seq_len}"
+            )
         shape = (batch_size, config.n_kv_heads, max_seq_len, config.head_dim)  # (B, K, S, H)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.positions = torch.full((batch_size, max_seq_len), -1, dtype=torch.long, device=device)  # (B, S)
+        self.positions = torch.full(
+            (batch_size, max_seq_len), -1, dtype=torch.long, device=device
+        )  # (B, S)
         self.max_seq_len = max_seq_len
 
     @property
@@ -58,11 +67,15 @@ class StaticKVCache(StoreThenAttend):
         """Forget every slot at position >= ``length`` (speculation rolls back rejected drafts)."""
         self.positions[:, length:] = -1
 
-    def update(self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def update(
+        self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Store k, v (B, K, T, H) at ``positions`` (T,) (the same for every row); return
         this layer's full (B, K, S_max, H) x2 and the slot positions (B, S_max)."""
         if positions.dim() != 1:
-            raise ValueError(f"StaticKVCache takes positions of shape (T,), got {tuple(positions.shape)}")
+            raise ValueError(
+                f"StaticKVCache takes positions of shape (T,), got {tuple(positions.shape)}"
+            )
         self.k[layer_idx].index_copy_(2, positions, k.to(self.k[layer_idx].dtype))
         self.v[layer_idx].index_copy_(2, positions, v.to(self.v[layer_idx].dtype))
         if layer_idx == 0:
@@ -82,20 +95,36 @@ class StaticDecoder:
     compilation is paid once.
     """
 
-    def __init__(self, model, max_seq_len: int, compile: bool = False, dtype: torch.dtype | None = None,
-                 compile_mode: str | None = None, compile_options: dict | None = None, direct: bool = True):
+    def __init__(
+        self,
+        model,
+        max_seq_len: int,
+        compile: bool = False,
+        dtype: torch.dtype | None = None,
+        compile_mode: str | None = None,
+        compile_options: dict | None = None,
+        direct: bool = True,
+    ):
         self.model = model
         p = next(model.parameters())
         self.device = p.device
         self.cache = StaticKVCache(model.config, 1, max_seq_len, dtype or p.dtype, p.device)
         compute = torch.float64 if p.dtype == torch.float64 else torch.float32
-        for rope in model.ropes():  # the compiled step reads the RoPE tables; they cannot grow inside it
+        for (
+            rope
+        ) in model.ropes():  # the compiled step reads the RoPE tables; they cannot grow inside it
             rope.reserve(max_seq_len)
-            rope.tables(p.device, compute)  # built now, so the first step does not change them (a recompile)
+            rope.tables(
+                p.device, compute
+            )  # built now, so the first step does not change them (a recompile)
         self.compiled = compile
         self._step = self._forward
-        self._graphs: list[tuple] = []  # (compiled graph, its example inputs, outputs), one per Dynamo compilation
-        self._direct: tuple | None = None  # (graph, inputs, token slot, position slot, their shape/dtype/device) once captured
+        self._graphs: list[
+            tuple
+        ] = []  # (compiled graph, its example inputs, outputs), one per Dynamo compilation
+        self._direct: tuple | None = (
+            None  # (graph, inputs, token slot, position slot, their shape/dtype/device) once captured
+        )
         self._want_direct = compile and direct
         if compile:
             # Dynamo keeps its compiled graphs (and checks their guards on every call) per code
@@ -109,10 +138,16 @@ class StaticDecoder:
                 try:
                     options = dict(list_mode_options(compile_mode)) | options
                 except (KeyError, RuntimeError) as e:
-                    raise ValueError(f"compile_mode={compile_mode!r} is not a torch.compile mode ({e})") from None
-            if options.get("triton.cudagraphs"):  # a CUDA-graph tree is not called like a plain graph
+                    raise ValueError(
+                        f"compile_mode={compile_mode!r} is not a torch.compile mode ({e})"
+                    ) from None
+            if options.get(
+                "triton.cudagraphs"
+            ):  # a CUDA-graph tree is not called like a plain graph
                 self._want_direct = False
-            self._step = torch.compile(forward, fullgraph=True, dynamic=False, backend=_Inductor(self, options))
+            self._step = torch.compile(
+                forward, fullgraph=True, dynamic=False, backend=_Inductor(self, options)
+            )
 
     def _capture(self, token: Tensor, position: Tensor) -> None:
         """After the first compiled step: if it is one graph with one output whose inputs are this step's
@@ -124,9 +159,18 @@ class StaticDecoder:
             return
         graph, inputs, n_out = self._graphs[0]
         slots = [[i for i, t in enumerate(inputs) if t is x] for x in (token, position)]
-        if n_out == 1 and all(len(s) == 1 for s in slots) and all(isinstance(t, Tensor) for t in inputs):
-            self._direct = (graph, inputs, slots[0][0], slots[1][0],
-                            [(t.shape, t.dtype, t.device) for t in (token, position)])
+        if (
+            n_out == 1
+            and all(len(s) == 1 for s in slots)
+            and all(isinstance(t, Tensor) for t in inputs)
+        ):
+            self._direct = (
+                graph,
+                inputs,
+                slots[0][0],
+                slots[1][0],
+                [(t.shape, t.dtype, t.device) for t in (token, position)],
+            )
 
     def _forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
         # tokens (1, T), positions (T,) -> logits of the last token (1, V)
@@ -138,7 +182,9 @@ class StaticDecoder:
     def warm_up(self) -> None:
         """Run (and so compile) one decode step on an empty cache, then reset."""
         self.reset()
-        with torch.inference_mode():  # inference tensors, as every later step gets (else a guard fails: a recompile)
+        with (
+            torch.inference_mode()
+        ):  # inference tensors, as every later step gets (else a guard fails: a recompile)
             zero = torch.zeros(1, dtype=torch.long, device=self.device)
             self.decode(zero.view(1, 1), zero)
         self.reset()
@@ -153,9 +199,13 @@ class StaticDecoder:
         """Feed ``ids`` at positions start.. eagerly (their number varies); logits of the last ``last_n`` (last_n, V)."""
         n = start + len(ids)
         if n > self.cache.max_seq_len:
-            raise ValueError(f"{n} tokens exceed the decoder's max_seq_len={self.cache.max_seq_len}")
+            raise ValueError(
+                f"{n} tokens exceed the decoder's max_seq_len={self.cache.max_seq_len}"
+            )
         tokens = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)[None]  # (1, T)
-        return self.model(tokens, torch.arange(start, n, device=self.device), kv_cache=self.cache, last_n=last_n)[0]
+        return self.model(
+            tokens, torch.arange(start, n, device=self.device), kv_cache=self.cache, last_n=last_n
+        )[0]
 
     @torch.inference_mode()
     def decode(self, token: Tensor, position: Tensor) -> Tensor:
@@ -165,12 +215,19 @@ class StaticDecoder:
         run the graph traced from this decoder's model as it was then, so replacing the model's modules
         or parameter tensors afterwards (in-place updates are fine) needs a new decoder, and Python-side
         effects of the forward (none in lmstack's decode path) are not replayed."""
-        if self._direct is not None and all(  # what the graph was traced for; anything else goes through Dynamo
-                (t.shape, t.dtype, t.device) == sig for t, sig in zip((token, position), self._direct[4])):
+        if (
+            self._direct is not None
+            and all(  # what the graph was traced for; anything else goes through Dynamo
+                (t.shape, t.dtype, t.device) == sig
+                for t, sig in zip((token, position), self._direct[4])
+            )
+        ):
             graph, inputs, i_token, i_position, _ = self._direct
             args = list(inputs)
             args[i_token], args[i_position] = token, position
-            return graph(*args)[0][0]  # compile_fx's function takes the inputs as positional arguments
+            return graph(*args)[0][
+                0
+            ]  # compile_fx's function takes the inputs as positional arguments
         out = self._step(token, position)[0]
         if self._want_direct:
             self._capture(token, position)
@@ -194,5 +251,7 @@ class _Inductor:
         graph = compile_fx(gm, example_inputs, config_patches=self.options)
         decoder = self.decoder()
         if decoder is not None:
-            decoder._graphs.append((graph, inputs, len(outputs) if isinstance(outputs, (list, tuple)) else 1))
+            decoder._graphs.append(
+                (graph, inputs, len(outputs) if isinstance(outputs, (list, tuple)) else 1)
+            )
         return graph

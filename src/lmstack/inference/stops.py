@@ -23,7 +23,9 @@ def find_stop_string(text: str, stops: Sequence[str], start: int = 0) -> int:
     return best
 
 
-def token_stop(token: int, num_output: int, params: SamplingParams, eos_token_id: int | None = None) -> str | None:
+def token_stop(
+    token: int, num_output: int, params: SamplingParams, eos_token_id: int | None = None
+) -> str | None:
     """The token rules every decode loop applies after emitting ``token`` (the ``num_output``-th):
     "stop" for EOS (unless ``ignore_eos``) or a stop token id, "length" at ``max_tokens``, else None."""
     if (token == eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
@@ -38,7 +40,9 @@ class StopStrings:
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
         self.tokenizer, self.stop = tokenizer, tuple(stop)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars that may start a stop string
+        self.hold = (
+            max((len(s) for s in self.stop), default=1) - 1
+        )  # chars that may start a stop string
         self.text = ""
         self.sent = 0  # characters handed out by ``delta``
 
@@ -61,7 +65,7 @@ class StopStrings:
             while text.endswith("\ufffd"):
                 text = text[:-1]
             if self.stop:
-                text = text[:max(0, len(text) - self.hold)]
-        new = text[self.sent:] if len(text) >= self.sent else ""
+                text = text[: max(0, len(text) - self.hold)]
+        new = text[self.sent :] if len(text) >= self.sent else ""
         self.sent = max(self.sent, len(text))
         return text, new

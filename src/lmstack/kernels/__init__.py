@@ -39,7 +39,20 @@ def rmsnorm_triton(*args, **kwargs):
 
 
 __all__ = [
-    "ATTENTION", "ATTENTION_BACKENDS", "NORM_BACKENDS", "FlashAttentionPyTorch", "RuntimeConfig", "attention_impl",
-    "choose_attention", "choose_norm", "configure", "flash_attention", "flash_attention_pytorch",
-    "flash_attention_triton", "resolve_attn_backend", "resolve_norm_backend", "rmsnorm_triton", "triton_usable",
+    "ATTENTION",
+    "ATTENTION_BACKENDS",
+    "NORM_BACKENDS",
+    "FlashAttentionPyTorch",
+    "RuntimeConfig",
+    "attention_impl",
+    "choose_attention",
+    "choose_norm",
+    "configure",
+    "flash_attention",
+    "flash_attention_pytorch",
+    "flash_attention_triton",
+    "resolve_attn_backend",
+    "resolve_norm_backend",
+    "rmsnorm_triton",
+    "triton_usable",
 ]

@@ -44,15 +44,27 @@ from torch import Tensor
 
 from lmstack.kernels.flash_pytorch import flash_attention_pytorch
 from lmstack.kernels.matmul_attention import matmul_attention
-from lmstack.model.seam import AttentionImpl, AttentionMetadata, NormImpl, ReferenceAttention, SDPAAttention
+from lmstack.model.seam import (
+    AttentionImpl,
+    AttentionMetadata,
+    NormImpl,
+    ReferenceAttention,
+    SDPAAttention,
+)
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "reference", "matmul", "flash_pytorch", "flash_triton")
-NORM_BACKENDS = ("auto", "torch", "triton")  # RMSNorm: eager fp32 formula or the fused Triton kernel
+NORM_BACKENDS = (
+    "auto",
+    "torch",
+    "triton",
+)  # RMSNorm: eager fp32 formula or the fused Triton kernel
 # device type -> attention backend that "auto" picks (see the module docstring for why)
 FASTEST_ATTENTION = {"cpu": "sdpa", "cuda": "sdpa"}
 # CPU training under low-precision autocast: the block-triangular matmul attention (module docstring)
 CPU_TRAINING_ATTENTION = "matmul"
-CPU_TRAINING_MAX_KEYS = 512  # longer key sequences: SDPA's own backward is faster (module docstring)
+CPU_TRAINING_MAX_KEYS = (
+    512  # longer key sequences: SDPA's own backward is faster (module docstring)
+)
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -81,12 +93,15 @@ class FlashAttentionImpl:
 
 #: name -> the stateless implementation object (``lmstack.model.seam.AttentionImpl``)
 ATTENTION: dict[str, AttentionImpl] = {
-    "sdpa": SDPAAttention(), "reference": ReferenceAttention(), "matmul": MatmulAttentionImpl(),
-    "flash_pytorch": FlashAttentionImpl("flash_pytorch"), "flash_triton": FlashAttentionImpl("flash_triton"),
+    "sdpa": SDPAAttention(),
+    "reference": ReferenceAttention(),
+    "matmul": MatmulAttentionImpl(),
+    "flash_pytorch": FlashAttentionImpl("flash_pytorch"),
+    "flash_triton": FlashAttentionImpl("flash_triton"),
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_installed() -> bool:
     """True when the ``triton`` package can be imported (it is not imported here)."""
     return importlib.util.find_spec("triton") is not None
@@ -104,13 +119,23 @@ def triton_usable(device: torch.device | str) -> bool:
 
 def cpu_training_autocast(device: torch.device | str) -> bool:
     """True on CPU while autograd records under bf16/fp16 autocast and nothing is being compiled."""
-    return (torch.device(device).type == "cpu" and torch.is_grad_enabled() and torch.is_autocast_enabled("cpu")
-            and torch.get_autocast_dtype("cpu") in (torch.bfloat16, torch.float16)
-            and not torch.compiler.is_compiling())
+    return (
+        torch.device(device).type == "cpu"
+        and torch.is_grad_enabled()
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") in (torch.bfloat16, torch.float16)
+        and not torch.compiler.is_compiling()
+    )
 
 
-def choose_attention(name: str, device: torch.device | str, training_autocast: str | None = None,
-                     compile: bool = False, max_keys: int | None = None, needs: tuple[str, ...] = ()) -> tuple[str, str]:
+def choose_attention(
+    name: str,
+    device: torch.device | str,
+    training_autocast: str | None = None,
+    compile: bool = False,
+    max_keys: int | None = None,
+    needs: tuple[str, ...] = (),
+) -> tuple[str, str]:
     """The one ``auto`` policy: (backend, reason). ``training_autocast``: the autocast dtype name
     ("bf16"/"fp16") when the built thing trains under autocast, else None; ``max_keys``: the longest
     key sequence S it will see (None: unknown); ``needs``: what the model's layers need of the implementation
@@ -123,9 +148,16 @@ def choose_attention(name: str, device: torch.device | str, training_autocast: s
     if "softcap" in needs:
         return "reference", "auto: soft-capped attention scores"
     kind = torch.device(device).type
-    if (kind == "cpu" and training_autocast in ("bf16", "fp16") and not compile
-            and (max_keys is None or max_keys <= CPU_TRAINING_MAX_KEYS)):
-        return CPU_TRAINING_ATTENTION, f"auto: CPU, {training_autocast} autocast, ≤{CPU_TRAINING_MAX_KEYS} keys"
+    if (
+        kind == "cpu"
+        and training_autocast in ("bf16", "fp16")
+        and not compile
+        and (max_keys is None or max_keys <= CPU_TRAINING_MAX_KEYS)
+    ):
+        return (
+            CPU_TRAINING_ATTENTION,
+            f"auto: CPU, {training_autocast} autocast, ≤{CPU_TRAINING_MAX_KEYS} keys",
+        )
     why = [kind.upper() if kind == "cpu" else kind]
     if training_autocast and kind == "cpu":
         why.append("compiled" if compile else f">{CPU_TRAINING_MAX_KEYS} keys")
@@ -142,13 +174,22 @@ def resolve_attn_backend(name: str, device: torch.device | str, key_len: int | N
 def attention_impl(name: str) -> AttentionImpl:
     """The registered implementation of a concrete backend name (not ``auto``)."""
     if name not in ATTENTION:
-        raise ValueError(f"attention backend={name!r}; expected one of {sorted(ATTENTION)} (auto is resolved "
-                         "by choose_attention)")
+        raise ValueError(
+            f"attention backend={name!r}; expected one of {sorted(ATTENTION)} (auto is resolved "
+            "by choose_attention)"
+        )
     return ATTENTION[name]
 
 
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, backend: str = "flash_pytorch",
-                    scale: float | None = None, return_lse: bool = False):
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    backend: str = "flash_pytorch",
+    scale: float | None = None,
+    return_lse: bool = False,
+):
     """FlashAttention-2 through the PyTorch or the Triton implementation.
 
     q (B, N, T, H), k/v (B, K, S, H) -> O (B, N, T, H) [, L (B, N, T)]; causal is bottom-right aligned.
@@ -156,7 +197,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, backe
     if backend == "flash_pytorch":
         return flash_attention_pytorch(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
     if backend == "flash_triton":
-        from lmstack.kernels.flash_triton import flash_attention_triton  # imports triton on first use
+        from lmstack.kernels.flash_triton import (
+            flash_attention_triton,
+        )  # imports triton on first use
 
         return flash_attention_triton(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
     raise ValueError(f"flash backend={backend!r}; expected 'flash_pytorch' or 'flash_triton'")
@@ -176,7 +219,11 @@ def choose_norm(name: str, device: torch.device | str) -> tuple[str, NormImpl | 
 def resolve_norm_backend(name: str, x: Tensor) -> str:
     """``choose_norm`` for a tensor: ``triton`` for fp32/fp16/bf16 CUDA tensors when Triton is installed."""
     chosen = choose_norm(name, x.device)[0]
-    return "torch" if chosen == "triton" and name == "auto" and x.dtype not in _TRITON_DTYPES else chosen
+    return (
+        "torch"
+        if chosen == "triton" and name == "auto" and x.dtype not in _TRITON_DTYPES
+        else chosen
+    )
 
 
 def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:

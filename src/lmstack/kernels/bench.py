@@ -23,8 +23,9 @@ import platform
 import resource
 import statistics
 import timeit
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -84,7 +85,9 @@ class Timing:
     times: list[float] = field(default_factory=list, repr=False)
 
 
-def time_fn(fn: Callable[[], Any], device: torch.device | str = "cpu", warmup: int = 2, repeats: int = 5) -> Timing:
+def time_fn(
+    fn: Callable[[], Any], device: torch.device | str = "cpu", warmup: int = 2, repeats: int = 5
+) -> Timing:
     """Median / min wall time of ``fn()`` with warm-up and device synchronisation."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats} must be ≥ 1 and warmup={warmup} ≥ 0")
@@ -97,7 +100,9 @@ def time_fn(fn: Callable[[], Any], device: torch.device | str = "cpu", warmup: i
         fn()
         synchronize(device)
         times.append(timeit.default_timer() - t0)
-    return Timing(statistics.median(times), min(times), statistics.fmean(times), repeats, warmup, times)
+    return Timing(
+        statistics.median(times), min(times), statistics.fmean(times), repeats, warmup, times
+    )
 
 
 # ---- memory ----------------------------------------------------------------------------------
@@ -193,8 +198,14 @@ def peak_tensor_bytes(fn: Callable[[], Any]) -> int:
 # ---- results ---------------------------------------------------------------------------------
 def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
     device = torch.device(device)
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "device": str(device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+    }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     try:
@@ -230,7 +241,12 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
 
 
 # ---- benchmarks ------------------------------------------------------------------------------
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
+_DTYPES = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp64": torch.float64,
+}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -244,15 +260,20 @@ def attention_fn(backend: str, causal: bool = True) -> Callable:
     if backend in ("flash_pytorch", "flash_triton"):
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, backend=backend)
     if backend == "reference":
+
         def ref(q, k, v):
             T, S = q.shape[-2], k.shape[-2]
             mask = None
             if causal:
-                mask = torch.arange(S, device=q.device)[None, :] <= torch.arange(T, device=q.device)[:, None] + S - T
+                mask = (
+                    torch.arange(S, device=q.device)[None, :]
+                    <= torch.arange(T, device=q.device)[:, None] + S - T
+                )
             return reference_attention(q, k, v, mask)
 
         return ref
     if backend in ("sdpa", "sdpa_flash"):
+
         def sdpa(q, k, v):
             gqa = q.shape[1] != k.shape[1]
             if backend == "sdpa_flash":
@@ -263,17 +284,37 @@ def attention_fn(backend: str, causal: bool = True) -> Callable:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
         return sdpa
-    raise ValueError(f"attention backend={backend!r}; expected reference, sdpa, sdpa_flash, flash_pytorch, flash_triton")
+    raise ValueError(
+        f"attention backend={backend!r}; expected reference, sdpa, sdpa_flash, flash_pytorch, flash_triton"
+    )
 
 
-def bench_attention(backend: str, B: int, N: int, K: int, S: int, H: int, dtype: torch.dtype = torch.float32,
-                    device: str = "cpu", causal: bool = True, backward: bool = True, warmup: int = 1,
-                    repeats: int = 3, memory: bool = True, nvtx: bool = False, seed: int = 0) -> dict[str, Any]:
+def bench_attention(
+    backend: str,
+    B: int,
+    N: int,
+    K: int,
+    S: int,
+    H: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    causal: bool = True,
+    backward: bool = True,
+    warmup: int = 1,
+    repeats: int = 3,
+    memory: bool = True,
+    nvtx: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Time one attention call (forward, or forward + backward) at (B, N, K, S, H); T = S."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def make(heads: int) -> torch.Tensor:
-        return torch.randn(B, heads, S, H, generator=gen).to(device=device, dtype=dtype).requires_grad_(backward)
+        return (
+            torch.randn(B, heads, S, H, generator=gen)
+            .to(device=device, dtype=dtype)
+            .requires_grad_(backward)
+        )
 
     q, k, v = make(N), make(K), make(K)
     fn = attention_fn(backend, causal)
@@ -287,22 +328,41 @@ def bench_attention(backend: str, B: int, N: int, K: int, S: int, H: int, dtype:
                 out.backward(dout)
 
     t = time_fn(step, device, warmup, repeats)
-    row: dict[str, Any] = {"backend": backend, "B": B, "N": N, "K": K, "S": S, "H": H,
-                           "dtype": str(dtype).removeprefix("torch."), "causal": causal,
-                           "pass": "fwd+bwd" if backward else "fwd", "median_ms": t.median * 1e3,
-                           "min_ms": t.min * 1e3}
+    row: dict[str, Any] = {
+        "backend": backend,
+        "B": B,
+        "N": N,
+        "K": K,
+        "S": S,
+        "H": H,
+        "dtype": str(dtype).removeprefix("torch."),
+        "causal": causal,
+        "pass": "fwd+bwd" if backward else "fwd",
+        "median_ms": t.median * 1e3,
+        "min_ms": t.min * 1e3,
+    }
     if memory:
         if torch.device(device).type == "cuda":
             with track_peak_memory(device) as m:
                 step()
             row["peak_mib"] = m.delta_bytes / 2**20
         else:
-            row["peak_mib"] = peak_tensor_bytes(step) / 2**20  # tensor bytes the step allocated at its peak
+            row["peak_mib"] = (
+                peak_tensor_bytes(step) / 2**20
+            )  # tensor bytes the step allocated at its peak
     return row
 
 
-def bench_model(model, batch: int, seq: int, runtime: dict[str, str] | None = None, warmup: int = 1,
-                repeats: int = 3, nvtx: bool = False, lr: float = 1e-4) -> dict[str, Any]:
+def bench_model(
+    model,
+    batch: int,
+    seq: int,
+    runtime: dict[str, str] | None = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    nvtx: bool = False,
+    lr: float = 1e-4,
+) -> dict[str, Any]:
     """Forward / backward / optimizer-step breakdown of one training step of a built model
     (a ``Transformer``, its backends already configured; ``runtime``: the backend names, reported).
 
@@ -327,7 +387,9 @@ def bench_model(model, batch: int, seq: int, runtime: dict[str, str] | None = No
         t0 = clock()
         with nvtx_range("forward", nvtx):
             logits = model(inputs)
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten()
+            )
         t1 = clock()
         with nvtx_range("backward", nvtx):
             loss.backward()
@@ -349,13 +411,25 @@ def bench_model(model, batch: int, seq: int, runtime: dict[str, str] | None = No
     rows = []
     total = [sum(x) for x in zip(*phases.values())]
     for name, times in [*phases.items(), ("step", total)]:
-        rows.append({"phase": name, "median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3})
+        rows.append(
+            {"phase": name, "median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3}
+        )
     return {
-        "config": config.name, "params": model.num_params(), "batch": batch, "seq": seq, "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."), **(runtime or {}), "warmup": warmup, "repeats": repeats, "phases": rows,
+        "config": config.name,
+        "params": model.num_params(),
+        "batch": batch,
+        "seq": seq,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        **(runtime or {}),
+        "warmup": warmup,
+        "repeats": repeats,
+        "phases": rows,
         "tokens_per_s": batch * seq / statistics.median(total),
-        "peak_memory_mib": mem.peak_bytes / 2**20, "peak_memory_delta_mib": mem.delta_bytes / 2**20,
-        "memory_method": mem.method, "machine": machine_info(device),
+        "peak_memory_mib": mem.peak_bytes / 2**20,
+        "peak_memory_delta_mib": mem.delta_bytes / 2**20,
+        "memory_method": mem.method,
+        "machine": machine_info(device),
     }
 
 

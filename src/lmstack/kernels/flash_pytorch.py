@@ -31,12 +31,16 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int, int, int]:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"expected q (B, N, T, H), k and v (B, K, S, H); got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"expected q (B, N, T, H), k and v (B, K, S, H); got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     B, N, T, H = q.shape
     Bk, K, S, Hk = k.shape
     if k.shape != v.shape or Bk != B or Hk != H:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be (B={B}, K, S, H={H})")
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be (B={B}, K, S, H={H})"
+        )
     if N % K != 0:
         raise ValueError(f"n_kv_heads K={K} does not divide n_heads N={N}")
     return B, N, K, T, S, H
@@ -49,8 +53,15 @@ def _tile_mask(q0: int, q1: int, k0: int, k1: int, offset: int, device) -> Tenso
     return cols <= rows + offset
 
 
-def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
-                            block_q: int = 64, block_k: int = 64) -> tuple[Tensor, Tensor]:
+def flash_attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    scale: float,
+    block_q: int = 64,
+    block_k: int = 64,
+) -> tuple[Tensor, Tensor]:
     """Tiled forward pass (FlashAttention-2 Algorithm 1, seed 000 §2.7 five steps).
 
     q: (B, N, T, H); k, v: (B, K, S, H). Returns O (B, N, T, H) in q.dtype and the
@@ -68,7 +79,9 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale
     for q0 in range(0, T, block_q):  # step 1: load a Q tile
         q1 = min(q0 + block_q, T)
         qi = q[:, :, q0:q1].to(cdt).unflatten(1, (K, G))  # (B, K, G, Bq, H)
-        m = torch.full(qi.shape[:-1], -math.inf, dtype=cdt, device=q.device)  # running max (B, K, G, Bq)
+        m = torch.full(
+            qi.shape[:-1], -math.inf, dtype=cdt, device=q.device
+        )  # running max (B, K, G, Bq)
         l = torch.zeros_like(m)  # running sum ℓ (B, K, G, Bq)
         acc = torch.zeros_like(qi)  # unnormalised output (B, K, G, Bq, H)
         # causal tile skipping: keys beyond the last visible one of this tile are never loaded
@@ -94,9 +107,18 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale
     return out, lse
 
 
-def flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                             causal: bool, scale: float, block_q: int = 64, block_k: int = 64
-                             ) -> tuple[Tensor, Tensor, Tensor]:
+def flash_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    block_q: int = 64,
+    block_k: int = 64,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Tiled backward (FlashAttention-2 Algorithm 2): P is recomputed tile by tile from L.
 
     With D = rowsum(dO ∘ O) (B, N, T), for every tile: P = exp(QKᵀ·scale − L), dV += Pᵀ dO,
@@ -140,8 +162,13 @@ def flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
     return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def make_flash_function(name: str, forward_impl, backward_impl, doc: str,
-                        default_blocks: tuple[int | None, int | None] = (None, None)) -> type:
+def make_flash_function(
+    name: str,
+    forward_impl,
+    backward_impl,
+    doc: str,
+    default_blocks: tuple[int | None, int | None] = (None, None),
+) -> type:
     """An autograd.Function around a FlashAttention-2 pair (seed 000 §2.7) shared by every implementation.
 
     ``forward_impl(q, k, v, causal, scale, block_q, block_k) -> (O, L)``;
@@ -150,8 +177,16 @@ def make_flash_function(name: str, forward_impl, backward_impl, doc: str,
     (seed 001 "优化技巧 / 重计算").
     """
 
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
-                block_q: int | None = None, block_k: int | None = None) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = False,
+        scale: float | None = None,
+        block_q: int | None = None,
+        block_k: int | None = None,
+    ) -> tuple[Tensor, Tensor]:
         block_q = default_blocks[0] if block_q is None else block_q
         block_k = default_blocks[1] if block_k is None else block_k
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -166,18 +201,32 @@ def make_flash_function(name: str, forward_impl, backward_impl, doc: str,
         dq, dk, dv = backward_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, *ctx.blocks)
         return dq, dk, dv, None, None, None, None
 
-    return type(name, (torch.autograd.Function,),
-                {"__doc__": doc, "forward": staticmethod(forward), "backward": staticmethod(backward)})
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {"__doc__": doc, "forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
 
 
 FlashAttentionPyTorch = make_flash_function(
-    "FlashAttentionPyTorch", flash_attention_forward, flash_attention_backward,
+    "FlashAttentionPyTorch",
+    flash_attention_forward,
+    flash_attention_backward,
     "O = softmax(Q Kᵀ · scale [+ causal mask]) V without the (T, S) matrix, in tiled PyTorch (seed 000 §2.7).",
-    default_blocks=(64, 64))
+    default_blocks=(64, 64),
+)
 
 
-def flash_attention_pytorch(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
-                            block_q: int = 64, block_k: int = 64, return_lse: bool = False):
+def flash_attention_pytorch(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    block_q: int = 64,
+    block_k: int = 64,
+    return_lse: bool = False,
+):
     """FlashAttention-2 in PyTorch. q (B, N, T, H), k/v (B, K, S, H) -> O (B, N, T, H) [, L (B, N, T)]."""
     if block_q <= 0 or block_k <= 0:
         raise ValueError(f"block_q={block_q}, block_k={block_k}: tile sizes must be positive")

@@ -43,30 +43,78 @@ def _interpreting() -> bool:
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, Kt, V, O, L,
-    stride_qb, stride_qn, stride_qt, stride_qh,
-    stride_kb, stride_kn, stride_ks, stride_kh,
-    stride_vb, stride_vn, stride_vs, stride_vh,
-    stride_ob, stride_on, stride_ot, stride_oh,
-    stride_lb, stride_ln, stride_lt,
-    N, G, T, S, H, offset, qk_scale,
-    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    Kt,
+    V,
+    O,
+    L,
+    stride_qb,
+    stride_qn,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_on,
+    stride_ot,
+    stride_oh,
+    stride_lb,
+    stride_ln,
+    stride_lt,
+    N,
+    G,
+    T,
+    S,
+    H,
+    offset,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    pid_q = tl.num_programs(0) - 1 - tl.program_id(0)  # which query tile; causal: the longest rows first
+    pid_q = (
+        tl.num_programs(0) - 1 - tl.program_id(0)
+    )  # which query tile; causal: the longest rows first
     pid_bn = tl.program_id(1)  # which (batch, query head)
     b = pid_bn // N
     n = pid_bn % N
     kv = n // G  # GQA: the kv head this query head reads
     q0 = pid_q * BLOCK_Q
 
-    q_ptr = tl.make_block_ptr(Q + b * stride_qb + n * stride_qn, shape=(T, H), strides=(stride_qt, stride_qh),
-                              offsets=(q0, 0), block_shape=(BLOCK_Q, BLOCK_H), order=(1, 0))
+    q_ptr = tl.make_block_ptr(
+        Q + b * stride_qb + n * stride_qn,
+        shape=(T, H),
+        strides=(stride_qt, stride_qh),
+        offsets=(q0, 0),
+        block_shape=(BLOCK_Q, BLOCK_H),
+        order=(1, 0),
+    )
     # Kᵀ tile (H, Bk): the transposed view of K is just other strides, no copy
-    kt_ptr = tl.make_block_ptr(Kt + b * stride_kb + kv * stride_kn, shape=(H, S), strides=(stride_kh, stride_ks),
-                               offsets=(0, 0), block_shape=(BLOCK_H, BLOCK_K), order=(0, 1))
-    v_ptr = tl.make_block_ptr(V + b * stride_vb + kv * stride_vn, shape=(S, H), strides=(stride_vs, stride_vh),
-                              offsets=(0, 0), block_shape=(BLOCK_K, BLOCK_H), order=(1, 0))
+    kt_ptr = tl.make_block_ptr(
+        Kt + b * stride_kb + kv * stride_kn,
+        shape=(H, S),
+        strides=(stride_kh, stride_ks),
+        offsets=(0, 0),
+        block_shape=(BLOCK_H, BLOCK_K),
+        order=(0, 1),
+    )
+    v_ptr = tl.make_block_ptr(
+        V + b * stride_vb + kv * stride_vn,
+        shape=(S, H),
+        strides=(stride_vs, stride_vh),
+        offsets=(0, 0),
+        block_shape=(BLOCK_K, BLOCK_H),
+        order=(1, 0),
+    )
 
     q = tl.load(q_ptr, boundary_check=(0, 1), padding_option="zero")  # (Bq, H), stays in SRAM
     if UPCAST:
@@ -125,39 +173,101 @@ def _attn_fwd_kernel(
 
     l_safe = tl.where(l == 0.0, 1.0, l)  # rows that saw no key: O = 0, L = -inf
     o = acc / l_safe[:, None]
-    o_ptr = tl.make_block_ptr(O + b * stride_ob + n * stride_on, shape=(T, H), strides=(stride_ot, stride_oh),
-                              offsets=(q0, 0), block_shape=(BLOCK_Q, BLOCK_H), order=(1, 0))
+    o_ptr = tl.make_block_ptr(
+        O + b * stride_ob + n * stride_on,
+        shape=(T, H),
+        strides=(stride_ot, stride_oh),
+        offsets=(q0, 0),
+        block_shape=(BLOCK_Q, BLOCK_H),
+        order=(1, 0),
+    )
     tl.store(o_ptr, o.to(O.dtype.element_ty), boundary_check=(0, 1))
     lse = (m + tl.log2(l)) * 0.6931471805599453  # back to natural log
     tl.store(L + b * stride_lb + n * stride_ln + rows * stride_lt, lse, mask=rows < T)
 
 
 @triton.jit
-def _attn_bwd_delta_kernel(O, DO, Dl,
-                           stride_ob, stride_on, stride_ot, stride_oh,
-                           stride_gb, stride_gn, stride_gt, stride_gh,  # dO
-                           stride_lb, stride_ln, stride_lt,
-                           N, T, H, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _attn_bwd_delta_kernel(
+    O,
+    DO,
+    Dl,
+    stride_ob,
+    stride_on,
+    stride_ot,
+    stride_oh,
+    stride_gb,
+    stride_gn,
+    stride_gt,
+    stride_gh,  # dO
+    stride_lb,
+    stride_ln,
+    stride_lt,
+    N,
+    T,
+    H,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """The backward's preprocessing: D = rowsum(dO ∘ O) (B, N, T) in fp32, one pass over O and dO."""
     pid_t = tl.program_id(0)
     pid_bn = tl.program_id(1)
     b = pid_bn // N
     n = pid_bn % N
-    o_ptr = tl.make_block_ptr(O + b * stride_ob + n * stride_on, shape=(T, H), strides=(stride_ot, stride_oh),
-                              offsets=(pid_t * BLOCK_T, 0), block_shape=(BLOCK_T, BLOCK_H), order=(1, 0))
-    g_ptr = tl.make_block_ptr(DO + b * stride_gb + n * stride_gn, shape=(T, H), strides=(stride_gt, stride_gh),
-                              offsets=(pid_t * BLOCK_T, 0), block_shape=(BLOCK_T, BLOCK_H), order=(1, 0))
+    o_ptr = tl.make_block_ptr(
+        O + b * stride_ob + n * stride_on,
+        shape=(T, H),
+        strides=(stride_ot, stride_oh),
+        offsets=(pid_t * BLOCK_T, 0),
+        block_shape=(BLOCK_T, BLOCK_H),
+        order=(1, 0),
+    )
+    g_ptr = tl.make_block_ptr(
+        DO + b * stride_gb + n * stride_gn,
+        shape=(T, H),
+        strides=(stride_gt, stride_gh),
+        offsets=(pid_t * BLOCK_T, 0),
+        block_shape=(BLOCK_T, BLOCK_H),
+        order=(1, 0),
+    )
     o = tl.load(o_ptr, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
     do = tl.load(g_ptr, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    tl.store(Dl + b * stride_lb + n * stride_ln + rows * stride_lt, tl.sum(o * do, axis=1), mask=rows < T)
+    tl.store(
+        Dl + b * stride_lb + n * stride_ln + rows * stride_lt, tl.sum(o * do, axis=1), mask=rows < T
+    )
 
 
 @triton.jit
-def _bwd_kv_tiles(k, v, dk, dv, qt_ptr, do_ptr, l_base, d_base, dq_base, q_lo, q_hi, cols,
-                  T, S, H, offset, qk_scale, scale, stride_lt, stride_dqt, stride_dqh,
-                  MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, CAUSAL: tl.constexpr,
-                  BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _bwd_kv_tiles(
+    k,
+    v,
+    dk,
+    dv,
+    qt_ptr,
+    do_ptr,
+    l_base,
+    d_base,
+    dq_base,
+    q_lo,
+    q_hi,
+    cols,
+    T,
+    S,
+    H,
+    offset,
+    qk_scale,
+    scale,
+    stride_lt,
+    stride_dqt,
+    stride_dqh,
+    MASKED: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Query tiles [q_lo, q_hi) against one K/V tile: dV += Pᵀ dO, dK += dSᵀ Q [, dQ += dS K atomically].
 
     ``MASKED`` tiles (the causal diagonal band) apply the visibility mask; the others skip it: a
@@ -184,7 +294,9 @@ def _bwd_kv_tiles(k, v, dk, dv, qt_ptr, do_ptr, l_base, d_base, dq_base, q_lo, q
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # dPᵀ = V dOᵀ (Bk, Bq)
         dst = pt * (dpt - delta[None, :])  # dSᵀ = Pᵀ ∘ (dPᵀ − D)
         dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)  # dK += dSᵀ Q
-        if ATOMIC_DQ:  # FlashAttention-2's single pass: this tile's share of dQ = dS K, added in fp32
+        if (
+            ATOMIC_DQ
+        ):  # FlashAttention-2's single pass: this tile's share of dQ = dS K, added in fp32
             dq = tl.dot(tl.trans(dst).to(k.dtype), k, input_precision=PRECISION) * scale  # (Bq, H)
             hcols = tl.arange(0, BLOCK_H)
             dq_ptrs = dq_base + rows[:, None] * stride_dqt + hcols[None, :] * stride_dqh
@@ -196,26 +308,75 @@ def _bwd_kv_tiles(k, v, dk, dv, qt_ptr, do_ptr, l_base, d_base, dq_base, q_lo, q
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, L, Dl, DK, DV, DQ,
-    stride_qb, stride_qn, stride_qt, stride_qh,
-    stride_kb, stride_kn, stride_ks, stride_kh,
-    stride_vb, stride_vn, stride_vs, stride_vh,
-    stride_ob, stride_on, stride_ot, stride_oh,  # dO
-    stride_lb, stride_ln, stride_lt,  # L and D share one layout
-    stride_dqb, stride_dqn, stride_dqt, stride_dqh,  # the fp32 dQ accumulator (ATOMIC_DQ only)
-    KH, G, T, S, H, offset, qk_scale, scale,
-    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    L,
+    Dl,
+    DK,
+    DV,
+    DQ,
+    stride_qb,
+    stride_qn,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_on,
+    stride_ot,
+    stride_oh,  # dO
+    stride_lb,
+    stride_ln,
+    stride_lt,  # L and D share one layout
+    stride_dqb,
+    stride_dqn,
+    stride_dqt,
+    stride_dqh,  # the fp32 dQ accumulator (ATOMIC_DQ only)
+    KH,
+    G,
+    T,
+    S,
+    H,
+    offset,
+    qk_scale,
+    scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
 ):
     pid_k = tl.program_id(0)  # which key tile
     pid_bk = tl.program_id(1)  # which (batch, kv head)
     b = pid_bk // KH
     kv = pid_bk % KH
     k0 = pid_k * BLOCK_K
-    k_ptr = tl.make_block_ptr(K + b * stride_kb + kv * stride_kn, shape=(S, H), strides=(stride_ks, stride_kh),
-                              offsets=(k0, 0), block_shape=(BLOCK_K, BLOCK_H), order=(1, 0))
-    v_ptr = tl.make_block_ptr(V + b * stride_vb + kv * stride_vn, shape=(S, H), strides=(stride_vs, stride_vh),
-                              offsets=(k0, 0), block_shape=(BLOCK_K, BLOCK_H), order=(1, 0))
+    k_ptr = tl.make_block_ptr(
+        K + b * stride_kb + kv * stride_kn,
+        shape=(S, H),
+        strides=(stride_ks, stride_kh),
+        offsets=(k0, 0),
+        block_shape=(BLOCK_K, BLOCK_H),
+        order=(1, 0),
+    )
+    v_ptr = tl.make_block_ptr(
+        V + b * stride_vb + kv * stride_vn,
+        shape=(S, H),
+        strides=(stride_vs, stride_vh),
+        offsets=(k0, 0),
+        block_shape=(BLOCK_K, BLOCK_H),
+        order=(1, 0),
+    )
     k = tl.load(k_ptr, boundary_check=(0, 1), padding_option="zero")  # (Bk, H)
     v = tl.load(v_ptr, boundary_check=(0, 1), padding_option="zero")  # (Bk, H)
     if UPCAST:
@@ -228,8 +389,10 @@ def _attn_bwd_dkdv_kernel(
     # tile sees every key of it (no mask); between them lies the masked diagonal band.
     if CAUSAL:
         q_start = (tl.maximum(k0 - offset, 0) // BLOCK_Q) * BLOCK_Q
-        q_full = tl.minimum(tl.cdiv(tl.maximum(k0 + BLOCK_K - 1 - offset, 0), BLOCK_Q) * BLOCK_Q,
-                            tl.cdiv(T, BLOCK_Q) * BLOCK_Q)
+        q_full = tl.minimum(
+            tl.cdiv(tl.maximum(k0 + BLOCK_K - 1 - offset, 0), BLOCK_Q) * BLOCK_Q,
+            tl.cdiv(T, BLOCK_Q) * BLOCK_Q,
+        )
         q_full = tl.maximum(q_full, q_start)
     else:
         q_start = 0
@@ -242,31 +405,126 @@ def _attn_bwd_dkdv_kernel(
         l_base = L + b * stride_lb + n * stride_ln
         d_base = Dl + b * stride_lb + n * stride_ln
         dq_base = DQ + b * stride_dqb + n * stride_dqn
-        qt_ptr = tl.make_block_ptr(Q + b * stride_qb + n * stride_qn, shape=(H, T), strides=(stride_qh, stride_qt),
-                                   offsets=(0, q_start), block_shape=(BLOCK_H, BLOCK_Q), order=(0, 1))
-        do_ptr = tl.make_block_ptr(DO + b * stride_ob + n * stride_on, shape=(T, H), strides=(stride_ot, stride_oh),
-                                   offsets=(q_start, 0), block_shape=(BLOCK_Q, BLOCK_H), order=(1, 0))
-        dk, dv = _bwd_kv_tiles(k, v, dk, dv, qt_ptr, do_ptr, l_base, d_base, dq_base, q_start, q_full, cols,
-                               T, S, H, offset, qk_scale, scale, stride_lt, stride_dqt, stride_dqh,
-                               True, ATOMIC_DQ, CAUSAL, BLOCK_Q, BLOCK_H, UPCAST, PRECISION)
+        qt_ptr = tl.make_block_ptr(
+            Q + b * stride_qb + n * stride_qn,
+            shape=(H, T),
+            strides=(stride_qh, stride_qt),
+            offsets=(0, q_start),
+            block_shape=(BLOCK_H, BLOCK_Q),
+            order=(0, 1),
+        )
+        do_ptr = tl.make_block_ptr(
+            DO + b * stride_ob + n * stride_on,
+            shape=(T, H),
+            strides=(stride_ot, stride_oh),
+            offsets=(q_start, 0),
+            block_shape=(BLOCK_Q, BLOCK_H),
+            order=(1, 0),
+        )
+        dk, dv = _bwd_kv_tiles(
+            k,
+            v,
+            dk,
+            dv,
+            qt_ptr,
+            do_ptr,
+            l_base,
+            d_base,
+            dq_base,
+            q_start,
+            q_full,
+            cols,
+            T,
+            S,
+            H,
+            offset,
+            qk_scale,
+            scale,
+            stride_lt,
+            stride_dqt,
+            stride_dqh,
+            True,
+            ATOMIC_DQ,
+            CAUSAL,
+            BLOCK_Q,
+            BLOCK_H,
+            UPCAST,
+            PRECISION,
+        )
         qt_ptr = tl.advance(qt_ptr, (0, q_full - q_start))
         do_ptr = tl.advance(do_ptr, (q_full - q_start, 0))
-        dk, dv = _bwd_kv_tiles(k, v, dk, dv, qt_ptr, do_ptr, l_base, d_base, dq_base, q_full, T, cols,
-                               T, S, H, offset, qk_scale, scale, stride_lt, stride_dqt, stride_dqh,
-                               False, ATOMIC_DQ, CAUSAL, BLOCK_Q, BLOCK_H, UPCAST, PRECISION)
+        dk, dv = _bwd_kv_tiles(
+            k,
+            v,
+            dk,
+            dv,
+            qt_ptr,
+            do_ptr,
+            l_base,
+            d_base,
+            dq_base,
+            q_full,
+            T,
+            cols,
+            T,
+            S,
+            H,
+            offset,
+            qk_scale,
+            scale,
+            stride_lt,
+            stride_dqt,
+            stride_dqh,
+            False,
+            ATOMIC_DQ,
+            CAUSAL,
+            BLOCK_Q,
+            BLOCK_H,
+            UPCAST,
+            PRECISION,
+        )
     dk = dk * scale
-    dk_ptr = tl.make_block_ptr(DK + b * stride_kb + kv * stride_kn, shape=(S, H), strides=(stride_ks, stride_kh),
-                               offsets=(k0, 0), block_shape=(BLOCK_K, BLOCK_H), order=(1, 0))
-    dv_ptr = tl.make_block_ptr(DV + b * stride_vb + kv * stride_vn, shape=(S, H), strides=(stride_vs, stride_vh),
-                               offsets=(k0, 0), block_shape=(BLOCK_K, BLOCK_H), order=(1, 0))
+    dk_ptr = tl.make_block_ptr(
+        DK + b * stride_kb + kv * stride_kn,
+        shape=(S, H),
+        strides=(stride_ks, stride_kh),
+        offsets=(k0, 0),
+        block_shape=(BLOCK_K, BLOCK_H),
+        order=(1, 0),
+    )
+    dv_ptr = tl.make_block_ptr(
+        DV + b * stride_vb + kv * stride_vn,
+        shape=(S, H),
+        strides=(stride_vs, stride_vh),
+        offsets=(k0, 0),
+        block_shape=(BLOCK_K, BLOCK_H),
+        order=(1, 0),
+    )
     tl.store(dk_ptr, dk.to(DK.dtype.element_ty), boundary_check=(0, 1))
     tl.store(dv_ptr, dv.to(DV.dtype.element_ty), boundary_check=(0, 1))
 
 
 @triton.jit
-def _bwd_q_tiles(q, do, dq, lse, delta, kt_ptr, vt_ptr, rows, k_lo, k_hi, S, offset, qk_scale,
-                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _bwd_q_tiles(
+    q,
+    do,
+    dq,
+    lse,
+    delta,
+    kt_ptr,
+    vt_ptr,
+    rows,
+    k_lo,
+    k_hi,
+    S,
+    offset,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Key tiles [k_lo, k_hi) against one query tile: dQ += dS K (unscaled). ``MASKED`` as in
     ``_bwd_kv_tiles``: only the diagonal band and a partial last key tile need the mask."""
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -293,15 +551,46 @@ def _bwd_q_tiles(q, do, dq, lse, delta, kt_ptr, vt_ptr, rows, k_lo, k_hi, S, off
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, L, Dl, DQ,
-    stride_qb, stride_qn, stride_qt, stride_qh,  # Q and dQ share one layout
-    stride_kb, stride_kn, stride_ks, stride_kh,
-    stride_vb, stride_vn, stride_vs, stride_vh,
-    stride_ob, stride_on, stride_ot, stride_oh,
-    stride_lb, stride_ln, stride_lt,
-    N, G, T, S, H, offset, qk_scale, scale,
-    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    L,
+    Dl,
+    DQ,
+    stride_qb,
+    stride_qn,
+    stride_qt,
+    stride_qh,  # Q and dQ share one layout
+    stride_kb,
+    stride_kn,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_on,
+    stride_ot,
+    stride_oh,
+    stride_lb,
+    stride_ln,
+    stride_lt,
+    N,
+    G,
+    T,
+    S,
+    H,
+    offset,
+    qk_scale,
+    scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_q = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest rows start first
     pid_bn = tl.program_id(1)
@@ -309,14 +598,38 @@ def _attn_bwd_dq_kernel(
     n = pid_bn % N
     kv = n // G
     q0 = pid_q * BLOCK_Q
-    q_ptr = tl.make_block_ptr(Q + b * stride_qb + n * stride_qn, shape=(T, H), strides=(stride_qt, stride_qh),
-                              offsets=(q0, 0), block_shape=(BLOCK_Q, BLOCK_H), order=(1, 0))
-    do_ptr = tl.make_block_ptr(DO + b * stride_ob + n * stride_on, shape=(T, H), strides=(stride_ot, stride_oh),
-                               offsets=(q0, 0), block_shape=(BLOCK_Q, BLOCK_H), order=(1, 0))
-    kt_ptr = tl.make_block_ptr(K + b * stride_kb + kv * stride_kn, shape=(H, S), strides=(stride_kh, stride_ks),
-                               offsets=(0, 0), block_shape=(BLOCK_H, BLOCK_K), order=(0, 1))
-    vt_ptr = tl.make_block_ptr(V + b * stride_vb + kv * stride_vn, shape=(H, S), strides=(stride_vh, stride_vs),
-                               offsets=(0, 0), block_shape=(BLOCK_H, BLOCK_K), order=(0, 1))
+    q_ptr = tl.make_block_ptr(
+        Q + b * stride_qb + n * stride_qn,
+        shape=(T, H),
+        strides=(stride_qt, stride_qh),
+        offsets=(q0, 0),
+        block_shape=(BLOCK_Q, BLOCK_H),
+        order=(1, 0),
+    )
+    do_ptr = tl.make_block_ptr(
+        DO + b * stride_ob + n * stride_on,
+        shape=(T, H),
+        strides=(stride_ot, stride_oh),
+        offsets=(q0, 0),
+        block_shape=(BLOCK_Q, BLOCK_H),
+        order=(1, 0),
+    )
+    kt_ptr = tl.make_block_ptr(
+        K + b * stride_kb + kv * stride_kn,
+        shape=(H, S),
+        strides=(stride_kh, stride_ks),
+        offsets=(0, 0),
+        block_shape=(BLOCK_H, BLOCK_K),
+        order=(0, 1),
+    )
+    vt_ptr = tl.make_block_ptr(
+        V + b * stride_vb + kv * stride_vn,
+        shape=(H, S),
+        strides=(stride_vh, stride_vs),
+        offsets=(0, 0),
+        block_shape=(BLOCK_H, BLOCK_K),
+        order=(0, 1),
+    )
     q = tl.load(q_ptr, boundary_check=(0, 1), padding_option="zero")  # (Bq, H)
     do = tl.load(do_ptr, boundary_check=(0, 1), padding_option="zero")  # (Bq, H)
     if UPCAST:
@@ -333,30 +646,95 @@ def _attn_bwd_dq_kernel(
     else:
         hi = S
         n_full = S // BLOCK_K
-    dq = _bwd_q_tiles(q, do, dq, lse, delta, kt_ptr, vt_ptr, rows, 0, n_full * BLOCK_K, S, offset, qk_scale,
-                      False, CAUSAL, BLOCK_K, UPCAST, PRECISION)
+    dq = _bwd_q_tiles(
+        q,
+        do,
+        dq,
+        lse,
+        delta,
+        kt_ptr,
+        vt_ptr,
+        rows,
+        0,
+        n_full * BLOCK_K,
+        S,
+        offset,
+        qk_scale,
+        False,
+        CAUSAL,
+        BLOCK_K,
+        UPCAST,
+        PRECISION,
+    )
     kt_ptr = tl.advance(kt_ptr, (0, n_full * BLOCK_K))
     vt_ptr = tl.advance(vt_ptr, (0, n_full * BLOCK_K))
-    dq = _bwd_q_tiles(q, do, dq, lse, delta, kt_ptr, vt_ptr, rows, n_full * BLOCK_K, hi, S, offset, qk_scale,
-                      True, CAUSAL, BLOCK_K, UPCAST, PRECISION)
+    dq = _bwd_q_tiles(
+        q,
+        do,
+        dq,
+        lse,
+        delta,
+        kt_ptr,
+        vt_ptr,
+        rows,
+        n_full * BLOCK_K,
+        hi,
+        S,
+        offset,
+        qk_scale,
+        True,
+        CAUSAL,
+        BLOCK_K,
+        UPCAST,
+        PRECISION,
+    )
     dq = dq * scale
-    dq_ptr = tl.make_block_ptr(DQ + b * stride_qb + n * stride_qn, shape=(T, H), strides=(stride_qt, stride_qh),
-                               offsets=(q0, 0), block_shape=(BLOCK_Q, BLOCK_H), order=(1, 0))
+    dq_ptr = tl.make_block_ptr(
+        DQ + b * stride_qb + n * stride_qn,
+        shape=(T, H),
+        strides=(stride_qt, stride_qh),
+        offsets=(q0, 0),
+        block_shape=(BLOCK_Q, BLOCK_H),
+        order=(1, 0),
+    )
     tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), boundary_check=(0, 1))
 
 
 def _gpu_configs(pairs: list[tuple[int, int, int, int]]) -> list:
-    return [triton.Config({"BLOCK_Q": bq, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bq, bk, w, st in pairs]
+    return [
+        triton.Config({"BLOCK_Q": bq, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+        for bq, bk, w, st in pairs
+    ]
 
 
 # On a GPU the tile sizes are autotuned per (T, S, H, causal) among the usual FlashAttention-2
 # choices; a config that does not fit the SM's shared memory is skipped by the autotuner.
 # (BLOCK_Q, BLOCK_K, num_warps, num_stages)
-_FWD_CONFIGS = _gpu_configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
-                             (64, 32, 4, 4)])
-_DKDV_CONFIGS = _gpu_configs([(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (32, 64, 8, 3), (64, 64, 8, 2), (64, 64, 8, 3),
-                              (64, 128, 8, 2), (16, 64, 4, 3)])
-_DQ_CONFIGS = _gpu_configs([(128, 32, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 16, 4, 3)])
+_FWD_CONFIGS = _gpu_configs(
+    [
+        (128, 64, 4, 3),
+        (128, 64, 8, 3),
+        (128, 32, 4, 3),
+        (64, 64, 4, 3),
+        (128, 128, 8, 2),
+        (64, 32, 4, 4),
+    ]
+)
+_DKDV_CONFIGS = _gpu_configs(
+    [
+        (32, 128, 8, 2),
+        (32, 128, 8, 3),
+        (32, 64, 4, 3),
+        (32, 64, 8, 3),
+        (64, 64, 8, 2),
+        (64, 64, 8, 3),
+        (64, 128, 8, 2),
+        (16, 64, 4, 3),
+    ]
+)
+_DQ_CONFIGS = _gpu_configs(
+    [(128, 32, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 16, 4, 3)]
+)
 # fp32 tiles are twice the bytes and take ieee dots: large tiles spill registers and take minutes
 # to compile, so fp32 (and H > 64 in any dtype, for the largest tiles) gets small tiles only.
 _FP32_CONFIGS = _gpu_configs([(32, 32, 4, 2), (64, 32, 4, 2)])
@@ -367,69 +745,142 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
     if named_args["Q"].dtype == torch.float32:
         return _FP32_CONFIGS
     if named_args["H"] > 64:
-        return [c for c in configs if c.kwargs["BLOCK_Q"] * c.kwargs["BLOCK_K"] <= 128 * 64] or configs[:1]
+        return [
+            c for c in configs if c.kwargs["BLOCK_Q"] * c.kwargs["BLOCK_K"] <= 128 * 64
+        ] or configs[:1]
     return configs
 
 
 def _autotune(kernel, configs, reset_to_zero=None):
-    return triton.autotune(configs=configs, key=_KEY, prune_configs_by={"early_config_prune": _prune},
-                           reset_to_zero=reset_to_zero)(kernel)
+    return triton.autotune(
+        configs=configs,
+        key=_KEY,
+        prune_configs_by={"early_config_prune": _prune},
+        reset_to_zero=reset_to_zero,
+    )(kernel)
 
 
 _attn_fwd_tuned = _autotune(_attn_fwd_kernel, _FWD_CONFIGS)
 # two autotuned twins of the K/V-tile kernel: with atomic dQ the best tiles differ, and a tuner
 # must not time a config with one mode and run it with the other. The tuner runs each candidate on
 # the real buffers, so the atomic twin zeroes the dQ accumulator before every trial and after.
-_attn_bwd_kv_tuned = {False: _autotune(_attn_bwd_dkdv_kernel, _DKDV_CONFIGS),
-                      True: _autotune(_attn_bwd_dkdv_kernel, _DKDV_CONFIGS, reset_to_zero=["DQ"])}
+_attn_bwd_kv_tuned = {
+    False: _autotune(_attn_bwd_dkdv_kernel, _DKDV_CONFIGS),
+    True: _autotune(_attn_bwd_dkdv_kernel, _DKDV_CONFIGS, reset_to_zero=["DQ"]),
+}
 _attn_bwd_dq_tuned = _autotune(_attn_bwd_dq_kernel, _DQ_CONFIGS)
 
 
-def _launch(kernel, tuned, grid_of, args: tuple, q: Tensor, causal: bool, block_q: int | None,
-            block_k: int | None, **constexprs) -> None:
+def _launch(
+    kernel,
+    tuned,
+    grid_of,
+    args: tuple,
+    q: Tensor,
+    causal: bool,
+    block_q: int | None,
+    block_k: int | None,
+    **constexprs,
+) -> None:
     """Launch ``kernel`` with fixed tiles (interpreter, or tiles given by the caller) or its autotuned
     twin (GPU). ``grid_of(BLOCK_Q, BLOCK_K)`` gives the grid."""
     H = q.shape[-1]
-    fixed = dict(CAUSAL=causal, BLOCK_H=max(16, triton.next_power_of_2(H)), UPCAST=_interpreting(),
-                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **constexprs)
+    fixed = dict(
+        CAUSAL=causal,
+        BLOCK_H=max(16, triton.next_power_of_2(H)),
+        UPCAST=_interpreting(),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **constexprs,
+    )
     for name, val in (("block_q", block_q), ("block_k", block_k)):
         if val is not None and (val < 16 or val & (val - 1)):
             raise ValueError(f"{name}={val}: Triton tiles must be powers of two ≥ 16")
     if _interpreting() or block_q or block_k:
         # the interpreter runs one numpy step per tile: 32 × 32 tiles keep the tests quick
-        bq, bk = block_q or (32 if _interpreting() else 64), block_k or (32 if _interpreting() else 64)
+        bq, bk = (
+            block_q or (32 if _interpreting() else 64),
+            block_k or (32 if _interpreting() else 64),
+        )
         kernel[grid_of(bq, bk)](*args, BLOCK_Q=bq, BLOCK_K=bk, **fixed)
     else:
         tuned[lambda meta: grid_of(meta["BLOCK_Q"], meta["BLOCK_K"])](*args, **fixed)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"expected q (B, N, T, H) and k, v (B, K, S, H); got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if (
+        q.dim() != 4
+        or k.shape != v.shape
+        or k.dim() != 4
+        or q.shape[0] != k.shape[0]
+        or q.shape[3] != k.shape[3]
+    ):
+        raise ValueError(
+            f"expected q (B, N, T, H) and k, v (B, K, S, H); got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"n_kv_heads K={k.shape[1]} does not divide n_heads N={q.shape[1]}")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"flash_triton supports fp32/fp16/bf16 with one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if (
+        q.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+        or k.dtype != q.dtype
+        or v.dtype != q.dtype
+    ):
+        raise ValueError(
+            f"flash_triton supports fp32/fp16/bf16 with one dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if not (16 <= q.shape[-1] <= 256):
         raise ValueError(f"head dim H={q.shape[-1]}; flash_triton supports 16 ≤ H ≤ 256")
     if q.device.type == "cpu" and not _interpreting():
-        raise ValueError("flash_triton needs a CUDA device, or TRITON_INTERPRET=1 (set before triton is "
-                         "imported) to run the kernels on CPU")
+        raise ValueError(
+            "flash_triton needs a CUDA device, or TRITON_INTERPRET=1 (set before triton is "
+            "imported) to run the kernels on CPU"
+        )
 
 
-def triton_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
-                             block_q: int | None = None, block_k: int | None = None) -> tuple[Tensor, Tensor]:
+def triton_attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    scale: float,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns O (B, N, T, H) in q.dtype and L (B, N, T) fp32."""
     _check(q, k, v)
     B, N, T, H = q.shape
     K, S = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
     lse = torch.empty(B, N, T, dtype=torch.float32, device=q.device)
-    args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-            N, N // K, T, S, H, S - T, scale * LOG2E)
-    _launch(_attn_fwd_kernel, _attn_fwd_tuned, lambda bq, bk: (triton.cdiv(T, bq), B * N), args, q, causal,
-            block_q, block_k)
+    args = (
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        *lse.stride(),
+        N,
+        N // K,
+        T,
+        S,
+        H,
+        S - T,
+        scale * LOG2E,
+    )
+    _launch(
+        _attn_fwd_kernel,
+        _attn_fwd_tuned,
+        lambda bq, bk: (triton.cdiv(T, bq), B * N),
+        args,
+        q,
+        causal,
+        block_q,
+        block_k,
+    )
     return out, lse
 
 
@@ -450,9 +901,18 @@ def backward_mode() -> str:
     return mode
 
 
-def triton_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                              causal: bool, scale: float, block_q: int | None = None,
-                              block_k: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def triton_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """D = rowsum(dO ∘ O), then the backward kernels (``backward_mode()``). Returns dQ, dK, dV."""
     B, N, T, H = q.shape
     K, S = k.shape[1], k.shape[2]
@@ -461,37 +921,111 @@ def triton_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     lse = lse.contiguous()
     delta = torch.empty_like(lse)  # D = rowsum(dO ∘ O) (B, N, T), fp32
     block_h = max(16, triton.next_power_of_2(H))
-    block_t = 32 if _interpreting() else max(16, 8192 // block_h)  # two (Bt, H) fp32 tiles fit in registers
+    block_t = (
+        32 if _interpreting() else max(16, 8192 // block_h)
+    )  # two (Bt, H) fp32 tiles fit in registers
     _attn_bwd_delta_kernel[(triton.cdiv(T, block_t), B * N)](
-        out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(), N, T, H, BLOCK_T=block_t, BLOCK_H=block_h)
+        out,
+        dout,
+        delta,
+        *out.stride(),
+        *dout.stride(),
+        *delta.stride(),
+        N,
+        T,
+        H,
+        BLOCK_T=block_t,
+        BLOCK_H=block_h,
+    )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     # atomic: an fp32 accumulator, zeroed, cast to q.dtype at the end; split: dQ written with Q's strides
     dq_acc = torch.zeros(B, N, T, H, dtype=torch.float32, device=q.device) if atomic else dk
     common = (T, S, H, S - T, scale * LOG2E, scale)
-    args = (q, k, v, dout, lse, delta, dk, dv, dq_acc, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-            *lse.stride(), *(dq_acc.stride() if atomic else (0, 0, 0, 0)), K, N // K, *common)
-    _launch(_attn_bwd_dkdv_kernel, _attn_bwd_kv_tuned[atomic], lambda bq, bk: (triton.cdiv(S, bk), B * K), args,
-            q, causal, block_q, block_k, ATOMIC_DQ=atomic)
+    args = (
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dk,
+        dv,
+        dq_acc,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dout.stride(),
+        *lse.stride(),
+        *(dq_acc.stride() if atomic else (0, 0, 0, 0)),
+        K,
+        N // K,
+        *common,
+    )
+    _launch(
+        _attn_bwd_dkdv_kernel,
+        _attn_bwd_kv_tuned[atomic],
+        lambda bq, bk: (triton.cdiv(S, bk), B * K),
+        args,
+        q,
+        causal,
+        block_q,
+        block_k,
+        ATOMIC_DQ=atomic,
+    )
     if atomic:
         return dq_acc.to(q.dtype), dk, dv
     dq = torch.empty_like(q)
     if dq.stride() != q.stride():  # the dQ kernel writes dQ with Q's strides
         q = q.contiguous()
         dq = torch.empty_like(q)
-    args = (q, k, v, dout, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-            *lse.stride(), N, N // K, *common)
-    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, lambda bq, bk: (triton.cdiv(T, bq), B * N), args, q,
-            causal, block_q, block_k)
+    args = (
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dq,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dout.stride(),
+        *lse.stride(),
+        N,
+        N // K,
+        *common,
+    )
+    _launch(
+        _attn_bwd_dq_kernel,
+        _attn_bwd_dq_tuned,
+        lambda bq, bk: (triton.cdiv(T, bq), B * N),
+        args,
+        q,
+        causal,
+        block_q,
+        block_k,
+    )
     return dq, dk, dv
 
 
 FlashAttentionTriton = make_flash_function(
-    "FlashAttentionTriton", triton_attention_forward, triton_attention_backward,
-    "FlashAttention-2 with Triton kernels; saves Q, K, V, O and L (B, N, T) only.")
+    "FlashAttentionTriton",
+    triton_attention_forward,
+    triton_attention_backward,
+    "FlashAttention-2 with Triton kernels; saves Q, K, V, O and L (B, N, T) only.",
+)
 
 
-def flash_attention_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
-                           block_q: int | None = None, block_k: int | None = None, return_lse: bool = False):
+def flash_attention_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    return_lse: bool = False,
+):
     """FlashAttention-2 (Triton). q (B, N, T, H), k/v (B, K, S, H) -> O (B, N, T, H) [, L (B, N, T)]."""
     out, lse = FlashAttentionTriton.apply(q, k, v, causal, scale, block_q, block_k)
     return (out, lse) if return_lse else out

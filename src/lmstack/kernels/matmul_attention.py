@@ -101,8 +101,9 @@ def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torc
     return buf[:n].view(shape)
 
 
-def row_blocks(T: int, S: int, causal: bool, mask: Tensor | None = None,
-               block: int | None = None) -> list[tuple[int, int, int]]:
+def row_blocks(
+    T: int, S: int, causal: bool, mask: Tensor | None = None, block: int | None = None
+) -> list[tuple[int, int, int]]:
     """[(t0, t1, e)]: query rows [t0, t1) need keys [0, e) only; e never decreases from block to block.
 
     ``block`` rows per block (default: the policy above, one block below MIN_BLOCKED_T rows).
@@ -120,7 +121,9 @@ def row_blocks(T: int, S: int, causal: bool, mask: Tensor | None = None,
         ends = [t1 + S - T for _, t1 in bounds]
     elif mask is not None and len(bounds) > 1:
         m = torch.broadcast_to(mask, mask.shape[:-2] + (T, S)).reshape(-1, T, S).any(0)  # (T, S)
-        last = (m * torch.arange(1, S + 1, device=m.device)).amax(-1)  # (T,) one past each row's last key
+        last = (m * torch.arange(1, S + 1, device=m.device)).amax(
+            -1
+        )  # (T,) one past each row's last key
         ends = torch.stack([last[t0:t1].amax() for t0, t1 in bounds]).tolist()
     else:
         ends = [S] * len(bounds)
@@ -176,14 +179,18 @@ def _bias_block(bias: Tensor | None, b0: int, b1: int, t0: int, t1: int, e: int)
     return bb[..., :e] if bb.shape[-1] > 1 else bb
 
 
-def _probs(qb: Tensor, kt: Tensor, bias: Tensor | None, scale: float, s_buf: Tensor, p_buf: Tensor) -> Tensor:
+def _probs(
+    qb: Tensor, kt: Tensor, bias: Tensor | None, scale: float, s_buf: Tensor, p_buf: Tensor
+) -> Tensor:
     """P = softmax(Q Kᵀ·s + bias) of one block, fp32, written into p_buf. qb (b, K, r·G, H), kt (b, K, H, e)."""
     b, K, rG, e = p_buf.shape
     if s_buf.dtype == torch.float32:
         s_buf = p_buf
     torch.matmul(qb, kt, out=s_buf)  # scores in q's dtype (fp32 accumulation inside the matmul)
     if s_buf is not p_buf:
-        p_buf.copy_(s_buf)  # fp32 scores (an add of mixed dtypes would allocate an fp32 temporary each call)
+        p_buf.copy_(
+            s_buf
+        )  # fp32 scores (an add of mixed dtypes would allocate an fp32 temporary each call)
     if bias is None:
         p_buf.mul_(scale)
     else:  # bias + s·scale in one pass, broadcast over K and G
@@ -204,16 +211,25 @@ class MatmulAttention(torch.autograd.Function):
     recomputes P (fp32) block by block."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
-                blocks: list[tuple[int, int, int]], sdpa: tuple[Tensor | None, bool] | None) -> Tensor:
+    def forward(
+        ctx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        bias: Tensor | None,
+        scale: float,
+        blocks: list[tuple[int, int, int]],
+        sdpa: tuple[Tensor | None, bool] | None,
+    ) -> Tensor:
         B, N, T, H = q.shape
         K = k.shape[1]
         G = N // K
         ctx.scale, ctx.N, ctx.blocks, ctx.sdpa = scale, N, blocks, sdpa is not None
         if sdpa is not None:  # SDPA's fused forward; backward below recomputes P from q, k, v alone
             ctx.save_for_backward(q, k, v, bias)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa[0], is_causal=sdpa[1], scale=scale,
-                                                  enable_gqa=G > 1)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=sdpa[0], is_causal=sdpa[1], scale=scale, enable_gqa=G > 1
+            )
         k, v = k.contiguous(), v.contiguous()
         qb = _row_blocks_of(q, K, blocks)  # per row block (B, K, r·G, H)
         kp, vp = _prefixes(k, blocks), _prefixes(v, blocks)  # per row block (B, K, e, H)
@@ -224,11 +240,19 @@ class MatmulAttention(torch.autograd.Function):
             for i, (t0, t1, e) in enumerate(blocks):
                 shape = (b1 - b0, K, (t1 - t0) * G, e)
                 s_buf = _scratch("s", shape, q.dtype, q.device)
-                pc = _probs(qb[i][b0:b1], kp[i][b0:b1].transpose(-2, -1), _bias_block(bias, b0, b1, t0, t1, e),
-                            scale, s_buf, _scratch("p", shape, torch.float32, q.device))
+                pc = _probs(
+                    qb[i][b0:b1],
+                    kp[i][b0:b1].transpose(-2, -1),
+                    _bias_block(bias, b0, b1, t0, t1, e),
+                    scale,
+                    s_buf,
+                    _scratch("p", shape, torch.float32, q.device),
+                )
                 if v.dtype != torch.float32:
                     pc = _scratch("p_lp", shape, v.dtype, q.device).copy_(pc)
-                torch.matmul(pc, vp[i][b0:b1], out=out[b0:b1, :, t0 * G:t1 * G])  # O = P V, (b, K, r·G, H)
+                torch.matmul(
+                    pc, vp[i][b0:b1], out=out[b0:b1, :, t0 * G : t1 * G]
+                )  # O = P V, (b, K, r·G, H)
         ctx.save_for_backward(k, v, bias, *qb)
         return _heads(out, N)
 
@@ -262,20 +286,38 @@ class MatmulAttention(torch.autograd.Function):
                 t0, t1, e = blocks[i]
                 shape = (n, K, (t1 - t0) * G, e)
                 s_buf = _scratch("s", shape, k.dtype, k.device)
-                pc = _probs(qb[i][b0:b1], kp[i][b0:b1].transpose(-2, -1), _bias_block(bias, b0, b1, t0, t1, e), scale,
-                            s_buf, _scratch("p", shape, f32, k.device))  # the forward's P, recomputed
-                p_lp = pc if v.dtype == f32 else _scratch("p_lp", shape, v.dtype, k.device).copy_(pc)
+                pc = _probs(
+                    qb[i][b0:b1],
+                    kp[i][b0:b1].transpose(-2, -1),
+                    _bias_block(bias, b0, b1, t0, t1, e),
+                    scale,
+                    s_buf,
+                    _scratch("p", shape, f32, k.device),
+                )  # the forward's P, recomputed
+                p_lp = (
+                    pc if v.dtype == f32 else _scratch("p_lp", shape, v.dtype, k.device).copy_(pc)
+                )
                 do = dob[i][b0:b1]
-                dp = torch.matmul(do, vp[i][b0:b1].transpose(-2, -1), out=s_buf)  # dP = dO Vᵀ (b, K, r·G, e)
+                dp = torch.matmul(
+                    do, vp[i][b0:b1].transpose(-2, -1), out=s_buf
+                )  # dP = dO Vᵀ (b, K, r·G, e)
                 if dp.dtype != f32:
                     dp = _scratch("dp32", shape, f32, k.device).copy_(dp)
-                ds = torch._softmax_backward_data(dp, pc, -1, f32, grad_input=_scratch("ds32", shape, f32, k.device))
+                ds = torch._softmax_backward_data(
+                    dp, pc, -1, f32, grad_input=_scratch("ds32", shape, f32, k.device)
+                )
                 if ds.dtype != qb[i].dtype:  # P ⊙ (dP − rowsum(P ⊙ dP)) in the matmul dtype
                     ds = _scratch("ds_lp", shape, qb[i].dtype, k.device).copy_(ds)
-                torch.matmul(ds, kp[i][b0:b1], out=dq[b0:b1, :, t0 * G:t1 * G])  # dQ = dS K (·s below)
+                torch.matmul(
+                    ds, kp[i][b0:b1], out=dq[b0:b1, :, t0 * G : t1 * G]
+                )  # dQ = dS K (·s below)
                 if one:
-                    torch.matmul(p_lp.transpose(-2, -1), do, out=dv[b0:b1])  # dV = Pᵀ dO, summed over the group
-                    torch.matmul(ds.transpose(-2, -1), qb[i][b0:b1], out=dk[b0:b1])  # dK = dSᵀ Q (·s below)
+                    torch.matmul(
+                        p_lp.transpose(-2, -1), do, out=dv[b0:b1]
+                    )  # dV = Pᵀ dO, summed over the group
+                    torch.matmul(
+                        ds.transpose(-2, -1), qb[i][b0:b1], out=dk[b0:b1]
+                    )  # dK = dSᵀ Q (·s below)
                     continue
                 part = _scratch("part", (n, K, e, H), v.dtype, k.device)
                 for acc, a, b in ((dv32, p_lp, do), (dk32, ds, qb[i][b0:b1])):
@@ -291,8 +333,15 @@ class MatmulAttention(torch.autograd.Function):
         return _heads(dq, N, scale), (dk.mul_(scale) if one else dk), dv, None, None, None, None
 
 
-def matmul_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
-                     scale: float | None = None, block: int | None = None) -> Tensor:
+def matmul_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    block: int | None = None,
+) -> Tensor:
     """softmax(Q Kᵀ/√H + mask) V with fp32 scores/softmax and matmuls in q's dtype.
 
     q: (B, N, T, H); k, v: (B, K, S, H) with N a multiple of K; mask: bool, True = may attend,
@@ -302,11 +351,15 @@ def matmul_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
     (compute) dtype.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D (B, heads, seq, H); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must be 4-D (B, heads, seq, H); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     B, N, T, H = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != H or N % k.shape[1]:
-        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q {tuple(q.shape)}: expected (B, K, S, H) "
-                         "with N a multiple of K")
+        raise ValueError(
+            f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q {tuple(q.shape)}: expected (B, K, S, H) "
+            "with N a multiple of K"
+        )
     if mask is not None and causal:
         raise ValueError("give either mask or causal=True, not both")
     S = k.shape[2]
@@ -316,10 +369,18 @@ def matmul_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if mask is not None:
         bias = mask_bias(mask)
-        bias = bias.reshape(bias.shape[:-2] + (1,) * (4 - bias.dim()) + bias.shape[-2:]) if bias.dim() < 4 else bias
+        bias = (
+            bias.reshape(bias.shape[:-2] + (1,) * (4 - bias.dim()) + bias.shape[-2:])
+            if bias.dim() < 4
+            else bias
+        )
         if bias.shape[1] != 1:
-            raise ValueError(f"mask shape {tuple(mask.shape)}: expected one mask for all heads, (B, 1, T, S) or (T, S)")
-        bias = bias[:, :, :, None]  # (B, 1, T, 1, S): broadcast over K and G (rows are laid out (T, G))
+            raise ValueError(
+                f"mask shape {tuple(mask.shape)}: expected one mask for all heads, (B, 1, T, S) or (T, S)"
+            )
+        bias = bias[
+            :, :, :, None
+        ]  # (B, 1, T, 1, S): broadcast over K and G (rows are laid out (T, G))
     elif causal:
         bias = causal_bias(T, S, q.device)  # (T, 1, S)
     else:

@@ -14,8 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from lmstack.kernels.backends import ATTENTION_BACKENDS, NORM_BACKENDS, attention_impl, choose_attention, choose_norm
-
+from lmstack.kernels.backends import (
+    ATTENTION_BACKENDS,
+    NORM_BACKENDS,
+    attention_impl,
+    choose_attention,
+    choose_norm,
+)
 
 #: Floating formats: training autocasts to them (fp32 master weights; "fp32" = no autocast), inference
 #: holds its weights in them.
@@ -38,7 +43,9 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         if self.attn_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attn_backend={self.attn_backend!r}; expected one of {ATTENTION_BACKENDS}")
+            raise ValueError(
+                f"attn_backend={self.attn_backend!r}; expected one of {ATTENTION_BACKENDS}"
+            )
         if self.norm_backend not in NORM_BACKENDS:
             raise ValueError(f"norm_backend={self.norm_backend!r}; expected one of {NORM_BACKENDS}")
         if self.dtype not in WEIGHT_FORMATS:
@@ -47,8 +54,13 @@ class RuntimeConfig:
             raise ValueError(f"compile={self.compile!r} must be true or false")
 
 
-def configure(model, runtime: RuntimeConfig | None = None, device: torch.device | str | None = None,
-              training: bool = False, max_keys: int | None = None) -> str:
+def configure(
+    model,
+    runtime: RuntimeConfig | None = None,
+    device: torch.device | str | None = None,
+    training: bool = False,
+    max_keys: int | None = None,
+) -> str:
     """Resolve ``runtime`` once for what the builder knows and set it on ``model`` (anything with
     ``set_attention``/``set_norm``, e.g. ``lmstack.model.transformer.Transformer``); returns the log line.
 
@@ -59,8 +71,12 @@ def configure(model, runtime: RuntimeConfig | None = None, device: torch.device 
     if device is None:
         device = next(model.parameters()).device
     autocast = runtime.dtype if training and runtime.dtype in ("bf16", "fp16") else None
-    needs = getattr(model, "attention_needs", tuple)()  # e.g. ("softcap",) for Gemma-2 (Transformer.attention_needs)
-    attn, why = choose_attention(runtime.attn_backend, device, autocast, runtime.compile, max_keys, needs)
+    needs = getattr(
+        model, "attention_needs", tuple
+    )()  # e.g. ("softcap",) for Gemma-2 (Transformer.attention_needs)
+    attn, why = choose_attention(
+        runtime.attn_backend, device, autocast, runtime.compile, max_keys, needs
+    )
     norm, norm_impl = choose_norm(runtime.norm_backend, device)
     model.set_attention(attention_impl(attn))
     model.set_norm(norm_impl)

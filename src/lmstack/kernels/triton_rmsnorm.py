@@ -28,29 +28,61 @@ from torch import Tensor
 
 @triton.jit
 def _rmsnorm_fwd_kernel(
-    X, W, Y, R,
-    stride_xm, stride_xd, stride_ym, stride_yd,
-    M, D, eps,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, X_DTYPE: tl.constexpr,
+    X,
+    W,
+    Y,
+    R,
+    stride_xm,
+    stride_xd,
+    stride_ym,
+    stride_yd,
+    M,
+    D,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    X_DTYPE: tl.constexpr,
 ):
     row0 = tl.program_id(0) * ROWS
-    x_ptr = tl.make_block_ptr(X, shape=(M, D), strides=(stride_xm, stride_xd), offsets=(row0, 0),
-                              block_shape=(ROWS, BLOCK_D), order=(1, 0))
+    x_ptr = tl.make_block_ptr(
+        X,
+        shape=(M, D),
+        strides=(stride_xm, stride_xd),
+        offsets=(row0, 0),
+        block_shape=(ROWS, BLOCK_D),
+        order=(1, 0),
+    )
     # pass 1: sum of squares over D, tile by tile
     sumsq = tl.zeros((ROWS,), dtype=tl.float32)
     for _ in range(0, tl.cdiv(D, BLOCK_D)):
-        x = tl.load(x_ptr, boundary_check=(0, 1), padding_option="zero").to(tl.float32)  # (ROWS, BLOCK_D)
+        x = tl.load(x_ptr, boundary_check=(0, 1), padding_option="zero").to(
+            tl.float32
+        )  # (ROWS, BLOCK_D)
         sumsq += tl.sum(x * x, axis=1)
         x_ptr = tl.advance(x_ptr, (0, BLOCK_D))
     r = 1.0 / tl.sqrt(sumsq / D + eps)  # rstd (ROWS,)
     rows = row0 + tl.arange(0, ROWS)
     tl.store(R + rows, r, mask=rows < M)
     # pass 2: y = (x·r cast to x's dtype) · γ
-    x_ptr = tl.make_block_ptr(X, shape=(M, D), strides=(stride_xm, stride_xd), offsets=(row0, 0),
-                              block_shape=(ROWS, BLOCK_D), order=(1, 0))
-    w_ptr = tl.make_block_ptr(W, shape=(D,), strides=(1,), offsets=(0,), block_shape=(BLOCK_D,), order=(0,))
-    y_ptr = tl.make_block_ptr(Y, shape=(M, D), strides=(stride_ym, stride_yd), offsets=(row0, 0),
-                              block_shape=(ROWS, BLOCK_D), order=(1, 0))
+    x_ptr = tl.make_block_ptr(
+        X,
+        shape=(M, D),
+        strides=(stride_xm, stride_xd),
+        offsets=(row0, 0),
+        block_shape=(ROWS, BLOCK_D),
+        order=(1, 0),
+    )
+    w_ptr = tl.make_block_ptr(
+        W, shape=(D,), strides=(1,), offsets=(0,), block_shape=(BLOCK_D,), order=(0,)
+    )
+    y_ptr = tl.make_block_ptr(
+        Y,
+        shape=(M, D),
+        strides=(stride_ym, stride_yd),
+        offsets=(row0, 0),
+        block_shape=(ROWS, BLOCK_D),
+        order=(1, 0),
+    )
     for _ in range(0, tl.cdiv(D, BLOCK_D)):
         x = tl.load(x_ptr, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
         w = tl.load(w_ptr, boundary_check=(0,), padding_option="zero").to(tl.float32)
@@ -63,21 +95,47 @@ def _rmsnorm_fwd_kernel(
 
 @triton.jit
 def _rmsnorm_bwd_kernel(
-    X, W, DY, R, DX, DW_PARTIAL,
-    stride_xm, stride_xd, stride_dym, stride_dyd, stride_dxm, stride_dxd,
-    M, D,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    X,
+    W,
+    DY,
+    R,
+    DX,
+    DW_PARTIAL,
+    stride_xm,
+    stride_xd,
+    stride_dym,
+    stride_dyd,
+    stride_dxm,
+    stride_dxd,
+    M,
+    D,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row0 = pid * ROWS
     rows = row0 + tl.arange(0, ROWS)
     r = tl.load(R + rows, mask=rows < M, other=0.0)  # (ROWS,)
     # pass 1: c = mean over D of (dy ⊙ γ) ⊙ x̂
-    x_ptr = tl.make_block_ptr(X, shape=(M, D), strides=(stride_xm, stride_xd), offsets=(row0, 0),
-                              block_shape=(ROWS, BLOCK_D), order=(1, 0))
-    dy_ptr = tl.make_block_ptr(DY, shape=(M, D), strides=(stride_dym, stride_dyd), offsets=(row0, 0),
-                               block_shape=(ROWS, BLOCK_D), order=(1, 0))
-    w_ptr = tl.make_block_ptr(W, shape=(D,), strides=(1,), offsets=(0,), block_shape=(BLOCK_D,), order=(0,))
+    x_ptr = tl.make_block_ptr(
+        X,
+        shape=(M, D),
+        strides=(stride_xm, stride_xd),
+        offsets=(row0, 0),
+        block_shape=(ROWS, BLOCK_D),
+        order=(1, 0),
+    )
+    dy_ptr = tl.make_block_ptr(
+        DY,
+        shape=(M, D),
+        strides=(stride_dym, stride_dyd),
+        offsets=(row0, 0),
+        block_shape=(ROWS, BLOCK_D),
+        order=(1, 0),
+    )
+    w_ptr = tl.make_block_ptr(
+        W, shape=(D,), strides=(1,), offsets=(0,), block_shape=(BLOCK_D,), order=(0,)
+    )
     c = tl.zeros((ROWS,), dtype=tl.float32)
     for _ in range(0, tl.cdiv(D, BLOCK_D)):
         x = tl.load(x_ptr, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
@@ -89,15 +147,41 @@ def _rmsnorm_bwd_kernel(
         w_ptr = tl.advance(w_ptr, (BLOCK_D,))
     c = c / D
     # pass 2: dx = r·(dy⊙γ − x̂·c); partial dγ of this row tile = Σ_rows dy ⊙ x̂
-    x_ptr = tl.make_block_ptr(X, shape=(M, D), strides=(stride_xm, stride_xd), offsets=(row0, 0),
-                              block_shape=(ROWS, BLOCK_D), order=(1, 0))
-    dy_ptr = tl.make_block_ptr(DY, shape=(M, D), strides=(stride_dym, stride_dyd), offsets=(row0, 0),
-                               block_shape=(ROWS, BLOCK_D), order=(1, 0))
-    w_ptr = tl.make_block_ptr(W, shape=(D,), strides=(1,), offsets=(0,), block_shape=(BLOCK_D,), order=(0,))
-    dx_ptr = tl.make_block_ptr(DX, shape=(M, D), strides=(stride_dxm, stride_dxd), offsets=(row0, 0),
-                               block_shape=(ROWS, BLOCK_D), order=(1, 0))
-    dw_ptr = tl.make_block_ptr(DW_PARTIAL + pid * D, shape=(D,), strides=(1,), offsets=(0,),
-                               block_shape=(BLOCK_D,), order=(0,))
+    x_ptr = tl.make_block_ptr(
+        X,
+        shape=(M, D),
+        strides=(stride_xm, stride_xd),
+        offsets=(row0, 0),
+        block_shape=(ROWS, BLOCK_D),
+        order=(1, 0),
+    )
+    dy_ptr = tl.make_block_ptr(
+        DY,
+        shape=(M, D),
+        strides=(stride_dym, stride_dyd),
+        offsets=(row0, 0),
+        block_shape=(ROWS, BLOCK_D),
+        order=(1, 0),
+    )
+    w_ptr = tl.make_block_ptr(
+        W, shape=(D,), strides=(1,), offsets=(0,), block_shape=(BLOCK_D,), order=(0,)
+    )
+    dx_ptr = tl.make_block_ptr(
+        DX,
+        shape=(M, D),
+        strides=(stride_dxm, stride_dxd),
+        offsets=(row0, 0),
+        block_shape=(ROWS, BLOCK_D),
+        order=(1, 0),
+    )
+    dw_ptr = tl.make_block_ptr(
+        DW_PARTIAL + pid * D,
+        shape=(D,),
+        strides=(1,),
+        offsets=(0,),
+        block_shape=(BLOCK_D,),
+        order=(0,),
+    )
     for _ in range(0, tl.cdiv(D, BLOCK_D)):
         x = tl.load(x_ptr, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
         dy = tl.load(dy_ptr, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
@@ -128,9 +212,13 @@ def _tiles(D: int, block_d: int | None = None) -> tuple[int, int]:
 
 def _check(x: Tensor, weight: Tensor) -> None:
     if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
-        raise ValueError(f"RMSNorm weight {tuple(weight.shape)} does not match the last dim of x {tuple(x.shape)}")
+        raise ValueError(
+            f"RMSNorm weight {tuple(weight.shape)} does not match the last dim of x {tuple(x.shape)}"
+        )
     if x.dtype not in _TL_DTYPES or weight.dtype not in _TL_DTYPES:
-        raise ValueError(f"rmsnorm_triton supports fp32/fp16/bf16; got x {x.dtype}, weight {weight.dtype}")
+        raise ValueError(
+            f"rmsnorm_triton supports fp32/fp16/bf16; got x {x.dtype}, weight {weight.dtype}"
+        )
     if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError("rmsnorm_triton needs a CUDA device, or TRITON_INTERPRET=1 to run on CPU")
 
@@ -149,8 +237,18 @@ class RMSNormTriton(torch.autograd.Function):
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
         rows, block_d = _tiles(D, block_d)
         _rmsnorm_fwd_kernel[(triton.cdiv(M, rows),)](
-            x2, weight, y, rstd, *x2.stride(), *y.stride(), M, D, eps,
-            ROWS=rows, BLOCK_D=block_d, X_DTYPE=_TL_DTYPES[x.dtype],
+            x2,
+            weight,
+            y,
+            rstd,
+            *x2.stride(),
+            *y.stride(),
+            M,
+            D,
+            eps,
+            ROWS=rows,
+            BLOCK_D=block_d,
+            X_DTYPE=_TL_DTYPES[x.dtype],
         )
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape, ctx.block_d = shape, block_d
@@ -164,15 +262,30 @@ class RMSNormTriton(torch.autograd.Function):
         dx = torch.empty_like(x2)
         rows, block_d = _tiles(D, ctx.block_d)
         n_prog = triton.cdiv(M, rows)
-        dw_partial = torch.empty(n_prog, D, dtype=torch.float32, device=x2.device)  # one row per program
+        dw_partial = torch.empty(
+            n_prog, D, dtype=torch.float32, device=x2.device
+        )  # one row per program
         _rmsnorm_bwd_kernel[(n_prog,)](
-            x2, weight, dy2, rstd, dx, dw_partial, *x2.stride(), *dy2.stride(), *dx.stride(), M, D,
-            ROWS=rows, BLOCK_D=block_d,
+            x2,
+            weight,
+            dy2,
+            rstd,
+            dx,
+            dw_partial,
+            *x2.stride(),
+            *dy2.stride(),
+            *dx.stride(),
+            M,
+            D,
+            ROWS=rows,
+            BLOCK_D=block_d,
         )
         dw = dw_partial.sum(dim=0).to(weight.dtype)
         return dx.view(ctx.shape), dw, None, None
 
 
-def rmsnorm_triton(x: Tensor, weight: Tensor, eps: float = 1e-5, block_d: int | None = None) -> Tensor:
+def rmsnorm_triton(
+    x: Tensor, weight: Tensor, eps: float = 1e-5, block_d: int | None = None
+) -> Tensor:
     """Fused RMSNorm: x (..., D), γ (D,) -> (..., D). ``block_d`` overrides the D tile (tests)."""
     return RMSNormTriton.apply(x, weight, eps, block_d)

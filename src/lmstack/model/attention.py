@@ -17,7 +17,13 @@ from torch import Tensor, nn
 
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding, fuse_linears, linear, still_fused
-from lmstack.model.seam import DEFAULT_ATTENTION, AttentionImpl, AttentionMetadata, attention_mask, reference_attention
+from lmstack.model.seam import (
+    DEFAULT_ATTENTION,
+    AttentionImpl,
+    AttentionMetadata,
+    attention_mask,
+    reference_attention,
+)
 
 __all__ = ["Attention", "attention_mask", "reference_attention"]
 
@@ -25,26 +31,46 @@ __all__ = ["Attention", "attention_mask", "reference_attention"]
 class Attention(nn.Module):
     """Multi-head attention with K ≤ N kv heads (MHA when K = N, GQA when 1 < K < N, MQA when K = 1)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int = 0, rope: RotaryEmbedding | None = None,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int = 0,
+        rope: RotaryEmbedding | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         c = config
         self.layer_idx = layer_idx
-        self.head_dim = c.head_dim  # H; N and K are read from the projections (a tp shard holds N/tp, K/tp)
+        self.head_dim = (
+            c.head_dim
+        )  # H; N and K are read from the projections (a tp shard holds N/tp, K/tp)
         self.impl: AttentionImpl = DEFAULT_ATTENTION  # set by Transformer.set_attention
         kw = dict(device=device, dtype=dtype)
-        self.q_proj = Linear(c.d_model, c.n_heads * c.head_dim, bias=c.qkv_bias, **kw)  # W_Q (N·H, D)
-        self.k_proj = Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.qkv_bias, **kw)  # W_K (K·H, D)
-        self.v_proj = Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=c.qkv_bias, **kw)  # W_V (K·H, D)
+        self.q_proj = Linear(
+            c.d_model, c.n_heads * c.head_dim, bias=c.qkv_bias, **kw
+        )  # W_Q (N·H, D)
+        self.k_proj = Linear(
+            c.d_model, c.n_kv_heads * c.head_dim, bias=c.qkv_bias, **kw
+        )  # W_K (K·H, D)
+        self.v_proj = Linear(
+            c.d_model, c.n_kv_heads * c.head_dim, bias=c.qkv_bias, **kw
+        )  # W_V (K·H, D)
         self.o_proj = Linear(c.n_heads * c.head_dim, c.d_model, bias=False, **kw)  # W_O (D, N·H)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.norm_eps, **kw)
             self.k_norm = RMSNorm(c.head_dim, c.norm_eps, **kw)
         else:
             self.q_norm = self.k_norm = None
-        self.qkv: tuple[Tensor, Tensor | None, list[int]] | None = None  # fused [W_Q; W_K; W_V], bias, widths (``fuse``)
+        self.qkv: tuple[Tensor, Tensor | None, list[int]] | None = (
+            None  # fused [W_Q; W_K; W_V], bias, widths (``fuse``)
+        )
         # Shared across layers when the Transformer passes one in; not a submodule then.
-        self._rope = [rope if rope is not None else RotaryEmbedding(c.head_dim, c.max_seq_len, c.rope_theta, c.rope_layout)]
+        self._rope = [
+            rope
+            if rope is not None
+            else RotaryEmbedding(c.head_dim, c.max_seq_len, c.rope_theta, c.rope_layout)
+        ]
 
     @property
     def rope(self) -> RotaryEmbedding:
@@ -55,12 +81,19 @@ class Attention(nn.Module):
         A variant attention (OLMoE's, ``model.olmoe``) overrides only this."""
         B, T, _ = x.shape
         H = self.head_dim
-        if self.qkv is not None and not still_fused([self.q_proj, self.k_proj, self.v_proj], self.qkv[0]):
+        if self.qkv is not None and not still_fused(
+            [self.q_proj, self.k_proj, self.v_proj], self.qkv[0]
+        ):
             self.qkv = None  # a parameter was replaced: back to the separate projections
-        if self.qkv is not None and not torch.is_grad_enabled():  # one GEMM for the three projections; with
+        if (
+            self.qkv is not None and not torch.is_grad_enabled()
+        ):  # one GEMM for the three projections; with
             # autograd on, the separate ones: the fused weight is no parameter, so gradients would miss q/k/v
             w, b, widths = self.qkv
-            q, k, v = (t.reshape(B, T, -1, H).transpose(1, 2) for t in linear(x, w, b).split(widths, dim=-1))
+            q, k, v = (
+                t.reshape(B, T, -1, H).transpose(1, 2)
+                for t in linear(x, w, b).split(widths, dim=-1)
+            )
         else:
             q = self.q_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, N, T, H)
             k = self.k_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, K, T, H)
@@ -85,10 +118,15 @@ class Attention(nn.Module):
         model whose projections hold a subset of the heads runs unchanged."""
         B, T, _ = x.shape
         q, k, v = self.project(x)  # (B, N, T, H), (B, K, T, H) x2
-        q, k = self.rope.rotate(q, meta.positions), self.rope.rotate(k, meta.positions)  # RoPE on q and k, never v;
+        q, k = (
+            self.rope.rotate(q, meta.positions),
+            self.rope.rotate(k, meta.positions),
+        )  # RoPE on q and k, never v;
         # the positions were covered once for all layers (Transformer.forward)
         if meta.cache is not None:
-            out = meta.cache.attend(self.layer_idx, q, k, v, meta, self.impl)  # store K/V, then attend
+            out = meta.cache.attend(
+                self.layer_idx, q, k, v, meta, self.impl
+            )  # store K/V, then attend
         else:
             out = self.impl(q, k, v, meta)  # (B, N, T, H)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, N·H)

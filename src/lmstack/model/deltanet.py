@@ -30,8 +30,13 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
 class GatedDeltaNet(RecurrentMixer):
     kind = "gated_deltanet"
 
-    def __init__(self, config: ModelConfig, layer_idx: int = 0,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int = 0,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         c = config
         kw = dict(device=device, dtype=dtype)
@@ -47,27 +52,42 @@ class GatedDeltaNet(RecurrentMixer):
         self.in_proj_z = Linear(c.d_model, value_dim, **kw)
         self.in_proj_b = Linear(c.d_model, self.n_v, **kw)
         self.in_proj_a = Linear(c.d_model, self.n_v, **kw)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, c.conv_kernel, groups=self.conv_dim,
-                                padding=c.conv_kernel - 1, bias=False, **kw)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            c.conv_kernel,
+            groups=self.conv_dim,
+            padding=c.conv_kernel - 1,
+            bias=False,
+            **kw,
+        )
         self.dt_bias = nn.Parameter(torch.ones(self.n_v, **kw))
         self.A_log = nn.Parameter(torch.zeros(self.n_v, **kw))
         self.norm = NormWeight(self.h_v, **kw)
         self.out_proj = Linear(value_dim, c.d_model, **kw)
 
-    def mix(self, x: Tensor, state: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    def mix(
+        self, x: Tensor, state: tuple[Tensor, Tensor] | None
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """x (B, T, D), state (conv inputs, recurrent state) or None -> (B, T, D), new state."""
         B, T, _ = x.shape
         c = torch.float64 if x.dtype == torch.float64 else torch.float32  # the scan's precision
         conv_state, s0 = (None, None) if state is None else state
-        qkv, conv_state = causal_conv(self.in_proj_qkv(x), self.conv1d.weight, self.conv1d.bias, conv_state)
+        qkv, conv_state = causal_conv(
+            self.in_proj_qkv(x), self.conv1d.weight, self.conv1d.bias, conv_state
+        )
         q, k, v = F.silu(qkv).split(self.split, dim=-1)
         rep = self.n_v // self.n_k
-        q = q.view(B, T, self.n_k, self.h_k).repeat_interleave(rep, dim=2).transpose(1, 2).to(c)  # (B, n_v, T, H_k)
+        q = (
+            q.view(B, T, self.n_k, self.h_k).repeat_interleave(rep, dim=2).transpose(1, 2).to(c)
+        )  # (B, n_v, T, H_k)
         k = k.view(B, T, self.n_k, self.h_k).repeat_interleave(rep, dim=2).transpose(1, 2).to(c)
         v = v.view(B, T, self.n_v, self.h_v).transpose(1, 2).to(c)  # (B, n_v, T, H_v)
-        q, k = l2_normalize(q) * self.h_k ** -0.5, l2_normalize(k)
+        q, k = l2_normalize(q) * self.h_k**-0.5, l2_normalize(k)
         beta = torch.sigmoid(self.in_proj_b(x).to(c)).transpose(1, 2)  # (B, n_v, T)
-        g = (-self.A_log.to(c).exp() * F.softplus(self.in_proj_a(x).to(c) + self.dt_bias.to(c))).transpose(1, 2)
+        g = (
+            -self.A_log.to(c).exp() * F.softplus(self.in_proj_a(x).to(c) + self.dt_bias.to(c))
+        ).transpose(1, 2)
         if s0 is not None and T == 1:
             y, s = delta_recurrent(q, k, v, beta, g, state=s0)
         else:
@@ -76,4 +96,3 @@ class GatedDeltaNet(RecurrentMixer):
         z = self.in_proj_z(x).view(B, T, self.n_v, self.h_v)
         y = gated_rms_norm(y, z, self.norm.weight, self.eps, self.h_v, norm_first=True)
         return self.out_proj(y.reshape(B, T, -1)), (conv_state, s)
-

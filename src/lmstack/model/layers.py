@@ -17,15 +17,23 @@ from torch import Tensor, nn
 try:  # private: if a torch release moves it, treat every call as "a dispatch mode is active" (plain F.linear)
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 except ImportError:  # pragma: no cover - depends on the torch version
+
     def _get_current_dispatch_mode():
         return True
 
+
 #: the switch for oneDNN GEMMs on CPU fp32 (``LMSTACK_ONEDNN=0`` turns them off; benchmarks flip it to time both)
 ONEDNN = [os.environ.get("LMSTACK_ONEDNN", "1") != "0"]
-ONEDNN_MIN_ROWS = 8  # below this (decode's GEMV) torch's BLAS is as fast, except for a large weight:
+ONEDNN_MIN_ROWS = (
+    8  # below this (decode's GEMV) torch's BLAS is as fast, except for a large weight:
+)
 #: oneDNN is built into this torch and has the fused linear op (read once: nothing a compiled graph must trace)
-_MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-ONEDNN_MIN_WEIGHT = 1 << 22  # e.g. the unembedding (V·D elements), where oneDNN stays ~2x faster at one row
+_MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_linear_pointwise"
+)
+ONEDNN_MIN_WEIGHT = (
+    1 << 22
+)  # e.g. the unembedding (V·D elements), where oneDNN stays ~2x faster at one row
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -63,16 +71,27 @@ def onednn_ok(x: Tensor) -> bool:
     parallel backend has no oneDNN sharding rule)."""
     # is_compiling() first: Dynamo cannot trace torch.backends.mkldnn.is_available (issue #31: `generate
     # --compile` at fp32 crashed with torch._dynamo.exc.Unsupported), and a compiled graph wants plain mm anyway
-    return (not torch.compiler.is_compiling() and type(x) is Tensor and x.device.type == "cpu"
-            and x.dtype == torch.float32 and ONEDNN[0] and _MKLDNN_LINEAR and _get_current_dispatch_mode() is None
-            and not torch.is_autocast_enabled("cpu"))
+    return (
+        not torch.compiler.is_compiling()
+        and type(x) is Tensor
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and ONEDNN[0]
+        and _MKLDNN_LINEAR
+        and _get_current_dispatch_mode() is None
+        and not torch.is_autocast_enabled("cpu")
+    )
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear``, through oneDNN's GEMM where ``onednn_ok`` and the product is large enough to gain
     (≥ ``ONEDNN_MIN_ROWS`` rows or a weight of ≥ ``ONEDNN_MIN_WEIGHT`` elements); x (..., in) -> (..., out)."""
-    if (type(weight) in (Tensor, nn.Parameter) and weight.dtype == torch.float32 and onednn_ok(x)
-            and (x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1] or weight.numel() >= ONEDNN_MIN_WEIGHT)):
+    if (
+        type(weight) in (Tensor, nn.Parameter)
+        and weight.dtype == torch.float32
+        and onednn_ok(x)
+        and (x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1] or weight.numel() >= ONEDNN_MIN_WEIGHT)
+    ):
         y = onednn_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
@@ -81,12 +100,22 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 class Linear(nn.Module):
     """y = x Wᵀ (+ b), with W of shape (out_features, in_features)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, device=device, dtype=dtype)
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        )
         self.reset_parameters()
 
     def reset_parameters(self, std: float | None = None) -> None:
@@ -112,16 +141,19 @@ def fuse_linears(linears: list[nn.Module]) -> tuple[Tensor, Tensor | None] | Non
     if not all(type(m) is Linear for m in linears):
         return None
     ws = [m.weight for m in linears]
-    if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1 or len({m.bias is None for m in linears}) != 1:
+    if (
+        len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1
+        or len({m.bias is None for m in linears}) != 1
+    ):
         return None
     W = torch.cat([w.detach() for w in ws])  # (ΣO, I)
     b = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
     o = 0
     for m in linears:
         n = m.weight.shape[0]
-        m.weight.data = W[o:o + n]
+        m.weight.data = W[o : o + n]
         if b is not None:
-            m.bias.data = b[o:o + n]
+            m.bias.data = b[o : o + n]
         o += n
     return W, b
 
@@ -134,7 +166,9 @@ def still_fused(linears: list[nn.Module], fused: Tensor) -> bool:
     if torch.compiler.is_compiling():
         return True
     ptr, step = fused.data_ptr(), fused.stride(0) * fused.element_size()
-    for m in linears:  # a module replaced since (quantised, LoRA-wrapped) may have no weight of its own
+    for (
+        m
+    ) in linears:  # a module replaced since (quantised, LoRA-wrapped) may have no weight of its own
         w = getattr(m, "weight", None)
         if not isinstance(w, Tensor) or w.data_ptr() != ptr:
             return False
@@ -145,11 +179,18 @@ def still_fused(linears: list[nn.Module], fused: Tensor) -> bool:
 class Embedding(nn.Module):
     """Lookup W_e[tokens]: (B, S) int -> (B, S, D)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        )
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -182,8 +223,13 @@ class RMSNorm(nn.Module):
     Mistral, Qwen2 and every HF checkpoint do, so that real weights reproduce their logits.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-5,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.dim, self.eps = dim, eps
         # None: the formula below; else a NormImpl from lmstack.kernels.backends (e.g. the fused Triton kernel)
@@ -211,13 +257,20 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """FFN(x) = W_down (Swish(x W_gate) ⊙ x W_up), Swish(g) = g·σ(g) (seed 000 §1.2, §1.11)."""
 
-    def __init__(self, d_model: int, d_ff: int, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.gate_proj = Linear(d_model, d_ff, device=device, dtype=dtype)  # W_gate (F, D)
         self.up_proj = Linear(d_model, d_ff, device=device, dtype=dtype)  # W_up (F, D)
         self.down_proj = Linear(d_ff, d_model, device=device, dtype=dtype)  # W_down (D, F)
-        self.gate_up: Tensor | None = None  # [W_gate; W_up] (2F, D) once ``fuse`` ran: one GEMM for both
+        self.gate_up: Tensor | None = (
+            None  # [W_gate; W_up] (2F, D) once ``fuse`` ran: one GEMM for both
+        )
 
     def fuse(self) -> bool:
         """Compute gate and up with one GEMM from now on (``fuse_linears``); False where they cannot be fused."""
@@ -227,9 +280,13 @@ class SwiGLU(nn.Module):
         return self.gate_up is not None
 
     def forward(self, x: Tensor) -> Tensor:  # (B, S, D) -> (B, S, D)
-        if self.gate_up is not None and not still_fused([self.gate_proj, self.up_proj], self.gate_up):
+        if self.gate_up is not None and not still_fused(
+            [self.gate_proj, self.up_proj], self.gate_up
+        ):
             self.gate_up = None  # a parameter was replaced: back to the separate linears
-        if self.gate_up is not None and not torch.is_grad_enabled():  # inference only: with autograd the separate
+        if (
+            self.gate_up is not None and not torch.is_grad_enabled()
+        ):  # inference only: with autograd the separate
             # linears, whose parameters the gradients must reach (the fused weight is no parameter)
             g, u = linear(x, self.gate_up).chunk(2, dim=-1)  # (B, S, F) x2
             return self.down_proj(F.silu(g) * u)
@@ -251,10 +308,24 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, layout: str) -> Tensor:
     xc = x.to(cos.dtype)
     out = xc * cos
     if layout == "interleaved":
-        x0, x1, o0, o1, s0, s1 = xc[..., 0::2], xc[..., 1::2], out[..., 0::2], out[..., 1::2], sin[..., 0::2], sin[..., 1::2]
+        x0, x1, o0, o1, s0, s1 = (
+            xc[..., 0::2],
+            xc[..., 1::2],
+            out[..., 0::2],
+            out[..., 1::2],
+            sin[..., 0::2],
+            sin[..., 1::2],
+        )
     else:
         h = x.shape[-1] // 2
-        x0, x1, o0, o1, s0, s1 = xc[..., :h], xc[..., h:], out[..., :h], out[..., h:], sin[..., :h], sin[..., h:]
+        x0, x1, o0, o1, s0, s1 = (
+            xc[..., :h],
+            xc[..., h:],
+            out[..., :h],
+            out[..., h:],
+            sin[..., :h],
+            sin[..., h:],
+        )
     o0.addcmul_(x1, s0, value=-1.0)  # first of each pair:  x0 cos - x1 sin
     o1.addcmul_(x0, s1)  # second of each pair: x1 cos + x0 sin
     return out.to(x.dtype)
@@ -292,20 +363,31 @@ class RotaryEmbedding(nn.Module):
     """
 
     INITIAL_POSITIONS = 8192
-    position_scale = 1.0  # angles m·θ_i / position_scale (linear RoPE scaling sets it; exact for 1.0)
+    position_scale = (
+        1.0  # angles m·θ_i / position_scale (linear RoPE scaling sets it; exact for 1.0)
+    )
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0, layout: str = "half"):
+    def __init__(
+        self, head_dim: int, max_seq_len: int, theta: float = 10000.0, layout: str = "half"
+    ):
         super().__init__()
         if layout not in ("half", "interleaved"):
             raise ValueError(f"rope layout={layout!r}; expected 'half' or 'interleaved'")
-        self.head_dim, self.max_seq_len, self.theta, self.layout = head_dim, max_seq_len, theta, layout
+        self.head_dim, self.max_seq_len, self.theta, self.layout = (
+            head_dim,
+            max_seq_len,
+            theta,
+            layout,
+        )
         self.length = min(max_seq_len, self.INITIAL_POSITIONS)  # positions the tables cover
         self._cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
 
     def reserve(self, n: int) -> None:
         """Make the tables cover positions 0 .. n-1 (doubling, capped at ``max_seq_len``)."""
         if n > self.max_seq_len:
-            raise ValueError(f"position {n - 1} is beyond max_seq_len={self.max_seq_len} of the RoPE tables")
+            raise ValueError(
+                f"position {n - 1} is beyond max_seq_len={self.max_seq_len} of the RoPE tables"
+            )
         if n > self.length:
             self.length = min(self.max_seq_len, 1 << (n - 1).bit_length())
             self._cache.clear()
@@ -314,21 +396,28 @@ class RotaryEmbedding(nn.Module):
         """cos(mθ_i), sin(mθ_i) for m < ``self.length``, laid out for ``layout``: two (S, H) tensors."""
         key = (torch.device(device), dtype)
         if key not in self._cache:
-            angles = torch.outer(torch.arange(self.length, dtype=torch.float64) / self.position_scale,
-                                 rope_frequencies(self.head_dim, self.theta))  # (S, H/2), exact in float64
+            angles = torch.outer(
+                torch.arange(self.length, dtype=torch.float64) / self.position_scale,
+                rope_frequencies(self.head_dim, self.theta),
+            )  # (S, H/2), exact in float64
             if self.layout == "interleaved":
                 angles = angles.repeat_interleave(2, dim=-1)  # (S, H): θ0 θ0 θ1 θ1 ...
             else:
                 angles = torch.cat([angles, angles], dim=-1)  # (S, H): θ0 θ1 ... θ0 θ1 ...
-            self._cache[key] = (angles.cos().to(device=device, dtype=dtype),
-                                angles.sin().to(device=device, dtype=dtype))
+            self._cache[key] = (
+                angles.cos().to(device=device, dtype=dtype),
+                angles.sin().to(device=device, dtype=dtype),
+            )
         return self._cache[key]
 
     def cover(self, positions: Tensor) -> None:
         """Grow the tables to cover ``positions`` (and refuse positions >= max_seq_len); reads the
         largest position back to the host only on CPU or while the tables can still grow."""
-        if positions.numel() and not torch.compiler.is_compiling() and (
-                positions.device.type == "cpu" or self.length < self.max_seq_len):
+        if (
+            positions.numel()
+            and not torch.compiler.is_compiling()
+            and (positions.device.type == "cpu" or self.length < self.max_seq_len)
+        ):
             self.reserve(int(positions.max()) + 1)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:

@@ -26,8 +26,13 @@ class LinearAttention(RecurrentMixer):
 
     kind = "linear_attention"
 
-    def __init__(self, config: ModelConfig, layer_idx: int = 0,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int = 0,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         c = config
         kw = dict(device=device, dtype=dtype)
@@ -47,9 +52,11 @@ class LinearAttention(RecurrentMixer):
         k = phi(self.k_proj(x).view(B, T, -1, H).transpose(1, 2))
         v = self.v_proj(x).view(B, T, -1, H).transpose(1, 2)
         if self.normalize:
-            v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # last column accumulates φ(q)·Σφ(k)
+            v = torch.cat(
+                [v, torch.ones_like(v[..., :1])], dim=-1
+            )  # last column accumulates φ(q)·Σφ(k)
         else:
-            q = q * H ** -0.5
+            q = q * H**-0.5
         s0 = None if state is None else state[0]
         if s0 is not None and T == 1:
             y, s = decay_recurrent(q, k, v, None, state=s0)

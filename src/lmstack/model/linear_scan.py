@@ -31,7 +31,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["decay_chunked", "decay_recurrent", "delta_chunked", "delta_recurrent", "check_chunk_size"]
+__all__ = [
+    "decay_chunked",
+    "decay_recurrent",
+    "delta_chunked",
+    "delta_recurrent",
+    "check_chunk_size",
+]
 
 
 def check_chunk_size(chunk_size: int) -> int:
@@ -44,13 +50,19 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, state: Tensor | None, *per_token: Tensor | None) -> None:
+def _check(
+    q: Tensor, k: Tensor, v: Tensor, state: Tensor | None, *per_token: Tensor | None
+) -> None:
     if q.dim() != 4 or q.shape != k.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"q, k must be (B, N, S, Hk) and v (B, N, S, Hv) with equal B, N, S; got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k must be (B, N, S, Hk) and v (B, N, S, Hv) with equal B, N, S; got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     for t in per_token:
         if t is not None and t.shape != q.shape[:3]:
-            raise ValueError(f"per-token gates must be (B, N, S) = {tuple(q.shape[:3])}, got {tuple(t.shape)}")
+            raise ValueError(
+                f"per-token gates must be (B, N, S) = {tuple(q.shape[:3])}, got {tuple(t.shape)}"
+            )
     want = (*q.shape[:2], q.shape[3], v.shape[3])
     if state is not None and tuple(state.shape) != want:
         raise ValueError(f"state has shape {tuple(state.shape)}, expected (B, N, Hk, Hv) = {want}")
@@ -67,7 +79,9 @@ def _chunks(x: Tensor, C: int) -> Tensor:
     return x.reshape(B, N, n, C, *x.shape[3:])
 
 
-def _in_chunk_decays(log_decay: Tensor | None, like: Tensor, C: int, strict: bool) -> tuple[Tensor, Tensor]:
+def _in_chunk_decays(
+    log_decay: Tensor | None, like: Tensor, C: int, strict: bool
+) -> tuple[Tensor, Tensor]:
     """b (B, N, n, C) = cumulative log γ within each chunk, and the (C, C) decay matrix
     exp(b_i − b_j) on j ≤ i (j < i when ``strict``), 0 above."""
     if log_decay is None:
@@ -75,12 +89,15 @@ def _in_chunk_decays(log_decay: Tensor | None, like: Tensor, C: int, strict: boo
     else:
         b = _chunks(log_decay.to(like.dtype), C).cumsum(-1)  # (B, N, n, C)
     keep = torch.ones(C, C, dtype=torch.bool, device=like.device).tril(-1 if strict else 0)
-    diff = (b[..., :, None] - b[..., None, :]).masked_fill(~keep, -torch.inf)  # (B, N, n, C, C), ≤ 0 where kept
+    diff = (b[..., :, None] - b[..., None, :]).masked_fill(
+        ~keep, -torch.inf
+    )  # (B, N, n, C, C), ≤ 0 where kept
     return b, diff.exp()
 
 
-def decay_recurrent(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None = None,
-                    state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def decay_recurrent(
+    q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None = None, state: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """S_t = γ_t S_{t−1} + k_t v_tᵀ, y_t = S_tᵀ q_t, one token at a time. -> y (B, N, S, Hv), S_final."""
     _check(q, k, v, state, log_decay)
     out_dtype, c = q.dtype, _compute_dtype(q)
@@ -97,8 +114,14 @@ def decay_recurrent(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None = 
     return y.to(out_dtype), s
 
 
-def decay_chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None = None, chunk_size: int = 64,
-                  state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def decay_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor | None = None,
+    chunk_size: int = 64,
+    state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """The same recurrence in chunks of C: y = (QKᵀ ⊙ D) V within a chunk (D_ij = exp(b_i − b_j), j ≤ i)
     plus exp(b_i) q_iᵀ S_prev from earlier chunks. -> y (B, N, S, Hv) in q's dtype, S_final."""
     C = check_chunk_size(chunk_size)
@@ -110,7 +133,9 @@ def decay_chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None = No
     b, D = _in_chunk_decays(log_decay, qc, C, strict=False)
     y = ((qc @ kc.transpose(-1, -2)) * D) @ vc  # intra-chunk: (B, N, n, C, Hv)
     last = b[..., -1:]  # (B, N, n, 1): log of the whole chunk's decay
-    chunk_kv = (kc * (last - b).exp()[..., None]).transpose(-1, -2) @ vc  # Σ_j exp(b_C − b_j) k_j v_jᵀ
+    chunk_kv = (kc * (last - b).exp()[..., None]).transpose(
+        -1, -2
+    ) @ vc  # Σ_j exp(b_C − b_j) k_j v_jᵀ
     s = qc.new_zeros(B, N, Hk, Hv) if state is None else state.to(c)
     prev = []
     for i in range(qc.shape[2]):  # inter-chunk state passing
@@ -120,8 +145,14 @@ def decay_chunked(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None = No
     return y.reshape(B, N, -1, Hv)[:, :, :S].to(out_dtype), s
 
 
-def delta_recurrent(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor | None = None,
-                    state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def delta_recurrent(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_decay: Tensor | None = None,
+    state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """S_t = γ_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ, y_t = S_tᵀ q_t, one token at a time."""
     _check(q, k, v, state, beta, log_decay)
     out_dtype, c = q.dtype, _compute_dtype(q)
@@ -133,15 +164,24 @@ def delta_recurrent(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Te
         if log_decay is not None:
             s = log_decay[:, :, t, None, None].to(c).exp() * s  # γ_t S_{t−1}
         kt = k[:, :, t, None, :]  # (B, N, 1, Hk)
-        u = beta[:, :, t, None, None] * (v[:, :, t, None, :] - kt @ s)  # β_t (v_t − S ᵀk_t)ᵀ: (B, N, 1, Hv)
+        u = beta[:, :, t, None, None] * (
+            v[:, :, t, None, :] - kt @ s
+        )  # β_t (v_t − S ᵀk_t)ᵀ: (B, N, 1, Hv)
         s = s + kt.transpose(-1, -2) @ u
         ys.append((q[:, :, t, None, :] @ s).squeeze(2))
     y = torch.stack(ys, dim=2) if ys else v.new_zeros(B, N, 0, v.shape[-1])
     return y.to(out_dtype), s
 
 
-def delta_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Tensor | None = None,
-                  chunk_size: int = 64, state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def delta_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_decay: Tensor | None = None,
+    chunk_size: int = 64,
+    state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """The gated delta rule in chunks of C via the UT/WY representation.
 
     Per chunk (Γ_i = exp(b_i), A_ij = β_i (k_i·k_j) exp(b_i − b_j) for j < i):

@@ -24,28 +24,46 @@ from lmstack.model.recurrent import NormWeight, RecurrentMixer, causal_conv, gat
 class Mamba2Mixer(RecurrentMixer):
     kind = "mamba2"
 
-    def __init__(self, config: ModelConfig, layer_idx: int = 0,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int = 0,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         c = config
         kw = dict(device=device, dtype=dtype)
         self.layer_idx, self.chunk_size, self.eps = layer_idx, c.mixer_chunk_size, c.norm_eps
-        self.dt_limit = c.ssm_dt_limit  # [lo, hi] clamp on Δ after the softplus (HF time_step_limit); None = none
+        self.dt_limit = (
+            c.ssm_dt_limit
+        )  # [lo, hi] clamp on Δ after the softplus (HF time_step_limit); None = none
         self.inner = c.ssm_expand * c.d_model  # I
         self.head_dim = c.ssm_head_dim  # P
         self.n_heads = self.inner // self.head_dim
         self.n_groups, self.state_size = c.ssm_n_groups, c.ssm_state_size  # G, N_state
         self.conv_dim = self.inner + 2 * self.n_groups * self.state_size
-        self.in_proj = Linear(c.d_model, self.inner + self.conv_dim + self.n_heads, **kw)  # [z | xBC | Δ]
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, c.conv_kernel, groups=self.conv_dim,
-                                padding=c.conv_kernel - 1, bias=True, **kw)  # (conv_dim, 1, K)
+        self.in_proj = Linear(
+            c.d_model, self.inner + self.conv_dim + self.n_heads, **kw
+        )  # [z | xBC | Δ]
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            c.conv_kernel,
+            groups=self.conv_dim,
+            padding=c.conv_kernel - 1,
+            bias=True,
+            **kw,
+        )  # (conv_dim, 1, K)
         self.dt_bias = nn.Parameter(torch.ones(self.n_heads, **kw))
         self.A_log = nn.Parameter(torch.zeros(self.n_heads, **kw))
         self.D = nn.Parameter(torch.ones(self.n_heads, **kw))
         self.norm = NormWeight(self.inner, **kw)
         self.out_proj = Linear(self.inner, c.d_model, **kw)
 
-    def mix(self, x: Tensor, state: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    def mix(
+        self, x: Tensor, state: tuple[Tensor, Tensor] | None
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """x (B, T, D), state (conv inputs, recurrent state) or None -> (B, T, D), new state."""
         B, T, _ = x.shape
         P, G, Ns, nH = self.head_dim, self.n_groups, self.state_size, self.n_heads
@@ -59,7 +77,9 @@ class Mamba2Mixer(RecurrentMixer):
             dt = dt.clamp(*self.dt_limit)
         A = -self.A_log.to(c).exp()  # (nH,)
         xh = xs.view(B, T, nH, P).transpose(1, 2)  # (B, nH, T, P)
-        k = Bm.view(B, T, G, Ns).repeat_interleave(nH // G, dim=2).transpose(1, 2)  # (B, nH, T, N_state)
+        k = (
+            Bm.view(B, T, G, Ns).repeat_interleave(nH // G, dim=2).transpose(1, 2)
+        )  # (B, nH, T, N_state)
         q = Cm.view(B, T, G, Ns).repeat_interleave(nH // G, dim=2).transpose(1, 2)
         dt_h = dt.transpose(1, 2)  # (B, nH, T)
         v = xh.to(c) * dt_h[..., None]  # Δ_t x_t
@@ -72,4 +92,3 @@ class Mamba2Mixer(RecurrentMixer):
         y = y.transpose(1, 2).reshape(B, T, self.inner).to(x.dtype)
         y = gated_rms_norm(y, z, self.norm.weight, self.eps, self.inner // G, norm_first=False)
         return self.out_proj(y), (conv_state, h)
-

@@ -31,8 +31,9 @@ full (T, min(S, W)) as a dense kernel computes them; recurrent mixers counted as
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only annotations: model.config reads LAYER_TYPES from here
     from lmstack.model.config import ModelConfig
@@ -76,7 +77,9 @@ class MixerSpec:
     context_parallel: str | None  # None: ring attention can run it; else why not
     paged: str | None  # None: the paged engine serves it; else why not
     speculation: str | None  # None: drafts can be rolled back; else why not
-    in_layer_types: bool = True  # ``layer_types`` may name it (MLA is chosen by ``kv_lora_rank`` instead)
+    in_layer_types: bool = (
+        True  # ``layer_types`` may name it (MLA is chosen by ``kv_lora_rank`` instead)
+    )
     variants: bool = False  # softmax attention whose variants the config switches on (soft-cap, output gate, ...)
 
 
@@ -93,7 +96,9 @@ def _delta_sizes(c: ModelConfig) -> dict[str, int]:
     n_v = c.delta_n_v_heads or n_k
     h_k = c.delta_head_dim or c.head_dim
     h_v = c.delta_v_head_dim or h_k
-    return dict(n_k=n_k, n_v=n_v, h_k=h_k, h_v=h_v, conv_dim=2 * n_k * h_k + n_v * h_v, value_dim=n_v * h_v)
+    return dict(
+        n_k=n_k, n_v=n_v, h_k=h_k, h_v=h_v, conv_dim=2 * n_k * h_k + n_v * h_v, value_dim=n_v * h_v
+    )
 
 
 # ---- parameters ------------------------------------------------------------------------------------------
@@ -120,23 +125,40 @@ def mla_params(c: ModelConfig) -> int:
     D, N = c.d_model, c.n_heads
     h_qk = c.qk_nope_head_dim + c.qk_rope_head_dim
     q = D * c.q_lora_rank + c.q_lora_rank * N * h_qk if c.q_lora_rank else D * N * h_qk
-    return (q + D * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * N * (c.qk_nope_head_dim + c.v_head_dim)
-            + N * c.v_head_dim * D)
+    return (
+        q
+        + D * (c.kv_lora_rank + c.qk_rope_head_dim)
+        + c.kv_lora_rank * N * (c.qk_nope_head_dim + c.v_head_dim)
+        + N * c.v_head_dim * D
+    )
 
 
 def _dsa_indexer_params(c: ModelConfig) -> int:
-    return c.d_model * (c.dsa_index_heads * c.dsa_index_head_dim + c.dsa_index_head_dim + c.dsa_index_heads)
+    return c.d_model * (
+        c.dsa_index_heads * c.dsa_index_head_dim + c.dsa_index_head_dim + c.dsa_index_heads
+    )
 
 
 def _mamba2_params(c: ModelConfig) -> int:
     m, D = _mamba2_sizes(c), c.d_model
-    return D * m["in_out"] + m["conv_dim"] * (c.conv_kernel + 1) + 3 * m["heads"] + m["inner"] + m["inner"] * D
+    return (
+        D * m["in_out"]
+        + m["conv_dim"] * (c.conv_kernel + 1)
+        + 3 * m["heads"]
+        + m["inner"]
+        + m["inner"] * D
+    )
 
 
 def _delta_params(c: ModelConfig) -> int:
     d, D = _delta_sizes(c), c.d_model
-    return (D * (d["conv_dim"] + d["value_dim"] + 2 * d["n_v"]) + d["conv_dim"] * c.conv_kernel + 2 * d["n_v"]
-            + d["h_v"] + d["value_dim"] * D)
+    return (
+        D * (d["conv_dim"] + d["value_dim"] + 2 * d["n_v"])
+        + d["conv_dim"] * c.conv_kernel
+        + 2 * d["n_v"]
+        + d["h_v"]
+        + d["value_dim"] * D
+    )
 
 
 # ---- FLOPs: (weights, context) for B sequences of T tokens attending S keys --------------------------------
@@ -148,7 +170,9 @@ def attended_keys(S: int, window: int | None) -> int:
 def _proj_flops(c: ModelConfig, B: int, T: int) -> int:
     D, N, K, H = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
     gate = D * N * H if c.attn_output_gate else 0
-    return 2 * B * T * (2 * D * N * H + 2 * D * K * H + gate)  # W_Q, W_K, W_V, W_O (+ the gate's projection)
+    return (
+        2 * B * T * (2 * D * N * H + 2 * D * K * H + gate)
+    )  # W_Q, W_K, W_V, W_O (+ the gate's projection)
 
 
 def _attention_flops(c, B, T, S, window):
@@ -161,16 +185,26 @@ def _local_flops(c, B, T, S, window):
 
 
 def _mla_flops(c, B, T, S, window):
-    scores = 2 * B * c.n_heads * T * attended_keys(S, window) * (c.qk_nope_head_dim + c.qk_rope_head_dim
-                                                                 + c.v_head_dim)
-    return 2 * B * T * mla_params(c), scores  # every MLA weight is one multiply-add per token; the expanded form
+    scores = (
+        2
+        * B
+        * c.n_heads
+        * T
+        * attended_keys(S, window)
+        * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+    )
+    return 2 * B * T * mla_params(
+        c
+    ), scores  # every MLA weight is one multiply-add per token; the expanded form
 
 
 def _dsa_flops(c, B, T, S, window):
     proj, _ = _attention_flops(c, B, T, S, window)
     nI, HI = c.dsa_index_heads, c.dsa_index_head_dim
     indexer = 2 * B * T * _dsa_indexer_params(c) + 2 * B * T * nI * HI * S
-    return proj + indexer, 4 * B * c.n_heads * T * min(attended_keys(S, window), c.dsa_top_k) * c.head_dim
+    return proj + indexer, 4 * B * c.n_heads * T * min(
+        attended_keys(S, window), c.dsa_top_k
+    ) * c.head_dim
 
 
 def _linear_flops(c, B, T, S, window):
@@ -187,8 +221,16 @@ def _mamba2_flops(c, B, T, S, window):
 
 def _delta_flops(c, B, T, S, window):
     d, D = _delta_sizes(c), c.d_model
-    proj = 2 * B * T * (D * (d["conv_dim"] + d["value_dim"] + 2 * d["n_v"]) + d["value_dim"] * D
-                        + d["conv_dim"] * c.conv_kernel)
+    proj = (
+        2
+        * B
+        * T
+        * (
+            D * (d["conv_dim"] + d["value_dim"] + 2 * d["n_v"])
+            + d["value_dim"] * D
+            + d["conv_dim"] * c.conv_kernel
+        )
+    )
     return proj, 6 * B * T * d["n_v"] * d["h_k"] * d["h_v"]  # Sᵀk, k uᵀ, Sᵀq
 
 
@@ -198,7 +240,9 @@ def _kv_bytes(c, S, p, ps):
 
 
 def _local_bytes(c, S, p, ps):
-    return 2 * c.n_kv_heads * c.head_dim * min(S, c.local_window - 1) * p  # the W − 1 keys the next query needs
+    return (
+        2 * c.n_kv_heads * c.head_dim * min(S, c.local_window - 1) * p
+    )  # the W − 1 keys the next query needs
 
 
 def _latent_bytes(c, S, p, ps):
@@ -215,7 +259,10 @@ def _linear_bytes(c, S, p, ps):
 
 def _mamba2_bytes(c, S, p, ps):
     m = _mamba2_sizes(c)
-    return m["heads"] * c.ssm_state_size * c.ssm_head_dim * ps + m["conv_dim"] * (c.conv_kernel - 1) * p
+    return (
+        m["heads"] * c.ssm_state_size * c.ssm_head_dim * ps
+        + m["conv_dim"] * (c.conv_kernel - 1) * p
+    )
 
 
 def _delta_bytes(c, S, p, ps):
@@ -228,8 +275,10 @@ def _attention_tp(c: ModelConfig) -> TPPlan:
     """Q, K, V column-parallel by heads (the output gate's per-head [q_h | gate_h] rows split with them), W_O
     row-parallel; per-head QK-norm gammas replicated (each rank's gradient covers its heads only)."""
     if c.qk_norm_full:
-        raise UnsupportedMixer("tensor parallelism: qk_norm_full=True (QK-norm over all heads' features at once, "
-                               "OLMoE) needs every head on every rank; it is not sharded")
+        raise UnsupportedMixer(
+            "tensor parallelism: qk_norm_full=True (QK-norm over all heads' features at once, "
+            "OLMoE) needs every head on every rank; it is not sharded"
+        )
     plan = (("q_proj", "column"), ("k_proj", "column"), ("v_proj", "column"), ("o_proj", "row"))
     return plan + ((("q_norm", "replicated"), ("k_norm", "replicated")) if c.qk_norm else ())
 
@@ -243,15 +292,23 @@ def _mla_tp(c: ModelConfig) -> TPPlan:
     """MLA split by heads: the per-head up-projections (q_proj or q_b_proj, kv_b_proj: [W_UK; W_UV] per head)
     column-parallel, W_O row-parallel; the latent projections and their norms (kv_a_proj, kv_a_layernorm, q_a_proj,
     q_a_layernorm) shared by every head, so replicated (each rank's gradient covers its heads only)."""
-    q = ((("q_a_proj", "replicated"), ("q_a_layernorm", "replicated"), ("q_b_proj", "column")) if c.q_lora_rank
-         else (("q_proj", "column"),))
-    return q + (("kv_a_proj", "replicated"), ("kv_a_layernorm", "replicated"), ("kv_b_proj", "column"),
-                ("o_proj", "row"))
+    q = (
+        (("q_a_proj", "replicated"), ("q_a_layernorm", "replicated"), ("q_b_proj", "column"))
+        if c.q_lora_rank
+        else (("q_proj", "column"),)
+    )
+    return q + (
+        ("kv_a_proj", "replicated"),
+        ("kv_a_layernorm", "replicated"),
+        ("kv_b_proj", "column"),
+        ("o_proj", "row"),
+    )
 
 
 def _refuse_tp(kind: str, why: str) -> Callable[[ModelConfig], TPPlan]:
     def plan(c: ModelConfig) -> TPPlan:
         raise UnsupportedMixer(f"tensor parallelism: {kind} layers are not sharded ({why})")
+
     return plan
 
 
@@ -259,43 +316,126 @@ def _none(c: ModelConfig) -> int:
     return 0
 
 
-_RECURRENT_CP = "its recurrence runs over contiguous tokens, and ring attention hands each rank two non-contiguous " \
-                "load-balanced chunks"
+_RECURRENT_CP = (
+    "its recurrence runs over contiguous tokens, and ring attention hands each rank two non-contiguous "
+    "load-balanced chunks"
+)
 _NO_ROLLBACK = "its recurrent state cannot be rolled back past rejected drafts"
 
-SPECS: dict[str, MixerSpec] = {s.name: s for s in [
-    MixerSpec("attention", "softmax attention", "kv", softmax=True, params=attention_params,
-              norm_params=attention_norm_params, flops=_attention_flops, cache_bytes=_kv_bytes, tp_plan=_attention_tp,
-              context_parallel=None, paged=None, speculation=None, variants=True),
-    MixerSpec("local_attention", "local attention", "kv", softmax=True, params=attention_params,
-              norm_params=attention_norm_params, flops=_local_flops, cache_bytes=_local_bytes, tp_plan=_attention_tp,
-              context_parallel="ring attention has no sliding window", paged=None, speculation=None, variants=True),
-    MixerSpec("linear_attention", "linear attention", "state", softmax=False,
-              params=lambda c: 4 * c.d_model * c.n_heads * c.head_dim, norm_params=_none, flops=_linear_flops,
-              cache_bytes=_linear_bytes, tp_plan=_linear_tp,
-              context_parallel=_RECURRENT_CP, paged=None, speculation=_NO_ROLLBACK),
-    MixerSpec("mamba2", "Mamba-2", "state", softmax=False, params=_mamba2_params, norm_params=_none,
-              flops=_mamba2_flops, cache_bytes=_mamba2_bytes,
-              tp_plan=_refuse_tp("mamba2", "in_proj stacks [z | xBC | Δ] in one matrix, not split by heads"),
-              context_parallel=_RECURRENT_CP, paged=None, speculation=_NO_ROLLBACK),
-    MixerSpec("gated_deltanet", "Gated DeltaNet", "state", softmax=False, params=_delta_params,
-              norm_params=_none, flops=_delta_flops, cache_bytes=_delta_bytes,
-              tp_plan=_refuse_tp("gated_deltanet", "in_proj_qkv stacks [q | k | v] in one matrix, not split by heads"),
-              context_parallel=_RECURRENT_CP, paged=None, speculation=_NO_ROLLBACK),
-    MixerSpec("dsa", "DSA", "kv+index", softmax=False,
-              params=lambda c: attention_params(c) + _dsa_indexer_params(c), norm_params=attention_norm_params,
-              flops=_dsa_flops, cache_bytes=_dsa_bytes,
-              tp_plan=_refuse_tp("dsa", "the lightning indexer scores every key with replicated weights"),
-              context_parallel="its indexer selects keys from the whole sequence",
-              paged="its indexer keys are not stored in the paged blocks; decode DSA models with "
-                    "lmstack.inference.generate (MixerCache)", speculation=None),
-    MixerSpec("mla", "MLA", "latent", softmax=True, params=mla_params,
-              norm_params=lambda c: c.kv_lora_rank + c.q_lora_rank, flops=_mla_flops, cache_bytes=_latent_bytes,
-              tp_plan=_mla_tp,
-              context_parallel="ring attention passes K and V of one head width; MLA's keys (H_n + d_R) and values "
-                               "(H_v) differ",
-              paged=None, speculation=None, in_layer_types=False),
-]}
+SPECS: dict[str, MixerSpec] = {
+    s.name: s
+    for s in [
+        MixerSpec(
+            "attention",
+            "softmax attention",
+            "kv",
+            softmax=True,
+            params=attention_params,
+            norm_params=attention_norm_params,
+            flops=_attention_flops,
+            cache_bytes=_kv_bytes,
+            tp_plan=_attention_tp,
+            context_parallel=None,
+            paged=None,
+            speculation=None,
+            variants=True,
+        ),
+        MixerSpec(
+            "local_attention",
+            "local attention",
+            "kv",
+            softmax=True,
+            params=attention_params,
+            norm_params=attention_norm_params,
+            flops=_local_flops,
+            cache_bytes=_local_bytes,
+            tp_plan=_attention_tp,
+            context_parallel="ring attention has no sliding window",
+            paged=None,
+            speculation=None,
+            variants=True,
+        ),
+        MixerSpec(
+            "linear_attention",
+            "linear attention",
+            "state",
+            softmax=False,
+            params=lambda c: 4 * c.d_model * c.n_heads * c.head_dim,
+            norm_params=_none,
+            flops=_linear_flops,
+            cache_bytes=_linear_bytes,
+            tp_plan=_linear_tp,
+            context_parallel=_RECURRENT_CP,
+            paged=None,
+            speculation=_NO_ROLLBACK,
+        ),
+        MixerSpec(
+            "mamba2",
+            "Mamba-2",
+            "state",
+            softmax=False,
+            params=_mamba2_params,
+            norm_params=_none,
+            flops=_mamba2_flops,
+            cache_bytes=_mamba2_bytes,
+            tp_plan=_refuse_tp(
+                "mamba2", "in_proj stacks [z | xBC | Δ] in one matrix, not split by heads"
+            ),
+            context_parallel=_RECURRENT_CP,
+            paged=None,
+            speculation=_NO_ROLLBACK,
+        ),
+        MixerSpec(
+            "gated_deltanet",
+            "Gated DeltaNet",
+            "state",
+            softmax=False,
+            params=_delta_params,
+            norm_params=_none,
+            flops=_delta_flops,
+            cache_bytes=_delta_bytes,
+            tp_plan=_refuse_tp(
+                "gated_deltanet", "in_proj_qkv stacks [q | k | v] in one matrix, not split by heads"
+            ),
+            context_parallel=_RECURRENT_CP,
+            paged=None,
+            speculation=_NO_ROLLBACK,
+        ),
+        MixerSpec(
+            "dsa",
+            "DSA",
+            "kv+index",
+            softmax=False,
+            params=lambda c: attention_params(c) + _dsa_indexer_params(c),
+            norm_params=attention_norm_params,
+            flops=_dsa_flops,
+            cache_bytes=_dsa_bytes,
+            tp_plan=_refuse_tp(
+                "dsa", "the lightning indexer scores every key with replicated weights"
+            ),
+            context_parallel="its indexer selects keys from the whole sequence",
+            paged="its indexer keys are not stored in the paged blocks; decode DSA models with "
+            "lmstack.inference.generate (MixerCache)",
+            speculation=None,
+        ),
+        MixerSpec(
+            "mla",
+            "MLA",
+            "latent",
+            softmax=True,
+            params=mla_params,
+            norm_params=lambda c: c.kv_lora_rank + c.q_lora_rank,
+            flops=_mla_flops,
+            cache_bytes=_latent_bytes,
+            tp_plan=_mla_tp,
+            context_parallel="ring attention passes K and V of one head width; MLA's keys (H_n + d_R) and values "
+            "(H_v) differ",
+            paged=None,
+            speculation=None,
+            in_layer_types=False,
+        ),
+    ]
+}
 #: the names ``ModelConfig.layer_types`` may hold (``config.MIXERS``): MLA is chosen by ``kv_lora_rank`` instead
 LAYER_TYPES = tuple(k for k, s in SPECS.items() if s.in_layer_types)
 
@@ -332,7 +472,11 @@ def unsupported(c: ModelConfig, ability: str) -> list[tuple[int, str, str]]:
     "speculation")."""
     if ability not in ("context_parallel", "paged", "speculation"):
         raise ValueError(f"ability={ability!r}; expected context_parallel, paged or speculation")
-    return [(i, s.name, getattr(s, ability)) for i, s in enumerate(layer_specs(c)) if getattr(s, ability) is not None]
+    return [
+        (i, s.name, getattr(s, ability))
+        for i, s in enumerate(layer_specs(c))
+        if getattr(s, ability) is not None
+    ]
 
 
 def refuse(c: ModelConfig, ability: str, what: str) -> None:
@@ -341,7 +485,9 @@ def refuse(c: ModelConfig, ability: str, what: str) -> None:
     if bad:
         i, kind, why = bad[0]
         n = sum(k == kind for _, k, _ in bad)
-        raise UnsupportedMixer(f"{what}: layer {i} is a {SPECS[kind].title} layer ({n} of {c.n_layers} layers): {why}")
+        raise UnsupportedMixer(
+            f"{what}: layer {i} is a {SPECS[kind].title} layer ({n} of {c.n_layers} layers): {why}"
+        )
 
 
 def tp_plan(c: ModelConfig, layer_idx: int) -> TPPlan:

@@ -40,7 +40,9 @@ class LocalAttention(Attention):
     """Softmax attention restricted to a sliding window of W positions (Gemma-style local layers).
     The window is this layer's, not the model's: it replaces ``meta.window`` for this layer only."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, rope: RotaryEmbedding | None = None, **kw):
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, rope: RotaryEmbedding | None = None, **kw
+    ):
         super().__init__(config, layer_idx, rope, **kw)
         self.window = config.local_window
 
@@ -48,8 +50,9 @@ class LocalAttention(Attention):
         return super().forward(x, dataclasses.replace(meta, window=self.window))
 
 
-def softmax_attention(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, local: bool = False,
-                      **kw) -> nn.Module:
+def softmax_attention(
+    config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, local: bool = False, **kw
+) -> nn.Module:
     """A softmax-attention layer with the variants the config asks for: Gemma-2/3 / Qwen3-Next's
     (``model.variants``: soft-cap, output gate, own RoPE, offset QK-norm), a local window, OLMoE's whole-projection
     QK-norm and clipping (``model.olmoe``), else the plain GQA ``Attention``."""
@@ -97,7 +100,9 @@ class MixerCache(StoreThenAttend):
         """layer -> (k (B, K, S, H), v, positions (B, S)) of the held positions."""
         return {i: (k[:, :, :n], v[:, :, :n], p[:, :n]) for i, (k, v, p, n) in self._kv.items()}
 
-    def update(self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def update(
+        self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         B, K, T, H = k.shape
         if positions.dim() == 1:
             positions = positions.expand(B, -1)
@@ -108,22 +113,38 @@ class MixerCache(StoreThenAttend):
             kb, vb = k.new_empty(B, K, cap, H), v.new_empty(B, K, cap, v.shape[-1])
             pb = positions.new_full((B, cap), -1)
             if entry is not None:
-                kb[:, :, :n], vb[:, :, :n], pb[:, :n] = entry[0][:, :, :n], entry[1][:, :, :n], entry[2][:, :n]
+                kb[:, :, :n], vb[:, :, :n], pb[:, :n] = (
+                    entry[0][:, :, :n],
+                    entry[1][:, :, :n],
+                    entry[2][:, :n],
+                )
             entry = self._kv[layer_idx] = [kb, vb, pb, n]
         kb, vb, pb, _ = entry
-        kb[:, :, n:n + T], vb[:, :, n:n + T], pb[:, n:n + T] = k, v, positions
+        kb[:, :, n : n + T], vb[:, :, n : n + T], pb[:, n : n + T] = k, v, positions
         entry[3] = n + T
-        return kb[:, :, :n + T], vb[:, :, :n + T], pb[:, :n + T]
+        return kb[:, :, : n + T], vb[:, :, : n + T], pb[:, : n + T]
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
-               impl: AttentionImpl) -> Tensor:
+    def attend(
+        self,
+        layer_idx: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        meta: AttentionMetadata,
+        impl: AttentionImpl,
+    ) -> Tensor:
         out = super().attend(layer_idx, q, k, v, meta, impl)
         entry = self._kv[layer_idx]
         keep = None if meta.window is None else max(meta.window - 1, 0)
-        if keep is not None and entry[3] > keep:  # later queries never see more than the last W − 1 keys
+        if (
+            keep is not None and entry[3] > keep
+        ):  # later queries never see more than the last W − 1 keys
             kb, vb, pb, n = entry
-            kb[:, :, :keep], vb[:, :, :keep], pb[:, :keep] = (kb[:, :, n - keep:n].clone(),
-                                                              vb[:, :, n - keep:n].clone(), pb[:, n - keep:n].clone())
+            kb[:, :, :keep], vb[:, :, :keep], pb[:, :keep] = (
+                kb[:, :, n - keep : n].clone(),
+                vb[:, :, n - keep : n].clone(),
+                pb[:, n - keep : n].clone(),
+            )
             entry[3] = keep
         return out
 
@@ -135,7 +156,10 @@ class MixerCache(StoreThenAttend):
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held: K/V (positions excluded), recurrent states, and extra per-layer tensors."""
-        kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v, _ in self.kv.values())
+        kv = sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size()
+            for k, v, _ in self.kv.values()
+        )
         st = sum(t.numel() * t.element_size() for s in self.states.values() for t in s)
         ex = sum(t.numel() * t.element_size() for t in self.extra.values())
         return {"kv": kv, "state": st, "extra": ex}
@@ -154,7 +178,9 @@ def init_recurrent_parameters(model: nn.Module, seed: int = 0) -> None:
             dt = torch.exp(torch.empty(n).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
             m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹(Δ)
             bound = m.conv1d.weight.shape[-1] ** -0.5
-            m.conv1d.weight.copy_(torch.empty(m.conv1d.weight.shape).uniform_(-bound, bound, generator=gen))
+            m.conv1d.weight.copy_(
+                torch.empty(m.conv1d.weight.shape).uniform_(-bound, bound, generator=gen)
+            )
             if m.conv1d.bias is not None:
                 m.conv1d.bias.zero_()
             if isinstance(m, Mamba2Mixer):

@@ -46,8 +46,13 @@ class MLA(nn.Module):
     #: read as a matrix by the absorbed form (``up_weights``): weight-only quantisation keeps it in floating point
     float_linears = ("kv_b_proj",)
 
-    def __init__(self, config: ModelConfig, layer_idx: int = 0, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int = 0,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         c = config
         self.layer_idx = layer_idx
@@ -60,15 +65,23 @@ class MLA(nn.Module):
         if self.d_cq:
             self.q_a_proj = Linear(c.d_model, self.d_cq, **kw)  # W_DQ (d_c', D)
             self.q_a_layernorm = RMSNorm(self.d_cq, LATENT_NORM_EPS, **kw)
-            self.q_b_proj = Linear(self.d_cq, N * self.h_qk, **kw)  # W_UQ and W_QR (N·(H_n+d_R), d_c')
+            self.q_b_proj = Linear(
+                self.d_cq, N * self.h_qk, **kw
+            )  # W_UQ and W_QR (N·(H_n+d_R), d_c')
         else:
             self.q_proj = Linear(c.d_model, N * self.h_qk, **kw)  # (N·(H_n+d_R), D)
-        self.kv_a_proj = Linear(c.d_model, self.d_c + self.d_rope, **kw)  # [W_DKV; W_KR] (d_c+d_R, D)
+        self.kv_a_proj = Linear(
+            c.d_model, self.d_c + self.d_rope, **kw
+        )  # [W_DKV; W_KR] (d_c+d_R, D)
         self.kv_a_layernorm = RMSNorm(self.d_c, LATENT_NORM_EPS, **kw)
-        self.kv_b_proj = Linear(self.d_c, N * (self.h_nope + self.h_v), **kw)  # [W_UK; W_UV] per head
+        self.kv_b_proj = Linear(
+            self.d_c, N * (self.h_nope + self.h_v), **kw
+        )  # [W_UK; W_UV] per head
         self.o_proj = Linear(N * self.h_v, c.d_model, **kw)  # W_O (D, N·H_v)
         if c.rope_yarn is not None:
-            self.rope = YarnRotaryEmbedding(self.d_rope, c.max_seq_len, c.rope_theta, c.rope_layout, c.rope_yarn)
+            self.rope = YarnRotaryEmbedding(
+                self.d_rope, c.max_seq_len, c.rope_theta, c.rope_layout, c.rope_yarn
+            )
             self.q_scale = self.rope.softmax_scale_factor  # mscale² on top of 1/sqrt(H_n + d_R)
         else:
             self.rope = RotaryEmbedding(self.d_rope, c.max_seq_len, c.rope_theta, c.rope_layout)
@@ -79,7 +92,9 @@ class MLA(nn.Module):
         """x (B, T, D) -> q_nope (B, N, T, H_n), q_rope (B, N, T, d_R) (rotated)."""
         B, T, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.d_cq else self.q_proj(x)
-        q = q.view(B, T, -1, self.h_qk).transpose(1, 2)  # (B, N, T, H_n + d_R); N from the width (a tp shard: N/tp)
+        q = q.view(B, T, -1, self.h_qk).transpose(
+            1, 2
+        )  # (B, N, T, H_n + d_R); N from the width (a tp shard: N/tp)
         q_nope, q_rope = q.split([self.h_nope, self.d_rope], dim=-1)
         return q_nope, self.rope(q_rope, positions)
 
@@ -92,23 +107,31 @@ class MLA(nn.Module):
     def up_weights(self) -> tuple[Tensor, Tensor]:
         """W_UK (N, H_n, d_c) and W_UV (N, H_v, d_c) from ``kv_b_proj``."""
         w = self.kv_b_proj.weight.view(-1, self.h_nope + self.h_v, self.d_c)  # N from the width
-        return w[:, : self.h_nope], w[:, self.h_nope:]
+        return w[:, : self.h_nope], w[:, self.h_nope :]
 
     # ---- the two forms ----------------------------------------------------------------------------
-    def expanded(self, q_nope: Tensor, q_rope: Tensor, c: Tensor, k_rope: Tensor, meta: AttentionMetadata) -> Tensor:
+    def expanded(
+        self, q_nope: Tensor, q_rope: Tensor, c: Tensor, k_rope: Tensor, meta: AttentionMetadata
+    ) -> Tensor:
         """Naive form: per-head keys/values from the latent -> (B, N, T, H_v)."""
         B, T = c.shape[:2]
         kv = self.kv_b_proj(c).view(B, T, -1, self.h_nope + self.h_v).transpose(1, 2)
         k_nope, v = kv.split([self.h_nope, self.h_v], dim=-1)  # (B, N, T, H_n), (B, N, T, H_v)
         q = torch.cat([q_nope, q_rope], dim=-1) * self.q_scale  # (B, N, T, H_n + d_R)
-        k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)  # (B, N, T, H_n + d_R)
-        return self.impl(q, k, v, meta)  # the impl scales by 1/sqrt(H_n + d_R), DeepSeek's softmax scale
+        k = torch.cat(
+            [k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1
+        )  # (B, N, T, H_n + d_R)
+        return self.impl(
+            q, k, v, meta
+        )  # the impl scales by 1/sqrt(H_n + d_R), DeepSeek's softmax scale
 
     def absorbed_query(self, q_nope: Tensor, q_rope: Tensor) -> Tensor:
         """[W_UKᵀ q_nope ; q_R] (B, N, T, d_c + d_R), scaled so that an implementation's 1/sqrt(d_c + d_R)
         becomes DeepSeek's 1/sqrt(H_n + d_R)."""
         w_uk, _ = self.up_weights()
-        q_lat = q_nope @ w_uk  # (B, N, T, H_n) @ (N, H_n, d_c) -> (B, N, T, d_c), one batched matmul
+        q_lat = (
+            q_nope @ w_uk
+        )  # (B, N, T, H_n) @ (N, H_n, d_c) -> (B, N, T, d_c), one batched matmul
         fix = math.sqrt((self.d_c + self.d_rope) / self.h_qk) * self.q_scale
         return torch.cat([q_lat, q_rope], dim=-1) * fix
 
@@ -130,9 +153,13 @@ class MLA(nn.Module):
             q_abs = self.absorbed_query(q_nope, q_rope)  # (B, N, T, d_c + d_R)
             k_lat = torch.cat([c[:, None], k_rope], dim=-1)  # (B, 1, T, d_c + d_R)
             if not getattr(meta.cache, "stores_latent", False):
-                raise ValueError(f"an MLA model needs a latent KV cache (stores_latent = True, e.g. "
-                                 f"lmstack.model.mla.LatentKVCache), got {type(meta.cache).__name__}")
-            o_lat = meta.cache.attend(self.layer_idx, q_abs, k_lat, None, meta, FoldHeads(self.impl))  # (B,N,T,d_c)
+                raise ValueError(
+                    f"an MLA model needs a latent KV cache (stores_latent = True, e.g. "
+                    f"lmstack.model.mla.LatentKVCache), got {type(meta.cache).__name__}"
+                )
+            o_lat = meta.cache.attend(
+                self.layer_idx, q_abs, k_lat, None, meta, FoldHeads(self.impl)
+            )  # (B,N,T,d_c)
             out = self.absorbed_output(o_lat)  # (B, N, T, H_v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -155,13 +182,18 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         mscale, mscale_all = yarn.get("mscale"), yarn.get("mscale_all_dim")
         att = yarn.get("attention_factor")
         if att is None:
-            att = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
-                   else _yarn_mscale(factor))
+            att = (
+                _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                if mscale and mscale_all
+                else _yarn_mscale(factor)
+            )
         self.attention_factor = float(att)
         self.softmax_scale_factor = _yarn_mscale(factor, mscale_all) ** 2 if mscale_all else 1.0
         fast, slow = yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1
 
-        def dim_for(rotations: float) -> float:  # the dimension whose wavelength makes `rotations` turns in orig
+        def dim_for(
+            rotations: float,
+        ) -> float:  # the dimension whose wavelength makes `rotations` turns in orig
             return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
         low, high = dim_for(fast), dim_for(slow)
@@ -170,8 +202,12 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         low, high = max(low, 0), min(high, head_dim - 1)
         if low == high:
             high += 0.001
-        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
-        base = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)  # θ_i
+        ramp = (
+            (torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)
+        ).clamp(0, 1)
+        base = theta ** (
+            -torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim
+        )  # θ_i
         extrapolate = 1 - ramp  # 1: keep θ_i, 0: θ_i / factor
         self.inv_freq = base / factor * (1 - extrapolate) + base * extrapolate  # (H/2,)
 
@@ -180,10 +216,15 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         if key not in self._cache:
             positions = torch.arange(self.length, dtype=torch.float64, device="cpu")
             angles = torch.outer(positions, self.inv_freq)  # (S, H/2)
-            angles = angles.repeat_interleave(2, dim=-1) if self.layout == "interleaved" else torch.cat(
-                [angles, angles], dim=-1)
-            self._cache[key] = ((angles.cos() * self.attention_factor).to(device=device, dtype=dtype),
-                                (angles.sin() * self.attention_factor).to(device=device, dtype=dtype))
+            angles = (
+                angles.repeat_interleave(2, dim=-1)
+                if self.layout == "interleaved"
+                else torch.cat([angles, angles], dim=-1)
+            )
+            self._cache[key] = (
+                (angles.cos() * self.attention_factor).to(device=device, dtype=dtype),
+                (angles.sin() * self.attention_factor).to(device=device, dtype=dtype),
+            )
         return self._cache[key]
 
 
@@ -200,9 +241,14 @@ class FoldHeads:
         if k.shape[1] != 1 or meta.key_positions is None:
             return self.impl(q, k, v, meta)
         B, N, T, d = q.shape
-        tile = (lambda t: None if t is None else t.repeat(N) if t.dim() == 1 else t.repeat(1, N))
-        folded = dataclasses.replace(meta, positions=tile(meta.positions), document_ids=tile(meta.document_ids),
-                                     is_causal=False, cache=None)
+        tile = lambda t: None if t is None else t.repeat(N) if t.dim() == 1 else t.repeat(1, N)
+        folded = dataclasses.replace(
+            meta,
+            positions=tile(meta.positions),
+            document_ids=tile(meta.document_ids),
+            is_causal=False,
+            cache=None,
+        )
         out = self.impl(q.reshape(B, 1, N * T, d), k, v, folded)  # (B, 1, N·T, d_v)
         return out.view(B, N, T, -1)
 
@@ -216,14 +262,20 @@ class LatentKVCache:
 
     stores_latent = True
 
-    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device=None, dtype=torch.float32):
+    def __init__(
+        self, config: ModelConfig, batch_size: int, max_len: int, device=None, dtype=torch.float32
+    ):
         if not config.is_mla:
-            raise ValueError(f"LatentKVCache needs an MLA config (kv_lora_rank > 0), got kv_lora_rank="
-                             f"{config.kv_lora_rank}")
+            raise ValueError(
+                f"LatentKVCache needs an MLA config (kv_lora_rank > 0), got kv_lora_rank="
+                f"{config.kv_lora_rank}"
+            )
         self.d_c = config.kv_lora_rank
         width = config.kv_lora_rank + config.qk_rope_head_dim
-        self.data = [torch.zeros(batch_size, max_len, width, device=device, dtype=dtype)
-                     for _ in range(config.n_layers)]
+        self.data = [
+            torch.zeros(batch_size, max_len, width, device=device, dtype=dtype)
+            for _ in range(config.n_layers)
+        ]
         self.length = [0] * config.n_layers
         self.max_len = max_len
 
@@ -235,8 +287,15 @@ class LatentKVCache:
         """Forget every token at position >= ``length`` (speculation rolls back rejected drafts)."""
         self.length = [min(n, length) for n in self.length]
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor | None, meta: AttentionMetadata,
-               impl: AttentionImpl) -> Tensor:
+    def attend(
+        self,
+        layer_idx: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor | None,
+        meta: AttentionMetadata,
+        impl: AttentionImpl,
+    ) -> Tensor:
         if meta.document_ids is not None:
             raise ValueError("document_ids with a LatentKVCache: it holds one sequence per row")
         T = k.shape[2]
@@ -244,11 +303,13 @@ class LatentKVCache:
         if start + T > self.max_len:
             raise ValueError(f"LatentKVCache: {start} + {T} tokens exceed max_len={self.max_len}")
         buf = self.data[layer_idx]
-        buf[:, start:start + T] = k[:, 0].to(buf.dtype)
+        buf[:, start : start + T] = k[:, 0].to(buf.dtype)
         self.length[layer_idx] = start + T
         keys = buf[:, None, : start + T]  # (B, 1, S, d_c + d_R)
         key_positions = torch.arange(start + T, device=buf.device)
-        return impl(q, keys.to(q.dtype), keys[..., : self.d_c].to(q.dtype), meta.for_keys(key_positions))
+        return impl(
+            q, keys.to(q.dtype), keys[..., : self.d_c].to(q.dtype), meta.for_keys(key_positions)
+        )
 
 
 def kv_bytes_per_token(config: ModelConfig, bytes_per_value: int = 2) -> int:

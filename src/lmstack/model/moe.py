@@ -26,7 +26,10 @@ from torch import Tensor, nn
 from lmstack.model.layers import ONEDNN, Linear, SwiGLU, onednn_linear, onednn_ok  # noqa: F401 (ONEDNN: the switch)
 
 ROUTER_SCORES = ("softmax", "sigmoid")
-ROUTER_ORDERS = ("softmax_topk", "topk_softmax")  # softmax then top-k | top-k of the logits then softmax
+ROUTER_ORDERS = (
+    "softmax_topk",
+    "topk_softmax",
+)  # softmax then top-k | top-k of the logits then softmax
 ROUTER_KINDS = ("topk", "hash")
 
 
@@ -40,8 +43,17 @@ class Routing:
     logits: Tensor | None  # (T, E) raw router logits (z-loss); None for hash routing
 
 
-def route(logits: Tensor, k: int, score: str = "softmax", order: str = "softmax_topk", norm_topk: bool = False,
-          scale: float = 1.0, bias: Tensor | None = None, n_groups: int = 1, topk_groups: int = 1) -> Routing:
+def route(
+    logits: Tensor,
+    k: int,
+    score: str = "softmax",
+    order: str = "softmax_topk",
+    norm_topk: bool = False,
+    scale: float = 1.0,
+    bias: Tensor | None = None,
+    n_groups: int = 1,
+    topk_groups: int = 1,
+) -> Routing:
     """The top-k router on logits (T, E) -> Routing.
 
     ``score``: s = softmax(logits) (Mixtral, OLMoE, Qwen-MoE, DeepSeek-V2) or sigmoid(logits) (DeepSeek-V3).
@@ -78,7 +90,11 @@ def route(logits: Tensor, k: int, score: str = "softmax", order: str = "softmax_
     return Routing(expert_ids, (weights * scale).to(logits.dtype), probs, logits)
 
 
-HASH_MULT, HASH_STEP, HASH_PRIME = 2654435761, 0x9E3779B1, 2147483647  # Knuth's multiplier, 2^32/φ, 2^31 − 1
+HASH_MULT, HASH_STEP, HASH_PRIME = (
+    2654435761,
+    0x9E3779B1,
+    2147483647,
+)  # Knuth's multiplier, 2^32/φ, 2^31 − 1
 
 
 def hash_route(token_ids: Tensor, n_experts: int, k: int = 1, seed: int = 0) -> Routing:
@@ -87,11 +103,16 @@ def hash_route(token_ids: Tensor, n_experts: int, k: int = 1, seed: int = 0) -> 
     no parameters, a fixed function of the token (the same in training, prefill and decode), balanced
     in expectation over distinct tokens (skewed only as much as the token frequencies are)."""
     ids = token_ids.reshape(-1).long()  # (T,); t·HASH_MULT < 2^63 for any id < 2^31
-    cols = [((ids * HASH_MULT + j * HASH_STEP + seed) % HASH_PRIME) % n_experts for j in range(k)]  # k hashes
-    expert_ids = torch.stack(cols, dim=-1)  # (T, k)  (may repeat an expert when k > 1: a gate of 2/k then)
+    cols = [
+        ((ids * HASH_MULT + j * HASH_STEP + seed) % HASH_PRIME) % n_experts for j in range(k)
+    ]  # k hashes
+    expert_ids = torch.stack(
+        cols, dim=-1
+    )  # (T, k)  (may repeat an expert when k > 1: a gate of 2/k then)
     T = ids.numel()
     probs = torch.zeros(T, n_experts, device=ids.device).scatter_add_(
-        1, expert_ids, torch.full((T, k), 1.0 / k, device=ids.device))
+        1, expert_ids, torch.full((T, k), 1.0 / k, device=ids.device)
+    )
     return Routing(expert_ids, torch.full((T, k), 1.0 / k, device=ids.device), probs, None)
 
 
@@ -100,17 +121,27 @@ def balance_loss(probs: Tensor, expert_ids: Tensor, n_experts: int) -> Tensor:
     (k = 1: the seed's argmax count over T) and P_i the mean router probability of expert i.
     Equals 1 for a perfectly uniform router; ∂/∂p_i(x) = N·f_i / T (f_i carries no gradient)."""
     T = probs.shape[0]
-    f = torch.bincount(expert_ids.reshape(-1), minlength=n_experts).to(probs.dtype) / expert_ids.numel()  # (E,)
+    f = (
+        torch.bincount(expert_ids.reshape(-1), minlength=n_experts).to(probs.dtype)
+        / expert_ids.numel()
+    )  # (E,)
     P = probs.mean(dim=0) if T else probs.sum(dim=0)  # (E,)
     return n_experts * (f * P).sum()
 
 
-def device_balance_loss(probs: Tensor, expert_ids: Tensor, n_experts: int, n_devices: int) -> Tensor:
+def device_balance_loss(
+    probs: Tensor, expert_ids: Tensor, n_experts: int, n_devices: int
+) -> Tensor:
     """DeepSeek-V2's device-level balance loss / α_dev: experts split into n_devices equal groups,
     Σ_d f'_d·P'_d with f'_d = mean over the group of N·f_i and P'_d = Σ over the group of P_i (1 when uniform)."""
     if n_experts % n_devices:
-        raise ValueError(f"device balance: n_experts={n_experts} is not divisible by n_devices={n_devices}")
-    f = torch.bincount(expert_ids.reshape(-1), minlength=n_experts).to(probs.dtype) / expert_ids.numel()
+        raise ValueError(
+            f"device balance: n_experts={n_experts} is not divisible by n_devices={n_devices}"
+        )
+    f = (
+        torch.bincount(expert_ids.reshape(-1), minlength=n_experts).to(probs.dtype)
+        / expert_ids.numel()
+    )
     f_dev = (n_experts * f).view(n_devices, -1).mean(dim=1)  # (devices,)
     P_dev = probs.mean(dim=0).view(n_devices, -1).sum(dim=1)  # (devices,)
     return (f_dev * P_dev).sum()
@@ -128,17 +159,22 @@ def expert_swiglu(x: Tensor, counts: list[int], gate: Tensor, up: Tensor, down: 
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[0]:
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         h = F.silu(torch._grouped_mm(x, gate.transpose(1, 2), offs=offs)) * torch._grouped_mm(
-            x, up.transpose(1, 2), offs=offs)  # (R, F)
+            x, up.transpose(1, 2), offs=offs
+        )  # (R, F)
         return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)  # (R, D)
     outs = []
     linear = onednn_linear if onednn_ok(x) and type(gate) in (Tensor, nn.Parameter) else F.linear
     # unbind once: its backward stacks the E per-expert grads in one op (indexing gate[e] per expert would
     # materialise a zero (E, F, D) grad per expert and add them up)
     gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
-    for e, rows in enumerate(x.split(counts)):  # a loop over the E experts; each is one (n_e, D) block
+    for e, rows in enumerate(
+        x.split(counts)
+    ):  # a loop over the E experts; each is one (n_e, D) block
         if rows.shape[0]:
             outs.append(linear(F.silu(linear(rows, gates[e])) * linear(rows, ups[e]), downs[e]))
-    if not outs:  # no rows for any expert here: still a (0, D) result *in the graph* of x and the weights, so
+    if (
+        not outs
+    ):  # no rows for any expert here: still a (0, D) result *in the graph* of x and the weights, so
         # the backward reaches x (with expert parallelism the all-to-all that produced x must run its backward
         # collective on every rank, or the ranks deadlock/abort: issue #31)
         rows = x[:0]  # F.linear: oneDNN has no primitive for an empty product's backward
@@ -158,10 +194,18 @@ def loop_reference(x: Tensor, routing: Routing, gate: Tensor, up: Tensor, down: 
 class ExpertWeights(nn.Module):
     """E stacked weight matrices ``weight`` (E, out, in): one Linear per expert, multiplied grouped."""
 
-    def __init__(self, n_experts: int, in_features: int, out_features: int,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        n_experts: int,
+        in_features: int,
+        out_features: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features, device=device, dtype=dtype))
+        self.weight = nn.Parameter(
+            torch.empty(n_experts, out_features, in_features, device=device, dtype=dtype)
+        )
         if self.weight.device.type != "meta":
             std = 1.0 / math.sqrt(in_features)
             nn.init.trunc_normal_(self.weight, std=std, a=-3 * std, b=3 * std)
@@ -176,17 +220,30 @@ class Router(nn.Module):
     with aux-loss-free balancing, is added to the scores for *selection only* (never to the logits or the
     gate values) and is moved by ``MoE.update_bias``, not by the optimizer (``requires_grad=False``)."""
 
-    def __init__(self, d_model: int, n_experts: int, selection_bias: bool = False,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        n_experts: int,
+        selection_bias: bool = False,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_experts, d_model, device=device, dtype=dtype))
-        self.bias = (nn.Parameter(torch.zeros(n_experts, device=device, dtype=torch.float32), requires_grad=False)
-                     if selection_bias else None)
+        self.bias = (
+            nn.Parameter(
+                torch.zeros(n_experts, device=device, dtype=torch.float32), requires_grad=False
+            )
+            if selection_bias
+            else None
+        )
         if self.weight.device.type != "meta":
             std = 1.0 / math.sqrt(d_model)
             nn.init.trunc_normal_(self.weight, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, x: Tensor) -> Tensor:  # (T, D) -> logits (T, E), in fp32 as every HF MoE router
+    def forward(
+        self, x: Tensor
+    ) -> Tensor:  # (T, D) -> logits (T, E), in fp32 as every HF MoE router
         return F.linear(x.float(), self.weight.float())
 
 
@@ -201,29 +258,60 @@ class MoE(nn.Module):
     with gradient), ``stats`` the load counts (E,), dropped assignments and the unweighted terms.
     """
 
-    def __init__(self, d_model: int, n_experts: int, k: int, d_ff: int, n_shared: int = 0, d_ff_shared: int = 0,
-                 shared_gate: bool = False, score: str = "softmax", order: str = "softmax_topk",
-                 norm_topk: bool = False, scale: float = 1.0, n_groups: int = 1, topk_groups: int = 1,
-                 aux_free_bias: bool = False, capacity_factor: float | None = None, router: str = "topk",
-                 aux_loss_coef: float = 0.0, device_loss_coef: float = 0.0, n_devices: int = 1,
-                 z_loss_coef: float = 0.0, device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        n_experts: int,
+        k: int,
+        d_ff: int,
+        n_shared: int = 0,
+        d_ff_shared: int = 0,
+        shared_gate: bool = False,
+        score: str = "softmax",
+        order: str = "softmax_topk",
+        norm_topk: bool = False,
+        scale: float = 1.0,
+        n_groups: int = 1,
+        topk_groups: int = 1,
+        aux_free_bias: bool = False,
+        capacity_factor: float | None = None,
+        router: str = "topk",
+        aux_loss_coef: float = 0.0,
+        device_loss_coef: float = 0.0,
+        n_devices: int = 1,
+        z_loss_coef: float = 0.0,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         if not 1 <= k <= n_experts:
             raise ValueError(f"experts per token k={k} must be between 1 and n_experts={n_experts}")
         self.n_experts, self.k, self.d_ff = n_experts, k, d_ff
         self.score, self.order, self.norm_topk, self.scale = score, order, norm_topk, scale
         self.n_groups, self.topk_groups, self.capacity_factor, self.router_kind = (
-            n_groups, topk_groups, capacity_factor, router)
+            n_groups,
+            topk_groups,
+            capacity_factor,
+            router,
+        )
         self.aux_loss_coef, self.device_loss_coef, self.n_devices, self.z_loss_coef = (
-            aux_loss_coef, device_loss_coef, n_devices, z_loss_coef)
+            aux_loss_coef,
+            device_loss_coef,
+            n_devices,
+            z_loss_coef,
+        )
         kw = dict(device=device, dtype=dtype)
         self.router = Router(d_model, n_experts, aux_free_bias, **kw)
-        self.gate_proj = ExpertWeights(n_experts, d_model, d_ff, **kw)  # W_gate per expert (E, F, D)
+        self.gate_proj = ExpertWeights(
+            n_experts, d_model, d_ff, **kw
+        )  # W_gate per expert (E, F, D)
         self.up_proj = ExpertWeights(n_experts, d_model, d_ff, **kw)  # W_up (E, F, D)
         self.down_proj = ExpertWeights(n_experts, d_ff, d_model, **kw)  # W_down (E, D, F)
         self.shared = SwiGLU(d_model, d_ff_shared, **kw) if n_shared else None
         self.shared_gate = Linear(d_model, 1, **kw) if (n_shared and shared_gate) else None
-        self.reads_token_ids = router == "hash"  # the Block passes the input token ids (AttentionMetadata.token_ids)
+        self.reads_token_ids = (
+            router == "hash"
+        )  # the Block passes the input token ids (AttentionMetadata.token_ids)
         self.aux_loss: Tensor | None = None
         self.stats: dict[str, Tensor] = {}
 
@@ -231,15 +319,28 @@ class MoE(nn.Module):
         """x (T, D) -> the routing decision; hash routing reads ``token_ids`` (B, S) with B·S = T instead."""
         if self.router_kind == "hash":
             if token_ids is None:
-                raise ValueError("hash routing needs the input token ids: call moe(x, token_ids=tokens (B, S)); "
-                                 "a Transformer passes them (AttentionMetadata.token_ids), a pipeline stage "
-                                 "without the embedding cannot")
+                raise ValueError(
+                    "hash routing needs the input token ids: call moe(x, token_ids=tokens (B, S)); "
+                    "a Transformer passes them (AttentionMetadata.token_ids), a pipeline stage "
+                    "without the embedding cannot"
+                )
             if token_ids.numel() != x.shape[0]:
-                raise ValueError(f"hash routing: token_ids has {token_ids.numel()} ids "
-                                 f"(shape {tuple(token_ids.shape)}) for {x.shape[0]} tokens")
+                raise ValueError(
+                    f"hash routing: token_ids has {token_ids.numel()} ids "
+                    f"(shape {tuple(token_ids.shape)}) for {x.shape[0]} tokens"
+                )
             return hash_route(token_ids.to(x.device), self.n_experts, self.k)
-        return route(self.router(x), self.k, self.score, self.order, self.norm_topk, self.scale,
-                     self.router.bias, self.n_groups, self.topk_groups)
+        return route(
+            self.router(x),
+            self.k,
+            self.score,
+            self.order,
+            self.norm_topk,
+            self.scale,
+            self.router.bias,
+            self.n_groups,
+            self.topk_groups,
+        )
 
     def capacity(self, T: int) -> int | None:
         """Per-expert capacity ceil(cf · T·k / E) assignments, or None (no dropping, the default)."""
@@ -247,13 +348,17 @@ class MoE(nn.Module):
             return None
         return math.ceil(self.capacity_factor * T * self.k / self.n_experts)
 
-    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:  # (B, T, D) -> (B, T, D)
+    def forward(
+        self, x: Tensor, token_ids: Tensor | None = None
+    ) -> Tensor:  # (B, T, D) -> (B, T, D)
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, D)
         T, E, k = x.shape[0], self.n_experts, self.k
         r = self.routing(x, token_ids)
         flat_e = r.expert_ids.reshape(-1)  # (T·k,)
-        order = torch.argsort(flat_e, stable=True)  # assignments sorted by expert, in token order within one
+        order = torch.argsort(
+            flat_e, stable=True
+        )  # assignments sorted by expert, in token order within one
         counts_t = torch.bincount(flat_e, minlength=E)  # (E,) load
         tok = order // k  # (T·k,) token of each sorted assignment
         w = r.weights.reshape(-1)[order]  # (T·k,)
@@ -261,18 +366,25 @@ class MoE(nn.Module):
         cap = self.capacity(T)
         if cap is not None:  # keep the first `cap` assignments of each expert, in token order
             starts = torch.cumsum(counts_t, 0) - counts_t  # (E,)
-            rank = torch.arange(flat_e.numel(), device=x.device) - starts[flat_e[order]]  # rank within its expert
+            rank = (
+                torch.arange(flat_e.numel(), device=x.device) - starts[flat_e[order]]
+            )  # rank within its expert
             keep = rank < cap
             dropped = (~keep).sum()
             order, tok, w = order[keep], tok[keep], w[keep]
             counts_t = counts_t.clamp(max=cap)
         counts = counts_t.tolist()
-        y = expert_swiglu(x[tok], counts, self.gate_proj.weight, self.up_proj.weight,
-                          self.down_proj.weight)  # (R, D)
-        out = torch.zeros_like(x).index_add_(0, tok, y * w[:, None].to(y.dtype))  # combine: Σ_i g_i FFN_i
+        y = expert_swiglu(
+            x[tok], counts, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        )  # (R, D)
+        out = torch.zeros_like(x).index_add_(
+            0, tok, y * w[:, None].to(y.dtype)
+        )  # combine: Σ_i g_i FFN_i
         if self.shared is not None:
             s = self.shared(x)
-            out = out + (torch.sigmoid(self.shared_gate(x)) * s if self.shared_gate is not None else s)
+            out = out + (
+                torch.sigmoid(self.shared_gate(x)) * s if self.shared_gate is not None else s
+            )
         self._record(r, x.new_tensor(0.0), counts_t, dropped)
         return out.view(shape)
 
@@ -295,8 +407,12 @@ class MoE(nn.Module):
                 aux = aux + self.z_loss_coef * terms["z"]
         self.aux_loss = aux + zero
         full_load = torch.bincount(r.expert_ids.reshape(-1), minlength=E)
-        self.stats = {"load": full_load.detach(), "kept": load.detach(), "dropped": dropped.detach(),
-                      **{k: v.detach() for k, v in terms.items()}}
+        self.stats = {
+            "load": full_load.detach(),
+            "kept": load.detach(),
+            "dropped": dropped.detach(),
+            **{k: v.detach() for k, v in terms.items()},
+        }
 
     @torch.no_grad()
     def update_bias(self, load: Tensor, rate: float) -> None:
@@ -308,24 +424,47 @@ class MoE(nn.Module):
         self.router.bias += rate * torch.sign(load.mean() - load)
 
     def extra_repr(self) -> str:
-        return (f"experts={self.n_experts}, k={self.k}, d_ff={self.d_ff}, score={self.score!r}, "
-                f"order={self.order!r}, capacity_factor={self.capacity_factor}")
+        return (
+            f"experts={self.n_experts}, k={self.k}, d_ff={self.d_ff}, score={self.score!r}, "
+            f"order={self.order!r}, capacity_factor={self.capacity_factor}"
+        )
 
 
 def moe_from_config(c, device: torch.device | None = None, dtype: torch.dtype | None = None) -> MoE:
     """The MoE FFN a ``ModelConfig`` describes (``transformer.channel_mixer`` picks it per layer)."""
     d_ff = c.d_ff_expert or c.d_ff
     d_shared = c.d_ff_shared or c.n_shared_experts * d_ff
-    return MoE(c.d_model, c.n_experts, c.n_experts_per_token, d_ff, c.n_shared_experts, d_shared,
-               c.shared_expert_gate, c.router_score, c.router_order, c.router_norm_topk, c.router_scale,
-               c.router_groups, c.router_topk_groups, c.router_aux_free_bias, c.capacity_factor, c.router,
-               c.moe_aux_loss_coef, c.moe_device_loss_coef, c.moe_devices, c.moe_z_loss_coef,
-               device=device, dtype=dtype)
+    return MoE(
+        c.d_model,
+        c.n_experts,
+        c.n_experts_per_token,
+        d_ff,
+        c.n_shared_experts,
+        d_shared,
+        c.shared_expert_gate,
+        c.router_score,
+        c.router_order,
+        c.router_norm_topk,
+        c.router_scale,
+        c.router_groups,
+        c.router_topk_groups,
+        c.router_aux_free_bias,
+        c.capacity_factor,
+        c.router,
+        c.moe_aux_loss_coef,
+        c.moe_device_loss_coef,
+        c.moe_devices,
+        c.moe_z_loss_coef,
+        device=device,
+        dtype=dtype,
+    )
 
 
 def moe_modules(model: nn.Module) -> list[nn.Module]:
     """The model's MoE layers: ``MoE`` and wrappers of one (``is_expert_parallel``, lmstack.parallel.expert)."""
-    return [m for m in model.modules() if isinstance(m, MoE) or getattr(m, "is_expert_parallel", False)]
+    return [
+        m for m in model.modules() if isinstance(m, MoE) or getattr(m, "is_expert_parallel", False)
+    ]
 
 
 def moe_aux_loss(model: nn.Module) -> Tensor | None:
@@ -342,12 +481,18 @@ def moe_metrics(model: nn.Module) -> dict[str, float]:
     if not mods:
         return {}
     load = torch.stack([m.stats["load"].float() for m in mods])  # (L_moe, E)
-    out = {"moe_load_max_over_mean": float((load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)).mean()),
-           "moe_dropped": float(sum(int(m.stats["dropped"]) for m in mods)),
-           "moe_balance": float(torch.stack([m.stats["balance"] for m in mods]).mean()),
-           # collapse: share of (layer, expert) pairs getting < 1 % of their layer's assignments / none at all
-           "moe_experts_below_1pct": float((load < 0.01 * load.sum(dim=1, keepdim=True)).float().mean()),
-           "moe_experts_dead": float((load == 0).float().mean())}
+    out = {
+        "moe_load_max_over_mean": float(
+            (load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)).mean()
+        ),
+        "moe_dropped": float(sum(int(m.stats["dropped"]) for m in mods)),
+        "moe_balance": float(torch.stack([m.stats["balance"] for m in mods]).mean()),
+        # collapse: share of (layer, expert) pairs getting < 1 % of their layer's assignments / none at all
+        "moe_experts_below_1pct": float(
+            (load < 0.01 * load.sum(dim=1, keepdim=True)).float().mean()
+        ),
+        "moe_experts_dead": float((load == 0).float().mean()),
+    }
     if all("z" in m.stats for m in mods):
         out["moe_z"] = float(torch.stack([m.stats["z"] for m in mods]).mean())
     for i, c in enumerate(load.sum(dim=0).tolist()):

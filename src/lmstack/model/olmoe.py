@@ -18,8 +18,14 @@ from lmstack.model.layers import RMSNorm, RotaryEmbedding
 class OlmoeAttention(Attention):
     """``Attention`` with ``q_norm`` (N·H,) / ``k_norm`` (K·H,) over whole projections and ``qkv_clip``."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int = 0, rope: RotaryEmbedding | None = None,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int = 0,
+        rope: RotaryEmbedding | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__(config.replace(qk_norm=False), layer_idx, rope, device=device, dtype=dtype)
         c, kw = config, dict(device=device, dtype=dtype)
         self.clip = c.qkv_clip

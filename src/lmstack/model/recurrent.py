@@ -10,7 +10,9 @@ from torch import Tensor, nn
 from lmstack.model.seam import AttentionMetadata
 
 
-def causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor | None) -> tuple[Tensor, Tensor]:
+def causal_conv(
+    x: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor | None
+) -> tuple[Tensor, Tensor]:
     """Depthwise causal convolution over time with its carried inputs.
 
     x: (B, T, Cd); weight (Cd, 1, Kc); state (B, Cd, Kc − 1): the previous call's last inputs (None = zeros).
@@ -21,18 +23,24 @@ def causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor | 
     if state is None:
         state = xt.new_zeros(B, Cd, Kc - 1)
     elif tuple(state.shape) != (B, Cd, Kc - 1):
-        raise ValueError(f"conv state has shape {tuple(state.shape)}, expected (B, channels, conv_kernel - 1) = "
-                         f"{(B, Cd, Kc - 1)}")
+        raise ValueError(
+            f"conv state has shape {tuple(state.shape)}, expected (B, channels, conv_kernel - 1) = "
+            f"{(B, Cd, Kc - 1)}"
+        )
     padded = torch.cat([state.to(xt.dtype), xt], dim=-1)  # (B, Cd, Kc − 1 + T)
-    if T <= Kc:  # decode: a few multiply-adds per channel; F.conv1d's setup costs more than the work
+    if (
+        T <= Kc
+    ):  # decode: a few multiply-adds per channel; F.conv1d's setup costs more than the work
         y = (padded.unfold(-1, Kc, 1) * weight.view(Cd, 1, Kc)).sum(-1)  # (B, Cd, T)
         y = y if bias is None else y + bias[:, None]
     else:
         y = F.conv1d(padded, weight, bias, groups=Cd)  # (B, Cd, T)
-    return y.transpose(1, 2), padded[..., padded.shape[-1] - (Kc - 1):]
+    return y.transpose(1, 2), padded[..., padded.shape[-1] - (Kc - 1) :]
 
 
-def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float, group: int, norm_first: bool) -> Tensor:
+def gated_rms_norm(
+    y: Tensor, z: Tensor, weight: Tensor, eps: float, group: int, norm_first: bool
+) -> Tensor:
     """RMSNorm over groups of ``group`` channels, gated by silu(z): norm(y)·γ·silu(z) (Gated DeltaNet,
     ``norm_first``) or norm(y·silu(z))·γ (Mamba-2). In fp32 (fp64 for an fp64 y), returned in y's dtype."""
     dtype = y.dtype
@@ -53,8 +61,10 @@ def cached_state(meta: AttentionMetadata, layer_idx: int, kind: str):
     if meta.cache is None:
         return None
     if not hasattr(meta.cache, "get_state"):
-        raise TypeError(f"layer {layer_idx} ({kind}) keeps a recurrent state, which {type(meta.cache).__name__} "
-                        "cannot hold; decode hybrids with lmstack.model.mixers.MixerCache")
+        raise TypeError(
+            f"layer {layer_idx} ({kind}) keeps a recurrent state, which {type(meta.cache).__name__} "
+            "cannot hold; decode hybrids with lmstack.model.mixers.MixerCache"
+        )
     return meta.cache.get_state(layer_idx)
 
 
@@ -65,14 +75,16 @@ def per_document(fn, x: Tensor, document_ids: Tensor) -> Tensor:
     for b in range(x.shape[0]):
         ids = document_ids[b]
         cuts = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist(), ids.shape[0]]
-        rows.append(torch.cat([fn(x[b:b + 1, s:e]) for s, e in zip(cuts, cuts[1:])], dim=1))
+        rows.append(torch.cat([fn(x[b : b + 1, s:e]) for s, e in zip(cuts, cuts[1:])], dim=1))
     return torch.cat(rows, dim=0)
 
 
 class NormWeight(nn.Module):
     """Holds a gated norm's γ under the HF name ``norm.weight`` (applied by ``gated_rms_norm``)."""
 
-    def __init__(self, n: int, device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self, n: int, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(n, device=device, dtype=dtype))
 
@@ -90,12 +102,16 @@ class RecurrentMixer(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        if meta.cache is not None and hasattr(meta.cache, "recurrent"):  # the engine's batch: a state per sequence
+        if meta.cache is not None and hasattr(
+            meta.cache, "recurrent"
+        ):  # the engine's batch: a state per sequence
             return meta.cache.recurrent(self.layer_idx, x, self.mix)
         if meta.document_ids is not None:
             if meta.cache is not None:
-                raise ValueError(f"layer {self.layer_idx} ({self.kind}): document_ids with a cache; a MixerCache "
-                                 "holds one sequence per row")
+                raise ValueError(
+                    f"layer {self.layer_idx} ({self.kind}): document_ids with a cache; a MixerCache "
+                    "holds one sequence per row"
+                )
             return per_document(lambda seg: self.mix(seg, None)[0], x, meta.document_ids)
         y, state = self.mix(x, cached_state(meta, self.layer_idx, self.kind))
         if meta.cache is not None:

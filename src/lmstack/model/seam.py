@@ -25,8 +25,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def attention_mask(q_positions: Tensor, k_positions: Tensor, window: int | None = None,
-                   q_documents: Tensor | None = None, k_documents: Tensor | None = None) -> Tensor:
+def attention_mask(
+    q_positions: Tensor,
+    k_positions: Tensor,
+    window: int | None = None,
+    q_documents: Tensor | None = None,
+    k_documents: Tensor | None = None,
+) -> Tensor:
     """Boolean mask, True where query i may attend key j (seed 000 §1.3 convention).
 
     q_positions: (B, T) or (T,); k_positions: (B, S) or (S,). Key j is visible to query i when
@@ -84,12 +89,24 @@ class AttentionMetadata:
         kd = self.document_ids if self.key_document_ids is None else self.key_document_ids
         return attention_mask(self.positions, kp, self.window, self.document_ids, kd)
 
-    def for_keys(self, key_positions: Tensor, key_document_ids: Tensor | None = None,
-                 positions: Tensor | None = None, document_ids: Tensor | None = None) -> "AttentionMetadata":
+    def for_keys(
+        self,
+        key_positions: Tensor,
+        key_document_ids: Tensor | None = None,
+        positions: Tensor | None = None,
+        document_ids: Tensor | None = None,
+    ) -> AttentionMetadata:
         """The record a cache passes on with the keys it gathered: no cache, never the causal fast path."""
-        return AttentionMetadata(self.positions if positions is None else positions, key_positions,
-                                 self.document_ids if document_ids is None else document_ids, key_document_ids,
-                                 self.window, False, None, softcap=self.softcap)
+        return AttentionMetadata(
+            self.positions if positions is None else positions,
+            key_positions,
+            self.document_ids if document_ids is None else document_ids,
+            key_document_ids,
+            self.window,
+            False,
+            None,
+            softcap=self.softcap,
+        )
 
 
 class AttentionImpl(Protocol):
@@ -106,19 +123,35 @@ class KVCache(Protocol):
     ``layer_idx``, then calls ``impl`` on the keys it holds with a metadata record that describes
     them (``AttentionMetadata.for_keys``). -> (B, N, T, H)"""
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
-               impl: AttentionImpl) -> Tensor: ...
+    def attend(
+        self,
+        layer_idx: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        meta: AttentionMetadata,
+        impl: AttentionImpl,
+    ) -> Tensor: ...
 
 
 class StoreThenAttend:
     """``KVCache.attend`` for a cache whose ``update(layer_idx, k, v, positions)`` stores k, v
     (B, K, T, H) and returns every key/value of the layer (B, K, S, H) x2 with their positions (B, S)."""
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
-               impl: AttentionImpl) -> Tensor:
+    def attend(
+        self,
+        layer_idx: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        meta: AttentionMetadata,
+        impl: AttentionImpl,
+    ) -> Tensor:
         if meta.document_ids is not None:
-            raise ValueError(f"document_ids with a {type(self).__name__}: this cache holds one sequence per row; "
-                             "packed sequences need a cache that knows its keys' sequence ids (the paged engine's)")
+            raise ValueError(
+                f"document_ids with a {type(self).__name__}: this cache holds one sequence per row; "
+                "packed sequences need a cache that knows its keys' sequence ids (the paged engine's)"
+            )
         k_all, v_all, key_positions = self.update(layer_idx, k, v, meta.positions)
         return impl(q, k_all, v_all, meta.for_keys(key_positions))
 
@@ -134,7 +167,9 @@ def supports_softcap(impl: AttentionImpl) -> bool:
     return bool(getattr(impl, "supports_softcap", False))
 
 
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, softcap: float | None = None) -> Tensor:
+def reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, softcap: float | None = None
+) -> Tensor:
     """softmax(QKᵀ/√H + mask) V in fp32 (fp64 for fp64 inputs) with GQA expansion made explicit (seed 000 §1.2, §1.3);
     with ``softcap`` c the scores are c·tanh(s/c) before the mask (Gemma-2's attention-logit soft-capping).
 
@@ -183,8 +218,9 @@ class SDPAAttention:
         mask = meta.mask()
         if mask is not None and q.device.type == "cpu" and torch.compiler.is_compiling():
             return reference_attention(q, k, v, mask)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
+        )
 
 
 #: What a model built without a runtime runs (``Transformer(config)``); ``kernels.backends`` resolves others.

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
@@ -55,15 +54,23 @@ class Block(nn.Module):
     Mixer only (Mamba2, ``block_ffn=False``): y = x + Mixer(Norm(x)).
     """
 
-    def __init__(self, config: ModelConfig, layer_idx: int, rope: RotaryEmbedding,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        rope: RotaryEmbedding,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.parallel = config.parallel_block
         self.attn_norm = make_norm(config, config.d_model, **kw)  # γ_attn
         self.attn = token_mixer(config, layer_idx, rope, **kw)
         ffn = config.block_ffn
-        self.ffn_norm = None if self.parallel or not ffn else make_norm(config, config.d_model, **kw)  # γ_ffn
+        self.ffn_norm = (
+            None if self.parallel or not ffn else make_norm(config, config.d_model, **kw)
+        )  # γ_ffn
         self.ffn = channel_mixer(config, layer_idx, **kw) if ffn else None
         sandwich = config.sandwich_norm
         self.post_attn_norm = make_norm(config, config.d_model, **kw) if sandwich else None
@@ -100,17 +107,28 @@ class Transformer(nn.Module):
     ``init_weights()`` or a weight load makes it real.
     """
 
-    def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, seed: int = 0):
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        seed: int = 0,
+    ):
         super().__init__()
         self.config = config
         kw = dict(device=device, dtype=dtype)
         self.embed = Embedding(config.vocab_size, config.d_model, **kw)  # W_e (V, D)
-        self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_layout)
-        self.blocks = nn.ModuleList(Block(config, i, self.rope, **kw) for i in range(config.n_layers))
+        self.rope = RotaryEmbedding(
+            config.head_dim, config.max_seq_len, config.rope_theta, config.rope_layout
+        )
+        self.blocks = nn.ModuleList(
+            Block(config, i, self.rope, **kw) for i in range(config.n_layers)
+        )
         self.norm = make_norm(config, config.d_model, **kw)  # γ_final
         # W_u (V, D); with tied embeddings the unembedding *is* W_e.
-        self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, **kw)
+        self.lm_head = (
+            None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, **kw)
+        )
         # Activation checkpointing (seed 000 §1.8): recompute each block's activations in backward.
         self.activation_checkpointing = False
         if self.embed.weight.device.type != "meta":
@@ -132,7 +150,9 @@ class Transformer(nn.Module):
         call, so ``lmstack.quant`` can swap in a quantised one; tied, it is W_e itself. Gemma-2's final
         soft-cap (``final_softcap``: c·tanh(z / c)) is part of it, so every caller that unembeds hidden
         states itself (the engine, perplexity, scoring) gets the model's real logits."""
-        logits = self.lm_head(x) if self.lm_head is not None else linear(x, self.embed.weight)  # tied: W_e
+        logits = (
+            self.lm_head(x) if self.lm_head is not None else linear(x, self.embed.weight)
+        )  # tied: W_e
         cap = self.config.final_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
@@ -198,9 +218,11 @@ class Transformer(nn.Module):
         anything is set."""
         capped = [i for i, _ in self._softmax_blocks() if layer_softcap(self.config, i) is not None]
         if capped and not supports_softcap(impl):
-            raise ValueError(f"attention backend {getattr(impl, 'name', type(impl).__name__)!r} does not apply "
-                             f"attention-logit soft-capping (attn_softcap={self.config.attn_softcap} in layers "
-                             f"{capped}); use one that does: 'reference' (or attn_backend='auto')")
+            raise ValueError(
+                f"attention backend {getattr(impl, 'name', type(impl).__name__)!r} does not apply "
+                f"attention-logit soft-capping (attn_softcap={self.config.attn_softcap} in layers "
+                f"{capped}); use one that does: 'reference' (or attn_backend='auto')"
+            )
         for _, block in self._softmax_blocks():
             block.attn.impl = impl
 
@@ -222,8 +244,15 @@ class Transformer(nn.Module):
         return sum(bool(m.fuse()) for m in self.modules() if isinstance(m, (Attention, SwiGLU)))
 
     # ---- forward -------------------------------------------------------------------------
-    def forward(self, tokens: Tensor, positions: Tensor | None = None, kv_cache=None,
-                last_n: int | None = None, document_ids: Tensor | None = None, return_hidden: bool = False) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        kv_cache=None,
+        last_n: int | None = None,
+        document_ids: Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> Tensor:
         """tokens: (B, S) int64; positions: (B, S) or (S,) absolute positions (default 0..S-1).
 
         A model may hold a slice of the layers (a pipeline stage): without ``embed`` it takes
@@ -238,26 +267,41 @@ class Transformer(nn.Module):
         Returns logits (B, S, V), or (B, last_n, V).
         """
         if tokens.dim() != (2 if self.embed is not None else 3):
-            want = "(B, S)" if self.embed is not None else "(B, S, D) hidden states (this model has no embedding)"
+            want = (
+                "(B, S)"
+                if self.embed is not None
+                else "(B, S, D) hidden states (this model has no embedding)"
+            )
             raise ValueError(f"tokens must have shape {want}, got {tuple(tokens.shape)}")
         B, S = tokens.shape[:2]
-        is_causal = positions is None and kv_cache is None  # 0..S-1 on every row: the causal triangle
+        is_causal = (
+            positions is None and kv_cache is None
+        )  # 0..S-1 on every row: the causal triangle
         if positions is None:
             if kv_cache is not None:
                 raise ValueError("positions are required when a kv_cache is passed")
             positions = torch.arange(S, device=tokens.device)  # (S,)
         elif positions.shape[-1] != S:
-            raise ValueError(f"positions shape {tuple(positions.shape)} does not match tokens {(B, S)}")
+            raise ValueError(
+                f"positions shape {tuple(positions.shape)} does not match tokens {(B, S)}"
+            )
         if document_ids is not None and document_ids.shape != (B, S):
-            raise ValueError(f"document_ids shape {tuple(document_ids.shape)} does not match tokens {(B, S)}")
+            raise ValueError(
+                f"document_ids shape {tuple(document_ids.shape)} does not match tokens {(B, S)}"
+            )
         for rope in self.ropes():  # once per forward: every layer's attention only rotates
             rope.cover(positions)
-        meta = AttentionMetadata(positions, document_ids=document_ids, window=self.config.sliding_window,
-                                 is_causal=is_causal, cache=kv_cache,
-                                 token_ids=tokens if self.embed is not None else None)
+        meta = AttentionMetadata(
+            positions,
+            document_ids=document_ids,
+            window=self.config.sliding_window,
+            is_causal=is_causal,
+            cache=kv_cache,
+            token_ids=tokens if self.embed is not None else None,
+        )
         x = self.embed(tokens) if self.embed is not None else tokens  # (B, S, D)
         if self.config.embed_scale and self.embed is not None:  # Gemma: W_e[tokens]·√D
-            x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
+            x = x * torch.tensor(self.config.d_model**0.5, dtype=x.dtype)
         checkpoint = self.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None
         for block in self.blocks:
             if checkpoint:

@@ -25,19 +25,30 @@ from torch import Tensor
 
 from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
-from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, rope_frequencies
+from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from lmstack.model.seam import AttentionMetadata, ReferenceAttention
 
 #: the config fields that make a softmax-attention layer a ``VariantAttention``
-VARIANT_ATTENTION_FIELDS = ("attn_output_gate", "attn_softcap", "query_pre_attn_scalar", "local_rope_theta",
-                            "rotary_dim", "rope_linear_factor")
+VARIANT_ATTENTION_FIELDS = (
+    "attn_output_gate",
+    "attn_softcap",
+    "query_pre_attn_scalar",
+    "local_rope_theta",
+    "rotary_dim",
+    "rope_linear_factor",
+)
 
 
 class OffsetRMSNorm(RMSNorm):
     """RMSNorm with γ = 1 + w (w is what checkpoints store; 0 is the identity scale), in fp32 then cast back."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-5,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__(dim, eps, device=device, dtype=dtype)
         with torch.no_grad():
             self.weight.zero_()
@@ -48,8 +59,14 @@ class OffsetRMSNorm(RMSNorm):
     def forward(self, x: Tensor) -> Tensor:  # (..., D) -> (..., D)
         if self.impl is not None:
             return self.impl(x, 1.0 + self.weight, self.eps)
-        x32 = x.float()  # (x·γ) is cast, not x then ·γ (as HF Gemma / Qwen3-Next do): equal in fp32, not in bf16
-        y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        x32 = (
+            x.float()
+        )  # (x·γ) is cast, not x then ·γ (as HF Gemma / Qwen3-Next do): equal in fp32, not in bf16
+        y = (
+            x32
+            * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            * (1.0 + self.weight.float())
+        ).to(x.dtype)
         if torch.is_autocast_enabled(y.device.type):
             y = y.to(torch.get_autocast_dtype(y.device.type))
         return y
@@ -69,7 +86,8 @@ class GeGLU(SwiGLU):
 
 def uses_variant_attention(config: ModelConfig) -> bool:
     return any(getattr(config, f) not in (None, False) for f in VARIANT_ATTENTION_FIELDS) or (
-        config.qk_norm and config.norm_offset)
+        config.qk_norm and config.norm_offset
+    )
 
 
 class LinearScaledRotary(RotaryEmbedding):
@@ -85,8 +103,14 @@ class VariantAttention(Attention):
     module docstring. A ``local_attention`` layer uses ``config.local_window`` as its window (and
     ``local_rope_theta`` as its RoPE base when set); other layers use the model's window (None for these families)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int = 0, rope: RotaryEmbedding | None = None,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int = 0,
+        rope: RotaryEmbedding | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__(config, layer_idx, rope, device=device, dtype=dtype)
         c, kw = config, dict(device=device, dtype=dtype)
         H = c.head_dim
@@ -97,16 +121,22 @@ class VariantAttention(Attention):
             self.q_proj = Linear(c.d_model, 2 * c.n_heads * H, bias=c.qkv_bias, **kw)
         if c.qk_norm:
             self.q_norm, self.k_norm = make_norm(c, H, **kw), make_norm(c, H, **kw)
-        theta = c.local_rope_theta if self.local and c.local_rope_theta is not None else c.rope_theta
+        theta = (
+            c.local_rope_theta if self.local and c.local_rope_theta is not None else c.rope_theta
+        )
         self.rotary_dim = c.rotary_dim or H
         self._own_rope = None  # not a submodule (no weights); tables grow on demand
         factor = None if self.local else c.rope_linear_factor
         if factor is not None:
-            self._own_rope = [LinearScaledRotary(self.rotary_dim, c.max_seq_len, theta, c.rope_layout, factor)]
+            self._own_rope = [
+                LinearScaledRotary(self.rotary_dim, c.max_seq_len, theta, c.rope_layout, factor)
+            ]
         elif theta != c.rope_theta or self.rotary_dim != H:
             self._own_rope = [RotaryEmbedding(self.rotary_dim, c.max_seq_len, theta, c.rope_layout)]
         # impl divides the scores by √H; Gemma's scale is 1/√query_pre_attn_scalar: fold the ratio into q
-        self.q_scale = None if c.query_pre_attn_scalar is None else math.sqrt(H / c.query_pre_attn_scalar)
+        self.q_scale = (
+            None if c.query_pre_attn_scalar is None else math.sqrt(H / c.query_pre_attn_scalar)
+        )
         # Gemma-2's soft-capped scores are metadata the implementation applies (``meta.softcap``): a capped layer
         # starts on the reference formula, and Transformer.set_attention refuses a backend that cannot cap
         self.softcap = c.attn_softcap
@@ -116,7 +146,9 @@ class VariantAttention(Attention):
     def _rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """RoPE on the first ``rotary_dim`` dims of x (B, heads, T, H); the rest pass through."""
         if self._own_rope is None:
-            return self.rope.rotate(x, positions)  # the model's shared tables (covered once per forward)
+            return self.rope.rotate(
+                x, positions
+            )  # the model's shared tables (covered once per forward)
         rope, rd = self._own_rope[0], self.rotary_dim
         if rd == x.shape[-1]:  # covered once per forward with the model's own (Transformer.ropes)
             return rope.rotate(x, positions)
@@ -141,7 +173,9 @@ class VariantAttention(Attention):
         if self.q_scale is not None:
             q = q * self.q_scale
         if self.local or self.softcap is not None:
-            meta = dataclasses.replace(meta, window=self.window if self.local else meta.window, softcap=self.softcap)
+            meta = dataclasses.replace(
+                meta, window=self.window if self.local else meta.window, softcap=self.softcap
+            )
         if meta.cache is not None:
             out = meta.cache.attend(self.layer_idx, q, k, v, meta, self.impl)
         else:

@@ -27,15 +27,41 @@ from lmstack.parallel.interface import ParallelWrapper
 from lmstack.parallel.mesh import DeviceMesh
 from lmstack.parallel.native import NativeParallelModel
 from lmstack.parallel.pipeline import PipelineParallel, bubble_formula, schedule, simulate
-from lmstack.parallel.plan import ParallelModel, ParallelPlan, get_parallelize, init_distributed, parallelize
+from lmstack.parallel.plan import (
+    ParallelModel,
+    ParallelPlan,
+    get_parallelize,
+    init_distributed,
+    parallelize,
+)
 from lmstack.parallel.tensor import TensorParallel, vocab_parallel_cross_entropy
 from lmstack.parallel.zero import FullyShard, ZeroOptimizer
 
 __all__ = [
-    "CommCounter", "all_gather", "all_reduce", "count_bytes", "reduce_scatter", "ring_all_reduce_",
-    "ContextParallel", "ring_attention", "DataParallel", "broadcast_module", "DeviceMesh",
-    "PipelineParallel", "bubble_formula", "schedule", "simulate",
-    "ParallelWrapper", "NativeParallelModel",
-    "ParallelModel", "ParallelPlan", "get_parallelize", "init_distributed", "parallelize",
-    "TensorParallel", "vocab_parallel_cross_entropy", "FullyShard", "ZeroOptimizer",
+    "CommCounter",
+    "all_gather",
+    "all_reduce",
+    "count_bytes",
+    "reduce_scatter",
+    "ring_all_reduce_",
+    "ContextParallel",
+    "ring_attention",
+    "DataParallel",
+    "broadcast_module",
+    "DeviceMesh",
+    "PipelineParallel",
+    "bubble_formula",
+    "schedule",
+    "simulate",
+    "ParallelWrapper",
+    "NativeParallelModel",
+    "ParallelModel",
+    "ParallelPlan",
+    "get_parallelize",
+    "init_distributed",
+    "parallelize",
+    "TensorParallel",
+    "vocab_parallel_cross_entropy",
+    "FullyShard",
+    "ZeroOptimizer",
 ]

@@ -49,7 +49,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from lmstack.run_state import CheckpointError, capture_rng, commit_dir, join_optimizer, restore_rng, split_optimizer
+from lmstack.run_state import (
+    CheckpointError,
+    capture_rng,
+    commit_dir,
+    join_optimizer,
+    restore_rng,
+    split_optimizer,
+)
 from lmstack.utils import atomic_path, atomic_write_text
 
 SHARD_FORMAT = "lmstack-parallel-shards-v1"
@@ -85,7 +92,9 @@ def replica_source(pm, rank: int) -> int:
     if pm.plan.zero != 0:
         return rank
     c = pm.mesh.coords(rank)
-    ep = getattr(pm.mesh, "ep", 1)  # expert parallelism: the replicas of one expert shard (same dp mod ep)
+    ep = getattr(
+        pm.mesh, "ep", 1
+    )  # expert parallelism: the replicas of one expert shard (same dp mod ep)
     return pm.mesh.rank_of(pp=c["pp"], dp=c["dp"] % ep, cp=0, tp=c["tp"])
 
 
@@ -111,8 +120,18 @@ def _write_rank(folder: Path, rank: int, pm, optimizer, data_generator) -> None:
     st_path, js_path = _rank_files(folder, rank)
     with atomic_path(st_path) as tmp:
         save_file(tensors, str(tmp))
-    atomic_write_text(js_path, json.dumps({"format": SHARD_FORMAT, "rank": rank, "state_from": source,
-                                           "optimizer": opt_meta, "rng": rng_meta}))
+    atomic_write_text(
+        js_path,
+        json.dumps(
+            {
+                "format": SHARD_FORMAT,
+                "rank": rank,
+                "state_from": source,
+                "optimizer": opt_meta,
+                "rng": rng_meta,
+            }
+        ),
+    )
 
 
 def _layout(pm) -> dict[str, Any]:
@@ -127,12 +146,22 @@ def _layout(pm) -> dict[str, Any]:
 
 
 def _plan_record(pm) -> dict[str, Any]:
-    return {"format": SHARD_FORMAT, "plan": asdict(pm.plan), "world_size": dist.get_world_size(),
-            "layout": _layout(pm)}
+    return {
+        "format": SHARD_FORMAT,
+        "plan": asdict(pm.plan),
+        "world_size": dist.get_world_size(),
+        "layout": _layout(pm),
+    }
 
 
-def save_sharded(directory: str | os.PathLike, step: int, pm, optimizer, data_generator,
-                 write_main: Callable[[], Path]) -> Path | None:
+def save_sharded(
+    directory: str | os.PathLike,
+    step: int,
+    pm,
+    optimizer,
+    data_generator,
+    write_main: Callable[[], Path],
+) -> Path | None:
     """Every rank: write this rank's shard of step ``step``; rank 0 then commits the shard folder
     and calls ``write_main()`` (the single-process checkpoint with the gathered weights).
     Returns ``write_main``'s path on rank 0, None elsewhere. A collective (barriers)."""
@@ -170,14 +199,18 @@ def load_sharded(step_dir: str | os.PathLike, pm, optimizer, data_generator) -> 
     if not (p / "state.json").is_file():
         raise CheckpointError(f"{p}: not a checkpoint (no state.json)")
     if not (folder / "plan.json").is_file():
-        raise CheckpointError(f"{p}: no per-rank shards ({folder.name}/plan.json) to resume a parallel run from; "
-                              f"start a fresh run from {p / 'model.safetensors'} instead")
+        raise CheckpointError(
+            f"{p}: no per-rank shards ({folder.name}/plan.json) to resume a parallel run from; "
+            f"start a fresh run from {p / 'model.safetensors'} instead"
+        )
     rec = json.loads((folder / "plan.json").read_text())
     want = _layout(pm)
     if rec.get("layout") != want:
-        raise CheckpointError(f"{p}: its shards were saved with the layout {rec.get('layout')} (plan "
-                              f"{rec.get('plan')}), but this run has {want}; resume with the same plan and world "
-                              f"size, or start a fresh run from {p / 'model.safetensors'}")
+        raise CheckpointError(
+            f"{p}: its shards were saved with the layout {rec.get('layout')} (plan "
+            f"{rec.get('plan')}), but this run has {want}; resume with the same plan and world "
+            f"size, or start a fresh run from {p / 'model.safetensors'}"
+        )
     rank = dist.get_rank()
     st_path, js_path = _rank_files(folder, rank)
     if not st_path.is_file() or not js_path.is_file():
@@ -189,31 +222,50 @@ def load_sharded(step_dir: str | os.PathLike, pm, optimizer, data_generator) -> 
     if source != rank:  # a data-parallel replica: parameters and optimizer states from its source
         src_st, src_js = _rank_files(folder, source)
         if not src_st.is_file() or not src_js.is_file():
-            raise CheckpointError(f"{folder}: missing the files of rank {source} (rank {rank}'s state)")
+            raise CheckpointError(
+                f"{folder}: missing the files of rank {source} (rank {rank}'s state)"
+            )
         tensors = load_file(str(src_st))
         meta = {**meta, "optimizer": json.loads(src_js.read_text()).get("optimizer")}
-    pm.load_local_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
+    pm.load_local_state_dict(
+        {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
+    )
     if optimizer is not None:
         if meta.get("optimizer") is None:
             raise CheckpointError(f"{st_path}: no optimizer state to resume from")
         local = _local_optimizer(optimizer)
-        sd = join_optimizer({k[len("optim/"):]: v for k, v in tensors.items() if k.startswith("optim/")},
-                             meta["optimizer"])
+        sd = join_optimizer(
+            {k[len("optim/") :]: v for k, v in tensors.items() if k.startswith("optim/")},
+            meta["optimizer"],
+        )
         params = _params_in_order(local)
         for idx, st in sd["state"].items():
             q = params[idx]
             for k, v in list(st.items()):
                 if not isinstance(v, torch.Tensor) or k == "step":
                     continue
-                if hasattr(q, "to_local") and tuple(v.shape) == tuple(q.to_local().shape):  # native DTensor
+                if hasattr(q, "to_local") and tuple(v.shape) == tuple(
+                    q.to_local().shape
+                ):  # native DTensor
                     from torch.distributed.tensor import DTensor
 
-                    v = DTensor.from_local(v.to(q.device), q.device_mesh, q.placements, shape=q.shape,
-                                           stride=q.stride(), run_check=False)
+                    v = DTensor.from_local(
+                        v.to(q.device),
+                        q.device_mesh,
+                        q.placements,
+                        shape=q.shape,
+                        stride=q.stride(),
+                        run_check=False,
+                    )
                 st[k] = v.to(q.device) if not hasattr(v, "to_local") else v
         local.load_state_dict(sd)
-        if hasattr(optimizer, "refresh_shards"):  # ZeRO-1/2: shards that are copies follow the params
+        if hasattr(
+            optimizer, "refresh_shards"
+        ):  # ZeRO-1/2: shards that are copies follow the params
             optimizer.refresh_shards()
-    restore_rng({k[len("rng/"):]: v for k, v in own.items() if k.startswith("rng/")}, meta.get("rng", {}),
-                data_generator)
+    restore_rng(
+        {k[len("rng/") :]: v for k, v in own.items() if k.startswith("rng/")},
+        meta.get("rng", {}),
+        data_generator,
+    )
     return json.loads((p / "state.json").read_text())

@@ -17,8 +17,12 @@ from lmstack.parallel.pipeline import bubble_formula, schedule, simulate
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("parallel", help="pipeline schedules/bubbles and device-mesh layouts",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "parallel",
+        help="pipeline schedules/bubbles and device-mesh layouts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(title="commands", metavar="COMMAND")
     b = sub.add_parser("bubble", help="print pipeline schedules and bubble fractions")
     b.add_argument("--pp", type=int, default=4, help="pipeline stages p")
@@ -39,8 +43,10 @@ def run_bubble(args) -> int:
     for kind in ("gpipe", "1f1b", "zb"):
         orders = schedule(kind, p, m)
         sim = simulate(orders)
-        print(f"  {kind:5s} bubble {sim['bubble']:.3f}  makespan {sim['makespan']:.0f} units "
-              f"(F=1, {'B=W=1' if kind == 'zb' else 'B=2'})")
+        print(
+            f"  {kind:5s} bubble {sim['bubble']:.3f}  makespan {sim['makespan']:.0f} units "
+            f"(F=1, {'B=W=1' if kind == 'zb' else 'B=2'})"
+        )
         if args.show:
             for s, o in enumerate(orders):
                 print(f"    stage {s}: " + " ".join(f"{k}{i}" for k, i in o))
@@ -53,7 +59,10 @@ def run_mesh(args) -> int:
     if args.world % model:
         raise ValueError(f"world={args.world} is not divisible by tp·pp·cp·ep = {model}")
     mesh = DeviceMesh(dp=args.world // model * ep, tp=args.tp, pp=args.pp, cp=args.cp, ep=ep)
-    print(f"{mesh}: tp fastest (one node), pp slowest" + (f"; ep coordinate = dp mod {ep}" if ep > 1 else ""))
+    print(
+        f"{mesh}: tp fastest (one node), pp slowest"
+        + (f"; ep coordinate = dp mod {ep}" if ep > 1 else "")
+    )
     for r in range(args.world):
         c = mesh.coords(r)
         line = f"  rank {r:3d}: pp={c['pp']} dp={c['dp']} cp={c['cp']} tp={c['tp']}"

@@ -80,7 +80,11 @@ def count_bytes():
 
 def group_ranks(group) -> tuple[int, int, list[int]]:
     """(my index in the group, group size, global ranks of the group in order)."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    ranks = (
+        dist.get_process_group_ranks(group)
+        if group is not None
+        else list(range(dist.get_world_size()))
+    )
     return ranks.index(dist.get_rank()), len(ranks), ranks
 
 
@@ -125,8 +129,8 @@ def ring_reduce_scatter_(flat: Tensor, group=None, kind: str = "reduce_scatter")
         s_start, s_len = chunks[(me - 1 - t) % M]
         r_start, r_len = chunks[(me - 2 - t) % M]
         buf = torch.empty(r_len, dtype=flat.dtype, device=flat.device)
-        send_recv(flat[s_start:s_start + s_len], nxt, buf, prv, kind)
-        flat[r_start:r_start + r_len] += buf
+        send_recv(flat[s_start : s_start + s_len], nxt, buf, prv, kind)
+        flat[r_start : r_start + r_len] += buf
     return chunks[me]
 
 
@@ -143,8 +147,8 @@ def ring_all_gather_(flat: Tensor, owned: int, group=None, kind: str = "all_gath
         s_start, s_len = chunks[(owned - t) % M]
         r_start, r_len = chunks[(owned - t - 1) % M]
         buf = torch.empty(r_len, dtype=flat.dtype, device=flat.device)
-        send_recv(flat[s_start:s_start + s_len], nxt, buf, prv, kind)
-        flat[r_start:r_start + r_len] = buf
+        send_recv(flat[s_start : s_start + s_len], nxt, buf, prv, kind)
+        flat[r_start : r_start + r_len] = buf
 
 
 def ring_all_reduce_(t: Tensor, group=None) -> Tensor:
@@ -195,14 +199,16 @@ def reduce_scatter(inp: Tensor, group=None, impl: str = "auto") -> Tensor:
     """1-D ``inp`` of M·c elements -> the sum of chunk ``rank`` (c elements) over the group."""
     me, M, _ = group_ranks(group)
     if inp.numel() % M:
-        raise ValueError(f"reduce_scatter: {inp.numel()} elements do not divide into M={M} equal shards")
+        raise ValueError(
+            f"reduce_scatter: {inp.numel()} elements do not divide into M={M} equal shards"
+        )
     c = inp.numel() // M
     if M == 1:
         return inp.reshape(-1).clone()
     if use_ring(impl):
         flat = inp.reshape(-1).clone()
         start, length = ring_reduce_scatter_(flat, group)
-        return flat[start:start + length].clone()
+        return flat[start : start + length].clone()
     out = torch.empty(c, dtype=inp.dtype, device=inp.device)
     reduce_scatter_into(out, inp.reshape(-1).contiguous(), group)
     return out
@@ -218,7 +224,7 @@ def all_gather(shard: Tensor, group=None, impl: str = "auto", out: Tensor | None
         out.copy_(shard.reshape(-1))
         return out
     if use_ring(impl):
-        out[me * c:(me + 1) * c] = shard.reshape(-1)
+        out[me * c : (me + 1) * c] = shard.reshape(-1)
         ring_all_gather_(out, me, group)
         return out
     all_gather_into(out, shard.reshape(-1).contiguous(), group)
@@ -371,4 +377,3 @@ class GatherFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         return split_dim(g, ctx.dim, ctx.group), None, None
-

@@ -34,7 +34,9 @@ def load_balanced_positions(S: int, cp: int, rank: int) -> Tensor:
         raise ValueError(f"context parallelism: S={S} must be divisible by 2·cp = {2 * cp}")
     c = S // (2 * cp)
     a, b = rank, 2 * cp - 1 - rank
-    return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])  # (S/cp,)
+    return torch.cat(
+        [torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)]
+    )  # (S/cp,)
 
 
 class _RingShift(torch.autograd.Function):
@@ -54,11 +56,19 @@ class _RingShift(torch.autograd.Function):
 def _shift(x: Tensor, group, direction: int) -> Tensor:
     me, M, ranks = C.group_ranks(group)
     out = torch.empty_like(x)
-    C.send_recv(x.contiguous(), ranks[(me + direction) % M], out, ranks[(me - direction) % M], "ring_attention")
+    C.send_recv(
+        x.contiguous(),
+        ranks[(me + direction) % M],
+        out,
+        ranks[(me - direction) % M],
+        "ring_attention",
+    )
     return out
 
 
-def _block_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+def _block_attention(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
+) -> tuple[Tensor, Tensor]:
     """Causal attention of q (B, N, T, H) over one key block k, v (B, N, Tk, H) in fp32.
     Returns O (B, N, T, H) normalised within the block and its lse (B, N, T); a query that sees no
     key of this block gets O = 0, lse = -inf."""
@@ -75,7 +85,9 @@ def _block_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tens
     return o, lse[..., 0]
 
 
-def _merge(o: Tensor | None, lse: Tensor | None, o_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+def _merge(
+    o: Tensor | None, lse: Tensor | None, o_b: Tensor, lse_b: Tensor
+) -> tuple[Tensor, Tensor]:
     """Log-sum-exp merge of two partial attention results over disjoint key sets."""
     if o is None:
         return o_b, lse_b
@@ -115,8 +127,14 @@ class RingAttention:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         # q (B, N, T, H), k/v (B, K, T, H): this rank's tokens -> (B, N, T, H)
-        if meta.key_positions is not None or meta.document_ids is not None or meta.window is not None:
-            raise ValueError("context parallelism: kv caches, document_ids and sliding windows are not supported")
+        if (
+            meta.key_positions is not None
+            or meta.document_ids is not None
+            or meta.window is not None
+        ):
+            raise ValueError(
+                "context parallelism: kv caches, document_ids and sliding windows are not supported"
+            )
         G = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, N, T, H)
         pos = meta.positions if meta.positions.dim() == 1 else meta.positions[0]
@@ -154,19 +172,25 @@ class ContextParallel(nn.Module):
         """This rank's tokens of a (B, S, ...) tensor."""
         return t[:, self.positions(t.shape[1])]
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, positions: Tensor | None = None, document_ids: Tensor | None = None
+    ) -> Tensor:
         """Training mode: this rank's logits (B, S/cp, V). Eval mode: the logits of every rank
         all-gathered back into sequence order, (B, S, V), so an evaluation loop needs no change."""
         if positions is not None or document_ids is not None:
-            raise ValueError("context parallelism: positions/document_ids (packing) are not supported; "
-                             "the cp wrapper assigns the positions of its load-balanced chunks")
+            raise ValueError(
+                "context parallelism: positions/document_ids (packing) are not supported; "
+                "the cp wrapper assigns the positions of its load-balanced chunks"
+            )
         S = tokens.shape[1]
         pos = self.positions(S)
         logits = self.module(tokens[:, pos], positions=pos)  # (B, S/cp, V)
         if self.training or self.cp == 1:
             return logits
         every = C.all_gather_dim(logits.contiguous(), 1, self.group)  # (B, S, V) in rank order
-        order = torch.cat([load_balanced_positions(S, self.cp, r) for r in range(self.cp)]).to(logits.device)
+        order = torch.cat([load_balanced_positions(S, self.cp, r) for r in range(self.cp)]).to(
+            logits.device
+        )
         out = torch.empty_like(every)
         out[:, order] = every
         return out

@@ -54,8 +54,15 @@ class GradSyncWrapper(nn.Module):
 class DataParallel(GradSyncWrapper):
     """Wrap ``module`` for data parallelism over ``group``; forward is the module's forward."""
 
-    def __init__(self, module: nn.Module, group=None, mode: str = "bucketed", bucket_mb: float = 25.0,
-                 broadcast: bool = True, impl: str = "auto"):
+    def __init__(
+        self,
+        module: nn.Module,
+        group=None,
+        mode: str = "bucketed",
+        bucket_mb: float = 25.0,
+        broadcast: bool = True,
+        impl: str = "auto",
+    ):
         super().__init__()
         if mode not in ("naive", "bucketed"):
             raise ValueError(f"mode={mode!r}; expected 'naive' or 'bucketed'")
@@ -114,8 +121,12 @@ class DataParallel(GradSyncWrapper):
 
     def _launch(self, b: int) -> None:
         params = self.buckets[b]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        work = C.all_reduce(flat, self.group, impl=self.impl, async_op=True)  # overlaps the rest of backward
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
+        work = C.all_reduce(
+            flat, self.group, impl=self.impl, async_op=True
+        )  # overlaps the rest of backward
         self._pending.append((b, flat, work))
         self._launched[b] = True
 
@@ -139,7 +150,7 @@ class DataParallel(GradSyncWrapper):
                 offset = 0
                 for p in self.buckets[b]:
                     n = p.numel()
-                    g = flat[offset:offset + n].view_as(p)
+                    g = flat[offset : offset + n].view_as(p)
                     if p.grad is None:
                         p.grad = g.clone()
                     else:
@@ -158,4 +169,3 @@ def broadcast_module(module: nn.Module, group=None, src_in_group: int = 0) -> No
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
             C.broadcast(t.data, src_in_group, group)
-

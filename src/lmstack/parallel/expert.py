@@ -76,7 +76,9 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(g.contiguous(), recv_counts, send_counts, group), None, None, None
 
 
-def dispatch(x: Tensor, expert_ids: Tensor, n_experts: int, group=None) -> tuple[Tensor, DispatchMeta]:
+def dispatch(
+    x: Tensor, expert_ids: Tensor, n_experts: int, group=None
+) -> tuple[Tensor, DispatchMeta]:
     """x (T, D) tokens (one row per token-expert assignment), expert_ids (T,) -> the rows this rank's
     experts must process, (n_recv, D), and the metadata to send results back."""
     M = C.group_size(group)
@@ -118,19 +120,27 @@ class ExpertParallelMoE(nn.Module):
         if E % M:
             raise ValueError(f"expert parallelism: n_experts={E} is not divisible by ep={M}")
         if moe.capacity_factor is not None:
-            raise ValueError(f"expert parallelism with capacity_factor={moe.capacity_factor}: token dropping "
-                             "is only implemented in the single-process MoE; use capacity_factor=None")
+            raise ValueError(
+                f"expert parallelism with capacity_factor={moe.capacity_factor}: token dropping "
+                "is only implemented in the single-process MoE; use capacity_factor=None"
+            )
         self.group, self.ep, self.per = group, M, E // M
         self.lo = r * self.per
-        self.load_group = None  # the data-parallel group: aux-free bias updates use the loads summed over it
-        self._moe = [moe]  # not a submodule: its full expert weights are not this module's parameters
+        self.load_group = (
+            None  # the data-parallel group: aux-free bias updates use the loads summed over it
+        )
+        self._moe = [
+            moe
+        ]  # not a submodule: its full expert weights are not this module's parameters
         self.router, self.shared, self.shared_gate = moe.router, moe.shared, moe.shared_gate
         for name in ("gate_proj", "up_proj", "down_proj"):
             full = getattr(moe, name)
             local = nn.Module()
-            local.weight = nn.Parameter(full.weight.detach()[self.lo:self.lo + self.per].clone())
+            local.weight = nn.Parameter(full.weight.detach()[self.lo : self.lo + self.per].clone())
             setattr(self, name, local)
-            setattr(moe, name, None)  # the full (E, ., .) weights are not needed any more: free them
+            setattr(
+                moe, name, None
+            )  # the full (E, ., .) weights are not needed any more: free them
 
     @property
     def aux_loss(self):
@@ -156,7 +166,9 @@ class ExpertParallelMoE(nn.Module):
         """The sharded (not replicated) parameters: this rank's slices of the routed experts."""
         return [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
 
-    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:  # (B, T, D) -> (B, T, D)
+    def forward(
+        self, x: Tensor, token_ids: Tensor | None = None
+    ) -> Tensor:  # (B, T, D) -> (B, T, D)
         moe = self._moe[0]
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, D)
@@ -164,20 +176,29 @@ class ExpertParallelMoE(nn.Module):
         r = moe.routing(x, token_ids)
         flat_e = r.expert_ids.reshape(-1)  # (T·k,) one row per (token, expert) assignment
         tok = torch.arange(T, device=x.device).repeat_interleave(k)  # (T·k,)
-        recv, meta = dispatch(x[tok], flat_e, moe.n_experts, self.group)  # rows for this rank's experts
+        recv, meta = dispatch(
+            x[tok], flat_e, moe.n_experts, self.group
+        )  # rows for this rank's experts
         local = meta.local_expert_ids - self.lo  # (n_recv,) in 0 .. E/ep - 1
         order = torch.argsort(local, stable=True)
         counts = torch.bincount(local, minlength=self.per).tolist()
-        y_sorted = expert_swiglu(recv[order], counts, self.gate_proj.weight, self.up_proj.weight,
-                                 self.down_proj.weight)  # (n_recv, D)
+        y_sorted = expert_swiglu(
+            recv[order], counts, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        )  # (n_recv, D)
         y = torch.zeros_like(y_sorted).index_copy(0, order, y_sorted)  # back in received order
         back = combine(y, meta, self.group)  # (T·k, D) in assignment order
         out = torch.zeros_like(x).index_add(0, tok, back * r.weights.reshape(-1, 1).to(back.dtype))
         if self.shared is not None:
             s = self.shared(x)
-            out = out + (torch.sigmoid(self.shared_gate(x)) * s if self.shared_gate is not None else s)
-        moe._record(r, x.new_tensor(0.0), torch.bincount(flat_e, minlength=moe.n_experts),
-                    torch.zeros((), dtype=torch.long, device=x.device))
+            out = out + (
+                torch.sigmoid(self.shared_gate(x)) * s if self.shared_gate is not None else s
+            )
+        moe._record(
+            r,
+            x.new_tensor(0.0),
+            torch.bincount(flat_e, minlength=moe.n_experts),
+            torch.zeros((), dtype=torch.long, device=x.device),
+        )
         return out.view(shape)
 
 
@@ -195,7 +216,12 @@ def sync_expert_parallel_grads(model: nn.Module, group=None) -> None:
     batch (loss = its local mean), average the replicated parameters' grads over the ranks and divide the
     sharded experts' grads by ep — they already summed every rank's tokens through the all-to-all backward."""
     M = C.group_size(group)
-    sharded = {id(p) for m in model.modules() if isinstance(m, ExpertParallelMoE) for p in m.expert_parameters()}
+    sharded = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, ExpertParallelMoE)
+        for p in m.expert_parameters()
+    }
     for p in model.parameters():
         if p.grad is None:
             continue
@@ -214,8 +240,10 @@ def shard_experts(model: nn.Module, ep_group, load_group=None) -> list[nn.Parame
     from lmstack.model.moe import moe_modules
 
     if not moe_modules(model):
-        raise ValueError(f"ep={C.group_size(ep_group)} but the model has no MoE layers (n_experts=0): "
-                         "expert parallelism needs a mixture-of-experts model")
+        raise ValueError(
+            f"ep={C.group_size(ep_group)} but the model has no MoE layers (n_experts=0): "
+            "expert parallelism needs a mixture-of-experts model"
+        )
     expert_parallel(model, ep_group)
     M = C.group_size(ep_group)
     params = []
@@ -230,7 +258,9 @@ def shard_experts(model: nn.Module, ep_group, load_group=None) -> list[nn.Parame
 
 
 @torch.no_grad()
-def broadcast_expert_parallel(module: nn.Module, dp_group, edp_group, expert_params: list[nn.Parameter]) -> None:
+def broadcast_expert_parallel(
+    module: nn.Module, dp_group, edp_group, expert_params: list[nn.Parameter]
+) -> None:
     """Make the replicas equal: replicated parameters and buffers from rank 0 of ``dp_group``, each
     expert shard from rank 0 of its ``edp_group`` (the ranks holding the same experts)."""
     ids = {id(p) for p in expert_params}
@@ -254,8 +284,10 @@ class ExpertDataParallel(GradSyncWrapper):
         self.module, self.dp_group, self.edp_group = module, dp_group, edp_group
         ids = {id(p) for p in expert_params}
         params = [p for p in module.parameters() if p.requires_grad]
-        self.kinds = [(dp_group, [p for p in params if id(p) not in ids]),
-                      (edp_group, [p for p in params if id(p) in ids])]
+        self.kinds = [
+            (dp_group, [p for p in params if id(p) not in ids]),
+            (edp_group, [p for p in params if id(p) in ids]),
+        ]
         broadcast_expert_parallel(module, dp_group, edp_group, expert_params)
         self.require_sync = True
         self._queued = False
@@ -274,18 +306,19 @@ class ExpertDataParallel(GradSyncWrapper):
             M = C.group_size(group)
             if not ps or M == 1:
                 continue
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
+            flat = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps]
+            )
             C.all_reduce(flat, group, impl="torch")
             flat.div_(M)
             off = 0
             for p in ps:
-                g = flat[off:off + p.numel()].view_as(p)
+                g = flat[off : off + p.numel()].view_as(p)
                 if p.grad is None:
                     p.grad = g.clone()
                 else:
                     p.grad.copy_(g)
                 off += p.numel()
-
 
 
 @torch.no_grad()

@@ -40,11 +40,15 @@ class ParallelWrapper(Protocol):
     def fp16_scaler_ok(self) -> bool:
         """A per-rank fp16 loss scaler stays in step across ranks."""
 
-    def build_optimizer(self, optimizer_class: type, params=None, **kwargs) -> torch.optim.Optimizer: ...
+    def build_optimizer(
+        self, optimizer_class: type, params=None, **kwargs
+    ) -> torch.optim.Optimizer: ...
 
     def local_batch(self, batch): ...
 
-    def forward_backward(self, tokens: Tensor, targets: Tensor, loss_fn, no_sync: bool = False) -> float: ...
+    def forward_backward(
+        self, tokens: Tensor, targets: Tensor, loss_fn, no_sync: bool = False
+    ) -> float: ...
 
     def pipeline_step(self, tokens: Tensor, targets: Tensor, loss_parts) -> Tensor: ...
 
@@ -59,7 +63,9 @@ class ParallelWrapper(Protocol):
     def load_local_state_dict(self, sd: dict[str, Tensor]) -> None: ...
 
 
-GradItem = tuple[Tensor | None, str | None, bool]  # (gradient, axis its pieces are split over, counted)
+GradItem = tuple[
+    Tensor | None, str | None, bool
+]  # (gradient, axis its pieces are split over, counted)
 
 
 class WrapperBase:
@@ -83,20 +89,32 @@ class WrapperBase:
         """A batch the trainer sampled for this data-parallel rank -> what this rank computes on:
         under context parallelism the targets of this rank's sequence chunks (the inputs stay
         whole: the cp wrapper picks its tokens). Packing (document ids) is refused under cp and pp."""
-        if (self.cp_model is not None or self.pipeline is not None) and batch.document_ids is not None:
+        if (
+            self.cp_model is not None or self.pipeline is not None
+        ) and batch.document_ids is not None:
             axis = "cp" if self.cp_model is not None else "pp"
-            raise ValueError(f"packing (document ids) is not supported with {axis} > 1: set packing = false")
+            raise ValueError(
+                f"packing (document ids) is not supported with {axis} > 1: set packing = false"
+            )
         if self.cp_model is None:
             return batch
-        return type(batch)(batch.x, self.cp_model.shard(batch.y), batch.positions, batch.document_ids)
+        return type(batch)(
+            batch.x, self.cp_model.shard(batch.y), batch.positions, batch.document_ids
+        )
 
     @property
     def sharded(self) -> bool:
         """Whether a rank's model is not the plain single-process one: it holds only part of the
         parameters or optimizer states (tp, pp, ZeRO, ep), or its attention was replaced (cp's ring
         attention). The full parameters then come from ``full_state_dict()``."""
-        return (self.mesh.tp > 1 or self.mesh.pp > 1 or self.plan.zero > 0 or self.fsdp is not None
-                or self.cp_model is not None or self.mesh.ep > 1)
+        return (
+            self.mesh.tp > 1
+            or self.mesh.pp > 1
+            or self.plan.zero > 0
+            or self.fsdp is not None
+            or self.cp_model is not None
+            or self.mesh.ep > 1
+        )
 
     @property
     def pipelined(self) -> bool:
@@ -107,7 +125,9 @@ class WrapperBase:
         return not self.sharded
 
     # ---- a step ----------------------------------------------------------------------------------
-    def forward_backward(self, tokens: Tensor, targets: Tensor, loss_fn: Callable, no_sync: bool = False) -> float:
+    def forward_backward(
+        self, tokens: Tensor, targets: Tensor, loss_fn: Callable, no_sync: bool = False
+    ) -> float:
         """One micro-step on this rank's shard of the global batch: forward, loss, backward.
         Returns the loss averaged over the data-parallel (and context-parallel) ranks."""
         x, y = self.shard_batch(tokens, targets)
@@ -116,9 +136,15 @@ class WrapperBase:
             t = torch.tensor([loss], dtype=torch.float64, device=C.comm_device(self.dp_group))
         else:
             if no_sync and self.zero_optimizer is not None:
-                raise ValueError("no_sync with ZeRO: ZeRO-2 reduce-scatters as gradients become ready; "
-                                 "accumulate by calling backward several times before step()")
-            ctx = self.ddp.no_sync() if (no_sync and self.ddp is not None) else contextlib.nullcontext()
+                raise ValueError(
+                    "no_sync with ZeRO: ZeRO-2 reduce-scatters as gradients become ready; "
+                    "accumulate by calling backward several times before step()"
+                )
+            ctx = (
+                self.ddp.no_sync()
+                if (no_sync and self.ddp is not None)
+                else contextlib.nullcontext()
+            )
             with ctx:
                 logits = self.runner(x)
                 if self.cp_model is not None:
@@ -208,8 +234,12 @@ class WrapperBase:
         if 0 not in pp_ranks:
             return sd
         got = [None] * len(pp_ranks) if me == pp_ranks[0] else None
-        dist.gather_object({k: v.detach().cpu() for k, v in sd.items()}, got, dst=pp_ranks[0],
-                           group=self.mesh.group("pp"))
+        dist.gather_object(
+            {k: v.detach().cpu() for k, v in sd.items()},
+            got,
+            dst=pp_ranks[0],
+            group=self.mesh.group("pp"),
+        )
         if me != pp_ranks[0]:
             return sd
         out = {}
@@ -233,11 +263,15 @@ class WrapperBase:
         own = self.runner.state_dict(keep_vars=True)
         missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
         if missing or extra:
-            raise ValueError(f"rank shard does not fit this plan's model: missing {missing[:5]}, "
-                             f"unexpected {extra[:5]}")
+            raise ValueError(
+                f"rank shard does not fit this plan's model: missing {missing[:5]}, "
+                f"unexpected {extra[:5]}"
+            )
         for k, t in own.items():
             dst = t.to_local() if hasattr(t, "to_local") else t
             if tuple(dst.shape) != tuple(sd[k].shape):
-                raise ValueError(f"rank shard: {k} has shape {tuple(sd[k].shape)}, this rank holds "
-                                 f"{tuple(dst.shape)}")
+                raise ValueError(
+                    f"rank shard: {k} has shape {tuple(sd[k].shape)}, this rank holds "
+                    f"{tuple(dst.shape)}"
+                )
             dst.copy_(sd[k].to(dst.device, dst.dtype))

@@ -43,12 +43,16 @@ class DeviceMesh:
     _all: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> "DeviceMesh":
+    def build(
+        cls, dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
+    ) -> DeviceMesh:
         """Create the groups for this world. ``dp=None`` takes what the other axes leave.
         Every rank must call this with the same arguments (``dist.new_group`` is collective)."""
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call lmstack.parallel.init_distributed() "
-                               "(or launch with torchrun) before building a mesh")
+            raise RuntimeError(
+                "torch.distributed is not initialised: call lmstack.parallel.init_distributed() "
+                "(or launch with torchrun) before building a mesh"
+            )
         world = dist.get_world_size()
         for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
             if not isinstance(v, int) or v < 1:
@@ -56,12 +60,18 @@ class DeviceMesh:
         model = tp * pp * cp
         if dp is None:
             if world % model:
-                raise ValueError(f"world size {world} is not divisible by tp·pp·cp = {tp}·{pp}·{cp} = {model}")
+                raise ValueError(
+                    f"world size {world} is not divisible by tp·pp·cp = {tp}·{pp}·{cp} = {model}"
+                )
             dp = world // model
         if dp * model != world:
-            raise ValueError(f"dp·tp·pp·cp = {dp}·{tp}·{pp}·{cp} = {dp * model} != world size {world}")
+            raise ValueError(
+                f"dp·tp·pp·cp = {dp}·{tp}·{pp}·{cp} = {dp * model} != world size {world}"
+            )
         if dp % ep:
-            raise ValueError(f"ep={ep} must divide dp={dp} (expert parallelism shares the data-parallel ranks)")
+            raise ValueError(
+                f"ep={ep} must divide dp={dp} (expert parallelism shares the data-parallel ranks)"
+            )
         mesh = cls(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
         mesh._make_groups()
         return mesh
@@ -97,8 +107,12 @@ class DeviceMesh:
             "dp": lambda c: tuple((k, c[k]) for k in ("pp", "cp", "tp")),
             "pp": lambda c: tuple((k, c[k]) for k in ("dp", "cp", "tp")),
             "dp_cp": lambda c: tuple((k, c[k]) for k in ("pp", "tp")),  # gradient sync of DP×CP
-            "ep": lambda c: tuple((k, c[k]) for k in ("pp", "cp", "tp")) + (("dp_block", c["dp"] // self.ep),),
-            "edp": lambda c: tuple((k, c[k]) for k in ("pp", "cp", "tp")) + (("ep", c["dp"] % self.ep),),
+            "ep": lambda c: (
+                tuple((k, c[k]) for k in ("pp", "cp", "tp")) + (("dp_block", c["dp"] // self.ep),)
+            ),
+            "edp": lambda c: (
+                tuple((k, c[k]) for k in ("pp", "cp", "tp")) + (("ep", c["dp"] % self.ep),)
+            ),
         }
         for axis, key in axes.items():
             buckets: dict = {}

@@ -35,7 +35,9 @@ def torch_mesh(group, name: str):
     """A 1-D torch DeviceMesh over ``group``'s ranks."""
     from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
-    return TorchMesh.from_group(group, "cuda" if torch.cuda.is_available() else "cpu", mesh_dim_names=(name,))
+    return TorchMesh.from_group(
+        group, "cuda" if torch.cuda.is_available() else "cpu", mesh_dim_names=(name,)
+    )
 
 
 class NativeParallelModel(WrapperBase):
@@ -45,13 +47,21 @@ class NativeParallelModel(WrapperBase):
 
     def __init__(self, model: nn.Module, plan, mesh: DeviceMesh):
         if mesh.cp > 1:
-            raise ValueError("backend='native' covers dp, zero, tp and pp; use backend='lmstack' for cp")
+            raise ValueError(
+                "backend='native' covers dp, zero, tp and pp; use backend='lmstack' for cp"
+            )
         if mesh.pp > 1 and (mesh.tp > 1 or plan.zero != 0):
-            raise ValueError("backend='native' pp composes only with plain dp here; use backend='lmstack'")
+            raise ValueError(
+                "backend='native' pp composes only with plain dp here; use backend='lmstack'"
+            )
         if plan.zero == 3 and mesh.tp > 1:
-            raise ValueError("backend='native' zero=3 with tp>1 needs a 2-D torch mesh; use backend='lmstack'")
+            raise ValueError(
+                "backend='native' zero=3 with tp>1 needs a 2-D torch mesh; use backend='lmstack'"
+            )
         self.plan, self.mesh, self.model = plan, mesh, model
-        self.tp_model = self.cp_model = self.pipeline = self.ddp = self.fsdp = self.zero_optimizer = None
+        self.tp_model = self.cp_model = self.pipeline = self.ddp = self.fsdp = (
+            self.zero_optimizer
+        ) = None
         self.dp_group, self.dp_size = mesh.group("dp"), mesh.dp
         self.runner: nn.Module = model
         if mesh.pp > 1:
@@ -63,16 +73,21 @@ class NativeParallelModel(WrapperBase):
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             dp_mesh = torch_mesh(self.dp_group, "dp")
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if plan.param_dtype == "bf16" else torch.float32,
-                                      reduce_dtype=torch.float32)
+            mp = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16 if plan.param_dtype == "bf16" else torch.float32,
+                reduce_dtype=torch.float32,
+            )
             for block in model.blocks:
                 fully_shard(block, mesh=dp_mesh, mp_policy=mp)
             fully_shard(model, mesh=dp_mesh, mp_policy=mp)
-        elif self.dp_size > 1:  # zero 0, or 1/2: gradients all-reduced by torch DDP, states sharded below
+        elif (
+            self.dp_size > 1
+        ):  # zero 0, or 1/2: gradients all-reduced by torch DDP, states sharded below
             from torch.nn.parallel import DistributedDataParallel
 
-            self.ddp = self.runner = DistributedDataParallel(model, process_group=self.dp_group,
-                                                             bucket_cap_mb=plan.bucket_mb)
+            self.ddp = self.runner = DistributedDataParallel(
+                model, process_group=self.dp_group, bucket_cap_mb=plan.bucket_mb
+            )
 
     @property
     def fp16_scaler_ok(self) -> bool:
@@ -85,8 +100,9 @@ class NativeParallelModel(WrapperBase):
         if self.plan.zero in (1, 2):
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=self.dp_group,
-                                           **kwargs)
+            return ZeroRedundancyOptimizer(
+                params, optimizer_class=optimizer_class, process_group=self.dp_group, **kwargs
+            )
         return optimizer_class(params, **kwargs)
 
     def _grad_items(self) -> list[GradItem]:
@@ -99,7 +115,11 @@ class NativeParallelModel(WrapperBase):
             if not p.requires_grad:
                 continue
             g, axis = p.grad, None
-            if g is not None and isinstance(g, DTensor) and any(isinstance(pl, Shard) for pl in g.placements):
+            if (
+                g is not None
+                and isinstance(g, DTensor)
+                and any(isinstance(pl, Shard) for pl in g.placements)
+            ):
                 axis = "tp" if self.mesh.tp > 1 else "dp"
             items.append((g, axis, id(p) != copy_id))
         return items
@@ -112,7 +132,9 @@ class NativeParallelModel(WrapperBase):
     def _full_state_dict(self) -> dict[str, Tensor]:
         from torch.distributed.tensor import DTensor
 
-        mine = {id(p) for p in self.pipeline.stage.parameters()} if self.pipeline is not None else None
+        mine = (
+            {id(p) for p in self.pipeline.stage.parameters()} if self.pipeline is not None else None
+        )
         out = {}
         for n, p in self.model.named_parameters():
             if mine is None or id(p) in mine:
@@ -128,7 +150,13 @@ def shard_linears(model: nn.Module, mesh: DeviceMesh) -> None:
     check_divisible(mesh.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, d_ff=cfg.d_ff)
     tp_mesh = torch_mesh(mesh.group("tp"), "tp")
     for block in model.blocks:
-        for lin in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj, block.ffn.gate_proj, block.ffn.up_proj):
+        for lin in (
+            block.attn.q_proj,
+            block.attn.k_proj,
+            block.attn.v_proj,
+            block.ffn.gate_proj,
+            block.ffn.up_proj,
+        ):
             dtensor_linear(lin, tp_mesh, "colwise")
         for lin in (block.attn.o_proj, block.ffn.down_proj):
             dtensor_linear(lin, tp_mesh, "rowwise")
@@ -139,14 +167,22 @@ def dtensor_linear(lin: nn.Module, tp_mesh, style: str) -> None:
     accept only ``nn.Linear``): the same placements through ``distribute_module``.
     colwise: W Shard(0), input Replicate -> output Shard(-1) (local);
     rowwise: W Shard(1), input Shard(-1) -> output Partial -> Replicate (an all-reduce)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor import (
+        DTensor,
+        Replicate,
+        Shard,
+        distribute_module,
+        distribute_tensor,
+    )
 
     wp = Shard(0) if style == "colwise" else Shard(1)
 
     def partition(name, module, mesh):
         for pname, p in list(module.named_parameters(recurse=False)):
             place = wp if pname == "weight" else (Shard(0) if style == "colwise" else Replicate())
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(p.detach(), mesh, [place])))
+            module.register_parameter(
+                pname, nn.Parameter(distribute_tensor(p.detach(), mesh, [place]))
+            )
 
     def input_fn(module, inputs, mesh):
         x = inputs[0]
@@ -168,14 +204,24 @@ class NativePipeline(PipelineParallel):
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, plan):
         if plan.schedule not in SCHEDULES:
-            raise ValueError(f"backend='native' pipeline schedule={plan.schedule!r}; expected one of "
-                             f"{sorted(SCHEDULES)} (lmstack's 'zb' is single-stage-per-rank ZB-H1; torch's "
-                             "zero-bubble needs virtual stages)")
-        super().__init__(model, mesh.group("pp"), plan.micro_batches, plan.schedule,
-                         dp_group=mesh.group("dp") if mesh.dp > 1 else None, tied_group=tied_embedding_groups(mesh))
+            raise ValueError(
+                f"backend='native' pipeline schedule={plan.schedule!r}; expected one of "
+                f"{sorted(SCHEDULES)} (lmstack's 'zb' is single-stage-per-rank ZB-H1; torch's "
+                "zero-bubble needs virtual stages)"
+            )
+        super().__init__(
+            model,
+            mesh.group("pp"),
+            plan.micro_batches,
+            plan.schedule,
+            dp_group=mesh.group("dp") if mesh.dp > 1 else None,
+            tied_group=tied_embedding_groups(mesh),
+        )
         from torch.distributed.pipelining import PipelineStage as TorchStage
 
-        self.torch_stage = TorchStage(self.stage, self.rank_in, self.p, self._device, group=self.group)
+        self.torch_stage = TorchStage(
+            self.stage, self.rank_in, self.p, self._device, group=self.group
+        )
         self._sched = None
         self._loss_fn = None
 
@@ -194,7 +240,10 @@ class NativePipeline(PipelineParallel):
         else:
             self._sched.step()
         self.sync_grads()
-        loss = torch.tensor([float(sum(float(x) for x in losses) / self.m) if losses else 0.0], dtype=torch.float64,
-                            device=C.comm_device(self.group))
+        loss = torch.tensor(
+            [float(sum(float(x) for x in losses) / self.m) if losses else 0.0],
+            dtype=torch.float64,
+            device=C.comm_device(self.group),
+        )
         dist.broadcast(loss, self.ranks[-1], group=self.group)
         return float(loss)

@@ -66,8 +66,14 @@ def zero_bubble_schedule(p: int, m: int) -> list[list[tuple[str, int]]]:
     while sum(len(o) for o in orders) < total:
         for s in range(p):
             # B for micro-batch i needs F(s, i) and B(s+1, i) (or, on the last stage, just F)
-            cands_b = [i for i in range(m) if ("F", s, i) in done and done[("F", s, i)] <= t and ("B", s, i) not in done
-                       and (s == p - 1 or (("B", s + 1, i) in done and done[("B", s + 1, i)] <= t))]
+            cands_b = [
+                i
+                for i in range(m)
+                if ("F", s, i) in done
+                and done[("F", s, i)] <= t
+                and ("B", s, i) not in done
+                and (s == p - 1 or (("B", s + 1, i) in done and done[("B", s + 1, i)] <= t))
+            ]
             if cands_b:
                 i = min(cands_b)
                 done[("B", s, i)] = t + 1
@@ -76,7 +82,11 @@ def zero_bubble_schedule(p: int, m: int) -> list[list[tuple[str, int]]]:
                 pending_w[s].append(i)
                 continue
             i = nxt_f[s]
-            if i < m and in_flight[s] < p - s and (s == 0 or (("F", s - 1, i) in done and done[("F", s - 1, i)] <= t)):
+            if (
+                i < m
+                and in_flight[s] < p - s
+                and (s == 0 or (("F", s - 1, i) in done and done[("F", s - 1, i)] <= t))
+            ):
                 done[("F", s, i)] = t + 1
                 orders[s].append(("F", i))
                 nxt_f[s] += 1
@@ -105,7 +115,9 @@ def schedule(kind: str, p: int, m: int) -> list[list[tuple[str, int]]]:
     raise ValueError(f"schedule={kind!r}; expected 'gpipe', '1f1b' or 'zb'")
 
 
-def simulate(orders: list[list[tuple[str, int]]], cost: dict[str, float] | None = None) -> dict[str, float]:
+def simulate(
+    orders: list[list[tuple[str, int]]], cost: dict[str, float] | None = None
+) -> dict[str, float]:
     """Replay per-stage orders with unit costs (default F=1, B=2 without W, or B=W=1 with W).
     Returns makespan, busy time per stage and the bubble fraction 1 - busy / (p · makespan)."""
     p = len(orders)
@@ -162,7 +174,9 @@ class _WeightGradStash:
     def run(self, mb: int) -> None:
         """The W pass of micro-batch ``mb``: dL/dW = gᵀ x for every stashed linear."""
         for w, x, g in self.items.pop(mb, []):
-            dw = g.reshape(-1, g.shape[-1]).t().to(w.dtype) @ x.reshape(-1, x.shape[-1]).to(w.dtype)  # (O, I)
+            dw = g.reshape(-1, g.shape[-1]).t().to(w.dtype) @ x.reshape(-1, x.shape[-1]).to(
+                w.dtype
+            )  # (O, I)
             w.grad = dw if w.grad is None else w.grad.add_(dw)
 
 
@@ -244,8 +258,10 @@ def split_weight_grads(stage: nn.Module) -> _WeightGradStash:
     gradient in a later W pass; returns the stash that holds the pending (x, g) pairs."""
     stash = _WeightGradStash()
     for blk in stage.blocks:
-        for mod, names in ((blk.attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                           (blk.ffn, ("gate_proj", "up_proj", "down_proj"))):
+        for mod, names in (
+            (blk.attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+            (blk.ffn, ("gate_proj", "up_proj", "down_proj")),
+        ):
             for n in names:
                 setattr(mod, n, SplitWeightGradLinear(getattr(mod, n), stash))
     if stage.lm_head is not None:
@@ -273,13 +289,25 @@ class PipelineParallel(nn.Module):
     tensor-parallel stages, the last one all-gathers its vocab-sharded logits over it.
     """
 
-    def __init__(self, model: nn.Module, group=None, micro_batches: int = 4, schedule_kind: str = "1f1b",
-                 dp_group=None, tied_group=None, vocab_group=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        group=None,
+        micro_batches: int = 4,
+        schedule_kind: str = "1f1b",
+        dp_group=None,
+        tied_group=None,
+        vocab_group=None,
+    ):
         super().__init__()
         if C.group_size(group) > 1:
             self.rank_in, self.p, self.ranks = C.group_ranks(group)
         else:
-            self.rank_in, self.p, self.ranks = 0, 1, [dist.get_rank()] if dist.is_initialized() else [0]
+            self.rank_in, self.p, self.ranks = (
+                0,
+                1,
+                [dist.get_rank()] if dist.is_initialized() else [0],
+            )
         self.group, self.m, self.kind = group, micro_batches, schedule_kind
         self.orders = schedule(schedule_kind, self.p, micro_batches)
         self.first, self.last = self.rank_in == 0, self.rank_in == self.p - 1
@@ -287,14 +315,18 @@ class PipelineParallel(nn.Module):
         self.tied = model.lm_head is None
         self.stage = pipeline_stage(model, self.rank_in, self.p)
         # the last stage's copy of a tied W_e (None elsewhere)
-        self.tied_copy = self.stage.lm_head.weight if self.last and self.tied and not self.first else None
+        self.tied_copy = (
+            self.stage.lm_head.weight if self.last and self.tied and not self.first else None
+        )
         self.stash = split_weight_grads(self.stage) if schedule_kind == "zb" else None
         self.vocab_group = vocab_group
         self.dp_group = dp_group
         self.tied_group = tied_group  # {first, last} stage ranks when embeddings are tied
         self.last_times: StepTimes | None = None
         self._device = next(self.stage.parameters()).device
-        self._parts_loss = None  # (loss_fn, state) of train_parts: one function object for every step
+        self._parts_loss = (
+            None  # (loss_fn, state) of train_parts: one function object for every step
+        )
 
     def run_stage(self, x: Tensor) -> Tensor:
         """This stage's forward: tokens (B, S) or (B, S, D) in; (B, S, D) or, last, logits (B, S, V)."""
@@ -342,7 +374,11 @@ class PipelineParallel(nn.Module):
                 if not self.last:
                     sends.append(self._send(out.detach(), s + 1, 2 * i))
             elif kind == "B":
-                g = None if self.last else self._recv(outputs[i].shape, outputs[i].dtype, s + 1, 2 * i + 1)
+                g = (
+                    None
+                    if self.last
+                    else self._recv(outputs[i].shape, outputs[i].dtype, s + 1, 2 * i + 1)
+                )
                 ta = time.perf_counter()
                 if self.stash is not None:
                     self.stash.current = i
@@ -359,7 +395,9 @@ class PipelineParallel(nn.Module):
             w.wait()
         self.last_times = StepTimes(busy=busy, wall=time.perf_counter() - t0)
         self.sync_grads()
-        loss = torch.tensor([sum(losses.values())], dtype=torch.float64, device=C.comm_device(self.group))
+        loss = torch.tensor(
+            [sum(losses.values())], dtype=torch.float64, device=C.comm_device(self.group)
+        )
         if self.p > 1:
             dist.broadcast(loss, self.ranks[-1], group=self.group)
         return float(loss)
@@ -369,7 +407,9 @@ class PipelineParallel(nn.Module):
         stage, each micro-batch's ce + z scaled by 1/m. Returns [mean ce, mean z] over the
         micro-batches (float64), the same on every rank of the pipeline."""
         parts: list[Tensor] = []
-        if self._parts_loss is None:  # one function object for every step (torch's schedules cache it)
+        if (
+            self._parts_loss is None
+        ):  # one function object for every step (torch's schedules cache it)
             state = {}
 
             def loss_fn(logits, y):
@@ -383,7 +423,7 @@ class PipelineParallel(nn.Module):
         self.train_step(tokens, targets, loss_fn)
         dev = C.comm_device(self.group)
         # torch's schedules may run the loss once more on their first step (shape inference): keep the last m
-        parts = [t for t in parts if t.device.type != "meta"][-self.m:]
+        parts = [t for t in parts if t.device.type != "meta"][-self.m :]
         out = (torch.stack(parts).mean(0) if parts else torch.zeros(2, dtype=torch.float64)).to(dev)
         if self.p > 1:
             dist.broadcast(out, self.ranks[-1], group=self.group)
@@ -415,25 +455,33 @@ class PipelineParallel(nn.Module):
         flat /= C.group_size(self.dp_group)
         off = 0
         for q in params:
-            q.grad.copy_(flat[off:off + q.numel()].view_as(q))
+            q.grad.copy_(flat[off : off + q.numel()].view_as(q))
             off += q.numel()
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, positions: Tensor | None = None, document_ids: Tensor | None = None
+    ) -> Tensor:
         """Evaluation only (under no_grad): the stages run in turn without micro-batches — stage s
         receives (B, S, D) from s - 1 and sends its output to s + 1 — and the last stage's logits
         (B, S, V) are broadcast to every rank of the pipeline, so each computes the same loss.
         Training runs forward and backward together: ``train_step``."""
         if torch.is_grad_enabled():
-            raise RuntimeError("a pipeline runs forward and backward together: call "
-                               "train_step(tokens, targets, loss_fn) (forward alone only under torch.no_grad())")
+            raise RuntimeError(
+                "a pipeline runs forward and backward together: call "
+                "train_step(tokens, targets, loss_fn) (forward alone only under torch.no_grad())"
+            )
         if positions is not None or document_ids is not None:
-            raise ValueError("pipeline parallelism: positions/document_ids (packing) are not supported")
+            raise ValueError(
+                "pipeline parallelism: positions/document_ids (packing) are not supported"
+            )
         B, S = tokens.shape
         dev = self._device
         x = tokens.to(dev) if self.first else torch.empty(B, S, self.d_model, device=dev)
         if not self.first:
             dist.recv(x, self.ranks[self.rank_in - 1], tag=_EVAL_TAG)
-        out = self.run_stage(x).float().contiguous()  # (B, S, V); the tp vocab gather returns a strided view
+        out = (
+            self.run_stage(x).float().contiguous()
+        )  # (B, S, V); the tp vocab gather returns a strided view
         if not self.last:
             dist.send(out, self.ranks[self.rank_in + 1], tag=_EVAL_TAG)
             out = torch.empty(B, S, self.vocab_size, device=dev)

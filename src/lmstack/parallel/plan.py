@@ -35,13 +35,23 @@ from torch import Tensor, nn
 
 from lmstack.parallel.context import ContextParallel
 from lmstack.parallel.ddp import DataParallel, broadcast_module
-from lmstack.parallel.expert import ExpertDataParallel, broadcast_expert_parallel, gather_experts, shard_experts
+from lmstack.parallel.expert import (
+    ExpertDataParallel,
+    broadcast_expert_parallel,
+    gather_experts,
+    shard_experts,
+)
 from lmstack.parallel.interface import GradItem, ParallelWrapper, WrapperBase
 from lmstack.parallel.mesh import DeviceMesh
 from lmstack.parallel.native import NativeParallelModel
 from lmstack.parallel.pipeline import PipelineParallel, tied_embedding_groups
-from lmstack.parallel.tensor import (TensorParallel, gather_tp_named, gather_tp_state_dict, single_process_name,
-                                     tp_sharded_ids)
+from lmstack.parallel.tensor import (
+    TensorParallel,
+    gather_tp_named,
+    gather_tp_state_dict,
+    single_process_name,
+    tp_sharded_ids,
+)
 from lmstack.parallel.zero import FullyShard, ZeroOptimizer
 
 
@@ -58,7 +68,9 @@ class ParallelPlan:
     bucket_mb: float = 25.0
     micro_batches: int = 4  # pipeline m
     schedule: str = "1f1b"  # gpipe | 1f1b | zb
-    param_dtype: str = "fp32"  # ZeRO-3 compute dtype of gathered parameters (bf16 = mixed precision)
+    param_dtype: str = (
+        "fp32"  # ZeRO-3 compute dtype of gathered parameters (bf16 = mixed precision)
+    )
     backend: str = "lmstack"  # lmstack | native (torch DDP / fully_shard / DTensor)
 
     def __post_init__(self):
@@ -69,37 +81,58 @@ class ParallelPlan:
         if self.param_dtype not in ("fp32", "bf16"):
             raise ValueError(f"param_dtype={self.param_dtype!r}; expected 'fp32' or 'bf16'")
         if self.zero == 3 and self.pp > 1:
-            raise ValueError("zero=3 with pp>1 is not supported: shard the pipeline stages with zero=1 or 2")
+            raise ValueError(
+                "zero=3 with pp>1 is not supported: shard the pipeline stages with zero=1 or 2"
+            )
         if self.sequence_parallel and self.tp == 1:
-            raise ValueError("sequence_parallel=True needs tp > 1 (it splits S across the tp ranks)")
+            raise ValueError(
+                "sequence_parallel=True needs tp > 1 (it splits S across the tp ranks)"
+            )
         if self.sequence_parallel and self.cp > 1:
             raise ValueError("sequence_parallel with cp > 1 is not supported (both split S)")
         if self.pp > 1 and self.cp > 1:
             raise ValueError("pp > 1 with cp > 1 is not supported")
         if self.pp > 1 and self.tp > 1 and self.schedule == "zb":
-            raise ValueError("schedule='zb' with tp > 1 is not supported (the W/B split would bypass the row-parallel "
-                             "all-reduce); use 1f1b or gpipe")
+            raise ValueError(
+                "schedule='zb' with tp > 1 is not supported (the W/B split would bypass the row-parallel "
+                "all-reduce); use 1f1b or gpipe"
+            )
         if not isinstance(self.ep, int) or self.ep < 1:
             raise ValueError(f"ep={self.ep!r} must be an integer >= 1")
         if self.ep > 1:
-            others = {"sequence_parallel": self.sequence_parallel, "pp": self.pp > 1, "cp": self.cp > 1,
-                      "zero=3": self.zero == 3, "backend='native'": self.backend == "native"}
+            others = {
+                "sequence_parallel": self.sequence_parallel,
+                "pp": self.pp > 1,
+                "cp": self.cp > 1,
+                "zero=3": self.zero == 3,
+                "backend='native'": self.backend == "native",
+            }
             bad = [k for k, v in others.items() if v]
             if bad:
-                raise ValueError(f"ep={self.ep} with {', '.join(bad)} is not supported: expert parallelism composes "
-                                 "with dp, zero=1/2 and tp (for the attention) only")
+                raise ValueError(
+                    f"ep={self.ep} with {', '.join(bad)} is not supported: expert parallelism composes "
+                    "with dp, zero=1/2 and tp (for the attention) only"
+                )
         if self.pp > 1 and self.sequence_parallel:
-            raise ValueError("pp > 1 with sequence_parallel is not supported (stages exchange full-S activations)")
+            raise ValueError(
+                "pp > 1 with sequence_parallel is not supported (stages exchange full-S activations)"
+            )
 
     @classmethod
-    def parse(cls, spec) -> "ParallelPlan":
+    def parse(cls, spec) -> ParallelPlan:
         if isinstance(spec, ParallelPlan):
             return spec
         if spec is None:
             return cls()
         if isinstance(spec, str):
-            names = {"ddp": {}, "ddp_naive": {"ddp_mode": "naive"}, "zero1": {"zero": 1}, "zero2": {"zero": 2},
-                     "zero3": {"zero": 3}, "fsdp": {"zero": 3}}
+            names = {
+                "ddp": {},
+                "ddp_naive": {"ddp_mode": "naive"},
+                "zero1": {"zero": 1},
+                "zero2": {"zero": 2},
+                "zero3": {"zero": 3},
+                "fsdp": {"zero": 3},
+            }
             if spec in names:
                 return cls(**names[spec])
             d = {}
@@ -107,17 +140,23 @@ class ParallelPlan:
                 if not part:
                     continue
                 if "=" not in part:
-                    raise ValueError(f"parallel plan {spec!r}: expected name=value pairs or one of {sorted(names)}")
+                    raise ValueError(
+                        f"parallel plan {spec!r}: expected name=value pairs or one of {sorted(names)}"
+                    )
                 k, v = part.split("=", 1)
                 d[k] = v
             spec = d
         if not isinstance(spec, dict):
-            raise ValueError(f"parallel plan must be a dict, string or ParallelPlan, got {type(spec).__name__}")
+            raise ValueError(
+                f"parallel plan must be a dict, string or ParallelPlan, got {type(spec).__name__}"
+            )
         known = {f.name: f for f in fields(cls)}
         out = {}
         for k, v in spec.items():
             if k not in known:
-                raise ValueError(f"parallel plan: unknown key {k!r}; expected one of {sorted(known)}")
+                raise ValueError(
+                    f"parallel plan: unknown key {k!r}; expected one of {sorted(known)}"
+                )
             if isinstance(v, str):
                 low = v.lower()
                 if low in ("true", "false"):
@@ -146,8 +185,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> No
     if dist.is_initialized():
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise RuntimeError("torch.distributed environment not found (RANK/WORLD_SIZE): launch with "
-                           "`torchrun --nproc_per_node=N -m lmstack train ...`")
+        raise RuntimeError(
+            "torch.distributed environment not found (RANK/WORLD_SIZE): launch with "
+            "`torchrun --nproc_per_node=N -m lmstack train ...`"
+        )
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -176,7 +217,9 @@ class ParallelModel(WrapperBase, nn.Module):
 
     def forward(self, tokens: Tensor, *args, **kwargs) -> Tensor:
         if self.pipeline is not None and torch.is_grad_enabled():
-            raise RuntimeError("a pipeline-parallel model runs forward and backward together: use forward_backward")
+            raise RuntimeError(
+                "a pipeline-parallel model runs forward and backward together: use forward_backward"
+            )
         return self.runner(tokens, *args, **kwargs)
 
     def build_optimizer(self, optimizer_class: type, params=None, **kwargs):
@@ -188,8 +231,9 @@ class ParallelModel(WrapperBase, nn.Module):
         if self.plan.zero in (1, 2):
             # experts differ per ep rank: their states are sharded over the ranks holding the same ones
             edp = {id(p): self.mesh.group("edp") for p in self.expert_params}
-            self.zero_optimizer = ZeroOptimizer(params, optimizer_class, self.dp_group, self.plan.zero,
-                                                shard_groups=edp, **kwargs)
+            self.zero_optimizer = ZeroOptimizer(
+                params, optimizer_class, self.dp_group, self.plan.zero, shard_groups=edp, **kwargs
+            )
             return self.zero_optimizer
         return optimizer_class(params, **kwargs)
 
@@ -212,7 +256,9 @@ class ParallelModel(WrapperBase, nn.Module):
                 split = isinstance(key, tuple) and key[1]
                 items.append((sh.grad, tp_axis if split else None, True))
         else:
-            for p in self.runner.parameters():  # once each; expert shards differ over ep (ZeRO: over dp, above)
+            for p in (
+                self.runner.parameters()
+            ):  # once each; expert shards differ over ep (ZeRO: over dp, above)
                 if p.requires_grad:
                     axis = "ep" if id(p) in ep_ids else (tp_axis if id(p) in tp_ids else None)
                     items.append((p.grad, axis, id(p) != copy_id))
@@ -231,12 +277,17 @@ class ParallelModel(WrapperBase, nn.Module):
             if self.tp_model is not None:  # ZeRO-3 over TP shards: undo the TP split too
                 sd = gather_tp_named(self.model, sd, self.mesh.group("tp"))
             return {single_process_name(k): v for k, v in sd.items()}
-        only = {id(p) for p in self.pipeline.stage.parameters()} if self.pipeline is not None else None
+        only = (
+            {id(p) for p in self.pipeline.stage.parameters()} if self.pipeline is not None else None
+        )
         if self.tp_model is not None:
             sd = gather_tp_state_dict(self.model, self.mesh.group("tp"), only)
         else:
-            sd = {single_process_name(n): p.detach() for n, p in self.model.named_parameters()
-                  if only is None or id(p) in only}
+            sd = {
+                single_process_name(n): p.detach()
+                for n, p in self.model.named_parameters()
+                if only is None or id(p) in only
+            }
         if self.mesh.ep > 1:  # each rank holds E/ep experts: gather the whole (E, ., .) tensors
             sd = gather_experts(self.model, sd, self.mesh.group("ep"))
         return sd
@@ -247,18 +298,24 @@ def build_mesh(plan: ParallelPlan) -> DeviceMesh:
     shard and the mesh's data-parallel axis (which splits the batch) has dp·ep ranks."""
     if plan.ep == 1:
         return DeviceMesh.build(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp)
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    world = (
+        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    )
     rest = plan.ep * plan.tp * plan.pp * plan.cp
     if plan.dp is None:
         if world % rest:
-            raise ValueError(f"world size {world} is not divisible by ep·tp·pp·cp = "
-                             f"{plan.ep}·{plan.tp}·{plan.pp}·{plan.cp} = {rest}")
+            raise ValueError(
+                f"world size {world} is not divisible by ep·tp·pp·cp = "
+                f"{plan.ep}·{plan.tp}·{plan.pp}·{plan.cp} = {rest}"
+            )
         dp = world // rest
     else:
         dp = plan.dp
         if dp * rest != world:
-            raise ValueError(f"world size {world} != dp·ep·tp·pp·cp = "
-                             f"{dp}·{plan.ep}·{plan.tp}·{plan.pp}·{plan.cp} = {dp * rest}")
+            raise ValueError(
+                f"world size {world} != dp·ep·tp·pp·cp = "
+                f"{dp}·{plan.ep}·{plan.tp}·{plan.pp}·{plan.cp} = {dp * rest}"
+            )
     return DeviceMesh.build(dp=dp * plan.ep, tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep)
 
 
@@ -276,7 +333,9 @@ def parallelize(model: nn.Module, plan=None, mesh: DeviceMesh | None = None) -> 
         pm.expert_params = shard_experts(model, mesh.group("ep"), load_group=pm.dp_group)
     # 1. tensor (+ sequence) parallel
     if mesh.tp > 1:
-        pm.tp_model = TensorParallel(model, mesh.group("tp"), plan.sequence_parallel, gather_output=True)
+        pm.tp_model = TensorParallel(
+            model, mesh.group("tp"), plan.sequence_parallel, gather_output=True
+        )
         runner = pm.tp_model
     # 2. context parallel
     if mesh.cp > 1:
@@ -289,9 +348,15 @@ def parallelize(model: nn.Module, plan=None, mesh: DeviceMesh | None = None) -> 
     # 3. pipeline
     if mesh.pp > 1:
         dp_group = mesh.group("dp") if plan.zero == 0 else None  # ZeRO-1/2 reduce-scatter instead
-        pm.pipeline = PipelineParallel(model, mesh.group("pp"), plan.micro_batches, plan.schedule,
-                                       dp_group=dp_group, tied_group=tied_embedding_groups(mesh),
-                                       vocab_group=mesh.group("tp") if mesh.tp > 1 else None)
+        pm.pipeline = PipelineParallel(
+            model,
+            mesh.group("pp"),
+            plan.micro_batches,
+            plan.schedule,
+            dp_group=dp_group,
+            tied_group=tied_embedding_groups(mesh),
+            vocab_group=mesh.group("tp") if mesh.tp > 1 else None,
+        )
         runner = pm.pipeline
         pm.pipeline.stage.train()
     # 4. data parallel over dp (× cp)
@@ -301,15 +366,23 @@ def parallelize(model: nn.Module, plan=None, mesh: DeviceMesh | None = None) -> 
             tp_ids = tp_sharded_ids(model) if pm.tp_model is not None else set()
             # flat shards per (matrix?, split over tp?): weight decay and the gradient norm tell them apart
             outer = mesh.tp == 1 and mesh.cp == 1
-            pm.fsdp = FullyShard(runner if outer else model, pm.dp_group, param_dtype=dtype,
-                                 segment_key=lambda p: (p.dim() >= 2, id(p) in tp_ids))
+            pm.fsdp = FullyShard(
+                runner if outer else model,
+                pm.dp_group,
+                param_dtype=dtype,
+                segment_key=lambda p: (p.dim() >= 2, id(p) in tp_ids),
+            )
             if outer:
                 runner = pm.fsdp
             else:  # shard the inner model, keep the TP/CP wrapper outside: it calls the model module
                 runner.module = pm.fsdp
-        elif mesh.ep > 1:  # replicated grads averaged over dp·ep ranks, expert grads over their replicas
+        elif (
+            mesh.ep > 1
+        ):  # replicated grads averaged over dp·ep ranks, expert grads over their replicas
             if plan.zero == 0:
-                pm.ddp = runner = ExpertDataParallel(runner, pm.dp_group, mesh.group("edp"), pm.expert_params)
+                pm.ddp = runner = ExpertDataParallel(
+                    runner, pm.dp_group, mesh.group("edp"), pm.expert_params
+                )
             else:  # ZeRO-1/2 reduce-scatter the gradients themselves (experts over edp: build_optimizer)
                 broadcast_expert_parallel(model, pm.dp_group, mesh.group("edp"), pm.expert_params)
         elif pm.pipeline is None and plan.zero == 0:
@@ -335,7 +408,9 @@ def get_parallelize(spec):
     def apply(trainer, model: nn.Module) -> nn.Module:
         init_distributed(timeout_s=trainer.config.dist_timeout_s if trainer is not None else 600.0)
         p = plan
-        if p.pp > 1 and trainer is not None:  # the pipeline's micro-batches are the accumulation steps
+        if (
+            p.pp > 1 and trainer is not None
+        ):  # the pipeline's micro-batches are the accumulation steps
             p = replace(p, micro_batches=trainer.config.grad_accum)
         pm = parallelize(model, p)
         if trainer is not None:

@@ -75,11 +75,15 @@ class ColumnParallelLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
 
     @classmethod
-    def from_linear(cls, lin: nn.Module, group) -> "ColumnParallelLinear":
+    def from_linear(cls, lin: nn.Module, group) -> ColumnParallelLinear:
         r, M = _rank_size(group)
         check_divisible(M, out_features=lin.weight.shape[0])
         w = lin.weight.detach().chunk(M, 0)[r].clone()
-        b = lin.bias.detach().chunk(M, 0)[r].clone() if getattr(lin, "bias", None) is not None else None
+        b = (
+            lin.bias.detach().chunk(M, 0)[r].clone()
+            if getattr(lin, "bias", None) is not None
+            else None
+        )
         return _keep_frozen(cls(w, b), lin)
 
     def forward(self, x: Tensor) -> Tensor:  # (B, S, I) -> (B, S, O/tp)
@@ -90,7 +94,9 @@ class RowParallelLinear(nn.Module):
     """Y[.., O]{U_tp} = X[.., I_tp] · W[O, I_tp]ᵀ, then g: all-reduce the partial sums (seed 000
     §6.3 case 3), or reduce-scatter along S with sequence parallelism."""
 
-    def __init__(self, weight: Tensor, group, sequence_parallel: bool = False, bias: Tensor | None = None):
+    def __init__(
+        self, weight: Tensor, group, sequence_parallel: bool = False, bias: Tensor | None = None
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
@@ -98,7 +104,9 @@ class RowParallelLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
 
     @classmethod
-    def from_linear(cls, lin: nn.Module, group, sequence_parallel: bool = False) -> "RowParallelLinear":
+    def from_linear(
+        cls, lin: nn.Module, group, sequence_parallel: bool = False
+    ) -> RowParallelLinear:
         r, M = _rank_size(group)
         check_divisible(M, in_features=lin.weight.shape[1])
         w = lin.weight.detach().chunk(M, 1)[r].clone()
@@ -144,12 +152,16 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = weight.shape
 
     @classmethod
-    def from_embedding(cls, emb: nn.Module, group, sequence_parallel: bool = False) -> "VocabParallelEmbedding":
+    def from_embedding(
+        cls, emb: nn.Module, group, sequence_parallel: bool = False
+    ) -> VocabParallelEmbedding:
         r, M = _rank_size(group)
         V = emb.weight.shape[0]
         check_divisible(M, vocab_size=V)
-        return _keep_frozen(cls(emb.weight.detach().chunk(M, 0)[r].clone(), r * (V // M), group, sequence_parallel),
-                            emb)
+        return _keep_frozen(
+            cls(emb.weight.detach().chunk(M, 0)[r].clone(), r * (V // M), group, sequence_parallel),
+            emb,
+        )
 
     def forward(self, tokens: Tensor) -> Tensor:  # (B, S) -> (B, S, D)  [SP: (B, S/tp, D)]
         local = tokens - self.vocab_start
@@ -201,12 +213,16 @@ def _max_all_reduce(t: Tensor, group) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
 
 
-def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, group, ignore_index: int = -100) -> Tensor:
+def vocab_parallel_cross_entropy(
+    logits: Tensor, targets: Tensor, group, ignore_index: int = -100
+) -> Tensor:
     """Mean cross-entropy of vocab-sharded logits (B, S, V/tp) against targets (B, S) with ids in
     [0, V): rank r's shard covers ids [r·V/tp, (r+1)·V/tp)."""
     r, M = _rank_size(group)
     Vl = logits.shape[-1]
-    return _VocabParallelCE.apply(logits.reshape(-1, Vl), targets.reshape(-1), r * Vl, group, ignore_index)
+    return _VocabParallelCE.apply(
+        logits.reshape(-1, Vl), targets.reshape(-1), r * Vl, group, ignore_index
+    )
 
 
 def _allreduce_grad_hook(group):
@@ -214,6 +230,7 @@ def _allreduce_grad_hook(group):
         g = g.clone()
         C.all_reduce(g, group)
         return g
+
     return hook
 
 
@@ -226,10 +243,14 @@ def tensor_parallel_plan(model: nn.Module) -> list[tuple[nn.Module, tuple[tuple[
     for i, block in enumerate(model.blocks):
         layer = getattr(block.attn, "layer_idx", i)  # a pipeline stage holds a slice of the layers
         plan = tp_plan(cfg, layer)
-        missing = [name for name, _ in plan if not isinstance(getattr(block.attn, name, None), nn.Module)]
+        missing = [
+            name for name, _ in plan if not isinstance(getattr(block.attn, name, None), nn.Module)
+        ]
         if missing:
-            raise UnsupportedMixer(f"tensor parallelism: layer {layer}'s {type(block.attn).__name__} has no "
-                                   f"{missing} that its plan {plan} shards")
+            raise UnsupportedMixer(
+                f"tensor parallelism: layer {layer}'s {type(block.attn).__name__} has no "
+                f"{missing} that its plan {plan} shards"
+            )
         plans.append((block.attn, plan))
     return plans
 
@@ -242,15 +263,26 @@ def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) ->
     cfg = model.config
     if getattr(cfg, "parallel_block", False):
         raise ValueError("tensor parallelism: parallel_block=True (GPT-J) is not supported")
-    plans = tensor_parallel_plan(model)  # refuses an unshardable layer before anything (even the group) is touched
+    plans = tensor_parallel_plan(
+        model
+    )  # refuses an unshardable layer before anything (even the group) is touched
     r, M = _rank_size(group)
-    check_divisible(M, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, vocab_size=cfg.vocab_size,
-                    **({"d_ff": cfg.d_ff} if cfg.block_ffn else {}))
+    check_divisible(
+        M,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        vocab_size=cfg.vocab_size,
+        **({"d_ff": cfg.d_ff} if cfg.block_ffn else {}),
+    )
     sp = sequence_parallel
     replicated_partial = []  # replicated weights whose gradient is a partial sum over tp ranks
-    if sp and any(isinstance(b.ffn, MoE) or getattr(b.ffn, "is_expert_parallel", False) for b in model.blocks):
-        raise ValueError("tensor parallelism: sequence_parallel=True with mixture-of-experts layers is "
-                         "not supported (the MoE layers are not split over tp)")
+    if sp and any(
+        isinstance(b.ffn, MoE) or getattr(b.ffn, "is_expert_parallel", False) for b in model.blocks
+    ):
+        raise ValueError(
+            "tensor parallelism: sequence_parallel=True with mixture-of-experts layers is "
+            "not supported (the MoE layers are not split over tp)"
+        )
     for block, (a, plan) in zip(model.blocks, plans):
         for name, style in plan:  # the layer's declared plan (model.mixer_spec)
             sub = getattr(a, name)
@@ -266,12 +298,20 @@ def tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) ->
             f.gate_proj = ColumnParallelLinear.from_linear(f.gate_proj, group)
             f.up_proj = ColumnParallelLinear.from_linear(f.up_proj, group)
             f.down_proj = RowParallelLinear.from_linear(f.down_proj, group, sp)
-        if sp:  # norms over S/tp tokens (Gemma's sandwich norms too): their gradients are partial sums
-            norms = (block.attn_norm, block.ffn_norm, getattr(block, "post_attn_norm", None),
-                     getattr(block, "post_ffn_norm", None))
+        if (
+            sp
+        ):  # norms over S/tp tokens (Gemma's sandwich norms too): their gradients are partial sums
+            norms = (
+                block.attn_norm,
+                block.ffn_norm,
+                getattr(block, "post_attn_norm", None),
+                getattr(block, "post_ffn_norm", None),
+            )
             replicated_partial += [n.weight for n in norms if n is not None]
         block.attn_norm = EnterParallelRegion(block.attn_norm, group, sp)
-        if f is not None and not moe:  # before a replicated MoE the input gradient is already whole: no f
+        if (
+            f is not None and not moe
+        ):  # before a replicated MoE the input gradient is already whole: no f
             block.ffn_norm = EnterParallelRegion(block.ffn_norm, group, sp)
     tied = model.lm_head is None
     model.embed = VocabParallelEmbedding.from_embedding(model.embed, group, sp)
@@ -293,7 +333,9 @@ class TensorParallel(nn.Module):
     ``gather_output=False`` returns the (B, S, V/tp) shard for ``vocab_parallel_cross_entropy``.
     """
 
-    def __init__(self, model: nn.Module, group, sequence_parallel: bool = False, gather_output: bool = True):
+    def __init__(
+        self, model: nn.Module, group, sequence_parallel: bool = False, gather_output: bool = True
+    ):
         super().__init__()
         self.module = tensor_parallel(model, group, sequence_parallel)
         self.group, self.gather_output = group, gather_output
@@ -302,7 +344,9 @@ class TensorParallel(nn.Module):
 
     def forward(self, tokens: Tensor, *args, **kwargs) -> Tensor:
         if self.sequence_parallel and tokens.shape[1] % self.M:
-            raise ValueError(f"sequence parallelism: S={tokens.shape[1]} is not divisible by tp={self.M}")
+            raise ValueError(
+                f"sequence parallelism: S={tokens.shape[1]} is not divisible by tp={self.M}"
+            )
         logits = self.module(tokens, *args, **kwargs)  # (B, S, V/tp)
         if self.gather_output:
             return C.GatherFn.apply(logits, -1 % logits.dim(), self.group)
@@ -313,7 +357,9 @@ class TensorParallel(nn.Module):
         return gather_tp_state_dict(self.module, self.group)
 
 
-def gather_tp_state_dict(model: nn.Module, group, only: set[int] | None = None) -> dict[str, Tensor]:
+def gather_tp_state_dict(
+    model: nn.Module, group, only: set[int] | None = None
+) -> dict[str, Tensor]:
     """Unsharded parameters by single-process name (``only``: ids of the parameters to include)."""
     out = {}
     for name, mod in model.named_modules():
@@ -321,7 +367,10 @@ def gather_tp_state_dict(model: nn.Module, group, only: set[int] | None = None) 
             if p is None or (only is not None and id(p) not in only):
                 continue
             key = f"{name}.{attr}" if name else attr
-            if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)) and attr in ("weight", "bias"):
+            if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)) and attr in (
+                "weight",
+                "bias",
+            ):
                 full = C.all_gather_dim(p.detach().contiguous(), 0, group)
             elif isinstance(mod, RowParallelLinear) and attr == "weight":
                 full = C.all_gather_dim(p.detach().contiguous(), 1, group)

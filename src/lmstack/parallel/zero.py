@@ -56,13 +56,22 @@ class ZeroOptimizer:
     divides by M; the inner optimizer updates it in place and the all-gather fills the rest.
     """
 
-    def __init__(self, params: Iterable, optimizer_class: type, group=None, stage: int = 1,
-                 shard_groups: dict[int, object] | None = None, **defaults):
+    def __init__(
+        self,
+        params: Iterable,
+        optimizer_class: type,
+        group=None,
+        stage: int = 1,
+        shard_groups: dict[int, object] | None = None,
+        **defaults,
+    ):
         """``shard_groups``: {id(parameter): process group} for parameters sharded over another group
         than ``group`` — expert parallelism's experts differ per ep rank, so their states are sharded
         (and gradients averaged) over the ranks holding the same experts (``mesh.group("edp")``)."""
         if stage not in (1, 2):
-            raise ValueError(f"stage={stage}; ZeroOptimizer implements ZeRO-1 and ZeRO-2 (ZeRO-3 is FullyShard)")
+            raise ValueError(
+                f"stage={stage}; ZeroOptimizer implements ZeRO-1 and ZeRO-2 (ZeRO-3 is FullyShard)"
+            )
         self.group, self.stage = group, stage
         self.M = C.group_size(group)
         self.rank = C.group_ranks(group)[0] if self.M > 1 else 0
@@ -90,7 +99,9 @@ class ZeroOptimizer:
         self.require_sync = True
         self._reduced = False
         if stage == 2:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._reduce_scatter_now) for p in self.params]
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(self._reduce_scatter_now) for p in self.params
+            ]
 
     # a slice of the parameter's flat storage when possible (in-place update, no copy)
     def _where(self, p: Tensor) -> tuple[object, int, int]:
@@ -106,8 +117,8 @@ class ZeroOptimizer:
         n = p.numel()
         c = math.ceil(n / M)
         if n % M == 0 and p.is_contiguous():
-            return p.data.view(-1)[rank * c:(rank + 1) * c]
-        return _pad_flat(p.detach(), M)[rank * c:(rank + 1) * c].clone()
+            return p.data.view(-1)[rank * c : (rank + 1) * c]
+        return _pad_flat(p.detach(), M)[rank * c : (rank + 1) * c].clone()
 
     @property
     def param_groups(self):
@@ -161,7 +172,7 @@ class ZeroOptimizer:
         for p in self.params:
             shard = self._shard[id(p)]
             full = C.all_gather(shard.detach(), self._where(p)[0])  # (M·c,)
-            p.data.view(-1).copy_(full[:p.numel()])
+            p.data.view(-1).copy_(full[: p.numel()])
 
     def state_dict(self) -> dict:
         """This rank's optimizer states (of its shards) and hyper-parameters: a per-rank checkpoint."""
@@ -179,9 +190,12 @@ class ZeroOptimizer:
         for p in self.params:
             shard = self._shard[id(p)]
             c = shard.numel()
-            if shard.data_ptr() < p.data_ptr() or shard.data_ptr() >= p.data_ptr() + p.numel() * p.element_size():
+            if (
+                shard.data_ptr() < p.data_ptr()
+                or shard.data_ptr() >= p.data_ptr() + p.numel() * p.element_size()
+            ):
                 _, M, rank = self._where(p)
-                shard.copy_(_pad_flat(p.detach(), M)[rank * c:(rank + 1) * c])
+                shard.copy_(_pad_flat(p.detach(), M)[rank * c : (rank + 1) * c])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._reduced = False
@@ -194,7 +208,9 @@ class ZeroOptimizer:
         Call after backward, before ``step``: the gradients are reduce-scattered onto the shards
         first (``reduce_gradients``), for ZeRO-1 and ZeRO-2 alike."""
         self.reduce_gradients()
-        sq = sum(float(s.grad.float().pow(2).sum()) for s in self._shard.values() if s.grad is not None)
+        sq = sum(
+            float(s.grad.float().pow(2).sum()) for s in self._shard.values() if s.grad is not None
+        )
         t = torch.tensor([sq], dtype=torch.float64, device=C.comm_device(self.group))
         C.all_reduce(t, self.group)
         norm = t.sqrt()[0]
@@ -209,12 +225,26 @@ class ZeroOptimizer:
         """Measured bytes this rank holds: parameters, gradients (full p.grad and shard grads)
         and optimizer states (every tensor in the inner optimizer's state, step counters aside)."""
         params = sum(p.numel() * p.element_size() for p in self.params)
-        params += sum(s.numel() * s.element_size() for p, s in ((p, self._shard[id(p)]) for p in self.params)
-                      if s.data_ptr() < p.data_ptr() or s.data_ptr() >= p.data_ptr() + p.numel() * p.element_size())
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
-        grads += sum(s.grad.numel() * s.grad.element_size() for s in self._shard.values() if s.grad is not None)
-        opt = sum(v.numel() * v.element_size() for st in self.inner.state.values() for k, v in st.items()
-                  if torch.is_tensor(v) and k != "step")
+        params += sum(
+            s.numel() * s.element_size()
+            for p, s in ((p, self._shard[id(p)]) for p in self.params)
+            if s.data_ptr() < p.data_ptr()
+            or s.data_ptr() >= p.data_ptr() + p.numel() * p.element_size()
+        )
+        grads = sum(
+            p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None
+        )
+        grads += sum(
+            s.grad.numel() * s.grad.element_size()
+            for s in self._shard.values()
+            if s.grad is not None
+        )
+        opt = sum(
+            v.numel() * v.element_size()
+            for st in self.inner.state.values()
+            for k, v in st.items()
+            if torch.is_tensor(v) and k != "step"
+        )
         return {"master_weights": params, "gradients": grads, "optimizer": opt}
 
 
@@ -227,7 +257,7 @@ class _GatherParams(torch.autograd.Function):
     fp32) onto its shard, divided by M (the data-parallel average), then free the buffer again."""
 
     @staticmethod
-    def forward(ctx, unit: "_Unit", *shards: Tensor) -> Tensor:
+    def forward(ctx, unit: _Unit, *shards: Tensor) -> Tensor:
         ctx.unit = unit
         return unit.materialize()
 
@@ -236,8 +266,10 @@ class _GatherParams(torch.autograd.Function):
         unit = ctx.unit
         grads = []
         for seg, shard in zip(unit.segments, unit.shards):
-            part = g[seg.base:seg.base + unit.M * seg.c].float()
-            grads.append((C.reduce_scatter(part, unit.group) / unit.M).to(shard.dtype).view(shard.shape))
+            part = g[seg.base : seg.base + unit.M * seg.c].float()
+            grads.append(
+                (C.reduce_scatter(part, unit.group) / unit.M).to(shard.dtype).view(shard.shape)
+            )
         unit.free()
         return (None, *grads)
 
@@ -262,7 +294,9 @@ class _Unit:
     matrices is (1, c), of vectors (c,): optimizer rules that look at ``p.dim()`` (weight decay on
     matrices only) see the same classes as on the unsharded model."""
 
-    def __init__(self, owner: "FullyShard", name: str, entries: list[tuple[nn.Module, str, nn.Parameter]]):
+    def __init__(
+        self, owner: FullyShard, name: str, entries: list[tuple[nn.Module, str, nn.Parameter]]
+    ):
         self.owner, self.name, self.group, self.M = owner, name, owner.group, owner.M
         uniq: dict[int, nn.Parameter] = {}
         for _, _, p in entries:
@@ -282,15 +316,19 @@ class _Unit:
             for p in ps:
                 offsets[id(p)] = off
                 off += p.numel()
-            flat = _pad_flat(torch.cat([p.detach().reshape(-1).to(owner.master_dtype) for p in ps]), self.M)
-            shard = flat[r * seg.c:(r + 1) * seg.c].clone()
+            flat = _pad_flat(
+                torch.cat([p.detach().reshape(-1).to(owner.master_dtype) for p in ps]), self.M
+            )
+            shard = flat[r * seg.c : (r + 1) * seg.c].clone()
             self.shards.append(nn.Parameter(shard.view(1, -1) if seg.matrix else shard))
             owner.shard_keys[id(self.shards[-1])] = key
             self.segments.append(seg)
             base += self.M * seg.c
         self.size = base  # buffer elements (padded segments)
         self.numel = sum(p.numel() for p in uniq.values())
-        self.entries = [(mod, attr, offsets[id(p)], p.shape) for mod, attr, p in entries]  # (module, attr, offset, shape)
+        self.entries = [
+            (mod, attr, offsets[id(p)], p.shape) for mod, attr, p in entries
+        ]  # (module, attr, offset, shape)
         for mod, attr, _ in entries:
             del mod._parameters[attr]
             setattr(mod, attr, None)
@@ -301,7 +339,9 @@ class _Unit:
 
     def _alloc(self) -> Tensor:
         if self.buffer is None:
-            self.buffer = torch.empty(self.size, dtype=self.owner.param_dtype, device=self.shards[0].device)
+            self.buffer = torch.empty(
+                self.size, dtype=self.owner.param_dtype, device=self.shards[0].device
+            )
         else:
             self.buffer.untyped_storage().resize_(self.size * self.buffer.element_size())
         return self.buffer
@@ -317,7 +357,7 @@ class _Unit:
         works = []
         for seg, shard in zip(self.segments, self.shards):
             src = shard.detach().reshape(-1).to(self.owner.param_dtype)
-            out = buf.data[seg.base:seg.base + self.M * seg.c]
+            out = buf.data[seg.base : seg.base + self.M * seg.c]
             if self.M == 1:
                 out.copy_(src)
             elif C.use_ring("auto"):
@@ -336,7 +376,8 @@ class _Unit:
         self.owner._live[self.buffer.untyped_storage().data_ptr()] = self
         # a fresh tensor object on the same storage: autograd output of this gather only
         return torch.empty(0, dtype=self.buffer.dtype, device=self.buffer.device).set_(
-            self.buffer.untyped_storage(), 0, self.buffer.shape)
+            self.buffer.untyped_storage(), 0, self.buffer.shape
+        )
 
     def gather(self) -> None:
         """Pre-forward: all-gather (through the autograd function) and point the module
@@ -346,7 +387,7 @@ class _Unit:
         full = _GatherParams.apply(self, *self.shards)
         self.full = full
         for mod, attr, off, shape in self.entries:
-            setattr(mod, attr, full[off:off + math.prod(shape)].view(shape))
+            setattr(mod, attr, full[off : off + math.prod(shape)].view(shape))
 
     def regather(self) -> None:
         """Backward: the views saved by autograd point at the freed buffer; refill it."""
@@ -384,10 +425,17 @@ class FullyShard(nn.Module):
     replicated (broadcast from rank 0 like the rest).
     """
 
-    def __init__(self, model: nn.Module, group=None, units: list[nn.Module] | None = None,
-                 param_dtype: torch.dtype = torch.float32, master_dtype: torch.dtype = torch.float32,
-                 prefetch: bool = True, broadcast: bool = True,
-                 segment_key: Callable[[nn.Parameter], object] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        group=None,
+        units: list[nn.Module] | None = None,
+        param_dtype: torch.dtype = torch.float32,
+        master_dtype: torch.dtype = torch.float32,
+        prefetch: bool = True,
+        broadcast: bool = True,
+        segment_key: Callable[[nn.Parameter], object] | None = None,
+    ):
         super().__init__()
         self.segment_key = segment_key or (lambda p: p.dim() >= 2)
         self.shard_keys: dict[int, object] = {}
@@ -436,11 +484,13 @@ class FullyShard(nn.Module):
             u.gather()
             if self.prefetch_next and i + 1 < len(self.units):
                 self.units[i + 1].prefetch(ahead=True)
+
         return hook
 
     def _make_post(self, i: int):
         def hook(mod, args, out):
             self.units[i].drop_views()
+
         return hook
 
     # saved-tensor hooks: remember which unit a saved parameter view belongs to, regather on use
@@ -482,7 +532,7 @@ class FullyShard(nn.Module):
             full = u.full_flat()
             for mod, attr, off, shape in u.entries:
                 key = f"{names[id(mod)]}.{attr}" if names[id(mod)] else attr
-                out[key] = full[off:off + math.prod(shape)].view(shape).clone()
+                out[key] = full[off : off + math.prod(shape)].view(shape).clone()
         for name, p in self.module.named_parameters():  # frozen, unsharded
             out[name] = p.detach().clone()
         return out
@@ -492,9 +542,15 @@ class FullyShard(nn.Module):
 
     def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         params = sum(s.numel() * s.element_size() for s in self.shards)
-        grads = sum(s.grad.numel() * s.grad.element_size() for s in self.shards if s.grad is not None)
+        grads = sum(
+            s.grad.numel() * s.grad.element_size() for s in self.shards if s.grad is not None
+        )
         opt = 0
         if optimizer is not None:
-            opt = sum(v.numel() * v.element_size() for st in optimizer.state.values() for k, v in st.items()
-                      if torch.is_tensor(v) and k != "step")
+            opt = sum(
+                v.numel() * v.element_size()
+                for st in optimizer.state.values()
+                for k, v in st.items()
+                if torch.is_tensor(v) and k != "step"
+            )
         return {"master_weights": params, "gradients": grads, "optimizer": opt}

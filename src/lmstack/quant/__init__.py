@@ -18,7 +18,17 @@ from lmstack.quant.linear import WeightOnlyLinear
 from lmstack.quant.model import QUANT_METHODS, quantize_model, quantized_weight_bytes
 
 __all__ = [
-    "CalibrationError", "gptq_quantize", "gptq_quantize_model",
-    "Int4Linear", "Int8Linear", "QUANT_METHODS", "dequantize_int4", "dequantize_int8", "quantize_int4",
-    "quantize_int8", "quantize_model", "quantized_weight_bytes", "WeightOnlyLinear",
+    "CalibrationError",
+    "gptq_quantize",
+    "gptq_quantize_model",
+    "Int4Linear",
+    "Int8Linear",
+    "QUANT_METHODS",
+    "dequantize_int4",
+    "dequantize_int8",
+    "quantize_int4",
+    "quantize_int8",
+    "quantize_model",
+    "quantized_weight_bytes",
+    "WeightOnlyLinear",
 ]

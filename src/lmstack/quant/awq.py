@@ -42,15 +42,23 @@ def awq_loss(weights: list[Tensor], gram: Tensor, scale: Tensor, group_size: int
     """L(s) = Σ tr(Δ G Δᵀ), Δ = Q(W·s)/s − W, G = XᵀX (I, I), in G's dtype."""
     total = 0.0
     for W in weights:
-        w_hat = dequantize_int4(*quantize_int4((W * scale).float(), group_size)).to(gram.dtype) / scale
+        w_hat = (
+            dequantize_int4(*quantize_int4((W * scale).float(), group_size)).to(gram.dtype) / scale
+        )
         d = w_hat - W
         total += float(((d @ gram) * d).sum(dtype=torch.float64))
     return total
 
 
 @torch.no_grad()
-def awq_search(weights: list[Tensor], X: Tensor, group_size: int = 32, grid: int = 20,
-               dtype: torch.dtype = torch.float64, max_out_rows: int | None = None) -> tuple[Tensor, float, dict]:
+def awq_search(
+    weights: list[Tensor],
+    X: Tensor,
+    group_size: int = 32,
+    grid: int = 20,
+    dtype: torch.dtype = torch.float64,
+    max_out_rows: int | None = None,
+) -> tuple[Tensor, float, dict]:
     """Best per-input-channel scale s (I,) for the linears ``weights`` (each (O_k, I)) sharing input X (n, I).
 
     The loss is evaluated in ``dtype``; ``max_out_rows`` evaluates it on every k-th output row only
@@ -61,7 +69,9 @@ def awq_search(weights: list[Tensor], X: Tensor, group_size: int = 32, grid: int
     I = X.shape[1]
     for W in weights:
         if W.shape[1] != I:
-            raise CalibrationError(f"weight in_features={W.shape[1]} does not match the calibration inputs' {I}")
+            raise CalibrationError(
+                f"weight in_features={W.shape[1]} does not match the calibration inputs' {I}"
+            )
         if I % group_size:
             raise ValueError(f"in_features={I} is not a multiple of group_size={group_size}")
     Ws = [W.detach().to(dtype) for W in weights]
@@ -73,7 +83,7 @@ def awq_search(weights: list[Tensor], X: Tensor, group_size: int = 32, grid: int
     best = (float("inf"), 0.0, torch.ones(I, dtype=dtype))
     for k in range(grid + 1):
         alpha = k / grid
-        s = mean_abs ** alpha
+        s = mean_abs**alpha
         s = (s / (s.max() * s.min()).sqrt()).clamp(min=1e-4)
         loss = losses[alpha] = awq_loss(Ws, gram, s, group_size)
         if loss < best[0]:
@@ -85,13 +95,18 @@ def _groups(block: nn.Module, x: Tensor, args: tuple, kwargs: dict):
     """Linears of ``block`` grouped by the tensor they read, and the RMSNorm (if any) that produced it."""
     norm_out: dict[int, nn.Module] = {}
     seen: dict[int, tuple[Tensor, list]] = {}
-    hooks = [m.register_forward_hook(lambda mod, a, out: norm_out.__setitem__(id(out), mod))
-             for m in block.modules() if isinstance(m, RMSNorm)]
+    hooks = [
+        m.register_forward_hook(lambda mod, a, out: norm_out.__setitem__(id(out), mod))
+        for m in block.modules()
+        if isinstance(m, RMSNorm)
+    ]
     for parent in block.modules():
         for name, child in parent.named_children():
             if isinstance(child, Linear):
+
                 def pre(mod, a, parent=parent, name=name):
                     seen.setdefault(id(a[0]), (a[0], []))[1].append((parent, name, mod))
+
                 hooks.append(child.register_forward_pre_hook(pre))
     try:
         block(x, *args, **kwargs)
@@ -102,9 +117,15 @@ def _groups(block: nn.Module, x: Tensor, args: tuple, kwargs: dict):
 
 
 @torch.no_grad()
-def awq_quantize_model(model: nn.Module, tokens: Tensor, group_size: int = 32, grid: int = 20,
-                       lm_head: bool = True, compute_dtype: torch.dtype = torch.bfloat16,
-                       max_rows: int = 8192) -> nn.Module:
+def awq_quantize_model(
+    model: nn.Module,
+    tokens: Tensor,
+    group_size: int = 32,
+    grid: int = 20,
+    lm_head: bool = True,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    max_rows: int = 8192,
+) -> nn.Module:
     """AWQ-int4 every block linear of ``model`` (and the unembedding when ``lm_head``), calibrated on
     ``tokens`` (B, S) (at least 2·D tokens); ``model.awq_alphas`` records the α chosen per group."""
     calibration_batches(tokens, 2 * model.config.d_model)
@@ -113,7 +134,9 @@ def awq_quantize_model(model: nn.Module, tokens: Tensor, group_size: int = 32, g
 
     def inputs_of(block, members, xs, args, kwargs) -> Tensor:
         rows: list[Tensor] = []
-        h = members[0][2].register_forward_pre_hook(lambda m, a: rows.append(a[0].reshape(-1, a[0].shape[-1])))
+        h = members[0][2].register_forward_pre_hook(
+            lambda m, a: rows.append(a[0].reshape(-1, a[0].shape[-1]))
+        )
         try:
             for x in xs:
                 block(x, *args, **kwargs)
@@ -125,26 +148,38 @@ def awq_quantize_model(model: nn.Module, tokens: Tensor, group_size: int = 32, g
     def block_fn(block, xs, args, kwargs):
         for members, norm in _groups(block, xs[0], args, kwargs):
             X = inputs_of(block, members, xs, args, kwargs)
-            s, alpha, _ = awq_search([lin.weight for _, _, lin in members], X, group_size, grid, torch.float32)
+            s, alpha, _ = awq_search(
+                [lin.weight for _, _, lin in members], X, group_size, grid, torch.float32
+            )
             alphas.append((",".join(names[id(lin)] for _, _, lin in members), alpha))
             s = s.float()
             fold = norm is not None
             if fold:
                 norm.weight.div_(s.to(norm.weight.dtype))
             for parent, name, lin in members:
-                q = Int4Linear(*quantize_int4(lin.weight.float() * s, group_size), lin.bias, compute_dtype)
+                q = Int4Linear(
+                    *quantize_int4(lin.weight.float() * s, group_size), lin.bias, compute_dtype
+                )
                 setattr(parent, name, q if fold else ScaledInputLinear(q, 1.0 / s))
 
     def head_fn(W, hs):
         X = torch.cat([h.reshape(-1, h.shape[-1]) for h in hs])
-        s, alpha, _ = awq_search([W], X[:: max(1, X.shape[0] // max_rows)], group_size, grid, torch.float32,
-                                 max_out_rows=4096)
+        s, alpha, _ = awq_search(
+            [W],
+            X[:: max(1, X.shape[0] // max_rows)],
+            group_size,
+            grid,
+            torch.float32,
+            max_out_rows=4096,
+        )
         alphas.append(("lm_head", alpha))
         s = s.float()
         if model.norm is not None:
             model.norm.weight.div_(s.to(model.norm.weight.dtype))
             return Int4Linear(*quantize_int4(W.float() * s, group_size), None, compute_dtype)
-        return ScaledInputLinear(Int4Linear(*quantize_int4(W.float() * s, group_size), None, compute_dtype), 1.0 / s)
+        return ScaledInputLinear(
+            Int4Linear(*quantize_int4(W.float() * s, group_size), None, compute_dtype), 1.0 / s
+        )
 
     sequential_quantize(model, tokens, block_fn, head_fn if lm_head else None, "AWQ")
     model.quantization = "awq-int4"

@@ -31,29 +31,73 @@ from lmstack.model.io import load_model, save_pretrained
 from lmstack.quant.prune import distill, prune_width
 from lmstack.threads import add_threads_argument, set_threads
 from lmstack.tokenizer import load_tokenizer
-from lmstack.utils import atomic_write_text, check_outputs, finite_float, own_folder, positive_int, pyplot, save_png
+from lmstack.utils import (
+    atomic_write_text,
+    check_outputs,
+    finite_float,
+    own_folder,
+    positive_int,
+    pyplot,
+    save_png,
+)
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("compress", help="width pruning by activation importance + logit distillation",
-                              description=__doc__.split("\n")[0] + " (seed 001 \"有损提速\"; Minitron).")
-    p.add_argument("--model", required=True, help="smollm2-135m, a GGUF file or an lmstack checkpoint directory")
+    p = subparsers.add_parser(
+        "compress",
+        help="width pruning by activation importance + logit distillation",
+        description=__doc__.split("\n")[0] + ' (seed 001 "有损提速"; Minitron).',
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="smollm2-135m, a GGUF file or an lmstack checkpoint directory",
+    )
     p.add_argument("--out", required=True, help="directory for the pruned checkpoint")
-    p.add_argument("--force", action="store_true",
-                   help="write into --out even when it holds something other than an earlier compress output")
-    p.add_argument("--d-ff", type=positive_int, default=None, help="FFN width F to keep (default: unchanged)")
-    p.add_argument("--n-kv-heads", type=positive_int, default=None, help="KV groups K to keep, with their query heads")
-    p.add_argument("--d-model", type=positive_int, default=None, help="embedding channels D to keep")
-    p.add_argument("--text", default=None, help="calibration/distillation/eval text file (default: stdlib sources)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into --out even when it holds something other than an earlier compress output",
+    )
+    p.add_argument(
+        "--d-ff", type=positive_int, default=None, help="FFN width F to keep (default: unchanged)"
+    )
+    p.add_argument(
+        "--n-kv-heads",
+        type=positive_int,
+        default=None,
+        help="KV groups K to keep, with their query heads",
+    )
+    p.add_argument(
+        "--d-model", type=positive_int, default=None, help="embedding channels D to keep"
+    )
+    p.add_argument(
+        "--text",
+        default=None,
+        help="calibration/distillation/eval text file (default: stdlib sources)",
+    )
     p.add_argument("--seq", type=positive_int, default=256)
     p.add_argument("--calib-rows", type=positive_int, default=16)
     p.add_argument("--eval-rows", type=positive_int, default=4)
     p.add_argument("--distill-steps", type=int, default=0)
-    p.add_argument("--distill-rows", type=int, default=None,
-                   help="rows distillation cycles through (default: the --calib-rows; extra ones follow the held-out rows)")
-    p.add_argument("--eval-every", type=int, default=0, help="held-out perplexity every N distillation steps (0: end only)")
-    p.add_argument("--speed-tokens", type=int, default=32,
-                   help="new tokens per batch-1 greedy decode timing of the original and the result (0: skip)")
+    p.add_argument(
+        "--distill-rows",
+        type=int,
+        default=None,
+        help="rows distillation cycles through (default: the --calib-rows; extra ones follow the held-out rows)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="held-out perplexity every N distillation steps (0: end only)",
+    )
+    p.add_argument(
+        "--speed-tokens",
+        type=int,
+        default=32,
+        help="new tokens per batch-1 greedy decode timing of the original and the result (0: skip)",
+    )
     p.add_argument("--lr", type=finite_float, default=3e-4)
     p.add_argument("--temperature", type=finite_float, default=1.0)
     add_threads_argument(p)
@@ -69,28 +113,41 @@ def _text(path: str | None) -> str:
 
 @torch.no_grad()
 def _ppl(model, rows) -> float:
-    nll = sum(F.cross_entropy(model(r[None])[0, :-1].float(), r[1:], reduction="sum").item() for r in rows)
+    nll = sum(
+        F.cross_entropy(model(r[None])[0, :-1].float(), r[1:], reduction="sum").item() for r in rows
+    )
     return math.exp(nll / (rows.numel() - rows.shape[0]))
 
 
 @torch.inference_mode()
 def _decode_speed(model, prompt: list[int], n_new: int, repeats: int = 3) -> float:
     """Median tok/s of batch-1 greedy ``generate`` (contiguous KV cache, eager) over ``repeats`` runs."""
-    from lmstack.inference.generate import generate  # a command may time the engine (pyproject: layers' ignore)
+    from lmstack.inference.generate import (
+        generate,
+    )  # a command may time the engine (pyproject: layers' ignore)
     from lmstack.inference.sampling import SamplingParams
 
     list(generate(model, prompt, SamplingParams(temperature=0, max_tokens=4)))  # warm-up
     runs = []
     for _ in range(repeats):
         t = time.perf_counter()
-        n = sum(1 for _ in generate(model, prompt, SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)))
+        n = sum(
+            1
+            for _ in generate(
+                model, prompt, SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
+            )
+        )
         runs.append(n / (time.perf_counter() - t))
     return statistics.median(runs)
 
 
-def _plot(path: Path, losses: list[float], evals: list[tuple[int, float]], teacher_ppl: float, title: str) -> None:
+def _plot(
+    path: Path, losses: list[float], evals: list[tuple[int, float]], teacher_ppl: float, title: str
+) -> None:
     fig, ax = pyplot().subplots(figsize=(7, 4.2), dpi=120)
-    ax.plot(range(1, len(losses) + 1), losses, lw=1.2, label="distillation loss T²·KL (training batch)")
+    ax.plot(
+        range(1, len(losses) + 1), losses, lw=1.2, label="distillation loss T²·KL (training batch)"
+    )
     ax.set_xlabel("distillation step")
     ax.set_ylabel("T²·KL (nats/token)")
     ax.grid(alpha=0.3)
@@ -108,9 +165,17 @@ def _plot(path: Path, losses: list[float], evals: list[tuple[int, float]], teach
 
 
 def run_compress(args: argparse.Namespace) -> int:
-    check_outputs([("--out", args.out)], [("--model", args.model), ("--text", args.text)],
-                  {"--out": ("an empty folder or an earlier `lmstack compress` output (one with compress.json)",
-                             lambda p: own_folder(p, "compress.json"))}, force=args.force)
+    check_outputs(
+        [("--out", args.out)],
+        [("--model", args.model), ("--text", args.text)],
+        {
+            "--out": (
+                "an empty folder or an earlier `lmstack compress` output (one with compress.json)",
+                lambda p: own_folder(p, "compress.json"),
+            )
+        },
+        force=args.force,
+    )
     set_threads(args.threads)
     for name in ("distill_steps", "eval_every", "speed_tokens"):
         if getattr(args, name) < 0:
@@ -124,15 +189,19 @@ def run_compress(args: argparse.Namespace) -> int:
     c, e = args.calib_rows, args.eval_rows
     avail = len(ids) // args.seq
     if avail <= e:
-        raise ValueError(f"the text gives {len(ids)} tokens: fewer than {e + 1} rows of --seq {args.seq} "
-                         f"(--eval-rows {e} + at least one to calibrate)")
+        raise ValueError(
+            f"the text gives {len(ids)} tokens: fewer than {e + 1} rows of --seq {args.seq} "
+            f"(--eval-rows {e} + at least one to calibrate)"
+        )
     c = min(c, avail - e)  # a short text calibrates on what is left before the held-out rows
     d = c if args.distill_rows is None else args.distill_rows
     if d > c and avail < c + e + (d - c):
-        raise ValueError(f"the text gives {avail} rows of --seq {args.seq}: fewer than --distill-rows {d} + --eval-rows {e}")
+        raise ValueError(
+            f"the text gives {avail} rows of --seq {args.seq}: fewer than --distill-rows {d} + --eval-rows {e}"
+        )
     rows = torch.tensor(ids[: avail * args.seq]).view(avail, args.seq)
-    calib, held = rows[:c], rows[c:c + e]
-    train = calib[:d] if d <= c else torch.cat([calib, rows[c + e:c + e + d - c]])
+    calib, held = rows[:c], rows[c : c + e]
+    train = calib[:d] if d <= c else torch.cat([calib, rows[c + e : c + e + d - c]])
     student = prune_width(teacher, calib, args.d_ff, args.n_kv_heads, args.d_model)
     before, pruned = _ppl(teacher, held), _ppl(student, held)
     evals = [(0, pruned)]
@@ -145,33 +214,64 @@ def run_compress(args: argparse.Namespace) -> int:
     losses = []
     t0 = time.perf_counter()
     if args.distill_steps:
-        losses = distill(student, teacher, train, args.distill_steps, args.lr, args.temperature, on_step=on_step)
+        losses = distill(
+            student, teacher, train, args.distill_steps, args.lr, args.temperature, on_step=on_step
+        )
         evals.append((args.distill_steps, _ppl(student, held)))
     distill_s = time.perf_counter() - t0
     after = evals[-1][1]
     p_t = sum(p.numel() for p in teacher.parameters())
     p_s = sum(p.numel() for p in student.parameters())
-    print(f"parameters {p_t / 1e6:.1f}M -> {p_s / 1e6:.1f}M; "
-          f"held-out perplexity {before:.2f} -> pruned {pruned:.2f} -> distilled ({args.distill_steps} steps) {after:.2f}")
-    report = dict(model=args.model, d_ff=student.config.d_ff, n_kv_heads=student.config.n_kv_heads,
-                  d_model=student.config.d_model, params_before=p_t, params_after=p_s, seq=args.seq,
-                  calib_rows=c, eval_rows=e, distill_rows=d, distill_steps=args.distill_steps, lr=args.lr,
-                  temperature=args.temperature, distill_seconds=round(distill_s, 1), ppl_teacher=before,
-                  ppl_pruned=pruned, ppl_distilled=after, held_out_ppl=evals, losses=losses)
-    save_pretrained(student, args.out)  # the distilled model first: nothing after it can lose the run
+    print(
+        f"parameters {p_t / 1e6:.1f}M -> {p_s / 1e6:.1f}M; "
+        f"held-out perplexity {before:.2f} -> pruned {pruned:.2f} -> distilled ({args.distill_steps} steps) {after:.2f}"
+    )
+    report = dict(
+        model=args.model,
+        d_ff=student.config.d_ff,
+        n_kv_heads=student.config.n_kv_heads,
+        d_model=student.config.d_model,
+        params_before=p_t,
+        params_after=p_s,
+        seq=args.seq,
+        calib_rows=c,
+        eval_rows=e,
+        distill_rows=d,
+        distill_steps=args.distill_steps,
+        lr=args.lr,
+        temperature=args.temperature,
+        distill_seconds=round(distill_s, 1),
+        ppl_teacher=before,
+        ppl_pruned=pruned,
+        ppl_distilled=after,
+        held_out_ppl=evals,
+        losses=losses,
+    )
+    save_pretrained(
+        student, args.out
+    )  # the distilled model first: nothing after it can lose the run
     out = Path(args.out)
     atomic_write_text(out / "compress.json", json.dumps(report, indent=1) + "\n")
     if args.speed_tokens:
         prompt = held[0, :16].tolist()
         report["decode_tok_s_before"] = _decode_speed(teacher, prompt, args.speed_tokens)
         report["decode_tok_s_after"] = _decode_speed(student, prompt, args.speed_tokens)
-        print(f"batch-1 greedy generation (16-token prompt + {args.speed_tokens} tokens, eager, "
-              f"{torch.get_num_threads()} thread(s)): "
-              f"{report['decode_tok_s_before']:.1f} -> {report['decode_tok_s_after']:.1f} tok/s")
+        print(
+            f"batch-1 greedy generation (16-token prompt + {args.speed_tokens} tokens, eager, "
+            f"{torch.get_num_threads()} thread(s)): "
+            f"{report['decode_tok_s_before']:.1f} -> {report['decode_tok_s_after']:.1f} tok/s"
+        )
         atomic_write_text(out / "compress.json", json.dumps(report, indent=1) + "\n")
     if losses:
-        _plot(out / "distill.png", losses, evals, before,
-              f"{args.model}: {p_t / 1e6:.1f}M -> {p_s / 1e6:.1f}M parameters, {d} rows × {args.seq} tokens, lr {args.lr}")
-    print(f"wrote {args.out}/config.json, model.safetensors, compress.json{', distill.png' if losses else ''} "
-          f"(tokenizer: the original model's)")
+        _plot(
+            out / "distill.png",
+            losses,
+            evals,
+            before,
+            f"{args.model}: {p_t / 1e6:.1f}M -> {p_s / 1e6:.1f}M parameters, {d} rows × {args.seq} tokens, lr {args.lr}",
+        )
+    print(
+        f"wrote {args.out}/config.json, model.safetensors, compress.json{', distill.png' if losses else ''} "
+        f"(tokenizer: the original model's)"
+    )
     return 0

@@ -29,15 +29,31 @@ from lmstack.model.layers import Linear
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 MX_BLOCK = 32
 FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # e2m1 magnitudes by code
-NF4_VALUES = torch.tensor([
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-    0.7229568362236023, 1.0])  # bitsandbytes' NF4 code book, index = code
+NF4_VALUES = torch.tensor(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ]
+)  # bitsandbytes' NF4 code book, index = code
 NF4_BLOCK = 64
 
 
 # ---- fp8 -----------------------------------------------------------------------------------------------------
+
 
 def _fp8_dtype(fmt: str) -> torch.dtype:
     if fmt not in FP8_DTYPES:
@@ -71,7 +87,9 @@ MX_ELEMENTS = {"mxfp8": (torch.float8_e4m3fn, 8), "mxfp4": (None, 2)}  # element
 
 def _blocks(x: Tensor) -> Tensor:
     if x.shape[-1] % MX_BLOCK:
-        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the MX block size {MX_BLOCK}")
+        raise ValueError(
+            f"last dimension {x.shape[-1]} is not a multiple of the MX block size {MX_BLOCK}"
+        )
     return x.detach().float().reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
 
 
@@ -81,7 +99,7 @@ def fp4_e2m1_encode(v: Tensor) -> Tensor:
     mag = v.abs().clamp(max=6.0)
     d = (mag[..., None] - FP4_VALUES).abs()  # (..., 8)
     best = d.min(dim=-1, keepdim=True).values
-    tie = (d == best)
+    tie = d == best
     idx = torch.arange(8)
     # among the nearest values prefer an even index (even mantissa), then the smaller
     rank = torch.where(tie, (idx % 2) * 8 + idx, torch.full_like(idx, 100))
@@ -124,11 +142,14 @@ def mx_dequantize(elems: Tensor, scales: Tensor) -> Tensor:
 
 # ---- NF4 ----------------------------------------------------------------------------------------------------
 
+
 def nf4_quantize(x: Tensor, block: int = NF4_BLOCK) -> tuple[Tensor, Tensor]:
     """x (numel divisible by ``block``) -> (codes (n/block, block) uint8 in 0..15, absmax (n/block,) fp32)."""
     flat = x.detach().float().reshape(-1)
     if flat.numel() % block:
-        raise ValueError(f"{flat.numel()} elements are not a multiple of the NF4 block size {block}")
+        raise ValueError(
+            f"{flat.numel()} elements are not a multiple of the NF4 block size {block}"
+        )
     b = flat.view(-1, block)
     absmax = b.abs().amax(dim=1)
     absmax = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
@@ -172,20 +193,26 @@ class SimQuantLinear(nn.Module):
         w_hat, self.storage_bytes = simulate_weight(weight.detach(), fmt.removesuffix("-w8a8"), per)
         self.register_buffer("w_hat", w_hat)
         self.out_features, self.in_features = weight.shape
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fmt.endswith("-w8a8"):
             x2 = x.reshape(-1, self.in_features)
             x = fp8_dequantize(*fp8_quantize(x2, "e4m3", "channel")).reshape(x.shape).to(x.dtype)
-        return F.linear(x, self.w_hat.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return F.linear(
+            x, self.w_hat.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
+        )
 
     def kernel_bytes(self) -> int:
         return self.storage_bytes
 
 
 @torch.no_grad()
-def simulate_model(model: nn.Module, fmt: str, lm_head: bool = True, per: str = "channel") -> nn.Module:
+def simulate_model(
+    model: nn.Module, fmt: str, lm_head: bool = True, per: str = "channel"
+) -> nn.Module:
     """Swap every block ``Linear`` (and the unembedding when ``lm_head``) for ``SimQuantLinear`` in ``fmt``."""
     if fmt not in SIM_FORMATS:
         raise ValueError(f"simulated format={fmt!r}; expected one of {SIM_FORMATS}")

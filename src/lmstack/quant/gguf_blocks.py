@@ -28,7 +28,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+GGUF_BLOCKS = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q8_0": (32, 34),
+    "Q4_K": (256, 144),
+    "Q6_K": (256, 210),
+}
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
@@ -39,18 +45,24 @@ class GGUFQuantError(ValueError):
 def _blocks(raw, qtype: str) -> tuple[Tensor, tuple[int, ...]]:
     """raw (..., bytes per row) uint8 -> (blocks (n, block bytes) uint8, leading shape)."""
     if qtype not in GGUF_BLOCKS:
-        raise GGUFQuantError(f"GGUF quant type {qtype!r} is not read by lmstack.quant; expected one of "
-                             f"{tuple(GGUF_BLOCKS)} (other types: dequantise with the gguf package)")
+        raise GGUFQuantError(
+            f"GGUF quant type {qtype!r} is not read by lmstack.quant; expected one of "
+            f"{tuple(GGUF_BLOCKS)} (other types: dequantise with the gguf package)"
+        )
     if isinstance(raw, Tensor):
         t = raw
     else:
         a = np.asarray(raw)
-        t = torch.from_numpy(a if a.flags.writeable and a.flags.c_contiguous else a.copy())  # a memmap is read-only
+        t = torch.from_numpy(
+            a if a.flags.writeable and a.flags.c_contiguous else a.copy()
+        )  # a memmap is read-only
     if t.dtype != torch.uint8:
         raise GGUFQuantError(f"expected raw uint8 bytes, got {t.dtype}")
     _, size = GGUF_BLOCKS[qtype]
     if t.shape[-1] % size:
-        raise GGUFQuantError(f"a row of {t.shape[-1]} bytes is not a whole number of {qtype} blocks of {size} bytes")
+        raise GGUFQuantError(
+            f"a row of {t.shape[-1]} bytes is not a whole number of {qtype} blocks of {size} bytes"
+        )
     return t.reshape(-1, size), tuple(t.shape[:-1])
 
 
@@ -87,10 +99,17 @@ def _q6k(b: Tensor) -> Tensor:
     d = _f16(b[:, 208:210])
     out = []
     for half in range(2):
-        L, H = ql[:, 64 * half:64 * half + 64], qh[:, 32 * half:32 * half + 32]
-        q = torch.cat([(L[:, :32] & 15) | ((H & 3) << 4), (L[:, 32:] & 15) | (((H >> 2) & 3) << 4),
-                       (L[:, :32] >> 4) | (((H >> 4) & 3) << 4), (L[:, 32:] >> 4) | (((H >> 6) & 3) << 4)], dim=1)
-        s = sc[:, 8 * half:8 * half + 8].repeat_interleave(16, dim=1)  # (n, 128)
+        L, H = ql[:, 64 * half : 64 * half + 64], qh[:, 32 * half : 32 * half + 32]
+        q = torch.cat(
+            [
+                (L[:, :32] & 15) | ((H & 3) << 4),
+                (L[:, 32:] & 15) | (((H >> 2) & 3) << 4),
+                (L[:, :32] >> 4) | (((H >> 4) & 3) << 4),
+                (L[:, 32:] >> 4) | (((H >> 6) & 3) << 4),
+            ],
+            dim=1,
+        )
+        s = sc[:, 8 * half : 8 * half + 8].repeat_interleave(16, dim=1)  # (n, 128)
         out.append(d[:, None] * s * (q - 32).float())
     return torch.cat(out, dim=1).reshape(n, 256)
 
@@ -124,8 +143,10 @@ def gguf_int4(raw, qtype: str) -> tuple[Tensor, Tensor, Tensor]:
     """Rows (R, bytes) of Q4_0 / Q4_1 / Q4_K -> (Q (R, C) uint8, scales (R, C/32), mins (R, C/32)) for
     ``Int4Linear`` (group size 32): Ŵ = Q·scale + min reproduces the block formula."""
     if qtype not in INT4_TYPES:
-        raise GGUFQuantError(f"GGUF quant type {qtype!r} has no int4 layout for Int4Linear; expected one of "
-                             f"{INT4_TYPES} (dequantize_gguf reads {tuple(GGUF_BLOCKS)})")
+        raise GGUFQuantError(
+            f"GGUF quant type {qtype!r} has no int4 layout for Int4Linear; expected one of "
+            f"{INT4_TYPES} (dequantize_gguf reads {tuple(GGUF_BLOCKS)})"
+        )
     b, lead = _blocks(raw, qtype)
     if len(lead) != 1:
         raise GGUFQuantError(f"expected rows (R, bytes) of a 2-D weight, got leading shape {lead}")

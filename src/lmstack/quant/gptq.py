@@ -42,6 +42,7 @@ class CalibrationError(ValueError):
 
 # ---- Hessian -----------------------------------------------------------------------------------------------
 
+
 class HessianAccumulator:
     """Running H = 2/n Σ x xᵀ over calibration rows (float64 accumulation)."""
 
@@ -56,11 +57,14 @@ class HessianAccumulator:
 
     def hessian(self) -> Tensor:
         if self.n == 0:
-            raise CalibrationError("no calibration rows reached this layer: the Hessian is undefined")
+            raise CalibrationError(
+                "no calibration rows reached this layer: the Hessian is undefined"
+            )
         return self.H / self.n
 
 
 # ---- per-group quantisers (the stored formats) -------------------------------------------------------------
+
 
 def _int4_params(w: Tensor, shrink_grid: int = 0) -> tuple[Tensor, Tensor]:
     """(scale, min) per row of w (O, G) — the ``quantize_int4`` rule: s = (max − min)/15.
@@ -79,7 +83,10 @@ def _int4_params(w: Tensor, shrink_grid: int = 0) -> tuple[Tensor, Tensor]:
         p = 1.0 - k / 100
         lo_p, s_p = p * lo, p * (hi - lo) / QMAX4
         s_p = torch.where(s_p > 0, s_p, torch.ones_like(s_p))
-        err = ((_int4_round(w, s_p[:, None], lo_p[:, None]) * s_p[:, None] + lo_p[:, None] - w).abs() ** 2.4).sum(1)
+        err = (
+            (_int4_round(w, s_p[:, None], lo_p[:, None]) * s_p[:, None] + lo_p[:, None] - w).abs()
+            ** 2.4
+        ).sum(1)
         better = err < best
         best = torch.where(better, err, best)
         s_best, lo_best = torch.where(better, s_p, s_best), torch.where(better, lo_p, lo_best)
@@ -99,21 +106,35 @@ def _check(weight: Tensor, H: Tensor, bits: int, group_size: int | None) -> tupl
         raise ValueError(f"weight must be 2-D (out, in), got shape {tuple(weight.shape)}")
     O, I = weight.shape
     if H.shape != (I, I):
-        raise CalibrationError(f"Hessian has shape {tuple(H.shape)}; expected ({I}, {I}) for in_features={I}")
+        raise CalibrationError(
+            f"Hessian has shape {tuple(H.shape)}; expected ({I}, {I}) for in_features={I}"
+        )
     if bits not in (4, 8):
-        raise ValueError(f"bits={bits}; GPTQ writes the int4 (grouped) or int8 (per row) format, expected 4 or 8")
+        raise ValueError(
+            f"bits={bits}; GPTQ writes the int4 (grouped) or int8 (per row) format, expected 4 or 8"
+        )
     if bits == 4 and (group_size is None or group_size <= 0 or I % group_size):
         raise ValueError(f"in_features={I} is not a multiple of group_size={group_size}")
     if bits == 8 and group_size is not None:
-        raise ValueError(f"group_size={group_size}: the int8 format has one scale per output row (use None)")
+        raise ValueError(
+            f"group_size={group_size}: the int8 format has one scale per output row (use None)"
+        )
     if not torch.isfinite(H).all():
         raise CalibrationError("the Hessian has NaN/inf entries: check the calibration activations")
     return O, I
 
 
 @torch.no_grad()
-def gptq_quantize(weight: Tensor, H: Tensor, bits: int = 4, group_size: int | None = 32, act_order: bool = False,
-                  damp: float = 0.01, block_size: int = 128, shrink_grid: int = 0) -> tuple[Tensor, ...]:
+def gptq_quantize(
+    weight: Tensor,
+    H: Tensor,
+    bits: int = 4,
+    group_size: int | None = 32,
+    act_order: bool = False,
+    damp: float = 0.01,
+    block_size: int = 128,
+    shrink_grid: int = 0,
+) -> tuple[Tensor, ...]:
     """Quantise W (O, I) with Hessian H (I, I). ``shrink_grid``: the int4 groups' range search (``_int4_params``).
 
     bits=4: returns (Q (O, I) uint8 in [0, 15], scales (O, I/G), mins (O, I/G)) for ``Int4Linear``;
@@ -137,16 +158,20 @@ def gptq_quantize(weight: Tensor, H: Tensor, bits: int = 4, group_size: int | No
         perm = torch.argsort(torch.diag(H), descending=True)
         if G:  # static groups: the stored (contiguous) groups' parameters from the original weights
             for g in range(n_groups):
-                scales[:, g], mins[:, g] = _int4_params(W[:, g * G:(g + 1) * G], shrink_grid)
+                scales[:, g], mins[:, g] = _int4_params(W[:, g * G : (g + 1) * G], shrink_grid)
         W, H = W[:, perm], H[perm][:, perm]
     lam = damp * torch.mean(torch.diag(H))
     H += lam * torch.eye(I, dtype=torch.float64)
     try:
         L = torch.linalg.cholesky(H)
-        U = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)  # rows of H⁻¹ / sqrt(diag), (I, I)
+        U = torch.linalg.cholesky(
+            torch.cholesky_inverse(L), upper=True
+        )  # rows of H⁻¹ / sqrt(diag), (I, I)
     except torch.linalg.LinAlgError as e:
-        raise CalibrationError(f"the damped Hessian is not positive definite (damp={damp}); use more calibration "
-                               f"rows or a larger damp") from e
+        raise CalibrationError(
+            f"the damped Hessian is not positive definite (damp={damp}); use more calibration "
+            f"rows or a larger damp"
+        ) from e
     if G and not act_order and block_size % G:
         block_size = G * max(1, block_size // G)  # a group never straddles two blocks
     Q = torch.zeros(O, I, dtype=torch.float64)  # codes, in visiting order
@@ -164,8 +189,10 @@ def gptq_quantize(weight: Tensor, H: Tensor, bits: int = 4, group_size: int | No
                 wq = q * s8
             else:
                 g = j // G
-                if not act_order and j % G == 0:  # first column of a group: parameters from the updated weights
-                    scales[:, g], mins[:, g] = _int4_params(W1[:, i:i + G], shrink_grid)
+                if (
+                    not act_order and j % G == 0
+                ):  # first column of a group: parameters from the updated weights
+                    scales[:, g], mins[:, g] = _int4_params(W1[:, i : i + G], shrink_grid)
                 q = _int4_round(w, scales[:, g], mins[:, g])
                 wq = q * scales[:, g] + mins[:, g]
             Q[:, col] = q
@@ -182,11 +209,12 @@ def gptq_quantize(weight: Tensor, H: Tensor, bits: int = 4, group_size: int | No
 
 def layer_error(weight: Tensor, w_hat: Tensor, H: Tensor) -> float:
     """The GPTQ objective per row: tr((W − Ŵ) H (W − Ŵ)ᵀ) = 2/n ‖X Wᵀ − X Ŵᵀ‖²."""
-    d = (weight.double() - w_hat.double())
+    d = weight.double() - w_hat.double()
     return float(torch.einsum("oi,ij,oj->", d, H.double(), d))
 
 
 # ---- over a model ------------------------------------------------------------------------------------------
+
 
 class _Stop(Exception):
     pass
@@ -195,13 +223,19 @@ class _Stop(Exception):
 def calibration_batches(tokens: Tensor, min_tokens: int = 1) -> Tensor:
     """Check calibration tokens (B, S) int, at least ``min_tokens`` in all; returns them."""
     if tokens is None:
-        raise CalibrationError("calibration tokens are required (a (B, S) integer tensor), got None")
+        raise CalibrationError(
+            "calibration tokens are required (a (B, S) integer tensor), got None"
+        )
     if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point:
-        raise CalibrationError(f"calibration tokens must be a (B, S) integer tensor, got "
-                               f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
+        raise CalibrationError(
+            f"calibration tokens must be a (B, S) integer tensor, got "
+            f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}"
+        )
     if tokens.numel() < min_tokens:
-        raise CalibrationError(f"{tokens.numel()} calibration tokens; need at least {min_tokens} "
-                               f"(more rows than the widest layer's inputs, so H is well conditioned)")
+        raise CalibrationError(
+            f"{tokens.numel()} calibration tokens; need at least {min_tokens} "
+            f"(more rows than the widest layer's inputs, so H is well conditioned)"
+        )
     return tokens
 
 
@@ -219,7 +253,7 @@ def block_inputs(model: nn.Module, tokens: Tensor) -> tuple[list[Tensor], tuple,
     try:
         for b in range(tokens.shape[0]):
             try:
-                model(tokens[b:b + 1])
+                model(tokens[b : b + 1])
             except _Stop:
                 pass
             xs.append(captured["args"][0])
@@ -229,24 +263,35 @@ def block_inputs(model: nn.Module, tokens: Tensor) -> tuple[list[Tensor], tuple,
 
 
 def _linears(module: nn.Module) -> list[tuple[nn.Module, str, Linear]]:
-    return [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
-            if isinstance(child, Linear)]
+    return [
+        (parent, name, child)
+        for parent in module.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, Linear)
+    ]
 
 
 @torch.no_grad()
-def sequential_quantize(model: nn.Module, tokens: Tensor,
-                        quantize_block: Callable[[nn.Module, list[Tensor], tuple, dict], None],
-                        quantize_head: Callable[[Tensor, list[Tensor]], nn.Module] | None,
-                        desc: str) -> nn.Module:
+def sequential_quantize(
+    model: nn.Module,
+    tokens: Tensor,
+    quantize_block: Callable[[nn.Module, list[Tensor], tuple, dict], None],
+    quantize_head: Callable[[Tensor, list[Tensor]], nn.Module] | None,
+    desc: str,
+) -> nn.Module:
     """Walk the blocks in order: ``quantize_block(block, xs, args, kwargs)`` changes the block in place given
     its inputs xs, then the block's quantised outputs become the next inputs. Last, ``quantize_head(W, hs)``
     builds the unembedding from the final-normed states hs. Shared by GPTQ and AWQ."""
     from tqdm import tqdm
 
     if not hasattr(model, "blocks"):
-        raise TypeError(f"expected an lmstack Transformer (with .blocks), got {type(model).__name__}")
+        raise TypeError(
+            f"expected an lmstack Transformer (with .blocks), got {type(model).__name__}"
+        )
     if getattr(model, "quantization", None):
-        raise ValueError(f"the model is already quantised ({model.quantization}); quantise a float model")
+        raise ValueError(
+            f"the model is already quantised ({model.quantization}); quantise a float model"
+        )
     xs, args, kwargs = block_inputs(model, tokens)
     for block in tqdm(model.blocks, desc=desc, unit="block"):
         quantize_block(block, xs, args, kwargs)
@@ -258,7 +303,9 @@ def sequential_quantize(model: nn.Module, tokens: Tensor,
     return model
 
 
-def _collect_hessians(block: nn.Module, xs: list[Tensor], args: tuple, kwargs: dict) -> dict[int, HessianAccumulator]:
+def _collect_hessians(
+    block: nn.Module, xs: list[Tensor], args: tuple, kwargs: dict
+) -> dict[int, HessianAccumulator]:
     accs: dict[int, HessianAccumulator] = {}
     hooks = []
     for _, _, lin in _linears(block):
@@ -273,8 +320,17 @@ def _collect_hessians(block: nn.Module, xs: list[Tensor], args: tuple, kwargs: d
     return accs
 
 
-def _build(weight: Tensor, H: Tensor, bias, bits, group_size, act_order, damp, compute_dtype,
-           shrink_grid: int = 0) -> nn.Module:
+def _build(
+    weight: Tensor,
+    H: Tensor,
+    bias,
+    bits,
+    group_size,
+    act_order,
+    damp,
+    compute_dtype,
+    shrink_grid: int = 0,
+) -> nn.Module:
     if bits == 8:
         q, s = gptq_quantize(weight, H, 8, None, act_order, damp)
         return Int8Linear(q, s, bias, compute_dtype)
@@ -283,9 +339,17 @@ def _build(weight: Tensor, H: Tensor, bias, bits, group_size, act_order, damp, c
 
 
 @torch.no_grad()
-def gptq_quantize_model(model: nn.Module, tokens: Tensor, bits: int = 4, group_size: int = 32,
-                        act_order: bool = False, damp: float = 0.01, lm_head: bool = True,
-                        compute_dtype: torch.dtype = torch.bfloat16, shrink_grid: int = 0) -> nn.Module:
+def gptq_quantize_model(
+    model: nn.Module,
+    tokens: Tensor,
+    bits: int = 4,
+    group_size: int = 32,
+    act_order: bool = False,
+    damp: float = 0.01,
+    lm_head: bool = True,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    shrink_grid: int = 0,
+) -> nn.Module:
     """Quantise every block linear of ``model`` (and the unembedding when ``lm_head``) with GPTQ, calibrated
     on ``tokens`` (B, S). Needs at least as many calibration tokens as the widest linear has inputs.
     ``shrink_grid``: int4 groups' (scale, min) by the range search of ``_int4_params`` (e.g. 20)."""
@@ -297,7 +361,13 @@ def gptq_quantize_model(model: nn.Module, tokens: Tensor, bits: int = 4, group_s
         accs = _collect_hessians(block, xs, args, kwargs)
         for parent, name, lin in _linears(block):
             H = accs[id(lin)].hessian()
-            setattr(parent, name, _build(lin.weight, H, lin.bias, bits, G, act_order, damp, compute_dtype, shrink_grid))
+            setattr(
+                parent,
+                name,
+                _build(
+                    lin.weight, H, lin.bias, bits, G, act_order, damp, compute_dtype, shrink_grid
+                ),
+            )
 
     def head_fn(W, hs):
         acc = HessianAccumulator(W.shape[1])
@@ -315,5 +385,14 @@ def min_calibration_tokens(model: nn.Module) -> int:
     return max(lin.in_features for _, _, lin in _linears(model.blocks))
 
 
-__all__ = ["CalibrationError", "HessianAccumulator", "gptq_quantize", "gptq_quantize_model", "layer_error",
-           "min_calibration_tokens", "sequential_quantize", "calibration_batches", "block_inputs"]
+__all__ = [
+    "CalibrationError",
+    "HessianAccumulator",
+    "gptq_quantize",
+    "gptq_quantize_model",
+    "layer_error",
+    "min_calibration_tokens",
+    "sequential_quantize",
+    "calibration_batches",
+    "block_inputs",
+]

@@ -33,12 +33,16 @@ def quantize_int4(weight: Tensor, group_size: int = 32) -> tuple[Tensor, Tensor,
     w = weight.detach().float().view(O, I // group_size, group_size)  # (O, I/G, G)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # (O, I/G)
     scale = (hi - lo) / QMAX4
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: Q = 0, Ŵ = min
+    scale = torch.where(
+        scale > 0, scale, torch.ones_like(scale)
+    )  # a constant group: Q = 0, Ŵ = min
     q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, QMAX4).to(torch.uint8)
     return q.view(O, I), scale, lo
 
 
-def dequantize_int4(q: Tensor, scale: Tensor, lo: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+def dequantize_int4(
+    q: Tensor, scale: Tensor, lo: Tensor, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """Ŵ = Q · s + min per group, shape (O, I)."""
     O, I = q.shape
     G = I // scale.shape[1]
@@ -47,8 +51,9 @@ def dequantize_int4(q: Tensor, scale: Tensor, lo: Tensor, dtype: torch.dtype = t
 
 
 def _has_int4_kernel() -> bool:
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and \
-        hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+    )
 
 
 class Int4Linear(WeightOnlyLinear):
@@ -62,18 +67,29 @@ class Int4Linear(WeightOnlyLinear):
     per byte by hand and the forward dequantises.
     """
 
-    def __init__(self, q: Tensor, scale: Tensor, lo: Tensor, bias: Tensor | None = None,
-                 compute_dtype: torch.dtype = torch.bfloat16, kernel: str = "auto"):
+    def __init__(
+        self,
+        q: Tensor,
+        scale: Tensor,
+        lo: Tensor,
+        bias: Tensor | None = None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        kernel: str = "auto",
+    ):
         O, I = q.shape
         super().__init__(O, I, bias, compute_dtype)
         if kernel not in ("auto", "aten", *int4_vnni.KERNELS):
-            raise ValueError(f"kernel={kernel!r}; expected 'auto', 'aten', {', '.join(map(repr, int4_vnni.KERNELS))}")
+            raise ValueError(
+                f"kernel={kernel!r}; expected 'auto', 'aten', {', '.join(map(repr, int4_vnni.KERNELS))}"
+            )
         self.group_size = I // scale.shape[1]
         self.register_buffer("scale", scale.float().contiguous())  # (O, I/G)
         self.register_buffer("lo", lo.float().contiguous())  # (O, I/G)
         shape_ok = O % 16 == 0 and I % 8 == 0 and self.group_size % 8 == 0
         if kernel in int4_vnni.KERNELS:  # forced: it runs or the constructor says why not
-            why = int4_vnni.build(kernel) or (None if shape_ok else f"shape ({O}, {I}), G={self.group_size}")
+            why = int4_vnni.build(kernel) or (
+                None if shape_ok else f"shape ({O}, {I}), G={self.group_size}"
+            )
             if why:
                 raise ValueError(f"kernel={kernel!r} cannot run: {why}")
             self.kernel = kernel
@@ -87,33 +103,51 @@ class Int4Linear(WeightOnlyLinear):
             self.register_buffer("d16", d)  # (O/16, I/G, 16) fp16
             self.register_buffer("m16", m)
             return
-        self.use_kernel = _has_int4_kernel() and O % 16 == 0  # the CPU packing needs O divisible by 16
-        self.fallback_reason = None if self.use_kernel else (
-            "torch has no _weight_int4pack_mm_for_cpu kernel" if not _has_int4_kernel() else
-            f"out_features={O} is not a multiple of 16 (the CPU int4 packing needs it)")
+        self.use_kernel = (
+            _has_int4_kernel() and O % 16 == 0
+        )  # the CPU packing needs O divisible by 16
+        self.fallback_reason = (
+            None
+            if self.use_kernel
+            else (
+                "torch has no _weight_int4pack_mm_for_cpu kernel"
+                if not _has_int4_kernel()
+                else f"out_features={O} is not a multiple of 16 (the CPU int4 packing needs it)"
+            )
+        )
         if not self.use_kernel:
             self.kernel = "dequant"
         if self.fallback_reason and self.fallback_reason not in _logged:  # once per reason
             _logged.add(self.fallback_reason)
-            _log.warning("Int4Linear: %s; this layer dequantises and runs F.linear (same numbers, no speed-up)",
-                         self.fallback_reason)
+            _log.warning(
+                "Int4Linear: %s; this layer dequantises and runs F.linear (same numbers, no speed-up)",
+                self.fallback_reason,
+            )
         if self.use_kernel:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q.to(torch.int32).contiguous(), 1
+            )
             self.register_buffer("qweight", packed)  # (O, I/2) uint8, two 4-bit values per byte
             zero = lo + 8 * scale  # Ŵ = (Q − 8)·s + z
             sz = torch.stack([scale.t(), zero.t()], dim=-1)  # (I/G, O, 2)
             self.register_buffer("scales_and_zeros", sz.to(compute_dtype).contiguous())
         else:
-            self.register_buffer("qweight", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous())  # (O, I/2)
+            self.register_buffer(
+                "qweight", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+            )  # (O, I/2)
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, group_size: int = 32,
-                    compute_dtype: torch.dtype = torch.bfloat16) -> "Int4Linear":
-        return cls(*quantize_int4(linear.weight, group_size), getattr(linear, "bias", None), compute_dtype)
+    def from_linear(
+        cls, linear: nn.Module, group_size: int = 32, compute_dtype: torch.dtype = torch.bfloat16
+    ) -> Int4Linear:
+        return cls(
+            *quantize_int4(linear.weight, group_size), getattr(linear, "bias", None), compute_dtype
+        )
 
     @classmethod
-    def from_weight(cls, weight: Tensor, group_size: int = 32,
-                    compute_dtype: torch.dtype = torch.bfloat16) -> "Int4Linear":
+    def from_weight(
+        cls, weight: Tensor, group_size: int = 32, compute_dtype: torch.dtype = torch.bfloat16
+    ) -> Int4Linear:
         return cls(*quantize_int4(weight, group_size), None, compute_dtype)
 
     @property
@@ -130,8 +164,12 @@ class Int4Linear(WeightOnlyLinear):
             lo, hi = self.qweight & 0xF, self.qweight >> 4
             return torch.stack([lo, hi], dim=-1).view(self.out_features, self.in_features)
         eye = torch.eye(self.in_features, dtype=torch.float32)
-        ones = torch.stack([torch.ones_like(self.scale.t()), torch.full_like(self.scale.t(), 8.0)], -1)
-        codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group_size, ones)  # (I, O)
+        ones = torch.stack(
+            [torch.ones_like(self.scale.t()), torch.full_like(self.scale.t(), 8.0)], -1
+        )
+        codes = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            eye, self.qweight, self.group_size, ones
+        )  # (I, O)
         return torch.round(codes.t()).to(torch.uint8)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -145,9 +183,17 @@ class Int4Linear(WeightOnlyLinear):
         return self.qweight.numel() + sz.numel() * sz.element_size()
 
     def forward(self, x: Tensor) -> Tensor:  # (..., I) -> (..., O)
-        if self.vnni and x.device.type == "cpu":  # fp32 or bf16 x straight in: the kernel quantises it to int8
-            y = int4_vnni.mm(x.reshape(-1, self.in_features), self.qweight, self.d16, self.m16, self.group_size,
-                             kernel=self.kernel)
+        if (
+            self.vnni and x.device.type == "cpu"
+        ):  # fp32 or bf16 x straight in: the kernel quantises it to int8
+            y = int4_vnni.mm(
+                x.reshape(-1, self.in_features),
+                self.qweight,
+                self.d16,
+                self.m16,
+                self.group_size,
+                kernel=self.kernel,
+            )
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
         if self.vnni:  # off the CPU: dequantise
@@ -158,8 +204,9 @@ class Int4Linear(WeightOnlyLinear):
         return self.use_kernel
 
     def _kernel_mm(self, x2: Tensor) -> Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
-                                                          self.scales_and_zeros)  # (M, O)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self.qweight, self.group_size, self.scales_and_zeros
+        )  # (M, O)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", group_size={self.group_size}, kernel={self.kernel}"

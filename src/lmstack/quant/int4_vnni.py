@@ -42,19 +42,39 @@ from lmstack.utils import build_extension
 
 _log = logging.getLogger(__name__)
 _BUILD_LOCK = threading.Lock()
-_FAKE_REGISTERED: set[str] = set()  # each op's shape function, registered with its first successful build
+_FAKE_REGISTERED: set[str] = (
+    set()
+)  # each op's shape function, registered with its first successful build
 ENV = "LMSTACK_INT4_KERNEL"
 KERNELS = ("vnni", "avx2")  # lmstack's own, best first
 # name -> (source, CPU flags it needs, compiler flags). -fopenmp: at::parallel_for is a header template whose
 # OpenMP pragma is compiled into the kernel; without the flag it silently runs on one thread.
 SPECS = {
-    "vnni": (Path(__file__).with_name("csrc") / "int4_vnni.cpp", ("avx512f", "avx512bw", "avx512_vnni", "f16c"),
-             ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp"]),
-    "avx2": (Path(__file__).with_name("csrc") / "int4_avx2.cpp", ("avx2", "fma", "f16c"),
-             ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]),
+    "vnni": (
+        Path(__file__).with_name("csrc") / "int4_vnni.cpp",
+        ("avx512f", "avx512bw", "avx512_vnni", "f16c"),
+        [
+            "-O3",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512vnni",
+            "-mf16c",
+            "-mfma",
+            "-fopenmp",
+        ],
+    ),
+    "avx2": (
+        Path(__file__).with_name("csrc") / "int4_avx2.cpp",
+        ("avx2", "fma", "f16c"),
+        ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+    ),
     # Int8Linear's AVX2 kernel (quant/int8.py), built the same way: op int8_avx2_mm
-    "int8_avx2": (Path(__file__).with_name("csrc") / "int8_avx2.cpp", ("avx2", "fma", "f16c"),
-                  ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]),
+    "int8_avx2": (
+        Path(__file__).with_name("csrc") / "int8_avx2.cpp",
+        ("avx2", "fma", "f16c"),
+        ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+    ),
 }
 OPS = {"vnni": "int4_vnni_mm", "avx2": "int4_avx2_mm", "int8_avx2": "int8_avx2_mm"}
 SOURCE = SPECS["vnni"][0]
@@ -76,13 +96,17 @@ def choose_kernel(flags, arch: str, forced: str = "") -> tuple[str, str | None]:
     if forced == "aten":
         return "aten", f"{ENV}=aten"
     if arch not in X86:
-        return "aten", (f"no lmstack int4 kernel for {arch} (a NEON one is not written: it could not be tested "
-                        "here); torch's kernel runs")
+        return "aten", (
+            f"no lmstack int4 kernel for {arch} (a NEON one is not written: it could not be tested "
+            "here); torch's kernel runs"
+        )
     for name in [forced] if forced in KERNELS else KERNELS:
         missing = [f for f in SPECS[name][1] if f not in flags]
         if not missing:
             return name, None
-    return "aten", (f"{ENV}={forced} but " if forced in KERNELS else "") + f"the CPU lacks {', '.join(missing)}"
+    return "aten", (
+        f"{ENV}={forced} but " if forced in KERNELS else ""
+    ) + f"the CPU lacks {', '.join(missing)}"
 
 
 @functools.cache
@@ -95,13 +119,19 @@ def build(name: str) -> str | None:
         if missing:
             return f"the CPU lacks {', '.join(missing)}"
         # one build folder per source text and flags (utils.build_extension): two checkouts never share a build
-        _, reason = build_extension(f"lmstack_{OPS[name].removesuffix('_mm')}", source, cflags, ["-fopenmp"])
+        _, reason = build_extension(
+            f"lmstack_{OPS[name].removesuffix('_mm')}", source, cflags, ["-fopenmp"]
+        )
         if reason is not None:
             return reason
         try:
-            if name not in _FAKE_REGISTERED:  # once per process, even if build() is asked again (cache cleared)
+            if (
+                name not in _FAKE_REGISTERED
+            ):  # once per process, even if build() is asked again (cache cleared)
 
-                def fake(x, packed, *args):  # shapes for torch.compile: (M, I) -> (M, O), O = 16 tiles
+                def fake(
+                    x, packed, *args
+                ):  # shapes for torch.compile: (M, I) -> (M, O), O = 16 tiles
                     return x.new_empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
 
                 torch.library.register_fake(f"lmstack_quant::{OPS[name]}")(fake)
@@ -115,12 +145,18 @@ def build(name: str) -> str | None:
 def selected() -> tuple[str, str | None]:
     """(the kernel Int4Linear uses: "vnni" | "avx2" | "aten", why not ours or None), decided at the first
     call; the reason is logged once as a warning on ``lmstack.quant.int4_vnni``."""
-    cpu = cpu_features()  # LMSTACK_CPU=<name> fakes it: the choice follows, the build still checks the real CPU
+    cpu = (
+        cpu_features()
+    )  # LMSTACK_CPU=<name> fakes it: the choice follows, the build still checks the real CPU
     flags, arch, forced = cpu.flags, cpu.arch, os.environ.get(ENV, "")
     name, reason = choose_kernel(flags, arch, forced)
-    if name in KERNELS:  # ours: build it; auto falls through to the next one the CPU runs when a build fails
+    if (
+        name in KERNELS
+    ):  # ours: build it; auto falls through to the next one the CPU runs when a build fails
         tried = []
-        for cand in KERNELS[KERNELS.index(name):] if forced.strip().lower() in ("", "auto") else [name]:
+        for cand in (
+            KERNELS[KERNELS.index(name) :] if forced.strip().lower() in ("", "auto") else [name]
+        ):
             if choose_kernel(flags, arch, cand)[0] == cand:
                 if (why := build(cand)) is None:
                     return cand, None
@@ -156,12 +192,16 @@ def pack(q: Tensor, scale: Tensor, lo: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     Byte 4r + j of chunk c in tile t holds q[16t + r, 8c + j] (low nibble) and q[16t + r, 8c + 4 + j] (high)."""
     O, I = q.shape
     if O % 16 or I % 8:
-        raise ValueError(f"int4 VNNI layout needs out_features % 16 == 0 and in_features % 8 == 0, got ({O}, {I})")
+        raise ValueError(
+            f"int4 VNNI layout needs out_features % 16 == 0 and in_features % 8 == 0, got ({O}, {I})"
+        )
     t = q.to(torch.uint8).view(O // 16, 16, I // 8, 2, 4)  # (tile, row, chunk, low|high, j)
     packed = (t[:, :, :, 0] | (t[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(O // 16, I // 8, 64)
 
     def tiles(a: Tensor) -> Tensor:
-        return a.float().view(O // 16, 16, -1).permute(0, 2, 1).to(torch.float16).contiguous()  # (O/16, I/G, 16)
+        return (
+            a.float().view(O // 16, 16, -1).permute(0, 2, 1).to(torch.float16).contiguous()
+        )  # (O/16, I/G, 16)
 
     return packed.contiguous(), tiles(scale), tiles(lo)
 
@@ -174,8 +214,15 @@ def unpack(packed: Tensor) -> Tensor:
     return q.permute(0, 2, 1, 3, 4).reshape(T * 16, C * 8)
 
 
-def mm(x: Tensor, packed: Tensor, d: Tensor, m: Tensor, group_size: int, terms: int = 2,
-       kernel: str | None = None) -> Tensor:
+def mm(
+    x: Tensor,
+    packed: Tensor,
+    d: Tensor,
+    m: Tensor,
+    group_size: int,
+    terms: int = 2,
+    kernel: str | None = None,
+) -> Tensor:
     """x (M, I) float -> (M, O) float32 through ``kernel`` ("vnni" | "avx2"; None: the chosen one, which must
     be one of ours; a named one must have been built: ``build(kernel)`` is None). ``terms=2``: each activation as two int8 terms,
     x ≈ s_x1·x_q1 + s_x2·x_q2 (the second rounds the residual; ~15 bits)."""

@@ -29,7 +29,9 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError(f"weight must be 2-D (out, in), got shape {tuple(weight.shape)}")
     w = weight.detach().float()
     scale = w.abs().amax(dim=1) / QMAX8  # (O,)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: any scale works
+    scale = torch.where(
+        scale > 0, scale, torch.ones_like(scale)
+    )  # an all-zero row: any scale works
     q = torch.round(w / scale[:, None]).clamp(-QMAX8, QMAX8).to(torch.int8)
     return q, scale
 
@@ -68,7 +70,12 @@ def int8_kernel() -> str:
 def pack_int8(q: Tensor) -> Tensor:
     """Q (O, I) int8 -> (O/16, I/4, 64) for the AVX2 kernel: byte 4r + j of chunk c in tile t is Q[16t + r, 4c + j]."""
     O, I = q.shape
-    return q.reshape(O // 16, 16, I // 4, 4).permute(0, 2, 1, 3).reshape(O // 16, I // 4, 64).contiguous()
+    return (
+        q.reshape(O // 16, 16, I // 4, 4)
+        .permute(0, 2, 1, 3)
+        .reshape(O // 16, I // 4, 64)
+        .contiguous()
+    )
 
 
 def unpack_int8(packed: Tensor) -> Tensor:
@@ -90,37 +97,58 @@ class Int8Linear(WeightOnlyLinear):
 
     DEQUANT_ROWS = 32  # from this many rows on, dequantise and use F.linear
 
-    def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None,
-                 compute_dtype: torch.dtype = torch.bfloat16, kernel: str = "auto"):
+    def __init__(
+        self,
+        q: Tensor,
+        scale: Tensor,
+        bias: Tensor | None = None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        kernel: str = "auto",
+    ):
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
-            raise ValueError(f"expected int8 Q (O, I) and scales (O,), got {q.dtype} {tuple(q.shape)} "
-                             f"and {tuple(scale.shape)}")
+            raise ValueError(
+                f"expected int8 Q (O, I) and scales (O,), got {q.dtype} {tuple(q.shape)} "
+                f"and {tuple(scale.shape)}"
+            )
         super().__init__(*q.shape, bias, compute_dtype)
         O, I = q.shape
         if kernel not in ("auto", "aten", "avx2"):
             raise ValueError(f"kernel={kernel!r}; expected 'auto', 'aten' or 'avx2'")
-        self.act_group = next((g for g in (32, 16, 8) if I % g == 0), 0)  # the kernel's activation groups
+        self.act_group = next(
+            (g for g in (32, 16, 8) if I % g == 0), 0
+        )  # the kernel's activation groups
         shape_ok = O % 16 == 0 and self.act_group > 0
-        if kernel == "avx2" and (why := int4_vnni.build("int8_avx2") or (None if shape_ok else f"shape ({O}, {I})")):
+        if kernel == "avx2" and (
+            why := int4_vnni.build("int8_avx2") or (None if shape_ok else f"shape ({O}, {I})")
+        ):
             raise ValueError(f"kernel='avx2' cannot run: {why}")
-        self.kernel = "avx2" if kernel == "avx2" or (kernel == "auto" and shape_ok and int8_kernel() == "avx2") \
+        self.kernel = (
+            "avx2"
+            if kernel == "avx2" or (kernel == "auto" and shape_ok and int8_kernel() == "avx2")
             else "aten"
+        )
         self.register_buffer("qweight", pack_int8(q) if self.kernel == "avx2" else q.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
-        self.register_buffer("scale_c", scale.to(compute_dtype).contiguous())  # s in the kernel's dtype
+        self.register_buffer(
+            "scale_c", scale.to(compute_dtype).contiguous()
+        )  # s in the kernel's dtype
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> "Int8Linear":
+    def from_linear(
+        cls, linear: nn.Module, compute_dtype: torch.dtype = torch.bfloat16
+    ) -> Int8Linear:
         q, s = quantize_int8(linear.weight)
         return cls(q, s, getattr(linear, "bias", None), compute_dtype)
 
     @classmethod
-    def from_weight(cls, weight: Tensor, compute_dtype: torch.dtype = torch.bfloat16) -> "Int8Linear":
+    def from_weight(cls, weight: Tensor, compute_dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
         q, s = quantize_int8(weight)
         return cls(q, s, None, compute_dtype)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return dequantize_int8(unpack_int8(self.qweight) if self.kernel == "avx2" else self.qweight, self.scale, dtype)
+        return dequantize_int8(
+            unpack_int8(self.qweight) if self.kernel == "avx2" else self.qweight, self.scale, dtype
+        )
 
     def kernel_bytes(self) -> int:
         """Bytes the matmul reads: Q (1 byte per weight) and the scales."""
@@ -134,10 +162,15 @@ class Int8Linear(WeightOnlyLinear):
         return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale_c)  # (M, O)
 
     def forward(self, x: Tensor) -> Tensor:  # (..., I) -> (..., O)
-        if self.kernel == "avx2" and x.device.type == "cpu" and x.numel() // self.in_features < self.DEQUANT_ROWS:
+        if (
+            self.kernel == "avx2"
+            and x.device.type == "cpu"
+            and x.numel() // self.in_features < self.DEQUANT_ROWS
+        ):
             # fp32 or bf16 x straight in (not cast to compute_dtype): the kernel quantises it to int8
-            y = torch.ops.lmstack_quant.int8_avx2_mm(x.reshape(-1, self.in_features), self.qweight, self.scale,
-                                                     self.act_group, 2)  # (M, O) fp32
+            y = torch.ops.lmstack_quant.int8_avx2_mm(
+                x.reshape(-1, self.in_features), self.qweight, self.scale, self.act_group, 2
+            )  # (M, O) fp32
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
         return super().forward(x)

@@ -18,13 +18,19 @@ from torch import Tensor, nn
 class WeightOnlyLinear(nn.Module):
     """y = x Ŵᵀ (+ b) for a quantised Ŵ; subclasses: ``Int8Linear``, ``Int4Linear``."""
 
-    DEQUANT_ROWS: int | None = None  # from this many rows on, dequantise and use F.linear (None: never)
+    DEQUANT_ROWS: int | None = (
+        None  # from this many rows on, dequantise and use F.linear (None: never)
+    )
 
-    def __init__(self, out_features: int, in_features: int, bias: Tensor | None, compute_dtype: torch.dtype):
+    def __init__(
+        self, out_features: int, in_features: int, bias: Tensor | None, compute_dtype: torch.dtype
+    ):
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
         self.compute_dtype = compute_dtype
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        )
 
     def _kernel_ok(self) -> bool:
         raise NotImplementedError
@@ -42,9 +48,13 @@ class WeightOnlyLinear(nn.Module):
             y = self._kernel_mm(x.reshape(-1, self.in_features).to(self.compute_dtype))  # (M, O)
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         else:
-            y = F.linear(x.to(self.compute_dtype), self.dequantized_weight(self.compute_dtype)).to(x.dtype)
+            y = F.linear(x.to(self.compute_dtype), self.dequantized_weight(self.compute_dtype)).to(
+                x.dtype
+            )
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"compute_dtype={self.compute_dtype}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"compute_dtype={self.compute_dtype}"
+        )

@@ -38,26 +38,45 @@ def _int_mm(a: Tensor, b_t: Tensor) -> Tensor:
 class LLMInt8Linear(nn.Module):
     """y = x Ŵᵀ (+ b) by the LLM.int8() decomposition; ``outlier_dtype`` is the 16-bit type of the outlier part."""
 
-    def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None, threshold: float = 6.0,
-                 outlier_dtype: torch.dtype = torch.float16):
+    def __init__(
+        self,
+        q: Tensor,
+        scale: Tensor,
+        bias: Tensor | None = None,
+        threshold: float = 6.0,
+        outlier_dtype: torch.dtype = torch.float16,
+    ):
         super().__init__()
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
-            raise ValueError(f"expected int8 Q (O, I) and scales (O,), got {q.dtype} {tuple(q.shape)} "
-                             f"and {tuple(scale.shape)}")
+            raise ValueError(
+                f"expected int8 Q (O, I) and scales (O,), got {q.dtype} {tuple(q.shape)} "
+                f"and {tuple(scale.shape)}"
+            )
         self.out_features, self.in_features = q.shape
         self.threshold, self.outlier_dtype = float(threshold), outlier_dtype
-        self.register_buffer("qweight", q.contiguous())  # (O, I), the kernel format ``Int8Linear`` stores
-        self.register_buffer("qweight_t", q.t().contiguous(), persistent=False)  # (I, O) for _int_mm
+        self.register_buffer(
+            "qweight", q.contiguous()
+        )  # (O, I), the kernel format ``Int8Linear`` stores
+        self.register_buffer(
+            "qweight_t", q.t().contiguous(), persistent=False
+        )  # (I, O) for _int_mm
         self.register_buffer("scale", scale.float().contiguous())  # (O,)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.register_buffer("outlier_hits", torch.zeros(self.in_features, dtype=torch.int64), persistent=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        )
+        self.register_buffer(
+            "outlier_hits", torch.zeros(self.in_features, dtype=torch.int64), persistent=False
+        )
         self.calls = 0
         self.rows = 0
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, threshold: float = 6.0,
-                    outlier_dtype: torch.dtype = torch.float16) -> "LLMInt8Linear":
-        return cls(*quantize_int8(linear.weight), getattr(linear, "bias", None), threshold, outlier_dtype)
+    def from_linear(
+        cls, linear: nn.Module, threshold: float = 6.0, outlier_dtype: torch.dtype = torch.float16
+    ) -> LLMInt8Linear:
+        return cls(
+            *quantize_int8(linear.weight), getattr(linear, "bias", None), threshold, outlier_dtype
+        )
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return (self.qweight.float() * self.scale[:, None]).to(dtype)
@@ -78,7 +97,9 @@ class LLMInt8Linear(nn.Module):
         y = _int_mm(xq, self.qweight_t).float() * c[:, None] * self.scale[None, :]  # (M, O)
         if outlier.any():
             idx = torch.nonzero(outlier).flatten()
-            w_c = (self.qweight[:, idx].float() * self.scale[:, None]).to(self.outlier_dtype)  # (O, |C|)
+            w_c = (self.qweight[:, idx].float() * self.scale[:, None]).to(
+                self.outlier_dtype
+            )  # (O, |C|)
             y = y + (x2[:, idx].to(self.outlier_dtype) @ w_c.t()).float()
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
@@ -88,10 +109,16 @@ class LLMInt8Linear(nn.Module):
 
 
 @torch.no_grad()
-def llm_int8_model(model: nn.Module, threshold: float = 6.0, lm_head: bool = True,
-                   outlier_dtype: torch.dtype = torch.float16) -> nn.Module:
+def llm_int8_model(
+    model: nn.Module,
+    threshold: float = 6.0,
+    lm_head: bool = True,
+    outlier_dtype: torch.dtype = torch.float16,
+) -> nn.Module:
     """Swap every block ``Linear`` (and the unembedding when ``lm_head``) for ``LLMInt8Linear``, in place."""
-    replace_block_linears(model, lambda name, child: LLMInt8Linear.from_linear(child, threshold, outlier_dtype))
+    replace_block_linears(
+        model, lambda name, child: LLMInt8Linear.from_linear(child, threshold, outlier_dtype)
+    )
     if lm_head:
         W = model.embed.weight if model.lm_head is None else model.lm_head.weight
         model.lm_head = LLMInt8Linear(*quantize_int8(W), None, threshold, outlier_dtype)
@@ -107,8 +134,15 @@ def outlier_stats(model: nn.Module) -> list[dict]:
         if isinstance(m, LLMInt8Linear):
             hits = m.outlier_hits
             top = torch.argsort(hits, descending=True)[:5]
-            out.append(dict(layer=name, calls=m.calls, rows=m.rows, in_features=m.in_features,
-                            outlier_columns=int((hits > 0).sum()),
-                            mean_per_call=float(hits.sum()) / max(m.calls, 1),
-                            top=[(int(i), int(hits[i])) for i in top if hits[i] > 0]))
+            out.append(
+                dict(
+                    layer=name,
+                    calls=m.calls,
+                    rows=m.rows,
+                    in_features=m.in_features,
+                    outlier_columns=int((hits > 0).sum()),
+                    mean_per_call=float(hits.sum()) / max(m.calls, 1),
+                    top=[(int(i), int(hits[i])) for i in top if hits[i] > 0],
+                )
+            )
     return out

@@ -30,13 +30,24 @@ class DynamicLossScaler:
     and says whether they are finite; ``update(found_inf)`` adjusts S. ``step(optimizer, params)`` does the
     three after backward: unscale, step only when finite, update."""
 
-    def __init__(self, init_scale: float = 2.0 ** 16, growth: float = 2.0, backoff: float = 0.5,
-                 growth_interval: int = 2000):
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth: float = 2.0,
+        backoff: float = 0.5,
+        growth_interval: int = 2000,
+    ):
         if init_scale <= 0 or growth <= 1 or not 0 < backoff < 1 or growth_interval < 1:
-            raise ValueError(f"need init_scale > 0, growth > 1, 0 < backoff < 1, growth_interval >= 1; got "
-                             f"{init_scale}, {growth}, {backoff}, {growth_interval}")
-        self.scale_value, self.growth, self.backoff, self.growth_interval = float(init_scale), growth, backoff, \
-            growth_interval
+            raise ValueError(
+                f"need init_scale > 0, growth > 1, 0 < backoff < 1, growth_interval >= 1; got "
+                f"{init_scale}, {growth}, {backoff}, {growth_interval}"
+            )
+        self.scale_value, self.growth, self.backoff, self.growth_interval = (
+            float(init_scale),
+            growth,
+            backoff,
+            growth_interval,
+        )
         self.good_steps = 0
         self.skipped = 0
 

@@ -25,9 +25,13 @@ def replace_block_linears(model: nn.Module, make) -> None:
     of its linears as a matrix (MLA's absorbed form multiplies the queries by ``kv_b_proj.weight``) names it in
     its ``float_linears`` attribute, and that linear stays in floating point."""
     if not hasattr(model, "blocks"):
-        raise TypeError(f"expected an lmstack Transformer (with .blocks), got {type(model).__name__}")
+        raise TypeError(
+            f"expected an lmstack Transformer (with .blocks), got {type(model).__name__}"
+        )
     if getattr(model, "quantization", None):
-        raise ValueError(f"the model is already quantised ({model.quantization}); quantise a float model")
+        raise ValueError(
+            f"the model is already quantised ({model.quantization}); quantise a float model"
+        )
     for block in model.blocks:
         for parent in block.modules():
             keep = getattr(parent, "float_linears", ())
@@ -36,7 +40,9 @@ def replace_block_linears(model: nn.Module, make) -> None:
                     setattr(parent, name, make(name, child))
 
 
-def _quantized(weight_or_linear, method: str, group_size: int, compute_dtype: torch.dtype) -> nn.Module:
+def _quantized(
+    weight_or_linear, method: str, group_size: int, compute_dtype: torch.dtype
+) -> nn.Module:
     if method == "int8":
         if isinstance(weight_or_linear, torch.Tensor):
             return Int8Linear.from_weight(weight_or_linear, compute_dtype)
@@ -47,8 +53,13 @@ def _quantized(weight_or_linear, method: str, group_size: int, compute_dtype: to
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, method: str = "int8", lm_head: bool | str = True, group_size: int = 32,
-                   compute_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def quantize_model(
+    model: nn.Module,
+    method: str = "int8",
+    lm_head: bool | str = True,
+    group_size: int = 32,
+    compute_dtype: torch.dtype = torch.bfloat16,
+) -> nn.Module:
     """Replace the linears of ``model`` (a ``Transformer``) by ``Int8Linear`` / ``Int4Linear``.
 
     ``lm_head``: True quantises the unembedding (V·D weights, a fifth of SmolLM2-135M) with
@@ -60,7 +71,9 @@ def quantize_model(model: nn.Module, method: str = "int8", lm_head: bool | str =
     for m in (method, head_method):
         if m is not False and m not in QUANT_METHODS:
             raise ValueError(f"quantisation method={m!r}; expected one of {QUANT_METHODS}")
-    replace_block_linears(model, lambda name, child: _quantized(child, method, group_size, compute_dtype))
+    replace_block_linears(
+        model, lambda name, child: _quantized(child, method, group_size, compute_dtype)
+    )
     if head_method:
         if model.lm_head is not None:
             model.lm_head = _quantized(model.lm_head, head_method, group_size, compute_dtype)

@@ -47,31 +47,52 @@ def importance(model: Transformer, tokens: Tensor) -> dict[str, list[Tensor] | T
     count = [0]
     hooks = []
 
-    def add(acc: Tensor, value: Tensor) -> None:  # a hook returning a tensor would replace the activation
+    def add(
+        acc: Tensor, value: Tensor
+    ) -> None:  # a hook returning a tensor would replace the activation
         acc.add_(value)
 
     for i, block in enumerate(model.blocks):
-        hooks.append(block.ffn.down_proj.register_forward_pre_hook(
-            lambda m, a, i=i: add(ffn[i], a[0].abs().reshape(-1, a[0].shape[-1]).sum(0))))
-        hooks.append(block.attn.o_proj.register_forward_pre_hook(
-            lambda m, a, i=i: add(heads[i], a[0].reshape(-1, N, H).norm(dim=-1).sum(0))))
+        hooks.append(
+            block.ffn.down_proj.register_forward_pre_hook(
+                lambda m, a, i=i: add(ffn[i], a[0].abs().reshape(-1, a[0].shape[-1]).sum(0))
+            )
+        )
+        hooks.append(
+            block.attn.o_proj.register_forward_pre_hook(
+                lambda m, a, i=i: add(heads[i], a[0].reshape(-1, N, H).norm(dim=-1).sum(0))
+            )
+        )
     norm_ms: dict[str, Tensor] = {}
     for name, m in model.named_modules():
         if isinstance(m, RMSNorm) and m.weight.shape[0] == cfg.d_model:
-            hooks.append(m.register_forward_hook(lambda mod, a, out: add(emb, out.abs().reshape(-1, out.shape[-1]).sum(0))))
+            hooks.append(
+                m.register_forward_hook(
+                    lambda mod, a, out: add(emb, out.abs().reshape(-1, out.shape[-1]).sum(0))
+                )
+            )
             acc = norm_ms[name] = torch.zeros(cfg.d_model)
-            hooks.append(m.register_forward_pre_hook(
-                lambda mod, a, acc=acc: add(acc, a[0].float().pow(2).reshape(-1, a[0].shape[-1]).sum(0))))
+            hooks.append(
+                m.register_forward_pre_hook(
+                    lambda mod, a, acc=acc: add(
+                        acc, a[0].float().pow(2).reshape(-1, a[0].shape[-1]).sum(0)
+                    )
+                )
+            )
     try:
         for b in range(tokens.shape[0]):
-            model(tokens[b:b + 1])
+            model(tokens[b : b + 1])
             count[0] += tokens.shape[1]
     finally:
         for h in hooks:
             h.remove()
     n = count[0]
-    return {"ffn": [f / n for f in ffn], "kv_groups": [h.view(K, N // K).mean(1) / n for h in heads], "embed": emb / n,
-            "norm_ms": {k: v / n for k, v in norm_ms.items()}}
+    return {
+        "ffn": [f / n for f in ffn],
+        "kv_groups": [h.view(K, N // K).mean(1) / n for h in heads],
+        "embed": emb / n,
+        "norm_ms": {k: v / n for k, v in norm_ms.items()},
+    }
 
 
 def _keep(scores: Tensor, k: int) -> Tensor:
@@ -79,22 +100,43 @@ def _keep(scores: Tensor, k: int) -> Tensor:
 
 
 @torch.no_grad()
-def prune_width(model: Transformer, tokens: Tensor, d_ff: int | None = None, n_kv_heads: int | None = None,
-                d_model: int | None = None, rescale_norms: bool = True) -> Transformer:
+def prune_width(
+    model: Transformer,
+    tokens: Tensor,
+    d_ff: int | None = None,
+    n_kv_heads: int | None = None,
+    d_model: int | None = None,
+    rescale_norms: bool = True,
+) -> Transformer:
     """A new, narrower Transformer keeping the most important FFN channels, KV groups and embedding channels;
     ``rescale_norms``: correct the RMSNorm γ for the dropped channels (module docstring)."""
     cfg = model.config
-    d_ff, n_kv_heads, d_model = d_ff or cfg.d_ff, n_kv_heads or cfg.n_kv_heads, d_model or cfg.d_model
-    for name, new, old in (("d_ff", d_ff, cfg.d_ff), ("n_kv_heads", n_kv_heads, cfg.n_kv_heads),
-                           ("d_model", d_model, cfg.d_model)):
+    d_ff, n_kv_heads, d_model = (
+        d_ff or cfg.d_ff,
+        n_kv_heads or cfg.n_kv_heads,
+        d_model or cfg.d_model,
+    )
+    for name, new, old in (
+        ("d_ff", d_ff, cfg.d_ff),
+        ("n_kv_heads", n_kv_heads, cfg.n_kv_heads),
+        ("d_model", d_model, cfg.d_model),
+    ):
         if not 1 <= new <= old:
             raise ValueError(f"{name}={new}: expected 1 ≤ {name} ≤ the model's {old}")
-    if cfg.parallel_block or cfg.qkv_bias or any(not hasattr(b.ffn, "down_proj") for b in model.blocks):
-        raise ValueError("prune_width handles sequential Llama blocks with SwiGLU FFNs and no q/k/v bias")
+    if (
+        cfg.parallel_block
+        or cfg.qkv_bias
+        or any(not hasattr(b.ffn, "down_proj") for b in model.blocks)
+    ):
+        raise ValueError(
+            "prune_width handles sequential Llama blocks with SwiGLU FFNs and no q/k/v bias"
+        )
     imp = importance(model, tokens)
     G = cfg.n_heads // cfg.n_kv_heads  # query heads per KV head
     H = cfg.head_dim
-    new_cfg = cfg.replace(d_ff=d_ff, n_kv_heads=n_kv_heads, n_heads=n_kv_heads * G, d_model=d_model, head_dim=H)
+    new_cfg = cfg.replace(
+        d_ff=d_ff, n_kv_heads=n_kv_heads, n_heads=n_kv_heads * G, d_model=d_model, head_dim=H
+    )
     student = Transformer(new_cfg)
     dk = _keep(imp["embed"], d_model)  # (D',)
     sd = model.state_dict()
@@ -128,7 +170,9 @@ def prune_width(model: Transformer, tokens: Tensor, d_ff: int | None = None, n_k
             key = f"{name}.weight"
             eps = model.get_submodule(name).eps
             if key in new_sd:
-                new_sd[key] = new_sd[key] * torch.sqrt((ms[dk].mean() + eps) / (ms.mean() + eps)).to(new_sd[key].dtype)
+                new_sd[key] = new_sd[key] * torch.sqrt(
+                    (ms[dk].mean() + eps) / (ms.mean() + eps)
+                ).to(new_sd[key].dtype)
     missing = set(student.state_dict()) - set(new_sd)
     if missing:
         raise ValueError(f"prune_width does not know how to slice {sorted(missing)[:3]}")
@@ -136,19 +180,28 @@ def prune_width(model: Transformer, tokens: Tensor, d_ff: int | None = None, n_k
     return student.eval()
 
 
-def distill_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0) -> Tensor:
+def distill_loss(
+    student_logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0
+) -> Tensor:
     """T² · mean over positions of KL(softmax(z_t/T) ‖ softmax(z_s/T)); logits (..., V)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}; expected > 0")
     s = F.log_softmax(student_logits.float() / temperature, dim=-1)
     t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     kl = (t.exp() * (t - s)).sum(-1)  # (...,)
-    return kl.mean() * temperature ** 2
+    return kl.mean() * temperature**2
 
 
-def distill(student: nn.Module, teacher: nn.Module, tokens: Tensor, steps: int = 20, lr: float = 3e-4,
-            temperature: float = 1.0, batch: int = 4,
-            on_step: Callable[[int, float], None] | None = None) -> list[float]:
+def distill(
+    student: nn.Module,
+    teacher: nn.Module,
+    tokens: Tensor,
+    steps: int = 20,
+    lr: float = 3e-4,
+    temperature: float = 1.0,
+    batch: int = 4,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
     """``steps`` AdamW steps of ``distill_loss`` on rows of ``tokens`` (B, S) (batches of ``batch`` rows in
     turn); returns the losses. ``on_step(step, loss)`` runs after each step (1-based; the student in eval
     mode during the call), e.g. to measure held-out perplexity along the way."""

@@ -43,18 +43,26 @@ class QATLinear(Linear):
 def prepare_qat(model: nn.Module, method: str = "int4", group_size: int = 32) -> nn.Module:
     """Make every block ``Linear`` of ``model`` a ``QATLinear`` (in place, same Parameters). Returns the model."""
     if method != "int4":
-        raise ValueError(f"QAT method={method!r}; expected 'int4' (train config: quant = \"int4-qat\")")
+        raise ValueError(
+            f"QAT method={method!r}; expected 'int4' (train config: quant = \"int4-qat\")"
+        )
     if not hasattr(model, "blocks"):
-        raise TypeError(f"expected an lmstack Transformer (with .blocks), got {type(model).__name__}")
+        raise TypeError(
+            f"expected an lmstack Transformer (with .blocks), got {type(model).__name__}"
+        )
     for block in model.blocks:
         for parent in block.modules():
             for name, child in list(parent.named_children()):
                 if isinstance(child, Linear) and not isinstance(child, QATLinear):
                     if child.in_features % group_size:
-                        raise ValueError(f"in_features={child.in_features} of {name} is not a multiple of "
-                                         f"group_size={group_size}")
+                        raise ValueError(
+                            f"in_features={child.in_features} of {name} is not a multiple of "
+                            f"group_size={group_size}"
+                        )
                     with torch.device("meta"):
-                        q = QATLinear(child.in_features, child.out_features, bias=child.bias is not None)
+                        q = QATLinear(
+                            child.in_features, child.out_features, bias=child.bias is not None
+                        )
                     q.weight, q.bias = child.weight, child.bias
                     q.group_size = group_size
                     setattr(parent, name, q)
@@ -68,6 +76,8 @@ def convert_qat(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -
         for parent in block.modules():
             for name, child in list(parent.named_children()):
                 if isinstance(child, QATLinear):
-                    setattr(parent, name, Int4Linear.from_linear(child, child.group_size, compute_dtype))
+                    setattr(
+                        parent, name, Int4Linear.from_linear(child, child.group_size, compute_dtype)
+                    )
     model.quantization = "int4-qat"
     return model

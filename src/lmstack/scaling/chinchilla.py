@@ -18,8 +18,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lmstack.scaling.laws import (R_STAR_D, Fit, bootstrap_chinchilla, fit_chinchilla, fit_chinchilla_repeated,
-                                  fit_power_law)
+from lmstack.scaling.laws import (
+    R_STAR_D,
+    Fit,
+    bootstrap_chinchilla,
+    fit_chinchilla,
+    fit_chinchilla_repeated,
+    fit_power_law,
+)
 from lmstack.scaling.lstsq import qr_lstsq
 from lmstack.scaling.planner import Law
 
@@ -31,7 +37,9 @@ class Approach:
     b: float  # D_opt ∝ C^b
     a_ci: tuple[float, float] | None = None
     b_ci: tuple[float, float] | None = None
-    C: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the points the power laws went through
+    C: np.ndarray = field(
+        default_factory=lambda: np.zeros(0)
+    )  # the points the power laws went through
     N_opt: np.ndarray = field(default_factory=lambda: np.zeros(0))
     D_opt: np.ndarray = field(default_factory=lambda: np.zeros(0))
     n_fit: Fit | None = None  # N_opt(C) power law (approaches 1, 2)
@@ -48,6 +56,7 @@ class Approach:
     def __str__(self) -> str:
         def fmt(v, ci):
             return f"{v:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
         return f"{self.name}: a = {fmt(self.a, self.a_ci)}, b = {fmt(self.b, self.b_ci)}"
 
 
@@ -58,7 +67,9 @@ def _ci(samples: np.ndarray, level: float) -> tuple[float, float]:
 
 def _alloc(name: str, C: np.ndarray, N: np.ndarray) -> Approach:
     if len(np.unique(C)) < 2:
-        raise ValueError(f"{name}: N_opt is known at {len(np.unique(C))} compute budget(s); a power law needs >= 2")
+        raise ValueError(
+            f"{name}: N_opt is known at {len(np.unique(C))} compute budget(s); a power law needs >= 2"
+        )
     n_fit = fit_power_law(C, N)
     D = C / (6.0 * N)
     b = fit_power_law(C, D).params["b"]
@@ -66,8 +77,9 @@ def _alloc(name: str, C: np.ndarray, N: np.ndarray) -> Approach:
 
 
 # ---- approach 1 -----------------------------------------------------------------------------------
-def envelope(curves: list[tuple[float, np.ndarray, np.ndarray]], points: int = 40,
-             slack: float = 0.05) -> tuple[np.ndarray, ...]:
+def envelope(
+    curves: list[tuple[float, np.ndarray, np.ndarray]], points: int = 40, slack: float = 0.05
+) -> tuple[np.ndarray, ...]:
     """The lower envelope of loss-vs-FLOPs curves ``(N, flops (k,), loss (k,))``: at log-spaced C, the
     lowest loss any run reached at that C (loss interpolated linearly in log C) and that run's N.
 
@@ -76,7 +88,9 @@ def envelope(curves: list[tuple[float, np.ndarray, np.ndarray]], points: int = 4
     would belong to whichever run happened to end last, however bad its loss."""
     lo = min(float(np.min(f)) for _, f, _ in curves)
     hi = max(float(np.max(f)) for _, f, _ in curves)
-    grid_c = np.unique(np.concatenate([np.geomspace(lo, hi, points)] + [np.asarray(f)[-1:] for _, f, _ in curves]))
+    grid_c = np.unique(
+        np.concatenate([np.geomspace(lo, hi, points)] + [np.asarray(f)[-1:] for _, f, _ in curves])
+    )
     best_l = np.full(len(grid_c), np.inf)
     best_n = np.full(len(grid_c), np.nan)
     for N, f, loss in curves:
@@ -93,8 +107,12 @@ def envelope(curves: list[tuple[float, np.ndarray, np.ndarray]], points: int = 4
     return grid_c[ok], best_n[ok], best_l[ok]
 
 
-def approach1(curves: list[tuple[float, np.ndarray, np.ndarray]], n_boot: int = 200, level: float = 0.9,
-              seed: int = 0) -> Approach:
+def approach1(
+    curves: list[tuple[float, np.ndarray, np.ndarray]],
+    n_boot: int = 200,
+    level: float = 0.9,
+    seed: int = 0,
+) -> Approach:
     """Approach 1: N_opt(C) from the envelope; intervals from resampling the runs (curves)."""
     if len(curves) < 2:
         raise ValueError(f"approach 1 needs the curves of >= 2 runs (got {len(curves)})")
@@ -125,7 +143,9 @@ def isoflop_parabola(N, L) -> tuple[float, float, float]:
     return float(p[0]), float(p[1]), float(p[2])
 
 
-def _minima(groups: dict[float, tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, dict, dict]:
+def _minima(
+    groups: dict[float, tuple[np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray, dict, dict]:
     """Per-budget parabola minima; budgets whose profile has < 3 sizes or is not convex are skipped
     (with the reason), and at least 2 budgets must remain for the power law."""
     Cs, Ns, parabolas, skipped = [], [], {}, {}
@@ -135,27 +155,35 @@ def _minima(groups: dict[float, tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndar
             continue
         p0, p1, p2 = isoflop_parabola(N, L)
         if p2 <= 0:
-            skipped[C] = (f"the IsoFLOP curve is not convex (fitted curvature {p2:.3g}); widen the range of model "
-                          "sizes so the minimum lies inside it")
+            skipped[C] = (
+                f"the IsoFLOP curve is not convex (fitted curvature {p2:.3g}); widen the range of model "
+                "sizes so the minimum lies inside it"
+            )
             continue
         Cs.append(C)
         Ns.append(np.exp(-p1 / (2 * p2)))
         parabolas[C] = (p0, p1, p2)
     if len(Cs) < 2:
         why = "; ".join(f"C={c:.3g}: {w}" for c, w in skipped.items())
-        raise ValueError(f"approach 2: {len(Cs)} budget(s) with a convex IsoFLOP profile; a power law needs >= 2"
-                         + (f" ({why})" if why else ""))
+        raise ValueError(
+            f"approach 2: {len(Cs)} budget(s) with a convex IsoFLOP profile; a power law needs >= 2"
+            + (f" ({why})" if why else "")
+        )
     return np.array(Cs), np.array(Ns), parabolas, skipped
 
 
-def approach2(C, N, L, n_boot: int = 200, level: float = 0.9, seed: int = 0, window: float | None = None) -> Approach:
+def approach2(
+    C, N, L, n_boot: int = 200, level: float = 0.9, seed: int = 0, window: float | None = None
+) -> Approach:
     """Approach 2: runs grouped by budget C; per-budget parabola minima; intervals from resampling runs
     within each budget. ``window``: fit each parabola only to the sizes within a factor ``window`` of that
     budget's best run (loss is parabolic in log N only near the minimum); None uses every run, as
     Hoffmann et al. did."""
     C, N, L = (np.asarray(v, dtype=np.float64) for v in (C, N, L))
     if window is not None and not window > 1:
-        raise ValueError(f"window={window!r} must be > 1 (a factor in N around each budget's best run)")
+        raise ValueError(
+            f"window={window!r} must be > 1 (a factor in N around each budget's best run)"
+        )
     groups = {}
     for c in np.unique(C):
         n, l = N[C == c], L[C == c]
@@ -168,9 +196,13 @@ def approach2(C, N, L, n_boot: int = 200, level: float = 0.9, seed: int = 0, win
     res = _alloc("approach 2 (IsoFLOP)", Cs, Ns)
     res.extra["parabolas"] = parabolas
     res.extra["skipped"] = skipped
-    res.extra["used"] = {c: groups[c][0] for c in parabolas}  # the sizes each parabola was fitted to
+    res.extra["used"] = {
+        c: groups[c][0] for c in parabolas
+    }  # the sizes each parabola was fitted to
     # a minimum outside the sizes trained at that budget is an extrapolation: worth a warning
-    res.extra["outside"] = [float(c) for c, n in zip(Cs, Ns) if not groups[c][0].min() <= n <= groups[c][0].max()]
+    res.extra["outside"] = [
+        float(c) for c, n in zip(Cs, Ns) if not groups[c][0].min() <= n <= groups[c][0].max()
+    ]
     rng = np.random.default_rng(seed)
     a_s, b_s = [], []
     for _ in range(n_boot):
@@ -190,8 +222,16 @@ def approach2(C, N, L, n_boot: int = 200, level: float = 0.9, seed: int = 0, win
 
 
 # ---- approach 3 -----------------------------------------------------------------------------------
-def approach3(N, D, L, n_boot: int = 100, level: float = 0.9, seed: int = 0, U=None,
-              r_star: float | None = R_STAR_D) -> Approach:
+def approach3(
+    N,
+    D,
+    L,
+    n_boot: int = 100,
+    level: float = 0.9,
+    seed: int = 0,
+    U=None,
+    r_star: float | None = R_STAR_D,
+) -> Approach:
     """Approach 3: the parametric L(N, D); a = β/(α+β), b = α/(α+β) for the fit and each bootstrap refit.
 
     With ``U`` (unique training tokens, per run or one number) runs that repeat their data are fitted with
@@ -202,13 +242,23 @@ def approach3(N, D, L, n_boot: int = 100, level: float = 0.9, seed: int = 0, U=N
     else:
         fit = fit_chinchilla_repeated(N, D, U, L, r_star=r_star)
     if n_boot:
-        bootstrap_chinchilla(fit, N, D, L, n_boot=n_boot, level=level, seed=seed, U=U, fit_r_star=r_star is None)
+        bootstrap_chinchilla(
+            fit, N, D, L, n_boot=n_boot, level=level, seed=seed, U=U, fit_r_star=r_star is None
+        )
     p = fit.params
-    if not p["alpha"] + p["beta"] > 0:  # constant losses (or no trend): no exponent to split the budget with
-        raise ValueError(f"approach 3: the fitted exponents alpha={p['alpha']:.3g}, beta={p['beta']:.3g} give no "
-                         "allocation (the losses do not fall with N or D: constant or noise-only runs?)")
-    res = Approach("approach 3 (L(N,D) fit)", p["beta"] / (p["alpha"] + p["beta"]),
-                   p["alpha"] / (p["alpha"] + p["beta"]), law=fit)
+    if (
+        not p["alpha"] + p["beta"] > 0
+    ):  # constant losses (or no trend): no exponent to split the budget with
+        raise ValueError(
+            f"approach 3: the fitted exponents alpha={p['alpha']:.3g}, beta={p['beta']:.3g} give no "
+            "allocation (the losses do not fall with N or D: constant or noise-only runs?)"
+        )
+    res = Approach(
+        "approach 3 (L(N,D) fit)",
+        p["beta"] / (p["alpha"] + p["beta"]),
+        p["alpha"] / (p["alpha"] + p["beta"]),
+        law=fit,
+    )
     if fit.samples is not None:
         names = list(p)
         al, be = fit.samples[:, names.index("alpha")], fit.samples[:, names.index("beta")]

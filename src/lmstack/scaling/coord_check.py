@@ -22,14 +22,34 @@ SITES = ("embedding", "last block", "logits")
 
 
 def _model(width: int, n_heads: int, n_layers: int, vocab: int, seq: int) -> Transformer:
-    cfg = ModelConfig.from_dict(dict(d_model=width, n_layers=n_layers, n_heads=n_heads, d_ff=4 * width,
-                                     vocab_size=vocab, max_seq_len=seq, tie_embeddings=False, name=f"w{width}"))
+    cfg = ModelConfig.from_dict(
+        dict(
+            d_model=width,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            d_ff=4 * width,
+            vocab_size=vocab,
+            max_seq_len=seq,
+            tie_embeddings=False,
+            name=f"w{width}",
+        )
+    )
     return Transformer(cfg, seed=0)
 
 
-def coord_check(widths: list[int], base_width: int, parametrization: str, steps: int = 5, lr: float = 1e-2,
-                n_heads: int = 4, n_layers: int = 2, vocab: int = 256, batch: int = 8, seq: int = 32,
-                seed: int = 0) -> dict[int, np.ndarray]:
+def coord_check(
+    widths: list[int],
+    base_width: int,
+    parametrization: str,
+    steps: int = 5,
+    lr: float = 1e-2,
+    n_heads: int = 4,
+    n_layers: int = 2,
+    vocab: int = 256,
+    batch: int = 8,
+    seq: int = 32,
+    seed: int = 0,
+) -> dict[int, np.ndarray]:
     """{width: (steps + 1, len(SITES)) mean |activation|} at steps 0..``steps`` (before each update)."""
     if parametrization not in ("sp", "mup"):
         raise ValueError(f"parametrization={parametrization!r}; expected 'sp' or 'mup'")
@@ -53,14 +73,20 @@ def coord_check(widths: list[int], base_width: int, parametrization: str, steps:
         acts: dict[str, float] = {}
 
         def record(site: str):
-            return lambda module, inputs, output: acts.__setitem__(site, float(output.detach().abs().mean()))
+            return lambda module, inputs, output: acts.__setitem__(  # noqa: B023
+                site, float(output.detach().abs().mean())
+            )
 
-        hooks = [model.embed.register_forward_hook(record("embedding")),
-                 model.blocks[-1].register_forward_hook(record("last block"))]
+        hooks = [
+            model.embed.register_forward_hook(record("embedding")),
+            model.blocks[-1].register_forward_hook(record("last block")),
+        ]
         rows = []
         for t in range(steps + 1):
             logits = model(x)  # (B, S, V)
-            rows.append([acts["embedding"], acts["last block"], float(logits.detach().abs().mean())])
+            rows.append(
+                [acts["embedding"], acts["last block"], float(logits.detach().abs().mean())]
+            )
             if t == steps:
                 break
             loss, _ = cross_entropy(logits, y)
@@ -80,16 +106,23 @@ def plot_coord_check(results: dict[str, dict[int, np.ndarray]], path: Path) -> P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-
-    fig, axes = plt.subplots(len(results), len(SITES), figsize=(4 * len(SITES), 3.2 * len(results)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(results), len(SITES), figsize=(4 * len(SITES), 3.2 * len(results)), squeeze=False
+    )
     for r, (name, res) in enumerate(results.items()):
         widths = sorted(res)
         steps = res[widths[0]].shape[0]
         for c, site in enumerate(SITES):
             ax = axes[r][c]
             for t in range(steps):
-                ax.plot(widths, [res[w][t, c] for w in widths], "-o", ms=3, label=f"t={t}",
-                        color=plt.get_cmap("viridis")(t / max(1, steps - 1)))
+                ax.plot(
+                    widths,
+                    [res[w][t, c] for w in widths],
+                    "-o",
+                    ms=3,
+                    label=f"t={t}",
+                    color=plt.get_cmap("viridis")(t / max(1, steps - 1)),
+                )
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{name.upper()}: {site}")

@@ -56,7 +56,9 @@ class Fit:
     params: dict[str, float]
     predict: Callable[..., np.ndarray] = field(repr=False)
     ci: dict[str, tuple[float, float]] = field(default_factory=dict)
-    samples: np.ndarray | None = field(default=None, repr=False)  # (n_boot, n_params) bootstrap refits
+    samples: np.ndarray | None = field(
+        default=None, repr=False
+    )  # (n_boot, n_params) bootstrap refits
 
     def __str__(self) -> str:
         parts = []
@@ -72,7 +74,9 @@ def fit_power_law(x, y, method: str = "qr") -> Fit:
     x, y = _positive("x", x), _positive("y", y)
     _same_length(x=x, y=y)
     log_a, b = linear_fit(np.log(x), np.log(y), method)
-    with np.errstate(over="ignore"):  # a bootstrap resample's degenerate line may give a = inf; b still counts
+    with np.errstate(
+        over="ignore"
+    ):  # a bootstrap resample's degenerate line may give a = inf; b still counts
         a = float(np.exp(log_a))
     return Fit("y = a*x^b", {"a": a, "b": b}, lambda q: a * np.asarray(q, dtype=np.float64) ** b)
 
@@ -81,8 +85,11 @@ def fit_lr_law(C, lr) -> Fit:
     """Seed 000 §3.2: LR(C) = β·C^−α  ⇔  log LR = log β − α log C (the closed-form line fit)."""
     p = fit_power_law(C, lr)
     beta, alpha = p.params["a"], -p.params["b"]
-    return Fit("LR(C) = beta*C^-alpha", {"beta": beta, "alpha": alpha},
-               lambda c: beta * np.asarray(c, dtype=np.float64) ** -alpha)
+    return Fit(
+        "LR(C) = beta*C^-alpha",
+        {"beta": beta, "alpha": alpha},
+        lambda c: beta * np.asarray(c, dtype=np.float64) ** -alpha,
+    )
 
 
 # ---- L(x) = L∞ + β·x^−α ----------------------------------------------------------------------------
@@ -90,8 +97,9 @@ def offset_power_law(x, L_inf: float, beta: float, alpha: float) -> np.ndarray:
     return L_inf + beta * np.asarray(x, dtype=np.float64) ** -alpha
 
 
-def fit_offset_power_law(x, y, starts: np.ndarray | None = None, delta: float = HUBER_DELTA,
-                         top_k: int | None = 8) -> Fit:
+def fit_offset_power_law(
+    x, y, starts: np.ndarray | None = None, delta: float = HUBER_DELTA, top_k: int | None = 8
+) -> Fit:
     """L(x) = L∞ + β·x^−α, fitted as log L = LSE(log L∞, log β − α log x) with a Huber loss.
 
     Seed 000 §3.2's L(C); parameters θ = (e, b, α) with L∞ = eᵉ, β = eᵇ, searched from a grid of starts.
@@ -109,7 +117,9 @@ def fit_offset_power_law(x, y, starts: np.ndarray | None = None, delta: float = 
     if starts is None:
         lo = float(np.log(y.min()))
         starts = grid([lo - 2, lo - 0.5, lo - 0.05], [0.0, 5.0, 10.0, 20.0], [0.05, 0.2, 0.5, 1.0])
-    res = robust_fit(residuals, starts, delta, bounds=[(None, None), (None, None), (0.0, 5.0)], top_k=top_k)
+    res = robust_fit(
+        residuals, starts, delta, bounds=[(None, None), (None, None), (0.0, 5.0)], top_k=top_k
+    )
     e, b, alpha = res.params
     p = {"L_inf": float(np.exp(e)), "beta": float(np.exp(b)), "alpha": float(alpha)}
     return Fit("L = L_inf + beta*x^-alpha", p, lambda q: offset_power_law(q, **p))
@@ -125,7 +135,11 @@ def fit_loss_law(C, L, **kw) -> Fit:
 # ---- L(N, D) = E + A/N^α + B/D^β ---------------------------------------------------------------------
 def chinchilla_loss(N, D, E: float, A: float, B: float, alpha: float, beta: float) -> np.ndarray:
     """Hoffmann et al. 2022 eq. 2: irreducible loss + finite-model term + finite-data term."""
-    return E + A / np.asarray(N, dtype=np.float64) ** alpha + B / np.asarray(D, dtype=np.float64) ** beta
+    return (
+        E
+        + A / np.asarray(N, dtype=np.float64) ** alpha
+        + B / np.asarray(D, dtype=np.float64) ** beta
+    )
 
 
 def hoffmann_grid() -> np.ndarray:
@@ -135,8 +149,15 @@ def hoffmann_grid() -> np.ndarray:
     return grid(ab, ab, np.arange(-1, 1.01, 0.5), np.arange(0, 2.01, 0.5), np.arange(0, 2.01, 0.5))
 
 
-def fit_chinchilla(N, D, L, starts: np.ndarray | None = None, delta: float = HUBER_DELTA,
-                   top_k: int | None = 24, return_objective: bool = False) -> Fit | tuple[Fit, float]:
+def fit_chinchilla(
+    N,
+    D,
+    L,
+    starts: np.ndarray | None = None,
+    delta: float = HUBER_DELTA,
+    top_k: int | None = 24,
+    return_objective: bool = False,
+) -> Fit | tuple[Fit, float]:
     """Chinchilla's approach 3 fit: minimise Σ Huber_δ(LSE(a − α log N, b − β log D, e) − log L)
     over θ = (a, b, e, α, β) with L-BFGS from a grid of starts; A = eᵃ, B = eᵇ, E = eᵉ.
 
@@ -151,15 +172,27 @@ def fit_chinchilla(N, D, L, starts: np.ndarray | None = None, delta: float = HUB
 
     def residuals(theta):
         a, b, e, alpha, beta = theta
-        lse, w = _lse_softmax(np.stack([a - alpha * lN, b - beta * lD, np.full_like(lN, e)]))  # (3, n)
+        lse, w = _lse_softmax(
+            np.stack([a - alpha * lN, b - beta * lD, np.full_like(lN, e)])
+        )  # (3, n)
         r = lse - lL
         return r, np.column_stack([w[0], w[1], w[2], -w[0] * lN, -w[1] * lD])
 
-    res = robust_fit(residuals, hoffmann_grid() if starts is None else starts, delta,
-                     bounds=[(None, None), (None, None), (None, None), (0.0, 3.0), (0.0, 3.0)], top_k=top_k)
+    res = robust_fit(
+        residuals,
+        hoffmann_grid() if starts is None else starts,
+        delta,
+        bounds=[(None, None), (None, None), (None, None), (0.0, 3.0), (0.0, 3.0)],
+        top_k=top_k,
+    )
     a, b, e, alpha, beta = res.params
-    p = {"E": float(np.exp(e)), "A": float(np.exp(a)), "B": float(np.exp(b)), "alpha": float(alpha),
-         "beta": float(beta)}
+    p = {
+        "E": float(np.exp(e)),
+        "A": float(np.exp(a)),
+        "B": float(np.exp(b)),
+        "alpha": float(alpha),
+        "beta": float(beta),
+    }
     fit = Fit("L(N,D) = E + A/N^alpha + B/D^beta", p, lambda n, d: chinchilla_loss(n, d, **p))
     return (fit, res.objective) if return_objective else fit
 
@@ -196,18 +229,33 @@ def fit_data_constrained(N, D, U, L, law: dict[str, float], delta: float = HUBER
         r2 = np.log(data_constrained_loss(N, D, U, r_star=float(np.exp(theta[0] + h)), **law)) - lL
         return r, ((r2 - r) / h)[:, None]
 
-    res = robust_fit(residuals, [[np.log(s)] for s in (1.0, 5.0, 20.0, 100.0)], delta, bounds=[(-5.0, 10.0)])
+    res = robust_fit(
+        residuals, [[np.log(s)] for s in (1.0, 5.0, 20.0, 100.0)], delta, bounds=[(-5.0, 10.0)]
+    )
     r_star = float(np.exp(res.params[0]))
-    return Fit("L = E + A/N^alpha + B/D'^beta, D' = U + U*R*(1-exp(-R/R*))", {"r_star": r_star},
-               lambda n, d, u: data_constrained_loss(n, d, u, r_star=r_star, **law))
+    return Fit(
+        "L = E + A/N^alpha + B/D'^beta, D' = U + U*R*(1-exp(-R/R*))",
+        {"r_star": r_star},
+        lambda n, d, u: data_constrained_loss(n, d, u, r_star=r_star, **law),
+    )
 
 
-R_STAR_GRID = tuple(float(v) for v in np.geomspace(0.5, 1000.0, 12))  # the profile of fit_chinchilla_repeated
+R_STAR_GRID = tuple(
+    float(v) for v in np.geomspace(0.5, 1000.0, 12)
+)  # the profile of fit_chinchilla_repeated
 
 
-def fit_chinchilla_repeated(N, D, U, L, r_star: float | None = R_STAR_D, starts: np.ndarray | None = None,
-                            delta: float = HUBER_DELTA, top_k: int | None = 24,
-                            r_star_grid: tuple[float, ...] = R_STAR_GRID) -> Fit:
+def fit_chinchilla_repeated(
+    N,
+    D,
+    U,
+    L,
+    r_star: float | None = R_STAR_D,
+    starts: np.ndarray | None = None,
+    delta: float = HUBER_DELTA,
+    top_k: int | None = 24,
+    r_star_grid: tuple[float, ...] = R_STAR_GRID,
+) -> Fit:
     """Approach 3 on runs that repeat their data: L = E + A/N^α + B/D'^β with D' = ``effective_data(D, U, R*)``.
 
     ``r_star``: Muennighoff et al.'s R*_D = 15.4 by default (a published constant, no extra parameter), or
@@ -215,41 +263,69 @@ def fit_chinchilla_repeated(N, D, U, L, r_star: float | None = R_STAR_D, starts:
     whole grid; warm starts from a neighbouring R* fall into the E → 0 branch) for each R* of
     ``r_star_grid``, then a bounded 1-D search of ln R* between the best grid point's neighbours.
     Params: E, A, B, α, β, r_star (``data_constrained_loss(N, D, U, **params)``)."""
-    N, D, U, L = (_positive(k, v) for k, v in (("N", N), ("D", D), ("unique tokens U", U), ("loss", L)))
+    N, D, U, L = (
+        _positive(k, v) for k, v in (("N", N), ("D", D), ("unique tokens U", U), ("loss", L))
+    )
     if len(U) == 1:
         U = np.full_like(D, U[0])
     _same_length(N=N, D=D, U=U, loss=L)
     if r_star is not None:
-        fit = fit_chinchilla(N, effective_data(D, U, r_star), L, starts=starts, delta=delta, top_k=top_k)
+        fit = fit_chinchilla(
+            N, effective_data(D, U, r_star), L, starts=starts, delta=delta, top_k=top_k
+        )
         best_r = float(r_star)
     else:
+
         def profile(r, s=starts):
-            return fit_chinchilla(N, effective_data(D, U, r), L, starts=s, delta=delta, top_k=top_k,
-                                  return_objective=True)
+            return fit_chinchilla(
+                N,
+                effective_data(D, U, r),
+                L,
+                starts=s,
+                delta=delta,
+                top_k=top_k,
+                return_objective=True,
+            )
 
         grid_fits = [profile(r) for r in r_star_grid]
         k = int(np.argmin([f[1] for f in grid_fits]))
         fit, obj = grid_fits[k]
         best_r = r_star_grid[k]
-        lo, hi = np.log(r_star_grid[max(k - 1, 0)]), np.log(r_star_grid[min(k + 1, len(r_star_grid) - 1)])
+        lo, hi = (
+            np.log(r_star_grid[max(k - 1, 0)]),
+            np.log(r_star_grid[min(k + 1, len(r_star_grid) - 1)]),
+        )
         if hi > lo:
             p0 = fit.params
             warm = [[np.log(p0["A"]), np.log(p0["B"]), np.log(p0["E"]), p0["alpha"], p0["beta"]]]
             if starts is not None:
                 warm = np.vstack([warm, np.atleast_2d(starts)])
-            s = optimize.minimize_scalar(lambda x: profile(float(np.exp(x)), warm)[1], bounds=(lo, hi),
-                                         method="bounded", options={"xatol": 0.02})
+            s = optimize.minimize_scalar(
+                lambda x: profile(float(np.exp(x)), warm)[1],
+                bounds=(lo, hi),
+                method="bounded",
+                options={"xatol": 0.02},
+            )
             f2, obj2 = profile(float(np.exp(s.x)), warm)
             if obj2 < obj:
                 fit, best_r = f2, float(np.exp(s.x))
     p = {**fit.params, "r_star": best_r}
-    return Fit("L(N,D) = E + A/N^alpha + B/D'^beta, D' = U + U*R*(1-exp(-R/R*)), R = D/U - 1", p,
-               lambda n, d, u=U: data_constrained_loss(n, d, u, **p))
+    return Fit(
+        "L(N,D) = E + A/N^alpha + B/D'^beta, D' = U + U*R*(1-exp(-R/R*)), R = D/U - 1",
+        p,
+        lambda n, d, u=U: data_constrained_loss(n, d, u, **p),
+    )
 
 
 # ---- uncertainty -----------------------------------------------------------------------------------
-def bootstrap(fit: Fit, refit: Callable[[np.ndarray], Fit], n: int, n_boot: int = 200, level: float = 0.9,
-              seed: int = 0) -> Fit:
+def bootstrap(
+    fit: Fit,
+    refit: Callable[[np.ndarray], Fit],
+    n: int,
+    n_boot: int = 200,
+    level: float = 0.9,
+    seed: int = 0,
+) -> Fit:
     """Resample the n observations with replacement ``n_boot`` times, refit each (``refit(idx)``), and
     attach the percentile intervals at ``level`` and the refits' parameters to ``fit``."""
     if not 0 < level < 1:
@@ -264,15 +340,20 @@ def bootstrap(fit: Fit, refit: Callable[[np.ndarray], Fit], n: int, n_boot: int 
         except ValueError:  # a resample that cannot determine the law (e.g. too few distinct x)
             continue
     if len(rows) < max(10, n_boot // 2):
-        raise ValueError(f"only {len(rows)} of {n_boot} bootstrap refits succeeded; too few runs to bound the fit")
+        raise ValueError(
+            f"only {len(rows)} of {n_boot} bootstrap refits succeeded; too few runs to bound the fit"
+        )
     fit.samples = np.asarray(rows)
     q = [(1 - level) / 2 * 100, (1 + level) / 2 * 100]
-    fit.ci = {k: tuple(float(v) for v in np.percentile(fit.samples[:, i], q)) for i, k in enumerate(names)}
+    fit.ci = {
+        k: tuple(float(v) for v in np.percentile(fit.samples[:, i], q)) for i, k in enumerate(names)
+    }
     return fit
 
 
-def prediction_interval(fit: Fit, make_predict: Callable[[dict[str, float]], float], level: float = 0.9) -> tuple[
-        float, float]:
+def prediction_interval(
+    fit: Fit, make_predict: Callable[[dict[str, float]], float], level: float = 0.9
+) -> tuple[float, float]:
     """Percentile interval of an extrapolated quantity over the bootstrap refits of ``fit``."""
     if fit.samples is None:
         raise ValueError("run bootstrap() on the fit first")
@@ -283,16 +364,38 @@ def prediction_interval(fit: Fit, make_predict: Callable[[dict[str, float]], flo
     return float(q[0]), float(q[1])
 
 
-def bootstrap_chinchilla(fit: Fit, N, D, L, n_boot: int = 100, level: float = 0.9, seed: int = 0,
-                         U=None, fit_r_star: bool = False) -> Fit:
+def bootstrap_chinchilla(
+    fit: Fit,
+    N,
+    D,
+    L,
+    n_boot: int = 100,
+    level: float = 0.9,
+    seed: int = 0,
+    U=None,
+    fit_r_star: bool = False,
+) -> Fit:
     """Bootstrap ``fit_chinchilla`` (or, with ``U``, ``fit_chinchilla_repeated`` at the fit's R*; with
     ``fit_r_star`` R* is profiled again in every refit): each refit starts from the full-data optimum."""
     N, D, L = (np.asarray(v, dtype=np.float64) for v in (N, D, L))
     p = fit.params
     start = [[np.log(p["A"]), np.log(p["B"]), np.log(p["E"]), p["alpha"], p["beta"]]]
     if U is None:
-        return bootstrap(fit, lambda i: fit_chinchilla(N[i], D[i], L[i], starts=start), len(L), n_boot, level, seed)
+        return bootstrap(
+            fit,
+            lambda i: fit_chinchilla(N[i], D[i], L[i], starts=start),
+            len(L),
+            n_boot,
+            level,
+            seed,
+        )
     U = np.broadcast_to(np.asarray(U, dtype=np.float64), D.shape)
     r_star = None if fit_r_star else p["r_star"]
-    return bootstrap(fit, lambda i: fit_chinchilla_repeated(N[i], D[i], U[i], L[i], r_star=r_star, starts=start),
-                     len(L), n_boot, level, seed)
+    return bootstrap(
+        fit,
+        lambda i: fit_chinchilla_repeated(N[i], D[i], U[i], L[i], r_star=r_star, starts=start),
+        len(L),
+        n_boot,
+        level,
+        seed,
+    )

@@ -81,9 +81,14 @@ class RobustFit:
     n_converged: int
 
 
-def robust_fit(residuals: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], starts: Sequence[Sequence[float]]
-               | np.ndarray, delta: float = 1e-3, bounds: Sequence[tuple[float | None, float | None]] | None = None,
-               maxiter: int = 2000, top_k: int | None = None) -> RobustFit:
+def robust_fit(
+    residuals: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+    starts: Sequence[Sequence[float]] | np.ndarray,
+    delta: float = 1e-3,
+    bounds: Sequence[tuple[float | None, float | None]] | None = None,
+    maxiter: int = 2000,
+    top_k: int | None = None,
+) -> RobustFit:
     """Minimise Σ_i Huber_δ(r_i(θ)) with L-BFGS-B from each start; keep the lowest.
 
     ``residuals(θ) -> (r (n,), J (n, p))`` returns the log-space residuals and their Jacobian.
@@ -107,8 +112,14 @@ def robust_fit(residuals: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
     for x0 in starts:
         # a few parameters: BLAS threads only add wake-up costs (100x slower on a loaded machine)
         with threadpool_limits(1, user_api="blas"):
-            res = optimize.minimize(objective, x0, jac=True, method="L-BFGS-B", bounds=bounds,
-                                    options={"maxiter": maxiter, "ftol": 1e-13, "gtol": 1e-9})
+            res = optimize.minimize(
+                objective,
+                x0,
+                jac=True,
+                method="L-BFGS-B",
+                bounds=bounds,
+                options={"maxiter": maxiter, "ftol": 1e-13, "gtol": 1e-9},
+            )
         if not np.isfinite(res.fun):
             continue
         converged += bool(res.success)

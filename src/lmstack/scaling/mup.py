@@ -35,9 +35,9 @@ import torch
 from torch import Tensor, nn
 
 from lmstack.model.config import ModelConfig
+from lmstack.model.transformer import Transformer
 from lmstack.train.config import TrainConfig
 from lmstack.train.trainer import Trainer, optimizer_class
-from lmstack.model.transformer import Transformer
 
 KINDS = ("input", "hidden", "output", "vector")
 
@@ -58,7 +58,9 @@ class MupParam:
 
 def width_ratio(config: ModelConfig, base_width: int) -> float:
     if not (isinstance(base_width, int) and base_width > 0):
-        raise ValueError(f"base_width={base_width!r} must be a positive integer (the d_model of the tuned base model)")
+        raise ValueError(
+            f"base_width={base_width!r} must be a positive integer (the d_model of the tuned base model)"
+        )
     return config.d_model / base_width
 
 
@@ -67,8 +69,10 @@ def base_config(config: ModelConfig, base_width: int) -> ModelConfig:
     dimension grows with width, where 1/H attention matters) and d_ff scaled by the same ratio."""
     m = width_ratio(config, base_width)
     if config.head_dim is not None and config.head_dim * config.n_heads != config.d_model:
-        raise ValueError(f"µP here scales H = D/N with width; head_dim={config.head_dim} is set apart from "
-                         f"d_model/n_heads = {config.d_model / config.n_heads:g}")
+        raise ValueError(
+            f"µP here scales H = D/N with width; head_dim={config.head_dim} is set apart from "
+            f"d_model/n_heads = {config.d_model / config.n_heads:g}"
+        )
     if base_width % config.n_heads:
         raise ValueError(f"base_width={base_width} is not divisible by n_heads={config.n_heads}")
     d = config.to_dict()
@@ -88,7 +92,9 @@ def mup_table(model: nn.Module, base_width: int) -> list[MupParam]:
     rows = []
     for name, p in model.named_parameters():
         if name not in base_params:
-            raise ValueError(f"parameter {name!r} has no counterpart in the base model (d_model={base_width})")
+            raise ValueError(
+                f"parameter {name!r} has no counterpart in the base model (d_model={base_width})"
+            )
         if p.dim() == 1:
             value = 0.0 if name.endswith("bias") else 1.0
             lr = 1.0
@@ -96,13 +102,20 @@ def mup_table(model: nn.Module, base_width: int) -> list[MupParam]:
                 value, lr = 1.0 / m, 1.0 / m
             elif cfg.qk_norm and name.endswith("q_norm.weight"):
                 value, lr = c_attn, c_attn
-            rows.append(MupParam(name, "vector", 0.0, value, lr, 1.0, p.shape[0], base_params[name][0]))
+            rows.append(
+                MupParam(name, "vector", 0.0, value, lr, 1.0, p.shape[0], base_params[name][0])
+            )
             continue
         fan_in, base_fan_in = p.shape[1], base_params[name][1]
-        sp_std = sigma / math.sqrt(2 * cfg.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) \
+        sp_std = (
+            sigma / math.sqrt(2 * cfg.n_layers)
+            if name.endswith(("o_proj.weight", "down_proj.weight"))
             else sigma
+        )
         if name == "embed.weight":  # (V, D): its fan_in is the vocabulary, which does not grow
-            rows.append(MupParam(name, "input", sigma, 0.0, 1.0, 1.0, p.shape[0], base_params[name][0]))
+            rows.append(
+                MupParam(name, "input", sigma, 0.0, 1.0, 1.0, p.shape[0], base_params[name][0])
+            )
         elif name == "lm_head.weight":
             rows.append(MupParam(name, "output", sigma, 0.0, 1.0, 1.0, fan_in, base_fan_in))
         else:
@@ -133,7 +146,9 @@ def apply_mup(model: nn.Module, base_width: int, seed: int = 0) -> list[MupParam
             p.fill_(row.init_value)
         else:
             cpu = torch.empty(p.shape, dtype=torch.float32)
-            nn.init.trunc_normal_(cpu, 0.0, row.init_std, -3 * row.init_std, 3 * row.init_std, generator=gen)
+            nn.init.trunc_normal_(
+                cpu, 0.0, row.init_std, -3 * row.init_std, 3 * row.init_std, generator=gen
+            )
             p.copy_(cpu)
     return table
 
@@ -155,7 +170,9 @@ class MupTrainer(Trainer):
         if config.parallel:
             raise ValueError("MupTrainer runs in one process; parallel plans are not supported")
         if config.optimizer != "adamw":
-            raise ValueError(f"optimizer={config.optimizer!r}: the µP multipliers here are AdamW's (TP V Table 3)")
+            raise ValueError(
+                f"optimizer={config.optimizer!r}: the µP multipliers here are AdamW's (TP V Table 3)"
+            )
         self.base_width = base_width
         self.mup_rows: list[MupParam] | None = None
         super().__init__(config, **kw)

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 
-def noise_estimates(g2_small: float, b_small: float, g2_big: float, b_big: float) -> tuple[float, float]:
+def noise_estimates(
+    g2_small: float, b_small: float, g2_big: float, b_big: float
+) -> tuple[float, float]:
     """(𝒢 ≈ |G|², 𝒮 ≈ tr Σ) from squared gradient norms at two batch sizes."""
     if not 0 < b_small < b_big:
         raise ValueError(f"batch sizes must satisfy 0 < b_small < b_big (got {b_small}, {b_big})")
@@ -63,7 +65,9 @@ class NoiseScale:
 
 def grad_sq_norm(model: torch.nn.Module) -> float:
     """|g|² over all parameters with a gradient."""
-    return float(sum(p.grad.detach().float().pow(2).sum() for p in model.parameters() if p.grad is not None))
+    return float(
+        sum(p.grad.detach().float().pow(2).sum() for p in model.parameters() if p.grad is not None)
+    )
 
 
 class NoiseScaleCallback:
@@ -92,5 +96,14 @@ class NoiseScaleCallback:
         g_small = self._grad_sq(trainer, 1)
         g_big = self._grad_sq(trainer, self.big)
         b = self.estimate.update(g_small, tokens, g_big, tokens * self.big)
-        trainer.log({"kind": "noise_scale", "step": trainer.step, "g2_small": g_small, "g2_big": g_big,
-                     "b_small_tokens": tokens, "b_big_tokens": tokens * self.big, "b_simple_tokens": b})
+        trainer.log(
+            {
+                "kind": "noise_scale",
+                "step": trainer.step,
+                "g2_small": g_small,
+                "g2_big": g_big,
+                "b_small_tokens": tokens,
+                "b_big_tokens": tokens * self.big,
+                "b_simple_tokens": b,
+            }
+        )

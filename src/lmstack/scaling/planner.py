@@ -56,17 +56,42 @@ class Law:
         return (self.alpha * self.A / (self.beta * self.B)) ** (1.0 / (self.alpha + self.beta))
 
     @classmethod
-    def from_params(cls, params: dict[str, float], name: str = "fitted") -> "Law":
-        return cls(name, params["E"], params["A"], params["B"], params["alpha"], params["beta"], source="fit")
+    def from_params(cls, params: dict[str, float], name: str = "fitted") -> Law:
+        return cls(
+            name,
+            params["E"],
+            params["A"],
+            params["B"],
+            params["alpha"],
+            params["beta"],
+            source="fit",
+        )
 
 
 PRESETS = {
-    "chinchilla": Law("chinchilla", 1.69, 406.4, 410.7, 0.34, 0.28,
-                      source="Hoffmann et al. 2022, approach 3 (eq. 10)"),
-    "epoch": Law("epoch", 1.82, 482.01, 2085.43, 0.3478, 0.3658,
-                 source="Besiroglu et al. 2024 (Epoch AI replication of approach 3)"),
-    "chinchilla-approach1": Law("chinchilla-approach1", tokens_per_param=20.0,
-                                source="Hoffmann et al. 2022, approach 1 (a = b = 0.50; Table 3 at ~20 tokens/param)"),
+    "chinchilla": Law(
+        "chinchilla",
+        1.69,
+        406.4,
+        410.7,
+        0.34,
+        0.28,
+        source="Hoffmann et al. 2022, approach 3 (eq. 10)",
+    ),
+    "epoch": Law(
+        "epoch",
+        1.82,
+        482.01,
+        2085.43,
+        0.3478,
+        0.3658,
+        source="Besiroglu et al. 2024 (Epoch AI replication of approach 3)",
+    ),
+    "chinchilla-approach1": Law(
+        "chinchilla-approach1",
+        tokens_per_param=20.0,
+        source="Hoffmann et al. 2022, approach 1 (a = b = 0.50; Table 3 at ~20 tokens/param)",
+    ),
 }
 
 

@@ -47,7 +47,9 @@ def plot_isoflop(rows: list[dict[str, Any]], a2: Approach, path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_envelope(curves: list[tuple[float, np.ndarray, np.ndarray]], a1: Approach, path: Path) -> Path:
+def plot_envelope(
+    curves: list[tuple[float, np.ndarray, np.ndarray]], a1: Approach, path: Path
+) -> Path:
     """Validation loss vs FLOPs for every run, and the lower envelope (approach 1)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -66,7 +68,9 @@ def plot_envelope(curves: list[tuple[float, np.ndarray, np.ndarray]], a1: Approa
     return _save(fig, path)
 
 
-def plot_contours(rows: list[dict[str, Any]], a3: Approach, path: Path, unique: float | None = None) -> Path:
+def plot_contours(
+    rows: list[dict[str, Any]], a3: Approach, path: Path, unique: float | None = None
+) -> Path:
     """Contours of the fitted L(N, D), the runs, iso-C lines and the compute-optimal N_opt(C); a law fitted
     with repeats (``r_star``) is drawn through D' for ``unique`` tokens, with the line D = U."""
     plt = pyplot()
@@ -79,11 +83,17 @@ def plot_contours(rows: list[dict[str, Any]], a3: Approach, path: Path, unique: 
     nn, dd = np.meshgrid(n, d)
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     repeated = r_star is not None and unique is not None
-    z = data_constrained_loss(nn, dd, unique, **p, r_star=r_star) if repeated else chinchilla_loss(nn, dd, **p)
+    z = (
+        data_constrained_loss(nn, dd, unique, **p, r_star=r_star)
+        if repeated
+        else chinchilla_loss(nn, dd, **p)
+    )
     cs = ax.contourf(nn, dd, z, levels=20, cmap="viridis")
     fig.colorbar(cs, ax=ax, label="predicted loss")
     if repeated:
-        ax.axhline(unique, color="w", ls=":", lw=1, label=f"D = U (1 epoch); R* = {r_star:.3g} above")
+        ax.axhline(
+            unique, color="w", ls=":", lw=1, label=f"D = U (1 epoch); R* = {r_star:.3g} above"
+        )
     ax.scatter(N, D, c="w", edgecolors="k", s=20, label="runs")
     C = np.geomspace((6 * N * D).min(), (6 * N * D).max() * 10, 50)
     n_opt = a3.n_opt(C)
@@ -94,12 +104,16 @@ def plot_contours(rows: list[dict[str, Any]], a3: Approach, path: Path, unique: 
     ax.set_ylim(d.min(), d.max())
     ax.set_xlabel("parameters N")
     ax.set_ylabel("tokens D")
-    ax.set_title(f"L(N,D) = {p['E']:.2f} + {p['A']:.3g}/N^{p['alpha']:.2f} + {p['B']:.3g}/D^{p['beta']:.2f}")
+    ax.set_title(
+        f"L(N,D) = {p['E']:.2f} + {p['A']:.3g}/N^{p['alpha']:.2f} + {p['B']:.3g}/D^{p['beta']:.2f}"
+    )
     ax.legend(fontsize=8, loc="lower left")
     return _save(fig, path)
 
 
-def plot_predicted_vs_actual(actual: np.ndarray, predicted: np.ndarray, held: np.ndarray, path: Path) -> Path:
+def plot_predicted_vs_actual(
+    actual: np.ndarray, predicted: np.ndarray, held: np.ndarray, path: Path
+) -> Path:
     """Each run's loss against the approach-3 prediction; held-out runs marked."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 5))

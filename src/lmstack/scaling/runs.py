@@ -30,7 +30,9 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
         raise RunsFileError(f"{where}: expected a JSON object, got {type(row).__name__}")
     missing = [k for k in REQUIRED if k not in row]
     if missing:
-        raise RunsFileError(f"{where}: missing field(s) {missing}; a run row needs {list(REQUIRED)}")
+        raise RunsFileError(
+            f"{where}: missing field(s) {missing}; a run row needs {list(REQUIRED)}"
+        )
     if not isinstance(row["name"], str) or not row["name"]:
         raise RunsFileError(f"{where}: name={row['name']!r} must be a non-empty string")
     for k in ("N", "D", "C", "loss"):
@@ -46,17 +48,23 @@ def read_runs(path: str | os.PathLike, missing_ok: bool = False) -> list[dict[st
     if not p.exists():
         if missing_ok:
             return []
-        raise FileNotFoundError(f"runs file {str(p)!r} does not exist (run `lmstack scaling sweep` first)")
+        raise FileNotFoundError(
+            f"runs file {str(p)!r} does not exist (run `lmstack scaling sweep` first)"
+        )
     rows, names = [], {}
     try:
         lines = list(read_jsonl(p, RunsFileError))
     except RunsFileError as e:
-        raise RunsFileError(f"{e}; delete or fix that line (the sweep reruns a run whose line is missing)") from None
+        raise RunsFileError(
+            f"{e}; delete or fix that line (the sweep reruns a run whose line is missing)"
+        ) from None
     for i, row in lines:
         where = f"{p}:{i}"
         row = _check_row(row, where)
         if row["name"] in names:
-            raise RunsFileError(f"{where}: run {row['name']!r} already recorded on line {names[row['name']]}")
+            raise RunsFileError(
+                f"{where}: run {row['name']!r} already recorded on line {names[row['name']]}"
+            )
         names[row["name"]] = i
         rows.append(row)
     return rows

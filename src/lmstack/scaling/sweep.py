@@ -46,9 +46,25 @@ from lmstack.tokenizer.token_file import read_sidecar
 from lmstack.train import TrainConfig, Trainer
 from lmstack.utils import check_float, check_int
 
-SHORT = {"d_model": "d", "n_layers": "L", "n_heads": "h", "n_kv_heads": "k", "d_ff": "f"}  # run names
-KNOWN = {"out_dir", "budgets", "min_steps", "warmup_fraction", "eval_points", "flops", "train", "model", "sizes",
-         "holdout"}
+SHORT = {
+    "d_model": "d",
+    "n_layers": "L",
+    "n_heads": "h",
+    "n_kv_heads": "k",
+    "d_ff": "f",
+}  # run names
+KNOWN = {
+    "out_dir",
+    "budgets",
+    "min_steps",
+    "warmup_fraction",
+    "eval_points",
+    "flops",
+    "train",
+    "model",
+    "sizes",
+    "holdout",
+}
 FLOP_COUNTS = ("6nd", "exact")
 
 
@@ -94,7 +110,7 @@ class Sweep:
     _vocab: int | None = field(default=None, repr=False)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Sweep":
+    def load(cls, path: str | os.PathLike) -> Sweep:
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"sweep config {str(p)!r} does not exist")
@@ -107,35 +123,54 @@ class Sweep:
             raise ValueError(f"{p}: unknown key(s) {unknown}; known: {sorted(KNOWN)}")
         budgets = d.get("budgets")
         if not isinstance(budgets, list) or not budgets:
-            raise ValueError(f"{p}: budgets must be a non-empty list of FLOP counts (e.g. [1e11, 3e11, 1e12])")
+            raise ValueError(
+                f"{p}: budgets must be a non-empty list of FLOP counts (e.g. [1e11, 3e11, 1e12])"
+            )
         budgets = [check_float(f"{p}: budgets[{i}]", b) for i, b in enumerate(budgets)]
         if any(b <= 0 for b in budgets):
             raise ValueError(f"{p}: budgets {budgets} must all be > 0")
         sizes = d.get("sizes")
         if not isinstance(sizes, list) or not sizes or not all(isinstance(s, dict) for s in sizes):
-            raise ValueError(f"{p}: [[sizes]] must be one or more tables of model keys (d_model, n_layers, ...)")
+            raise ValueError(
+                f"{p}: [[sizes]] must be one or more tables of model keys (d_model, n_layers, ...)"
+            )
         for k in ("train", "model"):
             if not isinstance(d.get(k, {}), dict):
                 raise ValueError(f"{p}: [{k}] must be a table")
         train = dict(d.get("train", {}))  # paths in it are relative to the working directory
         if "train_data" not in train:
-            raise ValueError(f"{p}: [train] needs train_data (a token file from `lmstack tokenizer encode`)")
+            raise ValueError(
+                f"{p}: [train] needs train_data (a token file from `lmstack tokenizer encode`)"
+            )
         holdout = d.get("holdout")
         if holdout is not None:
             if not isinstance(holdout, dict) or "budget" not in holdout or "size" not in holdout:
-                raise ValueError(f"{p}: [holdout] needs budget (FLOPs) and size (an index into sizes or a table)")
+                raise ValueError(
+                    f"{p}: [holdout] needs budget (FLOPs) and size (an index into sizes or a table)"
+                )
             check_float(f"{p}: holdout.budget", holdout["budget"])
             if isinstance(holdout["size"], int):
                 check_int(f"{p}: holdout.size", holdout["size"], minimum=0, maximum=len(sizes) - 1)
             elif not isinstance(holdout["size"], dict):
-                raise ValueError(f"{p}: holdout.size={holdout['size']!r} must be an index into sizes or a table")
+                raise ValueError(
+                    f"{p}: holdout.size={holdout['size']!r} must be an index into sizes or a table"
+                )
         flops = d.get("flops", "6nd")
         if flops not in FLOP_COUNTS:
             raise ValueError(f"{p}: flops={flops!r}; expected one of {FLOP_COUNTS}")
-        return cls(p, Path(d.get("out_dir", "runs/scaling")), sorted(budgets), train, dict(d.get("model", {})),
-                   sizes, check_int(f"{p}: min_steps", d.get("min_steps", 20), minimum=1),
-                   check_float(f"{p}: warmup_fraction", d.get("warmup_fraction", 0.05)),
-                   check_int(f"{p}: eval_points", d.get("eval_points", 4), minimum=1), holdout, flops)
+        return cls(
+            p,
+            Path(d.get("out_dir", "runs/scaling")),
+            sorted(budgets),
+            train,
+            dict(d.get("model", {})),
+            sizes,
+            check_int(f"{p}: min_steps", d.get("min_steps", 20), minimum=1),
+            check_float(f"{p}: warmup_fraction", d.get("warmup_fraction", 0.05)),
+            check_int(f"{p}: eval_points", d.get("eval_points", 4), minimum=1),
+            holdout,
+            flops,
+        )
 
     @property
     def runs_path(self) -> Path:
@@ -154,35 +189,49 @@ class Sweep:
 
     def tokens_per_step(self) -> int:
         t = self.train
-        return int(t.get("batch_size", 8)) * int(t.get("grad_accum", 1)) * int(t.get("seq_len", 256))
+        return (
+            int(t.get("batch_size", 8)) * int(t.get("grad_accum", 1)) * int(t.get("seq_len", 256))
+        )
 
     def _spec(self, budget: float, size: dict[str, Any], holdout: bool) -> RunSpec | None:
         cfg = self.model_config(size)
         N = compute_params(cfg)
         tps = self.tokens_per_step()
-        if self.flops == "exact":  # attention scores and all: accounting's count of one optimizer step
+        if (
+            self.flops == "exact"
+        ):  # attention scores and all: accounting's count of one optimizer step
             t = self.train
-            step_flops = training_step_flops(cfg, int(t.get("batch_size", 8)) * int(t.get("grad_accum", 1)),
-                                             int(t.get("seq_len", 256)))
+            step_flops = training_step_flops(
+                cfg,
+                int(t.get("batch_size", 8)) * int(t.get("grad_accum", 1)),
+                int(t.get("seq_len", 256)),
+            )
             steps = round(budget / step_flops)
         else:
             steps = round(budget / (6.0 * N) / tps)
         if steps < self.min_steps:
             return None
-        shape = "".join(f"{SHORT.get(k, '_' + k)}{v}" for k, v in sorted(size.items(), key=lambda kv: _order(kv[0])))
+        shape = "".join(
+            f"{SHORT.get(k, '_' + k)}{v}"
+            for k, v in sorted(size.items(), key=lambda kv: _order(kv[0]))
+        )
         name = f"{'holdout_' if holdout else ''}C{budget:.2g}_{shape}"
         return RunSpec(name, budget, {**self.model, **size}, N, steps, tps, holdout)
 
     def plan(self) -> list[RunSpec]:
         """Every (budget, size) with at least ``min_steps`` steps, then the held-out run."""
-        specs = [s for b in self.budgets for size in self.sizes if (s := self._spec(b, size, False))]
+        specs = [
+            s for b in self.budgets for size in self.sizes if (s := self._spec(b, size, False))
+        ]
         if self.holdout is not None:
             size = self.holdout["size"]
             size = self.sizes[size] if isinstance(size, int) else size
             s = self._spec(float(self.holdout["budget"]), size, True)
             if s is None:
-                raise ValueError(f"{self.path}: the held-out run (budget {self.holdout['budget']:.3g}) would take "
-                                 f"fewer than min_steps={self.min_steps} steps")
+                raise ValueError(
+                    f"{self.path}: the held-out run (budget {self.holdout['budget']:.3g}) would take "
+                    f"fewer than min_steps={self.min_steps} steps"
+                )
             specs.append(s)
         return specs
 
@@ -221,13 +270,25 @@ def run_one(sweep: Sweep, spec: RunSpec) -> dict[str, Any]:
     summary = trainer.fit()
     seconds = time.perf_counter() - t0
     D = trainer.tokens_seen
-    return {"name": spec.name, "budget": spec.budget, "holdout": spec.holdout, "N": spec.N,
-            "N_total": trainer.raw_model.num_params(), "D": D, "C": 6.0 * spec.N * D,
-            "flops_exact": float(trainer.flops_per_step) * trainer.step, "steps": trainer.step,
-            "loss": summary["val_loss"], "train_loss": summary["last_train"].get("loss", math.nan),
-            "seconds": seconds, "tokens_per_param": D / spec.N, "lr": config.lr, "model": spec.model,
-            "unique_tokens": len(trainer.train_tokens),  # U: D/U epochs of the training split
-            "curve": _curve(trainer.metrics_path, spec.tokens_per_step, spec.N)}
+    return {
+        "name": spec.name,
+        "budget": spec.budget,
+        "holdout": spec.holdout,
+        "N": spec.N,
+        "N_total": trainer.raw_model.num_params(),
+        "D": D,
+        "C": 6.0 * spec.N * D,
+        "flops_exact": float(trainer.flops_per_step) * trainer.step,
+        "steps": trainer.step,
+        "loss": summary["val_loss"],
+        "train_loss": summary["last_train"].get("loss", math.nan),
+        "seconds": seconds,
+        "tokens_per_param": D / spec.N,
+        "lr": config.lr,
+        "model": spec.model,
+        "unique_tokens": len(trainer.train_tokens),  # U: D/U epochs of the training split
+        "curve": _curve(trainer.metrics_path, spec.tokens_per_step, spec.N),
+    }
 
 
 def run_sweep(sweep: Sweep, progress: bool = True, limit: int | None = None) -> tuple[int, int]:
@@ -238,7 +299,14 @@ def run_sweep(sweep: Sweep, progress: bool = True, limit: int | None = None) -> 
     if limit is not None:
         todo = todo[:limit]
     total_flops = sum(6.0 * s.N * s.D for s in todo)
-    bar = tqdm(total=total_flops, desc="sweep", unit="FLOP", unit_scale=True, dynamic_ncols=True, disable=not progress)
+    bar = tqdm(
+        total=total_flops,
+        desc="sweep",
+        unit="FLOP",
+        unit_scale=True,
+        dynamic_ncols=True,
+        disable=not progress,
+    )
     trained = 0
     try:
         for s in todo:
@@ -247,7 +315,9 @@ def run_sweep(sweep: Sweep, progress: bool = True, limit: int | None = None) -> 
             append_run(sweep.runs_path, row)
             trained += 1
             bar.update(6.0 * s.N * s.D)
-            bar.write(f"{s.name}: N={s.N:,} D={row['D']:,} val_loss={row['loss']:.4f} ({row['seconds']:.0f} s)")
+            bar.write(
+                f"{s.name}: N={s.N:,} D={row['D']:,} val_loss={row['loss']:.4f} ({row['seconds']:.0f} s)"
+            )
     finally:
         bar.close()
     return trained, sum(s.name in done for s in specs)

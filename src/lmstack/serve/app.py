@@ -39,10 +39,17 @@ from lmstack.inference.engine import AsyncLLM, GenerationError, LLMEngine
 from lmstack.inference.sampling import SamplingParams
 from lmstack.serve.metrics import ServerMetrics
 from lmstack.serve.penalties import LogitBias, Penalties
-from lmstack.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                    error_body)
+from lmstack.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
 
-GRAMMAR_FAILED = "structured output: the grammar matcher failed"  # how serve/structured.py's masks fail
+GRAMMAR_FAILED = (
+    "structured output: the grammar matcher failed"  # how serve/structured.py's masks fail
+)
 log = logging.getLogger("lmstack.serve")
 STATIC = Path(__file__).parent / "static"
 
@@ -50,10 +57,22 @@ STATIC = Path(__file__).parent / "static"
 class APIError(Exception):
     """An error answered with OpenAI's error object and ``status``."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -75,17 +94,30 @@ class _Lease:
 class Server:
     """The state behind the app: the engine, its async loop, the tokenizer, admission, metrics."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, *, api_key: str | None = None, max_queue: int = 256,
-                 queue_timeout: float = 0.0, max_n: int = 16, max_body_bytes: int = 4 * 2**20,
-                 public_metrics: bool = False):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_name: str,
+        *,
+        api_key: str | None = None,
+        max_queue: int = 256,
+        queue_timeout: float = 0.0,
+        max_n: int = 16,
+        max_body_bytes: int = 4 * 2**20,
+        public_metrics: bool = False,
+    ):
         if engine.tokenizer is None:
             raise ValueError("the server needs an engine with a tokenizer (text in, text out)")
         if max_queue < 0 or queue_timeout < 0 or max_n < 1:
-            raise ValueError(f"max_queue={max_queue}, queue_timeout={queue_timeout} must be >= 0, max_n={max_n} >= 1")
+            raise ValueError(
+                f"max_queue={max_queue}, queue_timeout={queue_timeout} must be >= 0, max_n={max_n} >= 1"
+            )
         self.engine, self.llm = engine, AsyncLLM(engine)
         self.tokenizer = engine.tokenizer
         if api_key is not None and not api_key.strip():
-            raise ValueError("api_key is empty: pass a non-empty key, or None to serve without authentication")
+            raise ValueError(
+                "api_key is empty: pass a non-empty key, or None to serve without authentication"
+            )
         self.model_name, self.api_key = model_name, api_key
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes={max_body_bytes}; expected >= 1")
@@ -109,17 +141,28 @@ class Server:
         if self._room is None:
             self._room = asyncio.Condition()
         if k > self.capacity:
-            raise APIError(400, f"{k} choices are more than this server ever runs at once ({self.capacity})",
-                           param="n")
+            raise APIError(
+                400,
+                f"{k} choices are more than this server ever runs at once ({self.capacity})",
+                param="n",
+            )
         if self.in_flight + k > self.capacity and self.queue_timeout > 0:
             async with self._room:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._room.wait_for(lambda: self.in_flight + k <= self.capacity),
-                                           self.queue_timeout)
+                    await asyncio.wait_for(
+                        self._room.wait_for(lambda: self.in_flight + k <= self.capacity),
+                        self.queue_timeout,
+                    )
         if self.in_flight + k > self.capacity:
             self.metrics.rejected.inc()
-            raise APIError(429, f"the server is at capacity ({self.in_flight} requests in flight, at most "
-                                f"{self.capacity}); retry later", "rate_limit_error", None, "queue_full")
+            raise APIError(
+                429,
+                f"the server is at capacity ({self.in_flight} requests in flight, at most "
+                f"{self.capacity}); retry later",
+                "rate_limit_error",
+                None,
+                "queue_full",
+            )
         self.in_flight += k
         return _Lease(self, k)
 
@@ -134,14 +177,21 @@ class Server:
 
             with contextlib.suppress(RuntimeError):  # no running loop (a finalizer outside it)
                 task = asyncio.get_running_loop().create_task(notify())
-                self._notifiers.add(task)  # a reference until it ran (the loop keeps only weak ones)
+                self._notifiers.add(
+                    task
+                )  # a reference until it ran (the loop keeps only weak ones)
                 task.add_done_callback(self._notifiers.discard)
 
     # ---- checks ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
-                           "invalid_request_error", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
 
     def check_n(self, n: int) -> None:
         if n > self.max_n:
@@ -153,11 +203,17 @@ class Server:
         else:
             ids = list(prompt)
         if not ids:
-            raise APIError(400, f"{param} is empty: generation needs at least one prompt token", param=param)
+            raise APIError(
+                400, f"{param} is empty: generation needs at least one prompt token", param=param
+            )
         V = self.engine.config.vocab_size
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
-            raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {V})", param=param)
+            raise APIError(
+                400,
+                f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {V})",
+                param=param,
+            )
         return ids
 
     def max_tokens(self, ids: list[int], asked: int | None) -> int:
@@ -165,22 +221,34 @@ class Server:
         room = self.engine.max_model_len - len(ids)
         room = min(room, self.engine.cache.blocks.capacity_tokens - len(ids))
         if room < 1:
-            raise APIError(400, f"the prompt has {len(ids)} tokens, which leaves no room to generate within this "
-                                f"model's context of {self.engine.max_model_len} tokens", param="messages",
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens, which leaves no room to generate within this "
+                f"model's context of {self.engine.max_model_len} tokens",
+                param="messages",
+                code="context_length_exceeded",
+            )
         if asked is None:
             return room
         if len(ids) + asked > self.engine.max_model_len:
-            raise APIError(400, f"this model's maximum context length is {self.engine.max_model_len} tokens, but "
-                                f"{len(ids) + asked} were requested ({len(ids)} in the prompt, {asked} for the "
-                                "completion); lower max_tokens or the prompt", param="max_tokens",
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.engine.max_model_len} tokens, but "
+                f"{len(ids) + asked} were requested ({len(ids)} in the prompt, {asked} for the "
+                "completion); lower max_tokens or the prompt",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return asked
 
-    def sampling(self, body, max_tokens: int, logprobs: int | None, index: int, processors=()) -> SamplingParams:
+    def sampling(
+        self, body, max_tokens: int, logprobs: int | None, index: int, processors=()
+    ) -> SamplingParams:
         seed = body.seed
         if seed is not None and index:
-            seed = (seed + index + 2**63) % 2**64 - 2**63  # choice i of n: seed + i, kept in 64 bits
+            seed = (
+                seed + index + 2**63
+            ) % 2**64 - 2**63  # choice i of n: seed + i, kept in 64 bits
         procs = list(processors)
         if body.logit_bias:
             procs.append(LogitBias(self.logit_bias(body.logit_bias)))
@@ -190,10 +258,18 @@ class Server:
         try:
             return SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
-                min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
-                max_tokens=max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or (),
-                ignore_eos=body.ignore_eos, seed=seed, logprobs=logprobs, logits_processors=procs)
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=body.top_k,
+                min_p=body.min_p or 0.0,
+                repetition_penalty=body.repetition_penalty or 1.0,
+                max_tokens=max_tokens,
+                stop=stop,
+                stop_token_ids=body.stop_token_ids or (),
+                ignore_eos=body.ignore_eos,
+                seed=seed,
+                logprobs=logprobs,
+                logits_processors=procs,
+            )
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -205,9 +281,15 @@ class Server:
             try:
                 tid = int(key)
             except ValueError:
-                raise APIError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+                raise APIError(
+                    400, f"logit_bias key {key!r} is not a token id", param="logit_bias"
+                ) from None
             if not 0 <= tid < V:
-                raise APIError(400, f"logit_bias token {tid} is outside the vocabulary [0, {V})", param="logit_bias")
+                raise APIError(
+                    400,
+                    f"logit_bias token {tid} is outside the vocabulary [0, {V})",
+                    param="logit_bias",
+                )
             out[tid] = value
         return out
 
@@ -215,15 +297,23 @@ class Server:
     def unsupported(body) -> None:
         """OpenAI fields the server does not implement are refused unless at their no-op value."""
         if body.tools or body.functions:
-            raise APIError(400, "tool calls are not supported by this server (tools/functions)", param="tools")
+            raise APIError(
+                400, "tool calls are not supported by this server (tools/functions)", param="tools"
+            )
         if body.tool_choice not in (None, "none") or body.function_call not in (None, "none"):
             raise APIError(400, "tool_choice is not supported (no tools)", param="tool_choice")
         if body.parallel_tool_calls:
-            raise APIError(400, "parallel_tool_calls is not supported (no tools)", param="parallel_tool_calls")
+            raise APIError(
+                400, "parallel_tool_calls is not supported (no tools)", param="parallel_tool_calls"
+            )
         if body.modalities not in (None, ["text"]) or body.audio is not None:
-            raise APIError(400, "only text output is supported (modalities ['text'])", param="modalities")
+            raise APIError(
+                400, "only text output is supported (modalities ['text'])", param="modalities"
+            )
         if body.best_of not in (None, 1) and body.best_of != body.n:
-            raise APIError(400, f"best_of={body.best_of} is not supported (only best_of = n)", param="best_of")
+            raise APIError(
+                400, f"best_of={body.best_of} is not supported (only best_of = n)", param="best_of"
+            )
 
     def precheck(self, ids: list[int], params: SamplingParams) -> None:
         """The engine's own checks, without queueing anything."""
@@ -284,7 +374,9 @@ def _completion_logprobs(server: Server, entries, offset: int) -> dict:
             lps.append(lp)
             d: dict[str, float] = {}
             for t, v in sorted(top.items(), key=lambda kv: -kv[1]):
-                d.setdefault(server.token_text(t)[0], v)  # two tokens with one text (partial UTF-8): the likelier
+                d.setdefault(
+                    server.token_text(t)[0], v
+                )  # two tokens with one text (partial UTF-8): the likelier
             tops.append(d)
         offsets.append(offset)
         offset += len(text)
@@ -356,9 +448,15 @@ def _engine_error(e: GenerationError) -> APIError:
     """A request that failed in the engine: a 500, except when the request's own JSON schema is what failed (the
     grammar matcher gave up mid-generation: too complex a pattern, an unsatisfiable structure) — a 400."""
     if GRAMMAR_FAILED in str(e):
-        return APIError(400, f"response_format: the JSON schema cannot be followed: {e}", param="response_format",
-                        code="invalid_schema")
-    return APIError(500, f"the request failed in the engine: {e}", "server_error", code="engine_error")
+        return APIError(
+            400,
+            f"response_format: the JSON schema cannot be followed: {e}",
+            param="response_format",
+            code="invalid_schema",
+        )
+    return APIError(
+        500, f"the request failed in the engine: {e}", "server_error", code="engine_error"
+    )
 
 
 # ---- the app -----------------------------------------------------------------------------
@@ -368,10 +466,16 @@ def build_app(server: Server) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        await server.llm.shutdown()  # every request still in the engine aborted (blocks freed), the loop stopped
+        await (
+            server.llm.shutdown()
+        )  # every request still in the engine aborted (blocks freed), the loop stopped
 
-    app = FastAPI(title="lmstack", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible API over lmstack's continuous-batching engine")
+    app = FastAPI(
+        title="lmstack",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible API over lmstack's continuous-batching engine",
+    )
     app.state.server = server
 
     @app.exception_handler(APIError)
@@ -390,30 +494,42 @@ def build_app(server: Server) -> FastAPI:
             msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
             if len(errs) > 1:
                 msg += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
-        param = loc[0] if loc and first.get("type") != "json_invalid" else None  # (a JSON error's loc is an offset)
+        param = (
+            loc[0] if loc and first.get("type") != "json_invalid" else None
+        )  # (a JSON error's loc is an offset)
         return JSONResponse(error_body(msg, param=param, code="invalid_value"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
+        return JSONResponse(
+            error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500)
+        return JSONResponse(
+            error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500
+        )
 
     app.add_middleware(_BodyLimit, server=server)
-    app.add_middleware(_BearerAuth, server=server)  # added last: runs first (no key, no body read at all)
+    app.add_middleware(
+        _BearerAuth, server=server
+    )  # added last: runs first (no key, no body read at all)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not server.llm.alive:
-            raise APIError(503, "the engine loop died (it restarts with the next request)", "server_error")
+            raise APIError(
+                503, "the engine loop died (it restarts with the next request)", "server_error"
+            )
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
-        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)
     async def chat_page():
@@ -421,16 +537,32 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "lmstack", "max_model_len": server.engine.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": server.model_name,
+                    "object": "model",
+                    "created": server.created,
+                    "owned_by": "lmstack",
+                    "max_model_len": server.engine.max_model_len,
+                }
+            ],
+        }
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         server.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt (text) or messages (chat)", param="prompt")
-        if body.messages is not None:  # tokenising a large body takes seconds: never on the event loop
-            ids = await run_in_threadpool(_chat_ids, server, body.messages, body.add_generation_prompt)
+            raise APIError(
+                400, "give exactly one of prompt (text) or messages (chat)", param="prompt"
+            )
+        if (
+            body.messages is not None
+        ):  # tokenising a large body takes seconds: never on the event loop
+            ids = await run_in_threadpool(
+                _chat_ids, server, body.messages, body.add_generation_prompt
+            )
         else:
             ids = await run_in_threadpool(server.tokenizer.encode, body.prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.max_model_len}
@@ -441,7 +573,11 @@ def build_app(server: Server) -> FastAPI:
         V = server.tokenizer.vocab_size
         bad = [t for t in body.tokens if t >= V]
         if bad:
-            raise APIError(400, f"tokens {bad[:5]} are outside the tokenizer's vocabulary [0, {V})", param="tokens")
+            raise APIError(
+                400,
+                f"tokens {bad[:5]} are outside the tokenizer's vocabulary [0, {V})",
+                param="tokens",
+            )
         return {"prompt": await run_in_threadpool(server.tokenizer.decode, body.tokens)}
 
     @app.post("/v1/chat/completions")
@@ -449,15 +585,23 @@ def build_app(server: Server) -> FastAPI:
         server.check_model(body.model)
         server.check_n(body.n)
         server.unsupported(body)
-        ids = await run_in_threadpool(_chat_ids, server, body.messages, True)  # CPU work off the event loop
-        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        ids = await run_in_threadpool(
+            _chat_ids, server, body.messages, True
+        )  # CPU work off the event loop
+        asked = (
+            body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else body.max_tokens
+        )
         max_tokens = server.max_tokens(ids, asked)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         processors = _structured(server, body)
-        params = [server.sampling(body, max_tokens, logprobs, i, processors[i] if processors else ())
-                  for i in range(body.n)]
+        params = [
+            server.sampling(body, max_tokens, logprobs, i, processors[i] if processors else ())
+            for i in range(body.n)
+        ]
         server.precheck(ids, params[0])
         lease = await server.admit(body.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -465,7 +609,9 @@ def build_app(server: Server) -> FastAPI:
         gens = [server.run(ids, p, f"{rid}-{i}") for i, p in enumerate(params)]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _streaming(lease, _chat_stream(server, gens, rid, created, len(ids), include_usage, logprobs))
+            return _streaming(
+                lease, _chat_stream(server, gens, rid, created, len(ids), include_usage, logprobs)
+            )
         try:
             outs = await _until_disconnect(request, _collect(gens))
         except GenerationError as e:
@@ -474,15 +620,30 @@ def build_app(server: Server) -> FastAPI:
             lease.release()
         choices = []
         for i, out in enumerate(outs):
-            choices.append({"index": i, "message": {"role": "assistant", "content": out.text, "refusal": None},
-                            "logprobs": _chat_logprobs(server, zip(out.token_ids, out.logprobs))
-                            if logprobs is not None else None,
-                            "finish_reason": _finish_reason(out)})
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": out.text, "refusal": None},
+                    "logprobs": _chat_logprobs(server, zip(out.token_ids, out.logprobs))
+                    if logprobs is not None
+                    else None,
+                    "finish_reason": _finish_reason(out),
+                }
+            )
         completion = sum(len(o.token_ids) for o in outs)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
-                "system_fingerprint": None, "choices": choices,
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                          "total_tokens": len(ids) + completion}}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": server.model_name,
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": completion,
+                "total_tokens": len(ids) + completion,
+            },
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -490,30 +651,49 @@ def build_app(server: Server) -> FastAPI:
         server.check_n(body.n)
         server.unsupported(body)
         if body.suffix:
-            raise APIError(400, "suffix is not supported (no fill-in-the-middle template)", param="suffix")
-        score_prompt = body.echo and body.logprobs is not None  # the prompt's own logprobs (prefill)
+            raise APIError(
+                400, "suffix is not supported (no fill-in-the-middle template)", param="suffix"
+            )
+        score_prompt = (
+            body.echo and body.logprobs is not None
+        )  # the prompt's own logprobs (prefill)
         if body.max_tokens == 0 and not body.echo:
-            raise APIError(400, "max_tokens=0 only makes sense with echo=true (score the prompt, generate nothing)",
-                           param="max_tokens")
+            raise APIError(
+                400,
+                "max_tokens=0 only makes sense with echo=true (score the prompt, generate nothing)",
+                param="max_tokens",
+            )
         if score_prompt and body.stream:
-            raise APIError(400, "echo with logprobs is not supported with stream=true", param="stream")
+            raise APIError(
+                400, "echo with logprobs is not supported with stream=true", param="stream"
+            )
         if body.max_tokens == 0 and body.stream:
-            raise APIError(400, "max_tokens=0 (score the prompt only) is not supported with stream=true", param="stream")
+            raise APIError(
+                400,
+                "max_tokens=0 (score the prompt only) is not supported with stream=true",
+                param="stream",
+            )
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
             raise APIError(400, "prompt is empty", param="prompt")
         if len(prompts) * body.n > server.max_n:
-            raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than this server allows per request "
-                                f"({server.max_n})", param="n")
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts x n={body.n} is more than this server allows per request "
+                f"({server.max_n})",
+                param="n",
+            )
         jobs = []  # (prompt ids, prompt text, params) per choice
         prompt_tokens = 0
         for j, p in enumerate(prompts):
             ids = server.token_ids(p, "prompt" if len(prompts) == 1 else f"prompt[{j}]")
             prompt_tokens += len(ids)
             # max_tokens=0 (echo only): the engine still runs one step, whose token is dropped
-            max_tokens = server.max_tokens(ids, body.max_tokens or (None if body.max_tokens is None else 1))
+            max_tokens = server.max_tokens(
+                ids, body.max_tokens or (None if body.max_tokens is None else 1)
+            )
             text = p if isinstance(p, str) else server.tokenizer.decode(ids)
             for i in range(body.n):
                 params = server.sampling(body, max_tokens, body.logprobs, i)
@@ -528,8 +708,20 @@ def build_app(server: Server) -> FastAPI:
         gens = [server.run(ids, params, f"{rid}-{k}") for k, (ids, _, params) in enumerate(jobs)]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _streaming(lease, _completion_stream(server, gens, jobs, rid, created, prompt_tokens,
-                                                        include_usage, body.echo, body.logprobs))
+            return _streaming(
+                lease,
+                _completion_stream(
+                    server,
+                    gens,
+                    jobs,
+                    rid,
+                    created,
+                    prompt_tokens,
+                    include_usage,
+                    body.echo,
+                    body.logprobs,
+                ),
+            )
         try:
             outs = await _until_disconnect(request, _collect(gens))
         except GenerationError as e:
@@ -540,7 +732,9 @@ def build_app(server: Server) -> FastAPI:
         completion = 0
         for k, ((_, ptext, _), out) in enumerate(zip(jobs, outs)):
             gen_ids, gen_lps, gen_text = out.token_ids, out.logprobs, out.text
-            if body.max_tokens == 0:  # echo only: the one token the engine made is not part of the answer
+            if (
+                body.max_tokens == 0
+            ):  # echo only: the one token the engine made is not part of the answer
                 gen_ids, gen_lps, gen_text = [], [], ""
             completion += len(gen_ids)
             text = (ptext if body.echo else "") + gen_text
@@ -552,10 +746,19 @@ def build_app(server: Server) -> FastAPI:
                 lp = _completion_logprobs(server, entries, 0)
             finish = "length" if body.max_tokens == 0 else _finish_reason(out)
             choices.append({"index": k, "text": text, "logprobs": lp, "finish_reason": finish})
-        return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                "system_fingerprint": None, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                          "total_tokens": prompt_tokens + completion}}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": server.model_name,
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+            },
+        }
 
     return app
 
@@ -585,8 +788,13 @@ class _BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         limit = self.server.max_body_bytes
-        too_large = JSONResponse(error_body(f"the request body is larger than this server accepts ({limit} bytes)",
-                                            code="request_too_large"), status_code=413)
+        too_large = JSONResponse(
+            error_body(
+                f"the request body is larger than this server accepts ({limit} bytes)",
+                code="request_too_large",
+            ),
+            status_code=413,
+        )
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await too_large(scope, receive, send)
@@ -597,9 +805,12 @@ class _BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > limit:  # FastAPI passes an HTTPException through its body parsing: a 413 error object
-                    raise StarletteHTTPException(413, f"the request body is larger than this server accepts "
-                                                      f"({limit} bytes)")
+                if (
+                    seen > limit
+                ):  # FastAPI passes an HTTPException through its body parsing: a 413 error object
+                    raise StarletteHTTPException(
+                        413, f"the request body is larger than this server accepts ({limit} bytes)"
+                    )
             return message
 
         await self.app(scope, counted, send)
@@ -618,8 +829,13 @@ class _BearerAuth:
         if key and scope["type"] == "http" and _protected(path, self.server.public_metrics):
             auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if auth != f"Bearer {key}":
-                response = JSONResponse(error_body("invalid or missing API key (Authorization: Bearer KEY)",
-                                                   code="invalid_api_key"), status_code=401)
+                response = JSONResponse(
+                    error_body(
+                        "invalid or missing API key (Authorization: Bearer KEY)",
+                        code="invalid_api_key",
+                    ),
+                    status_code=401,
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -628,9 +844,14 @@ class _BearerAuth:
 def _chat_ids(server: Server, messages, add_generation_prompt: bool) -> list[int]:
     if not messages:
         raise APIError(400, "messages is empty: give at least one message", param="messages")
-    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    msgs = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in messages
+    ]
     try:
-        text = server.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+        text = server.tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=add_generation_prompt
+        )
     except ValueError as e:  # ChatTemplateError: no template, or the template rejected the messages
         raise APIError(400, f"messages: {e}", param="messages") from None
     return server.token_ids(server.tokenizer.encode(text), "messages")
@@ -641,14 +862,19 @@ def _structured(server: Server, body: ChatCompletionRequest):
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
         return None
-    from lmstack.serve import structured  # llguidance: only for requests that ask for structured output
+    from lmstack.serve import (
+        structured,
+    )  # llguidance: only for requests that ask for structured output
 
     if server._grammar is None:
-        server._grammar = structured.Grammars(server.tokenizer, server.engine.config.vocab_size,
-                                              server.engine.scheduler.eos_token_id)
+        server._grammar = structured.Grammars(
+            server.tokenizer, server.engine.config.vocab_size, server.engine.scheduler.eos_token_id
+        )
     if fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+            raise APIError(
+                400, "response_format json_schema needs json_schema.schema", param="response_format"
+            )
         schema = fmt.json_schema.schema_
     else:
         schema = None
@@ -675,30 +901,45 @@ def _streaming(lease: _Lease, body: AsyncIterator[str]) -> StreamingResponse:
             lease.release()
 
     gen = stream()
-    weakref.finalize(gen, lease.release)  # a stream never started (client gone at once) releases too
-    return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    weakref.finalize(
+        gen, lease.release
+    )  # a stream never started (client gone at once) releases too
+    return StreamingResponse(
+        gen,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 def _chunker(server: Server, rid, created, obj: str, include_usage: bool):
     """One SSE chunk of a stream of ``obj`` ("chat.completion.chunk" / "text_completion"); usage only when asked."""
+
     def chunk(choices, usage=None):
-        c = {"id": rid, "object": obj, "created": created, "model": server.model_name,
-             "system_fingerprint": None, "choices": choices}
+        c = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": server.model_name,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
         if include_usage:
             c["usage"] = usage
         return _sse(c)
+
     return chunk
 
 
 def _new_logprobs(out, sent: list[int], i: int) -> list[tuple[int, tuple]]:
     """(token, logprobs) of stream ``i``'s tokens not yet sent (``sent[i]`` counts them; advanced here)."""
-    new = list(zip(out.token_ids[sent[i]:], out.logprobs[sent[i]:]))
+    new = list(zip(out.token_ids[sent[i] :], out.logprobs[sent[i] :]))
     sent[i] += len(new)
     return new
 
 
-async def _stream_tail(gen_events, chunk, prompt_tokens: int, include_usage: bool, counts: list[int]):
+async def _stream_tail(
+    gen_events, chunk, prompt_tokens: int, include_usage: bool, counts: list[int]
+):
     """Relay ``gen_events``; an engine error ends the stream with its error body; then usage (if asked) and [DONE]."""
     try:
         async for event in gen_events:
@@ -709,8 +950,14 @@ async def _stream_tail(gen_events, chunk, prompt_tokens: int, include_usage: boo
         return
     if include_usage:
         completion = sum(counts)
-        yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                         "total_tokens": prompt_tokens + completion})
+        yield chunk(
+            [],
+            {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+            },
+        )
     yield "data: [DONE]\n\n"
 
 
@@ -720,8 +967,16 @@ async def _chat_stream(server: Server, gens, rid, created, prompt_tokens, includ
 
     async def events():
         for i in range(len(gens)):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
         sent_lp = [0] * len(gens)
         async for i, out in _merge(gens):
             lp = None
@@ -729,16 +984,36 @@ async def _chat_stream(server: Server, gens, rid, created, prompt_tokens, includ
                 new = _new_logprobs(out, sent_lp, i)
                 lp = _chat_logprobs(server, new) if new else None
             if out.new_text or lp is not None:
-                yield chunk([{"index": i, "delta": {"content": out.new_text}, "logprobs": lp, "finish_reason": None}])
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"content": out.new_text},
+                            "logprobs": lp,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
             if out.finished:
                 completion[0] += len(out.token_ids)
-                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(out)}])
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {},
+                            "logprobs": None,
+                            "finish_reason": _finish_reason(out),
+                        }
+                    ]
+                )
 
     async for event in _stream_tail(events(), chunk, prompt_tokens, include_usage, completion):
         yield event
 
 
-async def _completion_stream(server: Server, gens, jobs, rid, created, prompt_tokens, include_usage, echo, logprobs):
+async def _completion_stream(
+    server: Server, gens, jobs, rid, created, prompt_tokens, include_usage, echo, logprobs
+):
     chunk = _chunker(server, rid, created, "text_completion", include_usage)
     completion = [0]
 
@@ -756,7 +1031,16 @@ async def _completion_stream(server: Server, gens, jobs, rid, created, prompt_to
                 if lp:
                     offsets[k] += sum(len(t) for t in lp["tokens"])
             if out.new_text or lp is not None or out.finished:
-                yield chunk([{"index": k, "text": out.new_text, "logprobs": lp, "finish_reason": _finish_reason(out)}])
+                yield chunk(
+                    [
+                        {
+                            "index": k,
+                            "text": out.new_text,
+                            "logprobs": lp,
+                            "finish_reason": _finish_reason(out),
+                        }
+                    ]
+                )
             if out.finished:
                 completion[0] += len(out.token_ids)
 

@@ -13,42 +13,86 @@ import math
 import os
 import signal
 
-from lmstack.inference.loader import DTYPES, QUANT, load_for_inference
-from lmstack.threads import add_threads_argument
 from lmstack.inference.engine import LLMEngine
+from lmstack.inference.loader import DTYPES, QUANT, load_for_inference
 from lmstack.serve.app import Server, build_app
+from lmstack.threads import add_threads_argument
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (FastAPI + uvicorn)")
-    p.add_argument("--model", default="smollm2-135m", help="model name (smollm2-135m), .gguf file or checkpoint dir")
-    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="model name (smollm2-135m), .gguf file or checkpoint dir",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as `model` (default: --model)",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES) + list(QUANT), default="fp32")
-    p.add_argument("--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)")
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("LMSTACK_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on every route but /health and the chat page "
-                        "(default: $LMSTACK_API_KEY, else none)")
-    p.add_argument("--public-metrics", action="store_true",
-                   help="with --api-key, leave /metrics open (for a Prometheus scraper without the key); every "
-                        "other route but /health and the chat page needs the key")
-    p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (larger: 413)")
-    p.add_argument("--max-seqs", type=int, default=64, help="sequences in the running batch at most")
-    p.add_argument("--max-tokens-per-step", type=int, default=512, help="token budget of one engine step")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("LMSTACK_API_KEY"),
+        help="require `Authorization: Bearer KEY` on every route but /health and the chat page "
+        "(default: $LMSTACK_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="with --api-key, leave /metrics open (for a Prometheus scraper without the key); every "
+        "other route but /health and the chat page needs the key",
+    )
+    p.add_argument(
+        "--max-body-mb", type=float, default=4.0, help="largest request body in MiB (larger: 413)"
+    )
+    p.add_argument(
+        "--max-seqs", type=int, default=64, help="sequences in the running batch at most"
+    )
+    p.add_argument(
+        "--max-tokens-per-step", type=int, default=512, help="token budget of one engine step"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size in MiB")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the engine's decode step per batch bucket (warmed up before serving; minutes on a CPU)")
-    p.add_argument("--speculative-tokens", type=int, default=0, help="prompt-lookup speculation (0 = off)")
-    p.add_argument("--max-queue", type=int, default=256,
-                   help="requests admitted beyond --max-seqs; more get 429 (after --queue-timeout)")
-    p.add_argument("--queue-timeout", type=float, default=0.0, help="seconds a request waits for room before 429")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the engine's decode step per batch bucket (warmed up before serving; minutes on a CPU)",
+    )
+    p.add_argument(
+        "--speculative-tokens", type=int, default=0, help="prompt-lookup speculation (0 = off)"
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests admitted beyond --max-seqs; more get 429 (after --queue-timeout)",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=0.0,
+        help="seconds a request waits for room before 429",
+    )
     p.add_argument("--max-n", type=int, default=16, help="choices (n) per request at most")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests get to finish on SIGTERM before they are aborted")
-    p.add_argument("--seed", type=int, default=0, help="the engine's sampling seed (requests without `seed`)")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish on SIGTERM before they are aborted",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="the engine's sampling seed (requests without `seed`)"
+    )
     add_threads_argument(p)
     p.set_defaults(func=run_serve)
 
@@ -68,15 +112,24 @@ def available_memory_bytes() -> int | None:
 def check_serve_args(args) -> None:
     """Refuse bad flags before anything loads, each named with what was expected (exit 2, no traceback)."""
     if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key is empty (an unset shell variable?): pass a non-empty key, or leave the flag "
-                         "out (and LMSTACK_API_KEY unset) to serve without authentication")
+        raise ValueError(
+            "--api-key is empty (an unset shell variable?): pass a non-empty key, or leave the flag "
+            "out (and LMSTACK_API_KEY unset) to serve without authentication"
+        )
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port}: expected 1..65535")
-    for flag, v in (("--queue-timeout", args.queue_timeout), ("--shutdown-timeout", args.shutdown_timeout)):
+    for flag, v in (
+        ("--queue-timeout", args.queue_timeout),
+        ("--shutdown-timeout", args.shutdown_timeout),
+    ):
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"{flag} {v}: expected a finite number of seconds >= 0")
-    for flag, v in (("--max-seqs", args.max_seqs), ("--max-tokens-per-step", args.max_tokens_per_step),
-                    ("--kv-cache-mb", args.kv_cache_mb), ("--max-n", args.max_n)):
+    for flag, v in (
+        ("--max-seqs", args.max_seqs),
+        ("--max-tokens-per-step", args.max_tokens_per_step),
+        ("--kv-cache-mb", args.kv_cache_mb),
+        ("--max-n", args.max_n),
+    ):
         if v < 1:
             raise ValueError(f"{flag} {v}: expected a positive integer")
     if not math.isfinite(args.max_body_mb) or args.max_body_mb <= 0:
@@ -87,8 +140,10 @@ def check_serve_args(args) -> None:
         raise ValueError(f"--max-model-len {args.max_model_len}: expected a positive integer")
     avail = available_memory_bytes()
     if avail is not None and args.kv_cache_mb * 2**20 > avail:
-        raise ValueError(f"--kv-cache-mb {args.kv_cache_mb}: more than this machine's available memory "
-                         f"({avail // 2**20} MiB); pass a smaller pool")
+        raise ValueError(
+            f"--kv-cache-mb {args.kv_cache_mb}: more than this machine's available memory "
+            f"({avail // 2**20} MiB); pass a smaller pool"
+        )
 
 
 def run_serve(args) -> int:
@@ -96,22 +151,49 @@ def run_serve(args) -> int:
 
     check_serve_args(args)
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     model, tokenizer = load_for_inference(args.model, args.tokenizer, args.dtype)
     if args.max_model_len is not None and args.max_model_len > model.config.max_seq_len:
-        raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's context "
-                         f"({model.config.max_seq_len} positions)")
-    engine = LLMEngine(model, tokenizer, max_num_seqs=args.max_seqs, max_num_batched_tokens=args.max_tokens_per_step,
-                       max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_mb * 2**20,
-                       enable_prefix_caching=not args.no_prefix_caching,
-                       num_speculative_tokens=args.speculative_tokens, seed=args.seed, compile=args.compile)
+        raise ValueError(
+            f"--max-model-len {args.max_model_len} exceeds the model's context "
+            f"({model.config.max_seq_len} positions)"
+        )
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        max_num_seqs=args.max_seqs,
+        max_num_batched_tokens=args.max_tokens_per_step,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_mb * 2**20,
+        enable_prefix_caching=not args.no_prefix_caching,
+        num_speculative_tokens=args.speculative_tokens,
+        seed=args.seed,
+        compile=args.compile,
+    )
     engine.warm_up()  # the compiled buckets (nothing to do without --compile)
-    server = Server(engine, args.served_model_name or str(args.model), api_key=args.api_key,
-                    max_body_bytes=int(args.max_body_mb * 2**20), public_metrics=args.public_metrics,
-                    max_queue=args.max_queue, queue_timeout=args.queue_timeout, max_n=args.max_n)
-    config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    print(f"lmstack serve: {server.model_name} on http://{args.host}:{args.port} (chat page at /)", flush=True)
+    server = Server(
+        engine,
+        args.served_model_name or str(args.model),
+        api_key=args.api_key,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        public_metrics=args.public_metrics,
+        max_queue=args.max_queue,
+        queue_timeout=args.queue_timeout,
+        max_n=args.max_n,
+    )
+    config = uvicorn.Config(
+        build_app(server),
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    print(
+        f"lmstack serve: {server.model_name} on http://{args.host}:{args.port} (chat page at /)",
+        flush=True,
+    )
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it for the handler that was there
     # before: a no-op one makes that graceful shutdown a clean exit (status 0)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)

@@ -31,16 +31,34 @@ class EngineCollector:
         blocks = engine.cache.blocks
         usable = blocks.num_blocks - 1  # block 0 is the null block
         values = {
-            "lmstack_requests_running": ("requests in the running batch", len(engine.scheduler.running)),
-            "lmstack_requests_waiting": ("requests queued in the engine or about to be",
-                                         len(engine.scheduler.waiting) + s.pending_adds()),
-            "lmstack_requests_in_flight": ("requests admitted by the server and not finished", s.in_flight),
-            "lmstack_kv_blocks_free": ("KV blocks free (never used or evictable prefix-cache blocks)", blocks.num_free),
-            "lmstack_kv_blocks_used": ("KV blocks held by running sequences", usable - blocks.num_free),
-            "lmstack_prefix_cache_hit_rate": ("prompt tokens served from the prefix cache / prompt tokens",
-                                              engine.prefix_cache_hit_rate),
-            "lmstack_tokens_per_second": (f"generated tokens per second over the last {RATE_WINDOW:g} s",
-                                          s.metrics.tokens_per_second()),
+            "lmstack_requests_running": (
+                "requests in the running batch",
+                len(engine.scheduler.running),
+            ),
+            "lmstack_requests_waiting": (
+                "requests queued in the engine or about to be",
+                len(engine.scheduler.waiting) + s.pending_adds(),
+            ),
+            "lmstack_requests_in_flight": (
+                "requests admitted by the server and not finished",
+                s.in_flight,
+            ),
+            "lmstack_kv_blocks_free": (
+                "KV blocks free (never used or evictable prefix-cache blocks)",
+                blocks.num_free,
+            ),
+            "lmstack_kv_blocks_used": (
+                "KV blocks held by running sequences",
+                usable - blocks.num_free,
+            ),
+            "lmstack_prefix_cache_hit_rate": (
+                "prompt tokens served from the prefix cache / prompt tokens",
+                engine.prefix_cache_hit_rate,
+            ),
+            "lmstack_tokens_per_second": (
+                f"generated tokens per second over the last {RATE_WINDOW:g} s",
+                s.metrics.tokens_per_second(),
+            ),
         }
         for name, (doc, value) in values.items():
             g = GaugeMetricFamily(name, doc)
@@ -52,17 +70,39 @@ class ServerMetrics:
     def __init__(self, server):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("lmstack_time_to_first_token_seconds", "time to first token", registry=r,
-                              buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("lmstack_inter_token_latency_seconds", "time between consecutive output tokens",
-                             registry=r, buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram("lmstack_e2e_request_latency_seconds", "arrival to last token", registry=r,
-                             buckets=LATENCY_BUCKETS)
-        self.requests = Counter("lmstack_requests", "finished engine requests by finish reason", ["finish_reason"],
-                                registry=r)
-        self.rejected = Counter("lmstack_requests_rejected", "requests answered 429 (queue full)", registry=r)
-        self.prompt_tokens = Counter("lmstack_prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("lmstack_generation_tokens", "generated tokens", registry=r)
+        self.ttft = Histogram(
+            "lmstack_time_to_first_token_seconds",
+            "time to first token",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            "lmstack_inter_token_latency_seconds",
+            "time between consecutive output tokens",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "lmstack_e2e_request_latency_seconds",
+            "arrival to last token",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.requests = Counter(
+            "lmstack_requests",
+            "finished engine requests by finish reason",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "lmstack_requests_rejected", "requests answered 429 (queue full)", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "lmstack_prompt_tokens", "prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "lmstack_generation_tokens", "generated tokens", registry=r
+        )
         r.register(EngineCollector(server))
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent deltas
 

@@ -23,7 +23,9 @@ def _encodable(s: str) -> str:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"contains a lone surrogate {s[e.start]!r} at index {e.start}: not valid Unicode text") from None
+        raise ValueError(
+            f"contains a lone surrogate {s[e.start]!r} at index {e.start}: not valid Unicode text"
+        ) from None
     return s
 
 
@@ -31,8 +33,12 @@ def _encodable(s: str) -> str:
 Text = Annotated[str, AfterValidator(_encodable)]
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict:
     """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -52,9 +58,12 @@ class Sampling(_Request):
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Annotated[Text, Field(min_length=1)] | Annotated[list[Annotated[Text, Field(min_length=1)]],
-                                                          Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = Field(default=None, ge=-2**63, lt=2**64)
+    stop: (
+        Annotated[Text, Field(min_length=1)]
+        | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOP)]
+        | None
+    ) = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
@@ -106,7 +115,9 @@ class ChatMessage(_Request):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
 
 
 class JsonSchema(_Request):

@@ -30,7 +30,10 @@ class _Wrapped:
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None):
         specials = set(getattr(tokenizer, "special_tokens", {}).values())
         vocab = tokenizer.vocab  # ids the model has beyond the tokenizer's are empty (never text)
-        self.tokens = [b"\xff" + vocab.get(i, b"") if i in specials else vocab.get(i, b"") for i in range(vocab_size)]
+        self.tokens = [
+            b"\xff" + vocab.get(i, b"") if i in specials else vocab.get(i, b"")
+            for i in range(vocab_size)
+        ]
         self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
         self.bos_token_id = tokenizer.bos_token_id
         self.special_token_ids = sorted(specials)
@@ -51,9 +54,12 @@ class Grammars:
             raise ValueError("structured output needs an EOS token to end the JSON")
         self.vocab_size, self.eos = vocab_size, eos_token_id
         # the JSON slices: the mask's precomputed token groups, made for JSON strings
-        self.lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Wrapped(tokenizer, vocab_size, eos_token_id)),
-                                            n_vocab=vocab_size, eos_token=eos_token_id,
-                                            slices=llguidance.LLTokenizer.json_slices())
+        self.lltok = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_Wrapped(tokenizer, vocab_size, eos_token_id)),
+            n_vocab=vocab_size,
+            eos_token=eos_token_id,
+            slices=llguidance.LLTokenizer.json_slices(),
+        )
 
     def grammar(self, schema: dict | None) -> str:
         """None = any JSON object (json_object); else the schema (json_schema)."""
@@ -61,17 +67,25 @@ class Grammars:
             schema = {"type": "object"}
         if not isinstance(schema, dict):
             raise ValueError(f"the JSON schema must be an object, got {type(schema).__name__}")
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.lltok)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults=JSON_OPTIONS
+        )
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, self.lltok
+        )
         if is_error:
-            raise ValueError(f"the JSON schema cannot be compiled: {messages[0] if messages else 'unknown error'}")
+            raise ValueError(
+                f"the JSON schema cannot be compiled: {messages[0] if messages else 'unknown error'}"
+            )
         return grammar
 
     def processor(self, schema: dict | None) -> GrammarMask:
         """A request's mask, its first step computed now: a schema that compiles but fails at the first step (a
         huge repetition, a self-requiring ``$ref``) or admits no JSON value at all (``{"$ref": "#"}``: only the
         empty output) is a ValueError here (the server's 400), not a 500 mid-generation or an empty 200."""
-        mask = GrammarMask(llguidance.LLMatcher(self.lltok, self.grammar(schema), log_level=0), self.vocab_size)
+        mask = GrammarMask(
+            llguidance.LLMatcher(self.lltok, self.grammar(schema), log_level=0), self.vocab_size
+        )
         try:
             first = mask.allowed([])
         except ValueError as e:
@@ -79,7 +93,9 @@ class Grammars:
         text = first.copy()
         text[self.eos] = False
         if not text.any():
-            raise ValueError("the JSON schema admits no JSON value (e.g. a $ref that only refers to itself)")
+            raise ValueError(
+                "the JSON schema admits no JSON value (e.g. a $ref that only refers to itself)"
+            )
         return mask
 
 
@@ -91,14 +107,18 @@ class GrammarMask:
 
     def allowed(self, output_ids: list[int]) -> np.ndarray:
         """Advance the matcher over the tokens sampled since the last call -> allowed (V,) bool."""
-        new = output_ids[self.seen:]
+        new = output_ids[self.seen :]
         if new:
             self.matcher.consume_tokens(list(new))
             self.seen = len(output_ids)
         if self.matcher.is_error():
-            raise ValueError(f"structured output: the grammar matcher failed: {self.matcher.get_error()}")
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)  # 32-bit words, little-endian
-        return np.unpackbits(bits, bitorder="little")[:self.V].astype(bool)
+            raise ValueError(
+                f"structured output: the grammar matcher failed: {self.matcher.get_error()}"
+            )
+        bits = np.frombuffer(
+            self.matcher.compute_bitmask(), dtype=np.uint8
+        )  # 32-bit words, little-endian
+        return np.unpackbits(bits, bitorder="little")[: self.V].astype(bool)
 
     def __call__(self, output_ids: list[int], logits: Tensor) -> Tensor:
         allowed = torch.from_numpy(self.allowed(output_ids)).to(logits.device)

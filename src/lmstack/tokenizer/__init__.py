@@ -25,7 +25,14 @@ from .formats import (
     to_tiktoken,
 )
 from .gguf_io import load_gguf_tokenizer, read_gguf_metadata
-from .pretokenize import GPT2_PATTERN, GPT4_PATTERN, LLAMA3_PATTERN, PATTERNS, SMOLLM_PATTERN, PreTokenizer
+from .pretokenize import (
+    GPT2_PATTERN,
+    GPT4_PATTERN,
+    LLAMA3_PATTERN,
+    PATTERNS,
+    SMOLLM_PATTERN,
+    PreTokenizer,
+)
 from .token_file import check_token_ids, is_token_file, open_tokens, read_sidecar, token_dtype
 from .tokenizer import Tokenizer
 from .train import count_pretokens, train_bpe

@@ -29,12 +29,16 @@ def _raise(message: str):
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 @lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     try:
@@ -43,20 +47,37 @@ def _compile(template: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template does not parse: {e}") from None
 
 
-def render_chat_template(template: str | None, messages: list[dict], add_generation_prompt: bool = False,
-                         bos_token: str = "", eos_token: str = "", **extra) -> str:
+def render_chat_template(
+    template: str | None,
+    messages: list[dict],
+    add_generation_prompt: bool = False,
+    bos_token: str = "",
+    eos_token: str = "",
+    **extra,
+) -> str:
     """Render ``template`` for ``messages`` ([{"role": ..., "content": ...}, ...])."""
     if not isinstance(template, str) or not template:
-        raise ChatTemplateError("this tokenizer has no chat template (chat_template is None); use plain prompts")
+        raise ChatTemplateError(
+            "this tokenizer has no chat template (chat_template is None); use plain prompts"
+        )
     if not isinstance(messages, list) or not messages:
-        raise ChatTemplateError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        raise ChatTemplateError(
+            "messages must be a non-empty list of {'role': ..., 'content': ...} dicts"
+        )
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ChatTemplateError(f"messages[{i}]={m!r} must be a dict with 'role' and 'content'")
         if m["role"] not in ROLES:
-            raise ChatTemplateError(f"messages[{i}] has role={m['role']!r}; expected one of {ROLES}")
+            raise ChatTemplateError(
+                f"messages[{i}] has role={m['role']!r}; expected one of {ROLES}"
+            )
     try:
-        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos_token, eos_token=eos_token, **extra)
+        return _compile(template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            **extra,
+        )
     except jinja2.TemplateError as e:  # e.g. an undefined variable used as a mapping
         raise ChatTemplateError(f"chat template failed: {e}") from None

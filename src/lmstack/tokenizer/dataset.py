@@ -69,8 +69,9 @@ def encode_files(
             raise FileNotFoundError(f"input {str(p)!r} does not exist or is not a file")
     dtype = token_dtype(tok.vocab_size)
     split = [s.encode("utf-8") for s in tok.special_tokens]
-    workers, total, ranges = plan_chunks(paths, split, num_workers, chunk_bytes,
-                                         safe_cuts=tok.pattern in PATTERNS.values())
+    workers, total, ranges = plan_chunks(
+        paths, split, num_workers, chunk_bytes, safe_cuts=tok.pattern in PATTERNS.values()
+    )
     tasks = [(p, s, e, dtype.str) for p, s, e in ranges]
 
     t0 = time.perf_counter()
@@ -83,7 +84,9 @@ def encode_files(
             pool = None
         else:
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            pool = ctx.Pool(min(workers, len(tasks)), initializer=set_worker_tokenizer, initargs=(tok,))
+            pool = ctx.Pool(
+                min(workers, len(tasks)), initializer=set_worker_tokenizer, initargs=(tok,)
+            )
             results = pool.imap(_encode_range, tasks)
         try:
             for t, data in zip(tasks, results):
@@ -97,7 +100,10 @@ def encode_files(
         out.flush()
     bar.close()
     stats = EncodeStats(n_tokens, total, time.perf_counter() - t0, dtype.name, tok.vocab_size)
-    meta = {**asdict(stats), "bytes_per_token": stats.bytes_per_token, "inputs": [str(p) for p in paths]}
+    meta = {
+        **asdict(stats),
+        "bytes_per_token": stats.bytes_per_token,
+        "inputs": [str(p) for p in paths],
+    }
     write_sidecar(output, meta)
     return stats
-

@@ -35,8 +35,12 @@ def _set_meta(tok: Tokenizer, meta: dict, where: str) -> Tokenizer:
             continue
         if k == "chat_template" and not isinstance(v, str):
             raise TokenizerFileError(f"{where}: chat_template={v!r:.60} must be a string")
-        if k != "chat_template" and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOKEN_ID):
-            raise TokenizerFileError(f"{where}: {k}={v!r:.60} must be a token id in [0, {MAX_TOKEN_ID}]")
+        if k != "chat_template" and (
+            isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOKEN_ID
+        ):
+            raise TokenizerFileError(
+                f"{where}: {k}={v!r:.60} must be a token id in [0, {MAX_TOKEN_ID}]"
+            )
         setattr(tok, k, v)
     return tok
 
@@ -60,7 +64,9 @@ def _parse_json(text: str, where: str):
 
 def _expect(value, kind: type, where: str, what: str):
     if not isinstance(value, kind):
-        raise TokenizerFileError(f"{where}: {what} is {type(value).__name__} {value!r:.60}; expected {kind.__name__}")
+        raise TokenizerFileError(
+            f"{where}: {what} is {type(value).__name__} {value!r:.60}; expected {kind.__name__}"
+        )
     return value
 
 
@@ -69,10 +75,13 @@ def _ids_by_token(raw: dict, where: str, what: str = "vocab") -> dict[int, str]:
     out: dict[int, str] = {}
     for s, i in _expect(raw, dict, where, what).items():
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= MAX_TOKEN_ID:
-            raise TokenizerFileError(f"{where}: {what}[{s!r}] = {i!r:.40}; expected a token id in [0, {MAX_TOKEN_ID}]")
+            raise TokenizerFileError(
+                f"{where}: {what}[{s!r}] = {i!r:.40}; expected a token id in [0, {MAX_TOKEN_ID}]"
+            )
         if i in out:
-            raise TokenizerFileError(f"{where}: {what} gives id {i} to both {out[i]!r} and {s!r}; "
-                                     "expected each id once")
+            raise TokenizerFileError(
+                f"{where}: {what} gives id {i} to both {out[i]!r} and {s!r}; expected each id once"
+            )
         out[i] = s
     return out
 
@@ -82,7 +91,9 @@ def _build(where: str, vocab: dict[int, bytes], merges, specials, pattern) -> To
     if not vocab:
         raise TokenizerFileError(f"{where}: the vocabulary is empty")
     if pattern is not None and not isinstance(pattern, str):
-        raise TokenizerFileError(f"{where}: pattern={pattern!r:.60} must be a string (a regex or a name)")
+        raise TokenizerFileError(
+            f"{where}: pattern={pattern!r:.60} must be a string (a regex or a name)"
+        )
     try:
         return Tokenizer(vocab, merges, specials, pattern=pattern)
     except ValueError as e:
@@ -111,7 +122,9 @@ def _hex_token(h, where: str, what: str) -> bytes:
     try:
         return bytes.fromhex(_expect(h, str, where, what))
     except ValueError:
-        raise TokenizerFileError(f"{where}: malformed {what} = {h!r:.40}; expected a hex string") from None
+        raise TokenizerFileError(
+            f"{where}: malformed {what} = {h!r:.40}; expected a hex string"
+        ) from None
 
 
 def from_dict(d: dict, where: str = "tokenizer") -> Tokenizer:
@@ -120,18 +133,26 @@ def from_dict(d: dict, where: str = "tokenizer") -> Tokenizer:
         raise TokenizerFileError(f"{where}: format={d.get('format')!r}, expected {FORMAT!r}")
     for key in ("vocab", "merges"):
         if key not in d:
-            raise TokenizerFileError(f"{where}: no {key!r} entry; expected a file written by lmstack.tokenizer.save")
+            raise TokenizerFileError(
+                f"{where}: no {key!r} entry; expected a file written by lmstack.tokenizer.save"
+            )
     vocab: dict[int, bytes] = {}
     for k, h in _expect(d["vocab"], dict, where, "vocab").items():
         i = int(k) if k.isascii() and k.isdigit() else -1
         if not 0 <= i <= MAX_TOKEN_ID or i in vocab:
-            raise TokenizerFileError(f"{where}: malformed vocab id {k!r}; expected distinct ids in [0, {MAX_TOKEN_ID}]")
+            raise TokenizerFileError(
+                f"{where}: malformed vocab id {k!r}; expected distinct ids in [0, {MAX_TOKEN_ID}]"
+            )
         vocab[i] = _hex_token(h, where, f"vocab[{k!r}]")
     merges = []
     for n, m in enumerate(_expect(d["merges"], list, where, "merges")):
         if not isinstance(m, list) or len(m) != 2:
-            raise TokenizerFileError(f"{where}: malformed merges[{n}] = {m!r:.60}; expected a pair of hex strings")
-        merges.append((_hex_token(m[0], where, f"merges[{n}][0]"), _hex_token(m[1], where, f"merges[{n}][1]")))
+            raise TokenizerFileError(
+                f"{where}: malformed merges[{n}] = {m!r:.60}; expected a pair of hex strings"
+            )
+        merges.append(
+            (_hex_token(m[0], where, f"merges[{n}][0]"), _hex_token(m[1], where, f"merges[{n}][1]"))
+        )
     specials = _ids_by_token(d.get("special_tokens") or {}, where, "special_tokens")
     tok = _build(where, vocab, merges, [specials[i] for i in sorted(specials)], d.get("pattern"))
     return _set_meta(tok, d, where)
@@ -143,7 +164,9 @@ def load(path: str | os.PathLike) -> Tokenizer:
 
 
 # ---------------------------------------------------------------------- GPT-2 vocab.json + merges.txt
-def save_gpt2(tok: Tokenizer, vocab_path: str | os.PathLike, merges_path: str | os.PathLike) -> None:
+def save_gpt2(
+    tok: Tokenizer, vocab_path: str | os.PathLike, merges_path: str | os.PathLike
+) -> None:
     """GPT-2 files: ``vocab.json`` maps printable token strings to ids; ``merges.txt`` one pair a line."""
     specials = {i: s for s, i in tok.special_tokens.items()}
     vocab = {specials.get(i, token_to_str(b)): i for i, b in sorted(tok.vocab.items())}
@@ -163,8 +186,14 @@ def load_gpt2(
     if special_tokens is None:
         special_tokens = [s for s in ("<|endoftext|>",) if s in raw.values()]
     specials = set(special_tokens)
-    vocab = {i: (s.encode("utf-8") if s in specials else printable_token(s, str(vocab_path), f"token {i}"))
-             for i, s in raw.items()}
+    vocab = {
+        i: (
+            s.encode("utf-8")
+            if s in specials
+            else printable_token(s, str(vocab_path), f"token {i}")
+        )
+        for i, s in raw.items()
+    }
     try:
         lines = Path(merges_path).read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError as e:
@@ -175,19 +204,34 @@ def load_gpt2(
             continue
         parts = line.split(" ")
         if len(parts) != 2:
-            raise TokenizerFileError(f"{merges_path}:{n + 1}: {line!r} is not two tokens separated by one space")
+            raise TokenizerFileError(
+                f"{merges_path}:{n + 1}: {line!r} is not two tokens separated by one space"
+            )
         merges.append(tuple(printable_token(p, f"{merges_path}:{n + 1}", "merge") for p in parts))
     return _build(str(vocab_path), vocab, merges, special_tokens, pattern)
 
 
 # ---------------------------------------------------------------------- HF tokenizer.json
 def _hf_pre_tokenizer(tok: Tokenizer) -> dict:
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    byte_level = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": True,
+        "use_regex": True,
+    }
     if tok.pattern == GPT2_PATTERN:
         return byte_level
     if tok.pattern == SMOLLM_PATTERN:
-        return {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
-    split = {"type": "Split", "pattern": {"Regex": tok.pattern}, "behavior": "Isolated", "invert": False}
+        return {
+            "type": "Sequence",
+            "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level],
+        }
+    split = {
+        "type": "Split",
+        "pattern": {"Regex": tok.pattern},
+        "behavior": "Isolated",
+        "invert": False,
+    }
     return {"type": "Sequence", "pretokenizers": [split, {**byte_level, "use_regex": False}]}
 
 
@@ -202,17 +246,35 @@ def to_hf_json(tok: Tokenizer) -> str:
         "truncation": None,
         "padding": None,
         "added_tokens": [
-            {"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": True}
+            {
+                "id": i,
+                "content": s,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
             for i, s in sorted(specials.items())
         ],
         "normalizer": None,
         "pre_tokenizer": _hf_pre_tokenizer(tok),
         "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "decoder": {
+            "type": "ByteLevel",
+            "add_prefix_space": True,
+            "trim_offsets": True,
+            "use_regex": True,
+        },
         "model": {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
             "vocab": vocab,
             "merges": [[token_to_str(a), token_to_str(b)] for a, b in tok.merges],
         },
@@ -224,7 +286,11 @@ def save_hf(tok: Tokenizer, path: str | os.PathLike) -> None:
     atomic_write_text(path, to_hf_json(tok))
 
 
-_HF_SPECIALS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "pad_token_id"}
+_HF_SPECIALS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "pad_token": "pad_token_id",
+}
 
 
 def save_hf_config(tok: Tokenizer, path: str | os.PathLike) -> None:
@@ -240,19 +306,29 @@ def save_hf_config(tok: Tokenizer, path: str | os.PathLike) -> None:
 
 def _pattern_from_hf(pre, where: str) -> str:
     if not isinstance(pre, dict):
-        raise TokenizerFileError(f"{where}: pre_tokenizer is {pre!r:.60}; expected ByteLevel (byte-level BPE)")
+        raise TokenizerFileError(
+            f"{where}: pre_tokenizer is {pre!r:.60}; expected ByteLevel (byte-level BPE)"
+        )
     kind = pre.get("type")
     if kind == "ByteLevel" and pre.get("use_regex", True):
         return GPT2_PATTERN
     steps = pre.get("pretokenizers") if kind == "Sequence" else None
     if isinstance(steps, list) and all(isinstance(step, dict) for step in steps):
         kinds = [step.get("type") for step in steps]
-        if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
+        if (
+            kinds == ["Digits", "ByteLevel"]
+            and steps[0].get("individual_digits")
+            and steps[1].get("use_regex", True)
+        ):
             return SMOLLM_PATTERN
         if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
             pat = steps[0].get("pattern")
-            if (isinstance(pat, dict) and isinstance(pat.get("Regex"), str) and steps[0].get("behavior") == "Isolated"
-                    and not steps[0].get("invert")):
+            if (
+                isinstance(pat, dict)
+                and isinstance(pat.get("Regex"), str)
+                and steps[0].get("behavior") == "Isolated"
+                and not steps[0].get("invert")
+            ):
                 return pat["Regex"]
     raise TokenizerFileError(
         f"{where}: pre_tokenizer {json.dumps(pre)[:200]} is not supported; expected ByteLevel(use_regex), "
@@ -265,11 +341,20 @@ def _hf_added_tokens(d: dict, where: str) -> dict[int, str]:
     for n, t in enumerate(_expect(d.get("added_tokens") or [], list, where, "added_tokens")):
         i = t.get("id") if isinstance(t, dict) else None
         content = t.get("content") if isinstance(t, dict) else None
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= MAX_TOKEN_ID or not isinstance(content, str):
-            raise TokenizerFileError(f"{where}: added_tokens[{n}] = {t!r:.80}; expected an object with an integer "
-                                     f"'id' in [0, {MAX_TOKEN_ID}] and a string 'content'")
+        if (
+            isinstance(i, bool)
+            or not isinstance(i, int)
+            or not 0 <= i <= MAX_TOKEN_ID
+            or not isinstance(content, str)
+        ):
+            raise TokenizerFileError(
+                f"{where}: added_tokens[{n}] = {t!r:.80}; expected an object with an integer "
+                f"'id' in [0, {MAX_TOKEN_ID}] and a string 'content'"
+            )
         if i in added:
-            raise TokenizerFileError(f"{where}: added_tokens gives id {i} to both {added[i]!r} and {content!r}")
+            raise TokenizerFileError(
+                f"{where}: added_tokens gives id {i} to both {added[i]!r} and {content!r}"
+            )
         added[i] = content
     return added
 
@@ -277,7 +362,9 @@ def _hf_added_tokens(d: dict, where: str) -> dict[int, str]:
 def _hf_merge(m, n: int, where: str) -> tuple[bytes, bytes]:
     parts = m.split(" ") if isinstance(m, str) else m
     if not isinstance(parts, list) or len(parts) != 2:
-        raise TokenizerFileError(f"{where}: model.merges[{n}] = {m!r:.60}; expected \"left right\" or [left, right]")
+        raise TokenizerFileError(
+            f'{where}: model.merges[{n}] = {m!r:.60}; expected "left right" or [left, right]'
+        )
     what = f"model.merges[{n}]"
     return printable_token(parts[0], where, what), printable_token(parts[1], where, what)
 
@@ -288,18 +375,28 @@ def from_hf_json(text: str, where: str = "tokenizer.json") -> Tokenizer:
     if model.get("type") != "BPE":
         raise TokenizerFileError(f"{where}: model.type={model.get('type')!r:.60}, expected 'BPE'")
     if d.get("normalizer") is not None:
-        raise TokenizerFileError(f"{where}: normalizer {json.dumps(d['normalizer'])[:100]} is not supported; "
-                                 "expected none")
+        raise TokenizerFileError(
+            f"{where}: normalizer {json.dumps(d['normalizer'])[:100]} is not supported; "
+            "expected none"
+        )
     if not isinstance(model.get("vocab"), dict):
-        raise TokenizerFileError(f"{where}: model.vocab is missing or not a dict; expected token -> id")
+        raise TokenizerFileError(
+            f"{where}: model.vocab is missing or not a dict; expected token -> id"
+        )
     pattern = _pattern_from_hf(d.get("pre_tokenizer"), where)
     added = _hf_added_tokens(d, where)
-    vocab = {i: added[i].encode("utf-8") if i in added else printable_token(s, where, f"model.vocab[{s!r}]")
-             for i, s in _ids_by_token(model["vocab"], where, "model.vocab").items()}
+    vocab = {
+        i: added[i].encode("utf-8")
+        if i in added
+        else printable_token(s, where, f"model.vocab[{s!r}]")
+        for i, s in _ids_by_token(model["vocab"], where, "model.vocab").items()
+    }
     for i, s in added.items():
         vocab[i] = s.encode("utf-8")
-    merges = [_hf_merge(m, n, where) for n, m in enumerate(_expect(model.get("merges") or [], list, where,
-                                                                    "model.merges"))]
+    merges = [
+        _hf_merge(m, n, where)
+        for n, m in enumerate(_expect(model.get("merges") or [], list, where, "model.merges"))
+    ]
     return _build(where, vocab, merges, [added[i] for i in sorted(added)], pattern)
 
 
@@ -328,7 +425,12 @@ def to_tiktoken(tok: Tokenizer, name: str = "lmstack"):
     for i, b in sorted(tok.vocab.items()):
         if i not in special_ids:
             ranks.setdefault(b, i)
-    return tiktoken.Encoding(name=name, pat_str=tok.pattern, mergeable_ranks=ranks, special_tokens=dict(tok.special_tokens))
+    return tiktoken.Encoding(
+        name=name,
+        pat_str=tok.pattern,
+        mergeable_ranks=ranks,
+        special_tokens=dict(tok.special_tokens),
+    )
 
 
 def _token_content(v, where: str, key: str) -> str | None:
@@ -337,7 +439,9 @@ def _token_content(v, where: str, key: str) -> str | None:
         return v
     if isinstance(v, dict) and isinstance(v.get("content"), str):
         return v["content"]
-    raise TokenizerFileError(f"{where}: {key}={v!r:.60}; expected a string or an object with a 'content' string")
+    raise TokenizerFileError(
+        f"{where}: {key}={v!r:.60}; expected a string or an object with a 'content' string"
+    )
 
 
 def apply_hf_folder_config(tok: Tokenizer, folder: str | os.PathLike) -> Tokenizer:
@@ -352,11 +456,15 @@ def apply_hf_folder_config(tok: Tokenizer, folder: str | os.PathLike) -> Tokeniz
         _, cfg = _read_json(cfg_path)
         cfg = _expect(cfg, dict, str(cfg_path), "the file")
     template = cfg.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
+    if isinstance(
+        template, list
+    ):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if template is not None and not isinstance(template, str):
-        raise TokenizerFileError(f"{cfg_path}: chat_template={template!r:.60}; expected a string or named templates")
+        raise TokenizerFileError(
+            f"{cfg_path}: chat_template={template!r:.60}; expected a string or named templates"
+        )
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():  # transformers saves the template there; it wins over the config's copy
         template = jinja.read_text(encoding="utf-8")
@@ -369,7 +477,9 @@ def apply_hf_folder_config(tok: Tokenizer, folder: str | os.PathLike) -> Tokeniz
         if content is None:
             continue
         if content not in ids:
-            raise TokenizerFileError(f"{cfg_path}: {key}={content!r} is not a token of {folder / 'tokenizer.json'}")
+            raise TokenizerFileError(
+                f"{cfg_path}: {key}={content!r} is not a token of {folder / 'tokenizer.json'}"
+            )
         setattr(tok, f"{key}_id", ids[content])
     return tok
 
@@ -381,12 +491,16 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist")
-    if path.is_dir():  # an HF folder: the tokenizer, plus its chat template and special tokens beside it
+    if (
+        path.is_dir()
+    ):  # an HF folder: the tokenizer, plus its chat template and special tokens beside it
         if (path / "tokenizer.json").is_file():
             return apply_hf_folder_config(load_hf(path / "tokenizer.json"), path)
         if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
             return apply_hf_folder_config(load_gpt2(path / "vocab.json", path / "merges.txt"), path)
-        raise TokenizerFileError(f"directory {str(path)!r} has neither tokenizer.json nor vocab.json + merges.txt")
+        raise TokenizerFileError(
+            f"directory {str(path)!r} has neither tokenizer.json nor vocab.json + merges.txt"
+        )
     with open(path, "rb") as f:
         head = f.read(4)
     if head == b"GGUF":
@@ -394,10 +508,14 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     try:
         text, d = _read_json(path)
     except TokenizerFileError as e:
-        raise TokenizerFileError(f"{path}: neither GGUF nor JSON ({str(e).removeprefix(f'{path}: ')})") from None
+        raise TokenizerFileError(
+            f"{path}: neither GGUF nor JSON ({str(e).removeprefix(f'{path}: ')})"
+        ) from None
     if isinstance(d, dict) and d.get("format") == FORMAT:
         return from_dict(d, str(path))
     if isinstance(d, dict) and "model" in d:
         return from_hf_json(text, str(path))
-    raise TokenizerFileError(f"{path}: {type(d).__name__} {d!r:.60} is not a tokenizer file; expected a JSON object "
-                             f"with 'format': {FORMAT!r} or an HF 'model'")
+    raise TokenizerFileError(
+        f"{path}: {type(d).__name__} {d!r:.60} is not a tokenizer file; expected a JSON object "
+        f"with 'format': {FORMAT!r} or an HF 'model'"
+    )

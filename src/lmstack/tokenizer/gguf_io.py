@@ -23,10 +23,29 @@ from .pretokenize import PATTERNS
 from .tokenizer import Tokenizer, TokenizerFileError, printable_token
 
 # llama.cpp token types
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = (
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+)
 
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY = 8, 9
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 
@@ -89,14 +108,20 @@ class _Cursor:
             v = self.string(what)
             return v.decode("utf-8", errors="replace") if keep else None
         if vtype != _ARRAY:
-            raise GGUFFormatError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos} ({what}); "
-                                  "expected 0..12")
+            raise GGUFFormatError(
+                f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos} ({what}); "
+                "expected 0..12"
+            )
         itype, count = self.scalar("<I", what), self.scalar("<Q", what)
-        smallest = struct.calcsize(_SCALARS[itype]) if itype in _SCALARS else 8  # a string or array is >= 8 bytes
+        smallest = (
+            struct.calcsize(_SCALARS[itype]) if itype in _SCALARS else 8
+        )  # a string or array is >= 8 bytes
         self.need(count * smallest, f"{what}: array of {count}")
         if itype in _SCALARS:
             fmt = _SCALARS[itype]
-            out = list(struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos)) if keep else None
+            out = (
+                list(struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos)) if keep else None
+            )
             self.pos += struct.calcsize(fmt) * count
             return out
         if itype == _STRING and not keep:
@@ -120,7 +145,9 @@ def read_gguf_layout(path: str | os.PathLike, prefix: str = "", tensors: bool = 
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
-            raise GGUFFormatError(f"{path}: truncated at byte 0, expected 4 bytes or more (the GGUF magic)")
+            raise GGUFFormatError(
+                f"{path}: truncated at byte 0, expected 4 bytes or more (the GGUF magic)"
+            )
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return _parse_layout(_Cursor(buf, path), prefix, tensors)
 
@@ -129,14 +156,18 @@ def _parse_layout(cur: _Cursor, prefix: str, tensors: bool) -> GGUFLayout:
     path = cur.path
     cur.need(4, "the GGUF magic")
     if cur.buf[:4] != b"GGUF":
-        raise GGUFFormatError(f"{path}: starts with {bytes(cur.buf[:4])!r}, expected the GGUF magic b'GGUF'")
+        raise GGUFFormatError(
+            f"{path}: starts with {bytes(cur.buf[:4])!r}, expected the GGUF magic b'GGUF'"
+        )
     cur.pos = 4
     version = cur.scalar("<I", "the version")
     if version not in (2, 3):
         raise GGUFFormatError(f"{path}: GGUF version {version} is not supported; expected 2 or 3")
     n_tensors = cur.scalar("<Q", "the tensor count")
     n_kv = cur.scalar("<Q", "the metadata count")
-    cur.need(13 * n_kv, f"{n_kv} metadata entries of 13 bytes or more")  # key length, type, a 1-byte value
+    cur.need(
+        13 * n_kv, f"{n_kv} metadata entries of 13 bytes or more"
+    )  # key length, type, a 1-byte value
     if tensors:
         cur.need(13 * n_kv + 32 * n_tensors, f"{n_tensors} tensor entries of 32 bytes or more")
     meta: dict = {"GGUF.version": version}
@@ -148,7 +179,9 @@ def _parse_layout(cur: _Cursor, prefix: str, tensors: bool) -> GGUFLayout:
         v = cur.value(vtype, keep or key == "general.alignment", f"metadata {key!r}")
         if key == "general.alignment":
             if vtype != 4 or v <= 0 or v & (v - 1):
-                raise GGUFFormatError(f"{path}: general.alignment={v!r} (type {vtype}); expected a uint32 power of two")
+                raise GGUFFormatError(
+                    f"{path}: general.alignment={v!r} (type {vtype}); expected a uint32 power of two"
+                )
             alignment = v
         if keep:
             meta[key] = v
@@ -159,12 +192,16 @@ def _parse_layout(cur: _Cursor, prefix: str, tensors: bool) -> GGUFLayout:
             name = cur.string(f"the name of tensor #{t}").decode("utf-8", errors="replace")
             n_dims = cur.scalar("<I", f"tensor {name!r}")
             if not 1 <= n_dims <= _MAX_DIMS:
-                raise GGUFFormatError(f"{path}: tensor {name!r} has {n_dims} dimensions; expected 1..{_MAX_DIMS}")
+                raise GGUFFormatError(
+                    f"{path}: tensor {name!r} has {n_dims} dimensions; expected 1..{_MAX_DIMS}"
+                )
             dims = tuple(cur.scalar("<Q", f"tensor {name!r}") for _ in range(n_dims))
             ggml_type = cur.scalar("<I", f"tensor {name!r}")
             offset = cur.scalar("<Q", f"tensor {name!r}")
             if name in seen:
-                raise GGUFFormatError(f"{path}: tensor {name!r} is listed twice in the tensor table")
+                raise GGUFFormatError(
+                    f"{path}: tensor {name!r} is listed twice in the tensor table"
+                )
             seen.add(name)
             infos.append(GGUFTensorInfo(name, dims, ggml_type, offset))
     data_offset = -(-cur.pos // alignment) * alignment
@@ -189,7 +226,9 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
     def get(key: str, required: bool = True, kind: type | None = None):
         if key not in meta and required:
-            raise TokenizerFileError(f"{path}: GGUF metadata lacks {key!r}; expected a byte-level BPE tokenizer")
+            raise TokenizerFileError(
+                f"{path}: GGUF metadata lacks {key!r}; expected a byte-level BPE tokenizer"
+            )
         v = meta.get(key)
         if v is not None and kind is list and not isinstance(v, list):
             raise TokenizerFileError(f"{path}: {key} is {type(v).__name__}; expected an array")
@@ -199,20 +238,28 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
     model = get("tokenizer.ggml.model")
     if model != "gpt2":
-        raise TokenizerFileError(f"{path}: tokenizer.ggml.model={model!r:.60} is not supported; expected 'gpt2' "
-                                 "(byte-level BPE)")
+        raise TokenizerFileError(
+            f"{path}: tokenizer.ggml.model={model!r:.60} is not supported; expected 'gpt2' "
+            "(byte-level BPE)"
+        )
     tokens = get("tokenizer.ggml.tokens", kind=list)
     merge_lines = get("tokenizer.ggml.merges", kind=list)
-    types = get("tokenizer.ggml.token_type", required=False, kind=list) or [TOKEN_NORMAL] * len(tokens)
+    types = get("tokenizer.ggml.token_type", required=False, kind=list) or [TOKEN_NORMAL] * len(
+        tokens
+    )
     if len(types) != len(tokens):
-        raise TokenizerFileError(f"{path}: {len(types)} token types for {len(tokens)} tokens; "
-                                 "expected one type per token")
+        raise TokenizerFileError(
+            f"{path}: {len(types)} token types for {len(tokens)} tokens; "
+            "expected one type per token"
+        )
 
     vocab: dict[int, bytes] = {}
     specials: list[str] = []
     for i, (tok, kind) in enumerate(zip(tokens, types)):
         if not isinstance(tok, str):
-            raise TokenizerFileError(f"{path}: tokenizer.ggml.tokens[{i}] = {tok!r:.40}; expected a string")
+            raise TokenizerFileError(
+                f"{path}: tokenizer.ggml.tokens[{i}] = {tok!r:.40}; expected a string"
+            )
         if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED):
             vocab[i] = tok.encode("utf-8")
             specials.append(tok)
@@ -222,13 +269,22 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     for n, line in enumerate(merge_lines):
         left, sep, right = line.partition(" ") if isinstance(line, str) else ("", "", "")
         if not sep:
-            raise TokenizerFileError(f"{path}: merge #{n} {line!r:.60} is not two tokens separated by a space")
-        merges.append((printable_token(left, path, f"merge #{n}"), printable_token(right, path, f"merge #{n}")))
+            raise TokenizerFileError(
+                f"{path}: merge #{n} {line!r:.60} is not two tokens separated by a space"
+            )
+        merges.append(
+            (
+                printable_token(left, path, f"merge #{n}"),
+                printable_token(right, path, f"merge #{n}"),
+            )
+        )
 
     pre = get("tokenizer.ggml.pre", required=False) or "gpt2"
     if not isinstance(pre, str) or pre not in PATTERNS:
-        raise TokenizerFileError(f"{path}: tokenizer.ggml.pre={pre!r:.60} is not supported; expected one of "
-                                 f"{sorted(PATTERNS)}")
+        raise TokenizerFileError(
+            f"{path}: tokenizer.ggml.pre={pre!r:.60} is not supported; expected one of "
+            f"{sorted(PATTERNS)}"
+        )
     try:
         tok = Tokenizer(vocab, merges, special_tokens=specials, pattern=pre)
     except ValueError as e:
@@ -239,4 +295,3 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     template = get("tokenizer.chat_template", required=False)
     tok.chat_template = template if isinstance(template, str) else None
     return tok
-

@@ -63,7 +63,7 @@ def char_classes() -> bytes:
     cats = np.zeros(0x110000, dtype=np.uint8)
     for bit, cls in ((1, r"\p{L}+"), (2, r"\p{N}+"), (4, r"\s+")):
         for m in regex.finditer(cls, every):
-            cats[m.start():m.end()] |= bit
+            cats[m.start() : m.end()] |= bit
     return cats.tobytes()
 
 
@@ -89,8 +89,19 @@ def new_encoder(tok, pattern_kind: int | None = None):
     if mod is None:
         return None
     kind = KINDS.get(tok.pattern, -1) if pattern_kind is None else pattern_kind
-    quads = np.array([(a, b, r, m) for (a, b), (r, m) in tok._merge_table.items()], dtype=np.uint32).reshape(-1, 4)
+    quads = np.array(
+        [(a, b, r, m) for (a, b), (r, m) in tok._merge_table.items()], dtype=np.uint32
+    ).reshape(-1, 4)
     byte_ids = np.asarray(tok._byte_ids, dtype=np.int32)
     specials = [(s.encode("utf-8"), i) for s, i in tok.special_tokens.items()]
-    return mod.new(byte_ids.tobytes(), quads.tobytes(), len(tok.merges), char_classes(), kind,
-                   case_folds(tok.pattern), specials, tok.cache_size, max(tok.vocab))
+    return mod.new(
+        byte_ids.tobytes(),
+        quads.tobytes(),
+        len(tok.merges),
+        char_classes(),
+        kind,
+        case_folds(tok.pattern),
+        specials,
+        tok.cache_size,
+        max(tok.vocab),
+    )

@@ -33,7 +33,9 @@ LLAMA3_PATTERN = (
 #: digits. Written as one regex: the digit alternative comes first, GPT-2's `` ?\p{N}+`` is gone,
 #: and the end-of-piece lookahead ``(?!\S)`` becomes ``(?![^\s\p{N}])`` because a piece between
 #: digits ends where the next digit starts.
-SMOLLM_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
+SMOLLM_PATTERN = (
+    r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
+)
 
 #: Names accepted wherever a pattern is expected, including GGUF ``tokenizer.ggml.pre`` values.
 PATTERNS = {
@@ -112,12 +114,18 @@ def ascii_variant(pattern: str) -> str | None:
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
-            tok = pattern[i : i + 5] if pattern.startswith(("\\p{L}", "\\p{N}"), i) else pattern[i : i + 2]
+            tok = (
+                pattern[i : i + 5]
+                if pattern.startswith(("\\p{L}", "\\p{N}"), i)
+                else pattern[i : i + 2]
+            )
             inner = {"\\p{L}": "A-Za-z", "\\p{N}": "0-9", "\\s": _ASCII_SPACE}.get(tok)
             if inner is not None:
                 out.append(inner if in_class else f"[{inner}]")
             elif tok == "\\S":
-                out.append(f"[^{_ASCII_SPACE}]")  # never used inside a class by the built-in patterns
+                out.append(
+                    f"[^{_ASCII_SPACE}]"
+                )  # never used inside a class by the built-in patterns
             else:
                 out.append(tok)
             i += len(tok)

@@ -56,7 +56,9 @@ def _checked_dtype(dtype, path: Path) -> np.dtype:
     try:
         dtype = np.dtype(dtype)
     except TypeError:
-        raise ValueError(f"{path}: token dtype {dtype!r} is not one of uint16, uint32, int32, int64") from None
+        raise ValueError(
+            f"{path}: token dtype {dtype!r} is not one of uint16, uint32, int32, int64"
+        ) from None
     if dtype not in READ_DTYPES:
         raise ValueError(f"{path}: token dtype {dtype} is not one of uint16, uint32, int32, int64")
     return dtype
@@ -71,9 +73,14 @@ def read_sidecar(path: str | os.PathLike) -> TokenFileInfo:
         meta = json.loads(side.read_text(encoding="utf-8"))
         dtype = meta["dtype"]
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{side}: not a token-file sidecar (a JSON object with 'dtype'): {e!r}") from None
-    return TokenFileInfo(_checked_dtype(dtype, path), _int_or_none(meta.get("n_tokens")),
-                         _int_or_none(meta.get("vocab_size")))
+        raise ValueError(
+            f"{side}: not a token-file sidecar (a JSON object with 'dtype'): {e!r}"
+        ) from None
+    return TokenFileInfo(
+        _checked_dtype(dtype, path),
+        _int_or_none(meta.get("n_tokens")),
+        _int_or_none(meta.get("vocab_size")),
+    )
 
 
 def is_token_file(path: str | os.PathLike, strict: bool = False) -> bool:
@@ -96,27 +103,41 @@ def open_tokens(path: str | os.PathLike, dtype: str | np.dtype | None = None) ->
     """Memory-map a token file; ``dtype=None`` reads it from the sidecar, whose count must match the file."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"token file {str(path)!r} does not exist (write one with `lmstack tokenizer encode`)")
-    info = read_sidecar(path) if dtype is None else TokenFileInfo(_checked_dtype(dtype, path), None, None)
+        raise FileNotFoundError(
+            f"token file {str(path)!r} does not exist (write one with `lmstack tokenizer encode`)"
+        )
+    info = (
+        read_sidecar(path)
+        if dtype is None
+        else TokenFileInfo(_checked_dtype(dtype, path), None, None)
+    )
     dtype, size = info.dtype, path.stat().st_size
     if size % dtype.itemsize:
-        raise ValueError(f"{path}: size {size} bytes is not a multiple of {dtype} ({dtype.itemsize} bytes)")
+        raise ValueError(
+            f"{path}: size {size} bytes is not a multiple of {dtype} ({dtype.itemsize} bytes)"
+        )
     n = info.n_tokens
     if n is not None and n * dtype.itemsize != size:
-        raise ValueError(f"{path}: the sidecar says {n} tokens of {dtype} ({n * dtype.itemsize} bytes) "
-                         f"but the file has {size} bytes: the sidecar's dtype or count does not match the file")
+        raise ValueError(
+            f"{path}: the sidecar says {n} tokens of {dtype} ({n * dtype.itemsize} bytes) "
+            f"but the file has {size} bytes: the sidecar's dtype or count does not match the file"
+        )
     if size == 0:
         raise ValueError(f"{path}: empty token file")
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def check_token_ids(tokens: np.ndarray, vocab_size: int, name: str = "token file", chunk: int = 1 << 22) -> None:
+def check_token_ids(
+    tokens: np.ndarray, vocab_size: int, name: str = "token file", chunk: int = 1 << 22
+) -> None:
     """Every id in ``tokens`` must be in [0, vocab_size): scanned in chunks (a memmap is read once,
     ``chunk`` ids at a time); raises ValueError with the first bad value and its position."""
     for start in range(0, len(tokens), chunk):
-        part = np.asarray(tokens[start:start + chunk])
+        part = np.asarray(tokens[start : start + chunk])
         if part.min() < 0 or part.max() >= vocab_size:
             i = int(np.flatnonzero((part < 0) | (part >= vocab_size))[0])
-            raise ValueError(f"{name}: token id {int(part[i])} at position {start + i} is outside the model's "
-                             f"vocabulary 0..{vocab_size - 1} (vocab_size={vocab_size}); re-encode the data with "
-                             "the model's tokenizer or raise model.vocab_size")
+            raise ValueError(
+                f"{name}: token id {int(part[i])} at position {start + i} is outside the model's "
+                f"vocabulary 0..{vocab_size - 1} (vocab_size={vocab_size}); re-encode the data with "
+                "the model's tokenizer or raise model.vocab_size"
+            )

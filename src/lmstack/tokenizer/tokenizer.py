@@ -80,9 +80,13 @@ class Tokenizer:
         self.vocab: dict[int, bytes] = _checked_vocab(vocab)
         self.merges: list[tuple[bytes, bytes]] = [(bytes(a), bytes(b)) for a, b in merges]
         self.pattern: str = resolve_pattern(pattern)
-        self.pattern_name: str | None = pattern if pattern is not None and pattern != self.pattern else None
+        self.pattern_name: str | None = (
+            pattern if pattern is not None and pattern != self.pattern else None
+        )
         self._pat = regex.compile(self.pattern)
-        self._pre = PreTokenizer(self.pattern)  # same pieces as self._pat, faster on ASCII stretches
+        self._pre = PreTokenizer(
+            self.pattern
+        )  # same pieces as self._pat, faster on ASCII stretches
         self.cache_size = int(cache_size)
         # Optional metadata a file format may carry (GGUF, tokenizer.json).
         self.bos_token_id: int | None = None
@@ -195,7 +199,9 @@ class Tokenizer:
         first, as HF ``tokenizers`` does), keeping a list of pair ranks that is updated only next to
         each merge, so every step is one C-level ``min`` and ``index`` plus two dict lookups.
         """
-        ids = list(map(ord, piece.decode("latin-1").translate(self._byte_chars)))  # missing bytes dropped
+        ids = list(
+            map(ord, piece.decode("latin-1").translate(self._byte_chars))
+        )  # missing bytes dropped
         if len(ids) < 2:
             return ids
         rank_get = self._pair_rank.get
@@ -276,10 +282,18 @@ class Tokenizer:
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         chunksize = max(1, len(texts) // (4 * num_workers))
         with ctx.Pool(num_workers, initializer=set_worker_tokenizer, initargs=(self,)) as pool:
-            return pool.map(_worker_encode, [(t, allow_special) for t in texts], chunksize=chunksize)
+            return pool.map(
+                _worker_encode, [(t, allow_special) for t in texts], chunksize=chunksize
+            )
 
-    def encode_concat(self, texts: Iterable[str], dtype, sep_id: int | None = None, allow_special: bool = True,
-                      num_threads: int = 1) -> np.ndarray:
+    def encode_concat(
+        self,
+        texts: Iterable[str],
+        dtype,
+        sep_id: int | None = None,
+        allow_special: bool = True,
+        num_threads: int = 1,
+    ) -> np.ndarray:
         """The ids of every text back to back, each text followed by ``sep_id`` (e.g. EOS) when given, as one
         ``dtype`` (uint16 / uint32) array: a token file's contents, without a Python int per token."""
         texts = list(texts)
@@ -291,9 +305,17 @@ class Tokenizer:
         if sep_id is not None and not 0 <= sep_id < self.vocab_size:
             raise ValueError(f"sep_id={sep_id} is not a token id (V={self.vocab_size})")
         if self._native_splits():
-            data = native.module().encode_join(self._native_enc, texts, allow_special, max(1, num_threads),
-                                              dtype.itemsize, -1 if sep_id is None else sep_id)
-            return np.frombuffer(data, dtype=dtype.newbyteorder("=")).astype(dtype, copy=False)  # native order
+            data = native.module().encode_join(
+                self._native_enc,
+                texts,
+                allow_special,
+                max(1, num_threads),
+                dtype.itemsize,
+                -1 if sep_id is None else sep_id,
+            )
+            return np.frombuffer(data, dtype=dtype.newbyteorder("=")).astype(
+                dtype, copy=False
+            )  # native order
         tail = [] if sep_id is None else [sep_id]
         parts = [np.asarray(self.encode(t, allow_special) + tail, dtype=dtype) for t in texts]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
@@ -303,7 +325,9 @@ class Tokenizer:
         try:
             return b"".join([vocab[i] for i in ids])
         except KeyError as e:
-            raise ValueError(f"token id {e.args[0]!r} is not in the vocabulary (V={self.vocab_size})") from None
+            raise ValueError(
+                f"token id {e.args[0]!r} is not in the vocabulary (V={self.vocab_size})"
+            ) from None
 
     def decode(self, ids: Iterable[int]) -> str:
         """Ids -> text; byte sequences that are not valid UTF-8 become U+FFFD."""
@@ -327,7 +351,9 @@ class Tokenizer:
             for m in self._splitter.finditer(buf):
                 if m.start() >= end:
                     break
-                if m.end() > end:  # a definite special straddles `end`: everything before it is settled
+                if (
+                    m.end() > end
+                ):  # a definite special straddles `end`: everything before it is settled
                     out.extend(self.encode(buf[: m.start()]))
                     return buf[m.start() :]
                 seg_start = m.end()
@@ -337,9 +363,11 @@ class Tokenizer:
         if self._native_splits():  # the same cut, in C++: every pre-token but the last
             ids, keep = native.module().encode_prefix(self._native_enc, seg)
             out.extend(ids)
-            return seg[len(seg) - keep:] + buf[end:]
+            return seg[len(seg) - keep :] + buf[end:]
         pieces = self._split(seg)
-        if pieces and sum(map(len, pieces)) == len(seg):  # pre-tokens tile the segment (built-in patterns)
+        if pieces and sum(map(len, pieces)) == len(
+            seg
+        ):  # pre-tokens tile the segment (built-in patterns)
             keep = pieces.pop()
             self._encode_pieces(pieces, out)
             return keep + buf[end:]
@@ -368,11 +396,17 @@ class Tokenizer:
             yield from self.encode(buf)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = False, **extra
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = False,
+        tokenize: bool = False,
+        **extra,
     ) -> str | list[int]:
         """Render ``messages`` with ``chat_template`` (:mod:`.chat`, as HF does); ids when ``tokenize``."""
         for name, tid in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id)):
-            extra.setdefault(name, self.vocab[tid].decode("utf-8", "replace") if tid is not None else "")
+            extra.setdefault(
+                name, self.vocab[tid].decode("utf-8", "replace") if tid is not None else ""
+            )
         text = render_chat_template(self.chat_template, messages, add_generation_prompt, **extra)
         return self.encode(text) if tokenize else text
 
@@ -384,7 +418,6 @@ class Tokenizer:
             f"Tokenizer(V={self.vocab_size}, merges={len(self.merges)}, "
             f"special_tokens={len(self.special_tokens)}, pattern={self.pattern_name or self.pattern[:24] + '...'})"
         )
-
 
 
 # Worker-process state for Tokenizer.encode_batch / dataset encoding: each pool worker holds the

@@ -37,7 +37,9 @@ def _paths(input_path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[
     for p in items:
         p = Path(p)
         if p.is_dir():
-            raise ValueError(f"input {str(p)!r} is a directory; pass files (e.g. sorted(dir.rglob('*.txt')))")
+            raise ValueError(
+                f"input {str(p)!r} is a directory; pass files (e.g. sorted(dir.rglob('*.txt')))"
+            )
         if not p.is_file():
             raise FileNotFoundError(f"training input {str(p)!r} does not exist")
         paths.append(p)
@@ -75,7 +77,9 @@ def find_chunk_boundaries(
     n_chunks = max(1, min(n_chunks, size // 4096 or 1))
     guesses = [size * i // n_chunks for i in range(1, n_chunks)]
     bounds = [0]
-    finder = regex.compile(b"|".join(regex.escape(t) for t in split_tokens)) if split_tokens else None
+    finder = (
+        regex.compile(b"|".join(regex.escape(t) for t in split_tokens)) if split_tokens else None
+    )
     back = max((len(t) for t in split_tokens), default=0)  # look this far behind a candidate
     with open(path, "rb") as f:
         for g in guesses:
@@ -85,7 +89,9 @@ def find_chunk_boundaries(
             f.seek(start)
             block = f.read(window + (g - start))
             cut = None
-            for searcher in ([finder] if finder is not None else []) + ([_SAFE_CUT] if safe_cuts else []):
+            for searcher in ([finder] if finder is not None else []) + (
+                [_SAFE_CUT] if safe_cuts else []
+            ):
                 for m in searcher.finditer(block, g - start, overlapped=searcher is finder):
                     if not _inside_special(block, m.start(), split_tokens):
                         cut = start + m.start()
@@ -160,11 +166,19 @@ def count_pretokens(
     pattern = resolve_training_pattern(pattern)
     specials = tuple(special_tokens)
     split_bytes = [s.encode("utf-8") for s in specials]
-    workers, total, ranges = plan_chunks(paths, split_bytes, num_workers, _CHUNK_BYTES,
-                                         safe_cuts=pattern in PATTERNS.values(), min_chunks_per_worker=True)
+    workers, total, ranges = plan_chunks(
+        paths,
+        split_bytes,
+        num_workers,
+        _CHUNK_BYTES,
+        safe_cuts=pattern in PATTERNS.values(),
+        min_chunks_per_worker=True,
+    )
     tasks = [(p, s, e, pattern, specials) for p, s, e in ranges]
     counts: Counter = Counter()
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="pre-tokens", disable=_disable(progress, total))
+    bar = tqdm(
+        total=total, unit="B", unit_scale=True, desc="pre-tokens", disable=_disable(progress, total)
+    )
     if workers == 1:
         for t in tasks:
             counts.update(_count_chunk(t))
@@ -181,7 +195,9 @@ def count_pretokens(
 
 def _disable(progress: bool | None, total: int) -> bool | None:
     if progress is None:
-        return None if total >= (8 << 20) else True  # auto: only on a terminal, only for large inputs
+        return (
+            None if total >= (8 << 20) else True
+        )  # auto: only on a terminal, only for large inputs
     return not progress
 
 
@@ -240,7 +256,9 @@ def merge_counts(
 
     merges: list[tuple[bytes, bytes]] = []
     n_merges = vocab_size - len(vocab)
-    bar = tqdm(total=n_merges, unit="merge", desc="merges", disable=_disable(progress, n_merges << 12))
+    bar = tqdm(
+        total=n_merges, unit="merge", desc="merges", disable=_disable(progress, n_merges << 12)
+    )
     while len(merges) < n_merges:
         while heap:
             negc, _, pair = heapq.heappop(heap)
@@ -266,7 +284,9 @@ def merge_counts(
             for p in map(str.__add__, out, out[1:]):
                 delta[p] += f
                 if newc in p:
-                    where[p].add(idx)  # other pairs of `out` were already adjacent in `w`, so indexed
+                    where[p].add(
+                        idx
+                    )  # other pairs of `out` were already adjacent in `w`, so indexed
             words[idx] = out
         for p, d in delta.items():
             if d == 0:

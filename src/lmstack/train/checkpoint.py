@@ -38,8 +38,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lmstack.run_state import (CheckpointError, capture_rng, commit_dir, fsync_path, join_optimizer, restore_rng,
-                               split_optimizer)
+from lmstack.run_state import (
+    CheckpointError,
+    capture_rng,
+    commit_dir,
+    fsync_path,
+    join_optimizer,
+    restore_rng,
+    split_optimizer,
+)
 from lmstack.utils import atomic_write_text
 
 FORMAT = "lmstack-train-checkpoint-v1"
@@ -53,7 +60,9 @@ class CheckpointWriteError(OSError):
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
-    except SafetensorError as e:  # safetensors reports an OSError (ENOSPC, EIO) as its own error type
+    except (
+        SafetensorError
+    ) as e:  # safetensors reports an OSError (ENOSPC, EIO) as its own error type
         code = errno.ENOSPC if "No space left" in str(e) or "StorageFull" in str(e) else errno.EIO
         raise OSError(code, f"{os.strerror(code)} ({e})", str(path)) from None
     fsync_path(path)
@@ -61,12 +70,15 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 # ---- save / find / load -----------------------------------------------------------------------
 
+
 def step_dirs(directory: str | os.PathLike) -> list[Path]:
     """Complete checkpoints in ``directory`` (``step_N`` folders), oldest first."""
     d = Path(directory)
     if not d.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    found = [
+        (int(m.group(1)), p) for p in d.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -80,15 +92,21 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         name = pointer.read_text().strip()
         p = d / name
         if not _STEP_DIR.match(name):
-            raise CheckpointError(f"{pointer} holds {name!r}, not a checkpoint name like 'step_00000010'")
-        if not p.exists():  # a re-save died between moving the old one aside and renaming the new one in
+            raise CheckpointError(
+                f"{pointer} holds {name!r}, not a checkpoint name like 'step_00000010'"
+            )
+        if (
+            not p.exists()
+        ):  # a re-save died between moving the old one aside and renaming the new one in
             aside = sorted(q for q in d.glob(f".old_{name}_*") if (q / "state.json").is_file())
             if aside:
                 return aside[-1]  # recover() renames it back when the next run starts
         if not (p / "state.json").is_file():
             others = [q.name for q in step_dirs(d)]
-            raise CheckpointError(f"{pointer} names {p}, which is {'incomplete' if p.exists() else 'missing'}; "
-                                  f"resume from one of {others or 'no other checkpoints'} with --resume PATH")
+            raise CheckpointError(
+                f"{pointer} names {p}, which is {'incomplete' if p.exists() else 'missing'}; "
+                f"resume from one of {others or 'no other checkpoints'} with --resume PATH"
+            )
         return p
     dirs = step_dirs(d)
     return dirs[-1] if dirs else None
@@ -138,7 +156,7 @@ def prune(directory: str | os.PathLike, keep_last: int, current: Path) -> list[P
     others = [p for p in step_dirs(d) if p.name not in protected]
     # keep order: steps before ``current``, newest first; then the abandoned ones past it
     ranked = sorted(others, key=lambda p: (int(p.name[5:]) > step, -int(p.name[5:])))
-    removed = ranked[max(keep_last - len(protected), 0):]
+    removed = ranked[max(keep_last - len(protected), 0) :]
     for p in removed:
         gone = d / f".pruned_{p.name}_{os.getpid()}"
         os.rename(p, gone)
@@ -146,9 +164,15 @@ def prune(directory: str | os.PathLike, keep_last: int, current: Path) -> list[P
     return removed
 
 
-def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None, state: dict[str, Any] | None = None,
-                    data_generator: torch.Generator | None = None, keep_last: int | None = None) -> Path:
+def save_checkpoint(
+    directory: str | os.PathLike,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    state: dict[str, Any] | None = None,
+    data_generator: torch.Generator | None = None,
+    keep_last: int | None = None,
+) -> Path:
     """Write ``<directory>/step_<step>`` atomically; prune to ``keep_last``; return its path.
 
     ``state`` is any JSON-ready dict (config, schedule, tokens seen, metrics, tokenizer path).
@@ -165,9 +189,16 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
             prev = latest_checkpoint(d)
         except CheckpointError:
             prev = None
-        kept = f"the previous checkpoint {prev} is intact" if prev is not None else "no earlier checkpoint exists"
-        raise CheckpointWriteError(e.errno or errno.EIO, f"cannot write checkpoint {final} ({e.strerror or e}); "
-                                   f"{kept}. Free some space (or set out_dir elsewhere) and resume") from None
+        kept = (
+            f"the previous checkpoint {prev} is intact"
+            if prev is not None
+            else "no earlier checkpoint exists"
+        )
+        raise CheckpointWriteError(
+            e.errno or errno.EIO,
+            f"cannot write checkpoint {final} ({e.strerror or e}); "
+            f"{kept}. Free some space (or set out_dir elsewhere) and resume",
+        ) from None
     # re-saving the same step moves the old one aside first (recover() puts it back)
     old = commit_dir(tmp, final, d / f".old_step_{step:08d}_{os.getpid()}")
     atomic_write_text(d / "latest", final.name + "\n")
@@ -180,8 +211,14 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
     return final
 
 
-def _write_checkpoint_files(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
-                            state: dict[str, Any] | None, data_generator: torch.Generator | None) -> None:
+def _write_checkpoint_files(
+    tmp: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int,
+    state: dict[str, Any] | None,
+    data_generator: torch.Generator | None,
+) -> None:
     """Every file of one checkpoint into the fresh folder ``tmp``, each fsync'ed."""
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -225,9 +262,13 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return out
 
 
-def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None,
-                    data_generator: torch.Generator | None = None, restore_rng_states: bool = True) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    data_generator: torch.Generator | None = None,
+    restore_rng_states: bool = True,
+) -> dict[str, Any]:
     """Restore model (and optimizer, RNG states) from ``path``; returns the JSON state."""
     ck = read_checkpoint(path)
     state = ck["model"]
@@ -235,10 +276,14 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     missing = sorted(set(own) - set(state))
     extra = sorted(set(state) - set(own))
     if missing or extra:
-        raise CheckpointError(f"{path}: model tensors do not match: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise CheckpointError(
+            f"{path}: model tensors do not match: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
     for k, v in state.items():
         if own[k].shape != v.shape:
-            raise CheckpointError(f"{path}: {k} has shape {tuple(v.shape)}, the model expects {tuple(own[k].shape)}")
+            raise CheckpointError(
+                f"{path}: {k} has shape {tuple(v.shape)}, the model expects {tuple(own[k].shape)}"
+            )
     model.load_state_dict(state)
     meta = ck["meta"]
     if optimizer is not None:

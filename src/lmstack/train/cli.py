@@ -21,23 +21,43 @@ from lmstack.train.trainer import Trainer, TrainingDiverged
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "train", help="train a model on token files (config file + key=value overrides)",
+        "train",
+        help="train a model on token files (config file + key=value overrides)",
         description="Train a Llama-family model from a TOML/JSON config (see docs/training.md). "
-                    "Overrides: lr=3e-4 max_steps=200 model.n_layers=4 ...")
+        "Overrides: lr=3e-4 max_steps=200 model.n_layers=4 ...",
+    )
     add_arguments(p)
     p.set_defaults(func=run_train)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML or JSON config file")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. lr=1e-3 model.d_model=128")
-    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-                   help="continue from the run's latest checkpoint (or the given checkpoint directory)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start afresh in an out_dir that holds a previous run: its checkpoints/, metrics.jsonl, "
-                        "config.json, model/ and loss_curve.png are deleted first (other files stay)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (and no MFU measurement)")
-    p.add_argument("--sample", default=None, metavar="PROMPT", help="after training, sample from the model")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="config overrides, e.g. lr=1e-3 model.d_model=128",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="CHECKPOINT",
+        help="continue from the run's latest checkpoint (or the given checkpoint directory)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an out_dir that holds a previous run: its checkpoints/, metrics.jsonl, "
+        "config.json, model/ and loss_curve.png are deleted first (other files stay)",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (and no MFU measurement)"
+    )
+    p.add_argument(
+        "--sample", default=None, metavar="PROMPT", help="after training, sample from the model"
+    )
     p.add_argument("--sample-tokens", type=int, default=64)
     add_threads_argument(p)
 
@@ -59,19 +79,25 @@ def split_resume(args: argparse.Namespace, extra: list[str] | None = None) -> No
 def run_train(args: argparse.Namespace) -> int:
     split_resume(args)
     if args.resume and args.overwrite:
-        raise ValueError("--resume continues the run in out_dir and --overwrite deletes it: pass one of them")
+        raise ValueError(
+            "--resume continues the run in out_dir and --overwrite deletes it: pass one of them"
+        )
     if args.config:
         config = TrainConfig.load(args.config, args.overrides)
     else:
         config = TrainConfig.from_dict(apply_overrides({}, args.overrides), where="overrides")
     # a resumed run may read its own out_dir/config.json (rewritten by the same run)
     check_run_paths(config, None if args.resume else args.config)
-    if not args.resume and not args.overwrite:  # before building anything (Trainer.fit checks again)
+    if (
+        not args.resume and not args.overwrite
+    ):  # before building anything (Trainer.fit checks again)
         refuse_existing_run(config.out_dir)
     tok = None
     if args.sample is not None:  # fail now, not after hours of training
         if not config.tokenizer:
-            raise ValueError("--sample needs tokenizer= in the config (the tokenizer to encode the prompt with)")
+            raise ValueError(
+                "--sample needs tokenizer= in the config (the tokenizer to encode the prompt with)"
+            )
         tok = load_tokenizer(config.tokenizer)
     trainer = Trainer(config, progress=not args.no_progress, overwrite=args.overwrite)
     if args.resume:
@@ -80,9 +106,11 @@ def run_train(args: argparse.Namespace) -> int:
             print(f"resumed at step {step}")
     if trainer.is_main:
         mc = trainer.model_config
-        print(f"model: {trainer.raw_model.num_params():,} parameters (L={mc.n_layers}, D={mc.d_model}, "
-              f"N={mc.n_heads}, K={mc.n_kv_heads}, F={mc.d_ff}, V={mc.vocab_size}); "
-              f"{trainer.tokens_per_step:,} tokens/step; {len(trainer.train_tokens):,} training tokens")
+        print(
+            f"model: {trainer.raw_model.num_params():,} parameters (L={mc.n_layers}, D={mc.d_model}, "
+            f"N={mc.n_heads}, K={mc.n_kv_heads}, F={mc.d_ff}, V={mc.vocab_size}); "
+            f"{trainer.tokens_per_step:,} tokens/step; {len(trainer.train_tokens):,} training tokens"
+        )
     try:
         summary = trainer.fit()
     except TrainingDiverged as e:
@@ -93,19 +121,27 @@ def run_train(args: argparse.Namespace) -> int:
     baseline = trainer.unigram_baseline()
     png = trainer.plot(baseline)
     model_dir = trainer.export()
-    print(f"step {summary['step']}: validation loss {summary['val_loss']:.4f} (perplexity {summary['val_ppl']:.2f}); "
-          f"unigram baseline {baseline:.4f}")
-    print(f"checkpoint  {summary['checkpoint']}\nmodel       {model_dir}\nmetrics     {summary['metrics']}\n"
-          f"loss curve  {png}")
+    print(
+        f"step {summary['step']}: validation loss {summary['val_loss']:.4f} (perplexity {summary['val_ppl']:.2f}); "
+        f"unigram baseline {baseline:.4f}"
+    )
+    print(
+        f"checkpoint  {summary['checkpoint']}\nmodel       {model_dir}\nmetrics     {summary['metrics']}\n"
+        f"loss curve  {png}"
+    )
     if tok is not None:
         print(args.sample, end="", flush=True)
-        params = SamplingParams(max_tokens=args.sample_tokens, temperature=0.8, top_k=50, seed=config.seed)
+        params = SamplingParams(
+            max_tokens=args.sample_tokens, temperature=0.8, top_k=50, seed=config.seed
+        )
         stream_generate(trainer.raw_model.eval(), tok, args.sample, params)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lmstack.train", description="lmstack training (torchrun-friendly)")
+    p = argparse.ArgumentParser(
+        prog="python -m lmstack.train", description="lmstack training (torchrun-friendly)"
+    )
     add_arguments(p)
     args, extra = p.parse_known_args(argv)
     try:

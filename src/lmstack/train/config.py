@@ -82,8 +82,12 @@ class TrainConfig:
     # runtime choices (lmstack.kernels.runtime.RuntimeConfig); ``[model] attn_backend = ...`` is still read
     attn_backend: str = "auto"  # auto | sdpa | reference | matmul | flash_pytorch | flash_triton
     norm_backend: str = "auto"  # auto | torch | triton
-    fused_loss: bool = True  # unembedding + cross-entropy block by block, never the (B·S, V) logits (losses.py)
-    quant: str | None = None  # "int4-qat": quantisation-aware training, fake-quantised block linears (quant/qat.py)
+    fused_loss: bool = (
+        True  # unembedding + cross-entropy block by block, never the (B·S, V) logits (losses.py)
+    )
+    quant: str | None = (
+        None  # "int4-qat": quantisation-aware training, fake-quantised block linears (quant/qat.py)
+    )
     # ---- evaluation, logging, checkpoints
     eval_interval: int = 100
     eval_batches: int = 20
@@ -92,31 +96,52 @@ class TrainConfig:
     ckpt_interval: int = 0  # 0: only at the end
     keep_last: int = 2
     seed: int = 0
-    stop_after: int | None = None  # stop (and checkpoint) after this many steps without changing the schedule
-    time_limit_s: float | None = None  # stop (and checkpoint) once training has run this long (wall clock)
+    stop_after: int | None = (
+        None  # stop (and checkpoint) after this many steps without changing the schedule
+    )
+    time_limit_s: float | None = (
+        None  # stop (and checkpoint) once training has run this long (wall clock)
+    )
     # ---- distributed: a lmstack.parallel plan, as a table ({dp = 2, tp = 2, zero = 1}) or a string
     # ("ddp", "zero1", "dp=2,tp=2,zero=1"); None = one process. Launch with torchrun (docs/parallel.md).
     parallel: str | dict[str, Any] | None = None
-    dist_timeout_s: float = 600.0  # a collective waiting longer than this for a stalled rank fails the run
+    dist_timeout_s: float = (
+        600.0  # a collective waiting longer than this for a stalled rank fails the run
+    )
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_zero: bool = False) -> None:
-            setattr(self, name, check_int(name, getattr(self, name), TrainConfigError, 0 if allow_zero else 1))
+            setattr(
+                self,
+                name,
+                check_int(name, getattr(self, name), TrainConfigError, 0 if allow_zero else 1),
+            )
 
         def num(name: str, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or (v <= lo if lo_open else v < lo) or (hi is not None and v >= hi):
-                raise TrainConfigError(f"{name}={v!r} must be a number in {'(' if lo_open else '['}{lo}, "
-                                       f"{hi if hi is not None else 'inf'})")
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or (v <= lo if lo_open else v < lo)
+                or (hi is not None and v >= hi)
+            ):
+                raise TrainConfigError(
+                    f"{name}={v!r} must be a number in {'(' if lo_open else '['}{lo}, "
+                    f"{hi if hi is not None else 'inf'})"
+                )
 
         for n in ("packing", "activation_checkpointing", "compile", "fused_loss"):
             check_bool(n, getattr(self, n), TrainConfigError)
         if self.quant not in (None, "int4-qat"):
-            raise TrainConfigError(f"quant={self.quant!r}; expected \"int4-qat\" (quantisation-aware training) or "
-                                   "null (post-training quantisation: `lmstack generate --dtype int4`, `LLM(quant=...)`)")
+            raise TrainConfigError(
+                f'quant={self.quant!r}; expected "int4-qat" (quantisation-aware training) or '
+                "null (post-training quantisation: `lmstack generate --dtype int4`, `LLM(quant=...)`)"
+            )
         if self.precision not in TRAIN_PRECISIONS:
-            raise TrainConfigError(f"precision={self.precision!r}; expected one of {TRAIN_PRECISIONS}")
+            raise TrainConfigError(
+                f"precision={self.precision!r}; expected one of {TRAIN_PRECISIONS}"
+            )
         self._move_runtime_keys()
         if self.qk_norm is not None:
             check_bool("qk_norm", self.qk_norm, TrainConfigError)
@@ -125,10 +150,20 @@ class TrainConfig:
                 raise TrainConfigError(f"{n}={getattr(self, n)!r} must be a string")
         for n in ("val_data", "tokenizer"):
             if getattr(self, n) is not None and not isinstance(getattr(self, n), str):
-                raise TrainConfigError(f"{n}={getattr(self, n)!r} must be a path (a string) or null")
+                raise TrainConfigError(
+                    f"{n}={getattr(self, n)!r} must be a path (a string) or null"
+                )
         if self.sep_id is not None:
             pos_int("sep_id", allow_zero=True)
-        for n in ("batch_size", "seq_len", "grad_accum", "max_steps", "eval_batches", "log_interval", "keep_last"):
+        for n in (
+            "batch_size",
+            "seq_len",
+            "grad_accum",
+            "max_steps",
+            "eval_batches",
+            "log_interval",
+            "keep_last",
+        ):
             pos_int(n)
         for n in ("warmup_steps", "decay_steps", "eval_interval", "ckpt_interval", "seed"):
             pos_int(n, allow_zero=True)
@@ -146,32 +181,44 @@ class TrainConfig:
         num("val_fraction", 0.0, 1.0)
         num("dist_timeout_s", 0.0, lo_open=True)
         if self.warmup_steps > self.max_steps:
-            raise TrainConfigError(f"warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}")
+            raise TrainConfigError(
+                f"warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise TrainConfigError(f"optimizer={self.optimizer!r}; expected one of {OPTIMIZERS}")
         if self.schedule not in SCHEDULES:
             raise TrainConfigError(f"schedule={self.schedule!r}; expected one of {SCHEDULES}")
-        if self.schedule == "wsd" and not (1 <= self.decay_steps <= self.max_steps - self.warmup_steps):
-            raise TrainConfigError(f"decay_steps={self.decay_steps} must be in [1, max_steps - warmup_steps] "
-                                   "for schedule='wsd'")
+        if self.schedule == "wsd" and not (
+            1 <= self.decay_steps <= self.max_steps - self.warmup_steps
+        ):
+            raise TrainConfigError(
+                f"decay_steps={self.decay_steps} must be in [1, max_steps - warmup_steps] "
+                "for schedule='wsd'"
+            )
         if not isinstance(self.model, dict):
             raise TrainConfigError(f"model={self.model!r} must be a table of ModelConfig fields")
         if self.packing and self.sep_id is None:
-            raise TrainConfigError("packing=true needs sep_id (the id of the document separator, e.g. <|endoftext|>)")
+            raise TrainConfigError(
+                "packing=true needs sep_id (the id of the document separator, e.g. <|endoftext|>)"
+            )
         if self.stop_after is not None:
             pos_int("stop_after")
         if self.time_limit_s is not None:
             num("time_limit_s", 0.0, lo_open=True)
         if self.parallel is not None:
             if not isinstance(self.parallel, (str, dict)):
-                raise TrainConfigError(f"parallel={self.parallel!r} must be a table (e.g. {{dp = 2, zero = 1}}) "
-                                       "or a string (e.g. 'ddp' or 'dp=2,tp=2')")
+                raise TrainConfigError(
+                    f"parallel={self.parallel!r} must be a table (e.g. {{dp = 2, zero = 1}}) "
+                    "or a string (e.g. 'ddp' or 'dp=2,tp=2')"
+                )
             try:
                 ParallelPlan.parse(self.parallel)
             except (ValueError, TypeError) as e:
                 raise TrainConfigError(f"parallel={self.parallel!r}: {e}") from None
         if not self.train_data:
-            raise TrainConfigError("train_data is required: a token file from `lmstack tokenizer encode`")
+            raise TrainConfigError(
+                "train_data is required: a token file from `lmstack tokenizer encode`"
+            )
 
     def _move_runtime_keys(self) -> None:
         """``[model] attn_backend/norm_backend`` (the spelling before RuntimeConfig) become the top-level keys."""
@@ -181,8 +228,10 @@ class TrainConfig:
                 if key in self.model:
                     value = self.model.pop(key)
                     if getattr(self, key) not in ("auto", value):
-                        raise TrainConfigError(f"model.{key}={value!r} and {key}={getattr(self, key)!r} disagree; "
-                                               f"{key} is a runtime choice now: set only the top-level {key}")
+                        raise TrainConfigError(
+                            f"model.{key}={value!r} and {key}={getattr(self, key)!r} disagree; "
+                            f"{key} is a runtime choice now: set only the top-level {key}"
+                        )
                     setattr(self, key, value)
         try:
             self.runtime()
@@ -194,7 +243,9 @@ class TrainConfig:
         ``lmstack.kernels.runtime.configure``). The TOML keeps them as top-level keys. The Trainer resolves
         ``precision="auto"`` (``lmstack.cpu.choose_precision``) before it asks; unresolved, auto reads as fp32."""
         dtype = "fp32" if self.precision == "auto" else self.precision
-        return RuntimeConfig(self.attn_backend, self.norm_backend, dtype=dtype, compile=self.compile)
+        return RuntimeConfig(
+            self.attn_backend, self.norm_backend, dtype=dtype, compile=self.compile
+        )
 
     # ---- model ---------------------------------------------------------------------------
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
@@ -213,10 +264,14 @@ class TrainConfig:
         except (ConfigError, TypeError) as e:
             raise TrainConfigError(f"model: {e}") from None
         if self.seq_len > cfg.max_seq_len:
-            raise TrainConfigError(f"seq_len={self.seq_len} exceeds model.max_seq_len={cfg.max_seq_len}")
+            raise TrainConfigError(
+                f"seq_len={self.seq_len} exceeds model.max_seq_len={cfg.max_seq_len}"
+            )
         if self.sep_id is not None and self.sep_id >= cfg.vocab_size:
-            raise TrainConfigError(f"sep_id={self.sep_id} is not a token id of the model (vocab_size="
-                                   f"{cfg.vocab_size}: ids 0..{cfg.vocab_size - 1})")
+            raise TrainConfigError(
+                f"sep_id={self.sep_id} is not a token id of the model (vocab_size="
+                f"{cfg.vocab_size}: ids 0..{cfg.vocab_size - 1})"
+            )
         return cfg
 
     # ---- (de)serialisation ---------------------------------------------------------------
@@ -224,15 +279,17 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "config") -> "TrainConfig":
+    def from_dict(cls, d: dict[str, Any], where: str = "config") -> TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise TrainConfigError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(known)}")
+            raise TrainConfigError(
+                f"{where}: unknown key(s) {unknown}; known keys: {sorted(known)}"
+            )
         return cls(**d)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> "TrainConfig":
+    def load(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> TrainConfig:
         """Read a ``.toml`` or ``.json`` file, apply ``key=value`` overrides, validate."""
         p = Path(path)
         if not p.is_file():
@@ -270,7 +327,9 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``key=value`` / ``model.key=value`` strings to the raw config dict in place."""
     for item in overrides:
         if "=" not in item:
-            raise TrainConfigError(f"override {item!r} must look like key=value (e.g. lr=3e-4 or model.n_layers=4)")
+            raise TrainConfigError(
+                f"override {item!r} must look like key=value (e.g. lr=3e-4 or model.n_layers=4)"
+            )
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
         target = d

@@ -31,13 +31,19 @@ def resolve_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device={device!r} is not a valid torch device (expected 'cpu', 'cuda', 'cuda:0', "
-                         f"'mps' or 'auto'): {e}") from None
+        raise ValueError(
+            f"device={device!r} is not a valid torch device (expected 'cpu', 'cuda', 'cuda:0', "
+            f"'mps' or 'auto'): {e}"
+        ) from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: CUDA is not available on this machine (use 'cpu' or 'auto')")
+            raise ValueError(
+                f"device={device!r}: CUDA is not available on this machine (use 'cpu' or 'auto')"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+            raise ValueError(
+                f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) here"
+            )
     elif dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device={device!r}: MPS is not available on this machine")
     elif dev.type not in ("cpu", "cuda", "mps"):
@@ -58,9 +64,11 @@ class Batch:
     def n_tokens(self) -> int:
         return int(self.x.numel())
 
-    def to(self, device: torch.device) -> "Batch":
+    def to(self, device: torch.device) -> Batch:
         nb = device.type == "cuda"
-        mv = lambda t: None if t is None else (t.pin_memory() if nb else t).to(device, non_blocking=nb)  # noqa: E731
+        mv = lambda t: (
+            None if t is None else (t.pin_memory() if nb else t).to(device, non_blocking=nb)
+        )  # noqa: E731
         return Batch(mv(self.x), mv(self.y), mv(self.positions), mv(self.document_ids))
 
 
@@ -94,8 +102,14 @@ def make_batch(window: np.ndarray, sep_id: int | None = None) -> Batch:
     return Batch(x, y, torch.from_numpy(pos[:, :-1].copy()), doc_t[:, :-1].contiguous())
 
 
-def get_batch(data: np.ndarray, batch_size: int, seq_len: int, device: str | torch.device = "cpu",
-              generator: torch.Generator | None = None, sep_id: int | None = None) -> Batch:
+def get_batch(
+    data: np.ndarray,
+    batch_size: int,
+    seq_len: int,
+    device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
+    sep_id: int | None = None,
+) -> Batch:
     """B random windows of S + 1 tokens: x (B, S), y (B, S) = x shifted by one, on ``device``.
 
     Start indices are uniform over all n - S valid starts [0, n - S - 1] (torch.randint with
@@ -107,15 +121,23 @@ def get_batch(data: np.ndarray, batch_size: int, seq_len: int, device: str | tor
         raise ValueError(f"seq_len={seq_len} must be >= 1")
     n = len(data)
     if n < seq_len + 1:
-        raise ValueError(f"the token data has {n} tokens; a window of seq_len={seq_len} needs at least {seq_len + 1}")
+        raise ValueError(
+            f"the token data has {n} tokens; a window of seq_len={seq_len} needs at least {seq_len + 1}"
+        )
     device = resolve_device(device)
     starts = torch.randint(0, n - seq_len, (batch_size,), generator=generator).numpy()  # (B,)
-    window = np.stack([np.asarray(data[i:i + seq_len + 1]) for i in starts])  # (B, S+1)
+    window = np.stack([np.asarray(data[i : i + seq_len + 1]) for i in starts])  # (B, S+1)
     return make_batch(window, sep_id).to(device)
 
 
-def sequential_batches(data: np.ndarray, batch_size: int, seq_len: int, device: str | torch.device = "cpu",
-                       max_batches: int | None = None, sep_id: int | None = None) -> Iterator[Batch]:
+def sequential_batches(
+    data: np.ndarray,
+    batch_size: int,
+    seq_len: int,
+    device: str | torch.device = "cpu",
+    max_batches: int | None = None,
+    sep_id: int | None = None,
+) -> Iterator[Batch]:
     """Non-overlapping windows from the start of ``data`` (evaluation): starts 0, S, 2S, ...
 
     Every token except the first is a target exactly once (up to the last full window).
@@ -123,13 +145,17 @@ def sequential_batches(data: np.ndarray, batch_size: int, seq_len: int, device: 
     """
     n = len(data)
     if n < seq_len + 1:
-        raise ValueError(f"the token data has {n} tokens; a window of seq_len={seq_len} needs at least {seq_len + 1}")
+        raise ValueError(
+            f"the token data has {n} tokens; a window of seq_len={seq_len} needs at least {seq_len + 1}"
+        )
     device = resolve_device(device)
     starts = list(range(0, n - seq_len, seq_len))
     for b, i0 in enumerate(range(0, len(starts), batch_size)):
         if max_batches is not None and b >= max_batches:
             return
-        window = np.stack([np.asarray(data[i:i + seq_len + 1]) for i in starts[i0:i0 + batch_size]])
+        window = np.stack(
+            [np.asarray(data[i : i + seq_len + 1]) for i in starts[i0 : i0 + batch_size]]
+        )
         yield make_batch(window, sep_id).to(device)
 
 
@@ -155,7 +181,7 @@ def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, sep_id: int) -> 
         if not d or d[-1] != sep_id:
             d.append(sep_id)
         for k in range(0, max(len(d) - 1, 1), seq_len):
-            piece = d[k:k + width]
+            piece = d[k : k + width]
             for r, space in enumerate(free):
                 if space >= len(piece):
                     rows[r] += piece
@@ -167,17 +193,18 @@ def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, sep_id: int) -> 
     lengths = [len(r) for r in rows]
     window = np.full((len(rows), width), sep_id, dtype=np.int64)
     for r, row in enumerate(rows):
-        window[r, :len(row)] = row
+        window[r, : len(row)] = row
     batch = make_batch(window, sep_id)
     for r, n in enumerate(lengths):
         # no loss on padding; pad tokens are separators, so each one is its own document and
         # causal attention keeps real tokens from ever seeing them
-        batch.y[r, max(n - 1, 0):] = IGNORE_INDEX
+        batch.y[r, max(n - 1, 0) :] = IGNORE_INDEX
     return batch
 
 
-def token_budget_batches(lengths: Sequence[int], max_tokens: int, shuffle: bool = True,
-                         seed: int = 0) -> list[list[int]]:
+def token_budget_batches(
+    lengths: Sequence[int], max_tokens: int, shuffle: bool = True, seed: int = 0
+) -> list[list[int]]:
     """Group variable-length sequences so each padded batch holds at most ``max_tokens`` tokens.
 
     Sequences are sorted by length (little padding), cut greedily into batches with
@@ -188,7 +215,9 @@ def token_budget_batches(lengths: Sequence[int], max_tokens: int, shuffle: bool 
         raise ValueError(f"max_tokens={max_tokens} must be >= 1")
     too_long = [i for i, n in enumerate(lengths) if n > max_tokens]
     if too_long:
-        raise ValueError(f"sequence {too_long[0]} has {lengths[too_long[0]]} tokens > max_tokens={max_tokens}")
+        raise ValueError(
+            f"sequence {too_long[0]} has {lengths[too_long[0]]} tokens > max_tokens={max_tokens}"
+        )
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     batches: list[list[int]] = []
     cur: list[int] = []
@@ -218,6 +247,6 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = 0) -> Batch:
     w = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     y_mask = torch.ones((len(seqs), width - 1), dtype=torch.bool)
     for r, s in enumerate(seqs):
-        w[r, :len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-        y_mask[r, :len(s) - 1] = False
+        w[r, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+        y_mask[r, : len(s) - 1] = False
     return Batch(w[:, :-1].contiguous(), w[:, 1:].masked_fill(y_mask, IGNORE_INDEX).contiguous())

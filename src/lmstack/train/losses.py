@@ -32,12 +32,16 @@ IGNORE_INDEX = -100
 
 class _CrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, z_alpha: float, ignore_index: int, fused: bool):
+    def forward(
+        ctx, logits: Tensor, targets: Tensor, z_alpha: float, ignore_index: int, fused: bool
+    ):
         # logits: (M, V) in any float dtype; targets: (M,) int64. Math in fp32 (fp64 stays fp64).
         compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
         x = logits.to(compute)  # (M, V)
         if fused:
-            lse = torch.logsumexp(x, dim=-1)  # (M,) log Z: torch's one-pass kernel, the same max trick
+            lse = torch.logsumexp(
+                x, dim=-1
+            )  # (M,) log Z: torch's one-pass kernel, the same max trick
         else:
             lse = logsumexp(x, dim=-1)  # (M,) lmstack.train.ops: m + log Σ exp(U - m)
         valid = targets != ignore_index  # (M,)
@@ -68,8 +72,13 @@ class _CrossEntropyZLoss(torch.autograd.Function):
         return grad.to(logits.dtype), None, None, None, None
 
 
-def cross_entropy(logits: Tensor, targets: Tensor, z_loss: float = 0.0,
-                  ignore_index: int = IGNORE_INDEX, fused: bool = True) -> tuple[Tensor, Tensor]:
+def cross_entropy(
+    logits: Tensor,
+    targets: Tensor,
+    z_loss: float = 0.0,
+    ignore_index: int = IGNORE_INDEX,
+    fused: bool = True,
+) -> tuple[Tensor, Tensor]:
     """Mean cross-entropy and mean z-loss over the targets that are not ``ignore_index``.
 
     logits: (B, S, V) or (M, V); targets: (B, S) or (M,). Returns ``(ce, z)``, two scalars;
@@ -80,12 +89,19 @@ def cross_entropy(logits: Tensor, targets: Tensor, z_loss: float = 0.0,
     """
     V = logits.shape[-1]
     if targets.shape != logits.shape[:-1]:
-        raise ValueError(f"targets shape {tuple(targets.shape)} does not match logits {tuple(logits.shape)} "
-                         "without the last (V) dimension")
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} does not match logits {tuple(logits.shape)} "
+            "without the last (V) dimension"
+        )
     if z_loss < 0:
         raise ValueError(f"z_loss={z_loss} must be >= 0")
-    ce, z, _ = _CrossEntropyZLoss.apply(logits.reshape(-1, V), targets.reshape(-1).long(), float(z_loss),
-                                        int(ignore_index), bool(fused))
+    ce, z, _ = _CrossEntropyZLoss.apply(
+        logits.reshape(-1, V),
+        targets.reshape(-1).long(),
+        float(z_loss),
+        int(ignore_index),
+        bool(fused),
+    )
     return ce, z
 
 
@@ -93,8 +109,18 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
-def _lce_blocks(hc: Tensor, wc: Tensor, safe: Tensor, w: Tensor, n: Tensor, z_alpha: float, rows: int,
-                g_ce: Tensor | None, g_z: Tensor | None, acc: torch.dtype):
+def _lce_blocks(
+    hc: Tensor,
+    wc: Tensor,
+    safe: Tensor,
+    w: Tensor,
+    n: Tensor,
+    z_alpha: float,
+    rows: int,
+    g_ce: Tensor | None,
+    g_z: Tensor | None,
+    acc: torch.dtype,
+):
     """One pass over blocks of ``rows`` rows: log Z and U_r per row and, when ``g_ce`` is given, the
     gradients of g_ce·CE + g_z·z w.r.t. h and Wᵤ.
 
@@ -122,8 +148,10 @@ def _lce_blocks(hc: Tensor, wc: Tensor, safe: Tensor, w: Tensor, n: Tensor, z_al
     g0 = 0  # first row of the gathered ∂U group
     for s in range(0, M, rows):
         e = min(M, s + rows)
-        u = torch.mm(hc[s:e], wc.t(), out=u_buf[:e - s])  # (rows, V) logits in the compute dtype, as autocast makes them
-        x = x_buf[:e - s]
+        u = torch.mm(
+            hc[s:e], wc.t(), out=u_buf[: e - s]
+        )  # (rows, V) logits in the compute dtype, as autocast makes them
+        x = x_buf[: e - s]
         if x is not u:
             x.copy_(u)  # to acc (fp32)
         r = safe[s:e, None]
@@ -144,19 +172,30 @@ def _lce_blocks(hc: Tensor, wc: Tensor, safe: Tensor, w: Tensor, n: Tensor, z_al
             torch.mm(x, wc, out=grad_h[s:e])  # ∂h = ∂U Wᵤ  (rows, D)
             grad_w.addmm_(x.t(), hc[s:e])  # ∂Wᵤ += ∂Uᵀ h  (V, D)
             continue
-        gu = gu_buf[s - g0:e - g0]
+        gu = gu_buf[s - g0 : e - g0]
         gu.copy_(x)  # ∂U rounded to the compute dtype, as autocast's backward of F.linear sees it
         torch.mm(gu, wc, out=grad_h[s:e])
         if e - g0 == gu_buf.shape[0] or e == M:
-            grad_w += gu_buf[:e - g0].t() @ hc[g0:e]  # (V, D) from up to 2²⁴ ∂U entries, summed in acc
+            grad_w += (
+                gu_buf[: e - g0].t() @ hc[g0:e]
+            )  # (V, D) from up to 2²⁴ ∂U entries, summed in acc
             g0 = e
     return lse, tgt, grad_h, grad_w
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, z_alpha: float, ignore_index: int, rows: int,
-                compute: torch.dtype, grad_mode: bool):
+    def forward(
+        ctx,
+        h: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        z_alpha: float,
+        ignore_index: int,
+        rows: int,
+        compute: torch.dtype,
+        grad_mode: bool,
+    ):
         # h: (M, D); weight: (V, D) (fp32 master under autocast); targets: (M,) int64
         acc = torch.float64 if compute == torch.float64 else torch.float32
         hc, wc = h.to(compute), weight.to(compute)
@@ -169,8 +208,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         one = torch.ones((), dtype=acc, device=h.device)
         # The gradient of CE + z (unit upstream gradients, the training loss) is made in this pass;
         # backward scales it, or recomputes the blocks if CE and z got different upstream gradients.
-        lse, tgt, grad_h, grad_w = _lce_blocks(hc, wc, safe, w, n, z_alpha, rows, one if need else None,
-                                               one if need else None, acc)
+        lse, tgt, grad_h, grad_w = _lce_blocks(
+            hc, wc, safe, w, n, z_alpha, rows, one if need else None, one if need else None, acc
+        )
         ce = ((lse - tgt) * w).sum() / n
         z = (lse.square() * w).sum() / n * z_alpha
         if need:
@@ -186,13 +226,38 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.z_alpha == 0.0 or torch.equal(g_ce, g_z):
             grad_h, grad_w = grad_h * g_ce, grad_w * g_ce  # the usual case: loss = CE + z
         else:
-            _, _, grad_h, grad_w = _lce_blocks(hc, wc, safe, w, n, ctx.z_alpha, ctx.rows, g_ce.to(ctx.acc),
-                                               g_z.to(ctx.acc), ctx.acc)
-        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None, None
+            _, _, grad_h, grad_w = _lce_blocks(
+                hc,
+                wc,
+                safe,
+                w,
+                n,
+                ctx.z_alpha,
+                ctx.rows,
+                g_ce.to(ctx.acc),
+                g_z.to(ctx.acc),
+                ctx.acc,
+            )
+        return (
+            grad_h.to(ctx.dtypes[0]),
+            grad_w.to(ctx.dtypes[1]),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, z_loss: float = 0.0,
-                         ignore_index: int = IGNORE_INDEX, rows: int | None = None) -> tuple[Tensor, Tensor]:
+def linear_cross_entropy(
+    h: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    z_loss: float = 0.0,
+    ignore_index: int = IGNORE_INDEX,
+    rows: int | None = None,
+) -> tuple[Tensor, Tensor]:
     """``cross_entropy(F.linear(h, weight), targets, z_loss)`` without materialising the logits.
 
     h: (B, S, D) or (M, D) final hidden states; weight: (V, D) unembedding Wᵤ; targets: (B, S) or (M,).
@@ -203,10 +268,14 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, z_loss: flo
     """
     D = h.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != D:
-        raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size D={D}; expected (V, {D})")
+        raise ValueError(
+            f"weight shape {tuple(weight.shape)} does not match hidden size D={D}; expected (V, {D})"
+        )
     if targets.shape != h.shape[:-1]:
-        raise ValueError(f"targets shape {tuple(targets.shape)} does not match h {tuple(h.shape)} "
-                         "without the last (D) dimension")
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} does not match h {tuple(h.shape)} "
+            "without the last (D) dimension"
+        )
     if z_loss < 0:
         raise ValueError(f"z_loss={z_loss} must be >= 0")
     if rows is None:
@@ -216,8 +285,16 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, z_loss: flo
     compute = _autocast_dtype(h.device.type) or torch.promote_types(h.dtype, weight.dtype)
     grad_mode = torch.is_grad_enabled()
     with torch.autocast(h.device.type, enabled=False):
-        ce, z, _ = _LinearCrossEntropy.apply(h.reshape(-1, D), weight, targets.reshape(-1).long(), float(z_loss),
-                                             int(ignore_index), int(rows), compute, grad_mode)
+        ce, z, _ = _LinearCrossEntropy.apply(
+            h.reshape(-1, D),
+            weight,
+            targets.reshape(-1).long(),
+            float(z_loss),
+            int(ignore_index),
+            int(rows),
+            compute,
+            grad_mode,
+        )
     return ce, z
 
 
@@ -234,7 +311,9 @@ def load_balance_loss(router_probs: Tensor, expert_index: Tensor, n_experts: int
     P_i = mean router probability of expert i. Equals 1 when routing is perfectly uniform.
     """
     if router_probs.shape[-1] != n_experts:
-        raise ValueError(f"router_probs has {router_probs.shape[-1]} experts, expected n_experts={n_experts}")
+        raise ValueError(
+            f"router_probs has {router_probs.shape[-1]} experts, expected n_experts={n_experts}"
+        )
     counts = torch.bincount(expert_index.reshape(-1), minlength=n_experts).to(router_probs.dtype)
     f = counts / counts.sum()  # (E,)
     P = router_probs.mean(dim=0)  # (E,)

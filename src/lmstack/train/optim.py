@@ -22,7 +22,9 @@ import torch
 from torch import Tensor
 
 
-def _check(name: str, value: float, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
+def _check(
+    name: str, value: float, lo: float, hi: float | None = None, lo_open: bool = False
+) -> None:
     bad = (value <= lo if lo_open else value < lo) or (hi is not None and value >= hi)
     if bad or not math.isfinite(value):
         rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'})"
@@ -32,14 +34,22 @@ def _check(name: str, value: float, lo: float, hi: float | None = None, lo_open:
 class AdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay and bias correction (state: ``step``, ``exp_avg`` m, ``exp_avg_sq`` v)."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ):
         _check("lr", lr, 0.0)
         _check("beta1", betas[0], 0.0, 1.0)
         _check("beta2", betas[1], 0.0, 1.0)
         _check("eps", eps, 0.0)
         _check("weight_decay", weight_decay, 0.0)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        super().__init__(
+            params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -48,7 +58,12 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            lr, (beta1, beta2), eps, wd = (
+                group["lr"],
+                group["betas"],
+                group["eps"],
+                group["weight_decay"],
+            )
             # parameters with the same step count t (all of them, unless some were frozen for a while)
             # are updated together by multi-tensor (_foreach) ops: one call per formula line, not per
             # tensor; grouped by tensor type, device and dtype too, since one _foreach call cannot mix
@@ -63,9 +78,13 @@ class AdamW(torch.optim.Optimizer):
                 if not state:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)  # m
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)  # v
+                    state["exp_avg_sq"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format
+                    )  # v
                 state["step"] += 1
-                lists = by_t.setdefault((state["step"].item(), type(p), p.device, p.dtype), ([], [], [], []))
+                lists = by_t.setdefault(
+                    (state["step"].item(), type(p), p.device, p.dtype), ([], [], [], [])
+                )
                 for lst, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
                     lst.append(t)
             for (t, *_), (ps, gs, ms, vs) in by_t.items():

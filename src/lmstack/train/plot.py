@@ -26,8 +26,12 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return [rows[k] for k in sorted(rows, key=lambda k: (k[1], k[0]))]
 
 
-def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
-                    baseline: float | None = None, title: str | None = None) -> Path:
+def plot_loss_curve(
+    metrics_path: str | os.PathLike,
+    out_png: str | os.PathLike,
+    baseline: float | None = None,
+    title: str | None = None,
+) -> Path:
     """Train loss per logged step, validation loss at each evaluation, optional unigram baseline."""
     rows = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in rows if r.get("kind", "train") == "train"]

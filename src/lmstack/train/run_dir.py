@@ -24,16 +24,27 @@ RUN_DIRS = ("checkpoints", "model")
 def run_outputs(out_dir: str | os.PathLike) -> list[tuple[str, Path]]:
     """(label, path) of everything a run writes, for ``lmstack.utils.check_outputs``."""
     d = Path(out_dir)
-    files = [(f"out_dir's {name}" + ("/" if name in RUN_DIRS else ""), d / name) for name in RUN_FILES]
-    return files + [(f"out_dir's model/{name}", d / "model" / name)
-                    for name in ("config.json", "model.safetensors", "tokenizer.json")]
+    files = [
+        (f"out_dir's {name}" + ("/" if name in RUN_DIRS else ""), d / name) for name in RUN_FILES
+    ]
+    return files + [
+        (f"out_dir's model/{name}", d / "model" / name)
+        for name in ("config.json", "model.safetensors", "tokenizer.json")
+    ]
 
 
 def check_run_paths(config, config_file: str | os.PathLike | None = None) -> None:
     """No file the run writes may be (or link to) one it reads: ``train_data``, ``val_data``,
     ``tokenizer`` and the ``--config`` file (``lmstack.utils.check_outputs``; OutputError)."""
-    check_outputs(run_outputs(config.out_dir), [("--config", config_file), ("train_data", config.train_data),
-                                                ("val_data", config.val_data), ("tokenizer", config.tokenizer)])
+    check_outputs(
+        run_outputs(config.out_dir),
+        [
+            ("--config", config_file),
+            ("train_data", config.train_data),
+            ("val_data", config.val_data),
+            ("tokenizer", config.tokenizer),
+        ],
+    )
 
 
 def existing_run(out_dir: str | os.PathLike) -> list[str]:
@@ -54,8 +65,10 @@ def refuse_existing_run(out_dir: str | os.PathLike, found: list[str] | None = No
     (``found``: what ``existing_run`` saw, when already looked up)."""
     found = existing_run(out_dir) if found is None else found
     if found:
-        raise TrainConfigError(f"out_dir {str(out_dir)!r} already holds a run ({', '.join(found)}); pass --resume "
-                               "to continue it, --overwrite to delete it and start afresh, or choose another out_dir")
+        raise TrainConfigError(
+            f"out_dir {str(out_dir)!r} already holds a run ({', '.join(found)}); pass --resume "
+            "to continue it, --overwrite to delete it and start afresh, or choose another out_dir"
+        )
 
 
 def clear_run(out_dir: str | os.PathLike) -> list[str]:
@@ -71,7 +84,9 @@ def clear_run(out_dir: str | os.PathLike) -> list[str]:
         else:
             gone.unlink()
     for stale in d.glob(".overwritten_*"):  # leftovers of an earlier interrupted --overwrite
-        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(
+            missing_ok=True
+        )
     return removed
 
 

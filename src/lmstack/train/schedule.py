@@ -29,8 +29,15 @@ def cosine_lr(t: int, lr_max: float, lr_min: float, warmup_steps: int, total_ste
     return lr_min + 0.5 * (lr_max - lr_min) * (1 + math.cos(math.pi * (t - warmup_steps) / span))
 
 
-def wsd_lr(t: int, lr_max: float, lr_min: float, warmup_steps: int, total_steps: int, decay_steps: int,
-           decay_shape: str = "linear") -> float:
+def wsd_lr(
+    t: int,
+    lr_max: float,
+    lr_min: float,
+    warmup_steps: int,
+    total_steps: int,
+    decay_steps: int,
+    decay_shape: str = "linear",
+) -> float:
     if t < warmup_steps:
         return lr_max * (t + 1) / warmup_steps
     start = total_steps - decay_steps
@@ -66,11 +73,15 @@ class LRSchedule:
         if self.total_steps < 1:
             raise ValueError(f"max_steps={self.total_steps} must be >= 1")
         if not (0 <= self.warmup_steps <= self.total_steps):
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be in [0, max_steps={self.total_steps}]")
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} must be in [0, max_steps={self.total_steps}]"
+            )
         if self.kind == "wsd":
             if not (1 <= self.decay_steps <= self.total_steps - self.warmup_steps):
-                raise ValueError(f"decay_steps={self.decay_steps} must be in [1, max_steps - warmup_steps = "
-                                 f"{self.total_steps - self.warmup_steps}] for the wsd schedule")
+                raise ValueError(
+                    f"decay_steps={self.decay_steps} must be in [1, max_steps - warmup_steps = "
+                    f"{self.total_steps - self.warmup_steps}] for the wsd schedule"
+                )
             if self.decay_shape not in ("linear", "sqrt"):
                 raise ValueError(f"decay_shape={self.decay_shape!r}; expected 'linear' or 'sqrt'")
 
@@ -78,8 +89,15 @@ class LRSchedule:
         if self.kind == "cosine":
             return cosine_lr(t, self.lr_max, self.lr_min, self.warmup_steps, self.total_steps)
         if self.kind == "wsd":
-            return wsd_lr(t, self.lr_max, self.lr_min, self.warmup_steps, self.total_steps, self.decay_steps,
-                          self.decay_shape)
+            return wsd_lr(
+                t,
+                self.lr_max,
+                self.lr_min,
+                self.warmup_steps,
+                self.total_steps,
+                self.decay_steps,
+                self.decay_shape,
+            )
         return self.lr_max * (t + 1) / self.warmup_steps if t < self.warmup_steps else self.lr_max
 
     def apply(self, optimizer, t: int) -> float:

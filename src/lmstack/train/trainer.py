@@ -64,7 +64,13 @@ from lmstack.train.data import Batch, get_batch, resolve_device, sequential_batc
 from lmstack.train.losses import cross_entropy, linear_cross_entropy
 from lmstack.train.optim import SGD, AdamW, clip_grad_norm, global_grad_norm
 from lmstack.train.plot import plot_loss_curve
-from lmstack.train.run_dir import check_run_paths, clear_run, existing_run, refuse_existing_run, truncate_metrics
+from lmstack.train.run_dir import (
+    check_run_paths,
+    clear_run,
+    existing_run,
+    refuse_existing_run,
+    truncate_metrics,
+)
 from lmstack.train.schedule import LRSchedule
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,8 +84,10 @@ def optimizer_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict[s
     """Two parameter groups: matrices decay, 1-D tensors (norm gains, biases) do not."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay, "weight_decay": config.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def optimizer_class(config: TrainConfig) -> tuple[type, dict[str, Any]]:
@@ -96,8 +104,14 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 
 
 def build_schedule(config: TrainConfig) -> LRSchedule:
-    return LRSchedule(config.schedule, config.lr, config.min_lr, config.warmup_steps, config.max_steps,
-                      config.decay_steps)
+    return LRSchedule(
+        config.schedule,
+        config.lr,
+        config.min_lr,
+        config.warmup_steps,
+        config.max_steps,
+        config.decay_steps,
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -109,7 +123,10 @@ def device_peak_flops(device_type: str, precision: str) -> float:
     if device_type == "cuda":
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[key]
         n = 8192
-        a, b = torch.randn(n, n, device="cuda", dtype=dt), torch.randn(n, n, device="cuda", dtype=dt)
+        a, b = (
+            torch.randn(n, n, device="cuda", dtype=dt),
+            torch.randn(n, n, device="cuda", dtype=dt),
+        )
         for _ in range(3):
             a @ b
         torch.cuda.synchronize()
@@ -154,8 +171,14 @@ class Trainer:
     so a subclass or a distributed wrapper can replace one without copying the loop.
     """
 
-    def __init__(self, config: TrainConfig, parallelize: Callable[["Trainer", torch.nn.Module], torch.nn.Module]
-                 | None = None, progress: bool = True, peak_flops: float | None = None, overwrite: bool = False):
+    def __init__(
+        self,
+        config: TrainConfig,
+        parallelize: Callable[[Trainer, torch.nn.Module], torch.nn.Module] | None = None,
+        progress: bool = True,
+        peak_flops: float | None = None,
+        overwrite: bool = False,
+    ):
         """``overwrite``: a fresh run may replace a previous run in ``out_dir`` (its files are deleted
         when ``fit`` starts); without it a fresh run into a folder holding a run is refused."""
         self.config = c = config
@@ -190,32 +213,44 @@ class Trainer:
             self.train_tokens, self.val_tokens = tokens[:cut], tokens[cut:]
         for name, arr in (("training", self.train_tokens), ("validation", self.val_tokens)):
             if len(arr) < c.seq_len + 1:
-                raise TrainConfigError(f"the {name} split has {len(arr)} tokens, fewer than seq_len + 1 = "
-                                       f"{c.seq_len + 1} (use a larger corpus, a smaller seq_len or val_fraction)")
+                raise TrainConfigError(
+                    f"the {name} split has {len(arr)} tokens, fewer than seq_len + 1 = "
+                    f"{c.seq_len + 1} (use a larger corpus, a smaller seq_len or val_fraction)"
+                )
 
         # ---- model ----
         self.model_config = c.model_config(vocab_size=data_vocab)
         if isinstance(data_vocab, int) and data_vocab > self.model_config.vocab_size:
-            raise TrainConfigError(f"the data's vocab_size={data_vocab} exceeds model.vocab_size="
-                                   f"{self.model_config.vocab_size}; token ids would be out of range")
+            raise TrainConfigError(
+                f"the data's vocab_size={data_vocab} exceeds model.vocab_size="
+                f"{self.model_config.vocab_size}; token ids would be out of range"
+            )
         check_token_ids(tokens, self.model_config.vocab_size, f"train_data {c.train_data}")
         if c.val_data:
             check_token_ids(self.val_tokens, self.model_config.vocab_size, f"val_data {c.val_data}")
-        if self.is_main:  # before any rank reads a checkpoint (parallelize below synchronises the ranks)
+        if (
+            self.is_main
+        ):  # before any rank reads a checkpoint (parallelize below synchronises the ranks)
             for line in ckpt.recover(self.ckpt_dir):
                 print(f"checkpoints: {line}")
         self.raw_model = Transformer(self.model_config, device=self.device, seed=c.seed)
         self.runtime = c.runtime()  # backends, precision, compile: how this run computes
-        runtime_line = configure(self.raw_model, self.runtime, self.device, training=True, max_keys=c.seq_len)
+        runtime_line = configure(
+            self.raw_model, self.runtime, self.device, training=True, max_keys=c.seq_len
+        )
         if self.is_main:
             print(f"{self.precision_choice.line()}\n{runtime_line}")
         self.raw_model.activation_checkpointing = c.activation_checkpointing
-        if c.quant == "int4-qat":  # seed 001 "有损提速": train through the int4 rounding (straight-through)
+        if (
+            c.quant == "int4-qat"
+        ):  # seed 001 "有损提速": train through the int4 rounding (straight-through)
             prepare_qat(self.raw_model, "int4")
         self.raw_model.train()
         self._parallelize_fn = parallelize
         self.parallel_model = None  # a lmstack.parallel.ParallelWrapper when config.parallel is set
-        self._full_state: dict[str, torch.Tensor] | None = None  # last gathered full parameters (rank 0)
+        self._full_state: dict[str, torch.Tensor] | None = (
+            None  # last gathered full parameters (rank 0)
+        )
         self.model = self.parallelize(self.raw_model)
         pm = self.parallel_model
         # data-parallel coordinates: the tp/pp/cp ranks of one replica read the same rows
@@ -226,18 +261,26 @@ class Trainer:
         self.optimizer = self.build_optimizer()
         self.schedule = build_schedule(c)
         # fp16 has a narrow exponent range: scale the loss so small gradients do not underflow
-        self.scaler = torch.amp.GradScaler(self.device.type) if self.runtime.dtype == "fp16" else None
+        self.scaler = (
+            torch.amp.GradScaler(self.device.type) if self.runtime.dtype == "fp16" else None
+        )
         if self.scaler is not None and pm is not None and not pm.fp16_scaler_ok:
-            raise TrainConfigError(f"precision='fp16' with parallel={c.parallel!r}: the fp16 loss scaler checks "
-                                   "for overflow per rank, which sharded plans (tp, pp, ZeRO) would let diverge; "
-                                   "use precision='bf16' or 'fp32'")
+            raise TrainConfigError(
+                f"precision='fp16' with parallel={c.parallel!r}: the fp16 loss scaler checks "
+                "for overflow per rank, which sharded plans (tp, pp, ZeRO) would let diverge; "
+                "use precision='bf16' or 'fp32'"
+            )
         self.data_generator = torch.Generator().manual_seed(c.seed * 1_000_003 + self.dp_rank)
         self.step = 0  # optimizer steps done
         self.tokens_seen = 0
         self.last_eval: dict[str, float] = {}
         self.tokens_per_step = c.batch_size * c.grad_accum * c.seq_len * self.dp_size
-        self.flops_per_step = training_step_flops(self.model_config, c.batch_size * c.grad_accum * self.dp_size,
-                                                  c.seq_len, recompute=c.activation_checkpointing)
+        self.flops_per_step = training_step_flops(
+            self.model_config,
+            c.batch_size * c.grad_accum * self.dp_size,
+            c.seq_len,
+            recompute=c.activation_checkpointing,
+        )
         self._peak_flops = peak_flops
 
     # ---- seams for distributed training ----------------------------------------------------
@@ -252,8 +295,10 @@ class Trainer:
                 raise TrainConfigError(str(e)) from None
             return fn(self, model)
         if self.world_size > 1:
-            raise TrainConfigError(f"WORLD_SIZE={self.world_size} but no parallel strategy is set; "
-                                   "pass parallel=ddp (or another lmstack.parallel strategy)")
+            raise TrainConfigError(
+                f"WORLD_SIZE={self.world_size} but no parallel strategy is set; "
+                "pass parallel=ddp (or another lmstack.parallel strategy)"
+            )
         return model
 
     def build_optimizer(self) -> torch.optim.Optimizer:
@@ -287,18 +332,29 @@ class Trainer:
         through the pipeline schedule together (m = grad_accum micro-batches in flight, each loss
         scaled by 1/m), then ``optimizer_step`` as usual."""
         c = self.raw_model.config
-        extra = [name for name, on in (("moe_aux_loss_coef / moe_device_loss_coef / moe_z_loss_coef",
-                                        c.moe_aux_loss_coef or c.moe_device_loss_coef or c.moe_z_loss_coef),
-                                       ("dsa_indexer_loss", c.dsa_indexer_loss)) if on]
+        extra = [
+            name
+            for name, on in (
+                (
+                    "moe_aux_loss_coef / moe_device_loss_coef / moe_z_loss_coef",
+                    c.moe_aux_loss_coef or c.moe_device_loss_coef or c.moe_z_loss_coef,
+                ),
+                ("dsa_indexer_loss", c.dsa_indexer_loss),
+            )
+            if on
+        ]
         if extra:  # the pipeline schedule carries one loss per micro-batch: these terms would be silently dropped
-            raise TrainConfigError(f"model.{extra[0]} > 0 with pipeline parallelism (pp > 1): the auxiliary loss is "
-                                   "not carried through the pipeline schedule; set it to 0 or train without pp")
+            raise TrainConfigError(
+                f"model.{extra[0]} > 0 with pipeline parallelism (pp > 1): the auxiliary loss is "
+                "not carried through the pipeline schedule; set it to 0 or train without pp"
+            )
         n = self.config.grad_accum
         batches = [self.next_batch() for _ in range(n)]
         x, y = torch.cat([b.x for b in batches]), torch.cat([b.y for b in batches])  # (n·B, S)
         with self.autocast():
-            ce, z = self.parallel_model.pipeline_step(x, y, lambda logits, t: cross_entropy(
-                logits, t, z_loss=self.config.z_loss)).tolist()
+            ce, z = self.parallel_model.pipeline_step(
+                x, y, lambda logits, t: cross_entropy(logits, t, z_loss=self.config.z_loss)
+            ).tolist()
         return self._finish_step(ce, z)
 
     def _finish_step(self, ce: float, z: float) -> dict[str, float]:
@@ -323,13 +379,23 @@ class Trainer:
         """bf16/fp16 autocast (seed 000 §5.4): matmuls in low precision, weights stay fp32."""
         if self.runtime.dtype == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=AUTOCAST_DTYPES[self.runtime.dtype])
+        return torch.autocast(
+            device_type=self.device.type, dtype=AUTOCAST_DTYPES[self.runtime.dtype]
+        )
 
     def next_batch(self) -> Batch:
         c = self.config
-        batch = get_batch(self.train_tokens, c.batch_size, c.seq_len, self.device, self.data_generator,
-                          c.sep_id if c.packing else None)
-        return batch if self.parallel_model is None else self.parallel_model.local_batch(batch)  # cp: its targets
+        batch = get_batch(
+            self.train_tokens,
+            c.batch_size,
+            c.seq_len,
+            self.device,
+            self.data_generator,
+            c.sep_id if c.packing else None,
+        )
+        return (
+            batch if self.parallel_model is None else self.parallel_model.local_batch(batch)
+        )  # cp: its targets
 
     def forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(cross-entropy, z-loss) of one micro-batch; logits (B, S, V).
@@ -339,12 +405,22 @@ class Trainer:
         gradients without the (B·S, V) logits. A soft-capped output (Gemma-2's ``final_softcap``) is not a
         plain linear map, so such a model takes the unfused path.
         """
-        if (self.config.fused_loss and self.parallel_model is None and self._parallelize_fn is None
-                and self.raw_model.config.final_softcap is None):
+        if (
+            self.config.fused_loss
+            and self.parallel_model is None
+            and self._parallelize_fn is None
+            and self.raw_model.config.final_softcap is None
+        ):
             with self.autocast():
-                h = self.model(batch.x, positions=batch.positions, document_ids=batch.document_ids,
-                               return_hidden=True)  # (B, S, D)
-                return linear_cross_entropy(h, self.raw_model.unembedding, batch.y, z_loss=self.config.z_loss)
+                h = self.model(
+                    batch.x,
+                    positions=batch.positions,
+                    document_ids=batch.document_ids,
+                    return_hidden=True,
+                )  # (B, S, D)
+                return linear_cross_entropy(
+                    h, self.raw_model.unembedding, batch.y, z_loss=self.config.z_loss
+                )
         with self.autocast():
             logits = self.model(batch.x, positions=batch.positions, document_ids=batch.document_ids)
         return cross_entropy(logits, batch.y, z_loss=self.config.z_loss)
@@ -361,7 +437,11 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if pm is not None:  # the norm over every shard (tp, ZeRO), squares summed across ranks
-            norm = pm.clip_grad_norm_(self.config.grad_clip) if self.config.grad_clip > 0 else pm.grad_norm()
+            norm = (
+                pm.clip_grad_norm_(self.config.grad_clip)
+                if self.config.grad_clip > 0
+                else pm.grad_norm()
+            )
         elif self.config.grad_clip > 0:
             norm = clip_grad_norm(params, self.config.grad_clip)
         else:
@@ -389,11 +469,15 @@ class Trainer:
             with self.micro_step_context(i, n):
                 ce, z = self.forward_loss(batch)
                 loss = ce + z
-                aux = moe_aux_loss(self.raw_model)  # mixture of experts: the routers' balance terms (model/moe.py)
+                aux = moe_aux_loss(
+                    self.raw_model
+                )  # mixture of experts: the routers' balance terms (model/moe.py)
                 if aux is not None:
                     loss = loss + aux
                     aux_sum += float(aux.detach())
-                idx = dsa_indexer_loss(self.raw_model)  # DSA: the indexer's KL towards the main attention
+                idx = dsa_indexer_loss(
+                    self.raw_model
+                )  # DSA: the indexer's KL towards the main attention
                 if idx is not None:
                     loss = loss + idx
                     idx_sum += float(idx.detach())
@@ -408,9 +492,14 @@ class Trainer:
             ce_sum += float(ce.detach())
             z_sum += float(z.detach())
         m = self._finish_step(ce_sum / n, z_sum / n)
-        if self.raw_model.config.dsa_indexer_loss > 0 and "dsa" in self.raw_model.config.mixer_types:
+        if (
+            self.raw_model.config.dsa_indexer_loss > 0
+            and "dsa" in self.raw_model.config.mixer_types
+        ):
             m["dsa_indexer_loss"] = idx_sum / n
-        moe = moe_metrics(self.raw_model)  # last micro-batch's expert loads, dropped tokens, balance terms
+        moe = moe_metrics(
+            self.raw_model
+        )  # last micro-batch's expert loads, dropped tokens, balance terms
         if moe:
             rate = self.raw_model.config.moe_bias_update_rate
             if rate:
@@ -428,8 +517,14 @@ class Trainer:
         self.model.eval()
         total = count = 0.0
         try:
-            for batch in sequential_batches(self.val_tokens, c.batch_size, c.seq_len, self.device,
-                                            max_batches or c.eval_batches, c.sep_id if c.packing else None):
+            for batch in sequential_batches(
+                self.val_tokens,
+                c.batch_size,
+                c.seq_len,
+                self.device,
+                max_batches or c.eval_batches,
+                c.sep_id if c.packing else None,
+            ):
                 ce, _ = self.forward_loss(batch)  # under evaluate's no_grad
                 k = int((batch.y != -100).sum())
                 total += float(ce) * k
@@ -442,10 +537,15 @@ class Trainer:
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        return {"config": self.config.to_dict(), "model_config": self.model_config.to_dict(),
-                "schedule": self.schedule.state_dict(), "tokens_seen": self.tokens_seen,
-                "tokenizer": self.config.tokenizer, "last_eval": self.last_eval,
-                "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        return {
+            "config": self.config.to_dict(),
+            "model_config": self.model_config.to_dict(),
+            "schedule": self.schedule.state_dict(),
+            "tokens_seen": self.tokens_seen,
+            "tokenizer": self.config.tokenizer,
+            "last_eval": self.last_eval,
+            "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
 
     def save_checkpoint(self) -> Path | None:
         """Rank 0 writes the checkpoint. Under a parallel plan every rank joins: the full
@@ -457,13 +557,33 @@ class Trainer:
             full = pm.full_state_dict(all_stages=True)  # a collective: all ranks
             if self.is_main and pm.sharded:
                 self._full_state = full  # export() writes these, not raw_model's shards
-            return save_sharded(self.ckpt_dir, self.step, pm, self.optimizer, self.data_generator, lambda: (
-                ckpt.save_checkpoint(self.ckpt_dir, self.step, _StateDictOnly(full), None, self.state(),
-                                     self.data_generator, keep_last=self.config.keep_last)))
+            return save_sharded(
+                self.ckpt_dir,
+                self.step,
+                pm,
+                self.optimizer,
+                self.data_generator,
+                lambda: ckpt.save_checkpoint(
+                    self.ckpt_dir,
+                    self.step,
+                    _StateDictOnly(full),
+                    None,
+                    self.state(),
+                    self.data_generator,
+                    keep_last=self.config.keep_last,
+                ),
+            )
         if not self.is_main:
             return None
-        return ckpt.save_checkpoint(self.ckpt_dir, self.step, self.raw_model, self.optimizer, self.state(),
-                                    self.data_generator, keep_last=self.config.keep_last)
+        return ckpt.save_checkpoint(
+            self.ckpt_dir,
+            self.step,
+            self.raw_model,
+            self.optimizer,
+            self.state(),
+            self.data_generator,
+            keep_last=self.config.keep_last,
+        )
 
     def resume(self, path: str | os.PathLike | None = None) -> int:
         """Restore from ``path`` (default: the run's latest checkpoint); returns the step reached."""
@@ -478,8 +598,10 @@ class Trainer:
             meta = ckpt.load_checkpoint(p, self.raw_model, self.optimizer, self.data_generator)
         self.step = int(meta["step"])
         if self.step > self.config.max_steps:
-            raise TrainConfigError(f"checkpoint {p} is at step {self.step}, past max_steps={self.config.max_steps}; "
-                                   "raise max_steps to continue it")
+            raise TrainConfigError(
+                f"checkpoint {p} is at step {self.step}, past max_steps={self.config.max_steps}; "
+                "raise max_steps to continue it"
+            )
         self._resumed = True
         if self.is_main:  # the steps after this checkpoint will be trained (and logged) again
             truncate_metrics(self.metrics_path, self.step)
@@ -494,7 +616,9 @@ class Trainer:
         d = Path(directory) if directory is not None else self.out_dir / "model"
         save_pretrained(self._unsharded_model(), d)
         if self.config.tokenizer and Path(self.config.tokenizer).exists():
-            save_hf(load_tokenizer(self.config.tokenizer), d / "tokenizer.json")  # HF format, beside the weights
+            save_hf(
+                load_tokenizer(self.config.tokenizer), d / "tokenizer.json"
+            )  # HF format, beside the weights
         return d
 
     def _unsharded_model(self) -> torch.nn.Module:
@@ -504,15 +628,23 @@ class Trainer:
         if pm is None or not pm.sharded:
             return self.raw_model
         if self._full_state is None:
-            raise RuntimeError("export() of a sharded run needs the full parameters: call save_checkpoint() on "
-                               "every rank first (fit() does at the end)")
+            raise RuntimeError(
+                "export() of a sharded run needs the full parameters: call save_checkpoint() on "
+                "every rank first (fit() does at the end)"
+            )
         model = Transformer(self.model_config, device="cpu", seed=self.config.seed)
         missing, unexpected = model.load_state_dict(self._full_state, strict=False)
-        loaded = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in self._full_state}
+        loaded = {
+            id(p)
+            for n, p in model.named_parameters(remove_duplicate=False)
+            if n in self._full_state
+        }
         params = dict(model.named_parameters(remove_duplicate=False))
         bad = [k for k in missing if k not in params or id(params[k]) not in loaded]
         if unexpected or bad:
-            raise RuntimeError(f"gathered state dict does not fit the model: missing {bad}, unexpected {unexpected}")
+            raise RuntimeError(
+                f"gathered state dict does not fit the model: missing {bad}, unexpected {unexpected}"
+            )
         return model
 
     # ---- the loop -------------------------------------------------------------------------
@@ -531,7 +663,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def fit(self, callback: Callable[["Trainer", dict], None] | None = None) -> dict[str, Any]:
+    def fit(self, callback: Callable[[Trainer, dict], None] | None = None) -> dict[str, Any]:
         """Train until ``max_steps`` (or ``stop_after`` steps); returns a summary.
 
         ``callback(trainer, metrics)`` runs after each step (tests use it to interrupt a run).
@@ -544,8 +676,14 @@ class Trainer:
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             c.save(self.out_dir / "config.json")
-        bar = self._bar = tqdm(total=c.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                               disable=not (self.progress and self.is_main))
+        bar = self._bar = tqdm(
+            total=c.max_steps,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (self.progress and self.is_main),
+        )
         t_start = time.perf_counter()
         t_last, tokens_last = t_start, self.tokens_seen
         last: dict[str, float] = {}
@@ -559,8 +697,14 @@ class Trainer:
                     now = time.perf_counter()
                     tps = (self.tokens_seen - tokens_last) / max(now - t_last, 1e-9)
                     steps = (self.tokens_seen - tokens_last) / self.tokens_per_step
-                    row = {"kind": "train", "step": self.step, **m, "tokens": self.tokens_seen,
-                           "tokens_per_s": tps, "elapsed_s": now - t_start}
+                    row = {
+                        "kind": "train",
+                        "step": self.step,
+                        **m,
+                        "tokens": self.tokens_seen,
+                        "tokens_per_s": tps,
+                        "elapsed_s": now - t_start,
+                    }
                     if peak:
                         row["mfu"] = self.flops_per_step * steps / max(now - t_last, 1e-9) / peak
                     self.log(row)
@@ -580,23 +724,35 @@ class Trainer:
                 bar.update(1)
                 if callback is not None:
                     callback(self, m)
-                    end = c.max_steps if stop_at is None else min(c.max_steps, stop_at)  # set_max_steps may move it
+                    end = (
+                        c.max_steps if stop_at is None else min(c.max_steps, stop_at)
+                    )  # set_max_steps may move it
                 if c.time_limit_s is not None and time.perf_counter() - t_start > c.time_limit_s:
                     if self.is_main:
-                        bar.write(f"time limit {c.time_limit_s:.0f}s reached at step {self.step}/{c.max_steps}")
+                        bar.write(
+                            f"time limit {c.time_limit_s:.0f}s reached at step {self.step}/{c.max_steps}"
+                        )
                     break
         except TrainingDiverged as e:
             bar.close()
             path = self.save_checkpoint()
-            raise TrainingDiverged(f"{e}; stopped. The last good state (step {self.step}) is saved in {path}. "
-                                   "Try a lower lr, grad_clip, z_loss=1e-4 or qk_norm=true.") from None
+            raise TrainingDiverged(
+                f"{e}; stopped. The last good state (step {self.step}) is saved in {path}. "
+                "Try a lower lr, grad_clip, z_loss=1e-4 or qk_norm=true."
+            ) from None
         bar.close()
         ev = self.evaluate()
         self.log({"kind": "eval", "step": self.step, **ev})
         path = self.save_checkpoint()
-        summary = {"step": self.step, "tokens_seen": self.tokens_seen, "checkpoint": str(path) if path else None,
-                   "metrics": str(self.metrics_path), "seconds": time.perf_counter() - t_start, **ev,
-                   "last_train": last}
+        summary = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "checkpoint": str(path) if path else None,
+            "metrics": str(self.metrics_path),
+            "seconds": time.perf_counter() - t_start,
+            **ev,
+            "last_train": last,
+        }
         return summary
 
     def _claim_out_dir(self) -> None:
@@ -629,9 +785,13 @@ class Trainer:
     def plot(self, baseline: float | None = None) -> Path | None:
         if not self.is_main:
             return None
-        return plot_loss_curve(self.metrics_path, self.out_dir / "loss_curve.png", baseline,
-                               title=f"{self.model_config.name}: {self.raw_model.num_params():,} params, "
-                                     f"B={self.config.batch_size}x{self.config.grad_accum}, S={self.config.seq_len}")
+        return plot_loss_curve(
+            self.metrics_path,
+            self.out_dir / "loss_curve.png",
+            baseline,
+            title=f"{self.model_config.name}: {self.raw_model.num_params():,} params, "
+            f"B={self.config.batch_size}x{self.config.grad_accum}, S={self.config.seq_len}",
+        )
 
     def unigram_baseline(self) -> float:
         return unigram_baseline(self.train_tokens, self.val_tokens, self.model_config.vocab_size)

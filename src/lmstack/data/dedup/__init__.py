@@ -14,14 +14,56 @@ stages' files is ``(folder, task, n_tasks, ...)``; the last stage is a pipeline 
 
 from lmstack.data.dedup.bloom import BloomFilter, BloomParagraphDedup, bloom_size
 from lmstack.data.dedup.decontam import Decontaminate, EvalNgrams
-from lmstack.data.dedup.exact import (ExactDedupFilter, LineDedup, duplicate_lines, exact_dedup, exact_duplicates,
-                                      exact_hashes, line_counts, line_dedup)
-from lmstack.data.dedup.minhash import (MinHashConfig, MinHasher, MinHashFilter, jaccard, minhash_buckets,
-                                        minhash_clusters, minhash_confirm, minhash_dedup, minhash_signatures)
+from lmstack.data.dedup.exact import (
+    ExactDedupFilter,
+    LineDedup,
+    duplicate_lines,
+    exact_dedup,
+    exact_duplicates,
+    exact_hashes,
+    line_counts,
+    line_dedup,
+)
+from lmstack.data.dedup.minhash import (
+    MinHashConfig,
+    MinHasher,
+    MinHashFilter,
+    jaccard,
+    minhash_buckets,
+    minhash_clusters,
+    minhash_confirm,
+    minhash_dedup,
+    minhash_signatures,
+)
 from lmstack.data.dedup.normalize import normalize, words
-from lmstack.data.dedup.steps import STEPS  # the pipeline's step names (exact_hashes, ..., minhash_filter)
+from lmstack.data.dedup.steps import (
+    STEPS,
+)  # the pipeline's step names (exact_hashes, ..., minhash_filter)
 
-__all__ = ["BloomFilter", "BloomParagraphDedup", "bloom_size", "Decontaminate", "EvalNgrams", "ExactDedupFilter",
-           "LineDedup", "duplicate_lines", "exact_dedup", "exact_duplicates", "exact_hashes", "line_counts",
-           "line_dedup", "MinHashConfig", "MinHasher", "MinHashFilter", "jaccard", "minhash_buckets",
-           "minhash_clusters", "minhash_confirm", "minhash_dedup", "minhash_signatures", "normalize", "words", "STEPS"]
+__all__ = [
+    "BloomFilter",
+    "BloomParagraphDedup",
+    "bloom_size",
+    "Decontaminate",
+    "EvalNgrams",
+    "ExactDedupFilter",
+    "LineDedup",
+    "duplicate_lines",
+    "exact_dedup",
+    "exact_duplicates",
+    "exact_hashes",
+    "line_counts",
+    "line_dedup",
+    "MinHashConfig",
+    "MinHasher",
+    "MinHashFilter",
+    "jaccard",
+    "minhash_buckets",
+    "minhash_clusters",
+    "minhash_confirm",
+    "minhash_dedup",
+    "minhash_signatures",
+    "normalize",
+    "words",
+    "STEPS",
+]

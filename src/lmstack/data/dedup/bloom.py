@@ -27,9 +27,9 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from lmstack.data.document import Document
 from lmstack.data.dedup.normalize import hash64, mix64, normalize
 from lmstack.data.dedup.runs import load_array, save_array
+from lmstack.data.document import Document
 from lmstack.data.step import Step, StepStats
 
 _SECOND = np.uint64(0x9E3779B97F4A7C15)
@@ -60,7 +60,9 @@ class BloomFilter:
         h1 = mix64(h)
         h2 = mix64(h ^ _SECOND) | np.uint64(1)
         i = np.arange(self.k, dtype=np.uint64)
-        return (h1[:, None] + i * h2[:, None]) % np.uint64(self.m)  # (N, k), wraps mod 2^64 before mod m
+        return (h1[:, None] + i * h2[:, None]) % np.uint64(
+            self.m
+        )  # (N, k), wraps mod 2^64 before mod m
 
     def _test(self, pos: np.ndarray) -> np.ndarray:
         word, bit = pos >> np.uint64(6), pos & np.uint64(63)
@@ -95,13 +97,17 @@ class BloomFilter:
         arr = load_array(path)
         f = cls(int(arr[0]), p)
         if (f.m, f.k) != (int(arr[1]), int(arr[2])):
-            raise ValueError(f"{path}: a filter of m={int(arr[1])}, k={int(arr[2])} bits; "
-                             f"n={f.n}, p={p} gives m={f.m}, k={f.k}: pass the p it was made with")
+            raise ValueError(
+                f"{path}: a filter of m={int(arr[1])}, k={int(arr[2])} bits; "
+                f"n={f.n}, p={p} gives m={f.m}, k={f.k}: pass the p it was made with"
+            )
         f.bits = arr[3:].copy()
         return f
 
 
-_BLANK = re.compile(r"(\n[ \t\r\f\v]*\n\s*)")  # a blank line (and the whitespace around it) ends a paragraph
+_BLANK = re.compile(
+    r"(\n[ \t\r\f\v]*\n\s*)"
+)  # a blank line (and the whitespace around it) ends a paragraph
 
 
 class BloomParagraphDedup(Step):

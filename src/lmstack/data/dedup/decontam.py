@@ -18,14 +18,16 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from lmstack.data.document import Document
 from lmstack.data.dedup.normalize import WordHasher, ngram_hashes, words
+from lmstack.data.document import Document
 from lmstack.data.step import Filter
 
 
 def task_texts(paths: Sequence[str | os.PathLike]) -> Iterator[str]:
     """Each item of each task file as the text a model is shown: its prompt, the delimiter, its gold answer."""
-    from lmstack.eval.tasks import load_task  # here: lmstack.eval imports torch, which dedup's other steps do not need
+    from lmstack.eval.tasks import (
+        load_task,
+    )  # here: lmstack.eval imports torch, which dedup's other steps do not need
 
     for path in paths:
         task = load_task(path)
@@ -55,7 +57,9 @@ class EvalNgrams:
         self.texts = len(parts)
 
     @classmethod
-    def from_eval(cls, tasks: Sequence[str | os.PathLike] = (), builtin: bool = True, n: int = 13) -> EvalNgrams:
+    def from_eval(
+        cls, tasks: Sequence[str | os.PathLike] = (), builtin: bool = True, n: int = 13
+    ) -> EvalNgrams:
         """From task files and (``builtin``) the built-in evaluation sets."""
         texts = list(task_texts(tasks))
         if builtin:
@@ -78,8 +82,13 @@ class EvalNgrams:
 class Decontaminate(Filter):
     """Drops a document sharing any n-gram with the evaluation data ("eval_contamination")."""
 
-    def __init__(self, ngrams: EvalNgrams | None = None, tasks: Sequence[str | os.PathLike] = (),
-                 builtin: bool = True, n: int = 13):
+    def __init__(
+        self,
+        ngrams: EvalNgrams | None = None,
+        tasks: Sequence[str | os.PathLike] = (),
+        builtin: bool = True,
+        n: int = 13,
+    ):
         self.ngrams = ngrams if ngrams is not None else EvalNgrams.from_eval(tasks, builtin, n)
 
     def reason(self, doc: Document) -> str | None:

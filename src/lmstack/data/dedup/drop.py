@@ -11,8 +11,8 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from lmstack.data.document import Document
 from lmstack.data.dedup.runs import load_removed
+from lmstack.data.document import Document
 from lmstack.data.step import Step, StepStats
 
 

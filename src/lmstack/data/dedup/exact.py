@@ -26,22 +26,33 @@ from pathlib import Path
 
 import numpy as np
 
-from lmstack.data.document import Document
 from lmstack.data.dedup.drop import DropListed
 from lmstack.data.dedup.normalize import hash64, normalize, text_hash
-from lmstack.data.dedup.runs import (group_starts, key_range, load_array, merge_runs, node, run_files,
-                                     save_array, save_removed, write_run)
+from lmstack.data.dedup.runs import (
+    group_starts,
+    key_range,
+    load_array,
+    merge_runs,
+    node,
+    run_files,
+    save_array,
+    save_removed,
+    write_run,
+)
+from lmstack.data.document import Document
 from lmstack.data.step import Step, StepStats
 
-
 # ---- documents ---------------------------------------------------------------------------------
+
 
 def exact_hashes(docs: Iterable[Document], folder: str | os.PathLike, task: int) -> int:
     """Stage 1: ``folder/hashes/{task:05d}.npy``, the run of (normalised-text hash, node). Returns the count."""
     return sum(1 for _ in exact_hash_stream(docs, folder, task))
 
 
-def exact_hash_stream(docs: Iterable[Document], folder: str | os.PathLike, task: int) -> Iterator[Document]:
+def exact_hash_stream(
+    docs: Iterable[Document], folder: str | os.PathLike, task: int
+) -> Iterator[Document]:
     """Stage 1 as a pass-through: yields every document on, writes the run when the stream ends."""
     keys = []
     for d in docs:
@@ -57,7 +68,9 @@ def exact_duplicates(folder: str | os.PathLike, part: int = 0, parts: int = 1) -
     removed = []
     for keys, nodes in merge_runs(run_files(Path(folder) / "hashes"), *key_range(part, parts)):
         later = np.ones(len(keys), dtype=bool)
-        later[group_starts(keys)] = False  # runs merge in (key, node) order: a group's first is its smallest
+        later[group_starts(keys)] = (
+            False  # runs merge in (key, node) order: a group's first is its smallest
+        )
         removed.append(nodes[later])
     out = np.concatenate(removed) if removed else np.empty(0, np.uint64)
     save_removed(folder, part, out)
@@ -72,6 +85,7 @@ class ExactDedupFilter(DropListed):
 
 
 # ---- lines -------------------------------------------------------------------------------------
+
 
 def line_keys(text: str) -> tuple[list[str], np.ndarray, np.ndarray]:
     """(lines split on "\\n", (n,) uint64 hash of each normalised line, (n,) bool: the line has any word)."""
@@ -90,8 +104,9 @@ def line_counts(docs: Iterable[Document], folder: str | os.PathLike, task: int) 
     return counted[0]
 
 
-def line_count_stream(docs: Iterable[Document], folder: str | os.PathLike, task: int,
-                      counted: list[int] | None = None) -> Iterator[Document]:
+def line_count_stream(
+    docs: Iterable[Document], folder: str | os.PathLike, task: int, counted: list[int] | None = None
+) -> Iterator[Document]:
     """Stage 1 as a pass-through: yields every document on, writes the run when the stream ends (and adds the
     number of counted lines to ``counted[0]``)."""
     parts = []
@@ -110,7 +125,9 @@ def duplicate_lines(folder: str | os.PathLike, part: int = 0, parts: int = 1) ->
     """Stage 2, task ``part`` of ``parts``: the line hashes of this slice whose corpus-wide count is above one
     -> ``folder/duplicate_lines/{part:05d}.npy`` (sorted). Returns how many."""
     dups = []
-    for keys, counts in merge_runs(run_files(Path(folder) / "line_counts"), *key_range(part, parts)):
+    for keys, counts in merge_runs(
+        run_files(Path(folder) / "line_counts"), *key_range(part, parts)
+    ):
         starts = group_starts(keys)
         total = np.add.reduceat(counts, starts)
         dups.append(keys[starts][total > 1])
@@ -154,12 +171,16 @@ class LineDedup(Step):
             if not (has_words & ~drop).any():
                 stats.drop(doc, "duplicate_lines_only")
                 continue
-            out = Document("\n".join(line for line, d in zip(lines, drop) if not d), doc.id, doc.metadata)
+            out = Document(
+                "\n".join(line for line, d in zip(lines, drop) if not d), doc.id, doc.metadata
+            )
             stats.kept(out)
             yield out
 
 
-def exact_dedup(shards: Sequence[Iterable[Document]], folder: str | os.PathLike) -> list[list[Document]]:
+def exact_dedup(
+    shards: Sequence[Iterable[Document]], folder: str | os.PathLike
+) -> list[list[Document]]:
     """The document stages in this process, one shard after another: each shard's survivors (``shards`` must
     be re-iterable)."""
     for t, docs in enumerate(shards):
@@ -168,7 +189,9 @@ def exact_dedup(shards: Sequence[Iterable[Document]], folder: str | os.PathLike)
     return [list(ExactDedupFilter(folder, t)(docs)) for t, docs in enumerate(shards)]
 
 
-def line_dedup(shards: Sequence[Iterable[Document]], folder: str | os.PathLike) -> list[list[Document]]:
+def line_dedup(
+    shards: Sequence[Iterable[Document]], folder: str | os.PathLike
+) -> list[list[Document]]:
     """The line stages in this process: each shard's documents without the corpus's duplicated lines."""
     for t, docs in enumerate(shards):
         line_counts(docs, folder, t)

@@ -44,16 +44,33 @@ from pathlib import Path
 
 import numpy as np
 
-from lmstack.data.document import Document
 from lmstack.data.dedup.drop import DropListed
-from lmstack.data.dedup.normalize import WordHasher, _constants, mix64, ngram_hashes, sorted_unique, words
-from lmstack.data.dedup.runs import (group_starts, load_array, merge_runs, node, run_files, save_array, save_removed,
-                                     write_run)
+from lmstack.data.dedup.normalize import (
+    WordHasher,
+    _constants,
+    mix64,
+    ngram_hashes,
+    sorted_unique,
+    words,
+)
+from lmstack.data.dedup.runs import (
+    group_starts,
+    load_array,
+    merge_runs,
+    node,
+    run_files,
+    save_array,
+    save_removed,
+    write_run,
+)
+from lmstack.data.document import Document
 from lmstack.utils import atomic_path
 
 PAIR = np.dtype([("a", "<u8"), ("b", "<u8")])  # a < b
 EDGE = np.dtype([("a", "<u8"), ("b", "<u8"), ("jaccard", "<f8")])
-_ROWS_PER_PRODUCT = 2048  # shingles per (rows, k) product: 2048 x 112 x 8 bytes = 1.8 MB, about an L2 cache
+_ROWS_PER_PRODUCT = (
+    2048  # shingles per (rows, k) product: 2048 x 112 x 8 bytes = 1.8 MB, about an L2 cache
+)
 
 
 @dataclass(frozen=True)
@@ -122,8 +139,10 @@ class MinHasher:
                 lo, hi = int(starts[d]), int(ends[e - 1])
                 acc = None
                 for s in range(lo, hi, buf.shape[0]):
-                    rows = buf[:min(buf.shape[0], hi - s)]
-                    np.multiply(x[s:s + len(rows), None], self.a, out=rows)  # (rows, k) a_i x mod 2^64
+                    rows = buf[: min(buf.shape[0], hi - s)]
+                    np.multiply(
+                        x[s : s + len(rows), None], self.a, out=rows
+                    )  # (rows, k) a_i x mod 2^64
                     rows += self.b
                     if e == d + 1:  # one document in parts
                         part = rows.min(axis=0)
@@ -159,20 +178,31 @@ def jaccard(a: np.ndarray, b: np.ndarray) -> float:
 
 # ---- stage 1: signatures -----------------------------------------------------------------------
 
+
 def _band_dir(folder: Path, band: int) -> Path:
     return folder / "buckets" / f"band_{band:03d}"
 
 
-def minhash_signatures(docs: Iterable[Document], folder: str | os.PathLike, task: int,
-                       config: MinHashConfig | None = None, batch: int = 256) -> int:
+def minhash_signatures(
+    docs: Iterable[Document],
+    folder: str | os.PathLike,
+    task: int,
+    config: MinHashConfig | None = None,
+    batch: int = 256,
+) -> int:
     """Stage 1 for input shard ``task``: ``shingles/{task}.u64`` + ``.offsets.npy`` (document i's set is
     ``u64[offsets[i]:offsets[i+1]]``) and one run ``buckets/band_XXX/{task}.npy`` per band. Documents without
     a word have no signature (they are never fuzzy duplicates). Returns the number of documents."""
     return sum(1 for _ in signature_stream(docs, folder, task, config, batch))
 
 
-def signature_stream(docs: Iterable[Document], folder: str | os.PathLike, task: int,
-                     config: MinHashConfig | None = None, batch: int = 256) -> Iterator[Document]:
+def signature_stream(
+    docs: Iterable[Document],
+    folder: str | os.PathLike,
+    task: int,
+    config: MinHashConfig | None = None,
+    batch: int = 256,
+) -> Iterator[Document]:
     """Stage 1 as a pass-through: yields every document on; the files are complete when the stream ends."""
     hasher = MinHasher(config)
     folder = Path(folder)
@@ -200,13 +230,16 @@ def signature_stream(docs: Iterable[Document], folder: str | os.PathLike, task: 
         if pending:
             flush()
     save_array(folder / "shingles" / f"{task:05d}.offsets.npy", np.array(offsets, dtype=np.int64))
-    keys = np.concatenate(bands) if bands else np.empty((0, hasher.config.bands), np.uint64)  # (n, b)
+    keys = (
+        np.concatenate(bands) if bands else np.empty((0, hasher.config.bands), np.uint64)
+    )  # (n, b)
     vals = np.concatenate(nodes) if nodes else np.empty(0, np.uint64)
     for band in range(hasher.config.bands):
         write_run(_band_dir(folder, band) / f"{task:05d}.npy", keys[:, band], vals)
 
 
 # ---- stage 2: buckets -> candidate pairs --------------------------------------------------------
+
 
 def _bucket_pairs(keys: np.ndarray, nodes: np.ndarray, max_group: int) -> np.ndarray:
     """Candidate pairs (a < b) of one merged block: (key, node)-sorted, so each group's nodes ascend."""
@@ -218,12 +251,16 @@ def _bucket_pairs(keys: np.ndarray, nodes: np.ndarray, max_group: int) -> np.nda
     first = np.repeat(starts, sizes)  # (n,) the start of each element's group
     member = np.arange(len(keys)) != first
     star_a, star_b = nodes[first[member]], nodes[member]  # every member with its group's first
-    chain = member & (np.arange(len(keys)) - 1 != first)  # ... and with its predecessor (if not the first)
+    chain = member & (
+        np.arange(len(keys)) - 1 != first
+    )  # ... and with its predecessor (if not the first)
     chain_a, chain_b = nodes[np.flatnonzero(chain) - 1], nodes[chain]
     extra_a, extra_b = [], []
     mid = multi & (sizes > 3) & (sizes <= max_group)  # size 2 and 3: star + chain are all the pairs
     for s, g in zip(starts[mid], sizes[mid]):
-        for i, j in combinations(range(s + 1, s + g), 2):  # star + chain already hold (s, .) and (j-1, j)
+        for i, j in combinations(
+            range(s + 1, s + g), 2
+        ):  # star + chain already hold (s, .) and (j-1, j)
             if j != i + 1:
                 extra_a.append(nodes[i])
                 extra_b.append(nodes[j])
@@ -233,22 +270,31 @@ def _bucket_pairs(keys: np.ndarray, nodes: np.ndarray, max_group: int) -> np.nda
     return pairs
 
 
-def minhash_buckets(folder: str | os.PathLike, task: int = 0, n_tasks: int = 1,
-                    config: MinHashConfig | None = None, budget: int = 1 << 20, block: int | None = None) -> int:
+def minhash_buckets(
+    folder: str | os.PathLike,
+    task: int = 0,
+    n_tasks: int = 1,
+    config: MinHashConfig | None = None,
+    budget: int = 1 << 20,
+    block: int | None = None,
+) -> int:
     """Stage 2, task ``task`` of ``n_tasks``: bands ``task, task + n_tasks, ...``; for each, merge the runs of
     all shards (``budget`` records in memory, see ``runs.merge_runs``); the candidate pairs of their buckets,
     without repeats -> ``pairs/{task}.npy``. Returns their number."""
     config = config or MinHashConfig()
     folder = Path(folder)
-    found = [_bucket_pairs(k, v, config.max_group)
-             for band in range(task, config.bands, n_tasks)
-             for k, v in merge_runs(run_files(_band_dir(folder, band)), budget=budget, block=block)]
+    found = [
+        _bucket_pairs(k, v, config.max_group)
+        for band in range(task, config.bands, n_tasks)
+        for k, v in merge_runs(run_files(_band_dir(folder, band)), budget=budget, block=block)
+    ]
     pairs = np.unique(np.concatenate(found)) if found else np.empty(0, PAIR)
     save_array(folder / "pairs" / f"{task:05d}.npy", pairs)
     return len(pairs)
 
 
 # ---- stage 3: confirm by true Jaccard ------------------------------------------------------------
+
 
 class ShingleStore:
     """Read-only access to the shingle sets stage 1 wrote: ``store[node]`` -> sorted uint64 array."""
@@ -263,8 +309,12 @@ class ShingleStore:
         data = self.folder / f"{task:05d}.u64"
         offsets = load_array(self.folder / f"{task:05d}.offsets.npy", mmap=True)
         if not data.is_file():
-            raise FileNotFoundError(f"{data}: no shingles for task {task} (did minhash_signatures run for it?)")
-        values = np.memmap(data, dtype=np.uint64, mode="r") if offsets[-1] else np.empty(0, np.uint64)
+            raise FileNotFoundError(
+                f"{data}: no shingles for task {task} (did minhash_signatures run for it?)"
+            )
+        values = (
+            np.memmap(data, dtype=np.uint64, mode="r") if offsets[-1] else np.empty(0, np.uint64)
+        )
         self._open[task] = values, offsets
         return values, offsets
 
@@ -272,15 +322,16 @@ class ShingleStore:
         nd = int(nd)
         values, offsets = self._task(nd >> 32)
         i = nd & 0xFFFFFFFF
-        return values[offsets[i]:offsets[i + 1]]
+        return values[offsets[i] : offsets[i + 1]]
 
 
 def _pair_part(pairs: np.ndarray, parts: int) -> np.ndarray:
     return (mix64(pairs["a"] ^ mix64(pairs["b"])) % np.uint64(parts)).astype(np.int64)
 
 
-def minhash_confirm(folder: str | os.PathLike, task: int = 0, n_tasks: int = 1,
-                    config: MinHashConfig | None = None) -> int:
+def minhash_confirm(
+    folder: str | os.PathLike, task: int = 0, n_tasks: int = 1, config: MinHashConfig | None = None
+) -> int:
     """Stage 3, task ``task`` of ``n_tasks``: of all bands' candidate pairs, those hashing to this task, kept
     when their true Jaccard similarity is >= τ -> ``edges/{task}.npy``. Returns the number of edges."""
     config = config or MinHashConfig()
@@ -289,8 +340,10 @@ def minhash_confirm(folder: str | os.PathLike, task: int = 0, n_tasks: int = 1,
     pairs = np.unique(np.concatenate(found)) if found else np.empty(0, PAIR)
     pairs = pairs[_pair_part(pairs, n_tasks) == task]
     store = ShingleStore(folder)
-    sims = np.array([jaccard(store[a], store[b]) for a, b in zip(pairs["a"].tolist(), pairs["b"].tolist())],
-                    dtype=np.float64)
+    sims = np.array(
+        [jaccard(store[a], store[b]) for a, b in zip(pairs["a"].tolist(), pairs["b"].tolist())],
+        dtype=np.float64,
+    )
     keep = sims >= config.threshold
     edges = np.empty(int(keep.sum()), EDGE)
     edges["a"], edges["b"], edges["jaccard"] = pairs["a"][keep], pairs["b"][keep], sims[keep]
@@ -299,6 +352,7 @@ def minhash_confirm(folder: str | os.PathLike, task: int = 0, n_tasks: int = 1,
 
 
 # ---- stage 4: clusters ----------------------------------------------------------------------------
+
 
 def union_find(n: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """(n,) the root of each of n items after joining the pairs (a[i], b[i]); the root of a set is its
@@ -328,8 +382,10 @@ def minhash_clusters(folder: str | os.PathLike, config: MinHashConfig | None = N
     folder = Path(folder)
     found = [load_array(f) for f in run_files(folder / "edges")]
     edges = np.concatenate(found) if found else np.empty(0, EDGE)
-    nodes, inv = np.unique(np.concatenate([edges["a"], edges["b"]]), return_inverse=True)  # sorted nodes
-    root = union_find(len(nodes), inv[:len(edges)], inv[len(edges):])
+    nodes, inv = np.unique(
+        np.concatenate([edges["a"], edges["b"]]), return_inverse=True
+    )  # sorted nodes
+    root = union_find(len(nodes), inv[: len(edges)], inv[len(edges) :])
     clusters = np.empty(len(nodes), PAIR)
     clusters["a"], clusters["b"] = nodes, nodes[root]
     save_array(folder / "clusters.npy", clusters)
@@ -349,6 +405,7 @@ def load_clusters(folder: str | os.PathLike) -> dict[int, list[int]]:
 
 # ---- stage 5: filter ----------------------------------------------------------------------------
 
+
 class MinHashFilter(DropListed):
     """Stage 5: drops the documents of task ``task`` that :func:`minhash_clusters` listed
     ("minhash_duplicate")."""
@@ -357,8 +414,11 @@ class MinHashFilter(DropListed):
         super().__init__(folder, task, "minhash_duplicate")
 
 
-def minhash_dedup(shards: Sequence[Iterable[Document]], folder: str | os.PathLike,
-                  config: MinHashConfig | None = None) -> list[list[Document]]:
+def minhash_dedup(
+    shards: Sequence[Iterable[Document]],
+    folder: str | os.PathLike,
+    config: MinHashConfig | None = None,
+) -> list[list[Document]]:
     """All five stages in this process, one shard after another (what the pipeline runs as separate tasks):
     the surviving documents of each shard. ``shards`` must be re-iterable (lists)."""
     config = config or MinHashConfig()

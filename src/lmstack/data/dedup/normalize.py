@@ -20,18 +20,24 @@ import unicodedata
 import numpy as np
 import regex
 
-_WORD = re.compile(r"[^\W_]+")  # letters and digits (str.isalnum), as lmstack.eval.contamination's words
+_WORD = re.compile(
+    r"[^\W_]+"
+)  # letters and digits (str.isalnum), as lmstack.eval.contamination's words
 _MASK64 = (1 << 64) - 1
 
 
-_ASCII_SPACES = str.maketrans({c: " " for c in map(chr, range(128)) if not (c.isascii() and c.isalnum())})
+_ASCII_SPACES = str.maketrans(
+    {c: " " for c in map(chr, range(128)) if not (c.isascii() and c.isalnum())}
+)
 _MARKS = regex.compile(r"\p{Mn}+")  # combining marks (accents once NFD has split them off)
 
 
 def words(text: str) -> list[str]:
     """The normalised words of ``text`` (see :func:`normalize`)."""
     text = text.lower()
-    if text.isascii():  # the common case: NFD of ASCII is itself, and str.translate + split is 3x findall
+    if (
+        text.isascii()
+    ):  # the common case: NFD of ASCII is itself, and str.translate + split is 3x findall
         return text.translate(_ASCII_SPACES).split()
     return _WORD.findall(_MARKS.sub("", unicodedata.normalize("NFD", text)))
 
@@ -111,7 +117,7 @@ def ngram_hashes(word_hashes: np.ndarray, n: int, short: bool = True) -> np.ndar
     G = W - n + 1
     acc = word_hashes[:G] * c[0]
     for j in range(1, n):
-        acc += word_hashes[j:j + G] * c[j]
+        acc += word_hashes[j : j + G] * c[j]
     return mix64(acc)
 
 

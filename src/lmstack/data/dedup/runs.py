@@ -61,7 +61,9 @@ def write_run(path: str | os.PathLike, keys: np.ndarray, vals: np.ndarray) -> Pa
     keys = np.asarray(keys, dtype=np.uint64)
     vals = np.asarray(vals, dtype=np.uint64)
     if keys.shape != vals.shape or keys.ndim != 1:
-        raise ValueError(f"a run needs 1-d keys and vals of one length, got {keys.shape} and {vals.shape}")
+        raise ValueError(
+            f"a run needs 1-d keys and vals of one length, got {keys.shape} and {vals.shape}"
+        )
     order = np.lexsort((vals, keys))
     run = np.empty(len(keys), dtype=RUN)
     run["key"] = keys[order]
@@ -89,8 +91,13 @@ def _bisect(run: np.ndarray, key: int) -> int:
     return lo
 
 
-def merge_runs(paths: Sequence[str | os.PathLike], lo: int = 0, hi: int | None = None,
-               budget: int = 1 << 20, block: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def merge_runs(
+    paths: Sequence[str | os.PathLike],
+    lo: int = 0,
+    hi: int | None = None,
+    budget: int = 1 << 20,
+    block: int | None = None,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Merge sorted runs: yield ``(keys, vals)`` blocks in (key, val) order, restricted to ``lo <= key < hi``
     (``hi=None``: no upper bound). A group of equal keys is never split across two blocks.
 
@@ -105,12 +112,22 @@ def merge_runs(paths: Sequence[str | os.PathLike], lo: int = 0, hi: int | None =
     carry_k = np.empty(0, np.uint64)
     carry_v = np.empty(0, np.uint64)
     while any(p < e for p, e in zip(pos, end)):
-        blocks = [(i, r[pos[i]:min(pos[i] + block, end[i])]) for i, r in enumerate(runs) if pos[i] < end[i]]
+        blocks = [
+            (i, r[pos[i] : min(pos[i] + block, end[i])])
+            for i, r in enumerate(runs)
+            if pos[i] < end[i]
+        ]
         # everything up to the smallest last key among runs with more to read is complete in this round
-        bound = min((int(b["key"][-1]) for i, b in blocks if pos[i] + len(b) < end[i]), default=None)
+        bound = min(
+            (int(b["key"][-1]) for i, b in blocks if pos[i] + len(b) < end[i]), default=None
+        )
         ks, vs = [carry_k], [carry_v]
         for i, b in blocks:
-            take = len(b) if bound is None else int(np.searchsorted(b["key"], np.uint64(bound), "right"))
+            take = (
+                len(b)
+                if bound is None
+                else int(np.searchsorted(b["key"], np.uint64(bound), "right"))
+            )
             ks.append(b["key"][:take])
             vs.append(b["val"][:take])
             pos[i] += take
@@ -123,7 +140,9 @@ def merge_runs(paths: Sequence[str | os.PathLike], lo: int = 0, hi: int | None =
             if len(k):
                 yield k, v
             break
-        cut = int(np.searchsorted(k, k[-1], "left"))  # hold back the last group: more of it may follow
+        cut = int(
+            np.searchsorted(k, k[-1], "left")
+        )  # hold back the last group: more of it may follow
         carry_k, carry_v = k[cut:], v[cut:]
         if cut:
             yield k[:cut], v[:cut]
@@ -157,7 +176,9 @@ def run_files(folder: str | os.PathLike, pattern: str = "*.npy") -> list[Path]:
 
 def save_removed(folder: str | os.PathLike, part: int, nodes: np.ndarray) -> Path:
     """The nodes a stage's part decided to drop, sorted, as ``removed/{part:05d}.npy``."""
-    return save_array(Path(folder) / "removed" / f"{part:05d}.npy", np.sort(np.asarray(nodes, dtype=np.uint64)))
+    return save_array(
+        Path(folder) / "removed" / f"{part:05d}.npy", np.sort(np.asarray(nodes, dtype=np.uint64))
+    )
 
 
 def load_removed(folder: str | os.PathLike, task: int) -> np.ndarray:

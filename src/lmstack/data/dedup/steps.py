@@ -32,9 +32,20 @@ import numpy as np
 
 from lmstack.data.dedup.bloom import BloomParagraphDedup
 from lmstack.data.dedup.decontam import Decontaminate
-from lmstack.data.dedup.exact import LineDedup, duplicate_lines, exact_duplicates, exact_hash_stream, line_count_stream
-from lmstack.data.dedup.minhash import (MinHashConfig, minhash_buckets, minhash_clusters, minhash_confirm,
-                                        signature_stream)
+from lmstack.data.dedup.exact import (
+    LineDedup,
+    duplicate_lines,
+    exact_duplicates,
+    exact_hash_stream,
+    line_count_stream,
+)
+from lmstack.data.dedup.minhash import (
+    MinHashConfig,
+    minhash_buckets,
+    minhash_clusters,
+    minhash_confirm,
+    signature_stream,
+)
 from lmstack.data.dedup.normalize import hash64
 from lmstack.data.dedup.runs import load_array, node_index, node_task, run_files, save_array
 from lmstack.data.document import Document
@@ -61,8 +72,10 @@ class DedupStep(Step):
 
     def work(self) -> Path:
         if self.folder is None:
-            raise ValueError(f"{self.name}: no work folder: give folder=... or run the step in a Pipeline "
-                             "(the folder is then <output>/dedup/<dedup>)")
+            raise ValueError(
+                f"{self.name}: no work folder: give folder=... or run the step in a Pipeline "
+                "(the folder is then <output>/dedup/<dedup>)"
+            )
         return Path(self.folder)
 
 
@@ -103,11 +116,15 @@ class _GlobalStage(DedupStep):
 
     def run(self, docs: Iterable[Document], stats: StepStats) -> Iterator[Document]:
         for _ in docs:
-            raise ValueError(f"{self.name} reads {self.work()}, not documents: give it a [[stage]] of its own, "
-                             f"after the stage that runs {self.after}")
+            raise ValueError(
+                f"{self.name} reads {self.work()}, not documents: give it a [[stage]] of its own, "
+                f"after the stage that runs {self.after}"
+            )
         if self.one_task and self.world != 1:
-            raise ValueError(f"{self.name} is one task (it joins every edge), got a stage of {self.world} tasks: "
-                             "set the stage's tasks = 1")
+            raise ValueError(
+                f"{self.name} is one task (it joins every edge), got a stage of {self.world} tasks: "
+                "set the stage's tasks = 1"
+            )
         self._work(self.work(), stats)
         return
         yield
@@ -118,18 +135,24 @@ def removed_ids(folder: str | os.PathLike) -> np.ndarray:
     folder = Path(folder)
     files = run_files(folder / "removed")
     if not files:
-        raise FileNotFoundError(f"{folder / 'removed'}: no removed lists (run the dedup's global stages first)")
+        raise FileNotFoundError(
+            f"{folder / 'removed'}: no removed lists (run the dedup's global stages first)"
+        )
     nodes = np.concatenate([load_array(f) for f in files])
     tasks, index = node_task(nodes), node_index(nodes)
     out = []
     for t in np.unique(tasks).tolist():
         path = folder / "ids" / f"{t:05d}.npy"
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no document ids for task {t} (its first stage did not write them)")
+            raise FileNotFoundError(
+                f"{path}: no document ids for task {t} (its first stage did not write them)"
+            )
         ids = load_array(path, mmap=True)
         idx = index[tasks == t].astype(np.int64)
         if len(idx) and idx.max() >= len(ids):
-            raise ValueError(f"{path}: {len(ids)} documents, but the removed list names index {idx.max()}")
+            raise ValueError(
+                f"{path}: {len(ids)} documents, but the removed list names index {idx.max()}"
+            )
         out.append(np.asarray(ids[idx]))
     return np.unique(np.concatenate(out)) if out else np.empty(0, np.uint64)
 
@@ -151,6 +174,7 @@ class _DropById(DedupStep):
 
 
 # ---- exact documents -------------------------------------------------------------------------------
+
 
 class ExactHashes(_FirstStage):
     """Exact dedup, stage 1: the hash of each document's normalised text (``hashes/``), passing documents on."""
@@ -177,6 +201,7 @@ class ExactFilter(_DropById):
 
 
 # ---- lines -------------------------------------------------------------------------------------------
+
 
 class LineCounts(_FirstStage):
     """Line dedup, stage 1: counts each normalised line (``line_counts/``), passing documents on."""
@@ -207,10 +232,13 @@ class LineDedupStep(DedupStep):
 
 # ---- MinHash -------------------------------------------------------------------------------------------
 
+
 def load_config(folder: Path) -> MinHashConfig:
     path = folder / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no MinHash config (run minhash_signatures in an earlier stage)")
+        raise FileNotFoundError(
+            f"{path}: no MinHash config (run minhash_signatures in an earlier stage)"
+        )
     return MinHashConfig(**json.loads(path.read_text()))
 
 
@@ -219,9 +247,18 @@ class MinHashSignatures(_FirstStage):
 
     name, kind = "minhash_signatures", "minhash"
 
-    def __init__(self, dedup: str | None = None, folder: str | os.PathLike | None = None, n_gram: int = 5,
-                 bands: int = 14, rows: int = 8, threshold: float = 0.8, seed: int = 1, max_group: int = 32,
-                 batch: int = 256):
+    def __init__(
+        self,
+        dedup: str | None = None,
+        folder: str | os.PathLike | None = None,
+        n_gram: int = 5,
+        bands: int = 14,
+        rows: int = 8,
+        threshold: float = 0.8,
+        seed: int = 1,
+        max_group: int = 32,
+        batch: int = 256,
+    ):
         super().__init__(dedup, folder)
         self.config = MinHashConfig(n_gram, bands, rows, threshold, seed, max_group)
         self.batch = batch
@@ -230,8 +267,10 @@ class MinHashSignatures(_FirstStage):
         cfg = json.dumps(asdict(self.config), sort_keys=True) + "\n"
         path = folder / "config.json"
         if path.is_file() and path.read_text() != cfg:
-            raise ValueError(f"{path} holds another MinHash config ({path.read_text().strip()}), this step has "
-                             f"{cfg.strip()}: use a new dedup name or output folder")
+            raise ValueError(
+                f"{path} holds another MinHash config ({path.read_text().strip()}), this step has "
+                f"{cfg.strip()}: use a new dedup name or output folder"
+            )
         atomic_write_text(path, cfg)
         return signature_stream(docs, folder, self.rank, self.config, self.batch)
 
@@ -241,13 +280,19 @@ class MinHashBuckets(_GlobalStage):
 
     name, kind, after = "minhash_buckets", "minhash", "minhash_signatures"
 
-    def __init__(self, dedup: str | None = None, folder: str | os.PathLike | None = None, budget: int = 1 << 20):
+    def __init__(
+        self,
+        dedup: str | None = None,
+        folder: str | os.PathLike | None = None,
+        budget: int = 1 << 20,
+    ):
         super().__init__(dedup, folder)
         self.budget = budget
 
     def _work(self, folder, stats):
-        stats.counters["candidate_pairs"] += minhash_buckets(folder, self.rank, self.world, load_config(folder),
-                                                             budget=self.budget)
+        stats.counters["candidate_pairs"] += minhash_buckets(
+            folder, self.rank, self.world, load_config(folder), budget=self.budget
+        )
 
 
 class MinHashConfirm(_GlobalStage):
@@ -256,7 +301,9 @@ class MinHashConfirm(_GlobalStage):
     name, kind, after = "minhash_confirm", "minhash", "minhash_buckets"
 
     def _work(self, folder, stats):
-        stats.counters["edges"] += minhash_confirm(folder, self.rank, self.world, load_config(folder))
+        stats.counters["edges"] += minhash_confirm(
+            folder, self.rank, self.world, load_config(folder)
+        )
 
 
 class MinHashClusters(_GlobalStage):
@@ -275,10 +322,17 @@ class MinHashDedupFilter(_DropById):
 
 
 STEPS: dict[str, type[Step]] = {
-    "exact_hashes": ExactHashes, "exact_duplicates": ExactDuplicates, "exact_filter": ExactFilter,
-    "line_counts": LineCounts, "duplicate_lines": DuplicateLines, "line_dedup": LineDedupStep,
-    "minhash_signatures": MinHashSignatures, "minhash_buckets": MinHashBuckets, "minhash_confirm": MinHashConfirm,
-    "minhash_clusters": MinHashClusters, "minhash_filter": MinHashDedupFilter,
-    "bloom_paragraph_dedup": BloomParagraphDedup, "decontaminate": Decontaminate,
+    "exact_hashes": ExactHashes,
+    "exact_duplicates": ExactDuplicates,
+    "exact_filter": ExactFilter,
+    "line_counts": LineCounts,
+    "duplicate_lines": DuplicateLines,
+    "line_dedup": LineDedupStep,
+    "minhash_signatures": MinHashSignatures,
+    "minhash_buckets": MinHashBuckets,
+    "minhash_confirm": MinHashConfirm,
+    "minhash_clusters": MinHashClusters,
+    "minhash_filter": MinHashDedupFilter,
+    "bloom_paragraph_dedup": BloomParagraphDedup,
+    "decontaminate": Decontaminate,
 }
-
