@@ -35,6 +35,8 @@ from lmstack.data.step import Filter, StepStats
 from lmstack.utils import atomic_write_text
 
 SEP = "<|endoftext|>"  # the EOS between documents in the token files (as `lmstack demo`'s)
+# the web-prose rules, which demo_stages limits to routes = ["prose"] (code_router sends documentation past)
+PROSE_RULES = ("gopher_quality", "gopher_repetition", "c4_quality", "fineweb_quality")
 CHAIN = (
     "language_filter",
     "gopher_quality",
@@ -64,7 +66,7 @@ def _filters() -> dict[str, Filter]:
         "nsfw_filter": NSFWFilter(),
         "toxic_filter": ToxicFilter(),
     }
-    for name in ("gopher_quality", "gopher_repetition", "c4_quality", "fineweb_quality"):  # demo_stages
+    for name in PROSE_RULES:
         out[name].routes = ("prose",)
     out["code_quality"].routes = ("code",)
     return out
@@ -211,10 +213,7 @@ def demo_stages(
         {"type": "write_jsonl", "name": "write_extracted", "output": s("extracted")},
         {"type": "language_filter", "languages": ["en"], "threshold": 0.65},
         {"type": "code_router"},  # documentation with code takes the code rules, not the prose ones
-        {"type": "gopher_quality", "routes": ["prose"]},
-        {"type": "gopher_repetition", "routes": ["prose"]},
-        {"type": "c4_quality", "routes": ["prose"]},
-        {"type": "fineweb_quality", "routes": ["prose"]},
+        *({"type": name, "routes": ["prose"]} for name in PROSE_RULES),
         {"type": "code_quality", "routes": ["code"]},
         {"type": "pii"},
         {"type": "nsfw_filter"},
