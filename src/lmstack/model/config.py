@@ -15,7 +15,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from lmstack.model.mixer_spec import LAYER_TYPES
 from lmstack.utils import atomic_write_text, check_bool, check_float, check_int
@@ -53,12 +53,16 @@ class ConfigError(ValueError):
     """A model configuration that cannot describe a working model."""
 
 
+_G = TypeVar("_G")
+
+
+# ---- the field groups: ModelConfig is their union (see ModelConfig's docstring) ---------------------------
 @dataclass
-class ModelConfig:
-    """Hyper-parameters of the model; every field is checked in ``__post_init__``.
+class DecoderConfig:
+    """The Llama-family decoder: sizes, RoPE, norms, embeddings, the HF family and the special tokens.
 
     ``rope_layout`` says which dimensions RoPE pairs up: ``"interleaved"`` rotates (2i, 2i+1)
-    as in seed 000 §1.3 and Meta's original Llama code; ``"half"`` rotates (i, i + H/2) as
+    as in the RoFormer paper and Meta's original Llama code; ``"half"`` rotates (i, i + H/2) as
     HF transformers does (HF checkpoints have their q/k rows permuted to match).
     """
 
@@ -76,14 +80,19 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 has biases on q, k, v (not o)
     sliding_window: int | None = None  # W: a query sees itself and the W - 1 keys before it
-    qk_norm: bool = False  # RMSNorm over H on q and k before RoPE (seed 001 "训练稳定性")
     parallel_block: bool = False  # GPT-J: y = x + Attn(Norm(x)) + MLP(Norm(x))
     init_std: float = 0.02
     architecture: str = "llama"  # HF family used when saving: llama | mistral | qwen2
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = field(default="custom", compare=False)
-    # --- token mixers beyond softmax attention (model/mixers.py, linear_attention.py, mamba2.py, deltanet.py, dsa.py)
+
+
+@dataclass
+class MixerConfig:
+    """Token mixers beyond softmax attention and the per-layer pattern (model/mixer_spec.py, mixers.py,
+    linear_attention.py, mamba2.py, deltanet.py, dsa.py)."""
+
     layer_types: list[str] | None = (
         None  # per layer, one of MIXERS; None = "attention" in every layer
     )
@@ -96,6 +105,9 @@ class ModelConfig:
     ssm_head_dim: int = 64  # Mamba-2: P; heads = ssm_expand·D / P
     ssm_expand: int = 2  # Mamba-2: inner width = ssm_expand·D
     conv_kernel: int = 4  # Mamba-2 / Gated DeltaNet short causal depthwise convolution
+    ssm_dt_limit: list | None = (
+        None  # Mamba-2: Δ clamped to [lo, hi] after the softplus (HF time_step_limit)
+    )
     delta_n_heads: int | None = None  # Gated DeltaNet q/k heads; None = n_heads
     delta_n_v_heads: int | None = (
         None  # Gated DeltaNet value heads (a multiple of delta_n_heads); None = equal
@@ -111,7 +123,13 @@ class ModelConfig:
     dsa_dense_warmup: bool = (
         False  # DSA: V3.2's dense warm-up stage (dense attention, KL over every causal key)
     )
-    # --- mixture of experts / MLA (model/moe.py, model/mla.py)
+
+
+@dataclass
+class MoEConfig:
+    """Mixture of experts: routed and shared experts, the router, capacity and the balance losses
+    (model/moe.py)."""
+
     n_experts: int = 0  # E routed experts per MoE layer; 0 = every FFN is the dense SwiGLU
     n_experts_per_token: int = 2  # k
     d_ff_expert: int | None = (
@@ -152,20 +170,32 @@ class ModelConfig:
     moe_bias_update_rate: float = (
         0.0  # γ: aux-free bias step b_i += γ·sign(mean load − load_i) per step
     )
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, model/mla.py); ``kv_lora_rank > 0`` turns it on."""
+
     kv_lora_rank: int = 0  # d_c of MLA's compressed KV; > 0 makes every token mixer MLA
     q_lora_rank: int = 0  # d_c' of MLA's compressed query; 0 = a full-rank q projection
     qk_nope_head_dim: int = 0  # MLA per-head q/k dims without RoPE
     qk_rope_head_dim: int = 0  # d_R: MLA's decoupled RoPE dims (one shared key per token)
     v_head_dim: int = 0  # MLA per-head value dims
+    rope_yarn: dict | None = (
+        None  # MLA only: YaRN RoPE scaling {factor, original_max_position_embeddings, ...}
+    )
+
+
+@dataclass
+class VariantConfig:
+    """Variants of the block and of softmax attention (QK-norm, soft-capping, output gate, partial RoPE,
+    sandwich norms, ...; model/variants.py, model/olmoe.py); the defaults are the Llama block, unchanged."""
+
+    qk_norm: bool = False  # RMSNorm over H on q and k before RoPE (seed 001 "训练稳定性")
     qk_norm_full: bool = (
         False  # OLMoE: RMSNorm over all N·H query / K·H key features (not per head)
     )
     qkv_clip: float | None = None  # OLMoE clip_qkv: clamp q, k, v to ±clip
-    rope_yarn: dict | None = (
-        None  # MLA only: YaRN RoPE scaling {factor, original_max_position_embeddings, ...}
-    )
-    # --- HF hybrid / interleaved families (Mamba2, Gemma-2/3, Qwen3-Next: model/variants.py, model/hf.py);
-    # the defaults are the Llama block above, unchanged
     block_ffn: bool = (
         True  # False: a block is norm -> token mixer -> residual only (Mamba2ForCausalLM)
     )
@@ -189,12 +219,32 @@ class ModelConfig:
     attn_output_gate: bool = (
         False  # Qwen3-Next: attention output ·sigmoid(gate), gate from a doubled q_proj
     )
-    ssm_dt_limit: list | None = (
-        None  # Mamba-2: Δ clamped to [lo, hi] after the softplus (HF time_step_limit)
-    )
     rope_linear_factor: float | None = (
         None  # linear RoPE scaling (positions / factor) of the global layers (Gemma-3)
     )
+
+
+#: the field groups, by the name of their ``ModelConfig`` view (``config.moe`` is a MoEConfig)
+GROUPS = {
+    "decoder": DecoderConfig,
+    "mixers": MixerConfig,
+    "moe": MoEConfig,
+    "mla": MLAConfig,
+    "variants": VariantConfig,
+}
+
+
+@dataclass
+class ModelConfig(VariantConfig, MLAConfig, MoEConfig, MixerConfig, DecoderConfig):
+    """Hyper-parameters of the model; every field is checked in ``__post_init__``.
+
+    The fields are declared in groups (``DecoderConfig``, ``MixerConfig``, ``MoEConfig``, ``MLAConfig``,
+    ``VariantConfig``) and ModelConfig holds them all, flat: a field is read and set as ``config.n_experts``,
+    constructed as ``ModelConfig(n_experts=8)`` and stored flat in config files and checkpoints, as before
+    the groups existed. ``config.moe`` (``.decoder``, ``.mixers``, ``.mla``, ``.variants``) is the group as
+    its own typed object, a copy; ``config.replace(moe=MoEConfig(...))`` and
+    ``ModelConfig.from_groups(MoEConfig(...), n_layers=4)`` set a whole group.
+    """
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -520,6 +570,56 @@ class ModelConfig:
         """G = N // K: query heads served by one kv head."""
         return self.n_heads // self.n_kv_heads
 
+    # ---- the field groups as typed objects --------------------------------------------------
+    def group(self, cls: type[_G]) -> _G:
+        """The fields of group ``cls`` (one of ``GROUPS``' classes) as a ``cls`` object (a copy)."""
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def decoder(self) -> DecoderConfig:
+        return self.group(DecoderConfig)
+
+    @property
+    def mixers(self) -> MixerConfig:
+        return self.group(MixerConfig)
+
+    @property
+    def moe(self) -> MoEConfig:
+        return self.group(MoEConfig)
+
+    @property
+    def mla(self) -> MLAConfig:
+        return self.group(MLAConfig)
+
+    @property
+    def variants(self) -> VariantConfig:
+        return self.group(VariantConfig)
+
+    @staticmethod
+    def _flatten(changes: dict[str, Any]) -> dict[str, Any]:
+        """``changes`` with each group object (``moe=MoEConfig(...)``, or a bare one under its class
+        name) spread into its fields."""
+        flat: dict[str, Any] = {}
+        for k, v in changes.items():
+            if k in GROUPS:
+                if not isinstance(v, GROUPS[k]):
+                    raise ConfigError(f"{k}={v!r:.80} must be a {GROUPS[k].__name__}")
+                flat.update(dataclasses.asdict(v))
+            else:
+                flat[k] = v
+        return flat
+
+    @classmethod
+    def from_groups(cls, *groups: Any, **fields: Any) -> ModelConfig:
+        """A config from whole groups and single fields: ``from_groups(MoEConfig(n_experts=8), n_layers=4)``."""
+        changes: dict[str, Any] = {}
+        for g in groups:
+            name = next((k for k, c in GROUPS.items() if type(g) is c), None)
+            if name is None:
+                raise ConfigError(f"{g!r:.80} is not one of the groups {sorted(GROUPS)}")
+            changes[name] = g
+        return cls(**cls._flatten({**changes, **fields}))
+
     # ---- (de)serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -542,7 +642,8 @@ class ModelConfig:
         return cls(**d)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``: fields, or whole groups (``replace(moe=MoEConfig(n_experts=8))``)."""
+        return dataclasses.replace(self, **self._flatten(changes))
 
     def save(self, path: str | os.PathLike) -> None:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
