@@ -98,3 +98,52 @@ def test_config_groups_are_typed_views_and_set_whole():
     assert built == ModelConfig(**tiny, **mla, n_experts=4)
     with pytest.raises(Exception, match="moe=.* must be a MoEConfig"):
         c.replace(moe=MLAConfig())
+
+
+def test_adding_a_family_is_one_adapter_and_one_registry_line(tmp_path, monkeypatch):
+    """The recipe of docs/architecture.md done in a test: a toy family (Llama under other tensor names)
+    is a Family subclass, registered, and its name in ARCHITECTURES; it then loads and saves."""
+    import lmstack.model.config as config_module
+    from lmstack.model.families import register_family
+    from lmstack.model.families.llama import Llama
+
+    class Toy(Llama):
+        model_type = "toy_llama"
+        hf_class = "ToyForCausalLM"
+        layer_prefix = "transformer.h"
+        top_names = {
+            "embed.weight": "transformer.wte.weight",
+            "norm.weight": "transformer.ln_f.weight",
+            "lm_head.weight": "lm_head.weight",
+        }
+        block_names = {
+            lm: hf.replace("self_attn.", "attn.").replace("mlp.", "ffn.")
+            for lm, hf in Llama.block_names.items()
+        }
+
+    monkeypatch.setattr(config_module, "ARCHITECTURES", (*ARCHITECTURES, "toy_llama"))
+    register_family(Toy())
+    try:
+        c = ModelConfig(
+            vocab_size=64,
+            d_model=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=48,
+            architecture="toy_llama",
+        )
+        torch.manual_seed(0)
+        model = Transformer(c)
+        save_hf(model, tmp_path)
+        written = json.loads((tmp_path / "config.json").read_text())
+        assert written["architectures"] == ["ToyForCausalLM"]
+        with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+            names = set(f.keys())
+        assert "transformer.h.1.attn.q_proj.weight" in names and "transformer.wte.weight" in names
+        back = load_hf(tmp_path)
+        assert back.config == c
+        for n, p in model.named_parameters():
+            assert torch.equal(dict(back.named_parameters())[n], p), n
+    finally:
+        FAMILIES.pop("toy_llama")

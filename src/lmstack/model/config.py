@@ -53,9 +53,6 @@ class ConfigError(ValueError):
     """A model configuration that cannot describe a working model."""
 
 
-_G = TypeVar("_G")
-
-
 # ---- the field groups: ModelConfig is their union (see ModelConfig's docstring) ---------------------------
 @dataclass
 class DecoderConfig:
@@ -224,6 +221,7 @@ class VariantConfig:
     )
 
 
+_G = TypeVar("_G", DecoderConfig, MixerConfig, MoEConfig, MLAConfig, VariantConfig)
 #: the field groups, by the name of their ``ModelConfig`` view (``config.moe`` is a MoEConfig)
 GROUPS = {
     "decoder": DecoderConfig,
@@ -604,7 +602,7 @@ class ModelConfig(VariantConfig, MLAConfig, MoEConfig, MixerConfig, DecoderConfi
             if k in GROUPS:
                 if not isinstance(v, GROUPS[k]):
                     raise ConfigError(f"{k}={v!r:.80} must be a {GROUPS[k].__name__}")
-                flat.update(dataclasses.asdict(v))
+                flat.update({f.name: getattr(v, f.name) for f in dataclasses.fields(GROUPS[k])})
             else:
                 flat[k] = v
         return flat

@@ -10,7 +10,7 @@ directions); a family whose tensors do not map one to one overrides the ``prepar
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -340,7 +340,7 @@ class Family:
         checks the rest, under lmstack names)."""
         if not self.explain_errors:
             return
-        config = model.config
+        config = cast(ModelConfig, model.config)
         kinds = config.mixer_types
         params = dict(model.named_parameters())
         missing = [n for n in params if n not in state]

@@ -127,7 +127,7 @@ class DeepseekV2(MoEDecoder):
         return {}
 
     def moe_to_hf(self, c: ModelConfig) -> dict[str, Any]:
-        d = dict(
+        d: dict[str, Any] = dict(
             n_routed_experts=c.n_experts,
             moe_intermediate_size=c.d_ff_expert or c.d_ff,
             n_shared_experts=c.n_shared_experts,

@@ -231,7 +231,11 @@ class Qwen3Next(StrictFamily):
         )
 
     def _heads(self, c: ModelConfig) -> tuple[int, int, int, int]:
-        return c.delta_n_heads, c.delta_n_v_heads, c.delta_head_dim, c.delta_v_head_dim
+        """(n_k, n_v, h_k, h_v) of the Gated DeltaNet layers, with ModelConfig's defaults (None = n_heads,
+        = n_k, = head_dim, = h_k)."""
+        n_k = c.delta_n_heads or c.n_heads
+        h_k = c.delta_head_dim or c.head_dim or c.d_model // c.n_heads
+        return n_k, c.delta_n_v_heads or n_k, h_k, c.delta_v_head_dim or h_k
 
     def prepare_hf(
         self, hf_state: dict[str, torch.Tensor], config: ModelConfig, source: str
