@@ -152,7 +152,7 @@ def stack_experts(
     lmstack names ``blocks.{i}.ffn.{w}_proj.weight``, their HF name patterns). A missing expert is a
     WeightsError naming the layer, the weight, the experts absent and ``n_experts``."""
     hf_w = {v: k for k, v in family.expert_weights.items()}  # HF weight name -> gate | up | down
-    groups: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    groups: dict[tuple[int, str], dict[int, tuple[str, torch.Tensor]]] = {}
     rest = {}
     for name, t in hf_state.items():
         m = _HF_EXPERT.fullmatch(name)
@@ -160,7 +160,7 @@ def stack_experts(
             rest[name] = t
             continue
         w = hf_w.get(m.group(3), m.group(3))
-        groups.setdefault((int(m.group(1)), w), {})[int(m.group(2))] = t
+        groups.setdefault((int(m.group(1)), w), {})[int(m.group(2))] = (name, t)
     E = config.n_experts
     stacked, hf_names = {}, {}
     for i in (i for i in range(config.n_layers) if config.is_moe_layer(i)):
@@ -178,8 +178,16 @@ def stack_experts(
                     f"{source}: layer {i} expert weight {w}_proj is {what}, but the config says "
                     f"n_experts={E} (experts 0..{E - 1})"
                 )
+            F, D = config.d_ff_expert or config.d_ff, config.d_model
+            want = (D, F) if w == "down" else (F, D)
+            for n, t in got.values():  # torch.stack would promote an int32 expert and name none
+                if not t.is_floating_point() or tuple(t.shape) != want:
+                    raise WeightsError(
+                        f"{source}: tensor {n!r} has dtype {t.dtype}, shape {tuple(t.shape)}; "
+                        f"expected a floating-point dtype, shape {want} (d_model={D}, d_ff_expert={F})"
+                    )
             name = f"blocks.{i}.ffn.{w}_proj.weight"
-            stacked[name] = torch.stack([got[j] for j in range(E)])
+            stacked[name] = torch.stack([got[j][1] for j in range(E)])
             hf_names[name] = family.expert_name(i, "*", w)
     if groups:
         (i, w), _ = next(iter(groups.items()))
