@@ -100,6 +100,19 @@ def test_config_groups_are_typed_views_and_set_whole():
         c.replace(moe=MLAConfig())
 
 
+def test_moe_and_mla_groups_check_their_own_fields():
+    from lmstack.model.config import ConfigError, MLAConfig, MoEConfig
+
+    with pytest.raises(ConfigError, match="n_experts_per_token=5 exceeds n_experts=4"):
+        MoEConfig(n_experts=4, n_experts_per_token=5)
+    with pytest.raises(ConfigError, match="needs qk_nope_head_dim >= 1"):
+        MLAConfig(kv_lora_rank=8)
+    with pytest.raises(ConfigError, match="router_groups=3 does not divide n_experts=8"):
+        ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=48).replace(
+            moe=MoEConfig(n_experts=8), router_groups=3
+        )
+
+
 def test_adding_a_family_is_one_adapter_and_one_registry_line(tmp_path, monkeypatch):
     """The recipe of docs/architecture.md done in a test: a toy family (Llama under other tensor names)
     is a Family subclass, registered, and its name in ARCHITECTURES; it then loads and saves."""

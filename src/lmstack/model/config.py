@@ -168,6 +168,78 @@ class MoEConfig:
         0.0  # γ: aux-free bias step b_i += γ·sign(mean load − load_i) per step
     )
 
+    def __post_init__(self) -> None:
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """The MoE fields on their own (model/moe.py); ModelConfig runs it too."""
+        for f in ("n_experts", "n_shared_experts", "moe_first_dense"):
+            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 0, MAX_SIZE))
+        for f in (
+            "n_experts_per_token",
+            "moe_layer_step",
+            "router_groups",
+            "router_topk_groups",
+            "moe_devices",
+        ):
+            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
+        for f in ("d_ff_expert", "d_ff_shared"):
+            if getattr(self, f) is not None:
+                setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
+        for f in ("shared_expert_gate", "router_norm_topk", "router_aux_free_bias"):
+            check_bool(f, getattr(self, f), ConfigError)
+        for f in (
+            "router_scale",
+            "moe_aux_loss_coef",
+            "moe_device_loss_coef",
+            "moe_z_loss_coef",
+            "moe_bias_update_rate",
+        ):
+            setattr(self, f, check_float(f, getattr(self, f), ConfigError))
+            if getattr(self, f) < 0:
+                raise ConfigError(f"{f}={getattr(self, f)} must be >= 0")
+        if self.capacity_factor is not None:
+            self.capacity_factor = check_float("capacity_factor", self.capacity_factor, ConfigError)
+            if not self.capacity_factor > 0:
+                raise ConfigError(f"capacity_factor={self.capacity_factor} must be > 0 (or null)")
+        choices = {
+            "router": ("topk", "hash"),
+            "router_score": ("softmax", "sigmoid"),
+            "router_order": ("softmax_topk", "topk_softmax"),
+        }
+        for f, allowed in choices.items():
+            if getattr(self, f) not in allowed:
+                raise ConfigError(f"{f}={getattr(self, f)!r}; expected one of {allowed}")
+        if self.n_experts:
+            if self.n_experts_per_token > self.n_experts:
+                raise ConfigError(
+                    f"n_experts_per_token={self.n_experts_per_token} exceeds n_experts="
+                    f"{self.n_experts}; top-k routing needs k <= E"
+                )
+            if self.n_experts % self.router_groups:
+                raise ConfigError(
+                    f"router_groups={self.router_groups} does not divide n_experts={self.n_experts}"
+                )
+            if self.router_topk_groups > self.router_groups:
+                raise ConfigError(
+                    f"router_topk_groups={self.router_topk_groups} exceeds router_groups="
+                    f"{self.router_groups}"
+                )
+            if (
+                self.router_groups > 1
+                and self.router_topk_groups * (self.n_experts // self.router_groups)
+                < self.n_experts_per_token
+            ):
+                raise ConfigError(
+                    f"router_topk_groups={self.router_topk_groups} groups of "
+                    f"{self.n_experts // self.router_groups} experts hold fewer than "
+                    f"n_experts_per_token={self.n_experts_per_token}"
+                )
+            if self.n_experts % self.moe_devices:
+                raise ConfigError(
+                    f"moe_devices={self.moe_devices} does not divide n_experts={self.n_experts}"
+                )
+
 
 @dataclass
 class MLAConfig:
@@ -181,6 +253,67 @@ class MLAConfig:
     rope_yarn: dict | None = (
         None  # MLA only: YaRN RoPE scaling {factor, original_max_position_embeddings, ...}
     )
+
+    def __post_init__(self) -> None:
+        self._check_mla()
+
+    def _check_mla(self) -> None:
+        """The MLA fields on their own (model/mla.py); ModelConfig runs it too."""
+        for f in (
+            "kv_lora_rank",
+            "q_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        ):
+            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 0, MAX_SIZE))
+        if self.kv_lora_rank:
+            for f in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, f) < 1:
+                    raise ConfigError(
+                        f"MLA (kv_lora_rank={self.kv_lora_rank}) needs {f} >= 1, got {getattr(self, f)}"
+                    )
+            if self.qk_rope_head_dim % 2:
+                raise ConfigError(
+                    f"qk_rope_head_dim={self.qk_rope_head_dim} is odd; RoPE rotates pairs"
+                )
+        if self.rope_yarn is not None:
+            if not self.is_mla:
+                raise ConfigError(
+                    "rope_yarn (YaRN scaling) is implemented for MLA models (kv_lora_rank > 0) only"
+                )
+            if not isinstance(self.rope_yarn, dict):
+                raise ConfigError(
+                    f"rope_yarn={self.rope_yarn!r} must be an object of YaRN parameters"
+                )
+            allowed = {
+                "factor",
+                "original_max_position_embeddings",
+                "beta_fast",
+                "beta_slow",
+                "mscale",
+                "mscale_all_dim",
+                "attention_factor",
+                "truncate",
+            }
+            unknown = sorted(set(self.rope_yarn) - allowed)
+            if unknown:
+                raise ConfigError(
+                    f"rope_yarn has unknown key(s) {unknown}; known: {sorted(allowed)}"
+                )
+            for key in ("factor", "original_max_position_embeddings"):
+                if key not in self.rope_yarn:
+                    raise ConfigError(f"rope_yarn needs {key!r}, got {self.rope_yarn!r}")
+            for key, v in self.rope_yarn.items():
+                if key == "truncate":
+                    check_bool("rope_yarn.truncate", v, ConfigError)
+                elif v is not None:
+                    check_float(f"rope_yarn.{key}", v, ConfigError)
+
+    @property
+    def is_mla(self) -> bool:
+        """Every layer's token mixer is multi-head latent attention (model/mla.py)."""
+        return self.kv_lora_rank > 0
 
 
 @dataclass
@@ -301,16 +434,25 @@ class ModelConfig(VariantConfig, MLAConfig, MoEConfig, MixerConfig, DecoderConfi
         if not (self.init_std > 0):
             raise ConfigError(f"init_std={self.init_std!r} must be > 0")
         self._check_mixers()
-        self._check_moe_mla()
+        self._check_moe()
+        self._check_mla()
         self._check_variants()
 
     def _check_variants(self) -> None:
         """The HF hybrid / interleaved-family fields (model/variants.py)."""
-        for f in ("block_ffn", "norm_offset", "sandwich_norm", "embed_scale", "attn_output_gate"):
+        for f in (
+            "block_ffn",
+            "norm_offset",
+            "sandwich_norm",
+            "embed_scale",
+            "attn_output_gate",
+            "qk_norm_full",
+        ):
             check_bool(f, getattr(self, f), ConfigError)
         if self.ffn_act not in FFN_ACTS:
             raise ConfigError(f"ffn_act={self.ffn_act!r}; expected one of {FFN_ACTS}")
         for f in (
+            "qkv_clip",
             "query_pre_attn_scalar",
             "attn_softcap",
             "final_softcap",
@@ -427,132 +569,6 @@ class ModelConfig(VariantConfig, MLAConfig, MoEConfig, MixerConfig, DecoderConfi
             if self.layer_types is not None
             else ["attention"] * self.n_layers
         )
-
-    def _check_moe_mla(self) -> None:
-        """Validate the mixture-of-experts / MLA block (model/moe.py, model/mla.py)."""
-        for f in (
-            "n_experts",
-            "n_shared_experts",
-            "moe_first_dense",
-            "kv_lora_rank",
-            "q_lora_rank",
-            "qk_nope_head_dim",
-            "qk_rope_head_dim",
-            "v_head_dim",
-        ):
-            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 0, MAX_SIZE))
-        for f in (
-            "n_experts_per_token",
-            "moe_layer_step",
-            "router_groups",
-            "router_topk_groups",
-            "moe_devices",
-        ):
-            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
-        for f in ("d_ff_expert", "d_ff_shared"):
-            if getattr(self, f) is not None:
-                setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
-        for f in ("shared_expert_gate", "router_norm_topk", "router_aux_free_bias", "qk_norm_full"):
-            check_bool(f, getattr(self, f), ConfigError)
-        for f in (
-            "router_scale",
-            "moe_aux_loss_coef",
-            "moe_device_loss_coef",
-            "moe_z_loss_coef",
-            "moe_bias_update_rate",
-        ):
-            setattr(self, f, check_float(f, getattr(self, f), ConfigError))
-            if getattr(self, f) < 0:
-                raise ConfigError(f"{f}={getattr(self, f)} must be >= 0")
-        for f in ("capacity_factor", "qkv_clip"):
-            if getattr(self, f) is not None:
-                setattr(self, f, check_float(f, getattr(self, f), ConfigError))
-                if not getattr(self, f) > 0:
-                    raise ConfigError(f"{f}={getattr(self, f)} must be > 0 (or null)")
-        choices = {
-            "router": ("topk", "hash"),
-            "router_score": ("softmax", "sigmoid"),
-            "router_order": ("softmax_topk", "topk_softmax"),
-        }
-        for f, allowed in choices.items():
-            if getattr(self, f) not in allowed:
-                raise ConfigError(f"{f}={getattr(self, f)!r}; expected one of {allowed}")
-        if self.n_experts:
-            if self.n_experts_per_token > self.n_experts:
-                raise ConfigError(
-                    f"n_experts_per_token={self.n_experts_per_token} exceeds n_experts="
-                    f"{self.n_experts}; top-k routing needs k <= E"
-                )
-            if self.n_experts % self.router_groups:
-                raise ConfigError(
-                    f"router_groups={self.router_groups} does not divide n_experts={self.n_experts}"
-                )
-            if self.router_topk_groups > self.router_groups:
-                raise ConfigError(
-                    f"router_topk_groups={self.router_topk_groups} exceeds router_groups="
-                    f"{self.router_groups}"
-                )
-            if (
-                self.router_groups > 1
-                and self.router_topk_groups * (self.n_experts // self.router_groups)
-                < self.n_experts_per_token
-            ):
-                raise ConfigError(
-                    f"router_topk_groups={self.router_topk_groups} groups of "
-                    f"{self.n_experts // self.router_groups} experts hold fewer than "
-                    f"n_experts_per_token={self.n_experts_per_token}"
-                )
-            if self.n_experts % self.moe_devices:
-                raise ConfigError(
-                    f"moe_devices={self.moe_devices} does not divide n_experts={self.n_experts}"
-                )
-        if self.kv_lora_rank:
-            for f in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-                if getattr(self, f) < 1:
-                    raise ConfigError(
-                        f"MLA (kv_lora_rank={self.kv_lora_rank}) needs {f} >= 1, got {getattr(self, f)}"
-                    )
-            if self.qk_rope_head_dim % 2:
-                raise ConfigError(
-                    f"qk_rope_head_dim={self.qk_rope_head_dim} is odd; RoPE rotates pairs"
-                )
-        if self.rope_yarn is not None:
-            if not self.is_mla:
-                raise ConfigError(
-                    "rope_yarn (YaRN scaling) is implemented for MLA models (kv_lora_rank > 0) only"
-                )
-            if not isinstance(self.rope_yarn, dict):
-                raise ConfigError(
-                    f"rope_yarn={self.rope_yarn!r} must be an object of YaRN parameters"
-                )
-            allowed = {
-                "factor",
-                "original_max_position_embeddings",
-                "beta_fast",
-                "beta_slow",
-                "mscale",
-                "mscale_all_dim",
-                "attention_factor",
-                "truncate",
-            }
-            unknown = sorted(set(self.rope_yarn) - allowed)
-            if unknown:
-                raise ConfigError(
-                    f"rope_yarn has unknown key(s) {unknown}; known: {sorted(allowed)}"
-                )
-            for key in ("factor", "original_max_position_embeddings"):
-                if key not in self.rope_yarn:
-                    raise ConfigError(f"rope_yarn needs {key!r}, got {self.rope_yarn!r}")
-            for key, v in self.rope_yarn.items():
-                if key == "truncate":
-                    check_bool("rope_yarn.truncate", v, ConfigError)
-                elif v is not None:
-                    check_float(f"rope_yarn.{key}", v, ConfigError)
-
-    @property
-    def is_mla(self) -> bool:
-        """Every layer's token mixer is multi-head latent attention (model/mla.py)."""
-        return self.kv_lora_rank > 0
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Layer ``layer_idx``'s FFN is a mixture of experts (model/moe.py)."""
