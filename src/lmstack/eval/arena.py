@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmstack.utils import atomic_path, read_jsonl
+from lmstack.utils import pyplot, read_jsonl, save_png
 
 WINNERS = {"model_a": 1.0, "model_b": 0.0, "tie": 0.5, "tie (bothbad)": 0.5}
 SCALE, BASE, INIT = 400.0, 10.0, 1000.0
@@ -196,10 +196,7 @@ def rate(
 
 def plot_ratings(result: ArenaResult, path) -> None:
     """PNG: Bradley–Terry ratings with their intervals, best first (written atomically)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     order = np.argsort(-result.bt)
     y = result.bt[order]
@@ -211,6 +208,4 @@ def plot_ratings(result: ArenaResult, path) -> None:
     ax.set_title(f"Arena ratings, {result.n_battles} battles, 95% bootstrap CI")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
+    save_png(fig, path, dpi=120)
