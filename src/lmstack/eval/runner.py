@@ -23,7 +23,7 @@ import numpy as np
 
 from lmstack.eval.scoring import encode_pair, loglikelihoods, prefix_token_id
 from lmstack.eval.tasks import Task
-from lmstack.inference.engine import LLM
+from lmstack.inference.llm import LLM
 from lmstack.inference.sampling import SamplingParams
 
 
