@@ -67,7 +67,7 @@ def live_server(server, timeout: float = 30.0):
     """Run ``build_app(server)`` under uvicorn in a thread; yields the base URL."""
     import uvicorn
 
-    from lmstack.serve.app import build_app
+    from lmstack.serve import build_app
 
     port = free_port()
     config = uvicorn.Config(
@@ -104,3 +104,20 @@ def wait_idle(engine, timeout: float = 10.0) -> None:
 def all_blocks_free(engine) -> bool:
     b = engine.cache.blocks
     return b.num_free == b.num_blocks - 1 and not b.tables
+
+
+def route_table(app) -> list[tuple[str, str]]:
+    """(method, path) of every route the app answers (HEAD left out), routers included: FastAPI >= 0.16x
+    keeps an included ``APIRouter`` as one entry of ``app.routes`` (its routes under ``original_router``)."""
+
+    def walk(routes):
+        for r in routes:
+            sub = getattr(r, "original_router", None)
+            if sub is not None:
+                yield from walk(sub.routes)
+            else:
+                for m in sorted(getattr(r, "methods", None) or ()):
+                    if m != "HEAD":
+                        yield m, r.path
+
+    return sorted(set(walk(app.routes)))

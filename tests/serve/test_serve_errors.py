@@ -5,9 +5,17 @@ import threading
 import time
 
 import pytest
-from serve_helpers import MODEL, all_blocks_free, live_server, tiny_engine, tiny_model, wait_idle
+from serve_helpers import (
+    MODEL,
+    all_blocks_free,
+    live_server,
+    route_table,
+    tiny_engine,
+    tiny_model,
+    wait_idle,
+)
 
-from lmstack.serve.app import Server
+from lmstack.serve import Server
 
 httpx = pytest.importorskip("httpx", reason="raw HTTP requests")
 openai = pytest.importorskip("openai", reason="the official client")
@@ -150,9 +158,9 @@ def _hold_a_stream(url, started: threading.Event, stop: threading.Event):
 
 def _slow_sampling(monkeypatch):
     """Requests with user="slow" take ~20 ms a token: a stream that surely holds its slot."""
-    from lmstack.serve import app as app_module
+    from lmstack.serve import server as server_module
 
-    real = app_module.Server.sampling
+    real = server_module.Server.sampling
 
     def slow(output_ids, logits):
         time.sleep(0.02)
@@ -162,7 +170,7 @@ def _slow_sampling(monkeypatch):
         extra = [slow] if body.user == "slow" else []
         return real(self, body, max_tokens, logprobs, index, list(processors) + extra)
 
-    monkeypatch.setattr(app_module.Server, "sampling", sampling)
+    monkeypatch.setattr(server_module.Server, "sampling", sampling)
 
 
 def test_full_queue_answers_429_or_waits(monkeypatch):
@@ -197,9 +205,9 @@ def test_a_failing_request_takes_no_other_down(served, monkeypatch):
     running beside it finish normally and the loop serves the next ones."""
     url, engine = served
     server = None
-    from lmstack.serve import app as app_module
+    from lmstack.serve import server as server_module
 
-    real = app_module.Server.sampling
+    real = server_module.Server.sampling
 
     def boom(output_ids, logits):
         if len(output_ids) >= 2:
@@ -210,7 +218,7 @@ def test_a_failing_request_takes_no_other_down(served, monkeypatch):
         extra = [boom] if body.user == "boom" else []
         return real(self, body, max_tokens, logprobs, index, list(processors) + extra)
 
-    monkeypatch.setattr(app_module.Server, "sampling", sampling)
+    monkeypatch.setattr(server_module.Server, "sampling", sampling)
     results = {}
 
     def call(name, user):
@@ -330,24 +338,15 @@ def test_serve_flags_are_checked_before_anything_loads(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def _routes(app):
-    from starlette.routing import Route
-
-    for r in app.routes:
-        if isinstance(r, Route):
-            for m in sorted(r.methods or ()):
-                if m != "HEAD":
-                    yield r.path, m
-
-
 def test_with_a_key_every_route_but_health_and_the_chat_page_needs_it():
     """One test over the whole route table (a new route cannot slip through): /v1/*, /tokenize, /detokenize,
     /docs, /openapi.json, /metrics... refuse a missing or wrong key; /health and / answer; --public-metrics opens
     /metrics only."""
-    from lmstack.serve.app import PUBLIC_ROUTES, build_app
+    from lmstack.serve import build_app
+    from lmstack.serve.guards import PUBLIC_ROUTES
 
     server = Server(tiny_engine(), MODEL, api_key="sekret")
-    routes = sorted(set(_routes(build_app(server))))
+    routes = [(p, m) for m, p in route_table(build_app(server))]
     assert (
         ("/tokenize", "POST") in routes
         and ("/openapi.json", "GET") in routes

@@ -15,7 +15,7 @@ import signal
 
 from lmstack.inference.engine import LLMEngine
 from lmstack.inference.loader import DTYPES, QUANT, load_for_inference
-from lmstack.serve.app import Server, build_app
+from lmstack.serve import Server, build_app
 from lmstack.threads import add_threads_argument
 
 
