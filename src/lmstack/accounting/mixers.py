@@ -13,7 +13,7 @@ layer by layer (``mixer_spec.layer_kinds``):
   gated_deltanet      state n_v·H_k·H_v + conv (K_c−1)·conv_dim         proj + conv + 6·n_v·H_k·H_v
 
 Recurrent states are kept in fp32 (``model.linear_scan``), KV and conv inputs in the model dtype,
-exactly as ``model.mixers.MixerCache`` holds them (its ``nbytes()`` equals ``cache_bytes`` —
+exactly as ``inference.kv_cache.MixerCache`` holds them (its ``nbytes()`` equals ``cache_bytes`` —
 tests/model/test_mixers_accounting.py). Parameter counts equal the modules' ``numel`` sums
 (tests/model/test_mixer_spec.py).
 """
