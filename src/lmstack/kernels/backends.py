@@ -167,7 +167,9 @@ def choose_attention(
 def resolve_attn_backend(name: str, device: torch.device | str, key_len: int | None = None) -> str:
     """``choose_attention`` with the training/autocast state read from the current context."""
     training = torch.get_autocast_dtype("cpu") if cpu_training_autocast(device) else None
-    autocast = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(training)
+    autocast = (
+        None if training is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(training)
+    )
     return choose_attention(name, device, autocast, torch.compiler.is_compiling(), key_len)[0]
 
 

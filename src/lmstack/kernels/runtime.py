@@ -71,7 +71,7 @@ def configure(
     if device is None:
         device = next(model.parameters()).device
     autocast = runtime.dtype if training and runtime.dtype in ("bf16", "fp16") else None
-    needs = getattr(
+    needs: tuple[str, ...] = getattr(
         model, "attention_needs", tuple
     )()  # e.g. ("softcap",) for Gemma-2 (Transformer.attention_needs)
     attn, why = choose_attention(
