@@ -729,7 +729,7 @@ def stack_experts(
             out[name] = t
             continue
         w = _MIXTRAL_W.get(m.group(3), m.group(3))
-        groups.setdefault((int(m.group(1)), w), {})[int(m.group(2))] = t
+        groups.setdefault((int(m.group(1)), w), {})[int(m.group(2))] = (name, t)
     E = config.n_experts
     moe_layers = [i for i in range(config.n_layers) if config.is_moe_layer(i)]
     for i in moe_layers:
@@ -747,8 +747,16 @@ def stack_experts(
                     f"{source}: layer {i} expert weight {w}_proj is {what}, but the config says "
                     f"n_experts={E} (experts 0..{E - 1})"
                 )
+            F, D = config.d_ff_expert or config.d_ff, config.d_model
+            want = (D, F) if w == "down" else (F, D)
+            for n, t in got.values():  # torch.stack would promote an int32 expert and name none
+                if not t.is_floating_point() or tuple(t.shape) != want:
+                    raise WeightsError(
+                        f"{source}: tensor {n!r} has dtype {t.dtype}, shape {tuple(t.shape)}; "
+                        f"expected a floating-point dtype, shape {want} (d_model={D}, d_ff_expert={F})"
+                    )
             out[f"model.layers.{i}.mlp.stacked_experts.{w}_proj.weight"] = torch.stack(
-                [got[j] for j in range(E)]
+                [got[j][1] for j in range(E)]
             )
     if groups:
         (i, w), _ = next(iter(groups.items()))
