@@ -312,6 +312,8 @@ def run_arena(args) -> int:
     for w in battles.warnings:
         print(f"warning: {w}", file=sys.stderr)
     result = rate(battles, args.bootstrap, args.seed, args.k)
+    for w in result.warnings[len(battles.warnings) :]:  # separation, a disconnected graph
+        print(f"warning: {w}", file=sys.stderr)
     print(result.table())
     if args.json:
         _write_json(args.json, result.to_dict(), ins)
