@@ -6,9 +6,8 @@ count, on SmolLM2-135M's weight shapes — the measurement behind a row of ``ops
 For each weight (out × in: 1536×576 gate/up, 576×1536 down, 576×576 q/o, 49152×576 the unembedding) and each
 row count M, both are timed in alternation (``--rounds`` rounds of a few calls each, after a warm-up; this
 thread's CPU time, so a loaded machine stretches neither side; ``--threads 1`` for that to hold); printed:
-the median time of each and the ratio BLAS / oneDNN (> 1: oneDNN faster), then the policy the ratios suggest —
-oneDNN from the smallest M at which it is ≥ 1.1x faster for every weight and every larger M, and for the
-unembedding-sized weight when it is ≥ 1.1x faster there at every M — beside ``choose_gemm("auto")`` for this CPU.
+the median time of each and the ratio BLAS / oneDNN (> 1: oneDNN faster), then per weight the row counts where
+oneDNN is ≥ 1.1x faster, beside ``choose_gemm("auto")`` for this CPU (what a ``MEASURED`` row is read from).
 """
 
 from __future__ import annotations
@@ -72,16 +71,9 @@ def main() -> None:
             b, d = statistics.median(tb), statistics.median(td)
             ratios[name][M] = b / d
             print(f"| {name} {o}x{i} | {M} | {b * 1e3:.3f} | {d * 1e3:.3f} | {b / d:.2f} |")
-    rows = sorted({M for r in ratios.values() for M in r})
-    dense = [n for n in ratios if n != "unembed"]
-    min_rows = next(
-        (M for M in rows if all(r >= 1.1 for n in dense for m, r in ratios[n].items() if m >= M)),
-        None,
-    )
-    big = all(r >= 1.1 for r in ratios["unembed"].values())
-    print(
-        f"suggested: oneDNN from {min_rows} rows (None: never by rows); for a 4M-element weight: {big}"
-    )
+    for name, r in ratios.items():
+        faster = [M for M, x in r.items() if x >= 1.1]
+        print(f"{name}: oneDNN >= 1.1x at M = {faster or 'none'}")
     print(f"choose_gemm('auto') here: {choose_gemm('auto')}")
 
 

@@ -21,21 +21,26 @@ def restore_policy():
     gemm.set_gemm(saved)
 
 
+UNEMBED, DOWN = 49152 * 576, 576 * 1536  # SmolLM2's unembedding and FFN down weights
+
+
 @pytest.mark.parametrize(
-    "machine,min_rows,min_weight",
+    "machine,onednn_at",
     [
-        ("epyc", 8, M4),  # AMD: MKL's slow path, oneDNN from 8 rows
-        ("avx512_bf16", 8, M4),  # Zen 4 is AMD too
-        ("amx", None, M4),  # Intel Xeon: MKL but for the unembedding
-        ("avx512_vnni", None, M4),
-        ("neon", None, None),  # not measured: torch's own BLAS
-        ("avx2", None, None),  # no vendor in the canned machine
+        # which of (1, DOWN), (8, DOWN), (1, UNEMBED), (4, UNEMBED) (rows, weight) go to oneDNN
+        ("epyc", [False, True, True, True]),  # AMD: MKL's slow path, oneDNN from 8 rows
+        ("avx512_bf16", [False, True, True, True]),  # Zen 4 is AMD too
+        ("amx", [False, False, False, True]),  # Intel Xeon: MKL but the unembedding from 4 rows
+        ("avx512_vnni", [False, False, False, True]),
+        ("neon", [False, False, False, False]),  # not measured: torch's own BLAS
+        ("avx2", [False, False, False, False]),  # no vendor in the canned machine
     ],
 )
-def test_auto_is_the_measured_row_of_the_vendor(monkeypatch, machine, min_rows, min_weight):
+def test_auto_is_the_measured_row_of_the_vendor(monkeypatch, machine, onednn_at):
     monkeypatch.setenv("LMSTACK_CPU", machine)
     p = gemm.choose_gemm("auto")
-    assert (p.min_rows, p.min_weight) == (min_rows, min_weight)
+    cases = [(1, DOWN), (8, DOWN), (1, UNEMBED), (4, UNEMBED)]
+    assert [p.uses_onednn(r, w) for r, w in cases] == onednn_at
     assert gemm.choose_gemm("auto", FAKE_CPUS[machine]) == p
 
 
@@ -53,10 +58,13 @@ def test_explicit_backends_and_the_off_switch(monkeypatch):
 
 def test_policy_thresholds_by_hand():
     p = gemm.GemmPolicy("t", 8, M4)
-    assert [p.uses_onednn(m, 576 * 1536) for m in (1, 7, 8, 300)] == [False, False, True, True]
-    assert p.uses_onednn(1, 49152 * 576)  # the unembedding at one row
+    assert [p.uses_onednn(m, DOWN) for m in (1, 7, 8, 300)] == [False, False, True, True]
+    assert p.uses_onednn(1, UNEMBED)  # the unembedding at one row
+    big_only = gemm.GemmPolicy("t", None, M4, 4)
+    assert [big_only.uses_onednn(m, UNEMBED) for m in (1, 3, 4, 512)] == [False, False, True, True]
+    assert not big_only.uses_onednn(4096, DOWN)
     never = gemm.GemmPolicy("t", None, None)
-    assert not never.uses_onednn(4096, 49152 * 576)
+    assert not never.uses_onednn(4096, UNEMBED)
 
 
 @pytest.mark.parametrize("policy", ["onednn", "blas"])
@@ -82,9 +90,9 @@ def test_configure_sets_the_policy_and_logs_it(monkeypatch, restore_policy):
     assert line.endswith(
         "; gemm: auto (auto: AMD EPYC: oneDNN from 8 rows or a weight of 4M elements)"
     )
-    assert gemm.gemm_policy().min_rows == 8
+    assert gemm.gemm_policy().uses_onednn(8, DOWN)
     assert configure(model, RuntimeConfig(gemm="blas")).endswith("; gemm: blas (configured)")
-    assert gemm.gemm_policy().min_rows is None
+    assert not gemm.gemm_policy().uses_onednn(4096, UNEMBED)
 
 
 def test_expert_swiglu_equals_the_per_expert_formula(restore_policy):

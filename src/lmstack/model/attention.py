@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lmstack.model.config import ModelConfig
-from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding, fuse_linears, still_fused
+from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding, fuse_linears, linear, still_fused
 from lmstack.model.seam import (
     DEFAULT_ATTENTION,
     AttentionImpl,
@@ -24,7 +24,6 @@ from lmstack.model.seam import (
     attention_mask,
     reference_attention,
 )
-from lmstack.ops.gemm import linear
 
 __all__ = ["Attention", "attention_mask", "reference_attention"]
 

@@ -17,13 +17,12 @@ from torch import Tensor, nn
 
 from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
-from lmstack.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from lmstack.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU, linear
 from lmstack.model.mixer_spec import layer_softcap, layer_specs
 from lmstack.model.mixers import build_mixer, init_recurrent_parameters
 from lmstack.model.moe import moe_from_config
 from lmstack.model.seam import AttentionImpl, AttentionMetadata, NormImpl, supports_softcap
 from lmstack.model.variants import GeGLU, OffsetRMSNorm, make_norm
-from lmstack.ops.gemm import linear
 
 
 def token_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw) -> nn.Module:

@@ -1,15 +1,16 @@
-"""The GEMM under every lmstack ``Linear``: oneDNN or torch's BLAS (MKL), chosen per CPU, and the experts' grouped GEMMs.
+"""The GEMM under every lmstack ``Linear``: oneDNN or torch's BLAS (MKL), chosen per CPU; the experts' grouped GEMMs.
 
 Seed 001 "优化技巧" (pick the kernel by measurement), "工程细节 / 基准测试". On a CPU, torch's ``F.linear`` in fp32
 runs its BLAS (MKL in the PyPI wheels); oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, on the same plain
 strided tensors, forward and both backward products in ``_OneDNNLinear``) is the other implementation. Which is
 faster depends on the CPU (docs/kernels.md, "The CPU GEMM"): MKL takes a slow path on AMD, where oneDNN measured
-~2x faster from 8 rows up; on this Intel Xeon MKL leads up to ~64 rows and is level beyond, and only the
-unembedding-sized weight (V·D ≥ 4M elements) still gains from oneDNN at any row count.
+~2x faster from 8 rows up; on this project's Intel Xeon MKL is faster at every row count up to 128 on SmolLM2's
+576↔1536 weights and level beyond, and only the unembedding-sized weight (V·D ≥ 4M elements) gains from oneDNN,
+1.2-1.9x from 4 rows (at 1-2 rows MKL is 10-25% faster).
 
 A ``GemmPolicy`` says when a product goes to oneDNN: from ``min_rows`` rows, or for a weight of ``min_weight``
-elements (either None: never by that rule). ``choose_gemm(name, features)`` turns ``auto`` into the measured row
-of ``MEASURED`` for the CPU's vendor (``lmstack.cpu``: ``LMSTACK_CPU=<name>`` fakes one) — a table, not a
+elements from ``min_weight_rows`` rows (None: never by that rule). ``choose_gemm(name, features)`` turns ``auto``
+into the measured row of ``MEASURED`` for the CPU's vendor (``lmstack.cpu``: ``LMSTACK_CPU=<name>`` fakes one) — a table, not a
 per-process measurement, because oneDNN and MKL round differently and a choice that flipped between runs would
 make them differ in the last bits; ``benchmarks/gemm_dispatch.py`` measures a CPU for a new row. ``onednn``
 sends every eligible product to oneDNN, ``blas`` none (``LMSTACK_ONEDNN=0`` makes ``auto`` mean ``blas``).
@@ -44,33 +45,42 @@ _MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
 
 @dataclass(frozen=True)
 class GemmPolicy:
-    """oneDNN for a product of ≥ ``min_rows`` rows or with a weight of ≥ ``min_weight`` elements (None: never by
-    that rule); ``name`` the backend, ``reason`` why (for the log line)."""
+    """oneDNN for a product of ≥ ``min_rows`` rows, or with a weight of ≥ ``min_weight`` elements and ≥
+    ``min_weight_rows`` rows (None: never by that rule); ``name`` the backend, ``reason`` why (the log line)."""
 
     name: str
     min_rows: int | None
     min_weight: int | None
+    min_weight_rows: int = 1
     reason: str = ""
 
     def uses_onednn(self, rows: int, weight_numel: int) -> bool:
         return (self.min_rows is not None and rows >= self.min_rows) or (
-            self.min_weight is not None and weight_numel >= self.min_weight
+            self.min_weight is not None
+            and weight_numel >= self.min_weight
+            and rows >= self.min_weight_rows
         )
 
     def line(self) -> str:
         return f"gemm: {self.name} ({self.reason})"
 
 
-#: vendor -> (min_rows, min_weight, where it was measured); docs/kernels.md has the figures
-MEASURED: dict[str, tuple[int | None, int | None, str]] = {
+#: vendor -> (min_rows, min_weight, min_weight_rows, where it was measured); docs/kernels.md has the figures
+MEASURED: dict[str, tuple[int | None, int | None, int, str]] = {
     # AMD EPYC (AVX2), SmolLM2 shapes, 2 threads: oneDNN 1.9-2.4x from 8 rows, 1.3x / 0.86x at one row
-    "AuthenticAMD": (8, 1 << 22, "AMD EPYC: oneDNN from 8 rows or a weight of 4M elements"),
-    # Intel Xeon (AVX-512 + AMX), 1 thread: MKL faster at 1-64 rows, level at 512-2048, oneDNN 1.1-1.4x on
-    # the 49152x576 unembedding
-    "GenuineIntel": (None, 1 << 22, "Intel Xeon: MKL, oneDNN for a weight of 4M elements"),
+    "AuthenticAMD": (8, 1 << 22, 1, "AMD EPYC: oneDNN from 8 rows or a weight of 4M elements"),
+    # Intel Xeon (AVX-512 + AMX), 1 thread, benchmarks/gemm_dispatch.py: MKL / oneDNN 0.17-0.97 at 1-128 rows
+    # on 576<->1536 weights, 0.89-1.13 at 512-2048; on the 49152x576 unembedding 0.89 / 0.75 at 1 / 2 rows,
+    # 1.23-1.97 at 4-64, 1.1 at 128, level at 512
+    "GenuineIntel": (
+        None,
+        1 << 22,
+        4,
+        "Intel Xeon: MKL, oneDNN for a weight of 4M elements from 4 rows",
+    ),
 }
-ONEDNN_ALWAYS = GemmPolicy("onednn", 1, 0, "configured")
-BLAS_ONLY = GemmPolicy("blas", None, None, "configured")
+ONEDNN_ALWAYS = GemmPolicy("onednn", 1, 0, 1, "configured")
+BLAS_ONLY = GemmPolicy("blas", None, None, 1, "configured")
 
 
 def choose_gemm(name: str = "auto", features: CpuFeatures | None = None) -> GemmPolicy:
@@ -83,14 +93,14 @@ def choose_gemm(name: str = "auto", features: CpuFeatures | None = None) -> Gemm
     if name == "blas":
         return BLAS_ONLY
     if os.environ.get("LMSTACK_ONEDNN", "1") == "0":
-        return GemmPolicy("blas", None, None, "auto: LMSTACK_ONEDNN=0")
+        return GemmPolicy("blas", None, None, 1, "auto: LMSTACK_ONEDNN=0")
     f = features if features is not None else cpu_features()
     if f.vendor not in MEASURED:
         return GemmPolicy(
-            "blas", None, None, f"auto: vendor {f.vendor or 'unknown'!r} not measured"
+            "blas", None, None, 1, f"auto: vendor {f.vendor or 'unknown'!r} not measured"
         )
-    rows, weight, why = MEASURED[f.vendor]
-    return GemmPolicy("auto", rows, weight, f"auto: {why}")
+    rows, weight, weight_rows, why = MEASURED[f.vendor]
+    return GemmPolicy("auto", rows, weight, weight_rows, f"auto: {why}")
 
 
 _POLICY: list[GemmPolicy | None] = [

@@ -32,8 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lmstack.model.moe import MoE
-from lmstack.ops.gemm import expert_swiglu
+from lmstack.model.moe import MoE, expert_swiglu
 from lmstack.parallel import collectives as C
 from lmstack.parallel.ddp import GradSyncWrapper
 
