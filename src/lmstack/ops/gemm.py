@@ -110,9 +110,10 @@ _POLICY: list[GemmPolicy | None] = [
 
 def gemm_policy() -> GemmPolicy:
     """The policy in use (``auto`` for this CPU until ``set_gemm`` is called)."""
-    if _POLICY[0] is None:
-        _POLICY[0] = choose_gemm("auto")
-    return _POLICY[0]
+    p = _POLICY[0]
+    if p is None:
+        p = _POLICY[0] = choose_gemm("auto")
+    return p
 
 
 def set_gemm(policy: GemmPolicy | None) -> GemmPolicy | None:
