@@ -31,8 +31,10 @@ import time
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch import nn
 
 from lmstack.inference.decode_step import DecodeStep
+from lmstack.inference.draft_runner import DraftRunner
 from lmstack.inference.model_runner import ModelRunner
 from lmstack.inference.paged import KV_QUANT_FORMATS, PagedKVCache, kv_pool_bytes
 from lmstack.inference.prompts import prompt_token_ids
@@ -40,7 +42,7 @@ from lmstack.inference.sampling import SamplingParams, as_integer, as_real
 from lmstack.inference.scheduler import Scheduler
 from lmstack.inference.sequence import FINISHED, RUNNING, RequestOutput
 from lmstack.inference.sequence import Sequence as Seq
-from lmstack.inference.speculative import PromptLookup
+from lmstack.inference.speculative import PromptLookup, truncated_draft
 from lmstack.inference.state_pool import StatePool, recurrent_layers
 from lmstack.inference.stops import StopStrings
 from lmstack.model.mixer_spec import refuse, unsupported
@@ -93,8 +95,10 @@ class LLMEngine:
     ``selective=False`` runs the same one-forward iteration with the reference attention (one
     masked attention over every gathered key, mask from (sequence id, position)) instead of the
     per-sequence grouping; ``free_outside_window=False`` keeps a sliding-window model's old blocks;
-    ``num_speculative_tokens`` > 0 turns on prompt-lookup speculation (n-gram sizes ``ngram`` =
-    (largest, smallest)). A model with recurrent layers (linear attention, Mamba-2, Gated DeltaNet) keeps
+    ``num_speculative_tokens`` > 0 turns on speculation: prompt lookup (n-gram sizes ``ngram`` =
+    (largest, smallest)), or with ``draft_model`` (a smaller model with the target's vocabulary, or an int
+    n: the target's first n layers, ``truncated_draft``) draft-model speculation, the draft batched over
+    the decoding sequences from its own paged cache (``DraftRunner``). A model with recurrent layers (linear attention, Mamba-2, Gated DeltaNet) keeps
     their states in a ``StatePool`` of ``num_state_slots`` sequences (default ``max_num_seqs``; ``self.states``);
     for it prefix caching is off and speculation is refused (a recurrent state cannot be rolled back).
     Iterations in which every sequence feeds just its next token run as a ``DecodeStep`` (fixed shapes,
@@ -128,6 +132,7 @@ class LLMEngine:
         num_state_slots: int | None = None,
         compile: bool | dict = False,
         fuse_projections: bool = True,
+        draft_model: nn.Module | int | None = None,
     ):
         p = next(model.parameters())
         c = model.config
@@ -135,7 +140,9 @@ class LLMEngine:
         max_num_seqs = as_integer("max_num_seqs", max_num_seqs, 1)
         max_num_batched_tokens = as_integer("max_num_batched_tokens", max_num_batched_tokens, 1)
         num_speculative_tokens = as_integer("num_speculative_tokens", num_speculative_tokens, 0)
-        speculator = PromptLookup(num_speculative_tokens, ngram)  # checks ngram even when off
+        speculator: PromptLookup | DraftRunner = PromptLookup(
+            num_speculative_tokens, ngram
+        )  # checks ngram even when off
         max_model_len = (
             c.max_seq_len
             if max_model_len is None
@@ -187,6 +194,25 @@ class LLMEngine:
                 else getattr(tokenizer, "eos_token_id", None)
             )
         self.generator = torch.Generator().manual_seed(seed)
+        if draft_model is not None:
+            if not num_speculative_tokens:
+                raise ValueError(
+                    "draft_model given with num_speculative_tokens=0: set how many tokens it drafts"
+                )
+            if isinstance(draft_model, int):
+                draft_model = truncated_draft(model, draft_model)
+            elif fuse_projections and hasattr(draft_model, "fuse_projections"):
+                draft_model.fuse_projections()
+            k = num_speculative_tokens
+            speculator = DraftRunner(
+                draft_model,
+                c,
+                k,
+                num_blocks + max_num_seqs * (1 + -(-k // block_size)),  # + room for the drafts
+                block_size,
+                self.generator,
+            )
+        self.speculator = speculator if num_speculative_tokens else None
         self.driver: object | None = (
             None  # the one LLM or AsyncLLM that steps this engine (``attach``)
         )
@@ -210,7 +236,7 @@ class LLMEngine:
             watermark_blocks=int(watermark * num_blocks),
             eos_token_id=eos_token_id,
             sliding_window=c.sliding_window if free_outside_window else None,
-            speculator=speculator if num_speculative_tokens else None,
+            speculator=self.speculator,
             stats=self.stats,
             states=self.states,
         )
@@ -444,7 +470,7 @@ class LLMEngine:
         kept = len(emitted) - 1
         self.stats["spec_proposed"] += len(s.drafts)
         self.stats["spec_accepted"] += kept
-        drafts, s.drafts = s.drafts, []
+        drafts, s.drafts, s.draft_probs = s.drafts, [], None
         # the cache holds K/V of the last token and all k drafts: keep the last token's and the kept ones'
         self.scheduler.commit(s, 1 + kept, s.all_ids + drafts[:kept])
         for token, logprobs in emitted:

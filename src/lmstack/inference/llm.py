@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from lmstack.inference.engine import GenerationError, LLMEngine
-from lmstack.inference.loader import DTYPES, load_for_inference, weight_format
+from lmstack.inference.loader import AUTO, DTYPES, load_for_inference, weight_format
 from lmstack.inference.sampling import SamplingParams
 from lmstack.inference.sequence import RequestOutput
 from lmstack.kernels.runtime import RuntimeConfig, configure
@@ -41,7 +41,8 @@ class LLM:
     Transformer; ``runtime`` a ``lmstack.kernels.RuntimeConfig``: attention/RMSNorm backends and the
     number format (``dtype`` "fp32"/"bf16"/"fp16", or "int8"/"int4": weight-only quantised linears,
     ``lmstack.quant``, the model changed in place). ``dtype=`` / ``quant=`` are shorthands for
-    ``runtime.dtype`` (a torch dtype is accepted for ``dtype``). Without ``runtime`` a Transformer
+    ``runtime.dtype`` (a torch dtype is accepted for ``dtype``; "auto" keeps a quantised GGUF's
+    format: int4/int8 linears, ``loader.native_weight_format``). Without ``runtime`` a Transformer
     passed in keeps the backends it has. Engine
     options (block_size, num_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
     ...) are passed through to ``LLMEngine``. ``generate`` checks every prompt before queueing
@@ -62,7 +63,15 @@ class LLM:
     ):
         configured = runtime is not None
         runtime = runtime or RuntimeConfig()
-        if dtype is not None or quant is not None:
+        if dtype == AUTO and quant is None:  # the file's own format (``native_weight_format``)
+            model, tokenizer = load_for_inference(model, tokenizer, AUTO, device)
+            dtype = getattr(model, "quantization", None) or "fp32"
+            if configured and runtime.dtype not in ("fp32", dtype):
+                raise ValueError(
+                    f"dtype='auto' chose {dtype!r} but runtime.dtype={runtime.dtype!r}; set one"
+                )
+            runtime = replace(runtime, dtype=dtype)
+        elif dtype is not None or quant is not None:
             name = (
                 next((k for k, v in DTYPES.items() if v == dtype), dtype)
                 if isinstance(dtype, torch.dtype)
@@ -75,7 +84,8 @@ class LLM:
                     f"dtype/quant={name!r} and runtime.dtype={runtime.dtype!r} disagree; set one"
                 )
             runtime = replace(runtime, dtype=name)
-        model, tokenizer = load_for_inference(model, tokenizer, runtime.dtype, device)
+        if dtype != AUTO:
+            model, tokenizer = load_for_inference(model, tokenizer, runtime.dtype, device)
         # the backends, resolved once here; without ``runtime`` a model passed in keeps its own
         self.runtime = runtime
         self.runtime_line = configure(model, runtime) if configured else None
