@@ -52,7 +52,19 @@ def reference(x, q, d, m, G, terms=1):
 
 @pytest.mark.parametrize("kernel", int4_vnni.KERNELS)
 @pytest.mark.parametrize(
-    "O,I,G,M", [(64, 128, 32, 1), (32, 64, 8, 5), (48, 256, 64, 4), (16, 96, 32, 9)]
+    "O,I,G,M",
+    [
+        (64, 128, 32, 1),
+        (32, 64, 8, 5),
+        (48, 256, 64, 4),
+        (16, 96, 32, 9),
+        # odd group sizes and tails: G = 24 (3 chunks, the scalar quantisation), 40 (a block of 4 chunks and a
+        # 1-chunk tail), 48 (4 + 2), 128 (four blocks); odd M (rows left over after the multi-row passes)
+        (32, 120, 24, 3),
+        (16, 240, 40, 2),
+        (48, 96, 48, 7),
+        (32, 256, 128, 1),
+    ],
 )
 def test_kernel_equals_its_formula_and_int4linear_is_close_to_float(kernel, O, I, G, M):
     g = torch.Generator().manual_seed(O + M)
@@ -267,3 +279,19 @@ def test_turned_off_by_env_logs_the_reason_and_falls_back(monkeypatch, caplog):
     finally:
         monkeypatch.delenv("LMSTACK_INT4_KERNEL")
         int4_vnni.clear_cache()
+
+
+def test_build_hash_covers_the_shared_header(tmp_path):
+    """utils.build_extension names its build by the source and the headers it includes in quotes, so a change
+    in csrc/int4_common.h rebuilds both int4 kernels."""
+    from lmstack.utils import source_text_with_headers
+
+    (tmp_path / "a.cpp").write_bytes(b'#include "h.h"\n#include <vector>\nint f();\n')
+    (tmp_path / "h.h").write_bytes(b'#pragma once\n#include "g.h"\n')
+    (tmp_path / "g.h").write_bytes(b"int g();\n")
+    a, h, g = (tmp_path / n for n in ("a.cpp", "h.h", "g.h"))
+    assert source_text_with_headers(a) == a.read_bytes() + h.read_bytes() + g.read_bytes()
+    for name in ("int4_vnni", "int4_avx2"):  # both kernels include the shared header
+        src = int4_vnni.SPECS[name.removeprefix("int4_")][0]
+        header = (src.parent / "int4_common.h").read_bytes()
+        assert source_text_with_headers(src) == src.read_bytes() + header
