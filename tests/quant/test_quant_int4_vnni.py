@@ -295,3 +295,105 @@ def test_build_hash_covers_the_shared_header(tmp_path):
         src = int4_vnni.SPECS[name.removeprefix("int4_")][0]
         header = (src.parent / "int4_common.h").read_bytes()
         assert source_text_with_headers(src) == src.read_bytes() + header
+
+
+def test_choose_gemm_rows_by_hand():
+    from lmstack.quant.linear import choose_gemm_rows
+
+    # (kernel s, GEMM s) per row count: the GEMM wins from 32 rows on
+    assert choose_gemm_rows({8: (1, 2), 16: (2, 2.5), 32: (4, 3), 64: (8, 5), 128: (16, 9)}) == 32
+    assert (
+        choose_gemm_rows({8: (1, 0.5), 16: (2, 3), 32: (4, 3)}) == 32
+    )  # a win at 8 alone does not count
+    assert choose_gemm_rows({8: (1, 2), 16: (2, 3)}) is None  # the kernel always wins
+    assert choose_gemm_rows({8: (2, 1), 16: (3, 2)}) == 8
+
+
+def test_gemm_rows_env_switch_and_one_measurement_per_kernel(monkeypatch):
+    from lmstack.quant import linear
+
+    calls = []
+
+    def measure(M):
+        calls.append(M)
+        return (
+            M * 1.0,
+            40.0,
+        )  # the kernel's time grows with M, the GEMM's does not: GEMM from 64 rows
+
+    monkeypatch.setattr(linear, "_measured", {})
+    monkeypatch.delenv(linear.GEMM_ROWS_ENV, raising=False)
+    assert linear.gemm_rows("k", measure) == 64 and linear.gemm_rows("k", measure) == 64
+    assert calls == list(linear.GEMM_ROWS_CANDIDATES)  # measured once, at each candidate
+    monkeypatch.setenv(linear.GEMM_ROWS_ENV, "never")
+    assert linear.gemm_rows("k", measure) is None
+    monkeypatch.setenv(linear.GEMM_ROWS_ENV, "12")
+    assert linear.gemm_rows("other", measure) == 12 and len(calls) == len(
+        linear.GEMM_ROWS_CANDIDATES
+    )
+    for bad in ("0", "many"):
+        monkeypatch.setenv(linear.GEMM_ROWS_ENV, bad)
+        with pytest.raises(ValueError, match=f"LMSTACK_QUANT_GEMM_ROWS='{bad}'"):
+            linear.gemm_rows("k", measure)
+
+
+@pytest.mark.parametrize("kernel", int4_vnni.KERNELS)
+def test_prefill_gemm_and_kernel_each_equal_their_float64_formula(monkeypatch, kernel):
+    """Below ``gemm_rows`` rows the kernel (int8 activations, its formula); from it on the dequantised weight
+    W = d·q + m (fp16 d, m) times the float activations (F.linear in float64 within fp32 rounding)."""
+    O, I, G = 48, 160, 32
+    g = torch.Generator().manual_seed(7)
+    q, s, lo = quantize_int4(torch.randn(O, I, generator=g), G)
+    if int4_vnni.build(kernel) is not None:
+        with pytest.raises(ValueError, match="cannot run"):
+            Int4Linear(q, s, lo, kernel=kernel)
+        return
+    packed, d, m = int4_vnni.pack(q, s, lo)
+    d64 = d.double().permute(0, 2, 1).reshape(O, -1)
+    m64 = m.double().permute(0, 2, 1).reshape(O, -1)
+    w64 = d64.repeat_interleave(G, 1) * q.double() + m64.repeat_interleave(G, 1)  # (O, I)
+    assert torch.equal(
+        int4_vnni.dequant(packed, d, m, G, kernel=kernel).double(), w64
+    )  # exact in fp32
+    monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "5")
+    lin = Int4Linear(q, s, lo, kernel=kernel)
+    assert lin.gemm_rows == 5
+    for M in (1, 4, 5, 9):
+        x = torch.randn(M, I, generator=g)
+        y, full = lin(x).double(), F.linear(x.double(), w64)
+        tight = {"rtol": 1e-6, "atol": 2e-6 * float(full.abs().max())}
+        if M < 5:  # the kernel: its formula, and measurably off the float product (two int8 terms)
+            ref = reference(x, q, d64.numpy(), m64.numpy(), G, 2)
+            np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+            assert not torch.allclose(y, full, **tight)
+        else:
+            torch.testing.assert_close(y, full, **tight)
+    monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "never")
+    assert Int4Linear(q, s, lo, kernel=kernel).gemm_rows is None
+
+
+def test_arm_falls_back_to_torchs_kernels(monkeypatch):
+    """No NEON kernel is written (none could be tested here): on ``LMSTACK_CPU=neon`` Int4Linear and Int8Linear
+    take torch's kernels, and their output is the dequantised weight's product within bf16 rounding (in
+    relative norm: single elements of a 64-term bf16 sum are off by up to ~5%)."""
+    from lmstack.quant import Int8Linear, dequantize_int8, quantize_int8
+
+    g = torch.Generator().manual_seed(8)
+    w, x = torch.randn(32, 64, generator=g), torch.randn(3, 64, generator=g)
+    monkeypatch.setenv("LMSTACK_CPU", "neon")
+    int4_vnni.clear_cache()
+    try:
+        q, s, lo = quantize_int4(w, 32)
+        lin4 = Int4Linear(q, s, lo)
+        assert lin4.kernel == "aten" and not lin4.vnni and lin4.gemm_rows is None
+        assert "aarch64" in int4_vnni.status() and "NEON" in int4_vnni.status()
+        ref4 = F.linear(x, dequantize_int4(q, s, lo))
+        assert float((lin4(x) - ref4).norm() / ref4.norm()) < 1e-2  # bf16 activations: ~0.4% each
+        q8, s8 = quantize_int8(w)
+        lin8 = Int8Linear(q8, s8)
+        assert lin8.kernel == "aten"
+        ref8 = F.linear(x, dequantize_int8(q8, s8))
+        assert float((lin8(x) - ref8).norm() / ref8.norm()) < 1e-2
+    finally:
+        monkeypatch.delenv("LMSTACK_CPU")
+        int4_vnni.clear_cache()

@@ -171,13 +171,19 @@ at::Tensor int4_avx2_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   return lmstack_int4::int4_mm<Avx2>("int4_avx2_mm", x, packed, d, m, G, terms);
 }
 
+at::Tensor int4_avx2_dequant(const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m, int64_t G) {
+  return lmstack_int4::int4_dequant("int4_avx2_dequant", packed, d, m, G);
+}
+
 }  // namespace
 
 // A fragment: the VNNI kernel's library registers its own op in the same namespace; both may be loaded.
 TORCH_LIBRARY_FRAGMENT(lmstack_quant, lib) {
   lib.def("int4_avx2_mm(Tensor x, Tensor packed, Tensor d, Tensor m, int G, int terms=2) -> Tensor");
+  lib.def("int4_avx2_dequant(Tensor packed, Tensor d, Tensor m, int G) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmstack_quant, CPU, lib) {
   lib.impl("int4_avx2_mm", &int4_avx2_mm);
+  lib.impl("int4_avx2_dequant", &int4_avx2_dequant);
 }

@@ -15,6 +15,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -123,6 +124,57 @@ at::Tensor int4_mm(const char* name, const at::Tensor& x_in, const at::Tensor& p
   else
     run_tiles<Isa, 2>(wp, dp, mp, s.xq.data(), s.sx.data(), s.xs.data(), y.data_ptr<float>(), M, I, G, NG, O, T);
   return y;
+}
+
+// The weights themselves, W[o, i] = d[o,g]*q[o,i] + m[o,g] in float32 (O, I): for a prefill (many activation
+// rows), where a float GEMM on W beats the int8 dot products (quant/int4.py, ``gemm_rows``). One pass over the
+// codes, tiles split over threads; each tile writes 16 whole rows, so threads never share an output line.
+inline at::Tensor int4_dequant(const char* name, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                               int64_t G) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous(),
+              name, ": packed must be contiguous uint8 (O/16, I/8, 64)");
+  const int64_t T = packed.size(0), I = packed.size(1) * 8, O = 16 * T;
+  TORCH_CHECK(G > 0 && G % 8 == 0 && I % G == 0, name, ": group size ", G, " must be a multiple of 8 dividing ", I);
+  const int64_t NG = I / G;
+  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.numel() == T * NG * 16 &&
+              m.numel() == T * NG * 16 && d.is_contiguous() && m.is_contiguous(),
+              name, ": d, m must be contiguous fp16 (O/16, I/G, 16)");
+  at::Tensor w = at::empty({O, I}, packed.options().dtype(at::kFloat));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const at::Half* dp = d.data_ptr<at::Half>();
+  const at::Half* mp = m.data_ptr<at::Half>();
+  float* out = w.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t g = 0; g < NG; ++g) {
+        float dr[16], mr[16];
+        for (int r = 0; r < 16; ++r) {
+          dr[r] = static_cast<float>(dp[(t * NG + g) * 16 + r]);
+          mr[r] = static_cast<float>(mp[(t * NG + g) * 16 + r]);
+        }
+        for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {
+          const uint8_t* b = wp + (t * (I / 8) + c) * 64;
+          for (int r = 0; r < 16; ++r) {
+            float* row = out + (16 * t + r) * I + 8 * c;
+#if defined(__AVX2__) && defined(__FMA__)
+            // the row's 4 bytes twice as 8 int32 lanes, shifted by 0 (inputs j) or 4 (inputs 4 + j), masked
+            int32_t bytes;
+            std::memcpy(&bytes, b + 4 * r, 4);
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_set1_epi32(bytes));
+            const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                               _mm256_set1_epi32(0xF));
+            _mm256_storeu_ps(row, _mm256_fmadd_ps(_mm256_set1_ps(dr[r]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(mr[r])));
+#else
+            for (int j = 0; j < 4; ++j) {
+              row[j] = dr[r] * static_cast<float>(b[4 * r + j] & 0xF) + mr[r];
+              row[4 + j] = dr[r] * static_cast<float>(b[4 * r + j] >> 4) + mr[r];
+            }
+#endif
+          }
+        }
+      }
+  });
+  return w;
 }
 
 }  // namespace lmstack_int4

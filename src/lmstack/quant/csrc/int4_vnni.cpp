@@ -107,13 +107,19 @@ at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   return lmstack_int4::int4_mm<Vnni>("int4_vnni_mm", x, packed, d, m, G, terms);
 }
 
+at::Tensor int4_vnni_dequant(const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m, int64_t G) {
+  return lmstack_int4::int4_dequant("int4_vnni_dequant", packed, d, m, G);
+}
+
 }  // namespace
 
 // A fragment: the AVX2 kernel's library registers its own op in the same namespace; both may be loaded.
 TORCH_LIBRARY_FRAGMENT(lmstack_quant, lib) {
   lib.def("int4_vnni_mm(Tensor x, Tensor packed, Tensor d, Tensor m, int G, int terms=2) -> Tensor");
+  lib.def("int4_vnni_dequant(Tensor packed, Tensor d, Tensor m, int G) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmstack_quant, CPU, lib) {
   lib.impl("int4_vnni_mm", &int4_vnni_mm);
+  lib.impl("int4_vnni_dequant", &int4_vnni_dequant);
 }
