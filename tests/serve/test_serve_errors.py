@@ -497,3 +497,28 @@ def test_error_objects_name_the_right_param_and_head_is_allowed(served):
     assert (
         httpx.head(url + "/").status_code == 200 and httpx.head(url + "/health").status_code == 200
     )
+
+
+def test_requests_the_http_parser_refuses_get_json_error_objects(served):
+    """Issue #31: a 1 MB Authorization header got uvicorn's plain-text 400; now 431 with OpenAI's error object
+    (h11 buffers 16 KiB of request head), and a garbage request line a JSON 400."""
+    import socket
+
+    url = served[0]
+    r = httpx.post(
+        url + "/v1/completions", headers={"Authorization": "Bearer " + "x" * 2**20}, json={}
+    )
+    assert r.headers["content-type"] == "application/json"
+    assert check_error(r, 431)["code"] == "request_header_fields_too_large"
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"GARBAGE\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(4096):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower()
+    err = httpx.Response(400, content=body).json()["error"]
+    assert (
+        set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_http_request"
+    )

@@ -102,6 +102,9 @@ class Server:
         self.capacity = engine.scheduler.max_num_seqs + max_queue
         self.queue_timeout, self.max_n = queue_timeout, max_n
         self.in_flight = 0
+        self.stopping = (
+            False  # set by drain(): new requests get 503, running ones end at its deadline
+        )
         self._room: asyncio.Condition | None = None
         self._notifiers: set[asyncio.Task] = set()
         self.metrics = ServerMetrics(self)
@@ -123,13 +126,17 @@ class Server:
                 f"{k} choices are more than this server ever runs at once ({self.capacity})",
                 param="n",
             )
-        if self.in_flight + k > self.capacity and self.queue_timeout > 0:
+        if self.in_flight + k > self.capacity and self.queue_timeout > 0 and not self.stopping:
             async with self._room:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
-                        self._room.wait_for(lambda: self.in_flight + k <= self.capacity),
+                        self._room.wait_for(
+                            lambda: self.stopping or self.in_flight + k <= self.capacity
+                        ),
                         self.queue_timeout,
                     )
+        if self.stopping:
+            raise shutting_down("no new requests are taken")
         if self.in_flight + k > self.capacity:
             self.metrics.rejected.inc()
             raise APIError(
@@ -145,6 +152,10 @@ class Server:
 
     def _release(self, k: int) -> None:
         self.in_flight -= k
+        self._notify_room()
+
+    def _notify_room(self) -> None:
+        """Wake the requests waiting in ``admit`` (room was made, or the server is stopping)."""
         if self._room is not None:
             room = self._room
 
@@ -156,6 +167,23 @@ class Server:
                 task = asyncio.get_running_loop().create_task(notify())
                 self._notifiers.add(task)  # a reference until it ran (the loop keeps weak ones)
                 task.add_done_callback(self._notifiers.discard)
+
+    async def drain(self, grace: float) -> None:
+        """Shutdown: new requests get 503 at once; those in flight get ``grace`` seconds to finish; then every
+        one still running is ended here — its engine requests aborted (blocks freed), a non-streamed request
+        answered 503, a stream closed with an error event and ``[DONE]`` (``run`` raises ``shutting_down``)."""
+        self.stopping = True
+        self._notify_room()
+        deadline = time.monotonic() + grace
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.in_flight:
+            log.warning(
+                "shutdown: ending %d request(s) still running after the %g s grace period",
+                self.in_flight,
+                grace,
+            )
+            await self.llm.shutdown()  # each waiter's generate() raises; run() turns it into a 503
 
     # ---- checks ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -311,6 +339,10 @@ class Server:
             finished = True
             self.metrics.requests.labels("error").inc()
             raise
+        except RuntimeError:  # AsyncLLM.shutdown() ended it: the drain's deadline passed
+            if self.stopping:
+                raise shutting_down("the request did not finish within the grace period") from None
+            raise
         finally:
             if not finished:  # left early: the client went away, or shutdown
                 self.metrics.requests.labels("abort").inc()
@@ -360,6 +392,17 @@ class Server:
             return [[self._grammar.processor(schema)] for _ in range(body.n)]
         except ValueError as e:
             raise APIError(400, f"response_format: {e}", param="response_format") from None
+
+
+def shutting_down(why: str) -> APIError:
+    """The 503 a request gets while the server shuts down (OpenAI's code for an unavailable server)."""
+    return APIError(
+        503,
+        f"the server is shutting down: {why}; retry later",
+        "server_error",
+        None,
+        "server_shutting_down",
+    )
 
 
 def server_of(request: Request) -> Server:

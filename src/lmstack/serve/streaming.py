@@ -60,7 +60,8 @@ async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]
 
 
 async def until_disconnect(request: Request, work):
-    """Await ``work`` unless the client goes away first (then it is cancelled: requests aborted)."""
+    """Await ``work`` unless the client goes away first (then it is cancelled, its requests aborted, and the
+    answer is 499). Cancelled itself (the server's task), it cancels ``work`` and stays cancelled."""
     task = asyncio.ensure_future(work)
 
     async def watch():
@@ -76,7 +77,8 @@ async def until_disconnect(request: Request, work):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            raise APIError(499, "the client closed the request", "client_closed")
+    if task.cancelled():  # the watcher saw the client go
+        raise APIError(499, "the client closed the request", "client_closed")
     return task.result()
 
 
@@ -136,12 +138,13 @@ def _new_logprobs(out, sent: list[int], i: int) -> list[tuple[int, tuple]]:
 async def _stream_tail(
     gen_events, chunk, prompt_tokens: int, include_usage: bool, counts: list[int]
 ):
-    """Relay ``gen_events``; an engine error ends the stream with its error body; then usage (if asked) and [DONE]."""
+    """Relay ``gen_events``; a failure (in the engine, or the shutdown's deadline) ends the stream with its
+    error object as an event, then [DONE]; else usage (if asked) and [DONE]."""
     try:
         async for event in gen_events:
             yield event
-    except GenerationError as e:
-        yield _sse(engine_error(e).body())
+    except (GenerationError, APIError) as e:
+        yield _sse((engine_error(e) if isinstance(e, GenerationError) else e).body())
         yield "data: [DONE]\n\n"
         return
     if include_usage:
