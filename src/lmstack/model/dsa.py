@@ -90,6 +90,11 @@ def dsa_indexer_loss(model: nn.Module) -> Tensor | None:
     return torch.stack([x.float() for x in losses]).sum() if losses else None
 
 
+def dsa_loss_coefs(c) -> dict[str, float]:
+    """The ``ModelConfig`` field that weights the DSA layers' indexer loss ({} without DSA layers)."""
+    return {"dsa_indexer_loss": c.dsa_indexer_loss} if "dsa" in c.mixer_types else {}
+
+
 class SparseAttention(Attention):
     """GQA softmax attention (q/k/v/o, RoPE, QK-norm from ``Attention``) over indexer-selected keys."""
 
@@ -119,6 +124,11 @@ class SparseAttention(Attention):
         self.indexer_loss: Tensor | None = (
             None  # weight × KL of the last training forward (module docstring)
         )
+
+    def aux_losses(self) -> dict[str, Tensor]:
+        """The weighted indexer KL of the last training forward, named as the trainer logs it
+        (``Transformer.aux_losses`` sums the layers'); {} when none was computed."""
+        return {} if self.indexer_loss is None else {"dsa_indexer_loss": self.indexer_loss}
 
     def indexer(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x.shape
@@ -201,6 +211,7 @@ class SparseAttention(Attention):
 __all__ = [
     "SparseAttention",
     "dsa_indexer_loss",
+    "dsa_loss_coefs",
     "index_scores",
     "indexer_kl_loss",
     "top_k_selection",

@@ -386,6 +386,11 @@ class MoE(nn.Module):
             **{k: v.detach() for k, v in terms.items()},
         }
 
+    def aux_losses(self) -> dict[str, Tensor]:
+        """This layer's weighted balance terms of the last training forward, named as the trainer logs them
+        (``Transformer.aux_losses`` sums the layers'); {} after an inference or evaluation forward."""
+        return {} if self.aux_loss is None else {"moe_aux_loss": self.aux_loss}
+
     @torch.no_grad()
     def update_bias(self, load: Tensor, rate: float) -> None:
         """Aux-loss-free balancing (DeepSeek-V3): b_i += rate · sign(mean load − load_i), so an overloaded
@@ -437,6 +442,14 @@ def moe_modules(model: nn.Module) -> list[nn.Module]:
     return [
         m for m in model.modules() if isinstance(m, MoE) or getattr(m, "is_expert_parallel", False)
     ]
+
+
+def moe_loss_coefs(c) -> dict[str, float]:
+    """The ``ModelConfig`` fields that weight the MoE layers' auxiliary losses ({} for a dense model)."""
+    if not c.n_experts:
+        return {}
+    names = ("moe_aux_loss_coef", "moe_device_loss_coef", "moe_z_loss_coef")
+    return {n: getattr(c, n) for n in names}
 
 
 def moe_aux_loss(model: nn.Module) -> Tensor | None:
