@@ -64,7 +64,12 @@ def _filters() -> dict[str, Filter]:
         "nsfw_filter": NSFWFilter(),
         "toxic_filter": ToxicFilter(),
     }
-    for name in ("gopher_quality", "gopher_repetition", "c4_quality", "fineweb_quality"):  # demo_stages
+    for name in (
+        "gopher_quality",
+        "gopher_repetition",
+        "c4_quality",
+        "fineweb_quality",
+    ):  # demo_stages
         out[name].routes = ("prose",)
     out["code_quality"].routes = ("code",)
     return out
