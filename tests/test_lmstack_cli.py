@@ -221,3 +221,25 @@ def test_every_folder_writer_refuses_another_models_folder(command, tmp_path, ca
     err = capsys.readouterr().err
     assert str(out) in err and ("refusing to replace it" in err or "holds another model" in err)
     assert {f.name: f.read_bytes() for f in out.iterdir()} == files
+
+
+def test_a_sweep_out_dir_may_hold_the_sweeps_own_inputs(tmp_path, capsys):
+    """The folder rule leaves a sweep whose out_dir holds its own config and token file alone; one
+    more file of something else is refused without --force."""
+    import numpy as np
+
+    np.arange(1, 600, dtype=np.uint16).tofile(tmp_path / "tok.bin")
+    (tmp_path / "tok.bin.json").write_text(
+        '{"n_tokens": 599, "dtype": "uint16", "vocab_size": 640}'
+    )
+    cfg = tmp_path / "sweep.toml"
+    cfg.write_text(
+        f'out_dir = "{tmp_path}"\nbudgets = [1e9]\nmin_steps = 1\n[train]\n'
+        f'train_data = "{tmp_path}/tok.bin"\nbatch_size = 2\nseq_len = 16\n'
+        "[[sizes]]\nd_model = 16\nn_layers = 1\nn_heads = 2\nd_ff = 32\n"
+    )
+    argv = ["scaling", "sweep", "--config", str(cfg), "--dry-run"]
+    assert main(argv) == 0
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(argv) == 2 and "refusing to replace it" in capsys.readouterr().err
+    assert main([*argv, "--force"]) == 0

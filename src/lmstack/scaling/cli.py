@@ -241,12 +241,20 @@ def cmd_plan(args) -> int:
 def cmd_sweep(args) -> int:
 
     sweep = Sweep.load(args.config)
+    # the out_dir may hold the sweep's own inputs (they are never written); an interrupted first run
+    # leaves its folder before runs.jsonl exists
+    data = sweep.train.get("train_data")
+    inputs = {Path(f).resolve() for f in (args.config, data, f"{data}.json")}
+    what, own = own_folder_kind("scaling sweep", "runs.jsonl", *(s.name for s in sweep.plan()))
     check_outputs(
         [("the sweep's out_dir", sweep.out_dir)],
-        [("--config", args.config), ("train_data", sweep.train.get("train_data"))],
-        {  # an interrupted first run leaves its folder before runs.jsonl exists
-            "the sweep's out_dir": own_folder_kind(
-                "scaling sweep", "runs.jsonl", *(s.name for s in sweep.plan())
+        [],
+        {
+            "the sweep's out_dir": (
+                what.replace(
+                    "an empty folder", "an empty folder, one holding only the sweep's inputs,"
+                ),
+                lambda p: own(p) or (p.is_dir() and {f.resolve() for f in p.iterdir()} <= inputs),
             )
         },
         force=args.force,
