@@ -278,6 +278,16 @@ def own_folder(path: str | os.PathLike, *markers: str) -> bool:
     return not any(p.iterdir()) or any((p / m).exists() for m in markers)
 
 
+def own_folder_kind(command: str, *markers: str) -> tuple[str, Callable[[Path], bool]]:
+    """A ``check_outputs`` ``kinds`` entry for an output folder of ``lmstack {command}``: refused unless
+    ``own_folder(path, *markers)`` (absent, empty, or an earlier output of the same command) or ``--force``."""
+    mark = markers[0] + (" or its run folders" if len(markers) > 1 else "")
+    return (
+        f"an empty folder or an earlier `lmstack {command}` output (one with {mark})",
+        lambda p: own_folder(p, *markers),
+    )
+
+
 def read_jsonl(
     path: str | os.PathLike, error: type[Exception] = ValueError
 ) -> Iterator[tuple[int, dict]]:

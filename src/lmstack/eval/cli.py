@@ -23,6 +23,7 @@ from lmstack.utils import (
     finite_float,
     is_json_file,
     is_png_file,
+    own_folder_kind,
     positive_int,
 )
 
@@ -213,6 +214,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("out", help="output directory")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--heldout-bytes", type=int, default=48_000)
+    m.add_argument(
+        "--force", action="store_true", help="write into OUT even when it holds other files"
+    )
     m.set_defaults(func=run_make_data)
 
     h = esub.add_parser(
@@ -466,6 +470,16 @@ def _rescore(path, results, task, flags) -> dict:
 
 def run_make_data(args) -> int:
 
+    check_outputs(
+        [("the output folder", args.out)],
+        [],
+        {
+            "the output folder": own_folder_kind(
+                "eval make-data", "provenance.json", "stdlib_heldout.txt"
+            )
+        },
+        force=args.force,
+    )
     prov = make_data(args.out, args.seed, args.heldout_bytes)
     print(
         f"{args.out}: stdlib_heldout.txt ({prov['stdlib_heldout.txt']['bytes']} bytes, "
