@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from lmstack.model.io import load_model
+from lmstack.model.io import NAMED_MODELS, find_named_model, load_model
 from lmstack.quant import quantize_model
 from lmstack.tokenizer import load_tokenizer
 
@@ -61,8 +61,11 @@ def native_weight_format(source) -> tuple[str, str | bool]:
 
 
 def model_tokenizer(model_source, tokenizer_path=None):
-    """The tokenizer of a model: its GGUF, or a tokenizer file/dir (tokenizer.json, vocab+merges)."""
+    """The tokenizer of a model: its GGUF, or a tokenizer file/dir (tokenizer.json, vocab+merges); a model
+    name (``smollm2-135m``) resolves to its file as ``load_model`` resolves it."""
     path = tokenizer_path or model_source
+    if tokenizer_path is None and not os.path.exists(path) and str(path).lower() in NAMED_MODELS:
+        path = find_named_model(str(path))
     try:
         return load_tokenizer(path)
     except (ValueError, FileNotFoundError) as e:

@@ -15,7 +15,8 @@ import signal
 
 from lmstack.inference.engine import LLMEngine
 from lmstack.inference.loader import AUTO, DTYPES, QUANT, load_for_inference
-from lmstack.serve.app import Server, build_app
+from lmstack.serve import Server, build_app
+from lmstack.serve.http import uvicorn_server
 from lmstack.threads import add_threads_argument
 
 
@@ -159,8 +160,6 @@ def check_serve_args(args) -> None:
 
 
 def run_serve(args) -> int:
-    import uvicorn
-
     check_serve_args(args)
 
     logging.basicConfig(
@@ -201,13 +200,7 @@ def run_serve(args) -> int:
         queue_timeout=args.queue_timeout,
         max_n=args.max_n,
     )
-    config = uvicorn.Config(
-        build_app(server),
-        host=args.host,
-        port=args.port,
-        log_level="info",
-        timeout_graceful_shutdown=args.shutdown_timeout,
-    )
+    http = uvicorn_server(build_app(server), server, args.host, args.port, args.shutdown_timeout)
     print(
         f"lmstack serve: {server.model_name} on http://{args.host}:{args.port} (chat page at /)",
         flush=True,
@@ -216,7 +209,7 @@ def run_serve(args) -> int:
     # before: a no-op one makes that graceful shutdown a clean exit (status 0)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        uvicorn.Server(config).run()
+        http.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
