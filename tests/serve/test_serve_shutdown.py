@@ -107,3 +107,22 @@ def test_start_up_rss_grows_by_the_kv_pool_it_needs_not_512_mib(tmp_path):
     noise = 16 * 2**20  # two processes' allocators differ by a few MiB
     grew = rss["default"] - rss["baseline"]
     assert grew < pool + noise, f"{grew / 2**20:.1f} MiB more than with a 1 MiB pool"
+
+
+def test_requests_after_the_drain_began_get_503():
+    """While the server drains, a new request on an open connection is refused before it is queued."""
+    from serve_helpers import MODEL, tiny_engine
+    from starlette.testclient import TestClient
+
+    from lmstack.serve import Server, build_app
+
+    server = Server(tiny_engine(), MODEL)
+    with TestClient(build_app(server)) as client:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        client.portal.call(server.drain, 0.0)
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 503, r.text
+        assert set(r.json()["error"]) == ERROR_KEYS
+        assert r.json()["error"]["code"] == "server_shutting_down"
+        assert client.get("/health").status_code == 200  # liveness is not admission
