@@ -16,7 +16,7 @@ import signal
 import torch
 
 from lmstack.inference.engine import LLMEngine
-from lmstack.inference.loader import DTYPES, QUANT, load_for_inference
+from lmstack.inference.loader import AUTO, DTYPES, QUANT, load_for_inference
 from lmstack.inference.paged import kv_pool_bytes
 from lmstack.serve import Server, build_app
 from lmstack.serve.http import uvicorn_server
@@ -38,7 +38,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="the name clients pass as `model` (default: --model)",
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES) + list(QUANT), default="fp32")
+    p.add_argument(
+        "--dtype",
+        choices=[AUTO, *sorted(DTYPES), *QUANT],
+        default=AUTO,
+        help="weight format; auto: a quantised GGUF stays quantised (Q4_* -> int4 linears, Q8_0 -> "
+        "int8), anything else fp32",
+    )
     p.add_argument(
         "--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)"
     )
@@ -83,6 +89,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--speculative-tokens", type=int, default=0, help="prompt-lookup speculation (0 = off)"
+    )
+    p.add_argument(
+        "--draft-layers",
+        type=int,
+        default=0,
+        help="with --speculative-tokens: a draft model of the target's first N layers (0 = prompt lookup)",
     )
     p.add_argument(
         "--max-queue",
@@ -180,6 +192,11 @@ def run_serve(args) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     model, tokenizer = load_for_inference(args.model, args.tokenizer, args.dtype)
+    logging.getLogger("lmstack.serve").info(
+        "weights: %s (--dtype %s)",
+        getattr(model, "quantization", None) or (args.dtype if args.dtype != AUTO else "fp32"),
+        args.dtype,
+    )
     if args.max_model_len is not None and args.max_model_len > model.config.max_seq_len:
         raise ValueError(
             f"--max-model-len {args.max_model_len} exceeds the model's context "
@@ -199,6 +216,7 @@ def run_serve(args) -> int:
         kv_cache_bytes=kv_bytes,
         enable_prefix_caching=not args.no_prefix_caching,
         num_speculative_tokens=args.speculative_tokens,
+        draft_model=args.draft_layers or None,
         seed=args.seed,
         compile=args.compile,
     )
