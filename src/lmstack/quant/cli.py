@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from lmstack.inference.loader import add_model_arguments
 from lmstack.model.io import load_model, save_pretrained
 from lmstack.quant.prune import distill, prune_width
 from lmstack.threads import add_threads_argument, set_threads
@@ -48,10 +49,12 @@ def register(subparsers) -> None:
         help="width pruning by activation importance + logit distillation",
         description=__doc__.split("\n")[0] + ' (seed 001 "有损提速"; Minitron).',
     )
-    p.add_argument(
-        "--model",
-        required=True,
-        help="smollm2-135m, a GGUF file or an lmstack checkpoint directory",
+    add_model_arguments(
+        p,
+        model=None,
+        model_help="smollm2-135m, a GGUF file or an lmstack checkpoint directory",
+        tokenizer=False,
+        dtype=None,
     )
     p.add_argument("--out", required=True, help="directory for the pruned checkpoint")
     p.add_argument(
