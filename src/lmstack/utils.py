@@ -236,6 +236,29 @@ def check_outputs(
                 )
 
 
+# ---- the default corpus: Python's own standard library, on every machine, nothing downloaded ----
+STDLIB_SKIP = ("test", "tests", "idle_test", "site-packages", "lib2to3", "__pycache__")
+
+
+def stdlib_root() -> Path:
+    """The folder of this Python's standard library sources."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_sources() -> list[Path]:
+    """The stdlib ``.py`` files in the demo's corpus order: the top-level modules sorted, then the
+    packages' files sorted, skipping test suites (``STDLIB_SKIP``). The demo trains on the first
+    ones, ``lmstack.eval.datasets`` holds out the ones after."""
+    root = stdlib_root()
+    top = sorted(root.glob("*.py"))
+    pkgs = sorted(
+        f
+        for f in root.rglob("*.py")
+        if f.parent != root and not any(part in STDLIB_SKIP for part in f.relative_to(root).parts)
+    )
+    return top + pkgs
+
+
 # ---- optional extras: a feature whose dependencies are not installed names the extra to install ----
 class MissingExtraError(ModuleNotFoundError):
     """A feature's optional dependency is not installed; the message names the extra."""
