@@ -14,7 +14,7 @@ from lmstack.eval.judge import battles, read_questions, write_battles
 from lmstack.eval.perplexity import perplexity, read_eval_tokens
 from lmstack.eval.runner import Evaluator, run_task, table
 from lmstack.eval.tasks import load_task
-from lmstack.inference.loader import DTYPES, QUANT, load_for_inference, model_tokenizer
+from lmstack.inference.loader import add_model_arguments, load_for_inference, model_tokenizer
 from lmstack.threads import add_threads_argument
 from lmstack.tokenizer import is_token_file
 from lmstack.utils import (
@@ -29,20 +29,7 @@ from lmstack.utils import (
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="model name (smollm2-135m), .gguf file or checkpoint dir",
-    )
-    p.add_argument(
-        "--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)"
-    )
-    p.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES) + list(QUANT),
-        default="fp32",
-        help="weights: fp32/bf16/fp16, or int8/int4 weight-only quantised linears",
-    )
+    add_model_arguments(p)
     add_threads_argument(p)
 
 
@@ -195,8 +182,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="NAME=MODEL",
         help="a model to rate (repeat; at least 2): name=model name, .gguf or checkpoint dir",
     )
-    j.add_argument("--judge", default="smollm2-135m", help="the judge model")
-    j.add_argument("--dtype", choices=sorted(DTYPES) + list(QUANT), default="fp32")
+    add_model_arguments(j, model_flag="--judge", model_help="the judge model", tokenizer=False)
     j.add_argument("--max-tokens", type=int, default=64, help="answer length")
     j.add_argument(
         "--battles",

@@ -16,10 +16,9 @@ import signal
 import torch
 
 from lmstack.inference.engine import LLMEngine
-from lmstack.inference.loader import AUTO, DTYPES, QUANT, load_for_inference
+from lmstack.inference.loader import AUTO, add_model_arguments, load_for_inference
 from lmstack.inference.paged import kv_pool_bytes
-from lmstack.serve import Server, build_app
-from lmstack.serve.http import uvicorn_server
+from lmstack.serve import require_serve
 from lmstack.threads import add_threads_argument
 
 DEFAULT_KV_MB = 512  # the largest default KV pool (MiB); --kv-cache-mb sets any size
@@ -28,25 +27,17 @@ KV_BLOCK_SIZE = 16  # the engine's default block size (LLMEngine(block_size=16))
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (FastAPI + uvicorn)")
-    p.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="model name (smollm2-135m), .gguf file or checkpoint dir",
+    add_model_arguments(
+        p,
+        dtype=AUTO,
+        auto=True,
+        dtype_help="weight format; auto: a quantised GGUF stays quantised (Q4_* -> int4 linears, "
+        "Q8_0 -> int8), anything else fp32",
     )
     p.add_argument(
         "--served-model-name",
         default=None,
         help="the name clients pass as `model` (default: --model)",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=[AUTO, *sorted(DTYPES), *QUANT],
-        default=AUTO,
-        help="weight format; auto: a quantised GGUF stays quantised (Q4_* -> int4 linears, Q8_0 -> "
-        "int8), anything else fp32",
-    )
-    p.add_argument(
-        "--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)"
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -187,6 +178,9 @@ def check_serve_args(args) -> None:
 
 def run_serve(args) -> int:
     check_serve_args(args)
+    require_serve()  # the serve extra, named before the model loads
+    from lmstack.serve import Server, build_app
+    from lmstack.serve.http import uvicorn_server
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

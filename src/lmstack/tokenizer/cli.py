@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import sysconfig
 import time
 from pathlib import Path
 
 from lmstack.threads import add_threads_argument, available_cpus
-from lmstack.utils import check_outputs, file_starts_with, is_json_file, own_folder
+from lmstack.utils import (
+    check_outputs,
+    file_starts_with,
+    is_json_file,
+    own_folder,
+    stdlib_root,
+)
 
 from . import formats
 from .dataset import encode_files
@@ -38,7 +43,7 @@ def _expand(inputs: list[str], glob: str) -> list[Path]:
 
 
 def _default_corpus() -> list[str]:
-    return [sysconfig.get_paths()["stdlib"]]
+    return [str(stdlib_root())]
 
 
 def _is_merges_file(path: Path) -> bool:
