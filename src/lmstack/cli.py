@@ -13,6 +13,7 @@ import sys
 from lmstack import __version__
 from lmstack.threads import set_threads
 from lmstack.train.cli import split_resume
+from lmstack.utils import MissingExtraError
 
 # Chapters in the order the help lists them; each names the module whose ``register`` adds its commands.
 CHAPTERS = {
@@ -48,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "lm_eval_args"):  # `eval harness --help`: every word is lm-eval's
+        args.lm_eval_args, extra = extra + list(args.lm_eval_args), []
     if extra and not hasattr(args, "overrides"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not hasattr(args, "func"):
@@ -64,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, OSError) as e:
-        # Bad input (config, files, requests): a clear message, not a deep traceback.
+    except (ValueError, FileNotFoundError, OSError, MissingExtraError) as e:
+        # Bad input (config, files, requests) or a missing extra: a clear message, not a deep traceback.
         print(f"lmstack: error: {e}", file=sys.stderr)
         return 2
 

@@ -12,6 +12,7 @@ import json
 import math
 import numbers
 import os
+import re
 import shutil
 import sysconfig
 import tempfile
@@ -82,6 +83,25 @@ def save_png(fig, path: str | os.PathLike, **savefig_kw) -> Path:
 # ---- native extensions built on first use ---------------------------------------------------------
 
 
+_QUOTED_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def source_text_with_headers(source: Path) -> bytes:
+    """The bytes of ``source`` followed by those of every header it includes with quotes (``#include "x.h"``,
+    looked up beside the file including it, recursively, each once): what a build's hash must cover, so that a
+    change in a shared header rebuilds every source that includes it."""
+    seen, out, todo = set(), [], [source]
+    while todo:
+        path = todo.pop(0).resolve()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        data = path.read_bytes()
+        out.append(data)
+        todo += [path.parent / m.decode() for m in _QUOTED_INCLUDE.findall(data)]
+    return b"".join(out)
+
+
 def build_extension(
     name: str,
     source: Path,
@@ -93,7 +113,7 @@ def build_extension(
     ``(module, None)``, or ``(None, reason)`` when it cannot be built (no compiler, missing source, a compile
     error), so the caller falls back to its Python or torch path and can say why.
 
-    The build folder is named by a digest of the source, the flags and the Python ABI: two checkouts (or an
+    The build folder is named by a digest of the source (with the headers it includes in quotes, `source_text_with_headers`), the flags and the Python ABI: two checkouts (or an
     upgrade) never load each other's build. ``python_module=True``: a plain CPython extension (its init
     function ``PyInit_<TORCH_EXTENSION_NAME>``) linked ``--as-needed``, so it depends on no torch library and
     a process that finds it already built loads it directly, without importing torch. Otherwise the library
@@ -108,7 +128,8 @@ def build_extension(
             *ldflags,
         ]  # before the torch libraries load() appends: none is kept
     tag = " ".join(cflags + ldflags) + str(sysconfig.get_config_var("EXT_SUFFIX"))
-    full = f"{name}_{hashlib.sha256(source.read_bytes() + tag.encode()).hexdigest()[:12]}"
+    text = source_text_with_headers(source)
+    full = f"{name}_{hashlib.sha256(text + tag.encode()).hexdigest()[:12]}"
     try:
         kw = {}
         if python_module:
@@ -215,6 +236,73 @@ def check_outputs(
                 )
 
 
+# ---- the default corpus: Python's own standard library, on every machine, nothing downloaded ----
+STDLIB_SKIP = ("test", "tests", "idle_test", "site-packages", "lib2to3", "__pycache__")
+
+
+def stdlib_root() -> Path:
+    """The folder of this Python's standard library sources."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_sources() -> list[Path]:
+    """The stdlib ``.py`` files in the demo's corpus order: the top-level modules sorted, then the
+    packages' files sorted, skipping test suites (``STDLIB_SKIP``). The demo trains on the first
+    ones, ``lmstack.eval.datasets`` holds out the ones after."""
+    root = stdlib_root()
+    top = sorted(root.glob("*.py"))
+    pkgs = sorted(
+        f
+        for f in root.rglob("*.py")
+        if f.parent != root and not any(part in STDLIB_SKIP for part in f.relative_to(root).parts)
+    )
+    return top + pkgs
+
+
+# ---- optional extras: a feature whose dependencies are not installed names the extra to install ----
+class MissingExtraError(ModuleNotFoundError):
+    """A feature's optional dependency is not installed; the message names the extra."""
+
+
+def import_extra(module: str, extra: str, feature: str):
+    """``importlib.import_module(module)``, or a ``ModuleNotFoundError`` that says which extra of
+    pyproject's ``[project.optional-dependencies]`` brings it (``pip install 'lmstack[serve]'``)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise MissingExtraError(
+            f"{feature} needs the {module!r} package ({e}); install it with: "
+            f"pip install 'lmstack[{extra}]'",
+            name=module,
+        ) from e
+
+
+# ---- dtype names: the one table of the short names flags and configs use ----------------------
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+FLOAT_DTYPES = (
+    "fp32",
+    "bf16",
+    "fp16",
+)  # what models load and train in (fp64 only for kernel checks)
+
+
+def torch_dtype(name: str, allowed: Iterable[str] | None = None, what: str = "dtype"):
+    """The ``torch.dtype`` for a short name ("fp32", "bf16", "fp16", "fp64"), refused with the value
+    and the choices unless it is in ``allowed`` (default: every name of ``DTYPE_NAMES``). torch is
+    imported here, so that this module stays light."""
+    choices = tuple(DTYPE_NAMES if allowed is None else allowed)
+    if name not in choices or name not in DTYPE_NAMES:
+        raise ValueError(f"{what}={name!r}; expected one of {sorted(choices)}")
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[name])
+
+
+def dtype_name(dtype) -> str | None:
+    """The short name of a ``torch.dtype`` (``torch.bfloat16`` -> "bf16"); None for any other dtype."""
+    return next((k for k, v in DTYPE_NAMES.items() if str(dtype) == f"torch.{v}"), None)
+
+
 def positive_int(text: str) -> int:
     """argparse ``type=``: an integer >= 1 (argparse names the flag in its error: exit 2, no traceback)."""
     try:
@@ -255,6 +343,16 @@ def own_folder(path: str | os.PathLike, *markers: str) -> bool:
     if not p.is_dir():
         return False
     return not any(p.iterdir()) or any((p / m).exists() for m in markers)
+
+
+def own_folder_kind(command: str, *markers: str) -> tuple[str, Callable[[Path], bool]]:
+    """A ``check_outputs`` ``kinds`` entry for an output folder of ``lmstack {command}``: refused unless
+    ``own_folder(path, *markers)`` (absent, empty, or an earlier output of the same command) or ``--force``."""
+    mark = markers[0] + (" or its run folders" if len(markers) > 1 else "")
+    return (
+        f"an empty folder or an earlier `lmstack {command}` output (one with {mark})",
+        lambda p: own_folder(p, *markers),
+    )
 
 
 def read_jsonl(

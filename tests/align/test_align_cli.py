@@ -88,7 +88,13 @@ def test_sft_dpo_grpo_commands(tmp_path, checkpoint, capsys):
         )
         == 0
     )
-    for run, png in (("sft", "loss_curve.png"), ("dpo", "loss_curve.png"), ("grpo", "grpo.png")):
+    runs = (
+        ("sft", "loss_curve.png"),
+        ("dpo", "loss_curve.png"),
+        ("dpo", "dpo_margins.png"),
+        ("grpo", "grpo.png"),
+    )
+    for run, png in runs:
         d = tmp_path / run
         assert (d / "metrics.jsonl").stat().st_size > 0 and (d / png).stat().st_size > 0, run
         assert load_model(d / "model").model.config.vocab_size == 259

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -22,6 +23,8 @@ from lmstack.align.sft import ModelTrainer
 from lmstack.train.config import TrainConfig, TrainConfigError
 from lmstack.train.data import Batch
 from lmstack.train.losses import IGNORE_INDEX
+from lmstack.train.plot import read_metrics
+from lmstack.utils import pyplot, save_png
 
 REFERENCES = ("precomputed", "model")
 
@@ -142,6 +145,18 @@ class DPOTrainer(ModelTrainer):
         m.update(self.last_metrics)  # the last micro-batch's DPO metrics
         return m
 
+    def plot(self, baseline: float | None = None) -> Path | None:
+        """The loss curve (``loss_curve.png``) and the implicit-reward margins and accuracies over the steps
+        (``dpo_margins.png``) in the run folder; rank 0 only."""
+        path = super().plot(baseline)
+        if self.is_main:
+            plot_margins(
+                self.metrics_path,
+                self.out_dir / "dpo_margins.png",
+                f"DPO ({self.loss_type}, β={self.beta}, reference {self.reference})",
+            )
+        return path
+
     @torch.no_grad()
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
         """DPO loss and implicit-reward accuracy/margin over the validation pairs (every pair once)."""
@@ -174,6 +189,39 @@ class DPOTrainer(ModelTrainer):
         return self.last_eval
 
 
+def plot_margins(metrics_path, png: Path, title: str = "DPO") -> Path | None:
+    """DPO's implicit-reward margins and preference accuracies over the steps, training (each logged step's
+    batch) and evaluation (the validation pairs, or the training pairs without them), from a run's ``metrics.jsonl``: two panels, one PNG."""
+    rows = read_metrics(metrics_path)
+    train = [r for r in rows if r.get("kind") == "train" and "rewards/margins" in r]
+    val = [r for r in rows if r.get("kind") == "eval" and "val_rewards/margins" in r]
+    if not train and not val:
+        return None
+    plt = pyplot()
+    fig, (ax_m, ax_a) = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in (
+        (ax_m, "rewards/margins", "margin r_w − r_l"),
+        (ax_a, "rewards/accuracies", "accuracy (r_w > r_l)"),
+    ):
+        if train:
+            ax.plot([r["step"] for r in train], [r[key] for r in train], label=f"train {label}")
+        if val:
+            ax.plot(
+                [r["step"] for r in val],
+                [r[f"val_{key}"] for r in val],
+                "o-",
+                label=f"evaluation {label}",
+            )
+        ax.set_xlabel("step")
+        ax.set_title(key)
+        ax.legend()
+    ax_m.axhline(0.0, color="grey", lw=0.5)
+    ax_a.set_ylim(-0.05, 1.05)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return save_png(fig, png)
+
+
 def sample_pairs(
     model,
     tokenizer,
@@ -193,7 +241,7 @@ def sample_pairs(
     or all wrong give none."""
     from lmstack.align.data import encode_prompt
     from lmstack.align.rewards import correctness_reward
-    from lmstack.inference.engine import LLM
+    from lmstack.inference.llm import LLM
     from lmstack.inference.sampling import SamplingParams
 
     llm = LLM(model, tokenizer, seed=seed)

@@ -7,7 +7,7 @@ scores every past token s for query t with a few small heads j:
 
 then query t attends (softmax, GQA, RoPE as in ``model.attention``) only to its ``dsa_top_k`` highest-scoring
 causal keys. With top_k ≥ S it is dense causal attention. Training/prefill builds the (T, S) selection mask;
-decode (T = 1 with a ``MixerCache``) gathers the k selected keys, so the softmax costs O(k), and the indexer
+decode (T = 1 with a ``MixerCache``, ``inference.kv_cache``) gathers the k selected keys, so the softmax costs O(k), and the indexer
 O(S·H_I·n_I) cheap multiply-adds. Simplifications against V3.2: the main attention is GQA rather than MLA;
 the indexer has no RoPE and no FP8.
 
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmstack.model.attention import Attention
+from lmstack.model.cache import Ability, has
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Linear, RotaryEmbedding
 from lmstack.model.seam import AttentionMetadata
@@ -89,6 +90,11 @@ def dsa_indexer_loss(model: nn.Module) -> Tensor | None:
     return torch.stack([x.float() for x in losses]).sum() if losses else None
 
 
+def dsa_loss_coefs(c) -> dict[str, float]:
+    """The ``ModelConfig`` field that weights the DSA layers' indexer loss ({} without DSA layers)."""
+    return {"dsa_indexer_loss": c.dsa_indexer_loss} if "dsa" in c.mixer_types else {}
+
+
 class SparseAttention(Attention):
     """GQA softmax attention (q/k/v/o, RoPE, QK-norm from ``Attention``) over indexer-selected keys."""
 
@@ -119,6 +125,11 @@ class SparseAttention(Attention):
             None  # weight × KL of the last training forward (module docstring)
         )
 
+    def aux_losses(self) -> dict[str, Tensor]:
+        """The weighted indexer KL of the last training forward, named as the trainer logs it
+        (``Transformer.aux_losses`` sums the layers'); {} when none was computed."""
+        return {} if self.indexer_loss is None else {"dsa_indexer_loss": self.indexer_loss}
+
     def indexer(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x.shape
         q_idx = self.idx_q(x).view(B, T, self.n_idx, self.h_idx) * self.h_idx**-0.5
@@ -143,10 +154,11 @@ class SparseAttention(Attention):
         )  # (B, T)
         kpos = qpos
         if meta.cache is not None:
-            if not hasattr(meta.cache, "extra"):
+            if not has(meta.cache, Ability.LAYER_TENSORS):
                 raise TypeError(
                     f"layer {self.layer_idx} (dsa) also caches its indexer keys, which "
-                    f"{type(meta.cache).__name__} cannot hold; decode with lmstack.model.mixers.MixerCache"
+                    f"{type(meta.cache).__name__} cannot hold (no Ability.LAYER_TENSORS); decode with "
+                    "lmstack.inference.kv_cache.MixerCache"
                 )
             k, v, kpos = meta.cache.update(
                 self.layer_idx, k, v, qpos
@@ -199,6 +211,7 @@ class SparseAttention(Attention):
 __all__ = [
     "SparseAttention",
     "dsa_indexer_loss",
+    "dsa_loss_coefs",
     "index_scores",
     "indexer_kl_loss",
     "top_k_selection",

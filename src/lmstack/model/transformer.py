@@ -17,12 +17,20 @@ from torch import Tensor, nn
 
 from lmstack.model.attention import Attention
 from lmstack.model.config import ModelConfig
+from lmstack.model.dsa import dsa_loss_coefs
 from lmstack.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU, linear
 from lmstack.model.mixer_spec import layer_softcap, layer_specs
 from lmstack.model.mixers import build_mixer, init_recurrent_parameters
-from lmstack.model.moe import moe_from_config
+from lmstack.model.moe import moe_from_config, moe_loss_coefs, moe_metrics, update_router_biases
 from lmstack.model.seam import AttentionImpl, AttentionMetadata, NormImpl, supports_softcap
 from lmstack.model.variants import GeGLU, OffsetRMSNorm, make_norm
+
+
+def aux_loss_coefs(config: ModelConfig) -> dict[str, float]:
+    """The config fields that weight the auxiliary losses this model's layers add in training (field -> value):
+    DSA's indexer KL (``dsa_indexer_loss``), the MoE routers' balance / device-balance / z terms. Read from the
+    config alone, so every pipeline stage answers the same whatever layers it holds."""
+    return {**dsa_loss_coefs(config), **moe_loss_coefs(config)}
 
 
 def token_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw) -> nn.Module:
@@ -242,6 +250,31 @@ class Transformer(nn.Module):
         ``state_dict`` are unchanged, the separate weights become views of the fused ones); returns how many
         modules were fused. For inference: call it after the model is placed and converted."""
         return sum(bool(m.fuse()) for m in self.modules() if isinstance(m, (Attention, SwiGLU)))
+
+    # ---- training hooks: what the trainer asks the model, knowing no kind of layer ----------
+    def aux_losses(self) -> dict[str, Tensor]:
+        """Named auxiliary loss terms of the last training forward, each weighted by its coefficient
+        (``aux_loss_coefs``) and summed over the layers that produce it: ``dsa_indexer_loss`` (DSA's indexer
+        KL, model/dsa.py), ``moe_aux_loss`` (the MoE routers' balance terms, model/moe.py). A layer takes
+        part by having ``aux_losses() -> {name: scalar}``; {} after an inference or evaluation forward."""
+        parts: dict[str, list[Tensor]] = {}
+        for m in self.modules():
+            own = getattr(m, "aux_losses", None) if m is not self else None
+            if callable(own):
+                for name, t in own().items():
+                    parts.setdefault(name, []).append(t)
+        return {n: torch.stack([t.float() for t in ts]).sum() for n, ts in parts.items()}
+
+    def training_metrics(self) -> dict[str, float]:
+        """Statistics the layers recorded in the last training forward, for the step's metrics: the MoE
+        routers' expert loads, dropped assignments and balance terms (``moe.moe_metrics``); {} otherwise."""
+        return moe_metrics(self)
+
+    def after_optimizer_step(self) -> None:
+        """State that moves after each optimizer step without a gradient: aux-loss-free router biases
+        (DeepSeek-V3) step toward balance at ``config.moe_bias_update_rate`` from the last loads."""
+        if self.config.moe_bias_update_rate:
+            update_router_biases(self, self.config.moe_bias_update_rate)
 
     # ---- forward -------------------------------------------------------------------------
     def forward(

@@ -150,6 +150,9 @@ class ExpertParallelMoE(nn.Module):
     def stats(self):
         return self._moe[0].stats
 
+    def aux_losses(self):
+        return self._moe[0].aux_losses()
+
     @property
     def reads_token_ids(self) -> bool:  # a hash-routed MoE: the Block passes the input token ids
         return self._moe[0].reads_token_ids

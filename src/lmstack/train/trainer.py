@@ -1,11 +1,16 @@
-"""The training loop: data -> forward/loss -> backward -> clip -> AdamW step, with evaluation,
-metrics, progress, checkpoints and a divergence stop.
+"""The Trainer: one training run's state and its step — data -> forward/loss (+ the model's auxiliary
+losses) -> backward -> clip -> AdamW step — with evaluation, checkpoints and export.
 
-Seed 000 §1.8 (weights, optimizer states, gradients, activations; activation checkpointing),
-§5.1/§5.4 (mixed precision: fp32 master weights, bf16 autocast for the forward/backward,
-gradients land in fp32 because the parameters are fp32), seed 001 "训练稳定性" (z-loss,
-QK-norm, weight decay), "工程细节/基准测试" (timing with a monotonic clock, synchronising CUDA),
-"模型规模定律" (tokens per step = B·grad_accum·S; the critical batch size is where more does not help).
+Book: 训练 (weights, optimizer states, gradients, activations; activation checkpointing), 混合精度 (fp32
+master weights, bf16 autocast for the forward/backward, gradients land in fp32 because the parameters are
+fp32), 训练稳定性 (z-loss, QK-norm, weight decay), 模型规模定律 (tokens per step = B·grad_accum·S).
+
+Around it: ``train.build`` makes the pieces (token splits, model, parallel wrapping, optimizer, schedule),
+``train.loop.fit`` decides when to step, log, evaluate and checkpoint, ``train.metrics`` measures
+(throughput, MFU, the JSONL, means over ranks). The trainer knows no kind of layer: the model names its
+auxiliary loss terms (``Transformer.aux_losses``: MoE balance, DSA indexer KL), which are added to the loss
+and logged each by name, its per-step statistics (``training_metrics``) and its post-step updates
+(``after_optimizer_step``).
 
 The step is factored so a distributed wrapper can plug in without touching this file:
 
@@ -32,124 +37,48 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import json
 import math
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
-from tqdm import tqdm
 
-from lmstack.accounting import measure_cpu, training_step_flops
+from lmstack.accounting import training_step_flops
 from lmstack.cpu import choose_precision
-from lmstack.kernels.runtime import configure
-from lmstack.model.dsa import dsa_indexer_loss
 from lmstack.model.io import save_pretrained
-from lmstack.model.moe import moe_aux_loss, moe_metrics, update_router_biases
-from lmstack.model.transformer import Transformer
-from lmstack.parallel import get_parallelize
+from lmstack.model.transformer import Transformer, aux_loss_coefs
 from lmstack.parallel.checkpoint import load_sharded, save_sharded
-from lmstack.quant.qat import prepare_qat
 from lmstack.tokenizer import load_tokenizer, save_hf
-from lmstack.tokenizer.token_file import check_token_ids, open_tokens, read_sidecar
+from lmstack.train import build, loop
 from lmstack.train import checkpoint as ckpt
+from lmstack.train.build import (  # noqa: F401  (importable from here as before the split)
+    build_optimizer,
+    build_schedule,
+    optimizer_class,
+    optimizer_groups,
+)
 from lmstack.train.config import TrainConfig, TrainConfigError
 from lmstack.train.data import Batch, get_batch, resolve_device, sequential_batches
+from lmstack.train.loop import TrainingDiverged
 from lmstack.train.losses import cross_entropy, linear_cross_entropy
-from lmstack.train.optim import SGD, AdamW, clip_grad_norm, global_grad_norm
-from lmstack.train.plot import plot_loss_curve
-from lmstack.train.run_dir import (
-    check_run_paths,
-    clear_run,
-    existing_run,
-    refuse_existing_run,
-    truncate_metrics,
+from lmstack.train.metrics import (  # noqa: F401  (device_peak_flops: importable from here)
+    append_jsonl,
+    device_peak_flops,
+    mean_over_ranks,
+    unigram_baseline,
 )
-from lmstack.train.schedule import LRSchedule
-
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or the gradient norm became NaN/inf; the last good state was saved first."""
+from lmstack.train.optim import clip_grad_norm, global_grad_norm
+from lmstack.train.plot import plot_loss_curve
+from lmstack.train.run_dir import check_run_paths, truncate_metrics
+from lmstack.utils import torch_dtype
 
 
-def optimizer_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict[str, Any]]:
-    """Two parameter groups: matrices decay, 1-D tensors (norm gains, biases) do not."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def optimizer_class(config: TrainConfig) -> tuple[type, dict[str, Any]]:
-    """The optimizer class and its keyword arguments (lr, betas/momentum, eps)."""
-    if config.optimizer == "adamw":
-        return AdamW, {"lr": config.lr, "betas": (config.beta1, config.beta2), "eps": config.eps}
-    return SGD, {"lr": config.lr, "momentum": config.momentum}
-
-
-def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW/SGD with two groups: matrices decay, 1-D tensors (norm gains, biases) do not."""
-    cls, kw = optimizer_class(config)
-    return cls(optimizer_groups(model, config), **kw)
-
-
-def build_schedule(config: TrainConfig) -> LRSchedule:
-    return LRSchedule(
-        config.schedule,
-        config.lr,
-        config.min_lr,
-        config.warmup_steps,
-        config.max_steps,
-        config.decay_steps,
-    )
-
-
-@functools.lru_cache(maxsize=8)
-def device_peak_flops(device_type: str, precision: str) -> float:
-    """Measured dense matmul FLOP/s of this device in the run's compute dtype (for MFU)."""
-    key = "bf16" if precision == "bf16" else ("fp16" if precision == "fp16" else "fp32")
-    if device_type == "cpu":
-        return measure_cpu(quick=False, dtypes=(key,)).flops(key)
-    if device_type == "cuda":
-        dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[key]
-        n = 8192
-        a, b = (
-            torch.randn(n, n, device="cuda", dtype=dt),
-            torch.randn(n, n, device="cuda", dtype=dt),
-        )
-        for _ in range(3):
-            a @ b
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            a @ b
-        torch.cuda.synchronize()
-        return 10 * 2 * n**3 / (time.perf_counter() - t0)
-    return float("nan")
-
-
-def unigram_baseline(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
-    """Cross-entropy (nats/token) of ``val`` under the add-one unigram distribution of ``train``:
-    the loss a model reaches by learning token frequencies and nothing else."""
-    counts = np.bincount(np.asarray(train), minlength=vocab_size).astype(np.float64) + 1.0
-    logp = np.log(counts / counts.sum())
-    return float(-logp[np.asarray(val)].mean())
-
-
-def _barrier() -> None:
-    """Wait for every rank (no-op for one process)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def model_aux_losses(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's named auxiliary loss terms of its last forward ({} for a model that declares none)."""
+    fn = getattr(model, "aux_losses", None)
+    return fn() if callable(fn) else {}
 
 
 class _StateDictOnly:
@@ -203,54 +132,21 @@ class Trainer:
         self._resumed = False
         check_run_paths(c)
 
-        # ---- data (seed 000 §5.3) ----
-        tokens = open_tokens(c.train_data)
-        data_vocab = read_sidecar(c.train_data).vocab_size
-        if c.val_data:
-            self.train_tokens, self.val_tokens = tokens, open_tokens(c.val_data)
-        else:
-            cut = int(len(tokens) * (1 - c.val_fraction))
-            self.train_tokens, self.val_tokens = tokens[:cut], tokens[cut:]
-        for name, arr in (("training", self.train_tokens), ("validation", self.val_tokens)):
-            if len(arr) < c.seq_len + 1:
-                raise TrainConfigError(
-                    f"the {name} split has {len(arr)} tokens, fewer than seq_len + 1 = "
-                    f"{c.seq_len + 1} (use a larger corpus, a smaller seq_len or val_fraction)"
-                )
-
-        # ---- model ----
+        self.train_tokens, self.val_tokens, data_vocab = build.load_token_splits(c)
         self.model_config = c.model_config(vocab_size=data_vocab)
-        if isinstance(data_vocab, int) and data_vocab > self.model_config.vocab_size:
-            raise TrainConfigError(
-                f"the data's vocab_size={data_vocab} exceeds model.vocab_size="
-                f"{self.model_config.vocab_size}; token ids would be out of range"
-            )
-        check_token_ids(tokens, self.model_config.vocab_size, f"train_data {c.train_data}")
-        if c.val_data:
-            check_token_ids(self.val_tokens, self.model_config.vocab_size, f"val_data {c.val_data}")
-        if (
-            self.is_main
-        ):  # before any rank reads a checkpoint (parallelize below synchronises the ranks)
+        build.check_vocab(c, self.model_config, data_vocab, self.val_tokens)
+        if self.is_main:  # before any rank reads a checkpoint (parallelize synchronises the ranks)
             for line in ckpt.recover(self.ckpt_dir):
                 print(f"checkpoints: {line}")
-        self.raw_model = Transformer(self.model_config, device=self.device, seed=c.seed)
         self.runtime = c.runtime()  # backends, precision, compile: how this run computes
-        runtime_line = configure(
-            self.raw_model, self.runtime, self.device, training=True, max_keys=c.seq_len
+        self.raw_model, runtime_line = build.build_model(
+            c, self.model_config, self.device, self.runtime
         )
         if self.is_main:
             print(f"{self.precision_choice.line()}\n{runtime_line}")
-        self.raw_model.activation_checkpointing = c.activation_checkpointing
-        if (
-            c.quant == "int4-qat"
-        ):  # seed 001 "有损提速": train through the int4 rounding (straight-through)
-            prepare_qat(self.raw_model, "int4")
-        self.raw_model.train()
         self._parallelize_fn = parallelize
         self.parallel_model = None  # a lmstack.parallel.ParallelWrapper when config.parallel is set
-        self._full_state: dict[str, torch.Tensor] | None = (
-            None  # last gathered full parameters (rank 0)
-        )
+        self._full_state: dict[str, torch.Tensor] | None = None  # last gathered full parameters
         self.model = self.parallelize(self.raw_model)
         pm = self.parallel_model
         # data-parallel coordinates: the tp/pp/cp ranks of one replica read the same rows
@@ -286,20 +182,7 @@ class Trainer:
     # ---- seams for distributed training ----------------------------------------------------
     def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """Wrap the model for data/tensor/... parallelism; the identity for one process."""
-        if self._parallelize_fn is not None:
-            return self._parallelize_fn(self, model)
-        if self.config.parallel:
-            try:
-                fn = get_parallelize(self.config.parallel)
-            except ValueError as e:
-                raise TrainConfigError(str(e)) from None
-            return fn(self, model)
-        if self.world_size > 1:
-            raise TrainConfigError(
-                f"WORLD_SIZE={self.world_size} but no parallel strategy is set; "
-                "pass parallel=ddp (or another lmstack.parallel strategy)"
-            )
-        return model
+        return build.parallelize(self, model, self._parallelize_fn, self.world_size)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW/SGD with weight-decay groups; under a parallel plan through
@@ -320,33 +203,17 @@ class Trainer:
 
     def reduce_metric(self, value: float) -> float:
         """Average a scalar over all ranks (identity for one process)."""
-        if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return value
-        dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        t = torch.tensor([value], dtype=torch.float64, device=dev)
-        dist.all_reduce(t)
-        return float(t[0]) / dist.get_world_size()
+        return value if self.world_size == 1 else mean_over_ranks(value, self.device)
 
     def pipeline_train_step(self) -> dict[str, float]:
         """``train_step`` under pipeline parallelism (pp > 1): the ``grad_accum`` micro-batches go
         through the pipeline schedule together (m = grad_accum micro-batches in flight, each loss
         scaled by 1/m), then ``optimizer_step`` as usual."""
-        c = self.raw_model.config
-        extra = [
-            name
-            for name, on in (
-                (
-                    "moe_aux_loss_coef / moe_device_loss_coef / moe_z_loss_coef",
-                    c.moe_aux_loss_coef or c.moe_device_loss_coef or c.moe_z_loss_coef,
-                ),
-                ("dsa_indexer_loss", c.dsa_indexer_loss),
-            )
-            if on
-        ]
+        extra = [f"{k}={v}" for k, v in aux_loss_coefs(self.raw_model.config).items() if v]
         if extra:  # the pipeline schedule carries one loss per micro-batch: these terms would be silently dropped
             raise TrainConfigError(
-                f"model.{extra[0]} > 0 with pipeline parallelism (pp > 1): the auxiliary loss is "
-                "not carried through the pipeline schedule; set it to 0 or train without pp"
+                f"model.{' / '.join(extra)} > 0 with pipeline parallelism (pp > 1): the auxiliary "
+                "loss is not carried through the pipeline schedule; set it to 0 or train without pp"
             )
         n = self.config.grad_accum
         batches = [self.next_batch() for _ in range(n)]
@@ -380,7 +247,8 @@ class Trainer:
         if self.runtime.dtype == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(
-            device_type=self.device.type, dtype=AUTOCAST_DTYPES[self.runtime.dtype]
+            device_type=self.device.type,
+            dtype=torch_dtype(self.runtime.dtype, allowed=("bf16", "fp16")),
         )
 
     def next_batch(self) -> Batch:
@@ -459,28 +327,24 @@ class Trainer:
         return norm_f, lr
 
     def train_step(self) -> dict[str, float]:
-        """One optimizer step over ``grad_accum`` micro-batches (loss scaled by 1/grad_accum)."""
+        """One optimizer step over ``grad_accum`` micro-batches (loss scaled by 1/grad_accum).
+
+        Each micro-batch's loss is cross-entropy + z-loss + every auxiliary term the model reports
+        (``Transformer.aux_losses``, already weighted); each term is logged by its name, averaged
+        over the micro-batches, followed by the model's own statistics (``training_metrics``)."""
         if self.parallel_model is not None and self.parallel_model.pipelined:
             return self.pipeline_train_step()
         n = self.config.grad_accum
-        ce_sum = z_sum = aux_sum = idx_sum = 0.0
+        ce_sum = z_sum = 0.0
+        aux_sums: dict[str, float] = {}
         for i in range(n):
             batch = self.next_batch()
             with self.micro_step_context(i, n):
                 ce, z = self.forward_loss(batch)
                 loss = ce + z
-                aux = moe_aux_loss(
-                    self.raw_model
-                )  # mixture of experts: the routers' balance terms (model/moe.py)
-                if aux is not None:
-                    loss = loss + aux
-                    aux_sum += float(aux.detach())
-                idx = dsa_indexer_loss(
-                    self.raw_model
-                )  # DSA: the indexer's KL towards the main attention
-                if idx is not None:
-                    loss = loss + idx
-                    idx_sum += float(idx.detach())
+                for name, term in model_aux_losses(self.raw_model).items():
+                    loss = loss + term
+                    aux_sums[name] = aux_sums.get(name, 0.0) + float(term.detach())
                 value = float(loss.detach())
                 if not math.isfinite(value) and self.world_size == 1:
                     self.optimizer.zero_grad(set_to_none=True)
@@ -492,19 +356,11 @@ class Trainer:
             ce_sum += float(ce.detach())
             z_sum += float(z.detach())
         m = self._finish_step(ce_sum / n, z_sum / n)
-        if (
-            self.raw_model.config.dsa_indexer_loss > 0
-            and "dsa" in self.raw_model.config.mixer_types
-        ):
-            m["dsa_indexer_loss"] = idx_sum / n
-        moe = moe_metrics(
-            self.raw_model
-        )  # last micro-batch's expert loads, dropped tokens, balance terms
-        if moe:
-            rate = self.raw_model.config.moe_bias_update_rate
-            if rate:
-                update_router_biases(self.raw_model, rate)  # aux-loss-free balancing (DeepSeek-V3)
-            m.update(moe_aux_loss=aux_sum / n, **moe)
+        m.update({name: total / n for name, total in aux_sums.items()})
+        hooks = self.raw_model
+        if callable(getattr(hooks, "training_metrics", None)):
+            m.update(hooks.training_metrics())  # the last micro-batch's (MoE: expert loads)
+            hooks.after_optimizer_step()  # e.g. aux-loss-free router biases (DeepSeek-V3)
         return m
 
     @torch.no_grad()
@@ -650,9 +506,7 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------------
     def log(self, row: dict[str, Any]) -> None:
         if self.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.metrics_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(self.metrics_path, row)
 
     def peak_flops(self) -> float:
         if self._peak_flops is None:
@@ -664,109 +518,14 @@ class Trainer:
             torch.cuda.synchronize()
 
     def fit(self, callback: Callable[[Trainer, dict], None] | None = None) -> dict[str, Any]:
-        """Train until ``max_steps`` (or ``stop_after`` steps); returns a summary.
+        """Train until ``max_steps`` (or ``stop_after`` steps); returns a summary (``loop.fit``).
 
         ``callback(trainer, metrics)`` runs after each step (tests use it to interrupt a run).
         """
-        c = self.config
-        stop_at = None if c.stop_after is None else self.step + c.stop_after
-        end = c.max_steps if stop_at is None else min(c.max_steps, stop_at)
-        peak = self.peak_flops() if self.progress else None
-        self._claim_out_dir()
-        if self.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            c.save(self.out_dir / "config.json")
-        bar = self._bar = tqdm(
-            total=c.max_steps,
-            initial=self.step,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            disable=not (self.progress and self.is_main),
-        )
-        t_start = time.perf_counter()
-        t_last, tokens_last = t_start, self.tokens_seen
-        last: dict[str, float] = {}
-        history: list[dict] = []
-        try:
-            while self.step < end:
-                m = self.train_step()
-                last = m
-                if self.step % c.log_interval == 0 or self.step == end:
-                    self._sync()
-                    now = time.perf_counter()
-                    tps = (self.tokens_seen - tokens_last) / max(now - t_last, 1e-9)
-                    steps = (self.tokens_seen - tokens_last) / self.tokens_per_step
-                    row = {
-                        "kind": "train",
-                        "step": self.step,
-                        **m,
-                        "tokens": self.tokens_seen,
-                        "tokens_per_s": tps,
-                        "elapsed_s": now - t_start,
-                    }
-                    if peak:
-                        row["mfu"] = self.flops_per_step * steps / max(now - t_last, 1e-9) / peak
-                    self.log(row)
-                    history.append(row)
-                    t_last, tokens_last = now, self.tokens_seen
-                    post = {"loss": f"{m['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
-                    if "mfu" in row:
-                        post["MFU"] = f"{row['mfu']:.1%}"
-                    if self.last_eval:
-                        post["val"] = f"{self.last_eval['val_loss']:.3f}"
-                    bar.set_postfix(post, refresh=False)
-                if c.eval_interval and self.step % c.eval_interval == 0 and self.step < end:
-                    ev = self.evaluate()
-                    self.log({"kind": "eval", "step": self.step, **ev})
-                if c.ckpt_interval and self.step % c.ckpt_interval == 0 and self.step < end:
-                    self.save_checkpoint()
-                bar.update(1)
-                if callback is not None:
-                    callback(self, m)
-                    end = (
-                        c.max_steps if stop_at is None else min(c.max_steps, stop_at)
-                    )  # set_max_steps may move it
-                if c.time_limit_s is not None and time.perf_counter() - t_start > c.time_limit_s:
-                    if self.is_main:
-                        bar.write(
-                            f"time limit {c.time_limit_s:.0f}s reached at step {self.step}/{c.max_steps}"
-                        )
-                    break
-        except TrainingDiverged as e:
-            bar.close()
-            path = self.save_checkpoint()
-            raise TrainingDiverged(
-                f"{e}; stopped. The last good state (step {self.step}) is saved in {path}. "
-                "Try a lower lr, grad_clip, z_loss=1e-4 or qk_norm=true."
-            ) from None
-        bar.close()
-        ev = self.evaluate()
-        self.log({"kind": "eval", "step": self.step, **ev})
-        path = self.save_checkpoint()
-        summary = {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "checkpoint": str(path) if path else None,
-            "metrics": str(self.metrics_path),
-            "seconds": time.perf_counter() - t_start,
-            **ev,
-            "last_train": last,
-        }
-        return summary
+        return loop.fit(self, callback)
 
     def _claim_out_dir(self) -> None:
-        """A fresh run (no ``resume``, step 0) refuses an ``out_dir`` holding another run's files, or
-        deletes them with ``overwrite``; every rank looks before rank 0 writes anything."""
-        if self._resumed or self.step > 0:
-            return
-        found = existing_run(self.out_dir)
-        _barrier()
-        if not self.overwrite:
-            refuse_existing_run(self.out_dir, found)
-        if found and self.is_main:
-            clear_run(self.out_dir)
-            print(f"--overwrite: removed the previous run's {', '.join(found)} from {self.out_dir}")
+        loop.claim_out_dir(self)
 
     def set_max_steps(self, max_steps: int) -> None:
         """Move the end of the run (and of the LR schedule) — e.g. from a callback that measured the
