@@ -85,7 +85,7 @@ class NoDrop(Filter):
 @pytest.fixture
 def corpus(tmp_path, monkeypatch):
     """4 JSONL files of 5 records (records 0 and 3 say "drop"), a fake sbatch in bin/ on PATH."""
-    (tmp_path / "stepmod.py").write_text(STEP_MODULE)
+    (tmp_path / "slurm_stepmod.py").write_text(STEP_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv(
         "PYTHONPATH",
@@ -111,7 +111,7 @@ def corpus(tmp_path, monkeypatch):
 def pipeline(root: Path, out: str, fail_rank: int = -1) -> Pipeline:
     """filter (one task per file) -> a global stage of 2 tasks -> a stage that reads the filter's shards."""
     o = root / out
-    log = {"type": "stepmod:Log", "log": str(root / f"{out}.log")}
+    log = {"type": "slurm_stepmod:Log", "log": str(root / f"{out}.log")}
     return Pipeline.from_dict(
         {
             "output": str(o),
@@ -120,7 +120,7 @@ def pipeline(root: Path, out: str, fail_rank: int = -1) -> Pipeline:
                     "name": "filter",
                     "step": [
                         {"type": "read_jsonl", "paths": [str(root / "in")]},
-                        {"type": "stepmod:NoDrop"},
+                        {"type": "slurm_stepmod:NoDrop"},
                         {**log, "flag": str(root / "flag"), "fail_rank": fail_rank},
                         {"type": "write_jsonl", "output": str(o / "clean")},
                     ],
