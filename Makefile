@@ -52,6 +52,7 @@ LINT_PATHS := src tests benchmarks
 lint: install-test
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
 
 test: lint
 	$(PY) -m pytest -q

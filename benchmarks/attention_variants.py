@@ -22,9 +22,9 @@ import time
 import torch
 from tqdm import tqdm
 
+from lmstack.inference.kv_cache import MixerCache
 from lmstack.model.config import ModelConfig
 from lmstack.model.linear_scan import delta_chunked, delta_recurrent
-from lmstack.model.mixers import MixerCache
 from lmstack.model.transformer import Transformer
 
 PATTERNS = {

@@ -39,10 +39,35 @@ for _v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 SEP = "<|endoftext|>"
 
 
-def texts_of(folder: Path) -> list[str]:
+def records_of(folder: Path) -> list[dict]:
     from lmstack.data.writers import read_records
 
-    return [r["text"] for f in sorted(folder.glob("*.jsonl*")) for r in read_records(f)]
+    return [r for f in sorted(folder.glob("*.jsonl*")) for r in read_records(f)]
+
+
+def texts_of(folder: Path) -> list[str]:
+    return [r["text"] for r in records_of(folder)]
+
+
+def mix_by_route(records: list[dict], shares: dict[str, float]) -> tuple[list[str], dict]:
+    """The pipeline's documents with each route's documents repeated so that the routes' UTF-8 bytes come
+    near ``shares`` (a mixture by rules, as Dolma's mixer or The Pile's epochs per component): no route is
+    cut, the largest one relative to its share is taken once, every other route ``round(factor)`` times
+    (at least once). Documents without a route count as ``prose``. Returns the texts and the shares made."""
+    by: dict[str, list[str]] = {}
+    for r in records:
+        by.setdefault(r["metadata"].get("route", "prose"), []).append(r["text"])
+    if set(by) - set(shares):
+        raise ValueError(f"routes {sorted(set(by) - set(shares))} have no share in {shares}")
+    size = {k: sum(len(t.encode()) for t in v) for k, v in by.items()}
+    total = max(size[k] / shares[k] for k in by)  # the mixture's bytes when no route is cut
+    reps = {k: max(1, round(shares[k] * total / size[k])) for k in by}
+    texts = [t for r in records for t in [r["text"]] * reps[r["metadata"].get("route", "prose")]]
+    made = {k: size[k] * reps[k] for k in by}
+    return texts, {
+        "repeats": reps,
+        "shares": {k: round(v / sum(made.values()), 3) for k, v in made.items()},
+    }
 
 
 def heldout_docs(crawl_urls: set[str], limit: int, max_chars: int = 8000) -> list[str]:
@@ -110,7 +135,13 @@ def encode(tok, texts: list[str], path: Path) -> int:
 
 
 def train_and_eval(
-    train: Path, heldout: dict[str, Path], steps: int, out_dir: Path, vocab: int, eos: int
+    train: Path,
+    heldout: dict[str, Path],
+    steps: int,
+    out_dir: Path,
+    vocab: int,
+    eos: int,
+    seed: int = 0,
 ) -> dict:
     import torch
 
@@ -147,7 +178,7 @@ def train_and_eval(
         log_interval=50,
         out_dir=str(out_dir),
         keep_last=1,
-        seed=0,
+        seed=seed,
     )
     t0 = time.perf_counter()
     trainer = Trainer(cfg, progress=False, overwrite=True)
@@ -174,6 +205,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--heldout-docs", type=int, default=40)
+    ap.add_argument(
+        "--mix",
+        default="prose=0.5,code=0.5",
+        help="route shares of the pipeline's output in training ('none': as the pipeline left it)",
+    )
+    ap.add_argument(
+        "--runs", default="raw,clean", help="which training runs (raw, clean, comma-separated)"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="the training runs' seed")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
 
@@ -185,10 +225,15 @@ def main(argv=None) -> int:
         from lmstack.data.demo import run_demo
 
         run_demo(demo, quiet=True)
-    raw, clean = texts_of(demo / "extracted"), texts_of(demo / "clean")
+    raw, clean_records = texts_of(demo / "extracted"), records_of(demo / "clean")
+    clean, mix = [r["text"] for r in clean_records], None
+    if args.mix != "none":
+        shares = {k: float(v) for k, v in (kv.split("=") for kv in args.mix.split(","))}
+        clean, mix = mix_by_route(clean_records, shares)
+        print(f"mixture of the pipeline's output by route: {mix}")
     docs = heldout_docs(set(read_labels(demo / "crawl")), args.heldout_docs)
     prose = heldout_prose(100)
-    result = {"load_average": os.getloadavg(), "steps": args.steps}
+    result = {"load_average": os.getloadavg(), "steps": args.steps, "seed": args.seed, "mix": mix}
     with tempfile.TemporaryDirectory(prefix="data_value_") as tmp:
         tmp = Path(tmp)
         (tmp / "raw.txt").write_text("\n\n".join(raw), encoding="utf-8")
@@ -205,7 +250,7 @@ def main(argv=None) -> int:
             result[name] = {"documents": len(texts), "mb": round(mb, 3), "tokens": n}
             print(f"{name}: {len(texts)} documents, {mb:.2f} MB, {n:,} tokens")
         held = {"heldout_prose": paths["heldout_prose"], "heldout_docs": paths["heldout_docs"]}
-        for name in ("raw", "clean"):
+        for name in args.runs.split(","):
             r = train_and_eval(
                 paths[name],
                 held,
@@ -213,13 +258,14 @@ def main(argv=None) -> int:
                 tmp / f"run_{name}",
                 tok.vocab_size,
                 tok.special_tokens[SEP],
+                args.seed,
             )
             result[f"train_{name}"] = r
             print(
                 f"trained on {name} ({r['train_tokens']:,} tokens, {args.steps} steps, {r['seconds']} s): "
                 f"held-out prose loss {r['heldout_prose']:.3f}, held-out documentation loss {r['heldout_docs']:.3f}"
             )
-    for h in ("heldout_prose", "heldout_docs"):
+    for h in ("heldout_prose", "heldout_docs") if args.runs == "raw,clean" else ():
         d = result["train_raw"][h] - result["train_clean"][h]
         print(
             f"{h}: raw {result['train_raw'][h]:.3f} -> clean {result['train_clean'][h]:.3f} nats/token "

@@ -4,7 +4,7 @@
         [--mc-items 48] [--batch-size 8] [--repeats 3]
 
 1. Perplexity: the same tokens of ``data/eval/stdlib_heldout.txt``, context and stride. lmstack's
-   ``eval.perplexity`` (windows batched, the oneDNN causal attention of ``eval.attention``, logits and an in-place
+   ``eval.perplexity`` (windows batched, the ``onednn`` causal attention backend of ``kernels.onednn_attention``, logits and an in-place
    logsumexp a chunk of scored positions at a time) vs the transformers guide's loop
    (one window a forward, ``labels`` with -100). Both perplexities are printed (they must agree).
 2. Multiple choice: the (context, option) requests of the first ``--mc-items`` items of

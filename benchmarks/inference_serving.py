@@ -1,7 +1,8 @@
 """Offline serving on SmolLM2-135M: continuous batching vs static batching, latency percentiles,
 prefix-cache hit rate (seed 000 §2.2, seed 001 "动态负载").
 
-    python benchmarks/inference_serving.py [--requests 64] [--batch 16] [--dtype fp32]
+    python benchmarks/inference_serving.py [--requests 64] [--batch 16] [--dtype fp32|bf16|int8|int4|auto]
+        [--compile] [--batch1] [--skip-hf] [--draft-layers N --speculative-tokens K]
 
 Workload: ``--requests`` requests with prompt lengths uniform in [16, 160] and output lengths
 uniform in [8, 96] (eos ignored so every system produces exactly those tokens). Systems:
@@ -11,7 +12,15 @@ uniform in [8, 96] (eos ignored so every system produces exactly those tokens). 
 - static batching with HF transformers ``generate``: batches of ``--batch`` requests, left
   padding, every batch runs until its longest output (the seed's "traditional batching");
 - static batching with the same lmstack engine (each batch waits for its longest request), to
-  separate the scheduling gain from the kernels.
+  separate the scheduling gain from the kernels;
+- ``--batch1``: the batch-1 decoder (``generate`` with a ``StaticDecoder``, compiled with
+  ``--compile``) over the requests one after another, on the same weights.
+
+``--dtype auto`` keeps the GGUF's Q4_1 as int4 linears (what ``lmstack serve`` runs); ``--compile``
+compiles the engine's decode step per batch bucket (warmed up before timing; the number of graphs
+compiled during the timed run is printed, 0 expected) and the batch-1 decoder's step.
+``--speculative-tokens K --draft-layers N`` runs the continuous engine with a draft model of the
+target's first N layers (``--draft-layers 0``: prompt lookup).
 
 Throughput counts only the tokens each request asked for. Then a shared-system-prompt workload
 reports the prefix-cache hit rate and the throughput with and without prefix caching.
@@ -33,10 +42,13 @@ import time
 
 import torch
 
-from lmstack.inference import LLM, SamplingParams
-from lmstack.model.io import find_named_model, load_model
+from lmstack.inference import LLM, SamplingParams, generate
+from lmstack.inference.loader import load_for_inference
+from lmstack.inference.static import StaticDecoder
+from lmstack.model.io import find_named_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FORMATS = ("fp32", "bf16", "int8", "int4", "auto")
 
 
 def pct(xs, q):
@@ -56,14 +68,43 @@ def workload(n, seed=0):
     return prompts, outs
 
 
-def run_continuous(model, prompts, outs, batch, **kw):
-    llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=512, **kw)
+def compiled_graphs(engine) -> int:
+    decode = engine.runner.decode
+    return decode.graphs if decode is not None and decode.compiled else 0
+
+
+def run_continuous(model, prompts, outs, batch, compile=False, **kw):
+    llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=512, compile=compile, **kw)
+    if compile:
+        t0 = time.perf_counter()
+        llm.engine.warm_up()
+        print(
+            f"  warm-up: {compiled_graphs(llm.engine)} decode graphs compiled in "
+            f"{time.perf_counter() - t0:.0f} s"
+        )
+    before = compiled_graphs(llm.engine)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs]
     t0 = time.perf_counter()
     res = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
     assert [len(r.token_ids) for r in res] == outs
+    llm.engine.stats["graphs_compiled_while_timed"] = compiled_graphs(llm.engine) - before
     return wall, res, llm.engine
+
+
+def run_batch1(model, prompts, outs, compile: bool) -> float:
+    """The batch-1 decoder over the requests one after another (its compilation paid before timing)."""
+    decoder = StaticDecoder(model, max(map(len, prompts)) + max(outs) + 1, compile=compile)
+    list(
+        generate(
+            model, prompts[0][:8], SamplingParams(temperature=0, max_tokens=4), decoder=decoder
+        )
+    )
+    t0 = time.perf_counter()
+    for p, m in zip(prompts, outs):
+        params = SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+        assert len(list(generate(model, p, params, decoder=decoder))) == m
+    return time.perf_counter() - t0
 
 
 def run_static_lmstack(model, prompts, outs, batch):
@@ -110,7 +151,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--dtype", choices=FORMATS, default="fp32")
+    ap.add_argument(
+        "--compile", action="store_true", help="compiled decode steps (engine, batch-1)"
+    )
+    ap.add_argument("--batch1", action="store_true", help="also the batch-1 decoder, sequentially")
+    ap.add_argument("--speculative-tokens", type=int, default=0)
+    ap.add_argument("--draft-layers", type=int, default=0, help="draft = the first N layers")
+    ap.add_argument("--skip-prefix", action="store_true", help="skip the shared-prompt workload")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-static-lmstack", action="store_true")
@@ -121,10 +169,18 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = find_named_model("smollm2-135m")
-    model = load_model(path, dtype=DTYPES[args.dtype]).model.eval()
+    model, _ = load_for_inference(path, None, args.dtype)
+    fmt = getattr(model, "quantization", None) or args.dtype
     print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch threads "
-        f"{args.threads}, load avg {os.getloadavg()[0]:.1f}; SmolLM2-135M {args.dtype}"
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch "
+        f"{torch.backends.cpu.get_cpu_capability()}, threads {args.threads}, load avg "
+        f"{os.getloadavg()[0]:.1f}; SmolLM2-135M {args.dtype} ({fmt} linears)"
+        + (", compiled" if args.compile else "")
+    )
+    spec = (
+        dict(num_speculative_tokens=args.speculative_tokens, draft_model=args.draft_layers or None)
+        if args.speculative_tokens
+        else {}
     )
     prompts, outs = workload(args.requests)
     useful = sum(outs)
@@ -147,29 +203,51 @@ def main() -> None:
         stats.sort_stats("tottime").print_stats(args.profile_rows)
         stats.sort_stats("cumulative").print_stats(args.profile_rows)
         return
-    wall, res, engine = run_continuous(model, prompts, outs, args.batch)
+    wall, res, engine = run_continuous(
+        model, prompts, outs, args.batch, compile=args.compile, **spec
+    )
     ttft = [r.ttft for r in res]
     itl = [b - a for r in res for a, b in zip(r.token_times, r.token_times[1:])]
     thr = useful / wall
     print(
         f"continuous (lmstack): {wall:7.1f} s  {thr:7.1f} tok/s   steps {engine.stats['steps']}, "
         f"preemptions {engine.stats['preemptions']}, forwards {engine.stats['forwards']}"
+        + (
+            f", graphs compiled while timed {engine.stats['graphs_compiled_while_timed']}"
+            if args.compile
+            else ""
+        )
     )
+    if spec:
+        st = engine.stats
+        print(
+            f"  speculation: {st['spec_accepted']}/{st['spec_proposed']} drafts accepted "
+            f"({st['spec_accepted'] / max(1, st['spec_proposed']):.2f}), "
+            f"{st['generated_tokens'] / max(1, st['forwards']):.2f} tokens per target forward"
+        )
     print(
         f"  TTFT p50 {pct(ttft, 50):.2f} s  p90 {pct(ttft, 90):.2f} s  p99 {pct(ttft, 99):.2f} s;  inter-token "
         f"p50 {pct(itl, 50) * 1000:.0f} ms  p90 {pct(itl, 90) * 1000:.0f} ms  p99 {pct(itl, 99) * 1000:.0f} ms"
     )
+    if args.batch1:
+        w = run_batch1(model, prompts, outs, args.compile)
+        print(
+            f"batch-1 decoder{' (compiled)' if args.compile else ''}: {w:7.1f} s  "
+            f"{useful / w:7.1f} tok/s   continuous/batch-1 = {w / wall:.2f}x"
+        )
     if not args.skip_static_lmstack:
         w = run_static_lmstack(model, prompts, outs, args.batch)
         print(
             f"static (lmstack):     {w:7.1f} s  {useful / w:7.1f} tok/s   continuous/static = {w / wall:.2f}x"
         )
     if not args.skip_hf:
-        w = run_static_hf(path, DTYPES[args.dtype], prompts, outs, args.batch)
+        w = run_static_hf(path, DTYPES.get(args.dtype, torch.float32), prompts, outs, args.batch)
         print(
             f"static (HF generate): {w:7.1f} s  {useful / w:7.1f} tok/s   continuous/static = {w / wall:.2f}x"
         )
 
+    if args.skip_prefix:
+        return
     # shared system prompt: prefix caching
     g = torch.Generator().manual_seed(1)
     system = torch.randint(1000, 20000, (192,), generator=g).tolist()

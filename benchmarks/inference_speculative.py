@@ -27,12 +27,76 @@ TEXT = (
 )
 
 
+QUESTIONS = (
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip.",
+    "Explain what a hash table is to a child.",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish and German.",
+)
+
+
+def engine_rows(model, tok, code_prompt, base, eos, args) -> None:
+    from lmstack.inference import LLM
+
+    chats = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        )
+        for q in QUESTIONS[: args.engine_batch - 1]
+    ]
+    sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, stop_token_ids=eos)
+    ref = {}
+    for label, prompts in (
+        ("1 seq", [code_prompt]),
+        (f"{1 + len(chats)} seqs", [code_prompt, *chats]),
+    ):
+        times = {}
+        for name, kw in (
+            ("plain", {}),
+            (f"prompt lookup k={args.k}", dict(num_speculative_tokens=args.k)),
+            (
+                f"draft {args.draft_layers} layers k={args.k}",
+                dict(num_speculative_tokens=args.k, draft_model=args.draft_layers),
+            ),
+        ):
+            llm = LLM(model, tokenizer=tok, **kw)
+            llm.generate([code_prompt[:8]], SamplingParams(temperature=0.0, max_tokens=2))
+            t = time.perf_counter()
+            outs = [o.token_ids for o in llm.generate(prompts, sp)]
+            times[name] = el = time.perf_counter() - t
+            if label == "1 seq":  # generate yields the stop token too, the engine's output not
+                same = [x for x in outs[0] if x not in eos] == [x for x in base if x not in eos]
+            else:
+                ref.setdefault(label, outs)
+                same = outs == ref[label]
+            st = llm.engine.stats
+            n = sum(map(len, outs))
+            acc = (
+                f"  acceptance {100 * st['spec_accepted'] / max(1, st['spec_proposed']):.0f}%"
+                if kw
+                else ""
+            )
+            print(
+                f"engine {label:>7s}, {name:<24}{el:7.2f} s  {n / el:6.1f} tok/s  speedup "
+                f"{times['plain'] / el:.2f}x  target forwards {st['forwards']}{acc}  output "
+                f"{'identical' if same else 'DIFFERENT'}",
+                flush=True,
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--engine-batch", type=int, default=8, help="sequences in the engine's batch run"
+    )
+    ap.add_argument("--skip-generate", action="store_true", help="only the engine rows")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_model("smollm2-135m")
@@ -63,7 +127,7 @@ def main() -> None:
     for name, draft in [
         ("prompt lookup (n-gram)", None),
         (f"draft: first {args.draft_layers} layers", truncated_draft(model, args.draft_layers)),
-    ]:
+    ][: 0 if args.skip_generate else 2]:
         spec = DraftModel(draft, args.k) if draft is not None else PromptLookup(args.k)
         t = time.perf_counter()
         out = list(generate(model, prompt, params, speculation=spec))
@@ -78,35 +142,9 @@ def main() -> None:
             f"{name:<28}{el:7.2f} s  {len(out) / el:6.1f} tok/s  speedup {t_base / el:.2f}x  acceptance "
             f"{100 * st.acceptance_rate:.0f}%  tokens/target step {st.tokens_per_target_forward:.2f}  output {same}"
         )
-    # the batching engine (one sequence here): the same prompt lookup inside LLMEngine's iteration
-    from lmstack.inference import LLM
-
-    sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
-    times = {}
-    for k in (0, args.k):
-        llm = LLM(model, tokenizer=tok, num_speculative_tokens=k)
-        llm.generate([prompt[:8]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
-        t = time.perf_counter()
-        out = llm.generate([prompt], sp)[0].token_ids
-        times[k] = el = time.perf_counter() - t
-        st = llm.engine.stats
-        same = (
-            "identical"
-            if [x for x in out if x not in eos] == [x for x in base if x not in eos]
-            else "DIFFERENT"
-        )
-        name = "engine, plain" if k == 0 else f"engine, prompt lookup k={k}"
-        extra = (
-            (
-                f"  speedup {times[0] / el:.2f}x vs engine plain  acceptance "
-                f"{100 * st['spec_accepted'] / max(1, st['spec_proposed']):.0f}%"
-            )
-            if k
-            else ""
-        )
-        print(
-            f"{name:<28}{el:7.2f} s  {len(out) / el:6.1f} tok/s  forwards {st['forwards']}{extra}  output {same}"
-        )
+    # the batching engine: prompt lookup and the draft model inside LLMEngine's iteration, one
+    # sequence (the code prompt) and a batch of chat prompts; greedy output checked against batch-1
+    engine_rows(model, tok, prompt, base, eos, args)
     print("\n" + tok.decode(base)[:300])
 
 

@@ -5,7 +5,7 @@
    checked equal first), on the same (T, D) input; timed in alternation after warm-up, every round printed,
    on the wall clock and on this process's CPU time (the steadier one on a shared machine); ratio
    lmstack / HF (> 1: lmstack faster), and the matmul rate each reaches (both do the same 18·T·k·D·F matmul
-   FLOPs per step). lmstack is timed twice: as it runs (CPU fp32: expert GEMMs through oneDNN) and with its
+   FLOPs per step). lmstack is timed twice: as it runs (CPU fp32: expert GEMMs by this CPU's policy, ``ops.gemm``) and with its
    expert matmuls through ``F.linear`` (torch's BLAS, what HF uses) — the same BLAS on both sides. ``--profile``: torch.profiler's top operators of one lmstack step.
 2. MLA decode step at S keys (B = 1): the absorbed form (one latent cache of d_c + d_R per token, W_UK in
    the query, W_UV on the output) vs the expanded form (per-head K and V cached, N·(H_n + d_R + H_v) per
@@ -55,8 +55,8 @@ def _median_time(fns: dict, rounds: int, warmup: int = 2) -> dict[str, float]:
 def bench_moe(args) -> None:
     import transformers
 
-    import lmstack.model.moe as moe_mod
     from lmstack.model.moe import MoE
+    from lmstack.ops import gemm
 
     D, Fe, E, k, T = args.d_model, args.d_ff, args.experts, args.top_k, args.tokens
     torch.manual_seed(0)
@@ -104,11 +104,11 @@ def bench_moe(args) -> None:
     def step_blas(
         model,
     ):  # lmstack's expert matmuls through torch's BLAS (F.linear) instead of oneDNN
-        moe_mod.ONEDNN[0], saved = False, moe_mod.ONEDNN[0]
+        saved = gemm.set_gemm(gemm.BLAS_ONLY)
         try:
             step(model)
         finally:
-            moe_mod.ONEDNN[0] = saved
+            gemm.set_gemm(saved)
 
     fns = {
         "lmstack": lambda: step(ours),

@@ -9,7 +9,9 @@ int8 (s = max|x|/127), fp8 e4m3 with s = max|x|/448, fp8 e4m3 with a power-of-tw
 fp8 e5m2 (s = max|x|/57344); for e4m3 the fraction of codes that land in the subnormals (|code| < 2⁻⁶) or
 flush to 0; the share of the squared error carried by the 1% largest |x|; and "decode-filled": the
 block written one position at a time as the pool does (dequantise, add the row, re-round when the scale
-grows), for both fp8 scale rules. Torch's float8 dtypes do the e4m3/e5m2 rounding.
+grows), for both fp8 scale rules; and the same errors through lmstack's one KV codec (``quant.kv_codec``, int8
+and fp8 quantised once), which should equal the int8 and the e4m3 s=2^k columns. Torch's float8 dtypes do the
+e4m3/e5m2 rounding.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from lmstack.inference.kv_cache import KVCache
 from lmstack.inference.loader import model_tokenizer
 from lmstack.model.io import load_model
+from lmstack.quant.kv_codec import decode, quantize_blocks
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -84,9 +87,9 @@ def main() -> None:
     )
     print(
         "| | int8 | e4m3 s=max/448 | e4m3 s=2^k | e5m2 | e4m3 subnormal / flushed | top-1% |x| share of error "
-        "(int8, e4m3) | decode-filled e4m3 s=max/448, s=2^k | median block max/rms |"
+        "(int8, e4m3) | decode-filled e4m3 s=max/448, s=2^k | median block max/rms | codec int8, fp8 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, t in (("K", cache.k), ("V", cache.v)):
         L, B, K, S, H = t.shape  # (L, B, K, S, H)
         x = t.float().reshape(L, B, K, S // args.block, args.block, H)
@@ -101,10 +104,14 @@ def main() -> None:
         big = x.abs() >= x.abs().flatten().kthvalue(int(0.99 * x.numel())).values
         share = [float(((xh - x)[big] ** 2).sum() / ((xh - x) ** 2).sum()) for xh in (i8, e4)]
         ratio = float((x.abs().amax(dim=(-2, -1)) / x.pow(2).mean(dim=(-2, -1)).sqrt()).median())
+        codec = [
+            decode(c, s[..., None, None])
+            for c, s in (quantize_blocks(x, f) for f in ("int8", "fp8"))
+        ]
         print(
             f"| {name} | {rel(i8):.4f} | {rel(e4):.4f} | {rel(e4p):.4f} | {rel(e5):.4f} | {sub:.5f} / {flushed:.5f} | "
             f"{share[0]:.2f}, {share[1]:.2f} | {rel(decode_filled(x, False)):.4f}, {rel(decode_filled(x, True)):.4f} | "
-            f"{ratio:.1f} |"
+            f"{ratio:.1f} | {rel(codec[0]):.4f}, {rel(codec[1]):.4f} |"
         )
 
 

@@ -3,7 +3,8 @@ throughput and goodput (seed 000 §2.1 latency vs throughput; seed 001 "动态�
 
     python benchmarks/serve.py [--model smollm2-135m] [--rates 0.5,1,2,4] [--requests 32] [--threads 2]
     python benchmarks/serve.py --url http://127.0.0.1:8000 --served-model-name NAME   # a running server
-    python benchmarks/serve.py --llama-cpp                # also llama-cpp-python's server on the same GGUF
+    python benchmarks/serve.py --llama-cpp                # also llama.cpp's llama-server on the same GGUF
+    python benchmarks/serve.py --concurrency 1,4,16 --max-seqs 16 --threads 1 --llama-cpp
 
 Without ``--url`` it starts ``lmstack serve`` as a subprocess on a free port. The trace: ``--requests``
 requests per rate, arrivals a Poisson process (exponential gaps, mean 1/rate), prompts of random
@@ -11,9 +12,17 @@ words with lengths uniform in [8, 96] words, output lengths uniform in [8, 64] t
 so every request produces exactly that; the same trace, same seed, at every rate). Each request
 streams ``/v1/completions``; TTFT = send → first text chunk, ITL = gaps between chunks, e2e = send →
 ``[DONE]``. Goodput = requests per second that met the SLO (TTFT ≤ ``--slo-ttft`` s and mean ITL ≤
-``--slo-itl`` s). ``--plot`` writes latency vs offered load as a PNG. ``--llama-cpp`` runs the same
-trace against ``python -m llama_cpp.server`` (llama-cpp-python, which compiles llama.cpp for
-minutes on install: see docs/inference.md) and prints the lmstack / llama.cpp ratios.
+``--slo-itl`` s). ``--plot`` writes latency vs offered load as a PNG. ``--concurrency 1,4,16`` replaces
+the Poisson arrivals by a closed loop: that many streams, each sending its next request of the trace
+as soon as its previous one finished.
+
+``--llama-cpp`` runs the same trace against llama.cpp's own ``llama-server`` on the same GGUF, with
+continuous batching and as many parallel slots (``-np``) as lmstack's seats (``--max-seqs``), the
+same threads, and prints the lmstack / llama.cpp ratios. The binary: ``--llama-server PATH``, else
+``$LLAMA_SERVER``, else ``/tmp/llama_server/llama-server``; build it once from the llama.cpp source
+vendored in llama-cpp-python's sdist (docs/serving.md: ``pip download llama-cpp-python --no-binary
+:all:``, then ``cmake -DGGML_NATIVE=ON`` and ``ninja llama-server``, a few minutes). Without it, the
+comparison falls back to ``python -m llama_cpp.server`` (llama-cpp-python: one request at a time).
 """
 
 from __future__ import annotations
@@ -128,6 +137,26 @@ async def run_rate(
     return results, wall
 
 
+async def run_closed(url, model, streams, prompts, outs, extra, desc) -> tuple[list[Result], float]:
+    """``streams`` concurrent clients, each sending the trace's next request when its last one ended."""
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+    results: list[Result | None] = [None] * len(prompts)
+    todo = iter(range(len(prompts)))
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        bar = tqdm(total=len(prompts), desc=desc, leave=False)
+
+        async def stream():
+            for i in todo:
+                results[i] = await one(client, url, model, prompts[i], outs[i], extra)
+                bar.update(1)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(stream() for _ in range(streams)))
+        wall = time.perf_counter() - t0
+        bar.close()
+    return results, wall
+
+
 def summarize(results: list[Result], wall: float, slo_ttft: float, slo_itl: float) -> dict:
     ok = [r for r in results if r.ok]
     itl = [x for r in ok for x in r.itl]
@@ -174,10 +203,16 @@ def bench(name, url, model, rates, args, extra) -> list[dict]:
         run_rate(url, model, 100.0, prompts[:4], outs[:4], gaps[:4], extra, f"{name} warm-up")
     )
     rows = []
-    for rate in rates:
-        results, wall = asyncio.run(
-            run_rate(url, model, rate, prompts, outs, gaps, extra, f"{name} {rate:g} req/s")
-        )
+    closed = args.concurrency is not None
+    for rate in rates:  # with --concurrency: the number of streams
+        if closed:
+            results, wall = asyncio.run(
+                run_closed(url, model, int(rate), prompts, outs, extra, f"{name} {rate:g} streams")
+            )
+        else:
+            results, wall = asyncio.run(
+                run_rate(url, model, rate, prompts, outs, gaps, extra, f"{name} {rate:g} req/s")
+            )
         s = summarize(results, wall, args.slo_ttft, args.slo_itl)
         s["rate"] = rate
         rows.append(s)
@@ -190,6 +225,14 @@ def bench(name, url, model, rates, args, extra) -> list[dict]:
         if s["errors"]:
             print("   errors:", s["errors"])
     return rows
+
+
+def ratios(all_rows: dict[str, list[dict]], load: str) -> None:
+    for a, b in zip(all_rows["lmstack"], all_rows["llama.cpp"]):
+        print(
+            f"{load} {a['rate']:g}: lmstack / llama.cpp tokens/s {a['tok_s'] / b['tok_s']:.2f}x, "
+            f"TTFT p50 {a['ttft_p50'] / b['ttft_p50']:.2f}x, ITL p50 {a['itl_p50'] / b['itl_p50']:.2f}x"
+        )
 
 
 def plot(all_rows: dict[str, list[dict]], path: str, title: str) -> None:
@@ -243,20 +286,36 @@ def main() -> int:
         help="goodput SLO: mean inter-token latency at most (s)",
     )
     ap.add_argument(
+        "--concurrency",
+        default=None,
+        help="closed loop: these numbers of concurrent streams (e.g. 1,4,16) instead of --rates",
+    )
+    ap.add_argument(
         "--llama-cpp",
         action="store_true",
-        help="also run llama-cpp-python's server on the same GGUF",
+        help="also run llama.cpp's llama-server (or llama-cpp-python's server) on the same GGUF",
+    )
+    ap.add_argument(
+        "--llama-server",
+        default=os.environ.get("LLAMA_SERVER", "/tmp/llama_server/llama-server"),
+        help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, else /tmp/llama_server/llama-server)",
+    )
+    ap.add_argument(
+        "--lmstack-args",
+        default="",
+        help="extra flags for lmstack serve, e.g. '--compile' or '--speculative-tokens 3 --draft-layers 8'",
     )
     ap.add_argument("--plot", default=None, help="PNG path for latency vs load")
     args = ap.parse_args()
-    rates = [float(r) for r in args.rates.split(",")]
+    rates = [float(r) for r in (args.concurrency or args.rates).split(",")]
+    load = "streams" if args.concurrency else "rate"
     name = args.served_model_name or args.model
     print(
         f"{args.requests} requests per rate; prompts 8-96 words, outputs 8-64 tokens; SLO TTFT <= {args.slo_ttft} s, "
         f"mean ITL <= {args.slo_itl * 1e3:g} ms; server threads {args.threads}"
     )
     print(
-        f"{'system':9s} {'rate':>6s} {'ok':>7s} {'tok/s':>7s} {'req/s':>6s} {'good':>6s}  "
+        f"{'system':9s} {load:>6s} {'ok':>7s} {'tok/s':>7s} {'req/s':>6s} {'good':>6s}  "
         f"{'TTFT p50':>6s} {'p90':>6s} {'p99':>6s}  {'ITL ms p50':>6s} {'p90':>6s} {'p99':>6s}"
     )
     all_rows = {}
@@ -285,14 +344,52 @@ def main() -> int:
                         str(args.max_seqs),
                         "--max-queue",
                         str(4 * args.requests),
+                        *args.lmstack_args.split(),
                     ],
                     url,
+                    timeout=1800,  # --compile warms its buckets up before answering
                 )
             )
         all_rows["lmstack"] = bench("lmstack", url, name, rates, args, {"ignore_eos": True})
-        if args.llama_cpp:
+        if args.llama_cpp and os.access(args.llama_server, os.X_OK):
+            from lmstack.model.io import find_named_model
+
+            gguf = find_named_model(args.model)
+            port = free_port()
+            lurl = f"http://127.0.0.1:{port}"
+            ctx = 512  # per slot: prompts of <= 96 words + 64 tokens
+            procs.append(
+                start(
+                    [
+                        args.llama_server,
+                        "-m",
+                        str(gguf),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "-t",
+                        str(args.threads),
+                        "-tb",
+                        str(args.threads),
+                        "-np",
+                        str(args.max_seqs),
+                        "-c",
+                        str(ctx * args.max_seqs),
+                        "--cont-batching",
+                        "--no-webui",
+                    ],
+                    lurl,
+                )
+            )
+            all_rows["llama.cpp"] = bench(
+                "llama.cpp", lurl, name, rates, args, {"ignore_eos": True}
+            )
+            ratios(all_rows, load)
+        elif args.llama_cpp:
             import importlib.util
 
+            print(f"no llama-server at {args.llama_server} (--llama-server / $LLAMA_SERVER)")
             if importlib.util.find_spec("llama_cpp") is None:
                 print(
                     "llama-cpp-python is not installed (it compiles llama.cpp for minutes; docs/inference.md): "
@@ -332,11 +429,7 @@ def main() -> int:
                 all_rows["llama.cpp"] = bench(
                     "llama.cpp", lurl, name, rates, args, {"logit_bias": {str(eos): -100}}
                 )
-                for a, b in zip(all_rows["lmstack"], all_rows["llama.cpp"]):
-                    print(
-                        f"rate {a['rate']:g}: lmstack / llama.cpp tokens/s {a['tok_s'] / b['tok_s']:.2f}x, "
-                        f"TTFT p50 {a['ttft_p50'] / b['ttft_p50']:.2f}x, ITL p50 {a['itl_p50'] / b['itl_p50']:.2f}x"
-                    )
+                ratios(all_rows, load)
     finally:
         for p in procs:
             p.terminate()

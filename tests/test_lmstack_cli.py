@@ -101,3 +101,67 @@ def test_scaling_fit_on_constant_losses_reports_instead_of_crashing(tmp_path, ca
     )
     assert main(["scaling", "fit", str(runs), "--out", str(tmp_path / "fit")]) == 0
     assert "approach 3: not fitted" in capsys.readouterr().out
+
+
+def test_scaling_fit_on_huge_losses_reports_instead_of_crashing(tmp_path, capsys):
+    """Issue #31: losses near float64's limit made exp(a) overflow and beta fit to 0: a ZeroDivisionError
+    drawing the contours. Approach 3 is reported as not fitted, naming the losses."""
+    runs = tmp_path / "runs.jsonl"
+    rows = [("a", 1e6, 1e8, 300), ("b", 2e6, 1e8, 305), ("c", 4e6, 1e8, 299)]
+    rows += [("d", 1e6, 2e8, 301), ("e", 2e6, 4e8, 302)]
+    runs.write_text(
+        "".join(
+            f'{{"name": "{n}", "N": {N}, "D": {D}, "C": {6 * N * D}, "loss": 1e{e}}}\n'
+            for n, N, D, e in rows
+        )
+    )
+    assert main(["scaling", "fit", str(runs), "--out", str(tmp_path / "fit")]) == 0
+    out = capsys.readouterr().out
+    assert "approach 3: not fitted" in out and "1e+299 to 1e+305" in out
+
+
+def test_scaling_sweep_dry_run_with_batch_size_0_exits_2(tmp_path, capsys):
+    """Issue #31: `scaling sweep --dry-run` with batch_size = 0 was a ZeroDivisionError."""
+    cfg = tmp_path / "sweep.toml"
+    cfg.write_text(
+        'budgets = [1e9]\n[train]\ntrain_data = "x.bin"\nbatch_size = 0\nseq_len = 16\n'
+        "[model]\nvocab_size = 64\n[[sizes]]\nd_model = 16\nn_layers = 1\nn_heads = 2\nd_ff = 32\n"
+    )
+    assert main(["scaling", "sweep", "--config", str(cfg), "--dry-run"]) == 2
+    assert "[train] batch_size=0 must be a positive integer" in capsys.readouterr().err
+
+
+def test_scaling_plan_plans_flops_and_the_hardware_budget_both(capsys):
+    """Issue #31: `--flops` beside `--gpus/--hours` — both budgets are planned (the help says so). Hand
+    numbers: 8 devices x 10 h x 989.4 TFLOP/s (H100 SXM bf16 dense) x 0.4 = 1.1397e20 FLOPs; approach 1's
+    D = 20N makes C = 120 N^2, so N = sqrt(C / 120): 9.13e8 at 1e20 and 9.75e8 at 1.14e20."""
+    argv = ["scaling", "plan", "--law", "chinchilla-approach1", "--flops", "1e20"]
+    assert main([*argv, "--gpus", "8", "--hours", "10"]) == 0
+    rows = [x.split() for x in capsys.readouterr().out.splitlines() if x.startswith("chinchilla")]
+    assert [(r[1], r[2]) for r in rows] == [("1e+20", "9.13e+08"), ("1.14e+20", "9.75e+08")]
+    with pytest.raises(SystemExit):
+        main(["scaling", "plan", "--help"])
+    assert "both budgets are planned" in " ".join(capsys.readouterr().out.split())
+
+
+def test_train_with_a_parallel_plan_outside_torchrun_says_to_use_torchrun(
+    tmp_path, monkeypatch, capsys
+):
+    """Issue #31: a `[parallel]` plan run by plain `lmstack train` was a RuntimeError traceback."""
+    import numpy as np
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    np.arange(1, 500, dtype=np.uint16).tofile(tmp_path / "tok.bin")
+    (tmp_path / "tok.bin.json").write_text(
+        '{"n_tokens": 499, "dtype": "uint16", "vocab_size": 512}'
+    )
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        f'train_data = "{tmp_path / "tok.bin"}"\nout_dir = "{tmp_path / "run"}"\nbatch_size = 2\n'
+        'seq_len = 16\nmax_steps = 3\nwarmup_steps = 1\ndevice = "cpu"\n'
+        "[model]\nd_model = 16\nn_layers = 1\nn_heads = 2\nd_ff = 32\n[parallel]\ndp = 2\n"
+    )
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "not started by torchrun" in err and "torchrun --nproc_per_node" in err

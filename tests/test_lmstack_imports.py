@@ -55,6 +55,11 @@ def test_the_package_keeps_every_contract():
             "def f():\n    from lmstack.train.trainer import Trainer\n",  # hidden in a function
             "parallelism wraps a plain model",
         ),
+        (
+            "ops/bad_model_import.py",
+            "from lmstack.model.seam import AttentionMetadata\n",
+            "ops (the GEMM dispatch under the model's linears) imports no chapter",
+        ),
         # the mixer specs accounting reads must stay arithmetic on the config: a torch module behind them breaks it
         (
             "model/mixer_spec.py",

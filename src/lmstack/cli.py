@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "lm_eval_args"):  # `eval harness --help`: every word is lm-eval's
+        args.lm_eval_args, extra = extra + list(args.lm_eval_args), []
     if extra and not hasattr(args, "overrides"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not hasattr(args, "func"):

@@ -8,10 +8,12 @@ depends on the CPU asks this module: :func:`cpu_features` probes once (cached) â
 - ``capability``: ``torch.backends.cpu.get_cpu_capability()``, the ISA level torch's own kernels dispatch to
   ("AVX512", "AVX2", "DEFAULT", "SVE256", ...; ``ATEN_CPU_CAPABILITY`` lowers it),
 - ``flags``: the instruction-set flags the kernel reports (``/proc/cpuinfo`` "flags" on x86, "Features" on ARM),
+- ``vendor``: ``/proc/cpuinfo``'s "vendor_id" ("GenuineIntel", "AuthenticAMD"; "" when unknown), which the GEMM
+  dispatch reads (``lmstack.ops.gemm``: MKL takes a slow path on AMD),
 
 and :func:`choose_precision` turns a requested training precision (``auto`` by default) into the one to
 run, with the reason, measuring where the flags alone cannot say. ``LMSTACK_CPU=<name>`` replaces the probe
-with one of the canned machines in :data:`FAKE_CPUS` (``avx2``, ``avx512``, ``avx512_vnni``, ``avx512_bf16``,
+with one of the canned machines in :data:`FAKE_CPUS` (``avx2``, ``epyc``, ``avx512``, ``avx512_vnni``, ``avx512_bf16``,
 ``amx``, ``neon``, ``neon_bf16``, ``default``), so every dispatch path can be exercised on any machine; tests
 pass a :class:`CpuFeatures` directly.
 """
@@ -36,12 +38,14 @@ _X86_AVX512 = _X86_AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx51
 
 @dataclass(frozen=True)
 class CpuFeatures:
-    """One CPU: ``arch`` (``platform.machine()``), torch's dispatch ``capability``, the ISA ``flags``."""
+    """One CPU: ``arch`` (``platform.machine()``), torch's dispatch ``capability``, the ISA ``flags``, the
+    ``vendor`` ("GenuineIntel", "AuthenticAMD", "" unknown)."""
 
     arch: str
     capability: str
     flags: frozenset[str] = field(default_factory=frozenset)
     source: str = "probed"  # or "LMSTACK_CPU=<name>" for a canned machine
+    vendor: str = ""
 
     def has(self, *names: str) -> bool:
         """True when every flag in ``names`` is present."""
@@ -107,10 +111,13 @@ class CpuFeatures:
         )
 
 
-def _fakes(**machines: tuple[str, str, set[str] | frozenset[str]]) -> dict[str, CpuFeatures]:
+def _fakes(**machines: tuple) -> dict[str, CpuFeatures]:
+    """name=(arch, capability, flags[, vendor])"""
     return {
-        name: CpuFeatures(arch, cap, frozenset(flags), source=f"{ENV}={name}")
-        for name, (arch, cap, flags) in machines.items()
+        name: CpuFeatures(
+            m[0], m[1], frozenset(m[2]), source=f"{ENV}={name}", vendor=m[3] if len(m) > 3 else ""
+        )
+        for name, m in machines.items()
     }
 
 
@@ -118,15 +125,32 @@ def _fakes(**machines: tuple[str, str, set[str] | frozenset[str]]) -> dict[str, 
 FAKE_CPUS: dict[str, CpuFeatures] = _fakes(
     default=("x86_64", "DEFAULT", {"sse4_2"}),  # an old x86 (or ATEN_CPU_CAPABILITY=default)
     avx2=("x86_64", "AVX2", _X86_AVX2),  # Haswell .. Zen 3, most laptops: no bf16, no VNNI
-    avx2_vnni=("x86_64", "AVX2", _X86_AVX2 | {"avx_vnni"}),  # Alder Lake: AVX-VNNI, no AVX-512
-    avx512=("x86_64", "AVX512", _X86_AVX512),  # Skylake-X
-    avx512_vnni=("x86_64", "AVX512", _X86_AVX512 | {"avx512_vnni"}),  # Cascade Lake
-    avx512_bf16=("x86_64", "AVX512", _X86_AVX512 | {"avx512_vnni", "avx512_bf16"}),  # Zen 4
+    epyc=("x86_64", "AVX2", _X86_AVX2, "AuthenticAMD"),  # Zen 2/3 EPYC: AVX2, MKL's slow path
+    avx2_vnni=(
+        "x86_64",
+        "AVX2",
+        _X86_AVX2 | {"avx_vnni"},
+        "GenuineIntel",
+    ),  # Alder Lake: AVX-VNNI, no AVX-512
+    avx512=("x86_64", "AVX512", _X86_AVX512, "GenuineIntel"),  # Skylake-X
+    avx512_vnni=(
+        "x86_64",
+        "AVX512",
+        _X86_AVX512 | {"avx512_vnni"},
+        "GenuineIntel",
+    ),  # Cascade Lake
+    avx512_bf16=(
+        "x86_64",
+        "AVX512",
+        _X86_AVX512 | {"avx512_vnni", "avx512_bf16"},
+        "AuthenticAMD",
+    ),  # Zen 4
     amx=(
         "x86_64",
         "AVX512",
         _X86_AVX512
         | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni"},
+        "GenuineIntel",
     ),  # Sapphire Rapids
     neon=("aarch64", "DEFAULT", {"fp", "asimd", "asimddp"}),  # Graviton 2, Raspberry Pi 5
     neon_bf16=(
@@ -150,6 +174,19 @@ def _read_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
+def _read_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The first CPU's "vendor_id" in ``cpuinfo`` ("GenuineIntel", "AuthenticAMD"); "" when absent or unreadable."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip().lower() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
 def probe(cpuinfo: str = "/proc/cpuinfo") -> CpuFeatures:
     """Read this machine (no cache, no ``LMSTACK_CPU``): ``cpu_features()`` is the cached entry point."""
     arch = platform.machine() or "unknown"
@@ -159,7 +196,9 @@ def probe(cpuinfo: str = "/proc/cpuinfo") -> CpuFeatures:
         "aarch64",
     ):  # macOS has no /proc: every Apple Silicon has NEON + dotprod
         flags = frozenset({"fp", "asimd", "asimddp"})
-    return CpuFeatures(arch, torch.backends.cpu.get_cpu_capability(), flags)
+    return CpuFeatures(
+        arch, torch.backends.cpu.get_cpu_capability(), flags, vendor=_read_vendor(cpuinfo)
+    )
 
 
 @functools.cache

@@ -12,6 +12,7 @@ import json
 import math
 import numbers
 import os
+import re
 import shutil
 import sysconfig
 import tempfile
@@ -82,6 +83,25 @@ def save_png(fig, path: str | os.PathLike, **savefig_kw) -> Path:
 # ---- native extensions built on first use ---------------------------------------------------------
 
 
+_QUOTED_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def source_text_with_headers(source: Path) -> bytes:
+    """The bytes of ``source`` followed by those of every header it includes with quotes (``#include "x.h"``,
+    looked up beside the file including it, recursively, each once): what a build's hash must cover, so that a
+    change in a shared header rebuilds every source that includes it."""
+    seen, out, todo = set(), [], [source]
+    while todo:
+        path = todo.pop(0).resolve()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        data = path.read_bytes()
+        out.append(data)
+        todo += [path.parent / m.decode() for m in _QUOTED_INCLUDE.findall(data)]
+    return b"".join(out)
+
+
 def build_extension(
     name: str,
     source: Path,
@@ -93,7 +113,7 @@ def build_extension(
     ``(module, None)``, or ``(None, reason)`` when it cannot be built (no compiler, missing source, a compile
     error), so the caller falls back to its Python or torch path and can say why.
 
-    The build folder is named by a digest of the source, the flags and the Python ABI: two checkouts (or an
+    The build folder is named by a digest of the source (with the headers it includes in quotes, `source_text_with_headers`), the flags and the Python ABI: two checkouts (or an
     upgrade) never load each other's build. ``python_module=True``: a plain CPython extension (its init
     function ``PyInit_<TORCH_EXTENSION_NAME>``) linked ``--as-needed``, so it depends on no torch library and
     a process that finds it already built loads it directly, without importing torch. Otherwise the library
@@ -108,7 +128,8 @@ def build_extension(
             *ldflags,
         ]  # before the torch libraries load() appends: none is kept
     tag = " ".join(cflags + ldflags) + str(sysconfig.get_config_var("EXT_SUFFIX"))
-    full = f"{name}_{hashlib.sha256(source.read_bytes() + tag.encode()).hexdigest()[:12]}"
+    text = source_text_with_headers(source)
+    full = f"{name}_{hashlib.sha256(text + tag.encode()).hexdigest()[:12]}"
     try:
         kw = {}
         if python_module:

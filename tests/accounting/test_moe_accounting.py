@@ -8,9 +8,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from lmstack.accounting import comm, flops, memory, params
 from lmstack.accounting.hardware import get_hardware
 from lmstack.accounting.plan import build_plan
+from lmstack.inference.kv_cache import LatentKVCache
 from lmstack.kernels.backends import attention_impl
 from lmstack.model.config import ModelConfig
-from lmstack.model.mla import LatentKVCache
 from lmstack.model.transformer import Transformer
 
 MOE_PRESETS = [

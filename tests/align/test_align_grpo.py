@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lmstack.align.grpo import GRPOConfig, GRPOTrainer
-from lmstack.inference.engine import LLM
+from lmstack.inference import LLM
 from lmstack.inference.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))

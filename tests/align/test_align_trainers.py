@@ -10,7 +10,7 @@ import torch
 from lmstack.align.data import encode_example
 from lmstack.align.dpo import DPOTrainer
 from lmstack.align.sft import SFTTrainer
-from lmstack.inference.engine import LLM
+from lmstack.inference import LLM
 from lmstack.inference.sampling import SamplingParams
 from lmstack.model.io import load_model
 from lmstack.train.config import TrainConfig, TrainConfigError

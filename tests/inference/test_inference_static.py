@@ -7,7 +7,8 @@ from inference_helpers import full_recompute_greedy, greedy
 
 from lmstack.accounting.memory import kv_cache_bytes
 from lmstack.inference import SamplingParams, generate
-from lmstack.inference.static import StaticDecoder, StaticKVCache
+from lmstack.inference.kv_cache import StaticKVCache
+from lmstack.inference.static import StaticDecoder
 
 N = 10
 

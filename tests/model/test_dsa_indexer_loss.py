@@ -193,7 +193,7 @@ def test_bad_settings(kw, match):
 
 def test_dense_warmup_decode_equals_its_forward():
     """A warm-up model attends densely in decode too: cached decode logits == one full forward."""
-    from lmstack.model.mixers import MixerCache
+    from lmstack.inference.kv_cache import MixerCache
 
     model, _ = _layer(dsa_dense_warmup=True)
     tokens = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(5))

@@ -16,10 +16,10 @@ transformers = pytest.importorskip(
 )
 
 from lmstack.inference.generate import generate  # noqa: E402
+from lmstack.inference.kv_cache import MixerCache  # noqa: E402
 from lmstack.inference.sampling import SamplingParams  # noqa: E402
 from lmstack.model.config import ConfigError, ModelConfig  # noqa: E402
 from lmstack.model.hf import WeightsError, load_hf, save_hf  # noqa: E402
-from lmstack.model.mixers import MixerCache  # noqa: E402
 from lmstack.model.transformer import Transformer  # noqa: E402
 
 V = 64

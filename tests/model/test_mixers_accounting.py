@@ -12,8 +12,8 @@ from lmstack.accounting.mixers import (
     model_params,
     plot_cache_vs_context,
 )
+from lmstack.inference.kv_cache import MixerCache
 from lmstack.model.config import ModelConfig, repeat_pattern
-from lmstack.model.mixers import MixerCache
 from lmstack.model.transformer import Transformer
 
 BASE = dict(

@@ -16,11 +16,11 @@ transformers = pytest.importorskip(
     "transformers", reason="HF transformers is the reference for parity tests"
 )
 
+from lmstack.inference.kv_cache import MixerCache  # noqa: E402
 from lmstack.model.config import ModelConfig  # noqa: E402
 from lmstack.model.deltanet import GatedDeltaNet  # noqa: E402
 from lmstack.model.hf import load_hf, save_hf  # noqa: E402
 from lmstack.model.mamba2 import Mamba2Mixer  # noqa: E402
-from lmstack.model.mixers import MixerCache  # noqa: E402
 from lmstack.model.seam import AttentionMetadata  # noqa: E402
 from lmstack.model.transformer import Transformer  # noqa: E402
 

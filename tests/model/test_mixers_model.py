@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lmstack.inference.kv_cache import MixerCache
 from lmstack.model.config import ConfigError, ModelConfig, repeat_pattern
 from lmstack.model.dsa import SparseAttention, index_scores, top_k_selection
 from lmstack.model.linear_attention import LinearAttention
-from lmstack.model.mixers import MixerCache
 from lmstack.model.seam import AttentionMetadata, reference_attention
 from lmstack.model.transformer import Transformer
 
@@ -245,7 +245,7 @@ def test_bad_patterns_and_sizes(kw, match):
 
 
 def test_recurrent_layer_needs_a_state_cache():
-    from lmstack.model.seam import StoreThenAttend
+    from lmstack.model.cache import StoreThenAttend
 
     class KVOnly(StoreThenAttend):
         def update(self, layer_idx, k, v, positions):

@@ -4,9 +4,10 @@ the expanded per-head form; cached decoding equals full recomputation; the cache
 import pytest
 import torch
 
+from lmstack.inference.kv_cache import LatentKVCache
 from lmstack.kernels.backends import attention_impl
 from lmstack.model.config import ModelConfig
-from lmstack.model.mla import MLA, LatentKVCache
+from lmstack.model.mla import MLA
 from lmstack.model.seam import AttentionMetadata
 from lmstack.model.transformer import Transformer
 

@@ -198,26 +198,32 @@ def test_rope_tables_grow_with_the_positions_used():
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 300])
 def test_linear_through_onednn_equals_f_linear(rows):
-    """model.layers.linear: oneDNN's GEMM on CPU fp32 from ONEDNN_MIN_ROWS rows (or a large weight), torch's
-    F.linear below; values and both gradients equal F.linear's (fp32 rounding), and exactly F.linear below the
-    threshold or under a FLOP counter (which must see the plain matmul)."""
+    """ops.gemm.linear (every model Linear) under a policy of oneDNN from 8 rows: oneDNN's GEMM on CPU fp32
+    from 8 rows, torch's F.linear below; values and both gradients equal F.linear's (fp32 rounding), and
+    exactly F.linear below the threshold or under a FLOP counter (which must see the plain matmul)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lmstack.model.layers import ONEDNN_MIN_ROWS, linear, onednn_ok
+    from lmstack.ops.gemm import GemmPolicy, linear, onednn_ok, set_gemm
 
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 3, 48, generator=g).requires_grad_(
-        True
-    )  # (rows, 3, in): 3·rows rows in all
-    w = torch.randn(40, 48, generator=g).requires_grad_(True)
-    b = torch.randn(40, generator=g).requires_grad_(True)
-    y, ref = linear(x, w, b), torch.nn.functional.linear(x, w, b)
-    if 3 * rows < ONEDNN_MIN_ROWS or not onednn_ok(x):
-        assert torch.equal(y, ref)
-    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
-    gy = torch.randn_like(y)
-    for a, r in zip(torch.autograd.grad(y, (x, w, b), gy), torch.autograd.grad(ref, (x, w, b), gy)):
-        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-5)
-    with FlopCounterMode(display=False) as fc:
-        linear(x, w)
-    assert fc.get_total_flops() == 2 * 3 * rows * 48 * 40
+    saved = set_gemm(GemmPolicy("test", 8, None))
+    try:
+        g = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, 3, 48, generator=g).requires_grad_(
+            True
+        )  # (rows, 3, in): 3·rows rows in all
+        w = torch.randn(40, 48, generator=g).requires_grad_(True)
+        b = torch.randn(40, generator=g).requires_grad_(True)
+        y, ref = linear(x, w, b), torch.nn.functional.linear(x, w, b)
+        if 3 * rows < 8 or not onednn_ok(x):
+            assert torch.equal(y, ref)
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+        gy = torch.randn_like(y)
+        for a, r in zip(
+            torch.autograd.grad(y, (x, w, b), gy), torch.autograd.grad(ref, (x, w, b), gy)
+        ):
+            torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-5)
+        with FlopCounterMode(display=False) as fc:
+            linear(x, w)
+        assert fc.get_total_flops() == 2 * 3 * rows * 48 * 40
+    finally:
+        set_gemm(saved)

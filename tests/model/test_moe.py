@@ -130,14 +130,13 @@ def _moe(**kw):
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "F.linear"])
 @pytest.mark.parametrize("shared", [0, 1])
 def test_grouped_compute_equals_per_expert_loop(shared, onednn):
-    import lmstack.model.moe as moe_mod
+    from lmstack.ops import gemm
 
-    saved = moe_mod.ONEDNN[0]  # one switch (model.layers.ONEDNN) for every oneDNN GEMM
-    moe_mod.ONEDNN[0] = onednn
+    saved = gemm.set_gemm(gemm.choose_gemm("onednn" if onednn else "blas"))  # every lmstack GEMM
     try:
-        _check_grouped_against_loop(moe_mod, shared, onednn)
+        _check_grouped_against_loop(gemm, shared, onednn)
     finally:
-        moe_mod.ONEDNN[0] = saved
+        gemm.set_gemm(saved)
 
 
 def _token_by_token(x, moe, shared):
@@ -166,10 +165,10 @@ def _token_by_token(x, moe, shared):
     return torch.stack(rows)  # (T, D)
 
 
-def _check_grouped_against_loop(moe_mod, shared, onednn):
+def _check_grouped_against_loop(gemm, shared, onednn):
     moe = _moe(n_shared=shared, d_ff_shared=20, shared_gate=bool(shared), norm_topk=True)
     x = torch.randn(3, 5, 16, requires_grad=True)
-    if onednn and not moe_mod.onednn_ok(x):
+    if onednn and not gemm.onednn_ok(x):
         pytest.skip("this torch build has no oneDNN linear (torch.ops.mkldnn._linear_pointwise)")
     y = moe(x)
     x2 = x.detach().clone().requires_grad_(True)
@@ -394,6 +393,7 @@ def test_config_errors_name_the_values():
 
 def test_cpu_autocast_keeps_expert_matmuls_in_bf16():
     import lmstack.model.moe as moe_mod
+    from lmstack.ops import gemm
 
     # under CPU autocast F.linear computes in bf16; the oneDNN path (fp32 only) must step aside, not upcast
     g = torch.Generator().manual_seed(0)
@@ -404,7 +404,7 @@ def test_cpu_autocast_keeps_expert_matmuls_in_bf16():
         torch.randn(2, 8, 12, generator=g),
     )
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not moe_mod.onednn_ok(x)
+        assert not gemm.onednn_ok(x)
         out = moe_mod.expert_swiglu(x, [2, 4], gate, up, down)
         ref = torch.cat(
             [

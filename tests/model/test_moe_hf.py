@@ -294,7 +294,7 @@ def test_mla_layer_equals_hf_attention_with_peaked_weights(family, tmp_path):
     """lmstack's MLA layer (expanded form without a cache, absorbed form with a latent cache) against HF's
     DeepseekV2/V3Attention module on the same weights and inputs; the query scale against HF's ``scaling``
     (1/sqrt(H_n + d_R), times YaRN's mscale(factor, mscale_all_dim)² when the config has YaRN)."""
-    from lmstack.model.mla import LatentKVCache
+    from lmstack.inference.kv_cache import LatentKVCache
     from lmstack.model.seam import AttentionMetadata
 
     hf, model = _peaked_mla(family, tmp_path)

@@ -219,3 +219,43 @@ def test_shrink_grid_never_worse_and_clips_an_outlier():
     )
     q, s, lo = gptq_quantize(w.float(), torch.eye(64, dtype=torch.float64), 4, 32, shrink_grid=20)
     assert q.max() <= 15 and s.shape == (64, 2)
+
+
+def _api_error_cases():
+    from lmstack.quant.awq import awq_quantize_model, awq_search
+
+    W, X = torch.randn(4, 32), torch.randn(8, 32)
+    return {
+        "gptq group_size=0": (lambda m, t: gptq_quantize_model(m, t, group_size=0), "group_size=0"),
+        "gptq bits=3": (lambda m, t: gptq_quantize_model(m, t, bits=3), "bits=3"),
+        "gptq damp=-1": (lambda m, t: gptq_quantize_model(m, t, damp=-1), "damp=-1"),
+        "gptq id = V": (lambda m, t: gptq_quantize_model(m, t + 64), "id 64 at .* 0..63"),
+        "gptq id < 0": (lambda m, t: gptq_quantize_model(m, t - 1), "id -1 at .* 0..63"),
+        "gptq no blocks": (lambda m, t: gptq_quantize_model(_no_blocks(m), t), "no block linears"),
+        "awq group_size=0": (lambda m, t: awq_quantize_model(m, t, group_size=0), "group_size=0"),
+        "awq grid=0": (lambda m, t: awq_quantize_model(m, t, grid=0), "grid=0"),
+        "awq id = V": (lambda m, t: awq_quantize_model(m, t + 64), "id 64 at .* 0..63"),
+        "awq no blocks": (lambda m, t: awq_quantize_model(_no_blocks(m), t), "no block linears"),
+        "awq_search grid=0": (lambda m, t: awq_search([W], X, grid=0), "grid=0"),
+        "awq_search group_size=0": (lambda m, t: awq_search([W], X, group_size=0), "group_size=0"),
+        "awq_search no weights": (lambda m, t: awq_search([], X), "at least one"),
+    }
+
+
+def _no_blocks(model):
+    model.blocks = torch.nn.ModuleList()
+    return model
+
+
+@pytest.mark.parametrize("case", list(_api_error_cases()))
+def test_quantiser_api_errors_name_the_argument(case):
+    """Issue #31: ZeroDivisionError (group_size=0, grid=0), IndexError (out-of-vocabulary calibration ids),
+    "max() arg is an empty sequence" (no block linears): each a ValueError naming the argument or value,
+    raised before any calibration work. Ids 0..63 shifted by +1 put the largest at V = 64; by -1, the
+    smallest at -1."""
+    fn, message = _api_error_cases()[case]
+    cfg = dict(d_model=32, n_layers=1, n_heads=2, d_ff=64, vocab_size=64, max_seq_len=64)
+    model = Transformer(ModelConfig.from_dict(cfg), seed=0).eval()
+    tokens = torch.arange(128).reshape(4, 32) % 64  # ids 0..63, each twice
+    with pytest.raises(ValueError, match=message):
+        fn(model, tokens)

@@ -52,7 +52,19 @@ def reference(x, q, d, m, G, terms=1):
 
 @pytest.mark.parametrize("kernel", int4_vnni.KERNELS)
 @pytest.mark.parametrize(
-    "O,I,G,M", [(64, 128, 32, 1), (32, 64, 8, 5), (48, 256, 64, 4), (16, 96, 32, 9)]
+    "O,I,G,M",
+    [
+        (64, 128, 32, 1),
+        (32, 64, 8, 5),
+        (48, 256, 64, 4),
+        (16, 96, 32, 9),
+        # odd group sizes and tails: G = 24 (3 chunks, the scalar quantisation), 40 (a block of 4 chunks and a
+        # 1-chunk tail), 48 (4 + 2), 128 (four blocks); odd M (rows left over after the multi-row passes)
+        (32, 120, 24, 3),
+        (16, 240, 40, 2),
+        (48, 96, 48, 7),
+        (32, 256, 128, 1),
+    ],
 )
 def test_kernel_equals_its_formula_and_int4linear_is_close_to_float(kernel, O, I, G, M):
     g = torch.Generator().manual_seed(O + M)
@@ -266,4 +278,122 @@ def test_turned_off_by_env_logs_the_reason_and_falls_back(monkeypatch, caplog):
         )
     finally:
         monkeypatch.delenv("LMSTACK_INT4_KERNEL")
+        int4_vnni.clear_cache()
+
+
+def test_build_hash_covers_the_shared_header(tmp_path):
+    """utils.build_extension names its build by the source and the headers it includes in quotes, so a change
+    in csrc/int4_common.h rebuilds both int4 kernels."""
+    from lmstack.utils import source_text_with_headers
+
+    (tmp_path / "a.cpp").write_bytes(b'#include "h.h"\n#include <vector>\nint f();\n')
+    (tmp_path / "h.h").write_bytes(b'#pragma once\n#include "g.h"\n')
+    (tmp_path / "g.h").write_bytes(b"int g();\n")
+    a, h, g = (tmp_path / n for n in ("a.cpp", "h.h", "g.h"))
+    assert source_text_with_headers(a) == a.read_bytes() + h.read_bytes() + g.read_bytes()
+    for name in ("int4_vnni", "int4_avx2"):  # both kernels include the shared header
+        src = int4_vnni.SPECS[name.removeprefix("int4_")][0]
+        header = (src.parent / "int4_common.h").read_bytes()
+        assert source_text_with_headers(src) == src.read_bytes() + header
+
+
+def test_choose_gemm_rows_by_hand():
+    from lmstack.quant.linear import choose_gemm_rows
+
+    # (kernel s, GEMM s) per row count: the GEMM wins from 32 rows on
+    assert choose_gemm_rows({8: (1, 2), 16: (2, 2.5), 32: (4, 3), 64: (8, 5), 128: (16, 9)}) == 32
+    assert (
+        choose_gemm_rows({8: (1, 0.5), 16: (2, 3), 32: (4, 3)}) == 32
+    )  # a win at 8 alone does not count
+    assert choose_gemm_rows({8: (1, 2), 16: (2, 3)}) is None  # the kernel always wins
+    assert choose_gemm_rows({8: (2, 1), 16: (3, 2)}) == 8
+
+
+def test_gemm_rows_env_switch_and_one_measurement_per_kernel(monkeypatch):
+    from lmstack.quant import linear
+
+    calls = []
+
+    def measure(M):
+        calls.append(M)
+        return (
+            M * 1.0,
+            40.0,
+        )  # the kernel's time grows with M, the GEMM's does not: GEMM from 64 rows
+
+    monkeypatch.setattr(linear, "_measured", {})
+    monkeypatch.delenv(linear.GEMM_ROWS_ENV, raising=False)
+    assert linear.gemm_rows("k", measure) == 64 and linear.gemm_rows("k", measure) == 64
+    assert calls == list(linear.GEMM_ROWS_CANDIDATES)  # measured once, at each candidate
+    monkeypatch.setenv(linear.GEMM_ROWS_ENV, "never")
+    assert linear.gemm_rows("k", measure) is None
+    monkeypatch.setenv(linear.GEMM_ROWS_ENV, "12")
+    assert linear.gemm_rows("other", measure) == 12 and len(calls) == len(
+        linear.GEMM_ROWS_CANDIDATES
+    )
+    for bad in ("0", "many"):
+        monkeypatch.setenv(linear.GEMM_ROWS_ENV, bad)
+        with pytest.raises(ValueError, match=f"LMSTACK_QUANT_GEMM_ROWS='{bad}'"):
+            linear.gemm_rows("k", measure)
+
+
+@pytest.mark.parametrize("kernel", int4_vnni.KERNELS)
+def test_prefill_gemm_and_kernel_each_equal_their_float64_formula(monkeypatch, kernel):
+    """Below ``gemm_rows`` rows the kernel (int8 activations, its formula); from it on the dequantised weight
+    W = d·q + m (fp16 d, m) times the float activations (F.linear in float64 within fp32 rounding)."""
+    O, I, G = 48, 160, 32
+    g = torch.Generator().manual_seed(7)
+    q, s, lo = quantize_int4(torch.randn(O, I, generator=g), G)
+    if int4_vnni.build(kernel) is not None:
+        with pytest.raises(ValueError, match="cannot run"):
+            Int4Linear(q, s, lo, kernel=kernel)
+        return
+    packed, d, m = int4_vnni.pack(q, s, lo)
+    d64 = d.double().permute(0, 2, 1).reshape(O, -1)
+    m64 = m.double().permute(0, 2, 1).reshape(O, -1)
+    w64 = d64.repeat_interleave(G, 1) * q.double() + m64.repeat_interleave(G, 1)  # (O, I)
+    assert torch.equal(
+        int4_vnni.dequant(packed, d, m, G, kernel=kernel).double(), w64
+    )  # exact in fp32
+    monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "5")
+    lin = Int4Linear(q, s, lo, kernel=kernel)
+    assert lin.gemm_rows == 5
+    for M in (1, 4, 5, 9):
+        x = torch.randn(M, I, generator=g)
+        y, full = lin(x).double(), F.linear(x.double(), w64)
+        tight = {"rtol": 1e-6, "atol": 2e-6 * float(full.abs().max())}
+        if M < 5:  # the kernel: its formula, and measurably off the float product (two int8 terms)
+            ref = reference(x, q, d64.numpy(), m64.numpy(), G, 2)
+            np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+            assert not torch.allclose(y, full, **tight)
+        else:
+            torch.testing.assert_close(y, full, **tight)
+    monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "never")
+    assert Int4Linear(q, s, lo, kernel=kernel).gemm_rows is None
+
+
+def test_arm_falls_back_to_torchs_kernels(monkeypatch):
+    """No NEON kernel is written (none could be tested here): on ``LMSTACK_CPU=neon`` Int4Linear and Int8Linear
+    take torch's kernels, and their output is the dequantised weight's product within bf16 rounding (in
+    relative norm: single elements of a 64-term bf16 sum are off by up to ~5%)."""
+    from lmstack.quant import Int8Linear, dequantize_int8, quantize_int8
+
+    g = torch.Generator().manual_seed(8)
+    w, x = torch.randn(32, 64, generator=g), torch.randn(3, 64, generator=g)
+    monkeypatch.setenv("LMSTACK_CPU", "neon")
+    int4_vnni.clear_cache()
+    try:
+        q, s, lo = quantize_int4(w, 32)
+        lin4 = Int4Linear(q, s, lo)
+        assert lin4.kernel == "aten" and not lin4.vnni and lin4.gemm_rows is None
+        assert "aarch64" in int4_vnni.status() and "NEON" in int4_vnni.status()
+        ref4 = F.linear(x, dequantize_int4(q, s, lo))
+        assert float((lin4(x) - ref4).norm() / ref4.norm()) < 1e-2  # bf16 activations: ~0.4% each
+        q8, s8 = quantize_int8(w)
+        lin8 = Int8Linear(q8, s8)
+        assert lin8.kernel == "aten"
+        ref8 = F.linear(x, dequantize_int8(q8, s8))
+        assert float((lin8(x) - ref8).norm() / ref8.norm()) < 1e-2
+    finally:
+        monkeypatch.delenv("LMSTACK_CPU")
         int4_vnni.clear_cache()

@@ -76,10 +76,34 @@ def test_kernel_equals_its_formula_and_int8linear_is_close_to_float(O, I, G, M):
         lin(x).double().numpy(), reference(x, q, s, lin.act_group, 2), rtol=1e-5, atol=1e-5
     )
     assert lin.kernel_bytes() == O * I + 4 * O
-    rows = torch.randn(
-        Int8Linear.DEQUANT_ROWS, I, generator=g
-    )  # a prefill: dequantise and F.linear
-    torch.testing.assert_close(lin(rows), F.linear(rows, dequantize_int8(q, s)))
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 9])
+def test_prefill_gemm_and_kernel_each_equal_their_float64_formula(monkeypatch, M):
+    """``LMSTACK_QUANT_GEMM_ROWS=4``: below 4 rows the AVX2 kernel (its int8-activation formula), from 4 on the
+    dequantised weight times the float activations (F.linear in float64 within fp32 rounding)."""
+    O, I = 32, 96
+    g = torch.Generator().manual_seed(M)
+    q, s = quantize_int8(torch.randn(O, I, generator=g))
+    monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "4")
+    if int4_vnni.build("int8_avx2") is not None:
+        with pytest.raises(ValueError, match="cannot run"):
+            Int8Linear(q, s, kernel="avx2")
+        return
+    lin = Int8Linear(q, s, kernel="avx2")
+    assert lin.DEQUANT_ROWS == 4
+    x = torch.randn(M, I, generator=g)
+    y, full = lin(x).double(), F.linear(x.double(), dequantize_int8(q, s).double())
+    tight = {"rtol": 1e-6, "atol": 2e-6 * float(full.abs().max())}
+    if M < 4:
+        np.testing.assert_allclose(
+            y.numpy(), reference(x, q, s, lin.act_group, 2), rtol=1e-5, atol=1e-5
+        )
+        assert not torch.allclose(
+            y, full, **tight
+        )  # the kernel is measurably off the float product
+    else:
+        torch.testing.assert_close(y, full, **tight)
 
 
 @pytest.mark.parametrize(

@@ -8,22 +8,27 @@ import pytest
 import torch
 
 from lmstack.accounting.memory import kv_cache_bytes
-from lmstack.inference.kv_cache import KVCache
+from lmstack.inference.kv_cache import KVCache, QuantizedKVCache
 from lmstack.model.config import ModelConfig
 from lmstack.model.transformer import Transformer
-from lmstack.quant.kv_cache import QuantizedKVCache, quantize_block
+from lmstack.quant.kv_codec import quantize_blocks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_quantize_block_hand_worked():
+def test_quantize_blocks_hand_worked():
+    """The one KV codec (quant.kv_codec): int8 s = max/127; fp8 e4m3 s = 2^⌈log2(max/448)⌉, worked by hand."""
     x = torch.tensor(
         [[[1.0, -2.0], [0.5, 127.0]]]
     )  # one block of 2 positions x 2 dims: scale 127/127 = 1
-    codes, s = quantize_block(x, "int8")
+    codes, s = quantize_blocks(x, "int8")
     assert s.tolist() == [1.0] and codes.tolist() == [[[1, -2], [0, 127]]]  # 0.5 rounds to even: 0
-    codes, s = quantize_block(x, "fp8")
-    assert s.tolist() == pytest.approx([127.0 / 448], rel=1e-7)
+    codes, s = quantize_blocks(x, "fp8")
+    # 127/448 = 0.2835 -> 2^⌈−1.82⌉ = 0.5; x/0.5 = 2, −4, 1, 254; e4m3 steps by 16 in [128, 256): 254 -> 256
+    assert s.tolist() == [0.5]
+    assert codes.float().tolist() == [[[2.0, -4.0], [1.0, 256.0]]]
+    codes, s = quantize_blocks(torch.zeros(1, 2, 2), "int8")  # an all-zero block: scale 0, codes 0
+    assert s.tolist() == [0.0] and codes.tolist() == [[[0, 0], [0, 0]]]
 
 
 def cfg():
@@ -94,6 +99,24 @@ def test_stored_blocks_equal_a_plain_reference():
     )  # positions 8, 9: open block, exact
     with pytest.raises(ValueError, match="in order"):
         q.update(0, ks[:, :, :1], vs[:, :, :1], torch.tensor([3]))
+
+
+def test_fp8_blocks_equal_a_plain_reference():
+    """fp8 full blocks against numpy's power-of-two scale and torch's own e4m3 cast of x / s."""
+    c = cfg()
+    q = QuantizedKVCache(c, 1, 64, "fp8", block_size=4)
+    g = torch.Generator().manual_seed(1)
+    ks = torch.randn(1, 2, 9, 16, generator=g) * 3
+    vs = torch.randn(1, 2, 9, 16, generator=g)
+    k_all, v_all, _ = q.update(0, ks, vs, torch.arange(9))
+    k = ks.numpy().astype(np.float64)
+    ref = k.copy()
+    for b in range(2):
+        blk = k[:, :, 4 * b : 4 * b + 4]
+        s = 2.0 ** np.ceil(np.log2(np.abs(blk).max(axis=(2, 3), keepdims=True) / 448))
+        e4m3 = torch.from_numpy(blk / s).to(torch.float8_e4m3fn).double().numpy()
+        ref[:, :, 4 * b : 4 * b + 4] = e4m3 * s
+    np.testing.assert_allclose(k_all.numpy(), ref, rtol=1e-6, atol=1e-7)  # position 8: open, exact
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])

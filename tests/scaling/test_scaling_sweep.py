@@ -203,3 +203,45 @@ def test_exact_flop_budgets_use_accountings_step_count(tmp_path):
         step_flops = training_step_flops(sweep.model_config(s.model), 4, 16)
         assert abs(s.steps * step_flops - s.budget) <= step_flops / 2
         assert s.steps < s.budget / (6 * s.N * 64)
+
+
+def test_a_diverging_run_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    """Issue #31: one diverging run (TrainingDiverged) stopped the whole sweep. It is recorded as diverged,
+    the other runs train, a rerun does not retry it."""
+    import lmstack.scaling.sweep as sweep_mod
+    from lmstack.train import TrainingDiverged
+
+    class DivergesAtWidth16(sweep_mod.Trainer):
+        def fit(self):
+            if self.model_config.d_model == 16:
+                raise TrainingDiverged("loss is nan at step 3")
+            return super().fit()
+
+    monkeypatch.setattr(sweep_mod, "Trainer", DivergesAtWidth16)
+    cfg = tmp_path / "sweep.toml"
+    text = SWEEP.format(out=tmp_path / "out", data=_tokens(tmp_path))
+    cfg.write_text(text.replace("budgets = [2e8, 4e8]", "budgets = [2e8]"))
+    sweep = Sweep.load(cfg)
+    assert run_sweep(sweep, progress=False) == (2, 0)
+    bad, good = read_runs(sweep.runs_path)  # sizes in file order: d_model 16, then 32
+    assert bad["diverged"].startswith("loss is nan at step 3") and bad["loss"] is None
+    assert bad["D"] == sweep.plan()[0].D and "diverged" not in good and good["loss"] > 0
+    assert run_sweep(sweep, progress=False) == (0, 2)
+
+
+def test_fit_leaves_diverged_runs_out_and_lists_them(tmp_path):
+    """A diverged row (no loss) changes no fitted number; it is listed in fit.json and drawn."""
+    from lmstack.scaling.fit_runs import fit_runs
+
+    runs = tmp_path / "runs.jsonl"
+    _synthetic_runs(runs)
+    rows = read_runs(runs)
+    bad = {"name": "bad", "budget": 1e18, "N": 2e6, "D": 1e18 / 12e6, "C": 1e18, "loss": None}
+    append_run(runs, {**bad, "diverged": "loss is nan at step 40"})
+    clean = fit_runs(rows, tmp_path / "clean", n_boot=0)
+    res = fit_runs(read_runs(runs), tmp_path / "with", n_boot=0)
+    assert [a.a for a in res.approaches] == [a.a for a in clean.approaches]
+    assert [d["name"] for d in res.diverged] == ["bad"]
+    assert json.loads((tmp_path / "with" / "fit.json").read_text())["diverged"][0]["name"] == "bad"
+    png = "isoflop.png"
+    assert (tmp_path / "with" / png).read_bytes() != (tmp_path / "clean" / png).read_bytes()

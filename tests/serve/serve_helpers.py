@@ -64,20 +64,13 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def live_server(server, timeout: float = 30.0):
-    """Run ``build_app(server)`` under uvicorn in a thread; yields the base URL."""
-    import uvicorn
-
-    from lmstack.serve.app import build_app
+    """Run ``build_app(server)`` under uvicorn in a thread, as ``lmstack serve`` does (``http.uvicorn_server``);
+    yields the base URL."""
+    from lmstack.serve import build_app
+    from lmstack.serve.http import uvicorn_server
 
     port = free_port()
-    config = uvicorn.Config(
-        build_app(server),
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        timeout_graceful_shutdown=5,
-    )
-    srv = uvicorn.Server(config)
+    srv = uvicorn_server(build_app(server), server, "127.0.0.1", port, 5, log_level="warning")
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     start = time.monotonic()
@@ -104,3 +97,68 @@ def wait_idle(engine, timeout: float = 10.0) -> None:
 def all_blocks_free(engine) -> bool:
     b = engine.cache.blocks
     return b.num_free == b.num_blocks - 1 and not b.tables
+
+
+def route_table(app) -> list[tuple[str, str]]:
+    """(method, path) of every route the app answers (HEAD left out), routers included: FastAPI >= 0.16x
+    keeps an included ``APIRouter`` as one entry of ``app.routes`` (its routes under ``original_router``)."""
+
+    def walk(routes):
+        for r in routes:
+            sub = getattr(r, "original_router", None)
+            if sub is not None:
+                yield from walk(sub.routes)
+            else:
+                for m in sorted(getattr(r, "methods", None) or ()):
+                    if m != "HEAD":
+                        yield m, r.path
+
+    return sorted(set(walk(app.routes)))
+
+
+def save_tiny_checkpoint(folder, max_seq_len: int = 256):
+    """The tiny model (float32) and tokenizer saved as an lmstack checkpoint folder ``lmstack serve`` loads."""
+    from lmstack.model.io import save_pretrained
+    from lmstack.tokenizer import save_hf
+
+    save_pretrained(tiny_model(max_seq_len=max_seq_len).to(torch.float32), folder)
+    save_hf(tiny_tokenizer(), folder / "tokenizer.json")
+    return folder
+
+
+@contextlib.contextmanager
+def cli_server(ckpt, *flags, timeout: float = 120.0):
+    """``lmstack serve --model CKPT`` in a subprocess on 127.0.0.1 (one thread); yields (process, base URL)
+    once /health answers; killed at the end if it is still running. Its log (stdout and stderr) is
+    ``process.log()`` once it has exited."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "lmstack", "serve", "--model", str(ckpt), "--port", str(port)]
+    proc = subprocess.Popen(
+        [*cmd, "--threads", "1", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
+    proc.log = lambda: proc.stdout.read().decode()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        start = time.monotonic()
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() - start > timeout:
+                proc.kill()
+                raise RuntimeError(f"lmstack serve did not start:\n{proc.log()}")
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -18,7 +18,7 @@ from serve_helpers import (
 
 from lmstack.inference import LLM
 from lmstack.inference.sampling import SamplingParams
-from lmstack.serve.app import Server
+from lmstack.serve import Server
 
 openai = pytest.importorskip(
     "openai", reason="the tests drive the server with the official `openai` client"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from serve_helpers import MODEL, all_blocks_free, live_server, tiny_engine, wait_idle
 
-from lmstack.serve import app as app_module
-from lmstack.serve.app import Server
+from lmstack.serve import Server
+from lmstack.serve import server as server_module
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = [
@@ -44,7 +44,7 @@ def test_chat_page_streams_stops_and_keeps_the_conversation(monkeypatch, artifac
     )
     if not os.path.exists(CHROMIUM):
         pytest.skip("needs Debian's chromium (`apt-get install chromium`; `make test` installs it)")
-    real = app_module.Server.sampling
+    real = server_module.Server.sampling
 
     def slow(
         output_ids, logits
@@ -56,7 +56,7 @@ def test_chat_page_streams_stops_and_keeps_the_conversation(monkeypatch, artifac
         body.ignore_eos = True  # a random model may pick EOS at once; the page cannot ask for this
         return real(self, body, max_tokens, logprobs, index, list(processors) + [slow])
 
-    monkeypatch.setattr(app_module.Server, "sampling", sampling)
+    monkeypatch.setattr(server_module.Server, "sampling", sampling)
     engine = tiny_engine()
     with live_server(Server(engine, MODEL)) as url, sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)

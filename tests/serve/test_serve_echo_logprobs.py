@@ -9,7 +9,7 @@ import torch
 from serve_helpers import MODEL, live_server, tiny_tokenizer
 
 from lmstack.inference.engine import LLMEngine
-from lmstack.serve.app import Server
+from lmstack.serve import Server
 
 openai = pytest.importorskip(
     "openai", reason="the tests drive the server with the official `openai` client"

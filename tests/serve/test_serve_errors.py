@@ -5,9 +5,17 @@ import threading
 import time
 
 import pytest
-from serve_helpers import MODEL, all_blocks_free, live_server, tiny_engine, tiny_model, wait_idle
+from serve_helpers import (
+    MODEL,
+    all_blocks_free,
+    live_server,
+    route_table,
+    tiny_engine,
+    tiny_model,
+    wait_idle,
+)
 
-from lmstack.serve.app import Server
+from lmstack.serve import Server
 
 httpx = pytest.importorskip("httpx", reason="raw HTTP requests")
 openai = pytest.importorskip("openai", reason="the official client")
@@ -150,9 +158,9 @@ def _hold_a_stream(url, started: threading.Event, stop: threading.Event):
 
 def _slow_sampling(monkeypatch):
     """Requests with user="slow" take ~20 ms a token: a stream that surely holds its slot."""
-    from lmstack.serve import app as app_module
+    from lmstack.serve import server as server_module
 
-    real = app_module.Server.sampling
+    real = server_module.Server.sampling
 
     def slow(output_ids, logits):
         time.sleep(0.02)
@@ -162,7 +170,7 @@ def _slow_sampling(monkeypatch):
         extra = [slow] if body.user == "slow" else []
         return real(self, body, max_tokens, logprobs, index, list(processors) + extra)
 
-    monkeypatch.setattr(app_module.Server, "sampling", sampling)
+    monkeypatch.setattr(server_module.Server, "sampling", sampling)
 
 
 def test_full_queue_answers_429_or_waits(monkeypatch):
@@ -197,9 +205,9 @@ def test_a_failing_request_takes_no_other_down(served, monkeypatch):
     running beside it finish normally and the loop serves the next ones."""
     url, engine = served
     server = None
-    from lmstack.serve import app as app_module
+    from lmstack.serve import server as server_module
 
-    real = app_module.Server.sampling
+    real = server_module.Server.sampling
 
     def boom(output_ids, logits):
         if len(output_ids) >= 2:
@@ -210,7 +218,7 @@ def test_a_failing_request_takes_no_other_down(served, monkeypatch):
         extra = [boom] if body.user == "boom" else []
         return real(self, body, max_tokens, logprobs, index, list(processors) + extra)
 
-    monkeypatch.setattr(app_module.Server, "sampling", sampling)
+    monkeypatch.setattr(server_module.Server, "sampling", sampling)
     results = {}
 
     def call(name, user):
@@ -330,24 +338,15 @@ def test_serve_flags_are_checked_before_anything_loads(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def _routes(app):
-    from starlette.routing import Route
-
-    for r in app.routes:
-        if isinstance(r, Route):
-            for m in sorted(r.methods or ()):
-                if m != "HEAD":
-                    yield r.path, m
-
-
 def test_with_a_key_every_route_but_health_and_the_chat_page_needs_it():
     """One test over the whole route table (a new route cannot slip through): /v1/*, /tokenize, /detokenize,
     /docs, /openapi.json, /metrics... refuse a missing or wrong key; /health and / answer; --public-metrics opens
     /metrics only."""
-    from lmstack.serve.app import PUBLIC_ROUTES, build_app
+    from lmstack.serve import build_app
+    from lmstack.serve.guards import PUBLIC_ROUTES
 
     server = Server(tiny_engine(), MODEL, api_key="sekret")
-    routes = sorted(set(_routes(build_app(server))))
+    routes = [(p, m) for m, p in route_table(build_app(server))]
     assert (
         ("/tokenize", "POST") in routes
         and ("/openapi.json", "GET") in routes
@@ -497,4 +496,29 @@ def test_error_objects_name_the_right_param_and_head_is_allowed(served):
     check_error(r, 400, "stop")
     assert (
         httpx.head(url + "/").status_code == 200 and httpx.head(url + "/health").status_code == 200
+    )
+
+
+def test_requests_the_http_parser_refuses_get_json_error_objects(served):
+    """Issue #31: a 1 MB Authorization header got uvicorn's plain-text 400; now 431 with OpenAI's error object
+    (h11 buffers 16 KiB of request head), and a garbage request line a JSON 400."""
+    import socket
+
+    url = served[0]
+    r = httpx.post(
+        url + "/v1/completions", headers={"Authorization": "Bearer " + "x" * 2**20}, json={}
+    )
+    assert r.headers["content-type"] == "application/json"
+    assert check_error(r, 431)["code"] == "request_header_fields_too_large"
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"GARBAGE\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(4096):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower()
+    err = httpx.Response(400, content=body).json()["error"]
+    assert (
+        set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_http_request"
     )

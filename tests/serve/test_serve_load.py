@@ -24,7 +24,7 @@ from serve_helpers import (
 
 from lmstack.inference import LLM
 from lmstack.inference.sampling import SamplingParams
-from lmstack.serve.app import Server
+from lmstack.serve import Server
 
 httpx = pytest.importorskip("httpx", reason="raw HTTP requests")
 openai = pytest.importorskip("openai", reason="the official client")

@@ -5,7 +5,7 @@ gaps each), the KV gauges equal the pool when idle, the prefix-cache rate a hand
 import pytest
 from serve_helpers import MODEL, live_server, tiny_engine, tiny_tokenizer, wait_idle
 
-from lmstack.serve.app import Server
+from lmstack.serve import Server
 
 httpx = pytest.importorskip("httpx", reason="raw HTTP requests")
 

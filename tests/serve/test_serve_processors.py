@@ -59,7 +59,7 @@ def test_async_llm_shutdown_aborts_and_frees():
     """``AsyncLLM.shutdown``: running requests are aborted between steps, every block is free, the loop ends."""
     import asyncio
 
-    from lmstack.inference.engine import AsyncLLM, LLMEngine
+    from lmstack.inference import AsyncLLM, LLMEngine
 
     engine = LLMEngine(tiny_model(), None, block_size=4, num_blocks=64, eos_token_id=None)
     llm = AsyncLLM(engine)

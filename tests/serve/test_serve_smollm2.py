@@ -23,7 +23,7 @@ from lmstack.inference import LLM, SamplingParams  # noqa: E402
 from lmstack.inference.engine import LLMEngine  # noqa: E402
 from lmstack.inference.loader import model_tokenizer  # noqa: E402
 from lmstack.model.io import load_model  # noqa: E402
-from lmstack.serve.app import Server  # noqa: E402
+from lmstack.serve import Server  # noqa: E402
 
 openai = pytest.importorskip(
     "openai", reason="the tests drive the server with the official `openai` client"

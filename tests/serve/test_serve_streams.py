@@ -6,9 +6,9 @@ route table outside the open list refuses a missing or wrong key (a new route ca
 import json
 
 import pytest
-from serve_helpers import MODEL, live_server, tiny_engine
+from serve_helpers import MODEL, live_server, route_table, tiny_engine
 
-from lmstack.serve.app import Server, build_app
+from lmstack.serve import Server, build_app
 
 httpx = pytest.importorskip("httpx")
 
@@ -131,12 +131,7 @@ def test_completion_stream_text_finish_and_logprobs_per_choice(served):
 @pytest.fixture(scope="module")
 def keyed():
     server = Server(tiny_engine(), MODEL, api_key=KEY)
-    routes = [
-        (m, r.path)
-        for r in build_app(server).routes
-        for m in sorted(getattr(r, "methods", None) or ())
-        if m != "HEAD"
-    ]
+    routes = route_table(build_app(server))
     with live_server(server) as url:
         yield url, routes
 

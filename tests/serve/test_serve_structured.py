@@ -8,7 +8,7 @@ import json
 import pytest
 from serve_helpers import MODEL, all_blocks_free, live_server, tiny_engine, wait_idle
 
-from lmstack.serve.app import Server
+from lmstack.serve import Server
 
 openai = pytest.importorskip("openai", reason="the official client")
 jsonschema = pytest.importorskip("jsonschema", reason="validates the structured output")

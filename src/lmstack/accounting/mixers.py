@@ -13,7 +13,7 @@ layer by layer (``mixer_spec.layer_kinds``):
   gated_deltanet      state n_v·H_k·H_v + conv (K_c−1)·conv_dim         proj + conv + 6·n_v·H_k·H_v
 
 Recurrent states are kept in fp32 (``model.linear_scan``), KV and conv inputs in the model dtype,
-exactly as ``model.mixers.MixerCache`` holds them (its ``nbytes()`` equals ``cache_bytes`` —
+exactly as ``inference.kv_cache.MixerCache`` holds them (its ``nbytes()`` equals ``cache_bytes`` —
 tests/model/test_mixers_accounting.py). Parameter counts equal the modules' ``numel`` sums
 (tests/model/test_mixer_spec.py).
 """
@@ -25,7 +25,7 @@ from lmstack.accounting.params import total_params
 from lmstack.accounting.precision import bytes_per_element
 from lmstack.model.config import ModelConfig
 from lmstack.model.mixer_spec import layer_kinds, spec
-from lmstack.utils import atomic_path
+from lmstack.utils import pyplot, save_png
 
 STATE_DTYPE = "fp32"
 
@@ -97,10 +97,7 @@ def plot_cache_vs_context(
     c: ModelConfig, contexts: list[int], path, dtype: object = "bf16", window: int = 4096
 ) -> None:
     """PNG: KV + state bytes per sequence vs context length (log-log) for the four layer patterns."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     table = cache_table(c, contexts, dtype, window)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -114,6 +111,4 @@ def plot_cache_vs_context(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
+    save_png(fig, path, dpi=120)

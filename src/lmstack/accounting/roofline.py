@@ -25,7 +25,7 @@ from lmstack.accounting.memory import kv_cache_bytes
 from lmstack.accounting.params import decode_params
 from lmstack.accounting.precision import bytes_per_element
 from lmstack.model.config import ModelConfig
-from lmstack.utils import atomic_path
+from lmstack.utils import pyplot, save_png
 
 
 @dataclass(frozen=True)
@@ -159,10 +159,7 @@ def plot_roofline(
     title: str | None = None,
 ) -> None:
     """Draw ``hw``'s roofline (log-log) with labelled (name, intensity) points; write a PNG atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     peak, bw = hw.flops(dtype), hw.hbm_bandwidth
     ridge = peak / bw
@@ -190,6 +187,4 @@ def plot_roofline(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
+    save_png(fig, path)

@@ -269,7 +269,7 @@ def sample_pairs(
     or all wrong give none."""
     from lmstack.align.data import encode_prompt
     from lmstack.align.rewards import correctness_reward
-    from lmstack.inference.engine import LLM
+    from lmstack.inference.llm import LLM
     from lmstack.inference.sampling import SamplingParams
 
     llm = LLM(model, tokenizer, seed=seed)

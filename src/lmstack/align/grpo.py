@@ -63,7 +63,8 @@ from lmstack.align.losses import (
 )
 from lmstack.align.rewards import REWARDS, score
 from lmstack.align.tasks import TASKS, get_task
-from lmstack.inference.engine import LLM, GenerationError
+from lmstack.inference.engine import GenerationError
+from lmstack.inference.llm import LLM
 from lmstack.inference.sampling import SamplingParams
 from lmstack.train import checkpoint as ckpt
 from lmstack.train.losses import IGNORE_INDEX

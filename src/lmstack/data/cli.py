@@ -1,4 +1,4 @@
-"""``lmstack data``: ``run`` (a pipeline TOML, local or on Ray, resumable) and ``stats`` (the merged report
+"""``lmstack data``: ``run`` (a pipeline TOML, local, on Ray or on Slurm, resumable) and ``stats`` (the merged report
 and funnel PNG of a run). Other data commands live in their own modules, listed in :data:`SUBCOMMANDS`:
 each defines ``register(sub)`` and adds its parsers to the ``lmstack data`` subparsers it is given.
 """
@@ -32,9 +32,9 @@ def register(subparsers) -> None:
     r.add_argument("pipeline", help="pipeline TOML file (docs/data.md)")
     r.add_argument(
         "--executor",
-        choices=["local", "ray"],
+        choices=["local", "ray", "slurm"],
         default="local",
-        help="local processes (default) or Ray",
+        help="local processes (default), Ray, or Slurm job arrays (submits and returns)",
     )
     r.add_argument(
         "--workers",
@@ -46,6 +46,21 @@ def register(subparsers) -> None:
         "--ray-address",
         default=None,
         help="Ray cluster to join ('auto', 'ray://host:10001'); default: start a local Ray",
+    )
+    r.add_argument("--sbatch", default="sbatch", help="slurm: the submit program (path or name)")
+    r.add_argument("--partition", default=None, help="slurm: #SBATCH --partition")
+    r.add_argument(
+        "--time", default=None, help="slurm: #SBATCH --time per array task, e.g. 4:00:00"
+    )
+    r.add_argument("--mem", default=None, help="slurm: #SBATCH --mem, e.g. 8G")
+    r.add_argument(
+        "--tasks-per-job", type=int, default=1, help="slurm: pipeline tasks per array task"
+    )
+    r.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        help="slurm: another #SBATCH option, e.g. --sbatch-arg=--account=lm (repeatable)",
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
     r.set_defaults(func=cmd_run)
@@ -68,11 +83,20 @@ def cmd_run(args) -> int:
     kw = {"progress": not args.no_progress}
     if args.executor == "ray":
         kw["address"] = args.ray_address
+    if args.executor == "slurm":
+        kw.update(sbatch=args.sbatch, partition=args.partition, time=args.time, mem=args.mem)
+        kw.update(tasks_per_job=args.tasks_per_job, sbatch_args=args.sbatch_arg)
     try:
-        get_executor(args.executor, args.workers, **kw).run(pipeline)
+        jobs = get_executor(args.executor, args.workers, **kw).run(pipeline)
     except StageFailed as e:
         print(f"lmstack: error: {e}", file=sys.stderr)
         return 1
+    if args.executor == "slurm":
+        print(
+            f"submitted Slurm jobs {', '.join(jobs) or '(none: every task has completed)'}; "
+            f"when they finish: lmstack data stats {pipeline.output}"
+        )
+        return 0
     _report(Path(pipeline.output), None)
     return 0
 

@@ -41,6 +41,7 @@ CHAIN = (
     "gopher_repetition",
     "c4_quality",
     "fineweb_quality",
+    "code_quality",
     "pii",
     "nsfw_filter",
     "toxic_filter",
@@ -51,16 +52,27 @@ def _filters() -> dict[str, Filter]:
     from lmstack.data.classifiers import NSFWFilter, ToxicFilter
     from lmstack.data.langid import LanguageFilter
     from lmstack.data.quality import C4Quality, FineWebQuality, GopherQuality, GopherRepetition
+    from lmstack.data.route import CodeQuality
 
-    return {
+    out: dict[str, Filter] = {
         "language_filter": LanguageFilter("en"),
         "gopher_quality": GopherQuality(),
         "gopher_repetition": GopherRepetition(),
         "c4_quality": C4Quality(),
         "fineweb_quality": FineWebQuality(),
+        "code_quality": CodeQuality(),
         "nsfw_filter": NSFWFilter(),
         "toxic_filter": ToxicFilter(),
     }
+    for name in (
+        "gopher_quality",
+        "gopher_repetition",
+        "c4_quality",
+        "fineweb_quality",
+    ):  # demo_stages
+        out[name].routes = ("prose",)
+    out["code_quality"].routes = ("code",)
+    return out
 
 
 def _pr(tp: int, fp: int, fn: int) -> tuple[float, float]:
@@ -87,10 +99,25 @@ def evaluate(
         "real_dropped": 0,
         "caught": dict(Counter(labels[u]["kind"] for u in ex_drop)),
     }
+    from lmstack.data.route import CodeRouter
+
     filters = _filters()
     english = [d for d in docs if labels[d.metadata["url"]]["language"] == "en"]
+    router = CodeRouter()
+    route = {d.metadata["url"]: router.route(d.text)[0] for d in english}
+    code = Counter(labels[u]["kind"] for u, r in route.items() if r == "code")
+    n_real = sum(labels[u]["kind"] == "real" for u in route)
+    rows["code_router (to the code rules)"] = {  # truth: the real documentation pages
+        "flagged": sum(code.values()),
+        "precision": code["real"] / max(1, sum(code.values())),
+        "recall": code["real"] / max(1, n_real),
+        "real_dropped": 0,
+        "caught": dict(code),
+    }
     for name, flt in filters.items():
         pool = docs if name == "language_filter" else english
+        if flt.routes is not None:  # a routed filter sees only its routes' documents
+            pool = [d for d in pool if route[d.metadata["url"]] in flt.routes]
         truth = {
             "language_filter": lambda lab: lab["language"] != "en",
             "nsfw_filter": lambda lab: lab["nsfw"],
@@ -188,10 +215,12 @@ def demo_stages(
         {"type": "extract"},
         {"type": "write_jsonl", "name": "write_extracted", "output": s("extracted")},
         {"type": "language_filter", "languages": ["en"], "threshold": 0.65},
-        {"type": "gopher_quality"},
-        {"type": "gopher_repetition"},
-        {"type": "c4_quality"},
-        {"type": "fineweb_quality"},
+        {"type": "code_router"},  # documentation with code takes the code rules, not the prose ones
+        {"type": "gopher_quality", "routes": ["prose"]},
+        {"type": "gopher_repetition", "routes": ["prose"]},
+        {"type": "c4_quality", "routes": ["prose"]},
+        {"type": "fineweb_quality", "routes": ["prose"]},
+        {"type": "code_quality", "routes": ["code"]},
         {"type": "pii"},
         {"type": "nsfw_filter"},
         {"type": "toxic_filter"},

@@ -14,9 +14,10 @@ completed task runs twice — datatrove's contract. ``tasks.json`` records each 
 with a different count is refused (the markers would belong to another split). Stages run in order, each
 after every task of the one before has completed (the barrier multi-stage work such as dedup needs).
 
-Executors: :class:`LocalExecutor` (``workers`` processes, default 1 = in this process; tqdm bar of tasks)
-and :class:`RayExecutor` (the same :func:`run_task` as a Ray task, one CPU each, at most ``workers`` in
-flight; on a cluster every path must be on storage all nodes share). A failed task leaves no marker: the
+Executors: :class:`LocalExecutor` (``workers`` processes, default 1 = in this process; tqdm bar of tasks),
+:class:`RayExecutor` (the same :func:`run_task` as a Ray task, one CPU each, at most ``workers`` in
+flight; on a cluster every path must be on storage all nodes share) and, in :mod:`lmstack.data.slurm`,
+``SlurmExecutor`` (each stage an sbatch job array, stages chained by ``--dependency=afterok``). A failed task leaves no marker: the
 stage's other tasks finish, then the run stops with an error naming the failed tasks.
 """
 
@@ -295,11 +296,15 @@ class RayExecutor:
                 ray.shutdown()
 
 
-def get_executor(
-    name: str = "local", workers: int | None = None, **kw
-) -> LocalExecutor | RayExecutor:
+def get_executor(name: str = "local", workers: int | None = None, **kw):
+    """``local`` (:class:`LocalExecutor`), ``ray`` (:class:`RayExecutor`) or ``slurm``
+    (:class:`~lmstack.data.slurm.SlurmExecutor`: submits job arrays and returns without waiting)."""
     if name == "local":
         return LocalExecutor(workers or 1, **kw)
     if name == "ray":
         return RayExecutor(workers, **kw)
-    raise ValueError(f"executor {name!r}: expected 'local' or 'ray'")
+    if name == "slurm":
+        from lmstack.data.slurm import SlurmExecutor
+
+        return SlurmExecutor(workers, **kw)
+    raise ValueError(f"executor {name!r}: expected 'local', 'ray' or 'slurm'")

@@ -37,18 +37,29 @@ from pathlib import Path
 from typing import Any
 
 from lmstack.data.readers import Reader, _glob_root
-from lmstack.data.step import STEPS, Step, register_step, step_class
+from lmstack.data.step import STEPS, Filter, Step, register_step, step_class
 from lmstack.data.writers import ShardWriter
 
 __all__ = ["Pipeline", "Stage", "build_step", "register_step", "STEPS"]
 
 
 def build_step(spec: dict[str, Any], where: str = "step") -> Step:
-    """A step from ``{"type": name, **kwargs}`` (``name`` optionally renames it in the stats)."""
+    """A step from ``{"type": name, **kwargs}`` (``name`` optionally renames it in the stats; ``routes``
+    limits a filter to documents on those routes, :class:`~lmstack.data.step.Filter`)."""
     if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
         raise ValueError(f"{where}: expected a table with a string 'type', got {spec!r}")
-    kwargs = {k: v for k, v in spec.items() if k not in ("type", "name")}
+    kwargs = {k: v for k, v in spec.items() if k not in ("type", "name", "routes")}
     cls = step_class(spec["type"])
+    routes = spec.get("routes")
+    if routes is not None and not (
+        issubclass(cls, Filter)
+        and isinstance(routes, list)
+        and all(isinstance(r, str) for r in routes)
+    ):
+        raise ValueError(
+            f"{where} (type {spec['type']!r}): routes={routes!r} must be a list of route names, "
+            "on a filter"
+        )
     try:
         inspect.signature(cls).bind(**kwargs)
     except TypeError as e:
@@ -58,6 +69,8 @@ def build_step(spec: dict[str, Any], where: str = "step") -> Step:
     step = cls(**kwargs)
     if "name" in spec:
         step.name = str(spec["name"])
+    if routes is not None:
+        step.routes = tuple(routes)
     return step
 
 

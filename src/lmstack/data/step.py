@@ -143,15 +143,30 @@ class Step:
 
 
 class Filter(Step):
-    """Keeps a document when :meth:`reason` returns None; otherwise drops it with that reason."""
+    """Keeps a document when :meth:`reason` returns None; otherwise drops it with that reason.
+
+    ``routes`` (None: every document): the filter judges only documents whose ``metadata["route"]`` is one
+    of these (or that have no route); the others pass untouched, counted as ``passed_route_<route>``. A
+    router step (``code_router``, :mod:`lmstack.data.route`) sets the route; in a pipeline file it is the
+    key ``routes = ["prose"]`` of any filter's table."""
+
+    routes: tuple[str, ...] | None = None
 
     def reason(self, doc: Document) -> str | None:
         raise NotImplementedError
 
+    def judges(self, doc: Document, stats: StepStats) -> bool:
+        """False when ``routes`` sends ``doc`` past this filter (and counts it)."""
+        route = doc.metadata.get("route") if self.routes is not None else None
+        if route is None or route in self.routes:
+            return True
+        stats.counters[f"passed_route_{route}"] += 1
+        return False
+
     def run(self, docs: Iterable[Document], stats: StepStats) -> Iterator[Document]:
         for doc in docs:
             stats.seen(doc)
-            why = self.reason(doc)
+            why = self.reason(doc) if self.judges(doc, stats) else None
             if why is None:
                 stats.kept(doc)
                 yield doc
@@ -185,6 +200,7 @@ STEP_MODULES = (
     "lmstack.data.langid",
     "lmstack.data.pii",
     "lmstack.data.quality",
+    "lmstack.data.route",
     "lmstack.data.classifiers",
     "lmstack.data.dedup",
     "lmstack.data.tokenize",

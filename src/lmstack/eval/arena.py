@@ -11,6 +11,13 @@ A battles file is JSONL, one battle a line: ``{"model_a": str, "model_b": str, "
   Newton's method (IRLS) with a tiny ridge that pins the otherwise free shift, then reported on the
   Elo scale ``1000 + 400/ln 10 · (β - mean β)``. Order-independent.
 - **Confidence intervals**: battles resampled with replacement, the fit repeated, percentile intervals.
+- **When the MLE does not exist** (Zermelo 1929, Ford 1957: it is finite iff, for every split of the models
+  into two groups, each group took a point — a win or a tie — from the other; i.e. the directed "took a point
+  from" graph is strongly connected): with *separation* (some group won every battle against the rest) the
+  likelihood keeps rising as the gap grows, so the fit uses an N(0, 1) prior on each strength (ridge 1, the L2
+  penalty of scikit-learn's default ``LogisticRegression(C=1)``) for the estimate and every resample alike,
+  and warns; a *disconnected* comparison graph (groups that never met) is warned about: ratings across
+  those groups are not comparable.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmstack.utils import atomic_path, read_jsonl
+from lmstack.utils import pyplot, read_jsonl, save_png
 
 WINNERS = {"model_a": 1.0, "model_b": 0.0, "tie": 0.5, "tie (bothbad)": 0.5}
 SCALE, BASE, INIT = 400.0, 10.0, 1000.0
@@ -121,6 +128,46 @@ def bt_fit(
     return beta - beta.mean()
 
 
+PRIOR_RIDGE = 1.0  # with separation: an N(0, 1) prior on each strength β (natural-log scale)
+
+
+def identifiability(battles: Battles) -> tuple[list[str], bool]:
+    """(warnings, separated) for the Bradley–Terry fit of ``battles``: a disconnected comparison graph
+    (groups of models that never met) and separation (the directed graph "a took a point from b" — a win,
+    or a tie both ways — is not strongly connected within a connected group: the MLE is infinite)."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    M, names = len(battles.models), np.array(battles.models)
+    took = battles.score > 0  # a took a point from b (a win or a tie)
+    lost = battles.score < 1  # b took a point from a
+    src = np.concatenate([battles.a[took], battles.b[lost]])
+    dst = np.concatenate([battles.b[took], battles.a[lost]])
+    g = coo_matrix((np.ones(len(src)), (src, dst)), shape=(M, M)).tocsr()
+    n_weak, weak = connected_components(g, directed=True, connection="weak")
+    n_strong, strong = connected_components(g, directed=True, connection="strong")
+
+    def groups(labels, n):
+        return ", ".join("{" + ", ".join(names[labels == k]) + "}" for k in range(n))
+
+    out = []
+    if n_weak > 1:
+        out.append(
+            f"the comparison graph is disconnected: the groups {groups(weak, n_weak)} never met, so "
+            "ratings across them are not comparable (only their within-group differences mean anything)"
+        )
+    separated = n_strong > n_weak
+    if separated:
+        out.append(
+            f"perfect separation: the models split into groups {groups(strong, n_strong)} of which one "
+            "won every battle against another (no loss or tie back), so the Bradley–Terry maximum-"
+            "likelihood ratings do not exist (those gaps are infinite); the ratings and intervals shown "
+            f"are the fit with an N(0, 1) prior on each strength (ridge {PRIOR_RIDGE:g}): gaps between "
+            "these groups are set by the prior and the battle counts, a lower bound, not an estimate"
+        )
+    return out, separated
+
+
 def to_elo_scale(beta: np.ndarray) -> np.ndarray:
     return INIT + SCALE / math.log(BASE) * beta
 
@@ -176,30 +223,34 @@ def rate(
     level: float = 0.95,
     progress: bool = True,
 ) -> ArenaResult:
-    """Online Elo, the Bradley–Terry fit and its bootstrap percentile intervals."""
+    """Online Elo, the Bradley–Terry fit and its bootstrap percentile intervals; with separation (no
+    finite MLE: ``identifiability``) the fit and every resample use the N(0, 1) prior, and the result's
+    warnings say so."""
     from tqdm import tqdm
 
     M, n = len(battles.models), len(battles.score)
-    bt = to_elo_scale(bt_fit(battles.a, battles.b, battles.score, M))
+    notes, separated = identifiability(battles)
+    ridge = PRIOR_RIDGE / n if separated else 1e-6  # bt_fit's penalty is ridge·n/2·||β||²
+    bt = to_elo_scale(bt_fit(battles.a, battles.b, battles.score, M, ridge=ridge))
     rng = np.random.default_rng(seed)
     boots = []
     for _ in tqdm(range(n_bootstrap), desc="bootstrap", disable=not progress):
         idx = rng.integers(0, n, n)
-        boots.append(to_elo_scale(bt_fit(battles.a[idx], battles.b[idx], battles.score[idx], M)))
+        boots.append(
+            to_elo_scale(bt_fit(battles.a[idx], battles.b[idx], battles.score[idx], M, ridge=ridge))
+        )
     if boots:
         q = (1 - level) / 2
         lo, hi = np.quantile(np.array(boots), [q, 1 - q], axis=0)
     else:
         lo = hi = np.full(M, np.nan)
-    return ArenaResult(battles.models, online_elo(battles, k), bt, lo, hi, n, battles.warnings)
+    elo = online_elo(battles, k)
+    return ArenaResult(battles.models, elo, bt, lo, hi, n, [*battles.warnings, *notes])
 
 
 def plot_ratings(result: ArenaResult, path) -> None:
     """PNG: Bradley–Terry ratings with their intervals, best first (written atomically)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     order = np.argsort(-result.bt)
     y = result.bt[order]
@@ -211,6 +262,4 @@ def plot_ratings(result: ArenaResult, path) -> None:
     ax.set_title(f"Arena ratings, {result.n_battles} battles, 95% bootstrap CI")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
+    save_png(fig, path, dpi=120)

@@ -46,8 +46,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-
-    return load_for_inference(args.model, args.tokenizer, args.dtype)
+    """The model and tokenizer; ``--max-length`` (where the command has it) checked against the context."""
+    model, tok = load_for_inference(args.model, args.tokenizer, args.dtype)
+    ctx = model.config.max_seq_len
+    if getattr(args, "max_length", None) is not None and args.max_length > ctx:
+        raise ValueError(
+            f"--max-length {args.max_length} exceeds the context of {args.model} ({ctx} tokens, its "
+            "max_seq_len)"
+        )
+    return model, tok
 
 
 def _write_json(path, obj, inputs) -> None:
@@ -210,7 +217,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     h = esub.add_parser(
         "harness",
-        add_help=False,
+        add_help=False,  # --help after `run` is lm-eval's own; `harness --help` prints HARNESS_HELP
         help="lm-evaluation-harness's command line with model `lmstack` registered "
         "(lmstack eval harness run --model lmstack --model_args model=smollm2-135m --tasks T ...)",
     )
@@ -279,7 +286,25 @@ def run_tasks(args) -> int:
     return 0
 
 
+HARNESS_HELP = """usage: lmstack eval harness {run,ls,validate} [lm-eval arguments ...]
+
+lm-evaluation-harness's own command line (pip install lm-eval), with the model type `lmstack`
+registered. Examples:
+  lmstack eval harness run --model lmstack --model_args model=smollm2-135m,dtype=int8 --tasks hellaswag
+  lmstack eval harness ls tasks
+--model_args keys: model, tokenizer, dtype, max_length, max_gen_toks, max_batch_tokens (and lm-eval's
+batch_size, max_batch_size, device). lm-eval's own options: lmstack eval harness run --help."""
+
+
 def run_harness(args) -> int:
+    argv = list(args.lm_eval_args)
+    if not argv or argv[0] in (
+        "-h",
+        "--help",
+        "help",
+    ):  # before the optional import: help always works
+        print(HARNESS_HELP)
+        return 0
     try:
         from lmstack.eval.harness import run_lm_eval  # lm-evaluation-harness is optional
     except ImportError as e:
@@ -312,6 +337,8 @@ def run_arena(args) -> int:
     for w in battles.warnings:
         print(f"warning: {w}", file=sys.stderr)
     result = rate(battles, args.bootstrap, args.seed, args.k)
+    for w in result.warnings[len(battles.warnings) :]:  # separation, a disconnected graph
+        print(f"warning: {w}", file=sys.stderr)
     print(result.table())
     if args.json:
         _write_json(args.json, result.to_dict(), ins)
@@ -331,6 +358,7 @@ def run_contamination(args) -> int:
     if args.json:
         check_outputs([("--json", args.json)], ins, {"--json": ("a JSON file", is_json_file)})
     task = load_task(args.task)
+    results = _read_results(args.results) if args.results else None  # before any long work
     texts = _item_texts(task)
     if args.method == "exchangeability":
         model, tok = _load(args)
@@ -382,7 +410,7 @@ def run_contamination(args) -> int:
             "flagged_lines": [it.line for it, f in zip(task.items, r.flags) if f],
         }
         if args.results:
-            out["rescore"] = _rescore(args.results, task, r.flags)
+            out["rescore"] = _rescore(args.results, results, task, r.flags)
             for metric, d in out["rescore"].items():
                 print(
                     f"  {metric}: all {d['all']:.4f}  clean {d['clean']:.4f} (n={d['n_clean']})  "
@@ -393,10 +421,27 @@ def run_contamination(args) -> int:
     return 0
 
 
-def _rescore(path, task, flags) -> dict:
+def _read_results(path) -> list:
+    """The ``results`` list of an ``lmstack eval run --json`` file; errors name ``--results`` and the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--results {path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"--results {path}: not a JSON file of `lmstack eval run --samples --json` ({e})"
+        ) from None
+    if not isinstance(d, dict) or not isinstance(d.get("results"), list):
+        raise ValueError(
+            f"--results {path}: expected the JSON object `lmstack eval run --samples --json` writes "
+            f"(with a 'results' list), got {type(d).__name__}"
+        )
+    return [r for r in d["results"] if isinstance(r, dict)]
 
-    with open(path, encoding="utf-8") as f:
-        results = json.load(f).get("results", [])
+
+def _rescore(path, results, task, flags) -> dict:
+
     mine = [r for r in results if r.get("name") == task.name and r.get("samples")]
     if not mine:
         raise ValueError(

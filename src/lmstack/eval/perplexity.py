@@ -15,7 +15,7 @@ time, no padding), the unembedding and the cross-entropy run only on the scored 
 position never forms its V logits), a chunk of positions at a time as logsumexp − target logit computed in
 place on the chunk's logits (``token_nll``: no (S, V) log-softmax, no second (c, V) temporary), and the sum
 stays on the device until the end (no host sync per window). The model's causal self-attention runs through
-``eval.attention`` where it applies (``fast_attention``: CPU fp32, oneDNN GEMMs, block-triangular).
+the ``onednn`` attention backend where it applies (``fast_attention``: CPU fp32, oneDNN GEMMs, block-triangular).
 Constants below are measured in docs/eval.md.
 
 Bits per byte = total negative log-likelihood / (ln 2 · bytes of the scored tokens): the byte count
@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from lmstack.kernels.runtime import use_attention
 from lmstack.tokenizer import is_token_file, open_tokens
 
 CHUNK_POSITIONS = (
@@ -133,36 +133,12 @@ def window_nll(
     return total
 
 
-@contextmanager
 def fast_attention(model):
-    """Within the block, the model's softmax-attention layers run ``eval.attention`` (oneDNN GEMMs,
-    block-triangular; CPU fp32 causal windows of >= ``attention.MIN_T`` tokens) and otherwise their own implementation,
-    which it falls back to; restored on exit. A model without ``blocks`` runs unchanged."""
-    from lmstack.eval.attention import OneDNNAttention
-    from lmstack.model.mixer_spec import layer_specs
-    from lmstack.model.seam import SDPAAttention
-
-    specs = layer_specs(model.config)
-    # only softmax-attention layers on the default SDPA: a backend the user chose (kernels.configure, the
-    # reference) is kept
-    layers = [
-        b.attn
-        for i, b in enumerate(getattr(model, "blocks", ()))
-        if specs[getattr(b.attn, "layer_idx", i)].softmax
-        and type(getattr(b.attn, "impl", None)) is SDPAAttention
-    ]
-    saved = [a.impl for a in layers]
-    ours = [OneDNNAttention(fallback=impl) for impl in saved]
-    try:
-        for a, impl in zip(layers, ours):
-            a.impl = impl
-        yield
-    finally:
-        for a, impl, mine in zip(layers, saved, ours):
-            if (
-                a.impl is mine
-            ):  # an overlapping call on the same model may have put its own back already
-                a.impl = impl
+    """Within the block, the model's softmax-attention layers run the ``onednn`` attention backend
+    (``kernels.onednn_attention``: oneDNN GEMMs, block-triangular; CPU fp32 causal windows of >= ``MIN_T``
+    tokens, SDPA otherwise) when they run SDPA now; restored on exit (``kernels.runtime.use_attention``). A model
+    without softmax attention, or on another backend (the user's, soft-capped scores' reference), runs unchanged."""
+    return use_attention(model, "onednn")
 
 
 def token_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lmstack.eval.scoring import encode_pair, loglikelihoods, prefix_token_id
+from lmstack.eval.scoring import RequestError, encode_pair, loglikelihoods, prefix_token_id
 from lmstack.eval.tasks import Task
-from lmstack.inference.engine import LLM
+from lmstack.inference.llm import LLM
 from lmstack.inference.sampling import SamplingParams
 
 
@@ -127,7 +127,13 @@ def run_task(task: Task, ev: Evaluator, progress: bool = True) -> TaskResult:
             for c in it.choices:
                 pairs.append((p, task.target_delimiter + c))
                 owner.append(i)
-        lls = _batched(ev.loglikelihood, pairs, progress, f"{task.name} (options)")
+        lls = _batched(
+            ev.loglikelihood,
+            pairs,
+            progress,
+            f"{task.name} (options)",
+            lambda k: f"{task.path}:{task.items[owner[k]].line}",
+        )
         acc, acc_norm = [], []
         k = 0
         for it in task.items:
@@ -153,6 +159,7 @@ def run_task(task: Task, ev: Evaluator, progress: bool = True) -> TaskResult:
             [(p, task.target_delimiter + it.continuation) for it, p in zip(task.items, prompts)],
             progress,
             task.name,
+            lambda k: f"{task.path}:{task.items[k].line}",
         )
         for it, (ll, g) in zip(task.items, res):
             samples.append({"line": it.line, "loglik": ll, "greedy": g})
@@ -176,13 +183,20 @@ def run_task(task: Task, ev: Evaluator, progress: bool = True) -> TaskResult:
     )
 
 
-def _batched(fn, pairs, progress: bool, desc: str, chunk: int = 64):
+def _batched(fn, pairs, progress: bool, desc: str, where=None, chunk: int = 64):
+    """``fn`` over ``pairs`` in chunks; a request that cannot be scored is named by ``where(k)`` (its task
+    file and line) instead of its index inside a chunk."""
     from tqdm import tqdm
 
     out = []
     with tqdm(total=len(pairs), desc=desc, disable=not progress) as bar:
         for i in range(0, len(pairs), chunk):
-            out += fn(pairs[i : i + chunk])
+            try:
+                out += fn(pairs[i : i + chunk])
+            except RequestError as e:
+                if where is None:
+                    raise
+                raise ValueError(f"{where(i + e.index)}: {e.reason}") from None
             bar.update(len(pairs[i : i + chunk]))
     return out
 

@@ -226,6 +226,14 @@ def prefix_token_id(model, tokenizer) -> int:
     )
 
 
+class RequestError(ValueError):
+    """A (context, continuation) request that cannot be scored; ``index`` is its position in the list."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(f"request {index}: {reason}")
+        self.index, self.reason = index, reason
+
+
 def loglikelihoods(
     model,
     requests: list[tuple[list[int], list[int]]],
@@ -241,14 +249,14 @@ def loglikelihoods(
     rows, starts = [], []
     for i, (ctx, cont) in enumerate(requests):
         if not cont:
-            raise ValueError(f"request {i}: the continuation has no tokens")
+            raise RequestError(i, "the continuation has no tokens")
         if len(cont) > max_length:
-            raise ValueError(
-                f"request {i}: continuation of {len(cont)} tokens exceeds the context {max_length}"
+            raise RequestError(
+                i, f"the continuation of {len(cont)} tokens exceeds the context {max_length}"
             )
         if not ctx:
             if prefix_id is None:
-                raise ValueError(f"request {i}: empty context and no prefix token")
+                raise RequestError(i, "empty context and no prefix token")
             ctx = [prefix_id]
         row = (list(ctx) + list(cont))[-(max_length + 1) :]
         rows.append(row)

@@ -132,8 +132,24 @@ def _render(template: str, obj: dict, where: str) -> str:
         ) from None
 
 
+def _check_text(obj: dict, where: str) -> None:
+    """Refuse a lone surrogate (a JSON escape like ``"\\ud800"`` with no partner) in any string field:
+    it is not Unicode text, and would fail later in the tokenizer with no file or line."""
+    for key, v in obj.items():
+        for s in v if isinstance(v, list) else [v]:
+            if isinstance(s, str):
+                try:
+                    s.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise TaskError(
+                        f"{where}: field {key!r} holds a lone surrogate {s[e.start]!r} at character "
+                        f"{e.start} (an unpaired \\ud800-\\udfff escape): not valid Unicode text"
+                    ) from None
+
+
 def make_item(obj: dict, line: int, kind: str, template: str | None, path: Path) -> Item:
     where = f"{path}:{line}"
+    _check_text(obj, where)
 
     def need(key, typ, what):
         if key not in obj:

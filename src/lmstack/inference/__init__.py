@@ -7,12 +7,15 @@ engine, speculative decoding and chat (seed 000 §2, seed 001 "推理").
 - ``SamplingParams``: temperature, top-k, top-p, min-p, repetition penalty, stops, seed, logprobs.
 """
 
+from lmstack.inference.async_llm import AsyncLLM
 from lmstack.inference.block_manager import BlockManager
-from lmstack.inference.engine import LLM, AsyncLLM, GenerationError, LLMEngine, RequestOutput
+from lmstack.inference.engine import GenerationError, LLMEngine
 from lmstack.inference.generate import generate
 from lmstack.inference.kv_cache import KVCache
+from lmstack.inference.llm import LLM
 from lmstack.inference.paged import PagedKVCache
 from lmstack.inference.sampling import SamplingParams
+from lmstack.inference.sequence import RequestOutput
 from lmstack.inference.speculative import DraftModel, PromptLookup, truncated_draft
 
 __all__ = [

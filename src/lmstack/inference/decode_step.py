@@ -61,6 +61,7 @@ class DecodeBatch:
         self.cache, self.table, self.positions, self.slots = cache, table, positions, slots
         self.new_k: list[Tensor] = []
         self.new_v: list[Tensor] = []
+        self.abilities = cache.abilities  # PAGED, maybe PREFIX_SHARING / QUANTISED (model.cache)
 
     def attend(
         self,

@@ -17,25 +17,24 @@ stops that request through the same path as an abort (blocks freed, ``finish_rea
 message in ``error``); a forward that raises is rerun one sequence at a time, so only the
 sequence that provokes it fails. Requests are checked when added (``check_request``).
 
-``LLM`` is the offline API (``generate(prompts, sampling_params)``); ``AsyncLLM`` is the
-streaming API a server sits on (``generate`` yields deltas, ``abort``). docs/inference.md
+Two drivers step an engine: ``LLM`` (``inference/llm.py``), the offline API
+(``generate(prompts, sampling_params)``), and ``AsyncLLM`` (``inference/async_llm.py``), the
+streaming API a server sits on; each uses only the public methods below. docs/inference.md
 relates this loop to the batch-1 ``generate`` loop and its step strategies.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
-import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import replace
+from collections.abc import Iterable, Sequence
 
 import torch
+from torch import nn
 
 from lmstack.inference.decode_step import DecodeStep
-from lmstack.inference.loader import DTYPES, load_for_inference, weight_format
+from lmstack.inference.draft_runner import DraftRunner
 from lmstack.inference.model_runner import ModelRunner
 from lmstack.inference.paged import KV_QUANT_FORMATS, PagedKVCache, kv_pool_bytes
 from lmstack.inference.prompts import prompt_token_ids
@@ -43,10 +42,9 @@ from lmstack.inference.sampling import SamplingParams, as_integer, as_real
 from lmstack.inference.scheduler import Scheduler
 from lmstack.inference.sequence import FINISHED, RUNNING, RequestOutput
 from lmstack.inference.sequence import Sequence as Seq
-from lmstack.inference.speculative import PromptLookup
+from lmstack.inference.speculative import PromptLookup, truncated_draft
 from lmstack.inference.state_pool import StatePool, recurrent_layers
 from lmstack.inference.stops import StopStrings
-from lmstack.kernels.runtime import RuntimeConfig, configure
 from lmstack.model.mixer_spec import refuse, unsupported
 
 
@@ -97,8 +95,10 @@ class LLMEngine:
     ``selective=False`` runs the same one-forward iteration with the reference attention (one
     masked attention over every gathered key, mask from (sequence id, position)) instead of the
     per-sequence grouping; ``free_outside_window=False`` keeps a sliding-window model's old blocks;
-    ``num_speculative_tokens`` > 0 turns on prompt-lookup speculation (n-gram sizes ``ngram`` =
-    (largest, smallest)). A model with recurrent layers (linear attention, Mamba-2, Gated DeltaNet) keeps
+    ``num_speculative_tokens`` > 0 turns on speculation: prompt lookup (n-gram sizes ``ngram`` =
+    (largest, smallest)), or with ``draft_model`` (a smaller model with the target's vocabulary, or an int
+    n: the target's first n layers, ``truncated_draft``) draft-model speculation, the draft batched over
+    the decoding sequences from its own paged cache (``DraftRunner``). A model with recurrent layers (linear attention, Mamba-2, Gated DeltaNet) keeps
     their states in a ``StatePool`` of ``num_state_slots`` sequences (default ``max_num_seqs``; ``self.states``);
     for it prefix caching is off and speculation is refused (a recurrent state cannot be rolled back).
     Iterations in which every sequence feeds just its next token run as a ``DecodeStep`` (fixed shapes,
@@ -132,6 +132,7 @@ class LLMEngine:
         num_state_slots: int | None = None,
         compile: bool | dict = False,
         fuse_projections: bool = True,
+        draft_model: nn.Module | int | None = None,
     ):
         p = next(model.parameters())
         c = model.config
@@ -139,7 +140,9 @@ class LLMEngine:
         max_num_seqs = as_integer("max_num_seqs", max_num_seqs, 1)
         max_num_batched_tokens = as_integer("max_num_batched_tokens", max_num_batched_tokens, 1)
         num_speculative_tokens = as_integer("num_speculative_tokens", num_speculative_tokens, 0)
-        speculator = PromptLookup(num_speculative_tokens, ngram)  # checks ngram even when off
+        speculator: PromptLookup | DraftRunner = PromptLookup(
+            num_speculative_tokens, ngram
+        )  # checks ngram even when off
         max_model_len = (
             c.max_seq_len
             if max_model_len is None
@@ -191,6 +194,25 @@ class LLMEngine:
                 else getattr(tokenizer, "eos_token_id", None)
             )
         self.generator = torch.Generator().manual_seed(seed)
+        if draft_model is not None:
+            if not num_speculative_tokens:
+                raise ValueError(
+                    "draft_model given with num_speculative_tokens=0: set how many tokens it drafts"
+                )
+            if isinstance(draft_model, int):
+                draft_model = truncated_draft(model, draft_model)
+            elif fuse_projections and hasattr(draft_model, "fuse_projections"):
+                draft_model.fuse_projections()
+            k = num_speculative_tokens
+            speculator = DraftRunner(
+                draft_model,
+                c,
+                k,
+                num_blocks + max_num_seqs * (1 + -(-k // block_size)),  # + room for the drafts
+                block_size,
+                self.generator,
+            )
+        self.speculator = speculator if num_speculative_tokens else None
         self.driver: object | None = (
             None  # the one LLM or AsyncLLM that steps this engine (``attach``)
         )
@@ -214,7 +236,7 @@ class LLMEngine:
             watermark_blocks=int(watermark * num_blocks),
             eos_token_id=eos_token_id,
             sliding_window=c.sliding_window if free_outside_window else None,
-            speculator=speculator if num_speculative_tokens else None,
+            speculator=self.speculator,
             stats=self.stats,
             states=self.states,
         )
@@ -272,7 +294,7 @@ class LLMEngine:
         """Everything ``add_request`` checks, without queueing: the prompt, the parameters, the fit."""
         params = SamplingParams() if params is None else params
         if request_id is None:
-            request_id = f"req-{next(self._ids)}"
+            request_id = self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         if not isinstance(params, SamplingParams):
@@ -307,6 +329,17 @@ class LLMEngine:
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
         )
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        """A request id not used by this engine before (``prefix-N``)."""
+        return f"{prefix}-{next(self._ids)}"
+
+    def abort_all(self) -> list[str]:
+        """Abort every request in the engine (blocks freed); returns their ids."""
+        ids = list(self.requests)
+        for rid in ids:
+            self.abort_request(rid)
+        return ids
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False when it is unknown or already finished."""
@@ -437,7 +470,7 @@ class LLMEngine:
         kept = len(emitted) - 1
         self.stats["spec_proposed"] += len(s.drafts)
         self.stats["spec_accepted"] += kept
-        drafts, s.drafts = s.drafts, []
+        drafts, s.drafts, s.draft_probs = s.drafts, [], None
         # the cache holds K/V of the last token and all k drafts: keep the last token's and the kept ones'
         self.scheduler.commit(s, 1 + kept, s.all_ids + drafts[:kept])
         for token, logprobs in emitted:
@@ -456,277 +489,15 @@ class GenerationError(RuntimeError):
         self.outputs = outputs
 
 
-def _as_prompt_list(prompts) -> list:
-    """One prompt (a string or token ids) or many -> a list of prompts."""
-    if isinstance(prompts, str) or (
-        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-    ):
-        return [prompts]
-    if isinstance(prompts, torch.Tensor):
-        return [prompts.tolist()] if prompts.dim() == 1 else prompts.tolist()
-    if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray, dict)):
-        raise ValueError(
-            f"prompts={prompts!r:.60} must be a prompt (a string or token ids) or a list of prompts"
-        )
-    return list(prompts)
+def __getattr__(name: str):
+    """``from lmstack.inference.engine import LLM / AsyncLLM`` (their home before they had modules
+    of their own) still works; new code imports them from ``lmstack.inference``."""
+    if name == "LLM":
+        from lmstack.inference.llm import LLM
 
+        return LLM
+    if name == "AsyncLLM":
+        from lmstack.inference.async_llm import AsyncLLM
 
-class LLM:
-    """Offline batch inference: ``LLM("smollm2-135m").generate(prompts, SamplingParams(...))``.
-
-    ``model`` is a name (``smollm2-135m``), a .gguf file or checkpoint directory, or a
-    Transformer; ``runtime`` a ``lmstack.kernels.RuntimeConfig``: attention/RMSNorm backends and the
-    number format (``dtype`` "fp32"/"bf16"/"fp16", or "int8"/"int4": weight-only quantised linears,
-    ``lmstack.quant``, the model changed in place). ``dtype=`` / ``quant=`` are shorthands for
-    ``runtime.dtype`` (a torch dtype is accepted for ``dtype``). Without ``runtime`` a Transformer
-    passed in keeps the backends it has. Engine
-    options (block_size, num_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
-    ...) are passed through to ``LLMEngine``. ``generate`` checks every prompt before queueing
-    any (``ValueError``), and raises ``GenerationError`` (holding every output) when some requests
-    failed while running; the engine stays usable either way.
-    """
-
-    def __init__(
-        self,
-        model="smollm2-135m",
-        tokenizer=None,
-        runtime: RuntimeConfig | None = None,
-        device: torch.device | str = "cpu",
-        *,
-        dtype: torch.dtype | str | None = None,
-        quant: str | None = None,
-        **engine_kwargs,
-    ):
-        configured = runtime is not None
-        runtime = runtime or RuntimeConfig()
-        if dtype is not None or quant is not None:
-            name = (
-                next((k for k, v in DTYPES.items() if v == dtype), dtype)
-                if isinstance(dtype, torch.dtype)
-                else dtype
-            )
-            weight_format(name or "fp32", quant)  # names both values when they conflict
-            name = quant or name
-            if configured and runtime.dtype not in ("fp32", name):
-                raise ValueError(
-                    f"dtype/quant={name!r} and runtime.dtype={runtime.dtype!r} disagree; set one"
-                )
-            runtime = replace(runtime, dtype=name)
-        model, tokenizer = load_for_inference(model, tokenizer, runtime.dtype, device)
-        # the backends, resolved once here; without ``runtime`` a model passed in keeps its own
-        self.runtime = runtime
-        self.runtime_line = configure(model, runtime) if configured else None
-        self.engine = LLMEngine(model, tokenizer, **engine_kwargs)
-        self.engine.attach(self)
-        self._lock = (
-            threading.Lock()
-        )  # generate() from several threads: one call steps the engine at a time
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
-    ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order. Thread-safe: calls from several
-        threads run one after another (each steps the engine until its own requests finish)."""
-        with self._lock:
-            self.engine.attach(self)
-            return self._generate(prompts, sampling_params, use_tqdm)
-
-    def busy(self) -> bool:
-        """A ``generate`` call is running (the engine's driver protocol, ``LLMEngine.attach``)."""
-        return self._lock.locked()
-
-    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        prompt_list = _as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompt_list)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompt_list):
-                raise ValueError(f"{len(params)} sampling_params for {len(prompt_list)} prompts")
-        # every prompt is checked before any is queued: one bad prompt leaves nothing behind
-        seqs = [self.engine.check_request(None, p, sp) for p, sp in zip(prompt_list, params)]
-        for seq in seqs:
-            self.engine.enqueue(seq)
-        ids = [seq.request_id for seq in seqs]
-        done: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(ids), desc="requests")
-        try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
-        finally:  # an interrupt (or an engine bug) leaves none of this call's requests behind
-            for i in ids:
-                self.engine.abort_request(i)
-            if bar is not None:
-                bar.close()
-        outputs = [done[i] for i in ids]
-        failed = [o for o in outputs if o.error is not None]
-        if failed:
-            raise GenerationError(
-                f"{len(failed)} of {len(outputs)} requests failed (the others finished, see "
-                f".outputs): " + "; ".join(o.error for o in failed[:3]),
-                outputs,
-            )
-        return outputs
-
-    def chat(
-        self, messages: list[dict], sampling_params: SamplingParams | None = None
-    ) -> RequestOutput:
-        """One chat turn: render the model's chat template (jinja2) and generate the reply."""
-        prompt = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        return self.generate([self.tokenizer.encode(prompt)], sampling_params)[0]
-
-
-class AsyncLLM:
-    """Streaming API over one ``LLMEngine`` for an asyncio server.
-
-    ``generate`` adds a request and yields ``RequestOutput`` deltas as tokens arrive; leaving
-    the iterator early (a client disconnect) aborts the request and frees its blocks.
-    The engine steps in a worker thread; requests added or aborted meanwhile are applied
-    between steps, so the engine is never touched by two threads at once.
-    """
-
-    def __init__(self, engine: LLMEngine):
-        engine.attach(self)
-        self.engine = engine
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._pending: list[tuple] = []
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-
-    def _ensure_loop(self) -> None:
-        if self._task is None or self._task.done():
-            self._wakeup = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run())
-
-    def busy(self) -> bool:
-        """Streams in flight or requests waiting to be added (``LLMEngine.attach``)."""
-        return bool(self._queues or self._pending)
-
-    def add_request(
-        self, request_id: str, prompt, params: SamplingParams | None = None
-    ) -> asyncio.Queue:
-        params = params or SamplingParams()
-        self.engine.attach(self)
-        if request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} is already streaming")
-        self._ensure_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
-        self._pending.append(("add", request_id, prompt, params))
-        self._wakeup.set()
-        return q
-
-    def abort(self, request_id: str) -> None:
-        if self._queues.pop(request_id, None) is not None:
-            self._pending.append(("abort", request_id))
-            if self._wakeup is not None:
-                self._wakeup.set()
-
-    async def generate(
-        self, prompt, params: SamplingParams | None = None, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        request_id = request_id or f"async-{next(self.engine._ids)}"
-        q = self.add_request(request_id, prompt, params)
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
-
-    @property
-    def alive(self) -> bool:
-        """False once the loop task has died of an exception (it restarts on the next request)."""
-        t = self._task
-        return t is None or not t.done() or t.cancelled() or t.exception() is None
-
-    async def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort every request (blocks freed; each waiter's ``generate`` raises RuntimeError) and stop
-        the loop task. The loop applies the aborts between steps, never while a step runs in its thread."""
-        for rid, q in list(self._queues.items()):
-            q.put_nowait(RuntimeError(f"request {rid!r} aborted: the engine is shutting down"))
-            self.abort(rid)
-        task, deadline = self._task, time.monotonic() + timeout
-        while (
-            task is not None and not task.done() and self._pending and time.monotonic() < deadline
-        ):
-            await asyncio.sleep(0.005)
-        self._task = None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    def _apply_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        for op in pending:
-            if op[0] == "add":
-                _, rid, prompt, params = op
-                try:
-                    self.engine.add_request(rid, prompt, params)
-                except Exception as e:  # noqa: BLE001 — whatever the bad request raises goes to its caller
-                    q = self._queues.pop(rid, None)
-                    if q is not None:
-                        q.put_nowait(e)
-            else:
-                self.engine.abort_request(op[1])
-
-    def _deliver(self, out: RequestOutput) -> None:
-        q = self._queues.get(out.request_id)
-        if q is None:
-            return
-        if out.error is not None:
-            q.put_nowait(GenerationError(out.error, [out]))
-        else:
-            q.put_nowait(out)
-        if out.finished:
-            self._queues.pop(out.request_id, None)
-
-    def _fail_all(self, error: Exception) -> None:
-        """The engine loop itself failed: every waiter gets the error, every request is aborted
-        (blocks freed), and the loop goes on serving new requests."""
-        for q in self._queues.values():
-            q.put_nowait(error)
-        self._queues.clear()
-        for rid in list(self.engine.requests):
-            self.engine.abort_request(rid)
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                self._apply_pending()
-                if not self.engine.has_unfinished_requests():
-                    self._wakeup.clear()
-                    if self._pending:
-                        continue
-                    await self._wakeup.wait()
-                    continue
-                outputs = await asyncio.to_thread(self.engine.step)
-                for out in outputs:
-                    self._deliver(out)
-            except Exception as e:  # noqa: BLE001 — never a dead loop with callers waiting on it
-                self._fail_all(e)
+        return AsyncLLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,14 +16,13 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from lmstack.inference.kv_cache import KVCache
+from lmstack.inference.kv_cache import KVCache, LatentKVCache, MixerCache
 from lmstack.inference.prompts import prompt_token_ids
 from lmstack.inference.sampling import SamplingParams, sample_token
 from lmstack.inference.speculative import verify_drafts
 from lmstack.inference.stops import StopStrings, token_stop
+from lmstack.model.cache import Ability, has
 from lmstack.model.mixer_spec import layer_kinds
-from lmstack.model.mixers import MixerCache
-from lmstack.model.mla import LatentKVCache
 
 
 @torch.inference_mode()
@@ -142,7 +141,7 @@ class CachedStep:
         return self.model(new, pos, kv_cache=self.cache, last_n=len(drafts) + 1)[0]  # (k+1, V)
 
     def truncate(self, length: int) -> None:
-        if not hasattr(self.cache, "truncate"):  # a recurrent state cannot be rolled back
+        if not has(self.cache, Ability.ROLLBACK):  # a recurrent state cannot be rolled back
             raise ValueError(
                 f"speculation needs a cache that rolls back rejected drafts; {type(self.cache).__name__} "
                 "holds recurrent states (use_cache=False speculates by recomputing)"

@@ -1,7 +1,10 @@
 """Load a model for inference: the weights in the asked format, its tokenizer, checked to belong together.
 
-The one loader behind ``LLM(...)`` and ``lmstack generate`` / ``lmstack chat``. ``dtype`` "int8"/"int4"
-means fp32 weights with weight-only quantised linears (:mod:`lmstack.quant`).
+The one loader behind ``LLM(...)`` and ``lmstack generate`` / ``lmstack chat`` / ``lmstack serve``.
+``dtype`` "int8"/"int4" means fp32 weights with weight-only quantised linears (:mod:`lmstack.quant`);
+"auto" (``lmstack serve``'s default) keeps a quantised GGUF quantised: Q4_0/Q4_1/Q4_K block linears
+become int4 linears (groups of 32, as the file's blocks), Q8_0 ones int8, and the unembedding follows
+the file's output (or tied embedding) tensor; any other model loads in fp32 (``native_weight_format``).
 """
 
 from __future__ import annotations
@@ -10,12 +13,13 @@ import os
 
 import torch
 
-from lmstack.model.io import load_model
+from lmstack.model.io import NAMED_MODELS, find_named_model, load_model
 from lmstack.quant import quantize_model
 from lmstack.tokenizer import load_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUANT = ("int8", "int4")
+AUTO = "auto"  # the file's own format (``native_weight_format``)
 
 
 def weight_format(dtype: str, quant: str | None = None) -> tuple[torch.dtype, str | None]:
@@ -31,9 +35,37 @@ def weight_format(dtype: str, quant: str | None = None) -> tuple[torch.dtype, st
     return DTYPES[dtype], quant
 
 
+def native_weight_format(source) -> tuple[str, str | bool]:
+    """(weight format of the block linears, of the unembedding) that keeps a GGUF's quantisation:
+    ("int4", "int8") for SmolLM2's Q4_1 file with its Q8_0 tied embedding; ("fp32", False) for a
+    float GGUF, a checkpoint directory or anything that is not a file path."""
+    from lmstack.model.gguf import read_gguf_header
+    from lmstack.quant.gguf_blocks import INT4_TYPES
+
+    path = os.fspath(source) if isinstance(source, (str, os.PathLike)) else ""
+    if not path.endswith(".gguf") or not os.path.isfile(path):
+        return "fp32", False
+
+    def fmt(qtype) -> str:
+        name = getattr(qtype, "name", str(qtype))
+        return "int4" if name in INT4_TYPES else "int8" if name in ("Q8_0", "Q6_K") else "fp32"
+
+    spans = read_gguf_header(path).spans
+    blocks = {
+        fmt(s.qtype) for n, s in spans.items() if n.startswith("blocks.") and len(s.shape) > 1
+    }
+    body = blocks.pop() if len(blocks) == 1 else "int8" if blocks <= {"int4", "int8"} else "fp32"
+    head_span = spans.get("lm_head.weight", spans.get("embed.weight"))
+    head = fmt(head_span.qtype) if head_span is not None else "fp32"
+    return body, (head if body != "fp32" and head != "fp32" else False)
+
+
 def model_tokenizer(model_source, tokenizer_path=None):
-    """The tokenizer of a model: its GGUF, or a tokenizer file/dir (tokenizer.json, vocab+merges)."""
+    """The tokenizer of a model: its GGUF, or a tokenizer file/dir (tokenizer.json, vocab+merges); a model
+    name (``smollm2-135m``) resolves to its file as ``load_model`` resolves it."""
     path = tokenizer_path or model_source
+    if tokenizer_path is None and not os.path.exists(path) and str(path).lower() in NAMED_MODELS:
+        path = find_named_model(str(path))
     try:
         return load_tokenizer(path)
     except (ValueError, FileNotFoundError) as e:
@@ -58,8 +90,13 @@ def load_for_inference(
     quant: str | None = None,
 ):
     """-> (model in eval mode, tokenizer). ``model``: a name, .gguf file, checkpoint dir or a Transformer;
-    ``tokenizer``: a tokenizer, a file/dir, or None (the model's own when ``model`` is a path)."""
-    if isinstance(dtype, str):
+    ``tokenizer``: a tokenizer, a file/dir, or None (the model's own when ``model`` is a path).
+    ``dtype="auto"``: the format the file is stored in (``native_weight_format``)."""
+    auto = dtype == AUTO and quant is None
+    head: str | bool = True
+    if auto:
+        dtype = torch.float32
+    elif isinstance(dtype, str):
         dtype, quant = weight_format(dtype, quant)
     source = None
     if isinstance(model, (str, os.PathLike)):
@@ -68,8 +105,11 @@ def load_for_inference(
     if isinstance(tokenizer, (str, os.PathLike)) or (tokenizer is None and source is not None):
         tokenizer = model_tokenizer(source, tokenizer)
     model = model.eval()
+    if auto:
+        body, head = native_weight_format(source)
+        quant = body if body in QUANT else None
     if quant is not None:  # weight-only int8/int4 linears, in place
-        quantize_model(model, quant)
+        quantize_model(model, quant, lm_head=head)
     if tokenizer is not None:
         check_tokenizer(tokenizer, model)
     return model, tokenizer

@@ -175,7 +175,12 @@ class ModelRunner:
         check_logits(logits)
         logits_cpu = logits.float().cpu()
         emitted, _ = verify_drafts(
-            logits_cpu, seq.drafts, seq.params, seq.all_ids, seq.generator or self.generator
+            logits_cpu,
+            seq.drafts,
+            seq.params,
+            seq.all_ids,
+            seq.generator or self.generator,
+            seq.draft_probs,
         )
         if seq.logprobs is None:
             return [(t, None) for t in emitted]

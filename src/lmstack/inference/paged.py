@@ -7,20 +7,21 @@ view of the pool. A batch object plugs into the attention seam (``lmstack.model.
 ``attend`` scatters this step's K/V into their slots, gathers each sequence's blocks with their
 positions (−1 = empty) and calls the model's attention implementation on them.
 
-Quantised blocks (``dtype="int8"`` or ``"fp8"``, seed 001 "低精度计算"; the issue's KV-cache
-quantisation): the pool holds 1-byte codes plus one float32 scale per (layer, block, KV head) for K
-and for V, over the block's filled bs × H values: int8 s = max|x| / 127, codes = round(x / s);
-fp8 e4m3 s = 2^⌈log2(max|x| / 448)⌉ (a power of two, so max|x|/s ∈ (224, 448]), codes = x / s rounded
-to e4m3. KV bytes = 2·1·NB·bs·L·K·H + 2·4·NB·L·K (``kv_pool_bytes``).
+Quantised blocks (``dtype="int8"`` or ``"fp8"``, seed 001 "低精度计算"): the pool holds 1-byte codes plus one
+float32 scale per (layer, block, KV head) for K and for V, over the block's filled bs × H values, through the one
+KV codec ``quant.kv_codec`` (int8 s = max|x|/127; fp8 e4m3 s = 2^⌈log2(max|x|/448)⌉, and why).
+KV bytes = 2·1·NB·bs·L·K·H + 2·4·NB·L·K (``kv_pool_bytes``).
 Blocks fill one token at a time, so a write re-quantises the blocks it touches: it dequantises
 them, puts the new rows in, and keeps the old scale unless the new rows exceed it (then the
 block is re-rounded on the larger scale; a block that starts at offset 0 takes a fresh scale).
 Codes of a block whose scale did not grow come back unchanged. An int8 block whose scale grows is
 rounded twice; an fp8 block's scale grows by a power of two, which only shifts the e4m3 exponents
-(exact but for codes pushed below 2⁻⁶ into the subnormals), and since e4m3's relative step is the same
-at every normal magnitude, the power of two costs no precision. (With s = max|x|/448 the re-rounding
-raised the relative error of SmolLM2's K/V from 2.6% to 3.5% over a decode-filled block.) Gathering
-dequantises to the compute dtype (no int8 attention kernel on the CPU): the pool saves memory, not time.
+(exact but for codes pushed below 2⁻⁶ into the subnormals). Gathering dequantises to the compute dtype
+(no int8 attention kernel on the CPU): the pool saves memory, not time.
+
+A batch object declares what it can do (``model.cache.Ability``): every one is ``PAGED`` and ``PACKED`` (its
+metadata carries the keys' sequence ids), ``PREFIX_SHARING`` when the pool shares prompt blocks, ``QUANTISED``
+for 1-byte blocks, ``LATENT`` for an MLA pool.
 """
 
 from __future__ import annotations
@@ -32,13 +33,15 @@ from torch import Tensor
 
 from lmstack.accounting.memory import kv_layer_elements
 from lmstack.inference.block_manager import BlockManager
+from lmstack.model.cache import Ability
 from lmstack.model.config import ModelConfig
 from lmstack.model.mixer_spec import attention_kind, softmax_layers, spec
 from lmstack.model.seam import AttentionImpl, AttentionMetadata
+from lmstack.quant.kv_codec import KV_FORMATS, SCALE_BYTES, check_format, decode, encode, scale_for
 
-# quantised KV formats: name -> (code dtype, largest code magnitude)
-KV_QUANT_FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
-SCALE_BYTES = 4  # one float32 scale per (layer, block, KV head), for K and for V
+KV_QUANT_FORMATS = (
+    KV_FORMATS  # the name the engine imports (inference/engine.py); the formats are the codec's
+)
 
 
 def kv_layers(config: ModelConfig) -> list[int]:
@@ -55,7 +58,7 @@ def kv_pool_bytes(
     pool its 2·NB·L·K float32 scales."""
     L = len(kv_layers(config))
     elements = kv_layer_elements(config, 1, num_blocks * block_size) * L
-    if isinstance(dtype, str) and dtype in KV_QUANT_FORMATS:
+    if isinstance(dtype, str) and dtype in KV_FORMATS:
         return elements + 2 * num_blocks * L * config.n_kv_heads * SCALE_BYTES
     return elements * torch.empty(0, dtype=dtype).element_size()
 
@@ -96,17 +99,24 @@ class PagedKVCache:
         self.quant = (
             dtype if isinstance(dtype, str) else None
         )  # "int8" / "fp8": codes + per-block scales
+        # what the batch objects of this pool declare (model.cache): PACKED is theirs
+        self.abilities = frozenset(
+            {Ability.PAGED}
+            | ({Ability.PREFIX_SHARING} if enable_prefix_caching else set())
+            | ({Ability.QUANTISED} if self.quant is not None else set())
+            | ({Ability.LATENT} if self.stores_latent else set())
+        )
         if self.quant is not None:
-            if self.quant not in KV_QUANT_FORMATS:
+            if self.quant not in KV_FORMATS:
                 raise ValueError(
-                    f"KV cache dtype={dtype!r}: a quantised pool is one of {tuple(KV_QUANT_FORMATS)}"
+                    f"KV cache dtype={dtype!r}: a quantised pool is one of {tuple(KV_FORMATS)}"
                 )
             if self.stores_latent:
                 raise ValueError(
                     f"KV cache dtype={dtype!r}: quantised blocks hold K and V per KV head; "
                     "an MLA latent cache stays in a float dtype"
                 )
-            code_dtype, self.qmax = KV_QUANT_FORMATS[self.quant]
+            code_dtype, _ = check_format(self.quant)
             self.k = torch.zeros(shape, dtype=code_dtype, device=device)
             self.v = torch.zeros(shape, dtype=code_dtype, device=device)
             # s per (layer, block, KV head); 0 = nothing stored (dequantises to 0, grows on the first write)
@@ -181,8 +191,9 @@ class PagedKVCache:
 
     def _write_quantised(self, codes: Tensor, scale: Tensor, slots: Tensor, x: Tensor) -> None:
         """codes (NB, bs, K, H), scale (NB, K) of one layer; x (T, K, H) for slots (T,): re-quantise the
-        touched blocks with s = max(old s, max|x| of the filled part / q_max) (fresh when the write starts the block)."""
-        bs, qmax = self.block_size, self.qmax
+        touched blocks with s = max(old s, the codec's scale of the filled part) (fresh when the write starts
+        the block)."""
+        bs = self.block_size
         blk, off = slots // bs, slots % bs
         ub, inv = torch.unique(blk, return_inverse=True)  # (U,), (T,)
         U = ub.numel()
@@ -193,23 +204,16 @@ class PagedKVCache:
             0, inv, off, "amax"
         )
         s_old = scale.index_select(0, ub)  # (U, K)
-        vals = (
-            codes.index_select(0, ub).float() * s_old[:, None, :, None]
-        )  # (U, bs, K, H) dequantised
+        vals = decode(codes.index_select(0, ub), s_old[:, None, :, None])  # (U, bs, K, H)
         vals[inv, off] = x.float()
         filled = (
             torch.arange(bs, device=slots.device)[None] <= hi[:, None]
         )  # (U, bs): offsets 0..hi hold tokens
         amax = (vals.abs().amax(dim=-1) * filled[..., None]).amax(dim=1)  # (U, K)
-        s_new = amax / qmax
-        if (
-            codes.dtype == torch.float8_e4m3fn
-        ):  # a power of two ≥ amax/448: growing it re-rounds nothing (docstring)
-            s_new = torch.exp2(torch.ceil(torch.log2(s_new)))  # 0 stays 0, inf/NaN stay non-finite
+        s_new = scale_for(amax, self.quant)  # fp8: a power of two, growing it re-rounds nothing
         s = torch.where((lo == 0)[:, None], s_new, torch.maximum(s_old, s_new))  # (U, K)
-        y = vals / torch.where(s > 0, s, 1.0)[:, None, :, None]
-        q = torch.round(y).clamp(-qmax, qmax) if codes.dtype == torch.int8 else y.clamp(-qmax, qmax)
-        _raw(codes).index_copy_(0, ub, _raw(q.to(codes.dtype)))
+        q = encode(vals, s[:, None, :, None], self.quant)
+        _raw(codes).index_copy_(0, ub, _raw(q))
         scale.index_copy_(0, ub, s)
 
     def gather(self, layer_idx: int, which: str, index: Tensor, dtype: torch.dtype) -> Tensor:
@@ -227,7 +231,7 @@ class PagedKVCache:
         s = (self.k_scale if which == "k" else self.v_scale)[layer_idx].index_select(
             0, index // self.block_size
         )
-        return (codes.to(torch.float32) * s[..., None]).to(dtype)  # (S, K, H)
+        return decode(codes, s[..., None], dtype)  # (S, K, H)
 
     def read_blocks(self, layer_idx: int, which: str, table: Tensor, dtype: torch.dtype) -> Tensor:
         """K or V of whole blocks through block tables ``table`` (B, M) of one layer -> (B, M·bs, K, H) in
@@ -245,10 +249,8 @@ class PagedKVCache:
             )
         codes = _raw(store[r]).index_select(0, flat).view(store.dtype)  # (B·M, bs, K, H)
         s = (self.k_scale if which == "k" else self.v_scale)[r].index_select(0, flat)  # (B·M, K)
-        return (
-            (codes.to(torch.float32) * s[:, None, :, None])
-            .view(B, M * self.block_size, *store.shape[-2:])
-            .to(dtype)
+        return decode(codes, s[:, None, :, None], dtype).view(
+            B, M * self.block_size, *store.shape[-2:]
         )
 
     def write_layers(self, layers: Sequence[int], slots: Tensor, k: Tensor, v: Tensor) -> None:
@@ -352,9 +354,10 @@ class PackedPagedBatch:
             t0, r = t1, r1
 
     @property
-    def stores_latent(self) -> bool:
-        """MLA: the model passes v=None and the values are the first d_c numbers of each latent key."""
-        return self.cache.stores_latent
+    def abilities(self) -> frozenset[Ability]:
+        """The pool's (``PAGED``, maybe ``PREFIX_SHARING``, ``QUANTISED``, ``LATENT``: MLA passes v=None and the
+        values are the first d_c numbers of each latent key) and ``PACKED`` (keys' sequence ids are known)."""
+        return self.cache.abilities | {Ability.PACKED}
 
     def _write(self, layer_idx: int, k: Tensor, v: Tensor | None) -> None:
         _, K, T, H = k.shape

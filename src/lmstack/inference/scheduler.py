@@ -3,7 +3,8 @@ happens to them afterwards (seed 000 §2.2 token-budget batching; seed 001 "动�
 iteration-level scheduling, vLLM preemption by recomputation).
 
 ``schedule`` fills a token budget (``max_num_batched_tokens``): running sequences first (a decode
-costs 1 token plus its speculative drafts, an unfinished prompt continues with a chunk — chunked
+costs 1 token plus its speculative drafts (proposed for all decoding sequences at once,
+``_propose_all``: prompt lookup or a draft model's batch), an unfinished prompt continues with a chunk — chunked
 prefill), then waiting requests while blocks, the budget and ``max_num_seqs`` allow. When a
 running sequence needs a block and none is free, the most recently admitted one is preempted:
 its blocks are freed and it goes back to the front of the queue (prefix caching usually gives
@@ -18,6 +19,7 @@ import time
 from collections import deque
 
 from lmstack.inference.block_manager import BlockManager
+from lmstack.inference.draft_runner import DraftRunner
 from lmstack.inference.sequence import RUNNING, WAITING, Sequence
 from lmstack.inference.speculative import PromptLookup
 from lmstack.inference.state_pool import StatePool
@@ -35,7 +37,7 @@ class Scheduler:
         watermark_blocks: int,
         eos_token_id: int | None,
         sliding_window: int | None,
-        speculator: PromptLookup | None,
+        speculator: PromptLookup | DraftRunner | None,
         stats: dict,
         states: StatePool | None = None,
     ):
@@ -69,8 +71,10 @@ class Scheduler:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        """Give back a sequence's blocks and its state slot."""
+        """Give back a sequence's blocks, its state slot and its draft model's blocks."""
         self.blocks.free(seq.request_id)
+        if self.speculator is not None:
+            self.speculator.release(seq.request_id)
         if self.states is not None:
             self.states.free(seq.request_id)
 
@@ -80,16 +84,18 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
+        self._propose_all(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq.all_ids) - seq.num_computed, budget)
-            seq.drafts = self._propose(seq, budget - 1) if n == 1 else []
+            if n != 1 or len(seq.drafts) > budget - 1:  # the budget a preemption left
+                self._drop_drafts(seq, budget - 1 if n == 1 else 0)
             n += len(seq.drafts)
             while not self.blocks.can_append(seq.request_id, n):
                 if seq.drafts:  # speculation never costs another sequence its blocks
                     n -= len(seq.drafts)
-                    seq.drafts = []
+                    self._drop_drafts(seq, 0)
                     continue
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
@@ -133,24 +139,42 @@ class Scheduler:
             budget -= n
         return scheduled
 
-    def _propose(self, seq: Sequence, budget: int) -> list[int]:
-        """The speculation budget: drafts within the token budget left and what max_tokens /
-        max_model_len still allow after the next token."""
-        if (
-            self.speculator is None or seq.params.logits_processors
-        ):  # drafts would bypass the processors
-            return []
-        room = min(
-            budget,
-            seq.params.max_tokens - seq.num_output - 1,
-            self.max_model_len - len(seq.all_ids) - 1,
-        )
-        return self.speculator.propose(seq.all_ids, room)
+    def _propose_all(self, budget: int) -> None:
+        """Drafts for every running sequence that decodes, proposed together (a draft model runs them
+        as one batch): each gets the room its place in the token budget leaves, within what
+        max_tokens / max_model_len still allow after the next token."""
+        items = []
+        for seq in self.running:
+            seq.drafts, seq.draft_probs = [], None
+            if budget <= 0:
+                break
+            n = min(len(seq.all_ids) - seq.num_computed, budget)
+            budget -= n
+            if n != 1 or self.speculator is None or seq.params.logits_processors:
+                continue  # drafts would bypass the processors
+            room = min(
+                budget,
+                self.speculator.k,
+                seq.params.max_tokens - seq.num_output - 1,
+                self.max_model_len - len(seq.all_ids) - 1,
+            )
+            if room > 0:
+                items.append((seq, room))
+                budget -= room
+        if items:
+            self.speculator.propose_batch(items)
+
+    @staticmethod
+    def _drop_drafts(seq: Sequence, keep: int) -> None:
+        keep = max(0, keep)
+        seq.drafts = seq.drafts[:keep]
+        if seq.draft_probs is not None:
+            seq.draft_probs = seq.draft_probs[:keep] if keep else None
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)  # a recurrent state is dropped too: it is rebuilt by the recomputation
         seq.num_computed = 0
-        seq.drafts = []
+        seq.drafts, seq.draft_probs = [], None
         seq.status = WAITING
         seq.num_preemptions += 1
         self.stats["preemptions"] += 1

@@ -63,6 +63,7 @@ class Sequence:
     drafts: list[int] = field(
         default_factory=list
     )  # speculative tokens fed after the last token this step
+    draft_probs: torch.Tensor | None = None  # (len(drafts), V): the proposer's q; None = one-hot
     logprobs: list | None = None
     sent_tokens: int = 0  # output tokens already reported
     finish_reason: str | None = None
@@ -88,7 +89,7 @@ class Sequence:
 
     def finish(self, reason: str, now: float) -> None:
         self.status, self.finish_reason, self.finished_time = FINISHED, reason, now
-        self.drafts = []
+        self.drafts, self.draft_probs = [], None
 
     def output(self) -> RequestOutput:
         """The request's state now, with the delta since the previous call (text held back while

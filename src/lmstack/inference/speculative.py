@@ -177,6 +177,15 @@ class PromptLookup:
         k = min(self.k, room)
         return ngram_propose(tokens, k, *self.ngram) if k > 0 else []
 
+    def propose_batch(self, items) -> None:
+        """The engine's proposer protocol (as ``DraftRunner``): items (sequence, room) get
+        ``seq.drafts`` (one-hot: ``seq.draft_probs`` None)."""
+        for seq, room in items:
+            seq.drafts, seq.draft_probs = self.propose(seq.all_ids, room), None
+
+    def release(self, rid: str) -> None:
+        pass  # nothing kept per sequence
+
     def start(self, target: nn.Module, max_seq_len: int) -> None:
         self.stats = SpeculativeStats()
 

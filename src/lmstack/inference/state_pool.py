@@ -23,6 +23,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor, nn
 
+from lmstack.model.cache import Ability
 from lmstack.model.recurrent import RecurrentMixer
 
 
@@ -124,7 +125,7 @@ class StatePool:
 
 class RecurrentBatch:
     """The seam object of one engine forward for a model with recurrent layers: attention layers go to the
-    KV batch (``attend`` and everything else is delegated), recurrent layers to ``recurrent``."""
+    KV batch (``attend``), recurrent layers to ``recurrent``."""
 
     def __init__(self, inner, pool: StatePool, rows: Sequence[tuple[Hashable, int, int]]):
         self.inner, self.pool = inner, pool
@@ -142,8 +143,10 @@ class RecurrentBatch:
         self.rows = rows
         self.slots = [pool.slot_of[sid] for sid, _, _ in rows]
 
-    def __getattr__(self, name):  # attend, stores_latent, ...: the KV batch's
-        return getattr(self.inner, name)
+    @property
+    def abilities(self) -> frozenset[Ability]:
+        """The KV batch's, and ``RECURRENT_BATCH``: recurrent layers call ``recurrent`` (``model.cache``)."""
+        return self.inner.abilities | {Ability.RECURRENT_BATCH}
 
     def attend(self, layer_idx, q, k, v, meta, impl):
         return self.inner.attend(layer_idx, q, k, v, meta, impl)

@@ -12,6 +12,9 @@ attention  ``sdpa``           F.scaled_dot_product_attention (on CUDA its FlashA
            ``matmul``         lmstack.kernels.matmul_attention: bf16 matmuls, fp32 scores/softmax,
                               block-triangular for causal masks (row blocks skip the keys they
                               never see), P recomputed in backward (CPU training)
+           ``onednn``         lmstack.kernels.onednn_attention: CPU fp32 inference, plain causal
+                              self-attention of ≥ 192 tokens through oneDNN's GEMM, block-triangular;
+                              every other call runs sdpa (the perplexity windows ask for it)
            ``auto``           the fastest available on the tensor's device (table below)
 rmsnorm    ``torch``          the eager fp32 formula in lmstack.model.layers.RMSNorm (impl None)
            ``triton``         lmstack.kernels.triton_rmsnorm (one fused kernel each way)
@@ -44,6 +47,7 @@ from torch import Tensor
 
 from lmstack.kernels.flash_pytorch import flash_attention_pytorch
 from lmstack.kernels.matmul_attention import matmul_attention
+from lmstack.kernels.onednn_attention import OneDNNAttention
 from lmstack.model.seam import (
     AttentionImpl,
     AttentionMetadata,
@@ -52,7 +56,15 @@ from lmstack.model.seam import (
     SDPAAttention,
 )
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "reference", "matmul", "flash_pytorch", "flash_triton")
+ATTENTION_BACKENDS = (
+    "auto",
+    "sdpa",
+    "reference",
+    "matmul",
+    "flash_pytorch",
+    "flash_triton",
+    "onednn",
+)
 NORM_BACKENDS = (
     "auto",
     "torch",
@@ -98,6 +110,7 @@ ATTENTION: dict[str, AttentionImpl] = {
     "matmul": MatmulAttentionImpl(),
     "flash_pytorch": FlashAttentionImpl("flash_pytorch"),
     "flash_triton": FlashAttentionImpl("flash_triton"),
+    "onednn": OneDNNAttention(),  # falls back to sdpa where it does not apply
 }
 
 
@@ -167,7 +180,9 @@ def choose_attention(
 def resolve_attn_backend(name: str, device: torch.device | str, key_len: int | None = None) -> str:
     """``choose_attention`` with the training/autocast state read from the current context."""
     training = torch.get_autocast_dtype("cpu") if cpu_training_autocast(device) else None
-    autocast = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(training)
+    autocast = (
+        None if training is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(training)
+    )
     return choose_attention(name, device, autocast, torch.compiler.is_compiling(), key_len)[0]
 
 

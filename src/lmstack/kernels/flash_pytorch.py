@@ -168,7 +168,7 @@ def make_flash_function(
     backward_impl,
     doc: str,
     default_blocks: tuple[int | None, int | None] = (None, None),
-) -> type:
+) -> type[torch.autograd.Function]:
     """An autograd.Function around a FlashAttention-2 pair (seed 000 §2.7) shared by every implementation.
 
     ``forward_impl(q, k, v, causal, scale, block_q, block_k) -> (O, L)``;

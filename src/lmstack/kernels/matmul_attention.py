@@ -127,7 +127,8 @@ def row_blocks(
         ends = torch.stack([last[t0:t1].amax() for t0, t1 in bounds]).tolist()
     else:
         ends = [S] * len(bounds)
-    blocks, e = [], 1
+    blocks: list[tuple[int, int, int]] = []
+    e = 1
     for (t0, t1), end in zip(bounds, ends):
         e = max(e, min(S, int(end)))
         if blocks and blocks[-1][2] == e:
@@ -387,11 +388,12 @@ def matmul_attention(
         bias = None
     blocks = row_blocks(T, S, causal, mask, block=block)
     scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
-    sdpa = None
+    sdpa: tuple[Tensor | None, bool] | None = None
     # SDPA's forward gives 0 for a query row that sees no key where this module's backward gives NaN:
     # such inputs (T > S causal, masks with empty rows) take the matmul forward, NaN in both passes
     if SDPA_FORWARD and (T <= S if causal else mask is None or bool(mask.any(-1).all())):
         if causal and T != S:
+            assert bias is not None  # causal: causal_bias above
             sdpa = (bias[:, 0] == 0, False)  # bottom-right aligned: SDPA's is_causal is top-left
         else:
             sdpa = (mask, causal)

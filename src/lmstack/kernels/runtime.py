@@ -10,6 +10,8 @@ Seed 000 §2.7 (every attention backend computes the same function), §5 (number
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,7 @@ from lmstack.kernels.backends import (
     choose_attention,
     choose_norm,
 )
+from lmstack.ops.gemm import GEMM_BACKENDS, choose_gemm, set_gemm
 
 #: Floating formats: training autocasts to them (fp32 master weights; "fp32" = no autocast), inference
 #: holds its weights in them.
@@ -34,12 +37,15 @@ class RuntimeConfig:
     """attn_backend: one of ``ATTENTION_BACKENDS`` ("auto": ``backends.choose_attention``);
     norm_backend: one of ``NORM_BACKENDS`` ("auto": triton on CUDA with Triton, else torch);
     dtype: the number format, one of ``WEIGHT_FORMATS`` (training: ``PRECISIONS``, the autocast dtype);
-    compile: ``torch.compile`` the model (training) or the decode step (``lmstack generate``)."""
+    compile: ``torch.compile`` the model (training) or the decode step (``lmstack generate``);
+    gemm: the CPU fp32 GEMM, one of ``ops.gemm.GEMM_BACKENDS`` ("auto": the measured policy of this CPU's
+    vendor, ``ops.gemm.choose_gemm``; "onednn"; "blas": torch's own)."""
 
     attn_backend: str = "auto"
     norm_backend: str = "auto"
     dtype: str = "fp32"
     compile: bool = False
+    gemm: str = "auto"
 
     def __post_init__(self) -> None:
         if self.attn_backend not in ATTENTION_BACKENDS:
@@ -52,6 +58,8 @@ class RuntimeConfig:
             raise ValueError(f"dtype={self.dtype!r}; expected one of {WEIGHT_FORMATS}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile={self.compile!r} must be true or false")
+        if self.gemm not in GEMM_BACKENDS:
+            raise ValueError(f"gemm={self.gemm!r}; expected one of {GEMM_BACKENDS}")
 
 
 def configure(
@@ -62,7 +70,9 @@ def configure(
     max_keys: int | None = None,
 ) -> str:
     """Resolve ``runtime`` once for what the builder knows and set it on ``model`` (anything with
-    ``set_attention``/``set_norm``, e.g. ``lmstack.model.transformer.Transformer``); returns the log line.
+    ``set_attention``/``set_norm``, e.g. ``lmstack.model.transformer.Transformer``) and the GEMM policy of the
+    process (``ops.gemm.set_gemm``: every lmstack ``Linear`` reads it); returns the log line. This module is the
+    only place that swaps implementations (``use_attention`` for a block of code).
 
     device: where the model runs (default: its parameters'); training: it trains (under autocast when
     ``runtime.dtype`` is bf16/fp16); max_keys: the longest key sequence S it will see.
@@ -71,7 +81,7 @@ def configure(
     if device is None:
         device = next(model.parameters()).device
     autocast = runtime.dtype if training and runtime.dtype in ("bf16", "fp16") else None
-    needs = getattr(
+    needs: tuple[str, ...] = getattr(
         model, "attention_needs", tuple
     )()  # e.g. ("softcap",) for Gemma-2 (Transformer.attention_needs)
     attn, why = choose_attention(
@@ -81,4 +91,26 @@ def configure(
     model.set_attention(attention_impl(attn))
     model.set_norm(norm_impl)
     norm_why = "auto" if runtime.norm_backend == "auto" else "configured"
-    return f"attention: {attn} ({why}); rmsnorm: {norm} ({norm_why})"
+    line = f"attention: {attn} ({why}); rmsnorm: {norm} ({norm_why})"
+    if torch.device(device).type == "cpu":
+        gemm = choose_gemm(runtime.gemm)
+        set_gemm(gemm)
+        line += "; " + gemm.line()
+    return line
+
+
+@contextmanager
+def use_attention(model, name: str) -> Iterator[bool]:
+    """Within the block, ``model`` runs attention backend ``name`` when it runs plain SDPA now (a backend chosen
+    by ``configure`` — the reference for soft-capped scores, a user's choice — is kept); restored on exit,
+    unless something else replaced it meanwhile. Yields whether it swapped."""
+    saved = getattr(model, "attention", None)
+    swap = saved is not None and getattr(saved, "name", None) == "sdpa"
+    ours = attention_impl(name)
+    if swap:
+        model.set_attention(ours)
+    try:
+        yield swap
+    finally:
+        if swap and model.attention is ours:
+            model.set_attention(saved)

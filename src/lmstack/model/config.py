@@ -15,7 +15,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from lmstack.model.mixer_spec import LAYER_TYPES
 from lmstack.utils import atomic_write_text, check_bool, check_float, check_int
@@ -53,12 +53,13 @@ class ConfigError(ValueError):
     """A model configuration that cannot describe a working model."""
 
 
+# ---- the field groups: ModelConfig is their union (see ModelConfig's docstring) ---------------------------
 @dataclass
-class ModelConfig:
-    """Hyper-parameters of the model; every field is checked in ``__post_init__``.
+class DecoderConfig:
+    """The Llama-family decoder: sizes, RoPE, norms, embeddings, the HF family and the special tokens.
 
     ``rope_layout`` says which dimensions RoPE pairs up: ``"interleaved"`` rotates (2i, 2i+1)
-    as in seed 000 §1.3 and Meta's original Llama code; ``"half"`` rotates (i, i + H/2) as
+    as in the RoFormer paper and Meta's original Llama code; ``"half"`` rotates (i, i + H/2) as
     HF transformers does (HF checkpoints have their q/k rows permuted to match).
     """
 
@@ -76,14 +77,19 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 has biases on q, k, v (not o)
     sliding_window: int | None = None  # W: a query sees itself and the W - 1 keys before it
-    qk_norm: bool = False  # RMSNorm over H on q and k before RoPE (seed 001 "训练稳定性")
     parallel_block: bool = False  # GPT-J: y = x + Attn(Norm(x)) + MLP(Norm(x))
     init_std: float = 0.02
     architecture: str = "llama"  # HF family used when saving: llama | mistral | qwen2
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = field(default="custom", compare=False)
-    # --- token mixers beyond softmax attention (model/mixers.py, linear_attention.py, mamba2.py, deltanet.py, dsa.py)
+
+
+@dataclass
+class MixerConfig:
+    """Token mixers beyond softmax attention and the per-layer pattern (model/mixer_spec.py, mixers.py,
+    linear_attention.py, mamba2.py, deltanet.py, dsa.py)."""
+
     layer_types: list[str] | None = (
         None  # per layer, one of MIXERS; None = "attention" in every layer
     )
@@ -96,6 +102,9 @@ class ModelConfig:
     ssm_head_dim: int = 64  # Mamba-2: P; heads = ssm_expand·D / P
     ssm_expand: int = 2  # Mamba-2: inner width = ssm_expand·D
     conv_kernel: int = 4  # Mamba-2 / Gated DeltaNet short causal depthwise convolution
+    ssm_dt_limit: list | None = (
+        None  # Mamba-2: Δ clamped to [lo, hi] after the softplus (HF time_step_limit)
+    )
     delta_n_heads: int | None = None  # Gated DeltaNet q/k heads; None = n_heads
     delta_n_v_heads: int | None = (
         None  # Gated DeltaNet value heads (a multiple of delta_n_heads); None = equal
@@ -111,7 +120,13 @@ class ModelConfig:
     dsa_dense_warmup: bool = (
         False  # DSA: V3.2's dense warm-up stage (dense attention, KL over every causal key)
     )
-    # --- mixture of experts / MLA (model/moe.py, model/mla.py)
+
+
+@dataclass
+class MoEConfig:
+    """Mixture of experts: routed and shared experts, the router, capacity and the balance losses
+    (model/moe.py)."""
+
     n_experts: int = 0  # E routed experts per MoE layer; 0 = every FFN is the dense SwiGLU
     n_experts_per_token: int = 2  # k
     d_ff_expert: int | None = (
@@ -152,20 +167,165 @@ class ModelConfig:
     moe_bias_update_rate: float = (
         0.0  # γ: aux-free bias step b_i += γ·sign(mean load − load_i) per step
     )
+
+    def __post_init__(self) -> None:
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """The MoE fields on their own (model/moe.py); ModelConfig runs it too."""
+        for f in ("n_experts", "n_shared_experts", "moe_first_dense"):
+            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 0, MAX_SIZE))
+        for f in (
+            "n_experts_per_token",
+            "moe_layer_step",
+            "router_groups",
+            "router_topk_groups",
+            "moe_devices",
+        ):
+            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
+        for f in ("d_ff_expert", "d_ff_shared"):
+            if getattr(self, f) is not None:
+                setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
+        for f in ("shared_expert_gate", "router_norm_topk", "router_aux_free_bias"):
+            check_bool(f, getattr(self, f), ConfigError)
+        for f in (
+            "router_scale",
+            "moe_aux_loss_coef",
+            "moe_device_loss_coef",
+            "moe_z_loss_coef",
+            "moe_bias_update_rate",
+        ):
+            setattr(self, f, check_float(f, getattr(self, f), ConfigError))
+            if getattr(self, f) < 0:
+                raise ConfigError(f"{f}={getattr(self, f)} must be >= 0")
+        if self.capacity_factor is not None:
+            self.capacity_factor = check_float("capacity_factor", self.capacity_factor, ConfigError)
+            if not self.capacity_factor > 0:
+                raise ConfigError(f"capacity_factor={self.capacity_factor} must be > 0 (or null)")
+        choices = {
+            "router": ("topk", "hash"),
+            "router_score": ("softmax", "sigmoid"),
+            "router_order": ("softmax_topk", "topk_softmax"),
+        }
+        for f, allowed in choices.items():
+            if getattr(self, f) not in allowed:
+                raise ConfigError(f"{f}={getattr(self, f)!r}; expected one of {allowed}")
+        if self.n_experts:
+            if self.n_experts_per_token > self.n_experts:
+                raise ConfigError(
+                    f"n_experts_per_token={self.n_experts_per_token} exceeds n_experts="
+                    f"{self.n_experts}; top-k routing needs k <= E"
+                )
+            if self.n_experts % self.router_groups:
+                raise ConfigError(
+                    f"router_groups={self.router_groups} does not divide n_experts={self.n_experts}"
+                )
+            if self.router_topk_groups > self.router_groups:
+                raise ConfigError(
+                    f"router_topk_groups={self.router_topk_groups} exceeds router_groups="
+                    f"{self.router_groups}"
+                )
+            if (
+                self.router_groups > 1
+                and self.router_topk_groups * (self.n_experts // self.router_groups)
+                < self.n_experts_per_token
+            ):
+                raise ConfigError(
+                    f"router_topk_groups={self.router_topk_groups} groups of "
+                    f"{self.n_experts // self.router_groups} experts hold fewer than "
+                    f"n_experts_per_token={self.n_experts_per_token}"
+                )
+            if self.n_experts % self.moe_devices:
+                raise ConfigError(
+                    f"moe_devices={self.moe_devices} does not divide n_experts={self.n_experts}"
+                )
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, model/mla.py); ``kv_lora_rank > 0`` turns it on."""
+
     kv_lora_rank: int = 0  # d_c of MLA's compressed KV; > 0 makes every token mixer MLA
     q_lora_rank: int = 0  # d_c' of MLA's compressed query; 0 = a full-rank q projection
     qk_nope_head_dim: int = 0  # MLA per-head q/k dims without RoPE
     qk_rope_head_dim: int = 0  # d_R: MLA's decoupled RoPE dims (one shared key per token)
     v_head_dim: int = 0  # MLA per-head value dims
+    rope_yarn: dict | None = (
+        None  # MLA only: YaRN RoPE scaling {factor, original_max_position_embeddings, ...}
+    )
+
+    def __post_init__(self) -> None:
+        self._check_mla()
+
+    def _check_mla(self) -> None:
+        """The MLA fields on their own (model/mla.py); ModelConfig runs it too."""
+        for f in (
+            "kv_lora_rank",
+            "q_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        ):
+            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 0, MAX_SIZE))
+        if self.kv_lora_rank:
+            for f in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, f) < 1:
+                    raise ConfigError(
+                        f"MLA (kv_lora_rank={self.kv_lora_rank}) needs {f} >= 1, got {getattr(self, f)}"
+                    )
+            if self.qk_rope_head_dim % 2:
+                raise ConfigError(
+                    f"qk_rope_head_dim={self.qk_rope_head_dim} is odd; RoPE rotates pairs"
+                )
+        if self.rope_yarn is not None:
+            if not self.is_mla:
+                raise ConfigError(
+                    "rope_yarn (YaRN scaling) is implemented for MLA models (kv_lora_rank > 0) only"
+                )
+            if not isinstance(self.rope_yarn, dict):
+                raise ConfigError(
+                    f"rope_yarn={self.rope_yarn!r} must be an object of YaRN parameters"
+                )
+            allowed = {
+                "factor",
+                "original_max_position_embeddings",
+                "beta_fast",
+                "beta_slow",
+                "mscale",
+                "mscale_all_dim",
+                "attention_factor",
+                "truncate",
+            }
+            unknown = sorted(set(self.rope_yarn) - allowed)
+            if unknown:
+                raise ConfigError(
+                    f"rope_yarn has unknown key(s) {unknown}; known: {sorted(allowed)}"
+                )
+            for key in ("factor", "original_max_position_embeddings"):
+                if key not in self.rope_yarn:
+                    raise ConfigError(f"rope_yarn needs {key!r}, got {self.rope_yarn!r}")
+            for key, v in self.rope_yarn.items():
+                if key == "truncate":
+                    check_bool("rope_yarn.truncate", v, ConfigError)
+                elif v is not None:
+                    check_float(f"rope_yarn.{key}", v, ConfigError)
+
+    @property
+    def is_mla(self) -> bool:
+        """Every layer's token mixer is multi-head latent attention (model/mla.py)."""
+        return self.kv_lora_rank > 0
+
+
+@dataclass
+class VariantConfig:
+    """Variants of the block and of softmax attention (QK-norm, soft-capping, output gate, partial RoPE,
+    sandwich norms, ...; model/variants.py, model/olmoe.py); the defaults are the Llama block, unchanged."""
+
+    qk_norm: bool = False  # RMSNorm over H on q and k before RoPE (seed 001 "训练稳定性")
     qk_norm_full: bool = (
         False  # OLMoE: RMSNorm over all N·H query / K·H key features (not per head)
     )
     qkv_clip: float | None = None  # OLMoE clip_qkv: clamp q, k, v to ±clip
-    rope_yarn: dict | None = (
-        None  # MLA only: YaRN RoPE scaling {factor, original_max_position_embeddings, ...}
-    )
-    # --- HF hybrid / interleaved families (Mamba2, Gemma-2/3, Qwen3-Next: model/variants.py, model/hf.py);
-    # the defaults are the Llama block above, unchanged
     block_ffn: bool = (
         True  # False: a block is norm -> token mixer -> residual only (Mamba2ForCausalLM)
     )
@@ -189,12 +349,33 @@ class ModelConfig:
     attn_output_gate: bool = (
         False  # Qwen3-Next: attention output ·sigmoid(gate), gate from a doubled q_proj
     )
-    ssm_dt_limit: list | None = (
-        None  # Mamba-2: Δ clamped to [lo, hi] after the softplus (HF time_step_limit)
-    )
     rope_linear_factor: float | None = (
         None  # linear RoPE scaling (positions / factor) of the global layers (Gemma-3)
     )
+
+
+_G = TypeVar("_G", DecoderConfig, MixerConfig, MoEConfig, MLAConfig, VariantConfig)
+#: the field groups, by the name of their ``ModelConfig`` view (``config.moe`` is a MoEConfig)
+GROUPS = {
+    "decoder": DecoderConfig,
+    "mixers": MixerConfig,
+    "moe": MoEConfig,
+    "mla": MLAConfig,
+    "variants": VariantConfig,
+}
+
+
+@dataclass
+class ModelConfig(VariantConfig, MLAConfig, MoEConfig, MixerConfig, DecoderConfig):
+    """Hyper-parameters of the model; every field is checked in ``__post_init__``.
+
+    The fields are declared in groups (``DecoderConfig``, ``MixerConfig``, ``MoEConfig``, ``MLAConfig``,
+    ``VariantConfig``) and ModelConfig holds them all, flat: a field is read and set as ``config.n_experts``,
+    constructed as ``ModelConfig(n_experts=8)`` and stored flat in config files and checkpoints, as before
+    the groups existed. ``config.moe`` (``.decoder``, ``.mixers``, ``.mla``, ``.variants``) is the group as
+    its own typed object, a copy; ``config.replace(moe=MoEConfig(...))`` and
+    ``ModelConfig.from_groups(MoEConfig(...), n_layers=4)`` set a whole group.
+    """
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -253,16 +434,25 @@ class ModelConfig:
         if not (self.init_std > 0):
             raise ConfigError(f"init_std={self.init_std!r} must be > 0")
         self._check_mixers()
-        self._check_moe_mla()
+        self._check_moe()
+        self._check_mla()
         self._check_variants()
 
     def _check_variants(self) -> None:
         """The HF hybrid / interleaved-family fields (model/variants.py)."""
-        for f in ("block_ffn", "norm_offset", "sandwich_norm", "embed_scale", "attn_output_gate"):
+        for f in (
+            "block_ffn",
+            "norm_offset",
+            "sandwich_norm",
+            "embed_scale",
+            "attn_output_gate",
+            "qk_norm_full",
+        ):
             check_bool(f, getattr(self, f), ConfigError)
         if self.ffn_act not in FFN_ACTS:
             raise ConfigError(f"ffn_act={self.ffn_act!r}; expected one of {FFN_ACTS}")
         for f in (
+            "qkv_clip",
             "query_pre_attn_scalar",
             "attn_softcap",
             "final_softcap",
@@ -380,132 +570,6 @@ class ModelConfig:
             else ["attention"] * self.n_layers
         )
 
-    def _check_moe_mla(self) -> None:
-        """Validate the mixture-of-experts / MLA block (model/moe.py, model/mla.py)."""
-        for f in (
-            "n_experts",
-            "n_shared_experts",
-            "moe_first_dense",
-            "kv_lora_rank",
-            "q_lora_rank",
-            "qk_nope_head_dim",
-            "qk_rope_head_dim",
-            "v_head_dim",
-        ):
-            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 0, MAX_SIZE))
-        for f in (
-            "n_experts_per_token",
-            "moe_layer_step",
-            "router_groups",
-            "router_topk_groups",
-            "moe_devices",
-        ):
-            setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
-        for f in ("d_ff_expert", "d_ff_shared"):
-            if getattr(self, f) is not None:
-                setattr(self, f, check_int(f, getattr(self, f), ConfigError, 1, MAX_SIZE))
-        for f in ("shared_expert_gate", "router_norm_topk", "router_aux_free_bias", "qk_norm_full"):
-            check_bool(f, getattr(self, f), ConfigError)
-        for f in (
-            "router_scale",
-            "moe_aux_loss_coef",
-            "moe_device_loss_coef",
-            "moe_z_loss_coef",
-            "moe_bias_update_rate",
-        ):
-            setattr(self, f, check_float(f, getattr(self, f), ConfigError))
-            if getattr(self, f) < 0:
-                raise ConfigError(f"{f}={getattr(self, f)} must be >= 0")
-        for f in ("capacity_factor", "qkv_clip"):
-            if getattr(self, f) is not None:
-                setattr(self, f, check_float(f, getattr(self, f), ConfigError))
-                if not getattr(self, f) > 0:
-                    raise ConfigError(f"{f}={getattr(self, f)} must be > 0 (or null)")
-        choices = {
-            "router": ("topk", "hash"),
-            "router_score": ("softmax", "sigmoid"),
-            "router_order": ("softmax_topk", "topk_softmax"),
-        }
-        for f, allowed in choices.items():
-            if getattr(self, f) not in allowed:
-                raise ConfigError(f"{f}={getattr(self, f)!r}; expected one of {allowed}")
-        if self.n_experts:
-            if self.n_experts_per_token > self.n_experts:
-                raise ConfigError(
-                    f"n_experts_per_token={self.n_experts_per_token} exceeds n_experts="
-                    f"{self.n_experts}; top-k routing needs k <= E"
-                )
-            if self.n_experts % self.router_groups:
-                raise ConfigError(
-                    f"router_groups={self.router_groups} does not divide n_experts={self.n_experts}"
-                )
-            if self.router_topk_groups > self.router_groups:
-                raise ConfigError(
-                    f"router_topk_groups={self.router_topk_groups} exceeds router_groups="
-                    f"{self.router_groups}"
-                )
-            if (
-                self.router_groups > 1
-                and self.router_topk_groups * (self.n_experts // self.router_groups)
-                < self.n_experts_per_token
-            ):
-                raise ConfigError(
-                    f"router_topk_groups={self.router_topk_groups} groups of "
-                    f"{self.n_experts // self.router_groups} experts hold fewer than "
-                    f"n_experts_per_token={self.n_experts_per_token}"
-                )
-            if self.n_experts % self.moe_devices:
-                raise ConfigError(
-                    f"moe_devices={self.moe_devices} does not divide n_experts={self.n_experts}"
-                )
-        if self.kv_lora_rank:
-            for f in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-                if getattr(self, f) < 1:
-                    raise ConfigError(
-                        f"MLA (kv_lora_rank={self.kv_lora_rank}) needs {f} >= 1, got {getattr(self, f)}"
-                    )
-            if self.qk_rope_head_dim % 2:
-                raise ConfigError(
-                    f"qk_rope_head_dim={self.qk_rope_head_dim} is odd; RoPE rotates pairs"
-                )
-        if self.rope_yarn is not None:
-            if not self.is_mla:
-                raise ConfigError(
-                    "rope_yarn (YaRN scaling) is implemented for MLA models (kv_lora_rank > 0) only"
-                )
-            if not isinstance(self.rope_yarn, dict):
-                raise ConfigError(
-                    f"rope_yarn={self.rope_yarn!r} must be an object of YaRN parameters"
-                )
-            allowed = {
-                "factor",
-                "original_max_position_embeddings",
-                "beta_fast",
-                "beta_slow",
-                "mscale",
-                "mscale_all_dim",
-                "attention_factor",
-                "truncate",
-            }
-            unknown = sorted(set(self.rope_yarn) - allowed)
-            if unknown:
-                raise ConfigError(
-                    f"rope_yarn has unknown key(s) {unknown}; known: {sorted(allowed)}"
-                )
-            for key in ("factor", "original_max_position_embeddings"):
-                if key not in self.rope_yarn:
-                    raise ConfigError(f"rope_yarn needs {key!r}, got {self.rope_yarn!r}")
-            for key, v in self.rope_yarn.items():
-                if key == "truncate":
-                    check_bool("rope_yarn.truncate", v, ConfigError)
-                elif v is not None:
-                    check_float(f"rope_yarn.{key}", v, ConfigError)
-
-    @property
-    def is_mla(self) -> bool:
-        """Every layer's token mixer is multi-head latent attention (model/mla.py)."""
-        return self.kv_lora_rank > 0
-
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Layer ``layer_idx``'s FFN is a mixture of experts (model/moe.py)."""
         return (
@@ -519,6 +583,56 @@ class ModelConfig:
     def group_size(self) -> int:
         """G = N // K: query heads served by one kv head."""
         return self.n_heads // self.n_kv_heads
+
+    # ---- the field groups as typed objects --------------------------------------------------
+    def group(self, cls: type[_G]) -> _G:
+        """The fields of group ``cls`` (one of ``GROUPS``' classes) as a ``cls`` object (a copy)."""
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def decoder(self) -> DecoderConfig:
+        return self.group(DecoderConfig)
+
+    @property
+    def mixers(self) -> MixerConfig:
+        return self.group(MixerConfig)
+
+    @property
+    def moe(self) -> MoEConfig:
+        return self.group(MoEConfig)
+
+    @property
+    def mla(self) -> MLAConfig:
+        return self.group(MLAConfig)
+
+    @property
+    def variants(self) -> VariantConfig:
+        return self.group(VariantConfig)
+
+    @staticmethod
+    def _flatten(changes: dict[str, Any]) -> dict[str, Any]:
+        """``changes`` with each group object (``moe=MoEConfig(...)``, or a bare one under its class
+        name) spread into its fields."""
+        flat: dict[str, Any] = {}
+        for k, v in changes.items():
+            if k in GROUPS:
+                if not isinstance(v, GROUPS[k]):
+                    raise ConfigError(f"{k}={v!r:.80} must be a {GROUPS[k].__name__}")
+                flat.update({f.name: getattr(v, f.name) for f in dataclasses.fields(GROUPS[k])})
+            else:
+                flat[k] = v
+        return flat
+
+    @classmethod
+    def from_groups(cls, *groups: Any, **fields: Any) -> ModelConfig:
+        """A config from whole groups and single fields: ``from_groups(MoEConfig(n_experts=8), n_layers=4)``."""
+        changes: dict[str, Any] = {}
+        for g in groups:
+            name = next((k for k, c in GROUPS.items() if type(g) is c), None)
+            if name is None:
+                raise ConfigError(f"{g!r:.80} is not one of the groups {sorted(GROUPS)}")
+            changes[name] = g
+        return cls(**cls._flatten({**changes, **fields}))
 
     # ---- (de)serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -542,7 +656,8 @@ class ModelConfig:
         return cls(**d)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``: fields, or whole groups (``replace(moe=MoEConfig(n_experts=8))``)."""
+        return dataclasses.replace(self, **self._flatten(changes))
 
     def save(self, path: str | os.PathLike) -> None:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")

@@ -7,7 +7,7 @@ scores every past token s for query t with a few small heads j:
 
 then query t attends (softmax, GQA, RoPE as in ``model.attention``) only to its ``dsa_top_k`` highest-scoring
 causal keys. With top_k ≥ S it is dense causal attention. Training/prefill builds the (T, S) selection mask;
-decode (T = 1 with a ``MixerCache``) gathers the k selected keys, so the softmax costs O(k), and the indexer
+decode (T = 1 with a ``MixerCache``, ``inference.kv_cache``) gathers the k selected keys, so the softmax costs O(k), and the indexer
 O(S·H_I·n_I) cheap multiply-adds. Simplifications against V3.2: the main attention is GQA rather than MLA;
 the indexer has no RoPE and no FP8.
 
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmstack.model.attention import Attention
+from lmstack.model.cache import Ability, has
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Linear, RotaryEmbedding
 from lmstack.model.seam import AttentionMetadata
@@ -153,10 +154,11 @@ class SparseAttention(Attention):
         )  # (B, T)
         kpos = qpos
         if meta.cache is not None:
-            if not hasattr(meta.cache, "extra"):
+            if not has(meta.cache, Ability.LAYER_TENSORS):
                 raise TypeError(
                     f"layer {self.layer_idx} (dsa) also caches its indexer keys, which "
-                    f"{type(meta.cache).__name__} cannot hold; decode with lmstack.model.mixers.MixerCache"
+                    f"{type(meta.cache).__name__} cannot hold (no Ability.LAYER_TENSORS); decode with "
+                    "lmstack.inference.kv_cache.MixerCache"
                 )
             k, v, kpos = meta.cache.update(
                 self.layer_idx, k, v, qpos

@@ -25,30 +25,27 @@ import numpy as np
 import torch
 
 from lmstack.model.config import MAX_SEQ_LEN, MAX_SIZE, ConfigError, ModelConfig
+from lmstack.model.families.base import LLAMA_BLOCK, LLAMA_TOP
 from lmstack.model.hf import WeightsError, check_layer_count, load_state_into
 from lmstack.model.transformer import Transformer
 from lmstack.tokenizer.gguf_io import GGUFFormatError, read_gguf_layout
 from lmstack.utils import check_float, check_int
 
-_BLOCK_NAMES = {  # GGUF name inside blk.{i}  ->  lmstack name inside blocks.{i}
-    "attn_norm.weight": "attn_norm.weight",
-    "ffn_norm.weight": "ffn_norm.weight",
-    "attn_q.weight": "attn.q_proj.weight",
-    "attn_k.weight": "attn.k_proj.weight",
-    "attn_v.weight": "attn.v_proj.weight",
-    "attn_q.bias": "attn.q_proj.bias",
-    "attn_k.bias": "attn.k_proj.bias",
-    "attn_v.bias": "attn.v_proj.bias",
-    "attn_output.weight": "attn.o_proj.weight",
-    "ffn_gate.weight": "ffn.gate_proj.weight",
-    "ffn_up.weight": "ffn.up_proj.weight",
-    "ffn_down.weight": "ffn.down_proj.weight",
+#: HF name -> GGUF name (llama.cpp's tensor names); lmstack's names come from the Llama family's table
+#: (``model.families.base``), so GGUF, HF and lmstack names are one table
+_HF_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    **{f"self_attn.{p}_proj.{w}": f"attn_{p}.{w}" for p in "qkv" for w in ("weight", "bias")},
+    "self_attn.o_proj.weight": "attn_output.weight",
+    **{f"mlp.{w}_proj.weight": f"ffn_{w}.weight" for w in ("gate", "up", "down")},
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
 }
-_TOP_NAMES = {
-    "token_embd.weight": "embed.weight",
-    "output_norm.weight": "norm.weight",
-    "output.weight": "lm_head.weight",
-}
+# GGUF name inside blk.{i} -> lmstack name inside blocks.{i}; top-level GGUF name -> lmstack name
+_BLOCK_NAMES = {_HF_TO_GGUF[hf]: lm for lm, hf in LLAMA_BLOCK.items()}
+_TOP_NAMES = {_HF_TO_GGUF[hf]: lm for lm, hf in LLAMA_TOP.items()}
 
 
 @dataclass

@@ -2,103 +2,23 @@
 
 Seed 000 §1.2 (the forward pass), §1.3 (RoPE tables and element-wise rotation), §1.10 (RMSNorm),
 §1.11 (SwiGLU), §1.12 (RoPE's relative-position property); seed 001 "归一化", "激活函数", "位置编码".
-Weights are stored in the (out, in) orientation that HF checkpoints use, so loading is a copy.
+Weights are stored in the (out, in) orientation that HF checkpoints use, so loading is a copy. Which GEMM a
+``Linear`` runs (oneDNN or torch's BLAS, per CPU) is ``lmstack.ops.gemm``'s choice, not the model's.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-try:  # private: if a torch release moves it, treat every call as "a dispatch mode is active" (plain F.linear)
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-except ImportError:  # pragma: no cover - depends on the torch version
-
-    def _get_current_dispatch_mode():
-        return True
-
-
-#: the switch for oneDNN GEMMs on CPU fp32 (``LMSTACK_ONEDNN=0`` turns them off; benchmarks flip it to time both)
-ONEDNN = [os.environ.get("LMSTACK_ONEDNN", "1") != "0"]
-ONEDNN_MIN_ROWS = (
-    8  # below this (decode's GEMV) torch's BLAS is as fast, except for a large weight:
-)
-#: oneDNN is built into this torch and has the fused linear op (read once: nothing a compiled graph must trace)
-_MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
-    torch.ops.mkldnn, "_linear_pointwise"
-)
-ONEDNN_MIN_WEIGHT = (
-    1 << 22
-)  # e.g. the unembedding (V·D elements), where oneDNN stays ~2x faster at one row
-
-
-class _OneDNNLinear(torch.autograd.Function):
-    """x (n, D_in) @ w (D_out, D_in)ᵀ through oneDNN (``torch.ops.mkldnn._linear_pointwise`` on plain strided
-    fp32 tensors), forward and both backward products: on CPUs where torch's BLAS (MKL) runs below the vector
-    units' peak — measured ~2x on the AMD EPYC of docs/kernels.md — oneDNN's GEMM is the faster fp32 GEMM."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:
-        ctx.save_for_backward(x, w)
-        return _onednn_mm_t(x, w)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        x, w = ctx.saved_tensors
-        dx = _onednn_mm_t(dy, w.t()) if ctx.needs_input_grad[0] else None  # dy @ w
-        dw = _onednn_mm_t(dy.t(), x.t()) if ctx.needs_input_grad[1] else None  # dyᵀ @ x
-        return dx, dw
-
-
-def _onednn_mm_t(a: Tensor, b: Tensor) -> Tensor:
-    """a @ bᵀ by oneDNN (any strides)."""
-    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
-
-
-def onednn_linear(x: Tensor, w: Tensor) -> Tensor:
-    """x (n, D_in) @ w (D_out, D_in)ᵀ through oneDNN, differentiable in both (callers check ``onednn_ok``)."""
-    return _OneDNNLinear.apply(x, w)
-
-
-def onednn_ok(x: Tensor) -> bool:
-    """Whether a matmul on x goes through oneDNN: CPU fp32 eager (no tracing or counting dispatch mode active, so
-    FLOP counters and compilers see plain ``mm``; no CPU autocast, under which F.linear computes in bf16), oneDNN
-    built in, not switched off (``ONEDNN``, ``LMSTACK_ONEDNN=0``), and a plain tensor (a DTensor of the native
-    parallel backend has no oneDNN sharding rule)."""
-    # is_compiling() first: Dynamo cannot trace torch.backends.mkldnn.is_available (issue #31: `generate
-    # --compile` at fp32 crashed with torch._dynamo.exc.Unsupported), and a compiled graph wants plain mm anyway
-    return (
-        not torch.compiler.is_compiling()
-        and type(x) is Tensor
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and ONEDNN[0]
-        and _MKLDNN_LINEAR
-        and _get_current_dispatch_mode() is None
-        and not torch.is_autocast_enabled("cpu")
-    )
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear``, through oneDNN's GEMM where ``onednn_ok`` and the product is large enough to gain
-    (≥ ``ONEDNN_MIN_ROWS`` rows or a weight of ≥ ``ONEDNN_MIN_WEIGHT`` elements); x (..., in) -> (..., out)."""
-    if (
-        type(weight) in (Tensor, nn.Parameter)
-        and weight.dtype == torch.float32
-        and onednn_ok(x)
-        and (x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1] or weight.numel() >= ONEDNN_MIN_WEIGHT)
-    ):
-        y = onednn_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
+from lmstack.ops.gemm import linear
 
 
 class Linear(nn.Module):
-    """y = x Wᵀ (+ b), with W of shape (out_features, in_features)."""
+    """y = x Wᵀ (+ b), with W of shape (out_features, in_features), through ``ops.gemm.linear``."""
 
     def __init__(
         self,

@@ -9,9 +9,8 @@ seed 000 §1.9 (sliding window), §2.5 (local attention shrinks the KV cache).
 ``MODULES[kind]``. Every mixer maps ``(x (B, T, D), meta) -> (B, T, D)``. What a kind costs, caches and
 supports is its spec (``model.mixer_spec.SPECS``); adding a mixer = its module, its spec, its line here.
 
-``MixerCache`` is a per-sequence cache for hybrids: attention layers keep K/V (a local layer only its
-last W − 1), recurrent layers keep an O(1) state (plus the short convolution's last K − 1 inputs).
-Pass it as ``kv_cache=``; prefill and decode then continue exactly where the last call stopped.
+The per-sequence cache for hybrids (K/V for attention layers, recurrent states for the others) is
+``inference.kv_cache.MixerCache``, with the other caches (``model.cache``: the contract).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from lmstack.model.mamba2 import Mamba2Mixer
 from lmstack.model.mixer_spec import SPECS, layer_kinds
 from lmstack.model.mla import MLA
 from lmstack.model.olmoe import OlmoeAttention
-from lmstack.model.seam import AttentionImpl, AttentionMetadata, StoreThenAttend
+from lmstack.model.seam import AttentionMetadata
 from lmstack.model.variants import VariantAttention, uses_variant_attention
 
 
@@ -82,87 +81,6 @@ if set(MODULES) != set(SPECS):
 def build_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw) -> nn.Module:
     """Layer ``layer_idx``'s token mixer: ``MODULES[kind]`` for its kind (``mixer_spec.layer_kinds``)."""
     return MODULES[layer_kinds(config)[layer_idx]](config, layer_idx, rope, **kw)
-
-
-# ---- the cache -----------------------------------------------------------------------------------
-class MixerCache(StoreThenAttend):
-    """One sequence per row: K/V for attention layers (the last W − 1 for windowed ones), recurrent (and conv)
-    states for the others. K/V live in buffers that grow by doubling, so a decode step writes one position
-    instead of copying the whole cache. ``nbytes()`` reports what it holds (the used positions)."""
-
-    def __init__(self) -> None:
-        self._kv: dict[int, list] = {}  # layer -> [k (B, K, cap, H), v, positions (B, cap), n used]
-        self.states: dict[int, tuple[Tensor, ...]] = {}
-        self.extra: dict[tuple[int, str], Tensor] = {}  # e.g. DSA's indexer keys
-
-    @property
-    def kv(self) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
-        """layer -> (k (B, K, S, H), v, positions (B, S)) of the held positions."""
-        return {i: (k[:, :, :n], v[:, :, :n], p[:, :n]) for i, (k, v, p, n) in self._kv.items()}
-
-    def update(
-        self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        B, K, T, H = k.shape
-        if positions.dim() == 1:
-            positions = positions.expand(B, -1)
-        entry = self._kv.get(layer_idx)
-        n = 0 if entry is None else entry[3]
-        if entry is None or n + T > entry[0].shape[2]:
-            cap = max(16, n + T, 2 * (0 if entry is None else entry[0].shape[2]))
-            kb, vb = k.new_empty(B, K, cap, H), v.new_empty(B, K, cap, v.shape[-1])
-            pb = positions.new_full((B, cap), -1)
-            if entry is not None:
-                kb[:, :, :n], vb[:, :, :n], pb[:, :n] = (
-                    entry[0][:, :, :n],
-                    entry[1][:, :, :n],
-                    entry[2][:, :n],
-                )
-            entry = self._kv[layer_idx] = [kb, vb, pb, n]
-        kb, vb, pb, _ = entry
-        kb[:, :, n : n + T], vb[:, :, n : n + T], pb[:, n : n + T] = k, v, positions
-        entry[3] = n + T
-        return kb[:, :, : n + T], vb[:, :, : n + T], pb[:, : n + T]
-
-    def attend(
-        self,
-        layer_idx: int,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        meta: AttentionMetadata,
-        impl: AttentionImpl,
-    ) -> Tensor:
-        out = super().attend(layer_idx, q, k, v, meta, impl)
-        entry = self._kv[layer_idx]
-        keep = None if meta.window is None else max(meta.window - 1, 0)
-        if (
-            keep is not None and entry[3] > keep
-        ):  # later queries never see more than the last W − 1 keys
-            kb, vb, pb, n = entry
-            kb[:, :, :keep], vb[:, :, :keep], pb[:, :keep] = (
-                kb[:, :, n - keep : n].clone(),
-                vb[:, :, n - keep : n].clone(),
-                pb[:, n - keep : n].clone(),
-            )
-            entry[3] = keep
-        return out
-
-    def get_state(self, layer_idx: int):
-        return self.states.get(layer_idx)
-
-    def set_state(self, layer_idx: int, state: tuple[Tensor, ...]) -> None:
-        self.states[layer_idx] = state
-
-    def nbytes(self) -> dict[str, int]:
-        """Bytes held: K/V (positions excluded), recurrent states, and extra per-layer tensors."""
-        kv = sum(
-            k.numel() * k.element_size() + v.numel() * v.element_size()
-            for k, v, _ in self.kv.values()
-        )
-        st = sum(t.numel() * t.element_size() for s in self.states.values() for t in s)
-        ex = sum(t.numel() * t.element_size() for t in self.extra.values())
-        return {"kv": kv, "state": st, "extra": ex}
 
 
 @torch.no_grad()

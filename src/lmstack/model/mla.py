@@ -27,6 +27,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from lmstack.model.cache import Ability, has
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding
 from lmstack.model.seam import DEFAULT_ATTENTION, AttentionImpl, AttentionMetadata
@@ -142,7 +143,7 @@ class MLA(nn.Module):
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         """x (B, T, D) -> (B, T, D). No cache: the expanded form through ``self.impl``. A cache: the absorbed
-        form against a latent cache (``stores_latent = True``, e.g. ``LatentKVCache``) that keeps only
+        form against a latent cache (``Ability.LATENT``, e.g. ``inference.kv_cache.LatentKVCache``) that keeps only
         [c ; k_R] per token and passes c — a view of the same storage — as the values."""
         B, T, _ = x.shape
         q_nope, q_rope = self.queries(x, meta.positions)
@@ -152,10 +153,10 @@ class MLA(nn.Module):
         else:
             q_abs = self.absorbed_query(q_nope, q_rope)  # (B, N, T, d_c + d_R)
             k_lat = torch.cat([c[:, None], k_rope], dim=-1)  # (B, 1, T, d_c + d_R)
-            if not getattr(meta.cache, "stores_latent", False):
+            if not has(meta.cache, Ability.LATENT):
                 raise ValueError(
-                    f"an MLA model needs a latent KV cache (stores_latent = True, e.g. "
-                    f"lmstack.model.mla.LatentKVCache), got {type(meta.cache).__name__}"
+                    f"an MLA model needs a latent KV cache (Ability.LATENT, e.g. "
+                    f"lmstack.inference.kv_cache.LatentKVCache), got {type(meta.cache).__name__}"
                 )
             o_lat = meta.cache.attend(
                 self.layer_idx, q_abs, k_lat, None, meta, FoldHeads(self.impl)
@@ -251,65 +252,6 @@ class FoldHeads:
         )
         out = self.impl(q.reshape(B, 1, N * T, d), k, v, folded)  # (B, 1, N·T, d_v)
         return out.view(B, N, T, -1)
-
-
-class LatentKVCache:
-    """A contiguous MLA cache: per layer (B, S_max, d_c + d_R) — the latent and the RoPE key, nothing else.
-
-    ``attend`` appends the new tokens' [c ; k_R] at their positions and attends with keys [c ; k_R] and
-    values c, a view of the same storage. Bytes per token = (d_c + d_R)·L·bytes (``nbytes_per_token``).
-    """
-
-    stores_latent = True
-
-    def __init__(
-        self, config: ModelConfig, batch_size: int, max_len: int, device=None, dtype=torch.float32
-    ):
-        if not config.is_mla:
-            raise ValueError(
-                f"LatentKVCache needs an MLA config (kv_lora_rank > 0), got kv_lora_rank="
-                f"{config.kv_lora_rank}"
-            )
-        self.d_c = config.kv_lora_rank
-        width = config.kv_lora_rank + config.qk_rope_head_dim
-        self.data = [
-            torch.zeros(batch_size, max_len, width, device=device, dtype=dtype)
-            for _ in range(config.n_layers)
-        ]
-        self.length = [0] * config.n_layers
-        self.max_len = max_len
-
-    @property
-    def nbytes_per_token(self) -> int:
-        return sum(t.shape[-1] * t.element_size() for t in self.data)
-
-    def truncate(self, length: int) -> None:
-        """Forget every token at position >= ``length`` (speculation rolls back rejected drafts)."""
-        self.length = [min(n, length) for n in self.length]
-
-    def attend(
-        self,
-        layer_idx: int,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor | None,
-        meta: AttentionMetadata,
-        impl: AttentionImpl,
-    ) -> Tensor:
-        if meta.document_ids is not None:
-            raise ValueError("document_ids with a LatentKVCache: it holds one sequence per row")
-        T = k.shape[2]
-        start = self.length[layer_idx]
-        if start + T > self.max_len:
-            raise ValueError(f"LatentKVCache: {start} + {T} tokens exceed max_len={self.max_len}")
-        buf = self.data[layer_idx]
-        buf[:, start : start + T] = k[:, 0].to(buf.dtype)
-        self.length[layer_idx] = start + T
-        keys = buf[:, None, : start + T]  # (B, 1, S, d_c + d_R)
-        key_positions = torch.arange(start + T, device=buf.device)
-        return impl(
-            q, keys.to(q.dtype), keys[..., : self.d_c].to(q.dtype), meta.for_keys(key_positions)
-        )
 
 
 def kv_bytes_per_token(config: ModelConfig, bytes_per_value: int = 2) -> int:

@@ -11,7 +11,8 @@ token, F one routed expert's hidden width.
 
 Expert compute is grouped: the T·k (token, expert) assignments are sorted by expert and each
 expert's rows go through one matmul per weight (``torch._grouped_mm`` on CUDA, one matmul per
-expert elsewhere, through oneDNN on CPU fp32) — the Python loop is over experts, never over tokens.
+expert elsewhere, ``ops.gemm.expert_swiglu``: oneDNN or BLAS by the CPU's GEMM policy) — the Python loop is
+over experts, never over tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmstack.model.layers import ONEDNN, Linear, SwiGLU, onednn_linear, onednn_ok  # noqa: F401 (ONEDNN: the switch)
+from lmstack.model.layers import Linear, SwiGLU
+from lmstack.ops.gemm import expert_swiglu
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 ROUTER_ORDERS = (
@@ -150,36 +152,6 @@ def device_balance_loss(
 def z_loss(logits: Tensor) -> Tensor:
     """Router z-loss / β (ST-MoE; seed 001 "训练稳定性"): mean over tokens of logsumexp(logits)²."""
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
-
-
-def expert_swiglu(x: Tensor, counts: list[int], gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
-    """Grouped SwiGLU: x (R, D) rows sorted by expert, counts[e] rows for expert e; weights gate/up (E, F, D),
-    down (E, D, F) -> (R, D). One matmul per weight per expert (``torch._grouped_mm`` on CUDA bf16; on CPU fp32
-    through oneDNN where ``onednn_ok``, else ``F.linear``)."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[0]:
-        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        h = F.silu(torch._grouped_mm(x, gate.transpose(1, 2), offs=offs)) * torch._grouped_mm(
-            x, up.transpose(1, 2), offs=offs
-        )  # (R, F)
-        return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)  # (R, D)
-    outs = []
-    linear = onednn_linear if onednn_ok(x) and type(gate) in (Tensor, nn.Parameter) else F.linear
-    # unbind once: its backward stacks the E per-expert grads in one op (indexing gate[e] per expert would
-    # materialise a zero (E, F, D) grad per expert and add them up)
-    gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
-    for e, rows in enumerate(
-        x.split(counts)
-    ):  # a loop over the E experts; each is one (n_e, D) block
-        if rows.shape[0]:
-            outs.append(linear(F.silu(linear(rows, gates[e])) * linear(rows, ups[e]), downs[e]))
-    if (
-        not outs
-    ):  # no rows for any expert here: still a (0, D) result *in the graph* of x and the weights, so
-        # the backward reaches x (with expert parallelism the all-to-all that produced x must run its backward
-        # collective on every rank, or the ranks deadlock/abort: issue #31)
-        rows = x[:0]  # F.linear: oneDNN has no primitive for an empty product's backward
-        return F.linear(F.silu(F.linear(rows, gates[0])) * F.linear(rows, ups[0]), downs[0])
-    return torch.cat(outs)
 
 
 def loop_reference(x: Tensor, routing: Routing, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmstack.model.cache import Ability, has
 from lmstack.model.seam import AttentionMetadata
 
 
@@ -60,10 +61,11 @@ def cached_state(meta: AttentionMetadata, layer_idx: int, kind: str):
     """The layer's recurrent state from ``meta.cache`` (None: no cache, or the first call)."""
     if meta.cache is None:
         return None
-    if not hasattr(meta.cache, "get_state"):
+    if not has(meta.cache, Ability.RECURRENT_STATE):
         raise TypeError(
             f"layer {layer_idx} ({kind}) keeps a recurrent state, which {type(meta.cache).__name__} "
-            "cannot hold; decode hybrids with lmstack.model.mixers.MixerCache"
+            "cannot hold (no Ability.RECURRENT_STATE); decode hybrids with "
+            "lmstack.inference.kv_cache.MixerCache"
         )
     return meta.cache.get_state(layer_idx)
 
@@ -92,8 +94,9 @@ class NormWeight(nn.Module):
 class RecurrentMixer(nn.Module):
     """A token mixer with a recurrent state: subclasses define ``mix(x, state) -> (y, new_state)``
     (state None = zeros); ``forward`` takes the state from / gives it to ``meta.cache`` and restarts it
-    at every packed document boundary. A cache with ``recurrent(layer_idx, x, mix) -> y`` (the serving engine's
-    ``inference.state_pool.RecurrentBatch``: several packed sequences, a state each) runs ``mix`` itself."""
+    at every packed document boundary. A cache declaring ``Ability.RECURRENT_BATCH`` (the serving engine's
+    ``inference.state_pool.RecurrentBatch``: several packed sequences, a state each) runs ``mix`` itself through
+    its ``recurrent(layer_idx, x, mix) -> y``; any other cache must declare ``Ability.RECURRENT_STATE``."""
 
     kind = "recurrent"
     layer_idx = 0
@@ -102,9 +105,7 @@ class RecurrentMixer(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        if meta.cache is not None and hasattr(
-            meta.cache, "recurrent"
-        ):  # the engine's batch: a state per sequence
+        if has(meta.cache, Ability.RECURRENT_BATCH):  # the engine's batch: a state per sequence
             return meta.cache.recurrent(self.layer_idx, x, self.mix)
         if meta.document_ids is not None:
             if meta.cache is not None:

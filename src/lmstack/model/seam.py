@@ -9,8 +9,9 @@ with an ``AttentionMetadata`` record; with a cache it calls ``meta.cache.attend(
 v, meta, impl)`` instead: the cache stores k, v, then calls ``impl`` on the keys it holds.
 
 This module is the only one both ``model/`` and ``kernels/`` import (the model owns the interface it
-needs; kernels implement it): the metadata, the mask it implies, the two Protocols, and the
-torch-only reference/SDPA implementations a model built without a runtime uses. ``kernels.backends``
+needs; kernels implement it): the metadata, the mask it implies, the implementation Protocols, and the
+torch-only reference/SDPA implementations a model built without a runtime uses. What a cache is (the
+``Cache`` protocol and its declared abilities) is ``model.cache``, beside this module. ``kernels.backends``
 registers these two and the tiled/Triton/matmul ones, and owns the one ``auto`` policy.
 """
 
@@ -62,7 +63,7 @@ class AttentionMetadata:
     window:           sliding window W (a query sees its W most recent positions), or None
     is_causal:        the mask is exactly the causal triangle over 0..T-1 (no cache, no window,
                       no documents): an implementation may use its built-in causal mask
-    cache:            a ``KVCache`` that stores this forward's k, v and attends over what it holds
+    cache:            a ``model.cache.Cache`` that stores this forward's k, v and attends over what it holds
     token_ids:        (B, T) the input token ids of the queries, or None (a pipeline stage that gets
                       hidden states); read by layers that route on the token itself (hash-routed MoE)
     softcap:          attention-logit soft-cap c: scores s -> c·tanh(s/c) before the mask (Gemma-2), or None;
@@ -116,44 +117,6 @@ class AttentionImpl(Protocol):
     name: str
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor: ...
-
-
-class KVCache(Protocol):
-    """A KV cache (contiguous, static, paged): stores this forward's k, v (B, K, T, H) for
-    ``layer_idx``, then calls ``impl`` on the keys it holds with a metadata record that describes
-    them (``AttentionMetadata.for_keys``). -> (B, N, T, H)"""
-
-    def attend(
-        self,
-        layer_idx: int,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        meta: AttentionMetadata,
-        impl: AttentionImpl,
-    ) -> Tensor: ...
-
-
-class StoreThenAttend:
-    """``KVCache.attend`` for a cache whose ``update(layer_idx, k, v, positions)`` stores k, v
-    (B, K, T, H) and returns every key/value of the layer (B, K, S, H) x2 with their positions (B, S)."""
-
-    def attend(
-        self,
-        layer_idx: int,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        meta: AttentionMetadata,
-        impl: AttentionImpl,
-    ) -> Tensor:
-        if meta.document_ids is not None:
-            raise ValueError(
-                f"document_ids with a {type(self).__name__}: this cache holds one sequence per row; "
-                "packed sequences need a cache that knows its keys' sequence ids (the paged engine's)"
-            )
-        k_all, v_all, key_positions = self.update(layer_idx, k, v, meta.positions)
-        return impl(q, k_all, v_all, meta.for_keys(key_positions))
 
 
 class NormImpl(Protocol):

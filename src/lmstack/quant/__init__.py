@@ -6,8 +6,8 @@ decode step reads shrink 4x (int8) or ~7x (int4) against fp32 weights.
 
 Post-training methods with calibration data: GPTQ (``gptq``), AWQ (``awq``); LLM.int8() with
 outlier columns in 16-bit (``llm_int8``). Formats: fp8 / MXFP8 / MXFP4 / NF4 in simulation (``formats``);
-GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks read directly (``gguf_blocks``). An int8 / fp8 KV
-cache (``kv_cache``), fake-quant training with a straight-through estimator (``qat``), dynamic loss
+GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks read directly (``gguf_blocks``). The int8 / fp8 KV
+codec (``kv_codec``, used by ``inference.kv_cache`` and ``inference.paged``), fake-quant training with a straight-through estimator (``qat``), dynamic loss
 scaling for fp16 (``loss_scale``), width pruning + distillation (``prune``, ``lmstack compress``).
 """
 

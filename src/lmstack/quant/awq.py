@@ -21,7 +21,13 @@ import torch
 from torch import Tensor, nn
 
 from lmstack.model.layers import Linear, RMSNorm
-from lmstack.quant.gptq import CalibrationError, calibration_batches, sequential_quantize
+from lmstack.quant.gptq import (
+    CalibrationError,
+    calibration_batches,
+    check_int_arg,
+    model_linears,
+    sequential_quantize,
+)
 from lmstack.quant.int4 import Int4Linear, dequantize_int4, quantize_int4
 
 
@@ -63,6 +69,10 @@ def awq_search(
 
     The loss is evaluated in ``dtype``; ``max_out_rows`` evaluates it on every k-th output row only
     (the unembedding's V rows: the cost is O·I² per α). Returns (s, α*, {α: L}) — s = 1 when α* = 0."""
+    check_int_arg("group_size", group_size, 1)
+    check_int_arg("grid", grid, 1)
+    if not weights:
+        raise ValueError("weights: AWQ needs at least one (O, I) weight sharing the input X")
     if X is None or X.numel() == 0:
         raise CalibrationError("AWQ needs calibration inputs X (n, I); got none")
     X = X.reshape(-1, X.shape[-1]).double()
@@ -128,7 +138,11 @@ def awq_quantize_model(
 ) -> nn.Module:
     """AWQ-int4 every block linear of ``model`` (and the unembedding when ``lm_head``), calibrated on
     ``tokens`` (B, S) (at least 2·D tokens); ``model.awq_alphas`` records the α chosen per group."""
-    calibration_batches(tokens, 2 * model.config.d_model)
+    check_int_arg("group_size", group_size, 1)
+    check_int_arg("grid", grid, 1)
+    check_int_arg("max_rows", max_rows, 1)
+    model_linears(model)
+    calibration_batches(tokens, 2 * model.config.d_model, model.config.vocab_size)
     alphas: list[tuple[str, float]] = []
     names = {id(m): n for n, m in model.named_modules()}
 

@@ -220,8 +220,29 @@ class _Stop(Exception):
     pass
 
 
-def calibration_batches(tokens: Tensor, min_tokens: int = 1) -> Tensor:
-    """Check calibration tokens (B, S) int, at least ``min_tokens`` in all; returns them."""
+def check_int_arg(name: str, value, minimum: int) -> int:
+    """A quantiser argument that must be an integer >= ``minimum`` (group_size, grid, bits, ...)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    return value
+
+
+def model_linears(model: nn.Module) -> list[tuple[nn.Module, str, Linear]]:
+    """The block linears a quantiser replaces; none (a model without blocks) is a clear error."""
+    found = _linears(getattr(model, "blocks", nn.ModuleList()))
+    if not found:
+        raise ValueError(
+            f"the model ({type(model).__name__}) has no block linears to quantise (no .blocks, or "
+            "blocks without lmstack Linear layers)"
+        )
+    return found
+
+
+def calibration_batches(
+    tokens: Tensor, min_tokens: int = 1, vocab_size: int | None = None
+) -> Tensor:
+    """Check calibration tokens (B, S) int, at least ``min_tokens`` in all, ids in [0, ``vocab_size``);
+    returns them."""
     if tokens is None:
         raise CalibrationError(
             "calibration tokens are required (a (B, S) integer tensor), got None"
@@ -236,6 +257,14 @@ def calibration_batches(tokens: Tensor, min_tokens: int = 1) -> Tensor:
             f"{tokens.numel()} calibration tokens; need at least {min_tokens} "
             f"(more rows than the widest layer's inputs, so H is well conditioned)"
         )
+    if vocab_size is not None and tokens.numel():
+        bad = (tokens < 0) | (tokens >= vocab_size)
+        if bad.any():
+            b, t = (int(v) for v in bad.nonzero()[0])
+            raise CalibrationError(
+                f"calibration token id {int(tokens[b, t])} at (row {b}, position {t}) is outside the "
+                f"model's vocabulary 0..{vocab_size - 1}"
+            )
     return tokens
 
 
@@ -353,8 +382,17 @@ def gptq_quantize_model(
     """Quantise every block linear of ``model`` (and the unembedding when ``lm_head``) with GPTQ, calibrated
     on ``tokens`` (B, S). Needs at least as many calibration tokens as the widest linear has inputs.
     ``shrink_grid``: int4 groups' (scale, min) by the range search of ``_int4_params`` (e.g. 20)."""
-    widest = max(lin.in_features for _, _, lin in _linears(model.blocks))
-    calibration_batches(tokens, widest)
+    if bits not in (4, 8):
+        raise ValueError(
+            f"bits={bits!r}; GPTQ writes int4 (grouped) or int8 (per row): expected 4 or 8"
+        )
+    if bits == 4:
+        check_int_arg("group_size", group_size, 1)
+    check_int_arg("shrink_grid", shrink_grid, 0)
+    if not (isinstance(damp, (int, float)) and damp >= 0):
+        raise ValueError(f"damp={damp!r} must be a number >= 0 (a fraction of H's mean diagonal)")
+    widest = max(lin.in_features for _, _, lin in model_linears(model))
+    calibration_batches(tokens, widest, model.config.vocab_size)
     G = group_size if bits == 4 else None
 
     def block_fn(block, xs, args, kwargs):
@@ -382,7 +420,7 @@ def gptq_quantize_model(
 
 def min_calibration_tokens(model: nn.Module) -> int:
     """The fewest calibration tokens GPTQ accepts for ``model``: the widest block linear's in_features."""
-    return max(lin.in_features for _, _, lin in _linears(model.blocks))
+    return max(lin.in_features for _, _, lin in model_linears(model))
 
 
 __all__ = [

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmstack.quant import int4_vnni
-from lmstack.quant.linear import WeightOnlyLinear
+from lmstack.quant.linear import WeightOnlyLinear, best_seconds, gemm_rows
 
 QMAX4 = 15
 _log = logging.getLogger(__name__)
@@ -50,6 +50,23 @@ def dequantize_int4(
     return w.view(O, I).to(dtype)
 
 
+def measure_gemm_rows(kernel: str, O: int = 1024, I: int = 576, G: int = 32):
+    """``measure(M) -> (s of lmstack's int4 ``kernel``, s of its dequantisation + F.linear)`` on random (M, I)
+    activations and an (O, I) weight (between SmolLM2-135M's 576- and 1536-wide matrices): ``gemm_rows``'s
+    measurement, one thread count as set now."""
+    g = torch.Generator().manual_seed(0)
+    packed, d, m = int4_vnni.pack(*quantize_int4(torch.randn(O, I, generator=g), G))
+
+    def measure(M: int) -> tuple[float, float]:
+        x = torch.randn(M, I, generator=g)
+        with torch.inference_mode():
+            k = best_seconds(lambda: int4_vnni.mm(x, packed, d, m, G, kernel=kernel))
+            f = best_seconds(lambda: F.linear(x, int4_vnni.dequant(packed, d, m, G, kernel=kernel)))
+        return k, f
+
+    return measure
+
+
 def _has_int4_kernel() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
         torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
@@ -64,7 +81,10 @@ class Int4Linear(WeightOnlyLinear):
     group, fp16 d and m) when ``compute_dtype`` is bf16, else torch's (bf16 activations); "aten" forces
     torch's, "vnni" / "avx2" that one of ours (a ValueError with the reason if it cannot run). The one
     chosen is ``self.kernel``. Without a kernel (or when O is not a multiple of 16) the codes are packed two
-    per byte by hand and the forward dequantises.
+    per byte by hand and the forward dequantises. With one of ours, from ``self.gemm_rows`` activation rows on
+    (a prefill) the forward dequantises the packed codes in C++ (``int4_vnni.dequant``: W = d·q + m with the
+    kernel's fp16 d, m) and runs ``F.linear`` in the input's dtype: the row count is measured once per process
+    and kernel (``linear.gemm_rows``; ``LMSTACK_QUANT_GEMM_ROWS=N|never`` forces it), None = never.
     """
 
     def __init__(
@@ -102,7 +122,9 @@ class Int4Linear(WeightOnlyLinear):
             self.register_buffer("qweight", packed)  # (O/16, I/8, 64) uint8, two codes per byte
             self.register_buffer("d16", d)  # (O/16, I/G, 16) fp16
             self.register_buffer("m16", m)
+            self.gemm_rows = gemm_rows(f"int4_{self.kernel}", measure_gemm_rows(self.kernel))
             return
+        self.gemm_rows = None
         self.use_kernel = (
             _has_int4_kernel() and O % 16 == 0
         )  # the CPU packing needs O divisible by 16
@@ -186,14 +208,18 @@ class Int4Linear(WeightOnlyLinear):
         if (
             self.vnni and x.device.type == "cpu"
         ):  # fp32 or bf16 x straight in: the kernel quantises it to int8
-            y = int4_vnni.mm(
-                x.reshape(-1, self.in_features),
-                self.qweight,
-                self.d16,
-                self.m16,
-                self.group_size,
-                kernel=self.kernel,
-            )
+            x2 = x.reshape(-1, self.in_features)  # (M, I)
+            if (
+                self.gemm_rows is not None and x2.shape[0] >= self.gemm_rows
+            ):  # a prefill: float GEMM
+                w = int4_vnni.dequant(
+                    self.qweight, self.d16, self.m16, self.group_size, self.kernel
+                )
+                y = F.linear(x2, w.to(x2.dtype))
+            else:
+                y = int4_vnni.mm(
+                    x2, self.qweight, self.d16, self.m16, self.group_size, kernel=self.kernel
+                )
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
         if self.vnni:  # off the CPU: dequantise

@@ -135,6 +135,13 @@ def build(name: str) -> str | None:
                     return x.new_empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
 
                 torch.library.register_fake(f"lmstack_quant::{OPS[name]}")(fake)
+                if name in KERNELS:  # the int4 kernels' dequantisation: (O/16, I/8, 64) -> (O, I)
+
+                    def fake_w(packed, *args):
+                        T, C, _ = packed.shape
+                        return packed.new_empty((16 * T, 8 * C), dtype=torch.float32)
+
+                    torch.library.register_fake(f"lmstack_quant::int4_{name}_dequant")(fake_w)
                 _FAKE_REGISTERED.add(name)
         except Exception as e:  # noqa: BLE001 — any build/registration failure means: use torch's kernel
             return f"building {source.name} failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -229,3 +236,13 @@ def mm(
     if (kernel or selected()[0]) == "avx2":
         return torch.ops.lmstack_quant.int4_avx2_mm(x, packed, d, m, group_size, terms)
     return torch.ops.lmstack_quant.int4_vnni_mm(x, packed, d, m, group_size, terms)
+
+
+def dequant(
+    packed: Tensor, d: Tensor, m: Tensor, group_size: int, kernel: str | None = None
+) -> Tensor:
+    """The weights the kernel multiplies, W = d·q + m (fp16 d, m), as float32 (O, I), from the packed layout in
+    one pass (C++; ``kernel`` as in ``mm``): what a prefill's float GEMM takes above ``Int4Linear.gemm_rows``."""
+    if (kernel or selected()[0]) == "avx2":
+        return torch.ops.lmstack_quant.int4_avx2_dequant(packed, d, m, group_size)
+    return torch.ops.lmstack_quant.int4_vnni_dequant(packed, d, m, group_size)

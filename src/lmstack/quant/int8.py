@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmstack.cpu import cpu_features
 from lmstack.quant import int4_vnni
-from lmstack.quant.linear import WeightOnlyLinear
+from lmstack.quant.linear import WeightOnlyLinear, best_seconds, gemm_rows
 
 QMAX8 = 127
 ENV = "LMSTACK_INT8_KERNEL"
@@ -67,6 +68,23 @@ def int8_kernel() -> str:
     return name if name == "aten" or int4_vnni.build("int8_avx2") is None else "aten"
 
 
+def measure_gemm_rows(O: int = 1024, I: int = 576):
+    """``measure(M) -> (s of lmstack's AVX2 int8 kernel, s of dequantise + F.linear)`` on an (O, I) weight:
+    ``linear.gemm_rows``'s measurement for ``Int8Linear(kernel="avx2")``."""
+    g = torch.Generator().manual_seed(0)
+    q, s = quantize_int8(torch.randn(O, I, generator=g))
+    packed, G = pack_int8(q), next(g_ for g_ in (32, 16, 8) if I % g_ == 0)
+
+    def measure(M: int) -> tuple[float, float]:
+        x = torch.randn(M, I, generator=g)
+        with torch.inference_mode():
+            k = best_seconds(lambda: torch.ops.lmstack_quant.int8_avx2_mm(x, packed, s, G, 2))
+            f = best_seconds(lambda: F.linear(x, dequantize_int8(unpack_int8(packed), s)))
+        return k, f
+
+    return measure
+
+
 def pack_int8(q: Tensor) -> Tensor:
     """Q (O, I) int8 -> (O/16, I/4, 64) for the AVX2 kernel: byte 4r + j of chunk c in tile t is Q[16t + r, 4c + j]."""
     O, I = q.shape
@@ -95,7 +113,9 @@ class Int8Linear(WeightOnlyLinear):
     the activations are quantised to int8 per group of ``act_group`` inputs), "aten" torch's, "avx2" ours.
     """
 
-    DEQUANT_ROWS = 32  # from this many rows on, dequantise and use F.linear
+    DEQUANT_ROWS = (
+        32  # from this many rows on, dequantise and use F.linear (lmstack's kernel: measured)
+    )
 
     def __init__(
         self,
@@ -127,6 +147,10 @@ class Int8Linear(WeightOnlyLinear):
             if kernel == "avx2" or (kernel == "auto" and shape_ok and int8_kernel() == "avx2")
             else "aten"
         )
+        if (
+            self.kernel == "avx2"
+        ):  # the row count from which a prefill dequantises: measured (linear.gemm_rows)
+            self.DEQUANT_ROWS = gemm_rows("int8_avx2", measure_gemm_rows())
         self.register_buffer("qweight", pack_int8(q) if self.kernel == "avx2" else q.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer(
@@ -165,7 +189,7 @@ class Int8Linear(WeightOnlyLinear):
         if (
             self.kernel == "avx2"
             and x.device.type == "cpu"
-            and x.numel() // self.in_features < self.DEQUANT_ROWS
+            and (self.DEQUANT_ROWS is None or x.numel() // self.in_features < self.DEQUANT_ROWS)
         ):
             # fp32 or bf16 x straight in (not cast to compute_dtype): the kernel quantises it to int8
             y = torch.ops.lmstack_quant.int8_avx2_mm(

@@ -5,14 +5,76 @@ and its scales, says whether its kernel can run (``_kernel_ok``), calls it
 on (M, I) rows in ``compute_dtype`` (``_kernel_mm``) and can rebuild the float weight
 (``dequantized_weight``). The forward takes the kernel on CPU, dequantises otherwise, and from
 ``DEQUANT_ROWS`` rows on (a prefill: compute-bound, where a float GEMM beats a weight-only kernel)
-dequantises once and runs ``F.linear`` in the input's dtype.
+dequantises once and runs ``F.linear`` in the input's dtype. lmstack's own kernels choose that row count per
+CPU and kernel by a short measurement (``gemm_rows``; ``LMSTACK_QUANT_GEMM_ROWS`` forces it).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+GEMM_ROWS_ENV = "LMSTACK_QUANT_GEMM_ROWS"
+# the row counts a measurement tries: from the first one where dequantise-then-GEMM wins (and keeps winning)
+GEMM_ROWS_CANDIDATES = (8, 16, 32, 64, 128, 256)
+_log = logging.getLogger(__name__)
+_measured: dict[str, int | None] = {}
+
+
+def choose_gemm_rows(times: dict[int, tuple[float, float]]) -> int | None:
+    """{rows M: (seconds of the quantised kernel, seconds of dequantise + float GEMM)} -> the smallest measured M
+    from which the GEMM is faster at M and at every larger measured M (None: the kernel always wins)."""
+    rows = None
+    for M in sorted(times, reverse=True):
+        kernel, gemm = times[M]
+        if gemm >= kernel:
+            break
+        rows = M
+    return rows
+
+
+def gemm_rows(key: str, measure: Callable[[int], tuple[float, float]]) -> int | None:
+    """From how many activation rows a quantised linear dequantises its weight and runs a float GEMM instead of
+    its kernel (a prefill: compute-bound, where the int8 dot products of a decode kernel lose to MKL/oneDNN).
+
+    ``LMSTACK_QUANT_GEMM_ROWS=N`` forces N (1: always the GEMM), ``never`` the kernel at every M; else the
+    first call per ``key`` (a kernel name) measures ``measure(M) -> (kernel s, GEMM s)`` at
+    ``GEMM_ROWS_CANDIDATES`` (~0.1 s on a quiet core) and the answer is kept for the process
+    (``choose_gemm_rows``; logged once at INFO)."""
+    env = os.environ.get(GEMM_ROWS_ENV, "").strip().lower()
+    if env in ("never", "off", "none"):
+        return None
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"{GEMM_ROWS_ENV}={env!r}; expected a row count >= 1 or 'never'")
+        return int(env)
+    if key not in _measured:
+        times = {M: measure(M) for M in GEMM_ROWS_CANDIDATES}
+        _measured[key] = choose_gemm_rows(times)
+        _log.info(
+            "%s: dequantise + GEMM from %s rows (kernel / GEMM ms: %s)",
+            key,
+            _measured[key],
+            ", ".join(f"{M}: {k * 1e3:.2f}/{g * 1e3:.2f}" for M, (k, g) in times.items()),
+        )
+    return _measured[key]
+
+
+def best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` after one warm-up call (for ``gemm_rows``'s measure)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 class WeightOnlyLinear(nn.Module):

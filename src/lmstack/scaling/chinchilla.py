@@ -241,18 +241,23 @@ def approach3(
         fit = fit_chinchilla(N, D, L)
     else:
         fit = fit_chinchilla_repeated(N, D, U, L, r_star=r_star)
+    p = fit.params
+    try:  # N_opt = G·(C/6)^a needs alpha, beta > 0 and a finite G
+        G = Law.from_params(p).G if p["alpha"] > 0 and p["beta"] > 0 else float("nan")
+    except (OverflowError, ZeroDivisionError):  # losses near float64's limit: A or B overflow
+        G = float("nan")
+    if not (np.isfinite(G) and G > 0):
+        raise ValueError(
+            f"approach 3: the fitted law ({', '.join(f'{k}={v:.3g}' for k, v in p.items())}) gives "
+            f"no allocation: N_opt needs alpha > 0, beta > 0 and finite A, B; the losses "
+            f"({float(np.min(L)):.3g} to {float(np.max(L)):.3g}) do not fall with N and D "
+            "(constant, noise-only or diverged runs?)"
+        )
     if n_boot:
         bootstrap_chinchilla(
             fit, N, D, L, n_boot=n_boot, level=level, seed=seed, U=U, fit_r_star=r_star is None
         )
     p = fit.params
-    if (
-        not p["alpha"] + p["beta"] > 0
-    ):  # constant losses (or no trend): no exponent to split the budget with
-        raise ValueError(
-            f"approach 3: the fitted exponents alpha={p['alpha']:.3g}, beta={p['beta']:.3g} give no "
-            "allocation (the losses do not fall with N or D: constant or noise-only runs?)"
-        )
     res = Approach(
         "approach 3 (L(N,D) fit)",
         p["beta"] / (p["alpha"] + p["beta"]),

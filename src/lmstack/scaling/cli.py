@@ -17,7 +17,15 @@ from lmstack.scaling.planner import PRESETS, Law, compute_from_hardware, compute
 from lmstack.scaling.runs import read_runs
 from lmstack.scaling.sweep import Sweep, run_sweep
 from lmstack.threads import add_threads_argument
-from lmstack.utils import atomic_write_text, check_outputs, is_json_file, is_png_file, unit_interval
+from lmstack.utils import (
+    atomic_write_text,
+    check_outputs,
+    finite_float,
+    is_json_file,
+    is_png_file,
+    positive_int,
+    unit_interval,
+)
 
 
 def register(subparsers) -> None:
@@ -31,10 +39,17 @@ def register(subparsers) -> None:
         "plan", help="N_opt, D_opt, tokens/parameter and predicted loss for a compute budget"
     )
     pl.add_argument(
-        "--flops", type=float, action="append", help="compute budget C in FLOPs (repeatable)"
+        "--flops",
+        type=finite_float,
+        action="append",
+        help="compute budget C in FLOPs (repeatable; beside --gpus/--hours both budgets are planned)",
     )
-    pl.add_argument("--gpus", type=int, help="instead of --flops: number of devices ...")
-    pl.add_argument("--hours", type=float, help="... for this many hours ...")
+    pl.add_argument(
+        "--gpus",
+        type=positive_int,
+        help="a budget from hardware (with --flops: planned as one more budget): number of devices ...",
+    )
+    pl.add_argument("--hours", type=finite_float, help="... for this many hours ...")
     pl.add_argument(
         "--hardware", default="h100", help="... of this accounting/hardware entry (default h100)"
     )
@@ -215,7 +230,11 @@ def cmd_sweep(args) -> int:
         print(f"{len(specs)} runs, {sum(6.0 * s.N * s.D for s in specs):.3g} FLOPs (6ND) in all")
         return 0
     trained, skipped = run_sweep(sweep, limit=args.limit)
-    print(f"{trained} run(s) trained, {skipped} already finished; results in {sweep.runs_path}")
+    diverged = sum(bool(r.get("diverged")) for r in read_runs(sweep.runs_path, missing_ok=True))
+    print(
+        f"{trained} run(s) trained, {skipped} already finished; results in {sweep.runs_path}"
+        + (f" ({diverged} diverged: recorded, left out of the fits)" if diverged else "")
+    )
     return 0
 
 
@@ -286,6 +305,8 @@ def cmd_fit(args) -> int:
             f"held-out {h['name']}: N={h['N']:,.0f} D={h['D']:,.0f}: predicted {h['predicted']:.4f}{iv}{ivr}, "
             f"actual {h['actual']:.4f}, error {h['error']:+.2%}"
         )
+    for d in res.diverged:
+        print(f"diverged, left out of the fits: {d['name']} (N={d['N']:,.0f}): {d['diverged']}")
     for f in res.figures:
         print(f"wrote {f}")
     print(f"wrote {out / 'fit.json'}")

@@ -16,7 +16,7 @@ from lmstack.model.transformer import Transformer
 from lmstack.scaling.mup import apply_mup, mup_param_groups
 from lmstack.train.losses import cross_entropy
 from lmstack.train.optim import AdamW
-from lmstack.utils import atomic_path
+from lmstack.utils import pyplot, save_png
 
 SITES = ("embedding", "last block", "logits")
 
@@ -101,10 +101,7 @@ def coord_check(
 
 def plot_coord_check(results: dict[str, dict[int, np.ndarray]], path: Path) -> Path:
     """One row per parametrization, one column per site: mean |x| vs width, one line per step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(
         len(results), len(SITES), figsize=(4 * len(SITES), 3.2 * len(results)), squeeze=False
@@ -131,7 +128,5 @@ def plot_coord_check(results: dict[str, dict[int, np.ndarray]], path: Path) -> P
                 ax.set_ylabel("mean |x|")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
     return path

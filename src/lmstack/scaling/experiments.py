@@ -19,7 +19,7 @@ from tqdm import tqdm
 from lmstack.scaling.mup import MupTrainer
 from lmstack.scaling.noise_scale import NoiseScaleCallback
 from lmstack.train import TrainConfig, Trainer, TrainingDiverged
-from lmstack.utils import atomic_path
+from lmstack.utils import pyplot, save_png
 
 
 def _config(
@@ -113,10 +113,7 @@ def lr_transfer(
 
 
 def plot_lr_transfer(summary: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, p in zip(axes, ("sp", "mup")):
@@ -137,9 +134,7 @@ def plot_lr_transfer(summary: dict[str, Any], path: Path) -> Path:
         ax.legend(fontsize=8)
     axes[0].set_ylabel("final validation loss")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
     return path
 
 
@@ -183,10 +178,7 @@ def batch_sweep(
 
 
 def plot_batch_sweep(summary: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     S = summary["seq"]
@@ -203,7 +195,5 @@ def plot_batch_sweep(summary: dict[str, Any], path: Path) -> Path:
     axes[0].set_title("loss vs steps " + title)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
     return path

@@ -48,6 +48,7 @@ class RunsFit:
     backtest: dict[str, dict[str, Any]] = field(
         default_factory=dict
     )  # recipe -> errors at the largest budget
+    diverged: list[dict[str, Any]] = field(default_factory=list)  # runs left out: name, N, D, why
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -58,6 +59,7 @@ class RunsFit:
             "backtest": self.backtest,
             "figures": [str(p) for p in self.figures],
             "loss_law": self.loss_law.params if self.loss_law else None,
+            "diverged": self.diverged,
         }
         for a in self.approaches:
             d = {
@@ -223,11 +225,19 @@ def fit_runs(
     do not record ``unique_tokens``."""
     if repeats not in (*REPEATS, "auto"):
         raise ValueError(f"repeats={repeats!r}; expected one of {[*REPEATS, 'auto']}")
+    diverged = [
+        {k: r.get(k) for k in ("name", "budget", "N", "D", "C", "holdout", "diverged")}
+        for r in rows
+        if r.get("diverged")
+    ]
+    rows = [r for r in rows if not r.get("diverged")]  # no loss to fit: listed and plotted only
     fit_rows = [r for r in rows if not r.get("holdout")]
     held = [r for r in rows if r.get("holdout")]
     if len(fit_rows) < 5:
         raise ValueError(
-            f"{len(fit_rows)} runs to fit; the scaling fits need >= 5 (L(N, D) has 5 parameters)"
+            f"{len(fit_rows)} runs to fit"
+            + (f" ({len(diverged)} more diverged)" if diverged else "")
+            + "; the scaling fits need >= 5 (L(N, D) has 5 parameters)"
         )
     U_all = unique_tokens(rows, unique)
     if repeats in ("muennighoff", "fit") and U_all is None:
@@ -239,7 +249,7 @@ def fit_runs(
     U_held = None if U_all is None else U_all[[bool(r.get("holdout")) for r in rows]]
     N, D, L, C = columns(fit_rows, "N", "D", "loss", "C")
     budget = np.array([float(r.get("budget", r["C"])) for r in fit_rows])
-    res = RunsFit([], {})
+    res = RunsFit([], {}, diverged=diverged)
     if repeats == "auto":
         try:
             res.backtest = backtest(fit_rows, U=U_fit)
@@ -313,7 +323,12 @@ def fit_runs(
                 }
             )
     if out_dir is not None:
-        res.figures = _figures(rows, fit_rows, curves, res, out_dir, unique)
+        try:
+            res.figures = _figures(rows, fit_rows, curves, res, out_dir, unique)
+        except ValueError as e:  # matplotlib cannot place ticks for values near float64's limit
+            res.errors["figures"] = (
+                f"matplotlib could not draw them ({e}; losses up to {L.max():.3g})"
+            )
         atomic_write_text(
             out_dir / "fit.json", json.dumps(res.summary(), indent=2, default=float) + "\n"
         )
@@ -328,7 +343,9 @@ def _figures(
     by = {a.name.split(" (")[0]: a for a in res.approaches}
     figs = []
     if "approach 2" in by:
-        figs.append(plots.plot_isoflop(fit_rows, by["approach 2"], out_dir / "isoflop.png"))
+        figs.append(
+            plots.plot_isoflop(fit_rows, by["approach 2"], out_dir / "isoflop.png", res.diverged)
+        )
     if "approach 1" in by:
         figs.append(plots.plot_envelope(curves, by["approach 1"], out_dir / "envelope.png"))
     if "approach 3" in by:

@@ -20,8 +20,11 @@ def _save(fig, path: Path) -> Path:
     return save_png(fig, path, dpi=120, bbox_inches="tight")
 
 
-def plot_isoflop(rows: list[dict[str, Any]], a2: Approach, path: Path) -> Path:
-    """Final loss vs N for each budget, the fitted parabola in log N and its minimum."""
+def plot_isoflop(
+    rows: list[dict[str, Any]], a2: Approach, path: Path, diverged: list[dict[str, Any]] = ()
+) -> Path:
+    """Final loss vs N for each budget, the fitted parabola in log N and its minimum; runs that
+    diverged (no loss) as red crosses along the top edge at their N."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     cmap = plt.get_cmap("viridis")
@@ -39,6 +42,16 @@ def plot_isoflop(rows: list[dict[str, Any]], a2: Approach, path: Path) -> Path:
         ax.plot(np.exp(x), p0 + p1 * x + p2 * x * x, color=color, lw=1)
         xm = -p1 / (2 * p2)
         ax.plot(np.exp(xm), p0 + p1 * xm + p2 * xm * xm, "x", color=color, ms=9, mew=2)
+    if diverged:
+        ax.plot(
+            [r["N"] for r in diverged],
+            [0.97] * len(diverged),
+            "rx",
+            ms=8,
+            mew=2,
+            transform=ax.get_xaxis_transform(),  # x in data, y in axes fractions
+            label=f"diverged ({len(diverged)})",
+        )
     ax.set_xscale("log")
     ax.set_xlabel("parameters N")
     ax.set_ylabel("final validation loss")

@@ -3,7 +3,8 @@
 Every write replaces the file atomically (``lmstack.utils.atomic_write_text``), so an interrupted sweep
 never leaves a half-written line; reading checks every line and names the file and line of a bad one.
 A row holds at least ``name``, ``N`` (parameters), ``D`` (tokens), ``C`` (FLOPs, 6ND) and ``loss``
-(final validation loss); the sweep adds the budget, the exact FLOPs, the loss curve, timings.
+(final validation loss); the sweep adds the budget, the exact FLOPs, the loss curve, timings. A run that
+diverged holds ``diverged`` (the reason) and ``loss: null``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
         )
     if not isinstance(row["name"], str) or not row["name"]:
         raise RunsFileError(f"{where}: name={row['name']!r} must be a non-empty string")
-    for k in ("N", "D", "C", "loss"):
+    diverged = row.get("diverged")
+    if diverged is not None and (not isinstance(diverged, str) or not diverged):
+        raise RunsFileError(f"{where}: diverged={diverged!r} must be the reason, a string")
+    for k in ("N", "D", "C") if diverged else ("N", "D", "C", "loss"):  # a diverged run has no loss
         v = row[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise RunsFileError(f"{where}: {k}={v!r} must be a finite number > 0")

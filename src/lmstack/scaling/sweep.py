@@ -43,7 +43,7 @@ from lmstack.accounting import param_counts, training_step_flops
 from lmstack.model.config import ModelConfig
 from lmstack.scaling.runs import append_run, read_runs
 from lmstack.tokenizer.token_file import read_sidecar
-from lmstack.train import TrainConfig, Trainer
+from lmstack.train import TrainConfig, Trainer, TrainingDiverged
 from lmstack.utils import check_float, check_int
 
 SHORT = {
@@ -142,6 +142,9 @@ class Sweep:
             raise ValueError(
                 f"{p}: [train] needs train_data (a token file from `lmstack tokenizer encode`)"
             )
+        for k in ("batch_size", "grad_accum", "seq_len"):  # sizes the plan divides by
+            if k in train:
+                check_int(f"{p}: [train] {k}", train[k], minimum=1)
         holdout = d.get("holdout")
         if holdout is not None:
             if not isinstance(holdout, dict) or "budget" not in holdout or "size" not in holdout:
@@ -267,7 +270,23 @@ def run_one(sweep: Sweep, spec: RunSpec) -> dict[str, Any]:
     with contextlib.redirect_stdout(io.StringIO()):  # the trainer's runtime line, once per run
         trainer = Trainer(config, progress=False, overwrite=True)
     t0 = time.perf_counter()
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    except TrainingDiverged as e:  # recorded as diverged (left out of the fits); the sweep goes on
+        return {
+            "name": spec.name,
+            "budget": spec.budget,
+            "holdout": spec.holdout,
+            "N": spec.N,
+            "D": spec.D,  # as planned: the row stays in its budget's group
+            "C": 6.0 * spec.N * spec.D,
+            "loss": None,
+            "diverged": f"{e} (of {spec.steps} planned steps)",
+            "steps": trainer.step,
+            "seconds": time.perf_counter() - t0,
+            "lr": config.lr,
+            "model": spec.model,
+        }
     seconds = time.perf_counter() - t0
     D = trainer.tokens_seen
     return {
@@ -292,7 +311,11 @@ def run_one(sweep: Sweep, spec: RunSpec) -> dict[str, Any]:
 
 
 def run_sweep(sweep: Sweep, progress: bool = True, limit: int | None = None) -> tuple[int, int]:
-    """Train every planned run not yet in runs.jsonl (at most ``limit``); returns (trained, skipped)."""
+    """Train every planned run not yet in runs.jsonl (at most ``limit``); returns (trained, skipped).
+
+    A run that diverges (``TrainingDiverged``: a non-finite loss or gradient) is recorded with
+    ``diverged`` (the reason) and ``loss: null`` and counts as trained; the sweep goes on, a rerun does
+    not retry it (delete its line to), and ``lmstack scaling fit`` leaves it out of the fits."""
     done = {r["name"] for r in read_runs(sweep.runs_path, missing_ok=True)}
     specs = sweep.plan()
     todo = [s for s in specs if s.name not in done]
@@ -316,7 +339,10 @@ def run_sweep(sweep: Sweep, progress: bool = True, limit: int | None = None) -> 
             trained += 1
             bar.update(6.0 * s.N * s.D)
             bar.write(
-                f"{s.name}: N={s.N:,} D={row['D']:,} val_loss={row['loss']:.4f} ({row['seconds']:.0f} s)"
+                f"{s.name}: diverged: {row['diverged']}; recorded, going on"
+                if row.get("diverged")
+                else f"{s.name}: N={s.N:,} D={row['D']:,} val_loss={row['loss']:.4f} "
+                f"({row['seconds']:.0f} s)"
             )
     finally:
         bar.close()

@@ -14,8 +14,9 @@ import os
 import signal
 
 from lmstack.inference.engine import LLMEngine
-from lmstack.inference.loader import DTYPES, QUANT, load_for_inference
-from lmstack.serve.app import Server, build_app
+from lmstack.inference.loader import AUTO, DTYPES, QUANT, load_for_inference
+from lmstack.serve import Server, build_app
+from lmstack.serve.http import uvicorn_server
 from lmstack.threads import add_threads_argument
 
 
@@ -31,7 +32,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="the name clients pass as `model` (default: --model)",
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES) + list(QUANT), default="fp32")
+    p.add_argument(
+        "--dtype",
+        choices=[AUTO, *sorted(DTYPES), *QUANT],
+        default=AUTO,
+        help="weight format; auto: a quantised GGUF stays quantised (Q4_* -> int4 linears, Q8_0 -> "
+        "int8), anything else fp32",
+    )
     p.add_argument(
         "--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)"
     )
@@ -70,6 +77,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--speculative-tokens", type=int, default=0, help="prompt-lookup speculation (0 = off)"
+    )
+    p.add_argument(
+        "--draft-layers",
+        type=int,
+        default=0,
+        help="with --speculative-tokens: a draft model of the target's first N layers (0 = prompt lookup)",
     )
     p.add_argument(
         "--max-queue",
@@ -147,14 +160,17 @@ def check_serve_args(args) -> None:
 
 
 def run_serve(args) -> int:
-    import uvicorn
-
     check_serve_args(args)
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     model, tokenizer = load_for_inference(args.model, args.tokenizer, args.dtype)
+    logging.getLogger("lmstack.serve").info(
+        "weights: %s (--dtype %s)",
+        getattr(model, "quantization", None) or (args.dtype if args.dtype != AUTO else "fp32"),
+        args.dtype,
+    )
     if args.max_model_len is not None and args.max_model_len > model.config.max_seq_len:
         raise ValueError(
             f"--max-model-len {args.max_model_len} exceeds the model's context "
@@ -169,6 +185,7 @@ def run_serve(args) -> int:
         kv_cache_bytes=args.kv_cache_mb * 2**20,
         enable_prefix_caching=not args.no_prefix_caching,
         num_speculative_tokens=args.speculative_tokens,
+        draft_model=args.draft_layers or None,
         seed=args.seed,
         compile=args.compile,
     )
@@ -183,13 +200,7 @@ def run_serve(args) -> int:
         queue_timeout=args.queue_timeout,
         max_n=args.max_n,
     )
-    config = uvicorn.Config(
-        build_app(server),
-        host=args.host,
-        port=args.port,
-        log_level="info",
-        timeout_graceful_shutdown=args.shutdown_timeout,
-    )
+    http = uvicorn_server(build_app(server), server, args.host, args.port, args.shutdown_timeout)
     print(
         f"lmstack serve: {server.model_name} on http://{args.host}:{args.port} (chat page at /)",
         flush=True,
@@ -198,7 +209,7 @@ def run_serve(args) -> int:
     # before: a no-op one makes that graceful shutdown a clean exit (status 0)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        uvicorn.Server(config).run()
+        http.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0

@@ -86,6 +86,12 @@ def run_train(args: argparse.Namespace) -> int:
         config = TrainConfig.load(args.config, args.overrides)
     else:
         config = TrainConfig.from_dict(apply_overrides({}, args.overrides), where="overrides")
+    if config.parallel and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        raise ValueError(
+            f"parallel={config.parallel!r} trains with one process per rank, but this process was not "
+            "started by torchrun (no RANK/WORLD_SIZE in the environment): launch it with "
+            "`torchrun --nproc_per_node=N -m lmstack train --config ...` (docs/parallel.md)"
+        )
     # a resumed run may read its own out_dir/config.json (rewritten by the same run)
     check_run_paths(config, None if args.resume else args.config)
     if (

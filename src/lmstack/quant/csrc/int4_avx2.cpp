@@ -15,23 +15,10 @@
 // |q| <= 15, |xq| <= 127: at most 30480 < 2^15) are added before the one vpmaddwd, which halves its count.
 // terms = 2: each activation is two int8 terms, x ~ sx1*xq1 + sx2*xq2 (xq2 the rounded residual), both
 // accumulated into one output.
-#include <torch/library.h>
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include "int4_common.h"
 #include <immintrin.h>
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
 
 namespace {
-
-// As in int4_vnni.cpp: prefetch the codes this far ahead, split over threads from this much work on.
-constexpr int64_t kPrefetch = 8192;
-constexpr int64_t kParallelWeights = 512 * 1024;
-// Chunks of 8 inputs whose int16 partial sums fit before vpmaddwd: 4 chunks x 4 products x 15 x 127 < 2^15.
-constexpr int64_t kChunksPerS16 = 4;
 
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -54,10 +41,15 @@ inline void store_i8x16(int8_t* dst, __m256i a, __m256i b) {
                    _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
 }
 
-// One group of G inputs of one activation row: TERMS int8 terms, their scales, and the exact sum.
-inline void quantise_group(const float* x, int64_t G, int terms, int8_t* q1, int8_t* q2, float* s1, float* s2,
-                           float* sum) {
-  if (G % 16 == 0) {
+struct Avx2 {
+  static constexpr int kStep1 = 2, kStep2 = 1;  // activation rows per pass: 2 int16 sum pairs (16 ymm registers)
+  static constexpr int64_t kPrefetch = lmstack_int4::kPrefetch;
+  // Chunks of 8 inputs whose int16 partial sums fit before vpmaddwd: 4 chunks x 4 products x 15 x 127 < 2^15.
+  static constexpr int kChunksPerS16 = 4;
+
+  // One group of G inputs of one activation row: TERMS int8 terms, their scales, and the exact sum.
+  static void quantise_group(const float* x, int64_t G, int terms, int8_t* q1, int8_t* q2, float* s1, float* s2,
+                             float* sum) {
     __m256 amax = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < G; i += 8) {
       const __m256 v = _mm256_loadu_ps(x + i);
@@ -90,140 +82,97 @@ inline void quantise_group(const float* x, int64_t G, int terms, int8_t* q1, int
         store_i8x16(q2 + i, _mm256_cvtps_epi32(_mm256_mul_ps(r0, vinv2)), _mm256_cvtps_epi32(_mm256_mul_ps(r1, vinv2)));
       }
     }
-    return;
   }
-  float a = 0.f, acc = 0.f;  // G a multiple of 8 only: plain loops
-  for (int64_t i = 0; i < G; ++i) { a = std::max(a, std::fabs(x[i])); acc += x[i]; }
-  const float s = a / 127.f, inv = a > 0.f ? 127.f / a : 0.f;
-  *s1 = s;
-  *sum = acc;
-  for (int64_t i = 0; i < G; ++i) q1[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
-  if (terms == 2) {
-    float b = 0.f;
-    for (int64_t i = 0; i < G; ++i) b = std::max(b, std::fabs(x[i] - s * q1[i]));
-    const float inv2 = b > 0.f ? 127.f / b : 0.f;
-    for (int64_t i = 0; i < G; ++i) q2[i] = static_cast<int8_t>(std::nearbyint((x[i] - s * q1[i]) * inv2));
-    *s2 = b / 127.f;
-  }
-}
 
-// One tile of 16 output rows (two halves of 8) for NR activation rows at once, each as TERMS int8 rows
-// (xq row r*TERMS+t, scales sx[(r*TERMS+t)*NG + g], sums xs[r*NG + g]): each 64-byte chunk of codes is
-// loaded and unpacked once and multiplied into NR*TERMS pairs of int16 sums.
-template <int NR, int TERMS>
-inline void tile_rows(const uint8_t* w, const int8_t* xq, const float* sx, const float* xs, const uint16_t* d,
-                      const uint16_t* m, float* y, int64_t I, int64_t G, int64_t NG, int64_t O) {
-  constexpr int K = NR * TERMS;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc0[NR], acc1[NR];  // output rows 0-7 and 8-15 of the tile
-  for (int r = 0; r < NR; ++r) { acc0[r] = _mm256_setzero_ps(); acc1[r] = _mm256_setzero_ps(); }
-  const int64_t chunks = G / 8;
-  for (int64_t g = 0; g < NG; ++g) {
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * 16)));
-    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * 16 + 8)));
-    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * 16)));
-    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * 16 + 8)));
-    for (int r = 0; r < NR; ++r) {
-      const __m256 s = _mm256_set1_ps(xs[r * NG + g]);
-      acc0[r] = _mm256_fmadd_ps(m0, s, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(m1, s, acc1[r]);
-    }
-    for (int64_t c0 = 0; c0 < chunks; c0 += kChunksPerS16) {
-      const int64_t c1 = std::min(chunks, c0 + kChunksPerS16);
-      __m256i s0[K], s1[K];  // int16 sums of q*xq, rows 0-7 and 8-15
-      for (int k = 0; k < K; ++k) { s0[k] = _mm256_setzero_si256(); s1[k] = _mm256_setzero_si256(); }
-      for (int64_t c = c0; c < c1; ++c, w += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T0);
-        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
-        const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-        const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-        for (int k = 0; k < K; ++k) {
-          const int8_t* xc = xq + k * I + g * G + c * 8;
-          int32_t x_lo, x_hi;
-          std::memcpy(&x_lo, xc, 4);
-          std::memcpy(&x_hi, xc + 4, 4);
-          const __m256i bl = _mm256_set1_epi32(x_lo), bh = _mm256_set1_epi32(x_hi);
-          s0[k] = _mm256_add_epi16(s0[k], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, bl), _mm256_maddubs_epi16(hi0, bh)));
-          s1[k] = _mm256_add_epi16(s1[k], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, bl), _mm256_maddubs_epi16(hi1, bh)));
-        }
+  // One tile of 16 output rows (two halves of 8) for NR activation rows at once, each as TERMS int8 rows
+  // (xq row r*TERMS+t, scales sx[(r*TERMS+t)*NG + g], sums xs[r*NG + g]): each 64-byte chunk of codes is
+  // loaded and unpacked once and multiplied into NR*TERMS pairs of int16 sums. Per block of up to 4 chunks
+  // (the int16 limit): one vpmaddwd per sum, then the terms combined in float (f = sx1*dot1 + sx2*dot2) before
+  // the one multiply by the rows' d: 7 vector ops per half and block where a multiply per term took 8.
+  template <int NR, int TERMS>
+  static void tile(const uint8_t* w, const int8_t* xq, const float* sx, const float* xs, const uint16_t* d,
+                   const uint16_t* m, float* y, int64_t I, int64_t G, int64_t NG, int64_t O) {
+    __m256 acc0[NR], acc1[NR];  // output rows 0-7 and 8-15 of the tile
+    for (int r = 0; r < NR; ++r) { acc0[r] = _mm256_setzero_ps(); acc1[r] = _mm256_setzero_ps(); }
+    const int64_t chunks = G / 8;
+    for (int64_t g = 0; g < NG; ++g) {
+      const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * 16)));
+      const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * 16 + 8)));
+      const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * 16)));
+      const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * 16 + 8)));
+      for (int r = 0; r < NR; ++r) {
+        const __m256 s = _mm256_set1_ps(xs[r * NG + g]);
+        acc0[r] = _mm256_fmadd_ps(m0, s, acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(m1, s, acc1[r]);
       }
-      for (int r = 0; r < NR; ++r)
-        for (int t = 0; t < TERMS; ++t) {
-          const int k = r * TERMS + t;
-          const __m256 sc = _mm256_set1_ps(sx[k * NG + g]);
-          acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0[k], ones)), _mm256_mul_ps(d0, sc), acc0[r]);
-          acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1[k], ones)), _mm256_mul_ps(d1, sc), acc1[r]);
-        }
+      const int8_t* xg = xq + g * G;
+      int64_t c = 0;
+      for (; c + kChunksPerS16 <= chunks; c += kChunksPerS16, w += 64 * kChunksPerS16)
+        block<NR, TERMS, kChunksPerS16>(w, xg + c * 8, sx + g, d0, d1, acc0, acc1, I, NG);
+      switch (chunks - c) {  // G = 8, 16, 24 or a tail of G > 32: the rest of the group
+        case 1: block<NR, TERMS, 1>(w, xg + c * 8, sx + g, d0, d1, acc0, acc1, I, NG); w += 64; break;
+        case 2: block<NR, TERMS, 2>(w, xg + c * 8, sx + g, d0, d1, acc0, acc1, I, NG); w += 128; break;
+        case 3: block<NR, TERMS, 3>(w, xg + c * 8, sx + g, d0, d1, acc0, acc1, I, NG); w += 192; break;
+        default: break;
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      _mm256_storeu_ps(y + r * O, acc0[r]);
+      _mm256_storeu_ps(y + r * O + 8, acc1[r]);
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    _mm256_storeu_ps(y + r * O, acc0[r]);
-    _mm256_storeu_ps(y + r * O + 8, acc1[r]);
-  }
-}
 
-template <int TERMS>
-void run_tiles(const uint8_t* wp, const uint16_t* dp, const uint16_t* mp, const int8_t* xqp, const float* sxp,
-               const float* xsp, float* yp, int64_t M, int64_t I, int64_t G, int64_t NG, int64_t O, int64_t T) {
-  constexpr int STEP = TERMS == 1 ? 2 : 1;  // activation rows per pass: 2 int16 sum pairs (16 ymm registers)
-  auto body = [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* w = wp + t * (I / 8) * 64;
-      const uint16_t* dt = dp + t * NG * 16;
-      const uint16_t* mt = mp + t * NG * 16;
-      int64_t r = 0;
-      for (; r + STEP <= M; r += STEP)
-        tile_rows<STEP, TERMS>(w, xqp + r * TERMS * I, sxp + r * TERMS * NG, xsp + r * NG, dt, mt,
-                               yp + r * O + t * 16, I, G, NG, O);
-      for (; r < M; ++r)
-        tile_rows<1, TERMS>(w, xqp + r * TERMS * I, sxp + r * TERMS * NG, xsp + r * NG, dt, mt,
-                            yp + r * O + t * 16, I, G, NG, O);
+  // NC (<= 4) chunks of one group: int16 sums of q*xq for each of the NR*TERMS activation rows, the first
+  // chunk initialising them (no zeroing), then acc += d * sum_t sx_t * dot_t.
+  template <int NR, int TERMS, int NC>
+  static inline void block(const uint8_t* w, const int8_t* xg, const float* sxg, __m256 d0, __m256 d1,
+                           __m256* acc0, __m256* acc1, int64_t I, int64_t NG) {
+    constexpr int K = NR * TERMS;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256i s0[K], s1[K];  // int16 sums, rows 0-7 and 8-15
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* wc = w + 64 * c;
+      _mm_prefetch(reinterpret_cast<const char*>(wc + kPrefetch), _MM_HINT_T0);
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32));
+      const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+      const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+      for (int k = 0; k < K; ++k) {
+        const int8_t* xc = xg + k * I + c * 8;
+        int32_t x_lo, x_hi;
+        std::memcpy(&x_lo, xc, 4);
+        std::memcpy(&x_hi, xc + 4, 4);
+        const __m256i bl = _mm256_set1_epi32(x_lo), bh = _mm256_set1_epi32(x_hi);
+        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, bl), _mm256_maddubs_epi16(hi0, bh));
+        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, bl), _mm256_maddubs_epi16(hi1, bh));
+        s0[k] = c == 0 ? p0 : _mm256_add_epi16(s0[k], p0);
+        s1[k] = c == 0 ? p1 : _mm256_add_epi16(s1[k], p1);
+      }
     }
-  };
-  if (at::get_num_threads() > 1 && M * T * 16 * I >= kParallelWeights) at::parallel_for(0, T, 1, body); else body(0, T);
-}
-
-struct Scratch {  // per calling thread: the quantised activations, reused across calls
-  std::vector<int8_t> xq;
-  std::vector<float> sx, xs;
+    for (int r = 0; r < NR; ++r) {
+      const int k = r * TERMS;
+      const __m256 sc = _mm256_set1_ps(sxg[k * NG]);
+      __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0[k], ones)), sc);
+      __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1[k], ones)), sc);
+      if (TERMS == 2) {
+        const __m256 sc2 = _mm256_set1_ps(sxg[(k + 1) * NG]);
+        f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0[k + 1], ones)), sc2, f0);
+        f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1[k + 1], ones)), sc2, f1);
+      }
+      acc0[r] = _mm256_fmadd_ps(f0, d0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(f1, d1, acc1[r]);
+    }
+  }
 };
 
-at::Tensor int4_avx2_mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& d,
-                        const at::Tensor& m, int64_t G, int64_t terms) {
-  TORCH_CHECK(terms == 1 || terms == 2, "int4_avx2_mm: terms must be 1 or 2, got ", terms);
-  TORCH_CHECK(x_in.dim() == 2, "int4_avx2_mm: x must be (M, I), got ", x_in.sizes());
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous(),
-              "int4_avx2_mm: packed must be contiguous uint8 (O/16, I/8, 64)");
-  const int64_t M = x_in.size(0), I = x_in.size(1), T = packed.size(0), O = 16 * T;
-  TORCH_CHECK(packed.size(1) * 8 == I, "int4_avx2_mm: x has ", I, " features, weights ", packed.size(1) * 8);
-  TORCH_CHECK(G % 8 == 0 && I % G == 0, "int4_avx2_mm: group size ", G, " must be a multiple of 8 dividing ", I);
-  const int64_t NG = I / G;
-  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.numel() == T * NG * 16 &&
-              m.numel() == T * NG * 16 && d.is_contiguous() && m.is_contiguous(),
-              "int4_avx2_mm: d, m must be contiguous fp16 (O/16, I/G, 16)");
-  const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
-  static thread_local Scratch s;
-  s.xq.resize(static_cast<size_t>(M * terms * I));
-  s.sx.resize(static_cast<size_t>(M * terms * NG));
-  s.xs.resize(static_cast<size_t>(M * NG));
-  const float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < M; ++r)  // quantise the activations, one scale per group and term
-    for (int64_t g = 0; g < NG; ++g) {
-      int8_t* q1 = s.xq.data() + (r * terms) * I + g * G;
-      float* s1 = s.sx.data() + (r * terms) * NG + g;
-      quantise_group(xp + r * I + g * G, G, static_cast<int>(terms), q1, terms == 2 ? q1 + I : nullptr, s1,
-                     terms == 2 ? s1 + NG : nullptr, s.xs.data() + r * NG + g);
-    }
-  at::Tensor y = at::empty({M, O}, x.options());
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
-  if (terms == 1)
-    run_tiles<1>(wp, dp, mp, s.xq.data(), s.sx.data(), s.xs.data(), y.data_ptr<float>(), M, I, G, NG, O, T);
-  else
-    run_tiles<2>(wp, dp, mp, s.xq.data(), s.sx.data(), s.xs.data(), y.data_ptr<float>(), M, I, G, NG, O, T);
-  return y;
+at::Tensor int4_avx2_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                        int64_t G, int64_t terms) {
+  return lmstack_int4::int4_mm<Avx2>("int4_avx2_mm", x, packed, d, m, G, terms);
+}
+
+at::Tensor int4_avx2_dequant(const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m, int64_t G) {
+  return lmstack_int4::int4_dequant("int4_avx2_dequant", packed, d, m, G);
 }
 
 }  // namespace
@@ -231,8 +180,10 @@ at::Tensor int4_avx2_mm(const at::Tensor& x_in, const at::Tensor& packed, const 
 // A fragment: the VNNI kernel's library registers its own op in the same namespace; both may be loaded.
 TORCH_LIBRARY_FRAGMENT(lmstack_quant, lib) {
   lib.def("int4_avx2_mm(Tensor x, Tensor packed, Tensor d, Tensor m, int G, int terms=2) -> Tensor");
+  lib.def("int4_avx2_dequant(Tensor packed, Tensor d, Tensor m, int G) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmstack_quant, CPU, lib) {
   lib.impl("int4_avx2_mm", &int4_avx2_mm);
+  lib.impl("int4_avx2_dequant", &int4_avx2_dequant);
 }

@@ -1,4 +1,4 @@
-"""lmstack.eval.attention (oneDNN causal attention) vs an fp64 softmax(QKᵀ/√H + causal mask)V written with
+"""lmstack.kernels.onednn_attention (the oneDNN causal attention backend) vs an fp64 softmax(QKᵀ/√H + causal mask)V written with
 torch ops.
 
 MHA/GQA/MQA, the model's strided (B, T, N, H) layout and contiguous inputs, row blocks that do not divide T,
@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from lmstack.eval import attention as oa
-from lmstack.model.layers import onednn_ok
+from lmstack.kernels import onednn_attention as oa
 from lmstack.model.seam import AttentionMetadata
+from lmstack.ops.gemm import onednn_ok
 
 pytestmark = pytest.mark.skipif(
     not onednn_ok(torch.zeros(1)), reason="needs torch built with oneDNN (mkldnn)"

@@ -1,11 +1,11 @@
-"""Causal attention for CPU fp32 inference through oneDNN's GEMM, block-triangular over query rows: the
-attention of ``eval.perplexity``'s windows (``perplexity.fast_attention`` swaps it in).
+"""Causal attention for CPU fp32 inference through oneDNN's GEMM, block-triangular over query rows: the attention
+backend ``onednn`` (``kernels.backends``), which ``eval.perplexity``'s windows ask for (``fast_attention``).
 
 Seed 000 §1.2 (softmax(QKᵀ/√H + causal mask) V), §1.3 (the causal mask), §2.7 (attention is exact
 whichever way it is tiled). Why it exists: SDPA's CPU flash kernel does its block products with torch's
 BLAS, which on this project's AMD EPYC runs fp32 GEMMs at about half the speed of oneDNN's
-(docs/kernels.md); at the perplexity windows' T = 1024 this path is ~1.7x faster (docs/eval.md). It lives
-in eval/ because it calls the model's oneDNN GEMM (``model.layers``), which kernels/ may not import.
+(docs/kernels.md); at the perplexity windows' T = 1024 this path is ~1.7x faster (docs/eval.md). Its GEMM is
+``ops.gemm.onednn_linear``, the one under the model's linears.
 
 Scheme: for each batch row and kv head, the G query heads of the group are stacked along the rows
 (row t·G + g = query t of head g), and the queries are cut into blocks of ``ROW_BLOCK`` rows. Block
@@ -25,8 +25,8 @@ import math
 import torch
 from torch import Tensor
 
-from lmstack.model.layers import onednn_linear, onednn_ok
 from lmstack.model.seam import AttentionImpl, AttentionMetadata, SDPAAttention
+from lmstack.ops.gemm import onednn_linear, onednn_ok
 
 ROW_BLOCK = 128  # query rows a block (64, 128, 192, 256 measured: docs/eval.md)
 MIN_T = 192  # shorter sequences run the fallback (SDPA's one call beats the per-block calls below ~160 tokens)

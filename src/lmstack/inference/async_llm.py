@@ -1,0 +1,155 @@
+"""``AsyncLLM``: the streaming API an asyncio server sits on, over one ``LLMEngine``.
+
+Seed 001 "动态负载": requests arrive and leave (client disconnects) while the engine runs; they are
+applied between iterations, so one thread at a time touches the engine, through its public methods
+(``add_request``, ``abort_request``, ``abort_all``, ``step``, ``new_request_id``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from lmstack.inference.engine import GenerationError, LLMEngine
+from lmstack.inference.sampling import SamplingParams
+from lmstack.inference.sequence import RequestOutput
+
+
+class AsyncLLM:
+    """Streaming API over one ``LLMEngine`` for an asyncio server.
+
+    ``generate`` adds a request and yields ``RequestOutput`` deltas as tokens arrive; leaving
+    the iterator early (a client disconnect) aborts the request and frees its blocks.
+    The engine steps in a worker thread; requests added or aborted meanwhile are applied
+    between steps, so the engine is never touched by two threads at once.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        engine.attach(self)
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending: list[tuple] = []
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def busy(self) -> bool:
+        """Streams in flight or requests waiting to be added (``LLMEngine.attach``)."""
+        return bool(self._queues or self._pending)
+
+    def add_request(
+        self, request_id: str, prompt, params: SamplingParams | None = None
+    ) -> asyncio.Queue:
+        params = params or SamplingParams()
+        self.engine.attach(self)
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already streaming")
+        self._ensure_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        self._pending.append(("add", request_id, prompt, params))
+        self._wakeup.set()
+        return q
+
+    def abort(self, request_id: str) -> None:
+        if self._queues.pop(request_id, None) is not None:
+            self._pending.append(("abort", request_id))
+            if self._wakeup is not None:
+                self._wakeup.set()
+
+    async def generate(
+        self, prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        request_id = request_id or self.engine.new_request_id("async")
+        q = self.add_request(request_id, prompt, params)
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    @property
+    def alive(self) -> bool:
+        """False once the loop task has died of an exception (it restarts on the next request)."""
+        t = self._task
+        return t is None or not t.done() or t.cancelled() or t.exception() is None
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort every request (blocks freed; each waiter's ``generate`` raises RuntimeError) and stop
+        the loop task. The loop applies the aborts between steps, never while a step runs in its thread."""
+        for rid, q in list(self._queues.items()):
+            q.put_nowait(RuntimeError(f"request {rid!r} aborted: the engine is shutting down"))
+            self.abort(rid)
+        task, deadline = self._task, time.monotonic() + timeout
+        while (
+            task is not None and not task.done() and self._pending and time.monotonic() < deadline
+        ):
+            await asyncio.sleep(0.005)
+        self._task = None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for op in pending:
+            if op[0] == "add":
+                _, rid, prompt, params = op
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except Exception as e:  # noqa: BLE001 — whatever the bad request raises goes to its caller
+                    q = self._queues.pop(rid, None)
+                    if q is not None:
+                        q.put_nowait(e)
+            else:
+                self.engine.abort_request(op[1])
+
+    def _deliver(self, out: RequestOutput) -> None:
+        q = self._queues.get(out.request_id)
+        if q is None:
+            return
+        if out.error is not None:
+            q.put_nowait(GenerationError(out.error, [out]))
+        else:
+            q.put_nowait(out)
+        if out.finished:
+            self._queues.pop(out.request_id, None)
+
+    def _fail_all(self, error: Exception) -> None:
+        """The engine loop itself failed: every waiter gets the error, every request is aborted
+        (blocks freed), and the loop goes on serving new requests."""
+        for q in self._queues.values():
+            q.put_nowait(error)
+        self._queues.clear()
+        self.engine.abort_all()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self._apply_pending()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    if self._pending:
+                        continue
+                    await self._wakeup.wait()
+                    continue
+                outputs = await asyncio.to_thread(self.engine.step)
+                for out in outputs:
+                    self._deliver(out)
+            except Exception as e:  # noqa: BLE001 — never a dead loop with callers waiting on it
+                self._fail_all(e)

@@ -1,0 +1,209 @@
+"""The GEMM under every lmstack ``Linear``: oneDNN or torch's BLAS (MKL), chosen per CPU; the experts' grouped GEMMs.
+
+Seed 001 "优化技巧" (pick the kernel by measurement), "工程细节 / 基准测试". On a CPU, torch's ``F.linear`` in fp32
+runs its BLAS (MKL in the PyPI wheels); oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, on the same plain
+strided tensors, forward and both backward products in ``_OneDNNLinear``) is the other implementation. Which is
+faster depends on the CPU (docs/kernels.md, "The CPU GEMM"): MKL takes a slow path on AMD, where oneDNN measured
+~2x faster from 8 rows up; on this project's Intel Xeon MKL is faster at every row count up to 128 on SmolLM2's
+576↔1536 weights and level beyond, and only the unembedding-sized weight (V·D ≥ 4M elements) gains from oneDNN,
+1.2-1.9x from 4 rows (at 1-2 rows MKL is 10-25% faster).
+
+A ``GemmPolicy`` says when a product goes to oneDNN: from ``min_rows`` rows, or for a weight of ``min_weight``
+elements from ``min_weight_rows`` rows (None: never by that rule). ``choose_gemm(name, features)`` turns ``auto``
+into the measured row of ``MEASURED`` for the CPU's vendor (``lmstack.cpu``: ``LMSTACK_CPU=<name>`` fakes one) — a table, not a
+per-process measurement, because oneDNN and MKL round differently and a choice that flipped between runs would
+make them differ in the last bits; ``benchmarks/gemm_dispatch.py`` measures a CPU for a new row. ``onednn``
+sends every eligible product to oneDNN, ``blas`` none (``LMSTACK_ONEDNN=0`` makes ``auto`` mean ``blas``).
+``kernels.runtime.configure`` sets the policy (``set_gemm``); until then the first call picks ``auto``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmstack.cpu import CpuFeatures, cpu_features
+
+try:  # private: if a torch release moves it, treat every call as "a dispatch mode is active" (plain F.linear)
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+except ImportError:  # pragma: no cover - depends on the torch version
+
+    def _get_current_dispatch_mode():
+        return True
+
+
+GEMM_BACKENDS = ("auto", "onednn", "blas")
+#: oneDNN is built into this torch and has the fused linear op (read once: nothing a compiled graph must trace)
+_MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_linear_pointwise"
+)
+
+
+@dataclass(frozen=True)
+class GemmPolicy:
+    """oneDNN for a product of ≥ ``min_rows`` rows, or with a weight of ≥ ``min_weight`` elements and ≥
+    ``min_weight_rows`` rows (None: never by that rule); ``name`` the backend, ``reason`` why (the log line)."""
+
+    name: str
+    min_rows: int | None
+    min_weight: int | None
+    min_weight_rows: int = 1
+    reason: str = ""
+
+    def uses_onednn(self, rows: int, weight_numel: int) -> bool:
+        return (self.min_rows is not None and rows >= self.min_rows) or (
+            self.min_weight is not None
+            and weight_numel >= self.min_weight
+            and rows >= self.min_weight_rows
+        )
+
+    def line(self) -> str:
+        return f"gemm: {self.name} ({self.reason})"
+
+
+#: vendor -> (min_rows, min_weight, min_weight_rows, where it was measured); docs/kernels.md has the figures
+MEASURED: dict[str, tuple[int | None, int | None, int, str]] = {
+    # AMD EPYC (AVX2), SmolLM2 shapes, 2 threads: oneDNN 1.9-2.4x from 8 rows, 1.3x / 0.86x at one row
+    "AuthenticAMD": (8, 1 << 22, 1, "AMD EPYC: oneDNN from 8 rows or a weight of 4M elements"),
+    # Intel Xeon (AVX-512 + AMX), 1 thread, benchmarks/gemm_dispatch.py: MKL / oneDNN 0.17-0.97 at 1-128 rows
+    # on 576<->1536 weights, 0.89-1.13 at 512-2048; on the 49152x576 unembedding 0.89 / 0.75 at 1 / 2 rows,
+    # 1.23-1.97 at 4-64, 1.1 at 128, level at 512
+    "GenuineIntel": (
+        None,
+        1 << 22,
+        4,
+        "Intel Xeon: MKL, oneDNN for a weight of 4M elements from 4 rows",
+    ),
+}
+ONEDNN_ALWAYS = GemmPolicy("onednn", 1, 0, 1, "configured")
+BLAS_ONLY = GemmPolicy("blas", None, None, 1, "configured")
+
+
+def choose_gemm(name: str = "auto", features: CpuFeatures | None = None) -> GemmPolicy:
+    """The policy for backend ``name``: ``onednn``, ``blas``, or ``auto`` = the ``MEASURED`` row of the CPU's vendor
+    (a vendor not measured: ``blas``, torch's own choice). ``LMSTACK_ONEDNN=0`` turns ``auto`` into ``blas``."""
+    if name not in GEMM_BACKENDS:
+        raise ValueError(f"gemm backend={name!r}; expected one of {GEMM_BACKENDS}")
+    if name == "onednn":
+        return ONEDNN_ALWAYS
+    if name == "blas":
+        return BLAS_ONLY
+    if os.environ.get("LMSTACK_ONEDNN", "1") == "0":
+        return GemmPolicy("blas", None, None, 1, "auto: LMSTACK_ONEDNN=0")
+    f = features if features is not None else cpu_features()
+    if f.vendor not in MEASURED:
+        return GemmPolicy(
+            "blas", None, None, 1, f"auto: vendor {f.vendor or 'unknown'!r} not measured"
+        )
+    rows, weight, weight_rows, why = MEASURED[f.vendor]
+    return GemmPolicy("auto", rows, weight, weight_rows, f"auto: {why}")
+
+
+_POLICY: list[GemmPolicy | None] = [
+    None
+]  # the one in use; None = choose ``auto`` at the first call
+
+
+def gemm_policy() -> GemmPolicy:
+    """The policy in use (``auto`` for this CPU until ``set_gemm`` is called)."""
+    p = _POLICY[0]
+    if p is None:
+        p = _POLICY[0] = choose_gemm("auto")
+    return p
+
+
+def set_gemm(policy: GemmPolicy | None) -> GemmPolicy | None:
+    """Use ``policy`` from now on (None: ``auto`` again at the next call); returns the previous one. Called by
+    ``kernels.runtime.configure``; tests and benchmarks restore what it returns."""
+    old, _POLICY[0] = _POLICY[0], policy
+    return old
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """x (n, D_in) @ w (D_out, D_in)ᵀ through oneDNN, forward and both backward products."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w)
+        return _onednn_mm_t(x, w)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, w = ctx.saved_tensors
+        dx = _onednn_mm_t(dy, w.t()) if ctx.needs_input_grad[0] else None  # dy @ w
+        dw = _onednn_mm_t(dy.t(), x.t()) if ctx.needs_input_grad[1] else None  # dyᵀ @ x
+        return dx, dw
+
+
+def _onednn_mm_t(a: Tensor, b: Tensor) -> Tensor:
+    """a @ bᵀ by oneDNN (any strides)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
+def onednn_linear(x: Tensor, w: Tensor) -> Tensor:
+    """x (n, D_in) @ w (D_out, D_in)ᵀ through oneDNN, differentiable in both (callers check ``onednn_ok``)."""
+    return _OneDNNLinear.apply(x, w)
+
+
+def onednn_ok(x: Tensor) -> bool:
+    """Whether a matmul on x may go through oneDNN: CPU fp32 eager (no tracing or counting dispatch mode active,
+    so FLOP counters and compilers see plain ``mm``; no CPU autocast, under which F.linear computes in bf16),
+    oneDNN built in, and a plain tensor (a DTensor of the native parallel backend has no oneDNN sharding rule).
+    Whether it *does* is the policy's (``gemm_policy``)."""
+    # is_compiling() first: Dynamo cannot trace torch.backends.mkldnn.is_available (issue #31: `generate
+    # --compile` at fp32 crashed with torch._dynamo.exc.Unsupported), and a compiled graph wants plain mm anyway
+    return (
+        not torch.compiler.is_compiling()
+        and type(x) is Tensor
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and _MKLDNN_LINEAR
+        and _get_current_dispatch_mode() is None
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear``, through oneDNN's GEMM where ``onednn_ok`` and the policy sends a product of this many rows
+    and this weight there; x (..., in) -> (..., out)."""
+    if (
+        type(weight) in (Tensor, nn.Parameter)
+        and weight.dtype == torch.float32
+        and onednn_ok(x)
+        and gemm_policy().uses_onednn(x.numel() // max(x.shape[-1], 1), weight.numel())
+    ):
+        y = onednn_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+def expert_swiglu(x: Tensor, counts: list[int], gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """Grouped SwiGLU of the MoE experts (``model.moe``): x (R, D) rows sorted by expert, counts[e] rows for
+    expert e; weights gate/up (E, F, D), down (E, D, F) -> (R, D). ``torch._grouped_mm`` on CUDA bf16; else one
+    ``linear`` per weight per expert (oneDNN or BLAS by the policy, per expert's rows)."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[0]:
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        h = F.silu(torch._grouped_mm(x, gate.transpose(1, 2), offs=offs)) * torch._grouped_mm(
+            x, up.transpose(1, 2), offs=offs
+        )  # (R, F)
+        return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)  # (R, D)
+    outs = []
+    plain = type(gate) in (Tensor, nn.Parameter)
+    mm = linear if plain else F.linear
+    # unbind once: its backward stacks the E per-expert grads in one op (indexing gate[e] per expert would
+    # materialise a zero (E, F, D) grad per expert and add them up)
+    gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
+    for e, rows in enumerate(x.split(counts)):  # a loop over the E experts; each one (n_e, D) block
+        if rows.shape[0]:
+            outs.append(mm(F.silu(mm(rows, gates[e])) * mm(rows, ups[e]), downs[e]))
+    if not outs:
+        # no rows for any expert here: still a (0, D) result *in the graph* of x and the weights, so the
+        # backward reaches x (with expert parallelism the all-to-all that produced x must run its backward
+        # collective on every rank, or the ranks deadlock/abort: issue #31)
+        rows = x[:0]  # F.linear: oneDNN has no primitive for an empty product's backward
+        return F.linear(F.silu(F.linear(rows, gates[0])) * F.linear(rows, ups[0]), downs[0])
+    return torch.cat(outs)

@@ -1,0 +1,180 @@
+// What the two int4 x int8 decode kernels share (int4_vnni.cpp: AVX-512 VNNI; int4_avx2.cpp: AVX2): the
+// op's argument checks, the per-thread scratch for the quantised activations, the scalar quantisation of a
+// group that is not a multiple of 16, the loop over activation rows and groups, and the split of the output
+// tiles over threads. Each kernel supplies an ISA struct with
+//   static void quantise_group(const float* x, int64_t G, int terms, int8_t* q1, int8_t* q2, float* s1,
+//                              float* s2, float* sum);   // one group of one activation row
+//   template <int NR, int TERMS> static void tile(...);  // 16 output rows x NR activation rows
+//   static constexpr int kStep1, kStep2;                  // activation rows per pass for 1 and 2 terms
+// Seed 001 "量化": packed (O/16, I/8, 64) codes, fp16 d, m (O/16, I/G, 16), y[o] = sum_g d[o,g]*sum_t
+// sx_t[g]*sum_{i in g} q[o,i]*xq_t[i] + m[o,g]*xs[g] (the formula in quant/int4_vnni.py).
+// This header is part of each kernel's build hash (utils.build_extension hashes the quoted #includes), so a
+// change here rebuilds both.
+#pragma once
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace lmstack_int4 {
+
+// Prefetch distance: this far ahead of the chunk being multiplied. The weights stream from DRAM once per
+// token and the hardware prefetcher alone left one core at ~15 GB/s of its ~40; 8 KiB ahead measured best
+// (1-32 KiB tried on SmolLM2-135M's matrices, one thread).
+constexpr int64_t kPrefetch = 8192;
+// Split a call over threads only from this many weights x activation rows on (SmolLM2 decode: the FFN
+// and unembedding split, the 576 x 576 attention projections do not -- two threads were slower there,
+// 7.2 vs 6.1 us): below it the fork costs more than the share of the work it saves.
+constexpr int64_t kParallelWeights = 512 * 1024;
+
+// One group of G (a multiple of 8) inputs with plain loops: the same numbers as the vector versions
+// (sx = max|x|/127, xq = round-to-nearest-even(x * 127/max|x|), the residual's term the same way).
+inline void quantise_group_scalar(const float* x, int64_t G, int terms, int8_t* q1, int8_t* q2, float* s1,
+                                  float* s2, float* sum) {
+  float a = 0.f, acc = 0.f;
+  for (int64_t i = 0; i < G; ++i) { a = std::max(a, std::fabs(x[i])); acc += x[i]; }
+  const float s = a / 127.f, inv = a > 0.f ? 127.f / a : 0.f;
+  *s1 = s;
+  *sum = acc;
+  for (int64_t i = 0; i < G; ++i) q1[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+  if (terms == 2) {
+    float b = 0.f;
+    for (int64_t i = 0; i < G; ++i) b = std::max(b, std::fabs(x[i] - s * q1[i]));
+    const float inv2 = b > 0.f ? 127.f / b : 0.f;
+    for (int64_t i = 0; i < G; ++i) q2[i] = static_cast<int8_t>(std::nearbyint((x[i] - s * q1[i]) * inv2));
+    *s2 = b / 127.f;
+  }
+}
+
+struct Scratch {  // per calling thread: the quantised activations, reused across calls
+  std::vector<int8_t> xq;  // (M * terms, I): row r*terms + t is term t of activation row r
+  std::vector<float> sx;   // (M * terms, NG)
+  std::vector<float> xs;   // (M, NG): the exact sum of each group
+};
+
+// All output tiles for all M activation rows: STEP rows per pass over a tile (its codes stay in L1 between
+// passes), the rest one by one; tiles split over threads in contiguous ranges (each tile's 16 outputs are
+// one 64-byte line per row: threads never write the same line) when the call is large enough.
+template <class Isa, int TERMS>
+void run_tiles(const uint8_t* wp, const uint16_t* dp, const uint16_t* mp, const int8_t* xqp, const float* sxp,
+               const float* xsp, float* yp, int64_t M, int64_t I, int64_t G, int64_t NG, int64_t O, int64_t T) {
+  constexpr int STEP = TERMS == 1 ? Isa::kStep1 : Isa::kStep2;
+  auto body = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* w = wp + t * (I / 8) * 64;
+      const uint16_t* dt = dp + t * NG * 16;
+      const uint16_t* mt = mp + t * NG * 16;
+      int64_t r = 0;
+      for (; r + STEP <= M; r += STEP)
+        Isa::template tile<STEP, TERMS>(w, xqp + r * TERMS * I, sxp + r * TERMS * NG, xsp + r * NG, dt, mt,
+                                        yp + r * O + t * 16, I, G, NG, O);
+      for (; r < M; ++r)
+        Isa::template tile<1, TERMS>(w, xqp + r * TERMS * I, sxp + r * TERMS * NG, xsp + r * NG, dt, mt,
+                                     yp + r * O + t * 16, I, G, NG, O);
+    }
+  };
+  if (at::get_num_threads() > 1 && M * T * 16 * I >= kParallelWeights) at::parallel_for(0, T, 1, body); else body(0, T);
+}
+
+// The op: x (M, I) float32 or bf16 -> y (M, O) float32. ``name`` prefixes every error.
+template <class Isa>
+at::Tensor int4_mm(const char* name, const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& d,
+                   const at::Tensor& m, int64_t G, int64_t terms) {
+  TORCH_CHECK(terms == 1 || terms == 2, name, ": terms must be 1 or 2, got ", terms);
+  TORCH_CHECK(x_in.dim() == 2, name, ": x must be (M, I), got ", x_in.sizes());
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous(),
+              name, ": packed must be contiguous uint8 (O/16, I/8, 64)");
+  const int64_t M = x_in.size(0), I = x_in.size(1), T = packed.size(0), O = 16 * T;
+  TORCH_CHECK(packed.size(1) * 8 == I, name, ": x has ", I, " features, weights ", packed.size(1) * 8);
+  TORCH_CHECK(G > 0 && G % 8 == 0 && I % G == 0, name, ": group size ", G, " must be a multiple of 8 dividing ", I);
+  const int64_t NG = I / G;
+  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.numel() == T * NG * 16 &&
+              m.numel() == T * NG * 16 && d.is_contiguous() && m.is_contiguous(),
+              name, ": d, m must be contiguous fp16 (O/16, I/G, 16)");
+  const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
+  static thread_local Scratch s;
+  s.xq.resize(static_cast<size_t>(M * terms * I));
+  s.sx.resize(static_cast<size_t>(M * terms * NG));
+  s.xs.resize(static_cast<size_t>(M * NG));
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r)  // quantise the activations once per call: one scale per group and term
+    for (int64_t g = 0; g < NG; ++g) {
+      int8_t* q1 = s.xq.data() + (r * terms) * I + g * G;
+      float* s1 = s.sx.data() + (r * terms) * NG + g;
+      int8_t* q2 = terms == 2 ? q1 + I : nullptr;
+      float* s2 = terms == 2 ? s1 + NG : nullptr;
+      float* sum = s.xs.data() + r * NG + g;
+      if (G % 16 == 0)
+        Isa::quantise_group(xp + r * I + g * G, G, static_cast<int>(terms), q1, q2, s1, s2, sum);
+      else
+        quantise_group_scalar(xp + r * I + g * G, G, static_cast<int>(terms), q1, q2, s1, s2, sum);
+    }
+  at::Tensor y = at::empty({M, O}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
+  if (terms == 1)
+    run_tiles<Isa, 1>(wp, dp, mp, s.xq.data(), s.sx.data(), s.xs.data(), y.data_ptr<float>(), M, I, G, NG, O, T);
+  else
+    run_tiles<Isa, 2>(wp, dp, mp, s.xq.data(), s.sx.data(), s.xs.data(), y.data_ptr<float>(), M, I, G, NG, O, T);
+  return y;
+}
+
+// The weights themselves, W[o, i] = d[o,g]*q[o,i] + m[o,g] in float32 (O, I): for a prefill (many activation
+// rows), where a float GEMM on W beats the int8 dot products (quant/int4.py, ``gemm_rows``). One pass over the
+// codes, tiles split over threads; each tile writes 16 whole rows, so threads never share an output line.
+inline at::Tensor int4_dequant(const char* name, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                               int64_t G) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous(),
+              name, ": packed must be contiguous uint8 (O/16, I/8, 64)");
+  const int64_t T = packed.size(0), I = packed.size(1) * 8, O = 16 * T;
+  TORCH_CHECK(G > 0 && G % 8 == 0 && I % G == 0, name, ": group size ", G, " must be a multiple of 8 dividing ", I);
+  const int64_t NG = I / G;
+  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.numel() == T * NG * 16 &&
+              m.numel() == T * NG * 16 && d.is_contiguous() && m.is_contiguous(),
+              name, ": d, m must be contiguous fp16 (O/16, I/G, 16)");
+  at::Tensor w = at::empty({O, I}, packed.options().dtype(at::kFloat));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const at::Half* dp = d.data_ptr<at::Half>();
+  const at::Half* mp = m.data_ptr<at::Half>();
+  float* out = w.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t g = 0; g < NG; ++g) {
+        float dr[16], mr[16];
+        for (int r = 0; r < 16; ++r) {
+          dr[r] = static_cast<float>(dp[(t * NG + g) * 16 + r]);
+          mr[r] = static_cast<float>(mp[(t * NG + g) * 16 + r]);
+        }
+        for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {
+          const uint8_t* b = wp + (t * (I / 8) + c) * 64;
+          for (int r = 0; r < 16; ++r) {
+            float* row = out + (16 * t + r) * I + 8 * c;
+#if defined(__AVX2__) && defined(__FMA__)
+            // the row's 4 bytes twice as 8 int32 lanes, shifted by 0 (inputs j) or 4 (inputs 4 + j), masked
+            int32_t bytes;
+            std::memcpy(&bytes, b + 4 * r, 4);
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_set1_epi32(bytes));
+            const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                               _mm256_set1_epi32(0xF));
+            _mm256_storeu_ps(row, _mm256_fmadd_ps(_mm256_set1_ps(dr[r]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(mr[r])));
+#else
+            for (int j = 0; j < 4; ++j) {
+              row[j] = dr[r] * static_cast<float>(b[4 * r + j] & 0xF) + mr[r];
+              row[4 + j] = dr[r] * static_cast<float>(b[4 * r + j] >> 4) + mr[r];
+            }
+#endif
+          }
+        }
+      }
+  });
+  return w;
+}
+
+}  // namespace lmstack_int4
