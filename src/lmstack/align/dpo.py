@@ -219,7 +219,8 @@ class DPOTrainer(ModelTrainer):
 
 def plot_margins(metrics_path, png: Path, title: str = "DPO") -> Path | None:
     """DPO's implicit-reward margins and preference accuracies over the steps, training (each logged step's
-    batch) and evaluation (the validation pairs, or the training pairs without them), from a run's ``metrics.jsonl``: two panels, one PNG."""
+    batch) and evaluation (the validation pairs, or the training pairs without them), from a run's
+    ``metrics.jsonl``: two panels, one PNG."""
     rows = read_metrics(metrics_path)
     train = [r for r in rows if r.get("kind") == "train" and "rewards/margins" in r]
     val = [r for r in rows if r.get("kind") == "eval" and "val_rewards/margins" in r]
