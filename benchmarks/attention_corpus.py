@@ -25,7 +25,7 @@ import torch
 
 from lmstack.accounting.mixers import model_params
 from lmstack.demo import SEP, collect_corpus
-from lmstack.model.config import ModelConfig
+from lmstack.model.config import ModelConfig, repeat_pattern
 from lmstack.model.mixers import init_recurrent_parameters
 from lmstack.tokenizer import Tokenizer, encode_files, load_tokenizer, save, train_bpe
 from lmstack.train import TrainConfig, Trainer
@@ -61,7 +61,7 @@ def matched_d_ff(unit: list[str], vocab_size: int, target: int) -> int:
     """The d_ff (a multiple of 8) whose model has the parameter count closest to ``target``."""
 
     def params(d_ff):
-        layers = [unit[i % len(unit)] for i in range(SHAPE["n_layers"])]
+        layers = repeat_pattern(unit, SHAPE["n_layers"])
         return model_params(
             ModelConfig(**{**SHAPE, "d_ff": d_ff}, vocab_size=vocab_size, layer_types=layers)
         )
@@ -73,7 +73,7 @@ def run(name: str, args, tok_path: Path, tokens_path: Path, vocab_size: int, sep
     unit = VARIANTS[name]
     full = model_params(ModelConfig(**SHAPE, vocab_size=vocab_size))
     d_ff = matched_d_ff(unit, vocab_size, full)
-    layers = [unit[i % len(unit)] for i in range(SHAPE["n_layers"])]
+    layers = repeat_pattern(unit, SHAPE["n_layers"])
     model = {
         **SHAPE,
         "d_ff": d_ff,

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from lmstack.model.config import ModelConfig
+from lmstack.model.config import ModelConfig, repeat_pattern
 from lmstack.model.mixers import init_recurrent_parameters
 from lmstack.model.transformer import Transformer
 from lmstack.utils import atomic_path, atomic_write_text
@@ -60,7 +60,7 @@ def build(unit: list[str], n_layers: int, d_model: int, max_len: int) -> Transfo
         n_heads=2,
         d_ff=2 * d_model,
         max_seq_len=max_len,
-        layer_types=[unit[i % len(unit)] for i in range(n_layers)],
+        layer_types=repeat_pattern(unit, n_layers),
         mixer_chunk_size=32,
         linear_feature_map="elu1",
     )

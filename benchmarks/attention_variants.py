@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from lmstack.inference.kv_cache import MixerCache
-from lmstack.model.config import ModelConfig
+from lmstack.model.config import ModelConfig, repeat_pattern
 from lmstack.model.linear_scan import delta_chunked, delta_recurrent
 from lmstack.model.transformer import Transformer
 
@@ -46,7 +46,7 @@ def build(unit: list[str], max_seq_len: int) -> Transformer:
         n_kv_heads=2,
         d_ff=512,
         max_seq_len=max_seq_len,
-        layer_types=[unit[i % len(unit)] for i in range(L)],
+        layer_types=repeat_pattern(unit, L),
         mixer_chunk_size=64,
         ssm_head_dim=64,
         ssm_state_size=64,

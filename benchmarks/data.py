@@ -242,6 +242,11 @@ def main(argv=None) -> int:
         "--repeats", type=int, default=3, help="runs of each extractor (the least CPU time is kept)"
     )
     ap.add_argument("--skip-datatrove", action="store_true")
+    ap.add_argument(
+        "--stages",
+        default="extraction,gopher,minhash",
+        help="which comparisons to run (comma-separated)",
+    )
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     with_dt = not args.skip_datatrove
@@ -251,64 +256,72 @@ def main(argv=None) -> int:
     result = {"cpu": torch.backends.cpu.get_cpu_capability(), "load_average": load}
     print(f"CPU capability {result['cpu']}, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     records = crawl(args.real_pages)
-    ex, texts = bench_extract(records, with_dt, args.repeats)
-    result["extraction"] = ex
-    print(f"\nextraction: {ex['docs']} HTML pages, {ex['mb']:.2f} MB")
-    print("| extractor | CPU s | docs/s | MB/s | lmstack / datatrove |\n|---|---|---|---|---|")
-    base = ex.get("datatrove trafilatura", {}).get("cpu_s")
-    for name in (
-        "lmstack resiliparse",
-        "lmstack trafilatura",
-        "trafilatura.extract on the string",
-        "datatrove trafilatura",
-    ):
-        if name in ex:
+    stages = set(args.stages.split(","))
+    if stages - {"extraction", "gopher", "minhash"}:
+        raise SystemExit(f"--stages {args.stages!r}: expected extraction, gopher, minhash")
+    if "extraction" in stages:
+        ex, texts = bench_extract(records, with_dt, args.repeats)
+        result["extraction"] = ex
+        print(f"\nextraction: {ex['docs']} HTML pages, {ex['mb']:.2f} MB")
+        print("| extractor | CPU s | docs/s | MB/s | lmstack / datatrove |\n|---|---|---|---|---|")
+        base = ex.get("datatrove trafilatura", {}).get("cpu_s")
+        for name in (
+            "lmstack resiliparse",
+            "lmstack trafilatura",
+            "trafilatura.extract on the string",
+            "datatrove trafilatura",
+        ):
+            if name in ex:
+                print(
+                    _row(name, ex[name], None if name.startswith("datatrove") else base)
+                    + f" kept {ex[name]['kept']}"
+                )
+        for name in ("lmstack resiliparse", "lmstack trafilatura"):
+            if "vs_datatrove" in ex[name]:
+                v = ex[name]["vs_datatrove"]
+                print(
+                    f"{name} vs datatrove: both keep {v['both_kept']}, only lmstack {v['only_lmstack']}, only datatrove "
+                    f"{v['only_datatrove']}; mean word-set Jaccard of the outputs {v['mean_word_jaccard']:.3f}"
+                )
+    elif "gopher" in stages:  # Gopher's input: lmstack's resiliparse texts
+        texts = bench_extract(records, False, 1)[1]
+    if "gopher" in stages:
+        gq = bench_gopher(texts, with_dt)
+        result["gopher_quality"] = gq
+        print(f"\nGopher quality: {gq['docs']} extracted texts, {gq['mb']:.2f} MB")
+        print("| library | CPU s | docs/s | MB/s | lmstack / datatrove |\n|---|---|---|---|---|")
+        print(
+            _row("lmstack", gq["lmstack"], gq.get("datatrove", {}).get("cpu_s"))
+            + f" kept {gq['lmstack']['kept']}"
+        )
+        if with_dt:
+            print(_row("datatrove", gq["datatrove"]) + f" kept {gq['datatrove']['kept']}")
             print(
-                _row(name, ex[name], None if name.startswith("datatrove") else base)
-                + f" kept {ex[name]['kept']}"
+                f"same keep/drop decision on {gq['same_decision']} of {gq['docs']}, same reason on {gq['same_reason']}"
             )
-    for name in ("lmstack resiliparse", "lmstack trafilatura"):
-        if "vs_datatrove" in ex[name]:
-            v = ex[name]["vs_datatrove"]
+    if "minhash" in stages:
+        mh = bench_minhash(args.minhash_docs, with_dt)
+        result["minhash"] = mh
+        print(
+            f"\nMinHash: {mh['docs']} documents, {mh['mb']:.2f} MB (benchmarks/data_dedup.py's corpus)"
+        )
+        print(
+            "| stage | lmstack CPU s | MB/s | datatrove CPU s | MB/s | lmstack / datatrove |\n|---|---|---|---|---|---|"
+        )
+        for stage, r in mh["lmstack"].items():
+            d = mh.get("datatrove", {}).get(stage)
             print(
-                f"{name} vs datatrove: both keep {v['both_kept']}, only lmstack {v['only_lmstack']}, only datatrove "
-                f"{v['only_datatrove']}; mean word-set Jaccard of the outputs {v['mean_word_jaccard']:.3f}"
+                f"| {stage} | {r['cpu_s']:.3f} | {r['mb_per_s']:.2f} | "
+                + (
+                    f"{d['cpu_s']:.3f} | {d['mb_per_s']:.2f} | {mh['speedup'][stage]:.2f}x |"
+                    if d
+                    else "- | - | - |"
+                )
             )
-    gq = bench_gopher(texts, with_dt)
-    result["gopher_quality"] = gq
-    print(f"\nGopher quality: {gq['docs']} extracted texts, {gq['mb']:.2f} MB")
-    print("| library | CPU s | docs/s | MB/s | lmstack / datatrove |\n|---|---|---|---|---|")
-    print(
-        _row("lmstack", gq["lmstack"], gq.get("datatrove", {}).get("cpu_s"))
-        + f" kept {gq['lmstack']['kept']}"
-    )
-    if with_dt:
-        print(_row("datatrove", gq["datatrove"]) + f" kept {gq['datatrove']['kept']}")
-        print(
-            f"same keep/drop decision on {gq['same_decision']} of {gq['docs']}, same reason on {gq['same_reason']}"
-        )
-    mh = bench_minhash(args.minhash_docs, with_dt)
-    result["minhash"] = mh
-    print(
-        f"\nMinHash: {mh['docs']} documents, {mh['mb']:.2f} MB (benchmarks/data_dedup.py's corpus)"
-    )
-    print(
-        "| stage | lmstack CPU s | MB/s | datatrove CPU s | MB/s | lmstack / datatrove |\n|---|---|---|---|---|---|"
-    )
-    for stage, r in mh["lmstack"].items():
-        d = mh.get("datatrove", {}).get(stage)
-        print(
-            f"| {stage} | {r['cpu_s']:.3f} | {r['mb_per_s']:.2f} | "
-            + (
-                f"{d['cpu_s']:.3f} | {d['mb_per_s']:.2f} | {mh['speedup'][stage]:.2f}x |"
-                if d
-                else "- | - | - |"
+        if with_dt:
+            print(
+                f"all stages: {mh['speedup']['all (lmstack with confirm)']:.2f}x; survivors: {mh['survivors']}"
             )
-        )
-    if with_dt:
-        print(
-            f"all stages: {mh['speedup']['all (lmstack with confirm)']:.2f}x; survivors: {mh['survivors']}"
-        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=float) + "\n")
         print(f"wrote {args.json}")

@@ -3,7 +3,8 @@ compiled decode step) vs HF transformers vs llama.cpp, and the memory-bandwidth 
 weight format (seed 001 "性能指标分析": Latency = (Param + Memory_KV) / bandwidth).
 
     python benchmarks/inference_decode.py [--threads 1] [--new-tokens 32] [--prompt-tokens 128] [--repeats 3]
-        [--lmstack fp32,bf16,int8,int4,fp32+compile,bf16+compile,int8+compile,int4+compile] [--hf fp32,bf16]
+        [--lmstack fp32,bf16,int8,int4,fp32+compile,bf16+compile,int8+compile,int4+compile,int4t1+compile]
+        [--hf fp32,bf16]
         [--llama-threads 1,2]
 
 Every engine is loaded and warmed up first (a compiled decode step is compiled then), then the
@@ -19,6 +20,12 @@ llama.cpp's own system line, so a run restricted to AVX2 on an AVX-512 machine s
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 LMSTACK_INT4_KERNEL=avx2 \
         python benchmarks/inference_decode.py --threads 1 --lmstack int4+compile --hf "" --llama-threads 1
     (with a llama-cpp-python built with -DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AVX2=ON on PYTHONPATH)
+
+"decode tok/s" is wall-clock; "per CPU-s" divides the tokens by the process's CPU time over the same steps
+(``time.process_time``, all its threads): on a machine shared with other jobs the wall-clock rate measures the
+scheduler as much as the engine, while tokens per CPU-second at one thread is the engine's own cost (at two
+threads it also counts threads spinning while they wait, so there it is a cost, not a speed). ``int4t1`` is
+int4 with one int8 term per activation (``Int4Linear.terms = 1``: llama.cpp's Q4_1 x Q8_1 precision).
 
 ``--profile`` runs instead: for each ``--lmstack`` engine, after its warm-up, ``--new-tokens``
 decode steps under ``torch.profiler`` (CPU), and prints the ops with the most self CPU time and
@@ -74,8 +81,13 @@ class LmstackEngine:
             )
         self.name = f"lmstack {fmt}" + {"": "", "static": " static", "compile": " compiled"}[flag]
         self.fmt = fmt
-        if fmt in ("int8", "int4"):
-            self.model = quantize_model(copy.deepcopy(base), fmt)
+        if fmt in ("int8", "int4", "int4t1"):
+            self.model = quantize_model(copy.deepcopy(base), fmt.removesuffix("t1"))
+            for (
+                m
+            ) in self.model.modules():  # int4t1: one int8 term per activation (llama.cpp's Q8_1)
+                if isinstance(m, Int4Linear):
+                    m.terms = 1 if fmt == "int4t1" else 2
         elif fmt == "bf16":
             self.model = copy.deepcopy(base).to(torch.bfloat16)
         else:
@@ -93,7 +105,7 @@ class LmstackEngine:
         t0 = time.perf_counter()
         self.model(torch.tensor([prompt]), last_n=1)
         t1 = time.perf_counter()
-        times, tokens = [], []
+        times, cpu, tokens = [], [], []
         for tok in generate(
             self.model,
             prompt,
@@ -101,8 +113,14 @@ class LmstackEngine:
             decoder=self.decoder,
         ):
             times.append(time.perf_counter())
+            cpu.append(time.process_time())
             tokens.append(tok)
-        return len(prompt) / (t1 - t0), (n_new - 1) / (times[-1] - times[0]), tokens
+        return (
+            len(prompt) / (t1 - t0),
+            (n_new - 1) / (times[-1] - times[0]),
+            tokens,
+            (n_new - 1) / (cpu[-1] - cpu[0]),
+        )
 
 
 class HFEngine:
@@ -131,6 +149,7 @@ class HFEngine:
             len(prompt) / (t1 - t0),
             (n_new - 1) / ((t3 - t2) - (t2 - t1)),
             out[0, len(prompt) :].tolist(),
+            float("nan"),  # (CPU time per token not taken apart for generate())
         )
 
 
@@ -158,14 +177,20 @@ class LlamaCppEngine:
         self.llm.eval(prompt)
         t1 = time.perf_counter()
         self.llm.reset()
-        times, tokens = [], []
+        times, cpu, tokens = [], [], []
         for tok in self.llm.generate(prompt, temp=0.0, reset=True):
             times.append(time.perf_counter())
+            cpu.append(time.process_time())
             tokens.append(tok)
             if len(tokens) == n_new:
                 break
         torch.set_num_threads(threads)
-        return len(prompt) / (t1 - t0), (n_new - 1) / (times[-1] - times[0]), tokens
+        return (
+            len(prompt) / (t1 - t0),
+            (n_new - 1) / (times[-1] - times[0]),
+            tokens,
+            (n_new - 1) / (cpu[-1] - cpu[0]),
+        )
 
 
 def profile_decode(engine: LmstackEngine, prompt: list[int], n_new: int, rows: int) -> None:
@@ -262,7 +287,8 @@ def main() -> None:
     for r in range(args.repeats):
         for e in engines:
             torch.set_num_threads(args.threads)
-            results[e.name].append(e.run(prompt, args.new_tokens)[:2])
+            pre, dec, _, dec_cpu = e.run(prompt, args.new_tokens)
+            results[e.name].append((pre, dec, dec_cpu))
         loads.append(os.getloadavg()[0])
         print(f"  round {r + 1}: load avg {loads[-1]:.1f}", flush=True)
 
@@ -270,22 +296,21 @@ def main() -> None:
     S = args.prompt_tokens + args.new_tokens // 2  # mean context during decode
     ref_tokens = engines[0].tokens
     med = {
-        n: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v))
-        for n, v in results.items()
+        n: tuple(statistics.median(x[i] for x in v) for i in range(3)) for n, v in results.items()
     }
     print(
-        f"\n{'engine':<26}{'weights MB':>11}{'prefill tok/s':>15}{'decode tok/s':>14}{'roofline':>10}"
-        f"{'% roof':>8}  same tokens as {engines[0].name}"
+        f"\n{'engine':<30}{'weights MB':>11}{'prefill tok/s':>15}{'decode tok/s':>14}{'per CPU-s':>11}"
+        f"{'roofline':>10}{'% roof':>8}  same tokens as {engines[0].name}"
     )
     for e in engines:
-        pre, dec = med[e.name]
+        pre, dec, dec_cpu = med[e.name]
         kv = kv_cache_bytes(cfg, 1, S, "bf16" if e.fmt == "bf16" else "fp32")
         step = e.weight_bytes + (0 if e.fmt == "Q4_1" else kv)
         roof = read_bw * 1e9 / step
         same = sum(a == b for a, b in zip(e.tokens, ref_tokens))
         print(
-            f"{e.name:<26}{step / 1e6:>11.0f}{pre:>15.1f}{dec:>14.2f}{roof:>10.1f}{100 * dec / roof:>7.0f}%"
-            f"  {same}/{len(ref_tokens)}"
+            f"{e.name:<30}{step / 1e6:>11.0f}{pre:>15.1f}{dec:>14.2f}{dec_cpu:>11.2f}{roof:>10.1f}"
+            f"{100 * dec / roof:>7.0f}%  {same}/{len(ref_tokens)}"
         )
     print(
         f"\nbandwidth, {args.threads} thread(s): read {read_bw:.1f} GB/s (roofline uses this), copy "
@@ -300,8 +325,15 @@ def main() -> None:
         for p in peers:
             if p.name.startswith("HF") and p.fmt not in ("fp32", e.fmt):
                 continue
-            parts.append(f"/{p.name}: {med[e.name][1] / med[p.name][1]:.2f}x")
-        print(f"{e.name:<26} decode " + "  ".join(parts))
+            parts.append(
+                f"/{p.name}: {med[e.name][1] / med[p.name][1]:.2f}x"
+                + (
+                    f" (per CPU-s {med[e.name][2] / med[p.name][2]:.2f}x)"
+                    if med[p.name][2] == med[p.name][2]
+                    else ""
+                )
+            )
+        print(f"{e.name:<30} decode " + "  ".join(parts))
     aim = [e for e in engines if e.name.startswith("lmstack")]
     hf32 = med.get("HF transformers fp32")
     if hf32:

@@ -165,3 +165,81 @@ def test_train_with_a_parallel_plan_outside_torchrun_says_to_use_torchrun(
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "not started by torchrun" in err and "torchrun --nproc_per_node" in err
+
+
+FOLDER_COMMANDS = {  # every command that writes a folder: argv with {out} (the folder) and {d} (inputs)
+    "scaling fit": ["scaling", "fit", "{d}/runs.jsonl", "--out", "{out}"],
+    "scaling lr-transfer": ["scaling", "lr-transfer", "--data", "{d}/tok.bin", "--out", "{out}"],
+    "scaling batch-sweep": ["scaling", "batch-sweep", "--data", "{d}/tok.bin", "--out", "{out}"],
+    "scaling sweep": ["scaling", "sweep", "--config", "{d}/sweep.toml", "--dry-run"],
+    "eval make-data": ["eval", "make-data", "{out}"],
+    "tokenizer train --format gpt2": [
+        "tokenizer",
+        "train",
+        "{d}/corpus.txt",
+        "--format",
+        "gpt2",
+        "--out",
+        "{out}",
+    ],
+    "train": ["train", "--config", "{d}/run.toml", "--no-progress"],
+    "compress": ["compress", "--model", "{d}/m", "--out", "{out}"],
+    "demo": ["demo", "--out", "{out}"],
+}
+
+
+@pytest.mark.parametrize("command", list(FOLDER_COMMANDS))
+def test_every_folder_writer_refuses_another_models_folder(command, tmp_path, capsys):
+    """Issue #31: `compress --out` replaced another model's files; the same rule (utils.own_folder: absent,
+    empty or the command's own earlier output, else --force) for every command that writes a folder. The
+    folder holds an HF model (config.json, model.safetensors, generation_config.json): exit 2 before any
+    work, and its bytes unchanged."""
+    import numpy as np
+
+    d, out = tmp_path / "in", tmp_path / "hf_model"
+    d.mkdir()
+    out.mkdir()
+    files = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"\x08" * 16}
+    files["generation_config.json"] = b"{}"
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    np.arange(1, 600, dtype=np.uint16).tofile(d / "tok.bin")
+    (d / "tok.bin.json").write_text('{"n_tokens": 599, "dtype": "uint16", "vocab_size": 640}')
+    (d / "corpus.txt").write_text("the cat sat on the mat\n" * 50)
+    (d / "sweep.toml").write_text(
+        f'out_dir = "{out}"\nbudgets = [1e9]\nmin_steps = 1\n[train]\ntrain_data = "{d}/tok.bin"\n'
+        "batch_size = 2\nseq_len = 16\n[model]\nvocab_size = 640\n"
+        "[[sizes]]\nd_model = 16\nn_layers = 1\nn_heads = 2\nd_ff = 32\n"
+    )
+    (d / "run.toml").write_text(
+        f'train_data = "{d}/tok.bin"\nout_dir = "{out}"\nbatch_size = 2\nseq_len = 16\n'
+        'max_steps = 2\nwarmup_steps = 1\ndevice = "cpu"\n'
+        "[model]\nd_model = 16\nn_layers = 1\nn_heads = 2\nd_ff = 32\n"
+    )
+    argv = [a.format(d=d, out=out) for a in FOLDER_COMMANDS[command]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and ("refusing to replace it" in err or "holds another model" in err)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == files
+
+
+def test_a_sweep_out_dir_may_hold_the_sweeps_own_inputs(tmp_path, capsys):
+    """The folder rule leaves a sweep whose out_dir holds its own config and token file alone; one
+    more file of something else is refused without --force."""
+    import numpy as np
+
+    np.arange(1, 600, dtype=np.uint16).tofile(tmp_path / "tok.bin")
+    (tmp_path / "tok.bin.json").write_text(
+        '{"n_tokens": 599, "dtype": "uint16", "vocab_size": 640}'
+    )
+    cfg = tmp_path / "sweep.toml"
+    cfg.write_text(
+        f'out_dir = "{tmp_path}"\nbudgets = [1e9]\nmin_steps = 1\n[train]\n'
+        f'train_data = "{tmp_path}/tok.bin"\nbatch_size = 2\nseq_len = 16\n'
+        "[[sizes]]\nd_model = 16\nn_layers = 1\nn_heads = 2\nd_ff = 32\n"
+    )
+    argv = ["scaling", "sweep", "--config", str(cfg), "--dry-run"]
+    assert main(argv) == 0
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(argv) == 2 and "refusing to replace it" in capsys.readouterr().err
+    assert main([*argv, "--force"]) == 0

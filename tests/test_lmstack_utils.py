@@ -25,3 +25,20 @@ def test_new_file_mode_follows_umask(tmp_path):
     finally:
         os.umask(umask)
     assert (tmp_path / "y.txt").stat().st_mode & 0o777 == 0o644
+
+
+def test_torch_dtype_maps_short_names_and_names_the_choices():
+    import pytest
+    import torch
+
+    from lmstack.utils import dtype_name, torch_dtype
+
+    # torch's own dtype objects, not the table's output, are the reference
+    assert torch_dtype("bf16") is torch.bfloat16
+    assert torch_dtype("fp16", allowed=("bf16", "fp16")) is torch.float16
+    assert torch_dtype("fp64") is torch.float64
+    assert dtype_name(torch.float32) == "fp32" and dtype_name(torch.int8) is None
+    with pytest.raises(ValueError, match=r"dtype='fp64'; expected one of \['bf16', 'fp32'\]"):
+        torch_dtype("fp64", allowed=("fp32", "bf16"))
+    with pytest.raises(ValueError, match=r"param_dtype='int4'; expected one of"):
+        torch_dtype("int4", what="param_dtype")

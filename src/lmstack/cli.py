@@ -13,6 +13,7 @@ import sys
 from lmstack import __version__
 from lmstack.threads import set_threads
 from lmstack.train.cli import split_resume
+from lmstack.utils import MissingExtraError
 
 # Chapters in the order the help lists them; each names the module whose ``register`` adds its commands.
 CHAPTERS = {
@@ -66,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, OSError) as e:
-        # Bad input (config, files, requests): a clear message, not a deep traceback.
+    except (ValueError, FileNotFoundError, OSError, MissingExtraError) as e:
+        # Bad input (config, files, requests) or a missing extra: a clear message, not a deep traceback.
         print(f"lmstack: error: {e}", file=sys.stderr)
         return 2
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sysconfig
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from lmstack.tokenizer import Tokenizer, encode_files, save, train_bpe
 from lmstack.train import TrainConfig, Trainer
 from lmstack.train.plot import read_metrics
 from lmstack.train.trainer import device_peak_flops
-from lmstack.utils import check_outputs, own_folder
+from lmstack.utils import check_outputs, own_folder, stdlib_root, stdlib_sources
 
 DEFAULT_PROMPT = "The three most important ideas in machine learning are"
 SEP = "<|endoftext|>"
@@ -113,15 +112,7 @@ def corpus_files(inputs: list[str], glob: str) -> list[Path]:
             else:
                 raise FileNotFoundError(f"corpus input {item!r} does not exist")
     else:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        skip = ("test", "tests", "idle_test", "site-packages", "lib2to3", "__pycache__")
-        top = sorted(root.glob("*.py"))
-        pkgs = sorted(
-            f
-            for f in root.rglob("*.py")
-            if f.parent != root and not any(part in skip for part in f.relative_to(root).parts)
-        )
-        files = top + pkgs
+        files = stdlib_sources()
     return files
 
 
@@ -222,7 +213,7 @@ def run_demo(args) -> int:
     n_files, n_bytes = collect_corpus(args.inputs, args.glob, args.corpus_mb, corpus)
     print(
         f"{n_files} files, {n_bytes / 1e6:.2f} MB -> {corpus}"
-        f"{'' if args.inputs else ' (from ' + sysconfig.get_paths()['stdlib'] + ')'}"
+        f"{'' if args.inputs else ' (from ' + str(stdlib_root()) + ')'}"
     )
 
     _section("2. tokenizer: byte-level BPE")

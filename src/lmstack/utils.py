@@ -236,6 +236,73 @@ def check_outputs(
                 )
 
 
+# ---- the default corpus: Python's own standard library, on every machine, nothing downloaded ----
+STDLIB_SKIP = ("test", "tests", "idle_test", "site-packages", "lib2to3", "__pycache__")
+
+
+def stdlib_root() -> Path:
+    """The folder of this Python's standard library sources."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_sources() -> list[Path]:
+    """The stdlib ``.py`` files in the demo's corpus order: the top-level modules sorted, then the
+    packages' files sorted, skipping test suites (``STDLIB_SKIP``). The demo trains on the first
+    ones, ``lmstack.eval.datasets`` holds out the ones after."""
+    root = stdlib_root()
+    top = sorted(root.glob("*.py"))
+    pkgs = sorted(
+        f
+        for f in root.rglob("*.py")
+        if f.parent != root and not any(part in STDLIB_SKIP for part in f.relative_to(root).parts)
+    )
+    return top + pkgs
+
+
+# ---- optional extras: a feature whose dependencies are not installed names the extra to install ----
+class MissingExtraError(ModuleNotFoundError):
+    """A feature's optional dependency is not installed; the message names the extra."""
+
+
+def import_extra(module: str, extra: str, feature: str):
+    """``importlib.import_module(module)``, or a ``ModuleNotFoundError`` that says which extra of
+    pyproject's ``[project.optional-dependencies]`` brings it (``pip install 'lmstack[serve]'``)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise MissingExtraError(
+            f"{feature} needs the {module!r} package ({e}); install it with: "
+            f"pip install 'lmstack[{extra}]'",
+            name=module,
+        ) from e
+
+
+# ---- dtype names: the one table of the short names flags and configs use ----------------------
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+FLOAT_DTYPES = (
+    "fp32",
+    "bf16",
+    "fp16",
+)  # what models load and train in (fp64 only for kernel checks)
+
+
+def torch_dtype(name: str, allowed: Iterable[str] | None = None, what: str = "dtype"):
+    """The ``torch.dtype`` for a short name ("fp32", "bf16", "fp16", "fp64"), refused with the value
+    and the choices unless it is in ``allowed`` (default: every name of ``DTYPE_NAMES``). torch is
+    imported here, so that this module stays light."""
+    choices = tuple(DTYPE_NAMES if allowed is None else allowed)
+    if name not in choices or name not in DTYPE_NAMES:
+        raise ValueError(f"{what}={name!r}; expected one of {sorted(choices)}")
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[name])
+
+
+def dtype_name(dtype) -> str | None:
+    """The short name of a ``torch.dtype`` (``torch.bfloat16`` -> "bf16"); None for any other dtype."""
+    return next((k for k, v in DTYPE_NAMES.items() if str(dtype) == f"torch.{v}"), None)
+
+
 def positive_int(text: str) -> int:
     """argparse ``type=``: an integer >= 1 (argparse names the flag in its error: exit 2, no traceback)."""
     try:
@@ -276,6 +343,16 @@ def own_folder(path: str | os.PathLike, *markers: str) -> bool:
     if not p.is_dir():
         return False
     return not any(p.iterdir()) or any((p / m).exists() for m in markers)
+
+
+def own_folder_kind(command: str, *markers: str) -> tuple[str, Callable[[Path], bool]]:
+    """A ``check_outputs`` ``kinds`` entry for an output folder of ``lmstack {command}``: refused unless
+    ``own_folder(path, *markers)`` (absent, empty, or an earlier output of the same command) or ``--force``."""
+    mark = markers[0] + (" or its run folders" if len(markers) > 1 else "")
+    return (
+        f"an empty folder or an earlier `lmstack {command}` output (one with {mark})",
+        lambda p: own_folder(p, *markers),
+    )
 
 
 def read_jsonl(

@@ -116,6 +116,32 @@ def test_sampled_draft_keeps_the_target_distribution():
     assert all_free(llm.engine)
 
 
+@pytest.mark.slow
+def test_compiled_engine_with_a_draft_model(model, draft_prompts, reference):
+    """Both decode steps compiled (the target's for draft-free iterations, the draft's for its
+    single-token steps): greedy output equals full recompute under preemption, and no graph is
+    compiled after warm-up (counted)."""
+    llm = LLM(
+        model,
+        block_size=4,
+        num_blocks=14,
+        max_num_seqs=3,
+        max_num_batched_tokens=16,
+        num_speculative_tokens=2,
+        draft_model=1,
+        compile={"cpp_wrapper": False},
+    )
+    target, draft = llm.engine.runner.decode, llm.engine.speculator.decode
+    target.buckets = draft.buckets = (2, 4)  # two compilations each: 1-2 rows pad to 2, 3 to 4
+    llm.engine.warm_up()
+    assert (target.graphs, draft.graphs) == (2, 2)
+    outs = llm.generate(draft_prompts[3:], GREEDY)  # 8-21 tokens: three do not fit at once
+    assert [o.token_ids for o in outs] == reference[3:]
+    assert llm.engine.stats["preemptions"] > 0 and llm.engine.stats["spec_accepted"] > 0
+    assert (target.graphs, draft.graphs) == (2, 2)  # no recompilation after warm-up
+    assert all_free(llm.engine)
+
+
 def test_bad_draft_options(model):
     with pytest.raises(ValueError, match="num_speculative_tokens=0"):
         LLMEngine(model, draft_model=1)

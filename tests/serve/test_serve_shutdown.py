@@ -73,3 +73,56 @@ def test_sigterm_past_the_grace_period_answers_503_and_ends_streams_with_an_erro
     assert set(r.json()["error"]) == ERROR_KEYS and "shutting down" in r.json()["error"]["message"]
     assert "CancelledError" not in log and "Traceback" not in log, log
     assert "Finished server process" in log, log
+
+
+def test_the_default_kv_pool_is_what_every_seat_needs_at_full_length():
+    """Hand count: the tiny model (float64, 2 layers, 2 KV heads of 64/4 = 16) keeps 2·2·2·16 = 128 elements of
+    8 bytes per token; 64 seats x ceil(256/16) = 16 blocks of 16 tokens, + the null block."""
+    import types
+
+    import torch
+    from serve_helpers import tiny_model
+
+    from lmstack.model.config import ModelConfig
+    from lmstack.serve.cli import default_kv_cache_bytes
+
+    assert default_kv_cache_bytes(tiny_model(), 64, None) == (64 * 16 + 1) * 16 * 128 * 8
+    assert default_kv_cache_bytes(tiny_model(), 2, 100) == (2 * 7 + 1) * 16 * 128 * 8
+    big = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3)
+    fake = types.SimpleNamespace(config=big, parameters=lambda: iter([torch.empty(0)]))
+    assert default_kv_cache_bytes(fake, 64, None) == 512 * 2**20  # SmolLM2-135M: capped
+
+
+@pytest.mark.slow
+def test_start_up_rss_grows_by_the_kv_pool_it_needs_not_512_mib(tmp_path):
+    """Issue #31: a 430 KB model's server started at 843 MiB (a 512 MiB pool, zeroed at start). The same server
+    with a 1 MiB pool is the baseline; the default one may add only its pool (the hand count above, for fp32)."""
+    psutil = pytest.importorskip("psutil", reason="RSS measurement")
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt")
+    rss = {}
+    for name, flags in (("baseline", ["--kv-cache-mb", "1"]), ("default", [])):
+        with cli_server(ckpt, *flags) as (proc, _):
+            rss[name] = psutil.Process(proc.pid).memory_info().rss
+    pool = (64 * 16 + 1) * 16 * 128 * 4  # 8.2 MiB
+    noise = 16 * 2**20  # two processes' allocators differ by a few MiB
+    grew = rss["default"] - rss["baseline"]
+    assert grew < pool + noise, f"{grew / 2**20:.1f} MiB more than with a 1 MiB pool"
+
+
+def test_requests_after_the_drain_began_get_503():
+    """While the server drains, a new request on an open connection is refused before it is queued."""
+    from serve_helpers import MODEL, tiny_engine
+    from starlette.testclient import TestClient
+
+    from lmstack.serve import Server, build_app
+
+    server = Server(tiny_engine(), MODEL)
+    with TestClient(build_app(server)) as client:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        client.portal.call(server.drain, 0.0)
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 503, r.text
+        assert set(r.json()["error"]) == ERROR_KEYS
+        assert r.json()["error"]["code"] == "server_shutting_down"
+        assert client.get("/health").status_code == 200  # liveness is not admission

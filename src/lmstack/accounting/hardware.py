@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from lmstack.accounting.precision import canonical_dtype
+from lmstack.utils import FLOAT_DTYPES, torch_dtype
 
 KIB = 1024
 
@@ -252,17 +253,16 @@ def measure_cpu(
         t = _median_time(lambda: buffers[1].copy_(buffers[0]), 3 if quick else 7)
         bandwidth = 2 * n_bytes / t
         buffers.clear()  # free the 2 x n_bytes before the matmul timings
-        torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         n = 256 if quick else 1024
         peak: dict[str, float] = {}
         for d in dtypes:
             key = canonical_dtype(d)
-            if key not in torch_dtypes:
+            if key not in FLOAT_DTYPES:
                 raise ValueError(
-                    f"measure_cpu cannot time dtype={d!r}; choose from {sorted(torch_dtypes)}"
+                    f"measure_cpu cannot time dtype={d!r}; choose from {sorted(FLOAT_DTYPES)}"
                 )
-            a = torch.randn(n, n).to(torch_dtypes[key])
-            b = torch.randn(n, n).to(torch_dtypes[key])
+            a = torch.randn(n, n).to(torch_dtype(key))
+            b = torch.randn(n, n).to(torch_dtype(key))
             tm = _median_time(lambda: torch.mm(a, b), 3 if quick else 5)  # noqa: B023
             peak[key] = 2 * n**3 / tm
         try:

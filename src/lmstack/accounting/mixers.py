@@ -23,7 +23,7 @@ from __future__ import annotations
 from lmstack.accounting.flops import forward_flops
 from lmstack.accounting.params import total_params
 from lmstack.accounting.precision import bytes_per_element
-from lmstack.model.config import ModelConfig
+from lmstack.model.config import ModelConfig, repeat_pattern
 from lmstack.model.mixer_spec import layer_kinds, spec
 from lmstack.utils import pyplot, save_png
 
@@ -68,10 +68,9 @@ def decode_flops(c: ModelConfig, S: int) -> int:
 def pattern_variants(c: ModelConfig, window: int = 4096) -> dict[str, ModelConfig]:
     """The seed's comparison for one model size: full attention, 3:1 Gated-DeltaNet:full, 5:1 local:global
     (window W), and pure Gated DeltaNet (head sizes from ``c``)."""
-    L = c.n_layers
 
     def rep(unit):
-        return [unit[i % len(unit)] for i in range(L)]
+        return repeat_pattern(unit, c.n_layers)
 
     return {
         "full": c.replace(layer_types=None),

@@ -9,16 +9,12 @@ import argparse
 import json
 from pathlib import Path
 
+from lmstack.inference.loader import add_model_arguments
 from lmstack.threads import add_threads_argument
 
 
 def _common(p: argparse.ArgumentParser, out: str) -> None:
-    p.add_argument(
-        "--model", default="smollm2-135m", help="a name, .gguf file or checkpoint directory"
-    )
-    p.add_argument(
-        "--tokenizer", default=None, help="tokenizer file/dir (default: the model's own)"
-    )
+    add_model_arguments(p, model_help="a name, .gguf file or checkpoint directory", dtype=None)
     p.add_argument("--out", default=out, help=f"run folder (default {out})")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps (grpo: rollout steps)")
     p.add_argument("--lr", type=float, default=1e-5)

@@ -14,7 +14,7 @@ from lmstack.eval.judge import battles, read_questions, write_battles
 from lmstack.eval.perplexity import perplexity, read_eval_tokens
 from lmstack.eval.runner import Evaluator, run_task, table
 from lmstack.eval.tasks import load_task
-from lmstack.inference.loader import DTYPES, QUANT, load_for_inference, model_tokenizer
+from lmstack.inference.loader import add_model_arguments, load_for_inference, model_tokenizer
 from lmstack.threads import add_threads_argument
 from lmstack.tokenizer import is_token_file
 from lmstack.utils import (
@@ -23,25 +23,13 @@ from lmstack.utils import (
     finite_float,
     is_json_file,
     is_png_file,
+    own_folder_kind,
     positive_int,
 )
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="model name (smollm2-135m), .gguf file or checkpoint dir",
-    )
-    p.add_argument(
-        "--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)"
-    )
-    p.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES) + list(QUANT),
-        default="fp32",
-        help="weights: fp32/bf16/fp16, or int8/int4 weight-only quantised linears",
-    )
+    add_model_arguments(p)
     add_threads_argument(p)
 
 
@@ -194,8 +182,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="NAME=MODEL",
         help="a model to rate (repeat; at least 2): name=model name, .gguf or checkpoint dir",
     )
-    j.add_argument("--judge", default="smollm2-135m", help="the judge model")
-    j.add_argument("--dtype", choices=sorted(DTYPES) + list(QUANT), default="fp32")
+    add_model_arguments(j, model_flag="--judge", model_help="the judge model", tokenizer=False)
     j.add_argument("--max-tokens", type=int, default=64, help="answer length")
     j.add_argument(
         "--battles",
@@ -213,6 +200,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("out", help="output directory")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--heldout-bytes", type=int, default=48_000)
+    m.add_argument(
+        "--force", action="store_true", help="write into OUT even when it holds other files"
+    )
     m.set_defaults(func=run_make_data)
 
     h = esub.add_parser(
@@ -466,6 +456,16 @@ def _rescore(path, results, task, flags) -> dict:
 
 def run_make_data(args) -> int:
 
+    check_outputs(
+        [("the output folder", args.out)],
+        [],
+        {
+            "the output folder": own_folder_kind(
+                "eval make-data", "provenance.json", "stdlib_heldout.txt"
+            )
+        },
+        force=args.force,
+    )
     prov = make_data(args.out, args.seed, args.heldout_bytes)
     print(
         f"{args.out}: stdlib_heldout.txt ({prov['stdlib_heldout.txt']['bytes']} bytes, "

@@ -21,10 +21,9 @@ import inspect
 import json
 import platform
 import random
-import sysconfig
 from pathlib import Path
 
-from lmstack.utils import atomic_write_text
+from lmstack.utils import atomic_write_text, stdlib_root, stdlib_sources
 
 SEP = "<|endoftext|>"
 DEMO_CORPUS_BYTES = 6_000_000  # lmstack demo --corpus-mb default
@@ -91,20 +90,6 @@ MC_MODULES = (
 )
 
 
-def stdlib_corpus_files() -> list[Path]:
-    """The stdlib ``.py`` files in the demo's order: top-level modules sorted, then packages sorted,
-    skipping test suites."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = ("test", "tests", "idle_test", "site-packages", "lib2to3", "__pycache__")
-    top = sorted(root.glob("*.py"))
-    pkgs = sorted(
-        f
-        for f in root.rglob("*.py")
-        if f.parent != root and not any(part in skip for part in f.relative_to(root).parts)
-    )
-    return top + pkgs
-
-
 def stdlib_heldout_text(
     max_bytes: int = 48_000, skip_bytes: int = DEMO_CORPUS_BYTES
 ) -> tuple[str, list[str]]:
@@ -113,8 +98,8 @@ def stdlib_heldout_text(
     in what is left is skipped)."""
     seen = 0
     parts, names, size = [], [], 0
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for f in stdlib_corpus_files():
+    root = stdlib_root()
+    for f in stdlib_sources():  # the demo's corpus order
         try:
             text = f.read_text(encoding="utf-8").replace(SEP, "")
         except (UnicodeDecodeError, OSError):
@@ -218,7 +203,7 @@ def make_data(out, seed: int = 0, heldout_bytes: int = 48_000) -> dict:
     prov = {
         "generator": "lmstack eval make-data (lmstack.eval.datasets)",
         "python": platform.python_version(),
-        "stdlib": sysconfig.get_paths()["stdlib"],
+        "stdlib": str(stdlib_root()),
         "seed": seed,
         "stdlib_heldout.txt": {
             "what": "whole stdlib .py files after the demo corpus's first "

@@ -12,7 +12,12 @@ import time
 
 from lmstack.inference.engine import LLMEngine, PromptTooLongError
 from lmstack.inference.generate import stream_generate
-from lmstack.inference.loader import DTYPES, QUANT, load_for_inference, weight_format
+from lmstack.inference.loader import (
+    QUANT,
+    add_model_arguments,
+    load_for_inference,
+    weight_format,
+)
 from lmstack.inference.sampling import SamplingParams
 from lmstack.inference.static import StaticDecoder
 from lmstack.kernels.backends import ATTENTION_BACKENDS
@@ -37,10 +42,10 @@ def _checked(field: str, convert):
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
-    p.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="model name (smollm2-135m), .gguf file or checkpoint dir",
+    add_model_arguments(
+        p,
+        dtype_help="weight dtype; int8/int4 = fp32 model with weight-only quantised linears "
+        "(lmstack.quant)",
     )
     p.add_argument("--max-tokens", type=_checked("max_tokens", int), default=64)
     p.add_argument(
@@ -60,19 +65,10 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES) + list(QUANT),
-        default="fp32",
-        help="weight dtype; int8/int4 = fp32 model with weight-only quantised linears (lmstack.quant)",
-    )
-    p.add_argument(
         "--quant",
         choices=list(QUANT),
         default=None,
         help="weight-only quantisation of the linears and the unembedding (same as --dtype int8/int4)",
-    )
-    p.add_argument(
-        "--tokenizer", default=None, help="tokenizer file or dir (default: the model's own)"
     )
     p.add_argument(
         "--attn-backend",

@@ -8,7 +8,8 @@ draft then runs 1 + (k − 1) batched forwards over them:
 1. catch-up: each sequence feeds the tokens the draft has not stored yet (its whole prompt after
    admission or preemption, else the one to k + 1 tokens the last step emitted), all sequences in
    one flattened row (``PagedKVCache.packed_batch``), and draws draft 1 from the last position;
-2. k − 1 single-token steps, each draws the next draft.
+2. k − 1 single-token steps, each draws the next draft — through a ``DecodeStep`` over the draft's
+   pool (fixed shapes; compiled per bucket when the engine compiles its own).
 
 The draft's cache then holds the sequence plus its first k − 1 drafts. It is not rolled back when
 the target rejects drafts: at the next proposal the stored tokens are compared with the sequence
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from lmstack.inference.decode_step import DecodeStep
 from lmstack.inference.paged import PagedKVCache, kv_pool_bytes
 from lmstack.inference.sampling import as_integer, target_probs
 from lmstack.inference.sequence import Sequence as Seq
@@ -48,6 +50,9 @@ class DraftRunner:
         num_blocks: int,
         block_size: int,
         generator: torch.Generator,
+        max_model_len: int,
+        compile: bool = False,
+        compile_options: dict | None = None,
     ):
         self.k = as_integer("num_speculative_tokens", k, 1)
         c = draft.config
@@ -65,6 +70,11 @@ class DraftRunner:
         p = next(draft.parameters())
         self.model, self.generator, self.device = draft.eval(), generator, p.device
         self.cache = PagedKVCache(c, num_blocks, block_size, p.dtype, p.device, False)
+        self.decode = (
+            None
+            if self.cache.stores_latent
+            else DecodeStep(draft, self.cache, max_model_len, compile, compile_options)
+        )
         # per sequence: (length of all_ids fed, the drafts fed after it) = what the draft cache holds
         self.fed: dict[str, tuple[int, list[int]]] = {}
         self.forwards = 0
@@ -107,6 +117,17 @@ class DraftRunner:
         self.forwards += 1
         return self.model.unembed(hidden[last]).float().cpu()  # (R, V)
 
+    @torch.inference_mode()
+    def _decode(self, step: list[Seq]) -> Tensor:
+        """Feed each sequence's newest draft (one token per row); logits (R, V)."""
+        blocks = self.cache.blocks
+        positions = [len(s.all_ids) + len(s.drafts) - 1 for s in step]
+        tables = [
+            blocks.tables[s.request_id][: blocks.blocks_for(p + 1)] for s, p in zip(step, positions)
+        ]
+        self.forwards += 1
+        return self.decode.forward([s.drafts[-1] for s in step], positions, tables).float().cpu()
+
     def _draw(self, seq: Seq, logits: Tensor, history: list[int]) -> tuple[int, Tensor | None]:
         """One draft token from the draft's logits (V,): argmax for plain greedy, else a sample of
         the request's distribution q (returned for verification)."""
@@ -144,16 +165,23 @@ class DraftRunner:
             ids.extend(s.all_ids[starts[rid] :])
         step = live
         while step:
-            logits = self._forward(rows, ids)
-            for s, (rid, _, n), row in zip(step, rows, logits):
+            if rows:
+                logits = self._forward(rows, ids)
+            elif self.decode is not None:
+                logits = self._decode(step)
+            else:
+                rows = [(s.request_id, len(s.all_ids) + len(s.drafts) - 1, 1) for s in step]
+                logits = self._forward(rows, [s.drafts[-1] for s in step])
+            fed = [n for _, _, n in rows] if rows else [1] * len(step)
+            for s, n, row in zip(step, fed, logits):
+                rid = s.request_id
                 self.cache.blocks.commit(rid, s.all_ids + s.drafts, n)
                 token, q = self._draw(s, row, s.all_ids + s.drafts)
                 s.drafts.append(token)
                 q_rows[rid].append(q)
+            # 2. then feed the newest draft of those that want more
             step = [s for s in step if len(s.drafts) < want[s.request_id]]
-            # 2. feed the newest draft of those that want more
-            rows = [(s.request_id, len(s.all_ids) + len(s.drafts) - 1, 1) for s in step]
-            ids = [s.drafts[-1] for s in step]
+            rows, ids = [], []
         for s in live:
             rid = s.request_id
             self.fed[rid] = (len(s.all_ids), s.drafts[:-1])

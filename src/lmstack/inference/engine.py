@@ -211,6 +211,9 @@ class LLMEngine:
                 num_blocks + max_num_seqs * (1 + -(-k // block_size)),  # + room for the drafts
                 block_size,
                 self.generator,
+                self.max_model_len,
+                compile=bool(compile),
+                compile_options=compile if isinstance(compile, dict) else None,
             )
         self.speculator = speculator if num_speculative_tokens else None
         self.driver: object | None = (
@@ -369,12 +372,13 @@ class LLMEngine:
 
     def warm_up(self, batch_sizes: Iterable[int] | None = None) -> None:
         """Compile the decode step's batch buckets for ``batch_sizes`` (default every bucket up to
-        ``max_num_seqs``) at the smallest table bucket, before serving; nothing to do without ``compile``."""
-        decode = self.runner.decode
-        if decode is None or not decode.compiled:
-            return
+        ``max_num_seqs``) at the smallest table bucket, before serving — the draft model's too; nothing
+        to do without ``compile``."""
         sizes = range(1, self.scheduler.max_num_seqs + 1) if batch_sizes is None else batch_sizes
-        decode.warm_up([as_integer("batch size", b, 1) for b in sizes])
+        sizes = [as_integer("batch size", b, 1) for b in sizes]
+        for decode in (self.runner.decode, getattr(self.speculator, "decode", None)):
+            if decode is not None and decode.compiled:  # the engine's step, the draft model's
+                decode.warm_up(sizes)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -13,10 +13,11 @@ from dataclasses import replace
 import torch
 
 from lmstack.inference.engine import GenerationError, LLMEngine
-from lmstack.inference.loader import AUTO, DTYPES, load_for_inference, weight_format
+from lmstack.inference.loader import AUTO, load_for_inference, weight_format
 from lmstack.inference.sampling import SamplingParams
 from lmstack.inference.sequence import RequestOutput
 from lmstack.kernels.runtime import RuntimeConfig, configure
+from lmstack.utils import FLOAT_DTYPES, dtype_name
 
 
 def _as_prompt_list(prompts) -> list:
@@ -73,7 +74,7 @@ class LLM:
             runtime = replace(runtime, dtype=dtype)
         elif dtype is not None or quant is not None:
             name = (
-                next((k for k, v in DTYPES.items() if v == dtype), dtype)
+                (dtype_name(dtype) if dtype_name(dtype) in FLOAT_DTYPES else dtype)
                 if isinstance(dtype, torch.dtype)
                 else dtype
             )

@@ -16,8 +16,8 @@ import torch
 from lmstack.model.io import NAMED_MODELS, find_named_model, load_model
 from lmstack.quant import quantize_model
 from lmstack.tokenizer import load_tokenizer
+from lmstack.utils import FLOAT_DTYPES, torch_dtype
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUANT = ("int8", "int4")
 AUTO = "auto"  # the file's own format (``native_weight_format``)
 
@@ -28,11 +28,11 @@ def weight_format(dtype: str, quant: str | None = None) -> tuple[torch.dtype, st
         if quant not in (None, dtype):
             raise ValueError(f"--dtype {dtype} conflicts with --quant {quant}")
         return torch.float32, dtype
-    if dtype not in DTYPES:
+    if dtype not in FLOAT_DTYPES:
         raise ValueError(
-            f"dtype={dtype!r}; expected one of {sorted(DTYPES) + list(QUANT)} or a torch dtype"
+            f"dtype={dtype!r}; expected one of {sorted(FLOAT_DTYPES) + list(QUANT)} or a torch dtype"
         )
-    return DTYPES[dtype], quant
+    return torch_dtype(dtype), quant
 
 
 def native_weight_format(source) -> tuple[str, str | bool]:
@@ -113,3 +113,35 @@ def load_for_inference(
     if tokenizer is not None:
         check_tokenizer(tokenizer, model)
     return model, tokenizer
+
+
+MODEL_HELP = "model name (smollm2-135m), .gguf file or checkpoint dir"
+TOKENIZER_HELP = "tokenizer file or dir (default: the model's own)"
+
+
+def add_model_arguments(
+    parser,
+    *,
+    model: str | None = "smollm2-135m",
+    model_flag: str | None = "--model",
+    model_help: str = MODEL_HELP,
+    tokenizer: bool = True,
+    tokenizer_help: str = TOKENIZER_HELP,
+    dtype: str | None = "fp32",
+    dtype_help: str | None = "weights: fp32/bf16/fp16, or int8/int4 weight-only quantised linears",
+    auto: bool = False,
+) -> None:
+    """The flags ``load_for_inference`` resolves, one way for every command that loads a model:
+    ``model_flag`` (``model=None``: required), ``--tokenizer`` and ``--dtype`` (``dtype=None``: no such
+    flag; ``auto``: "auto" is a choice, the file's own format). Each command passes its own default and
+    help text."""
+    if model_flag is not None:
+        if model is None:
+            parser.add_argument(model_flag, required=True, help=model_help)
+        else:
+            parser.add_argument(model_flag, default=model, help=model_help)
+    if dtype is not None:
+        choices = [*([AUTO] if auto else []), *sorted(FLOAT_DTYPES), *QUANT]
+        parser.add_argument("--dtype", choices=choices, default=dtype, help=dtype_help)
+    if tokenizer:
+        parser.add_argument("--tokenizer", default=None, help=tokenizer_help)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from lmstack.kernels.backends import flash_attention
 from lmstack.model.seam import reference_attention
-from lmstack.utils import atomic_write_text
+from lmstack.utils import atomic_write_text, torch_dtype
 
 
 # ---- NVTX ------------------------------------------------------------------------------------
@@ -241,18 +241,9 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
 
 
 # ---- benchmarks ------------------------------------------------------------------------------
-_DTYPES = {
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "fp64": torch.float64,
-}
-
-
 def parse_dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ValueError(f"dtype={name!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    """``--dtype`` of the kernel benchmarks: fp32/bf16/fp16, or fp64 for reference checks."""
+    return torch_dtype(name)
 
 
 def attention_fn(backend: str, causal: bool = True) -> Callable:

@@ -25,6 +25,7 @@ from lmstack.parallel.interface import GradItem, WrapperBase
 from lmstack.parallel.mesh import DeviceMesh
 from lmstack.parallel.pipeline import PipelineParallel, tied_embedding_groups
 from lmstack.parallel.tensor import check_divisible
+from lmstack.utils import torch_dtype
 
 # torch's fsdp / tensor / pipelining / optim packages take ~1 s to import: they are imported where
 # used, so runs with backend="lmstack" (every torchrun rank) never pay for them.
@@ -74,7 +75,9 @@ class NativeParallelModel(WrapperBase):
 
             dp_mesh = torch_mesh(self.dp_group, "dp")
             mp = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16 if plan.param_dtype == "bf16" else torch.float32,
+                param_dtype=torch_dtype(
+                    plan.param_dtype, allowed=("fp32", "bf16"), what="param_dtype"
+                ),
                 reduce_dtype=torch.float32,
             )
             for block in model.blocks:

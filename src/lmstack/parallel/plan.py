@@ -53,6 +53,7 @@ from lmstack.parallel.tensor import (
     tp_sharded_ids,
 )
 from lmstack.parallel.zero import FullyShard, ZeroOptimizer
+from lmstack.utils import torch_dtype
 
 
 @dataclass
@@ -362,7 +363,7 @@ def parallelize(model: nn.Module, plan=None, mesh: DeviceMesh | None = None) -> 
     # 4. data parallel over dp (× cp)
     if pm.dp_size > 1 or plan.zero == 3:
         if plan.zero == 3:
-            dtype = torch.bfloat16 if plan.param_dtype == "bf16" else torch.float32
+            dtype = torch_dtype(plan.param_dtype, allowed=("fp32", "bf16"), what="param_dtype")
             tp_ids = tp_sharded_ids(model) if pm.tp_model is not None else set()
             # flat shards per (matrix?, split over tp?): weight decay and the gradient norm tell them apart
             outer = mesh.tp == 1 and mesh.cp == 1

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
+from lmstack.eval.perplexity import perplexity
+from lmstack.inference.loader import add_model_arguments
 from lmstack.model.io import load_model, save_pretrained
 from lmstack.quant.prune import distill, prune_width
 from lmstack.threads import add_threads_argument, set_threads
@@ -39,6 +38,7 @@ from lmstack.utils import (
     positive_int,
     pyplot,
     save_png,
+    stdlib_root,
 )
 
 
@@ -48,10 +48,12 @@ def register(subparsers) -> None:
         help="width pruning by activation importance + logit distillation",
         description=__doc__.split("\n")[0] + ' (seed 001 "有损提速"; Minitron).',
     )
-    p.add_argument(
-        "--model",
-        required=True,
-        help="smollm2-135m, a GGUF file or an lmstack checkpoint directory",
+    add_model_arguments(
+        p,
+        model=None,
+        model_help="smollm2-135m, a GGUF file or an lmstack checkpoint directory",
+        tokenizer=False,
+        dtype=None,
     )
     p.add_argument("--out", required=True, help="directory for the pruned checkpoint")
     p.add_argument(
@@ -107,16 +109,15 @@ def register(subparsers) -> None:
 def _text(path: str | None) -> str:
     if path:
         return Path(path).read_text(errors="ignore")
-    lib = Path(sysconfig.get_paths()["stdlib"])
+    lib = stdlib_root()
     return "".join(f.read_text(errors="ignore") for f in sorted(lib.glob("*.py"))[:60])
 
 
-@torch.no_grad()
 def _ppl(model, rows) -> float:
-    nll = sum(
-        F.cross_entropy(model(r[None])[0, :-1].float(), r[1:], reduction="sum").item() for r in rows
-    )
-    return math.exp(nll / (rows.numel() - rows.shape[0]))
+    """Perplexity over rows (k, S), each scored on its own (tokens 1..S-1 from the ones before): eval's
+    sliding windows with stride = window = S."""
+    S = rows.shape[1]
+    return perplexity(model, rows.reshape(-1), max_length=S, stride=S, progress=False).perplexity
 
 
 @torch.inference_mode()

@@ -76,7 +76,9 @@ def _has_int4_kernel() -> bool:
 class Int4Linear(WeightOnlyLinear):
     """y = x Ŵᵀ (+ b) with Ŵ stored as packed 4-bit Q and per-group (scale, zero) — 0.5 byte per weight.
 
-    ``compute_dtype`` as in ``Int8Linear`` (bf16: the CPU kernel's fast path). ``kernel``: "auto"
+    ``compute_dtype`` as in ``Int8Linear`` (bf16: the CPU kernel's fast path). ``terms``: int8 terms per
+    activation in lmstack's kernels (2, the default: ~15 bits; 1: one Q8 term, llama.cpp's Q4_1 x Q8_1
+    precision, +0.9% SmolLM2 perplexity, about half the integer work on AVX2). ``kernel``: "auto"
     takes lmstack's kernel the CPU runs (``int4_vnni.kernel()``: "vnni" or "avx2"; int8 activations per
     group, fp16 d and m) when ``compute_dtype`` is bf16, else torch's (bf16 activations); "aten" forces
     torch's, "vnni" / "avx2" that one of ours (a ValueError with the reason if it cannot run). The one
@@ -95,9 +97,15 @@ class Int4Linear(WeightOnlyLinear):
         bias: Tensor | None = None,
         compute_dtype: torch.dtype = torch.bfloat16,
         kernel: str = "auto",
+        terms: int = 2,
     ):
         O, I = q.shape
+        if terms not in (1, 2):
+            raise ValueError(f"terms={terms!r}; expected 1 or 2 int8 terms per activation")
         super().__init__(O, I, bias, compute_dtype)
+        self.terms = (
+            terms  # lmstack's kernels: int8 terms per activation (1: llama.cpp's Q8_1 precision)
+        )
         if kernel not in ("auto", "aten", *int4_vnni.KERNELS):
             raise ValueError(
                 f"kernel={kernel!r}; expected 'auto', 'aten', {', '.join(map(repr, int4_vnni.KERNELS))}"
@@ -218,7 +226,7 @@ class Int4Linear(WeightOnlyLinear):
                 y = F.linear(x2, w.to(x2.dtype))
             else:
                 y = int4_vnni.mm(
-                    x2, self.qweight, self.d16, self.m16, self.group_size, kernel=self.kernel
+                    x2, self.qweight, self.d16, self.m16, self.group_size, self.terms, self.kernel
                 )
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
@@ -235,4 +243,7 @@ class Int4Linear(WeightOnlyLinear):
         )  # (M, O)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", group_size={self.group_size}, kernel={self.kernel}"
+        return (
+            super().extra_repr()
+            + f", group_size={self.group_size}, kernel={self.kernel}, terms={self.terms}"
+        )

@@ -23,6 +23,7 @@ from lmstack.utils import (
     finite_float,
     is_json_file,
     is_png_file,
+    own_folder_kind,
     positive_int,
     unit_interval,
 )
@@ -71,6 +72,11 @@ def register(subparsers) -> None:
     sw.add_argument("--config", required=True, help="sweep TOML (see configs/scaling/sweep.toml)")
     sw.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
     sw.add_argument("--limit", type=int, default=None, help="train at most this many runs now")
+    sw.add_argument(
+        "--force",
+        action="store_true",
+        help="write into the sweep's out_dir even when it holds files of something else",
+    )
     add_threads_argument(
         sw, help="CPU threads for training (default: the CPUs available to this process)"
     )
@@ -113,6 +119,11 @@ def register(subparsers) -> None:
         default=None,
         help="U, the unique training tokens, for rows that do not record unique_tokens",
     )
+    ft.add_argument(
+        "--force",
+        action="store_true",
+        help="write into --out even when it holds files of something else",
+    )
     add_threads_argument(ft)
     ft.set_defaults(func=cmd_fit)
 
@@ -142,6 +153,11 @@ def register(subparsers) -> None:
     lt.add_argument(
         "--out", default="runs/scaling-mup", help="folder for the runs, lr_transfer.json/.png"
     )
+    lt.add_argument(
+        "--force",
+        action="store_true",
+        help="write into --out even when it holds files of something else",
+    )
     add_threads_argument(lt)
     lt.set_defaults(func=cmd_lr_transfer)
 
@@ -154,6 +170,11 @@ def register(subparsers) -> None:
     bs.add_argument("--width", type=int, default=64)
     bs.add_argument(
         "--out", default="runs/scaling-batch", help="folder for the runs, batch_sweep.json/.png"
+    )
+    bs.add_argument(
+        "--force",
+        action="store_true",
+        help="write into --out even when it holds files of something else",
     )
     add_threads_argument(bs)
     bs.set_defaults(func=cmd_batch_sweep)
@@ -220,6 +241,24 @@ def cmd_plan(args) -> int:
 def cmd_sweep(args) -> int:
 
     sweep = Sweep.load(args.config)
+    # the out_dir may hold the sweep's own inputs (they are never written); an interrupted first run
+    # leaves its folder before runs.jsonl exists
+    data = sweep.train.get("train_data")
+    inputs = {Path(f).resolve() for f in (args.config, data, f"{data}.json")}
+    what, own = own_folder_kind("scaling sweep", "runs.jsonl", *(s.name for s in sweep.plan()))
+    check_outputs(
+        [("the sweep's out_dir", sweep.out_dir)],
+        [],
+        {
+            "the sweep's out_dir": (
+                what.replace(
+                    "an empty folder", "an empty folder, one holding only the sweep's inputs,"
+                ),
+                lambda p: own(p) or (p.is_dir() and {f.resolve() for f in p.iterdir()} <= inputs),
+            )
+        },
+        force=args.force,
+    )
     if args.dry_run:
         specs = sweep.plan()
         for s in specs:
@@ -245,7 +284,11 @@ def cmd_fit(args) -> int:
     check_outputs(
         [("--out", out), ("--out's fit.json", out / "fit.json")],
         [("the runs file", runs)],
-        {"--out's fit.json": ("a JSON file", is_json_file)},
+        {
+            "--out": own_folder_kind("scaling fit", "fit.json"),
+            "--out's fit.json": ("a JSON file", is_json_file),
+        },
+        force=args.force,
     )
     rows = read_runs(runs)
     res = fit_runs(
@@ -343,14 +386,19 @@ def cmd_coord_check(args) -> int:
 def cmd_lr_transfer(args) -> int:
 
     out = Path(args.out)
-    check_outputs([("--out", out)], [("--data", args.data)])
     try:
         lrs = [float(x) for x in args.lrs.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--lrs {args.lrs!r}: expected comma-separated numbers") from None
-    s = lr_transfer(
-        args.data, out, _ints(args.widths, "--widths"), lrs, args.base_width, steps=args.steps
+    widths = _ints(args.widths, "--widths")
+    runs = [f"{p}_w{w}_lr{lr:g}" for p in ("sp", "mup") for w in widths for lr in lrs]
+    check_outputs(
+        [("--out", out)],
+        [("--data", args.data)],
+        {"--out": own_folder_kind("scaling lr-transfer", "lr_transfer.json", *runs)},
+        force=args.force,
     )
+    s = lr_transfer(args.data, out, widths, lrs, args.base_width, steps=args.steps)
     print(f"final validation loss ({args.steps} steps):")
     print(f"{'':5} {'width':>6} " + " ".join(f"{lr:>8g}" for lr in lrs) + "   best lr")
     for p in ("sp", "mup"):
@@ -368,8 +416,15 @@ def cmd_lr_transfer(args) -> int:
 def cmd_batch_sweep(args) -> int:
 
     out = Path(args.out)
-    check_outputs([("--out", out)], [("--data", args.data)])
-    s = batch_sweep(args.data, out, _ints(args.batches, "--batches"), args.steps, width=args.width)
+    batches = _ints(args.batches, "--batches")
+    runs = [f"b{b}" for b in batches]
+    check_outputs(
+        [("--out", out)],
+        [("--data", args.data)],
+        {"--out": own_folder_kind("scaling batch-sweep", "batch_sweep.json", *runs)},
+        force=args.force,
+    )
+    s = batch_sweep(args.data, out, batches, args.steps, width=args.width)
     for b, pts in sorted(s["curves"].items()):
         print(f"B={b:>4} sequences: final training loss {pts[-1][1]:.4f} after {pts[-1][0]} steps")
     if s["noise_scale"]:

@@ -10,7 +10,8 @@ OpenAI HTTP API). ``build_app`` assembles the parts, each in its own module:
 - ``streaming.py``: SSE chunks, the merge of ``n`` engine streams, disconnects;
 - ``responses.py``: logprobs objects, finish reasons, usage;
 - ``routes/``: one ``APIRouter`` per job (completions, chat, tokenize/detokenize, models/health/metrics,
-  the chat page).
+  the chat page);
+- ``http.py``: the uvicorn server under the app (the shutdown drain, JSON errors from the HTTP parser).
 
 Here: the error handlers (every error is OpenAI's error object) and the lifespan (on shutdown every
 request still in the engine is aborted, its blocks freed, and the loop stopped).

@@ -64,8 +64,8 @@ class BodyLimit:
 
 
 class BearerAuth:
-    """``Authorization: Bearer KEY`` on /v1/*, /tokenize, /detokenize when the server has a key. A plain
-    ASGI middleware: Starlette's ``BaseHTTPMiddleware`` would hide client disconnects from the routes."""
+    """``Authorization: Bearer KEY`` on every route but ``PUBLIC_ROUTES`` when the server has a key (``protected``);
+    a missing or wrong key is a 401 before the body is read."""
 
     def __init__(self, app, server: Server):
         self.app, self.server = app, server

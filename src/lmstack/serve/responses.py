@@ -55,3 +55,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def ids_json(ids: list[int], piece: int = 1 << 15) -> str:
+    """``ids`` as a JSON array, written a slice at a time: each slice is one short C call, so a worker thread
+    writing a multi-MB answer gives the event loop's thread the GIL between slices (one ``json.dumps`` of the
+    whole list holds it for the whole list)."""
+    return (
+        "["
+        + ",".join(",".join(map(str, ids[i : i + piece])) for i in range(0, len(ids), piece))
+        + "]"
+    )

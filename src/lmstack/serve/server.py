@@ -19,7 +19,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from lmstack.inference.engine import AsyncLLM, GenerationError, LLMEngine
+from lmstack.inference.async_llm import AsyncLLM
+from lmstack.inference.engine import GenerationError, LLMEngine
 from lmstack.inference.sampling import SamplingParams
 from lmstack.serve.metrics import ServerMetrics
 from lmstack.serve.penalties import LogitBias, Penalties

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import json
 
-import llguidance
 import numpy as np
 import torch
 from torch import Tensor
+
+from lmstack.utils import import_extra
+
+llguidance = import_extra("llguidance", "structured", "structured output (response_format)")
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import sysconfig
 import time
 from pathlib import Path
 
 from lmstack.threads import add_threads_argument, available_cpus
-from lmstack.utils import check_outputs, file_starts_with, is_json_file
+from lmstack.utils import (
+    check_outputs,
+    file_starts_with,
+    is_json_file,
+    own_folder,
+    stdlib_root,
+)
 
 from . import formats
 from .dataset import encode_files
@@ -16,6 +21,8 @@ from .pretokenize import PATTERNS
 from .token_file import is_token_file
 from .tokenizer import Tokenizer
 from .train import train_bpe
+
+GPT2_FILES = {"vocab.json", "merges.txt"}  # all that --format gpt2 writes into --out
 
 
 def _expand(inputs: list[str], glob: str) -> list[Path]:
@@ -36,7 +43,7 @@ def _expand(inputs: list[str], glob: str) -> list[Path]:
 
 
 def _default_corpus() -> list[str]:
-    return [sysconfig.get_paths()["stdlib"]]
+    return [str(stdlib_root())]
 
 
 def _is_merges_file(path: Path) -> bool:
@@ -59,9 +66,17 @@ def cmd_train(args: argparse.Namespace) -> int:
             ("--out's vocab.json", out / "vocab.json"),
             ("--out's merges.txt", out / "merges.txt"),
         ]
+        outputs.append(("--out", out))
         kinds = {
             "--out's vocab.json": ("a GPT-2 vocab.json", is_json_file),
             "--out's merges.txt": ("a GPT-2 merges.txt", _is_merges_file),
+            # a model folder (weights, config) beside a vocab.json is not this command's to write into
+            "--out": (
+                "an empty folder or one holding only vocab.json and merges.txt",
+                lambda p: (
+                    own_folder(p) or (p.is_dir() and {f.name for f in p.iterdir()} <= GPT2_FILES)
+                ),
+            ),
         }
     else:
         outputs, kinds = [("--out", out)], {"--out": ("a tokenizer JSON file", is_json_file)}

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lmstack.accounting import measure_cpu
+from lmstack.utils import FLOAT_DTYPES, torch_dtype
 
 
 @functools.lru_cache(maxsize=8)
@@ -28,7 +29,7 @@ def device_peak_flops(device_type: str, precision: str) -> float:
     if device_type == "cpu":
         return measure_cpu(quick=False, dtypes=(key,)).flops(key)
     if device_type == "cuda":
-        dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[key]
+        dt = torch_dtype(key, allowed=FLOAT_DTYPES)
         n = 8192
         a, b = (
             torch.randn(n, n, device="cuda", dtype=dt),

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from lmstack.train.config import TrainConfigError
-from lmstack.utils import atomic_write_text, check_outputs
+from lmstack.utils import OutputError, atomic_write_text, check_outputs
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "model", "loss_curve.png")
 RUN_DIRS = ("checkpoints", "model")
@@ -33,9 +33,31 @@ def run_outputs(out_dir: str | os.PathLike) -> list[tuple[str, Path]]:
     ]
 
 
+def other_model_files(out_dir: str | os.PathLike) -> list[str]:
+    """Weights at the top of ``out_dir``: another model's folder (a run exports its own into model/)."""
+    d = Path(out_dir)
+    if not d.is_dir():
+        return []
+    return sorted(
+        f.name
+        for f in d.iterdir()
+        if f.name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+        or f.suffix == ".gguf"
+    )
+
+
 def check_run_paths(config, config_file: str | os.PathLike | None = None) -> None:
     """No file the run writes may be (or link to) one it reads: ``train_data``, ``val_data``,
-    ``tokenizer`` and the ``--config`` file (``lmstack.utils.check_outputs``; OutputError)."""
+    ``tokenizer`` and the ``--config`` file (``lmstack.utils.check_outputs``; OutputError); and
+    ``out_dir`` may not be another model's folder (its config.json would be replaced, even by
+    ``--overwrite``)."""
+    weights = other_model_files(config.out_dir)
+    if weights:
+        raise OutputError(
+            f"out_dir {str(config.out_dir)!r} holds another model ({', '.join(weights[:3])}); a run "
+            "writes config.json, metrics.jsonl and model/ there and would replace its config: choose "
+            "another out_dir"
+        )
     check_outputs(
         run_outputs(config.out_dir),
         [

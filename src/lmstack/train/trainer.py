@@ -72,8 +72,7 @@ from lmstack.train.metrics import (  # noqa: F401  (device_peak_flops: importabl
 from lmstack.train.optim import clip_grad_norm, global_grad_norm
 from lmstack.train.plot import plot_loss_curve
 from lmstack.train.run_dir import check_run_paths, truncate_metrics
-
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from lmstack.utils import torch_dtype
 
 
 def model_aux_losses(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -248,7 +247,8 @@ class Trainer:
         if self.runtime.dtype == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(
-            device_type=self.device.type, dtype=AUTOCAST_DTYPES[self.runtime.dtype]
+            device_type=self.device.type,
+            dtype=torch_dtype(self.runtime.dtype, allowed=("bf16", "fp16")),
         )
 
     def next_batch(self) -> Batch:

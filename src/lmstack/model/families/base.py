@@ -209,12 +209,10 @@ class Family:
     hf_class: str = ""  # HF "architectures"[0]
     layer_prefix: str = "model.layers"  # HF layer {i} lives under f"{layer_prefix}.{i}."
     top_names: dict[str, str] = LLAMA_TOP  # lmstack top-level name -> HF name
-    block_names: dict[str, str] = (
-        LLAMA_BLOCK  # lmstack name inside blocks.{i} -> HF name inside layer
-    )
-    hf_aliases: dict[
-        str, str
-    ] = {}  # other HF names inside a layer read as an lmstack name (load only)
+    #: lmstack name inside blocks.{i} -> HF name inside the layer (read both ways)
+    block_names: dict[str, str] = LLAMA_BLOCK
+    #: other HF names inside a layer, read as an lmstack name (load only)
+    hf_aliases: dict[str, str] = {}
     expert_module: str = "mlp"  # routed experts: f"{layer}.{expert_module}.experts.{j}.{weight}"
     expert_weights: dict[str, str] = {w: f"{w}_proj" for w in ("gate", "up", "down")}
     #: a missing tensor or a wrong shape is named by its HF name, layer, mixer kind and sizing fields

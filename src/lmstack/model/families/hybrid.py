@@ -79,9 +79,11 @@ ATTENTION_FIELDS = {
 
 
 class StrictFamily(Family):
-    known_fields: frozenset[str] = (
-        frozenset()
-    )  # the fields this loader reads (besides the harmless ones)
+    """A family whose loader refuses unknown HF fields; a family sets ``known_fields`` and implements
+    ``family_fields`` / ``family_to_hf``."""
+
+    #: the fields this loader reads (besides the harmless ones)
+    known_fields: frozenset[str] = frozenset()
     explain_errors = True
 
     def config_from_hf(self, d: dict[str, Any], source: str) -> ModelConfig:

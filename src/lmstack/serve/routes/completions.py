@@ -9,6 +9,7 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from lmstack.inference.engine import GenerationError
 from lmstack.serve.protocol import CompletionRequest
@@ -58,7 +59,8 @@ async def completions(body: CompletionRequest, request: Request, server: ServerD
     jobs = []  # (prompt ids, prompt text, params) per choice
     prompt_tokens = 0
     for j, p in enumerate(prompts):
-        ids = server.token_ids(p, "prompt" if len(prompts) == 1 else f"prompt[{j}]")
+        param = "prompt" if len(prompts) == 1 else f"prompt[{j}]"
+        ids = await run_in_threadpool(server.token_ids, p, param)  # CPU work off the event loop
         prompt_tokens += len(ids)
         # max_tokens=0 (echo only): the engine still runs one step, whose token is dropped
         max_tokens = server.max_tokens(
