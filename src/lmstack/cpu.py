@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmstack.utils import FLOAT_DTYPES
+
 ENV = "LMSTACK_CPU"
 
 # The x86 flags that the choices below read (names as /proc/cpuinfo spells them).
@@ -220,7 +222,7 @@ def cpu_features() -> CpuFeatures:
 
 # ---- training precision ------------------------------------------------------------------------------
 
-TRAIN_PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+TRAIN_PRECISIONS = ("auto", *FLOAT_DTYPES)  # ("auto", "fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,14 @@ from lmstack.tokenizer import Tokenizer, encode_files, save, train_bpe
 from lmstack.train import TrainConfig, Trainer
 from lmstack.train.plot import read_metrics
 from lmstack.train.trainer import device_peak_flops
-from lmstack.utils import check_outputs, own_folder, stdlib_root, stdlib_sources
+from lmstack.utils import (
+    check_outputs,
+    own_folder,
+    positive_float,
+    positive_int,
+    stdlib_root,
+    stdlib_sources,
+)
 
 DEFAULT_PROMPT = "The three most important ideas in machine learning are"
 SEP = "<|endoftext|>"
@@ -65,13 +72,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--glob", default="*.py", help="files to take from directories (default *.py)")
     p.add_argument(
-        "--corpus-mb", type=float, default=6.0, help="use at most this many MB of text (default 6)"
+        "--corpus-mb",
+        type=positive_float,
+        default=6.0,
+        help="use at most this many MB of text (default 6)",
     )
     p.add_argument(
-        "--vocab-size", type=int, default=4096, help="BPE vocabulary size V (default 4096)"
+        "--vocab-size", type=positive_int, default=4096, help="BPE vocabulary size V (default 4096)"
     )
     p.add_argument(
-        "--train-seconds", type=float, default=300.0, help="training time budget (default 300 s)"
+        "--train-seconds",
+        type=positive_float,
+        default=300.0,
+        help="training time budget (default 300 s)",
     )
     p.add_argument(
         "--precision",
@@ -82,7 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt for SmolLM2-135M")
     p.add_argument("--sample-prompt", default="def ", help="prompt for the model trained here")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=positive_int, default=48)
     p.add_argument(
         "--skip-smollm2", action="store_true", help="stop after sampling the trained model"
     )

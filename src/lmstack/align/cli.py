@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lmstack.inference.loader import add_model_arguments
 from lmstack.threads import add_threads_argument
+from lmstack.utils import FLOAT_DTYPES
 
 
 def _common(p: argparse.ArgumentParser, out: str) -> None:
@@ -34,7 +35,7 @@ def _trainer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seq-len", type=int, default=256, help="longest example (prompt + response) in tokens"
     )
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--precision", default="fp32", choices=list(FLOAT_DTYPES))
     p.add_argument("--ckpt-interval", type=int, default=0)
     p.add_argument("--eval-interval", type=int, default=0)
     p.add_argument(

@@ -24,10 +24,11 @@ from lmstack.kernels.backends import (
     choose_norm,
 )
 from lmstack.ops.gemm import GEMM_BACKENDS, choose_gemm, set_gemm
+from lmstack.utils import FLOAT_DTYPES
 
 #: Floating formats: training autocasts to them (fp32 master weights; "fp32" = no autocast), inference
 #: holds its weights in them.
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = FLOAT_DTYPES  # ("fp32", "bf16", "fp16"), the names in lmstack.utils
 #: Inference also runs weight-only quantised linears (``lmstack.quant``) over fp32 weights.
 WEIGHT_FORMATS = PRECISIONS + ("int8", "int4")
 
