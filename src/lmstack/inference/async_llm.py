@@ -54,6 +54,7 @@ class AsyncLLM:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self._pending.append(("add", request_id, prompt, params))
+        assert self._wakeup is not None  # made by _ensure_loop
         self._wakeup.set()
         return q
 
@@ -143,6 +144,7 @@ class AsyncLLM:
             try:
                 self._apply_pending()
                 if not self.engine.has_unfinished_requests():
+                    assert self._wakeup is not None  # made by _ensure_loop before the loop runs
                     self._wakeup.clear()
                     if self._pending:
                         continue

@@ -21,7 +21,7 @@ import hashlib
 import struct
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 NULL_BLOCK = 0
 
@@ -205,6 +205,7 @@ class BlockManager:
             old = table[i]
             if self._copy_before_write(old):  # copy-on-write
                 new = self.allocate_block()
+                assert self.storage is not None  # copy-on-write needs the pool's storage
                 self.storage.copy_block(old, new)
                 self.decref(old)
                 table[i] = new
@@ -287,8 +288,13 @@ class BlockManager:
         a masked-out slot still enters attention as 0 · value, and 0 · NaN is NaN, so a reused
         dirty block would poison whichever request gets it next. Its prefix-cache name goes too."""
         for block in self.tables.get(seq_id, []):
-            if block and self.ref_count[block] == 1 and not self.storage.block_is_finite(block):
+            if (
+                block
+                and self.ref_count[block] == 1
+                and not cast(BlockStorage, self.storage).block_is_finite(block)
+            ):
                 h = self.block_hash.pop(block, None)
                 if h is not None:
                     del self.cached[h]
+                assert self.storage is not None
                 self.storage.zero_block(block)

@@ -71,6 +71,7 @@ def generate(
         )
     if speculation is not None:
         speculation.start(model, total)
+    step: StaticStep | CachedStep | RecomputeStep
     if decoder is not None:
         decoder.reset()
         step = StaticStep(decoder)

@@ -44,6 +44,9 @@ class KVCache(StoreThenAttend):
             raise ValueError(
                 f"max_seq_len={max_seq_len} exceeds the model's max_seq_len={config.max_seq_len}"
             )
+        assert (
+            config.n_kv_heads is not None and config.head_dim is not None
+        )  # resolved by ModelConfig.__post_init__
         shape = (
             config.n_layers,
             batch_size,
@@ -113,6 +116,9 @@ class StaticKVCache(StoreThenAttend):
             raise ValueError(
                 f"max_seq_len={max_seq_len} exceeds the model's max_seq_len={config.max_seq_len}"
             )
+        assert (
+            config.n_kv_heads is not None and config.head_dim is not None
+        )  # resolved by ModelConfig.__post_init__
         shape = (batch_size, config.n_kv_heads, max_seq_len, config.head_dim)  # (B, K, S, H)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
@@ -170,6 +176,9 @@ class QuantizedKVCache(StoreThenAttend):
             raise ValueError(
                 f"max_seq_len={max_seq_len} is not a multiple of block_size={block_size}"
             )
+        assert (
+            config.n_kv_heads is not None and config.head_dim is not None
+        )  # resolved by ModelConfig.__post_init__
         L, B, K, H = config.n_layers, batch_size, config.n_kv_heads, config.head_dim
         nb = max_seq_len // block_size
         self.fmt, self.block_size, self.dtype = fmt, block_size, dtype

@@ -27,6 +27,7 @@ for 1-byte blocks, ``LATENT`` for an MLA pool.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -59,8 +60,9 @@ def kv_pool_bytes(
     L = len(kv_layers(config))
     elements = kv_layer_elements(config, 1, num_blocks * block_size) * L
     if isinstance(dtype, str) and dtype in KV_FORMATS:
+        assert config.n_kv_heads is not None  # resolved by ModelConfig.__post_init__
         return elements + 2 * num_blocks * L * config.n_kv_heads * SCALE_BYTES
-    return elements * torch.empty(0, dtype=dtype).element_size()
+    return elements * torch.empty(0, dtype=cast(torch.dtype, dtype)).element_size()
 
 
 def _raw(t: Tensor) -> Tensor:
@@ -87,6 +89,9 @@ class PagedKVCache:
         self.row = {
             layer: r for r, layer in enumerate(layers)
         }  # model layer -> its row of the pool
+        assert (
+            config.n_kv_heads is not None and config.head_dim is not None
+        )  # resolved by ModelConfig.__post_init__
         shape = (
             len(layers),
             num_blocks,
@@ -125,6 +130,7 @@ class PagedKVCache:
             )  # (L, NB, K)
             self.v_scale = torch.zeros_like(self.k_scale)
             return
+        assert not isinstance(dtype, str)  # a str dtype is a quantised pool (above)
         if self.stores_latent:
             shape = (
                 len(layers),
@@ -187,6 +193,7 @@ class PagedKVCache:
                 vc.index_copy_(0, slots, v.to(vc.dtype))
             return
         self._write_quantised(self.k[layer_idx], self.k_scale[layer_idx], slots, k)
+        assert v is not None  # a quantised pool stores V (never the MLA latent)
         self._write_quantised(self.v[layer_idx], self.v_scale[layer_idx], slots, v)
 
     def _write_quantised(self, codes: Tensor, scale: Tensor, slots: Tensor, x: Tensor) -> None:
@@ -210,6 +217,7 @@ class PagedKVCache:
             torch.arange(bs, device=slots.device)[None] <= hi[:, None]
         )  # (U, bs): offsets 0..hi hold tokens
         amax = (vals.abs().amax(dim=-1) * filled[..., None]).amax(dim=1)  # (U, K)
+        assert self.quant is not None  # called for quantised pools only
         s_new = scale_for(amax, self.quant)  # fp8: a power of two, growing it re-rounds nothing
         s = torch.where((lo == 0)[:, None], s_new, torch.maximum(s_old, s_new))  # (U, K)
         q = encode(vals, s[:, None, :, None], self.quant)
@@ -330,7 +338,7 @@ class PackedPagedBatch:
         self.keys = keys
         device = cache.k.device
         self.lengths = [n for _, _, n in rows]
-        self._flat = (
+        self._flat: tuple[Tensor, Tensor, Tensor] | None = (
             None  # (gather (S,), key positions (1, S), key sequence ids (1, S)), built on first use
         )
         # Segments for grouped attention: runs of single-token rows batched together, longer rows alone.

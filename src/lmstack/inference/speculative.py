@@ -32,7 +32,7 @@ from lmstack.inference.sampling import SamplingParams, as_integer, check_logits,
 from lmstack.model.transformer import Transformer
 
 
-def truncated_draft(model: nn.Module, n_layers: int) -> nn.Module:
+def truncated_draft(model: Transformer, n_layers: int) -> Transformer:
     """A draft that is the target's first ``n_layers`` blocks + its final norm and unembedding.
 
     The weights are shared (no copy); the draft is a Transformer of its own config.
@@ -202,13 +202,13 @@ class DraftModel:
     """Draft-model speculation: a smaller model q (or ``truncated_draft``) samples k drafts with the
     request's ``SamplingParams``, keeping its own KV cache, rolled back to what the target kept."""
 
-    def __init__(self, draft: nn.Module, num_speculative_tokens: int = 4):
+    def __init__(self, draft: Transformer, num_speculative_tokens: int = 4):
         if as_integer("num_speculative_tokens", num_speculative_tokens) < 1:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
         self.model, self.k = draft, num_speculative_tokens
         self.stats = SpeculativeStats()
 
-    def start(self, target: nn.Module, max_seq_len: int) -> None:
+    def start(self, target: Transformer, max_seq_len: int) -> None:
         if self.model.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft vocab_size={self.model.config.vocab_size} != target vocab_size="

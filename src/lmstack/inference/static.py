@@ -14,11 +14,15 @@ from __future__ import annotations
 import functools
 import types
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lmstack.inference.kv_cache import StaticKVCache
+
+if TYPE_CHECKING:
+    from lmstack.inference.decode_step import DecodeStep
 
 # Inductor options for the decode step: a C++ wrapper calls the ~200 kernels of one step instead of
 # Python, and no per-call shape asserts (shapes are static). Measured on SmolLM2-135M int4, one CPU
@@ -183,7 +187,7 @@ class _Inductor:
     for the life of the process, so this holds the decoder only weakly (the decoder, its model and cache
     are freed with the last other reference)."""
 
-    def __init__(self, decoder: StaticDecoder, options: dict):
+    def __init__(self, decoder: StaticDecoder | DecodeStep, options: dict):
         self.decoder, self.options = weakref.ref(decoder), options
 
     def __call__(self, gm, example_inputs):

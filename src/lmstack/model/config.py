@@ -582,6 +582,7 @@ class ModelConfig(VariantConfig, MLAConfig, MoEConfig, MixerConfig, DecoderConfi
     @property
     def group_size(self) -> int:
         """G = N // K: query heads served by one kv head."""
+        assert self.n_kv_heads is not None  # resolved by __post_init__
         return self.n_heads // self.n_kv_heads
 
     # ---- the field groups as typed objects --------------------------------------------------

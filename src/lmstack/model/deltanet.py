@@ -13,6 +13,8 @@ Decode state per layer: the conv's last K − 1 inputs and S (B, n_v, H_k, H_v).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -39,7 +41,8 @@ class GatedDeltaNet(RecurrentMixer):
     ):
         super().__init__()
         c = config
-        kw = dict(device=device, dtype=dtype)
+        assert c.head_dim is not None  # resolved by ModelConfig.__post_init__
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.layer_idx, self.chunk_size, self.eps = layer_idx, c.mixer_chunk_size, c.norm_eps
         self.n_k = c.delta_n_heads or c.n_heads
         self.n_v = c.delta_n_v_heads or self.n_k

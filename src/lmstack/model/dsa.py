@@ -25,6 +25,7 @@ for the trainer). Freezing the rest of the model during the warm-up, as V3.2 doe
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +110,7 @@ class SparseAttention(Attention):
         dtype: torch.dtype | None = None,
     ):
         super().__init__(config, layer_idx, rope, device=device, dtype=dtype)
-        kw = dict(device=device, dtype=dtype)
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.top_k, self.n_idx, self.h_idx = (
             config.dsa_top_k,
             config.dsa_index_heads,

@@ -9,12 +9,17 @@ Weights are stored in the (out, in) orientation that HF checkpoints use, so load
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmstack.ops.gemm import linear
+
+if TYPE_CHECKING:
+    from lmstack.model.seam import NormImpl
 
 
 class Linear(nn.Module):
@@ -52,14 +57,15 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def fuse_linears(linears: list[nn.Module]) -> tuple[Tensor, Tensor | None] | None:
+def fuse_linears(modules: Sequence[nn.Module]) -> tuple[Tensor, Tensor | None] | None:
     """One weight (ΣO, I) (and bias) whose row blocks are these linears' weights, for one GEMM in place of
     several on the same input (QKV, gate/up). The linears' parameters become views of it, so in-place
     updates (``load_state_dict``, an optimizer step) reach the fused copy; a parameter replaced by a new
     tensor does not (fuse again). None when they are not all plain ``Linear`` of one input size, dtype
     and device (quantised or wrapped linears, LoRA) or were fused already."""
-    if not all(type(m) is Linear for m in linears):
+    if not all(type(m) is Linear for m in modules):
         return None
+    linears = cast("list[Linear]", list(modules))
     ws = [m.weight for m in linears]
     if (
         len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1
@@ -67,12 +73,16 @@ def fuse_linears(linears: list[nn.Module]) -> tuple[Tensor, Tensor | None] | Non
     ):
         return None
     W = torch.cat([w.detach() for w in ws])  # (ΣO, I)
-    b = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+    b = (
+        None
+        if linears[0].bias is None
+        else torch.cat([m.bias.detach() for m in linears if m.bias is not None])
+    )
     o = 0
     for m in linears:
         n = m.weight.shape[0]
         m.weight.data = W[o : o + n]
-        if b is not None:
+        if b is not None and m.bias is not None:  # all linears have a bias, or none
             m.bias.data = b[o : o + n]
         o += n
     return W, b
@@ -153,7 +163,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.dim, self.eps = dim, eps
         # None: the formula below; else a NormImpl from lmstack.kernels.backends (e.g. the fused Triton kernel)
-        self.impl = None
+        self.impl: NormImpl | None = None
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))  # γ
 
     def reset_parameters(self) -> None:

@@ -9,6 +9,8 @@ Forms: ``model.linear_scan.decay_chunked`` (training/prefill), ``decay_recurrent
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -35,7 +37,8 @@ class LinearAttention(RecurrentMixer):
     ):
         super().__init__()
         c = config
-        kw = dict(device=device, dtype=dtype)
+        assert c.head_dim is not None  # resolved by ModelConfig.__post_init__
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.layer_idx, self.head_dim, self.chunk_size = layer_idx, c.head_dim, c.mixer_chunk_size
         self.feature_map, self.normalize, self.eps = c.linear_feature_map, c.linear_normalize, 1e-6
         self.q_proj = Linear(c.d_model, c.n_heads * c.head_dim, **kw)  # (N·H, D)

@@ -11,6 +11,8 @@ Decode state per layer: the conv's last K − 1 inputs (B, conv_dim, K − 1) an
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -33,7 +35,7 @@ class Mamba2Mixer(RecurrentMixer):
     ):
         super().__init__()
         c = config
-        kw = dict(device=device, dtype=dtype)
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.layer_idx, self.chunk_size, self.eps = layer_idx, c.mixer_chunk_size, c.norm_eps
         self.dt_limit = (
             c.ssm_dt_limit

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -65,7 +66,7 @@ def softmax_attention(
 
 
 #: kind -> builder ``(config, layer_idx, rope, device=, dtype=) -> module``; the kinds are ``mixer_spec.SPECS``'
-MODULES = {
+MODULES: dict[str, Callable[..., nn.Module]] = {
     "attention": softmax_attention,
     "local_attention": lambda c, i, rope, **kw: softmax_attention(c, i, rope, local=True, **kw),
     "mla": lambda c, i, rope, **kw: MLA(c, i, **kw),  # multi-head latent attention (DeepSeek-V2/V3)

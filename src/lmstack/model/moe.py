@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -272,7 +273,7 @@ class MoE(nn.Module):
             n_devices,
             z_loss_coef,
         )
-        kw = dict(device=device, dtype=dtype)
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.router = Router(d_model, n_experts, aux_free_bias, **kw)
         self.gate_proj = ExpertWeights(
             n_experts, d_model, d_ff, **kw
@@ -398,7 +399,7 @@ class MoE(nn.Module):
         if self.router.bias is None:
             raise ValueError("update_bias needs a MoE built with aux_free_bias=True")
         load = load.float()
-        self.router.bias += rate * torch.sign(load.mean() - load)
+        self.router.bias.add_(rate * torch.sign(load.mean() - load))
 
     def extra_repr(self) -> str:
         return (
@@ -437,11 +438,12 @@ def moe_from_config(c, device: torch.device | None = None, dtype: torch.dtype | 
     )
 
 
-def moe_modules(model: nn.Module) -> list[nn.Module]:
+def moe_modules(model: nn.Module) -> list[MoE]:
     """The model's MoE layers: ``MoE`` and wrappers of one (``is_expert_parallel``, lmstack.parallel.expert)."""
-    return [
+    mods = [
         m for m in model.modules() if isinstance(m, MoE) or getattr(m, "is_expert_parallel", False)
     ]
+    return cast("list[MoE]", mods)  # an expert-parallel wrapper has MoE's attributes
 
 
 def moe_loss_coefs(c) -> dict[str, float]:

@@ -47,6 +47,7 @@ def attention_mask(
     if window is not None:
         mask &= (q - k) < window
     if q_documents is not None:
+        assert k_documents is not None, "q_documents needs k_documents"
         mask = mask & (q_documents[..., :, None] == k_documents[..., None, :])
     return mask if mask.dim() == 2 else mask[:, None]
 

@@ -10,6 +10,7 @@ attention / RMSNorm implementations set once by the builder (``set_attention``, 
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint
@@ -71,7 +72,7 @@ class Block(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        kw = dict(device=device, dtype=dtype)
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.parallel = config.parallel_block
         self.attn_norm = make_norm(config, config.d_model, **kw)  # γ_attn
         self.attn = token_mixer(config, layer_idx, rope, **kw)
@@ -87,6 +88,7 @@ class Block(nn.Module):
     def channel(self, h: Tensor, meta: AttentionMetadata) -> Tensor:
         """The feed-forward on h (B, T, D); one that routes on the token itself (a hash-routed MoE,
         ``reads_token_ids``) also gets the input token ids from ``meta``."""
+        assert self.ffn is not None  # called only on blocks with a feed-forward
         if getattr(self.ffn, "reads_token_ids", False):
             return self.ffn(h, token_ids=meta.token_ids)
         return self.ffn(h)
@@ -98,11 +100,13 @@ class Block(nn.Module):
             return x + self.attn(h, meta) + self.channel(h, meta)
         if self.post_attn_norm is None and self.ffn is not None:  # the Llama block
             x = x + self.attn(self.attn_norm(x), meta)
+            assert self.ffn_norm is not None  # sequential blocks with an FFN have γ_ffn
             return x + self.channel(self.ffn_norm(x), meta)
         h = self.attn(self.attn_norm(x), meta)
         x = x + (h if self.post_attn_norm is None else self.post_attn_norm(h))
         if self.ffn is None:
             return x
+        assert self.ffn_norm is not None  # sequential blocks with an FFN have γ_ffn
         h = self.channel(self.ffn_norm(x), meta)
         return x + (h if self.post_ffn_norm is None else self.post_ffn_norm(h))
 
@@ -124,8 +128,9 @@ class Transformer(nn.Module):
     ):
         super().__init__()
         self.config = config
-        kw = dict(device=device, dtype=dtype)
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.embed = Embedding(config.vocab_size, config.d_model, **kw)  # W_e (V, D)
+        assert config.head_dim is not None  # resolved by ModelConfig.__post_init__
         self.rope = RotaryEmbedding(
             config.head_dim, config.max_seq_len, config.rope_theta, config.rope_layout
         )
@@ -232,12 +237,12 @@ class Transformer(nn.Module):
                 f"{capped}); use one that does: 'reference' (or attn_backend='auto')"
             )
         for _, block in self._softmax_blocks():
-            block.attn.impl = impl
+            cast(Attention, block.attn).impl = impl  # every softmax mixer has ``impl``
 
     @property
-    def attention(self) -> AttentionImpl:
+    def attention(self) -> AttentionImpl | None:
         """The implementation the softmax-attention layers run (None when no layer is softmax attention)."""
-        return next((b.attn.impl for _, b in self._softmax_blocks()), None)
+        return next((cast(Attention, b.attn).impl for _, b in self._softmax_blocks()), None)
 
     def set_norm(self, impl: NormImpl | None) -> None:
         """Run every RMSNorm through ``impl`` (None: the eager formula in ``model.layers``)."""
