@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from lmstack.model.mixer_spec import LAYER_TYPES
+from lmstack.model.mixer_spec import LAYER_TYPES, layer_type_names
 from lmstack.utils import atomic_write_text, check_bool, check_float, check_int
 
 ROPE_LAYOUTS = ("half", "interleaved")
@@ -503,10 +503,11 @@ class ModelConfig(VariantConfig, MLAConfig, MoEConfig, MixerConfig, DecoderConfi
                     f"layer_types has {len(self.layer_types)} entries but n_layers={self.n_layers}; "
                     "give one mixer per layer"
                 )
+            known = layer_type_names()  # the built-in MIXERS and any registered since
             for i, t in enumerate(self.layer_types):
-                if t not in MIXERS:
+                if t not in known:
                     raise ConfigError(
-                        f"layer_types[{i}]={t!r} (layer {i}) is not a known mixer; expected one of {MIXERS}"
+                        f"layer_types[{i}]={t!r} (layer {i}) is not a known mixer; expected one of {known}"
                     )
         for f in (
             "mixer_chunk_size",

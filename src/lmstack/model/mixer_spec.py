@@ -442,8 +442,25 @@ SPECS: dict[str, MixerSpec] = {
         ),
     ]
 }
-#: the names ``ModelConfig.layer_types`` may hold (``config.MIXERS``): MLA is chosen by ``kv_lora_rank`` instead
+#: the built-in names ``ModelConfig.layer_types`` may hold (``config.MIXERS``): MLA is chosen by ``kv_lora_rank``
 LAYER_TYPES = tuple(k for k, s in SPECS.items() if s.in_layer_types)
+
+
+def layer_type_names() -> tuple[str, ...]:
+    """The names ``ModelConfig.layer_types`` may hold now: the built-in ones and any ``register``-ed since."""
+    return tuple(k for k, s in SPECS.items() if s.in_layer_types)
+
+
+def register(s: MixerSpec) -> MixerSpec:
+    """Declare a new kind of token mixer (from outside this file too): ``layer_types`` may name it, and
+    accounting, tensor / context parallelism and the engine read its answers. Its module is registered beside it
+    (``model.mixers.register_mixer`` does both). A name already declared is refused."""
+    if s.name in SPECS:
+        raise ValueError(f"mixer {s.name!r} is already declared; choose another name")
+    if s.cache not in CACHES:
+        raise ValueError(f"MixerSpec({s.name!r}).cache={s.cache!r}; expected one of {CACHES}")
+    SPECS[s.name] = s
+    return s
 
 
 # ---- queries -------------------------------------------------------------------------------------------------

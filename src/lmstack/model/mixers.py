@@ -29,7 +29,7 @@ from lmstack.model.dsa import SparseAttention
 from lmstack.model.layers import RotaryEmbedding
 from lmstack.model.linear_attention import LinearAttention
 from lmstack.model.mamba2 import Mamba2Mixer
-from lmstack.model.mixer_spec import SPECS, layer_kinds
+from lmstack.model.mixer_spec import SPECS, MixerSpec, layer_kinds, register
 from lmstack.model.mla import MLA
 from lmstack.model.olmoe import OlmoeAttention
 from lmstack.model.seam import AttentionMetadata
@@ -77,6 +77,16 @@ MODULES: dict[str, Callable[..., nn.Module]] = {
 }
 if set(MODULES) != set(SPECS):
     raise ImportError(f"mixer modules {sorted(MODULES)} do not match the specs {sorted(SPECS)}")
+
+
+def register_mixer(spec: MixerSpec, build) -> None:
+    """Add a kind of token mixer from outside the package: its spec (``mixer_spec.register``) and its builder
+    ``(config, layer_idx, rope, device=, dtype=) -> module`` mapping ``(x (B, T, D), meta) -> (B, T, D)``.
+    ``tests/model/test_model_recipes.py`` does it with a toy mixer."""
+    if spec.name in MODULES:
+        raise ValueError(f"mixer {spec.name!r} already has a module; choose another name")
+    register(spec)
+    MODULES[spec.name] = build
 
 
 def build_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw) -> nn.Module:
