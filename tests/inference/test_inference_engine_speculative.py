@@ -169,17 +169,23 @@ def test_engine_rejects_bad_speculation_options(model):
 def test_sampled_requests_with_speculation_run_to_completion(model, spec_prompts):
     """Sampling (temperature, top-p, repetition penalty) through the engine's accept/reject path:
     every request ends by length with valid ids, drafts were both kept and rejected, and every
-    block is free afterwards (a rejected draft's slots never leak)."""
-    params = [
-        SamplingParams(temperature=t, top_p=0.9, repetition_penalty=r, max_tokens=12, seed=i)
-        for i, (t, r) in enumerate([(0.3, 1.0), (1.0, 1.1)] * (len(spec_prompts) // 2))
-    ]
-    llm = LLM(
-        model, block_size=4, num_blocks=60, max_num_batched_tokens=24, num_speculative_tokens=4
-    )
-    outs = llm.generate(spec_prompts[: len(params)], params)
-    assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in outs)
-    assert all(0 <= t < model.config.vocab_size for o in outs for t in o.token_ids)
-    st = llm.engine.stats
-    assert 0 < st["spec_accepted"] < st["spec_proposed"]
-    assert all_free(llm.engine)
+    block is free afterwards (a rejected draft's slots never leak). The tiny random model rarely
+    agrees with a prompt-lookup draft (about 1 in 100), so four seed sets are pooled."""
+    accepted = proposed = 0
+    for base in range(0, 400, 100):
+        params = [
+            SamplingParams(
+                temperature=t, top_p=0.9, repetition_penalty=r, max_tokens=12, seed=base + i
+            )
+            for i, (t, r) in enumerate([(0.3, 1.0), (1.0, 1.1)] * (len(spec_prompts) // 2))
+        ]
+        llm = LLM(
+            model, block_size=4, num_blocks=60, max_num_batched_tokens=24, num_speculative_tokens=4
+        )
+        outs = llm.generate(spec_prompts[: len(params)], params)
+        assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in outs)
+        assert all(0 <= t < model.config.vocab_size for o in outs for t in o.token_ids)
+        accepted += llm.engine.stats["spec_accepted"]
+        proposed += llm.engine.stats["spec_proposed"]
+        assert all_free(llm.engine)
+    assert 0 < accepted < proposed

@@ -13,9 +13,12 @@ from transformers import (  # public names: a refactor of transformers' modules 
     TopPLogitsWarper,
 )
 
+from lmstack.inference import LLM
 from lmstack.inference.sampling import (
     SamplingParams,
     apply_repetition_penalty,
+    draw,
+    sample_rows,
     sample_token,
     target_probs,
     token_logprobs,
@@ -122,6 +125,52 @@ def test_seed_reproducible_and_greedy_is_argmax():
     assert draw(5) == draw(5)
     greedy = SamplingParams(temperature=0.0)
     assert [sample_token(row, greedy) for row in logits] == logits.argmax(-1).tolist()
+
+
+def test_batched_rows_follow_transformers_warped_distribution():
+    """4000 rows of the same 300-way logits, sampled in one ``sample_rows`` call under two filter sets
+    (interleaved rows): each set's frequencies match the HF warpers' distribution, and no filtered-out
+    token is ever drawn."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(300, generator=g) * 2
+    sets = [
+        (SamplingParams(temperature=0.7, top_k=40, top_p=0.9), [TopKLogitsWarper(40)], 0.7, 0.9),
+        (SamplingParams(temperature=1.3, min_p=0.05), [MinPLogitsWarper(0.05)], 1.3, 1.0),
+    ]
+    n = 4000
+    params = [sets[r % 2][0] for r in range(2 * n)]
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.tensor(sample_rows(logits.expand(2 * n, -1), params, [gen] * (2 * n)))
+    for k, (_, warpers, temperature, top_p) in enumerate(sets):
+        ref = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
+        for w in warpers + ([TopPLogitsWarper(top_p)] if top_p < 1 else []):
+            ref = w(None, ref)
+        ref = ref.softmax(-1)[0]
+        freq = torch.bincount(tokens[k::2], minlength=300) / n
+        assert freq[ref == 0].sum() == 0
+        assert (freq - ref).abs().max() < 0.03
+
+
+def test_draw_never_returns_a_zero_probability_token():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0]])
+    u = torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64)  # both ends of [0, 1)
+    assert draw(probs, u).tolist() == [1, 2]
+    assert draw(probs[:1], torch.tensor([1 - 2**-53], dtype=torch.float64)).tolist() == [3]
+
+
+def test_seeded_request_alone_equals_it_in_a_batch_of_8(model, prompts):
+    """One seeded request gives the same tokens alone and as one row of 8 sampled together (other
+    seeds, other filters, one greedy) — its stream is its own generator's, whatever shares the step."""
+    sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=7)
+    alone = LLM(model, block_size=4).generate([prompts[5]], sp)[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=12, seed=k) for k in range(5)] + [
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12),
+        SamplingParams(max_tokens=12),
+    ]
+    batch = prompts[:4] + [prompts[5]] + prompts[6:9]
+    outs = LLM(model, block_size=4).generate(batch, others[:4] + [sp] + others[4:])
+    assert outs[4].token_ids == alone
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # the rows really differ
 
 
 def test_logprobs_and_stop_strings():

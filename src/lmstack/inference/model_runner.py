@@ -21,6 +21,7 @@ from lmstack.inference.sampling import (
     bad_logit_rows,
     check_logits,
     rows_logprobs,
+    sample_rows,
     sample_token,
     token_logprobs,
 )
@@ -130,46 +131,59 @@ class ModelRunner:
     ) -> list[tuple[int, tuple | None] | Exception]:
         """logits (R, V) of R ready sequences -> per row (token, logprobs or None), or the exception
         that fails that row only (NaN/+inf logits: ``check_logits`` names what was found).
-        Greedy rows take one batched argmax; the others go through ``sample_token``."""
+        Rows without repetition penalty or logits processors are sampled together (``sample_rows``:
+        batched filters, one uniform per row from its own generator); the others go through
+        ``sample_token``; the logprobs of the rows that asked are one batched ``rows_logprobs``."""
         bad = bad_logit_rows(logits).tolist()
-        greedy = [
+        plain = [
             i
             for i, s in enumerate(seqs)
-            if s.params.greedy
-            and s.params.repetition_penalty == 1.0
-            and not s.params.logits_processors
-            and not bad[i]
+            if s.params.repetition_penalty == 1.0 and not s.params.logits_processors and not bad[i]
         ]
+        greedy = [i for i in plain if seqs[i].params.greedy]
+        plain = [i for i in plain if not seqs[i].params.greedy]
+        out: list = [None] * len(seqs)
         tokens: list[int] = [0] * len(seqs)
-        if greedy:
+        if greedy:  # one argmax where the logits are (no copy to the CPU)
             for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
                 tokens[i] = t
-        greedy_set = set(greedy)
-        logits_cpu = None
-        out: list = []
+        every_greedy = len(greedy) == len(seqs) and all(s.logprobs is None for s in seqs)
+        # (R, V) on the CPU for the sampled rows and logprobs; no copy for fp32 logits on the CPU
+        logits_cpu = logits if every_greedy else logits.float().cpu()
+        if plain:
+            x = logits_cpu[plain] if len(plain) < len(seqs) else logits_cpu
+            try:
+                drawn = sample_rows(
+                    x,
+                    [seqs[i].params for i in plain],
+                    [seqs[i].generator or self.generator for i in plain],
+                )
+                for i, t in zip(plain, drawn):
+                    tokens[i] = t
+            except Exception as e:  # noqa: BLE001 — fails these rows only
+                for i in plain:
+                    out[i] = e
+        plain_set = set(plain) | set(greedy)
         for i, s in enumerate(seqs):
+            if i in plain_set:
+                continue
             try:
                 if bad[i]:
                     check_logits(logits[i])  # raises NonFiniteLogitsError
-                if logits_cpu is None and (i not in greedy_set or s.logprobs is not None):
-                    logits_cpu = logits.float().cpu()
-                if i not in greedy_set:
-                    assert logits_cpu is not None  # made above for every sampled row
-                    tokens[i] = sample_token(
-                        logits_cpu[i],
-                        s.params,
-                        s.generator or self.generator,
-                        s.all_ids,
-                        s.output_ids,
-                    )
-                lp = None
-                if s.logprobs is not None:
-                    assert logits_cpu is not None and s.params.logprobs is not None  # asked for
-                    lp = token_logprobs(logits_cpu[i], tokens[i], s.params.logprobs)
-                out.append((tokens[i], lp))
+                tokens[i] = sample_token(
+                    logits_cpu[i], s.params, s.generator or self.generator, s.all_ids, s.output_ids
+                )
             except Exception as e:  # noqa: BLE001 — one row's failure is that request's alone
-                out.append(e)
-        return out
+                out[i] = e
+        by_n: dict[int, list[int]] = {}  # rows asking logprobs, by their number of alternatives
+        for i, s in enumerate(seqs):
+            if out[i] is None and s.logprobs is not None:
+                assert s.params.logprobs is not None  # asked for
+                by_n.setdefault(s.params.logprobs, []).append(i)
+        lps: dict[int, tuple] = {}
+        for n, rows in by_n.items():
+            lps.update(zip(rows, rows_logprobs(logits_cpu[rows], [tokens[i] for i in rows], n)))
+        return [o if o is not None else (tokens[i], lps.get(i)) for i, o in enumerate(out)]
 
     def verify(self, seq: Sequence, logits: Tensor) -> list[tuple[int, tuple | None]]:
         """logits (k + 1, V) at the sequence's last token and at each draft -> the kept drafts and

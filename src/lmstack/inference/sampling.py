@@ -267,7 +267,54 @@ def sample_token(
     probs = target_probs(logits, params, history)
     if params.greedy:
         return int(probs.argmax())
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return int(draw(probs.cpu()[None], uniform(generator))[0])
+
+
+def uniform(generator: torch.Generator | None) -> Tensor:
+    """One float64 uniform in [0, 1) from ``generator`` (a request's own stream: one scalar per token)."""
+    return torch.rand(1, generator=generator, dtype=torch.float64)
+
+
+def draw(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF sampling (inverse transform sampling, e.g. Devroye, "Non-Uniform Random Variate
+    Generation" §2.1): probs (R, V) ≥ 0, u (R,) uniforms in [0, 1) -> token ids (R,).
+
+    Token i is returned when F(i-1) ≤ u·F(V-1) < F(i), F the float64 running sum of the row, so a token
+    of probability 0 is never drawn and each row needs one uniform, not one random number per vocabulary
+    entry (``torch.multinomial`` draws V exponentials). The rows are independent: row r's token depends
+    only on probs[r] and u[r], whatever other rows share the batch.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # (R, V)
+    total = cdf[:, -1:]  # (R, 1)
+    x = torch.minimum(u.double()[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True)[:, 0]  # (R,)
+
+
+def sample_rows(
+    logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> list[int]:
+    """logits (R, V) -> R token ids, the batched ``sample_token`` for rows without repetition penalty or
+    logits processors: rows with the same temperature / top-k / top-p / min-p are filtered in one pass
+    (``filter_logits``), each row draws one uniform from its own generator (in row order), and one
+    ``draw`` inverts every row's CDF. Row r's token is the one ``sample_token`` gives for it alone."""
+    if any(p.repetition_penalty != 1.0 or p.logits_processors for p in params):
+        raise ValueError("sample_rows takes rows without repetition_penalty or logits_processors")
+    tokens = [0] * len(params)
+    u = torch.zeros(len(params), dtype=torch.float64)  # (R,)
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        if not p.greedy:
+            u[i] = uniform(generators[i])[0]  # row order, one scalar from the row's own stream
+        groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p, p.greedy), []).append(i)
+    for (temperature, top_k, top_p, min_p, greedy), rows in groups.items():
+        x = logits[rows] if len(rows) < len(params) else logits  # (R', V)
+        if greedy:
+            out = x.argmax(dim=-1)
+        else:
+            out = draw(filter_logits(x, temperature, top_k, top_p, min_p).softmax(dim=-1), u[rows])
+        for i, t in zip(rows, out.tolist()):
+            tokens[i] = t
+    return tokens
 
 
 def token_logprobs(logits: Tensor, token: int, n_top: int) -> tuple[float, dict[int, float]]:
