@@ -160,13 +160,9 @@ def check_logits(logits: Tensor) -> None:
 
 def bad_logit_rows(logits: Tensor) -> Tensor:
     """logits (..., V) -> (...) bool: rows with a NaN or +inf, or with every value -inf."""
-    if bool(torch.isfinite(logits).all()):  # the usual case: one pass
-        return torch.zeros(logits.shape[:-1], dtype=torch.bool, device=logits.device)
-    return (
-        logits.isnan().any(dim=-1)
-        | (logits == math.inf).any(dim=-1)
-        | (logits == -math.inf).all(dim=-1)
-    )
+    # the row maximum is NaN when the row holds a NaN (amax propagates it), +inf when it holds +inf,
+    # -inf when every value is -inf: one reduction instead of an elementwise test and three passes
+    return ~torch.isfinite(logits.amax(dim=-1))
 
 
 def apply_repetition_penalty(
@@ -195,21 +191,27 @@ def filter_logits(
 ) -> Tensor:
     """Temperature, top-k, top-p and min-p on logits (..., V) > 0-temperature; dropped tokens get -inf.
 
-    Returns float32 logits whose softmax is the distribution to sample from. Numerically safe:
-    the row maximum is subtracted before dividing by τ (in float64), so a small τ can only
-    underflow unlikely tokens to probability 0, never overflow; a row holding +inf (an
+    Returns float32 logits whose softmax is the distribution to sample from, each row's maximum 0.
+    Numerically safe: the row maximum is subtracted before dividing by τ (in the input's dtype:
+    float32, or float64 after a repetition penalty), so a small τ can only underflow unlikely
+    tokens to probability 0, never overflow; a row holding +inf (an
     overflowed repetition penalty) becomes its limit, uniform over the +inf tokens.
     """
     if temperature <= 0:
         raise ValueError(
             f"temperature={temperature} must be > 0 here; greedy is handled by the caller"
         )
-    x = logits.double()
-    top = x == math.inf
-    x = torch.where(top.any(dim=-1, keepdim=True), torch.where(top, 0.0, -math.inf), x)
+    m = logits.amax(dim=-1, keepdim=True)  # (..., 1)
+    overflowed = m == math.inf  # rows holding +inf: their limit, uniform over the +inf tokens
+    if bool(overflowed.any()):
+        logits = torch.where(overflowed, torch.where(logits == math.inf, 0.0, -math.inf), logits)
+        m = torch.where(overflowed, 0.0, m)
     logits = (
-        (x - x.amax(dim=-1, keepdim=True)) / temperature
-    ).float()  # max 0: exp never overflows
+        logits - m
+    )  # max 0: exp never overflows (in the input's dtype: float64 after a penalty)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logits = logits.float()
     V = logits.shape[-1]
     if top_k:
         kth = torch.topk(logits, min(top_k, V), dim=-1).values[..., -1:]  # the k-th largest logit
@@ -262,6 +264,8 @@ def sample_token(
 ) -> int:
     """logits (V,) -> one token id under ``params`` (the distribution of ``target_probs``), after the
     request's ``logits_processors`` (each given ``output_ids``, the tokens generated so far, and a copy)."""
+    if not params.logits_processors and params.repetition_penalty == 1.0:
+        return sample_rows(logits[None], [params], [generator])[0]  # the engine's batched path
     for process in params.logits_processors:  # (V,) -> (V,)
         logits = process(output_ids, logits.clone())
     probs = target_probs(logits, params, history)
@@ -275,19 +279,36 @@ def uniform(generator: torch.Generator | None) -> Tensor:
     return torch.rand(1, generator=generator, dtype=torch.float64)
 
 
-def draw(probs: Tensor, u: Tensor) -> Tensor:
+def draw(probs: Tensor, u: Tensor, block: int = 256) -> Tensor:
     """Inverse-CDF sampling (inverse transform sampling, e.g. Devroye, "Non-Uniform Random Variate
-    Generation" §2.1): probs (R, V) ≥ 0, u (R,) uniforms in [0, 1) -> token ids (R,).
+    Generation" §2.1): probs (R, V) ≥ 0, not necessarily normalised, u (R,) uniforms in [0, 1) ->
+    token ids (R,).
 
-    Token i is returned when F(i-1) ≤ u·F(V-1) < F(i), F the float64 running sum of the row, so a token
+    Token i is returned when F(i-1) ≤ u·F(V-1) < F(i), F the running sum of the row, so a token
     of probability 0 is never drawn and each row needs one uniform, not one random number per vocabulary
-    entry (``torch.multinomial`` draws V exponentials). The rows are independent: row r's token depends
-    only on probs[r] and u[r], whatever other rows share the batch.
+    entry (``torch.multinomial`` draws V exponentials). F is built in two levels — the sums of ``block``
+    consecutive entries (one vectorised float32 pass; their float64 running sum) pick the block, a
+    float64 running sum inside that block alone picks the token — because a sequential running sum over the whole vocabulary costs more than
+    everything else in the step. The rows are independent: row r's token depends only on probs[r]
+    and u[r], whatever other rows share the batch.
     """
-    cdf = probs.double().cumsum(dim=-1)  # (R, V)
+    R, V = probs.shape
+    pad = -V % block
+    w = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
+    w = w.reshape(R, -1, block)  # (R, C, block)
+    sums = w.sum(dim=-1).double()  # (R, C); a float32 sum of 256 entries: relative error ≲ 5e-7
+    cdf = sums.cumsum(dim=-1)  # (R, C) at the end of each block
     total = cdf[:, -1:]  # (R, 1)
     x = torch.minimum(u.double()[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x, right=True)[:, 0]  # (R,)
+    c = torch.searchsorted(cdf, x, right=True)  # (R, 1): the block where F first exceeds x
+    before = torch.nn.functional.pad(cdf[:, :-1], (1, 0))  # (R, C): F at the start of each block
+    x = x - before.gather(-1, c)  # ≥ 0: the remainder inside the chosen block
+    inner = (
+        w.gather(1, c[:, :, None].expand(R, 1, block))[:, 0].double().cumsum(dim=-1)
+    )  # (R, block)
+    last = inner[:, -1:]  # > 0: a block of sum 0 is never picked
+    x = torch.minimum(x, torch.nextafter(last, torch.zeros_like(last)))  # rounding of sum vs cumsum
+    return (c[:, 0] * block + torch.searchsorted(inner, x, right=True)[:, 0]).clamp_(max=V - 1)
 
 
 def sample_rows(
@@ -299,6 +320,9 @@ def sample_rows(
     ``draw`` inverts every row's CDF. Row r's token is the one ``sample_token`` gives for it alone."""
     if any(p.repetition_penalty != 1.0 or p.logits_processors for p in params):
         raise ValueError("sample_rows takes rows without repetition_penalty or logits_processors")
+    check_logits(
+        logits
+    )  # NonFiniteLogitsError for a row with NaN / +inf (the engine drops those first)
     tokens = [0] * len(params)
     u = torch.zeros(len(params), dtype=torch.float64)  # (R,)
     groups: dict[tuple, list[int]] = {}
@@ -311,7 +335,8 @@ def sample_rows(
         if greedy:
             out = x.argmax(dim=-1)
         else:
-            out = draw(filter_logits(x, temperature, top_k, top_p, min_p).softmax(dim=-1), u[rows])
+            w = filter_logits(x, temperature, top_k, top_p, min_p).exp()  # ∝ probabilities, max 1
+            out = draw(w, u[rows])
         for i, t in zip(rows, out.tolist()):
             tokens[i] = t
     return tokens
