@@ -264,7 +264,7 @@ def choose_precision(
     features: CpuFeatures | None = None,
     measure=_measure,
 ) -> PrecisionChoice:
-    """The training precision to run for ``requested`` on ``device`` (mixed precision: seed 000 §5.4).
+    """The training precision to run for ``requested`` on ``device`` (mixed precision: Book of LLMs §5.4 “autocast and bitsandbytes”).
 
     ``auto`` on a CPU: bf16 autocast only where the CPU has native bf16 matmul (:attr:`CpuFeatures.native_bf16`)
     *and* a short measurement (``measure(n) -> {"bf16": GFLOP/s, "fp32": GFLOP/s}``) finds bf16 faster; else

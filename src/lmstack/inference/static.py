@@ -1,6 +1,6 @@
 """The fast batch-1 decode path: a static KV cache and a decode step compiled once.
 
-Seed 000 §2.4 (KV cache), seed 001 "推理流程" (decode is one token per step and memory-bound:
+Book of LLMs §2.4 (KV cache), CS336 notes "推理流程" (decode is one token per step and memory-bound:
 the weights are read once per token, everything else is overhead). ``StaticKVCache`` has fixed
 shapes (B, K, S_max, H) per layer and writes with ``index_copy_`` at tensor positions, so a decode
 step never reads a value back to the host and never changes shape; ``torch.compile`` can then

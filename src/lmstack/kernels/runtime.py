@@ -5,7 +5,7 @@ are given to whatever builds a model — the trainer (``TrainConfig.runtime()``)
 (``LLM(model, runtime=...)``), the commands (``--attn-backend``, ``--dtype``, ``--compile``) — and
 resolved once by ``configure``, which sets the implementations on the model and returns the line
 it logs, e.g. ``attention: matmul (auto: CPU, bf16 autocast, ≤512 keys); rmsnorm: torch (auto)``.
-Seed 000 §2.7 (every attention backend computes the same function), §5 (number formats).
+Book of LLMs §2.7 (every attention backend computes the same function), §5 (number formats).
 """
 
 from __future__ import annotations
