@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmstack.inference import loader
+from lmstack.inference import LLM, loader
+from lmstack.kernels.runtime import WEIGHT_FORMATS, RuntimeConfig
 from lmstack.model.config import ModelConfig
 from lmstack.model.layers import Linear
 from lmstack.model.transformer import Transformer
@@ -43,6 +44,7 @@ def toy():
     fmt = register_format(WeightFormat("toy", HalfLinear))
     yield fmt
     del FORMATS["toy"]
+    WEIGHT_FORMATS.remove("toy")
 
 
 def _model(tie):
@@ -78,6 +80,9 @@ def test_a_registered_format_is_what_quantize_model_and_the_loader_use(toy, tie)
     loaded, _ = loader.load_for_inference(copy.deepcopy(model), dtype="toy")
     assert loaded.quantization == "toy"
     torch.testing.assert_close(loaded(tokens), want)
+    llm = LLM(copy.deepcopy(model), dtype="toy")  # the runtime's number format names it too
+    assert llm.runtime == RuntimeConfig(dtype="toy") and llm.engine.model.quantization == "toy"
+    torch.testing.assert_close(llm.engine.model(tokens), want)
 
 
 def test_the_format_names_are_the_registry(toy):

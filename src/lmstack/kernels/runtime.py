@@ -28,8 +28,9 @@ from lmstack.ops.gemm import GEMM_BACKENDS, choose_gemm, set_gemm
 #: Floating formats: training autocasts to them (fp32 master weights; "fp32" = no autocast), inference
 #: holds its weights in them.
 PRECISIONS = ("fp32", "bf16", "fp16")
-#: Inference also runs weight-only quantised linears (``lmstack.quant``) over fp32 weights.
-WEIGHT_FORMATS = PRECISIONS + ("int8", "int4")
+#: Inference also runs weight-only quantised linears (``lmstack.quant``) over fp32 weights; a format
+#: registered later (``quant.register_format``) adds its name here.
+WEIGHT_FORMATS = [*PRECISIONS, "int8", "int4"]
 
 
 @dataclass

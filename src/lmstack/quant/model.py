@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lmstack.kernels.runtime import WEIGHT_FORMATS
 from lmstack.model.layers import Linear
 from lmstack.quant.int4 import Int4Linear
 from lmstack.quant.int8 import Int8Linear
@@ -54,6 +55,8 @@ def register_format(fmt: WeightFormat) -> WeightFormat:
         if not callable(getattr(fmt.linear, m, None)):
             raise TypeError(f"WeightFormat({fmt.name!r}).linear={fmt.linear.__name__} has no {m}")
     FORMATS[fmt.name] = fmt
+    if fmt.name not in WEIGHT_FORMATS:  # RuntimeConfig(dtype=...) / LLM(dtype=...) accept it too
+        WEIGHT_FORMATS.append(fmt.name)
     return fmt
 
 
