@@ -9,6 +9,7 @@ embeddings a quantised *copy* of W_e becomes the unembedding and W_e itself is k
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ class WeightFormat:
     bare matrix (a tied unembedding's copy of W_e); ``options`` are the ``quantize_model`` arguments it takes."""
 
     name: str
-    linear: type
+    linear: Any  # a class with the classmethods from_linear and from_weight
     options: tuple[str, ...] = ("compute_dtype",)
 
     def build(self, weight_or_linear, **kw) -> nn.Module:
