@@ -1,5 +1,5 @@
 """Load test of an OpenAI-compatible server: Poisson arrivals at several rates, TTFT / ITL percentiles,
-throughput and goodput (seed 000 §2.1 latency vs throughput; seed 001 "动态负载", "性能指标分析").
+throughput and goodput (Book of LLMs §2.1 “latency and throughput” latency vs throughput; CS336 notes "动态负载", "性能指标分析").
 
     python benchmarks/serve.py [--model smollm2-135m] [--rates 0.5,1,2,4] [--requests 32] [--threads 2]
     python benchmarks/serve.py --url http://127.0.0.1:8000 --served-model-name NAME   # a running server

@@ -67,6 +67,10 @@ def test_generate_smollm2_prints_a_sensible_continuation(capsys):
         (["compress", "--model", "m", "--out", "o", "--d-ff", "0"], "--d-ff"),
         (["compress", "--model", "m", "--out", "o", "--seq", "0"], "--seq"),
         (["scaling", "fit", "runs.jsonl", "--level", "1.5"], "--level"),
+        # issue #29: one rule set (utils' converters) instead of checks after parsing or none
+        (["compress", "--model", "m", "--out", "o", "--distill-steps", "-1"], "--distill-steps"),
+        (["eval", "judge", "p.jsonl", "--contestant", "a=m", "--max-tokens", "0"], "--max-tokens"),
+        (["eval", "make-data", "o", "--heldout-bytes", "0"], "--heldout-bytes"),
     ],
 )
 def test_bad_numbers_exit_2_naming_the_flag(argv, flag, capsys):
@@ -243,3 +247,14 @@ def test_a_sweep_out_dir_may_hold_the_sweeps_own_inputs(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("mine")
     assert main(argv) == 2 and "refusing to replace it" in capsys.readouterr().err
     assert main([*argv, "--force"]) == 0
+
+
+@pytest.mark.parametrize(
+    "flags", [["--corpus-mb", "0"], ["--train-seconds", "nan"], ["--max-tokens", "0"]]
+)
+def test_demo_refuses_bad_numbers_while_parsing(flags, capsys):
+    from lmstack.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["demo", *flags])
+    assert e.value.code == 2 and f"argument {flags[0]}" in capsys.readouterr().err

@@ -42,3 +42,29 @@ def test_torch_dtype_maps_short_names_and_names_the_choices():
         torch_dtype("fp64", allowed=("fp32", "bf16"))
     with pytest.raises(ValueError, match=r"param_dtype='int4'; expected one of"):
         torch_dtype("int4", what="param_dtype")
+
+
+def test_numeric_flag_converters_share_one_rule_set():
+    import argparse
+
+    import pytest
+
+    from lmstack.utils import nonneg_float, nonneg_int, positive_float, positive_int
+
+    assert (nonneg_int("0"), positive_int("3"), nonneg_float("0"), positive_float("2.5")) == (
+        0,
+        3,
+        0.0,
+        2.5,
+    )
+    for convert, text, message in [
+        (nonneg_int, "-1", "-1: expected an integer >= 0"),
+        (positive_int, "0", "0: expected an integer >= 1"),
+        (positive_int, "1.5", "'1.5' is not an integer"),
+        (positive_float, "0", "0.0: expected a number > 0"),
+        (nonneg_float, "-0.5", "-0.5: expected a number >= 0"),
+        (positive_float, "inf", "inf: expected a finite number"),
+        (nonneg_float, "x", "'x' is not a number"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            convert(text)

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmstack.utils import FLOAT_DTYPES
+
 ENV = "LMSTACK_CPU"
 
 # The x86 flags that the choices below read (names as /proc/cpuinfo spells them).
@@ -220,7 +222,7 @@ def cpu_features() -> CpuFeatures:
 
 # ---- training precision ------------------------------------------------------------------------------
 
-TRAIN_PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+TRAIN_PRECISIONS = ("auto", *FLOAT_DTYPES)  # ("auto", "fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -262,7 +264,7 @@ def choose_precision(
     features: CpuFeatures | None = None,
     measure=_measure,
 ) -> PrecisionChoice:
-    """The training precision to run for ``requested`` on ``device`` (mixed precision: seed 000 §5.4).
+    """The training precision to run for ``requested`` on ``device`` (mixed precision: Book of LLMs §5.4 “autocast and bitsandbytes”).
 
     ``auto`` on a CPU: bf16 autocast only where the CPU has native bf16 matmul (:attr:`CpuFeatures.native_bf16`)
     *and* a short measurement (``measure(n) -> {"bf16": GFLOP/s, "fp32": GFLOP/s}``) finds bf16 faster; else

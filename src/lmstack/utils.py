@@ -303,26 +303,57 @@ def dtype_name(dtype) -> str | None:
     return next((k for k, v in DTYPE_NAMES.items() if str(dtype) == f"torch.{v}"), None)
 
 
-def positive_int(text: str) -> int:
-    """argparse ``type=``: an integer >= 1 (argparse names the flag in its error: exit 2, no traceback)."""
+# ---- argparse ``type=`` converters: the one rule set of every command's numeric flags ----------
+# An integer flag is an int; a float flag a finite number (nan and inf refused); counts and sizes are
+# > 0 (``positive_*``) or >= 0 (``nonneg_*``, where 0 means off). argparse names the flag in the
+# error: exit 2, no traceback.
+def _integer(text: str, minimum: int | None) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v}: expected an integer >= 1")
+    if minimum is not None and v < minimum:
+        raise argparse.ArgumentTypeError(f"{v}: expected an integer >= {minimum}")
     return v
 
 
-def finite_float(text: str) -> float:
-    """argparse ``type=``: a finite number (nan and inf refused)."""
+def _number(text: str, low: float | None, strict: bool) -> float:
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"{text}: expected a finite number")
+    if low is not None and (v <= low if strict else v < low):
+        raise argparse.ArgumentTypeError(
+            f"{v}: expected a number {'>' if strict else '>='} {low:g}"
+        )
     return v
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1."""
+    return _integer(text, 1)
+
+
+def nonneg_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 0 (0: off)."""
+    return _integer(text, 0)
+
+
+def finite_float(text: str) -> float:
+    """argparse ``type=``: a finite number (nan and inf refused)."""
+    return _number(text, None, strict=False)
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=``: a finite number > 0 (a size, a time budget)."""
+    return _number(text, 0.0, strict=True)
+
+
+def nonneg_float(text: str) -> float:
+    """argparse ``type=``: a finite number >= 0 (0: off)."""
+    return _number(text, 0.0, strict=False)
 
 
 def unit_interval(text: str) -> float:

@@ -98,6 +98,19 @@ def test_same_seed_same_rollouts_losses_and_weights(tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_micro_batches_add_up_to_the_whole_rollout_batch(tmp_path, loss_type):
+    """The loss of a rollout batch does not depend on how it is cut into micro-batches: 32 rows as one
+    micro-batch (the reference) or as four of 8 give the same logged loss and gradient norm."""
+    rows = []
+    for mb in (32, 8):
+        t = _trainer(tmp_path / str(mb), loss_type=loss_type, micro_batch=mb, epochs=1)
+        rows.append(t.train_step())
+    one, four = rows
+    assert four["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
+    assert four["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+
+
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_weights(tmp_path):
     small = dict(steps=3, eval_problems=1, prompts_per_step=2, num_generations=4)

@@ -151,3 +151,15 @@ def test_packed_and_padded_sft_batches_give_the_same_loss(tmp_path):
         torch.testing.assert_close(
             packed.forward_loss(pb)[0], padded.forward_loss(padded.make_batch(exs))[0]
         )
+
+
+@pytest.mark.parametrize("plan", ["tp=2", "dp=1,pp=2", "zero3"])
+def test_plans_other_than_data_parallel_are_refused_by_name(tmp_path, plan):
+    tok = byte_chat_tokenizer()
+    with pytest.raises(TrainConfigError, match="data parallel only"):
+        SFTTrainer(
+            _config(tmp_path, parallel=plan),
+            tiny_model(),
+            [encode_example(tok, "2+3", "5")],
+            progress=False,
+        )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lmstack.inference.loader import add_model_arguments
 from lmstack.threads import add_threads_argument
+from lmstack.utils import FLOAT_DTYPES
 
 
 def _common(p: argparse.ArgumentParser, out: str) -> None:
@@ -34,7 +35,7 @@ def _trainer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seq-len", type=int, default=256, help="longest example (prompt + response) in tokens"
     )
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--precision", default="fp32", choices=list(FLOAT_DTYPES))
     p.add_argument("--ckpt-interval", type=int, default=0)
     p.add_argument("--eval-interval", type=int, default=0)
     p.add_argument(
@@ -182,7 +183,8 @@ def _finish(trainer, summary: dict) -> int:
     path = trainer.export()
     trainer.plot()
     summary = {k: v for k, v in summary.items() if k != "last_train"} | {"model": str(path)}
-    print(json.dumps(summary, indent=2, default=str))
+    if trainer.is_main:
+        print(json.dumps(summary, indent=2, default=str))
     return 0
 
 
@@ -292,7 +294,9 @@ def cmd_dpo(args) -> int:
     if args.resume:
         trainer.resume()
     else:
-        print("before training:", json.dumps(trainer.evaluate()))
+        before = trainer.evaluate()  # every rank scores its share
+        if trainer.is_main:
+            print("before training:", json.dumps(before))
     return _finish(trainer, trainer.fit())
 
 
@@ -334,9 +338,9 @@ def cmd_grpo(args) -> int:
     )
     trainer = GRPOTrainer(config, model, tok)
     if args.eval_only:
-        print(
-            json.dumps({"model": args.model, "problems": args.eval_problems, **trainer.evaluate()})
-        )
+        ev = trainer.evaluate()
+        if trainer.is_main:
+            print(json.dumps({"model": args.model, "problems": args.eval_problems, **ev}))
         return 0
     if args.resume:
         trainer.resume()
@@ -345,6 +349,8 @@ def cmd_grpo(args) -> int:
             f"{args.out} holds a previous run; pass --resume to continue it or --overwrite"
         )
     summary = trainer.fit()
-    d = save_model_dir(model, tok, Path(args.out) / "model")
-    print(json.dumps(summary | {"model": str(d)}, indent=2, default=str))
+    d = Path(args.out) / "model"
+    if trainer.is_main:  # every replica holds the same weights
+        save_model_dir(model, tok, d)
+        print(json.dumps(summary | {"model": str(d)}, indent=2, default=str))
     return 0

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from lmstack.align import distributed as D
 from lmstack.align.data import Example, collate
 from lmstack.align.logprobs import batch_logprobs
 from lmstack.align.losses import DPO_LOSSES, dpo_loss, dpo_rewards
@@ -27,6 +28,16 @@ from lmstack.train.plot import read_metrics
 from lmstack.utils import pyplot, save_png
 
 REFERENCES = ("precomputed", "model")
+#: what ``pair_loss`` reports for a batch of pairs (TRL's names) and its loss
+METRICS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 class DPOTrainer(ModelTrainer):
@@ -82,18 +93,21 @@ class DPOTrainer(ModelTrainer):
 
     @torch.no_grad()
     def sequence_logps(self, model, pairs) -> torch.Tensor:
-        """(N, 2) Σ log π over each chosen and rejected response, B pairs at a time."""
+        """(N, 2) Σ log π over each chosen and rejected response, B pairs at a time; under data parallelism
+        each rank computes every M-th pair and the table is summed over the ranks."""
         was = model.training
         model.eval()
-        out = []
-        for i in range(0, len(pairs), self.config.batch_size):
-            batch, _ = self.pair_batch(pairs[i : i + self.config.batch_size])
+        table = torch.zeros(len(pairs), 2)
+        mine = list(range(len(pairs)))[self.dp_rank :: self.dp_size]
+        for i in range(0, len(mine), self.config.batch_size):
+            idx = mine[i : i + self.config.batch_size]
+            batch, _ = self.pair_batch([pairs[j] for j in idx])
             with self.autocast():
                 s = batch_logprobs(model, batch)[0].sum(-1).float()
             n = s.shape[0] // 2
-            out.append(torch.stack([s[:n], s[n:]], dim=1))
+            table[idx] = torch.stack([s[:n], s[n:]], dim=1).cpu()
         model.train(was)
-        return torch.cat(out)
+        return D.all_sum(table).float() if self.dp_size > 1 else table
 
     def next_batch(self) -> Batch:
         self._index = self.sample_indices(len(self.pairs))
@@ -112,10 +126,16 @@ class DPOTrainer(ModelTrainer):
         return s[:n], s[n:]
 
     def pair_loss(
-        self, batch: Batch, lengths: torch.Tensor, ref_c: torch.Tensor, ref_r: torch.Tensor
+        self,
+        batch: Batch,
+        lengths: torch.Tensor,
+        ref_c: torch.Tensor,
+        ref_r: torch.Tensor,
+        model=None,
     ):
+        """(mean DPO loss over the pairs, TRL's metrics) of the policy ``model`` (default: the learner)."""
         with self.autocast():
-            s = batch_logprobs(self.model, batch)[0].sum(-1).float()
+            s = batch_logprobs(model or self.model, batch)[0].sum(-1).float()
         n = s.shape[0] // 2
         losses = dpo_loss(
             s[:n],
@@ -142,7 +162,8 @@ class DPOTrainer(ModelTrainer):
 
     def train_step(self) -> dict[str, float]:
         m = super().train_step()
-        m.update(self.last_metrics)  # the last micro-batch's DPO metrics
+        # the last micro-batch's DPO metrics, averaged over the ranks' equal slices
+        m.update({k: self.reduce_metric(v) for k, v in self.last_metrics.items()})
         return m
 
     def plot(self, baseline: float | None = None) -> Path | None:
@@ -169,19 +190,26 @@ class DPOTrainer(ModelTrainer):
         self.model.eval()
         sums: dict[str, float] = {}
         n_total = 0
+        mine = self.eval_share(range(len(pairs)))
         try:
             B = self.config.batch_size
-            for i in range(0, len(pairs), B):
-                idx = list(range(i, min(i + B, len(pairs))))
+            for i in range(0, len(mine), B):
+                idx = mine[i : i + B]
                 batch, lengths = self.pair_batch([pairs[j] for j in idx])
                 ref_c, ref_r = self._ref(batch, idx, table)
-                loss, m = self.pair_loss(batch, lengths, ref_c, ref_r)
+                loss, m = self.pair_loss(batch, lengths, ref_c, ref_r, self.raw_model)
                 m["loss"] = float(loss)
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v * len(idx)
                 n_total += len(idx)
         finally:
             self.model.train()
+        if (
+            self.dp_size > 1
+        ):  # every rank scored a share: add the sums (the keys are the same on all)
+            keys = list(METRICS)  # fixed: a rank with no pairs to score adds zeros
+            total = D.all_sum(torch.tensor([n_total] + [sums.get(k, 0.0) for k in keys]))
+            n_total, sums = int(total[0]), dict(zip(keys, total[1:].tolist()))
         self.last_eval = {
             "val_loss": sums["loss"] / n_total,
             **{f"val_{k}": v / n_total for k, v in sums.items() if k != "loss"},
@@ -191,7 +219,8 @@ class DPOTrainer(ModelTrainer):
 
 def plot_margins(metrics_path, png: Path, title: str = "DPO") -> Path | None:
     """DPO's implicit-reward margins and preference accuracies over the steps, training (each logged step's
-    batch) and evaluation (the validation pairs, or the training pairs without them), from a run's ``metrics.jsonl``: two panels, one PNG."""
+    batch) and evaluation (the validation pairs, or the training pairs without them), from a run's
+    ``metrics.jsonl``: two panels, one PNG."""
     rows = read_metrics(metrics_path)
     train = [r for r in rows if r.get("kind") == "train" and "rewards/margins" in r]
     val = [r for r in rows if r.get("kind") == "eval" and "val_rewards/margins" in r]

@@ -21,6 +21,13 @@ One step (``GRPOTrainer.train_step``):
 Expert iteration (``algorithm="expert_iteration"``; Anthony et al. 2017, STaR, Zelikman et al. 2022): the same
 rollout, keep the samples the verifier accepts, one SFT step per epoch on them.
 
+Data parallel under torchrun (WORLD_SIZE > 1, ``align.distributed``): rank r takes the r-th slice of each step's
+P prompts (P divisible by the ranks) with the per-sample seeds they have in one process, generates them on its
+own engine, and trains on its rows through ``lmstack.parallel``'s DDP. Groups never cross ranks; the rewards,
+lengths and flags are gathered so advantages (batch std included), metrics and the loss normalisers (N rows,
+the rollout batch's token count) are the global batch's: M ranks give the losses and gradients of one process
+on the same prompts. Held-out evaluation is split over the ranks and summed.
+
 Metrics per step go to ``metrics.jsonl`` (reward mean/std overall and per function, failures, fraction of
 groups with zero std, clip fractions, KL, entropy, completion lengths, truncation rate, seconds for generation /
 log-probs / training and their tokens/s) and ``grpo.png``; held-out accuracy (greedy) at the start, every
@@ -33,6 +40,7 @@ import copy
 import json
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -40,6 +48,7 @@ import torch
 from tqdm import tqdm
 
 from lmstack import utils
+from lmstack.align import distributed as D
 from lmstack.align.data import Example, collate, encode_prompt
 from lmstack.align.logprobs import batch_logprobs
 from lmstack.align.losses import (
@@ -161,6 +170,14 @@ class GRPOTrainer:
     ):
         """``reward_fns``: name -> f(problem, completion) in place of ``config.rewards`` (weights by name)."""
         self.config = c = config
+        self.rank, self.world = D.start()
+        if self.world > 1:
+            if c.algorithm != "grpo":
+                raise ValueError(
+                    f"algorithm={c.algorithm!r} runs in one process (each rank would keep a different "
+                    "number of samples); use algorithm='grpo' under torchrun"
+                )
+            D.rank_slice(c.prompts_per_step, self.rank, self.world, "prompts_per_step")
         self.reward_fns = reward_fns if reward_fns is not None else list(c.rewards)
         self.progress = progress
         torch.manual_seed(c.seed)
@@ -193,6 +210,13 @@ class GRPOTrainer:
         )
         assert self.llm.engine.model is model  # one model: the engine serves the learner's tensors
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if c.beta > 0 else None
+        # the learner: the same module, wrapped for gradient averaging when there are several ranks (rank 0's
+        # weights are broadcast, so every engine serves the same model)
+        self.learner = model
+        if self.world > 1:
+            from lmstack.parallel.ddp import DataParallel
+
+            self.learner = DataParallel(model)
         decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
         rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
         self.optimizer = AdamW(
@@ -216,9 +240,15 @@ class GRPOTrainer:
         return [self.order[(step * P + k) % n] for k in range(P)]
 
     def rollout(
-        self, prompts: list[list[int]], step: int, greedy: bool = False, G: int | None = None
+        self,
+        prompts: list[list[int]],
+        step: int,
+        greedy: bool = False,
+        G: int | None = None,
+        offset: int = 0,
     ):
-        """G samples per prompt (prompt-major: the G samples of prompt i are rows i·G … i·G+G−1)."""
+        """G samples per prompt (prompt-major: the G samples of prompt i are rows i·G … i·G+G−1); sample k's
+        seed is that of row ``offset + k`` of the step (a rank's rows continue the ranks before it)."""
         c = self.config
         G = c.num_generations if G is None else G
         params = [
@@ -227,7 +257,7 @@ class GRPOTrainer:
                 top_p=c.top_p,
                 max_tokens=c.max_new_tokens,
                 stop=c.stop,
-                seed=(c.seed * 1_000_003 + step) * 100_003 + k,
+                seed=(c.seed * 1_000_003 + step) * 100_003 + offset + k,
             )
             for k in range(len(prompts) * G)
         ]
@@ -262,18 +292,35 @@ class GRPOTrainer:
     def train_step(self) -> dict:
         c = self.config
         t0 = time.perf_counter()
-        idx = self.step_problems(self.step)
-        problems = [self.train_set[i] for i in idx]
-        outs = self.rollout([self.train_prompts[i] for i in idx], self.step)
         G = c.num_generations
+        share = D.rank_slice(c.prompts_per_step, self.rank, self.world, "prompts_per_step")
+        idx = self.step_problems(self.step)[share]  # this rank's prompts, whole groups
+        problems = [self.train_set[i] for i in idx]
+        outs = self.rollout([self.train_prompts[i] for i in idx], self.step, offset=share.start * G)
         t_gen = time.perf_counter() - t0
         texts = [self.completion_text(o) if o.error is None else "" for o in outs]
         rep = [p for p in problems for _ in range(G)]
         res = score(rep, texts, self.reward_fns, c.reward_weights)
-        rewards = torch.tensor(res.total)
         completions = [list(o.token_ids) for o in outs]
-        truncated = torch.tensor([o.finish_reason == "length" for o in outs])
-        failed = torch.tensor([o.error is not None for o in outs])
+        names = list(res.per_fn)
+        # per row: total reward, length, truncated, failed, each function's reward; gathered over the ranks
+        local = torch.tensor(
+            [
+                [
+                    res.total[k],
+                    len(completions[k]),
+                    o.finish_reason == "length",
+                    o.error is not None,
+                ]
+                + [res.per_fn[n][k] for n in names]
+                for k, o in enumerate(outs)
+            ],
+            dtype=torch.float64,
+        )
+        rows = D.gather_rows(local)  # (N, 4 + n_fn), N = P·G rows in prompt order
+        fn_failures = D.all_sum(torch.tensor([res.failures[n] for n in names], dtype=torch.float64))
+        rewards, lengths = rows[:, 0].float(), rows[:, 1]
+        truncated, failed = rows[:, 2].bool(), rows[:, 3].bool()
         examples = [
             Example(list(self.train_prompts[idx[k // G]]), completions[k] or [0])
             for k in range(len(outs))
@@ -284,52 +331,60 @@ class GRPOTrainer:
             "reward": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "frac_reward_zero_std": zero_std_fraction(rewards, G),
-            "completion_length": sum(map(len, completions)) / len(completions),
-            "completion_length_max": max(map(len, completions)),
-            "completion_length_min": min(map(len, completions)),
+            "completion_length": float(lengths.mean()),
+            "completion_length_max": int(lengths.max()),
+            "completion_length_min": int(lengths.min()),
             "truncated": float(truncated.float().mean()),
             "rollout_failures": int(failed.sum()),
         }
-        for name, values in res.per_fn.items():
-            v = torch.tensor(values)
+        for j, name in enumerate(names):
+            v = rows[:, 4 + j].float()
             m[f"rewards/{name}"], m[f"rewards/{name}_std"] = (
                 float(v.mean()),
                 float(v.std()) if len(v) > 1 else 0.0,
             )
-            m[f"reward_failures/{name}"] = res.failures[name]
+            m[f"reward_failures/{name}"] = int(fn_failures[j])
+        mine = slice(share.start * G, share.stop * G)  # this rank's rows of the gathered batch
         if c.algorithm == "grpo":
             rewards = rewards.masked_fill(failed, 0.0)
-            train = self._grpo_update(
-                batches, rewards, truncated if c.mask_truncated else failed, m, failed
-            )
+            dropped = truncated if c.mask_truncated else failed
+            train = self._grpo_update(batches, rewards, dropped, m, failed, mine)
         else:
             correct = (
                 torch.tensor(res.per_fn.get("correct", res.total)).masked_fill(failed, 0.0).tolist()
             )
             train = self._expert_iteration_update(examples, correct, m)
         t_logp, t_train = train
-        n_gen = sum(map(len, completions))
+        n_gen = int(lengths.sum())
         n_train = sum(int((b.y != IGNORE_INDEX).sum()) for b in batches)
+        n_train = int(D.all_sum(torch.tensor([n_train]))[0])
         self.llm.engine.reset_prefix_cache()  # cached K/V were computed with the weights before this step
         self.step += 1
+        t_gen, t_logp, t_train = (D.all_max(t) for t in (t_gen, t_logp, t_train))
         m.update(
             gen_s=t_gen,
             logprob_s=t_logp,
             train_s=t_train,
-            step_s=time.perf_counter() - t0,
+            step_s=D.all_max(time.perf_counter() - t0),
             gen_tokens_per_s=n_gen / max(t_gen, 1e-9),
             train_tokens_per_s=n_train * c.epochs / max(t_train, 1e-9),
         )
         return m
 
-    def _grpo_update(self, batches, rewards, dropped, m, failed) -> tuple[float, float]:
-        """``dropped`` (N,): rows that get no loss (failed requests; with mask_truncated, truncated ones)."""
+    def _grpo_update(self, batches, rewards, dropped, m, failed, mine=None) -> tuple[float, float]:
+        """``rewards``, ``dropped`` (rows that get no loss: failed requests; with mask_truncated, truncated
+        ones) and ``failed``: (N,) over the whole rollout batch; ``batches`` hold this rank's rows ``mine``.
+
+        Each loss_type's normaliser is the whole batch's (N rows; its response-token count), scaled by the
+        number of ranks M because DDP averages the M gradients: the sum over ranks is the one-process loss."""
         c = self.config
-        G = c.num_generations
+        G, M = c.num_generations, self.world
+        mine = slice(0, len(rewards)) if mine is None else mine
         if c.advantage == "rloo":
             adv = rloo_advantages(rewards, G)
         else:
             adv = group_advantages(rewards, G, scale=c.advantage)
+        adv, keep_out = adv[mine], (dropped | failed)[mine]
         t0 = time.perf_counter()
         old = self._logps(self.model, batches)  # π_old: once per rollout batch
         ref = (
@@ -339,36 +394,44 @@ class GRPOTrainer:
         )
         t_logp = time.perf_counter() - t0
         masks = [(b.y != IGNORE_INDEX) for b in batches]
-        rows = torch.split(dropped | failed, [len(b.y) for b in batches])
+        rows = torch.split(keep_out, [len(b.y) for b in batches])
         masks = [mk & ~r[:, None] for mk, r in zip(masks, rows)]
         N = len(rewards)
-        n_tokens = sum(int(mk.sum()) for mk in masks)
+        n_tokens = int(D.all_sum(torch.tensor([sum(int(mk.sum()) for mk in masks)]))[0])
         advs = torch.split(adv, [len(b.y) for b in batches])
         t0 = time.perf_counter()
         self.model.train()
         sums: dict[str, float] = {}
         for _ in range(c.epochs):
             total_loss = 0.0
-            for b, mk, a, o, r in zip(batches, masks, advs, old, ref):
-                logp, ent = batch_logprobs(self.model, b, entropy=True)
-                loss, lm = grpo_loss(
-                    logp,
-                    o,
-                    a,
-                    mk,
-                    loss_type=c.loss_type,
-                    eps_low=c.eps_low,
-                    eps_high=c.eps_high,
-                    beta=c.beta,
-                    ref_logp=r,
-                    max_len=c.max_new_tokens,
-                    pg=c.pg,
-                    num_tokens=n_tokens if c.loss_type in ("dapo", "bnpo") else None,
-                )
-                # exact over the rollout batch: sequence-mean types weigh each micro-batch by its rows
-                weight = 1.0 if c.loss_type in ("dapo", "bnpo") else len(b.y) / N
-                (loss * weight).backward()
-                total_loss += float(loss.detach()) * weight
+            for i, (b, mk, a, o, r) in enumerate(zip(batches, masks, advs, old, ref)):
+                sync = self.learner.no_sync() if M > 1 and i < len(batches) - 1 else nullcontext()
+                with sync:
+                    logp, ent = batch_logprobs(self.learner, b, entropy=True)
+                    loss, lm = grpo_loss(
+                        logp,
+                        o,
+                        a,
+                        mk,
+                        loss_type=c.loss_type,
+                        eps_low=c.eps_low,
+                        eps_high=c.eps_high,
+                        beta=c.beta,
+                        ref_logp=r,
+                        max_len=c.max_new_tokens,
+                        pg=c.pg,
+                        num_tokens=n_tokens / M if c.loss_type == "dapo" else None,
+                    )
+                    # exact over the rollout batch: sequence-mean types weigh each micro-batch by its rows,
+                    # bnpo's micro-batch token mean by its tokens (dapo divides by the batch's tokens itself)
+                    if c.loss_type == "dapo":
+                        weight = 1.0
+                    elif c.loss_type == "bnpo":
+                        weight = float(mk.sum()) * M / max(n_tokens, 1)
+                    else:
+                        weight = len(b.y) * M / N
+                    (loss * weight).backward()
+                total_loss += float(loss.detach()) * weight / M
                 share = float(mk.sum()) / max(n_tokens, 1)
                 lm["entropy"] = float(masked_mean(ent, mk))
                 for k, v in lm.items():
@@ -380,8 +443,15 @@ class GRPOTrainer:
             )
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            sums["loss"] = sums.get("loss", 0.0) + total_loss / c.epochs
+            sums["loss"] = (
+                sums.get("loss", 0.0) + float(D.all_sum(torch.tensor([total_loss]))[0]) / c.epochs
+            )
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(norm) / c.epochs
+        keys = [
+            k for k in sums if k not in ("loss", "grad_norm")
+        ]  # token-share sums: add the ranks'
+        if M > 1 and keys:
+            sums.update(zip(keys, D.all_sum(torch.tensor([sums[k] for k in keys])).tolist()))
         m.update(sums)
         return t_logp, time.perf_counter() - t0
 
@@ -413,30 +483,47 @@ class GRPOTrainer:
 
     # ---- evaluation, the loop, files ---------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy (correct reward) and format rate on the held-out problems."""
-        outs = self.rollout(self.test_prompts, step=-1, greedy=True, G=1)
-        res = score(self.test_set, [self.completion_text(o) for o in outs], ["correct", "format"])
+        """Greedy accuracy (correct reward) and format rate on the held-out problems (every M-th problem
+        from its rank under data parallelism, the counts summed over the ranks)."""
+        mine = list(range(len(self.test_set)))[self.rank :: self.world]
+        outs = self.rollout([self.test_prompts[i] for i in mine], step=-1, greedy=True, G=1)
+        problems = [self.test_set[i] for i in mine]
+        res = score(problems, [self.completion_text(o) for o in outs], ["correct", "format"])
         self.llm.engine.reset_prefix_cache()
+        correct, fmt = D.all_sum(
+            torch.tensor([sum(res.per_fn["correct"]), sum(res.per_fn["format"])])
+        ).tolist()
         return {
-            "eval_accuracy": sum(res.per_fn["correct"]) / len(outs),
-            "eval_format": sum(res.per_fn["format"]) / len(outs),
+            "eval_accuracy": correct / len(self.test_set),
+            "eval_format": fmt / len(self.test_set),
         }
 
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
     def log(self, row: dict) -> None:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        """Rank 0 appends the row to metrics.jsonl; every rank keeps it (the rows are the same on all)."""
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
         self.history.append(row)
 
     def save_checkpoint(self) -> Path:
-        return ckpt.save_checkpoint(
-            self.out_dir / "checkpoints",
-            self.step,
-            self.model,
-            self.optimizer,
-            {"config": asdict(self.config), "kind": "grpo"},
-            keep_last=2,
-        )
+        """Rank 0 writes it (every replica holds the same weights and optimizer states)."""
+        path = None
+        if self.is_main:
+            path = ckpt.save_checkpoint(
+                self.out_dir / "checkpoints",
+                self.step,
+                self.model,
+                self.optimizer,
+                {"config": asdict(self.config), "kind": "grpo"},
+                keep_last=2,
+            )
+        D.barrier()
+        return path or ckpt.latest_checkpoint(self.out_dir / "checkpoints")
 
     def resume(self, path=None) -> int:
         p = Path(path) if path is not None else ckpt.latest_checkpoint(self.out_dir / "checkpoints")
@@ -447,7 +534,7 @@ class GRPOTrainer:
         meta = ckpt.load_checkpoint(p, self.model, self.optimizer)
         self.step = int(meta["step"])
         self.llm.engine.reset_prefix_cache()
-        if self.metrics_path.exists():  # the steps after the checkpoint will be logged again
+        if self.is_main and self.metrics_path.exists():  # the steps after it will be logged again
             rows = [
                 r for _, r in utils.read_jsonl(self.metrics_path) if r.get("step", 0) <= self.step
             ]
@@ -457,7 +544,7 @@ class GRPOTrainer:
     def fit(self) -> dict:
         c = self.config
         if self.step == 0:
-            if self.metrics_path.exists():
+            if self.is_main and self.metrics_path.exists():
                 self.metrics_path.unlink()
             start = self.evaluate()
             self.log({"step": 0, **start})
@@ -466,7 +553,7 @@ class GRPOTrainer:
             initial=self.step,
             desc=c.algorithm,
             unit="step",
-            disable=not self.progress,
+            disable=not (self.progress and self.is_main),
         )
         t_start = time.perf_counter()
         while self.step < c.steps:
@@ -507,6 +594,8 @@ class GRPOTrainer:
         }
 
     def plot(self) -> Path | None:
+        if not self.is_main:
+            return None
         rows = (
             [r for _, r in utils.read_jsonl(self.metrics_path)]
             if self.metrics_path.exists()

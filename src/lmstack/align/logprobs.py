@@ -25,7 +25,8 @@ def batch_logprobs(model, batch: Batch, entropy: bool = False) -> tuple[Tensor, 
     h = model(
         batch.x, positions=batch.positions, document_ids=batch.document_ids, return_hidden=True
     )  # (B, S, D)
-    logits = model.unembed(h[keep])  # (M, V)
+    # a gradient-averaging wrapper (DDP) holds the model as ``.module``: the unembedding is the model's
+    logits = getattr(model, "module", model).unembed(h[keep])  # (M, V)
     logp = torch.zeros(batch.y.shape, dtype=torch.float32, device=h.device)
     logp = logp.masked_scatter(keep, token_logprobs(logits, batch.y[keep]))
     ent = None

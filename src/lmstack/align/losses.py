@@ -1,4 +1,4 @@
-"""Post-training losses as pure functions on log-probabilities (seed 001 "模型对齐：RL 后训练微调").
+"""Post-training losses as pure functions on log-probabilities (CS336 notes "模型对齐：RL 后训练微调").
 
 Every function takes tensors and returns tensors; nothing here runs a model. Symbols: B sequences
 (B·G for a GRPO batch of G samples per prompt), T completion tokens, V the vocabulary; ``mask`` (B, T) is 1
@@ -63,17 +63,21 @@ def token_entropy(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def sft_loss(logp: Tensor, mask: Tensor, normalize: str = "token") -> Tensor:
+def sft_loss(
+    logp: Tensor, mask: Tensor, normalize: str = "token", num_tokens: float | None = None
+) -> Tensor:
     """Masked negative log-likelihood of the response tokens (supervised fine-tuning).
 
     ``normalize="token"``: L = −Σ_{b,t} m_bt log p_bt / Σ_{b,t} m_bt — every response token weighs the same
     (TRL SFTTrainer's completion-only loss, HF's causal-LM loss with −100 labels).
     ``normalize="sequence"``: L = −(1/B) Σ_b (Σ_t m_bt log p_bt / Σ_t m_bt) — every example weighs the same,
-    so long responses do not dominate. logp, mask: (B, T) -> scalar."""
+    so long responses do not dominate. ``num_tokens``: the token normaliser in place of this batch's Σ m
+    (data parallelism: the global batch's count over the ranks). logp, mask: (B, T) -> scalar."""
     _check_choice("normalize", normalize, ("token", "sequence"))
     m = mask.to(logp.dtype)
     if normalize == "token":
-        return -(logp * m).sum() / m.sum().clamp(min=1.0)
+        n = m.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=logp.dtype)
+        return -(logp * m).sum() / n.clamp(min=1.0)
     return (-(logp * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
 
 

@@ -183,7 +183,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a model to rate (repeat; at least 2): name=model name, .gguf or checkpoint dir",
     )
     add_model_arguments(j, model_flag="--judge", model_help="the judge model", tokenizer=False)
-    j.add_argument("--max-tokens", type=int, default=64, help="answer length")
+    j.add_argument("--max-tokens", type=positive_int, default=64, help="answer length")
     j.add_argument(
         "--battles",
         required=True,
@@ -199,7 +199,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     m.add_argument("out", help="output directory")
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--heldout-bytes", type=int, default=48_000)
+    m.add_argument("--heldout-bytes", type=positive_int, default=48_000)
     m.add_argument(
         "--force", action="store_true", help="write into OUT even when it holds other files"
     )

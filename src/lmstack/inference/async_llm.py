@@ -1,6 +1,6 @@
 """``AsyncLLM``: the streaming API an asyncio server sits on, over one ``LLMEngine``.
 
-Seed 001 "动态负载": requests arrive and leave (client disconnects) while the engine runs; they are
+CS336 notes "动态负载": requests arrive and leave (client disconnects) while the engine runs; they are
 applied between iterations, so one thread at a time touches the engine, through its public methods
 (``add_request``, ``abort_request``, ``abort_all``, ``step``, ``new_request_id``).
 """
@@ -54,6 +54,7 @@ class AsyncLLM:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self._pending.append(("add", request_id, prompt, params))
+        assert self._wakeup is not None  # made by _ensure_loop
         self._wakeup.set()
         return q
 
@@ -143,6 +144,7 @@ class AsyncLLM:
             try:
                 self._apply_pending()
                 if not self.engine.has_unfinished_requests():
+                    assert self._wakeup is not None  # made by _ensure_loop before the loop runs
                     self._wakeup.clear()
                     if self._pending:
                         continue

@@ -1,6 +1,6 @@
 """The block manager of the paged KV cache: which physical block holds which tokens of which sequence.
 
-Seed 001 "动态负载" (vLLM PagedAttention). A sequence's *block table* maps its logical block i
+CS336 notes "动态负载" (vLLM PagedAttention). A sequence's *block table* maps its logical block i
 (tokens i·bs .. i·bs+bs-1) to a physical block of the pool; identical spans share blocks:
 
 - reference counts: a block is free when no sequence refers to it;
@@ -21,7 +21,7 @@ import hashlib
 import struct
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 NULL_BLOCK = 0
 
@@ -205,6 +205,7 @@ class BlockManager:
             old = table[i]
             if self._copy_before_write(old):  # copy-on-write
                 new = self.allocate_block()
+                assert self.storage is not None  # copy-on-write needs the pool's storage
                 self.storage.copy_block(old, new)
                 self.decref(old)
                 table[i] = new
@@ -257,7 +258,7 @@ class BlockManager:
 
     def release_outside_window(self, seq_id: Hashable, window: int) -> int:
         """Free the blocks no future token can see under a sliding window of ``window`` positions
-        (seed 000 §1.9, Mistral-style): the next token (position p = stored tokens) sees keys
+        (Book of LLMs §1.9 “sliding-window and sparse attention”, Mistral-style): the next token (position p = stored tokens) sees keys
         p-W+1 .. p, so block i is dead once (i+1)·bs <= p-W+1. Its table entry becomes
         NULL_BLOCK (never gathered again); a cached prefix block stays evictable for later hits.
         Returns the number of blocks released now.
@@ -287,8 +288,13 @@ class BlockManager:
         a masked-out slot still enters attention as 0 · value, and 0 · NaN is NaN, so a reused
         dirty block would poison whichever request gets it next. Its prefix-cache name goes too."""
         for block in self.tables.get(seq_id, []):
-            if block and self.ref_count[block] == 1 and not self.storage.block_is_finite(block):
+            if (
+                block
+                and self.ref_count[block] == 1
+                and not cast(BlockStorage, self.storage).block_is_finite(block)
+            ):
                 h = self.block_hash.pop(block, None)
                 if h is not None:
                     del self.cached[h]
+                assert self.storage is not None
                 self.storage.zero_block(block)

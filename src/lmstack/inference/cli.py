@@ -1,6 +1,6 @@
 """``lmstack generate`` (stream a continuation) and ``lmstack chat`` (interactive, chat template).
 
-Seed 001 "推理流程": the prompt is prefilled once, then tokens are decoded one by one and
+CS336 notes "推理流程": the prompt is prefilled once, then tokens are decoded one by one and
 printed as soon as they form complete UTF-8 text; TTFT and decode tokens/s are reported.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from lmstack.inference.engine import LLMEngine, PromptTooLongError
 from lmstack.inference.generate import stream_generate
@@ -32,7 +33,8 @@ def _checked(field: str, convert):
     def parse(text: str):
         value = convert(text)  # ValueError: argparse's own "invalid float value: 'x'"
         try:
-            SamplingParams(**{field: (value,) if field == "stop" else value})
+            kwargs: dict[str, Any] = {field: (value,) if field == "stop" else value}
+            SamplingParams(**kwargs)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
         return value

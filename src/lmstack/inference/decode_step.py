@@ -1,5 +1,5 @@
 """The engine's decode-only iteration: B single-token rows over the paged cache in fixed shapes,
-optionally compiled once per bucket (seed 001 "推理流程": decode is memory-bound, everything but the
+optionally compiled once per bucket (CS336 notes "推理流程": decode is memory-bound, everything but the
 weight reads is overhead; vLLM's padded decode batches with captured graphs).
 
 A step where every scheduled sequence feeds exactly its next token (no prefill chunk, no drafts) does
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import types
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -113,7 +114,9 @@ class DecodeStep:
             BATCH_BUCKETS  # batch sizes compiled (set before the first step to compile fewer)
         )
         self.device = cache.k.device
-        self.layers = sorted(cache.row, key=cache.row.get)  # model layers in pool-row order
+        self.layers = sorted(
+            cache.row, key=lambda layer: cache.row[layer]
+        )  # model layers in pool-row order
         self.max_blocks = cache.blocks.blocks_for(max_model_len)
         self.min_blocks = min(self.max_blocks, cache.blocks.blocks_for(MIN_BUCKET_TOKENS))
         self.options = dict(COMPILE_OPTIONS) | (compile_options or {})
@@ -167,7 +170,7 @@ class DecodeStep:
         return self._steps[key]
 
     def _call(self, tokens: Tensor, positions: Tensor, table: Tensor):
-        key = tuple(table.shape)
+        key = cast("tuple[int, int]", tuple(table.shape))  # (B, M)
         direct = self._direct.get(key)
         if direct is not None:
             graph, inputs, slots = direct

@@ -1,7 +1,7 @@
 """Draft-model speculation inside the batching engine: a small model q proposes k tokens for every
 decoding sequence at once, from its own paged KV cache.
 
-Seed 000 §2.3 and seed 001 "无损提速" (speculative decoding, Leviathan et al. 2023 / Chen et al.
+Book of LLMs §2.3 “speculative decoding” and CS336 notes "无损提速" (speculative decoding, Leviathan et al. 2023 / Chen et al.
 2023). Per iteration the scheduler asks ``propose_batch`` for the running sequences that decode; the
 draft then runs 1 + (k − 1) batched forwards over them:
 
@@ -23,15 +23,19 @@ draft blocks are given back), never another sequence's blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lmstack.inference.decode_step import DecodeStep
 from lmstack.inference.paged import PagedKVCache, kv_pool_bytes
 from lmstack.inference.sampling import as_integer, target_probs
 from lmstack.inference.sequence import Sequence as Seq
 from lmstack.model.mixer_spec import refuse
+
+if TYPE_CHECKING:
+    from lmstack.model.transformer import Transformer
 
 
 class DraftRunner:
@@ -44,7 +48,7 @@ class DraftRunner:
 
     def __init__(
         self,
-        draft: nn.Module,
+        draft: Transformer,
         target_config,
         k: int,
         num_blocks: int,
@@ -126,6 +130,7 @@ class DraftRunner:
             blocks.tables[s.request_id][: blocks.blocks_for(p + 1)] for s, p in zip(step, positions)
         ]
         self.forwards += 1
+        assert self.decode is not None  # _decode runs only with a DecodeStep
         return self.decode.forward([s.drafts[-1] for s in step], positions, tables).float().cpu()
 
     def _draw(self, seq: Seq, logits: Tensor, history: list[int]) -> tuple[int, Tensor | None]:

@@ -1,7 +1,7 @@
 """The serving engine: iteration-level scheduling over a paged KV cache, in named parts.
 
-Seed 000 §2.1 (latency vs throughput), §2.2 (continuous and selective batching, token-budget
-batching), §2.3 (speculation); seed 001 "推理流程", "性能指标分析" (TTFT, latency, throughput)
+Book of LLMs §2.1 (latency vs throughput), §2.2 (continuous and selective batching, token-budget
+batching), §2.3 (speculation); CS336 notes "推理流程", "性能指标分析" (TTFT, latency, throughput)
 and "动态负载" (Orca, vLLM PagedAttention). Every ``step()`` is one iteration:
 
 1. the ``Scheduler`` picks (sequence, tokens) pairs under the token budget — decodes, prefill
@@ -29,9 +29,9 @@ import contextlib
 import itertools
 import time
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
-from torch import nn
 
 from lmstack.inference.decode_step import DecodeStep
 from lmstack.inference.draft_runner import DraftRunner
@@ -46,6 +46,7 @@ from lmstack.inference.speculative import PromptLookup, truncated_draft
 from lmstack.inference.state_pool import StatePool, recurrent_layers
 from lmstack.inference.stops import StopStrings
 from lmstack.model.mixer_spec import refuse, unsupported
+from lmstack.model.transformer import Transformer
 
 
 class PromptTooLongError(ValueError):
@@ -87,6 +88,12 @@ def _state_pool(model, num_speculative_tokens: int, num_slots: int) -> StatePool
             f"({no_rollback}), whose state cannot be rolled back past rejected drafts; use 0"
         )
     return StatePool(model, num_slots)
+
+
+class Driver(Protocol):
+    """What steps an engine (``LLM``, ``AsyncLLM``): ``busy()`` while it has requests in flight."""
+
+    def busy(self) -> bool: ...
 
 
 class LLMEngine:
@@ -132,7 +139,7 @@ class LLMEngine:
         num_state_slots: int | None = None,
         compile: bool | dict = False,
         fuse_projections: bool = True,
-        draft_model: nn.Module | int | None = None,
+        draft_model: Transformer | int | None = None,
     ):
         p = next(model.parameters())
         c = model.config
@@ -216,7 +223,7 @@ class LLMEngine:
                 compile_options=compile if isinstance(compile, dict) else None,
             )
         self.speculator = speculator if num_speculative_tokens else None
-        self.driver: object | None = (
+        self.driver: Driver | None = (
             None  # the one LLM or AsyncLLM that steps this engine (``attach``)
         )
         self.stats = {
@@ -398,7 +405,7 @@ class LLMEngine:
         return self.stats["cached_prompt_tokens"] / max(1, self.stats["prompt_tokens"])
 
     # ---- one iteration -------------------------------------------------------------------
-    def attach(self, driver: object) -> None:
+    def attach(self, driver: Driver) -> None:
         """Make ``driver`` (an ``LLM`` or ``AsyncLLM``) the one that steps this engine; each driver claims the
         engine when it starts work. The engine is not thread-safe and a driver takes every request in it for
         its own, so while another driver has work in flight (its ``busy()``) the claim is refused by name —
@@ -451,6 +458,7 @@ class LLMEngine:
         for (s, n), at in zip(order, first_row):
             self.stats["computed_tokens"] += n
             if s.drafts:  # committed after verification, when it is known how many drafts stay
+                assert logits is not None  # a speculating row needs its logits
                 spec.append(s)
                 with self._isolated(s, failed):
                     self._verify(s, logits[at : at + n])  # (k + 1, V)
@@ -461,6 +469,7 @@ class LLMEngine:
                 ready.append(s)
                 ready_rows.append(at)
         if ready:
+            assert logits is not None  # a ready row needs its logits
             for s, result in zip(ready, self.runner.sample(ready, logits[ready_rows])):  # (R, V)
                 with self._isolated(s, failed):
                     if isinstance(result, Exception):

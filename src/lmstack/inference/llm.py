@@ -1,6 +1,6 @@
 """``LLM``: offline batch inference over one ``LLMEngine`` (vLLM's ``LLM.generate`` shape).
 
-Seed 001 "推理流程": the prompts are checked and queued together, then the engine is stepped until
+CS336 notes "推理流程": the prompts are checked and queued together, then the engine is stepped until
 each of this call's requests has finished; outputs come back in prompt order.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import cast
 
 import torch
 
@@ -78,13 +79,15 @@ class LLM:
                 if isinstance(dtype, torch.dtype)
                 else dtype
             )
-            weight_format(name or "fp32", quant)  # names both values when they conflict
+            weight_format(
+                cast(str, name or "fp32"), quant
+            )  # a non-float torch dtype: refused there  # names both values when they conflict
             name = quant or name
             if configured and runtime.dtype not in ("fp32", name):
                 raise ValueError(
                     f"dtype/quant={name!r} and runtime.dtype={runtime.dtype!r} disagree; set one"
                 )
-            runtime = replace(runtime, dtype=name)
+            runtime = replace(runtime, dtype=cast(str, name))
         if dtype != AUTO:
             model, tokenizer = load_for_inference(model, tokenizer, runtime.dtype, device)
         # the backends, resolved once here; without ``runtime`` a model passed in keeps its own
@@ -152,7 +155,7 @@ class LLM:
         if failed:
             raise GenerationError(
                 f"{len(failed)} of {len(outputs)} requests failed (the others finished, see "
-                f".outputs): " + "; ".join(o.error for o in failed[:3]),
+                f".outputs): " + "; ".join(str(o.error) for o in failed[:3]),
                 outputs,
             )
         return outputs

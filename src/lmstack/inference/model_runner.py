@@ -1,7 +1,7 @@
 """The model runner: one forward for one iteration, then the tokens it yields.
 
-Seed 000 §2.2 (Orca's selective batching), §2.3 (speculative verification), §2.6 (sampling);
-seed 001 "推理流程". The scheduled sequences' new tokens — decode tokens first, then prefill
+Book of LLMs §2.2 (Orca's selective batching), §2.3 (speculative verification), §2.6 (sampling);
+CS336 notes "推理流程". The scheduled sequences' new tokens — decode tokens first, then prefill
 chunks and speculative drafts — are flattened into one (1, T) row without padding, with
 per-token positions and sequence ids; the cache's batch object gives the attention seam its
 slots and key metadata from the block tables. Only the rows that need a next token go through
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lmstack.inference.decode_step import DecodeStep
-from lmstack.inference.paged import PagedKVCache
+from lmstack.inference.paged import PackedPagedBatch, PagedKVCache
 from lmstack.inference.sampling import (
     NonFiniteLogitsError,
     bad_logit_rows,
@@ -26,7 +26,7 @@ from lmstack.inference.sampling import (
 )
 from lmstack.inference.sequence import Sequence
 from lmstack.inference.speculative import verify_drafts
-from lmstack.inference.state_pool import StatePool
+from lmstack.inference.state_pool import RecurrentBatch, StatePool
 
 
 class ModelRunner:
@@ -59,7 +59,7 @@ class ModelRunner:
             n == 1 and not s.drafts and s.num_computed + 1 == len(s.all_ids) for s, n in order
         ):
             blocks = self.cache.blocks
-            logits = self.decode.forward(
+            logits: Tensor | None = self.decode.forward(
                 [s.all_ids[-1] for s, _ in order],
                 [s.num_computed for s, _ in order],
                 [
@@ -69,6 +69,7 @@ class ModelRunner:
             )
             return logits, list(range(len(order)))
         rows = [(s.request_id, s.num_computed, n) for s, n in order]
+        batch: PackedPagedBatch | RecurrentBatch
         batch, positions, seq_ids = self.cache.packed_batch(rows, selective=self.selective)
         if self.states is not None:  # recurrent layers read their sequences' states from the pool
             batch = self.states.batch(batch, rows)
@@ -110,6 +111,7 @@ class ModelRunner:
         """Fill ``s.prompt_logprobs[j + 1]`` = (log p(prompt[j + 1] | prompt[:j + 1]), top n) from the hidden
         states (n, D) of the chunk fed at positions ``num_computed ..``; by index, so a recomputation (after
         preemption, or a forward rerun one sequence at a time) writes the same values again."""
+        assert s.prompt_logprobs is not None and s.params.prompt_logprobs is not None  # asked for
         j0 = s.num_computed
         m = min(
             len(hidden), s.num_prompt - 1 - j0
@@ -152,6 +154,7 @@ class ModelRunner:
                 if logits_cpu is None and (i not in greedy_set or s.logprobs is not None):
                     logits_cpu = logits.float().cpu()
                 if i not in greedy_set:
+                    assert logits_cpu is not None  # made above for every sampled row
                     tokens[i] = sample_token(
                         logits_cpu[i],
                         s.params,
@@ -159,11 +162,10 @@ class ModelRunner:
                         s.all_ids,
                         s.output_ids,
                     )
-                lp = (
-                    token_logprobs(logits_cpu[i], tokens[i], s.params.logprobs)
-                    if s.logprobs is not None
-                    else None
-                )
+                lp = None
+                if s.logprobs is not None:
+                    assert logits_cpu is not None and s.params.logprobs is not None  # asked for
+                    lp = token_logprobs(logits_cpu[i], tokens[i], s.params.logprobs)
                 out.append((tokens[i], lp))
             except Exception as e:  # noqa: BLE001 — one row's failure is that request's alone
                 out.append(e)
@@ -184,6 +186,7 @@ class ModelRunner:
         )
         if seq.logprobs is None:
             return [(t, None) for t in emitted]
+        assert seq.params.logprobs is not None  # seq.logprobs is a list when they were asked for
         return [
             (t, token_logprobs(logits_cpu[i], t, seq.params.logprobs))
             for i, t in enumerate(emitted)

@@ -1,13 +1,13 @@
-"""Paged KV storage and the batches that attend over it (seed 001 "动态负载", vLLM PagedAttention).
+"""Paged KV storage and the batches that attend over it (CS336 notes "动态负载", vLLM PagedAttention).
 
 Storage is two tensors (L, num_blocks, bs, K, H): KV bytes = 2·P·(num_blocks·bs)·L·K·H, the
-accounting formula (seed 001 "性能指标分析") with B·S = num_blocks·bs. Which block holds what is
+accounting formula (CS336 notes "性能指标分析") with B·S = num_blocks·bs. Which block holds what is
 the ``BlockManager``'s business (``cache.blocks``); this module moves K/V and builds one forward's
 view of the pool. A batch object plugs into the attention seam (``lmstack.model.seam``): its
 ``attend`` scatters this step's K/V into their slots, gathers each sequence's blocks with their
 positions (−1 = empty) and calls the model's attention implementation on them.
 
-Quantised blocks (``dtype="int8"`` or ``"fp8"``, seed 001 "低精度计算"): the pool holds 1-byte codes plus one
+Quantised blocks (``dtype="int8"`` or ``"fp8"``, CS336 notes "低精度计算"): the pool holds 1-byte codes plus one
 float32 scale per (layer, block, KV head) for K and for V, over the block's filled bs × H values, through the one
 KV codec ``quant.kv_codec`` (int8 s = max|x|/127; fp8 e4m3 s = 2^⌈log2(max|x|/448)⌉, and why).
 KV bytes = 2·1·NB·bs·L·K·H + 2·4·NB·L·K (``kv_pool_bytes``).
@@ -27,6 +27,7 @@ for 1-byte blocks, ``LATENT`` for an MLA pool.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -59,8 +60,9 @@ def kv_pool_bytes(
     L = len(kv_layers(config))
     elements = kv_layer_elements(config, 1, num_blocks * block_size) * L
     if isinstance(dtype, str) and dtype in KV_FORMATS:
+        assert config.n_kv_heads is not None  # resolved by ModelConfig.__post_init__
         return elements + 2 * num_blocks * L * config.n_kv_heads * SCALE_BYTES
-    return elements * torch.empty(0, dtype=dtype).element_size()
+    return elements * torch.empty(0, dtype=cast(torch.dtype, dtype)).element_size()
 
 
 def _raw(t: Tensor) -> Tensor:
@@ -87,6 +89,9 @@ class PagedKVCache:
         self.row = {
             layer: r for r, layer in enumerate(layers)
         }  # model layer -> its row of the pool
+        assert (
+            config.n_kv_heads is not None and config.head_dim is not None
+        )  # resolved by ModelConfig.__post_init__
         shape = (
             len(layers),
             num_blocks,
@@ -125,6 +130,7 @@ class PagedKVCache:
             )  # (L, NB, K)
             self.v_scale = torch.zeros_like(self.k_scale)
             return
+        assert not isinstance(dtype, str)  # a str dtype is a quantised pool (above)
         if self.stores_latent:
             shape = (
                 len(layers),
@@ -187,6 +193,7 @@ class PagedKVCache:
                 vc.index_copy_(0, slots, v.to(vc.dtype))
             return
         self._write_quantised(self.k[layer_idx], self.k_scale[layer_idx], slots, k)
+        assert v is not None  # a quantised pool stores V (never the MLA latent)
         self._write_quantised(self.v[layer_idx], self.v_scale[layer_idx], slots, v)
 
     def _write_quantised(self, codes: Tensor, scale: Tensor, slots: Tensor, x: Tensor) -> None:
@@ -210,6 +217,7 @@ class PagedKVCache:
             torch.arange(bs, device=slots.device)[None] <= hi[:, None]
         )  # (U, bs): offsets 0..hi hold tokens
         amax = (vals.abs().amax(dim=-1) * filled[..., None]).amax(dim=1)  # (U, K)
+        assert self.quant is not None  # called for quantised pools only
         s_new = scale_for(amax, self.quant)  # fp8: a power of two, growing it re-rounds nothing
         s = torch.where((lo == 0)[:, None], s_new, torch.maximum(s_old, s_new))  # (U, K)
         q = encode(vals, s[:, None, :, None], self.quant)
@@ -270,7 +278,7 @@ class PagedKVCache:
         self, rows: Sequence[tuple[Hashable, int, int]], selective: bool = True
     ) -> tuple[PackedPagedBatch, Tensor, Tensor]:
         """One flattened forward for rows (seq_id, start, n): every row's tokens side by side in one
-        (1, T) row, T = Σ n, no padding (Orca's selective batching, seed 000 §2.2).
+        (1, T) row, T = Σ n, no padding (Orca's selective batching, Book of LLMs §2.2 “batching and packing”).
 
         Returns the seam object, positions (1, T) and sequence ids (1, T) (the row index of each
         token, for the model's ``document_ids``). ``selective=True`` gives a ``SelectivePagedBatch``
@@ -330,7 +338,7 @@ class PackedPagedBatch:
         self.keys = keys
         device = cache.k.device
         self.lengths = [n for _, _, n in rows]
-        self._flat = (
+        self._flat: tuple[Tensor, Tensor, Tensor] | None = (
             None  # (gather (S,), key positions (1, S), key sequence ids (1, S)), built on first use
         )
         # Segments for grouped attention: runs of single-token rows batched together, longer rows alone.

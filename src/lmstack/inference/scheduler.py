@@ -1,5 +1,5 @@
 """The scheduler: which sequences run in the next iteration, with how many tokens, and what
-happens to them afterwards (seed 000 §2.2 token-budget batching; seed 001 "动态负载", Orca
+happens to them afterwards (Book of LLMs §2.2 “batching and packing” token-budget batching; CS336 notes "动态负载", Orca
 iteration-level scheduling, vLLM preemption by recomputation).
 
 ``schedule`` fills a token budget (``max_num_batched_tokens``): running sequences first (a decode
@@ -162,6 +162,7 @@ class Scheduler:
                 items.append((seq, room))
                 budget -= room
         if items:
+            assert self.speculator is not None  # items are only gathered for a speculator
             self.speculator.propose_batch(items)
 
     @staticmethod
@@ -207,6 +208,7 @@ class Scheduler:
             seq.first_token_time = now
         seq.token_times.append(now)
         if logprobs is not None:
+            assert seq.logprobs is not None  # logprobs are computed for a request that asked
             seq.logprobs.append(logprobs)
         reason = token_stop(token, seq.num_output, seq.params, self.eos_token_id)
         if reason is None and len(seq.all_ids) >= self.max_model_len:

@@ -1,6 +1,6 @@
 """Speculative decoding: a cheap proposer guesses k tokens, the target checks them in one pass.
 
-Seed 000 §2.3 and seed 001 "无损提速". The target p scores the k drafted tokens x_1..x_k in a
+Book of LLMs §2.3 “speculative decoding” and CS336 notes "无损提速". The target p scores the k drafted tokens x_1..x_k in a
 single forward (a prefill of k+1 tokens, about as cheap as one decode step when decoding is
 memory-bound). Each x_i is accepted with probability min(1, p(x_i)/q(x_i)); at the first
 rejection the remaining drafts are discarded and a token is drawn from
@@ -15,7 +15,7 @@ Proposers:
 - prompt lookup (n-gram): find the most recent earlier occurrence of the last n tokens and
   propose what followed it; q is one-hot on the proposal, so acceptance is p(x).
 
-The expected acceptance rate is α = Σ_x min(p(x), q(x)) (seed 001); ``SpeculativeStats``
+The expected acceptance rate is α = Σ_x min(p(x), q(x)) (CS336 notes); ``SpeculativeStats``
 reports the measured rate and the tokens produced per target forward.
 """
 
@@ -32,7 +32,7 @@ from lmstack.inference.sampling import SamplingParams, as_integer, check_logits,
 from lmstack.model.transformer import Transformer
 
 
-def truncated_draft(model: nn.Module, n_layers: int) -> nn.Module:
+def truncated_draft(model: Transformer, n_layers: int) -> Transformer:
     """A draft that is the target's first ``n_layers`` blocks + its final norm and unembedding.
 
     The weights are shared (no copy); the draft is a Transformer of its own config.
@@ -66,7 +66,7 @@ def ngram_propose(tokens: Sequence[int], k: int, max_n: int = 3, min_n: int = 1)
 def rejection_sample(
     p: Tensor, q: Tensor, draft: Sequence[int], generator: torch.Generator | None = None
 ) -> tuple[list[int], int]:
-    """Seed 000 §2.3 accept/reject. p (k+1, V) target, q (k, V) proposer, draft: k token ids.
+    """Book of LLMs §2.3 “speculative decoding” accept/reject. p (k+1, V) target, q (k, V) proposer, draft: k token ids.
 
     Returns (emitted tokens, number of accepted drafts): the accepted drafts followed by one
     token — the residual sample at the first rejection, or the bonus token from p[k].
@@ -202,13 +202,13 @@ class DraftModel:
     """Draft-model speculation: a smaller model q (or ``truncated_draft``) samples k drafts with the
     request's ``SamplingParams``, keeping its own KV cache, rolled back to what the target kept."""
 
-    def __init__(self, draft: nn.Module, num_speculative_tokens: int = 4):
+    def __init__(self, draft: Transformer, num_speculative_tokens: int = 4):
         if as_integer("num_speculative_tokens", num_speculative_tokens) < 1:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
         self.model, self.k = draft, num_speculative_tokens
         self.stats = SpeculativeStats()
 
-    def start(self, target: nn.Module, max_seq_len: int) -> None:
+    def start(self, target: Transformer, max_seq_len: int) -> None:
         if self.model.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft vocab_size={self.model.config.vocab_size} != target vocab_size="

@@ -1,6 +1,6 @@
 """The recurrent-state pool: per-sequence states of a hybrid model's recurrent layers, next to the paged KV blocks.
 
-Seed 001 "注意力机制" (linear attention, Mamba-2 and Gated DeltaNet keep an O(1) state per sequence — the
+CS336 notes "注意力机制" (linear attention, Mamba-2 and Gated DeltaNet keep an O(1) state per sequence — the
 matrix S plus the short convolution's last K_c − 1 inputs — instead of K/V that grow with S) and "动态负载"
 (a sequence enters on admission and leaves on finish, abort or preemption). The pool holds, for every
 recurrent layer, tensors (num_slots, ...) shaped like the mixer's own state; a sequence gets one slot when the
@@ -19,12 +19,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from lmstack.model.cache import Ability
 from lmstack.model.recurrent import RecurrentMixer
+
+if TYPE_CHECKING:
+    from lmstack.model.transformer import Transformer
 
 
 class NoFreeSlots(RuntimeError):
@@ -45,7 +49,7 @@ class StatePool:
     """``num_slots`` slots of every recurrent layer's state (conv inputs in the model dtype, S in fp32 — each
     tensor as the mixer returns it); ``slot_of[seq_id]`` is a running sequence's slot."""
 
-    def __init__(self, model: nn.Module, num_slots: int):
+    def __init__(self, model: Transformer, num_slots: int):
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(
                 f"num_state_slots={num_slots!r} must be an integer >= 1 (the sequences that can hold "
@@ -160,7 +164,9 @@ class RecurrentBatch:
                 len(idx) > 1 or self.rows[idx[0]][2] == 1
             ):  # single-token rows: one batched recurrent step
                 slots = torch.tensor([self.slots[i] for i in idx], device=x.device)
-                state = tuple(t.index_select(0, slots) for t in stored)  # (R, ...)
+                state: tuple[Tensor, ...] | None = tuple(
+                    t.index_select(0, slots) for t in stored
+                )  # (R, ...)
                 y, new = mix(x[0, t0:t1, None], state)  # (R, 1, D)
                 outs.append(y[:, 0][None])
             else:  # one prefill chunk: from its stored state, or from zeros at the prompt's start

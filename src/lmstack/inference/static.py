@@ -1,6 +1,6 @@
 """The fast batch-1 decode path: a static KV cache and a decode step compiled once.
 
-Seed 000 §2.4 (KV cache), seed 001 "推理流程" (decode is one token per step and memory-bound:
+Book of LLMs §2.4 (KV cache), CS336 notes "推理流程" (decode is one token per step and memory-bound:
 the weights are read once per token, everything else is overhead). ``StaticKVCache`` has fixed
 shapes (B, K, S_max, H) per layer and writes with ``index_copy_`` at tensor positions, so a decode
 step never reads a value back to the host and never changes shape; ``torch.compile`` can then
@@ -14,11 +14,15 @@ from __future__ import annotations
 import functools
 import types
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lmstack.inference.kv_cache import StaticKVCache
+
+if TYPE_CHECKING:
+    from lmstack.inference.decode_step import DecodeStep
 
 # Inductor options for the decode step: a C++ wrapper calls the ~200 kernels of one step instead of
 # Python, and no per-call shape asserts (shapes are static). Measured on SmolLM2-135M int4, one CPU
@@ -183,7 +187,7 @@ class _Inductor:
     for the life of the process, so this holds the decoder only weakly (the decoder, its model and cache
     are freed with the last other reference)."""
 
-    def __init__(self, decoder: StaticDecoder, options: dict):
+    def __init__(self, decoder: StaticDecoder | DecodeStep, options: dict):
         self.decoder, self.options = weakref.ref(decoder), options
 
     def __call__(self, gm, example_inputs):

@@ -1,7 +1,7 @@
 """The registry of attention / RMSNorm implementations, and the one ``auto`` policy.
 
-Seed 000 §2.7 (FlashAttention is exact, so every backend computes the same function),
-seed 001 "优化技巧" (fusion, tiling). Backends:
+Book of LLMs §2.7 (FlashAttention is exact, so every backend computes the same function),
+CS336 notes "优化技巧" (fusion, tiling). Backends:
 
 attention  ``sdpa``           F.scaled_dot_product_attention (on CUDA its FlashAttention-2 kernel)
            ``reference``      softmax(QKᵀ/√H + mask) V, materialising the (T, S) matrix
@@ -90,7 +90,7 @@ class MatmulAttentionImpl:
 
 
 class FlashAttentionImpl:
-    """FlashAttention-2 (seed 000 §2.7), tiled PyTorch or Triton, for the plain causal case; a call
+    """FlashAttention-2 (Book of LLMs §2.7 “FlashAttention tiling”), tiled PyTorch or Triton, for the plain causal case; a call
     whose metadata needs an explicit mask (KV-cache slots, window, packed documents) runs sdpa."""
 
     def __init__(self, name: str):
@@ -241,7 +241,7 @@ def resolve_norm_backend(name: str, x: Tensor) -> str:
 
 
 def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm (seed 000 §1.10) through the fused Triton kernel (imports Triton on first use)."""
+    """RMSNorm (Book of LLMs §1.10 “RMSNorm”) through the fused Triton kernel (imports Triton on first use)."""
     from lmstack.kernels.triton_rmsnorm import rmsnorm_triton
 
     return rmsnorm_triton(x, weight, eps)

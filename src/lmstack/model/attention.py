@@ -1,8 +1,8 @@
 """Causal self-attention with MHA / GQA / MQA, sliding window, QK-norm and q/k/v bias.
 
-Seed 000 §1.2 (projections, reshape to heads, GQA expansion, RoPE, scaled scores, causal mask,
+Book of LLMs §1.2 (projections, reshape to heads, GQA expansion, RoPE, scaled scores, causal mask,
 softmax, output projection), §1.3 (masked_fill with True = may attend), §1.9 (sliding window);
-seed 001 "注意力机制", "训练稳定性" (QK-norm).
+CS336 notes "注意力机制", "训练稳定性" (QK-norm).
 
 ``Attention`` computes q, k, v and hands them to one implementation through the seam
 (``lmstack.model.seam``): ``impl(q, k, v, meta)``, or ``meta.cache.attend(layer, q, k, v, meta, impl)``
@@ -11,6 +11,8 @@ with a KV cache. Which implementation runs is set once by whoever builds the mod
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -41,12 +43,15 @@ class Attention(nn.Module):
     ):
         super().__init__()
         c = config
+        assert (
+            c.head_dim is not None and c.n_kv_heads is not None
+        )  # resolved by ModelConfig.__post_init__
         self.layer_idx = layer_idx
         self.head_dim = (
             c.head_dim
         )  # H; N and K are read from the projections (a tp shard holds N/tp, K/tp)
         self.impl: AttentionImpl = DEFAULT_ATTENTION  # set by Transformer.set_attention
-        kw = dict(device=device, dtype=dtype)
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.q_proj = Linear(
             c.d_model, c.n_heads * c.head_dim, bias=c.qkv_bias, **kw
         )  # W_Q (N·H, D)
@@ -57,6 +62,8 @@ class Attention(nn.Module):
             c.d_model, c.n_kv_heads * c.head_dim, bias=c.qkv_bias, **kw
         )  # W_V (K·H, D)
         self.o_proj = Linear(c.n_heads * c.head_dim, c.d_model, bias=False, **kw)  # W_O (D, N·H)
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.norm_eps, **kw)
             self.k_norm = RMSNorm(c.head_dim, c.norm_eps, **kw)
@@ -98,7 +105,7 @@ class Attention(nn.Module):
             q = self.q_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, N, T, H)
             k = self.k_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, K, T, H)
             v = self.v_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, K, T, H)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # set together
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 

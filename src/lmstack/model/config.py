@@ -1,11 +1,11 @@
 """ModelConfig: the hyper-parameters of a Llama-family decoder-only Transformer, and presets.
 
-Seed 000 §1.1 names the symbols used throughout lmstack:
+Book of LLMs §1.1 “architecture and symbols” names the symbols used throughout lmstack:
 B batch, L layers (``n_layers``), S context length, T new tokens, V vocab (``vocab_size``),
 D model dim (``d_model``), H head dim (``head_dim``), N query heads (``n_heads``),
 K kv heads (``n_kv_heads``), G = N // K, F MLP hidden dim (``d_ff``).
 
-Seed 001 "超参数选择" discusses the usual choices (F ≈ 8/3·D for gated FFNs, D = N·H,
+CS336 notes "超参数选择" discusses the usual choices (F ≈ 8/3·D for gated FFNs, D = N·H,
 D / L ≈ 128); they are conventions, not rules, so only what the maths needs is enforced.
 """
 
@@ -321,7 +321,7 @@ class VariantConfig:
     """Variants of the block and of softmax attention (QK-norm, soft-capping, output gate, partial RoPE,
     sandwich norms, ...; model/variants.py, model/olmoe.py); the defaults are the Llama block, unchanged."""
 
-    qk_norm: bool = False  # RMSNorm over H on q and k before RoPE (seed 001 "训练稳定性")
+    qk_norm: bool = False  # RMSNorm over H on q and k before RoPE (CS336 notes "训练稳定性")
     qk_norm_full: bool = (
         False  # OLMoE: RMSNorm over all N·H query / K·H key features (not per head)
     )
@@ -583,6 +583,7 @@ class ModelConfig(VariantConfig, MLAConfig, MoEConfig, MixerConfig, DecoderConfi
     @property
     def group_size(self) -> int:
         """G = N // K: query heads served by one kv head."""
+        assert self.n_kv_heads is not None  # resolved by __post_init__
         return self.n_heads // self.n_kv_heads
 
     # ---- the field groups as typed objects --------------------------------------------------

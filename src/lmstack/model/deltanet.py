@@ -1,6 +1,6 @@
 """Gated DeltaNet: the delta rule with a data-dependent decay (Yang, Kautz & Hatamizadeh 2025).
 
-Seed 001 "注意力机制": S_t = γ_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ, y_t = S_tᵀ q_t — each token
+CS336 notes "注意力机制": S_t = γ_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ, y_t = S_tᵀ q_t — each token
 first erases what the memory stored under k_t (by β_t), then writes v_t; γ_t forgets globally.
 Layout as in Qwen3.5 / Qwen3-Next's linear-attention layers (HF ``Qwen3_5GatedDeltaNet``, whose parameter
 names these are): projections in_proj_qkv, in_proj_z (output gate), in_proj_b (β = sigmoid),
@@ -12,6 +12,8 @@ Decode state per layer: the conv's last K − 1 inputs and S (B, n_v, H_k, H_v).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +41,8 @@ class GatedDeltaNet(RecurrentMixer):
     ):
         super().__init__()
         c = config
-        kw = dict(device=device, dtype=dtype)
+        assert c.head_dim is not None  # resolved by ModelConfig.__post_init__
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.layer_idx, self.chunk_size, self.eps = layer_idx, c.mixer_chunk_size, c.norm_eps
         self.n_k = c.delta_n_heads or c.n_heads
         self.n_v = c.delta_n_v_heads or self.n_k

@@ -1,6 +1,6 @@
 """DSA: DeepSeek sparse attention — a light indexer picks, for each query, the top-k past keys to attend to.
 
-Seed 001 "注意力机制" (DeepSeek-V3.2's DSA), seed 000 §1.9 (sparse attention). The lightning indexer
+CS336 notes "注意力机制" (DeepSeek-V3.2's DSA), Book of LLMs §1.9 (sparse attention). The lightning indexer
 scores every past token s for query t with a few small heads j:
 
     I_{t,s} = Σ_j w_{t,j} · ReLU(q^I_{t,j} · k^I_s)         q^I (B, T, n_I, H_I), k^I (B, S, H_I), w (B, T, n_I)
@@ -25,6 +25,7 @@ for the trainer). Freezing the rest of the model during the warm-up, as V3.2 doe
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +110,7 @@ class SparseAttention(Attention):
         dtype: torch.dtype | None = None,
     ):
         super().__init__(config, layer_idx, rope, device=device, dtype=dtype)
-        kw = dict(device=device, dtype=dtype)
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.top_k, self.n_idx, self.h_idx = (
             config.dsa_top_k,
             config.dsa_index_heads,

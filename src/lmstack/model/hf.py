@@ -239,7 +239,7 @@ def _check_safetensors_header(path: Path) -> None:
     if not isinstance(header, dict):
         raise WeightsError(f"the safetensors header is {type(header).__name__}; expected an object")
     ends = {k: _st_tensor_end(k, v) for k, v in header.items() if k != "__metadata__"}
-    last = max(ends, key=ends.get, default=None)
+    last = max(ends, key=lambda k: ends[k], default=None)
     if last is not None and 8 + n + ends[last] > size:
         raise WeightsError(
             f"truncated at byte {size}, expected {8 + n + ends[last]} (the data of tensor {last!r})"

@@ -1,6 +1,6 @@
 """Linear attention: softmax(QKᵀ)V replaced by φ(Q)(φ(K)ᵀV), with an optional normaliser.
 
-Seed 001 "注意力机制": the batch form Q(KᵀV) costs O(S·H²) instead of O(S²·H), and the same
+CS336 notes "注意力机制": the batch form Q(KᵀV) costs O(S·H²) instead of O(S²·H), and the same
 computation is the recurrence S_t = S_{t−1} + φ(k_t) v_tᵀ, y_t = φ(q_t)ᵀ S_t — a constant-size state
 for decode. Normalised (``linear_normalize``, Katharopoulos et al. 2020) it divides by φ(q_t)·Σ_{j≤t} φ(k_j),
 carried as one extra value column of ones, so the state is (N, H, H + 1).
@@ -8,6 +8,8 @@ Forms: ``model.linear_scan.decay_chunked`` (training/prefill), ``decay_recurrent
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,8 @@ class LinearAttention(RecurrentMixer):
     ):
         super().__init__()
         c = config
-        kw = dict(device=device, dtype=dtype)
+        assert c.head_dim is not None  # resolved by ModelConfig.__post_init__
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.layer_idx, self.head_dim, self.chunk_size = layer_idx, c.head_dim, c.mixer_chunk_size
         self.feature_map, self.normalize, self.eps = c.linear_feature_map, c.linear_normalize, 1e-6
         self.q_proj = Linear(c.d_model, c.n_heads * c.head_dim, **kw)  # (N·H, D)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:  # only annotations: model.config reads LAYER_TYPES from here
     from lmstack.model.config import ModelConfig
@@ -94,6 +94,7 @@ def _mamba2_sizes(c: ModelConfig) -> dict[str, int]:
 def _delta_sizes(c: ModelConfig) -> dict[str, int]:
     n_k = c.delta_n_heads or c.n_heads
     n_v = c.delta_n_v_heads or n_k
+    assert c.head_dim is not None  # resolved by ModelConfig.__post_init__
     h_k = c.delta_head_dim or c.head_dim
     h_v = c.delta_v_head_dim or h_k
     return dict(
@@ -106,6 +107,7 @@ def attention_params(c: ModelConfig) -> int:
     """W_Q (N·H, D), W_K and W_V (K·H, D), W_O (D, N·H) = D·N·H + 2·D·K·H + N·H·D (book: 参数量); q/k/v biases
     N·H + 2·K·H with ``qkv_bias``; the output gate's half of q_proj D·N·H with ``attn_output_gate``."""
     D, N, K, H = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
+    assert K is not None and H is not None  # resolved by ModelConfig.__post_init__
     p = D * N * H + 2 * D * K * H + N * H * D
     if c.qkv_bias:
         p += N * H + 2 * K * H + (N * H if c.attn_output_gate else 0)
@@ -114,6 +116,9 @@ def attention_params(c: ModelConfig) -> int:
 
 def attention_norm_params(c: ModelConfig) -> int:
     """QK-norm gammas: H each for q and k (per head), or (N + K)·H over whole projections (OLMoE)."""
+    assert (
+        c.head_dim is not None and c.n_kv_heads is not None
+    )  # resolved by ModelConfig.__post_init__
     if c.qk_norm_full:
         return (c.n_heads + c.n_kv_heads) * c.head_dim
     return 2 * c.head_dim if c.qk_norm else 0
@@ -169,6 +174,7 @@ def attended_keys(S: int, window: int | None) -> int:
 
 def _proj_flops(c: ModelConfig, B: int, T: int) -> int:
     D, N, K, H = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
+    assert K is not None and H is not None  # resolved by ModelConfig.__post_init__
     gate = D * N * H if c.attn_output_gate else 0
     return (
         2 * B * T * (2 * D * N * H + 2 * D * K * H + gate)
@@ -360,7 +366,7 @@ SPECS: dict[str, MixerSpec] = {
             "linear attention",
             "state",
             softmax=False,
-            params=lambda c: 4 * c.d_model * c.n_heads * c.head_dim,
+            params=lambda c: 4 * c.d_model * c.n_heads * cast(int, c.head_dim),
             norm_params=_none,
             flops=_linear_flops,
             cache_bytes=_linear_bytes,

@@ -1,8 +1,8 @@
 """Per-layer token mixers beyond global softmax attention, and the cache that serves them.
 
-Seed 001 "注意力机制" (linear attention, Mamba-2, Gated DeltaNet, 3:1 linear:full hybrids, DSA),
+CS336 notes "注意力机制" (linear attention, Mamba-2, Gated DeltaNet, 3:1 linear:full hybrids, DSA),
 "推理时注意力开销" (grouped sliding window: local layers with one global layer in a group);
-seed 000 §1.9 (sliding window), §2.5 (local attention shrinks the KV cache).
+Book of LLMs §1.9 (sliding window), §2.5 (local attention shrinks the KV cache).
 
 ``build_mixer(config, layer_idx, rope)`` is what ``transformer.token_mixer`` calls: it reads the layer's kind
 (``mixer_spec.layer_kinds``: ``config.mixer_types``, MLA for an MLA model's attention layers) and builds
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -65,7 +66,7 @@ def softmax_attention(
 
 
 #: kind -> builder ``(config, layer_idx, rope, device=, dtype=) -> module``; the kinds are ``mixer_spec.SPECS``'
-MODULES = {
+MODULES: dict[str, Callable[..., nn.Module]] = {
     "attention": softmax_attention,
     "local_attention": lambda c, i, rope, **kw: softmax_attention(c, i, rope, local=True, **kw),
     "mla": lambda c, i, rope, **kw: MLA(c, i, **kw),  # multi-head latent attention (DeepSeek-V2/V3)

@@ -1,7 +1,7 @@
 """Multi-head latent attention (DeepSeek-V2/V3): one compressed KV latent per token.
 
-Seed 001 "有损提速" (MLA: every head's keys and values are up-projections of one compressed vector, and
-the per-head up-projections can be absorbed into the query and the output), seed 000 §2.5 (KV size:
+CS336 notes "有损提速" (MLA: every head's keys and values are up-projections of one compressed vector, and
+the per-head up-projections can be absorbed into the query and the output), Book of LLMs §2.5 (KV size:
 MHA 2·N·H, GQA 2·K·H, MLA d_c + d_R numbers per token and layer).
 
 Symbols: N heads, d_c = ``kv_lora_rank`` (the latent), d_c' = ``q_lora_rank``, H_n = ``qk_nope_head_dim``,
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -61,7 +62,7 @@ class MLA(nn.Module):
         self.h_nope, self.d_rope, self.h_v = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.h_qk = self.h_nope + self.d_rope
         self.impl: AttentionImpl = DEFAULT_ATTENTION
-        kw = dict(device=device, dtype=dtype)
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         N = c.n_heads
         if self.d_cq:
             self.q_a_proj = Linear(c.d_model, self.d_cq, **kw)  # W_DQ (d_c', D)
@@ -79,6 +80,7 @@ class MLA(nn.Module):
             self.d_c, N * (self.h_nope + self.h_v), **kw
         )  # [W_UK; W_UV] per head
         self.o_proj = Linear(N * self.h_v, c.d_model, **kw)  # W_O (D, N·H_v)
+        self.rope: RotaryEmbedding
         if c.rope_yarn is not None:
             self.rope = YarnRotaryEmbedding(
                 self.d_rope, c.max_seq_len, c.rope_theta, c.rope_layout, c.rope_yarn
@@ -245,7 +247,7 @@ class FoldHeads:
         tile = lambda t: None if t is None else t.repeat(N) if t.dim() == 1 else t.repeat(1, N)
         folded = dataclasses.replace(
             meta,
-            positions=tile(meta.positions),
+            positions=cast(Tensor, tile(meta.positions)),
             document_ids=tile(meta.document_ids),
             is_causal=False,
             cache=None,
@@ -258,4 +260,7 @@ def kv_bytes_per_token(config: ModelConfig, bytes_per_value: int = 2) -> int:
     """KV-cache bytes one token costs over all layers: MLA (d_c + d_R)·L·bytes; otherwise 2·K·H·L·bytes."""
     if config.is_mla:
         return (config.kv_lora_rank + config.qk_rope_head_dim) * config.n_layers * bytes_per_value
+    assert (
+        config.n_kv_heads is not None and config.head_dim is not None
+    )  # resolved by ModelConfig.__post_init__
     return 2 * config.n_kv_heads * config.head_dim * config.n_layers * bytes_per_value

@@ -1,6 +1,6 @@
 """Mixture-of-experts feed-forward: a router picks k of E expert SwiGLUs per token.
 
-Seed 001 "MoE": the top-k gate g_{i,t} = s_{i,t} if s_{i,t} ∈ TopK(s_t, k) else 0 with
+CS336 notes "MoE": the top-k gate g_{i,t} = s_{i,t} if s_{i,t} ∈ TopK(s_t, k) else 0 with
 s = Softmax(u_t · e_i), h_t = Σ_i g_{i,t} FFN_i(u_t) (+ the residual, added by the Block); shared
 experts plus fine-grained routed experts (DeepSeekMoE; the routed/active/shared table); hash
 routing as the baseline; the balance loss α·N·Σ f_i·P_i, its device-level variant, the router
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -100,7 +101,7 @@ HASH_MULT, HASH_STEP, HASH_PRIME = (
 
 
 def hash_route(token_ids: Tensor, n_experts: int, k: int = 1, seed: int = 0) -> Routing:
-    """Hash routing (seed 001 "MoE", the baseline): token id t goes to the k experts
+    """Hash routing (CS336 notes "MoE", the baseline): token id t goes to the k experts
     e_j = ((t·HASH_MULT + j·HASH_STEP + seed) mod HASH_PRIME) mod E, j = 0..k−1, each with gate 1/k;
     no parameters, a fixed function of the token (the same in training, prefill and decode), balanced
     in expectation over distinct tokens (skewed only as much as the token frequencies are)."""
@@ -150,7 +151,7 @@ def device_balance_loss(
 
 
 def z_loss(logits: Tensor) -> Tensor:
-    """Router z-loss / β (ST-MoE; seed 001 "训练稳定性"): mean over tokens of logsumexp(logits)²."""
+    """Router z-loss / β (ST-MoE; CS336 notes "训练稳定性"): mean over tokens of logsumexp(logits)²."""
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
 
 
@@ -272,7 +273,7 @@ class MoE(nn.Module):
             n_devices,
             z_loss_coef,
         )
-        kw = dict(device=device, dtype=dtype)
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.router = Router(d_model, n_experts, aux_free_bias, **kw)
         self.gate_proj = ExpertWeights(
             n_experts, d_model, d_ff, **kw
@@ -398,7 +399,7 @@ class MoE(nn.Module):
         if self.router.bias is None:
             raise ValueError("update_bias needs a MoE built with aux_free_bias=True")
         load = load.float()
-        self.router.bias += rate * torch.sign(load.mean() - load)
+        self.router.bias.add_(rate * torch.sign(load.mean() - load))
 
     def extra_repr(self) -> str:
         return (
@@ -437,11 +438,12 @@ def moe_from_config(c, device: torch.device | None = None, dtype: torch.dtype | 
     )
 
 
-def moe_modules(model: nn.Module) -> list[nn.Module]:
+def moe_modules(model: nn.Module) -> list[MoE]:
     """The model's MoE layers: ``MoE`` and wrappers of one (``is_expert_parallel``, lmstack.parallel.expert)."""
-    return [
+    mods = [
         m for m in model.modules() if isinstance(m, MoE) or getattr(m, "is_expert_parallel", False)
     ]
+    return cast("list[MoE]", mods)  # an expert-parallel wrapper has MoE's attributes
 
 
 def moe_loss_coefs(c) -> dict[str, float]:

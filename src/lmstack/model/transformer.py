@@ -1,6 +1,6 @@
 """The decoder-only Transformer: embedding, L pre-norm blocks, final norm, unembedding.
 
-Seed 000 §1.2 (the layer-by-layer forward pass), seed 001 "模型架构" (pre-norm, no biases),
+Book of LLMs §1.2 (the layer-by-layer forward pass), CS336 notes "模型架构" (pre-norm, no biases),
 "层并行" (the GPT-J parallel block). The model knows nothing about caches, sharding or
 kernels beyond the seams it exposes: ``kv_cache`` and ``positions`` in ``forward``, and the
 attention / RMSNorm implementations set once by the builder (``set_attention``, ``set_norm``;
@@ -10,6 +10,7 @@ attention / RMSNorm implementations set once by the builder (``set_attention``, 
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint
@@ -45,7 +46,7 @@ def token_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw
 
 def channel_mixer(config: ModelConfig, layer_idx: int, **kw) -> nn.Module:
     """Layer ``layer_idx``'s feed-forward: ``(B, T, D) -> (B, T, D)``; today the dense SwiGLU
-    (seed 001 "模型架构"). Mixture-of-experts layers are chosen here from the config."""
+    (CS336 notes "模型架构"). Mixture-of-experts layers are chosen here from the config."""
     if config.is_moe_layer(layer_idx):  # mixture of experts: model.moe
         return moe_from_config(config, **kw)
     if config.ffn_act == "gelu_tanh":  # Gemma's GeGLU: model.variants
@@ -71,7 +72,7 @@ class Block(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        kw = dict(device=device, dtype=dtype)
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.parallel = config.parallel_block
         self.attn_norm = make_norm(config, config.d_model, **kw)  # γ_attn
         self.attn = token_mixer(config, layer_idx, rope, **kw)
@@ -87,6 +88,7 @@ class Block(nn.Module):
     def channel(self, h: Tensor, meta: AttentionMetadata) -> Tensor:
         """The feed-forward on h (B, T, D); one that routes on the token itself (a hash-routed MoE,
         ``reads_token_ids``) also gets the input token ids from ``meta``."""
+        assert self.ffn is not None  # called only on blocks with a feed-forward
         if getattr(self.ffn, "reads_token_ids", False):
             return self.ffn(h, token_ids=meta.token_ids)
         return self.ffn(h)
@@ -98,11 +100,13 @@ class Block(nn.Module):
             return x + self.attn(h, meta) + self.channel(h, meta)
         if self.post_attn_norm is None and self.ffn is not None:  # the Llama block
             x = x + self.attn(self.attn_norm(x), meta)
+            assert self.ffn_norm is not None  # sequential blocks with an FFN have γ_ffn
             return x + self.channel(self.ffn_norm(x), meta)
         h = self.attn(self.attn_norm(x), meta)
         x = x + (h if self.post_attn_norm is None else self.post_attn_norm(h))
         if self.ffn is None:
             return x
+        assert self.ffn_norm is not None  # sequential blocks with an FFN have γ_ffn
         h = self.channel(self.ffn_norm(x), meta)
         return x + (h if self.post_ffn_norm is None else self.post_ffn_norm(h))
 
@@ -124,8 +128,9 @@ class Transformer(nn.Module):
     ):
         super().__init__()
         self.config = config
-        kw = dict(device=device, dtype=dtype)
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.embed = Embedding(config.vocab_size, config.d_model, **kw)  # W_e (V, D)
+        assert config.head_dim is not None  # resolved by ModelConfig.__post_init__
         self.rope = RotaryEmbedding(
             config.head_dim, config.max_seq_len, config.rope_theta, config.rope_layout
         )
@@ -137,7 +142,7 @@ class Transformer(nn.Module):
         self.lm_head = (
             None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, **kw)
         )
-        # Activation checkpointing (seed 000 §1.8): recompute each block's activations in backward.
+        # Activation checkpointing (Book of LLMs §1.8 “training memory”): recompute each block's activations in backward.
         self.activation_checkpointing = False
         if self.embed.weight.device.type != "meta":
             self.init_weights(seed)
@@ -232,12 +237,12 @@ class Transformer(nn.Module):
                 f"{capped}); use one that does: 'reference' (or attn_backend='auto')"
             )
         for _, block in self._softmax_blocks():
-            block.attn.impl = impl
+            cast(Attention, block.attn).impl = impl  # every softmax mixer has ``impl``
 
     @property
-    def attention(self) -> AttentionImpl:
+    def attention(self) -> AttentionImpl | None:
         """The implementation the softmax-attention layers run (None when no layer is softmax attention)."""
-        return next((b.attn.impl for _, b in self._softmax_blocks()), None)
+        return next((cast(Attention, b.attn).impl for _, b in self._softmax_blocks()), None)
 
     def set_norm(self, impl: NormImpl | None) -> None:
         """Run every RMSNorm through ``impl`` (None: the eager formula in ``model.layers``)."""

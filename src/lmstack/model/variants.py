@@ -1,6 +1,6 @@
 """Layer variants of the HF hybrid and interleaved local/global families: Gemma-2/3 and Qwen3-Next.
 
-Seed 001 "注意力机制" (3:1 linear:full hybrids as in Qwen3-Next; gated attention output), "推理时注意力开销"
+CS336 notes "注意力机制" (3:1 linear:full hybrids as in Qwen3-Next; gated attention output), "推理时注意力开销"
 (Gemma's interleaved sliding-window : global layers), "归一化" (zero-centred RMSNorm), "激活函数" (GeGLU).
 Each piece is switched on by a ``ModelConfig`` field whose default is the Llama block, so a model that sets none
 of them is the plain Llama block:
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -112,8 +113,10 @@ class VariantAttention(Attention):
         dtype: torch.dtype | None = None,
     ):
         super().__init__(config, layer_idx, rope, device=device, dtype=dtype)
-        c, kw = config, dict(device=device, dtype=dtype)
+        c = config
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         H = c.head_dim
+        assert H is not None  # resolved by ModelConfig.__post_init__
         self.local = c.mixer_types[layer_idx] == "local_attention"
         self.window = c.local_window if self.local else None
         self.gate = c.attn_output_gate
@@ -125,7 +128,9 @@ class VariantAttention(Attention):
             c.local_rope_theta if self.local and c.local_rope_theta is not None else c.rope_theta
         )
         self.rotary_dim = c.rotary_dim or H
-        self._own_rope = None  # not a submodule (no weights); tables grow on demand
+        self._own_rope: list[RotaryEmbedding] | None = (
+            None  # not a submodule (no weights); tables grow on demand
+        )
         factor = None if self.local else c.rope_linear_factor
         if factor is not None:
             self._own_rope = [
@@ -167,7 +172,7 @@ class VariantAttention(Attention):
         q = q.transpose(1, 2)  # (B, N, T, H)
         k = self.k_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, K, T, H)
         v = self.v_proj(x).view(B, T, -1, H).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # set together
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotate(q, meta.positions), self._rotate(k, meta.positions)
         if self.q_scale is not None:

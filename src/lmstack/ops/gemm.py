@@ -1,6 +1,6 @@
 """The GEMM under every lmstack ``Linear``: oneDNN or torch's BLAS (MKL), chosen per CPU; the experts' grouped GEMMs.
 
-Seed 001 "优化技巧" (pick the kernel by measurement), "工程细节 / 基准测试". On a CPU, torch's ``F.linear`` in fp32
+CS336 notes "优化技巧" (pick the kernel by measurement), "工程细节 / 基准测试". On a CPU, torch's ``F.linear`` in fp32
 runs its BLAS (MKL in the PyPI wheels); oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, on the same plain
 strided tensors, forward and both backward products in ``_OneDNNLinear``) is the other implementation. Which is
 faster depends on the CPU (docs/kernels.md, "The CPU GEMM"): MKL takes a slow path on AMD, where oneDNN measured

@@ -1,6 +1,6 @@
 """Expert parallelism seam: all-to-all dispatch and combine of routed tokens.
 
-Seed 001 "专家并行": experts live on different devices and each token's hidden state is sent to
+CS336 notes "专家并行": experts live on different devices and each token's hidden state is sent to
 the device of the expert it was routed to; EP shares the data-parallel ranks (EP ≤ DP). The MoE
 layer (``model.moe``) computes the experts; this module is the communication half it plugs into:
 

@@ -1,4 +1,4 @@
-"""Weight-only quantisation: int8 per-output-channel and int4 grouped linear layers (seed 001 "量化").
+"""Weight-only quantisation: int8 per-output-channel and int4 grouped linear layers (CS336 notes "量化").
 
 ``quantize_model(model, "int8")`` swaps every ``Linear`` of an lmstack ``Transformer`` for a
 quantised one in place; activations stay in floating point (weight-only), so the bytes a

@@ -1,4 +1,4 @@
-"""Quantise an lmstack Transformer's linear layers in place (weight-only; seed 001 "量化").
+"""Quantise an lmstack Transformer's linear layers in place (weight-only; CS336 notes "量化").
 
 Which matrices are quantised is explicit: every ``Linear`` inside the blocks (W_Q, W_K, W_V,
 W_O, W_gate, W_up, W_down), plus the unembedding when ``lm_head=True``. The token embedding is

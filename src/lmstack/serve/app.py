@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: one engine loop (``AsyncLLM``) behind a FastAPI app.
 
-Seed 000 §2.1–2.2 (latency vs throughput; continuous batching), seed 001 "推理" / "动态负载"
+Book of LLMs §2.1–2.2 (latency vs throughput; continuous batching), CS336 notes "推理" / "动态负载"
 (requests arrive at any time with any length; iteration-level scheduling over a paged KV cache;
 TTFT and per-token latency are what users see); DESIGN.md "Real parts" (FastAPI + uvicorn, the
 OpenAI HTTP API). ``build_app`` assembles the parts, each in its own module:

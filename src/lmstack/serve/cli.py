@@ -1,6 +1,6 @@
 """``lmstack serve``: load a model, build the engine and serve the OpenAI API with uvicorn.
 
-Seed 001 "动态负载" (one engine loop batches every client's requests). SIGTERM / Ctrl-C shut
+CS336 notes "动态负载" (one engine loop batches every client's requests). SIGTERM / Ctrl-C shut
 down gracefully: no new connections, in-flight requests get ``--shutdown-timeout`` seconds to
 finish, then are aborted (their KV blocks freed), and the process exits 0.
 """

@@ -1,4 +1,4 @@
-"""The flat token file: ids back to back, read with ``np.memmap`` (seed 000 §5.3), and its JSON sidecar.
+"""The flat token file: ids back to back, read with ``np.memmap`` (Book of LLMs §5.3 “memmap loading and bf16/int8 weights”), and its JSON sidecar.
 
 ``<path>`` holds the raw ids (``uint16`` when V <= 65536, else ``uint32``); ``<path>.json`` says
 ``dtype``, ``n_tokens`` and ``vocab_size`` so a reader never guesses. This module is the one place

@@ -92,6 +92,7 @@ class Gemma2(StrictFamily):
 
     def family_to_hf(self, c: ModelConfig) -> dict[str, Any]:
         scalar = c.query_pre_attn_scalar
+        assert scalar is not None, "a Gemma config has query_pre_attn_scalar"
         return dict(
             self.attention_to_hf(c),
             hidden_activation="gelu_pytorch_tanh",

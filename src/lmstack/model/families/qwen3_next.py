@@ -207,6 +207,7 @@ class Qwen3Next(StrictFamily):
         )
 
     def family_to_hf(self, c: ModelConfig) -> dict[str, Any]:
+        assert c.head_dim is not None  # resolved by ModelConfig.__post_init__
         return dict(
             self.attention_to_hf(c),
             hidden_act="silu",
