@@ -503,8 +503,8 @@ class GenerationError(RuntimeError):
 
 
 def __getattr__(name: str):
-    """``from lmstack.inference.engine import LLM / AsyncLLM`` (their home before they had modules
-    of their own) still works; new code imports them from ``lmstack.inference``."""
+    """``from lmstack.inference.engine import LLM / AsyncLLM`` works too (imported on first use: they
+    import this module); their modules are ``inference.llm`` and ``inference.async_llm``."""
     if name == "LLM":
         from lmstack.inference.llm import LLM
 

@@ -80,7 +80,7 @@ ROW_BLOCK = 128
 ROW_BLOCKS = 4
 MIN_BLOCKED_T = 256
 # Forward through F.scaled_dot_product_attention (its CPU flash kernel: fp32 scores and online
-# softmax, skips the masked blocks; ~2x faster than the blocked forward here, docs/training.md);
+# softmax, skips the masked blocks; faster than the blocked forward, docs/training.md);
 # the backward needs only q, k, v, as it recomputes P.
 SDPA_FORWARD = True
 _SCRATCH: dict[tuple, Tensor] = {}

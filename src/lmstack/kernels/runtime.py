@@ -29,8 +29,9 @@ from lmstack.utils import FLOAT_DTYPES
 #: Floating formats: training autocasts to them (fp32 master weights; "fp32" = no autocast), inference
 #: holds its weights in them.
 PRECISIONS = FLOAT_DTYPES  # ("fp32", "bf16", "fp16"), the names in lmstack.utils
-#: Inference also runs weight-only quantised linears (``lmstack.quant``) over fp32 weights.
-WEIGHT_FORMATS = PRECISIONS + ("int8", "int4")
+#: Inference also runs weight-only quantised linears (``lmstack.quant``) over fp32 weights; a format
+#: registered later (``quant.register_format``) adds its name here.
+WEIGHT_FORMATS = [*PRECISIONS, "int8", "int4"]
 
 
 @dataclass

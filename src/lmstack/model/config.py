@@ -371,8 +371,8 @@ class ModelConfig(VariantConfig, MLAConfig, MoEConfig, MixerConfig, DecoderConfi
 
     The fields are declared in groups (``DecoderConfig``, ``MixerConfig``, ``MoEConfig``, ``MLAConfig``,
     ``VariantConfig``) and ModelConfig holds them all, flat: a field is read and set as ``config.n_experts``,
-    constructed as ``ModelConfig(n_experts=8)`` and stored flat in config files and checkpoints, as before
-    the groups existed. ``config.moe`` (``.decoder``, ``.mixers``, ``.mla``, ``.variants``) is the group as
+    constructed as ``ModelConfig(n_experts=8)`` and stored flat in config files and checkpoints (one JSON
+    object of fields). ``config.moe`` (``.decoder``, ``.mixers``, ``.mla``, ``.variants``) is the group as
     its own typed object, a copy; ``config.replace(moe=MoEConfig(...))`` and
     ``ModelConfig.from_groups(MoEConfig(...), n_layers=4)`` set a whole group.
     """

@@ -154,8 +154,8 @@ def onednn_ok(x: Tensor) -> bool:
     so FLOP counters and compilers see plain ``mm``; no CPU autocast, under which F.linear computes in bf16),
     oneDNN built in, and a plain tensor (a DTensor of the native parallel backend has no oneDNN sharding rule).
     Whether it *does* is the policy's (``gemm_policy``)."""
-    # is_compiling() first: Dynamo cannot trace torch.backends.mkldnn.is_available (issue #31: `generate
-    # --compile` at fp32 crashed with torch._dynamo.exc.Unsupported), and a compiled graph wants plain mm anyway
+    # is_compiling() first: Dynamo cannot trace torch.backends.mkldnn.is_available (`generate --compile` at
+    # fp32 would raise torch._dynamo.exc.Unsupported), and a compiled graph wants plain mm anyway
     return (
         not torch.compiler.is_compiling()
         and type(x) is Tensor
@@ -203,7 +203,7 @@ def expert_swiglu(x: Tensor, counts: list[int], gate: Tensor, up: Tensor, down: 
     if not outs:
         # no rows for any expert here: still a (0, D) result *in the graph* of x and the weights, so the
         # backward reaches x (with expert parallelism the all-to-all that produced x must run its backward
-        # collective on every rank, or the ranks deadlock/abort: issue #31)
+        # collective on every rank, or the ranks deadlock/abort)
         rows = x[:0]  # F.linear: oneDNN has no primitive for an empty product's backward
         return F.linear(F.silu(F.linear(rows, gates[0])) * F.linear(rows, ups[0]), downs[0])
     return torch.cat(outs)

@@ -15,7 +15,14 @@ from lmstack.quant.gptq import CalibrationError, gptq_quantize, gptq_quantize_mo
 from lmstack.quant.int4 import Int4Linear, dequantize_int4, quantize_int4
 from lmstack.quant.int8 import Int8Linear, dequantize_int8, quantize_int8
 from lmstack.quant.linear import WeightOnlyLinear
-from lmstack.quant.model import QUANT_METHODS, quantize_model, quantized_weight_bytes
+from lmstack.quant.model import (
+    FORMATS,
+    QUANT_METHODS,
+    WeightFormat,
+    quantize_model,
+    quantized_weight_bytes,
+    register_format,
+)
 
 __all__ = [
     "CalibrationError",
@@ -23,7 +30,10 @@ __all__ = [
     "gptq_quantize_model",
     "Int4Linear",
     "Int8Linear",
+    "FORMATS",
     "QUANT_METHODS",
+    "WeightFormat",
+    "register_format",
     "dequantize_int4",
     "dequantize_int8",
     "quantize_int4",

@@ -1,4 +1,4 @@
-"""The two small CPU experiments of the issue, on a token file with the existing trainer:
+"""Two small CPU scaling experiments on a token file, with the trainer:
 
 - ``lr_transfer``: final validation loss vs learning rate for several widths under SP and under µP
   (Book of LLMs §3.1 “muP”: under µP the best LR found at the base width stays the best at larger widths);

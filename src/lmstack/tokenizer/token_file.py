@@ -88,7 +88,7 @@ def is_token_file(path: str | os.PathLike, strict: bool = False) -> bool:
 
     ``strict`` (readers that would otherwise take the file as text): a sidecar that is there but unreadable
     (not JSON, no ``dtype``, a bogus dtype) is a ValueError naming it, not False — read as text, the binary
-    gives a wrong answer (issue #31: ``eval ppl tok.bin`` reported a perplexity over its bytes)."""
+    gives a wrong answer (``eval ppl tok.bin`` would report a perplexity over its bytes)."""
     if strict and sidecar_path(path).is_file():
         read_sidecar(path)
         return Path(path).is_file()

@@ -53,7 +53,7 @@ from lmstack.parallel.checkpoint import load_sharded, save_sharded
 from lmstack.tokenizer import load_tokenizer, save_hf
 from lmstack.train import build, loop
 from lmstack.train import checkpoint as ckpt
-from lmstack.train.build import (  # noqa: F401  (importable from here as before the split)
+from lmstack.train.build import (  # noqa: F401  (importable from here too)
     build_optimizer,
     build_schedule,
     optimizer_class,
