@@ -176,9 +176,25 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         and onednn_ok(x)
         and gemm_policy().uses_onednn(x.numel() // max(x.shape[-1], 1), weight.numel())
     ):
-        y = onednn_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        x2 = x.reshape(-1, x.shape[-1])
+        rows = x2.shape[0]
+        padded = bucket_rows(rows) if not torch.is_grad_enabled() else rows
+        if padded != rows:  # zero rows up to the bucket: their outputs are dropped below
+            x2 = F.pad(x2, (0, 0, 0, padded - rows))
+        y = onednn_linear(x2, weight)[:rows].view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+ROW_BUCKET = 32  # inference products of more rows are padded to a multiple of this
+
+
+def bucket_rows(rows: int, bucket: int = ROW_BUCKET) -> int:
+    """The row count an inference product through oneDNN runs with: ``rows`` up to ``bucket``, else the next
+    multiple of ``bucket``. oneDNN caches one primitive per shape (up to its cache capacity, 1,024): a server's
+    prefills of every length would each add one, and its memory grew with every new length (docs/serving.md,
+    "Memory under load"); buckets bound the shapes at a cost of at most bucket - 1 zero rows."""
+    return rows if rows <= bucket else -(-rows // bucket) * bucket
 
 
 def expert_swiglu(x: Tensor, counts: list[int], gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
