@@ -101,6 +101,14 @@ def configure(
     return line
 
 
+def install_attention(model, impl) -> None:
+    """Set ``impl`` (anything with the attention implementation's call) as ``model``'s attention: the entry
+    for an implementation a wrapper brings (context parallelism's ``RingAttention``), so that every swap of an
+    implementation goes through this module. ``Transformer.set_attention`` refuses one a layer cannot use (a
+    soft-capped layer under an implementation that does not apply the cap)."""
+    model.set_attention(impl)
+
+
 @contextmanager
 def use_attention(model, name: str) -> Iterator[bool]:
     """Within the block, ``model`` runs attention backend ``name`` when it runs plain SDPA now (a backend chosen

@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from lmstack.kernels.runtime import install_attention
 from lmstack.model.mixer_spec import refuse
 from lmstack.model.seam import AttentionMetadata
 from lmstack.parallel import collectives as C
@@ -150,7 +151,7 @@ def context_parallel(model: nn.Module, group) -> nn.Module:
         raise ValueError("context parallelism: sliding-window attention is not supported")
     refuse(model.config, "context_parallel", "context parallelism")
     if not isinstance(model.attention, RingAttention):
-        model.set_attention(RingAttention(group))
+        install_attention(model, RingAttention(group))
     return model
 
 
