@@ -1,6 +1,6 @@
 """Attention backends across sequence lengths: time (forward + backward) and peak memory.
 
-Seed 000 §2.7 / seed 001 "FlashAttention": tiled attention keeps memory O(S) and, fused into
+Book of LLMs §2.7 “FlashAttention tiling” / CS336 notes "FlashAttention": tiled attention keeps memory O(S) and, fused into
 one GPU kernel, should run about as fast as the vendor kernel.
 
 On a GPU: lmstack's Triton FlashAttention-2 vs ``F.scaled_dot_product_attention`` forced onto

@@ -1,7 +1,7 @@
 """The seed's claim on the default corpus: validation loss of full attention, pure linear attention, Gated DeltaNet
 and a 3:1 Gated-DeltaNet:full hybrid trained on the same tokens with (nearly) the same parameters.
 
-Seed 001 "注意力机制" (linear mixers trade exact recall for an O(1) state; a 3:1 hybrid keeps most of full
+CS336 notes "注意力机制" (linear mixers trade exact recall for an O(1) state; a 3:1 hybrid keeps most of full
 attention's quality). The data is `lmstack demo`'s: the Python standard library's .py files, a 4096-token BPE,
 the last 5 % held out (docs/training.md). Every model is the demo's shape (D=192, L=4, N=4, K=2, tied embeddings)
 with its d_ff chosen so that its parameter count matches full attention's within one FFN row step; each trains

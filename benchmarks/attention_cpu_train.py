@@ -1,6 +1,6 @@
 """CPU training attention: lmstack's ``matmul`` backend vs F.scaled_dot_product_attention, bf16, causal.
 
-Seed 000 §2.7 (attention forward and backward). Times forward and forward + backward of one
+Book of LLMs §2.7 (attention forward and backward). Times forward and forward + backward of one
 attention call under bf16 autocast on inputs laid out as the model makes them ((B, T, N, H)
 projections viewed as (B, N, T, H), the output reshaped back to (B, T, N·H)), timed in
 alternation (matmul, matmul_blockfwd, sdpa, [other], matmul, ...) so a change in machine load hits

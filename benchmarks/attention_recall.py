@@ -1,5 +1,5 @@
 """The seed's recall claim, measured small: multi-query associative recall (MQAR) with full attention, pure
-linear attention, Gated DeltaNet and a 3:1 Gated-DeltaNet:full hybrid (seed 001 "注意力机制": linear mixers
+linear attention, Gated DeltaNet and a 3:1 Gated-DeltaNet:full hybrid (CS336 notes "注意力机制": linear mixers
 compress the past into a fixed-size state and lose exact recall; a few full layers recover it).
 
     nice -n 10 python benchmarks/attention_recall.py [--steps 1500] [--pairs 8,16,32,64] [--out docs/attention_recall]

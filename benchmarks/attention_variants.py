@@ -1,5 +1,5 @@
 """Prefill and decode speed and cache memory of the token mixers on CPU: full attention vs linear attention
-vs Gated DeltaNet vs Mamba-2 vs a 3:1 Gated-DeltaNet:full hybrid (seed 001 "注意力机制": O(n²) → O(n)).
+vs Gated DeltaNet vs Mamba-2 vs a 3:1 Gated-DeltaNet:full hybrid (CS336 notes "注意力机制": O(n²) → O(n)).
 
     python benchmarks/attention_variants.py [--contexts 1024,4096,16384] [--threads 2] [--decode-steps 16]
 

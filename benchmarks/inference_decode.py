@@ -1,6 +1,6 @@
 """Batch-1 decode and prefill on SmolLM2-135M: lmstack (fp32, bf16, int8, int4; eager and with a
 compiled decode step) vs HF transformers vs llama.cpp, and the memory-bandwidth roofline of each
-weight format (seed 001 "性能指标分析": Latency = (Param + Memory_KV) / bandwidth).
+weight format (CS336 notes "性能指标分析": Latency = (Param + Memory_KV) / bandwidth).
 
     python benchmarks/inference_decode.py [--threads 1] [--new-tokens 32] [--prompt-tokens 128] [--repeats 3]
         [--lmstack fp32,bf16,int8,int4,fp32+compile,bf16+compile,int8+compile,int4+compile,int4t1+compile]

@@ -1,5 +1,5 @@
 """Offline serving on SmolLM2-135M: continuous batching vs static batching, latency percentiles,
-prefix-cache hit rate (seed 000 §2.2, seed 001 "动态负载").
+prefix-cache hit rate (Book of LLMs §2.2 “batching and packing”, CS336 notes "动态负载").
 
     python benchmarks/inference_serving.py [--requests 64] [--batch 16] [--dtype fp32|bf16|int8|int4|auto]
         [--compile] [--batch1] [--skip-hf] [--draft-layers N --speculative-tokens K]

@@ -1,5 +1,5 @@
-"""Speculative decoding speedup on SmolLM2-135M at identical greedy output (seed 000 §2.3,
-seed 001 "无损提速").
+"""Speculative decoding speedup on SmolLM2-135M at identical greedy output (Book of LLMs §2.3 “speculative decoding”,
+CS336 notes "无损提速").
 
     python benchmarks/inference_speculative.py [--new-tokens 96] [--k 4] [--draft-layers 8]
 

@@ -1,4 +1,4 @@
-"""fp16 gradients underflow without loss scaling; bf16's do not (seed 000 §5), on SmolLM2-135M.
+"""fp16 gradients underflow without loss scaling; bf16's do not (Book of LLMs §5 “numeric precision”), on SmolLM2-135M.
 
     nice -n 10 python benchmarks/quant_fp16_underflow.py [--tokens 128] [--plot docs/quant_fp16_underflow.png]
 

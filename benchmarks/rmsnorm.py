@@ -1,6 +1,6 @@
 """RMSNorm forward + backward: lmstack's fused Triton kernel vs ``F.rms_norm`` (PyTorch's kernel).
 
-Seed 001 "优化技巧" (fusion): RMSNorm is memory-bound, so one kernel that reads x once and writes
+CS336 notes "优化技巧" (fusion): RMSNorm is memory-bound, so one kernel that reads x once and writes
 y once each way is the whole game. PyTorch's ``F.rms_norm`` is itself a fused kernel on CUDA, so
 this decides whether ``norm_backend = auto`` should pick ``triton`` on a GPU (``backends.py``).
 Prints t(F.rms_norm) / t(triton) per shape (> 1: the Triton kernel is faster) and the bandwidth

@@ -1,5 +1,5 @@
 """Load test of an OpenAI-compatible server: Poisson arrivals at several rates, TTFT / ITL percentiles,
-throughput and goodput (seed 000 §2.1 latency vs throughput; seed 001 "动态负载", "性能指标分析").
+throughput and goodput (Book of LLMs §2.1 “latency and throughput” latency vs throughput; CS336 notes "动态负载", "性能指标分析").
 
     python benchmarks/serve.py [--model smollm2-135m] [--rates 0.5,1,2,4] [--requests 32] [--threads 2]
     python benchmarks/serve.py --url http://127.0.0.1:8000 --served-model-name NAME   # a running server
@@ -271,6 +271,7 @@ def main() -> int:
         help="a running OpenAI-compatible server (else lmstack serve is started)",
     )
     ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--label", default="lmstack", help="the name printed for --url's server")
     ap.add_argument("--rates", default="0.5,1,2,4", help="offered loads, requests/s")
     ap.add_argument("--requests", type=int, default=32, help="requests per rate")
     ap.add_argument("--seed", type=int, default=0)
@@ -299,6 +300,12 @@ def main() -> int:
         "--llama-server",
         default=os.environ.get("LLAMA_SERVER", "/tmp/llama_server/llama-server"),
         help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, else /tmp/llama_server/llama-server)",
+    )
+    ap.add_argument(
+        "--llama-server-args",
+        default="",
+        help="extra llama-server flags, e.g. '-nr' (no AMX/repacked weights: the native AMX path "
+        "segfaulted in this container)",
     )
     ap.add_argument(
         "--lmstack-args",
@@ -350,7 +357,7 @@ def main() -> int:
                     timeout=1800,  # --compile warms its buckets up before answering
                 )
             )
-        all_rows["lmstack"] = bench("lmstack", url, name, rates, args, {"ignore_eos": True})
+        all_rows["lmstack"] = bench(args.label, url, name, rates, args, {"ignore_eos": True})
         if args.llama_cpp and os.access(args.llama_server, os.X_OK):
             from lmstack.model.io import find_named_model
 
@@ -378,6 +385,7 @@ def main() -> int:
                         str(ctx * args.max_seqs),
                         "--cont-batching",
                         "--no-webui",
+                        *args.llama_server_args.split(),
                     ],
                     lurl,
                 )

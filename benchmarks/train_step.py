@@ -4,8 +4,8 @@ Both run forward + loss + backward + AdamW step on the same (B, S) token batch, 
 (bf16 autocast with fp32 master weights, or plain fp32), same threads, on this machine. The two
 are timed in alternation (lmstack step, HF step, ...) so a change in machine load hits both; we
 report medians after warm-up, the tokens/s ratio lmstack/HF (> 1: lmstack faster), and MFU =
-model FLOPs per step (lmstack.accounting, seed 000 §1.6: 3 x forward) / step time / the measured
-matmul peak of this machine in that dtype (measure_cpu; seed 001 "工程细节/基准测试": warm up,
+model FLOPs per step (lmstack.accounting, Book of LLMs §1.6 “forward and backward FLOPs”: 3 x forward) / step time / the measured
+matmul peak of this machine in that dtype (measure_cpu; CS336 notes "工程细节/基准测试": warm up,
 time with a monotonic clock, synchronise CUDA before reading it).
 
   .venv/bin/python benchmarks/train_step.py                      # the demo's model, bf16 and fp32

@@ -189,6 +189,10 @@ FOLDER_COMMANDS = {  # every command that writes a folder: argv with {out} (the 
     "train": ["train", "--config", "{d}/run.toml", "--no-progress"],
     "compress": ["compress", "--model", "{d}/m", "--out", "{out}"],
     "demo": ["demo", "--out", "{out}"],
+    "data demo": ["data", "demo", "--tiny", "--out", "{out}"],
+    "sft": ["sft", "--model", "{d}/m", "--task", "arithmetic", "--out", "{out}"],
+    "dpo": ["dpo", "--model", "{d}/m", "--task", "arithmetic", "--out", "{out}"],
+    "grpo": ["grpo", "--model", "{d}/m", "--out", "{out}"],
 }
 
 

@@ -68,3 +68,19 @@ def test_numeric_flag_converters_share_one_rule_set():
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             convert(text)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    """torch's builder waits forever on build_dir/lock; one left by a killed build (old mtime) goes."""
+    import os
+    import time
+
+    from lmstack.utils import STALE_LOCK_S, clear_stale_build_lock
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not clear_stale_build_lock(tmp_path) and lock.exists()  # a build may be running
+    old = time.time() - STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    assert clear_stale_build_lock(tmp_path) and not lock.exists()
+    assert not clear_stale_build_lock(tmp_path)  # nothing to remove

@@ -1,4 +1,4 @@
-"""Makes lm-evaluation-harness's own ``lm_eval`` command find the ``lmstack`` model class (seed 001
+"""Makes lm-evaluation-harness's own ``lm_eval`` command find the ``lmstack`` model class (CS336 notes
 "基准测试": lm-eval as a first-class client). docs/eval.md explains why this exists.
 
 lm-eval 0.4.13 resolves ``--model NAME`` in ``lm_eval.api.registry.model_registry``, which is filled

@@ -1,8 +1,8 @@
 """What this CPU can do, read once, and the defaults that follow from it.
 
 Machines differ more than code assumes: an AVX-512 Xeon with AMX multiplies bf16 matrices natively, an
-AVX2-only EPYC or laptop has no bf16 instructions (torch then emulates bf16 matmuls, measured 30x slower
-than fp32 on one), Apple Silicon and other ARM CPUs have NEON and maybe BF16/I8MM. Every choice that
+AVX2-only EPYC or laptop has no bf16 instructions (torch then emulates bf16 matmuls, far slower
+than fp32: docs/training.md), Apple Silicon and other ARM CPUs have NEON and maybe BF16/I8MM. Every choice that
 depends on the CPU asks this module: :func:`cpu_features` probes once (cached) —
 
 - ``capability``: ``torch.backends.cpu.get_cpu_capability()``, the ISA level torch's own kernels dispatch to
@@ -79,7 +79,7 @@ class CpuFeatures:
         """Whether the CPU multiplies bf16 in hardware: AVX512_BF16 or AMX-BF16 on x86, the BF16 extension on ARM.
 
         Without it torch computes a bf16 matmul by converting to fp32 piece by piece (no faster than fp32, and
-        measured up to 30x slower), so bf16 autocast only costs time."""
+        often much slower: docs/training.md), so bf16 autocast only costs time."""
         if self.is_x86:
             return self.has("avx512_bf16") or self.has("amx_bf16")
         if self.is_arm:
@@ -264,7 +264,7 @@ def choose_precision(
     features: CpuFeatures | None = None,
     measure=_measure,
 ) -> PrecisionChoice:
-    """The training precision to run for ``requested`` on ``device`` (mixed precision: seed 000 §5.4).
+    """The training precision to run for ``requested`` on ``device`` (mixed precision: Book of LLMs §5.4 “autocast and bitsandbytes”).
 
     ``auto`` on a CPU: bf16 autocast only where the CPU has native bf16 matmul (:attr:`CpuFeatures.native_bf16`)
     *and* a short measurement (``measure(n) -> {"bf16": GFLOP/s, "fp32": GFLOP/s}``) finds bf16 faster; else

@@ -2,9 +2,9 @@
 
 1. corpus      the running Python's standard-library ``.py`` files (or files/directories you name),
                joined with ``<|endoftext|>`` between documents;
-2. tokenizer   byte-level BPE trained on it (seed 001 "分词器"), a few thousand tokens;
-3. data        the corpus encoded into a flat uint16 token file for ``np.memmap`` (seed 000 §5.3);
-4. accounting  parameters, training memory (the four parts of seed 000 §1.8), FLOPs per step,
+2. tokenizer   byte-level BPE trained on it (CS336 notes "分词器"), a few thousand tokens;
+3. data        the corpus encoded into a flat uint16 token file for ``np.memmap`` (Book of LLMs §5.3 “memmap loading and bf16/int8 weights”);
+4. accounting  parameters, training memory (the four parts of Book of LLMs §1.8 “training memory”), FLOPs per step,
                this machine's measured matmul peak, the ideal step time;
 5. training    a few-million-parameter Llama-style model in the precision chosen for this CPU (bf16
                autocast with fp32 master weights where the CPU multiplies bf16 natively, else fp32),
@@ -155,11 +155,11 @@ def collect_corpus(inputs: list[str], glob: str, max_mb: float, dest: Path) -> t
 
 
 def print_accounting(cfg, B: int, S: int, grad_accum: int, precision: str, peak: float) -> None:
-    """Seed 000 §1.4 parameters, §1.8 training memory, §1.6 FLOPs; ideal step time at the measured peak."""
+    """Book of LLMs §1.4 “parameter count” parameters, §1.8 training memory, §1.6 FLOPs; ideal step time at the measured peak."""
     console = Console(width=110)
     pc = param_counts(cfg)
     t = Table(
-        title=f"Parameters (seed 000 §1.4): V={cfg.vocab_size} D={cfg.d_model} L={cfg.n_layers} "
+        title=f"Parameters (Book of LLMs §1.4 “parameter count”): V={cfg.vocab_size} D={cfg.d_model} L={cfg.n_layers} "
         f"N={cfg.n_heads} K={cfg.n_kv_heads} F={cfg.d_ff}, tied embeddings"
     )
     for c in ("embedding", "attention", "ffn", "norms", "unembedding", "total"):
@@ -173,7 +173,9 @@ def print_accounting(cfg, B: int, S: int, grad_accum: int, precision: str, peak:
     console.print(t)
     tokens = B * S * grad_accum
     mem = training_memory(cfg, B, S, flash=True, mixed_precision=precision == "bf16")
-    t = Table(title=f"Training memory (seed 000 §1.8) at B={B}, S={S}, {precision}")
+    t = Table(
+        title=f"Training memory (Book of LLMs §1.8 “training memory”) at B={B}, S={S}, {precision}"
+    )
     for c in ("fp32 master", "bf16 copy", "AdamW m+v", "fp32 grads", "activations", "total"):
         t.add_column(c, justify="right")
     t.add_row(
@@ -192,7 +194,7 @@ def print_accounting(cfg, B: int, S: int, grad_accum: int, precision: str, peak:
     console.print(t)
     flops = training_step_flops(cfg, B * grad_accum, S)
     console.print(
-        f"FLOPs per step (3 x forward, seed 000 §1.6): {flops / 1e9:,.1f} GFLOP for {tokens:,} tokens "
+        f"FLOPs per step (3 x forward, Book of LLMs §1.6 “forward and backward FLOPs”): {flops / 1e9:,.1f} GFLOP for {tokens:,} tokens "
         f"(6ND would say {six_nd(pc.total, tokens) / 1e9:,.1f}); measured {precision} matmul peak "
         f"{peak / 1e9:,.0f} GFLOP/s -> ideal step {flops / peak * 1e3:,.0f} ms at 100% MFU"
     )

@@ -3,7 +3,7 @@ finished checkpoint folder is committed into place.
 
 Shared by the single-process checkpoint (:mod:`lmstack.train.checkpoint`) and the sharded one
 (:mod:`lmstack.parallel.checkpoint`), which both store tensors with safetensors only (never pickle)
-and everything else in ``state.json`` (seed 000 §1.8: optimizer states are part of training memory
+and everything else in ``state.json`` (Book of LLMs §1.8 “training memory”: optimizer states are part of training memory
 and of every checkpoint).
 """
 

@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import math
 import numbers
 import os
@@ -16,6 +17,7 @@ import re
 import shutil
 import sysconfig
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -102,6 +104,30 @@ def source_text_with_headers(source: Path) -> bytes:
     return b"".join(out)
 
 
+STALE_LOCK_S = (
+    900  # a build takes 1-5 minutes here; a lock older than this was left by a killed build
+)
+
+
+def clear_stale_build_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``build_dir/lock`` when it is older than ``max_age_s``: torch's extension builder waits for
+    that file forever, and a build killed midway leaves it behind (every later load would hang). True when
+    a lock was removed."""
+    lock = Path(build_dir) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        lock.unlink()
+    logging.getLogger("lmstack").warning(
+        "removed a stale build lock %s (%.0f s old: a build was killed midway)", lock, age
+    )
+    return True
+
+
 def build_extension(
     name: str,
     source: Path,
@@ -151,7 +177,9 @@ def build_extension(
             return None, f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH"
         if python_module:
             Path(kw["build_directory"]).mkdir(parents=True, exist_ok=True)
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
+
+        clear_stale_build_lock(Path(kw.get("build_directory") or _get_build_directory(full, False)))
 
         module = load(
             name=full,

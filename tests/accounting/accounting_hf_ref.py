@@ -1,7 +1,7 @@
 """Build HF transformers models from an lmstack ModelConfig by hand-mapping the fields.
 
 HF's Llama/Mistral/Qwen2 implementations are the independent reference for parameter counts
-and matmul FLOPs (seed 000 §1.4, §1.6). The mapping is written here, not imported from
+and matmul FLOPs (Book of LLMs §1.4 “parameter count”, §1.6). The mapping is written here, not imported from
 lmstack, so a mistake in lmstack's own HF conversion cannot hide one in accounting.
 """
 

@@ -1,4 +1,4 @@
-"""Resource budgets (seed 001 "可用资源盘点") by hand."""
+"""Resource budgets (CS336 notes "可用资源盘点") by hand."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Collectives (seed 000 §6.2), DDP/ZeRO per-step bytes (§6.4), TP ratio (seed 001 "张量并行")."""
+"""Collectives (Book of LLMs §6.2 “collectives”), DDP/ZeRO per-step bytes (§6.4), TP ratio (CS336 notes "张量并行")."""
 
 import pytest
 from hypothesis import given, settings
@@ -79,7 +79,7 @@ def test_ddp_and_zero_step_bytes():
     tp=st.sampled_from([1, 2, 4, 8]),
 )
 def test_tp_ratio(b, s, h, tp):
-    # seed 001: (16bsh²/tp) / (4bsh) = 4h/tp, independent of b and s
+    # CS336 notes: (16bsh²/tp) / (4bsh) = 4h/tp, independent of b and s
     assert tp_compute_flops(b, s, h, tp) == pytest.approx(16 * b * s * h * h / tp)
     assert tp_comm_volume(b, s, h) == 4 * b * s * h
     assert tp_compute_comm_ratio(h, tp) == pytest.approx(4 * h / tp)

@@ -1,4 +1,4 @@
-"""FLOPs (seed 000 §1.6, §1.9) against torch's FlopCounterMode and hand-computed values."""
+"""FLOPs (Book of LLMs §1.6 “forward and backward FLOPs”, §1.9) against torch's FlopCounterMode and hand-computed values."""
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ from lmstack.accounting.params import total_params
 from lmstack.model.config import ModelConfig
 
 # Matmul FLOPs are integers; FlopCounterMode counts 2·m·n·k per (m,k)x(k,n) product, the same
-# convention as seed 001 "张量计算". Tolerance: exact (0) for matmul FLOPs.
+# convention as CS336 notes "张量计算". Tolerance: exact (0) for matmul FLOPs.
 SMALL = [
     ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=160),  # GQA
     ModelConfig(
@@ -57,7 +57,7 @@ def test_forward_equals_flop_counter_on_hf_model(cfg):
 
 
 def test_backward_is_twice_forward_on_hf_model():
-    # Seed 000 §1.6: backward = 2 × forward (weight and input gradients, one matmul each).
+    # Book of LLMs §1.6 “forward and backward FLOPs”: backward = 2 × forward (weight and input gradients, one matmul each).
     from accounting_hf_ref import hf_model
 
     cfg = SMALL[0]
@@ -99,7 +99,7 @@ def test_forward_equals_flop_counter_on_lmstack_model(cfg):
     V=st.integers(1, 200_000),
 )
 def test_seed_closed_form(B, S, H, N, L, V):
-    # Seed 000 §1.6: 2LBSD(12D + 2S) + 2BSDV for MHA with F = 8/3·D (D = 3·k so F is an integer).
+    # Book of LLMs §1.6 “forward and backward FLOPs”: 2LBSD(12D + 2S) + 2BSDV for MHA with F = 8/3·D (D = 3·k so F is an integer).
     D = 3 * H * N
     cfg = ModelConfig(
         vocab_size=V, d_model=D, n_layers=L, n_heads=N, head_dim=D // N, d_ff=8 * D // 3
@@ -125,7 +125,7 @@ def test_decode_step_flops():
 
 
 def test_sliding_window_caps_keys():
-    # Seed 000 §1.9: each query sees at most W keys: O(nW) instead of O(n²).
+    # Book of LLMs §1.9 “sliding-window and sparse attention”: each query sees at most W keys: O(nW) instead of O(n²).
     cfg = ModelConfig.from_preset("mistral-7b")
     assert attention_score_flops(cfg, 1, 8192, 8192, window=4096) == attention_score_flops(
         cfg, 1, 8192, 4096

@@ -1,4 +1,4 @@
-"""Hardware table (seed 000 §4.1, seed 001 "计算强度分析") and measure_cpu, and precisions (§5.2)."""
+"""Hardware table (Book of LLMs §4.1 “HBM and SRAM”, CS336 notes "计算强度分析") and measure_cpu, and precisions (§5.2)."""
 
 import time
 
@@ -27,10 +27,10 @@ def test_table_entries_complete():
 
 
 def test_seed_numbers():
-    # seed 000 §4.1: A100 HBM 40 or 80 GB; SRAM about 20 MB
+    # Book of LLMs §4.1 “HBM and SRAM”: A100 HBM 40 or 80 GB; SRAM about 20 MB
     assert get_hardware("a100-40gb").hbm_bytes == 40e9 and get_hardware("a100").hbm_bytes == 80e9
     assert get_hardware("a100").sram_bytes == pytest.approx(20e6, rel=0.1)
-    # seed 001: H100 9.89e14 FLOP/s, 3.35e12 B/s
+    # CS336 notes: H100 9.89e14 FLOP/s, 3.35e12 B/s
     h = get_hardware("h100")
     assert h.flops("bf16") == pytest.approx(9.89e14, rel=1e-3) and h.hbm_bandwidth == 3.35e12
 

@@ -1,4 +1,4 @@
-"""Arithmetic intensity (seed 001 "计算强度分析", "推理时注意力开销") and hardware ridge points."""
+"""Arithmetic intensity (CS336 notes "计算强度分析", "推理时注意力开销") and hardware ridge points."""
 
 import pytest
 from hypothesis import given, settings
@@ -57,17 +57,17 @@ def test_limits_from_the_seed():
 
 
 def test_gqa_reduces_decode_bytes():
-    # seed 001: GQA cuts the KV-cache traffic by the group size.
+    # CS336 notes: GQA cuts the KV-cache traffic by the group size.
     mha = ModelConfig(vocab_size=10, d_model=4096, n_layers=1, n_heads=32, d_ff=14336)
     gqa = mha.replace(n_kv_heads=8)
     assert attention_intensity(gqa, 16, 1, 8192) > 3 * attention_intensity(mha, 16, 1, 8192)
 
 
 def test_h100_ridge():
-    # seed 001: 9.89e14 / 3.35e12 ≈ 295 FLOPs/byte
+    # CS336 notes: 9.89e14 / 3.35e12 ≈ 295 FLOPs/byte
     assert ridge_point(9.89e14, 3.35e12) == pytest.approx(295.2, abs=0.1)
     assert get_hardware("h100").ridge_point("bf16") == pytest.approx(295, abs=1)
-    # seed 001 also quotes ~156 for the A100 "满载" intensity (312 TF / 2.0 TB/s)
+    # CS336 notes also quotes ~156 for the A100 "满载" intensity (312 TF / 2.0 TB/s)
     assert get_hardware("a100-80gb").ridge_point("bf16") == pytest.approx(153, abs=4)
 
 

@@ -1,4 +1,4 @@
-"""KV cache, activations, inference and training memory (seed 000 §1.5, §1.7, §1.8, §2.5, §6.4-6.6)."""
+"""KV cache, activations, inference and training memory (Book of LLMs §1.5 “activation memory”, §1.7, §1.8, §2.5, §6.4-6.6)."""
 
 import pytest
 
@@ -19,7 +19,7 @@ from lmstack.model.config import ModelConfig
 
 
 def test_kv_cache_llama2_13b_seed_table():
-    # Seed 001 table: B=1 memory 26,869,760,000 = 2·13,015,449,600 + KV; KV = 2·2·1·1024·40·5120.
+    # CS336 notes table: B=1 memory 26,869,760,000 = 2·13,015,449,600 + KV; KV = 2·2·1·1024·40·5120.
     cfg = ModelConfig.from_preset("llama2-13b")
     assert (
         kv_cache_bytes(cfg, 1, 1024, "bf16") == 838_860_800 == 26_869_760_000 - 2 * 13_015_449_600
@@ -36,7 +36,7 @@ def test_kv_cache_llama3_8b_gqa():
 
 
 def test_kv_variants_mha_mqa_gqa_mla():
-    # Seed 000 §2.5: MQA shrinks the MHA cache N times; GQA by G = N/K; MLA caches 512 + 64 per layer.
+    # Book of LLMs §2.5 “shrinking the KV cache”: MQA shrinks the MHA cache N times; GQA by G = N/K; MLA caches 512 + 64 per layer.
     cfg = ModelConfig.from_preset("llama3-8b")
     v = kv_cache_variants(cfg, 2, 100, "bf16")
     assert v["mha"] == 32 * v["mqa"] == 4 * v["gqa"]
@@ -47,14 +47,14 @@ def test_kv_variants_mha_mqa_gqa_mla():
 
 
 def test_sliding_window_caps_kv():
-    # Seed 000 §1.9 / §2.5: tokens that leave the window W are dropped.
+    # Book of LLMs §1.9 “sliding-window and sparse attention” / §2.5: tokens that leave the window W are dropped.
     cfg = ModelConfig.from_preset("mistral-7b")
     assert kv_cache_elements(cfg, 1, 32768, window=4096) == kv_cache_elements(cfg, 1, 4096)
     assert kv_cache_elements(cfg, 1, 1000, window=4096) == 2 * 1000 * 8 * 128 * 32
 
 
 def test_activations_seed_14BSD():
-    # Seed 000 §1.5: 14BSD + BNS² per layer (the 14 is reached at K = N, F = 3D); FlashAttention: BNS.
+    # Book of LLMs §1.5 “activation memory”: 14BSD + BNS² per layer (the 14 is reached at K = N, F = 3D); FlashAttention: BNS.
     cfg = ModelConfig(vocab_size=10, d_model=64, n_layers=5, n_heads=4, d_ff=192)
     B, S, D, N = 3, 50, 64, 4
     assert train_activation_elements_per_layer(cfg, B, S) == 14 * B * S * D + B * N * S * S
@@ -78,7 +78,7 @@ def test_activation_bytes_and_checkpointing():
 
 
 def test_peak_inference_activations():
-    # Seed 000 §1.7: BSD + 3BSD (QKV) + BNS² (BNS with FA) + BSF at K = N.
+    # Book of LLMs §1.7 “inference memory”: BSD + 3BSD (QKV) + BNS² (BNS with FA) + BSF at K = N.
     cfg = ModelConfig.from_preset("llama2-13b")
     B, S, D, N, F = 1, 1024, 5120, 40, 13824
     assert (
@@ -99,13 +99,13 @@ def test_inference_memory_components():
     assert m.kv_cache == 838_860_800
     assert m.activations == 2 * (1024 * 5120 * 4 + 40 * 1024 * 1024 + 1024 * 13824)
     assert m.total == m.weights + m.kv_cache + m.activations
-    # "what fits on one H100 (80 GB)": 13B in bf16 with S=1024 fits at B=1, not at B=64 (seed 001 table)
+    # "what fits on one H100 (80 GB)": 13B in bf16 with S=1024 fits at B=1, not at B=64 (CS336 notes table)
     assert m.total < 80e9
     assert inference_memory(cfg, 64, 1024, "bf16").total > 80e9
 
 
 def test_training_memory_18P():
-    # Seed 000 §1.8: fp32 master 4P + bf16 copy 2P + AdamW 8P + fp32 grads 4P = 18P.
+    # Book of LLMs §1.8 “training memory”: fp32 master 4P + bf16 copy 2P + AdamW 8P + fp32 grads 4P = 18P.
     cfg = ModelConfig.from_preset("llama2-7b")
     P = 6_738_415_616
     m = training_memory(cfg, 1, 4096, flash=True)
@@ -121,7 +121,7 @@ def test_training_memory_18P():
 
 
 def test_per_device_ddp_zero_hand():
-    # Seed 000 §6.4: ZeRO-1 shards AdamW states, ZeRO-2 + gradients, ZeRO-3 + weights, over M.
+    # Book of LLMs §6.4 “DDP and ZeRO”: ZeRO-1 shards AdamW states, ZeRO-2 + gradients, ZeRO-3 + weights, over M.
     cfg = ModelConfig.from_preset("llama2-7b")
     P, M, B, S = total_params(cfg), 8, 16, 2048
     act = train_activation_bytes(cfg, B // M, S, "bf16", flash=True)
@@ -156,7 +156,7 @@ def test_per_device_tp_pp_hand():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_engine_kv_allocation_equals_formula(dtype):
-    # The engine's preallocated cache must hold exactly 2·B·S·K·H·L elements (seed 000 §1.7).
+    # The engine's preallocated cache must hold exactly 2·B·S·K·H·L elements (Book of LLMs §1.7 “inference memory”).
     import torch
 
     from lmstack.inference.kv_cache import KVCache

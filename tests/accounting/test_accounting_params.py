@@ -1,4 +1,4 @@
-"""Parameter counts vs published totals, HF models and the lmstack model (seed 000 §1.4)."""
+"""Parameter counts vs published totals, HF models and the lmstack model (Book of LLMs §1.4 “parameter count”)."""
 
 import pytest
 
@@ -44,13 +44,13 @@ def test_llama2_70b_and_llama3_70b_hand_count():
 
 
 def test_seed_formula_for_mha():
-    # Seed 000 §1.4: P = 2VD + L(4D² + 2D + 3DF), plus the final norm D that the formula leaves out.
+    # Book of LLMs §1.4 “parameter count”: P = 2VD + L(4D² + 2D + 3DF), plus the final norm D that the formula leaves out.
     cfg = ModelConfig.from_preset("llama2-7b")
     assert seed_total_params(32000, 4096, 32, 11008) + 4096 == total_params(cfg)
 
 
 def test_seed001_param_llama2_13b():
-    # Seed 001 "性能指标分析" table: num_params 13,015,449,600 (matrices only, no norms).
+    # CS336 notes "性能指标分析" table: num_params 13,015,449,600 (matrices only, no norms).
     assert matmul_params(ModelConfig.from_preset("llama2-13b")) == 13_015_449_600
 
 

@@ -1,4 +1,4 @@
-"""Decoding roofline vs seed 001 "性能指标分析" (the Llama-2-13B table) and prefill/TTFT by hand."""
+"""Decoding roofline vs CS336 notes "性能指标分析" (the Llama-2-13B table) and prefill/TTFT by hand."""
 
 import pytest
 
@@ -13,7 +13,7 @@ from lmstack.accounting.roofline import (
 )
 from lmstack.model.config import ModelConfig
 
-# Seed 001 table: S = 1024, bf16, 3.35e12 B/s.
+# CS336 notes table: S = 1024, bf16, 3.35e12 B/s.
 SEED_TABLE = {
     1: (13_015_449_600, 26_869_760_000, 0.0080, 124.6755),
     64: (13_015_449_600, 79_717_990_400, 0.0238, 2689.4807),
@@ -40,7 +40,7 @@ def test_trade_off_latency_vs_throughput():
     )
     lat = [p.latency_s for p in pts]
     thr = [p.throughput_tok_s for p in pts]
-    assert lat == sorted(lat) and thr == sorted(thr)  # both grow with B (seed 001: 矛盾)
+    assert lat == sorted(lat) and thr == sorted(thr)  # both grow with B (CS336 notes: 矛盾)
     assert [p.fits for p in pts] == [True, True, True, True, False, False]  # 80 GB HBM
 
 

@@ -1,6 +1,6 @@
 """The continuous-batching engine over the paged cache: greedy output equals full-recompute greedy
 token for token under chunked prefill, shared prefixes and forced preemption; every block is
-free afterwards; abort frees blocks; the offline and async APIs (seed 000 §2.2, seed 001 "动态负载")."""
+free afterwards; abort frees blocks; the offline and async APIs (Book of LLMs §2.2 “batching and packing”, CS336 notes "动态负载")."""
 
 import asyncio
 

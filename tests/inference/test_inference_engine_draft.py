@@ -1,4 +1,4 @@
-"""Draft-model speculation inside the batching engine (seed 000 §2.3, ``DraftRunner``): greedy output
+"""Draft-model speculation inside the batching engine (Book of LLMs §2.3 “speculative decoding”, ``DraftRunner``): greedy output
 equals the target's full recompute (no cache, the whole sequence rerun per token) across chunked
 prefill, preemption, block sizes and aborts, with the target's first layers as the draft or an
 independent model; sampled output keeps the target's distribution (exact softmax probabilities

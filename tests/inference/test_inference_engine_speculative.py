@@ -1,4 +1,4 @@
-"""Speculative decoding inside the batching engine (prompt lookup, seed 000 §2.3): greedy output
+"""Speculative decoding inside the batching engine (prompt lookup, Book of LLMs §2.3 “speculative decoding”): greedy output
 equals full-recompute greedy token for token while drafts are accepted, under chunked prefill,
 preemption and prefix sharing; stop rules and logprobs are unchanged; the sampling rule keeps the
 target's distribution (checked against the softmax it should reproduce)."""

@@ -1,5 +1,5 @@
 """KV caches: contiguous and paged bytes vs the accounting formula; block allocator reference
-counts, prefix hashes, LRU eviction and copy-on-write (seed 000 §2.4, seed 001 "动态负载")."""
+counts, prefix hashes, LRU eviction and copy-on-write (Book of LLMs §2.4 “the KV cache”, CS336 notes "动态负载")."""
 
 import pytest
 import torch

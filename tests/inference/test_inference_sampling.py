@@ -1,5 +1,5 @@
 """Sampling filters vs hand-computed distributions and vs HF transformers' logits processors
-(seed 000 §2.6)."""
+(Book of LLMs §2.6 “sampling”)."""
 
 import math
 

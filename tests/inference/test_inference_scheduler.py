@@ -1,5 +1,5 @@
 """The scheduler and block manager alone, without a model: chunked prefill under the token budget,
-admission, preemption of the most recently admitted sequence (seed 000 §2.2, seed 001 "动态负载")."""
+admission, preemption of the most recently admitted sequence (Book of LLMs §2.2 “batching and packing”, CS336 notes "动态负载")."""
 
 from collections import Counter
 

@@ -1,4 +1,4 @@
-"""Speculative decoding (seed 000 §2.3): greedy output identical to the target alone, and the
+"""Speculative decoding (Book of LLMs §2.3 “speculative decoding”): greedy output identical to the target alone, and the
 sampled distribution equal to the target's (statistical tests)."""
 
 import pytest
@@ -115,7 +115,7 @@ def test_rejection_sampling_outputs_p():
         counts[out[0]] += 1
         accepted += acc
     assert chi2(counts, p[0]) < CHI2_999[3]
-    alpha = float(torch.minimum(p[0], q[0]).sum())  # seed 001: α = Σ min(p, q)
+    alpha = float(torch.minimum(p[0], q[0]).sum())  # CS336 notes: α = Σ min(p, q)
     assert abs(accepted / n - alpha) < 0.03
 
 

@@ -4,7 +4,7 @@ Greedy output of ``LLM`` on a 3:1 hybrid (linear attention, Mamba-2, Gated Delta
 linear-attention model and a 5:1 local:global model equals full-recompute greedy token for token — batched
 prompts of 1–33 tokens, chunked prefill, forced preemption (tiny KV pool), a tiny state pool, the reference
 attention; every state slot is free afterwards (finish, abort, preemption); the pool's bytes equal the
-accounting formula; pool exhaustion queues requests (seed 001 "注意力机制", "动态负载")."""
+accounting formula; pool exhaustion queues requests (CS336 notes "注意力机制", "动态负载")."""
 
 import pytest
 import torch

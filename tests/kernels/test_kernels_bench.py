@@ -1,4 +1,4 @@
-"""The benchmarking harness (seed 001 "基准测试"): timing, memory, NVTX off by default, the CLI."""
+"""The benchmarking harness (CS336 notes "基准测试"): timing, memory, NVTX off by default, the CLI."""
 
 import json
 

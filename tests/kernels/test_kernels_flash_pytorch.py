@@ -1,4 +1,4 @@
-"""Tiled PyTorch FlashAttention-2 vs plain attention (seed 000 §2.7: exact, O(S) memory)."""
+"""Tiled PyTorch FlashAttention-2 vs plain attention (Book of LLMs §2.7 “FlashAttention tiling”: exact, O(S) memory)."""
 
 import math
 
@@ -103,7 +103,7 @@ def test_saves_only_linear_state():
 
 @pytest.mark.slow
 def test_peak_memory_grows_linearly_in_S():
-    """Peak tensor bytes of forward + backward, measured from the allocator (seed 000 §2.7:
+    """Peak tensor bytes of forward + backward, measured from the allocator (Book of LLMs §2.7 “FlashAttention tiling”:
     O(S²) -> O(S)). Doubling S twice: ×4 for the tiled path, ×16 for materialised attention."""
     B, N, H = 1, 1, 16
 

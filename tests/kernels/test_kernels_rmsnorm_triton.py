@@ -1,4 +1,4 @@
-"""Fused Triton RMSNorm forward / backward (dx, dγ) vs the formula with autograd (seed 000 §1.10)."""
+"""Fused Triton RMSNorm forward / backward (dx, dγ) vs the formula with autograd (Book of LLMs §1.10 “RMSNorm”)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Whole-model HF parity for the recurrent / hybrid / interleaved families (seed 001 "注意力机制"):
+"""Whole-model HF parity for the recurrent / hybrid / interleaved families (CS336 notes "注意力机制"):
 Mamba2ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (text) and Qwen3NextForCausalLM — tiny random-weight
 instances built from configs, no download. Each: logits within 1e-4 (fp32) of transformers, lmstack's cached decode
 (MixerCache: K/V for attention layers, conv + recurrent state for Mamba-2 / Gated DeltaNet layers) == HF's full
@@ -184,7 +184,7 @@ def test_cached_decode_equals_full_forward(pair):
     assert (torch.cat(outs, 1) - ref).abs().max().item() < 1e-4
     if family.startswith(
         "gemma"
-    ):  # local layers keep only their last W − 1 = 4 keys (seed 000 §2.5)
+    ):  # local layers keep only their last W − 1 = 4 keys (Book of LLMs §2.5 “shrinking the KV cache”)
         held = {i: cache.kv[i][0].shape[2] for i in cache.kv}
         assert {held[i] for i, k in enumerate(KINDS[family]) if k == "local_attention"} == {4}
     if family != "mamba2":

@@ -84,7 +84,7 @@ def test_local_global_qwen2_matches_hf(local_global_hf):
 
 @pytest.mark.slow
 def test_local_global_decode_keeps_only_the_window(local_global_hf):
-    """Decoding with the cache == the full forward, and a local layer holds only W − 1 keys (seed 000 §2.5)."""
+    """Decoding with the cache == the full forward, and a local layer holds only W − 1 keys (Book of LLMs §2.5 “shrinking the KV cache”)."""
     hf, tmp = local_global_hf
     model = load_hf(tmp / "hf")
     tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(2))

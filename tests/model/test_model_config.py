@@ -33,7 +33,7 @@ def test_preset_param_count_on_meta_device(name):
 
 
 def test_param_count_formula_of_seed_for_mha():
-    """P = 2VD + L(4D² + 2D + 3DF) + D (final norm) for untied MHA (seed 000 §1.4)."""
+    """P = 2VD + L(4D² + 2D + 3DF) + D (final norm) for untied MHA (Book of LLMs §1.4 “parameter count”)."""
     V, D, L, F = 1000, 64, 3, 176
     cfg = ModelConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=4, d_ff=F)
     assert Transformer(cfg).num_params() == 2 * V * D + L * (4 * D * D + 2 * D + 3 * D * F) + D

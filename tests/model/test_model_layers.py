@@ -75,7 +75,7 @@ def test_swiglu_matches_formula():
 
 
 def _rotation_matrix(m: int, H: int, theta: float) -> np.ndarray:
-    """Block-diagonal R_m of seed 000 §1.2: 2x2 blocks on pairs (2i, 2i+1) with angle m·θ_i."""
+    """Block-diagonal R_m of Book of LLMs §1.2 “the forward pass layer by layer”: 2x2 blocks on pairs (2i, 2i+1) with angle m·θ_i."""
     R = np.zeros((H, H))
     for i in range(H // 2):
         a = m * theta ** (-2 * i / H)
@@ -112,7 +112,7 @@ def test_rope_half_layout_is_permuted_interleaved():
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_rope_inner_product_depends_only_on_relative_position(layout):
-    """⟨R_m q, R_n k⟩ = qᵀ R_{n-m} k (seed 000 §1.12)."""
+    """⟨R_m q, R_n k⟩ = qᵀ R_{n-m} k (Book of LLMs §1.12 “RoPE”)."""
     H = 32
     rope = RotaryEmbedding(H, 512, 10000.0, layout)
     torch.manual_seed(1)

@@ -13,7 +13,7 @@ from lmstack.model.transformer import Transformer
 
 
 def _rope_tables(positions, head_dim, theta, layout):
-    """cos(m·θ_i), sin(m·θ_i) with θ_i = theta^(−2i/H), i < H/2 (RoFormer; seed 000 §1.3), written
+    """cos(m·θ_i), sin(m·θ_i) with θ_i = theta^(−2i/H), i < H/2 (RoFormer; Book of LLMs §1.3 “implementation details in PyTorch”), written
     out element by element with ``math``: feature j uses θ_(j mod H/2) in the ``half`` layout and
     θ_(j // 2) in the ``interleaved`` one. Returns two float64 tensors positions.shape + (H,)."""
     H = head_dim

@@ -94,7 +94,7 @@ def test_variants_change_the_function():
 
 
 def test_parallel_block_formula():
-    """GPT-J block: y = x + Attn(Norm(x)) + MLP(Norm(x)) (seed 001 "层并行")."""
+    """GPT-J block: y = x + Attn(Norm(x)) + MLP(Norm(x)) (CS336 notes "层并行")."""
     model = Transformer(ModelConfig(**{**TINY, "parallel_block": True}), seed=0)
     block = model.blocks[0]
     assert block.ffn_norm is None

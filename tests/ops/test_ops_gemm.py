@@ -114,3 +114,27 @@ def test_expert_swiglu_equals_the_per_expert_formula(restore_policy):
         torch.testing.assert_close(
             gemm.expert_swiglu(x, counts, gate, up, down), ref, atol=1e-4, rtol=1e-5
         )
+
+
+def test_inference_products_through_onednn_run_in_row_buckets(monkeypatch):
+    """A server's prefills of every length each made oneDNN cache a new primitive (its RSS grew with each new
+    length): with autograd off, rows above 32 are padded to a multiple of 32; the result equals F.linear's."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN not built into this torch")
+    seen = []
+    real = gemm.onednn_linear
+    monkeypatch.setattr(gemm, "onednn_linear", lambda x, w: seen.append(x.shape[0]) or real(x, w))
+    old = gemm.set_gemm(gemm.choose_gemm("onednn"))
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(24, 16, generator=g)
+        with torch.no_grad():
+            for rows in (1, 32, 33, 64, 65, 100):
+                x = torch.randn(rows, 16, generator=g)
+                torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w))
+        x = torch.randn(2, 50, 16, generator=g, requires_grad=True)
+        gemm.linear(x, w).sum().backward()  # training: no padding, the gradient still flows
+        torch.testing.assert_close(x.grad, w.sum(0).expand(2, 50, 16))
+    finally:
+        gemm.set_gemm(old)
+    assert seen == [1, 32, 64, 64, 96, 128, 100]

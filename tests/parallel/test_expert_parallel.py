@@ -1,4 +1,4 @@
-"""Expert parallelism (seed 001 "专家并行") on gloo ranks: routed experts sharded over the ranks, tokens
+"""Expert parallelism (CS336 notes "专家并行") on gloo ranks: routed experts sharded over the ranks, tokens
 dispatched and combined by all-to-all; data-parallel training over the same ranks equals single-process
 training on the concatenated batch (losses 1e-5, weights 1e-4)."""
 

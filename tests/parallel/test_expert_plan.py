@@ -1,4 +1,4 @@
-"""Expert parallelism through ``parallelize(model, plan)`` (seed 001 "专家并行" + "混合并行") on gloo
+"""Expert parallelism through ``parallelize(model, plan)`` (CS336 notes "专家并行" + "混合并行") on gloo
 ranks: (dp=1, ep=2), (dp=2, ep=2), (dp=1, ep=4), ep with ZeRO-1/2, ep×tp (tp for the attention) and tp
 with replicated MoE layers each equal single-process training of the same model on the whole batch
 (losses 1e-5, gathered weights 1e-4, gradient norm 1e-4); an uneven all-to-all (a rank sends no rows to

@@ -1,4 +1,4 @@
-"""Collectives (seed 000 §6.2): the ring against torch.distributed's collectives, bytes sent
+"""Collectives (Book of LLMs §6.2 “collectives”): the ring against torch.distributed's collectives, bytes sent
 against the accounting model, autograd duals against hand-derived gradients; the mesh layout."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""2-D compositions through ``parallelize(model, plan)`` on 4 ranks (seed 001 "混合并行"):
+"""2-D compositions through ``parallelize(model, plan)`` on 4 ranks (CS336 notes "混合并行"):
 DP×TP (with and without SP), ZeRO-2×TP, ZeRO-3×TP, DP×PP, ZeRO-1×PP (zero-bubble), DP×CP,
 TP×PP (tied embeddings across stages, vocab shards gathered on the last stage), TP×CP, and
 DP×TP / ZeRO-3×TP / DP×PP with tied and frozen parameters (split and replicated ones) and

@@ -1,4 +1,4 @@
-"""Context parallelism (seed 001 "序列并行和上下文并行"): causal, load-balanced ring attention with
+"""Context parallelism (CS336 notes "序列并行和上下文并行"): causal, load-balanced ring attention with
 log-sum-exp merging trains like one process on the whole sequence."""
 
 import torch

@@ -1,4 +1,4 @@
-"""Data parallelism (seed 000 §6.4): DDP (naive, bucketed-overlapped, no_sync), ZeRO-1/2/3 train
+"""Data parallelism (Book of LLMs §6.4 “DDP and ZeRO”): DDP (naive, bucketed-overlapped, no_sync), ZeRO-1/2/3 train
 like one process on the whole batch; bytes per step and per-rank memory match the accounting."""
 
 import torch

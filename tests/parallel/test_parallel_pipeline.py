@@ -1,4 +1,4 @@
-"""Pipeline parallelism (seed 000 §6.5, seed 001 "流水线并行"): GPipe, 1F1B and the zero-bubble
+"""Pipeline parallelism (Book of LLMs §6.5 “pipeline parallelism and 1F1B”, CS336 notes "流水线并行"): GPipe, 1F1B and the zero-bubble
 B/W split train like one process, tied embeddings included; the bubble is measured."""
 
 import torch

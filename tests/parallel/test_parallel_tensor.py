@@ -1,4 +1,4 @@
-"""Tensor parallelism (seed 000 §6.6, seed 001 "张量并行", "序列并行"): Megatron TP with and
+"""Tensor parallelism (Book of LLMs §6.6 “Megatron tensor parallelism”, CS336 notes "张量并行", "序列并行"): Megatron TP with and
 without sequence parallelism trains like one process; bytes per step and per-rank bytes of
 parameters, gradients and optimizer states match the accounting."""
 

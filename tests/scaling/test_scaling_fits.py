@@ -241,7 +241,7 @@ def test_effective_data_matches_hand_values():
     assert effective_data(4e9, 1e9)[()] == pytest.approx(
         1e9 * (1 + 15.4 * (1 - np.exp(-3 / 15.4))), rel=1e-12
     )
-    assert effective_data(4e9, 1e9)[()] / 4e9 > 0.93  # ~4 epochs ≈ fresh data (seed 001)
+    assert effective_data(4e9, 1e9)[()] / 4e9 > 0.93  # ~4 epochs ≈ fresh data (CS336 notes)
     assert effective_data(1e15, 1e9)[()] == pytest.approx(
         1e9 * 16.4, rel=1e-6
     )  # saturates at U(1 + R*)

@@ -1,4 +1,4 @@
-"""``lmstack tokenizer`` commands and the flat token file (np.memmap, seed 000 §5.3)."""
+"""``lmstack tokenizer`` commands and the flat token file (np.memmap, Book of LLMs §5.3 “memmap loading and bf16/int8 weights”)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Softmax, log-sum-exp, cross-entropy + z-loss, and the MoE balance loss vs torch (seed 001 "训练稳定性")."""
+"""Softmax, log-sum-exp, cross-entropy + z-loss, and the MoE balance loss vs torch (CS336 notes "训练稳定性")."""
 
 import math
 

@@ -30,7 +30,7 @@ def register(subparsers) -> None:
         "plan",
         help="parameters, FLOPs, memory, roofline latency/throughput and communication for a model on a device",
         description="Accounting for a model (preset, lmstack JSON or HF config.json) on a device at batch sizes B "
-        "and context length S (seed 000 §1.4-1.9, §2.1, §2.5, §4.1, §5.2, §6.2-6.6; seed 001).",
+        "and context length S (Book of LLMs §1.4-1.9, §2.1, §2.5, §4.1, §5.2, §6.2-6.6; CS336 notes).",
     )
     p.add_argument(
         "--model",
@@ -209,8 +209,16 @@ def _print_plan(plan: dict) -> None:
     )
     console.print(f"workload: S={w['S']}, {w['dtype']} ({w['bytes_per_element']} bytes/element)\n")
 
-    t = Table(title="Parameters (seed 000 §1.4)")
-    for c in ("embedding", "attention", "ffn", "norms", "unembedding", "total", "seed 001 Param"):
+    t = Table(title="Parameters (Book of LLMs §1.4 “parameter count”)")
+    for c in (
+        "embedding",
+        "attention",
+        "ffn",
+        "norms",
+        "unembedding",
+        "total",
+        "CS336 notes Param",
+    ):
         t.add_column(c, justify="right")
     t.add_row(
         *[
@@ -228,7 +236,9 @@ def _print_plan(plan: dict) -> None:
     )
     console.print(t)
 
-    t = Table(title="Decoding roofline (seed 001 性能指标分析): latency = (Param + KV) / bandwidth")
+    t = Table(
+        title="Decoding roofline (CS336 notes 性能指标分析): latency = (Param + KV) / bandwidth"
+    )
     for c in (
         "B",
         "num_params",
@@ -268,7 +278,9 @@ def _print_plan(plan: dict) -> None:
         )
     console.print(t)
 
-    t = Table(title="Inference memory (seed 000 §1.7): weights + KV cache + peak activations")
+    t = Table(
+        title="Inference memory (Book of LLMs §1.7 “inference memory”): weights + KV cache + peak activations"
+    )
     for c in (
         "B",
         "weights",
@@ -295,12 +307,12 @@ def _print_plan(plan: dict) -> None:
     console.print(t)
     kv = plan["kv_cache_variants_B1"]
     console.print(
-        "KV cache per sequence (seed 000 §2.5): "
+        "KV cache per sequence (Book of LLMs §2.5 “shrinking the KV cache”): "
         + ", ".join(f"{k.upper()} {_gb(v)}" for k, v in kv.items())
     )
 
     t = Table(
-        title=f"Arithmetic intensity (seed 001 计算强度分析), ridge {hw['ridge_point']:.1f} FLOPs/byte"
+        title=f"Arithmetic intensity (CS336 notes 计算强度分析), ridge {hw['ridge_point']:.1f} FLOPs/byte"
     )
     for c in ("B", "phase", "FFN I", "FFN", "attention I", "attention"):
         t.add_column(c, justify="right")
@@ -319,7 +331,7 @@ def _print_plan(plan: dict) -> None:
 
     f = plan["flops"]
     console.print(
-        f"FLOPs per sequence (seed 000 §1.6): forward {f['forward_per_sequence']:.3e}, training step "
+        f"FLOPs per sequence (Book of LLMs §1.6 “forward and backward FLOPs”): forward {f['forward_per_sequence']:.3e}, training step "
         f"{f['training_step_per_sequence']:.3e}; 6ND {f['six_nd']:.3e} (exact/6ND = {f['ratio_exact_over_6nd']:.3f}); "
         "attention share by S: "
         + ", ".join(f"{s}: {v:.1%}" for s, v in f["attention_share"].items())
@@ -327,7 +339,7 @@ def _print_plan(plan: dict) -> None:
 
     tr = plan["training_per_device"]
     t = Table(
-        title=f"Training memory per device (seed 000 §1.8, §6.4-6.6): M={tr['M']}, global B={tr['B']}, "
+        title=f"Training memory per device (Book of LLMs §1.8 “training memory”, §6.4-6.6): M={tr['M']}, global B={tr['B']}, "
         f"S={tr['S']}, FlashAttention"
     )
     for c in (
@@ -355,13 +367,13 @@ def _print_plan(plan: dict) -> None:
     console.print(t)
     if "mfu" in tr:
         console.print(
-            f"MFU (seed 001 可用资源盘点): {tr['step_flops']:.3e} FLOPs per step in {tr['step_time_s']} s on "
+            f"MFU (CS336 notes 可用资源盘点): {tr['step_flops']:.3e} FLOPs per step in {tr['step_time_s']} s on "
             f"{tr['M']} devices = {tr['mfu']:.1%}"
         )
 
     c = plan["communication"]
     t = Table(
-        title=f"Communication per training step (seed 000 §6.2, §6.4), M={c['M']}, bf16 gradients"
+        title=f"Communication per training step (Book of LLMs §6.2 “collectives”, §6.4), M={c['M']}, bf16 gradients"
     )
     for col in ("strategy", "bytes sent / device", "time on NVLink (s)"):
         t.add_column(col, justify="right")
@@ -373,13 +385,13 @@ def _print_plan(plan: dict) -> None:
         )
     console.print(t)
     console.print(
-        f"TP over M={c['M']} (seed 001 张量并行): compute/communication ratio 4h/tp = {c['tp_compute_comm_ratio']:.0f}; "
+        f"TP over M={c['M']} (CS336 notes 张量并行): compute/communication ratio 4h/tp = {c['tp_compute_comm_ratio']:.0f}; "
         f"{_gb(c['tp_layer_bytes_per_device'])} sent per layer per sequence (fwd + bwd)"
     )
     if "moe" in plan:  # mixture of experts / MLA
         e = plan["moe"]
         console.print(
-            f"MoE / MLA (seed 001 MoE, 有损提速): routed {e['routed']}, active {e['active']}, "
+            f"MoE / MLA (CS336 notes MoE, 有损提速): routed {e['routed']}, active {e['active']}, "
             f"shared {e['shared']}, "
             f"fine-grained {e['fine_grained_ratio']:.3g}, {e['moe_layers']} MoE layers; params total "
             f"{e['total_params'] / 1e9:,.2f}B, active {e['active_params'] / 1e9:,.2f}B; training FLOPs per token "
@@ -391,7 +403,7 @@ def _print_plan(plan: dict) -> None:
 
 
 def _print_mixer_cache(cfg: ModelConfig, dtype: str, window: int, path: str) -> None:
-    """Seed 001 "注意力机制": the O(n²) → O(n) argument in bytes — KV + state per sequence vs context."""
+    """CS336 notes "注意力机制": the O(n²) → O(n) argument in bytes — KV + state per sequence vs context."""
     contexts = [1 << k for k in range(10, 21, 2)]  # 1k .. 1M tokens
     table = cache_table(cfg, contexts, dtype, window)
     t = Table(title=f"KV + state per sequence ({dtype}) vs context S (accounting.mixers)")

@@ -1,10 +1,10 @@
-"""Communication volumes and times (seed 000 §6.2, §6.4, §6.6; seed 001 "张量并行").
+"""Communication volumes and times (Book of LLMs §6.2 “collectives”, §6.4, §6.6; CS336 notes "张量并行").
 
 Ring collectives over M devices on n bytes (each device talks only to its two neighbours):
   reduce-scatter  each device sends (M-1)/M · n bytes in M-1 steps
   all-gather      each device sends (M-1)/M · n bytes in M-1 steps
   all-reduce      = reduce-scatter + all-gather: 2(M-1)/M · n bytes in 2(M-1) steps
-Time ≈ bytes sent / one-direction link bandwidth (+ a per-step latency α): seed 000 §6.2
+Time ≈ bytes sent / one-direction link bandwidth (+ a per-step latency α): Book of LLMs §6.2 “collectives”
 estimates the cost from the volume and effective bandwidth first.
 
 Per training step (§6.4) on P parameters: DDP all-reduces the gradients; ZeRO-1 and ZeRO-2
@@ -25,19 +25,19 @@ def _check_m(M: int) -> None:
 
 
 def reduce_scatter_bytes(n_bytes: float, M: int) -> float:
-    """Seed 000 §6.2: bytes each device sends in a ring reduce-scatter of n bytes: (M-1)/M · n."""
+    """Book of LLMs §6.2 “collectives”: bytes each device sends in a ring reduce-scatter of n bytes: (M-1)/M · n."""
     _check_m(M)
     return (M - 1) / M * n_bytes
 
 
 def all_gather_bytes(n_bytes: float, M: int) -> float:
-    """Seed 000 §6.2: bytes each device sends in a ring all-gather producing n bytes: (M-1)/M · n."""
+    """Book of LLMs §6.2 “collectives”: bytes each device sends in a ring all-gather producing n bytes: (M-1)/M · n."""
     _check_m(M)
     return (M - 1) / M * n_bytes
 
 
 def all_reduce_bytes(n_bytes: float, M: int) -> float:
-    """Seed 000 §6.2: ring all-reduce = reduce-scatter + all-gather: 2(M-1)/M · n bytes."""
+    """Book of LLMs §6.2 “collectives”: ring all-reduce = reduce-scatter + all-gather: 2(M-1)/M · n bytes."""
     return reduce_scatter_bytes(n_bytes, M) + all_gather_bytes(n_bytes, M)
 
 
@@ -56,7 +56,7 @@ def all_reduce_time(n_bytes: float, M: int, bandwidth: float, latency_s: float =
 def data_parallel_step_bytes(
     n_params: float, M: int, strategy: str, dtype: object = "bf16"
 ) -> float:
-    """Seed 000 §6.4: bytes each device sends per training step under DDP or ZeRO-1/2/3."""
+    """Book of LLMs §6.4 “DDP and ZeRO”: bytes each device sends per training step under DDP or ZeRO-1/2/3."""
     n = n_params * bytes_per_element(dtype)
     if strategy in ("ddp", "zero1", "zero2"):
         # DDP: all-reduce grads. ZeRO-1/2: reduce-scatter grads + all-gather params (same volume).
@@ -68,17 +68,17 @@ def data_parallel_step_bytes(
 
 
 def tp_compute_flops(b: int, s: int, h: int, tp: int) -> float:
-    """Seed 001 "张量并行": per-device compute of a layer under TP, 16·b·s·h² / tp."""
+    """CS336 notes "张量并行": per-device compute of a layer under TP, 16·b·s·h² / tp."""
     return 16 * b * s * h * h / tp
 
 
 def tp_comm_volume(b: int, s: int, h: int) -> float:
-    """Seed 001 "张量并行": per-device communication of a layer under TP, 4·b·s·h."""
+    """CS336 notes "张量并行": per-device communication of a layer under TP, 4·b·s·h."""
     return 4 * b * s * h
 
 
 def tp_compute_comm_ratio(h: int, tp: int) -> float:
-    """Seed 001 "张量并行": Ratio = (16bsh²/tp) / (4bsh) = 4h/tp — independent of b and s, so a
+    """CS336 notes "张量并行": Ratio = (16bsh²/tp) / (4bsh) = 4h/tp — independent of b and s, so a
     bigger batch cannot amortise TP's communication; it needs NVLink-class bandwidth."""
     return 4 * h / tp
 
@@ -86,7 +86,7 @@ def tp_compute_comm_ratio(h: int, tp: int) -> float:
 def tp_layer_bytes(
     cfg: ModelConfig, B: int, S: int, M: int, dtype: object = "bf16", backward: bool = True
 ) -> float:
-    """Seed 000 §6.6: one all-reduce of the (B, S, D) activations after attention's row-parallel
+    """Book of LLMs §6.6 “Megatron tensor parallelism”: one all-reduce of the (B, S, D) activations after attention's row-parallel
     W_O and one after the FFN's W_down per layer forward; the backward mirrors them (§6.2: the
     all-reduce's backward is an all-reduce). Bytes each device sends for one layer."""
     n = B * S * cfg.d_model * bytes_per_element(dtype)
@@ -97,7 +97,7 @@ def tp_layer_bytes(
 def moe_all_to_all_bytes(
     cfg: ModelConfig, tokens: int, ep: int, dtype: object = "bf16", backward: bool = True
 ) -> float:
-    """Expert parallelism (seed 001 "专家并行"): bytes one device sends per step for ``tokens`` local tokens.
+    """Expert parallelism (CS336 notes "专家并行"): bytes one device sends per step for ``tokens`` local tokens.
 
     Each MoE layer dispatches every token's hidden state to each of its k experts and combines the k
     outputs back: 2 all-to-alls of tokens·k·D elements, of which (ep−1)/ep leave the device when experts are

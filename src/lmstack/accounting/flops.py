@@ -1,7 +1,7 @@
-"""Forward/backward FLOPs and MFU (seed 000 §1.6, §1.9; seed 001 "可用资源盘点", "张量计算").
+"""Forward/backward FLOPs and MFU (Book of LLMs §1.6 “forward and backward FLOPs”, §1.9; CS336 notes "可用资源盘点", "张量计算").
 
-A (m, k) @ (k, n) product costs 2·m·k·n FLOPs (seed 001 "张量计算"). Counting every matmul of
-the forward pass (seed 000 §1.6, prefill so T = S):
+A (m, k) @ (k, n) product costs 2·m·k·n FLOPs (CS336 notes "张量计算"). Counting every matmul of
+the forward pass (Book of LLMs §1.6 “forward and backward FLOPs”, prefill so T = S):
 
   attention per layer  Q 2BSD·NH, K and V 2BSD·KH each, QKᵀ 2BNS²H, A·V 2BNS²H, O 2BS·NH·D
                        = 8BSD² + 4BS²D for MHA with NH = D
@@ -13,7 +13,7 @@ the forward pass (seed 000 §1.6, prefill so T = S):
 Norms, RoPE, softmax and the residual adds are O(BSD) and not counted (as in the seed).
 The functions take T query tokens attending to S keys, so decoding (T = 1) uses them too; the
 attention matrices are counted in full (B, N, T, S), the way a dense kernel computes them. Pass
-``window`` for sliding-window attention (seed 000 §1.9): each query sees at most W keys, O(nW).
+``window`` for sliding-window attention (Book of LLMs §1.9 “sliding-window and sparse attention”): each query sees at most W keys, O(nW).
 Layer by layer, each layer's token mixer counts itself (``lmstack.model.mixer_spec``: local attention's
 own window, MLA, DSA, linear attention, Mamba-2, Gated DeltaNet) and its FFN costs its active weights
 (none in a block without FFN), so a hybrid's count follows its ``layer_types``.
@@ -25,11 +25,13 @@ from lmstack.accounting.params import active_params, layer_ffn_params
 from lmstack.model.config import ModelConfig
 from lmstack.model.mixer_spec import attended_keys, attention_kind, layer_specs, spec
 
-__all__ = ["attended_keys"]  # re-exported: seed 000 §1.9, min(S, W) keys
+__all__ = [
+    "attended_keys"
+]  # re-exported: Book of LLMs §1.9 “sliding-window and sparse attention”, min(S, W) keys
 
 
 def attention_projection_flops(cfg: ModelConfig, B: int, T: int) -> int:
-    """Seed 000 §1.6: Q, K, V and O projections of T tokens: 2BT·D·NH + 2·2BT·D·KH + 2BT·NH·D (MLA: every weight
+    """Book of LLMs §1.6 “forward and backward FLOPs”: Q, K, V and O projections of T tokens: 2BT·D·NH + 2·2BT·D·KH + 2BT·NH·D (MLA: every weight
     one multiply-add per token; the output gate's projection with ``attn_output_gate``) — the spec's count."""
     return spec(attention_kind(cfg)).flops(cfg, B, T, T, None)[0]
 
@@ -37,7 +39,7 @@ def attention_projection_flops(cfg: ModelConfig, B: int, T: int) -> int:
 def attention_score_flops(
     cfg: ModelConfig, B: int, T: int, S: int, window: int | None = None
 ) -> int:
-    """Seed 000 §1.6: QKᵀ (B,N,T,H)x(B,N,H,S) 2BNTSH plus A·V 2BNTSH = 4BNTSH (= 4BS²D at T = S); MLA's expanded
+    """Book of LLMs §1.6 “forward and backward FLOPs”: QKᵀ (B,N,T,H)x(B,N,H,S) 2BNTSH plus A·V 2BNTSH = 4BNTSH (= 4BS²D at T = S); MLA's expanded
     form: QKᵀ over H_n + d_R, A·V over H_v."""
     return spec(attention_kind(cfg)).flops(cfg, B, T, S, window)[1]
 
@@ -56,19 +58,19 @@ def layer_ffn_flops(cfg: ModelConfig, layer_idx: int, B: int, T: int) -> int:
 
 
 def ffn_flops(cfg: ModelConfig, B: int, T: int) -> int:
-    """Seed 000 §1.6: up, gate, down projections, 3 × 2BTDF = 6BTDF."""
+    """Book of LLMs §1.6 “forward and backward FLOPs”: up, gate, down projections, 3 × 2BTDF = 6BTDF."""
     return 6 * B * T * cfg.d_model * cfg.d_ff
 
 
 def unembedding_flops(cfg: ModelConfig, B: int, T: int) -> int:
-    """Seed 000 §1.6: (B, T, D) x (D, V) -> 2BTDV."""
+    """Book of LLMs §1.6 “forward and backward FLOPs”: (B, T, D) x (D, V) -> 2BTDV."""
     return 2 * B * T * cfg.d_model * cfg.vocab_size
 
 
 def layer_forward_flops(
     cfg: ModelConfig, B: int, T: int, S: int | None = None, window: int | None = None
 ) -> int:
-    """Seed 000 §1.6 "每层总计": attention + FFN of one layer; 2BSD(12D + 2S) at K = N, F = 8/3·D."""
+    """Book of LLMs §1.6 "每层总计": attention + FFN of one layer; 2BSD(12D + 2S) at K = N, F = 8/3·D."""
     S = T if S is None else S
     return (
         attention_projection_flops(cfg, B, T)
@@ -85,7 +87,7 @@ def forward_flops(
     window: int | None = None,
     logits: bool = True,
 ) -> int:
-    """Seed 000 §1.6: forward FLOPs = L·layer + 2BTDV; 2LBSD(12D + 2S) + 2BSDV for prefill (T = S).
+    """Book of LLMs §1.6 “forward and backward FLOPs”: forward FLOPs = L·layer + 2BTDV; 2LBSD(12D + 2S) + 2BSDV for prefill (T = S).
 
     ``T`` query tokens (default S: prefill) attend to ``S`` keys; T = 1 is one decoding step.
     ``logits=False`` drops the unembedding (a prefill that only needs the last position's logits
@@ -103,12 +105,12 @@ def forward_flops(
 
 
 def seed_forward_flops(B: int, S: int, D: int, L: int, V: int) -> int:
-    """Seed 000 §1.6 verbatim (MHA, F = 8/3·D, T = S): 2LBSD(12D + 2S) + 2BSDV."""
+    """Book of LLMs §1.6 “forward and backward FLOPs” verbatim (MHA, F = 8/3·D, T = S): 2LBSD(12D + 2S) + 2BSDV."""
     return 2 * L * B * S * D * (12 * D + 2 * S) + 2 * B * S * D * V
 
 
 def backward_flops(forward: float) -> float:
-    """Seed 000 §1.6, seed 001 "张量计算": backward ≈ 2 × forward (gradients w.r.t. inputs and weights)."""
+    """Book of LLMs §1.6 “forward and backward FLOPs”, CS336 notes "张量计算": backward ≈ 2 × forward (gradients w.r.t. inputs and weights)."""
     return 2 * forward
 
 
@@ -133,13 +135,13 @@ def six_nd_vs_exact(cfg: ModelConfig, B: int, S: int) -> dict[str, float]:
 
 def attention_share(cfg: ModelConfig, B: int, S: int, window: int | None = None) -> float:
     """Fraction of forward FLOPs in the S² terms (QKᵀ and A·V) of the layers that attend over keys (a hybrid's
-    recurrent layers have none); it grows with S (seed 000 §1.6)."""
+    recurrent layers have none); it grows with S (Book of LLMs §1.6 “forward and backward FLOPs”)."""
     att = sum(s.flops(cfg, B, S, S, window)[1] for s in layer_specs(cfg) if s.cache != "state")
     return att / forward_flops(cfg, B, S, window=window)
 
 
 def mfu(flops_per_step: float, step_time_s: float, peak_flops: float, n_devices: int = 1) -> float:
-    """Seed 001 "可用资源盘点" MFU: model FLOPs achieved per second / peak FLOP/s of the devices."""
+    """CS336 notes "可用资源盘点" MFU: model FLOPs achieved per second / peak FLOP/s of the devices."""
     if step_time_s <= 0:
         raise ValueError(f"step_time_s={step_time_s} must be > 0")
     return flops_per_step / step_time_s / (peak_flops * n_devices)
@@ -147,5 +149,5 @@ def mfu(flops_per_step: float, step_time_s: float, peak_flops: float, n_devices:
 
 def moe_ffn_flops(cfg: ModelConfig, B: int, T: int) -> int:
     """All layers' FFN forward FLOPs with MoE: a dense layer 6BTDF; an MoE layer 2BT × (router E·D + k routed
-    experts 3·D·F_e + shared experts), i.e. 2 FLOPs per *active* weight (seed 001 "MoE")."""
+    experts 3·D·F_e + shared experts), i.e. 2 FLOPs per *active* weight (CS336 notes "MoE")."""
     return sum(layer_ffn_flops(cfg, i, B, T) for i in range(cfg.n_layers))

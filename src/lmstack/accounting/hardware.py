@@ -1,7 +1,7 @@
-"""Accelerator specs and a measurement of this machine (seed 000 §4.1, seed 001 "可用资源盘点").
+"""Accelerator specs and a measurement of this machine (Book of LLMs §4.1 “HBM and SRAM”, CS336 notes "可用资源盘点").
 
-Seed 000 §4.1: HBM is the GPU's large, slow main memory (A100: 40 or 80 GB); SRAM is the small
-on-chip memory (about 20 MB on an A100). Seed 001 "计算强度分析" gives the H100 numbers the
+Book of LLMs §4.1 “HBM and SRAM”: HBM is the GPU's large, slow main memory (A100: 40 or 80 GB); SRAM is the small
+on-chip memory (about 20 MB on an A100). CS336 notes "计算强度分析" gives the H100 numbers the
 roofline uses: 9.89e14 FLOP/s and 3.35e12 bytes/s, a ridge point of about 295 FLOPs/byte.
 
 Units: FLOP/s are dense (no 2:4 sparsity; datasheets often quote the sparse figure, twice the
@@ -47,7 +47,7 @@ class Hardware:
         return self.peak_flops[key]
 
     def ridge_point(self, dtype: object = "bf16") -> float:
-        """Seed 001 "计算强度分析": peak FLOP/s / memory bandwidth, in FLOPs per byte."""
+        """CS336 notes "计算强度分析": peak FLOP/s / memory bandwidth, in FLOPs per byte."""
         return ridge_point(self.flops(dtype), self.hbm_bandwidth)
 
     def link_bandwidth(self, link: str = "nvlink") -> float:
@@ -68,14 +68,14 @@ def _no_link(hw: Hardware, link: str) -> float:
 
 
 def ridge_point(peak_flops: float, bandwidth: float) -> float:
-    """Seed 001 "计算强度分析": the arithmetic intensity (FLOPs/byte) where the roofline bends."""
+    """CS336 notes "计算强度分析": the arithmetic intensity (FLOPs/byte) where the roofline bends."""
     return peak_flops / bandwidth
 
 
 HARDWARE: dict[str, Hardware] = {
     # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM column: FP32 19.5 TF, TF32 156 TF,
     # BF16/FP16 312 TF, INT8 624 TOPS (dense); 40 GB HBM2 at 1,555 GB/s; NVLink 600 GB/s;
-    # PCIe Gen4 64 GB/s. SRAM: A100 whitepaper, 108 SMs x 192 KB L1/shared (seed 000 §4.1: ~20 MB).
+    # PCIe Gen4 64 GB/s. SRAM: A100 whitepaper, 108 SMs x 192 KB L1/shared (Book of LLMs §4.1 “HBM and SRAM”: ~20 MB).
     # InfiniBand: HDR 200 Gb/s ConnectX-6 (DGX A100).
     "a100-40gb": Hardware(
         name="a100-40gb",
@@ -114,7 +114,7 @@ HARDWARE: dict[str, Hardware] = {
     ),
     # NVIDIA H100 Tensor Core GPU datasheet / H100 whitepaper, SXM5 column, dense:
     # FP32 66.9 TF, TF32 494.7 TF, BF16/FP16 989.4 TF, FP8 1978.9 TF, INT8 1978.9 TOPS;
-    # 80 GB HBM3 at 3.35 TB/s (the numbers seed 001 uses: 9.89e14, 3.35e12, ridge ~295);
+    # 80 GB HBM3 at 3.35 TB/s (the numbers CS336 notes uses: 9.89e14, 3.35e12, ridge ~295);
     # NVLink 4 900 GB/s; PCIe Gen5 128 GB/s; 132 SMs x 256 KB L1/shared; NDR 400 Gb/s IB.
     "h100-sxm": Hardware(
         name="h100-sxm",
@@ -238,7 +238,7 @@ def measure_cpu(
     """Measure this machine: memory bandwidth (a large tensor copy) and matmul FLOP/s per dtype.
 
     Bandwidth = bytes read + bytes written by ``dst.copy_(src)`` / median time; matmul FLOP/s =
-    2·n³ / median time of an (n, n) @ (n, n) product (seed 001 "张量计算": 2·D·B·K FLOPs).
+    2·n³ / median time of an (n, n) @ (n, n) product (CS336 notes "张量计算": 2·D·B·K FLOPs).
     ``quick`` uses small sizes (well under a second) for tests; the numbers are then rough.
     """
     import torch  # only to measure: the formulas import without torch

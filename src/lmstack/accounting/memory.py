@@ -1,8 +1,8 @@
 """Memory: KV cache, inference and training budgets, and per-device training memory.
 
-Seed 000 §1.5 (activations), §1.7 (inference), §1.8 (training), §1.9 and §2.5 (KV-cache size
+Book of LLMs §1.5 (activations), §1.7 (inference), §1.8 (training), §1.9 and §2.5 (KV-cache size
 for MHA/MQA/GQA/MLA, sliding window), §6.4 (DDP and ZeRO-1/2/3), §6.5 (PP), §6.6 (TP);
-seed 001 "性能指标分析" (Memory_KV = 2·P·B·S·L·K·H) and "可用资源盘点".
+CS336 notes "性能指标分析" (Memory_KV = 2·P·B·S·L·K·H) and "可用资源盘点".
 Element counts use the seed symbols; ``*_bytes`` multiply by the bytes of a dtype (§5.2).
 """
 
@@ -19,9 +19,9 @@ from lmstack.model.mixer_spec import attention_kind, layer_specs, spec
 
 
 def kv_cache_elements(cfg: ModelConfig, B: int, S: int, window: int | None = None) -> int:
-    """Seed 000 §1.7: KV Cache Size = B·S·(K·H)·L·2 elements (2 for key and value).
+    """Book of LLMs §1.7 “inference memory”: KV Cache Size = B·S·(K·H)·L·2 elements (2 for key and value).
 
-    With a sliding window W (seed 000 §1.9, §2.5 "局部注意力") a token's K/V can be dropped
+    With a sliding window W (Book of LLMs §1.9 “sliding-window and sparse attention”, §2.5 "局部注意力") a token's K/V can be dropped
     once it leaves the window, so only min(S, W) positions are kept. Layer by layer (``model.mixer_spec``):
     a softmax layer keeps ``kv_layer_elements`` (MLA: its latent), a local one the W_local − 1 positions the next
     query needs, DSA its indexer keys too; a recurrent layer keeps a state instead (``accounting.mixers``), no KV.
@@ -35,21 +35,21 @@ def kv_cache_elements(cfg: ModelConfig, B: int, S: int, window: int | None = Non
 
 def kv_layer_elements(cfg: ModelConfig, B: int, S: int) -> int:
     """K/V elements one softmax-attention layer keeps for B sequences of S tokens: 2·B·S·K·H, or MLA's latent
-    B·S·(d_c + d_R) (seed 000 §2.5) — what a paged pool block holds per layer."""
+    B·S·(d_c + d_R) (Book of LLMs §2.5 “shrinking the KV cache”) — what a paged pool block holds per layer."""
     return B * int(spec(attention_kind(cfg)).cache_bytes(cfg, S, 1, 1))
 
 
 def kv_cache_bytes(
     cfg: ModelConfig, B: int, S: int, dtype: object = "bf16", window: int | None = None
 ) -> float:
-    """Seed 001 "性能指标分析": Memory_KV = 2·P·B·S·L·K·H bytes (P bytes per element)."""
+    """CS336 notes "性能指标分析": Memory_KV = 2·P·B·S·L·K·H bytes (P bytes per element)."""
     return kv_cache_elements(cfg, B, S, window) * bytes_per_element(dtype)
 
 
 def mla_kv_cache_bytes(
     B: int, S: int, L: int, latent_dim: int, rope_dim: int = 0, dtype: object = "bf16"
 ) -> float:
-    """Seed 000 §2.5 MLA: cache one latent (S, latent_dim) per layer instead of K and V, plus the
+    """Book of LLMs §2.5 “shrinking the KV cache” MLA: cache one latent (S, latent_dim) per layer instead of K and V, plus the
     decoupled-RoPE key of ``rope_dim`` (DeepSeek-V2: latent 512, RoPE key 64)."""
     return B * S * L * (latent_dim + rope_dim) * bytes_per_element(dtype)
 
@@ -62,7 +62,7 @@ def kv_cache_variants(
     mla_latent_dim: int = 512,
     mla_rope_dim: int = 64,
 ) -> dict[str, float]:
-    """Seed 000 §2.5: the same model's cache with MHA (K = N), its own GQA K, MQA (K = 1) and MLA."""
+    """Book of LLMs §2.5 “shrinking the KV cache”: the same model's cache with MHA (K = N), its own GQA K, MQA (K = 1) and MLA."""
     out = {
         "mha": kv_cache_bytes(cfg.replace(n_kv_heads=cfg.n_heads), B, S, dtype),
         "gqa": kv_cache_bytes(cfg, B, S, dtype),
@@ -78,7 +78,7 @@ def kv_cache_variants(
 def train_activation_elements_per_layer(
     cfg: ModelConfig, B: int, S: int, flash: bool = False
 ) -> int:
-    """Seed 000 §1.5: activations one layer keeps for backward.
+    """Book of LLMs §1.5 “activation memory”: activations one layer keeps for backward.
 
     attention: norm input BSD, norm output BSD, Q BS·NH, K and V BS·KH each, scores BNS²,
       attention output BSD                        -> 6BSD + BNS² at K = N
@@ -101,7 +101,7 @@ def train_activation_bytes(
     flash: bool = False,
     checkpoint: bool = False,
 ) -> float:
-    """Seed 000 §1.8: L × per-layer activations. With activation checkpointing only each layer's
+    """Book of LLMs §1.8 “training memory”: L × per-layer activations. With activation checkpointing only each layer's
     input (BSD) is kept and one layer's activations are rebuilt at a time in backward."""
     per_layer = train_activation_elements_per_layer(cfg, B, S, flash)
     if checkpoint:
@@ -114,7 +114,7 @@ def train_activation_bytes(
 def peak_activation_elements(
     cfg: ModelConfig, B: int, T: int, S: int | None = None, flash: bool = False
 ) -> int:
-    """Seed 000 §1.7: under inference_mode only one layer's activations are alive at a time:
+    """Book of LLMs §1.7 “inference memory”: under inference_mode only one layer's activations are alive at a time:
     input B·T·D + projections B·T·(NH + 2KH) (3BSD at K = N) + scores B·N·T·S (B·N·T with
     FlashAttention) + FFN hidden B·T·F. Prefill T = S gives O(BNS² + BSF); decode T = 1 O(BNS + BF)."""
     S = T if S is None else S
@@ -146,7 +146,7 @@ def inference_memory(
     kv_dtype: object | None = None,
     window: int | None = None,
 ) -> InferenceMemory:
-    """Seed 000 §1.7: Memory_inference = weights + KV cache + peak activations, at the prefill of
+    """Book of LLMs §1.7 “inference memory”: Memory_inference = weights + KV cache + peak activations, at the prefill of
     S tokens (the activation peak) with a cache of S positions; a hybrid's recurrent layers add their fp32
     states (and convolution inputs) to the cache (``model.mixer_spec``)."""
     w = total_params(cfg) * bytes_per_element(dtype)
@@ -185,7 +185,7 @@ class TrainingMemory:
 
 
 def training_state_bytes(n_params: float, mixed_precision: bool = True) -> dict[str, float]:
-    """Seed 000 §1.8 "训练四件套": fp32 master 4P, bf16 copy 2P, AdamW states 8P, fp32 grads 4P (18P)."""
+    """Book of LLMs §1.8 "训练四件套": fp32 master 4P, bf16 copy 2P, AdamW states 8P, fp32 grads 4P (18P)."""
     return {
         "master_weights": 4 * n_params,
         "low_precision_weights": 2 * n_params if mixed_precision else 0.0,
@@ -202,7 +202,7 @@ def training_memory(
     checkpoint: bool = False,
     mixed_precision: bool = True,
 ) -> TrainingMemory:
-    """Seed 000 §1.8: Memory_train = weights + optimizer states + gradients + activations,
+    """Book of LLMs §1.8 “training memory”: Memory_train = weights + optimizer states + gradients + activations,
     activations in bf16 (fp32 without mixed precision)."""
     states = training_state_bytes(total_params(cfg), mixed_precision)
     act = train_activation_bytes(
@@ -229,7 +229,7 @@ def training_memory_per_device(
 
     ddp   (§6.4) everything replicated; each device runs B/M sequences.
     zero1 (§6.4) AdamW states sharded 1/M;  zero2: + gradients 1/M;  zero3 (FSDP): + weights 1/M.
-      ZeRO does not shard activations (seed 001 "ZeRO 的另一个问题"); each device runs B/M.
+      ZeRO does not shard activations (CS336 notes "ZeRO 的另一个问题"); each device runs B/M.
     tp    (§6.6) Megatron TP: every matrix (and the vocab tables) split M ways, norms replicated;
       Q, K, V, scores, attention output and the F-sized gate/up activations are split by head or
       by F, while the norm inputs/outputs and the down output stay whole (no sequence parallel).
@@ -289,5 +289,5 @@ def training_memory_per_device(
 
 
 def weight_bytes(cfg: ModelConfig, dtype: object = "bf16") -> float:
-    """All parameters stored in ``dtype`` (seed 000 §5.2: bf16 2P, int8 P, int4 P/2)."""
+    """All parameters stored in ``dtype`` (Book of LLMs §5.2 “precision formats”: bf16 2P, int8 P, int4 P/2)."""
     return param_counts(cfg).total * bytes_per_element(dtype)

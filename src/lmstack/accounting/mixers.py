@@ -1,7 +1,7 @@
 """Per-mixer accounting: parameters, decode FLOPs per token, and cache bytes per sequence (KV or state).
 
-Seed 001 "注意力机制" (linear attention, Mamba-2, Gated DeltaNet, hybrids, DSA: O(n²) → O(n)),
-"推理时注意力开销" (one full-attention layer in four or six); seed 000 §1.9, §2.5 (a local layer keeps W
+CS336 notes "注意力机制" (linear attention, Mamba-2, Gated DeltaNet, hybrids, DSA: O(n²) → O(n)),
+"推理时注意力开销" (one full-attention layer in four or six); Book of LLMs §1.9 “sliding-window and sparse attention”, §2.5 (a local layer keeps W
 positions). The formulas are each mixer's spec (``lmstack.model.mixer_spec``); for one sequence at context S,
 layer by layer (``mixer_spec.layer_kinds``):
 

@@ -1,6 +1,6 @@
-"""Parameter counts (seed 000 §1.4; seed 001 "性能指标分析" Param formula).
+"""Parameter counts (Book of LLMs §1.4 “parameter count”; CS336 notes "性能指标分析" Param formula).
 
-Seed 000 §1.4, per component of the dense decoder (symbols of §1.1):
+Book of LLMs §1.4 “parameter count”, per component of the dense decoder (symbols of §1.1):
   embedding V·D; attention D·NH (W_Q) + 2·D·KH (W_K, W_V) + NH·D (W_O) = 2D² + 2DKH when NH = D;
   FFN 3·D·F (gate, up, down); RMSNorm gammas 2D per layer plus the final D; unembedding V·D.
   Total 2VD + L(4D² + 2D + 3DF) for MHA (K = N) with untied embeddings.
@@ -29,7 +29,7 @@ from lmstack.model.mixer_spec import (
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Parameters per component, summed over all L layers (seed 000 §1.4)."""
+    """Parameters per component, summed over all L layers (Book of LLMs §1.4 “parameter count”)."""
 
     embedding: int  # V·D
     attention: int  # every layer's token mixer: L·(D·NH + 2·D·KH + NH·D [+ NH + 2KH biases]) for softmax attention
@@ -51,19 +51,19 @@ class ParamCounts:
 
 
 def embedding_params(cfg: ModelConfig) -> int:
-    """Seed 000 §1.4: W_e is (V, D), V·D parameters."""
+    """Book of LLMs §1.4 “parameter count”: W_e is (V, D), V·D parameters."""
     return cfg.vocab_size * cfg.d_model
 
 
 def unembedding_params(cfg: ModelConfig) -> int:
-    """Seed 000 §1.4: W_u is (D, V), V·D parameters; none of its own when tied to W_e."""
+    """Book of LLMs §1.4 “parameter count”: W_u is (D, V), V·D parameters; none of its own when tied to W_e."""
     return 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
 
 
 def attention_params_per_layer(cfg: ModelConfig) -> int:
-    """Seed 000 §1.4: W_Q (D, NH), W_K (D, KH), W_V (D, KH), W_O (NH, D) = 2D² + 2DKH when NH = D.
+    """Book of LLMs §1.4 “parameter count”: W_Q (D, NH), W_K (D, KH), W_V (D, KH), W_O (NH, D) = 2D² + 2DKH when NH = D.
 
-    Seed 001 "性能指标分析" writes the same as DNH + 2DKH + DNH. With ``qkv_bias`` the q, k, v
+    CS336 notes "性能指标分析" writes the same as DNH + 2DKH + DNH. With ``qkv_bias`` the q, k, v
     projections carry NH + 2KH biases.
     """
     return spec(attention_kind(cfg)).params(
@@ -72,12 +72,12 @@ def attention_params_per_layer(cfg: ModelConfig) -> int:
 
 
 def ffn_params_per_layer(cfg: ModelConfig) -> int:
-    """Seed 000 §1.4: W_up (D, F), W_gate (D, F), W_down (F, D) = 3DF."""
+    """Book of LLMs §1.4 “parameter count”: W_up (D, F), W_gate (D, F), W_down (F, D) = 3DF."""
     return 3 * cfg.d_model * cfg.d_ff
 
 
 def norm_params_per_layer(cfg: ModelConfig) -> int:
-    """Seed 000 §1.4: two RMSNorm gammas of D per layer (pre-attention, pre-FFN), plus 2H for QK-norm
+    """Book of LLMs §1.4 “parameter count”: two RMSNorm gammas of D per layer (pre-attention, pre-FFN), plus 2H for QK-norm
     (a softmax-attention layer of the Llama block; ``layer_norm_params`` counts any layer)."""
     return 2 * cfg.d_model + spec(attention_kind(cfg)).norm_params(
         cfg
@@ -99,7 +99,7 @@ def layer_norm_params(cfg: ModelConfig, layer_idx: int) -> int:
 
 
 def param_counts(cfg: ModelConfig) -> ParamCounts:
-    """Exact parameter count of the lmstack Transformer for ``cfg``, by component (seed 000 §1.4), layer by layer."""
+    """Exact parameter count of the lmstack Transformer for ``cfg``, by component (Book of LLMs §1.4 “parameter count”), layer by layer."""
     L = cfg.n_layers
     return ParamCounts(
         embedding=embedding_params(cfg),
@@ -111,17 +111,17 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
 
 
 def total_params(cfg: ModelConfig) -> int:
-    """Seed 000 §1.4 P_total, generalised; equals sum(p.numel()) of the model."""
+    """Book of LLMs §1.4 “parameter count” P_total, generalised; equals sum(p.numel()) of the model."""
     return param_counts(cfg).total
 
 
 def seed_total_params(V: int, D: int, L: int, F: int) -> int:
-    """Seed 000 §1.4 verbatim: P_total = 2VD + L(4D² + 2D + 3DF) (MHA, untied, H = D/N)."""
+    """Book of LLMs §1.4 “parameter count” verbatim: P_total = 2VD + L(4D² + 2D + 3DF) (MHA, untied, H = D/N)."""
     return 2 * V * D + L * (4 * D * D + 2 * D + 3 * D * F)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Seed 001 "性能指标分析": Param = 2VD + 3DFL + (DNH + 2DKH + DNH)L.
+    """CS336 notes "性能指标分析": Param = 2VD + 3DFL + (DNH + 2DKH + DNH)L.
 
     The weights a decoding step streams from HBM: embedding and LM head (V·D once when tied),
     MLP and attention matrices; norms and biases are left out as the seed does (they are
@@ -147,7 +147,7 @@ def moe_params(
     expert_d_ff: int | None = None,
     moe_layers: int | None = None,
 ) -> MoEParams:
-    """Total vs active parameters when each FFN becomes a mixture of experts (seed 001 "MoE").
+    """Total vs active parameters when each FFN becomes a mixture of experts (CS336 notes "MoE").
 
     Each MoE layer holds ``n_experts`` routed SwiGLU experts of hidden size F_e (3·D·F_e each),
     ``n_shared_experts`` always-on experts of the same size, and a router (D, n_experts).
@@ -171,7 +171,7 @@ def moe_params(
 
 # ---- mixture of experts / MLA (model/moe.py, model/mla.py) ------------------------------------------
 def mla_params_per_layer(cfg: ModelConfig) -> int:
-    """MLA projections (seed 001 "有损提速"): q = D·N(H_n+d_R) (or D·d_c' + d_c'·N(H_n+d_R) compressed),
+    """MLA projections (CS336 notes "有损提速"): q = D·N(H_n+d_R) (or D·d_c' + d_c'·N(H_n+d_R) compressed),
     [W_DKV; W_KR] D·(d_c + d_R), [W_UK; W_UV] d_c·N(H_n + H_v), W_O N·H_v·D (norm gammas: ``norms``);
     the formula is ``model.mixer_spec.mla_params``, the MLA spec's count."""
     return mla_params(cfg)
@@ -202,7 +202,7 @@ def moe_layers(cfg: ModelConfig) -> int:
 
 
 def active_params(cfg: ModelConfig) -> int:
-    """Parameters one token uses (seed 001 "MoE", the routed/active/shared table): the total minus the
+    """Parameters one token uses (CS336 notes "MoE", the routed/active/shared table): the total minus the
     (E − k) routed experts it skips in every MoE layer. Equals ``total_params`` for a dense model."""
     return total_params(cfg) - moe_layers(cfg) * (
         cfg.n_experts - cfg.n_experts_per_token

@@ -1,4 +1,4 @@
-"""Bytes per element of each precision (seed 000 §5.2 "精度选项全景对比", seed 001 "内存占用").
+"""Bytes per element of each precision (Book of LLMs §5.2 "精度选项全景对比", CS336 notes "内存占用").
 
 fp32 4 bytes, fp16/bf16 2 bytes, int8 (and fp8) 1 byte, int4 half a byte. tf32 is a tensor-core
 compute mode over fp32 storage, so it occupies 4 bytes.
@@ -31,7 +31,7 @@ _ALIASES = {
     "i4": "int4",
 }
 
-# Seed 000 §5.2: FP32 4 B, FP16 2 B, BF16 2 B, INT8 1 B, INT4 0.5 B.
+# Book of LLMs §5.2 “precision formats”: FP32 4 B, FP16 2 B, BF16 2 B, INT8 1 B, INT4 0.5 B.
 BYTES_PER_ELEMENT: dict[str, float] = {
     "fp32": 4,
     "tf32": 4,
@@ -54,5 +54,5 @@ def canonical_dtype(dtype: object) -> str:
 
 
 def bytes_per_element(dtype: object) -> float:
-    """P in seed 001's Memory_KV = 2·P·B·S·L·K·H: bytes one element of ``dtype`` takes (§5.2)."""
+    """P in CS336 notes's Memory_KV = 2·P·B·S·L·K·H: bytes one element of ``dtype`` takes (§5.2)."""
     return BYTES_PER_ELEMENT[canonical_dtype(dtype)]

@@ -1,15 +1,15 @@
-"""Roofline of decoding and prefill (seed 001 "性能指标分析", seed 000 §2.1).
+"""Roofline of decoding and prefill (CS336 notes "性能指标分析", Book of LLMs §2.1 “latency and throughput”).
 
-Decoding is memory-bound (seed 001 "计算强度分析"), so a step's time is the bytes it must read
+Decoding is memory-bound (CS336 notes "计算强度分析"), so a step's time is the bytes it must read
 divided by the memory bandwidth; only the weights and the KV cache are counted (fused kernels
 make the rest a few per mille):
 
   Latency    = (Param·P + Memory_KV) / Mem_bandwidth          seconds per generated token
   Throughput = B / Latency                                    tokens/s over the batch
 
-Seed 000 §2.1 defines latency (time of one request's step) and throughput (tokens/s over all
+Book of LLMs §2.1 “latency and throughput” defines latency (time of one request's step) and throughput (tokens/s over all
 requests). Growing B raises both: the trade-off the batch sweep shows. Time to first token
-(seed 001 "推理"): the prefill's time plus one decoding step; prefill time is the roofline
+(CS336 notes "推理"): the prefill's time plus one decoding step; prefill time is the roofline
 max(FLOPs / peak, bytes / bandwidth).
 """
 
@@ -33,7 +33,7 @@ class DecodePoint:
     B: int
     S: int
     num_params: (
-        float  # seed 001 Param (matrices read by the step; expected experts touched for an MoE)
+        float  # CS336 notes Param (matrices read by the step; expected experts touched for an MoE)
     )
     memory_bytes: float  # Param·P + Memory_KV
     latency_s: float  # memory_bytes / bandwidth
@@ -57,19 +57,19 @@ class DecodePoint:
 
 
 def decode_latency(weight_bytes: float, kv_bytes: float, bandwidth: float) -> float:
-    """Seed 001 "性能指标分析": Latency = (Param + Memory_KV) / Mem_bandwidth."""
+    """CS336 notes "性能指标分析": Latency = (Param + Memory_KV) / Mem_bandwidth."""
     return (weight_bytes + kv_bytes) / bandwidth
 
 
 def decode_throughput(B: int, latency_s: float) -> float:
-    """Seed 001 "性能指标分析": Throughput = B / Latency."""
+    """CS336 notes "性能指标分析": Throughput = B / Latency."""
     return B / latency_s
 
 
 def decode_point(
     cfg: ModelConfig, hw: Hardware, B: int, S: int, dtype: object = "bf16"
 ) -> DecodePoint:
-    """One decoding step of B sequences with S cached positions each (seed 001 table row). A mixture of
+    """One decoding step of B sequences with S cached positions each (CS336 notes table row). A mixture of
     experts reads only the experts its B tokens touch (``params.decode_params``)."""
     params = decode_params(cfg, B)
     kv = kv_cache_bytes(cfg, B, S, dtype, cfg.sliding_window)
@@ -94,7 +94,7 @@ def decode_point(
 def decode_sweep(
     cfg: ModelConfig, hw: Hardware, batches, S: int, dtype: object = "bf16"
 ) -> list[DecodePoint]:
-    """The latency/throughput trade-off over batch sizes (seed 001 Llama-2-13B table)."""
+    """The latency/throughput trade-off over batch sizes (CS336 notes Llama-2-13B table)."""
     return [decode_point(cfg, hw, int(b), S, dtype) for b in batches]
 
 
@@ -123,7 +123,7 @@ def prefill_point(
 ) -> PrefillPoint:
     """Prefill of B prompts of S tokens: all-position forward without logits, plus the last
     position's logits; it reads the weights once and writes the KV cache. TTFT = prefill +
-    one decoding step (seed 001 "推理": 首 Token 延迟)."""
+    one decoding step (CS336 notes "推理": 首 Token 延迟)."""
     P = bytes_per_element(dtype)
     fl = forward_flops(cfg, B, S, logits=False, window=cfg.sliding_window) + unembedding_flops(
         cfg, B, 1

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from lmstack.inference.loader import add_model_arguments
 from lmstack.threads import add_threads_argument
-from lmstack.utils import FLOAT_DTYPES
+from lmstack.utils import FLOAT_DTYPES, atomic_write_text, check_outputs, own_folder_kind
 
 
 def _common(p: argparse.ArgumentParser, out: str) -> None:
@@ -24,6 +25,11 @@ def _common(p: argparse.ArgumentParser, out: str) -> None:
         "--no-chat", action="store_true", help="plain prompts instead of the chat template"
     )
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into --out even when it holds something else (another model, another run)",
+    )
     add_threads_argument(p)
 
 
@@ -145,9 +151,36 @@ def _json(text: str, flag: str) -> dict:
     return d
 
 
+MARKER = "align.json"  # written into --out first: the folder is an lmstack sft/dpo/grpo run
+
+
+def _own_out(args) -> None:
+    """Refuse an --out folder of another model or run (absent, empty or an earlier alignment run only;
+    --force overrides), before anything loads; then mark it as this command's. Under torchrun rank 0 does
+    it (the other ranks would see its half-written marker)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    command = args.func.__name__.removeprefix("cmd_")
+    inputs = [("--model", args.model), ("--tokenizer", args.tokenizer)]
+    inputs += [(f"--{k}", getattr(args, k, None)) for k in ("data", "val")]
+    check_outputs(
+        [("--out", args.out)],
+        [(label, p) for label, p in inputs if p and Path(p).exists()],
+        {"--out": own_folder_kind(command, MARKER)},
+        force=args.force,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / MARKER).exists():
+        atomic_write_text(
+            out / MARKER, json.dumps({"command": command, "model": args.model}) + "\n"
+        )
+
+
 def _load(args):
     from lmstack.inference.loader import load_for_inference
 
+    _own_out(args)
     model, tok = load_for_inference(args.model, args.tokenizer)
     if tok is None:
         raise ValueError(f"--model {args.model}: no tokenizer found; pass --tokenizer")

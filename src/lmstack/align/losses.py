@@ -1,4 +1,4 @@
-"""Post-training losses as pure functions on log-probabilities (seed 001 "模型对齐：RL 后训练微调").
+"""Post-training losses as pure functions on log-probabilities (CS336 notes "模型对齐：RL 后训练微调").
 
 Every function takes tensors and returns tensors; nothing here runs a model. Symbols: B sequences
 (B·G for a GRPO batch of G samples per prompt), T completion tokens, V the vocabulary; ``mask`` (B, T) is 1

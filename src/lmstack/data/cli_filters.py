@@ -72,7 +72,15 @@ def train_classifier_main(args: argparse.Namespace) -> int:
 
 def demo_main(args: argparse.Namespace) -> int:
     from lmstack.data.demo import run_demo
+    from lmstack.utils import check_outputs, own_folder_kind
 
+    # an earlier demo (its pipeline.toml or crawl/) resumes; another model's or run's folder is refused
+    check_outputs(
+        [("--out", args.out)],
+        [],
+        {"--out": own_folder_kind("data demo", "pipeline.toml", "crawl")},
+        force=args.force,
+    )
     kw = {"address": args.ray_address} if args.executor == "ray" else {}
     run_demo(
         args.out,
@@ -135,6 +143,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "--tiny",
         action="store_true",
         help="a small crawl (16 clean pages, <= 8 real ones): seconds",
+    )
+    d.add_argument(
+        "--force",
+        action="store_true",
+        help="write into --out even when it holds something else (another model, another run)",
     )
     d.set_defaults(func=demo_main)
 

@@ -1,4 +1,4 @@
-"""Evaluation (seed 001 "基准测试"; seed 000 perplexity): perplexity and bits per byte, a task runner
+"""Evaluation (CS336 notes "基准测试"; Book of LLMs perplexity): perplexity and bits per byte, a task runner
 (multiple choice, continuation log-likelihood, generation), the lm-evaluation-harness model class,
 arena ratings (Elo, Bradley–Terry) from battles or from a pairwise judge, and contamination tests (exchangeability, n-gram overlap).
 docs/eval.md."""

@@ -1,4 +1,4 @@
-"""Arena ratings from pairwise battles (seed 001 "基准测试": Chatbot Arena rates models from human
+"""Arena ratings from pairwise battles (CS336 notes "基准测试": Chatbot Arena rates models from human
 pairwise votes "like chess").
 
 A battles file is JSONL, one battle a line: ``{"model_a": str, "model_b": str, "winner": w}`` with

@@ -1,4 +1,4 @@
-"""Train–test contamination (seed 001 "基准测试": overlap between training and evaluation data).
+"""Train–test contamination (CS336 notes "基准测试": overlap between training and evaluation data).
 
 - **Exchangeability test** (Oren et al. 2023, "Proving Test Set Contamination in Black Box Language
   Models"): if a model never saw a benchmark, the benchmark's examples are exchangeable, so the

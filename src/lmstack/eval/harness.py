@@ -1,4 +1,4 @@
-"""lm-evaluation-harness model class ``lmstack`` (seed 001 "基准测试": the tool people actually run).
+"""lm-evaluation-harness model class ``lmstack`` (CS336 notes "基准测试": the tool people actually run).
 
 ``LMStackLM`` is registered as ``lmstack`` in lm-eval's model registry. lm-eval reads no entry points,
 so the installed package ships a .pth hook (``lmstack._lm_eval_hook``) that registers the lazy name

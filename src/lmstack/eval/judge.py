@@ -1,4 +1,4 @@
-"""Pairwise LLM-as-judge battles (seed 001 "基准测试": judge benchmarks such as AlpacaEval/WildBench, and
+"""Pairwise LLM-as-judge battles (CS336 notes "基准测试": judge benchmarks such as AlpacaEval/WildBench, and
 their agreement with the Arena): models answer the same prompts, a judge model compares each pair of
 answers, and the verdicts are battles for ``arena.rate``.
 

@@ -1,5 +1,5 @@
-"""Perplexity and bits per byte of a model on a text or token file (seed 000: perplexity = exp of the
-mean cross-entropy; seed 001 "基准测试": perplexity and its limits).
+"""Perplexity and bits per byte of a model on a text or token file (Book of LLMs: perplexity = exp of the
+mean cross-entropy; CS336 notes "基准测试": perplexity and its limits).
 
 Strided sliding windows, as the transformers documentation ("Perplexity of fixed-length models")
 describes: windows of ``max_length`` tokens start every ``stride`` tokens; each window scores only the

@@ -1,5 +1,5 @@
 """Run task files on a model: log-likelihoods through ``scoring``, generation through the engine (``LLM``),
-metrics as lm-evaluation-harness defines them, standard errors, JSON and a table (seed 001 "基准测试").
+metrics as lm-evaluation-harness defines them, standard errors, JSON and a table (CS336 notes "基准测试").
 
 - multiple choice: ``acc`` = the option with the largest summed log-probability is the gold one;
   ``acc_norm`` = the same after dividing each option's log-probability by its length in characters

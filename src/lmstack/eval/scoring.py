@@ -1,6 +1,6 @@
 """Log-probabilities of token rows under a model: the one primitive every evaluation here uses.
 
-Seed 000 (perplexity = exp of the mean cross-entropy) and seed 001 "基准测试" (log-likelihood
+Book of LLMs (perplexity = exp of the mean cross-entropy) and CS336 notes "基准测试" (log-likelihood
 scoring of options and continuations). ``score_rows`` runs the model's own forward
 (``Transformer.forward(tokens, return_hidden=True)`` then ``unembed``) over right-padded batches
 of rows; causal attention means a row's padding never reaches its real positions. The logits are

@@ -1,5 +1,5 @@
 """Evaluation tasks defined in small files: a YAML task spec naming a JSONL data file, or a JSONL file
-alone (seed 001 "基准测试": exams scored by log-likelihood, generation tasks).
+alone (CS336 notes "基准测试": exams scored by log-likelihood, generation tasks).
 
 Three kinds, as lm-evaluation-harness names them:
 

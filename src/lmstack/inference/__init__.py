@@ -1,5 +1,5 @@
 """Inference: KV caches (contiguous, paged with prefix sharing), sampling, the continuous-batching
-engine, speculative decoding and chat (seed 000 §2, seed 001 "推理").
+engine, speculative decoding and chat (Book of LLMs §2 “inference”, CS336 notes "推理").
 
 - ``generate``: batch-1 streaming with the contiguous ``KVCache`` (the fast interactive path);
 - ``LLM`` / ``LLMEngine`` / ``AsyncLLM``: iteration-level scheduling over ``PagedKVCache``;

@@ -1,6 +1,6 @@
 """``AsyncLLM``: the streaming API an asyncio server sits on, over one ``LLMEngine``.
 
-Seed 001 "动态负载": requests arrive and leave (client disconnects) while the engine runs; they are
+CS336 notes "动态负载": requests arrive and leave (client disconnects) while the engine runs; they are
 applied between iterations, so one thread at a time touches the engine, through its public methods
 (``add_request``, ``abort_request``, ``abort_all``, ``step``, ``new_request_id``).
 """

@@ -1,6 +1,6 @@
 """The block manager of the paged KV cache: which physical block holds which tokens of which sequence.
 
-Seed 001 "动态负载" (vLLM PagedAttention). A sequence's *block table* maps its logical block i
+CS336 notes "动态负载" (vLLM PagedAttention). A sequence's *block table* maps its logical block i
 (tokens i·bs .. i·bs+bs-1) to a physical block of the pool; identical spans share blocks:
 
 - reference counts: a block is free when no sequence refers to it;
@@ -258,7 +258,7 @@ class BlockManager:
 
     def release_outside_window(self, seq_id: Hashable, window: int) -> int:
         """Free the blocks no future token can see under a sliding window of ``window`` positions
-        (seed 000 §1.9, Mistral-style): the next token (position p = stored tokens) sees keys
+        (Book of LLMs §1.9 “sliding-window and sparse attention”, Mistral-style): the next token (position p = stored tokens) sees keys
         p-W+1 .. p, so block i is dead once (i+1)·bs <= p-W+1. Its table entry becomes
         NULL_BLOCK (never gathered again); a cached prefix block stays evictable for later hits.
         Returns the number of blocks released now.

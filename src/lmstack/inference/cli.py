@@ -1,6 +1,6 @@
 """``lmstack generate`` (stream a continuation) and ``lmstack chat`` (interactive, chat template).
 
-Seed 001 "推理流程": the prompt is prefilled once, then tokens are decoded one by one and
+CS336 notes "推理流程": the prompt is prefilled once, then tokens are decoded one by one and
 printed as soon as they form complete UTF-8 text; TTFT and decode tokens/s are reported.
 """
 

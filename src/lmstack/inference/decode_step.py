@@ -1,5 +1,5 @@
 """The engine's decode-only iteration: B single-token rows over the paged cache in fixed shapes,
-optionally compiled once per bucket (seed 001 "推理流程": decode is memory-bound, everything but the
+optionally compiled once per bucket (CS336 notes "推理流程": decode is memory-bound, everything but the
 weight reads is overhead; vLLM's padded decode batches with captured graphs).
 
 A step where every scheduled sequence feeds exactly its next token (no prefill chunk, no drafts) does

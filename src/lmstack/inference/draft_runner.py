@@ -1,7 +1,7 @@
 """Draft-model speculation inside the batching engine: a small model q proposes k tokens for every
 decoding sequence at once, from its own paged KV cache.
 
-Seed 000 §2.3 and seed 001 "无损提速" (speculative decoding, Leviathan et al. 2023 / Chen et al.
+Book of LLMs §2.3 “speculative decoding” and CS336 notes "无损提速" (speculative decoding, Leviathan et al. 2023 / Chen et al.
 2023). Per iteration the scheduler asks ``propose_batch`` for the running sequences that decode; the
 draft then runs 1 + (k − 1) batched forwards over them:
 

@@ -1,7 +1,7 @@
 """The serving engine: iteration-level scheduling over a paged KV cache, in named parts.
 
-Seed 000 §2.1 (latency vs throughput), §2.2 (continuous and selective batching, token-budget
-batching), §2.3 (speculation); seed 001 "推理流程", "性能指标分析" (TTFT, latency, throughput)
+Book of LLMs §2.1 (latency vs throughput), §2.2 (continuous and selective batching, token-budget
+batching), §2.3 (speculation); CS336 notes "推理流程", "性能指标分析" (TTFT, latency, throughput)
 and "动态负载" (Orca, vLLM PagedAttention). Every ``step()`` is one iteration:
 
 1. the ``Scheduler`` picks (sequence, tokens) pairs under the token budget — decodes, prefill
@@ -503,8 +503,8 @@ class GenerationError(RuntimeError):
 
 
 def __getattr__(name: str):
-    """``from lmstack.inference.engine import LLM / AsyncLLM`` (their home before they had modules
-    of their own) still works; new code imports them from ``lmstack.inference``."""
+    """``from lmstack.inference.engine import LLM / AsyncLLM`` works too (imported on first use: they
+    import this module); their modules are ``inference.llm`` and ``inference.async_llm``."""
     if name == "LLM":
         from lmstack.inference.llm import LLM
 

@@ -1,6 +1,6 @@
 """Batch-1 generation: prefill the prompt once, then decode with the KV cache — one loop, step strategies.
 
-Seed 000 §2.4 (KV cache), §2.3 (speculative decoding), §2.6 (sampling); seed 001 "推理流程"
+Book of LLMs §2.4 (KV cache), §2.3 (speculative decoding), §2.6 (sampling); CS336 notes "推理流程"
 (prefill vs decode; text is shown as soon as it forms complete UTF-8, TTFT and decode tokens/s).
 The contiguous cache, the static (compiled) decoder, full recomputation and speculation are
 strategies of ``_decode``; the ``LLMEngine`` is the batched loop over the paged cache.

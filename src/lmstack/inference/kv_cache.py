@@ -1,10 +1,10 @@
-"""The per-sequence caches, one sequence per batch row (seed 000 §2.4 KV cache, §1.7 its bytes; ``model.cache``
+"""The per-sequence caches, one sequence per batch row (Book of LLMs §2.4 “the KV cache” KV cache, §1.7 its bytes; ``model.cache``
 is the contract every cache keeps and the abilities it declares):
 
 - ``KVCache``: contiguous, preallocated K/V, two (L, B, K, S_max, H) tensors: KV bytes =
-  2 · B · S_max · K · H · L · bytes per element (seed 000 §1.7). ``ROLLBACK``.
+  2 · B · S_max · K · H · L · bytes per element (Book of LLMs §1.7 “inference memory”). ``ROLLBACK``.
 - ``StaticKVCache``: fixed shapes for a compiled decode step (``inference.static``). ``STATIC``, ``ROLLBACK``.
-- ``QuantizedKVCache``: int8 / fp8 e4m3 blocks through the KV codec (``quant.kv_codec``; seed 001
+- ``QuantizedKVCache``: int8 / fp8 e4m3 blocks through the KV codec (``quant.kv_codec``; CS336 notes
   "性能指标分析": P = 1 byte halves a bf16 cache). ``QUANTISED``.
 - ``LatentKVCache``: MLA's latent [c ; k_R] per token (``model.mla``). ``LATENT``, ``ROLLBACK``.
 - ``MixerCache``: a hybrid's K/V (windowed layers keep their last W − 1) and recurrent states, and per-layer

@@ -1,6 +1,6 @@
 """``LLM``: offline batch inference over one ``LLMEngine`` (vLLM's ``LLM.generate`` shape).
 
-Seed 001 "推理流程": the prompts are checked and queued together, then the engine is stepped until
+CS336 notes "推理流程": the prompts are checked and queued together, then the engine is stepped until
 each of this call's requests has finished; outputs come back in prompt order.
 """
 

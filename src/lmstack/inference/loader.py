@@ -1,7 +1,7 @@
 """Load a model for inference: the weights in the asked format, its tokenizer, checked to belong together.
 
 The one loader behind ``LLM(...)`` and ``lmstack generate`` / ``lmstack chat`` / ``lmstack serve``.
-``dtype`` "int8"/"int4" means fp32 weights with weight-only quantised linears (:mod:`lmstack.quant`);
+``dtype`` "int8"/"int4" (any of ``quant.model.FORMATS``) means fp32 weights with weight-only quantised linears;
 "auto" (``lmstack serve``'s default) keeps a quantised GGUF quantised: Q4_0/Q4_1/Q4_K block linears
 become int4 linears (groups of 32, as the file's blocks), Q8_0 ones int8, and the unembedding follows
 the file's output (or tied embedding) tensor; any other model loads in fp32 (``native_weight_format``).
@@ -14,11 +14,11 @@ import os
 import torch
 
 from lmstack.model.io import NAMED_MODELS, find_named_model, load_model
-from lmstack.quant import quantize_model
+from lmstack.quant import QUANT_METHODS, quantize_model
 from lmstack.tokenizer import load_tokenizer
 from lmstack.utils import FLOAT_DTYPES, torch_dtype
 
-QUANT = ("int8", "int4")
+QUANT = QUANT_METHODS  # the weight-only formats (quant.model.FORMATS, registered ones too)
 AUTO = "auto"  # the file's own format (``native_weight_format``)
 
 

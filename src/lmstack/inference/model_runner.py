@@ -1,7 +1,7 @@
 """The model runner: one forward for one iteration, then the tokens it yields.
 
-Seed 000 §2.2 (Orca's selective batching), §2.3 (speculative verification), §2.6 (sampling);
-seed 001 "推理流程". The scheduled sequences' new tokens — decode tokens first, then prefill
+Book of LLMs §2.2 (Orca's selective batching), §2.3 (speculative verification), §2.6 (sampling);
+CS336 notes "推理流程". The scheduled sequences' new tokens — decode tokens first, then prefill
 chunks and speculative drafts — are flattened into one (1, T) row without padding, with
 per-token positions and sequence ids; the cache's batch object gives the attention seam its
 slots and key metadata from the block tables. Only the rows that need a next token go through

@@ -1,13 +1,13 @@
-"""Paged KV storage and the batches that attend over it (seed 001 "动态负载", vLLM PagedAttention).
+"""Paged KV storage and the batches that attend over it (CS336 notes "动态负载", vLLM PagedAttention).
 
 Storage is two tensors (L, num_blocks, bs, K, H): KV bytes = 2·P·(num_blocks·bs)·L·K·H, the
-accounting formula (seed 001 "性能指标分析") with B·S = num_blocks·bs. Which block holds what is
+accounting formula (CS336 notes "性能指标分析") with B·S = num_blocks·bs. Which block holds what is
 the ``BlockManager``'s business (``cache.blocks``); this module moves K/V and builds one forward's
 view of the pool. A batch object plugs into the attention seam (``lmstack.model.seam``): its
 ``attend`` scatters this step's K/V into their slots, gathers each sequence's blocks with their
 positions (−1 = empty) and calls the model's attention implementation on them.
 
-Quantised blocks (``dtype="int8"`` or ``"fp8"``, seed 001 "低精度计算"): the pool holds 1-byte codes plus one
+Quantised blocks (``dtype="int8"`` or ``"fp8"``, CS336 notes "低精度计算"): the pool holds 1-byte codes plus one
 float32 scale per (layer, block, KV head) for K and for V, over the block's filled bs × H values, through the one
 KV codec ``quant.kv_codec`` (int8 s = max|x|/127; fp8 e4m3 s = 2^⌈log2(max|x|/448)⌉, and why).
 KV bytes = 2·1·NB·bs·L·K·H + 2·4·NB·L·K (``kv_pool_bytes``).
@@ -278,7 +278,7 @@ class PagedKVCache:
         self, rows: Sequence[tuple[Hashable, int, int]], selective: bool = True
     ) -> tuple[PackedPagedBatch, Tensor, Tensor]:
         """One flattened forward for rows (seq_id, start, n): every row's tokens side by side in one
-        (1, T) row, T = Σ n, no padding (Orca's selective batching, seed 000 §2.2).
+        (1, T) row, T = Σ n, no padding (Orca's selective batching, Book of LLMs §2.2 “batching and packing”).
 
         Returns the seam object, positions (1, T) and sequence ids (1, T) (the row index of each
         token, for the model's ``document_ids``). ``selective=True`` gives a ``SelectivePagedBatch``

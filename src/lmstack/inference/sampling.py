@@ -1,4 +1,4 @@
-"""Sampling: turn one step's logits into the next token (seed 000 §2.6, seed 001 "推理流程").
+"""Sampling: turn one step's logits into the next token (Book of LLMs §2.6 “sampling”, CS336 notes "推理流程").
 
 The order follows the industrial samplers the seed describes (and HF / vLLM):
 
@@ -14,7 +14,7 @@ The order follows the industrial samplers the seed describes (and HF / vLLM):
 
 ``SamplingParams`` also carries the stopping rules (max_tokens, stop token ids, stop strings)
 and the per-request seed. ``target_probs`` returns the filtered distribution itself because
-speculative decoding (seed 000 §2.3) needs p and q, not only a sample.
+speculative decoding (Book of LLMs §2.3 “speculative decoding”) needs p and q, not only a sample.
 """
 
 from __future__ import annotations

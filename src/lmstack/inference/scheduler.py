@@ -1,5 +1,5 @@
 """The scheduler: which sequences run in the next iteration, with how many tokens, and what
-happens to them afterwards (seed 000 §2.2 token-budget batching; seed 001 "动态负载", Orca
+happens to them afterwards (Book of LLMs §2.2 “batching and packing” token-budget batching; CS336 notes "动态负载", Orca
 iteration-level scheduling, vLLM preemption by recomputation).
 
 ``schedule`` fills a token budget (``max_num_batched_tokens``): running sequences first (a decode

@@ -1,6 +1,6 @@
 """One request inside the engine: its tokens, progress through the cache, and what it produced.
 
-Seed 001 "动态负载" (a sequence moves waiting → running → finished, and back to waiting when it
+CS336 notes "动态负载" (a sequence moves waiting → running → finished, and back to waiting when it
 is preempted) and "性能指标分析" (arrival, first-token and finish times give TTFT and latency).
 """
 

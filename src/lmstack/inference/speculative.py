@@ -1,6 +1,6 @@
 """Speculative decoding: a cheap proposer guesses k tokens, the target checks them in one pass.
 
-Seed 000 §2.3 and seed 001 "无损提速". The target p scores the k drafted tokens x_1..x_k in a
+Book of LLMs §2.3 “speculative decoding” and CS336 notes "无损提速". The target p scores the k drafted tokens x_1..x_k in a
 single forward (a prefill of k+1 tokens, about as cheap as one decode step when decoding is
 memory-bound). Each x_i is accepted with probability min(1, p(x_i)/q(x_i)); at the first
 rejection the remaining drafts are discarded and a token is drawn from
@@ -15,7 +15,7 @@ Proposers:
 - prompt lookup (n-gram): find the most recent earlier occurrence of the last n tokens and
   propose what followed it; q is one-hot on the proposal, so acceptance is p(x).
 
-The expected acceptance rate is α = Σ_x min(p(x), q(x)) (seed 001); ``SpeculativeStats``
+The expected acceptance rate is α = Σ_x min(p(x), q(x)) (CS336 notes); ``SpeculativeStats``
 reports the measured rate and the tokens produced per target forward.
 """
 
@@ -66,7 +66,7 @@ def ngram_propose(tokens: Sequence[int], k: int, max_n: int = 3, min_n: int = 1)
 def rejection_sample(
     p: Tensor, q: Tensor, draft: Sequence[int], generator: torch.Generator | None = None
 ) -> tuple[list[int], int]:
-    """Seed 000 §2.3 accept/reject. p (k+1, V) target, q (k, V) proposer, draft: k token ids.
+    """Book of LLMs §2.3 “speculative decoding” accept/reject. p (k+1, V) target, q (k, V) proposer, draft: k token ids.
 
     Returns (emitted tokens, number of accepted drafts): the accepted drafts followed by one
     token — the residual sample at the first rejection, or the bonus token from p[k].

@@ -1,6 +1,6 @@
 """The recurrent-state pool: per-sequence states of a hybrid model's recurrent layers, next to the paged KV blocks.
 
-Seed 001 "注意力机制" (linear attention, Mamba-2 and Gated DeltaNet keep an O(1) state per sequence — the
+CS336 notes "注意力机制" (linear attention, Mamba-2 and Gated DeltaNet keep an O(1) state per sequence — the
 matrix S plus the short convolution's last K_c − 1 inputs — instead of K/V that grow with S) and "动态负载"
 (a sequence enters on admission and leaves on finish, abort or preemption). The pool holds, for every
 recurrent layer, tensors (num_slots, ...) shaped like the mixer's own state; a sequence gets one slot when the

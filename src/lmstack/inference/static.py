@@ -1,6 +1,6 @@
 """The fast batch-1 decode path: a static KV cache and a decode step compiled once.
 
-Seed 000 §2.4 (KV cache), seed 001 "推理流程" (decode is one token per step and memory-bound:
+Book of LLMs §2.4 (KV cache), CS336 notes "推理流程" (decode is one token per step and memory-bound:
 the weights are read once per token, everything else is overhead). ``StaticKVCache`` has fixed
 shapes (B, K, S_max, H) per layer and writes with ``index_copy_`` at tensor positions, so a decode
 step never reads a value back to the host and never changes shape; ``torch.compile`` can then
@@ -100,7 +100,7 @@ class StaticDecoder:
         """After the first compiled step: if it is one graph with one output whose inputs are this step's
         token and position plus tensors that live as long as the decoder (parameters, buffers, the cache,
         the RoPE tables), later steps call that graph directly with those tensors, without Dynamo's guard
-        checks (about 1 ms of a 4.6 ms SmolLM2 int4 step on one CPU thread: the guards walk every parameter)."""
+        checks (the guards walk every parameter: a sizeable part of a small model's step; docs/inference.md)."""
         self._want_direct = False
         if len(self._graphs) != 1:
             return

@@ -1,6 +1,6 @@
 """Stopping: the token rules and stop strings — the one place that decodes, cuts and holds text back.
 
-Seed 000 §2.6 (stopping rules), seed 001 "推理流程". A stop string can span several tokens and a
+Book of LLMs §2.6 (stopping rules), CS336 notes "推理流程". A stop string can span several tokens and a
 token can end in the middle of a UTF-8 character, so while a request runs the text shown is held
 back by an incomplete character and by the last ``max(len(stop)) - 1`` characters (they may be
 the start of a stop string). Used by the engine and by ``stream_generate``.

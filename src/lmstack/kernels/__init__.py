@@ -1,8 +1,8 @@
 """Kernels: the attention/RMSNorm registry and runtime config, FlashAttention-2 (tiled PyTorch and
 Triton), fused RMSNorm (Triton), benchmarking.
 
-Seed 000 §2.7 (FlashAttention: tiling + online softmax, exact, O(S) memory), §4.1 (HBM vs SRAM);
-seed 001 "GPU 架构", "优化技巧", "工程细节 / 基准测试", "Triton Kernel", "FlashAttention".
+Book of LLMs §2.7 (FlashAttention: tiling + online softmax, exact, O(S) memory), §4.1 (HBM vs SRAM);
+CS336 notes "GPU 架构", "优化技巧", "工程细节 / 基准测试", "Triton Kernel", "FlashAttention".
 
 Triton is never imported by ``import lmstack.kernels``: the Triton modules
 (``flash_triton``, ``triton_rmsnorm``) load on first use, and every feature has a CPU path.

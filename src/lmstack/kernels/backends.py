@@ -1,7 +1,7 @@
 """The registry of attention / RMSNorm implementations, and the one ``auto`` policy.
 
-Seed 000 §2.7 (FlashAttention is exact, so every backend computes the same function),
-seed 001 "优化技巧" (fusion, tiling). Backends:
+Book of LLMs §2.7 (FlashAttention is exact, so every backend computes the same function),
+CS336 notes "优化技巧" (fusion, tiling). Backends:
 
 attention  ``sdpa``           F.scaled_dot_product_attention (on CUDA its FlashAttention-2 kernel)
            ``reference``      softmax(QKᵀ/√H + mask) V, materialising the (T, S) matrix
@@ -22,18 +22,17 @@ rmsnorm    ``torch``          the eager fp32 formula in lmstack.model.layers.RMS
 
 ``auto`` for attention resolves to ``sdpa`` on every device, with one exception: on CPU, when
 autograd records (training) under bf16/fp16 autocast and nothing is being compiled, it resolves to
-``matmul`` — there SDPA's CPU flash backward costs ~6x its forward, and the matmul path (SDPA's
-forward + its own block-triangular backward) measured 33 ms vs SDPA's 42 ms per layer (B=16, N=4,
-K=2, T=S=256, H=64, one thread; docs/training.md) and 87–103 vs 95–116 ms at T=S=512; at T=S=1024
-SDPA is faster (293 vs 329 ms), so beyond ``CPU_TRAINING_MAX_KEYS`` = 512 keys ``auto`` stays on
-SDPA (512–1024 is not measured; the cut is at the last length where ``matmul`` was faster).
+``matmul`` — there SDPA's CPU flash backward costs several times its forward, and the matmul path (SDPA's
+forward + its own block-triangular backward) is faster up to T=S=512 and slower at 1024, so beyond
+``CPU_TRAINING_MAX_KEYS`` = 512 keys ``auto`` stays on SDPA (the figures, and the CPU they were measured
+on: docs/training.md).
 In fp32, for inference and under torch.compile SDPA stays faster or fuses better.
 The policy is applied once, by ``choose_attention`` when a model, engine or trainer is built (with
 what the builder knows: device, training under autocast, longest key length, compile), never per
 call. On CUDA SDPA dispatches to
 FlashAttention-2 in CUDA, which the
-Triton kernel aims to match (≥ 0.9x) but has not been measured against on this project's
-machines, so it is not promoted to the default. Change ``FASTEST_ATTENTION`` once it has.
+Triton kernel aims to match (≥ 0.9x); it is not the default until a measurement on a GPU shows it does
+(``FASTEST_ATTENTION``).
 """
 
 from __future__ import annotations
@@ -91,7 +90,7 @@ class MatmulAttentionImpl:
 
 
 class FlashAttentionImpl:
-    """FlashAttention-2 (seed 000 §2.7), tiled PyTorch or Triton, for the plain causal case; a call
+    """FlashAttention-2 (Book of LLMs §2.7 “FlashAttention tiling”), tiled PyTorch or Triton, for the plain causal case; a call
     whose metadata needs an explicit mask (KV-cache slots, window, packed documents) runs sdpa."""
 
     def __init__(self, name: str):
@@ -242,7 +241,7 @@ def resolve_norm_backend(name: str, x: Tensor) -> str:
 
 
 def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm (seed 000 §1.10) through the fused Triton kernel (imports Triton on first use)."""
+    """RMSNorm (Book of LLMs §1.10 “RMSNorm”) through the fused Triton kernel (imports Triton on first use)."""
     from lmstack.kernels.triton_rmsnorm import rmsnorm_triton
 
     return rmsnorm_triton(x, weight, eps)

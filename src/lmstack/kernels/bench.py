@@ -1,6 +1,6 @@
 """Benchmarking and profiling harness: timing, peak memory, NVTX ranges, model step breakdown.
 
-Seed 001 "工程细节 / 基准测试":
+CS336 notes "工程细节 / 基准测试":
 - time with ``timeit.default_timer`` (the highest-resolution clock), not ``time.time``;
 - call ``torch.cuda.synchronize()`` before reading the clock, since CUDA launches are asynchronous;
 - warm up before timing and take several repeats (median and min are reported);

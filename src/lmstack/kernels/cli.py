@@ -1,4 +1,4 @@
-"""``lmstack bench``: time attention backends or a model's training step (seed 001 "基准测试").
+"""``lmstack bench``: time attention backends or a model's training step (CS336 notes "基准测试").
 
     lmstack bench model --preset smollm2-135m --n-layers 2 --batch 2 --seq 128 [--json out.json] [--nvtx]
     lmstack bench attention --seq 256,512,1024 --backends sdpa,flash_pytorch,reference

@@ -1,10 +1,10 @@
 """FlashAttention-2 in plain PyTorch: tiled forward with online softmax, tiled recomputing backward.
 
-Seed 000 §2.7: standard attention writes the (S_q, S_k) score matrix to HBM and reads it back
+Book of LLMs §2.7 “FlashAttention tiling”: standard attention writes the (S_q, S_k) score matrix to HBM and reads it back
 several times, so it is memory-bound and needs O(S²) memory; FlashAttention cuts Q, K and V
 into tiles, keeps a running max m and running sum ℓ per query row ("online softmax"), and never
 materialises the full matrix — activations drop from O(S²) to O(S), and the result is exact.
-Seed 001 "FlashAttention": the product with V is the collector that lets a later K/V tile
+CS336 notes "FlashAttention": the product with V is the collector that lets a later K/V tile
 correct the output of earlier ones ("online tiled attention").
 
 This module is the readable reference of the algorithm; ``flash_triton`` is the same algorithm
@@ -25,7 +25,7 @@ from torch import Tensor
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Tiles are computed in fp32 (fp64 stays fp64) and the output cast back (seed 000 §5.1)."""
+    """Tiles are computed in fp32 (fp64 stays fp64) and the output cast back (Book of LLMs §5.1 “mixed precision and underflow”)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -62,7 +62,7 @@ def flash_attention_forward(
     block_q: int = 64,
     block_k: int = 64,
 ) -> tuple[Tensor, Tensor]:
-    """Tiled forward pass (FlashAttention-2 Algorithm 1, seed 000 §2.7 five steps).
+    """Tiled forward pass (FlashAttention-2 Algorithm 1, Book of LLMs §2.7 “FlashAttention tiling” five steps).
 
     q: (B, N, T, H); k, v: (B, K, S, H). Returns O (B, N, T, H) in q.dtype and the
     log-sum-exp L = m + log ℓ (B, N, T) in the compute dtype. Peak extra memory is one
@@ -169,12 +169,12 @@ def make_flash_function(
     doc: str,
     default_blocks: tuple[int | None, int | None] = (None, None),
 ) -> type[torch.autograd.Function]:
-    """An autograd.Function around a FlashAttention-2 pair (seed 000 §2.7) shared by every implementation.
+    """An autograd.Function around a FlashAttention-2 pair (Book of LLMs §2.7 “FlashAttention tiling”) shared by every implementation.
 
     ``forward_impl(q, k, v, causal, scale, block_q, block_k) -> (O, L)``;
     ``backward_impl(dO, q, k, v, O, L, causal, scale, block_q, block_k) -> (dQ, dK, dV)``.
     Only Q, K, V, O and the log-sum-exp L (B, N, T) are saved; backward recomputes P tile by tile
-    (seed 001 "优化技巧 / 重计算").
+    (CS336 notes "优化技巧 / 重计算").
     """
 
     def forward(
@@ -212,7 +212,7 @@ FlashAttentionPyTorch = make_flash_function(
     "FlashAttentionPyTorch",
     flash_attention_forward,
     flash_attention_backward,
-    "O = softmax(Q Kᵀ · scale [+ causal mask]) V without the (T, S) matrix, in tiled PyTorch (seed 000 §2.7).",
+    "O = softmax(Q Kᵀ · scale [+ causal mask]) V without the (T, S) matrix, in tiled PyTorch (Book of LLMs §2.7 “FlashAttention tiling”).",
     default_blocks=(64, 64),
 )
 

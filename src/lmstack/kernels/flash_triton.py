@@ -1,7 +1,7 @@
 """FlashAttention-2 as Triton kernels: forward, and backward split into a dK/dV and a dQ kernel.
 
-Seed 000 §2.7 (tiling, online softmax, exactness), §4.1 (tiles live in on-chip SRAM, HBM is read
-once per tile); seed 001 "Triton Kernel" (block pointers: ``tl.make_block_ptr`` + ``advance``,
+Book of LLMs §2.7 (tiling, online softmax, exactness), §4.1 (tiles live in on-chip SRAM, HBM is read
+once per tile); CS336 notes "Triton Kernel" (block pointers: ``tl.make_block_ptr`` + ``advance``,
 zero padding of partial tiles via ``boundary_check``), "优化技巧" (masks instead of branches,
 fusion, recomputation, tiling), "FlashAttention" (online tiled attention).
 

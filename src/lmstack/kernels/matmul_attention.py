@@ -1,6 +1,6 @@
 """Attention for CPU training: matmuls in the input dtype, scores and softmax in fp32.
 
-Seed 000 §1.2 (scaled scores, softmax, P V), §1.3 (mask: True = may attend), §2.7 (the backward
+Book of LLMs §1.2 (scaled scores, softmax, P V), §1.3 (mask: True = may attend), §2.7 (the backward
 of attention: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ⊙ (dP − rowsum(P ⊙ dP)), dQ = dS K·s, dK = dSᵀ Q·s).
 
 Why it exists: on CPU the bf16 *backward* of ``F.scaled_dot_product_attention`` (its flash
@@ -80,7 +80,7 @@ ROW_BLOCK = 128
 ROW_BLOCKS = 4
 MIN_BLOCKED_T = 256
 # Forward through F.scaled_dot_product_attention (its CPU flash kernel: fp32 scores and online
-# softmax, skips the masked blocks; ~2x faster than the blocked forward here, docs/training.md);
+# softmax, skips the masked blocks; faster than the blocked forward, docs/training.md);
 # the backward needs only q, k, v, as it recomputes P.
 SDPA_FORWARD = True
 _SCRATCH: dict[tuple, Tensor] = {}

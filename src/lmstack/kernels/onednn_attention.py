@@ -1,10 +1,10 @@
 """Causal attention for CPU fp32 inference through oneDNN's GEMM, block-triangular over query rows: the attention
 backend ``onednn`` (``kernels.backends``), which ``eval.perplexity``'s windows ask for (``fast_attention``).
 
-Seed 000 §1.2 (softmax(QKᵀ/√H + causal mask) V), §1.3 (the causal mask), §2.7 (attention is exact
+Book of LLMs §1.2 (softmax(QKᵀ/√H + causal mask) V), §1.3 (the causal mask), §2.7 (attention is exact
 whichever way it is tiled). Why it exists: SDPA's CPU flash kernel does its block products with torch's
-BLAS, which on this project's AMD EPYC runs fp32 GEMMs at about half the speed of oneDNN's
-(docs/kernels.md); at the perplexity windows' T = 1024 this path is ~1.7x faster (docs/eval.md). Its GEMM is
+BLAS, which on AMD CPUs runs fp32 GEMMs slower than oneDNN's (docs/kernels.md); at the perplexity
+windows' T = 1024 this path is the faster one there (the figures: docs/eval.md). Its GEMM is
 ``ops.gemm.onednn_linear``, the one under the model's linears.
 
 Scheme: for each batch row and kv head, the G query heads of the group are stacked along the rows

@@ -5,7 +5,7 @@ are given to whatever builds a model — the trainer (``TrainConfig.runtime()``)
 (``LLM(model, runtime=...)``), the commands (``--attn-backend``, ``--dtype``, ``--compile``) — and
 resolved once by ``configure``, which sets the implementations on the model and returns the line
 it logs, e.g. ``attention: matmul (auto: CPU, bf16 autocast, ≤512 keys); rmsnorm: torch (auto)``.
-Seed 000 §2.7 (every attention backend computes the same function), §5 (number formats).
+Book of LLMs §2.7 (every attention backend computes the same function), §5 (number formats).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from lmstack.utils import FLOAT_DTYPES
 #: Floating formats: training autocasts to them (fp32 master weights; "fp32" = no autocast), inference
 #: holds its weights in them.
 PRECISIONS = FLOAT_DTYPES  # ("fp32", "bf16", "fp16"), the names in lmstack.utils
-#: Inference also runs weight-only quantised linears (``lmstack.quant``) over fp32 weights.
-WEIGHT_FORMATS = PRECISIONS + ("int8", "int4")
+#: Inference also runs weight-only quantised linears (``lmstack.quant``) over fp32 weights; a format
+#: registered later (``quant.register_format``) adds its name here.
+WEIGHT_FORMATS = [*PRECISIONS, "int8", "int4"]
 
 
 @dataclass
@@ -98,6 +99,14 @@ def configure(
         set_gemm(gemm)
         line += "; " + gemm.line()
     return line
+
+
+def install_attention(model, impl) -> None:
+    """Set ``impl`` (anything with the attention implementation's call) as ``model``'s attention: the entry
+    for an implementation a wrapper brings (context parallelism's ``RingAttention``), so that every swap of an
+    implementation goes through this module. ``Transformer.set_attention`` refuses one a layer cannot use (a
+    soft-capped layer under an implementation that does not apply the cap)."""
+    model.set_attention(impl)
 
 
 @contextmanager

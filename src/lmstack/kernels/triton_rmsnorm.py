@@ -1,6 +1,6 @@
 """Fused RMSNorm in Triton, forward and backward (dx and dγ).
 
-Seed 000 §1.10 (RMSNorm: y = x / sqrt(mean(x²) + eps) ⊙ γ); seed 001 "优化技巧 / 算子混合"
+Book of LLMs §1.10 (RMSNorm: y = x / sqrt(mean(x²) + eps) ⊙ γ); CS336 notes "优化技巧 / 算子混合"
 (one kernel instead of square, mean, rsqrt, multiply, multiply: x is read from HBM once per
 pass, y written once) and "Triton Kernel" (the block-pointer style the seed shows: a grid of
 programs over row tiles, each walking the D dimension tile by tile with ``advance``, partial
@@ -224,7 +224,7 @@ def _check(x: Tensor, weight: Tensor) -> None:
 
 
 class RMSNormTriton(torch.autograd.Function):
-    """y = x / sqrt(mean(x²) + eps) ⊙ γ with one fused kernel each way (seed 000 §1.10)."""
+    """y = x / sqrt(mean(x²) + eps) ⊙ γ with one fused kernel each way (Book of LLMs §1.10 “RMSNorm”)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float, block_d: int | None = None) -> Tensor:

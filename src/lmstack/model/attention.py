@@ -1,8 +1,8 @@
 """Causal self-attention with MHA / GQA / MQA, sliding window, QK-norm and q/k/v bias.
 
-Seed 000 §1.2 (projections, reshape to heads, GQA expansion, RoPE, scaled scores, causal mask,
+Book of LLMs §1.2 (projections, reshape to heads, GQA expansion, RoPE, scaled scores, causal mask,
 softmax, output projection), §1.3 (masked_fill with True = may attend), §1.9 (sliding window);
-seed 001 "注意力机制", "训练稳定性" (QK-norm).
+CS336 notes "注意力机制", "训练稳定性" (QK-norm).
 
 ``Attention`` computes q, k, v and hands them to one implementation through the seam
 (``lmstack.model.seam``): ``impl(q, k, v, meta)``, or ``meta.cache.attend(layer, q, k, v, meta, impl)``

@@ -1,6 +1,6 @@
 """The cache contract: what every cache handed to the model as ``kv_cache=`` is, and what it may declare.
 
-Seed 000 §2.4 (the KV cache), seed 001 "注意力机制" (recurrent mixers keep an O(1) state instead of K/V),
+Book of LLMs §2.4 (the KV cache), CS336 notes "注意力机制" (recurrent mixers keep an O(1) state instead of K/V),
 "动态负载" (vLLM PagedAttention: blocks, prefix sharing), "低精度计算" (1-byte KV). The model calls one
 method of a cache, ``attend(layer_idx, q, k, v, meta, impl)`` (``model.seam``); everything else a layer or a
 caller may ask of it is an **ability** the cache declares in ``abilities`` (a frozenset of ``Ability``), and a

@@ -1,11 +1,11 @@
 """ModelConfig: the hyper-parameters of a Llama-family decoder-only Transformer, and presets.
 
-Seed 000 §1.1 names the symbols used throughout lmstack:
+Book of LLMs §1.1 “architecture and symbols” names the symbols used throughout lmstack:
 B batch, L layers (``n_layers``), S context length, T new tokens, V vocab (``vocab_size``),
 D model dim (``d_model``), H head dim (``head_dim``), N query heads (``n_heads``),
 K kv heads (``n_kv_heads``), G = N // K, F MLP hidden dim (``d_ff``).
 
-Seed 001 "超参数选择" discusses the usual choices (F ≈ 8/3·D for gated FFNs, D = N·H,
+CS336 notes "超参数选择" discusses the usual choices (F ≈ 8/3·D for gated FFNs, D = N·H,
 D / L ≈ 128); they are conventions, not rules, so only what the maths needs is enforced.
 """
 
@@ -321,7 +321,7 @@ class VariantConfig:
     """Variants of the block and of softmax attention (QK-norm, soft-capping, output gate, partial RoPE,
     sandwich norms, ...; model/variants.py, model/olmoe.py); the defaults are the Llama block, unchanged."""
 
-    qk_norm: bool = False  # RMSNorm over H on q and k before RoPE (seed 001 "训练稳定性")
+    qk_norm: bool = False  # RMSNorm over H on q and k before RoPE (CS336 notes "训练稳定性")
     qk_norm_full: bool = (
         False  # OLMoE: RMSNorm over all N·H query / K·H key features (not per head)
     )
@@ -371,8 +371,8 @@ class ModelConfig(VariantConfig, MLAConfig, MoEConfig, MixerConfig, DecoderConfi
 
     The fields are declared in groups (``DecoderConfig``, ``MixerConfig``, ``MoEConfig``, ``MLAConfig``,
     ``VariantConfig``) and ModelConfig holds them all, flat: a field is read and set as ``config.n_experts``,
-    constructed as ``ModelConfig(n_experts=8)`` and stored flat in config files and checkpoints, as before
-    the groups existed. ``config.moe`` (``.decoder``, ``.mixers``, ``.mla``, ``.variants``) is the group as
+    constructed as ``ModelConfig(n_experts=8)`` and stored flat in config files and checkpoints (one JSON
+    object of fields). ``config.moe`` (``.decoder``, ``.mixers``, ``.mla``, ``.variants``) is the group as
     its own typed object, a copy; ``config.replace(moe=MoEConfig(...))`` and
     ``ModelConfig.from_groups(MoEConfig(...), n_layers=4)`` set a whole group.
     """

@@ -1,6 +1,6 @@
 """Gated DeltaNet: the delta rule with a data-dependent decay (Yang, Kautz & Hatamizadeh 2025).
 
-Seed 001 "注意力机制": S_t = γ_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ, y_t = S_tᵀ q_t — each token
+CS336 notes "注意力机制": S_t = γ_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ, y_t = S_tᵀ q_t — each token
 first erases what the memory stored under k_t (by β_t), then writes v_t; γ_t forgets globally.
 Layout as in Qwen3.5 / Qwen3-Next's linear-attention layers (HF ``Qwen3_5GatedDeltaNet``, whose parameter
 names these are): projections in_proj_qkv, in_proj_z (output gate), in_proj_b (β = sigmoid),

@@ -1,6 +1,6 @@
 """DSA: DeepSeek sparse attention — a light indexer picks, for each query, the top-k past keys to attend to.
 
-Seed 001 "注意力机制" (DeepSeek-V3.2's DSA), seed 000 §1.9 (sparse attention). The lightning indexer
+CS336 notes "注意力机制" (DeepSeek-V3.2's DSA), Book of LLMs §1.9 (sparse attention). The lightning indexer
 scores every past token s for query t with a few small heads j:
 
     I_{t,s} = Σ_j w_{t,j} · ReLU(q^I_{t,j} · k^I_s)         q^I (B, T, n_I, H_I), k^I (B, S, H_I), w (B, T, n_I)

@@ -10,7 +10,7 @@ Tensors are dequantized (F32, F16, BF16, Q8_0, Q4_0, Q4_1, and whatever else ``g
 to the requested dtype. llama.cpp's converter permutes the rows of W_Q and W_K so that
 its interleaved-pair RoPE reproduces HF's half-split RoPE; ``load_gguf`` undoes that permutation
 (rope_layout="half", the default) or keeps it and uses interleaved RoPE (rope_layout="interleaved")
-— both give the same logits (seed 000 §1.3: the two layouts differ by a fixed permutation).
+— both give the same logits (Book of LLMs §1.3 “implementation details in PyTorch”: the two layouts differ by a fixed permutation).
 The tokenizer metadata and chat template are kept for the tokenizer and inference chapters.
 """
 

@@ -1,7 +1,7 @@
 """The building blocks of the Transformer, written on nn.Module / nn.Parameter only.
 
-Seed 000 §1.2 (the forward pass), §1.3 (RoPE tables and element-wise rotation), §1.10 (RMSNorm),
-§1.11 (SwiGLU), §1.12 (RoPE's relative-position property); seed 001 "归一化", "激活函数", "位置编码".
+Book of LLMs §1.2 (the forward pass), §1.3 (RoPE tables and element-wise rotation), §1.10 (RMSNorm),
+§1.11 (SwiGLU), §1.12 (RoPE's relative-position property); CS336 notes "归一化", "激活函数", "位置编码".
 Weights are stored in the (out, in) orientation that HF checkpoints use, so loading is a copy. Which GEMM a
 ``Linear`` runs (oneDNN or torch's BLAS, per CPU) is ``lmstack.ops.gemm``'s choice, not the model's.
 """
@@ -134,7 +134,7 @@ class Embedding(nn.Module):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """y = x / sqrt(mean(x²) + eps) ⊙ γ over the last dim, in fp32, cast back to x's dtype (seed 000 §1.10).
+    """y = x / sqrt(mean(x²) + eps) ⊙ γ over the last dim, in fp32, cast back to x's dtype (Book of LLMs §1.10 “RMSNorm”).
 
     When x and γ share a dtype (the fp32 residual stream) this is ``F.rms_norm``: the same formula,
     whose CPU/CUDA backward is one fused kernel instead of the half-dozen ops autograd would record.
@@ -147,7 +147,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x²) + eps) ⊙ γ, computed in fp32 and cast back (seed 000 §1.10).
+    """y = x / sqrt(mean(x²) + eps) ⊙ γ, computed in fp32 and cast back (Book of LLMs §1.10 “RMSNorm”).
 
     The seed writes x / (RMS(x) + eps); lmstack puts eps inside the square root as Llama,
     Mistral, Qwen2 and every HF checkpoint do, so that real weights reproduce their logits.
@@ -185,7 +185,7 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """FFN(x) = W_down (Swish(x W_gate) ⊙ x W_up), Swish(g) = g·σ(g) (seed 000 §1.2, §1.11)."""
+    """FFN(x) = W_down (Swish(x W_gate) ⊙ x W_up), Swish(g) = g·σ(g) (Book of LLMs §1.2 “the forward pass layer by layer”, §1.11)."""
 
     def __init__(
         self,
@@ -224,12 +224,12 @@ class SwiGLU(nn.Module):
 
 
 def rope_frequencies(head_dim: int, theta: float) -> Tensor:
-    """θ_i = Θ^(-2i/H) for i = 0 .. H/2 - 1 (seed 000 §1.2), in float64 for exact tables."""
+    """θ_i = Θ^(-2i/H) for i = 0 .. H/2 - 1 (Book of LLMs §1.2 “the forward pass layer by layer”), in float64 for exact tables."""
     return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (H/2,)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor, layout: str) -> Tensor:
-    """x ⊙ cos + rot(x) ⊙ sin in cos's dtype, returned in x's dtype (seed 000 §1.3).
+    """x ⊙ cos + rot(x) ⊙ sin in cos's dtype, returned in x's dtype (Book of LLMs §1.3 “implementation details in PyTorch”).
 
     rot(x) = [-x_{H/2:}, x_{:H/2}] (``half``) or [-x1, x0, -x3, x2, ...] (``interleaved``); it is
     written as two in-place multiply-adds on the halves / the even and odd lanes, so neither rot(x)
@@ -278,10 +278,10 @@ class _Rotate(torch.autograd.Function):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE with precomputed cos/sin tables, applied by element-wise products (seed 000 §1.3, §1.12).
+    """RoPE with precomputed cos/sin tables, applied by element-wise products (Book of LLMs §1.3 “implementation details in PyTorch”, §1.12).
 
     ``layout="interleaved"`` rotates the pairs (2i, 2i+1):  x ⊙ cos + x̃ ⊙ sin with
-    x̃ = [-x1, x0, -x3, x2, ...] (seed 001 "位置编码").
+    x̃ = [-x1, x0, -x3, x2, ...] (CS336 notes "位置编码").
     ``layout="half"`` rotates the pairs (i, i + H/2) as HF transformers does:
     x ⊙ cos + [-x_{H/2:}, x_{:H/2}] ⊙ sin.
     Both are the same rotation R_m up to a fixed permutation of the head dimensions.

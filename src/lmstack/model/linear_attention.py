@@ -1,6 +1,6 @@
 """Linear attention: softmax(QKᵀ)V replaced by φ(Q)(φ(K)ᵀV), with an optional normaliser.
 
-Seed 001 "注意力机制": the batch form Q(KᵀV) costs O(S·H²) instead of O(S²·H), and the same
+CS336 notes "注意力机制": the batch form Q(KᵀV) costs O(S·H²) instead of O(S²·H), and the same
 computation is the recurrence S_t = S_{t−1} + φ(k_t) v_tᵀ, y_t = φ(q_t)ᵀ S_t — a constant-size state
 for decode. Normalised (``linear_normalize``, Katharopoulos et al. 2020) it divides by φ(q_t)·Σ_{j≤t} φ(k_j),
 carried as one extra value column of ones, so the state is (N, H, H + 1).

@@ -1,6 +1,6 @@
 """Chunked and recurrent forms of the linear-recurrence token mixers (PyTorch).
 
-Seed 001 "注意力机制": linear attention in batch form Q(KᵀV) and recurrent form
+CS336 notes "注意力机制": linear attention in batch form Q(KᵀV) and recurrent form
 S_t = S_{t-1} + k_t v_tᵀ, y_t = S_tᵀ q_t; Mamba-2 with a scalar decay γ_t; Gated DeltaNet
 S_t = γ_t (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ. Two recurrences cover all three:
 

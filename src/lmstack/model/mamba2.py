@@ -1,6 +1,6 @@
 """Mamba-2 (SSD): a selective state-space mixer with a scalar decay per head and token.
 
-Seed 001 "注意力机制": h_t = γ_t h_{t−1} + Δ_t B_t x_tᵀ, y_t = C_tᵀ h_t + D·x_t with γ_t = exp(Δ_t A),
+CS336 notes "注意力机制": h_t = γ_t h_{t−1} + Δ_t B_t x_tᵀ, y_t = C_tᵀ h_t + D·x_t with γ_t = exp(Δ_t A),
 Δ_t = softplus(W_Δ x_t + b_Δ) (the decay is a function of the input), A = −exp(A_log) < 0 per head.
 As in the reference architecture (Dao & Gu 2024; HF ``Mamba2Mixer``, whose parameter names these are):
 one input projection → [z | xBC | Δ]; a short causal depthwise conv + SiLU over xBC; B_t, C_t shared

@@ -14,6 +14,8 @@ Qwen3-Next: its half of ``q_proj`` is counted in ``params``), per-head or whole-
 Everything here is arithmetic on ``ModelConfig`` — no torch — so ``lmstack.accounting`` may read it (import
 contract ``accounting-reads-only-model-config``). The module a kind builds is ``model.mixers.MODULES[kind]``;
 ``tests/model/test_mixer_spec.py`` checks every count against ``sum(p.numel())`` of the built module.
+``model.mixers.register_mixer(spec, build)`` adds a kind from outside the package (``register`` here, its module
+there); ``tests/model/test_model_recipes.py`` does it with a toy mixer.
 
 Per layer, one sequence at context S, B sequences of T new tokens (symbols of the book: D, N, K, H):
 

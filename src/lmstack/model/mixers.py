@@ -1,8 +1,8 @@
 """Per-layer token mixers beyond global softmax attention, and the cache that serves them.
 
-Seed 001 "注意力机制" (linear attention, Mamba-2, Gated DeltaNet, 3:1 linear:full hybrids, DSA),
+CS336 notes "注意力机制" (linear attention, Mamba-2, Gated DeltaNet, 3:1 linear:full hybrids, DSA),
 "推理时注意力开销" (grouped sliding window: local layers with one global layer in a group);
-seed 000 §1.9 (sliding window), §2.5 (local attention shrinks the KV cache).
+Book of LLMs §1.9 (sliding window), §2.5 (local attention shrinks the KV cache).
 
 ``build_mixer(config, layer_idx, rope)`` is what ``transformer.token_mixer`` calls: it reads the layer's kind
 (``mixer_spec.layer_kinds``: ``config.mixer_types``, MLA for an MLA model's attention layers) and builds

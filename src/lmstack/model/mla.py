@@ -1,7 +1,7 @@
 """Multi-head latent attention (DeepSeek-V2/V3): one compressed KV latent per token.
 
-Seed 001 "有损提速" (MLA: every head's keys and values are up-projections of one compressed vector, and
-the per-head up-projections can be absorbed into the query and the output), seed 000 §2.5 (KV size:
+CS336 notes "有损提速" (MLA: every head's keys and values are up-projections of one compressed vector, and
+the per-head up-projections can be absorbed into the query and the output), Book of LLMs §2.5 (KV size:
 MHA 2·N·H, GQA 2·K·H, MLA d_c + d_R numbers per token and layer).
 
 Symbols: N heads, d_c = ``kv_lora_rank`` (the latent), d_c' = ``q_lora_rank``, H_n = ``qk_nope_head_dim``,

@@ -1,6 +1,6 @@
 """Mixture-of-experts feed-forward: a router picks k of E expert SwiGLUs per token.
 
-Seed 001 "MoE": the top-k gate g_{i,t} = s_{i,t} if s_{i,t} ∈ TopK(s_t, k) else 0 with
+CS336 notes "MoE": the top-k gate g_{i,t} = s_{i,t} if s_{i,t} ∈ TopK(s_t, k) else 0 with
 s = Softmax(u_t · e_i), h_t = Σ_i g_{i,t} FFN_i(u_t) (+ the residual, added by the Block); shared
 experts plus fine-grained routed experts (DeepSeekMoE; the routed/active/shared table); hash
 routing as the baseline; the balance loss α·N·Σ f_i·P_i, its device-level variant, the router
@@ -101,7 +101,7 @@ HASH_MULT, HASH_STEP, HASH_PRIME = (
 
 
 def hash_route(token_ids: Tensor, n_experts: int, k: int = 1, seed: int = 0) -> Routing:
-    """Hash routing (seed 001 "MoE", the baseline): token id t goes to the k experts
+    """Hash routing (CS336 notes "MoE", the baseline): token id t goes to the k experts
     e_j = ((t·HASH_MULT + j·HASH_STEP + seed) mod HASH_PRIME) mod E, j = 0..k−1, each with gate 1/k;
     no parameters, a fixed function of the token (the same in training, prefill and decode), balanced
     in expectation over distinct tokens (skewed only as much as the token frequencies are)."""
@@ -151,7 +151,7 @@ def device_balance_loss(
 
 
 def z_loss(logits: Tensor) -> Tensor:
-    """Router z-loss / β (ST-MoE; seed 001 "训练稳定性"): mean over tokens of logsumexp(logits)²."""
+    """Router z-loss / β (ST-MoE; CS336 notes "训练稳定性"): mean over tokens of logsumexp(logits)²."""
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
 
 

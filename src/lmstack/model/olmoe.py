@@ -1,6 +1,6 @@
 """OLMoE's attention: the Llama attention with QK-norm over all heads at once and optional q/k/v clipping.
 
-Seed 001 "训练稳定性" (QK-norm, here as OLMoE applies it: one RMSNorm over the N·H query features and one
+CS336 notes "训练稳定性" (QK-norm, here as OLMoE applies it: one RMSNorm over the N·H query features and one
 over the K·H key features, before the split into heads; ``clip_qkv`` clamps q, k, v to ±clip).
 Everything else — GQA, RoPE, the attention seam, caches — is ``model.attention.Attention``'s.
 """

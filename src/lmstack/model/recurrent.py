@@ -1,5 +1,5 @@
 """Pieces the recurrent token mixers share: the short causal convolution with its carried inputs,
-the gated RMSNorm, and reading a layer's state from the cache (seed 001 "注意力机制": Mamba-2, Gated DeltaNet)."""
+the gated RMSNorm, and reading a layer's state from the cache (CS336 notes "注意力机制": Mamba-2, Gated DeltaNet)."""
 
 from __future__ import annotations
 

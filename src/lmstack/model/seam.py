@@ -1,6 +1,6 @@
 """The attention seam: what a mixer hands to an attention implementation, and what a KV cache does.
 
-Seed 000 §1.2/§1.3 (softmax(QKᵀ/√H + mask) V, True = may attend), §1.9 (sliding window), §2.4
+Book of LLMs §1.2 “the forward pass layer by layer”/§1.3 (softmax(QKᵀ/√H + mask) V, True = may attend), §1.9 (sliding window), §2.4
 (KV cache). ``Attention`` computes q, k, v (projections, QK-norm, RoPE) and calls
 
     impl(q, k, v, meta) -> out        q (B, N, T, H), k/v (B, K, S, H) -> (B, N, T, H)
@@ -33,11 +33,11 @@ def attention_mask(
     q_documents: Tensor | None = None,
     k_documents: Tensor | None = None,
 ) -> Tensor:
-    """Boolean mask, True where query i may attend key j (seed 000 §1.3 convention).
+    """Boolean mask, True where query i may attend key j (Book of LLMs §1.3 “implementation details in PyTorch” convention).
 
     q_positions: (B, T) or (T,); k_positions: (B, S) or (S,). Key j is visible to query i when
     it holds a token (pos_j >= 0), is not in the future (pos_j <= pos_i) and, with a sliding
-    window W, is one of the W most recent positions (pos_i - pos_j < W; seed 000 §1.9).
+    window W, is one of the W most recent positions (pos_i - pos_j < W; Book of LLMs §1.9 “sliding-window and sparse attention”).
     With document ids (packed sequences), keys of other documents are hidden too.
     Returns (B, 1, T, S) — or (T, S) when all inputs are 1-D — broadcast over heads.
     """
@@ -134,7 +134,7 @@ def supports_softcap(impl: AttentionImpl) -> bool:
 def reference_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, softcap: float | None = None
 ) -> Tensor:
-    """softmax(QKᵀ/√H + mask) V in fp32 (fp64 for fp64 inputs) with GQA expansion made explicit (seed 000 §1.2, §1.3);
+    """softmax(QKᵀ/√H + mask) V in fp32 (fp64 for fp64 inputs) with GQA expansion made explicit (Book of LLMs §1.2 “the forward pass layer by layer”, §1.3);
     with ``softcap`` c the scores are c·tanh(s/c) before the mask (Gemma-2's attention-logit soft-capping).
 
     q: (B, N, T, H); k, v: (B, K, S, H); mask: bool broadcastable to (B, N, T, S). -> (B, N, T, H)

@@ -1,6 +1,6 @@
 """The decoder-only Transformer: embedding, L pre-norm blocks, final norm, unembedding.
 
-Seed 000 §1.2 (the layer-by-layer forward pass), seed 001 "模型架构" (pre-norm, no biases),
+Book of LLMs §1.2 (the layer-by-layer forward pass), CS336 notes "模型架构" (pre-norm, no biases),
 "层并行" (the GPT-J parallel block). The model knows nothing about caches, sharding or
 kernels beyond the seams it exposes: ``kv_cache`` and ``positions`` in ``forward``, and the
 attention / RMSNorm implementations set once by the builder (``set_attention``, ``set_norm``;
@@ -46,7 +46,7 @@ def token_mixer(config: ModelConfig, layer_idx: int, rope: RotaryEmbedding, **kw
 
 def channel_mixer(config: ModelConfig, layer_idx: int, **kw) -> nn.Module:
     """Layer ``layer_idx``'s feed-forward: ``(B, T, D) -> (B, T, D)``; today the dense SwiGLU
-    (seed 001 "模型架构"). Mixture-of-experts layers are chosen here from the config."""
+    (CS336 notes "模型架构"). Mixture-of-experts layers are chosen here from the config."""
     if config.is_moe_layer(layer_idx):  # mixture of experts: model.moe
         return moe_from_config(config, **kw)
     if config.ffn_act == "gelu_tanh":  # Gemma's GeGLU: model.variants
@@ -142,7 +142,7 @@ class Transformer(nn.Module):
         self.lm_head = (
             None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, **kw)
         )
-        # Activation checkpointing (seed 000 §1.8): recompute each block's activations in backward.
+        # Activation checkpointing (Book of LLMs §1.8 “training memory”): recompute each block's activations in backward.
         self.activation_checkpointing = False
         if self.embed.weight.device.type != "meta":
             self.init_weights(seed)

@@ -1,9 +1,9 @@
 """Layer variants of the HF hybrid and interleaved local/global families: Gemma-2/3 and Qwen3-Next.
 
-Seed 001 "注意力机制" (3:1 linear:full hybrids as in Qwen3-Next; gated attention output), "推理时注意力开销"
+CS336 notes "注意力机制" (3:1 linear:full hybrids as in Qwen3-Next; gated attention output), "推理时注意力开销"
 (Gemma's interleaved sliding-window : global layers), "归一化" (zero-centred RMSNorm), "激活函数" (GeGLU).
 Each piece is switched on by a ``ModelConfig`` field whose default is the Llama block, so a model that sets none
-of them is built exactly as before:
+of them is the plain Llama block:
 
 - ``OffsetRMSNorm`` (``norm_offset``): y = norm(x)·(1 + w), w stored zero-centred (Gemma, Qwen3-Next);
 - ``GeGLU`` (``ffn_act="gelu_tanh"``): W_down(gelu_tanh(x W_gate) ⊙ x W_up) (Gemma);

@@ -1,6 +1,6 @@
 """The GEMM under every lmstack ``Linear``: oneDNN or torch's BLAS (MKL), chosen per CPU; the experts' grouped GEMMs.
 
-Seed 001 "优化技巧" (pick the kernel by measurement), "工程细节 / 基准测试". On a CPU, torch's ``F.linear`` in fp32
+CS336 notes "优化技巧" (pick the kernel by measurement), "工程细节 / 基准测试". On a CPU, torch's ``F.linear`` in fp32
 runs its BLAS (MKL in the PyPI wheels); oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, on the same plain
 strided tensors, forward and both backward products in ``_OneDNNLinear``) is the other implementation. Which is
 faster depends on the CPU (docs/kernels.md, "The CPU GEMM"): MKL takes a slow path on AMD, where oneDNN measured
@@ -154,8 +154,8 @@ def onednn_ok(x: Tensor) -> bool:
     so FLOP counters and compilers see plain ``mm``; no CPU autocast, under which F.linear computes in bf16),
     oneDNN built in, and a plain tensor (a DTensor of the native parallel backend has no oneDNN sharding rule).
     Whether it *does* is the policy's (``gemm_policy``)."""
-    # is_compiling() first: Dynamo cannot trace torch.backends.mkldnn.is_available (issue #31: `generate
-    # --compile` at fp32 crashed with torch._dynamo.exc.Unsupported), and a compiled graph wants plain mm anyway
+    # is_compiling() first: Dynamo cannot trace torch.backends.mkldnn.is_available (`generate --compile` at
+    # fp32 would raise torch._dynamo.exc.Unsupported), and a compiled graph wants plain mm anyway
     return (
         not torch.compiler.is_compiling()
         and type(x) is Tensor
@@ -176,9 +176,25 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         and onednn_ok(x)
         and gemm_policy().uses_onednn(x.numel() // max(x.shape[-1], 1), weight.numel())
     ):
-        y = onednn_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        x2 = x.reshape(-1, x.shape[-1])
+        rows = x2.shape[0]
+        padded = bucket_rows(rows) if not torch.is_grad_enabled() else rows
+        if padded != rows:  # zero rows up to the bucket: their outputs are dropped below
+            x2 = F.pad(x2, (0, 0, 0, padded - rows))
+        y = onednn_linear(x2, weight)[:rows].view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+ROW_BUCKET = 32  # inference products of more rows are padded to a multiple of this
+
+
+def bucket_rows(rows: int, bucket: int = ROW_BUCKET) -> int:
+    """The row count an inference product through oneDNN runs with: ``rows`` up to ``bucket``, else the next
+    multiple of ``bucket``. oneDNN caches one primitive per shape (up to its cache capacity, 1,024): a server's
+    prefills of every length would each add one, and its memory grew with every new length (docs/serving.md,
+    "Memory under load"); buckets bound the shapes at a cost of at most bucket - 1 zero rows."""
+    return rows if rows <= bucket else -(-rows // bucket) * bucket
 
 
 def expert_swiglu(x: Tensor, counts: list[int], gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
@@ -203,7 +219,7 @@ def expert_swiglu(x: Tensor, counts: list[int], gate: Tensor, up: Tensor, down: 
     if not outs:
         # no rows for any expert here: still a (0, D) result *in the graph* of x and the weights, so the
         # backward reaches x (with expert parallelism the all-to-all that produced x must run its backward
-        # collective on every rank, or the ranks deadlock/abort: issue #31)
+        # collective on every rank, or the ranks deadlock/abort)
         rows = x[:0]  # F.linear: oneDNN has no primitive for an empty product's backward
         return F.linear(F.silu(F.linear(rows, gates[0])) * F.linear(rows, ups[0]), downs[0])
     return torch.cat(outs)

@@ -1,4 +1,4 @@
-"""Distributed training on torch.distributed (seed 000 §6, seed 001 "分布式训练").
+"""Distributed training on torch.distributed (Book of LLMs §6 “parallelism”, CS336 notes "分布式训练").
 
 collectives  ring all-reduce = reduce-scatter + all-gather, byte counting, autograd duals
 mesh         DeviceMesh with named axes (pp, dp, cp, tp; ep inside dp)

@@ -1,6 +1,6 @@
 """Checkpoints of a parallel run: per-rank shard files beside the gathered full weights.
 
-Seed 000 §1.8 (a checkpoint holds weights, optimizer states and everything the run depends on)
+Book of LLMs §1.8 (a checkpoint holds weights, optimizer states and everything the run depends on)
 and §6.4 (under ZeRO each rank holds only its 1/M of the optimizer states — so each rank saves
 its own piece; gathering them on one rank would need the memory ZeRO saved). Layout, beside the
 single-process checkpoint ``lmstack.train.checkpoint`` writes:

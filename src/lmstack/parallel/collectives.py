@@ -1,9 +1,9 @@
 """Collectives on torch.distributed: ring all-reduce = reduce-scatter + all-gather, byte
 counting, and autograd-aware collectives whose backward is the dual.
 
-Seed 000 §6.2 (broadcast, all-gather, reduce-scatter, all-reduce; ring all-reduce as
+Book of LLMs §6.2 (broadcast, all-gather, reduce-scatter, all-reduce; ring all-reduce as
 reduce-scatter + all-gather, each device talking only to its two neighbours; the duality
-all-gather ↔ reduce-scatter and all-reduce ↔ all-reduce), seed 001 "基本操作"
+all-gather ↔ reduce-scatter and all-reduce ↔ all-reduce), CS336 notes "基本操作"
 (all-reduce as reduce-scatter + all-gather costs 2(M-1)/M · n per device instead of (M-1) · n).
 
 Two layers:
@@ -109,7 +109,7 @@ def _chunks(n: int, M: int) -> list[tuple[int, int]]:
     return out
 
 
-# ---- the ring (seed 000 §6.2) -------------------------------------------------------------------
+# ---- the ring (Book of LLMs §6.2 “collectives”) -------------------------------------------------------------------
 
 
 def ring_reduce_scatter_(flat: Tensor, group=None, kind: str = "reduce_scatter") -> tuple[int, int]:
@@ -152,7 +152,7 @@ def ring_all_gather_(flat: Tensor, owned: int, group=None, kind: str = "all_gath
 
 
 def ring_all_reduce_(t: Tensor, group=None) -> Tensor:
-    """Seed 000 §6.2 Ring All-Reduce = Reduce-Scatter + All-Gather, in place (sum).
+    """Book of LLMs §6.2 “collectives” Ring All-Reduce = Reduce-Scatter + All-Gather, in place (sum).
     Each rank sends 2(M-1)/M · n elements in 2(M-1) steps (``accounting.comm.all_reduce_bytes``)."""
     flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)
     me, M, _ = group_ranks(group)
@@ -242,7 +242,7 @@ def all_gather_into(out: Tensor, inp: Tensor, group, async_op: bool = False):
 
 
 def broadcast(t: Tensor, src_in_group: int = 0, group=None) -> Tensor:
-    """Seed 000 §6.2 Broadcast: the group's rank ``src_in_group`` sends the same data to all."""
+    """Book of LLMs §6.2 “collectives” Broadcast: the group's rank ``src_in_group`` sends the same data to all."""
     _, M, ranks = group_ranks(group)
     if M > 1:
         dist.broadcast(t, src=ranks[src_in_group], group=group)
@@ -282,7 +282,7 @@ def split_dim(x: Tensor, dim: int, group=None) -> Tensor:
     return x.chunk(M, dim=dim)[me].contiguous()
 
 
-# ---- autograd duals (seed 000 §6.2 "前后向对偶性") ---------------------------------------------
+# ---- autograd duals (Book of LLMs §6.2 "前后向对偶性") ---------------------------------------------
 
 
 class AllGatherFn(torch.autograd.Function):
@@ -314,7 +314,7 @@ class ReduceScatterFn(torch.autograd.Function):
 
 
 class AllReduceFn(torch.autograd.Function):
-    """Forward all-reduce (A{U_X} -> A), backward all-reduce (seed 000 §6.2: "All-Reduce 的反向
+    """Forward all-reduce (A{U_X} -> A), backward all-reduce (Book of LLMs §6.2 “collectives”: "All-Reduce 的反向
     传播是另一个完全相同的 All-Reduce"): right when each rank's copy of the output feeds a
     different rank-local loss and the objective is the sum of those losses. When the ranks'
     downstream work is identical (Megatron's g), use ``ReduceFromParallelFn`` instead."""
@@ -335,7 +335,7 @@ class AllReduceFn(torch.autograd.Function):
 
 class CopyToParallelFn(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce backward (every rank's partial input gradient
-    is summed) — the input side of a column-parallel region (seed 001 "张量并行": f and g swap
+    is summed) — the input side of a column-parallel region (CS336 notes "张量并行": f and g swap
     in backward)."""
 
     @staticmethod

@@ -1,8 +1,8 @@
 """Context parallelism: ring attention over sequence shards, causal and load-balanced.
 
-Seed 001 "序列并行和上下文并行": context parallelism goes beyond sequence parallelism and also
+CS336 notes "序列并行和上下文并行": context parallelism goes beyond sequence parallelism and also
 splits the attention's activations (the keys/values) along the sequence; ring attention passes
-the K/V shards around a ring, like the ring all-reduce. Seed 000 §2.7 (online softmax): partial
+the K/V shards around a ring, like the ring all-reduce. Book of LLMs §2.7 (online softmax): partial
 results over disjoint key sets merge exactly through their log-sum-exp:
 
     lse = log(e^lse_a + e^lse_b),  O = e^(lse_a - lse) · O_a + e^(lse_b - lse) · O_b
@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from lmstack.kernels.runtime import install_attention
 from lmstack.model.mixer_spec import refuse
 from lmstack.model.seam import AttentionMetadata
 from lmstack.parallel import collectives as C
@@ -150,7 +151,7 @@ def context_parallel(model: nn.Module, group) -> nn.Module:
         raise ValueError("context parallelism: sliding-window attention is not supported")
     refuse(model.config, "context_parallel", "context parallelism")
     if not isinstance(model.attention, RingAttention):
-        model.set_attention(RingAttention(group))
+        install_attention(model, RingAttention(group))
     return model
 
 

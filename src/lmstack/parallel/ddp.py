@@ -1,8 +1,8 @@
 """Data parallelism: naive per-parameter all-reduce and bucketed all-reduce overlapped with backward.
 
-Seed 000 §6.4 "原生数据并行": split the batch B over M devices, run forward/backward locally,
+Book of LLMs §6.4 "原生数据并行": split the batch B over M devices, run forward/backward locally,
 all-reduce the gradients so every device holds the average, and let every device apply the
-same update; communication happens only in the backward pass. Seed 001 "数据并行" and
+same update; communication happens only in the backward pass. CS336 notes "数据并行" and
 "基本操作" (splitting one big all-reduce into pieces lets communication overlap computation).
 
 ``DataParallel(model, group, mode="bucketed")``:

@@ -1,8 +1,8 @@
 """Expert parallelism seam: all-to-all dispatch and combine of routed tokens.
 
-Seed 001 "专家并行": experts live on different devices and each token's hidden state is sent to
+CS336 notes "专家并行": experts live on different devices and each token's hidden state is sent to
 the device of the expert it was routed to; EP shares the data-parallel ranks (EP ≤ DP). The MoE
-model lands with its own issue; this module is the communication half it plugs into:
+layer (``model.moe``) computes the experts; this module is the communication half it plugs into:
 
     recv, meta = dispatch(x, expert_ids, n_experts, group)   # tokens grouped by owning rank
     y_local = run_my_experts(recv, meta.local_expert_ids)    # (n_recv, D)

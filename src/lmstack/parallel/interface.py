@@ -1,6 +1,6 @@
 """The one interface between the trainer and a parallel wrapper, and what its implementations share.
 
-Seed 001 "混合并行": however the model is split (dp, ZeRO, tp, pp, cp), a training step is the
+CS336 notes "混合并行": however the model is split (dp, ZeRO, tp, pp, cp), a training step is the
 same few calls. ``ParallelWrapper`` declares them; ``plan.ParallelModel`` (lmstack's strategies)
 and ``native.NativeParallelModel`` (torch's) implement them on top of ``WrapperBase``, which holds
 the batch layout, the global gradient norm and the per-rank state dicts both need.

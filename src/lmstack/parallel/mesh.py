@@ -1,8 +1,8 @@
 """A device mesh with named axes built from the world size.
 
-Seed 000 §6.1 (5D parallelism: DP, TP, PP, SP/CP, EP), §6.3 (the mesh has axes (X, Y); a
+Book of LLMs §6.1 (5D parallelism: DP, TP, PP, SP/CP, EP), §6.3 (the mesh has axes (X, Y); a
 tensor dimension written J_Y is sharded along the mesh axis Y, a missing axis means
-replicated), seed 001 "混合并行" (model parallelism — TP/SP/CP/EP — inside one NVLink domain,
+replicated), CS336 notes "混合并行" (model parallelism — TP/SP/CP/EP — inside one NVLink domain,
 PP across domains, DP replicating the whole unit).
 
 Ranks are laid out with ``tp`` fastest, then ``cp``, then ``dp``, then ``pp`` slowest, so the
@@ -10,7 +10,7 @@ tensor-parallel group is a block of neighbouring ranks (one node) and the pipeli
 
     rank = ((pp_i · dp + dp_i) · cp + cp_i) · tp + tp_i
 
-Expert parallelism shares the data-parallel ranks (seed 001 "专家并行": EP ≤ DP, they share the
+Expert parallelism shares the data-parallel ranks (CS336 notes "专家并行": EP ≤ DP, they share the
 weight partition): the ``ep`` groups are blocks of ``ep`` consecutive members of each dp group
 (``ep`` coordinate = dp index mod ep), and the ``edp`` groups ("expert data parallel") join the
 members of a dp group with the same ``ep`` coordinate — the ranks that hold the same expert shard,

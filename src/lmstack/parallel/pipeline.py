@@ -1,7 +1,7 @@
 """Pipeline parallelism: stages by layer ranges, micro-batches, GPipe, 1F1B and zero-bubble.
 
-Seed 000 §6.5 (naive model parallelism idles every device but one; splitting the batch into
-micro-batches lets stages work at once), seed 001 "流水线并行" (the bubble needs a large batch;
+Book of LLMs §6.5 (naive model parallelism idles every device but one; splitting the batch into
+micro-batches lets stages work at once), CS336 notes "流水线并行" (the bubble needs a large batch;
 splitting backward into the input gradient B — needed by the previous stage at once — and the
 weight gradient W — which can wait — lets W fill the bubbles: zero bubble).
 
@@ -156,7 +156,7 @@ def simulate(
 
 
 def bubble_formula(p: int, m: int) -> float:
-    """Seed 000 §6.5 / seed 001: bubble fraction (p - 1) / (m + p - 1)."""
+    """Book of LLMs §6.5 “pipeline parallelism and 1F1B” / CS336 notes: bubble fraction (p - 1) / (m + p - 1)."""
     return (p - 1) / (m + p - 1)
 
 

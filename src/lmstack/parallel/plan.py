@@ -1,7 +1,7 @@
 """``parallelize(model, plan)``: one entry point that applies the strategies in a fixed order.
 
-Seed 001 "混合并行" (3D/4D): model parallelism (TP/SP/CP/EP) inside a node, pipeline stages
-across nodes, data parallelism replicating the unit; seed 000 §6.1 (DP scales throughput, TP/PP
+CS336 notes "混合并行" (3D/4D): model parallelism (TP/SP/CP/EP) inside a node, pipeline stages
+across nodes, data parallelism replicating the unit; Book of LLMs §6.1 (DP scales throughput, TP/PP
 model memory, SP/CP activation memory). Order applied here:
 
     0. expert parallel over the ep axis                            (replaces the MoE layers)

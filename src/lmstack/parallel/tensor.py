@@ -1,8 +1,8 @@
 """Megatron tensor parallelism with sequence parallelism, vocab-parallel embedding and loss.
 
-Seed 000 §6.3 (four sharded-matmul cases), §6.6 (MLP: column-parallel W_up/W_gate -> local
+Book of LLMs §6.3 (four sharded-matmul cases), §6.6 (MLP: column-parallel W_up/W_gate -> local
 activation -> row-parallel W_down, one all-reduce; attention: column-parallel Q/K/V split by
-heads -> local attention -> row-parallel W_O, one all-reduce), seed 001 "张量并行" (f and g
+heads -> local attention -> row-parallel W_O, one all-reduce), CS336 notes "张量并行" (f and g
 swap in backward; compute/communication ratio 4h/tp) and "序列并行和上下文并行" (in the norm
 and residual regions the activations are split along S: all-gather before the column-parallel
 matmul and reduce-scatter after the row-parallel one replace the all-reduce).
@@ -65,7 +65,7 @@ def _keep_frozen(new: nn.Module, old: nn.Module) -> nn.Module:
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y[.., O_tp] = X[.., I] · W[O_tp, I]ᵀ: the output features are split (seed 000 §6.3 case 1:
+    """Y[.., O_tp] = X[.., I] · W[O_tp, I]ᵀ: the output features are split (Book of LLMs §6.3 “mesh notation and distributed matmuls” case 1:
     no communication). Holds rows [r·O/tp, (r+1)·O/tp) of the full (O, I) weight."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
@@ -91,7 +91,7 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Y[.., O]{U_tp} = X[.., I_tp] · W[O, I_tp]ᵀ, then g: all-reduce the partial sums (seed 000
+    """Y[.., O]{U_tp} = X[.., I_tp] · W[O, I_tp]ᵀ, then g: all-reduce the partial sums (Book of LLMs
     §6.3 case 3), or reduce-scatter along S with sequence parallelism."""
 
     def __init__(

@@ -1,6 +1,6 @@
 """ZeRO-1/2 (sharded optimizer states, then gradients) and ZeRO-3 / FSDP (sharded parameters).
 
-Seed 000 §6.4 and seed 001 "数据并行":
+Book of LLMs §6.4 “DDP and ZeRO” and CS336 notes "数据并行":
 
 - ZeRO-1: each of M devices keeps the optimizer states of 1/M of the parameters. After
   backward the gradients are reduce-scattered (each rank gets the summed gradient of its shard),
@@ -11,7 +11,7 @@ Seed 000 §6.4 and seed 001 "数据并行":
 - ZeRO-3 (FSDP): the parameters themselves are sharded per unit (one Transformer block, plus the
   root's embedding/norm/unembedding). Just before a unit runs its parameters are all-gathered,
   and they are freed right after; backward all-gathers them again and reduce-scatters the
-  gradients (the all-gather's dual, seed 000 §6.2). The next unit is prefetched while the
+  gradients (the all-gather's dual, Book of LLMs §6.2 “collectives”). The next unit is prefetched while the
   current one computes. Communication is 1.5× DDP (two all-gathers + one reduce-scatter).
 
 Sharding is over a flat view: a tensor of n elements is padded to M·c (c = ⌈n/M⌉) and rank r

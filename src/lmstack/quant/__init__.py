@@ -1,4 +1,4 @@
-"""Weight-only quantisation: int8 per-output-channel and int4 grouped linear layers (seed 001 "量化").
+"""Weight-only quantisation: int8 per-output-channel and int4 grouped linear layers (CS336 notes "量化").
 
 ``quantize_model(model, "int8")`` swaps every ``Linear`` of an lmstack ``Transformer`` for a
 quantised one in place; activations stay in floating point (weight-only), so the bytes a
@@ -15,7 +15,14 @@ from lmstack.quant.gptq import CalibrationError, gptq_quantize, gptq_quantize_mo
 from lmstack.quant.int4 import Int4Linear, dequantize_int4, quantize_int4
 from lmstack.quant.int8 import Int8Linear, dequantize_int8, quantize_int8
 from lmstack.quant.linear import WeightOnlyLinear
-from lmstack.quant.model import QUANT_METHODS, quantize_model, quantized_weight_bytes
+from lmstack.quant.model import (
+    FORMATS,
+    QUANT_METHODS,
+    WeightFormat,
+    quantize_model,
+    quantized_weight_bytes,
+    register_format,
+)
 
 __all__ = [
     "CalibrationError",
@@ -23,7 +30,10 @@ __all__ = [
     "gptq_quantize_model",
     "Int4Linear",
     "Int8Linear",
+    "FORMATS",
     "QUANT_METHODS",
+    "WeightFormat",
+    "register_format",
     "dequantize_int4",
     "dequantize_int8",
     "quantize_int4",

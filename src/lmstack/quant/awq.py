@@ -1,4 +1,4 @@
-"""AWQ: activation-aware per-input-channel scaling before int4 rounding (seed 001 "有损提速"; Lin et al. 2023).
+"""AWQ: activation-aware per-input-channel scaling before int4 rounding (CS336 notes "有损提速"; Lin et al. 2023).
 
 Input channels that carry large activations matter more to the output, so they deserve finer
 weight resolution. For a linear (or several sharing one input: W_Q/W_K/W_V, W_gate/W_up) with

@@ -47,7 +47,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "compress",
         help="width pruning by activation importance + logit distillation",
-        description=__doc__.split("\n")[0] + ' (seed 001 "有损提速"; Minitron).',
+        description=__doc__.split("\n")[0] + ' (CS336 notes "有损提速"; Minitron).',
     )
     add_model_arguments(
         p,

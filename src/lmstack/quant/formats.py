@@ -1,5 +1,5 @@
 """Number formats in simulation: fp8 (e4m3 / e5m2), the OCP MX block formats (MXFP8, MXFP4) and NF4
-(seed 000 §5 the precision table; seed 001 "低精度计算", "量化").
+(Book of LLMs §5 “numeric precision” the precision table; CS336 notes "低精度计算", "量化").
 
 Each format has ``*_quantize`` (float -> codes + scales) and ``*_dequantize`` (back to float), and
 ``SimQuantLinear`` runs a linear on the dequantised weight (and, for W8A8, on a fake-quantised

@@ -1,5 +1,5 @@
 """GGUF (llama.cpp) quantised blocks read directly: Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q6_K
-(seed 001 "量化": block formats with per-block scales).
+(CS336 notes "量化": block formats with per-block scales).
 
 Byte layouts, one block (little-endian, f16 = IEEE half):
 

@@ -1,4 +1,4 @@
-"""GPTQ: post-training quantisation with second-order error feedback (seed 001 "有损提速"; Frantar et al. 2022).
+"""GPTQ: post-training quantisation with second-order error feedback (CS336 notes "有损提速"; Frantar et al. 2022).
 
 For one linear y = x Wᵀ with calibration inputs X (n, I), the layer's squared output error
 ‖X Ŵᵀ − X Wᵀ‖² has Hessian H = 2 XᵀX / n (I, I) with respect to each row of W. GPTQ quantises the

@@ -1,4 +1,4 @@
-"""int4 weight-only quantisation, asymmetric, one (scale, minimum) per group of G inputs (seed 001 "量化").
+"""int4 weight-only quantisation, asymmetric, one (scale, minimum) per group of G inputs (CS336 notes "量化").
 
 For each output row o and group j of G consecutive inputs:  s = (max − min) / 15,
 Q = round((W − min) / s) ∈ [0, 15],  Ŵ = Q · s + min,  so |W − Ŵ| ≤ s / 2.

@@ -1,5 +1,5 @@
 """lmstack's own int4 matmul for decode: int4 codes x int8 activations, with AVX-512 VNNI or, on CPUs
-without it, AVX2 (seed 001 "量化", "性能指标分析": at batch 1 every weight is read once per token, so the
+without it, AVX2 (CS336 notes "量化", "性能指标分析": at batch 1 every weight is read once per token, so the
 kernel has to keep pace with memory).
 
 Two C++ kernels, one packed layout and one formula: ``csrc/int4_vnni.cpp`` (AVX-512 VNNI, ``vpdpbusd``) and

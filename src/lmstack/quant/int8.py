@@ -1,4 +1,4 @@
-"""int8 weight-only quantisation, symmetric, one scale per output channel (seed 001 "量化").
+"""int8 weight-only quantisation, symmetric, one scale per output channel (CS336 notes "量化").
 
 For W of shape (O, I):  s_o = max_i |W_oi| / 127,  Q_oi = round(W_oi / s_o) ∈ [-127, 127],
 Ŵ_oi = s_o · Q_oi, so |W_oi − Ŵ_oi| ≤ s_o / 2. The matmul y = x Ŵᵀ = (x Qᵀ) ⊙ s is what

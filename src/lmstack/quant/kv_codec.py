@@ -1,6 +1,6 @@
 """The one codec of 1-byte K/V: int8 and fp8 e4m3 codes with one float32 scale per block (and KV head).
 
-Seed 001 "低精度计算" (int8/fp8 formats), "性能指标分析" (Memory_KV = 2·P·B·S·L·K·H: P = 1 byte halves a bf16
+CS336 notes "低精度计算" (int8/fp8 formats), "性能指标分析" (Memory_KV = 2·P·B·S·L·K·H: P = 1 byte halves a bf16
 cache). Both KV caches that quantise use it: the engine's paged pool (``inference.paged``, blocks filled a
 token at a time) and the contiguous ``inference.kv_cache.QuantizedKVCache`` (a block quantised once, when full).
 

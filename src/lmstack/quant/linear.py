@@ -1,4 +1,4 @@
-"""What the weight-only quantised linears share: the forward around a CPU kernel (seed 001 "量化").
+"""What the weight-only quantised linears share: the forward around a CPU kernel (CS336 notes "量化").
 
 A subclass stores its codes in a ``qweight`` buffer (how ``model.hf.check_float_weights`` spots it)
 and its scales, says whether its kernel can run (``_kernel_ok``), calls it

@@ -1,4 +1,4 @@
-"""LLM.int8(): vector-wise int8 matmul with the mixed-precision outlier decomposition (seed 000 §5;
+"""LLM.int8(): vector-wise int8 matmul with the mixed-precision outlier decomposition (Book of LLMs §5 “numeric precision”;
 Dettmers et al. 2022).
 
 For y = x Wᵀ with x (M, I) and W (O, I):

@@ -1,4 +1,4 @@
-"""fp16 training needs loss scaling; bf16 does not (seed 000 §5 "混合精度与下溢", loss scaling).
+"""fp16 training needs loss scaling; bf16 does not (Book of LLMs §5 "混合精度与下溢", loss scaling).
 
 fp16 has 5 exponent bits: the smallest subnormal is 2⁻²⁴ ≈ 6·10⁻⁸ and the smallest normal 2⁻¹⁴, so
 small gradients flush to zero ("underflow"); bf16 keeps fp32's 8 exponent bits (smallest normal

@@ -1,4 +1,4 @@
-"""Quantise an lmstack Transformer's linear layers in place (weight-only; seed 001 "量化").
+"""Quantise an lmstack Transformer's linear layers in place (weight-only; CS336 notes "量化").
 
 Which matrices are quantised is explicit: every ``Linear`` inside the blocks (W_Q, W_K, W_V,
 W_O, W_gate, W_up, W_down), plus the unembedding when ``lm_head=True``. The token embedding is
@@ -8,15 +8,57 @@ embeddings a quantised *copy* of W_e becomes the unembedding and W_e itself is k
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
 
+from lmstack.kernels.runtime import WEIGHT_FORMATS
 from lmstack.model.layers import Linear
 from lmstack.quant.int4 import Int4Linear
 from lmstack.quant.int8 import Int8Linear
 from lmstack.quant.linear import WeightOnlyLinear
 
-QUANT_METHODS = ("int8", "int4")
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """One weight-only format (one handler per format, as gpt-fast's): ``linear`` is its class, built by
+    ``linear.from_linear(linear, **options)`` for a ``Linear`` and ``linear.from_weight(weight, **options)`` for a
+    bare matrix (a tied unembedding's copy of W_e); ``options`` are the ``quantize_model`` arguments it takes."""
+
+    name: str
+    linear: Any  # a class with the classmethods from_linear and from_weight
+    options: tuple[str, ...] = ("compute_dtype",)
+
+    def build(self, weight_or_linear, **kw) -> nn.Module:
+        opts = {k: kw[k] for k in self.options}
+        if isinstance(weight_or_linear, torch.Tensor):
+            return self.linear.from_weight(weight_or_linear, **opts)
+        return self.linear.from_linear(weight_or_linear, **opts)
+
+
+#: name -> format: ``quantize_model(model, name)``, ``load_for_inference(dtype=name)``, ``--dtype name``
+FORMATS: dict[str, WeightFormat] = {
+    "int8": WeightFormat("int8", Int8Linear),
+    "int4": WeightFormat("int4", Int4Linear, ("group_size", "compute_dtype")),
+}
+#: the weight-only method names (the ``FORMATS`` dict itself, so a registered format is one of them)
+QUANT_METHODS = FORMATS
+
+
+def register_format(fmt: WeightFormat) -> WeightFormat:
+    """Add a weight-only format (from outside the package too); a name already taken is refused.
+    ``tests/quant/test_quant_weight_formats.py`` does it with a toy format."""
+    if fmt.name in FORMATS:
+        raise ValueError(f"weight format {fmt.name!r} is already registered; choose another name")
+    for m in ("from_linear", "from_weight"):
+        if not callable(getattr(fmt.linear, m, None)):
+            raise TypeError(f"WeightFormat({fmt.name!r}).linear={fmt.linear.__name__} has no {m}")
+    FORMATS[fmt.name] = fmt
+    if fmt.name not in WEIGHT_FORMATS:  # RuntimeConfig(dtype=...) / LLM(dtype=...) accept it too
+        WEIGHT_FORMATS.append(fmt.name)
+    return fmt
 
 
 def replace_block_linears(model: nn.Module, make) -> None:
@@ -43,13 +85,9 @@ def replace_block_linears(model: nn.Module, make) -> None:
 def _quantized(
     weight_or_linear, method: str, group_size: int, compute_dtype: torch.dtype
 ) -> nn.Module:
-    if method == "int8":
-        if isinstance(weight_or_linear, torch.Tensor):
-            return Int8Linear.from_weight(weight_or_linear, compute_dtype)
-        return Int8Linear.from_linear(weight_or_linear, compute_dtype)
-    if isinstance(weight_or_linear, torch.Tensor):
-        return Int4Linear.from_weight(weight_or_linear, group_size, compute_dtype)
-    return Int4Linear.from_linear(weight_or_linear, group_size, compute_dtype)
+    return FORMATS[method].build(
+        weight_or_linear, group_size=group_size, compute_dtype=compute_dtype
+    )
 
 
 @torch.no_grad()
@@ -60,7 +98,8 @@ def quantize_model(
     group_size: int = 32,
     compute_dtype: torch.dtype = torch.bfloat16,
 ) -> nn.Module:
-    """Replace the linears of ``model`` (a ``Transformer``) by ``Int8Linear`` / ``Int4Linear``.
+    """Replace the linears of ``model`` (a ``Transformer``) by ``method``'s linear (``FORMATS``: ``Int8Linear``,
+    ``Int4Linear``, or a registered format's).
 
     ``lm_head``: True quantises the unembedding (V·D weights, a fifth of SmolLM2-135M) with
     ``method`` too, a method name ("int8") uses that one for it, False keeps it in floating point.
@@ -70,7 +109,7 @@ def quantize_model(
     head_method = method if lm_head is True else lm_head
     for m in (method, head_method):
         if m is not False and m not in QUANT_METHODS:
-            raise ValueError(f"quantisation method={m!r}; expected one of {QUANT_METHODS}")
+            raise ValueError(f"quantisation method={m!r}; expected one of {list(FORMATS)}")
     replace_block_linears(
         model, lambda name, child: _quantized(child, method, group_size, compute_dtype)
     )

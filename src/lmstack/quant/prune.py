@@ -1,4 +1,4 @@
-"""Width pruning by activation importance, then logit distillation to recover (seed 001 "有损提速":
+"""Width pruning by activation importance, then logit distillation to recover (CS336 notes "有损提速":
 pruning + distillation as in Minitron, Muralidharan et al. 2024).
 
 Importance on calibration tokens (mean over B·S positions of an activation's magnitude):

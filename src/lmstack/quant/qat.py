@@ -1,4 +1,4 @@
-"""Quantisation-aware training: fake-quantised linears with a straight-through estimator (seed 001
+"""Quantisation-aware training: fake-quantised linears with a straight-through estimator (CS336 notes
 "有损提速": quantisation-aware training vs post-training quantisation).
 
 In the forward a ``QATLinear`` uses Ŵ = Q(W), the int4 round trip of ``quantize_int4`` (asymmetric,

@@ -1,8 +1,8 @@
 """Scaling laws: least squares, power-law fits, Chinchilla's approaches 1-3, the compute-optimal planner,
 the IsoFLOP sweep on this machine, µP and the critical batch size.
 
-Seed 000 §3 (µP; LR(C) and L(C) = L∞ + β·C^−α; least squares in closed form and by iteration),
-seed 001 "规模定律" (data/model scaling, repeated data, compute-optimal allocation, batch size / µP).
+Book of LLMs §3 (µP; LR(C) and L(C) = L∞ + β·C^−α; least squares in closed form and by iteration),
+CS336 notes "规模定律" (data/model scaling, repeated data, compute-optimal allocation, batch size / µP).
 """
 
 from lmstack.scaling.chinchilla import (

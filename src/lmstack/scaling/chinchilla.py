@@ -8,7 +8,7 @@
 3. ``approach3``: fit L(N, D) = E + A/N^α + B/D^β (``laws.fit_chinchilla``) and minimise it on 6ND = C:
    a = β/(α+β), b = α/(α+β) (``planner``).
 
-Seed 001 "规模定律" (the compute-optimal allocation), seed 000 §3.3 (the least-squares fits).
+CS336 notes "规模定律" (the compute-optimal allocation), Book of LLMs §3.3 (the least-squares fits).
 Each result carries bootstrap intervals for a and b.
 """
 

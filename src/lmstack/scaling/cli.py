@@ -1,6 +1,6 @@
 """``lmstack scaling``: ``plan`` (compute-optimal N, D, loss for a budget), ``sweep`` (train the IsoFLOP
 grid of a sweep file into runs.jsonl, resumable) and ``fit`` (Chinchilla's approaches 1-3 with intervals,
-the held-out prediction, PNG figures). Seed 001 "规模定律", seed 000 §3.
+the held-out prediction, PNG figures). CS336 notes "规模定律", Book of LLMs §3.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The µP coordinate check (Yang et al. 2022, Tensor Programs V §D.1): train models of growing width
 for a few AdamW steps at one learning rate and record the typical size of activations (mean |x| per
 coordinate) at each step. Under SP the logits and hidden states grow with width after the first
-updates; under µP the curves lie on top of each other. Seed 000 §3.1.
+updates; under µP the curves lie on top of each other. Book of LLMs §3.1.
 """
 
 from __future__ import annotations

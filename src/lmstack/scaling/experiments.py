@@ -1,9 +1,9 @@
-"""The two small CPU experiments of the issue, on a token file with the existing trainer:
+"""Two small CPU scaling experiments on a token file, with the trainer:
 
 - ``lr_transfer``: final validation loss vs learning rate for several widths under SP and under µP
-  (seed 000 §3.1: under µP the best LR found at the base width stays the best at larger widths);
+  (Book of LLMs §3.1 “muP”: under µP the best LR found at the base width stays the best at larger widths);
 - ``batch_sweep``: loss vs steps at several batch sizes, with the gradient-noise-scale estimate of the
-  critical batch size logged along the run (seed 001 "规模定律": batch size; McCandlish et al. 2018).
+  critical batch size logged along the run (CS336 notes "规模定律": batch size; McCandlish et al. 2018).
 """
 
 from __future__ import annotations

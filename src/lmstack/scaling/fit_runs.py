@@ -1,7 +1,7 @@
 """``fit_runs``: everything ``lmstack scaling fit`` reports, from a runs table — Chinchilla's three
 approaches with bootstrap intervals, the held-out prediction and the figures.
 
-Seed 001 "规模定律" (use small runs to predict a larger one), seed 000 §3.2-3.3 (the fits).
+CS336 notes "规模定律" (use small runs to predict a larger one), Book of LLMs §3.2-3.3 (the fits).
 Rows with ``holdout: true`` are kept out of every fit and predicted by approach 3's L(N, D).
 
 Runs that see their U unique tokens more than once (``D > U``) can be fitted with the data-constrained
@@ -43,7 +43,9 @@ class RunsFit:
         default_factory=list
     )  # name, N, D, actual, predicted, interval, error
     figures: list[Path] = field(default_factory=list)
-    loss_law: Fit | None = None  # seed 000 §3.2's L(C) = L∞ + β·C^−α through approach 1's envelope
+    loss_law: Fit | None = (
+        None  # Book of LLMs §3.2 “compute-LR and compute-loss fits”'s L(C) = L∞ + β·C^−α through approach 1's envelope
+    )
     repeats: str = "none"  # the approach-3 recipe used: none | muennighoff | fit
     backtest: dict[str, dict[str, Any]] = field(
         default_factory=dict

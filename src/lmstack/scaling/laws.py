@@ -1,8 +1,8 @@
 """Scaling-law forms and their fits, each with bootstrap confidence intervals.
 
-Seed 000 §3.2 (the compute–learning-rate law LR(C) = β·C^−α, fitted as a line in log–log space, and the
+Book of LLMs §3.2 (the compute–learning-rate law LR(C) = β·C^−α, fitted as a line in log–log space, and the
 compute–loss law L(C) = L∞ + β·C^−α, which needs the irreducible loss L∞ or the fit sends L → 0),
-seed 001 "规模定律" (data scaling loss = c·n^−α; repeated data is nearly as good as fresh data for up to
+CS336 notes "规模定律" (data scaling loss = c·n^−α; repeated data is nearly as good as fresh data for up to
 ~4 epochs), Chinchilla's parametric loss L(N, D) = E + A/N^α + B/D^β (Hoffmann et al. 2022, eq. 2) and
 the data-constrained form of Muennighoff et al. 2023 (effective data D' with a decaying value per repeat).
 
@@ -70,7 +70,7 @@ class Fit:
 
 # ---- y = a·x^b (a line in log-log space) -----------------------------------------------------------
 def fit_power_law(x, y, method: str = "qr") -> Fit:
-    """y = a·x^b by linear least squares on (log x, log y); seed 001's data law c·n^−α has b = −α."""
+    """y = a·x^b by linear least squares on (log x, log y); CS336 notes's data law c·n^−α has b = −α."""
     x, y = _positive("x", x), _positive("y", y)
     _same_length(x=x, y=y)
     log_a, b = linear_fit(np.log(x), np.log(y), method)
@@ -82,7 +82,7 @@ def fit_power_law(x, y, method: str = "qr") -> Fit:
 
 
 def fit_lr_law(C, lr) -> Fit:
-    """Seed 000 §3.2: LR(C) = β·C^−α  ⇔  log LR = log β − α log C (the closed-form line fit)."""
+    """Book of LLMs §3.2 “compute-LR and compute-loss fits”: LR(C) = β·C^−α  ⇔  log LR = log β − α log C (the closed-form line fit)."""
     p = fit_power_law(C, lr)
     beta, alpha = p.params["a"], -p.params["b"]
     return Fit(
@@ -102,7 +102,7 @@ def fit_offset_power_law(
 ) -> Fit:
     """L(x) = L∞ + β·x^−α, fitted as log L = LSE(log L∞, log β − α log x) with a Huber loss.
 
-    Seed 000 §3.2's L(C); parameters θ = (e, b, α) with L∞ = eᵉ, β = eᵇ, searched from a grid of starts.
+    Book of LLMs §3.2 “compute-LR and compute-loss fits”'s L(C); parameters θ = (e, b, α) with L∞ = eᵉ, β = eᵇ, searched from a grid of starts.
     """
     x, y = _positive("x", x), _positive("y", y)
     _same_length(x=x, y=y)
@@ -126,7 +126,7 @@ def fit_offset_power_law(
 
 
 def fit_loss_law(C, L, **kw) -> Fit:
-    """Seed 000 §3.2: L(C) = L∞ + β·C^−α (the irreducible term keeps L from reaching 0 as C → ∞)."""
+    """Book of LLMs §3.2 “compute-LR and compute-loss fits”: L(C) = L∞ + β·C^−α (the irreducible term keeps L from reaching 0 as C → ∞)."""
     f = fit_offset_power_law(C, L, **kw)
     f.form = "L(C) = L_inf + beta*C^-alpha"
     return f
@@ -204,7 +204,7 @@ R_STAR_D = 15.4  # Muennighoff et al. 2023 fit: repeated tokens lose value with 
 def effective_data(D, U, r_star: float = R_STAR_D) -> np.ndarray:
     """D' = U + U·R*·(1 − exp(−R/R*)) with R = D/U − 1 repeats of the U unique tokens (R ≤ 0: D' = D).
 
-    Each extra epoch is worth a little less than the last; for R ≪ R* D' ≈ D (seed 001: up to ~4
+    Each extra epoch is worth a little less than the last; for R ≪ R* D' ≈ D (CS336 notes: up to ~4
     epochs repeated data is about as good as fresh), and D' never exceeds U·(1 + R*)."""
     D, U = np.asarray(D, dtype=np.float64), np.asarray(U, dtype=np.float64)
     R = np.maximum(D / U - 1.0, 0.0)

@@ -1,4 +1,4 @@
-"""Least squares, the two ways seed 000 §3.3 names: the linear closed form and the nonlinear iteration.
+"""Least squares, the two ways Book of LLMs §3.3 “least squares” names: the linear closed form and the nonlinear iteration.
 
 - ``normal_equations(X, y)``: β = (XᵀX)⁻¹Xᵀy, solved with a Cholesky factorisation of XᵀX (never an
   explicit inverse). Squaring X squares its condition number, so ``qr_lstsq`` is the path to use when
@@ -35,7 +35,7 @@ def _design(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def normal_equations(X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """β minimising ‖y − Xβ‖² from the normal equations XᵀXβ = Xᵀy (Cholesky; seed 000 §3.3)."""
+    """β minimising ‖y − Xβ‖² from the normal equations XᵀXβ = Xᵀy (Cholesky; Book of LLMs §3.3 “least squares”)."""
     X, y = _design(X, y)
     gram = X.T @ X
     try:

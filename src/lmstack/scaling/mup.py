@@ -1,6 +1,6 @@
 """µP (Maximal Update Parametrization) for the lmstack Transformer and AdamW, relative to a base width.
 
-Seed 000 §3.1: hyperparameters tuned on a small model do not transfer under the standard
+Book of LLMs §3.1 “muP”: hyperparameters tuned on a small model do not transfer under the standard
 parametrization (SP), because different layers' updates grow differently with width; µP sets each
 layer's init variance and learning rate so the update relative to the weight stays the same at every
 width. The rules are Yang et al. 2022, "Tensor Programs V" (µTransfer), Table 3 (Adam column), with

@@ -8,7 +8,7 @@ per-example covariance). Measuring |G_B|² at two batch sizes B_small < B_big gi
     tr Σ  ≈ 𝒮 = (|G_small|² − |G_big|²) / (1/B_small − 1/B_big)
 
 and the simple noise scale B_simple = tr Σ / |G|², the batch size beyond which more examples per step
-buy little (seed 001 "规模定律": the critical batch size). Each estimate is noisy, so 𝒢 and 𝒮 are
+buy little (CS336 notes "规模定律": the critical batch size). Each estimate is noisy, so 𝒢 and 𝒮 are
 averaged separately (exponential moving averages) before the ratio, as the paper does.
 
 ``NoiseScaleCallback`` measures it during ``Trainer.fit`` on request (``lmstack.train`` unchanged):

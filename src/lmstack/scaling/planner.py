@@ -1,7 +1,7 @@
 """The compute-optimal planner: given a budget C (FLOPs, or GPUs × hours × MFU × peak), the model size
 N_opt, the tokens D_opt = C/(6·N_opt), tokens per parameter and the predicted loss.
 
-Seed 001 "规模定律" (the compute-optimal allocation), seed 000 §1.6 (C ≈ 6ND). For the parametric law
+CS336 notes "规模定律" (the compute-optimal allocation), Book of LLMs §1.6 (C ≈ 6ND). For the parametric law
 L(N, D) = E + A/N^α + B/D^β, minimising L on the curve 6ND = C gives (Hoffmann et al. 2022, eq. 4)
 
     N_opt = G·(C/6)^a,  D_opt = G⁻¹·(C/6)^b,  G = (αA / (βB))^(1/(α+β)),  a = β/(α+β),  b = α/(α+β),
@@ -142,7 +142,7 @@ def optimal_for_params(N: float, law: Law | str = "epoch") -> Plan:
 
 
 def compute_from_hardware(n_devices: int, hours: float, peak_flops: float, mfu: float) -> float:
-    """C = devices × seconds × peak FLOP/s × MFU (model FLOPs utilisation, seed 000 §1.6)."""
+    """C = devices × seconds × peak FLOP/s × MFU (model FLOPs utilisation, Book of LLMs §1.6 “forward and backward FLOPs”)."""
     for name, v in (("devices", n_devices), ("hours", hours), ("peak_flops", peak_flops)):
         if not (v > 0):
             raise ValueError(f"{name}={v!r} must be > 0")

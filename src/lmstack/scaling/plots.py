@@ -1,7 +1,7 @@
 """PNG figures of a scaling fit (matplotlib, Agg): IsoFLOP curves with their parabolas, the loss-vs-FLOPs
 envelope, L(N, D) contours with the compute-optimal line, predicted vs actual loss.
 
-Seed 001 "规模定律"; Hoffmann et al. 2022 figures 2-4 are the models for these plots.
+CS336 notes "规模定律"; Hoffmann et al. 2022 figures 2-4 are the models for these plots.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The IsoFLOP sweep: a grid of small models (several compute budgets C × several sizes N), each trained
 with the existing trainer on D = C/(6N) tokens, recorded in ``runs.jsonl``; resumable.
 
-Seed 001 "规模定律" (extrapolate from small experiments), seed 000 §1.6 (C ≈ 6ND). N counts the
+CS336 notes "规模定律" (extrapolate from small experiments), Book of LLMs §1.6 (C ≈ 6ND). N counts the
 parameters that do work for every token: everything but the input embedding lookup, plus the
 unembedding V·D even when it is tied to the embedding (``compute_params``); the row also records
 the exact FLOPs of the steps taken (``accounting.training_step_flops``, attention included).

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: one engine loop (``AsyncLLM``) behind a FastAPI app.
 
-Seed 000 §2.1–2.2 (latency vs throughput; continuous batching), seed 001 "推理" / "动态负载"
+Book of LLMs §2.1–2.2 (latency vs throughput; continuous batching), CS336 notes "推理" / "动态负载"
 (requests arrive at any time with any length; iteration-level scheduling over a paged KV cache;
 TTFT and per-token latency are what users see); DESIGN.md "Real parts" (FastAPI + uvicorn, the
 OpenAI HTTP API). ``build_app`` assembles the parts, each in its own module:
@@ -27,9 +27,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lmstack.serve import routes
 from lmstack.serve.guards import BearerAuth, BodyLimit
 from lmstack.serve.protocol import error_body
-from lmstack.serve.routes import ROUTERS
 from lmstack.serve.server import APIError, Server
 
 log = logging.getLogger("lmstack.serve")
@@ -56,7 +56,7 @@ def build_app(server: Server) -> FastAPI:
     app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(BodyLimit, server=server)
     app.add_middleware(BearerAuth, server=server)  # added last: runs first (no key, no body read)
-    for router in ROUTERS:
+    for router in routes.ROUTERS:  # read when the app is built: a router added to ROUTERS is served
         app.include_router(router)
     return app
 

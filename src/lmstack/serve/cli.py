@@ -1,6 +1,6 @@
 """``lmstack serve``: load a model, build the engine and serve the OpenAI API with uvicorn.
 
-Seed 001 "动态负载" (one engine loop batches every client's requests). SIGTERM / Ctrl-C shut
+CS336 notes "动态负载" (one engine loop batches every client's requests). SIGTERM / Ctrl-C shut
 down gracefully: no new connections, in-flight requests get ``--shutdown-timeout`` seconds to
 finish, then are aborted (their KV blocks freed), and the process exits 0.
 """
@@ -116,8 +116,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def default_kv_cache_bytes(model, max_seqs: int, max_model_len: int | None) -> int:
     """The KV pool a server needs at most: every one of ``max_seqs`` sequences at ``max_model_len`` tokens (the
     accounting formula, ``paged.kv_pool_bytes``, in the engine's block size and the model's dtype), capped at
-    ``DEFAULT_KV_MB``. The pool is zeroed, so touched, at start: a fixed 512 MiB made a 430 KB model's server
-    start at 843 MiB of RSS."""
+    ``DEFAULT_KV_MB``. The pool is zeroed, so touched, at start: sized to the model, a small model's server
+    takes little memory."""
     config = model.config
     length = config.max_seq_len if max_model_len is None else min(max_model_len, config.max_seq_len)
     dtype = next(model.parameters()).dtype

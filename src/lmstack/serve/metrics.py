@@ -1,6 +1,6 @@
 """``GET /metrics``: the server's state and latencies in Prometheus' text format (prometheus-client).
 
-Seed 001 "性能指标分析" (TTFT, per-token latency, throughput are what users feel) and "动态负载"
+CS336 notes "性能指标分析" (TTFT, per-token latency, throughput are what users feel) and "动态负载"
 (requests waiting vs running, paged KV blocks). Gauges are read from the engine when scraped;
 the histograms are fed by each finished request (TTFT = first token − arrival, inter-token
 latency = gaps between token times, end-to-end = finish − arrival). Each server has its own

@@ -1,6 +1,6 @@
 """OpenAI's presence and frequency penalties and ``logit_bias`` as engine logits processors.
 
-Seed 000 §2.6 (sampling controls). The OpenAI API reference defines them on the counts c[j] of
+Book of LLMs §2.6 (sampling controls). The OpenAI API reference defines them on the counts c[j] of
 each token j in the output so far: ``logit[j] -= c[j] · frequency_penalty + [c[j] > 0] · presence_penalty``
 (the prompt does not count, unlike the CTRL repetition penalty in ``inference.sampling``).
 """

@@ -1,6 +1,6 @@
 """The OpenAI HTTP API's request bodies as pydantic models, and the error object.
 
-DESIGN.md "Real parts" (the server speaks the OpenAI HTTP API); seed 001 "推理流程" (a request is
+DESIGN.md "Real parts" (the server speaks the OpenAI HTTP API); CS336 notes "推理流程" (a request is
 a prompt plus the sampling rules). Field names, types and ranges follow the OpenAI reference for
 ``/v1/completions`` and ``/v1/chat/completions``; lmstack's extra sampling fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``) come as extra body fields

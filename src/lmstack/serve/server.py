@@ -1,7 +1,7 @@
 """The server's state: the engine and its async loop, the tokenizer, admission (limits, 429), the request
 checks that turn an OpenAI body into engine inputs, and the shutdown drain.
 
-Seed 001 "动态负载" (requests arrive at any time with any length; one engine loop batches them); DESIGN.md
+CS336 notes "动态负载" (requests arrive at any time with any length; one engine loop batches them); DESIGN.md
 "Real parts" (the OpenAI HTTP API). Every HTTP request becomes ``n`` engine requests on the one
 ``AsyncLLM``. Bad input is an ``APIError`` (OpenAI's error object) raised before anything reaches the
 engine; at most ``max_num_seqs + max_queue`` engine requests are admitted.

@@ -1,6 +1,6 @@
 """Structured output: ``response_format`` json_object / json_schema by grammar-constrained decoding.
 
-Seed 000 §2.6 (sampling is a distribution we may reshape before drawing). The JSON schema is
+Book of LLMs §2.6 (sampling is a distribution we may reshape before drawing). The JSON schema is
 compiled to a grammar by llguidance (the Rust library behind Guidance, maintained, one wheel with
 no dependencies that runs on any CPU); at every step its matcher gives the set of tokens that keep
 the output a valid prefix, and the processor sets every other logit to -inf before the sampler

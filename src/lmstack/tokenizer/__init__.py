@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenizer (seed 001 "分词器", "细节问答"; seed 000 §5.3 memmap token files).
+"""Byte-level BPE tokenizer (CS336 notes "分词器", "细节问答"; Book of LLMs §5.3 “memmap loading and bf16/int8 weights” memmap token files).
 
 Public API: :class:`Tokenizer` (encode / decode / encode_iterable / apply_chat_template),
 :func:`train_bpe`, file formats (lmstack JSON, GPT-2 vocab.json+merges.txt, HF tokenizer.json,

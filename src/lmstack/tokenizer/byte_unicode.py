@@ -1,4 +1,4 @@
-"""GPT-2's reversible bytes <-> printable-unicode mapping (seed 001 "分词器", "细节问答": bytes vs UTF-8).
+"""GPT-2's reversible bytes <-> printable-unicode mapping (CS336 notes "分词器", "细节问答": bytes vs UTF-8).
 
 GPT-2 stores byte-level tokens in ``vocab.json``/``merges.txt`` (and GGUF/HF ``tokenizer.json``
 reuse the convention) as strings, not bytes: each of the 256 byte values is shown as one printable

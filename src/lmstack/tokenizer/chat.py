@@ -1,6 +1,6 @@
 """Chat templates: turn a list of messages into the prompt text the model was tuned on.
 
-Seed 001 "推理流程" starts from a prompt; for instruction-tuned models that prompt is built by the
+CS336 notes "推理流程" starts from a prompt; for instruction-tuned models that prompt is built by the
 Jinja2 template shipped with the tokenizer (GGUF ``tokenizer.chat_template``, HF
 ``tokenizer_config.json``). lmstack's one renderer, rendering as HF transformers'
 ``apply_chat_template`` does: a sandboxed environment with ``trim_blocks`` and ``lstrip_blocks``,

@@ -1,4 +1,4 @@
-"""``lmstack tokenizer train | encode | info`` (seed 001 "分词器"; seed 000 §5.3 memmap token files)."""
+"""``lmstack tokenizer train | encode | info`` (CS336 notes "分词器"; Book of LLMs §5.3 “memmap loading and bf16/int8 weights” memmap token files)."""
 
 from __future__ import annotations
 

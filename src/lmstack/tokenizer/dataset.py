@@ -1,4 +1,4 @@
-"""Encode text files into one flat token file readable with ``np.memmap`` (seed 000 §5.3; seed 001 "细节问答").
+"""Encode text files into one flat token file readable with ``np.memmap`` (Book of LLMs §5.3 “memmap loading and bf16/int8 weights”; CS336 notes "细节问答").
 
 The output is a token file (:mod:`.token_file`: the raw ids back to back, ``uint16`` when V <= 65536 and
 ``uint32`` otherwise, plus a JSON sidecar with dtype, n_tokens, vocab_size, bytes/token).

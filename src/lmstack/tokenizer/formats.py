@@ -1,4 +1,4 @@
-"""Tokenizer files in and out (seed 001 "分词器": tiktoken and HF tokenizers are the reference libraries).
+"""Tokenizer files in and out (CS336 notes "分词器": tiktoken and HF tokenizers are the reference libraries).
 
 - lmstack's own JSON (:func:`save`/:func:`load`): token bytes as hex, nothing lost.
 - GPT-2 ``vocab.json`` + ``merges.txt`` (tokens as GPT-2 printable strings, see :mod:`.byte_unicode`).

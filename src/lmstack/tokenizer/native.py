@@ -1,4 +1,4 @@
-"""The encoder's native core: ``csrc/bpe.cpp`` compiled on first use (seed 001 "分词器", "细节问答").
+"""The encoder's native core: ``csrc/bpe.cpp`` compiled on first use (CS336 notes "分词器", "细节问答").
 
 The C++ file does what :class:`~lmstack.tokenizer.Tokenizer`'s Python path does, with the same ids:
 special tokens cut out longest first, the built-in pre-tokenizer patterns as hand-written state machines

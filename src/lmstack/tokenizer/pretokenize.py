@@ -1,6 +1,6 @@
 """Pre-tokenization: special-token splitting and the regex that cuts text into pre-tokens.
 
-Seed 001 "细节问答" (为什么要进行预分词): BPE never merges across pre-token boundaries, which keeps
+CS336 notes "细节问答" (为什么要进行预分词): BPE never merges across pre-token boundaries, which keeps
 training cheap (counts per distinct pre-token, not per corpus position) and stops tokens like
 ``dog!`` vs ``dog.`` from forming. Special tokens are cut out first, longest first, so no merge
 crosses them.

@@ -1,4 +1,4 @@
-"""The flat token file: ids back to back, read with ``np.memmap`` (seed 000 §5.3), and its JSON sidecar.
+"""The flat token file: ids back to back, read with ``np.memmap`` (Book of LLMs §5.3 “memmap loading and bf16/int8 weights”), and its JSON sidecar.
 
 ``<path>`` holds the raw ids (``uint16`` when V <= 65536, else ``uint32``); ``<path>.json`` says
 ``dtype``, ``n_tokens`` and ``vocab_size`` so a reader never guesses. This module is the one place
@@ -88,7 +88,7 @@ def is_token_file(path: str | os.PathLike, strict: bool = False) -> bool:
 
     ``strict`` (readers that would otherwise take the file as text): a sidecar that is there but unreadable
     (not JSON, no ``dtype``, a bogus dtype) is a ValueError naming it, not False — read as text, the binary
-    gives a wrong answer (issue #31: ``eval ppl tok.bin`` reported a perplexity over its bytes)."""
+    gives a wrong answer (``eval ppl tok.bin`` would report a perplexity over its bytes)."""
     if strict and sidecar_path(path).is_file():
         read_sidecar(path)
         return Path(path).is_file()

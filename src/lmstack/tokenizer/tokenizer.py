@@ -1,9 +1,9 @@
-"""The byte-level BPE tokenizer: encode, decode, encode_iterable (seed 001 "分词器", "细节问答").
+"""The byte-level BPE tokenizer: encode, decode, encode_iterable (CS336 notes "分词器", "细节问答").
 
 Text -> special-token split (longest first) -> pre-tokens (regex, :class:`.pretokenize.PreTokenizer`) -> UTF-8 bytes -> BPE merges
 applied by rank (lowest first, like HF ``tokenizers``) -> ids. Decoding concatenates token bytes
 and decodes UTF-8 with invalid sequences replaced by U+FFFD. Each distinct pre-token is merged
-once and cached, because natural text repeats its words (seed 001 "细节问答": hash maps).
+once and cached, because natural text repeats its words (CS336 notes "细节问答": hash maps).
 
 Encoding runs in the native core (:mod:`.native`, ``csrc/bpe.cpp``: the same algorithm in C++, GIL released)
 when it builds; otherwise, or with ``LMSTACK_TOKENIZER=python``, in the Python code below. ``backend`` says which.

@@ -1,4 +1,4 @@
-"""Byte-level BPE training (seed 001 "分词器"; "细节问答": pre-tokenization, mmap/streaming, heaps and hash maps).
+"""Byte-level BPE training (CS336 notes "分词器"; "细节问答": pre-tokenization, mmap/streaming, heaps and hash maps).
 
 1. Pre-token counting. Each input file is cut into chunks at special-token boundaries (so no
    chunk splits a document, and no merge ever crosses a special token); worker processes read
@@ -133,7 +133,7 @@ def plan_chunks(
     safe_cuts: bool,
     min_chunks_per_worker: bool = False,
 ) -> tuple[int, int, list[tuple[str, int, int]]]:
-    """Split the input files into byte ranges for worker processes (seed 001 "细节问答": bounded memory).
+    """Split the input files into byte ranges for worker processes (CS336 notes "细节问答": bounded memory).
 
     Returns (workers, total bytes, [(path, start, end)]). Each file is cut into pieces of at most
     ``chunk_bytes`` (and, with ``min_chunks_per_worker``, at least one piece per worker) at

@@ -1,7 +1,7 @@
 """Training: stable softmax/cross-entropy/z-loss, AdamW/SGD, clipping, LR schedules, memmap data,
 packing, the Trainer (mixed precision, accumulation, checkpoints) and ``lmstack train``.
 
-Seed 000 §1.8, §5.1-5.4; seed 001 "训练稳定性", "工程细节/基准测试", "模型规模定律".
+Book of LLMs §1.8 “training memory”, §5.1-5.4; CS336 notes "训练稳定性", "工程细节/基准测试", "模型规模定律".
 """
 
 from lmstack.train.checkpoint import (

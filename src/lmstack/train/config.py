@@ -45,13 +45,13 @@ class TrainConfigError(ValueError):
 class TrainConfig:
     # ---- model: ModelConfig fields, or {"preset": name, ...overrides}; vocab_size defaults to the data's V
     model: dict[str, Any] = field(default_factory=dict)
-    # ---- data (seed 000 §5.3): flat token files from `lmstack tokenizer encode`
+    # ---- data (Book of LLMs §5.3 “memmap loading and bf16/int8 weights”): flat token files from `lmstack tokenizer encode`
     train_data: str = ""
     val_data: str | None = None  # None: hold out the last val_fraction of train_data
     val_fraction: float = 0.05
     tokenizer: str | None = None  # recorded in checkpoints; used by `lmstack train` to sample
     sep_id: int | None = None  # document separator id (<|endoftext|>), needed for packing
-    packing: bool = False  # attention never crosses a separator (seed 001 packing mask)
+    packing: bool = False  # attention never crosses a separator (CS336 notes packing mask)
     # ---- batch: tokens per optimizer step = batch_size * grad_accum * seq_len
     batch_size: int = 8  # B per micro-batch
     seq_len: int = 256  # S
@@ -70,9 +70,9 @@ class TrainConfig:
     eps: float = 1e-8
     momentum: float = 0.9  # sgd
     grad_clip: float = 1.0  # 0 disables clipping
-    z_loss: float = 0.0  # α of α·log²Z (seed 001 "训练稳定性"); 1e-4 is typical
+    z_loss: float = 0.0  # α of α·log²Z (CS336 notes "训练稳定性"); 1e-4 is typical
     qk_norm: bool | None = None  # shortcut for model.qk_norm
-    # ---- precision and memory (seed 000 §1.8, §5.1-5.4)
+    # ---- precision and memory (Book of LLMs §1.8 “training memory”, §5.1-5.4)
     # auto: bf16 autocast where the CPU multiplies bf16 natively and measures faster, else fp32 (lmstack.cpu);
     # bf16/fp16: autocast with fp32 master weights; fp32: no autocast
     precision: str = "auto"

@@ -1,12 +1,12 @@
 """Training data: random windows, evaluation batches, packing, token budgets over a token array.
 
-Seed 000 §5.3: ``np.memmap`` maps the token file written by ``lmstack tokenizer encode`` instead
+Book of LLMs §5.3 “memmap loading and bf16/int8 weights”: ``np.memmap`` maps the token file written by ``lmstack tokenizer encode`` instead
 of loading it (:func:`lmstack.tokenizer.token_file.open_tokens`, the one reader), so a corpus larger
 than RAM costs nothing until a window is read. A training
 example is a window of S + 1 consecutive tokens: x = tokens[i : i+S] and y = tokens[i+1 : i+S+1]
 (y is x shifted by one: position s predicts token s+1). Any i in [0, n - S - 1] is valid.
 
-Packing (seed 001 "细节问答", seed 000 §2.2): a window may span several documents separated by
+Packing (CS336 notes "细节问答", Book of LLMs §2.2 “batching and packing”): a window may span several documents separated by
 a separator token (``<|endoftext|>``). With ``sep_id`` set, each window also gets document ids
 and positions that restart at 0 in every document; the model's attention mask then never lets a
 token see another document, and targets that cross a boundary are ignored (-100).

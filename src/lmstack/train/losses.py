@@ -1,4 +1,4 @@
-"""Training losses: cross-entropy with z-loss (seed 001 "训练稳定性") and the MoE balance loss (seed 001 "MoE").
+"""Training losses: cross-entropy with z-loss (CS336 notes "训练稳定性") and the MoE balance loss (CS336 notes "MoE").
 
 Cross-entropy of the target r given logits U (one row of V scores):
 
@@ -304,7 +304,7 @@ def z_loss_term(logits: Tensor, alpha: float) -> Tensor:
 
 
 def load_balance_loss(router_probs: Tensor, expert_index: Tensor, n_experts: int) -> Tensor:
-    """Switch-Transformer balance term  E · Σ_i f_i · P_i  (seed 001 "MoE": 路由平衡正则项).
+    """Switch-Transformer balance term  E · Σ_i f_i · P_i  (CS336 notes "MoE": 路由平衡正则项).
 
     router_probs: (M, E) softmax router outputs; expert_index: (M,) or (M, k) chosen experts.
     f_i = fraction of routed (token, slot) pairs sent to expert i (not differentiable),

@@ -1,4 +1,4 @@
-"""Numerically stable softmax, log-softmax and log-sum-exp (seed 001 "训练稳定性").
+"""Numerically stable softmax, log-softmax and log-sum-exp (CS336 notes "训练稳定性").
 
 Softmax is shift invariant: softmax(u) = softmax(u - m) for any m. Subtracting m = max(u)
 makes every exponent <= 0, so exp never overflows and the largest term is exactly 1, so the
@@ -26,7 +26,7 @@ def logsumexp(x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
 
 
 def softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """exp(x - m) / Σ exp(x - m) with m = max(x): never overflows (seed 001 "训练稳定性")."""
+    """exp(x - m) / Σ exp(x - m) with m = max(x): never overflows (CS336 notes "训练稳定性")."""
     m = x.amax(dim=dim, keepdim=True).detach()
     e = torch.exp(x - m)
     return e / e.sum(dim=dim, keepdim=True)

@@ -1,6 +1,6 @@
 """Optimizers and gradient clipping: AdamW, SGD (with momentum), global-L2-norm clipping.
 
-Seed 000 §1.8: AdamW keeps two fp32 states per parameter (m and v: 8P bytes). Seed 001
+Book of LLMs §1.8 “training memory”: AdamW keeps two fp32 states per parameter (m and v: 8P bytes). CS336 notes
 "训练稳定性": weight decay is kept even though data never repeats, because with a decaying
 learning rate it ends lower; AdamW *decouples* it from the gradient (Loshchilov & Hutter):
 

@@ -1,7 +1,7 @@
 """Learning-rate schedules: linear warmup + cosine decay, and warmup-stable-decay (WSD).
 
-Seed 001 "训练稳定性": weight decay pays off together with a learning rate that decays at the
-end; seed 001 "模型规模定律": the learning rate must change with scale (μP). Steps t count
+CS336 notes "训练稳定性": weight decay pays off together with a learning rate that decays at the
+end; CS336 notes "模型规模定律": the learning rate must change with scale (μP). Steps t count
 optimizer updates from 0; T_w = ``warmup_steps``, T = ``total_steps``.
 
 cosine:  t < T_w:        lr = lr_max · (t + 1) / T_w

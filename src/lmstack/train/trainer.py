@@ -53,7 +53,7 @@ from lmstack.parallel.checkpoint import load_sharded, save_sharded
 from lmstack.tokenizer import load_tokenizer, save_hf
 from lmstack.train import build, loop
 from lmstack.train import checkpoint as ckpt
-from lmstack.train.build import (  # noqa: F401  (importable from here as before the split)
+from lmstack.train.build import (  # noqa: F401  (importable from here too)
     build_optimizer,
     build_schedule,
     optimizer_class,
@@ -243,7 +243,7 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------
     def autocast(self):
-        """bf16/fp16 autocast (seed 000 §5.4): matmuls in low precision, weights stay fp32."""
+        """bf16/fp16 autocast (Book of LLMs §5.4 “autocast and bitsandbytes”): matmuls in low precision, weights stay fp32."""
         if self.runtime.dtype == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(
@@ -296,7 +296,7 @@ class Trainer:
     def optimizer_step(self) -> tuple[float, float]:
         """Clip, set lr(step), update, zero grads; returns (grad norm before clipping, lr).
 
-        fp16 (seed 000 §5.1, underflow): the loss was multiplied by the scaler's factor before
+        fp16 (Book of LLMs §5.1 “mixed precision and underflow”, underflow): the loss was multiplied by the scaler's factor before
         backward; the grads are unscaled here, and a step whose grads overflowed is skipped
         (the scaler lowers its factor) instead of stopping the run.
         """

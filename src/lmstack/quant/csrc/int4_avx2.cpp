@@ -1,7 +1,7 @@
 // int4 weight x int8 activation matmul for small M (batch-1 decode) with AVX2, FMA and F16C: the twin of
 // int4_vnni.cpp for CPUs without AVX-512 VNNI (most laptops, AMD Zen 1-3, many cloud VMs). Compiled with
 // -mavx2 -mfma -mf16c only, so it runs on any AVX2 CPU.
-// Seed 001 "量化" / "性能指标分析": a decode step reads every weight once, so the kernel must keep up
+// CS336 notes "量化" / "性能指标分析": a decode step reads every weight once, so the kernel must keep up
 // with memory (0.5 byte per weight) rather than spend its time unpacking or in per-call overhead.
 //
 // Same packed layout, same formula as int4_vnni.cpp (codes q in [0, 15], w = d*q + m per group of G

@@ -6,7 +6,7 @@
 //                              float* s2, float* sum);   // one group of one activation row
 //   template <int NR, int TERMS> static void tile(...);  // 16 output rows x NR activation rows
 //   static constexpr int kStep1, kStep2;                  // activation rows per pass for 1 and 2 terms
-// Seed 001 "量化": packed (O/16, I/8, 64) codes, fp16 d, m (O/16, I/G, 16), y[o] = sum_g d[o,g]*sum_t
+// CS336 notes "量化": packed (O/16, I/8, 64) codes, fp16 d, m (O/16, I/G, 16), y[o] = sum_g d[o,g]*sum_t
 // sx_t[g]*sum_{i in g} q[o,i]*xq_t[i] + m[o,g]*xs[g] (the formula in quant/int4_vnni.py).
 // This header is part of each kernel's build hash (utils.build_extension hashes the quoted #includes), so a
 // change here rebuilds both.

@@ -1,5 +1,5 @@
 // int4 weight x int8 activation matmul for small M (batch-1 decode) with AVX-512 VNNI.
-// Seed 001 "量化" / "性能指标分析": a decode step reads every weight once, so the kernel must keep up
+// CS336 notes "量化" / "性能指标分析": a decode step reads every weight once, so the kernel must keep up
 // with memory (0.5 byte per weight) rather than spend its time unpacking or in per-call overhead.
 //
 // Weights: codes q in [0, 15], per group of G inputs a scale d and minimum m (w = d*q + m), laid out

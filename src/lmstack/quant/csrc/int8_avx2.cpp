@@ -1,5 +1,5 @@
 // int8 weight x int8 activation matmul for small M (batch-1 decode) with AVX2, FMA and F16C (compiled with
-// -mavx2 -mfma -mf16c only). Seed 001 "量化": Int8Linear's weights, Q in [-127, 127] with one scale s[o]
+// -mavx2 -mfma -mf16c only). CS336 notes "量化": Int8Linear's weights, Q in [-127, 127] with one scale s[o]
 // per output row (w = s[o]*Q), read once per decode step at one byte per weight.
 //
 // Weights by tiles of 16 output rows: packed (O/16, I/4, 64) int8, byte 4r+j of chunk c holding

@@ -1,7 +1,7 @@
 """``POST /tokenize`` (a text prompt, or chat messages rendered with the model's template) and
 ``POST /detokenize``. Tokenising a large body and writing its answer take seconds: neither runs on the
-event loop (FastAPI's own encoding of a 3M-id answer took 8 s there; ``ids_json`` writes it in slices, so
-the loop gets the GIL between them and ``/health`` keeps answering)."""
+event loop (FastAPI's own encoding of a multi-million-id answer takes seconds; ``ids_json`` writes it in
+slices, so the loop gets the GIL between them and ``/health`` keeps answering)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-// lmstack's byte-level BPE encoder core (docs/tokenizer.md; seed 001 "分词器", "细节问答": pre-tokenization,
+// lmstack's byte-level BPE encoder core (docs/tokenizer.md; CS336 notes "分词器", "细节问答": pre-tokenization,
 // hash maps, priority queues). The same algorithm as lmstack.tokenizer.Tokenizer's Python path, ids identical:
 //
 //   text (UTF-8) -> special tokens cut out (leftmost, longest first) -> pre-tokens -> BPE merges by rank -> ids
