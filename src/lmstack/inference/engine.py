@@ -36,7 +36,7 @@ import torch
 from lmstack.inference.decode_step import DecodeStep
 from lmstack.inference.draft_runner import DraftRunner
 from lmstack.inference.model_runner import ModelRunner
-from lmstack.inference.paged import KV_QUANT_FORMATS, PagedKVCache, kv_pool_bytes
+from lmstack.inference.paged import PagedKVCache, kv_pool_bytes
 from lmstack.inference.prompts import prompt_token_ids
 from lmstack.inference.sampling import SamplingParams, as_integer, as_real
 from lmstack.inference.scheduler import Scheduler
@@ -47,6 +47,7 @@ from lmstack.inference.state_pool import StatePool, recurrent_layers
 from lmstack.inference.stops import StopStrings
 from lmstack.model.mixer_spec import refuse, unsupported
 from lmstack.model.transformer import Transformer
+from lmstack.quant.kv_codec import KV_FORMATS
 
 
 class PromptTooLongError(ValueError):
@@ -60,6 +61,7 @@ KV_DTYPES = (
     torch.float16,
     torch.float64,
 )  # what the paged cache may store
+BLOCK_SIZE = 16  # tokens per KV block (LLMEngine's default)
 
 
 def _blocks_in(
@@ -121,7 +123,7 @@ class LLMEngine:
         model,
         tokenizer=None,
         *,
-        block_size: int = 16,
+        block_size: int = BLOCK_SIZE,
         num_blocks: int | None = None,
         kv_cache_bytes: int = 512 * 2**20,
         kv_dtype: torch.dtype | str | None = None,
@@ -158,11 +160,11 @@ class LLMEngine:
         self.max_model_len = min(c.max_seq_len, max_model_len)
         block_size = as_integer("block_size", block_size, 1)
         kv_dtype = kv_dtype or p.dtype
-        if kv_dtype not in KV_DTYPES and kv_dtype not in KV_QUANT_FORMATS:
+        if kv_dtype not in KV_DTYPES and kv_dtype not in KV_FORMATS:
             raise ValueError(
                 f"kv_dtype={kv_dtype!r} must be one of {', '.join(map(str, KV_DTYPES))} (K/V stored "
                 "as computed; a raw integer dtype would silently truncate them) or a quantised "
-                f"format {', '.join(map(repr, KV_QUANT_FORMATS))} (codes with per-block scales)"
+                f"format {', '.join(map(repr, KV_FORMATS))} (codes with per-block scales)"
             )
         watermark = as_real("watermark", watermark)
         if not 0 <= watermark < 1:
@@ -500,17 +502,3 @@ class GenerationError(RuntimeError):
     def __init__(self, message: str, outputs: list[RequestOutput]):
         super().__init__(message)
         self.outputs = outputs
-
-
-def __getattr__(name: str):
-    """``from lmstack.inference.engine import LLM / AsyncLLM`` works too (imported on first use: they
-    import this module); their modules are ``inference.llm`` and ``inference.async_llm``."""
-    if name == "LLM":
-        from lmstack.inference.llm import LLM
-
-        return LLM
-    if name == "AsyncLLM":
-        from lmstack.inference.async_llm import AsyncLLM
-
-        return AsyncLLM
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,10 +40,6 @@ from lmstack.model.mixer_spec import attention_kind, softmax_layers, spec
 from lmstack.model.seam import AttentionImpl, AttentionMetadata
 from lmstack.quant.kv_codec import KV_FORMATS, SCALE_BYTES, check_format, decode, encode, scale_for
 
-KV_QUANT_FORMATS = (
-    KV_FORMATS  # the name the engine imports (inference/engine.py); the formats are the codec's
-)
-
 
 def kv_layers(config: ModelConfig) -> list[int]:
     """The layers whose K/V live in the pool: the softmax-attention ones. A hybrid's recurrent layers keep

@@ -15,14 +15,13 @@ import signal
 
 import torch
 
-from lmstack.inference.engine import LLMEngine
+from lmstack.inference.engine import BLOCK_SIZE, LLMEngine
 from lmstack.inference.loader import AUTO, add_model_arguments, load_for_inference
 from lmstack.inference.paged import kv_pool_bytes
 from lmstack.serve import require_serve
 from lmstack.threads import add_threads_argument
 
 DEFAULT_KV_MB = 512  # the largest default KV pool (MiB); --kv-cache-mb sets any size
-KV_BLOCK_SIZE = 16  # the engine's default block size (LLMEngine(block_size=16))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -123,8 +122,8 @@ def default_kv_cache_bytes(model, max_seqs: int, max_model_len: int | None) -> i
     dtype = next(model.parameters()).dtype
     if not dtype.is_floating_point:  # a quantised model's first parameter: K/V are computed in fp32
         dtype = torch.float32
-    blocks = max_seqs * -(-length // KV_BLOCK_SIZE) + 1  # + the null block
-    return min(DEFAULT_KV_MB * 2**20, kv_pool_bytes(config, blocks, KV_BLOCK_SIZE, dtype))
+    blocks = max_seqs * -(-length // BLOCK_SIZE) + 1  # + the null block
+    return min(DEFAULT_KV_MB * 2**20, kv_pool_bytes(config, blocks, BLOCK_SIZE, dtype))
 
 
 def available_memory_bytes() -> int | None:
