@@ -21,7 +21,8 @@ import time
 import torch
 
 from lmstack.inference import LLMEngine, SamplingParams, generate, truncated_draft
-from lmstack.model.io import find_named_model, load_model
+from lmstack.inference.loader import load_for_inference
+from lmstack.model.io import find_named_model
 
 
 def decode_steps(engine: LLMEngine, batch: int, steps: int, prompt_len: int, profile: bool):
@@ -69,7 +70,12 @@ def main() -> None:
     ap.add_argument("--batch", default="1,4,16")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "int8", "int4", "auto"),
+        default="fp32",
+        help="auto: the GGUF's own format (Q4_1 -> int4 linears, what `lmstack serve --dtype auto` runs)",
+    )
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
@@ -89,28 +95,36 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = load_model(find_named_model("smollm2-135m"), dtype=dtype).model.eval()
+    model, _ = load_for_inference(find_named_model("smollm2-135m"), None, args.dtype)
     if args.layers is not None:
         model = truncated_draft(model, args.layers).eval()
     batches = [int(b) for b in args.batch.split(",")]
-    kw = {"compile": True} if args.compile else {}
+    kw: dict = {"compile": True} if args.compile else {}
     kw["fuse_projections"] = not args.no_fuse
     engine = LLMEngine(model, max_num_seqs=max(batches), max_num_batched_tokens=512, **kw)
     print(
-        f"SmolLM2-135M {args.dtype} ({model.config.n_layers} layers), torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
+        f"SmolLM2-135M {args.dtype} ({getattr(model, 'quantization', None) or args.dtype} linears, {model.config.n_layers} layers), torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
         f"load avg {os.getloadavg()[0]:.1f}, compile={args.compile}, fused projections {not args.no_fuse}"
     )
     if args.compile:
         t0 = time.perf_counter()
         engine.warm_up(batches)
-        print(f"warm-up (compiles) {time.perf_counter() - t0:.1f} s")
+        print(
+            f"warm-up {time.perf_counter() - t0:.1f} s, {engine.runner.decode.graphs} graphs "
+            "(a second run reads inductor's on-disk caches)"
+        )
     for b in batches:
+        graphs = engine.runner.decode.graphs if engine.runner.decode else 0
         times, prof = decode_steps(engine, b, args.steps, args.prompt_len, args.profile)
         ms = statistics.median(times[1:] or times) * 1000
         print(
             f"batch {b:3d}: decode step {ms:7.1f} ms  ({b / ms * 1000:6.1f} tok/s)  "
             f"load avg {os.getloadavg()[0]:.1f}"
+            + (
+                f", recompilations {engine.runner.decode.graphs - graphs}"
+                if engine.runner.decode
+                else ""
+            )
         )
         if args.batch1:
             s1 = batch1_decode(model, args.steps, args.prompt_len)
