@@ -28,6 +28,8 @@ Inductor's FX graph cache (on by default, on disk) makes a second process's comp
 
 from __future__ import annotations
 
+import os
+import shutil
 import types
 
 import torch
@@ -39,7 +41,34 @@ from lmstack.inference.static import COMPILE_OPTIONS, _Inductor
 from lmstack.model.seam import AttentionImpl, AttentionMetadata
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+COMPILE_POLICIES = ("auto", "on", "off")
 MIN_BUCKET_TOKENS = 256  # the smallest table bucket covers this many positions
+
+
+def compile_policy(compile, device: torch.device | str) -> tuple[bool | dict, str]:
+    """What ``LLMEngine(compile=...)`` does: True/"on" (or a dict of inductor options) compiles the decode
+    step, False/"off" runs it eagerly, "auto" compiles on a CPU whose C++ compiler inductor can use (it
+    builds the kernels; ``CXX`` or g++/c++/clang++ on the PATH) and stays eager elsewhere (on CUDA the
+    compiled step is untested here). -> (compile as True/False/options, the reason in words)."""
+    if isinstance(compile, dict) or isinstance(compile, bool):
+        return compile, "asked for" if compile is not False else "off"
+    if compile not in COMPILE_POLICIES:
+        raise ValueError(
+            f"compile={compile!r} must be a bool, a dict of inductor options or one of {COMPILE_POLICIES}"
+        )
+    if compile != "auto":
+        return compile == "on", compile
+    if torch.device(device).type != "cpu":
+        return (
+            False,
+            f"auto: eager on {torch.device(device).type} (compiled step tested on CPU only)",
+        )
+    cxx = os.environ.get("CXX")
+    found = shutil.which(cxx) if cxx else None
+    found = found or next(filter(None, map(shutil.which, ("g++", "c++", "clang++"))), None)
+    if found is None:
+        return False, "auto: eager (no C++ compiler for inductor: set CXX or install g++)"
+    return True, f"auto: compiled on CPU with {found}"
 
 
 def batch_bucket(n: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
@@ -51,21 +80,17 @@ def batch_bucket(n: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
 
 
 class DecodeBatch:
-    """The attention seam for one decode-only forward: q (B, N, 1, H), k, v (B, K, 1, H) per layer.
+    """The attention seam for one eager decode-only forward: q (B, N, 1, H), k, v (B, K, 1, H) per layer.
 
-    ``table`` (B, M) block ids, ``positions`` (B,) the fed token's position. ``attend`` gathers the layer's
-    M blocks per row through the table, (B, M·bs, K, H), sets slot p_b to this step's k, v, and calls the
-    model's attention implementation with key positions 0 .. M·bs−1 (mask: ≤ p_b, window). The k, v of
-    every layer are kept in ``new_k``/``new_v`` for ``DecodeStep`` to store after the forward. Eagerly
-    (``slots`` (B,) given) each layer's k, v are stored in the pool first and read back with the blocks:
-    one copy of the blocks instead of a copy and the copy that puts the token into it."""
+    ``table`` (B, M) block ids, ``positions`` (B,) the fed token's position, ``slots`` (B,) its pool slot.
+    ``attend`` stores this step's k, v in the pool, gathers the layer's M blocks per row through the table
+    (B, M·bs, K, H) — the token's own k, v among them — and calls the model's attention implementation with
+    key positions 0 .. M·bs−1 (mask: ≤ p_b, window; the layer's soft-cap passed on)."""
 
     def __init__(
         self, cache: PagedKVCache, table: Tensor, positions: Tensor, slots: Tensor | None = None
     ):
         self.cache, self.table, self.positions, self.slots = cache, table, positions, slots
-        self.new_k: list[Tensor] = []
-        self.new_v: list[Tensor] = []
         self.abilities = cache.abilities  # PAGED, maybe PREFIX_SHARING / QUANTISED (model.cache)
 
     def attend(
@@ -77,26 +102,15 @@ class DecodeBatch:
         meta: AttentionMetadata,
         impl: AttentionImpl,
     ) -> Tensor:
-        B, K, _, H = k.shape
-        if (
-            self.slots is not None
-        ):  # eager: store first (in place), then read the blocks with this token in them
-            self.cache.write(layer_idx, self.slots, k[:, :, 0], v[:, :, 0])
+        B = k.shape[0]
+        if self.slots is None:
+            raise ValueError("DecodeBatch.attend needs the fed tokens' pool slots (slots=...)")
+        self.cache.write(layer_idx, self.slots, k[:, :, 0], v[:, :, 0])  # in place, then read back
         ks = self.cache.read_blocks(layer_idx, "k", self.table, q.dtype)  # (B, S, K, H), S = M·bs
         vs = self.cache.read_blocks(layer_idx, "v", self.table, q.dtype)
-        if (
-            self.slots is None
-        ):  # compiled: the pool is only read; this token goes into the copy, the pool after
-            rows = torch.arange(B, device=k.device)
-            ks = ks.index_put(
-                (rows, self.positions), k[:, :, 0].to(ks.dtype)
-            )  # this token at its own slot
-            vs = vs.index_put((rows, self.positions), v[:, :, 0].to(vs.dtype))
-            self.new_k.append(k[:, :, 0])  # (B, K, H)
-            self.new_v.append(v[:, :, 0])
         S = ks.shape[1]
         kp = torch.arange(S, device=k.device).expand(B, S)  # slot s holds position s
-        m = AttentionMetadata(self.positions[:, None], kp, window=meta.window)
+        m = AttentionMetadata(self.positions[:, None], kp, window=meta.window, softcap=meta.softcap)
         return impl(q, ks.transpose(1, 2), vs.transpose(1, 2), m)  # (B, N, 1, H)
 
 
