@@ -52,16 +52,16 @@ def paged_decode_attention(
         x = x.reshape(B, S, K, H)
         return x if new is None else torch.where(here, new[:, None].to(c), x)
 
-    ks = keys(k_pool, k_scale, k_new)  # (B, S, K, H)
-    qg = q[:, :, 0].reshape(B, 1, K, G, H).to(c)  # query head n = kv head n // G (GQA)
-    scores = (qg * ks[:, :, :, None, :]).sum(-1) / math.sqrt(H)  # (B, S, K, G)
+    ks = keys(k_pool, k_scale, k_new).permute(0, 2, 1, 3)[:, :, None]  # (B, K, 1, S, H)
+    qg = q[:, :, 0].reshape(B, K, G, 1, H).to(c)  # query head n = kv head n // G (GQA)
+    scores = (qg * ks).sum(-1) / math.sqrt(H)  # (B, K, G, S): S last, the softmax runs along it
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     visible = slot[None] <= positions[:, None]  # (B, S)
     if window is not None:
         visible = visible & (positions[:, None] - slot[None] < window)
-    scores = scores.masked_fill(~visible[:, :, None, None], -torch.inf)
-    p = torch.softmax(scores, dim=1)  # over the S slots
-    vs = keys(v_pool, v_scale, v_new)  # (B, S, K, H)
-    out = (p[..., None] * vs[:, :, :, None, :]).sum(1)  # (B, K, G, H)
+    scores = scores.masked_fill(~visible[:, None, None], -torch.inf)
+    p = torch.softmax(scores, dim=-1)
+    vs = keys(v_pool, v_scale, v_new).permute(0, 2, 1, 3)[:, :, None]  # (B, K, 1, S, H)
+    out = (p[..., None] * vs).sum(3)  # (B, K, G, H)
     return out.reshape(B, N, 1, H).to(q.dtype)
