@@ -8,7 +8,10 @@ per batch size with the tokens/s it implies. ``--profile`` also runs torch.profi
 and prints the ops with the most self CPU time (linears = ``aten::addmm``/``mm``/``linear``, the K/V
 gathers = ``index_select``/``index``, attention, norms, ...) and the time no op accounts for
 (Python: scheduling, batch construction, the seam objects). ``--compile`` builds the engine with
-its compiled decode step (``LLMEngine(compile=True)``) and warms it up first.
+its compiled decode step (``LLMEngine(compile=True)``) and warms it up first (printing the warm-up time
+and the graphs; a second run reads inductor's on-disk caches); ``--interleave`` then alternates compiled
+and eager steps on the same sequences and prints both medians. ``--dtype auto`` loads the Q4_1 GGUF as
+``lmstack serve --dtype auto`` does (int4 linears, int8 head).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from lmstack.inference.loader import load_for_inference
 from lmstack.model.io import find_named_model
 
 
-def decode_steps(engine: LLMEngine, batch: int, steps: int, prompt_len: int, profile: bool):
+def decode_steps(
+    engine: LLMEngine, batch: int, steps: int, prompt_len: int, profile: bool, interleave: bool
+):
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         engine.add_request(
@@ -39,10 +44,15 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int, prompt_len: int, pro
     if profile:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         prof.__enter__()
-    for _ in range(steps):
+    decode = engine.runner.decode
+    for i in range(steps):
+        if interleave:  # even steps compiled, odd steps eager, on the same sequences
+            decode.compiled = i % 2 == 0
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+    if interleave:
+        decode.compiled = True
     if prof is not None:
         prof.__exit__(None, None, None)
     for rid in list(engine.requests):
@@ -78,6 +88,12 @@ def main() -> None:
     )
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="with --compile: alternate compiled and eager steps on the same sequences (a fair ratio "
+        "on a shared machine)",
+    )
     ap.add_argument(
         "--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate linears"
     )
@@ -115,7 +131,15 @@ def main() -> None:
         )
     for b in batches:
         graphs = engine.runner.decode.graphs if engine.runner.decode else 0
-        times, prof = decode_steps(engine, b, args.steps, args.prompt_len, args.profile)
+        times, prof = decode_steps(
+            engine, b, args.steps, args.prompt_len, args.profile, args.interleave
+        )
+        if args.interleave:
+            c, e = (statistics.median(times[i::2]) * 1000 for i in (2, 3))
+            print(
+                f"batch {b:3d}: compiled {c:7.1f} ms ({b / c * 1000:6.1f} tok/s), eager {e:7.1f} ms "
+                f"({b / e * 1000:6.1f} tok/s), interleaved: compiled / eager = {e / c:.2f}x"
+            )
         ms = statistics.median(times[1:] or times) * 1000
         print(
             f"batch {b:3d}: decode step {ms:7.1f} ms  ({b / ms * 1000:6.1f} tok/s)  "

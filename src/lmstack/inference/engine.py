@@ -479,7 +479,9 @@ class LLMEngine:
                 ready_rows.append(at)
         if ready:
             assert logits is not None  # a ready row needs its logits
-            for s, result in zip(ready, self.runner.sample(ready, logits[ready_rows])):  # (R, V)
+            if ready_rows != list(range(logits.shape[0])):  # (R, V); every row ready: no copy
+                logits = logits[ready_rows]
+            for s, result in zip(ready, self.runner.sample(ready, logits)):
                 with self._isolated(s, failed):
                     if isinstance(result, Exception):
                         raise result
