@@ -97,6 +97,12 @@ def main() -> None:
     ap.add_argument(
         "--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate linears"
     )
+    ap.add_argument(
+        "--max-compiled-batch",
+        type=int,
+        default=None,
+        help="compile decode batches up to this many rows (default: the engine's, larger run eagerly)",
+    )
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument(
         "--layers",
@@ -118,6 +124,8 @@ def main() -> None:
     kw: dict = {"compile": True} if args.compile else {}
     kw["fuse_projections"] = not args.no_fuse
     engine = LLMEngine(model, max_num_seqs=max(batches), max_num_batched_tokens=512, **kw)
+    if args.max_compiled_batch is not None and engine.runner.decode is not None:
+        engine.runner.decode.max_compiled_batch = args.max_compiled_batch
     print(
         f"SmolLM2-135M {args.dtype} ({getattr(model, 'quantization', None) or args.dtype} linears, {model.config.n_layers} layers), torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
         f"load avg {os.getloadavg()[0]:.1f}, compile={args.compile}, fused projections {not args.no_fuse}"
