@@ -356,7 +356,7 @@ class DecodeStep:
         args = (x, tokens, positions, table, *self._pool(j))
         ref = fn(self.blocks[j], *args, self.model.config.sliding_window, self.cache.abilities)
         got = self._direct_call(key, j, (x, tokens, positions, table))
-        if not all(torch.equal(a, b) for a, b in zip(ref, got)):
+        if len(ref) != len(got) or not all(map(torch.equal, ref, got)):
             self._direct[key] = None
 
     def _compiled(self, tokens: Tensor, positions: Tensor, table: Tensor):
