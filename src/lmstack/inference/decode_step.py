@@ -42,9 +42,8 @@ from lmstack.model.seam import AttentionImpl, AttentionMetadata
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 COMPILE_POLICIES = ("auto", "on", "off")
-MAX_COMPILED_BATCH = (
-    8  # decode batches of more rows run eagerly (``DecodeStep.max_compiled_batch``)
-)
+# decode batches of more rows run eagerly (``DecodeStep.max_compiled_batch``; measured, docs/inference.md)
+MAX_COMPILED_BATCH = 4
 MIN_BUCKET_TOKENS = 256  # the smallest table bucket covers this many positions
 
 
@@ -208,7 +207,8 @@ class DecodeStep:
             BATCH_BUCKETS  # batch sizes compiled (set before the first step to compile fewer)
         )
         # batches of more rows run eagerly: measured here (engine_step.py --interleave, SmolLM2 int4) the
-        # compiled step is 1.7x eager at 1 row, 1.2x at 4, 0.86x at 16 (its attention reads the padded table)
+        # compiled step is 1.5-1.7x eager at 1 row, 1.1-1.2x at 4, 0.85x at 8, 0.75-0.86x at 16 (its
+        # attention reads the padded table; docs/inference.md)
         self.max_compiled_batch = MAX_COMPILED_BATCH
         self.device = cache.k.device
         self.layers = sorted(
