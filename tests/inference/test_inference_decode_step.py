@@ -302,3 +302,26 @@ def test_batches_above_max_compiled_batch_run_eagerly(compiled, prompts, monkeyp
     assert [o.token_ids for o in out] == [full_recompute_greedy(model, p, 6) for p in chosen]
     assert calls and min(calls) == 3  # the 3-row steps eagerly (unpadded); 1-2 rows compiled
     assert decode.graphs == 2
+
+
+@pytest.mark.slow
+def test_compiled_decode_keeps_a_graph_per_kind_of_block():
+    """Local (window, own RoPE base) and global layers differ in constants the traced graph bakes in: they
+    get a graph each (not one graph called with the other kind's tensors), and greedy output equals full
+    recompute."""
+    model = make_model(
+        n_layers=3,
+        layer_types=["local_attention", "attention", "local_attention"],
+        local_window=5,
+        local_rope_theta=100.0,
+        attn_softcap=5.0,
+    )
+    llm = LLM(model, block_size=4, max_num_seqs=2, compile={"cpp_wrapper": False})
+    decode = llm.engine.runner.decode
+    decode.buckets = (2,)
+    assert decode._signatures[0] == decode._signatures[2] != decode._signatures[1]
+    g = torch.Generator().manual_seed(0)
+    chosen = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 9)]
+    out = llm.generate(chosen, greedy(10))
+    assert [o.token_ids for o in out] == [full_recompute_greedy(model, p, 10) for p in chosen]
+    assert decode.graphs == 2 and all(decode._direct.values())

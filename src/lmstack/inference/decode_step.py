@@ -175,10 +175,17 @@ def block_tensors(block) -> dict[str, Tensor]:
 
 
 def block_signature(block) -> tuple:
-    """Blocks with equal signatures (module types, every tensor's path, shape, dtype) share one graph."""
-    return tuple(type(m).__name__ for m in block.modules()) + tuple(
-        (p, tuple(t.shape), t.dtype) for p, t in block_tensors(block).items()
+    """Blocks with equal signatures share one graph: module types, every tensor's path, shape and dtype, and
+    every scalar attribute (a per-layer window, soft-cap or flag is a constant of the traced graph) but
+    ``layer_idx``, which the compiled seam does not read."""
+    scalars = tuple(
+        (name, k, v)
+        for name, m in block.named_modules()
+        for k, v in vars(m).items()
+        if isinstance(v, (int, float, bool, str, type(None))) and k != "layer_idx"
     )
+    tensors = tuple((p, tuple(t.shape), t.dtype) for p, t in block_tensors(block).items())
+    return tuple(type(m).__name__ for m in block.modules()) + scalars + tensors
 
 
 def _layer(block, x, tokens, positions, table, k_pool, v_pool, k_scale, v_scale, window, abilities):
@@ -237,9 +244,6 @@ class DecodeStep:
                 raise ValueError(
                     "compile=True: the compiled decode step needs every layer's K/V in the pool"
                 )
-            self.blocks = blocks
-            self._signatures = [block_signature(b) for b in blocks]
-            self._block_tensors = [block_tensors(b) for b in blocks]
             p = next(model.parameters())
             compute = torch.float64 if p.dtype == torch.float64 else torch.float32
             for rope in (
@@ -247,6 +251,10 @@ class DecodeStep:
             ):  # the compiled step reads the RoPE tables; they cannot grow inside it
                 rope.reserve(max_model_len)
                 rope.tables(p.device, compute)
+            # after the RoPE tables exist: a layer's own RoPE (Gemma-3's global layers) is its tensor
+            self.blocks = blocks
+            self._signatures = [block_signature(b) for b in blocks]
+            self._block_tensors = [block_tensors(b) for b in blocks]
 
     @property
     def graphs(self) -> int:
