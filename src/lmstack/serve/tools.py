@@ -160,7 +160,9 @@ def template_messages(messages, template: str | None) -> list[dict]:
         if m.tool_calls:
             if m.role != "assistant":
                 raise APIError(
-                    400, f"messages[{i}].tool_calls: only assistant messages call tools", "messages"
+                    400,
+                    f"messages[{i}].tool_calls: only assistant messages call tools",
+                    param="messages",
                 )
             if "tool_calls" not in source:
                 raise APIError(
