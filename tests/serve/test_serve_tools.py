@@ -247,6 +247,32 @@ def test_a_function_without_parameters_is_called_with_no_arguments(served):
     assert call["function"] == {"name": "ping", "arguments": "{}"}
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "pick"}}])
+def test_local_refs_in_a_tools_schema_resolve(served, choice):
+    """A ``$ref`` into the tool's own ``$defs`` (pydantic writes those): "required" nests the schema inside
+    the call schema, so its references must be re-rooted (they were a 400: "Pointer does not exist")."""
+    params = {
+        "type": "object",
+        "$defs": {"colour": {"enum": ["red", "blue"]}},
+        "properties": {"c": {"$ref": "#/$defs/colour"}},
+        "required": ["c"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": params}}]
+    r = post(
+        served,
+        messages=USER,
+        tools=tools,
+        tool_choice=choice,
+        seed=2,
+        max_tokens=60,
+        parallel_tool_calls=False,
+    )
+    assert r.status_code == 200, r.text
+    (call,) = check_call_message(r.json()["choices"][0])
+    jsonschema.validate(json.loads(call["function"]["arguments"]), params)
+
+
 @pytest.mark.parametrize("choice", ["required", WEATHER_CHOICE])
 def test_streamed_calls_accumulate_to_the_non_streamed_answer(served, choice):
     kw = dict(
@@ -305,6 +331,16 @@ def test_a_call_cut_by_max_tokens_is_finish_length(served):
     assert choice["finish_reason"] == "length"
     args = choice["message"]["tool_calls"][0]["function"]["arguments"]
     assert len(args) == 5 and '{"city":"'.startswith(args[:5])  # a prefix of the arguments JSON
+
+
+def test_a_call_cut_by_a_stop_string_is_not_finish_tool_calls(served):
+    kw = dict(messages=USER, tools=TOOLS, tool_choice=WEATHER_CHOICE, seed=0, max_tokens=80)
+    whole = post(served, **kw).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls"
+    cut = post(served, **kw, stop=[","]).json()["choices"][0]  # the arguments' first comma
+    assert cut["finish_reason"] == "stop"
+    args = cut["message"]["tool_calls"][0]["function"]["arguments"]
+    assert whole["message"]["tool_calls"][0]["function"]["arguments"].startswith(args + ",")
 
 
 # ---- auto: the template renders tools and has Hermes' call format ----------------------------
@@ -536,6 +572,14 @@ def test_auto_with_a_template_that_renders_tools_in_another_format_is_a_400():
         )
         assert ok.status_code == 200, ok.text  # a constrained call needs no call format
         check_call_message(ok.json()["choices"][0])
+
+
+def test_a_template_that_does_not_parse_is_a_400_with_tools():
+    engine = tiny_engine()
+    engine.tokenizer.chat_template = "{% for m in messages %}{{ m.content }"
+    with live_server(Server(engine, MODEL)) as url:
+        r = post(url, messages=USER, tools=TOOLS, max_tokens=4)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
 def test_tools_on_the_completions_endpoint_are_400s(served):

@@ -67,6 +67,22 @@ def _parameters(fn) -> dict:
     return p
 
 
+def _rebase(schema, root: str):
+    """``schema`` with its local references (``"#"``, ``"#/$defs/x"``) made relative to ``root`` (a JSON
+    pointer to where the schema is placed inside a larger one)."""
+    if isinstance(schema, list):
+        return [_rebase(x, root) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = root + v[1:]
+        else:
+            out[k] = _rebase(v, root)
+    return out
+
+
 def plan(body, template: str | None) -> ToolPlan | None:
     """Check ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` -> the plan, or None for plain text."""
     choice = body.tool_choice
@@ -96,7 +112,10 @@ def plan(body, template: str | None) -> ToolPlan | None:
         names[fn.name] = _parameters(fn)
     if choice == "none":
         return None
-    reads_tools = bool(template) and "tools" in template_variables(template)
+    try:
+        reads_tools = bool(template) and "tools" in template_variables(template)
+    except ValueError as e:  # ChatTemplateError: the template does not parse
+        raise APIError(400, f"messages: {e}", param="messages") from None
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
     parallel = body.parallel_tool_calls is not False
     if choice is None or choice == "auto":
@@ -121,14 +140,16 @@ def plan(body, template: str | None) -> ToolPlan | None:
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": n}, "arguments": p},
+                "properties": {"name": {"const": n}, "arguments": {"$ref": f"#/$defs/{n}"}},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for n, p in names.items()
+            for n in names
         ]
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        schema = {"type": "array", "items": one, "minItems": 1} if parallel else one
+        schema = {"type": "array", "items": one, "minItems": 1} if parallel else dict(one)
+        # each tool's schema under the root's $defs, its own "#..." references re-rooted there
+        schema["$defs"] = {n: _rebase(p, f"#/$defs/{n}") for n, p in names.items()}
         return ToolPlan("required", tools, reads_tools, parallel, schema=schema, names=set(names))
     name = choice.function.name
     if name not in names:
@@ -324,4 +345,11 @@ class ToolOutput:
         return out
 
     def called(self, text: str) -> bool:
-        return bool(self.parse(text, True)[1])
+        """Whether the finished output is complete calls (a constrained one cut by a ``stop`` string is not)."""
+        if self.plan.mode == "auto":
+            return bool(self.parse(text, True)[1])
+        try:
+            json.loads(text)
+        except json.JSONDecodeError:
+            return False
+        return True
