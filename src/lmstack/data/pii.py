@@ -13,7 +13,9 @@ A digit run that is part of a longer number or word is left alone.
 
 IP addresses: candidates are validated with Python's ``ipaddress``; ``public_ips_only=True`` replaces only
 addresses that are globally routable (``ip.is_global``), leaving private, loopback, link-local, reserved and
-documentation ranges in the text.
+documentation ranges in the text. An IPv6 candidate needs two non-empty groups (or an embedded IPv4, or
+is the loopback ``::1``): ``::``, ``::2`` and ``a::`` are valid addresses but in text they are code
+(``f :: Int``, ``x[::2]``), so they are left alone.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class PIIReplacer:
         )
 
     def _ip_ok(self, s: str) -> bool:
+        if ":" in s and "." not in s and s != "::1" and sum(1 for g in s.split(":") if g) < 2:
+            return (
+                False  # "::", "::2", "a::": Haskell's "::", Python's x[::2], not addresses in prose
+            )
         try:
             ip = ipaddress.ip_address(s)
         except ValueError:
