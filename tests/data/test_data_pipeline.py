@@ -358,3 +358,46 @@ def test_the_example_config_builds():
     assert [s.name for s in p.stages] == ["wet", "to_parquet"] and p.stages[1].tasks == 1
     assert [type(s).__name__ for s in p.stages[0].steps] == ["WetReader", "JsonlWriter"]
     assert p.stages[1].steps[1].max_bytes == 256_000_000
+
+
+@pytest.mark.parametrize(
+    "step, match",
+    [
+        (
+            {"type": "gopher_qualty"},
+            r"step 0: unknown step type 'gopher_qualty' \(did you mean 'gopher_quality'",
+        ),
+        (
+            {"type": "gopher_quality", "min_doc_words": "fifty"},
+            r"min_doc_words='fifty' is a str; expected int",
+        ),
+        (
+            {"type": "gopher_quality", "max_ellipsis_lines_ratio": 30},
+            r"max_ellipsis_lines_ratio=30 must be",
+        ),
+        ({"type": "gopher_quality", "min_doc_words": 50.5}, r"min_doc_words=50.5 is a float"),
+        (
+            {"type": "gopher_repetition", "top_n_grams": [[2, 20]]},
+            r"top_n_grams\[n=2\] fraction=20",
+        ),
+        (
+            {"type": "c4_quality", "min_words_per_line": -3},
+            r"min_words_per_line=-3 must be an integer >= 0",
+        ),
+        ({"type": "fineweb_quality", "line_punct_thr": "0.12"}, r"line_punct_thr='0.12' is a str"),
+        ({"type": "fineweb_quality", "short_line_thr": 67}, r"short_line_thr=67 must be"),
+        (
+            {"type": "language_filter", "threshold": 65},
+            r"step 0 \(type 'language_filter'\).*got 65",
+        ),
+        ({"type": "language_filter", "min_share": 2}, r"min_share=2 must be in \[0, 1\]"),
+        ({"type": "write_parquet", "output": "o", "compression": "zstdd"}, r"compression='zstdd'"),
+    ],
+)
+def test_a_typo_in_a_toml_step_is_an_error_naming_the_value(step, match):
+    """Before: a string threshold was a TypeError inside the task, an out-of-range one silently changed
+    the rule (30 for 0.3 turns it off); now each is a ValueError at load time naming the step and value."""
+    with pytest.raises(ValueError, match=match):
+        Pipeline.from_dict({"output": "x", "step": [step]}, "p.toml")
+    ok = {"type": "gopher_quality", "min_doc_words": 10, "max_avg_word_length": 12.5}
+    assert build_step(ok).min_doc_words == 10  # right types and ranges still build

@@ -146,6 +146,14 @@ class LanguageFilter(Filter):
         model_path: str | None = None,
         min_share: float | None = None,
     ):
+        if min_share is not None and not (
+            isinstance(min_share, (int, float))
+            and not isinstance(min_share, bool)
+            and 0 <= min_share <= 1
+        ):
+            raise ValueError(
+                f"language_filter: min_share={min_share!r} must be in [0, 1] (or None)"
+            )
         self.min_share = min_share
         if isinstance(languages, str):
             languages = [languages]

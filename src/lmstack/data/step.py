@@ -22,6 +22,7 @@ TOML file (:mod:`lmstack.data.pipeline`); :data:`STEP_MODULES` lists the modules
 from __future__ import annotations
 
 import copy
+import difflib
 import importlib
 import importlib.util
 import re
@@ -223,6 +224,21 @@ def register_step(name: str) -> Callable[[type[Step]], type[Step]]:
     return add
 
 
+def check_number(
+    step: str, key: str, value: Any, lo: float = 0.0, hi: float | None = None, integer: bool = False
+) -> None:
+    """A threshold must be None (the rule is off) or a number in [lo, hi] (an integer when ``integer``);
+    otherwise a ValueError naming the step, the key and the value (``max_ellipsis_lines_ratio = 30`` for 0.3
+    would otherwise silently turn the rule off)."""
+    if value is None:
+        return
+    kind = "an integer" if integer else "a number"
+    bad_type = isinstance(value, bool) or not isinstance(value, int if integer else (int, float))
+    if bad_type or value < lo or (hi is not None and value > hi):
+        where = f"in [{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
+        raise ValueError(f"{step}: {key}={value!r} must be {kind} {where} (or None: rule off)")
+
+
 def step_class(name: str) -> type[Step]:
     """The class registered as ``name``, or ``"package.module:Class"`` for a step outside the registry."""
     if ":" in name:
@@ -242,8 +258,10 @@ def step_class(name: str) -> type[Step]:
                     if step_name not in STEPS:
                         register_step(step_name)(cls)
     if name not in STEPS:
+        close = difflib.get_close_matches(name, sorted(STEPS), n=3)
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
         raise ValueError(
-            f"unknown step type {name!r}; registered: {', '.join(sorted(STEPS))} "
+            f"unknown step type {name!r}{hint}; registered: {', '.join(sorted(STEPS))} "
             "(or give 'package.module:Class')"
         )
     return STEPS[name]

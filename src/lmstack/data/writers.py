@@ -35,6 +35,7 @@ COMPRESSIONS = {
     "zst": ".zst",
     "zstd": ".zst",
 }
+PARQUET_COMPRESSIONS = ("zstd", "snappy", "gzip", "brotli", "lz4", "none")  # pyarrow's codecs
 
 
 def _json_default(o: Any) -> Any:
@@ -249,6 +250,12 @@ class ParquetWriter(ShardWriter):
         prefix="",
         row_group: int = 1024,
     ):
+        if compression not in PARQUET_COMPRESSIONS:
+            raise ValueError(
+                f"write_parquet: compression={compression!r}; expected one of {PARQUET_COMPRESSIONS}"
+            )
+        if isinstance(row_group, bool) or not isinstance(row_group, int) or row_group < 1:
+            raise ValueError(f"write_parquet: row_group={row_group!r} must be an integer >= 1")
         super().__init__(output, max_docs, max_bytes, prefix)
         self.compression, self.row_group = compression, row_group
 
