@@ -57,14 +57,15 @@ def test_main_content_drops_menus_and_footers():
         ("utf-16", None),
         ("utf-8", "text/html; charset=iso-8859-1"),
         ("shift_jis", "text/html; charset=shift_jis"),
+        ("cp1251", "text/html; charset=utf-8"),  # a header the bytes do not fit: detected instead
+        ("shift_jis", "text/html; charset=utf-8"),
     ],
 )
 def test_encodings_detected_from_the_bytes(enc, header):
-    s = (
-        "こんにちは、世界。今日は良い天気です。"
-        if enc == "shift_jis"
-        else "Café crème, naïve façade, déjà vu, résumé."
-    )
+    s = {
+        "shift_jis": "こんにちは、世界。今日は良い天気です。",
+        "cp1251": "Это простой текст на русском языке для проверки кодировки.",
+    }.get(enc, "Café crème, naïve façade, déjà vu, résumé.")
     html = f"<html><body><p>{s}</p><p>{s}</p></body></html>"
     assert s in html_to_text(decode_html(html.encode(enc), header))
 

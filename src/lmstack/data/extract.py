@@ -4,7 +4,9 @@ The reader leaves a WARC record's HTTP payload in ``doc.metadata["raw"]`` (bytes
 ``doc.metadata["content_type"]`` and an empty text; :class:`Extract` turns it into text.
 
 Decoding (never raises): bytes that decode as UTF-8 (and are not plain ASCII) are UTF-8, whatever the
-header says (legacy 8-bit text almost never forms valid multi-byte UTF-8 sequences); else the charset named in the Content-Type header if Python knows it, else the
+header says (legacy 8-bit text almost never forms valid multi-byte UTF-8 sequences); else the charset named
+in the Content-Type header if Python knows it and the bytes decode in it (a header that does not fit the
+bytes is ignored), else the
 ``<meta charset>`` of the page, else uchardet's guess (resiliparse's ``detect_encoding``), then
 resiliparse's ``bytes_to_str`` with ``errors="replace"`` and UTF-8 / cp1252 fallbacks, so undecodable
 bytes become U+FFFD instead of an exception.
@@ -68,6 +70,11 @@ def decode_html(raw: bytes, content_type: str | None = None) -> str:
             pass
     header = _CHARSET.search(content_type or "")
     encoding = _known_codec(header.group(1) if header else None)
+    if encoding is not None:
+        try:  # the header's charset, when the bytes are valid in it
+            return raw.decode(encoding).removeprefix("\ufeff")
+        except UnicodeDecodeError:  # a wrong header (cp1251 bytes sent as "utf-8"): detect instead
+            encoding = None
     if encoding is None:
         encoding = _known_codec(detect_encoding(raw, from_html_meta=True)) or "utf-8"
     try:
