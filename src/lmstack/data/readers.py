@@ -26,7 +26,7 @@ a 100 MB line is skipped without being held in memory), ``bad_json``, ``no_text`
 (a WARC record shorter than its Content-Length), ``no_http_body``. Per file (everything read before the
 fault is kept; the file counts as one more record in, dropped; the placeholder's ``metadata["error"]`` says
 what broke, and a warning names the file):
-``truncated_file`` (gzip/zstd stream cut short), ``corrupt_compression``, ``corrupt_parquet``,
+``truncated_file`` (gzip/zstd stream cut short), ``corrupt_compression`` (also a corrupt gzip WARC), ``corrupt_parquet``,
 ``unreadable_file``. Undecodable UTF-8 is replaced by U+FFFD and counted in ``counters["utf8_replaced"]``
 (WARC bodies are left to the extractor, which detects their encoding).
 """
@@ -151,6 +151,7 @@ def _file_fault(e: Exception) -> str | None:
         isinstance(e, (gzip.BadGzipFile, zlib.error))
         or module.startswith("zstandard")
         or "zstd" in str(e).lower()
+        or "decompression error" in str(e).lower()  # fastwarc's OSError for a corrupt gzip/lz4 WARC
     ):
         return "corrupt_compression"
     if isinstance(e, OSError):
