@@ -392,6 +392,8 @@ def test_the_example_config_builds():
         ),
         ({"type": "language_filter", "min_share": 2}, r"min_share=2 must be in \[0, 1\]"),
         ({"type": "write_parquet", "output": "o", "compression": "zstdd"}, r"compression='zstdd'"),
+        ({"type": "nsfw_filter", "threshold": 90}, r"nsfw_filter: threshold=90 must be"),
+        ({"type": "toxic_filter", "threshold": "high"}, r"threshold='high' is a str"),
     ],
 )
 def test_a_typo_in_a_toml_step_is_an_error_naming_the_value(step, match):
