@@ -93,11 +93,15 @@ def test_undecodable_and_binary_input_never_crash():
         ),
         Document("", "d", {"raw": b"<html><body></body></html>", "content_type": "text/html"}),
     ]
+    docs_copy = [Document(d.text, d.id, dict(d.metadata)) for d in docs]
     st = StepStats("extract")
     out = list(Extract()(docs, st))
     assert [d.id for d in out] == ["c"] and out[0].text == "Hello there, reader."
     assert "raw" not in out[0].metadata
     assert dict(st.dropped) == {"extract_binary": 1, "extract_not_html": 1, "extract_empty": 1}
+    # bytes in are the payloads' (the reader's bytes out), bytes out the kept text's
+    assert st.bytes_in == sum(len(d.metadata.get("raw", b"")) for d in docs_copy)
+    assert st.bytes_out == len(b"Hello there, reader.")
 
 
 def test_trafilatura_engine_extracts_the_article():

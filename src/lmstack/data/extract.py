@@ -186,7 +186,8 @@ class Extract(Mapper):
     ``metadata["encoding_replacements"]`` (U+FFFD characters the decoding produced). A record that is binary,
     not HTML/text, or extracts to nothing is dropped with reason ``extract_binary`` / ``extract_not_html`` /
     ``extract_empty`` (an extractor that yields empty documents would only hand them to the next filter).
-    Counters: ``extracted``, ``decoded_with_replacements``.
+    Counters: ``extracted``, ``decoded_with_replacements``. Bytes in: the text's plus the raw payload's (so
+    the funnel shows the HTML bytes going in, not 0).
     """
 
     name = "extract"
@@ -238,6 +239,9 @@ class Extract(Mapper):
     def run(self, docs: Iterable[Document], stats: StepStats) -> Iterator[Document]:
         for doc in docs:
             stats.seen(doc)
+            raw = doc.metadata.get("raw")
+            if isinstance(raw, (bytes, bytearray, memoryview)):  # the payload is this step's input
+                stats.bytes_in += len(raw)
             why = self._why_not(doc)
             if why is None:
                 doc = self.apply(doc, stats)
