@@ -27,6 +27,8 @@ from lmstack.data.step import Filter, Step
 
 class Slow(Step):
     """Logs "start <rank>" when a task starts, then passes documents on, ``delay`` seconds each."""
+
+    config_ignore = ("delay",)  # a relaunch may change it: the outputs are the same
     def __init__(self, log, delay=0.0):
         self.log, self.delay = log, delay
     def run(self, docs, stats):
@@ -100,11 +102,15 @@ def toml(root, out, delay=0.0, extra=""):
 
 
 def tree(folder: Path) -> dict[str, bytes]:
-    """Every file below ``folder`` but the completion markers (they hold the wall time)."""
+    """Every file below ``folder`` but the completion markers (they hold the wall time) and the stages'
+    config.json (it holds the run's own paths)."""
     return {
         p.relative_to(folder).as_posix(): p.read_bytes()
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and "completions" not in p.parts and p.suffix not in (".log", ".png")
+        if p.is_file()
+        and "completions" not in p.parts
+        and p.suffix not in (".log", ".png")
+        and p.name != "config.json"
     }
 
 
@@ -162,6 +168,25 @@ def test_relaunch_skips_completed_tasks_and_refuses_another_split(corpus):
     p.stages[0].tasks = 2
     with pytest.raises(ValueError, match="launched with 4 tasks"):
         LocalExecutor(1, progress=False).run(p)
+    # another value in a step: its completed tasks' outputs came from the old one, so refused, naming it
+    changed = toml(corpus, "a", extra="").read_text().replace("max_docs = 2", "max_docs = 3")
+    path.write_text(changed)
+    with pytest.raises(
+        ValueError, match=r"another configuration \(jsonl_writer.max_docs: 2 then, 3 now"
+    ):
+        LocalExecutor(1, progress=False).run(Pipeline.from_toml(path))
+    assert (corpus / "a.log").read_text().split("\n").count("start 1") == 1  # nothing ran again
+    path.write_text(
+        changed.replace("max_docs = 3", "max_docs = 2").replace("delay = 0.0", "delay = 0.01")
+    )
+    # config_ignore: delay may change
+    LocalExecutor(1, progress=False).run(Pipeline.from_toml(path))
+    with open(
+        corpus / "in" / "part3.jsonl", "a"
+    ) as f:  # the input changed under the completed tasks
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    with pytest.raises(ValueError, match=r"jsonl_reader.input_files"):
+        LocalExecutor(1, progress=False).run(Pipeline.from_toml(path))
 
 
 @pytest.mark.slow
