@@ -221,7 +221,18 @@ LINES = [
 def test_jsonl_reader_counts_every_bad_line(tmp_path, suffix):
     path = tmp_path / f"part{suffix}"
     write_jsonl(path, LINES)
-    docs, stats = read(JsonlReader(str(path)))
+    dropped = []
+    stats = StepStats(
+        "jsonl_reader", on_drop=lambda doc, step, reason: dropped.append((reason, doc))
+    )
+    docs = list(JsonlReader(str(path)).for_task(0, 1).run(iter(()), stats))
+    # the exclusion keeps each bad line as it was (its line number and the parser's message beside it)
+    assert [(r, d.text, d.metadata.get("line")) for r, d in dropped] == [
+        ("bad_json", "{broken json", 5),
+        ("empty", LINES[5].decode().strip(), 6),
+        ("no_text", LINES[6].decode().strip(), 7),
+        ("bad_json", "[1, 2]", 8),
+    ]
     assert [d.text for d in docs] == [
         "first doc",
         "keeps its id",

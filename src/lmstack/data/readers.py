@@ -188,10 +188,12 @@ def _drop(
     reason: str,
     nbytes: int = 0,
     meta: dict[str, Any] | None = None,
+    text: str = "",
 ) -> None:
+    """Count one record in, dropped; ``text``: what the exclusion file keeps of it (a bad JSON line)."""
     stats.docs_in += 1
     stats.bytes_in += nbytes
-    stats.drop(Document("", stable_id(source, key), {"source": source, **(meta or {})}), reason)
+    stats.drop(Document(text, stable_id(source, key), {"source": source, **(meta or {})}), reason)
 
 
 def _emit(stats: StepStats, doc: Document, nbytes_in: int, nbytes_out: int) -> Document:
@@ -336,14 +338,16 @@ class JsonlReader(Reader):
                 continue
             if not line.strip():
                 continue
+            decoded = _decode(line, stats)
             try:
-                obj = json.loads(_decode(line, stats))
+                obj = json.loads(decoded)
             except json.JSONDecodeError as e:
-                _drop(stats, source, n, "bad_json", len(line), {"line": n, "error": e.msg})
+                meta = {"line": n, "error": e.msg}
+                _drop(stats, source, n, "bad_json", len(line), meta, decoded)
                 continue
             doc = _record_document(obj, source, n, self.text_key, self.id_key, stats)
-            if isinstance(doc, str):
-                _drop(stats, source, n, doc, len(line), {"line": n})
+            if isinstance(doc, str):  # the line as it was, so the exclusion shows what was wrong
+                _drop(stats, source, n, doc, len(line), {"line": n}, decoded)
             else:
                 yield _emit(stats, doc, len(line), len(doc.text.encode("utf-8", "surrogatepass")))
 
