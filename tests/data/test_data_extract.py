@@ -70,6 +70,21 @@ def test_encodings_detected_from_the_bytes(enc, header):
     assert s in html_to_text(decode_html(html.encode(enc), header))
 
 
+@pytest.mark.parametrize(
+    "header", [None, "text/html; charset=iso-8859-1", "text/html; charset=utf-8"]
+)
+def test_mixed_utf8_and_latin1_bytes_read_right(header):
+    """A page pasted together from a UTF-8 part and a Latin-1 part: each part decoded in its own encoding
+    (was: the whole page as cp1252, so the UTF-8 part became "cafÃ©")."""
+    raw = "<html><body><p>Le café est très bon. ".encode() + "Une façade naïve.".encode("latin-1")
+    raw += b"</p></body></html>"
+    assert html_to_text(decode_html(raw, header)) == "Le café est très bon. Une façade naïve."
+    legacy = "<p>Une façade naïve, déjà vu, à côté.</p>".encode(
+        "cp1252"
+    )  # no UTF-8 part: unchanged
+    assert "façade naïve, déjà vu, à côté" in decode_html(legacy)
+
+
 def test_undecodable_and_binary_input_never_crash():
     rnd = os.urandom(5000)
     for raw in (
