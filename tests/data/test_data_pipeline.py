@@ -426,5 +426,10 @@ def test_a_typo_in_a_toml_step_is_an_error_naming_the_value(step, match):
     the rule (30 for 0.3 turns it off); now each is a ValueError at load time naming the step and value."""
     with pytest.raises(ValueError, match=match):
         Pipeline.from_dict({"output": "x", "step": [step]}, "p.toml")
+    step0 = [{"type": "read_jsonl", "paths": ["in"]}]
+    with pytest.raises(ValueError, match=r"exclusions='no' must be true or false"):
+        Pipeline.from_dict({"output": "x", "exclusions": "no", "step": step0}, "p.toml")
+    with pytest.raises(ValueError, match=r"output=3 must be a folder path"):
+        Pipeline.from_dict({"output": 3, "step": step0}, "p.toml")
     ok = {"type": "gopher_quality", "min_doc_words": 10, "max_avg_word_length": 12.5}
     assert build_step(ok).min_doc_words == 10  # right types and ranges still build

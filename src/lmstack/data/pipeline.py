@@ -238,6 +238,12 @@ class Pipeline:
             raise ValueError(
                 f"{where}: a top-level 'tasks' is for a [[step]] pipeline; give each [[stage]] its own"
             )
+        if not isinstance(d["output"], str) or not d["output"]:
+            raise ValueError(f"{where}: output={d['output']!r} must be a folder path (a string)")
+        if not isinstance(d.get("exclusions", True), bool):
+            raise ValueError(
+                f"{where}: exclusions={d['exclusions']!r} must be true or false (a TOML boolean)"
+            )
         raw = (
             [{"name": "main", "step": d["step"], **({"tasks": d["tasks"]} if "tasks" in d else {})}]
             if "step" in d
@@ -251,7 +257,7 @@ class Pipeline:
                 raise ValueError(f"{sw}: unknown keys {sorted(extra)}; expected name, tasks, step")
             steps = [build_step(spec, f"{sw} step {j}") for j, spec in enumerate(s.get("step", []))]
             stages.append(Stage(str(s.get("name", f"stage{i}")), steps, s.get("tasks")))
-        return cls(stages, d["output"], bool(d.get("exclusions", True)))
+        return cls(stages, d["output"], d.get("exclusions", True))
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike) -> Pipeline:
