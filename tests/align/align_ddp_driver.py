@@ -122,7 +122,7 @@ def main(out: Path, world: int) -> None:
             g = GRPOTrainer(cfg, model, tok, progress=False, reward_fns={"a": a_rate})
         g.fit()
         results[name] = g
-    # DPO pairs from the model's own samples: 5 problems over 2 ranks (3 + 2), gathered on every rank
+    # DPO pairs from the model's own samples: 5 problems over 2 ranks (2 + 3), gathered on every rank
     task = get_task("arithmetic", digits=1)
     seen = set()  # the problems this rank verified: its share only, not all five
 
