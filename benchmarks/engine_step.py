@@ -8,7 +8,10 @@ per batch size with the tokens/s it implies. ``--profile`` also runs torch.profi
 and prints the ops with the most self CPU time (linears = ``aten::addmm``/``mm``/``linear``, the K/V
 gathers = ``index_select``/``index``, attention, norms, ...) and the time no op accounts for
 (Python: scheduling, batch construction, the seam objects). ``--compile`` builds the engine with
-its compiled decode step (``LLMEngine(compile=True)``) and warms it up first.
+its compiled decode step (``LLMEngine(compile=True)``) and warms it up first (printing the warm-up time
+and the graphs; a second run reads inductor's on-disk caches); ``--interleave`` then alternates compiled
+and eager steps on the same sequences and prints both medians. ``--dtype auto`` loads the Q4_1 GGUF as
+``lmstack serve --dtype auto`` does (int4 linears, int8 head).
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ import time
 import torch
 
 from lmstack.inference import LLMEngine, SamplingParams, generate, truncated_draft
-from lmstack.model.io import find_named_model, load_model
+from lmstack.inference.loader import load_for_inference
+from lmstack.model.io import find_named_model
 
 
-def decode_steps(engine: LLMEngine, batch: int, steps: int, prompt_len: int, profile: bool):
+def decode_steps(
+    engine: LLMEngine, batch: int, steps: int, prompt_len: int, profile: bool, interleave: bool
+):
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         engine.add_request(
@@ -38,10 +44,15 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int, prompt_len: int, pro
     if profile:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         prof.__enter__()
-    for _ in range(steps):
+    decode = engine.runner.decode
+    for i in range(steps):
+        if interleave:  # even steps compiled, odd steps eager, on the same sequences
+            decode.compiled = i % 2 == 0
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+    if interleave:
+        decode.compiled = True
     if prof is not None:
         prof.__exit__(None, None, None)
     for rid in list(engine.requests):
@@ -69,11 +80,28 @@ def main() -> None:
     ap.add_argument("--batch", default="1,4,16")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "int8", "int4", "auto"),
+        default="fp32",
+        help="auto: the GGUF's own format (Q4_1 -> int4 linears, what `lmstack serve --dtype auto` runs)",
+    )
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="with --compile: alternate compiled and eager steps on the same sequences (a fair ratio "
+        "on a shared machine)",
+    )
+    ap.add_argument(
         "--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate linears"
+    )
+    ap.add_argument(
+        "--max-compiled-batch",
+        type=int,
+        default=None,
+        help="compile decode batches up to this many rows (default: the engine's, larger run eagerly)",
     )
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument(
@@ -89,28 +117,46 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = load_model(find_named_model("smollm2-135m"), dtype=dtype).model.eval()
+    model, _ = load_for_inference(find_named_model("smollm2-135m"), None, args.dtype)
     if args.layers is not None:
         model = truncated_draft(model, args.layers).eval()
     batches = [int(b) for b in args.batch.split(",")]
-    kw = {"compile": True} if args.compile else {}
+    kw: dict = {"compile": True} if args.compile else {}
     kw["fuse_projections"] = not args.no_fuse
     engine = LLMEngine(model, max_num_seqs=max(batches), max_num_batched_tokens=512, **kw)
+    if args.max_compiled_batch is not None and engine.runner.decode is not None:
+        engine.runner.decode.max_compiled_batch = args.max_compiled_batch
     print(
-        f"SmolLM2-135M {args.dtype} ({model.config.n_layers} layers), torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
+        f"SmolLM2-135M {args.dtype} ({getattr(model, 'quantization', None) or args.dtype} linears, {model.config.n_layers} layers), torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
         f"load avg {os.getloadavg()[0]:.1f}, compile={args.compile}, fused projections {not args.no_fuse}"
     )
     if args.compile:
         t0 = time.perf_counter()
         engine.warm_up(batches)
-        print(f"warm-up (compiles) {time.perf_counter() - t0:.1f} s")
+        print(
+            f"warm-up {time.perf_counter() - t0:.1f} s, {engine.runner.decode.graphs} graphs "
+            "(a second run reads inductor's on-disk caches)"
+        )
     for b in batches:
-        times, prof = decode_steps(engine, b, args.steps, args.prompt_len, args.profile)
+        graphs = engine.runner.decode.graphs if engine.runner.decode else 0
+        times, prof = decode_steps(
+            engine, b, args.steps, args.prompt_len, args.profile, args.interleave
+        )
+        if args.interleave:
+            c, e = (statistics.median(times[i::2]) * 1000 for i in (2, 3))
+            print(
+                f"batch {b:3d}: compiled {c:7.1f} ms ({b / c * 1000:6.1f} tok/s), eager {e:7.1f} ms "
+                f"({b / e * 1000:6.1f} tok/s), interleaved: compiled / eager = {e / c:.2f}x"
+            )
         ms = statistics.median(times[1:] or times) * 1000
         print(
             f"batch {b:3d}: decode step {ms:7.1f} ms  ({b / ms * 1000:6.1f} tok/s)  "
             f"load avg {os.getloadavg()[0]:.1f}"
+            + (
+                f", recompilations {engine.runner.decode.graphs - graphs}"
+                if engine.runner.decode
+                else ""
+            )
         )
         if args.batch1:
             s1 = batch1_decode(model, args.steps, args.prompt_len)

@@ -11,7 +11,8 @@ from inference_helpers import full_recompute_greedy, greedy, make_model
 from lmstack.inference import LLM, LLMEngine
 from lmstack.inference.decode_step import DecodeBatch, DecodeStep, batch_bucket
 from lmstack.inference.paged import PagedKVCache
-from lmstack.model.seam import AttentionMetadata, SDPAAttention
+from lmstack.inference.paged_attention import paged_decode_attention
+from lmstack.model.seam import AttentionMetadata, SDPAAttention, reference_attention
 
 
 def _slot(cache, which, r, block, off):
@@ -23,12 +24,20 @@ def _slot(cache, which, r, block, off):
     return store[r, block, off].double() * scale.double()[:, None]
 
 
+PATHS = [
+    "eager",
+    "paged",
+    pytest.param("paged_compiled", marks=pytest.mark.slow),
+]
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float64, "int8"])
 @pytest.mark.parametrize("window", [None, 6])
-@pytest.mark.parametrize("eager", [True, False])
-def test_decode_attention_through_random_block_tables(kv_dtype, window, eager):
-    """eager: k, v stored in the pool first (read back with the blocks); else (the compiled step's way) put
-    into the loaded copy only, the pool left as it was."""
+@pytest.mark.parametrize("path", PATHS)
+def test_decode_attention_through_random_block_tables(kv_dtype, window, path):
+    """eager (``DecodeBatch``): k, v stored in the pool first (read back with the blocks); paged (the
+    compiled step's ``paged_decode_attention``, eagerly and compiled): the blocks read in place through the
+    table with this token's k, v put at its slot, the pool left as it was."""
     model = make_model()
     c = model.config
     bs, NB, K, H, N = 4, 40, c.n_kv_heads, c.head_dim, c.n_heads
@@ -52,12 +61,22 @@ def test_decode_attention_through_random_block_tables(kv_dtype, window, eager):
     k = torch.randn(B, K, 1, H, generator=g, dtype=torch.float64)
     v = torch.randn(B, K, 1, H, generator=g, dtype=torch.float64)
     layer = 1
+    eager = path == "eager"
     slots = torch.tensor([tables[b][p // bs] * bs + p % bs for b, p in enumerate(positions)])
     before = cache.k.clone()
-    batch = DecodeBatch(cache, table, pos, slots if eager else None)
-    out = batch.attend(
-        layer, q, k, v, AttentionMetadata(pos[:, None], window=window), SDPAAttention()
-    )
+    if eager:
+        batch = DecodeBatch(cache, table, pos, slots)
+        out = batch.attend(
+            layer, q, k, v, AttentionMetadata(pos[:, None], window=window), SDPAAttention()
+        )
+    else:
+        fn = paged_decode_attention
+        if path == "paged_compiled":
+            fn = torch.compile(fn, fullgraph=True, dynamic=False)
+        scales = (None, None) if cache.quant is None else (cache.k_scale[1], cache.v_scale[1])
+        out = fn(
+            q, cache.k[1], cache.v[1], table, pos, k[:, :, 0], v[:, :, 0], window, None, *scales
+        )
     assert torch.equal(cache.k, before) != eager  # written in place only eagerly
     for b in range(B):
         p = positions[b]
@@ -74,9 +93,20 @@ def test_decode_attention_through_random_block_tables(kv_dtype, window, eager):
         ref = F.scaled_dot_product_attention(q[b], kb, vb)  # (N, 1, H): every listed key visible
         tol = 1e-9 if cache.quant is None else 1e-6  # an int8 pool dequantises in float32
         torch.testing.assert_close(out[b], ref, rtol=tol, atol=tol)
-    assert [t.shape for t in batch.new_k] == (
-        [] if eager else [(B, K, H)]
-    )  # kept for the write after the forward
+
+
+def test_paged_decode_attention_soft_caps_scores_like_the_reference():
+    """Gemma-2's soft-cap c·tanh(s/c) before the mask, against ``reference_attention`` on gathered keys."""
+    g = torch.Generator().manual_seed(1)
+    NB, bs, K, H, N, B = 6, 4, 2, 8, 4, 2
+    kp, vp = (torch.randn(NB, bs, K, H, generator=g, dtype=torch.float64) for _ in range(2))
+    table, pos = torch.tensor([[4, 1], [2, 0]]), torch.tensor([6, 3])
+    q = torch.randn(B, N, 1, H, generator=g, dtype=torch.float64) * 4
+    out = paged_decode_attention(q, kp, vp, table, pos, softcap=2.0)
+    ks = kp[table].flatten(1, 2).transpose(1, 2)  # (B, K, S, H)
+    vs = vp[table].flatten(1, 2).transpose(1, 2)
+    mask = (torch.arange(8)[None] <= pos[:, None])[:, None, None]  # (B, 1, 1, S)
+    torch.testing.assert_close(out, reference_attention(q, ks, vs, mask, softcap=2.0))
 
 
 def test_batch_buckets():
@@ -135,7 +165,8 @@ def compiled():
 def test_compiled_decode_equals_full_recompute_across_buckets(compiled, prompts):
     model, llm = compiled
     decode = llm.engine.runner.decode
-    assert decode.graphs == 2  # buckets 2 and 4 at one table bucket
+    assert decode.graphs == 2  # buckets 2 and 4 at one table bucket, one graph for all layers
+    assert all(decode._direct.values())  # each called directly after its checked first call
     chosen = (
         prompts[:4] + prompts[8:11] + prompts[-4:]
     )  # short, across blocks, long (chunked), shared prefixes
@@ -231,3 +262,26 @@ def test_fused_projections_leave_training_gradients_to_every_parameter():
         torch.testing.assert_close(p.grad, grads[name].grad)
     with torch.no_grad():  # and inference through the fused GEMMs gives the same logits
         torch.testing.assert_close(fused(x), ref(x))
+
+
+def test_compile_policy_auto_follows_the_device_and_the_compiler(monkeypatch):
+    import lmstack.inference.decode_step as ds
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(ds.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert ds.compile_policy("auto", "cpu")[0] is True
+    assert ds.compile_policy("auto", "cuda")[0] is False  # compiled step untested there
+    assert (
+        ds.compile_policy("on", "cuda")[0] is True and ds.compile_policy("off", "cpu")[0] is False
+    )
+    assert ds.compile_policy({"cpp_wrapper": False}, "cpu")[0] == {"cpp_wrapper": False}
+    monkeypatch.setattr(ds.shutil, "which", lambda name: None)
+    compiled, reason = ds.compile_policy("auto", "cpu")
+    assert compiled is False and "C++ compiler" in reason
+    with pytest.raises(ValueError, match="compile='fast'"):
+        ds.compile_policy("fast", "cpu")
+
+
+def test_auto_compile_stays_eager_where_there_is_no_decode_step(model):
+    engine = LLMEngine(model, selective=False, compile="auto")  # "on" refuses this (above)
+    assert engine.runner.decode is None and "eager" in engine.compile_reason

@@ -141,7 +141,11 @@ def cli_server(ckpt, *flags, timeout: float = 120.0):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "lmstack", "serve", "--model", str(ckpt), "--port", str(port)]
     proc = subprocess.Popen(
-        [*cmd, "--threads", "1", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+        # eager decode step unless a test asks (compiling the buckets would dominate a test's time)
+        [*cmd, "--threads", "1", "--compile", "off", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
     )
     proc.log = lambda: proc.stdout.read().decode()
     url = f"http://127.0.0.1:{port}"

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from lmstack.inference.decode_step import DecodeStep
+from lmstack.inference.decode_step import DecodeStep, compile_policy
 from lmstack.inference.draft_runner import DraftRunner
 from lmstack.inference.model_runner import ModelRunner
 from lmstack.inference.paged import PagedKVCache, kv_pool_bytes
@@ -111,9 +111,11 @@ class LLMEngine:
     their states in a ``StatePool`` of ``num_state_slots`` sequences (default ``max_num_seqs``; ``self.states``);
     for it prefix caching is off and speculation is refused (a recurrent state cannot be rolled back).
     Iterations in which every sequence feeds just its next token run as a ``DecodeStep`` (fixed shapes,
-    the blocks read through the block tables); ``compile=True`` compiles that step once per (batch, table)
-    bucket (``decode_step``; compiling takes seconds to minutes per bucket on a CPU: ``warm_up``); a dict
-    compiles with those inductor options over the static decoder's. ``fuse_projections`` (default) makes the
+    the blocks read through the block tables); ``compile=True`` (or "on") compiles that step: one graph of
+    one block per (batch, table) bucket, shared by every layer (``decode_step``; seconds per bucket on a CPU,
+    less in a later process from inductor's on-disk caches: ``warm_up``); a dict compiles with those
+    inductor options over the static decoder's; "auto" compiles on a CPU with a C++ compiler and where the
+    model has a decode step, else runs eagerly (``decode_step.compile_policy``; ``compile_reason`` says which). ``fuse_projections`` (default) makes the
     model compute q/k/v and gate/up with one GEMM each (``Transformer.fuse_projections``: its parameters become
     views of the fused weights, checkpoints unchanged).
     """
@@ -139,13 +141,15 @@ class LLMEngine:
         num_speculative_tokens: int = 0,
         ngram: tuple[int, int] = (3, 1),
         num_state_slots: int | None = None,
-        compile: bool | dict = False,
+        compile: bool | dict | str = False,
         fuse_projections: bool = True,
         draft_model: Transformer | int | None = None,
     ):
         p = next(model.parameters())
         c = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, c
+        auto = compile == "auto"
+        compile, self.compile_reason = compile_policy(compile, p.device)
         max_num_seqs = as_integer("max_num_seqs", max_num_seqs, 1)
         max_num_batched_tokens = as_integer("max_num_batched_tokens", max_num_batched_tokens, 1)
         num_speculative_tokens = as_integer("num_speculative_tokens", num_speculative_tokens, 0)
@@ -257,7 +261,10 @@ class LLMEngine:
         # decode-only iterations in fixed shapes (compiled per bucket with ``compile``); not for recurrent
         # states or an MLA latent cache, whose steps stay on the packed batch
         decode = None
-        if selective and self.states is None and not self.cache.stores_latent:
+        decodable = selective and self.states is None and not self.cache.stores_latent
+        if auto and not decodable:
+            compile, self.compile_reason = False, "auto: eager (no decode step for this model)"
+        if decodable:
             decode = DecodeStep(
                 model,
                 self.cache,
@@ -472,7 +479,9 @@ class LLMEngine:
                 ready_rows.append(at)
         if ready:
             assert logits is not None  # a ready row needs its logits
-            for s, result in zip(ready, self.runner.sample(ready, logits[ready_rows])):  # (R, V)
+            if ready_rows != list(range(logits.shape[0])):  # (R, V); every row ready: no copy
+                logits = logits[ready_rows]
+            for s, result in zip(ready, self.runner.sample(ready, logits)):
                 with self._isolated(s, failed):
                     if isinstance(result, Exception):
                         raise result

@@ -145,7 +145,8 @@ class ModelRunner:
         out: list = [None] * len(seqs)
         tokens: list[int] = [0] * len(seqs)
         if greedy:  # one argmax where the logits are (no copy to the CPU)
-            for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+            rows = logits if len(greedy) == len(seqs) else logits[greedy]  # no copy when all are
+            for i, t in zip(greedy, rows.argmax(dim=-1).tolist()):
                 tokens[i] = t
         every_greedy = len(greedy) == len(seqs) and all(s.logprobs is None for s in seqs)
         # (R, V) on the CPU for the sampled rows and logprobs; no copy for fp32 logits on the CPU

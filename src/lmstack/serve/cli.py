@@ -12,6 +12,8 @@ import logging
 import math
 import os
 import signal
+import sys
+import time
 
 import torch
 
@@ -74,8 +76,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
         "--compile",
-        action="store_true",
-        help="compile the engine's decode step per batch bucket (warmed up before serving; minutes on a CPU)",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="compile the engine's decode step, one block graph per batch bucket, warmed up before serving "
+        "(auto, the default: on a CPU with a C++ compiler; tens of seconds the first time, less from "
+        "inductor's disk cache later; docs/inference.md)",
     )
     p.add_argument(
         "--speculative-tokens", type=int, default=0, help="prompt-lookup speculation (0 = off)"
@@ -213,7 +220,13 @@ def run_serve(args) -> int:
         seed=args.seed,
         compile=args.compile,
     )
-    engine.warm_up()  # the compiled buckets (nothing to do without --compile)
+    t0 = time.perf_counter()
+    engine.warm_up()  # the compiled buckets (nothing to do when the step runs eagerly)
+    print(
+        f"decode step: {engine.compile_reason}; warm-up {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     server = Server(
         engine,
         args.served_model_name or str(args.model),
