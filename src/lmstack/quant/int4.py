@@ -234,6 +234,9 @@ class Int4Linear(WeightOnlyLinear):
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
         return super().forward(x)
 
+    def _rows_first(self) -> bool:  # torch's packing keeps (scale, zero) as (I/G, O, 2): not joined
+        return self.vnni or not self.use_kernel
+
     def _kernel_ok(self) -> bool:
         return self.use_kernel
 
