@@ -1,10 +1,11 @@
 """One decode step of the batching engine at batch 1, 4, 16: its time and where it goes.
 
-    python benchmarks/engine_step.py --threads 1 [--batch 1,4,16] [--steps 8] [--profile]
+    python benchmarks/engine_step.py --threads 1 [--batch 1,4,16] [--steps 8] [--profile] [--quant int4|int8]
 
 ``--batch`` sequences with 128-token random prompts are prefilled, then ``--steps`` decode-only
 iterations (``LLMEngine.step``: schedule, forward, sample, commit) are timed; the median is printed
-per batch size with the tokens/s it implies. ``--profile`` also runs torch.profiler over those steps
+per batch size with the tokens/s it implies, and the median CPU time of the process per step (at one
+thread: the step's own cost, less of other jobs' load). ``--profile`` also runs torch.profiler over those steps
 and prints the ops with the most self CPU time (linears = ``aten::addmm``/``mm``/``linear``, the K/V
 gathers = ``index_select``/``index``, attention, norms, ...) and the time no op accounts for
 (Python: scheduling, batch construction, the seam objects). ``--compile`` builds the engine with
@@ -22,6 +23,7 @@ import torch
 
 from lmstack.inference import LLMEngine, SamplingParams, generate, truncated_draft
 from lmstack.model.io import find_named_model, load_model
+from lmstack.quant import Int4Linear, quantize_model
 
 
 def decode_steps(engine: LLMEngine, batch: int, steps: int, prompt_len: int, profile: bool):
@@ -34,19 +36,20 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int, prompt_len: int, pro
         )
     while any(s.num_computed < s.num_prompt for s in engine.requests.values()):
         engine.step()  # prefill (chunks), not timed
-    times, prof = [], None
+    times, cpu, prof = [], [], None
     if profile:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         prof.__enter__()
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     if prof is not None:
         prof.__exit__(None, None, None)
     for rid in list(engine.requests):
         engine.abort_request(rid)
-    return times, prof
+    return times, cpu, prof
 
 
 def batch1_decode(model, steps: int, prompt_len: int) -> float:
@@ -71,6 +74,15 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument(
+        "--quant", choices=("int4", "int8"), default=None, help="quantise the linears first"
+    )
+    ap.add_argument(
+        "--terms",
+        type=int,
+        default=None,
+        help="int4: int8 terms per activation (Int4Linear.terms; default: the kernel's)",
+    )
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
         "--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate linears"
@@ -93,12 +105,17 @@ def main() -> None:
     model = load_model(find_named_model("smollm2-135m"), dtype=dtype).model.eval()
     if args.layers is not None:
         model = truncated_draft(model, args.layers).eval()
+    if args.quant:
+        model = quantize_model(model, args.quant)
+        for m in model.modules():
+            if isinstance(m, Int4Linear) and args.terms is not None:
+                m.terms = args.terms
     batches = [int(b) for b in args.batch.split(",")]
     kw = {"compile": True} if args.compile else {}
     kw["fuse_projections"] = not args.no_fuse
     engine = LLMEngine(model, max_num_seqs=max(batches), max_num_batched_tokens=512, **kw)
     print(
-        f"SmolLM2-135M {args.dtype} ({model.config.n_layers} layers), torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
+        f"SmolLM2-135M {args.dtype}{' ' + args.quant if args.quant else ''} ({model.config.n_layers} layers), torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
         f"load avg {os.getloadavg()[0]:.1f}, compile={args.compile}, fused projections {not args.no_fuse}"
     )
     if args.compile:
@@ -106,10 +123,13 @@ def main() -> None:
         engine.warm_up(batches)
         print(f"warm-up (compiles) {time.perf_counter() - t0:.1f} s")
     for b in batches:
-        times, prof = decode_steps(engine, b, args.steps, args.prompt_len, args.profile)
+        times, cpu, prof = decode_steps(engine, b, args.steps, args.prompt_len, args.profile)
         ms = statistics.median(times[1:] or times) * 1000
+        cpu_ms = (
+            statistics.median(cpu[1:] or cpu) * 1000
+        )  # the process's CPU time: less of the load's noise
         print(
-            f"batch {b:3d}: decode step {ms:7.1f} ms  ({b / ms * 1000:6.1f} tok/s)  "
+            f"batch {b:3d}: decode step {ms:7.1f} ms  ({b / ms * 1000:6.1f} tok/s), CPU {cpu_ms:7.1f} ms  "
             f"load avg {os.getloadavg()[0]:.1f}"
         )
         if args.batch1:
