@@ -433,3 +433,30 @@ def test_a_typo_in_a_toml_step_is_an_error_naming_the_value(step, match):
         Pipeline.from_dict({"output": 3, "step": step0}, "p.toml")
     ok = {"type": "gopher_quality", "min_doc_words": 10, "max_avg_word_length": 12.5}
     assert build_step(ok).min_doc_words == 10  # right types and ranges still build
+
+
+def test_a_local_ray_of_its_own_is_bound_to_localhost_with_usage_stats_off(corpus, monkeypatch):
+    """What the executor passes to ray.init when it starts Ray itself (a stand-in ray module records it;
+    no Ray is started): 127.0.0.1, no dashboard, and RAY_USAGE_STATS_ENABLED=0 in the environment."""
+    import types
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init(**kw):
+        seen.update(kw, usage=os.environ.get("RAY_USAGE_STATS_ENABLED"))
+        raise Stop
+
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=init)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.delenv("RAY_USAGE_STATS_ENABLED", raising=False)
+    with pytest.raises(Stop):
+        RayExecutor(2, progress=False).run(Pipeline.from_toml(toml(corpus, "r")))
+    assert seen == {
+        "address": "local",
+        "include_dashboard": False,
+        "_node_ip_address": "127.0.0.1",
+        "usage": "0",
+    }

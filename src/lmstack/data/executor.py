@@ -268,7 +268,8 @@ class RayExecutor:
 
     Uses this process's Ray when ``ray.init`` already ran; else joins ``address`` (``"auto"``: the cluster
     ``ray start`` began on this machine, ``"ray://head:10001"``: a remote one) or, with None, starts a new
-    local Ray bound to 127.0.0.1 without a dashboard (``ray_init``: more ``ray.init`` keyword arguments),
+    local Ray bound to 127.0.0.1 without a dashboard and with usage statistics off
+    (``RAY_USAGE_STATS_ENABLED=0`` unless set; ``ray_init``: more ``ray.init`` keyword arguments),
     and shuts down what it started after the run.
     """
 
@@ -299,6 +300,8 @@ class RayExecutor:
             ) from None
         started = not ray.is_initialized()
         if started:
+            if self.address is None:  # a local Ray of our own sends no usage statistics anywhere
+                os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             local = {
                 "address": "local",
                 "include_dashboard": False,

@@ -361,6 +361,7 @@ class ParquetReader(Reader):
     column (JSON string or struct) and every other column become metadata. Read a row group at a time."""
 
     suffixes = (".parquet",)
+    config_ignore = ("batch_size",)  # rows read at a time: the documents are the same
 
     def __init__(
         self,
