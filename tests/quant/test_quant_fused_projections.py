@@ -135,6 +135,9 @@ def test_fused_quantised_model_and_engine_greedy_equal_unfused(method):
     tokens = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         torch.testing.assert_close(model(tokens), plain(tokens), rtol=0, atol=0)
+        assert (
+            attn.qkv is not None and model.blocks[1].ffn.gate_up is not None
+        )  # the fused path ran
         # a replaced part (re-quantised, LoRA-wrapped, ...): the layer goes back to its separate linears
         ffn = model.blocks[1].ffn
         ffn.up_proj = copy.deepcopy(ffn.up_proj)

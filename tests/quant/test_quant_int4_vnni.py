@@ -379,7 +379,9 @@ def test_prefill_gemm_and_kernel_each_equal_their_float64_formula(monkeypatch, k
         x = torch.randn(M, I, generator=g)
         y, full = lin(x).double(), F.linear(x.double(), w64)
         tight = {"rtol": 1e-6, "atol": 2e-6 * float(full.abs().max())}
-        if M < 5:  # the kernel: its formula (its default int8 terms), and measurably off the float product
+        if (
+            M < 5
+        ):  # the kernel: its formula (its default int8 terms), and measurably off the float product
             ref = reference(x, q, d64.numpy(), m64.numpy(), G, lin.terms)
             np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
             assert not torch.allclose(y, full, **tight)
