@@ -285,3 +285,20 @@ def test_compile_policy_auto_follows_the_device_and_the_compiler(monkeypatch):
 def test_auto_compile_stays_eager_where_there_is_no_decode_step(model):
     engine = LLMEngine(model, selective=False, compile="auto")  # "on" refuses this (above)
     assert engine.runner.decode is None and "eager" in engine.compile_reason
+
+
+@pytest.mark.slow
+def test_batches_above_max_compiled_batch_run_eagerly(compiled, prompts, monkeypatch):
+    model, llm = compiled
+    decode = llm.engine.runner.decode
+    calls = []
+    eager = DecodeStep._eager
+    monkeypatch.setattr(
+        DecodeStep, "_eager", lambda self, tok, *a: calls.append(len(tok)) or eager(self, tok, *a)
+    )
+    monkeypatch.setattr(decode, "max_compiled_batch", 2)
+    chosen = prompts[4:7]
+    out = llm.generate(chosen, greedy(6))
+    assert [o.token_ids for o in out] == [full_recompute_greedy(model, p, 6) for p in chosen]
+    assert calls and min(calls) == 3  # the 3-row steps eagerly (unpadded); 1-2 rows compiled
+    assert decode.graphs == 2

@@ -42,9 +42,8 @@ from lmstack.model.seam import AttentionImpl, AttentionMetadata
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 COMPILE_POLICIES = ("auto", "on", "off")
-MAX_COMPILED_BATCH = (
-    8  # decode batches of more rows run eagerly (``DecodeStep.max_compiled_batch``)
-)
+# decode batches of more rows run eagerly (``DecodeStep.max_compiled_batch``; measured, docs/inference.md)
+MAX_COMPILED_BATCH = 4
 MIN_BUCKET_TOKENS = 256  # the smallest table bucket covers this many positions
 
 
@@ -208,7 +207,8 @@ class DecodeStep:
             BATCH_BUCKETS  # batch sizes compiled (set before the first step to compile fewer)
         )
         # batches of more rows run eagerly: measured here (engine_step.py --interleave, SmolLM2 int4) the
-        # compiled step is 1.7x eager at 1 row, 1.2x at 4, 0.86x at 16 (its attention reads the padded table)
+        # compiled step is 1.5-1.7x eager at 1 row, 1.1-1.2x at 4, 0.85x at 8, 0.75-0.86x at 16 (its
+        # attention reads the padded table; docs/inference.md)
         self.max_compiled_batch = MAX_COMPILED_BATCH
         self.device = cache.k.device
         self.layers = sorted(
@@ -219,6 +219,10 @@ class DecodeStep:
         self.options = dict(COMPILE_OPTIONS) | (compile_options or {})
         self._steps: dict[tuple, object] = {}  # (B, M, block signature) -> compiled block
         self._direct: dict[tuple, tuple | None] = {}  # same key -> (graph, input recipe) or None
+        self._templates: dict[
+            tuple, tuple
+        ] = {}  # (key, layer) -> the graph's inputs, per-step holes
+        self._pools: list[tuple] = []  # per layer: its pool rows (``_pool``)
         self._graphs: list[
             tuple
         ] = []  # filled by the _Inductor backend: (graph, example inputs, number of outputs)
@@ -271,22 +275,20 @@ class DecodeStep:
             )
         return self._steps[key]
 
-    def _layer_args(self, i: int, x, tokens, positions, table) -> tuple:
-        c, q = self.cache, self.cache.quant is not None
-        return (
-            x,
-            tokens,
-            positions,
-            table,
-            c.k[i],
-            c.v[i],
-            c.k_scale[i] if q else None,
-            c.v_scale[i] if q else None,
-        )
+    def _pool(self, i: int) -> tuple:
+        """Layer i's pool rows (K codes, V codes, K scales, V scales or None): views made once."""
+        if not self._pools:
+            c, q = self.cache, self.cache.quant is not None
+            self._pools = [
+                (c.k[r], c.v[r], c.k_scale[r] if q else None, c.v_scale[r] if q else None)
+                for r in range(len(self.blocks))
+            ]
+        return self._pools[i]
 
     def _capture(self, key: tuple, i: int, args: tuple) -> None:
-        """The graph just compiled for block i: record where each of its inputs comes from (an argument of
-        the call, a tensor of the block by attribute path, or a constant shared by all blocks)."""
+        """The graph just compiled for block i: record where each of its inputs comes from (one of the
+        step's tensors x, tokens, positions, table; the layer's pool rows; a tensor of the block by
+        attribute path; or a constant shared by all blocks)."""
         graph, inputs, _ = self._graphs[-1]
         by_id = {id(t): p for p, t in self._block_tensors[i].items()}
         recipe = []
@@ -301,38 +303,60 @@ class DecodeStep:
             else:
                 self._direct[key] = None  # a symbolic or non-tensor input: keep Dynamo's call
                 return
-        self._direct[key] = (graph, recipe)
+        # the function under Dynamo's disable wrapper (no eval-frame switch per call: we are not tracing)
+        self._direct[key] = (getattr(graph, "__wrapped__", graph), recipe)
+
+    def _template(self, key: tuple, i: int) -> tuple[list, list[tuple[int, int]]]:
+        """Block i's inputs of the captured graph with the per-step ones (x, tokens, positions, table)
+        left as holes: (inputs, [(input index, argument index)]), built once per (bucket, block)."""
+        t = self._templates.get((key, i))
+        if t is None:
+            _, recipe = self._direct[key]  # type: ignore[misc]
+            static = (None,) * 4 + self._pool(i)
+            tensors = self._block_tensors[i]
+            inputs = [
+                static[r] if kind == "arg" else tensors[r] if kind == "block" else r
+                for kind, r in recipe
+            ]
+            holes = [(n, r) for n, (kind, r) in enumerate(recipe) if kind == "arg" and r < 4]
+            t = self._templates[(key, i)] = (inputs, holes)
+        return t
+
+    def _direct_call(self, key: tuple, i: int, step: tuple) -> tuple:
+        inputs, holes = self._template(key, i)
+        args = list(inputs)
+        for n, r in holes:
+            args[n] = step[r]
+        return self._direct[key][0](*args)  # type: ignore[index]
 
     def _run_block(self, i: int, B: int, M: int, x, tokens, positions, table):
-        block = self.blocks[i]
         key = (B, M, self._signatures[i])
-        args = self._layer_args(i, x, tokens, positions, table)
         direct = self._direct.get(key, False)
         if direct:
-            return tuple(direct[0](*_inputs(direct[1], args, self._block_tensors[i])))
+            return self._direct_call(key, i, (x, tokens, positions, table))
+        args = (x, tokens, positions, table, *self._pool(i))
         fn = self._compiled_block(key)
         window, abilities = self.model.config.sliding_window, self.cache.abilities
         n_before = len(self._graphs)
-        out = fn(block, *args, window, abilities)
+        out = fn(self.blocks[i], *args, window, abilities)
         if direct is False and len(self._graphs) == n_before + 1 and self._graphs[-1][2] == 3:
             self._capture(key, i, args)
-            self._check_direct(key, i + 1, B, M, x, tokens, positions, table)
+            self._check_direct(key, i + 1, x, tokens, positions, table)
         elif direct is False:
             self._direct[key] = None
         return out
 
-    def _check_direct(self, key: tuple, j: int, B: int, M: int, x, tokens, positions, table):
+    def _check_direct(self, key: tuple, j: int, x, tokens, positions, table) -> None:
         """Call block j (the next one of this structure) both ways once: the direct call must give
         Dynamo's result exactly, or this bucket keeps Dynamo's guarded call."""
-        direct = self._direct.get(key)
         j = next((n for n in range(j, len(self.blocks)) if self._signatures[n] == key[2]), None)
-        if not direct or j is None:
+        if not self._direct.get(key) or j is None:
             return
-        args = self._layer_args(j, x, tokens, positions, table)
         fn = self._compiled_block(key)
+        args = (x, tokens, positions, table, *self._pool(j))
         ref = fn(self.blocks[j], *args, self.model.config.sliding_window, self.cache.abilities)
-        got = direct[0](*_inputs(direct[1], args, self._block_tensors[j]))
-        if not all(torch.equal(a, b) for a, b in zip(ref, got)):
+        got = self._direct_call(key, j, (x, tokens, positions, table))
+        if len(ref) != len(got) or not all(map(torch.equal, ref, got)):
             self._direct[key] = None
 
     def _compiled(self, tokens: Tensor, positions: Tensor, table: Tensor):
@@ -379,9 +403,3 @@ class DecodeStep:
         for b in sorted({batch_bucket(n, self.buckets) for n in batch_sizes}):
             if b <= self.max_compiled_batch:
                 self.forward([0] * b, [0] * b, [[0] * blocks] * b)
-
-
-def _inputs(recipe: list, args: tuple, tensors: dict[str, Tensor]) -> list:
-    return [
-        args[r] if kind == "arg" else tensors[r] if kind == "block" else r for kind, r in recipe
-    ]
