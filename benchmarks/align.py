@@ -96,7 +96,7 @@ def profile_steps(model, tok, prompts, G, steps, compile="off", compiled_rows=8)
     llm = make_llm(model, tok, len(prompts) * G, compile, compiled_rows)
     eng = llm.engine
     for k, p in enumerate(p for p in prompts for _ in range(G)):
-        params = SamplingParams(temperature=1.0, max_tokens=steps + 8, ignore_eos=True, seed=k)
+        params = SamplingParams(temperature=1.0, max_tokens=2 * steps + 8, ignore_eos=True, seed=k)
         eng.add_request(None, p, params)
     while not all(s.num_computed + 1 == len(s.all_ids) for s in eng.requests.values()):
         eng.step()  # prefill (chunks), until every row feeds one token
