@@ -13,6 +13,15 @@ do_sample=True)`` on the P left-padded prompts as one batch, as TRL's GRPOTraine
 ``--repeat N`` runs the two rollouts N times, interleaved (lmstack, HF, lmstack, ...), and reports each side's
 fastest run by wall time and by the process's CPU time (``time.process_time``: on a machine shared with other
 jobs, time spent waiting for a core is not counted, so with ``--threads 1`` it is the work done).
+
+Other shapes: ``--prompt-tokens N`` lengthens each prompt to at least N tokens with worked examples of the task
+(few-shot, different problems for each prompt, so only a group's G samples share a prefix); ``--dtype bf16``
+runs both sides in bf16. ``--compile on`` compiles the engine's decode step with ``--compiled-rows`` as its
+largest compiled batch (``DecodeStep.max_compiled_batch``; engine default 8, larger batches run eagerly).
+``--profile-steps K`` profiles K decode-only engine steps over the P·G rows (torch.profiler, top ops).
+The script also prints the token rows each side runs through the model: HF prefills every sample's copy of
+its prompt (P·G·S + P·G·L rows), the engine each prompt once (P·S + P·G·L, the prefix cache), whose ratio
+bounds what the engine can gain when both sides' per-row cost is the same GEMMs.
 """
 
 from __future__ import annotations
@@ -32,9 +41,19 @@ from lmstack.model.io import find_named_model
 from lmstack.threads import add_threads_argument, set_threads
 
 
-def run_lmstack(model, tok, prompts, G, L):
+def make_llm(model, tok, n: int, compile: str = "off", compiled_rows: int = 8) -> LLM:
+    """The rollout engine as ``GRPOTrainer`` builds it (eager decode step unless ``compile='on'``)."""
+    llm = LLM(model, tok, max_num_seqs=n, max_num_batched_tokens=1024, compile=compile)
+    decode = llm.engine.runner.decode
+    if decode is not None and decode.compiled:
+        decode.max_compiled_batch = compiled_rows
+        llm.engine.warm_up([n])  # compile the P·G-row bucket before the timing
+    return llm
+
+
+def run_lmstack(model, tok, prompts, G, L, compile="off", compiled_rows=8):
     """(wall s, CPU s, tokens) of one ``LLM.generate`` over the P·G requests (a fresh engine, warmed up)."""
-    llm = LLM(model, tok, max_num_seqs=len(prompts) * G, max_num_batched_tokens=1024)
+    llm = make_llm(model, tok, len(prompts) * G, compile, compiled_rows)
     params = [
         SamplingParams(temperature=1.0, max_tokens=L, ignore_eos=True, seed=k)
         for k in range(len(prompts) * G)
@@ -46,13 +65,51 @@ def run_lmstack(model, tok, prompts, G, L):
     return wall, cpu, sum(len(o.token_ids) for o in outs)
 
 
-def load_hf():
+def load_hf(dtype: torch.dtype = torch.float32):
     import transformers
 
     path = find_named_model("smollm2-135m")
     return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
+        str(path.parent), gguf_file=path.name, dtype=dtype
     ).eval()
+
+
+def task_prompts(tok, task, P: int, min_tokens: int = 0) -> list[list[int]]:
+    """P task prompts through the chat template; with ``min_tokens``, each user turn starts with worked
+    examples (problems of another seed, with their answers) until the prompt has at least that many tokens."""
+    problems = task.generate(P, seed=1)
+    shots = iter(task.generate(P * 64, seed=2))
+    out = []
+    for p in problems:
+        text = p.prompt
+        while len(ids := encode_prompt(tok, text)) < min_tokens:
+            s = next(shots)
+            text = f"{s.prompt}\n{task.solution(s)}\n\n" + text
+        out.append(ids)
+    return out
+
+
+def profile_steps(model, tok, prompts, G, steps, compile="off", compiled_rows=8) -> None:
+    """torch.profiler over ``steps`` decode-only engine steps of the P·G rows (after their prefill)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = make_llm(model, tok, len(prompts) * G, compile, compiled_rows)
+    eng = llm.engine
+    for k, p in enumerate(p for p in prompts for _ in range(G)):
+        params = SamplingParams(temperature=1.0, max_tokens=2 * steps + 8, ignore_eos=True, seed=k)
+        eng.add_request(None, p, params)
+    while not all(s.num_computed + 1 == len(s.all_ids) for s in eng.requests.values()):
+        eng.step()  # prefill (chunks), until every row feeds one token
+    eng.step()
+    c0 = time.process_time()
+    for _ in range(steps):
+        eng.step()
+    per_step = (time.process_time() - c0) / steps
+    print(f"decode step, {len(eng.requests)} rows: {per_step * 1e3:.0f} ms CPU (unprofiled)")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            eng.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def run_hf(hf, prompts, G, L):
@@ -89,6 +146,11 @@ def main() -> None:
     ap.add_argument("--grpo-steps", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved runs of each rollout")
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="few-shot prompts of >= N tokens")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="both sides")
+    ap.add_argument("--compile", choices=("off", "on", "auto"), default="off")
+    ap.add_argument("--compiled-rows", type=int, default=8, help="largest compiled decode batch")
+    ap.add_argument("--profile-steps", type=int, default=0)
     add_threads_argument(ap)
     args = ap.parse_args()
     set_threads(args.threads)
@@ -96,17 +158,31 @@ def main() -> None:
         f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
         f"capability {torch.backends.cpu.get_cpu_capability()}"
     )
-    model, tok = load_for_inference("smollm2-135m")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model, tok = load_for_inference("smollm2-135m", dtype=dtype)
     task = get_task("arithmetic", digits=2)
-    prompts = [encode_prompt(tok, p.prompt) for p in task.generate(args.prompts, seed=1)]
+    prompts = task_prompts(tok, task, args.prompts, args.prompt_tokens)
     P, G, L = args.prompts, args.generations, args.max_new_tokens
+    S = max(map(len, prompts))
     print(
-        f"rollout: P={P} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens) x G={G}, {L} new tokens"
+        f"rollout: P={P} prompts ({min(map(len, prompts))}-{S} tokens) x G={G}, {L} new tokens, "
+        f"{args.dtype}, engine compile={args.compile}"
+        + (f" (up to {args.compiled_rows} rows)" if args.compile != "off" else "")
     )
-    hf = None if args.skip_hf else load_hf()
+    hf_rows, engine_rows = P * G * (S + L), sum(map(len, prompts)) + P * G * L
+    print(
+        f"token rows through the model: HF {hf_rows}, engine {engine_rows} "
+        f"(ratio {hf_rows / engine_rows:.2f}: the bound at equal per-row cost)"
+    )
+    if args.profile_steps:
+        profile_steps(model, tok, prompts, G, args.profile_steps, args.compile, args.compiled_rows)
+        return
+    hf = None if args.skip_hf else load_hf(dtype)
     runs: dict[str, list[tuple[float, float, int]]] = {"lmstack engine": [], "HF generate": []}
     for _ in range(args.repeat):
-        runs["lmstack engine"].append(run_lmstack(model, tok, prompts, G, L))
+        runs["lmstack engine"].append(
+            run_lmstack(model, tok, prompts, G, L, args.compile, args.compiled_rows)
+        )
         if hf is not None:
             runs["HF generate"].append(run_hf(hf, prompts, G, L))
     best = {}

@@ -1,10 +1,11 @@
 """One decode step of the batching engine at batch 1, 4, 16: its time and where it goes.
 
-    python benchmarks/engine_step.py --threads 1 [--batch 1,4,16] [--steps 8] [--profile]
+    python benchmarks/engine_step.py --threads 1 [--batch 1,4,16] [--steps 8] [--profile] [--quant int4|int8]
 
 ``--batch`` sequences with 128-token random prompts are prefilled, then ``--steps`` decode-only
 iterations (``LLMEngine.step``: schedule, forward, sample, commit) are timed; the median is printed
-per batch size with the tokens/s it implies. ``--profile`` also runs torch.profiler over those steps
+per batch size with the tokens/s it implies, and the median CPU time of the process per step (at one
+thread: the step's own cost, less of other jobs' load). ``--profile`` also runs torch.profiler over those steps
 and prints the ops with the most self CPU time (linears = ``aten::addmm``/``mm``/``linear``, the K/V
 gathers = ``index_select``/``index``, attention, norms, ...) and the time no op accounts for
 (Python: scheduling, batch construction, the seam objects). ``--compile`` builds the engine with
@@ -26,6 +27,7 @@ import torch
 from lmstack.inference import LLMEngine, SamplingParams, generate, truncated_draft
 from lmstack.inference.loader import load_for_inference
 from lmstack.model.io import find_named_model
+from lmstack.quant import Int4Linear, quantize_model
 
 
 def decode_steps(
@@ -40,7 +42,7 @@ def decode_steps(
         )
     while any(s.num_computed < s.num_prompt for s in engine.requests.values()):
         engine.step()  # prefill (chunks), not timed
-    times, prof = [], None
+    times, cpu, prof = [], [], None
     if profile:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         prof.__enter__()
@@ -48,16 +50,17 @@ def decode_steps(
     for i in range(steps):
         if interleave:  # even steps compiled, odd steps eager, on the same sequences
             decode.compiled = i % 2 == 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     if interleave:
         decode.compiled = True
     if prof is not None:
         prof.__exit__(None, None, None)
     for rid in list(engine.requests):
         engine.abort_request(rid)
-    return times, prof
+    return times, cpu, prof
 
 
 def batch1_decode(model, steps: int, prompt_len: int) -> float:
@@ -87,6 +90,15 @@ def main() -> None:
         help="auto: the GGUF's own format (Q4_1 -> int4 linears, what `lmstack serve --dtype auto` runs)",
     )
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument(
+        "--quant", choices=("int4", "int8"), default=None, help="quantise the linears first"
+    )
+    ap.add_argument(
+        "--terms",
+        type=int,
+        default=None,
+        help="int4: int8 terms per activation (Int4Linear.terms; default: the kernel's)",
+    )
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
         "--interleave",
@@ -120,6 +132,11 @@ def main() -> None:
     model, _ = load_for_inference(find_named_model("smollm2-135m"), None, args.dtype)
     if args.layers is not None:
         model = truncated_draft(model, args.layers).eval()
+    if args.quant:
+        model = quantize_model(model, args.quant)
+        for m in model.modules():
+            if isinstance(m, Int4Linear) and args.terms is not None:
+                m.terms = args.terms
     batches = [int(b) for b in args.batch.split(",")]
     kw: dict = {"compile": True} if args.compile else {}
     kw["fuse_projections"] = not args.no_fuse
@@ -127,7 +144,7 @@ def main() -> None:
     if args.max_compiled_batch is not None and engine.runner.decode is not None:
         engine.runner.decode.max_compiled_batch = args.max_compiled_batch
     print(
-        f"SmolLM2-135M {args.dtype} ({getattr(model, 'quantization', None) or args.dtype} linears, {model.config.n_layers} layers), torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
+        f"SmolLM2-135M {args.dtype}{' ' + args.quant if args.quant else ''} ({getattr(model, 'quantization', None) or args.quant or args.dtype} linears, {model.config.n_layers} layers), torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
         f"load avg {os.getloadavg()[0]:.1f}, compile={args.compile}, fused projections {not args.no_fuse}"
     )
     if args.compile:
@@ -139,7 +156,7 @@ def main() -> None:
         )
     for b in batches:
         graphs = engine.runner.decode.graphs if engine.runner.decode else 0
-        times, prof = decode_steps(
+        times, cpu, prof = decode_steps(
             engine, b, args.steps, args.prompt_len, args.profile, args.interleave
         )
         if args.interleave:
@@ -149,8 +166,11 @@ def main() -> None:
                 f"({b / e * 1000:6.1f} tok/s), interleaved: compiled / eager = {e / c:.2f}x"
             )
         ms = statistics.median(times[1:] or times) * 1000
+        cpu_ms = (
+            statistics.median(cpu[1:] or cpu) * 1000
+        )  # the process's CPU time: less of the load's noise
         print(
-            f"batch {b:3d}: decode step {ms:7.1f} ms  ({b / ms * 1000:6.1f} tok/s)  "
+            f"batch {b:3d}: decode step {ms:7.1f} ms  ({b / ms * 1000:6.1f} tok/s), CPU {cpu_ms:7.1f} ms  "
             f"load avg {os.getloadavg()[0]:.1f}"
             + (
                 f", recompilations {engine.runner.decode.graphs - graphs}"

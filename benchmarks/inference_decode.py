@@ -4,6 +4,7 @@ weight format (CS336 notes "性能指标分析": Latency = (Param + Memory_KV) /
 
     python benchmarks/inference_decode.py [--threads 1] [--new-tokens 32] [--prompt-tokens 128] [--repeats 3]
         [--lmstack fp32,bf16,int8,int4,fp32+compile,bf16+compile,int8+compile,int4+compile,int4t1+compile]
+        (each entry may end in +fused: Transformer.fuse_projections, q/k/v and gate/up as one linear each)
         [--hf fp32,bf16]
         [--llama-threads 1,2]
 
@@ -25,7 +26,8 @@ llama.cpp's own system line, so a run restricted to AVX2 on an AVX-512 machine s
 (``time.process_time``, all its threads): on a machine shared with other jobs the wall-clock rate measures the
 scheduler as much as the engine, while tokens per CPU-second at one thread is the engine's own cost (at two
 threads it also counts threads spinning while they wait, so there it is a cost, not a speed). ``int4t1`` is
-int4 with one int8 term per activation (``Int4Linear.terms = 1``: llama.cpp's Q4_1 x Q8_1 precision).
+int4 with one int8 term per activation (``Int4Linear.terms = 1``: llama.cpp's Q4_1 x Q8_1 precision),
+``int4t2`` with two; ``int4`` takes the kernel's default (``quant.int4.default_terms``: 1 on AVX2, 2 on VNNI).
 
 ``--profile`` runs instead: for each ``--lmstack`` engine, after its warm-up, ``--new-tokens``
 decode steps under ``torch.profiler`` (CPU), and prints the ops with the most self CPU time and
@@ -74,24 +76,29 @@ def bandwidths_gbs(threads: int, mib: int = 512, repeats: int = 7) -> tuple[floa
 
 class LmstackEngine:
     def __init__(self, base, spec: str, max_len: int):
-        fmt, _, flag = spec.partition("+")
+        fmt, *flags = spec.split("+")
+        fused = "fused" in flags  # q/k/v and gate/up as one (quantised) linear each
+        flag = "".join(f for f in flags if f != "fused")
         if flag not in ("", "static", "compile"):
             raise SystemExit(
-                f"--lmstack entry {spec!r}: expected FORMAT, FORMAT+static or FORMAT+compile"
+                f"--lmstack entry {spec!r}: expected FORMAT, FORMAT+static or FORMAT+compile, "
+                "each optionally +fused"
             )
         self.name = f"lmstack {fmt}" + {"": "", "static": " static", "compile": " compiled"}[flag]
+        self.name += " fused" if fused else ""
         self.fmt = fmt
-        if fmt in ("int8", "int4", "int4t1"):
-            self.model = quantize_model(copy.deepcopy(base), fmt.removesuffix("t1"))
-            for (
-                m
-            ) in self.model.modules():  # int4t1: one int8 term per activation (llama.cpp's Q8_1)
-                if isinstance(m, Int4Linear):
-                    m.terms = 1 if fmt == "int4t1" else 2
+        if fmt in ("int8", "int4", "int4t1", "int4t2"):
+            self.model = quantize_model(copy.deepcopy(base), fmt[:4])
+            for m in self.model.modules():  # int4t1 / int4t2: one / two int8 terms per activation
+                if isinstance(m, Int4Linear) and fmt in ("int4t1", "int4t2"):
+                    m.terms = int(fmt[-1])
         elif fmt == "bf16":
             self.model = copy.deepcopy(base).to(torch.bfloat16)
         else:
             self.model = base
+        if fused:
+            self.model = copy.deepcopy(self.model) if self.model is base else self.model
+            self.model.fuse_projections()
         kernels = sorted({m.kernel for m in self.model.modules() if isinstance(m, Int4Linear)})
         if kernels:  # which int4 kernel ran: lmstack's vnni / avx2 or torch's aten
             self.name += f" [{'+'.join(kernels)}]"

@@ -1,5 +1,6 @@
-"""Run under ``torchrun --nproc_per_node=2``: SFT, DPO and GRPO data parallel on a tiny model; rank 0 writes
-each run's logged rows and final weights for ``test_align_distributed.py`` to compare with one process.
+"""Run under ``torchrun --nproc_per_node=2``: SFT, DPO, GRPO and expert iteration data parallel on a tiny model,
+and DPO's pair sampling; rank 0 writes each run's logged rows and final weights (and the sampled pairs) for
+``test_align_distributed.py`` to compare with one process.
 
 ``python align_ddp_driver.py OUT`` (one process) writes the same files: the reference."""
 
@@ -13,22 +14,30 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).parent))
 from align_helpers import byte_chat_tokenizer, tiny_model  # noqa: E402
 
+from lmstack.align import distributed as D  # noqa: E402
 from lmstack.align.data import encode_example  # noqa: E402
-from lmstack.align.dpo import DPOTrainer  # noqa: E402
+from lmstack.align.dpo import DPOTrainer, sample_pairs  # noqa: E402
 from lmstack.align.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from lmstack.align.sft import SFTTrainer  # noqa: E402
+from lmstack.align.tasks import get_task  # noqa: E402
 from lmstack.train.config import TrainConfig  # noqa: E402
 
 QA = [("2+3", "5"), ("7*6", "42"), ("9-4", "5"), ("8+8", "16"), ("1+1", "2"), ("3*3", "9")]
 GRPO_RUNS = {  # (loss_type, advantage): sequence means with group std; token mean with batch std
     "grpo_group": dict(loss_type="grpo", advantage="group"),
     "dapo_batch": dict(loss_type="dapo", advantage="batch"),
+    "expert_iteration": dict(algorithm="expert_iteration"),
 }
 
 
 def a_rate(problem, completion):
     """A reward a random tiny model can climb: the fraction of 'a' characters in the completion."""
     return completion.count("a") / max(len(completion), 1)
+
+
+def even_length(problem, completion):
+    """A verifier about half the samples of a random tiny model pass: an even number of characters."""
+    return float(len(completion) % 2 == 0)
 
 
 def train_config(out: Path, batch_size: int) -> TrainConfig:
@@ -97,9 +106,42 @@ def main(out: Path, world: int) -> None:
             **kw,
         )
         model = tiny_model(vocab_size=259, max_seq_len=128)
-        g = GRPOTrainer(cfg, model, tok, progress=False, reward_fns={"a": a_rate})
+        if name == "expert_iteration":
+            # rank 0's two prompts keep their even-length samples at step 1, rank 1's none (a rank with
+            # nothing verified still joins the all-reduce); at step 2 every prompt does
+            g = GRPOTrainer(cfg, model, tok, progress=False, reward_fns={})
+            first = {g.train_set[i].prompt for i in g.step_problems(0)[:2]}
+
+            def verified(problem, completion, g=g, first=first):
+                if g.step == 0 and problem.prompt not in first:
+                    return 0.0
+                return even_length(problem, completion)
+
+            g.reward_fns = {"correct": verified}
+        else:
+            g = GRPOTrainer(cfg, model, tok, progress=False, reward_fns={"a": a_rate})
         g.fit()
         results[name] = g
+    # DPO pairs from the model's own samples: 5 problems over 2 ranks (2 + 3), gathered on every rank
+    task = get_task("arithmetic", digits=1)
+    seen = set()  # the problems this rank verified: its share only, not all five
+
+    def counted(problem, completion):
+        seen.add(problem.prompt)
+        return even_length(problem, completion)
+
+    pairs_rows = sample_pairs(
+        tiny_model(vocab_size=259, max_seq_len=128),
+        tok,
+        task,
+        task.generate(5, 0),
+        num_generations=4,
+        max_new_tokens=6,
+        chat=False,
+        stop=(),
+        verify=counted,
+    )
+    shares = D.gather_objects(len(seen))
     if sft.is_main:
         for name, t in results.items():
             model = t.raw_model if hasattr(t, "raw_model") else t.model
@@ -107,6 +149,7 @@ def main(out: Path, world: int) -> None:
             save_file(state, str(out / f"{name}.safetensors"))
             metrics = Path(t.metrics_path)
             (out / f"{name}.json").write_text(json.dumps(rows(metrics)))
+        (out / "pairs.json").write_text(json.dumps({"pairs": pairs_rows, "shares": shares}))
 
 
 if __name__ == "__main__":

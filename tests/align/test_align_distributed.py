@@ -1,6 +1,7 @@
-"""SFT, DPO and GRPO data parallel under ``torchrun --nproc_per_node=2`` (gloo, CPU) equal one process on the
+"""SFT, DPO, GRPO and expert iteration data parallel under ``torchrun --nproc_per_node=2`` (gloo, CPU) equal one process on the
 same global batch: the logged losses, gradient norms, rewards and evaluation, and the final weights (SGD for
-SFT/DPO, so equal weights mean equal gradients; AdamW for GRPO). The reference is the plain single-process
+SFT/DPO, so equal weights mean equal gradients; AdamW for GRPO and expert iteration), and ``lmstack dpo
+--task``'s pair sampling split over the ranks gives the one-process pairs. The reference is the plain single-process
 run of the same driver (``align_ddp_driver.py``), in this test's own process."""
 
 import json
@@ -63,3 +64,23 @@ def test_two_ranks_equal_one_process(runs, name):
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6, msg=f"{name}: {k}")
     train = [r for r in rows1 if r.get("kind", "train") == "train" and "loss" in r]
     assert train and train[0]["loss"] != train[-1]["loss"]  # it trained
+
+
+def test_pair_sampling_split_over_ranks_equals_one_process(runs):
+    """Each rank samples and verifies its share of the 5 problems (2 + 3, no duplicated work); the gathered
+    pairs are the one-process pairs, in problem order."""
+    one, two = runs
+    run1, run2 = (json.loads((d / "pairs.json").read_text()) for d in (one, two))
+    assert run1["shares"] == [5] and run2["shares"] == [2, 3]
+    assert run1["pairs"]  # some problems had both an even- and an odd-length sample
+    assert run2["pairs"] == run1["pairs"]
+
+
+def test_expert_iteration_kept_samples_on_both_ranks(runs):
+    """Step 1 keeps samples on rank 0 only, step 2 on both: the one-process counts, and the run trained."""
+    one, two = runs
+    rows = [r for r in json.loads((two / "expert_iteration.json").read_text()) if "kept" in r]
+    assert [r["kept"] for r in rows] == [
+        r["kept"] for r in json.loads((one / "expert_iteration.json").read_text()) if "kept" in r
+    ]
+    assert all(r["kept"] > 0 for r in rows)

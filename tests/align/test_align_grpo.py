@@ -204,3 +204,50 @@ def test_bad_input_is_refused_with_the_reason(tmp_path):
         _trainer(tmp_path, max_new_tokens=100)
     with pytest.raises(ValueError, match="loss_type='ppo'"):
         _config(tmp_path, loss_type="ppo")
+
+
+def test_paired_accuracy_at_hand_worked_numbers():
+    """2/10 → 6/10 with 5 problems fixed and 1 broken: Wilson 95% intervals from the closed form
+    (k + z²/2)/(n + z²) ± z/(n + z²)·√(k(n−k)/n + z²/4), and McNemar's exact p = 2·P(X ≤ 1), X ~ Bin(6, ½)
+    = 2·7/64."""
+    from lmstack.align.grpo import paired_accuracy
+
+    before = [1, 1, 0, 0, 0, 0, 0, 0, 0, 0]
+    after = [1, 0, 1, 1, 1, 1, 1, 0, 0, 0]
+    r = paired_accuracy(before, after)
+    z, n = 1.959963984540054, 10
+
+    def wilson(k):
+        c, h = (k + z * z / 2) / (n + z * z), z / (n + z * z) * (k * (n - k) / n + z * z / 4) ** 0.5
+        return [c - h, c + h]
+
+    assert (r["fixed"], r["broken"], r["problems"]) == (5, 1, 10)
+    assert r["before"]["accuracy"] == 0.2 and r["after"]["accuracy"] == 0.6
+    assert r["before"]["ci"] == pytest.approx(wilson(2), abs=1e-9)
+    assert r["after"]["ci"] == pytest.approx(wilson(6), abs=1e-9)
+    assert r["mcnemar_p"] == pytest.approx(14 / 64)
+    with pytest.raises(ValueError, match="two equal non-empty lists; got 10 and 3"):
+        paired_accuracy(before, after[:3])
+
+
+def test_bf16_autocast_learner(tmp_path):
+    """precision="bf16": the learner's log-probs are torch's bf16 autocast forward (differ from fp32), a step
+    trains, the config records it; an unknown precision is refused with the choices."""
+    from lmstack.align.data import Example, collate
+    from lmstack.align.logprobs import batch_logprobs
+
+    t = _trainer(tmp_path, precision="bf16")
+    assert t.config.precision == "bf16"
+    b = collate([Example([1, 2, 3, 4], [5, 6, 7])], 0)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = batch_logprobs(t.model, b)[0]
+        fp32 = batch_logprobs(t.model, b)[0]
+        got = t.logprobs(t.model, b)[0]
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert not torch.equal(got, fp32)
+    before = [p.detach().clone() for p in t.model.parameters()]
+    t.train_step()
+    assert any(not torch.equal(a, p) for a, p in zip(before, t.model.parameters()))
+    with pytest.raises(ValueError, match="precision='int8'; expected one of"):
+        _config(tmp_path, precision="int8")

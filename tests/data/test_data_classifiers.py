@@ -159,3 +159,33 @@ def test_train_classifier_command(tmp_path, capsys):
         == 2
     )
     assert "none.txt: no such file" in capsys.readouterr().err
+
+
+def test_perplexity_filter_from_a_toml_table(tiny_lm, tmp_path):
+    """From a pipeline TOML the filter names a checkpoint directory and its tokenizer; the model is loaded
+    where the task runs (the pickled step carries no model) and scores as the in-memory model does."""
+    import pickle
+
+    from lmstack.data.pipeline import build_step
+    from lmstack.model.io import save_pretrained
+    from lmstack.tokenizer import Tokenizer, save
+
+    save_pretrained(tiny_lm, tmp_path / "ckpt")
+    save(Tokenizer({i: bytes([i]) for i in range(256)}, []), tmp_path / "ckpt" / "tokenizer.json")
+    texts = [f"Sentence number {i} with some words." * (1 + i % 3) for i in range(6)]
+    want = [PerplexityScorer(tiny_lm, ByteTokenizer())(t) for t in texts]  # the byte ids, directly
+    cut = sorted(want)[2]
+    step = build_step(
+        {"type": "perplexity_filter", "model": str(tmp_path / "ckpt"), "max_perplexity": cut}
+    )
+    step = pickle.loads(pickle.dumps(step))
+    assert len(pickle.dumps(step)) < 2000  # no weights travel with the step
+    kept = list(step([Document(t, str(i)) for i, t in enumerate(texts)], StepStats("p")))
+    assert {d.id for d in kept} == {str(i) for i, p in enumerate(want) if p <= cut}
+    assert [d.metadata["perplexity"] for d in kept] == pytest.approx(
+        [p for p in want if p <= cut], rel=1e-4
+    )
+    with pytest.raises(FileNotFoundError, match="model='nope'"):
+        build_step({"type": "perplexity_filter", "model": "nope", "max_perplexity": 10.0})
+    with pytest.raises(ValueError, match="exactly one of scorer"):
+        PerplexityFilter(max_perplexity=10.0)

@@ -57,16 +57,32 @@ def test_main_content_drops_menus_and_footers():
         ("utf-16", None),
         ("utf-8", "text/html; charset=iso-8859-1"),
         ("shift_jis", "text/html; charset=shift_jis"),
+        ("cp1251", "text/html; charset=utf-8"),  # a header the bytes do not fit: detected instead
+        ("shift_jis", "text/html; charset=utf-8"),
     ],
 )
 def test_encodings_detected_from_the_bytes(enc, header):
-    s = (
-        "こんにちは、世界。今日は良い天気です。"
-        if enc == "shift_jis"
-        else "Café crème, naïve façade, déjà vu, résumé."
-    )
+    s = {
+        "shift_jis": "こんにちは、世界。今日は良い天気です。",
+        "cp1251": "Это простой текст на русском языке для проверки кодировки.",
+    }.get(enc, "Café crème, naïve façade, déjà vu, résumé.")
     html = f"<html><body><p>{s}</p><p>{s}</p></body></html>"
     assert s in html_to_text(decode_html(html.encode(enc), header))
+
+
+@pytest.mark.parametrize(
+    "header", [None, "text/html; charset=iso-8859-1", "text/html; charset=utf-8"]
+)
+def test_mixed_utf8_and_latin1_bytes_read_right(header):
+    """A page pasted together from a UTF-8 part and a Latin-1 part: each part decoded in its own encoding
+    (was: the whole page as cp1252, so the UTF-8 part became "cafÃ©")."""
+    raw = "<html><body><p>Le café est très bon. ".encode() + "Une façade naïve.".encode("latin-1")
+    raw += b"</p></body></html>"
+    assert html_to_text(decode_html(raw, header)) == "Le café est très bon. Une façade naïve."
+    legacy = "<p>Une façade naïve, déjà vu, à côté.</p>".encode(
+        "cp1252"
+    )  # no UTF-8 part: unchanged
+    assert "façade naïve, déjà vu, à côté" in decode_html(legacy)
 
 
 def test_undecodable_and_binary_input_never_crash():
@@ -92,11 +108,15 @@ def test_undecodable_and_binary_input_never_crash():
         ),
         Document("", "d", {"raw": b"<html><body></body></html>", "content_type": "text/html"}),
     ]
+    docs_copy = [Document(d.text, d.id, dict(d.metadata)) for d in docs]
     st = StepStats("extract")
     out = list(Extract()(docs, st))
     assert [d.id for d in out] == ["c"] and out[0].text == "Hello there, reader."
     assert "raw" not in out[0].metadata
     assert dict(st.dropped) == {"extract_binary": 1, "extract_not_html": 1, "extract_empty": 1}
+    # bytes in are the payloads' (the reader's bytes out), bytes out the kept text's
+    assert st.bytes_in == sum(len(d.metadata.get("raw", b"")) for d in docs_copy)
+    assert st.bytes_out == len(b"Hello there, reader.")
 
 
 def test_trafilatura_engine_extracts_the_article():

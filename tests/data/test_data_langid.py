@@ -71,3 +71,17 @@ def test_paragraphs_lid_cannot_place_do_not_vote():
         text
     )  # every line votes: the code drags the score
     assert diluted < score
+
+
+def test_route_by_language_to_one_folder_each(tmp_path):
+    """Tag, then a writer with split_by="language": each sample lands in its language's folder."""
+    from lmstack.data.langid import LanguageTag
+    from lmstack.data.writers import JsonlWriter, read_records
+
+    docs = [Document(SAMPLES[k], k) for k in ("en", "de", "fr", "en")]
+    tagged = LanguageTag()(docs, StepStats("language_tag"))
+    list(JsonlWriter(str(tmp_path), split_by="language")(tagged, StepStats("w")))
+    got = {
+        p.parent.name: [r["id"] for r in read_records(p)] for p in sorted(tmp_path.rglob("*.gz"))
+    }
+    assert got == {"en": ["en", "en"], "de": ["de"], "fr": ["fr"]}

@@ -22,6 +22,8 @@ PHONES = [
     "+1 (555) 123-4567",
     "+44 20 7946 0958",
     "+44 (0)20 7946 0958",
+    "(+44) 20 7946 0958",  # the country code in parentheses: the whole number, both parentheses
+    "+44-20-7946-0958",
     "+49 30 901820",
     "+33 1 23 45 67 89",
     "+81-3-1234-5678",
@@ -83,6 +85,9 @@ def test_every_ip_format_and_public_only(ip):
         "999.1.1.1 and 256.0.0.1",
         "an @ sign alone",
         "zip 12345",
+        "f :: Int -> Int",  # valid IPv6 ("::", "::2", "a::") in ipaddress's eyes, but code in text
+        "x[::2] and a[::-1]",
+        "std::vector and a::",
     ],
 )
 def test_non_pii_left_alone(text):

@@ -27,6 +27,8 @@ from lmstack.data.step import Filter, Step
 
 class Slow(Step):
     """Logs "start <rank>" when a task starts, then passes documents on, ``delay`` seconds each."""
+
+    config_ignore = ("delay",)  # a relaunch may change it: the outputs are the same
     def __init__(self, log, delay=0.0):
         self.log, self.delay = log, delay
     def run(self, docs, stats):
@@ -100,11 +102,15 @@ def toml(root, out, delay=0.0, extra=""):
 
 
 def tree(folder: Path) -> dict[str, bytes]:
-    """Every file below ``folder`` but the completion markers (they hold the wall time)."""
+    """Every file below ``folder`` but the completion markers (they hold the wall time) and the stages'
+    config.json (it holds the run's own paths)."""
     return {
         p.relative_to(folder).as_posix(): p.read_bytes()
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and "completions" not in p.parts and p.suffix not in (".log", ".png")
+        if p.is_file()
+        and "completions" not in p.parts
+        and p.suffix not in (".log", ".png")
+        and p.name != "config.json"
     }
 
 
@@ -162,6 +168,25 @@ def test_relaunch_skips_completed_tasks_and_refuses_another_split(corpus):
     p.stages[0].tasks = 2
     with pytest.raises(ValueError, match="launched with 4 tasks"):
         LocalExecutor(1, progress=False).run(p)
+    # another value in a step: its completed tasks' outputs came from the old one, so refused, naming it
+    changed = toml(corpus, "a", extra="").read_text().replace("max_docs = 2", "max_docs = 3")
+    path.write_text(changed)
+    with pytest.raises(
+        ValueError, match=r"another configuration \(jsonl_writer.max_docs: 2 then, 3 now"
+    ):
+        LocalExecutor(1, progress=False).run(Pipeline.from_toml(path))
+    assert (corpus / "a.log").read_text().split("\n").count("start 1") == 1  # nothing ran again
+    path.write_text(
+        changed.replace("max_docs = 3", "max_docs = 2").replace("delay = 0.0", "delay = 0.01")
+    )
+    # config_ignore: delay may change
+    LocalExecutor(1, progress=False).run(Pipeline.from_toml(path))
+    with open(
+        corpus / "in" / "part3.jsonl", "a"
+    ) as f:  # the input changed under the completed tasks
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    with pytest.raises(ValueError, match=r"jsonl_reader.input_files"):
+        LocalExecutor(1, progress=False).run(Pipeline.from_toml(path))
 
 
 @pytest.mark.slow
@@ -358,3 +383,80 @@ def test_the_example_config_builds():
     assert [s.name for s in p.stages] == ["wet", "to_parquet"] and p.stages[1].tasks == 1
     assert [type(s).__name__ for s in p.stages[0].steps] == ["WetReader", "JsonlWriter"]
     assert p.stages[1].steps[1].max_bytes == 256_000_000
+
+
+@pytest.mark.parametrize(
+    "step, match",
+    [
+        (
+            {"type": "gopher_qualty"},
+            r"step 0: unknown step type 'gopher_qualty' \(did you mean 'gopher_quality'",
+        ),
+        (
+            {"type": "gopher_quality", "min_doc_words": "fifty"},
+            r"min_doc_words='fifty' is a str; expected int",
+        ),
+        (
+            {"type": "gopher_quality", "max_ellipsis_lines_ratio": 30},
+            r"max_ellipsis_lines_ratio=30 must be",
+        ),
+        ({"type": "gopher_quality", "min_doc_words": 50.5}, r"min_doc_words=50.5 is a float"),
+        (
+            {"type": "gopher_repetition", "top_n_grams": [[2, 20]]},
+            r"top_n_grams\[n=2\] fraction=20",
+        ),
+        (
+            {"type": "c4_quality", "min_words_per_line": -3},
+            r"min_words_per_line=-3 must be an integer >= 0",
+        ),
+        ({"type": "fineweb_quality", "line_punct_thr": "0.12"}, r"line_punct_thr='0.12' is a str"),
+        ({"type": "fineweb_quality", "short_line_thr": 67}, r"short_line_thr=67 must be"),
+        (
+            {"type": "language_filter", "threshold": 65},
+            r"step 0 \(type 'language_filter'\).*got 65",
+        ),
+        ({"type": "language_filter", "min_share": 2}, r"min_share=2 must be in \[0, 1\]"),
+        ({"type": "write_parquet", "output": "o", "compression": "zstdd"}, r"compression='zstdd'"),
+        ({"type": "nsfw_filter", "threshold": 90}, r"nsfw_filter: threshold=90 must be"),
+        ({"type": "toxic_filter", "threshold": "high"}, r"threshold='high' is a str"),
+    ],
+)
+def test_a_typo_in_a_toml_step_is_an_error_naming_the_value(step, match):
+    """Before: a string threshold was a TypeError inside the task, an out-of-range one silently changed
+    the rule (30 for 0.3 turns it off); now each is a ValueError at load time naming the step and value."""
+    with pytest.raises(ValueError, match=match):
+        Pipeline.from_dict({"output": "x", "step": [step]}, "p.toml")
+    step0 = [{"type": "read_jsonl", "paths": ["in"]}]
+    with pytest.raises(ValueError, match=r"exclusions='no' must be true or false"):
+        Pipeline.from_dict({"output": "x", "exclusions": "no", "step": step0}, "p.toml")
+    with pytest.raises(ValueError, match=r"output=3 must be a folder path"):
+        Pipeline.from_dict({"output": 3, "step": step0}, "p.toml")
+    ok = {"type": "gopher_quality", "min_doc_words": 10, "max_avg_word_length": 12.5}
+    assert build_step(ok).min_doc_words == 10  # right types and ranges still build
+
+
+def test_a_local_ray_of_its_own_is_bound_to_localhost_with_usage_stats_off(corpus, monkeypatch):
+    """What the executor passes to ray.init when it starts Ray itself (a stand-in ray module records it;
+    no Ray is started): 127.0.0.1, no dashboard, and RAY_USAGE_STATS_ENABLED=0 in the environment."""
+    import types
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init(**kw):
+        seen.update(kw, usage=os.environ.get("RAY_USAGE_STATS_ENABLED"))
+        raise Stop
+
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=init)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.delenv("RAY_USAGE_STATS_ENABLED", raising=False)
+    with pytest.raises(Stop):
+        RayExecutor(2, progress=False).run(Pipeline.from_toml(toml(corpus, "r")))
+    assert seen == {
+        "address": "local",
+        "include_dashboard": False,
+        "_node_ip_address": "127.0.0.1",
+        "usage": "0",
+    }

@@ -125,6 +125,35 @@ def test_truncated_warc_keeps_the_records_before_the_cut(tmp_path):
     assert dict(stats.dropped) == {"truncated_record": 1}
 
 
+def test_corrupt_gzip_warc_and_zstd_warc(tmp_path):
+    """A gzip WARC with garbage inside a member: the records before it kept, the file counted as
+    corrupt_compression (as a corrupt .jsonl.gz is; fastwarc raises a plain OSError); a .warc.zst reads
+    the same records as the .warc it compresses."""
+    import zstandard
+
+    gzpath = tmp_path / "full.warc.gz"
+    write_warc(gzpath, PAGES[:4], gz=True)
+    data = gzpath.read_bytes()
+    cut = data.find(b"\x1f\x8b", data.find(b"\x1f\x8b", 1) + 1)  # the third member: the second page
+    bad = tmp_path / "bad.warc.gz"
+    bad.write_bytes(data[: cut + 40] + b"\x00garbage" * 20 + data[cut + 240 :])
+    docs, stats = read(WarcReader(str(bad)))
+    assert [d.metadata["url"] for d in docs] == [PAGES[0][0]]
+    assert dict(stats.dropped) == {"corrupt_compression": 1}
+
+    plain = tmp_path / "c.warc"
+    write_warc(plain, PAGES[:4], gz=False)
+    zst = tmp_path / "c.warc.zst"
+    zst.write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
+    ref, _ = read(WarcReader(str(plain)))
+    got, stats = read(WarcReader(str(zst)))
+    assert [d.metadata["raw"] for d in got] == [p[1] for p in PAGES[:4]]
+    assert [d.metadata["warc_record_id"] for d in got] == [
+        d.metadata["warc_record_id"] for d in ref
+    ]
+    assert not stats.dropped
+
+
 def test_a_warc_record_over_the_limit_is_dropped_unread(tmp_path):
     path = tmp_path / "c.warc.gz"
     write_warc(path, PAGES)
@@ -192,7 +221,18 @@ LINES = [
 def test_jsonl_reader_counts_every_bad_line(tmp_path, suffix):
     path = tmp_path / f"part{suffix}"
     write_jsonl(path, LINES)
-    docs, stats = read(JsonlReader(str(path)))
+    dropped = []
+    stats = StepStats(
+        "jsonl_reader", on_drop=lambda doc, step, reason: dropped.append((reason, doc))
+    )
+    docs = list(JsonlReader(str(path)).for_task(0, 1).run(iter(()), stats))
+    # the exclusion keeps each bad line as it was (its line number and the parser's message beside it)
+    assert [(r, d.text, d.metadata.get("line")) for r, d in dropped] == [
+        ("bad_json", "{broken json", 5),
+        ("empty", LINES[5].decode().strip(), 6),
+        ("no_text", LINES[6].decode().strip(), 7),
+        ("bad_json", "[1, 2]", 8),
+    ]
     assert [d.text for d in docs] == [
         "first doc",
         "keeps its id",

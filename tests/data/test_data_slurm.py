@@ -143,7 +143,9 @@ def tree(folder: Path) -> dict[str, bytes]:
     return {
         p.relative_to(folder).as_posix(): p.read_bytes()
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and not {"completions", "slurm"} & set(p.relative_to(folder).parts)
+        if p.is_file()
+        and p.name != "config.json"  # the stage's configuration: it holds the run's own paths
+        and not {"completions", "slurm"} & set(p.relative_to(folder).parts)
     }
 
 

@@ -182,3 +182,45 @@ def test_stats_merge_by_hand():
     }
     with pytest.raises(ValueError, match="cannot merge"):
         a.merge(StepStats("c4"))
+
+
+@pytest.mark.parametrize("writer", ["jsonl", "parquet"])
+def test_split_by_routes_documents_to_one_folder_per_value(tmp_path, writer):
+    """split_by="language": one subfolder per value with its own shards and rollover (unknown when the key
+    is absent, unsafe characters replaced); a relaunch of the task replaces its files in every subfolder."""
+    langs = ["en", "de", "en", None, "en", "de", "x/../y"]
+    items = [
+        Document(f"doc {i}", f"id{i}", {} if lang is None else {"language": lang})
+        for i, lang in enumerate(langs)
+    ]
+    out = tmp_path / "out"
+    make = (
+        (lambda: JsonlWriter(str(out), max_docs=2, split_by="language"))
+        if writer == "jsonl"
+        else (lambda: ParquetWriter(str(out), max_docs=2, split_by="language"))
+    )
+    (out / "en").mkdir(parents=True)
+    (out / "en" / "00000_00009.jsonl.gz").write_bytes(b"left by a killed run")
+    kept, stats = drain(make(), iter(items))
+    assert [d.id for d in kept] == [d.id for d in items]  # passed on, in order
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    ext = ".jsonl.gz" if writer == "jsonl" else ".parquet"
+    assert files == sorted(
+        [f"en/00000_00000{ext}", f"en/00000_00001{ext}", f"de/00000_00000{ext}"]
+        + [f"unknown/00000_00000{ext}", f"x_.._y/00000_00000{ext}"]
+    )
+    assert stats.counters["shards"] == 5
+
+    def ids(path):
+        if writer == "jsonl":
+            return [r["id"] for r in plain_records(path)]
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).column("id").to_pylist()
+
+    assert ids(out / "en" / f"00000_00000{ext}") == ["id0", "id2"]
+    assert ids(out / "en" / f"00000_00001{ext}") == ["id4"]
+    assert ids(out / "de" / f"00000_00000{ext}") == ["id1", "id5"]
+    assert ids(out / "unknown" / f"00000_00000{ext}") == ["id3"]
+    with pytest.raises(ValueError, match="split_by=3"):
+        JsonlWriter(str(out), split_by=3)

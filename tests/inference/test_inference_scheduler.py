@@ -60,3 +60,41 @@ def test_chunked_prefill_under_the_budget_then_preemption_of_the_newest():
     assert a.status == FINISHED and a.finish_reason == "length" and "a" not in blocks.tables
     sch.end_step()
     assert not sch.running and sch.has_unfinished()
+
+
+def test_samples_of_one_prompt_wait_a_step_for_its_prefix_then_read_it_from_the_cache():
+    # G = 3 samples of a 10-token prompt and one other prompt, blocks of 4 tokens, a budget for all of
+    # them: without waiting, the three copies of the prompt would each compute its 10 tokens in the first
+    # step (nothing is cached yet); with it, the first computes 10, the others are admitted one step later
+    # with (10 - 1) // 4 = 2 full blocks = 8 tokens from the cache and compute the last 2 (hand-worked)
+    blocks = BlockManager(num_blocks=17, block_size=4)
+    stats = Counter()
+    sch = Scheduler(
+        blocks,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        watermark_blocks=0,
+        eos_token_id=None,
+        sliding_window=None,
+        speculator=None,
+        stats=stats,
+    )
+    prompt = list(range(1, 11))
+    g0, g1, g2, other = (
+        _seq(r, p)
+        for r, p in [("g0", prompt), ("g1", prompt), ("g2", prompt), ("o", range(30, 36))]
+    )
+    for s in (g0, g1, g2, other):
+        sch.add(s)
+    first = sch.schedule()
+    assert _rows(first) == [("g0", 10), ("o", 6)]  # g1, g2 need g0's first block: they wait
+    assert [s.request_id for s in sch.waiting] == ["g1", "g2"]
+    for s, n in first:
+        sch.commit(s, n)
+        sch.append(s, 99)
+    sch.end_step()
+    assert _rows(sch.schedule()) == [("g0", 1), ("o", 1), ("g1", 2), ("g2", 2)]
+    assert g1.num_cached_tokens == g2.num_cached_tokens == 8
+    assert blocks.tables["g1"][:2] == blocks.tables["g2"][:2] == blocks.tables["g0"][:2]
+    assert stats["prompt_tokens"] == 36 and stats["cached_prompt_tokens"] == 16

@@ -85,7 +85,7 @@ def test_kernel_equals_its_formula_and_int4linear_is_close_to_float(kernel, O, I
         np.testing.assert_allclose(
             y.double().numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max()
         )
-    lin = Int4Linear(q, s, lo, kernel=kernel)  # two activation terms
+    lin = Int4Linear(q, s, lo, kernel=kernel, terms=2)  # two activation terms
     assert (
         lin.kernel == kernel
         and lin.vnni
@@ -228,18 +228,35 @@ def test_env_switch_forces_each_kernel(monkeypatch, kernel):
             assert lin.kernel == "aten" and kernel in int4_vnni.status()
             return
         assert int4_vnni.kernel() == kernel and lin.kernel == kernel
+        # the default int8 terms per activation: one on AVX2 (llama.cpp's Q8_1), two on VNNI
+        assert lin.terms == {"avx2": 1, "vnni": 2}[kernel]
         packed, d, m = int4_vnni.pack(q, s, lo)
         d64, m64 = (
             d.double().permute(0, 2, 1).reshape(32, -1).numpy(),
             m.double().permute(0, 2, 1).reshape(32, -1).numpy(),
         )
-        ref = reference(x, q, d64, m64, 32, 2)
+        ref = reference(x, q, d64, m64, 32, lin.terms)
         np.testing.assert_allclose(
             lin(x).double().numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max()
         )
     finally:
         monkeypatch.delenv("LMSTACK_INT4_KERNEL")
         int4_vnni.clear_cache()
+
+
+def test_default_terms_per_kernel_and_env_switch(monkeypatch):
+    from lmstack.quant.int4 import default_terms
+
+    assert (default_terms("avx2"), default_terms("vnni"), default_terms("aten")) == (1, 2, 2)
+    q, s, lo = quantize_int4(torch.randn(32, 64, generator=torch.Generator().manual_seed(7)), 32)
+    assert Int4Linear(q, s, lo, terms=1).terms == 1  # an explicit count wins
+    monkeypatch.setenv("LMSTACK_INT4_TERMS", "2")
+    assert default_terms("avx2") == 2 and Int4Linear(q, s, lo).terms == 2
+    monkeypatch.setenv("LMSTACK_INT4_TERMS", "3")
+    with pytest.raises(ValueError, match="LMSTACK_INT4_TERMS='3'; expected 1 or 2"):
+        default_terms("avx2")
+    with pytest.raises(ValueError, match="terms=4"):
+        Int4Linear(q, s, lo, terms=4)
 
 
 @pytest.mark.slow
@@ -362,8 +379,10 @@ def test_prefill_gemm_and_kernel_each_equal_their_float64_formula(monkeypatch, k
         x = torch.randn(M, I, generator=g)
         y, full = lin(x).double(), F.linear(x.double(), w64)
         tight = {"rtol": 1e-6, "atol": 2e-6 * float(full.abs().max())}
-        if M < 5:  # the kernel: its formula, and measurably off the float product (two int8 terms)
-            ref = reference(x, q, d64.numpy(), m64.numpy(), G, 2)
+        if (
+            M < 5
+        ):  # the kernel: its formula (its default int8 terms), and measurably off the float product
+            ref = reference(x, q, d64.numpy(), m64.numpy(), G, lin.terms)
             np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
             assert not torch.allclose(y, full, **tight)
         else:

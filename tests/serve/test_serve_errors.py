@@ -434,7 +434,11 @@ def test_health_answers_during_a_large_tokenize():
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        # tool_choice "auto" (the default with tools) on a template that renders no tools (test_serve_tools.py)
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+            "tool_choice",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"parallel_tool_calls": True}, "parallel_tool_calls"),
         ({"modalities": ["text", "audio"]}, "modalities"),

@@ -10,9 +10,10 @@ import json
 import os
 from pathlib import Path
 
+from lmstack.cpu import TRAIN_PRECISIONS
 from lmstack.inference.loader import add_model_arguments
 from lmstack.threads import add_threads_argument
-from lmstack.utils import FLOAT_DTYPES, atomic_write_text, check_outputs, own_folder_kind
+from lmstack.utils import atomic_write_text, check_outputs, own_folder_kind
 
 
 def _common(p: argparse.ArgumentParser, out: str) -> None:
@@ -33,6 +34,15 @@ def _common(p: argparse.ArgumentParser, out: str) -> None:
     add_threads_argument(p)
 
 
+def _precision(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=list(TRAIN_PRECISIONS),
+        help="bf16/fp16 autocast for training; auto: bf16 where this CPU multiplies it natively and faster",
+    )
+
+
 def _trainer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch-size", type=int, default=8, help="examples (dpo: pairs) per micro-batch"
@@ -41,7 +51,7 @@ def _trainer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seq-len", type=int, default=256, help="longest example (prompt + response) in tokens"
     )
-    p.add_argument("--precision", default="fp32", choices=list(FLOAT_DTYPES))
+    _precision(p)
     p.add_argument("--ckpt-interval", type=int, default=0)
     p.add_argument("--eval-interval", type=int, default=0)
     p.add_argument(
@@ -131,6 +141,7 @@ def register(subparsers) -> None:
         "--beta", type=float, default=0.0, help="k3 KL coefficient (> 0 keeps a frozen reference)"
     )
     g.add_argument("--mask-truncated", action="store_true")
+    _precision(g)
     g.add_argument("--eval-problems", type=int, default=64)
     g.add_argument("--eval-every", type=int, default=0)
     g.add_argument("--ckpt-interval", type=int, default=0)
@@ -290,14 +301,15 @@ def cmd_dpo(args) -> int:
         val_rows = (
             sample(task.generate(args.val_prompts, args.seed, "test")) if args.val_prompts else []
         )
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        write_jsonl(Path(args.out) / "pairs.jsonl", rows)
-        if val_rows:
-            write_jsonl(Path(args.out) / "val_pairs.jsonl", val_rows)
-        print(
-            f"{len(rows)} pairs from {args.prompts} problems, {len(val_rows)} held-out pairs from "
-            f"{args.val_prompts} -> {args.out}"
-        )
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank holds the same gathered pairs
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            write_jsonl(Path(args.out) / "pairs.jsonl", rows)
+            if val_rows:
+                write_jsonl(Path(args.out) / "val_pairs.jsonl", val_rows)
+            print(
+                f"{len(rows)} pairs from {args.prompts} problems, {len(val_rows)} held-out pairs from "
+                f"{args.val_prompts} -> {args.out}"
+            )
     chat, max_len = not args.no_chat, args.seq_len + 1
 
     def encode(rs):
@@ -366,6 +378,7 @@ def cmd_grpo(args) -> int:
         eval_problems=args.eval_problems,
         eval_every=args.eval_every,
         seed=args.seed,
+        precision=args.precision,
         out_dir=args.out,
         ckpt_interval=args.ckpt_interval,
     )

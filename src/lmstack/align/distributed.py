@@ -79,6 +79,15 @@ def gather_rows(t: torch.Tensor) -> torch.Tensor:
     return flat.reshape(dist.get_world_size() * t.shape[0], *t.shape[1:])
 
 
+def gather_objects(obj) -> list:
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` for one process)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

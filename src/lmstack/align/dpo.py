@@ -263,44 +263,54 @@ def sample_pairs(
     chat: bool = True,
     system: str | None = None,
     stop: Sequence[str] = ("</answer>",),
+    verify=None,
 ) -> list[dict]:
     """Preference pairs from the model's own samples (on-policy DPO data): for each problem, G samples from the
-    engine, checked by the task's verifier; a problem with a correct and an incorrect sample gives
+    engine, checked by the task's verifier (``verify(problem, text) -> 1.0 | 0.0``, default
+    ``rewards.correctness_reward``); a problem with a correct and an incorrect sample gives
     {"prompt", "chosen": the first correct, "rejected": the first incorrect}. Problems with all samples right
-    or all wrong give none."""
+    or all wrong give none.
+
+    Under torchrun each rank samples a contiguous share of the problems (sample k keeps the seed it has in one
+    process) and the rows are gathered, so every rank returns the one-process list."""
     from lmstack.align.data import encode_prompt
     from lmstack.align.rewards import correctness_reward
     from lmstack.inference.llm import LLM
     from lmstack.inference.sampling import SamplingParams
 
-    llm = LLM(model, tokenizer, seed=seed)
-    eos = llm.engine.scheduler.eos_token_id
-    prompts = [encode_prompt(tokenizer, p.prompt, system, chat) for p in problems]
-    params = [
-        SamplingParams(
-            temperature=temperature,
-            max_tokens=max_new_tokens,
-            stop=tuple(stop),
-            seed=seed * 100_003 + k,
-        )
-        for k in range(len(prompts) * num_generations)
-    ]
-    outs = llm.generate([p for p in prompts for _ in range(num_generations)], params)
-    rows = []
-    for i, problem in enumerate(problems):
-        texts = []
-        for o in outs[i * num_generations : (i + 1) * num_generations]:
-            ids = list(o.token_ids)
-            texts.append(tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids).strip())
-        good = [t for t in texts if t and correctness_reward(problem, t) == 1.0]
-        bad = [t for t in texts if t and correctness_reward(problem, t) == 0.0]
-        if good and bad:
-            rows.append(
-                {
-                    "prompt": problem.prompt,
-                    "chosen": good[0],
-                    "rejected": bad[0],
-                    "task": problem.task,
-                }
+    verify = verify or correctness_reward
+    rank, world = D.start()
+    n, G = len(problems), num_generations
+    lo, hi = n * rank // world, n * (rank + 1) // world  # this rank's problems
+    rows: list[dict] = []
+    if hi > lo:
+        llm = LLM(model, tokenizer, seed=seed)
+        eos = llm.engine.scheduler.eos_token_id
+        prompts = [encode_prompt(tokenizer, p.prompt, system, chat) for p in problems[lo:hi]]
+        params = [
+            SamplingParams(
+                temperature=temperature,
+                max_tokens=max_new_tokens,
+                stop=tuple(stop),
+                seed=seed * 100_003 + lo * G + k,
             )
-    return rows
+            for k in range(len(prompts) * G)
+        ]
+        outs = llm.generate([p for p in prompts for _ in range(G)], params)
+        for i, problem in enumerate(problems[lo:hi]):
+            texts = []
+            for o in outs[i * G : (i + 1) * G]:
+                ids = list(o.token_ids)
+                texts.append(tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids).strip())
+            good = [t for t in texts if t and verify(problem, t) == 1.0]
+            bad = [t for t in texts if t and verify(problem, t) == 0.0]
+            if good and bad:
+                rows.append(
+                    {
+                        "prompt": problem.prompt,
+                        "chosen": good[0],
+                        "rejected": bad[0],
+                        "task": problem.task,
+                    }
+                )
+    return [r for share in D.gather_objects(rows) for r in share]

@@ -19,14 +19,22 @@ One step (``GRPOTrainer.train_step``):
    them; ``LLMEngine.reset_prefix_cache()`` drops K/V cached from the old ones.
 
 Expert iteration (``algorithm="expert_iteration"``; Anthony et al. 2017, STaR, Zelikman et al. 2022): the same
-rollout, keep the samples the verifier accepts, one SFT step per epoch on them.
+rollout, keep the samples the verifier accepts, one SFT step per epoch on them (the token mean over every
+kept sample of the step).
+
+``precision``: "fp32", "bf16"/"fp16" autocast for the learner's forward/backward and the old/reference
+log-prob passes (weights stay fp32; the engine's rollouts run in the model's own dtype), or "auto"
+(``lmstack.cpu.choose_precision``: bf16 where this CPU multiplies it natively and faster).
 
 Data parallel under torchrun (WORLD_SIZE > 1, ``align.distributed``): rank r takes the r-th slice of each step's
 P prompts (P divisible by the ranks) with the per-sample seeds they have in one process, generates them on its
 own engine, and trains on its rows through ``lmstack.parallel``'s DDP. Groups never cross ranks; the rewards,
 lengths and flags are gathered so advantages (batch std included), metrics and the loss normalisers (N rows,
 the rollout batch's token count) are the global batch's: M ranks give the losses and gradients of one process
-on the same prompts. Held-out evaluation is split over the ranks and summed.
+on the same prompts. Expert iteration trains each rank on its own verified samples (the ranks keep different
+numbers), each token's loss divided by the kept tokens of all ranks, so the averaged gradient is the one
+process's; a rank that kept none joins the all-reduce with a zero-weighted backward. Held-out evaluation is
+split over the ranks and summed.
 
 Metrics per step go to ``metrics.jsonl`` (reward mean/std overall and per function, failures, fraction of
 groups with zero std, clip fractions, KL, entropy, completion lengths, truncation rate, seconds for generation /
@@ -37,6 +45,7 @@ log-probs / training and their tokens/s) and ``grpo.png``; held-out accuracy (gr
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
 import time
@@ -63,6 +72,7 @@ from lmstack.align.losses import (
 )
 from lmstack.align.rewards import REWARDS, score
 from lmstack.align.tasks import TASKS, get_task
+from lmstack.cpu import TRAIN_PRECISIONS, choose_precision
 from lmstack.inference.engine import GenerationError
 from lmstack.inference.llm import LLM
 from lmstack.inference.sampling import SamplingParams
@@ -108,6 +118,7 @@ class GRPOConfig:
     eval_problems: int = 64
     eval_every: int = 0  # 0: at the start and the end only
     seed: int = 0
+    precision: str = "fp32"  # fp32 | bf16 | fp16 autocast for the learner | auto (lmstack.cpu)
     out_dir: str = "runs/grpo"
     ckpt_interval: int = 0  # 0: only at the end
     max_num_seqs: int = 64  # engine options
@@ -121,6 +132,7 @@ class GRPOConfig:
             "pg": PG_LOSSES,
             "advantage": ADVANTAGES,
             "task": tuple(TASKS),
+            "precision": TRAIN_PRECISIONS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -156,6 +168,36 @@ class GRPOConfig:
             )
 
 
+def paired_accuracy(before: list[int], after: list[int], level: float = 0.95) -> dict:
+    """Two evaluations of the same n problems (0/1 each): both accuracies with Wilson score intervals, and
+    McNemar's exact test of "no change" — of the d discordant problems (b fixed: 0 → 1, w broken: 1 → 0),
+    b ~ Binomial(d, ½) under the null, two-sided p (McNemar 1947; the exact form, scipy's ``binomtest``)."""
+    from scipy.stats import binomtest
+
+    if len(before) != len(after) or not before:
+        raise ValueError(
+            f"paired_accuracy needs two equal non-empty lists; got {len(before)} and {len(after)}"
+        )
+    n = len(before)
+
+    def acc(v):
+        k = int(sum(v))
+        ci = binomtest(k, n).proportion_ci(level, method="wilson")
+        return {"correct": k, "accuracy": k / n, "ci": [ci.low, ci.high]}
+
+    fixed = sum(1 for a, b in zip(before, after) if not a and b)
+    broken = sum(1 for a, b in zip(before, after) if a and not b)
+    p = binomtest(fixed, fixed + broken).pvalue if fixed + broken else 1.0
+    return {
+        "problems": n,
+        "before": acc(before),
+        "after": acc(after),
+        "fixed": fixed,
+        "broken": broken,
+        "mcnemar_p": p,
+    }
+
+
 class GRPOTrainer:
     """``GRPOTrainer(config, model, tokenizer).fit()``; the model is trained in place and served by
     ``self.llm`` (an ``LLM`` whose engine holds the same parameter tensors)."""
@@ -169,15 +211,15 @@ class GRPOTrainer:
         reward_fns: dict | None = None,
     ):
         """``reward_fns``: name -> f(problem, completion) in place of ``config.rewards`` (weights by name)."""
-        self.config = c = config
         self.rank, self.world = D.start()
         if self.world > 1:
-            if c.algorithm != "grpo":
-                raise ValueError(
-                    f"algorithm={c.algorithm!r} runs in one process (each rank would keep a different "
-                    "number of samples); use algorithm='grpo' under torchrun"
-                )
-            D.rank_slice(c.prompts_per_step, self.rank, self.world, "prompts_per_step")
+            D.rank_slice(config.prompts_per_step, self.rank, self.world, "prompts_per_step")
+        self.device = next(model.parameters()).device
+        # the resolved precision is what the config (and so each checkpoint) records
+        self.precision_choice = choose_precision(config.precision, self.device)
+        self.config = c = dataclasses.replace(config, precision=self.precision_choice.precision)
+        if progress and self.rank == 0:
+            print(self.precision_choice.line())
         self.reward_fns = reward_fns if reward_fns is not None else list(c.rewards)
         self.progress = progress
         torch.manual_seed(c.seed)
@@ -279,6 +321,19 @@ class GRPOTrainer:
         return self.tokenizer.decode(ids)
 
     # ---- learning --------------------------------------------------------------------------------------
+    def autocast(self):
+        """bf16/fp16 autocast of the learner's forward (Book of LLMs §5.4): matmuls in low precision, the
+        fp32 weights and the log-softmax (``token_logprobs``) as they are."""
+        if self.config.precision == "fp32":
+            return nullcontext()
+        return torch.autocast(
+            self.device.type, dtype=utils.torch_dtype(self.config.precision, ("bf16", "fp16"))
+        )
+
+    def logprobs(self, model, batch, entropy: bool = False):
+        with self.autocast():
+            return batch_logprobs(model, batch, entropy=entropy)
+
     def _batches(self, examples: list[Example]):
         pad = getattr(self.tokenizer, "pad_token_id", None) or 0
         mb = self.config.micro_batch
@@ -287,7 +342,7 @@ class GRPOTrainer:
     @torch.no_grad()
     def _logps(self, model, batches) -> list[torch.Tensor]:
         model.eval()
-        return [batch_logprobs(model, b)[0] for b in batches]
+        return [self.logprobs(model, b)[0] for b in batches]
 
     def train_step(self) -> dict:
         c = self.config
@@ -351,7 +406,9 @@ class GRPOTrainer:
             train = self._grpo_update(batches, rewards, dropped, m, failed, mine)
         else:
             correct = (
-                torch.tensor(res.per_fn.get("correct", res.total)).masked_fill(failed, 0.0).tolist()
+                torch.tensor(res.per_fn.get("correct", res.total))
+                .masked_fill(failed[mine], 0.0)  # this rank's rows
+                .tolist()
             )
             train = self._expert_iteration_update(examples, correct, m)
         t_logp, t_train = train
@@ -407,7 +464,7 @@ class GRPOTrainer:
             for i, (b, mk, a, o, r) in enumerate(zip(batches, masks, advs, old, ref)):
                 sync = self.learner.no_sync() if M > 1 and i < len(batches) - 1 else nullcontext()
                 with sync:
-                    logp, ent = batch_logprobs(self.learner, b, entropy=True)
+                    logp, ent = self.logprobs(self.learner, b, entropy=True)
                     loss, lm = grpo_loss(
                         logp,
                         o,
@@ -456,46 +513,57 @@ class GRPOTrainer:
         return t_logp, time.perf_counter() - t0
 
     def _expert_iteration_update(self, examples, correct, m) -> tuple[float, float]:
-        c = self.config
+        """SFT on this rank's verified samples: each micro-batch's token sum over the kept tokens of all
+        ranks (×M, since DDP averages), so the ranks' gradients add up to the one-process token mean."""
+        c, M = self.config, self.world
         kept = [ex for ex, v in zip(examples, correct) if v >= 1.0]
-        m["kept"] = len(kept)
-        t0 = time.perf_counter()
-        if not kept:
-            return 0.0, time.perf_counter() - t0
-        self.model.train()
         batches = self._batches(kept)
-        n_tokens = sum(int((b.y != IGNORE_INDEX).sum()) for b in batches)
+        n_local = sum(int((b.y != IGNORE_INDEX).sum()) for b in batches)
+        n_kept, n_tokens = D.all_sum(torch.tensor([len(kept), n_local])).tolist()
+        m["kept"] = int(n_kept)
+        t0 = time.perf_counter()
+        if not n_kept:  # nothing verified on any rank: no step
+            return 0.0, time.perf_counter() - t0
+        # a rank that kept nothing still joins each epoch's all-reduce: one sample, weight 0
+        weights = [M / n_tokens] * len(batches) if batches else [0.0]
+        batches = batches or self._batches(examples[:1])
+        self.model.train()
         total = 0.0
         for _ in range(c.epochs):
-            for b in batches:
-                logp, _ = batch_logprobs(self.model, b)
-                mask = b.y != IGNORE_INDEX
-                loss = sft_loss(logp, mask) * (
-                    float(mask.sum()) / n_tokens
-                )  # token mean over all kept
-                loss.backward()
-                total += float(loss.detach()) / c.epochs
+            for i, (b, w) in enumerate(zip(batches, weights)):
+                sync = self.learner.no_sync() if M > 1 and i < len(batches) - 1 else nullcontext()
+                with sync:
+                    logp, _ = self.logprobs(self.learner, b)
+                    mask = b.y != IGNORE_INDEX
+                    loss = (
+                        sft_loss(logp, mask) * float(mask.sum()) * w
+                    )  # token sum / all kept tokens
+                    loss.backward()
+                total += float(loss.detach()) / M / c.epochs
             clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], c.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        m["loss"] = total
+        m["loss"] = float(D.all_sum(torch.tensor([total]))[0])
         return 0.0, time.perf_counter() - t0
 
     # ---- evaluation, the loop, files ---------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy (correct reward) and format rate on the held-out problems (every M-th problem
-        from its rank under data parallelism, the counts summed over the ranks)."""
-        mine = list(range(len(self.test_set)))[self.rank :: self.world]
+        from its rank under data parallelism, summed over the ranks), and ``eval_correct``: each problem's
+        0/1 in test-set order (for a paired comparison of two evaluations, ``paired_accuracy``)."""
+        n = len(self.test_set)
+        mine = list(range(n))[self.rank :: self.world]
         outs = self.rollout([self.test_prompts[i] for i in mine], step=-1, greedy=True, G=1)
         problems = [self.test_set[i] for i in mine]
         res = score(problems, [self.completion_text(o) for o in outs], ["correct", "format"])
         self.llm.engine.reset_prefix_cache()
-        correct, fmt = D.all_sum(
-            torch.tensor([sum(res.per_fn["correct"]), sum(res.per_fn["format"])])
-        ).tolist()
+        per = torch.zeros(2, n, dtype=torch.float64)  # (correct, format) × problem
+        per[:, mine] = torch.tensor([res.per_fn["correct"], res.per_fn["format"]], dtype=per.dtype)
+        per = D.all_sum(per)
         return {
-            "eval_accuracy": correct / len(self.test_set),
-            "eval_format": fmt / len(self.test_set),
+            "eval_accuracy": float(per[0].sum()) / n,
+            "eval_format": float(per[1].sum()) / n,
+            "eval_correct": [int(v >= 1.0) for v in per[0].tolist()],
         }
 
     @property
@@ -580,11 +648,17 @@ class GRPOTrainer:
         rows = [r for r in self.history if "reward" in r]
         first = next((r for r in self.history if r.get("step") == 0), {})
         last = self.history[-1] if self.history else {}
+        paired = (
+            paired_accuracy(first["eval_correct"], last["eval_correct"])
+            if "eval_correct" in first and "eval_correct" in last
+            else None
+        )
         return {
             "steps": self.step,
             "seconds": time.perf_counter() - t_start,
             "eval_accuracy_start": first.get("eval_accuracy"),
             "eval_accuracy_end": last.get("eval_accuracy"),
+            "eval_paired": paired,
             "reward_first": rows[0]["reward"] if rows else None,
             "reward_last": rows[-1]["reward"] if rows else None,
             "gen_s": sum(r["gen_s"] for r in rows),

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from lmstack.data.document import Document
-from lmstack.data.step import Filter, StepStats
+from lmstack.data.step import Filter, StepStats, check_number
 
 
 class Classifier(Protocol):
@@ -421,6 +421,7 @@ class ClassifierFilter(Filter):
         drop_if_label: bool = True,
         tag: str | None = None,
     ):
+        check_number(self.name, "threshold", threshold, hi=1.0)
         if classifier is None and kind is None:
             raise ValueError(
                 "ClassifierFilter needs a classifier (model path) or a built-in kind ('nsfw', 'toxic')"
@@ -517,28 +518,71 @@ class PerplexityScorer:
         ).perplexity
 
 
+def _named_models() -> dict:
+    from lmstack.model.io import NAMED_MODELS
+
+    return NAMED_MODELS
+
+
 class PerplexityFilter(Filter):
     """Keeps documents with perplexity <= ``max_perplexity``, or the ``keep_fraction`` with the lowest perplexity
     (CCNet's head/middle split, by a percentile of the first ``calibration_docs`` documents of the stream).
-    Writes ``metadata["perplexity"]``; reason ``perplexity_above_threshold``."""
+    Writes ``metadata["perplexity"]``; reason ``perplexity_above_threshold``.
+
+    ``scorer``: a :class:`PerplexityScorer`, or (from a pipeline TOML) ``model`` — a model name, GGUF file or
+    checkpoint directory — and optionally ``tokenizer``, loaded in the task on first use (the step stays
+    small to pickle to worker processes and Ray tasks)."""
 
     name = "perplexity_filter"
 
     def __init__(
         self,
-        scorer: PerplexityScorer,
+        scorer: PerplexityScorer | None = None,
         max_perplexity: float | None = None,
         keep_fraction: float | None = None,
         calibration_docs: int = 1000,
+        model: str | None = None,
+        tokenizer: str | None = None,
     ):
+        if (scorer is None) == (model is None):
+            raise ValueError(
+                "perplexity_filter needs exactly one of scorer (a PerplexityScorer) or model "
+                "(a model name, GGUF file or checkpoint directory)"
+            )
+        if model is not None and not os.path.exists(model) and model.lower() not in _named_models():
+            raise FileNotFoundError(
+                f"perplexity_filter: model={model!r} is not a file, a directory or a known model name "
+                f"{sorted(_named_models())}"
+            )
+        self.model_spec, self.tokenizer_spec = model, tokenizer
         if (max_perplexity is None) == (keep_fraction is None):
             raise ValueError(
                 "PerplexityFilter needs exactly one of max_perplexity or keep_fraction"
             )
         if keep_fraction is not None and not 0.0 < keep_fraction <= 1.0:
             raise ValueError(f"keep_fraction must be in (0, 1], got {keep_fraction}")
-        self.scorer, self.max_perplexity, self.keep_fraction = scorer, max_perplexity, keep_fraction
+        if max_perplexity is not None and not (
+            isinstance(max_perplexity, (int, float)) and max_perplexity > 0
+        ):
+            raise ValueError(f"max_perplexity must be a number > 0, got {max_perplexity!r}")
+        self._scorer, self.max_perplexity, self.keep_fraction = (
+            scorer,
+            max_perplexity,
+            keep_fraction,
+        )
         self.calibration_docs = calibration_docs
+
+    @property
+    def scorer(self) -> PerplexityScorer:
+        if self._scorer is None:
+            self._scorer = PerplexityScorer.from_spec(self.model_spec, self.tokenizer_spec)
+        return self._scorer
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self.model_spec is not None:
+            state["_scorer"] = None  # loaded again where the task runs
+        return state
 
     def reason(self, doc: Document) -> str | None:
         ppl = doc.metadata.get("perplexity")
@@ -577,4 +621,5 @@ STEPS = {
     "nsfw_filter": NSFWFilter,
     "toxic_filter": ToxicFilter,
     "quality_classifier": QualityClassifierFilter,
+    "perplexity_filter": PerplexityFilter,
 }

@@ -8,10 +8,15 @@ then writes, in this order and each atomically, under ``<output>/<stage>/``:
 - ``stats/{rank:05d}.json``: per step, documents and bytes in and out, drops per reason, counters;
 - ``completions/{rank:05d}.json``: the completion marker (with the task's wall time).
 
+Before a stage's tasks run, ``<stage>/config.json`` records its steps' configuration (it holds the run's
+absolute paths, so two runs into different folders differ only there, in the markers and in the logs).
+
 A relaunch skips every task with a marker and reruns the others from the start (a task's writer first
 deletes that task's unfinished files), so the outputs are byte-identical to an uninterrupted run and no
 completed task runs twice — datatrove's contract. ``tasks.json`` records each stage's task count; a relaunch
-with a different count is refused (the markers would belong to another split). Stages run in order, each
+with a different count is refused (the markers would belong to another split), and ``<stage>/config.json``
+records the stage's step configuration (:func:`~lmstack.data.step.step_config`): a relaunch with another step list
+or another value is refused too (the completed tasks' outputs came from the old one). Stages run in order, each
 after every task of the one before has completed (the barrier multi-stage work such as dedup needs).
 
 Executors: :class:`LocalExecutor` (``workers`` processes, default 1 = in this process; tqdm bar of tasks),
@@ -33,7 +38,7 @@ from typing import Any
 
 from lmstack.data.pipeline import Pipeline, Stage
 from lmstack.data.readers import Reader
-from lmstack.data.step import StepStats
+from lmstack.data.step import StepStats, step_config
 from lmstack.data.writers import ExclusionWriter, clear_task_files
 from lmstack.utils import atomic_write_text
 
@@ -139,9 +144,47 @@ def plan_stage(pipeline: Pipeline, stage: Stage) -> tuple[int, list[int]]:
     if stage.name not in counts:
         counts[stage.name] = world
         atomic_write_text(record, json.dumps(counts, indent=1) + "\n")
+    _check_config(pipeline, stage)
     return world, [
         r for r in range(world) if not marker_path(pipeline.output, stage.name, r).exists()
     ]
+
+
+def _config_with_inputs(step) -> dict[str, Any]:
+    """step_config, plus a reader's input files with their sizes (a crawl rewritten with other pages, or a
+    file added, is another input: the completed tasks read the old one)."""
+    config = step_config(step)
+    if isinstance(step, Reader):
+        config["input_files"] = [[src, path.stat().st_size] for src, path in step.files()]
+    return config
+
+
+def _check_config(pipeline: Pipeline, stage: Stage) -> None:
+    """Records the stage's step configuration (``<stage>/config.json``); a relaunch with other steps or other
+    values (a changed threshold) is refused: the completed tasks' outputs came from the old ones."""
+    record = _logs(pipeline.output, stage.name) / "config.json"
+    # through JSON, so tuples and lists compare equal
+    now = json.loads(json.dumps([_config_with_inputs(s) for s in stage.steps]))
+    before = json.loads(record.read_text()) if record.exists() else None
+    if before is None:
+        atomic_write_text(record, json.dumps(now, indent=1) + "\n")
+        return
+    if before == now:
+        return
+    if [s.get("type") for s in before] != [s.get("type") for s in now]:
+        what = f"steps {[s.get('name') for s in before]} then, now {[s.get('name') for s in now]}"
+    else:
+        diffs = []
+        for old, new in zip(before, now):
+            for key in sorted(set(old) | set(new)):
+                if old.get(key) != new.get(key):
+                    a, b = (repr(x)[:60] for x in (old.get(key), new.get(key)))
+                    diffs.append(f"{new.get('name')}.{key}: {a} then, {b} now")
+        what = "; ".join(diffs)
+    raise ValueError(
+        f"stage {stage.name!r} in {pipeline.output} was launched with another configuration ({what}): its "
+        "completed tasks' outputs came from that one; use a new output folder, or delete this one to rerun"
+    )
 
 
 class StageFailed(RuntimeError):
@@ -225,7 +268,8 @@ class RayExecutor:
 
     Uses this process's Ray when ``ray.init`` already ran; else joins ``address`` (``"auto"``: the cluster
     ``ray start`` began on this machine, ``"ray://head:10001"``: a remote one) or, with None, starts a new
-    local Ray bound to 127.0.0.1 without a dashboard (``ray_init``: more ``ray.init`` keyword arguments),
+    local Ray bound to 127.0.0.1 without a dashboard and with usage statistics off
+    (``RAY_USAGE_STATS_ENABLED=0`` unless set; ``ray_init``: more ``ray.init`` keyword arguments),
     and shuts down what it started after the run.
     """
 
@@ -256,6 +300,8 @@ class RayExecutor:
             ) from None
         started = not ray.is_initialized()
         if started:
+            if self.address is None:  # a local Ray of our own sends no usage statistics anywhere
+                os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             local = {
                 "address": "local",
                 "include_dashboard": False,

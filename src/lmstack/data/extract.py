@@ -4,7 +4,10 @@ The reader leaves a WARC record's HTTP payload in ``doc.metadata["raw"]`` (bytes
 ``doc.metadata["content_type"]`` and an empty text; :class:`Extract` turns it into text.
 
 Decoding (never raises): bytes that decode as UTF-8 (and are not plain ASCII) are UTF-8, whatever the
-header says (legacy 8-bit text almost never forms valid multi-byte UTF-8 sequences); else the charset named in the Content-Type header if Python knows it, else the
+header says (legacy 8-bit text almost never forms valid multi-byte UTF-8 sequences); else the charset named
+in the Content-Type header if Python knows it and the bytes decode in it (before that, bytes that are mostly
+UTF-8 with some Windows-1252 bytes — pages pasted together — are decoded as UTF-8 with cp1252 for the rest) (a header that does not fit the
+bytes is ignored), else the
 ``<meta charset>`` of the page, else uchardet's guess (resiliparse's ``detect_encoding``), then
 resiliparse's ``bytes_to_str`` with ``errors="replace"`` and UTF-8 / cp1252 fallbacks, so undecodable
 bytes become U+FFFD instead of an exception.
@@ -54,6 +57,32 @@ def looks_binary(raw: bytes) -> bool:
     return ctrl > 0.1 * len(head)
 
 
+# one UTF-8 multi-byte sequence (2, 3 or 4 bytes); legacy 8-bit text almost never forms one
+_UTF8_SEQ = re.compile(
+    rb"[\xc2-\xdf][\x80-\xbf]|[\xe0-\xef][\x80-\xbf]{2}|[\xf0-\xf4][\x80-\xbf]{3}"
+)
+
+
+def _cp1252_bytes(e: UnicodeDecodeError) -> tuple[str, int]:
+    return e.object[e.start : e.end].decode("cp1252", errors="replace"), e.end
+
+
+codecs.register_error("lmstack.cp1252", _cp1252_bytes)
+
+
+def _mixed_utf8(raw: bytes) -> str | None:
+    """Pages pasted together from UTF-8 and Windows-1252/Latin-1 parts: when the bytes hold at least as many
+    valid UTF-8 multi-byte sequences as bytes outside them, UTF-8 where it decodes and cp1252 for the rest
+    (so both parts read right); None for a page in one legacy encoding (left to the detection)."""
+    valid = len(_UTF8_SEQ.findall(raw))
+    if not valid:
+        return None
+    outside = sum(1 for b in _UTF8_SEQ.sub(b"", raw) if b >= 0x80)
+    if outside > valid:
+        return None
+    return raw.decode("utf-8", errors="lmstack.cp1252").removeprefix("\ufeff")
+
+
 def decode_html(raw: bytes, content_type: str | None = None) -> str:
     """Bytes of a web page -> str, never raising (see the module docstring for the order of guesses)."""
     from resiliparse.parse.encoding import bytes_to_str, detect_encoding
@@ -66,8 +95,16 @@ def decode_html(raw: bytes, content_type: str | None = None) -> str:
             return raw.decode("utf-8").removeprefix("\ufeff")
         except UnicodeDecodeError:
             pass
+        mixed = _mixed_utf8(raw)
+        if mixed is not None:
+            return mixed
     header = _CHARSET.search(content_type or "")
     encoding = _known_codec(header.group(1) if header else None)
+    if encoding is not None:
+        try:  # the header's charset, when the bytes are valid in it
+            return raw.decode(encoding).removeprefix("\ufeff")
+        except UnicodeDecodeError:  # a wrong header (cp1251 bytes sent as "utf-8"): detect instead
+            encoding = None
     if encoding is None:
         encoding = _known_codec(detect_encoding(raw, from_html_meta=True)) or "utf-8"
     try:
@@ -179,7 +216,8 @@ class Extract(Mapper):
     ``metadata["encoding_replacements"]`` (U+FFFD characters the decoding produced). A record that is binary,
     not HTML/text, or extracts to nothing is dropped with reason ``extract_binary`` / ``extract_not_html`` /
     ``extract_empty`` (an extractor that yields empty documents would only hand them to the next filter).
-    Counters: ``extracted``, ``decoded_with_replacements``.
+    Counters: ``extracted``, ``decoded_with_replacements``. Bytes in: the text's plus the raw payload's (so
+    the funnel shows the HTML bytes going in, not 0).
     """
 
     name = "extract"
@@ -231,6 +269,9 @@ class Extract(Mapper):
     def run(self, docs: Iterable[Document], stats: StepStats) -> Iterator[Document]:
         for doc in docs:
             stats.seen(doc)
+            raw = doc.metadata.get("raw")
+            if isinstance(raw, (bytes, bytearray, memoryview)):  # the payload is this step's input
+                stats.bytes_in += len(raw)
             why = self._why_not(doc)
             if why is None:
                 doc = self.apply(doc, stats)

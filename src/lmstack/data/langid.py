@@ -135,7 +135,8 @@ class LanguageFilter(Filter):
     """Keeps documents whose language is in ``languages`` (None: any) with score >= ``threshold`` (0.65, as
     datatrove's LanguageFilter). Tags the document first when no earlier step did. Reasons:
     ``language_below_threshold``, ``language_not_kept``, ``language_mixed`` (the language's share of the text
-    is below ``min_share``, when given). Routing by language: writers shard on ``metadata["language"]``."""
+    is below ``min_share``, when given). Routing by language: a writer with ``split_by = "language"``
+    writes each language to its own subfolder (:class:`~lmstack.data.writers.ShardWriter`)."""
 
     name = "language_filter"
 
@@ -146,6 +147,14 @@ class LanguageFilter(Filter):
         model_path: str | None = None,
         min_share: float | None = None,
     ):
+        if min_share is not None and not (
+            isinstance(min_share, (int, float))
+            and not isinstance(min_share, bool)
+            and 0 <= min_share <= 1
+        ):
+            raise ValueError(
+                f"language_filter: min_share={min_share!r} must be in [0, 1] (or None)"
+            )
         self.min_share = min_share
         if isinstance(languages, str):
             languages = [languages]

@@ -7,13 +7,16 @@ the same text and counts zero the second time).
 
 Phone numbers: NANP numbers with or without "+1"/"1", with "-", ".", " " or no separators and the area code
 optionally in parentheses ("(555) 123-4567", "555.123.4567", "5551234567", "+1 800 555 0199"), and
-international numbers written with a "+" or "00" country code and 6-14 more digits in groups
-("+44 20 7946 0958", "+49 (0)30 901820", "0033 1 23 45 67 89", "+81-3-1234-5678", "+861012345678").
+international numbers written with a "+" or "00" country code (or "(+44)") and 6-14 more digits in groups
+("+44 20 7946 0958", "(+44) 20 7946 0958", "+49 (0)30 901820", "0033 1 23 45 67 89", "+81-3-1234-5678",
+"+861012345678").
 A digit run that is part of a longer number or word is left alone.
 
 IP addresses: candidates are validated with Python's ``ipaddress``; ``public_ips_only=True`` replaces only
 addresses that are globally routable (``ip.is_global``), leaving private, loopback, link-local, reserved and
-documentation ranges in the text.
+documentation ranges in the text. An IPv6 candidate needs two non-empty groups (or an embedded IPv4, or
+is the loopback ``::1``): ``::``, ``::2`` and ``a::`` are valid addresses but in text they are code
+(``f :: Int``, ``x[::2]``), so they are left alone.
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ _NANP = (
     + _SEP
     + r"\d{4}"
 )
-_INTL = r"(?:\+|\b00)[1-9]\d{0,2}(?:[ .-]?\(0\))?(?:[ .-]?\(?\d{1,5}\)?){1,5}"
+_INTL = (
+    r"(?:\(\+[1-9]\d{0,2}\)|(?:\+|\b00)[1-9]\d{0,2}(?!\)))"  # "(+44)" or "+44" / "0044"
+    r"(?:[ .-]?\(0\))?(?:[ .-]?\(?\d{1,5}\)?){1,5}"
+)
 _PHONE = rf"(?<![\w+]){_NANP}(?![\w-])|(?<![\w+]){_INTL}(?![\w-])"
 _MAYBE = re.compile(r"[@\d:]")
 _PII = re.compile(rf"(?P<email>{_EMAIL})|(?P<ipv6>{_IPV6})|(?P<ipv4>{_IPV4})|(?P<phone>{_PHONE})")
@@ -74,6 +80,10 @@ class PIIReplacer:
         )
 
     def _ip_ok(self, s: str) -> bool:
+        if ":" in s and "." not in s and s != "::1" and sum(1 for g in s.split(":") if g) < 2:
+            return (
+                False  # "::", "::2", "a::": Haskell's "::", Python's x[::2], not addresses in prose
+            )
         try:
             ip = ipaddress.ip_address(s)
         except ValueError:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import inspect
 import os
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +51,10 @@ def build_step(spec: dict[str, Any], where: str = "step") -> Step:
     if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
         raise ValueError(f"{where}: expected a table with a string 'type', got {spec!r}")
     kwargs = {k: v for k, v in spec.items() if k not in ("type", "name", "routes")}
-    cls = step_class(spec["type"])
+    try:
+        cls = step_class(spec["type"])
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     routes = spec.get("routes")
     if routes is not None and not (
         issubclass(cls, Filter)
@@ -66,12 +71,51 @@ def build_step(spec: dict[str, Any], where: str = "step") -> Step:
         raise ValueError(
             f"{where} (type {spec['type']!r}): {e}; {cls.__name__} takes {inspect.signature(cls)}"
         ) from None
-    step = cls(**kwargs)
+    _check_types(cls, kwargs, f"{where} (type {spec['type']!r})")
+    try:
+        step = cls(**kwargs)
+    except ValueError as e:  # a value out of range: say where it was written
+        raise ValueError(f"{where} (type {spec['type']!r}): {e}") from None
     if "name" in spec:
         step.name = str(spec["name"])
     if routes is not None:
         step.routes = tuple(routes)
     return step
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _check_types(cls: type, kwargs: dict[str, Any], where: str) -> None:
+    """A keyword whose annotation is made of bool/int/float/str/None must get one of those (a TOML typo such
+    as ``min_doc_words = "fifty"`` is an error naming the key here, not a TypeError inside a task)."""
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # an annotation that does not resolve: nothing to check against
+        return
+    for key, value in kwargs.items():
+        hint = hints.get(key)
+        if hint is None:
+            continue
+        allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        if typing.get_origin(hint) is typing.Union:
+            allowed = typing.get_args(hint)
+        if not all(t in _SCALARS for t in allowed):
+            continue
+        ok = (
+            (bool in allowed)
+            if isinstance(value, bool)
+            else (int in allowed or float in allowed)
+            if isinstance(value, int)
+            else (float in allowed)
+            if isinstance(value, float)
+            else any(isinstance(value, t) for t in allowed)
+        )
+        if not ok:
+            names = " or ".join(t.__name__ for t in allowed if t is not type(None))
+            raise ValueError(
+                f"{where}: {key}={value!r} is a {type(value).__name__}; expected {names}"
+            )
 
 
 @dataclass
@@ -194,6 +238,12 @@ class Pipeline:
             raise ValueError(
                 f"{where}: a top-level 'tasks' is for a [[step]] pipeline; give each [[stage]] its own"
             )
+        if not isinstance(d["output"], str) or not d["output"]:
+            raise ValueError(f"{where}: output={d['output']!r} must be a folder path (a string)")
+        if not isinstance(d.get("exclusions", True), bool):
+            raise ValueError(
+                f"{where}: exclusions={d['exclusions']!r} must be true or false (a TOML boolean)"
+            )
         raw = (
             [{"name": "main", "step": d["step"], **({"tasks": d["tasks"]} if "tasks" in d else {})}]
             if "step" in d
@@ -207,7 +257,7 @@ class Pipeline:
                 raise ValueError(f"{sw}: unknown keys {sorted(extra)}; expected name, tasks, step")
             steps = [build_step(spec, f"{sw} step {j}") for j, spec in enumerate(s.get("step", []))]
             stages.append(Stage(str(s.get("name", f"stage{i}")), steps, s.get("tasks")))
-        return cls(stages, d["output"], bool(d.get("exclusions", True)))
+        return cls(stages, d["output"], d.get("exclusions", True))
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike) -> Pipeline:

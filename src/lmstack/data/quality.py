@@ -25,7 +25,7 @@ from pathlib import Path
 import regex
 
 from lmstack.data.document import Document
-from lmstack.data.step import Filter
+from lmstack.data.step import Filter, check_number
 
 _HAS_NON_SYMBOL = regex.compile(
     r"[^\p{P}\p{S}\p{C}\p{Z}]"
@@ -134,6 +134,17 @@ class GopherQuality(Filter):
         stop_words: Iterable[str] = STOP_WORDS,
         stop_words_case_sensitive: bool = False,
     ):
+        for key in ("min_doc_words", "max_doc_words", "min_stop_words"):
+            check_number(self.name, key, locals()[key], integer=True)
+        for key in ("min_avg_word_length", "max_avg_word_length"):
+            check_number(self.name, key, locals()[key])
+        for key in (
+            "max_symbol_word_ratio",
+            "max_bullet_lines_ratio",
+            "max_ellipsis_lines_ratio",
+            "min_alpha_words_ratio",
+        ):
+            check_number(self.name, key, locals()[key], hi=1.0)
         self.min_doc_words, self.max_doc_words = min_doc_words, max_doc_words
         self.min_avg_word_length, self.max_avg_word_length = (
             min_avg_word_length,
@@ -261,6 +272,17 @@ class GopherRepetition(Filter):
         top_n_grams: Iterable[tuple[int, float]] = GOPHER_TOP_NGRAMS,
         dup_n_grams: Iterable[tuple[int, float]] = GOPHER_DUP_NGRAMS,
     ):
+        for key in ("dup_line_frac", "dup_para_frac", "dup_line_char_frac", "dup_para_char_frac"):
+            check_number(self.name, key, locals()[key], hi=1.0)
+        top_n_grams, dup_n_grams = tuple(top_n_grams), tuple(dup_n_grams)
+        for key, pairs in (("top_n_grams", top_n_grams), ("dup_n_grams", dup_n_grams)):
+            if not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+                raise ValueError(
+                    f"{self.name}: {key}={pairs!r} must be a list of [n, fraction] pairs"
+                )
+            for n, frac in pairs:
+                check_number(self.name, f"{key} n", n, lo=1, integer=True)
+                check_number(self.name, f"{key}[n={n}] fraction", frac, hi=1.0)
         self.dup_line_frac, self.dup_para_frac = dup_line_frac, dup_para_frac
         self.dup_line_char_frac, self.dup_para_char_frac = dup_line_char_frac, dup_para_char_frac
         self.top_n_grams, self.dup_n_grams = tuple(top_n_grams), tuple(dup_n_grams)
@@ -344,6 +366,8 @@ class C4Quality(Filter):
         filter_policy: bool = True,
         remove_citations: bool = True,
     ):
+        for key in ("min_num_sentences", "min_words_per_line", "max_word_length"):
+            check_number(self.name, key, locals()[key], integer=True)
         self.filter_no_terminal_punct, self.min_num_sentences = (
             filter_no_terminal_punct,
             min_num_sentences,
@@ -435,6 +459,10 @@ class FineWebQuality(Filter):
         new_line_ratio: float | None = 0.3,
         stop_chars: tuple[str, ...] = TERMINAL_PUNCTUATION,
     ):
+        for key in ("line_punct_thr", "short_line_thr", "char_duplicates_ratio"):
+            check_number(self.name, key, locals()[key], hi=1.0)
+        check_number(self.name, "new_line_ratio", new_line_ratio)  # newlines per word: may exceed 1
+        check_number(self.name, "short_line_length", short_line_length, integer=True)
         self.line_punct_thr, self.line_punct_exclude_zero = line_punct_thr, line_punct_exclude_zero
         self.short_line_thr, self.short_line_length = short_line_thr, short_line_length
         self.char_duplicates_ratio, self.new_line_ratio = char_duplicates_ratio, new_line_ratio

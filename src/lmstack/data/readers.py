@@ -26,7 +26,7 @@ a 100 MB line is skipped without being held in memory), ``bad_json``, ``no_text`
 (a WARC record shorter than its Content-Length), ``no_http_body``. Per file (everything read before the
 fault is kept; the file counts as one more record in, dropped; the placeholder's ``metadata["error"]`` says
 what broke, and a warning names the file):
-``truncated_file`` (gzip/zstd stream cut short), ``corrupt_compression``, ``corrupt_parquet``,
+``truncated_file`` (gzip/zstd stream cut short), ``corrupt_compression`` (also a corrupt gzip WARC), ``corrupt_parquet``,
 ``unreadable_file``. Undecodable UTF-8 is replaced by U+FFFD and counted in ``counters["utf8_replaced"]``
 (WARC bodies are left to the extractor, which detects their encoding).
 """
@@ -151,6 +151,7 @@ def _file_fault(e: Exception) -> str | None:
         isinstance(e, (gzip.BadGzipFile, zlib.error))
         or module.startswith("zstandard")
         or "zstd" in str(e).lower()
+        or "decompression error" in str(e).lower()  # fastwarc's OSError for a corrupt gzip/lz4 WARC
     ):
         return "corrupt_compression"
     if isinstance(e, OSError):
@@ -187,10 +188,12 @@ def _drop(
     reason: str,
     nbytes: int = 0,
     meta: dict[str, Any] | None = None,
+    text: str = "",
 ) -> None:
+    """Count one record in, dropped; ``text``: what the exclusion file keeps of it (a bad JSON line)."""
     stats.docs_in += 1
     stats.bytes_in += nbytes
-    stats.drop(Document("", stable_id(source, key), {"source": source, **(meta or {})}), reason)
+    stats.drop(Document(text, stable_id(source, key), {"source": source, **(meta or {})}), reason)
 
 
 def _emit(stats: StepStats, doc: Document, nbytes_in: int, nbytes_out: int) -> Document:
@@ -335,14 +338,16 @@ class JsonlReader(Reader):
                 continue
             if not line.strip():
                 continue
+            decoded = _decode(line, stats)
             try:
-                obj = json.loads(_decode(line, stats))
+                obj = json.loads(decoded)
             except json.JSONDecodeError as e:
-                _drop(stats, source, n, "bad_json", len(line), {"line": n, "error": e.msg})
+                meta = {"line": n, "error": e.msg}
+                _drop(stats, source, n, "bad_json", len(line), meta, decoded)
                 continue
             doc = _record_document(obj, source, n, self.text_key, self.id_key, stats)
-            if isinstance(doc, str):
-                _drop(stats, source, n, doc, len(line), {"line": n})
+            if isinstance(doc, str):  # the line as it was, so the exclusion shows what was wrong
+                _drop(stats, source, n, doc, len(line), {"line": n}, decoded)
             else:
                 yield _emit(stats, doc, len(line), len(doc.text.encode("utf-8", "surrogatepass")))
 
@@ -356,6 +361,7 @@ class ParquetReader(Reader):
     column (JSON string or struct) and every other column become metadata. Read a row group at a time."""
 
     suffixes = (".parquet",)
+    config_ignore = ("batch_size",)  # rows read at a time: the documents are the same
 
     def __init__(
         self,

@@ -22,8 +22,10 @@ TOML file (:mod:`lmstack.data.pipeline`); :data:`STEP_MODULES` lists the modules
 from __future__ import annotations
 
 import copy
+import difflib
 import importlib
 import importlib.util
+import os
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -110,6 +112,8 @@ class Step:
     name: str = ""
     rank: int = 0  # this task's index in its stage, set by for_task
     world: int = 1  # the stage's task count
+    # attributes that do not change what the step outputs (left out of its recorded configuration)
+    config_ignore: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -223,6 +227,64 @@ def register_step(name: str) -> Callable[[type[Step]], type[Step]]:
     return add
 
 
+_SKIP = object()
+
+
+def _plain(v: Any, depth: int = 0) -> Any:
+    """``v`` as JSON-able data, or ``_SKIP`` for what is not plain data (a model, a tokenizer's bytes)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, os.PathLike):
+        return os.fspath(v)
+    if isinstance(v, (list, tuple, set, frozenset)):
+        items = [_plain(x, depth) for x in v]
+        if any(x is _SKIP for x in items):
+            return _SKIP
+        return sorted(items, key=repr) if isinstance(v, (set, frozenset)) else items
+    if isinstance(v, dict):
+        out = {str(k): _plain(x, depth) for k, x in v.items()}
+        return {k: x for k, x in sorted(out.items()) if x is not _SKIP}
+    if depth < 2 and type(v).__module__.startswith("lmstack.") and hasattr(v, "__dict__"):
+        return _plain_attrs(v, depth + 1)
+    return _SKIP
+
+
+def step_config(step: Step) -> dict[str, Any]:
+    """What a relaunch must agree on: the step's class, name and every public attribute that is plain data
+    (numbers, strings, paths, lists/sets/dicts of them; lmstack objects such as a LanguageID or a
+    MinHashConfig by their own attributes); models, open files, ``_private`` state and the attributes in
+    ``config_ignore`` are left out."""
+    cls = type(step)
+    return {"type": f"{cls.__module__}.{cls.__qualname__}", "name": step.name, **_plain_attrs(step)}
+
+
+def _plain_attrs(obj: Any, depth: int = 0) -> dict[str, Any]:
+    ignore = set(getattr(obj, "config_ignore", ())) | {"rank", "world"}
+    out = {}
+    for k, v in sorted(vars(obj).items()):
+        if k.startswith("_") or k in ignore:
+            continue
+        p = _plain(v, depth)
+        if p is not _SKIP:
+            out[k] = p
+    return out
+
+
+def check_number(
+    step: str, key: str, value: Any, lo: float = 0.0, hi: float | None = None, integer: bool = False
+) -> None:
+    """A threshold must be None (the rule is off) or a number in [lo, hi] (an integer when ``integer``);
+    otherwise a ValueError naming the step, the key and the value (``max_ellipsis_lines_ratio = 30`` for 0.3
+    would otherwise silently turn the rule off)."""
+    if value is None:
+        return
+    kind = "an integer" if integer else "a number"
+    bad_type = isinstance(value, bool) or not isinstance(value, int if integer else (int, float))
+    if bad_type or value < lo or (hi is not None and value > hi):
+        where = f"in [{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
+        raise ValueError(f"{step}: {key}={value!r} must be {kind} {where} (or None: rule off)")
+
+
 def step_class(name: str) -> type[Step]:
     """The class registered as ``name``, or ``"package.module:Class"`` for a step outside the registry."""
     if ":" in name:
@@ -242,8 +304,10 @@ def step_class(name: str) -> type[Step]:
                     if step_name not in STEPS:
                         register_step(step_name)(cls)
     if name not in STEPS:
+        close = difflib.get_close_matches(name, sorted(STEPS), n=3)
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
         raise ValueError(
-            f"unknown step type {name!r}; registered: {', '.join(sorted(STEPS))} "
+            f"unknown step type {name!r}{hint}; registered: {', '.join(sorted(STEPS))} "
             "(or give 'package.module:Class')"
         )
     return STEPS[name]

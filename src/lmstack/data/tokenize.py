@@ -84,6 +84,8 @@ class Tokenize(ShardWriter):
     ``surrogate_documents``, ``shards``.
     """
 
+    config_ignore = ("num_threads",)  # the ids do not depend on it
+
     name = "tokenize"
     suffix = ".bin"
 

@@ -18,6 +18,7 @@ import gzip
 import io
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ COMPRESSIONS = {
     "zst": ".zst",
     "zstd": ".zst",
 }
+PARQUET_COMPRESSIONS = ("zstd", "snappy", "gzip", "brotli", "lz4", "none")  # pyarrow's codecs
 
 
 def _json_default(o: Any) -> Any:
@@ -157,7 +159,12 @@ def clear_task_files(folder: Path, stem: str) -> None:
 
 
 class ShardWriter(Step):
-    """Base of the shard writers: ``output`` folder, rollover at ``max_docs`` / ``max_bytes``, ``prefix``."""
+    """Base of the shard writers: ``output`` folder, rollover at ``max_docs`` / ``max_bytes``, ``prefix``.
+
+    ``split_by`` (a metadata key, e.g. ``"language"`` or ``"route"``): each value gets its own subfolder,
+    ``output/<value>/`` (``unknown`` when the key is absent; characters other than letters, digits, ``-``,
+    ``_`` and ``.`` become ``_``), with its own shards — routing documents by language or route to
+    separate outputs."""
 
     suffix = ""
 
@@ -167,33 +174,54 @@ class ShardWriter(Step):
         max_docs: int | None = None,
         max_bytes: int | None = None,
         prefix: str = "",
+        split_by: str | None = None,
     ):
         for key, v in (("max_docs", max_docs), ("max_bytes", max_bytes)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(
                     f"{self.name}: {key}={v!r} must be an integer >= 1 (or absent: no rollover)"
                 )
+        if split_by is not None and (not isinstance(split_by, str) or not split_by):
+            raise ValueError(
+                f"{self.name}: split_by={split_by!r} must be a metadata key (a string)"
+            )
         self.output = os.path.abspath(output)
         self.max_docs, self.max_bytes, self.prefix = max_docs, max_bytes, prefix
+        self.split_by = split_by
 
-    def _open(self, index: int):
+    def _open(self, index: int, folder: Path):
         raise NotImplementedError
 
     def _write(self, shard, doc: Document) -> None:
         raise NotImplementedError
 
-    def shard_path(self, index: int) -> Path:
-        return Path(self.output) / f"{self.prefix}{self.rank:05d}_{index:05d}{self.suffix}"
+    def shard_path(self, index: int, folder: Path | None = None) -> Path:
+        name = f"{self.prefix}{self.rank:05d}_{index:05d}{self.suffix}"
+        return Path(folder or self.output) / name
+
+    def _folder(self, doc: Document) -> Path:
+        if self.split_by is None:
+            return Path(self.output)
+        value = doc.metadata.get(self.split_by)
+        name = _SAFE.sub("_", str(value)).lstrip(".") if value not in (None, "") else ""
+        return Path(self.output) / (name or "unknown")
 
     def run(self, docs: Iterable[Document], stats: StepStats) -> Iterator[Document]:
         folder = Path(self.output)
-        clear_task_files(folder, f"{self.prefix}{self.rank:05d}_")
-        shard, index = None, 0
+        stem = f"{self.prefix}{self.rank:05d}_"
+        clear_task_files(folder, stem)
+        if self.split_by is not None and folder.is_dir():
+            for sub in folder.iterdir():
+                if sub.is_dir():
+                    clear_task_files(sub, stem)
+        open_: dict[Path, list] = {}  # folder -> [open shard or None, its index]
         try:
             for doc in docs:
                 stats.seen(doc)
-                if shard is None:
-                    shard = self._open(index)
+                slot = open_.setdefault(self._folder(doc), [None, 0])
+                if slot[0] is None:
+                    slot[0] = self._open(slot[1], self._folder(doc))
+                shard = slot[0]
                 self._write(shard, doc)
                 stats.kept(doc)
                 if (self.max_docs and shard.docs >= self.max_docs) or (
@@ -201,15 +229,20 @@ class ShardWriter(Step):
                 ):
                     shard.close()
                     stats.counters["shards"] += 1
-                    shard, index = None, index + 1
+                    slot[0], slot[1] = None, slot[1] + 1
                 yield doc
         except BaseException:
-            if shard is not None:
-                shard.abort()
+            for shard, _ in open_.values():
+                if shard is not None:
+                    shard.abort()
             raise
-        if shard is not None:
-            shard.close()
-            stats.counters["shards"] += 1
+        for key in sorted(open_):
+            if open_[key][0] is not None:
+                open_[key][0].close()
+                stats.counters["shards"] += 1
+
+
+_SAFE = re.compile(r"[^\w.-]")
 
 
 @register_step("write_jsonl")
@@ -217,18 +250,24 @@ class JsonlWriter(ShardWriter):
     """JSONL shards in ``output``; ``compression`` None, "gz" or "zst"."""
 
     def __init__(
-        self, output, compression: str | None = "gz", max_docs=None, max_bytes=None, prefix=""
+        self,
+        output,
+        compression: str | None = "gz",
+        max_docs=None,
+        max_bytes=None,
+        prefix="",
+        split_by: str | None = None,
     ):
         if compression not in COMPRESSIONS:
             raise ValueError(
                 f"write_jsonl: compression={compression!r}; expected one of None, 'gz', 'zst'"
             )
-        super().__init__(output, max_docs, max_bytes, prefix)
+        super().__init__(output, max_docs, max_bytes, prefix, split_by)
         self.compression = compression
         self.suffix = ".jsonl" + COMPRESSIONS[compression]
 
-    def _open(self, index):
-        return JsonlShard(self.shard_path(index), self.compression)
+    def _open(self, index, folder):
+        return JsonlShard(self.shard_path(index, folder), self.compression)
 
     def _write(self, shard, doc):
         shard.write(json_line(record(doc)))
@@ -248,12 +287,19 @@ class ParquetWriter(ShardWriter):
         max_bytes=None,
         prefix="",
         row_group: int = 1024,
+        split_by: str | None = None,
     ):
-        super().__init__(output, max_docs, max_bytes, prefix)
+        if compression not in PARQUET_COMPRESSIONS:
+            raise ValueError(
+                f"write_parquet: compression={compression!r}; expected one of {PARQUET_COMPRESSIONS}"
+            )
+        if isinstance(row_group, bool) or not isinstance(row_group, int) or row_group < 1:
+            raise ValueError(f"write_parquet: row_group={row_group!r} must be an integer >= 1")
+        super().__init__(output, max_docs, max_bytes, prefix, split_by)
         self.compression, self.row_group = compression, row_group
 
-    def _open(self, index):
-        return ParquetShard(self.shard_path(index), self.compression, self.row_group)
+    def _open(self, index, folder):
+        return ParquetShard(self.shard_path(index, folder), self.compression, self.row_group)
 
     def _write(self, shard, doc):
         shard.write(doc)

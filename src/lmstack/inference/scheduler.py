@@ -8,7 +8,9 @@ costs 1 token plus its speculative drafts (proposed for all decoding sequences a
 prefill), then waiting requests while blocks, the budget and ``max_num_seqs`` allow. When a
 running sequence needs a block and none is free, the most recently admitted one is preempted:
 its blocks are freed and it goes back to the front of the queue (prefix caching usually gives
-its blocks back). After the forward, ``commit`` records stored K/V and ``append`` applies a new
+its blocks back). A waiting request whose next prompt block another sequence computes in this step
+waits for the next one and reads that block from the prefix cache (the G samples of a GRPO prompt
+prefill it once; SGLang's in-batch prefix sharing). After the forward, ``commit`` records stored K/V and ``append`` applies a new
 token and the stop rules. A model with recurrent layers also needs a slot of the ``StatePool``
 (``states``): taken on admission (no free slot: the request waits), given back with the blocks.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from lmstack.inference.block_manager import BlockManager
+from lmstack.inference.block_manager import BlockManager, chain_hash
 from lmstack.inference.draft_runner import DraftRunner
 from lmstack.inference.sequence import RUNNING, WAITING, Sequence
 from lmstack.inference.speculative import PromptLookup
@@ -110,21 +112,36 @@ class Scheduler:
             i += 1
         if preempted:
             return scheduled
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # the next prompt block each prefilling sequence computes: a waiting request that needs the same block
+        # waits one step and then reads it from the prefix cache (G samples of one prompt prefill it once)
+        pending = {h for seq, _ in scheduled if (h := self._next_prompt_block(seq))}
+        i = 0  # waiting requests passed over (at most max_num_seqs looked at beyond the admitted ones)
+        while (
+            i < min(len(self.waiting), self.max_num_seqs)
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
             if self.states is not None and not self.states.num_free:
                 break  # no state slot: the request waits for a running one to finish
-            seq = self.waiting[0]
+            seq = self.waiting[i]
             # prompt logprobs need the logits at every prompt position: such a request takes no prefix hit
             cached = self.blocks.allocate(
                 seq.request_id, seq.all_ids if seq.prompt_logprobs is None else ()
             )
+            h = self._next_prompt_block(seq) if seq.prompt_logprobs is None else None
+            if h is not None and h in pending:
+                self.blocks.free(seq.request_id)
+                i += 1
+                continue
             n = min(len(seq.all_ids) - cached, budget)
             if not self.blocks.can_append(
                 seq.request_id, n, reserve=self.watermark_blocks if self.running else 0
             ):
                 self.blocks.free(seq.request_id)
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            if h is not None:
+                pending.add(h)
             seq.num_computed = cached
             if seq.num_cached_tokens is None:  # first admission: prefix-cache statistics
                 seq.num_cached_tokens = cached
@@ -138,6 +155,18 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
         return scheduled
+
+    def _next_prompt_block(self, seq: Sequence) -> bytes | None:
+        """The chained hash of the first prompt block ``seq`` has not stored yet, when that block is full and
+        could be served from the prefix cache (``BlockManager.allocate``'s limit), else None."""
+        blocks = self.blocks
+        if not blocks.enable_prefix_caching:
+            return None
+        hashes, bs = blocks.hashes[seq.request_id], blocks.block_size
+        j = len(hashes)
+        if j >= (seq.num_prompt - 1) // bs:
+            return None
+        return chain_hash(hashes[-1] if hashes else None, seq.all_ids[j * bs : (j + 1) * bs])
 
     def _propose_all(self, budget: int) -> None:
         """Drafts for every running sequence that decodes, proposed together (a draft model runs them

@@ -18,7 +18,14 @@ import torch
 from torch import Tensor, nn
 
 from lmstack.model.config import ModelConfig
-from lmstack.model.layers import Linear, RMSNorm, RotaryEmbedding, fuse_linears, linear, still_fused
+from lmstack.model.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    fuse_linears,
+    fused_linear,
+    still_fused,
+)
 from lmstack.model.seam import (
     DEFAULT_ATTENTION,
     AttentionImpl,
@@ -69,9 +76,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.norm_eps, **kw)
         else:
             self.q_norm = self.k_norm = None
-        self.qkv: tuple[Tensor, Tensor | None, list[int]] | None = (
-            None  # fused [W_Q; W_K; W_V], bias, widths (``fuse``)
-        )
+        # fused [W_Q; W_K; W_V] (or the fused quantised module), bias, widths (``fuse``)
+        self.qkv: tuple[Tensor | nn.Module, Tensor | None, list[int]] | None = None
         # Shared across layers when the Transformer passes one in; not a submodule then.
         self._rope = [
             rope
@@ -99,7 +105,7 @@ class Attention(nn.Module):
             w, b, widths = self.qkv
             q, k, v = (
                 t.reshape(B, T, -1, H).transpose(1, 2)
-                for t in linear(x, w, b).split(widths, dim=-1)
+                for t in fused_linear(x, w, b).split(widths, dim=-1)
             )
         else:
             q = self.q_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, N, T, H)
@@ -116,7 +122,7 @@ class Attention(nn.Module):
             linears = [self.q_proj, self.k_proj, self.v_proj]
             fused = fuse_linears(linears)
             if fused is not None:
-                self.qkv = (*fused, [m.weight.shape[0] for m in linears])
+                self.qkv = (*fused, [int(m.out_features) for m in linears])
         return self.qkv is not None
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:

@@ -57,12 +57,19 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def fuse_linears(modules: Sequence[nn.Module]) -> tuple[Tensor, Tensor | None] | None:
+def fuse_linears(modules: Sequence[nn.Module]) -> tuple[Tensor | nn.Module, Tensor | None] | None:
     """One weight (ΣO, I) (and bias) whose row blocks are these linears' weights, for one GEMM in place of
     several on the same input (QKV, gate/up). The linears' parameters become views of it, so in-place
     updates (``load_state_dict``, an optimizer step) reach the fused copy; a parameter replaced by a new
-    tensor does not (fuse again). None when they are not all plain ``Linear`` of one input size, dtype
-    and device (quantised or wrapped linears, LoRA) or were fused already."""
+    tensor does not (fuse again). Quantised linears of one class (``Int4Linear``, ``Int8Linear``: a
+    classmethod ``concat_rows``) give one fused quantised module instead, (module, None): one activation
+    quantisation and one kernel call (``quant.linear.WeightOnlyLinear.concat_rows``). None when they are
+    not all plain ``Linear`` (or all one quantised class) of one input size, dtype and device (wrapped
+    linears, LoRA) or were fused already."""
+    kind = type(modules[0]) if len(modules) else None
+    if hasattr(kind, "concat_rows") and all(type(m) is kind for m in modules):
+        fused_module = kind.concat_rows(modules)  # type: ignore[union-attr]
+        return None if fused_module is None else (fused_module, None)
     if not all(type(m) is Linear for m in modules):
         return None
     linears = cast("list[Linear]", list(modules))
@@ -88,18 +95,25 @@ def fuse_linears(modules: Sequence[nn.Module]) -> tuple[Tensor, Tensor | None] |
     return W, b
 
 
-def still_fused(linears: list[nn.Module], fused: Tensor) -> bool:
-    """Whether the fused linears' weights are still the row blocks of ``fused`` (``fuse_linears``): False once
-    a parameter was replaced (``model.to``, a new ``nn.Parameter``) — callers pass the modules they hold now, so
-    a replaced module counts too; not checked while compiling (a compiled
-    graph is traced once)."""
+def fused_linear(x: Tensor, w: Tensor | nn.Module, b: Tensor | None = None) -> Tensor:
+    """x through what ``fuse_linears`` returned: a fused weight (and bias) or a fused quantised module."""
+    return w(x) if isinstance(w, nn.Module) else linear(x, w, b)
+
+
+def still_fused(linears: list[nn.Module], fused: Tensor | nn.Module) -> bool:
+    """Whether the fused linears' weights are still the row blocks of ``fused`` (``fuse_linears``; a fused
+    quantised module: its ``qweight`` codes): False once a parameter was replaced (``model.to``, a new
+    ``nn.Parameter``) — callers pass the modules they hold now, so a replaced module counts too; not checked
+    while compiling (a compiled graph is traced once)."""
     if torch.compiler.is_compiling():
         return True
-    ptr, step = fused.data_ptr(), fused.stride(0) * fused.element_size()
+    name = "qweight" if isinstance(fused, nn.Module) else "weight"
+    ref = cast(Tensor, fused.qweight) if isinstance(fused, nn.Module) else fused
+    ptr, step = ref.data_ptr(), ref.stride(0) * ref.element_size()
     for (
         m
     ) in linears:  # a module replaced since (quantised, LoRA-wrapped) may have no weight of its own
-        w = getattr(m, "weight", None)
+        w = getattr(m, name, None)
         if not isinstance(w, Tensor) or w.data_ptr() != ptr:
             return False
         ptr += w.shape[0] * step
@@ -198,27 +212,27 @@ class SwiGLU(nn.Module):
         self.gate_proj = Linear(d_model, d_ff, device=device, dtype=dtype)  # W_gate (F, D)
         self.up_proj = Linear(d_model, d_ff, device=device, dtype=dtype)  # W_up (F, D)
         self.down_proj = Linear(d_ff, d_model, device=device, dtype=dtype)  # W_down (D, F)
-        self.gate_up: Tensor | None = (
-            None  # [W_gate; W_up] (2F, D) once ``fuse`` ran: one GEMM for both
-        )
+        # [W_gate; W_up] (2F, D) once ``fuse`` ran, or the fused quantised module: one GEMM for both (a tuple,
+        # so a fused module is no submodule: checkpoints are unchanged)
+        self.gate_up: tuple[Tensor | nn.Module] | None = None
 
     def fuse(self) -> bool:
         """Compute gate and up with one GEMM from now on (``fuse_linears``); False where they cannot be fused."""
         fused = fuse_linears([self.gate_proj, self.up_proj]) if self.gate_up is None else None
         if fused is not None:
-            self.gate_up = fused[0]
+            self.gate_up = (fused[0],)
         return self.gate_up is not None
 
     def forward(self, x: Tensor) -> Tensor:  # (B, S, D) -> (B, S, D)
         if self.gate_up is not None and not still_fused(
-            [self.gate_proj, self.up_proj], self.gate_up
+            [self.gate_proj, self.up_proj], self.gate_up[0]
         ):
             self.gate_up = None  # a parameter was replaced: back to the separate linears
         if (
             self.gate_up is not None and not torch.is_grad_enabled()
         ):  # inference only: with autograd the separate
             # linears, whose parameters the gradients must reach (the fused weight is no parameter)
-            g, u = linear(x, self.gate_up).chunk(2, dim=-1)  # (B, S, F) x2
+            g, u = fused_linear(x, self.gate_up[0]).chunk(2, dim=-1)  # (B, S, F) x2
             return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # hidden (B, S, F)
 

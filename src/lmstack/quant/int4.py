@@ -10,6 +10,7 @@ uses the form Ŵ = (Q − 8) · s + z with the zero point z = min + 8 s, and tak
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from lmstack.quant import int4_vnni
 from lmstack.quant.linear import WeightOnlyLinear, best_seconds, gemm_rows
 
 QMAX4 = 15
+TERMS_ENV = "LMSTACK_INT4_TERMS"
 _log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
@@ -67,6 +69,20 @@ def measure_gemm_rows(kernel: str, O: int = 1024, I: int = 576, G: int = 32):
     return measure
 
 
+def default_terms(kernel: str) -> int:
+    """Int8 terms per activation for ``kernel`` when ``Int4Linear(terms=None)``: 1 on "avx2" (llama.cpp's
+    Q4_1 x Q8_1 precision: SmolLM2 perplexity +1.1% over two terms, docs/quant.md; AVX2's
+    ``vpmaddubsw`` + ``vpmaddwd`` make the kernel compute-bound, so the second term costs ~1.45x there), 2
+    elsewhere (the VNNI kernel is memory-bound: the second ``vpdpbusd`` is free). ``LMSTACK_INT4_TERMS=1|2``
+    forces it."""
+    env = os.environ.get(TERMS_ENV, "").strip()
+    if env:
+        if env not in ("1", "2"):
+            raise ValueError(f"{TERMS_ENV}={env!r}; expected 1 or 2 int8 terms per activation")
+        return int(env)
+    return 1 if kernel == "avx2" else 2
+
+
 def _has_int4_kernel() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
         torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
@@ -77,8 +93,9 @@ class Int4Linear(WeightOnlyLinear):
     """y = x Ŵᵀ (+ b) with Ŵ stored as packed 4-bit Q and per-group (scale, zero) — 0.5 byte per weight.
 
     ``compute_dtype`` as in ``Int8Linear`` (bf16: the CPU kernel's fast path). ``terms``: int8 terms per
-    activation in lmstack's kernels (2, the default: ~15 bits; 1: one Q8 term, llama.cpp's Q4_1 x Q8_1
-    precision, +0.9% SmolLM2 perplexity, about half the integer work on AVX2). ``kernel``: "auto"
+    activation in lmstack's kernels (2: ~15 bits; 1: one Q8 term, llama.cpp's Q4_1 x Q8_1 precision, +1.1%
+    SmolLM2 perplexity, about half the integer work on AVX2); None (the default): ``default_terms(kernel)``,
+    1 on the AVX2 kernel, 2 on the VNNI one. ``kernel``: "auto"
     takes lmstack's kernel the CPU runs (``int4_vnni.kernel()``: "vnni" or "avx2"; int8 activations per
     group, fp16 d and m) when ``compute_dtype`` is bf16, else torch's (bf16 activations); "aten" forces
     torch's, "vnni" / "avx2" that one of ours (a ValueError with the reason if it cannot run). The one
@@ -97,15 +114,14 @@ class Int4Linear(WeightOnlyLinear):
         bias: Tensor | None = None,
         compute_dtype: torch.dtype = torch.bfloat16,
         kernel: str = "auto",
-        terms: int = 2,
+        terms: int | None = None,
     ):
         O, I = q.shape
-        if terms not in (1, 2):
-            raise ValueError(f"terms={terms!r}; expected 1 or 2 int8 terms per activation")
+        if terms not in (None, 1, 2):
+            raise ValueError(
+                f"terms={terms!r}; expected 1 or 2 int8 terms per activation (or None)"
+            )
         super().__init__(O, I, bias, compute_dtype)
-        self.terms = (
-            terms  # lmstack's kernels: int8 terms per activation (1: llama.cpp's Q8_1 precision)
-        )
         if kernel not in ("auto", "aten", *int4_vnni.KERNELS):
             raise ValueError(
                 f"kernel={kernel!r}; expected 'auto', 'aten', {', '.join(map(repr, int4_vnni.KERNELS))}"
@@ -124,6 +140,8 @@ class Int4Linear(WeightOnlyLinear):
         else:
             ours = kernel == "auto" and compute_dtype == torch.bfloat16 and shape_ok
             self.kernel = int4_vnni.kernel() if ours else "aten"
+        # lmstack's kernels: int8 terms per activation (1: llama.cpp's Q8_1 precision)
+        self.terms = default_terms(self.kernel) if terms is None else terms
         if self.vnni:
             self.use_kernel, self.fallback_reason = True, None
             packed, d, m = int4_vnni.pack(q, scale, lo)
@@ -233,6 +251,9 @@ class Int4Linear(WeightOnlyLinear):
         if self.vnni:  # off the CPU: dequantise
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
         return super().forward(x)
+
+    def _rows_first(self) -> bool:  # torch's packing keeps (scale, zero) as (I/G, O, 2): not joined
+        return self.vnni or not self.use_kernel
 
     def _kernel_ok(self) -> bool:
         return self.use_kernel

@@ -179,6 +179,9 @@ class Int8Linear(WeightOnlyLinear):
         scale = self.scale if self.kernel == "avx2" else self.scale_c
         return self.qweight.numel() + scale.numel() * scale.element_size()
 
+    def _rows_first(self) -> bool:  # Q (O, I) or its (O/16, I/4, 64) tiles, s (O,)
+        return True
+
     def _kernel_ok(self) -> bool:
         return _has_int8_kernel()
 

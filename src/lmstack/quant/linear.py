@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +93,55 @@ class WeightOnlyLinear(nn.Module):
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         )
+
+    def _rows_first(self) -> bool:
+        """Whether every buffer holds the output rows along dim 0 in order (so ``concat_rows`` may join them)."""
+        return False
+
+    @classmethod
+    def concat_rows(cls, modules: Sequence[nn.Module]) -> WeightOnlyLinear | None:
+        """One quantised linear whose outputs are these linears' outputs one after another (fused QKV, gate/up:
+        one activation quantisation and one kernel call for all of them), or None where they cannot be joined
+        (another class, kernel, group size, int8 terms, compute dtype, input size, some with a bias and some
+        without, a layout whose rows are not along dim 0). Quantisation groups run along the inputs, so joining
+        along the outputs is a concatenation of the codes and scales (and minimums): the fused layer computes
+        the same numbers as the parts. The parts' buffers become row views of the fused ones (no second copy;
+        ``model.layers.still_fused`` checks ``qweight`` to see whether a part was replaced since)."""
+        parts = list(modules)
+        if not parts or any(type(m) is not cls or not m._rows_first() for m in parts):
+            return None
+        first = parts[0]
+        same = ("in_features", "compute_dtype", "kernel", "group_size", "terms", "act_group")
+        if any(getattr(m, a, None) != getattr(first, a, None) for m in parts for a in same):
+            return None
+        if len({m.bias is None for m in parts}) != 1 or any(
+            m._buffers.keys() != first._buffers.keys() for m in parts
+        ):
+            return None
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        for k, v in vars(
+            first
+        ).items():  # plain attributes: kernel, terms, group_size, gemm_rows, ...
+            if not k.startswith("_"):
+                setattr(fused, k, v)
+        fused.out_features = sum(m.out_features for m in parts)
+        fused.bias = None
+        if first.bias is not None:
+            fused.bias = nn.Parameter(
+                torch.cat([m.bias.detach() for m in parts]), requires_grad=False
+            )
+            o = 0
+            for m in parts:
+                m.bias.data, o = fused.bias.data[o : o + m.out_features], o + m.out_features
+        for name in first._buffers:
+            joined = torch.cat([m._buffers[name] for m in parts])
+            fused.register_buffer(name, joined)
+            o = 0
+            for m in parts:  # each part's rows become a view of the joined buffer
+                n = m._buffers[name].shape[0]
+                m._buffers[name], o = joined[o : o + n], o + n
+        return fused
 
     def _kernel_ok(self) -> bool:
         raise NotImplementedError

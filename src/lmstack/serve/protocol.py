@@ -51,6 +51,45 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class FunctionDef(_Request):
+    """A tool's function: its name (checked in ``tools.py``: ``^[a-zA-Z0-9_-]{1,64}$``, unique), and the JSON
+    schema of its arguments object (absent = no arguments)."""
+
+    name: str
+    description: str | None = None
+    parameters: Any = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call exactly that tool."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Request):
+    name: Text
+    arguments: Text  # a JSON object, as a string (OpenAI's format)
+
+
+class ToolCall(_Request):
+    """An earlier assistant turn's call, sent back in ``messages``."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Sampling(_Request):
     """Fields shared by both endpoints."""
 
@@ -76,13 +115,14 @@ class Sampling(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # tool calls (chat only: ``serve/tools.py``; /v1/completions refuses them)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # OpenAI fields this server does not implement: accepted only at their no-op values (``Server.unsupported``),
     # anything else is a 400 naming the field — never a plain-text answer pretending to comply
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
     audio: Any = None
     best_of: Annotated[int, Field(ge=1)] | None = None
@@ -108,9 +148,11 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: Text | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:

@@ -44,9 +44,14 @@ def completion_logprobs(server: Server, entries, offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def finish_reason(out) -> str | None:
-    """The engine's reasons ("stop", "length") are OpenAI's; None while running."""
-    return out.finish_reason if out.finished else None
+def finish_reason(out, tool_output=None) -> str | None:
+    """The engine's reasons ("stop", "length") are OpenAI's; None while running; "tool_calls" when a
+    finished ("stop") output is a tool call (``tool_output``: the choice's ``tools.ToolOutput``)."""
+    if not out.finished:
+        return None
+    if out.finish_reason == "stop" and tool_output is not None and tool_output.called(out.text):
+        return "tool_calls"
+    return out.finish_reason
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -298,16 +298,13 @@ class Server:
 
     @staticmethod
     def unsupported(body) -> None:
-        """OpenAI fields the server does not implement are refused unless at their no-op value."""
-        if body.tools or body.functions:
+        """OpenAI fields the server does not implement are refused unless at their no-op value (tool calls are
+        ``tools.py``'s, on chat only)."""
+        if body.functions or body.function_call not in (None, "none"):
             raise APIError(
-                400, "tool calls are not supported by this server (tools/functions)", param="tools"
-            )
-        if body.tool_choice not in (None, "none") or body.function_call not in (None, "none"):
-            raise APIError(400, "tool_choice is not supported (no tools)", param="tool_choice")
-        if body.parallel_tool_calls:
-            raise APIError(
-                400, "parallel_tool_calls is not supported (no tools)", param="parallel_tool_calls"
+                400,
+                "functions/function_call (deprecated by OpenAI) are not supported: use tools",
+                param="functions" if body.functions else "function_call",
             )
         if body.modalities not in (None, ["text"]) or body.audio is not None:
             raise APIError(
@@ -352,33 +349,38 @@ class Server:
         raw = self.tokenizer.decode_bytes([token]) if token in self.tokenizer.vocab else b""
         return raw.decode("utf-8", "replace"), list(raw)
 
-    def chat_ids(self, messages, add_generation_prompt: bool) -> list[int]:
-        """The messages rendered with the model's chat template, tokenised and checked."""
+    def chat_ids(self, messages, add_generation_prompt: bool, tools=None) -> list[int]:
+        """The messages (and ``tools``, the OpenAI tool list, if given) rendered with the model's chat template,
+        tokenised and checked."""
+        from lmstack.serve.tools import template_messages  # tools.py imports APIError from here
+
         if not messages:
             raise APIError(400, "messages is empty: give at least one message", param="messages")
-        msgs = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in messages
-        ]
+        msgs = template_messages(messages, self.tokenizer.chat_template)
         try:
             text = self.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt
+                msgs,
+                add_generation_prompt=add_generation_prompt,
+                **({"tools": tools} if tools else {}),
             )
         except ValueError as e:  # ChatTemplateError: no template, or the template rejected them
             raise APIError(400, f"messages: {e}", param="messages") from None
         return self.token_ids(self.tokenizer.encode(text), "messages")
 
-    def structured(self, body: ChatCompletionRequest):
-        """Per choice, the grammar's logits processor (``structured.py``), or None for free text."""
+    def structured(self, body: ChatCompletionRequest, tool_plan=None):
+        """Per choice, the grammar's logits processor (``structured.py``), or None for free text: the
+        ``response_format``'s, or a tool call's (``tools.ToolPlan.schema``: tool_choice required or named)."""
         fmt = body.response_format
+        if tool_plan is not None and fmt is not None and fmt.type != "text":
+            raise APIError(
+                400,
+                "response_format cannot be combined with tools (a tool call's arguments are already JSON)",
+                param="response_format",
+            )
+        if tool_plan is not None and tool_plan.schema is not None:
+            return self._masks(tool_plan.schema, body.n, "tools")
         if fmt is None or fmt.type == "text":
             return None
-        from lmstack.serve import structured  # llguidance: only for requests that ask for it
-
-        if self._grammar is None:
-            self._grammar = structured.Grammars(
-                self.tokenizer, self.engine.config.vocab_size, self.engine.scheduler.eos_token_id
-            )
         if fmt.type == "json_schema":
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise APIError(
@@ -389,10 +391,19 @@ class Server:
             schema = fmt.json_schema.schema_
         else:
             schema = None
+        return self._masks(schema, body.n, "response_format")
+
+    def _masks(self, schema: dict | None, n: int, param: str) -> list[list]:
+        from lmstack.serve import structured  # llguidance: only for requests that ask for it
+
+        if self._grammar is None:
+            self._grammar = structured.Grammars(
+                self.tokenizer, self.engine.config.vocab_size, self.engine.scheduler.eos_token_id
+            )
         try:
-            return [[self._grammar.processor(schema)] for _ in range(body.n)]
+            return [[self._grammar.processor(schema)] for _ in range(n)]
         except ValueError as e:
-            raise APIError(400, f"response_format: {e}", param="response_format") from None
+            raise APIError(400, f"{param}: {e}", param=param) from None
 
 
 def shutting_down(why: str) -> APIError:

@@ -153,51 +153,37 @@ async def _stream_tail(
     yield "data: [DONE]\n\n"
 
 
-async def chat_stream(server: Server, gens, rid, created, prompt_tokens, include_usage, logprobs):
+async def chat_stream(
+    server: Server, gens, rid, created, prompt_tokens, include_usage, logprobs, tool_outputs=None
+):
+    """Chat chunks; with tools (``tool_outputs``: one ``tools.ToolOutput`` per choice) the deltas are
+    ``content`` and/or ``tool_calls`` (index, then id/type/name, then ``arguments`` fragments), as OpenAI's."""
     chunk = _chunker(server, rid, created, "chat.completion.chunk", include_usage)
     completion = [0]
 
+    def piece(i, delta, lp=None, finish=None):
+        return chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}])
+
     async def events():
+        first = {"role": "assistant", "content": None if tool_outputs else ""}
         for i in range(len(gens)):
-            yield chunk(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
-            )
+            yield piece(i, dict(first))
         sent_lp = [0] * len(gens)
         async for i, out in _merge(gens):
             lp = None
             if logprobs is not None and out.logprobs is not None:
                 new = _new_logprobs(out, sent_lp, i)
                 lp = chat_logprobs(server, new) if new else None
-            if out.new_text or lp is not None:
-                yield chunk(
-                    [
-                        {
-                            "index": i,
-                            "delta": {"content": out.new_text},
-                            "logprobs": lp,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
+            to = tool_outputs[i] if tool_outputs else None
+            deltas = to.deltas(out.text, out.finished) if to else [{"content": out.new_text}]
+            deltas = [d for d in deltas if d != {"content": ""}]
+            if lp is not None and not deltas:  # logprobs of tokens that made no text yet
+                deltas = [{} if to else {"content": ""}]
+            for k, delta in enumerate(deltas):
+                yield piece(i, delta, lp if k == 0 else None)
             if out.finished:
                 completion[0] += len(out.token_ids)
-                yield chunk(
-                    [
-                        {
-                            "index": i,
-                            "delta": {},
-                            "logprobs": None,
-                            "finish_reason": finish_reason(out),
-                        }
-                    ]
-                )
+                yield piece(i, {}, None, finish_reason(out, to))
 
     async for event in _stream_tail(events(), chunk, prompt_tokens, include_usage, completion):
         yield event

@@ -15,6 +15,7 @@ from functools import lru_cache
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -34,15 +35,29 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     )
 
 
-@lru_cache(maxsize=8)
-def _compile(template: str) -> jinja2.Template:
+def _env() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
+    return env
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
     try:
-        return env.from_string(template)
+        return _env().from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template does not parse: {e}") from None
+
+
+@lru_cache(maxsize=8)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables ``template`` reads from its context (``messages``, ``tools``, ...): a template renders
+    ``tools=`` only if it reads ``tools`` (Jinja's ``meta.find_undeclared_variables``)."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_env().parse(template)))
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template does not parse: {e}") from None
 

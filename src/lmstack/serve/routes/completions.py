@@ -25,6 +25,11 @@ async def completions(body: CompletionRequest, request: Request, server: ServerD
     server.check_model(body.model)
     server.check_n(body.n)
     server.unsupported(body)
+    for field in ("tools", "tool_choice", "parallel_tool_calls"):
+        if getattr(body, field) is not None:
+            raise APIError(
+                400, f"{field}: tool calls are for /v1/chat/completions (the chat API)", param=field
+            )
     if body.suffix:
         raise APIError(
             400, "suffix is not supported (no fill-in-the-middle template)", param="suffix"
