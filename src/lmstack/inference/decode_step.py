@@ -129,9 +129,13 @@ class PagedDecodeSeam:
         self.table, self.positions, self.abilities = table, positions, abilities
         self.k_new: Tensor | None = None
         self.v_new: Tensor | None = None
+        self.q: Tensor | None = None
 
     def attend(self, layer_idx, q, k, v, meta, impl) -> Tensor:
         self.k_new, self.v_new = k[:, :, 0], v[:, :, 0]  # (B, K, H)
+        # returned by the graph too, so inductor stores q once instead of recomputing its RoPE inside the
+        # attention's loops for every key slot (measured: 2.3 -> 0.6 ms a layer at 16 rows, 256 slots)
+        self.q = q
         return paged_decode_attention(
             q,
             self.k_pool,
@@ -189,11 +193,12 @@ def block_signature(block) -> tuple:
 
 
 def _layer(block, x, tokens, positions, table, k_pool, v_pool, k_scale, v_scale, window, abilities):
-    """One block's decode forward (the compiled region): x (B, 1, D) -> (B, 1, D), k, v (B, K, H)."""
+    """One block's decode forward (the compiled region): x (B, 1, D) -> (B, 1, D), k, v (B, K, H), and q
+    (B, N, 1, H), an output only so that it is stored once (``PagedDecodeSeam.attend``)."""
     seam = PagedDecodeSeam(k_pool, v_pool, k_scale, v_scale, table, positions, abilities)
     meta = AttentionMetadata(positions[:, None], window=window, cache=seam, token_ids=tokens)
     y = block(x, meta)
-    return y, seam.k_new, seam.v_new
+    return y, seam.k_new, seam.v_new, seam.q
 
 
 class DecodeStep:
@@ -347,7 +352,7 @@ class DecodeStep:
         window, abilities = self.model.config.sliding_window, self.cache.abilities
         n_before = len(self._graphs)
         out = fn(self.blocks[i], *args, window, abilities)
-        if direct is False and len(self._graphs) == n_before + 1 and self._graphs[-1][2] == 3:
+        if direct is False and len(self._graphs) == n_before + 1 and self._graphs[-1][2] == 4:
             self._capture(key, i, args)
             self._check_direct(key, i + 1, x, tokens, positions, table)
         elif direct is False:
@@ -376,7 +381,7 @@ class DecodeStep:
             x = x * torch.tensor(model.config.d_model**0.5, dtype=x.dtype)
         ks, vs = [], []
         for i in range(len(self.blocks)):
-            x, k, v = self._run_block(i, B, M, x, tokens, positions, table)
+            x, k, v, _ = self._run_block(i, B, M, x, tokens, positions, table)
             ks.append(k)
             vs.append(v)
         logits = model.unembed(model.norm(x))[:, -1]  # (B, V)

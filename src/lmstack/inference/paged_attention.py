@@ -43,25 +43,30 @@ def paged_decode_attention(
     S, G = M * bs, N // K
     c = torch.float64 if q.dtype == torch.float64 else torch.float32
     slot = torch.arange(S, device=q.device)  # (S,): slot s holds position s
-    here = (slot[None] == positions[:, None])[:, :, None, None]  # (B, S, 1, 1)
+    p_b = positions[:, None]  # (B, 1)
 
-    def keys(pool: Tensor, scale: Tensor | None, new: Tensor | None) -> Tensor:
+    def keys(pool: Tensor, scale: Tensor | None) -> Tensor:
         x = pool[table].to(c)  # (B, M, bs, K, H): indirect loads under compile
         if scale is not None:
             x = x * scale[table][:, :, None, :, None].to(c)
-        x = x.reshape(B, S, K, H)
-        return x if new is None else torch.where(here, new[:, None].to(c), x)
+        return x.reshape(B, S, K, H).permute(0, 2, 1, 3)[:, :, None]  # (B, K, 1, S, H)
 
-    ks = keys(k_pool, k_scale, k_new).permute(0, 2, 1, 3)[:, :, None]  # (B, K, 1, S, H)
     qg = q[:, :, 0].reshape(B, K, G, 1, H).to(c)  # query head n = kv head n // G (GQA)
-    scores = (qg * ks).sum(-1) / math.sqrt(H)  # (B, K, G, S): S last, the softmax runs along it
+    scores = (qg * keys(k_pool, k_scale)).sum(-1) / math.sqrt(H)  # (B, K, G, S): S last
+    # with this step's k, v given, the pool's slot p_b is not read (it is stored after the forward): the
+    # new key's score is one more column, so nothing per slot depends on this step's (RoPE'd) k
+    visible = slot[None] < p_b if k_new is not None else slot[None] <= p_b  # (B, S)
+    if window is not None:
+        visible = visible & (p_b - slot[None] < window)
+    if k_new is not None:
+        new = (qg[..., 0, :] * k_new[:, :, None].to(c)).sum(-1, keepdim=True) / math.sqrt(H)
+        scores = torch.cat([scores, new], dim=-1)  # (B, K, G, S + 1): the new token last, visible
+        visible = torch.cat([visible, torch.ones_like(visible[:, :1])], dim=-1)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    visible = slot[None] <= positions[:, None]  # (B, S)
-    if window is not None:
-        visible = visible & (positions[:, None] - slot[None] < window)
     scores = scores.masked_fill(~visible[:, None, None], -torch.inf)
     p = torch.softmax(scores, dim=-1)
-    vs = keys(v_pool, v_scale, v_new).permute(0, 2, 1, 3)[:, :, None]  # (B, K, 1, S, H)
-    out = (p[..., None] * vs).sum(3)  # (B, K, G, H)
+    out = (p[..., :S, None] * keys(v_pool, v_scale)).sum(3)  # (B, K, G, H)
+    if v_new is not None:
+        out = out + p[..., S:] * v_new[:, :, None].to(c)
     return out.reshape(B, N, 1, H).to(q.dtype)
