@@ -42,8 +42,9 @@ from lmstack.model.seam import AttentionImpl, AttentionMetadata
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 COMPILE_POLICIES = ("auto", "on", "off")
-# decode batches of more rows run eagerly (``DecodeStep.max_compiled_batch``; measured, docs/inference.md)
-MAX_COMPILED_BATCH = 4
+# decode batches of more rows run eagerly (``DecodeStep.max_compiled_batch``): compiled wins at every batch
+# measured (1.9x eager at 1 row, 1.2x at 16; docs/inference.md), so every bucket up to 64 rows compiles
+MAX_COMPILED_BATCH = 64
 MIN_BUCKET_TOKENS = 256  # the smallest table bucket covers this many positions
 
 
@@ -218,9 +219,7 @@ class DecodeStep:
         self.buckets = (
             BATCH_BUCKETS  # batch sizes compiled (set before the first step to compile fewer)
         )
-        # batches of more rows run eagerly: measured here (engine_step.py --interleave, SmolLM2 int4) the
-        # compiled step is 1.5-1.7x eager at 1 row, 1.1-1.2x at 4, 0.85x at 8, 0.75-0.86x at 16 (its
-        # attention reads the padded table; docs/inference.md)
+        # larger batches run eagerly (a knob: the compiled step is faster at every batch measured)
         self.max_compiled_batch = MAX_COMPILED_BATCH
         self.device = cache.k.device
         self.layers = sorted(
