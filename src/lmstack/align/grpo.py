@@ -183,11 +183,11 @@ def paired_accuracy(before: list[int], after: list[int], level: float = 0.95) ->
     def acc(v):
         k = int(sum(v))
         ci = binomtest(k, n).proportion_ci(level, method="wilson")
-        return {"correct": k, "accuracy": k / n, "ci": [ci.low, ci.high]}
+        return {"correct": k, "accuracy": k / n, "ci": [float(ci.low), float(ci.high)]}
 
     fixed = sum(1 for a, b in zip(before, after) if not a and b)
     broken = sum(1 for a, b in zip(before, after) if a and not b)
-    p = binomtest(fixed, fixed + broken).pvalue if fixed + broken else 1.0
+    p = float(binomtest(fixed, fixed + broken).pvalue) if fixed + broken else 1.0
     return {
         "problems": n,
         "before": acc(before),
