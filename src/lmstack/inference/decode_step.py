@@ -31,6 +31,8 @@ from __future__ import annotations
 import os
 import shutil
 import types
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -161,6 +163,7 @@ def _tensors(obj, path: str, out: dict[str, Tensor], seen: set[int], depth: int 
     if depth > 12 or id(obj) in seen:
         return
     seen.add(id(obj))
+    items: Iterable[tuple[Any, Any]]
     if isinstance(obj, dict):
         items = obj.items()
     elif isinstance(obj, (list, tuple)):
@@ -303,7 +306,7 @@ class DecodeStep:
         attribute path; or a constant shared by all blocks)."""
         graph, inputs, _ = self._graphs[-1]
         by_id = {id(t): p for p, t in self._block_tensors[i].items()}
-        recipe = []
+        recipe: list[tuple[str, Any]] = []
         for t in inputs:
             j = next((j for j, a in enumerate(args) if a is t), None)
             if j is not None:
@@ -361,9 +364,10 @@ class DecodeStep:
     def _check_direct(self, key: tuple, j: int, x, tokens, positions, table) -> None:
         """Call block j (the next one of this structure) both ways once: the direct call must give
         Dynamo's result exactly, or this bucket keeps Dynamo's guarded call."""
-        j = next((n for n in range(j, len(self.blocks)) if self._signatures[n] == key[2]), None)
-        if not self._direct.get(key) or j is None:
+        nxt = next((n for n in range(j, len(self.blocks)) if self._signatures[n] == key[2]), None)
+        if not self._direct.get(key) or nxt is None:
             return
+        j = nxt
         fn = self._compiled_block(key)
         args = (x, tokens, positions, table, *self._pool(j))
         ref = fn(self.blocks[j], *args, self.model.config.sliding_window, self.cache.abilities)

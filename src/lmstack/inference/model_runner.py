@@ -182,8 +182,8 @@ class ModelRunner:
                 assert s.params.logprobs is not None  # asked for
                 by_n.setdefault(s.params.logprobs, []).append(i)
         lps: dict[int, tuple] = {}
-        for n, rows in by_n.items():
-            lps.update(zip(rows, rows_logprobs(logits_cpu[rows], [tokens[i] for i in rows], n)))
+        for n, idx in by_n.items():
+            lps.update(zip(idx, rows_logprobs(logits_cpu[idx], [tokens[i] for i in idx], n)))
         return [o if o is not None else (tokens[i], lps.get(i)) for i, o in enumerate(out)]
 
     def verify(self, seq: Sequence, logits: Tensor) -> list[tuple[int, tuple | None]]:
