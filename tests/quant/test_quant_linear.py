@@ -81,7 +81,10 @@ def test_int8_linear_equals_linear_on_dequantized_weight(bias):
     torch.testing.assert_close(fast(x), ref_bf16, atol=0.05, rtol=0.02)
 
 
-def test_int8_linear_many_rows_dequantizes():
+def test_int8_linear_many_rows_dequantizes(monkeypatch):
+    monkeypatch.setenv(
+        "LMSTACK_QUANT_GEMM_ROWS", "never"
+    )  # not oneDNN's int8 GEMM (test_quant_int8_onednn)
     w = weight()
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3))  # >= DEQUANT_ROWS rows
     m = Int8Linear(*quantize_int8(w))

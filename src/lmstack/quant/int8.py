@@ -6,6 +6,9 @@ For W of shape (O, I):  s_o = max_i |W_oi| / 127,  Q_oi = round(W_oi / s_o) ∈ 
 AVX-512 VNNI torch's kernel is slow (measured 2-10x behind lmstack's at batch 1, docs/quant.md), so there
 ``Int8Linear`` runs lmstack's ``csrc/int8_avx2.cpp`` instead: int8 activations per group of G inputs (two
 int8 terms, ~15 bits, as the int4 kernel), y_o = s_o · Σ_g Σ_t s_x,t,g · Σ_{i∈g} Q_oi · x_q,t,i.
+Where torch's kernel runs (an AVX-512 VNNI CPU), from ``gemm_rows`` activation rows on (a batch's
+unembedding, measured) ``Int8Linear`` runs oneDNN's int8 GEMM (AMX / VNNI) on Q prepacked once:
+two int8 terms per activation row (``onednn_mm``), y_m,o = s_o · Σ_t s_x,t,m · Σ_i Q_oi · x_q,t,m,i.
 """
 
 from __future__ import annotations
@@ -85,6 +88,59 @@ def measure_gemm_rows(O: int = 1024, I: int = 576):
     return measure
 
 
+def has_onednn() -> bool:
+    """Whether torch has oneDNN's quantised linear (``torch.ops.onednn.qlinear_pointwise``, x86 builds)."""
+    ops = getattr(torch.ops, "onednn", None)
+    return torch.backends.mkldnn.is_available() and all(
+        hasattr(ops, n) for n in ("qlinear_prepack", "qlinear_pointwise")
+    )
+
+
+def onednn_mm(x2: Tensor, packed: Tensor, scale: Tensor, zeros: Tensor) -> Tensor:
+    """(M, I) float rows times Q prepacked by ``torch.ops.onednn.qlinear_prepack`` -> (M, O) fp32.
+
+    Each row m gets two int8 terms (as the AVX2 kernel's ``terms=2``, ~15 bits, but per row, not per
+    group): s1_m = max_i |x_mi| / 127, q1 = round(x / s1), r = x − s1·q1, s2_m = max_i |r_mi| / 127,
+    q2 = round(r / s2). The 2M rows go through one u8 x s8 GEMM (zero point 128, x scale 1, so each
+    output is s_o · Σ_i Q_oi · q_t,m,i from int32 sums), then
+    y_m = s1_m · y1_m + s2_m · y2_m."""
+    x = x2.float()  # (M, I)
+    M = x.shape[0]
+    s1 = x.abs().amax(1, keepdim=True) / QMAX8  # (M, 1)
+    s1 = torch.where(s1 > 0, s1, torch.ones_like(s1))
+    q1 = torch.round(x / s1)
+    r = x - q1 * s1
+    s2 = r.abs().amax(1, keepdim=True) / QMAX8
+    s2 = torch.where(s2 > 0, s2, torch.ones_like(s2))
+    q2 = torch.round(r / s2).clamp(-QMAX8, QMAX8)
+    xq = (torch.cat([q1, q2]) + 128).to(torch.uint8)  # (2M, I), in [1, 255]
+    y = torch.ops.onednn.qlinear_pointwise(
+        xq, 1.0, 128, packed, scale, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+    )  # (2M, O)
+    return y[:M].mul_(s1).addcmul_(y[M:], s2)  # in place: no third (M, O) buffer
+
+
+def measure_onednn_rows(O: int = 4096, I: int = 576):
+    """``measure(M) -> (s of torch's int8 kernel, s of onednn_mm)`` on an (O, I) weight:
+    ``linear.gemm_rows``'s measurement for ``Int8Linear(kernel="aten")``."""
+    g = torch.Generator().manual_seed(0)
+    q, s = quantize_int8(torch.randn(O, I, generator=g))
+    packed, zeros, s_c = (
+        torch.ops.onednn.qlinear_prepack(q, None),
+        torch.zeros(O, dtype=torch.long),
+        s.bfloat16(),
+    )
+
+    def measure(M: int) -> tuple[float, float]:
+        x = torch.randn(M, I, generator=g)
+        with torch.inference_mode():
+            k = best_seconds(lambda: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q, s_c))
+            f = best_seconds(lambda: onednn_mm(x, packed, s, zeros))
+        return k, f
+
+    return measure
+
+
 def pack_int8(q: Tensor) -> Tensor:
     """Q (O, I) int8 -> (O/16, I/4, 64) for the AVX2 kernel: byte 4r + j of chunk c in tile t is Q[16t + r, 4c + j]."""
     O, I = q.shape
@@ -111,6 +167,9 @@ class Int8Linear(WeightOnlyLinear):
     off CPU, or without the kernel, the weight is dequantised and F.linear runs. ``kernel``: "auto" takes
     lmstack's AVX2 kernel where ``int8_kernel()`` says so (then ``qweight`` holds Q in its tile layout and
     the activations are quantised to int8 per group of ``act_group`` inputs), "aten" torch's, "avx2" ours.
+    With torch's kernel, bf16 ``compute_dtype`` and oneDNN, from ``gemm_rows`` rows on (measured once per process: ``linear.gemm_rows``;
+    ``LMSTACK_QUANT_GEMM_ROWS=N|never`` forces it) ``onednn_mm`` runs instead of the kernel and of the
+    dequantisation, on Q prepacked at the first such call (one more byte per weight).
     """
 
     DEQUANT_ROWS = (
@@ -151,6 +210,19 @@ class Int8Linear(WeightOnlyLinear):
             self.kernel == "avx2"
         ):  # the row count from which a prefill dequantises: measured (linear.gemm_rows)
             self.DEQUANT_ROWS = gemm_rows("int8_avx2", measure_gemm_rows())
+        # torch's kernel: from gemm_rows rows on, oneDNN's int8 GEMM (measured; None: never)
+        self.gemm_rows = None
+        self._onednn: tuple[Tensor, Tensor] | None = None  # (prepacked Q, zero points), lazily
+        # (bf16 compute only: fp32 activations ask for the exact product)
+        if (
+            self.kernel == "aten"
+            and compute_dtype == torch.bfloat16
+            and has_onednn()
+            and _has_int8_kernel()
+        ):
+            self.gemm_rows = gemm_rows("int8_onednn", measure_onednn_rows())
+            if self.gemm_rows is not None:  # it takes the many-row batches the dequantisation took
+                self.DEQUANT_ROWS = None
         self.register_buffer("qweight", pack_int8(q) if self.kernel == "avx2" else q.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer(
@@ -200,7 +272,24 @@ class Int8Linear(WeightOnlyLinear):
             )  # (M, O) fp32
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
+        rows = x.numel() // self.in_features
+        if self.gemm_rows is not None and x.device.type == "cpu" and rows >= self.gemm_rows:
+            if getattr(self, "_onednn", None) is None:  # a fused copy (concat_rows) builds its own
+                # Q in oneDNN's blocked layout (one more byte per weight), zero points
+                self._onednn = (
+                    torch.ops.onednn.qlinear_prepack(self.qweight, None),
+                    torch.zeros(self.out_features, dtype=torch.long),
+                )
+            packed, zeros = self._onednn
+            y = onednn_mm(x.reshape(-1, self.in_features), packed, self.scale, zeros)
+            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         return super().forward(x)
 
+    def __getstate__(
+        self,
+    ):  # the prepacked Q is opaque (no deepcopy, no pickle): rebuilt when next needed
+        return {**self.__dict__, "_onednn": None}
+
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", kernel={self.kernel}"
+        return super().extra_repr() + f", kernel={self.kernel}, gemm_rows={self.gemm_rows}"

@@ -1,0 +1,81 @@
+"""Int8Linear's many-row path where torch's int8 kernel runs (quant/int8.py ``onednn_mm``: oneDNN's int8 GEMM
+on prepacked Q, two int8 terms per activation row): its output against that formula written in numpy (the
+quantisation in float32 as the code does it, the products in float64) and against F.linear on the dequantised
+weight, and ``LMSTACK_QUANT_GEMM_ROWS`` deciding from which row count it runs (below: torch's bf16 kernel)."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmstack.quant import Int8Linear, dequantize_int8, quantize_int8
+from lmstack.quant.int8 import _has_int8_kernel, has_onednn
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(
+        not (has_onednn() and _has_int8_kernel()), reason="torch has no oneDNN int8 linear"
+    ),
+]
+
+
+def two_term_reference(x, q, s):
+    """y_m,o = s_o · Σ_t s_t,m · Σ_i Q_oi · x_t,m,i; s_1 = max_i|x_m|/127, x_1 = round(x / s_1) (ties to even),
+    x_2 the same rounding of the residual x − s_1·x_1 (float32, as quantised), sums in float64."""
+    x = x.numpy().astype(np.float32)
+    s1 = (np.abs(x).max(1, keepdims=True) / np.float32(127)).astype(np.float32)
+    q1 = np.round(x / s1)
+    r = x - q1 * s1
+    s2 = (np.abs(r).max(1, keepdims=True) / np.float32(127)).astype(np.float32)
+    q2 = np.round(r / s2)
+    w = q.numpy().astype(np.float64).T * s.numpy().astype(np.float64)  # (I, O)
+    return (q1 @ w) * s1 + (q2 @ w) * s2
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 9])
+def test_rows_from_the_switch_take_the_two_term_gemm(monkeypatch, M):
+    O, I = 48, 96
+    g = torch.Generator().manual_seed(M)
+    q, s = quantize_int8(torch.randn(O, I, generator=g))
+    monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "4")
+    lin = Int8Linear(q, s, kernel="aten")
+    assert lin.gemm_rows == 4 and lin.DEQUANT_ROWS is None
+    x = torch.randn(M, I, generator=g)
+    y = lin(x).double().numpy()
+    two = two_term_reference(x, q, s)
+    bf16 = F.linear(x.bfloat16().double(), dequantize_int8(q, s).double()).numpy()
+    full = F.linear(x.double(), dequantize_int8(q, s).double()).numpy()
+    if M < 4:  # torch's kernel: bf16 activations, well off the two-term formula
+        np.testing.assert_allclose(y, bf16, rtol=0.02, atol=0.05)
+        assert np.abs(y - two).max() > 1e-3 * np.abs(full).max()
+    else:
+        np.testing.assert_allclose(y, two, rtol=1e-5, atol=1e-5 * np.abs(two).max())
+        np.testing.assert_allclose(y, full, rtol=0.02, atol=1e-3 * np.abs(full).max())
+
+
+def test_never_keeps_the_kernel_and_the_dequantisation(monkeypatch):
+    O, I = 32, 64
+    g = torch.Generator().manual_seed(7)
+    q, s = quantize_int8(torch.randn(O, I, generator=g))
+    monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "never")
+    lin = Int8Linear(q, s, kernel="aten")
+    assert lin.gemm_rows is None and lin.DEQUANT_ROWS == 32
+    x = torch.randn(40, I, generator=g)  # >= DEQUANT_ROWS: F.linear on the fp32 dequantised weight
+    torch.testing.assert_close(lin(x), F.linear(x, dequantize_int8(q, s)), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_rows_equal_the_parts(monkeypatch):
+    g = torch.Generator().manual_seed(8)
+    monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "2")
+    parts = [
+        Int8Linear(*quantize_int8(torch.randn(O, 64, generator=g)), kernel="aten") for O in (32, 16)
+    ]
+    x = torch.randn(5, 64, generator=g)
+    want = torch.cat([p(x) for p in parts], dim=1)  # each part builds its own prepacked Q
+    fused = Int8Linear.concat_rows(parts)
+    assert fused is not None and fused.gemm_rows == 2
+    torch.testing.assert_close(fused(x), want, rtol=1e-6, atol=1e-6)
+    copied = copy.deepcopy(fused)  # the prepacked Q is not copied: the copy prepacks its own
+    torch.testing.assert_close(copied(x), want, rtol=1e-6, atol=1e-6)
