@@ -79,3 +79,18 @@ def test_fused_rows_equal_the_parts(monkeypatch):
     torch.testing.assert_close(fused(x), want, rtol=1e-6, atol=1e-6)
     copied = copy.deepcopy(fused)  # the prepacked Q is not copied: the copy prepacks its own
     torch.testing.assert_close(copied(x), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_compiled_graph_keeps_torchs_kernel(monkeypatch):
+    """Inductor cannot take the opaque prepacked Q: inside torch.compile the many-row batch runs torch's
+    kernel (bf16 activations) instead of failing to compile."""
+    monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "2")
+    g = torch.Generator().manual_seed(9)
+    q, s = quantize_int8(torch.randn(64, 64, generator=g))
+    lin = Int8Linear(q, s, kernel="aten")
+    x = torch.randn(16, 64, generator=g)
+    with torch.inference_mode():
+        y = torch.compile(lin)(x)
+    bf16 = F.linear(x.bfloat16().float(), dequantize_int8(q, s))
+    torch.testing.assert_close(y, bf16, rtol=0.02, atol=0.05)

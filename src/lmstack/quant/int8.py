@@ -273,7 +273,12 @@ class Int8Linear(WeightOnlyLinear):
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
         rows = x.numel() // self.in_features
-        if self.gemm_rows is not None and x.device.type == "cpu" and rows >= self.gemm_rows:
+        if (  # not inside torch.compile: inductor cannot take the opaque prepacked Q (torch's kernel runs)
+            self.gemm_rows is not None
+            and x.device.type == "cpu"
+            and rows >= self.gemm_rows
+            and not torch.compiler.is_compiling()
+        ):
             if getattr(self, "_onednn", None) is None:  # a fused copy (concat_rows) builds its own
                 # Q in oneDNN's blocked layout (one more byte per weight), zero points
                 self._onednn = (
