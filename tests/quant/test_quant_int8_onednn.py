@@ -94,3 +94,24 @@ def test_a_compiled_graph_keeps_torchs_kernel(monkeypatch):
         y = torch.compile(lin)(x)
     bf16 = F.linear(x.bfloat16().float(), dequantize_int8(q, s))
     torch.testing.assert_close(y, bf16, rtol=0.02, atol=0.05)
+
+
+def test_new_weights_loaded_in_place_are_used_by_the_many_row_path(monkeypatch):
+    """The prepacked Q is built from qweight: after load_state_dict (an in-place copy, as an RL weight sync
+    does) the many-row path must compute with the new codes, not the first call's."""
+    O, I = 32, 64
+    g = torch.Generator().manual_seed(11)
+    q, s = quantize_int8(torch.randn(O, I, generator=g))
+    q2, s2 = quantize_int8(torch.randn(O, I, generator=g))
+    monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "4")
+    lin = Int8Linear(q, s, kernel="aten")
+    x = torch.randn(8, I, generator=g)
+    np.testing.assert_allclose(
+        lin(x).double().numpy(), two_term_reference(x, q, s), rtol=1e-5, atol=1e-4
+    )
+    new = Int8Linear(q2, s2, kernel="aten")
+    lin.load_state_dict(new.state_dict())
+    ref = two_term_reference(x, q2, s2)
+    np.testing.assert_allclose(
+        lin(x).double().numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max()
+    )

@@ -212,7 +212,9 @@ class Int8Linear(WeightOnlyLinear):
             self.DEQUANT_ROWS = gemm_rows("int8_avx2", measure_gemm_rows())
         # torch's kernel: from gemm_rows rows on, oneDNN's int8 GEMM (measured; None: never)
         self.gemm_rows = None
-        self._onednn: tuple[Tensor, Tensor] | None = None  # (prepacked Q, zero points), lazily
+        self._onednn: tuple[Tensor, Tensor, tuple] | None = (
+            None  # (prepacked Q, zero points, qweight's key)
+        )
         # (bf16 compute only: fp32 activations ask for the exact product)
         if (
             self.kernel == "aten"
@@ -279,13 +281,19 @@ class Int8Linear(WeightOnlyLinear):
             and rows >= self.gemm_rows
             and not torch.compiler.is_compiling()
         ):
-            if getattr(self, "_onednn", None) is None:  # a fused copy (concat_rows) builds its own
-                # Q in oneDNN's blocked layout (one more byte per weight), zero points
-                self._onednn = (
+            # Q in oneDNN's blocked layout (one more byte per weight), zero points; built again when
+            # qweight was replaced or written in place since (load_state_dict, a weight sync), and by a
+            # fused copy (concat_rows) for its own joined Q
+            w = self.qweight  # an inference tensor tracks no version: its storage alone is the key
+            key = (w.data_ptr(), None if w.is_inference() else w._version)
+            cached = getattr(self, "_onednn", None)
+            if cached is None or cached[2] != key:
+                cached = self._onednn = (
                     torch.ops.onednn.qlinear_prepack(self.qweight, None),
                     torch.zeros(self.out_features, dtype=torch.long),
+                    key,
                 )
-            packed, zeros = self._onednn
+            packed, zeros, _ = cached
             y = onednn_mm(x.reshape(-1, self.in_features), packed, self.scale, zeros)
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
