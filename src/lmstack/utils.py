@@ -128,6 +128,15 @@ def clear_stale_build_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> 
     return True
 
 
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch's extension builder and inductor would use: ``$CXX`` if set and on the PATH,
+    else the first of c++ / g++ / clang++ found; None without one."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx)
+    return next(filter(None, map(shutil.which, ("c++", "g++", "clang++"))), None)
+
+
 def build_extension(
     name: str,
     source: Path,
@@ -173,8 +182,8 @@ def build_extension(
                 spec.loader.exec_module(module)
                 return module, None
             kw["build_directory"] = str(build)
-        if shutil.which(os.environ.get("CXX", "c++")) is None:
-            return None, f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH"
+        if cxx_compiler() is None:
+            return None, f"no C++ compiler ({os.environ.get('CXX', 'c++, g++ or clang++')}) on PATH"
         if python_module:
             Path(kw["build_directory"]).mkdir(parents=True, exist_ok=True)
         from torch.utils.cpp_extension import _get_build_directory, load

@@ -265,17 +265,19 @@ def test_fused_projections_leave_training_gradients_to_every_parameter():
 
 
 def test_compile_policy_auto_follows_the_device_and_the_compiler(monkeypatch):
+    import shutil
+
     import lmstack.inference.decode_step as ds
 
     monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setattr(ds.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
     assert ds.compile_policy("auto", "cpu")[0] is True
     assert ds.compile_policy("auto", "cuda")[0] is False  # compiled step untested there
     assert (
         ds.compile_policy("on", "cuda")[0] is True and ds.compile_policy("off", "cpu")[0] is False
     )
     assert ds.compile_policy({"cpp_wrapper": False}, "cpu")[0] == {"cpp_wrapper": False}
-    monkeypatch.setattr(ds.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     compiled, reason = ds.compile_policy("auto", "cpu")
     assert compiled is False and "C++ compiler" in reason
     with pytest.raises(ValueError, match="compile='fast'"):

@@ -28,8 +28,6 @@ Inductor's FX graph cache (on by default, on disk) makes a second process's comp
 
 from __future__ import annotations
 
-import os
-import shutil
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -41,6 +39,7 @@ from lmstack.inference.paged import PagedKVCache
 from lmstack.inference.paged_attention import paged_decode_attention
 from lmstack.inference.static import COMPILE_OPTIONS, _Inductor
 from lmstack.model.seam import AttentionImpl, AttentionMetadata
+from lmstack.utils import cxx_compiler
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 COMPILE_POLICIES = ("auto", "on", "off")
@@ -68,9 +67,7 @@ def compile_policy(compile, device: torch.device | str) -> tuple[bool | dict, st
             False,
             f"auto: eager on {torch.device(device).type} (compiled step tested on CPU only)",
         )
-    cxx = os.environ.get("CXX")
-    found = shutil.which(cxx) if cxx else None
-    found = found or next(filter(None, map(shutil.which, ("g++", "c++", "clang++"))), None)
+    found = cxx_compiler()
     if found is None:
         return False, "auto: eager (no C++ compiler for inductor: set CXX or install g++)"
     return True, f"auto: compiled on CPU with {found}"
