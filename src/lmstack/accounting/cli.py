@@ -210,30 +210,11 @@ def _print_plan(plan: dict) -> None:
     console.print(f"workload: S={w['S']}, {w['dtype']} ({w['bytes_per_element']} bytes/element)\n")
 
     t = Table(title="Parameters (Book of LLMs §1.4 “parameter count”)")
-    for c in (
-        "embedding",
-        "attention",
-        "ffn",
-        "norms",
-        "unembedding",
-        "total",
-        "CS336 notes Param",
-    ):
+    columns = {k: k for k in ("embedding", "attention", "ffn", "norms", "unembedding", "total")}
+    columns["CS336 notes Param"] = "seed001_param"  # header -> key of param_counts
+    for c in columns:
         t.add_column(c, justify="right")
-    t.add_row(
-        *[
-            f"{pc[k]:,}"
-            for k in (
-                "embedding",
-                "attention",
-                "ffn",
-                "norms",
-                "unembedding",
-                "total",
-                "seed001_param",
-            )
-        ]
-    )
+    t.add_row(*[f"{pc[k]:,}" for k in columns.values()])
     console.print(t)
 
     t = Table(
