@@ -56,7 +56,12 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
 
 
-def workload(n, seed=0):
+OUTPUT_LENGTHS = ("uniform", "exponential")
+
+
+def workload(n, seed=0, lengths="uniform"):
+    """n random prompts of 16-160 tokens; output lengths uniform in [8, 96] or, ``lengths="exponential"``,
+    8 + an exponential of mean 44 capped at 504 (the same mean, a long tail as chat traces have)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [
         torch.randint(
@@ -64,8 +69,19 @@ def workload(n, seed=0):
         ).tolist()
         for _ in range(n)
     ]
-    outs = [int(torch.randint(8, 97, (), generator=g)) for _ in range(n)]
+    if lengths == "uniform":
+        outs = [int(torch.randint(8, 97, (), generator=g)) for _ in range(n)]
+    else:
+        u = torch.rand(n, generator=g, dtype=torch.float64)
+        outs = [8 + min(496, int(-44.0 * float(torch.log1p(-x)))) for x in u]
     return prompts, outs
+
+
+def static_rows(outs, batch) -> int:
+    """Decode rows static batching computes: every request of a batch runs to the batch's longest."""
+    return sum(
+        len(outs[i : i + batch]) * max(outs[i : i + batch]) for i in range(0, len(outs), batch)
+    )
 
 
 def compiled_graphs(engine) -> int:
@@ -107,11 +123,15 @@ def run_batch1(model, prompts, outs, compile: bool) -> float:
     return time.perf_counter() - t0
 
 
-def run_static_lmstack(model, prompts, outs, batch):
+def run_static_lmstack(model, prompts, outs, batch, compile=False):
+    """Static batches on the same engine and kernels: one batch of ``batch`` requests at a time, each run to
+    the batch's longest output (compiled like the continuous run when asked, warmed up before the clock)."""
+    llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=4096, compile=compile)
+    if compile:
+        llm.engine.warm_up()
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
         longest = max(outs[i : i + batch])
-        llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=4096)
         llm.generate(
             prompts[i : i + batch],
             SamplingParams(temperature=0, max_tokens=longest, ignore_eos=True),
@@ -158,6 +178,12 @@ def main() -> None:
     ap.add_argument("--batch1", action="store_true", help="also the batch-1 decoder, sequentially")
     ap.add_argument("--speculative-tokens", type=int, default=0)
     ap.add_argument("--draft-layers", type=int, default=0, help="draft = the first N layers")
+    ap.add_argument(
+        "--lengths",
+        choices=OUTPUT_LENGTHS,
+        default="uniform",
+        help="output lengths: uniform in [8, 96], or 8 + exponential (mean 44, long tail)",
+    )
     ap.add_argument("--skip-prefix", action="store_true", help="skip the shared-prompt workload")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
@@ -182,11 +208,13 @@ def main() -> None:
         if args.speculative_tokens
         else {}
     )
-    prompts, outs = workload(args.requests)
+    prompts, outs = workload(args.requests, lengths=args.lengths)
     useful = sum(outs)
     print(
         f"{args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, outputs "
-        f"{min(outs)}-{max(outs)} tokens ({useful} in all), batch {args.batch}\n"
+        f"{min(outs)}-{max(outs)} tokens ({args.lengths}, {useful} in all), batch {args.batch}; static "
+        f"batching computes {static_rows(outs, args.batch)} decode rows: token-row bound "
+        f"{static_rows(outs, args.batch) / useful:.2f}x\n"
     )
 
     if args.profile:
@@ -236,7 +264,7 @@ def main() -> None:
             f"{useful / w:7.1f} tok/s   continuous/batch-1 = {w / wall:.2f}x"
         )
     if not args.skip_static_lmstack:
-        w = run_static_lmstack(model, prompts, outs, args.batch)
+        w = run_static_lmstack(model, prompts, outs, args.batch, compile=args.compile)
         print(
             f"static (lmstack):     {w:7.1f} s  {useful / w:7.1f} tok/s   continuous/static = {w / wall:.2f}x"
         )
