@@ -189,6 +189,9 @@ def test_kernel_chosen_for_each_canned_cpu(monkeypatch, machine):
     f = FAKE_CPUS[machine]
     assert int4_vnni.choose_kernel(f.flags, f.arch)[0] == CANNED[machine]
     monkeypatch.setenv("LMSTACK_CPU", machine)  # the process-wide choice follows the canned machine
+    monkeypatch.delenv(
+        int4_vnni.ENV, raising=False
+    )  # a forced kernel in the caller's env would override it
     int4_vnni.clear_cache()
     try:
         name, why = int4_vnni.selected()
