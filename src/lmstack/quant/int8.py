@@ -244,6 +244,8 @@ class Int8Linear(WeightOnlyLinear):
         if (
             self.kernel == "aten"
             and self.compute_dtype == torch.bfloat16
+            and self.qweight.device.type
+            == "cpu"  # measured on these codes (not on meta, not off the CPU)
             and has_onednn()
             and _has_int8_kernel()
         ):
