@@ -254,3 +254,31 @@ def test_token_stop_rules():
     assert token_stop(7, 1, p) == "stop" and token_stop(2, 1, p, eos_token_id=2) == "stop"
     assert token_stop(2, 1, SamplingParams(ignore_eos=True), eos_token_id=2) is None
     assert token_stop(5, 3, p) == "length" and token_stop(5, 2, p) is None
+
+
+def test_runner_greedy_rows_take_the_first_maximum_and_bad_rows_fail_alone():
+    """``ModelRunner.sample``'s greedy rows (one max-with-indices pass): the first index of the row maximum,
+    as numpy's argmax, on rows full of ties; a NaN row and an all -inf row fail alone; a sampled row in the
+    same batch still draws a token."""
+    import types
+
+    import numpy as np
+
+    from lmstack.inference.model_runner import ModelRunner
+    from lmstack.inference.sampling import NonFiniteLogitsError, SamplingParams
+    from lmstack.inference.sequence import Sequence
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (5, 300), generator=g).float()  # every row has ties at its maximum
+    logits[2, 17] = float("nan")
+    logits[3] = -math.inf
+    params = [SamplingParams(temperature=0)] * 4 + [SamplingParams(temperature=1.0, seed=1)]
+    seqs = [
+        Sequence(f"r{i}", [1, 2], 2, p, 0.0, torch.Generator().manual_seed(i))
+        for i, p in enumerate(params)
+    ]
+    out = ModelRunner.sample(types.SimpleNamespace(generator=g), seqs, logits)
+    want = np.argmax(logits.numpy(), axis=1)
+    assert [out[i][0] for i in (0, 1)] == [int(want[0]), int(want[1])]
+    assert all(isinstance(out[i], NonFiniteLogitsError) for i in (2, 3))
+    assert isinstance(out[4], tuple) and 0 <= out[4][0] < 300

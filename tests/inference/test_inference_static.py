@@ -97,3 +97,25 @@ def test_compiled_decoder_in_fp32_equals_full_recompute(model, prompts):
         assert list(generate(m32, p, greedy(N), decoder=decoder)) == full_recompute_greedy(
             m32, p, N
         )
+
+
+@pytest.mark.slow
+def test_compiled_decoder_runs_an_int8_head_after_the_graph(model, prompts, monkeypatch):
+    """An Int8Linear unembedding whose one-row path is oneDNN's int8 GEMM (which inductor cannot take) runs
+    eagerly after the compiled graph: greedy output equals the full recompute (oneDNN at every row count
+    there too), one graph, called directly."""
+    import copy
+
+    from lmstack.quant import Int8Linear
+
+    monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "1")
+    torch._dynamo.reset()
+    m32 = copy.deepcopy(model).float()
+    m32.lm_head = Int8Linear.from_weight(m32.unembedding)
+    decoder = StaticDecoder(m32, 64, compile=True)
+    assert decoder._eager_head
+    for p in prompts[:3]:
+        assert list(generate(m32, p, greedy(N), decoder=decoder)) == full_recompute_greedy(
+            m32, p, N
+        )
+    assert len(decoder._graphs) == 1 and decoder._direct is not None

@@ -155,3 +155,25 @@ def test_kernel_runs_inside_a_compiled_graph():
     x = torch.randn(1, 64)
     compiled = torch.compile(lambda t: torch.relu(lin(t)) * 2, fullgraph=True)
     torch.testing.assert_close(compiled(x), torch.relu(lin(x)) * 2)
+
+
+def test_the_avx2_kernel_is_not_handed_to_onednn(monkeypatch):
+    """On lmstack's AVX2 kernel (what an AVX2 CPU without VNNI runs) no oneDNN row count is measured or used:
+    one row is the kernel's formula (two int8 terms per group of 32)."""
+    from lmstack.quant import linear
+
+    if int4_vnni.build("int8_avx2") is not None:
+        pytest.skip("the AVX2 int8 kernel cannot be built here")
+    monkeypatch.delenv("LMSTACK_QUANT_GEMM_ROWS", raising=False)
+    monkeypatch.setattr(
+        linear, "_measured", {"int8_avx2": 32}
+    )  # its own prefill switch, as measured
+    g = torch.Generator().manual_seed(21)
+    q, s = quantize_int8(torch.randn(64, 128, generator=g))
+    lin = Int8Linear(q, s, kernel="avx2")
+    assert lin.gemm_rows is None and not lin.onednn_rows(1) and lin.DEQUANT_ROWS == 32
+    assert list(linear._measured) == ["int8_avx2"]  # no oneDNN measurement for this layer
+    x = torch.randn(1, 128, generator=g)
+    np.testing.assert_allclose(
+        lin(x).double().numpy(), reference(x, q, s, lin.act_group, 2), rtol=1e-5, atol=1e-5
+    )

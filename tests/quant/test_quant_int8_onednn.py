@@ -115,3 +115,51 @@ def test_new_weights_loaded_in_place_are_used_by_the_many_row_path(monkeypatch):
     np.testing.assert_allclose(
         lin(x).double().numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max()
     )
+
+
+def test_one_row_takes_the_two_term_gemm_when_the_switch_says_one(monkeypatch):
+    """At M = 1 (a decode step's unembedding) the two-term GEMM: to the float64 formula, and within the
+    two-term error of the float64 product (~15 bits of the activation, far inside torch's bf16 kernel's)."""
+    O, I = 80, 96
+    g = torch.Generator().manual_seed(12)
+    q, s = quantize_int8(torch.randn(O, I, generator=g))
+    monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "1")
+    lin = Int8Linear(q, s, kernel="aten")
+    assert lin.gemm_rows == 1 and lin.onednn_rows(1)
+    x = torch.randn(1, I, generator=g)
+    y = lin(x).double().numpy()
+    two = two_term_reference(x, q, s)
+    np.testing.assert_allclose(y, two, rtol=1e-5, atol=1e-5 * np.abs(two).max())
+    full = F.linear(x.double(), dequantize_int8(q, s).double()).numpy()
+    assert np.abs(y - full).max() < 1e-3 * np.abs(full).max()
+
+
+def test_the_row_count_is_measured_per_weight_shape(monkeypatch):
+    """One measurement per (O, I), on the layer's own shape (a fused layer measures its joined shape): here a
+    faked measurement in which oneDNN wins from one row on weights of 256+ rows and from 8 rows below."""
+    from lmstack.quant import int8, linear
+
+    monkeypatch.delenv("LMSTACK_QUANT_GEMM_ROWS", raising=False)
+    monkeypatch.setattr(linear, "_measured", {})
+    shapes = []
+
+    def fake(q, s):
+        def measure(M):
+            shapes.append((tuple(q.shape), M))
+            return 1.0, 0.5 if q.shape[0] >= 256 or M >= 8 else 2.0
+
+        return measure
+
+    monkeypatch.setattr(int8, "measure_onednn_rows", fake)
+    g = torch.Generator().manual_seed(13)
+    small = [Int8Linear(*quantize_int8(torch.randn(160, 64, generator=g))) for _ in range(2)]
+    big = Int8Linear(*quantize_int8(torch.randn(512, 64, generator=g)))
+    assert [m.gemm_rows for m in small] == [8, 8] and big.gemm_rows == 1
+    assert big.DEQUANT_ROWS is None and not small[0].onednn_rows(7) and small[0].onednn_rows(8)
+    fused = Int8Linear.concat_rows(small)
+    assert fused is not None and fused.gemm_rows == 1 and fused.out_features == 320
+    rows = list(int8.ONEDNN_ROWS_CANDIDATES)
+    assert shapes == [(shape, M) for shape in [(160, 64), (512, 64), (320, 64)] for M in rows]
+    monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "never")
+    off = Int8Linear(*quantize_int8(torch.randn(512, 64, generator=g)))
+    assert off.gemm_rows is None and off.DEQUANT_ROWS == 32

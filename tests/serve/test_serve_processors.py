@@ -84,3 +84,45 @@ def test_async_llm_shutdown_aborts_and_frees():
     b = engine.cache.blocks
     assert b.num_free == b.num_blocks - 1
     assert engine.stats["generated_tokens"] < 200
+
+
+def test_async_llm_steps_without_a_hand_off_per_step():
+    """The worker runs step after step while the loop has nothing to apply (one hand-off per run of steps):
+    one stream of 20 tokens takes 20 steps in a few runs; a request added meanwhile ends the run and is
+    served; each stream gets its tokens in order, equal to the offline engine's greedy output."""
+    import asyncio
+
+    from lmstack.inference import AsyncLLM, LLMEngine
+
+    engine = LLMEngine(tiny_model(), None, block_size=4, num_blocks=64, eos_token_id=None)
+    llm = AsyncLLM(engine)
+    runs, steps = [], []
+    step, run = engine.step, llm._steps
+    engine.step = lambda: steps.append(1) or step()
+    llm._steps = lambda *a: runs.append(1) or run(*a)
+    params = SamplingParams(temperature=0, max_tokens=20)
+
+    async def consume(prompt):
+        ids = []
+        async for out in llm.generate(prompt, params):
+            ids.extend(out.new_token_ids)
+        return ids
+
+    async def main():
+        first = await consume([1, 2, 3])
+        n_runs, n_steps = len(runs), len(steps)
+        task = asyncio.create_task(consume([4, 5]))
+        while not steps[n_steps:]:
+            await asyncio.sleep(0.001)
+        second = await asyncio.gather(task, consume([6]))
+        return first, n_runs, n_steps, second
+
+    first, n_runs, n_steps, (second, third) = asyncio.run(main())
+    assert n_steps >= 20 and n_runs <= 3
+    offline = LLMEngine(tiny_model(), None, block_size=4, num_blocks=64, eos_token_id=None)
+    for i, p in enumerate([[1, 2, 3], [4, 5], [6]]):  # the same requests, stepped by hand
+        offline.add_request(f"o{i}", p, params)
+    done = {}
+    while offline.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in offline.step() if o.finished})
+    assert [first, second, third] == [done[f"o{i}"] for i in range(3)]

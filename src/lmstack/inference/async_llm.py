@@ -22,8 +22,9 @@ class AsyncLLM:
 
     ``generate`` adds a request and yields ``RequestOutput`` deltas as tokens arrive; leaving
     the iterator early (a client disconnect) aborts the request and frees its blocks.
-    The engine steps in a worker thread; requests added or aborted meanwhile are applied
-    between steps, so the engine is never touched by two threads at once.
+    The engine steps in a worker thread, step after step while there is nothing to apply; requests
+    added or aborted meanwhile end that run after its current step and are applied by the loop between
+    steps, so the engine is never touched by two threads at once.
     """
 
     def __init__(self, engine: LLMEngine):
@@ -131,6 +132,22 @@ class AsyncLLM:
         if out.finished:
             self._queues.pop(out.request_id, None)
 
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._deliver(out)
+
+    def _steps(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task | None) -> None:
+        """In the worker thread: engine steps one after another, each step's outputs handed to the loop as it
+        ends, until the loop has requests to add or abort (applied between steps, by the loop) or nothing is
+        left. One hand-off per run of steps instead of per step: the next step starts without waiting for the
+        loop thread to wake (docs/serving.md). A loop task that is no longer this driver's (``shutdown``) ends
+        the run after its current step, as a cancelled hand-off of one step did."""
+        while True:
+            outputs = self.engine.step()
+            loop.call_soon_threadsafe(self._deliver_all, outputs)
+            if self._pending or self._task is not task or not self.engine.has_unfinished_requests():
+                return
+
     def _fail_all(self, error: Exception) -> None:
         """The engine loop itself failed: every waiter gets the error, every request is aborted
         (blocks freed), and the loop goes on serving new requests."""
@@ -150,8 +167,8 @@ class AsyncLLM:
                         continue
                     await self._wakeup.wait()
                     continue
-                outputs = await asyncio.to_thread(self.engine.step)
-                for out in outputs:
-                    self._deliver(out)
+                await asyncio.to_thread(
+                    self._steps, asyncio.get_running_loop(), asyncio.current_task()
+                )
             except Exception as e:  # noqa: BLE001 — never a dead loop with callers waiting on it
                 self._fail_all(e)

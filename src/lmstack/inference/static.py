@@ -65,6 +65,10 @@ class StaticDecoder:
                 p.device, compute
             )  # built now, so the first step does not change them (a recompile)
         self.compiled = compile
+        # an unembedding whose fast path at one row cannot be compiled (Int8Linear's oneDNN int8 GEMM:
+        # 1.7 ms against torch's kernel's 3.7 on SmolLM2's 49152 x 576 head) runs after the graph, eagerly
+        head = getattr(model, "lm_head", None)
+        self._eager_head = bool(compile) and bool(getattr(head, "onednn_rows", lambda n: False)(1))
         self._step = self._forward
         self._graphs: list[
             tuple
@@ -120,8 +124,12 @@ class StaticDecoder:
             )
 
     def _forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        # tokens (1, T), positions (T,) -> logits of the last token (1, V)
-        return self.model(tokens, positions, kv_cache=self.cache, last_n=1)[:, -1]
+        # tokens (1, T), positions (T,) -> logits of the last token (1, V); with ``_eager_head`` its
+        # final-normed hidden state (1, D), unembedded by ``decode``
+        h = self.model(
+            tokens, positions, kv_cache=self.cache, last_n=1, return_hidden=self._eager_head
+        )
+        return h[:, -1]
 
     def reset(self) -> None:
         self.cache.reset()
@@ -172,33 +180,71 @@ class StaticDecoder:
             graph, inputs, i_token, i_position, _ = self._direct
             args = list(inputs)
             args[i_token], args[i_position] = token, position
-            return graph(*args)[0][
+            out = graph(*args)[0][
                 0
             ]  # compile_fx's function takes the inputs as positional arguments
-        out = self._step(token, position)[0]
-        if self._want_direct:
-            self._capture(token, position)
-        return out
+        else:
+            out = self._step(token, position)[0]
+            if self._want_direct:
+                self._capture(token, position)
+        return self.model.unembed(out) if self._eager_head else out
 
 
 class _Inductor:
     """Dynamo's backend for a ``StaticDecoder``: Inductor with the decoder's options, appending (graph, the
     tensors it was traced with, number of outputs) to the decoder's ``_graphs``. Dynamo keeps its backends
     for the life of the process, so this holds the decoder only weakly (the decoder, its model and cache
-    are freed with the last other reference)."""
+    are freed with the last other reference). ``inner``: keep inductor's compiled graph and its inputs'
+    shapes on the returned function, for ``inner_graph``."""
 
-    def __init__(self, decoder: StaticDecoder | DecodeStep, options: dict):
-        self.decoder, self.options = weakref.ref(decoder), options
+    def __init__(self, decoder: StaticDecoder | DecodeStep, options: dict, inner: bool = False):
+        self.decoder, self.options, self.inner = weakref.ref(decoder), options, inner
 
     def __call__(self, gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
         inputs = list(example_inputs)  # before compile_fx, which may consume the list
         outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
-        graph = compile_fx(gm, example_inputs, config_patches=self.options)
+        if not self.inner:
+            graph = compile_fx(gm, example_inputs, config_patches=self.options)
+        else:
+            from torch._inductor.compile_fx import compile_fx_inner
+
+            found: list = []
+
+            def inner_compile(
+                gm_, inputs_, **kw
+            ):  # keeps inductor's compiled graph (``inner_graph``)
+                out = compile_fx_inner(gm_, inputs_, **kw)
+                found.append((out, [(tuple(t.shape), t.dtype) for t in inputs_]))
+                return out
+
+            # AOT's own cache would skip inner_compile (inductor's FX graph cache still answers inside it)
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                graph = compile_fx(
+                    gm, example_inputs, inner_compile=inner_compile, config_patches=self.options
+                )
+            if len(found) == 1:
+                graph._lmstack_inner = found[0]
         decoder = self.decoder()
         if decoder is not None:
             decoder._graphs.append(
                 (graph, inputs, len(outputs) if isinstance(outputs, (list, tuple)) else 1)
             )
         return graph
+
+
+def inner_graph(graph, inputs: list) -> object | None:
+    """The function inside a graph ``_Inductor`` compiled that runs inductor's code (with ``cpp_wrapper``,
+    the generated module's entry: it takes one list of the inputs and empties it), skipping the AOT runtime
+    wrapper and ``CompiledFxGraph.__call__`` (Python around every call); None where its inputs are not
+    Dynamo's (``inputs``) one for one by shape and dtype (AOT added or removed some). A caller checks its
+    output against the whole graph's once before relying on it."""
+    found = getattr(graph, "_lmstack_inner", None)
+    if found is None:
+        return None
+    code, shapes = found
+    want = [(tuple(t.shape), t.dtype) if isinstance(t, Tensor) else None for t in inputs]
+    fn = getattr(code, "current_callable", None)
+    plain = getattr(code, "_boxed_call", False) and not getattr(code, "mutated_inputs", True)
+    return fn if fn is not None and plain and shapes == want else None

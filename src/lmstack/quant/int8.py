@@ -6,14 +6,16 @@ For W of shape (O, I):  s_o = max_i |W_oi| / 127,  Q_oi = round(W_oi / s_o) ∈ 
 AVX-512 VNNI torch's kernel is slow (measured 2-10x behind lmstack's at batch 1, docs/quant.md), so there
 ``Int8Linear`` runs lmstack's ``csrc/int8_avx2.cpp`` instead: int8 activations per group of G inputs (two
 int8 terms, ~15 bits, as the int4 kernel), y_o = s_o · Σ_g Σ_t s_x,t,g · Σ_{i∈g} Q_oi · x_q,t,i.
-Where torch's kernel runs (an AVX-512 VNNI CPU), from ``gemm_rows`` activation rows on (a batch's
-unembedding, measured) ``Int8Linear`` runs oneDNN's int8 GEMM (AMX / VNNI) on Q prepacked once:
-two int8 terms per activation row (``onednn_mm``), y_m,o = s_o · Σ_t s_x,t,m · Σ_i Q_oi · x_q,t,m,i.
+Where torch's kernel runs (an AVX-512 VNNI CPU), from ``gemm_rows`` activation rows on (measured per weight
+shape: one row for the 49152 x 576 unembedding, more for small weights) ``Int8Linear`` runs oneDNN's int8
+GEMM (AMX / VNNI) on Q prepacked once: two int8 terms per activation row (``onednn_mm``),
+y_m,o = s_o · Σ_t s_x,t,m · Σ_i Q_oi · x_q,t,m,i.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -103,7 +105,9 @@ def onednn_mm(x2: Tensor, packed: Tensor, scale: Tensor, zeros: Tensor) -> Tenso
     group): s1_m = max_i |x_mi| / 127, q1 = round(x / s1), r = x − s1·q1, s2_m = max_i |r_mi| / 127,
     q2 = round(r / s2). The 2M rows go through one u8 x s8 GEMM (zero point 128, x scale 1, so each
     output is s_o · Σ_i Q_oi · q_t,m,i from int32 sums), then
-    y_m = s1_m · y1_m + s2_m · y2_m."""
+    y_m = s1_m · y1_m + s2_m · y2_m. Two terms at every M: on the 49152 x 576 unembedding one term per row
+    is 1.59 ms at M = 1 against two terms' 1.70 (docs/quant.md), but 8e-3 off the float64 product (relative
+    to its max) against 3e-5 — further off than torch's bf16 kernel (6e-3)."""
     x = x2.float()  # (M, I)
     M = x.shape[0]
     s1 = x.abs().amax(1, keepdim=True) / QMAX8  # (M, 1)
@@ -120,25 +124,36 @@ def onednn_mm(x2: Tensor, packed: Tensor, scale: Tensor, zeros: Tensor) -> Tenso
     return y[:M].mul_(s1).addcmul_(y[M:], s2)  # in place: no third (M, O) buffer
 
 
-def measure_onednn_rows(O: int = 4096, I: int = 576):
-    """``measure(M) -> (s of torch's int8 kernel, s of onednn_mm)`` on an (O, I) weight:
-    ``linear.gemm_rows``'s measurement for ``Int8Linear(kernel="aten")``."""
+# the row counts the oneDNN measurement tries (from one row: on a large weight such as the 49152 x 576
+# unembedding it wins at M = 1 already, on a small one its quantisation ops cost more than they save)
+ONEDNN_ROWS_CANDIDATES = (1, 2, 4, 8, 16, 32)
+
+
+def measure_onednn_rows(q: Tensor, s: Tensor):
+    """``measure(M) -> (s of torch's int8 kernel, s of onednn_mm)`` on the layer's own codes Q (O, I) and
+    scales s (O,): ``linear.gemm_rows``'s measurement for ``Int8Linear(kernel="aten")``, prepacking Q at
+    the first call."""
     g = torch.Generator().manual_seed(0)
-    q, s = quantize_int8(torch.randn(O, I, generator=g))
-    packed, zeros, s_c = (
-        torch.ops.onednn.qlinear_prepack(q, None),
-        torch.zeros(O, dtype=torch.long),
-        s.bfloat16(),
-    )
+    O, I = q.shape
+    s_c, zeros, packed = s.bfloat16(), torch.zeros(O, dtype=torch.long), []
 
     def measure(M: int) -> tuple[float, float]:
+        if not packed:
+            packed.append(torch.ops.onednn.qlinear_prepack(q, None))
         x = torch.randn(M, I, generator=g)
         with torch.inference_mode():
             k = best_seconds(lambda: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q, s_c))
-            f = best_seconds(lambda: onednn_mm(x, packed, s, zeros))
+            f = best_seconds(lambda: onednn_mm(x, packed[0], s, zeros))
         return k, f
 
     return measure
+
+
+def onednn_gemm_rows(q: Tensor, s: Tensor) -> int | None:
+    """From how many rows ``onednn_mm`` beats torch's int8 kernel on this (O, I) weight: measured once per
+    process and shape on these codes (``linear.gemm_rows``, key ``int8_onednn_OxI``; the env switch forces it)."""
+    O, I = q.shape
+    return gemm_rows(f"int8_onednn_{O}x{I}", measure_onednn_rows(q, s), ONEDNN_ROWS_CANDIDATES)
 
 
 def pack_int8(q: Tensor) -> Tensor:
@@ -167,7 +182,8 @@ class Int8Linear(WeightOnlyLinear):
     off CPU, or without the kernel, the weight is dequantised and F.linear runs. ``kernel``: "auto" takes
     lmstack's AVX2 kernel where ``int8_kernel()`` says so (then ``qweight`` holds Q in its tile layout and
     the activations are quantised to int8 per group of ``act_group`` inputs), "aten" torch's, "avx2" ours.
-    With torch's kernel, bf16 ``compute_dtype`` and oneDNN, from ``gemm_rows`` rows on (measured once per process: ``linear.gemm_rows``;
+    With torch's kernel, bf16 ``compute_dtype`` and oneDNN, from ``gemm_rows`` rows on (measured once per process
+    and weight shape: ``onednn_gemm_rows``;
     ``LMSTACK_QUANT_GEMM_ROWS=N|never`` forces it) ``onednn_mm`` runs instead of the kernel and of the
     dequantisation, on Q prepacked at the first such call (one more byte per weight).
     """
@@ -210,26 +226,48 @@ class Int8Linear(WeightOnlyLinear):
             self.kernel == "avx2"
         ):  # the row count from which a prefill dequantises: measured (linear.gemm_rows)
             self.DEQUANT_ROWS = gemm_rows("int8_avx2", measure_gemm_rows())
-        # torch's kernel: from gemm_rows rows on, oneDNN's int8 GEMM (measured; None: never)
-        self.gemm_rows = None
         self._onednn: tuple[Tensor, Tensor, tuple] | None = (
             None  # (prepacked Q, zero points, qweight's key)
         )
-        # (bf16 compute only: fp32 activations ask for the exact product)
-        if (
-            self.kernel == "aten"
-            and compute_dtype == torch.bfloat16
-            and has_onednn()
-            and _has_int8_kernel()
-        ):
-            self.gemm_rows = gemm_rows("int8_onednn", measure_onednn_rows())
-            if self.gemm_rows is not None:  # it takes the many-row batches the dequantisation took
-                self.DEQUANT_ROWS = None
         self.register_buffer("qweight", pack_int8(q) if self.kernel == "avx2" else q.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer(
             "scale_c", scale.to(compute_dtype).contiguous()
         )  # s in the kernel's dtype
+        self._choose_onednn()
+
+    def _choose_onednn(self) -> None:
+        """torch's kernel with bf16 compute (fp32 activations ask for the exact product) and oneDNN: from
+        ``gemm_rows`` rows on (measured on this weight's shape, ``onednn_gemm_rows``; None: never) oneDNN's
+        int8 GEMM, which then also takes the many-row batches the dequantisation took."""
+        self.gemm_rows = None
+        if (
+            self.kernel == "aten"
+            and self.compute_dtype == torch.bfloat16
+            and self.qweight.device.type
+            == "cpu"  # measured on these codes (not on meta, not off the CPU)
+            and has_onednn()
+            and _has_int8_kernel()
+        ):
+            self.gemm_rows = onednn_gemm_rows(self.qweight, self.scale)
+        if self.gemm_rows is not None:
+            self.DEQUANT_ROWS = None
+        elif self.kernel == "aten":
+            self.DEQUANT_ROWS = type(self).DEQUANT_ROWS
+
+    @classmethod
+    def concat_rows(cls, modules: Sequence[nn.Module]) -> WeightOnlyLinear | None:
+        """``WeightOnlyLinear.concat_rows``, with the oneDNN row count measured again for the joined shape."""
+        fused = super().concat_rows(modules)
+        if isinstance(fused, Int8Linear):
+            fused._onednn = None
+            fused._choose_onednn()
+        return fused
+
+    def onednn_rows(self, rows: int) -> bool:
+        """Whether an eager call on ``rows`` activation rows runs oneDNN's int8 GEMM (a compiled graph cannot:
+        a caller that compiles around this layer may keep it outside the graph, as ``StaticDecoder`` does)."""
+        return self.gemm_rows is not None and rows >= self.gemm_rows
 
     @classmethod
     def from_linear(
@@ -274,11 +312,9 @@ class Int8Linear(WeightOnlyLinear):
             )  # (M, O) fp32
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
-        rows = x.numel() // self.in_features
         if (  # not inside torch.compile: inductor cannot take the opaque prepacked Q (torch's kernel runs)
-            self.gemm_rows is not None
-            and x.device.type == "cpu"
-            and rows >= self.gemm_rows
+            x.device.type == "cpu"
+            and self.onednn_rows(x.numel() // self.in_features)
             and not torch.compiler.is_compiling()
         ):
             # Q in oneDNN's blocked layout (one more byte per weight), zero points; built again when

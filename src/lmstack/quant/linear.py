@@ -39,13 +39,18 @@ def choose_gemm_rows(times: dict[int, tuple[float, float]]) -> int | None:
     return rows
 
 
-def gemm_rows(key: str, measure: Callable[[int], tuple[float, float]]) -> int | None:
+def gemm_rows(
+    key: str,
+    measure: Callable[[int], tuple[float, float]],
+    candidates: Sequence[int] = GEMM_ROWS_CANDIDATES,
+) -> int | None:
     """From how many activation rows a quantised linear dequantises its weight and runs a float GEMM instead of
     its kernel (a prefill: compute-bound, where the int8 dot products of a decode kernel lose to MKL/oneDNN).
 
     ``LMSTACK_QUANT_GEMM_ROWS=N`` forces N (1: always the GEMM), ``never`` the kernel at every M; else the
-    first call per ``key`` (a kernel name) measures ``measure(M) -> (kernel s, GEMM s)`` at
-    ``GEMM_ROWS_CANDIDATES`` (~0.1 s on a quiet core) and the answer is kept for the process
+    first call per ``key`` (a kernel name, with the weight's shape where that decides) measures
+    ``measure(M) -> (kernel s, GEMM s)`` at ``candidates`` (~0.1 s on a quiet core) and the answer is kept
+    for the process
     (``choose_gemm_rows``; logged once at INFO)."""
     env = os.environ.get(GEMM_ROWS_ENV, "").strip().lower()
     if env in ("never", "off", "none"):
@@ -55,10 +60,10 @@ def gemm_rows(key: str, measure: Callable[[int], tuple[float, float]]) -> int | 
             raise ValueError(f"{GEMM_ROWS_ENV}={env!r}; expected a row count >= 1 or 'never'")
         return int(env)
     if key not in _measured:
-        times = {M: measure(M) for M in GEMM_ROWS_CANDIDATES}
+        times = {M: measure(M) for M in candidates}
         _measured[key] = choose_gemm_rows(times)
         _log.info(
-            "%s: dequantise + GEMM from %s rows (kernel / GEMM ms: %s)",
+            "%s: the GEMM from %s rows (kernel / GEMM ms: %s)",
             key,
             _measured[key],
             ", ".join(f"{M}: {k * 1e3:.2f}/{g * 1e3:.2f}" for M, (k, g) in times.items()),
