@@ -1,0 +1,278 @@
+// Paged decode attention on the CPU: one query per row over that row's own blocks of the paged KV pool
+// (vLLM's PagedAttention, Kwon et al. 2023), with FlashAttention-2's online softmax (Dao 2023: a running
+// max m and sum l per query, the output rescaled by exp(m_old - m_new) when the max grows), fp32 sums.
+// Book of LLMs §1.2/§1.3 for softmax(q k^T / sqrt(H) + mask) v, §1.9 for the window.
+//
+// Same semantics as lmstack.inference.paged_attention.paged_decode_attention:
+//   q (B, N, 1, H); pools (NB, bs, K, H) float32 / bfloat16 / float16, or int8 / fp8 e4m3 codes with one
+//   scale per (block, KV head) (NB, K); table (B, M) block ids; positions (B,); k_new, v_new (B, K, H) this
+//   step's key/value or undefined. Slot s of row b is pool[table[b, s / bs], s % bs] and holds position s.
+//   Visible: s <= p_b (s < p_b with k_new, which is then one more column at p_b), and p_b - s < window when
+//   window > 0. softcap > 0: scores c * tanh(s / c) before the mask (Gemma-2). Query head n reads KV head
+//   n / G, G = N / K (GQA).
+// Per (row, KV head) only slots lo .. p_b are read (never the table's padding), each key and value row
+// once for the G query heads that share it, in tiles of 16 slots: 16 scores per query head, one rescale of
+// the running output per tile. Plain loops for the compiler to vectorise: the file is built once per ISA
+// (the -m flags in lmstack/inference/paged_kernel.py) and the op is named after the build (LMSTACK_OP).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#ifndef LMSTACK_OP
+#define LMSTACK_OP paged_decode_generic
+#endif
+#define LMSTACK_STR2(x) #x
+#define LMSTACK_STR(x) LMSTACK_STR2(x)
+
+namespace {
+
+constexpr int64_t kTile = 16;  // key slots scored together (one AVX-512 vector of fp32 scores)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// exp(x) for x <= 0 (a score minus the running max) in plain arithmetic, so loops of it vectorise:
+// x = n ln2 + r, |r| <= ln2/2, exp(r) by its Taylor polynomial to r^7 (error < 6e-9), 2^n in the exponent
+// bits. Below -87 (exp < 1.7e-38, nothing next to the max's 1) it returns 0.
+inline float exp_nonpos(float x) {
+  const float xc = x < -87.f ? -87.f : x;
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = (xc - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const float two_n = bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+  return x < -87.f ? 0.f : p * two_n;
+}
+
+// One stored row of H values -> fp32, times the block's scale.
+inline void load_row(const float* src, float s, int64_t H, float* dst) {
+  for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * s;
+}
+inline void load_row(const c10::BFloat16* src, float s, int64_t H, float* dst) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t h = 0; h < H; ++h) dst[h] = bits_to_float(static_cast<uint32_t>(raw[h]) << 16) * s;
+}
+inline void load_row(const c10::Half* src, float s, int64_t H, float* dst) {
+  for (int64_t h = 0; h < H; ++h) dst[h] = static_cast<float>(src[h]) * s;
+}
+inline void load_row(const int8_t* src, float s, int64_t H, float* dst) {
+  for (int64_t h = 0; h < H; ++h) dst[h] = static_cast<float>(src[h]) * s;
+}
+const float* fp8_table() {  // the 256 e4m3 codes' values, built once
+  static const std::vector<float> t = [] {
+    std::vector<float> v(256);
+    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return v;
+  }();
+  return t.data();
+}
+inline void load_row(const c10::Float8_e4m3fn* src, float s, int64_t H, float* dst) {
+  const uint8_t* raw = reinterpret_cast<const uint8_t*>(src);
+  const float* lut = fp8_table();
+  for (int64_t h = 0; h < H; ++h) dst[h] = lut[raw[h]] * s;
+}
+
+inline float dot(const float* a, const float* b, int64_t H) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t h = 0; h < H; ++h) acc += a[h] * b[h];
+  return acc;
+}
+
+struct Args {
+  const float* q;        // (B, N, H) fp32, already times 1/sqrt(H)
+  const float* k_new;    // (B, K, H) fp32 or null
+  const float* v_new;
+  const float* k_scale;  // (NB, K) or null
+  const float* v_scale;
+  const int64_t* table;  // (B, M)
+  const int64_t* pos;    // (B,)
+  float* out;            // (B, N, H) fp32
+  int64_t B, N, K, G, H, bs, M, NB, window;
+  float softcap;
+};
+
+// The running state of G query heads: max m, sum l, output acc (G, H); one update per tile of n scores.
+struct Online {
+  std::vector<float> m, l, acc, p;
+  explicit Online(int64_t G, int64_t H) : m(G, kNegInf), l(G, 0.f), acc(G * H, 0.f), p(kTile) {}
+
+  // scores sc (G, kTile), the first n valid; values vals (n, H)
+  void update(const float* sc, int64_t n, const float* vals, int64_t G, int64_t H) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* s = sc + g * kTile;
+      float mt = kNegInf;
+      for (int64_t t = 0; t < n; ++t) mt = std::max(mt, s[t]);
+      if (mt == kNegInf) continue;  // nothing this tile adds (every score -inf)
+      const float m_new = std::max(m[g], mt);
+      const float alpha = m[g] == kNegInf ? 0.f : exp_nonpos(m[g] - m_new);
+      float sum = 0.f;
+      for (int64_t t = 0; t < kTile; ++t) {
+        const float e = exp_nonpos(s[t] - m_new);
+        p[t] = t < n ? e : 0.f;
+      }
+      for (int64_t t = 0; t < kTile; ++t) sum += p[t];
+      l[g] = l[g] * alpha + sum;
+      m[g] = m_new;
+      float* a = acc.data() + g * H;
+      if (alpha != 1.f)
+        for (int64_t h = 0; h < H; ++h) a[h] *= alpha;
+      for (int64_t t = 0; t < n; ++t) {
+        const float pt = p[t];
+        const float* v = vals + t * H;
+        for (int64_t h = 0; h < H; ++h) a[h] += pt * v[h];
+      }
+    }
+  }
+};
+
+inline void cap(float* s, int64_t n, float c) {
+  for (int64_t t = 0; t < n; ++t) s[t] = c * std::tanh(s[t] / c);
+}
+
+template <typename T>
+void attend_one(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh) {
+  const int64_t G = a.G, H = a.H, K = a.K, bs = a.bs;
+  const int64_t p = a.pos[b];
+  const int64_t hi = a.k_new ? p : p + 1;  // pool slots [lo, hi) are visible
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+  const float* q = a.q + (b * a.N + kh * G) * H;  // (G, H): query heads kh*G .. kh*G + G - 1
+  const int64_t* row = a.table + b * a.M;
+  Online st(G, H);
+  std::vector<float> kbuf(kTile * H), vbuf(kTile * H), sc(G * kTile, kNegInf);
+  for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
+    const int64_t n = std::min(kTile, hi - t0);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t s = t0 + t, blk = row[s / bs];
+      TORCH_CHECK(blk >= 0 && blk < a.NB, "paged_decode: block id ", blk, " (row ", b, ", table entry ", s / bs,
+                  ") outside the pool's ", a.NB, " blocks");
+      const int64_t at = ((blk * bs + s % bs) * K + kh) * H;
+      load_row(kp + at, a.k_scale ? a.k_scale[blk * K + kh] : 1.f, H, kbuf.data() + t * H);
+      load_row(vp + at, a.v_scale ? a.v_scale[blk * K + kh] : 1.f, H, vbuf.data() + t * H);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = sc.data() + g * kTile;
+      for (int64_t t = 0; t < n; ++t) s[t] = dot(q + g * H, kbuf.data() + t * H, H);
+      for (int64_t t = n; t < kTile; ++t) s[t] = kNegInf;
+      if (a.softcap > 0.f) cap(s, n, a.softcap);
+    }
+    st.update(sc.data(), n, vbuf.data(), G, H);
+  }
+  if (a.k_new) {  // this step's token: one more visible column, at position p
+    const float* kn = a.k_new + (b * K + kh) * H;
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = sc.data() + g * kTile;
+      s[0] = dot(q + g * H, kn, H);
+      for (int64_t t = 1; t < kTile; ++t) s[t] = kNegInf;
+      if (a.softcap > 0.f) cap(s, 1, a.softcap);
+    }
+    st.update(sc.data(), 1, a.v_new + (b * K + kh) * H, G, H);
+  }
+  float* o = a.out + (b * a.N + kh * G) * H;
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / st.l[g];  // l = 0 (no visible key) gives NaN, as the softmax over none does
+    for (int64_t h = 0; h < H; ++h) o[g * H + h] = st.acc[g * H + h] * inv;
+  }
+}
+
+template <typename T>
+void run(const Args& a, const at::Tensor& kp, const at::Tensor& vp) {
+  const T* k = reinterpret_cast<const T*>(kp.data_ptr());
+  const T* v = reinterpret_cast<const T*>(vp.data_ptr());
+  at::parallel_for(0, a.B * a.K, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) attend_one<T>(a, k, v, i / a.K, i % a.K);
+  });
+}
+
+at::Tensor as_float(const at::Tensor& x) { return x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous(); }
+
+at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& table_in,
+                        const at::Tensor& positions_in, const std::optional<at::Tensor>& k_new,
+                        const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale, int64_t window, double softcap) {
+  TORCH_CHECK(q_in.dim() == 4 && q_in.size(2) == 1, "paged_decode: q must be (B, N, 1, H), got ", q_in.sizes());
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "paged_decode: pools must be (NB, bs, K, H) alike, got ",
+              k_pool.sizes(), " and ", v_pool.sizes());
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "paged_decode: K and V pools differ in dtype");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16 || q_in.scalar_type() == at::kHalf,
+              "paged_decode: q must be float32, bfloat16 or float16, got ", q_in.scalar_type());
+  const int64_t B = q_in.size(0), N = q_in.size(1), H = q_in.size(3);
+  const int64_t NB = k_pool.size(0), bs = k_pool.size(1), K = k_pool.size(2);
+  TORCH_CHECK(k_pool.size(3) == H, "paged_decode: pool head dim ", k_pool.size(3), " != q's ", H);
+  TORCH_CHECK(K > 0 && N % K == 0, "paged_decode: ", N, " query heads are not a multiple of ", K, " KV heads");
+  TORCH_CHECK(table_in.dim() == 2 && table_in.size(0) == B, "paged_decode: table must be (B=", B, ", M), got ", table_in.sizes());
+  TORCH_CHECK(positions_in.dim() == 1 && positions_in.size(0) == B, "paged_decode: positions must be (B=", B, ",)");
+  TORCH_CHECK(k_new.has_value() == v_new.has_value(), "paged_decode: give both k_new and v_new or neither");
+  TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "paged_decode: give both scales or neither");
+  const at::Tensor table = table_in.to(at::kLong).contiguous(), positions = positions_in.to(at::kLong).contiguous();
+  const int64_t M = table.size(1);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t hi = k_new ? pos[b] : pos[b] + 1;
+    TORCH_CHECK(pos[b] >= 0 && hi <= M * bs, "paged_decode: row ", b, " at position ", pos[b], " needs slots up to ", hi,
+                " but its table holds ", M, " blocks of ", bs);
+  }
+  const at::Tensor q = (q_in.to(at::kFloat) * (1.0 / std::sqrt(static_cast<double>(H)))).contiguous();
+  at::Tensor kn, vn, ks, vs;
+  if (k_new) {
+    TORCH_CHECK(k_new->sizes() == at::IntArrayRef({B, K, H}) && v_new->sizes() == k_new->sizes(),
+                "paged_decode: k_new, v_new must be (B, K, H) = (", B, ", ", K, ", ", H, ")");
+    kn = as_float(*k_new);
+    vn = as_float(*v_new);
+  }
+  if (k_scale) {
+    TORCH_CHECK(k_scale->sizes() == at::IntArrayRef({NB, K}) && v_scale->sizes() == k_scale->sizes(),
+                "paged_decode: scales must be (NB, K) = (", NB, ", ", K, ")");
+    ks = as_float(*k_scale);
+    vs = as_float(*v_scale);
+  }
+  const at::Tensor kp = k_pool.contiguous(), vp = v_pool.contiguous();
+  at::Tensor out = at::empty({B, N, 1, H}, q.options());
+  Args a{q.data_ptr<float>(),
+         k_new ? kn.data_ptr<float>() : nullptr,
+         k_new ? vn.data_ptr<float>() : nullptr,
+         k_scale ? ks.data_ptr<float>() : nullptr,
+         k_scale ? vs.data_ptr<float>() : nullptr,
+         table.data_ptr<int64_t>(),
+         pos,
+         out.data_ptr<float>(),
+         B, N, K, N / K, H, bs, M, NB, window, static_cast<float>(softcap)};
+  switch (kp.scalar_type()) {
+    case at::kFloat: run<float>(a, kp, vp); break;
+    case at::kBFloat16: run<c10::BFloat16>(a, kp, vp); break;
+    case at::kHalf: run<c10::Half>(a, kp, vp); break;
+    case at::kChar: run<int8_t>(a, kp, vp); break;
+    case at::kFloat8_e4m3fn: run<c10::Float8_e4m3fn>(a, kp, vp); break;
+    default: TORCH_CHECK(false, "paged_decode: pool dtype ", kp.scalar_type(), " (expected float32, bfloat16, float16, int8 or fp8 e4m3)");
+  }
+  return q_in.scalar_type() == at::kFloat ? out : out.to(q_in.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lmstack_attn, lib) {
+  lib.def(LMSTACK_STR(LMSTACK_OP) "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor positions, Tensor? k_new, "
+                                  "Tensor? v_new, Tensor? k_scale, Tensor? v_scale, int window, float softcap) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lmstack_attn, CPU, lib) { lib.impl(LMSTACK_STR(LMSTACK_OP), &paged_decode); }
