@@ -37,7 +37,8 @@ _log = logging.getLogger(__name__)
 ENV = "LMSTACK_PAGED_KERNEL"
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 # variant -> (CPU flags it needs, compiler flags); best first. -fopenmp: at::parallel_for's pragma and the
-# source's `omp simd` reductions are compiled into the kernel (without it, one thread, scalar dot products).
+# source's `omp simd` reductions are compiled into the kernel (without it, one thread, scalar loops);
+# -fno-trapping-math lets GCC turn the exp's selects into vector blends (FP exception flags are never read).
 VARIANTS: dict[str, tuple[tuple[str, ...], list[str]]] = {
     "avx512": (
         ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"),
@@ -50,11 +51,15 @@ VARIANTS: dict[str, tuple[tuple[str, ...], list[str]]] = {
             "-mfma",
             "-mf16c",
             "-mprefer-vector-width=512",
+            "-fno-trapping-math",
             "-fopenmp",
         ],
     ),
-    "avx2": (("avx2", "fma", "f16c"), ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]),
-    "generic": ((), ["-O3", "-fopenmp"]),
+    "avx2": (
+        ("avx2", "fma", "f16c"),
+        ["-O3", "-mavx2", "-mfma", "-mf16c", "-fno-trapping-math", "-fopenmp"],
+    ),
+    "generic": ((), ["-O3", "-fno-trapping-math", "-fopenmp"]),
 }
 X86 = ("x86_64", "AMD64", "i686", "i386")
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn)

@@ -20,6 +20,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -49,7 +52,7 @@ inline float bits_to_float(uint32_t b) {
 // x = n ln2 + r, |r| <= ln2/2, exp(r) by its Taylor polynomial to r^7 (error < 6e-9), 2^n in the exponent
 // bits. Below -87 (exp < 1.7e-38, nothing next to the max's 1) it returns 0.
 inline float exp_nonpos(float x) {
-  const float xc = x < -87.f ? -87.f : x;
+  const float xc = std::max(x, -87.f);
   const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
   const float r = (xc - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
   float p = 1.f / 5040.f;
@@ -60,7 +63,9 @@ inline float exp_nonpos(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const float two_n = bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &e, 4);
   return x < -87.f ? 0.f : p * two_n;
 }
 
@@ -92,12 +97,80 @@ inline void load_row(const c10::Float8_e4m3fn* src, float s, int64_t H, float* d
   for (int64_t h = 0; h < H; ++h) dst[h] = lut[raw[h]] * s;
 }
 
-inline float dot(const float* a, const float* b, int64_t H) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t h = 0; h < H; ++h) acc += a[h] * b[h];
-  return acc;
+#if defined(__AVX512F__)
+// r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: pairwise unpack-and-add (32-bit, then 64-bit
+// elements), then the 128-bit lanes, 45 shuffles and adds instead of 16 separate horizontal sums.
+inline __m512 hsum16(const __m512* v) {
+  __m512 w[8], e[4];
+  for (int j = 0; j < 8; ++j)  // 128-bit lane: [v2j, v2j+1, v2j, v2j+1] partial sums
+    w[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {  // 128-bit lane: [v4j, v4j+1, v4j+2, v4j+3] partial sums
+    const __m512d a = _mm512_castps_pd(w[2 * j]), b = _mm512_castps_pd(w[2 * j + 1]);
+    e[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 f0 = _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
+  const __m512 f1 = _mm512_add_ps(_mm512_shuffle_f32x4(e[2], e[3], 0x88), _mm512_shuffle_f32x4(e[2], e[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xDD));
 }
+
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+
+// s[t] = q · k_t for the tile's 16 rows (rows past the tile's end point at zeros)
+inline void score_tile(const float* q, const float* const* krow, int64_t H, float* s) {
+  __m512 acc[kTile];
+  for (int t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t h0 = 0; h0 < H; h0 += 16) {
+    const __mmask16 m = tail_mask(H - h0);
+    const __m512 qv = _mm512_maskz_loadu_ps(m, q + h0);
+    for (int t = 0; t < kTile; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, krow[t] + h0), acc[t]);
+  }
+  _mm512_storeu_ps(s, hsum16(acc));
+}
+
+// a = alpha a + sum_t p[t] v_t (H values; p[t] = 0 past the tile's end)
+inline void pv_tile(float* a, float alpha, const float* p, const float* const* vrow, int64_t H) {
+  for (int64_t h0 = 0; h0 < H; h0 += 16) {
+    const __mmask16 m = tail_mask(H - h0);
+    __m512 r = _mm512_mul_ps(_mm512_set1_ps(alpha), _mm512_maskz_loadu_ps(m, a + h0));
+    for (int t = 0; t < kTile; ++t) r = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_maskz_loadu_ps(m, vrow[t] + h0), r);
+    _mm512_mask_storeu_ps(a + h0, m, r);
+  }
+}
+#else
+// The same two steps in plain loops over 16-value chunks (vectorised by the build's -m flags).
+inline void score_tile(const float* q, const float* const* krow, int64_t H, float* s) {
+  const int64_t H16 = H / 16 * 16;
+  for (int t = 0; t < kTile; ++t) {
+    const float* k = krow[t];
+    float acc[16] = {};
+    for (int64_t h0 = 0; h0 < H16; h0 += 16)
+      for (int j = 0; j < 16; ++j) acc[j] += q[h0 + j] * k[h0 + j];
+    float sum = 0.f;
+    for (int j = 0; j < 16; ++j) sum += acc[j];
+    for (int64_t h = H16; h < H; ++h) sum += q[h] * k[h];
+    s[t] = sum;
+  }
+}
+
+inline void pv_tile(float* a, float alpha, const float* p, const float* const* vrow, int64_t H) {
+  const int64_t H16 = H / 16 * 16;
+  for (int64_t h0 = 0; h0 < H16; h0 += 16) {
+    float r[16];
+    for (int j = 0; j < 16; ++j) r[j] = alpha * a[h0 + j];
+    for (int t = 0; t < kTile; ++t) {
+      const float pt = p[t];
+      const float* v = vrow[t] + h0;
+      for (int j = 0; j < 16; ++j) r[j] += pt * v[j];
+    }
+    for (int j = 0; j < 16; ++j) a[h0 + j] = r[j];
+  }
+  for (int64_t h = H16; h < H; ++h) {
+    float r = alpha * a[h];
+    for (int t = 0; t < kTile; ++t) r += p[t] * vrow[t][h];
+    a[h] = r;
+  }
+}
+#endif
 
 struct Args {
   const float* q;        // (B, N, H) fp32, already times 1/sqrt(H)
@@ -112,42 +185,50 @@ struct Args {
   float softcap;
 };
 
-// The running state of G query heads: max m, sum l, output acc (G, H); one update per tile of n scores.
+// The running state of G query heads (max m, sum l, output acc (G, H)) and one tile's update from its
+// scores sc (G, kTile), the first n valid, and value rows vrow (kTile; zeros past n).
 struct Online {
-  std::vector<float> m, l, acc, p;
-  explicit Online(int64_t G, int64_t H) : m(G, kNegInf), l(G, 0.f), acc(G * H, 0.f), p(kTile) {}
+  std::vector<float> m, l, acc;
+  explicit Online(int64_t G, int64_t H) : m(G, kNegInf), l(G, 0.f), acc(G * H, 0.f) {}
 
-  // scores sc (G, kTile), the first n valid; values vals (n, H)
-  void update(const float* sc, int64_t n, const float* vals, int64_t G, int64_t H) {
+  void update(const float* sc, int64_t n, const float* const* vrow, int64_t G, int64_t H) {
+    alignas(64) float p[kTile];
     for (int64_t g = 0; g < G; ++g) {
       const float* s = sc + g * kTile;
-      float mt = kNegInf;
-      for (int64_t t = 0; t < n; ++t) mt = std::max(mt, s[t]);
+      float mt = kNegInf;  // s[t] = -inf past n
+#pragma omp simd reduction(max : mt)
+      for (int t = 0; t < kTile; ++t) mt = std::max(mt, s[t]);
       if (mt == kNegInf) continue;  // nothing this tile adds (every score -inf)
       const float m_new = std::max(m[g], mt);
       const float alpha = m[g] == kNegInf ? 0.f : exp_nonpos(m[g] - m_new);
       float sum = 0.f;
-      for (int64_t t = 0; t < kTile; ++t) {
-        const float e = exp_nonpos(s[t] - m_new);
-        p[t] = t < n ? e : 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = 0; t < kTile; ++t) {
+        p[t] = exp_nonpos(s[t] - m_new);  // -inf (past n) -> 0
+        sum += p[t];
       }
-      for (int64_t t = 0; t < kTile; ++t) sum += p[t];
       l[g] = l[g] * alpha + sum;
       m[g] = m_new;
-      float* a = acc.data() + g * H;
-      if (alpha != 1.f)
-        for (int64_t h = 0; h < H; ++h) a[h] *= alpha;
-      for (int64_t t = 0; t < n; ++t) {
-        const float pt = p[t];
-        const float* v = vals + t * H;
-        for (int64_t h = 0; h < H; ++h) a[h] += pt * v[h];
-      }
+      pv_tile(acc.data() + g * H, alpha, p, vrow, H);
     }
   }
 };
 
 inline void cap(float* s, int64_t n, float c) {
   for (int64_t t = 0; t < n; ++t) s[t] = c * std::tanh(s[t] / c);
+}
+
+// Row t of the tile: a pointer into the pool (float32 without scales) or the row converted into buf.
+template <typename T>
+inline const float* row_of(const T* src, const float* scale, float* buf, int64_t H) {
+  load_row(src, scale ? *scale : 1.f, H, buf);
+  return buf;
+}
+template <>
+inline const float* row_of<float>(const float* src, const float* scale, float* buf, int64_t H) {
+  if (!scale) return src;
+  load_row(src, *scale, H, buf);
+  return buf;
 }
 
 template <typename T>
@@ -159,34 +240,39 @@ void attend_one(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh) 
   const float* q = a.q + (b * a.N + kh * G) * H;  // (G, H): query heads kh*G .. kh*G + G - 1
   const int64_t* row = a.table + b * a.M;
   Online st(G, H);
-  std::vector<float> kbuf(kTile * H), vbuf(kTile * H), sc(G * kTile, kNegInf);
+  std::vector<float> kbuf(kTile * H), vbuf(kTile * H), zeros(H, 0.f), sc(G * kTile);
+  const float* krow[kTile];
+  const float* vrow[kTile];
+  auto score = [&](int64_t n) {  // the G heads' scores of the tile's rows, -inf past n
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = sc.data() + g * kTile;
+      score_tile(q + g * H, krow, H, s);
+      for (int64_t t = n; t < kTile; ++t) s[t] = kNegInf;
+      if (a.softcap > 0.f) cap(s, n, a.softcap);
+    }
+    st.update(sc.data(), n, vrow, G, H);
+  };
   for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
     const int64_t n = std::min(kTile, hi - t0);
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = 0; t < kTile; ++t) {
+      if (t >= n) {
+        krow[t] = vrow[t] = zeros.data();
+        continue;
+      }
       const int64_t s = t0 + t, blk = row[s / bs];
       TORCH_CHECK(blk >= 0 && blk < a.NB, "paged_decode: block id ", blk, " (row ", b, ", table entry ", s / bs,
                   ") outside the pool's ", a.NB, " blocks");
       const int64_t at = ((blk * bs + s % bs) * K + kh) * H;
-      load_row(kp + at, a.k_scale ? a.k_scale[blk * K + kh] : 1.f, H, kbuf.data() + t * H);
-      load_row(vp + at, a.v_scale ? a.v_scale[blk * K + kh] : 1.f, H, vbuf.data() + t * H);
+      krow[t] = row_of<T>(kp + at, a.k_scale ? a.k_scale + blk * K + kh : nullptr, kbuf.data() + t * H, H);
+      vrow[t] = row_of<T>(vp + at, a.v_scale ? a.v_scale + blk * K + kh : nullptr, vbuf.data() + t * H, H);
     }
-    for (int64_t g = 0; g < G; ++g) {
-      float* s = sc.data() + g * kTile;
-      for (int64_t t = 0; t < n; ++t) s[t] = dot(q + g * H, kbuf.data() + t * H, H);
-      for (int64_t t = n; t < kTile; ++t) s[t] = kNegInf;
-      if (a.softcap > 0.f) cap(s, n, a.softcap);
-    }
-    st.update(sc.data(), n, vbuf.data(), G, H);
+    score(n);
   }
   if (a.k_new) {  // this step's token: one more visible column, at position p
-    const float* kn = a.k_new + (b * K + kh) * H;
-    for (int64_t g = 0; g < G; ++g) {
-      float* s = sc.data() + g * kTile;
-      s[0] = dot(q + g * H, kn, H);
-      for (int64_t t = 1; t < kTile; ++t) s[t] = kNegInf;
-      if (a.softcap > 0.f) cap(s, 1, a.softcap);
-    }
-    st.update(sc.data(), 1, a.v_new + (b * K + kh) * H, G, H);
+    krow[0] = a.k_new + (b * K + kh) * H;
+    vrow[0] = a.v_new + (b * K + kh) * H;
+    for (int64_t t = 1; t < kTile; ++t) krow[t] = vrow[t] = zeros.data();
+    score(1);
   }
   float* o = a.out + (b * a.N + kh * G) * H;
   for (int64_t g = 0; g < G; ++g) {
