@@ -161,9 +161,11 @@ def main() -> None:
         )
         if args.interleave:
             c, e = (statistics.median(times[i::2]) * 1000 for i in (2, 3))
+            cc, ce = (statistics.median(cpu[i::2]) * 1000 for i in (2, 3))  # process CPU time
             print(
                 f"batch {b:3d}: compiled {c:7.1f} ms ({b / c * 1000:6.1f} tok/s), eager {e:7.1f} ms "
-                f"({b / e * 1000:6.1f} tok/s), interleaved: compiled / eager = {e / c:.2f}x"
+                f"({b / e * 1000:6.1f} tok/s), interleaved: compiled / eager = {e / c:.2f}x; "
+                f"CPU compiled {cc:.1f} ms, eager {ce:.1f} ms"
             )
         ms = statistics.median(times[1:] or times) * 1000
         cpu_ms = (

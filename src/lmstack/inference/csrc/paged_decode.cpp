@@ -12,7 +12,8 @@
 //   n / G, G = N / K (GQA).
 // Per (row, KV head) only slots lo .. p_b are read (never the table's padding), each key and value row
 // once for the G query heads that share it, in tiles of 16 slots: 16 scores per query head, one rescale of
-// the running output per tile. Plain loops for the compiler to vectorise: the file is built once per ISA
+// the running output per tile; a row's KV heads go through a tile together (the pool's order) with the next
+// tile prefetched. Plain loops for the compiler to vectorise: the file is built once per ISA
 // (the -m flags in lmstack/inference/paged_kernel.py) and the op is named after the build (LMSTACK_OP).
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -231,62 +232,92 @@ inline const float* row_of<float>(const float* src, const float* scale, float* b
   return buf;
 }
 
+// Row b, KV heads [kh0, kh1): slot by slot through the row's blocks, a tile of 16 slots at a time, every
+// head of the range per tile (so the pool is read in the order it lies: a slot's heads are adjacent).
 template <typename T>
-void attend_one(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh) {
+void attend_row(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh0, int64_t kh1) {
   const int64_t G = a.G, H = a.H, K = a.K, bs = a.bs;
   const int64_t p = a.pos[b];
   const int64_t hi = a.k_new ? p : p + 1;  // pool slots [lo, hi) are visible
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
-  const float* q = a.q + (b * a.N + kh * G) * H;  // (G, H): query heads kh*G .. kh*G + G - 1
   const int64_t* row = a.table + b * a.M;
-  Online st(G, H);
+  std::vector<Online> st;
+  for (int64_t kh = kh0; kh < kh1; ++kh) st.emplace_back(G, H);
   std::vector<float> kbuf(kTile * H), vbuf(kTile * H), zeros(H, 0.f), sc(G * kTile);
   const float* krow[kTile];
   const float* vrow[kTile];
-  auto score = [&](int64_t n) {  // the G heads' scores of the tile's rows, -inf past n
+  auto score = [&](int64_t kh, int64_t n) {  // head kh's G queries against the tile's rows, -inf past n
+    const float* q = a.q + (b * a.N + kh * G) * H;  // (G, H): query heads kh*G .. kh*G + G - 1
     for (int64_t g = 0; g < G; ++g) {
       float* s = sc.data() + g * kTile;
       score_tile(q + g * H, krow, H, s);
       for (int64_t t = n; t < kTile; ++t) s[t] = kNegInf;
       if (a.softcap > 0.f) cap(s, n, a.softcap);
     }
-    st.update(sc.data(), n, vrow, G, H);
+    st[kh - kh0].update(sc.data(), n, vrow, G, H);
   };
+  const int64_t span = (kh1 - kh0) * H * static_cast<int64_t>(sizeof(T));  // bytes of a slot's heads
+  auto prefetch = [&](int64_t s) {  // slot s's K and V rows of heads [kh0, kh1): the pool is cold
+    const int64_t blk = row[s / bs];
+    if (blk < 0 || blk >= a.NB) return;  // reported when read
+    const char* k = reinterpret_cast<const char*>(kp + ((blk * bs + s % bs) * K + kh0) * H);
+    const char* v = reinterpret_cast<const char*>(vp + ((blk * bs + s % bs) * K + kh0) * H);
+    for (int64_t off = 0; off < span; off += 64) {
+      __builtin_prefetch(k + off, 0, 3);
+      __builtin_prefetch(v + off, 0, 3);
+    }
+    asm volatile("");  // GCC 12 deleted these loops of prefetches as code without effect
+  };
+  for (int64_t s = lo; s < std::min(lo + kTile, hi); ++s) prefetch(s);
   for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
     const int64_t n = std::min(kTile, hi - t0);
-    for (int64_t t = 0; t < kTile; ++t) {
-      if (t >= n) {
-        krow[t] = vrow[t] = zeros.data();
-        continue;
-      }
-      const int64_t s = t0 + t, blk = row[s / bs];
-      TORCH_CHECK(blk >= 0 && blk < a.NB, "paged_decode: block id ", blk, " (row ", b, ", table entry ", s / bs,
-                  ") outside the pool's ", a.NB, " blocks");
-      const int64_t at = ((blk * bs + s % bs) * K + kh) * H;
-      krow[t] = row_of<T>(kp + at, a.k_scale ? a.k_scale + blk * K + kh : nullptr, kbuf.data() + t * H, H);
-      vrow[t] = row_of<T>(vp + at, a.v_scale ? a.v_scale + blk * K + kh : nullptr, vbuf.data() + t * H, H);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t blk = row[(t0 + t) / bs];
+      TORCH_CHECK(blk >= 0 && blk < a.NB, "paged_decode: block id ", blk, " (row ", b, ", table entry ",
+                  (t0 + t) / bs, ") outside the pool's ", a.NB, " blocks");
+      if (t0 + kTile + t < hi) prefetch(t0 + kTile + t);  // the next tile's rows arrive while this one is scored
     }
-    score(n);
+    for (int64_t kh = kh0; kh < kh1; ++kh) {
+      for (int64_t t = 0; t < kTile; ++t) {
+        if (t >= n) {
+          krow[t] = vrow[t] = zeros.data();
+          continue;
+        }
+        const int64_t s = t0 + t, blk = row[s / bs];
+        const int64_t at = ((blk * bs + s % bs) * K + kh) * H;
+        krow[t] = row_of<T>(kp + at, a.k_scale ? a.k_scale + blk * K + kh : nullptr, kbuf.data() + t * H, H);
+        vrow[t] = row_of<T>(vp + at, a.v_scale ? a.v_scale + blk * K + kh : nullptr, vbuf.data() + t * H, H);
+      }
+      score(kh, n);
+    }
   }
-  if (a.k_new) {  // this step's token: one more visible column, at position p
-    krow[0] = a.k_new + (b * K + kh) * H;
-    vrow[0] = a.v_new + (b * K + kh) * H;
-    for (int64_t t = 1; t < kTile; ++t) krow[t] = vrow[t] = zeros.data();
-    score(1);
-  }
-  float* o = a.out + (b * a.N + kh * G) * H;
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.f / st.l[g];  // l = 0 (no visible key) gives NaN, as the softmax over none does
-    for (int64_t h = 0; h < H; ++h) o[g * H + h] = st.acc[g * H + h] * inv;
+  for (int64_t kh = kh0; kh < kh1; ++kh) {
+    if (a.k_new) {  // this step's token: one more visible column, at position p
+      krow[0] = a.k_new + (b * K + kh) * H;
+      vrow[0] = a.v_new + (b * K + kh) * H;
+      for (int64_t t = 1; t < kTile; ++t) krow[t] = vrow[t] = zeros.data();
+      score(kh, 1);
+    }
+    const Online& o_st = st[kh - kh0];
+    float* o = a.out + (b * a.N + kh * G) * H;
+    for (int64_t g = 0; g < G; ++g) {
+      const float inv = 1.f / o_st.l[g];  // l = 0 (no visible key) gives NaN, as a softmax over none does
+      for (int64_t h = 0; h < H; ++h) o[g * H + h] = o_st.acc[g * H + h] * inv;
+    }
   }
 }
 
+// at::parallel_for over (row, KV head) items; a thread's consecutive items of one row go together.
 template <typename T>
 void run(const Args& a, const at::Tensor& kp, const at::Tensor& vp) {
   const T* k = reinterpret_cast<const T*>(kp.data_ptr());
   const T* v = reinterpret_cast<const T*>(vp.data_ptr());
   at::parallel_for(0, a.B * a.K, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) attend_one<T>(a, k, v, i / a.K, i % a.K);
+    for (int64_t i = begin; i < end;) {
+      const int64_t b = i / a.K, last = std::min(end, (b + 1) * a.K);
+      attend_row<T>(a, k, v, b, i % a.K, i % a.K + (last - i));
+      i = last;
+    }
   });
 }
 
