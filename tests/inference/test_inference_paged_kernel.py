@@ -141,6 +141,24 @@ def test_kernel_soft_caps_and_keeps_a_bf16_query(variant):
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)  # bf16 output rounding
 
 
+def test_kernel_on_two_threads_equals_one():
+    """at::parallel_for over (row, KV head): each item computed alone, so the split changes no bit."""
+    _kernel_on()
+    g = torch.Generator().manual_seed(6)
+    kp, vp, _, _, _ = _pool(torch.bfloat16, g)
+    q = torch.randn(len(TABLES), N, 1, H, generator=g)
+    args = (q, kp, vp, _table(), torch.tensor(POSITIONS))
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_kernel.paged_decode(*args, window=9)
+        torch.set_num_threads(2)
+        two = paged_kernel.paged_decode(*args, window=9)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, two)
+
+
 def test_kernel_refuses_a_position_its_table_does_not_cover():
     variant = _built(VARIANTS[0] if isinstance(VARIANTS[0], str) else VARIANTS[0].values[0])
     kp = torch.zeros(NB, BS, K, H)

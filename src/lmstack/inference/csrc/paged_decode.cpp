@@ -116,25 +116,40 @@ inline __m512 hsum16(const __m512* v) {
 
 inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 
-// s[t] = q · k_t for the tile's 16 rows (rows past the tile's end point at zeros)
+// s[t] = q · k_t for the tile's 16 rows (rows past the tile's end point at zeros); full 16-value chunks
+// with plain loads (folded into the FMA), the tail masked
 inline void score_tile(const float* q, const float* const* krow, int64_t H, float* s) {
   __m512 acc[kTile];
   for (int t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t h0 = 0; h0 < H; h0 += 16) {
-    const __mmask16 m = tail_mask(H - h0);
-    const __m512 qv = _mm512_maskz_loadu_ps(m, q + h0);
-    for (int t = 0; t < kTile; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, krow[t] + h0), acc[t]);
+  const int64_t H16 = H / 16 * 16;
+  for (int64_t h0 = 0; h0 < H16; h0 += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + h0);
+    for (int t = 0; t < kTile; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(krow[t] + h0), acc[t]);
+  }
+  if (H16 < H) {
+    const __mmask16 m = tail_mask(H - H16);
+    const __m512 qv = _mm512_maskz_loadu_ps(m, q + H16);
+    for (int t = 0; t < kTile; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, krow[t] + H16), acc[t]);
   }
   _mm512_storeu_ps(s, hsum16(acc));
 }
 
-// a = alpha a + sum_t p[t] v_t (H values; p[t] = 0 past the tile's end)
+// a = alpha a + sum_t p[t] v_t (H values; p[t] = 0 past the tile's end): the 16 broadcasts of p made once
 inline void pv_tile(float* a, float alpha, const float* p, const float* const* vrow, int64_t H) {
-  for (int64_t h0 = 0; h0 < H; h0 += 16) {
-    const __mmask16 m = tail_mask(H - h0);
-    __m512 r = _mm512_mul_ps(_mm512_set1_ps(alpha), _mm512_maskz_loadu_ps(m, a + h0));
-    for (int t = 0; t < kTile; ++t) r = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_maskz_loadu_ps(m, vrow[t] + h0), r);
-    _mm512_mask_storeu_ps(a + h0, m, r);
+  __m512 pb[kTile];
+  for (int t = 0; t < kTile; ++t) pb[t] = _mm512_set1_ps(p[t]);
+  const __m512 va = _mm512_set1_ps(alpha);
+  const int64_t H16 = H / 16 * 16;
+  for (int64_t h0 = 0; h0 < H16; h0 += 16) {
+    __m512 r = _mm512_mul_ps(va, _mm512_loadu_ps(a + h0));
+    for (int t = 0; t < kTile; ++t) r = _mm512_fmadd_ps(pb[t], _mm512_loadu_ps(vrow[t] + h0), r);
+    _mm512_storeu_ps(a + h0, r);
+  }
+  if (H16 < H) {
+    const __mmask16 m = tail_mask(H - H16);
+    __m512 r = _mm512_mul_ps(va, _mm512_maskz_loadu_ps(m, a + H16));
+    for (int t = 0; t < kTile; ++t) r = _mm512_fmadd_ps(pb[t], _mm512_maskz_loadu_ps(m, vrow[t] + H16), r);
+    _mm512_mask_storeu_ps(a + H16, m, r);
   }
 }
 #else
