@@ -7,14 +7,17 @@ not need the packed row of ``PagedKVCache.packed_batch``: row b feeds one token 
 keys are its block table, padded with the null block to M entries, so the whole step is three tensors
 (tokens (B, 1), positions (B,), table (B, M)) whatever the sequences hold.
 
-Eagerly (``DecodeBatch``) each layer's k, v are stored in the pool first and ``attend`` reads the layer's
-blocks through the table in one indexed load of the pool, then calls the model's attention implementation.
+Eagerly (``DecodeBatch``) each layer's k, v are stored in the pool first and ``attend`` reads the pool in
+place through the table with lmstack's C++ paged kernel (``paged_kernel``: only each row's real blocks);
+where the kernel is off (``LMSTACK_PAGED_KERNEL=torch``, a float64 model, no compiler) it reads the layer's
+blocks in one indexed load of the pool and calls the model's attention implementation.
 
 Compiled (``compile=True``), the step is compiled per *layer*, not per model (regional compilation, the
 PyTorch recipe for repeated blocks): one graph of one transformer block ``Block.forward`` over a
-``PagedDecodeSeam`` whose attention is ``paged_attention.paged_decode_attention`` — keys and values read in
-place through the table (indirect loads fused into the score and output loops, no per-layer copy of the
-blocks) with this token's k, v put at its slot, returned and written into the pool once after the forward
+``PagedDecodeSeam`` whose attention is ``paged_attention.decode_attention`` — keys and values read in
+place through the table (the C++ kernel, a custom op in the graph, reading each row's real blocks only; or,
+with the kernel off, ``paged_decode_attention``'s indirect loads fused into the score and output loops)
+with this token's k, v put at its slot, returned and written into the pool once after the forward
 for all layers (one ``index_copy_`` over the (L, NB·bs, K, H) pool). The block's weights are inputs of the
 graph, so the L identical blocks share it: B is padded to a bucket (1, 2, 4, 8, 16, 32, 64, then multiples
 of 64) and M to a power of two blocks (at least 256 tokens' worth, at most max_model_len's), and each (B, M)
@@ -35,8 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lmstack.inference import paged_kernel
 from lmstack.inference.paged import PagedKVCache
-from lmstack.inference.paged_attention import paged_decode_attention
+from lmstack.inference.paged_attention import decode_attention
 from lmstack.inference.static import COMPILE_OPTIONS, _Inductor, inner_graph
 from lmstack.model.seam import AttentionImpl, AttentionMetadata
 from lmstack.utils import cxx_compiler
@@ -85,15 +89,23 @@ class DecodeBatch:
     """The attention seam for one eager decode-only forward: q (B, N, 1, H), k, v (B, K, 1, H) per layer.
 
     ``table`` (B, M) block ids, ``positions`` (B,) the fed token's position, ``slots`` (B,) its pool slot.
-    ``attend`` stores this step's k, v in the pool, gathers the layer's M blocks per row through the table
-    (B, M·bs, K, H) — the token's own k, v among them — and calls the model's attention implementation with
-    key positions 0 .. M·bs−1 (mask: ≤ p_b, window; the layer's soft-cap passed on)."""
+    ``attend`` stores this step's k, v in the pool, then (``kernel``, the default where
+    ``paged_kernel.usable``) reads the layer's pool in place with the C++ paged kernel, slots 0 .. p_b of
+    each row; else gathers the layer's M blocks per row through the table (B, M·bs, K, H) — the token's own
+    k, v among them — and calls the model's attention implementation with key positions 0 .. M·bs−1 (mask:
+    ≤ p_b, window; the layer's soft-cap passed on). ``kernel=False`` keeps the gather (the reference)."""
 
     def __init__(
-        self, cache: PagedKVCache, table: Tensor, positions: Tensor, slots: Tensor | None = None
+        self,
+        cache: PagedKVCache,
+        table: Tensor,
+        positions: Tensor,
+        slots: Tensor | None = None,
+        kernel: bool = True,
     ):
         self.cache, self.table, self.positions, self.slots = cache, table, positions, slots
         self.abilities = cache.abilities  # PAGED, maybe PREFIX_SHARING / QUANTISED (model.cache)
+        self.kernel = kernel and not cache.stores_latent  # an MLA latent pool: its own attention
 
     def attend(
         self,
@@ -108,6 +120,21 @@ class DecodeBatch:
         if self.slots is None:
             raise ValueError("DecodeBatch.attend needs the fed tokens' pool slots (slots=...)")
         self.cache.write(layer_idx, self.slots, k[:, :, 0], v[:, :, 0])  # in place, then read back
+        c, r = self.cache, self.cache.row[layer_idx]
+        if self.kernel and paged_kernel.usable(q, c.k):
+            scales = (c.k_scale[r], c.v_scale[r]) if c.quant is not None else (None, None)
+            return paged_kernel.paged_decode(
+                q,
+                c.k[r],
+                c.v[r],
+                self.table,
+                self.positions,
+                None,
+                None,
+                meta.window,
+                meta.softcap,
+                *scales,
+            )  # (B, N, 1, H)
         ks = self.cache.read_blocks(layer_idx, "k", self.table, q.dtype)  # (B, S, K, H), S = M·bs
         vs = self.cache.read_blocks(layer_idx, "v", self.table, q.dtype)
         S = ks.shape[1]
@@ -121,7 +148,7 @@ class PagedDecodeSeam:
 
     Holds that layer's pool rows (codes and scales for a quantised pool), the table (B, M) and positions (B,);
     ``attend`` keeps this step's k, v (B, K, H) in ``k_new``/``v_new`` and returns
-    ``paged_decode_attention`` over the blocks read in place (module docstring). The layer index the model
+    ``decode_attention`` over the blocks read in place (module docstring). The layer index the model
     passes is not read: the pool rows are the layer's, so every block traces the same graph."""
 
     def __init__(self, k_pool, v_pool, k_scale, v_scale, table, positions, abilities):
@@ -136,7 +163,7 @@ class PagedDecodeSeam:
         # returned by the graph too, so inductor stores q once instead of recomputing its RoPE inside the
         # attention's loops for every key slot (measured: 2.3 -> 0.6 ms a layer at 16 rows, 256 slots)
         self.q = q
-        return paged_decode_attention(
+        return decode_attention(
             q,
             self.k_pool,
             self.v_pool,
@@ -252,6 +279,7 @@ class DecodeStep:
                 raise ValueError(
                     "compile=True: the compiled decode step needs every layer's K/V in the pool"
                 )
+            paged_kernel.selected()  # built (or refused) before tracing: the graph reads the choice
             p = next(model.parameters())
             compute = torch.float64 if p.dtype == torch.float64 else torch.float32
             for rope in (

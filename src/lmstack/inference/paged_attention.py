@@ -9,6 +9,10 @@ the keys materialised first). This step's own k, v are put at slot p_b by a ``wh
 after the forward, ``DecodeStep``). Quantised pools (int8/fp8 codes, one scale per (block, KV head),
 ``quant.kv_codec``) are dequantised in the same loads. Eagerly it is the plain formula (the reference the
 tests compare against the gathered keys and ``reference_attention``).
+
+``decode_attention`` is what the seams call: lmstack's C++ kernel (``paged_kernel``: only each row's real
+blocks, each key once for its G query heads, online softmax) where it is built and takes the dtypes, else
+this formula.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import math
 
 import torch
 from torch import Tensor
+
+from lmstack.inference import paged_kernel
 
 
 def paged_decode_attention(
@@ -70,3 +76,23 @@ def paged_decode_attention(
     if v_new is not None:
         out = out + p[..., S:] * v_new[:, :, None].to(c)
     return out.reshape(B, N, 1, H).to(q.dtype)
+
+
+def decode_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    positions: Tensor,
+    k_new: Tensor | None = None,
+    v_new: Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> Tensor:
+    """``paged_decode_attention``'s arguments and result, from the C++ kernel when ``paged_kernel.usable``
+    (built for this CPU, q float32/bf16/fp16 on CPU; ``LMSTACK_PAGED_KERNEL=torch`` turns it off), else
+    from the formula above."""
+    fn = paged_kernel.paged_decode if paged_kernel.usable(q, k_pool) else paged_decode_attention
+    return fn(q, k_pool, v_pool, table, positions, k_new, v_new, window, softcap, k_scale, v_scale)

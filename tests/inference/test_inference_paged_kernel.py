@@ -1,0 +1,288 @@
+"""lmstack's C++ paged decode attention (``inference.paged_kernel``, ``csrc/paged_decode.cpp``) against
+``F.scaled_dot_product_attention`` over keys assembled slot by slot from the block table (float64), on
+fragmented and shared-prefix tables, rows of different lengths (a position at a block boundary, rows over
+several 16-slot tiles), window, soft-cap, GQA, float32 / bf16 pools and int8 / fp8 codes with scales; its
+fake shape under torch.compile; the variant choice and fallback; and the engine's eager and compiled
+decode steps with the kernel against full recompute."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from inference_helpers import full_recompute_greedy, greedy, make_model
+
+from lmstack.cpu import probe
+from lmstack.inference import LLM, paged_kernel
+from lmstack.inference.paged_attention import decode_attention
+from lmstack.model.seam import reference_attention
+
+NB, BS, K, G, H = 24, 4, 2, 3, 20  # H = 20: vector tails; G = 3 query heads per KV head
+N = K * G
+NAN_BLOCK = NB - 1  # holds NaN: the tables' padding points at it, so a kernel reading padding fails
+# fragmented tables; rows 0, 1, 3 share their first two blocks (a cached prefix); row 1's position opens a
+# block, row 3's closes one, row 2 is at position 0, row 4 spans three 16-slot tiles
+TABLES = [[17, 3, 9, 8], [17, 3, 11], [5], [17, 3], [2, 4, 6, 10, 12, 14, 16, 18, 20, 1]]
+POSITIONS = [13, 8, 0, 7, 37]
+M = 12
+
+
+def _variants():
+    cpu = probe()
+    chosen = paged_kernel.choose_variant(cpu.flags, cpu.arch, "auto")[0]
+    out = []
+    for v in paged_kernel.VARIANTS:
+        if paged_kernel.choose_variant(cpu.flags, cpu.arch, v)[0] == v:
+            out.append(v if v == chosen else pytest.param(v, marks=pytest.mark.slow))
+    return out
+
+
+VARIANTS = _variants()
+
+
+def _built(variant):
+    why = paged_kernel.build(variant)
+    if why is not None:
+        pytest.skip(f"paged kernel {variant} not built: {why}")
+    return variant
+
+
+def _pool(dtype, g):
+    """K and V pools (NB, BS, K, H) in ``dtype`` (int8/fp8: codes with scales (NB, K)) and their float64
+    values; block NAN_BLOCK is NaN."""
+    vals, out, scales = [], [], []
+    for _ in range(2):
+        x = torch.randn(NB, BS, K, H, generator=g, dtype=torch.float64)
+        if dtype in (torch.int8, torch.float8_e4m3fn):
+            s = torch.rand(NB, K, generator=g, dtype=torch.float64) * 0.05 + 0.01
+            s[NAN_BLOCK] = float("nan")
+            if dtype == torch.int8:
+                codes = torch.randint(-127, 128, (NB, BS, K, H), generator=g, dtype=torch.int8)
+            else:
+                codes = (x * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+            out.append(codes)
+            scales.append(s.float())
+            vals.append(codes.double() * s.float().double()[:, None, :, None])
+        else:
+            x[NAN_BLOCK] = float("nan")
+            out.append(x.to(dtype))
+            vals.append(out[-1].double())
+    sc = (scales[0], scales[1]) if scales else (None, None)
+    return out[0], out[1], sc, vals[0], vals[1]
+
+
+def _table():
+    return torch.tensor([t + [NAN_BLOCK] * (M - len(t)) for t in TABLES])
+
+
+def _reference(q, kv, vv, k_new, v_new, window, softcap=None):
+    """Per row: SDPA (float64) over the visible slots' keys picked one by one through the table."""
+    outs = []
+    for b, (t, p) in enumerate(zip(TABLES, POSITIONS)):
+        lo = 0 if window is None else max(0, p - window + 1)
+        last = p if k_new is not None else p + 1
+        ks = [kv[t[s // BS], s % BS] for s in range(lo, last)]  # each (K, H)
+        vs = [vv[t[s // BS], s % BS] for s in range(lo, last)]
+        if k_new is not None:
+            ks, vs = ks + [k_new[b].double()], vs + [v_new[b].double()]
+        kb = torch.stack(ks, dim=1).repeat_interleave(
+            G, dim=0
+        )  # (N, S_b, H): head n reads KV n // G
+        vb = torch.stack(vs, dim=1).repeat_interleave(G, dim=0)
+        if softcap is None:
+            outs.append(F.scaled_dot_product_attention(q[b].double(), kb, vb))  # (N, 1, H)
+        else:
+            outs.append(
+                reference_attention(q[b : b + 1].double(), kb[None], vb[None], None, softcap)[0]
+            )
+    return torch.stack(outs)  # (B, N, 1, H)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn], ids=str
+)
+@pytest.mark.parametrize("new", [False, True], ids=["pool", "k_new"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_kernel_equals_sdpa_over_the_tables_slots(variant, dtype, new, window):
+    _built(variant)
+    g = torch.Generator().manual_seed(hash((str(dtype), new, window)) % 1000)
+    kp, vp, (ks, vs), kv, vv = _pool(dtype, g)
+    B = len(TABLES)
+    q = (
+        torch.randn(B, N, 1, H, generator=g) * 3
+    )  # peaked scores: the running max moves between tiles
+    k_new = torch.randn(B, K, H, generator=g) if new else None
+    v_new = torch.randn(B, K, H, generator=g) if new else None
+    table, pos = _table(), torch.tensor(POSITIONS)
+    out = paged_kernel.paged_decode(
+        q, kp, vp, table, pos, k_new, v_new, window, None, ks, vs, variant=variant
+    )
+    assert out.shape == (B, N, 1, H) and out.dtype == torch.float32
+    ref = _reference(q, kv, vv, k_new, v_new, window)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernel_soft_caps_and_keeps_a_bf16_query(variant):
+    _built(variant)
+    g = torch.Generator().manual_seed(3)
+    kp, vp, _, kv, vv = _pool(torch.float32, g)
+    B = len(TABLES)
+    q = torch.randn(B, N, 1, H, generator=g) * 4
+    k_new, v_new = torch.randn(B, K, H, generator=g), torch.randn(B, K, H, generator=g)
+    table, pos = _table(), torch.tensor(POSITIONS)
+    out = paged_kernel.paged_decode(q, kp, vp, table, pos, k_new, v_new, None, 2.0, variant=variant)
+    torch.testing.assert_close(
+        out.double(), _reference(q, kv, vv, k_new, v_new, None, 2.0), rtol=2e-5, atol=2e-5
+    )
+    qb = q.bfloat16()
+    out = paged_kernel.paged_decode(qb, kp.bfloat16(), vp.bfloat16(), table, pos, variant=variant)
+    assert out.dtype == torch.bfloat16
+    ref = _reference(qb, kp.bfloat16().double(), vp.bfloat16().double(), None, None, None)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)  # bf16 output rounding
+
+
+def test_kernel_on_two_threads_equals_one():
+    """at::parallel_for over (row, KV head): each item computed alone, so the split changes no bit."""
+    _kernel_on()
+    g = torch.Generator().manual_seed(6)
+    kp, vp, _, _, _ = _pool(torch.bfloat16, g)
+    q = torch.randn(len(TABLES), N, 1, H, generator=g)
+    args = (q, kp, vp, _table(), torch.tensor(POSITIONS))
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_kernel.paged_decode(*args, window=9)
+        torch.set_num_threads(2)
+        two = paged_kernel.paged_decode(*args, window=9)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, two)
+
+
+def test_kernel_refuses_a_position_its_table_does_not_cover():
+    variant = _built(VARIANTS[0] if isinstance(VARIANTS[0], str) else VARIANTS[0].values[0])
+    kp = torch.zeros(NB, BS, K, H)
+    q = torch.zeros(1, N, 1, H)
+    with pytest.raises(RuntimeError, match="position 8 needs slots up to 9"):
+        paged_kernel.paged_decode(
+            q, kp, kp, torch.tensor([[1, 2]]), torch.tensor([8]), variant=variant
+        )
+
+
+def test_fake_shape_and_compiled_call_without_graph_break():
+    _kernel_on()
+    variant = paged_kernel.selected()[0]
+    g = torch.Generator().manual_seed(4)
+    kp, vp, _, _, _ = _pool(torch.float32, g)
+    kp[NAN_BLOCK] = vp[NAN_BLOCK] = 0.0
+    q = torch.randn(len(TABLES), N, 1, H, generator=g)
+    op = getattr(torch.ops.lmstack_attn, f"paged_decode_{variant}")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = (q.bfloat16(), kp, vp, _table(), torch.tensor(POSITIONS))
+    with FakeTensorMode() as mode:
+        out = op(*(mode.from_tensor(t) for t in args), None, None, None, None, 0, 0.0)
+        assert out.shape == (len(TABLES), N, 1, H) and out.dtype == torch.bfloat16
+
+    def f(q, table, pos):
+        return decode_attention(q * 2, kp, vp, table, pos, window=6) + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)  # fullgraph: a graph break raises
+    table, pos = _table(), torch.tensor(POSITIONS)
+    torch.testing.assert_close(compiled(q, table, pos), f(q, table, pos))
+
+
+def test_choose_variant_follows_the_cpu_and_the_switch():
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx2"}
+    assert paged_kernel.choose_variant(avx512, "x86_64") == ("avx512", None)
+    assert paged_kernel.choose_variant({"avx2", "fma", "f16c"}, "x86_64") == ("avx2", None)
+    assert paged_kernel.choose_variant({"sse2"}, "x86_64") == ("generic", None)
+    assert paged_kernel.choose_variant({"asimd"}, "aarch64") == ("generic", None)
+    assert paged_kernel.choose_variant(avx512, "x86_64", "torch")[0] == "torch"
+    name, why = paged_kernel.choose_variant({"avx2", "fma", "f16c"}, "x86_64", "avx512")
+    assert name == "torch" and "avx512f" in why
+    with pytest.raises(ValueError, match="LMSTACK_PAGED_KERNEL"):
+        paged_kernel.choose_variant(avx512, "x86_64", "fast")
+
+
+def test_switch_and_build_failure_fall_back_to_the_torch_formula(monkeypatch, caplog):
+    calls = []
+    real = paged_kernel.paged_decode
+    monkeypatch.setattr(paged_kernel, "paged_decode", lambda *a, **k: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(5)
+    kp, vp, _, _, _ = _pool(torch.float32, g)
+    kp[NAN_BLOCK] = vp[NAN_BLOCK] = 0.0  # the formula reads the padding
+    q = torch.randn(len(TABLES), N, 1, H, generator=g)
+    try:
+        monkeypatch.setenv(paged_kernel.ENV, "torch")
+        paged_kernel.reset()
+        assert paged_kernel.selected() == ("torch", "LMSTACK_PAGED_KERNEL=torch")
+        decode_attention(q, kp, vp, _table(), torch.tensor(POSITIONS))
+        assert not calls
+        monkeypatch.setenv(paged_kernel.ENV, "auto")
+        monkeypatch.setattr(paged_kernel, "_built", {})
+        monkeypatch.setattr(
+            paged_kernel, "build_extension", lambda *a: (None, "no compiler (test)")
+        )
+        paged_kernel.reset()
+        with caplog.at_level("WARNING", logger="lmstack.inference.paged_kernel"):
+            name, why = paged_kernel.selected()
+        assert name == "torch" and "no compiler (test)" in why and "kernel off" in caplog.text
+        decode_attention(q, kp, vp, _table(), torch.tensor(POSITIONS))
+        assert not calls
+        # float64 queries take the formula (it computes in float64) even with the kernel on
+        monkeypatch.undo()
+        paged_kernel.reset()
+        monkeypatch.setattr(paged_kernel, "paged_decode", lambda *a, **k: calls.append(1))
+        if paged_kernel.selected()[0] != "torch":
+            decode_attention(
+                q.double(), kp.double(), vp.double(), _table(), torch.tensor(POSITIONS)
+            )
+            assert not calls
+            decode_attention(q, kp, vp, _table(), torch.tensor(POSITIONS))
+            assert calls
+    finally:
+        paged_kernel.reset()
+
+
+@pytest.fixture(scope="module")
+def fp32_model():
+    return make_model(dtype=torch.float32, init_std=0.2)  # peaked logits: no near-ties in fp32
+
+
+def _kernel_on():
+    if paged_kernel.selected()[0] == "torch":
+        pytest.skip(f"paged kernel off: {paged_kernel.selected()[1]}")
+
+
+def test_eager_decode_with_the_kernel_equals_full_recompute(fp32_model, prompts, monkeypatch):
+    _kernel_on()
+    calls = []
+    real = paged_kernel.paged_decode
+    monkeypatch.setattr(paged_kernel, "paged_decode", lambda *a: calls.append(1) or real(*a))
+    llm = LLM(fp32_model, block_size=4, max_num_seqs=4, compile=False)
+    chosen = prompts[:3] + prompts[9:11] + prompts[-4:]  # across blocks, shared prefixes
+    out = llm.generate(chosen, greedy(10))
+    assert [o.token_ids for o in out] == [full_recompute_greedy(fp32_model, p, 10) for p in chosen]
+    assert calls  # the decode steps went through the kernel
+
+
+@pytest.mark.slow
+def test_compiled_decode_with_the_kernel_equals_full_recompute(fp32_model, prompts):
+    _kernel_on()
+    torch._dynamo.reset()
+    llm = LLM(
+        fp32_model, block_size=4, num_blocks=40, max_num_seqs=4, compile={"cpp_wrapper": False}
+    )
+    decode = llm.engine.runner.decode
+    decode.buckets = (4,)
+    chosen = prompts[:2] + prompts[9:11] + prompts[-4:]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = llm.generate(chosen, greedy(10))
+    assert [o.token_ids for o in out] == [full_recompute_greedy(fp32_model, p, 10) for p in chosen]
+    names = {e.key for e in prof.key_averages()}
+    assert any(n.startswith("lmstack_attn::paged_decode_") for n in names), (
+        "kernel not in the graph"
+    )
+    assert decode.graphs >= 1 and all(decode._direct.values())
