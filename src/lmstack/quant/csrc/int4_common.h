@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace lmstack_int4 {
@@ -126,24 +127,21 @@ at::Tensor int4_mm(const char* name, const at::Tensor& x_in, const at::Tensor& p
   return y;
 }
 
-// The weights themselves, W[o, i] = d[o,g]*q[o,i] + m[o,g] in float32 (O, I): for a prefill (many activation
-// rows), where a float GEMM on W beats the int8 dot products (quant/int4.py, ``gemm_rows``). One pass over the
-// codes, tiles split over threads; each tile writes 16 whole rows, so threads never share an output line.
-inline at::Tensor int4_dequant(const char* name, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
-                               int64_t G) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous(),
-              name, ": packed must be contiguous uint8 (O/16, I/8, 64)");
-  const int64_t T = packed.size(0), I = packed.size(1) * 8, O = 16 * T;
-  TORCH_CHECK(G > 0 && G % 8 == 0 && I % G == 0, name, ": group size ", G, " must be a multiple of 8 dividing ", I);
-  const int64_t NG = I / G;
-  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.numel() == T * NG * 16 &&
-              m.numel() == T * NG * 16 && d.is_contiguous() && m.is_contiguous(),
-              name, ": d, m must be contiguous fp16 (O/16, I/G, 16)");
-  at::Tensor w = at::empty({O, I}, packed.options().dtype(at::kFloat));
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const at::Half* dp = d.data_ptr<at::Half>();
-  const at::Half* mp = m.data_ptr<at::Half>();
-  float* out = w.data_ptr<float>();
+// fp32 -> bf16 bits, rounded to nearest even (the weights are finite: no NaN case), as torch's conversion.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The weights themselves, W[o, i] = d[o,g]*q[o,i] + m[o,g] (O, I) in float32 or, ``bf16``, rounded to bf16: for
+// a prefill (many activation rows), where a float GEMM on W beats the int8 dot products (quant/int4.py,
+// ``gemm_rows``; bf16 for a CPU that multiplies it natively, AMX / AVX512_BF16: half the bytes written, and
+// oneDNN's bf16 GEMM). One pass over the codes, tiles split over threads; each tile writes 16 whole rows, so
+// threads never share an output line.
+template <class Out>
+void int4_dequant_into(Out* out, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t T, int64_t I,
+                       int64_t NG, int64_t G) {
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t g = 0; g < NG; ++g) {
@@ -155,7 +153,7 @@ inline at::Tensor int4_dequant(const char* name, const at::Tensor& packed, const
         for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {
           const uint8_t* b = wp + (t * (I / 8) + c) * 64;
           for (int r = 0; r < 16; ++r) {
-            float* row = out + (16 * t + r) * I + 8 * c;
+            Out* row = out + (16 * t + r) * I + 8 * c;
 #if defined(__AVX2__) && defined(__FMA__)
             // the row's 4 bytes twice as 8 int32 lanes, shifted by 0 (inputs j) or 4 (inputs 4 + j), masked
             int32_t bytes;
@@ -163,17 +161,46 @@ inline at::Tensor int4_dequant(const char* name, const at::Tensor& packed, const
             const __m256i v = _mm256_cvtepu8_epi32(_mm_set1_epi32(bytes));
             const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
                                                _mm256_set1_epi32(0xF));
-            _mm256_storeu_ps(row, _mm256_fmadd_ps(_mm256_set1_ps(dr[r]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(mr[r])));
+            const __m256 w = _mm256_fmadd_ps(_mm256_set1_ps(dr[r]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(mr[r]));
+            if constexpr (std::is_same_v<Out, float>) {
+              _mm256_storeu_ps(row, w);
+            } else {  // bf16: u + 0x7FFF + (bit 16 of u), the top 16 bits (bf16_bits on 8 lanes)
+              const __m256i u = _mm256_castps_si256(w);
+              const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+              const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+              const __m128i packed16 = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(row), packed16);
+            }
 #else
-            for (int j = 0; j < 4; ++j) {
-              row[j] = dr[r] * static_cast<float>(b[4 * r + j] & 0xF) + mr[r];
-              row[4 + j] = dr[r] * static_cast<float>(b[4 * r + j] >> 4) + mr[r];
+            for (int j = 0; j < 8; ++j) {
+              const float w = dr[r] * static_cast<float>(j < 4 ? b[4 * r + j] & 0xF : b[4 * r + j - 4] >> 4) + mr[r];
+              if constexpr (std::is_same_v<Out, float>) row[j] = w; else row[j] = bf16_bits(w);
             }
 #endif
           }
         }
       }
   });
+}
+
+inline at::Tensor int4_dequant(const char* name, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                               int64_t G, bool bf16) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous(),
+              name, ": packed must be contiguous uint8 (O/16, I/8, 64)");
+  const int64_t T = packed.size(0), I = packed.size(1) * 8, O = 16 * T;
+  TORCH_CHECK(G > 0 && G % 8 == 0 && I % G == 0, name, ": group size ", G, " must be a multiple of 8 dividing ", I);
+  const int64_t NG = I / G;
+  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.numel() == T * NG * 16 &&
+              m.numel() == T * NG * 16 && d.is_contiguous() && m.is_contiguous(),
+              name, ": d, m must be contiguous fp16 (O/16, I/G, 16)");
+  at::Tensor w = at::empty({O, I}, packed.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const at::Half* dp = d.data_ptr<at::Half>();
+  const at::Half* mp = m.data_ptr<at::Half>();
+  if (bf16)
+    int4_dequant_into(reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>()), wp, dp, mp, T, I, NG, G);
+  else
+    int4_dequant_into(w.data_ptr<float>(), wp, dp, mp, T, I, NG, G);
   return w;
 }
 
