@@ -260,6 +260,43 @@ def test_async_streaming_and_disconnect(model, prompts, reference):
     assert all_free(engine)
 
 
+@pytest.mark.parametrize("gather_s,first_step", [(0.3, 3), (0.0, 1)])
+def test_async_burst_on_an_idle_engine_shares_its_first_step(model, prompts, gather_s, first_step):
+    """Three requests reach an idle engine 20 ms apart. Gathering (each within ``gather_s`` = 0.3 s of the
+    previous one) puts all 3 in the first step; without it (0) the first step starts with the first request
+    alone and the other two join later. Outputs equal full recompute either way."""
+    engine = LLMEngine(model, block_size=4, num_blocks=100)
+    server = AsyncLLM(engine, gather_s=gather_s, max_gather_s=1.0)
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        steps.append(sorted(s.request_id for s, _ in out))
+        return out
+
+    engine.scheduler.schedule = recording
+
+    async def collect(i, delay):
+        await asyncio.sleep(delay)
+        return [
+            t
+            async for out in server.generate(prompts[i], GREEDY, f"r{i}")
+            for t in out.new_token_ids
+        ]
+
+    async def main():
+        return await asyncio.gather(*(collect(i, 0.02 * i) for i in range(3)))
+
+    results = asyncio.run(main())
+    assert len(steps[0]) == first_step
+    assert results == [
+        full_recompute_greedy(model, prompts[i], GREEDY.max_tokens) for i in range(3)
+    ]
+    with pytest.raises(ValueError, match="gather_s"):
+        AsyncLLM(engine, gather_s=0.5, max_gather_s=0.1)
+
+
 @pytest.mark.parametrize(
     "opts",
     [
