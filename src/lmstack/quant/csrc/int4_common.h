@@ -139,6 +139,66 @@ inline uint16_t bf16_bits(float f) {
 // ``gemm_rows``; bf16 for a CPU that multiplies it natively, AMX / AVX512_BF16: half the bytes written, and
 // oneDNN's bf16 GEMM). One pass over the codes, tiles split over threads; each tile writes 16 whole rows, so
 // threads never share an output line.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// AVX-512 (the VNNI kernel's build): one 64-byte chunk (16 rows x 8 codes) at a time. The low and high nibbles
+// interleaved by dwords give each row's 8 codes in input order, two rows per 128-bit lane (unpacklo: rows 4k,
+// 4k+1; unpackhi: 4k+2, 4k+3); each pair becomes 16 floats d·q + m with the pair's d, m spread over 8 lanes
+// each (permuted once per group), then is stored as 8 + 8 values (bf16: rounded to nearest even).
+template <class Out>
+inline void store_pair(Out* a, Out* b, __m512 w) {
+  if constexpr (std::is_same_v<Out, float>) {
+    _mm256_storeu_ps(a, _mm512_castps512_ps256(w));
+    _mm256_storeu_ps(b, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
+  } else {
+    const __m512i u = _mm512_castps_si512(w);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    const __m256i p = _mm512_cvtepi32_epi16(h);  // 16 x u16: row a's 8, then row b's
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm256_castsi256_si128(p));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b), _mm256_extracti128_si256(p, 1));
+  }
+}
+
+template <class Out>
+void int4_dequant_into(Out* out, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t T, int64_t I,
+                       int64_t NG, int64_t G) {
+  // pair p = 2k + h (k: the 128-bit lane, h: 0 unpacklo, 1 unpackhi) holds rows 4k + 2h and 4k + 2h + 1
+  __m512i idx[8];
+  for (int k = 0; k < 4; ++k)
+    for (int h = 0; h < 2; ++h) {
+      const int r = 4 * k + 2 * h;
+      idx[2 * k + h] = _mm512_set_epi32(r + 1, r + 1, r + 1, r + 1, r + 1, r + 1, r + 1, r + 1, r, r, r, r, r, r, r, r);
+    }
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t g = 0; g < NG; ++g) {
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + (t * NG + g) * 16)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + (t * NG + g) * 16)));
+        __m512 dpair[8], mpair[8];
+        for (int p = 0; p < 8; ++p) {
+          dpair[p] = _mm512_permutexvar_ps(idx[p], dv);
+          mpair[p] = _mm512_permutexvar_ps(idx[p], mv);
+        }
+        for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {
+          const __m512i v = _mm512_loadu_si512(wp + (t * (I / 8) + c) * 64);
+          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          const __m512i ab[2] = {_mm512_unpacklo_epi32(lo, hi), _mm512_unpackhi_epi32(lo, hi)};
+          Out* base = out + 16 * t * I + 8 * c;
+#define LMSTACK_PAIR(K, H)                                                                                   \
+  {                                                                                                         \
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(ab[H], K)));          \
+    const int r = 4 * (K) + 2 * (H);                                                                        \
+    store_pair(base + r * I, base + (r + 1) * I, _mm512_fmadd_ps(dpair[2 * (K) + (H)], q, mpair[2 * (K) + (H)])); \
+  }
+          LMSTACK_PAIR(0, 0) LMSTACK_PAIR(0, 1) LMSTACK_PAIR(1, 0) LMSTACK_PAIR(1, 1)
+          LMSTACK_PAIR(2, 0) LMSTACK_PAIR(2, 1) LMSTACK_PAIR(3, 0) LMSTACK_PAIR(3, 1)
+#undef LMSTACK_PAIR
+        }
+      }
+  });
+}
+#else
 template <class Out>
 void int4_dequant_into(Out* out, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t T, int64_t I,
                        int64_t NG, int64_t G) {
@@ -182,6 +242,7 @@ void int4_dequant_into(Out* out, const uint8_t* wp, const at::Half* dp, const at
       }
   });
 }
+#endif
 
 inline at::Tensor int4_dequant(const char* name, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
                                int64_t G, bool bf16) {
