@@ -13,6 +13,11 @@ its compiled decode step (``LLMEngine(compile=True)``) and warms it up first (pr
 and the graphs; a second run reads inductor's on-disk caches); ``--interleave`` then alternates compiled
 and eager steps on the same sequences and prints both medians. ``--dtype auto`` loads the Q4_1 GGUF as
 ``lmstack serve --dtype auto`` does (int4 linears, int8 head).
+
+``--mixed P`` times *mixed* steps instead: with the batch's sequences decoding, ``--prefills K`` new requests
+of P random tokens each join, and the step that prefills them (and gives them their first token: the TTFT
+of a request arriving at a busy server) is timed, ``--steps`` times on fresh prompts; with ``--profile`` the
+ops of those steps are listed as above.
 """
 
 from __future__ import annotations
@@ -61,6 +66,53 @@ def decode_steps(
     for rid in list(engine.requests):
         engine.abort_request(rid)
     return times, cpu, prof
+
+
+def mixed_steps(
+    engine: LLMEngine,
+    batch: int,
+    steps: int,
+    prompt_len: int,
+    new_len: int,
+    prefills: int,
+    profile: bool,
+):
+    """``batch`` decoding sequences; per timed step ``prefills`` new requests of ``new_len`` fresh random
+    tokens join them: (seconds per mixed step, CPU seconds, profiler or None, rows of the last step)."""
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        engine.add_request(
+            f"d{batch}-{i}",
+            torch.randint(1000, 20000, (prompt_len,), generator=g).tolist(),
+            SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True),
+        )
+    while any(s.num_computed < s.num_prompt for s in engine.requests.values()):
+        engine.step()  # prefill (chunks), not timed
+    times, cpu, prof, shape = [], [], None, ""
+    if profile:
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        prof.__enter__()
+    for i in range(steps):
+        new = [f"p{batch}-{i}-{k}" for k in range(prefills)]
+        for rid in new:
+            engine.add_request(
+                rid,
+                torch.randint(1000, 20000, (new_len,), generator=g).tolist(),
+                SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+            )
+        t0, c0 = time.perf_counter(), time.process_time()
+        outs = engine.step()
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        firsts = sum(o.request_id in new and len(o.token_ids) == 1 for o in outs)
+        shape = f"{len(outs) - firsts} decode rows + {firsts} first tokens"
+        for rid in new:
+            engine.abort_request(rid)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    return times, cpu, prof, shape
 
 
 def batch1_decode(model, steps: int, prompt_len: int) -> float:
@@ -117,6 +169,14 @@ def main() -> None:
     )
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument(
+        "--mixed",
+        type=int,
+        default=None,
+        metavar="P",
+        help="time mixed steps: the batch decoding while --prefills new requests of P tokens join",
+    )
+    ap.add_argument("--prefills", type=int, default=1, help="with --mixed: new requests per step")
+    ap.add_argument(
         "--layers",
         type=int,
         default=None,
@@ -140,7 +200,8 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     kw: dict = {"compile": True} if args.compile else {}
     kw["fuse_projections"] = not args.no_fuse
-    engine = LLMEngine(model, max_num_seqs=max(batches), max_num_batched_tokens=512, **kw)
+    seats = max(batches) + (args.prefills if args.mixed is not None else 0)
+    engine = LLMEngine(model, max_num_seqs=seats, max_num_batched_tokens=512, **kw)
     if args.max_compiled_batch is not None and engine.runner.decode is not None:
         engine.runner.decode.max_compiled_batch = args.max_compiled_batch
     print(
@@ -156,6 +217,18 @@ def main() -> None:
         )
     for b in batches:
         graphs = engine.runner.decode.graphs if engine.runner.decode else 0
+        if args.mixed is not None:
+            times, cpu, prof, shape = mixed_steps(
+                engine, b, args.steps, args.prompt_len, args.mixed, args.prefills, args.profile
+            )
+            ms = statistics.median(times[1:] or times) * 1000
+            cpu_ms = statistics.median(cpu[1:] or cpu) * 1000
+            print(
+                f"batch {b:3d} + {args.prefills} x {args.mixed}-token prefill: mixed step {ms:7.1f} ms "
+                f"({shape}), CPU {cpu_ms:7.1f} ms, load avg {os.getloadavg()[0]:.1f}"
+            )
+            print_profile(prof, times, args.rows)
+            continue
         times, cpu, prof = decode_steps(
             engine, b, args.steps, args.prompt_len, args.profile, args.interleave
         )
@@ -186,16 +259,22 @@ def main() -> None:
                 f"           batch-1 generate (eager): {s1 * 1000:7.1f} ms/token; engine / batch-1 = "
                 f"{b / ms * 1000 * s1:.2f}x tokens/s"
             )
-        if prof is not None:
-            ev = prof.key_averages()
-            total_ops = sum(e.self_cpu_time_total for e in ev) / 1000 / len(times)
-            print(
-                f"  per step: ops {total_ops:.1f} ms, outside ops (Python) {sum(times) / len(times) * 1000 - total_ops:.1f} ms"
-            )
-            for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[: args.rows]:
-                print(
-                    f"  {e.key:40s} {e.self_cpu_time_total / 1000 / len(times):7.2f} ms  {e.count // len(times):5d} calls"
-                )
+        print_profile(prof, times, args.rows)
+
+
+def print_profile(prof, times: list[float], rows: int) -> None:
+    """The ops with the most self CPU time per step, and the time no op accounts for (Python)."""
+    if prof is None:
+        return
+    ev = prof.key_averages()
+    total_ops = sum(e.self_cpu_time_total for e in ev) / 1000 / len(times)
+    print(
+        f"  per step: ops {total_ops:.1f} ms, outside ops (Python) {sum(times) / len(times) * 1000 - total_ops:.1f} ms"
+    )
+    for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:rows]:
+        print(
+            f"  {e.key:40s} {e.self_cpu_time_total / 1000 / len(times):7.2f} ms  {e.count // len(times):5d} calls"
+        )
 
 
 if __name__ == "__main__":

@@ -104,23 +104,26 @@ def test_prefix_cache_serves_shared_prompt_blocks(model, prompts, reference):
     engine.add_request("first", shared, GREEDY)
     while engine.has_unfinished_requests():
         engine.step()
-    engine.add_request("second", prompts[-3], GREEDY)  # 18 shared + 1: four full blocks are cached
+    # 18 shared + 1: four full blocks are cached (16 tokens), and the fifth of "first" (its tokens 16..19, full
+    # and named) starts with the 2 more shared ones: a partial hit, 18 = all but the last prompt token
+    engine.add_request("second", prompts[-3], GREEDY)
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
-    assert outs[-1].num_cached_tokens == 16 and outs[-1].token_ids == reference[-3]
-    assert engine.prefix_cache_hit_rate == pytest.approx(16 / (21 + 19))
+    assert outs[-1].num_cached_tokens == 18 and outs[-1].token_ids == reference[-3]
+    assert engine.prefix_cache_hit_rate == pytest.approx(18 / (21 + 19))
     assert all_free(engine)
 
 
 @pytest.mark.parametrize(
-    "first,second",
-    [([5, 6, 7, 8], [5, 6, 7, 9]), ([1, 23, 4, 5], [12, 3, 4, 5])],
+    "first,second,common",
+    [([5, 6, 7, 8], [5, 6, 7, 9], 3), ([1, 23, 4, 5], [12, 3, 4, 5], 0)],
     ids=["last-token-of-block", "digit-collision"],
 )
-def test_prefix_cache_never_serves_a_block_of_other_tokens(model, first, second):
+def test_prefix_cache_never_serves_a_block_of_other_tokens(model, first, second, common):
     """The second request differs from the cached first only in the last token of a full block,
-    or in tokens whose decimal digits concatenate alike: no cached token, output = recompute."""
+    or in tokens whose decimal digits concatenate alike: no cached block (only the ``common`` tokens it
+    starts with, copied: a partial hit), output = recompute."""
     engine = LLMEngine(model, block_size=4, num_blocks=100)
     outs = []
     for i, p in enumerate((first + [40, 41, 42], second + [40, 41, 42])):
@@ -128,7 +131,7 @@ def test_prefix_cache_never_serves_a_block_of_other_tokens(model, first, second)
         while engine.has_unfinished_requests():
             outs += engine.step()
         assert outs[-1].token_ids == full_recompute_greedy(model, p, GREEDY.max_tokens)
-    assert [o.num_cached_tokens for o in outs if o.finished] == [0, 0]
+    assert [o.num_cached_tokens for o in outs if o.finished] == [0, common]
     assert all_free(engine)
 
 
@@ -255,6 +258,43 @@ def test_async_streaming_and_disconnect(model, prompts, reference):
     assert [r[0] for r in results[:3]] == [reference[0], reference[7], reference[10]]
     assert all(r[1] > 1 for r in results[:3])  # streamed in pieces, not at the end
     assert all_free(engine)
+
+
+@pytest.mark.parametrize("gather_s,first_step", [(0.3, 3), (0.0, 1)])
+def test_async_burst_on_an_idle_engine_shares_its_first_step(model, prompts, gather_s, first_step):
+    """Three requests reach an idle engine 20 ms apart. Gathering (each within ``gather_s`` = 0.3 s of the
+    previous one) puts all 3 in the first step; without it (0) the first step starts with the first request
+    alone and the other two join later. Outputs equal full recompute either way."""
+    engine = LLMEngine(model, block_size=4, num_blocks=100)
+    server = AsyncLLM(engine, gather_s=gather_s, max_gather_s=1.0)
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        steps.append(sorted(s.request_id for s, _ in out))
+        return out
+
+    engine.scheduler.schedule = recording
+
+    async def collect(i, delay):
+        await asyncio.sleep(delay)
+        return [
+            t
+            async for out in server.generate(prompts[i], GREEDY, f"r{i}")
+            for t in out.new_token_ids
+        ]
+
+    async def main():
+        return await asyncio.gather(*(collect(i, 0.02 * i) for i in range(3)))
+
+    results = asyncio.run(main())
+    assert len(steps[0]) == first_step
+    assert results == [
+        full_recompute_greedy(model, prompts[i], GREEDY.max_tokens) for i in range(3)
+    ]
+    with pytest.raises(ValueError, match="gather_s"):
+        AsyncLLM(engine, gather_s=0.5, max_gather_s=0.1)
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,75 @@ def test_allocator_refcounts_prefix_index_and_lru():
         a.decref(b3)
 
 
+class _Copies:
+    """A storage that records the block copies the manager asks for."""
+
+    def __init__(self):
+        self.copies = []
+
+    def copy_block(self, src, dst):
+        self.copies.append((src, dst))
+
+
+def _fill(a, sid, ids, n):
+    """``sid`` stores the K/V of its first ``n`` tokens: its full blocks get named."""
+    a.allocate(sid, ids)
+    a.reserve(sid, n - a.num_tokens[sid])
+    a.commit(sid, ids, n - a.num_tokens[sid])
+
+
+def test_partial_hit_copies_the_longest_matching_named_block():
+    """Blocks of 4. "a" and "b" store 8 tokens each after the same first block [1, 2, 3, 4]: their second
+    blocks [5, 6, 7, 8] and [5, 6, 9, 9] are full and named. A prompt [1..4, 5, 6, 7, 0, 0] reuses the first
+    block (4), then starts like "a"'s second block for 3 tokens and "b"'s for 2: the longer one is copied
+    into a fresh block, 4 + 3 = 7 tokens stored (hand-worked); a prompt that ends after [.., 5, 6, 7] may
+    take at most 6 (its last token is computed); after the named blocks are evicted nothing is copied."""
+    store = _Copies()
+    a = BlockManager(12, block_size=4, storage=store)
+    _fill(a, "a", [1, 2, 3, 4, 5, 6, 7, 8], 8)
+    _fill(
+        a, "b", [1, 2, 3, 4, 5, 6, 9, 9], 8
+    )  # itself a partial hit of 2 tokens on "a"'s second block
+    a_second = a.tables["a"][1]
+    assert store.copies == [(a_second, a.tables["b"][1])]
+    store.copies.clear()
+    assert a.tables["a"][0] == a.tables["b"][0]  # the first block is shared
+    assert a.allocate("c", [1, 2, 3, 4, 5, 6, 7, 0, 0]) == 7
+    assert store.copies == [(a_second, a.tables["c"][1])] and a.tables["c"][1] != a_second
+    assert a.ref_count[a.tables["c"][1]] == 1 and a.tables["c"][1] not in a.block_hash  # its own
+    assert (
+        a.blocks_needed("c", 2) == 1
+    )  # no copy-on-write: the copy is private; 9 tokens -> 3 blocks
+    assert a.allocate("d", [1, 2, 3, 4, 5, 6, 7]) == 6  # at most len - 1
+    assert a.allocate("e", [1, 2, 3, 4, 8]) == 4  # no named block after [1..4] starts with 8
+    assert a.allocate("f", [5, 6, 7, 8, 1]) == 0  # [5, 6, 7, 8] follows another prefix: no hit
+    for sid in "abcdef":
+        a.free(sid)
+    while a.free_list:  # evict every cached block
+        a.allocate_block()
+    while a.evictable:
+        a.allocate_block()
+    assert not a.children and not a.child_key and not a.cached
+    b = BlockManager(12, block_size=4, storage=store)
+    _fill(b, "a", [1, 2, 3, 4, 5, 6, 7, 8], 8)
+    assert b.reset_prefix_cache() == 2 and not b.children
+    assert b.allocate("c", [1, 2, 3, 4, 5, 6, 7, 0]) == 0
+
+
+def test_partial_hit_never_evicts_its_own_source():
+    """A pool of 2 usable blocks: "a" fills both (named), then frees them: both evictable. A partial hit
+    on the second needs a fresh block while the first is held by the new prompt's full-block hit and the
+    second is the source: no block is left, so no copy is made (4 tokens, the full block only)."""
+    store = _Copies()
+    a = BlockManager(3, block_size=4, storage=store)
+    _fill(a, "a", [1, 2, 3, 4, 5, 6, 7, 8], 8)
+    a.free("a")
+    assert a.num_free == 2 and len(a.evictable) == 2
+    assert a.allocate("b", [1, 2, 3, 4, 5, 6, 0]) == 4 and store.copies == []
+    a.free("b")
+    assert a.allocate("c", [1, 2, 3, 4, 5, 6, 0]) == 4  # the same again: the index is intact
+
+
 def test_chain_hash_names_whole_prefix():
     h = chain_hash(None, [1, 2])
     assert chain_hash(h, [3, 4]) != chain_hash(chain_hash(None, [9, 9]), [3, 4])
@@ -152,25 +221,31 @@ def _recompute(model, ids):
 
 
 @pytest.mark.parametrize(
-    "first,second",
+    "first,second,common",
     [
-        ([5, 6, 7, 8], [5, 6, 7, 9]),  # differ only in the last token of the full block
-        ([1, 23, 4, 5], [12, 3, 4, 5]),  # equal under a join of decimal digits without a separator
-        ([1, 2, 34, 5], [1, 23, 4, 5]),
+        ([5, 6, 7, 8], [5, 6, 7, 9], 3),  # differ only in the last token of the full block
+        (
+            [1, 23, 4, 5],
+            [12, 3, 4, 5],
+            0,
+        ),  # equal under a join of decimal digits without a separator
+        ([1, 2, 34, 5], [1, 23, 4, 5], 1),
     ],
     ids=["last-token", "digits-1|23-vs-12|3", "digits-2|34-vs-23|4"],
 )
-def test_prefix_cache_does_not_share_blocks_of_different_tokens(model, first, second):
-    """A block is shared only when every token of it (and of every block before it) is equal:
-    the second prompt gets no cached block and its logits equal full recompute."""
+def test_prefix_cache_does_not_share_blocks_of_different_tokens(model, first, second, common):
+    """A block is shared only when every token of it (and of every block before it) is equal: the
+    second prompt gets no cached block — only a copy of "a"'s first block for the ``common`` tokens it
+    starts with (a partial hit) — and its logits equal full recompute."""
     cache = PagedKVCache(model.config, num_blocks=12, block_size=4, dtype=torch.float64)
     tail = [40, 41, 42]
     toks = {"a": first + tail, "b": second + tail, "c": first + [70, 71]}
     for sid in ("a", "b", "c"):
         cached, logits = _prefill(model, cache, sid, toks)
-        assert cached == (4 if sid == "c" else 0), (
-            sid
-        )  # only "c" repeats a cached block ("a"'s first)
+        # "c" repeats a cached block ("a"'s first); "b" starts like it for ``common`` tokens
+        assert cached == {"a": 0, "b": common, "c": 4}[sid], sid
+        if sid == "b":
+            assert cache.blocks.tables["b"][0] != cache.blocks.tables["a"][0]  # a copy, not shared
         torch.testing.assert_close(
             logits, _recompute(model, toks[sid]), atol=1e-10, rtol=0, msg=sid
         )

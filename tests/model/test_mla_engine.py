@@ -92,12 +92,13 @@ def test_prefix_cache_serves_latent_blocks(kw, prompts):
     outs = []
     for i, p in enumerate(
         prompts[-2:]
-    ):  # 10 shared tokens: two full blocks cached after the first request
+    ):  # 10 shared tokens: two full blocks cached after the first request, and its third (full, named)
+        # starts with the other 2: a partial hit copies it, 8 + 2 tokens from the cache
         engine.add_request(f"r{i}", p, GREEDY)
         while engine.has_unfinished_requests():
             outs += engine.step()
         assert outs[-1].token_ids == _recompute(model, p, 8)
-    assert outs[-1].num_cached_tokens == 8
+    assert outs[-1].num_cached_tokens == 10
 
 
 def test_paged_latent_blocks_bytes_equal_accounting():

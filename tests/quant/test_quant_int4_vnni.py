@@ -339,11 +339,12 @@ def test_gemm_rows_env_switch_and_one_measurement_per_kernel(monkeypatch):
         return (
             M * 1.0,
             40.0,
-        )  # the kernel's time grows with M, the GEMM's does not: GEMM from 64 rows
+        )  # the kernel's time grows with M, the GEMM's does not: GEMM from the first candidate above 40
 
     monkeypatch.setattr(linear, "_measured", {})
     monkeypatch.delenv(linear.GEMM_ROWS_ENV, raising=False)
-    assert linear.gemm_rows("k", measure) == 64 and linear.gemm_rows("k", measure) == 64
+    first = min(M for M in linear.GEMM_ROWS_CANDIDATES if M > 40)
+    assert linear.gemm_rows("k", measure) == first and linear.gemm_rows("k", measure) == first
     assert calls == list(linear.GEMM_ROWS_CANDIDATES)  # measured once, at each candidate
     monkeypatch.setenv(linear.GEMM_ROWS_ENV, "never")
     assert linear.gemm_rows("k", measure) is None
@@ -378,9 +379,14 @@ def test_prefill_gemm_and_kernel_each_equal_their_float64_formula(monkeypatch, k
     monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "5")
     lin = Int4Linear(q, s, lo, kernel=kernel)
     assert lin.gemm_rows == 5
+    # the GEMM's operands: W and x as they are, or both rounded to bf16 (a CPU with native bf16, where the output
+    # is rounded to bf16 once more)
+    bf16 = lin.gemm_dtype == torch.bfloat16
+    w_gemm = w64.float().bfloat16().double() if bf16 else w64
     for M in (1, 4, 5, 9):
         x = torch.randn(M, I, generator=g)
-        y, full = lin(x).double(), F.linear(x.double(), w64)
+        x_gemm = x.bfloat16().double() if bf16 else x.double()
+        y, full = lin(x).double(), F.linear(x_gemm, w_gemm)
         tight = {"rtol": 1e-6, "atol": 2e-6 * float(full.abs().max())}
         if (
             M < 5
@@ -388,10 +394,71 @@ def test_prefill_gemm_and_kernel_each_equal_their_float64_formula(monkeypatch, k
             ref = reference(x, q, d64.numpy(), m64.numpy(), G, lin.terms)
             np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
             assert not torch.allclose(y, full, **tight)
+        elif (
+            bf16
+        ):  # oneDNN's bf16 GEMM accumulates in fp32 and writes bf16: one bf16 rounding of the sum
+            torch.testing.assert_close(y, full, rtol=2**-8, atol=2e-6 * float(full.abs().max()))
         else:
             torch.testing.assert_close(y, full, **tight)
     monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "never")
     assert Int4Linear(q, s, lo, kernel=kernel).gemm_rows is None
+
+
+@pytest.mark.parametrize("kernel", int4_vnni.KERNELS)
+def test_bf16_dequant_is_the_float64_weight_rounded_to_bf16(kernel):
+    """``dequant(dtype=bf16)`` writes W = d·q + m (float64, from the fp16 d, m) rounded to nearest-even bf16:
+    torch's own conversion of the exact value, element for element (odd shapes, several groups)."""
+    if int4_vnni.build(kernel) is not None:
+        pytest.skip(f"kernel {kernel} cannot run here")
+    O, I, G = 80, 96, 32
+    g = torch.Generator().manual_seed(11)
+    q, s, lo = quantize_int4(torch.randn(O, I, generator=g) * 3, G)
+    packed, d, m = int4_vnni.pack(q, s, lo)
+    d64 = d.double().permute(0, 2, 1).reshape(O, -1).repeat_interleave(G, 1)
+    m64 = m.double().permute(0, 2, 1).reshape(O, -1).repeat_interleave(G, 1)
+    w64 = d64 * q.double() + m64  # (O, I), exact in fp32 (the test above)
+    got = int4_vnni.dequant(packed, d, m, G, kernel=kernel, dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (O, I)
+    assert torch.equal(got, w64.float().bfloat16())
+    with pytest.raises(ValueError, match="float32 or torch.bfloat16"):
+        int4_vnni.dequant(packed, d, m, G, kernel=kernel, dtype=torch.float16)
+
+
+def test_gemm_dtype_follows_native_bf16(monkeypatch):
+    """The prefill GEMM runs in bf16 only on a CPU that multiplies bf16 natively (AMX / AVX512_BF16); an
+    AVX-512 VNNI part without bf16 keeps float32 (torch would emulate bf16, slower than fp32)."""
+    from lmstack.quant.int4 import gemm_dtype
+
+    for name, want in (
+        ("amx", torch.bfloat16),
+        ("avx512_bf16", torch.bfloat16),
+        ("avx512_vnni", torch.float32),
+        ("avx2", torch.float32),
+    ):
+        monkeypatch.setenv("LMSTACK_CPU", name)
+        assert gemm_dtype() == want, name
+
+
+def test_fused_layer_measures_its_own_shape(monkeypatch):
+    """``concat_rows`` measures ``gemm_rows`` again for the fused (sum of outputs, I) shape: a measurement
+    keyed by shape (kernel, GEMM dtype, O x I), so the parts' and the fused layer's keys differ."""
+    from lmstack.quant import linear
+
+    if not int4_vnni.available():
+        pytest.skip("no lmstack int4 kernel on this CPU")
+    keys = []
+
+    def fake_gemm_rows(key, measure):
+        keys.append(key)
+        return 7
+
+    monkeypatch.setattr("lmstack.quant.int4.gemm_rows", fake_gemm_rows)
+    g = torch.Generator().manual_seed(3)
+    parts = [Int4Linear(*quantize_int4(torch.randn(o, 64, generator=g), 32)) for o in (32, 48)]
+    fused = Int4Linear.concat_rows(parts)
+    assert fused is not None and fused.gemm_rows == 7
+    assert [k.rsplit("_", 1)[1] for k in keys] == ["32x64", "48x64", "80x64"]
+    assert linear.GEMM_ROWS_CANDIDATES == tuple(sorted(linear.GEMM_ROWS_CANDIDATES))
 
 
 def test_arm_falls_back_to_torchs_kernels(monkeypatch):

@@ -9,6 +9,12 @@ CS336 notes "动态负载" (vLLM PagedAttention). A sequence's *block table* map
   prefixes and a new prompt starting with a cached prefix reuses those blocks. A named block is
   never written again (a write into it goes to a copy). Freed named blocks wait in an LRU list
   and are evicted only when no never-used block is left;
+- partial hits: after its last whole cached block, a prompt may still start like a named block that
+  follows the same prefix (the same prompt sent again: its last block was filled by the earlier
+  request's generated tokens). The longest such common start, k < bs tokens, is reused by copying that
+  block into a fresh one of the sequence's own (its first k slots hold the right K/V; the rest are
+  overwritten as the sequence writes them) — token-granular reuse as SGLang's radix cache and
+  llama.cpp's slots do, so a repeated prompt recomputes only its last token;
 - copy-on-write: a shared block (or a named one, after ``truncate``) is copied before a write into it.
 
 Block 0 is the *null block*: never allocated, it takes padding writes and released table entries.
@@ -81,6 +87,9 @@ class BlockManager:
         self.hashes: dict[
             Hashable, list[bytes]
         ] = {}  # chained hashes of the sequence's full blocks
+        # named blocks by (parent hash, first token) -> {block: its tokens}: the candidates of a partial hit
+        self.children: dict[tuple[bytes | None, int], dict[int, tuple[int, ...]]] = {}
+        self.child_key: dict[int, tuple[bytes | None, int]] = {}  # named block -> its children key
 
     # ---- the pool ------------------------------------------------------------------------
     @property
@@ -105,7 +114,7 @@ class BlockManager:
             block = self.free_list.popleft()
         elif self.evictable:
             block, _ = self.evictable.popitem(last=False)  # least recently used cached block
-            del self.cached[self.block_hash.pop(block)]
+            self._forget(block)
         else:
             raise NoFreeBlocks(f"all {self.usable_blocks} blocks are in use")
         self.ref_count[block] = 1
@@ -129,11 +138,44 @@ class BlockManager:
     def lookup(self, h: bytes) -> int | None:
         return self.cached.get(h) if self.enable_prefix_caching else None
 
-    def register(self, block: int, h: bytes) -> None:
-        """Name a full block by its chained hash (first writer wins; duplicates stay private)."""
+    def register(
+        self, block: int, h: bytes, parent: bytes | None = None, tokens: Sequence[int] = ()
+    ) -> None:
+        """Name a full block by its chained hash (first writer wins; duplicates stay private); with its
+        ``tokens`` (and the ``parent`` hash before them) it can also serve partial hits."""
         if self.enable_prefix_caching and h not in self.cached and block not in self.block_hash:
             self.cached[h] = block
             self.block_hash[block] = h
+            if tokens:
+                key = (parent, int(tokens[0]))
+                self.children.setdefault(key, {})[block] = tuple(int(t) for t in tokens)
+                self.child_key[block] = key
+
+    def _forget(self, block: int) -> None:
+        """Take a named block out of the prefix-cache index (evicted, scrubbed)."""
+        del self.cached[self.block_hash.pop(block)]
+        key = self.child_key.pop(block, None)
+        if key is not None:
+            siblings = self.children[key]
+            del siblings[block]
+            if not siblings:
+                del self.children[key]
+
+    def partial_hit(self, parent: bytes | None, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """(block, k): the named block following ``parent`` whose tokens share the longest start with
+        ``tokens``, k >= 1 of them (the first one found among equal lengths), or None."""
+        if not self.enable_prefix_caching or not tokens:
+            return None
+        best: tuple[int, int] | None = None
+        for block, toks in self.children.get((parent, int(tokens[0])), {}).items():
+            k = 0
+            for a, b in zip(toks, tokens):
+                if a != b:
+                    break
+                k += 1
+            if best is None or k > best[1]:
+                best = (block, k)
+        return best
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (after a weight update their K/V are stale): evictable cached blocks go back
@@ -143,11 +185,15 @@ class BlockManager:
         self.evictable.clear()
         self.cached.clear()
         self.block_hash.clear()
+        self.children.clear()
+        self.child_key.clear()
         return n
 
     # ---- sequences -----------------------------------------------------------------------
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
-        """Start a sequence; reuse cached full blocks of its prefix. Returns the tokens already stored.
+        """Start a sequence; reuse cached full blocks of its prefix, then a partial hit after them (a copy
+        of the named block that starts the same way, ``partial_hit``; needs the ``storage`` to copy).
+        Returns the tokens already stored.
 
         At most len(token_ids) - 1 tokens come from the cache, so the last token is always
         computed and yields the logits for the next one.
@@ -167,9 +213,20 @@ class BlockManager:
             table.append(block)
             hashes.append(h)
             parent = h
+        stored = len(table) * bs
+        rest = token_ids[stored : min(stored + bs, len(token_ids) - 1)]  # never the last token
+        hit = self.partial_hit(parent, rest) if self.storage is not None else None
+        if hit is not None and self.num_free > (hit[0] in self.evictable):
+            src, k = hit
+            self.incref(src)  # held while a block is taken, so that it is not the one evicted
+            dst = self.allocate_block()
+            self.storage.copy_block(src, dst)  # type: ignore[union-attr]  # checked above
+            self.decref(src)
+            table.append(dst)
+            stored += k
         self.tables[seq_id], self.hashes[seq_id] = table, hashes
-        self.num_tokens[seq_id] = len(table) * bs
-        return self.num_tokens[seq_id]
+        self.num_tokens[seq_id] = stored
+        return stored
 
     def blocks_needed(self, seq_id: Hashable, n: int) -> int:
         """New blocks ``reserve(seq_id, n)`` would take (including a copy-on-write copy)."""
@@ -219,9 +276,10 @@ class BlockManager:
         full = self.num_tokens[seq_id] // bs
         while len(hashes) < full:
             i = len(hashes)
-            h = chain_hash(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs])
+            parent, tokens = hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs]
+            h = chain_hash(parent, tokens)
             hashes.append(h)
-            self.register(table[i], h)
+            self.register(table[i], h, parent, tokens)
 
     def free(self, seq_id: Hashable) -> None:
         """Release a finished, aborted or preempted sequence's blocks (tail first, so the LRU
@@ -293,8 +351,7 @@ class BlockManager:
                 and self.ref_count[block] == 1
                 and not cast(BlockStorage, self.storage).block_is_finite(block)
             ):
-                h = self.block_hash.pop(block, None)
-                if h is not None:
-                    del self.cached[h]
+                if block in self.block_hash:
+                    self._forget(block)
                 assert self.storage is not None
                 self.storage.zero_block(block)

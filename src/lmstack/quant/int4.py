@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmstack.cpu import cpu_features
 from lmstack.quant import int4_vnni
 from lmstack.quant.linear import WeightOnlyLinear, best_seconds, gemm_rows
 
@@ -52,9 +53,28 @@ def dequantize_int4(
     return w.view(O, I).to(dtype)
 
 
-def measure_gemm_rows(kernel: str, O: int = 1024, I: int = 576, G: int = 32):
-    """``measure(M) -> (s of lmstack's int4 ``kernel``, s of its dequantisation + F.linear)`` on random (M, I)
-    activations and an (O, I) weight (between SmolLM2-135M's 576- and 1536-wide matrices): ``gemm_rows``'s
+def gemm_dtype() -> torch.dtype:
+    """The dtype of a prefill's dequantise + GEMM: bf16 where the CPU multiplies it natively (AMX or AVX512_BF16:
+    oneDNN's bf16 GEMM, 2-4x the fp32 one at 100-row prefills on SmolLM2-135M's matrices, docs/quant.md),
+    else float32 (without native bf16 torch emulates it, slower than fp32). ``lmstack.cpu.cpu_features()``."""
+    return torch.bfloat16 if cpu_features().native_bf16 else torch.float32
+
+
+def gemm_forward(
+    x: Tensor, packed: Tensor, d: Tensor, m: Tensor, G: int, kernel: str, dtype: torch.dtype
+) -> Tensor:
+    """x (M, I) -> (M, O) float32 as ``Int4Linear`` computes a prefill: the weights dequantised in C++ to
+    ``dtype`` (W = d·q + m, then rounded to bf16 when ``dtype`` is bf16), times x in that dtype, fp32
+    accumulation (oneDNN)."""
+    w = int4_vnni.dequant(packed, d, m, G, kernel=kernel, dtype=dtype)
+    return F.linear(x.to(dtype), w).float()
+
+
+def measure_gemm_rows(
+    kernel: str, O: int = 1024, I: int = 576, G: int = 32, dtype: torch.dtype = torch.float32
+):
+    """``measure(M) -> (s of lmstack's int4 ``kernel``, s of ``gemm_forward`` in ``dtype``)`` on random (M, I)
+    activations and a random (O, I) weight (an ``Int4Linear`` passes its own shape): ``gemm_rows``'s
     measurement, one thread count as set now."""
     g = torch.Generator().manual_seed(0)
     packed, d, m = int4_vnni.pack(*quantize_int4(torch.randn(O, I, generator=g), G))
@@ -63,7 +83,7 @@ def measure_gemm_rows(kernel: str, O: int = 1024, I: int = 576, G: int = 32):
         x = torch.randn(M, I, generator=g)
         with torch.inference_mode():
             k = best_seconds(lambda: int4_vnni.mm(x, packed, d, m, G, kernel=kernel))
-            f = best_seconds(lambda: F.linear(x, int4_vnni.dequant(packed, d, m, G, kernel=kernel)))
+            f = best_seconds(lambda: gemm_forward(x, packed, d, m, G, kernel, dtype))
         return k, f
 
     return measure
@@ -101,9 +121,11 @@ class Int4Linear(WeightOnlyLinear):
     torch's, "vnni" / "avx2" that one of ours (a ValueError with the reason if it cannot run). The one
     chosen is ``self.kernel``. Without a kernel (or when O is not a multiple of 16) the codes are packed two
     per byte by hand and the forward dequantises. With one of ours, from ``self.gemm_rows`` activation rows on
-    (a prefill) the forward dequantises the packed codes in C++ (``int4_vnni.dequant``: W = d·q + m with the
-    kernel's fp16 d, m) and runs ``F.linear`` in the input's dtype: the row count is measured once per process
-    and kernel (``linear.gemm_rows``; ``LMSTACK_QUANT_GEMM_ROWS=N|never`` forces it), None = never.
+    (a prefill, or a step with many decode rows) the forward dequantises the packed codes in C++
+    (``int4_vnni.dequant``: W = d·q + m with the kernel's fp16 d, m) and runs ``F.linear`` in ``self.gemm_dtype``
+    (``gemm_forward``: bf16 where the CPU has native bf16, oneDNN's AMX GEMM, else float32): the row count is
+    measured once per process for each kernel, GEMM dtype and weight shape (``linear.gemm_rows``; a fused layer
+    measures its own shape; ``LMSTACK_QUANT_GEMM_ROWS=N|never`` forces it), None = never.
     """
 
     def __init__(
@@ -148,7 +170,8 @@ class Int4Linear(WeightOnlyLinear):
             self.register_buffer("qweight", packed)  # (O/16, I/8, 64) uint8, two codes per byte
             self.register_buffer("d16", d)  # (O/16, I/G, 16) fp16
             self.register_buffer("m16", m)
-            self.gemm_rows = gemm_rows(f"int4_{self.kernel}", measure_gemm_rows(self.kernel))
+            self.gemm_dtype = gemm_dtype()
+            self._measure_gemm_rows()
             return
         self.gemm_rows = None
         self.use_kernel = (
@@ -183,6 +206,21 @@ class Int4Linear(WeightOnlyLinear):
             self.register_buffer(
                 "qweight", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
             )  # (O, I/2)
+
+    def _measure_gemm_rows(self) -> None:
+        """``gemm_rows`` for this layer's shape, kernel and GEMM dtype (measured once per process for each)."""
+        O, I, dt = self.out_features, self.in_features, self.gemm_dtype
+        key = f"int4_{self.kernel}_{str(dt).removeprefix('torch.')}_{O}x{I}"
+        self.gemm_rows = gemm_rows(key, measure_gemm_rows(self.kernel, O, I, self.group_size, dt))
+
+    @classmethod
+    def concat_rows(cls, modules) -> Int4Linear | None:
+        """``WeightOnlyLinear.concat_rows``, with ``gemm_rows`` measured again for the fused shape (the row
+        count from which the GEMM wins depends on it: a fused gate/up is 2x the parts' outputs)."""
+        fused = super().concat_rows(modules)
+        if fused is not None and fused.vnni:
+            fused._measure_gemm_rows()
+        return fused
 
     @classmethod
     def from_linear(
@@ -237,11 +275,16 @@ class Int4Linear(WeightOnlyLinear):
             x2 = x.reshape(-1, self.in_features)  # (M, I)
             if (
                 self.gemm_rows is not None and x2.shape[0] >= self.gemm_rows
-            ):  # a prefill: float GEMM
-                w = int4_vnni.dequant(
-                    self.qweight, self.d16, self.m16, self.group_size, self.kernel
+            ):  # a prefill: float GEMM (bf16 on a CPU with native bf16)
+                y = gemm_forward(
+                    x2,
+                    self.qweight,
+                    self.d16,
+                    self.m16,
+                    self.group_size,
+                    self.kernel,
+                    self.gemm_dtype,
                 )
-                y = F.linear(x2, w.to(x2.dtype))
             else:
                 y = int4_vnni.mm(
                     x2, self.qweight, self.d16, self.m16, self.group_size, self.terms, self.kernel

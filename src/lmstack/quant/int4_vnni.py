@@ -138,9 +138,10 @@ def build(name: str) -> str | None:
                 torch.library.register_fake(f"lmstack_quant::{OPS[name]}")(fake)
                 if name in KERNELS:  # the int4 kernels' dequantisation: (O/16, I/8, 64) -> (O, I)
 
-                    def fake_w(packed, *args):
+                    def fake_w(packed, d, m, G, bf16=False):
                         T, C, _ = packed.shape
-                        return packed.new_empty((16 * T, 8 * C), dtype=torch.float32)
+                        dtype = torch.bfloat16 if bf16 else torch.float32
+                        return packed.new_empty((16 * T, 8 * C), dtype=dtype)
 
                     torch.library.register_fake(f"lmstack_quant::int4_{name}_dequant")(fake_w)
                 _FAKE_REGISTERED.add(name)
@@ -240,10 +241,21 @@ def mm(
 
 
 def dequant(
-    packed: Tensor, d: Tensor, m: Tensor, group_size: int, kernel: str | None = None
+    packed: Tensor,
+    d: Tensor,
+    m: Tensor,
+    group_size: int,
+    kernel: str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """The weights the kernel multiplies, W = d·q + m (fp16 d, m), as float32 (O, I), from the packed layout in
-    one pass (C++; ``kernel`` as in ``mm``): what a prefill's float GEMM takes above ``Int4Linear.gemm_rows``."""
+    """The weights the kernel multiplies, W = d·q + m (fp16 d, m), as float32 (O, I) — or rounded to bf16
+    (``dtype=torch.bfloat16``, half the bytes written) — from the packed layout in one pass (C++; ``kernel`` as in
+    ``mm``): what a prefill's float GEMM takes above ``Int4Linear.gemm_rows``."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"dtype={dtype}; the int4 dequantisation writes torch.float32 or torch.bfloat16"
+        )
+    bf16 = dtype == torch.bfloat16
     if (kernel or selected()[0]) == "avx2":
-        return torch.ops.lmstack_quant.int4_avx2_dequant(packed, d, m, group_size)
-    return torch.ops.lmstack_quant.int4_vnni_dequant(packed, d, m, group_size)
+        return torch.ops.lmstack_quant.int4_avx2_dequant(packed, d, m, group_size, bf16)
+    return torch.ops.lmstack_quant.int4_vnni_dequant(packed, d, m, group_size, bf16)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 GEMM_ROWS_ENV = "LMSTACK_QUANT_GEMM_ROWS"
 # the row counts a measurement tries: from the first one where dequantise-then-GEMM wins (and keeps winning)
-GEMM_ROWS_CANDIDATES = (8, 16, 32, 64, 128, 256)
+GEMM_ROWS_CANDIDATES = (8, 16, 24, 32, 48, 64, 96, 128, 256)
 _log = logging.getLogger(__name__)
 _measured: dict[str, int | None] = {}
 

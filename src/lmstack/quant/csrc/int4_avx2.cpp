@@ -171,8 +171,9 @@ at::Tensor int4_avx2_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   return lmstack_int4::int4_mm<Avx2>("int4_avx2_mm", x, packed, d, m, G, terms);
 }
 
-at::Tensor int4_avx2_dequant(const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m, int64_t G) {
-  return lmstack_int4::int4_dequant("int4_avx2_dequant", packed, d, m, G);
+at::Tensor int4_avx2_dequant(const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m, int64_t G,
+                              bool bf16) {
+  return lmstack_int4::int4_dequant("int4_avx2_dequant", packed, d, m, G, bf16);
 }
 
 }  // namespace
@@ -180,7 +181,7 @@ at::Tensor int4_avx2_dequant(const at::Tensor& packed, const at::Tensor& d, cons
 // A fragment: the VNNI kernel's library registers its own op in the same namespace; both may be loaded.
 TORCH_LIBRARY_FRAGMENT(lmstack_quant, lib) {
   lib.def("int4_avx2_mm(Tensor x, Tensor packed, Tensor d, Tensor m, int G, int terms=2) -> Tensor");
-  lib.def("int4_avx2_dequant(Tensor packed, Tensor d, Tensor m, int G) -> Tensor");
+  lib.def("int4_avx2_dequant(Tensor packed, Tensor d, Tensor m, int G, bool bf16=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmstack_quant, CPU, lib) {

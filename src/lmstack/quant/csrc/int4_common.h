@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace lmstack_int4 {
@@ -126,24 +127,81 @@ at::Tensor int4_mm(const char* name, const at::Tensor& x_in, const at::Tensor& p
   return y;
 }
 
-// The weights themselves, W[o, i] = d[o,g]*q[o,i] + m[o,g] in float32 (O, I): for a prefill (many activation
-// rows), where a float GEMM on W beats the int8 dot products (quant/int4.py, ``gemm_rows``). One pass over the
-// codes, tiles split over threads; each tile writes 16 whole rows, so threads never share an output line.
-inline at::Tensor int4_dequant(const char* name, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
-                               int64_t G) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous(),
-              name, ": packed must be contiguous uint8 (O/16, I/8, 64)");
-  const int64_t T = packed.size(0), I = packed.size(1) * 8, O = 16 * T;
-  TORCH_CHECK(G > 0 && G % 8 == 0 && I % G == 0, name, ": group size ", G, " must be a multiple of 8 dividing ", I);
-  const int64_t NG = I / G;
-  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.numel() == T * NG * 16 &&
-              m.numel() == T * NG * 16 && d.is_contiguous() && m.is_contiguous(),
-              name, ": d, m must be contiguous fp16 (O/16, I/G, 16)");
-  at::Tensor w = at::empty({O, I}, packed.options().dtype(at::kFloat));
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const at::Half* dp = d.data_ptr<at::Half>();
-  const at::Half* mp = m.data_ptr<at::Half>();
-  float* out = w.data_ptr<float>();
+// fp32 -> bf16 bits, rounded to nearest even (the weights are finite: no NaN case), as torch's conversion.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The weights themselves, W[o, i] = d[o,g]*q[o,i] + m[o,g] (O, I) in float32 or, ``bf16``, rounded to bf16: for
+// a prefill (many activation rows), where a float GEMM on W beats the int8 dot products (quant/int4.py,
+// ``gemm_rows``; bf16 for a CPU that multiplies it natively, AMX / AVX512_BF16: half the bytes written, and
+// oneDNN's bf16 GEMM). One pass over the codes, tiles split over threads; each tile writes 16 whole rows, so
+// threads never share an output line.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// AVX-512 (the VNNI kernel's build): one 64-byte chunk (16 rows x 8 codes) at a time. The low and high nibbles
+// interleaved by dwords give each row's 8 codes in input order, two rows per 128-bit lane (unpacklo: rows 4k,
+// 4k+1; unpackhi: 4k+2, 4k+3); each pair becomes 16 floats d·q + m with the pair's d, m spread over 8 lanes
+// each (permuted once per group), then is stored as 8 + 8 values (bf16: rounded to nearest even).
+template <class Out>
+inline void store_pair(Out* a, Out* b, __m512 w) {
+  if constexpr (std::is_same_v<Out, float>) {
+    _mm256_storeu_ps(a, _mm512_castps512_ps256(w));
+    _mm256_storeu_ps(b, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
+  } else {
+    const __m512i u = _mm512_castps_si512(w);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    const __m256i p = _mm512_cvtepi32_epi16(h);  // 16 x u16: row a's 8, then row b's
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm256_castsi256_si128(p));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b), _mm256_extracti128_si256(p, 1));
+  }
+}
+
+template <class Out>
+void int4_dequant_into(Out* out, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t T, int64_t I,
+                       int64_t NG, int64_t G) {
+  // pair p = 2k + h (k: the 128-bit lane, h: 0 unpacklo, 1 unpackhi) holds rows 4k + 2h and 4k + 2h + 1
+  __m512i idx[8];
+  for (int k = 0; k < 4; ++k)
+    for (int h = 0; h < 2; ++h) {
+      const int r = 4 * k + 2 * h;
+      idx[2 * k + h] = _mm512_set_epi32(r + 1, r + 1, r + 1, r + 1, r + 1, r + 1, r + 1, r + 1, r, r, r, r, r, r, r, r);
+    }
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t g = 0; g < NG; ++g) {
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + (t * NG + g) * 16)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + (t * NG + g) * 16)));
+        __m512 dpair[8], mpair[8];
+        for (int p = 0; p < 8; ++p) {
+          dpair[p] = _mm512_permutexvar_ps(idx[p], dv);
+          mpair[p] = _mm512_permutexvar_ps(idx[p], mv);
+        }
+        for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {
+          const __m512i v = _mm512_loadu_si512(wp + (t * (I / 8) + c) * 64);
+          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          const __m512i ab[2] = {_mm512_unpacklo_epi32(lo, hi), _mm512_unpackhi_epi32(lo, hi)};
+          Out* base = out + 16 * t * I + 8 * c;
+#define LMSTACK_PAIR(K, H)                                                                                   \
+  {                                                                                                         \
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(ab[H], K)));          \
+    const int r = 4 * (K) + 2 * (H);                                                                        \
+    store_pair(base + r * I, base + (r + 1) * I, _mm512_fmadd_ps(dpair[2 * (K) + (H)], q, mpair[2 * (K) + (H)])); \
+  }
+          LMSTACK_PAIR(0, 0) LMSTACK_PAIR(0, 1) LMSTACK_PAIR(1, 0) LMSTACK_PAIR(1, 1)
+          LMSTACK_PAIR(2, 0) LMSTACK_PAIR(2, 1) LMSTACK_PAIR(3, 0) LMSTACK_PAIR(3, 1)
+#undef LMSTACK_PAIR
+        }
+      }
+  });
+}
+#else
+template <class Out>
+void int4_dequant_into(Out* out, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t T, int64_t I,
+                       int64_t NG, int64_t G) {
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t g = 0; g < NG; ++g) {
@@ -155,7 +213,7 @@ inline at::Tensor int4_dequant(const char* name, const at::Tensor& packed, const
         for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {
           const uint8_t* b = wp + (t * (I / 8) + c) * 64;
           for (int r = 0; r < 16; ++r) {
-            float* row = out + (16 * t + r) * I + 8 * c;
+            Out* row = out + (16 * t + r) * I + 8 * c;
 #if defined(__AVX2__) && defined(__FMA__)
             // the row's 4 bytes twice as 8 int32 lanes, shifted by 0 (inputs j) or 4 (inputs 4 + j), masked
             int32_t bytes;
@@ -163,17 +221,47 @@ inline at::Tensor int4_dequant(const char* name, const at::Tensor& packed, const
             const __m256i v = _mm256_cvtepu8_epi32(_mm_set1_epi32(bytes));
             const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
                                                _mm256_set1_epi32(0xF));
-            _mm256_storeu_ps(row, _mm256_fmadd_ps(_mm256_set1_ps(dr[r]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(mr[r])));
+            const __m256 w = _mm256_fmadd_ps(_mm256_set1_ps(dr[r]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(mr[r]));
+            if constexpr (std::is_same_v<Out, float>) {
+              _mm256_storeu_ps(row, w);
+            } else {  // bf16: u + 0x7FFF + (bit 16 of u), the top 16 bits (bf16_bits on 8 lanes)
+              const __m256i u = _mm256_castps_si256(w);
+              const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+              const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+              const __m128i packed16 = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(row), packed16);
+            }
 #else
-            for (int j = 0; j < 4; ++j) {
-              row[j] = dr[r] * static_cast<float>(b[4 * r + j] & 0xF) + mr[r];
-              row[4 + j] = dr[r] * static_cast<float>(b[4 * r + j] >> 4) + mr[r];
+            for (int j = 0; j < 8; ++j) {
+              const float w = dr[r] * static_cast<float>(j < 4 ? b[4 * r + j] & 0xF : b[4 * r + j - 4] >> 4) + mr[r];
+              if constexpr (std::is_same_v<Out, float>) row[j] = w; else row[j] = bf16_bits(w);
             }
 #endif
           }
         }
       }
   });
+}
+#endif
+
+inline at::Tensor int4_dequant(const char* name, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                               int64_t G, bool bf16) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous(),
+              name, ": packed must be contiguous uint8 (O/16, I/8, 64)");
+  const int64_t T = packed.size(0), I = packed.size(1) * 8, O = 16 * T;
+  TORCH_CHECK(G > 0 && G % 8 == 0 && I % G == 0, name, ": group size ", G, " must be a multiple of 8 dividing ", I);
+  const int64_t NG = I / G;
+  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.numel() == T * NG * 16 &&
+              m.numel() == T * NG * 16 && d.is_contiguous() && m.is_contiguous(),
+              name, ": d, m must be contiguous fp16 (O/16, I/G, 16)");
+  at::Tensor w = at::empty({O, I}, packed.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const at::Half* dp = d.data_ptr<at::Half>();
+  const at::Half* mp = m.data_ptr<at::Half>();
+  if (bf16)
+    int4_dequant_into(reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>()), wp, dp, mp, T, I, NG, G);
+  else
+    int4_dequant_into(w.data_ptr<float>(), wp, dp, mp, T, I, NG, G);
   return w;
 }
 
