@@ -9,7 +9,13 @@ faster depends on the CPU (docs/kernels.md, "The CPU GEMM"): MKL takes a slow pa
 1.2-1.9x from 4 rows (at 1-2 rows MKL is 10-25% faster).
 
 A ``GemmPolicy`` says when a product goes to oneDNN: from ``min_rows`` rows, or for a weight of ``min_weight``
-elements from ``min_weight_rows`` rows (None: never by that rule). ``choose_gemm(name, features)`` turns ``auto``
+elements from ``min_weight_rows`` rows, or, with autograd off (inference), from ``infer_rows`` rows (None: never by
+that rule). An inference product through oneDNN runs on the weight reordered once into oneDNN's blocked layout
+(``packed_weight``, when the policy's ``prepack`` says so): the plain-strided call re-blocks the weight on every
+call, which at decode row counts costs as much as the product (Intel Xeon, 30 layers of SmolLM2-135M's fused
+weights, 1 thread: MKL / packed oneDNN 1.5x at 4 rows, 1.4x at 16, 1.1x at 64, docs/kernels.md). The packed copy
+costs the weight's size again in memory and is rebuilt when the weight changes (its ``_version``: an optimizer
+step or ``load_state_dict`` writes in place — GRPO's rollout engine shares the learner's weights). ``choose_gemm(name, features)`` turns ``auto``
 into the measured row of ``MEASURED`` for the CPU's vendor (``lmstack.cpu``: ``LMSTACK_CPU=<name>`` fakes one) — a table, not a
 per-process measurement, because oneDNN and MKL round differently and a choice that flipped between runs would
 make them differ in the last bits; ``benchmarks/gemm_dispatch.py`` measures a CPU for a new row. ``onednn``
@@ -20,6 +26,8 @@ sends every eligible product to oneDNN, ``blas`` none (``LMSTACK_ONEDNN=0`` make
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,40 +54,67 @@ _MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
 @dataclass(frozen=True)
 class GemmPolicy:
     """oneDNN for a product of ≥ ``min_rows`` rows, or with a weight of ≥ ``min_weight`` elements and ≥
-    ``min_weight_rows`` rows (None: never by that rule); ``name`` the backend, ``reason`` why (the log line)."""
+    ``min_weight_rows`` rows, or with autograd off and ≥ ``infer_rows`` rows (None: never by that rule);
+    ``prepack``: inference products through oneDNN use ``packed_weight``; ``name`` the backend, ``reason`` why
+    (the log line)."""
 
     name: str
     min_rows: int | None
     min_weight: int | None
     min_weight_rows: int = 1
     reason: str = ""
+    infer_rows: int | None = None
+    prepack: bool = False
 
-    def uses_onednn(self, rows: int, weight_numel: int) -> bool:
-        return (self.min_rows is not None and rows >= self.min_rows) or (
-            self.min_weight is not None
-            and weight_numel >= self.min_weight
-            and rows >= self.min_weight_rows
+    def uses_onednn(self, rows: int, weight_numel: int, inference: bool = False) -> bool:
+        return (
+            (self.min_rows is not None and rows >= self.min_rows)
+            or (
+                self.min_weight is not None
+                and weight_numel >= self.min_weight
+                and rows >= self.min_weight_rows
+            )
+            or (inference and self.infer_rows is not None and rows >= self.infer_rows)
         )
 
     def line(self) -> str:
         return f"gemm: {self.name} ({self.reason})"
 
 
-#: vendor -> (min_rows, min_weight, min_weight_rows, where it was measured); docs/kernels.md has the figures
-MEASURED: dict[str, tuple[int | None, int | None, int, str]] = {
+@dataclass(frozen=True)
+class Measured:
+    """A ``MEASURED`` row: ``GemmPolicy``'s thresholds for one vendor and where they were measured."""
+
+    min_rows: int | None
+    min_weight: int | None
+    min_weight_rows: int
+    infer_rows: int | None
+    prepack: bool
+    why: str
+
+
+#: vendor -> its measured thresholds; docs/kernels.md has the figures
+MEASURED: dict[str, Measured] = {
     # AMD EPYC (AVX2), SmolLM2 shapes, 2 threads: oneDNN 1.9-2.4x from 8 rows, 1.3x / 0.86x at one row
-    "AuthenticAMD": (8, 1 << 22, 1, "AMD EPYC: oneDNN from 8 rows or a weight of 4M elements"),
-    # Intel Xeon (AVX-512 + AMX), 1 thread, benchmarks/gemm_dispatch.py: MKL / oneDNN 0.17-0.97 at 1-128 rows
-    # on 576<->1536 weights, 0.89-1.13 at 512-2048; on the 49152x576 unembedding 0.89 / 0.75 at 1 / 2 rows,
-    # 1.23-1.97 at 4-64, 1.1 at 128, level at 512
-    "GenuineIntel": (
+    # (plain-strided oneDNN; its prepacked weights were not measured there)
+    "AuthenticAMD": Measured(
+        8, 1 << 22, 1, None, False, "AMD EPYC: oneDNN from 8 rows or a weight of 4M elements"
+    ),
+    # Intel Xeon (AVX-512 + AMX), 1 thread, benchmarks/gemm_dispatch.py: MKL / plain oneDNN 0.17-0.97 at 1-128
+    # rows on 576<->1536 weights, 0.89-1.13 at 512-2048; on the 49152x576 unembedding 0.89 / 0.75 at 1 / 2 rows,
+    # 1.23-1.97 at 4-64, 1.1 at 128, level at 512. MKL / prepacked oneDNN (inference): < 1 at 1-2 rows,
+    # > 1 from 4 rows on every weight
+    "GenuineIntel": Measured(
         None,
         1 << 22,
         4,
-        "Intel Xeon: MKL, oneDNN for a weight of 4M elements from 4 rows",
+        4,
+        True,
+        "Intel Xeon: MKL; oneDNN for a weight of 4M elements from 4 rows, and for inference from 4 rows "
+        "on prepacked weights",
     ),
 }
-ONEDNN_ALWAYS = GemmPolicy("onednn", 1, 0, 1, "configured")
+ONEDNN_ALWAYS = GemmPolicy("onednn", 1, 0, 1, "configured", prepack=True)
 BLAS_ONLY = GemmPolicy("blas", None, None, 1, "configured")
 
 
@@ -99,8 +134,16 @@ def choose_gemm(name: str = "auto", features: CpuFeatures | None = None) -> Gemm
         return GemmPolicy(
             "blas", None, None, 1, f"auto: vendor {f.vendor or 'unknown'!r} not measured"
         )
-    rows, weight, weight_rows, why = MEASURED[f.vendor]
-    return GemmPolicy("auto", rows, weight, weight_rows, f"auto: {why}")
+    m = MEASURED[f.vendor]
+    return GemmPolicy(
+        "auto",
+        m.min_rows,
+        m.min_weight,
+        m.min_weight_rows,
+        f"auto: {m.why}",
+        m.infer_rows,
+        m.prepack,
+    )
 
 
 _POLICY: list[GemmPolicy | None] = [
@@ -167,23 +210,64 @@ def onednn_ok(x: Tensor) -> bool:
     )
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, views: Sequence[Tensor] = ()
+) -> Tensor:
     """``F.linear``, through oneDNN's GEMM where ``onednn_ok`` and the policy sends a product of this many rows
-    and this weight there; x (..., in) -> (..., out)."""
-    if (
-        type(weight) in (Tensor, nn.Parameter)
-        and weight.dtype == torch.float32
-        and onednn_ok(x)
-        and gemm_policy().uses_onednn(x.numel() // max(x.shape[-1], 1), weight.numel())
-    ):
-        x2 = x.reshape(-1, x.shape[-1])
-        rows = x2.shape[0]
-        padded = bucket_rows(rows) if not torch.is_grad_enabled() else rows
-        if padded != rows:  # zero rows up to the bucket: their outputs are dropped below
-            x2 = F.pad(x2, (0, 0, 0, padded - rows))
-        y = onednn_linear(x2, weight)[:rows].view(*x.shape[:-1], weight.shape[0])
-        return y if bias is None else y + bias
+    and this weight there (with autograd off: on the prepacked weight, in row buckets); x (..., in) -> (..., out).
+    ``views``: parameters whose ``.data`` is a part of ``weight`` (``model.layers.fuse_linears``): an in-place
+    write to one of them does not move ``weight``'s version counter, so their versions key the packed copy too."""
+    if type(weight) in (Tensor, nn.Parameter) and weight.dtype == torch.float32 and onednn_ok(x):
+        inference = not torch.is_grad_enabled()
+        policy = gemm_policy()
+        rows = x.numel() // max(x.shape[-1], 1)
+        if policy.uses_onednn(rows, weight.numel(), inference):
+            x2 = x.reshape(-1, x.shape[-1])  # (rows, in)
+            if inference:
+                padded = bucket_rows(rows)
+                if padded != rows:  # zero rows up to the bucket: their outputs are dropped below
+                    x2 = F.pad(x2, (0, 0, 0, padded - rows))
+                w = packed_weight(weight, views) if policy.prepack else weight
+                y = _onednn_mm_t(x2, w)[:rows]
+            else:
+                y = onednn_linear(x2, weight)
+            y = y.view(*x.shape[:-1], weight.shape[0])
+            return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+PACK_ROWS = (
+    64  # the batch size oneDNN's weight layout is chosen for (the layout served 4-2048 rows alike)
+)
+#: id(weight) -> (weak reference to it, its key when packed, the packed copy); an entry leaves with its weight
+_PACKED: dict[int, tuple[weakref.ref, tuple, Tensor]] = {}
+
+
+def _version(t: Tensor) -> int | None:
+    """t's version counter (in-place writes move it); None for an inference tensor, which has none."""
+    return None if t.is_inference() else t._version
+
+
+def packed_weight(w: Tensor, views: Sequence[Tensor] = ()) -> Tensor:
+    """w (O, I) fp32 reordered into oneDNN's blocked layout for ``_linear_pointwise`` (an opaque mkldnn tensor),
+    made at the first call and kept while w lives and is unchanged: rebuilt when w is written in place (its
+    ``_version``, which views share with their base: an optimizer step on the separate q/k/v parameters
+    reaches a weight they view) or its storage is swapped (``data_ptr``); ``views``' versions count too (see
+    ``linear``). An inference tensor has no version counter: it is keyed by its storage alone (int8's prepacked
+    Q does the same)."""
+    key = (w.data_ptr(), tuple(w.shape), w.stride(), *map(_version, (w, *views)))
+    hit = _PACKED.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1] == key:
+        return hit[2]
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+    wid = id(w)
+
+    def forget(ref: weakref.ref, wid: int = wid) -> None:
+        if _PACKED.get(wid, (None,))[0] is ref:
+            del _PACKED[wid]
+
+    _PACKED[wid] = (weakref.ref(w, forget), key, packed)
+    return packed
 
 
 ROW_BUCKET = 32  # inference products of more rows are padded to a multiple of this
