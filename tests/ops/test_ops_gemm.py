@@ -125,7 +125,9 @@ def test_inference_products_through_onednn_run_in_row_buckets(monkeypatch):
     seen = []
     real = gemm._onednn_mm_t
     monkeypatch.setattr(
-        gemm, "_onednn_mm_t", lambda a, b: seen.append((a.shape[0], b.is_mkldnn)) or real(a, b)
+        gemm,
+        "_onednn_mm_t",
+        lambda a, b, *c: seen.append((a.shape[0], b.is_mkldnn)) or real(a, b, *c),
     )
     old = gemm.set_gemm(gemm.choose_gemm("onednn"))
     try:
@@ -155,21 +157,26 @@ def intel_auto(monkeypatch):
 
 
 def test_intel_inference_runs_prepacked_onednn_from_4_rows(intel_auto, monkeypatch):
-    """Intel's measured row: inference products from 4 rows go to oneDNN on the prepacked weight (MKL below 4
-    rows and for training); every result equals torch's F.linear (MKL) to fp32 rounding (atol = rtol = 1e-5
+    """Intel's measured row: inference products of 4-511 rows go to oneDNN on the prepacked weight (MKL outside
+    that and for training; the unembedding from 4 rows at any count); every result equals torch's F.linear (MKL) to fp32 rounding (atol = rtol = 1e-5
     on outputs of std ~1: oneDNN and MKL add the 576 products in different orders)."""
-    assert intel_auto.prepack and intel_auto.infer_rows == 4
+    assert intel_auto.prepack and intel_auto.infer_rows == (4, 512)
     assert not intel_auto.uses_onednn(3, DOWN, inference=True)
     assert intel_auto.uses_onednn(4, DOWN, inference=True)
+    assert intel_auto.uses_onednn(511, DOWN, inference=True)
+    assert not intel_auto.uses_onednn(512, DOWN, inference=True)
+    assert intel_auto.uses_onednn(512, UNEMBED, inference=True)
     assert not intel_auto.uses_onednn(4096, DOWN)  # training: MKL
     kinds = []
     real = gemm._onednn_mm_t
-    monkeypatch.setattr(gemm, "_onednn_mm_t", lambda a, b: kinds.append(b.is_mkldnn) or real(a, b))
+    monkeypatch.setattr(
+        gemm, "_onednn_mm_t", lambda a, b, *c: kinds.append(b.is_mkldnn) or real(a, b, *c)
+    )
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 576, generator=g) / 24
     b = torch.randn(96, generator=g)
     with torch.no_grad():
-        for rows in (1, 3, 4, 16, 64, 65, 300):
+        for rows in (1, 3, 4, 16, 64, 65, 300, 600):
             x = torch.randn(rows, 576, generator=g)
             torch.testing.assert_close(
                 gemm.linear(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5
@@ -233,3 +240,29 @@ def test_a_packed_copy_leaves_with_its_weight(intel_auto):
     key = id(w)
     del w
     assert key not in gemm._PACKED
+
+
+@pytest.mark.skipif(
+    not torch.cpu._is_amx_tile_supported(), reason="measured (and bit-equal) on an AMX CPU"
+)
+def test_bf16_inference_runs_prepacked_and_gives_f_linear_bits(intel_auto, monkeypatch):
+    """On an AMX CPU, F.linear's bf16 GEMM is oneDNN's, laying the weight out anew at every call; the packed
+    call gives the very same bits (with and without bias, 1-300 rows); training stays on F.linear."""
+    assert intel_auto.prepack_bf16
+    kinds = []
+    real = gemm._onednn_mm_t
+    monkeypatch.setattr(
+        gemm, "_onednn_mm_t", lambda a, b, *c: kinds.append(b.is_mkldnn) or real(a, b, *c)
+    )
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 576, generator=g) / 24).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    with torch.no_grad():
+        for rows in (1, 4, 64, 300):
+            x = torch.randn(rows, 576, generator=g).bfloat16()
+            assert torch.equal(gemm.linear(x, w), F.linear(x, w))
+            assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b))
+    assert kinds == [True] * 8
+    x = torch.randn(4, 576, generator=g).bfloat16().requires_grad_()
+    gemm.linear(x, w).sum().backward()  # autograd on: F.linear, not the packed call
+    assert len(kinds) == 8 and x.grad is not None
