@@ -1,13 +1,14 @@
-"""CPU fp32 GEMM: torch's BLAS (``F.linear``, MKL in the wheels) vs oneDNN (``ops.gemm.onednn_linear``), per row
-count, on SmolLM2-135M's weight shapes — the measurement behind a row of ``ops.gemm.MEASURED`` (docs/kernels.md).
+"""CPU fp32 GEMM: torch's BLAS (``F.linear``, MKL in the wheels) vs oneDNN (``ops.gemm.onednn_linear``) vs oneDNN on
+the prepacked weight (``ops.gemm.packed_weight``, what inference products run), per row count, on SmolLM2-135M's
+weight shapes — the measurement behind a row of ``ops.gemm.MEASURED`` (docs/kernels.md).
 
     nice -n 10 python benchmarks/gemm_dispatch.py [--threads 1] [--rounds 7]
 
-For each weight (out × in: 1536×576 gate/up, 576×1536 down, 576×576 q/o, 49152×576 the unembedding) and each
-row count M, both are timed in alternation (``--rounds`` rounds of a few calls each, after a warm-up; this
+For each weight (out × in: 1536×576 gate/up, 576×1536 down, 576×576 q/o, 49152×576 the unembedding; the engine
+fuses q/k/v into 960×576 and gate/up into 3072×576) and each row count M, the three are timed in alternation (``--rounds`` rounds of a few calls each, after a warm-up; this
 thread's CPU time, so a loaded machine stretches neither side; ``--threads 1`` for that to hold); printed:
-the median time of each and the ratio BLAS / oneDNN (> 1: oneDNN faster), then per weight the row counts where
-oneDNN is ≥ 1.1x faster, beside ``choose_gemm("auto")`` for this CPU (what a ``MEASURED`` row is read from).
+the median time of each and the ratios BLAS / oneDNN and BLAS / packed (> 1: oneDNN faster), then per weight the
+row counts where each is ≥ 1.1x faster, beside ``choose_gemm("auto")`` for this CPU (what a ``MEASURED`` row is read from).
 """
 
 from __future__ import annotations
@@ -20,10 +21,17 @@ import torch
 import torch.nn.functional as F
 
 from lmstack.cpu import cpu_features
-from lmstack.ops.gemm import choose_gemm, onednn_ok
+from lmstack.ops.gemm import _onednn_mm_t, choose_gemm, onednn_ok, packed_weight
 from lmstack.ops.gemm import onednn_linear as onednn
 
-SHAPES = {"gate/up": (1536, 576), "down": (576, 1536), "q/o": (576, 576), "unembed": (49152, 576)}
+SHAPES = {
+    "gate/up": (1536, 576),
+    "gate+up": (3072, 576),
+    "down": (576, 1536),
+    "q/o": (576, 576),
+    "q+k+v": (960, 576),
+    "unembed": (49152, 576),
+}
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048)
 
 
@@ -50,30 +58,40 @@ def main() -> None:
         )
     f = cpu_features()
     print(f"{f.vendor or 'unknown vendor'}; {f.summary()}; {args.threads} thread(s)")
-    print("| weight (out x in) | M | BLAS ms | oneDNN ms | BLAS / oneDNN |")
-    print("|---|---|---|---|---|")
+    print(
+        "| weight (out x in) | M | BLAS ms | oneDNN ms | packed ms | BLAS / oneDNN | BLAS / packed |"
+    )
+    print("|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     ratios: dict[str, dict[int, float]] = {}
+    packed_ratios: dict[str, dict[int, float]] = {}
     for name, (o, i) in SHAPES.items():
         w = torch.randn(o, i, generator=g)
-        ratios[name] = {}
+        wp = packed_weight(w)
+        ratios[name], packed_ratios[name] = {}, {}
         for M in args.rows:
             if name == "unembed" and M > 512:
                 continue  # (2048, 49152) logits: the perplexity path chunks them
             x = torch.randn(M, i, generator=g)
             calls = max(1, int(2e8 / (2 * M * o * i)))  # ~0.1 s of work per round at 100 GFLOP/s
             blas, dnn = lambda: F.linear(x, w), lambda: onednn(x, w)  # noqa: B023
-            blas(), dnn()
-            tb, td = [], []
+            packed = lambda: _onednn_mm_t(x, wp)  # noqa: B023, E731
+            blas(), dnn(), packed()
+            tb, td, tp = [], [], []
             for _ in range(args.rounds):
                 tb.append(timed(blas, calls))
                 td.append(timed(dnn, calls))
-            b, d = statistics.median(tb), statistics.median(td)
-            ratios[name][M] = b / d
-            print(f"| {name} {o}x{i} | {M} | {b * 1e3:.3f} | {d * 1e3:.3f} | {b / d:.2f} |")
-    for name, r in ratios.items():
-        faster = [M for M, x in r.items() if x >= 1.1]
-        print(f"{name}: oneDNN >= 1.1x at M = {faster or 'none'}")
+                tp.append(timed(packed, calls))
+            b, d, pk = statistics.median(tb), statistics.median(td), statistics.median(tp)
+            ratios[name][M], packed_ratios[name][M] = b / d, b / pk
+            print(
+                f"| {name} {o}x{i} | {M} | {b * 1e3:.3f} | {d * 1e3:.3f} | {pk * 1e3:.3f} "
+                f"| {b / d:.2f} | {b / pk:.2f} |"
+            )
+    for label, table in (("oneDNN", ratios), ("packed oneDNN", packed_ratios)):
+        for name, r in table.items():
+            faster = [M for M, x in r.items() if x >= 1.1]
+            print(f"{name}: {label} >= 1.1x at M = {faster or 'none'}")
     print(f"choose_gemm('auto') here: {choose_gemm('auto')}")
 
 

@@ -151,6 +151,28 @@ def test_batched_rows_follow_transformers_warped_distribution():
         assert (freq - ref).abs().max() < 0.03
 
 
+def test_sample_rows_leaves_the_logits_alone_and_inverts_torch_softmax():
+    """The batched sampler works in place on its own copies (one buffer for 64 x 49152 logits): the caller's
+    logits are unchanged, and each row's token is the inverse CDF of torch's softmax(logits / τ) at the uniform
+    its own generator gives (numpy's searchsorted on the float64 CDF; the float32 block sums could move a
+    draw within ~1e-6 of a token boundary, none of these six lies there)."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 3000, generator=g) * 3
+    keep = logits.clone()
+    params = [
+        SamplingParams(temperature=t, seed=r) for r, t in enumerate([1.0, 0.5, 1.0, 2.0, 0.5, 1.0])
+    ]
+    gens = [torch.Generator().manual_seed(100 + r) for r in range(6)]
+    tokens = sample_rows(logits, params, gens)
+    assert torch.equal(logits, keep)
+    for r, p in enumerate(params):
+        u = torch.rand(1, generator=torch.Generator().manual_seed(100 + r), dtype=torch.float64)
+        cdf = np.cumsum(torch.softmax(keep[r].double() / p.temperature, -1).numpy())
+        assert tokens[r] == int(np.searchsorted(cdf, u.item() * cdf[-1], side="right"))
+
+
 def test_draw_never_returns_a_zero_probability_token():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0]])
     u = torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64)  # both ends of [0, 1)

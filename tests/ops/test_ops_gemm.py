@@ -118,12 +118,17 @@ def test_expert_swiglu_equals_the_per_expert_formula(restore_policy):
 
 def test_inference_products_through_onednn_run_in_row_buckets(monkeypatch):
     """A server's prefills of every length each made oneDNN cache a new primitive (its RSS grew with each new
-    length): with autograd off, rows above 32 are padded to a multiple of 32; the result equals F.linear's."""
+    length): with autograd off, rows above 32 are padded to a multiple of 32, on the prepacked weight; the
+    result equals F.linear's. Training runs the plain weight, unpadded, and its gradient flows."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("oneDNN not built into this torch")
     seen = []
-    real = gemm.onednn_linear
-    monkeypatch.setattr(gemm, "onednn_linear", lambda x, w: seen.append(x.shape[0]) or real(x, w))
+    real = gemm._onednn_mm_t
+    monkeypatch.setattr(
+        gemm,
+        "_onednn_mm_t",
+        lambda a, b, *c: seen.append((a.shape[0], b.is_mkldnn)) or real(a, b, *c),
+    )
     old = gemm.set_gemm(gemm.choose_gemm("onednn"))
     try:
         g = torch.Generator().manual_seed(0)
@@ -137,4 +142,127 @@ def test_inference_products_through_onednn_run_in_row_buckets(monkeypatch):
         torch.testing.assert_close(x.grad, w.sum(0).expand(2, 50, 16))
     finally:
         gemm.set_gemm(old)
-    assert seen == [1, 32, 64, 64, 96, 128, 100]
+    packed = [(r, True) for r in (1, 32, 64, 64, 96, 128)]
+    assert seen == packed + [(100, False), (100, False)]  # forward, then dx = dy @ w
+
+
+@pytest.fixture
+def intel_auto(monkeypatch):
+    if not gemm.onednn_ok(torch.zeros(1)):
+        pytest.skip("oneDNN's linear not built into this torch")
+    monkeypatch.setenv("LMSTACK_CPU", "amx")
+    old = gemm.set_gemm(gemm.choose_gemm("auto"))
+    yield gemm.gemm_policy()
+    gemm.set_gemm(old)
+
+
+def test_intel_inference_runs_prepacked_onednn_from_4_rows(intel_auto, monkeypatch):
+    """Intel's measured row: inference products of 4-511 rows go to oneDNN on the prepacked weight (MKL outside
+    that and for training; the unembedding from 4 rows at any count); every result equals torch's F.linear (MKL) to fp32 rounding (atol = rtol = 1e-5
+    on outputs of std ~1: oneDNN and MKL add the 576 products in different orders)."""
+    assert intel_auto.prepack and intel_auto.infer_rows == (4, 512)
+    assert not intel_auto.uses_onednn(3, DOWN, inference=True)
+    assert intel_auto.uses_onednn(4, DOWN, inference=True)
+    assert intel_auto.uses_onednn(511, DOWN, inference=True)
+    assert not intel_auto.uses_onednn(512, DOWN, inference=True)
+    assert intel_auto.uses_onednn(512, UNEMBED, inference=True)
+    assert not intel_auto.uses_onednn(4096, DOWN)  # training: MKL
+    kinds = []
+    real = gemm._onednn_mm_t
+    monkeypatch.setattr(
+        gemm, "_onednn_mm_t", lambda a, b, *c: kinds.append(b.is_mkldnn) or real(a, b, *c)
+    )
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 576, generator=g) / 24
+    b = torch.randn(96, generator=g)
+    with torch.no_grad():
+        for rows in (1, 3, 4, 16, 64, 65, 300, 600):
+            x = torch.randn(rows, 576, generator=g)
+            torch.testing.assert_close(
+                gemm.linear(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5
+            )
+        x = torch.randn(2, 7, 576, generator=g)  # (B, S, D) rows
+        torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert kinds == [True] * 6  # 4, 16, 64, 65, 300 rows and the 14 of (2, 7): all prepacked
+
+
+def test_the_prepacked_weight_follows_in_place_updates(intel_auto, monkeypatch):
+    """GRPO updates the weights the rollout engine reads in place: after an optimizer step, a load_state_dict
+    or a write through a view (the separate q/k/v parameters' ``.data`` views the fused QKV weight, as
+    ``fuse_linears`` makes them, and their version counter is their own: passed as ``views``), the next
+    inference product uses the new values (equal to F.linear on them); an unchanged weight is packed once."""
+    packs = []
+    real = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(
+        gemm.torch.ops.mkldnn, "_reorder_linear_weight", lambda w, n: packs.append(1) or real(w, n)
+    )
+    g = torch.Generator().manual_seed(0)
+    fused = torch.randn(48, 64, generator=g) / 8  # (3·16, 64): q, k, v row blocks
+    q = torch.nn.Parameter(torch.empty(16, 64))
+    q.data = fused[:16]  # fuse_linears' way: fused's storage, q's own version counter
+    x = torch.randn(8, 64, generator=g)
+
+    def check():
+        with torch.no_grad():
+            y = gemm.linear(x, fused, views=[q])
+            torch.testing.assert_close(y, F.linear(x, fused), atol=1e-5, rtol=1e-5)
+
+    check()
+    check()
+    assert len(packs) == 1  # unchanged: the first pack serves
+    before = gemm.linear(x, fused, views=[q]).detach().clone()
+    opt = torch.optim.SGD([q], lr=1.0)
+    q.grad = torch.ones_like(q)
+    opt.step()  # q -= 1 in place, seen through fused
+    check()
+    assert len(packs) == 2
+    with (
+        torch.no_grad()
+    ):  # each q row lost 1 per input: its outputs lost the row sums of x (by hand)
+        after = gemm.linear(x, fused, views=[q])
+    torch.testing.assert_close(
+        after[:, :16], before[:, :16] - x.sum(1, keepdim=True), atol=1e-4, rtol=1e-5
+    )
+    torch.testing.assert_close(after[:, 16:], before[:, 16:], atol=1e-5, rtol=1e-5)
+    lin = torch.nn.Linear(64, 32, bias=False)
+    with torch.no_grad():
+        y0 = gemm.linear(x, lin.weight)
+        lin.load_state_dict({"weight": torch.zeros(32, 64)})
+        assert gemm.linear(x, lin.weight).abs().max() == 0
+        assert y0.abs().max() > 0
+
+
+def test_a_packed_copy_leaves_with_its_weight(intel_auto):
+    w = torch.randn(32, 64)
+    with torch.no_grad():
+        gemm.linear(torch.randn(8, 64), w)
+    assert id(w) in gemm._PACKED
+    key = id(w)
+    del w
+    assert key not in gemm._PACKED
+
+
+@pytest.mark.skipif(
+    not torch.cpu._is_amx_tile_supported(), reason="measured (and bit-equal) on an AMX CPU"
+)
+def test_bf16_inference_runs_prepacked_and_gives_f_linear_bits(intel_auto, monkeypatch):
+    """On an AMX CPU, F.linear's bf16 GEMM is oneDNN's, laying the weight out anew at every call; the packed
+    call gives the very same bits (with and without bias, 1-300 rows); training stays on F.linear."""
+    assert intel_auto.prepack_bf16
+    kinds = []
+    real = gemm._onednn_mm_t
+    monkeypatch.setattr(
+        gemm, "_onednn_mm_t", lambda a, b, *c: kinds.append(b.is_mkldnn) or real(a, b, *c)
+    )
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 576, generator=g) / 24).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    with torch.no_grad():
+        for rows in (1, 4, 64, 300):
+            x = torch.randn(rows, 576, generator=g).bfloat16()
+            assert torch.equal(gemm.linear(x, w), F.linear(x, w))
+            assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b))
+    assert kinds == [True] * 8
+    x = torch.randn(4, 576, generator=g).bfloat16().requires_grad_()
+    gemm.linear(x, w).sum().backward()  # autograd on: F.linear, not the packed call
+    assert len(kinds) == 8 and x.grad is not None

@@ -188,10 +188,12 @@ def filter_logits(
     top_k: int | None = None,
     top_p: float = 1.0,
     min_p: float = 0.0,
+    row_max: Tensor | None = None,
 ) -> Tensor:
     """Temperature, top-k, top-p and min-p on logits (..., V) > 0-temperature; dropped tokens get -inf.
 
-    Returns float32 logits whose softmax is the distribution to sample from, each row's maximum 0.
+    Returns new float32 logits (never a view of the input) whose softmax is the distribution to sample from,
+    each row's maximum 0. ``row_max``: ``logits.amax(dim=-1, keepdim=True)`` when the caller has it already.
     Numerically safe: the row maximum is subtracted before dividing by τ (in the input's dtype:
     float32, or float64 after a repetition penalty), so a small τ can only underflow unlikely
     tokens to probability 0, never overflow; a row holding +inf (an
@@ -201,16 +203,16 @@ def filter_logits(
         raise ValueError(
             f"temperature={temperature} must be > 0 here; greedy is handled by the caller"
         )
-    m = logits.amax(dim=-1, keepdim=True)  # (..., 1)
+    m = logits.amax(dim=-1, keepdim=True) if row_max is None else row_max  # (..., 1)
     overflowed = m == math.inf  # rows holding +inf: their limit, uniform over the +inf tokens
     if bool(overflowed.any()):
         logits = torch.where(overflowed, torch.where(logits == math.inf, 0.0, -math.inf), logits)
         m = torch.where(overflowed, 0.0, m)
-    logits = (
-        logits - m
-    )  # max 0: exp never overflows (in the input's dtype: float64 after a penalty)
+    # max 0: exp never overflows (in the input's dtype: float64 after a penalty); a new tensor, so the
+    # division below and a caller's exp_ work in place (a fresh 64 x 49152 buffer costs more than the exp)
+    logits = logits - m
     if temperature != 1.0:
-        logits = logits / temperature
+        logits.div_(temperature)
     logits = logits.float()
     V = logits.shape[-1]
     if top_k:
@@ -320,9 +322,13 @@ def sample_rows(
     ``draw`` inverts every row's CDF. Row r's token is the one ``sample_token`` gives for it alone."""
     if any(p.repetition_penalty != 1.0 or p.logits_processors for p in params):
         raise ValueError("sample_rows takes rows without repetition_penalty or logits_processors")
-    check_logits(
-        logits
-    )  # NonFiniteLogitsError for a row with NaN / +inf (the engine drops those first)
+    row_max = logits.amax(
+        dim=-1, keepdim=True
+    )  # (R, 1): the finiteness check's and the filters' one pass
+    if not bool(torch.isfinite(row_max).all()):
+        check_logits(
+            logits
+        )  # NonFiniteLogitsError for a row with NaN / +inf (the engine drops those first)
     tokens = [0] * len(params)
     u = torch.zeros(len(params), dtype=torch.float64)  # (R,)
     groups: dict[tuple, list[int]] = {}
@@ -331,11 +337,15 @@ def sample_rows(
             u[i] = uniform(generators[i])[0]  # row order, one scalar from the row's own stream
         groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p, p.greedy), []).append(i)
     for (temperature, top_k, top_p, min_p, greedy), rows in groups.items():
-        x = logits[rows] if len(rows) < len(params) else logits  # (R', V)
+        every = len(rows) == len(params)
+        x = logits if every else logits[rows]  # (R', V)
         if greedy:
             out = x.argmax(dim=-1)
         else:
-            w = filter_logits(x, temperature, top_k, top_p, min_p).exp()  # ∝ probabilities, max 1
+            m = row_max if every else row_max[rows]
+            w = filter_logits(
+                x, temperature, top_k, top_p, min_p, m
+            ).exp_()  # ∝ probabilities, max 1
             out = draw(w, u[rows])
         for i, t in zip(rows, out.tolist()):
             tokens[i] = t

@@ -105,7 +105,9 @@ class Attention(nn.Module):
             w, b, widths = self.qkv
             q, k, v = (
                 t.reshape(B, T, -1, H).transpose(1, 2)
-                for t in fused_linear(x, w, b).split(widths, dim=-1)
+                for t in fused_linear(x, w, b, [self.q_proj, self.k_proj, self.v_proj]).split(
+                    widths, dim=-1
+                )
             )
         else:
             q = self.q_proj(x).view(B, T, -1, H).transpose(1, 2)  # (B, N, T, H)

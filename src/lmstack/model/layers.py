@@ -95,9 +95,15 @@ def fuse_linears(modules: Sequence[nn.Module]) -> tuple[Tensor | nn.Module, Tens
     return W, b
 
 
-def fused_linear(x: Tensor, w: Tensor | nn.Module, b: Tensor | None = None) -> Tensor:
-    """x through what ``fuse_linears`` returned: a fused weight (and bias) or a fused quantised module."""
-    return w(x) if isinstance(w, nn.Module) else linear(x, w, b)
+def fused_linear(
+    x: Tensor, w: Tensor | nn.Module, b: Tensor | None = None, parts: Sequence[nn.Module] = ()
+) -> Tensor:
+    """x through what ``fuse_linears`` returned: a fused weight (and bias) or a fused quantised module.
+    ``parts``: the fused linears; their weights' version counters (not the fused weight's) move when they are
+    written in place, and ``ops.gemm.linear`` keys its prepacked copy of the fused weight on them."""
+    if isinstance(w, nn.Module):
+        return w(x)
+    return linear(x, w, b, [cast(Tensor, m.weight) for m in parts])
 
 
 def still_fused(linears: list[nn.Module], fused: Tensor | nn.Module) -> bool:
@@ -232,7 +238,9 @@ class SwiGLU(nn.Module):
             self.gate_up is not None and not torch.is_grad_enabled()
         ):  # inference only: with autograd the separate
             # linears, whose parameters the gradients must reach (the fused weight is no parameter)
-            g, u = fused_linear(x, self.gate_up[0]).chunk(2, dim=-1)  # (B, S, F) x2
+            g, u = fused_linear(x, self.gate_up[0], None, [self.gate_proj, self.up_proj]).chunk(
+                2, dim=-1
+            )  # (B, S, F) x2
             return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # hidden (B, S, F)
 

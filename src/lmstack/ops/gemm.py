@@ -9,7 +9,14 @@ faster depends on the CPU (docs/kernels.md, "The CPU GEMM"): MKL takes a slow pa
 1.2-1.9x from 4 rows (at 1-2 rows MKL is 10-25% faster).
 
 A ``GemmPolicy`` says when a product goes to oneDNN: from ``min_rows`` rows, or for a weight of ``min_weight``
-elements from ``min_weight_rows`` rows (None: never by that rule). ``choose_gemm(name, features)`` turns ``auto``
+elements from ``min_weight_rows`` rows, or, with autograd off (inference), for a row count in ``infer_rows``
+(None: never by that rule). An inference product through oneDNN runs on the weight reordered once into oneDNN's
+blocked layout (``packed_weight``, where the policy's ``prepack`` says so): the plain-strided call handles the
+weight's layout on every call, which at decode row counts costs as much as the product (Intel Xeon, 30 layers of
+SmolLM2-135M's fused weights, 1 thread: MKL / packed oneDNN 1.5x at 4 rows, 1.7x at 8, 1.3x at 16-32, 1.08x
+at 64, level from 256, 0.95x at 512+: docs/kernels.md). The packed copy costs the weight's size again in
+memory and is rebuilt when the weight changes (its ``_version``: an optimizer step or ``load_state_dict``
+writes in place — GRPO's rollout engine shares the learner's weights). ``choose_gemm(name, features)`` turns ``auto``
 into the measured row of ``MEASURED`` for the CPU's vendor (``lmstack.cpu``: ``LMSTACK_CPU=<name>`` fakes one) — a table, not a
 per-process measurement, because oneDNN and MKL round differently and a choice that flipped between runs would
 make them differ in the last bits; ``benchmarks/gemm_dispatch.py`` measures a CPU for a new row. ``onednn``
@@ -20,6 +27,8 @@ sends every eligible product to oneDNN, ``blas`` none (``LMSTACK_ONEDNN=0`` make
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,40 +55,76 @@ _MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
 @dataclass(frozen=True)
 class GemmPolicy:
     """oneDNN for a product of ≥ ``min_rows`` rows, or with a weight of ≥ ``min_weight`` elements and ≥
-    ``min_weight_rows`` rows (None: never by that rule); ``name`` the backend, ``reason`` why (the log line)."""
+    ``min_weight_rows`` rows, or with autograd off and a row count in ``infer_rows`` = [lo, hi) (None: never
+    by that rule);
+    ``prepack``: inference products through oneDNN use ``packed_weight``; ``prepack_bf16``: so do bf16 inference
+    products, at any row count; ``name`` the backend, ``reason`` why (the log line)."""
 
     name: str
     min_rows: int | None
     min_weight: int | None
     min_weight_rows: int = 1
     reason: str = ""
+    infer_rows: tuple[int, int] | None = None
+    prepack: bool = False
+    prepack_bf16: bool = False
 
-    def uses_onednn(self, rows: int, weight_numel: int) -> bool:
-        return (self.min_rows is not None and rows >= self.min_rows) or (
-            self.min_weight is not None
-            and weight_numel >= self.min_weight
-            and rows >= self.min_weight_rows
+    def uses_onednn(self, rows: int, weight_numel: int, inference: bool = False) -> bool:
+        return (
+            (self.min_rows is not None and rows >= self.min_rows)
+            or (
+                self.min_weight is not None
+                and weight_numel >= self.min_weight
+                and rows >= self.min_weight_rows
+            )
+            or (
+                inference
+                and self.infer_rows is not None
+                and self.infer_rows[0] <= rows < self.infer_rows[1]
+            )
         )
 
     def line(self) -> str:
         return f"gemm: {self.name} ({self.reason})"
 
 
-#: vendor -> (min_rows, min_weight, min_weight_rows, where it was measured); docs/kernels.md has the figures
-MEASURED: dict[str, tuple[int | None, int | None, int, str]] = {
+@dataclass(frozen=True)
+class Measured:
+    """A ``MEASURED`` row: ``GemmPolicy``'s thresholds for one vendor and where they were measured."""
+
+    min_rows: int | None
+    min_weight: int | None
+    min_weight_rows: int
+    infer_rows: tuple[int, int] | None
+    prepack: bool
+    prepack_bf16: bool  # on a CPU with AMX bf16 (where it was measured)
+    why: str
+
+
+#: vendor -> its measured thresholds; docs/kernels.md has the figures
+MEASURED: dict[str, Measured] = {
     # AMD EPYC (AVX2), SmolLM2 shapes, 2 threads: oneDNN 1.9-2.4x from 8 rows, 1.3x / 0.86x at one row
-    "AuthenticAMD": (8, 1 << 22, 1, "AMD EPYC: oneDNN from 8 rows or a weight of 4M elements"),
-    # Intel Xeon (AVX-512 + AMX), 1 thread, benchmarks/gemm_dispatch.py: MKL / oneDNN 0.17-0.97 at 1-128 rows
-    # on 576<->1536 weights, 0.89-1.13 at 512-2048; on the 49152x576 unembedding 0.89 / 0.75 at 1 / 2 rows,
-    # 1.23-1.97 at 4-64, 1.1 at 128, level at 512
-    "GenuineIntel": (
+    # (plain-strided oneDNN; its prepacked weights were not measured there)
+    "AuthenticAMD": Measured(
+        8, 1 << 22, 1, None, False, False, "AMD EPYC: oneDNN from 8 rows or a weight of 4M elements"
+    ),
+    # Intel Xeon (AVX-512 + AMX), 1 thread, benchmarks/gemm_dispatch.py: MKL / plain oneDNN 0.17-0.97 at 1-128
+    # rows on 576<->1536 weights, 0.89-1.13 at 512-2048; on the 49152x576 unembedding 0.89 / 0.75 at 1 / 2 rows,
+    # 1.23-1.97 at 4-64, 1.1 at 128, level at 512. MKL / prepacked oneDNN (inference; 30 layers of SmolLM2's
+    # fused q+k+v, o, gate+up, down weights, each read once as in a forward): 0.95 / 1.02 at 2 / 3 rows, 1.50
+    # at 4, 1.68 at 8, 1.27 at 16-32, 1.08 at 64-128, 1.04 at 256, 0.94-0.96 at 512-1024
+    "GenuineIntel": Measured(
         None,
         1 << 22,
         4,
-        "Intel Xeon: MKL, oneDNN for a weight of 4M elements from 4 rows",
+        (4, 512),
+        True,
+        True,
+        "Intel Xeon: MKL; oneDNN for a weight of 4M elements from 4 rows, and for inference products of "
+        "4-511 rows, on prepacked weights",
     ),
 }
-ONEDNN_ALWAYS = GemmPolicy("onednn", 1, 0, 1, "configured")
+ONEDNN_ALWAYS = GemmPolicy("onednn", 1, 0, 1, "configured", prepack=True, prepack_bf16=True)
 BLAS_ONLY = GemmPolicy("blas", None, None, 1, "configured")
 
 
@@ -99,8 +144,17 @@ def choose_gemm(name: str = "auto", features: CpuFeatures | None = None) -> Gemm
         return GemmPolicy(
             "blas", None, None, 1, f"auto: vendor {f.vendor or 'unknown'!r} not measured"
         )
-    rows, weight, weight_rows, why = MEASURED[f.vendor]
-    return GemmPolicy("auto", rows, weight, weight_rows, f"auto: {why}")
+    m = MEASURED[f.vendor]
+    return GemmPolicy(
+        "auto",
+        m.min_rows,
+        m.min_weight,
+        m.min_weight_rows,
+        f"auto: {m.why}",
+        m.infer_rows,
+        m.prepack,
+        m.prepack_bf16 and f.has("amx_bf16"),
+    )
 
 
 _POLICY: list[GemmPolicy | None] = [
@@ -139,9 +193,9 @@ class _OneDNNLinear(torch.autograd.Function):
         return dx, dw
 
 
-def _onednn_mm_t(a: Tensor, b: Tensor) -> Tensor:
-    """a @ bᵀ by oneDNN (any strides)."""
-    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+def _onednn_mm_t(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+    """a @ bᵀ (+ bias) by oneDNN (any strides; b plain or ``packed_weight``'s)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
 
 
 def onednn_linear(x: Tensor, w: Tensor) -> Tensor:
@@ -149,8 +203,8 @@ def onednn_linear(x: Tensor, w: Tensor) -> Tensor:
     return _OneDNNLinear.apply(x, w)
 
 
-def onednn_ok(x: Tensor) -> bool:
-    """Whether a matmul on x may go through oneDNN: CPU fp32 eager (no tracing or counting dispatch mode active,
+def onednn_ok(x: Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a matmul on x may go through oneDNN: CPU ``dtype`` (fp32; bf16 for ``linear``'s packed path) eager (no tracing or counting dispatch mode active,
     so FLOP counters and compilers see plain ``mm``; no CPU autocast, under which F.linear computes in bf16),
     oneDNN built in, and a plain tensor (a DTensor of the native parallel backend has no oneDNN sharding rule).
     Whether it *does* is the policy's (``gemm_policy``)."""
@@ -160,30 +214,89 @@ def onednn_ok(x: Tensor) -> bool:
         not torch.compiler.is_compiling()
         and type(x) is Tensor
         and x.device.type == "cpu"
-        and x.dtype == torch.float32
+        and x.dtype == dtype
         and _MKLDNN_LINEAR
         and _get_current_dispatch_mode() is None
         and not torch.is_autocast_enabled("cpu")
     )
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, views: Sequence[Tensor] = ()
+) -> Tensor:
     """``F.linear``, through oneDNN's GEMM where ``onednn_ok`` and the policy sends a product of this many rows
-    and this weight there; x (..., in) -> (..., out)."""
-    if (
-        type(weight) in (Tensor, nn.Parameter)
-        and weight.dtype == torch.float32
-        and onednn_ok(x)
-        and gemm_policy().uses_onednn(x.numel() // max(x.shape[-1], 1), weight.numel())
-    ):
-        x2 = x.reshape(-1, x.shape[-1])
-        rows = x2.shape[0]
-        padded = bucket_rows(rows) if not torch.is_grad_enabled() else rows
-        if padded != rows:  # zero rows up to the bucket: their outputs are dropped below
-            x2 = F.pad(x2, (0, 0, 0, padded - rows))
-        y = onednn_linear(x2, weight)[:rows].view(*x.shape[:-1], weight.shape[0])
-        return y if bias is None else y + bias
+    and this weight there; with autograd off, on the prepacked weight and in row buckets — fp32 by the policy's
+    rows, bf16 at any row count where ``prepack_bf16`` (F.linear's bf16 GEMM is oneDNN's on such a CPU, with the
+    weight re-laid out at every call: the packed call gives the same bits). x (..., in) -> (..., out).
+    ``views``: parameters whose ``.data`` is a part of ``weight`` (``model.layers.fuse_linears``): an in-place
+    write to one of them does not move ``weight``'s version counter, so their versions key the packed copy too."""
+    if type(weight) in (Tensor, nn.Parameter) and weight.dtype == x.dtype:
+        inference = not torch.is_grad_enabled()
+        rows = x.numel() // max(x.shape[-1], 1)
+        if weight.dtype == torch.float32 and onednn_ok(x):
+            policy = gemm_policy()
+            if policy.uses_onednn(rows, weight.numel(), inference):
+                if inference:
+                    return _inference_linear(x, weight, bias, views, policy.prepack)
+                y = onednn_linear(x.reshape(-1, x.shape[-1]), weight)
+                y = y.view(*x.shape[:-1], weight.shape[0])
+                return y if bias is None else y + bias
+        elif (
+            inference
+            and weight.dtype == torch.bfloat16
+            and gemm_policy().prepack_bf16
+            and onednn_ok(x, torch.bfloat16)
+            and (bias is None or bias.dtype == torch.bfloat16)
+        ):
+            return _inference_linear(x, weight, bias, views, True)
     return F.linear(x, weight, bias)
+
+
+def _inference_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, views: Sequence[Tensor], prepack: bool
+) -> Tensor:
+    """x (..., in) @ weightᵀ (+ bias) by oneDNN with autograd off: rows padded to their bucket, on the packed
+    weight if ``prepack``."""
+    x2 = x.reshape(-1, x.shape[-1])  # (rows, in)
+    rows = x2.shape[0]
+    padded = bucket_rows(rows)
+    if padded != rows:  # zero rows up to the bucket: their outputs are dropped below
+        x2 = F.pad(x2, (0, 0, 0, padded - rows))
+    w = packed_weight(weight, views) if prepack else weight
+    return _onednn_mm_t(x2, w, bias)[:rows].view(*x.shape[:-1], weight.shape[0])
+
+
+# the batch size oneDNN's weight layout is chosen for (one layout served 1-2048 rows alike)
+PACK_ROWS = 64
+#: id(weight) -> (weak reference to it, its key when packed, the packed copy); an entry leaves with its weight
+_PACKED: dict[int, tuple[weakref.ref, tuple, Tensor]] = {}
+
+
+def _version(t: Tensor) -> int | None:
+    """t's version counter (in-place writes move it); None for an inference tensor, which has none."""
+    return None if t.is_inference() else t._version
+
+
+def packed_weight(w: Tensor, views: Sequence[Tensor] = ()) -> Tensor:
+    """w (O, I) fp32 reordered into oneDNN's blocked layout for ``_linear_pointwise`` (an opaque mkldnn tensor),
+    made at the first call and kept while w lives and is unchanged: rebuilt when w is written in place (its
+    ``_version``, which views share with their base: an optimizer step on the separate q/k/v parameters
+    reaches a weight they view) or its storage is swapped (``data_ptr``); ``views``' versions count too (see
+    ``linear``). An inference tensor has no version counter: it is keyed by its storage alone (int8's prepacked
+    Q does the same)."""
+    key = (w.data_ptr(), tuple(w.shape), w.stride(), *map(_version, (w, *views)))
+    hit = _PACKED.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1] == key:
+        return hit[2]
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+    wid = id(w)
+
+    def forget(ref: weakref.ref, wid: int = wid) -> None:
+        if _PACKED.get(wid, (None,))[0] is ref:
+            del _PACKED[wid]
+
+    _PACKED[wid] = (weakref.ref(w, forget), key, packed)
+    return packed
 
 
 ROW_BUCKET = 32  # inference products of more rows are padded to a multiple of this
