@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lmstack.cpu import cpu_features
 from lmstack.quant import int4_vnni
-from lmstack.quant.linear import WeightOnlyLinear, best_seconds, gemm_rows
+from lmstack.quant.linear import WeightOnlyLinear, best_seconds, best_seconds_pair, gemm_rows
 
 QMAX8 = 127
 ENV = "LMSTACK_INT8_KERNEL"
@@ -142,9 +142,10 @@ def measure_onednn_rows(q: Tensor, s: Tensor):
             packed.append(torch.ops.onednn.qlinear_prepack(q, None))
         x = torch.randn(M, I, generator=g)
         with torch.inference_mode():
-            k = best_seconds(lambda: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q, s_c))
-            f = best_seconds(lambda: onednn_mm(x, packed[0], s, zeros))
-        return k, f
+            return best_seconds_pair(
+                lambda: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q, s_c),
+                lambda: onednn_mm(x, packed[0], s, zeros),
+            )
 
     return measure
 
