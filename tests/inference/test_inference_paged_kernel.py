@@ -12,8 +12,10 @@ from inference_helpers import full_recompute_greedy, greedy, make_model
 
 from lmstack.cpu import probe
 from lmstack.inference import LLM, paged_kernel
+from lmstack.inference.decode_step import DecodeBatch
+from lmstack.inference.paged import PagedKVCache
 from lmstack.inference.paged_attention import decode_attention
-from lmstack.model.seam import reference_attention
+from lmstack.model.seam import AttentionMetadata, SDPAAttention, reference_attention
 
 NB, BS, K, G, H = 24, 4, 2, 3, 20  # H = 20: vector tails; G = 3 query heads per KV head
 N = K * G
@@ -244,6 +246,34 @@ def test_switch_and_build_failure_fall_back_to_the_torch_formula(monkeypatch, ca
             assert calls
     finally:
         paged_kernel.reset()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, "int8"], ids=str)
+def test_eager_decode_batch_kernel_equals_its_gather_and_sdpa(kv_dtype):
+    """``DecodeBatch.attend`` with the kernel (the pool read in place) against ``kernel=False``: the layer's
+    blocks gathered and torch's SDPA with the mask (window 5), the same stored k, v."""
+    _kernel_on()
+    model = make_model(dtype=torch.float32)
+    c = model.config
+    cache = PagedKVCache(c, NB, BS, kv_dtype)
+    g = torch.Generator().manual_seed(7)
+    for layer in range(c.n_layers):
+        x = torch.randn(2, NB * BS, c.n_kv_heads, c.head_dim, generator=g)
+        cache.write(layer, torch.arange(NB * BS), x[0], x[1])
+    tables = [t[:4] for t in TABLES[:4]]
+    positions = POSITIONS[:4]
+    table = torch.tensor([t + [0] * (4 - len(t)) for t in tables])
+    pos = torch.tensor(positions)
+    slots = torch.tensor([t[p // BS] * BS + p % BS for t, p in zip(tables, positions)])
+    B, N_, K_, H_ = len(tables), c.n_heads, c.n_kv_heads, c.head_dim
+    q = torch.randn(B, N_, 1, H_, generator=g)
+    k, v = torch.randn(B, K_, 1, H_, generator=g), torch.randn(B, K_, 1, H_, generator=g)
+    meta = AttentionMetadata(pos[:, None], window=5)
+    outs = []
+    for kernel in (True, False):
+        batch = DecodeBatch(cache, table, pos, slots, kernel=kernel)
+        outs.append(batch.attend(1, q, k, v, meta, SDPAAttention()))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
