@@ -56,6 +56,14 @@ def test_explicit_backends_and_the_off_switch(monkeypatch):
         RuntimeConfig(gemm="mkl")
 
 
+def test_prepack_off_switch_keeps_the_plain_rules(monkeypatch):
+    monkeypatch.setenv("LMSTACK_PREPACK", "0")
+    p = gemm.choose_gemm("auto", FAKE_CPUS["amx"])
+    assert not p.prepack and not p.prepack_bf16 and p.infer_rows is None
+    assert not p.uses_onednn(64, DOWN, inference=True)  # plain-strided oneDNN loses to MKL there
+    assert p.uses_onednn(64, UNEMBED, inference=True)
+
+
 def test_policy_thresholds_by_hand():
     p = gemm.GemmPolicy("t", 8, M4)
     assert [p.uses_onednn(m, DOWN) for m in (1, 7, 8, 300)] == [False, False, True, True]

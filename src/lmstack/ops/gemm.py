@@ -130,7 +130,9 @@ BLAS_ONLY = GemmPolicy("blas", None, None, 1, "configured")
 
 def choose_gemm(name: str = "auto", features: CpuFeatures | None = None) -> GemmPolicy:
     """The policy for backend ``name``: ``onednn``, ``blas``, or ``auto`` = the ``MEASURED`` row of the CPU's vendor
-    (a vendor not measured: ``blas``, torch's own choice). ``LMSTACK_ONEDNN=0`` turns ``auto`` into ``blas``."""
+    (a vendor not measured: ``blas``, torch's own choice). ``LMSTACK_ONEDNN=0`` turns ``auto`` into ``blas``;
+    ``LMSTACK_PREPACK=0`` keeps ``auto`` but without prepacked weights (and so without the inference rows, which
+    only pay on packed weights): no second copy of the weights in memory."""
     if name not in GEMM_BACKENDS:
         raise ValueError(f"gemm backend={name!r}; expected one of {GEMM_BACKENDS}")
     if name == "onednn":
@@ -145,6 +147,12 @@ def choose_gemm(name: str = "auto", features: CpuFeatures | None = None) -> Gemm
             "blas", None, None, 1, f"auto: vendor {f.vendor or 'unknown'!r} not measured"
         )
     m = MEASURED[f.vendor]
+    if (
+        os.environ.get("LMSTACK_PREPACK", "1") == "0"
+    ):  # no packed copies (memory): the plain-strided rules only
+        return GemmPolicy(
+            "auto", m.min_rows, m.min_weight, m.min_weight_rows, f"auto: {m.why}; LMSTACK_PREPACK=0"
+        )
     return GemmPolicy(
         "auto",
         m.min_rows,
