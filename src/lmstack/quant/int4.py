@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lmstack.cpu import cpu_features
 from lmstack.quant import int4_vnni
-from lmstack.quant.linear import WeightOnlyLinear, best_seconds, gemm_rows
+from lmstack.quant.linear import WeightOnlyLinear, best_seconds_pair, gemm_rows
 
 QMAX4 = 15
 TERMS_ENV = "LMSTACK_INT4_TERMS"
@@ -82,9 +82,10 @@ def measure_gemm_rows(
     def measure(M: int) -> tuple[float, float]:
         x = torch.randn(M, I, generator=g)
         with torch.inference_mode():
-            k = best_seconds(lambda: int4_vnni.mm(x, packed, d, m, G, kernel=kernel))
-            f = best_seconds(lambda: gemm_forward(x, packed, d, m, G, kernel, dtype))
-        return k, f
+            return best_seconds_pair(
+                lambda: int4_vnni.mm(x, packed, d, m, G, kernel=kernel),
+                lambda: gemm_forward(x, packed, d, m, G, kernel, dtype),
+            )
 
     return measure
 
@@ -213,14 +214,9 @@ class Int4Linear(WeightOnlyLinear):
         key = f"int4_{self.kernel}_{str(dt).removeprefix('torch.')}_{O}x{I}"
         self.gemm_rows = gemm_rows(key, measure_gemm_rows(self.kernel, O, I, self.group_size, dt))
 
-    @classmethod
-    def concat_rows(cls, modules) -> Int4Linear | None:
-        """``WeightOnlyLinear.concat_rows``, with ``gemm_rows`` measured again for the fused shape (the row
-        count from which the GEMM wins depends on it: a fused gate/up is 2x the parts' outputs)."""
-        fused = super().concat_rows(modules)
-        if fused is not None and fused.vnni:
-            fused._measure_gemm_rows()
-        return fused
+    def _measure_for_shape(self) -> None:
+        if self.vnni:  # one of lmstack's kernels: the GEMM's row count depends on the shape
+            self._measure_gemm_rows()
 
     @classmethod
     def from_linear(

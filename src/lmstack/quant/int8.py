@@ -15,7 +15,6 @@ y_m,o = s_o · Σ_t s_x,t,m · Σ_i Q_oi · x_q,t,m,i.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,7 @@ from torch import Tensor, nn
 
 from lmstack.cpu import cpu_features
 from lmstack.quant import int4_vnni
-from lmstack.quant.linear import WeightOnlyLinear, best_seconds, best_seconds_pair, gemm_rows
+from lmstack.quant.linear import WeightOnlyLinear, best_seconds_pair, gemm_rows
 
 QMAX8 = 127
 ENV = "LMSTACK_INT8_KERNEL"
@@ -83,8 +82,10 @@ def measure_gemm_rows(O: int = 1024, I: int = 576):
     def measure(M: int) -> tuple[float, float]:
         x = torch.randn(M, I, generator=g)
         with torch.inference_mode():
-            k = best_seconds(lambda: torch.ops.lmstack_quant.int8_avx2_mm(x, packed, s, G, 2))
-            f = best_seconds(lambda: F.linear(x, dequantize_int8(unpack_int8(packed), s)))
+            k, f = best_seconds_pair(
+                lambda: torch.ops.lmstack_quant.int8_avx2_mm(x, packed, s, G, 2),
+                lambda: F.linear(x, dequantize_int8(unpack_int8(packed), s)),
+            )
         return k, f
 
     return measure
@@ -256,14 +257,9 @@ class Int8Linear(WeightOnlyLinear):
         elif self.kernel == "aten":
             self.DEQUANT_ROWS = type(self).DEQUANT_ROWS
 
-    @classmethod
-    def concat_rows(cls, modules: Sequence[nn.Module]) -> WeightOnlyLinear | None:
-        """``WeightOnlyLinear.concat_rows``, with the oneDNN row count measured again for the joined shape."""
-        fused = super().concat_rows(modules)
-        if isinstance(fused, Int8Linear):
-            fused._onednn = None
-            fused._choose_onednn()
-        return fused
+    def _measure_for_shape(self) -> None:
+        self._onednn = None
+        self._choose_onednn()
 
     def onednn_rows(self, rows: int) -> bool:
         """Whether an eager call on ``rows`` activation rows runs oneDNN's int8 GEMM (a compiled graph cannot:

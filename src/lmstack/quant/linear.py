@@ -71,17 +71,6 @@ def gemm_rows(
     return _measured[key]
 
 
-def best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
-    """The fastest of ``repeats`` timed calls of ``fn`` after one warm-up call (for ``gemm_rows``'s measure)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def best_seconds_pair(
     fa: Callable[[], object], fb: Callable[[], object], repeats: int = 5
 ) -> tuple[float, float]:
@@ -162,7 +151,12 @@ class WeightOnlyLinear(nn.Module):
             for m in parts:  # each part's rows become a view of the joined buffer
                 n = m._buffers[name].shape[0]
                 m._buffers[name], o = joined[o : o + n], o + n
+        fused._measure_for_shape()
         return fused
+
+    def _measure_for_shape(self) -> None:
+        """Choices measured on the weight's shape (``gemm_rows``), made again for a joined layer's shape (a
+        fused gate/up has 2x the parts' outputs); nothing by default."""
 
     def _kernel_ok(self) -> bool:
         raise NotImplementedError
