@@ -231,8 +231,8 @@ def test_env_switch_forces_each_kernel(monkeypatch, kernel):
             assert lin.kernel == "aten" and kernel in int4_vnni.status()
             return
         assert int4_vnni.kernel() == kernel and lin.kernel == kernel
-        # the default int8 terms per activation: one on AVX2 (llama.cpp's Q8_1), two on VNNI
-        assert lin.terms == {"avx2": 1, "vnni": 2}[kernel]
+        # the default int8 terms per activation: one on every kernel (llama.cpp's Q8_1)
+        assert lin.terms == 1
         packed, d, m = int4_vnni.pack(q, s, lo)
         d64, m64 = (
             d.double().permute(0, 2, 1).reshape(32, -1).numpy(),
@@ -250,7 +250,7 @@ def test_env_switch_forces_each_kernel(monkeypatch, kernel):
 def test_default_terms_per_kernel_and_env_switch(monkeypatch):
     from lmstack.quant.int4 import default_terms
 
-    assert (default_terms("avx2"), default_terms("vnni"), default_terms("aten")) == (1, 2, 2)
+    assert (default_terms("avx2"), default_terms("vnni"), default_terms("aten")) == (1, 1, 1)
     q, s, lo = quantize_int4(torch.randn(32, 64, generator=torch.Generator().manual_seed(7)), 32)
     assert Int4Linear(q, s, lo, terms=1).terms == 1  # an explicit count wins
     monkeypatch.setenv("LMSTACK_INT4_TERMS", "2")

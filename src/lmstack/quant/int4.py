@@ -91,17 +91,19 @@ def measure_gemm_rows(
 
 
 def default_terms(kernel: str) -> int:
-    """Int8 terms per activation for ``kernel`` when ``Int4Linear(terms=None)``: 1 on "avx2" (llama.cpp's
-    Q4_1 x Q8_1 precision: SmolLM2 perplexity +1.1% over two terms, docs/quant.md; AVX2's
-    ``vpmaddubsw`` + ``vpmaddwd`` make the kernel compute-bound, so the second term costs ~1.45x there), 2
-    elsewhere (the VNNI kernel is memory-bound: the second ``vpdpbusd`` is free). ``LMSTACK_INT4_TERMS=1|2``
-    forces it."""
+    """Int8 terms per activation for ``kernel`` when ``Int4Linear(terms=None)``: 1 on every kernel (llama.cpp's
+    Q4_1 x Q8_1 precision; SmolLM2 perplexity +0.9-1.1% over two terms, docs/quant.md). Both kernels are
+    bound by their integer dot products from a few rows on (one AVX-512 ``vpdpbusd`` per cycle; AVX2's
+    ``vpmaddubsw`` + ``vpmaddwd``), so the second term costs 1.7-1.9x from 4 rows and 1.25-1.35x at one
+    (SmolLM2's shapes, one thread, docs/quant.md): the engine's 16-row decode step took 42 vs 34.5 ms, the
+    batch-1 step 8.6 vs 7.7 ms. ``LMSTACK_INT4_TERMS=2`` takes the ~15-bit pair. (``kernel`` is kept for
+    a per-kernel choice; today all give 1.)"""
     env = os.environ.get(TERMS_ENV, "").strip()
     if env:
         if env not in ("1", "2"):
             raise ValueError(f"{TERMS_ENV}={env!r}; expected 1 or 2 int8 terms per activation")
         return int(env)
-    return 1 if kernel == "avx2" else 2
+    return 1
 
 
 def _has_int4_kernel() -> bool:
@@ -115,8 +117,8 @@ class Int4Linear(WeightOnlyLinear):
 
     ``compute_dtype`` as in ``Int8Linear`` (bf16: the CPU kernel's fast path). ``terms``: int8 terms per
     activation in lmstack's kernels (2: ~15 bits; 1: one Q8 term, llama.cpp's Q4_1 x Q8_1 precision, +1.1%
-    SmolLM2 perplexity, about half the integer work on AVX2); None (the default): ``default_terms(kernel)``,
-    1 on the AVX2 kernel, 2 on the VNNI one. ``kernel``: "auto"
+    SmolLM2 perplexity, about half the integer work); None (the default): ``default_terms(kernel)``, 1 unless
+    ``LMSTACK_INT4_TERMS=2``. ``kernel``: "auto"
     takes lmstack's kernel the CPU runs (``int4_vnni.kernel()``: "vnni" or "avx2"; int8 activations per
     group, fp16 d and m) when ``compute_dtype`` is bf16, else torch's (bf16 activations); "aten" forces
     torch's, "vnni" / "avx2" that one of ours (a ValueError with the reason if it cannot run). The one

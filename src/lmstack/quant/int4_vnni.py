@@ -11,10 +11,10 @@ weight w = d·q + m (q ∈ 0..15) and the activations quantised per group, s_x =
 
     y_o = Σ_g d_og · s_x,g · Σ_{i∈g} q_oi · x_q,i  +  m_og · Σ_{i∈g} x_i
 
-(llama.cpp's Q4_1 × Q8_1 dot product has the same form). By default (``terms=2``) each activation is two
-int8 terms, x ≈ s_x1·x_q1 + s_x2·x_q2 with x_q2 the rounded residual: one 8-bit term alone cost SmolLM2
-+0.9–1.1% perplexity, the pair keeps ~15 bits for a second dot product on codes already unpacked.
-``Int4Linear`` takes one term on the AVX2 kernel (there the second costs ~1.45x: ``int4.default_terms``). ``pack`` lays the
+(llama.cpp's Q4_1 × Q8_1 dot product has the same form). With ``terms=2`` each activation is two int8
+terms, x ≈ s_x1·x_q1 + s_x2·x_q2 with x_q2 the rounded residual: ~15 bits for a second dot product on codes
+already unpacked (one 8-bit term costs SmolLM2 +0.9–1.1% perplexity). ``Int4Linear`` takes one term by
+default (``int4.default_terms``: the second costs 1.7–1.9x from 4 rows, 1.3x at one). ``pack`` lays the
 codes out in tiles of 16 output rows (one ``vpdpbusd`` = 16 rows × 4 inputs, one int32 lane per row; on AVX2
 two 8-row halves) and d, m as fp16. Per call the kernel quantises the activations into a per-thread scratch
 buffer, accumulates both terms into one output and prefetches the codes 8 KiB ahead.

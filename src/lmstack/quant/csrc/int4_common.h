@@ -75,9 +75,18 @@ void run_tiles(const uint8_t* wp, const uint16_t* dp, const uint16_t* mp, const 
       for (; r + STEP <= M; r += STEP)
         Isa::template tile<STEP, TERMS>(w, xqp + r * TERMS * I, sxp + r * TERMS * NG, xsp + r * NG, dt, mt,
                                         yp + r * O + t * 16, I, G, NG, O);
-      for (; r < M; ++r)
-        Isa::template tile<1, TERMS>(w, xqp + r * TERMS * I, sxp + r * TERMS * NG, xsp + r * NG, dt, mt,
-                                     yp + r * O + t * 16, I, G, NG, O);
+      // the last M % STEP rows in one pass too (2 or 3 rows one by one would unpack the codes 2-3 times)
+      const int64_t rest = M - r;
+      if (STEP > 3 && rest == 3)
+        Isa::template tile<(STEP > 3 ? 3 : 1), TERMS>(w, xqp + r * TERMS * I, sxp + r * TERMS * NG, xsp + r * NG,
+                                                      dt, mt, yp + r * O + t * 16, I, G, NG, O);
+      else if (STEP > 2 && rest == 2)
+        Isa::template tile<(STEP > 2 ? 2 : 1), TERMS>(w, xqp + r * TERMS * I, sxp + r * TERMS * NG, xsp + r * NG,
+                                                      dt, mt, yp + r * O + t * 16, I, G, NG, O);
+      else
+        for (; r < M; ++r)
+          Isa::template tile<1, TERMS>(w, xqp + r * TERMS * I, sxp + r * TERMS * NG, xsp + r * NG, dt, mt,
+                                       yp + r * O + t * 16, I, G, NG, O);
     }
   };
   if (at::get_num_threads() > 1 && M * T * 16 * I >= kParallelWeights) at::parallel_for(0, T, 1, body); else body(0, T);
