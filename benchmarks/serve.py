@@ -86,27 +86,34 @@ async def one(
         **extra,
     }
     t0 = time.perf_counter()
-    last, first, itl, tokens, chunks = None, None, [], 0, 0
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return Result(False, error=f"{r.status_code} {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") for c in chunk.get("choices") or []):
-                    chunks += 1
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    else:
-                        itl.append(now - last)
-                    last = now
-    except httpx.HTTPError as e:
-        return Result(False, error=repr(e))
+    for attempt in range(2):
+        last, first, itl, tokens, chunks = None, None, [], 0, 0
+        try:
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    return Result(False, error=f"{r.status_code} {(await r.aread())[:200]!r}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    if any(c.get("text") for c in chunk.get("choices") or []):
+                        chunks += 1
+                        now = time.perf_counter()
+                        if first is None:
+                            first = now
+                        else:
+                            itl.append(now - last)
+                        last = now
+            break
+        except httpx.RemoteProtocolError as e:
+            # a keep-alive connection the server had closed (llama-server does): the request never
+            # started, so send it once more on a fresh connection; the lost time stays in its TTFT
+            if attempt or first is not None:
+                return Result(False, error=repr(e))
+        except httpx.HTTPError as e:
+            return Result(False, error=repr(e))
     end = time.perf_counter()
     # a server without stream_options (llama-cpp-python) sends no usage: one chunk per token there
     return Result(first is not None, (first or end) - t0, itl, end - t0, tokens or chunks)
