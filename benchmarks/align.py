@@ -16,7 +16,8 @@ jobs, time spent waiting for a core is not counted, so with ``--threads 1`` it i
 
 Other shapes: ``--prompt-tokens N`` lengthens each prompt to at least N tokens with worked examples of the task
 (few-shot, different problems for each prompt, so only a group's G samples share a prefix); ``--dtype bf16``
-runs both sides in bf16. ``--compile on`` compiles the engine's decode step with ``--compiled-rows`` as its
+runs HF in bf16 (its weights cast); ``--engine-dtype bf16`` runs the engine's GEMMs in bf16 on its fp32 weights,
+as ``GRPOConfig(rollout_dtype="bf16")`` does (``ops.gemm.inference_dtype``), and the GRPO steps with it. ``--compile on`` compiles the engine's decode step with ``--compiled-rows`` as its
 largest compiled batch (``DecodeStep.max_compiled_batch``; engine default 8, larger batches run eagerly).
 ``--profile-steps K`` profiles K decode-only engine steps over the P·G rows (torch.profiler, top ops).
 The script also prints the token rows each side runs through the model: HF prefills every sample's copy of
@@ -27,8 +28,10 @@ bounds what the engine can gain when both sides' per-row cost is the same GEMMs.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -38,6 +41,7 @@ from lmstack.align.tasks import get_task
 from lmstack.inference import LLM, SamplingParams
 from lmstack.inference.loader import load_for_inference
 from lmstack.model.io import find_named_model
+from lmstack.ops.gemm import inference_dtype
 from lmstack.threads import add_threads_argument, set_threads
 
 
@@ -51,8 +55,14 @@ def make_llm(model, tok, n: int, compile: str = "off", compiled_rows: int = 8) -
     return llm
 
 
-def run_lmstack(model, tok, prompts, G, L, compile="off", compiled_rows=8):
-    """(wall s, CPU s, tokens) of one ``LLM.generate`` over the P·G requests (a fresh engine, warmed up)."""
+def run_lmstack(model, tok, prompts, G, L, compile="off", compiled_rows=8, bf16=False):
+    """(wall s, CPU s, tokens) of one ``LLM.generate`` over the P·G requests (a fresh engine, warmed up);
+    ``bf16``: its GEMMs in bf16 on packed bf16 copies of the fp32 weights (made in the warm-up)."""
+    with inference_dtype(torch.bfloat16) if bf16 else nullcontext():
+        return _run_lmstack(model, tok, prompts, G, L, compile, compiled_rows)
+
+
+def _run_lmstack(model, tok, prompts, G, L, compile, compiled_rows):
     llm = make_llm(model, tok, len(prompts) * G, compile, compiled_rows)
     params = [
         SamplingParams(temperature=1.0, max_tokens=L, ignore_eos=True, seed=k)
@@ -147,7 +157,13 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved runs of each rollout")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="few-shot prompts of >= N tokens")
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="both sides")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="HF's weights")
+    ap.add_argument(
+        "--engine-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="the engine's GEMMs (fp32 weights either way): GRPOConfig.rollout_dtype",
+    )
     ap.add_argument("--compile", choices=("off", "on", "auto"), default="off")
     ap.add_argument("--compiled-rows", type=int, default=8, help="largest compiled decode batch")
     ap.add_argument("--profile-steps", type=int, default=0)
@@ -159,14 +175,15 @@ def main() -> None:
         f"capability {torch.backends.cpu.get_cpu_capability()}"
     )
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model, tok = load_for_inference("smollm2-135m", dtype=dtype)
+    model, tok = load_for_inference("smollm2-135m", dtype=torch.float32)
+    bf16 = args.engine_dtype == "bf16"
     task = get_task("arithmetic", digits=2)
     prompts = task_prompts(tok, task, args.prompts, args.prompt_tokens)
     P, G, L = args.prompts, args.generations, args.max_new_tokens
     S = max(map(len, prompts))
     print(
         f"rollout: P={P} prompts ({min(map(len, prompts))}-{S} tokens) x G={G}, {L} new tokens, "
-        f"{args.dtype}, engine compile={args.compile}"
+        f"engine {args.engine_dtype} GEMMs, HF {args.dtype}, engine compile={args.compile}"
         + (f" (up to {args.compiled_rows} rows)" if args.compile != "off" else "")
     )
     hf_rows, engine_rows = P * G * (S + L), sum(map(len, prompts)) + P * G * L
@@ -175,13 +192,16 @@ def main() -> None:
         f"(ratio {hf_rows / engine_rows:.2f}: the bound at equal per-row cost)"
     )
     if args.profile_steps:
-        profile_steps(model, tok, prompts, G, args.profile_steps, args.compile, args.compiled_rows)
+        with inference_dtype(torch.bfloat16) if bf16 else nullcontext():
+            profile_steps(
+                model, tok, prompts, G, args.profile_steps, args.compile, args.compiled_rows
+            )
         return
     hf = None if args.skip_hf else load_hf(dtype)
     runs: dict[str, list[tuple[float, float, int]]] = {"lmstack engine": [], "HF generate": []}
     for _ in range(args.repeat):
         runs["lmstack engine"].append(
-            run_lmstack(model, tok, prompts, G, L, args.compile, args.compiled_rows)
+            run_lmstack(model, tok, prompts, G, L, args.compile, args.compiled_rows, bf16)
         )
         if hf is not None:
             runs["HF generate"].append(run_hf(hf, prompts, G, L))
@@ -199,6 +219,7 @@ def main() -> None:
     if len(best) == 2:
         (lw, lc), (hw, hc) = best["lmstack engine"], best["HF generate"]
         print(f"  lmstack / HF     wall {lw / hw:5.2f}x   CPU {lc / hc:5.2f}x")
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if args.grpo_steps:
         cfg = GRPOConfig(
             task="arithmetic",
@@ -212,9 +233,13 @@ def main() -> None:
             train_problems=200,
             out_dir="runs/bench_align",
             micro_batch=16,
+            rollout_dtype=args.engine_dtype,
         )
         trainer = GRPOTrainer(cfg, model, tok, progress=False)
-        print(f"GRPO step (P={P}, G={G}, L_max={L}, micro-batch 16, mu=1):")
+        print(
+            f"GRPO step (P={P}, G={G}, L_max={L}, micro-batch 16, mu=1, "
+            f"rollout {args.engine_dtype}):"
+        )
         for _ in range(args.grpo_steps):
             m = trainer.train_step()
             print(

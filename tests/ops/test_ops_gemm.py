@@ -274,3 +274,42 @@ def test_bf16_inference_runs_prepacked_and_gives_f_linear_bits(intel_auto, monke
     x = torch.randn(4, 576, generator=g).bfloat16().requires_grad_()
     gemm.linear(x, w).sum().backward()  # autograd on: F.linear, not the packed call
     assert len(kinds) == 8 and x.grad is not None
+
+
+@pytest.mark.skipif(
+    not torch.cpu._is_amx_tile_supported(), reason="measured (and bit-equal) on an AMX CPU"
+)
+def test_inference_dtype_bf16_runs_fp32_weights_as_bf16_gemms(intel_auto):
+    """``inference_dtype(bf16)`` (GRPO's bf16 rollouts): an fp32 inference product equals F.linear on bf16
+    casts of x and w, in fp32 (the fp32 bias added after), at any row count, on one packed bf16 copy that
+    replaces the fp32 one and follows an in-place update; autograd-on products and products outside the
+    block stay fp32 (F.linear's fp32 result to 1e-5); a dtype other than bf16/fp32 is refused."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 576, generator=g) / 24
+    b = torch.randn(96, generator=g)
+
+    def ref(x):
+        return F.linear(x.bfloat16(), w.bfloat16()).float() + b
+
+    with torch.no_grad():
+        x = torch.randn(16, 576, generator=g)
+        gemm.linear(x, w, b)  # outside: the fp32 packed copy
+        assert gemm._PACKED[id(w)][2].dtype == torch.float32
+        with gemm.inference_dtype(torch.bfloat16):
+            for rows in (1, 4, 64, 300, 600):
+                xr = torch.randn(rows, 576, generator=g)
+                y = gemm.linear(xr, w, b)
+                assert y.dtype == torch.float32 and torch.equal(y, ref(xr))
+            assert gemm._PACKED[id(w)][2].dtype == torch.bfloat16  # replaced, not added
+            w.mul_(2)  # an optimizer's in-place write
+            assert torch.equal(gemm.linear(x, w, b), ref(x))
+        y = gemm.linear(x, w, b)
+        torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+        assert not torch.equal(y, ref(x))
+    with gemm.inference_dtype(torch.bfloat16):
+        xg = x.clone().requires_grad_()
+        y = gemm.linear(xg, w, b)  # autograd on: the learner's fp32 product
+        torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="inference_dtype"):
+        with gemm.inference_dtype(torch.float16):
+            pass

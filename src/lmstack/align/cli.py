@@ -142,6 +142,13 @@ def register(subparsers) -> None:
     )
     g.add_argument("--mask-truncated", action="store_true")
     _precision(g)
+    g.add_argument(
+        "--rollout-dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16"],
+        help="GEMMs of the engine's training rollouts: bf16 on a packed bf16 copy of the fp32 weights "
+        "(the learner and its log-probs stay fp32); auto: bf16 where this CPU multiplies it natively and faster",
+    )
     g.add_argument("--eval-problems", type=int, default=64)
     g.add_argument("--eval-every", type=int, default=0)
     g.add_argument("--ckpt-interval", type=int, default=0)
@@ -379,6 +386,7 @@ def cmd_grpo(args) -> int:
         eval_every=args.eval_every,
         seed=args.seed,
         precision=args.precision,
+        rollout_dtype=args.rollout_dtype,
         out_dir=args.out,
         ckpt_interval=args.ckpt_interval,
     )

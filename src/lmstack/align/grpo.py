@@ -23,8 +23,13 @@ rollout, keep the samples the verifier accepts, one SFT step per epoch on them (
 kept sample of the step).
 
 ``precision``: "fp32", "bf16"/"fp16" autocast for the learner's forward/backward and the old/reference
-log-prob passes (weights stay fp32; the engine's rollouts run in the model's own dtype), or "auto"
-(``lmstack.cpu.choose_precision``: bf16 where this CPU multiplies it natively and faster).
+log-prob passes (weights stay fp32), or "auto" (``lmstack.cpu.choose_precision``: bf16 where this CPU multiplies
+it natively and faster). ``rollout_dtype``: the engine's training rollouts alone — "bf16" runs their linear
+products (and the tied unembedding) as bf16 GEMMs on a packed bf16 copy of the fp32 weights, rebuilt after each
+optimizer step (``ops.gemm.inference_dtype``), outputs back in fp32; "fp32"; "auto" = bf16 where
+``choose_precision("auto")`` picks it. As in verl/OpenRLHF (a bf16 sampler beside an fp32 learner) π_old is the
+learner's own recomputation, so the sampler's precision changes which samples are drawn, not the loss's ratio
+(docs/align.md, "Rollout throughput"). Held-out evaluation generates in fp32.
 
 Data parallel under torchrun (WORLD_SIZE > 1, ``align.distributed``): rank r takes the r-th slice of each step's
 P prompts (P divisible by the ranks) with the per-sample seeds they have in one process, generates them on its
@@ -76,12 +81,36 @@ from lmstack.cpu import TRAIN_PRECISIONS, choose_precision
 from lmstack.inference.engine import GenerationError
 from lmstack.inference.llm import LLM
 from lmstack.inference.sampling import SamplingParams
+from lmstack.ops.gemm import inference_dtype
 from lmstack.train import checkpoint as ckpt
 from lmstack.train.losses import IGNORE_INDEX
 from lmstack.train.optim import AdamW, clip_grad_norm
 
 ALGORITHMS = ("grpo", "expert_iteration")
 ADVANTAGES = ("group", "batch", "none", "rloo")
+ROLLOUT_DTYPES = ("auto", "fp32", "bf16")
+
+
+def choose_rollout_dtype(
+    requested: str, device: str | torch.device = "cpu", features=None, measure=None
+) -> tuple[str, str]:
+    """(dtype, reason) of the training rollouts' GEMMs for ``requested`` in ``ROLLOUT_DTYPES``: "auto" is bf16
+    where ``lmstack.cpu.choose_precision("auto")`` picks bf16 on a CPU (native bf16 matmul, measured faster;
+    ``features``/``measure`` as there), else fp32; bf16 is implemented for the CPU's oneDNN GEMMs only."""
+    if requested not in ROLLOUT_DTYPES:
+        raise ValueError(f"rollout_dtype={requested!r}; expected one of {ROLLOUT_DTYPES}")
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        if requested == "bf16":
+            raise ValueError(
+                f"rollout_dtype='bf16' is implemented for CPU rollouts (ops.gemm); the model is on {dev}"
+            )
+        return "fp32", f"{requested} on {dev.type}: fp32"
+    if requested != "auto":
+        return requested, "as configured"
+    kw = {} if measure is None else {"measure": measure}
+    choice = choose_precision("auto", dev, features, **kw)
+    return choice.precision, choice.reason
 
 
 @dataclass
@@ -119,6 +148,7 @@ class GRPOConfig:
     eval_every: int = 0  # 0: at the start and the end only
     seed: int = 0
     precision: str = "fp32"  # fp32 | bf16 | fp16 autocast for the learner | auto (lmstack.cpu)
+    rollout_dtype: str = "fp32"  # fp32 | bf16 GEMMs for the engine's training rollouts | auto
     out_dir: str = "runs/grpo"
     ckpt_interval: int = 0  # 0: only at the end
     max_num_seqs: int = 64  # engine options
@@ -133,6 +163,7 @@ class GRPOConfig:
             "advantage": ADVANTAGES,
             "task": tuple(TASKS),
             "precision": TRAIN_PRECISIONS,
+            "rollout_dtype": ROLLOUT_DTYPES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -217,9 +248,13 @@ class GRPOTrainer:
         self.device = next(model.parameters()).device
         # the resolved precision is what the config (and so each checkpoint) records
         self.precision_choice = choose_precision(config.precision, self.device)
-        self.config = c = dataclasses.replace(config, precision=self.precision_choice.precision)
+        rollout, why = choose_rollout_dtype(config.rollout_dtype, self.device)
+        self.config = c = dataclasses.replace(
+            config, precision=self.precision_choice.precision, rollout_dtype=rollout
+        )
         if progress and self.rank == 0:
             print(self.precision_choice.line())
+            print(f"rollout dtype: {rollout} ({why})")
         self.reward_fns = reward_fns if reward_fns is not None else list(c.rewards)
         self.progress = progress
         torch.manual_seed(c.seed)
@@ -351,7 +386,10 @@ class GRPOTrainer:
         share = D.rank_slice(c.prompts_per_step, self.rank, self.world, "prompts_per_step")
         idx = self.step_problems(self.step)[share]  # this rank's prompts, whole groups
         problems = [self.train_set[i] for i in idx]
-        outs = self.rollout([self.train_prompts[i] for i in idx], self.step, offset=share.start * G)
+        with inference_dtype(torch.bfloat16 if c.rollout_dtype == "bf16" else None):
+            outs = self.rollout(
+                [self.train_prompts[i] for i in idx], self.step, offset=share.start * G
+            )
         t_gen = time.perf_counter() - t0
         texts = [self.completion_text(o) if o.error is None else "" for o in outs]
         rep = [p for p in problems for _ in range(G)]

@@ -22,13 +22,18 @@ per-process measurement, because oneDNN and MKL round differently and a choice t
 make them differ in the last bits; ``benchmarks/gemm_dispatch.py`` measures a CPU for a new row. ``onednn``
 sends every eligible product to oneDNN, ``blas`` none (``LMSTACK_ONEDNN=0`` makes ``auto`` mean ``blas``).
 ``kernels.runtime.configure`` sets the policy (``set_gemm``); until then the first call picks ``auto``.
+
+``inference_dtype(torch.bfloat16)`` (GRPO's ``rollout_dtype="bf16"``: the engine's rollouts, never the learner)
+runs fp32 inference products as bf16 GEMMs on a packed bf16 copy of each fp32 weight (in place of the fp32
+packed copy: half its memory), the result back in fp32 so norms, attention and sampling stay fp32.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +190,24 @@ def set_gemm(policy: GemmPolicy | None) -> GemmPolicy | None:
     return old
 
 
+_INFERENCE_DTYPE: list[torch.dtype | None] = [None]  # None: fp32 inference products stay fp32
+
+
+@contextmanager
+def inference_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """Inside: fp32 inference products (autograd off) of ``linear`` compute in ``dtype`` (bf16, or None/fp32 for
+    fp32) on a packed copy of the weight in that dtype, their outputs cast back to fp32 — the low-precision rollout
+    of verl/OpenRLHF (a bf16 sampler beside an fp32 learner). Process-wide while the block runs: the caller's
+    own forwards (``GRPOTrainer.rollout`` around ``LLM.generate``, which steps the engine in this thread)."""
+    if dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"inference_dtype={dtype}; expected torch.bfloat16, torch.float32 or None")
+    old, _INFERENCE_DTYPE[0] = _INFERENCE_DTYPE[0], None if dtype is torch.float32 else dtype
+    try:
+        yield
+    finally:
+        _INFERENCE_DTYPE[0] = old
+
+
 class _OneDNNLinear(torch.autograd.Function):
     """x (n, D_in) @ w (D_out, D_in)ᵀ through oneDNN, forward and both backward products."""
 
@@ -242,6 +265,8 @@ def linear(
         inference = not torch.is_grad_enabled()
         rows = x.numel() // max(x.shape[-1], 1)
         if weight.dtype == torch.float32 and onednn_ok(x):
+            if inference and _INFERENCE_DTYPE[0] is torch.bfloat16:
+                return _bf16_inference_linear(x, weight, bias, views)
             policy = gemm_policy()
             if policy.uses_onednn(rows, weight.numel(), inference):
                 if inference:
@@ -274,6 +299,27 @@ def _inference_linear(
     return _onednn_mm_t(x2, w, bias)[:rows].view(*x.shape[:-1], weight.shape[0])
 
 
+def _bf16_inference_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, views: Sequence[Tensor]
+) -> Tensor:
+    """x (..., in) fp32 @ weightᵀ fp32 as a bf16 GEMM (fp32 accumulation inside oneDNN), output (..., out) fp32:
+    on the packed bf16 copy of weight where the policy prepacks bf16 (a CPU with AMX), else ``F.linear`` on a
+    bf16 cast (a CPU without native bf16 emulates it: slow, which ``rollout_dtype="auto"`` avoids)."""
+    xb = x.to(torch.bfloat16)
+    if gemm_policy().prepack_bf16:
+        x2 = xb.reshape(-1, x.shape[-1])  # (rows, in)
+        rows = x2.shape[0]
+        padded = bucket_rows(rows)
+        if padded != rows:
+            x2 = F.pad(x2, (0, 0, 0, padded - rows))
+        w = packed_weight(weight, views, torch.bfloat16)
+        y = _onednn_mm_t(x2, w)[:rows].view(*x.shape[:-1], weight.shape[0])
+    else:
+        y = F.linear(xb, weight.to(torch.bfloat16))
+    y = y.float()
+    return y if bias is None else y + bias
+
+
 # the batch size oneDNN's weight layout is chosen for (one layout served 1-2048 rows alike)
 PACK_ROWS = 64
 #: id(weight) -> (weak reference to it, its key when packed, the packed copy); an entry leaves with its weight
@@ -285,18 +331,26 @@ def _version(t: Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def packed_weight(w: Tensor, views: Sequence[Tensor] = ()) -> Tensor:
-    """w (O, I) fp32 reordered into oneDNN's blocked layout for ``_linear_pointwise`` (an opaque mkldnn tensor),
+def packed_weight(
+    w: Tensor, views: Sequence[Tensor] = (), dtype: torch.dtype | None = None
+) -> Tensor:
+    """w (O, I) (cast to ``dtype`` first, if given: the bf16 rollout's copy of an fp32 weight) reordered into oneDNN's blocked layout for ``_linear_pointwise`` (an opaque mkldnn tensor),
     made at the first call and kept while w lives and is unchanged: rebuilt when w is written in place (its
     ``_version``, which views share with their base: an optimizer step on the separate q/k/v parameters
     reaches a weight they view) or its storage is swapped (``data_ptr``); ``views``' versions count too (see
     ``linear``). An inference tensor has no version counter: it is keyed by its storage alone (int8's prepacked
-    Q does the same)."""
-    key = (w.data_ptr(), tuple(w.shape), w.stride(), *map(_version, (w, *views)))
+    Q does the same). One copy per weight: a request in another dtype replaces it."""
+    dtype = w.dtype if dtype is None else dtype
+    key = (w.data_ptr(), tuple(w.shape), w.stride(), dtype, *map(_version, (w, *views)))
     hit = _PACKED.get(id(w))
     if hit is not None and hit[0]() is w and hit[1] == key:
         return hit[2]
-    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+    if (
+        hit is not None
+    ):  # drop the stale copy before making the new one (peak memory: one copy, not two)
+        del _PACKED[id(w)]
+        hit = None
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype), PACK_ROWS)
     wid = id(w)
 
     def forget(ref: weakref.ref, wid: int = wid) -> None:
