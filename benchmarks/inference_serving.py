@@ -99,12 +99,17 @@ def run_continuous(model, prompts, outs, batch, compile=False, **kw):
             f"{time.perf_counter() - t0:.0f} s"
         )
     before = compiled_graphs(llm.engine)
+    decode = llm.engine.runner.decode
+    counts = (decode.steps, decode.rows) if decode is not None else (0, 0)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs]
     t0 = time.perf_counter()
     res = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
     assert [len(r.token_ids) for r in res] == outs
     llm.engine.stats["graphs_compiled_while_timed"] = compiled_graphs(llm.engine) - before
+    if decode is not None:  # decode-only steps and their rows while timed (mean occupancy)
+        llm.engine.stats["decode_steps"] = decode.steps - counts[0]
+        llm.engine.stats["decode_rows"] = decode.rows - counts[1]
     return wall, res, llm.engine
 
 
@@ -246,6 +251,12 @@ def main() -> None:
             else ""
         )
     )
+    if engine.stats.get("decode_steps"):
+        st = engine.stats
+        print(
+            f"  decode occupancy: {st['decode_rows'] / st['decode_steps']:.1f} rows per decode-only "
+            f"step of {args.batch} seats ({st['decode_steps']} of {st['steps']} steps decode-only)"
+        )
     if spec:
         st = engine.stats
         print(

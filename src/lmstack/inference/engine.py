@@ -388,8 +388,8 @@ class LLMEngine:
 
     def warm_up(self, batch_sizes: Iterable[int] | None = None) -> None:
         """Compile the decode step's batch buckets for ``batch_sizes`` (default every bucket up to
-        ``max_num_seqs``) at the smallest table bucket, before serving — the draft model's too; nothing
-        to do without ``compile``."""
+        ``max_num_seqs``) at every table bucket up to max_model_len (one where the C++ kernel reads the
+        table), before serving — the draft model's too; nothing to do without ``compile``."""
         sizes = range(1, self.scheduler.max_num_seqs + 1) if batch_sizes is None else batch_sizes
         sizes = [as_integer("batch size", b, 1) for b in sizes]
         for decode in (self.runner.decode, getattr(self.speculator, "decode", None)):
