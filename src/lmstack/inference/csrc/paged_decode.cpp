@@ -21,7 +21,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <algorithm>
@@ -30,6 +30,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #ifndef LMSTACK_OP
@@ -70,35 +71,27 @@ inline float exp_nonpos(float x) {
   return x < -87.f ? 0.f : p * two_n;
 }
 
-// One stored row of H values -> fp32, times the block's scale.
-inline void load_row(const float* src, float s, int64_t H, float* dst) {
-  for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * s;
+#if defined(__AVX512F__)
+// 16 stored values -> 16 fp32 (m: the lanes to read, the rest 0), in registers: the key and value rows are
+// read in place from the pool, converted inside the score and P·V loops (no fp32 copy of a row).
+inline __m512 ld(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 ld(const c10::BFloat16* p, __mmask16 m) {  // bf16 = fp32's high 16 bits
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
-inline void load_row(const c10::BFloat16* src, float s, int64_t H, float* dst) {
-  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t h = 0; h < H; ++h) dst[h] = bits_to_float(static_cast<uint32_t>(raw[h]) << 16) * s;
-}
-inline void load_row(const c10::Half* src, float s, int64_t H, float* dst) {
-  for (int64_t h = 0; h < H; ++h) dst[h] = static_cast<float>(src[h]) * s;
-}
-inline void load_row(const int8_t* src, float s, int64_t H, float* dst) {
-  for (int64_t h = 0; h < H; ++h) dst[h] = static_cast<float>(src[h]) * s;
-}
-const float* fp8_table() {  // the 256 e4m3 codes' values, built once
-  static const std::vector<float> t = [] {
-    std::vector<float> v(256);
-    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
-    return v;
-  }();
-  return t.data();
-}
-inline void load_row(const c10::Float8_e4m3fn* src, float s, int64_t H, float* dst) {
-  const uint8_t* raw = reinterpret_cast<const uint8_t*>(src);
-  const float* lut = fp8_table();
-  for (int64_t h = 0; h < H; ++h) dst[h] = lut[raw[h]] * s;
+inline __m512 ld(const c10::Half* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+inline __m512 ld(const int8_t* p, __mmask16 m) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p))); }
+// e4m3 (sign, 4 exponent bits biased 7, 3 mantissa bits) placed in fp16's fields is its value times 2^-8,
+// subnormals included (fp16's are converted exactly); codes 0x7F / 0xFF are NaN
+inline __m512 ld(const c10::Float8_e4m3fn* p, __mmask16 m) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+  return _mm512_mask_blend_ps(_mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F)), f,
+                              _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
 }
 
-#if defined(__AVX512F__)
 // r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: pairwise unpack-and-add (32-bit, then 64-bit
 // elements), then the 128-bit lanes, 45 shuffles and adds instead of 16 separate horizontal sums.
 inline __m512 hsum16(const __m512* v) {
@@ -114,78 +107,135 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xDD));
 }
 
-inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
-
-// s[t] = q · k_t for the tile's 16 rows (rows past the tile's end point at zeros); full 16-value chunks
-// with plain loads (folded into the FMA), the tail masked
-inline void score_tile(const float* q, const float* const* krow, int64_t H, float* s) {
-  __m512 acc[kTile];
-  for (int t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
-  const int64_t H16 = H / 16 * 16;
-  for (int64_t h0 = 0; h0 < H16; h0 += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + h0);
-    for (int t = 0; t < kTile; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(krow[t] + h0), acc[t]);
-  }
-  if (H16 < H) {
-    const __mmask16 m = tail_mask(H - H16);
-    const __m512 qv = _mm512_maskz_loadu_ps(m, q + H16);
-    for (int t = 0; t < kTile; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, krow[t] + H16), acc[t]);
-  }
-  _mm512_storeu_ps(s, hsum16(acc));
-}
-
-// a = alpha a + sum_t p[t] v_t (H values; p[t] = 0 past the tile's end): the 16 broadcasts of p made once
-inline void pv_tile(float* a, float alpha, const float* p, const float* const* vrow, int64_t H) {
-  __m512 pb[kTile];
-  for (int t = 0; t < kTile; ++t) pb[t] = _mm512_set1_ps(p[t]);
-  const __m512 va = _mm512_set1_ps(alpha);
-  const int64_t H16 = H / 16 * 16;
-  for (int64_t h0 = 0; h0 < H16; h0 += 16) {
-    __m512 r = _mm512_mul_ps(va, _mm512_loadu_ps(a + h0));
-    for (int t = 0; t < kTile; ++t) r = _mm512_fmadd_ps(pb[t], _mm512_loadu_ps(vrow[t] + h0), r);
-    _mm512_storeu_ps(a + h0, r);
-  }
-  if (H16 < H) {
-    const __mmask16 m = tail_mask(H - H16);
-    __m512 r = _mm512_mul_ps(va, _mm512_maskz_loadu_ps(m, a + H16));
-    for (int t = 0; t < kTile; ++t) r = _mm512_fmadd_ps(pb[t], _mm512_maskz_loadu_ps(m, vrow[t] + H16), r);
-    _mm512_mask_storeu_ps(a + H16, m, r);
-  }
-}
-#else
-// The same two steps in plain loops over 16-value chunks (vectorised by the build's -m flags).
-inline void score_tile(const float* q, const float* const* krow, int64_t H, float* s) {
-  const int64_t H16 = H / 16 * 16;
-  for (int t = 0; t < kTile; ++t) {
-    const float* k = krow[t];
-    float acc[16] = {};
-    for (int64_t h0 = 0; h0 < H16; h0 += 16)
-      for (int j = 0; j < 16; ++j) acc[j] += q[h0 + j] * k[h0 + j];
-    float sum = 0.f;
-    for (int j = 0; j < 16; ++j) sum += acc[j];
-    for (int64_t h = H16; h < H; ++h) sum += q[h] * k[h];
-    s[t] = sum;
-  }
-}
-
-inline void pv_tile(float* a, float alpha, const float* p, const float* const* vrow, int64_t H) {
-  const int64_t H16 = H / 16 * 16;
-  for (int64_t h0 = 0; h0 < H16; h0 += 16) {
-    float r[16];
-    for (int j = 0; j < 16; ++j) r[j] = alpha * a[h0 + j];
-    for (int t = 0; t < kTile; ++t) {
-      const float pt = p[t];
-      const float* v = vrow[t] + h0;
-      for (int j = 0; j < 16; ++j) r[j] += pt * v[j];
+// Scores of GN query heads (q (GN, Hp), zero past H) against the tile's first n key rows, one pass over
+// each row (its 16-value chunks loaded once for the GN heads): part (GN, kTile) vectors of partial sums,
+// then s (GN, kTile) = their lane sums.
+template <typename R, int GN>
+inline void score_group(const float* q, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s, __m512* part) {
+  const int64_t C = Hp / 16;
+  const __mmask16 last = H % 16 ? __mmask16((1u << (H % 16)) - 1) : __mmask16(0xFFFF);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_ps();
+    const R* k = krow[t];
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512 kv = ld(k + c * 16, c + 1 < C ? __mmask16(0xFFFF) : last);
+      for (int g = 0; g < GN; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * Hp + c * 16), kv, a[g]);
     }
-    for (int j = 0; j < 16; ++j) a[h0 + j] = r[j];
+    for (int g = 0; g < GN; ++g) part[g * kTile + t] = a[g];
   }
-  for (int64_t h = H16; h < H; ++h) {
-    float r = alpha * a[h];
-    for (int t = 0; t < kTile; ++t) r += p[t] * vrow[t][h];
-    a[h] = r;
+  for (int g = 0; g < GN; ++g) {
+    for (int64_t t = n; t < kTile; ++t) part[g * kTile + t] = _mm512_setzero_ps();
+    _mm512_storeu_ps(s + g * kTile, hsum16(part + g * kTile));
   }
 }
+
+// acc (GN, Hp) = alpha[g] acc + sum_t w[g, t] v_t over the tile's first n value rows, one pass over each row
+// per 16-value chunk for the GN heads (acc's tail past H stays 0: the rows' tails load as 0)
+template <typename R, int GN>
+inline void pv_group(float* acc, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+  const int64_t C = Hp / 16;
+  const __mmask16 last = H % 16 ? __mmask16((1u << (H % 16)) - 1) : __mmask16(0xFFFF);
+  for (int64_t c = 0; c < C; ++c) {
+    const __mmask16 m = c + 1 < C ? __mmask16(0xFFFF) : last;
+    __m512 r[GN];
+    for (int g = 0; g < GN; ++g) r[g] = _mm512_mul_ps(_mm512_set1_ps(alpha[g]), _mm512_loadu_ps(acc + g * Hp + c * 16));
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 vv = ld(vrow[t] + c * 16, m);
+      for (int g = 0; g < GN; ++g) r[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * kTile + t]), vv, r[g]);
+    }
+    for (int g = 0; g < GN; ++g) _mm512_storeu_ps(acc + g * Hp + c * 16, r[g]);
+  }
+}
+
+// The G heads of a KV head in groups of up to 4 (their accumulators stay in registers).
+template <typename R>
+void score_all(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
+  __m512 part[4 * kTile];
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const float* qg = q + g0 * Hp;
+    float* sg = s + g0 * kTile;
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: score_group<R, 1>(qg, Hp, H, krow, n, sg, part); break;
+      case 2: score_group<R, 2>(qg, Hp, H, krow, n, sg, part); break;
+      case 3: score_group<R, 3>(qg, Hp, H, krow, n, sg, part); break;
+      default: score_group<R, 4>(qg, Hp, H, krow, n, sg, part); break;
+    }
+  }
+}
+template <typename R>
+void pv_all(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    float* ag = acc + g0 * Hp;
+    const float *al = alpha + g0, *wg = w + g0 * kTile;
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: pv_group<R, 1>(ag, Hp, H, al, wg, vrow, n); break;
+      case 2: pv_group<R, 2>(ag, Hp, H, al, wg, vrow, n); break;
+      case 3: pv_group<R, 3>(ag, Hp, H, al, wg, vrow, n); break;
+      default: pv_group<R, 4>(ag, Hp, H, al, wg, vrow, n); break;
+    }
+  }
+}
+constexpr bool kInPlace = true;  // score_all / pv_all read the pool's rows in their stored dtype
+#else
+// Without AVX-512: each tile row converted once into an fp32 buffer (F16C's 8-wide conversion for fp16 where
+// the build has it, a shift for bf16, loops the compiler vectorises), then plain loops over it for the G heads.
+inline void load_row(const c10::BFloat16* src, int64_t H, float* dst) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t h = 0; h < H; ++h) dst[h] = bits_to_float(static_cast<uint32_t>(raw[h]) << 16);
+}
+inline void load_row(const c10::Half* src, int64_t H, float* dst) {
+  int64_t h = 0;
+#if defined(__F16C__)
+  for (; h + 8 <= H; h += 8) _mm256_storeu_ps(dst + h, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + h))));
+#endif
+  for (; h < H; ++h) dst[h] = static_cast<float>(src[h]);
+}
+inline void load_row(const int8_t* src, int64_t H, float* dst) {
+  for (int64_t h = 0; h < H; ++h) dst[h] = static_cast<float>(src[h]);
+}
+const float* fp8_table() {  // the 256 e4m3 codes' values, built once
+  static const std::vector<float> t = [] {
+    std::vector<float> v(256);
+    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return v;
+  }();
+  return t.data();
+}
+
+inline void load_row(const c10::Float8_e4m3fn* src, int64_t H, float* dst) {
+  const uint8_t* raw = reinterpret_cast<const uint8_t*>(src);
+  const float* lut = fp8_table();
+  for (int64_t h = 0; h < H; ++h) dst[h] = lut[raw[h]];
+}
+
+template <typename R>
+void score_all(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t t = 0; t < n; ++t) {
+      const float *qg = q + g * Hp, *k = krow[t];
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t h = 0; h < H; ++h) sum += qg[h] * k[h];
+      s[g * kTile + t] = sum;
+    }
+}
+template <typename R>
+void pv_all(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* a = acc + g * Hp;
+    const float al = alpha[g];
+#pragma omp simd
+    for (int64_t h = 0; h < H; ++h) a[h] *= al;
+    for (int64_t t = 0; t < n; ++t) {
+      const float wt = w[g * kTile + t];
+      const float* v = vrow[t];
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) a[h] += wt * v[h];
+    }
+  }
+}
+constexpr bool kInPlace = false;
 #endif
 
 struct Args {
@@ -201,77 +251,81 @@ struct Args {
   float softcap;
 };
 
-// The running state of G query heads (max m, sum l, output acc (G, H)) and one tile's update from its
-// scores sc (G, kTile), the first n valid, and value rows vrow (kTile; zeros past n).
-struct Online {
-  std::vector<float> m, l, acc;
-  explicit Online(int64_t G, int64_t H) : m(G, kNegInf), l(G, 0.f), acc(G * H, 0.f) {}
-
-  void update(const float* sc, int64_t n, const float* const* vrow, int64_t G, int64_t H) {
-    alignas(64) float p[kTile];
-    for (int64_t g = 0; g < G; ++g) {
-      const float* s = sc + g * kTile;
-      float mt = kNegInf;  // s[t] = -inf past n
-#pragma omp simd reduction(max : mt)
-      for (int t = 0; t < kTile; ++t) mt = std::max(mt, s[t]);
-      if (mt == kNegInf) continue;  // nothing this tile adds (every score -inf)
-      const float m_new = std::max(m[g], mt);
-      const float alpha = m[g] == kNegInf ? 0.f : exp_nonpos(m[g] - m_new);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int t = 0; t < kTile; ++t) {
-        p[t] = exp_nonpos(s[t] - m_new);  // -inf (past n) -> 0
-        sum += p[t];
-      }
-      l[g] = l[g] * alpha + sum;
-      m[g] = m_new;
-      pv_tile(acc.data() + g * H, alpha, p, vrow, H);
-    }
-  }
-};
-
 inline void cap(float* s, int64_t n, float c) {
   for (int64_t t = 0; t < n; ++t) s[t] = c * std::tanh(s[t] / c);
 }
 
-// Row t of the tile: a pointer into the pool (float32 without scales) or the row converted into buf.
-template <typename T>
-inline const float* row_of(const T* src, const float* scale, float* buf, int64_t H) {
-  load_row(src, scale ? *scale : 1.f, H, buf);
-  return buf;
-}
-template <>
-inline const float* row_of<float>(const float* src, const float* scale, float* buf, int64_t H) {
-  if (!scale) return src;
-  load_row(src, *scale, H, buf);
-  return buf;
+// The running state of one KV head's G query heads: max m, sum l, output acc (G, Hp); q (G, Hp) zero past H.
+struct Online {
+  float* q;
+  float *m, *l, *acc;
+};
+
+// One tile for one KV head: scores (G, kTile) of its n rows (krow; times the rows' scales ks, if any),
+// -inf past n; the online softmax per head (Dao 2023); then P·V over the rows (vrow, scales vs) for all G.
+template <typename R>
+void tile(const Args& a, Online& o, const R* const* krow, const R* const* vrow, const float* ks, const float* vs, int64_t n,
+          int64_t Hp, float* sc, float* alpha) {
+  const int64_t G = a.G, H = a.H;
+  score_all<R>(o.q, G, Hp, H, krow, n, sc);
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = sc + g * kTile;
+    if (ks)
+      for (int64_t t = 0; t < n; ++t) s[t] *= ks[t];
+    if (a.softcap > 0.f) cap(s, n, a.softcap);
+    for (int64_t t = n; t < kTile; ++t) s[t] = kNegInf;
+    float mt = kNegInf;
+#pragma omp simd reduction(max : mt)
+    for (int t = 0; t < kTile; ++t) mt = std::max(mt, s[t]);
+    if (mt == kNegInf) {  // nothing this tile adds (every score -inf): weights 0, the output kept
+      alpha[g] = 1.f;
+      for (int t = 0; t < kTile; ++t) s[t] = 0.f;
+      continue;
+    }
+    const float m_new = std::max(o.m[g], mt);
+    alpha[g] = o.m[g] == kNegInf ? 0.f : exp_nonpos(o.m[g] - m_new);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < kTile; ++t) {
+      s[t] = exp_nonpos(s[t] - m_new);  // -inf (past n) -> 0; the scores become the weights p
+      sum += s[t];
+    }
+    o.l[g] = o.l[g] * alpha[g] + sum;
+    o.m[g] = m_new;
+    if (vs)
+      for (int64_t t = 0; t < n; ++t) s[t] *= vs[t];  // p v of codes times their scale
+  }
+  pv_all<R>(o.acc, G, Hp, H, alpha, sc, vrow, n);
 }
 
 // Row b, KV heads [kh0, kh1): slot by slot through the row's blocks, a tile of 16 slots at a time, every
 // head of the range per tile (so the pool is read in the order it lies: a slot's heads are adjacent).
 template <typename T>
 void attend_row(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh0, int64_t kh1) {
-  const int64_t G = a.G, H = a.H, K = a.K, bs = a.bs;
+  using R = std::conditional_t<kInPlace, T, float>;  // what score_all / pv_all read
+  const int64_t G = a.G, H = a.H, K = a.K, bs = a.bs, Hp = (H + 15) / 16 * 16, nk = kh1 - kh0;
   const int64_t p = a.pos[b];
   const int64_t hi = a.k_new ? p : p + 1;  // pool slots [lo, hi) are visible
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
   const int64_t* row = a.table + b * a.M;
-  std::vector<Online> st;
-  for (int64_t kh = kh0; kh < kh1; ++kh) st.emplace_back(G, H);
-  std::vector<float> kbuf(kTile * H), vbuf(kTile * H), zeros(H, 0.f), sc(G * kTile);
-  const float* krow[kTile];
-  const float* vrow[kTile];
-  auto score = [&](int64_t kh, int64_t n) {  // head kh's G queries against the tile's rows, -inf past n
-    const float* q = a.q + (b * a.N + kh * G) * H;  // (G, H): query heads kh*G .. kh*G + G - 1
+  // per KV head: q (G, Hp), acc (G, Hp), m (G), l (G); then the tile's scores (G, kTile) and alphas (G)
+  std::vector<float> ws(nk * (2 * G * Hp + 2 * G) + G * kTile + G, 0.f);
+  std::vector<Online> st(nk);
+  for (int64_t i = 0; i < nk; ++i) {
+    float* base = ws.data() + i * (2 * G * Hp + 2 * G);
+    st[i] = Online{base, base + 2 * G * Hp, base + 2 * G * Hp + G, base + G * Hp};
     for (int64_t g = 0; g < G; ++g) {
-      float* s = sc.data() + g * kTile;
-      score_tile(q + g * H, krow, H, s);
-      for (int64_t t = n; t < kTile; ++t) s[t] = kNegInf;
-      if (a.softcap > 0.f) cap(s, n, a.softcap);
+      st[i].m[g] = kNegInf;
+      std::memcpy(st[i].q + g * Hp, a.q + (b * a.N + (kh0 + i) * G + g) * H, H * sizeof(float));
     }
-    st[kh - kh0].update(sc.data(), n, vrow, G, H);
-  };
-  const int64_t span = (kh1 - kh0) * H * static_cast<int64_t>(sizeof(T));  // bytes of a slot's heads
+  }
+  float* sc = ws.data() + nk * (2 * G * Hp + 2 * G);
+  float* alpha = sc + G * kTile;
+  std::vector<float> kbuf(kInPlace ? 0 : kTile * H), vbuf(kInPlace ? 0 : kTile * H);
+  const R* krow[kTile];
+  const R* vrow[kTile];
+  float ks[kTile], vs[kTile];
+  const int64_t span = nk * H * static_cast<int64_t>(sizeof(T));  // bytes of a slot's heads
   auto prefetch = [&](int64_t s) {  // slot s's K and V rows of heads [kh0, kh1): the pool is cold
     const int64_t blk = row[s / bs];
     if (blk < 0 || blk >= a.NB) return;  // reported when read
@@ -293,31 +347,38 @@ void attend_row(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh0,
       if (t0 + kTile + t < hi) prefetch(t0 + kTile + t);  // the next tile's rows arrive while this one is scored
     }
     for (int64_t kh = kh0; kh < kh1; ++kh) {
-      for (int64_t t = 0; t < kTile; ++t) {
-        if (t >= n) {
-          krow[t] = vrow[t] = zeros.data();
-          continue;
-        }
+      for (int64_t t = 0; t < n; ++t) {
         const int64_t s = t0 + t, blk = row[s / bs];
-        const int64_t at = ((blk * bs + s % bs) * K + kh) * H;
-        krow[t] = row_of<T>(kp + at, a.k_scale ? a.k_scale + blk * K + kh : nullptr, kbuf.data() + t * H, H);
-        vrow[t] = row_of<T>(vp + at, a.v_scale ? a.v_scale + blk * K + kh : nullptr, vbuf.data() + t * H, H);
+        const T* k = kp + ((blk * bs + s % bs) * K + kh) * H;
+        const T* v = vp + ((blk * bs + s % bs) * K + kh) * H;
+        if constexpr (kInPlace || std::is_same_v<T, float>) {
+          krow[t] = reinterpret_cast<const R*>(k);
+          vrow[t] = reinterpret_cast<const R*>(v);
+        } else {
+          load_row(k, H, kbuf.data() + t * H);
+          load_row(v, H, vbuf.data() + t * H);
+          krow[t] = reinterpret_cast<const R*>(kbuf.data() + t * H);
+          vrow[t] = reinterpret_cast<const R*>(vbuf.data() + t * H);
+        }
+        if (a.k_scale) {
+          ks[t] = a.k_scale[blk * K + kh];
+          vs[t] = a.v_scale[blk * K + kh];
+        }
       }
-      score(kh, n);
+      tile<R>(a, st[kh - kh0], krow, vrow, a.k_scale ? ks : nullptr, a.k_scale ? vs : nullptr, n, Hp, sc, alpha);
     }
   }
   for (int64_t kh = kh0; kh < kh1; ++kh) {
-    if (a.k_new) {  // this step's token: one more visible column, at position p
-      krow[0] = a.k_new + (b * K + kh) * H;
-      vrow[0] = a.v_new + (b * K + kh) * H;
-      for (int64_t t = 1; t < kTile; ++t) krow[t] = vrow[t] = zeros.data();
-      score(kh, 1);
+    Online& o = st[kh - kh0];
+    if (a.k_new) {  // this step's token: one more visible column, at position p (fp32 rows)
+      const float* kn = a.k_new + (b * K + kh) * H;
+      const float* vn = a.v_new + (b * K + kh) * H;
+      tile<float>(a, o, &kn, &vn, nullptr, nullptr, 1, Hp, sc, alpha);
     }
-    const Online& o_st = st[kh - kh0];
-    float* o = a.out + (b * a.N + kh * G) * H;
+    float* out = a.out + (b * a.N + kh * G) * H;
     for (int64_t g = 0; g < G; ++g) {
-      const float inv = 1.f / o_st.l[g];  // l = 0 (no visible key) gives NaN, as a softmax over none does
-      for (int64_t h = 0; h < H; ++h) o[g * H + h] = o_st.acc[g * H + h] * inv;
+      const float inv = 1.f / o.l[g];  // l = 0 (no visible key) gives NaN, as a softmax over none does
+      for (int64_t h = 0; h < H; ++h) out[g * H + h] = o.acc[g * Hp + h] * inv;
     }
   }
 }
