@@ -107,74 +107,154 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xDD));
 }
 
+// exp_nonpos on 16 lanes (the same steps as the scalar one).
+inline __m512 exp_nonpos16(__m512 x) {
+  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+}
+
 // Scores of GN query heads (q (GN, Hp), zero past H) against the tile's first n key rows, one pass over
-// each row (its 16-value chunks loaded once for the GN heads): part (GN, kTile) vectors of partial sums,
-// then s (GN, kTile) = their lane sums.
-template <typename R, int GN>
+// each row (its 16-value chunks loaded once for the GN heads), two rows at a time (independent FMA chains):
+// part (GN, kTile) vectors of partial sums, then s (GN, kTile) = their lane sums. CC: the chunk count Hp / 16
+// when known at compile time (H = 64, 128: q and the sums stay in registers), 0 for any.
+template <typename R, int GN, int CC>
 inline void score_group(const float* q, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s, __m512* part) {
-  const int64_t C = Hp / 16;
+  const int64_t C = CC ? CC : Hp / 16;
   const __mmask16 last = H % 16 ? __mmask16((1u << (H % 16)) - 1) : __mmask16(0xFFFF);
-  for (int64_t t = 0; t < n; ++t) {
+  int64_t t = 0;
+  for (; t + 2 <= n; t += 2) {
+    __m512 a[GN], b[GN];
+    for (int g = 0; g < GN; ++g) a[g] = b[g] = _mm512_setzero_ps();
+    const R *k0 = krow[t], *k1 = krow[t + 1];
+    for (int64_t c = 0; c < C; ++c) {
+      const __mmask16 m = c + 1 < C ? __mmask16(0xFFFF) : last;
+      const __m512 kv0 = ld(k0 + c * 16, m), kv1 = ld(k1 + c * 16, m);
+      for (int g = 0; g < GN; ++g) {
+        const __m512 qv = _mm512_loadu_ps(q + g * Hp + c * 16);
+        a[g] = _mm512_fmadd_ps(qv, kv0, a[g]);
+        b[g] = _mm512_fmadd_ps(qv, kv1, b[g]);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      part[g * kTile + t] = a[g];
+      part[g * kTile + t + 1] = b[g];
+    }
+  }
+  for (; t < n; ++t) {
     __m512 a[GN];
     for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_ps();
-    const R* k = krow[t];
     for (int64_t c = 0; c < C; ++c) {
-      const __m512 kv = ld(k + c * 16, c + 1 < C ? __mmask16(0xFFFF) : last);
+      const __m512 kv = ld(krow[t] + c * 16, c + 1 < C ? __mmask16(0xFFFF) : last);
       for (int g = 0; g < GN; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * Hp + c * 16), kv, a[g]);
     }
     for (int g = 0; g < GN; ++g) part[g * kTile + t] = a[g];
   }
   for (int g = 0; g < GN; ++g) {
-    for (int64_t t = n; t < kTile; ++t) part[g * kTile + t] = _mm512_setzero_ps();
+    for (int64_t u = n; u < kTile; ++u) part[g * kTile + u] = _mm512_setzero_ps();
     _mm512_storeu_ps(s + g * kTile, hsum16(part + g * kTile));
   }
 }
 
-// acc (GN, Hp) = alpha[g] acc + sum_t w[g, t] v_t over the tile's first n value rows, one pass over each row
-// per 16-value chunk for the GN heads (acc's tail past H stays 0: the rows' tails load as 0)
-template <typename R, int GN>
+// acc (GN, Hp) = alpha[g] acc + sum_t w[g, t] v_t over the tile's first n value rows, each row's chunks
+// loaded once for the GN heads (acc's tail past H stays 0: the rows' tails load as 0). CC as above: with it,
+// all CC x GN sums in registers (independent FMA chains) and each row read once, else chunk by chunk.
+template <typename R, int GN, int CC>
 inline void pv_group(float* acc, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
-  const int64_t C = Hp / 16;
   const __mmask16 last = H % 16 ? __mmask16((1u << (H % 16)) - 1) : __mmask16(0xFFFF);
-  for (int64_t c = 0; c < C; ++c) {
-    const __mmask16 m = c + 1 < C ? __mmask16(0xFFFF) : last;
-    __m512 r[GN];
-    for (int g = 0; g < GN; ++g) r[g] = _mm512_mul_ps(_mm512_set1_ps(alpha[g]), _mm512_loadu_ps(acc + g * Hp + c * 16));
+  if constexpr (CC > 0) {
+    __m512 r[CC][GN];
+    for (int c = 0; c < CC; ++c)
+      for (int g = 0; g < GN; ++g) r[c][g] = _mm512_mul_ps(_mm512_set1_ps(alpha[g]), _mm512_loadu_ps(acc + g * Hp + c * 16));
     for (int64_t t = 0; t < n; ++t) {
-      const __m512 vv = ld(vrow[t] + c * 16, m);
-      for (int g = 0; g < GN; ++g) r[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * kTile + t]), vv, r[g]);
+      __m512 wb[GN];
+      for (int g = 0; g < GN; ++g) wb[g] = _mm512_set1_ps(w[g * kTile + t]);
+      for (int c = 0; c < CC; ++c) {
+        const __m512 vv = ld(vrow[t] + c * 16, c + 1 < CC ? __mmask16(0xFFFF) : last);
+        for (int g = 0; g < GN; ++g) r[c][g] = _mm512_fmadd_ps(wb[g], vv, r[c][g]);
+      }
     }
-    for (int g = 0; g < GN; ++g) _mm512_storeu_ps(acc + g * Hp + c * 16, r[g]);
+    for (int c = 0; c < CC; ++c)
+      for (int g = 0; g < GN; ++g) _mm512_storeu_ps(acc + g * Hp + c * 16, r[c][g]);
+  } else {
+    const int64_t C = Hp / 16;
+    for (int64_t c = 0; c < C; ++c) {
+      const __mmask16 m = c + 1 < C ? __mmask16(0xFFFF) : last;
+      __m512 r[GN], r2[GN];
+      for (int g = 0; g < GN; ++g) {
+        r[g] = _mm512_mul_ps(_mm512_set1_ps(alpha[g]), _mm512_loadu_ps(acc + g * Hp + c * 16));
+        r2[g] = _mm512_setzero_ps();
+      }
+      int64_t t = 0;
+      for (; t + 2 <= n; t += 2) {  // two chains per head
+        const __m512 v0 = ld(vrow[t] + c * 16, m), v1 = ld(vrow[t + 1] + c * 16, m);
+        for (int g = 0; g < GN; ++g) {
+          r[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * kTile + t]), v0, r[g]);
+          r2[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * kTile + t + 1]), v1, r2[g]);
+        }
+      }
+      if (t < n) {
+        const __m512 v0 = ld(vrow[t] + c * 16, m);
+        for (int g = 0; g < GN; ++g) r[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * kTile + t]), v0, r[g]);
+      }
+      for (int g = 0; g < GN; ++g) _mm512_storeu_ps(acc + g * Hp + c * 16, _mm512_add_ps(r[g], r2[g]));
+    }
   }
 }
 
 // The G heads of a KV head in groups of up to 4 (their accumulators stay in registers).
-template <typename R>
-void score_all(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
+template <typename R, int CC>
+void score_all_c(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
   __m512 part[4 * kTile];
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const float* qg = q + g0 * Hp;
     float* sg = s + g0 * kTile;
     switch (std::min<int64_t>(4, G - g0)) {
-      case 1: score_group<R, 1>(qg, Hp, H, krow, n, sg, part); break;
-      case 2: score_group<R, 2>(qg, Hp, H, krow, n, sg, part); break;
-      case 3: score_group<R, 3>(qg, Hp, H, krow, n, sg, part); break;
-      default: score_group<R, 4>(qg, Hp, H, krow, n, sg, part); break;
+      case 1: score_group<R, 1, CC>(qg, Hp, H, krow, n, sg, part); break;
+      case 2: score_group<R, 2, CC>(qg, Hp, H, krow, n, sg, part); break;
+      case 3: score_group<R, 3, CC>(qg, Hp, H, krow, n, sg, part); break;
+      default: score_group<R, 4, CC>(qg, Hp, H, krow, n, sg, part); break;
     }
   }
 }
-template <typename R>
-void pv_all(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+template <typename R, int CC>
+void pv_all_c(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     float* ag = acc + g0 * Hp;
     const float *al = alpha + g0, *wg = w + g0 * kTile;
     switch (std::min<int64_t>(4, G - g0)) {
-      case 1: pv_group<R, 1>(ag, Hp, H, al, wg, vrow, n); break;
-      case 2: pv_group<R, 2>(ag, Hp, H, al, wg, vrow, n); break;
-      case 3: pv_group<R, 3>(ag, Hp, H, al, wg, vrow, n); break;
-      default: pv_group<R, 4>(ag, Hp, H, al, wg, vrow, n); break;
+      case 1: pv_group<R, 1, CC>(ag, Hp, H, al, wg, vrow, n); break;
+      case 2: pv_group<R, 2, CC>(ag, Hp, H, al, wg, vrow, n); break;
+      case 3: pv_group<R, 3, CC>(ag, Hp, H, al, wg, vrow, n); break;
+      default: pv_group<R, 4, CC>(ag, Hp, H, al, wg, vrow, n); break;
     }
   }
+}
+// The G heads of a KV head in groups of up to 4 (their sums stay in registers); H = 64 and 128 compiled
+// with their chunk counts.
+template <typename R>
+void score_all(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
+  if (Hp == 64) return score_all_c<R, 4>(q, G, Hp, H, krow, n, s);
+  if (Hp == 128) return score_all_c<R, 8>(q, G, Hp, H, krow, n, s);
+  score_all_c<R, 0>(q, G, Hp, H, krow, n, s);
+}
+template <typename R>
+void pv_all(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+  if (Hp == 64) return pv_all_c<R, 4>(acc, G, Hp, H, alpha, w, vrow, n);
+  if (Hp == 128) return pv_all_c<R, 8>(acc, G, Hp, H, alpha, w, vrow, n);
+  pv_all_c<R, 0>(acc, G, Hp, H, alpha, w, vrow, n);
 }
 constexpr bool kInPlace = true;  // score_all / pv_all read the pool's rows in their stored dtype
 #else
@@ -270,6 +350,18 @@ void tile(const Args& a, Online& o, const R* const* krow, const R* const* vrow, 
   score_all<R>(o.q, G, Hp, H, krow, n, sc);
   for (int64_t g = 0; g < G; ++g) {
     float* s = sc + g * kTile;
+#if defined(__AVX512F__)  // the tile's 16 scores are one vector
+    const __mmask16 valid = __mmask16((1u << n) - 1);
+    __m512 sv = _mm512_loadu_ps(s);
+    if (ks) sv = _mm512_mul_ps(sv, _mm512_loadu_ps(ks));
+    if (a.softcap > 0.f) {
+      _mm512_storeu_ps(s, sv);
+      cap(s, n, a.softcap);
+      sv = _mm512_loadu_ps(s);
+    }
+    sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegInf), sv);
+    const float mt = _mm512_reduce_max_ps(sv);
+#else
     if (ks)
       for (int64_t t = 0; t < n; ++t) s[t] *= ks[t];
     if (a.softcap > 0.f) cap(s, n, a.softcap);
@@ -277,6 +369,7 @@ void tile(const Args& a, Online& o, const R* const* krow, const R* const* vrow, 
     float mt = kNegInf;
 #pragma omp simd reduction(max : mt)
     for (int t = 0; t < kTile; ++t) mt = std::max(mt, s[t]);
+#endif
     if (mt == kNegInf) {  // nothing this tile adds (every score -inf): weights 0, the output kept
       alpha[g] = 1.f;
       for (int t = 0; t < kTile; ++t) s[t] = 0.f;
@@ -284,16 +377,23 @@ void tile(const Args& a, Online& o, const R* const* krow, const R* const* vrow, 
     }
     const float m_new = std::max(o.m[g], mt);
     alpha[g] = o.m[g] == kNegInf ? 0.f : exp_nonpos(o.m[g] - m_new);
+#if defined(__AVX512F__)
+    __m512 pv = exp_nonpos16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new)));  // -inf (past n) -> 0
+    const float sum = _mm512_reduce_add_ps(pv);
+    if (vs) pv = _mm512_maskz_mul_ps(valid, pv, _mm512_loadu_ps(vs));  // p v of codes times their scale
+    _mm512_storeu_ps(s, pv);  // the scores become the weights
+#else
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int t = 0; t < kTile; ++t) {
       s[t] = exp_nonpos(s[t] - m_new);  // -inf (past n) -> 0; the scores become the weights p
       sum += s[t];
     }
-    o.l[g] = o.l[g] * alpha[g] + sum;
-    o.m[g] = m_new;
     if (vs)
       for (int64_t t = 0; t < n; ++t) s[t] *= vs[t];  // p v of codes times their scale
+#endif
+    o.l[g] = o.l[g] * alpha[g] + sum;
+    o.m[g] = m_new;
   }
   pv_all<R>(o.acc, G, Hp, H, alpha, sc, vrow, n);
 }
@@ -324,27 +424,27 @@ void attend_row(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh0,
   std::vector<float> kbuf(kInPlace ? 0 : kTile * H), vbuf(kInPlace ? 0 : kTile * H);
   const R* krow[kTile];
   const R* vrow[kTile];
-  float ks[kTile], vs[kTile];
-  const int64_t span = nk * H * static_cast<int64_t>(sizeof(T));  // bytes of a slot's heads
-  auto prefetch = [&](int64_t s) {  // slot s's K and V rows of heads [kh0, kh1): the pool is cold
+  float ks[kTile] = {}, vs[kTile] = {};
+  auto prefetch = [&](int64_t s, int64_t h0, int64_t h1) {  // slot s's K, V rows of heads [h0, h1): the pool is cold
     const int64_t blk = row[s / bs];
     if (blk < 0 || blk >= a.NB) return;  // reported when read
-    const char* k = reinterpret_cast<const char*>(kp + ((blk * bs + s % bs) * K + kh0) * H);
-    const char* v = reinterpret_cast<const char*>(vp + ((blk * bs + s % bs) * K + kh0) * H);
+    const int64_t span = (h1 - h0) * H * static_cast<int64_t>(sizeof(T));
+    const char* k = reinterpret_cast<const char*>(kp + ((blk * bs + s % bs) * K + h0) * H);
+    const char* v = reinterpret_cast<const char*>(vp + ((blk * bs + s % bs) * K + h0) * H);
     for (int64_t off = 0; off < span; off += 64) {
       __builtin_prefetch(k + off, 0, 3);
       __builtin_prefetch(v + off, 0, 3);
     }
     asm volatile("");  // GCC 12 deleted these loops of prefetches as code without effect
   };
-  for (int64_t s = lo; s < std::min(lo + kTile, hi); ++s) prefetch(s);
+  for (int64_t s = lo; s < std::min(lo + kTile, hi); ++s) prefetch(s, kh0, kh1);
   for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
     const int64_t n = std::min(kTile, hi - t0);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t blk = row[(t0 + t) / bs];
       TORCH_CHECK(blk >= 0 && blk < a.NB, "paged_decode: block id ", blk, " (row ", b, ", table entry ",
                   (t0 + t) / bs, ") outside the pool's ", a.NB, " blocks");
-      if (t0 + kTile + t < hi) prefetch(t0 + kTile + t);  // the next tile's rows arrive while this one is scored
+      if (t0 + kTile + t < hi) prefetch(t0 + kTile + t, kh0, kh1);  // the next tile's rows arrive while this one is scored
     }
     for (int64_t kh = kh0; kh < kh1; ++kh) {
       for (int64_t t = 0; t < n; ++t) {
