@@ -31,6 +31,7 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifndef LMSTACK_OP
@@ -398,15 +399,21 @@ void tile(const Args& a, Online& o, const R* const* krow, const R* const* vrow, 
   pv_all<R>(o.acc, G, Hp, H, alpha, sc, vrow, n);
 }
 
+// The visible pool slots [lo, hi) of row b.
+inline std::pair<int64_t, int64_t> visible(const Args& a, int64_t b) {
+  const int64_t p = a.pos[b];
+  return {a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0, a.k_new ? p : p + 1};
+}
+
 // Row b, KV heads [kh0, kh1): slot by slot through the row's blocks, a tile of 16 slots at a time, every
-// head of the range per tile (so the pool is read in the order it lies: a slot's heads are adjacent).
+// head of the range per tile (so the pool is read in the order it lies: a slot's heads are adjacent). The
+// next item of the thread (row nb >= 0, heads [nh0, nh1)) has its first tile prefetched during the last one.
 template <typename T>
-void attend_row(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh0, int64_t kh1) {
+void attend_row(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh0, int64_t kh1, int64_t nb, int64_t nh0,
+                int64_t nh1) {
   using R = std::conditional_t<kInPlace, T, float>;  // what score_all / pv_all read
   const int64_t G = a.G, H = a.H, K = a.K, bs = a.bs, Hp = (H + 15) / 16 * 16, nk = kh1 - kh0;
-  const int64_t p = a.pos[b];
-  const int64_t hi = a.k_new ? p : p + 1;  // pool slots [lo, hi) are visible
-  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+  const auto [lo, hi] = visible(a, b);  // pool slots [lo, hi) are visible
   const int64_t* row = a.table + b * a.M;
   // per KV head: q (G, Hp), acc (G, Hp), m (G), l (G); then the tile's scores (G, kTile) and alphas (G)
   std::vector<float> ws(nk * (2 * G * Hp + 2 * G) + G * kTile + G, 0.f);
@@ -425,8 +432,9 @@ void attend_row(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh0,
   const R* krow[kTile];
   const R* vrow[kTile];
   float ks[kTile] = {}, vs[kTile] = {};
-  auto prefetch = [&](int64_t s, int64_t h0, int64_t h1) {  // slot s's K, V rows of heads [h0, h1): the pool is cold
-    const int64_t blk = row[s / bs];
+  // slot s's K, V rows of heads [h0, h1) in row r: the pool is cold
+  auto prefetch = [&](int64_t s, int64_t h0, int64_t h1, const int64_t* r) {
+    const int64_t blk = r[s / bs];
     if (blk < 0 || blk >= a.NB) return;  // reported when read
     const int64_t span = (h1 - h0) * H * static_cast<int64_t>(sizeof(T));
     const char* k = reinterpret_cast<const char*>(kp + ((blk * bs + s % bs) * K + h0) * H);
@@ -437,14 +445,18 @@ void attend_row(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh0,
     }
     asm volatile("");  // GCC 12 deleted these loops of prefetches as code without effect
   };
-  for (int64_t s = lo; s < std::min(lo + kTile, hi); ++s) prefetch(s, kh0, kh1);
+  for (int64_t s = lo; s < std::min(lo + kTile, hi); ++s) prefetch(s, kh0, kh1, row);
   for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
     const int64_t n = std::min(kTile, hi - t0);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t blk = row[(t0 + t) / bs];
       TORCH_CHECK(blk >= 0 && blk < a.NB, "paged_decode: block id ", blk, " (row ", b, ", table entry ",
                   (t0 + t) / bs, ") outside the pool's ", a.NB, " blocks");
-      if (t0 + kTile + t < hi) prefetch(t0 + kTile + t, kh0, kh1);  // the next tile's rows arrive while this one is scored
+      if (t0 + kTile + t < hi) prefetch(t0 + kTile + t, kh0, kh1, row);  // the next tile's rows arrive while this one is scored
+    }
+    if (t0 + kTile >= hi && nb >= 0) {  // the last tile: the next item's first
+      const auto [nlo, nhi] = visible(a, nb);
+      for (int64_t s = nlo; s < std::min(nlo + kTile, nhi); ++s) prefetch(s, nh0, nh1, a.table + nb * a.M);
     }
     for (int64_t kh = kh0; kh < kh1; ++kh) {
       for (int64_t t = 0; t < n; ++t) {
@@ -491,7 +503,8 @@ void run(const Args& a, const at::Tensor& kp, const at::Tensor& vp) {
   at::parallel_for(0, a.B * a.K, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end;) {
       const int64_t b = i / a.K, last = std::min(end, (b + 1) * a.K);
-      attend_row<T>(a, k, v, b, i % a.K, i % a.K + (last - i));
+      const int64_t nb = last < end ? last / a.K : -1, nlast = std::min(end, (nb + 1) * a.K);
+      attend_row<T>(a, k, v, b, i % a.K, i % a.K + (last - i), nb, last % a.K, last % a.K + (nlast - last));
       i = last;
     }
   });
