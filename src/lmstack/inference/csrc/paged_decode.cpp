@@ -11,10 +11,15 @@
 //   window > 0. softcap > 0: scores c * tanh(s / c) before the mask (Gemma-2). Query head n reads KV head
 //   n / G, G = N / K (GQA).
 // Per (row, KV head) only slots lo .. p_b are read (never the table's padding), each key and value row
-// once for the G query heads that share it, in tiles of 16 slots: 16 scores per query head, one rescale of
-// the running output per tile; a row's KV heads go through a tile together (the pool's order) with the next
-// tile prefetched. Plain loops for the compiler to vectorise: the file is built once per ISA
-// (the -m flags in lmstack/inference/paged_kernel.py) and the op is named after the build (LMSTACK_OP).
+// once for the G query heads that share it, in tiles of 16 slots: one pass over the tile's key rows scores
+// all G heads (16 scores each), the online softmax updates each head's max and sum, and one pass over the
+// value rows accumulates P·V for all G heads; a row's KV heads go through a tile together (the pool's order)
+// with the next tile prefetched. The file is built once per ISA (the -m flags in
+// lmstack/inference/paged_kernel.py) and the op is named after the build (LMSTACK_OP). The AVX-512 build
+// reads the rows in place in their stored dtype and converts each 16 values in registers (fp16: vcvtph2ps,
+// bf16: a 16-bit shift, int8: a sign extension, fp8: its bits placed in fp16's fields); int8 / fp8 scales
+// multiply the scores and the softmax weights, not the rows. The other builds convert each row once into
+// an fp32 buffer (F16C for fp16 where the build has it) and run plain loops the compiler vectorises.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
