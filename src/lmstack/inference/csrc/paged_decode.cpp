@@ -404,6 +404,10 @@ void tile(const Args& a, Online& o, const R* const* krow, const R* const* vrow, 
   pv_all<R>(o.acc, G, Hp, H, alpha, sc, vrow, n);
 }
 
+struct Slots {  // a tile's slots: block ids and row offsets (slot · K) in the pool
+  int64_t n = 0, blk[kTile], at[kTile];
+};
+
 // The visible pool slots [lo, hi) of row b.
 inline std::pair<int64_t, int64_t> visible(const Args& a, int64_t b) {
   const int64_t p = a.pos[b];
@@ -437,37 +441,57 @@ void attend_row(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh0,
   const R* krow[kTile];
   const R* vrow[kTile];
   float ks[kTile] = {}, vs[kTile] = {};
-  // slot s's K, V rows of heads [h0, h1) in row r: the pool is cold
-  auto prefetch = [&](int64_t s, int64_t h0, int64_t h1, const int64_t* r) {
-    const int64_t blk = r[s / bs];
-    if (blk < 0 || blk >= a.NB) return;  // reported when read
-    const int64_t span = (h1 - h0) * H * static_cast<int64_t>(sizeof(T));
-    const char* k = reinterpret_cast<const char*>(kp + ((blk * bs + s % bs) * K + h0) * H);
-    const char* v = reinterpret_cast<const char*>(vp + ((blk * bs + s % bs) * K + h0) * H);
-    for (int64_t off = 0; off < span; off += 64) {
-      __builtin_prefetch(k + off, 0, 3);
-      __builtin_prefetch(v + off, 0, 3);
+  // a tile's slots [t0, t1) of row rb (t1 - t0 <= kTile): their block ids and their rows' offsets in the pool
+  // (in rows of H), one division per tile
+  auto slots_of = [&](int64_t rb, int64_t t0, int64_t t1, Slots& o) {
+    const int64_t* r = a.table + rb * a.M;
+    int64_t j = t0 / bs, off = t0 % bs;
+    o.n = t1 - t0;
+    for (int64_t t = 0; t < o.n; ++t) {
+      const int64_t blk = r[j];
+      TORCH_CHECK(blk >= 0 && blk < a.NB, "paged_decode: block id ", blk, " (row ", rb, ", table entry ", j,
+                  ") outside the pool's ", a.NB, " blocks");
+      o.blk[t] = blk;
+      o.at[t] = (blk * bs + off) * K;
+      if (++off == bs) {
+        off = 0;
+        ++j;
+      }
     }
-    asm volatile("");  // GCC 12 deleted these loops of prefetches as code without effect
   };
-  for (int64_t s = lo; s < std::min(lo + kTile, hi); ++s) prefetch(s, kh0, kh1, row);
-  for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
-    const int64_t n = std::min(kTile, hi - t0);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t blk = row[(t0 + t) / bs];
-      TORCH_CHECK(blk >= 0 && blk < a.NB, "paged_decode: block id ", blk, " (row ", b, ", table entry ",
-                  (t0 + t) / bs, ") outside the pool's ", a.NB, " blocks");
-      if (t0 + kTile + t < hi) prefetch(t0 + kTile + t, kh0, kh1, row);  // the next tile's rows arrive while this one is scored
+  auto prefetch = [&](const Slots& o, int64_t h0, int64_t h1) {  // their K, V rows of heads [h0, h1): the pool is cold
+    const int64_t span = (h1 - h0) * H * static_cast<int64_t>(sizeof(T));
+    for (int64_t t = 0; t < o.n; ++t) {
+      const char* k = reinterpret_cast<const char*>(kp + (o.at[t] + h0) * H);
+      const char* v = reinterpret_cast<const char*>(vp + (o.at[t] + h0) * H);
+      for (int64_t off = 0; off < span; off += 64) {
+        __builtin_prefetch(k + off, 0, 3);
+        __builtin_prefetch(v + off, 0, 3);
+      }
+      asm volatile("");  // GCC 12 deleted these loops of prefetches as code without effect
     }
-    if (t0 + kTile >= hi && nb >= 0) {  // the last tile: the next item's first
+  };
+  Slots cur, nxt;
+  if (lo < hi) {
+    slots_of(b, lo, std::min(lo + kTile, hi), cur);
+    prefetch(cur, kh0, kh1);
+  }
+  for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
+    const int64_t n = cur.n;
+    if (t0 + kTile < hi) {  // the next tile's rows arrive while this one is scored
+      slots_of(b, t0 + kTile, std::min(t0 + 2 * kTile, hi), nxt);
+      prefetch(nxt, kh0, kh1);
+    } else if (nb >= 0) {  // the last tile: the next item's first
       const auto [nlo, nhi] = visible(a, nb);
-      for (int64_t s = nlo; s < std::min(nlo + kTile, nhi); ++s) prefetch(s, nh0, nh1, a.table + nb * a.M);
+      if (nlo < nhi) {
+        slots_of(nb, nlo, std::min(nlo + kTile, nhi), nxt);
+        prefetch(nxt, nh0, nh1);
+      }
     }
     for (int64_t kh = kh0; kh < kh1; ++kh) {
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t s = t0 + t, blk = row[s / bs];
-        const T* k = kp + ((blk * bs + s % bs) * K + kh) * H;
-        const T* v = vp + ((blk * bs + s % bs) * K + kh) * H;
+        const T* k = kp + (cur.at[t] + kh) * H;
+        const T* v = vp + (cur.at[t] + kh) * H;
         if constexpr (kInPlace || std::is_same_v<T, float>) {
           krow[t] = reinterpret_cast<const R*>(k);
           vrow[t] = reinterpret_cast<const R*>(v);
@@ -478,12 +502,13 @@ void attend_row(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh0,
           vrow[t] = reinterpret_cast<const R*>(vbuf.data() + t * H);
         }
         if (a.k_scale) {
-          ks[t] = a.k_scale[blk * K + kh];
-          vs[t] = a.v_scale[blk * K + kh];
+          ks[t] = a.k_scale[cur.blk[t] * K + kh];
+          vs[t] = a.v_scale[cur.blk[t] * K + kh];
         }
       }
       tile<R>(a, st[kh - kh0], krow, vrow, a.k_scale ? ks : nullptr, a.k_scale ? vs : nullptr, n, Hp, sc, alpha);
     }
+    std::swap(cur, nxt);
   }
   for (int64_t kh = kh0; kh < kh1; ++kh) {
     Online& o = st[kh - kh0];
