@@ -295,29 +295,45 @@ inline void load_row(const c10::Float8_e4m3fn* src, int64_t H, float* dst) {
   for (int64_t h = 0; h < H; ++h) dst[h] = lut[raw[h]];
 }
 
+// s[g, t] = q_g · k_t: per row, 16-value partial sums (one vector register's worth) for each head
 template <typename R>
 void score_all(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t t = 0; t < n; ++t) {
-      const float *qg = q + g * Hp, *k = krow[t];
+  const int64_t H16 = H / 16 * 16;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* k = krow[t];
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * Hp;
+      float acc[16] = {};
+      for (int64_t h0 = 0; h0 < H16; h0 += 16)
+        for (int j = 0; j < 16; ++j) acc[j] += qg[h0 + j] * k[h0 + j];
       float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t h = 0; h < H; ++h) sum += qg[h] * k[h];
+      for (int j = 0; j < 16; ++j) sum += acc[j];
+      for (int64_t h = H16; h < H; ++h) sum += qg[h] * k[h];
       s[g * kTile + t] = sum;
     }
+  }
 }
+// acc[g] = alpha[g] acc[g] + sum_t w[g, t] v_t, 16 values at a time (kept in registers over the rows)
 template <typename R>
 void pv_all(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+  const int64_t H16 = H / 16 * 16;
   for (int64_t g = 0; g < G; ++g) {
     float* a = acc + g * Hp;
-    const float al = alpha[g];
-#pragma omp simd
-    for (int64_t h = 0; h < H; ++h) a[h] *= al;
-    for (int64_t t = 0; t < n; ++t) {
-      const float wt = w[g * kTile + t];
-      const float* v = vrow[t];
-#pragma omp simd
-      for (int64_t h = 0; h < H; ++h) a[h] += wt * v[h];
+    const float* wg = w + g * kTile;
+    for (int64_t h0 = 0; h0 < H16; h0 += 16) {
+      float r[16];
+      for (int j = 0; j < 16; ++j) r[j] = alpha[g] * a[h0 + j];
+      for (int64_t t = 0; t < n; ++t) {
+        const float wt = wg[t];
+        const float* v = vrow[t] + h0;
+        for (int j = 0; j < 16; ++j) r[j] += wt * v[j];
+      }
+      for (int j = 0; j < 16; ++j) a[h0 + j] = r[j];
+    }
+    for (int64_t h = H16; h < H; ++h) {
+      float r = alpha[g] * a[h];
+      for (int64_t t = 0; t < n; ++t) r += wg[t] * vrow[t][h];
+      a[h] = r;
     }
   }
 }
