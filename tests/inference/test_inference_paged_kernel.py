@@ -147,17 +147,25 @@ def test_kernel_equals_sdpa_for_each_group_size_and_head_dim(variant, dtype, g_,
     torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
 
 
-def test_kernel_reads_fp8_nan_and_subnormal_codes_as_torch_does():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernel_reads_fp8_nan_and_subnormal_codes_as_torch_does(variant):
     """Every e4m3 code (subnormals, +-0, the NaN codes 0x7F / 0xFF) in the value rows: the kernel's
-    in-register conversion against torch's ``float8_e4m3fn -> float32``."""
-    _kernel_on()
+    conversion (AVX-512 / AVX2: through fp16's bit fields) against torch's ``float8_e4m3fn -> float32``."""
+    _built(variant)
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(16, 1, 1, 16)
     ks = torch.ones(16, 1)
     q = torch.zeros(1, 1, 1, 16)  # equal scores: the output is the mean of the visible value rows
     for p in range(16):
         keys = torch.zeros_like(codes)  # (a NaN key would make every score NaN)
         out = paged_kernel.paged_decode(
-            q, keys, codes, torch.arange(16)[None], torch.tensor([p]), k_scale=ks, v_scale=ks
+            q,
+            keys,
+            codes,
+            torch.arange(16)[None],
+            torch.tensor([p]),
+            k_scale=ks,
+            v_scale=ks,
+            variant=variant,
         )
         ref = codes[: p + 1, 0, 0].float().mean(0)
         torch.testing.assert_close(out[0, 0, 0], ref, equal_nan=True)
