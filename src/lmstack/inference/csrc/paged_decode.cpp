@@ -352,7 +352,7 @@ constexpr bool kInPlace = false;
 #endif
 
 struct Args {
-  const float* q;        // (B, N, H) fp32, already times 1/sqrt(H)
+  const float* q;        // (B, N, H) fp32
   const float* k_new;    // (B, K, H) fp32 or null
   const float* v_new;
   const float* k_scale;  // (NB, K) or null
@@ -362,6 +362,7 @@ struct Args {
   float* out;            // (B, N, H) fp32
   int64_t B, N, K, G, H, bs, M, NB, window;
   float softcap;
+  float q_scale;  // 1/sqrt(H), applied as q is copied per row
 };
 
 inline void cap(float* s, int64_t n, float c) {
@@ -459,7 +460,8 @@ void attend_row(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh0,
     st[i] = Online{base, base + 2 * G * Hp, base + 2 * G * Hp + G, base + G * Hp};
     for (int64_t g = 0; g < G; ++g) {
       st[i].m[g] = kNegInf;
-      std::memcpy(st[i].q + g * Hp, a.q + (b * a.N + (kh0 + i) * G + g) * H, H * sizeof(float));
+      const float* src = a.q + (b * a.N + (kh0 + i) * G + g) * H;
+      for (int64_t h = 0; h < H; ++h) st[i].q[g * Hp + h] = src[h] * a.q_scale;
     }
   }
   float* sc = ws.data() + nk * (2 * G * Hp + 2 * G);
@@ -595,7 +597,7 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_pool, const 
     TORCH_CHECK(pos[b] >= 0 && hi <= M * bs, "paged_decode: row ", b, " at position ", pos[b], " needs slots up to ", hi,
                 " but its table holds ", M, " blocks of ", bs);
   }
-  const at::Tensor q = (q_in.to(at::kFloat) * (1.0 / std::sqrt(static_cast<double>(H)))).contiguous();
+  const at::Tensor q = as_float(q_in);  // times 1/sqrt(H) in the kernel (one op less a call)
   at::Tensor kn, vn, ks, vs;
   if (k_new) {
     TORCH_CHECK(k_new->sizes() == at::IntArrayRef({B, K, H}) && v_new->sizes() == k_new->sizes(),
@@ -619,7 +621,8 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_pool, const 
          table.data_ptr<int64_t>(),
          pos,
          out.data_ptr<float>(),
-         B, N, K, N / K, H, bs, M, NB, window, static_cast<float>(softcap)};
+         B, N, K, N / K, H, bs, M, NB, window, static_cast<float>(softcap),
+         static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)))};
   switch (kp.scalar_type()) {
     case at::kFloat: run<float>(a, kp, vp); break;
     case at::kBFloat16: run<c10::BFloat16>(a, kp, vp); break;
