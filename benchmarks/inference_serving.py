@@ -44,6 +44,7 @@ import torch
 
 from lmstack.inference import LLM, SamplingParams, generate
 from lmstack.inference.loader import load_for_inference
+from lmstack.inference.paged import KV_CACHE_DTYPES
 from lmstack.inference.static import StaticDecoder
 from lmstack.model.io import find_named_model
 
@@ -191,6 +192,12 @@ def main() -> None:
     )
     ap.add_argument("--skip-prefix", action="store_true", help="skip the shared-prompt workload")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--kv-dtype",
+        choices=("model", *KV_CACHE_DTYPES),
+        default="model",
+        help="the continuous engine's KV pool dtype (LLMEngine(kv_dtype=...); model: the model's)",
+    )
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-static-lmstack", action="store_true")
     ap.add_argument(
@@ -207,12 +214,15 @@ def main() -> None:
         f"{torch.backends.cpu.get_cpu_capability()}, threads {args.threads}, load avg "
         f"{os.getloadavg()[0]:.1f}; SmolLM2-135M {args.dtype} ({fmt} linears)"
         + (", compiled" if args.compile else "")
+        + f", KV {args.kv_dtype}"
     )
     spec = (
         dict(num_speculative_tokens=args.speculative_tokens, draft_model=args.draft_layers or None)
         if args.speculative_tokens
         else {}
     )
+    if args.kv_dtype != "model":
+        spec["kv_dtype"] = args.kv_dtype
     prompts, outs = workload(args.requests, lengths=args.lengths)
     useful = sum(outs)
     print(
@@ -227,7 +237,7 @@ def main() -> None:
         import pstats
 
         prof = cProfile.Profile()
-        wall, res, engine = prof.runcall(run_continuous, model, prompts, outs, args.batch)
+        wall, res, engine = prof.runcall(run_continuous, model, prompts, outs, args.batch, **spec)
         print(
             f"continuous (lmstack) under cProfile: {wall:.1f} s, {engine.stats['computed_tokens']} tokens computed, "
             f"{engine.stats['forwards']} forwards"
