@@ -243,6 +243,22 @@ def test_fake_shape_and_compiled_call_without_graph_break():
     torch.testing.assert_close(compiled(q, table, pos), f(q, table, pos))
 
 
+def test_canned_cpu_chooses_its_variant(monkeypatch):
+    """LMSTACK_CPU=avx2 on an AVX-512 machine takes the avx2 build (as the int4/int8 choices do)."""
+    from lmstack import cpu
+
+    if "avx2" not in cpu.probe().flags:
+        pytest.skip("this CPU cannot build the avx2 variant")
+    monkeypatch.setenv("LMSTACK_CPU", "avx2")
+    monkeypatch.delenv(paged_kernel.ENV, raising=False)
+    paged_kernel.reset()
+    try:
+        assert paged_kernel.selected() == ("avx2", None)
+    finally:
+        monkeypatch.undo()
+        paged_kernel.reset()
+
+
 def test_choose_variant_follows_the_cpu_and_the_switch():
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx2"}
     assert paged_kernel.choose_variant(avx512, "x86_64") == ("avx512", None)
