@@ -31,6 +31,7 @@ import torch
 
 from lmstack.inference import LLMEngine, SamplingParams, generate, truncated_draft
 from lmstack.inference.loader import load_for_inference
+from lmstack.inference.paged import KV_CACHE_DTYPES, kv_cache_dtype
 from lmstack.model.io import find_named_model
 from lmstack.quant import Int4Linear, quantize_model
 
@@ -141,6 +142,12 @@ def main() -> None:
         default="fp32",
         help="auto: the GGUF's own format (Q4_1 -> int4 linears, what `lmstack serve --dtype auto` runs)",
     )
+    ap.add_argument(
+        "--kv-dtype",
+        choices=("model", *KV_CACHE_DTYPES),
+        default="model",
+        help="the paged pool's K/V dtype (LLMEngine(kv_dtype=...); model: the model's dtype)",
+    )
     ap.add_argument("--compile", action="store_true")
     ap.add_argument(
         "--quant", choices=("int4", "int8"), default=None, help="quantise the linears first"
@@ -200,13 +207,15 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     kw: dict = {"compile": True} if args.compile else {}
     kw["fuse_projections"] = not args.no_fuse
+    if args.kv_dtype != "model":
+        kw["kv_dtype"] = kv_cache_dtype(args.kv_dtype)
     seats = max(batches) + (args.prefills if args.mixed is not None else 0)
     engine = LLMEngine(model, max_num_seqs=seats, max_num_batched_tokens=512, **kw)
     if args.max_compiled_batch is not None and engine.runner.decode is not None:
         engine.runner.decode.max_compiled_batch = args.max_compiled_batch
     print(
         f"SmolLM2-135M {args.dtype}{' ' + args.quant if args.quant else ''} ({getattr(model, 'quantization', None) or args.quant or args.dtype} linears, {model.config.n_layers} layers), torch threads {args.threads}, cpu {torch.backends.cpu.get_cpu_capability()}, "
-        f"load avg {os.getloadavg()[0]:.1f}, compile={args.compile}, fused projections {not args.no_fuse}"
+        f"load avg {os.getloadavg()[0]:.1f}, compile={args.compile}, kv {engine.cache.quant or engine.cache.k.dtype}, fused projections {not args.no_fuse}"
     )
     if args.compile:
         t0 = time.perf_counter()

@@ -44,6 +44,7 @@ import torch
 
 from lmstack.inference import LLM, SamplingParams, generate
 from lmstack.inference.loader import load_for_inference
+from lmstack.inference.paged import KV_CACHE_DTYPES
 from lmstack.inference.static import StaticDecoder
 from lmstack.model.io import find_named_model
 
@@ -99,12 +100,17 @@ def run_continuous(model, prompts, outs, batch, compile=False, **kw):
             f"{time.perf_counter() - t0:.0f} s"
         )
     before = compiled_graphs(llm.engine)
+    decode = llm.engine.runner.decode
+    counts = (decode.steps, decode.rows) if decode is not None else (0, 0)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs]
     t0 = time.perf_counter()
     res = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
     assert [len(r.token_ids) for r in res] == outs
     llm.engine.stats["graphs_compiled_while_timed"] = compiled_graphs(llm.engine) - before
+    if decode is not None:  # decode-only steps and their rows while timed (mean occupancy)
+        llm.engine.stats["decode_steps"] = decode.steps - counts[0]
+        llm.engine.stats["decode_rows"] = decode.rows - counts[1]
     return wall, res, llm.engine
 
 
@@ -186,6 +192,12 @@ def main() -> None:
     )
     ap.add_argument("--skip-prefix", action="store_true", help="skip the shared-prompt workload")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--kv-dtype",
+        choices=("model", *KV_CACHE_DTYPES),
+        default="model",
+        help="the continuous engine's KV pool dtype (LLMEngine(kv_dtype=...); model: the model's)",
+    )
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-static-lmstack", action="store_true")
     ap.add_argument(
@@ -202,12 +214,15 @@ def main() -> None:
         f"{torch.backends.cpu.get_cpu_capability()}, threads {args.threads}, load avg "
         f"{os.getloadavg()[0]:.1f}; SmolLM2-135M {args.dtype} ({fmt} linears)"
         + (", compiled" if args.compile else "")
+        + f", KV {args.kv_dtype}"
     )
     spec = (
         dict(num_speculative_tokens=args.speculative_tokens, draft_model=args.draft_layers or None)
         if args.speculative_tokens
         else {}
     )
+    if args.kv_dtype != "model":
+        spec["kv_dtype"] = args.kv_dtype
     prompts, outs = workload(args.requests, lengths=args.lengths)
     useful = sum(outs)
     print(
@@ -222,7 +237,7 @@ def main() -> None:
         import pstats
 
         prof = cProfile.Profile()
-        wall, res, engine = prof.runcall(run_continuous, model, prompts, outs, args.batch)
+        wall, res, engine = prof.runcall(run_continuous, model, prompts, outs, args.batch, **spec)
         print(
             f"continuous (lmstack) under cProfile: {wall:.1f} s, {engine.stats['computed_tokens']} tokens computed, "
             f"{engine.stats['forwards']} forwards"
@@ -246,6 +261,12 @@ def main() -> None:
             else ""
         )
     )
+    if engine.stats.get("decode_steps"):
+        st = engine.stats
+        print(
+            f"  decode occupancy: {st['decode_rows'] / st['decode_steps']:.1f} rows per decode-only "
+            f"step of {args.batch} seats ({st['decode_steps']} of {st['steps']} steps decode-only)"
+        )
     if spec:
         st = engine.stats
         print(

@@ -349,3 +349,30 @@ def test_a_direct_call_that_disagrees_falls_back_to_the_wrapped_graph(monkeypatc
     out = llm.generate(chosen, greedy(8))
     assert [o.token_ids for o in out] == [full_recompute_greedy(model, p, 8) for p in chosen]
     assert decode._direct and all(d and not d[2] for d in decode._direct.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_compiled_decode_makes_no_graph_as_tables_grow(path):
+    """Sequences that cross table buckets after ``warm_up`` compile nothing new: with the torch formula
+    (a float64 model) every table bucket is compiled at warm-up; with the C++ kernel (float32) one graph
+    per batch bucket takes the whole max_model_len table. Greedy output equals full recompute."""
+    from lmstack.inference import paged_kernel
+
+    if path == "kernel" and paged_kernel.selected()[0] == "torch":
+        pytest.skip(f"paged kernel off: {paged_kernel.selected()[1]}")
+    dtype = torch.float64 if path == "torch" else torch.float32
+    model = make_model(dtype=dtype, init_std=0.2)  # peaked logits: no near-ties in fp32
+    llm = LLM(model, block_size=4, max_num_seqs=2, max_model_len=48, compile={"cpp_wrapper": False})
+    decode = llm.engine.runner.decode
+    decode.buckets = (2,)
+    decode.min_blocks = 2  # table buckets of 2, 4, 8 and 12 blocks (max_model_len 48 = 12 blocks)
+    assert decode.full_table == (path == "kernel")
+    llm.engine.warm_up()
+    warm = 1 if path == "kernel" else 4  # one graph per table bucket of the one batch bucket
+    assert decode.graphs == warm
+    g = torch.Generator().manual_seed(3)
+    chosen = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 9)]
+    out = llm.generate(chosen, greedy(30))  # up to 39 positions: tables of 1 .. 10 blocks
+    assert [o.token_ids for o in out] == [full_recompute_greedy(model, p, 30) for p in chosen]
+    assert decode.graphs == warm  # no compilation while serving

@@ -47,7 +47,7 @@ def _built(variant):
     return variant
 
 
-def _pool(dtype, g):
+def _pool(dtype, g, H=H):
     """K and V pools (NB, BS, K, H) in ``dtype`` (int8/fp8: codes with scales (NB, K)) and their float64
     values; block NAN_BLOCK is NaN."""
     vals, out, scales = [], [], []
@@ -75,7 +75,7 @@ def _table():
     return torch.tensor([t + [NAN_BLOCK] * (M - len(t)) for t in TABLES])
 
 
-def _reference(q, kv, vv, k_new, v_new, window, softcap=None):
+def _reference(q, kv, vv, k_new, v_new, window, softcap=None, G=G):
     """Per row: SDPA (float64) over the visible slots' keys picked one by one through the table."""
     outs = []
     for b, (t, p) in enumerate(zip(TABLES, POSITIONS)):
@@ -100,7 +100,9 @@ def _reference(q, kv, vv, k_new, v_new, window, softcap=None):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn], ids=str
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn],
+    ids=str,
 )
 @pytest.mark.parametrize("new", [False, True], ids=["pool", "k_new"])
 @pytest.mark.parametrize("window", [None, 5])
@@ -121,6 +123,52 @@ def test_kernel_equals_sdpa_over_the_tables_slots(variant, dtype, new, window):
     assert out.shape == (B, N, 1, H) and out.dtype == torch.float32
     ref = _reference(q, kv, vv, k_new, v_new, window)
     torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str
+)
+@pytest.mark.parametrize("g_, h_", [(1, 64), (2, 16), (4, 33), (5, 72), (9, 8)])
+def test_kernel_equals_sdpa_for_each_group_size_and_head_dim(variant, dtype, g_, h_):
+    """G = 1 (MHA) to 9 query heads per KV head (the kernel's groups of 4 and their remainders), H a
+    multiple of 16 or not (a masked tail chunk), with this step's k_new."""
+    _built(variant)
+    g = torch.Generator().manual_seed(100 * g_ + h_)
+    kp, vp, (ks, vs), kv, vv = _pool(dtype, g, H=h_)
+    B = len(TABLES)
+    q = torch.randn(B, K * g_, 1, h_, generator=g) * 3
+    k_new, v_new = torch.randn(B, K, h_, generator=g), torch.randn(B, K, h_, generator=g)
+    table, pos = _table(), torch.tensor(POSITIONS)
+    out = paged_kernel.paged_decode(
+        q, kp, vp, table, pos, k_new, v_new, None, None, ks, vs, variant=variant
+    )
+    ref = _reference(q, kv, vv, k_new, v_new, None, G=g_)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernel_reads_fp8_nan_and_subnormal_codes_as_torch_does(variant):
+    """Every e4m3 code (subnormals, +-0, the NaN codes 0x7F / 0xFF) in the value rows: the kernel's
+    conversion (AVX-512 / AVX2: through fp16's bit fields) against torch's ``float8_e4m3fn -> float32``."""
+    _built(variant)
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(16, 1, 1, 16)
+    ks = torch.ones(16, 1)
+    q = torch.zeros(1, 1, 1, 16)  # equal scores: the output is the mean of the visible value rows
+    for p in range(16):
+        keys = torch.zeros_like(codes)  # (a NaN key would make every score NaN)
+        out = paged_kernel.paged_decode(
+            q,
+            keys,
+            codes,
+            torch.arange(16)[None],
+            torch.tensor([p]),
+            k_scale=ks,
+            v_scale=ks,
+            variant=variant,
+        )
+        ref = codes[: p + 1, 0, 0].float().mean(0)
+        torch.testing.assert_close(out[0, 0, 0], ref, equal_nan=True)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -193,6 +241,22 @@ def test_fake_shape_and_compiled_call_without_graph_break():
     compiled = torch.compile(f, fullgraph=True, dynamic=False)  # fullgraph: a graph break raises
     table, pos = _table(), torch.tensor(POSITIONS)
     torch.testing.assert_close(compiled(q, table, pos), f(q, table, pos))
+
+
+def test_canned_cpu_chooses_its_variant(monkeypatch):
+    """LMSTACK_CPU=avx2 on an AVX-512 machine takes the avx2 build (as the int4/int8 choices do)."""
+    from lmstack import cpu
+
+    if "avx2" not in cpu.probe().flags:
+        pytest.skip("this CPU cannot build the avx2 variant")
+    monkeypatch.setenv("LMSTACK_CPU", "avx2")
+    monkeypatch.delenv(paged_kernel.ENV, raising=False)
+    paged_kernel.reset()
+    try:
+        assert paged_kernel.selected() == ("avx2", None)
+    finally:
+        monkeypatch.undo()
+        paged_kernel.reset()
 
 
 def test_choose_variant_follows_the_cpu_and_the_switch():

@@ -240,3 +240,4 @@ def test_cli_serves_and_shuts_down_on_sigterm(tmp_path):
         log = proc.log()
     assert [x for x in lines if x][-1] == "data: [DONE]"
     assert "Finished server process" in log, log
+    assert "KV cache: float16 (auto: the model computes in fp32 on the CPU" in log, log

@@ -20,9 +20,12 @@ with the kernel off, ``paged_decode_attention``'s indirect loads fused into the 
 with this token's k, v put at its slot, returned and written into the pool once after the forward
 for all layers (one ``index_copy_`` over the (L, NB·bs, K, H) pool). The block's weights are inputs of the
 graph, so the L identical blocks share it: B is padded to a bucket (1, 2, 4, 8, 16, 32, 64, then multiples
-of 64) and M to a power of two blocks (at least 256 tokens' worth, at most max_model_len's), and each (B, M)
-bucket compiles one graph (per distinct block structure), seconds instead of the minutes a whole-model
-graph took. After its first call a bucket's graph is called directly with the next block's tensors (no
+of 64) and each (B, M) bucket compiles one graph (per distinct block structure), seconds instead of the
+minutes a whole-model graph took. With the C++ kernel M is always max_model_len's blocks (the kernel reads
+each row's real blocks only, so the padding costs nothing): one graph per batch bucket serves every length.
+With the torch formula (which reads every slot) M is padded to a power of two blocks (at least 256 tokens'
+worth, at most max_model_len's). ``warm_up`` compiles every (B, M) bucket, so nothing compiles while
+serving. After its first call a bucket's graph is called directly with the next block's tensors (no
 Dynamo guard walk per layer; checked once against Dynamo's own call on a second block). Embedding, final
 norm and unembedding run eagerly (three ops). Padding rows feed token 0 at position 0 through a table of
 null blocks and write into the null block, which takes padding writes by design (``block_manager``).
@@ -254,6 +257,14 @@ class DecodeStep:
         )  # model layers in pool-row order
         self.max_blocks = cache.blocks.blocks_for(max_model_len)
         self.min_blocks = min(self.max_blocks, cache.blocks.blocks_for(MIN_BUCKET_TOKENS))
+        # the C++ kernel reads each row's real blocks only, whatever the table's width: its graphs take
+        # one table of max_model_len's blocks, so a batch bucket is one graph for every length (set in
+        # the compile branch below; the torch formula reads every slot and keeps the table buckets)
+        self.full_table = False
+        self._ranges: dict[int, Tensor] = {}  # M -> arange(M), the table fill's column index
+        self.steps = self.rows = (
+            0  # decode steps run and their real rows (occupancy; not warm-up's)
+        )
         self.options = dict(COMPILE_OPTIONS) | (compile_options or {})
         self._steps: dict[tuple, object] = {}  # (B, M, block signature) -> compiled block
         self._direct: dict[tuple, tuple | None] = {}  # same key -> (graph, input recipe) or None
@@ -281,6 +292,9 @@ class DecodeStep:
                 )
             paged_kernel.selected()  # built (or refused) before tracing: the graph reads the choice
             p = next(model.parameters())
+            with torch.no_grad():  # q's dtype is the embedding's (the kernel takes fp32/bf16/fp16)
+                x = model.embed(torch.zeros(1, 1, dtype=torch.long, device=p.device))
+            self.full_table = not cache.stores_latent and paged_kernel.usable(x, cache.k)
             compute = torch.float64 if p.dtype == torch.float64 else torch.float32
             for rope in (
                 model.ropes()
@@ -300,7 +314,10 @@ class DecodeStep:
         return len(self._graphs)
 
     def table_bucket(self, m: int) -> int:
-        """Padded table width for m blocks: a power of two ≥ ``min_blocks``, at most ``max_blocks``."""
+        """Padded table width for m blocks: ``max_blocks`` where the kernel reads the table
+        (``full_table``), else a power of two ≥ ``min_blocks``, at most ``max_blocks``."""
+        if self.full_table and m <= self.max_blocks:
+            return self.max_blocks
         b = self.min_blocks
         while b < m:
             b *= 2
@@ -465,27 +482,51 @@ class DecodeStep:
         """R rows: the token each feeds, its position, its block table (up to the block of that position)
         -> logits (R, V). Stores every layer's K/V of the fed tokens in the pool."""
         R = len(tokens)
-        m = max(map(len, tables))
+        self.steps += 1
+        self.rows += R
+        lens = [len(t) for t in tables]
+        m = max(lens)
         compiled = self.compiled and R <= self.max_compiled_batch
         B, M = (batch_bucket(R, self.buckets), self.table_bucket(m)) if compiled else (R, m)
-        rows = [t + [0] * (M - len(t)) for t in tables] + [[0] * M] * (B - R)  # null block pads
-        table = torch.tensor(rows, dtype=torch.long, device=self.device)  # (B, M)
-        pos = torch.tensor(positions + [0] * (B - R), dtype=torch.long, device=self.device)  # (B,)
-        tok = torch.tensor(tokens + [0] * (B - R), dtype=torch.long, device=self.device)[
-            :, None
-        ]  # (B, 1)
-        bs = self.cache.block_size
-        slots = (
-            table[torch.arange(B, device=self.device), pos // bs] * bs + pos % bs
-        )  # (B,) pads -> null block
+        bs, pad = self.cache.block_size, [0] * (B - R)
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        long, dev = torch.long, self.device
+        # (B, 1); pads: token 0 at position 0
+        tok = torch.tensor(tokens + pad, dtype=long, device=dev)[:, None]
+        pos = torch.tensor(positions + pad, dtype=long, device=dev)  # (B,)
+        # one more host->tensor copy: slots (B,), each row's length, then every row's blocks; the table's
+        # null-block padding is filled by torch, so Python work grows with the real blocks, not with M
+        flat = torch.tensor(
+            slots + pad + lens + [b for t in tables for b in t], dtype=long, device=dev
+        )
+        table = torch.zeros(B, M, dtype=long, device=dev)  # (B, M)
+        if min(lens) == M:
+            table[:R] = flat[B + R :].view(R, M)
+        else:
+            cols = self._ranges.get(M)
+            if cols is None:
+                cols = self._ranges[M] = torch.arange(M, device=self.device)
+            table[:R][cols < flat[B : B + R, None]] = flat[B + R :]
+        slots_t = flat[:B]  # (B,) pads -> the null block's slot 0
         if not compiled:
-            return self._eager(tok, pos, table, slots)
+            return self._eager(tok, pos, table, slots_t)
         logits, k, v = self._compiled(tok, pos, table)
-        self.cache.write_layers(self.layers, slots, k, v)
+        self.cache.write_layers(self.layers, slots_t, k, v)
         return logits[:R]
 
-    def warm_up(self, batch_sizes, blocks: int = 1) -> None:
-        """Compile the buckets of these batch sizes (table bucket of ``blocks`` blocks) on null-block rows."""
+    def table_buckets(self) -> list[int]:
+        """Every table width a step up to max_model_len uses: ``max_blocks`` alone with ``full_table``."""
+        out = [self.table_bucket(1)]
+        while out[-1] < self.max_blocks:
+            out.append(self.table_bucket(out[-1] + 1))
+        return out
+
+    def warm_up(self, batch_sizes) -> None:
+        """Compile the buckets of these batch sizes at every table bucket (``table_buckets``) on
+        null-block rows, so that no sequence's growth compiles a graph while serving."""
         for b in sorted({batch_bucket(n, self.buckets) for n in batch_sizes}):
             if b <= self.max_compiled_batch:
-                self.forward([0] * b, [0] * b, [[0] * blocks] * b)
+                for M in self.table_buckets():
+                    self.forward([0] * b, [0] * b, [[0] * M] * b)
+                    self.steps -= 1
+                    self.rows -= b

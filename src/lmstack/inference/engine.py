@@ -36,7 +36,7 @@ import torch
 from lmstack.inference.decode_step import DecodeStep, compile_policy
 from lmstack.inference.draft_runner import DraftRunner
 from lmstack.inference.model_runner import ModelRunner
-from lmstack.inference.paged import PagedKVCache, kv_pool_bytes
+from lmstack.inference.paged import KV_CACHE_DTYPES, PagedKVCache, kv_pool_bytes
 from lmstack.inference.prompts import prompt_token_ids
 from lmstack.inference.sampling import SamplingParams, as_integer, as_real
 from lmstack.inference.scheduler import Scheduler
@@ -164,6 +164,8 @@ class LLMEngine:
         self.max_model_len = min(c.max_seq_len, max_model_len)
         block_size = as_integer("block_size", block_size, 1)
         kv_dtype = kv_dtype or p.dtype
+        if isinstance(kv_dtype, str):  # a --kv-cache-dtype name ("fp16", "int8", ...)
+            kv_dtype = KV_CACHE_DTYPES.get(kv_dtype, kv_dtype)
         if kv_dtype not in KV_DTYPES and kv_dtype not in KV_FORMATS:
             raise ValueError(
                 f"kv_dtype={kv_dtype!r} must be one of {', '.join(map(str, KV_DTYPES))} (K/V stored "
@@ -388,8 +390,8 @@ class LLMEngine:
 
     def warm_up(self, batch_sizes: Iterable[int] | None = None) -> None:
         """Compile the decode step's batch buckets for ``batch_sizes`` (default every bucket up to
-        ``max_num_seqs``) at the smallest table bucket, before serving — the draft model's too; nothing
-        to do without ``compile``."""
+        ``max_num_seqs``) at every table bucket up to max_model_len (one where the C++ kernel reads the
+        table), before serving — the draft model's too; nothing to do without ``compile``."""
         sizes = range(1, self.scheduler.max_num_seqs + 1) if batch_sizes is None else batch_sizes
         sizes = [as_integer("batch size", b, 1) for b in sizes]
         for decode in (self.runner.decode, getattr(self.speculator, "decode", None)):

@@ -47,6 +47,24 @@ def kv_layers(config: ModelConfig) -> list[int]:
     return softmax_layers(config)
 
 
+#: ``--kv-cache-dtype`` names (vLLM's) -> what ``LLMEngine(kv_dtype=...)`` takes: a float dtype the pool
+#: stores K/V in, or a quantised format of ``quant.kv_codec`` (codes with per-block scales)
+KV_CACHE_DTYPES: dict[str, torch.dtype | str] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "int8": "int8",
+    "fp8": "fp8",
+}
+
+
+def kv_cache_dtype(name: str) -> torch.dtype | str:
+    """The pool dtype of a ``--kv-cache-dtype`` name (``KV_CACHE_DTYPES``); a clear error for others."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"KV cache dtype {name!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
+
+
 def kv_pool_bytes(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str
 ) -> int:

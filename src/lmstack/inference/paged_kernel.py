@@ -9,12 +9,16 @@ keeps a running max and sum (no (B, N, S) score tensor). Pools: float32 / bfloat
 codes with their per-(block, KV head) scales; q float32 / bfloat16 / float16 (a float64 q takes the torch
 formula, which computes in float64).
 
-The source is plain C++ loops for the compiler to vectorise, built on first use (``utils.build_extension``)
+The AVX-512 build reads the pool's rows in their stored dtype and converts them in registers (fp16 with
+``vcvtph2ps``, bf16 by a shift, int8, fp8 through fp16's bit fields) inside the score and P·V loops, one
+pass over a tile's rows for all G query heads; the others convert each row once into an fp32 buffer (F16C
+for fp16) and run plain loops for the compiler to vectorise. Built on first use (``utils.build_extension``)
 once per ISA: "avx512" (``-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma``, 512-bit vectors), "avx2"
 (``-mavx2 -mfma -mf16c``: any AVX2 CPU) or "generic" (``-O3`` only: SSE2 on x86, NEON on aarch64). Each
 registers ``torch.ops.lmstack_attn.paged_decode_<variant>`` with a ``register_fake`` shape function, so the
-compiled block graph calls it without a graph break. The variant follows the real CPU's flags
-(``cpu.probe``); ``LMSTACK_PAGED_KERNEL=auto|cpp|torch|avx512|avx2|generic`` forces one (``torch``: the
+compiled block graph calls it without a graph break. The variant follows the CPU's flags as
+``cpu.cpu_features()`` reads them (``LMSTACK_CPU=avx2`` makes an AVX-512 machine choose the avx2 build, as it does
+for the int4/int8 kernels); a build still needs the real CPU's flags (``cpu.probe``). ``LMSTACK_PAGED_KERNEL=auto|cpp|torch|avx512|avx2|generic`` forces one (``torch``: the
 formula; a variant the CPU lacks or that fails to build falls back to the formula, the reason logged once).
 The file lives with the engine (``inference/csrc``) rather than in ``kernels/`` because its layout is the
 engine's pool (``inference.paged``) and its only callers are the decode step's seams.
@@ -30,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lmstack.cpu import probe
+from lmstack.cpu import cpu_features, probe
 from lmstack.utils import build_extension
 
 _log = logging.getLogger(__name__)
@@ -123,7 +127,7 @@ def selected() -> tuple[str, str | None]:
     (``DecodeStep`` calls it before tracing); a fallback's reason is logged once."""
     global _choice
     if _choice is None:
-        cpu = probe()
+        cpu = cpu_features()  # a canned machine under LMSTACK_CPU
         forced = os.environ.get(ENV, "")
         name, why = choose_variant(cpu.flags, cpu.arch, forced)
         if name != "torch":

@@ -19,7 +19,7 @@ import torch
 
 from lmstack.inference.engine import BLOCK_SIZE, LLMEngine
 from lmstack.inference.loader import AUTO, add_model_arguments, load_for_inference
-from lmstack.inference.paged import kv_pool_bytes
+from lmstack.inference.paged import KV_CACHE_DTYPES, kv_cache_dtype, kv_pool_bytes
 from lmstack.serve import require_serve
 from lmstack.threads import add_threads_argument
 
@@ -73,6 +73,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="KV pool size in MiB (default: what every --max-seqs sequence at --max-model-len needs, "
         f"at most {DEFAULT_KV_MB})",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", *KV_CACHE_DTYPES),
+        help="what the KV pool stores (vLLM's flag): auto, the default, is fp16 when the model computes "
+        "in fp32 on the CPU (llama.cpp's default K/V type; half the pool's bytes and the decode "
+        "attention's reads), else the model's dtype; int8 / fp8: codes with per-block scales",
+    )
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
         "--compile",
@@ -119,16 +127,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
-def default_kv_cache_bytes(model, max_seqs: int, max_model_len: int | None) -> int:
+def compute_dtype(model) -> torch.dtype:
+    """The dtype the model's K/V come out in: its first parameter's, fp32 for a quantised one's codes."""
+    dtype = next(model.parameters()).dtype
+    return dtype if dtype.is_floating_point else torch.float32
+
+
+def resolve_kv_cache_dtype(name: str, model) -> tuple[torch.dtype | str, str]:
+    """(the pool dtype ``LLMEngine(kv_dtype=...)`` takes, why) for ``--kv-cache-dtype name``. auto: fp16 when
+    the model computes in fp32 on the CPU (llama.cpp's default K/V type is f16: the same precision as that
+    peer, half the pool and half the decode attention's memory reads), else the model's own dtype."""
+    if name != "auto":
+        return kv_cache_dtype(name), f"--kv-cache-dtype {name}"
+    dtype = compute_dtype(model)
+    if dtype == torch.float32 and next(model.parameters()).device.type == "cpu":
+        return (
+            torch.float16,
+            "auto: the model computes in fp32 on the CPU, K/V kept in fp16 as llama.cpp's",
+        )
+    return dtype, "auto: the model's dtype"
+
+
+def default_kv_cache_bytes(
+    model, max_seqs: int, max_model_len: int | None, kv_dtype: torch.dtype | str | None = None
+) -> int:
     """The KV pool a server needs at most: every one of ``max_seqs`` sequences at ``max_model_len`` tokens (the
-    accounting formula, ``paged.kv_pool_bytes``, in the engine's block size and the model's dtype), capped at
-    ``DEFAULT_KV_MB``. The pool is zeroed, so touched, at start: sized to the model, a small model's server
-    takes little memory."""
+    accounting formula, ``paged.kv_pool_bytes``, in the engine's block size and ``kv_dtype``, default the
+    model's), capped at ``DEFAULT_KV_MB``. The pool is zeroed, so touched, at start: sized to the model, a small
+    model's server takes little memory."""
     config = model.config
     length = config.max_seq_len if max_model_len is None else min(max_model_len, config.max_seq_len)
-    dtype = next(model.parameters()).dtype
-    if not dtype.is_floating_point:  # a quantised model's first parameter: K/V are computed in fp32
-        dtype = torch.float32
+    dtype = compute_dtype(model) if kv_dtype is None else kv_dtype
     blocks = max_seqs * -(-length // BLOCK_SIZE) + 1  # + the null block
     return min(DEFAULT_KV_MB * 2**20, kv_pool_bytes(config, blocks, BLOCK_SIZE, dtype))
 
@@ -202,8 +231,9 @@ def run_serve(args) -> int:
             f"--max-model-len {args.max_model_len} exceeds the model's context "
             f"({model.config.max_seq_len} positions)"
         )
+    kv_dtype, why = resolve_kv_cache_dtype(args.kv_cache_dtype, model)
     kv_bytes = (
-        default_kv_cache_bytes(model, args.max_seqs, args.max_model_len)
+        default_kv_cache_bytes(model, args.max_seqs, args.max_model_len, kv_dtype)
         if args.kv_cache_mb is None
         else args.kv_cache_mb * 2**20
     )
@@ -214,11 +244,21 @@ def run_serve(args) -> int:
         max_num_batched_tokens=args.max_tokens_per_step,
         max_model_len=args.max_model_len,
         kv_cache_bytes=kv_bytes,
+        kv_dtype=kv_dtype,
         enable_prefix_caching=not args.no_prefix_caching,
         num_speculative_tokens=args.speculative_tokens,
         draft_model=args.draft_layers or None,
         seed=args.seed,
         compile=args.compile,
+    )
+    pool = engine.cache
+    logging.getLogger("lmstack.serve").info(
+        "KV cache: %s (%s), %d blocks of %d tokens, %.0f MiB",
+        pool.quant or str(pool.k.dtype).removeprefix("torch."),
+        why,
+        pool.k.shape[1],
+        pool.block_size,
+        pool.nbytes / 2**20,
     )
     t0 = time.perf_counter()
     engine.warm_up()  # the compiled buckets (nothing to do when the step runs eagerly)

@@ -11,17 +11,22 @@
 //   window > 0. softcap > 0: scores c * tanh(s / c) before the mask (Gemma-2). Query head n reads KV head
 //   n / G, G = N / K (GQA).
 // Per (row, KV head) only slots lo .. p_b are read (never the table's padding), each key and value row
-// once for the G query heads that share it, in tiles of 16 slots: 16 scores per query head, one rescale of
-// the running output per tile; a row's KV heads go through a tile together (the pool's order) with the next
-// tile prefetched. Plain loops for the compiler to vectorise: the file is built once per ISA
-// (the -m flags in lmstack/inference/paged_kernel.py) and the op is named after the build (LMSTACK_OP).
+// once for the G query heads that share it, in tiles of 16 slots: one pass over the tile's key rows scores
+// all G heads (16 scores each), the online softmax updates each head's max and sum, and one pass over the
+// value rows accumulates P·V for all G heads; a row's KV heads go through a tile together (the pool's order)
+// with the next tile prefetched. The file is built once per ISA (the -m flags in
+// lmstack/inference/paged_kernel.py) and the op is named after the build (LMSTACK_OP). The AVX-512 build
+// reads the rows in place in their stored dtype and converts each 16 values in registers (fp16: vcvtph2ps,
+// bf16: a 16-bit shift, int8: a sign extension, fp8: its bits placed in fp16's fields); int8 / fp8 scales
+// multiply the scores and the softmax weights, not the rows. The other builds convert each row once into
+// an fp32 buffer (F16C for fp16 where the build has it) and run plain loops the compiler vectorises.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <algorithm>
@@ -30,6 +35,8 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifndef LMSTACK_OP
@@ -70,35 +77,27 @@ inline float exp_nonpos(float x) {
   return x < -87.f ? 0.f : p * two_n;
 }
 
-// One stored row of H values -> fp32, times the block's scale.
-inline void load_row(const float* src, float s, int64_t H, float* dst) {
-  for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * s;
+#if defined(__AVX512F__)
+// 16 stored values -> 16 fp32 (m: the lanes to read, the rest 0), in registers: the key and value rows are
+// read in place from the pool, converted inside the score and P·V loops (no fp32 copy of a row).
+inline __m512 ld(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 ld(const c10::BFloat16* p, __mmask16 m) {  // bf16 = fp32's high 16 bits
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
-inline void load_row(const c10::BFloat16* src, float s, int64_t H, float* dst) {
-  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t h = 0; h < H; ++h) dst[h] = bits_to_float(static_cast<uint32_t>(raw[h]) << 16) * s;
-}
-inline void load_row(const c10::Half* src, float s, int64_t H, float* dst) {
-  for (int64_t h = 0; h < H; ++h) dst[h] = static_cast<float>(src[h]) * s;
-}
-inline void load_row(const int8_t* src, float s, int64_t H, float* dst) {
-  for (int64_t h = 0; h < H; ++h) dst[h] = static_cast<float>(src[h]) * s;
-}
-const float* fp8_table() {  // the 256 e4m3 codes' values, built once
-  static const std::vector<float> t = [] {
-    std::vector<float> v(256);
-    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
-    return v;
-  }();
-  return t.data();
-}
-inline void load_row(const c10::Float8_e4m3fn* src, float s, int64_t H, float* dst) {
-  const uint8_t* raw = reinterpret_cast<const uint8_t*>(src);
-  const float* lut = fp8_table();
-  for (int64_t h = 0; h < H; ++h) dst[h] = lut[raw[h]] * s;
+inline __m512 ld(const c10::Half* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+inline __m512 ld(const int8_t* p, __mmask16 m) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p))); }
+// e4m3 (sign, 4 exponent bits biased 7, 3 mantissa bits) placed in fp16's fields is its value times 2^-8,
+// subnormals included (fp16's are converted exactly); codes 0x7F / 0xFF are NaN
+inline __m512 ld(const c10::Float8_e4m3fn* p, __mmask16 m) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+  return _mm512_mask_blend_ps(_mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F)), f,
+                              _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
 }
 
-#if defined(__AVX512F__)
 // r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: pairwise unpack-and-add (32-bit, then 64-bit
 // elements), then the 128-bit lanes, 45 shuffles and adds instead of 16 separate horizontal sums.
 inline __m512 hsum16(const __m512* v) {
@@ -114,82 +113,246 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xDD));
 }
 
-inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
-
-// s[t] = q · k_t for the tile's 16 rows (rows past the tile's end point at zeros); full 16-value chunks
-// with plain loads (folded into the FMA), the tail masked
-inline void score_tile(const float* q, const float* const* krow, int64_t H, float* s) {
-  __m512 acc[kTile];
-  for (int t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
-  const int64_t H16 = H / 16 * 16;
-  for (int64_t h0 = 0; h0 < H16; h0 += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + h0);
-    for (int t = 0; t < kTile; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(krow[t] + h0), acc[t]);
-  }
-  if (H16 < H) {
-    const __mmask16 m = tail_mask(H - H16);
-    const __m512 qv = _mm512_maskz_loadu_ps(m, q + H16);
-    for (int t = 0; t < kTile; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, krow[t] + H16), acc[t]);
-  }
-  _mm512_storeu_ps(s, hsum16(acc));
+// exp_nonpos on 16 lanes (the same steps as the scalar one).
+inline __m512 exp_nonpos16(__m512 x) {
+  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
 }
 
-// a = alpha a + sum_t p[t] v_t (H values; p[t] = 0 past the tile's end): the 16 broadcasts of p made once
-inline void pv_tile(float* a, float alpha, const float* p, const float* const* vrow, int64_t H) {
-  __m512 pb[kTile];
-  for (int t = 0; t < kTile; ++t) pb[t] = _mm512_set1_ps(p[t]);
-  const __m512 va = _mm512_set1_ps(alpha);
-  const int64_t H16 = H / 16 * 16;
-  for (int64_t h0 = 0; h0 < H16; h0 += 16) {
-    __m512 r = _mm512_mul_ps(va, _mm512_loadu_ps(a + h0));
-    for (int t = 0; t < kTile; ++t) r = _mm512_fmadd_ps(pb[t], _mm512_loadu_ps(vrow[t] + h0), r);
-    _mm512_storeu_ps(a + h0, r);
-  }
-  if (H16 < H) {
-    const __mmask16 m = tail_mask(H - H16);
-    __m512 r = _mm512_mul_ps(va, _mm512_maskz_loadu_ps(m, a + H16));
-    for (int t = 0; t < kTile; ++t) r = _mm512_fmadd_ps(pb[t], _mm512_maskz_loadu_ps(m, vrow[t] + H16), r);
-    _mm512_mask_storeu_ps(a + H16, m, r);
-  }
-}
-#else
-// The same two steps in plain loops over 16-value chunks (vectorised by the build's -m flags).
-inline void score_tile(const float* q, const float* const* krow, int64_t H, float* s) {
-  const int64_t H16 = H / 16 * 16;
-  for (int t = 0; t < kTile; ++t) {
-    const float* k = krow[t];
-    float acc[16] = {};
-    for (int64_t h0 = 0; h0 < H16; h0 += 16)
-      for (int j = 0; j < 16; ++j) acc[j] += q[h0 + j] * k[h0 + j];
-    float sum = 0.f;
-    for (int j = 0; j < 16; ++j) sum += acc[j];
-    for (int64_t h = H16; h < H; ++h) sum += q[h] * k[h];
-    s[t] = sum;
-  }
-}
-
-inline void pv_tile(float* a, float alpha, const float* p, const float* const* vrow, int64_t H) {
-  const int64_t H16 = H / 16 * 16;
-  for (int64_t h0 = 0; h0 < H16; h0 += 16) {
-    float r[16];
-    for (int j = 0; j < 16; ++j) r[j] = alpha * a[h0 + j];
-    for (int t = 0; t < kTile; ++t) {
-      const float pt = p[t];
-      const float* v = vrow[t] + h0;
-      for (int j = 0; j < 16; ++j) r[j] += pt * v[j];
+// Scores of GN query heads (q (GN, Hp), zero past H) against the tile's first n key rows, one pass over
+// each row (its 16-value chunks loaded once for the GN heads), two rows at a time (independent FMA chains):
+// part (GN, kTile) vectors of partial sums, then s (GN, kTile) = their lane sums. CC: the chunk count Hp / 16
+// when known at compile time (H = 64, 128: q and the sums stay in registers), 0 for any.
+template <typename R, int GN, int CC>
+inline void score_group(const float* q, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s, __m512* part) {
+  const int64_t C = CC ? CC : Hp / 16;
+  const __mmask16 last = H % 16 ? __mmask16((1u << (H % 16)) - 1) : __mmask16(0xFFFF);
+  int64_t t = 0;
+  for (; t + 2 <= n; t += 2) {
+    __m512 a[GN], b[GN];
+    for (int g = 0; g < GN; ++g) a[g] = b[g] = _mm512_setzero_ps();
+    const R *k0 = krow[t], *k1 = krow[t + 1];
+    for (int64_t c = 0; c < C; ++c) {
+      const __mmask16 m = c + 1 < C ? __mmask16(0xFFFF) : last;
+      const __m512 kv0 = ld(k0 + c * 16, m), kv1 = ld(k1 + c * 16, m);
+      for (int g = 0; g < GN; ++g) {
+        const __m512 qv = _mm512_loadu_ps(q + g * Hp + c * 16);
+        a[g] = _mm512_fmadd_ps(qv, kv0, a[g]);
+        b[g] = _mm512_fmadd_ps(qv, kv1, b[g]);
+      }
     }
-    for (int j = 0; j < 16; ++j) a[h0 + j] = r[j];
+    for (int g = 0; g < GN; ++g) {
+      part[g * kTile + t] = a[g];
+      part[g * kTile + t + 1] = b[g];
+    }
   }
-  for (int64_t h = H16; h < H; ++h) {
-    float r = alpha * a[h];
-    for (int t = 0; t < kTile; ++t) r += p[t] * vrow[t][h];
-    a[h] = r;
+  for (; t < n; ++t) {
+    __m512 a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512 kv = ld(krow[t] + c * 16, c + 1 < C ? __mmask16(0xFFFF) : last);
+      for (int g = 0; g < GN; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * Hp + c * 16), kv, a[g]);
+    }
+    for (int g = 0; g < GN; ++g) part[g * kTile + t] = a[g];
+  }
+  for (int g = 0; g < GN; ++g) {
+    for (int64_t u = n; u < kTile; ++u) part[g * kTile + u] = _mm512_setzero_ps();
+    _mm512_storeu_ps(s + g * kTile, hsum16(part + g * kTile));
   }
 }
+
+// acc (GN, Hp) = alpha[g] acc + sum_t w[g, t] v_t over the tile's first n value rows, each row's chunks
+// loaded once for the GN heads (acc's tail past H stays 0: the rows' tails load as 0). CC as above: with it,
+// all CC x GN sums in registers (independent FMA chains) and each row read once, else chunk by chunk.
+template <typename R, int GN, int CC>
+inline void pv_group(float* acc, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+  const __mmask16 last = H % 16 ? __mmask16((1u << (H % 16)) - 1) : __mmask16(0xFFFF);
+  if constexpr (CC > 0) {
+    __m512 r[CC][GN];
+    for (int c = 0; c < CC; ++c)
+      for (int g = 0; g < GN; ++g) r[c][g] = _mm512_mul_ps(_mm512_set1_ps(alpha[g]), _mm512_loadu_ps(acc + g * Hp + c * 16));
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 wb[GN];
+      for (int g = 0; g < GN; ++g) wb[g] = _mm512_set1_ps(w[g * kTile + t]);
+      for (int c = 0; c < CC; ++c) {
+        const __m512 vv = ld(vrow[t] + c * 16, c + 1 < CC ? __mmask16(0xFFFF) : last);
+        for (int g = 0; g < GN; ++g) r[c][g] = _mm512_fmadd_ps(wb[g], vv, r[c][g]);
+      }
+    }
+    for (int c = 0; c < CC; ++c)
+      for (int g = 0; g < GN; ++g) _mm512_storeu_ps(acc + g * Hp + c * 16, r[c][g]);
+  } else {
+    const int64_t C = Hp / 16;
+    for (int64_t c = 0; c < C; ++c) {
+      const __mmask16 m = c + 1 < C ? __mmask16(0xFFFF) : last;
+      __m512 r[GN], r2[GN];
+      for (int g = 0; g < GN; ++g) {
+        r[g] = _mm512_mul_ps(_mm512_set1_ps(alpha[g]), _mm512_loadu_ps(acc + g * Hp + c * 16));
+        r2[g] = _mm512_setzero_ps();
+      }
+      int64_t t = 0;
+      for (; t + 2 <= n; t += 2) {  // two chains per head
+        const __m512 v0 = ld(vrow[t] + c * 16, m), v1 = ld(vrow[t + 1] + c * 16, m);
+        for (int g = 0; g < GN; ++g) {
+          r[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * kTile + t]), v0, r[g]);
+          r2[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * kTile + t + 1]), v1, r2[g]);
+        }
+      }
+      if (t < n) {
+        const __m512 v0 = ld(vrow[t] + c * 16, m);
+        for (int g = 0; g < GN; ++g) r[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * kTile + t]), v0, r[g]);
+      }
+      for (int g = 0; g < GN; ++g) _mm512_storeu_ps(acc + g * Hp + c * 16, _mm512_add_ps(r[g], r2[g]));
+    }
+  }
+}
+
+// The G heads of a KV head in groups of up to 4 (their accumulators stay in registers).
+template <typename R, int CC>
+void score_all_c(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
+  __m512 part[4 * kTile];
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const float* qg = q + g0 * Hp;
+    float* sg = s + g0 * kTile;
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: score_group<R, 1, CC>(qg, Hp, H, krow, n, sg, part); break;
+      case 2: score_group<R, 2, CC>(qg, Hp, H, krow, n, sg, part); break;
+      case 3: score_group<R, 3, CC>(qg, Hp, H, krow, n, sg, part); break;
+      default: score_group<R, 4, CC>(qg, Hp, H, krow, n, sg, part); break;
+    }
+  }
+}
+template <typename R, int CC>
+void pv_all_c(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    float* ag = acc + g0 * Hp;
+    const float *al = alpha + g0, *wg = w + g0 * kTile;
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: pv_group<R, 1, CC>(ag, Hp, H, al, wg, vrow, n); break;
+      case 2: pv_group<R, 2, CC>(ag, Hp, H, al, wg, vrow, n); break;
+      case 3: pv_group<R, 3, CC>(ag, Hp, H, al, wg, vrow, n); break;
+      default: pv_group<R, 4, CC>(ag, Hp, H, al, wg, vrow, n); break;
+    }
+  }
+}
+// The G heads of a KV head in groups of up to 4 (their sums stay in registers); H = 64 and 128 compiled
+// with their chunk counts.
+template <typename R>
+void score_all(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
+  if (Hp == 64) return score_all_c<R, 4>(q, G, Hp, H, krow, n, s);
+  if (Hp == 128) return score_all_c<R, 8>(q, G, Hp, H, krow, n, s);
+  score_all_c<R, 0>(q, G, Hp, H, krow, n, s);
+}
+template <typename R>
+void pv_all(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+  if (Hp == 64) return pv_all_c<R, 4>(acc, G, Hp, H, alpha, w, vrow, n);
+  if (Hp == 128) return pv_all_c<R, 8>(acc, G, Hp, H, alpha, w, vrow, n);
+  pv_all_c<R, 0>(acc, G, Hp, H, alpha, w, vrow, n);
+}
+constexpr bool kInPlace = true;  // score_all / pv_all read the pool's rows in their stored dtype
+#else
+// Without AVX-512: each tile row converted once into an fp32 buffer (F16C's 8-wide conversion for fp16 where
+// the build has it, a shift for bf16, loops the compiler vectorises), then plain loops over it for the G heads.
+inline void load_row(const c10::BFloat16* src, int64_t H, float* dst) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t h = 0; h < H; ++h) dst[h] = bits_to_float(static_cast<uint32_t>(raw[h]) << 16);
+}
+inline void load_row(const c10::Half* src, int64_t H, float* dst) {
+  int64_t h = 0;
+#if defined(__F16C__)
+  for (; h + 8 <= H; h += 8) _mm256_storeu_ps(dst + h, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + h))));
+#endif
+  for (; h < H; ++h) dst[h] = static_cast<float>(src[h]);
+}
+inline void load_row(const int8_t* src, int64_t H, float* dst) {
+  for (int64_t h = 0; h < H; ++h) dst[h] = static_cast<float>(src[h]);
+}
+const float* fp8_table() {  // the 256 e4m3 codes' values, built once
+  static const std::vector<float> t = [] {
+    std::vector<float> v(256);
+    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return v;
+  }();
+  return t.data();
+}
+
+inline void load_row(const c10::Float8_e4m3fn* src, int64_t H, float* dst) {
+  const uint8_t* raw = reinterpret_cast<const uint8_t*>(src);
+  int64_t h = 0;
+#if defined(__F16C__) && defined(__AVX2__)  // 8 codes at a time through fp16's fields, as the AVX-512 build
+  for (; h + 8 <= H; h += 8) {
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(raw + h)));
+    const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7F));
+    const __m128i bits = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+    const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(bits), _mm256_set1_ps(256.f));
+    const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F))));
+    _mm256_storeu_ps(dst + h, _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan));
+  }
+#endif
+  const float* lut = fp8_table();
+  for (; h < H; ++h) dst[h] = lut[raw[h]];
+}
+
+// s[g, t] = q_g · k_t: per row, 16-value partial sums (one vector register's worth) for each head
+template <typename R>
+void score_all(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
+  const int64_t H16 = H / 16 * 16;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* k = krow[t];
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * Hp;
+      float acc[16] = {};
+      for (int64_t h0 = 0; h0 < H16; h0 += 16)
+        for (int j = 0; j < 16; ++j) acc[j] += qg[h0 + j] * k[h0 + j];
+      float sum = 0.f;
+      for (int j = 0; j < 16; ++j) sum += acc[j];
+      for (int64_t h = H16; h < H; ++h) sum += qg[h] * k[h];
+      s[g * kTile + t] = sum;
+    }
+  }
+}
+// acc[g] = alpha[g] acc[g] + sum_t w[g, t] v_t, 16 values at a time (kept in registers over the rows)
+template <typename R>
+void pv_all(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+  const int64_t H16 = H / 16 * 16;
+  for (int64_t g = 0; g < G; ++g) {
+    float* a = acc + g * Hp;
+    const float* wg = w + g * kTile;
+    for (int64_t h0 = 0; h0 < H16; h0 += 16) {
+      float r[16];
+      for (int j = 0; j < 16; ++j) r[j] = alpha[g] * a[h0 + j];
+      for (int64_t t = 0; t < n; ++t) {
+        const float wt = wg[t];
+        const float* v = vrow[t] + h0;
+        for (int j = 0; j < 16; ++j) r[j] += wt * v[j];
+      }
+      for (int j = 0; j < 16; ++j) a[h0 + j] = r[j];
+    }
+    for (int64_t h = H16; h < H; ++h) {
+      float r = alpha[g] * a[h];
+      for (int64_t t = 0; t < n; ++t) r += wg[t] * vrow[t][h];
+      a[h] = r;
+    }
+  }
+}
+constexpr bool kInPlace = false;
 #endif
 
 struct Args {
-  const float* q;        // (B, N, H) fp32, already times 1/sqrt(H)
+  const float* q;        // (B, N, H) fp32
   const float* k_new;    // (B, K, H) fp32 or null
   const float* v_new;
   const float* k_scale;  // (NB, K) or null
@@ -199,125 +362,194 @@ struct Args {
   float* out;            // (B, N, H) fp32
   int64_t B, N, K, G, H, bs, M, NB, window;
   float softcap;
-};
-
-// The running state of G query heads (max m, sum l, output acc (G, H)) and one tile's update from its
-// scores sc (G, kTile), the first n valid, and value rows vrow (kTile; zeros past n).
-struct Online {
-  std::vector<float> m, l, acc;
-  explicit Online(int64_t G, int64_t H) : m(G, kNegInf), l(G, 0.f), acc(G * H, 0.f) {}
-
-  void update(const float* sc, int64_t n, const float* const* vrow, int64_t G, int64_t H) {
-    alignas(64) float p[kTile];
-    for (int64_t g = 0; g < G; ++g) {
-      const float* s = sc + g * kTile;
-      float mt = kNegInf;  // s[t] = -inf past n
-#pragma omp simd reduction(max : mt)
-      for (int t = 0; t < kTile; ++t) mt = std::max(mt, s[t]);
-      if (mt == kNegInf) continue;  // nothing this tile adds (every score -inf)
-      const float m_new = std::max(m[g], mt);
-      const float alpha = m[g] == kNegInf ? 0.f : exp_nonpos(m[g] - m_new);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int t = 0; t < kTile; ++t) {
-        p[t] = exp_nonpos(s[t] - m_new);  // -inf (past n) -> 0
-        sum += p[t];
-      }
-      l[g] = l[g] * alpha + sum;
-      m[g] = m_new;
-      pv_tile(acc.data() + g * H, alpha, p, vrow, H);
-    }
-  }
+  float q_scale;  // 1/sqrt(H), applied as q is copied per row
 };
 
 inline void cap(float* s, int64_t n, float c) {
   for (int64_t t = 0; t < n; ++t) s[t] = c * std::tanh(s[t] / c);
 }
 
-// Row t of the tile: a pointer into the pool (float32 without scales) or the row converted into buf.
-template <typename T>
-inline const float* row_of(const T* src, const float* scale, float* buf, int64_t H) {
-  load_row(src, scale ? *scale : 1.f, H, buf);
-  return buf;
+// The running state of one KV head's G query heads: max m, sum l, output acc (G, Hp); q (G, Hp) zero past H.
+struct Online {
+  float* q;
+  float *m, *l, *acc;
+};
+
+// One tile for one KV head: scores (G, kTile) of its n rows (krow; times the rows' scales ks, if any),
+// -inf past n; the online softmax per head (Dao 2023); then P·V over the rows (vrow, scales vs) for all G.
+template <typename R>
+void tile(const Args& a, Online& o, const R* const* krow, const R* const* vrow, const float* ks, const float* vs, int64_t n,
+          int64_t Hp, float* sc, float* alpha) {
+  const int64_t G = a.G, H = a.H;
+  score_all<R>(o.q, G, Hp, H, krow, n, sc);
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = sc + g * kTile;
+#if defined(__AVX512F__)  // the tile's 16 scores are one vector
+    const __mmask16 valid = __mmask16((1u << n) - 1);
+    __m512 sv = _mm512_loadu_ps(s);
+    if (ks) sv = _mm512_mul_ps(sv, _mm512_loadu_ps(ks));
+    if (a.softcap > 0.f) {
+      _mm512_storeu_ps(s, sv);
+      cap(s, n, a.softcap);
+      sv = _mm512_loadu_ps(s);
+    }
+    sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegInf), sv);
+    const float mt = _mm512_reduce_max_ps(sv);
+#else
+    if (ks)
+      for (int64_t t = 0; t < n; ++t) s[t] *= ks[t];
+    if (a.softcap > 0.f) cap(s, n, a.softcap);
+    for (int64_t t = n; t < kTile; ++t) s[t] = kNegInf;
+    float mt = kNegInf;
+#pragma omp simd reduction(max : mt)
+    for (int t = 0; t < kTile; ++t) mt = std::max(mt, s[t]);
+#endif
+    if (mt == kNegInf) {  // nothing this tile adds (every score -inf): weights 0, the output kept
+      alpha[g] = 1.f;
+      for (int t = 0; t < kTile; ++t) s[t] = 0.f;
+      continue;
+    }
+    const float m_new = std::max(o.m[g], mt);
+    alpha[g] = o.m[g] == kNegInf ? 0.f : exp_nonpos(o.m[g] - m_new);
+#if defined(__AVX512F__)
+    __m512 pv = exp_nonpos16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new)));  // -inf (past n) -> 0
+    const float sum = _mm512_reduce_add_ps(pv);
+    if (vs) pv = _mm512_maskz_mul_ps(valid, pv, _mm512_loadu_ps(vs));  // p v of codes times their scale
+    _mm512_storeu_ps(s, pv);  // the scores become the weights
+#else
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < kTile; ++t) {
+      s[t] = exp_nonpos(s[t] - m_new);  // -inf (past n) -> 0; the scores become the weights p
+      sum += s[t];
+    }
+    if (vs)
+      for (int64_t t = 0; t < n; ++t) s[t] *= vs[t];  // p v of codes times their scale
+#endif
+    o.l[g] = o.l[g] * alpha[g] + sum;
+    o.m[g] = m_new;
+  }
+  pv_all<R>(o.acc, G, Hp, H, alpha, sc, vrow, n);
 }
-template <>
-inline const float* row_of<float>(const float* src, const float* scale, float* buf, int64_t H) {
-  if (!scale) return src;
-  load_row(src, *scale, H, buf);
-  return buf;
+
+struct Slots {  // a tile's slots: block ids and row offsets (slot · K) in the pool
+  int64_t n = 0, blk[kTile], at[kTile];
+};
+
+// The visible pool slots [lo, hi) of row b.
+inline std::pair<int64_t, int64_t> visible(const Args& a, int64_t b) {
+  const int64_t p = a.pos[b];
+  return {a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0, a.k_new ? p : p + 1};
 }
 
 // Row b, KV heads [kh0, kh1): slot by slot through the row's blocks, a tile of 16 slots at a time, every
-// head of the range per tile (so the pool is read in the order it lies: a slot's heads are adjacent).
+// head of the range per tile (so the pool is read in the order it lies: a slot's heads are adjacent). The
+// next item of the thread (row nb >= 0, heads [nh0, nh1)) has its first tile prefetched during the last one.
 template <typename T>
-void attend_row(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh0, int64_t kh1) {
-  const int64_t G = a.G, H = a.H, K = a.K, bs = a.bs;
-  const int64_t p = a.pos[b];
-  const int64_t hi = a.k_new ? p : p + 1;  // pool slots [lo, hi) are visible
-  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+void attend_row(const Args& a, const T* kp, const T* vp, int64_t b, int64_t kh0, int64_t kh1, int64_t nb, int64_t nh0,
+                int64_t nh1) {
+  using R = std::conditional_t<kInPlace, T, float>;  // what score_all / pv_all read
+  const int64_t G = a.G, H = a.H, K = a.K, bs = a.bs, Hp = (H + 15) / 16 * 16, nk = kh1 - kh0;
+  const auto [lo, hi] = visible(a, b);  // pool slots [lo, hi) are visible
   const int64_t* row = a.table + b * a.M;
-  std::vector<Online> st;
-  for (int64_t kh = kh0; kh < kh1; ++kh) st.emplace_back(G, H);
-  std::vector<float> kbuf(kTile * H), vbuf(kTile * H), zeros(H, 0.f), sc(G * kTile);
-  const float* krow[kTile];
-  const float* vrow[kTile];
-  auto score = [&](int64_t kh, int64_t n) {  // head kh's G queries against the tile's rows, -inf past n
-    const float* q = a.q + (b * a.N + kh * G) * H;  // (G, H): query heads kh*G .. kh*G + G - 1
+  // per KV head: q (G, Hp), acc (G, Hp), m (G), l (G); then the tile's scores (G, kTile) and alphas (G)
+  std::vector<float> ws(nk * (2 * G * Hp + 2 * G) + G * kTile + G, 0.f);
+  std::vector<Online> st(nk);
+  for (int64_t i = 0; i < nk; ++i) {
+    float* base = ws.data() + i * (2 * G * Hp + 2 * G);
+    st[i] = Online{base, base + 2 * G * Hp, base + 2 * G * Hp + G, base + G * Hp};
     for (int64_t g = 0; g < G; ++g) {
-      float* s = sc.data() + g * kTile;
-      score_tile(q + g * H, krow, H, s);
-      for (int64_t t = n; t < kTile; ++t) s[t] = kNegInf;
-      if (a.softcap > 0.f) cap(s, n, a.softcap);
-    }
-    st[kh - kh0].update(sc.data(), n, vrow, G, H);
-  };
-  const int64_t span = (kh1 - kh0) * H * static_cast<int64_t>(sizeof(T));  // bytes of a slot's heads
-  auto prefetch = [&](int64_t s) {  // slot s's K and V rows of heads [kh0, kh1): the pool is cold
-    const int64_t blk = row[s / bs];
-    if (blk < 0 || blk >= a.NB) return;  // reported when read
-    const char* k = reinterpret_cast<const char*>(kp + ((blk * bs + s % bs) * K + kh0) * H);
-    const char* v = reinterpret_cast<const char*>(vp + ((blk * bs + s % bs) * K + kh0) * H);
-    for (int64_t off = 0; off < span; off += 64) {
-      __builtin_prefetch(k + off, 0, 3);
-      __builtin_prefetch(v + off, 0, 3);
-    }
-    asm volatile("");  // GCC 12 deleted these loops of prefetches as code without effect
-  };
-  for (int64_t s = lo; s < std::min(lo + kTile, hi); ++s) prefetch(s);
-  for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
-    const int64_t n = std::min(kTile, hi - t0);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t blk = row[(t0 + t) / bs];
-      TORCH_CHECK(blk >= 0 && blk < a.NB, "paged_decode: block id ", blk, " (row ", b, ", table entry ",
-                  (t0 + t) / bs, ") outside the pool's ", a.NB, " blocks");
-      if (t0 + kTile + t < hi) prefetch(t0 + kTile + t);  // the next tile's rows arrive while this one is scored
-    }
-    for (int64_t kh = kh0; kh < kh1; ++kh) {
-      for (int64_t t = 0; t < kTile; ++t) {
-        if (t >= n) {
-          krow[t] = vrow[t] = zeros.data();
-          continue;
-        }
-        const int64_t s = t0 + t, blk = row[s / bs];
-        const int64_t at = ((blk * bs + s % bs) * K + kh) * H;
-        krow[t] = row_of<T>(kp + at, a.k_scale ? a.k_scale + blk * K + kh : nullptr, kbuf.data() + t * H, H);
-        vrow[t] = row_of<T>(vp + at, a.v_scale ? a.v_scale + blk * K + kh : nullptr, vbuf.data() + t * H, H);
-      }
-      score(kh, n);
+      st[i].m[g] = kNegInf;
+      const float* src = a.q + (b * a.N + (kh0 + i) * G + g) * H;
+      for (int64_t h = 0; h < H; ++h) st[i].q[g * Hp + h] = src[h] * a.q_scale;
     }
   }
-  for (int64_t kh = kh0; kh < kh1; ++kh) {
-    if (a.k_new) {  // this step's token: one more visible column, at position p
-      krow[0] = a.k_new + (b * K + kh) * H;
-      vrow[0] = a.v_new + (b * K + kh) * H;
-      for (int64_t t = 1; t < kTile; ++t) krow[t] = vrow[t] = zeros.data();
-      score(kh, 1);
+  float* sc = ws.data() + nk * (2 * G * Hp + 2 * G);
+  float* alpha = sc + G * kTile;
+  std::vector<float> kbuf(kInPlace ? 0 : kTile * H), vbuf(kInPlace ? 0 : kTile * H);
+  const R* krow[kTile];
+  const R* vrow[kTile];
+  float ks[kTile] = {}, vs[kTile] = {};
+  // a tile's slots [t0, t1) of row rb (t1 - t0 <= kTile): their block ids and their rows' offsets in the pool
+  // (in rows of H), one division per tile
+  auto slots_of = [&](int64_t rb, int64_t t0, int64_t t1, Slots& o) {
+    const int64_t* r = a.table + rb * a.M;
+    int64_t j = t0 / bs, off = t0 % bs;
+    o.n = t1 - t0;
+    for (int64_t t = 0; t < o.n; ++t) {
+      const int64_t blk = r[j];
+      TORCH_CHECK(blk >= 0 && blk < a.NB, "paged_decode: block id ", blk, " (row ", rb, ", table entry ", j,
+                  ") outside the pool's ", a.NB, " blocks");
+      o.blk[t] = blk;
+      o.at[t] = (blk * bs + off) * K;
+      if (++off == bs) {
+        off = 0;
+        ++j;
+      }
     }
-    const Online& o_st = st[kh - kh0];
-    float* o = a.out + (b * a.N + kh * G) * H;
+  };
+  auto prefetch = [&](const Slots& o, int64_t h0, int64_t h1) {  // their K, V rows of heads [h0, h1): the pool is cold
+    const int64_t span = (h1 - h0) * H * static_cast<int64_t>(sizeof(T));
+    for (int64_t t = 0; t < o.n; ++t) {
+      const char* k = reinterpret_cast<const char*>(kp + (o.at[t] + h0) * H);
+      const char* v = reinterpret_cast<const char*>(vp + (o.at[t] + h0) * H);
+      for (int64_t off = 0; off < span; off += 64) {
+        __builtin_prefetch(k + off, 0, 3);
+        __builtin_prefetch(v + off, 0, 3);
+      }
+      asm volatile("");  // GCC 12 deleted these loops of prefetches as code without effect
+    }
+  };
+  Slots cur, nxt;
+  if (lo < hi) {
+    slots_of(b, lo, std::min(lo + kTile, hi), cur);
+    prefetch(cur, kh0, kh1);
+  }
+  for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
+    const int64_t n = cur.n;
+    if (t0 + kTile < hi) {  // the next tile's rows arrive while this one is scored
+      slots_of(b, t0 + kTile, std::min(t0 + 2 * kTile, hi), nxt);
+      prefetch(nxt, kh0, kh1);
+    } else if (nb >= 0) {  // the last tile: the next item's first
+      const auto [nlo, nhi] = visible(a, nb);
+      if (nlo < nhi) {
+        slots_of(nb, nlo, std::min(nlo + kTile, nhi), nxt);
+        prefetch(nxt, nh0, nh1);
+      }
+    }
+    for (int64_t kh = kh0; kh < kh1; ++kh) {
+      for (int64_t t = 0; t < n; ++t) {
+        const T* k = kp + (cur.at[t] + kh) * H;
+        const T* v = vp + (cur.at[t] + kh) * H;
+        if constexpr (kInPlace || std::is_same_v<T, float>) {
+          krow[t] = reinterpret_cast<const R*>(k);
+          vrow[t] = reinterpret_cast<const R*>(v);
+        } else {
+          load_row(k, H, kbuf.data() + t * H);
+          load_row(v, H, vbuf.data() + t * H);
+          krow[t] = reinterpret_cast<const R*>(kbuf.data() + t * H);
+          vrow[t] = reinterpret_cast<const R*>(vbuf.data() + t * H);
+        }
+        if (a.k_scale) {
+          ks[t] = a.k_scale[cur.blk[t] * K + kh];
+          vs[t] = a.v_scale[cur.blk[t] * K + kh];
+        }
+      }
+      tile<R>(a, st[kh - kh0], krow, vrow, a.k_scale ? ks : nullptr, a.k_scale ? vs : nullptr, n, Hp, sc, alpha);
+    }
+    std::swap(cur, nxt);
+  }
+  for (int64_t kh = kh0; kh < kh1; ++kh) {
+    Online& o = st[kh - kh0];
+    if (a.k_new) {  // this step's token: one more visible column, at position p (fp32 rows)
+      const float* kn = a.k_new + (b * K + kh) * H;
+      const float* vn = a.v_new + (b * K + kh) * H;
+      tile<float>(a, o, &kn, &vn, nullptr, nullptr, 1, Hp, sc, alpha);
+    }
+    float* out = a.out + (b * a.N + kh * G) * H;
     for (int64_t g = 0; g < G; ++g) {
-      const float inv = 1.f / o_st.l[g];  // l = 0 (no visible key) gives NaN, as a softmax over none does
-      for (int64_t h = 0; h < H; ++h) o[g * H + h] = o_st.acc[g * H + h] * inv;
+      const float inv = 1.f / o.l[g];  // l = 0 (no visible key) gives NaN, as a softmax over none does
+      for (int64_t h = 0; h < H; ++h) out[g * H + h] = o.acc[g * Hp + h] * inv;
     }
   }
 }
@@ -330,7 +562,8 @@ void run(const Args& a, const at::Tensor& kp, const at::Tensor& vp) {
   at::parallel_for(0, a.B * a.K, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end;) {
       const int64_t b = i / a.K, last = std::min(end, (b + 1) * a.K);
-      attend_row<T>(a, k, v, b, i % a.K, i % a.K + (last - i));
+      const int64_t nb = last < end ? last / a.K : -1, nlast = std::min(end, (nb + 1) * a.K);
+      attend_row<T>(a, k, v, b, i % a.K, i % a.K + (last - i), nb, last % a.K, last % a.K + (nlast - last));
       i = last;
     }
   });
@@ -364,7 +597,7 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_pool, const 
     TORCH_CHECK(pos[b] >= 0 && hi <= M * bs, "paged_decode: row ", b, " at position ", pos[b], " needs slots up to ", hi,
                 " but its table holds ", M, " blocks of ", bs);
   }
-  const at::Tensor q = (q_in.to(at::kFloat) * (1.0 / std::sqrt(static_cast<double>(H)))).contiguous();
+  const at::Tensor q = as_float(q_in);  // times 1/sqrt(H) in the kernel (one op less a call)
   at::Tensor kn, vn, ks, vs;
   if (k_new) {
     TORCH_CHECK(k_new->sizes() == at::IntArrayRef({B, K, H}) && v_new->sizes() == k_new->sizes(),
@@ -388,7 +621,8 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_pool, const 
          table.data_ptr<int64_t>(),
          pos,
          out.data_ptr<float>(),
-         B, N, K, N / K, H, bs, M, NB, window, static_cast<float>(softcap)};
+         B, N, K, N / K, H, bs, M, NB, window, static_cast<float>(softcap),
+         static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)))};
   switch (kp.scalar_type()) {
     case at::kFloat: run<float>(a, kp, vp); break;
     case at::kBFloat16: run<c10::BFloat16>(a, kp, vp); break;
