@@ -306,7 +306,7 @@ def _bf16_inference_linear(
     on the packed bf16 copy of weight where the policy prepacks bf16 (a CPU with AMX), else ``F.linear`` on a
     bf16 cast (a CPU without native bf16 emulates it: slow, which ``rollout_dtype="auto"`` avoids)."""
     xb = x.to(torch.bfloat16)
-    if gemm_policy().prepack_bf16:
+    if gemm_policy().prepack_bf16 and x.numel():
         x2 = xb.reshape(-1, x.shape[-1])  # (rows, in)
         rows = x2.shape[0]
         padded = bucket_rows(rows)
@@ -334,8 +334,8 @@ def _version(t: Tensor) -> int | None:
 def packed_weight(
     w: Tensor, views: Sequence[Tensor] = (), dtype: torch.dtype | None = None
 ) -> Tensor:
-    """w (O, I) (cast to ``dtype`` first, if given: the bf16 rollout's copy of an fp32 weight) reordered into oneDNN's blocked layout for ``_linear_pointwise`` (an opaque mkldnn tensor),
-    made at the first call and kept while w lives and is unchanged: rebuilt when w is written in place (its
+    """w (O, I) (cast to ``dtype`` first, if given: the bf16 rollout's copy of an fp32 weight) reordered into
+    oneDNN's blocked layout for ``_linear_pointwise`` (an opaque mkldnn tensor), made at the first call and kept while w lives and is unchanged: rebuilt when w is written in place (its
     ``_version``, which views share with their base: an optimizer step on the separate q/k/v parameters
     reaches a weight they view) or its storage is swapped (``data_ptr``); ``views``' versions count too (see
     ``linear``). An inference tensor has no version counter: it is keyed by its storage alone (int8's prepacked
@@ -345,9 +345,7 @@ def packed_weight(
     hit = _PACKED.get(id(w))
     if hit is not None and hit[0]() is w and hit[1] == key:
         return hit[2]
-    if (
-        hit is not None
-    ):  # drop the stale copy before making the new one (peak memory: one copy, not two)
+    if hit is not None:  # drop the stale copy first (peak memory: one copy, not two)
         del _PACKED[id(w)]
         hit = None
     packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype), PACK_ROWS)
