@@ -122,7 +122,11 @@ def _quantised_model(method):
 
 
 @pytest.mark.parametrize("method", ["int4", "int8"])
-def test_fused_quantised_model_and_engine_greedy_equal_unfused(method):
+def test_fused_quantised_model_and_engine_greedy_equal_unfused(method, monkeypatch):
+    # each layer measures from how many rows its dequantised GEMM beats its kernel, per weight shape: on a
+    # loaded machine the fused shape and its parts can come out on different sides at these few rows, and the
+    # two paths round differently. Pinned to the kernel, so what is checked is that fusing itself is exact.
+    monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "never")
     model = _quantised_model(method)
     plain = copy.deepcopy(model)
     keys = list(model.state_dict())

@@ -264,7 +264,7 @@ def test_engine_int8_pool_vs_fp32_pool_with_prefix_caching_and_preemption(small)
 
 def test_bad_kv_formats_are_refused(small):
     model, _ = small
-    for bad in ("int4", "fp16", torch.int8):
+    for bad in ("int4", "fp17", torch.int8):
         with pytest.raises(ValueError, match="kv_dtype"):
             LLMEngine(model, kv_dtype=bad)
     with pytest.raises(ValueError, match="quantised pool"):

@@ -140,7 +140,7 @@ def test_engine_options_are_checked():
         (dict(watermark=1.5), "watermark"),
         (dict(watermark=-0.1), "watermark"),
         (dict(kv_dtype=torch.int8), "kv_dtype"),
-        (dict(kv_dtype="fp16"), "kv_dtype"),
+        (dict(kv_dtype="fp17"), "kv_dtype"),
         (dict(num_blocks=1), "num_blocks"),
         (dict(max_num_seqs=0), "max_num_seqs"),
         (dict(max_model_len=0), "max_model_len"),
