@@ -524,9 +524,9 @@ class DecodeStep:
     def warm_up(self, batch_sizes) -> None:
         """Compile the buckets of these batch sizes at every table bucket (``table_buckets``) on
         null-block rows, so that no sequence's growth compiles a graph while serving."""
+        counted = self.steps, self.rows  # warm-up steps are not the occupancy's
         for b in sorted({batch_bucket(n, self.buckets) for n in batch_sizes}):
             if b <= self.max_compiled_batch:
                 for M in self.table_buckets():
                     self.forward([0] * b, [0] * b, [[0] * M] * b)
-                    self.steps -= 1
-                    self.rows -= b
+        self.steps, self.rows = counted

@@ -170,7 +170,8 @@ class LLMEngine:
             raise ValueError(
                 f"kv_dtype={kv_dtype!r} must be one of {', '.join(map(str, KV_DTYPES))} (K/V stored "
                 "as computed; a raw integer dtype would silently truncate them) or a quantised "
-                f"format {', '.join(map(repr, KV_FORMATS))} (codes with per-block scales)"
+                f"format {', '.join(map(repr, KV_FORMATS))} (codes with per-block scales), or a name "
+                f"{', '.join(map(repr, KV_CACHE_DTYPES))}"
             )
         watermark = as_real("watermark", watermark)
         if not 0 <= watermark < 1:

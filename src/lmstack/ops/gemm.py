@@ -289,13 +289,13 @@ def _inference_linear(
     x: Tensor, weight: Tensor, bias: Tensor | None, views: Sequence[Tensor], prepack: bool
 ) -> Tensor:
     """x (..., in) @ weightᵀ (+ bias) by oneDNN with autograd off: rows padded to their bucket, on the packed
-    weight if ``prepack``."""
+    weight if ``prepack`` (packed in x's dtype: an fp32 weight's bf16 copy for a bf16 x)."""
     x2 = x.reshape(-1, x.shape[-1])  # (rows, in)
     rows = x2.shape[0]
     padded = bucket_rows(rows)
     if padded != rows:  # zero rows up to the bucket: their outputs are dropped below
         x2 = F.pad(x2, (0, 0, 0, padded - rows))
-    w = packed_weight(weight, views) if prepack else weight
+    w = packed_weight(weight, views, x.dtype) if prepack else weight
     return _onednn_mm_t(x2, w, bias)[:rows].view(*x.shape[:-1], weight.shape[0])
 
 
@@ -307,13 +307,7 @@ def _bf16_inference_linear(
     bf16 cast (a CPU without native bf16 emulates it: slow, which ``rollout_dtype="auto"`` avoids)."""
     xb = x.to(torch.bfloat16)
     if gemm_policy().prepack_bf16 and x.numel():
-        x2 = xb.reshape(-1, x.shape[-1])  # (rows, in)
-        rows = x2.shape[0]
-        padded = bucket_rows(rows)
-        if padded != rows:
-            x2 = F.pad(x2, (0, 0, 0, padded - rows))
-        w = packed_weight(weight, views, torch.bfloat16)
-        y = _onednn_mm_t(x2, w)[:rows].view(*x.shape[:-1], weight.shape[0])
+        y = _inference_linear(xb, weight, None, views, True)
     else:
         y = F.linear(xb, weight.to(torch.bfloat16))
     y = y.float()
