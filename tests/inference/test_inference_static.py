@@ -21,6 +21,11 @@ def test_static_cache_bytes_and_positions(model):
     assert k_all.shape == (1, model.config.n_kv_heads, 48, model.config.head_dim)
     assert pos[0, :4].tolist() == [0, 1, 2, -1] and (pos[0, 3:] == -1).all()
     assert torch.equal(k_all[:, :, :3], k) and torch.equal(v_all[:, :, :3], -k)
+    cache.live = 3  # an eager forward that knows slots 0..2 are all there is: views of those only
+    k_live, v_live, pos_live = cache.update(0, k, -k, torch.tensor([0, 1, 2]))
+    assert k_live.shape[2] == 3 and pos_live.tolist() == [[0, 1, 2]]
+    assert torch.equal(k_live, k) and torch.equal(v_live, -k)
+    cache.live = None
     cache.reset()  # the decoder's next prompt starts on an empty cache
     assert (pos == -1).all()
     with pytest.raises(ValueError, match="positions of shape"):

@@ -99,7 +99,10 @@ class StaticKVCache(StoreThenAttend):
     ``update`` returns all S_max slots every time (fixed shapes); slots not yet written hold
     position −1, which ``attention_mask`` treats as empty. One tensor per layer (not one
     (L, ...) tensor) so that a compiled step writes each layer's slot in place instead of
-    copying a view's whole base.
+    copying a view's whole base. An eager forward that knows how many slots are live (a prefill
+    of n tokens from position 0: slots 0 .. n−1) sets ``live = n`` and gets views of the first n
+    slots only, so its attention does not read (and mask) the S_max − n empty ones: a 88-token
+    prompt's attention over a 665-slot cache was 45 ms of a 180 ms prefill (SmolLM2-135M, one thread).
     """
 
     abilities = frozenset({Ability.STATIC, Ability.ROLLBACK})
@@ -126,6 +129,7 @@ class StaticKVCache(StoreThenAttend):
             (batch_size, max_seq_len), -1, dtype=torch.long, device=device
         )  # (B, S)
         self.max_seq_len = max_seq_len
+        self.live: int | None = None  # slots 0 .. live−1 hold every position fed so far (eager forwards)
 
     @property
     def nbytes(self) -> int:
@@ -142,7 +146,8 @@ class StaticKVCache(StoreThenAttend):
         self, layer_idx: int, k: Tensor, v: Tensor, positions: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Store k, v (B, K, T, H) at ``positions`` (T,) (the same for every row); return
-        this layer's full (B, K, S_max, H) x2 and the slot positions (B, S_max)."""
+        this layer's full (B, K, S_max, H) x2 and the slot positions (B, S_max), or with ``live = n``
+        their first n slots (B, K, n, H) x2, (B, n)."""
         if positions.dim() != 1:
             raise ValueError(
                 f"StaticKVCache takes positions of shape (T,), got {tuple(positions.shape)}"
@@ -151,7 +156,10 @@ class StaticKVCache(StoreThenAttend):
         self.v[layer_idx].index_copy_(2, positions, v.to(self.v[layer_idx].dtype))
         if layer_idx == 0:
             self.positions.index_copy_(1, positions, positions.expand(self.positions.shape[0], -1))
-        return self.k[layer_idx], self.v[layer_idx], self.positions
+        n = self.live
+        if n is None:
+            return self.k[layer_idx], self.v[layer_idx], self.positions
+        return self.k[layer_idx][:, :, :n], self.v[layer_idx][:, :, :n], self.positions[:, :n]
 
 
 class QuantizedKVCache(StoreThenAttend):

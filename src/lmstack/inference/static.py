@@ -158,9 +158,18 @@ class StaticDecoder:
                 f"{n} tokens exceed the decoder's max_seq_len={self.cache.max_seq_len}"
             )
         tokens = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)[None]  # (1, T)
-        return self.model(
-            tokens, torch.arange(start, n, device=self.device), kv_cache=self.cache, last_n=last_n
-        )[0]
+        # slots 0 .. n−1 hold every position so far (this decoder feeds positions in order from 0):
+        # attend over those only, not over all max_seq_len slots
+        self.cache.live = n
+        try:
+            return self.model(
+                tokens,
+                torch.arange(start, n, device=self.device),
+                kv_cache=self.cache,
+                last_n=last_n,
+            )[0]
+        finally:
+            self.cache.live = None
 
     @torch.inference_mode()
     def decode(self, token: Tensor, position: Tensor) -> Tensor:
