@@ -198,6 +198,13 @@ def main() -> None:
         default="model",
         help="the continuous engine's KV pool dtype (LLMEngine(kv_dtype=...); model: the model's)",
     )
+    ap.add_argument(
+        "--admission-batch",
+        type=int,
+        default=1,
+        help="the continuous engine admits waiting requests once this many seats are free "
+        "(LLMEngine(admission_batch=...); 1: as soon as one frees)",
+    )
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-static-lmstack", action="store_true")
     ap.add_argument(
@@ -214,7 +221,7 @@ def main() -> None:
         f"{torch.backends.cpu.get_cpu_capability()}, threads {args.threads}, load avg "
         f"{os.getloadavg()[0]:.1f}; SmolLM2-135M {args.dtype} ({fmt} linears)"
         + (", compiled" if args.compile else "")
-        + f", KV {args.kv_dtype}"
+        + f", KV {args.kv_dtype}, admission batch {args.admission_batch}"
     )
     spec = (
         dict(num_speculative_tokens=args.speculative_tokens, draft_model=args.draft_layers or None)
@@ -223,6 +230,8 @@ def main() -> None:
     )
     if args.kv_dtype != "model":
         spec["kv_dtype"] = args.kv_dtype
+    if args.admission_batch != 1:
+        spec["admission_batch"] = args.admission_batch
     prompts, outs = workload(args.requests, lengths=args.lengths)
     useful = sum(outs)
     print(
@@ -267,7 +276,7 @@ def main() -> None:
             f"  decode occupancy: {st['decode_rows'] / st['decode_steps']:.1f} rows per decode-only "
             f"step of {args.batch} seats ({st['decode_steps']} of {st['steps']} steps decode-only)"
         )
-    if spec:
+    if args.speculative_tokens:
         st = engine.stats
         print(
             f"  speculation: {st['spec_accepted']}/{st['spec_proposed']} drafts accepted "

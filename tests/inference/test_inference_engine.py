@@ -38,8 +38,15 @@ def reference(model, prompts):
         ),  # chunked prefill, few seats
         dict(block_size=16, num_blocks=40, max_num_batched_tokens=64, max_num_seqs=8),
         dict(block_size=4, num_blocks=200, max_num_batched_tokens=64, enable_prefix_caching=False),
+        dict(
+            block_size=4,
+            num_blocks=200,
+            max_num_batched_tokens=16,
+            max_num_seqs=4,
+            admission_batch=3,
+        ),  # prompts admitted in threes behind a full batch
     ],
-    ids=["one-batch", "chunked", "block16", "no-prefix-cache"],
+    ids=["one-batch", "chunked", "block16", "no-prefix-cache", "admission-batch"],
 )
 def test_batched_greedy_equals_full_recompute(model, prompts, reference, opts):
     llm = LLM(model, **opts)
@@ -228,6 +235,10 @@ def test_request_errors(model):
         engine.add_request("a", [1, 2], GREEDY)
     with pytest.raises(ValueError, match="sampling_params"):
         LLM(model).generate([[1], [2]], [GREEDY])
+    with pytest.raises(ValueError, match="admission_batch=5 exceeds max_num_seqs=4"):
+        LLMEngine(model, max_num_seqs=4, admission_batch=5)
+    with pytest.raises(ValueError, match="admission_batch"):
+        LLMEngine(model, admission_batch=0)
 
 
 def test_async_streaming_and_disconnect(model, prompts, reference):

@@ -380,3 +380,38 @@ def test_compiled_decode_with_the_kernel_equals_full_recompute(fp32_model, promp
         "kernel not in the graph"
     )
     assert decode.graphs >= 1 and all(decode._direct.values())
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, "int8"], ids=str)
+def test_mixed_step_decode_rows_through_the_kernel_equal_full_recompute(
+    fp32_model, prompts, monkeypatch, kv_dtype
+):
+    """Every step through the packed batch (no decode step): the runs of decode rows beside a prefill chunk
+    read the pool in place with the kernel (``SelectivePagedBatch``), and greedy output still equals the
+    full recompute; the gather + SDPA path (kernel off) gives the same tokens."""
+    _kernel_on()
+    calls = []
+    real = paged_kernel.paged_decode
+    monkeypatch.setattr(
+        paged_kernel, "paged_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    )
+    chosen = prompts[:3] + prompts[9:11] + prompts[-3:]
+    want = [full_recompute_greedy(fp32_model, p, 10) for p in chosen]
+    outs = []
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(paged_kernel, "usable", lambda q, k: False)
+        llm = LLM(
+            fp32_model,
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=12,  # prompts take several chunks while others decode
+            compile=False,
+            kv_dtype=kv_dtype,
+        )
+        llm.engine.runner.decode = None  # every step is a packed batch
+        outs.append([o.token_ids for o in llm.generate(chosen, greedy(10))])
+    if kv_dtype == torch.float32:
+        assert outs[0] == want
+    assert outs[0] == outs[1]
+    assert calls and max(calls) > 1  # runs of several decode rows went through the kernel

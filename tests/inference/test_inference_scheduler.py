@@ -98,3 +98,53 @@ def test_samples_of_one_prompt_wait_a_step_for_its_prefix_then_read_it_from_the_
     assert g1.num_cached_tokens == g2.num_cached_tokens == 8
     assert blocks.tables["g1"][:2] == blocks.tables["g2"][:2] == blocks.tables["g0"][:2]
     assert stats["prompt_tokens"] == 36 and stats["cached_prompt_tokens"] == 16
+
+
+def _step(sch, rows, tokens):
+    """Commit each scheduled row and give a complete prompt or a decode its next token."""
+    for s, n in rows:
+        sch.commit(s, n)
+        if s.num_computed == len(s.all_ids):
+            sch.append(s, tokens)
+    sch.end_step()
+
+
+def test_admission_batch_admits_once_k_seats_are_free():
+    """admission_batch=2, 3 seats: with a, b, c running, d and e wait while one seat is free and are
+    admitted together when a second frees (worked by hand); the last request alone is admitted at once
+    (fewer than k wait); with nothing running the queue is admitted whatever k."""
+    blocks = BlockManager(num_blocks=40, block_size=4)
+    sch = Scheduler(
+        blocks,
+        max_num_seqs=3,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        watermark_blocks=0,
+        eos_token_id=None,
+        sliding_window=None,
+        speculator=None,
+        stats=Counter(),
+        admission_batch=2,
+    )
+    lens = {"a": 2, "b": 3, "c": 6, "d": 4, "e": 4, "f": 2}
+    seqs = {r: _seq(r, range(1, 4), max_tokens=m) for r, m in lens.items()}
+    for s in seqs.values():
+        sch.add(s)
+    rows = sch.schedule()
+    assert _rows(rows) == [("a", 3), ("b", 3), ("c", 3)]  # nothing running: admit up to the seats
+    _step(sch, rows, 7)  # each has 1 token
+    rows = sch.schedule()
+    assert _rows(rows) == [("a", 1), ("b", 1), ("c", 1)]
+    _step(sch, rows, 7)  # a finishes (2 tokens): one seat free, d and e wait for a second
+    rows = sch.schedule()
+    assert _rows(rows) == [("b", 1), ("c", 1)]
+    _step(sch, rows, 7)  # b finishes: two seats free
+    rows = sch.schedule()
+    assert _rows(rows) == [("c", 1), ("d", 3), ("e", 3)]  # d and e share one prefill step
+    _step(sch, rows, 7)
+    for _ in range(2):  # c (6 tokens) finishes after two more steps: one seat, and only f waits
+        rows = sch.schedule()
+        assert _rows(rows) == [("c", 1), ("d", 1), ("e", 1)]
+        _step(sch, rows, 7)
+    rows = sch.schedule()
+    assert _rows(rows) == [("d", 1), ("e", 1), ("f", 3)]  # fewer than k wait: admitted at once

@@ -117,7 +117,12 @@ class LLMEngine:
     inductor options over the static decoder's; "auto" compiles on a CPU with a C++ compiler and where the
     model has a decode step, else runs eagerly (``decode_step.compile_policy``; ``compile_reason`` says which). ``fuse_projections`` (default) makes the
     model compute q/k/v and gate/up with one GEMM each (``Transformer.fuse_projections``: its parameters become
-    views of the fused weights, checkpoints unchanged).
+    views of the fused weights, checkpoints unchanged). ``admission_batch`` k (default 1: admit as soon as a seat
+    frees, as vLLM does): while sequences run, waiting requests are admitted only when k seats are free (or
+    fewer than k wait). Each step with a prefill pays a fixed cost whatever its length — the int4 weights
+    dequantised once, an eager step's per-layer Python: ~50-70 ms of a 113 ms 88-token prefill on SmolLM2-135M
+    Q4_1, one thread — which k prompts then share, for a few steps at k−1 fewer rows. For offline throughput
+    (``benchmarks/inference_serving.py --admission-batch``); a server keeps 1 (time to first token).
     """
 
     def __init__(
@@ -144,6 +149,7 @@ class LLMEngine:
         compile: bool | dict | str = False,
         fuse_projections: bool = True,
         draft_model: Transformer | int | None = None,
+        admission_batch: int = 1,
     ):
         p = next(model.parameters())
         c = model.config
@@ -152,6 +158,12 @@ class LLMEngine:
         compile, self.compile_reason = compile_policy(compile, p.device)
         max_num_seqs = as_integer("max_num_seqs", max_num_seqs, 1)
         max_num_batched_tokens = as_integer("max_num_batched_tokens", max_num_batched_tokens, 1)
+        admission_batch = as_integer("admission_batch", admission_batch, 1)
+        if admission_batch > max_num_seqs:
+            raise ValueError(
+                f"admission_batch={admission_batch} exceeds max_num_seqs={max_num_seqs}: it counts "
+                "free seats, at most max_num_seqs"
+            )
         num_speculative_tokens = as_integer("num_speculative_tokens", num_speculative_tokens, 0)
         speculator: PromptLookup | DraftRunner = PromptLookup(
             num_speculative_tokens, ngram
@@ -258,6 +270,7 @@ class LLMEngine:
             speculator=self.speculator,
             stats=self.stats,
             states=self.states,
+            admission_batch=admission_batch,
         )
         if fuse_projections and hasattr(model, "fuse_projections"):
             model.fuse_projections()  # QKV and gate/up as one GEMM each (the weights become views; docs/inference.md)

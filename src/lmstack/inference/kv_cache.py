@@ -129,7 +129,9 @@ class StaticKVCache(StoreThenAttend):
             (batch_size, max_seq_len), -1, dtype=torch.long, device=device
         )  # (B, S)
         self.max_seq_len = max_seq_len
-        self.live: int | None = None  # slots 0 .. live−1 hold every position fed so far (eager forwards)
+        self.live: int | None = (
+            None  # slots 0 .. live−1 hold every position fed so far (eager forwards)
+        )
 
     @property
     def nbytes(self) -> int:

@@ -5,7 +5,9 @@ iteration-level scheduling, vLLM preemption by recomputation).
 ``schedule`` fills a token budget (``max_num_batched_tokens``): running sequences first (a decode
 costs 1 token plus its speculative drafts (proposed for all decoding sequences at once,
 ``_propose_all``: prompt lookup or a draft model's batch), an unfinished prompt continues with a chunk — chunked
-prefill), then waiting requests while blocks, the budget and ``max_num_seqs`` allow. When a
+prefill), then waiting requests while blocks, the budget and ``max_num_seqs`` allow — with
+``admission_batch`` k > 1, while others run, only once k seats are free (or fewer than k requests wait),
+so prompts that queue behind a full batch are prefilled together rather than one mixed step each. When a
 running sequence needs a block and none is free, the most recently admitted one is preempted:
 its blocks are freed and it goes back to the front of the queue (prefix caching usually gives
 its blocks back). A waiting request whose next prompt block another sequence computes in this step
@@ -42,10 +44,12 @@ class Scheduler:
         speculator: PromptLookup | DraftRunner | None,
         stats: dict,
         states: StatePool | None = None,
+        admission_batch: int = 1,
     ):
         self.blocks = blocks
         self.states = states  # recurrent-state slots (hybrid models), or None
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.admission_batch = admission_batch  # seats that must be free to admit while others run
         self.max_model_len, self.watermark_blocks = max_model_len, watermark_blocks
         self.eos_token_id, self.sliding_window = (
             eos_token_id,
@@ -115,6 +119,9 @@ class Scheduler:
         # the next prompt block each prefilling sequence computes: a waiting request that needs the same block
         # waits one step and then reads it from the prefix cache (G samples of one prompt prefill it once)
         pending = {h for seq, _ in scheduled if (h := self._next_prompt_block(seq))}
+        free = self.max_num_seqs - len(self.running)
+        if self.running and free < min(self.admission_batch, len(self.waiting)):
+            return scheduled  # wait for more seats: the prompts then share one prefill step
         i = 0  # waiting requests passed over (at most max_num_seqs looked at beyond the admitted ones)
         while (
             i < min(len(self.waiting), self.max_num_seqs)
