@@ -22,6 +22,7 @@ from lmstack.quant.linear import WeightOnlyLinear, best_seconds_pair, gemm_rows
 
 QMAX4 = 15
 TERMS_ENV = "LMSTACK_INT4_TERMS"
+GEMM_ENV = "LMSTACK_INT4_GEMM"  # "dequant": the old prefill path (gemm_forward_dequant)
 _log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
@@ -64,8 +65,21 @@ def gemm_forward(
     x: Tensor, packed: Tensor, d: Tensor, m: Tensor, G: int, kernel: str, dtype: torch.dtype
 ) -> Tensor:
     """x (M, I) -> (M, O) float32 as ``Int4Linear`` computes a prefill: the weights dequantised in C++ to
-    ``dtype`` (W = d·q + m, then rounded to bf16 when ``dtype`` is bf16), times x in that dtype, fp32
-    accumulation (oneDNN)."""
+    ``dtype`` (W = d·q + m, rounded to bf16 when ``dtype`` is bf16) one block of output rows at a time into a
+    buffer that stays in L2, each block multiplied with x in that dtype right after, fp32 accumulation and
+    output (``int4_vnni.gemm``: oneDNN's brgemm for bf16, ATen's mm for fp32). ``LMSTACK_INT4_GEMM=dequant``
+    takes the old path instead (``gemm_forward_dequant``)."""
+    if os.environ.get(GEMM_ENV, "").strip().lower() == "dequant":
+        return gemm_forward_dequant(x, packed, d, m, G, kernel, dtype)
+    return int4_vnni.gemm(x, packed, d, m, G, kernel=kernel, dtype=dtype)
+
+
+def gemm_forward_dequant(
+    x: Tensor, packed: Tensor, d: Tensor, m: Tensor, G: int, kernel: str, dtype: torch.dtype
+) -> Tensor:
+    """The reference for ``gemm_forward``: the whole (O, I) weight dequantised to ``dtype`` in one pass
+    (``int4_vnni.dequant``), then ``F.linear`` in that dtype (oneDNN; a bf16 output) and a cast to float32.
+    Writes and reads O·I·2 (bf16) or 4 (fp32) bytes more than the tiled op."""
     w = int4_vnni.dequant(packed, d, m, G, kernel=kernel, dtype=dtype)
     return F.linear(x.to(dtype), w).float()
 
