@@ -277,9 +277,9 @@ def gemm(
     block: int = 0,
 ) -> Tensor:
     """x (M, I) float32 or bf16 -> x Wᵀ (M, O) float32 with W = d·q + m dequantised in blocks of ``block``
-    output rows (a multiple of 16; 0: the measured default, 64 for bf16's brgemm, 128 for fp32) into a
-    per-thread buffer that stays in L2, each block multiplied right after (``csrc/int4_gemm.h``): the prefill
-    GEMM without writing the whole (O, I) weight to memory. ``dtype`` (float32 | bfloat16) is the weights'
+    output rows (a multiple of 16; 0: the measured default, 128, halved down to 64 on several threads when that
+    balances them) into a per-thread buffer that stays in L2, each block multiplied right after
+    (``csrc/int4_gemm.h``): the prefill GEMM without writing the whole (O, I) weight to memory. ``dtype`` (float32 | bfloat16) is the weights'
     and the activations' dtype in the GEMM; fp32 accumulation and output. ``kernel`` as in ``mm``."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(

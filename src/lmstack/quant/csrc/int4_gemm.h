@@ -18,11 +18,13 @@
 
 namespace lmstack_int4 {
 
-// Output rows per block when the caller passes block = 0: measured best on SmolLM2-135M's shapes (M = 16-512,
-// one and two threads, benchmarks/int4_prefill.py, docs/quant.md). brgemm: 64 (4 tiles; 32 and 128 slower);
-// at::mm fp32: 128.
-constexpr int64_t kBlockBrgemm = 64;
+// Output rows per block when the caller passes block = 0 (benchmarks/int4_prefill.py on SmolLM2-135M's shapes,
+// M = 16-512, docs/quant.md): brgemm 128 (32 rows 5-10 % slower, 64 within 1-3 % but up to 10 % slower at 512
+// rows, 192 and 256 the same); at::mm fp32 128 (64-576 within noise). On n > 1 threads the block halves (down
+// to 64 rows) until there are 4n blocks, so the last thread's share is not a whole extra block.
+constexpr int64_t kBlockBrgemm = 128;
 constexpr int64_t kBlockMm = 128;
+constexpr int64_t kBlockMinTiles = 4;
 
 // 16 floats -> 16 bf16 bits, rounded to nearest even (bf16_bits on every lane).
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -159,7 +161,10 @@ inline at::Tensor int4_gemm(const char* name, const at::Tensor& x_in, const at::
   const at::Half* dp = d.data_ptr<at::Half>();
   const at::Half* mp = m.data_ptr<at::Half>();
   const bool brgemm = bf16 && brgemm_bf16_ok();
-  const int64_t TB = std::max<int64_t>(1, (block ? block : brgemm ? kBlockBrgemm : kBlockMm) / 16);  // tiles a block
+  const int64_t threads = at::get_num_threads();
+  int64_t TB = std::max<int64_t>(1, (block ? block : brgemm ? kBlockBrgemm : kBlockMm) / 16);  // tiles a block
+  if (!block)
+    while (threads > 1 && TB > kBlockMinTiles && (T + TB - 1) / TB < 4 * threads) TB /= 2;
   const int64_t NB = (T + TB - 1) / TB;
   float* yp = y.data_ptr<float>();
   auto body = [&](int64_t b0, int64_t b1) {
@@ -194,7 +199,7 @@ inline at::Tensor int4_gemm(const char* name, const at::Tensor& x_in, const at::
     }
     if (brgemm) at::native::cpublas::brgemm_release(true);
   };
-  if (at::get_num_threads() > 1 && NB > 1) at::parallel_for(0, NB, 1, body); else body(0, NB);
+  if (threads > 1 && NB > 1) at::parallel_for(0, NB, 1, body); else body(0, NB);
   return y;
 }
 
