@@ -85,11 +85,16 @@ def gemm_forward_dequant(
 
 
 def measure_gemm_rows(
-    kernel: str, O: int = 1024, I: int = 576, G: int = 32, dtype: torch.dtype = torch.float32
+    kernel: str,
+    O: int = 1024,
+    I: int = 576,
+    G: int = 32,
+    dtype: torch.dtype = torch.float32,
+    terms: int = 1,
 ):
-    """``measure(M) -> (s of lmstack's int4 ``kernel``, s of ``gemm_forward`` in ``dtype``)`` on random (M, I)
-    activations and a random (O, I) weight (an ``Int4Linear`` passes its own shape): ``gemm_rows``'s
-    measurement, one thread count as set now."""
+    """``measure(M) -> (s of lmstack's int4 ``kernel`` with ``terms`` int8 terms, s of ``gemm_forward`` in
+    ``dtype``)`` on random (M, I) activations and a random (O, I) weight (an ``Int4Linear`` passes its own shape
+    and terms): ``gemm_rows``'s measurement, one thread count as set now."""
     g = torch.Generator().manual_seed(0)
     packed, d, m = int4_vnni.pack(*quantize_int4(torch.randn(O, I, generator=g), G))
 
@@ -97,7 +102,7 @@ def measure_gemm_rows(
         x = torch.randn(M, I, generator=g)
         with torch.inference_mode():
             return best_seconds_pair(
-                lambda: int4_vnni.mm(x, packed, d, m, G, kernel=kernel),
+                lambda: int4_vnni.mm(x, packed, d, m, G, terms, kernel=kernel),
                 lambda: gemm_forward(x, packed, d, m, G, kernel, dtype),
             )
 
@@ -225,10 +230,14 @@ class Int4Linear(WeightOnlyLinear):
             )  # (O, I/2)
 
     def _measure_gemm_rows(self) -> None:
-        """``gemm_rows`` for this layer's shape, kernel and GEMM dtype (measured once per process for each)."""
+        """``gemm_rows`` for this layer's shape, kernel, int8 terms and GEMM dtype (measured once per process for
+        each; the kernel with the layer's own terms: two cost 1.7-1.9x one, which had moved the hand-over to 16
+        rows where one term ties with the GEMM)."""
         O, I, dt = self.out_features, self.in_features, self.gemm_dtype
-        key = f"int4_{self.kernel}_{str(dt).removeprefix('torch.')}_{O}x{I}"
-        self.gemm_rows = gemm_rows(key, measure_gemm_rows(self.kernel, O, I, self.group_size, dt))
+        key = f"int4_{self.kernel}_t{self.terms}_{str(dt).removeprefix('torch.')}_{O}x{I}"
+        self.gemm_rows = gemm_rows(
+            key, measure_gemm_rows(self.kernel, O, I, self.group_size, dt, self.terms)
+        )
 
     def _measure_for_shape(self) -> None:
         if self.vnni:  # one of lmstack's kernels: the GEMM's row count depends on the shape

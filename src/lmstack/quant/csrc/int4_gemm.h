@@ -63,6 +63,7 @@ inline __m256i bf16x16(__m512 w) {
       mq[k] = _mm512_permutexvar_ps(quarter[k], mv);                                                           \
     }                                                                                                          \
     for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {                                                    \
+      _mm_prefetch(reinterpret_cast<const char*>(wt + c * 64 + kPrefetch), _MM_HINT_T0); /* as the kernels do */ \
       __m512 f[2][4]; /* [low | high nibbles][quarter k] */                                                    \
       for (int k = 0; k < 4; ++k) {                                                                            \
         const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wt + c * 64 + 16 * k))); \
