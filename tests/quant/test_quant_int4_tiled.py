@@ -155,3 +155,29 @@ def test_int4linear_prefill_takes_the_tiled_gemm_and_matches_f_linear(monkeypatc
     calls.clear()
     y_old = Int4Linear(q, s, lo, kernel=ks[0])(x)
     assert calls == [] and bool(((y_old.double() - ref).abs() <= bound + 2.0**-8 * ref.abs()).all())
+
+
+def test_gemm_rows_times_the_kernel_with_the_layers_own_terms(monkeypatch):
+    """``Int4Linear`` hands rows to the GEMM by a measurement of its kernel: with the layer's int8 terms (one by
+    default), not ``mm``'s default of two, which cost 1.7-1.9x and moved the hand-over too low."""
+    from lmstack.quant import linear
+
+    ks = kernels()
+    if not ks:
+        pytest.skip(f"no lmstack int4 kernel builds here: {int4_vnni.status()}")
+    monkeypatch.delenv("LMSTACK_QUANT_GEMM_ROWS", raising=False)
+    monkeypatch.setattr(linear, "_measured", {})
+    seen = []
+    real = int4_vnni.mm
+
+    def spy(x, packed, d, m, group_size, terms=2, kernel=None):
+        seen.append(terms)
+        return real(x, packed, d, m, group_size, terms, kernel)
+
+    monkeypatch.setattr(int4_vnni, "mm", spy)
+    q, s, lo = quantize_int4(torch.randn(32, 64, generator=torch.Generator().manual_seed(5)), G)
+    for terms in (1, 2):
+        seen.clear()
+        Int4Linear(q, s, lo, kernel=ks[0], terms=terms)
+        assert seen and set(seen) == {terms}
+    assert {k.split("_")[2] for k in linear._measured} == {"t1", "t2"}
