@@ -22,6 +22,7 @@ from lmstack.quant.linear import WeightOnlyLinear, best_seconds_pair, gemm_rows
 
 QMAX4 = 15
 TERMS_ENV = "LMSTACK_INT4_TERMS"
+GEMM_ENV = "LMSTACK_INT4_GEMM"  # "dequant": the old prefill path (gemm_forward_dequant)
 _log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
@@ -64,18 +65,36 @@ def gemm_forward(
     x: Tensor, packed: Tensor, d: Tensor, m: Tensor, G: int, kernel: str, dtype: torch.dtype
 ) -> Tensor:
     """x (M, I) -> (M, O) float32 as ``Int4Linear`` computes a prefill: the weights dequantised in C++ to
-    ``dtype`` (W = d·q + m, then rounded to bf16 when ``dtype`` is bf16), times x in that dtype, fp32
-    accumulation (oneDNN)."""
+    ``dtype`` (W = d·q + m, rounded to bf16 when ``dtype`` is bf16) one block of output rows at a time into a
+    buffer that stays in L2, each block multiplied with x in that dtype right after, fp32 accumulation and
+    output (``int4_vnni.gemm``: oneDNN's brgemm for bf16, ATen's mm for fp32). ``LMSTACK_INT4_GEMM=dequant``
+    takes the old path instead (``gemm_forward_dequant``)."""
+    if os.environ.get(GEMM_ENV, "").strip().lower() == "dequant":
+        return gemm_forward_dequant(x, packed, d, m, G, kernel, dtype)
+    return int4_vnni.gemm(x, packed, d, m, G, kernel=kernel, dtype=dtype)
+
+
+def gemm_forward_dequant(
+    x: Tensor, packed: Tensor, d: Tensor, m: Tensor, G: int, kernel: str, dtype: torch.dtype
+) -> Tensor:
+    """The reference for ``gemm_forward``: the whole (O, I) weight dequantised to ``dtype`` in one pass
+    (``int4_vnni.dequant``), then ``F.linear`` in that dtype (oneDNN; a bf16 output) and a cast to float32.
+    Writes and reads O·I·2 (bf16) or 4 (fp32) bytes more than the tiled op."""
     w = int4_vnni.dequant(packed, d, m, G, kernel=kernel, dtype=dtype)
     return F.linear(x.to(dtype), w).float()
 
 
 def measure_gemm_rows(
-    kernel: str, O: int = 1024, I: int = 576, G: int = 32, dtype: torch.dtype = torch.float32
+    kernel: str,
+    O: int = 1024,
+    I: int = 576,
+    G: int = 32,
+    dtype: torch.dtype = torch.float32,
+    terms: int = 1,
 ):
-    """``measure(M) -> (s of lmstack's int4 ``kernel``, s of ``gemm_forward`` in ``dtype``)`` on random (M, I)
-    activations and a random (O, I) weight (an ``Int4Linear`` passes its own shape): ``gemm_rows``'s
-    measurement, one thread count as set now."""
+    """``measure(M) -> (s of lmstack's int4 ``kernel`` with ``terms`` int8 terms, s of ``gemm_forward`` in
+    ``dtype``)`` on random (M, I) activations and a random (O, I) weight (an ``Int4Linear`` passes its own shape
+    and terms): ``gemm_rows``'s measurement, one thread count as set now."""
     g = torch.Generator().manual_seed(0)
     packed, d, m = int4_vnni.pack(*quantize_int4(torch.randn(O, I, generator=g), G))
 
@@ -83,7 +102,7 @@ def measure_gemm_rows(
         x = torch.randn(M, I, generator=g)
         with torch.inference_mode():
             return best_seconds_pair(
-                lambda: int4_vnni.mm(x, packed, d, m, G, kernel=kernel),
+                lambda: int4_vnni.mm(x, packed, d, m, G, terms, kernel=kernel),
                 lambda: gemm_forward(x, packed, d, m, G, kernel, dtype),
             )
 
@@ -211,10 +230,14 @@ class Int4Linear(WeightOnlyLinear):
             )  # (O, I/2)
 
     def _measure_gemm_rows(self) -> None:
-        """``gemm_rows`` for this layer's shape, kernel and GEMM dtype (measured once per process for each)."""
+        """``gemm_rows`` for this layer's shape, kernel, int8 terms and GEMM dtype (measured once per process for
+        each; the kernel with the layer's own terms: two cost 1.7-1.9x one, which had moved the hand-over to 16
+        rows where one term ties with the GEMM)."""
         O, I, dt = self.out_features, self.in_features, self.gemm_dtype
-        key = f"int4_{self.kernel}_{str(dt).removeprefix('torch.')}_{O}x{I}"
-        self.gemm_rows = gemm_rows(key, measure_gemm_rows(self.kernel, O, I, self.group_size, dt))
+        key = f"int4_{self.kernel}_t{self.terms}_{str(dt).removeprefix('torch.')}_{O}x{I}"
+        self.gemm_rows = gemm_rows(
+            key, measure_gemm_rows(self.kernel, O, I, self.group_size, dt, self.terms)
+        )
 
     def _measure_for_shape(self) -> None:
         if self.vnni:  # one of lmstack's kernels: the GEMM's row count depends on the shape

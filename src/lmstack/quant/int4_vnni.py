@@ -144,6 +144,11 @@ def build(name: str) -> str | None:
                         return packed.new_empty((16 * T, 8 * C), dtype=dtype)
 
                     torch.library.register_fake(f"lmstack_quant::int4_{name}_dequant")(fake_w)
+
+                    def fake_gemm(x, packed, d, m, G, bf16=False, block=0):  # (M, I) -> (M, O) fp32
+                        return x.new_empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
+
+                    torch.library.register_fake(f"lmstack_quant::int4_{name}_gemm")(fake_gemm)
                 _FAKE_REGISTERED.add(name)
         except Exception as e:  # noqa: BLE001 — any build/registration failure means: use torch's kernel
             return f"building {source.name} failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -259,3 +264,28 @@ def dequant(
     if (kernel or selected()[0]) == "avx2":
         return torch.ops.lmstack_quant.int4_avx2_dequant(packed, d, m, group_size, bf16)
     return torch.ops.lmstack_quant.int4_vnni_dequant(packed, d, m, group_size, bf16)
+
+
+def gemm(
+    x: Tensor,
+    packed: Tensor,
+    d: Tensor,
+    m: Tensor,
+    group_size: int,
+    kernel: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    block: int = 0,
+) -> Tensor:
+    """x (M, I) float32 or bf16 -> x Wᵀ (M, O) float32 with W = d·q + m dequantised in blocks of ``block``
+    output rows (a multiple of 16; 0: the measured default, 128, halved down to 64 on several threads when that
+    balances them) into a per-thread buffer that stays in L2, each block multiplied right after
+    (``csrc/int4_gemm.h``): the prefill GEMM without writing the whole (O, I) weight to memory. ``dtype`` (float32 | bfloat16) is the weights'
+    and the activations' dtype in the GEMM; fp32 accumulation and output. ``kernel`` as in ``mm``."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"dtype={dtype}; the int4 GEMM multiplies in torch.float32 or torch.bfloat16"
+        )
+    bf16 = dtype == torch.bfloat16
+    if (kernel or selected()[0]) == "avx2":
+        return torch.ops.lmstack_quant.int4_avx2_gemm(x, packed, d, m, group_size, bf16, block)
+    return torch.ops.lmstack_quant.int4_vnni_gemm(x, packed, d, m, group_size, bf16, block)

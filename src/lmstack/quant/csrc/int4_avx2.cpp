@@ -16,6 +16,7 @@
 // terms = 2: each activation is two int8 terms, x ~ sx1*xq1 + sx2*xq2 (xq2 the rounded residual), both
 // accumulated into one output.
 #include "int4_common.h"
+#include "int4_gemm.h"
 #include <immintrin.h>
 
 namespace {
@@ -176,15 +177,22 @@ at::Tensor int4_avx2_dequant(const at::Tensor& packed, const at::Tensor& d, cons
   return lmstack_int4::int4_dequant("int4_avx2_dequant", packed, d, m, G, bf16);
 }
 
+at::Tensor int4_avx2_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                           int64_t G, bool bf16, int64_t block) {
+  return lmstack_int4::int4_gemm("int4_avx2_gemm", x, packed, d, m, G, bf16, block);
+}
+
 }  // namespace
 
 // A fragment: the VNNI kernel's library registers its own op in the same namespace; both may be loaded.
 TORCH_LIBRARY_FRAGMENT(lmstack_quant, lib) {
   lib.def("int4_avx2_mm(Tensor x, Tensor packed, Tensor d, Tensor m, int G, int terms=2) -> Tensor");
   lib.def("int4_avx2_dequant(Tensor packed, Tensor d, Tensor m, int G, bool bf16=False) -> Tensor");
+  lib.def("int4_avx2_gemm(Tensor x, Tensor packed, Tensor d, Tensor m, int G, bool bf16=False, int block=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmstack_quant, CPU, lib) {
   lib.impl("int4_avx2_mm", &int4_avx2_mm);
   lib.impl("int4_avx2_dequant", &int4_avx2_dequant);
+  lib.impl("int4_avx2_gemm", &int4_avx2_gemm);
 }

@@ -168,9 +168,11 @@ inline void store_pair(Out* a, Out* b, __m512 w) {
   }
 }
 
+// One tile of 16 output rows: ``out`` is its row 0 (row stride I), ``wt`` its codes (I/8, 64), ``dt``, ``mt`` its
+// (NG, 16) d and m.
 template <class Out>
-void int4_dequant_into(Out* out, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t T, int64_t I,
-                       int64_t NG, int64_t G) {
+inline void dequant_tile(Out* out, const uint8_t* wt, const at::Half* dt, const at::Half* mt, int64_t I, int64_t NG,
+                         int64_t G) {
   // pair p = 2k + h (k: the 128-bit lane, h: 0 unpacklo, 1 unpackhi) holds rows 4k + 2h and 4k + 2h + 1
   __m512i idx[8];
   for (int k = 0; k < 4; ++k)
@@ -179,79 +181,82 @@ void int4_dequant_into(Out* out, const uint8_t* wp, const at::Half* dp, const at
       idx[2 * k + h] = _mm512_set_epi32(r + 1, r + 1, r + 1, r + 1, r + 1, r + 1, r + 1, r + 1, r, r, r, r, r, r, r, r);
     }
   const __m512i low = _mm512_set1_epi8(0x0F);
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t g = 0; g < NG; ++g) {
-        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + (t * NG + g) * 16)));
-        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + (t * NG + g) * 16)));
-        __m512 dpair[8], mpair[8];
-        for (int p = 0; p < 8; ++p) {
-          dpair[p] = _mm512_permutexvar_ps(idx[p], dv);
-          mpair[p] = _mm512_permutexvar_ps(idx[p], mv);
-        }
-        for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {
-          const __m512i v = _mm512_loadu_si512(wp + (t * (I / 8) + c) * 64);
-          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          const __m512i ab[2] = {_mm512_unpacklo_epi32(lo, hi), _mm512_unpackhi_epi32(lo, hi)};
-          Out* base = out + 16 * t * I + 8 * c;
+  for (int64_t g = 0; g < NG; ++g) {
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dt + g * 16)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mt + g * 16)));
+    __m512 dpair[8], mpair[8];
+    for (int p = 0; p < 8; ++p) {
+      dpair[p] = _mm512_permutexvar_ps(idx[p], dv);
+      mpair[p] = _mm512_permutexvar_ps(idx[p], mv);
+    }
+    for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {
+      const __m512i v = _mm512_loadu_si512(wt + c * 64);
+      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const __m512i ab[2] = {_mm512_unpacklo_epi32(lo, hi), _mm512_unpackhi_epi32(lo, hi)};
+      Out* base = out + 8 * c;
 #define LMSTACK_PAIR(K, H)                                                                                   \
   {                                                                                                         \
     const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(ab[H], K)));          \
     const int r = 4 * (K) + 2 * (H);                                                                        \
     store_pair(base + r * I, base + (r + 1) * I, _mm512_fmadd_ps(dpair[2 * (K) + (H)], q, mpair[2 * (K) + (H)])); \
   }
-          LMSTACK_PAIR(0, 0) LMSTACK_PAIR(0, 1) LMSTACK_PAIR(1, 0) LMSTACK_PAIR(1, 1)
-          LMSTACK_PAIR(2, 0) LMSTACK_PAIR(2, 1) LMSTACK_PAIR(3, 0) LMSTACK_PAIR(3, 1)
+      LMSTACK_PAIR(0, 0) LMSTACK_PAIR(0, 1) LMSTACK_PAIR(1, 0) LMSTACK_PAIR(1, 1)
+      LMSTACK_PAIR(2, 0) LMSTACK_PAIR(2, 1) LMSTACK_PAIR(3, 0) LMSTACK_PAIR(3, 1)
 #undef LMSTACK_PAIR
-        }
-      }
-  });
+    }
+  }
 }
 #else
+template <class Out>
+inline void dequant_tile(Out* out, const uint8_t* wt, const at::Half* dt, const at::Half* mt, int64_t I, int64_t NG,
+                         int64_t G) {
+  for (int64_t g = 0; g < NG; ++g) {
+    float dr[16], mr[16];
+    for (int r = 0; r < 16; ++r) {
+      dr[r] = static_cast<float>(dt[g * 16 + r]);
+      mr[r] = static_cast<float>(mt[g * 16 + r]);
+    }
+    for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {
+      const uint8_t* b = wt + c * 64;
+      for (int r = 0; r < 16; ++r) {
+        Out* row = out + r * I + 8 * c;
+#if defined(__AVX2__) && defined(__FMA__)
+        // the row's 4 bytes twice as 8 int32 lanes, shifted by 0 (inputs j) or 4 (inputs 4 + j), masked
+        int32_t bytes;
+        std::memcpy(&bytes, b + 4 * r, 4);
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_set1_epi32(bytes));
+        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                           _mm256_set1_epi32(0xF));
+        const __m256 w = _mm256_fmadd_ps(_mm256_set1_ps(dr[r]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(mr[r]));
+        if constexpr (std::is_same_v<Out, float>) {
+          _mm256_storeu_ps(row, w);
+        } else {  // bf16: u + 0x7FFF + (bit 16 of u), the top 16 bits (bf16_bits on 8 lanes)
+          const __m256i u = _mm256_castps_si256(w);
+          const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+          const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+          const __m128i packed16 = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(row), packed16);
+        }
+#else
+        for (int j = 0; j < 8; ++j) {
+          const float w = dr[r] * static_cast<float>(j < 4 ? b[4 * r + j] & 0xF : b[4 * r + j - 4] >> 4) + mr[r];
+          if constexpr (std::is_same_v<Out, float>) row[j] = w; else row[j] = bf16_bits(w);
+        }
+#endif
+      }
+    }
+  }
+}
+#endif
+
 template <class Out>
 void int4_dequant_into(Out* out, const uint8_t* wp, const at::Half* dp, const at::Half* mp, int64_t T, int64_t I,
                        int64_t NG, int64_t G) {
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t g = 0; g < NG; ++g) {
-        float dr[16], mr[16];
-        for (int r = 0; r < 16; ++r) {
-          dr[r] = static_cast<float>(dp[(t * NG + g) * 16 + r]);
-          mr[r] = static_cast<float>(mp[(t * NG + g) * 16 + r]);
-        }
-        for (int64_t c = g * G / 8; c < (g + 1) * G / 8; ++c) {
-          const uint8_t* b = wp + (t * (I / 8) + c) * 64;
-          for (int r = 0; r < 16; ++r) {
-            Out* row = out + (16 * t + r) * I + 8 * c;
-#if defined(__AVX2__) && defined(__FMA__)
-            // the row's 4 bytes twice as 8 int32 lanes, shifted by 0 (inputs j) or 4 (inputs 4 + j), masked
-            int32_t bytes;
-            std::memcpy(&bytes, b + 4 * r, 4);
-            const __m256i v = _mm256_cvtepu8_epi32(_mm_set1_epi32(bytes));
-            const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
-                                               _mm256_set1_epi32(0xF));
-            const __m256 w = _mm256_fmadd_ps(_mm256_set1_ps(dr[r]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(mr[r]));
-            if constexpr (std::is_same_v<Out, float>) {
-              _mm256_storeu_ps(row, w);
-            } else {  // bf16: u + 0x7FFF + (bit 16 of u), the top 16 bits (bf16_bits on 8 lanes)
-              const __m256i u = _mm256_castps_si256(w);
-              const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-              const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-              const __m128i packed16 = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-              _mm_storeu_si128(reinterpret_cast<__m128i*>(row), packed16);
-            }
-#else
-            for (int j = 0; j < 8; ++j) {
-              const float w = dr[r] * static_cast<float>(j < 4 ? b[4 * r + j] & 0xF : b[4 * r + j - 4] >> 4) + mr[r];
-              if constexpr (std::is_same_v<Out, float>) row[j] = w; else row[j] = bf16_bits(w);
-            }
-#endif
-          }
-        }
-      }
+      dequant_tile(out + 16 * t * I, wp + t * (I / 8) * 64, dp + t * NG * 16, mp + t * NG * 16, I, NG, G);
   });
 }
-#endif
 
 inline at::Tensor int4_dequant(const char* name, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
                                int64_t G, bool bf16) {

@@ -15,6 +15,7 @@
 // Per call: the activations are quantised with AVX-512 into a per-thread scratch buffer (no allocation
 // but the output), and the weight stream is prefetched a few cache lines ahead.
 #include "int4_common.h"
+#include "int4_gemm.h"
 #include <immintrin.h>
 
 namespace {
@@ -112,15 +113,22 @@ at::Tensor int4_vnni_dequant(const at::Tensor& packed, const at::Tensor& d, cons
   return lmstack_int4::int4_dequant("int4_vnni_dequant", packed, d, m, G, bf16);
 }
 
+at::Tensor int4_vnni_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                           int64_t G, bool bf16, int64_t block) {
+  return lmstack_int4::int4_gemm("int4_vnni_gemm", x, packed, d, m, G, bf16, block);
+}
+
 }  // namespace
 
 // A fragment: the AVX2 kernel's library registers its own op in the same namespace; both may be loaded.
 TORCH_LIBRARY_FRAGMENT(lmstack_quant, lib) {
   lib.def("int4_vnni_mm(Tensor x, Tensor packed, Tensor d, Tensor m, int G, int terms=2) -> Tensor");
   lib.def("int4_vnni_dequant(Tensor packed, Tensor d, Tensor m, int G, bool bf16=False) -> Tensor");
+  lib.def("int4_vnni_gemm(Tensor x, Tensor packed, Tensor d, Tensor m, int G, bool bf16=False, int block=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmstack_quant, CPU, lib) {
   lib.impl("int4_vnni_mm", &int4_vnni_mm);
   lib.impl("int4_vnni_dequant", &int4_vnni_dequant);
+  lib.impl("int4_vnni_gemm", &int4_vnni_gemm);
 }
