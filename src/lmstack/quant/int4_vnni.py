@@ -256,14 +256,8 @@ def dequant(
     """The weights the kernel multiplies, W = d·q + m (fp16 d, m), as float32 (O, I) — or rounded to bf16
     (``dtype=torch.bfloat16``, half the bytes written) — from the packed layout in one pass (C++; ``kernel`` as in
     ``mm``): what a prefill's float GEMM takes above ``Int4Linear.gemm_rows``."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(
-            f"dtype={dtype}; the int4 dequantisation writes torch.float32 or torch.bfloat16"
-        )
-    bf16 = dtype == torch.bfloat16
-    if (kernel or selected()[0]) == "avx2":
-        return torch.ops.lmstack_quant.int4_avx2_dequant(packed, d, m, group_size, bf16)
-    return torch.ops.lmstack_quant.int4_vnni_dequant(packed, d, m, group_size, bf16)
+    bf16 = _float_dtype(dtype, "dequantisation writes")
+    return _op("dequant", kernel)(packed, d, m, group_size, bf16)
 
 
 def gemm(
@@ -281,11 +275,22 @@ def gemm(
     balances them) into a per-thread buffer that stays in L2, each block multiplied right after
     (``csrc/int4_gemm.h``): the prefill GEMM without writing the whole (O, I) weight to memory. ``dtype`` (float32 | bfloat16) is the weights'
     and the activations' dtype in the GEMM; fp32 accumulation and output. ``kernel`` as in ``mm``."""
+    bf16 = _float_dtype(dtype, "GEMM multiplies in")
+    return _op("gemm", kernel)(x, packed, d, m, group_size, bf16, block)
+
+
+def _float_dtype(dtype: torch.dtype, what: str) -> bool:
+    """Whether ``dtype`` is bf16 (else float32); any other dtype is refused, naming it."""
     if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(
-            f"dtype={dtype}; the int4 GEMM multiplies in torch.float32 or torch.bfloat16"
-        )
-    bf16 = dtype == torch.bfloat16
-    if (kernel or selected()[0]) == "avx2":
-        return torch.ops.lmstack_quant.int4_avx2_gemm(x, packed, d, m, group_size, bf16, block)
-    return torch.ops.lmstack_quant.int4_vnni_gemm(x, packed, d, m, group_size, bf16, block)
+        raise ValueError(f"dtype={dtype}; the int4 {what} torch.float32 or torch.bfloat16")
+    return dtype == torch.bfloat16
+
+
+def _op(kind: str, kernel: str | None):
+    """``torch.ops.lmstack_quant.int4_<kernel>_<kind>`` (kind "gemm" | "dequant") for ``kernel`` (None: the chosen
+    one), by plain attribute names (what a compiled step traces)."""
+    avx2 = (kernel or selected()[0]) == "avx2"
+    ops = torch.ops.lmstack_quant
+    if kind == "gemm":
+        return ops.int4_avx2_gemm if avx2 else ops.int4_vnni_gemm
+    return ops.int4_avx2_dequant if avx2 else ops.int4_vnni_dequant

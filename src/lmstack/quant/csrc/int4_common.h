@@ -92,21 +92,30 @@ void run_tiles(const uint8_t* wp, const uint16_t* dp, const uint16_t* mp, const 
   if (at::get_num_threads() > 1 && M * T * 16 * I >= kParallelWeights) at::parallel_for(0, T, 1, body); else body(0, T);
 }
 
+// The packed weights' checks every op makes: packed (O/16, I/8, 64) uint8 with I = ``I`` (or, I < 0, whatever the
+// layout says), G a multiple of 8 dividing I, d and m fp16 (O/16, I/G, 16). Returns I/G. ``name`` prefixes every error.
+inline int64_t check_packed(const char* name, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                            int64_t G, int64_t I) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous(),
+              name, ": packed must be contiguous uint8 (O/16, I/8, 64)");
+  if (I < 0) I = packed.size(1) * 8;
+  TORCH_CHECK(packed.size(1) * 8 == I, name, ": x has ", I, " features, weights ", packed.size(1) * 8);
+  TORCH_CHECK(G > 0 && G % 8 == 0 && I % G == 0, name, ": group size ", G, " must be a multiple of 8 dividing ", I);
+  const int64_t T = packed.size(0), NG = I / G;
+  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.numel() == T * NG * 16 &&
+              m.numel() == T * NG * 16 && d.is_contiguous() && m.is_contiguous(),
+              name, ": d, m must be contiguous fp16 (O/16, I/G, 16)");
+  return NG;
+}
+
 // The op: x (M, I) float32 or bf16 -> y (M, O) float32. ``name`` prefixes every error.
 template <class Isa>
 at::Tensor int4_mm(const char* name, const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& d,
                    const at::Tensor& m, int64_t G, int64_t terms) {
   TORCH_CHECK(terms == 1 || terms == 2, name, ": terms must be 1 or 2, got ", terms);
   TORCH_CHECK(x_in.dim() == 2, name, ": x must be (M, I), got ", x_in.sizes());
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous(),
-              name, ": packed must be contiguous uint8 (O/16, I/8, 64)");
   const int64_t M = x_in.size(0), I = x_in.size(1), T = packed.size(0), O = 16 * T;
-  TORCH_CHECK(packed.size(1) * 8 == I, name, ": x has ", I, " features, weights ", packed.size(1) * 8);
-  TORCH_CHECK(G > 0 && G % 8 == 0 && I % G == 0, name, ": group size ", G, " must be a multiple of 8 dividing ", I);
-  const int64_t NG = I / G;
-  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.numel() == T * NG * 16 &&
-              m.numel() == T * NG * 16 && d.is_contiguous() && m.is_contiguous(),
-              name, ": d, m must be contiguous fp16 (O/16, I/G, 16)");
+  const int64_t NG = check_packed(name, packed, d, m, G, I);
   const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
   static thread_local Scratch s;
   s.xq.resize(static_cast<size_t>(M * terms * I));
@@ -260,14 +269,8 @@ void int4_dequant_into(Out* out, const uint8_t* wp, const at::Half* dp, const at
 
 inline at::Tensor int4_dequant(const char* name, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
                                int64_t G, bool bf16) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous(),
-              name, ": packed must be contiguous uint8 (O/16, I/8, 64)");
+  const int64_t NG = check_packed(name, packed, d, m, G, -1);
   const int64_t T = packed.size(0), I = packed.size(1) * 8, O = 16 * T;
-  TORCH_CHECK(G > 0 && G % 8 == 0 && I % G == 0, name, ": group size ", G, " must be a multiple of 8 dividing ", I);
-  const int64_t NG = I / G;
-  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.numel() == T * NG * 16 &&
-              m.numel() == T * NG * 16 && d.is_contiguous() && m.is_contiguous(),
-              name, ": d, m must be contiguous fp16 (O/16, I/G, 16)");
   at::Tensor w = at::empty({O, I}, packed.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const at::Half* dp = d.data_ptr<at::Half>();

@@ -144,15 +144,8 @@ inline at::Tensor int4_gemm(const char* name, const at::Tensor& x_in, const at::
   TORCH_CHECK(x_in.dim() == 2, name, ": x must be (M, I), got ", x_in.sizes());
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, name,
               ": x must be float32 or bfloat16, got ", x_in.scalar_type());
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous(),
-              name, ": packed must be contiguous uint8 (O/16, I/8, 64)");
   const int64_t M = x_in.size(0), I = x_in.size(1), T = packed.size(0), O = 16 * T;
-  TORCH_CHECK(packed.size(1) * 8 == I, name, ": x has ", I, " features, weights ", packed.size(1) * 8);
-  TORCH_CHECK(G > 0 && G % 8 == 0 && I % G == 0, name, ": group size ", G, " must be a multiple of 8 dividing ", I);
-  const int64_t NG = I / G;
-  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.numel() == T * NG * 16 &&
-              m.numel() == T * NG * 16 && d.is_contiguous() && m.is_contiguous(),
-              name, ": d, m must be contiguous fp16 (O/16, I/G, 16)");
+  const int64_t NG = check_packed(name, packed, d, m, G, I);
   TORCH_CHECK(block >= 0 && block % 16 == 0, name, ": block must be 0 (the default) or a positive multiple of 16 "
               "output rows, got ", block);
   at::Tensor y = at::empty({M, O}, x_in.options().dtype(at::kFloat));
