@@ -17,20 +17,26 @@ def _rows(scheduled):
     return [(s.request_id, n) for s, n in scheduled]
 
 
-def test_chunked_prefill_under_the_budget_then_preemption_of_the_newest():
-    blocks = BlockManager(num_blocks=5, block_size=4)  # 4 usable blocks = 16 tokens
-    stats = Counter()
-    sch = Scheduler(
+def _scheduler(blocks, stats, max_num_seqs, max_num_batched_tokens, **kw):
+    """A scheduler without a model: no eos, no window, no speculation, no watermark, 64-token sequences."""
+    return Scheduler(
         blocks,
-        max_num_seqs=4,
-        max_num_batched_tokens=7,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=64,
         watermark_blocks=0,
         eos_token_id=None,
         sliding_window=None,
         speculator=None,
         stats=stats,
+        **kw,
     )
+
+
+def test_chunked_prefill_under_the_budget_then_preemption_of_the_newest():
+    blocks = BlockManager(num_blocks=5, block_size=4)  # 4 usable blocks = 16 tokens
+    stats = Counter()
+    sch = _scheduler(blocks, stats, 4, 7)
     a, b = _seq("a", range(1, 11)), _seq("b", range(20, 26))
     sch.add(a)
     sch.add(b)
@@ -69,17 +75,7 @@ def test_samples_of_one_prompt_wait_a_step_for_its_prefix_then_read_it_from_the_
     # with (10 - 1) // 4 = 2 full blocks = 8 tokens from the cache and compute the last 2 (hand-worked)
     blocks = BlockManager(num_blocks=17, block_size=4)
     stats = Counter()
-    sch = Scheduler(
-        blocks,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        max_model_len=64,
-        watermark_blocks=0,
-        eos_token_id=None,
-        sliding_window=None,
-        speculator=None,
-        stats=stats,
-    )
+    sch = _scheduler(blocks, stats, 8, 64)
     prompt = list(range(1, 11))
     g0, g1, g2, other = (
         _seq(r, p)
@@ -114,18 +110,7 @@ def test_admission_batch_admits_once_k_seats_are_free():
     admitted together when a second frees (worked by hand); the last request alone is admitted at once
     (fewer than k wait); with nothing running the queue is admitted whatever k."""
     blocks = BlockManager(num_blocks=40, block_size=4)
-    sch = Scheduler(
-        blocks,
-        max_num_seqs=3,
-        max_num_batched_tokens=64,
-        max_model_len=64,
-        watermark_blocks=0,
-        eos_token_id=None,
-        sliding_window=None,
-        speculator=None,
-        stats=Counter(),
-        admission_batch=2,
-    )
+    sch = _scheduler(blocks, Counter(), 3, 64, admission_batch=2)
     lens = {"a": 2, "b": 3, "c": 6, "d": 4, "e": 4, "f": 2}
     seqs = {r: _seq(r, range(1, 4), max_tokens=m) for r, m in lens.items()}
     for s in seqs.values():
