@@ -68,12 +68,20 @@ def test_kernel_equals_its_formula_and_int8linear_is_close_to_float(O, I, G, M):
         and lin.qweight.shape == (O // 16, I // 4, 64)
     )
     torch.testing.assert_close(lin.dequantized_weight(), dequantize_int8(q, s))
-    full = F.linear(
-        x.double(), dequantize_int8(q, s).double()
-    )  # two int8 activation terms: ~1e-4 of float
+    full = F.linear(x.double(), dequantize_int8(q, s).double())
+    # the default: two int8 terms per activation (~15 bits): ~1e-4 of float
+    assert lin.terms == 2 and "terms=2" in repr(lin)
     assert float((lin(x).double() - full).norm() / full.norm()) < 3e-4
     np.testing.assert_allclose(
         lin(x).double().numpy(), reference(x, q, s, lin.act_group, 2), rtol=1e-5, atol=1e-5
+    )
+    one = Int8Linear(
+        q, s, kernel="avx2", terms=1
+    )  # llama.cpp's Q8_0: |error| <= s_x/2 each, ~2e-3 of float
+    err1 = float((one(x).double() - full).norm() / full.norm())
+    assert 2e-4 < err1 < 6e-3
+    np.testing.assert_allclose(
+        one(x).double().numpy(), reference(x, q, s, one.act_group, 1), rtol=1e-5, atol=1e-5
     )
     assert lin.kernel_bytes() == O * I + 4 * O
 
@@ -97,7 +105,7 @@ def test_prefill_gemm_and_kernel_each_equal_their_float64_formula(monkeypatch, M
     tight = {"rtol": 1e-6, "atol": 2e-6 * float(full.abs().max())}
     if M < 4:
         np.testing.assert_allclose(
-            y.numpy(), reference(x, q, s, lin.act_group, 2), rtol=1e-5, atol=1e-5
+            y.numpy(), reference(x, q, s, lin.act_group, lin.terms), rtol=1e-5, atol=1e-5
         )
         assert not torch.allclose(
             y, full, **tight
@@ -140,10 +148,15 @@ def test_env_switch_forces_each_kernel(monkeypatch, forced):
     lin = Int8Linear(q, s)
     want = "aten" if forced == "aten" or int4_vnni.build("int8_avx2") is not None else "avx2"
     assert int8_kernel() == want and lin.kernel == want
-    tol = (
-        dict(rtol=1e-3, atol=2e-3) if want == "avx2" else dict(atol=0.05, rtol=0.02)
-    )  # aten: bf16 activations
-    torch.testing.assert_close(lin(x), F.linear(x, dequantize_int8(q, s)), **tol)
+    if want == "avx2":  # ours: its int8-activation formula (one term by default)
+        np.testing.assert_allclose(
+            lin(x).double().numpy(),
+            reference(x, q, s, lin.act_group, lin.terms),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    else:  # aten: bf16 activations
+        torch.testing.assert_close(lin(x), F.linear(x, dequantize_int8(q, s)), atol=0.05, rtol=0.02)
 
 
 @pytest.mark.slow
@@ -159,21 +172,37 @@ def test_kernel_runs_inside_a_compiled_graph():
 
 def test_the_avx2_kernel_is_not_handed_to_onednn(monkeypatch):
     """On lmstack's AVX2 kernel (what an AVX2 CPU without VNNI runs) no oneDNN row count is measured or used:
-    one row is the kernel's formula (two int8 terms per group of 32)."""
+    one row is the kernel's formula (two int8 terms per group of 32, the default)."""
     from lmstack.quant import linear
 
     if int4_vnni.build("int8_avx2") is not None:
         pytest.skip("the AVX2 int8 kernel cannot be built here")
     monkeypatch.delenv("LMSTACK_QUANT_GEMM_ROWS", raising=False)
     monkeypatch.setattr(
-        linear, "_measured", {"int8_avx2": 32}
+        linear, "_measured", {"int8_avx2_t2": 32}
     )  # its own prefill switch, as measured
     g = torch.Generator().manual_seed(21)
     q, s = quantize_int8(torch.randn(64, 128, generator=g))
     lin = Int8Linear(q, s, kernel="avx2")
     assert lin.gemm_rows is None and not lin.onednn_rows(1) and lin.DEQUANT_ROWS == 32
-    assert list(linear._measured) == ["int8_avx2"]  # no oneDNN measurement for this layer
+    assert list(linear._measured) == ["int8_avx2_t2"]  # no oneDNN measurement for this layer
     x = torch.randn(1, 128, generator=g)
     np.testing.assert_allclose(
         lin(x).double().numpy(), reference(x, q, s, lin.act_group, 2), rtol=1e-5, atol=1e-5
     )
+
+
+def test_int8_terms_default_switch_and_bad_values(monkeypatch):
+    """``terms``: 2 by default, ``LMSTACK_INT8_TERMS=1`` takes one; anything else is refused, naming the value."""
+    from lmstack.quant.int8 import default_terms
+
+    monkeypatch.delenv("LMSTACK_INT8_TERMS", raising=False)
+    assert default_terms() == 2
+    monkeypatch.setenv("LMSTACK_INT8_TERMS", "1")
+    assert default_terms() == 1
+    monkeypatch.setenv("LMSTACK_INT8_TERMS", "3")
+    with pytest.raises(ValueError, match="LMSTACK_INT8_TERMS='3'; expected 1 or 2"):
+        default_terms()
+    q, s = quantize_int8(torch.randn(32, 64, generator=torch.Generator().manual_seed(2)))
+    with pytest.raises(ValueError, match="terms=3"):
+        Int8Linear(q, s, terms=3)

@@ -4,8 +4,9 @@ For W of shape (O, I):  s_o = max_i |W_oi| / 127,  Q_oi = round(W_oi / s_o) ∈ 
 Ŵ_oi = s_o · Q_oi, so |W_oi − Ŵ_oi| ≤ s_o / 2. The matmul y = x Ŵᵀ = (x Qᵀ) ⊙ s is what
 ``torch.ops.aten._weight_int8pack_mm`` computes on CPU without materialising Ŵ. On an AVX2 CPU without
 AVX-512 VNNI torch's kernel is slow (measured 2-10x behind lmstack's at batch 1, docs/quant.md), so there
-``Int8Linear`` runs lmstack's ``csrc/int8_avx2.cpp`` instead: int8 activations per group of G inputs (two
-int8 terms, ~15 bits, as the int4 kernel), y_o = s_o · Σ_g Σ_t s_x,t,g · Σ_{i∈g} Q_oi · x_q,t,i.
+``Int8Linear`` runs lmstack's ``csrc/int8_avx2.cpp`` instead: int8 activations per group of G inputs (two int8
+terms by default, ~15 bits; one, llama.cpp's Q8_0 × Q8_0 precision, with ``terms=1`` or ``LMSTACK_INT8_TERMS=1``),
+y_o = s_o · Σ_g Σ_t s_x,t,g · Σ_{i∈g} Q_oi · x_q,t,i.
 Where torch's kernel runs (an AVX-512 VNNI CPU), from ``gemm_rows`` activation rows on (measured per weight
 shape: one row for the 49152 x 576 unembedding, more for small weights) ``Int8Linear`` runs oneDNN's int8
 GEMM (AMX / VNNI) on Q prepacked once: two int8 terms per activation row (``onednn_mm``),
@@ -26,6 +27,22 @@ from lmstack.quant.linear import WeightOnlyLinear, best_seconds_pair, gemm_rows
 
 QMAX8 = 127
 ENV = "LMSTACK_INT8_KERNEL"
+TERMS_ENV = "LMSTACK_INT8_TERMS"
+
+
+def default_terms() -> int:
+    """Int8 terms per activation in lmstack's AVX2 int8 kernel when ``Int8Linear(terms=None)``: 2 (~15 bits),
+    unless ``LMSTACK_INT8_TERMS=1`` (llama.cpp's Q8_0 activations). On SmolLM2's 49152 x 576 unembedding (the int8
+    layer a served GGUF model has) at 16 rows one term takes 7.4 ms against two terms' 14.2 (AVX2 build, one
+    thread; 1.1 ms either way at one row), for +0.15 % perplexity (docs/inference.md); the default stays 2 until
+    the tests that hold the AVX2 path to bf16-like error are reworked. The oneDNN path keeps its two per-row terms
+    (``onednn_mm``: one term per *row* is much coarser than one per group of 32)."""
+    env = os.environ.get(TERMS_ENV, "").strip()
+    if env:
+        if env not in ("1", "2"):
+            raise ValueError(f"{TERMS_ENV}={env!r}; expected 1 or 2 int8 terms per activation")
+        return int(env)
+    return 2
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -72,9 +89,9 @@ def int8_kernel() -> str:
     return name if name == "aten" or int4_vnni.build("int8_avx2") is None else "aten"
 
 
-def measure_gemm_rows(O: int = 1024, I: int = 576):
-    """``measure(M) -> (s of lmstack's AVX2 int8 kernel, s of dequantise + F.linear)`` on an (O, I) weight:
-    ``linear.gemm_rows``'s measurement for ``Int8Linear(kernel="avx2")``."""
+def measure_gemm_rows(O: int = 1024, I: int = 576, terms: int = 1):
+    """``measure(M) -> (s of lmstack's AVX2 int8 kernel with ``terms``, s of dequantise + F.linear)`` on an
+    (O, I) weight: ``linear.gemm_rows``'s measurement for ``Int8Linear(kernel="avx2")``."""
     g = torch.Generator().manual_seed(0)
     q, s = quantize_int8(torch.randn(O, I, generator=g))
     packed, G = pack_int8(q), next(g_ for g_ in (32, 16, 8) if I % g_ == 0)
@@ -83,7 +100,7 @@ def measure_gemm_rows(O: int = 1024, I: int = 576):
         x = torch.randn(M, I, generator=g)
         with torch.inference_mode():
             k, f = best_seconds_pair(
-                lambda: torch.ops.lmstack_quant.int8_avx2_mm(x, packed, s, G, 2),
+                lambda: torch.ops.lmstack_quant.int8_avx2_mm(x, packed, s, G, terms),
                 lambda: F.linear(x, dequantize_int8(unpack_int8(packed), s)),
             )
         return k, f
@@ -183,7 +200,9 @@ class Int8Linear(WeightOnlyLinear):
     the output is cast back to the input's dtype. With ``DEQUANT_ROWS`` or more rows (prefill),
     off CPU, or without the kernel, the weight is dequantised and F.linear runs. ``kernel``: "auto" takes
     lmstack's AVX2 kernel where ``int8_kernel()`` says so (then ``qweight`` holds Q in its tile layout and
-    the activations are quantised to int8 per group of ``act_group`` inputs), "aten" torch's, "avx2" ours.
+    the activations are quantised to int8 per group of ``act_group`` inputs, ``terms`` int8 terms each: None, the
+    default, takes ``default_terms()`` = 2 unless ``LMSTACK_INT8_TERMS=1``; "auto" takes ours only with bf16
+    ``compute_dtype``: fp32 asks for the exact product), "aten" torch's, "avx2" ours.
     With torch's kernel, bf16 ``compute_dtype`` and oneDNN, from ``gemm_rows`` rows on (measured once per process
     and weight shape: ``onednn_gemm_rows``;
     ``LMSTACK_QUANT_GEMM_ROWS=N|never`` forces it) ``onednn_mm`` runs instead of the kernel and of the
@@ -201,7 +220,12 @@ class Int8Linear(WeightOnlyLinear):
         bias: Tensor | None = None,
         compute_dtype: torch.dtype = torch.bfloat16,
         kernel: str = "auto",
+        terms: int | None = None,
     ):
+        if terms not in (None, 1, 2):
+            raise ValueError(
+                f"terms={terms!r}; expected 1 or 2 int8 terms per activation (or None)"
+            )
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
             raise ValueError(
                 f"expected int8 Q (O, I) and scales (O,), got {q.dtype} {tuple(q.shape)} "
@@ -221,13 +245,24 @@ class Int8Linear(WeightOnlyLinear):
             raise ValueError(f"kernel='avx2' cannot run: {why}")
         self.kernel = (
             "avx2"
-            if kernel == "avx2" or (kernel == "auto" and shape_ok and int8_kernel() == "avx2")
+            # "auto": ours only for bf16 compute (its int8 activations); fp32 asks for the exact product
+            if kernel == "avx2"
+            or (
+                kernel == "auto"
+                and shape_ok
+                and compute_dtype == torch.bfloat16
+                and int8_kernel() == "avx2"
+            )
             else "aten"
         )
+        # int8 terms per activation in lmstack's AVX2 kernel (1: llama.cpp's Q8_0 precision)
+        self.terms = default_terms() if terms is None else terms
         if (
             self.kernel == "avx2"
         ):  # the row count from which a prefill dequantises: measured (linear.gemm_rows)
-            self.DEQUANT_ROWS = gemm_rows("int8_avx2", measure_gemm_rows())
+            self.DEQUANT_ROWS = gemm_rows(
+                f"int8_avx2_t{self.terms}", measure_gemm_rows(terms=self.terms)
+            )
         self._onednn: tuple[Tensor, Tensor, tuple] | None = (
             None  # (prepacked Q, zero points, qweight's key)
         )
@@ -305,7 +340,11 @@ class Int8Linear(WeightOnlyLinear):
         ):
             # fp32 or bf16 x straight in (not cast to compute_dtype): the kernel quantises it to int8
             y = torch.ops.lmstack_quant.int8_avx2_mm(
-                x.reshape(-1, self.in_features), self.qweight, self.scale, self.act_group, 2
+                x.reshape(-1, self.in_features),
+                self.qweight,
+                self.scale,
+                self.act_group,
+                self.terms,
             )  # (M, O) fp32
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
@@ -338,4 +377,7 @@ class Int8Linear(WeightOnlyLinear):
         return {**self.__dict__, "_onednn": None}
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", kernel={self.kernel}, gemm_rows={self.gemm_rows}"
+        return (
+            super().extra_repr()
+            + f", kernel={self.kernel}, terms={self.terms}, gemm_rows={self.gemm_rows}"
+        )
