@@ -137,6 +137,7 @@ def test_one_row_takes_the_two_term_gemm_when_the_switch_says_one(monkeypatch):
 def test_the_row_count_is_measured_per_weight_shape(monkeypatch):
     """One measurement per (O, I), on the layer's own shape (a fused layer measures its joined shape): here a
     faked measurement in which oneDNN wins from one row on weights of 256+ rows and from 8 rows below."""
+    monkeypatch.setenv("LMSTACK_INT8_KERNEL", "aten")  # oneDNN serves torch's kernel's layers only
     from lmstack.quant import int8, linear
 
     monkeypatch.delenv("LMSTACK_QUANT_GEMM_ROWS", raising=False)

@@ -85,6 +85,9 @@ def test_int8_linear_many_rows_dequantizes(monkeypatch):
     monkeypatch.setenv(
         "LMSTACK_QUANT_GEMM_ROWS", "never"
     )  # not oneDNN's int8 GEMM (test_quant_int8_onednn)
+    monkeypatch.setenv(
+        "LMSTACK_INT8_KERNEL", "aten"
+    )  # torch's kernel's path (AVX2's: test_quant_int8_avx2)
     w = weight()
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3))  # >= DEQUANT_ROWS rows
     m = Int8Linear(*quantize_int8(w))
@@ -158,8 +161,10 @@ def test_quantize_model_without_lm_head_and_bad_method():
         quantize_model(mixed, "int8")
 
 
-def test_quantized_weight_bytes_worked_number():
-    # D = 64, F = 128, K·H = 32, L = 2, V = 128, tied; int8 with bf16 scales (2 bytes per output row).
+def test_quantized_weight_bytes_worked_number(monkeypatch):
+    # D = 64, F = 128, K·H = 32, L = 2, V = 128, tied; int8 with bf16 scales (2 bytes per output row): torch's
+    # kernel's layout (lmstack's AVX2 kernel keeps fp32 scales)
+    monkeypatch.setenv("LMSTACK_INT8_KERNEL", "aten")
     model = quantize_model(small_model(), "int8")
     per_layer = (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 64 * 128) + 2 * (
         64 + 32 + 32 + 64 + 128 + 128 + 64
