@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lmstack.cpu import cpu_features
 from lmstack.quant import int4_vnni
-from lmstack.quant.linear import WeightOnlyLinear, best_seconds_pair, gemm_rows
+from lmstack.quant.linear import WeightOnlyLinear, best_seconds_pair, env_terms, gemm_rows
 
 QMAX4 = 15
 TERMS_ENV = "LMSTACK_INT4_TERMS"
@@ -117,12 +117,7 @@ def default_terms(kernel: str) -> int:
     (SmolLM2's shapes, one thread, docs/quant.md): the engine's 16-row decode step took 42 vs 34.5 ms, the
     batch-1 step 8.6 vs 7.7 ms. ``LMSTACK_INT4_TERMS=2`` takes the ~15-bit pair. (``kernel`` is kept for
     a per-kernel choice; today all give 1.)"""
-    env = os.environ.get(TERMS_ENV, "").strip()
-    if env:
-        if env not in ("1", "2"):
-            raise ValueError(f"{TERMS_ENV}={env!r}; expected 1 or 2 int8 terms per activation")
-        return int(env)
-    return 1
+    return env_terms(TERMS_ENV, 1)
 
 
 def _has_int4_kernel() -> bool:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lmstack.cpu import cpu_features
 from lmstack.quant import int4_vnni
-from lmstack.quant.linear import WeightOnlyLinear, best_seconds_pair, gemm_rows
+from lmstack.quant.linear import WeightOnlyLinear, best_seconds_pair, env_terms, gemm_rows
 
 QMAX8 = 127
 ENV = "LMSTACK_INT8_KERNEL"
@@ -37,12 +37,7 @@ def default_terms() -> int:
     thread; 1.1 ms either way at one row), for +0.15 % perplexity (docs/inference.md); the default stays 2 until
     the tests that hold the AVX2 path to bf16-like error are reworked. The oneDNN path keeps its two per-row terms
     (``onednn_mm``: one term per *row* is much coarser than one per group of 32)."""
-    env = os.environ.get(TERMS_ENV, "").strip()
-    if env:
-        if env not in ("1", "2"):
-            raise ValueError(f"{TERMS_ENV}={env!r}; expected 1 or 2 int8 terms per activation")
-        return int(env)
-    return 2
+    return env_terms(TERMS_ENV, 2)
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:

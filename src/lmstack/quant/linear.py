@@ -71,6 +71,17 @@ def gemm_rows(
     return _measured[key]
 
 
+def env_terms(env: str, default: int) -> int:
+    """Int8 terms per activation from the environment variable ``env`` ("1" or "2"), else ``default``: the
+    int4 and int8 kernels' one switch (``LMSTACK_INT4_TERMS``, ``LMSTACK_INT8_TERMS``); another value is refused."""
+    value = os.environ.get(env, "").strip()
+    if not value:
+        return default
+    if value not in ("1", "2"):
+        raise ValueError(f"{env}={value!r}; expected 1 or 2 int8 terms per activation")
+    return int(value)
+
+
 def best_seconds_pair(
     fa: Callable[[], object], fb: Callable[[], object], repeats: int = 5
 ) -> tuple[float, float]:
