@@ -61,7 +61,7 @@ def test_kernel_equals_its_formula_and_int8linear_is_close_to_float(O, I, G, M):
         np.testing.assert_allclose(
             y.double().numpy(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max()
         )
-    lin = Int8Linear(q, s, kernel="avx2")
+    lin = Int8Linear(q, s, kernel="avx2", terms=2)
     assert (
         lin.kernel == "avx2"
         and "kernel=avx2" in repr(lin)
@@ -69,15 +69,15 @@ def test_kernel_equals_its_formula_and_int8linear_is_close_to_float(O, I, G, M):
     )
     torch.testing.assert_close(lin.dequantized_weight(), dequantize_int8(q, s))
     full = F.linear(x.double(), dequantize_int8(q, s).double())
-    # the default: two int8 terms per activation (~15 bits): ~1e-4 of float
+    # two int8 terms per activation (~15 bits): ~1e-4 of float
     assert lin.terms == 2 and "terms=2" in repr(lin)
     assert float((lin(x).double() - full).norm() / full.norm()) < 3e-4
     np.testing.assert_allclose(
         lin(x).double().numpy(), reference(x, q, s, lin.act_group, 2), rtol=1e-5, atol=1e-5
     )
-    one = Int8Linear(
-        q, s, kernel="avx2", terms=1
-    )  # llama.cpp's Q8_0: |error| <= s_x/2 each, ~2e-3 of float
+    # the default: one term, llama.cpp's Q8_0: |error| <= s_x/2 each, ~2e-3 of float
+    one = Int8Linear(q, s, kernel="avx2")
+    assert one.terms == 1 and "terms=1" in repr(one)
     err1 = float((one(x).double() - full).norm() / full.norm())
     assert 2e-4 < err1 < 6e-3
     np.testing.assert_allclose(
@@ -172,34 +172,34 @@ def test_kernel_runs_inside_a_compiled_graph():
 
 def test_the_avx2_kernel_is_not_handed_to_onednn(monkeypatch):
     """On lmstack's AVX2 kernel (what an AVX2 CPU without VNNI runs) no oneDNN row count is measured or used:
-    one row is the kernel's formula (two int8 terms per group of 32, the default)."""
+    one row is the kernel's formula (one int8 term per group of 32, the default)."""
     from lmstack.quant import linear
 
     if int4_vnni.build("int8_avx2") is not None:
         pytest.skip("the AVX2 int8 kernel cannot be built here")
     monkeypatch.delenv("LMSTACK_QUANT_GEMM_ROWS", raising=False)
     monkeypatch.setattr(
-        linear, "_measured", {"int8_avx2_t2": 32}
+        linear, "_measured", {"int8_avx2_t1": 32}
     )  # its own prefill switch, as measured
     g = torch.Generator().manual_seed(21)
     q, s = quantize_int8(torch.randn(64, 128, generator=g))
     lin = Int8Linear(q, s, kernel="avx2")
     assert lin.gemm_rows is None and not lin.onednn_rows(1) and lin.DEQUANT_ROWS == 32
-    assert list(linear._measured) == ["int8_avx2_t2"]  # no oneDNN measurement for this layer
+    assert list(linear._measured) == ["int8_avx2_t1"]  # no oneDNN measurement for this layer
     x = torch.randn(1, 128, generator=g)
     np.testing.assert_allclose(
-        lin(x).double().numpy(), reference(x, q, s, lin.act_group, 2), rtol=1e-5, atol=1e-5
+        lin(x).double().numpy(), reference(x, q, s, lin.act_group, 1), rtol=1e-5, atol=1e-5
     )
 
 
 def test_int8_terms_default_switch_and_bad_values(monkeypatch):
-    """``terms``: 2 by default, ``LMSTACK_INT8_TERMS=1`` takes one; anything else is refused, naming the value."""
+    """``terms``: 1 by default, ``LMSTACK_INT8_TERMS=2`` takes two; anything else is refused, naming the value."""
     from lmstack.quant.int8 import default_terms
 
     monkeypatch.delenv("LMSTACK_INT8_TERMS", raising=False)
-    assert default_terms() == 2
-    monkeypatch.setenv("LMSTACK_INT8_TERMS", "1")
     assert default_terms() == 1
+    monkeypatch.setenv("LMSTACK_INT8_TERMS", "2")
+    assert default_terms() == 2
     monkeypatch.setenv("LMSTACK_INT8_TERMS", "3")
     with pytest.raises(ValueError, match="LMSTACK_INT8_TERMS='3'; expected 1 or 2"):
         default_terms()

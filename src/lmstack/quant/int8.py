@@ -4,8 +4,8 @@ For W of shape (O, I):  s_o = max_i |W_oi| / 127,  Q_oi = round(W_oi / s_o) ∈ 
 Ŵ_oi = s_o · Q_oi, so |W_oi − Ŵ_oi| ≤ s_o / 2. The matmul y = x Ŵᵀ = (x Qᵀ) ⊙ s is what
 ``torch.ops.aten._weight_int8pack_mm`` computes on CPU without materialising Ŵ. On an AVX2 CPU without
 AVX-512 VNNI torch's kernel is slow (measured 2-10x behind lmstack's at batch 1, docs/quant.md), so there
-``Int8Linear`` runs lmstack's ``csrc/int8_avx2.cpp`` instead: int8 activations per group of G inputs (two int8
-terms by default, ~15 bits; one, llama.cpp's Q8_0 × Q8_0 precision, with ``terms=1`` or ``LMSTACK_INT8_TERMS=1``),
+``Int8Linear`` runs lmstack's ``csrc/int8_avx2.cpp`` instead: int8 activations per group of G inputs (one int8
+term by default, llama.cpp's Q8_0 × Q8_0 precision; two, ~15 bits, with ``terms=2`` or ``LMSTACK_INT8_TERMS=2``),
 y_o = s_o · Σ_g Σ_t s_x,t,g · Σ_{i∈g} Q_oi · x_q,t,i.
 Where torch's kernel runs (an AVX-512 VNNI CPU), from ``gemm_rows`` activation rows on (measured per weight
 shape: one row for the 49152 x 576 unembedding, more for small weights) ``Int8Linear`` runs oneDNN's int8
@@ -31,13 +31,13 @@ TERMS_ENV = "LMSTACK_INT8_TERMS"
 
 
 def default_terms() -> int:
-    """Int8 terms per activation in lmstack's AVX2 int8 kernel when ``Int8Linear(terms=None)``: 2 (~15 bits),
-    unless ``LMSTACK_INT8_TERMS=1`` (llama.cpp's Q8_0 activations). On SmolLM2's 49152 x 576 unembedding (the int8
-    layer a served GGUF model has) at 16 rows one term takes 7.4 ms against two terms' 14.2 (AVX2 build, one
-    thread; 1.1 ms either way at one row), for +0.15 % perplexity (docs/inference.md); the default stays 2 until
-    the tests that hold the AVX2 path to bf16-like error are reworked. The oneDNN path keeps its two per-row terms
-    (``onednn_mm``: one term per *row* is much coarser than one per group of 32)."""
-    return env_terms(TERMS_ENV, 2)
+    """Int8 terms per activation in lmstack's AVX2 int8 kernel when ``Int8Linear(terms=None)``: 1 (llama.cpp's
+    Q8_0 x Q8_0 precision, as the int4 kernels' default), unless ``LMSTACK_INT8_TERMS=2`` (~15 bits). On SmolLM2's
+    49152 x 576 unembedding (the int8 layer a served GGUF model has) at 16 rows one term takes 7.4 ms against two
+    terms' 14.2 (AVX2 build, one thread; 1.1 ms either way at one row), for +0.15 % perplexity (docs/inference.md).
+    The oneDNN path keeps its two per-row terms (``onednn_mm``: one term per *row* is much coarser than one per
+    group of 32)."""
+    return env_terms(TERMS_ENV, 1)
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -196,7 +196,7 @@ class Int8Linear(WeightOnlyLinear):
     off CPU, or without the kernel, the weight is dequantised and F.linear runs. ``kernel``: "auto" takes
     lmstack's AVX2 kernel where ``int8_kernel()`` says so (then ``qweight`` holds Q in its tile layout and
     the activations are quantised to int8 per group of ``act_group`` inputs, ``terms`` int8 terms each: None, the
-    default, takes ``default_terms()`` = 2 unless ``LMSTACK_INT8_TERMS=1``; "auto" takes ours only with bf16
+    default, takes ``default_terms()`` = 1 unless ``LMSTACK_INT8_TERMS=2``; "auto" takes ours only with bf16
     ``compute_dtype``: fp32 asks for the exact product), "aten" torch's, "avx2" ours.
     With torch's kernel, bf16 ``compute_dtype`` and oneDNN, from ``gemm_rows`` rows on (measured once per process
     and weight shape: ``onednn_gemm_rows``;
