@@ -148,6 +148,42 @@ def test_kernel_equals_sdpa_for_each_group_size_and_head_dim(variant, dtype, g_,
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn],
+    ids=str,
+)
+@pytest.mark.parametrize(
+    "g_, h_, window, softcap",
+    [
+        (3, 64, None, None),
+        (3, 64, 6, 3.0),
+        (4, 128, None, None),
+        (5, 128, 9, None),
+        (3, 80, None, 2.0),
+    ],
+)
+def test_kernel_equals_sdpa_at_compiled_head_dims_with_window_and_soft_cap(
+    variant, dtype, g_, h_, window, softcap
+):
+    """The head dims the vector builds compile their chunk counts for (H = 64: SmolLM2's 3 query heads per
+    KV head; H = 128 with groups of 4 and 4 + 1) and a run-time one (H = 80), every pool dtype (int8 / fp8
+    scales), a window and a soft-cap, with this step's k_new."""
+    _built(variant)
+    g = torch.Generator().manual_seed(7 * g_ + h_ + (window or 0))
+    kp, vp, (ks, vs), kv, vv = _pool(dtype, g, H=h_)
+    B = len(TABLES)
+    q = torch.randn(B, K * g_, 1, h_, generator=g) * 3
+    k_new, v_new = torch.randn(B, K, h_, generator=g), torch.randn(B, K, h_, generator=g)
+    table, pos = _table(), torch.tensor(POSITIONS)
+    out = paged_kernel.paged_decode(
+        q, kp, vp, table, pos, k_new, v_new, window, softcap, ks, vs, variant=variant
+    )
+    ref = _reference(q, kv, vv, k_new, v_new, window, softcap, G=g_)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_kernel_reads_fp8_nan_and_subnormal_codes_as_torch_does(variant):
     """Every e4m3 code (subnormals, +-0, the NaN codes 0x7F / 0xFF) in the value rows: the kernel's
     conversion (AVX-512 / AVX2: through fp16's bit fields) against torch's ``float8_e4m3fn -> float32``."""
