@@ -1,10 +1,11 @@
 """lmstack's C++ paged decode attention alone, per pool dtype: the time of one decode step's 30 calls.
 
-    python benchmarks/paged_kernel.py [--variant avx512|avx2|generic] [--batch 16,1] [--positions 140]
+    python benchmarks/paged_kernel.py [--variant avx512|avx2|generic] [--batch 16,1] [--positions 140|200-400]
                                       [--source OTHER.cpp]
 
 SmolLM2-135M's shapes (9 query heads on 3 KV heads, H = 64, 30 layers, blocks of 16 tokens): each row at
-``--positions`` with this step's k, v, its 10 blocks drawn at random from a 2000-block pool per layer (each
+``--positions`` (one position, or ``LO-HI``: each row's drawn uniformly from that range) with this step's k,
+v, its blocks drawn at random from a 2000-block pool per layer (each
 layer its own pool, so the K/V come from DRAM as in the engine; int8/fp8 with per-block scales). The best
 of 7 repeats is printed, in ms for 30 calls. ``--source`` also builds another version of
 ``csrc/paged_decode.cpp`` (say ``git show REV:src/lmstack/inference/csrc/paged_decode.cpp > old.cpp``) with
@@ -50,7 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", default=paged_kernel.selected()[0])
     ap.add_argument("--batch", default="16,1")
-    ap.add_argument("--positions", type=int, default=140)
+    ap.add_argument("--positions", default="140")
     ap.add_argument("--source", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -60,11 +61,15 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f}; ms per 30 calls (N={N}, K={K}, H={H}, p={args.positions})"
     )
     g = torch.Generator().manual_seed(0)
-    m = -(-(args.positions + 1) // BS)  # blocks per row
+    lo, _, hi = args.positions.partition("-")
+    lo, hi = int(lo), int(hi or lo)
+    if not 0 <= lo <= hi:
+        raise SystemExit(f"--positions {args.positions!r}: expected P or LO-HI with 0 <= LO <= HI")
+    m = -(-(hi + 1) // BS)  # blocks per row
     for B in (int(b) for b in args.batch.split(",")):
         q = torch.randn(B, N, 1, H, generator=g)
         k_new, v_new = torch.randn(B, K, H, generator=g), torch.randn(B, K, H, generator=g)
-        pos = torch.full((B,), args.positions)
+        pos = torch.randint(lo, hi + 1, (B,), generator=g)
         for dtype in DTYPES:
             x = torch.randn(LAYERS, BLOCKS, BS, K, H, generator=g)
             codes = dtype in (torch.int8, torch.float8_e4m3fn)

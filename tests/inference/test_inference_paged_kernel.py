@@ -148,6 +148,86 @@ def test_kernel_equals_sdpa_for_each_group_size_and_head_dim(variant, dtype, g_,
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn],
+    ids=str,
+)
+@pytest.mark.parametrize(
+    "g_, h_, window, softcap",
+    [
+        (3, 64, None, None),
+        (3, 64, 6, 3.0),
+        (4, 128, None, None),
+        (5, 128, 9, None),
+        (3, 80, None, 2.0),
+    ],
+)
+def test_kernel_equals_sdpa_at_compiled_head_dims_with_window_and_soft_cap(
+    variant, dtype, g_, h_, window, softcap
+):
+    """The head dims the vector builds compile their chunk counts for (H = 64: SmolLM2's 3 query heads per
+    KV head; H = 128 with groups of 4 and 4 + 1) and a run-time one (H = 80), every pool dtype (int8 / fp8
+    scales), a window and a soft-cap, with this step's k_new."""
+    _built(variant)
+    g = torch.Generator().manual_seed(7 * g_ + h_ + (window or 0))
+    kp, vp, (ks, vs), kv, vv = _pool(dtype, g, H=h_)
+    B = len(TABLES)
+    q = torch.randn(B, K * g_, 1, h_, generator=g) * 3
+    k_new, v_new = torch.randn(B, K, h_, generator=g), torch.randn(B, K, h_, generator=g)
+    table, pos = _table(), torch.tensor(POSITIONS)
+    out = paged_kernel.paged_decode(
+        q, kp, vp, table, pos, k_new, v_new, window, softcap, ks, vs, variant=variant
+    )
+    ref = _reference(q, kv, vv, k_new, v_new, window, softcap, G=g_)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn],
+    ids=str,
+)
+@pytest.mark.parametrize("h_", [20, 33])
+def test_kernel_reads_no_value_past_a_rows_tail(variant, dtype, h_):
+    """H not a multiple of 8 (or 16): the last KV head of block 0's last slot is followed in memory by NaN
+    block 1, so a key's tail chunk read past H would make the scores NaN (the in-place builds read the last
+    H % 8 or H % 16 values alone; reading 8 made 8 of these cases fail). int8 has no NaN code: its case
+    checks the values only."""
+    _built(variant)
+    g = torch.Generator().manual_seed(h_)
+    x = torch.randn(2, 2, BS, K, h_, generator=g, dtype=torch.float64)
+    codes = dtype in (torch.int8, torch.float8_e4m3fn)
+    stored = (x * 20).clamp(-127, 127).to(dtype) if codes else x.to(dtype)
+    if dtype == torch.float8_e4m3fn:
+        stored[:, 1] = torch.tensor(float("nan")).to(dtype)
+    elif codes:
+        stored[:, 1] = 127  # int8 has no NaN: its block 1's scale is NaN instead
+    else:
+        stored[:, 1] = float("nan")
+    scale = torch.tensor([[0.02, 0.03], [float("nan")] * 2]) if codes else None
+    vals = stored.double() * (scale.double()[:, None, :, None] if codes else 1)
+    q = torch.randn(1, K * 2, 1, h_, generator=g)
+    out = paged_kernel.paged_decode(
+        q,
+        stored[0],
+        stored[1],
+        torch.tensor([[0]]),
+        torch.tensor([BS - 1]),
+        k_scale=scale,
+        v_scale=scale,
+        variant=variant,
+    )
+    kb = (
+        vals[0, 0].transpose(0, 1).repeat_interleave(2, dim=0)
+    )  # (N, BS, H): head n reads KV n // 2
+    vb = vals[1, 0].transpose(0, 1).repeat_interleave(2, dim=0)
+    ref = F.scaled_dot_product_attention(q[0].double(), kb, vb)  # (N, 1, H)
+    torch.testing.assert_close(out[0].double(), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_kernel_reads_fp8_nan_and_subnormal_codes_as_torch_does(variant):
     """Every e4m3 code (subnormals, +-0, the NaN codes 0x7F / 0xFF) in the value rows: the kernel's
     conversion (AVX-512 / AVX2: through fp16's bit fields) against torch's ``float8_e4m3fn -> float32``."""

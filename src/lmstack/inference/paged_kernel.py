@@ -9,10 +9,12 @@ keeps a running max and sum (no (B, N, S) score tensor). Pools: float32 / bfloat
 codes with their per-(block, KV head) scales; q float32 / bfloat16 / float16 (a float64 q takes the torch
 formula, which computes in float64).
 
-The AVX-512 build reads the pool's rows in their stored dtype and converts them in registers (fp16 with
-``vcvtph2ps``, bf16 by a shift, int8, fp8 through fp16's bit fields) inside the score and P·V loops, one
-pass over a tile's rows for all G query heads; the others convert each row once into an fp32 buffer (F16C
-for fp16) and run plain loops for the compiler to vectorise. Built on first use (``utils.build_extension``)
+The AVX-512 and AVX2 builds read the pool's rows in their stored dtype and convert them in registers (16
+or 8 values at a time: fp16 with ``vcvtph2ps``, bf16 by a shift, int8, fp8 through fp16's bit fields)
+inside vector score and P·V loops, one pass over a tile's rows for groups of up to 4 of the G query heads
+(AVX2's blocks sized for its 16 registers; a head dim not a multiple of 8 reads its last values through a
+zeroed copy); the generic build converts each row once into an fp32 buffer and runs plain loops for the
+compiler to vectorise. Built on first use (``utils.build_extension``)
 once per ISA: "avx512" (``-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma``, 512-bit vectors), "avx2"
 (``-mavx2 -mfma -mf16c``: any AVX2 CPU) or "generic" (``-O3`` only: SSE2 on x86, NEON on aarch64). Each
 registers ``torch.ops.lmstack_attn.paged_decode_<variant>`` with a ``register_fake`` shape function, so the

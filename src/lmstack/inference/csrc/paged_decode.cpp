@@ -16,10 +16,13 @@
 // value rows accumulates P·V for all G heads; a row's KV heads go through a tile together (the pool's order)
 // with the next tile prefetched. The file is built once per ISA (the -m flags in
 // lmstack/inference/paged_kernel.py) and the op is named after the build (LMSTACK_OP). The AVX-512 build
-// reads the rows in place in their stored dtype and converts each 16 values in registers (fp16: vcvtph2ps,
-// bf16: a 16-bit shift, int8: a sign extension, fp8: its bits placed in fp16's fields); int8 / fp8 scales
-// multiply the scores and the softmax weights, not the rows. The other builds convert each row once into
-// an fp32 buffer (F16C for fp16 where the build has it) and run plain loops the compiler vectorises.
+// and the AVX2 build (AVX2 + FMA + F16C) read the rows in place in their stored dtype and convert each 16
+// (AVX-512) or 8 (AVX2) values in registers (fp16: vcvtph2ps, bf16: a 16-bit shift, int8: a sign extension,
+// fp8: its bits placed in fp16's fields) inside vector score and P·V loops, the G heads in groups of up to 4
+// with their sums in registers and H = 64, 128 compiled with their chunk counts; int8 / fp8 scales multiply
+// the scores and the softmax weights, not the rows. AVX2 reads a row's last H % 8 values through a zeroed
+// 8-value copy (no masked narrow loads). The generic build (neither) converts each row once into an fp32
+// buffer and runs plain loops the compiler vectorises.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -263,8 +266,210 @@ void pv_all(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, co
   pv_all_c<R, 0>(acc, G, Hp, H, alpha, w, vrow, n);
 }
 constexpr bool kInPlace = true;  // score_all / pv_all read the pool's rows in their stored dtype
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LMSTACK_AVX2 1
+// AVX2 + FMA + F16C: the AVX-512 section's twin on 8-lane vectors. The rows are read in place in their
+// stored dtype and converted 8 values at a time in registers; a row's last H % 8 values (H not a multiple of
+// 8) are copied into a zeroed 8-value block first (AVX2 has no masked 8/16-bit loads), so nothing past the row
+// is read. AVX2 has 16 ymm registers (AVX-512: 32), so the blocks are smaller: the scores of GN heads take
+// RT rows at a time (GN x RT sums, RT key chunks and a q chunk in registers), P·V takes CB chunks of the
+// rows at a time (CB x GN sums, a value chunk and the GN weights): 6 to 16 independent FMA chains (Zen 3 /
+// Skylake issue 2 FMAs a cycle of 4 cycles' latency: 8 keep them busy).
+inline __m256 ld(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 ld(const c10::BFloat16* p) {  // bf16 = fp32's high 16 bits
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline __m256 ld(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 ld(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// e4m3 in fp16's fields (as the AVX-512 build): the value times 2^-8, subnormals exact; 0x7F / 0xFF are NaN
+inline __m256 ld(const c10::Float8_e4m3fn* p) {
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7F));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+  const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F))));
+  return _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
+}
+// The first rem (< 8) values at p, the rest 0: copied into a zeroed block (code 0 is 0.0 in every dtype).
+template <typename R>
+inline __m256 ld_tail(const R* p, int64_t rem) {
+  alignas(32) unsigned char buf[8 * sizeof(R)] = {};
+  std::memcpy(buf, p, rem * sizeof(R));
+  return ld(reinterpret_cast<const R*>(buf));
+}
+
+// r[i] = the sum of v[i]'s 8 lanes, for 8 vectors at once: pairwise unpack-and-add (32-bit, then 64-bit
+// elements) within the 128-bit lanes, then the two lanes: 21 shuffles and adds instead of 8 horizontal sums.
+inline __m256 hsum8(const __m256* v) {
+  __m256 w[4];
+  for (int j = 0; j < 4; ++j)  // 128-bit lane: [v2j, v2j+1, v2j, v2j+1] partial sums
+    w[j] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm256_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  __m256 e[2];
+  for (int j = 0; j < 2; ++j) {  // 128-bit lane: [v4j, .., v4j+3] partial sums
+    const __m256d a = _mm256_castps_pd(w[2 * j]), b = _mm256_castps_pd(w[2 * j + 1]);
+    e[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(e[0], e[1], 0x20), _mm256_permute2f128_ps(e[0], e[1], 0x31));
+}
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float hadd8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// exp_nonpos on 8 lanes (the same steps as the scalar one: floor(x log2e + 1/2) for n).
+inline __m256 exp_nonpos8(__m256 x) {
+  const __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), xc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723e-6f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ);
+  return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// Scores (partial sums) of GN query heads (q (GN, Hp), zero past H) against RT key rows, each row's chunks
+// loaded once for the GN heads: part[g * kTile + i] (8 lanes) for row i of krow.
+template <typename R, int GN, int RT>
+inline void score_rows(const float* q, int64_t Hp, int64_t CF, int64_t rem, const R* const* krow, __m256* part) {
+  __m256 a[GN][RT];
+  for (int g = 0; g < GN; ++g)
+    for (int i = 0; i < RT; ++i) a[g][i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < CF; ++c) {
+    __m256 kv[RT];
+    for (int i = 0; i < RT; ++i) kv[i] = ld(krow[i] + c * 8);
+    for (int g = 0; g < GN; ++g) {
+      const __m256 qv = _mm256_loadu_ps(q + g * Hp + c * 8);
+      for (int i = 0; i < RT; ++i) a[g][i] = _mm256_fmadd_ps(qv, kv[i], a[g][i]);
+    }
+  }
+  if (rem) {  // q is 0 past H, and so are the tail's loads
+    for (int i = 0; i < RT; ++i) {
+      const __m256 kv = ld_tail(krow[i] + CF * 8, rem);
+      for (int g = 0; g < GN; ++g) a[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * Hp + CF * 8), kv, a[g][i]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int i = 0; i < RT; ++i) part[g * kTile + i] = a[g][i];
+}
+// Rows per score block for GN heads (GN x RT sums + RT key chunks + a q chunk <= 16 registers; 16 / RT
+// blocks a full tile). Measured on Zen 3 (H = 64, fp16 / fp32 pools in cache): GN = 3 with 2 rows ran 5-10%
+// faster than with 3 (16 = 5 x 3 + 1 leaves a row on its own) or 4 (spills); GN = 1 with 4, 6 or 8 rows alike.
+constexpr int score_rows_for(int gn) { return gn <= 2 ? 4 : 2; }
+
+// s (GN, kTile) = q_g · k_t for the tile's first n key rows (0 past n). CC: the chunk count H / 8 when known
+// at compile time (H = 64, 128), 0 for any H.
+template <typename R, int GN, int CC>
+inline void score_group(const float* q, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s, __m256* part) {
+  constexpr int RT = score_rows_for(GN);
+  const int64_t CF = CC ? CC : H / 8, rem = CC ? 0 : H % 8;
+  int64_t t = 0;
+  for (; t + RT <= n; t += RT) score_rows<R, GN, RT>(q, Hp, CF, rem, krow + t, part + t);
+  for (; t < n; ++t) score_rows<R, GN, 1>(q, Hp, CF, rem, krow + t, part + t);
+  for (int g = 0; g < GN; ++g) {
+    for (int64_t u = n; u < kTile; ++u) part[g * kTile + u] = _mm256_setzero_ps();
+    _mm256_storeu_ps(s + g * kTile, hsum8(part + g * kTile));
+    _mm256_storeu_ps(s + g * kTile + 8, hsum8(part + g * kTile + 8));
+  }
+}
+
+// acc (GN, Hp) chunks [c0, c0 + CB) = alpha[g] acc + sum_t w[g, t] v_t over the tile's first n value rows:
+// CB x GN sums in registers, each row's CB chunks loaded once for the GN heads. Tail: chunk c0 is the last
+// rem (< 8) values (acc's tail past H stays 0: the tail loads as 0).
+template <typename R, int GN, int CB, bool Tail>
+inline void pv_chunks(float* acc, int64_t Hp, int64_t c0, int64_t rem, const float* alpha, const float* w, const R* const* vrow,
+                      int64_t n) {
+  __m256 r[CB][GN];
+  for (int c = 0; c < CB; ++c)
+    for (int g = 0; g < GN; ++g) r[c][g] = _mm256_mul_ps(_mm256_set1_ps(alpha[g]), _mm256_loadu_ps(acc + g * Hp + (c0 + c) * 8));
+  for (int64_t t = 0; t < n; ++t) {
+    for (int c = 0; c < CB; ++c) {
+      const __m256 vv = Tail ? ld_tail(vrow[t] + c0 * 8, rem) : ld(vrow[t] + (c0 + c) * 8);
+      for (int g = 0; g < GN; ++g) r[c][g] = _mm256_fmadd_ps(_mm256_set1_ps(w[g * kTile + t]), vv, r[c][g]);
+    }
+  }
+  for (int c = 0; c < CB; ++c)
+    for (int g = 0; g < GN; ++g) _mm256_storeu_ps(acc + g * Hp + (c0 + c) * 8, r[c][g]);
+}
+// Chunks per P·V block for GN heads: CB x GN sums + a value chunk + GN weights <= 16 registers (GN = 3:
+// 12 + 1 + 3, no spill in GCC 12's code; 2 chunks measured the same).
+constexpr int pv_chunks_for(int gn) { return gn == 1 ? 8 : gn <= 3 ? 4 : 2; }
+
+template <typename R, int GN, int CC>
+inline void pv_group(float* acc, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+  constexpr int CB = pv_chunks_for(GN);
+  if constexpr (CC > 0) {  // H = 8 CC: blocks of CB chunks, then single chunks
+    for (int c0 = 0; c0 + CB <= CC; c0 += CB) pv_chunks<R, GN, CB, false>(acc, Hp, c0, 0, alpha, w, vrow, n);
+    if constexpr (CC % CB != 0)
+      for (int c0 = CC / CB * CB; c0 < CC; ++c0) pv_chunks<R, GN, 1, false>(acc, Hp, c0, 0, alpha, w, vrow, n);
+  } else {  // the same at run time, then the tail's H % 8 values
+    const int64_t CF = H / 8, rem = H % 8, CF0 = CF / CB * CB;
+    for (int64_t c0 = 0; c0 < CF0; c0 += CB) pv_chunks<R, GN, CB, false>(acc, Hp, c0, 0, alpha, w, vrow, n);
+    for (int64_t c0 = CF0; c0 < CF; ++c0) pv_chunks<R, GN, 1, false>(acc, Hp, c0, 0, alpha, w, vrow, n);
+    if (rem) pv_chunks<R, GN, 1, true>(acc, Hp, CF, rem, alpha, w, vrow, n);
+  }
+}
+
+// The G heads of a KV head in groups of up to 4 (their sums in registers).
+template <typename R, int CC>
+void score_all_c(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
+  __m256 part[4 * kTile];
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const float* qg = q + g0 * Hp;
+    float* sg = s + g0 * kTile;
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: score_group<R, 1, CC>(qg, Hp, H, krow, n, sg, part); break;
+      case 2: score_group<R, 2, CC>(qg, Hp, H, krow, n, sg, part); break;
+      case 3: score_group<R, 3, CC>(qg, Hp, H, krow, n, sg, part); break;
+      default: score_group<R, 4, CC>(qg, Hp, H, krow, n, sg, part); break;
+    }
+  }
+}
+template <typename R, int CC>
+void pv_all_c(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    float* ag = acc + g0 * Hp;
+    const float *al = alpha + g0, *wg = w + g0 * kTile;
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: pv_group<R, 1, CC>(ag, Hp, H, al, wg, vrow, n); break;
+      case 2: pv_group<R, 2, CC>(ag, Hp, H, al, wg, vrow, n); break;
+      case 3: pv_group<R, 3, CC>(ag, Hp, H, al, wg, vrow, n); break;
+      default: pv_group<R, 4, CC>(ag, Hp, H, al, wg, vrow, n); break;
+    }
+  }
+}
+// H = 64 and 128 compiled with their chunk counts (8, 16).
+template <typename R>
+void score_all(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
+  if (H == 64) return score_all_c<R, 8>(q, G, Hp, H, krow, n, s);
+  if (H == 128) return score_all_c<R, 16>(q, G, Hp, H, krow, n, s);
+  score_all_c<R, 0>(q, G, Hp, H, krow, n, s);
+}
+template <typename R>
+void pv_all(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+  if (H == 64) return pv_all_c<R, 8>(acc, G, Hp, H, alpha, w, vrow, n);
+  if (H == 128) return pv_all_c<R, 16>(acc, G, Hp, H, alpha, w, vrow, n);
+  pv_all_c<R, 0>(acc, G, Hp, H, alpha, w, vrow, n);
+}
+constexpr bool kInPlace = true;  // score_all / pv_all read the pool's rows in their stored dtype
 #else
-// Without AVX-512: each tile row converted once into an fp32 buffer (F16C's 8-wide conversion for fp16 where
+// Without AVX-512 or AVX2 (+ FMA + F16C): each tile row converted once into an fp32 buffer (F16C's 8-wide conversion for fp16 where
 // the build has it, a shift for bf16, loops the compiler vectorises), then plain loops over it for the G heads.
 inline void load_row(const c10::BFloat16* src, int64_t H, float* dst) {
   const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
@@ -291,19 +496,8 @@ const float* fp8_table() {  // the 256 e4m3 codes' values, built once
 
 inline void load_row(const c10::Float8_e4m3fn* src, int64_t H, float* dst) {
   const uint8_t* raw = reinterpret_cast<const uint8_t*>(src);
-  int64_t h = 0;
-#if defined(__F16C__) && defined(__AVX2__)  // 8 codes at a time through fp16's fields, as the AVX-512 build
-  for (; h + 8 <= H; h += 8) {
-    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(raw + h)));
-    const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7F));
-    const __m128i bits = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
-    const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(bits), _mm256_set1_ps(256.f));
-    const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F))));
-    _mm256_storeu_ps(dst + h, _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan));
-  }
-#endif
   const float* lut = fp8_table();
-  for (; h < H; ++h) dst[h] = lut[raw[h]];
+  for (int64_t h = 0; h < H; ++h) dst[h] = lut[raw[h]];
 }
 
 // s[g, t] = q_g · k_t: per row, 16-value partial sums (one vector register's worth) for each head
@@ -395,6 +589,25 @@ void tile(const Args& a, Online& o, const R* const* krow, const R* const* vrow, 
     }
     sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegInf), sv);
     const float mt = _mm512_reduce_max_ps(sv);
+#elif defined(LMSTACK_AVX2)  // the tile's 16 scores are two vectors
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), nv = _mm256_set1_epi32(static_cast<int>(n));
+    const __m256 valid0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(nv, iota));
+    const __m256 valid1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(nv, _mm256_add_epi32(iota, _mm256_set1_epi32(8))));
+    __m256 sv0 = _mm256_loadu_ps(s), sv1 = _mm256_loadu_ps(s + 8);
+    if (ks) {
+      sv0 = _mm256_mul_ps(sv0, _mm256_loadu_ps(ks));
+      sv1 = _mm256_mul_ps(sv1, _mm256_loadu_ps(ks + 8));
+    }
+    if (a.softcap > 0.f) {
+      _mm256_storeu_ps(s, sv0);
+      _mm256_storeu_ps(s + 8, sv1);
+      cap(s, n, a.softcap);
+      sv0 = _mm256_loadu_ps(s);
+      sv1 = _mm256_loadu_ps(s + 8);
+    }
+    sv0 = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), sv0, valid0);
+    sv1 = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), sv1, valid1);
+    const float mt = hmax8(_mm256_max_ps(sv0, sv1));
 #else
     if (ks)
       for (int64_t t = 0; t < n; ++t) s[t] *= ks[t];
@@ -416,6 +629,16 @@ void tile(const Args& a, Online& o, const R* const* krow, const R* const* vrow, 
     const float sum = _mm512_reduce_add_ps(pv);
     if (vs) pv = _mm512_maskz_mul_ps(valid, pv, _mm512_loadu_ps(vs));  // p v of codes times their scale
     _mm512_storeu_ps(s, pv);  // the scores become the weights
+#elif defined(LMSTACK_AVX2)
+    const __m256 mv = _mm256_set1_ps(m_new);
+    __m256 p0 = exp_nonpos8(_mm256_sub_ps(sv0, mv)), p1 = exp_nonpos8(_mm256_sub_ps(sv1, mv));  // -inf (past n) -> 0
+    const float sum = hadd8(_mm256_add_ps(p0, p1));
+    if (vs) {  // p v of codes times their scale
+      p0 = _mm256_and_ps(valid0, _mm256_mul_ps(p0, _mm256_loadu_ps(vs)));
+      p1 = _mm256_and_ps(valid1, _mm256_mul_ps(p1, _mm256_loadu_ps(vs + 8)));
+    }
+    _mm256_storeu_ps(s, p0);  // the scores become the weights
+    _mm256_storeu_ps(s + 8, p1);
 #else
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
