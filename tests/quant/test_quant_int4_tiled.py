@@ -83,6 +83,11 @@ def test_tiled_gemm_on_two_threads_and_a_wide_input():
         for kernel in ks:
             for dtype in (torch.float32, torch.bfloat16):
                 check(int4_vnni.gemm(x, packed, d, m, G, kernel, dtype, 32), x, w, dtype)
+                # under inference mode (every engine and benchmark forward): the worker threads' GEMMs
+                # write into the inference-mode output (the fp32 path's at::mm_out raised there)
+                with torch.inference_mode():
+                    xi = x.clone()
+                    check(int4_vnni.gemm(xi, packed, d, m, G, kernel, dtype, 32), x, w, dtype)
     finally:
         torch.set_num_threads(n)
 

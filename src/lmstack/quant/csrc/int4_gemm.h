@@ -14,6 +14,7 @@
 #pragma once
 
 #include "int4_common.h"
+#include <ATen/ThreadLocalState.h>
 #include <ATen/native/CPUBlas.h>
 
 namespace lmstack_int4 {
@@ -161,7 +162,12 @@ inline at::Tensor int4_gemm(const char* name, const at::Tensor& x_in, const at::
     while (threads > 1 && TB > kBlockMinTiles && (T + TB - 1) / TB < 4 * threads) TB /= 2;
   const int64_t NB = (T + TB - 1) / TB;
   float* yp = y.data_ptr<float>();
+  // the caller's thread-local state (inference mode, grad mode) for the worker threads: at::parallel_for does
+  // not carry it, and the fp32 path's at::mm_out into an inference-mode y raised "Inplace update to inference
+  // tensor outside InferenceMode" on a worker thread
+  const at::ThreadLocalState caller;
   auto body = [&](int64_t b0, int64_t b1) {
+    at::ThreadLocalStateGuard tls(caller);
     // this thread's block of W, reused across calls; 64-byte aligned: the micro-kernel's tile loads of B rows
     // that straddle two cache lines made whole calls ~1.8x slower (the vector's own alignment is malloc's 16)
     static thread_local std::vector<uint8_t> wbuf;
