@@ -246,7 +246,9 @@ def main() -> None:
         import pstats
 
         prof = cProfile.Profile()
-        wall, res, engine = prof.runcall(run_continuous, model, prompts, outs, args.batch, **spec)
+        wall, res, engine = prof.runcall(
+            run_continuous, model, prompts, outs, args.batch, compile=args.compile, **spec
+        )
         print(
             f"continuous (lmstack) under cProfile: {wall:.1f} s, {engine.stats['computed_tokens']} tokens computed, "
             f"{engine.stats['forwards']} forwards"
