@@ -206,3 +206,27 @@ def test_int8_terms_default_switch_and_bad_values(monkeypatch):
     q, s = quantize_int8(torch.randn(32, 64, generator=torch.Generator().manual_seed(2)))
     with pytest.raises(ValueError, match="terms=3"):
         Int8Linear(q, s, terms=3)
+
+
+@pytest.mark.parametrize(
+    "flags,exact",
+    [
+        (
+            frozenset({"avx2", "fma", "f16c"}),
+            False,
+        ),  # vpmaddubsw: u8·s8 pair sums saturate at int16
+        (frozenset({"avx2", "fma", "avx_vnni"}), True),
+        (frozenset({"avx512f", "avx512bw", "avx512_vnni"}), True),
+        (frozenset({"avx512f", "amx_int8", "amx_tile"}), True),
+        (frozenset({"fp", "asimd"}), False),
+    ],
+)
+def test_onednn_int8_gemm_only_where_its_sums_are_exact(flags, exact):
+    """oneDNN's int8 GEMM (``onednn_mm``) is taken only on a CPU with VNNI or AMX: without them oneDNN's u8 x s8
+    products go through vpmaddubsw, whose pair sums saturate (an AMD Zen 3 gave outputs up to 5.3 off)."""
+    from lmstack.quant.int8 import has_onednn
+
+    torch_has = torch.backends.mkldnn.is_available() and hasattr(
+        getattr(torch.ops, "onednn", None), "qlinear_pointwise"
+    )
+    assert has_onednn(flags) == (exact and torch_has)

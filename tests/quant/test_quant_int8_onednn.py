@@ -16,7 +16,8 @@ from lmstack.quant.int8 import _has_int8_kernel, has_onednn
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
     pytest.mark.skipif(
-        not (has_onednn() and _has_int8_kernel()), reason="torch has no oneDNN int8 linear"
+        not (has_onednn() and _has_int8_kernel()),
+        reason="torch has no oneDNN int8 linear, or this CPU has no VNNI / AMX (its int8 sums saturate)",
     ),
 ]
 

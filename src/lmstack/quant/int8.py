@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmstack.cpu import cpu_features
+from lmstack.cpu import cpu_features, probe
 from lmstack.quant import int4_vnni
 from lmstack.quant.linear import WeightOnlyLinear, best_seconds_pair, env_terms, gemm_rows
 
@@ -103,11 +103,21 @@ def measure_gemm_rows(O: int = 1024, I: int = 576, terms: int = 1):
     return measure
 
 
-def has_onednn() -> bool:
-    """Whether torch has oneDNN's quantised linear (``torch.ops.onednn.qlinear_pointwise``, x86 builds)."""
+# CPU flags with which oneDNN's u8 x s8 GEMM sums exactly: without VNNI / AMX (an AVX2 CPU) it multiplies with
+# vpmaddubsw, whose u8·s8 pair sums saturate at int16 (2·255·127 > 2^15): on an AMD Zen 3 ``onednn_mm`` came out
+# up to 5.3 off its two-term formula (outputs of ~10), where VNNI CPUs match it to 1e-5
+EXACT_INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def has_onednn(flags: frozenset[str] | None = None) -> bool:
+    """Whether torch has oneDNN's quantised linear (``torch.ops.onednn.qlinear_pointwise``, x86 builds) and the
+    CPU (``flags``; default: the real one's, ``cpu.probe``) runs its int8 sums exactly (``EXACT_INT8_FLAGS``)."""
     ops = getattr(torch.ops, "onednn", None)
-    return torch.backends.mkldnn.is_available() and all(
-        hasattr(ops, n) for n in ("qlinear_prepack", "qlinear_pointwise")
+    cpu = probe().flags if flags is None else flags
+    return (
+        torch.backends.mkldnn.is_available()
+        and all(hasattr(ops, n) for n in ("qlinear_prepack", "qlinear_pointwise"))
+        and any(f in cpu for f in EXACT_INT8_FLAGS)
     )
 
 
