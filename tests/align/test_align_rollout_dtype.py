@@ -26,7 +26,8 @@ from align_helpers import byte_chat_tokenizer, tiny_model  # noqa: E402
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
     pytest.mark.skipif(
-        not torch.cpu._is_amx_tile_supported(), reason="bf16 rollouts are packed for an AMX CPU"
+        not torch.cpu._is_amx_tile_supported(),
+        reason="the CPU lacks AMX: bf16 rollouts are packed for an AMX CPU",
     ),
 ]
 V = 259

@@ -115,7 +115,9 @@ def test_compiled_decoder_runs_an_int8_head_after_the_graph(model, prompts, monk
     from lmstack.quant.int8 import has_onednn
 
     if not has_onednn():
-        pytest.skip("oneDNN's int8 GEMM is not taken here (no VNNI / AMX: its int8 sums saturate)")
+        pytest.skip(
+            "the CPU lacks VNNI / AMX: oneDNN's int8 GEMM is not taken here (its int8 sums saturate)"
+        )
     monkeypatch.setenv("LMSTACK_QUANT_GEMM_ROWS", "1")
     torch._dynamo.reset()
     m32 = copy.deepcopy(model).float()

@@ -251,7 +251,8 @@ def test_a_packed_copy_leaves_with_its_weight(intel_auto):
 
 
 @pytest.mark.skipif(
-    not torch.cpu._is_amx_tile_supported(), reason="measured (and bit-equal) on an AMX CPU"
+    not torch.cpu._is_amx_tile_supported(),
+    reason="the CPU lacks AMX: measured (and bit-equal) on an AMX CPU",
 )
 def test_bf16_inference_runs_prepacked_and_gives_f_linear_bits(intel_auto, monkeypatch):
     """On an AMX CPU, F.linear's bf16 GEMM is oneDNN's, laying the weight out anew at every call; the packed
@@ -277,7 +278,8 @@ def test_bf16_inference_runs_prepacked_and_gives_f_linear_bits(intel_auto, monke
 
 
 @pytest.mark.skipif(
-    not torch.cpu._is_amx_tile_supported(), reason="measured (and bit-equal) on an AMX CPU"
+    not torch.cpu._is_amx_tile_supported(),
+    reason="the CPU lacks AMX: measured (and bit-equal) on an AMX CPU",
 )
 def test_inference_dtype_bf16_runs_fp32_weights_as_bf16_gemms(intel_auto):
     """``inference_dtype(bf16)`` (GRPO's bf16 rollouts): an fp32 inference product equals F.linear on bf16

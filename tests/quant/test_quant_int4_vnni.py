@@ -422,7 +422,7 @@ def test_bf16_dequant_is_the_float64_weight_rounded_to_bf16(kernel):
     """``dequant(dtype=bf16)`` writes W = d·q + m (float64, from the fp16 d, m) rounded to nearest-even bf16:
     torch's own conversion of the exact value, element for element (odd shapes, several groups)."""
     if int4_vnni.build(kernel) is not None:
-        pytest.skip(f"kernel {kernel} cannot run here")
+        pytest.skip(f"kernel {kernel} cannot run here: {int4_vnni.build(kernel)}")
     O, I, G = 80, 96, 32
     g = torch.Generator().manual_seed(11)
     q, s, lo = quantize_int4(torch.randn(O, I, generator=g) * 3, G)
