@@ -43,7 +43,8 @@ inline void store_i8x16(int8_t* dst, __m256i a, __m256i b) {
 }
 
 struct Avx2 {
-  static constexpr int kStep1 = 2, kStep2 = 1;  // activation rows per pass: 2 int16 sum pairs (16 ymm registers)
+  // Activation rows per pass over a tile: 4 with one term, 2 with two (``many``).
+  static constexpr int kStep1 = 4, kStep2 = 2;
   static constexpr int64_t kPrefetch = lmstack_int4::kPrefetch;
   // Chunks of 8 inputs whose int16 partial sums fit before vpmaddwd: 4 chunks x 4 products x 15 x 127 < 2^15.
   static constexpr int kChunksPerS16 = 4;
@@ -85,13 +86,127 @@ struct Avx2 {
     }
   }
 
-  // One tile of 16 output rows (two halves of 8) for NR activation rows at once, each as TERMS int8 rows
-  // (xq row r*TERMS+t, scales sx[(r*TERMS+t)*NG + g], sums xs[r*NG + g]): each 64-byte chunk of codes is
-  // loaded and unpacked once and multiplied into NR*TERMS pairs of int16 sums. Per block of up to 4 chunks
-  // (the int16 limit): one vpmaddwd per sum, then the terms combined in float (f = sx1*dot1 + sx2*dot2) before
-  // the one multiply by the rows' d: 7 vector ops per half and block where a multiply per term took 8.
+  // One tile of 16 output rows (two halves of 8) for NR activation rows, each as TERMS int8 rows (xq row
+  // r*TERMS+t, scales sx[(r*TERMS+t)*NG + g], sums xs[r*NG + g]). Per block of up to 4 chunks (the int16
+  // limit): one vpmaddwd per sum, then the terms combined in float (f = sx1*dot1 + sx2*dot2) before the one
+  // multiply by the rows' d. Up to 2 int8 rows in registers (``both``), more with the accumulators in L1 (``many``).
   template <int NR, int TERMS>
   static void tile(const uint8_t* w, const int8_t* xq, const float* sx, const float* xs, const uint16_t* d,
+                   const uint16_t* m, float* y, int64_t I, int64_t G, int64_t NG, int64_t O) {
+    if constexpr (NR * TERMS > 2) {
+      many<NR, TERMS>(w, xq, sx, xs, d, m, y, I, G, NG, O);
+    } else {
+      both<NR, TERMS>(w, xq, sx, xs, d, m, y, I, G, NG, O);
+    }
+  }
+
+  // A tile for K = NR*TERMS >= 3 int8 rows. The fp32 accumulators (NR x 16) live in L1, not in registers, so
+  // the K pairs of int16 sums, the unpacked codes and two broadcasts fit in the 16 ymm registers; d and m are
+  // converted once per group. Per chunk: 2 loads and 6 ops to unpack, per int8 row 2 broadcasts, 4 vpmaddubsw
+  // and 4 int16 adds; per block of up to 4 chunks and row one vpmaddwd per half, the float terms and one load
+  // and store of the accumulators. Each output's operations and their order are those of ``both``: same bits.
+  template <int NR, int TERMS>
+  static void many(const uint8_t* w, const int8_t* xq, const float* sx, const float* xs, const uint16_t* d,
+                   const uint16_t* m, float* y, int64_t I, int64_t G, int64_t NG, int64_t O) {
+    alignas(32) float acc[NR][16];
+    alignas(32) float dg[16], mg[16];  // this group's d and m in fp32
+    for (int r = 0; r < NR; ++r) {
+      _mm256_store_ps(acc[r], _mm256_setzero_ps());
+      _mm256_store_ps(acc[r] + 8, _mm256_setzero_ps());
+    }
+    const int64_t chunks = G / 8;
+    for (int64_t g = 0; g < NG; ++g) {
+      for (int h = 0; h < 16; h += 8) {
+        _mm256_store_ps(dg + h, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * 16 + h))));
+        _mm256_store_ps(mg + h, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g * 16 + h))));
+      }
+      const int8_t* xg = xq + g * G;
+      const float *sxg = sx + g, *xsg = xs + g;
+      int64_t c = 0;  // the group's first block also adds m * sum(x), before its products (as ``both``)
+      for (; c + kChunksPerS16 <= chunks; c += kChunksPerS16, w += 64 * kChunksPerS16) {
+        if (c == 0) many_block<NR, TERMS, kChunksPerS16, true>(w, xg, sxg, dg, mg, xsg, acc, I, NG);
+        else many_block<NR, TERMS, kChunksPerS16, false>(w, xg + c * 8, sxg, dg, mg, xsg, acc, I, NG);
+      }
+      const bool first = c == 0;
+      switch (chunks - c) {  // G = 8, 16, 24 or a tail of G > 32: the rest of the group
+#define LMSTACK_TAIL(N)                                                                       \
+  case N:                                                                                     \
+    if (first) many_block<NR, TERMS, N, true>(w, xg + c * 8, sxg, dg, mg, xsg, acc, I, NG);   \
+    else many_block<NR, TERMS, N, false>(w, xg + c * 8, sxg, dg, mg, xsg, acc, I, NG);        \
+    w += 64 * N;                                                                              \
+    break;
+        LMSTACK_TAIL(1) LMSTACK_TAIL(2) LMSTACK_TAIL(3)
+#undef LMSTACK_TAIL
+        default: break;
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      _mm256_storeu_ps(y + r * O, _mm256_load_ps(acc[r]));
+      _mm256_storeu_ps(y + r * O + 8, _mm256_load_ps(acc[r] + 8));
+    }
+  }
+
+  // NC (<= 4) chunks of one group for ``many``: the int16 sums of each int8 row (zeroed, then one add chain per
+  // sum: the empty asm keeps GCC from reassociating the chain into a tree of live products, which spilled),
+  // then acc += [m * sum(x)] + d * sum_t sx_t * dot_t.
+  template <int NR, int TERMS, int NC, bool M_TERM>
+  static inline void many_block(const uint8_t* w, const int8_t* xg, const float* sxg, const float* dg,
+                                const float* mg, const float* xsg, float (*acc)[16], int64_t I, int64_t NG) {
+    constexpr int K = NR * TERMS;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i s0[K], s1[K];  // rows 0-7 and 8-15 of the tile
+#pragma GCC unroll 8
+    for (int k = 0; k < K; ++k) {
+      s0[k] = _mm256_setzero_si256();
+      s1[k] = _mm256_setzero_si256();
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* wc = w + 64 * c;
+      _mm_prefetch(reinterpret_cast<const char*>(wc + kPrefetch), _MM_HINT_T0);
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32));
+      const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+      const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+#pragma GCC unroll 8
+      for (int k = 0; k < K; ++k) {
+        const int8_t* xc = xg + k * I + c * 8;
+        int32_t x_lo, x_hi;
+        std::memcpy(&x_lo, xc, 4);
+        std::memcpy(&x_hi, xc + 4, 4);
+        const __m256i bl = _mm256_set1_epi32(x_lo), bh = _mm256_set1_epi32(x_hi);
+        s0[k] = _mm256_add_epi16(s0[k], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, bl), _mm256_maddubs_epi16(hi0, bh)));
+        s1[k] = _mm256_add_epi16(s1[k], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, bl), _mm256_maddubs_epi16(hi1, bh)));
+        __asm__("" : "+x"(s0[k]), "+x"(s1[k]));
+      }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      const int k = r * TERMS;
+      const __m256 sc = _mm256_set1_ps(sxg[k * NG]);
+      __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0[k], ones)), sc);
+      __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1[k], ones)), sc);
+      if (TERMS == 2) {
+        const __m256 sc2 = _mm256_set1_ps(sxg[(k + 1) * NG]);
+        f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0[k + 1], ones)), sc2, f0);
+        f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1[k + 1], ones)), sc2, f1);
+      }
+      __m256 a0 = _mm256_load_ps(acc[r]), a1 = _mm256_load_ps(acc[r] + 8);
+      if (M_TERM) {
+        const __m256 xsb = _mm256_set1_ps(xsg[r * NG]);
+        a0 = _mm256_fmadd_ps(_mm256_load_ps(mg), xsb, a0);
+        a1 = _mm256_fmadd_ps(_mm256_load_ps(mg + 8), xsb, a1);
+      }
+      _mm256_store_ps(acc[r], _mm256_fmadd_ps(f0, _mm256_load_ps(dg), a0));
+      _mm256_store_ps(acc[r] + 8, _mm256_fmadd_ps(f1, _mm256_load_ps(dg + 8), a1));
+    }
+  }
+
+  // Both halves of a tile at once for one or two int8 rows (decode): each 64-byte chunk of codes is loaded and
+  // unpacked once and multiplied into NR*TERMS pairs of int16 sums.
+  template <int NR, int TERMS>
+  static void both(const uint8_t* w, const int8_t* xq, const float* sx, const float* xs, const uint16_t* d,
                    const uint16_t* m, float* y, int64_t I, int64_t G, int64_t NG, int64_t O) {
     __m256 acc0[NR], acc1[NR];  // output rows 0-7 and 8-15 of the tile
     for (int r = 0; r < NR; ++r) { acc0[r] = _mm256_setzero_ps(); acc1[r] = _mm256_setzero_ps(); }
