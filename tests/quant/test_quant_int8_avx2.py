@@ -45,9 +45,23 @@ def reference(x, q, s, G, terms):
 
 
 @pytest.mark.parametrize(
-    "O,I,G,M", [(64, 128, 32, 1), (32, 64, 8, 5), (48, 256, 64, 4), (16, 96, 32, 3)]
+    "O,I,G,M",
+    [
+        (64, 128, 32, 1),
+        (32, 64, 8, 5),
+        (48, 256, 64, 4),
+        (16, 96, 32, 3),
+        (32, 64, 8, 7),  # 4 + 3 rows (one term), 2 + 2 + 2 + 1 (two)
+        (16, 96, 32, 6),  # 4 + 2
+        # rows in blocks of ~64 KB of activations (int8_avx2.cpp run_tiles): 2048 inputs give 16 rows (one term)
+        # or 8 (two) per block, so 37 rows are 3 or 5 blocks, the last with a tail
+        (16, 2048, 32, 37),
+    ],
 )
-def test_kernel_equals_its_formula_and_int8linear_is_close_to_float(O, I, G, M):
+def test_kernel_equals_its_formula_and_int8linear_is_close_to_float(O, I, G, M, monkeypatch):
+    monkeypatch.setenv(
+        "LMSTACK_QUANT_GEMM_ROWS", "never"
+    )  # Int8Linear on the kernel at every row count
     g = torch.Generator().manual_seed(O + M)
     w, x = torch.randn(O, I, generator=g), torch.randn(M, I, generator=g)
     q, s = quantize_int8(w)
