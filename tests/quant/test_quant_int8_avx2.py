@@ -53,8 +53,7 @@ def reference(x, q, s, G, terms):
         (16, 96, 32, 3),
         (32, 64, 8, 7),  # 4 + 3 rows (one term), 2 + 2 + 2 + 1 (two)
         (16, 96, 32, 6),  # 4 + 2
-        # rows in blocks of ~64 KB of activations (int8_avx2.cpp run_tiles): 2048 inputs give 16 rows (one term)
-        # or 8 (two) per block, so 37 rows are 3 or 5 blocks, the last with a tail
+        # many rows of many inputs: 18 two-row passes and one row (one term), 37 one-row passes (two)
         (16, 2048, 32, 37),
     ],
 )
