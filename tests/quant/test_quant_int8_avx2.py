@@ -51,8 +51,8 @@ def reference(x, q, s, G, terms):
         (32, 64, 8, 5),
         (48, 256, 64, 4),
         (16, 96, 32, 3),
-        (32, 64, 8, 7),  # 4 + 3 rows (one term), 2 + 2 + 2 + 1 (two)
-        (16, 96, 32, 6),  # 4 + 2
+        (32, 64, 8, 7),  # 2-row passes and a last row (one term), 1-row passes (two)
+        (16, 96, 32, 6),
         # many rows of many inputs: 18 two-row passes and one row (one term), 37 one-row passes (two)
         (16, 2048, 32, 37),
     ],
