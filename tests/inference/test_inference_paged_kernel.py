@@ -5,6 +5,8 @@ several 16-slot tiles), window, soft-cap, GQA, float32 / bf16 pools and int8 / f
 fake shape under torch.compile; the variant choice and fallback; and the engine's eager and compiled
 decode steps with the kernel against full recompute."""
 
+from typing import NamedTuple
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -125,6 +127,39 @@ def test_kernel_equals_sdpa_over_the_tables_slots(variant, dtype, new, window):
     torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
 
 
+class GroupCase(NamedTuple):
+    """One group-size / head-dim case: pools and their float64 values (``_pool``), the tables, q and this
+    step's key and value."""
+
+    kp: torch.Tensor  # (NB, BS, K, h_) stored dtype
+    vp: torch.Tensor
+    ks: torch.Tensor | None  # (NB, K) scales of int8 / fp8 codes, else None
+    vs: torch.Tensor | None
+    kv: torch.Tensor  # (NB, BS, K, h_) float64 values
+    vv: torch.Tensor
+    q: torch.Tensor  # (B, K g_, 1, h_), times 3: peaked scores
+    k_new: torch.Tensor  # (B, K, h_)
+    v_new: torch.Tensor
+    table: torch.Tensor  # (B, M) TABLES padded with NAN_BLOCK
+    pos: torch.Tensor  # (B,) POSITIONS
+
+    @property
+    def inputs(self):
+        """``paged_kernel.paged_decode``'s first seven arguments (q, pools, table, positions, k_new, v_new)."""
+        return self.q, self.kp, self.vp, self.table, self.pos, self.k_new, self.v_new
+
+
+def _group_case(dtype, seed, g_, h_):
+    """``GroupCase`` for ``g_`` query heads per KV head and head dim ``h_``, drawn from a generator seeded
+    ``seed`` (pools, then q, then k_new, v_new)."""
+    g = torch.Generator().manual_seed(seed)
+    kp, vp, (ks, vs), kv, vv = _pool(dtype, g, H=h_)
+    B = len(TABLES)
+    q = torch.randn(B, K * g_, 1, h_, generator=g) * 3
+    k_new, v_new = torch.randn(B, K, h_, generator=g), torch.randn(B, K, h_, generator=g)
+    return GroupCase(kp, vp, ks, vs, kv, vv, q, k_new, v_new, _table(), torch.tensor(POSITIONS))
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str
@@ -134,16 +169,9 @@ def test_kernel_equals_sdpa_for_each_group_size_and_head_dim(variant, dtype, g_,
     """G = 1 (MHA) to 9 query heads per KV head (the kernel's groups of 4 and their remainders), H a
     multiple of 16 or not (a masked tail chunk), with this step's k_new."""
     _built(variant)
-    g = torch.Generator().manual_seed(100 * g_ + h_)
-    kp, vp, (ks, vs), kv, vv = _pool(dtype, g, H=h_)
-    B = len(TABLES)
-    q = torch.randn(B, K * g_, 1, h_, generator=g) * 3
-    k_new, v_new = torch.randn(B, K, h_, generator=g), torch.randn(B, K, h_, generator=g)
-    table, pos = _table(), torch.tensor(POSITIONS)
-    out = paged_kernel.paged_decode(
-        q, kp, vp, table, pos, k_new, v_new, None, None, ks, vs, variant=variant
-    )
-    ref = _reference(q, kv, vv, k_new, v_new, None, G=g_)
+    c = _group_case(dtype, 100 * g_ + h_, g_, h_)
+    out = paged_kernel.paged_decode(*c.inputs, None, None, c.ks, c.vs, variant=variant)
+    ref = _reference(c.q, c.kv, c.vv, c.k_new, c.v_new, None, G=g_)
     torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
 
 
@@ -170,16 +198,9 @@ def test_kernel_equals_sdpa_at_compiled_head_dims_with_window_and_soft_cap(
     KV head; H = 128 with groups of 4 and 4 + 1) and a run-time one (H = 80), every pool dtype (int8 / fp8
     scales), a window and a soft-cap, with this step's k_new."""
     _built(variant)
-    g = torch.Generator().manual_seed(7 * g_ + h_ + (window or 0))
-    kp, vp, (ks, vs), kv, vv = _pool(dtype, g, H=h_)
-    B = len(TABLES)
-    q = torch.randn(B, K * g_, 1, h_, generator=g) * 3
-    k_new, v_new = torch.randn(B, K, h_, generator=g), torch.randn(B, K, h_, generator=g)
-    table, pos = _table(), torch.tensor(POSITIONS)
-    out = paged_kernel.paged_decode(
-        q, kp, vp, table, pos, k_new, v_new, window, softcap, ks, vs, variant=variant
-    )
-    ref = _reference(q, kv, vv, k_new, v_new, window, softcap, G=g_)
+    c = _group_case(dtype, 7 * g_ + h_ + (window or 0), g_, h_)
+    out = paged_kernel.paged_decode(*c.inputs, window, softcap, c.ks, c.vs, variant=variant)
+    ref = _reference(c.q, c.kv, c.vv, c.k_new, c.v_new, window, softcap, G=g_)
     torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
 
 

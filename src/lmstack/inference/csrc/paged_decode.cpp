@@ -223,49 +223,14 @@ inline void pv_group(float* acc, int64_t Hp, int64_t H, const float* alpha, cons
   }
 }
 
-// The G heads of a KV head in groups of up to 4 (their accumulators stay in registers).
-template <typename R, int CC>
-void score_all_c(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
-  __m512 part[4 * kTile];
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const float* qg = q + g0 * Hp;
-    float* sg = s + g0 * kTile;
-    switch (std::min<int64_t>(4, G - g0)) {
-      case 1: score_group<R, 1, CC>(qg, Hp, H, krow, n, sg, part); break;
-      case 2: score_group<R, 2, CC>(qg, Hp, H, krow, n, sg, part); break;
-      case 3: score_group<R, 3, CC>(qg, Hp, H, krow, n, sg, part); break;
-      default: score_group<R, 4, CC>(qg, Hp, H, krow, n, sg, part); break;
-    }
-  }
-}
-template <typename R, int CC>
-void pv_all_c(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    float* ag = acc + g0 * Hp;
-    const float *al = alpha + g0, *wg = w + g0 * kTile;
-    switch (std::min<int64_t>(4, G - g0)) {
-      case 1: pv_group<R, 1, CC>(ag, Hp, H, al, wg, vrow, n); break;
-      case 2: pv_group<R, 2, CC>(ag, Hp, H, al, wg, vrow, n); break;
-      case 3: pv_group<R, 3, CC>(ag, Hp, H, al, wg, vrow, n); break;
-      default: pv_group<R, 4, CC>(ag, Hp, H, al, wg, vrow, n); break;
-    }
-  }
-}
-// The G heads of a KV head in groups of up to 4 (their sums stay in registers); H = 64 and 128 compiled
-// with their chunk counts.
-template <typename R>
-void score_all(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
-  if (Hp == 64) return score_all_c<R, 4>(q, G, Hp, H, krow, n, s);
-  if (Hp == 128) return score_all_c<R, 8>(q, G, Hp, H, krow, n, s);
-  score_all_c<R, 0>(q, G, Hp, H, krow, n, s);
-}
-template <typename R>
-void pv_all(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
-  if (Hp == 64) return pv_all_c<R, 4>(acc, G, Hp, H, alpha, w, vrow, n);
-  if (Hp == 128) return pv_all_c<R, 8>(acc, G, Hp, H, alpha, w, vrow, n);
-  pv_all_c<R, 0>(acc, G, Hp, H, alpha, w, vrow, n);
-}
-constexpr bool kInPlace = true;  // score_all / pv_all read the pool's rows in their stored dtype
+// What the shared score_all / pv_all below need of this build: the vector of partial sums, its lanes (the
+// chunk width), and whether a row's last chunk is a masked load (so H = 49 .. 64 runs the H = 64 code: the
+// compile-time chunk count keys on Hp, the head dim rounded up to 16).
+struct Isa {
+  using Vec = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr bool kMaskedTail = true;
+};
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LMSTACK_AVX2 1
 // AVX2 + FMA + F16C: the AVX-512 section's twin on 8-lane vectors. The rows are read in place in their
@@ -426,48 +391,13 @@ inline void pv_group(float* acc, int64_t Hp, int64_t H, const float* alpha, cons
   }
 }
 
-// The G heads of a KV head in groups of up to 4 (their sums in registers).
-template <typename R, int CC>
-void score_all_c(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
-  __m256 part[4 * kTile];
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const float* qg = q + g0 * Hp;
-    float* sg = s + g0 * kTile;
-    switch (std::min<int64_t>(4, G - g0)) {
-      case 1: score_group<R, 1, CC>(qg, Hp, H, krow, n, sg, part); break;
-      case 2: score_group<R, 2, CC>(qg, Hp, H, krow, n, sg, part); break;
-      case 3: score_group<R, 3, CC>(qg, Hp, H, krow, n, sg, part); break;
-      default: score_group<R, 4, CC>(qg, Hp, H, krow, n, sg, part); break;
-    }
-  }
-}
-template <typename R, int CC>
-void pv_all_c(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    float* ag = acc + g0 * Hp;
-    const float *al = alpha + g0, *wg = w + g0 * kTile;
-    switch (std::min<int64_t>(4, G - g0)) {
-      case 1: pv_group<R, 1, CC>(ag, Hp, H, al, wg, vrow, n); break;
-      case 2: pv_group<R, 2, CC>(ag, Hp, H, al, wg, vrow, n); break;
-      case 3: pv_group<R, 3, CC>(ag, Hp, H, al, wg, vrow, n); break;
-      default: pv_group<R, 4, CC>(ag, Hp, H, al, wg, vrow, n); break;
-    }
-  }
-}
-// H = 64 and 128 compiled with their chunk counts (8, 16).
-template <typename R>
-void score_all(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
-  if (H == 64) return score_all_c<R, 8>(q, G, Hp, H, krow, n, s);
-  if (H == 128) return score_all_c<R, 16>(q, G, Hp, H, krow, n, s);
-  score_all_c<R, 0>(q, G, Hp, H, krow, n, s);
-}
-template <typename R>
-void pv_all(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
-  if (H == 64) return pv_all_c<R, 8>(acc, G, Hp, H, alpha, w, vrow, n);
-  if (H == 128) return pv_all_c<R, 16>(acc, G, Hp, H, alpha, w, vrow, n);
-  pv_all_c<R, 0>(acc, G, Hp, H, alpha, w, vrow, n);
-}
-constexpr bool kInPlace = true;  // score_all / pv_all read the pool's rows in their stored dtype
+// The shared score_all / pv_all below with 8-lane partial sums; no masked 8/16-bit loads, so the tail
+// goes through ld_tail and the compile-time chunk count keys on H itself (H = 64, 128 only).
+struct Isa {
+  using Vec = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr bool kMaskedTail = false;
+};
 #else
 // Without AVX-512 or AVX2 (+ FMA + F16C): each tile row converted once into an fp32 buffer (F16C's 8-wide conversion for fp16 where
 // the build has it, a shift for bf16, loops the compiler vectorises), then plain loops over it for the G heads.
@@ -543,6 +473,56 @@ void pv_all(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, co
   }
 }
 constexpr bool kInPlace = false;
+#endif
+
+#if defined(__AVX512F__) || defined(LMSTACK_AVX2)
+// The vector builds' dispatch over their score_group / pv_group (Isa: the build's vector, lanes, tail kind).
+// The G heads of a KV head in groups of up to 4 (their sums stay in registers); CC: the chunk count, 0 for
+// one known only at run time.
+template <typename R, int CC>
+void score_all_c(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
+  typename Isa::Vec part[4 * kTile];
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const float* qg = q + g0 * Hp;
+    float* sg = s + g0 * kTile;
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: score_group<R, 1, CC>(qg, Hp, H, krow, n, sg, part); break;
+      case 2: score_group<R, 2, CC>(qg, Hp, H, krow, n, sg, part); break;
+      case 3: score_group<R, 3, CC>(qg, Hp, H, krow, n, sg, part); break;
+      default: score_group<R, 4, CC>(qg, Hp, H, krow, n, sg, part); break;
+    }
+  }
+}
+template <typename R, int CC>
+void pv_all_c(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    float* ag = acc + g0 * Hp;
+    const float *al = alpha + g0, *wg = w + g0 * kTile;
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: pv_group<R, 1, CC>(ag, Hp, H, al, wg, vrow, n); break;
+      case 2: pv_group<R, 2, CC>(ag, Hp, H, al, wg, vrow, n); break;
+      case 3: pv_group<R, 3, CC>(ag, Hp, H, al, wg, vrow, n); break;
+      default: pv_group<R, 4, CC>(ag, Hp, H, al, wg, vrow, n); break;
+    }
+  }
+}
+// H = 64 and 128 compiled with their chunk counts (AVX-512: 4, 8 for Hp = 64, 128; AVX2: 8, 16 for H = 64,
+// 128), any other at run time.
+template <typename R>
+void score_all(const float* q, int64_t G, int64_t Hp, int64_t H, const R* const* krow, int64_t n, float* s) {
+  const int64_t key = Isa::kMaskedTail ? Hp : H;
+  if (key == 64) return score_all_c<R, 64 / Isa::kLanes>(q, G, Hp, H, krow, n, s);
+  if (key == 128) return score_all_c<R, 128 / Isa::kLanes>(q, G, Hp, H, krow, n, s);
+  score_all_c<R, 0>(q, G, Hp, H, krow, n, s);
+}
+template <typename R>
+void pv_all(float* acc, int64_t G, int64_t Hp, int64_t H, const float* alpha, const float* w, const R* const* vrow, int64_t n) {
+  const int64_t key = Isa::kMaskedTail ? Hp : H;
+  if (key == 64) return pv_all_c<R, 64 / Isa::kLanes>(acc, G, Hp, H, alpha, w, vrow, n);
+  if (key == 128) return pv_all_c<R, 128 / Isa::kLanes>(acc, G, Hp, H, alpha, w, vrow, n);
+  pv_all_c<R, 0>(acc, G, Hp, H, alpha, w, vrow, n);
+}
+constexpr bool kInPlace = true;  // score_all / pv_all read the pool's rows in their stored dtype
 #endif
 
 struct Args {
