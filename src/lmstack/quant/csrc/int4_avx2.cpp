@@ -86,6 +86,21 @@ struct Avx2 {
     }
   }
 
+  // One activation row's TERMS int16 sums (s0: output rows 0-7, s1: 8-15) of a block -> floats f = sum_t sx_t * dot_t
+  // (the int16 pairs summed to int32 by vpmaddwd with ones; sx_t at sxg[t * NG]).
+  template <int TERMS>
+  static inline void dots(const __m256i* s0, const __m256i* s1, const float* sxg, int64_t NG, __m256& f0, __m256& f1) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256 sc = _mm256_set1_ps(sxg[0]);
+    f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0[0], ones)), sc);
+    f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1[0], ones)), sc);
+    if (TERMS == 2) {
+      const __m256 sc2 = _mm256_set1_ps(sxg[NG]);
+      f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0[1], ones)), sc2, f0);
+      f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1[1], ones)), sc2, f1);
+    }
+  }
+
   // One tile of 16 output rows (two halves of 8) for NR activation rows, each as TERMS int8 rows (xq row
   // r*TERMS+t, scales sx[(r*TERMS+t)*NG + g], sums xs[r*NG + g]). Per block of up to 4 chunks (the int16
   // limit): one vpmaddwd per sum, then the terms combined in float (f = sx1*dot1 + sx2*dot2) before the one
@@ -180,18 +195,10 @@ struct Avx2 {
         __asm__("" : "+x"(s0[k]), "+x"(s1[k]));
       }
     }
-    const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
-      const int k = r * TERMS;
-      const __m256 sc = _mm256_set1_ps(sxg[k * NG]);
-      __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0[k], ones)), sc);
-      __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1[k], ones)), sc);
-      if (TERMS == 2) {
-        const __m256 sc2 = _mm256_set1_ps(sxg[(k + 1) * NG]);
-        f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0[k + 1], ones)), sc2, f0);
-        f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1[k + 1], ones)), sc2, f1);
-      }
+      __m256 f0, f1;
+      dots<TERMS>(s0 + r * TERMS, s1 + r * TERMS, sxg + r * TERMS * NG, NG, f0, f1);
       __m256 a0 = _mm256_load_ps(acc[r]), a1 = _mm256_load_ps(acc[r] + 8);
       if (M_TERM) {
         const __m256 xsb = _mm256_set1_ps(xsg[r * NG]);
@@ -244,7 +251,7 @@ struct Avx2 {
   static inline void block(const uint8_t* w, const int8_t* xg, const float* sxg, __m256 d0, __m256 d1,
                            __m256* acc0, __m256* acc1, int64_t I, int64_t NG) {
     constexpr int K = NR * TERMS;
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(0x0F);
     __m256i s0[K], s1[K];  // int16 sums, rows 0-7 and 8-15
 #pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) {
@@ -267,15 +274,8 @@ struct Avx2 {
       }
     }
     for (int r = 0; r < NR; ++r) {
-      const int k = r * TERMS;
-      const __m256 sc = _mm256_set1_ps(sxg[k * NG]);
-      __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0[k], ones)), sc);
-      __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1[k], ones)), sc);
-      if (TERMS == 2) {
-        const __m256 sc2 = _mm256_set1_ps(sxg[(k + 1) * NG]);
-        f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0[k + 1], ones)), sc2, f0);
-        f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1[k + 1], ones)), sc2, f1);
-      }
+      __m256 f0, f1;
+      dots<TERMS>(s0 + r * TERMS, s1 + r * TERMS, sxg + r * TERMS * NG, NG, f0, f1);
       acc0[r] = _mm256_fmadd_ps(f0, d0, acc0[r]);
       acc1[r] = _mm256_fmadd_ps(f1, d1, acc1[r]);
     }
