@@ -4,7 +4,9 @@ weight format (CS336 notes "性能指标分析": Latency = (Param + Memory_KV) /
 
     python benchmarks/inference_decode.py [--threads 1] [--new-tokens 32] [--prompt-tokens 128] [--repeats 3]
         [--lmstack fp32,bf16,int8,int4,fp32+compile,bf16+compile,int8+compile,int4+compile,int4t1+compile]
-        (each entry may end in +fused: Transformer.fuse_projections, q/k/v and gate/up as one linear each)
+        (each entry may end in +fused: Transformer.fuse_projections, q/k/v and gate/up as one linear each;
+        a +compile entry in +whole: the decode step as one whole-model graph, StaticDecoder(regional=False),
+        instead of one graph per block structure)
         [--hf fp32,bf16]
         [--llama-threads 1,2]
 
@@ -78,13 +80,17 @@ class LmstackEngine:
     def __init__(self, base, spec: str, max_len: int):
         fmt, *flags = spec.split("+")
         fused = "fused" in flags  # q/k/v and gate/up as one (quantised) linear each
-        flag = "".join(f for f in flags if f != "fused")
-        if flag not in ("", "static", "compile"):
+        whole = (
+            "whole" in flags
+        )  # the compiled step as one whole-model graph (StaticDecoder(regional=False))
+        flag = "".join(f for f in flags if f not in ("fused", "whole"))
+        if flag not in ("", "static", "compile") or (whole and flag != "compile"):
             raise SystemExit(
                 f"--lmstack entry {spec!r}: expected FORMAT, FORMAT+static or FORMAT+compile, "
-                "each optionally +fused"
+                "each optionally +fused (+compile also +whole)"
             )
         self.name = f"lmstack {fmt}" + {"": "", "static": " static", "compile": " compiled"}[flag]
+        self.name += " whole-model" if whole else ""
         self.name += " fused" if fused else ""
         self.fmt = fmt
         if fmt in ("int8", "int4", "int4t1", "int4t2"):
@@ -103,7 +109,9 @@ class LmstackEngine:
         if kernels:  # which int4 kernel ran: lmstack's vnni / avx2 or torch's aten
             self.name += f" [{'+'.join(kernels)}]"
         self.decoder = (
-            StaticDecoder(self.model, max_len, compile=flag == "compile") if flag else None
+            StaticDecoder(self.model, max_len, compile=flag == "compile", regional=not whole)
+            if flag
+            else None
         )
         self.weight_bytes = quantized_weight_bytes(self.model)
 
@@ -234,7 +242,8 @@ def main() -> None:
         "--lmstack",
         default="fp32,bf16,int8,int4,fp32+compile,bf16+compile,int8+compile,int4+compile",
         help="comma list of FORMAT[+static|+compile]: no suffix = the dynamic KV cache, "
-        "+static = static cache eager, +compile = static cache + torch.compile'd decode step",
+        "+static = static cache eager, +compile = static cache + torch.compile'd decode step "
+        "(per block; +compile+whole: one whole-model graph)",
     )
     ap.add_argument("--hf", default="fp32,bf16", help="HF transformers dtypes (empty: skip)")
     ap.add_argument("--llama-threads", default="1,2", help="llama.cpp thread counts (empty: skip)")

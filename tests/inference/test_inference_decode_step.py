@@ -166,9 +166,11 @@ def test_compiled_decode_equals_full_recompute_across_buckets(compiled, prompts)
     model, llm = compiled
     decode = llm.engine.runner.decode
     assert decode.graphs == 2  # buckets 2 and 4 at one table bucket, one graph for all layers
-    assert all(decode._direct.values())  # each called directly after its checked first call
+    assert all(
+        decode.regional._direct.values()
+    )  # each called directly after its checked first call
     # through inductor's own entry (one list of inputs), not the AOT runtime wrapper around it
-    assert all(boxed for _, _, boxed in decode._direct.values())
+    assert all(boxed for _, _, boxed in decode.regional._direct.values())
     chosen = (
         prompts[:4] + prompts[8:11] + prompts[-4:]
     )  # short, across blocks, long (chunked), shared prefixes
@@ -323,22 +325,26 @@ def test_compiled_decode_keeps_a_graph_per_kind_of_block():
     llm = LLM(model, block_size=4, max_num_seqs=2, compile={"cpp_wrapper": False})
     decode = llm.engine.runner.decode
     decode.buckets = (2,)
-    assert decode._signatures[0] == decode._signatures[2] != decode._signatures[1]
+    assert (
+        decode.regional.signatures[0]
+        == decode.regional.signatures[2]
+        != decode.regional.signatures[1]
+    )
     g = torch.Generator().manual_seed(0)
     chosen = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 9)]
     out = llm.generate(chosen, greedy(10))
     assert [o.token_ids for o in out] == [full_recompute_greedy(model, p, 10) for p in chosen]
-    assert decode.graphs == 2 and all(decode._direct.values())
+    assert decode.graphs == 2 and all(decode.regional._direct.values())
 
 
 @pytest.mark.slow
 def test_a_direct_call_that_disagrees_falls_back_to_the_wrapped_graph(monkeypatch):
     """Inductor's entry is used only after one call that equals Dynamo's: one that returns something else
     (faked here) leaves the wrapped graph, and greedy output still equals the full recompute."""
-    from lmstack.inference import decode_step
+    from lmstack.inference import regional
 
     monkeypatch.setattr(
-        decode_step, "inner_graph", lambda graph, inputs: lambda args: [torch.zeros(1)] * 4
+        regional, "inner_graph", lambda graph, inputs: lambda args: [torch.zeros(1)] * 4
     )
     model = make_model(n_layers=2, seed=3)
     llm = LLM(model, block_size=4, max_num_seqs=2, compile={"cpp_wrapper": False})
@@ -348,7 +354,7 @@ def test_a_direct_call_that_disagrees_falls_back_to_the_wrapped_graph(monkeypatc
     chosen = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (4, 7)]
     out = llm.generate(chosen, greedy(8))
     assert [o.token_ids for o in out] == [full_recompute_greedy(model, p, 8) for p in chosen]
-    assert decode._direct and all(d and not d[2] for d in decode._direct.values())
+    assert decode.regional._direct and all(d and not d[2] for d in decode.regional._direct.values())
 
 
 @pytest.mark.slow

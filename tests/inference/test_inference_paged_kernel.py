@@ -480,7 +480,7 @@ def test_compiled_decode_with_the_kernel_equals_full_recompute(fp32_model, promp
     assert any(n.startswith("lmstack_attn::paged_decode_") for n in names), (
         "kernel not in the graph"
     )
-    assert decode.graphs >= 1 and all(decode._direct.values())
+    assert decode.graphs >= 1 and all(decode.regional._direct.values())
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, "int8"], ids=str)

@@ -3,7 +3,7 @@ full recompute token for token; one decoder serves several prompts."""
 
 import pytest
 import torch
-from inference_helpers import full_recompute_greedy, greedy
+from inference_helpers import full_recompute_greedy, greedy, make_model
 
 from lmstack.accounting.memory import kv_cache_bytes
 from lmstack.inference import SamplingParams, generate
@@ -36,6 +36,32 @@ def test_static_cache_bytes_and_positions(model):
         StaticDecoder(model, 64, compile=True, compile_mode="fastest")
 
 
+def test_static_cache_pool_layout(model):
+    """``block_size``: slots padded to whole blocks, each layer a paged pool (blocks of the one row in order)
+    whose slot s holds position s; ``update`` returns (B, K, S, H) views equal to what was written, ``store``
+    writes one step of every layer."""
+    cfg = model.config
+    L, K, H = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+    cache = StaticKVCache(cfg, 1, 40, dtype=torch.float32, block_size=16)  # 40 -> 48 slots
+    assert cache.nbytes == kv_cache_bytes(cfg, 1, 48, "fp32") and cache.table.tolist() == [
+        [0, 1, 2]
+    ]
+    k = torch.randn(1, K, 3, H)
+    k_all, v_all, pos = cache.update(0, k, -k, torch.tensor([0, 1, 2]))  # layer 0 writes positions
+    assert k_all.shape == (1, K, 40, H) and pos.shape == (1, 40)
+    assert torch.equal(k_all[:, :, :3], k) and torch.equal(v_all[:, :, :3], -k)
+    kp, vp = cache.pool(0)
+    assert kp.shape == (3, 16, K, H) and torch.equal(kp[0, :3], k[0].transpose(0, 1))
+    new = torch.randn(L, 1, K, H)
+    cache.store(torch.tensor([17]), new, 2 * new)  # slot 17: block 1, offset 1
+    for layer in range(L):
+        kp, vp = cache.pool(layer)
+        assert torch.equal(kp[1, 1], new[layer, 0]) and torch.equal(vp[1, 1], 2 * new[layer, 0])
+    assert pos[0, :4].tolist() == [0, 1, 2, -1] and pos[0, 17] == 17
+    with pytest.raises(ValueError, match="block_size=0"):
+        StaticKVCache(cfg, 1, 40, block_size=0)
+
+
 def test_static_decoder_greedy_equals_full_recompute(model, prompts):
     decoder = StaticDecoder(model, 64)  # reused (reset) across all prompts
     for p in prompts:
@@ -59,26 +85,29 @@ def test_static_decoder_sampling_matches_dynamic_cache(model, prompts):
 def test_compiled_decoder_greedy_equals_full_recompute(model, prompts):
     torch._dynamo.reset()
     decoder = StaticDecoder(model, 64, compile=True)
+    assert decoder.regional is not None and decoder.cache.block_size == 16  # the default: per block
     for p in prompts[:6] + prompts[-3:]:
         assert list(generate(model, p, greedy(N), decoder=decoder)) == full_recompute_greedy(
             model, p, N
         )
-    # one graph (the RoPE tables and the warm-up's inference tensors cause no recompile), called directly
-    assert len(decoder._graphs) == 1 and decoder._direct is not None
+    # one graph for both (identical) blocks, called directly after its checked first call
+    assert decoder.graphs == 1 and all(decoder.regional._direct.values())
     guarded = StaticDecoder(
         model, 64, compile=True, direct=False
-    )  # Dynamo's guarded call on every step
+    )  # Dynamo's guarded call on every block of every step
     p = prompts[0]
     assert list(generate(model, p, greedy(N), decoder=guarded)) == full_recompute_greedy(
         model, p, N
     )
-    assert guarded._direct is None
-    # a step unlike the traced one (int32 ids) goes through Dynamo (a recompile), not the captured graph
+    assert guarded.regional._direct and not any(guarded.regional._direct.values())
+    # int32 ids are taken as long (no second graph); other shapes are refused by name
     logits = decoder.decode(torch.tensor([[5]]), torch.tensor([0]))
     torch.testing.assert_close(
         decoder.decode(torch.tensor([[5]], dtype=torch.int32), torch.tensor([0])), logits
     )
-    assert len(decoder._graphs) == 2
+    assert decoder.graphs == 1
+    with pytest.raises(ValueError, match=r"token \(1, 1\).*got \(1, 2\)"):
+        decoder.decode(torch.tensor([[5, 6]]), torch.tensor([0]))
     # Dynamo keeps its backends for the life of the process; they must not keep a decoder (and its model) alive
     import gc
     import weakref
@@ -87,6 +116,59 @@ def test_compiled_decoder_greedy_equals_full_recompute(model, prompts):
     del decoder
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.slow
+def test_compiled_decoder_compiles_one_graph_per_kind_of_block():
+    """Regional compilation: local (window, own RoPE base) and global layers differ in constants their graphs
+    bake in, so 4 layers of 2 kinds compile 2 graphs (counted by the decoder and by Dynamo), each shared by
+    its layers and called directly; later steps and prompts compile nothing. Greedy output equals the full
+    recompute, in fp32 (the C++ paged kernel reads slots 0 .. p) and float64 (the torch formula)."""
+    from torch._dynamo.utils import counters
+
+    for dtype in (torch.float32, torch.float64):
+        model = make_model(
+            n_layers=4,
+            dtype=dtype,
+            init_std=0.2,  # peaked logits: no near-ties in fp32
+            layer_types=["local_attention", "attention", "local_attention", "attention"],
+            local_window=5,
+            local_rope_theta=100.0,
+        )
+        torch._dynamo.reset()
+        counters.clear()
+        decoder = StaticDecoder(model, 64, compile=True, compile_options={"cpp_wrapper": False})
+        sig = decoder.regional.signatures
+        assert sig[0] == sig[2] != sig[1] == sig[3]
+        decoder.warm_up()
+        assert decoder.graphs == 2 and counters["stats"]["unique_graphs"] == 2
+        g = torch.Generator().manual_seed(0)
+        for n in (3, 9, 20):  # past the window, across 16-slot blocks of the pool layout
+            p = torch.randint(0, 97, (n,), generator=g).tolist()
+            assert list(generate(model, p, greedy(12), decoder=decoder)) == full_recompute_greedy(
+                model, p, 12
+            ), (dtype, n)
+        assert decoder.graphs == 2 and counters["stats"]["unique_graphs"] == 2  # no recompilation
+        assert all(decoder.regional._direct.values())
+
+
+@pytest.mark.slow
+def test_whole_model_compiled_decoder_greedy_equals_full_recompute(model, prompts):
+    """``regional=False``: the whole step as one graph over the (B, K, S, H) cache, called directly; a step
+    unlike the traced one (int32 ids) goes through Dynamo (a recompile), not the captured graph."""
+    torch._dynamo.reset()
+    decoder = StaticDecoder(model, 64, compile=True, regional=False)
+    assert decoder.regional is None and decoder.cache.block_size is None
+    for p in prompts[:3] + prompts[-2:]:
+        assert list(generate(model, p, greedy(N), decoder=decoder)) == full_recompute_greedy(
+            model, p, N
+        )
+    assert decoder.graphs == 1 and decoder._direct is not None
+    logits = decoder.decode(torch.tensor([[5]]), torch.tensor([0]))
+    torch.testing.assert_close(
+        decoder.decode(torch.tensor([[5]], dtype=torch.int32), torch.tensor([0])), logits
+    )
+    assert decoder.graphs == 2
 
 
 @pytest.mark.slow
@@ -107,8 +189,9 @@ def test_compiled_decoder_in_fp32_equals_full_recompute(model, prompts):
 @pytest.mark.slow
 def test_compiled_decoder_runs_an_int8_head_after_the_graph(model, prompts, monkeypatch):
     """An Int8Linear unembedding whose one-row path is oneDNN's int8 GEMM (which inductor cannot take) runs
-    eagerly after the compiled graph: greedy output equals the full recompute (oneDNN at every row count
-    there too), one graph, called directly."""
+    eagerly after the whole-model graph (and, as always, after the block graphs of the regional step):
+    greedy output equals the full recompute (oneDNN at every row count there too), one graph, called
+    directly."""
     import copy
 
     from lmstack.quant import Int8Linear
@@ -122,10 +205,12 @@ def test_compiled_decoder_runs_an_int8_head_after_the_graph(model, prompts, monk
     torch._dynamo.reset()
     m32 = copy.deepcopy(model).float()
     m32.lm_head = Int8Linear.from_weight(m32.unembedding)
-    decoder = StaticDecoder(m32, 64, compile=True)
+    decoder = StaticDecoder(m32, 64, compile=True, regional=False)
     assert decoder._eager_head
+    regional = StaticDecoder(m32, 64, compile=True)  # per block: the head is always eager there
     for p in prompts[:3]:
-        assert list(generate(m32, p, greedy(N), decoder=decoder)) == full_recompute_greedy(
-            m32, p, N
-        )
+        want = full_recompute_greedy(m32, p, N)
+        assert list(generate(m32, p, greedy(N), decoder=decoder)) == want
+        assert list(generate(m32, p, greedy(N), decoder=regional)) == want
     assert len(decoder._graphs) == 1 and decoder._direct is not None
+    assert regional.graphs == 1

@@ -103,6 +103,13 @@ class StaticKVCache(StoreThenAttend):
     of n tokens from position 0: slots 0 .. n−1) sets ``live = n`` and gets views of the first n
     slots only, so its attention does not read (and mask) the S_max − n empty ones: a 88-token
     prompt's attention over a 665-slot cache was 45 ms of a 180 ms prefill (SmolLM2-135M, one thread).
+
+    ``block_size=bs`` lays the cache out as a paged pool instead, for the regionally compiled decode step
+    (``inference.regional``): K and V each one (L, B, S', K, H) tensor, S' = S_max rounded up to a multiple
+    of bs, whose layer l is the pool ``pool(l)`` (B·S'/bs, bs, K, H) — row b's slots are blocks
+    b·S'/bs .. (b+1)·S'/bs − 1 (``table``) — so the paged kernel reads it in place, slots 0 .. p only;
+    ``update`` returns (B, K, S, H) views of it, and ``store`` writes one decode step's k, v of every
+    layer in one ``index_copy_``.
     """
 
     abilities = frozenset({Ability.STATIC, Ability.ROLLBACK})
@@ -114,6 +121,7 @@ class StaticKVCache(StoreThenAttend):
         max_seq_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        block_size: int | None = None,
     ):
         if max_seq_len > config.max_seq_len:
             raise ValueError(
@@ -122,9 +130,24 @@ class StaticKVCache(StoreThenAttend):
         assert (
             config.n_kv_heads is not None and config.head_dim is not None
         )  # resolved by ModelConfig.__post_init__
-        shape = (batch_size, config.n_kv_heads, max_seq_len, config.head_dim)  # (B, K, S, H)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size={block_size} must be >= 1")
+        self.block_size = block_size
+        L, B, K, H = config.n_layers, batch_size, config.n_kv_heads, config.head_dim
+        if block_size is None:
+            shape = (B, K, max_seq_len, H)  # (B, K, S, H)
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)]
+        else:
+            padded = -(-max_seq_len // block_size) * block_size  # S'
+            self.k_layers = torch.zeros(L, B, padded, K, H, dtype=dtype, device=device)
+            self.v_layers = torch.zeros(L, B, padded, K, H, dtype=dtype, device=device)
+            self.k, self.v = (
+                list(self.k_layers.unbind(0)),
+                list(self.v_layers.unbind(0)),
+            )  # (B, S', K, H)
+            blocks = padded // block_size
+            self.table = torch.arange(B * blocks, device=device).view(B, blocks)  # (B, S'/bs)
         self.positions = torch.full(
             (batch_size, max_seq_len), -1, dtype=torch.long, device=device
         )  # (B, S)
@@ -154,14 +177,39 @@ class StaticKVCache(StoreThenAttend):
             raise ValueError(
                 f"StaticKVCache takes positions of shape (T,), got {tuple(positions.shape)}"
             )
-        self.k[layer_idx].index_copy_(2, positions, k.to(self.k[layer_idx].dtype))
-        self.v[layer_idx].index_copy_(2, positions, v.to(self.v[layer_idx].dtype))
+        if self.block_size is None:
+            self.k[layer_idx].index_copy_(2, positions, k.to(self.k[layer_idx].dtype))
+            self.v[layer_idx].index_copy_(2, positions, v.to(self.v[layer_idx].dtype))
+            keys, values = self.k[layer_idx], self.v[layer_idx]  # (B, K, S, H)
+        else:  # the pool layout (B, S', K, H): written along S', returned as (B, K, S, H) views
+            dt = self.k[layer_idx].dtype
+            self.k[layer_idx].index_copy_(1, positions, k.transpose(1, 2).to(dt))
+            self.v[layer_idx].index_copy_(1, positions, v.transpose(1, 2).to(dt))
+            S = self.max_seq_len
+            keys = self.k[layer_idx][:, :S].transpose(1, 2)
+            values = self.v[layer_idx][:, :S].transpose(1, 2)
         if layer_idx == 0:
             self.positions.index_copy_(1, positions, positions.expand(self.positions.shape[0], -1))
         n = self.live
         if n is None:
-            return self.k[layer_idx], self.v[layer_idx], self.positions
-        return self.k[layer_idx][:, :, :n], self.v[layer_idx][:, :, :n], self.positions[:, :n]
+            return keys, values, self.positions
+        return keys[:, :, :n], values[:, :, :n], self.positions[:, :n]
+
+    def pool(self, layer_idx: int) -> tuple[Tensor, Tensor]:
+        """With ``block_size``: layer l's K and V as paged pools (B·S'/bs, bs, K, H), views of the cache."""
+        if self.block_size is None:
+            raise ValueError("StaticKVCache.pool needs the pool layout (block_size=...)")
+        bs, (K, H) = self.block_size, self.k[layer_idx].shape[2:]
+        return self.k[layer_idx].view(-1, bs, K, H), self.v[layer_idx].view(-1, bs, K, H)
+
+    def store(self, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """With ``block_size``: one decode step's k, v (L, B, K, H) of every layer at ``positions`` (1,),
+        the same for every row, in one ``index_copy_`` each; the slots' positions too."""
+        if self.block_size is None:
+            raise ValueError("StaticKVCache.store needs the pool layout (block_size=...)")
+        self.k_layers.index_copy_(2, positions, k[:, :, None].to(self.k_layers.dtype))
+        self.v_layers.index_copy_(2, positions, v[:, :, None].to(self.v_layers.dtype))
+        self.positions.index_copy_(1, positions, positions.expand(self.positions.shape[0], -1))
 
 
 class QuantizedKVCache(StoreThenAttend):

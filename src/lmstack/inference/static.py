@@ -7,27 +7,36 @@ step never reads a value back to the host and never changes shape; ``torch.compi
 turn the whole step (30 layers of norms, RoPE, attention, SwiGLU) into one graph of fused
 kernels with no Python per op. Empty slots carry position −1 and the model's mask hides them.
 The cache itself lives with the others in ``inference.kv_cache``.
+
+Compiled, the step is compiled *regionally* by default (``regional.BlockGraphs``, the engine's decode
+step's machinery): the cache is laid out as a paged pool (``StaticKVCache(block_size=16)``, one fixed
+table), one graph of one transformer block — its attention lmstack's C++ paged kernel over slots 0 .. p
+only, not all S_max — is shared by every layer of the same structure and called directly after its first
+call; embedding, final norm and unembedding run eagerly, and the step's k, v of every layer are stored
+after the blocks in one ``index_copy_``. ``regional=False`` keeps the whole model's step as one graph (the
+cache in its (B, K, S, H) layout, attention over all S_max slots, masked): minutes to compile on a CPU
+against seconds, and no faster per token (on the Zen 3 the regional step decoded 1.08–1.18× its tokens per
+CPU-second; docs/inference.md).
 """
 
 from __future__ import annotations
 
 import functools
 import types
-import weakref
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lmstack.inference.kv_cache import StaticKVCache
+from lmstack.inference.regional import (
+    COMPILE_OPTIONS,
+    BlockGraphs,
+    _Inductor,
+    reserve_rope_tables,
+)
 
-if TYPE_CHECKING:
-    from lmstack.inference.decode_step import DecodeStep
-
-# Inductor options for the decode step: a C++ wrapper calls the ~200 kernels of one step instead of
-# Python, and no per-call shape asserts (shapes are static). Measured on SmolLM2-135M int4, one CPU
-# thread: 48 -> 62 tokens/s against the default Python wrapper.
-COMPILE_OPTIONS = {"cpp_wrapper": True, "size_asserts": False}
+# the static cache's block size in the pool layout of the regional step (the paged kernel's tiles are 16 slots)
+BLOCK_SIZE = 16
 
 
 class StaticDecoder:
@@ -35,9 +44,11 @@ class StaticDecoder:
 
     ``prefill(ids)`` runs the prompt eagerly (its length varies) and returns the last logits (V,);
     ``decode(token, position)`` runs one token through the (compiled) step and returns logits (V,).
-    Compiled, the step is traced once with fixed shapes (1, 1) and (1,) and guarded on them, so
-    positions change without recompiling; the first ``decode`` pays the compilation (tens of
-    seconds to minutes on a CPU).
+    Compiled, the step has fixed shapes (1, 1) and (1,), so positions change without recompiling; the
+    first ``decode`` pays the compilation (seconds per distinct block structure regionally, the default;
+    minutes for ``regional=False``'s whole-model graph, traced and guarded on those shapes).
+    ``regional`` falls back to the whole-model graph where a model is not a whole Transformer (no
+    embedding or final norm) or ``compile_mode`` asks for CUDA graphs.
     One decoder serves many prompts up to ``max_seq_len`` tokens (``reset`` between them), so the
     compilation is paid once.
     """
@@ -51,54 +62,72 @@ class StaticDecoder:
         compile_mode: str | None = None,
         compile_options: dict | None = None,
         direct: bool = True,
+        regional: bool = True,
     ):
         self.model = model
         p = next(model.parameters())
         self.device = p.device
-        self.cache = StaticKVCache(model.config, 1, max_seq_len, dtype or p.dtype, p.device)
-        compute = torch.float64 if p.dtype == torch.float64 else torch.float32
-        for (
-            rope
-        ) in model.ropes():  # the compiled step reads the RoPE tables; they cannot grow inside it
-            rope.reserve(max_seq_len)
-            rope.tables(
-                p.device, compute
-            )  # built now, so the first step does not change them (a recompile)
         self.compiled = compile
-        # an unembedding whose fast path at one row cannot be compiled (Int8Linear's oneDNN int8 GEMM:
-        # 1.7 ms against torch's kernel's 3.7 on SmolLM2's 49152 x 576 head) runs after the graph, eagerly
-        head = getattr(model, "lm_head", None)
-        self._eager_head = bool(compile) and bool(getattr(head, "onednn_rows", lambda n: False)(1))
+        options = dict(COMPILE_OPTIONS) | (compile_options or {})
+        if compile_mode is not None:
+            from torch._inductor import list_mode_options
+
+            try:
+                options = dict(list_mode_options(compile_mode)) | options
+            except (KeyError, RuntimeError) as e:
+                raise ValueError(
+                    f"compile_mode={compile_mode!r} is not a torch.compile mode ({e})"
+                ) from None
+        cudagraphs = bool(
+            options.get("triton.cudagraphs")
+        )  # a CUDA-graph tree is not called like a plain graph
+        whole = (
+            getattr(model, "embed", None) is not None and getattr(model, "norm", None) is not None
+        )
+        self.regional: BlockGraphs | None = None
+        regional = bool(compile) and regional and whole and not cudagraphs
+        self.cache = StaticKVCache(
+            model.config,
+            1,
+            max_seq_len,
+            dtype or p.dtype,
+            p.device,
+            block_size=BLOCK_SIZE if regional else None,
+        )
+        # the compiled step reads the RoPE tables; they cannot grow inside it (built now, also eagerly)
+        reserve_rope_tables(model, max_seq_len)
         self._step = self._forward
+        self._eager_head = False
         self._graphs: list[
             tuple
         ] = []  # (compiled graph, its example inputs, outputs), one per Dynamo compilation
         self._direct: tuple | None = (
             None  # (graph, inputs, token slot, position slot, their shape/dtype/device) once captured
         )
-        self._want_direct = compile and direct
-        if compile:
+        self._want_direct = compile and direct and not cudagraphs
+        if regional:
+            cache = self.cache
+            pools = [(*cache.pool(i), None, None) for i in range(len(cache.k))]
+            self.regional = BlockGraphs(
+                model, pools.__getitem__, cache.abilities, options, direct=direct
+            )
+        elif compile:
+            # an unembedding whose fast path at one row cannot be compiled (Int8Linear's oneDNN int8 GEMM:
+            # 1.7 ms against torch's kernel's 3.7 on SmolLM2's 49152 x 576 head) runs after the graph, eagerly
+            head = getattr(model, "lm_head", None)
+            self._eager_head = bool(getattr(head, "onednn_rows", lambda n: False)(1))
             # Dynamo keeps its compiled graphs (and checks their guards on every call) per code
             # object; a copy of the code per decoder keeps each decoder's lookup to its own graph.
             code = StaticDecoder._forward.__code__.replace(co_name=f"_forward_{id(self):x}")
             forward = functools.partial(types.FunctionType(code, globals()), self)
-            options = dict(COMPILE_OPTIONS) | (compile_options or {})
-            if compile_mode is not None:
-                from torch._inductor import list_mode_options
-
-                try:
-                    options = dict(list_mode_options(compile_mode)) | options
-                except (KeyError, RuntimeError) as e:
-                    raise ValueError(
-                        f"compile_mode={compile_mode!r} is not a torch.compile mode ({e})"
-                    ) from None
-            if options.get(
-                "triton.cudagraphs"
-            ):  # a CUDA-graph tree is not called like a plain graph
-                self._want_direct = False
             self._step = torch.compile(
                 forward, fullgraph=True, dynamic=False, backend=_Inductor(self, options)
             )
+
+    @property
+    def graphs(self) -> int:
+        """Graphs compiled so far: one per distinct block structure regionally, one for the whole model."""
+        return self.regional.graphs if self.regional is not None else len(self._graphs)
 
     def _capture(self, token: Tensor, position: Tensor) -> None:
         """After the first compiled step: if it is one graph with one output whose inputs are this step's
@@ -176,9 +205,20 @@ class StaticDecoder:
         """token: (1, 1) long; position: (1,) long, < max_seq_len (not checked: no host sync).
 
         Compiled with ``direct`` (the default), steps after the first skip Dynamo and its guards: they
-        run the graph traced from this decoder's model as it was then, so replacing the model's modules
+        run the graphs traced from this decoder's model as it was then, so replacing the model's modules
         or parameter tensors afterwards (in-place updates are fine) needs a new decoder, and Python-side
-        effects of the forward (none in lmstack's decode path) are not replayed."""
+        effects of the forward (none in lmstack's decode path) are not replayed. Regionally, other
+        integer dtypes are taken as long and other shapes are refused."""
+        if self.regional is not None:
+            if token.shape != (1, 1) or position.shape != (1,):
+                raise ValueError(
+                    f"decode takes token (1, 1) and position (1,), got {tuple(token.shape)} and "
+                    f"{tuple(position.shape)}"
+                )
+            token, position = token.to(torch.long), position.to(torch.long)  # no copy when long
+            logits, k, v = self.regional.forward(token, position, self.cache.table)
+            self.cache.store(position, k, v)  # (L, 1, K, H) each, at slot ``position``
+            return logits[0]
         if (
             self._direct is not None
             and all(  # what the graph was traced for; anything else goes through Dynamo
@@ -197,63 +237,3 @@ class StaticDecoder:
             if self._want_direct:
                 self._capture(token, position)
         return self.model.unembed(out) if self._eager_head else out
-
-
-class _Inductor:
-    """Dynamo's backend for a ``StaticDecoder``: Inductor with the decoder's options, appending (graph, the
-    tensors it was traced with, number of outputs) to the decoder's ``_graphs``. Dynamo keeps its backends
-    for the life of the process, so this holds the decoder only weakly (the decoder, its model and cache
-    are freed with the last other reference). ``inner``: keep inductor's compiled graph and its inputs'
-    shapes on the returned function, for ``inner_graph``."""
-
-    def __init__(self, decoder: StaticDecoder | DecodeStep, options: dict, inner: bool = False):
-        self.decoder, self.options, self.inner = weakref.ref(decoder), options, inner
-
-    def __call__(self, gm, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
-        inputs = list(example_inputs)  # before compile_fx, which may consume the list
-        outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
-        if not self.inner:
-            graph = compile_fx(gm, example_inputs, config_patches=self.options)
-        else:
-            from torch._inductor.compile_fx import compile_fx_inner
-
-            found: list = []
-
-            def inner_compile(
-                gm_, inputs_, **kw
-            ):  # keeps inductor's compiled graph (``inner_graph``)
-                out = compile_fx_inner(gm_, inputs_, **kw)
-                found.append((out, [(tuple(t.shape), t.dtype) for t in inputs_]))
-                return out
-
-            # AOT's own cache would skip inner_compile (inductor's FX graph cache still answers inside it)
-            with torch._functorch.config.patch(enable_autograd_cache=False):
-                graph = compile_fx(
-                    gm, example_inputs, inner_compile=inner_compile, config_patches=self.options
-                )
-            if len(found) == 1:
-                graph._lmstack_inner = found[0]
-        decoder = self.decoder()
-        if decoder is not None:
-            decoder._graphs.append(
-                (graph, inputs, len(outputs) if isinstance(outputs, (list, tuple)) else 1)
-            )
-        return graph
-
-
-def inner_graph(graph, inputs: list) -> object | None:
-    """The function inside a graph ``_Inductor`` compiled that runs inductor's code (with ``cpp_wrapper``,
-    the generated module's entry: it takes one list of the inputs and empties it), skipping the AOT runtime
-    wrapper and ``CompiledFxGraph.__call__`` (Python around every call); None where its inputs are not
-    Dynamo's (``inputs``) one for one by shape and dtype (AOT added or removed some). A caller checks its
-    output against the whole graph's once before relying on it."""
-    found = getattr(graph, "_lmstack_inner", None)
-    if found is None:
-        return None
-    code, shapes = found
-    want = [(tuple(t.shape), t.dtype) if isinstance(t, Tensor) else None for t in inputs]
-    fn = getattr(code, "current_callable", None)
-    plain = getattr(code, "_boxed_call", False) and not getattr(code, "mutated_inputs", True)
-    return fn if fn is not None and plain and shapes == want else None
