@@ -86,6 +86,19 @@ struct Avx2 {
     }
   }
 
+  // One 64-byte chunk of codes (prefetched kPrefetch ahead) as u8 nibbles: lo/hi of rows 0-7 (bytes 0-31) and of
+  // rows 8-15 (bytes 32-63), the low nibble inputs 8c+j, the high 8c+4+j.
+  static inline void unpack(const uint8_t* wc, __m256i& lo0, __m256i& hi0, __m256i& lo1, __m256i& hi1) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    _mm_prefetch(reinterpret_cast<const char*>(wc + kPrefetch), _MM_HINT_T0);
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32));
+    lo0 = _mm256_and_si256(v0, low);
+    hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+    lo1 = _mm256_and_si256(v1, low);
+    hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+  }
+
   // One activation row's TERMS int16 sums (s0: output rows 0-7, s1: 8-15) of a block -> floats f = sum_t sx_t * dot_t
   // (the int16 pairs summed to int32 by vpmaddwd with ones; sx_t at sxg[t * NG]).
   template <int TERMS>
@@ -168,7 +181,6 @@ struct Avx2 {
   static inline void many_block(const uint8_t* w, const int8_t* xg, const float* sxg, const float* dg,
                                 const float* mg, const float* xsg, float (*acc)[16], int64_t I, int64_t NG) {
     constexpr int K = NR * TERMS;
-    const __m256i low = _mm256_set1_epi8(0x0F);
     __m256i s0[K], s1[K];  // rows 0-7 and 8-15 of the tile
 #pragma GCC unroll 8
     for (int k = 0; k < K; ++k) {
@@ -177,12 +189,8 @@ struct Avx2 {
     }
 #pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) {
-      const uint8_t* wc = w + 64 * c;
-      _mm_prefetch(reinterpret_cast<const char*>(wc + kPrefetch), _MM_HINT_T0);
-      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc));
-      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32));
-      const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-      const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+      __m256i lo0, hi0, lo1, hi1;
+      unpack(w + 64 * c, lo0, hi0, lo1, hi1);
 #pragma GCC unroll 8
       for (int k = 0; k < K; ++k) {
         const int8_t* xc = xg + k * I + c * 8;
@@ -251,16 +259,11 @@ struct Avx2 {
   static inline void block(const uint8_t* w, const int8_t* xg, const float* sxg, __m256 d0, __m256 d1,
                            __m256* acc0, __m256* acc1, int64_t I, int64_t NG) {
     constexpr int K = NR * TERMS;
-    const __m256i low = _mm256_set1_epi8(0x0F);
     __m256i s0[K], s1[K];  // int16 sums, rows 0-7 and 8-15
 #pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) {
-      const uint8_t* wc = w + 64 * c;
-      _mm_prefetch(reinterpret_cast<const char*>(wc + kPrefetch), _MM_HINT_T0);
-      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc));
-      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32));
-      const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-      const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+      __m256i lo0, hi0, lo1, hi1;
+      unpack(w + 64 * c, lo0, hi0, lo1, hi1);
       for (int k = 0; k < K; ++k) {
         const int8_t* xc = xg + k * I + c * 8;
         int32_t x_lo, x_hi;
