@@ -4,8 +4,9 @@ weight format (CS336 notes "性能指标分析": Latency = (Param + Memory_KV) /
 
     python benchmarks/inference_decode.py [--threads 1] [--new-tokens 32] [--prompt-tokens 128] [--repeats 3]
         [--lmstack fp32,bf16,int8,int4,fp32+compile,bf16+compile,int8+compile,int4+compile,int4t1+compile]
-        (each entry may end in +fused: Transformer.fuse_projections, q/k/v and gate/up as one linear each;
-        a +compile entry in +whole: the decode step as one whole-model graph, StaticDecoder(regional=False),
+        (q/k/v and gate/up run as one linear each, Transformer.fuse_projections, in +static and +compile
+        entries, StaticDecoder's default: +unfused keeps them apart; +fused fuses a dynamic-cache entry;
+        a +compile entry may end in +whole: the decode step as one whole-model graph, StaticDecoder(regional=False),
         instead of one graph per block structure)
         [--hf fp32,bf16]
         [--llama-threads 1,2]
@@ -79,19 +80,20 @@ def bandwidths_gbs(threads: int, mib: int = 512, repeats: int = 7) -> tuple[floa
 class LmstackEngine:
     def __init__(self, base, spec: str, max_len: int):
         fmt, *flags = spec.split("+")
-        fused = "fused" in flags  # q/k/v and gate/up as one (quantised) linear each
         whole = (
             "whole" in flags
         )  # the compiled step as one whole-model graph (StaticDecoder(regional=False))
-        flag = "".join(f for f in flags if f not in ("fused", "whole"))
+        flag = "".join(f for f in flags if f not in ("fused", "unfused", "whole"))
         if flag not in ("", "static", "compile") or (whole and flag != "compile"):
             raise SystemExit(
                 f"--lmstack entry {spec!r}: expected FORMAT, FORMAT+static or FORMAT+compile, "
-                "each optionally +fused (+compile also +whole)"
+                "each optionally +fused / +unfused (+compile also +whole)"
             )
+        # q/k/v and gate/up as one (quantised) linear each: StaticDecoder's default, +fused for the dynamic cache
+        fused = "fused" in flags or (bool(flag) and "unfused" not in flags)
         self.name = f"lmstack {fmt}" + {"": "", "static": " static", "compile": " compiled"}[flag]
         self.name += " whole-model" if whole else ""
-        self.name += " fused" if fused else ""
+        self.name += " fused" if fused and not flag else " unfused" if flag and not fused else ""
         self.fmt = fmt
         if fmt in ("int8", "int4", "int4t1", "int4t2"):
             self.model = quantize_model(copy.deepcopy(base), fmt[:4])
@@ -109,7 +111,13 @@ class LmstackEngine:
         if kernels:  # which int4 kernel ran: lmstack's vnni / avx2 or torch's aten
             self.name += f" [{'+'.join(kernels)}]"
         self.decoder = (
-            StaticDecoder(self.model, max_len, compile=flag == "compile", regional=not whole)
+            StaticDecoder(
+                self.model,
+                max_len,
+                compile=flag == "compile",
+                regional=not whole,
+                fuse_projections=fused,
+            )
             if flag
             else None
         )
@@ -169,20 +177,33 @@ class HFEngine:
 
 
 class LlamaCppEngine:
-    def __init__(self, path, threads: int):
+    def __init__(self, path, threads: int, repack: bool = True):
+        import llama_cpp.llama_cpp as api  # the binding Llama reads its defaults from
         from llama_cpp import Llama
 
-        self.name = f"llama.cpp Q4_1 {threads}t"
+        self.name = f"llama.cpp Q4_1 {threads}t" + ("" if repack else " -nr")
         self.fmt = "Q4_1"
         self.threads = threads
-        self.llm = Llama(
-            model_path=str(path),
-            n_threads=threads,
-            n_threads_batch=threads,
-            n_ctx=512,
-            n_batch=512,
-            verbose=False,
-        )
+        default_params = api.llama_model_default_params
+        if not repack:  # llama-server's -nr: no extra (repacked / AMX) weight buffers
+
+            def no_repack():
+                params = default_params()
+                params.use_extra_bufts = False
+                return params
+
+            api.llama_model_default_params = no_repack
+        try:
+            self.llm = Llama(
+                model_path=str(path),
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_ctx=512,
+                n_batch=512,
+                verbose=False,
+            )
+        finally:
+            api.llama_model_default_params = default_params
         self.weight_bytes = path.stat().st_size
 
     def run(self, prompt, n_new):
@@ -248,6 +269,12 @@ def main() -> None:
     ap.add_argument("--hf", default="fp32,bf16", help="HF transformers dtypes (empty: skip)")
     ap.add_argument("--llama-threads", default="1,2", help="llama.cpp thread counts (empty: skip)")
     ap.add_argument(
+        "--llama-no-repack",
+        action="store_true",
+        help="llama.cpp without its extra weight buffers (llama-server's -nr): its native AMX Q4_1 path "
+        "died with SIGILL on tilezero in a VM that lists amx flags but does not enable the tile state",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="torch.profiler breakdown of each --lmstack engine's decode steps instead of the timing table",
@@ -284,7 +311,10 @@ def main() -> None:
     engines += [HFEngine(path, f) for f in args.hf.split(",") if f]
     if args.llama_threads:
         try:
-            engines += [LlamaCppEngine(path, int(t)) for t in args.llama_threads.split(",")]
+            engines += [
+                LlamaCppEngine(path, int(t), repack=not args.llama_no_repack)
+                for t in args.llama_threads.split(",")
+            ]
             import llama_cpp
 
             print(

@@ -70,6 +70,28 @@ def test_static_decoder_greedy_equals_full_recompute(model, prompts):
         )
 
 
+def test_static_decoder_fuses_projections_and_still_equals_the_unfused_model(prompts):
+    """q/k/v and gate/up fused by default (as the engine): the logits of every step equal the unfused
+    model's full recompute (float64: to 1e-12), and ``fuse_projections=False`` leaves the model as it was."""
+    import copy
+
+    model = make_model()
+    unfused = copy.deepcopy(model)
+    kept = StaticDecoder(copy.deepcopy(model), 64, fuse_projections=False)
+    assert all(b.attn.qkv is None for b in kept.model.blocks)
+    decoder = StaticDecoder(model, 64)
+    assert all(b.attn.qkv is not None for b in model.blocks)
+    p = prompts[-4]
+    with torch.inference_mode():
+        got = [decoder.prefill(p)]
+        ids = list(p)
+        for _ in range(4):
+            ids.append(int(got[-1].argmax()))
+            got.append(decoder.decode(torch.tensor([[ids[-1]]]), torch.tensor([len(ids) - 1])))
+        want = unfused(torch.tensor([ids]))[0, len(p) - 1 :]
+    torch.testing.assert_close(torch.stack(got), want, rtol=0, atol=1e-12)
+
+
 def test_static_decoder_sampling_matches_dynamic_cache(model, prompts):
     decoder = StaticDecoder(model, 64)
     params = SamplingParams(

@@ -50,7 +50,9 @@ class StaticDecoder:
     ``regional`` falls back to the whole-model graph where a model is not a whole Transformer (no
     embedding or final norm) or ``compile_mode`` asks for CUDA graphs.
     One decoder serves many prompts up to ``max_seq_len`` tokens (``reset`` between them), so the
-    compilation is paid once.
+    compilation is paid once. ``fuse_projections`` (default) fuses the model's q/k/v and gate/up first,
+    as ``LLMEngine`` does (measured at one thread, SmolLM2-135M int4 compiled: 117 -> 133 tokens/s with the
+    AVX2 kernels, 165 -> 171 with VNNI; docs/inference.md).
     """
 
     def __init__(
@@ -63,8 +65,14 @@ class StaticDecoder:
         compile_options: dict | None = None,
         direct: bool = True,
         regional: bool = True,
+        fuse_projections: bool = True,
     ):
         self.model = model
+        if fuse_projections and hasattr(model, "fuse_projections"):
+            # q/k/v and gate/up as one GEMM each, as the engine (``Transformer.fuse_projections``: the
+            # model is changed in place, its weights become views): 4 quantised matmuls a layer instead
+            # of 7, one activation quantisation for each fused one
+            model.fuse_projections()
         p = next(model.parameters())
         self.device = p.device
         self.compiled = compile
