@@ -67,6 +67,10 @@ def reference(x, q, d, m, G, terms=1):
         # rows in blocks of ~64 KB of int8 activations (int4_common.h run_tiles): 2048 inputs give blocks of 32
         # rows (one term) or 16 (two), so 37 rows are 2 or 3 blocks, the last with a tail of rows
         (16, 2048, 32, 37),
+        # the VNNI kernel's passes of 8 rows (4 with two terms) and one pass for the rest: 13 = 8 + 5
+        # (4 + 4 + 4 + 1), 6 rows in one pass (4 + 2), at the compile-time chunk counts of G = 32 and 64
+        (32, 128, 32, 13),
+        (16, 512, 64, 6),
     ],
 )
 def test_kernel_equals_its_formula_and_int4linear_is_close_to_float(

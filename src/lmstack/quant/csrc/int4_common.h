@@ -65,9 +65,18 @@ constexpr int64_t kRowBlockBytes = 64 * 1024;
 
 // All output tiles for all M activation rows, in blocks of rows (``kRowBlockBytes``): per block, every tile,
 // STEP rows per pass over the tile (its codes stay in L1 between passes), the block's last M % STEP rows in one
-// pass too (2 or 3 rows one by one would unpack the codes 2-3 times). Tiles split over threads in contiguous
+// pass too (one by one would unpack the codes that many times). Tiles split over threads in contiguous
 // ranges (each tile's 16 outputs are one 64-byte line per row: threads never write the same line) when the call
 // is large enough. Each output's arithmetic is the same whatever the blocks and passes.
+// The last rest < STEP rows of a block in one pass of NR = rest rows (``pass`` takes NR as an integral constant).
+template <int N, class Pass>
+inline void rest_pass(int64_t rest, Pass& pass) {
+  if constexpr (N > 0) {
+    if (rest == N) pass(std::integral_constant<int, N>{});
+    else rest_pass<N - 1>(rest, pass);
+  }
+}
+
 template <class Isa, int TERMS>
 void run_tiles(const uint8_t* wp, const uint16_t* dp, const uint16_t* mp, const int8_t* xqp, const float* sxp,
                const float* xsp, float* yp, int64_t M, int64_t I, int64_t G, int64_t NG, int64_t O, int64_t T) {
@@ -84,12 +93,7 @@ void run_tiles(const uint8_t* wp, const uint16_t* dp, const uint16_t* mp, const 
       r += NR;
     };
     while (r + STEP <= r1) pass(std::integral_constant<int, STEP>{});
-    const int64_t rest = r1 - r;
-    if (STEP > 3 && rest == 3)
-      pass(std::integral_constant<int, (STEP > 3 ? 3 : 1)>{});
-    else if (STEP > 2 && rest == 2)
-      pass(std::integral_constant<int, (STEP > 2 ? 2 : 1)>{});
-    while (r < r1) pass(std::integral_constant<int, 1>{});
+    rest_pass<STEP - 1>(r1 - r, pass);
   };
   auto body = [&](int64_t t0, int64_t t1) {
     for (int64_t r0 = 0; r0 < M; r0 += RB)

@@ -21,7 +21,7 @@
 namespace {
 
 struct Vnni {
-  static constexpr int kStep1 = 4, kStep2 = 2;  // activation rows per pass: 4 (or 2 x 2 terms) accumulator pairs
+  static constexpr int kStep1 = 8, kStep2 = 4;  // activation rows per pass: 8 (or 4 x 2 terms) accumulator pairs
   static constexpr int64_t kPrefetch = lmstack_int4::kPrefetch;
 
   // One group of G inputs of one activation row: TERMS int8 terms, their scales, and the exact sum.
@@ -61,37 +61,56 @@ struct Vnni {
     }
   }
 
-  // One tile of 16 output rows for NR activation rows at once, each as TERMS int8 rows (xq row r*TERMS+t,
-  // scales sx[(r*TERMS+t)*NG + g], sums xs[r*NG + g]): each 64-byte chunk of codes is loaded and unpacked
-  // once and multiplied into NR*TERMS accumulator pairs.
-  template <int NR, int TERMS>
-  static void tile(const uint8_t* w, const int8_t* xq, const float* sx, const float* xs, const uint16_t* d,
-                   const uint16_t* m, float* y, int64_t I, int64_t G, int64_t NG, int64_t O) {
+  // The products of one group's NC chunks (NC < 0: -NC at run time) for K int8 rows into a0/a1 (zeroed here):
+  // each 64-byte chunk of codes is loaded and unpacked once and multiplied into the K accumulator pairs.
+  // A compile-time NC (G = 32, 64, 128) unrolls the chunks too, which keeps every accumulator in its own
+  // register (with the run-time loop GCC copied each to another register and back per chunk).
+  template <int K, int NC>
+  static inline void group_dots(const uint8_t* w, const int8_t* xg, int64_t I, int64_t chunks, __m512i* a0,
+                                __m512i* a1) {
     const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 16
+    for (int k = 0; k < K; ++k) { a0[k] = _mm512_setzero_si512(); a1[k] = _mm512_setzero_si512(); }
+    const int64_t n = NC > 0 ? NC : chunks;
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < n; ++c) {
+      const uint8_t* wc = w + 64 * c;
+      _mm_prefetch(reinterpret_cast<const char*>(wc + kPrefetch), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(wc);
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 16
+      for (int k = 0; k < K; ++k) {
+        const int8_t* xc = xg + k * I + c * 8;
+        int32_t x_lo, x_hi;
+        std::memcpy(&x_lo, xc, 4);
+        std::memcpy(&x_hi, xc + 4, 4);
+        a0[k] = _mm512_dpbusd_epi32(a0[k], lo, _mm512_set1_epi32(x_lo));
+        a1[k] = _mm512_dpbusd_epi32(a1[k], hi, _mm512_set1_epi32(x_hi));
+      }
+    }
+  }
+
+  // One tile of 16 output rows for NR activation rows at once, each as TERMS int8 rows (xq row r*TERMS+t,
+  // scales sx[(r*TERMS+t)*NG + g], sums xs[r*NG + g]): per group the products (``group_dots``), then
+  // acc += m * sum(x) + sum_t cvt(dot_t) * d * sx_t. Every output's operations are the same for any NC.
+  template <int NR, int TERMS, int NC>
+  static void tile_nc(const uint8_t* w, const int8_t* xq, const float* sx, const float* xs, const uint16_t* d,
+                      const uint16_t* m, float* y, int64_t I, int64_t G, int64_t NG, int64_t O) {
+    constexpr int K = NR * TERMS;
     __m512 acc[NR];
+#pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
     const int64_t chunks = G / 8;
-    for (int64_t g = 0; g < NG; ++g) {
-      __m512i a0[NR * TERMS], a1[NR * TERMS];
-      for (int r = 0; r < NR * TERMS; ++r) { a0[r] = _mm512_setzero_si512(); a1[r] = _mm512_setzero_si512(); }
-      for (int64_t c = 0; c < chunks; ++c, w += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T0);
-        const __m512i v = _mm512_loadu_si512(w);
-        const __m512i lo = _mm512_and_si512(v, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        for (int r = 0; r < NR * TERMS; ++r) {
-          const int8_t* xc = xq + r * I + g * G + c * 8;
-          int32_t x_lo, x_hi;
-          std::memcpy(&x_lo, xc, 4);
-          std::memcpy(&x_hi, xc + 4, 4);
-          a0[r] = _mm512_dpbusd_epi32(a0[r], lo, _mm512_set1_epi32(x_lo));
-          a1[r] = _mm512_dpbusd_epi32(a1[r], hi, _mm512_set1_epi32(x_hi));
-        }
-      }
+    for (int64_t g = 0; g < NG; ++g, w += 64 * chunks) {
+      __m512i a0[K], a1[K];
+      group_dots<K, NC>(w, xq + g * G, I, chunks, a0, a1);
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * 16)));
       const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * 16)));
+#pragma GCC unroll 16
       for (int r = 0; r < NR; ++r) {
         acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * NG + g]), acc[r]);
+#pragma GCC unroll 2
         for (int t = 0; t < TERMS; ++t) {
           const int k = r * TERMS + t;
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(a0[k], a1[k]));
@@ -99,7 +118,19 @@ struct Vnni {
         }
       }
     }
+#pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) _mm512_storeu_ps(y + r * O, acc[r]);
+  }
+
+  template <int NR, int TERMS>
+  static void tile(const uint8_t* w, const int8_t* xq, const float* sx, const float* xs, const uint16_t* d,
+                   const uint16_t* m, float* y, int64_t I, int64_t G, int64_t NG, int64_t O) {
+    switch (G) {
+      case 32: tile_nc<NR, TERMS, 4>(w, xq, sx, xs, d, m, y, I, G, NG, O); break;
+      case 64: tile_nc<NR, TERMS, 8>(w, xq, sx, xs, d, m, y, I, G, NG, O); break;
+      case 128: tile_nc<NR, TERMS, 16>(w, xq, sx, xs, d, m, y, I, G, NG, O); break;
+      default: tile_nc<NR, TERMS, -1>(w, xq, sx, xs, d, m, y, I, G, NG, O); break;
+    }
   }
 };
 
