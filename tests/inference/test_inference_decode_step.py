@@ -110,17 +110,23 @@ def test_paged_decode_attention_soft_caps_scores_like_the_reference():
 
 
 def test_batch_buckets():
-    assert [batch_bucket(n) for n in (1, 2, 3, 5, 16, 17, 64, 65, 130)] == [
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 7, 9, 13, 16, 17, 33, 49, 64, 65, 130)] == [
         1,
         2,
         4,
+        6,
         8,
+        12,
         16,
-        32,
+        16,
+        24,
+        48,
+        64,
         64,
         128,
         192,
     ]
+    assert [batch_bucket(n, (2, 4)) for n in (1, 3, 5, 9)] == [2, 4, 8, 12]
 
 
 def test_engine_decode_iterations_go_through_the_decode_step(model, prompts, monkeypatch):
