@@ -272,7 +272,7 @@ def main() -> None:
         "--llama-no-repack",
         action="store_true",
         help="llama.cpp without its extra weight buffers (llama-server's -nr): its native AMX Q4_1 path "
-        "died with SIGILL on tilezero in a VM that lists amx flags but does not enable the tile state",
+        "died with SIGILL on tilezero on an AMX Xeon VM where oneDNN's AMX kernels run",
     )
     ap.add_argument(
         "--profile",
