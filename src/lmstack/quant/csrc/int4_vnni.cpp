@@ -21,7 +21,7 @@
 namespace {
 
 struct Vnni {
-  static constexpr int kStep1 = 8, kStep2 = 4;  // activation rows per pass: 8 (or 4 x 2 terms) accumulator pairs
+  static constexpr int kStep1 = 8, kStep2 = 4;  // activation rows per pass: 8 (or 4 x 2 terms) accumulators
   static constexpr int64_t kPrefetch = lmstack_int4::kPrefetch;
 
   // One group of G inputs of one activation row: TERMS int8 terms, their scales, and the exact sum.
@@ -61,16 +61,16 @@ struct Vnni {
     }
   }
 
-  // The products of one group's NC chunks (NC < 0: -NC at run time) for K int8 rows into a0/a1 (zeroed here):
-  // each 64-byte chunk of codes is loaded and unpacked once and multiplied into the K accumulator pairs.
+  // The products of one group's NC chunks (NC < 0: as many as the group has) for K int8 rows into a0 (zeroed here):
+  // each 64-byte chunk of codes is loaded and unpacked once and multiplied into the K accumulators (the low and
+  // high nibbles' products into the same one: exact int32 sums, so the order does not matter).
   // A compile-time NC (G = 32, 64, 128) unrolls the chunks too, which keeps every accumulator in its own
   // register (with the run-time loop GCC copied each to another register and back per chunk).
   template <int K, int NC>
-  static inline void group_dots(const uint8_t* w, const int8_t* xg, int64_t I, int64_t chunks, __m512i* a0,
-                                __m512i* a1) {
+  static inline void group_dots(const uint8_t* w, const int8_t* xg, int64_t I, int64_t chunks, __m512i* a0) {
     const __m512i low = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 16
-    for (int k = 0; k < K; ++k) { a0[k] = _mm512_setzero_si512(); a1[k] = _mm512_setzero_si512(); }
+    for (int k = 0; k < K; ++k) a0[k] = _mm512_setzero_si512();
     const int64_t n = NC > 0 ? NC : chunks;
 #pragma GCC unroll 16
     for (int64_t c = 0; c < n; ++c) {
@@ -85,8 +85,8 @@ struct Vnni {
         int32_t x_lo, x_hi;
         std::memcpy(&x_lo, xc, 4);
         std::memcpy(&x_hi, xc + 4, 4);
-        a0[k] = _mm512_dpbusd_epi32(a0[k], lo, _mm512_set1_epi32(x_lo));
-        a1[k] = _mm512_dpbusd_epi32(a1[k], hi, _mm512_set1_epi32(x_hi));
+        a0[k] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a0[k], lo, _mm512_set1_epi32(x_lo)), hi,
+                                    _mm512_set1_epi32(x_hi));
       }
     }
   }
@@ -103,8 +103,8 @@ struct Vnni {
     for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
     const int64_t chunks = G / 8;
     for (int64_t g = 0; g < NG; ++g, w += 64 * chunks) {
-      __m512i a0[K], a1[K];
-      group_dots<K, NC>(w, xq + g * G, I, chunks, a0, a1);
+      __m512i a0[K];
+      group_dots<K, NC>(w, xq + g * G, I, chunks, a0);
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * 16)));
       const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * 16)));
 #pragma GCC unroll 16
@@ -113,7 +113,7 @@ struct Vnni {
 #pragma GCC unroll 2
         for (int t = 0; t < TERMS; ++t) {
           const int k = r * TERMS + t;
-          const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(a0[k], a1[k]));
+          const __m512 dot = _mm512_cvtepi32_ps(a0[k]);
           acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(sx[k * NG + g])), acc[r]);
         }
       }
