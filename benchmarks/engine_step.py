@@ -219,7 +219,7 @@ def main() -> None:
     )
     if args.compile:
         t0 = time.perf_counter()
-        engine.warm_up(batches)
+        engine.warm_up()  # every bucket up to the seats: a batch's prefill passes through smaller ones
         print(
             f"warm-up {time.perf_counter() - t0:.1f} s, {engine.runner.decode.graphs} graphs "
             "(a second run reads inductor's on-disk caches)"
