@@ -195,8 +195,7 @@ struct Avx2 {
       for (int k = 0; k < K; ++k) {
         const int8_t* xc = xg + k * I + c * 8;
         int32_t x_lo, x_hi;
-        std::memcpy(&x_lo, xc, 4);
-        std::memcpy(&x_hi, xc + 4, 4);
+        lmstack_int4::chunk_words(xc, x_lo, x_hi);
         const __m256i bl = _mm256_set1_epi32(x_lo), bh = _mm256_set1_epi32(x_hi);
         s0[k] = _mm256_add_epi16(s0[k], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, bl), _mm256_maddubs_epi16(hi0, bh)));
         s1[k] = _mm256_add_epi16(s1[k], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, bl), _mm256_maddubs_epi16(hi1, bh)));
@@ -267,8 +266,7 @@ struct Avx2 {
       for (int k = 0; k < K; ++k) {
         const int8_t* xc = xg + k * I + c * 8;
         int32_t x_lo, x_hi;
-        std::memcpy(&x_lo, xc, 4);
-        std::memcpy(&x_hi, xc + 4, 4);
+        lmstack_int4::chunk_words(xc, x_lo, x_hi);
         const __m256i bl = _mm256_set1_epi32(x_lo), bh = _mm256_set1_epi32(x_hi);
         const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, bl), _mm256_maddubs_epi16(hi0, bh));
         const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, bl), _mm256_maddubs_epi16(hi1, bh));

@@ -53,6 +53,13 @@ inline void quantise_group_scalar(const float* x, int64_t G, int terms, int8_t* 
   }
 }
 
+// The 8 int8 activations of one chunk (inputs 8c .. 8c+7 at xc) as two 4-byte words: inputs 8c+j (the codes'
+// low nibbles) and 8c+4+j (the high nibbles), each broadcast against a chunk's 16 (or 8) output rows.
+inline void chunk_words(const int8_t* xc, int32_t& lo, int32_t& hi) {
+  std::memcpy(&lo, xc, 4);
+  std::memcpy(&hi, xc + 4, 4);
+}
+
 struct Scratch {  // per calling thread: the quantised activations, reused across calls
   std::vector<int8_t> xq;  // (M * terms, I): row r*terms + t is term t of activation row r
   std::vector<float> sx;   // (M * terms, NG)

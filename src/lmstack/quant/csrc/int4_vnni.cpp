@@ -83,8 +83,7 @@ struct Vnni {
       for (int k = 0; k < K; ++k) {
         const int8_t* xc = xg + k * I + c * 8;
         int32_t x_lo, x_hi;
-        std::memcpy(&x_lo, xc, 4);
-        std::memcpy(&x_hi, xc + 4, 4);
+        lmstack_int4::chunk_words(xc, x_lo, x_hi);
         a0[k] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a0[k], lo, _mm512_set1_epi32(x_lo)), hi,
                                     _mm512_set1_epi32(x_hi));
       }
