@@ -19,9 +19,9 @@ place through the table (the C++ kernel, a custom op in the graph, reading each 
 with the kernel off, ``paged_decode_attention``'s indirect loads fused into the score and output loops)
 with this token's k, v put at its slot, returned and written into the pool once after the forward
 for all layers (one ``index_copy_`` over the (L, NB·bs, K, H) pool). The block's weights are inputs of the
-graph, so the L identical blocks share it: B is padded to a bucket (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64,
-then multiples of 64) and each (B, M) bucket compiles one graph (per distinct block structure), seconds instead of the
-minutes a whole-model graph took. With the C++ kernel M is always max_model_len's blocks (the kernel reads
+graph, so the L identical blocks share it: B is padded to a bucket (1, 2, 4, 6, 8, 12, 16, 24, 32, 48,
+64, then multiples of 64) and each (B, M) bucket compiles one graph (per distinct block structure), seconds
+instead of the minutes a whole-model graph took. With the C++ kernel M is always max_model_len's blocks (the kernel reads
 each row's real blocks only, so the padding costs nothing): one graph per batch bucket serves every length.
 With the torch formula (which reads every slot) M is padded to a power of two blocks (at least 256 tokens'
 worth, at most max_model_len's). ``warm_up`` compiles every (B, M) bucket, so nothing compiles while
@@ -43,9 +43,9 @@ from lmstack.inference.regional import COMPILE_OPTIONS, BlockGraphs, reserve_rop
 from lmstack.model.seam import AttentionImpl, AttentionMetadata
 from lmstack.utils import cxx_compiler
 
-# a padded row costs about what a real one does on a CPU (its share of every matmul: SmolLM2 int4, one thread,
-# ~1 ms a row from 8 rows on), so the buckets are closer than powers of two: 11 rows in the 12 bucket took
-# 20.3 ms a step against 24.6 in the 16 bucket (docs/inference.md)
+# a padded row costs about what a real one does on a CPU (its share of every matmul: SmolLM2 int4, one thread
+# of an AVX-512 Xeon, ~1 ms a row from 8 rows on), so the buckets are closer than powers of two: 11 rows in the
+# 12 bucket took 20.3 ms a step against 24.6 in the 16 bucket (docs/inference.md)
 BATCH_BUCKETS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 COMPILE_POLICIES = ("auto", "on", "off")
 # decode batches of more rows run eagerly (``DecodeStep.max_compiled_batch``): compiled wins at every batch

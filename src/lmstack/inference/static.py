@@ -51,8 +51,8 @@ class StaticDecoder:
     embedding or final norm) or ``compile_mode`` asks for CUDA graphs.
     One decoder serves many prompts up to ``max_seq_len`` tokens (``reset`` between them), so the
     compilation is paid once. ``fuse_projections`` (default) fuses the model's q/k/v and gate/up first,
-    as ``LLMEngine`` does (measured at one thread, SmolLM2-135M int4 compiled: 117 -> 133 tokens/s with the
-    AVX2 kernels, 165 -> 171 with VNNI; docs/inference.md).
+    as ``LLMEngine`` does (measured at one thread of an AVX-512 Xeon, SmolLM2-135M int4 compiled: 117 -> 133
+    tokens/s with lmstack's AVX2 kernels, 151 -> 168 with VNNI; docs/quant.md).
     """
 
     def __init__(

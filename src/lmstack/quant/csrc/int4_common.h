@@ -70,11 +70,6 @@ struct Scratch {  // per calling thread: the quantised activations, reused acros
 // while every tile of the thread passes over it (a 352-row prefill of SmolLM2's 576 x 1536 matrix has 540 KB).
 constexpr int64_t kRowBlockBytes = 64 * 1024;
 
-// All output tiles for all M activation rows, in blocks of rows (``kRowBlockBytes``): per block, every tile,
-// STEP rows per pass over the tile (its codes stay in L1 between passes), the block's last M % STEP rows in one
-// pass too (one by one would unpack the codes that many times). Tiles split over threads in contiguous
-// ranges (each tile's 16 outputs are one 64-byte line per row: threads never write the same line) when the call
-// is large enough. Each output's arithmetic is the same whatever the blocks and passes.
 // The last rest < STEP rows of a block in one pass of NR = rest rows (``pass`` takes NR as an integral constant).
 template <int N, class Pass>
 inline void rest_pass(int64_t rest, Pass& pass) {
@@ -84,6 +79,11 @@ inline void rest_pass(int64_t rest, Pass& pass) {
   }
 }
 
+// All output tiles for all M activation rows, in blocks of rows (``kRowBlockBytes``): per block, every tile,
+// STEP rows per pass over the tile (its codes stay in L1 between passes), the block's last M % STEP rows in one
+// pass too (one by one would unpack the codes that many times). Tiles split over threads in contiguous
+// ranges (each tile's 16 outputs are one 64-byte line per row: threads never write the same line) when the call
+// is large enough. Each output's arithmetic is the same whatever the blocks and passes.
 template <class Isa, int TERMS>
 void run_tiles(const uint8_t* wp, const uint16_t* dp, const uint16_t* mp, const int8_t* xqp, const float* sxp,
                const float* xsp, float* yp, int64_t M, int64_t I, int64_t G, int64_t NG, int64_t O, int64_t T) {
