@@ -34,7 +34,7 @@ int4 with one int8 term per activation (``Int4Linear.terms = 1``: llama.cpp's Q4
 
 ``--profile`` runs instead: for each ``--lmstack`` engine, after its warm-up, ``--new-tokens``
 decode steps under ``torch.profiler`` (CPU), and prints the ops with the most self CPU time and
-the profile's total per decoded token (the per-token breakdowns in docs/inference.md: int4
+the profile's total per decoded token (the per-token breakdowns in docs/log/inference.md: int4
 matmuls, the small ops around them, Dynamo's guard check for a compiled step):
 
     python benchmarks/inference_decode.py --threads 1 --lmstack int4,int4+compile --profile

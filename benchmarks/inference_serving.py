@@ -27,7 +27,7 @@ reports the prefix-cache hit rate and the throughput with and without prefix cac
 
 ``--profile`` runs only the continuous-batching workload, under cProfile, and prints the
 functions with the most internal time and the ones with the most cumulative time (the engine
-profile in docs/inference.md: linears, attention over the paged cache, gathers, norms, RoPE,
+profile in docs/log/inference.md: linears, attention over the paged cache, gathers, norms, RoPE,
 scheduling, sampling are sums of these rows):
 
     python benchmarks/inference_serving.py --threads 1 --requests 24 --batch 16 --profile

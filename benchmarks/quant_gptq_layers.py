@@ -1,4 +1,4 @@
-"""GPTQ's per-layer objective at G64 on SmolLM2-135M, relative to RTN G64 (docs/quant.md, "GPTQ at G64").
+"""GPTQ's per-layer objective at G64 on SmolLM2-135M, relative to RTN G64 (docs/log/quant.md, "GPTQ at G64").
 
     nice -n 10 python benchmarks/quant_gptq_layers.py
 

@@ -407,7 +407,7 @@ def main() -> int:
             print(f"no llama-server at {args.llama_server} (--llama-server / $LLAMA_SERVER)")
             if importlib.util.find_spec("llama_cpp") is None:
                 print(
-                    "llama-cpp-python is not installed (it compiles llama.cpp for minutes; docs/inference.md): "
+                    "llama-cpp-python is not installed (it compiles llama.cpp for minutes; docs/log/serving.md): "
                     "skipping the comparison"
                 )
             else:

@@ -9,7 +9,7 @@ waits while more keep arriving (``gather_s`` apart, at most ``max_gather_s`` in 
 it the first step took whatever had been tokenised so far, and the rest of the burst — whose parsing and
 tokenisation then ran against the step's thread for the GIL and the cores — waited for that whole step and
 one more (16 simultaneous requests on a 2-core CPU: 8 + 8 over two steps, TTFT p50 one step longer;
-docs/inference.md). A lone request pays one ``gather_s``. vLLM's ``scheduler_delay_factor`` delays prompts
+docs/log/inference.md). A lone request pays one ``gather_s``. vLLM's ``scheduler_delay_factor`` delays prompts
 for the same reason.
 """
 
@@ -156,7 +156,7 @@ class AsyncLLM:
         """In the worker thread: engine steps one after another, each step's outputs handed to the loop as it
         ends, until the loop has requests to add or abort (applied between steps, by the loop) or nothing is
         left. One hand-off per run of steps instead of per step: the next step starts without waiting for the
-        loop thread to wake (docs/serving.md). A loop task that is no longer this driver's (``shutdown``) ends
+        loop thread to wake (docs/log/serving.md). A loop task that is no longer this driver's (``shutdown``) ends
         the run after its current step, as a cancelled hand-off of one step did."""
         while True:
             outputs = self.engine.step()

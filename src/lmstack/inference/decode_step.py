@@ -49,7 +49,7 @@ from lmstack.utils import cxx_compiler
 BATCH_BUCKETS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 COMPILE_POLICIES = ("auto", "on", "off")
 # decode batches of more rows run eagerly (``DecodeStep.max_compiled_batch``): compiled wins at every batch
-# measured (1.9x eager at 1 row, 1.2x at 16; docs/inference.md), so every bucket up to 64 rows compiles
+# measured (1.9x eager at 1 row, 1.2x at 16; docs/log/inference.md), so every bucket up to 64 rows compiles
 MAX_COMPILED_BATCH = 64
 MIN_BUCKET_TOKENS = 256  # the smallest table bucket covers this many positions
 

@@ -56,7 +56,7 @@ def dequantize_int4(
 
 def gemm_dtype() -> torch.dtype:
     """The dtype of a prefill's dequantise + GEMM: bf16 where the CPU multiplies it natively (AMX or AVX512_BF16:
-    oneDNN's bf16 GEMM, 2-4x the fp32 one at 100-row prefills on SmolLM2-135M's matrices, docs/quant.md),
+    oneDNN's bf16 GEMM, 2-4x the fp32 one at 100-row prefills on SmolLM2-135M's matrices, docs/log/quant.md),
     else float32 (without native bf16 torch emulates it, slower than fp32). ``lmstack.cpu.cpu_features()``."""
     return torch.bfloat16 if cpu_features().native_bf16 else torch.float32
 

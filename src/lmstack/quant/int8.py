@@ -34,7 +34,7 @@ def default_terms() -> int:
     """Int8 terms per activation in lmstack's AVX2 int8 kernel when ``Int8Linear(terms=None)``: 1 (llama.cpp's
     Q8_0 x Q8_0 precision, as the int4 kernels' default), unless ``LMSTACK_INT8_TERMS=2`` (~15 bits). On SmolLM2's
     49152 x 576 unembedding (the int8 layer a served GGUF model has) at 16 rows one term takes 7.4 ms against two
-    terms' 14.2 (AVX2 build, one thread; 1.1 ms either way at one row), for +0.15 % perplexity (docs/inference.md).
+    terms' 14.2 (AVX2 build, one thread; 1.1 ms either way at one row), for +0.15 % perplexity (docs/quant.md).
     The oneDNN path keeps its two per-row terms (``onednn_mm``: one term per *row* is much coarser than one per
     group of 32)."""
     return env_terms(TERMS_ENV, 1)
