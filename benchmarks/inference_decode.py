@@ -7,7 +7,7 @@ weight format (CS336 notes "性能指标分析": Latency = (Param + Memory_KV) /
         (q/k/v and gate/up run as one linear each, Transformer.fuse_projections, in +static and +compile
         entries, StaticDecoder's default: +unfused keeps them apart; +fused fuses a dynamic-cache entry;
         a +compile entry may end in +whole: the decode step as one whole-model graph, StaticDecoder(regional=False),
-        instead of one graph per block structure)
+        instead of one graph per group of blocks; +groupN: N blocks per graph, StaticDecoder's group, default 5)
         [--hf fp32,bf16]
         [--llama-threads 1,2]
 
@@ -83,6 +83,9 @@ class LmstackEngine:
         whole = (
             "whole" in flags
         )  # the compiled step as one whole-model graph (StaticDecoder(regional=False))
+        # +groupN: N blocks per graph of the regional step (StaticDecoder's group; default 5)
+        group = next((int(f[5:]) for f in flags if f.startswith("group") and f[5:].isdigit()), 5)
+        flags = [f for f in flags if not (f.startswith("group") and f[5:].isdigit())]
         flag = "".join(f for f in flags if f not in ("fused", "unfused", "whole"))
         if flag not in ("", "static", "compile") or (whole and flag != "compile"):
             raise SystemExit(
@@ -93,6 +96,7 @@ class LmstackEngine:
         fused = "fused" in flags or (bool(flag) and "unfused" not in flags)
         self.name = f"lmstack {fmt}" + {"": "", "static": " static", "compile": " compiled"}[flag]
         self.name += " whole-model" if whole else ""
+        self.name += f" group {group}" if group != 5 and flag == "compile" and not whole else ""
         self.name += " fused" if fused and not flag else " unfused" if flag and not fused else ""
         self.fmt = fmt
         if fmt in ("int8", "int4", "int4t1", "int4t2"):
@@ -117,6 +121,7 @@ class LmstackEngine:
                 compile=flag == "compile",
                 regional=not whole,
                 fuse_projections=fused,
+                group=group,
             )
             if flag
             else None

@@ -104,6 +104,33 @@ def test_static_decoder_sampling_matches_dynamic_cache(model, prompts):
 
 
 @pytest.mark.slow
+def test_compiled_decoder_groups_of_blocks_equal_full_recompute(prompts):
+    """``group``: consecutive blocks per graph. 5 layers in groups of 2 are two graphs (a pair, shared by
+    layers 0-1 and 2-3, and the last layer alone), both called directly; greedy tokens equal the full
+    recompute's and the logits the eager model's; more prompts compile nothing more."""
+    torch._dynamo.reset()
+    model = make_model(n_layers=5, seed=3)
+    decoder = StaticDecoder(model, 64, compile=True, group=2)
+    assert decoder.regional.groups == [(0, 1), (2, 3), (4,)]
+    for p in prompts[:3] + prompts[-2:]:
+        assert list(generate(model, p, greedy(N), decoder=decoder)) == full_recompute_greedy(
+            model, p, N
+        )
+    assert decoder.graphs == 2 and all(decoder.regional._direct.values())
+    p = prompts[4]
+    decoder.reset()
+    decoder.prefill(p)
+    with torch.no_grad():
+        want = model(torch.tensor([p + [7]]))[0, -1]
+    torch.testing.assert_close(
+        decoder.decode(torch.tensor([[7]]), torch.tensor([len(p)])), want, rtol=0, atol=1e-10
+    )
+    assert decoder.graphs == 2
+    with pytest.raises(ValueError, match="group=0"):
+        StaticDecoder(model, 64, compile=True, group=0)
+
+
+@pytest.mark.slow
 def test_compiled_decoder_greedy_equals_full_recompute(model, prompts):
     torch._dynamo.reset()
     decoder = StaticDecoder(model, 64, compile=True)
@@ -159,7 +186,9 @@ def test_compiled_decoder_compiles_one_graph_per_kind_of_block():
         )
         torch._dynamo.reset()
         counters.clear()
-        decoder = StaticDecoder(model, 64, compile=True, compile_options={"cpp_wrapper": False})
+        decoder = StaticDecoder(
+            model, 64, compile=True, compile_options={"cpp_wrapper": False}, group=1
+        )
         sig = decoder.regional.signatures
         assert sig[0] == sig[2] != sig[1] == sig[3]
         decoder.warm_up()

@@ -1,23 +1,26 @@
-"""Regional compilation of a decode step: one graph of one transformer block, shared by every layer of the
-same structure and called directly after its first call (the PyTorch recipe for repeated blocks; CS336 notes
-"推理流程": decode is memory-bound, everything but the weight reads is overhead).
+"""Regional compilation of a decode step: one graph of one transformer block, or of ``group`` consecutive
+blocks, shared by every layer (group) of the same structure and called directly after its first call (the
+PyTorch recipe for repeated blocks; CS336 notes "推理流程": decode is memory-bound, everything but the weight
+reads is overhead).
 
-What is compiled is ``_layer``: one ``Block.forward`` for B single-token rows over a ``PagedDecodeSeam``,
-whose attention is ``paged_attention.decode_attention`` over that layer's K/V pool (NB, bs, K, H) read in
-place through a table (B, M) of block ids — lmstack's C++ kernel (``paged_kernel``, a custom op in the graph,
-reading each row's slots 0 .. p_b only), or with the kernel off the torch formula's indirect loads fused into
-the score and output loops — with this step's k, v put at slot p_b. The graph returns the block's output and
-this step's k, v; the caller stores them for every layer at once after the forward. The block's weights are
-inputs of the graph, so the L identical blocks share it: ``block_signature`` (module types, tensor paths,
-shapes and dtypes, scalar attributes such as a per-layer window) tells which blocks may.
+What is compiled is ``_layers``: for each block of the group one ``Block.forward`` (``_layer``) for B
+single-token rows over a ``PagedDecodeSeam``, whose attention is ``paged_attention.decode_attention`` over that
+layer's K/V pool (NB, bs, K, H) read in place through a table (B, M) of block ids — lmstack's C++ kernel
+(``paged_kernel``, a custom op in the graph, reading each row's slots 0 .. p_b only), or with the kernel off the
+torch formula's indirect loads fused into the score and output loops — with this step's k, v put at slot p_b.
+The graph returns the group's output and each layer's k, v of this step; the caller stores them for every layer
+at once after the forward. The blocks' weights are inputs of the graph, so groups of identical blocks share it:
+``block_signature`` (module types, tensor paths, shapes and dtypes, scalar attributes such as a per-layer window)
+tells which blocks may.
 
-``BlockGraphs.forward(tokens, positions, table)`` runs the step: the embedding eagerly, each block through its
+``BlockGraphs.forward(tokens, positions, table)`` runs the step: the embedding eagerly, each group through its
 compiled graph, the final norm and unembedding eagerly (three ops). After its first call a graph is called
-directly with the next block's tensors (no Dynamo guard walk per layer), checked once against Dynamo's own
-call on a second block (``_check_direct``); from then on a step's loop is a list of direct calls
-(``_plan``). Two users: the engine's ``DecodeStep`` (the paged pool, B and M padded to buckets) and the
-batch-1 ``StaticDecoder`` (a ``StaticKVCache`` laid out as a pool, one fixed table). Inductor's FX graph
-cache (on by default, on disk) makes a second process's compilations much faster.
+directly with the next group's tensors (no Dynamo guard walk per call), checked once against Dynamo's own
+call on a second group (``_check_direct``); from then on a step's loop is a list of direct calls
+(``_plan``). Two users: the engine's ``DecodeStep`` (the paged pool, B and M padded to buckets; one block a
+graph, as it compiles a graph per bucket) and the batch-1 ``StaticDecoder`` (a ``StaticKVCache`` laid out as a
+pool, one fixed table; 5 blocks a graph). Inductor's FX graph cache (on by default, on disk) makes a second
+process's compilations much faster.
 """
 
 from __future__ import annotations
@@ -129,12 +132,22 @@ def block_signature(block) -> tuple:
 
 
 def _layer(block, x, tokens, positions, table, k_pool, v_pool, k_scale, v_scale, window, abilities):
-    """One block's decode forward (the compiled region): x (B, 1, D) -> (B, 1, D), k, v (B, K, H), and q
-    (B, N, 1, H), an output only so that it is stored once (``PagedDecodeSeam.attend``)."""
+    """One block's decode forward: x (B, 1, D) -> (B, 1, D), k, v (B, K, H), and q (B, N, 1, H), an output
+    only so that it is stored once (``PagedDecodeSeam.attend``)."""
     seam = PagedDecodeSeam(k_pool, v_pool, k_scale, v_scale, table, positions, abilities)
     meta = AttentionMetadata(positions[:, None], window=window, cache=seam, token_ids=tokens)
     y = block(x, meta)
     return y, seam.k_new, seam.v_new, seam.q
+
+
+def _layers(blocks, x, tokens, positions, table, pools, window, abilities):
+    """The compiled region: consecutive blocks (a tuple) one after another, ``pools`` their (k_pool, v_pool,
+    k_scale, v_scale) each -> (x, then k, v, q of each block)."""
+    out: list = []
+    for block, pool in zip(blocks, pools):
+        x, k, v, q = _layer(block, x, tokens, positions, table, *pool, window, abilities)
+        out += (k, v, q)
+    return (x, *out)
 
 
 class BlockGraphs:
@@ -142,8 +155,11 @@ class BlockGraphs:
 
     ``pool(i)``: layer i's (K pool, V pool (NB, bs, K, H), K scales, V scales (NB, K) or None), the same
     tensors at every step; ``abilities``: what the seam declares (the cache's); ``options``: inductor's;
-    ``direct=False`` keeps Dynamo's guarded call for every block (a reference). Graphs are keyed by
-    (B, M, block structure); ``graphs`` counts the compilations (a warm step makes no more)."""
+    ``direct=False`` keeps Dynamo's guarded call for every block (a reference). ``group``: consecutive blocks
+    per graph (the last group may be shorter): fewer calls a step (each costs ~20 µs of Python and handle
+    conversion on a fast core, several times that on a slow one) for a graph ``group`` times larger to
+    compile. Graphs are keyed by (B, M, the group's block structures); ``graphs`` counts the compilations (a
+    warm step makes no more)."""
 
     def __init__(
         self,
@@ -152,7 +168,10 @@ class BlockGraphs:
         abilities,
         options: dict,
         direct: bool = True,
+        group: int = 1,
     ):
+        if group < 1:
+            raise ValueError(f"group={group}: blocks per graph must be at least 1")
         if getattr(model, "embed", None) is None or getattr(model, "norm", None) is None:
             raise ValueError(
                 "compile=True: the compiled decode step needs a whole Transformer (embed, "
@@ -167,9 +186,26 @@ class BlockGraphs:
         # each distinct signature as a small int: a graph key is hashed per layer per step, and
         # hashing the signature tuple itself cost ~0.5 ms a step (30 layers, two lookups each)
         ids: dict[tuple, int] = {}
-        self.signatures = [ids.setdefault(block_signature(b), len(ids)) for b in self.blocks]
-        self._block_tensors = [block_tensors(b) for b in self.blocks]
-        self._steps: dict[tuple, object] = {}  # (B, M, block signature) -> compiled block
+        layer_sigs = [ids.setdefault(block_signature(b), len(ids)) for b in self.blocks]
+        # groups of ``group`` consecutive layers; each group's signature is its members' (again a small int)
+        self.groups = [
+            tuple(range(i, min(i + group, len(self.blocks))))
+            for i in range(0, len(self.blocks), group)
+        ]
+        gids: dict[tuple, int] = {}
+        self.signatures = [
+            gids.setdefault(tuple(layer_sigs[i] for i in g), len(gids)) for g in self.groups
+        ]
+        # a group's tensors by "[j]" + the attribute path in its j-th block
+        self._block_tensors = [
+            {
+                f"[{j}]{p}": t
+                for j, i in enumerate(g)
+                for p, t in block_tensors(self.blocks[i]).items()
+            }
+            for g in self.groups
+        ]
+        self._steps: dict[tuple, object] = {}  # (B, M, group signature) -> compiled group
         self._direct: dict[tuple, tuple | None] = {}  # same key -> (graph, input recipe) or None
         self._templates: dict[
             tuple, tuple
@@ -188,8 +224,10 @@ class BlockGraphs:
 
     def _compiled_block(self, key: tuple):
         if key not in self._steps:
-            # one code object per (bucket, block structure): each keeps its own single graph in Dynamo's cache
-            code = _layer.__code__.replace(co_name=f"_decode_layer_{len(self._steps)}_{id(self):x}")
+            # one code object per (bucket, group structure): each keeps its own single graph in Dynamo's cache
+            code = _layers.__code__.replace(
+                co_name=f"_decode_layer_{len(self._steps)}_{id(self):x}"
+            )
             self._steps[key] = torch.compile(
                 types.FunctionType(code, globals()),
                 fullgraph=True,
@@ -198,10 +236,14 @@ class BlockGraphs:
             )
         return self._steps[key]
 
+    def _pools(self, i: int) -> tuple:
+        """Group i's layers' pool rows, each a (k_pool, v_pool, k_scale, v_scale)."""
+        return tuple(self.pool(n) for n in self.groups[i])
+
     def _capture(self, key: tuple, i: int, args: tuple) -> None:
-        """The graph just compiled for block i: record where each of its inputs comes from (one of the
-        step's tensors x, tokens, positions, table; the layer's pool rows; a tensor of the block by
-        attribute path; or a constant shared by all blocks)."""
+        """The graph just compiled for group i: record where each of its inputs comes from (one of the
+        step's tensors x, tokens, positions, table; the layers' pool rows, flattened after them; a tensor
+        of a block by attribute path; or a constant shared by all groups)."""
         graph, inputs, _ = self._graphs[-1]
         by_id = {id(t): p for p, t in self._block_tensors[i].items()}
         recipe: list[tuple[str, Any]] = []
@@ -225,12 +267,12 @@ class BlockGraphs:
         self._unboxed[key] = wrapped
 
     def _template(self, key: tuple, i: int) -> tuple[list, list[tuple[int, int]]]:
-        """Block i's inputs of the captured graph with the per-step ones (x, tokens, positions, table)
-        left as holes: (inputs, [(input index, argument index)]), built once per (bucket, block)."""
+        """Group i's inputs of the captured graph with the per-step ones (x, tokens, positions, table)
+        left as holes: (inputs, [(input index, argument index)]), built once per (bucket, group)."""
         t = self._templates.get((key, i))
         if t is None:
             _, recipe, _ = self._direct[key]  # type: ignore[misc]
-            static = (None,) * 4 + self.pool(i)
+            static = (None,) * 4 + sum(self._pools(i), ())
             tensors = self._block_tensors[i]
             inputs = [
                 static[r] if kind == "arg" else tensors[r] if kind == "block" else r
@@ -248,20 +290,25 @@ class BlockGraphs:
             args[n] = step[r]
         return fn(args) if boxed else fn(*args)
 
-    def _run_block(self, i: int, B: int, M: int, x, tokens, positions, table):
+    def _call(self, fn, i: int, x, tokens, positions, table):
+        """Dynamo's call of group i's compiled function."""
+        blocks = tuple(self.blocks[n] for n in self.groups[i])
+        return fn(blocks, x, tokens, positions, table, self._pools(i), self.window, self.abilities)
+
+    def _run_group(self, i: int, B: int, M: int, x, tokens, positions, table):
         key = (B, M, self.signatures[i])
         direct = self._direct.get(key, False)
         if direct:
             return self._direct_call(key, i, (x, tokens, positions, table))
-        args = (x, tokens, positions, table, *self.pool(i))
+        args = (x, tokens, positions, table, *sum(self._pools(i), ()))
         fn = self._compiled_block(key)
         n_before = len(self._graphs)
-        out = fn(self.blocks[i], *args, self.window, self.abilities)
+        out = self._call(fn, i, x, tokens, positions, table)
         if (
             direct is False
             and self.direct
             and len(self._graphs) == n_before + 1
-            and self._graphs[-1][2] == 4
+            and self._graphs[-1][2] == 1 + 3 * len(self.groups[i])
         ):
             self._capture(key, i, args)
             self._check_direct(key, i + 1, x, tokens, positions, table)
@@ -270,16 +317,13 @@ class BlockGraphs:
         return out
 
     def _check_direct(self, key: tuple, j: int, x, tokens, positions, table) -> None:
-        """Call block j (the next one of this structure) both ways once: the direct call must give
-        Dynamo's result exactly (else inductor's entry gives way to the wrapped graph, and that to
-        Dynamo's guarded call)."""
-        nxt = next((n for n in range(j, len(self.blocks)) if self.signatures[n] == key[2]), None)
-        if not self._direct.get(key) or nxt is None:
+        """Call group j (the next one of this structure; the one just compiled, j − 1, if it has no other)
+        both ways once: the direct call must give Dynamo's result exactly (else inductor's entry gives way
+        to the wrapped graph, and that to Dynamo's guarded call)."""
+        if not self._direct.get(key):
             return
-        j = nxt
-        fn = self._compiled_block(key)
-        args = (x, tokens, positions, table, *self.pool(j))
-        ref = fn(self.blocks[j], *args, self.window, self.abilities)
+        j = next((n for n in range(j, len(self.groups)) if self.signatures[n] == key[2]), j - 1)
+        ref = self._call(self._compiled_block(key), j, x, tokens, positions, table)
         while self._direct[key]:
             try:
                 got = self._direct_call(key, j, (x, tokens, positions, table))
@@ -291,7 +335,7 @@ class BlockGraphs:
             self._direct[key] = (self._unboxed[key], recipe, False) if boxed else None
 
     def _plan(self, B: int, M: int) -> list | None:
-        """Once every block's graph of bucket (B, M) is called directly: per block (function, its inputs
+        """Once every group's graph of bucket (B, M) is called directly: per group (function, its inputs
         with holes, the holes, called with one list?), so a step's loop does no lookups."""
         plan = self._plans.get((B, M))
         if plan is None:
@@ -314,20 +358,22 @@ class BlockGraphs:
             x = x * torch.tensor(model.config.d_model**0.5, dtype=x.dtype)
         ks, vs = [], []
         plan = self._plan(B, M)
-        if plan is not None:  # the warm path: each block's graph called directly, nothing looked up
+        if plan is not None:  # the warm path: each group's graph called directly, nothing looked up
             for fn, inputs, holes, boxed in plan:
                 args = list(inputs)
                 step = (x, tokens, positions, table)
                 for n, r in holes:
                     args[n] = step[r]
-                x, k, v, _ = fn(args) if boxed else fn(*args)
-                ks.append(k)
-                vs.append(v)
+                out = fn(args) if boxed else fn(*args)
+                x = out[0]
+                ks += out[1::3]
+                vs += out[2::3]
         else:
-            for i in range(len(self.blocks)):
-                x, k, v, _ = self._run_block(i, B, M, x, tokens, positions, table)
-                ks.append(k)
-                vs.append(v)
+            for i in range(len(self.groups)):
+                out = self._run_group(i, B, M, x, tokens, positions, table)
+                x = out[0]
+                ks += out[1::3]
+                vs += out[2::3]
         logits = model.unembed(model.norm(x))[:, -1]  # (B, V)
         return logits, torch.stack(ks), torch.stack(vs)
 

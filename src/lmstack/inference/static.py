@@ -10,9 +10,9 @@ The cache itself lives with the others in ``inference.kv_cache``.
 
 Compiled, the step is compiled *regionally* by default (``regional.BlockGraphs``, the engine's decode
 step's machinery): the cache is laid out as a paged pool (``StaticKVCache(block_size=16)``, one fixed
-table), one graph of one transformer block — its attention lmstack's C++ paged kernel over slots 0 .. p
-only, not all S_max — is shared by every layer of the same structure and called directly after its first
-call; embedding, final norm and unembedding run eagerly, and the step's k, v of every layer are stored
+table), one graph of ``group`` consecutive transformer blocks (5 by default) — their attention lmstack's C++
+paged kernel over slots 0 .. p only, not all S_max — is shared by every group of the same structure and
+called directly after its first call; embedding, final norm and unembedding run eagerly, and the step's k, v of every layer are stored
 after the blocks in one ``index_copy_``. ``regional=False`` keeps the whole model's step as one graph (the
 cache in its (B, K, S, H) layout, attention over all S_max slots, masked): minutes to compile on a CPU
 against seconds, and no faster per token (on the Zen 3 the regional step decoded 1.08–1.18× its tokens per
@@ -52,7 +52,11 @@ class StaticDecoder:
     One decoder serves many prompts up to ``max_seq_len`` tokens (``reset`` between them), so the
     compilation is paid once. ``fuse_projections`` (default) fuses the model's q/k/v and gate/up first,
     as ``LLMEngine`` does (measured at one thread of an AVX-512 Xeon, SmolLM2-135M int4 compiled: 117 -> 133
-    tokens/s with lmstack's AVX2 kernels, 151 -> 168 with VNNI; docs/quant.md).
+    tokens/s with lmstack's AVX2 kernels, 151 -> 168 with VNNI; docs/quant.md). ``group``: blocks per graph of
+    the regional step (``BlockGraphs``): 5 makes SmolLM2's 30 layers 6 calls a step instead of 30, 3 % less CPU
+    time a token on the Xeon (5.62 -> 5.45 ms with the AVX2 kernels, 5.85 -> 5.65 with VNNI; each call costs
+    ~10 µs of Python and handle conversion there, more on a slower core) for ~2 s more of a cold compile; 30,
+    one graph, took 64 s to compile against 7 s for one block.
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class StaticDecoder:
         direct: bool = True,
         regional: bool = True,
         fuse_projections: bool = True,
+        group: int = 5,
     ):
         self.model = model
         if fuse_projections and hasattr(model, "fuse_projections"):
@@ -117,7 +122,7 @@ class StaticDecoder:
             cache = self.cache
             pools = [(*cache.pool(i), None, None) for i in range(len(cache.k))]
             self.regional = BlockGraphs(
-                model, pools.__getitem__, cache.abilities, options, direct=direct
+                model, pools.__getitem__, cache.abilities, options, direct=direct, group=group
             )
         elif compile:
             # an unembedding whose fast path at one row cannot be compiled (Int8Linear's oneDNN int8 GEMM:
